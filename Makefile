@@ -1,0 +1,28 @@
+# One virtual environment for everything; `make demo` and `make test` create or reuse it.
+PYTHON ?= python3
+VENV   ?= .venv
+# The torch requirement. CPU nodes: the default. GPU nodes: e.g.
+#   make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" install
+TORCH_SPEC ?= torch==2.13.0
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/busctl demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

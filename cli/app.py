@@ -1,0 +1,276 @@
+"""The busctl command line. Every command builds its settings once (file < env < flags) and calls
+into libbus/services; errors print one line and exit non-zero."""
+
+from __future__ import annotations
+
+import os
+import time
+import tomllib
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from libbus.auth import ROLES, ensure_secret, issue_token, load_secret
+from libbus.config import load_settings
+from libbus.errors import ConfigError
+from libbus.jobs import JOB_STATES
+from libbus.messages import ControlJob, GetJob, ListJobs, ListPeers, Stats, SubmitJob
+
+from . import tables
+from .common import admin_client, fail, guard, print_json, settings_from, setup_logging
+from .watch import watch_job
+
+app = typer.Typer(name="busctl", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False,
+                  help="batchbus: stream training data to PyTorch trainers. (Not systemd's busctl: "
+                       "this one lives in the project's environment.)")
+start_app = typer.Typer(no_args_is_help=True, help="Run a service in the foreground (systemd-friendly).")
+job_app = typer.Typer(no_args_is_help=True, help="Inspect or control one job.")
+token_app = typer.Typer(no_args_is_help=True, help="Mint tokens and create the cluster secret.")
+config_app = typer.Typer(no_args_is_help=True, help="Show the effective settings.")
+app.add_typer(start_app, name="start")
+app.add_typer(job_app, name="job")
+app.add_typer(token_app, name="token")
+app.add_typer(config_app, name="config")
+
+# Options shared by many commands, declared once.
+Config = Annotated[Optional[str], typer.Option("--config", help="TOML settings file (or BATCHBUS_CONFIG).")]
+Router = Annotated[Optional[str], typer.Option("--router", help="Router address (or BATCHBUS_ROUTER).")]
+SecretFile = Annotated[Optional[str], typer.Option("--secret-file", help="Cluster secret (or BATCHBUS_SECRET_FILE).")]
+StateDir = Annotated[Optional[str], typer.Option("--state-dir", help="State directory (or BATCHBUS_STATE_DIR).")]
+Token = Annotated[Optional[str], typer.Option("--token", help="Use this token (or BATCHBUS_TOKEN).")]
+Bind = Annotated[Optional[str], typer.Option("--bind", help="Address to bind, e.g. tcp://0.0.0.0:5555.")]
+Name = Annotated[Optional[str], typer.Option("--name", help="Service name (default role-host-pid).")]
+LogLevel = Annotated[Optional[str], typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR.")]
+ReadyFile = Annotated[Optional[Path], typer.Option("--ready-file", help="Write the bound endpoint here once serving.")]
+Json = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
+def _write_ready(path: Path | None, endpoint: str) -> None:
+    if path is not None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(endpoint + "\n")
+        tmp.replace(path)
+
+
+# -- services ------------------------------------------------------------------------------------
+
+@start_app.command("router")
+@guard
+def start_router(config: Config = None, router: Router = None, bind: Bind = None, secret_file: SecretFile = None,
+                 state_dir: StateDir = None, db: Annotated[Optional[str], typer.Option(help="Job database file.")] = None,
+                 name: Name = None, log_level: LogLevel = None, ready_file: ReadyFile = None,
+                 heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None) -> None:
+    """The control plane: registration, discovery, the job queue (SQLite), commands, stats."""
+    from services import runtime
+    from services.router.app import RouterService
+    import threading
+    s = settings_from(config, router=router, bind=bind, secret_file=secret_file, state_dir=state_dir, db=db,
+                      name=name, log_level=log_level, heartbeat_ms=heartbeat_ms)
+    setup_logging(s.log_level)
+    stop = threading.Event()
+    runtime.install_signal_handlers(stop)
+    service = RouterService(s)
+    _write_ready(ready_file, service.start())
+    runtime.sd_notify("READY=1")
+    service.run(stop)
+    runtime.sd_notify("STOPPING=1")
+
+
+@start_app.command("provider")
+@guard
+def start_provider(dataset: Annotated[Optional[list[str]], typer.Option("--dataset", help="NAME=URI, repeatable (mock://mnist, mock://cifar10, dummy://?shape=1,28,28&n=1000).")] = None,
+                   config: Config = None, router: Router = None, bind: Bind = None,
+                   advertise: Annotated[Optional[str], typer.Option(help="Data endpoint trainers connect to.")] = None,
+                   secret_file: SecretFile = None, state_dir: StateDir = None, token: Token = None,
+                   name: Name = None, log_level: LogLevel = None, ready_file: ReadyFile = None,
+                   heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None) -> None:
+    """Serve datasets on a data socket and register them with the router."""
+    from services import runtime
+    from services.provider.app import ProviderService
+    import threading
+    s = settings_from(config, router=router, bind=bind, advertise=advertise, secret_file=secret_file,
+                      state_dir=state_dir, token=token, name=name, log_level=log_level,
+                      datasets=dataset or None, heartbeat_ms=heartbeat_ms)
+    setup_logging(s.log_level)
+    stop = threading.Event()
+    runtime.install_signal_handlers(stop)
+    service = ProviderService(s)
+    _write_ready(ready_file, service.start())
+    runtime.sd_notify("READY=1")
+    service.run(stop)
+    runtime.sd_notify("STOPPING=1")
+    if service.link is not None and service.link.fatal is not None:
+        fail(f"router refused this provider: {service.link.fatal}")
+
+
+@start_app.command("trainer")
+@guard
+def start_trainer(config: Config = None, router: Router = None, secret_file: SecretFile = None,
+                  state_dir: StateDir = None, token: Token = None, name: Name = None, log_level: LogLevel = None,
+                  torch_threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads.")] = None,
+                  heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None) -> None:
+    """Take jobs from the router and train them on batches pulled from providers."""
+    from services.trainer.app import run_trainer
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token,
+                      name=name, log_level=log_level, torch_threads=torch_threads, heartbeat_ms=heartbeat_ms)
+    setup_logging(s.log_level)
+    code = run_trainer(s)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
+@guard
+def demo(epochs: Annotated[int, typer.Option(help="Epochs to train.")] = 2,
+         dataset: Annotated[str, typer.Option(help="Dataset URI the demo provider serves.")] = "mock://mnist",
+         model: Annotated[str, typer.Option(help="mlp or cnn.")] = "cnn",
+         state_dir: StateDir = None) -> None:
+    """Router + provider + trainer on localhost; trains a CNN on mock MNIST and scores it on the provider."""
+    from .demo import run_demo
+    run_demo(epochs=epochs, uri=dataset, model=model, state_dir=state_dir)
+
+
+# -- jobs ----------------------------------------------------------------------------------------
+
+@app.command()
+@guard
+def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job file (flags override it).")] = None,
+           dataset: Annotated[Optional[str], typer.Option(help="Dataset name (or remote://NAME).")] = None,
+           model: Annotated[Optional[str], typer.Option(help="mlp, cnn or module:factory.")] = None,
+           epochs: Annotated[Optional[int], typer.Option()] = None,
+           batch_size: Annotated[Optional[int], typer.Option()] = None,
+           lr: Annotated[Optional[float], typer.Option()] = None,
+           optimizer: Annotated[Optional[str], typer.Option(help="sgd or adam.")] = None,
+           seed: Annotated[Optional[int], typer.Option()] = None,
+           evaluate: Annotated[Optional[bool], typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")] = None,
+           config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
+           token: Token = None, json: Json = False) -> None:
+    """Queue a training job; prints its id."""
+    spec: dict = {}
+    if job_file is not None:
+        try:
+            spec = tomllib.loads(job_file.read_text())
+        except FileNotFoundError:
+            fail(f"job file {job_file} does not exist", 2)
+        except tomllib.TOMLDecodeError as err:
+            fail(f"job file {job_file} is not valid TOML: {err}", 2)
+        spec = spec.get("job", spec)
+    flags = dict(dataset=dataset, model=model, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
+                 seed=seed, evaluate=evaluate)
+    spec.update({k: v for k, v in flags.items() if v is not None})
+    if "dataset" not in spec:
+        fail("say which dataset to train on: --dataset NAME or a job file with dataset = \"NAME\"", 2)
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    with admin_client(s) as client:
+        reply = client.request(SubmitJob(spec=spec))
+    print_json({"job": reply.job}) if json else typer.echo(reply.job)
+
+
+@app.command()
+@guard
+def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this state: {', '.join(JOB_STATES)}.")] = None,
+         limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 50,
+         config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
+         token: Token = None, json: Json = False) -> None:
+    """List jobs, newest first."""
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    with admin_client(s) as client:
+        rows = client.request(ListJobs(state=state, limit=limit)).jobs
+    print_json(rows) if json else tables.jobs(rows)
+
+
+@job_app.command("show")
+@guard
+def job_show(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+             state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """State, spec, progress, events and result of one job."""
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    with admin_client(s) as client:
+        info = client.request(GetJob(job=job)).job
+    print_json(info) if json else tables.job(info)
+
+
+@job_app.command("stop")
+@guard
+def job_stop(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+             state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Stop a queued or running job."""
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    with admin_client(s) as client:
+        detail = client.request(ControlJob(job=job, command="stop")).detail
+    print_json(detail) if json else typer.echo(f"{job}: {detail.get('state')}")
+
+
+@job_app.command("watch")
+@guard
+def job_watch(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+              state_dir: StateDir = None, token: Token = None) -> None:
+    """Follow a job with a progress bar until it ends; exit 0 only if it succeeded."""
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    with admin_client(s) as client:
+        final = watch_job(client, job)
+    if final["state"] != "succeeded":
+        raise typer.Exit(1)
+
+
+# -- cluster -------------------------------------------------------------------------------------
+
+@app.command()
+@guard
+def queues(config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
+           token: Token = None, json: Json = False) -> None:
+    """Every service's queue and traffic metrics, as carried on heartbeats."""
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    with admin_client(s) as client:
+        services = client.request(Stats()).services
+    print_json(services) if json else tables.queues(services)
+
+
+@app.command()
+@guard
+def peers(config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
+          token: Token = None, json: Json = False) -> None:
+    """Providers, trainers and admins connected to the router."""
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    with admin_client(s) as client:
+        rows = client.request(ListPeers()).peers
+    print_json(rows) if json else tables.peers(rows)
+
+
+@token_app.command("issue")
+@guard
+def token_issue(role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES)}.")],
+                name: Annotated[str, typer.Option(help="The token's subject.")] = "",
+                ttl: Annotated[float, typer.Option(help="Lifetime in seconds.")] = 24 * 3600.0,
+                config: Config = None, secret_file: SecretFile = None, state_dir: StateDir = None) -> None:
+    """Print a signed token for ROLE, minted from the cluster secret."""
+    s = settings_from(config, secret_file=secret_file, state_dir=state_dir)
+    key = load_secret(s.secret_file)
+    typer.echo(issue_token(key, sub=name or role, role=role, audience=s.cluster, ttl_s=ttl))
+
+
+@token_app.command("secret")
+@guard
+def token_secret(path: Annotated[Path, typer.Argument(help="Where to create the secret (mode 0600).")]) -> None:
+    """Create a cluster secret file if it does not exist yet; copy it to every node."""
+    existed = path.exists()
+    ensure_secret(path)
+    typer.echo(f"{path} {'already exists' if existed else 'created'}")
+
+
+@config_app.command("show")
+@guard
+def config_show(config: Config = None, json: Json = False) -> None:
+    """Every setting, its effective value and where that value came from."""
+    settings, sources = load_settings(config_file=config)
+    values = settings.as_dict()
+    if json:
+        print_json({k: {"value": v, "source": sources[k]} for k, v in values.items()})
+    else:
+        tables.settings(values, sources)
+
+
+def main() -> None:
+    app()

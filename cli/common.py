@@ -1,0 +1,73 @@
+"""What the busctl commands share: settings from options, the admin connection, output, errors."""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+import orjson
+import typer
+
+from libbus.auth import issue_token, load_secret
+from libbus.client import Client, Identity
+from libbus.config import Settings, load_settings
+from libbus.errors import BusError, ConfigError
+
+__all__ = ["settings_from", "admin_client", "fail", "guard", "print_json", "setup_logging"]
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def settings_from(config: str | None = None, **flags: Any) -> Settings:
+    settings, _ = load_settings(config_file=config, flags=flags)
+    return settings
+
+
+def admin_client(settings: Settings) -> Client:
+    """A connection to the router as admin: ``settings.token`` if set, else minted from the secret."""
+    name = f"busctl-{getpass.getuser()}-{os.getpid()}"
+    if settings.token:
+        token: Any = settings.token
+    else:
+        key = load_secret(settings.secret_file)
+        token = issue_token(key, sub=name, role="admin", audience=settings.cluster, ttl_s=600)
+    return Client(settings.router, Identity(role="admin", name=name, token=token),
+                  timeout_s=settings.request_timeout_s, retries=settings.request_retries)
+
+
+def fail(message: str, code: int = 1) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def guard(fn: Callable) -> Callable:
+    """Turn batchbus errors into one line on stderr and a non-zero exit, never a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as err:
+            fail(str(err), 2)
+        except BusError as err:
+            fail(f"{err} [{err.code}]" if err.code not in ("INTERNAL",) else str(err))
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+        except OSError as err:
+            fail(f"{err.strerror or err}: {err.filename}" if err.filename else str(err))
+        except typer.Exit:
+            raise
+        except Exception as err:  # noqa: BLE001 - a bug: one line here, the traceback in the debug log
+            logging.getLogger("busctl").debug("unexpected error", exc_info=True)
+            fail(f"unexpected {type(err).__name__}: {err} (a bug: please report it)")
+    return wrapper
+
+
+def print_json(value: Any) -> None:
+    typer.echo(orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode())

@@ -1,0 +1,107 @@
+"""``busctl demo``: the whole system on localhost, as three real processes, training a real model."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from libbus.auth import ensure_secret
+from libbus.errors import BusError, PeerTimeout
+from libbus.messages import ListPeers, SubmitJob
+
+from .common import admin_client, settings_from
+from .watch import watch_job
+
+__all__ = ["run_demo", "ServiceProcs"]
+
+READY_TIMEOUT_S = 60.0
+
+
+class ServiceProcs:
+    """batchbus services as child processes (``python -m cli start ...``), logs in ``state/logs``."""
+
+    def __init__(self, state_dir: Path):
+        self.state_dir = state_dir
+        self.logs = state_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, role: str, *args: str, ready: bool = True) -> str:
+        """Start ``busctl start ROLE ARGS``; with ``ready``, wait for and return its bound endpoint."""
+        ready_file = self.state_dir / f"{role}.endpoint"
+        ready_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "cli", "start", role, "--state-dir", str(self.state_dir), *args]
+        if ready:
+            cmd += ["--ready-file", str(ready_file)]
+        log = open(self.logs / f"{role}.log", "ab")
+        self.procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        if not ready:
+            return ""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready_file.exists():
+            if self.procs[role].poll() is not None:
+                raise BusError(f"{role} exited with {self.procs[role].returncode}; see {self.logs / (role + '.log')}")
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"{role} did not become ready in {READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        return ready_file.read_text().strip()
+
+    def stop(self, timeout_s: float = 15.0) -> dict[str, int]:
+        """SIGTERM every service (trainer first), wait, and return their exit codes."""
+        codes = {}
+        for role in sorted(self.procs, key=lambda r: ("trainer", "provider", "router").index(r)):
+            proc = self.procs[role]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                codes[role] = proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[role] = proc.wait()
+        return codes
+
+
+def run_demo(*, epochs: int, uri: str, model: str, state_dir: str | None) -> None:
+    console = Console()
+    state = Path(state_dir or tempfile.mkdtemp(prefix="batchbus-demo-"))
+    state.mkdir(parents=True, exist_ok=True)
+    ensure_secret(state / "secret")
+    console.print(f"[bold]batchbus demo[/]: router, provider and trainer on localhost; state and logs in {state}")
+    procs = ServiceProcs(state)
+    try:
+        router = procs.start("router", "--bind", "tcp://127.0.0.1:0")
+        console.print(f"router    {router}")
+        provider = procs.start("provider", "--router", router, "--dataset", f"demo={uri}")
+        console.print(f"provider  {provider} serving demo={uri}")
+        procs.start("trainer", "--router", router, ready=False)
+        settings = settings_from(router=router, state_dir=str(state))
+        with admin_client(settings) as client:
+            _wait_for_peers(client)
+            console.print("trainer   registered")
+            spec = {"dataset": "demo", "model": model, "epochs": epochs, "batch_size": 64, "lr": 2e-3,
+                    "optimizer": "adam", "seed": 0}
+            job = client.request(SubmitJob(spec=spec)).job
+            console.print(f"submitted job {job}: {model}, adam, {epochs} epoch(s) on demo")
+            final = watch_job(client, job, console)
+    finally:
+        codes = procs.stop()
+    console.print("services stopped: " + ", ".join(f"{r} exit {c}" for r, c in codes.items()))
+    if final["state"] != "succeeded":
+        raise BusError(f"demo job ended {final['state']}: {final.get('error') or 'see the logs in ' + str(state)}")
+
+
+def _wait_for_peers(client, timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        roles = {p["role"] for p in client.request(ListPeers()).peers}
+        if {"provider", "trainer"} <= roles:
+            return
+        time.sleep(0.1)
+    raise PeerTimeout("provider and trainer did not register with the router in time")

@@ -1,0 +1,93 @@
+"""Human-readable output of busctl's read commands (rich tables)."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["jobs", "job", "peers", "queues", "settings", "fmt_result"]
+
+console = Console()
+
+
+def _ago(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    s = max(0, time.time() - ts)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.0f}h ago"
+
+
+def _pct(v) -> str:
+    return f"{v:.4f}" if isinstance(v, (int, float)) else "-"
+
+
+def fmt_result(result: dict | None) -> str:
+    if not result:
+        return "-"
+    parts = []
+    for key, label in (("val_accuracy", "val acc"), ("test_accuracy", "test acc")):
+        if isinstance(result.get(key), (int, float)):
+            parts.append(f"{label} {result[key]:.4f}")
+    return ", ".join(parts) or "-"
+
+
+def jobs(rows: list[dict]) -> None:
+    table = Table("job", "state", "dataset", "model", "trainer", "progress", "result", "updated")
+    for r in rows:
+        p = r.get("progress") or {}
+        progress = f"epoch {p.get('epoch', 0)}/{p.get('epochs', '?')}" if p else "-"
+        table.add_row(r["id"], r["state"], r["spec"]["dataset"], r["spec"]["model"], r.get("trainer") or "-",
+                      progress, fmt_result(r.get("result")), _ago(r["updated"]))
+    console.print(table)
+
+
+def job(info: dict) -> None:
+    console.print(f"[bold]{info['id']}[/] {info['state']}  trainer {info.get('trainer') or '-'}  "
+                  f"attempts {info['attempts']}")
+    spec = info["spec"]
+    console.print("spec: " + ", ".join(f"{k}={v}" for k, v in spec.items() if v not in ("", {}, None)))
+    p = info.get("progress") or {}
+    if p:
+        console.print(f"progress: epoch {p.get('epoch')}/{p.get('epochs')} step {p.get('step')} "
+                      f"loss {p.get('loss') or 0:.4f} {p.get('samples_per_s', 0):.0f} samples/s "
+                      f"data wait {p.get('data_wait_pct', 0):.1f}%")
+        for h in p.get("history", []):
+            console.print(f"  epoch {h['epoch']}: train loss {h['train_loss']:.4f} val loss {h['val_loss']:.4f} "
+                          f"val acc {h['val_accuracy']:.4f}")
+    r = info.get("result") or {}
+    if r:
+        console.print(f"result: val acc {_pct(r.get('val_accuracy'))}, test acc {_pct(r.get('test_accuracy'))}"
+                      f" (loss {_pct(r.get('test_loss'))}, n={r.get('test_n', '-')}), "
+                      f"{r.get('samples_per_s', 0):.0f} samples/s")
+    if info.get("error"):
+        console.print(f"[red]error:[/] {info['error']}")
+    for e in info.get("events", []):
+        console.print(f"  {time.strftime('%H:%M:%S', time.localtime(e['at']))} {e['state']:<9} {e['reason']}")
+
+
+def peers(rows: list[dict]) -> None:
+    table = Table("name", "role", "endpoint", "datasets", "pid", "since")
+    for r in sorted(rows, key=lambda r: (r["role"], r["name"])):
+        table.add_row(r["name"], r["role"], r.get("endpoint", "-"), ", ".join(r.get("datasets", [])) or "-",
+                      str(r.get("pid", "-")), _ago(r.get("since")))
+    console.print(table)
+
+
+def queues(services: dict) -> None:
+    table = Table("service", "role", "sessions", "received", "sent", "errors", "detail")
+    for name, s in sorted(services.items()):
+        counters = s.get("counters", {})
+        errors = sum(v for k, v in counters.items() if k.startswith("error_") or k == "malformed")
+        detail = {k: v for k, v in s.items() if k not in ("counters", "name", "endpoint", "role", "sessions")}
+        table.add_row(name, s.get("role", "-"), str(s.get("sessions", "-")), str(counters.get("received", "-")),
+                      str(counters.get("sent", "-")), str(errors), str(detail) if detail else "-")
+    console.print(table)
+
+
+def settings(values: dict, sources: dict) -> None:
+    table = Table("setting", "value", "from")
+    for k, v in values.items():
+        table.add_row(k, "***" if k == "token" and v else str(v), sources.get(k, "default"))
+    console.print(table)

@@ -1,0 +1,61 @@
+"""Following a job: a progress bar per epoch, validation accuracy as epochs end, the result at the end."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from libbus.client import Client
+from libbus.jobs import TERMINAL_STATES
+from libbus.messages import GetJob
+
+__all__ = ["watch_job"]
+
+POLL_S = 0.5
+
+
+def watch_job(client: Client, job: str, console: Console | None = None, timeout_s: float | None = None) -> dict:
+    """Poll ``job`` until it ends, drawing progress; returns the final job record."""
+    console = console or Console()
+    shown_epochs = 0
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    columns = (TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bars:
+        bar = None
+        while True:
+            info = client.request(GetJob(job=job)).job
+            p = info.get("progress") or {}
+            history = p.get("history", [])
+            if p and info["state"] == "running":
+                epoch = min(p["epoch"] + 1, p["epochs"])
+                within = p["step"] - p["epoch"] * p["steps_per_epoch"]
+                fields = dict(epoch=f"{epoch}/{p['epochs']}", loss=f"{p['loss']:.4f}" if p.get("loss") else "-",
+                              rate=f"{p.get('samples_per_s', 0):.0f}")
+                if bar is None or len(history) > shown_epochs:
+                    if bar is not None:
+                        bars.update(bar, completed=p["steps_per_epoch"])
+                    bar = bars.add_task("", total=p["steps_per_epoch"], **fields)
+                bars.update(bar, completed=max(0, within), **fields)
+            for h in history[shown_epochs:]:
+                bars.console.print(f"epoch {h['epoch']}: train loss {h['train_loss']:.4f}  "
+                                   f"val loss {h['val_loss']:.4f}  val accuracy {h['val_accuracy']:.4f}")
+            shown_epochs = max(shown_epochs, len(history))
+            if info["state"] in TERMINAL_STATES:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+    result = info.get("result") or {}
+    if info["state"] == "succeeded":
+        line = f"job {job} succeeded: val accuracy {result.get('val_accuracy', 0):.4f}"
+        if "test_accuracy" in result:
+            line += (f", provider-side test accuracy {result['test_accuracy']:.4f} "
+                     f"on {result.get('test_n')} private samples")
+        console.print(line)
+    else:
+        console.print(f"job {job} {info['state']}" + (f": {info['error']}" if info.get("error") else ""))
+    return info

@@ -1,0 +1,210 @@
+"""The calling side: a DEALER connection to one batchbus service, used by one thread.
+
+:class:`Client` follows the zguide's "lazy pirate" pattern: a request that gets no reply within the
+timeout is resent on a fresh socket (after a new ``Hello``), up to ``retries`` times, and then
+:class:`PeerTimeout` is raised. ``Error`` replies become the typed exception of their code. A session
+the server dropped for idleness (``AUTH_REQUIRED``) is re-established once, transparently.
+
+Messages the server pushes unsolicited (``Command``, ``Heartbeat``) are kept in :attr:`Client.pushes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+
+from . import VERSION
+from .constants import HELLO_TIMEOUT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
+from .errors import AuthRequired, BusError, PeerTimeout, error_from_code
+from .messages import Error, Heartbeat, Hello, Message, Welcome, decode
+from .sockets import SocketLimits, make_socket, send_message
+
+__all__ = ["Identity", "Client", "connect"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Identity:
+    """Who a client says it is in ``Hello``. ``token`` may be a callable returning a fresh token."""
+    role: str
+    name: str
+    token: str | Callable[[], str]
+    host_id: str = ""
+    caps: dict = field(default_factory=dict)
+
+    def hello(self, request_id: int) -> Hello:
+        token = self.token() if callable(self.token) else self.token
+        return Hello(id=request_id, role=self.role, name=self.name, token=token, host_id=self.host_id,
+                     pid=os.getpid(), version=VERSION, caps=dict(self.caps))
+
+
+class Client:
+    """A synchronous request/reply connection. Not thread-safe: one thread owns it."""
+
+    def __init__(self, endpoint: str, identity: Identity, *, ctx: zmq.Context | None = None,
+                 timeout_s: float = REQUEST_TIMEOUT_S, retries: int = REQUEST_RETRIES,
+                 limits: SocketLimits = SocketLimits()):
+        self.endpoint = endpoint
+        self.identity = identity
+        self.ctx = ctx or zmq.Context.instance()
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.limits = limits
+        self.session: str | None = None
+        self.heartbeat_ms = 0
+        self.pushes: deque[Message] = deque(maxlen=1000)
+        self.last_recv = 0.0
+        self._sock: zmq.Socket | None = None
+        self._next_id = 0
+        self._poller = zmq.Poller()
+
+    # -- connection ---------------------------------------------------------------------------
+    @property
+    def socket(self) -> zmq.Socket:
+        if self._sock is None:
+            self._sock = make_socket(self.ctx, zmq.DEALER, self.limits)
+            self._sock.connect(self.endpoint)
+            self._poller = zmq.Poller()
+            self._poller.register(self._sock, zmq.POLLIN)
+        return self._sock
+
+    def next_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def reset(self) -> None:
+        """Drop the socket (and anything queued on it); the next call connects afresh."""
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self.session = None
+
+    def close(self) -> None:
+        self.reset()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def hello(self, timeout_s: float | None = None) -> Welcome:
+        """Open a session; raises the server's auth error, or :class:`PeerTimeout`."""
+        timeout_s = HELLO_TIMEOUT_S if timeout_s is None else timeout_s
+        hello = self.identity.hello(self.next_id())
+        self.send(hello)
+        reply = self.wait_for(hello.id, timeout_s)
+        if reply is None:
+            self.reset()
+            raise PeerTimeout(f"{self.endpoint} did not answer Hello within {timeout_s:.1f} s "
+                              "(is the service running and reachable?)")
+        welcome = self.check(reply)
+        if not isinstance(welcome, Welcome):
+            raise BusError(f"{self.endpoint} answered Hello with {welcome.type}")
+        self.session = welcome.session
+        self.heartbeat_ms = welcome.heartbeat_ms
+        return welcome
+
+    # -- low level: for pipelining callers ------------------------------------------------------
+    def send(self, msg: Message) -> int:
+        """Send ``msg`` (assigning an id if it has none) and return its id."""
+        if not msg.id:
+            msg.id = self.next_id()
+        if not send_message(self.socket, msg):
+            raise PeerTimeout(f"{self.endpoint}: send queue full")
+        return msg.id
+
+    def recv(self, timeout_s: float) -> Message | None:
+        """The next reply (pushes are stored aside), or None when ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        sock = self.socket
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            if not self._poller.poll(int(left * 1000)):
+                return None
+            frames = sock.recv_multipart(copy=False)
+            self.last_recv = time.monotonic()
+            try:
+                msg = decode(frames)
+            except BusError as err:
+                log.warning("%s sent a malformed message: %s", self.endpoint, err)
+                continue
+            if msg.id == 0:
+                if not isinstance(msg, Heartbeat):
+                    self.pushes.append(msg)
+                continue
+            return msg
+
+    def wait_for(self, request_id: int, timeout_s: float) -> Message | None:
+        """The reply to ``request_id``; stale replies to earlier attempts are discarded."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.recv(deadline - time.monotonic())
+            if msg is None or msg.id == request_id:
+                return msg
+            log.debug("discarding stale reply %s to request %d", msg.type, msg.id)
+
+    @staticmethod
+    def check(reply: Message) -> Message:
+        """Return ``reply``, or raise the typed exception an ``Error`` reply stands for."""
+        if isinstance(reply, Error):
+            raise error_from_code(reply.code, reply.message)
+        return reply
+
+    # -- request/reply ------------------------------------------------------------------------
+    def request(self, msg: Message, *, timeout_s: float | None = None,
+                retries: int | None = None) -> Message:
+        """Send ``msg`` and return its reply, resending on a fresh connection after a timeout.
+
+        Raises the typed :class:`BusError` of an ``Error`` reply, or :class:`PeerTimeout` after
+        ``retries`` resends went unanswered.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        retries = self.retries if retries is None else retries
+        rehello_done = False
+        attempt = 0
+        while True:
+            reply = None
+            try:
+                if self.session is None:
+                    self.hello(timeout_s)
+                msg.id = self.next_id()
+                self.send(msg)
+                reply = self.wait_for(msg.id, timeout_s)
+            except PeerTimeout:
+                pass
+            if reply is None:
+                attempt += 1
+                if attempt > retries:
+                    self.reset()
+                    raise PeerTimeout(f"{self.endpoint} did not answer {msg.type} within "
+                                      f"{timeout_s:.1f} s after {retries} retries")
+                log.warning("%s: no reply to %s in %.1f s; reconnecting (retry %d of %d)",
+                            self.endpoint, msg.type, timeout_s, attempt, retries)
+                self.reset()
+                continue
+            try:
+                return self.check(reply)
+            except AuthRequired:
+                if rehello_done:
+                    raise
+                rehello_done = True  # the server dropped our idle session: say Hello again
+                self.session = None
+
+
+def connect(endpoint: str, identity: Identity, **kw) -> Client:
+    """A :class:`Client` with its session open (Hello answered)."""
+    client = Client(endpoint, identity, **kw)
+    try:
+        client.hello()
+    except BaseException:
+        client.close()
+        raise
+    return client

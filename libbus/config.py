@@ -1,0 +1,172 @@
+"""One settings object, built once at the entry point from defaults, a TOML file, ``BATCHBUS_*``
+environment variables and flags (later wins), then passed down. Library code never reads the
+environment; :func:`load_settings` is the only place that does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import constants as C
+from .errors import ConfigError
+
+__all__ = ["Settings", "load_settings", "default_state_dir", "host_id"]
+
+ENV_PREFIX = "BATCHBUS_"
+
+
+def default_state_dir(env: Mapping[str, str]) -> str:
+    """``$XDG_STATE_HOME/batchbus``, else ``~/.local/state/batchbus`` (systemd units set their own)."""
+    base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "batchbus")
+
+
+def host_id() -> str:
+    """A stable id for this machine: peers with equal host ids may share memory."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            value = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if value:
+            return value
+    return socket.gethostname()
+
+
+@dataclass
+class Settings:
+    """Every tunable of every service. ``busctl config show`` prints them with their sources."""
+
+    #: The cluster name; tokens carry it as their audience.
+    cluster: str = "batchbus"
+    #: Where services and admin commands reach the router.
+    router: str = "tcp://127.0.0.1:5555"
+    #: Where this service binds (router: its control socket; provider: its data socket).
+    bind: str = ""
+    #: The data endpoint a provider tells trainers to connect to (default: what it bound).
+    advertise: str = ""
+    #: State directory: secret, router database, checkpoints.
+    state_dir: str = ""
+    #: Shared HS256 secret; default ``<state_dir>/secret``.
+    secret_file: str = ""
+    #: A ready-made token (admin commands and services use it instead of minting one from the secret).
+    token: str = ""
+    #: Router job database; default ``<state_dir>/router.db``.
+    db: str = ""
+    #: This service's name in registrations and tokens; default ``<role>-<hostname>-<pid>``.
+    name: str = ""
+    #: Provider datasets as ``NAME=URI`` strings.
+    datasets: list = field(default_factory=list)
+    #: Lifetime of tokens minted from the secret.
+    token_ttl_s: float = 24 * 3600.0
+    heartbeat_ms: int = C.HEARTBEAT_MS
+    heartbeat_liveness: int = C.HEARTBEAT_LIVENESS
+    request_timeout_s: float = C.REQUEST_TIMEOUT_S
+    request_retries: int = C.REQUEST_RETRIES
+    max_msg_bytes: int = C.MAX_MSG_BYTES
+    hwm: int = C.HWM
+    #: Trainer: batch requests kept in flight per loader.
+    inflight: int = 4
+    #: Trainer: seconds between progress reports.
+    progress_interval_s: float = C.PROGRESS_INTERVAL_S
+    #: Trainer: torch intra-op threads (0 = torch's default).
+    torch_threads: int = 0
+    log_level: str = "INFO"
+
+    def resolved(self) -> "Settings":
+        """Fill the defaults that derive from other settings (paths under the state dir)."""
+        out = dataclasses.replace(self)
+        if not out.state_dir:
+            raise ConfigError("state_dir is empty")
+        if not out.secret_file:
+            out.secret_file = os.path.join(out.state_dir, "secret")
+        if not out.db:
+            out.db = os.path.join(out.state_dir, "router.db")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(name: str, kind: type, value: Any, source: str) -> Any:
+    if kind is list:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list):
+            return [str(v) for v in value]
+    elif kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+    elif kind in (int, float):
+        if isinstance(value, bool):
+            pass
+        elif isinstance(value, (int, float)) or isinstance(value, str):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{source}: '{name}' must be {kind.__name__}, got {value!r}")
+
+
+def load_settings(*, config_file: str | None = None, env: Mapping[str, str] | None = None,
+                  flags: Mapping[str, Any] | None = None) -> tuple[Settings, dict[str, str]]:
+    """Build the settings: defaults < TOML file < ``BATCHBUS_*`` environment < flags.
+
+    ``config_file`` defaults to ``$BATCHBUS_CONFIG`` when set. Flags whose value is ``None`` are unset.
+    Returns the settings (derived paths filled in) and, per field, where its value came from.
+    Raises :class:`ConfigError` naming the file, variable or flag that is wrong.
+    """
+    env = dict(os.environ if env is None else env)
+    types_ = typing.get_type_hints(Settings)
+    values: dict[str, Any] = {}
+    sources = {name: "default" for name in types_}
+
+    config_file = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if config_file:
+        try:
+            with open(config_file, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError as err:
+            raise ConfigError(f"config file {config_file} does not exist") from err
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {config_file} is not valid TOML: {err}") from err
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            if name not in types_:
+                raise ConfigError(f"{config_file}: unknown setting '{key}'; "
+                                  f"known: {', '.join(sorted(types_))}")
+            values[name] = _coerce(name, types_[name], value, config_file)
+            sources[name] = f"file {config_file}"
+    for name, kind in types_.items():
+        var = ENV_PREFIX + name.upper()
+        if var in env and env[var] != "":
+            values[name] = _coerce(name, kind, env[var], f"environment {var}")
+            sources[name] = f"env {var}"
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        name = key.replace("-", "_")
+        if name not in types_:
+            raise ConfigError(f"unknown setting '{key}'")
+        values[name] = _coerce(name, types_[name], value, f"--{name.replace('_', '-')}")
+        sources[name] = "flag"
+    if not values.get("state_dir"):
+        values["state_dir"] = default_state_dir(env)
+    settings = Settings(**values)
+    if settings.heartbeat_ms <= 0 or settings.heartbeat_liveness <= 0:
+        raise ConfigError("heartbeat_ms and heartbeat_liveness must be positive")
+    if settings.request_timeout_s <= 0 or settings.request_retries < 0:
+        raise ConfigError("request_timeout_s must be positive and request_retries not negative")
+    return settings.resolved(), sources

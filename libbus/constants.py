@@ -1,0 +1,37 @@
+"""Named limits and timeouts, in one place. Settings can override the ones users tune."""
+
+KiB = 1024
+MiB = 1024 * KiB
+
+#: Payload frames at least this large are sent zero-copy (``copy=False``); smaller ones are cheaper copied.
+ZERO_COPY_THRESHOLD = 64 * KiB
+#: Default ZMQ_MAXMSGSIZE: a single frame larger than this disconnects the sender.
+MAX_MSG_BYTES = 256 * MiB
+#: Default send/receive high-water marks (messages).
+HWM = 1000
+#: Most frames in one message; more is a malformed message.
+MAX_FRAMES = 16
+#: Largest JSON header accepted.
+MAX_HEADER_BYTES = 1 * MiB
+#: Most indices in one BatchRequest.
+MAX_BATCH_INDICES = 1 << 20
+#: Largest batch a provider will assemble (data + labels).
+MAX_BATCH_BYTES = 512 * MiB
+
+#: How often peers exchange heartbeats, and how many missed intervals drop a peer.
+HEARTBEAT_MS = 1000
+HEARTBEAT_LIVENESS = 5
+
+#: Client defaults: how long to wait for one reply, and how many times to resend before giving up.
+REQUEST_TIMEOUT_S = 10.0
+REQUEST_RETRIES = 2
+#: Time to wait for a Welcome after Hello.
+HELLO_TIMEOUT_S = 5.0
+#: Service poll period when nothing happens: bounds how long a stop request waits.
+POLL_MS = 100
+#: How long a draining service waits for in-flight work after SIGTERM.
+DRAIN_S = 5.0
+#: A trainer with no task asks again after this long.
+TASK_POLL_S = 1.0
+#: How often a trainer reports progress.
+PROGRESS_INTERVAL_S = 2.0

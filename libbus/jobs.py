@@ -1,0 +1,78 @@
+"""The job spec: what a user submits, what the router stores and what a trainer runs. Checked once."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import BadRequest
+
+__all__ = ["JobSpec", "JOB_STATES", "TERMINAL_STATES", "dataset_name"]
+
+JOB_STATES = ("queued", "running", "succeeded", "failed", "stopped")
+TERMINAL_STATES = ("succeeded", "failed", "stopped")
+OPTIMIZERS = ("sgd", "adam")
+
+
+def dataset_name(ref: str) -> str:
+    """A job names its dataset as ``NAME`` or, in the seed's form, ``remote://NAME``."""
+    name = ref.removeprefix("remote://").strip("/")
+    if not name:
+        raise BadRequest(f"dataset {ref!r} names nothing; use NAME or remote://NAME")
+    return name
+
+
+@dataclass
+class JobSpec:
+    dataset: str
+    model: str = "cnn"
+    model_kwargs: dict = field(default_factory=dict)
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    epochs: int = 2
+    batch_size: int = 64
+    seed: int = 0
+    shuffle: bool = True
+    device: str = "cpu"
+    #: Score the final weights on the provider's private test split.
+    evaluate: bool = True
+    priority: int = 0
+    name: str = ""
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "JobSpec":
+        """Check a submitted spec; raises :class:`BadRequest` naming the field that is wrong."""
+        if not isinstance(raw, dict):
+            raise BadRequest("job spec must be an object")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise BadRequest(f"unknown job field(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        if "dataset" not in raw:
+            raise BadRequest("job spec needs 'dataset' (a name a provider serves)")
+        values = {}
+        for name, value in raw.items():
+            default = known[name].default
+            if default is dataclasses.MISSING:
+                default = known[name].default_factory() if known[name].default_factory is not dataclasses.MISSING else ""
+            want = type(default)
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise BadRequest(f"job field '{name}' must be {want.__name__}, got {value!r}")
+            values[name] = value
+        spec = cls(**values)
+        spec.dataset = dataset_name(spec.dataset)
+        if spec.optimizer not in OPTIMIZERS:
+            raise BadRequest(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
+        for name in ("epochs", "batch_size"):
+            if getattr(spec, name) < 1:
+                raise BadRequest(f"{name} must be at least 1, got {getattr(spec, name)}")
+        if spec.lr <= 0:
+            raise BadRequest(f"lr must be positive, got {spec.lr}")
+        return spec
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,217 @@
+"""``RemoteLoader``: iterate ``(x, y)`` torch tensors of a remote dataset, like a DataLoader.
+
+Batches are pulled by sample index straight from a provider's data socket, with a configurable
+number of requests in flight. The order is a seeded shuffle that differs per epoch and is
+reproducible. A lost reply is resent on a fresh connection; a provider that stays silent raises
+:class:`~libbus.errors.PeerTimeout` after ``retries`` resends, never hangs.
+
+    loader = RemoteLoader("mnist", router="tcp://head:5555", token=token, batch_size=64)
+    for epoch in range(3):
+        for x, y in loader:      # each pass is the next epoch
+            ...
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Callable, Iterator
+
+import jwt
+import numpy as np
+import torch
+import zmq
+
+from .client import Client, Identity
+from .config import host_id
+from .constants import REQUEST_RETRIES, REQUEST_TIMEOUT_S
+from .errors import AuthRequired, BadRequest, BusError, PeerTimeout
+from .messages import BatchRequest, BatchResponse, DatasetInfoRequest, Error, Message, Resolve
+from .order import batches_of, epoch_order
+
+__all__ = ["RemoteLoader", "pick_provider"]
+
+log = logging.getLogger(__name__)
+
+
+def _role_of(token: str) -> str:
+    """The role a token claims (read unverified: the server verifies it)."""
+    try:
+        return str(jwt.decode(token, options={"verify_signature": False}).get("role", "trainer"))
+    except jwt.InvalidTokenError:
+        return "trainer"
+
+
+def pick_provider(providers: list[dict], local_host: str) -> dict:
+    """Prefer a provider on this host (its batches need not cross the network), else the first."""
+    for p in providers:
+        if p.get("host_id") == local_host:
+            return p
+    return providers[0]
+
+
+class RemoteLoader:
+    """Batches of one split of a remote dataset, as ``(x, y)`` CPU tensors.
+
+    Args:
+        dataset: the name a provider serves it under (``remote://NAME`` also accepted).
+        split: ``train`` or ``val`` (``test`` never leaves its provider).
+        router: router address to resolve the dataset; or give ``provider`` (its data endpoint).
+        token: a trainer (or admin) token, or a callable returning a fresh one.
+        batch_size, drop_last: as in ``torch.utils.data.DataLoader``.
+        shuffle, seed: a permutation per epoch drawn from ``(seed, epoch)``.
+        rank, world_size: read shard ``rank`` of ``world_size`` disjoint shards.
+        inflight: batch requests kept outstanding (prefetch depth).
+        timeout_s, retries: per-request reply timeout, and resends before :class:`PeerTimeout`.
+    """
+
+    def __init__(self, dataset: str, *, token: str | Callable[[], str], split: str = "train",
+                 router: str | None = None, provider: str | None = None, batch_size: int = 64,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, rank: int = 0,
+                 world_size: int = 1, inflight: int = 4, timeout_s: float = REQUEST_TIMEOUT_S,
+                 retries: int = REQUEST_RETRIES, name: str | None = None,
+                 ctx: zmq.Context | None = None):
+        if (router is None) == (provider is None):
+            raise BadRequest("RemoteLoader needs exactly one of router= or provider=")
+        if batch_size < 1 or inflight < 1:
+            raise BadRequest("batch_size and inflight must be at least 1")
+        self.dataset = dataset.removeprefix("remote://")
+        self.split = split
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.rank, self.world_size = rank, world_size
+        self.inflight = inflight
+        self.timeout_s, self.retries = timeout_s, retries
+        self.epoch = 0
+        #: Seconds spent waiting for batches (not hidden by prefetch), summed over iterations.
+        self.wait_s = 0.0
+        role = _role_of(token() if callable(token) else token)
+        identity = Identity(role=role, name=name or f"loader-{socket.gethostname()}-{os.getpid()}",
+                            token=token, host_id=host_id())
+        self._ctx = ctx
+        self.provider = provider
+        if router is not None:
+            with Client(router, identity, ctx=ctx, timeout_s=timeout_s, retries=retries) as rc:
+                resolved = rc.request(Resolve(dataset=self.dataset))
+            self.provider = pick_provider(resolved.providers, identity.host_id)["endpoint"]
+        self.client = Client(self.provider, identity, ctx=ctx, timeout_s=timeout_s, retries=retries)
+        self.info: dict = self.client.request(DatasetInfoRequest(dataset=self.dataset)).info
+        splits = self.info["splits"]
+        if split not in splits:
+            raise BadRequest(f"unknown split {split!r}; {self.dataset} has {', '.join(splits)}")
+        self.num_samples = int(splits[split]["num_samples"])
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "RemoteLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read ``epoch``'s order on the next pass (passes advance it by one on their own)."""
+        self.epoch = epoch
+
+    def order(self, epoch: int) -> np.ndarray:
+        return epoch_order(self.num_samples, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
+                           rank=self.rank, world_size=self.world_size)
+
+    def __len__(self) -> int:
+        n = len(self.order(self.epoch)) if self.world_size > 1 else self.num_samples
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        batches = batches_of(self.order(self.epoch), self.batch_size, self.drop_last)
+        yield from self._fetch(batches)
+        self.epoch += 1
+
+    # -- the pipeline ---------------------------------------------------------------------------
+    def _request(self, indices: np.ndarray) -> BatchRequest:
+        if len(indices) and indices[-1] - indices[0] == len(indices) - 1 and (
+                len(indices) == 1 or bool(np.all(np.diff(indices) == 1))):
+            return BatchRequest(dataset=self.dataset, split=self.split,
+                                range=[int(indices[0]), int(indices[-1]) + 1])
+        return BatchRequest(dataset=self.dataset, split=self.split,
+                            frames=[np.ascontiguousarray(indices, dtype="<i8").data])
+
+    def _fetch(self, batches: list[np.ndarray]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        client = self.client
+        if client.session is None:
+            client.hello(self.timeout_s)
+        pending: dict[int, int] = {}       # request id -> batch number
+        sent_at: dict[int, float] = {}     # batch number -> when last sent
+        attempts: dict[int, int] = {}      # batch number -> resends so far
+        ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        next_send = next_yield = 0
+
+        def send(batch_no: int) -> None:
+            rid = client.send(self._request(batches[batch_no]))
+            pending[rid] = batch_no
+            sent_at[batch_no] = time.monotonic()
+
+        def resend_all(reason: str) -> None:
+            log.warning("%s/%s: %s; reconnecting to %s and resending %d request(s)", self.dataset,
+                        self.split, reason, self.provider, len(pending))
+            outstanding = sorted(pending.values())
+            pending.clear()
+            client.reset()
+            try:
+                client.hello(self.timeout_s)
+            except PeerTimeout:
+                pass  # counted against the batches' attempts below
+            for batch_no in outstanding:
+                send(batch_no)
+
+        while next_yield < len(batches):
+            while next_send < len(batches) and next_send - next_yield < self.inflight:
+                send(next_send)
+                next_send += 1
+            if next_yield in ready:
+                yield ready.pop(next_yield)
+                next_yield += 1
+                continue
+            oldest = min(sent_at[b] for b in pending.values()) if pending else time.monotonic()
+            wait_start = time.monotonic()
+            reply = client.recv(max(0.0, oldest + self.timeout_s - wait_start))
+            self.wait_s += time.monotonic() - wait_start
+            if reply is None:
+                late = min(pending.values()) if pending else next_yield
+                attempts[late] = attempts.get(late, 0) + 1
+                if attempts[late] > self.retries:
+                    client.reset()
+                    raise PeerTimeout(f"provider {self.provider} did not answer batch {late} of "
+                                      f"{self.dataset}/{self.split} within {self.timeout_s:.1f} s "
+                                      f"after {self.retries} retries")
+                resend_all(f"no reply within {self.timeout_s:.1f} s")
+                continue
+            batch_no = pending.pop(reply.id, None)
+            if batch_no is None:
+                continue  # a late reply to a request we already resent
+            if isinstance(reply, Error):
+                if reply.code == AuthRequired.code and attempts.get(batch_no, 0) < 1:
+                    attempts[batch_no] = 1
+                    pending[reply.id] = batch_no
+                    resend_all("session expired on the provider")
+                    continue
+                client.check(reply)
+            ready[batch_no] = self._tensors(reply)
+
+    @staticmethod
+    def _tensors(reply: Message) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(reply, BatchResponse):
+            raise BusError(f"expected BatchResponse, got {reply.type}")
+        out = []
+        for frame, shape, dtype in zip(reply.frames, reply.shapes, reply.dtypes):
+            buf = frame.buffer if hasattr(frame, "buffer") else frame
+            try:
+                arr = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+            except (TypeError, ValueError) as err:
+                raise BusError(f"malformed BatchResponse: {err}") from err
+            out.append(torch.from_numpy(arr))
+        return out[0], out[1]

@@ -1,0 +1,374 @@
+"""Every message on the batchbus wire, defined once: its type name, header fields and payload frames.
+
+A message is ``[b"BB1", header, *payload]``: ``header`` is an orjson object with ``type`` and the
+message's fields; bulk data (indices, samples, labels, weights) travels only in ``payload`` frames.
+:func:`encode` and :func:`decode` are the only code that touch frame positions.
+
+Field types are checked on decode against the dataclass annotations, so a handler can trust
+``msg.field`` to have its declared type. Unknown header keys are ignored (forward compatibility).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import orjson
+
+from . import PROTOCOL
+from .constants import MAX_FRAMES, MAX_HEADER_BYTES
+from .errors import BadRequest, BusError, TooLarge
+
+__all__ = [
+    "Message", "MESSAGE_TYPES", "encode", "decode", "error_reply", "request_id_of",
+    "Hello", "Welcome", "Heartbeat", "Error", "Ok",
+    "Resolve", "Resolved", "DatasetInfoRequest", "DatasetInfo", "BatchRequest", "BatchResponse",
+    "SubmitJob", "JobSubmitted", "ListJobs", "JobList", "GetJob", "JobInfo", "ControlJob",
+    "GetTask", "Task", "NoTask", "Progress", "PushResult", "Command",
+    "Evaluate", "Evaluation", "Stats", "StatsReply", "ListPeers", "PeerList",
+]
+
+MESSAGE_TYPES: dict[str, type["Message"]] = {}
+
+
+@dataclass(kw_only=True)
+class Message:
+    """Base of all messages. ``id`` pairs a request with its reply; ``frames`` are the raw payload."""
+
+    type: ClassVar[str] = ""
+    #: Payload frames this message must carry: (min, max).
+    nframes: ClassVar[tuple[int, int]] = (0, 0)
+
+    id: int = 0
+    frames: list = field(default_factory=list, repr=False, compare=False)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.type = cls.__name__
+        MESSAGE_TYPES[cls.type] = cls
+
+    def header(self) -> dict[str, Any]:
+        out = {"type": self.type}
+        for f in dataclasses.fields(self):
+            if f.name != "frames":
+                out[f.name] = getattr(self, f.name)
+        return out
+
+
+# -- session -------------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class Hello(Message):
+    """First message on every connection: who I am, and the token that proves it."""
+    role: str
+    name: str
+    token: str
+    host_id: str = ""
+    pid: int = 0
+    version: str = ""
+    caps: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Welcome(Message):
+    session: str
+    heartbeat_ms: int
+
+
+@dataclass(kw_only=True)
+class Heartbeat(Message):
+    """Both ways, every heartbeat interval. Services carry their queue metrics in ``stats``."""
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Error(Message):
+    code: str
+    message: str
+
+
+@dataclass(kw_only=True)
+class Ok(Message):
+    """A plain acknowledgement."""
+    detail: dict = field(default_factory=dict)
+
+
+# -- discovery and datasets -------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class Resolve(Message):
+    dataset: str
+
+
+@dataclass(kw_only=True)
+class Resolved(Message):
+    dataset: str
+    info: dict
+    providers: list
+
+
+@dataclass(kw_only=True)
+class DatasetInfoRequest(Message):
+    dataset: str
+
+
+@dataclass(kw_only=True)
+class DatasetInfo(Message):
+    """What a trainer needs to size its model and its requests. See docs/protocol.md for ``info``."""
+    dataset: str
+    info: dict
+
+
+@dataclass(kw_only=True)
+class BatchRequest(Message):
+    """Samples by index: either ``range=[start, end)`` or one int64 payload frame of indices."""
+    nframes: ClassVar[tuple[int, int]] = (0, 1)
+    dataset: str
+    split: str
+    range: list | None = None
+
+
+@dataclass(kw_only=True)
+class BatchResponse(Message):
+    """Two payload frames, data then labels, C-contiguous, shapes and dtypes in the header."""
+    nframes: ClassVar[tuple[int, int]] = (2, 2)
+    shapes: list
+    dtypes: list
+    nbytes: int
+
+
+# -- jobs ---------------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class SubmitJob(Message):
+    spec: dict
+
+
+@dataclass(kw_only=True)
+class JobSubmitted(Message):
+    job: str
+
+
+@dataclass(kw_only=True)
+class ListJobs(Message):
+    state: str | None = None
+    limit: int = 100
+
+
+@dataclass(kw_only=True)
+class JobList(Message):
+    jobs: list
+
+
+@dataclass(kw_only=True)
+class GetJob(Message):
+    job: str
+
+
+@dataclass(kw_only=True)
+class JobInfo(Message):
+    job: dict
+
+
+@dataclass(kw_only=True)
+class ControlJob(Message):
+    job: str
+    command: str
+
+
+@dataclass(kw_only=True)
+class GetTask(Message):
+    pass
+
+
+@dataclass(kw_only=True)
+class Task(Message):
+    job: str
+    spec: dict
+    rank: int = 0
+    world_size: int = 1
+    resume: dict | None = None
+
+
+@dataclass(kw_only=True)
+class NoTask(Message):
+    retry_ms: int
+
+
+@dataclass(kw_only=True)
+class Progress(Message):
+    job: str
+    progress: dict
+
+
+@dataclass(kw_only=True)
+class PushResult(Message):
+    job: str
+    state: str
+    result: dict = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass(kw_only=True)
+class Command(Message):
+    """Router → trainer, unsolicited (``id`` 0): stop, and later pause/resume/checkpoint/set."""
+    job: str
+    command: str
+    args: dict = field(default_factory=dict)
+
+
+# -- evaluation ------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class Evaluate(Message):
+    """Weights (safetensors bytes) in one payload frame; the provider scores them on its test split."""
+    nframes: ClassVar[tuple[int, int]] = (1, 1)
+    dataset: str
+    model: dict
+    job: str = ""
+    split: str = "test"
+
+
+@dataclass(kw_only=True)
+class Evaluation(Message):
+    loss: float
+    accuracy: float
+    n: int
+
+
+# -- stats and peers -------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class Stats(Message):
+    pass
+
+
+@dataclass(kw_only=True)
+class StatsReply(Message):
+    services: dict
+
+
+@dataclass(kw_only=True)
+class ListPeers(Message):
+    pass
+
+
+@dataclass(kw_only=True)
+class PeerList(Message):
+    peers: list
+
+
+# -- encode / decode -------------------------------------------------------------------------
+
+def encode(msg: Message) -> list:
+    """Frames for ``msg``: protocol tag, JSON header, then its payload frames untouched."""
+    try:
+        head = orjson.dumps(msg.header(), option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as err:
+        raise BadRequest(f"{msg.type}: header is not JSON-serialisable: {err}") from err
+    return [PROTOCOL, head, *msg.frames]
+
+
+def _frame_bytes(frame) -> bytes | memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def decode(frames: list) -> Message:
+    """Parse and check one message. Raises :class:`BadRequest` naming what is wrong.
+
+    ``frames`` may be bytes or ``zmq.Frame`` objects; payload frames are passed through as received.
+    """
+    if len(frames) < 2:
+        raise BadRequest(f"expected at least 2 frames (protocol tag, header), got {len(frames)}")
+    if len(frames) > MAX_FRAMES:
+        raise TooLarge(f"message has {len(frames)} frames; at most {MAX_FRAMES} are accepted")
+    tag = bytes(_frame_bytes(frames[0]))
+    if tag != PROTOCOL:
+        raise BadRequest(f"unknown protocol tag {tag[:16]!r}; expected {PROTOCOL!r}")
+    raw = _frame_bytes(frames[1])
+    if len(raw) > MAX_HEADER_BYTES:
+        raise TooLarge(f"header is {len(raw)} bytes; at most {MAX_HEADER_BYTES} are accepted")
+    try:
+        head = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise BadRequest(f"header is not valid JSON: {err}") from err
+    if not isinstance(head, dict):
+        raise BadRequest(f"header must be a JSON object, got {type(head).__name__}")
+    mtype = head.get("type")
+    cls = MESSAGE_TYPES.get(mtype) if isinstance(mtype, str) else None
+    if cls is None:
+        raise BadRequest(f"unknown message type {mtype!r}")
+    payload = list(frames[2:])
+    lo, hi = cls.nframes
+    if not lo <= len(payload) <= hi:
+        want = f"{lo}" if lo == hi else f"{lo} to {hi}"
+        raise BadRequest(f"{mtype} carries {want} payload frame(s), got {len(payload)}")
+    kwargs = {}
+    for name, (annotation, required) in _schema(cls).items():
+        if name not in head:
+            if required:
+                raise BadRequest(f"{mtype} is missing field '{name}'")
+            continue
+        value = head[name]
+        if not _type_ok(value, annotation):
+            raise BadRequest(f"{mtype}.{name} must be {_type_name(annotation)}, "
+                             f"got {type(value).__name__}")
+        kwargs[name] = value
+    try:
+        return cls(**kwargs, frames=payload)
+    except TypeError as err:  # pragma: no cover - the schema above mirrors the dataclass
+        raise BadRequest(f"{mtype}: {err}") from err
+
+
+def error_reply(request_id: int, err: BusError) -> Error:
+    return Error(id=request_id, code=err.code, message=str(err))
+
+
+_SCHEMAS: dict[type, dict[str, tuple[Any, bool]]] = {}
+
+
+def _schema(cls: type[Message]) -> dict[str, tuple[Any, bool]]:
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        hints = typing.get_type_hints(cls)
+        schema = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "frames":
+                continue
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            schema[f.name] = (hints[f.name], required)
+        _SCHEMAS[cls] = schema
+    return schema
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return any(_type_ok(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    origin = typing.get_origin(annotation) or annotation
+    return isinstance(value, origin)
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    return {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+            list: "a list", dict: "an object", type(None): "null"}.get(annotation, str(annotation))
+
+
+def request_id_of(frames: list) -> int:
+    """Best-effort ``id`` of a message that failed to decode, so its Error can still be matched (0 if none)."""
+    try:
+        head = orjson.loads(_frame_bytes(frames[1]))
+        rid = head.get("id", 0) if isinstance(head, dict) else 0
+        return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
+    except Exception:  # noqa: BLE001 - any garbage means "no id"
+        return 0

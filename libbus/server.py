@@ -1,0 +1,322 @@
+"""The serving side of every batchbus service: a ROUTER socket, sessions, auth, dispatch.
+
+:class:`Server` is the thin I/O loop; a service's logic is a :class:`Handler` that answers
+"given this session and this message, what goes out" and can be tested without a socket.
+
+Per connection the first message must be ``Hello`` with a valid token; the session is then bound to
+the ZeroMQ routing id, and every later request is checked against it (expiry, role). Sessions that
+heartbeat (``caps.heartbeat``) are dropped after ``heartbeat_liveness`` silent intervals; other
+sessions (data-plane loaders) after ``idle_session_s`` — they say ``Hello`` again transparently.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+
+from . import VERSION
+from .auth import Claims, verify_token
+from .constants import POLL_MS
+from .errors import AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal
+from .messages import (Error, Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of)
+from .sockets import SocketLimits, make_socket, send_message
+
+__all__ = ["Session", "Handler", "Server", "ServerConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """One authenticated peer connection."""
+    sid: str
+    routing_id: bytes
+    claims: Claims
+    hello: Hello
+    opened: float
+    last_seen: float
+    heartbeat: bool
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        return self.claims.role
+
+    @property
+    def name(self) -> str:
+        return self.hello.name
+
+    def describe(self) -> dict:
+        return {"session": self.sid, "name": self.name, "role": self.role, "host_id": self.hello.host_id,
+                "pid": self.hello.pid, "version": self.hello.version, "since": self.opened,
+                "last_seen": self.last_seen}
+
+
+class Handler:
+    """A service's logic. Subclasses set ``roles`` and implement :meth:`handle`.
+
+    ``roles`` maps a message type to the roles allowed to send it; types not listed are refused.
+    :meth:`handle` returns the reply, ``None`` (no reply), or a :class:`Future` resolving to the reply
+    (for slow work done off the loop). Raising a :class:`BusError` sends that error to the peer.
+    Messages the service wants to push unsolicited go through :meth:`push`.
+    """
+
+    roles: dict[str, tuple[str, ...]] = {}
+
+    def __init__(self):
+        self._outbox: list[tuple[str, Message]] = []
+
+    def push(self, sid: str, msg: Message) -> None:
+        self._outbox.append((sid, msg))
+
+    def take_outbox(self) -> list[tuple[str, Message]]:
+        out, self._outbox = self._outbox, []
+        return out
+
+    def on_open(self, session: Session) -> None:
+        """A session was authenticated; raise a BusError to refuse it."""
+
+    def on_close(self, session: Session, reason: str) -> None:
+        """A session ended (dropped by silence, replaced, or the service is stopping)."""
+
+    def handle(self, session: Session, msg: Message) -> Message | Future | None:
+        raise NotImplementedError
+
+    def tick(self, now: float) -> None:
+        """Called about every poll period for timers (leases, housekeeping)."""
+
+    def stats(self) -> dict:
+        return {}
+
+
+@dataclass
+class ServerConfig:
+    bind: str
+    secret: bytes
+    audience: str
+    name: str
+    heartbeat_ms: int = 1000
+    heartbeat_liveness: int = 5
+    idle_session_s: float = 300.0
+    limits: SocketLimits = SocketLimits()
+
+
+class Server:
+    """Runs a :class:`Handler` behind a ROUTER socket until ``stop`` is set.
+
+    Construct, call :meth:`bind` (returns the concrete endpoint, useful with port 0), then :meth:`run`.
+    """
+
+    def __init__(self, handler: Handler, config: ServerConfig, ctx: zmq.Context | None = None):
+        self.handler = handler
+        self.config = config
+        self.ctx = ctx or zmq.Context.instance()
+        self.sessions: dict[bytes, Session] = {}
+        self.by_sid: dict[str, Session] = {}
+        self.counters: Counter = Counter()
+        self.endpoint = ""
+        self._sock: zmq.Socket | None = None
+        self._pending: list[tuple[bytes, int, Future]] = []
+        self._last_beat = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def bind(self) -> str:
+        """Bind the ROUTER socket. ``tcp://HOST:0`` picks a free port. Returns the bound endpoint."""
+        sock = make_socket(self.ctx, zmq.ROUTER, self.config.limits)
+        bind = self.config.bind
+        try:
+            if bind.startswith("tcp://") and (bind.endswith(":0") or bind.endswith(":*")):
+                port = sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+                self.endpoint = f"{bind.rsplit(':', 1)[0]}:{port}"
+            else:
+                sock.bind(bind)
+                self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as err:
+            sock.close(0)
+            raise BusError(f"cannot bind {bind}: {err.strerror}", code="UNAVAILABLE") from err
+        self._sock = sock
+        return self.endpoint
+
+    def run(self, stop: threading.Event) -> None:
+        """Serve until ``stop`` is set; then close every session and the socket."""
+        if self._sock is None:
+            self.bind()
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not stop.is_set():
+                timeout = 10 if self._pending else min(POLL_MS, self.config.heartbeat_ms // 2 or 1)
+                events = dict(poller.poll(timeout))
+                if sock in events:
+                    # Drain what is queued, bounded so timers still run under load.
+                    for _ in range(256):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                self._finish_pending()
+                now = time.monotonic()
+                self._expire_sessions(now)
+                self._heartbeat(now)
+                self._call(self.handler.tick, now)
+                self._flush_outbox()
+        finally:
+            for session in list(self.sessions.values()):
+                self._close_session(session, "service stopping")
+            sock.close(0)
+            self._sock = None
+
+    # -- receiving ----------------------------------------------------------------------------
+    def _on_frames(self, frames: list) -> None:
+        self.counters["received"] += 1
+        routing_id = frames[0].bytes
+        body = frames[1:]
+        try:
+            msg = decode(body)
+        except BusError as err:
+            self.counters["malformed"] += 1
+            log.debug("malformed message from %r: %s", routing_id, err)
+            self._reply(routing_id, error_reply(request_id_of(body) if len(body) > 1 else 0, err))
+            return
+        if isinstance(msg, Hello):
+            self._on_hello(routing_id, msg)
+            return
+        session = self.sessions.get(routing_id)
+        try:
+            if session is None:
+                raise AuthRequired("no session: send Hello with a token first")
+            session.last_seen = time.monotonic()
+            if session.claims.expired():
+                self._close_session(session, "token expired")
+                raise AuthExpired("token expired; reconnect with a fresh token")
+            if isinstance(msg, Heartbeat):
+                session.stats = msg.stats
+                return
+            allowed = self.handler.roles.get(msg.type)
+            if allowed is None:
+                raise BadRequest(f"{msg.type} is not a request this service ({self.config.name}) serves")
+            if session.role not in allowed:
+                raise Forbidden(f"{msg.type} needs role {' or '.join(allowed)}; your token's role is "
+                                f"{session.role}")
+            reply = self.handler.handle(session, msg)
+        except BusError as err:
+            self._count_error(err)
+            self._reply(routing_id, error_reply(msg.id, err))
+            return
+        except Exception as err:  # noqa: BLE001 - a bug must not kill the service
+            log.exception("%s failed handling %s", self.config.name, msg.type)
+            self.counters["internal"] += 1
+            self._reply(routing_id, error_reply(msg.id, Internal(f"{type(err).__name__}: {err}")))
+            return
+        if isinstance(reply, Future):
+            self._pending.append((routing_id, msg.id, reply))
+        elif reply is not None:
+            reply.id = msg.id
+            self._reply(routing_id, reply)
+
+    def _on_hello(self, routing_id: bytes, hello: Hello) -> None:
+        try:
+            claims = verify_token(hello.token, self.config.secret, audience=self.config.audience)
+            if hello.role != claims.role:
+                raise Forbidden(f"Hello says role {hello.role!r} but the token grants {claims.role!r}")
+            old = self.sessions.get(routing_id)
+            if old is not None:
+                self._close_session(old, "replaced by a new Hello")
+            now = time.monotonic()
+            session = Session(sid=secrets.token_hex(8), routing_id=routing_id, claims=claims,
+                              hello=hello, opened=time.time(), last_seen=now,
+                              heartbeat=bool(hello.caps.get("heartbeat")))
+            self.handler.on_open(session)
+        except BusError as err:
+            self._count_error(err)
+            log.info("refused Hello from %r (%s): %s", hello.name, hello.role, err)
+            self._reply(routing_id, error_reply(hello.id, err))
+            return
+        self.sessions[routing_id] = session
+        self.by_sid[session.sid] = session
+        self.counters["sessions_opened"] += 1
+        log.info("session %s: %s %s (pid %s)", session.sid, hello.role, hello.name, hello.pid)
+        self._reply(routing_id, Welcome(id=hello.id, session=session.sid,
+                                        heartbeat_ms=self.config.heartbeat_ms))
+
+    # -- sending and timers -------------------------------------------------------------------
+    def _reply(self, routing_id: bytes, msg: Message) -> None:
+        if send_message(self._sock, msg, routing_id):
+            self.counters["sent"] += 1
+        else:
+            self.counters["send_dropped"] += 1
+
+    def _count_error(self, err: BusError) -> None:
+        self.counters[f"error_{err.code}"] += 1
+
+    def _finish_pending(self) -> None:
+        if not self._pending:
+            return
+        still = []
+        for routing_id, request_id, fut in self._pending:
+            if not fut.done():
+                still.append((routing_id, request_id, fut))
+                continue
+            err = fut.exception()
+            if err is None:
+                reply = fut.result()
+                reply.id = request_id
+            elif isinstance(err, BusError):
+                self._count_error(err)
+                reply = error_reply(request_id, err)
+            else:
+                log.error("%s: deferred work failed", self.config.name, exc_info=err)
+                reply = error_reply(request_id, Internal(f"{type(err).__name__}: {err}"))
+            self._reply(routing_id, reply)
+        self._pending = still
+
+    def _flush_outbox(self) -> None:
+        for sid, msg in self.handler.take_outbox():
+            session = self.by_sid.get(sid)
+            if session is not None:
+                self._reply(session.routing_id, msg)
+
+    def _heartbeat(self, now: float) -> None:
+        if now - self._last_beat < self.config.heartbeat_ms / 1000:
+            return
+        self._last_beat = now
+        beat = Heartbeat(stats={})
+        for session in self.sessions.values():
+            if session.heartbeat:
+                self._reply(session.routing_id, beat)
+
+    def _expire_sessions(self, now: float) -> None:
+        beat_limit = self.config.heartbeat_ms / 1000 * self.config.heartbeat_liveness
+        for session in list(self.sessions.values()):
+            limit = beat_limit if session.heartbeat else self.config.idle_session_s
+            if now - session.last_seen > limit:
+                self._close_session(session, f"silent for {now - session.last_seen:.1f} s")
+
+    def _close_session(self, session: Session, reason: str) -> None:
+        self.sessions.pop(session.routing_id, None)
+        self.by_sid.pop(session.sid, None)
+        self.counters["sessions_closed"] += 1
+        log.info("session %s (%s %s) closed: %s", session.sid, session.role, session.name, reason)
+        self._call(self.handler.on_close, session, reason)
+
+    def _call(self, fn: Callable, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - timers and callbacks must not kill the loop
+            log.exception("%s: %s failed", self.config.name, getattr(fn, "__name__", fn))
+
+    def stats(self) -> dict:
+        """Transport counters plus the handler's own metrics, for heartbeats and ``Stats``."""
+        return {"name": self.config.name, "endpoint": self.endpoint, "sessions": len(self.sessions),
+                "pending": len(self._pending), "counters": dict(self.counters),
+                **self.handler.stats()}

@@ -1,0 +1,1 @@
+"""batchbus services: router (control plane), provider (datasets), trainer (task loop and models)."""

@@ -1,0 +1,89 @@
+"""``busctl start provider``: bind the data socket, register with the router, serve until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+from libbus.config import Settings
+from libbus.errors import ConfigError
+from libbus.link import Link
+from libbus.server import Server
+
+from .. import runtime
+from .handler import ProviderHandler
+from .sources import open_source, parse_dataset_arg
+
+__all__ = ["ProviderService", "run_provider", "DEFAULT_BIND"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BIND = "tcp://127.0.0.1:0"
+
+
+class ProviderService:
+    """A provider: its data server plus its link to the router. ``start`` binds; ``run`` serves."""
+
+    def __init__(self, settings: Settings, ctx: zmq.Context | None = None):
+        if not settings.datasets:
+            raise ConfigError("a provider needs at least one --dataset NAME=URI (e.g. mnist=mock://mnist)")
+        self.settings = settings
+        self.name = runtime.service_name(settings, "provider")
+        self.ctx = ctx or zmq.Context.instance()
+        datasets = {}
+        for arg in settings.datasets:
+            name, uri = parse_dataset_arg(arg)
+            if name in datasets:
+                raise ConfigError(f"dataset name {name!r} is given twice")
+            datasets[name] = open_source(uri)
+        self.handler = ProviderHandler(datasets)
+        key = runtime.secret(settings)
+        bind = settings.bind or DEFAULT_BIND
+        self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name), self.ctx)
+        self.link: Link | None = None
+        self.endpoint = ""
+
+    def start(self) -> str:
+        """Bind the data socket and start registering with the router. Returns the data endpoint."""
+        bound = self.server.bind()
+        self.endpoint = self.settings.advertise or bound
+        if "0.0.0.0" in self.endpoint or "*" in self.endpoint:
+            raise ConfigError(f"provider bound {bound}; set --advertise to the address trainers should "
+                              "connect to")
+        caps = {"endpoint": self.endpoint, "datasets": self.handler.infos}
+        self.link = Link(self.settings.router, runtime.identity(self.settings, "provider", self.name, caps),
+                         heartbeat_ms=self.settings.heartbeat_ms, liveness=self.settings.heartbeat_liveness,
+                         stats=self.server.stats, ctx=self.ctx, limits=runtime.limits(self.settings))
+        self.link.start()
+        log.info("provider %s serving %s on %s", self.name, ", ".join(self.handler.datasets), self.endpoint)
+        return self.endpoint
+
+    def run(self, stop: threading.Event) -> None:
+        watcher = threading.Thread(target=self._watch_link, args=(stop,), daemon=True)
+        watcher.start()
+        try:
+            self.server.run(stop)
+        finally:
+            self.handler.close()
+            if self.link is not None:
+                self.link.close()
+
+    def _watch_link(self, stop: threading.Event) -> None:
+        """A router that refuses us for good (bad token) stops the provider with the reason."""
+        while not stop.wait(0.2):
+            if self.link is not None and self.link.fatal is not None:
+                log.error("router refused provider %s: %s", self.name, self.link.fatal)
+                stop.set()
+
+
+def run_provider(settings: Settings) -> int:
+    stop = threading.Event()
+    runtime.install_signal_handlers(stop)
+    service = ProviderService(settings)
+    service.start()
+    runtime.sd_notify("READY=1")
+    service.run(stop)
+    runtime.sd_notify("STOPPING=1")
+    return 1 if service.link is not None and service.link.fatal is not None else 0

@@ -1,0 +1,46 @@
+"""Scoring a model on a split that never leaves this node. Weights are loaded safely: safetensors
+only, never unpickled."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from safetensors.torch import load as load_safetensors
+
+from libbus.errors import BadRequest
+from services.models import build_model, evaluate
+
+from .sources import Source
+
+__all__ = ["evaluate_weights", "EVAL_CHUNK"]
+
+EVAL_CHUNK = 512
+
+
+def evaluate_weights(source: Source, split: str, model_spec: dict, blob: bytes,
+                     info: dict) -> tuple[float, float, int]:
+    """Build ``model_spec`` for ``info``, load safetensors ``blob`` into it, score it on ``split``.
+
+    Raises :class:`BadRequest` for a malformed spec, unreadable weights or weights that do not fit.
+    """
+    name = model_spec.get("name")
+    kwargs = model_spec.get("kwargs", {})
+    if not isinstance(name, str) or not isinstance(kwargs, dict):
+        raise BadRequest("Evaluate.model must be {\"name\": str, \"kwargs\": {...}}")
+    model = build_model(name, info, **kwargs)
+    try:
+        state = load_safetensors(blob)
+    except Exception as err:  # noqa: BLE001 - safetensors raises several types on bad bytes
+        raise BadRequest(f"weights are not a valid safetensors blob: {err}") from err
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise BadRequest(f"weights do not fit model {name!r}: {str(err).splitlines()[0]}") from err
+    n = source.num_samples(split)
+
+    def batches():
+        for start in range(0, n, EVAL_CHUNK):
+            x, y = source.read(split, np.arange(start, min(n, start + EVAL_CHUNK), dtype=np.int64))
+            yield torch.from_numpy(x), torch.from_numpy(y)
+
+    return evaluate(model, batches())

@@ -1,0 +1,1 @@
+"""The router: registration, discovery, the durable job queue, commands and statistics."""

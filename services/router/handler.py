@@ -1,0 +1,217 @@
+"""The router's logic: peers, discovery, jobs, commands, statistics. No sockets here."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from libbus.errors import BadRequest, Forbidden, NotFound
+from libbus.jobs import TERMINAL_STATES, JobSpec, dataset_name
+from libbus.messages import (Command, ControlJob, GetJob, GetTask, JobInfo, JobList, JobSubmitted, ListJobs,
+                             ListPeers, Message, NoTask, Ok, PeerList, Progress, PushResult, Resolve,
+                             Resolved, Stats, StatsReply, SubmitJob, Task)
+from libbus.server import Handler, Session
+
+from .store import JobStore
+
+__all__ = ["RouterHandler"]
+
+log = logging.getLogger(__name__)
+
+ADMIN = ("admin",)
+TRAINER = ("trainer",)
+COMMANDS = ("stop",)
+
+
+class RouterHandler(Handler):
+    """Registers providers and trainers, resolves datasets, runs the job queue.
+
+    Args:
+        store: the job database.
+        lease_grace_s: how long a running job's trainer may be absent before the job is requeued.
+        task_retry_ms: what ``NoTask`` tells an idle trainer to wait before asking again.
+    """
+
+    roles = {
+        "Resolve": ("trainer", "admin"),
+        "SubmitJob": ADMIN, "ListJobs": ADMIN, "GetJob": ADMIN, "ControlJob": ADMIN,
+        "ListPeers": ADMIN, "Stats": ("admin", "trainer"),
+        "GetTask": TRAINER, "Progress": TRAINER, "PushResult": TRAINER,
+    }
+
+    def __init__(self, store: JobStore, *, lease_grace_s: float = 10.0, task_retry_ms: int = 1000,
+                 server_stats: Callable[[], dict] = dict):
+        super().__init__()
+        self.store = store
+        self.lease_grace_s = lease_grace_s
+        self.task_retry_ms = task_retry_ms
+        self.server_stats = server_stats
+        self.peers: dict[str, Session] = {}
+        self.stop_requested: set[str] = set()
+        self._absent_since: dict[str, float] = {}
+        self._last_lease_check = 0.0
+
+    # -- sessions -----------------------------------------------------------------------------
+    def on_open(self, session: Session) -> None:
+        if session.role == "provider":
+            caps = session.hello.caps
+            endpoint, datasets = caps.get("endpoint"), caps.get("datasets")
+            if not isinstance(endpoint, str) or not endpoint:
+                raise BadRequest("a provider's Hello must carry caps.endpoint (its data socket)")
+            if not isinstance(datasets, dict) or not all(isinstance(v, dict) for v in datasets.values()):
+                raise BadRequest("a provider's Hello must carry caps.datasets {name: DatasetInfo}")
+            log.info("provider %s serves %s at %s", session.name, ", ".join(datasets) or "nothing", endpoint)
+        self.peers[session.sid] = session
+
+    def on_close(self, session: Session, reason: str) -> None:
+        self.peers.pop(session.sid, None)
+
+    def sessions_of(self, role: str) -> list[Session]:
+        return [s for s in self.peers.values() if s.role == role]
+
+    def trainer_session(self, name: str) -> Session | None:
+        for session in self.sessions_of("trainer"):
+            if session.name == name:
+                return session
+        return None
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def handle(self, session: Session, msg: Message) -> Message | None:
+        method = getattr(self, "on_" + msg.type, None)
+        if method is None:
+            raise BadRequest(f"router does not serve {msg.type}")
+        return method(session, msg)
+
+    def on_Resolve(self, session: Session, msg: Resolve) -> Resolved:
+        name = dataset_name(msg.dataset)
+        providers = []
+        info = None
+        for peer in self.sessions_of("provider"):
+            datasets = peer.hello.caps["datasets"]
+            if name in datasets:
+                info = info or datasets[name]
+                providers.append({"name": peer.name, "endpoint": peer.hello.caps["endpoint"],
+                                  "host_id": peer.hello.host_id})
+        if not providers:
+            online = sorted({f"{d} ({p.name})" for p in self.sessions_of("provider")
+                             for d in p.hello.caps["datasets"]})
+            raise NotFound(f"dataset {name!r} is not served by any provider; online: "
+                           f"{', '.join(online) or 'no providers'}")
+        return Resolved(dataset=name, info=info, providers=providers)
+
+    def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
+        spec = JobSpec.from_dict(msg.spec)
+        job = self.store.submit(spec)
+        log.info("job %s submitted by %s: %s %s on %s", job, session.name, spec.model, spec.optimizer,
+                 spec.dataset)
+        return JobSubmitted(job=job)
+
+    def on_ListJobs(self, session: Session, msg: ListJobs) -> JobList:
+        return JobList(jobs=self.store.list(msg.state, msg.limit))
+
+    def on_GetJob(self, session: Session, msg: GetJob) -> JobInfo:
+        return JobInfo(job=self.store.get(msg.job))
+
+    def on_ControlJob(self, session: Session, msg: ControlJob) -> Ok:
+        if msg.command not in COMMANDS:
+            raise BadRequest(f"unknown command {msg.command!r}; supported: {', '.join(COMMANDS)}")
+        job = self.store.get(msg.job, events=False)
+        if job["state"] in TERMINAL_STATES:
+            raise BadRequest(f"job {msg.job} already ended ({job['state']})")
+        if job["state"] == "queued":
+            self.store.finish(msg.job, "stopped", f"stopped by {session.name} before it ran")
+            return Ok(detail={"state": "stopped"})
+        trainer = self.trainer_session(job["trainer"])
+        if trainer is None:
+            self.store.finish(msg.job, "stopped", f"stopped by {session.name}; trainer {job['trainer']} absent")
+            return Ok(detail={"state": "stopped"})
+        self.stop_requested.add(msg.job)
+        self.push(trainer.sid, Command(job=msg.job, command="stop"))
+        log.info("job %s: stop requested by %s, sent to %s", msg.job, session.name, trainer.name)
+        return Ok(detail={"state": "stopping", "trainer": trainer.name})
+
+    def on_GetTask(self, session: Session, msg: GetTask) -> Task | NoTask:
+        # A trainer asking for work holds no job: anything still leased to it was abandoned.
+        for job in self.store.running():
+            if job["trainer"] == session.name:
+                self._requeue(job, f"trainer {session.name} asked for new work; its job was abandoned")
+        job = self.store.claim(session.name)
+        if job is None:
+            return NoTask(retry_ms=self.task_retry_ms)
+        log.info("job %s assigned to %s", job["id"], session.name)
+        return Task(job=job["id"], spec=job["spec"])
+
+    def _own_job(self, session: Session, job_id: str) -> dict:
+        job = self.store.get(job_id, events=False)
+        if job["state"] != "running" or job["trainer"] != session.name:
+            raise Forbidden(f"job {job_id} is not running on {session.name} (state {job['state']}, "
+                            f"trainer {job['trainer']}); abandon it")
+        return job
+
+    def on_Progress(self, session: Session, msg: Progress) -> Ok:
+        self._own_job(session, msg.job)
+        self.store.set_progress(msg.job, msg.progress)
+        return Ok(detail={"stop": msg.job in self.stop_requested})
+
+    def on_PushResult(self, session: Session, msg: PushResult) -> Ok:
+        self._own_job(session, msg.job)
+        reason = {"succeeded": f"finished on {session.name}",
+                  "stopped": f"stopped on {session.name}",
+                  "failed": f"failed on {session.name}: {msg.error}"}.get(msg.state, msg.state)
+        self.store.finish(msg.job, msg.state, reason, result=msg.result, error=msg.error)
+        self.stop_requested.discard(msg.job)
+        log.info("job %s %s: %s", msg.job, msg.state, msg.result or msg.error)
+        return Ok()
+
+    def on_ListPeers(self, session: Session, msg: ListPeers) -> PeerList:
+        peers = []
+        for peer in self.peers.values():
+            entry = peer.describe()
+            if peer.role == "provider":
+                entry["endpoint"] = peer.hello.caps["endpoint"]
+                entry["datasets"] = sorted(peer.hello.caps["datasets"])
+            peers.append(entry)
+        return PeerList(peers=peers)
+
+    def on_Stats(self, session: Session, msg: Stats) -> StatsReply:
+        services = {"router": {"role": "router", **self.server_stats()}}
+        for peer in self.peers.values():
+            if peer.heartbeat:
+                services[peer.name] = {"role": peer.role, **peer.stats}
+        return StatsReply(services=services)
+
+    # -- timers -------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Requeue running jobs whose trainer has been gone longer than the grace period."""
+        if now - self._last_lease_check < 0.5:
+            return
+        self._last_lease_check = now
+        connected = {s.name for s in self.sessions_of("trainer")}
+        running = self.store.running()
+        for job in running:
+            if job["trainer"] in connected:
+                self._absent_since.pop(job["id"], None)
+                continue
+            since = self._absent_since.setdefault(job["id"], now)
+            if now - since > self.lease_grace_s:
+                self._requeue(job, f"trainer {job['trainer']} gone for {now - since:.0f} s")
+        live = {job["id"] for job in running}
+        for job_id in list(self._absent_since):
+            if job_id not in live:
+                del self._absent_since[job_id]
+
+    def _requeue(self, job: dict, reason: str) -> None:
+        self._absent_since.pop(job["id"], None)
+        if job["id"] in self.stop_requested:
+            self.stop_requested.discard(job["id"])
+            self.store.finish(job["id"], "stopped", f"stop requested; {reason}")
+            return
+        log.warning("job %s requeued: %s", job["id"], reason)
+        self.store.requeue(job["id"], reason)
+
+    def stats(self) -> dict:
+        counts = {}
+        for row in self.store.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
+            counts[row[0]] = row[1]
+        return {"jobs": counts, "peers": {r: len(self.sessions_of(r)) for r in ("provider", "trainer", "admin")}}

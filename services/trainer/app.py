@@ -1,0 +1,119 @@
+"""``busctl start trainer``: ask the router for tasks, run them, push results, repeat."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+from libbus.config import Settings
+from libbus.errors import BusError, Forbidden, PeerTimeout
+from libbus.link import Link
+from libbus.messages import Command, GetTask, Message, NoTask, PushResult, Task
+
+from .. import runtime
+from .run import TaskRun
+
+__all__ = ["TrainerService", "run_trainer"]
+
+log = logging.getLogger(__name__)
+
+#: How long a finished task's result may wait for an absent router before it is given up.
+PUSH_RESULT_PATIENCE_S = 600.0
+
+
+class TrainerService:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.name = runtime.service_name(settings, "trainer")
+        self.identity = runtime.identity(settings, "trainer", self.name)
+        self.commands: queue.Queue[Command] = queue.Queue()
+        self.current_job: str | None = None
+        self.link = Link(settings.router, self.identity, heartbeat_ms=settings.heartbeat_ms,
+                         liveness=settings.heartbeat_liveness, on_push=self._on_push, stats=self.stats,
+                         limits=runtime.limits(settings))
+        if settings.torch_threads > 0:
+            torch.set_num_threads(settings.torch_threads)
+
+    def _on_push(self, msg: Message) -> None:
+        if isinstance(msg, Command):
+            self.commands.put(msg)
+
+    def stats(self) -> dict:
+        return {"job": self.current_job}
+
+    def run(self, stop: threading.Event) -> int:
+        self.link.start()
+        # A stop (SIGTERM) also ends a running task: it is put on the command queue.
+        watcher = threading.Thread(target=self._watch_stop, args=(stop,), daemon=True)
+        watcher.start()
+        try:
+            while not stop.is_set():
+                if self.link.fatal is not None:
+                    log.error("router refused trainer %s: %s", self.name, self.link.fatal)
+                    return 1
+                try:
+                    reply = self.link.request(GetTask(), timeout_s=self.settings.request_timeout_s)
+                except PeerTimeout:
+                    continue  # router away: keep asking
+                except BusError as err:
+                    if self.link.fatal is not None:
+                        continue
+                    log.warning("GetTask failed: %s", err)
+                    stop.wait(1.0)
+                    continue
+                if isinstance(reply, NoTask):
+                    stop.wait(reply.retry_ms / 1000)
+                elif isinstance(reply, Task):
+                    self._run_task(reply, stop)
+            return 0
+        finally:
+            self.link.close()
+
+    def _watch_stop(self, stop: threading.Event) -> None:
+        stop.wait()
+        if self.current_job:
+            self.commands.put(Command(job=self.current_job, command="shutdown"))
+
+    def _run_task(self, task: Task, stop: threading.Event) -> None:
+        while not self.commands.empty():  # commands for an earlier job are stale
+            self.commands.get_nowait()
+        self.current_job = task.job
+        log.info("running job %s", task.job)
+        try:
+            state, result, error = TaskRun(task, self.settings, self.link, self.identity, self.commands).run()
+        finally:
+            self.current_job = None
+        if stop.is_set() and state == "stopped":
+            log.info("job %s interrupted by shutdown; the router will requeue it", task.job)
+            return
+        self._push_result(PushResult(job=task.job, state=state, result=result, error=error), stop)
+
+    def _push_result(self, msg: PushResult, stop: threading.Event) -> None:
+        """Deliver the result, waiting out a router restart (bounded)."""
+        waited = 0.0
+        while waited < PUSH_RESULT_PATIENCE_S:
+            try:
+                self.link.request(msg, timeout_s=self.settings.request_timeout_s)
+                log.info("job %s: %s, result delivered", msg.job, msg.state)
+                return
+            except Forbidden as err:
+                log.warning("job %s: result refused: %s", msg.job, err)
+                return
+            except PeerTimeout:
+                waited += self.settings.request_timeout_s
+                if stop.is_set():
+                    break
+        log.error("job %s: could not deliver its result to the router; giving up", msg.job)
+
+
+def run_trainer(settings: Settings) -> int:
+    stop = threading.Event()
+    runtime.install_signal_handlers(stop)
+    service = TrainerService(settings)
+    runtime.sd_notify("READY=1")
+    code = service.run(stop)
+    runtime.sd_notify("STOPPING=1")
+    return code

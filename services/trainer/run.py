@@ -1,0 +1,168 @@
+"""One training task, from Resolve to PushResult: the part of the trainer that does the work."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import save as save_safetensors
+from torch import nn
+
+from libbus.client import Client, Identity
+from libbus.config import Settings
+from libbus.errors import BusError
+from libbus.jobs import JobSpec
+from libbus.link import Link
+from libbus.loader import RemoteLoader, pick_provider
+from libbus.messages import Command, Evaluate, Evaluation, Progress, Resolve, Task
+from services.models import build_model, evaluate
+
+__all__ = ["TaskRun", "Stopped"]
+
+log = logging.getLogger(__name__)
+
+#: An evaluation scores the whole test split on the provider: give it longer than a batch.
+EVALUATE_TIMEOUT_S = 300.0
+
+
+class Stopped(Exception):
+    """The router asked this task to stop."""
+
+
+def make_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+@dataclass
+class Meter:
+    """Running throughput and data-wait figures for progress reports."""
+    started: float = field(default_factory=time.monotonic)
+    samples: int = 0
+    loss_sum: float = 0.0
+    loss_n: int = 0
+
+    def add(self, n: int, loss: float) -> None:
+        self.samples += n
+        self.loss_sum += loss * n
+        self.loss_n += n
+
+    def take_loss(self) -> float:
+        loss = self.loss_sum / self.loss_n if self.loss_n else float("nan")
+        self.loss_sum, self.loss_n = 0.0, 0
+        return loss
+
+
+class TaskRun:
+    """Runs ``task`` to its end and returns the ``(state, result, error)`` to push to the router."""
+
+    def __init__(self, task: Task, settings: Settings, link: Link, identity: Identity,
+                 commands: "queue.Queue[Command]"):
+        self.task = task
+        self.job = task.job
+        self.spec = JobSpec.from_dict(task.spec)
+        self.settings = settings
+        self.link = link
+        self.identity = identity
+        self.commands = commands
+        self.history: list[dict] = []
+
+    def run(self) -> tuple[str, dict, str]:
+        try:
+            return "succeeded", self._train(), ""
+        except Stopped:
+            return "stopped", {"history": self.history}, ""
+        except BusError as err:
+            log.error("job %s failed: %s", self.job, err)
+            return "failed", {"history": self.history}, f"{type(err).__name__}: {err}"
+
+    def _check_commands(self) -> None:
+        while True:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd.job == self.job and cmd.command in ("stop", "shutdown"):
+                log.info("job %s: stop received", self.job)
+                raise Stopped
+
+    def _report(self, progress: dict) -> None:
+        reply = self.link.request(Progress(job=self.job, progress=progress), timeout_s=5.0)
+        if reply.detail.get("stop"):  # a stop whose push was lost still arrives here
+            raise Stopped
+
+    def _train(self) -> dict:
+        spec, s = self.spec, self.settings
+        resolved = self.link.request(Resolve(dataset=spec.dataset), timeout_s=s.request_timeout_s)
+        provider = pick_provider(resolved.providers, self.identity.host_id)
+        info = resolved.info
+        log.info("job %s: %s on %s from %s (%s)", self.job, spec.model, spec.dataset, provider["name"],
+                 provider["endpoint"])
+        torch.manual_seed(spec.seed)
+        model = build_model(spec.model, info, **spec.model_kwargs)
+        optimizer = make_optimizer(spec, model.parameters())
+        loss_fn = nn.CrossEntropyLoss()
+        common = dict(provider=provider["endpoint"], token=self.identity.token, batch_size=spec.batch_size,
+                      inflight=s.inflight, timeout_s=s.request_timeout_s, retries=s.request_retries,
+                      name=self.identity.name)
+        train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle, seed=spec.seed, **common)
+        val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common)
+        meter = Meter()
+        steps_per_epoch = len(train)
+        last_report = 0.0
+        step = 0
+        try:
+            for epoch in range(spec.epochs):
+                train.set_epoch(epoch)
+                model.train()
+                for x, y in train:
+                    self._check_commands()
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                    optimizer.step()
+                    step += 1
+                    meter.add(len(y), loss.item())
+                    now = time.monotonic()
+                    if now - last_report >= s.progress_interval_s:
+                        last_report = now
+                        self._report(self._progress(epoch, step, steps_per_epoch, meter, train))
+                val_loss, val_acc, _ = evaluate(model, val)
+                self.history.append({"epoch": epoch + 1, "train_loss": meter.take_loss(),
+                                     "val_loss": val_loss, "val_accuracy": val_acc})
+                log.info("job %s epoch %d/%d: val loss %.4f accuracy %.4f", self.job, epoch + 1,
+                         spec.epochs, val_loss, val_acc)
+                self._report(self._progress(epoch + 1, step, steps_per_epoch, meter, train))
+        finally:
+            train.close()
+            val.close()
+        result = {**self._progress(spec.epochs, step, steps_per_epoch, meter, train),
+                  "val_loss": self.history[-1]["val_loss"], "val_accuracy": self.history[-1]["val_accuracy"],
+                  "provider": provider["name"]}
+        if spec.evaluate:
+            self._check_commands()
+            evaluation = self._evaluate(model, provider["endpoint"])
+            result.update(test_loss=evaluation.loss, test_accuracy=evaluation.accuracy, test_n=evaluation.n)
+            log.info("job %s: provider-side test accuracy %.4f on %d samples", self.job,
+                     evaluation.accuracy, evaluation.n)
+        return result
+
+    def _progress(self, epoch: int, step: int, steps_per_epoch: int, meter: Meter,
+                  loader: RemoteLoader) -> dict:
+        elapsed = max(1e-9, time.monotonic() - meter.started)
+        last_loss = meter.loss_sum / meter.loss_n if meter.loss_n else None
+        return {"epoch": epoch, "epochs": self.spec.epochs, "step": step, "steps_per_epoch": steps_per_epoch,
+                "loss": last_loss, "samples": meter.samples, "samples_per_s": meter.samples / elapsed,
+                "data_wait_s": loader.wait_s, "data_wait_pct": 100.0 * loader.wait_s / elapsed,
+                "elapsed_s": elapsed, "history": self.history}
+
+    def _evaluate(self, model: nn.Module, endpoint: str) -> Evaluation:
+        blob = save_safetensors({k: v.detach().contiguous() for k, v in model.state_dict().items()})
+        msg = Evaluate(dataset=self.spec.dataset, job=self.job,
+                       model={"name": self.spec.model, "kwargs": self.spec.model_kwargs}, frames=[blob])
+        with Client(endpoint, self.identity, timeout_s=EVALUATE_TIMEOUT_S, retries=0) as client:
+            return client.request(msg)
