@@ -35,7 +35,7 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
                 within = p["step"] - p["epoch"] * p["steps_per_epoch"]
                 fields = dict(epoch=f"{epoch}/{p['epochs']}", loss=f"{p['loss']:.4f}" if p.get("loss") else "-",
                               rate=f"{p.get('samples_per_s', 0):.0f}")
-                if bar is None or len(history) > shown_epochs:
+                if bar is None or (len(history) > shown_epochs and p["epoch"] < p["epochs"]):
                     if bar is not None:
                         bars.update(bar, completed=p["steps_per_epoch"])
                     bar = bars.add_task("", total=p["steps_per_epoch"], **fields)

@@ -6,7 +6,8 @@ deterministic: the same request always returns the same bytes.
 
 - ``mock://mnist`` / ``mock://cifar10``: generated, *learnable* data with real shapes and sizes:
   each class is a smooth random pattern, each sample that pattern shifted by a few pixels, scaled
-  and covered in noise. ``?n=`` sets the train size (val and test are a fifth of it), ``?seed=``.
+  and covered in noise. ``?n=`` sets the train size (val and test are a fifth of it), ``?seed=``,
+  ``?noise=`` the noise's standard deviation (default 2.0; class patterns have about 1).
 - ``dummy://?shape=1,28,28&n=1000&classes=10&dtype=float32``: zeros, for benchmarks and loop tests.
 """
 
@@ -74,7 +75,7 @@ class MockImages(Source):
     CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
                    "truck"]
 
-    def __init__(self, uri: str, name: str, n: int | None = None, seed: int = 0, noise: float = 0.6):
+    def __init__(self, uri: str, name: str, n: int | None = None, seed: int = 0, noise: float = 2.0):
         if name not in self.SHAPES:
             raise DatasetError(f"{uri}: unknown mock dataset {name!r}; expected one of "
                                f"{', '.join(self.SHAPES)}")
@@ -169,7 +170,11 @@ def open_source(uri: str) -> Source:
     if parts.scheme == "mock":
         n = _int_param(uri, params, "n", None)
         seed = _int_param(uri, params, "seed", 0)
-        source = MockImages(uri, parts.netloc or parts.path.strip("/"), n=n, seed=seed)
+        try:
+            noise = float(params.pop("noise", 2.0))
+        except ValueError as err:
+            raise DatasetError(f"{uri}: 'noise' must be a number") from err
+        source = MockImages(uri, parts.netloc or parts.path.strip("/"), n=n, seed=seed, noise=noise)
     elif parts.scheme == "dummy":
         try:
             shape = tuple(int(s) for s in params.pop("shape", "1,28,28").split(",") if s)

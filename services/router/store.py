@@ -45,7 +45,8 @@ class JobStore:
     def __init__(self, path: str):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         try:
-            self.db = sqlite3.connect(path, isolation_level=None)  # explicit transactions below
+            # One thread uses the store at a time (the router loop), though not the one that opened it.
+            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
             self.db.executescript(SCHEMA)

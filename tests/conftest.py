@@ -1,0 +1,135 @@
+"""Fixtures: real services on real sockets (loopback TCP, random ports), real SQLite files."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import zmq
+
+from libbus.auth import ensure_secret, issue_token
+from libbus.client import Client, Identity
+from libbus.config import Settings, load_settings
+
+CLUSTER = "batchbus"
+
+
+@dataclass
+class Running:
+    service: object
+    endpoint: str
+    stop: threading.Event
+    thread: threading.Thread
+    settings: Settings
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "service did not stop within 10 s"
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    ensure_secret(tmp_path / "secret")
+    return tmp_path
+
+
+@pytest.fixture
+def secret(state_dir: Path) -> bytes:
+    return (state_dir / "secret").read_bytes().strip()
+
+
+@pytest.fixture
+def make_token(secret: bytes):
+    def make(role: str = "trainer", sub: str = "test", ttl_s: float = 600.0, key: bytes | None = None,
+             audience: str = CLUSTER) -> str:
+        return issue_token(key or secret, sub=sub, role=role, audience=audience, ttl_s=ttl_s)
+    return make
+
+
+@pytest.fixture
+def make_settings(state_dir: Path):
+    def make(**flags) -> Settings:
+        flags.setdefault("heartbeat_ms", 100)
+        flags.setdefault("heartbeat_liveness", 5)
+        flags.setdefault("request_timeout_s", 3.0)
+        flags.setdefault("request_retries", 1)
+        settings, _ = load_settings(env={}, flags={"state_dir": str(state_dir), **flags})
+        return settings
+    return make
+
+
+def _run(service, settings: Settings) -> Running:
+    endpoint = service.start()
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
+    thread.start()
+    return Running(service, endpoint, stop, thread, settings)
+
+
+@pytest.fixture
+def router(make_settings):
+    from services.router.app import RouterService
+    settings = make_settings(bind="tcp://127.0.0.1:0")
+    running = _run(RouterService(settings), settings)
+    yield running
+    running.shutdown()
+
+
+@pytest.fixture
+def start_provider(make_settings, router):
+    from services.provider.app import ProviderService
+    started = []
+
+    def start(*datasets: str, **flags) -> Running:
+        settings = make_settings(router=router.endpoint, datasets=list(datasets), **flags)
+        running = _run(ProviderService(settings), settings)
+        started.append(running)
+        assert running.service.link.wait_connected(10), "provider did not register with the router"
+        return running
+
+    yield start
+    for running in started:
+        running.shutdown()
+
+
+@pytest.fixture
+def provider(start_provider):
+    return start_provider("mnist=mock://mnist?n=600", "zeros=dummy://?shape=2,3&n=100&classes=4")
+
+
+@pytest.fixture
+def client_for(make_token):
+    """A connected-on-demand Client for an endpoint, closed after the test."""
+    clients = []
+
+    def make(endpoint: str, role: str = "trainer", token: str | None = None, **kw) -> Client:
+        kw.setdefault("timeout_s", 3.0)
+        kw.setdefault("retries", 0)
+        c = Client(endpoint, Identity(role=role, name=f"test-{role}", token=token or make_token(role)), **kw)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+@pytest.fixture
+def raw_dealer():
+    """A bare DEALER socket for sending hand-made frames."""
+    ctx = zmq.Context.instance()
+    socks = []
+
+    def make(endpoint: str) -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        socks.append(s)
+        return s
+
+    yield make
+    for s in socks:
+        s.close(0)

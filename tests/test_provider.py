@@ -1,0 +1,131 @@
+"""The provider on real sockets: data by index and range, the private split, range checks,
+malformed frames that leave it serving, and evaluation of safetensors weights on its test split."""
+
+import numpy as np
+import orjson
+import pytest
+import torch
+from safetensors.torch import save as save_safetensors
+
+from libbus.errors import BadRequest, NotFound, OutOfRange, SplitPrivate, TooLarge
+from libbus.messages import BatchRequest, DatasetInfoRequest, Evaluate, decode, encode
+from services.models import build_model
+from services.provider.sources import open_source
+
+MNIST = "mock://mnist?n=600"
+
+
+def indices_frame(idx) -> bytes:
+    return np.asarray(idx, dtype="<i8").tobytes()
+
+
+def arrays(reply):
+    x = np.frombuffer(reply.frames[0].buffer, reply.dtypes[0]).reshape(reply.shapes[0])
+    y = np.frombuffer(reply.frames[1].buffer, reply.dtypes[1]).reshape(reply.shapes[1])
+    return x, y
+
+
+def test_dataset_info_describes_splits_and_keeps_test_private(provider, client_for):
+    info = client_for(provider.endpoint).request(DatasetInfoRequest(dataset="mnist")).info
+    assert info["splits"]["train"] == {"num_samples": 600, "available": True, "shuffle": True}
+    assert info["splits"]["test"]["available"] is False
+    assert info["sample_shape"] == [1, 28, 28] and info["num_classes"] == 10 and info["dtype"] == "float32"
+
+
+def test_batches_by_indices_and_by_range_are_the_source_bytes(provider, client_for):
+    client = client_for(provider.endpoint)
+    source = open_source(MNIST)
+    idx = [5, 0, 599, 17, 17]
+    x, y = arrays(client.request(BatchRequest(dataset="mnist", split="train", frames=[indices_frame(idx)])))
+    want_x, want_y = source.read("train", np.array(idx))
+    assert np.array_equal(x, want_x) and np.array_equal(y, want_y)
+    x, y = arrays(client.request(BatchRequest(dataset="mnist", split="val", range=[10, 42])))
+    want_x, want_y = source.read("val", np.arange(10, 42))
+    assert x.shape == (32, 1, 28, 28) and np.array_equal(x, want_x) and np.array_equal(y, want_y)
+
+
+def test_the_test_split_never_leaves_the_provider(provider, client_for):
+    for role in ("trainer", "admin"):
+        with pytest.raises(SplitPrivate):
+            client_for(provider.endpoint, role=role).request(
+                BatchRequest(dataset="mnist", split="test", range=[0, 1]))
+    assert provider.service.handler.refused["split_private"] == 2
+
+
+@pytest.mark.parametrize("request_kw, error", [
+    (dict(range=[0, 601]), OutOfRange),
+    (dict(range=[-1, 3]), OutOfRange),
+    (dict(frames=[indices_frame([0, 600])]), OutOfRange),
+    (dict(frames=[indices_frame([3, -2])]), OutOfRange),
+    (dict(range=[5, 2]), BadRequest),
+    (dict(frames=[b"1234567"]), BadRequest),
+    (dict(), BadRequest),
+    (dict(range=[0, 1], frames=[indices_frame([0])]), BadRequest),
+    (dict(range=[0, 2_000_000]), TooLarge),
+    (dict(split="bogus", range=[0, 1]), BadRequest),
+    (dict(dataset="nope", range=[0, 1]), NotFound),
+])
+def test_bad_batch_requests_get_their_error(provider, client_for, request_kw, error):
+    kw = {"dataset": "mnist", "split": "train", **request_kw}
+    with pytest.raises(error):
+        client_for(provider.endpoint).request(BatchRequest(**kw))
+
+
+def test_malformed_frames_get_errors_and_the_provider_keeps_serving(provider, client_for, raw_dealer, make_token):
+    client = client_for(provider.endpoint)
+    client.hello()
+    sock = client.socket  # an authenticated connection, fed garbage
+    junk = [
+        [b"\x00\xff garbage"],
+        [b"BB1", b"{bad json"],
+        [b"BB1", orjson.dumps({"type": "Launch", "id": 1})],
+        [b"BB1", orjson.dumps({"type": "BatchRequest", "id": 2})],
+        [b"BB1", orjson.dumps({"type": "BatchRequest", "id": 3, "dataset": 5, "split": "train"})],
+        [b"BB1", orjson.dumps({"type": "Welcome", "id": 4, "session": "x", "heartbeat_ms": 1})],
+        [b"XXX", b"{}"],
+    ]
+    for frames in junk:
+        sock.send_multipart(frames)
+    codes = []
+    for _ in junk:
+        assert sock.poll(3000), "no reply to a malformed message"
+        codes.append(decode(sock.recv_multipart()).code)
+    assert codes == ["BAD_REQUEST"] * len(junk)
+    # oversize: a frame beyond MAXMSGSIZE makes libzmq drop that connection, not the service
+    big = raw_dealer(provider.endpoint)
+    big.send_multipart([b"BB1", b"{}", b"\0" * (provider.settings.max_msg_bytes + 1)])
+    x, _ = arrays(client.request(BatchRequest(dataset="mnist", split="train", range=[0, 4])))
+    assert x.shape == (4, 1, 28, 28)
+    counters = provider.service.server.counters
+    assert counters["malformed"] == len(junk) - 1 and counters["error_BAD_REQUEST"] >= 1  # Welcome parses
+
+
+def _weights(model) -> bytes:
+    return save_safetensors({k: v.contiguous() for k, v in model.state_dict().items()})
+
+
+def test_evaluate_scores_weights_on_the_private_split(provider, client_for):
+    info = client_for(provider.endpoint).request(DatasetInfoRequest(dataset="mnist")).info
+    torch.manual_seed(0)
+    model = build_model("mlp", info)
+    reply = client_for(provider.endpoint, timeout_s=60).request(
+        Evaluate(dataset="mnist", model={"name": "mlp", "kwargs": {}}, frames=[_weights(model)]))
+    assert reply.n == 120 and 0.0 <= reply.accuracy <= 1.0 and reply.loss > 0
+    # the same weights scored here, on the same data, give the same numbers
+    x, y = open_source(MNIST).read("test", np.arange(120))
+    with torch.no_grad():
+        logits = model(torch.from_numpy(x))
+    assert reply.accuracy == pytest.approx((logits.argmax(1) == torch.from_numpy(y)).float().mean().item())
+
+
+def test_evaluate_refuses_pickles_and_mismatched_weights(provider, client_for):
+    import pickle
+    client = client_for(provider.endpoint, timeout_s=30)
+    evil = pickle.dumps({"w": torch.zeros(3)})
+    with pytest.raises(BadRequest, match="safetensors"):
+        client.request(Evaluate(dataset="mnist", model={"name": "mlp", "kwargs": {}}, frames=[evil]))
+    wrong = _weights(torch.nn.Linear(3, 2))
+    with pytest.raises(BadRequest, match="do not fit"):
+        client.request(Evaluate(dataset="mnist", model={"name": "mlp", "kwargs": {}}, frames=[wrong]))
+    with pytest.raises(BadRequest, match="unknown model"):
+        client.request(Evaluate(dataset="mnist", model={"name": "resnet9000"}, frames=[wrong]))

@@ -1,0 +1,89 @@
+"""The frame format: every message round-trips; every malformed message is a BadRequest naming why."""
+
+import orjson
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from libbus import PROTOCOL
+from libbus.errors import BadRequest, BusError, TooLarge, error_from_code, ERROR_CODES, PeerTimeout
+from libbus.messages import (BatchRequest, BatchResponse, Evaluate, Hello, MESSAGE_TYPES, Progress, decode,
+                             encode, request_id_of)
+
+
+def head(**fields) -> bytes:
+    return orjson.dumps(fields)
+
+
+def test_hello_round_trips_with_every_field():
+    msg = Hello(id=7, role="trainer", name="t1", token="abc", host_id="h", pid=12, version="0.1",
+                caps={"heartbeat": True})
+    frames = encode(msg)
+    assert frames[0] == PROTOCOL
+    assert decode(frames) == msg
+
+
+def test_payload_frames_travel_apart_from_the_header():
+    msg = BatchResponse(id=3, shapes=[[2, 2], [2]], dtypes=["<f4", "<i8"], nbytes=32,
+                        frames=[b"\0" * 16, b"\1" * 16])
+    frames = encode(msg)
+    assert frames[2:] == [b"\0" * 16, b"\1" * 16]
+    assert b"\\u0000" not in frames[1] and b"frames" not in frames[1]
+    out = decode(frames)
+    assert out.frames == msg.frames and out.shapes == [[2, 2], [2]]
+
+
+@pytest.mark.parametrize("frames, words", [
+    ([b"BB1"], "at least 2 frames"),
+    ([b"XX9", head(type="Stats")], "protocol tag"),
+    ([b"BB1", b"{not json"], "not valid JSON"),
+    ([b"BB1", b"[1, 2]"], "JSON object"),
+    ([b"BB1", head(type="Nope")], "unknown message type"),
+    ([b"BB1", head(id=1)], "unknown message type"),
+    ([b"BB1", head(type="Hello", role="trainer", name="x")], "missing field 'token'"),
+    ([b"BB1", head(type="Hello", role=1, name="x", token="t")], "Hello.role must be a string"),
+    ([b"BB1", head(type="BatchRequest", dataset="d", split="train", range="0:3")], "range must be"),
+    ([b"BB1", head(type="BatchRequest", dataset="d", split="train"), b"a", b"b"], "payload frame"),
+    ([b"BB1", head(type="Evaluate", dataset="d", model={})], "payload frame"),
+    ([b"BB1", head(type="Progress", job="j", progress={}, id=True)], "Progress.id must be an integer"),
+])
+def test_malformed_messages_are_bad_requests_that_say_why(frames, words):
+    with pytest.raises(BadRequest, match=words):
+        decode(frames)
+
+
+def test_too_many_frames_is_too_large():
+    with pytest.raises(TooLarge):
+        decode([b"BB1", head(type="Stats")] + [b"x"] * 100)
+
+
+def test_request_id_survives_a_bad_message_so_the_error_can_be_matched():
+    assert request_id_of([b"BB1", head(type="Nope", id=42)]) == 42
+    assert request_id_of([b"BB1", b"garbage"]) == 0
+
+
+def test_every_wire_code_maps_back_to_its_exception_class():
+    for code, cls in ERROR_CODES.items():
+        err = error_from_code(code, "m")
+        assert type(err) is cls and err.code == code and str(err) == "m"
+    assert isinstance(PeerTimeout("x"), TimeoutError)
+    unknown = error_from_code("SOMETHING_NEW", "m")
+    assert type(unknown) is BusError and unknown.code == "SOMETHING_NEW"
+
+
+def test_every_message_type_is_registered_once():
+    assert {"Hello", "Welcome", "BatchRequest", "BatchResponse", "Evaluate", "SubmitJob", "GetTask",
+            "PushResult", "Command", "Error"} <= set(MESSAGE_TYPES)
+    assert Progress.type == "Progress" and BatchRequest.nframes == (0, 1) and Evaluate.nframes == (1, 1)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=5),
+       st.dictionaries(st.sampled_from(["type", "id", "dataset", "split", "range", "role", "token", "name"]),
+                       st.one_of(st.none(), st.integers(-2**63, 2**63 - 1), st.text(max_size=8), st.sampled_from(list(MESSAGE_TYPES)),
+                                 st.lists(st.integers(-2**63, 2**63 - 1), max_size=3)), max_size=6))
+def test_decode_never_fails_with_anything_but_a_bus_error(extra, header):
+    for frames in ([b"BB1", orjson.dumps(header), *extra], extra):
+        try:
+            decode(frames)
+        except BusError:
+            pass
