@@ -3,8 +3,6 @@ into libbus/services; errors print one line and exit non-zero."""
 
 from __future__ import annotations
 
-import os
-import time
 import tomllib
 from pathlib import Path
 from typing import Annotated, Optional
@@ -13,7 +11,6 @@ import typer
 
 from libbus.auth import ROLES, ensure_secret, issue_token, load_secret
 from libbus.config import load_settings
-from libbus.errors import ConfigError
 from libbus.jobs import JOB_STATES
 from libbus.messages import ControlJob, GetJob, ListJobs, ListPeers, Stats, SubmitJob
 

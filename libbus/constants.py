@@ -15,8 +15,8 @@ MAX_FRAMES = 16
 MAX_HEADER_BYTES = 1 * MiB
 #: Most indices in one BatchRequest.
 MAX_BATCH_INDICES = 1 << 20
-#: Largest batch a provider will assemble (data + labels).
-MAX_BATCH_BYTES = 512 * MiB
+#: Largest batch a provider will assemble (data + labels); below MAX_MSG_BYTES so a reply always fits.
+MAX_BATCH_BYTES = 128 * MiB
 
 #: How often peers exchange heartbeats, and how many missed intervals drop a peer.
 HEARTBEAT_MS = 1000

@@ -190,10 +190,13 @@ class Link:
                 break
             if msg.id == self._hello_id:
                 self._on_hello_reply(msg)
+            elif isinstance(msg, Error) and msg.code in ("AUTH_REQUIRED", "AUTH_EXPIRED"):
+                # The router forgot our session (it restarted, or our token expired), as the reply to
+                # a heartbeat or a request says: Hello again with a fresh token, then resend.
+                log.warning("router dropped our session (%s); saying Hello again", msg.code)
+                self._reconnect()
+                break
             elif msg.id in self._pending:
-                if isinstance(msg, Error) and msg.code == "AUTH_REQUIRED":
-                    self._reconnect()  # the router restarted and forgot us: Hello, then resend
-                    break
                 _, fut, _ = self._pending.pop(msg.id)
                 if isinstance(msg, Error):
                     fut.set_exception(error_from_code(msg.code, msg.message))

@@ -367,7 +367,10 @@ def _type_name(annotation: Any) -> str:
 def request_id_of(frames: list) -> int:
     """Best-effort ``id`` of a message that failed to decode, so its Error can still be matched (0 if none)."""
     try:
-        head = orjson.loads(_frame_bytes(frames[1]))
+        raw = _frame_bytes(frames[1])
+        if len(raw) > MAX_HEADER_BYTES:
+            return 0
+        head = orjson.loads(raw)
         rid = head.get("id", 0) if isinstance(head, dict) else 0
         return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
     except Exception:  # noqa: BLE001 - any garbage means "no id"

@@ -22,11 +22,10 @@ from typing import Callable
 
 import zmq
 
-from . import VERSION
 from .auth import Claims, verify_token
 from .constants import POLL_MS
-from .errors import AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal
-from .messages import (Error, Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of)
+from .errors import AuthExpired, AuthRequired, BadRequest, BusError, Forbidden, Internal
+from .messages import (Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of)
 from .sockets import SocketLimits, make_socket, send_message
 
 __all__ = ["Session", "Handler", "Server", "ServerConfig"]
@@ -57,7 +56,7 @@ class Session:
     def describe(self) -> dict:
         return {"session": self.sid, "name": self.name, "role": self.role, "host_id": self.hello.host_id,
                 "pid": self.hello.pid, "version": self.hello.version, "since": self.opened,
-                "last_seen": self.last_seen}
+                "last_seen": time.time() - (time.monotonic() - self.last_seen)}
 
 
 class Handler:

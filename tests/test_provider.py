@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from libbus.errors import BadRequest, NotFound, OutOfRange, SplitPrivate, TooLarge
-from libbus.messages import BatchRequest, DatasetInfoRequest, Evaluate, decode, encode
+from libbus.errors import BadRequest, BusError, NotFound, OutOfRange, SplitPrivate, TooLarge
+from libbus.messages import BatchRequest, DatasetInfoRequest, Evaluate, decode
 from services.models import build_model
 from services.provider.sources import open_source
 
@@ -127,5 +127,12 @@ def test_evaluate_refuses_pickles_and_mismatched_weights(provider, client_for):
     wrong = _weights(torch.nn.Linear(3, 2))
     with pytest.raises(BadRequest, match="do not fit"):
         client.request(Evaluate(dataset="mnist", model={"name": "mlp", "kwargs": {}}, frames=[wrong]))
-    with pytest.raises(BadRequest, match="unknown model"):
+    with pytest.raises(BusError, match="built-in models only"):
         client.request(Evaluate(dataset="mnist", model={"name": "resnet9000"}, frames=[wrong]))
+
+
+def test_evaluate_never_imports_code_named_by_a_peer(provider, client_for):
+    from libbus.errors import Forbidden
+    with pytest.raises(Forbidden, match="built-in models only"):
+        client_for(provider.endpoint, timeout_s=10).request(
+            Evaluate(dataset="mnist", model={"name": "os:system", "kwargs": {}}, frames=[b"x"]))

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 
-from libbus.errors import BadRequest
-from services.models import build_model, evaluate
+from libbus.errors import BadRequest, Forbidden
+from services.models import MODELS, build_model, evaluate
 
 from .sources import Source
 
@@ -27,6 +27,9 @@ def evaluate_weights(source: Source, split: str, model_spec: dict, blob: bytes,
     kwargs = model_spec.get("kwargs", {})
     if not isinstance(name, str) or not isinstance(kwargs, dict):
         raise BadRequest("Evaluate.model must be {\"name\": str, \"kwargs\": {...}}")
+    if name not in MODELS:
+        # module:factory would import and run code named by a remote peer: not on this node.
+        raise Forbidden(f"this provider evaluates built-in models only ({', '.join(MODELS)}), not {name!r}")
     model = build_model(name, info, **kwargs)
     try:
         state = load_safetensors(blob)

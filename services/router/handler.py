@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable
 
 from libbus.errors import BadRequest, Forbidden, NotFound
@@ -155,6 +154,9 @@ class RouterHandler(Handler):
         return Ok(detail={"stop": msg.job in self.stop_requested})
 
     def on_PushResult(self, session: Session, msg: PushResult) -> Ok:
+        job = self.store.get(msg.job, events=False)
+        if job["state"] == msg.state and job["trainer"] == session.name:
+            return Ok(detail={"duplicate": True})  # resent after a reconnect: already stored
         self._own_job(session, msg.job)
         reason = {"succeeded": f"finished on {session.name}",
                   "stopped": f"stopped on {session.name}",

@@ -1,0 +1,128 @@
+"""The router: its SQLite job store, discovery, heartbeats, and jobs whose trainer vanishes."""
+
+import time
+
+import pytest
+
+from libbus.client import Identity
+from libbus.errors import BadRequest, Forbidden, NotFound
+from libbus.jobs import JobSpec
+from libbus.link import Link
+from libbus.messages import (ControlJob, GetJob, GetTask, NoTask, Progress, PushResult, Resolve,
+                             Stats, SubmitJob, Task)
+from services.router.store import JobStore
+
+
+def test_store_survives_reopening_and_keeps_events(tmp_path):
+    path = str(tmp_path / "jobs.db")
+    store = JobStore(path)
+    low = store.submit(JobSpec.from_dict({"dataset": "a"}))
+    high = store.submit(JobSpec.from_dict({"dataset": "b", "priority": 5}))
+    assert store.claim("t1")["id"] == high            # priority first
+    store.finish(high, "succeeded", "done", result={"test_accuracy": 0.97})
+    store.close()
+    store = JobStore(path)
+    assert store.get(high)["result"] == {"test_accuracy": 0.97}
+    assert [e["state"] for e in store.get(high)["events"]] == ["queued", "running", "succeeded"]
+    assert store.claim("t2")["id"] == low
+    store.requeue(low, "trainer gone")
+    job = store.get(low)
+    assert job["state"] == "queued" and job["trainer"] is None and job["attempts"] == 1
+    assert store.claim("t3")["id"] == low and store.claim("t3") is None
+    store.close()
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({}, "needs 'dataset'"), ({"dataset": "a", "epochs": 0}, "epochs"), ({"dataset": "a", "lr": "fast"}, "lr"),
+    ({"dataset": "a", "optimizer": "lbfgs"}, "optimizer"), ({"dataset": "a", "colour": 1}, "unknown job field"),
+    ({"dataset": "remote://"}, "names nothing"),
+])
+def test_bad_job_specs_are_refused_naming_the_field(spec, words):
+    with pytest.raises(BadRequest, match=words):
+        JobSpec.from_dict(spec)
+
+
+def test_resolve_names_providers_and_what_is_online(router, provider, client_for):
+    admin = client_for(router.endpoint, role="admin")
+    resolved = admin.request(Resolve(dataset="remote://mnist"))
+    assert resolved.providers[0]["endpoint"] == provider.endpoint
+    assert resolved.info["splits"]["train"]["num_samples"] == 600
+    with pytest.raises(NotFound, match=r"'cifar' is not served by any provider; online: mnist \(provider"):
+        admin.request(Resolve(dataset="cifar"))
+
+
+def test_silent_peer_is_dropped_and_its_stats_were_carried(router, make_token):
+    link = Link(router.endpoint, Identity(role="trainer", name="beat", token=make_token()), heartbeat_ms=100,
+                stats=lambda: {"queue": 3}).start()
+    assert link.wait_connected(5)
+    time.sleep(0.3)
+    admin_stats = router.service.handler.on_Stats(None, Stats()).services
+    assert admin_stats["beat"] == {"role": "trainer", "queue": 3}
+    link.close()
+    deadline = time.monotonic() + 5
+    while any(p.name == "beat" for p in router.service.handler.peers.values()):
+        assert time.monotonic() < deadline, "silent trainer never dropped"
+        time.sleep(0.05)
+    # 5 intervals of 100 ms: dropped well within a few seconds of going silent
+
+
+def test_job_of_a_vanished_trainer_is_requeued_and_stale_reports_refused(router, client_for):
+    admin = client_for(router.endpoint, role="admin")
+    job = admin.request(SubmitJob(spec={"dataset": "mnist", "epochs": 1})).job
+    first = client_for(router.endpoint, role="trainer")
+    task = first.request(GetTask())
+    assert isinstance(task, Task) and task.job == job
+    first.close()  # the trainer's session goes silent, then its job's lease lapses
+    router.service.server.config.idle_session_s = 0.2
+    deadline = time.monotonic() + 10
+    while admin.request(GetJob(job=job)).job["state"] != "queued":
+        assert time.monotonic() < deadline, "job never requeued"
+        time.sleep(0.1)
+    second = client_for(router.endpoint, role="trainer")
+    assert second.request(GetTask()).job == job
+    events = [e["state"] for e in admin.request(GetJob(job=job)).job["events"]]
+    assert events == ["queued", "running", "queued", "running"]
+    first.identity.name = "test-trainer-old"
+    with pytest.raises(Forbidden, match="not running on"):
+        first.request(Progress(job=job, progress={}))
+
+
+def test_stop_reaches_a_queued_job_and_a_running_trainer(router, client_for):
+    admin = client_for(router.endpoint, role="admin")
+    queued = admin.request(SubmitJob(spec={"dataset": "mnist"})).job
+    assert admin.request(ControlJob(job=queued, command="stop")).detail["state"] == "stopped"
+    with pytest.raises(BadRequest, match="already ended"):
+        admin.request(ControlJob(job=queued, command="stop"))
+    with pytest.raises(BadRequest, match="unknown command"):
+        admin.request(ControlJob(job=queued, command="explode"))
+    running = admin.request(SubmitJob(spec={"dataset": "mnist"})).job
+    trainer = client_for(router.endpoint, role="trainer")
+    assert trainer.request(GetTask()).job == running
+    assert admin.request(ControlJob(job=running, command="stop")).detail["state"] == "stopping"
+    reply = trainer.request(Progress(job=running, progress={"step": 1}))
+    assert reply.detail["stop"] is True          # told on its next report, even if the push were lost
+    pushed = [m for m in trainer.pushes if m.type == "Command"]
+    assert [(m.job, m.command) for m in pushed] == [(running, "stop")]
+    trainer.request(PushResult(job=running, state="stopped"))
+    assert admin.request(GetJob(job=running)).job["state"] == "stopped"
+    assert isinstance(trainer.request(GetTask()), NoTask)
+
+
+def test_a_restarted_router_gets_its_providers_back(router, provider, client_for, make_settings):
+    from services.router.app import RouterService
+    from tests.conftest import _run
+    router.shutdown()  # the router dies; the provider keeps running
+    settings = make_settings(bind=router.endpoint)
+    again = _run(RouterService(settings), settings)
+    try:
+        admin = client_for(router.endpoint, role="admin")
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                assert admin.request(Resolve(dataset="mnist")).providers[0]["endpoint"] == provider.endpoint
+                break
+            except NotFound:
+                assert time.monotonic() < deadline, "provider never re-registered"
+                time.sleep(0.2)
+    finally:
+        again.shutdown()
