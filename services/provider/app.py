@@ -16,7 +16,7 @@ from .. import runtime
 from .handler import ProviderHandler
 from .sources import open_source, parse_dataset_arg
 
-__all__ = ["ProviderService", "run_provider", "DEFAULT_BIND"]
+__all__ = ["ProviderService", "DEFAULT_BIND"]
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,3 @@ class ProviderService:
                 log.error("router refused provider %s: %s", self.name, self.link.fatal)
                 stop.set()
 
-
-def run_provider(settings: Settings) -> int:
-    stop = threading.Event()
-    runtime.install_signal_handlers(stop)
-    service = ProviderService(settings)
-    service.start()
-    runtime.sd_notify("READY=1")
-    service.run(stop)
-    runtime.sd_notify("STOPPING=1")
-    return 1 if service.link is not None and service.link.fatal is not None else 0

@@ -14,7 +14,7 @@ from .. import runtime
 from .handler import RouterHandler
 from .store import JobStore
 
-__all__ = ["RouterService", "run_router"]
+__all__ = ["RouterService"]
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +42,3 @@ class RouterService:
         finally:
             self.store.close()
 
-
-def run_router(settings: Settings) -> int:
-    stop = threading.Event()
-    runtime.install_signal_handlers(stop)
-    service = RouterService(settings)
-    service.start()
-    runtime.sd_notify("READY=1")
-    service.run(stop)
-    runtime.sd_notify("STOPPING=1")
-    return 0
