@@ -14,8 +14,10 @@ deterministic: the same request always returns the same bytes.
 from __future__ import annotations
 
 import hashlib
+import math
 from abc import ABC, abstractmethod
-from urllib.parse import parse_qs, urlsplit
+from typing import Callable
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
 import numpy as np
 
@@ -35,6 +37,8 @@ class Source(ABC):
     sample_shape: tuple[int, ...]
     dtype: np.dtype
     label_dtype: np.dtype = np.dtype(np.int64)
+    #: Shape of one sample's label: ``()`` for a class id; ``(0,)`` for sources without labels.
+    label_shape: tuple[int, ...] = ()
     num_classes: int = 0
     class_names: list[str] = []
     kind: str = "image"
@@ -43,13 +47,40 @@ class Source(ABC):
     def num_samples(self, split: str) -> int:
         """How many samples ``split`` has."""
 
-    @abstractmethod
+    # A source implements at least one of read / read_into; each has a default built on the other.
+    # Generated sources implement ``read``; file-backed ones ``read_into``, so that a batch can be
+    # read from disk straight into its destination (a shared-memory ring slot) with no temporary.
     def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Samples and labels at ``indices`` (already checked to be in range), C-contiguous."""
+        x = np.empty((len(indices), *self.sample_shape), self.dtype)
+        y = np.empty((len(indices), *self.label_shape), self.label_dtype)
+        self.read_into(split, indices, x, y)
+        return x, y
+
+    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        """Write the samples and labels at ``indices`` into ``x`` and ``y``.
+
+        ``x`` has shape ``(len(indices), *sample_shape)`` and ``dtype``; ``y`` has shape
+        ``(len(indices), *label_shape)`` and ``label_dtype``; both C-contiguous, possibly views of
+        shared memory.
+        """
+        xs, ys = self.read(split, indices)
+        x[...] = xs
+        y[...] = ys
+
+    @property
+    def x_nbytes(self) -> int:
+        """Bytes of one sample."""
+        return math.prod(self.sample_shape) * self.dtype.itemsize
+
+    @property
+    def y_nbytes(self) -> int:
+        """Bytes of one sample's label."""
+        return math.prod(self.label_shape) * self.label_dtype.itemsize
 
     @property
     def sample_nbytes(self) -> int:
-        return int(np.prod(self.sample_shape)) * self.dtype.itemsize + self.label_dtype.itemsize
+        return self.x_nbytes + self.y_nbytes
 
     def info(self) -> dict:
         splits = {}
@@ -58,7 +89,7 @@ class Source(ABC):
             splits[split] = {"num_samples": self.num_samples(split), "available": not private,
                              "shuffle": not private}
         return {"uri": self.uri, "splits": splits, "sample_shape": list(self.sample_shape),
-                "label_shape": [], "dtype": self.dtype.name, "label_dtype": self.label_dtype.name,
+                "label_shape": list(self.label_shape), "dtype": self.dtype.name, "label_dtype": self.label_dtype.name,
                 "num_classes": self.num_classes, "class_names": list(self.class_names),
                 "kind": self.kind}
 
@@ -162,34 +193,49 @@ def _int_param(uri: str, params: dict, key: str, default: int | None) -> int | N
         raise DatasetError(f"{uri}: '{key}' must be an integer") from err
 
 
+def _open_mock(uri: str, parts, params: dict) -> Source:
+    name = parts.netloc or parts.path.strip("/")
+    n = _int_param(uri, params, "n", None)
+    seed = _int_param(uri, params, "seed", 0)
+    try:
+        noise = float(params.pop("noise", 2.0))
+    except ValueError as err:
+        raise DatasetError(f"{uri}: 'noise' must be a number") from err
+    return MockImages(uri, name, n=n, seed=seed, noise=noise)
+
+
+def _open_dummy(uri: str, parts, params: dict) -> Source:
+    try:
+        shape = tuple(int(s) for s in params.pop("shape", "1,28,28").split(",") if s)
+    except ValueError as err:
+        raise DatasetError(f"{uri}: shape must be comma-separated integers, e.g. 3,32,32") from err
+    if not shape or any(s < 1 for s in shape):
+        raise DatasetError(f"{uri}: shape must be positive integers, got {shape}")
+    n = _int_param(uri, params, "n", 1000)
+    classes = _int_param(uri, params, "classes", 10)
+    if n < 1 or classes < 1:
+        raise DatasetError(f"{uri}: n and classes must be at least 1")
+    return Dummy(uri, shape, n, classes, params.pop("dtype", "float32"))
+
+
+#: scheme → opener(uri, urlsplit parts, query params) → Source. An opener pops the parameters it
+#: understands; whatever is left is reported as unknown.
+OPENERS: dict[str, Callable[[str, SplitResult, dict], Source]] = {
+    "mock": _open_mock,
+    "dummy": _open_dummy,
+}
+
+
 def open_source(uri: str) -> Source:
     """Build the source a URI names. Raises :class:`DatasetError` saying what is wrong with it."""
     parts = urlsplit(uri)
     raw = parse_qs(parts.query, keep_blank_values=True)
     params = {k: v[-1] for k, v in raw.items()}
-    if parts.scheme == "mock":
-        n = _int_param(uri, params, "n", None)
-        seed = _int_param(uri, params, "seed", 0)
-        try:
-            noise = float(params.pop("noise", 2.0))
-        except ValueError as err:
-            raise DatasetError(f"{uri}: 'noise' must be a number") from err
-        source = MockImages(uri, parts.netloc or parts.path.strip("/"), n=n, seed=seed, noise=noise)
-    elif parts.scheme == "dummy":
-        try:
-            shape = tuple(int(s) for s in params.pop("shape", "1,28,28").split(",") if s)
-        except ValueError as err:
-            raise DatasetError(f"{uri}: shape must be comma-separated integers, e.g. 3,32,32") from err
-        if not shape or any(s < 1 for s in shape):
-            raise DatasetError(f"{uri}: shape must be positive integers, got {shape}")
-        n = _int_param(uri, params, "n", 1000)
-        classes = _int_param(uri, params, "classes", 10)
-        if n < 1 or classes < 1:
-            raise DatasetError(f"{uri}: n and classes must be at least 1")
-        source = Dummy(uri, shape, n, classes, params.pop("dtype", "float32"))
-    else:
-        raise DatasetError(f"unsupported dataset URI {uri!r}: known schemes are mock:// and dummy:// "
-                           "(file:// and others arrive with the datasets work)")
+    opener = OPENERS.get(parts.scheme)
+    if opener is None:
+        raise DatasetError(f"unsupported dataset URI {uri!r}: known schemes are "
+                           f"{', '.join(s + '://' for s in OPENERS)}")
+    source = opener(uri, parts, params)
     if params:
         raise DatasetError(f"{uri}: unknown parameter(s) {', '.join(sorted(params))}")
     return source
