@@ -195,6 +195,9 @@ def _int_param(uri: str, params: dict, key: str, default: int | None) -> int | N
 
 def _open_mock(uri: str, parts, params: dict) -> Source:
     name = parts.netloc or parts.path.strip("/")
+    if name == "tokens":
+        from .tokens import open_mock_tokens  # noqa: PLC0415 - keeps this module's imports light
+        return open_mock_tokens(uri, parts, params)
     n = _int_param(uri, params, "n", None)
     seed = _int_param(uri, params, "seed", 0)
     try:
@@ -218,11 +221,17 @@ def _open_dummy(uri: str, parts, params: dict) -> Source:
     return Dummy(uri, shape, n, classes, params.pop("dtype", "float32"))
 
 
+def _open_file(uri: str, parts, params: dict) -> Source:
+    from .files import open_file_source  # noqa: PLC0415
+    return open_file_source(uri, parts, params)
+
+
 #: scheme → opener(uri, urlsplit parts, query params) → Source. An opener pops the parameters it
 #: understands; whatever is left is reported as unknown.
 OPENERS: dict[str, Callable[[str, SplitResult, dict], Source]] = {
     "mock": _open_mock,
     "dummy": _open_dummy,
+    "file": _open_file,
 }
 
 
