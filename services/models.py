@@ -1,7 +1,17 @@
-"""Built-in models, and loading a user's own (``module:factory``), shared by trainer and provider.
+"""Built-in models, loading a user's own (``module:factory``), and the training objective: shared by
+trainer and provider.
 
-Every model is built from the dataset's DatasetInfo (input shape, number of classes), so the same
-spec builds the same architecture on the trainer that trains it and the provider that evaluates it.
+Every model is built from the dataset's DatasetInfo (input shape, number of classes, ``kind``), so the
+same spec builds the same architecture on the trainer that trains it and the provider that evaluates it.
+
+How a batch becomes predictions and targets depends on the dataset's ``kind`` and lives in one place,
+:func:`predictions`, used by both the trainer's step (:func:`batch_loss`) and :func:`evaluate`:
+
+- ``image`` (any fixed-size sample with a class label): ``model(x)`` is ``(B, classes)`` logits, the
+  targets are ``y``.
+- ``tokens`` (samples of ``seq_len + 1`` tokens, no labels): the model reads ``x[:, :-1]`` as int64
+  ids and returns ``(B, seq_len, vocab)`` logits; the targets are ``x[:, 1:]`` (next-token loss over
+  every position). A user's ``module:factory`` model for a token dataset follows the same contract.
 """
 
 from __future__ import annotations
@@ -14,10 +24,34 @@ from torch import nn
 
 from libbus.errors import BadRequest
 
-__all__ = ["build_model", "evaluate", "MODELS"]
+__all__ = [
+    "MODELS",
+    "TOKENS",
+    "TinyLM",
+    "batch_loss",
+    "build_model",
+    "dataset_kind",
+    "evaluate",
+    "predictions",
+]
+
+#: DatasetInfo ``kind`` of token datasets; every other kind is classified sample by sample.
+TOKENS = "tokens"
+
+
+def dataset_kind(info: dict) -> str:
+    """The dataset's ``kind`` from its DatasetInfo; sources that predate the field are images."""
+    return info.get("kind", "image")
+
+
+def _refuse_tokens(model: str, info: dict) -> None:
+    if dataset_kind(info) == TOKENS:
+        raise BadRequest(f"model {model!r} classifies fixed-size samples, but this is a token dataset "
+                         f"(sample_shape {info.get('sample_shape')}); use model 'tiny-lm' for tokens")
 
 
 def _mlp(info: dict, hidden: int = 256) -> nn.Module:
+    _refuse_tokens("mlp", info)
     features = math.prod(info["sample_shape"])
     return nn.Sequential(nn.Flatten(), nn.Linear(features, hidden), nn.ReLU(),
                          nn.Linear(hidden, hidden // 2), nn.ReLU(),
@@ -25,6 +59,7 @@ def _mlp(info: dict, hidden: int = 256) -> nn.Module:
 
 
 def _cnn(info: dict, width: int = 16) -> nn.Module:
+    _refuse_tokens("cnn", info)
     shape = info["sample_shape"]
     if len(shape) != 3:
         raise BadRequest(f"model 'cnn' needs image samples (C, H, W); this dataset's are {shape}")
@@ -36,15 +71,62 @@ def _cnn(info: dict, width: int = 16) -> nn.Module:
         nn.Linear(width * 2 * 16, 64), nn.ReLU(), nn.Linear(64, info["num_classes"]))
 
 
-MODELS = {"mlp": _mlp, "cnn": _cnn}
+class TinyLM(nn.Module):
+    """A small causal transformer language model: token ids ``(B, T)`` → next-token logits ``(B, T, vocab)``.
+
+    Token embedding plus learned positions, ``layers`` pre-norm transformer blocks under a causal mask
+    (position ``t`` sees positions ``<= t`` only), a final norm and a linear head. ``T`` may be anything
+    up to ``seq_len``.
+    """
+
+    def __init__(self, vocab: int, seq_len: int, d_model: int = 64, heads: int = 4, layers: int = 2,
+                 ff: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.seq_len = seq_len
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
+        nn.init.normal_(self.pos, std=0.02)
+        block = nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=ff * d_model, dropout=dropout,
+                                           activation="gelu", batch_first=True, norm_first=True)
+        # nested tensors only serve padding masks, which a causal LM on fixed-length sequences lacks
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.seq_len:
+            raise ValueError(f"tiny-lm was built for sequences of at most {self.seq_len} tokens, got {length}")
+        h = self.embed(tokens) + self.pos[:length]
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device, dtype=h.dtype)
+        h = self.blocks(h, mask=mask, is_causal=True)
+        return self.head(self.norm(h))
+
+
+def _tiny_lm(info: dict, d_model: int = 64, heads: int = 4, layers: int = 2, ff: int = 4,
+             dropout: float = 0.0) -> nn.Module:
+    if dataset_kind(info) != TOKENS:
+        raise BadRequest(f"model 'tiny-lm' needs a token dataset (kind 'tokens'); this one is "
+                         f"{dataset_kind(info)!r} with samples {info.get('sample_shape')}: use 'mlp' or 'cnn'")
+    vocab = info.get("vocab_size") or info["num_classes"]
+    seq_len = info.get("seq_len") or info["sample_shape"][0] - 1
+    if seq_len < 1:
+        raise BadRequest(f"token dataset has seq_len {seq_len}; tiny-lm needs at least 1")
+    if d_model % heads:
+        raise BadRequest(f"tiny-lm: d_model ({d_model}) must be a multiple of heads ({heads})")
+    return TinyLM(vocab, seq_len, d_model=d_model, heads=heads, layers=layers, ff=ff, dropout=dropout)
+
+
+MODELS = {"mlp": _mlp, "cnn": _cnn, "tiny-lm": _tiny_lm}
 
 
 def build_model(name: str, info: dict, **kwargs) -> nn.Module:
     """The model ``name`` for a dataset described by ``info`` (DatasetInfo fields).
 
-    ``name`` is a built-in (``mlp``, ``cnn``) or ``package.module:factory``, a callable taking
-    ``(info, **kwargs)`` and returning an ``nn.Module``. Raises :class:`BadRequest` for an unknown
-    model or arguments it does not take.
+    ``name`` is a built-in (``mlp``, ``cnn`` for labelled samples, ``tiny-lm`` for token datasets)
+    or ``package.module:factory``, a callable taking ``(info, **kwargs)`` and returning an
+    ``nn.Module``. Raises :class:`BadRequest` for an unknown model, arguments it does not take, or a
+    built-in that does not fit the dataset's kind.
     """
     if info.get("num_classes", 0) < 1:
         raise BadRequest("classification models need a dataset with num_classes >= 1")
@@ -68,16 +150,41 @@ def build_model(name: str, info: dict, **kwargs) -> nn.Module:
     return model
 
 
+def predictions(model: nn.Module, x: torch.Tensor, y: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``model`` on a batch: ``(logits (N, classes), targets (N,))``, one row per prediction.
+
+    ``kind`` is the dataset's DatasetInfo ``kind``; see the module doc for what each kind predicts.
+    For tokens, N is batch × seq_len; otherwise it is the batch size.
+    """
+    if kind == TOKENS:
+        # Token tensors arrive as uint16/uint32 (the wire dtype); embeddings and cross-entropy need int64.
+        tokens = x.long()
+        logits = model(tokens[:, :-1])
+        return logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+    return model(x), y
+
+
+def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, kind: str) -> torch.Tensor:
+    """Mean cross-entropy of ``model`` on one batch, for its training step (see :func:`predictions`)."""
+    logits, targets = predictions(model, x, y, kind)
+    return nn.functional.cross_entropy(logits, targets)
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, batches) -> tuple[float, float, int]:
-    """Mean cross-entropy loss, accuracy and sample count of ``model`` over ``(x, y)`` batches."""
+def evaluate(model: nn.Module, batches, kind: str = "image") -> tuple[float, float, int]:
+    """Mean cross-entropy loss, accuracy and sample count of ``model`` over ``(x, y)`` batches.
+
+    Loss and accuracy are per prediction (per next token for ``kind="tokens"``); the count is of
+    samples (sequences for tokens).
+    """
     model.eval()
-    total_loss, correct, n = 0.0, 0, 0
+    total_loss, correct, predicted, n = 0.0, 0, 0, 0
     for x, y in batches:
-        logits = model(x)
-        total_loss += nn.functional.cross_entropy(logits, y, reduction="sum").item()
-        correct += (logits.argmax(1) == y).sum().item()
-        n += len(y)
-    if n == 0:
-        return 0.0, 0.0, 0
-    return total_loss / n, correct / n, n
+        logits, targets = predictions(model, x, y, kind)
+        total_loss += nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        correct += (logits.argmax(1) == targets).sum().item()
+        predicted += len(targets)
+        n += len(x)
+    if predicted == 0:
+        return 0.0, 0.0, n
+    return total_loss / predicted, correct / predicted, n

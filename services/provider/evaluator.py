@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from libbus.errors import BadRequest, Forbidden
-from services.models import MODELS, build_model, evaluate
+from services.models import MODELS, build_model, dataset_kind, evaluate
 
 from .sources import Source
 
-__all__ = ["evaluate_weights", "EVAL_CHUNK"]
+__all__ = ["EVAL_CHUNK", "evaluate_weights"]
 
 EVAL_CHUNK = 512
 
@@ -33,7 +33,7 @@ def evaluate_weights(source: Source, split: str, model_spec: dict, blob: bytes,
     model = build_model(name, info, **kwargs)
     try:
         state = load_safetensors(blob)
-    except Exception as err:  # noqa: BLE001 - safetensors raises several types on bad bytes
+    except Exception as err:
         raise BadRequest(f"weights are not a valid safetensors blob: {err}") from err
     try:
         model.load_state_dict(state)
@@ -46,4 +46,4 @@ def evaluate_weights(source: Source, split: str, model_spec: dict, blob: bytes,
             x, y = source.read(split, np.arange(start, min(n, start + EVAL_CHUNK), dtype=np.int64))
             yield torch.from_numpy(x), torch.from_numpy(y)
 
-    return evaluate(model, batches())
+    return evaluate(model, batches(), dataset_kind(info))

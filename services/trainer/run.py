@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from dataclasses import dataclass, field
@@ -18,14 +19,19 @@ from libbus.jobs import JobSpec
 from libbus.link import Link
 from libbus.loader import RemoteLoader, pick_provider
 from libbus.messages import Command, Evaluate, Evaluation, Progress, Resolve, Task
-from services.models import build_model, evaluate
+from services.models import TOKENS, batch_loss, build_model, dataset_kind, evaluate
 
-__all__ = ["TaskRun", "Stopped"]
+__all__ = ["Stopped", "TaskRun"]
 
 log = logging.getLogger(__name__)
 
 #: An evaluation scores the whole test split on the provider: give it longer than a batch.
 EVALUATE_TIMEOUT_S = 300.0
+
+
+def _perplexity(loss: float) -> float:
+    """exp(mean next-token loss), capped so that a diverged run reports a number JSON can carry."""
+    return math.exp(min(loss, 700.0))
 
 
 class Stopped(Exception):
@@ -61,7 +67,7 @@ class TaskRun:
     """Runs ``task`` to its end and returns the ``(state, result, error)`` to push to the router."""
 
     def __init__(self, task: Task, settings: Settings, link: Link, identity: Identity,
-                 commands: "queue.Queue[Command]"):
+                 commands: queue.Queue[Command]):
         self.task = task
         self.job = task.job
         self.spec = JobSpec.from_dict(task.spec)
@@ -105,10 +111,10 @@ class TaskRun:
         torch.manual_seed(spec.seed)
         model = build_model(spec.model, info, **spec.model_kwargs)
         optimizer = make_optimizer(spec, model.parameters())
-        loss_fn = nn.CrossEntropyLoss()
-        common = dict(provider=provider["endpoint"], token=self.identity.token, batch_size=spec.batch_size,
-                      inflight=s.inflight, timeout_s=s.request_timeout_s, retries=s.request_retries,
-                      name=self.identity.name)
+        kind = dataset_kind(info)
+        common = {"provider": provider["endpoint"], "token": self.identity.token, "batch_size": spec.batch_size,
+                  "inflight": s.inflight, "timeout_s": s.request_timeout_s, "retries": s.request_retries,
+                  "name": self.identity.name}
         train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle, seed=spec.seed, **common)
         val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common)
         meter = Meter()
@@ -122,18 +128,21 @@ class TaskRun:
                 for x, y in train:
                     self._check_commands()
                     optimizer.zero_grad(set_to_none=True)
-                    loss = loss_fn(model(x), y)
+                    loss = batch_loss(model, x, y, kind)
                     loss.backward()
                     optimizer.step()
                     step += 1
-                    meter.add(len(y), loss.item())
+                    meter.add(len(x), loss.item())
                     now = time.monotonic()
                     if now - last_report >= s.progress_interval_s:
                         last_report = now
                         self._report(self._progress(epoch, step, steps_per_epoch, meter, train))
-                val_loss, val_acc, _ = evaluate(model, val)
-                self.history.append({"epoch": epoch + 1, "train_loss": meter.take_loss(),
-                                     "val_loss": val_loss, "val_accuracy": val_acc})
+                val_loss, val_acc, _ = evaluate(model, val, kind)
+                epoch_record = {"epoch": epoch + 1, "train_loss": meter.take_loss(),
+                                "val_loss": val_loss, "val_accuracy": val_acc}
+                if kind == TOKENS:  # per-token loss; perplexity is how language models are compared
+                    epoch_record["val_perplexity"] = _perplexity(val_loss)
+                self.history.append(epoch_record)
                 log.info("job %s epoch %d/%d: val loss %.4f accuracy %.4f", self.job, epoch + 1,
                          spec.epochs, val_loss, val_acc)
                 self._report(self._progress(epoch + 1, step, steps_per_epoch, meter, train))
@@ -143,10 +152,14 @@ class TaskRun:
         result = {**self._progress(spec.epochs, step, steps_per_epoch, meter, train),
                   "val_loss": self.history[-1]["val_loss"], "val_accuracy": self.history[-1]["val_accuracy"],
                   "provider": provider["name"]}
+        if kind == TOKENS:
+            result["val_perplexity"] = self.history[-1]["val_perplexity"]
         if spec.evaluate:
             self._check_commands()
             evaluation = self._evaluate(model, provider["endpoint"])
             result.update(test_loss=evaluation.loss, test_accuracy=evaluation.accuracy, test_n=evaluation.n)
+            if kind == TOKENS:
+                result["test_perplexity"] = _perplexity(evaluation.loss)
             log.info("job %s: provider-side test accuracy %.4f on %d samples", self.job,
                      evaluation.accuracy, evaluation.n)
         return result
