@@ -3,6 +3,8 @@ only, never unpickled."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
@@ -15,6 +17,10 @@ from .sources import Source
 __all__ = ["EVAL_CHUNK", "evaluate_weights"]
 
 EVAL_CHUNK = 512
+#: Bound on the logits one evaluation chunk may produce (float32 elements: 128 MiB). A token sample
+#: yields a row of vocabulary logits per position, so long sequences over a big vocabulary need far
+#: smaller chunks than images do.
+EVAL_LOGITS_BUDGET = 1 << 25
 
 
 def evaluate_weights(source: Source, split: str, model_spec: dict, blob: bytes,
@@ -40,10 +46,13 @@ def evaluate_weights(source: Source, split: str, model_spec: dict, blob: bytes,
     except RuntimeError as err:
         raise BadRequest(f"weights do not fit model {name!r}: {str(err).splitlines()[0]}") from err
     n = source.num_samples(split)
+    # sample elements x classes bounds the logits of one sample (tokens: (seq_len + 1) x vocab)
+    per_sample = math.prod(info["sample_shape"]) * max(1, info["num_classes"])
+    chunk = max(1, min(EVAL_CHUNK, EVAL_LOGITS_BUDGET // per_sample))
 
     def batches():
-        for start in range(0, n, EVAL_CHUNK):
-            x, y = source.read(split, np.arange(start, min(n, start + EVAL_CHUNK), dtype=np.int64))
+        for start in range(0, n, chunk):
+            x, y = source.read(split, np.arange(start, min(n, start + chunk), dtype=np.int64))
             yield torch.from_numpy(x), torch.from_numpy(y)
 
     return evaluate(model, batches(), dataset_kind(info))
