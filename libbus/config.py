@@ -74,6 +74,12 @@ class Settings:
     hwm: int = C.HWM
     #: Trainer: batch requests kept in flight per loader.
     inflight: int = 4
+    #: This machine's id; peers with equal ids share memory. Default: /etc/machine-id.
+    host_id: str = ""
+    #: Trainer: same-host batches through a shared-memory ring instead of the socket.
+    shm: bool = True
+    #: Trainer: ring slots per loader (0 = inflight + 1: every request in flight, plus the batch in use).
+    shm_slots: int = 0
     #: Trainer: seconds between progress reports.
     progress_interval_s: float = C.PROGRESS_INTERVAL_S
     #: Trainer: torch intra-op threads (0 = torch's default).
@@ -89,6 +95,8 @@ class Settings:
             out.secret_file = os.path.join(out.state_dir, "secret")
         if not out.db:
             out.db = os.path.join(out.state_dir, "router.db")
+        if not out.host_id:
+            out.host_id = host_id()
         return out
 
     def as_dict(self) -> dict[str, Any]:

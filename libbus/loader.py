@@ -1,7 +1,8 @@
 """``RemoteLoader``: iterate ``(x, y)`` torch tensors of a remote dataset, like a DataLoader.
 
 Batches are pulled by sample index straight from a provider's data socket, with a configurable
-number of requests in flight. The order is a seeded shuffle that differs per epoch and is
+number of requests in flight. When the provider runs on this host, batches come through a
+shared-memory ring instead (no batch bytes cross the socket; see :mod:`libbus.delivery`). The order is a seeded shuffle that differs per epoch and is
 reproducible. A lost reply is resent on a fresh connection; a provider that stays silent raises
 :class:`~libbus.errors.PeerTimeout` after ``retries`` resends, never hangs.
 
@@ -17,18 +18,21 @@ import logging
 import os
 import socket
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jwt
 import numpy as np
 import torch
 import zmq
 
+from shm import Ring
+
 from .client import Client, Identity
-from .config import host_id
+from .config import host_id as machine_id
 from .constants import REQUEST_RETRIES, REQUEST_TIMEOUT_S
-from .errors import AuthRequired, BadRequest, BusError, PeerTimeout
-from .messages import BatchRequest, BatchResponse, DatasetInfoRequest, Error, Message, Resolve
+from .delivery import RingDelivery, SocketDelivery, ring_layout
+from .errors import AuthRequired, BadRequest, BusError, PeerTimeout, ShmError
+from .messages import BatchRequest, DatasetInfoRequest, Error, Resolve
 from .order import batches_of, epoch_order
 
 __all__ = ["RemoteLoader", "pick_provider"]
@@ -53,7 +57,7 @@ def pick_provider(providers: list[dict], local_host: str) -> dict:
 
 
 class RemoteLoader:
-    """Batches of one split of a remote dataset, as ``(x, y)`` CPU tensors.
+    """Batches of one split of a remote dataset, as ``(x, y)`` tensors on ``device``.
 
     Args:
         dataset: the name a provider serves it under (``remote://NAME`` also accepted).
@@ -65,13 +69,21 @@ class RemoteLoader:
         rank, world_size: read shard ``rank`` of ``world_size`` disjoint shards.
         inflight: batch requests kept outstanding (prefetch depth).
         timeout_s, retries: per-request reply timeout, and resends before :class:`PeerTimeout`.
+        device: where yielded tensors live (``"cpu"``, ``"cuda:0"``...).
+        shm: use a shared-memory ring when the provider is on this host (falls back to the
+            socket, with a log line saying why, when it is not possible).
+        shm_slots: ring slots (default ``inflight + 1``; 2 is a double buffer).
+        copy: on CPU with a ring, yield copies. By default tensors view the ring slot and are
+            valid until the next batch is asked for.
+        host_id: this machine's id (default: /etc/machine-id), compared with the provider's.
     """
 
     def __init__(self, dataset: str, *, token: str | Callable[[], str], split: str = "train",
                  router: str | None = None, provider: str | None = None, batch_size: int = 64,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, rank: int = 0,
                  world_size: int = 1, inflight: int = 4, timeout_s: float = REQUEST_TIMEOUT_S,
-                 retries: int = REQUEST_RETRIES, name: str | None = None,
+                 retries: int = REQUEST_RETRIES, name: str | None = None, device: str = "cpu",
+                 shm: bool = True, shm_slots: int = 0, copy: bool = False, host_id: str | None = None,
                  ctx: zmq.Context | None = None):
         if (router is None) == (provider is None):
             raise BadRequest("RemoteLoader needs exactly one of router= or provider=")
@@ -89,9 +101,10 @@ class RemoteLoader:
         self.epoch = 0
         #: Seconds spent waiting for batches (not hidden by prefetch), summed over iterations.
         self.wait_s = 0.0
+        self.device = torch.device(device)
         role = _role_of(token() if callable(token) else token)
         identity = Identity(role=role, name=name or f"loader-{socket.gethostname()}-{os.getpid()}",
-                            token=token, host_id=host_id())
+                            token=token, host_id=host_id or machine_id())
         self._ctx = ctx
         self.provider = provider
         if router is not None:
@@ -99,16 +112,56 @@ class RemoteLoader:
                 resolved = rc.request(Resolve(dataset=self.dataset))
             self.provider = pick_provider(resolved.providers, identity.host_id)["endpoint"]
         self.client = Client(self.provider, identity, ctx=ctx, timeout_s=timeout_s, retries=retries)
-        self.info: dict = self.client.request(DatasetInfoRequest(dataset=self.dataset)).info
+        reply = self.client.request(DatasetInfoRequest(dataset=self.dataset))
+        self.info: dict = reply.info
         splits = self.info["splits"]
         if split not in splits:
+            self.client.close()
             raise BadRequest(f"unknown split {split!r}; {self.dataset} has {', '.join(splits)}")
         self.num_samples = int(splits[split]["num_samples"])
+        slots = shm_slots or inflight + 1
+        if slots < 2:
+            raise BadRequest(f"shm_slots must be at least 2 (one in use, one in flight), got {slots}")
+        self.inflight = min(inflight, slots - 1)
+        self._delivery = self._open_delivery(shm, reply.host_id, identity.host_id, slots, copy)
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` when batches come through a shared-memory ring, else ``"socket"``."""
+        return self._delivery.transport
+
+    def _open_delivery(self, shm: bool, provider_host: str, local_host: str, slots: int,
+                       copy: bool) -> SocketDelivery | RingDelivery:
+        """A ring when provider and loader share a host and the provider attaches it; else sockets."""
+        if not shm:
+            why = "shm is disabled"
+        elif provider_host != local_host:
+            why = f"provider is on host {provider_host or '?'}, this loader on {local_host}"
+        else:
+            try:
+                return self._attach_ring(slots, copy)
+            except (ShmError, BusError) as err:
+                why = str(err)
+        log.info("%s/%s: batches over the socket from %s (%s)", self.dataset, self.split, self.provider, why)
+        return SocketDelivery(self.device)
+
+    def _attach_ring(self, slots: int, copy: bool) -> RingDelivery:
+        ring = Ring.create(ring_layout(self.info, self.batch_size, slots))
+        try:
+            delivery = RingDelivery(ring, self.device, copy)
+            self.client.request(delivery.attach_message())
+        except BaseException:
+            ring.close()
+            raise
+        log.info("%s/%s: batches through shared memory %s (%d slots of %d bytes)", self.dataset,
+                 self.split, ring.name, slots, ring.layout.slot_bytes)
+        return delivery
 
     def close(self) -> None:
+        self._delivery.close()
         self.client.close()
 
-    def __enter__(self) -> "RemoteLoader":
+    def __enter__(self) -> RemoteLoader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -132,26 +185,34 @@ class RemoteLoader:
         self.epoch += 1
 
     # -- the pipeline ---------------------------------------------------------------------------
-    def _request(self, indices: np.ndarray) -> BatchRequest:
+    def _request(self, indices: np.ndarray, fields: dict) -> BatchRequest:
         if len(indices) and indices[-1] - indices[0] == len(indices) - 1 and (
                 len(indices) == 1 or bool(np.all(np.diff(indices) == 1))):
             return BatchRequest(dataset=self.dataset, split=self.split,
-                                range=[int(indices[0]), int(indices[-1]) + 1])
+                                range=[int(indices[0]), int(indices[-1]) + 1], **fields)
         return BatchRequest(dataset=self.dataset, split=self.split,
-                            frames=[np.ascontiguousarray(indices, dtype="<i8").data])
+                            frames=[np.ascontiguousarray(indices, dtype="<i8").data], **fields)
 
     def _fetch(self, batches: list[np.ndarray]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        delivery = self._delivery
+        try:
+            yield from self._pipeline(batches, delivery)
+        finally:
+            delivery.reset()  # a pass left early: its slots are free again, late replies refused
+
+    def _pipeline(self, batches: list[np.ndarray], delivery) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         client = self.client
         if client.session is None:
             client.hello(self.timeout_s)
+            delivery.reattach(client)
         pending: dict[int, int] = {}       # request id -> batch number
         sent_at: dict[int, float] = {}     # batch number -> when last sent
         attempts: dict[int, int] = {}      # batch number -> resends so far
-        ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        ready: dict[int, object] = {}      # batch number -> what delivery.receive made of it
         next_send = next_yield = 0
 
         def send(batch_no: int) -> None:
-            rid = client.send(self._request(batches[batch_no]))
+            rid = client.send(self._request(batches[batch_no], delivery.fields(batch_no)))
             pending[rid] = batch_no
             sent_at[batch_no] = time.monotonic()
 
@@ -163,25 +224,31 @@ class RemoteLoader:
             client.reset()
             try:
                 client.hello(self.timeout_s)
+                delivery.reattach(client)
             except PeerTimeout:
                 pass  # counted against the batches' attempts below
             for batch_no in outstanding:
                 send(batch_no)
 
         while next_yield < len(batches):
-            while next_send < len(batches) and next_send - next_yield < self.inflight:
+            while (next_send < len(batches) and next_send - next_yield < self.inflight
+                   and delivery.can_send()):
                 send(next_send)
                 next_send += 1
             if next_yield in ready:
-                yield ready.pop(next_yield)
+                yield delivery.hand_out(next_yield, ready.pop(next_yield))
+                delivery.done(next_yield)  # the consumer is back: the batch it had is let go
                 next_yield += 1
                 continue
-            oldest = min(sent_at[b] for b in pending.values()) if pending else time.monotonic()
+            if not pending:
+                delivery.wait_free()  # slots held by copies to the GPU still running
+                continue
+            oldest = min(sent_at[b] for b in pending.values())
             wait_start = time.monotonic()
             reply = client.recv(max(0.0, oldest + self.timeout_s - wait_start))
             self.wait_s += time.monotonic() - wait_start
             if reply is None:
-                late = min(pending.values()) if pending else next_yield
+                late = min(pending.values())
                 attempts[late] = attempts.get(late, 0) + 1
                 if attempts[late] > self.retries:
                     client.reset()
@@ -200,18 +267,4 @@ class RemoteLoader:
                     resend_all("session expired on the provider")
                     continue
                 client.check(reply)
-            ready[batch_no] = self._tensors(reply)
-
-    @staticmethod
-    def _tensors(reply: Message) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(reply, BatchResponse):
-            raise BusError(f"expected BatchResponse, got {reply.type}")
-        out = []
-        for frame, shape, dtype in zip(reply.frames, reply.shapes, reply.dtypes):
-            buf = frame.buffer if hasattr(frame, "buffer") else frame
-            try:
-                arr = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
-            except (TypeError, ValueError) as err:
-                raise BusError(f"malformed BatchResponse: {err}") from err
-            out.append(torch.from_numpy(arr))
-        return out[0], out[1]
+            ready[batch_no] = delivery.receive(batch_no, reply)

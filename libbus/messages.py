@@ -26,6 +26,7 @@ __all__ = [
     "Message", "MESSAGE_TYPES", "encode", "decode", "error_reply", "request_id_of",
     "Hello", "Welcome", "Heartbeat", "Error", "Ok",
     "Resolve", "Resolved", "DatasetInfoRequest", "DatasetInfo", "BatchRequest", "BatchResponse",
+    "AttachRing", "RingAttached",
     "SubmitJob", "JobSubmitted", "ListJobs", "JobList", "GetJob", "JobInfo", "ControlJob",
     "GetTask", "Task", "NoTask", "Progress", "PushResult", "Command",
     "Evaluate", "Evaluation", "Stats", "StatsReply", "ListPeers", "PeerList",
@@ -117,27 +118,60 @@ class DatasetInfoRequest(Message):
 
 @dataclass(kw_only=True)
 class DatasetInfo(Message):
-    """What a trainer needs to size its model and its requests. See docs/protocol.md for ``info``."""
+    """What a trainer needs to size its model and its requests. See docs/protocol.md for ``info``.
+
+    ``host_id`` is the provider's machine: a trainer with the same one may offer a ring.
+    """
     dataset: str
     info: dict
+    host_id: str = ""
 
 
 @dataclass(kw_only=True)
 class BatchRequest(Message):
-    """Samples by index: either ``range=[start, end)`` or one int64 payload frame of indices."""
+    """Samples by index: either ``range=[start, end)`` or one int64 payload frame of indices.
+
+    With ``slot`` and ``seq`` (after :class:`AttachRing`) the provider writes the batch into that
+    ring slot, if the slot still awaits request ``seq``, instead of sending it back.
+    """
     nframes: ClassVar[tuple[int, int]] = (0, 1)
     dataset: str
     split: str
     range: list | None = None
+    slot: int | None = None
+    seq: int | None = None
 
 
 @dataclass(kw_only=True)
 class BatchResponse(Message):
-    """Two payload frames, data then labels, C-contiguous, shapes and dtypes in the header."""
-    nframes: ClassVar[tuple[int, int]] = (2, 2)
+    """Data then labels, C-contiguous, shapes and dtypes in the header: two payload frames, or
+    none when the batch is in ring slot ``slot`` under sequence ``seq``."""
+    nframes: ClassVar[tuple[int, int]] = (0, 2)
     shapes: list
     dtypes: list
     nbytes: int
+    slot: int | None = None
+    seq: int | None = None
+
+
+# -- shared memory ------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class AttachRing(Message):
+    """Map the trainer's ring ``name`` (same host only) for this session's batch requests.
+
+    The provider checks the ring's header (magic, version) and geometry against these fields, and
+    that the file is this user's and private, before it writes a byte.
+    """
+    name: str
+    slots: int
+    slot_bytes: int
+    label_offset: int
+
+
+@dataclass(kw_only=True)
+class RingAttached(Message):
+    name: str
 
 
 # -- jobs ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Callable
 
 from libbus.auth import ensure_secret, issue_token, load_secret
 from libbus.client import Identity
-from libbus.config import Settings, host_id
+from libbus.config import Settings
 from libbus.server import ServerConfig
 from libbus.sockets import SocketLimits
 
@@ -66,7 +66,7 @@ def token_source(settings: Settings, role: str, name: str) -> Callable[[], str] 
 
 
 def identity(settings: Settings, role: str, name: str, caps: dict | None = None) -> Identity:
-    return Identity(role=role, name=name, token=token_source(settings, role, name), host_id=host_id(),
+    return Identity(role=role, name=name, token=token_source(settings, role, name), host_id=settings.host_id,
                     caps=caps or {})
 
 

@@ -26,7 +26,8 @@ def test_loader_resolves_through_the_router_and_yields_tensors(router, provider,
     with RemoteLoader("remote://mnist", router=router.endpoint, token=make_token(), batch_size=50,
                       shuffle=False) as loader:
         assert len(loader) == 12 and loader.provider == provider.endpoint
-        batches = list(loader)
+        # same host: tensors view a ring slot and are valid until the next batch, so copy them
+        batches = [(x.clone(), y.clone()) for x, y in loader]
     assert all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 for x, _ in batches)
     x = torch.cat([b[0] for b in batches])
     want, _ = open_source("mock://mnist?n=600").read("train", np.arange(600))

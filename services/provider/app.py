@@ -38,7 +38,7 @@ class ProviderService:
             if name in datasets:
                 raise ConfigError(f"dataset name {name!r} is given twice")
             datasets[name] = open_source(uri)
-        self.handler = ProviderHandler(datasets)
+        self.handler = ProviderHandler(datasets, host_id=settings.host_id, shm=settings.shm)
         key = runtime.secret(settings)
         bind = settings.bind or DEFAULT_BIND
         self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name), self.ctx)

@@ -10,11 +10,31 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from libbus.constants import MAX_BATCH_BYTES, MAX_BATCH_INDICES
-from libbus.errors import BadRequest, NotFound, OutOfRange, SplitPrivate, TooLarge
-from libbus.messages import (BatchRequest, BatchResponse, DatasetInfo, DatasetInfoRequest, Evaluate,
-                             Evaluation, Message, Stats, StatsReply)
+from libbus.errors import (
+    BadRequest,
+    NotFound,
+    OutOfRange,
+    ShmError,
+    SplitPrivate,
+    TooLarge,
+    Unavailable,
+)
+from libbus.messages import (
+    AttachRing,
+    BatchRequest,
+    BatchResponse,
+    DatasetInfo,
+    DatasetInfoRequest,
+    Evaluate,
+    Evaluation,
+    Message,
+    RingAttached,
+    Stats,
+    StatsReply,
+)
 from libbus.server import Handler, Session
 from libbus.sockets import frame_len
+from shm import Ring, RingLayout
 
 from .evaluator import evaluate_weights
 from .sources import PRIVATE_SPLIT, SPLITS, Source
@@ -69,13 +89,19 @@ class ProviderHandler(Handler):
     roles = {
         "DatasetInfoRequest": READERS,
         "BatchRequest": READERS,
+        "AttachRing": READERS,
         "Evaluate": READERS,
         "Stats": READERS,
     }
 
-    def __init__(self, datasets: dict[str, Source], *, eval_workers: int = 1):
+    def __init__(self, datasets: dict[str, Source], *, host_id: str = "", shm: bool = True,
+                 eval_workers: int = 1):
         super().__init__()
         self.datasets = datasets
+        self.host_id = host_id
+        self.shm = shm
+        #: session id → the ring its trainer attached (one per session; a new AttachRing replaces it).
+        self.rings: dict[str, Ring] = {}
         self.infos = {name: source.info() for name, source in datasets.items()}
         self.served: dict[str, Counter] = defaultdict(Counter)
         self.refused: Counter = Counter()
@@ -84,6 +110,14 @@ class ProviderHandler(Handler):
 
     def close(self) -> None:
         self._evaluator.shutdown(wait=False, cancel_futures=True)
+        for ring in self.rings.values():
+            ring.close()
+        self.rings.clear()
+
+    def on_close(self, session: Session, reason: str) -> None:
+        ring = self.rings.pop(session.sid, None)
+        if ring is not None:
+            ring.close()
 
     def source(self, name: str) -> Source:
         try:
@@ -94,17 +128,40 @@ class ProviderHandler(Handler):
 
     def handle(self, session: Session, msg: Message) -> Message | Future | None:
         if isinstance(msg, BatchRequest):
-            return self.batch(msg)
+            return self.batch(session, msg)
         if isinstance(msg, DatasetInfoRequest):
             self.source(msg.dataset)
-            return DatasetInfo(dataset=msg.dataset, info=self.infos[msg.dataset])
+            return DatasetInfo(dataset=msg.dataset, info=self.infos[msg.dataset], host_id=self.host_id)
+        if isinstance(msg, AttachRing):
+            return self.attach_ring(session, msg)
         if isinstance(msg, Evaluate):
             return self.evaluate(msg)
         if isinstance(msg, Stats):
             return StatsReply(services={"provider": self.stats()})
         raise BadRequest(f"provider does not serve {msg.type}")
 
-    def batch(self, msg: BatchRequest) -> BatchResponse:
+    def attach_ring(self, session: Session, msg: AttachRing) -> RingAttached:
+        """Map the session's trainer's ring, after checking it is this host's, private and sane."""
+        if not self.shm:
+            raise Unavailable("shared memory is disabled on this provider (shm = false)")
+        if session.hello.host_id != self.host_id:
+            raise Unavailable(f"ring offered from host {session.hello.host_id!r}; this provider runs "
+                              f"on {self.host_id!r}")
+        layout = RingLayout(msg.slots, msg.slot_bytes, msg.label_offset)
+        try:
+            ring = Ring.attach(msg.name, layout)
+        except ShmError as err:
+            self.refused["ring"] += 1
+            raise BadRequest(f"ring refused: {err}") from err
+        old = self.rings.pop(session.sid, None)
+        if old is not None:
+            old.close()
+        self.rings[session.sid] = ring
+        log.info("session %s (%s) attached ring %s: %d slots of %d bytes", session.sid, session.name,
+                 msg.name, msg.slots, msg.slot_bytes)
+        return RingAttached(name=msg.name)
+
+    def batch(self, session: Session, msg: BatchRequest) -> BatchResponse:
         source = self.source(msg.dataset)
         if msg.split not in SPLITS:
             raise BadRequest(f"unknown split {msg.split!r}; expected one of {', '.join(SPLITS)}")
@@ -116,14 +173,40 @@ class ProviderHandler(Handler):
         if len(indices) * source.sample_nbytes > MAX_BATCH_BYTES:
             raise TooLarge(f"{len(indices)} samples of {source.sample_nbytes} bytes exceed the "
                            f"{MAX_BATCH_BYTES} byte batch limit")
-        x, y = source.read(msg.split, indices)
-        x, y = np.ascontiguousarray(x), np.ascontiguousarray(y)
+        x_shape = (len(indices), *source.sample_shape)
+        y_shape = (len(indices), *source.label_shape)
         counters = self.served[msg.dataset]
+        if msg.slot is not None or msg.seq is not None:
+            ring = self._ring_for(session, msg)
+            try:
+                ring.begin_fill(msg.slot, msg.seq)
+                x, y = ring.views(msg.slot, x_shape, source.dtype, y_shape, source.label_dtype)
+                source.read_into(msg.split, indices, x, y)
+                ring.finish_fill(msg.slot, msg.seq)  # checks the slot still awaits this request
+            except ShmError as err:
+                self.refused["stale_slot"] += 1
+                raise BadRequest(f"batch not written: {err}") from err
+            frames = []
+            counters["shm_batches"] += 1
+        else:
+            x = np.empty(x_shape, source.dtype)
+            y = np.empty(y_shape, source.label_dtype)
+            source.read_into(msg.split, indices, x, y)
+            frames = [x.data, y.data]
         counters["batches"] += 1
         counters["samples"] += len(indices)
         counters["bytes"] += x.nbytes + y.nbytes
-        return BatchResponse(shapes=[list(x.shape), list(y.shape)], dtypes=[x.dtype.str, y.dtype.str],
-                             nbytes=x.nbytes + y.nbytes, frames=[x.data, y.data])
+        return BatchResponse(shapes=[list(x_shape), list(y_shape)], dtypes=[x.dtype.str, y.dtype.str],
+                             nbytes=x.nbytes + y.nbytes, slot=msg.slot, seq=msg.seq, frames=frames)
+
+    def _ring_for(self, session: Session, msg: BatchRequest) -> Ring:
+        if msg.slot is None or msg.seq is None:
+            raise BadRequest("BatchRequest names a ring slot with both 'slot' and 'seq', or neither")
+        ring = self.rings.get(session.sid)
+        if ring is None:
+            raise BadRequest("BatchRequest names a ring slot but this session attached no ring "
+                             "(send AttachRing first)")
+        return ring
 
     def evaluate(self, msg: Evaluate) -> Future:
         source = self.source(msg.dataset)

@@ -1,0 +1,222 @@
+"""How a loader's batch replies become the tensors it yields: over the socket, or through a ring.
+
+:class:`RemoteLoader` drives both the same way — ``fields`` for each request it sends, ``receive``
+for each reply, ``hand_out`` when the batch is yielded and ``done`` when the consumer comes back
+for the next — so the request pipeline (ordering, timeouts, resends) exists once.
+
+- :class:`SocketDelivery`: the batch's bytes are the reply's frames; tensors view them.
+- :class:`RingDelivery`: the provider wrote the batch into a slot of our shared-memory ring. On
+  CPU the yielded tensors view the slot until the consumer asks for the next batch (or are copies,
+  with ``copy=True``); with a CUDA device the slot goes to the GPU on a side stream as soon as it
+  is filled, and is free again when that copy's event completes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+
+from shm import Ring, RingLayout
+
+from .errors import BusError, ShmError
+from .messages import AttachRing, BatchResponse, Message
+
+__all__ = ["RingDelivery", "SocketDelivery", "ring_layout"]
+
+log = logging.getLogger(__name__)
+
+
+def _check_response(reply: Message) -> BatchResponse:
+    if not isinstance(reply, BatchResponse):
+        raise BusError(f"expected BatchResponse, got {reply.type}")
+    if len(reply.shapes) != 2 or len(reply.dtypes) != 2:
+        raise BusError(f"malformed BatchResponse: {len(reply.shapes)} shapes, {len(reply.dtypes)} dtypes")
+    return reply
+
+
+def ring_layout(info: dict, batch_size: int, slots: int) -> RingLayout:
+    """Slots that hold the largest batch of the dataset ``info`` describes (data + labels)."""
+    x_bytes = int(np.prod(info["sample_shape"])) * np.dtype(info["dtype"]).itemsize
+    y_bytes = int(np.prod(info.get("label_shape") or [])) * np.dtype(info["label_dtype"]).itemsize
+    return RingLayout.for_batch(slots, batch_size * x_bytes, batch_size * y_bytes)
+
+
+class SocketDelivery:
+    """Batches arrive as reply frames."""
+
+    transport = "socket"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def can_send(self) -> bool:
+        return True
+
+    def fields(self, batch_no: int) -> dict:
+        return {}
+
+    def receive(self, batch_no: int, reply: Message) -> Any:
+        reply = _check_response(reply)
+        if reply.slot is not None or len(reply.frames) != 2:
+            raise BusError(f"malformed BatchResponse: {len(reply.frames)} frames, slot {reply.slot}; "
+                           "expected the batch in 2 frames")
+        out = []
+        for frame, shape, dtype in zip(reply.frames, reply.shapes, reply.dtypes):
+            buf = frame.buffer if hasattr(frame, "buffer") else frame
+            try:
+                arr = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+            except (TypeError, ValueError) as err:
+                raise BusError(f"malformed BatchResponse: {err}") from err
+            tensor = torch.from_numpy(arr)
+            out.append(tensor if self.device.type == "cpu" else tensor.to(self.device))
+        return out[0], out[1]
+
+    def hand_out(self, batch_no: int, item: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return item
+
+    def done(self, batch_no: int) -> None:
+        pass
+
+    def wait_free(self) -> None:
+        pass
+
+    def reattach(self, client) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RingDelivery:
+    """Batches arrive in slots of a ring this process created and the provider attached.
+
+    Args:
+        ring: the ring (created here; closed and unlinked by :meth:`close`).
+        device: where yielded tensors live.
+        copy: on CPU, yield copies instead of views of the slot.
+    """
+
+    transport = "shm"
+
+    def __init__(self, ring: Ring, device: torch.device, copy: bool = False):
+        self.ring = ring
+        self.device = device
+        self.copy = copy
+        self.free: deque[int] = deque(range(ring.layout.slots))
+        self.slot_of: dict[int, int] = {}   # batch number -> its slot
+        self.seq_of: dict[int, int] = {}    # batch number -> the sequence its slot awaits
+        self.copies: deque[tuple[Any, int]] = deque()  # (CUDA event, slot) copies in flight
+        self.stager = None
+        if device.type == "cuda":
+            from shm.cuda import CudaStager
+            self.stager = CudaStager(ring.segment.buf, device)
+
+    def attach_message(self) -> AttachRing:
+        lay = self.ring.layout
+        return AttachRing(name=self.ring.name, slots=lay.slots, slot_bytes=lay.slot_bytes,
+                          label_offset=lay.label_offset)
+
+    def reattach(self, client) -> None:
+        """A new session (after a reconnect) must attach the ring again before naming slots."""
+        client.request(self.attach_message())
+
+    # -- slots --------------------------------------------------------------------------------
+    def _reap(self) -> None:
+        while self.copies and self.copies[0][0].query():
+            _, slot = self.copies.popleft()
+            self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        self.ring.release(slot)
+        self.free.append(slot)
+
+    def can_send(self) -> bool:
+        self._reap()
+        return bool(self.free)
+
+    def wait_free(self) -> None:
+        """Block until a slot frees up (only CUDA copies hold slots without a request in flight)."""
+        if self.copies:
+            self.copies[0][0].synchronize()
+            self._reap()
+
+    def fields(self, batch_no: int) -> dict:
+        """Slot and sequence for (re)sending ``batch_no``: a resend gets a fresh sequence number,
+        so a late answer to the earlier request is refused by the provider."""
+        slot = self.slot_of.get(batch_no)
+        if slot is None:
+            slot = self.free.popleft()
+            self.slot_of[batch_no] = slot
+        seq = self.ring.request(slot)
+        self.seq_of[batch_no] = seq
+        return {"slot": slot, "seq": seq}
+
+    def _views(self, batch_no: int, reply: BatchResponse):
+        slot, seq = self.slot_of[batch_no], self.seq_of[batch_no]
+        try:
+            x, y = self.ring.views(slot, tuple(reply.shapes[0]), reply.dtypes[0], tuple(reply.shapes[1]),
+                                   reply.dtypes[1])
+        except (ShmError, TypeError, ValueError) as err:
+            raise BusError(f"malformed BatchResponse for slot {slot}: {err}") from err
+        return slot, seq, x, y
+
+    def receive(self, batch_no: int, reply: Message) -> Any:
+        reply = _check_response(reply)
+        slot, seq = self.slot_of[batch_no], self.seq_of[batch_no]
+        if reply.slot != slot or reply.seq != seq or reply.frames:
+            raise BusError(f"BatchResponse names slot {reply.slot} seq {reply.seq} with "
+                           f"{len(reply.frames)} frames; expected slot {slot} seq {seq}, no frames")
+        if self.stager is None and not self.copy:
+            return reply  # the slot stays FILLED until hand_out
+        self.ring.take(slot, seq)
+        _, _, x, y = self._views(batch_no, reply)
+        if self.stager is not None:
+            xc, yc, event = self.stager.copy(x, y)
+            self.copies.append((event, slot))
+            item = (xc, yc, event)
+        else:
+            item = (torch.from_numpy(x.copy()), torch.from_numpy(y.copy()))
+            self._release(slot)
+        self._forget(batch_no)
+        return item
+
+    def hand_out(self, batch_no: int, item: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(item, BatchResponse):
+            self.ring.take(self.slot_of[batch_no], self.seq_of[batch_no])
+            _, _, x, y = self._views(batch_no, item)
+            return torch.from_numpy(x), torch.from_numpy(y)
+        if self.stager is not None:
+            xc, yc, event = item
+            self.stager.hand_over(xc, yc, event)
+            return xc, yc
+        return item
+
+    def done(self, batch_no: int) -> None:
+        """The consumer asked for the next batch: a slot it was viewing is free again."""
+        slot = self.slot_of.get(batch_no)
+        if slot is not None:
+            self._release(slot)
+            self._forget(batch_no)
+
+    def _forget(self, batch_no: int) -> None:
+        self.slot_of.pop(batch_no, None)
+        self.seq_of.pop(batch_no, None)
+
+    def reset(self) -> None:
+        """A pass ended early: every slot not in a CUDA copy is free; late replies are refused."""
+        for slot in set(self.slot_of.values()):
+            self._release(slot)
+        self.slot_of.clear()
+        self.seq_of.clear()
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()  # unregister before the ring is unmapped
+        self.ring.close()

@@ -1,0 +1,252 @@
+"""A ring of equal batch slots in one shared-memory segment, with its slot protocol.
+
+Layout (little-endian)::
+
+    0     header: magic, version, slots, slot_bytes, label_offset, creator pid, creator start time
+    64    slot table: per slot (state u64, seq u64)
+    4096  slot 0 | slot 1 | ...   each page-aligned; data at 0, labels at ``label_offset``
+
+A slot moves ``FREE → REQUESTED → FILLED → IN_USE → FREE``. The consumer (the trainer, who created
+the ring) requests a slot under a fresh sequence number and names both in its BatchRequest; the
+producer (the provider) writes only into a slot that is ``REQUESTED`` under *that* sequence number,
+and checks again before marking it ``FILLED``. So a late or duplicate request — one the consumer
+has given up on and resent under a new number, or one it sends twice — can never write into a slot
+the consumer is reading.
+
+Each field has one writer at a time: the consumer moves FREE→REQUESTED and FILLED→IN_USE→FREE, the
+producer REQUESTED→FILLED, and a ring has one producer, which fills one request at a time. Aligned
+8-byte stores are atomic on the platforms we run on, and the request and reply messages that travel
+between the two processes order the stores on either side.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+
+from libbus.errors import ShmError
+
+from .names import SHM_DIR, new_name, path_of, process_start
+from .segment import Segment
+
+__all__ = ["MAGIC", "VERSION", "Ring", "RingLayout", "SlotState", "read_header"]
+
+MAGIC = b"BBRING\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<8sIIQQQQ")
+_TABLE_OFFSET = 64
+_PAGE = 4096
+#: Sanity bounds on what a peer may ask us to map.
+MAX_SLOTS = 64
+MAX_SLOT_BYTES = 1 << 30
+
+
+class SlotState(IntEnum):
+    """Where a slot is in its cycle. ``FREE`` is 0: a fresh segment is all zeros."""
+    FREE = 0
+    REQUESTED = 1
+    FILLED = 2
+    IN_USE = 3
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    """The geometry both sides must agree on before a byte is written."""
+    slots: int
+    slot_bytes: int
+    label_offset: int
+
+    def check(self) -> None:
+        """Raise :class:`ShmError` unless the geometry is sane."""
+        if not 1 <= self.slots <= MAX_SLOTS:
+            raise ShmError(f"ring slots must be 1..{MAX_SLOTS}, got {self.slots}")
+        if not 1 <= self.slot_bytes <= MAX_SLOT_BYTES:
+            raise ShmError(f"ring slot_bytes must be 1..{MAX_SLOT_BYTES}, got {self.slot_bytes}")
+        if not 0 <= self.label_offset <= self.slot_bytes or self.label_offset % 64:
+            raise ShmError(f"ring label_offset {self.label_offset} must be a multiple of 64 within "
+                           f"the {self.slot_bytes}-byte slot")
+
+    @property
+    def stride(self) -> int:
+        return _round_up(self.slot_bytes, _PAGE)
+
+    @property
+    def data_offset(self) -> int:
+        return _round_up(_TABLE_OFFSET + 16 * self.slots, _PAGE)
+
+    @property
+    def size(self) -> int:
+        return self.data_offset + self.slots * self.stride
+
+    @classmethod
+    def for_batch(cls, slots: int, x_bytes: int, y_bytes: int) -> RingLayout:
+        """A layout whose slots hold ``x_bytes`` of data and ``y_bytes`` of labels."""
+        label_offset = _round_up(max(x_bytes, 1), 64)
+        return cls(slots, label_offset + max(y_bytes, 1), label_offset)
+
+
+def _view(buf, offset: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """An array over ``buf[offset:]`` that pins the mapping while it lives.
+
+    Through a memoryview, not ``np.ndarray(buffer=mmap)``: numpy releases the buffer it was given
+    right away, so an mmap could be closed under a live array (a segfault on the next access). A
+    memoryview holds its export until it is garbage, and the array holds the memoryview.
+    """
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    return np.frombuffer(memoryview(buf)[offset:offset + nbytes], dtype=dtype).reshape(shape)
+
+
+def read_header(path: Path) -> dict | None:
+    """The header fields of the ring file at ``path``, or ``None`` if it is not a ring."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_HEADER.size)
+    except OSError:
+        return None
+    if len(raw) < _HEADER.size:
+        return None
+    magic, version, slots, slot_bytes, label_offset, pid, start = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        return None
+    return {"version": version, "slots": slots, "slot_bytes": slot_bytes,
+            "label_offset": label_offset, "pid": pid, "start": start}
+
+
+class Ring:
+    """A mapped ring. Create it in the consumer (:meth:`create`), attach in the producer."""
+
+    def __init__(self, segment: Segment, layout: RingLayout):
+        self.segment = segment
+        self.layout = layout
+        self.name = segment.name
+        self._table = _view(segment.buf, _TABLE_OFFSET, (layout.slots, 2), np.dtype("<u8"))
+        self._next_seq = 1
+
+    # -- creating and attaching -------------------------------------------------------------------
+    @classmethod
+    def create(cls, layout: RingLayout, *, name: str | None = None, shm_dir: Path = SHM_DIR) -> Ring:
+        """Create a ring of ``layout`` under a fresh name. Raises :class:`ShmError`."""
+        layout.check()
+        segment = Segment.create(name or new_name(), layout.size, shm_dir)
+        pid = os.getpid()
+        _HEADER.pack_into(segment.buf, 0, MAGIC, VERSION, layout.slots, layout.slot_bytes,
+                          layout.label_offset, pid, process_start(pid) or 0)
+        return cls(segment, layout)
+
+    @classmethod
+    def attach(cls, name: str, layout: RingLayout, *, shm_dir: Path = SHM_DIR) -> Ring:
+        """Attach ring ``name``, refusing it unless its header and size match ``layout``.
+
+        Raises :class:`ShmError` naming what differs.
+        """
+        layout.check()
+        segment = Segment.attach(name, shm_dir)
+        try:
+            if segment.size < _HEADER.size:
+                raise ShmError(f"{name}: {segment.size} bytes is too small for a ring header")
+            magic, version, slots, slot_bytes, label_offset, _, _ = _HEADER.unpack_from(segment.buf, 0)
+            if magic != MAGIC:
+                raise ShmError(f"{name}: bad magic {magic!r}; not a batchbus ring")
+            if version != VERSION:
+                raise ShmError(f"{name}: ring version {version}; this build speaks {VERSION}")
+            found = RingLayout(slots, slot_bytes, label_offset)
+            if found != layout:
+                raise ShmError(f"{name}: header says {found}, the request says {layout}")
+            if segment.size != layout.size:
+                raise ShmError(f"{name}: segment is {segment.size} bytes; {layout} needs {layout.size}")
+        except ShmError:
+            segment.close()
+            raise
+        return cls(segment, layout)
+
+    @staticmethod
+    def path(name: str, shm_dir: Path = SHM_DIR) -> Path:
+        return path_of(name, shm_dir)
+
+    # -- slot table -------------------------------------------------------------------------------
+    def state(self, slot: int) -> SlotState:
+        return SlotState(int(self._table[slot, 0]))
+
+    def seq(self, slot: int) -> int:
+        return int(self._table[slot, 1])
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.layout.slots:
+            raise ShmError(f"slot {slot} outside ring {self.name} of {self.layout.slots} slots")
+
+    def _expect(self, slot: int, seq: int | None, *states: SlotState) -> None:
+        self._check_slot(slot)
+        state, current = self.state(slot), self.seq(slot)
+        if state not in states or (seq is not None and current != seq):
+            want = "/".join(s.name.lower() for s in states)
+            raise ShmError(f"slot {slot} of {self.name} is {state.name.lower()} under sequence "
+                           f"{current}; expected {want}" + (f" under {seq}" if seq is not None else ""))
+
+    # consumer side
+    def request(self, slot: int) -> int:
+        """Claim ``slot`` for a new request (it must be free or requested); returns its sequence."""
+        self._expect(slot, None, SlotState.FREE, SlotState.REQUESTED)
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        self._table[slot, 1] = seq
+        self._table[slot, 0] = SlotState.REQUESTED
+        return seq
+
+    def take(self, slot: int, seq: int) -> None:
+        """A reply says ``slot`` holds request ``seq``: check that, and mark it in use."""
+        self._expect(slot, seq, SlotState.FILLED)
+        self._table[slot, 0] = SlotState.IN_USE
+
+    def release(self, slot: int) -> None:
+        """The consumer is done with ``slot``."""
+        self._check_slot(slot)
+        self._table[slot, 0] = SlotState.FREE
+
+    # producer side
+    def begin_fill(self, slot: int, seq: int) -> None:
+        """Check that ``slot`` awaits request ``seq``: raises :class:`ShmError` for a stale one."""
+        self._expect(slot, seq, SlotState.REQUESTED)
+
+    def finish_fill(self, slot: int, seq: int) -> None:
+        """Mark ``slot`` filled, if it still awaits ``seq`` (the consumer may have moved on)."""
+        self._expect(slot, seq, SlotState.REQUESTED)
+        self._table[slot, 0] = SlotState.FILLED
+
+    # -- data -------------------------------------------------------------------------------------
+    def views(self, slot: int, x_shape: tuple, x_dtype, y_shape: tuple, y_dtype) -> tuple[np.ndarray, np.ndarray]:
+        """Numpy arrays over ``slot``'s data and label areas. Raises :class:`ShmError` if they do not fit."""
+        self._check_slot(slot)
+        if self.segment.buf is None:
+            raise ShmError(f"ring {self.name} is closed")
+        x_dtype, y_dtype = np.dtype(x_dtype), np.dtype(y_dtype)
+        x_bytes = int(np.prod(x_shape)) * x_dtype.itemsize
+        y_bytes = int(np.prod(y_shape)) * y_dtype.itemsize
+        lay = self.layout
+        if x_bytes > lay.label_offset or y_bytes > lay.slot_bytes - lay.label_offset:
+            raise ShmError(f"a batch of {x_bytes} + {y_bytes} bytes does not fit slots of "
+                           f"{lay.label_offset} + {lay.slot_bytes - lay.label_offset} bytes")
+        base = lay.data_offset + slot * lay.stride
+        return (_view(self.segment.buf, base, x_shape, x_dtype),
+                _view(self.segment.buf, base + lay.label_offset, y_shape, y_dtype))
+
+    def close(self) -> None:
+        """Unmap (once no views are alive), and unlink if this process created the ring."""
+        self._table = None
+        owner = self.segment.owner
+        self.segment.close()
+        if owner:
+            self.segment.unlink()
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

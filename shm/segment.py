@@ -1,0 +1,120 @@
+"""A POSIX shared-memory segment: a ``/dev/shm`` file mapped into this process.
+
+We ``open`` + ``mmap`` the file ourselves instead of using ``multiprocessing.shared_memory``: its
+resource tracker unlinks segments when *any* process that touched them exits, so an attaching
+provider would delete its trainer's ring. Here the rule is simple: the creator unlinks, attachers
+only close.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+from pathlib import Path
+
+from libbus.errors import ShmError
+
+from .names import SHM_DIR, path_of
+
+__all__ = ["Segment"]
+
+log = logging.getLogger(__name__)
+
+
+class Segment:
+    """A mapped segment. ``owner`` is true for the process that created it (and only it unlinks).
+
+    Use :meth:`create` or :meth:`attach`. ``buf`` is the mapping (an ``mmap``); views of it keep it
+    alive, so :meth:`close` never unmaps memory that a tensor still points into.
+    """
+
+    def __init__(self, name: str, path: Path, buf: mmap.mmap, owner: bool):
+        self.name = name
+        self.path = path
+        self.buf: mmap.mmap | None = buf
+        self.size = len(buf)
+        self.owner = owner
+
+    @classmethod
+    def create(cls, name: str, size: int, shm_dir: Path = SHM_DIR) -> Segment:
+        """Create segment ``name`` of ``size`` zeroed bytes, mode 0600. Raises :class:`ShmError`."""
+        path = path_of(name, shm_dir)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            raise ShmError(f"cannot create shared memory {path}: {err.strerror}") from err
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask said
+            os.ftruncate(fd, size)
+            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as err:
+            os.unlink(path)
+            raise ShmError(f"cannot size shared memory {path} to {size} bytes: {err}") from err
+        finally:
+            os.close(fd)
+        return cls(name, path, buf, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, shm_dir: Path = SHM_DIR) -> Segment:
+        """Map an existing segment that this user owns and nobody else can read.
+
+        Raises :class:`ShmError` for a bad name, a missing file (another host, or its owner is
+        gone), a file that is not a private regular file of this user, or an empty one.
+        """
+        try:
+            path = path_of(name, shm_dir)
+        except ValueError as err:
+            raise ShmError(str(err)) from err
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ShmError(f"no shared memory {path} on this host (another host, or its owner "
+                           "is gone)") from None
+        except OSError as err:
+            raise ShmError(f"cannot open shared memory {path}: {err.strerror}") from err
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ShmError(f"{path} is not a regular file")
+            if st.st_uid != os.geteuid():
+                raise ShmError(f"{path} belongs to uid {st.st_uid}, not to this service's uid "
+                               f"{os.geteuid()}")
+            if st.st_mode & 0o077:
+                raise ShmError(f"{path} has mode {stat.S_IMODE(st.st_mode):o}; a ring must be 0600")
+            if st.st_size == 0:
+                raise ShmError(f"{path} is empty")
+            buf = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name, path, buf, owner=False)
+
+    def close(self) -> None:
+        """Unmap, unless views are alive: then the mapping goes when the last view does."""
+        buf, self.buf = self.buf, None
+        if buf is None:
+            return
+        try:
+            buf.close()
+        except BufferError:
+            # Tensors still view this memory. Dropping our reference is enough: the mmap object
+            # lives exactly as long as they do and unmaps itself after.
+            log.debug("shared memory %s still has live views; unmapped when they go", self.name)
+
+    def unlink(self) -> None:
+        """Remove the name (creator only). Mappings stay valid until closed."""
+        if not self.owner:
+            raise ShmError(f"{self.name}: only the process that created a segment unlinks it")
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass  # gc'd by someone who thought we were gone, or unlinked twice: either way, gone
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        if self.owner:
+            self.unlink()
