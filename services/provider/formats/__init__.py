@@ -1,0 +1,7 @@
+"""File formats behind ``file://`` sources, one module each (idx, cifar, npy, tokens, raw), over a
+shared core: :mod:`.reader` (positional, coalescing reads), :mod:`.cache` (decompress once) and
+:mod:`.dataset` (the :class:`~.dataset.FileSource` that serves a format's layout)."""
+
+from .dataset import FileSource, Layout, Table
+
+__all__ = ["FileSource", "Layout", "Table"]

@@ -1,0 +1,260 @@
+"""A file-backed :class:`Source`: a format's :class:`Layout` (where each split's bytes are) served
+from RAM or streamed with positional reads, with val carved from train where the files have none.
+
+Val carving: when the files hold no val split, val is the last ``val_fraction`` of train in file
+order (a fixed tail, ``round(n * val_fraction)`` samples) and train is the rest. A tail keeps both
+splits contiguous on disk, costs no memory, and is the same on every open of the same files.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from libbus.errors import DatasetError
+
+from ..sources import Source
+from .reader import ByteSpace, Records, Segment
+
+__all__ = ["MEMORY_MODES", "Context", "FileSource", "Layout", "Table"]
+
+MEMORY_MODES = ("auto", "ram", "stream")
+#: ``memory=auto`` keeps a dataset in RAM only below both this and a quarter of MemAvailable.
+RAM_CAP_BYTES = 2 << 30
+#: Bytes read per step when loading into RAM or scanning labels: bounds the temporaries.
+CHUNK_BYTES = 64 << 20
+
+
+class Context:
+    """What a format opener gets: the directory, the settings, and the files it opens (closed by
+    the source, or here when opening fails)."""
+
+    def __init__(self, uri: str, root: Path, cache_dir: Path, settings: dict, toml: dict):
+        self.uri, self.root, self.cache_dir = uri, root, cache_dir
+        self.settings = settings  # query over dataset.toml: seq_len, token_bytes, vocab_size, ...
+        self.toml = toml
+        self.fds: list[int] = []
+
+    def segment(self, path: Path, offset: int = 0, length: int | None = None,
+                name: str | None = None) -> Segment:
+        """Open ``path`` (once per call) and describe ``length`` bytes of it from ``offset``."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as err:
+            raise DatasetError(f"{path}: cannot open it: {err.strerror}") from err
+        self.fds.append(fd)
+        size = os.fstat(fd).st_size
+        return Segment(name or str(path), fd, offset, size - offset if length is None else length)
+
+    def close(self) -> None:
+        _close_all(self.fds)
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+@dataclass
+class Table:
+    """One split as stored: ``count`` samples whose x and y bytes lie in record files. Each part
+    is a :class:`Records` whose fields feed ``"x"``, ``"y"`` or nothing (``None``)."""
+
+    count: int
+    parts: list[tuple[Records, list[str | None]]]
+    label_name: str = ""  # the file the labels come from, for messages
+
+    @classmethod
+    def single(cls, segment: Segment, count: int, nbytes: int, column: str) -> tuple[Records, list]:
+        """A part: ``count`` back-to-back records of ``nbytes`` in one segment, feeding ``column``."""
+        return Records(ByteSpace([segment]), 0, nbytes, count, [(0, nbytes)]), [column]
+
+    def read(self, rows: np.ndarray, xbytes: memoryview | None, ybytes: memoryview | None) -> None:
+        for records, feeds in self.parts:
+            dests = [xbytes if c == "x" else ybytes if c == "y" else None for c in feeds]
+            if any(d is not None for d in dests):
+                records.gather(rows, dests)
+
+
+@dataclass
+class Layout:
+    """What a format opener found: per-split tables and how their samples are typed on disk."""
+
+    format: str
+    tables: dict[str, Table]
+    sample_shape: tuple[int, ...]
+    x_dtype: np.dtype  # as stored, byte order included
+    label_shape: tuple[int, ...] = ()
+    y_dtype: np.dtype | None = None  # as stored; None: no labels
+    num_classes: int | None = None  # None: count them from the labels
+    class_names: list[str] = field(default_factory=list)
+    kind: str = "image"
+    extra: dict = field(default_factory=dict)  # more DatasetInfo keys (tokens: seq_len, vocab_size)
+
+
+def _flat(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo in bytes; 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class FileSource(Source):
+    """Samples from files in a directory, in RAM (``memory=ram``) or read per batch with
+    positional reads (``memory=stream``), so memory stays bounded whatever the dataset's size."""
+
+    def __init__(self, uri: str, root: Path, layout: Layout, ctx: Context, memory: str,
+                 val_fraction: float):
+        self.uri, self.root, self.layout = uri, root, layout
+        self.sample_shape = layout.sample_shape
+        self.dtype = layout.x_dtype.newbyteorder("=")
+        y = layout.y_dtype
+        self.label_shape = layout.label_shape if y is not None else (0,)
+        # class ids are served as int64 whatever their width on disk; other targets as stored
+        self.label_dtype = np.dtype(np.int64) if y is None or y.kind in "iub" else y.newbyteorder("=")
+        self.kind = layout.kind
+        self._fds = ctx.fds
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        self._splits = self._carve(layout.tables, val_fraction)
+        self.val_fraction = val_fraction if "val" not in layout.tables else None
+        tables = {id(t): t for t, _, _ in self._splits.values() if t is not None}.values()
+        total = sum(t.count for t in tables) * self.sample_nbytes
+        if memory == "auto":
+            memory = "ram" if total < min(RAM_CAP_BYTES, mem_available() // 4) else "stream"
+        self.memory = memory
+        self._ram: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if memory == "ram":
+            for t in tables:
+                self._ram[id(t)] = self._load(t)
+            self.close()  # all in RAM: the files are no longer needed
+        self._class_labels = self.label_shape == () and self.label_dtype.kind in "iu"
+        self.num_classes = layout.num_classes or (self._count_classes(tables) if self._class_labels else 0)
+        self.class_names = layout.class_names or ([str(i) for i in range(self.num_classes)]
+                                                  if self._class_labels else [])
+        if self.class_names and len(self.class_names) != self.num_classes:
+            raise DatasetError(f"{uri}: {len(self.class_names)} class names for {self.num_classes} classes")
+
+    def _carve(self, tables: dict[str, Table], fraction: float) -> dict[str, tuple[Table | None, int, int]]:
+        if "train" not in tables:
+            raise DatasetError(f"{self.uri}: found {', '.join(tables) or 'no'} split(s) but no train split")
+        train = tables["train"]
+        out = {s: (t, 0, t.count) for s, t in tables.items()}
+        if "val" not in tables:
+            val = round(train.count * fraction)
+            if train.count - val < 1:
+                raise DatasetError(f"{self.uri}: val_fraction {fraction} of {train.count} train samples "
+                                   "leaves none to train on")
+            out["train"] = (train, 0, train.count - val)
+            out["val"] = (train, train.count - val, val)
+        out.setdefault("test", (None, 0, 0))
+        return out
+
+    def close(self) -> None:
+        """Close the dataset's files (a RAM source has already closed them)."""
+        _close_all(self._fds)
+
+    def num_samples(self, split: str) -> int:
+        return self._splits[split][2]
+
+    def info(self) -> dict:
+        info = super().info()
+        info.update(format=self.layout.format, memory=self.memory, path=str(self.root), **self.layout.extra)
+        if self.val_fraction is not None:
+            info["val_fraction"] = self.val_fraction  # val is the tail of the train files
+        return info
+
+    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        """Write samples ``indices`` of ``split`` into ``x`` and ``y`` (see :meth:`Source.read_into`).
+
+        Streamed, the bytes go from the file straight into ``x`` (and ``y`` when labels are stored
+        as served), whatever the order of ``indices``. Raises ``IndexError`` for an index outside
+        the split, ``ValueError`` for destinations of the wrong shape, :class:`DatasetError` for
+        data that is not what the files promised (a label or token out of range, a shrunk file).
+        """
+        table, start, count = self._splits[split]
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(idx)
+        if x.shape != (n, *self.sample_shape) or y.shape != (n, *self.label_shape):
+            raise ValueError(f"read_into needs x of shape {(n, *self.sample_shape)} and y of shape "
+                             f"{(n, *self.label_shape)}, got {x.shape} and {y.shape}")
+        if n == 0:
+            return
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= count:
+            raise IndexError(f"index {lo if lo < 0 else hi} is outside {split} (0..{count - 1})")
+        rows = idx + start if start else idx
+        if self.memory == "ram":
+            xs, ys = self._ram[id(table)]
+            np.take(xs, rows, axis=0, out=x)
+            np.take(ys, rows, axis=0, out=y)
+        else:
+            self._stream(table, rows, x, y)
+        self._check(table, x, y)
+
+    def _stream(self, table: Table, rows: np.ndarray, x: np.ndarray | None, y: np.ndarray | None) -> None:
+        n = len(rows)
+        xb = None
+        if x is not None:
+            xb = x if x.flags.c_contiguous and x.dtype == self.dtype else np.empty(x.shape, self.dtype)
+        yb, stored = None, self.layout.y_dtype
+        if y is not None and stored is not None:
+            yb = y if y.flags.c_contiguous and y.dtype == stored else np.empty((n, *self.label_shape), stored)
+        table.read(rows, None if xb is None else _flat(xb), None if yb is None else _flat(yb))
+        if xb is not None:
+            if not self.layout.x_dtype.isnative:
+                xb.byteswap(inplace=True)  # IDX is big-endian on disk; serve native order
+            if xb is not x:
+                x[...] = xb
+        if yb is not None and yb is not y:
+            y[...] = yb  # widens class ids to int64, fixes byte order
+
+    def _load(self, table: Table) -> tuple[np.ndarray, np.ndarray]:
+        xs = np.empty((table.count, *self.sample_shape), self.dtype)
+        ys = np.empty((table.count, *self.label_shape), self.label_dtype)
+        step = max(1, CHUNK_BYTES // max(1, self.sample_nbytes))
+        for a in range(0, table.count, step):
+            b = min(a + step, table.count)
+            self._stream(table, np.arange(a, b), xs[a:b], ys[a:b])
+        return xs, ys
+
+    def _count_classes(self, tables) -> int:
+        """1 + the largest class id in any split's labels, read in bounded chunks."""
+        top = -1
+        for t in tables:
+            step = 1 << 20
+            for a in range(0, t.count, step):
+                b = min(a + step, t.count)
+                if id(t) in self._ram:
+                    ys = self._ram[id(t)][1][a:b]
+                else:
+                    ys = np.empty(b - a, self.label_dtype)
+                    self._stream(t, np.arange(a, b), None, ys)
+                if len(ys) and ys.min() < 0:
+                    raise DatasetError(f"{t.label_name}: label {ys.min()} is negative; class labels are 0..N-1")
+                top = max(top, int(ys.max()) if len(ys) else -1)
+        return top + 1
+
+    def _check(self, table: Table, x: np.ndarray, y: np.ndarray) -> None:
+        # never serve what a model would choke on: a class id or token beyond what info() promised
+        if self._class_labels and self.num_classes and len(y):
+            lo, hi = int(y.min()), int(y.max())
+            if lo < 0 or hi >= self.num_classes:
+                raise DatasetError(f"{table.label_name}: label {lo if lo < 0 else hi} is outside the "
+                                   f"{self.num_classes} classes 0..{self.num_classes - 1}")
+        if self.kind == "tokens" and x.size and int(x.max()) >= self.num_classes:
+            raise DatasetError(f"{self.root}: token {int(x.max())} is not below vocab_size "
+                               f"{self.num_classes}; set vocab_size to the tokenizer's")
+

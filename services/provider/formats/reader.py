@@ -1,0 +1,156 @@
+"""Positional, coalescing reads of fixed-size records from files, straight into caller buffers.
+
+A :class:`ByteSpace` lays parts of files end to end (the CIFAR batches, a run of token shards) and
+reads any byte range of it with ``os.preadv``, splitting a read at file boundaries. :class:`Records`
+sees a byte space as fixed-size records holding one or more fields (CIFAR: a label byte then 3072
+pixel bytes) and gathers the records a batch names into one destination buffer per field.
+
+Why ``preadv`` and not ``np.memmap``: pages read with ``pread`` live in the page cache, which the
+kernel reclaims freely and which never counts as the process's resident memory; mapped pages do. A
+provider that streams a dataset larger than its RAM budget so keeps its RSS at the size of the
+batches in flight.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from libbus.errors import DatasetError
+
+__all__ = ["ByteSpace", "Records", "Segment"]
+
+#: Most buffers one ``preadv`` call takes (Linux: 1024).
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` bytes of the open file ``fd`` (called ``name`` in messages) from ``offset``."""
+
+    name: str
+    fd: int
+    offset: int
+    length: int
+
+
+class ByteSpace:
+    """Segments of files laid end to end into one address space, read by position."""
+
+    def __init__(self, segments: list[Segment]):
+        self.segments = [s for s in segments if s.length > 0]
+        self.starts = []
+        pos = 0
+        for seg in self.segments:
+            self.starts.append(pos)
+            pos += seg.length
+        self.size = pos
+
+    def readv(self, offset: int, buffers: list[memoryview]) -> None:
+        """Fill ``buffers`` in turn with the bytes from ``offset`` on.
+
+        Raises :class:`DatasetError` when the range runs past the end of the space or a file turns
+        out shorter than when it was opened.
+        """
+        total = sum(len(b) for b in buffers)
+        if offset < 0 or offset + total > self.size:
+            raise DatasetError(f"read of {total} bytes at {offset} is outside the {self.size} bytes of "
+                               f"{', '.join(s.name for s in self.segments)}")
+        i = bisect.bisect_right(self.starts, offset) - 1
+        pos, batch, batch_at = offset, [], offset
+        for buf in buffers:
+            while len(buf):
+                seg_end = self.starts[i] + self.segments[i].length
+                if pos == seg_end:  # this segment is done: flush, move to the next file
+                    self._flush(i, batch_at, batch)
+                    i, batch, batch_at = i + 1, [], pos
+                    continue
+                n = min(len(buf), seg_end - pos)
+                batch.append(buf[:n])
+                buf, pos = buf[n:], pos + n
+                if len(batch) == IOV_MAX:
+                    self._flush(i, batch_at, batch)
+                    batch, batch_at = [], pos
+        self._flush(i, batch_at, batch)
+
+    def _flush(self, i: int, at: int, buffers: list[memoryview]) -> None:
+        if not buffers:
+            return
+        seg = self.segments[i]
+        offset = seg.offset + at - self.starts[i]
+        while buffers:
+            got = os.preadv(seg.fd, buffers, offset)
+            if got == 0:
+                raise DatasetError(f"{seg.name}: unexpected end of file at byte {offset}; the file was "
+                                   "truncated after it was opened")
+            offset += got
+            # a short read (a signal, or over 2 GiB at once): drop what is full, resume in the rest
+            while buffers and got >= len(buffers[0]):
+                got -= len(buffers[0])
+                buffers = buffers[1:]
+            if buffers and got:
+                buffers = [buffers[0][got:], *buffers[1:]]
+
+
+class Records:
+    """``count`` records of ``record`` bytes from ``base`` in a :class:`ByteSpace`.
+
+    ``fields`` are ``(offset, nbytes)`` within a record, in offset order, not overlapping; bytes
+    between them are read into a scratch buffer (one read per run beats skipping a byte).
+    """
+
+    def __init__(self, space: ByteSpace, base: int, record: int, count: int,
+                 fields: list[tuple[int, int]]):
+        self.space, self.base, self.record, self.count = space, base, record, count
+        self.fields = fields
+        # the record as pieces: (field number or None for a gap, nbytes)
+        self.pieces: list[tuple[int | None, int]] = []
+        at = 0
+        for f, (off, nbytes) in enumerate(fields):
+            if off > at:
+                self.pieces.append((None, off - at))
+            self.pieces.append((f, nbytes))
+            at = off + nbytes
+        if at < record:
+            self.pieces.append((None, record - at))
+        self.scratch = memoryview(bytearray(max(n for _, n in self.pieces)))
+        self.whole = len(fields) == 1 and fields[0] == (0, record)
+
+    def gather(self, indices: np.ndarray, dests: list[memoryview | None]) -> None:
+        """Row ``r`` of field ``f`` in ``dests[f]`` (flat bytes) gets field ``f`` of record ``indices[r]``.
+
+        Indices are visited in file order; each run of consecutive records is one ``preadv`` that
+        scatters straight into the destination rows, wherever they are (argsort maps them back), so
+        unsorted and duplicate indices cost no temporary copy. A ``None`` destination is skipped.
+        """
+        n = len(indices)
+        if n == 0:
+            return
+        order = np.argsort(indices, kind="stable")
+        ordered = indices[order]
+        cuts = (np.flatnonzero(np.diff(ordered) != 1) + 1).tolist()
+        rows_all = order.tolist()
+        widths = [nbytes for _, nbytes in self.fields]
+        for a, b in zip([0, *cuts], [*cuts, n]):
+            rows = rows_all[a:b]
+            buffers: list[memoryview] = []
+            if self.whole and dests[0] is not None:
+                # one buffer per stretch of consecutive destination rows (a sorted request is one read)
+                dest, w = dests[0], widths[0]
+                start = prev = rows[0]
+                for r in rows[1:]:
+                    if r != prev + 1:
+                        buffers.append(dest[start * w:(prev + 1) * w])
+                        start = r
+                    prev = r
+                buffers.append(dest[start * w:(prev + 1) * w])
+            else:
+                for r in rows:
+                    for f, nbytes in self.pieces:
+                        dest = dests[f] if f is not None else None
+                        buffers.append(self.scratch[:nbytes] if dest is None
+                                       else dest[r * nbytes:(r + 1) * nbytes])
+            self.space.readv(self.base + int(ordered[a]) * self.record, buffers)
