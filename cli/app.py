@@ -26,10 +26,12 @@ start_app = typer.Typer(no_args_is_help=True, help="Run a service in the foregro
 job_app = typer.Typer(no_args_is_help=True, help="Inspect or control one job.")
 token_app = typer.Typer(no_args_is_help=True, help="Mint tokens and create the cluster secret.")
 config_app = typer.Typer(no_args_is_help=True, help="Show the effective settings.")
+shm_app = typer.Typer(no_args_is_help=True, help="Shared-memory rings on this host.")
 app.add_typer(start_app, name="start")
 app.add_typer(job_app, name="job")
 app.add_typer(token_app, name="token")
 app.add_typer(config_app, name="config")
+app.add_typer(shm_app, name="shm")
 
 # Options shared by many commands, declared once.
 Config = Annotated[Optional[str], typer.Option("--config", help="TOML settings file (or BATCHBUS_CONFIG).")]
@@ -255,6 +257,29 @@ def token_secret(path: Annotated[Path, typer.Argument(help="Where to create the 
     existed = path.exists()
     ensure_secret(path)
     typer.echo(f"{path} {'already exists' if existed else 'created'}")
+
+
+@shm_app.command("ls")
+@guard
+def shm_ls(json: Json = False) -> None:
+    """Every batchbus ring in /dev/shm: owner pid, whether it still runs, size."""
+    from shm import list_segments
+    rows = [seg.as_dict() for seg in list_segments()]
+    print_json(rows) if json else tables.segments(rows)
+
+
+@shm_app.command("gc")
+@guard
+def shm_gc(json: Json = False) -> None:
+    """Remove rings whose owner is gone (a killed trainer's). Rings of live processes stay."""
+    from shm import collect_garbage
+    rows = [seg.as_dict() for seg in collect_garbage()]
+    if json:
+        print_json(rows)
+    else:
+        total = sum(r["size"] for r in rows)
+        typer.echo(f"removed {len(rows)} ring(s), {total / 2**20:.1f} MiB"
+                   + "".join(f"\n  {r['name']} (pid {r['pid']})" for r in rows))
 
 
 @config_app.command("show")

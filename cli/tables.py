@@ -7,7 +7,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["jobs", "job", "peers", "queues", "settings", "fmt_result"]
+__all__ = ["jobs", "job", "peers", "queues", "settings", "segments", "fmt_result"]
 
 console = Console()
 
@@ -90,4 +90,16 @@ def settings(values: dict, sources: dict) -> None:
     table = Table("setting", "value", "from")
     for k, v in values.items():
         table.add_row(k, "***" if k == "token" and v else str(v), sources.get(k, "default"))
+    console.print(table)
+
+
+def segments(rows: list[dict]) -> None:
+    if not rows:
+        console.print("no batchbus rings in /dev/shm")
+        return
+    table = Table("ring", "owner pid", "owner", "slots", "slot size", "size", "age")
+    for r in rows:
+        table.add_row(r["name"], str(r["pid"]), "running" if r["alive"] else "[red]gone[/red] (busctl shm gc)",
+                      str(r["slots"]), f"{r['slot_bytes'] / 2**20:.1f} MiB", f"{r['size'] / 2**20:.1f} MiB",
+                      f"{r['age_s']:.0f}s")
     console.print(table)

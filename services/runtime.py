@@ -15,7 +15,7 @@ from libbus.config import Settings
 from libbus.server import ServerConfig
 from libbus.sockets import SocketLimits
 
-__all__ = ["install_signal_handlers", "sd_notify", "service_name", "token_source", "identity",
+__all__ = ["clean_shm", "install_signal_handlers", "sd_notify", "service_name", "token_source", "identity",
            "server_config", "limits", "secret"]
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,14 @@ def sd_notify(state: str) -> bool:
     except OSError as err:
         log.warning("sd_notify(%s) failed: %s", state, err)
         return False
+
+
+def clean_shm() -> None:
+    """Remove rings left by processes that died (SIGKILL, OOM) before they could unlink them."""
+    from shm import collect_garbage  # noqa: PLC0415
+    for seg in collect_garbage():
+        log.info("removed shared memory %s of dead process %d (%.1f MiB)", seg.name, seg.pid,
+                 seg.size / 2**20)
 
 
 def service_name(settings: Settings, role: str) -> str:

@@ -47,6 +47,7 @@ class ProviderService:
 
     def start(self) -> str:
         """Bind the data socket and start registering with the router. Returns the data endpoint."""
+        runtime.clean_shm()
         bound = self.server.bind()
         self.endpoint = self.settings.advertise or bound
         if "0.0.0.0" in self.endpoint or "*" in self.endpoint:

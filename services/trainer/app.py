@@ -112,6 +112,7 @@ class TrainerService:
 def run_trainer(settings: Settings) -> int:
     stop = threading.Event()
     runtime.install_signal_handlers(stop)
+    runtime.clean_shm()
     service = TrainerService(settings)
     runtime.sd_notify("READY=1")
     code = service.run(stop)
