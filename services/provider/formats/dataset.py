@@ -234,7 +234,7 @@ class FileSource(Source):
         """1 + the largest class id in any split's labels, read in bounded chunks."""
         top = -1
         for t in tables:
-            step = 1 << 20
+            step = 1 << 18
             for a in range(0, t.count, step):
                 b = min(a + step, t.count)
                 if id(t) in self._ram:

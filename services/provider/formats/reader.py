@@ -131,26 +131,32 @@ class Records:
             return
         order = np.argsort(indices, kind="stable")
         ordered = indices[order]
-        cuts = (np.flatnonzero(np.diff(ordered) != 1) + 1).tolist()
-        rows_all = order.tolist()
-        widths = [nbytes for _, nbytes in self.fields]
-        for a, b in zip([0, *cuts], [*cuts, n]):
-            rows = rows_all[a:b]
+        new_run = np.diff(ordered) != 1  # the next sample is not adjacent on disk
+        run_ends = np.flatnonzero(new_run) + 1
+        if self.whole and dests[0] is not None:
+            # one buffer per stretch that is consecutive both on disk and in the destination, found
+            # without a Python object per row: a sorted request is a single buffer, a single read
+            dest, w = dests[0], self.record
+            cuts = np.flatnonzero(new_run | (np.diff(order) != 1)) + 1
+            firsts = np.r_[0, cuts].astype(np.int64)
+            stretches = zip(firsts.tolist(), np.r_[cuts, n].tolist(), order[firsts].tolist())
+            run_at = set(run_ends.tolist())
             buffers: list[memoryview] = []
-            if self.whole and dests[0] is not None:
-                # one buffer per stretch of consecutive destination rows (a sorted request is one read)
-                dest, w = dests[0], widths[0]
-                start = prev = rows[0]
-                for r in rows[1:]:
-                    if r != prev + 1:
-                        buffers.append(dest[start * w:(prev + 1) * w])
-                        start = r
-                    prev = r
-                buffers.append(dest[start * w:(prev + 1) * w])
-            else:
-                for r in rows:
-                    for f, nbytes in self.pieces:
-                        dest = dests[f] if f is not None else None
-                        buffers.append(self.scratch[:nbytes] if dest is None
-                                       else dest[r * nbytes:(r + 1) * nbytes])
+            offset = self.base + int(ordered[0]) * w
+            for a, b, row in stretches:
+                if a in run_at:
+                    self.space.readv(offset, buffers)
+                    buffers, offset = [], self.base + int(ordered[a]) * w
+                buffers.append(dest[row * w:(row + b - a) * w])
+            self.space.readv(offset, buffers)
+            return
+        rows_all = order.tolist()
+        cuts = run_ends.tolist()
+        for a, b in zip([0, *cuts], [*cuts, n]):
+            buffers = []
+            for r in rows_all[a:b]:
+                for f, nbytes in self.pieces:
+                    dest = dests[f] if f is not None else None
+                    buffers.append(self.scratch[:nbytes] if dest is None
+                                   else dest[r * nbytes:(r + 1) * nbytes])
             self.space.readv(self.base + int(ordered[a]) * self.record, buffers)
