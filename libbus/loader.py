@@ -33,7 +33,7 @@ from .constants import REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from .delivery import RingDelivery, SocketDelivery, ring_layout
 from .errors import AuthRequired, BadRequest, BusError, PeerTimeout, ShmError
 from .messages import BatchRequest, DatasetInfoRequest, Error, Resolve
-from .order import batches_of, epoch_order
+from .order import DEFAULT_BLOCK_SIZE, Order, Shuffle
 
 __all__ = ["RemoteLoader", "pick_provider"]
 
@@ -65,8 +65,10 @@ class RemoteLoader:
         router: router address to resolve the dataset; or give ``provider`` (its data endpoint).
         token: a trainer (or admin) token, or a callable returning a fresh one.
         batch_size, drop_last: as in ``torch.utils.data.DataLoader``.
-        shuffle, seed: a permutation per epoch drawn from ``(seed, epoch)``.
-        rank, world_size: read shard ``rank`` of ``world_size`` disjoint shards.
+        shuffle, seed: ``none``, ``full`` (or ``True``: a permutation per epoch) or ``block``
+            (shuffled blocks of ``block_size`` samples, sequential inside), drawn from ``(seed, epoch)``.
+        rank, world_size: read shard ``rank`` of ``world_size`` disjoint shards that together
+            cover the split; ``drop_uneven`` gives every rank the same count (for DDP).
         inflight: batch requests kept outstanding (prefetch depth).
         timeout_s, retries: per-request reply timeout, and resends before :class:`PeerTimeout`.
         device: where yielded tensors live (``"cpu"``, ``"cuda:0"``...).
@@ -80,8 +82,9 @@ class RemoteLoader:
 
     def __init__(self, dataset: str, *, token: str | Callable[[], str], split: str = "train",
                  router: str | None = None, provider: str | None = None, batch_size: int = 64,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, rank: int = 0,
-                 world_size: int = 1, inflight: int = 4, timeout_s: float = REQUEST_TIMEOUT_S,
+                 shuffle: bool | str = True, seed: int = 0, drop_last: bool = False, rank: int = 0,
+                 world_size: int = 1, block_size: int = DEFAULT_BLOCK_SIZE, drop_uneven: bool = False,
+                 inflight: int = 4, timeout_s: float = REQUEST_TIMEOUT_S,
                  retries: int = REQUEST_RETRIES, name: str | None = None, device: str = "cpu",
                  shm: bool = True, shm_slots: int = 0, copy: bool = False, host_id: str | None = None,
                  ctx: zmq.Context | None = None):
@@ -119,6 +122,15 @@ class RemoteLoader:
             self.client.close()
             raise BadRequest(f"unknown split {split!r}; {self.dataset} has {', '.join(splits)}")
         self.num_samples = int(splits[split]["num_samples"])
+        try:
+            self._order = Order(n=self.num_samples, seed=seed, shuffle=Shuffle.parse(shuffle),
+                                block_size=block_size, rank=rank, world_size=world_size,
+                                batch_size=batch_size, drop_last=drop_last, drop_uneven=drop_uneven)
+        except BusError:
+            self.client.close()
+            raise
+        #: Samples of the current epoch already handed out: with ``epoch``, the loader's cursor.
+        self.position = 0
         slots = shm_slots or inflight + 1
         if slots < 2:
             raise BadRequest(f"shm_slots must be at least 2 (one in use, one in flight), got {slots}")
@@ -168,21 +180,43 @@ class RemoteLoader:
         self.close()
 
     def set_epoch(self, epoch: int) -> None:
-        """Read ``epoch``'s order on the next pass (passes advance it by one on their own)."""
-        self.epoch = epoch
+        """Read ``epoch``'s order on the next pass, from its start (passes advance it on their own).
+
+        Setting the epoch the loader is already in keeps its position, so a position restored by
+        :meth:`load_state_dict` survives a training loop's ``set_epoch`` call.
+        """
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
 
     def order(self, epoch: int) -> np.ndarray:
-        return epoch_order(self.num_samples, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
-                           rank=self.rank, world_size=self.world_size)
+        """The sample indices this rank reads in ``epoch``."""
+        return self._order.indices(epoch)
 
     def __len__(self) -> int:
-        n = len(self.order(self.epoch)) if self.world_size > 1 else self.num_samples
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return self._order.num_batches()
+
+    def state_dict(self) -> dict:
+        """The loader's cursor, JSON-ready: store it with a checkpoint to resume at the exact sample."""
+        return self._order.state(self.epoch, self.position)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at a saved cursor on the next pass. Raises :class:`BadRequest` for a cursor
+        saved with another dataset size, seed, shuffle or world size (naming what differs)."""
+        self.epoch, self.position = self._order.restore(state)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        batches = batches_of(self.order(self.epoch), self.batch_size, self.drop_last)
-        yield from self._fetch(batches)
-        self.epoch += 1
+        """One pass: the rest of the current epoch. A pass left early is continued by the next."""
+        epoch, position = self.epoch, self.position
+        batches = self._order.batches(epoch, start=position)
+        fetch = self._fetch(batches)
+        try:
+            for item, batch in zip(fetch, batches):
+                position += len(batch)
+                self.position = position  # counted when handed out: a checkpoint now includes it
+                yield item
+        finally:
+            fetch.close()  # frees ring slots now, not whenever the generator is collected
+        self.epoch, self.position = epoch + 1, 0
 
     # -- the pipeline ---------------------------------------------------------------------------
     def _request(self, indices: np.ndarray, fields: dict) -> BatchRequest:

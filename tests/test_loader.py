@@ -7,10 +7,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 import torch
 
-from libbus.errors import PeerTimeout
+from libbus.errors import BadRequest, PeerTimeout
 from libbus.loader import RemoteLoader
 from libbus.order import epoch_order
 from services.provider.sources import open_source
@@ -79,3 +80,26 @@ def test_a_killed_provider_makes_the_loader_time_out_not_hang(router, make_setti
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("shuffle", ["none", "full", "block"])
+def test_a_restored_cursor_continues_at_the_exact_sample(provider, make_token, shuffle):
+    kw = dict(provider=provider.endpoint, token=make_token(), batch_size=32, seed=5, shuffle=shuffle,
+              block_size=50)
+    with RemoteLoader("mnist", **kw) as loader:
+        uninterrupted = [labels_of(loader), labels_of(loader)]       # epochs 0 and 1
+    with RemoteLoader("mnist", **kw) as first:
+        seen = []
+        for i, (_, y) in enumerate(first):
+            seen += y.tolist()
+            if i == 6:
+                break
+        state = orjson.loads(orjson.dumps(first.state_dict()))        # as stored in a checkpoint
+    assert state["epoch"] == 0 and state["position"] == 7 * 32
+    with RemoteLoader("mnist", **kw) as resumed:
+        resumed.load_state_dict(state)
+        resumed.set_epoch(0)                                          # a training loop's call keeps it
+        seen += labels_of(resumed)
+        assert seen == uninterrupted[0] and labels_of(resumed) == uninterrupted[1]
+    with RemoteLoader("mnist", **{**kw, "seed": 6}) as other, pytest.raises(BadRequest, match="seed"):
+        other.load_state_dict(state)
