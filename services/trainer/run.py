@@ -14,7 +14,7 @@ from torch import nn
 
 from libbus.client import Client, Identity
 from libbus.config import Settings
-from libbus.errors import BusError
+from libbus.errors import BadRequest, BusError
 from libbus.jobs import JobSpec
 from libbus.link import Link
 from libbus.loader import RemoteLoader, pick_provider
@@ -108,13 +108,15 @@ class TaskRun:
         info = resolved.info
         log.info("job %s: %s on %s from %s (%s)", self.job, spec.model, spec.dataset, provider["name"],
                  provider["endpoint"])
+        device = self._device()
         torch.manual_seed(spec.seed)
-        model = build_model(spec.model, info, **spec.model_kwargs)
+        model = build_model(spec.model, info, **spec.model_kwargs).to(device)
         optimizer = make_optimizer(spec, model.parameters())
         kind = dataset_kind(info)
         common = {"provider": provider["endpoint"], "token": self.identity.token, "batch_size": spec.batch_size,
                   "inflight": s.inflight, "timeout_s": s.request_timeout_s, "retries": s.request_retries,
-                  "name": self.identity.name}
+                  "name": self.identity.name, "device": str(device), "shm": s.shm, "shm_slots": s.shm_slots,
+                  "host_id": self.identity.host_id}
         train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle, seed=spec.seed, **common)
         val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common)
         meter = Meter()
@@ -170,11 +172,20 @@ class TaskRun:
         last_loss = meter.loss_sum / meter.loss_n if meter.loss_n else None
         return {"epoch": epoch, "epochs": self.spec.epochs, "step": step, "steps_per_epoch": steps_per_epoch,
                 "loss": last_loss, "samples": meter.samples, "samples_per_s": meter.samples / elapsed,
-                "data_wait_s": loader.wait_s, "data_wait_pct": 100.0 * loader.wait_s / elapsed,
+                "data_wait_s": loader.wait_s, "transport": loader.transport, "data_wait_pct": 100.0 * loader.wait_s / elapsed,
                 "elapsed_s": elapsed, "history": self.history}
 
+    def _device(self) -> torch.device:
+        try:
+            device = torch.device(self.spec.device)
+        except RuntimeError as err:
+            raise BadRequest(f"job device {self.spec.device!r} is not a torch device: {err}") from err
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise BadRequest(f"job asks for {device} but this trainer has no CUDA device")
+        return device
+
     def _evaluate(self, model: nn.Module, endpoint: str) -> Evaluation:
-        blob = save_safetensors({k: v.detach().contiguous() for k, v in model.state_dict().items()})
+        blob = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
         msg = Evaluate(dataset=self.spec.dataset, job=self.job,
                        model={"name": self.spec.model, "kwargs": self.spec.model_kwargs}, frames=[blob])
         with Client(endpoint, self.identity, timeout_s=EVALUATE_TIMEOUT_S, retries=0) as client:
