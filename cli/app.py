@@ -131,6 +131,18 @@ def demo(epochs: Annotated[int, typer.Option(help="Epochs to train.")] = 2,
     run_demo(epochs=epochs, uri=dataset, model=model, state_dir=state_dir)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@guard
+def bench(ctx: typer.Context) -> None:
+    """Same-host delivery benchmark: shm ring vs socket vs DataLoader vs raw pyzmq vs memcpy.
+
+    Options are the benchmark's own (``busctl bench --help-bench`` lists them); ``--json FILE``
+    writes the results.
+    """
+    from benchmarks.delivery import main as bench_main
+    bench_main(ctx.args)
+
+
 # -- jobs ----------------------------------------------------------------------------------------
 
 @app.command()
@@ -143,6 +155,8 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
            lr: Annotated[Optional[float], typer.Option()] = None,
            optimizer: Annotated[Optional[str], typer.Option(help="sgd or adam.")] = None,
            seed: Annotated[Optional[int], typer.Option()] = None,
+           shuffle: Annotated[str | None, typer.Option(help="none, full or block.")] = None,
+           block_size: Annotated[int | None, typer.Option(help="Samples per block of --shuffle block.")] = None,
            evaluate: Annotated[Optional[bool], typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")] = None,
            config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
            token: Token = None, json: Json = False) -> None:
@@ -157,7 +171,7 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
             fail(f"job file {job_file} is not valid TOML: {err}", 2)
         spec = spec.get("job", spec)
     flags = dict(dataset=dataset, model=model, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
-                 seed=seed, evaluate=evaluate)
+                 seed=seed, evaluate=evaluate, shuffle=shuffle, block_size=block_size)
     spec.update({k: v for k, v in flags.items() if v is not None})
     if "dataset" not in spec:
         fail("say which dataset to train on: --dataset NAME or a job file with dataset = \"NAME\"", 2)
@@ -236,6 +250,30 @@ def peers(config: Config = None, router: Router = None, secret_file: SecretFile 
     with admin_client(s) as client:
         rows = client.request(ListPeers()).peers
     print_json(rows) if json else tables.peers(rows)
+
+
+@app.command("datasets")
+@guard
+def datasets(config: Config = None, router: Router = None, secret_file: SecretFile = None,
+             state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Every dataset the providers serve: providers, kind, splits, sample shape and dtype, classes."""
+    from .data import datasets_command
+    datasets_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir,
+                                   token=token), json=json)
+
+
+@app.command("fetch")
+@guard
+def fetch(dataset: Annotated[str, typer.Argument(help="Dataset name (or remote://NAME).")],
+          split: Annotated[str, typer.Option(help="train or val (test never leaves its provider).")] = "train",
+          indices: Annotated[str, typer.Option(help="Ranges START:STOP[:STEP] such as 0:8 or 0:64:4, single indices, comma-joined: 3,7,9 or 0:4,100.")] = "0:8",
+          out: Annotated[Path | None, typer.Option(help="Save instead of printing: .npz (x, y, indices) or .npy (x only).")] = None,
+          config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
+          token: Token = None, json: Json = False) -> None:
+    """Samples of a dataset exactly as a trainer receives them: shape, dtype, labels, per-sample summary."""
+    from .data import fetch_command
+    fetch_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
+                  dataset, split, indices, out=out, json=json)
 
 
 @token_app.command("issue")

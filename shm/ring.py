@@ -21,6 +21,7 @@ between the two processes order the stores on either side.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -101,7 +102,7 @@ def _view(buf, offset: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
     right away, so an mmap could be closed under a live array (a segfault on the next access). A
     memoryview holds its export until it is garbage, and the array holds the memoryview.
     """
-    nbytes = int(np.prod(shape)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     return np.frombuffer(memoryview(buf)[offset:offset + nbytes], dtype=dtype).reshape(shape)
 
 
@@ -130,6 +131,9 @@ class Ring:
         self.name = segment.name
         self._table = _view(segment.buf, _TABLE_OFFSET, (layout.slots, 2), np.dtype("<u8"))
         self._next_seq = 1
+        # Views are made once per (slot, shapes, dtypes) and reused: building them costs more than
+        # the rest of a small batch's bookkeeping. They hold the mapping until close() drops them.
+        self._views: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     # -- creating and attaching -------------------------------------------------------------------
     @classmethod
@@ -223,23 +227,32 @@ class Ring:
     # -- data -------------------------------------------------------------------------------------
     def views(self, slot: int, x_shape: tuple, x_dtype, y_shape: tuple, y_dtype) -> tuple[np.ndarray, np.ndarray]:
         """Numpy arrays over ``slot``'s data and label areas. Raises :class:`ShmError` if they do not fit."""
+        key = (slot, x_shape, x_dtype, y_shape, y_dtype)
+        cached = self._views.get(key)
+        if cached is not None:
+            return cached
         self._check_slot(slot)
         if self.segment.buf is None:
             raise ShmError(f"ring {self.name} is closed")
         x_dtype, y_dtype = np.dtype(x_dtype), np.dtype(y_dtype)
-        x_bytes = int(np.prod(x_shape)) * x_dtype.itemsize
-        y_bytes = int(np.prod(y_shape)) * y_dtype.itemsize
+        x_bytes = math.prod(x_shape) * x_dtype.itemsize
+        y_bytes = math.prod(y_shape) * y_dtype.itemsize
         lay = self.layout
         if x_bytes > lay.label_offset or y_bytes > lay.slot_bytes - lay.label_offset:
             raise ShmError(f"a batch of {x_bytes} + {y_bytes} bytes does not fit slots of "
                            f"{lay.label_offset} + {lay.slot_bytes - lay.label_offset} bytes")
         base = lay.data_offset + slot * lay.stride
-        return (_view(self.segment.buf, base, x_shape, x_dtype),
-                _view(self.segment.buf, base + lay.label_offset, y_shape, y_dtype))
+        views = (_view(self.segment.buf, base, x_shape, x_dtype),
+                 _view(self.segment.buf, base + lay.label_offset, y_shape, y_dtype))
+        if len(self._views) > 16 * lay.slots:  # a pass's last, short batch adds shapes: stay bounded
+            self._views.clear()
+        self._views[key] = views
+        return views
 
     def close(self) -> None:
         """Unmap (once no views are alive), and unlink if this process created the ring."""
         self._table = None
+        self._views.clear()
         owner = self.segment.owner
         self.segment.close()
         if owner:

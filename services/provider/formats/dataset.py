@@ -198,8 +198,10 @@ class FileSource(Source):
         rows = idx + start if start else idx
         if self.memory == "ram":
             xs, ys = self._ram[id(table)]
-            np.take(xs, rows, axis=0, out=x)
-            np.take(ys, rows, axis=0, out=y)
+            # mode="clip": the rows are checked above, and numpy buffers ``out`` under the default
+            # mode="raise" (a hidden temporary that makes the gather ~4x slower).
+            np.take(xs, rows, axis=0, out=x, mode="clip")
+            np.take(ys, rows, axis=0, out=y, mode="clip")
         else:
             self._stream(table, rows, x, y)
         self._check(table, x, y)
