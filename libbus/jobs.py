@@ -6,8 +6,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import BadRequest
+from .order import DEFAULT_BLOCK_SIZE, Shuffle
 
-__all__ = ["JobSpec", "JOB_STATES", "TERMINAL_STATES", "dataset_name"]
+__all__ = ["JOB_STATES", "TERMINAL_STATES", "JobSpec", "dataset_name"]
 
 JOB_STATES = ("queued", "running", "succeeded", "failed", "stopped")
 TERMINAL_STATES = ("succeeded", "failed", "stopped")
@@ -34,7 +35,11 @@ class JobSpec:
     epochs: int = 2
     batch_size: int = 64
     seed: int = 0
-    shuffle: bool = True
+    #: How ``train`` is ordered each epoch: ``none``, ``full`` or ``block`` (a bool is accepted:
+    #: true is ``full``, false ``none``); stored as the mode's name. ``val`` is never shuffled.
+    shuffle: str = Shuffle.FULL.value
+    #: Samples per block of ``shuffle = "block"`` (read sequentially inside a block).
+    block_size: int = DEFAULT_BLOCK_SIZE
     device: str = "cpu"
     #: Score the final weights on the provider's private test split.
     evaluate: bool = True
@@ -42,7 +47,7 @@ class JobSpec:
     name: str = ""
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "JobSpec":
+    def from_dict(cls, raw: dict) -> JobSpec:
         """Check a submitted spec; raises :class:`BadRequest` naming the field that is wrong."""
         if not isinstance(raw, dict):
             raise BadRequest("job spec must be an object")
@@ -57,6 +62,9 @@ class JobSpec:
             default = known[name].default
             if default is dataclasses.MISSING:
                 default = known[name].default_factory() if known[name].default_factory is not dataclasses.MISSING else ""
+            if name == "shuffle":
+                values[name] = _shuffle_mode(value)
+                continue
             want = type(default)
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
@@ -67,7 +75,7 @@ class JobSpec:
         spec.dataset = dataset_name(spec.dataset)
         if spec.optimizer not in OPTIMIZERS:
             raise BadRequest(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
-        for name in ("epochs", "batch_size"):
+        for name in ("epochs", "batch_size", "block_size"):
             if getattr(spec, name) < 1:
                 raise BadRequest(f"{name} must be at least 1, got {getattr(spec, name)}")
         if spec.lr <= 0:
@@ -76,3 +84,12 @@ class JobSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _shuffle_mode(value) -> str:
+    """The shuffle mode's name for a submitted ``shuffle`` (a mode name or a bool)."""
+    try:
+        return Shuffle.parse(value).value
+    except BadRequest as err:
+        raise BadRequest(f"job field 'shuffle' must be none, full or block (or true/false), "
+                         f"got {value!r}") from err

@@ -8,7 +8,7 @@ How a batch becomes predictions and targets depends on the dataset's ``kind`` an
 :func:`predictions`, used by both the trainer's step (:func:`batch_loss`) and :func:`evaluate`:
 
 - ``image`` (any fixed-size sample with a class label): ``model(x)`` is ``(B, classes)`` logits, the
-  targets are ``y``.
+  targets are ``y``. Integer samples reach the model as float (:func:`as_float`: uint8 / 255).
 - ``tokens`` (samples of ``seq_len + 1`` tokens, no labels): the model reads ``x[:, :-1]`` as int64
   ids and returns ``(B, seq_len, vocab)`` logits; the targets are ``x[:, 1:]`` (next-token loss over
   every position). A user's ``module:factory`` model for a token dataset follows the same contract.
@@ -28,6 +28,7 @@ __all__ = [
     "MODELS",
     "TOKENS",
     "TinyLM",
+    "as_float",
     "batch_loss",
     "build_model",
     "dataset_kind",
@@ -161,7 +162,22 @@ def predictions(model: nn.Module, x: torch.Tensor, y: torch.Tensor, kind: str) -
         tokens = x.long()
         logits = model(tokens[:, :-1])
         return logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
-    return model(x), y
+    return model(as_float(x)), y
+
+
+def as_float(x: torch.Tensor) -> torch.Tensor:
+    """Model input from a batch of samples: integer images become float, float ones pass untouched.
+
+    File sources serve images as stored (MNIST IDX and CIFAR-10 are uint8, 0..255), so no bytes are
+    inflated on the wire or in a ring slot; the one conversion happens here, on the trainer's (or
+    evaluator's) device. ``uint8`` is scaled to ``[0, 1]``, the convention of torchvision's
+    ``ToTensor``; other integer types keep their values (their range says nothing general).
+    """
+    if x.is_floating_point():
+        return x
+    if x.dtype == torch.uint8:
+        return x.float().div_(255)
+    return x.float()
 
 
 def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, kind: str) -> torch.Tensor:

@@ -117,7 +117,8 @@ class TaskRun:
                   "inflight": s.inflight, "timeout_s": s.request_timeout_s, "retries": s.request_retries,
                   "name": self.identity.name, "device": str(device), "shm": s.shm, "shm_slots": s.shm_slots,
                   "host_id": self.identity.host_id}
-        train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle, seed=spec.seed, **common)
+        train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle, block_size=spec.block_size,
+                             seed=spec.seed, **common)
         val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common)
         meter = Meter()
         steps_per_epoch = len(train)
