@@ -105,10 +105,11 @@ def client_for(make_token):
     """A connected-on-demand Client for an endpoint, closed after the test."""
     clients = []
 
-    def make(endpoint: str, role: str = "trainer", token: str | None = None, **kw) -> Client:
+    def make(endpoint: str, role: str = "trainer", token: str | None = None, host_id: str = "", **kw) -> Client:
         kw.setdefault("timeout_s", 3.0)
         kw.setdefault("retries", 0)
-        c = Client(endpoint, Identity(role=role, name=f"test-{role}", token=token or make_token(role)), **kw)
+        c = Client(endpoint, Identity(role=role, name=f"test-{role}", token=token or make_token(role),
+                                      host_id=host_id), **kw)
         clients.append(c)
         return c
 

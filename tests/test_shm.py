@@ -16,7 +16,7 @@ import orjson
 import pytest
 import torch
 
-from libbus.client import Client, Identity
+from libbus.client import Client
 from libbus.config import host_id
 from libbus.delivery import ring_layout
 from libbus.errors import BadRequest, Unavailable
@@ -27,7 +27,6 @@ from shm import SHM_DIR, Ring, RingLayout, SlotState, collect_garbage, list_segm
 from shm.ring import _HEADER
 from services.provider.sources import open_source
 
-from .conftest import CLUSTER
 
 MNIST = "mock://mnist?n=600"
 DTYPES = ["float32", "float64", "uint8", "int16", "uint16", "int64"]
@@ -40,19 +39,9 @@ def ring_provider(start_provider):
 
 
 @pytest.fixture
-def local_client(make_token):
+def local_client(client_for):
     """A client that says it runs on this host (so the provider accepts its ring)."""
-    clients = []
-
-    def make(endpoint: str, **kw) -> Client:
-        c = Client(endpoint, Identity(role="trainer", name="ring-test", token=make_token(), host_id=host_id()),
-                   timeout_s=3.0, retries=0, **kw)
-        clients.append(c)
-        return c
-
-    yield make
-    for c in clients:
-        c.close()
+    return lambda endpoint: client_for(endpoint, host_id=host_id())
 
 
 @pytest.fixture
@@ -173,7 +162,7 @@ def test_provider_refuses_a_ring_with_bad_magic_version_or_sizes(ring_provider, 
         attach(client, ring)
 
 
-def test_provider_refuses_rings_it_should_not_touch(ring_provider, local_client, ring_for, make_token):
+def test_provider_refuses_rings_it_should_not_touch(ring_provider, local_client, ring_for, client_for):
     client = local_client(ring_provider.endpoint)
     ring = ring_for(RingLayout.for_batch(2, 8192, 256))
     with pytest.raises(BadRequest, match="header says"):    # geometry differs from the header
@@ -188,10 +177,8 @@ def test_provider_refuses_rings_it_should_not_touch(ring_provider, local_client,
     os.chmod(SHM_DIR / ring.name, 0o600)
     with pytest.raises(BadRequest, match="slots must be"):
         attach(client, ring, slots=10_000)
-    remote = Client(ring_provider.endpoint, Identity(role="trainer", name="far", token=make_token(),
-                                                     host_id="another-host"), timeout_s=3.0, retries=0)
-    with remote, pytest.raises(Unavailable, match="another-host"):
-        attach(remote, ring)
+    with pytest.raises(Unavailable, match="another-host"):
+        attach(client_for(ring_provider.endpoint, host_id="another-host"), ring)
     with pytest.raises(BadRequest, match="attached no ring"):
         client.request(BatchRequest(dataset="mnist", split="train", range=[0, 1], slot=0, seq=1))
     assert attach(client, ring).name == ring.name      # and the good one still attaches
