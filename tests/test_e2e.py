@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from shm import list_segments
+
 REPO = Path(__file__).resolve().parents[1]
 BUSCTL = [str(Path(sys.executable).with_name("busctl"))] if Path(sys.executable).with_name("busctl").exists() \
     else [sys.executable, "-m", "cli"]
@@ -58,8 +60,10 @@ def cluster(tmp_path_factory):
         codes = [p.wait(30) for p in procs]
         for f in logs.values():
             f.close()
-    # SIGTERM drains and exits 0, as systemd expects
+    # SIGTERM drains and exits 0, as systemd expects, and leaves no shared memory behind
     assert codes == [0, 0, 0], f"exit codes {codes}; logs in {state}"
+    pids = {p.pid for p in procs}
+    assert not [seg.name for seg in list_segments() if seg.pid in pids]
 
 
 def job_state(job: str, env: dict) -> dict:
@@ -93,6 +97,9 @@ def test_a_submitted_job_trains_and_scores_on_the_private_split(cluster):
     services = json.loads(busctl("queues", "--json", env=env).stdout)
     provider_stats = next(s for s in services.values() if s["role"] == "provider")
     assert provider_stats["datasets"]["mnist"]["samples"] >= 2 * 3000  # every batch came from the provider
+    # same host: the train and val batches went through the trainer's shared-memory rings
+    assert provider_stats["datasets"]["mnist"]["shm_batches"] == provider_stats["datasets"]["mnist"]["batches"]
+    assert result["transport"] == "shm"
 
 
 def test_stop_ends_a_running_job_promptly(cluster, tmp_path):
