@@ -136,7 +136,7 @@ def demo(epochs: Annotated[int, typer.Option(help="Epochs to train.")] = 2,
 def bench(ctx: typer.Context) -> None:
     """Same-host delivery benchmark: shm ring vs socket vs DataLoader vs raw pyzmq vs memcpy.
 
-    Options are the benchmark's own (``busctl bench --help-bench`` lists them); ``--json FILE``
+    Options are the benchmark's own (``busctl bench -h`` lists them); ``--json FILE``
     writes the results.
     """
     from benchmarks.delivery import main as bench_main
@@ -149,7 +149,7 @@ def bench(ctx: typer.Context) -> None:
 @guard
 def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job file (flags override it).")] = None,
            dataset: Annotated[Optional[str], typer.Option(help="Dataset name (or remote://NAME).")] = None,
-           model: Annotated[Optional[str], typer.Option(help="mlp, cnn or module:factory.")] = None,
+           model: Annotated[Optional[str], typer.Option(help="mlp, cnn, tiny-lm or module:factory.")] = None,
            epochs: Annotated[Optional[int], typer.Option()] = None,
            batch_size: Annotated[Optional[int], typer.Option()] = None,
            lr: Annotated[Optional[float], typer.Option()] = None,

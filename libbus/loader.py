@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import jwt
@@ -115,6 +116,8 @@ class RemoteLoader:
                 resolved = rc.request(Resolve(dataset=self.dataset))
             self.provider = pick_provider(resolved.providers, identity.host_id)["endpoint"]
         self.client = Client(self.provider, identity, ctx=ctx, timeout_s=timeout_s, retries=retries)
+        #: The endpoint requests go to: ``provider``, or its ``ipc://`` twin on the same host.
+        self.endpoint = self.provider
         reply = self.client.request(DatasetInfoRequest(dataset=self.dataset))
         self.info: dict = reply.info
         splits = self.info["splits"]
@@ -135,12 +138,28 @@ class RemoteLoader:
         if slots < 2:
             raise BadRequest(f"shm_slots must be at least 2 (one in use, one in flight), got {slots}")
         self.inflight = min(inflight, slots - 1)
+        if shm and reply.host_id == identity.host_id and reply.local_endpoint:
+            self._go_local(reply.local_endpoint, identity)
         self._delivery = self._open_delivery(shm, reply.host_id, identity.host_id, slots, copy)
+        # A script that never calls close() still removes its ring when the loader is collected or
+        # the interpreter exits (a SIGKILL leaves it to `busctl shm gc`).
+        self._finalizer = weakref.finalize(self, self._delivery.close)
 
     @property
     def transport(self) -> str:
         """``"shm"`` when batches come through a shared-memory ring, else ``"socket"``."""
         return self._delivery.transport
+
+    def _go_local(self, endpoint: str, identity: Identity) -> None:
+        """Same host: talk to the provider over its Unix socket rather than loopback TCP."""
+        path = endpoint.removeprefix("ipc://")
+        if not os.path.exists(path):  # a provider in another container or mount namespace
+            log.info("%s: provider's %s is not visible here; staying on %s", self.dataset, endpoint,
+                     self.provider)
+            return
+        self.client.close()
+        self.client = Client(endpoint, identity, ctx=self._ctx, timeout_s=self.timeout_s, retries=self.retries)
+        self.endpoint = endpoint
 
     def _open_delivery(self, shm: bool, provider_host: str, local_host: str, slots: int,
                        copy: bool) -> SocketDelivery | RingDelivery:
@@ -170,7 +189,7 @@ class RemoteLoader:
         return delivery
 
     def close(self) -> None:
-        self._delivery.close()
+        self._finalizer()
         self.client.close()
 
     def __enter__(self) -> RemoteLoader:
@@ -252,7 +271,7 @@ class RemoteLoader:
 
         def resend_all(reason: str) -> None:
             log.warning("%s/%s: %s; reconnecting to %s and resending %d request(s)", self.dataset,
-                        self.split, reason, self.provider, len(pending))
+                        self.split, reason, self.endpoint, len(pending))
             outstanding = sorted(pending.values())
             pending.clear()
             client.reset()
@@ -286,7 +305,7 @@ class RemoteLoader:
                 attempts[late] = attempts.get(late, 0) + 1
                 if attempts[late] > self.retries:
                     client.reset()
-                    raise PeerTimeout(f"provider {self.provider} did not answer batch {late} of "
+                    raise PeerTimeout(f"provider {self.endpoint} did not answer batch {late} of "
                                       f"{self.dataset}/{self.split} within {self.timeout_s:.1f} s "
                                       f"after {self.retries} retries")
                 resend_all(f"no reply within {self.timeout_s:.1f} s")

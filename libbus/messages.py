@@ -119,11 +119,13 @@ class DatasetInfoRequest(Message):
 class DatasetInfo(Message):
     """What a trainer needs to size its model and its requests. See docs/protocol.md for ``info``.
 
-    ``host_id`` is the provider's machine: a trainer with the same one may offer a ring.
+    ``host_id`` is the provider's machine: a trainer with the same one may offer a ring, and
+    connect through ``local_endpoint`` (an ``ipc://`` Unix socket) instead of TCP.
     """
     dataset: str
     info: dict
     host_id: str = ""
+    local_endpoint: str = ""
 
 
 @dataclass(kw_only=True)

@@ -144,6 +144,20 @@ class Server:
         self._sock = sock
         return self.endpoint
 
+    def bind_also(self, endpoint: str) -> str:
+        """Bind the same ROUTER socket to a second endpoint (a provider's same-host ``ipc://``).
+
+        Sessions are per connection, whichever endpoint it came through. Returns the bound
+        endpoint; raises :class:`BusError` if it cannot be bound.
+        """
+        if self._sock is None:
+            self.bind()
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as err:
+            raise BusError(f"cannot bind {endpoint}: {err.strerror}", code="UNAVAILABLE") from err
+        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set; then close every session and the socket."""
         if self._sock is None:

@@ -8,7 +8,7 @@ import threading
 import zmq
 
 from libbus.config import Settings
-from libbus.errors import ConfigError
+from libbus.errors import BusError, ConfigError
 from libbus.link import Link
 from libbus.server import Server
 
@@ -50,6 +50,11 @@ class ProviderService:
         runtime.clean_shm()
         bound = self.server.bind()
         self.endpoint = self.settings.advertise or bound
+        if self.settings.shm:
+            try:
+                self.handler.local_endpoint = self.server.bind_also(runtime.local_endpoint("provider"))
+            except (BusError, OSError) as err:
+                log.warning("no same-host ipc endpoint (same-host trainers use %s): %s", self.endpoint, err)
         if "0.0.0.0" in self.endpoint or "*" in self.endpoint:
             raise ConfigError(f"provider bound {bound}; set --advertise to the address trainers should "
                               "connect to")
@@ -67,6 +72,7 @@ class ProviderService:
         try:
             self.server.run(stop)
         finally:
+            runtime.remove_local_endpoint(self.handler.local_endpoint)
             self.handler.close()
             if self.link is not None:
                 self.link.close()

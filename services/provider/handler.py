@@ -100,6 +100,8 @@ class ProviderHandler(Handler):
         self.datasets = datasets
         self.host_id = host_id
         self.shm = shm
+        #: An ``ipc://`` endpoint on this socket for same-host peers (set by the service), or "".
+        self.local_endpoint = ""
         #: session id → the ring its trainer attached (one per session; a new AttachRing replaces it).
         self.rings: dict[str, Ring] = {}
         self.infos = {name: source.info() for name, source in datasets.items()}
@@ -131,7 +133,8 @@ class ProviderHandler(Handler):
             return self.batch(session, msg)
         if isinstance(msg, DatasetInfoRequest):
             self.source(msg.dataset)
-            return DatasetInfo(dataset=msg.dataset, info=self.infos[msg.dataset], host_id=self.host_id)
+            return DatasetInfo(dataset=msg.dataset, info=self.infos[msg.dataset], host_id=self.host_id,
+                               local_endpoint=self.local_endpoint)
         if isinstance(msg, AttachRing):
             return self.attach_ring(session, msg)
         if isinstance(msg, Evaluate):
