@@ -126,10 +126,13 @@ class Client:
         deadline = time.monotonic() + timeout_s
         sock = self.socket
         while True:
-            left = max(0.0, deadline - time.monotonic())
-            if not self._poller.poll(int(left * 1000)):
-                return None
-            frames = sock.recv_multipart(copy=False)
+            try:  # a reply is usually waiting already: take it without a poll
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                left = max(0.0, deadline - time.monotonic())
+                if not self._poller.poll(int(left * 1000)):
+                    return None
+                frames = sock.recv_multipart(copy=False)
             self.last_recv = time.monotonic()
             try:
                 msg = decode(frames)

@@ -129,7 +129,9 @@ class Ring:
         self.segment = segment
         self.layout = layout
         self.name = segment.name
-        self._table = _view(segment.buf, _TABLE_OFFSET, (layout.slots, 2), np.dtype("<u8"))
+        # (state, seq) per slot as native uint64 words: a memoryview, whose item access costs a
+        # fraction of a numpy scalar's, and this table is touched several times per batch.
+        self._table = memoryview(segment.buf)[_TABLE_OFFSET:_TABLE_OFFSET + 16 * layout.slots].cast("Q")
         self._next_seq = 1
         # Views are made once per (slot, shapes, dtypes) and reused: building them costs more than
         # the rest of a small batch's bookkeeping. They hold the mapping until close() drops them.
@@ -178,10 +180,10 @@ class Ring:
 
     # -- slot table -------------------------------------------------------------------------------
     def state(self, slot: int) -> SlotState:
-        return SlotState(int(self._table[slot, 0]))
+        return SlotState(self._table[2 * slot])
 
     def seq(self, slot: int) -> int:
-        return int(self._table[slot, 1])
+        return self._table[2 * slot + 1]
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.layout.slots:
@@ -200,19 +202,19 @@ class Ring:
         """Claim ``slot`` for a new request (it must be free or requested); returns its sequence."""
         self._expect(slot, None, SlotState.FREE, SlotState.REQUESTED)
         seq, self._next_seq = self._next_seq, self._next_seq + 1
-        self._table[slot, 1] = seq
-        self._table[slot, 0] = SlotState.REQUESTED
+        self._table[2 * slot + 1] = seq
+        self._table[2 * slot] = SlotState.REQUESTED
         return seq
 
     def take(self, slot: int, seq: int) -> None:
         """A reply says ``slot`` holds request ``seq``: check that, and mark it in use."""
         self._expect(slot, seq, SlotState.FILLED)
-        self._table[slot, 0] = SlotState.IN_USE
+        self._table[2 * slot] = SlotState.IN_USE
 
     def release(self, slot: int) -> None:
         """The consumer is done with ``slot``."""
         self._check_slot(slot)
-        self._table[slot, 0] = SlotState.FREE
+        self._table[2 * slot] = SlotState.FREE
 
     # producer side
     def begin_fill(self, slot: int, seq: int) -> None:
@@ -222,7 +224,7 @@ class Ring:
     def finish_fill(self, slot: int, seq: int) -> None:
         """Mark ``slot`` filled, if it still awaits ``seq`` (the consumer may have moved on)."""
         self._expect(slot, seq, SlotState.REQUESTED)
-        self._table[slot, 0] = SlotState.FILLED
+        self._table[2 * slot] = SlotState.FILLED
 
     # -- data -------------------------------------------------------------------------------------
     def views(self, slot: int, x_shape: tuple, x_dtype, y_shape: tuple, y_dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -251,7 +253,9 @@ class Ring:
 
     def close(self) -> None:
         """Unmap (once no views are alive), and unlink if this process created the ring."""
-        self._table = None
+        if self._table is not None:
+            self._table.release()
+            self._table = None
         self._views.clear()
         owner = self.segment.owner
         self.segment.close()
