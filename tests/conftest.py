@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import zmq
 from libbus.auth import ensure_secret, issue_token
 from libbus.client import Client, Identity
 from libbus.config import Settings, load_settings
+from libbus.jobs import TERMINAL_STATES
+from libbus.messages import GetJob
 
 CLUSTER = "batchbus"
 
@@ -134,3 +137,27 @@ def raw_dealer():
     yield make
     for s in socks:
         s.close(0)
+
+
+@pytest.fixture
+def trainer(make_settings, router):
+    """A trainer service on its own thread, registered with the router, stopped after the test."""
+    from services.trainer.app import TrainerService
+    service = TrainerService(make_settings(router=router.endpoint, name="trainer-test"))
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
+    thread.start()
+    yield service
+    stop.set()
+    thread.join(15)
+    assert not thread.is_alive(), "trainer did not stop within 15 s"
+
+
+def wait_job(admin, job: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = admin.request(GetJob(job=job)).job
+        if info["state"] in TERMINAL_STATES:
+            return info
+        assert time.monotonic() < deadline, f"job {job} stuck in {info['state']}"
+        time.sleep(0.2)

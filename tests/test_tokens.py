@@ -2,7 +2,6 @@
 it end to end through router, provider and trainer on loopback sockets."""
 
 import math
-import threading
 import time
 
 import numpy as np
@@ -10,10 +9,11 @@ import pytest
 import torch
 
 from libbus.errors import BadRequest, DatasetError
-from libbus.jobs import TERMINAL_STATES
-from libbus.messages import BatchRequest, DatasetInfoRequest, GetJob, SubmitJob
+from libbus.messages import BatchRequest, DatasetInfoRequest, SubmitJob
 from services.models import build_model, evaluate
 from services.provider.sources import open_source
+
+from .conftest import wait_job
 
 TOKENS = "mock://tokens?n=640&seq_len=32&vocab=64"
 
@@ -22,20 +22,6 @@ def arrays(reply):
     x = np.frombuffer(reply.frames[0].buffer, reply.dtypes[0]).reshape(reply.shapes[0])
     y = np.frombuffer(reply.frames[1].buffer, reply.dtypes[1]).reshape(reply.shapes[1])
     return x, y
-
-
-@pytest.fixture
-def trainer(make_settings, router):
-    """A trainer service on its own thread, registered with the router, stopped after the test."""
-    from services.trainer.app import TrainerService
-    service = TrainerService(make_settings(router=router.endpoint, name="trainer-tokens"))
-    stop = threading.Event()
-    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
-    thread.start()
-    yield service
-    stop.set()
-    thread.join(15)
-    assert not thread.is_alive(), "trainer did not stop within 15 s"
 
 
 def test_token_batches_through_the_provider_are_deterministic_sequences(start_provider, client_for):
@@ -137,16 +123,6 @@ def test_token_evaluation_scores_every_next_token_and_counts_sequences():
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), targets.reshape(-1)).item()
     assert n == 10 and loss == pytest.approx(want, rel=1e-5)
     assert accuracy == pytest.approx((logits.argmax(-1) == targets).float().mean().item())
-
-
-def wait_job(admin, job: str, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = admin.request(GetJob(job=job)).job
-        if info["state"] in TERMINAL_STATES:
-            return info
-        assert time.monotonic() < deadline, f"job {job} stuck in {info['state']}"
-        time.sleep(0.2)
 
 
 def test_a_job_trains_tiny_lm_on_mock_tokens_and_its_loss_falls(router, start_provider, trainer, client_for):
