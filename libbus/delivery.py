@@ -114,6 +114,7 @@ class RingDelivery:
         self.seq_of: dict[int, int] = {}    # batch number -> the sequence its slot awaits
         self.copies: deque[tuple[Any, int]] = deque()  # (CUDA event, slot) copies in flight
         self._tensors: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # CPU views of slots
+        self.closed = False
         self.stager = None
         if device.type == "cuda":
             from shm.cuda import CudaStager
@@ -135,6 +136,8 @@ class RingDelivery:
             self._release(slot)
 
     def _release(self, slot: int) -> None:
+        if self.closed:
+            return  # a pass closed after its loader: nothing left to free
         self.ring.release(slot)
         self.free.append(slot)
 
@@ -150,7 +153,8 @@ class RingDelivery:
 
     def fields(self, batch_no: int) -> dict:
         """Slot and sequence for (re)sending ``batch_no``: a resend gets a fresh sequence number,
-        so a late answer to the earlier request is refused by the provider."""
+        so a late answer to the earlier request is refused by the provider (and a slot that a slow
+        provider filled for the lost connection is simply requested again)."""
         slot = self.slot_of.get(batch_no)
         if slot is None:
             slot = self.free.popleft()
@@ -225,6 +229,7 @@ class RingDelivery:
         self.seq_of.clear()
 
     def close(self) -> None:
+        self.closed = True
         self._tensors.clear()
         if self.stager is not None:
             self.stager.close()  # unregister before the ring is unmapped

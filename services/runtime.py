@@ -60,14 +60,26 @@ def clean_shm() -> None:
     for seg in collect_garbage():
         log.info("removed shared memory %s of dead process %d (%.1f MiB)", seg.name, seg.pid,
                  seg.size / 2**20)
-    for sock in _ipc_dir().glob("*-*-*.sock"):
+    try:
+        base = _ipc_dir(create=False)
+    except (ConfigError, OSError):
+        return  # none yet, or not ours: leave it alone
+    for sock in base.glob("*-*-*.sock"):
         pid = sock.name.split("-")[1]
         if pid.isdigit() and not pid_alive(int(pid)):
             sock.unlink(missing_ok=True)
 
 
-def _ipc_dir() -> Path:
-    return SHM_DIR / f"batchbus-ipc-{os.geteuid()}"
+def _ipc_dir(create: bool) -> Path:
+    """This user's directory for same-host sockets, checked to be private (a real directory of
+    this uid, mode 0700: /dev/shm is writable by everyone, so a planted link must not pass)."""
+    base = SHM_DIR / f"batchbus-ipc-{os.geteuid()}"
+    if create:
+        base.mkdir(mode=0o700, exist_ok=True)
+    st = base.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ConfigError(f"{base} must be a directory of uid {os.geteuid()} with mode 0700")
+    return base
 
 
 def remove_local_endpoint(endpoint: str) -> None:
@@ -85,11 +97,7 @@ def local_endpoint(role: str) -> str:
     would be hidden by systemd's PrivateTmp=). Raises :class:`ConfigError` when the directory is
     not private to this user.
     """
-    base = _ipc_dir()
-    base.mkdir(mode=0o700, exist_ok=True)
-    st = base.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise ConfigError(f"{base} must be a directory of uid {os.geteuid()} with mode 0700")
+    base = _ipc_dir(create=True)
     path = base / f"{role}-{os.getpid()}-{secrets.token_hex(4)}.sock"
     if len(str(path)) > 100:  # sun_path holds 108 bytes
         raise ConfigError(f"ipc path {path} is too long for a Unix socket")

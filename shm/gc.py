@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,8 @@ def list_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
             st = entry.stat(follow_symlinks=False)
         except OSError:
             continue  # removed while we looked
+        if not stat.S_ISREG(st.st_mode):
+            continue  # a ring is a regular file: a link, FIFO or directory with our prefix is not ours
         header = read_header(Path(entry.path)) or {}
         # The header's start time tells the creator apart from a later process with its pid;
         # a ring we cannot read (another user's) is judged by its pid alone.

@@ -27,7 +27,7 @@ def new_name(pid: int | None = None) -> str:
 
 def parse_name(name: str) -> int | None:
     """The owner pid a ring name carries, or ``None`` if ``name`` is not a batchbus ring name."""
-    match = _NAME.match(name)
+    match = _NAME.fullmatch(name)  # fullmatch: "$" alone would accept a trailing newline
     return int(match.group(1)) if match else None
 
 

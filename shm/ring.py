@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -109,10 +110,18 @@ def _view(buf, offset: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
 def read_header(path: Path) -> dict | None:
     """The header fields of the ring file at ``path``, or ``None`` if it is not a ring."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_HEADER.size)
+        # O_NONBLOCK: anyone may plant a FIFO in /dev/shm, and a plain open of one blocks forever.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.pread(fd, _HEADER.size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     if len(raw) < _HEADER.size:
         return None
     magic, version, slots, slot_bytes, label_offset, pid, start = _HEADER.unpack(raw)
@@ -186,6 +195,8 @@ class Ring:
         return self._table[2 * slot + 1]
 
     def _check_slot(self, slot: int) -> None:
+        if self._table is None:
+            raise ShmError(f"ring {self.name} is closed")
         if not 0 <= slot < self.layout.slots:
             raise ShmError(f"slot {slot} outside ring {self.name} of {self.layout.slots} slots")
 
@@ -199,8 +210,12 @@ class Ring:
 
     # consumer side
     def request(self, slot: int) -> int:
-        """Claim ``slot`` for a new request (it must be free or requested); returns its sequence."""
-        self._expect(slot, None, SlotState.FREE, SlotState.REQUESTED)
+        """Claim ``slot`` for a new request and return its sequence number.
+
+        The slot may be free, or hold a request the consumer is giving up on: still requested, or
+        already filled by a provider whose reply was lost with the old connection. Never in use.
+        """
+        self._expect(slot, None, SlotState.FREE, SlotState.REQUESTED, SlotState.FILLED)
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         self._table[2 * slot + 1] = seq
         self._table[2 * slot] = SlotState.REQUESTED

@@ -410,3 +410,23 @@ def test_the_provider_serves_a_file_dataset(tmp_path, start_provider, client_for
     y = np.frombuffer(reply.frames[1].buffer, reply.dtypes[1]).reshape(reply.shapes[1])
     want_x, want_y = built.files["train"]
     assert np.array_equal(x, want_x[idx]) and np.array_equal(y, want_y[idx])
+
+
+def test_hostile_layouts_are_refused_with_a_dataset_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="no IDX image/label pairs"):
+        open_source(f"file://{tmp_path / 'empty'}?format=idx")
+    neg = tmp_path / "neg"
+    neg.mkdir()
+    np.save(neg / "train_x.npy", np.zeros((2, 3), np.float32))
+    np.save(neg / "train_y.npy", np.zeros(2, np.int64))
+    raw = (neg / "train_x.npy").read_bytes().replace(b"(2, 3)", b"(-2,-3)")
+    (neg / "train_x.npy").write_bytes(raw)
+    with pytest.raises(DatasetError, match="negative dimension"):
+        open_source(f"file://{neg}")
+    text = tmp_path / "text"
+    text.mkdir()
+    np.save(text / "train_x.npy", np.array([["a", "b"], ["c", "d"]]))
+    np.save(text / "train_y.npy", np.zeros(2, np.int64))
+    with pytest.raises(DatasetError, match="str32 values; expected an array of numbers"):
+        open_source(f"file://{text}")

@@ -322,3 +322,61 @@ def test_cuda_batches_come_from_the_pinned_ring(ring_provider, make_token):
             xs.append((x * 1).cpu())                      # used on the current stream, as a model would
     want, _ = open_source(MNIST).read("train", np.arange(600))
     assert np.array_equal(torch.cat(xs).numpy(), want)
+
+
+class SlowOnce:
+    """A real source whose first batch takes longer than the loader's timeout (a busy disk)."""
+
+    def __init__(self, source, delay_s: float):
+        self.source, self.delay_s = source, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def read_into(self, split, indices, x, y):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+            self.delay_s = 0
+        self.source.read_into(split, indices, x, y)
+
+
+def test_a_slow_provider_is_resent_to_through_the_ring_and_the_bytes_are_right(start_provider, make_token):
+    provider = start_provider("mnist=" + MNIST)
+    handler = provider.service.handler
+    handler.datasets["mnist"] = SlowOnce(handler.datasets["mnist"], delay_s=1.5)
+    with RemoteLoader("mnist", provider=provider.endpoint, token=make_token(), batch_size=100, shuffle=False,
+                      timeout_s=1.0, retries=2) as loader:
+        assert loader.transport == "shm"
+        xs = [x.clone() for x, _ in loader]       # the first batch times out once, then is resent
+    want, _ = open_source(MNIST).read("train", np.arange(600))
+    assert np.array_equal(torch.cat(xs).numpy(), want)
+
+
+def test_the_provider_unmaps_a_ring_its_loader_removed(ring_provider, make_token):
+    handler = ring_provider.service.handler
+    with RemoteLoader("mnist", provider=ring_provider.endpoint, token=make_token(), batch_size=50) as loader:
+        next(iter(loader))
+        name = loader._delivery.ring.name
+        assert name in {r.name for r in handler.rings.values()}
+    deadline = time.monotonic() + 5
+    while name in {r.name for r in handler.rings.values()}:
+        assert time.monotonic() < deadline, "provider still maps a ring its trainer removed"
+        time.sleep(0.1)
+
+
+def test_a_fifo_planted_in_the_shm_directory_does_not_hang_ls_or_gc(tmp_path):
+    os.mkfifo(tmp_path / new_name(pid=1))
+    os.symlink("/etc/passwd", tmp_path / new_name(pid=1))
+    (tmp_path / new_name(pid=999_999)).write_bytes(b"garbage")   # a dead owner's unreadable file
+    listed = list_segments(tmp_path)                               # returns at once
+    assert [s.pid for s in listed] == [999_999]
+    assert [s.pid for s in collect_garbage(tmp_path)] == [999_999]
+    assert len(list(tmp_path.iterdir())) == 2                      # the FIFO and link are left alone
+
+
+def test_closing_a_pass_after_its_loader_is_harmless(ring_provider, make_token):
+    loader = RemoteLoader("mnist", provider=ring_provider.endpoint, token=make_token(), batch_size=50)
+    passes = iter(loader)
+    next(passes)
+    loader.close()
+    passes.close()                                                 # no error from a closed ring

@@ -44,6 +44,8 @@ __all__ = ["ProviderHandler", "batch_indices"]
 log = logging.getLogger(__name__)
 
 READERS = ("trainer", "admin")
+#: How often the provider looks for rings their trainers have removed.
+RING_CHECK_S = 1.0
 
 
 def batch_indices(msg: BatchRequest, num_samples: int, split: str) -> np.ndarray:
@@ -102,6 +104,7 @@ class ProviderHandler(Handler):
         self.shm = shm
         #: An ``ipc://`` endpoint on this socket for same-host peers (set by the service), or "".
         self.local_endpoint = ""
+        self._rings_checked = 0.0
         #: session id → the ring its trainer attached (one per session; a new AttachRing replaces it).
         self.rings: dict[str, Ring] = {}
         self.infos = {name: source.info() for name, source in datasets.items()}
@@ -115,6 +118,16 @@ class ProviderHandler(Handler):
         for ring in self.rings.values():
             ring.close()
         self.rings.clear()
+
+    def tick(self, now: float) -> None:
+        """Unmap rings their trainer has removed (a closed loader sends no goodbye): the mapping
+        would otherwise keep the memory in use until the session expires."""
+        if now - self._rings_checked < RING_CHECK_S:
+            return
+        self._rings_checked = now
+        for sid in [sid for sid, ring in self.rings.items() if not ring.segment.path.exists()]:
+            log.info("ring %s was removed by its trainer; unmapped", self.rings[sid].name)
+            self.rings.pop(sid).close()
 
     def on_close(self, session: Session, reason: str) -> None:
         ring = self.rings.pop(session.sid, None)
@@ -156,9 +169,10 @@ class ProviderHandler(Handler):
         except ShmError as err:
             self.refused["ring"] += 1
             raise BadRequest(f"ring refused: {err}") from err
-        old = self.rings.pop(session.sid, None)
-        if old is not None:
-            old.close()
+        # This session's earlier ring, and the same ring still mapped for a session the trainer
+        # left when it reconnected, are let go now rather than when those sessions expire.
+        for sid in [sid for sid, r in self.rings.items() if sid == session.sid or r.name == msg.name]:
+            self.rings.pop(sid).close()
         self.rings[session.sid] = ring
         log.info("session %s (%s) attached ring %s: %d slots of %d bytes", session.sid, session.name,
                  msg.name, msg.slots, msg.slot_bytes)

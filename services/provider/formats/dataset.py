@@ -9,6 +9,7 @@ splits contiguous on disk, costs no memory, and is the same on every open of the
 from __future__ import annotations
 
 import os
+import stat
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,7 +49,10 @@ class Context:
         except OSError as err:
             raise DatasetError(f"{path}: cannot open it: {err.strerror}") from err
         self.fds.append(fd)
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DatasetError(f"{path}: not a regular file")
+        size = st.st_size
         return Segment(name or str(path), fd, offset, size - offset if length is None else length)
 
     def close(self) -> None:
@@ -116,7 +120,7 @@ def mem_available() -> int:
 #: Gathers of at least this many bytes are split in two, the second half on a helper thread: numpy
 #: releases the GIL while it copies, and one thread does not saturate memory bandwidth.
 SPLIT_GATHER_BYTES = 1 << 20
-_gather_pool = ThreadPoolExecutor(1, thread_name_prefix="gather")
+_gather_pool: ThreadPoolExecutor | None = None  # made on first use, not at import
 
 
 def _gather(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
@@ -126,6 +130,9 @@ def _gather(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     if out.nbytes < SPLIT_GATHER_BYTES:
         np.take(src, rows, axis=0, out=out, mode="clip")
         return
+    global _gather_pool
+    if _gather_pool is None:
+        _gather_pool = ThreadPoolExecutor(1, thread_name_prefix="gather")
     half = len(rows) // 2
     other = _gather_pool.submit(np.take, src, rows[half:], 0, out[half:], "clip")
     np.take(src, rows[:half], axis=0, out=out[:half], mode="clip")

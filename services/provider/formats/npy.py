@@ -57,8 +57,10 @@ def npy_header(seg: Segment) -> tuple[np.dtype, tuple[int, ...], Segment]:
         raise DatasetError(f"{seg.name}: not a readable .npy array: {err}") from err
     if fortran and len(shape) > 1:
         raise DatasetError(f"{seg.name}: stored in Fortran order; save np.ascontiguousarray(a) instead")
-    if dtype.hasobject or not shape:
-        raise DatasetError(f"{seg.name}: holds {'Python objects' if dtype.hasobject else 'a scalar'}; "
+    if any(d < 0 for d in shape):
+        raise DatasetError(f"{seg.name}: header gives a negative dimension in shape {shape}")
+    if dtype.kind not in "biuf" or not shape:
+        raise DatasetError(f"{seg.name}: holds {'a scalar' if not shape else dtype.name + ' values'}; "
                            "expected an array of numbers with one row per sample")
     want = header_len + math.prod(shape) * dtype.itemsize
     if seg.length != want:
