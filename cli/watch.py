@@ -32,7 +32,9 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
             history = p.get("history", [])
             if p and info["state"] == "running":
                 epoch = min(p["epoch"] + 1, p["epochs"])
-                within = p["step"] - p["epoch"] * p["steps_per_epoch"]
+                # after the last epoch (validation, provider-side test) the bar stays full
+                done = p["epoch"] >= p["epochs"]
+                within = p["steps_per_epoch"] if done else p["step"] - p["epoch"] * p["steps_per_epoch"]
                 fields = dict(epoch=f"{epoch}/{p['epochs']}", loss=f"{p['loss']:.4f}" if p.get("loss") else "-",
                               rate=f"{p.get('samples_per_s', 0):.0f}")
                 if bar is None or (len(history) > shown_epochs and p["epoch"] < p["epochs"]):
@@ -45,6 +47,8 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
                                    f"val loss {h['val_loss']:.4f}  val accuracy {h['val_accuracy']:.4f}")
             shown_epochs = max(shown_epochs, len(history))
             if info["state"] in TERMINAL_STATES:
+                if bar is not None and info["state"] == "succeeded":
+                    bars.update(bar, completed=bars.tasks[bar].total)
                 break
             if deadline is not None and time.monotonic() > deadline:
                 break
