@@ -48,7 +48,7 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
             shown_epochs = max(shown_epochs, len(history))
             if info["state"] in TERMINAL_STATES:
                 if bar is not None and info["state"] == "succeeded":
-                    bars.update(bar, completed=bars.tasks[bar].total)
+                    bars.update(bar, completed=next(t.total for t in bars.tasks if t.id == bar))
                 break
             if deadline is not None and time.monotonic() > deadline:
                 break
