@@ -9,8 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from libbus.auth import ROLES, ensure_secret, issue_token, load_secret
+from libbus.auth import ROLES, ensure_secret
 from libbus.config import load_settings
+from libbus.errors import BusError, ConfigError
 from libbus.jobs import JOB_STATES
 from libbus.messages import ControlJob, GetJob, ListJobs, ListPeers, Stats, SubmitJob
 
@@ -24,7 +25,7 @@ app = typer.Typer(name="busctl", no_args_is_help=True, add_completion=False,
                        "this one lives in the project's environment.)")
 start_app = typer.Typer(no_args_is_help=True, help="Run a service in the foreground (systemd-friendly).")
 job_app = typer.Typer(no_args_is_help=True, help="Inspect or control one job.")
-token_app = typer.Typer(no_args_is_help=True, help="Mint tokens and create the cluster secret.")
+token_app = typer.Typer(no_args_is_help=True, help="Mint and inspect tokens; create the cluster secret or signing key.")
 config_app = typer.Typer(no_args_is_help=True, help="Show the effective settings.")
 shm_app = typer.Typer(no_args_is_help=True, help="Shared-memory rings on this host.")
 app.add_typer(start_app, name="start")
@@ -281,11 +282,66 @@ def fetch(dataset: Annotated[str, typer.Argument(help="Dataset name (or remote:/
 def token_issue(role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES)}.")],
                 name: Annotated[str, typer.Option(help="The token's subject.")] = "",
                 ttl: Annotated[float, typer.Option(help="Lifetime in seconds.")] = 24 * 3600.0,
+                dataset: Annotated[Optional[list[str]], typer.Option("--dataset", help="Restrict the token to this dataset (repeatable; default: all).")] = None,
+                job: Annotated[Optional[list[str]], typer.Option("--job", help="Restrict the token to this job id (repeatable; default: all).")] = None,
+                alg: Annotated[Optional[str], typer.Option("--alg", help="HS256 or EdDSA (default: token_alg setting).")] = None,
+                issuer: Annotated[Optional[str], typer.Option("--issuer", help="The iss claim (default: token_issuer, else the cluster).")] = None,
+                signing_key_file: Annotated[Optional[str], typer.Option("--signing-key-file", help="EdDSA signing key (or BATCHBUS_SIGNING_KEY_FILE).")] = None,
                 config: Config = None, secret_file: SecretFile = None, state_dir: StateDir = None) -> None:
-    """Print a signed token for ROLE, minted from the cluster secret."""
-    s = settings_from(config, secret_file=secret_file, state_dir=state_dir)
-    key = load_secret(s.secret_file)
-    typer.echo(issue_token(key, sub=name or role, role=role, audience=s.cluster, ttl_s=ttl))
+    """Print a signed token for ROLE: from the cluster secret (HS256) or the signing key (EdDSA)."""
+    from services.runtime import mint_token, signing_key
+    s = settings_from(config, secret_file=secret_file, state_dir=state_dir, token_alg=alg,
+                      token_issuer=issuer, signing_key_file=signing_key_file)
+    typer.echo(mint_token(s, signing_key(s), role=role, sub=name or role, ttl_s=ttl,
+                          datasets=dataset or None, jobs=job or None))
+
+
+@token_app.command("inspect")
+@guard
+def token_inspect(token: Annotated[str, typer.Argument(help="The token to show ('-' reads it from stdin).")],
+                  config: Config = None, secret_file: SecretFile = None, state_dir: StateDir = None,
+                  public_key_file: Annotated[Optional[str], typer.Option("--public-key-file", help="EdDSA public key (or BATCHBUS_PUBLIC_KEY_FILE).")] = None,
+                  json: Json = False) -> None:
+    """Print a token's claims: verified with this node's key where it has one, else marked UNVERIFIED."""
+    import sys
+    import time
+    from libbus.auth import inspect_token, verify_token
+    from services.runtime import verify_key
+    if token == "-":
+        token = sys.stdin.read().strip()
+    s = settings_from(config, secret_file=secret_file, state_dir=state_dir, public_key_file=public_key_file)
+    header, claims = inspect_token(token)
+    try:
+        key = verify_key(s)
+    except ConfigError as err:
+        status, detail = "UNVERIFIED", f"no {s.token_alg} key here ({err})"
+    else:
+        try:
+            verify_token(token, key, audience=s.cluster, issuer=s.token_issuer, algorithm=s.token_alg)
+            status, detail = "VERIFIED", f"{s.token_alg} signature, audience, issuer and lifetime check out"
+        except BusError as err:
+            status, detail = "INVALID", f"{err} [{err.code}]"
+    if json:
+        print_json({"status": status, "detail": detail, "header": header, "claims": claims})
+    else:
+        typer.echo(f"{status}: {detail}")
+        typer.echo(f"  alg: {header.get('alg')}")
+        for key_name, value in claims.items():
+            if key_name in ("iat", "nbf", "exp") and isinstance(value, (int, float)):
+                value = f"{value} ({time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(value))})"
+            typer.echo(f"  {key_name}: {value}")
+    if status == "INVALID":
+        raise typer.Exit(1)
+
+
+@token_app.command("keygen")
+@guard
+def token_keygen(path: Annotated[Path, typer.Argument(help="Where to write the Ed25519 signing key (mode 0600); the public key goes to PATH.pub.")]) -> None:
+    """Create an EdDSA signing key (keep it on the administrator's machine) and its public key
+    (copy PATH.pub to every node as public_key_file; set token_alg = "EdDSA")."""
+    from libbus.auth import generate_signing_key
+    key, pub = generate_signing_key(path)
+    typer.echo(f"signing key {key} (0600, keep it private)\npublic key {pub} (copy to every node)")
 
 
 @token_app.command("secret")

@@ -12,7 +12,6 @@ from typing import Any, Callable
 import orjson
 import typer
 
-from libbus.auth import issue_token, load_secret
 from libbus.client import Client, Identity
 from libbus.config import Settings, load_settings
 from libbus.errors import BusError, ConfigError
@@ -31,13 +30,14 @@ def settings_from(config: str | None = None, **flags: Any) -> Settings:
 
 
 def admin_client(settings: Settings) -> Client:
-    """A connection to the router as admin: ``settings.token`` if set, else minted from the secret."""
+    """A connection to the router as admin: ``settings.token`` if set, else minted from the secret
+    (HS256) or the signing key (EdDSA)."""
+    from services.runtime import mint_token, signing_key  # noqa: PLC0415 - keeps busctl start-up light
     name = f"busctl-{getpass.getuser()}-{os.getpid()}"
     if settings.token:
         token: Any = settings.token
     else:
-        key = load_secret(settings.secret_file)
-        token = issue_token(key, sub=name, role="admin", audience=settings.cluster, ttl_s=600)
+        token = mint_token(settings, signing_key(settings), role="admin", sub=name, ttl_s=600)
     return Client(settings.router, Identity(role="admin", name=name, token=token),
                   timeout_s=settings.request_timeout_s, retries=settings.request_retries)
 

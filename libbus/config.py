@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import constants as C
+from .auth import ALGORITHMS
 from .errors import ConfigError
 
 __all__ = ["Settings", "load_settings", "default_state_dir", "host_id"]
@@ -58,6 +59,15 @@ class Settings:
     secret_file: str = ""
     #: A ready-made token (admin commands and services use it instead of minting one from the secret).
     token: str = ""
+    #: Token algorithm of the cluster: HS256 (shared secret_file) or EdDSA (signing/public key pair).
+    #: Verification accepts only this one.
+    token_alg: str = "HS256"
+    #: EdDSA: the public key every node verifies tokens with; default ``<state_dir>/token.pub``.
+    public_key_file: str = ""
+    #: EdDSA: the signing key (administrator's machine only); default ``<state_dir>/token.key``.
+    signing_key_file: str = ""
+    #: The ``iss`` claim tokens carry and nodes require; default: the cluster name.
+    token_issuer: str = ""
     #: Router job database; default ``<state_dir>/router.db``.
     db: str = ""
     #: This service's name in registrations and tokens; default ``<role>-<hostname>-<pid>``.
@@ -93,6 +103,12 @@ class Settings:
             raise ConfigError("state_dir is empty")
         if not out.secret_file:
             out.secret_file = os.path.join(out.state_dir, "secret")
+        if not out.public_key_file:
+            out.public_key_file = os.path.join(out.state_dir, "token.pub")
+        if not out.signing_key_file:
+            out.signing_key_file = os.path.join(out.state_dir, "token.key")
+        if not out.token_issuer:
+            out.token_issuer = out.cluster
         if not out.db:
             out.db = os.path.join(out.state_dir, "router.db")
         if not out.host_id:
@@ -173,6 +189,9 @@ def load_settings(*, config_file: str | None = None, env: Mapping[str, str] | No
     if not values.get("state_dir"):
         values["state_dir"] = default_state_dir(env)
     settings = Settings(**values)
+    if settings.token_alg not in ALGORITHMS:
+        raise ConfigError(f"{sources['token_alg']}: token_alg must be one of {', '.join(ALGORITHMS)}, "
+                          f"got {settings.token_alg!r}")
     if settings.heartbeat_ms <= 0 or settings.heartbeat_liveness <= 0:
         raise ConfigError("heartbeat_ms and heartbeat_liveness must be positive")
     if settings.request_timeout_s <= 0 or settings.request_retries < 0:

@@ -22,7 +22,7 @@ from typing import Callable
 
 import zmq
 
-from .auth import Claims, verify_token
+from .auth import ALGORITHM, Claims, Key, verify_token
 from .constants import POLL_MS
 from .errors import AuthExpired, AuthRequired, BadRequest, BusError, Forbidden, Internal
 from .messages import (Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of)
@@ -98,14 +98,19 @@ class Handler:
 
 @dataclass
 class ServerConfig:
+    """How a server binds and whom it admits. ``secret`` is the token verification key: the HS256
+    secret, or the Ed25519 public key when ``algorithm`` is ``EdDSA``; ``issuer`` defaults to
+    ``audience``."""
     bind: str
-    secret: bytes
+    secret: Key
     audience: str
     name: str
     heartbeat_ms: int = 1000
     heartbeat_liveness: int = 5
     idle_session_s: float = 300.0
     limits: SocketLimits = SocketLimits()
+    algorithm: str = ALGORITHM
+    issuer: str = ""
 
 
 class Server:
@@ -239,7 +244,8 @@ class Server:
 
     def _on_hello(self, routing_id: bytes, hello: Hello) -> None:
         try:
-            claims = verify_token(hello.token, self.config.secret, audience=self.config.audience)
+            claims = verify_token(hello.token, self.config.secret, audience=self.config.audience,
+                                  issuer=self.config.issuer or None, algorithm=self.config.algorithm)
             if hello.role != claims.role:
                 raise Forbidden(f"Hello says role {hello.role!r} but the token grants {claims.role!r}")
             old = self.sessions.get(routing_id)

@@ -12,7 +12,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from libbus.auth import ensure_secret, issue_token, load_secret
+from libbus.auth import (Key, ensure_secret, issue_token, load_public_key, load_secret,
+                         load_signing_key)
 from libbus.client import Identity
 from libbus.config import Settings
 from shm import SHM_DIR
@@ -22,7 +23,7 @@ from libbus.server import ServerConfig
 from libbus.sockets import SocketLimits
 
 __all__ = ["clean_shm", "local_endpoint", "remove_local_endpoint", "install_signal_handlers", "sd_notify", "service_name", "token_source", "identity",
-           "server_config", "limits", "secret"]
+           "server_config", "limits", "secret", "verify_key", "signing_key", "mint_token"]
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +114,43 @@ def secret(settings: Settings, create: bool = False) -> bytes:
     return ensure_secret(settings.secret_file) if create else load_secret(settings.secret_file)
 
 
+def verify_key(settings: Settings, create: bool = False) -> Key:
+    """What this node checks tokens with: the HS256 secret (the router creates it on first start
+    with ``create``), or in EdDSA mode the public key (derived from the signing key where only
+    that is present). Raises :class:`ConfigError` naming the missing file."""
+    if settings.token_alg == "HS256":
+        return secret(settings, create)
+    if not os.path.exists(settings.public_key_file) and os.path.exists(settings.signing_key_file):
+        return load_signing_key(settings.signing_key_file).public_key()
+    return load_public_key(settings.public_key_file)
+
+
+def signing_key(settings: Settings) -> Key:
+    """What this node mints tokens with: the HS256 secret or the EdDSA signing key."""
+    if settings.token_alg == "HS256":
+        return secret(settings)
+    if not os.path.exists(settings.signing_key_file):
+        raise ConfigError(f"token_alg is EdDSA and this node has no signing key ({settings.signing_key_file} "
+                          "does not exist): pass a token minted on the administrator's machine "
+                          "('busctl token issue') with --token or BATCHBUS_TOKEN, or set signing_key_file")
+    return load_signing_key(settings.signing_key_file)
+
+
+def mint_token(settings: Settings, key: Key, *, role: str, sub: str, ttl_s: float | None = None,
+               datasets: list[str] | None = None, jobs: list[str] | None = None) -> str:
+    """A token of this cluster (algorithm, audience, issuer from ``settings``) signed with ``key``."""
+    return issue_token(key, sub=sub, role=role, audience=settings.cluster, issuer=settings.token_issuer,
+                       ttl_s=settings.token_ttl_s if ttl_s is None else ttl_s, datasets=datasets,
+                       jobs=jobs, algorithm=settings.token_alg)
+
+
 def token_source(settings: Settings, role: str, name: str) -> Callable[[], str] | str:
-    """``settings.token`` when given, else a callable minting fresh ``role`` tokens from the secret."""
+    """``settings.token`` when given, else a callable minting fresh ``role`` tokens with the
+    secret (HS256) or the signing key (EdDSA). Raises :class:`ConfigError` when neither is here."""
     if settings.token:
         return settings.token
-    key = secret(settings)
-    return lambda: issue_token(key, sub=name, role=role, audience=settings.cluster,
-                               ttl_s=settings.token_ttl_s)
+    key = signing_key(settings)
+    return lambda: mint_token(settings, key, role=role, sub=name)
 
 
 def identity(settings: Settings, role: str, name: str, caps: dict | None = None) -> Identity:
@@ -134,4 +165,5 @@ def limits(settings: Settings) -> SocketLimits:
 def server_config(settings: Settings, bind: str, key: bytes, name: str) -> ServerConfig:
     return ServerConfig(bind=bind, secret=key, audience=settings.cluster, name=name,
                         heartbeat_ms=settings.heartbeat_ms, heartbeat_liveness=settings.heartbeat_liveness,
-                        limits=limits(settings))
+                        limits=limits(settings), algorithm=settings.token_alg,
+                        issuer=settings.token_issuer)

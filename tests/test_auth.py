@@ -22,11 +22,11 @@ def test_token_round_trip_carries_its_claims():
 @pytest.mark.parametrize("token, error", [
     (lambda: issue_token(b"x" * 40, sub="t", role="trainer", audience="c"), AuthInvalid),  # other secret
     (lambda: issue_token(SECRET, sub="t", role="trainer", audience="other"), AuthInvalid),
-    (lambda: jwt.encode({"sub": "t", "role": "trainer", "aud": "c", "iat": 0, "exp": 10, "jti": "j"},
+    (lambda: jwt.encode({"sub": "t", "role": "trainer", "aud": "c", "iss": "c", "iat": 0, "exp": 10, "jti": "j"},
                         SECRET, algorithm="HS256"), AuthExpired),
-    (lambda: jwt.encode({"sub": "t", "role": "trainer", "aud": "c", "iat": int(time.time()),
+    (lambda: jwt.encode({"sub": "t", "role": "trainer", "aud": "c", "iss": "c", "iat": int(time.time()),
                          "exp": int(time.time()) + 60, "jti": "j"}, None, algorithm="none"), AuthInvalid),
-    (lambda: jwt.encode({"sub": "t", "role": "root", "aud": "c", "iat": int(time.time()),
+    (lambda: jwt.encode({"sub": "t", "role": "root", "aud": "c", "iss": "c", "iat": int(time.time()),
                          "exp": int(time.time()) + 60, "jti": "j"}, SECRET, algorithm="HS256"), AuthInvalid),
     (lambda: "not.a.token", AuthInvalid),
 ])
@@ -59,7 +59,7 @@ def test_bad_signature_gets_auth_invalid(provider, client_for, make_token):
 
 
 def test_expired_token_gets_auth_expired(provider, client_for, secret):
-    expired = jwt.encode({"sub": "t", "role": "trainer", "aud": "batchbus", "iat": 0, "exp": 100, "jti": "j"},
+    expired = jwt.encode({"sub": "t", "role": "trainer", "aud": "batchbus", "iss": "batchbus", "iat": 0, "exp": 100, "jti": "j"},
                          secret, algorithm="HS256")
     with pytest.raises(AuthExpired):
         client_for(provider.endpoint, token=expired).hello()

@@ -39,7 +39,7 @@ class ProviderService:
                 raise ConfigError(f"dataset name {name!r} is given twice")
             datasets[name] = open_source(uri)
         self.handler = ProviderHandler(datasets, host_id=settings.host_id, shm=settings.shm)
-        key = runtime.secret(settings)
+        key = runtime.verify_key(settings)
         bind = settings.bind or DEFAULT_BIND
         self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name), self.ctx)
         self.link: Link | None = None

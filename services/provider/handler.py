@@ -12,6 +12,7 @@ import numpy as np
 from libbus.constants import MAX_BATCH_BYTES, MAX_BATCH_INDICES
 from libbus.errors import (
     BadRequest,
+    Forbidden,
     NotFound,
     OutOfRange,
     ShmError,
@@ -141,7 +142,24 @@ class ProviderHandler(Handler):
             raise NotFound(f"dataset {name!r} is not served here; this provider serves "
                            f"{', '.join(sorted(self.datasets)) or 'nothing'}") from None
 
+    def check_scope(self, session: Session, msg: Message) -> None:
+        """Refuse (FORBIDDEN) a request for a dataset or job outside the token's scopes. A ring
+        carries no dataset: it is refused only to a token that may read nothing served here."""
+        claims = session.claims
+        if isinstance(msg, (BatchRequest, DatasetInfoRequest, Evaluate)):
+            claims.check_dataset(msg.dataset)
+        if isinstance(msg, Evaluate) and msg.job:
+            claims.check_job(msg.job)
+        if isinstance(msg, AttachRing) and not any(claims.allows_dataset(d) for d in self.datasets):
+            raise Forbidden(f"this token's datasets scope [{', '.join(claims.scopes['datasets'])}] "
+                            f"covers none of the datasets served here ({', '.join(sorted(self.datasets))})")
+
     def handle(self, session: Session, msg: Message) -> Message | Future | None:
+        try:
+            self.check_scope(session, msg)
+        except Forbidden:
+            self.refused["scope"] += 1
+            raise
         if isinstance(msg, BatchRequest):
             return self.batch(session, msg)
         if isinstance(msg, DatasetInfoRequest):

@@ -23,7 +23,7 @@ class RouterService:
     def __init__(self, settings: Settings, ctx: zmq.Context | None = None):
         self.settings = settings
         self.name = runtime.service_name(settings, "router")
-        key = runtime.secret(settings, create=True)
+        key = runtime.verify_key(settings, create=True)
         self.store = JobStore(settings.db)
         grace = settings.heartbeat_ms / 1000 * settings.heartbeat_liveness * 2
         self.handler = RouterHandler(self.store, lease_grace_s=grace)

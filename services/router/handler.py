@@ -84,6 +84,7 @@ class RouterHandler(Handler):
 
     def on_Resolve(self, session: Session, msg: Resolve) -> Resolved:
         name = dataset_name(msg.dataset)
+        session.claims.check_dataset(name)
         providers = []
         info = None
         for peer in self.sessions_of("provider"):
@@ -101,20 +102,25 @@ class RouterHandler(Handler):
 
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
         spec = JobSpec.from_dict(msg.spec)
+        session.claims.check_dataset(dataset_name(spec.dataset))
         job = self.store.submit(spec)
         log.info("job %s submitted by %s: %s %s on %s", job, session.name, spec.model, spec.optimizer,
                  spec.dataset)
         return JobSubmitted(job=job)
 
     def on_ListJobs(self, session: Session, msg: ListJobs) -> JobList:
-        return JobList(jobs=self.store.list(msg.state, msg.limit))
+        # A scoped token sees only the jobs it could ask about one by one.
+        claims = session.claims
+        return JobList(jobs=[j for j in self.store.list(msg.state, msg.limit) if claims.allows_job(j["id"])])
 
     def on_GetJob(self, session: Session, msg: GetJob) -> JobInfo:
+        session.claims.check_job(msg.job)
         return JobInfo(job=self.store.get(msg.job))
 
     def on_ControlJob(self, session: Session, msg: ControlJob) -> Ok:
         if msg.command not in COMMANDS:
             raise BadRequest(f"unknown command {msg.command!r}; supported: {', '.join(COMMANDS)}")
+        session.claims.check_job(msg.job)
         job = self.store.get(msg.job, events=False)
         if job["state"] in TERMINAL_STATES:
             raise BadRequest(f"job {msg.job} already ended ({job['state']})")
@@ -149,11 +155,13 @@ class RouterHandler(Handler):
         return job
 
     def on_Progress(self, session: Session, msg: Progress) -> Ok:
+        session.claims.check_job(msg.job)
         self._own_job(session, msg.job)
         self.store.set_progress(msg.job, msg.progress)
         return Ok(detail={"stop": msg.job in self.stop_requested})
 
     def on_PushResult(self, session: Session, msg: PushResult) -> Ok:
+        session.claims.check_job(msg.job)
         job = self.store.get(msg.job, events=False)
         if job["state"] == msg.state and job["trainer"] == session.name:
             return Ok(detail={"duplicate": True})  # resent after a reconnect: already stored
