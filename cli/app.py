@@ -301,6 +301,7 @@ def token_issue(role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES
 def token_inspect(token: Annotated[str, typer.Argument(help="The token to show ('-' reads it from stdin).")],
                   config: Config = None, secret_file: SecretFile = None, state_dir: StateDir = None,
                   public_key_file: Annotated[Optional[str], typer.Option("--public-key-file", help="EdDSA public key (or BATCHBUS_PUBLIC_KEY_FILE).")] = None,
+                  alg: Annotated[Optional[str], typer.Option("--alg", help="Verify as HS256 or EdDSA (default: token_alg setting).")] = None,
                   json: Json = False) -> None:
     """Print a token's claims: verified with this node's key where it has one, else marked UNVERIFIED."""
     import sys
@@ -309,7 +310,8 @@ def token_inspect(token: Annotated[str, typer.Argument(help="The token to show (
     from services.runtime import verify_key
     if token == "-":
         token = sys.stdin.read().strip()
-    s = settings_from(config, secret_file=secret_file, state_dir=state_dir, public_key_file=public_key_file)
+    s = settings_from(config, secret_file=secret_file, state_dir=state_dir, public_key_file=public_key_file,
+                      token_alg=alg)
     header, claims = inspect_token(token)
     try:
         key = verify_key(s)

@@ -190,7 +190,7 @@ def load_settings(*, config_file: str | None = None, env: Mapping[str, str] | No
         values["state_dir"] = default_state_dir(env)
     settings = Settings(**values)
     if settings.token_alg not in ALGORITHMS:
-        raise ConfigError(f"{sources['token_alg']}: token_alg must be one of {', '.join(ALGORITHMS)}, "
+        raise ConfigError(f"token_alg ({sources['token_alg']}) must be one of {', '.join(ALGORITHMS)}, "
                           f"got {settings.token_alg!r}")
     if settings.heartbeat_ms <= 0 or settings.heartbeat_liveness <= 0:
         raise ConfigError("heartbeat_ms and heartbeat_liveness must be positive")
