@@ -182,6 +182,9 @@ class Server:
                         except zmq.Again:
                             break
                         self._on_frames(frames)
+                        # Pushes a message caused go out before anything handled after it: a
+                        # stop Command must not arrive after the reply to the next request.
+                        self._flush_outbox()
                 self._finish_pending()
                 now = time.monotonic()
                 self._expire_sessions(now)
