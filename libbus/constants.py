@@ -13,6 +13,8 @@ HWM = 1000
 MAX_FRAMES = 16
 #: Largest JSON header accepted.
 MAX_HEADER_BYTES = 1 * MiB
+#: Deepest nesting of containers a header may have (orjson writes at most 254 levels).
+MAX_HEADER_DEPTH = 32
 #: Most indices in one BatchRequest.
 MAX_BATCH_INDICES = 1 << 20
 #: Largest batch a provider will assemble (data + labels); below MAX_MSG_BYTES so a reply always fits.

@@ -19,7 +19,7 @@ from typing import Any, Callable, ClassVar
 import orjson
 
 from . import PROTOCOL
-from .constants import MAX_FRAMES, MAX_HEADER_BYTES
+from .constants import MAX_FRAMES, MAX_HEADER_BYTES, MAX_HEADER_DEPTH
 from .errors import BadRequest, BusError, TooLarge
 
 __all__ = [
@@ -332,6 +332,10 @@ def decode(frames: list) -> Message:
         raise BadRequest(f"header is not valid JSON: {err}") from err
     if not isinstance(head, dict):
         raise BadRequest(f"header must be a JSON object, got {type(head).__name__}")
+    if _too_deep(head, MAX_HEADER_DEPTH):
+        # orjson reads 1024 levels but writes 254: a header that deep could be stored (stats,
+        # caps) and then break every reply that echoes it.
+        raise BadRequest(f"header nests deeper than {MAX_HEADER_DEPTH} levels")
     mtype = head.get("type")
     cls = MESSAGE_TYPES.get(mtype) if isinstance(mtype, str) else None
     if cls is None:
@@ -356,6 +360,17 @@ def decode(frames: list) -> Message:
         return cls(**kwargs, frames=payload)
     except TypeError as err:  # pragma: no cover - the schema above mirrors the dataclass
         raise BadRequest(f"{mtype}: {err}") from err
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests containers more than ``limit`` levels deep."""
+    level = [value]
+    for _ in range(limit):
+        level = [child for item in level if isinstance(item, (dict, list))
+                 for child in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return False
+    return any(isinstance(item, (dict, list)) for item in level)
 
 
 def error_reply(request_id: int, err: BusError) -> Error:

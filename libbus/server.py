@@ -273,7 +273,16 @@ class Server:
 
     # -- sending and timers -------------------------------------------------------------------
     def _reply(self, routing_id: bytes, msg: Message) -> None:
-        if send_message(self._sock, msg, routing_id):
+        try:
+            sent = send_message(self._sock, msg, routing_id)
+        except BusError as err:
+            # A reply that cannot be encoded (a handler bug, or data a peer smuggled in) becomes
+            # an INTERNAL error for that request; the loop serving everyone else goes on.
+            log.error("%s: cannot send %s: %s", self.config.name, msg.type, err)
+            self.counters["internal"] += 1
+            sent = msg.id != 0 and send_message(
+                self._sock, error_reply(msg.id, Internal(f"reply could not be encoded: {err}")), routing_id)
+        if sent:
             self.counters["sent"] += 1
         else:
             self.counters["send_dropped"] += 1
@@ -298,6 +307,7 @@ class Server:
                 reply = error_reply(request_id, err)
             else:
                 log.error("%s: deferred work failed", self.config.name, exc_info=err)
+                self.counters["internal"] += 1
                 reply = error_reply(request_id, Internal(f"{type(err).__name__}: {err}"))
             self._reply(routing_id, reply)
         self._pending = still
