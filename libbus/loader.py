@@ -93,6 +93,9 @@ class RemoteLoader:
             raise BadRequest("RemoteLoader needs exactly one of router= or provider=")
         if batch_size < 1 or inflight < 1:
             raise BadRequest("batch_size and inflight must be at least 1")
+        slots = shm_slots or inflight + 1
+        if slots < 2:
+            raise BadRequest(f"shm_slots must be at least 2 (one in use, one in flight), got {slots}")
         self.dataset = dataset.removeprefix("remote://")
         self.split = split
         self.batch_size = batch_size
@@ -134,9 +137,6 @@ class RemoteLoader:
             raise
         #: Samples of the current epoch already handed out: with ``epoch``, the loader's cursor.
         self.position = 0
-        slots = shm_slots or inflight + 1
-        if slots < 2:
-            raise BadRequest(f"shm_slots must be at least 2 (one in use, one in flight), got {slots}")
         self.inflight = min(inflight, slots - 1)
         if shm and reply.host_id == identity.host_id and reply.local_endpoint:
             self._go_local(reply.local_endpoint, identity)
@@ -173,16 +173,20 @@ class RemoteLoader:
                 return self._attach_ring(slots, copy)
             except (ShmError, BusError) as err:
                 why = str(err)
-        log.info("%s/%s: batches over the socket from %s (%s)", self.dataset, self.split, self.provider, why)
+        log.info("%s/%s: batches over the socket from %s (%s)", self.dataset, self.split, self.endpoint, why)
         return SocketDelivery(self.device)
 
     def _attach_ring(self, slots: int, copy: bool) -> RingDelivery:
         ring = Ring.create(ring_layout(self.info, self.batch_size, slots))
+        delivery = None
         try:
             delivery = RingDelivery(ring, self.device, copy)
             self.client.request(delivery.attach_message())
         except BaseException:
-            ring.close()
+            if delivery is not None:
+                delivery.close()  # unpins (CUDA) before it unmaps
+            else:
+                ring.close()
             raise
         log.info("%s/%s: batches through shared memory %s (%d slots of %d bytes)", self.dataset,
                  self.split, ring.name, slots, ring.layout.slot_bytes)
