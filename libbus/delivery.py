@@ -196,8 +196,11 @@ class RingDelivery:
         if isinstance(item, BatchResponse):
             slot = self.slot_of[batch_no]
             self.ring.take(slot, self.seq_of[batch_no])
-            key = (slot, *map(tuple, item.shapes), *item.dtypes)
-            tensors = self._tensors.get(key)
+            try:
+                key = (slot, *map(tuple, item.shapes), *item.dtypes)
+                tensors = self._tensors.get(key)
+            except TypeError as err:  # a provider sent shapes that are not lists of integers
+                raise BusError(f"malformed BatchResponse shapes {item.shapes}: {err}") from err
             if tensors is None:  # made once per slot and batch shape: the slot's bytes change, not it
                 _, _, x, y = self._views(batch_no, item)
                 if len(self._tensors) > 16 * self.ring.layout.slots:
