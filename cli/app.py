@@ -45,6 +45,7 @@ Name = Annotated[Optional[str], typer.Option("--name", help="Service name (defau
 LogLevel = Annotated[Optional[str], typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR.")]
 ReadyFile = Annotated[Optional[Path], typer.Option("--ready-file", help="Write the bound endpoint here once serving.")]
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+MetricsBind = Annotated[Optional[str], typer.Option("--metrics-bind", help="Serve Prometheus /metrics on HOST:PORT (docs/operations.md).")]
 
 
 def _write_ready(path: Path | None, endpoint: str) -> None:
@@ -61,13 +62,15 @@ def _write_ready(path: Path | None, endpoint: str) -> None:
 def start_router(config: Config = None, router: Router = None, bind: Bind = None, secret_file: SecretFile = None,
                  state_dir: StateDir = None, db: Annotated[Optional[str], typer.Option(help="Job database file.")] = None,
                  name: Name = None, log_level: LogLevel = None, ready_file: ReadyFile = None,
-                 heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None) -> None:
+                 heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None,
+                 metrics_bind: MetricsBind = None) -> None:
     """The control plane: registration, discovery, the job queue (SQLite), commands, stats."""
     from services import runtime
     from services.router.app import RouterService
     import threading
     s = settings_from(config, router=router, bind=bind, secret_file=secret_file, state_dir=state_dir, db=db,
-                      name=name, log_level=log_level, heartbeat_ms=heartbeat_ms)
+                      name=name, log_level=log_level, heartbeat_ms=heartbeat_ms,
+                      metrics_bind=metrics_bind)
     setup_logging(s.log_level)
     stop = threading.Event()
     runtime.install_signal_handlers(stop)
@@ -85,14 +88,15 @@ def start_provider(dataset: Annotated[Optional[list[str]], typer.Option("--datas
                    advertise: Annotated[Optional[str], typer.Option(help="Data endpoint trainers connect to.")] = None,
                    secret_file: SecretFile = None, state_dir: StateDir = None, token: Token = None,
                    name: Name = None, log_level: LogLevel = None, ready_file: ReadyFile = None,
-                   heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None) -> None:
+                   heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None,
+                   metrics_bind: MetricsBind = None) -> None:
     """Serve datasets on a data socket and register them with the router."""
     from services import runtime
     from services.provider.app import ProviderService
     import threading
     s = settings_from(config, router=router, bind=bind, advertise=advertise, secret_file=secret_file,
                       state_dir=state_dir, token=token, name=name, log_level=log_level,
-                      datasets=dataset or None, heartbeat_ms=heartbeat_ms)
+                      datasets=dataset or None, heartbeat_ms=heartbeat_ms, metrics_bind=metrics_bind)
     setup_logging(s.log_level)
     stop = threading.Event()
     runtime.install_signal_handlers(stop)
@@ -110,11 +114,13 @@ def start_provider(dataset: Annotated[Optional[list[str]], typer.Option("--datas
 def start_trainer(config: Config = None, router: Router = None, secret_file: SecretFile = None,
                   state_dir: StateDir = None, token: Token = None, name: Name = None, log_level: LogLevel = None,
                   torch_threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads.")] = None,
-                  heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None) -> None:
+                  heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None,
+                  metrics_bind: MetricsBind = None) -> None:
     """Take jobs from the router and train them on batches pulled from providers."""
     from services.trainer.app import run_trainer
     s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token,
-                      name=name, log_level=log_level, torch_threads=torch_threads, heartbeat_ms=heartbeat_ms)
+                      name=name, log_level=log_level, torch_threads=torch_threads, heartbeat_ms=heartbeat_ms,
+                      metrics_bind=metrics_bind)
     setup_logging(s.log_level)
     code = run_trainer(s)
     if code:

@@ -94,6 +94,8 @@ class Settings:
     progress_interval_s: float = C.PROGRESS_INTERVAL_S
     #: Trainer: torch intra-op threads (0 = torch's default).
     torch_threads: int = 0
+    #: Prometheus ``/metrics`` endpoint as HOST:PORT (port 0: any free port); empty = no metrics.
+    metrics_bind: str = ""
     log_level: str = "INFO"
 
     def resolved(self) -> "Settings":

@@ -10,6 +10,7 @@ import zmq
 from libbus.config import Settings
 from libbus.errors import BusError, ConfigError
 from libbus.link import Link
+from libbus.metrics import MetricsExporter, start_exporter
 from libbus.server import Server
 
 from .. import runtime
@@ -44,10 +45,22 @@ class ProviderService:
         self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name), self.ctx)
         self.link: Link | None = None
         self.endpoint = ""
+        #: The Prometheus endpoint while serving (``metrics_bind`` set), else ``None``.
+        self.metrics: MetricsExporter | None = None
 
     def start(self) -> str:
         """Bind the data socket and start registering with the router. Returns the data endpoint."""
         runtime.clean_shm()
+        self.metrics = start_exporter(self.settings.metrics_bind, "provider", self.name, self.stats,
+                                      latency=lambda: self.handler.latency)
+        try:
+            return self._start()
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
+            raise
+
+    def _start(self) -> str:
         bound = self.server.bind()
         self.endpoint = self.settings.advertise or bound
         if self.settings.shm:
@@ -66,12 +79,18 @@ class ProviderService:
         log.info("provider %s serving %s on %s", self.name, ", ".join(self.handler.datasets), self.endpoint)
         return self.endpoint
 
+    def stats(self) -> dict:
+        """The data server's counters and the handler's, plus whether the router link is up."""
+        return {**self.server.stats(), "connected": self.link is not None and self.link.connected.is_set()}
+
     def run(self, stop: threading.Event) -> None:
         watcher = threading.Thread(target=self._watch_link, args=(stop,), daemon=True)
         watcher.start()
         try:
             self.server.run(stop)
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             runtime.remove_local_endpoint(self.handler.local_endpoint)
             self.handler.close()
             if self.link is not None:

@@ -33,6 +33,7 @@ from libbus.messages import (
     Stats,
     StatsReply,
 )
+from libbus.metrics import LatencyHistogram
 from libbus.server import Handler, Session
 from libbus.sockets import frame_len
 from shm import Ring, RingLayout
@@ -111,6 +112,8 @@ class ProviderHandler(Handler):
         self.infos = {name: source.info() for name, source in datasets.items()}
         self.served: dict[str, Counter] = defaultdict(Counter)
         self.refused: Counter = Counter()
+        #: dataset → time to assemble a batch; keyed only by datasets served here (bounded labels).
+        self.latency: dict[str, LatencyHistogram] = {name: LatencyHistogram() for name in datasets}
         self._evaluator = ThreadPoolExecutor(eval_workers, thread_name_prefix="evaluate")
         self._evaluations_running = 0
 
@@ -197,6 +200,7 @@ class ProviderHandler(Handler):
         return RingAttached(name=msg.name)
 
     def batch(self, session: Session, msg: BatchRequest) -> BatchResponse:
+        started = time.perf_counter()
         source = self.source(msg.dataset)
         if msg.split not in SPLITS:
             raise BadRequest(f"unknown split {msg.split!r}; expected one of {', '.join(SPLITS)}")
@@ -231,6 +235,7 @@ class ProviderHandler(Handler):
         counters["batches"] += 1
         counters["samples"] += len(indices)
         counters["bytes"] += x.nbytes + y.nbytes
+        self.latency[msg.dataset].observe(time.perf_counter() - started)
         return BatchResponse(shapes=[list(x_shape), list(y_shape)], dtypes=[x.dtype.str, y.dtype.str],
                              nbytes=x.nbytes + y.nbytes, slot=msg.slot, seq=msg.seq, frames=frames)
 

@@ -8,6 +8,7 @@ import threading
 import zmq
 
 from libbus.config import Settings
+from libbus.metrics import MetricsExporter, start_exporter
 from libbus.server import Server
 
 from .. import runtime
@@ -30,9 +31,17 @@ class RouterService:
         bind = settings.bind or settings.router
         self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name), ctx)
         self.handler.server_stats = self.server.stats
+        #: The Prometheus endpoint while serving (``metrics_bind`` set), else ``None``.
+        self.metrics: MetricsExporter | None = None
 
     def start(self) -> str:
-        endpoint = self.server.bind()
+        self.metrics = start_exporter(self.settings.metrics_bind, "router", self.name, self.server.stats)
+        try:
+            endpoint = self.server.bind()
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
+            raise
         log.info("router %s listening on %s (jobs in %s)", self.name, endpoint, self.settings.db)
         return endpoint
 
@@ -40,5 +49,7 @@ class RouterService:
         try:
             self.server.run(stop)
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             self.store.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
 
 import torch
 
@@ -12,6 +13,7 @@ from libbus.config import Settings
 from libbus.errors import BusError, Forbidden, PeerTimeout
 from libbus.link import Link
 from libbus.messages import Command, GetTask, Message, NoTask, PushResult, Task
+from libbus.metrics import MetricsExporter, start_exporter
 
 from .. import runtime
 from .run import TaskRun
@@ -31,6 +33,10 @@ class TrainerService:
         self.identity = runtime.identity(settings, "trainer", self.name)
         self.commands: queue.Queue[Command] = queue.Queue()
         self.current_job: str | None = None
+        #: Jobs run to an end, by final state (succeeded, failed, stopped).
+        self.tasks: Counter = Counter()
+        #: The Prometheus endpoint while running (``metrics_bind`` set), else ``None``.
+        self.metrics: MetricsExporter | None = None
         self.link = Link(settings.router, self.identity, heartbeat_ms=settings.heartbeat_ms,
                          liveness=settings.heartbeat_liveness, on_push=self._on_push, stats=self.stats,
                          limits=runtime.limits(settings))
@@ -42,9 +48,10 @@ class TrainerService:
             self.commands.put(msg)
 
     def stats(self) -> dict:
-        return {"job": self.current_job}
+        return {"job": self.current_job, "tasks": dict(self.tasks), "connected": self.link.connected.is_set()}
 
     def run(self, stop: threading.Event) -> int:
+        self.metrics = start_exporter(self.settings.metrics_bind, "trainer", self.name, self.stats)
         self.link.start()
         # A stop (SIGTERM) also ends a running task: it is put on the command queue.
         watcher = threading.Thread(target=self._watch_stop, args=(stop,), daemon=True)
@@ -70,6 +77,8 @@ class TrainerService:
                     self._run_task(reply, stop)
             return 0
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             self.link.close()
 
     def _watch_stop(self, stop: threading.Event) -> None:
@@ -86,6 +95,7 @@ class TrainerService:
             state, result, error = TaskRun(task, self.settings, self.link, self.identity, self.commands).run()
         finally:
             self.current_job = None
+        self.tasks[state] += 1
         if stop.is_set() and state == "stopped":
             log.info("job %s interrupted by shutdown; the router will requeue it", task.job)
             return
