@@ -10,17 +10,15 @@ Field types are checked on decode against the dataclass annotations, so a handle
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import orjson
 
 from . import PROTOCOL
 from .constants import MAX_FRAMES, MAX_HEADER_BYTES, MAX_HEADER_DEPTH
 from .errors import BadRequest, BusError, TooLarge
+from .schema import schema_of, too_deep, type_name
 
 __all__ = [
     "Message", "MESSAGE_TYPES", "encode", "decode", "error_reply", "request_id_of",
@@ -53,7 +51,7 @@ class Message:
 
     def header(self) -> dict[str, Any]:
         out = {"type": self.type}
-        for name in _schema(type(self)):
+        for name in schema_of(type(self)):
             out[name] = getattr(self, name)
         return out
 
@@ -332,7 +330,7 @@ def decode(frames: list) -> Message:
         raise BadRequest(f"header is not valid JSON: {err}") from err
     if not isinstance(head, dict):
         raise BadRequest(f"header must be a JSON object, got {type(head).__name__}")
-    if _too_deep(head, MAX_HEADER_DEPTH):
+    if too_deep(head, MAX_HEADER_DEPTH):
         # orjson reads 1024 levels but writes 254: a header that deep could be stored (stats,
         # caps) and then break every reply that echoes it.
         raise BadRequest(f"header nests deeper than {MAX_HEADER_DEPTH} levels")
@@ -346,14 +344,14 @@ def decode(frames: list) -> Message:
         want = f"{lo}" if lo == hi else f"{lo} to {hi}"
         raise BadRequest(f"{mtype} carries {want} payload frame(s), got {len(payload)}")
     kwargs = {}
-    for name, (accepts, required, annotation) in _schema(cls).items():
+    for name, (accepts, required, annotation) in schema_of(cls).items():
         if name not in head:
             if required:
                 raise BadRequest(f"{mtype} is missing field '{name}'")
             continue
         value = head[name]
         if not accepts(value):
-            raise BadRequest(f"{mtype}.{name} must be {_type_name(annotation)}, "
+            raise BadRequest(f"{mtype}.{name} must be {type_name(annotation)}, "
                              f"got {type(value).__name__}")
         kwargs[name] = value
     try:
@@ -362,60 +360,8 @@ def decode(frames: list) -> Message:
         raise BadRequest(f"{mtype}: {err}") from err
 
 
-def _too_deep(value: Any, limit: int) -> bool:
-    """Whether ``value`` (parsed JSON) nests containers more than ``limit`` levels deep."""
-    level = [value]
-    for _ in range(limit):
-        level = [child for item in level if isinstance(item, (dict, list))
-                 for child in (item.values() if isinstance(item, dict) else item)]
-        if not level:
-            return False
-    return any(isinstance(item, (dict, list)) for item in level)
-
-
 def error_reply(request_id: int, err: BusError) -> Error:
     return Error(id=request_id, code=err.code, message=str(err))
-
-
-#: Per message class: field name → (accepts(value) -> bool, required, annotation). Built once per
-#: class: decoding sits on the batch path, so the type checks are compiled, not re-derived per message.
-_SCHEMAS: dict[type, dict[str, tuple[Callable[[Any], bool], bool, Any]]] = {}
-
-
-def _schema(cls: type[Message]) -> dict[str, tuple[Callable[[Any], bool], bool, Any]]:
-    schema = _SCHEMAS.get(cls)
-    if schema is None:
-        hints = typing.get_type_hints(cls)
-        schema = {}
-        for f in dataclasses.fields(cls):
-            if f.name == "frames":
-                continue
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            schema[f.name] = (_checker(hints[f.name]), required, hints[f.name])
-        _SCHEMAS[cls] = schema
-    return schema
-
-
-def _checker(annotation: Any) -> Callable[[Any], bool]:
-    """``value -> bool`` for a field annotation: JSON's bool is not an int, an int is a float."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        parts = [_checker(arg) for arg in typing.get_args(annotation)]
-        return lambda value: any(part(value) for part in parts)
-    if annotation is type(None):
-        return lambda value: value is None
-    if annotation is int:
-        return lambda value: isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
-    origin = typing.get_origin(annotation) or annotation
-    return lambda value: isinstance(value, origin)
-
-
-def _type_name(annotation: Any) -> str:
-    if isinstance(annotation, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
-    return {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
-            list: "a list", dict: "an object", type(None): "null"}.get(annotation, str(annotation))
 
 
 def request_id_of(frames: list) -> int:

@@ -38,10 +38,10 @@ from libbus.messages import (
     Resolve,
     Stats,
     SubmitJob,
-    _schema,
     decode,
     encode,
 )
+from libbus.schema import schema_of
 from shm import Ring, RingLayout
 from shm.names import SHM_DIR, new_name
 
@@ -149,7 +149,7 @@ def typed_header(draw) -> bytes:
     """A header of a real message type whose fields are absent, of the wrong type, or absurd."""
     mtype = draw(st.sampled_from(TYPES))
     out = {"type": mtype, "id": draw(st.one_of(st.integers(0, 2**40), JSON))}
-    for name in _schema(MESSAGE_TYPES[mtype]):
+    for name in schema_of(MESSAGE_TYPES[mtype]):
         if name == "id" or draw(st.integers(0, 5)) == 0:
             continue
         out[name] = draw(JSON)
