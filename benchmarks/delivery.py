@@ -185,7 +185,10 @@ class Services:
     def __init__(self, root: Path, state: Path):
         from cli.demo import ServiceProcs  # noqa: PLC0415 - the demo's process launcher
         secret = ensure_secret(state / "secret")
-        self.token = issue_token(secret, sub="bench", role="trainer", audience="batchbus", ttl_s=3600)
+        # A script reading datasets directly holds a token scoped to them (providers serve other
+        # trainers only the datasets of their job).
+        self.token = issue_token(secret, sub="bench", role="trainer", audience="batchbus", ttl_s=3600,
+                                 datasets=["ram", "stream"])
         self.procs = ServiceProcs(state)
         router = self.procs.start("router", "--bind", "tcp://127.0.0.1:0", "--log-level", "WARNING")
         self.endpoint = self.procs.start("provider", "--router", router, "--log-level", "WARNING",

@@ -28,11 +28,13 @@ job_app = typer.Typer(no_args_is_help=True, help="Inspect or control one job.")
 token_app = typer.Typer(no_args_is_help=True, help="Mint and inspect tokens; create the cluster secret or signing key.")
 config_app = typer.Typer(no_args_is_help=True, help="Show the effective settings.")
 shm_app = typer.Typer(no_args_is_help=True, help="Shared-memory rings on this host.")
+keys_app = typer.Typer(no_args_is_help=True, help="CURVE key pairs: encrypted, key-authenticated connections (docs/security.md).")
 app.add_typer(start_app, name="start")
 app.add_typer(job_app, name="job")
 app.add_typer(token_app, name="token")
 app.add_typer(config_app, name="config")
 app.add_typer(shm_app, name="shm")
+app.add_typer(keys_app, name="keys")
 
 # Options shared by many commands, declared once.
 Config = Annotated[Optional[str], typer.Option("--config", help="TOML settings file (or BATCHBUS_CONFIG).")]
@@ -340,6 +342,59 @@ def token_inspect(token: Annotated[str, typer.Argument(help="The token to show (
             typer.echo(f"  {key_name}: {value}")
     if status == "INVALID":
         raise typer.Exit(1)
+
+
+@token_app.command("revoke")
+@guard
+def token_revoke(what: Annotated[str, typer.Argument(help="The token to revoke ('-' reads it from stdin), or its bare jti.")],
+                 reason: Annotated[str, typer.Option(help="Why: kept with the revocation.")] = "",
+                 keep: Annotated[Optional[float], typer.Option("--keep", help="For a bare jti: seconds to keep refusing it (default: token_ttl_s). A whole token is refused until it expires.")] = None,
+                 config: Config = None, router: Router = None, secret_file: SecretFile = None,
+                 state_dir: StateDir = None, token: Token = None) -> None:
+    """Revoke a token on every service: the router stores it (a restart keeps it), refuses it, closes
+    its sessions and tells every provider, which does the same."""
+    import sys
+    import time
+    from libbus.auth import inspect_token
+    from libbus.messages import RevokeToken
+    if what == "-":
+        what = sys.stdin.read().strip()
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    if what.count(".") == 2:  # a JWT: take its id and expiry from it
+        _, claims = inspect_token(what)
+        jti, exp = claims.get("jti"), claims.get("exp")
+        if not isinstance(jti, str) or not isinstance(exp, (int, float)):
+            fail("that token has no jti or exp claim: nothing to revoke", 2)
+    else:
+        jti, exp = what, time.time() + (s.token_ttl_s if keep is None else keep)
+    with admin_client(s) as client:
+        client.request(RevokeToken(jti=jti, exp=float(exp), reason=reason))
+    typer.echo(f"revoked {jti} until {time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(exp))}")
+
+
+@token_app.command("revoked")
+@guard
+def token_revoked(config: Config = None, router: Router = None, secret_file: SecretFile = None,
+                  state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Tokens revoked and not yet expired, newest first."""
+    from libbus.messages import ListRevoked
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    with admin_client(s) as client:
+        rows = client.request(ListRevoked()).revoked
+    print_json(rows) if json else tables.revoked(rows)
+
+
+@keys_app.command("gen")
+@guard
+def keys_gen(name: Annotated[str, typer.Argument(help="The key's name: the service (or admin) that uses it; tokens for it carry this subject.")],
+             out: Annotated[Path, typer.Option("--dir", help="Where to write NAME.key and NAME.key_secret.")] = Path(".")) -> None:
+    """Create a CURVE key pair: NAME.key_secret (0600, stays on its node; curve_key_file) and
+    NAME.key (public: copy it into the authorized directory of every server it connects to;
+    the router's goes to every node as curve_router_key)."""
+    from libbus.curve import generate_keys
+    public, secret_path = generate_keys(out, name)
+    typer.echo(f"public key {public} (copy to the servers' curve_authorized_dir)\n"
+               f"secret key {secret_path} (0600, keep it on this node)")
 
 
 @token_app.command("keygen")

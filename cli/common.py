@@ -32,14 +32,16 @@ def settings_from(config: str | None = None, **flags: Any) -> Settings:
 def admin_client(settings: Settings) -> Client:
     """A connection to the router as admin: ``settings.token`` if set, else minted from the secret
     (HS256) or the signing key (EdDSA)."""
-    from services.runtime import mint_token, signing_key  # noqa: PLC0415 - keeps busctl start-up light
-    name = f"busctl-{getpass.getuser()}-{os.getpid()}"
+    from services import runtime  # noqa: PLC0415 - keeps busctl start-up light
+    curve = runtime.curve_keys(settings, "admin")
+    name = settings.name or (curve.name if curve else f"busctl-{getpass.getuser()}-{os.getpid()}")
     if settings.token:
         token: Any = settings.token
     else:
-        token = mint_token(settings, signing_key(settings), role="admin", sub=name, ttl_s=600)
-    return Client(settings.router, Identity(role="admin", name=name, token=token),
-                  timeout_s=settings.request_timeout_s, retries=settings.request_retries)
+        token = runtime.mint_token(settings, runtime.signing_key(settings), role="admin", sub=name, ttl_s=600)
+    identity = Identity(role="admin", name=name, token=token, curve=curve, router_key=runtime.router_key(settings))
+    return Client(settings.router, identity, timeout_s=settings.request_timeout_s,
+                  retries=settings.request_retries, server_key=identity.router_key)
 
 
 def fail(message: str, code: int = 1) -> None:

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from libbus.client import Client
 from libbus.config import Settings
+from libbus.curve import curve_key_of
 from libbus.messages import BatchRequest, BatchResponse, ListPeers, Resolve
 
 from .common import admin_client, fail, print_json
@@ -203,7 +204,7 @@ def fetch(settings: Settings, dataset: str, split: str, indices_text: str) -> tu
     # they registered). Not libbus.loader.pick_provider: that module imports torch, 2 s of start-up.
     provider = resolved.providers[0]
     with Client(provider["endpoint"], identity, timeout_s=settings.request_timeout_s,
-                retries=settings.request_retries) as client:
+                retries=settings.request_retries, server_key=curve_key_of(provider)) as client:
         if not splits[split].get("available", True):
             # The provider is the authority on what leaves it: ask, and show its refusal (SPLIT_PRIVATE).
             client.request(BatchRequest(dataset=resolved.dataset, split=split, range=[0, 0]))

@@ -75,14 +75,30 @@ def peers(rows: list[dict]) -> None:
     console.print(table)
 
 
+def refusals(counters: dict) -> dict[str, int]:
+    """A service's refusals by cause: each error code it answered with, and malformed messages."""
+    out = {k.removeprefix("error_"): v for k, v in counters.items() if k.startswith("error_") and v}
+    if counters.get("malformed"):
+        out["malformed"] = counters["malformed"]
+    return dict(sorted(out.items()))
+
+
 def queues(services: dict) -> None:
-    table = Table("service", "role", "sessions", "received", "sent", "errors", "detail")
+    table = Table("service", "role", "sessions", "received", "sent", "refused", "detail")
     for name, s in sorted(services.items()):
         counters = s.get("counters", {})
-        errors = sum(v for k, v in counters.items() if k.startswith("error_") or k == "malformed")
+        refused = ", ".join(f"{k} {v}" for k, v in refusals(counters).items()) or "0"
         detail = {k: v for k, v in s.items() if k not in ("counters", "name", "endpoint", "role", "sessions")}
         table.add_row(name, s.get("role", "-"), str(s.get("sessions", "-")), str(counters.get("received", "-")),
-                      str(counters.get("sent", "-")), str(errors), str(detail) if detail else "-")
+                      str(counters.get("sent", "-")), refused, str(detail) if detail else "-")
+    console.print(table)
+
+
+def revoked(rows: list[dict]) -> None:
+    table = Table("jti", "revoked", "refused until", "reason")
+    for r in rows:
+        table.add_row(r["jti"], _ago(r.get("at")), time.strftime("%Y-%m-%d %H:%M", time.localtime(r["exp"])),
+                      r.get("reason") or "-")
     console.print(table)
 
 

@@ -21,7 +21,8 @@ import zmq
 
 from . import VERSION
 from .constants import HELLO_TIMEOUT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
-from .errors import AuthRequired, BusError, PeerTimeout, error_from_code
+from .curve import CurveKeys, secure_client
+from .errors import AuthRequired, BusError, ConfigError, PeerTimeout, error_from_code
 from .messages import Error, Heartbeat, Hello, Message, Welcome, decode
 from .sockets import SocketLimits, make_socket, send_message
 
@@ -32,12 +33,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Identity:
-    """Who a client says it is in ``Hello``. ``token`` may be a callable returning a fresh token."""
+    """Who a client says it is in ``Hello``. ``token`` may be a callable returning a fresh token.
+
+    ``curve`` is the client's CURVE key pair when the cluster runs CURVE (its name must be the
+    token's subject); ``router_key`` then is the router's public key."""
     role: str
     name: str
     token: str | Callable[[], str]
     host_id: str = ""
     caps: dict = field(default_factory=dict)
+    curve: CurveKeys | None = None
+    router_key: bytes | None = None
 
     def hello(self, request_id: int) -> Hello:
         token = self.token() if callable(self.token) else self.token
@@ -50,8 +56,13 @@ class Client:
 
     def __init__(self, endpoint: str, identity: Identity, *, ctx: zmq.Context | None = None,
                  timeout_s: float = REQUEST_TIMEOUT_S, retries: int = REQUEST_RETRIES,
-                 limits: SocketLimits = SocketLimits()):
+                 limits: SocketLimits = SocketLimits(), server_key: bytes | None = None):
+        """``server_key``: the server's CURVE public key (with ``identity.curve``); a provider's
+        comes from ``Resolved``, the router's is ``identity.router_key``."""
+        if identity.curve is not None and not server_key:
+            raise ConfigError(f"CURVE is on but the public key of {endpoint} is unknown")
         self.endpoint = endpoint
+        self.server_key = server_key
         self.identity = identity
         self.ctx = ctx or zmq.Context.instance()
         self.timeout_s = timeout_s
@@ -70,6 +81,8 @@ class Client:
     def socket(self) -> zmq.Socket:
         if self._sock is None:
             self._sock = make_socket(self.ctx, zmq.DEALER, self.limits)
+            if self.identity.curve is not None:
+                secure_client(self._sock, self.identity.curve, self.server_key)
             self._sock.connect(self.endpoint)
             self._poller = zmq.Poller()
             self._poller.register(self._sock, zmq.POLLIN)

@@ -96,6 +96,24 @@ class Settings:
     torch_threads: int = 0
     #: Prometheus ``/metrics`` endpoint as HOST:PORT (port 0: any free port); empty = no metrics.
     metrics_bind: str = ""
+    #: CurveZMQ encryption and key authentication on every socket (docs/security.md).
+    curve: bool = False
+    #: This node's CURVE key pair (a ``NAME.key_secret`` file); default
+    #: ``<state_dir>/curve/<role>.key_secret``. With CURVE on, the service is named after the key.
+    curve_key_file: str = ""
+    #: The router's CURVE public key (``router.key``); default ``<state_dir>/curve/router.key``.
+    curve_router_key: str = ""
+    #: Servers: the directory of client public keys (``*.key``) admitted; default
+    #: ``<state_dir>/curve/authorized``.
+    curve_authorized_dir: str = ""
+    #: Provider: serve trainers only the datasets of jobs the router assigned them (or that their
+    #: token's ``datasets`` scope names). Off: any trainer token reads train/val.
+    assigned_only: bool = True
+    #: Per session: most requests being worked on at once; more get RATE_LIMITED.
+    session_inflight: int = C.SESSION_INFLIGHT
+    #: Per session: sustained requests per second (a token bucket; 0 = no limit) and its burst.
+    session_rate: float = C.SESSION_RATE
+    session_burst: int = C.SESSION_BURST
     log_level: str = "INFO"
 
     def resolved(self) -> "Settings":
@@ -113,6 +131,11 @@ class Settings:
             out.token_issuer = out.cluster
         if not out.db:
             out.db = os.path.join(out.state_dir, "router.db")
+        curve_dir = os.path.join(out.state_dir, "curve")
+        if not out.curve_router_key:
+            out.curve_router_key = os.path.join(curve_dir, "router.key")
+        if not out.curve_authorized_dir:
+            out.curve_authorized_dir = os.path.join(curve_dir, "authorized")
         if not out.host_id:
             out.host_id = host_id()
         return out
@@ -196,6 +219,8 @@ def load_settings(*, config_file: str | None = None, env: Mapping[str, str] | No
                           f"got {settings.token_alg!r}")
     if settings.heartbeat_ms <= 0 or settings.heartbeat_liveness <= 0:
         raise ConfigError("heartbeat_ms and heartbeat_liveness must be positive")
+    if settings.session_inflight < 1 or settings.session_rate < 0 or settings.session_burst < 1:
+        raise ConfigError("session_inflight and session_burst must be at least 1, session_rate not negative")
     if settings.request_timeout_s <= 0 or settings.request_retries < 0:
         raise ConfigError("request_timeout_s must be positive and request_retries not negative")
     return settings.resolved(), sources

@@ -20,6 +20,13 @@ MAX_BATCH_INDICES = 1 << 20
 #: Largest batch a provider will assemble (data + labels); below MAX_MSG_BYTES so a reply always fits.
 MAX_BATCH_BYTES = 128 * MiB
 
+#: Per session: most requests a service works on at once (a loader keeps ``inflight`` ≤ this).
+SESSION_INFLIGHT = 64
+#: Per session: sustained requests per second and burst (token bucket). Generous: a loader at
+#: 300k samples/s with batches of 256 sends ~1,200 requests/s.
+SESSION_RATE = 5000.0
+SESSION_BURST = 2000
+
 #: How often peers exchange heartbeats, and how many missed intervals drop a peer.
 HEARTBEAT_MS = 1000
 HEARTBEAT_LIVENESS = 5

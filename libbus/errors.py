@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BusError", "AuthRequired", "AuthInvalid", "AuthExpired", "Forbidden", "NotFound", "BadRequest",
-    "OutOfRange", "SplitPrivate", "TooLarge", "Unavailable", "Timeout", "Internal",
+    "OutOfRange", "SplitPrivate", "TooLarge", "RateLimited", "Unavailable", "Timeout", "Internal",
     "PeerTimeout", "ConfigError", "DatasetError", "ShmError", "ERROR_CODES", "error_from_code",
 ]
 
@@ -74,6 +74,12 @@ class TooLarge(BusError):
     code = "TOO_LARGE"
 
 
+class RateLimited(BusError):
+    """The session has too many requests in flight, or sends faster than its rate limit; slow down
+    and resend."""
+    code = "RATE_LIMITED"
+
+
 class Unavailable(BusError):
     """Nobody can serve this right now (no provider for a dataset, service shutting down)."""
     code = "UNAVAILABLE"
@@ -112,7 +118,7 @@ class ShmError(BusError):
 ERROR_CODES: dict[str, type[BusError]] = {
     cls.code: cls
     for cls in (AuthRequired, AuthInvalid, AuthExpired, Forbidden, NotFound, BadRequest, OutOfRange,
-                SplitPrivate, TooLarge, Unavailable, Timeout, Internal)
+                SplitPrivate, TooLarge, RateLimited, Unavailable, Timeout, Internal)
 }
 
 

@@ -50,7 +50,7 @@ class Link:
                  stats: Callable[[], dict] | None = None, ctx: zmq.Context | None = None,
                  limits: SocketLimits = SocketLimits()):
         identity.caps = {**identity.caps, "heartbeat": True}
-        self.client = Client(endpoint, identity, ctx=ctx, limits=limits)
+        self.client = Client(endpoint, identity, ctx=ctx, limits=limits, server_key=identity.router_key)
         self.heartbeat_s = heartbeat_ms / 1000
         self.liveness = liveness
         self.on_push = on_push or (lambda msg: None)

@@ -31,6 +31,7 @@ from shm import Ring
 from .client import Client, Identity
 from .config import host_id as machine_id
 from .constants import REQUEST_RETRIES, REQUEST_TIMEOUT_S
+from .curve import CurveKeys, curve_key_of
 from .delivery import RingDelivery, SocketDelivery, ring_layout
 from .errors import AuthRequired, BadRequest, BusError, PeerTimeout, ShmError
 from .messages import BatchRequest, DatasetInfoRequest, Error, Resolve
@@ -79,6 +80,10 @@ class RemoteLoader:
         copy: on CPU with a ring, yield copies. By default tensors view the ring slot and are
             valid until the next batch is asked for.
         host_id: this machine's id (default: /etc/machine-id), compared with the provider's.
+        curve: this client's CURVE key pair (:func:`libbus.curve.load_keys`) on a CURVE cluster;
+            its name must be the token's subject. ``router_key`` is then the router's public key,
+            and ``provider_key`` the provider's when ``provider=`` is given (with ``router=``,
+            the router's ``Resolved`` reply carries it).
     """
 
     def __init__(self, dataset: str, *, token: str | Callable[[], str], split: str = "train",
@@ -88,7 +93,8 @@ class RemoteLoader:
                  inflight: int = 4, timeout_s: float = REQUEST_TIMEOUT_S,
                  retries: int = REQUEST_RETRIES, name: str | None = None, device: str = "cpu",
                  shm: bool = True, shm_slots: int = 0, copy: bool = False, host_id: str | None = None,
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, curve: CurveKeys | None = None,
+                 router_key: bytes | None = None, provider_key: bytes | None = None):
         if (router is None) == (provider is None):
             raise BadRequest("RemoteLoader needs exactly one of router= or provider=")
         if batch_size < 1 or inflight < 1:
@@ -111,14 +117,19 @@ class RemoteLoader:
         self.device = torch.device(device)
         role = _role_of(token() if callable(token) else token)
         identity = Identity(role=role, name=name or f"loader-{socket.gethostname()}-{os.getpid()}",
-                            token=token, host_id=host_id or machine_id())
+                            token=token, host_id=host_id or machine_id(), curve=curve, router_key=router_key)
         self._ctx = ctx
         self.provider = provider
         if router is not None:
-            with Client(router, identity, ctx=ctx, timeout_s=timeout_s, retries=retries) as rc:
+            with Client(router, identity, ctx=ctx, timeout_s=timeout_s, retries=retries,
+                        server_key=router_key) as rc:
                 resolved = rc.request(Resolve(dataset=self.dataset))
-            self.provider = pick_provider(resolved.providers, identity.host_id)["endpoint"]
-        self.client = Client(self.provider, identity, ctx=ctx, timeout_s=timeout_s, retries=retries)
+            picked = pick_provider(resolved.providers, identity.host_id)
+            self.provider = picked["endpoint"]
+            provider_key = curve_key_of(picked)
+        self._server_key = provider_key
+        self.client = Client(self.provider, identity, ctx=ctx, timeout_s=timeout_s, retries=retries,
+                             server_key=provider_key)
         #: The endpoint requests go to: ``provider``, or its ``ipc://`` twin on the same host.
         self.endpoint = self.provider
         reply = self.client.request(DatasetInfoRequest(dataset=self.dataset))
@@ -158,7 +169,8 @@ class RemoteLoader:
                      self.provider)
             return
         self.client.close()
-        self.client = Client(endpoint, identity, ctx=self._ctx, timeout_s=self.timeout_s, retries=self.retries)
+        self.client = Client(endpoint, identity, ctx=self._ctx, timeout_s=self.timeout_s, retries=self.retries,
+                             server_key=self._server_key)
         self.endpoint = endpoint
 
     def _open_delivery(self, shm: bool, provider_host: str, local_host: str, slots: int,

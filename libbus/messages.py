@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import orjson
 
 from . import PROTOCOL
-from .constants import MAX_FRAMES, MAX_HEADER_BYTES, MAX_HEADER_DEPTH
+from .constants import MAX_FRAMES, MAX_HEADER_BYTES, MAX_HEADER_DEPTH, MAX_MSG_BYTES
 from .errors import BadRequest, BusError, TooLarge
 from .schema import schema_of, too_deep, type_name
 
@@ -28,6 +28,7 @@ __all__ = [
     "SubmitJob", "JobSubmitted", "ListJobs", "JobList", "GetJob", "JobInfo", "ControlJob",
     "GetTask", "Task", "NoTask", "Progress", "PushResult", "Command",
     "Evaluate", "Evaluation", "Stats", "StatsReply", "ListPeers", "PeerList",
+    "RevokeToken", "ListRevoked", "RevokedList", "Entitlements",
 ]
 
 MESSAGE_TYPES: dict[str, type["Message"]] = {}
@@ -294,6 +295,37 @@ class PeerList(Message):
     peers: list
 
 
+# -- security ------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class RevokeToken(Message):
+    """Admin → router: refuse the token ``jti`` on every service until ``exp`` (its own expiry,
+    after which it is dead anyway). Answered with ``Ok``."""
+    jti: str
+    exp: float
+    reason: str = ""
+
+
+@dataclass(kw_only=True)
+class ListRevoked(Message):
+    pass
+
+
+@dataclass(kw_only=True)
+class RevokedList(Message):
+    """``revoked``: ``[{jti, exp, at, reason}]``, newest first."""
+    revoked: list
+
+
+@dataclass(kw_only=True)
+class Entitlements(Message):
+    """Router → provider, unsolicited, when the provider connects and whenever either part changes:
+    the revoked ``jti``s still unexpired, and per dataset the token subjects of the trainers
+    assigned to a running job on it (``{dataset: [sub, ...]}``)."""
+    revoked: list
+    assigned: dict
+
+
 # -- encode / decode -------------------------------------------------------------------------
 
 def encode(msg: Message) -> list:
@@ -318,6 +350,9 @@ def decode(frames: list) -> Message:
         raise BadRequest(f"expected at least 2 frames (protocol tag, header), got {len(frames)}")
     if len(frames) > MAX_FRAMES:
         raise TooLarge(f"message has {len(frames)} frames; at most {MAX_FRAMES} are accepted")
+    total = sum(memoryview(_frame_bytes(f)).nbytes for f in frames)
+    if total > MAX_MSG_BYTES:
+        raise TooLarge(f"message is {total} bytes in all; at most {MAX_MSG_BYTES} are accepted")
     tag = bytes(_frame_bytes(frames[0]))
     if tag != PROTOCOL:
         raise BadRequest(f"unknown protocol tag {tag[:16]!r}; expected {PROTOCOL!r}")

@@ -4,27 +4,33 @@
 "given this session and this message, what goes out" and can be tested without a socket.
 
 Per connection the first message must be ``Hello`` with a valid token; the session is then bound to
-the ZeroMQ routing id, and every later request is checked against it (expiry, role). Sessions that
+the ZeroMQ routing id, and every later request is checked against it (expiry, role, revocation, the
+per-session in-flight cap and rate limit). With CURVE on, the connection's key name (the ZAP
+``User-Id``) must equal the token's subject. Sessions that
 heartbeat (``caps.heartbeat``) are dropped after ``heartbeat_liveness`` silent intervals; other
 sessions (data-plane loaders) after ``idle_session_s`` — they say ``Hello`` again transparently.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import secrets
 import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import zmq
 
+from . import constants as C
 from .auth import ALGORITHM, Claims, Key, verify_token
 from .constants import POLL_MS
-from .errors import AuthExpired, AuthRequired, BadRequest, BusError, Forbidden, Internal
+from .curve import CurveKeys, KeyAuthenticator, secure_server
+from .errors import AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal, RateLimited
 from .messages import (Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of)
 from .sockets import SocketLimits, make_socket, send_message
 
@@ -44,6 +50,31 @@ class Session:
     last_seen: float
     heartbeat: bool
     stats: dict = field(default_factory=dict)
+    #: The CURVE key name the connection authenticated with ("" without CURVE).
+    user_id: str = ""
+    #: ZeroMQ's ``Peer-Address``: the peer's IP over TCP; over ``ipc://`` the peer's credentials.
+    peer: str = ""
+    #: Requests of this session being worked on (deferred replies not yet sent).
+    inflight: int = 0
+    _tokens: float = 0.0
+    _refilled: float = 0.0
+
+    @property
+    def local(self) -> bool:
+        """Whether the peer came through a Unix socket as this service's own user: only such a
+        peer may hand this service a shared-memory ring."""
+        return is_local_peer(self.peer)
+
+    def admit(self, now: float, rate: float, burst: int) -> bool:
+        """Take one token from the session's bucket (``rate`` per second, at most ``burst``)."""
+        if rate <= 0:
+            return True
+        self._tokens = min(float(burst), self._tokens + (now - self._refilled) * rate)
+        self._refilled = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
 
     @property
     def role(self) -> str:
@@ -56,7 +87,33 @@ class Session:
     def describe(self) -> dict:
         return {"session": self.sid, "name": self.name, "role": self.role, "host_id": self.hello.host_id,
                 "pid": self.hello.pid, "version": self.hello.version, "since": self.opened,
+                "peer": self.peer, "key": self.user_id,
                 "last_seen": time.time() - (time.monotonic() - self.last_seen)}
+
+
+def is_local_peer(peer: str) -> bool:
+    """True for a ``Peer-Address`` of an ``ipc://`` connection from this process's uid.
+
+    Over TCP libzmq reports the peer's IP; over a Unix socket it reports ``host:uid:gid:pid`` from
+    ``SO_PEERCRED``."""
+    if not peer:
+        return False
+    try:
+        ipaddress.ip_address(peer.split("%", 1)[0])
+        return False
+    except ValueError:
+        pass
+    parts = peer.rsplit(":", 3)
+    return len(parts) == 4 and parts[1].isdigit() and int(parts[1]) == os.getuid()
+
+
+def _frame_property(frame, name: str) -> str:
+    """A ZeroMQ message property (``User-Id``, ``Peer-Address``), or "" when it is not set."""
+    try:
+        value = frame.get(name)
+    except (zmq.ZMQError, AttributeError):
+        return ""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value or "")
 
 
 class Handler:
@@ -111,6 +168,12 @@ class ServerConfig:
     limits: SocketLimits = SocketLimits()
     algorithm: str = ALGORITHM
     issuer: str = ""
+    #: CURVE: this server's key pair and the directory of client keys it admits (None: no CURVE).
+    curve: CurveKeys | None = None
+    authorized_dir: str = ""
+    session_inflight: int = C.SESSION_INFLIGHT
+    session_rate: float = C.SESSION_RATE
+    session_burst: int = C.SESSION_BURST
 
 
 class Server:
@@ -122,19 +185,34 @@ class Server:
     def __init__(self, handler: Handler, config: ServerConfig, ctx: zmq.Context | None = None):
         self.handler = handler
         self.config = config
-        self.ctx = ctx or zmq.Context.instance()
+        # A ZAP handler serves one context; a CURVE server gets a context of its own so that two
+        # services in one process (tests, `busctl demo`) never share or fight over one.
+        self._own_ctx = config.curve is not None
+        self.ctx = zmq.Context() if self._own_ctx else (ctx or zmq.Context.instance())
+        self._auth: KeyAuthenticator | None = None
+        #: ``jti``s refused at Hello and whose sessions are closed (set from any thread).
+        self._revoked: frozenset[str] = frozenset()
+        self._revoked_changed = False
         self.sessions: dict[bytes, Session] = {}
         self.by_sid: dict[str, Session] = {}
         self.counters: Counter = Counter()
         self.endpoint = ""
         self._sock: zmq.Socket | None = None
-        self._pending: list[tuple[bytes, int, Future]] = []
+        self._pending: list[tuple[Session, int, Future]] = []
         self._last_beat = 0.0
 
     # -- lifecycle ----------------------------------------------------------------------------
     def bind(self) -> str:
         """Bind the ROUTER socket. ``tcp://HOST:0`` picks a free port. Returns the bound endpoint."""
         sock = make_socket(self.ctx, zmq.ROUTER, self.config.limits)
+        if self.config.curve is not None:
+            try:
+                self._auth = KeyAuthenticator(self.ctx, self.config.authorized_dir)
+                self._auth.start()
+            except BusError:
+                sock.close(0)
+                raise
+            secure_server(sock, self.config.curve)
         bind = self.config.bind
         try:
             if bind.startswith("tcp://") and (bind.endswith(":0") or bind.endswith(":*")):
@@ -145,9 +223,21 @@ class Server:
                 self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as err:
             sock.close(0)
+            self._stop_auth()
             raise BusError(f"cannot bind {bind}: {err.strerror}", code="UNAVAILABLE") from err
         self._sock = sock
         return self.endpoint
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+    def set_revoked(self, jtis: Iterable[str]) -> None:
+        """Refuse tokens with these ids from now on and close their sessions (thread-safe: the
+        loop applies it on its next turn)."""
+        self._revoked = frozenset(jtis)
+        self._revoked_changed = True
 
     def bind_also(self, endpoint: str) -> str:
         """Bind the same ROUTER socket to a second endpoint (a provider's same-host ``ipc://``).
@@ -186,6 +276,8 @@ class Server:
                         # stop Command must not arrive after the reply to the next request.
                         self._flush_outbox()
                 self._finish_pending()
+                if self._revoked_changed:
+                    self._close_revoked()
                 now = time.monotonic()
                 self._expire_sessions(now)
                 self._heartbeat(now)
@@ -196,6 +288,15 @@ class Server:
                 self._close_session(session, "service stopping")
             sock.close(0)
             self._sock = None
+            self._stop_auth()
+            if self._own_ctx:
+                self.ctx.term()
+
+    def _close_revoked(self) -> None:
+        self._revoked_changed = False
+        for session in list(self.sessions.values()):
+            if session.claims.jti in self._revoked:
+                self._close_session(session, "token revoked")
 
     # -- receiving ----------------------------------------------------------------------------
     def _on_frames(self, frames: list) -> None:
@@ -210,19 +311,26 @@ class Server:
             self._reply(routing_id, error_reply(request_id_of(body) if len(body) > 1 else 0, err))
             return
         if isinstance(msg, Hello):
-            self._on_hello(routing_id, msg)
+            self._on_hello(routing_id, msg, body[0])
             return
         session = self.sessions.get(routing_id)
         try:
             if session is None:
                 raise AuthRequired("no session: send Hello with a token first")
-            session.last_seen = time.monotonic()
+            now = time.monotonic()
+            session.last_seen = now
             if session.claims.expired():
                 self._close_session(session, "token expired")
                 raise AuthExpired("token expired; reconnect with a fresh token")
             if isinstance(msg, Heartbeat):
                 session.stats = msg.stats
                 return
+            if session.inflight >= self.config.session_inflight:
+                raise RateLimited(f"{session.inflight} requests of this session are in flight; at most "
+                                  f"{self.config.session_inflight}: wait for replies before sending more")
+            if not session.admit(now, self.config.session_rate, self.config.session_burst):
+                raise RateLimited(f"more than {self.config.session_rate:g} requests/s (burst "
+                                  f"{self.config.session_burst}) from this session; slow down")
             allowed = self.handler.roles.get(msg.type)
             if allowed is None:
                 raise BadRequest(f"{msg.type} is not a request this service ({self.config.name}) serves")
@@ -240,24 +348,37 @@ class Server:
             self._reply(routing_id, error_reply(msg.id, Internal(f"{type(err).__name__}: {err}")))
             return
         if isinstance(reply, Future):
-            self._pending.append((routing_id, msg.id, reply))
+            session.inflight += 1
+            self._pending.append((session, msg.id, reply))
         elif reply is not None:
             reply.id = msg.id
             self._reply(routing_id, reply)
 
-    def _on_hello(self, routing_id: bytes, hello: Hello) -> None:
+    def _on_hello(self, routing_id: bytes, hello: Hello, first_frame) -> None:
         try:
             claims = verify_token(hello.token, self.config.secret, audience=self.config.audience,
                                   issuer=self.config.issuer or None, algorithm=self.config.algorithm)
+            if claims.jti in self._revoked:
+                raise AuthInvalid(f"token {claims.jti} has been revoked; ask for a new one")
             if hello.role != claims.role:
                 raise Forbidden(f"Hello says role {hello.role!r} but the token grants {claims.role!r}")
+            user_id = _frame_property(first_frame, "User-Id")
+            if self.config.curve is not None:
+                if not user_id:
+                    raise Forbidden("CURVE is on but this connection has no authenticated key name "
+                                    "(no ZAP handler answered); refusing")
+                if user_id != claims.sub:
+                    raise Forbidden(f"the token's subject {claims.sub!r} does not own this connection's "
+                                    f"CURVE key {user_id!r}")
             old = self.sessions.get(routing_id)
             if old is not None:
                 self._close_session(old, "replaced by a new Hello")
             now = time.monotonic()
             session = Session(sid=secrets.token_hex(8), routing_id=routing_id, claims=claims,
                               hello=hello, opened=time.time(), last_seen=now,
-                              heartbeat=bool(hello.caps.get("heartbeat")))
+                              heartbeat=bool(hello.caps.get("heartbeat")), user_id=user_id,
+                              peer=_frame_property(first_frame, "Peer-Address"),
+                              _tokens=float(self.config.session_burst), _refilled=now)
             self.handler.on_open(session)
         except BusError as err:
             self._count_error(err)
@@ -294,10 +415,12 @@ class Server:
         if not self._pending:
             return
         still = []
-        for routing_id, request_id, fut in self._pending:
+        for session, request_id, fut in self._pending:
             if not fut.done():
-                still.append((routing_id, request_id, fut))
+                still.append((session, request_id, fut))
                 continue
+            session.inflight -= 1
+            routing_id = session.routing_id
             err = fut.exception()
             if err is None:
                 reply = fut.result()

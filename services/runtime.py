@@ -16,6 +16,8 @@ from libbus.auth import (Key, ensure_secret, issue_token, load_public_key, load_
                          load_signing_key)
 from libbus.client import Identity
 from libbus.config import Settings
+from libbus.curve import CurveKeys, load_keys
+from libbus.curve import load_public_key as load_curve_public_key
 from shm import SHM_DIR
 from shm.names import pid_alive
 from libbus.errors import ConfigError
@@ -23,7 +25,7 @@ from libbus.server import ServerConfig
 from libbus.sockets import SocketLimits
 
 __all__ = ["clean_shm", "local_endpoint", "remove_local_endpoint", "install_signal_handlers", "sd_notify", "service_name", "token_source", "identity",
-           "server_config", "limits", "secret", "verify_key", "signing_key", "mint_token"]
+           "curve_keys", "curve_key_file", "router_key", "server_config", "limits", "secret", "verify_key", "signing_key", "mint_token"]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,27 @@ def local_endpoint(role: str) -> str:
 
 
 def service_name(settings: Settings, role: str) -> str:
-    return settings.name or f"{role}-{socket.gethostname()}-{os.getpid()}"
+    """``settings.name``; with CURVE on, the name of the service's key (tokens minted for the
+    service carry it as subject, and servers require subject == key name)."""
+    if settings.name:
+        return settings.name
+    keys = curve_keys(settings, role)
+    return keys.name if keys is not None else f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def curve_key_file(settings: Settings, role: str) -> str:
+    return settings.curve_key_file or os.path.join(settings.state_dir, "curve", f"{role}.key_secret")
+
+
+def curve_keys(settings: Settings, role: str) -> CurveKeys | None:
+    """This service's CURVE key pair when ``curve`` is on, else None. Raises :class:`ConfigError`
+    naming the missing or unsafe file."""
+    return load_keys(curve_key_file(settings, role)) if settings.curve else None
+
+
+def router_key(settings: Settings) -> bytes | None:
+    """The router's CURVE public key when ``curve`` is on."""
+    return load_curve_public_key(settings.curve_router_key) if settings.curve else None
 
 
 def secret(settings: Settings, create: bool = False) -> bytes:
@@ -155,15 +177,18 @@ def token_source(settings: Settings, role: str, name: str) -> Callable[[], str] 
 
 def identity(settings: Settings, role: str, name: str, caps: dict | None = None) -> Identity:
     return Identity(role=role, name=name, token=token_source(settings, role, name), host_id=settings.host_id,
-                    caps=caps or {})
+                    caps=caps or {}, curve=curve_keys(settings, role), router_key=router_key(settings))
 
 
 def limits(settings: Settings) -> SocketLimits:
     return SocketLimits(max_msg_bytes=settings.max_msg_bytes, hwm=settings.hwm)
 
 
-def server_config(settings: Settings, bind: str, key: bytes, name: str) -> ServerConfig:
+def server_config(settings: Settings, bind: str, key: Key, name: str, role: str) -> ServerConfig:
     return ServerConfig(bind=bind, secret=key, audience=settings.cluster, name=name,
                         heartbeat_ms=settings.heartbeat_ms, heartbeat_liveness=settings.heartbeat_liveness,
                         limits=limits(settings), algorithm=settings.token_alg,
-                        issuer=settings.token_issuer)
+                        issuer=settings.token_issuer, curve=curve_keys(settings, role),
+                        authorized_dir=settings.curve_authorized_dir,
+                        session_inflight=settings.session_inflight, session_rate=settings.session_rate,
+                        session_burst=settings.session_burst)

@@ -47,8 +47,9 @@ def secret(state_dir: Path) -> bytes:
 @pytest.fixture
 def make_token(secret: bytes):
     def make(role: str = "trainer", sub: str = "test", ttl_s: float = 600.0, key: bytes | None = None,
-             audience: str = CLUSTER) -> str:
-        return issue_token(key or secret, sub=sub, role=role, audience=audience, ttl_s=ttl_s)
+             audience: str = CLUSTER, datasets: list[str] | None = None, jobs: list[str] | None = None) -> str:
+        return issue_token(key or secret, sub=sub, role=role, audience=audience, ttl_s=ttl_s,
+                           datasets=datasets, jobs=jobs)
     return make
 
 
@@ -87,7 +88,12 @@ def start_provider(make_settings, router):
     started = []
 
     def start(*datasets: str, **flags) -> Running:
-        settings = make_settings(router=router.endpoint, datasets=list(datasets), **flags)
+        # Most tests read data straight from a provider with a plain trainer token, as a script
+        # would with a dataset-scoped one. The product default (serve trainers only the datasets
+        # of their job) is on in the job tests, which pass assigned_only=True, and in test_security.
+        flags.setdefault("assigned_only", False)
+        flags.setdefault("router", router.endpoint)
+        settings = make_settings(datasets=list(datasets), **flags)
         running = _run(ProviderService(settings), settings)
         started.append(running)
         assert running.service.link.wait_connected(10), "provider did not register with the router"

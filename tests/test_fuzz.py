@@ -216,7 +216,9 @@ class World:
         self.make_token, self.raw_dealer = make_token, raw_dealer
         self.admin = client_for(router.endpoint, role="admin")
         self.job = self.admin.request(SubmitJob(spec={"dataset": "mnist", "epochs": 1})).job
-        self.trainer = client_for(provider.endpoint, role="trainer", host_id=self.host_id)
+        # Rings are offered over the provider's same-host ipc endpoint (over TCP they are refused).
+        self.local = self.handler.local_endpoint
+        self.trainer = client_for(self.local, role="trainer", host_id=self.host_id)
         src = self.handler.datasets["mnist"]
         self.mnist = src
         x = np.empty((8, *src.sample_shape), src.dtype)
@@ -252,7 +254,10 @@ class World:
         return self.make_token(role)
 
     def peer(self, service: str) -> Peer:
-        return Peer(self.raw_dealer, self.router.endpoint if service == "router" else self.provider.endpoint)
+        """A bare peer of ``router``, ``provider`` (TCP) or ``provider-local`` (its ipc endpoint)."""
+        endpoints = {"router": self.router.endpoint, "provider": self.provider.endpoint,
+                     "provider-local": self.local}
+        return Peer(self.raw_dealer, endpoints[service])
 
     def check(self) -> None:
         """Both services alive and correct, memory bounded, the IN_USE slot untouched."""
@@ -349,7 +354,7 @@ def test_slot_requests_never_write_out_of_turn(world, data, who):
         sock = world.trainer.socket  # the legitimate session itself
         peer = Peer(lambda _: sock, "")
     else:
-        peer = world.peer("provider")
+        peer = world.peer("provider-local" if who == "other-with-ring" else "provider")
         if who != "no-hello":
             peer.hello(world.token(), host_id=world.host_id)
         if who == "other-with-ring":
@@ -421,7 +426,7 @@ SHM_KINDS = ["fifo", "dir", "symlink", "world-readable", "bad-magic", "empty", "
 @settings(max_examples=50, **FUZZ)
 @given(data=st.data())
 def test_hostile_attach_ring_is_refused_and_counted(world, hostile_shm, data):
-    peer = world.peer("provider")
+    peer = world.peer("provider-local")
     peer.hello(world.token(), host_id=world.host_id)
     lay = world.layout
     names = data.draw(st.lists(st.one_of(

@@ -59,7 +59,7 @@ def test_a_job_trains_the_mlp_on_idx_files_to_the_accuracy_the_data_allows(
     allows = nearest_mean_accuracy(x[:-n_val], y[:-n_val], tx, ty)
     assert allows > 0.9, f"the generated data should be learnable; nearest-mean scores {allows:.3f}"
 
-    provider = start_provider(f"digits=file://{data}")
+    provider = start_provider(f"digits=file://{data}", assigned_only=True)
     admin = client_for(router.endpoint, role="admin")
     info = client_for(provider.endpoint).request(DatasetInfoRequest(dataset="digits")).info
     assert (info["format"], info["dtype"], info["sample_shape"]) == ("idx", "uint8", [1, 28, 28])

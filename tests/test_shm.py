@@ -19,7 +19,7 @@ import torch
 from libbus.client import Client
 from libbus.config import host_id
 from libbus.delivery import ring_layout
-from libbus.errors import BadRequest, Unavailable
+from libbus.errors import BadRequest, Forbidden, Unavailable
 from libbus.loader import RemoteLoader
 from libbus.messages import AttachRing, BatchRequest, DatasetInfoRequest
 from libbus.order import epoch_order
@@ -40,8 +40,9 @@ def ring_provider(start_provider):
 
 @pytest.fixture
 def local_client(client_for):
-    """A client that says it runs on this host (so the provider accepts its ring)."""
-    return lambda endpoint: client_for(endpoint, host_id=host_id())
+    """A client of a provider's same-host ipc endpoint that says it runs on this host (the
+    provider accepts rings only so)."""
+    return lambda provider: client_for(provider.service.handler.local_endpoint, host_id=host_id())
 
 
 @pytest.fixture
@@ -114,7 +115,7 @@ def test_slot_state_machine_refuses_stale_and_duplicate_fills(ring_for):
 
 def test_provider_writes_into_the_slot_and_refuses_stale_or_duplicate_requests(ring_provider, local_client,
                                                                                ring_for):
-    client = local_client(ring_provider.endpoint)
+    client = local_client(ring_provider)
     info = client.request(DatasetInfoRequest(dataset="mnist")).info
     ring = ring_for(ring_layout(info, 32, 2))
     attach(client, ring)
@@ -155,7 +156,7 @@ def write_header(ring: Ring, **fields) -> None:
 ])
 def test_provider_refuses_a_ring_with_bad_magic_version_or_sizes(ring_provider, local_client, ring_for,
                                                                  damage, message):
-    client = local_client(ring_provider.endpoint)
+    client = local_client(ring_provider)
     ring = ring_for(RingLayout.for_batch(2, 8192, 256))
     write_header(ring, **damage)
     with pytest.raises(BadRequest, match=message):
@@ -163,7 +164,7 @@ def test_provider_refuses_a_ring_with_bad_magic_version_or_sizes(ring_provider, 
 
 
 def test_provider_refuses_rings_it_should_not_touch(ring_provider, local_client, ring_for, client_for):
-    client = local_client(ring_provider.endpoint)
+    client = local_client(ring_provider)
     ring = ring_for(RingLayout.for_batch(2, 8192, 256))
     with pytest.raises(BadRequest, match="header says"):    # geometry differs from the header
         attach(client, ring, slots=3)
@@ -178,7 +179,9 @@ def test_provider_refuses_rings_it_should_not_touch(ring_provider, local_client,
     with pytest.raises(BadRequest, match="slots must be"):
         attach(client, ring, slots=10_000)
     with pytest.raises(Unavailable, match="another-host"):
-        attach(client_for(ring_provider.endpoint, host_id="another-host"), ring)
+        attach(client_for(ring_provider.service.handler.local_endpoint, host_id="another-host"), ring)
+    with pytest.raises(Forbidden, match="only over this provider's same-host ipc:// endpoint"):
+        attach(client_for(ring_provider.endpoint, host_id=host_id()), ring)  # TCP, even from this host
     with pytest.raises(BadRequest, match="attached no ring"):
         client.request(BatchRequest(dataset="mnist", split="train", range=[0, 1], slot=0, seq=1))
     assert attach(client, ring).name == ring.name      # and the good one still attaches

@@ -126,7 +126,7 @@ def test_token_evaluation_scores_every_next_token_and_counts_sequences():
 
 
 def test_a_job_trains_tiny_lm_on_mock_tokens_and_its_loss_falls(router, start_provider, trainer, client_for):
-    provider = start_provider(f"tok={TOKENS}")
+    provider = start_provider(f"tok={TOKENS}", assigned_only=True)
     admin = client_for(router.endpoint, role="admin")
     job = admin.request(SubmitJob(spec={"dataset": "tok", "model": "tiny-lm", "epochs": 3, "batch_size": 32,
                                         "lr": 0.003, "seed": 0})).job

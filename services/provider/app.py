@@ -10,6 +10,7 @@ import zmq
 from libbus.config import Settings
 from libbus.errors import BusError, ConfigError
 from libbus.link import Link
+from libbus.messages import Entitlements, Message
 from libbus.metrics import MetricsExporter, start_exporter
 from libbus.server import Server
 
@@ -39,10 +40,11 @@ class ProviderService:
             if name in datasets:
                 raise ConfigError(f"dataset name {name!r} is given twice")
             datasets[name] = open_source(uri)
-        self.handler = ProviderHandler(datasets, host_id=settings.host_id, shm=settings.shm)
+        self.handler = ProviderHandler(datasets, host_id=settings.host_id, shm=settings.shm,
+                                       assigned_only=settings.assigned_only)
         key = runtime.verify_key(settings)
         bind = settings.bind or DEFAULT_BIND
-        self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name), self.ctx)
+        self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name, "provider"), self.ctx)
         self.link: Link | None = None
         self.endpoint = ""
         #: The Prometheus endpoint while serving (``metrics_bind`` set), else ``None``.
@@ -72,12 +74,21 @@ class ProviderService:
             raise ConfigError(f"provider bound {bound}; set --advertise to the address trainers should "
                               "connect to")
         caps = {"endpoint": self.endpoint, "datasets": self.handler.infos}
+        if self.server.config.curve is not None:
+            caps["curve_key"] = self.server.config.curve.public.decode()
         self.link = Link(self.settings.router, runtime.identity(self.settings, "provider", self.name, caps),
                          heartbeat_ms=self.settings.heartbeat_ms, liveness=self.settings.heartbeat_liveness,
-                         stats=self.server.stats, ctx=self.ctx, limits=runtime.limits(self.settings))
+                         stats=self.server.stats, ctx=self.ctx, limits=runtime.limits(self.settings),
+                         on_push=self._on_push)
         self.link.start()
         log.info("provider %s serving %s on %s", self.name, ", ".join(self.handler.datasets), self.endpoint)
         return self.endpoint
+
+    def _on_push(self, msg: Message) -> None:
+        """The router's word on who may read (link thread): revoked tokens, assigned trainers."""
+        if isinstance(msg, Entitlements):
+            self.server.set_revoked(msg.revoked)
+            self.handler.set_assigned(msg.assigned)
 
     def stats(self) -> dict:
         """The data server's counters and the handler's, plus whether the router link is up."""

@@ -43,11 +43,24 @@ from .sources import PRIVATE_SPLIT, SPLITS, Source
 
 __all__ = ["ProviderHandler", "batch_indices"]
 
+
+def _chain(done: Future, into: Future) -> None:
+    """Copy a finished future's outcome into another."""
+    err = done.exception()
+    if err is None:
+        into.set_result(done.result())
+    else:
+        into.set_exception(err)
+
 log = logging.getLogger(__name__)
 
 READERS = ("trainer", "admin")
 #: How often the provider looks for rings their trainers have removed.
 RING_CHECK_S = 1.0
+#: How long a request from a trainer not (yet) assigned to a job on its dataset waits for the
+#: router's word before FORBIDDEN: a trainer given a task connects at once, and the router's
+#: Entitlements push may still be on its way.
+ASSIGNMENT_WAIT_S = 3.0
 
 
 def batch_indices(msg: BatchRequest, num_samples: int, split: str) -> np.ndarray:
@@ -99,11 +112,18 @@ class ProviderHandler(Handler):
     }
 
     def __init__(self, datasets: dict[str, Source], *, host_id: str = "", shm: bool = True,
-                 eval_workers: int = 1):
+                 eval_workers: int = 1, assigned_only: bool = True):
         super().__init__()
         self.datasets = datasets
         self.host_id = host_id
         self.shm = shm
+        #: Serve a trainer only the datasets of its current job (or its token's explicit scope).
+        self.assigned_only = assigned_only
+        #: ``{dataset: {token subject}}`` of trainers on a job, as the router last said. Replaced
+        #: whole from the router link's thread; read on the serving loop.
+        self.assigned: dict[str, frozenset[str]] = {}
+        #: Requests waiting for an assignment: (deadline, session, message, future).
+        self._waiting: list[tuple[float, Session, Message, Future]] = []
         #: An ``ipc://`` endpoint on this socket for same-host peers (set by the service), or "".
         self.local_endpoint = ""
         self._rings_checked = 0.0
@@ -123,9 +143,16 @@ class ProviderHandler(Handler):
             ring.close()
         self.rings.clear()
 
+    def set_assigned(self, assigned: dict[str, list[str]]) -> None:
+        """Take the router's assignments (any thread: one reference swap)."""
+        self.assigned = {name: frozenset(subs) for name, subs in assigned.items()}
+
     def tick(self, now: float) -> None:
-        """Unmap rings their trainer has removed (a closed loader sends no goodbye): the mapping
-        would otherwise keep the memory in use until the session expires."""
+        """Answer requests whose assignment arrived (or refuse those whose wait ran out); unmap
+        rings their trainer has removed (a closed loader sends no goodbye): the mapping would
+        otherwise keep the memory in use until the session expires."""
+        if self._waiting:
+            self._recheck_waiting(now)
         if now - self._rings_checked < RING_CHECK_S:
             return
         self._rings_checked = now
@@ -157,12 +184,55 @@ class ProviderHandler(Handler):
             raise Forbidden(f"this token's datasets scope [{', '.join(claims.scopes['datasets'])}] "
                             f"covers none of the datasets served here ({', '.join(sorted(self.datasets))})")
 
+    def entitled(self, session: Session, msg: Message) -> bool:
+        """Whether the router has entitled this peer to what ``msg`` reads: admins always; a trainer
+        when it runs a job on the dataset, or its token names datasets explicitly (the
+        administrator granted them: scripts using RemoteLoader), or ``assigned_only`` is off."""
+        if session.role != "trainer" or not self.assigned_only or "datasets" in session.claims.scopes:
+            return True
+        sub = session.claims.sub
+        if isinstance(msg, (BatchRequest, DatasetInfoRequest, Evaluate)):
+            return sub in self.assigned.get(msg.dataset, ())
+        if isinstance(msg, AttachRing):
+            return any(sub in self.assigned.get(name, ()) for name in self.datasets)
+        return True
+
     def handle(self, session: Session, msg: Message) -> Message | Future | None:
         try:
             self.check_scope(session, msg)
         except Forbidden:
             self.refused["scope"] += 1
             raise
+        if not self.entitled(session, msg):
+            fut: Future = Future()
+            self._waiting.append((time.monotonic() + ASSIGNMENT_WAIT_S, session, msg, fut))
+            return fut
+        return self.serve(session, msg)
+
+    def _recheck_waiting(self, now: float) -> None:
+        still = []
+        for deadline, session, msg, fut in self._waiting:
+            if self.entitled(session, msg):
+                try:
+                    reply = self.serve(session, msg)
+                except Exception as err:  # noqa: BLE001 - a BusError goes to the peer, others as INTERNAL
+                    fut.set_exception(err)
+                    continue
+                if isinstance(reply, Future):
+                    reply.add_done_callback(lambda done, fut=fut: _chain(done, fut))
+                else:
+                    fut.set_result(reply)
+            elif now > deadline:
+                self.refused["unassigned"] += 1
+                what = getattr(msg, "dataset", "") or "any dataset served here"
+                fut.set_exception(Forbidden(
+                    f"{session.claims.sub!r} is not assigned to a job on {what}; the router assigns "
+                    "trainers to jobs (or issue a token scoped to the dataset: busctl token issue --dataset)"))
+            else:
+                still.append((deadline, session, msg, fut))
+        self._waiting = still
+
+    def serve(self, session: Session, msg: Message) -> Message | Future:
         if isinstance(msg, BatchRequest):
             return self.batch(session, msg)
         if isinstance(msg, DatasetInfoRequest):
@@ -184,6 +254,10 @@ class ProviderHandler(Handler):
         if session.hello.host_id != self.host_id:
             raise Unavailable(f"ring offered from host {session.hello.host_id!r}; this provider runs "
                               f"on {self.host_id!r}")
+        if not session.local:  # a remote peer claiming this host's id, or another user
+            self.refused["ring"] += 1
+            raise Forbidden("AttachRing is accepted only over this provider's same-host ipc:// "
+                            f"endpoint from its own user; this peer came from {session.peer or '?'}")
         layout = RingLayout(msg.slots, msg.slot_bytes, msg.label_offset)
         try:
             ring = Ring.attach(msg.name, layout)
@@ -271,4 +345,5 @@ class ProviderHandler(Handler):
 
     def stats(self) -> dict:
         return {"datasets": {name: dict(c) for name, c in self.served.items()},
+                "waiting_assignment": len(self._waiting),
                 "refused": dict(self.refused), "evaluations_running": self._evaluations_running}

@@ -29,8 +29,10 @@ class RouterService:
         grace = settings.heartbeat_ms / 1000 * settings.heartbeat_liveness * 2
         self.handler = RouterHandler(self.store, lease_grace_s=grace)
         bind = settings.bind or settings.router
-        self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name), ctx)
+        self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name, "router"), ctx)
         self.handler.server_stats = self.server.stats
+        self.handler.apply_revoked = self.server.set_revoked
+        self.server.set_revoked(self.handler.revocations.jtis())
         #: The Prometheus endpoint while serving (``metrics_bind`` set), else ``None``.
         self.metrics: MetricsExporter | None = None
 

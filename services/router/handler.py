@@ -7,11 +7,13 @@ from typing import Callable
 
 from libbus.errors import BadRequest, Forbidden, NotFound
 from libbus.jobs import TERMINAL_STATES, JobSpec, dataset_name
-from libbus.messages import (Command, ControlJob, GetJob, GetTask, JobInfo, JobList, JobSubmitted, ListJobs,
-                             ListPeers, Message, NoTask, Ok, PeerList, Progress, PushResult, Resolve,
-                             Resolved, Stats, StatsReply, SubmitJob, Task)
+from libbus.messages import (Command, ControlJob, Entitlements, GetJob, GetTask, JobInfo, JobList,
+                             JobSubmitted, ListJobs, ListPeers, ListRevoked, Message, NoTask, Ok, PeerList,
+                             Progress, PushResult, Resolve, Resolved, RevokedList, RevokeToken, Stats,
+                             StatsReply, SubmitJob, Task)
 from libbus.server import Handler, Session
 
+from .grants import Revocations, assignments
 from .store import JobStore
 
 __all__ = ["RouterHandler"]
@@ -37,7 +39,10 @@ class RouterHandler(Handler):
         "SubmitJob": ADMIN, "ListJobs": ADMIN, "GetJob": ADMIN, "ControlJob": ADMIN,
         "ListPeers": ADMIN, "Stats": ("admin", "trainer"),
         "GetTask": TRAINER, "Progress": TRAINER, "PushResult": TRAINER,
+        "RevokeToken": ADMIN, "ListRevoked": ADMIN,
     }
+    #: How often the router recomputes what providers must know (assignments follow job changes).
+    GRANTS_CHECK_S = 0.2
 
     def __init__(self, store: JobStore, *, lease_grace_s: float = 10.0, task_retry_ms: int = 1000,
                  server_stats: Callable[[], dict] = dict):
@@ -50,6 +55,11 @@ class RouterHandler(Handler):
         self.stop_requested: set[str] = set()
         self._absent_since: dict[str, float] = {}
         self._last_lease_check = 0.0
+        self.revocations = Revocations(store.db)
+        #: Set by the service: applies the revoked token ids to the router's own server.
+        self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
+        self._granted: Entitlements | None = None
+        self._last_grants_check = 0.0
 
     # -- sessions -----------------------------------------------------------------------------
     def on_open(self, session: Session) -> None:
@@ -60,8 +70,13 @@ class RouterHandler(Handler):
                 raise BadRequest("a provider's Hello must carry caps.endpoint (its data socket)")
             if not isinstance(datasets, dict) or not all(isinstance(v, dict) for v in datasets.values()):
                 raise BadRequest("a provider's Hello must carry caps.datasets {name: DatasetInfo}")
+            curve_key = caps.get("curve_key", "")
+            if not isinstance(curve_key, str) or len(curve_key) not in (0, 40):
+                raise BadRequest("a provider's caps.curve_key must be its 40-character z85 public key")
             log.info("provider %s serves %s at %s", session.name, ", ".join(datasets) or "nothing", endpoint)
         self.peers[session.sid] = session
+        if session.role == "provider":
+            self.push(session.sid, self.entitlements())
 
     def on_close(self, session: Session, reason: str) -> None:
         self.peers.pop(session.sid, None)
@@ -92,7 +107,8 @@ class RouterHandler(Handler):
             if name in datasets:
                 info = info or datasets[name]
                 providers.append({"name": peer.name, "endpoint": peer.hello.caps["endpoint"],
-                                  "host_id": peer.hello.host_id})
+                                  "host_id": peer.hello.host_id,
+                                  "curve_key": str(peer.hello.caps.get("curve_key") or "")})
         if not providers:
             online = sorted({f"{d} ({p.name})" for p in self.sessions_of("provider")
                              for d in p.hello.caps["datasets"]})
@@ -141,7 +157,9 @@ class RouterHandler(Handler):
         for job in self.store.running():
             if job["trainer"] == session.name:
                 self._requeue(job, f"trainer {session.name} asked for new work; its job was abandoned")
-        job = self.store.claim(session.name)
+        claims = session.claims
+        job = self.store.claim(session.name, accept=lambda j: claims.allows_job(j["id"])
+                               and claims.allows_dataset(dataset_name(j["spec"]["dataset"])))
         if job is None:
             return NoTask(retry_ms=self.task_retry_ms)
         log.info("job %s assigned to %s", job["id"], session.name)
@@ -184,6 +202,31 @@ class RouterHandler(Handler):
             peers.append(entry)
         return PeerList(peers=peers)
 
+    def on_RevokeToken(self, session: Session, msg: RevokeToken) -> Ok:
+        self.revocations.revoke(msg.jti, msg.exp, msg.reason or f"revoked by {session.name}")
+        self.apply_revoked(self.revocations.jtis())
+        log.warning("token %s revoked by %s: %s", msg.jti, session.name, msg.reason or "no reason given")
+        self._push_entitlements()  # providers hear of it now, not at the next check
+        return Ok(detail={"jti": msg.jti, "until": msg.exp})
+
+    def on_ListRevoked(self, session: Session, msg: ListRevoked) -> RevokedList:
+        return RevokedList(revoked=self.revocations.active())
+
+    def entitlements(self) -> Entitlements:
+        subjects = {s.name: s.claims.sub for s in self.sessions_of("trainer")}
+        return Entitlements(revoked=self.revocations.jtis(),
+                            assigned=assignments(self.store.running(), subjects))
+
+    def _push_entitlements(self) -> None:
+        """Send providers what changed since the last push (nothing when nothing did)."""
+        now = self.entitlements()
+        if self._granted is not None and (now.revoked, now.assigned) == (self._granted.revoked,
+                                                                         self._granted.assigned):
+            return
+        self._granted = now
+        for provider in self.sessions_of("provider"):
+            self.push(provider.sid, Entitlements(revoked=now.revoked, assigned=now.assigned))
+
     def on_Stats(self, session: Session, msg: Stats) -> StatsReply:
         services = {"router": {"role": "router", **self.server_stats()}}
         for peer in self.peers.values():
@@ -193,7 +236,11 @@ class RouterHandler(Handler):
 
     # -- timers -------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        """Requeue running jobs whose trainer has been gone longer than the grace period."""
+        """Keep providers' entitlements current; requeue running jobs whose trainer has been gone
+        longer than the grace period."""
+        if now - self._last_grants_check >= self.GRANTS_CHECK_S:
+            self._last_grants_check = now
+            self._push_entitlements()
         if now - self._last_lease_check < 0.5:
             return
         self._last_lease_check = now

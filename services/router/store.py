@@ -6,6 +6,7 @@ import secrets
 import sqlite3
 import time
 from pathlib import Path
+from typing import Callable
 
 import orjson
 
@@ -110,13 +111,16 @@ class JobStore:
             rows = self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,))
         return [self._as_dict(r) for r in rows.fetchall()]
 
-    def claim(self, trainer: str) -> dict | None:
-        """Hand the best queued job (priority, then age) to ``trainer``; None when the queue is empty."""
+    def claim(self, trainer: str, accept: Callable[[dict], bool] | None = None) -> dict | None:
+        """Hand the best queued job (priority, then age) that ``accept`` takes (given ``{id, spec}``)
+        to ``trainer``; None when there is none."""
         now = time.time()
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            row = self.db.execute("SELECT id FROM jobs WHERE state = 'queued' "
-                                  "ORDER BY priority DESC, created LIMIT 1").fetchone()
+            rows = self.db.execute("SELECT id, spec FROM jobs WHERE state = 'queued' "
+                                   "ORDER BY priority DESC, created")
+            row = next((r for r in rows if accept is None
+                        or accept({"id": r["id"], "spec": orjson.loads(r["spec"])})), None)
             if row is None:
                 return None
             self.db.execute("UPDATE jobs SET state = 'running', trainer = ?, attempts = attempts + 1, "

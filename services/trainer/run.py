@@ -17,6 +17,7 @@ from libbus.config import Settings
 from libbus.errors import BadRequest, BusError
 from libbus.jobs import JobSpec
 from libbus.link import Link
+from libbus.curve import curve_key_of
 from libbus.loader import RemoteLoader, pick_provider
 from libbus.messages import Command, Evaluate, Evaluation, Progress, Resolve, Task
 from services.models import TOKENS, batch_loss, build_model, dataset_kind, evaluate
@@ -116,7 +117,8 @@ class TaskRun:
         common = {"provider": provider["endpoint"], "token": self.identity.token, "batch_size": spec.batch_size,
                   "inflight": s.inflight, "timeout_s": s.request_timeout_s, "retries": s.request_retries,
                   "name": self.identity.name, "device": str(device), "shm": s.shm, "shm_slots": s.shm_slots,
-                  "host_id": self.identity.host_id}
+                  "host_id": self.identity.host_id, "curve": self.identity.curve,
+                  "provider_key": curve_key_of(provider)}
         train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle, block_size=spec.block_size,
                              seed=spec.seed, **common)
         val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common)
@@ -159,7 +161,7 @@ class TaskRun:
             result["val_perplexity"] = self.history[-1]["val_perplexity"]
         if spec.evaluate:
             self._check_commands()
-            evaluation = self._evaluate(model, provider["endpoint"])
+            evaluation = self._evaluate(model, provider)
             result.update(test_loss=evaluation.loss, test_accuracy=evaluation.accuracy, test_n=evaluation.n)
             if kind == TOKENS:
                 result["test_perplexity"] = _perplexity(evaluation.loss)
@@ -185,9 +187,10 @@ class TaskRun:
             raise BadRequest(f"job asks for {device} but this trainer has no CUDA device")
         return device
 
-    def _evaluate(self, model: nn.Module, endpoint: str) -> Evaluation:
+    def _evaluate(self, model: nn.Module, provider: dict) -> Evaluation:
         blob = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
         msg = Evaluate(dataset=self.spec.dataset, job=self.job,
                        model={"name": self.spec.model, "kwargs": self.spec.model_kwargs}, frames=[blob])
-        with Client(endpoint, self.identity, timeout_s=EVALUATE_TIMEOUT_S, retries=0) as client:
+        with Client(provider["endpoint"], self.identity, timeout_s=EVALUATE_TIMEOUT_S, retries=0,
+                    server_key=curve_key_of(provider)) as client:
             return client.request(msg)
