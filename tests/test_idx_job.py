@@ -43,7 +43,7 @@ def nearest_mean_accuracy(x: np.ndarray, y: np.ndarray, tx: np.ndarray, ty: np.n
 
 
 def test_a_job_trains_the_mlp_on_idx_files_to_the_accuracy_the_data_allows(
-        tmp_path, router, start_provider, trainer, client_for):  # noqa: F811 - pytest fixture
+        tmp_path, router, start_provider, trainer, client_for, make_token):  # noqa: F811 - pytest fixture
     source = open_source(MOCK)
     x, y = source.read("train", np.arange(source.num_samples("train")))
     tx, ty = source.read("test", np.arange(source.num_samples("test")))
@@ -61,7 +61,9 @@ def test_a_job_trains_the_mlp_on_idx_files_to_the_accuracy_the_data_allows(
 
     provider = start_provider(f"digits=file://{data}", assigned_only=True)
     admin = client_for(router.endpoint, role="admin")
-    info = client_for(provider.endpoint).request(DatasetInfoRequest(dataset="digits")).info
+    # a dataset-scoped token: this provider serves unscoped trainers only their job's dataset
+    info = client_for(provider.endpoint, token=make_token(datasets=["digits"])).request(
+        DatasetInfoRequest(dataset="digits")).info
     assert (info["format"], info["dtype"], info["sample_shape"]) == ("idx", "uint8", [1, 28, 28])
     assert {s: v["num_samples"] for s, v in info["splits"].items()} == {"train": 2700, "val": 300, "test": 600}
 

@@ -63,7 +63,7 @@ def test_a_killed_provider_makes_the_loader_time_out_not_hang(router, make_setti
         while not ready.exists():
             assert proc.poll() is None and time.monotonic() < deadline, "provider did not start"
             time.sleep(0.05)
-        loader = RemoteLoader("big", provider=ready.read_text().strip(), token=make_token(), batch_size=256,
+        loader = RemoteLoader("big", provider=ready.read_text().strip(), token=make_token(datasets=["big"]), batch_size=256,
                               inflight=2, timeout_s=1.0, retries=2)
         it = iter(loader)
         next(it)
