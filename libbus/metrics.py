@@ -161,7 +161,7 @@ class StatsCollector(Collector):
         refused = stats.get("refused")
         if isinstance(refused, dict):
             fam = family(CounterMetricFamily, "refused",
-                         "Requests refused before serving, by reason (scope, split_private, ring, stale_slot).",
+                         "Requests refused before serving, by reason (scope, unassigned, split_private, ring, stale_slot).",
                          ("reason",))
             for reason, value in sorted(refused.items()):
                 fam.add_metric([self.service, self.name, reason], float(value))
