@@ -167,3 +167,14 @@ def wait_job(admin, job: str, timeout: float) -> dict:
             return info
         assert time.monotonic() < deadline, f"job {job} stuck in {info['state']}"
         time.sleep(0.2)
+
+
+def wait_file(path: Path, procs: list, timeout: float = 60) -> str:
+    """The contents of ``path`` (a ready file) once a process writes it; fails if one of ``procs`` exits."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        for p in procs:
+            assert p.poll() is None, f"{p.args} exited {p.returncode}"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+    return path.read_text().strip()

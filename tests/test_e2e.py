@@ -12,6 +12,8 @@ import pytest
 
 from shm import list_segments
 
+from .conftest import wait_file
+
 REPO = Path(__file__).resolve().parents[1]
 BUSCTL = [str(Path(sys.executable).with_name("busctl"))] if Path(sys.executable).with_name("busctl").exists() \
     else [sys.executable, "-m", "cli"]
@@ -22,16 +24,6 @@ def busctl(*args: str, env: dict, check: bool = True, timeout: float = 60) -> su
     if check and out.returncode != 0:
         raise AssertionError(f"busctl {' '.join(args)} exited {out.returncode}: {out.stderr}")
     return out
-
-
-def wait_for(path: Path, procs: list, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        for p in procs:
-            assert p.poll() is None, f"{p.args} exited {p.returncode}"
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
-    return path.read_text().strip()
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +40,10 @@ def cluster(tmp_path_factory):
                                       stdout=logs[role], stderr=subprocess.STDOUT))
     try:
         start("router", "--bind", "tcp://127.0.0.1:0", "--ready-file", str(state / "router.ep"))
-        env["BATCHBUS_ROUTER"] = wait_for(state / "router.ep", procs)
+        env["BATCHBUS_ROUTER"] = wait_file(state / "router.ep", procs)
         start("provider", "--bind", "tcp://127.0.0.1:0", "--dataset", "mnist=mock://mnist?n=3000",
               "--ready-file", str(state / "provider.ep"))
-        wait_for(state / "provider.ep", procs)
+        wait_file(state / "provider.ep", procs)
         start("trainer", "--name", "trainer-1")
         yield env, procs, state
     finally:

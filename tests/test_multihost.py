@@ -27,6 +27,8 @@ import pytest
 from libbus.auth import generate_signing_key, issue_token, load_signing_key
 from libbus.curve import generate_keys
 
+from .conftest import wait_file
+
 REPO = Path(__file__).resolve().parents[1]
 SUBNET = "10.213.7"
 HOSTS = {"router": 1, "provider": 2, "trainer": 3, "intruder": 4}
@@ -129,16 +131,6 @@ class Host:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         return [p.wait(30) for p in self.procs]
-
-
-def wait_file(path: Path, procs: list[subprocess.Popen], timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        for p in procs:
-            assert p.poll() is None, f"{p.args} exited {p.returncode}"
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
-    return path.read_text().strip()
 
 
 PROBE = """

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import zmq
 
-from .conftest import CLUSTER, _run
 from libbus.auth import inspect_token, issue_token
 from libbus.client import Client, Identity
 from libbus.curve import KeyAuthenticator, generate_keys, load_keys, secure_client, secure_server
@@ -27,6 +26,8 @@ from libbus.errors import AuthInvalid, ConfigError, Forbidden, PeerTimeout, Rate
 from libbus.messages import (BatchRequest, DatasetInfoRequest, GetTask, Hello, ListPeers, PushResult, Resolve,
                              SubmitJob, Task, decode, encode)
 from services.provider.sources import open_source
+
+from .conftest import CLUSTER, _run
 
 MNIST = "mock://mnist?n=600"
 ROLES = ("router", "provider", "trainer", "admin")
