@@ -38,7 +38,7 @@ class ProviderService:
             name, uri = parse_dataset_arg(arg)
             if name in datasets:
                 raise ConfigError(f"dataset name {name!r} is given twice")
-            datasets[name] = open_source(uri)
+            datasets[name] = open_source(uri, datasets)
         self.handler = ProviderHandler(datasets, host_id=settings.host_id, shm=settings.shm)
         key = runtime.verify_key(settings)
         bind = settings.bind or DEFAULT_BIND
