@@ -29,7 +29,7 @@ from .formats import cifar, idx, npy, raw, tokens
 from .formats.dataset import MEMORY_MODES, Context, FileSource
 from .sources import Source
 
-__all__ = ["FORMATS", "open_file_source"]
+__all__ = ["FORMATS", "open_file_source", "parse_settings"]
 
 #: format → (is it in this directory?, opener, what its files are called), in detection order.
 FORMATS = {
@@ -59,7 +59,7 @@ def open_file_source(uri: str, parts: SplitResult, params: dict) -> Source:
     if not root.is_dir():
         raise DatasetError(f"{uri}: {root} {'is not a directory' if root.exists() else 'does not exist'}")
     toml = _read_toml(root)
-    settings = _settings(uri, params, toml)
+    settings = parse_settings(uri, params, toml)
     memory = params.pop("memory", "auto")
     if memory not in MEMORY_MODES:
         raise DatasetError(f"{uri}: memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
@@ -91,7 +91,7 @@ def _read_toml(root: Path) -> dict:
     return toml
 
 
-def _settings(uri: str, params: dict, toml: dict) -> dict:
+def parse_settings(uri: str, params: dict, toml: dict) -> dict:
     """The typed, checked settings: the URI's query over dataset.toml's top-level keys."""
     out: dict = {}
     for query_key, (key, kind) in SETTINGS.items():

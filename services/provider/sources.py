@@ -226,6 +226,11 @@ def _open_file(uri: str, parts, params: dict) -> Source:
     return open_file_source(uri, parts, params)
 
 
+def _open_http(uri: str, parts, params: dict) -> Source:
+    from .remote import open_http_source  # noqa: PLC0415
+    return open_http_source(uri, parts, params)
+
+
 def _open_weighted(uri: str, parts, params: dict, named: Mapping[str, Source]) -> Source:
     from .weighted import open_weighted  # noqa: PLC0415
     return open_weighted(uri, parts, params, named)
@@ -237,6 +242,8 @@ OPENERS: dict[str, Callable[..., Source]] = {
     "mock": _open_mock,
     "dummy": _open_dummy,
     "file": _open_file,
+    "http": _open_http,
+    "https": _open_http,
     "weighted": _open_weighted,
 }
 #: Schemes whose opener also gets the datasets the provider has already opened, by name.
