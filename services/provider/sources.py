@@ -231,6 +231,12 @@ def _open_http(uri: str, parts, params: dict) -> Source:
     return open_http_source(uri, parts, params)
 
 
+def _open_parquet(uri: str, parts, params: dict) -> Source:
+    from .files import local_path  # noqa: PLC0415
+    from .parquet import open_parquet  # noqa: PLC0415
+    return open_parquet(uri, local_path(parts), params)
+
+
 def _open_weighted(uri: str, parts, params: dict, named: Mapping[str, Source]) -> Source:
     from .weighted import open_weighted  # noqa: PLC0415
     return open_weighted(uri, parts, params, named)
@@ -244,6 +250,7 @@ OPENERS: dict[str, Callable[..., Source]] = {
     "file": _open_file,
     "http": _open_http,
     "https": _open_http,
+    "parquet": _open_parquet,
     "weighted": _open_weighted,
 }
 #: Schemes whose opener also gets the datasets the provider has already opened, by name.
