@@ -54,6 +54,14 @@ def test_locating_any_position_agrees_with_walking_the_schedule(weights, positio
     assert one_src.tolist() == src[positions].tolist() and one_k.tolist() == k[positions].tolist()
 
 
+def test_large_batches_are_located_in_chunks():
+    schedule = Schedule([3, 5, 2])
+    positions = np.random.default_rng(0).integers(0, 10**9, 50_000)
+    src, k = schedule.locate(positions)
+    one = [schedule.locate(positions[i:i + 1]) for i in (0, 20_000, 49_999)]
+    assert [(int(s[0]), int(kk[0])) for s, kk in one] == [(int(src[i]), int(k[i])) for i in (0, 20_000, 49_999)]
+
+
 def test_float_weights_are_read_as_written():
     assert integer_weights([0.3, 0.7]) == [3, 7]
     assert integer_weights([2, 0.5]) == [4, 1]

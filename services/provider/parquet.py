@@ -168,7 +168,7 @@ class ParquetSource(Source):
                  label: str | None, val_fraction: float, classes: int | None, cache_mb: float):
         _, pq = _pyarrow()
         self.uri, self.root = uri, root
-        self._lock = threading.Lock()
+        self._lock, self._read_lock = threading.Lock(), threading.Lock()
         self._cache: OrderedDict[tuple[int, int], object] = OrderedDict()
         self.cache_bytes = int(cache_mb * (1 << 20))
         self.files: list[tuple[Path, object]] = []
@@ -289,7 +289,8 @@ class ParquetSource(Source):
         path, pf = self.files[file]
         cols = [*self.columns, *([self.label] if self.label else [])]
         try:
-            table = pf.read_row_group(group, columns=cols)
+            with self._read_lock:  # one reader per file handle: the evaluator reads on its own thread
+                table = pf.read_row_group(group, columns=cols)
         except Exception as err:  # several types for a damaged file
             raise DatasetError(f"{path}: cannot read row group {group}: {err}") from err
         with self._lock:

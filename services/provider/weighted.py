@@ -44,6 +44,8 @@ __all__ = ["MAX_PERIOD", "Mix", "Schedule", "integer_weights", "open_weighted"]
 MAX_PERIOD = 20_000_000
 #: Positions per checkpoint of the running counts: bounds the work to locate one position.
 BLOCK = 64
+#: Positions located at once (a batch may name up to a million).
+LOCATE_CHUNK = 1 << 14
 ENTRY_KEYS = {"uri", "dataset", "weight"}
 #: DatasetInfo keys a mix passes on when every source agrees on them (tokens: seq_len, ...).
 SHARED_INFO = ("seq_len", "vocab_size", "token_bytes")
@@ -99,7 +101,10 @@ class Schedule:
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source, k)`` per position: the mix's sample ``positions[r]`` is the ``k[r]``-th sample
         the schedule gives to ``source[r]``."""
-        positions = np.asarray(positions, np.int64)
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        if len(positions) > LOCATE_CHUNK:  # bounds the (positions x BLOCK) temporaries
+            parts = [self.locate(positions[a:a + LOCATE_CHUNK]) for a in range(0, len(positions), LOCATE_CHUNK)]
+            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
         laps, r = np.divmod(positions, self.period)
         src = self.ids[r].astype(np.int64)
         block = r // BLOCK
