@@ -18,6 +18,7 @@ RANGE = re.compile(r"bytes=(\d+)-(\d+)")
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as separate writes
     server: _Server
 
     def setup(self) -> None:
@@ -58,15 +59,17 @@ class _Handler(BaseHTTPRequestHandler):
             if head and owner.no_head:
                 self._reply(405, b"")
                 return
-            data = path.read_bytes()
+            size = path.stat().st_size
             match = RANGE.fullmatch(rng or "")
             if match is None or owner.no_ranges:
-                self._reply(200, b"" if head else data, length=len(data))
+                self._reply(200, b"" if head else path.read_bytes(), length=size)
                 return
-            a, b = int(match.group(1)), min(int(match.group(2)), len(data) - 1)
-            body = data[a:b + 1]
+            a, b = int(match.group(1)), min(int(match.group(2)), size - 1)
+            with path.open("rb") as f:
+                f.seek(a)
+                body = f.read(b + 1 - a)
             self.send_response(206)
-            self.send_header("Content-Range", f"bytes {a}-{b}/{len(data)}")
+            self.send_header("Content-Range", f"bytes {a}-{b}/{size}")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if owner.short_body:  # promise the range, send half of it, hang up
