@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from libbus.errors import DatasetError
 from libbus.messages import BatchRequest, DatasetInfoRequest
 from services.provider.sources import Source, open_source
-from services.provider.weighted import Schedule, integer_weights
+from services.provider.weighted import Mix, Schedule, integer_weights
 
 
 @settings(max_examples=60, deadline=None)
@@ -110,6 +110,17 @@ def test_a_batch_reads_each_source_once_and_returns_its_samples(tmp_path):
     x, _ = mix.read("train", np.arange(40))
     assert sorted(x[:, 0].tolist()) == sorted([1000.0 + i for i in range(30)] + [2000.0 + i for i in range(10)])
     assert np.sum(x[:8, 0] >= 2000) == 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=4))
+def test_a_length_weighted_mix_serves_every_sample_once_per_epoch(lengths):
+    sources = {f"s{i}": Counting(i + 1, n) for i, n in enumerate(lengths)}
+    mix = Mix("weighted://test", list(sources), list(sources.values()), None)
+    x, _ = mix.read("train", np.random.default_rng(0).permutation(sum(lengths)))
+    served = sorted(x[:, 0].tolist())
+    assert served == sorted(float(1000 * (i + 1) + k) for i, n in enumerate(lengths) for k in range(n))
+    assert all(len(s.calls) <= 1 for s in sources.values())
 
 
 def test_explicit_weights_repeat_a_short_source(tmp_path):

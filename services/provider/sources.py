@@ -9,6 +9,9 @@ deterministic: the same request always returns the same bytes.
   and covered in noise. ``?n=`` sets the train size (val and test are a fifth of it), ``?seed=``,
   ``?noise=`` the noise's standard deviation (default 2.0; class patterns have about 1).
 - ``dummy://?shape=1,28,28&n=1000&classes=10&dtype=float32``: zeros, for benchmarks and loop tests.
+
+The other schemes live in their own modules: ``file://`` (:mod:`.files`), ``http(s)://``
+(:mod:`.remote`), ``parquet://`` (:mod:`.parquet`), ``weighted://`` (:mod:`.weighted`).
 """
 
 from __future__ import annotations
