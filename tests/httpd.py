@@ -52,6 +52,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
                 return
+            for old, new in owner.redirects.items():
+                if self.path.startswith(old):
+                    self.send_response(302)
+                    self.send_header("Location", new + self.path[len(old):])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
             path = owner.root / self.path.split("?")[0].lstrip("/")
             if not path.is_file():
                 self._reply(404, b"not found\n")
@@ -101,7 +108,8 @@ class RangeServer:
     """Serve ``root`` on 127.0.0.1 (a free port the OS picks) until :meth:`close`.
 
     Faults, settable while it runs: ``drops`` (hang up on the next N range requests),
-    ``short_body``, ``no_head`` (HEAD answers 405), ``no_ranges`` (GET ignores Range), ``delay_s``.
+    ``short_body``, ``no_head`` (HEAD answers 405), ``no_ranges`` (GET ignores Range), ``delay_s``,
+    ``redirects`` (path prefix → replacement, answered with 302).
     """
 
     def __init__(self, root: Path):
@@ -109,6 +117,7 @@ class RangeServer:
         self.requests: list[tuple[str, str, str | None]] = []
         self.connections = self.inflight = self.max_inflight = 0
         self.drops, self.short_body, self.no_head, self.no_ranges, self.delay_s = 0, False, False, False, 0.0
+        self.redirects: dict[str, str] = {}  # path prefix → where to send it (302)
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner, self._server.lock = self, threading.Lock()
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"

@@ -142,6 +142,16 @@ def test_a_server_without_head_gives_sizes_by_a_range_request(tmp_path, server):
     assert np.array_equal(src.read("train", np.arange(4))[0], tokens.reshape(4, 10))
 
 
+def test_redirects_are_followed(tmp_path, server):
+    tokens = write_shards(tmp_path / "tok", np.random.default_rng(12), sizes=(40,))
+    server.redirects = {"/moved/": "/tok/", "/loop/": "/loop/"}
+    src = open_source(f"{server.url}/moved/shard-00.bin?seq_len=9&token_bytes=2&val_fraction=0&{FAST}")
+    assert np.array_equal(src.read("train", np.arange(4))[0], tokens.reshape(4, 10))
+    assert ("GET", "/tok/shard-00.bin", "bytes=0-79") in server.requests
+    with pytest.raises(DatasetError, match="HEAD .*/loop/shard-00.bin: more than 5 redirects"):
+        open_source(f"{server.url}/loop/shard-00.bin?seq_len=9&token_bytes=2&{FAST}")
+
+
 def test_dropped_connections_are_retried(tmp_path, server):
     tokens = write_shards(tmp_path / "tok", np.random.default_rng(6), sizes=(200,))
     src = open_source(f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&val_fraction=0&{FAST}")

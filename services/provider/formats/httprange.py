@@ -5,8 +5,9 @@ host (``http.client``), and at most ``concurrency`` requests are in flight (its 
 semaphore), so a batch's runs are fetched side by side without flooding the endpoint. Every request
 has a timeout and is retried a bounded number of times with exponential backoff when the connection
 drops, times out, comes back short, or the server answers 408, 429 or 5xx; other statuses fail at
-once. A body is read straight into the batch's buffers; a request that does not deliver exactly the
-bytes asked for fails the whole batch, so a batch is served whole or not at all.
+once. Redirects are followed, at most :data:`MAX_REDIRECTS` per request. A body is read straight
+into the batch's buffers; a request that does not deliver exactly the bytes asked for fails the
+whole batch, so a batch is served whole or not at all.
 
 Why ``http.client`` and not urllib3: it is in the standard library (no new dependency), and its
 ``readinto`` fills the destination buffer (a shared-memory slot) directly, where urllib3 copies
@@ -23,7 +24,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 from libbus.errors import DatasetError
 
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 
 #: Statuses worth another try: the server is busy or failed, not the request.
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
+#: Redirects followed (an object store or hub may send a request on to a CDN), at most MAX_REDIRECTS.
+REDIRECTS = {301, 302, 303, 307, 308}
+MAX_REDIRECTS = 5
 #: Largest whole file fetched with a plain GET (a manifest, a dataset.toml).
 MAX_SMALL_FILE = 16 << 20
 CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
@@ -89,19 +93,27 @@ class RangeClient:
             conn.close()
 
     def _attempt(self, method: str, url: str, headers: dict) -> http.client.HTTPResponse:
-        """One request; the caller reads the response. Raises :class:`HttpError`."""
-        conn, target = self._connection(url)
-        try:
-            conn.request(method, target, headers=headers)
-            resp = conn.getresponse()
-        except (OSError, http.client.HTTPException) as err:
-            self._drop(url)
-            raise HttpError(f"{method} {url}{_range_text(headers)}: {_describe(err)}", retryable=True) from err
-        if resp.status >= 300:
-            resp.read()  # keep the connection usable
-            raise HttpError(f"{method} {url}{_range_text(headers)}: HTTP {resp.status} {resp.reason}",
-                            retryable=resp.status in RETRY_STATUSES, status=resp.status)
-        return resp
+        """One request, following up to :data:`MAX_REDIRECTS` redirects; the caller reads the
+        response. Raises :class:`HttpError`."""
+        first = url
+        for _ in range(MAX_REDIRECTS + 1):
+            conn, target = self._connection(url)
+            try:
+                conn.request(method, target, headers=headers)
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as err:
+                self._drop(url)
+                raise HttpError(f"{method} {_via(first, url)}{_range_text(headers)}: {_describe(err)}",
+                                retryable=True) from err
+            if resp.status < 300:
+                return resp
+            self._drop(url)  # an error or redirect body is not worth reading: a fresh connection next time
+            location = resp.getheader("Location")
+            if resp.status not in REDIRECTS or not location:
+                raise HttpError(f"{method} {_via(first, url)}{_range_text(headers)}: HTTP {resp.status} "
+                                f"{resp.reason}", retryable=resp.status in RETRY_STATUSES, status=resp.status)
+            url = urljoin(url, location)
+        raise HttpError(f"{method} {first}: more than {MAX_REDIRECTS} redirects", retryable=False)
 
     def _retrying(self, fn):
         """``fn()`` with bounded retries and backoff for retryable :class:`HttpError`."""
@@ -227,6 +239,10 @@ class RemoteFile:
     url: str
     size: int
 
+
+
+def _via(first: str, last: str) -> str:
+    return first if first == last else f"{first} (redirected to {last})"
 
 
 def _range_text(headers: dict) -> str:

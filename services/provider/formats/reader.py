@@ -10,7 +10,7 @@ kernel reclaims freely and which never counts as the process's resident memory; 
 provider that streams a dataset larger than its RAM budget so keeps its RSS at the size of the
 batches in flight.
 
-A segment may also be a byte range of a file behind HTTP (:mod:`.http`): the same layouts then read
+A segment may also be a byte range of a file behind HTTP (:mod:`.httprange`): the same layouts then read
 it with one Range request per contiguous run, the runs of one batch fetched concurrently.
 """
 
