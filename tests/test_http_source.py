@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from libbus.errors import BusError, DatasetError, Unavailable
+from libbus.loader import RemoteLoader
 from libbus.messages import BatchRequest, DatasetInfoRequest
+from libbus.order import epoch_order
 from services.provider.remote import expand_template
 from services.provider.sources import open_source
 from tests.httpd import RangeServer
@@ -228,3 +230,21 @@ def test_the_provider_serves_an_http_dataset(tmp_path, server, start_provider, c
     again = client.request(BatchRequest(dataset="web", split="train", frames=[idx.tobytes()]))
     assert bytes(again.frames[0].buffer) == x.tobytes()
     assert issubclass(Unavailable, BusError)
+
+
+def test_a_loader_on_this_host_gets_http_batches_through_the_shm_ring(tmp_path, server, start_provider,
+                                                                    make_token):
+    write_shards(tmp_path / "tok", np.random.default_rng(13), sizes=(700, 500))
+    uri = f"{server.url}/tok/shard-{{00..01}}.bin?seq_len=15&token_bytes=2&{FAST}"
+    provider = start_provider(f"web={uri}")
+    source = open_source(uri)
+    with RemoteLoader("web", provider=provider.endpoint, token=make_token(), batch_size=16, seed=4,
+                      inflight=2) as loader:
+        assert loader.transport == "shm"
+        order = epoch_order(loader.num_samples, epoch=0, seed=4, shuffle=True)
+        start = 0
+        for x, _ in loader:  # the provider's range reads land straight in the ring's slots
+            assert np.array_equal(x.numpy(), source.read("train", order[start:start + len(x)])[0])
+            start += len(x)
+        assert start == loader.num_samples == 67
+    assert provider.service.handler.served["web"]["shm_batches"] == len(loader)
