@@ -6,6 +6,7 @@ serves a mix through the real services."""
 from __future__ import annotations
 
 import textwrap
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,18 @@ def test_locating_any_position_agrees_with_walking_the_schedule(weights, positio
         seen[s] += 1
     one_src, one_k = schedule.locate(np.array(positions, np.int64))
     assert one_src.tolist() == src[positions].tolist() and one_k.tolist() == k[positions].tolist()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=8))
+def test_the_fast_construction_is_the_quota_method_step_by_step(weights):
+    counts, want = [0] * len(weights), []
+    for t in range(1, sum(weights) + 1):  # the method as its definition reads, one position at a time
+        under = [j for j, (c, w) in enumerate(zip(counts, weights)) if c * sum(weights) < t * w]
+        pick = min(under, key=lambda j: (Fraction(counts[j] + 1, weights[j]), j))
+        want.append(pick)
+        counts[pick] += 1
+    assert Schedule(weights).ids.tolist() == want
 
 
 def test_large_batches_are_located_in_chunks():

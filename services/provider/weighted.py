@@ -18,7 +18,8 @@ than it has starts over (its sample ``k`` is ``k mod len``), one asking for fewe
 Which source position ``i`` of the mix takes is fixed by an error-balancing schedule (Balinski and
 Young's quota method), not by random draws: after any ``N`` positions, each source has had within
 one sample of ``N * w / sum(w)``. The schedule repeats every ``sum(w) / gcd(w)`` positions; one
-period is computed at start-up (one byte per position) and any position is then located in O(1).
+period is computed at start-up (one byte per position, a few seconds per ten million) and any
+position is then located in O(1).
 A batch's samples from one source are read with one call to that source.
 """
 
@@ -39,11 +40,13 @@ from .sources import SPLITS, Source, open_source
 
 __all__ = ["MAX_PERIOD", "Mix", "Schedule", "integer_weights", "open_weighted"]
 
-#: Longest schedule period computed at start-up (positions, about 2 s per million on one core);
+#: Longest schedule period computed at start-up (positions; one byte each);
 #: beyond it, give explicit weights with a smaller sum.
-MAX_PERIOD = 20_000_000
+MAX_PERIOD = 100_000_000
 #: Positions per checkpoint of the running counts: bounds the work to locate one position.
 BLOCK = 64
+#: Cells (sources x positions) of the matrices one step of the schedule's construction uses.
+CHUNK_CELLS = 1 << 20
 #: Positions located at once (a batch may name up to a million).
 LOCATE_CHUNK = 1 << 14
 ENTRY_KEYS = {"uri", "dataset", "weight"}
@@ -58,6 +61,15 @@ def integer_weights(weights: list) -> list[int]:
     ints = [int(f * scale) for f in fracs]
     g = math.gcd(*ints)
     return [i // g for i in ints]
+
+
+def _exact_step(weights: list[int], counts: list[int], t: int) -> int:
+    """The source the quota method gives position ``t`` (1-based), given the counts before it."""
+    total, best = sum(weights), -1
+    for j, (c, w) in enumerate(zip(counts, weights)):
+        if c * total < t * w and (best < 0 or (c + 1) * weights[best] < (counts[best] + 1) * w):
+            best = j
+    return best
 
 
 class Schedule:
@@ -81,22 +93,52 @@ class Schedule:
         self.ids, self.checkpoints = self._build()
 
     def _build(self) -> tuple[np.ndarray, np.ndarray]:
-        w, total, s = self.weights, self.period, len(self.weights)
-        ids = np.empty(self.period, np.uint8 if s <= 256 else np.uint16)
-        checkpoints = np.empty((-(-self.period // BLOCK), s), np.int64)
-        counts = [0] * s
-        sources = range(s)
-        for t in range(1, self.period + 1):
-            if (t - 1) % BLOCK == 0:
-                checkpoints[(t - 1) // BLOCK] = counts
-            best = -1
-            for j in sources:
-                c = counts[j]
-                if c * total < t * w[j] and (best < 0 or (c + 1) * w[best] < (counts[best] + 1) * w[j]):
-                    best = j
-            ids[t - 1] = best
-            counts[best] += 1
-        return ids, checkpoints
+        """One period of source ids, and the counts before every :data:`BLOCK`-th position.
+
+        Chunks of positions are proposed in deadline order at once (a merge of each source's next
+        deadlines, in floating point), then checked exactly in integers: a proposed pick stands if
+        it is under its upper quota and no source under its quota has an earlier deadline (or the
+        same one and a lower number). At the first position that fails, one exact step is taken.
+        """
+        w = np.asarray(self.weights, np.int64)
+        total, s = self.period, len(self.weights)
+        ids = np.empty(total, np.uint8 if s <= 256 else np.uint16)
+        counts = np.zeros(s, np.int64)
+        numbers = np.arange(s)
+        done, chunk = 0, 256
+        while done < total:
+            m = min(chunk, total - done, max(64, CHUNK_CELLS // s))
+            ahead = np.arange(m)
+            keys = (counts[:, None] + 1 + ahead) / w[:, None]  # the next m deadlines of each source
+            owner = np.repeat(numbers, m)
+            picks = owner[np.lexsort((owner, keys.ravel()))[:m]]
+            chosen = picks[None, :] == numbers[:, None]
+            before = np.cumsum(chosen, axis=1) - chosen + counts[:, None]  # counts before each step
+            step = done + 1 + ahead
+            under = before * total < step * w[:, None]  # under the upper quota at that step
+            mine = before[picks, ahead]
+            earlier = (before + 1) * w[picks] - (mine + 1) * w[:, None]  # < 0: an earlier deadline
+            beaten = under & ((earlier < 0) | ((earlier == 0) & (numbers[:, None] < picks)))
+            ok = under[picks, ahead] & ~beaten.any(axis=0)
+            good = m if ok.all() else int(np.argmin(ok))
+            ids[done:done + good] = picks[:good]
+            counts += chosen[:, :good].sum(axis=1)
+            done += good
+            if good < m:
+                best = _exact_step(self.weights, counts.tolist(), done + 1)
+                ids[done] = best
+                counts[best] += 1
+                done += 1
+            chunk = chunk * 2 if good == m else max(64, 2 * good)
+        return ids, self._checkpoints(ids)
+
+    def _checkpoints(self, ids: np.ndarray) -> np.ndarray:
+        """Counts of each source before positions 0, BLOCK, 2 BLOCK, ..."""
+        starts = np.arange(0, self.period, BLOCK)
+        out = np.zeros((len(starts), len(self.weights)), np.int64)
+        for j in range(len(self.weights)):
+            out[1:, j] = np.cumsum(np.add.reduceat(ids == j, starts, dtype=np.int64)[:-1])
+        return out
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source, k)`` per position: the mix's sample ``positions[r]`` is the ``k[r]``-th sample
