@@ -68,10 +68,13 @@ def test_token_shards_by_range_read_as_file_does(tmp_path, server):
     remote.read("train", np.array([0, 1, 4, 2]))  # runs 0-2 and 4
     assert sorted(server.gets()[before:]) == [("/tok/shard-00.bin", "bytes=0-95"),
                                               ("/tok/shard-00.bin", "bytes=128-159")]
-    # sizes learned once, at open: no HEAD after it; few connections for many requests
+    # sizes learned once, at open: no HEAD after it; requests reuse their thread's keep-alive connection
     heads = [r for r in server.requests if r[0] == "HEAD"]
     assert len(heads) == 4
-    assert server.connections <= 1 + 8 and len(server.requests) > 2 * server.connections
+    connections, before = server.connections, len(server.requests)
+    for i in range(20):
+        remote.read("train", np.array([i % 6]))  # one run in shard 00: read on the calling thread
+    assert len(server.requests) - before == 20 and server.connections == connections
 
 
 def test_runs_are_fetched_concurrently_within_the_bound(tmp_path, server):
