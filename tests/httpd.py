@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import socket
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -105,14 +106,15 @@ class _Server(ThreadingHTTPServer):
 
 
 class RangeServer:
-    """Serve ``root`` on 127.0.0.1 (a free port the OS picks) until :meth:`close`.
+    """Serve ``root`` on 127.0.0.1 (a free port the OS picks) until :meth:`close`; over TLS with
+    ``tls=(certificate file, key file)``.
 
     Faults, settable while it runs: ``drops`` (hang up on the next N range requests),
     ``short_body``, ``no_head`` (HEAD answers 405), ``no_ranges`` (GET ignores Range), ``delay_s``,
     ``redirects`` (path prefix → replacement, answered with 302).
     """
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None):
         self.root = root
         self.requests: list[tuple[str, str, str | None]] = []
         self.connections = self.inflight = self.max_inflight = 0
@@ -120,7 +122,11 @@ class RangeServer:
         self.redirects: dict[str, str] = {}  # path prefix → where to send it (302)
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner, self._server.lock = self, threading.Lock()
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        if tls is not None:  # (certificate, key): serve https
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(*tls)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True)
         self._thread.start()

@@ -7,10 +7,16 @@ HTTP dataset through the real services."""
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import textwrap
 
 import numpy as np
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from libbus.errors import BusError, DatasetError, Unavailable
 from libbus.loader import RemoteLoader
@@ -251,3 +257,36 @@ def test_a_loader_on_this_host_gets_http_batches_through_the_shm_ring(tmp_path, 
             start += len(x)
         assert start == loader.num_samples == 67
     assert provider.service.handler.served["web"]["shm_batches"] == len(loader)
+
+
+def self_signed(d) -> tuple:
+    """A certificate for 127.0.0.1 signed by its own key: (certificate file, key file)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "batchbus test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    return d / "cert.pem", d / "key.pem"
+
+
+def test_https_with_a_ca_file_and_an_untrusted_certificate(tmp_path):
+    tokens = write_shards(tmp_path / "tok", np.random.default_rng(14), sizes=(40,))
+    cert, key = self_signed(tmp_path)
+    tls = RangeServer(tmp_path, tls=(cert, key))
+    try:
+        url = f"{tls.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&val_fraction=0&{FAST}"
+        src = open_source(f"{url}&ca={cert}")
+        assert np.array_equal(src.read("train", np.array([3, 1]))[0], tokens.reshape(4, 10)[[3, 1]])
+        with pytest.raises(DatasetError, match=rf"HEAD {tls.url}/tok/shard-00.bin: SSLCertVerificationError"):
+            open_source(url)  # the system's CAs do not vouch for it
+        with pytest.raises(DatasetError, match="ca '/nowhere.pem' is not a file"):
+            open_source(f"{url}&ca=/nowhere.pem")
+    finally:
+        tls.close()

@@ -17,7 +17,8 @@ The format is ``?format=tokens|npy|raw`` or detected as for ``file://`` (raw whe
 ``vocab_size``, ``val_fraction``, ``classes`` and ``memory`` (default ``stream``) mean what they
 mean for ``file://``. HTTP settings: ``timeout`` (seconds per request, default 10), ``retries``
 (default 3), ``backoff`` (seconds before the first retry, doubling; default 0.2), ``concurrency``
-(requests in flight per dataset, default 8). File sizes are learned once at start-up.
+(requests in flight per dataset, default 8), ``ca`` (a PEM file of CAs to trust for https instead
+of the system's). File sizes are learned once at start-up.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import re
 import tomllib
 from fnmatch import fnmatch
+from pathlib import Path
 from urllib.parse import SplitResult, urljoin, urlunsplit
 
 from libbus.errors import DatasetError
@@ -165,6 +167,10 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
         if out[field] < (1 if key == "concurrency" else 0) or (key == "timeout" and out[field] == 0):
             raise DatasetError(f"{uri}: {key} must be {'at least 1' if key == 'concurrency' else 'positive'}, "
                                f"got {value!r}")
+    if "ca" in params:
+        out["ca_file"] = params.pop("ca")
+        if not Path(out["ca_file"]).is_file():
+            raise DatasetError(f"{uri}: ca {out['ca_file']!r} is not a file (a PEM bundle of CA certificates)")
     return HttpSettings(**{f: out.get(f, getattr(defaults, f)) for f in HttpSettings.__dataclass_fields__})
 
 

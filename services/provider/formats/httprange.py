@@ -19,6 +19,7 @@ from __future__ import annotations
 import http.client
 import logging
 import re
+import ssl
 import threading
 import time
 import weakref
@@ -50,6 +51,7 @@ class HttpSettings:
     retries: int = 3  # further tries after the first
     backoff_s: float = 0.2  # before retry k: backoff_s * 2**k
     concurrency: int = 8  # requests in flight at most
+    ca_file: str | None = None  # PEM bundle of the CAs to trust for https (default: the system's)
 
 
 class HttpError(DatasetError):
@@ -66,6 +68,7 @@ class RangeClient:
     def __init__(self, settings: HttpSettings):
         self.settings = settings
         self._local = threading.local()
+        self._tls: ssl.SSLContext | None = None  # made on the first https connection
         self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="http-range")
         weakref.finalize(self, self._pool.shutdown, wait=False)
 
@@ -82,9 +85,21 @@ class RangeClient:
         key = (parts.scheme, parts.netloc)
         conn = conns.get(key)
         if conn is None:
-            cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            conn = conns[key] = cls(parts.netloc, timeout=self.settings.timeout_s)
+            if parts.scheme == "https":
+                conn = http.client.HTTPSConnection(parts.netloc, timeout=self.settings.timeout_s,
+                                                   context=self._tls_context())
+            else:
+                conn = http.client.HTTPConnection(parts.netloc, timeout=self.settings.timeout_s)
+            conns[key] = conn
         return conn, parts.path + (f"?{parts.query}" if parts.query else "")
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            try:
+                self._tls = ssl.create_default_context(cafile=self.settings.ca_file)
+            except (OSError, ssl.SSLError) as err:
+                raise HttpError(f"cannot load the CA file {self.settings.ca_file}: {err}", retryable=False) from err
+        return self._tls
 
     def _drop(self, url: str) -> None:
         parts = urlsplit(url)
