@@ -83,6 +83,16 @@ def test_token_shards_by_range_read_as_file_does(tmp_path, server):
     assert len(server.requests) - before == 20 and server.connections == connections
 
 
+def test_a_range_in_a_folder_name_keeps_every_file(tmp_path, server):
+    rng = np.random.default_rng(15)
+    parts = [rng.integers(0, 999, 20).astype("<u2") for _ in range(3)]
+    for i, part in enumerate(parts):
+        (tmp_path / "days" / f"{i}").mkdir(parents=True)
+        (tmp_path / "days" / f"{i}" / "data.bin").write_bytes(part.tobytes())
+    src = open_source(f"{server.url}/days/{{0..2}}/data.bin?seq_len=9&token_bytes=2&val_fraction=0&{FAST}")
+    assert np.array_equal(src.read("train", np.arange(6))[0], np.concatenate(parts).reshape(6, 10))
+
+
 def test_runs_are_fetched_concurrently_within_the_bound(tmp_path, server):
     write_shards(tmp_path / "tok", np.random.default_rng(2), sizes=(2000,))
     src = open_source(f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&concurrency=3&{FAST}")

@@ -34,7 +34,7 @@ from libbus.errors import DatasetError
 from .files import TOML_KEYS, parse_settings
 from .formats import npy, raw, tokens
 from .formats.dataset import MEMORY_MODES, Context, FileSource
-from .formats.httprange import HttpSettings, RangeClient, RemoteFile
+from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile
 from .formats.reader import Segment
 from .sources import Source
 
@@ -126,15 +126,15 @@ class RemoteDir:
         return self.size(path.url) is not None
 
     def size(self, url: str, required: bool = False) -> int | None:
-        """The size of ``url``; ``None`` when the server says it does not exist, unless ``required``
-        (then that is an error naming the URL and the status)."""
+        """The size of ``url``; ``None`` when the server says it does not exist (404, 410), unless
+        ``required`` (then that is an error naming the URL and the status)."""
         if url not in self.sizes:
-            if required:
+            try:
                 self.sizes[url] = self.client.size(url)
-            elif not self.client.exists(url):
+            except HttpError as err:
+                if required or err.status not in (404, 410):
+                    raise
                 return None
-            else:
-                self.sizes[url] = self.client.size(url)
         return self.sizes[url]
 
     def __str__(self) -> str:
@@ -188,9 +188,11 @@ def _listing(uri: str, url: str, params: dict, client: RangeClient) -> tuple[str
     if "manifest" in params:
         murl = urljoin(url, params.pop("manifest"))
         return base, _manifest(murl, client.get(murl))
-    if RANGE.search(url) or not url.endswith("/"):
-        urls = expand_template(url)
-        return base, {u[u.rfind("/") + 1:] or u: (u, None) for u in urls}
+    if RANGE.search(url):  # names relative to the folder above the range: unique, in range order
+        base = url[:url.rfind("/", 0, RANGE.search(url).start()) + 1]
+        return base, {u[len(base):]: (u, None) for u in expand_template(url)}
+    if not url.endswith("/"):
+        return base, {url[len(base):]: (url, None)}
     return base, None
 
 

@@ -29,7 +29,7 @@ from urllib.parse import urljoin, urlsplit
 
 from libbus.errors import DatasetError
 
-__all__ = ["HttpSettings", "RangeClient", "RemoteFile"]
+__all__ = ["HttpError", "HttpSettings", "RangeClient", "RemoteFile"]
 
 log = logging.getLogger(__name__)
 
@@ -168,16 +168,6 @@ class RangeClient:
             raise HttpError(f"GET {url}: cannot learn its size (no Content-Length on HEAD, no "
                             "Content-Range on a range GET)", retryable=False)
         return int(match.group(3))
-
-    def exists(self, url: str) -> bool:
-        """Whether ``url`` answers HEAD with 2xx (404 and 410 are no; other failures raise)."""
-        try:
-            self.size(url)
-            return True
-        except HttpError as err:
-            if err.status in (404, 410):
-                return False
-            raise
 
     def get(self, url: str) -> bytes:
         """A whole small file (at most :data:`MAX_SMALL_FILE` bytes)."""
