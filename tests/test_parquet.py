@@ -105,6 +105,18 @@ def test_list_columns_in_subsets_with_validation_files(tmp_path):
     assert np.array_equal(src.read("train", np.arange(12))[0], data["big", "train"])
 
 
+@pytest.mark.parametrize("statistics", [True, False])
+def test_classes_are_counted_from_statistics_or_labels(tmp_path, statistics):
+    table = pa.table({"x": pa.array([[1.0, 2.0]] * 6, pa.list_(pa.float32())), "label": [0, 4, 2, 1, 0, 3]})
+    pq.write_table(table, tmp_path / "train.parquet", row_group_size=2, write_statistics=statistics)
+    src = open_source(f"parquet://{tmp_path}?val_fraction=0")
+    assert src.num_classes == 5 and src.class_names == ["0", "1", "2", "3", "4"]
+    pq.write_table(table.set_column(1, "label", pa.array([0, 1, -1, 0, 0, 0])), tmp_path / "train.parquet",
+                   write_statistics=statistics)
+    with pytest.raises(DatasetError, match="label -1 is negative"):
+        open_source(f"parquet://{tmp_path}")
+
+
 def test_numeric_columns_side_by_side_and_no_labels(tmp_path):
     pq.write_table(pa.table({"a": [1.0, 2.0, 3.0], "b": [10, 20, 30], "note": ["x", "y", "z"]}),
                    tmp_path / "train.parquet")

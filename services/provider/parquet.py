@@ -241,14 +241,20 @@ class ParquetSource(Source):
         self.class_names = names if names and len(names) == top else [str(i) for i in range(top)]
 
     def _max_label(self) -> int:
+        """The largest label: from each row group's statistics where the file has them, else read."""
         top = -1
         for path, pf in self.files:
+            column = pf.schema_arrow.get_field_index(self.label)
             for g in range(pf.metadata.num_row_groups):
-                ys = pf.read_row_group(g, columns=[self.label]).column(0).to_numpy(zero_copy_only=False)
-                if len(ys):
-                    if ys.min() < 0:
-                        raise DatasetError(f"{path}: label {ys.min()} is negative; class labels are 0..N-1")
-                    top = max(top, int(ys.max()))
+                stats = pf.metadata.row_group(g).column(column).statistics
+                if stats is not None and stats.has_min_max:
+                    lo, hi = int(stats.min), int(stats.max)
+                else:
+                    ys = pf.read_row_group(g, columns=[self.label]).column(0).to_numpy(zero_copy_only=False)
+                    lo, hi = (int(ys.min()), int(ys.max())) if len(ys) else (0, -1)
+                if lo < 0:
+                    raise DatasetError(f"{path}: label {lo} is negative; class labels are 0..N-1")
+                top = max(top, hi)
         return top
 
     # -- splits and reads ------------------------------------------------------------------------
