@@ -117,6 +117,17 @@ def test_classes_are_counted_from_statistics_or_labels(tmp_path, statistics):
         open_source(f"parquet://{tmp_path}")
 
 
+def test_token_lists_of_one_length_and_a_row_that_differs(tmp_path):
+    ids = np.arange(60, dtype=np.int32).reshape(12, 5)
+    column = pa.array([r.tolist() for r in ids] + [[1, 2]], pa.list_(pa.int32()))
+    pq.write_table(pa.table({"input_ids": column}), tmp_path / "train.parquet", row_group_size=5)
+    src = open_source(f"parquet://{tmp_path}?val_fraction=0")
+    assert src.sample_shape == (5,) and src.dtype == np.int32 and src.label_shape == (0,)
+    assert np.array_equal(src.read("train", np.array([11, 0, 6, 7]))[0], ids[[11, 0, 6, 7]])
+    with pytest.raises(DatasetError, match=r"row group 2 row 2: column 'input_ids' has shape \(2,\)"):
+        src.read("train", np.array([10, 12]))
+
+
 def test_numeric_columns_side_by_side_and_no_labels(tmp_path):
     pq.write_table(pa.table({"a": [1.0, 2.0, 3.0], "b": [10, 20, 30], "note": ["x", "y", "z"]}),
                    tmp_path / "train.parquet")

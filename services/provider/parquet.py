@@ -193,7 +193,9 @@ class ParquetSource(Source):
                            if c not in pf.schema_arrow.names]:
                 raise DatasetError(f"{path}: has no column {missing[0]!r}; its columns: "
                                    f"{', '.join(pf.schema_arrow.names)}")
-        first = next((f, g) for f, g, n in groups["train"] if n)
+        first = next(((f, g) for f, g, n in groups["train"] if n), None)
+        if first is None:
+            raise DatasetError(f"{uri}: the train files ({', '.join(str(p) for p in files['train'][:3])}) hold no rows")
         self.kind_of = _kind(uri, path0, self._group(*first).slice(0, 1), self.columns)
         self.sample_shape, self.dtype = self.kind_of.shape, self.kind_of.dtype
         self._layouts = self._carve(groups, val_fraction)
@@ -335,6 +337,8 @@ class ParquetSource(Source):
             for j, c in enumerate(kind.columns):
                 x[dest, j] = table.column(c).take(local).to_numpy(zero_copy_only=False)
             return
+        if kind.name == "list" and self._lists(table, local, x, dest):
+            return
         values = table.column(kind.columns[0]).take(local).to_pylist()
         for r, row, value in zip(dest.tolist(), local.tolist(), values):
             what = f"{path} row group {group} row {row}"
@@ -344,6 +348,22 @@ class ParquetSource(Source):
                 raise DatasetError(f"{what}: column {kind.columns[0]!r} has shape {sample.shape}, the dataset's "
                                    f"first row {kind.shape}; every row must have one shape")
             x[r] = sample
+
+
+    def _lists(self, table, local: np.ndarray, x: np.ndarray, dest: np.ndarray) -> bool:
+        """List rows straight from Arrow's flat values, when every row has the dataset's shape and
+        no nulls; ``False`` (and nothing written) otherwise, to be read row by row."""
+        import pyarrow.compute as pc  # optional: present once a Parquet source has opened
+
+        values = table.column(self.kind_of.columns[0]).take(local).combine_chunks()
+        for size in self.kind_of.shape:
+            if values.null_count or not pc.all(pc.equal(pc.list_value_length(values), size)).as_py():
+                return False
+            values = values.flatten()
+        if values.null_count or len(values) != len(local) * int(np.prod(self.kind_of.shape)):
+            return False
+        x[dest] = values.to_numpy(zero_copy_only=False).reshape(len(local), *self.kind_of.shape)
+        return True
 
 
 def _hub_class_names(schema, label: str) -> list[str]:
