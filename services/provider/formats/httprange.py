@@ -119,7 +119,7 @@ class RangeClient:
             except (OSError, http.client.HTTPException) as err:
                 self._drop(url)
                 raise HttpError(f"{method} {_via(first, url)}{_range_text(headers)}: {_describe(err)}",
-                                retryable=True) from err
+                                retryable=not isinstance(err, ssl.SSLCertVerificationError)) from err
             if resp.status < 300:
                 return resp
             self._drop(url)  # an error or redirect body is not worth reading: a fresh connection next time
