@@ -39,7 +39,7 @@ class ProviderService:
             name, uri = parse_dataset_arg(arg)
             if name in datasets:
                 raise ConfigError(f"dataset name {name!r} is given twice")
-            datasets[name] = open_source(uri)
+            datasets[name] = open_source(uri, datasets)
         self.handler = ProviderHandler(datasets, host_id=settings.host_id, shm=settings.shm,
                                        assigned_only=settings.assigned_only)
         key = runtime.verify_key(settings)

@@ -6,7 +6,8 @@ The layout is detected from the files in ``DIR`` (first match wins) or named by 
 - ``cifar10``: CIFAR-10 binary, ``data_batch_1.bin`` … ``data_batch_5.bin``, ``test_batch.bin``;
 - ``npy``: ``train_x.npy`` + ``train_y.npy`` (``val_…``, ``test_…``), or an ``.npz`` holding them;
 - ``tokens``: ``.bin``/``.ds``/``.npy`` shards of 2- or 4-byte tokens, sequences of ``seq_len + 1``;
-- ``raw``: little-endian arrays that a ``dataset.toml`` describes.
+- ``raw``: little-endian arrays that a ``dataset.toml`` describes;
+- ``parquet``: Parquet files as dataset hubs lay them out (:mod:`.parquet`, its own parameters).
 
 URI parameters (each but ``memory`` and ``cache`` may also be set in ``DIR/dataset.toml``; the URI
 wins): ``format``; ``memory=auto|ram|stream`` (auto: RAM when the data is under a quarter of
@@ -25,11 +26,12 @@ from urllib.parse import SplitResult, unquote
 
 from libbus.errors import DatasetError
 
+from . import parquet
 from .formats import cifar, idx, npy, raw, tokens
 from .formats.dataset import MEMORY_MODES, Context, FileSource
 from .sources import Source
 
-__all__ = ["FORMATS", "open_file_source"]
+__all__ = ["FORMATS", "local_path", "open_file_source", "parse_settings"]
 
 #: format → (is it in this directory?, opener, what its files are called), in detection order.
 FORMATS = {
@@ -53,13 +55,14 @@ def open_file_source(uri: str, parts: SplitResult, params: dict) -> Source:
     Raises :class:`DatasetError` for a missing directory, an unknown layout, a bad parameter, or a
     missing, truncated or inconsistent file (naming the file, the fault and what was expected).
     """
-    # file:///abs/dir is absolute; file://rel/dir (a "host" that is not localhost) is relative
-    path = unquote(parts.path if parts.netloc in ("", "localhost") else parts.netloc + parts.path)
-    root = Path(path or ".")
+    root = local_path(parts)
     if not root.is_dir():
         raise DatasetError(f"{uri}: {root} {'is not a directory' if root.exists() else 'does not exist'}")
+    if params.get("format") == "parquet" or ("format" not in params and parquet.detect(root)):
+        params.pop("format", None)
+        return parquet.open_parquet(uri, root, params)
     toml = _read_toml(root)
-    settings = _settings(uri, params, toml)
+    settings = parse_settings(uri, params, toml)
     memory = params.pop("memory", "auto")
     if memory not in MEMORY_MODES:
         raise DatasetError(f"{uri}: memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
@@ -77,6 +80,12 @@ def open_file_source(uri: str, parts: SplitResult, params: dict) -> Source:
         raise
 
 
+def local_path(parts: SplitResult) -> Path:
+    """The directory a ``scheme://DIR`` URI names: ``scheme:///abs/dir`` is absolute,
+    ``scheme://rel/dir`` (a "host" that is not localhost) relative to the working directory."""
+    return Path(unquote(parts.path if parts.netloc in ("", "localhost") else parts.netloc + parts.path) or ".")
+
+
 def _read_toml(root: Path) -> dict:
     path = root / TOML
     if not path.is_file():
@@ -91,7 +100,7 @@ def _read_toml(root: Path) -> dict:
     return toml
 
 
-def _settings(uri: str, params: dict, toml: dict) -> dict:
+def parse_settings(uri: str, params: dict, toml: dict) -> dict:
     """The typed, checked settings: the URI's query over dataset.toml's top-level keys."""
     out: dict = {}
     for query_key, (key, kind) in SETTINGS.items():

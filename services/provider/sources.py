@@ -9,6 +9,9 @@ deterministic: the same request always returns the same bytes.
   and covered in noise. ``?n=`` sets the train size (val and test are a fifth of it), ``?seed=``,
   ``?noise=`` the noise's standard deviation (default 2.0; class patterns have about 1).
 - ``dummy://?shape=1,28,28&n=1000&classes=10&dtype=float32``: zeros, for benchmarks and loop tests.
+
+The other schemes live in their own modules: ``file://`` (:mod:`.files`), ``http(s)://``
+(:mod:`.remote`), ``parquet://`` (:mod:`.parquet`), ``weighted://`` (:mod:`.weighted`).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from __future__ import annotations
 import hashlib
 import math
 from abc import ABC, abstractmethod
-from typing import Callable
-from urllib.parse import SplitResult, parse_qs, urlsplit
+from collections.abc import Callable, Mapping
+from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 
@@ -226,17 +229,42 @@ def _open_file(uri: str, parts, params: dict) -> Source:
     return open_file_source(uri, parts, params)
 
 
+def _open_http(uri: str, parts, params: dict) -> Source:
+    from .remote import open_http_source  # noqa: PLC0415
+    return open_http_source(uri, parts, params)
+
+
+def _open_parquet(uri: str, parts, params: dict) -> Source:
+    from .files import local_path  # noqa: PLC0415
+    from .parquet import open_parquet  # noqa: PLC0415
+    return open_parquet(uri, local_path(parts), params)
+
+
+def _open_weighted(uri: str, parts, params: dict, named: Mapping[str, Source]) -> Source:
+    from .weighted import open_weighted  # noqa: PLC0415
+    return open_weighted(uri, parts, params, named)
+
+
 #: scheme → opener(uri, urlsplit parts, query params) → Source. An opener pops the parameters it
 #: understands; whatever is left is reported as unknown.
-OPENERS: dict[str, Callable[[str, SplitResult, dict], Source]] = {
+OPENERS: dict[str, Callable[..., Source]] = {
     "mock": _open_mock,
     "dummy": _open_dummy,
     "file": _open_file,
+    "http": _open_http,
+    "https": _open_http,
+    "parquet": _open_parquet,
+    "weighted": _open_weighted,
 }
+#: Schemes whose opener also gets the datasets the provider has already opened, by name.
+NAMED_SCHEMES = {"weighted"}
 
 
-def open_source(uri: str) -> Source:
-    """Build the source a URI names. Raises :class:`DatasetError` saying what is wrong with it."""
+def open_source(uri: str, named: Mapping[str, Source] | None = None) -> Source:
+    """Build the source a URI names. Raises :class:`DatasetError` saying what is wrong with it.
+
+    ``named``: the datasets the same provider serves so far, which a ``weighted://`` mix may name.
+    """
     parts = urlsplit(uri)
     raw = parse_qs(parts.query, keep_blank_values=True)
     params = {k: v[-1] for k, v in raw.items()}
@@ -244,7 +272,8 @@ def open_source(uri: str) -> Source:
     if opener is None:
         raise DatasetError(f"unsupported dataset URI {uri!r}: known schemes are "
                            f"{', '.join(s + '://' for s in OPENERS)}")
-    source = opener(uri, parts, params)
+    extra = (named or {},) if parts.scheme in NAMED_SCHEMES else ()
+    source = opener(uri, parts, params, *extra)
     if params:
         raise DatasetError(f"{uri}: unknown parameter(s) {', '.join(sorted(params))}")
     return source

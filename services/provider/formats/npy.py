@@ -23,7 +23,7 @@ from libbus.errors import DatasetError
 
 from .cache import cached
 from .dataset import Context, Layout, Table
-from .reader import Segment
+from .reader import Segment, read_at
 
 __all__ = ["detect", "npy_header", "npz_members", "open_npy"]
 
@@ -42,14 +42,14 @@ def detect(root: Path) -> bool:
 
 def npy_header(seg: Segment) -> tuple[np.dtype, tuple[int, ...], Segment]:
     """A ``.npy`` array's dtype, shape and the segment of its data, sizes checked."""
-    head = os.pread(seg.fd, 12, seg.offset)
+    head = read_at(seg, 12)
     try:
         version = np.lib.format.read_magic(io.BytesIO(head))
         if version not in ((1, 0), (2, 0)):
             raise ValueError(f"format version {version} (expected 1.0 or 2.0)")
         size_len = 2 if version == (1, 0) else 4
         header_len = 8 + size_len + int.from_bytes(head[8:8 + size_len], "little")
-        f = io.BytesIO(os.pread(seg.fd, header_len, seg.offset))
+        f = io.BytesIO(read_at(seg, header_len))
         np.lib.format.read_magic(f)
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, fortran, dtype = read(f)
@@ -67,7 +67,7 @@ def npy_header(seg: Segment) -> tuple[np.dtype, tuple[int, ...], Segment]:
         what = "truncated" if seg.length < want else "longer than its header says"
         raise DatasetError(f"{seg.name}: header says shape {shape} of {dtype} ({want} bytes) but the file "
                            f"has {seg.length} bytes ({what})")
-    return dtype, tuple(shape), Segment(seg.name, seg.fd, seg.offset + header_len, want - header_len)
+    return dtype, tuple(shape), Segment(seg.name, seg.fd, seg.offset + header_len, want - header_len, seg.remote)
 
 
 def npz_members(ctx: Context, path: Path) -> dict[str, Segment]:

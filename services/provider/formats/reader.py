@@ -9,6 +9,9 @@ Why ``preadv`` and not ``np.memmap``: pages read with ``pread`` live in the page
 kernel reclaims freely and which never counts as the process's resident memory; mapped pages do. A
 provider that streams a dataset larger than its RAM budget so keeps its RSS at the size of the
 batches in flight.
+
+A segment may also be a byte range of a file behind HTTP (:mod:`.httprange`): the same layouts then read
+it with one Range request per contiguous run, the runs of one batch fetched concurrently.
 """
 
 from __future__ import annotations
@@ -16,25 +19,53 @@ from __future__ import annotations
 import bisect
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from libbus.errors import DatasetError
 
-__all__ = ["ByteSpace", "Records", "Segment"]
+__all__ = ["ByteSpace", "Records", "Remote", "RemoteClient", "Segment", "read_at"]
 
 #: Most buffers one ``preadv`` call takes (Linux: 1024).
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
+class RemoteClient(Protocol):
+    """What reads remote files (an HTTP client)."""
+
+    def read_runs(self, runs: list[tuple[Remote, int, list[memoryview]]]) -> None:
+        """Fill each run's buffers with the bytes of its file from its offset on, all runs before
+        returning (concurrently where it can). Raises :class:`DatasetError`."""
+
+
+class Remote(Protocol):
+    """A file read by byte ranges from somewhere else (an HTTP URL), through its client."""
+
+    client: RemoteClient
+
+
 @dataclass(frozen=True)
 class Segment:
-    """``length`` bytes of the open file ``fd`` (called ``name`` in messages) from ``offset``."""
+    """``length`` bytes of the open file ``fd`` (called ``name`` in messages) from ``offset``; or,
+    with ``remote`` set (and ``fd`` -1), of that remote file."""
 
     name: str
     fd: int
     offset: int
     length: int
+    remote: Remote | None = None
+
+
+def read_at(seg: Segment, nbytes: int, at: int = 0) -> bytes:
+    """Up to ``nbytes`` of ``seg`` from its byte ``at`` (fewer at its end): headers, small reads."""
+    nbytes = max(0, min(nbytes, seg.length - at))
+    if seg.remote is None:
+        return os.pread(seg.fd, nbytes, seg.offset + at)
+    buf = bytearray(nbytes)
+    if nbytes:
+        seg.remote.client.read_runs([(seg.remote, seg.offset + at, [memoryview(buf)])])
+    return bytes(buf)
 
 
 class ByteSpace:
@@ -55,6 +86,26 @@ class ByteSpace:
         Raises :class:`DatasetError` when the range runs past the end of the space or a file turns
         out shorter than when it was opened.
         """
+        self.read_runs([(offset, buffers)])
+
+    def read_runs(self, runs: list[tuple[int, list[memoryview]]]) -> None:
+        """:meth:`readv` for each ``(offset, buffers)`` run. Local files are read in turn; the
+        pieces of remote files are handed to their remote together, to be fetched concurrently."""
+        remote: dict[int, list] = {}
+        for offset, buffers in runs:
+            for i, at, piece in self._pieces(offset, buffers):
+                seg = self.segments[i]
+                if seg.remote is None:
+                    _pread(seg, seg.offset + at - self.starts[i], piece)
+                else:
+                    remote.setdefault(id(seg.remote.client), []).append(
+                        (seg.remote, seg.offset + at - self.starts[i], piece))
+        for pieces in remote.values():
+            pieces[0][0].client.read_runs(pieces)
+
+    def _pieces(self, offset: int, buffers: list[memoryview]):
+        """``(segment number, offset in the space, buffers)`` per stretch of one segment (local
+        stretches also cut at ``IOV_MAX`` buffers)."""
         total = sum(len(b) for b in buffers)
         if offset < 0 or offset + total > self.size:
             raise DatasetError(f"read of {total} bytes at {offset} is outside the {self.size} bytes of "
@@ -65,34 +116,33 @@ class ByteSpace:
             while len(buf):
                 seg_end = self.starts[i] + self.segments[i].length
                 if pos == seg_end:  # this segment is done: flush, move to the next file
-                    self._flush(i, batch_at, batch)
+                    if batch:
+                        yield i, batch_at, batch
                     i, batch, batch_at = i + 1, [], pos
                     continue
                 n = min(len(buf), seg_end - pos)
                 batch.append(buf[:n])
                 buf, pos = buf[n:], pos + n
-                if len(batch) == IOV_MAX:
-                    self._flush(i, batch_at, batch)
+                if len(batch) == IOV_MAX and self.segments[i].remote is None:
+                    yield i, batch_at, batch
                     batch, batch_at = [], pos
-        self._flush(i, batch_at, batch)
+        if batch:
+            yield i, batch_at, batch
 
-    def _flush(self, i: int, at: int, buffers: list[memoryview]) -> None:
-        if not buffers:
-            return
-        seg = self.segments[i]
-        offset = seg.offset + at - self.starts[i]
-        while buffers:
-            got = os.preadv(seg.fd, buffers, offset)
-            if got == 0:
-                raise DatasetError(f"{seg.name}: unexpected end of file at byte {offset}; the file was "
-                                   "truncated after it was opened")
-            offset += got
-            # a short read (a signal, or over 2 GiB at once): drop what is full, resume in the rest
-            while buffers and got >= len(buffers[0]):
-                got -= len(buffers[0])
-                buffers = buffers[1:]
-            if buffers and got:
-                buffers = [buffers[0][got:], *buffers[1:]]
+
+def _pread(seg: Segment, offset: int, buffers: list[memoryview]) -> None:
+    while buffers:
+        got = os.preadv(seg.fd, buffers, offset)
+        if got == 0:
+            raise DatasetError(f"{seg.name}: unexpected end of file at byte {offset}; the file was "
+                               "truncated after it was opened")
+        offset += got
+        # a short read (a signal, or over 2 GiB at once): drop what is full, resume in the rest
+        while buffers and got >= len(buffers[0]):
+            got -= len(buffers[0])
+            buffers = buffers[1:]
+        if buffers and got:
+            buffers = [buffers[0][got:], *buffers[1:]]
 
 
 class Records:
@@ -122,8 +172,8 @@ class Records:
     def gather(self, indices: np.ndarray, dests: list[memoryview | None]) -> None:
         """Row ``r`` of field ``f`` in ``dests[f]`` (flat bytes) gets field ``f`` of record ``indices[r]``.
 
-        Indices are visited in file order; each run of consecutive records is one ``preadv`` that
-        scatters straight into the destination rows, wherever they are (argsort maps them back), so
+        Indices are visited in file order; each run of consecutive records is one ``preadv`` (or
+        one HTTP Range request) that scatters straight into the destination rows, wherever they are (argsort maps them back), so
         unsorted and duplicate indices cost no temporary copy. A ``None`` destination is skipped.
         """
         n = len(indices)
@@ -142,16 +192,17 @@ class Records:
             stretches = zip(firsts.tolist(), np.r_[cuts, n].tolist(), order[firsts].tolist())
             run_at = set(run_ends.tolist())
             buffers: list[memoryview] = []
-            offset = self.base + int(ordered[0]) * w
+            runs = [(self.base + int(ordered[0]) * w, buffers)]
             for a, b, row in stretches:
                 if a in run_at:
-                    self.space.readv(offset, buffers)
-                    buffers, offset = [], self.base + int(ordered[a]) * w
+                    buffers = []
+                    runs.append((self.base + int(ordered[a]) * w, buffers))
                 buffers.append(dest[row * w:(row + b - a) * w])
-            self.space.readv(offset, buffers)
+            self.space.read_runs(runs)
             return
         rows_all = order.tolist()
         cuts = run_ends.tolist()
+        runs = []
         for a, b in zip([0, *cuts], [*cuts, n]):
             buffers = []
             for r in rows_all[a:b]:
@@ -159,4 +210,5 @@ class Records:
                     dest = dests[f] if f is not None else None
                     buffers.append(self.scratch[:nbytes] if dest is None
                                    else dest[r * nbytes:(r + 1) * nbytes])
-            self.space.readv(self.base + int(ordered[a]) * self.record, buffers)
+            runs.append((self.base + int(ordered[a]) * self.record, buffers))
+        self.space.read_runs(runs)

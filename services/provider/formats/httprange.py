@@ -1,0 +1,262 @@
+"""Files behind HTTP(S), read by byte range: the :class:`~.reader.Remote` of ``http(s)://`` sources.
+
+A :class:`RangeClient` serves one dataset: each worker thread keeps one keep-alive connection per
+host (``http.client``), and at most ``concurrency`` requests are in flight (its thread pool is the
+semaphore), so a batch's runs are fetched side by side without flooding the endpoint. Every request
+has a timeout and is retried a bounded number of times with exponential backoff when the connection
+drops, times out, comes back short, or the server answers 408, 429 or 5xx; other statuses fail at
+once. Redirects are followed, at most :data:`MAX_REDIRECTS` per request. A body is read straight
+into the batch's buffers; a request that does not deliver exactly the bytes asked for fails the
+whole batch, so a batch is served whole or not at all.
+
+Why ``http.client`` and not urllib3: it is in the standard library (no new dependency), and its
+``readinto`` fills the destination buffer (a shared-memory slot) directly, where urllib3 copies
+through a temporary; the retry and pooling logic it would bring is the small part written here.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import re
+import ssl
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from urllib.parse import urljoin, urlsplit
+
+from libbus.errors import DatasetError
+
+__all__ = ["HttpError", "HttpSettings", "RangeClient", "RemoteFile"]
+
+log = logging.getLogger(__name__)
+
+#: Statuses worth another try: the server is busy or failed, not the request.
+RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
+#: Redirects followed (an object store or hub may send a request on to a CDN), at most MAX_REDIRECTS.
+REDIRECTS = {301, 302, 303, 307, 308}
+MAX_REDIRECTS = 5
+#: Largest whole file fetched with a plain GET (a manifest, a dataset.toml).
+MAX_SMALL_FILE = 16 << 20
+CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """How a :class:`RangeClient` talks to its server (set from the URI query)."""
+
+    timeout_s: float = 10.0  # per request: connect, and each wait for bytes
+    retries: int = 3  # further tries after the first
+    backoff_s: float = 0.2  # before retry k: backoff_s * 2**k
+    concurrency: int = 8  # requests in flight at most
+    ca_file: str | None = None  # PEM bundle of the CAs to trust for https (default: the system's)
+
+
+class HttpError(DatasetError):
+    """A request failed: names the URL, the range and the HTTP status or the network error."""
+
+    def __init__(self, message: str, retryable: bool, status: int | None = None):
+        super().__init__(message, code="UNAVAILABLE")
+        self.retryable, self.status = retryable, status
+
+
+class RangeClient:
+    """Byte-range reads of HTTP(S) URLs over keep-alive connections (see the module doc)."""
+
+    def __init__(self, settings: HttpSettings):
+        self.settings = settings
+        self._local = threading.local()
+        self._tls: ssl.SSLContext | None = None  # made on the first https connection
+        self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="http-range")
+        weakref.finalize(self, self._pool.shutdown, wait=False)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _connection(self, url: str) -> tuple[http.client.HTTPConnection, str]:
+        parts = urlsplit(url)
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        key = (parts.scheme, parts.netloc)
+        conn = conns.get(key)
+        if conn is None:
+            if parts.scheme == "https":
+                conn = http.client.HTTPSConnection(parts.netloc, timeout=self.settings.timeout_s,
+                                                   context=self._tls_context())
+            else:
+                conn = http.client.HTTPConnection(parts.netloc, timeout=self.settings.timeout_s)
+            conns[key] = conn
+        return conn, parts.path + (f"?{parts.query}" if parts.query else "")
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            try:
+                self._tls = ssl.create_default_context(cafile=self.settings.ca_file)
+            except (OSError, ssl.SSLError) as err:
+                raise HttpError(f"cannot load the CA file {self.settings.ca_file}: {err}", retryable=False) from err
+        return self._tls
+
+    def _drop(self, url: str) -> None:
+        parts = urlsplit(url)
+        conn = getattr(self._local, "conns", {}).pop((parts.scheme, parts.netloc), None)
+        if conn is not None:
+            conn.close()
+
+    def _attempt(self, method: str, url: str, headers: dict) -> http.client.HTTPResponse:
+        """One request, following up to :data:`MAX_REDIRECTS` redirects; the caller reads the
+        response. Raises :class:`HttpError`."""
+        first = url
+        for _ in range(MAX_REDIRECTS + 1):
+            conn, target = self._connection(url)
+            try:
+                conn.request(method, target, headers=headers)
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as err:
+                self._drop(url)
+                raise HttpError(f"{method} {_via(first, url)}{_range_text(headers)}: {_describe(err)}",
+                                retryable=not isinstance(err, ssl.SSLCertVerificationError)) from err
+            if resp.status < 300:
+                return resp
+            self._drop(url)  # an error or redirect body is not worth reading: a fresh connection next time
+            location = resp.getheader("Location")
+            if resp.status not in REDIRECTS or not location:
+                raise HttpError(f"{method} {_via(first, url)}{_range_text(headers)}: HTTP {resp.status} "
+                                f"{resp.reason}", retryable=resp.status in RETRY_STATUSES, status=resp.status)
+            url = urljoin(url, location)
+        raise HttpError(f"{method} {first}: more than {MAX_REDIRECTS} redirects", retryable=False)
+
+    def _retrying(self, fn):
+        """``fn()`` with bounded retries and backoff for retryable :class:`HttpError`."""
+        s = self.settings
+        for attempt in range(s.retries + 1):
+            try:
+                return fn()
+            except HttpError as err:
+                if not err.retryable or attempt == s.retries:
+                    tries = f" (after {attempt + 1} attempts)" if attempt else ""
+                    raise HttpError(f"{err}{tries}", retryable=False, status=err.status) from err
+                log.warning("%s; retrying in %.2f s", err, s.backoff_s * 2 ** attempt)
+                time.sleep(s.backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def size(self, url: str) -> int:
+        """The size of the file at ``url`` in bytes (HEAD; a 1-byte GET where HEAD is refused)."""
+        def head() -> int | None:
+            resp = self._attempt("HEAD", url, {})
+            resp.read()
+            length = resp.getheader("Content-Length")
+            return int(length) if length is not None and length.isdigit() else None
+        try:
+            size = self._retrying(head)
+        except HttpError as err:
+            if err.status not in (405, 501):  # HEAD not allowed: ask for one byte instead
+                raise
+            size = None
+        return size if size is not None else self._retrying(lambda: self._total_from_get(url))
+
+    def _total_from_get(self, url: str) -> int:
+        headers = {"Range": "bytes=0-0"}
+        resp = self._attempt("GET", url, headers)
+        resp.read()
+        match = CONTENT_RANGE.fullmatch(resp.getheader("Content-Range") or "")
+        if resp.status != 206 or match is None or match.group(3) == "*":
+            raise HttpError(f"GET {url}: cannot learn its size (no Content-Length on HEAD, no "
+                            "Content-Range on a range GET)", retryable=False)
+        return int(match.group(3))
+
+    def get(self, url: str) -> bytes:
+        """A whole small file (at most :data:`MAX_SMALL_FILE` bytes)."""
+        def fetch() -> bytes:
+            resp = self._attempt("GET", url, {})
+            try:
+                data = resp.read(MAX_SMALL_FILE + 1)
+            except (OSError, http.client.HTTPException) as err:
+                self._drop(url)
+                raise HttpError(f"GET {url}: {_describe(err)}", retryable=True) from err
+            if len(data) > MAX_SMALL_FILE:
+                self._drop(url)
+                raise HttpError(f"GET {url}: larger than {MAX_SMALL_FILE} bytes", retryable=False)
+            return data
+        return self._retrying(fetch)
+
+    def read_into(self, url: str, offset: int, buffers: list[memoryview]) -> None:
+        """Fill ``buffers`` with the bytes of ``url`` from ``offset``: one Range request, retried."""
+        nbytes = sum(len(b) for b in buffers)
+        if nbytes:
+            self._retrying(lambda: self._read_once(url, offset, nbytes, buffers))
+
+    def _read_once(self, url: str, offset: int, nbytes: int, buffers: list[memoryview]) -> None:
+        headers = {"Range": f"bytes={offset}-{offset + nbytes - 1}"}
+        resp = self._attempt("GET", url, headers)
+        where = f"GET {url}{_range_text(headers)}"
+        if resp.status != 206:
+            resp.close()
+            self._drop(url)
+            raise HttpError(f"{where}: HTTP {resp.status} instead of 206 Partial Content; the server "
+                            "does not serve byte ranges", retryable=False)
+        match = CONTENT_RANGE.fullmatch(resp.getheader("Content-Range") or "")
+        if match is None or (int(match.group(1)), int(match.group(2))) != (offset, offset + nbytes - 1):
+            self._drop(url)
+            raise HttpError(f"{where}: answered Content-Range {resp.getheader('Content-Range')!r}",
+                            retryable=False)
+        got = 0
+        try:
+            for buf in buffers:
+                view = buf.cast("B") if buf.format != "B" else buf
+                while len(view):
+                    n = resp.readinto(view)
+                    if not n:
+                        raise http.client.IncompleteRead(b"", nbytes - got)
+                    got += n
+                    view = view[n:]
+        except (OSError, http.client.HTTPException) as err:
+            self._drop(url)
+            raise HttpError(f"{where}: body ended after {got} of {nbytes} bytes ({_describe(err)})",
+                            retryable=True) from err
+        if resp.read(1):
+            self._drop(url)
+            raise HttpError(f"{where}: body longer than the {nbytes} bytes asked for", retryable=False)
+
+    def read_runs(self, runs: list[tuple[RemoteFile, int, list[memoryview]]]) -> None:
+        """Each run, one request each, ``concurrency`` at a time. Waits for every request before
+        returning or raising, so no request writes into a buffer after the batch has failed."""
+        if len(runs) == 1:
+            f, offset, buffers = runs[0]
+            self.read_into(f.url, offset, buffers)
+            return
+        futures = [self._pool.submit(self.read_into, f.url, offset, buffers) for f, offset, buffers in runs]
+        wait(futures)
+        for fut in futures:
+            if fut.exception() is not None:
+                raise fut.exception()
+
+
+@dataclass(frozen=True, eq=False)
+class RemoteFile:
+    """One URL of ``size`` bytes, read through its dataset's :class:`RangeClient`."""
+
+    client: RangeClient
+    url: str
+    size: int
+
+
+
+def _via(first: str, last: str) -> str:
+    return first if first == last else f"{first} (redirected to {last})"
+
+
+def _range_text(headers: dict) -> str:
+    return f" ({headers['Range']})" if "Range" in headers else ""
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, http.client.IncompleteRead):
+        return "connection closed early"
+    if isinstance(err, TimeoutError):
+        return "timed out"
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__

@@ -1,0 +1,263 @@
+"""``http://`` and ``https://`` dataset sources: token shards, ``.npy`` pairs and raw arrays read
+with HTTP Range requests, through the same format code as ``file://`` (:mod:`.formats`).
+
+Which files make the dataset:
+
+- a numeric range in braces expands to one URL per number, in number order:
+  ``http://host/shards/shard-{000..015}.bin`` (zero-padded when the first number is);
+- ``?files=a.bin,b.bin`` names files relative to the URI (a directory URI ends in ``/``);
+- ``?manifest=NAME`` names a text file beside them listing one file per line, optionally with its
+  size in bytes after a space (lines starting with ``#`` are comments): no HEAD per file;
+- a URI naming one file serves that file;
+- a directory URI with none of these is probed for ``dataset.toml`` and the ``.npy`` names of
+  :mod:`.formats.npy` (HTTP cannot list a directory).
+
+The format is ``?format=tokens|npy|raw`` or detected as for ``file://`` (raw when a fetched
+``dataset.toml`` has a ``[train]`` table, then npy, then tokens). ``seq_len``, ``token_bytes``,
+``vocab_size``, ``val_fraction``, ``classes`` and ``memory`` (default ``stream``) mean what they
+mean for ``file://``. HTTP settings: ``timeout`` (seconds per request, default 10), ``retries``
+(default 3), ``backoff`` (seconds before the first retry, doubling; default 0.2), ``concurrency``
+(requests in flight per dataset, default 8), ``ca`` (a PEM file of CAs to trust for https instead
+of the system's). File sizes are learned once at start-up.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
+from urllib.parse import SplitResult, urljoin, urlunsplit
+
+from libbus.errors import DatasetError
+
+from .files import TOML_KEYS, parse_settings
+from .formats import npy, raw, tokens
+from .formats.dataset import MEMORY_MODES, Context, FileSource
+from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile
+from .formats.reader import Segment
+from .sources import Source
+
+__all__ = ["FORMATS", "MAX_FILES", "RemoteDir", "expand_template", "open_http_source"]
+
+#: format → opener(Context) → Layout: the formats whose files can be read by range over HTTP.
+FORMATS = {"tokens": tokens.open_tokens, "npy": npy.open_npy, "raw": raw.open_raw}
+#: Most files one URI may name (a typo in a range should not start a million HEAD requests).
+MAX_FILES = 100_000
+RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+TOML = "dataset.toml"
+#: Names probed in a directory URI that lists no files.
+PROBED = [TOML] + [f"{n}.npy" for split in ("train", "val", "test") for column in ("x", "y")
+                   for n in (f"{split}_{column}", f"{column}_{split}")]
+
+
+def expand_template(url: str) -> list[str]:
+    """The URLs a ``{A..B}`` range names, in order; ``[url]`` when it has none.
+
+    Raises :class:`DatasetError` for more than one range, a range that runs backwards, or more
+    than :data:`MAX_FILES` files.
+    """
+    found = RANGE.findall(url)
+    if not found:
+        return [url]
+    if len(found) > 1:
+        raise DatasetError(f"{url}: one {{A..B}} range per URL, found {len(found)}")
+    first, last = found[0]
+    a, b = int(first), int(last)
+    if b < a or b - a + 1 > MAX_FILES:
+        raise DatasetError(f"{url}: range {{{first}..{last}}} must run upwards over at most {MAX_FILES} files")
+    width = len(first) if first.startswith("0") and len(first) > 1 else 0
+    return [RANGE.sub(str(i).zfill(width), url) for i in range(a, b + 1)]
+
+
+class RemotePath:
+    """A file of a :class:`RemoteDir`: the part of ``pathlib.Path`` that the format openers use."""
+
+    def __init__(self, parent: RemoteDir, name: str, url: str, order: int):
+        self.parent, self.name, self.url, self.order = parent, name, url, order
+
+    @property
+    def suffix(self) -> str:
+        dot = self.name.rfind(".")
+        return self.name[dot:] if dot > 0 else ""
+
+    @property
+    def stem(self) -> str:
+        return self.name[:-len(self.suffix)] if self.suffix else self.name
+
+    def is_file(self) -> bool:
+        return self.parent.has(self)
+
+    def is_dir(self) -> bool:
+        return False
+
+    def __lt__(self, other: RemotePath) -> bool:  # listed order: a range's number order
+        return self.order < other.order
+
+    def __str__(self) -> str:
+        return self.url
+
+
+class RemoteDir:
+    """The files an HTTP URI names, as a directory the format openers can read (see the module doc).
+
+    Sizes come from the manifest or one HEAD request per file, once."""
+
+    def __init__(self, base: str, client: RangeClient, listed: dict[str, tuple[str, int | None]] | None):
+        self.base, self.client = base, client
+        self.listed = listed  # name → (url, size or None); None: not listed, probe by name
+        self.sizes: dict[str, int] = {url: size for url, size in (listed or {}).values() if size is not None}
+
+    def __truediv__(self, name: str) -> RemotePath:
+        listed = self.listed or {}
+        if name in listed:
+            return RemotePath(self, name, listed[name][0], list(listed).index(name))
+        return RemotePath(self, name, urljoin(self.base, name), len(listed))
+
+    def iterdir(self):
+        return (RemotePath(self, n, url, i) for i, (n, (url, _)) in enumerate((self.listed or {}).items()))
+
+    def glob(self, pattern: str):
+        return (p for p in self.iterdir() if fnmatch(p.name, pattern))
+
+    def has(self, path: RemotePath) -> bool:
+        if self.listed is not None:
+            return path.name in self.listed
+        return self.size(path.url) is not None
+
+    def size(self, url: str, required: bool = False) -> int | None:
+        """The size of ``url``; ``None`` when the server says it does not exist (404, 410), unless
+        ``required`` (then that is an error naming the URL and the status)."""
+        if url not in self.sizes:
+            try:
+                self.sizes[url] = self.client.size(url)
+            except HttpError as err:
+                if required or err.status not in (404, 410):
+                    raise
+                return None
+        return self.sizes[url]
+
+    def __str__(self) -> str:
+        return self.base
+
+
+class RemoteContext(Context):
+    """A :class:`Context` whose files are URLs read by range."""
+
+    def segment(self, path: RemotePath, offset: int = 0, length: int | None = None,
+                name: str | None = None) -> Segment:
+        size = self.root.size(path.url, required=True)
+        remote = RemoteFile(self.root.client, path.url, size)
+        return Segment(name or path.url, -1, offset, size - offset if length is None else length, remote)
+
+
+def _http_settings(uri: str, params: dict) -> HttpSettings:
+    defaults = HttpSettings()
+    out = {}
+    for key, field, kind in (("timeout", "timeout_s", float), ("retries", "retries", int),
+                             ("backoff", "backoff_s", float), ("concurrency", "concurrency", int)):
+        if key not in params:
+            continue
+        value = params.pop(key)
+        try:
+            out[field] = kind(value)
+        except ValueError:
+            raise DatasetError(f"{uri}: {key} must be {'an integer' if kind is int else 'a number'}, "
+                               f"got {value!r}") from None
+        if out[field] < (1 if key == "concurrency" else 0) or (key == "timeout" and out[field] == 0):
+            raise DatasetError(f"{uri}: {key} must be {'at least 1' if key == 'concurrency' else 'positive'}, "
+                               f"got {value!r}")
+    if "ca" in params:
+        out["ca_file"] = params.pop("ca")
+        if not Path(out["ca_file"]).is_file():
+            raise DatasetError(f"{uri}: ca {out['ca_file']!r} is not a file (a PEM bundle of CA certificates)")
+    return HttpSettings(**{f: out.get(f, getattr(defaults, f)) for f in HttpSettings.__dataclass_fields__})
+
+
+def _listing(uri: str, url: str, params: dict, client: RangeClient) -> tuple[str, dict | None]:
+    """(base URL, name → (url, size)) for the files the URI names; ``None``: probe by name."""
+    base = url if url.endswith("/") else url[:url.rfind("/") + 1]
+    chosen = [k for k in ("files", "manifest") if k in params] + (["range"] if RANGE.search(url) else [])
+    if len(chosen) > 1:
+        raise DatasetError(f"{uri}: give one of files=, manifest= or a {{A..B}} range, not {' and '.join(chosen)}")
+    if "files" in params:
+        names = [n.strip() for n in params.pop("files").split(",") if n.strip()]
+        if not names:
+            raise DatasetError(f"{uri}: files= names no file")
+        return base, {n: (urljoin(url, n), None) for n in names}
+    if "manifest" in params:
+        murl = urljoin(url, params.pop("manifest"))
+        return base, _manifest(murl, client.get(murl))
+    if RANGE.search(url):  # names relative to the folder above the range: unique, in range order
+        base = url[:url.rfind("/", 0, RANGE.search(url).start()) + 1]
+        return base, {u[len(base):]: (u, None) for u in expand_template(url)}
+    if not url.endswith("/"):
+        return base, {url[len(base):]: (url, None)}
+    return base, None
+
+
+def _manifest(murl: str, data: bytes) -> dict:
+    listed = {}
+    for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, _, size = line.partition(" ")
+        size = size.strip()
+        if size and not size.isdigit():
+            raise DatasetError(f"{murl} line {n}: expected 'NAME [SIZE]', got {line!r}")
+        listed[name] = (urljoin(murl, name), int(size) if size else None)
+    if not listed:
+        raise DatasetError(f"{murl}: the manifest lists no file")
+    return listed
+
+
+def _read_toml(root: RemoteDir) -> dict:
+    path = root / TOML
+    if not path.is_file():
+        return {}
+    try:
+        toml = tomllib.loads(root.client.get(path.url).decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise DatasetError(f"{path.url}: not valid TOML: {err}") from err
+    if unknown := toml.keys() - TOML_KEYS:
+        raise DatasetError(f"{path.url}: unknown key(s) {', '.join(sorted(unknown))}; expected "
+                           f"{', '.join(sorted(TOML_KEYS))}")
+    return toml
+
+
+def open_http_source(uri: str, parts: SplitResult, params: dict) -> Source:
+    """Open the dataset an ``http(s)://`` URI names, popping the ``params`` it knows.
+
+    Raises :class:`DatasetError` naming the URL and the HTTP status or network error when a file
+    cannot be reached, and as ``file://`` does for a bad layout or parameter.
+    """
+    client = RangeClient(_http_settings(uri, params))
+    try:
+        url = urlunsplit((parts.scheme, parts.netloc, parts.path or "/", "", ""))
+        base, listed = _listing(uri, url, params, client)
+        root = RemoteDir(base, client, listed)
+        if listed is None:  # a bare directory: find what is there
+            found = {n: ((root / n).url, root.size((root / n).url)) for n in PROBED}
+            root.listed = {n: (u, s) for n, (u, s) in found.items() if s is not None}
+            if not root.listed:
+                raise DatasetError(f"{uri}: HTTP cannot list a directory and none of {', '.join(PROBED[:3])}, "
+                                   "… is there: name the files with ?files=a.bin,b.bin, ?manifest=NAME or "
+                                   "a {000..015} range")
+        if npz := [n for n in root.listed if n.endswith(".npz")]:
+            raise DatasetError(f"{uri}: {npz[0]}: .npz archives are not read over HTTP; serve the .npy arrays")
+        toml = _read_toml(root)
+        settings = parse_settings(uri, params, toml)
+        memory = params.pop("memory", "stream")
+        if memory not in MEMORY_MODES:
+            raise DatasetError(f"{uri}: memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
+        fmt = settings.get("format") or (
+            "raw" if raw.detect(toml) else "npy" if npy.detect(root) else "tokens")
+        if fmt not in FORMATS:
+            raise DatasetError(f"{uri}: format {fmt!r} is not read over HTTP; expected one of {', '.join(FORMATS)}")
+        ctx = RemoteContext(uri, root, root, settings, toml)
+        layout = FORMATS[fmt](ctx)
+        return FileSource(uri, root, layout, ctx, memory, settings.get("val_fraction", 0.1))
+    except BaseException:
+        client.close()
+        raise

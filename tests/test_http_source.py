@@ -1,0 +1,303 @@
+"""http:// sources against a real HTTP server on 127.0.0.1 (tests/httpd.py): token shards named by a
+range, .npy pairs and raw arrays found by probing, a manifest; the bytes equal what file:// reads
+from the same files; one Range request per contiguous run, several in flight but never more than
+``concurrency``, over few keep-alive connections; dropped connections retried, and errors that name
+the URL and the status when retries run out or a body comes back short; and a provider serving an
+HTTP dataset through the real services."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import textwrap
+
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from libbus.errors import BusError, DatasetError, Unavailable
+from libbus.loader import RemoteLoader
+from libbus.messages import BatchRequest, DatasetInfoRequest
+from libbus.order import epoch_order
+from services.provider.remote import expand_template
+from services.provider.sources import open_source
+from tests.httpd import RangeServer
+
+FAST = "retries=2&backoff=0.01&timeout=5"
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = RangeServer(tmp_path)
+    yield srv
+    srv.close()
+
+
+def write_shards(d, rng, sizes=(100, 37, 80, 64)):
+    d.mkdir(exist_ok=True)
+    tokens = rng.integers(0, 60000, sum(sizes)).astype("<u2")
+    at = 0
+    for i, n in enumerate(sizes):
+        (d / f"shard-{i:02d}.bin").write_bytes(tokens[at:at + n].tobytes())
+        at += n
+    return tokens
+
+
+def test_template_ranges_expand_in_number_order():
+    assert expand_template("http://h/s-{08..11}.bin") == [f"http://h/s-{i:02d}.bin" for i in (8, 9, 10, 11)]
+    assert expand_template("http://h/{9..10}.ds") == ["http://h/9.ds", "http://h/10.ds"]
+    assert expand_template("http://h/a.bin") == ["http://h/a.bin"]
+    with pytest.raises(DatasetError, match="must run upwards"):
+        expand_template("http://h/{3..1}.bin")
+    with pytest.raises(DatasetError, match="one {A..B} range per URL"):
+        expand_template("http://h/{0..1}/{0..1}.bin")
+
+
+def test_token_shards_by_range_read_as_file_does(tmp_path, server):
+    write_shards(tmp_path / "tok", np.random.default_rng(1))
+    uri = f"{server.url}/tok/shard-{{00..03}}.bin?seq_len=15&token_bytes=2&{FAST}"
+    remote = open_source(uri)
+    local = open_source(f"file://{tmp_path / 'tok'}?seq_len=15&token_bytes=2&memory=stream")
+    assert remote.info()["format"] == "tokens" and remote.num_samples("train") == local.num_samples("train") == 15
+    assert remote.info()["path"] == f"{server.url}/tok/"
+    idx = np.array([14, 0, 3, 3, 7, 6, 5, 13, 1], np.int64)  # unsorted, a duplicate, samples across shards
+    assert np.array_equal(remote.read("train", idx)[0], local.read("train", idx)[0])
+    assert np.array_equal(remote.read("val", np.arange(2))[0], local.read("val", np.arange(2))[0])
+
+    before = len(server.gets())
+    remote.read("train", np.arange(0, 6))  # 96 tokens inside shard 00: one run, one request
+    assert server.gets()[before:] == [("/tok/shard-00.bin", "bytes=0-191")]
+    before = len(server.gets())
+    remote.read("train", np.array([0, 1, 4, 2]))  # runs 0-2 and 4
+    assert sorted(server.gets()[before:]) == [("/tok/shard-00.bin", "bytes=0-95"),
+                                              ("/tok/shard-00.bin", "bytes=128-159")]
+    # sizes learned once, at open: no HEAD after it; requests reuse their thread's keep-alive connection
+    heads = [r for r in server.requests if r[0] == "HEAD"]
+    assert len(heads) == 4
+    connections, before = server.connections, len(server.requests)
+    for i in range(20):
+        remote.read("train", np.array([i % 6]))  # one run in shard 00: read on the calling thread
+    assert len(server.requests) - before == 20 and server.connections == connections
+
+
+def test_a_range_in_a_folder_name_keeps_every_file(tmp_path, server):
+    rng = np.random.default_rng(15)
+    parts = [rng.integers(0, 999, 20).astype("<u2") for _ in range(3)]
+    for i, part in enumerate(parts):
+        (tmp_path / "days" / f"{i}").mkdir(parents=True)
+        (tmp_path / "days" / f"{i}" / "data.bin").write_bytes(part.tobytes())
+    src = open_source(f"{server.url}/days/{{0..2}}/data.bin?seq_len=9&token_bytes=2&val_fraction=0&{FAST}")
+    assert np.array_equal(src.read("train", np.arange(6))[0], np.concatenate(parts).reshape(6, 10))
+
+
+def test_runs_are_fetched_concurrently_within_the_bound(tmp_path, server):
+    write_shards(tmp_path / "tok", np.random.default_rng(2), sizes=(2000,))
+    src = open_source(f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&concurrency=3&{FAST}")
+    server.delay_s = 0.3
+    idx = np.arange(0, 160, 10)  # 16 separate runs
+    x, _ = src.read("train", idx)
+    assert 2 <= server.max_inflight <= 3
+    tokens = np.frombuffer((tmp_path / "tok" / "shard-00.bin").read_bytes(), "<u2")
+    assert np.array_equal(x, tokens[:1600].reshape(160, 10)[idx])
+
+
+def test_npy_pairs_are_found_by_probing_a_directory(tmp_path, server):
+    d = tmp_path / "arrays"
+    d.mkdir()
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((40, 3, 2)).astype(np.float32), rng.integers(0, 5, 40)
+    np.save(d / "train_x.npy", x)
+    np.save(d / "train_y.npy", y)
+    np.save(d / "test_x.npy", x[:7])
+    np.save(d / "test_y.npy", y[:7])
+    src = open_source(f"{server.url}/arrays/?val_fraction=0.25&{FAST}")
+    info = src.info()
+    assert info["format"] == "npy" and info["memory"] == "stream" and info["num_classes"] == int(y.max()) + 1
+    assert [info["splits"][s]["num_samples"] for s in ("train", "val", "test")] == [30, 10, 7]
+    got_x, got_y = src.read("train", np.array([29, 0, 5]))
+    assert np.array_equal(got_x, x[[29, 0, 5]]) and np.array_equal(got_y, y[[29, 0, 5]])
+    assert np.array_equal(src.read("val", np.arange(10))[0], x[30:])
+    assert np.array_equal(src.read("test", np.arange(7))[1], y[:7])
+
+
+def test_raw_arrays_described_by_dataset_toml(tmp_path, server):
+    d = tmp_path / "raw"
+    d.mkdir()
+    x = np.arange(24, dtype="<f4").reshape(6, 4)
+    (d / "train.f32").write_bytes(x.tobytes())
+    (d / "train.lbl").write_bytes(np.array([0, 1, 2, 0, 1, 2], np.uint8).tobytes())
+    (d / "dataset.toml").write_text(textwrap.dedent("""
+        val_fraction = 0.0
+        [train]
+        x = "train.f32"
+        dtype = "float32"
+        shape = [4]
+        y = "train.lbl"
+        label_dtype = "uint8"
+    """))
+    src = open_source(f"{server.url}/raw/?{FAST}")
+    assert src.info()["format"] == "raw" and src.num_samples("train") == 6 and src.num_classes == 3
+    got_x, got_y = src.read("train", np.array([5, 2]))
+    assert np.array_equal(got_x, x[[5, 2]]) and got_y.tolist() == [2, 2]
+
+
+def test_a_manifest_gives_files_and_sizes_without_head_requests(tmp_path, server):
+    tokens = write_shards(tmp_path / "tok", np.random.default_rng(4), sizes=(30, 50))
+    sizes = [(tmp_path / "tok" / f"shard-0{i}.bin").stat().st_size for i in (0, 1)]
+    (tmp_path / "tok" / "MANIFEST").write_text(f"# shards\nshard-00.bin {sizes[0]}\nshard-01.bin {sizes[1]}\n")
+    src = open_source(f"{server.url}/tok/?manifest=MANIFEST&seq_len=7&token_bytes=2&val_fraction=0&{FAST}")
+    assert src.num_samples("train") == 10
+    assert np.array_equal(src.read("train", np.arange(10))[0], tokens[:80].reshape(10, 8))
+    assert not [r for r in server.requests if r[0] == "HEAD"]
+    listed = open_source(f"{server.url}/tok/?files=shard-01.bin&seq_len=7&token_bytes=2&val_fraction=0&{FAST}")
+    assert np.array_equal(listed.read("train", np.arange(6))[0], tokens[30:78].reshape(6, 8))
+
+
+def test_a_server_without_head_gives_sizes_by_a_range_request(tmp_path, server):
+    tokens = write_shards(tmp_path / "tok", np.random.default_rng(5), sizes=(40,))
+    server.no_head = True
+    src = open_source(f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&val_fraction=0&{FAST}")
+    assert np.array_equal(src.read("train", np.arange(4))[0], tokens.reshape(4, 10))
+
+
+def test_redirects_are_followed(tmp_path, server):
+    tokens = write_shards(tmp_path / "tok", np.random.default_rng(12), sizes=(40,))
+    server.redirects = {"/moved/": "/tok/", "/loop/": "/loop/"}
+    src = open_source(f"{server.url}/moved/shard-00.bin?seq_len=9&token_bytes=2&val_fraction=0&{FAST}")
+    assert np.array_equal(src.read("train", np.arange(4))[0], tokens.reshape(4, 10))
+    assert ("GET", "/tok/shard-00.bin", "bytes=0-79") in server.requests
+    with pytest.raises(DatasetError, match="HEAD .*/loop/shard-00.bin: more than 5 redirects"):
+        open_source(f"{server.url}/loop/shard-00.bin?seq_len=9&token_bytes=2&{FAST}")
+
+
+def test_dropped_connections_are_retried(tmp_path, server):
+    tokens = write_shards(tmp_path / "tok", np.random.default_rng(6), sizes=(200,))
+    src = open_source(f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&val_fraction=0&{FAST}")
+    server.drops = 2  # two hang-ups, then the third try of the same range succeeds
+    x, _ = src.read("train", np.arange(3, 8))
+    assert np.array_equal(x, tokens.reshape(20, 10)[3:8])
+    assert server.gets()[-3:] == [("/tok/shard-00.bin", "bytes=60-159")] * 3
+
+
+def test_retries_are_bounded_and_the_error_names_the_url(tmp_path, server):
+    write_shards(tmp_path / "tok", np.random.default_rng(7), sizes=(200,))
+    src = open_source(f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&{FAST}")
+    server.drops = 100
+    before = len(server.gets())
+    with pytest.raises(DatasetError, match=rf"GET {server.url}/tok/shard-00.bin \(bytes=0-39\): .* \(after 3 "
+                                           "attempts\\)") as err:
+        src.read("train", np.arange(2))
+    assert err.value.code == "UNAVAILABLE" and len(server.gets()) - before == 3
+
+
+def test_a_short_body_fails_the_batch_with_a_clear_error(tmp_path, server):
+    write_shards(tmp_path / "tok", np.random.default_rng(8), sizes=(200,))
+    src = open_source(f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&{FAST}")
+    server.short_body = True
+    with pytest.raises(DatasetError, match=r"shard-00.bin \(bytes=0-39\): body ended after 20 of 40 bytes"):
+        src.read("train", np.arange(2))
+
+
+def test_a_server_that_ignores_ranges_is_named(tmp_path, server):
+    write_shards(tmp_path / "tok", np.random.default_rng(9), sizes=(200,))
+    src = open_source(f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&{FAST}")
+    server.no_ranges = True
+    with pytest.raises(DatasetError, match="HTTP 200 instead of 206 Partial Content; the server does not serve"):
+        src.read("train", np.arange(2))
+
+
+@pytest.mark.parametrize("path, query, message", [
+    ("/tok/shard-{00..05}.bin", "seq_len=9&token_bytes=2", r"HEAD http://127\.0\.0\.1:\d+/tok/shard-04.bin: HTTP 404"),
+    ("/tok/", "seq_len=9", "HTTP cannot list a directory"),
+    ("/tok/shard-00.bin", "seq_len=9&token_bytes=2&retries=x", "retries must be an integer, got 'x'"),
+    ("/tok/shard-00.bin", "seq_len=9&token_bytes=2&concurrency=0", "concurrency must be at least 1"),
+    ("/tok/shard-00.bin", "seq_len=9&format=idx", "format 'idx' is not read over HTTP"),
+    ("/tok/shard-{00..01}.bin", "seq_len=9&token_bytes=2&files=a.bin", "give one of files=, manifest= or"),
+    ("/tok/shard-00.bin", "seq_len=9&token_bytes=2&files=a.bin", r"HEAD http://127\.0\.0\.1:\d+/tok/a.bin: HTTP 404"),
+    ("/tok/shard-00.bin", "token_bytes=2", "token shards need a sequence length"),
+])
+def test_bad_http_uris_are_refused_at_open(tmp_path, server, path, query, message):
+    write_shards(tmp_path / "tok", np.random.default_rng(10))
+    with pytest.raises(DatasetError, match=message):
+        open_source(f"{server.url}{path}?{FAST}&{query}")
+
+
+def test_an_unreachable_server_is_named():
+    with pytest.raises(DatasetError, match=r"HEAD http://127\.0\.0\.1:9/x\.bin: ConnectionRefusedError"):
+        open_source("http://127.0.0.1:9/x.bin?seq_len=3&token_bytes=2&retries=0")
+
+
+def test_the_provider_serves_an_http_dataset(tmp_path, server, start_provider, client_for):
+    tokens = write_shards(tmp_path / "tok", np.random.default_rng(11))
+    provider = start_provider(f"web={server.url}/tok/shard-{{00..03}}.bin?seq_len=15&token_bytes=2&{FAST}")
+    client = client_for(provider.endpoint)
+    info = client.request(DatasetInfoRequest(dataset="web")).info
+    assert info["kind"] == "tokens" and info["seq_len"] == 15 and info["splits"]["train"]["num_samples"] == 15
+    idx = np.array([14, 2, 3], "<i8")
+    reply = client.request(BatchRequest(dataset="web", split="train", frames=[idx.tobytes()]))
+    x = np.frombuffer(reply.frames[0].buffer, reply.dtypes[0]).reshape(reply.shapes[0])
+    assert np.array_equal(x, tokens[:256].reshape(16, 16)[idx])
+    # the endpoint breaks: the batch fails with UNAVAILABLE naming the URL, no bytes are served,
+    # and the provider serves again once the endpoint is back
+    server.short_body = True
+    with pytest.raises(Unavailable, match="shard-00.bin .* body ended"):
+        client.request(BatchRequest(dataset="web", split="train", frames=[idx.tobytes()]))
+    server.short_body = False
+    again = client.request(BatchRequest(dataset="web", split="train", frames=[idx.tobytes()]))
+    assert bytes(again.frames[0].buffer) == x.tobytes()
+    assert issubclass(Unavailable, BusError)
+
+
+def test_a_loader_on_this_host_gets_http_batches_through_the_shm_ring(tmp_path, server, start_provider,
+                                                                    make_token):
+    write_shards(tmp_path / "tok", np.random.default_rng(13), sizes=(700, 500))
+    uri = f"{server.url}/tok/shard-{{00..01}}.bin?seq_len=15&token_bytes=2&{FAST}"
+    provider = start_provider(f"web={uri}")
+    source = open_source(uri)
+    with RemoteLoader("web", provider=provider.endpoint, token=make_token(), batch_size=16, seed=4,
+                      inflight=2) as loader:
+        assert loader.transport == "shm"
+        order = epoch_order(loader.num_samples, epoch=0, seed=4, shuffle=True)
+        start = 0
+        for x, _ in loader:  # the provider's range reads land straight in the ring's slots
+            assert np.array_equal(x.numpy(), source.read("train", order[start:start + len(x)])[0])
+            start += len(x)
+        assert start == loader.num_samples == 67
+    assert provider.service.handler.served["web"]["shm_batches"] == len(loader)
+
+
+def self_signed(d) -> tuple:
+    """A certificate for 127.0.0.1 signed by its own key: (certificate file, key file)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "batchbus test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    return d / "cert.pem", d / "key.pem"
+
+
+def test_https_with_a_ca_file_and_an_untrusted_certificate(tmp_path):
+    tokens = write_shards(tmp_path / "tok", np.random.default_rng(14), sizes=(40,))
+    cert, key = self_signed(tmp_path)
+    tls = RangeServer(tmp_path, tls=(cert, key))
+    try:
+        url = f"{tls.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&val_fraction=0&{FAST}"
+        src = open_source(f"{url}&ca={cert}")
+        assert np.array_equal(src.read("train", np.array([3, 1]))[0], tokens.reshape(4, 10)[[3, 1]])
+        with pytest.raises(DatasetError, match=rf"HEAD {tls.url}/tok/shard-00.bin: SSLCertVerificationError") as err:
+            open_source(url)  # the system's CAs do not vouch for it
+        assert "attempts" not in str(err.value)  # a certificate does not get better with retries
+        with pytest.raises(DatasetError, match="ca '/nowhere.pem' is not a file"):
+            open_source(f"{url}&ca=/nowhere.pem")
+    finally:
+        tls.close()
