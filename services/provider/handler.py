@@ -29,7 +29,9 @@ from libbus.messages import (
     Evaluate,
     Evaluation,
     Message,
+    Ok,
     RingAttached,
+    StageControl,
     Stats,
     StatsReply,
 )
@@ -39,6 +41,7 @@ from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
 from .evaluator import evaluate_weights
+from .pipeline import find_stage, pipeline_stats
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 
 __all__ = ["ProviderHandler", "batch_indices"]
@@ -96,6 +99,7 @@ class ProviderHandler(Handler):
         "AttachRing": READERS,
         "Evaluate": READERS,
         "Stats": READERS,
+        "StageControl": ("admin",),
     }
 
     def __init__(self, datasets: dict[str, Source], *, host_id: str = "", shm: bool = True,
@@ -122,6 +126,8 @@ class ProviderHandler(Handler):
         for ring in self.rings.values():
             ring.close()
         self.rings.clear()
+        for source in self.datasets.values():
+            source.close()
 
     def tick(self, now: float) -> None:
         """Unmap rings their trainer has removed (a closed loader sends no goodbye): the mapping
@@ -175,6 +181,12 @@ class ProviderHandler(Handler):
             return self.evaluate(msg)
         if isinstance(msg, Stats):
             return StatsReply(services={"provider": self.stats()})
+        if isinstance(msg, StageControl):
+            dataset, stage = find_stage(self.datasets, msg.dataset, msg.stage)
+            session.claims.check_dataset(dataset)
+            result = stage.control(msg.command, msg.args)
+            log.info("%s: %s %s/%s %s", session.name, msg.command, dataset, stage.name, msg.args)
+            return Ok(detail={"dataset": dataset, "stage": stage.name, "type": stage.type, "result": result})
         raise BadRequest(f"provider does not serve {msg.type}")
 
     def attach_ring(self, session: Session, msg: AttachRing) -> RingAttached:
@@ -220,7 +232,7 @@ class ProviderHandler(Handler):
             try:
                 ring.begin_fill(msg.slot, msg.seq)
                 x, y = ring.views(msg.slot, x_shape, source.dtype, y_shape, source.label_dtype)
-                source.read_into(msg.split, indices, x, y)
+                source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
                 ring.finish_fill(msg.slot, msg.seq)  # checks the slot still awaits this request
             except ShmError as err:
                 self.refused["stale_slot"] += 1
@@ -230,7 +242,7 @@ class ProviderHandler(Handler):
         else:
             x = np.empty(x_shape, source.dtype)
             y = np.empty(y_shape, source.label_dtype)
-            source.read_into(msg.split, indices, x, y)
+            source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
             frames = [x.data, y.data]
         counters["batches"] += 1
         counters["samples"] += len(indices)
@@ -271,4 +283,5 @@ class ProviderHandler(Handler):
 
     def stats(self) -> dict:
         return {"datasets": {name: dict(c) for name, c in self.served.items()},
-                "refused": dict(self.refused), "evaluations_running": self._evaluations_running}
+                "refused": dict(self.refused), "evaluations_running": self._evaluations_running,
+                **pipeline_stats(self.datasets)}

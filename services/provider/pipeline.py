@@ -1,0 +1,398 @@
+"""``pipeline://FILE.toml``: a dataset defined as a chain of named stages, served like any source.
+
+The TOML file lists ``[[stages]]``: one ``source`` (any URI the provider opens) and transforms, each
+naming its predecessor in ``input`` (docs/datasets.md §4)::
+
+    seed = 0
+    [[stages]]
+    name = "images"
+    source = { uri = "mock://cifar10?n=2000" }
+    [[stages]]
+    name = "norm"
+    input = "images"
+    normalize = { mean = [0.0, 0.0, 0.0], std = [2.0, 2.0, 2.0] }
+
+:func:`build_pipeline` is the factory (the seed spec's ``CreateStage``): it checks the graph (one
+type per stage, known inputs, no cycle, one source, one chain) and each stage's parameters against
+what its input produces, and refuses a bad pipeline with a :class:`ConfigError` naming the stage.
+
+:class:`Pipeline` is a :class:`~.sources.Source`. Each stage runs on its own thread, reading chunks
+of a batch from a bounded :class:`~.stages.StageQueue` and writing to the next, so that the stages
+work on different chunks at once; the batch is written into its destination (a reply buffer or a
+trainer's ring slot) chunk by chunk, and ``read_into`` returns when the last chunk is in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import tomllib
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from libbus.errors import (
+    BadRequest,
+    BusError,
+    ConfigError,
+    DatasetError,
+    Internal,
+    NotFound,
+    Timeout,
+)
+
+from .sources import Source
+from .stages import STAGE_TYPES, Chunk, RandomStage, Spec, Stage, StageQueue
+
+__all__ = ["Pipeline", "build_pipeline", "find_stage", "open_pipeline", "pipeline_stats"]
+
+log = logging.getLogger(__name__)
+
+#: Top-level keys of a pipeline file, with their defaults.
+TOP_KEYS = {"stages": None, "seed": 0, "chunk": 32, "queue_capacity": 4}
+#: How long a stage thread waits on its queue before looking at the stop flag.
+POLL_S = 0.1
+#: How long a read waits for its batch before giving up on it.
+BATCH_TIMEOUT_S = 60.0
+
+
+class _Job:
+    """One read in flight: where its rows go, how many chunks are still out, the first failure."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, chunks: int):
+        self.x, self.y = x, y
+        self.remaining = chunks
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def fail(self, err: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = err
+            self.done.set()
+
+    def write(self, chunk: Chunk) -> None:
+        """Copy a finished chunk into its rows, unless the read already ended (failed, timed out)."""
+        with self.lock:
+            if self.error is not None:
+                return
+            end = chunk.start + len(chunk.indices)
+            self.x[chunk.start:end] = chunk.x
+            self.y[chunk.start:end] = chunk.y
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
+
+
+def _stage_worker(stage: Stage, inbox: StageQueue, outbox: StageQueue, stop: threading.Event) -> None:
+    while not stop.is_set():
+        chunk = inbox.get(POLL_S)
+        if chunk is None:
+            continue
+        if chunk.job.failed:
+            inbox.drops += 1
+            continue
+        try:
+            stage.run(chunk)
+        except BusError as err:
+            chunk.job.fail(type(err)(f"stage {stage.name!r} ({stage.type}): {err}"))
+            continue
+        except Exception as err:  # noqa: BLE001 - a bug in a stage fails the batch, not the provider
+            log.exception("stage %s (%s) failed", stage.name, stage.type)
+            chunk.job.fail(Internal(f"stage {stage.name!r} ({stage.type}): {type(err).__name__}: {err}"))
+            continue
+        outbox.put(chunk, stop, POLL_S)
+
+
+def _sink_worker(inbox: StageQueue, stop: threading.Event) -> None:
+    while not stop.is_set():
+        chunk = inbox.get(POLL_S)
+        if chunk is None:
+            continue
+        if chunk.job.failed:
+            inbox.drops += 1
+            continue
+        chunk.job.write(chunk)
+
+
+class Pipeline(Source):
+    """A source followed by transforms, each on its own thread, joined by bounded queues.
+
+    Args:
+        uri: what the dataset was opened from (DatasetInfo ``uri``).
+        stages: built stages in order, the source first.
+        chunk: samples per work item; a batch is cut into chunks of this size.
+        queue_capacity: chunks each queue holds before its producer waits.
+    """
+
+    def __init__(self, uri: str, stages: list[Stage], *, chunk: int = 32, queue_capacity: int = 4):
+        self.uri = uri
+        self.stages = stages
+        self.source: Source = stages[0].source
+        spec: Spec = stages[-1].spec
+        self.sample_shape, self.dtype = spec.sample_shape, spec.dtype
+        self.label_shape, self.label_dtype = spec.label_shape, spec.label_dtype
+        self.num_classes, self.kind = spec.num_classes, spec.kind
+        self.class_names = list(self.source.class_names) if spec.num_classes == self.source.num_classes else []
+        self.chunk = chunk
+        #: The pipeline's input (chunks of requested batches), then each stage's output queue.
+        self.requests = StageQueue("requests", queue_capacity)
+        self.queues = [StageQueue("output", queue_capacity) for _ in stages]
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
+        # Worker threads hold no reference to the pipeline: one that is dropped unclosed stops them.
+        weakref.finalize(self, self._stop.set)
+
+    def num_samples(self, split: str) -> int:
+        return self.source.num_samples(split)
+
+    def info(self) -> dict:
+        out = {**self.source.info(), **super().info()}
+        out["source_uri"] = self.source.uri
+        out["stages"] = [{"name": s.name, "type": s.type} for s in self.stages]
+        return out
+
+    # -- threads --------------------------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        with self._start_lock:
+            if self._threads or self._stop.is_set():
+                return
+            inboxes = [self.requests, *self.queues[:-1]]
+            for stage, inbox, outbox in zip(self.stages, inboxes, self.queues):
+                self._threads.append(threading.Thread(target=_stage_worker, args=(stage, inbox, outbox, self._stop),
+                                                      name=f"stage-{stage.name}", daemon=True))
+            self._threads.append(threading.Thread(target=_sink_worker, args=(self.queues[-1], self._stop),
+                                                  name="stage-sink", daemon=True))
+            for thread in self._threads:
+                thread.start()
+
+    def close(self) -> None:
+        """Stop the stage threads (within one poll period each)."""
+        self._stop.set()
+        for q in (self.requests, *self.queues):
+            q.closed = True
+        for thread in self._threads:
+            thread.join(2 * POLL_S + 1)
+
+    # -- reading --------------------------------------------------------------------------------
+    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        self.serve_into(split, indices, x, y, epoch=0)
+
+    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *,
+                   epoch: int = 0) -> None:
+        """Run ``indices`` through the stages into ``x``/``y``; random stages draw from ``epoch``.
+
+        Raises the first stage error (its type, its message prefixed with the stage's name),
+        :class:`BadRequest` for a negative epoch, or :class:`Timeout` if the batch is not done
+        within :data:`BATCH_TIMEOUT_S`.
+        """
+        if epoch < 0:
+            raise BadRequest(f"epoch must be a non-negative integer, got {epoch}")
+        if not len(indices):
+            return
+        if self._stop.is_set():
+            raise DatasetError(f"{self.uri}: pipeline is closed")
+        self._ensure_started()
+        starts = range(0, len(indices), self.chunk)
+        job = _Job(x, y, len(starts))
+        deadline = time.monotonic() + BATCH_TIMEOUT_S
+        for start in starts:
+            chunk = Chunk(job, start, indices[start:start + self.chunk], split, epoch)
+            if job.failed or not self.requests.put(chunk, self._stop, POLL_S):
+                break
+        while not job.done.wait(POLL_S):
+            if self._stop.is_set():
+                job.fail(DatasetError(f"{self.uri}: pipeline closed while reading"))
+            elif time.monotonic() > deadline:
+                job.fail(Timeout(f"{self.uri}: batch of {len(indices)} samples not through the pipeline "
+                                 f"within {BATCH_TIMEOUT_S:.0f} s"))
+        if job.error is not None:
+            raise job.error
+
+    # -- metrics and control --------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """Every stage's counters with its output queue's, and the request queue's."""
+        return {"requests": self.requests.metrics(),
+                "stages": [{**s.metrics(), "queue": q.metrics()} for s, q in zip(self.stages, self.queues)]}
+
+    def stage(self, name: str) -> Stage:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise NotFound(f"{self.uri} has no stage {name!r}; its stages are "
+                       f"{', '.join(s.name for s in self.stages)}")
+
+
+# -- the factory ---------------------------------------------------------------------------------
+
+def _positive(where: str, key: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _stage_tables(where: str, stages) -> dict[str, dict]:
+    """Name → stage table, checking names and that each stage has exactly one type."""
+    if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
+        raise ConfigError(f"{where}: expected a list of [[stages]] tables, got {type(stages).__name__}")
+    known = ", ".join(STAGE_TYPES)
+    tables: dict[str, dict] = {}
+    for number, table in enumerate(stages, 1):
+        name = table.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: stage #{number} has no name (name = \"…\")")
+        if name in tables:
+            raise ConfigError(f"{where}: two stages are named {name!r}")
+        types = [k for k in table if k in STAGE_TYPES]
+        unknown = sorted(set(table) - set(STAGE_TYPES) - {"name", "input"})
+        if unknown:
+            raise ConfigError(f"{where}: stage {name!r}: unknown key(s) {', '.join(unknown)}; a stage has "
+                              f"name, input and one of {known}")
+        if len(types) != 1:
+            what = "no type" if not types else f"{len(types)} types ({', '.join(types)})"
+            raise ConfigError(f"{where}: stage {name!r} has {what}; give exactly one of {known}")
+        if not isinstance(table[types[0]], dict):
+            raise ConfigError(f"{where}: stage {name!r}: {types[0]} must be a table of parameters, "
+                              f"got {type(table[types[0]]).__name__}")
+        if "input" in table and not isinstance(table["input"], str):
+            raise ConfigError(f"{where}: stage {name!r}: input must be a stage name, got {table['input']!r}")
+        tables[name] = table
+    return tables
+
+
+def _chain(where: str, tables: dict[str, dict]) -> list[str]:
+    """The stage names from the source to the one sink; refuses anything that is not one chain."""
+    names = list(tables)
+    sources = [n for n in names if "source" in tables[n]]
+    if not sources:
+        raise ConfigError(f"{where}: no source stage; add one with source = {{ uri = \"…\" }}")
+    if len(sources) > 1:
+        raise ConfigError(f"{where}: {len(sources)} source stages ({', '.join(sources)}); a pipeline has "
+                          "exactly one")
+    for name, table in tables.items():
+        is_source = "source" in table
+        if is_source and "input" in table:
+            raise ConfigError(f"{where}: stage {name!r} is a source and takes no input")
+        if not is_source and "input" not in table:
+            raise ConfigError(f"{where}: stage {name!r} needs an input (the name of the stage it reads)")
+        if not is_source and table["input"] not in tables:
+            raise ConfigError(f"{where}: stage {name!r} reads input {table['input']!r}, which is not a stage; "
+                              f"stages: {', '.join(names)}")
+    for name in names:  # every stage has one input: walking back either reaches a source or loops
+        seen = [name]
+        while "input" in tables[seen[-1]]:
+            nxt = tables[seen[-1]]["input"]
+            if nxt in seen:
+                loop = seen[seen.index(nxt):] + [nxt]
+                raise ConfigError(f"{where}: stages form a cycle: {' -> '.join(reversed(loop))} "
+                                  f"(stage {name!r} never reaches a source)")
+            seen.append(nxt)
+    readers: dict[str, list[str]] = {n: [] for n in names}
+    for name in names:
+        if "input" in tables[name]:
+            readers[tables[name]["input"]].append(name)
+    sinks = [n for n in names if not readers[n]]
+    if len(sinks) > 1:
+        forks = [f"{n!r} feeds {', '.join(repr(r) for r in rs)}" for n, rs in readers.items() if len(rs) > 1]
+        raise ConfigError(f"{where}: {len(sinks)} sinks ({', '.join(sinks)}): stage {'; '.join(forks)}; "
+                          "a pipeline is one chain, each stage read by at most one other")
+    chain = [sources[0]]
+    while readers[chain[-1]]:
+        chain.append(readers[chain[-1]][0])
+    return chain
+
+
+def build_pipeline(config: dict, uri: str, where: str | None = None) -> Pipeline:
+    """Build and check a pipeline from its parsed TOML ``config``.
+
+    Raises :class:`ConfigError` (or :class:`DatasetError` for a source that cannot be opened) naming
+    ``where`` (the file) and the stage at fault.
+    """
+    where = where or uri
+    unknown = sorted(set(config) - set(TOP_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; a pipeline file has "
+                          f"{', '.join(TOP_KEYS)}")
+    settings = {**TOP_KEYS, **config}
+    if settings["stages"] is None:
+        raise ConfigError(f"{where}: no [[stages]]; a pipeline is a list of them, a source first")
+    seed = settings["seed"]
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"{where}: seed must be a non-negative integer, got {seed!r}")
+    chunk = _positive(where, "chunk", settings["chunk"])
+    capacity = _positive(where, "queue_capacity", settings["queue_capacity"])
+    tables = _stage_tables(where, settings["stages"])
+    stages: list[Stage] = []
+    spec: Spec | None = None
+    try:
+        for name in _chain(where, tables):
+            table = tables[name]
+            kind = next(k for k in table if k in STAGE_TYPES)
+            cls = STAGE_TYPES[kind]
+            if issubclass(cls, RandomStage):
+                stage = cls(name, table[kind], spec, seed)
+            else:
+                stage = cls(name, table[kind], spec)
+            stages.append(stage)
+            spec = stage.spec
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from err
+    except DatasetError as err:
+        raise DatasetError(f"{where}: {err}") from err
+    log.debug("%s: %s", where, " -> ".join(f"{s.name} ({s.type})" for s in stages))
+    return Pipeline(uri, stages, chunk=chunk, queue_capacity=capacity)
+
+
+def open_pipeline(uri: str, parts, params: dict) -> Pipeline:
+    """``pipeline:///abs/file.toml`` or ``pipeline://rel/file.toml`` (relative to the working directory)."""
+    path = Path(parts.netloc + parts.path) if parts.netloc else Path(parts.path)
+    if not str(path) or str(path) == ".":
+        raise DatasetError(f"{uri}: name the pipeline file, e.g. pipeline:///etc/batchbus/cifar.toml")
+    try:
+        config = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise DatasetError(f"{uri}: pipeline file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DatasetError(f"{uri}: cannot read pipeline file {path}: {err}") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{uri}: {path} is not valid TOML: {err}") from err
+    return build_pipeline(config, uri, str(path))
+
+
+# -- what the provider asks of its pipelines ------------------------------------------------------
+
+def pipeline_stats(datasets: dict[str, Source]) -> dict:
+    """``{"pipelines": {dataset: metrics}}`` for the pipeline datasets among ``datasets`` (else ``{}``)."""
+    pipelines = {name: s.metrics() for name, s in datasets.items() if isinstance(s, Pipeline)}
+    return {"pipelines": pipelines} if pipelines else {}
+
+
+def find_stage(datasets: dict[str, Source], dataset: str, stage: str) -> tuple[str, Stage]:
+    """``(dataset, stage)`` for ``stage`` of pipeline ``dataset`` (``""``: the one pipeline that has it).
+
+    Raises :class:`NotFound` (no such pipeline or stage) or :class:`BadRequest` (a stage name in several
+    pipelines), each naming what exists.
+    """
+    pipelines = {name: s for name, s in datasets.items() if isinstance(s, Pipeline)}
+    if not pipelines:
+        raise NotFound(f"this provider serves no pipeline dataset (it serves {', '.join(sorted(datasets))})")
+    if dataset:
+        if dataset not in pipelines:
+            raise NotFound(f"{dataset!r} is not a pipeline dataset here; pipelines: {', '.join(sorted(pipelines))}")
+        return dataset, pipelines[dataset].stage(stage)
+    candidates = [n for n, p in sorted(pipelines.items()) if any(s.name == stage for s in p.stages)]
+    if not candidates:
+        names = [f"{n}/{s.name}" for n, p in sorted(pipelines.items()) for s in p.stages]
+        raise NotFound(f"no pipeline here has a stage {stage!r}; stages: {', '.join(names)}")
+    if len(candidates) > 1:
+        raise BadRequest(f"stage {stage!r} is in several pipelines ({', '.join(candidates)}); name the "
+                         "dataset (busctl control --dataset NAME)")
+    return candidates[0], pipelines[candidates[0]].stage(stage)
