@@ -250,6 +250,21 @@ def queues(config: Config = None, router: Router = None, secret_file: SecretFile
 
 @app.command()
 @guard
+def control(provider: Annotated[str, typer.Argument(help="Provider name (busctl peers).")],
+            stage: Annotated[str, typer.Argument(help="A stage of one of its pipeline datasets.")],
+            command: Annotated[str, typer.Argument(help="stats; random stages also get, set, reset.")],
+            args: Annotated[Optional[list[str]], typer.Argument(help="key=value, e.g. seed=3 epoch=2 (set).")] = None,
+            dataset: Annotated[str, typer.Option(help="The pipeline dataset, when several have STAGE.")] = "",
+            config: Config = None, router: Router = None, secret_file: SecretFile = None,
+            state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Send a control command to one stage of a provider's pipeline dataset (docs/operations.md)."""
+    from .pipeline import control_command
+    control_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
+                    provider, stage, command, args or [], dataset=dataset, json=json)
+
+
+@app.command()
+@guard
 def peers(config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
           token: Token = None, json: Json = False) -> None:
     """Providers, trainers and admins connected to the router."""

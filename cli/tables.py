@@ -7,7 +7,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["jobs", "job", "peers", "queues", "settings", "segments", "fmt_result"]
+__all__ = ["jobs", "job", "peers", "queues", "stages", "settings", "segments", "fmt_result"]
 
 console = Console()
 
@@ -80,10 +80,34 @@ def queues(services: dict) -> None:
     for name, s in sorted(services.items()):
         counters = s.get("counters", {})
         errors = sum(v for k, v in counters.items() if k.startswith("error_") or k == "malformed")
-        detail = {k: v for k, v in s.items() if k not in ("counters", "name", "endpoint", "role", "sessions")}
+        detail = {k: v for k, v in s.items()
+                  if k not in ("counters", "name", "endpoint", "role", "sessions", "pipelines")}
         table.add_row(name, s.get("role", "-"), str(s.get("sessions", "-")), str(counters.get("received", "-")),
                       str(counters.get("sent", "-")), str(errors), str(detail) if detail else "-")
     console.print(table)
+    stages(services)
+
+
+def stages(services: dict) -> None:
+    """One table per pipeline dataset of each provider: a row per stage, its output queue beside it
+    (size/capacity, put, get, drop); the row ``(requests)`` is the pipeline's input queue."""
+    for name, s in sorted(services.items()):
+        for dataset, p in sorted((s.get("pipelines") or {}).items()):
+            table = Table(title=f"{name}: pipeline {dataset}")
+            table.add_column("stage")
+            table.add_column("type", min_width=11)  # "random_crop" whole on an 80-column terminal
+            for column in ("in", "out", "err", "busy s", "queue", "put", "get", "drop"):
+                table.add_column(column, justify="right")
+            q = p.get("requests", {})
+            table.add_row("(requests)", "queue", "-", "-", "-", "-", f"{q.get('size', '-')}/{q.get('capacity', '-')}",
+                          str(q.get("put", "-")), str(q.get("get", "-")), str(q.get("drop", "-")))
+            for st in p.get("stages", []):
+                q = st.get("queue", {})
+                table.add_row(st.get("name", "?"), st.get("type", "?"), str(st.get("items_in", "-")),
+                              str(st.get("items_out", "-")), str(st.get("errors", "-")),
+                              f"{st.get('busy_s', 0):.2f}", f"{q.get('size', '-')}/{q.get('capacity', '-')}",
+                              str(q.get("put", "-")), str(q.get("get", "-")), str(q.get("drop", "-")))
+            console.print(table)
 
 
 def settings(values: dict, sources: dict) -> None:
