@@ -12,10 +12,12 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.app import app
+from libbus.errors import Forbidden
 from libbus.loader import RemoteLoader
-from libbus.messages import GetJob, SubmitJob
+from libbus.messages import BatchRequest, GetJob, StageControl, SubmitJob
 
 from .conftest import wait_job
+from .test_metrics import scrape, value
 
 PIPELINE = """
 seed = 7
@@ -147,3 +149,32 @@ def test_a_job_trains_the_cnn_on_a_pipeline_while_busctl_queues_shows_the_stages
     assert code == 1 and f"no provider named 'nobody' is connected; providers: {name}" in err
     code, _, err = busctl("control", name, "crop", "set", "seed")
     assert code == 2 and "'seed' is not key=value" in err
+
+
+def test_batch_requests_carry_the_epoch_and_prometheus_shows_each_stage(start_provider, pipeline_file, client_for):
+    provider = start_provider(f"aug=pipeline://{pipeline_file}", metrics_bind="127.0.0.1:0", name="prov-p")
+    trainer = client_for(provider.endpoint)
+
+    def batch(epoch: int) -> bytes:
+        reply = trainer.request(BatchRequest(dataset="aug", split="train", range=[0, 48], epoch=epoch))
+        return bytes(reply.frames[0].buffer)
+
+    assert batch(2) == batch(2) != batch(3)
+    with pytest.raises(Forbidden, match="StageControl needs role admin"):
+        trainer.request(StageControl(stage="flip", command="get"))
+    admin = client_for(provider.endpoint, role="admin")
+    detail = admin.request(StageControl(stage="flip", command="set", args={"seed": 1})).detail
+    assert detail == {"dataset": "aug", "stage": "flip", "type": "flip",
+                      "result": {"seed": 1, "epoch": "request", "items_since_anchor": 0}}
+
+    s = scrape(provider.service.metrics.url)
+    me = dict(service="provider", name="prov-p", dataset="aug")
+    for stage in ("digits", "norm", "crop", "flip"):
+        assert value(s, "batchbus_stage_items_in_total", stage=stage, **me) == 3 * 48
+        assert value(s, "batchbus_stage_items_out_total", stage=stage, **me) == 3 * 48
+        assert value(s, "batchbus_stage_errors_total", stage=stage, **me) == 0
+        assert value(s, "batchbus_stage_busy_seconds_total", stage=stage, **me) > 0
+        assert value(s, "batchbus_stage_queue_put_total", stage=stage, **me) == 3 * 3  # chunks of 16
+        assert value(s, "batchbus_stage_queue_capacity", stage=stage, **me) == 4
+    assert value(s, "batchbus_stage_queue_get_total", stage="(requests)", **me) == 9
+    assert value(s, "batchbus_stage_queue_size", stage="(requests)", **me) == 0
