@@ -106,7 +106,8 @@ REFUSALS = {
                                '[[stages]]\nname = "h2"\ninput = "h1"\none_hot = {}\n',
                       ["stage 'h2' (one_hot): needs one integer class id per sample, got labels of shape [10]"]),
     "bad dtype": (SOURCE + '[[stages]]\nname = "c"\ninput = "images"\ncast = { dtype = "float99" }\n',
-                  ["stage 'c' (cast): dtype must be a numpy"]),
+                  ["stage 'c' (cast): dtype must be a number type (bool, int8…int64, uint8…uint64, float16…float64), "
+                   "got 'float99'"]),
     "flip tokens": ('[[stages]]\nname = "t"\nsource = { uri = "mock://tokens?n=10" }\n'
                     '[[stages]]\nname = "f"\ninput = "t"\nflip = {}\n',
                     ["stage 'f' (flip): needs image samples", "tokens samples of shape [65]"]),
@@ -131,7 +132,8 @@ def test_the_factory_refuses_a_bad_pipeline_naming_the_stage(open_pipeline, tmp_
     with pytest.raises((ConfigError, DatasetError)) as info:
         open_pipeline(text)
     message = str(info.value)
-    assert message.startswith(str(tmp_path / "p.toml")), message  # names the file
+    assert message.startswith(f"{tmp_path / 'p.toml'}: "), message  # names the file, once
+    assert message.count("p.toml") == 1, message
     for part in expected:
         assert part in message, f"{part!r} not in {message!r}"
 

@@ -330,10 +330,11 @@ def build_pipeline(config: dict, uri: str, where: str | None = None) -> Pipeline
     chunk = _positive(where, "chunk", settings["chunk"])
     capacity = _positive(where, "queue_capacity", settings["queue_capacity"])
     tables = _stage_tables(where, settings["stages"])
+    chain = _chain(where, tables)
     stages: list[Stage] = []
     spec: Spec | None = None
     try:
-        for name in _chain(where, tables):
+        for name in chain:
             table = tables[name]
             kind = next(k for k in table if k in STAGE_TYPES)
             cls = STAGE_TYPES[kind]

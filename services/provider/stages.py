@@ -182,12 +182,12 @@ class Stage:
         value = self.config[key]
         try:
             dtype = np.dtype(value)
-        except TypeError:
+        except (TypeError, ValueError):
             dtype = None
         if dtype is None or dtype.kind not in kinds:
-            allowed = {"f": "float", "i": "signed integer", "u": "unsigned integer", "b": "bool"}
-            raise self.error(f"{key} must be a numpy {' or '.join(allowed[k] for k in kinds)} type "
-                             f"name such as float32, got {value!r}")
+            what = "a float type (float16, float32, float64)" if kinds == "f" else \
+                "a number type (bool, int8…int64, uint8…uint64, float16…float64)"
+            raise self.error(f"{key} must be {what}, got {value!r}")
         return dtype
 
 
