@@ -122,6 +122,11 @@ REFUSALS = {
                         ["stage 'src' (source): a pipeline's source cannot be another pipeline"]),
     "top key": ('threads = 4\n' + SOURCE, ["unknown key(s) threads; a pipeline file has stages, seed"]),
     "no stages": ('seed = 1\n', ["no [[stages]]"]),
+    "source with input": (SOURCE + '[[stages]]\nname = "more"\ninput = "images"\nsource = { uri = "mock://mnist" }\n',
+                          ["2 source stages"]),
+    "lone source with input": ('[[stages]]\nname = "s"\ninput = "s"\nsource = { uri = "mock://mnist" }\n',
+                               ["stage 's' is a source and takes no input"]),
+    "bad chunk": ('chunk = 0\n' + SOURCE, ["chunk must be a positive integer, got 0"]),
     "bad seed": ('seed = -1\n' + SOURCE, ["seed must be a non-negative integer"]),
 }
 
