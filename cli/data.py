@@ -96,6 +96,9 @@ def print_datasets(rows: list[dict]) -> None:
         source = info.get("uri", "-")
         extra = [f"{k} {info[k]}" for k in ("format", "memory") if info.get(k)]
         console.print(f"  source     {source}" + (f" ({', '.join(extra)})" if extra else ""))
+        if info.get("stages"):  # a pipeline: its stages in order, from its source_uri
+            console.print(f"  stages     {info.get('source_uri', '?')} -> "
+                          + " -> ".join(f"{s['name']} ({s['type']})" for s in info["stages"][1:]))
         console.print(f"  splits     {_splits(info)}")
         console.print(f"  samples    {tuple(info.get('sample_shape', []))} {info.get('dtype', '?')}")
         console.print(f"  labels     {_labels(info)}")

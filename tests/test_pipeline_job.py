@@ -116,6 +116,10 @@ def test_a_job_trains_the_cnn_on_a_pipeline_while_busctl_queues_shows_the_stages
     code, table, _ = busctl("queues")
     assert code == 0 and f"{name}: pipeline aug" in table, table
     assert all(word in table for word in ("(requests)", "digits", "source", "random_crop", "flip")), table
+    code, out, _ = busctl("datasets")
+    assert code == 0 and (f"source     pipeline://{pipeline_file}" in out
+                          and "stages     mock://mnist?n=1000&noise=1 -> norm (normalize) -> crop (random_crop) "
+                              "-> flip (flip)" in out), out
 
     done = wait_job(admin, job, timeout=180)
     assert done["state"] == "succeeded", done.get("error")
@@ -125,6 +129,7 @@ def test_a_job_trains_the_cnn_on_a_pipeline_while_busctl_queues_shows_the_stages
           f"data wait {result['data_wait_pct']:.0f}%")
     # chance is 0.1; the data allows about 0.99 (test_idx_job); augmentation costs a little of it
     assert result["val_accuracy"] >= 0.85 and result["test_accuracy"] >= 0.85
+    assert result["transport"] == "shm"  # the sink thread wrote every train batch into the trainer's ring
 
     # every train and val sample of both epochs went through every stage; the evaluation's test split too
     final = stage_counters(busctl)

@@ -206,8 +206,8 @@ class Pipeline(Source):
         deadline = time.monotonic() + BATCH_TIMEOUT_S
         for start in starts:
             chunk = Chunk(job, start, indices[start:start + self.chunk], split, epoch)
-            if job.failed or not self.requests.put(chunk, self._stop, POLL_S):
-                break
+            if job.failed or not self.requests.put(chunk, self._stop, POLL_S, deadline):
+                break  # the wait below turns a stop or the deadline into the batch's error
         while not job.done.wait(POLL_S):
             if self._stop.is_set():
                 job.fail(DatasetError(f"{self.uri}: pipeline closed while reading"))

@@ -15,6 +15,7 @@ each written by one thread and read by any, so a reader may see a value one chun
 from __future__ import annotations
 
 import hashlib
+import math
 import queue
 import time
 from dataclasses import dataclass, replace
@@ -70,9 +71,9 @@ class StageQueue:
     def size(self) -> int:
         return self._q.qsize()
 
-    def put(self, item, stop, poll_s: float) -> bool:
-        """Enqueue ``item``; False if the pipeline stopped first."""
-        while not stop.is_set():
+    def put(self, item, stop, poll_s: float, deadline: float = math.inf) -> bool:
+        """Enqueue ``item``; False if the pipeline stopped or ``deadline`` (monotonic) passed first."""
+        while not stop.is_set() and time.monotonic() < deadline:
             try:
                 self._q.put(item, timeout=poll_s)
             except queue.Full:
