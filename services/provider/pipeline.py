@@ -51,7 +51,7 @@ __all__ = ["Pipeline", "build_pipeline", "find_stage", "open_pipeline", "pipelin
 log = logging.getLogger(__name__)
 
 #: Top-level keys of a pipeline file, with their defaults.
-TOP_KEYS = {"stages": None, "seed": 0, "chunk": 32, "queue_capacity": 4}
+TOP_KEYS = {"stages": None, "seed": 0, "chunk": 64, "queue_capacity": 4}
 #: How long a stage thread waits on its queue before looking at the stop flag.
 POLL_S = 0.1
 #: How long a read waits for its batch before giving up on it.
@@ -132,7 +132,7 @@ class Pipeline(Source):
         queue_capacity: chunks each queue holds before its producer waits.
     """
 
-    def __init__(self, uri: str, stages: list[Stage], *, chunk: int = 32, queue_capacity: int = 4):
+    def __init__(self, uri: str, stages: list[Stage], *, chunk: int = 64, queue_capacity: int = 4):
         self.uri = uri
         self.stages = stages
         self.source: Source = stages[0].source

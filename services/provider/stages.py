@@ -5,8 +5,8 @@ produces (:class:`Spec`): it checks its parameters and that input at build time,
 is refused when the provider starts, never on a trainer's batch. :meth:`Stage.apply` then turns one
 :class:`Chunk` (a slice of a batch) into its output.
 
-Random stages draw every sample's numbers from ``numpy.random.default_rng([seed, epoch, split,
-stage, index])``: the same request gives the same bytes, whatever the chunking or the threads.
+Random stages draw every sample's numbers as a hash of ``(seed, epoch, split, stage, index)``: the
+same request gives the same bytes, whatever the chunking or the threads.
 
 Stages run on their own threads (see :mod:`.pipeline`); the counters a stage and a queue keep are
 each written by one thread and read by any, so a reader may see a value one chunk behind.
@@ -316,13 +316,14 @@ class RandomStage(Stage):
         self.epoch: int | None = None
         self.items_since_anchor = 0
 
-    def rngs(self, chunk: Chunk):
+    def uniforms(self, chunk: Chunk, draws: int) -> np.ndarray:
+        """``(len(chunk.indices), draws)`` numbers in [0, 1), each a function of (seed, epoch, split,
+        stage, index, draw) alone: SplitMix64 of a counter, so a whole chunk is drawn at once."""
         epoch = chunk.epoch if self.epoch is None else self.epoch
-        split = SPLITS.index(chunk.split)
-        seed = self.seed
         self.items_since_anchor += len(chunk.indices)
-        for index in chunk.indices.tolist():
-            yield np.random.default_rng([seed, epoch, split, self.key, index])
+        key = np.uint64(_stable_key(repr((self.seed, epoch, SPLITS.index(chunk.split), self.key))))
+        counters = chunk.indices.astype(np.uint64)[:, None] * np.uint64(draws) + np.arange(draws, dtype=np.uint64)
+        return (_splitmix64(counters + key) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
     def commands(self) -> tuple[str, ...]:
         return ("stats", "get", "set", "reset")
@@ -352,6 +353,13 @@ class RandomStage(Stage):
 
     def metrics(self) -> dict:
         return {**super().metrics(), **self.state()}
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function on uint64 arrays (wrapping arithmetic): a well-mixed hash."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def _nonneg(stage: str, key: str, value) -> int:
@@ -408,15 +416,16 @@ class RandomCrop(RandomStage):
             x = np.pad(x, widths, mode=self.config["mode"], **extra)
         ch, cw = self.size
         room_h, room_w = x.shape[-2] - ch, x.shape[-1] - cw
-        out = np.empty((len(x), *self.spec.sample_shape), x.dtype)
-        if chunk.split in self.splits:
-            for row, rng in enumerate(self.rngs(chunk)):
-                top, left = (int(v) for v in rng.integers(0, (room_h + 1, room_w + 1)))
-                out[row] = x[row, ..., top:top + ch, left:left + cw]
-        else:
+        if chunk.split not in self.splits:
             top, left = room_h // 2, room_w // 2
-            out[...] = x[..., top:top + ch, left:left + cw]
-        chunk.x = out
+            chunk.x = np.ascontiguousarray(x[..., top:top + ch, left:left + cw])
+            return
+        u = self.uniforms(chunk, 2)
+        top = (u[:, 0] * (room_h + 1)).astype(np.intp)
+        left = (u[:, 1] * (room_w + 1)).astype(np.intp)
+        windows = np.lib.stride_tricks.sliding_window_view(x, (ch, cw), axis=(-2, -1))
+        # (N, …, H', W', ch, cw) → each row's window at (top, left): (N, …, ch, cw), one gather
+        chunk.x = windows[np.arange(len(x)), ..., top, left, :, :]
 
 
 class Flip(RandomStage):
@@ -436,8 +445,8 @@ class Flip(RandomStage):
     def apply(self, chunk: Chunk) -> None:
         if chunk.split not in self.splits:
             return
-        flips = [rng.random() < self.p for rng in self.rngs(chunk)]
-        if any(flips):
+        flips = self.uniforms(chunk, 1)[:, 0] < self.p
+        if flips.any():
             x = np.array(chunk.x)
             x[flips] = x[flips][..., ::-1]
             chunk.x = x
