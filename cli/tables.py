@@ -90,24 +90,27 @@ def queues(services: dict) -> None:
 
 def stages(services: dict) -> None:
     """One table per pipeline dataset of each provider: a row per stage, its output queue beside it
-    (size/capacity, put, get, drop); the row ``(requests)`` is the pipeline's input queue."""
+    (size/capacity, then put/get/drop counts); the row ``(requests)`` is the pipeline's input queue."""
     for name, s in sorted(services.items()):
         for dataset, p in sorted((s.get("pipelines") or {}).items()):
             table = Table(title=f"{name}: pipeline {dataset}")
-            table.add_column("stage")
-            table.add_column("type", min_width=11)  # "random_crop" whole on an 80-column terminal
-            for column in ("in", "out", "err", "busy s", "queue", "put", "get", "drop"):
-                table.add_column(column, justify="right")
-            q = p.get("requests", {})
-            table.add_row("(requests)", "queue", "-", "-", "-", "-", f"{q.get('size', '-')}/{q.get('capacity', '-')}",
-                          str(q.get("put", "-")), str(q.get("get", "-")), str(q.get("drop", "-")))
-            for st in p.get("stages", []):
-                q = st.get("queue", {})
+            rows = p.get("stages", [])
+            # names and types are never cut short, even on an 80-column terminal: the numbers fold instead
+            table.add_column("stage", min_width=max([len("(requests)")] + [len(str(r.get("name"))) for r in rows]))
+            table.add_column("type", min_width=max([5] + [len(str(r.get("type"))) for r in rows]))
+            for column in ("in", "out", "err", "busy s", "queue", "put/get/drop"):
+                table.add_column(column, justify="right", overflow="fold")
+            table.add_row("(requests)", "queue", "-", "-", "-", "-", *_queue_cells(p.get("requests", {})))
+            for st in rows:
                 table.add_row(st.get("name", "?"), st.get("type", "?"), str(st.get("items_in", "-")),
                               str(st.get("items_out", "-")), str(st.get("errors", "-")),
-                              f"{st.get('busy_s', 0):.2f}", f"{q.get('size', '-')}/{q.get('capacity', '-')}",
-                              str(q.get("put", "-")), str(q.get("get", "-")), str(q.get("drop", "-")))
+                              f"{st.get('busy_s', 0):.2f}", *_queue_cells(st.get("queue", {})))
             console.print(table)
+
+
+def _queue_cells(q: dict) -> tuple[str, str]:
+    return (f"{q.get('size', '-')}/{q.get('capacity', '-')}",
+            f"{q.get('put', '-')}/{q.get('get', '-')}/{q.get('drop', '-')}")
 
 
 def settings(values: dict, sources: dict) -> None:
