@@ -11,15 +11,8 @@ import pytest
 from libbus.errors import BadRequest, ConfigError, DatasetError, NotFound
 from services.provider.pipeline import Pipeline, find_stage, pipeline_stats
 from services.provider.sources import open_source
-from services.provider.stages import (
-    Cast,
-    Chunk,
-    Flip,
-    Normalize,
-    OneHot,
-    RandomCrop,
-    Spec,
-)
+from services.provider.stages import Chunk, Spec
+from services.provider.transforms import Cast, Flip, Normalize, OneHot, RandomCrop
 
 SOURCE = """
 [[stages]]

@@ -9,7 +9,7 @@ deterministic: the same request always returns the same bytes.
   and covered in noise. ``?n=`` sets the train size (val and test are a fifth of it), ``?seed=``,
   ``?noise=`` the noise's standard deviation (default 2.0; class patterns have about 1).
 - ``dummy://?shape=1,28,28&n=1000&classes=10&dtype=float32``: zeros, for benchmarks and loop tests.
-- ``pipeline://FILE.toml``: a source followed by transform stages (:mod:`.pipeline`).
+- ``pipeline://FILE.toml``: a source followed by transform stages (:mod:`.pipeline_factory`).
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def _open_file(uri: str, parts, params: dict) -> Source:
 
 
 def _open_pipeline(uri: str, parts, params: dict) -> Source:
-    from .pipeline import open_pipeline  # noqa: PLC0415
+    from .pipeline_factory import open_pipeline  # noqa: PLC0415
     return open_pipeline(uri, parts, params)
 
 
