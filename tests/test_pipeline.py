@@ -4,14 +4,17 @@ determinism per (seed, epoch, split, index), stage metrics and queues, and stage
 from __future__ import annotations
 
 import textwrap
+import threading
+import time
+from typing import ClassVar
 
 import numpy as np
 import pytest
 
-from libbus.errors import BadRequest, ConfigError, DatasetError, NotFound
+from libbus.errors import BadRequest, ConfigError, DatasetError, NotFound, Timeout
 from services.provider.pipeline import Pipeline, find_stage, pipeline_stats
 from services.provider.sources import open_source
-from services.provider.stages import Chunk, Spec
+from services.provider.stages import Chunk, SourceStage, Spec, Stage
 from services.provider.transforms import Cast, Flip, Normalize, OneHot, RandomCrop
 
 SOURCE = """
@@ -374,3 +377,60 @@ def test_control_errors_name_the_stage_and_what_it_knows(open_pipeline):
         find_stage(datasets, "plain", "images")
     with pytest.raises(NotFound, match="serves no pipeline dataset"):
         find_stage({"plain": datasets["plain"]}, "", "images")
+
+
+# -- deadlines and shutdown -----------------------------------------------------------------------
+
+class Slow(Stage):
+    """A transform that takes its time: a stand-in for a stalled disk or a heavy decode."""
+
+    type = "slow"
+    params: ClassVar[dict] = {"seconds": 0.0}
+
+    def check(self, spec: Spec) -> Spec:
+        return spec
+
+    def apply(self, chunk: Chunk) -> None:
+        time.sleep(self.config["seconds"])
+
+
+def slow_pipeline(seconds: float, timeout_s: float) -> Pipeline:
+    source = SourceStage("images", {"uri": "mock://mnist?n=50"}, None)
+    return Pipeline("test://slow", [source, Slow("slow", {"seconds": seconds}, source.spec)], chunk=2,
+                    queue_capacity=2, timeout_s=timeout_s)
+
+
+def test_a_batch_not_through_in_time_fails_and_its_late_chunks_are_never_written():
+    p = slow_pipeline(0.2, timeout_s=0.7)
+    try:
+        x = np.zeros((12, 1, 28, 28), np.float32)
+        y = np.full(12, -1)
+        started = time.monotonic()
+        with pytest.raises(Timeout, match="test://slow: batch of 12 samples not through the pipeline within 0.7 s"):
+            p.serve_into("train", np.arange(12), x, y)
+        assert time.monotonic() - started < 5
+        time.sleep(1.5)  # the stage finishes the chunk it had (6 × 0.2 s would end at 1.2 s)
+        assert (y[-2:] == -1).all() and not x[-2:].any(), "a chunk finished after the deadline was written"
+        m = p.metrics()
+        # the chunks after the deadline were dropped (by the slow stage, or by the sink after it)
+        assert m["requests"]["drop"] + m["stages"][0]["queue"]["drop"] + m["stages"][1]["queue"]["drop"] >= 1
+        assert all(q["size"] == 0 for q in [m["requests"], *(s["queue"] for s in m["stages"])])
+        _, y2 = read(p, "train", [0, 1])  # and the pipeline still serves
+        assert (y2 >= 0).all()
+    finally:
+        p.close()
+
+
+def test_close_stops_the_threads_and_fails_a_read_in_flight():
+    p = slow_pipeline(0.2, timeout_s=30)
+    read(p, "train", [0])
+    closer = threading.Timer(0.3, p.close)
+    closer.start()
+    started = time.monotonic()
+    with pytest.raises(DatasetError, match="test://slow: pipeline closed while reading"):
+        read(p, "train", range(20))
+    assert time.monotonic() - started < 5
+    closer.join()
+    assert not any(t.is_alive() for t in p._threads)
+    with pytest.raises(DatasetError, match="pipeline is closed"):
+        read(p, "train", [0])

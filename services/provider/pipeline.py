@@ -104,9 +104,11 @@ class Pipeline(Source):
         stages: built stages in order, the source first.
         chunk: samples per work item; a batch is cut into chunks of this size.
         queue_capacity: chunks each queue holds before its producer waits.
+        timeout_s: how long a read waits for its batch.
     """
 
-    def __init__(self, uri: str, stages: list[Stage], *, chunk: int = 64, queue_capacity: int = 4):
+    def __init__(self, uri: str, stages: list[Stage], *, chunk: int = 64, queue_capacity: int = 4,
+                 timeout_s: float = BATCH_TIMEOUT_S):
         self.uri = uri
         self.stages = stages
         self.source: Source = stages[0].source
@@ -116,6 +118,7 @@ class Pipeline(Source):
         self.num_classes, self.kind = spec.num_classes, spec.kind
         self.class_names = list(self.source.class_names) if spec.num_classes == self.source.num_classes else []
         self.chunk = chunk
+        self.timeout_s = timeout_s
         #: The pipeline's input (chunks of requested batches), then each stage's output queue.
         self.requests = StageQueue("requests", queue_capacity)
         self.queues = [StageQueue("output", queue_capacity) for _ in stages]
@@ -166,7 +169,7 @@ class Pipeline(Source):
 
         Raises the first stage error (its type, its message prefixed with the stage's name),
         :class:`BadRequest` for a negative epoch, or :class:`Timeout` if the batch is not done
-        within :data:`BATCH_TIMEOUT_S`.
+        within ``timeout_s`` (default :data:`BATCH_TIMEOUT_S`).
         """
         if epoch < 0:
             raise BadRequest(f"epoch must be a non-negative integer, got {epoch}")
@@ -177,7 +180,7 @@ class Pipeline(Source):
         self._ensure_started()
         starts = range(0, len(indices), self.chunk)
         job = _Job(x, y, len(starts))
-        deadline = time.monotonic() + BATCH_TIMEOUT_S
+        deadline = time.monotonic() + self.timeout_s
         for start in starts:
             chunk = Chunk(job, start, indices[start:start + self.chunk], split, epoch)
             if job.failed or not self.requests.put(chunk, self._stop, POLL_S, deadline):
@@ -187,7 +190,7 @@ class Pipeline(Source):
                 job.fail(DatasetError(f"{self.uri}: pipeline closed while reading"))
             elif time.monotonic() > deadline:
                 job.fail(Timeout(f"{self.uri}: batch of {len(indices)} samples not through the pipeline "
-                                 f"within {BATCH_TIMEOUT_S:.0f} s"))
+                                 f"within {self.timeout_s:g} s"))
         if job.error is not None:
             raise job.error
 
