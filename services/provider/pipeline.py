@@ -17,7 +17,14 @@ import weakref
 
 import numpy as np
 
-from libbus.errors import BadRequest, BusError, DatasetError, Internal, NotFound, Timeout
+from libbus.errors import (
+    BadRequest,
+    BusError,
+    DatasetError,
+    Internal,
+    NotFound,
+    Timeout,
+)
 
 from .sources import Source
 from .stages import Chunk, Spec, Stage, StageQueue
