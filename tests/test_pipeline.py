@@ -88,6 +88,8 @@ REFUSALS = {
                   ["2 sinks (a, b)", "'images' feeds 'a', 'b'"]),
     "duplicate name": (SOURCE + SOURCE, ["two stages are named 'images'"]),
     "nameless": ('[[stages]]\nsource = { uri = "mock://mnist" }\n', ["stage #1 has no name"]),
+    "bad name": ('[[stages]]\nname = "(requests)"\nsource = { uri = "mock://mnist" }\n',
+                 ["stage name '(requests)' may hold letters, digits, '-', '_', '.'"]),
     "unknown stage key": (SOURCE + '[[stages]]\nname = "f"\ninput = "images"\nflip = {}\nthreads = 2\n',
                           ["stage 'f': unknown key(s) threads"]),
     "unknown parameter": (SOURCE + '[[stages]]\nname = "f"\ninput = "images"\nflip = { prob = 0.5 }\n',

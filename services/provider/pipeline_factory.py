@@ -54,6 +54,8 @@ def _stage_tables(where: str, stages) -> dict[str, dict]:
         name = table.get("name")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}: stage #{number} has no name (name = \"…\")")
+        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ConfigError(f"{where}: stage name {name!r} may hold letters, digits, '-', '_', '.'")
         if name in tables:
             raise ConfigError(f"{where}: two stages are named {name!r}")
         types = [k for k in table if k in STAGE_TYPES]
