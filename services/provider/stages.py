@@ -108,7 +108,6 @@ class Stage:
     type: ClassVar[str] = ""
     #: Known parameters and their defaults; a key not listed is refused.
     params: ClassVar[dict[str, Any]] = {}
-    random: ClassVar[bool] = False
 
     def __init__(self, name: str, config: dict, input_spec: Spec | None):
         self.name = name
@@ -219,8 +218,6 @@ class RandomStage(Stage):
     stage, index)``. It applies to the splits listed in ``splits`` (default train only); other splits
     get its deterministic counterpart. ``seed`` and the epoch can be set by control commands."""
 
-    random = True
-
     def __init__(self, name: str, config: dict, input_spec: Spec | None, seed: int):
         super().__init__(name, config, input_spec)
         splits = self.config["splits"]
@@ -236,12 +233,12 @@ class RandomStage(Stage):
 
     def uniforms(self, chunk: Chunk, draws: int) -> np.ndarray:
         """``(len(chunk.indices), draws)`` numbers in [0, 1), each a function of (seed, epoch, split,
-        stage, index, draw) alone: SplitMix64 of a counter, so a whole chunk is drawn at once."""
+        stage, index, draw) alone: SplitMix64 at a counter, so a whole chunk is drawn at once."""
         epoch = chunk.epoch if self.epoch is None else self.epoch
         self.items_since_anchor += len(chunk.indices)
         key = np.uint64(_stable_key(repr((self.seed, epoch, SPLITS.index(chunk.split), self.key))))
         counters = chunk.indices.astype(np.uint64)[:, None] * np.uint64(draws) + np.arange(draws, dtype=np.uint64)
-        return (_splitmix64(counters + key) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        return (_splitmix64(key + counters * _GOLDEN_GAMMA) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
     def commands(self) -> tuple[str, ...]:
         return ("stats", "get", "set", "reset")
@@ -273,8 +270,12 @@ class RandomStage(Stage):
         return {**super().metrics(), **self.state()}
 
 
+#: SplitMix64's state increment: its state after ``n`` steps is ``seed + n * gamma``.
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+
+
 def _splitmix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's output function on uint64 arrays (wrapping arithmetic): a well-mixed hash."""
+    """SplitMix64's output function on uint64 states (wrapping arithmetic)."""
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
