@@ -58,6 +58,8 @@ def control_command(settings: Settings, provider: str, stage: str, command: str,
     if json:
         print_json(detail)
         return
-    console.print(f"{provider} {detail['dataset']}/{detail['stage']} ({detail['type']}) {command}:")
-    for key, value in detail["result"].items():
-        console.print(f"  {key:<20} {value}")
+    answers = detail["result"] if detail["stage"] == "*" else {detail["stage"]: detail["result"]}
+    for stage, answer in answers.items():
+        console.print(f"{provider} {detail['dataset']}/{stage} {command}:")
+        for key, value in answer.items():
+            console.print(f"  {key:<20} {value}")

@@ -11,8 +11,8 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from libbus.errors import BadRequest, ConfigError, DatasetError, NotFound, Timeout
-from services.provider.pipeline import Pipeline, find_stage, pipeline_stats
+from libbus.errors import BadRequest, ConfigError, DatasetError, Forbidden, NotFound, Timeout
+from services.provider.pipeline import Pipeline, find_stage, pipeline_stats, stage_control
 from services.provider.sources import open_source
 from services.provider.stages import Chunk, SourceStage, Spec, Stage
 from services.provider.transforms import Cast, Flip, Normalize, OneHot, RandomCrop
@@ -379,6 +379,36 @@ def test_control_errors_name_the_stage_and_what_it_knows(open_pipeline):
         find_stage(datasets, "plain", "images")
     with pytest.raises(NotFound, match="serves no pipeline dataset"):
         find_stage({"plain": datasets["plain"]}, "", "images")
+
+
+def test_stage_star_sends_a_command_to_every_stage_that_answers_it_after_the_scope_check(open_pipeline):
+    p = open_pipeline(AUGMENT)
+    datasets = {"aug": p, "plain": open_source("mock://mnist?n=10")}
+    allowed: list[str] = []
+    detail = stage_control(datasets, "", "*", "set", {"seed": 4}, allowed.append)
+    assert allowed == ["aug"] and (detail["dataset"], detail["stage"]) == ("aug", "*")
+    assert detail["result"] == {"crop": {"seed": 4, "epoch": "request", "items_since_anchor": 0},
+                                "flip": {"seed": 4, "epoch": "request", "items_since_anchor": 0}}
+    assert set(stage_control(datasets, "aug", "*", "stats", {}, allowed.append)["result"]) == {
+        "images", "norm", "crop", "flip"}
+
+    def refuse(dataset: str) -> None:
+        raise Forbidden(f"not {dataset}")
+
+    with pytest.raises(Forbidden, match="not aug"):
+        stage_control(datasets, "", "*", "reset", {}, refuse)
+    with pytest.raises(Forbidden, match="not aug"):
+        stage_control(datasets, "", "crop", "reset", {}, refuse)
+    assert p.stage("crop").seed == 4  # refused before anything ran
+    stage_control(datasets, "", "*", "reset", {}, allowed.append)
+    assert p.stage("crop").seed == p.stage("flip").seed == 0
+    with pytest.raises(BadRequest, match="no stage of 'aug' answers 'rewind'"):
+        stage_control(datasets, "", "*", "rewind", {}, allowed.append)
+    datasets["b"] = open_pipeline(SOURCE, name="b.toml")
+    with pytest.raises(BadRequest, match=r"stage '\*' needs the dataset: this provider serves 2 pipelines \(aug, b\)"):
+        stage_control(datasets, "", "*", "reset", {}, allowed.append)
+    with pytest.raises(NotFound, match="'plain' is not a pipeline dataset here"):
+        stage_control(datasets, "plain", "*", "reset", {}, allowed.append)
 
 
 # -- deadlines and shutdown -----------------------------------------------------------------------

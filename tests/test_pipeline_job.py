@@ -146,6 +146,11 @@ def test_a_job_trains_the_cnn_on_a_pipeline_while_busctl_queues_shows_the_stages
     assert "seed" in out and "11" in out and provider.service.handler.datasets["aug"].stage("crop").epoch == 3
     code, _, err = busctl("control", name, "crop", "reset")
     assert code == 0 and provider.service.handler.datasets["aug"].stage("crop").seed == 7
+    code, out, err = busctl("control", name, "*", "set", "seed=5", "--json")
+    assert code == 0 and set(json.loads(out)["result"]) == {"crop", "flip"}, err
+    code, out, err = busctl("control", name, "*", "reset")
+    assert code == 0 and f"{name} aug/crop reset:" in out and f"{name} aug/flip reset:" in out, err
+    assert [s.seed for s in provider.service.handler.datasets["aug"].stages[2:]] == [7, 7]
     code, _, err = busctl("control", name, "cropp", "get")
     assert code == 1 and "no pipeline here has a stage 'cropp'; stages: aug/digits, aug/norm, aug/crop, aug/flip" in err
     code, _, err = busctl("control", name, "norm", "reset")

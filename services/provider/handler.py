@@ -41,7 +41,7 @@ from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
 from .evaluator import evaluate_weights
-from .pipeline import find_stage, pipeline_stats
+from .pipeline import pipeline_stats, stage_control
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 
 __all__ = ["ProviderHandler", "batch_indices"]
@@ -182,11 +182,10 @@ class ProviderHandler(Handler):
         if isinstance(msg, Stats):
             return StatsReply(services={"provider": self.stats()})
         if isinstance(msg, StageControl):
-            dataset, stage = find_stage(self.datasets, msg.dataset, msg.stage)
-            session.claims.check_dataset(dataset)
-            result = stage.control(msg.command, msg.args)
-            log.info("%s: %s %s/%s %s", session.name, msg.command, dataset, stage.name, msg.args)
-            return Ok(detail={"dataset": dataset, "stage": stage.name, "type": stage.type, "result": result})
+            detail = stage_control(self.datasets, msg.dataset, msg.stage, msg.command, msg.args,
+                                   session.claims.check_dataset)
+            log.info("%s: %s %s/%s %s", session.name, msg.command, detail["dataset"], msg.stage, msg.args)
+            return Ok(detail=detail)
         raise BadRequest(f"provider does not serve {msg.type}")
 
     def attach_ring(self, session: Session, msg: AttachRing) -> RingAttached:

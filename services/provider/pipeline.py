@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from libbus.errors import (
 from .sources import Source
 from .stages import Chunk, Spec, Stage, StageQueue
 
-__all__ = ["Pipeline", "find_stage", "pipeline_stats"]
+__all__ = ["Pipeline", "find_stage", "pipeline_stats", "stage_control"]
 
 log = logging.getLogger(__name__)
 
@@ -229,13 +230,9 @@ def find_stage(datasets: dict[str, Source], dataset: str, stage: str) -> tuple[s
     Raises :class:`NotFound` (no such pipeline or stage) or :class:`BadRequest` (a stage name in several
     pipelines), each naming what exists.
     """
-    pipelines = {name: s for name, s in datasets.items() if isinstance(s, Pipeline)}
-    if not pipelines:
-        raise NotFound(f"this provider serves no pipeline dataset (it serves {', '.join(sorted(datasets))})")
+    pipelines = _pipelines(datasets)
     if dataset:
-        if dataset not in pipelines:
-            raise NotFound(f"{dataset!r} is not a pipeline dataset here; pipelines: {', '.join(sorted(pipelines))}")
-        return dataset, pipelines[dataset].stage(stage)
+        return dataset, _pipeline(pipelines, dataset).stage(stage)
     candidates = [n for n, p in sorted(pipelines.items()) if any(s.name == stage for s in p.stages)]
     if not candidates:
         names = [f"{n}/{s.name}" for n, p in sorted(pipelines.items()) for s in p.stages]
@@ -244,3 +241,44 @@ def find_stage(datasets: dict[str, Source], dataset: str, stage: str) -> tuple[s
         raise BadRequest(f"stage {stage!r} is in several pipelines ({', '.join(candidates)}); name the "
                          "dataset (busctl control --dataset NAME)")
     return candidates[0], pipelines[candidates[0]].stage(stage)
+
+
+def stage_control(datasets: dict[str, Source], dataset: str, stage: str, command: str, args: dict,
+                  check_dataset: Callable[[str], None]) -> dict:
+    """Run a control command: ``{dataset, stage, type, result}`` from the stage's answer.
+
+    ``stage`` ``"*"`` sends it to every stage of the pipeline that answers ``command`` (the seed
+    spec's broadcast); ``result`` is then ``{stage: answer}``. ``check_dataset`` (the token's scope)
+    may refuse the pipeline before anything runs. Raises as :func:`find_stage`, or
+    :class:`BadRequest` for a command no stage answers.
+    """
+    if stage != "*":
+        name, target = find_stage(datasets, dataset, stage)
+        check_dataset(name)
+        return {"dataset": name, "stage": target.name, "type": target.type,
+                "result": target.control(command, args)}
+    pipelines = _pipelines(datasets)
+    if not dataset and len(pipelines) > 1:
+        raise BadRequest(f"stage '*' needs the dataset: this provider serves {len(pipelines)} pipelines "
+                         f"({', '.join(sorted(pipelines))}); busctl control --dataset NAME")
+    name = dataset or next(iter(pipelines))
+    pipeline = _pipeline(pipelines, name)
+    check_dataset(name)
+    targets = [s for s in pipeline.stages if command in s.commands()]
+    if not targets:
+        raise BadRequest(f"no stage of {name!r} answers {command!r}")
+    return {"dataset": name, "stage": "*", "type": "*",
+            "result": {s.name: s.control(command, args) for s in targets}}
+
+
+def _pipelines(datasets: dict[str, Source]) -> dict[str, Pipeline]:
+    pipelines = {name: s for name, s in datasets.items() if isinstance(s, Pipeline)}
+    if not pipelines:
+        raise NotFound(f"this provider serves no pipeline dataset (it serves {', '.join(sorted(datasets))})")
+    return pipelines
+
+
+def _pipeline(pipelines: dict[str, Pipeline], name: str) -> Pipeline:
+    if name not in pipelines:
+        raise NotFound(f"{name!r} is not a pipeline dataset here; pipelines: {', '.join(sorted(pipelines))}")
+    return pipelines[name]
