@@ -290,12 +290,13 @@ def fetch(dataset: Annotated[str, typer.Argument(help="Dataset name (or remote:/
           split: Annotated[str, typer.Option(help="train or val (test never leaves its provider).")] = "train",
           indices: Annotated[str, typer.Option(help="Ranges START:STOP[:STEP] such as 0:8 or 0:64:4, single indices, comma-joined: 3,7,9 or 0:4,100.")] = "0:8",
           out: Annotated[Path | None, typer.Option(help="Save instead of printing: .npz (x, y, indices) or .npy (x only).")] = None,
+          epoch: Annotated[int, typer.Option(min=0, help="The epoch whose augmentations a pipeline dataset applies.")] = 0,
           config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
           token: Token = None, json: Json = False) -> None:
     """Samples of a dataset exactly as a trainer receives them: shape, dtype, labels, per-sample summary."""
     from .data import fetch_command
     fetch_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
-                  dataset, split, indices, out=out, json=json)
+                  dataset, split, indices, out=out, json=json, epoch=epoch)
 
 
 @token_app.command("issue")

@@ -71,7 +71,7 @@ def stage_counters(busctl) -> dict[str, tuple[int, int, int]]:
 
 
 def test_the_loader_sends_its_epoch_so_augmentations_change_per_epoch_and_replay_exactly(
-        start_provider, pipeline_file, make_token):
+        start_provider, pipeline_file, make_token, busctl):
     provider = start_provider(f"aug=pipeline://{pipeline_file}")
     kw = dict(provider=provider.endpoint, token=make_token("trainer"), batch_size=50, shuffle="none",
               shm=False, timeout_s=10.0)
@@ -85,6 +85,12 @@ def test_the_loader_sends_its_epoch_so_augmentations_change_per_epoch_and_replay
         loader.set_epoch(1)
         x, _ = next(iter(loader))
         assert x.numpy().tobytes() == second[0].tobytes()
+    # busctl fetch --epoch shows what the trainer saw in that epoch
+    code, out, err = busctl("fetch", "aug", "--indices", "0:4", "--epoch", "1", "--json")
+    assert code == 0, err
+    np.testing.assert_array_equal(np.array(json.loads(out)["x"], np.float32), second[0][:4])
+    code, _, err = busctl("fetch", "aug", "--epoch", "-1")
+    assert code == 2 and "epoch" in err  # typer: not in the range x>=0
     with RemoteLoader("aug", split="val", **kw) as loader:  # val is not augmented: equal every epoch
         a = [x.numpy().copy() for x, _ in loader]
         b = [x.numpy().copy() for x, _ in loader]
