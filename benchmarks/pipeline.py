@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         np.save(data / "train_y.npy", rng.integers(0, 10, args.samples))
         source = open_source(f"file://{data}?memory=ram&val_fraction=0")
         print(f"{'row':<44} samples/s")
-        print(f"{'source alone (uint8 npy in RAM)':<44} {rate(served(source, args.batch), args.samples, args.batch):>9.0f}")
+        alone = rate(served(source, args.batch), args.samples, args.batch)
+        print(f"{'source alone (uint8 npy in RAM)':<44} {alone:>9.0f}")
         path = Path(tmp, "inline.toml")
         path.write_text(STAGES.format(data=data))
         pipeline = open_source(f"pipeline://{path}")  # its threads never start: only inline() reads

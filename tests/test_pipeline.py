@@ -104,7 +104,8 @@ REFUSALS = {
                                '[[stages]]\nname = "h2"\ninput = "h1"\none_hot = {}\n',
                       ["stage 'h2' (one_hot): needs one integer class id per sample, got labels of shape [10]"]),
     "bad dtype": (SOURCE + '[[stages]]\nname = "c"\ninput = "images"\ncast = { dtype = "float99" }\n',
-                  ["stage 'c' (cast): dtype must be a number type (bool, int8…int64, uint8…uint64, float16…float64), "
+                  ["stage 'c' (cast): dtype must be a number type (bool, int8…int64, uint8…uint64, "
+                   "float16…float64), "
                    "got 'float99'"]),
     "flip tokens": ('[[stages]]\nname = "t"\nsource = { uri = "mock://tokens?n=10" }\n'
                     '[[stages]]\nname = "f"\ninput = "t"\nflip = {}\n',
