@@ -252,6 +252,21 @@ def queues(config: Config = None, router: Router = None, secret_file: SecretFile
 
 @app.command()
 @guard
+def control(provider: Annotated[str, typer.Argument(help="Provider name (busctl peers).")],
+            stage: Annotated[str, typer.Argument(help="A stage of one of its pipeline datasets.")],
+            command: Annotated[str, typer.Argument(help="stats; random stages also get, set, reset.")],
+            args: Annotated[Optional[list[str]], typer.Argument(help="key=value, e.g. seed=3 epoch=2 (set).")] = None,
+            dataset: Annotated[str, typer.Option(help="The pipeline dataset, when several have STAGE.")] = "",
+            config: Config = None, router: Router = None, secret_file: SecretFile = None,
+            state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Send a control command to one stage of a provider's pipeline dataset (docs/operations.md)."""
+    from .pipeline import control_command
+    control_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
+                    provider, stage, command, args or [], dataset=dataset, json=json)
+
+
+@app.command()
+@guard
 def peers(config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
           token: Token = None, json: Json = False) -> None:
     """Providers, trainers and admins connected to the router."""
@@ -277,12 +292,13 @@ def fetch(dataset: Annotated[str, typer.Argument(help="Dataset name (or remote:/
           split: Annotated[str, typer.Option(help="train or val (test never leaves its provider).")] = "train",
           indices: Annotated[str, typer.Option(help="Ranges START:STOP[:STEP] such as 0:8 or 0:64:4, single indices, comma-joined: 3,7,9 or 0:4,100.")] = "0:8",
           out: Annotated[Path | None, typer.Option(help="Save instead of printing: .npz (x, y, indices) or .npy (x only).")] = None,
+          epoch: Annotated[int, typer.Option(min=0, help="The epoch whose augmentations a pipeline dataset applies.")] = 0,
           config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
           token: Token = None, json: Json = False) -> None:
     """Samples of a dataset exactly as a trainer receives them: shape, dtype, labels, per-sample summary."""
     from .data import fetch_command
     fetch_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
-                  dataset, split, indices, out=out, json=json)
+                  dataset, split, indices, out=out, json=json, epoch=epoch)
 
 
 @token_app.command("issue")

@@ -97,6 +97,9 @@ def print_datasets(rows: list[dict]) -> None:
         source = info.get("uri", "-")
         extra = [f"{k} {info[k]}" for k in ("format", "memory") if info.get(k)]
         console.print(f"  source     {source}" + (f" ({', '.join(extra)})" if extra else ""))
+        if info.get("stages"):  # a pipeline: its stages in order, from its source_uri
+            console.print(f"  stages     {info.get('source_uri', '?')} -> "
+                          + " -> ".join(f"{s['name']} ({s['type']})" for s in info["stages"][1:]))
         console.print(f"  splits     {_splits(info)}")
         console.print(f"  samples    {tuple(info.get('sample_shape', []))} {info.get('dtype', '?')}")
         console.print(f"  labels     {_labels(info)}")
@@ -167,10 +170,11 @@ def parse_indices(text: str, num_samples: int) -> np.ndarray:
     return indices
 
 
-def _request(dataset: str, split: str, indices: np.ndarray) -> BatchRequest:
+def _request(dataset: str, split: str, indices: np.ndarray, epoch: int = 0) -> BatchRequest:
     if len(indices) and bool(np.all(np.diff(indices) == 1)):
-        return BatchRequest(dataset=dataset, split=split, range=[int(indices[0]), int(indices[-1]) + 1])
-    return BatchRequest(dataset=dataset, split=split, frames=[np.ascontiguousarray(indices, "<i8").tobytes()])
+        return BatchRequest(dataset=dataset, split=split, range=[int(indices[0]), int(indices[-1]) + 1], epoch=epoch)
+    return BatchRequest(dataset=dataset, split=split, frames=[np.ascontiguousarray(indices, "<i8").tobytes()],
+                        epoch=epoch)
 
 
 def _arrays(reply: BatchResponse) -> tuple[np.ndarray, np.ndarray]:
@@ -181,9 +185,10 @@ def _arrays(reply: BatchResponse) -> tuple[np.ndarray, np.ndarray]:
     return out[0], out[1]
 
 
-def fetch(settings: Settings, dataset: str, split: str, indices_text: str) -> tuple[dict, dict, np.ndarray,
-                                                                                      np.ndarray, np.ndarray]:
-    """Samples ``indices_text`` of ``split`` from a provider of ``dataset``, as a trainer would read them.
+def fetch(settings: Settings, dataset: str, split: str, indices_text: str,
+          epoch: int = 0) -> tuple[dict, dict, np.ndarray, np.ndarray, np.ndarray]:
+    """Samples ``indices_text`` of ``split`` from a provider of ``dataset``, as a trainer would read them
+    in ``epoch`` (which only a pipeline dataset's random stages look at).
 
     Returns ``(info, provider, indices, x, y)``. Exits with a one-line error for bad ``--indices`` or
     an unknown split; provider errors (``SPLIT_PRIVATE`` for ``test``, ``TOO_LARGE``…) are raised as
@@ -213,7 +218,7 @@ def fetch(settings: Settings, dataset: str, split: str, indices_text: str) -> tu
             indices = parse_indices(indices_text, int(splits[split]["num_samples"]))
         except ValueError as err:
             fail(f"--indices {indices_text!r}: {err} in {resolved.dataset}/{split}", 2)
-        x, y = _arrays(client.request(_request(resolved.dataset, split, indices)))
+        x, y = _arrays(client.request(_request(resolved.dataset, split, indices, epoch)))
     return info, provider, indices, x, y
 
 
@@ -260,11 +265,11 @@ def save_samples(out: Path, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -
 
 
 def fetch_command(settings: Settings, dataset: str, split: str, indices: str, out: Path | None = None,
-                  json: bool = False) -> None:
+                  json: bool = False, epoch: int = 0) -> None:
     """``busctl fetch``: print samples, or save them to ``out`` (``.npz``: x, y, indices; ``.npy``: x)."""
     if out is not None and out.suffix not in OUT_SUFFIXES:
         fail(f"--out {out}: use a .npz file (x, y and indices) or a .npy file (x only)", 2)
-    info, provider, idx, x, y = fetch(settings, dataset, split, indices)
+    info, provider, idx, x, y = fetch(settings, dataset, split, indices, epoch)
     name = dataset.removeprefix("remote://").strip("/")
     if out is not None:
         what = save_samples(out, idx, x, y)

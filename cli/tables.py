@@ -7,7 +7,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["jobs", "job", "peers", "queues", "settings", "segments", "fmt_result"]
+__all__ = ["jobs", "job", "peers", "queues", "stages", "settings", "segments", "fmt_result"]
 
 console = Console()
 
@@ -88,10 +88,12 @@ def queues(services: dict) -> None:
     for name, s in sorted(services.items()):
         counters = s.get("counters", {})
         refused = ", ".join(f"{k} {v}" for k, v in refusals(counters).items()) or "0"
-        detail = {k: v for k, v in s.items() if k not in ("counters", "name", "endpoint", "role", "sessions")}
+        detail = {k: v for k, v in s.items()
+                  if k not in ("counters", "name", "endpoint", "role", "sessions", "pipelines")}
         table.add_row(name, s.get("role", "-"), str(s.get("sessions", "-")), str(counters.get("received", "-")),
                       str(counters.get("sent", "-")), refused, str(detail) if detail else "-")
     console.print(table)
+    stages(services)
 
 
 def revoked(rows: list[dict]) -> None:
@@ -100,6 +102,31 @@ def revoked(rows: list[dict]) -> None:
         table.add_row(r["jti"], _ago(r.get("at")), time.strftime("%Y-%m-%d %H:%M", time.localtime(r["exp"])),
                       r.get("reason") or "-")
     console.print(table)
+
+
+def stages(services: dict) -> None:
+    """One table per pipeline dataset of each provider: a row per stage, its output queue beside it
+    (size/capacity, then put/get/drop counts); the row ``(requests)`` is the pipeline's input queue."""
+    for name, s in sorted(services.items()):
+        for dataset, p in sorted((s.get("pipelines") or {}).items()):
+            table = Table(title=f"{name}: pipeline {dataset}")
+            rows = p.get("stages", [])
+            # names and types are never cut short, even on an 80-column terminal: the numbers fold instead
+            table.add_column("stage", min_width=max([len("(requests)")] + [len(str(r.get("name"))) for r in rows]))
+            table.add_column("type", min_width=max([5] + [len(str(r.get("type"))) for r in rows]))
+            for column in ("in", "out", "err", "busy s", "queue", "put/get/drop"):
+                table.add_column(column, justify="right", overflow="fold")
+            table.add_row("(requests)", "queue", "-", "-", "-", "-", *_queue_cells(p.get("requests", {})))
+            for st in rows:
+                table.add_row(st.get("name", "?"), st.get("type", "?"), str(st.get("items_in", "-")),
+                              str(st.get("items_out", "-")), str(st.get("errors", "-")),
+                              f"{st.get('busy_s', 0):.2f}", *_queue_cells(st.get("queue", {})))
+            console.print(table)
+
+
+def _queue_cells(q: dict) -> tuple[str, str]:
+    return (f"{q.get('size', '-')}/{q.get('capacity', '-')}",
+            f"{q.get('put', '-')}/{q.get('get', '-')}/{q.get('drop', '-')}")
 
 
 def settings(values: dict, sources: dict) -> None:

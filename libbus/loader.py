@@ -243,7 +243,7 @@ class RemoteLoader:
         """One pass: the rest of the current epoch. A pass left early is continued by the next."""
         epoch, position = self.epoch, self.position
         batches = self._order.batches(epoch, start=position)
-        fetch = self._fetch(batches)
+        fetch = self._fetch(batches, epoch)
         try:
             for item, batch in zip(fetch, batches):
                 position += len(batch)
@@ -262,14 +262,15 @@ class RemoteLoader:
         return BatchRequest(dataset=self.dataset, split=self.split,
                             frames=[np.ascontiguousarray(indices, dtype="<i8").data], **fields)
 
-    def _fetch(self, batches: list[np.ndarray]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _fetch(self, batches: list[np.ndarray], epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         delivery = self._delivery
         try:
-            yield from self._pipeline(batches, delivery)
+            yield from self._pipeline(batches, delivery, epoch)
         finally:
             delivery.reset()  # a pass left early: its slots are free again, late replies refused
 
-    def _pipeline(self, batches: list[np.ndarray], delivery) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _pipeline(self, batches: list[np.ndarray], delivery,
+                  epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         client = self.client
         if client.session is None:
             client.hello(self.timeout_s)
@@ -281,7 +282,8 @@ class RemoteLoader:
         next_send = next_yield = 0
 
         def send(batch_no: int) -> None:
-            rid = client.send(self._request(batches[batch_no], delivery.fields(batch_no)))
+            # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
+            rid = client.send(self._request(batches[batch_no], {"epoch": epoch, **delivery.fields(batch_no)}))
             pending[rid] = batch_no
             sent_at[batch_no] = time.monotonic()
 

@@ -27,7 +27,7 @@ __all__ = [
     "AttachRing", "RingAttached",
     "SubmitJob", "JobSubmitted", "ListJobs", "JobList", "GetJob", "JobInfo", "ControlJob",
     "GetTask", "Task", "NoTask", "Progress", "PushResult", "Command",
-    "Evaluate", "Evaluation", "Stats", "StatsReply", "ListPeers", "PeerList",
+    "Evaluate", "Evaluation", "StageControl", "Stats", "StatsReply", "ListPeers", "PeerList",
     "RevokeToken", "ListRevoked", "RevokedList", "Entitlements",
 ]
 
@@ -132,7 +132,8 @@ class BatchRequest(Message):
     """Samples by index: either ``range=[start, end)`` or one int64 payload frame of indices.
 
     With ``slot`` and ``seq`` (after :class:`AttachRing`) the provider writes the batch into that
-    ring slot, if the slot still awaits request ``seq``, instead of sending it back.
+    ring slot, if the slot still awaits request ``seq``, instead of sending it back. ``epoch`` seeds
+    a pipeline dataset's random stages, so a resent request gets the same bytes.
     """
     nframes: ClassVar[tuple[int, int]] = (0, 1)
     dataset: str
@@ -140,6 +141,7 @@ class BatchRequest(Message):
     range: list | None = None
     slot: int | None = None
     seq: int | None = None
+    epoch: int = 0
 
 
 @dataclass(kw_only=True)
@@ -271,6 +273,18 @@ class Evaluation(Message):
     loss: float
     accuracy: float
     n: int
+
+
+# -- pipeline control ----------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class StageControl(Message):
+    """Admin → provider: ``command`` for ``stage`` of pipeline ``dataset`` (``""``: the one pipeline
+    with such a stage). Reply: ``Ok{detail: {dataset, stage, type, result}}``."""
+    stage: str
+    command: str
+    dataset: str = ""
+    args: dict = field(default_factory=dict)
 
 
 # -- stats and peers -------------------------------------------------------------------------

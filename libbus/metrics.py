@@ -93,6 +93,20 @@ _SERVED = {
     "evaluations": ("evaluations", "Evaluations run on the provider's own test split, by dataset."),
 }
 
+#: A pipeline stage's stats keys (``queue_*``: its output queue's) with their metric and help text.
+_STAGE_METRICS = {
+    "items_in": (CounterMetricFamily, "stage_items_in", "Samples a pipeline stage took in, by dataset and stage."),
+    "items_out": (CounterMetricFamily, "stage_items_out", "Samples a pipeline stage put out."),
+    "errors": (CounterMetricFamily, "stage_errors", "Chunks a pipeline stage failed on (each failed its batch)."),
+    "busy_s": (CounterMetricFamily, "stage_busy_seconds", "Seconds a pipeline stage spent working."),
+    "queue_size": (GaugeMetricFamily, "stage_queue_size", "Chunks waiting in a stage's output queue now."),
+    "queue_capacity": (GaugeMetricFamily, "stage_queue_capacity", "Chunks a stage's output queue holds."),
+    "queue_put": (CounterMetricFamily, "stage_queue_put", "Chunks put into a stage's output queue."),
+    "queue_get": (CounterMetricFamily, "stage_queue_get", "Chunks taken from a stage's output queue."),
+    "queue_drop": (CounterMetricFamily, "stage_queue_drop",
+                   "Chunks taken from a stage's output queue and dropped: their batch had already failed."),
+}
+
 
 class StatsCollector(Collector):
     """Reads ``stats()`` (the dict a service puts on its heartbeats) at each scrape.
@@ -177,6 +191,9 @@ class StatsCollector(Collector):
             fam = family(GaugeMetricFamily, "evaluations_running", "Evaluations running now.")
             fam.add_metric([self.service, self.name], float(stats["evaluations_running"]))
             yield fam
+        pipelines = stats.get("pipelines")
+        if isinstance(pipelines, dict):
+            yield from self._stages(pipelines, family)
         if self.latency is not None:
             fam = family(HistogramMetricFamily, "batch_seconds",
                          "Time to assemble one batch (read samples, fill the reply or ring slot), by dataset.",
@@ -185,6 +202,22 @@ class StatsCollector(Collector):
                 buckets, total = hist.snapshot()
                 fam.add_metric([self.service, self.name, dataset], buckets, total)
             yield fam
+
+    def _stages(self, pipelines: dict, family) -> Iterator[Metric]:
+        """Per stage of each pipeline dataset: its counters, and its output queue's (the pipeline's
+        request queue under the stage name ``(requests)``)."""
+        labels = ("dataset", "stage")
+        fams = {key: family(kind, metric, doc, labels) for key, (kind, metric, doc) in _STAGE_METRICS.items()}
+        for dataset, pipeline in sorted(pipelines.items()):
+            rows = [("(requests)", {}, pipeline.get("requests", {}))]
+            rows += [(st.get("name", "?"), st, st.get("queue", {})) for st in pipeline.get("stages", [])]
+            for stage, counters, queue in rows:
+                values = {**{k: counters.get(k) for k in ("items_in", "items_out", "errors", "busy_s")},
+                          **{f"queue_{k}": queue.get(k) for k in ("size", "capacity", "put", "get", "drop")}}
+                for key, value in values.items():
+                    if isinstance(value, (int, float)):
+                        fams[key].add_metric([self.service, self.name, dataset, stage], float(value))
+        yield from fams.values()
 
     def _router(self, stats: dict, family) -> Iterator[Metric]:
         jobs = stats.get("jobs")

@@ -29,7 +29,9 @@ from libbus.messages import (
     Evaluate,
     Evaluation,
     Message,
+    Ok,
     RingAttached,
+    StageControl,
     Stats,
     StatsReply,
 )
@@ -39,6 +41,7 @@ from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
 from .evaluator import evaluate_weights
+from .pipeline import pipeline_stats, stage_control
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 
 __all__ = ["ProviderHandler", "batch_indices"]
@@ -109,6 +112,7 @@ class ProviderHandler(Handler):
         "AttachRing": READERS,
         "Evaluate": READERS,
         "Stats": READERS,
+        "StageControl": ("admin",),
     }
 
     def __init__(self, datasets: dict[str, Source], *, host_id: str = "", shm: bool = True,
@@ -142,6 +146,8 @@ class ProviderHandler(Handler):
         for ring in self.rings.values():
             ring.close()
         self.rings.clear()
+        for source in self.datasets.values():
+            source.close()
 
     def set_assigned(self, assigned: dict[str, list[str]]) -> None:
         """Take the router's assignments (any thread: one reference swap)."""
@@ -245,6 +251,11 @@ class ProviderHandler(Handler):
             return self.evaluate(msg)
         if isinstance(msg, Stats):
             return StatsReply(services={"provider": self.stats()})
+        if isinstance(msg, StageControl):
+            detail = stage_control(self.datasets, msg.dataset, msg.stage, msg.command, msg.args,
+                                   session.claims.check_dataset)
+            log.info("%s: %s %s/%s %s", session.name, msg.command, detail["dataset"], msg.stage, msg.args)
+            return Ok(detail=detail)
         raise BadRequest(f"provider does not serve {msg.type}")
 
     def attach_ring(self, session: Session, msg: AttachRing) -> RingAttached:
@@ -294,7 +305,7 @@ class ProviderHandler(Handler):
             try:
                 ring.begin_fill(msg.slot, msg.seq)
                 x, y = ring.views(msg.slot, x_shape, source.dtype, y_shape, source.label_dtype)
-                source.read_into(msg.split, indices, x, y)
+                source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
                 ring.finish_fill(msg.slot, msg.seq)  # checks the slot still awaits this request
             except ShmError as err:
                 self.refused["stale_slot"] += 1
@@ -304,7 +315,7 @@ class ProviderHandler(Handler):
         else:
             x = np.empty(x_shape, source.dtype)
             y = np.empty(y_shape, source.label_dtype)
-            source.read_into(msg.split, indices, x, y)
+            source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
             frames = [x.data, y.data]
         counters["batches"] += 1
         counters["samples"] += len(indices)
@@ -346,4 +357,5 @@ class ProviderHandler(Handler):
     def stats(self) -> dict:
         return {"datasets": {name: dict(c) for name, c in self.served.items()},
                 "waiting_assignment": len(self._waiting),
-                "refused": dict(self.refused), "evaluations_running": self._evaluations_running}
+                "refused": dict(self.refused), "evaluations_running": self._evaluations_running,
+                **pipeline_stats(self.datasets)}

@@ -9,6 +9,7 @@ deterministic: the same request always returns the same bytes.
   and covered in noise. ``?n=`` sets the train size (val and test are a fifth of it), ``?seed=``,
   ``?noise=`` the noise's standard deviation (default 2.0; class patterns have about 1).
 - ``dummy://?shape=1,28,28&n=1000&classes=10&dtype=float32``: zeros, for benchmarks and loop tests.
+- ``pipeline://FILE.toml``: a source followed by transform stages (:mod:`.pipeline_factory`).
 
 The other schemes live in their own modules: ``file://`` (:mod:`.files`), ``http(s)://``
 (:mod:`.remote`), ``parquet://`` (:mod:`.parquet`), ``weighted://`` (:mod:`.weighted`).
@@ -70,6 +71,15 @@ class Source(ABC):
         xs, ys = self.read(split, indices)
         x[...] = xs
         y[...] = ys
+
+    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *,
+                   epoch: int = 0) -> None:
+        """What the provider calls for a BatchRequest of ``epoch``: :meth:`read_into`, for sources
+        whose bytes do not depend on the epoch (a pipeline's random stages do)."""
+        self.read_into(split, indices, x, y)
+
+    def close(self) -> None:
+        """Release what the source holds (threads, files); the provider calls it when it stops."""
 
     @property
     def x_nbytes(self) -> int:
@@ -245,6 +255,11 @@ def _open_weighted(uri: str, parts, params: dict, named: Mapping[str, Source]) -
     return open_weighted(uri, parts, params, named)
 
 
+def _open_pipeline(uri: str, parts, params: dict) -> Source:
+    from .pipeline_factory import open_pipeline  # noqa: PLC0415
+    return open_pipeline(uri, parts, params)
+
+
 #: scheme → opener(uri, urlsplit parts, query params) → Source. An opener pops the parameters it
 #: understands; whatever is left is reported as unknown.
 OPENERS: dict[str, Callable[..., Source]] = {
@@ -255,6 +270,7 @@ OPENERS: dict[str, Callable[..., Source]] = {
     "https": _open_http,
     "parquet": _open_parquet,
     "weighted": _open_weighted,
+    "pipeline": _open_pipeline,
 }
 #: Schemes whose opener also gets the datasets the provider has already opened, by name.
 NAMED_SCHEMES = {"weighted"}

@@ -206,7 +206,16 @@ class Mix(Source):
         return info
 
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-        """Samples ``indices`` of the mix: one read per source the batch touches."""
+        self.serve_into(split, indices, x, y)
+
+    def close(self) -> None:
+        for src in self.sources:
+            src.close()
+
+    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *,
+                   epoch: int = 0) -> None:
+        """Samples ``indices`` of the mix: one read per source the batch touches (``epoch`` goes
+        on to members whose bytes depend on it: pipelines with random stages)."""
         n, members, schedule = self._splits[split]
         idx = np.asarray(indices, np.int64).reshape(-1)
         if not len(idx):
@@ -218,12 +227,12 @@ class Mix(Source):
             src = self.sources[members[j]]
             local = k[which == j] % src.num_samples(split)
             if len(local) == len(idx):  # the whole batch from one source: straight into x and y
-                src.read_into(split, local, x, y)
+                src.serve_into(split, local, x, y, epoch=epoch)
                 continue
             rows = np.flatnonzero(which == j)
             xs = np.empty((len(rows), *self.sample_shape), self.dtype)
             ys = np.empty((len(rows), *self.label_shape), self.label_dtype)
-            src.read_into(split, local, xs, ys)
+            src.serve_into(split, local, xs, ys, epoch=epoch)
             x[rows] = xs
             y[rows] = ys
 

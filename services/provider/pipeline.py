@@ -1,0 +1,284 @@
+"""A pipeline dataset at run time: its stages on threads joined by bounded queues, served as a Source.
+
+:class:`Pipeline` is a :class:`~.sources.Source`, built by :mod:`.pipeline_factory` from a
+``pipeline://FILE.toml`` (docs/datasets.md §4). Each stage runs on its own thread, reading chunks of
+a batch from a bounded :class:`~.stages.StageQueue` and writing to the next, so that the stages
+work on different chunks at once; the batch is written into its destination (a reply buffer or a
+trainer's ring slot) chunk by chunk, and ``read_into`` returns when the last chunk is in.
+:func:`pipeline_stats` and :func:`find_stage` are what the provider's handler asks of its pipelines.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+
+from libbus.errors import (
+    BadRequest,
+    BusError,
+    DatasetError,
+    Internal,
+    NotFound,
+    Timeout,
+)
+
+from .sources import Source
+from .stages import Chunk, Spec, Stage, StageQueue
+
+__all__ = ["Pipeline", "find_stage", "pipeline_stats", "stage_control"]
+
+log = logging.getLogger(__name__)
+
+#: How long a stage thread waits on its queue before looking at the stop flag.
+POLL_S = 0.1
+#: How long a read waits for its batch before giving up on it.
+BATCH_TIMEOUT_S = 60.0
+
+
+class _Job:
+    """One read in flight: where its rows go, how many chunks are still out, the first failure."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, chunks: int):
+        self.x, self.y = x, y
+        self.remaining = chunks
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def fail(self, err: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = err
+            self.done.set()
+
+    def write(self, chunk: Chunk) -> None:
+        """Copy a finished chunk into its rows, unless the read already ended (failed, timed out)."""
+        with self.lock:
+            if self.error is not None:
+                return
+            end = chunk.start + len(chunk.indices)
+            self.x[chunk.start:end] = chunk.x
+            self.y[chunk.start:end] = chunk.y
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
+
+
+def _stage_worker(stage: Stage, inbox: StageQueue, outbox: StageQueue, stop: threading.Event) -> None:
+    while not stop.is_set():
+        chunk = inbox.get(POLL_S)
+        if chunk is None:
+            continue
+        if chunk.job.failed:
+            inbox.drops += 1
+            continue
+        try:
+            stage.run(chunk)
+        except BusError as err:
+            chunk.job.fail(type(err)(f"stage {stage.name!r} ({stage.type}): {err}"))
+            continue
+        except Exception as err:  # noqa: BLE001 - a bug in a stage fails the batch, not the provider
+            log.exception("stage %s (%s) failed", stage.name, stage.type)
+            chunk.job.fail(Internal(f"stage {stage.name!r} ({stage.type}): {type(err).__name__}: {err}"))
+            continue
+        outbox.put(chunk, stop, POLL_S)
+
+
+def _sink_worker(inbox: StageQueue, stop: threading.Event) -> None:
+    while not stop.is_set():
+        chunk = inbox.get(POLL_S)
+        if chunk is None:
+            continue
+        if chunk.job.failed:
+            inbox.drops += 1
+            continue
+        chunk.job.write(chunk)
+
+
+class Pipeline(Source):
+    """A source followed by transforms, each on its own thread, joined by bounded queues.
+
+    Args:
+        uri: what the dataset was opened from (DatasetInfo ``uri``).
+        stages: built stages in order, the source first.
+        chunk: samples per work item; a batch is cut into chunks of this size.
+        queue_capacity: chunks each queue holds before its producer waits.
+        timeout_s: how long a read waits for its batch.
+    """
+
+    def __init__(self, uri: str, stages: list[Stage], *, chunk: int = 64, queue_capacity: int = 4,
+                 timeout_s: float = BATCH_TIMEOUT_S):
+        self.uri = uri
+        self.stages = stages
+        self.source: Source = stages[0].source
+        spec: Spec = stages[-1].spec
+        self.sample_shape, self.dtype = spec.sample_shape, spec.dtype
+        self.label_shape, self.label_dtype = spec.label_shape, spec.label_dtype
+        self.num_classes, self.kind = spec.num_classes, spec.kind
+        self.class_names = list(self.source.class_names) if spec.num_classes == self.source.num_classes else []
+        self.chunk = chunk
+        self.timeout_s = timeout_s
+        #: The pipeline's input (chunks of requested batches), then each stage's output queue.
+        self.requests = StageQueue("requests", queue_capacity)
+        self.queues = [StageQueue("output", queue_capacity) for _ in stages]
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
+        # Worker threads hold no reference to the pipeline: one that is dropped unclosed stops them.
+        weakref.finalize(self, self._stop.set)
+
+    def num_samples(self, split: str) -> int:
+        return self.source.num_samples(split)
+
+    def info(self) -> dict:
+        out = {**self.source.info(), **super().info()}
+        out["source_uri"] = self.source.uri
+        out["stages"] = [{"name": s.name, "type": s.type} for s in self.stages]
+        return out
+
+    # -- threads --------------------------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        with self._start_lock:
+            if self._threads or self._stop.is_set():
+                return
+            inboxes = [self.requests, *self.queues[:-1]]
+            for stage, inbox, outbox in zip(self.stages, inboxes, self.queues):
+                self._threads.append(threading.Thread(target=_stage_worker, args=(stage, inbox, outbox, self._stop),
+                                                      name=f"stage-{stage.name}", daemon=True))
+            self._threads.append(threading.Thread(target=_sink_worker, args=(self.queues[-1], self._stop),
+                                                  name="stage-sink", daemon=True))
+            for thread in self._threads:
+                thread.start()
+
+    def close(self) -> None:
+        """Stop the stage threads (within one poll period each)."""
+        self._stop.set()
+        for q in (self.requests, *self.queues):
+            q.closed = True
+        for thread in self._threads:
+            thread.join(2 * POLL_S + 1)
+
+    # -- reading --------------------------------------------------------------------------------
+    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        self.serve_into(split, indices, x, y, epoch=0)
+
+    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *,
+                   epoch: int = 0) -> None:
+        """Run ``indices`` through the stages into ``x``/``y``; random stages draw from ``epoch``.
+
+        Raises the first stage error (its type, its message prefixed with the stage's name),
+        :class:`BadRequest` for a negative epoch, or :class:`Timeout` if the batch is not done
+        within ``timeout_s`` (default :data:`BATCH_TIMEOUT_S`).
+        """
+        if epoch < 0:
+            raise BadRequest(f"epoch must be a non-negative integer, got {epoch}")
+        if not len(indices):
+            return
+        if self._stop.is_set():
+            raise DatasetError(f"{self.uri}: pipeline is closed")
+        self._ensure_started()
+        starts = range(0, len(indices), self.chunk)
+        job = _Job(x, y, len(starts))
+        deadline = time.monotonic() + self.timeout_s
+        for start in starts:
+            chunk = Chunk(job, start, indices[start:start + self.chunk], split, epoch)
+            if job.failed or not self.requests.put(chunk, self._stop, POLL_S, deadline):
+                break  # the wait below turns a stop or the deadline into the batch's error
+        while not job.done.wait(POLL_S):
+            if self._stop.is_set():
+                job.fail(DatasetError(f"{self.uri}: pipeline closed while reading"))
+            elif time.monotonic() > deadline:
+                job.fail(Timeout(f"{self.uri}: batch of {len(indices)} samples not through the pipeline "
+                                 f"within {self.timeout_s:g} s"))
+        if job.error is not None:
+            raise job.error
+
+    # -- metrics and control --------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """Every stage's counters with its output queue's, and the request queue's."""
+        return {"requests": self.requests.metrics(),
+                "stages": [{**s.metrics(), "queue": q.metrics()} for s, q in zip(self.stages, self.queues)]}
+
+    def stage(self, name: str) -> Stage:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise NotFound(f"{self.uri} has no stage {name!r}; its stages are "
+                       f"{', '.join(s.name for s in self.stages)}")
+
+
+# -- what the provider asks of its pipelines ------------------------------------------------------
+
+def pipeline_stats(datasets: dict[str, Source]) -> dict:
+    """``{"pipelines": {dataset: metrics}}`` for the pipeline datasets among ``datasets`` (else ``{}``)."""
+    pipelines = {name: s.metrics() for name, s in datasets.items() if isinstance(s, Pipeline)}
+    return {"pipelines": pipelines} if pipelines else {}
+
+
+def find_stage(datasets: dict[str, Source], dataset: str, stage: str) -> tuple[str, Stage]:
+    """``(dataset, stage)`` for ``stage`` of pipeline ``dataset`` (``""``: the one pipeline that has it).
+
+    Raises :class:`NotFound` (no such pipeline or stage) or :class:`BadRequest` (a stage name in several
+    pipelines), each naming what exists.
+    """
+    pipelines = _pipelines(datasets)
+    if dataset:
+        return dataset, _pipeline(pipelines, dataset).stage(stage)
+    candidates = [n for n, p in sorted(pipelines.items()) if any(s.name == stage for s in p.stages)]
+    if not candidates:
+        names = [f"{n}/{s.name}" for n, p in sorted(pipelines.items()) for s in p.stages]
+        raise NotFound(f"no pipeline here has a stage {stage!r}; stages: {', '.join(names)}")
+    if len(candidates) > 1:
+        raise BadRequest(f"stage {stage!r} is in several pipelines ({', '.join(candidates)}); name the "
+                         "dataset (busctl control --dataset NAME)")
+    return candidates[0], pipelines[candidates[0]].stage(stage)
+
+
+def stage_control(datasets: dict[str, Source], dataset: str, stage: str, command: str, args: dict,
+                  check_dataset: Callable[[str], None]) -> dict:
+    """Run a control command: ``{dataset, stage, type, result}`` from the stage's answer.
+
+    ``stage`` ``"*"`` sends it to every stage of the pipeline that answers ``command`` (the seed
+    spec's broadcast); ``result`` is then ``{stage: answer}``. ``check_dataset`` (the token's scope)
+    may refuse the pipeline before anything runs. Raises as :func:`find_stage`, or
+    :class:`BadRequest` for a command no stage answers.
+    """
+    if stage != "*":
+        name, target = find_stage(datasets, dataset, stage)
+        check_dataset(name)
+        return {"dataset": name, "stage": target.name, "type": target.type,
+                "result": target.control(command, args)}
+    pipelines = _pipelines(datasets)
+    if not dataset and len(pipelines) > 1:
+        raise BadRequest(f"stage '*' needs the dataset: this provider serves {len(pipelines)} pipelines "
+                         f"({', '.join(sorted(pipelines))}); busctl control --dataset NAME")
+    name = dataset or next(iter(pipelines))
+    pipeline = _pipeline(pipelines, name)
+    check_dataset(name)
+    targets = [s for s in pipeline.stages if command in s.commands()]
+    if not targets:
+        raise BadRequest(f"no stage of {name!r} answers {command!r}")
+    return {"dataset": name, "stage": "*", "type": "*",
+            "result": {s.name: s.control(command, args) for s in targets}}
+
+
+def _pipelines(datasets: dict[str, Source]) -> dict[str, Pipeline]:
+    pipelines = {name: s for name, s in datasets.items() if isinstance(s, Pipeline)}
+    if not pipelines:
+        raise NotFound(f"this provider serves no pipeline dataset (it serves {', '.join(sorted(datasets))})")
+    return pipelines
+
+
+def _pipeline(pipelines: dict[str, Pipeline], name: str) -> Pipeline:
+    if name not in pipelines:
+        raise NotFound(f"{name!r} is not a pipeline dataset here; pipelines: {', '.join(sorted(pipelines))}")
+    return pipelines[name]

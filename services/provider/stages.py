@@ -1,0 +1,293 @@
+"""What every pipeline stage is made of: the base :class:`Stage` and its counters, the source stage,
+the base of random stages, and the bounded queues that join stages.
+
+A stage is configured by one TOML table (``[stages.normalize]`` …) and built knowing what its input
+produces (:class:`Spec`): it checks its parameters and that input at build time, so a bad pipeline
+is refused when the provider starts, never on a trainer's batch. :meth:`Stage.apply` then turns one
+:class:`Chunk` (a slice of a batch) into its output. The transforms are in :mod:`.transforms`.
+
+Random stages draw every sample's numbers as a hash of ``(seed, epoch, split, stage, index)``: the
+same request gives the same bytes, whatever the chunking or the threads.
+
+Stages run on their own threads (see :mod:`.pipeline`); the counters a stage and a queue keep are
+each written by one thread and read by any, so a reader may see a value one chunk behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from libbus.errors import BadRequest, ConfigError, DatasetError
+
+from .sources import SPLITS
+
+__all__ = ["Chunk", "RandomStage", "SourceStage", "Spec", "Stage", "StageQueue"]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one sample and its label look like at some point of a pipeline."""
+    sample_shape: tuple[int, ...]
+    dtype: np.dtype
+    label_shape: tuple[int, ...]
+    label_dtype: np.dtype
+    num_classes: int
+    kind: str
+
+
+@dataclass
+class Chunk:
+    """Rows ``start:start + len(indices)`` of one batch on their way through the stages."""
+    job: Any
+    start: int
+    indices: np.ndarray
+    split: str
+    epoch: int
+    x: np.ndarray | None = None
+    y: np.ndarray | None = None
+
+
+class StageQueue:
+    """A bounded FIFO between two stages, with the counters of the seed spec's ``QueueBase``.
+
+    ``put`` blocks while the queue is full (backpressure on the producer), in waits of ``poll_s``
+    so that a stopping pipeline is noticed. ``drop`` counts items a consumer took and discarded
+    because their batch had already failed or been abandoned.
+    """
+
+    def __init__(self, name: str, capacity: int):
+        self.name = name
+        self.capacity = capacity
+        self._q: queue.Queue = queue.Queue(capacity)
+        self.puts = self.gets = self.drops = 0
+        self.closed = False
+
+    def size(self) -> int:
+        return self._q.qsize()
+
+    def put(self, item, stop, poll_s: float, deadline: float = math.inf) -> bool:
+        """Enqueue ``item``; False if the pipeline stopped or ``deadline`` (monotonic) passed first."""
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                self._q.put(item, timeout=poll_s)
+            except queue.Full:
+                continue
+            self.puts += 1
+            return True
+        return False
+
+    def get(self, poll_s: float):
+        """The next item, or None after ``poll_s`` with nothing queued."""
+        try:
+            item = self._q.get(timeout=poll_s)
+        except queue.Empty:
+            return None
+        self.gets += 1
+        return item
+
+    def metrics(self) -> dict:
+        return {"name": self.name, "size": self.size(), "capacity": self.capacity, "put": self.puts,
+                "get": self.gets, "drop": self.drops, "closed": self.closed}
+
+
+def _stable_key(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+class Stage:
+    """One named stage. Subclasses set ``type``, ``params`` (key → default) and implement
+    :meth:`check` (params and input, at build time) and :meth:`apply` (one chunk)."""
+
+    type: ClassVar[str] = ""
+    #: Known parameters and their defaults; a key not listed is refused.
+    params: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, name: str, config: dict, input_spec: Spec | None):
+        self.name = name
+        unknown = sorted(set(config) - set(self.params))
+        if unknown:
+            raise self.error(f"unknown parameter(s) {', '.join(unknown)}; {self.type} takes "
+                             f"{', '.join(self.params) or 'none'}")
+        self.config = {**self.params, **config}
+        self.input_spec = input_spec
+        self.spec = self.check(input_spec)
+        self.items_in = self.items_out = self.errors = 0
+        self.busy_s = 0.0
+
+    def error(self, what: str) -> ConfigError:
+        return ConfigError(f"stage {self.name!r} ({self.type}): {what}")
+
+    def check(self, spec: Spec | None) -> Spec:
+        """Check parameters against the input ``spec``; return this stage's output spec."""
+        raise NotImplementedError
+
+    def apply(self, chunk: Chunk) -> None:
+        """Replace ``chunk.x`` / ``chunk.y`` with this stage's output."""
+        raise NotImplementedError
+
+    def run(self, chunk: Chunk) -> None:
+        """:meth:`apply` with the stage's counters."""
+        n = len(chunk.indices)
+        self.items_in += n
+        started = time.perf_counter()
+        try:
+            self.apply(chunk)
+        except Exception:
+            self.errors += 1
+            raise
+        finally:
+            self.busy_s += time.perf_counter() - started
+        self.items_out += n
+
+    def metrics(self) -> dict:
+        return {"name": self.name, "type": self.type, "items_in": self.items_in,
+                "items_out": self.items_out, "errors": self.errors, "busy_s": round(self.busy_s, 6)}
+
+    # -- control --------------------------------------------------------------------------------
+    def commands(self) -> tuple[str, ...]:
+        return ("stats",)
+
+    def control(self, command: str, args: dict) -> dict:
+        """Answer a control command (``busctl control``). Raises :class:`BadRequest` naming the stage."""
+        if command not in self.commands():
+            raise BadRequest(f"stage {self.name!r} ({self.type}) has no command {command!r}; it answers "
+                             f"{', '.join(self.commands())}")
+        if args:
+            raise BadRequest(f"stage {self.name!r}: {command} takes no arguments, got {', '.join(args)}")
+        return self.metrics()
+
+    # -- parameter helpers ----------------------------------------------------------------------
+    def _number_list(self, key: str, length: int) -> np.ndarray:
+        value = self.config[key]
+        values = value if isinstance(value, list) else [value]
+        if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise self.error(f"{key} must be a number or a list of numbers, got {value!r}")
+        if len(values) not in (1, length):
+            raise self.error(f"{key} has {len(values)} values but samples have {length} channels "
+                             f"(shape {self.input_spec.sample_shape}); give 1 or {length}")
+        return np.asarray(values, np.float64)
+
+    def _dtype(self, key: str, kinds: str) -> np.dtype:
+        value = self.config[key]
+        try:
+            dtype = np.dtype(value)
+        except (TypeError, ValueError):
+            dtype = None
+        if dtype is None or dtype.kind not in kinds:
+            what = "a float type (float16, float32, float64)" if kinds == "f" else \
+                "a number type (bool, int8…int64, uint8…uint64, float16…float64)"
+            raise self.error(f"{key} must be {what}, got {value!r}")
+        return dtype
+
+
+class SourceStage(Stage):
+    """``source``: reads the samples from any URI a provider opens (``mock://``, ``file://`` …)."""
+
+    type = "source"
+    params = {"uri": None}
+
+    def check(self, spec: Spec | None) -> Spec:
+        from .sources import open_source  # noqa: PLC0415 - sources imports nothing from here
+
+        uri = self.config["uri"]
+        if not isinstance(uri, str) or not uri:
+            raise self.error("needs uri = \"SCHEME://…\" (for example mock://cifar10)")
+        if uri.startswith("pipeline:"):
+            raise self.error(f"a pipeline's source cannot be another pipeline ({uri})")
+        try:
+            self.source = open_source(uri)
+        except DatasetError as err:
+            raise DatasetError(f"stage {self.name!r} (source): {err}") from err
+        s = self.source
+        return Spec(tuple(s.sample_shape), np.dtype(s.dtype), tuple(s.label_shape), np.dtype(s.label_dtype),
+                    s.num_classes, s.kind)
+
+    def apply(self, chunk: Chunk) -> None:
+        chunk.x, chunk.y = self.source.read(chunk.split, chunk.indices)
+
+
+class RandomStage(Stage):
+    """A stage whose output depends on random numbers drawn per sample from ``(seed, epoch, split,
+    stage, index)``. It applies to the splits listed in ``splits`` (default train only); other splits
+    get its deterministic counterpart. ``seed`` and the epoch can be set by control commands."""
+
+    def __init__(self, name: str, config: dict, input_spec: Spec | None, seed: int):
+        super().__init__(name, config, input_spec)
+        splits = self.config["splits"]
+        if not isinstance(splits, list) or not all(s in SPLITS for s in splits):
+            raise self.error(f"splits must be a list of {', '.join(SPLITS)}, got {splits!r}")
+        self.splits = frozenset(splits)
+        self.key = _stable_key(name)
+        self.default_seed = seed
+        self.seed = seed
+        #: An epoch pinned by ``set epoch=N``; None draws from each request's epoch.
+        self.epoch: int | None = None
+        self.items_since_anchor = 0
+
+    def uniforms(self, chunk: Chunk, draws: int) -> np.ndarray:
+        """``(len(chunk.indices), draws)`` numbers in [0, 1), each a function of (seed, epoch, split,
+        stage, index, draw) alone: SplitMix64 at a counter, so a whole chunk is drawn at once."""
+        epoch = chunk.epoch if self.epoch is None else self.epoch
+        self.items_since_anchor += len(chunk.indices)
+        key = np.uint64(_stable_key(repr((self.seed, epoch, SPLITS.index(chunk.split), self.key))))
+        counters = chunk.indices.astype(np.uint64)[:, None] * np.uint64(draws) + np.arange(draws, dtype=np.uint64)
+        return (_splitmix64(key + counters * _GOLDEN_GAMMA) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+    def commands(self) -> tuple[str, ...]:
+        return ("stats", "get", "set", "reset")
+
+    def state(self) -> dict:
+        return {"seed": self.seed, "epoch": "request" if self.epoch is None else self.epoch,
+                "items_since_anchor": self.items_since_anchor}
+
+    def control(self, command: str, args: dict) -> dict:
+        """``stats``, or ``get`` / ``set seed=N epoch=N|request`` / ``reset``: the seed spec's shuffle
+        anchor, for the stage's random numbers. Each but ``stats`` answers :meth:`state`."""
+        if command == "set":
+            unknown = sorted(set(args) - {"seed", "epoch"})
+            if unknown or not args:
+                raise BadRequest(f"stage {self.name!r}: set takes seed=N and/or epoch=N (or epoch=request), "
+                                 f"got {', '.join(unknown) or 'nothing'}")
+            seed = _nonneg(self.name, "seed", args["seed"]) if "seed" in args else self.seed
+            epoch = self.epoch
+            if "epoch" in args:
+                epoch = None if args["epoch"] == "request" else _nonneg(self.name, "epoch", args["epoch"])
+            self.seed, self.epoch, self.items_since_anchor = seed, epoch, 0
+            return self.state()
+        answer = super().control(command, args)  # checks the command and that it has no arguments
+        if command == "reset":
+            self.seed, self.epoch, self.items_since_anchor = self.default_seed, None, 0
+        return answer if command == "stats" else self.state()
+
+    def metrics(self) -> dict:
+        return {**super().metrics(), **self.state()}
+
+
+#: SplitMix64's state increment: its state after ``n`` steps is ``seed + n * gamma``.
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function on uint64 states (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _nonneg(stage: str, key: str, value) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = -1
+    if isinstance(value, bool) or number < 0 or (isinstance(value, float) and value != number):
+        raise BadRequest(f"stage {stage!r}: {key} must be a non-negative integer, got {value!r}")
+    return number
+
+
