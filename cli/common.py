@@ -37,8 +37,9 @@ def admin_client(settings: Settings) -> Client:
     name = settings.name or (curve.name if curve else f"busctl-{getpass.getuser()}-{os.getpid()}")
     if settings.token:
         token: Any = settings.token
-    else:
-        token = runtime.mint_token(settings, runtime.signing_key(settings), role="admin", sub=name, ttl_s=600)
+    else:  # short-lived, minted afresh whenever the client says Hello (`busctl job watch` runs for hours)
+        key = runtime.signing_key(settings)
+        token = lambda: runtime.mint_token(settings, key, role="admin", sub=name, ttl_s=600)  # noqa: E731
     identity = Identity(role="admin", name=name, token=token, curve=curve, router_key=runtime.router_key(settings))
     return Client(settings.router, identity, timeout_s=settings.request_timeout_s,
                   retries=settings.request_retries, server_key=identity.router_key)

@@ -3,7 +3,8 @@
 :class:`Client` follows the zguide's "lazy pirate" pattern: a request that gets no reply within the
 timeout is resent on a fresh socket (after a new ``Hello``), up to ``retries`` times, and then
 :class:`PeerTimeout` is raised. ``Error`` replies become the typed exception of their code. A session
-the server dropped for idleness (``AUTH_REQUIRED``) is re-established once, transparently.
+the server dropped for idleness (``AUTH_REQUIRED``), or whose token expired (``AUTH_EXPIRED``) when
+the identity mints fresh tokens (a callable ``token``), is re-established once, transparently.
 
 Messages the server pushes unsolicited (``Command``, ``Heartbeat``) are kept in :attr:`Client.pushes`.
 """
@@ -22,7 +23,7 @@ import zmq
 from . import VERSION
 from .constants import HELLO_TIMEOUT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from .curve import CurveKeys, secure_client
-from .errors import AuthRequired, BusError, ConfigError, PeerTimeout, error_from_code
+from .errors import AuthExpired, AuthRequired, BusError, ConfigError, PeerTimeout, error_from_code
 from .messages import Error, Heartbeat, Hello, Message, Welcome, decode
 from .sockets import SocketLimits, make_socket, send_message
 
@@ -208,10 +209,12 @@ class Client:
                 continue
             try:
                 return self.check(reply)
-            except AuthRequired:
-                if rehello_done:
+            except (AuthRequired, AuthExpired) as err:
+                # The server dropped our idle session, or our token ran out: say Hello again
+                # (with a fresh token when the identity mints them), once per request.
+                if rehello_done or (isinstance(err, AuthExpired) and not callable(self.identity.token)):
                     raise
-                rehello_done = True  # the server dropped our idle session: say Hello again
+                rehello_done = True
                 self.session = None
 
 

@@ -68,9 +68,17 @@ def test_expired_token_gets_auth_expired(provider, client_for, secret):
 def test_token_expiring_during_a_session_is_refused(provider, client_for, make_token):
     client = client_for(provider.endpoint, token=make_token(ttl_s=1))
     client.request(DatasetInfoRequest(dataset="mnist"))
+    minted = []
+    renewing = client_for(provider.endpoint, token=lambda: minted.append(1) or make_token(ttl_s=1))
+    renewing.request(DatasetInfoRequest(dataset="mnist"))
     time.sleep(7)  # ttl + the verifier's clock-skew leeway
     with pytest.raises(AuthExpired):
         client.request(DatasetInfoRequest(dataset="mnist"))
+    with pytest.raises(AuthExpired):  # and again: until it says Hello with a fresh token
+        client.request(DatasetInfoRequest(dataset="mnist"))
+    # a client that mints its tokens (services, busctl) says Hello again with a fresh one
+    assert renewing.request(DatasetInfoRequest(dataset="mnist")).info["num_classes"] == 10
+    assert len(minted) == 2
 
 
 def test_wrong_role_is_forbidden(router, provider, client_for, make_token):
