@@ -382,3 +382,19 @@ def test_a_message_over_the_total_size_cap_is_refused():
     frames = encode(BatchRequest(id=1, dataset="d", split="train", range=[0, 1])) + [memoryview(big)] * 8
     with pytest.raises(TooLarge, match="bytes in all"):
         decode(frames)
+
+
+def test_revocations_outlive_a_restart_and_lapse_with_their_token(tmp_path):
+    import sqlite3
+
+    from services.router.grants import Revocations
+    db = tmp_path / "router.db"
+    now = time.time()
+    revs = Revocations(sqlite3.connect(db, isolation_level=None))
+    revs.revoke("live", now + 3600, "stolen")
+    revs.revoke("lapsed", now - 60, "old")                          # its token is dead anyway
+    with pytest.raises(Exception, match="1 to 128 printable characters"):
+        revs.revoke("x" * 500, now + 10, "")
+    reopened = Revocations(sqlite3.connect(db, isolation_level=None))
+    assert [r["jti"] for r in reopened.active()] == ["live"]
+    assert reopened.jtis() == ["live"] and reopened.active(now + 3600 + 10) == []

@@ -47,18 +47,19 @@ class Revocations:
         if not math.isfinite(exp):
             raise BadRequest(f"revocation expiry must be a finite time, got {exp!r}")
         reason = reason[:500]
+        now = time.time()
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute("INSERT OR REPLACE INTO revoked VALUES (?, ?, ?, ?)",
-                            (jti, float(exp), time.time(), reason))
+            self.db.execute("INSERT OR REPLACE INTO revoked VALUES (?, ?, ?, ?)", (jti, float(exp), now, reason))
+            # Rows whose token has expired can never matter again.
+            self.db.execute("DELETE FROM revoked WHERE exp + ? < ?", (LEEWAY_S, now))
 
     def active(self, now: float | None = None) -> list[dict]:
         """Revocations whose token could still be accepted (``exp`` + clock leeway not yet past),
-        newest first. Older rows are deleted on the way: they can never matter again."""
+        newest first. A read only: the router asks every few hundred milliseconds."""
         now = time.time() if now is None else now
-        with self.db:
-            self.db.execute("DELETE FROM revoked WHERE exp + ? < ?", (LEEWAY_S, now))
-        rows = self.db.execute("SELECT jti, exp, at, reason FROM revoked ORDER BY at DESC").fetchall()
+        rows = self.db.execute("SELECT jti, exp, at, reason FROM revoked WHERE exp + ? >= ? ORDER BY at DESC",
+                               (LEEWAY_S, now)).fetchall()
         return [{"jti": r[0], "exp": r[1], "at": r[2], "reason": r[3]} for r in rows]
 
     def jtis(self) -> list[str]:
