@@ -22,7 +22,7 @@ import zmq
 from libbus.auth import inspect_token, issue_token
 from libbus.client import Client, Identity
 from libbus.curve import KeyAuthenticator, generate_keys, load_keys, secure_client, secure_server
-from libbus.errors import AuthInvalid, ConfigError, Forbidden, PeerTimeout, RateLimited, TooLarge
+from libbus.errors import AuthInvalid, BadRequest, ConfigError, Forbidden, PeerTimeout, RateLimited, TooLarge
 from libbus.messages import (BatchRequest, DatasetInfoRequest, GetTask, Hello, ListPeers, PushResult, Resolve,
                              SubmitJob, Task, decode, encode)
 from services.provider.sources import open_source
@@ -393,7 +393,7 @@ def test_revocations_outlive_a_restart_and_lapse_with_their_token(tmp_path):
     revs = Revocations(sqlite3.connect(db, isolation_level=None))
     revs.revoke("live", now + 3600, "stolen")
     revs.revoke("lapsed", now - 60, "old")                          # its token is dead anyway
-    with pytest.raises(Exception, match="1 to 128 printable characters"):
+    with pytest.raises(BadRequest, match="1 to 128 printable characters"):
         revs.revoke("x" * 500, now + 10, "")
     reopened = Revocations(sqlite3.connect(db, isolation_level=None))
     assert [r["jti"] for r in reopened.active()] == ["live"]
