@@ -20,7 +20,7 @@ import pytest
 
 from libbus.errors import PeerTimeout, Unavailable
 from libbus.loader import RemoteLoader
-from libbus.messages import DatasetInfo, DatasetInfoRequest
+from libbus.messages import DatasetInfo, DatasetInfoRequest, SubmitJob
 from libbus.server import Handler, Server, ServerConfig
 from services.sdnotify import Notifier
 
@@ -244,3 +244,36 @@ def test_a_stopping_server_finishes_deferred_work_or_says_it_gave_up(secret, cli
     assert time.monotonic() - started < 5             # an answer, not the client's 10 s timeout
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_trainer_reports_its_job_feeds_the_watchdog_between_steps_and_stops_on_sigterm(
+        manager, state_dir, router, start_provider, client_for):
+    start_provider("mnist=mock://mnist?n=600")
+    proc = start("trainer", "--router", router.endpoint, "--name", "trainer-sd", manager=manager,
+                 state_dir=state_dir, watchdog_usec=2_000_000, BATCHBUS_HEARTBEAT_MS="200",
+                 BATCHBUS_TORCH_THREADS="1")
+    try:
+        # Ready once started, whether or not the router has answered yet; STATUS says which.
+        ready = manager.wait_for("READY", 90, proc)
+        assert ready["STATUS"] == f"waiting for the router at {router.endpoint}"
+        admin = client_for(router.endpoint, role="admin")
+        job = admin.request(SubmitJob(spec={"dataset": "mnist", "model": "mlp", "epochs": 200,
+                                            "batch_size": 32, "evaluate": False})).job
+        running = f"running job {job} epoch "
+        deadline = time.monotonic() + 60
+        while not manager.messages[-1][1].get("STATUS", "").startswith(running + "3/200"):
+            assert time.monotonic() < deadline, manager.messages[-5:]
+            manager.wait_for("STATUS", 60, proc)
+        # Fed between steps (every half interval, 1 s), never a gap the watchdog would act on.
+        training = manager.collect(3.0)
+        beats = [t for t, m in manager.messages if m.get("WATCHDOG") == "1"]
+        gaps = [b - a for a, b in itertools.pairwise(beats[-4:])]
+        assert len(watchdog_times(training)) >= 2 and max(gaps) < 2.0, gaps
+        assert any(m.get("STATUS", "").startswith(running) for _, m in training)
+        proc.send_signal(signal.SIGTERM)
+        manager.wait_for("STOPPING", 15)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
