@@ -20,8 +20,12 @@ import pytest
 
 from libbus.errors import PeerTimeout, Unavailable
 from libbus.loader import RemoteLoader
-from libbus.messages import DatasetInfo, DatasetInfoRequest, SubmitJob
+from libbus.messages import DatasetInfo, DatasetInfoRequest, Evaluate, SubmitJob
 from libbus.server import Handler, Server, ServerConfig
+from safetensors.torch import save as save_safetensors
+from services.models import build_model
+from services.provider.handler import ProviderHandler
+from services.provider.sources import open_source
 from services.sdnotify import Notifier
 
 REPO = Path(__file__).resolve().parents[1]
@@ -277,3 +281,21 @@ def test_trainer_reports_its_job_feeds_the_watchdog_between_steps_and_stops_on_s
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_stopping_a_provider_abandons_a_running_evaluation_instead_of_waiting_for_it():
+    source = open_source("mock://cifar10?n=60000")                    # a 12,000-sample test split
+    handler = ProviderHandler({"cifar": source}, assigned_only=False)
+    info = handler.infos["cifar"]
+    weights = save_safetensors(build_model("cnn", info).state_dict())
+    future = handler.evaluate(Evaluate(dataset="cifar", job="j", model={"name": "cnn", "kwargs": {}},
+                                       frames=[weights]))
+    time.sleep(0.3)
+    started = time.monotonic()
+    handler.close()                                                     # what SIGTERM ends with
+    with pytest.raises(Unavailable, match="provider is stopping"):
+        future.result(timeout=30)
+    assert time.monotonic() - started < 10
+    for worker in [t for t in threading.enumerate() if t.name.startswith("evaluate")]:
+        worker.join(10)                                # nothing left for the interpreter to wait on
+        assert not worker.is_alive()
