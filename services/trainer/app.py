@@ -117,6 +117,7 @@ class TrainerService:
         """Deliver the result, waiting out a router restart (bounded)."""
         waited = 0.0
         while waited < PUSH_RESULT_PATIENCE_S:
+            self.notifier.watchdog()  # each try is bounded by request_timeout_s; the patience is not
             try:
                 self.link.request(msg, timeout_s=self.settings.request_timeout_s)
                 log.info("job %s: %s, result delivered", msg.job, msg.state)
