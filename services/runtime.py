@@ -36,8 +36,13 @@ log = logging.getLogger(__name__)
 
 
 def notifier() -> Notifier:
-    """The systemd notifier of this process (a no-op outside a ``Type=notify`` unit)."""
-    return Notifier.from_env(os.environ)
+    """The systemd notifier of this process (a no-op outside a ``Type=notify`` unit). The variables
+    are removed from the environment, as ``sd_notify(unset_environment=1)`` does: a child process
+    must not speak to systemd in the service's name."""
+    notify = Notifier.from_env(os.environ)
+    for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+        os.environ.pop(name, None)
+    return notify
 
 
 def install_signal_handlers(stop: threading.Event, notify: Notifier | None = None) -> None:
