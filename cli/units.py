@@ -58,11 +58,13 @@ def _write(path: Path, text: str) -> str:
     return "installed" if old is None else "updated"
 
 
-def install_units(
-        dir: Annotated[Path | None, typer.Option("--dir", help="Where the unit files go (default ROOT/etc/systemd/system).")] = None,
-        prefix: Annotated[str, typer.Option("--prefix", help="The virtual environment the units run busctl from.")] = VENV,
-        root: Annotated[Path, typer.Option("--root", help="Install under this root directory (an image, a test).")] = Path("/"),
-) -> None:
+UnitsDir = Annotated[Path | None, typer.Option(
+    "--dir", help="Where the unit files go (default ROOT/etc/systemd/system).")]
+Prefix = Annotated[str, typer.Option("--prefix", help="The virtual environment the units run busctl from.")]
+Root = Annotated[Path, typer.Option("--root", help="Install under this root directory (an image, a test).")]
+
+
+def install_units(dir: UnitsDir = None, prefix: Prefix = VENV, root: Root = Path("/")) -> None:
     """Install the systemd units (router, provider@, trainer@) and the sysusers.d/tmpfiles.d
     snippets for their static user and directories, then print the commands that enable them."""
     prefix = prefix.rstrip("/") or "/"

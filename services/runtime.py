@@ -29,8 +29,9 @@ from libbus.sockets import SocketLimits
 
 from .sdnotify import Notifier
 
-__all__ = ["clean_shm", "local_endpoint", "remove_local_endpoint", "install_signal_handlers", "notifier", "finish", "service_name", "token_source", "identity",
-           "curve_keys", "curve_key_file", "router_key", "server_config", "limits", "secret", "verify_key", "signing_key", "mint_token"]
+__all__ = ["clean_shm", "local_endpoint", "remove_local_endpoint", "install_signal_handlers", "notifier", "finish",
+           "service_name", "token_source", "identity", "curve_keys", "curve_key_file", "router_key",
+           "server_config", "limits", "secret", "verify_key", "signing_key", "mint_token"]
 
 log = logging.getLogger(__name__)
 
