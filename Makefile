@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install install-units demo test clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/busctl demo
+
+# systemd units (systemd/README.md) that run this checkout's venv; as root. UNITS_FLAGS=--root DIR etc.
+install-units: $(STAMP)
+	$(BIN)/busctl install-units --prefix $(abspath $(VENV)) $(UNITS_FLAGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -17,6 +17,7 @@ from libbus.messages import ControlJob, GetJob, ListJobs, ListPeers, Stats, Subm
 
 from . import tables
 from .common import admin_client, fail, guard, print_json, settings_from, setup_logging
+from .units import install_units
 from .watch import watch_job
 
 app = typer.Typer(name="busctl", no_args_is_help=True, add_completion=False,
@@ -35,6 +36,7 @@ app.add_typer(token_app, name="token")
 app.add_typer(config_app, name="config")
 app.add_typer(shm_app, name="shm")
 app.add_typer(keys_app, name="keys")
+app.command("install-units")(guard(install_units))
 
 # Options shared by many commands, declared once.
 Config = Annotated[Optional[str], typer.Option("--config", help="TOML settings file (or BATCHBUS_CONFIG).")]
@@ -74,13 +76,16 @@ def start_router(config: Config = None, router: Router = None, bind: Bind = None
                       name=name, log_level=log_level, heartbeat_ms=heartbeat_ms,
                       metrics_bind=metrics_bind)
     setup_logging(s.log_level)
-    stop = threading.Event()
-    runtime.install_signal_handlers(stop)
+    stop, notify = threading.Event(), runtime.notifier()
+    runtime.install_signal_handlers(stop, notify)
     service = RouterService(s)
-    _write_ready(ready_file, service.start())
-    runtime.sd_notify("READY=1")
-    service.run(stop)
-    runtime.sd_notify("STOPPING=1")
+    endpoint = service.start()
+    _write_ready(ready_file, endpoint)
+    notify.ready(f"routing on {endpoint}; jobs in {s.db}")
+    try:
+        service.run(stop, notify.watchdog)
+    finally:
+        runtime.finish(notify)
 
 
 @start_app.command("provider")
@@ -100,13 +105,16 @@ def start_provider(dataset: Annotated[Optional[list[str]], typer.Option("--datas
                       state_dir=state_dir, token=token, name=name, log_level=log_level,
                       datasets=dataset or None, heartbeat_ms=heartbeat_ms, metrics_bind=metrics_bind)
     setup_logging(s.log_level)
-    stop = threading.Event()
-    runtime.install_signal_handlers(stop)
+    stop, notify = threading.Event(), runtime.notifier()
+    runtime.install_signal_handlers(stop, notify)
     service = ProviderService(s)
-    _write_ready(ready_file, service.start())
-    runtime.sd_notify("READY=1")
-    service.run(stop)
-    runtime.sd_notify("STOPPING=1")
+    endpoint = service.start()
+    _write_ready(ready_file, endpoint)
+    notify.ready(f"serving {', '.join(service.handler.datasets)} on {endpoint}")
+    try:
+        service.run(stop, notify.watchdog)
+    finally:
+        runtime.finish(notify)
     if service.link is not None and service.link.fatal is not None:
         fail(f"router refused this provider: {service.link.fatal}")
 

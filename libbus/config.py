@@ -1,6 +1,6 @@
 """One settings object, built once at the entry point from defaults, a TOML file, ``BATCHBUS_*``
-environment variables and flags (later wins), then passed down. Library code never reads the
-environment; :func:`load_settings` is the only place that does.
+environment variables, systemd credentials and flags (later wins), then passed down. Library code
+never reads the environment; :func:`load_settings` is the only place that does.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from .errors import ConfigError
 __all__ = ["Settings", "load_settings", "default_state_dir", "host_id"]
 
 ENV_PREFIX = "BATCHBUS_"
+#: systemd credentials (``LoadCredential=ID:...``) read from ``$CREDENTIALS_DIRECTORY``, by ID: the
+#: setting each one provides. ``token`` is the file's text; a ``NAME.key_secret`` is the CURVE key.
+CREDENTIALS = {"secret": "secret_file", "token": "token"}
+CURVE_KEY_SUFFIX = ".key_secret"
 
 
 def default_state_dir(env: Mapping[str, str]) -> str:
@@ -144,6 +148,38 @@ class Settings:
         return dataclasses.asdict(self)
 
 
+def _credentials(directory: str) -> dict[str, tuple[str, str]]:
+    """The settings systemd credentials in ``directory`` provide: ``{setting: (value, credential id)}``.
+
+    Raises :class:`ConfigError` for an unreadable directory, an empty token or two CURVE keys.
+    """
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as err:
+        raise ConfigError(f"CREDENTIALS_DIRECTORY={directory}: {err.strerror}") from err
+    found: dict[str, tuple[str, str]] = {}
+    for cred, name in CREDENTIALS.items():
+        if cred not in names:
+            continue
+        path = os.path.join(directory, cred)
+        if name != "token":
+            found[name] = (path, cred)
+            continue
+        try:
+            token = Path(path).read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"credential {path}: {err}") from err
+        if not token:
+            raise ConfigError(f"credential {path} is empty; it should hold a token ('busctl token issue')")
+        found[name] = (token, cred)
+    keys = [n for n in names if n.endswith(CURVE_KEY_SUFFIX)]
+    if len(keys) > 1:
+        raise ConfigError(f"credentials {', '.join(keys)} in {directory}: give a service one CURVE key")
+    if keys:
+        found["curve_key_file"] = (os.path.join(directory, keys[0]), keys[0])
+    return found
+
+
 def _coerce(name: str, kind: type, value: Any, source: str) -> Any:
     if kind is list:
         if isinstance(value, str):
@@ -171,9 +207,13 @@ def _coerce(name: str, kind: type, value: Any, source: str) -> Any:
 
 def load_settings(*, config_file: str | None = None, env: Mapping[str, str] | None = None,
                   flags: Mapping[str, Any] | None = None) -> tuple[Settings, dict[str, str]]:
-    """Build the settings: defaults < TOML file < ``BATCHBUS_*`` environment < flags.
+    """Build the settings: defaults < TOML file < ``BATCHBUS_*`` environment < systemd credentials < flags.
 
     ``config_file`` defaults to ``$BATCHBUS_CONFIG`` when set. Flags whose value is ``None`` are unset.
+    Under systemd, files the unit passes with ``LoadCredential=`` (``$CREDENTIALS_DIRECTORY``) set
+    ``secret_file`` (credential ``secret``), ``token`` (``token``, its text) and ``curve_key_file``
+    (``NAME.key_secret``): a unit's ``Environment=`` paths are then only the fallback when the
+    credential was not provisioned.
     Returns the settings (derived paths filled in) and, per field, where its value came from.
     Raises :class:`ConfigError` naming the file, variable or flag that is wrong.
     """
@@ -203,6 +243,10 @@ def load_settings(*, config_file: str | None = None, env: Mapping[str, str] | No
         if var in env and env[var] != "":
             values[name] = _coerce(name, kind, env[var], f"environment {var}")
             sources[name] = f"env {var}"
+    if env.get("CREDENTIALS_DIRECTORY"):
+        for name, (value, cred) in _credentials(env["CREDENTIALS_DIRECTORY"]).items():
+            values[name] = value
+            sources[name] = f"credential {cred}"
     for key, value in (flags or {}).items():
         if value is None:
             continue

@@ -40,6 +40,8 @@ HELLO_TIMEOUT_S = 5.0
 POLL_MS = 100
 #: How long a draining service waits for in-flight work after SIGTERM.
 DRAIN_S = 5.0
+#: How long the replies a draining service sent get to leave before its socket closes.
+DRAIN_LINGER_S = 1.0
 #: A trainer with no task asks again after this long.
 TASK_POLL_S = 1.0
 #: How often a trainer reports progress.

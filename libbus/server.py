@@ -30,7 +30,8 @@ from . import constants as C
 from .auth import ALGORITHM, Claims, Key, verify_token
 from .constants import POLL_MS
 from .curve import CurveKeys, KeyAuthenticator, secure_server
-from .errors import AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal, RateLimited
+from .errors import (AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal, RateLimited,
+                     Unavailable)
 from .messages import (Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of)
 from .sockets import SocketLimits, make_socket, send_message
 
@@ -174,6 +175,9 @@ class ServerConfig:
     session_inflight: int = C.SESSION_INFLIGHT
     session_rate: float = C.SESSION_RATE
     session_burst: int = C.SESSION_BURST
+    #: On stop: how long deferred work may take to finish, and how long the replies get to leave.
+    drain_s: float = C.DRAIN_S
+    drain_linger_s: float = C.DRAIN_LINGER_S
 
 
 class Server:
@@ -253,8 +257,13 @@ class Server:
             raise BusError(f"cannot bind {endpoint}: {err.strerror}", code="UNAVAILABLE") from err
         return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def run(self, stop: threading.Event) -> None:
-        """Serve until ``stop`` is set; then close every session and the socket."""
+    def run(self, stop: threading.Event, on_loop: Callable[[], None] | None = None) -> None:
+        """Serve until ``stop`` is set, then drain (:meth:`_drain`) and close every session and the socket.
+
+        ``on_loop`` is called once per turn of the loop (about every poll period, and after every
+        burst of messages): a service feeds systemd's watchdog there, so that a loop that is stuck
+        stops feeding it.
+        """
         if self._sock is None:
             self.bind()
         sock = self._sock
@@ -265,32 +274,62 @@ class Server:
                 timeout = 10 if self._pending else min(POLL_MS, self.config.heartbeat_ms // 2 or 1)
                 events = dict(poller.poll(timeout))
                 if sock in events:
-                    # Drain what is queued, bounded so timers still run under load.
-                    for _ in range(256):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_frames(frames)
-                        # Pushes a message caused go out before anything handled after it: a
-                        # stop Command must not arrive after the reply to the next request.
-                        self._flush_outbox()
-                self._finish_pending()
-                if self._revoked_changed:
-                    self._close_revoked()
-                now = time.monotonic()
-                self._expire_sessions(now)
-                self._heartbeat(now)
-                self._call(self.handler.tick, now)
-                self._flush_outbox()
+                    self._receive(sock)
+                self._turn()
+                if on_loop is not None:
+                    self._call(on_loop)
+            self._drain(sock)
         finally:
             for session in list(self.sessions.values()):
                 self._close_session(session, "service stopping")
-            sock.close(0)
+            # Replies the drain sent get ``drain_linger_s`` to leave; nothing else is waited for.
+            sock.close(int(self.config.drain_linger_s * 1000))
             self._sock = None
             self._stop_auth()
             if self._own_ctx:
                 self.ctx.term()
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        # Drain what is queued, bounded so timers still run under load.
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._on_frames(frames)
+            # Pushes a message caused go out before anything handled after it: a
+            # stop Command must not arrive after the reply to the next request.
+            self._flush_outbox()
+
+    def _turn(self) -> None:
+        """Timers and deferred replies: everything a loop turn does besides receiving."""
+        self._finish_pending()
+        if self._revoked_changed:
+            self._close_revoked()
+        now = time.monotonic()
+        self._expire_sessions(now)
+        self._heartbeat(now)
+        self._call(self.handler.tick, now)
+        self._flush_outbox()
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        """After ``stop`` (SIGTERM): answer the requests already queued, then give deferred work
+        (evaluations, requests awaiting the router's word) up to ``drain_s`` to finish. Requests
+        arriving after the stop are left unread: to a client the service is gone, as if killed,
+        and its timeout and retry (to a restarted service or a replica) apply. Work still running
+        when the time is up is answered UNAVAILABLE, so that no client waits out its timeout."""
+        self._receive(sock)
+        deadline = time.monotonic() + self.config.drain_s
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._turn()
+        if self._pending:
+            log.warning("%s: %d request(s) still running after %.1f s of draining; answered UNAVAILABLE",
+                        self.config.name, len(self._pending), self.config.drain_s)
+        for session, request_id, _fut in self._pending:
+            self._reply(session.routing_id, error_reply(request_id, Unavailable(
+                f"{self.config.name} is stopping; this request was given up unfinished: send it again")))
+        self._pending = []
 
     def _close_revoked(self) -> None:
         self._revoked_changed = False

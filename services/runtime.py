@@ -12,10 +12,13 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+import zmq
+
 from libbus.auth import (Key, ensure_secret, issue_token, load_public_key, load_secret,
                          load_signing_key)
 from libbus.client import Identity
 from libbus.config import Settings
+from libbus.constants import DRAIN_LINGER_S
 from libbus.curve import CurveKeys, load_keys
 from libbus.curve import load_public_key as load_curve_public_key
 from shm import SHM_DIR
@@ -24,36 +27,48 @@ from libbus.errors import ConfigError
 from libbus.server import ServerConfig
 from libbus.sockets import SocketLimits
 
-__all__ = ["clean_shm", "local_endpoint", "remove_local_endpoint", "install_signal_handlers", "sd_notify", "service_name", "token_source", "identity",
-           "curve_keys", "curve_key_file", "router_key", "server_config", "limits", "secret", "verify_key", "signing_key", "mint_token"]
+from .sdnotify import Notifier
+
+__all__ = ["clean_shm", "local_endpoint", "remove_local_endpoint", "install_signal_handlers", "notifier", "finish",
+           "service_name", "token_source", "identity", "curve_keys", "curve_key_file", "router_key",
+           "server_config", "limits", "secret", "verify_key", "signing_key", "mint_token"]
 
 log = logging.getLogger(__name__)
 
 
-def install_signal_handlers(stop: threading.Event) -> None:
-    """SIGTERM and SIGINT set ``stop``: the service drains and exits 0 (what systemd expects)."""
+def notifier() -> Notifier:
+    """The systemd notifier of this process (a no-op outside a ``Type=notify`` unit). The variables
+    are removed from the environment, as ``sd_notify(unset_environment=1)`` does: a child process
+    must not speak to systemd in the service's name."""
+    notify = Notifier.from_env(os.environ)
+    for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+        os.environ.pop(name, None)
+    return notify
+
+
+def install_signal_handlers(stop: threading.Event, notify: Notifier | None = None) -> None:
+    """SIGTERM and SIGINT set ``stop``: the service drains and exits 0 (what systemd expects).
+    ``notify`` tells systemd at once (``STOPPING=1``) that the shutdown has begun."""
     def _handler(signum, _frame):
-        log.info("received %s; stopping", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        log.info("received %s; stopping", name)
         stop.set()
+        if notify is not None:
+            notify.stopping(f"{name}: finishing work in flight, then exiting")
     signal.signal(signal.SIGTERM, _handler)
     signal.signal(signal.SIGINT, _handler)
 
 
-def sd_notify(state: str) -> bool:
-    """Tell systemd ``state`` (``READY=1``, ``STOPPING=1``, ``WATCHDOG=1``) if it is listening."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return False
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.connect(address)
-            sock.sendall(state.encode())
-        return True
-    except OSError as err:
-        log.warning("sd_notify(%s) failed: %s", state, err)
-        return False
+def finish(notify: Notifier, linger_s: float = DRAIN_LINGER_S) -> None:
+    """End a service process: ``STOPPING=1`` (if no signal said it), then give the replies still
+    queued in ZeroMQ up to ``linger_s`` to leave (at interpreter exit pyzmq would drop them)."""
+    notify.stopping()
+    notify.close()
+    # term() returns once every socket is closed and its queue sent or its linger over. A socket a
+    # stray thread still holds would block it for ever: wait in a daemon thread, bounded.
+    waiter = threading.Thread(target=zmq.Context.instance().term, name="zmq-term", daemon=True)
+    waiter.start()
+    waiter.join(linger_s + 0.5)
 
 
 def clean_shm() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from libbus.config import load_settings
+from libbus.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS_DIR = ROOT / "systemd"
@@ -122,6 +123,9 @@ def test_exec_start_options_exist(role):
 def test_service_basics(role):
     svc = service(role)
     assert one(svc, "Type") == "notify"
+    assert one(svc, "NotifyAccess") == "main"
+    # The watchdog is on, and longer than the trainer's longest ordinary wait (a batch's retries).
+    assert float(one(svc, "WatchdogSec")) >= (120 if role == "trainer" else 30)
     assert one(svc, "Restart") == "on-failure"
     assert one(svc, "TimeoutStopSec") == "30"
     env = environment(svc)
@@ -147,8 +151,11 @@ def test_hardening(role):
     assert svc.get("PrivateIPC", ["no"])[-1] not in TRUE
     assert svc.get("RemoveIPC", ["no"])[-1] not in TRUE
     if role == "trainer":
-        assert svc.get("PrivateDevices", ["no"])[-1] not in TRUE, "the trainer needs /dev/nvidia*"
-        assert svc.get("ProtectClock", ["no"])[-1] not in TRUE, "implies DeviceAllow=, blocks GPUs"
+        assert one(svc, "PrivateDevices") == "no", "the trainer needs /dev/nvidia*"
+        # A closed device policy (ProtectClock= implies one) must list the GPUs.
+        assert one(svc, "DevicePolicy") == "closed"
+        allowed = svc["DeviceAllow"]
+        assert {"char-nvidia* rw", "char-drm rw", "char-kfd rw"} <= set(allowed), allowed
     else:
         assert one(svc, "PrivateDevices") == "yes"
 
@@ -157,22 +164,68 @@ def test_secret_is_shared():
     users = {role: (one(service(role), "User"), environment(service(role))["BATCHBUS_SECRET_FILE"])
              for role in UNITS}
     assert len(set(users.values())) == 1, users
+    # ... and so is the credential that takes its place when provisioned in /etc/credstore.
+    for role in UNITS:
+        creds = service(role)["LoadCredential"]
+        assert "secret:batchbus.secret" in creds
+        assert any(c.endswith(".key_secret") and c.split(":")[0].removesuffix(".key_secret") in
+                   ("router", f"{role}-%i") for c in creds), creds
 
 
 @pytest.mark.parametrize("role", UNITS)
 def test_systemd_analyze_verify(role):
-    tool = shutil.which("systemd-analyze")
-    if tool is None:
-        pytest.skip("systemd-analyze is not on PATH (install systemd to verify the units)")
-    unit = UNITS_DIR / UNITS[role]
-    proc = subprocess.run([tool, "verify", str(unit)], cwd=UNITS_DIR, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "SYSTEMD_LOG_COLOR": "0"})
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    lines = verify(UNITS_DIR / UNITS[role], cwd=UNITS_DIR)
     # On a machine without the venv the only complaint allowed is the missing ExecStart binary.
     missing = f"Command {BUSCTL} is not executable: No such file or directory"
     other = [line for line in lines if not line.endswith(missing)]
     assert not other, "\n".join(lines)
-    assert proc.returncode == 0 or lines, proc
+
+
+def verify(*units: Path, cwd: Path) -> list[str]:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not on PATH (install systemd to verify the units)")
+    proc = subprocess.run([tool, "verify", *map(str, units)], cwd=cwd, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "SYSTEMD_LOG_COLOR": "0"})
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+
+
+def busctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_install_units_puts_verified_units_in_place(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "busctl").write_text("#!/bin/sh\n")
+    (venv / "bin" / "busctl").chmod(0o755)
+    out = busctl("install-units", "--root", str(tmp_path / "root"), "--prefix", str(venv))
+    assert out.returncode == 0, out.stderr
+    units = tmp_path / "root/etc/systemd/system"
+    installed = sorted(p.name for p in units.iterdir())
+    assert installed == sorted(UNITS.values())
+    assert (tmp_path / "root/etc/sysusers.d/batchbus.conf").read_text().count("u batchbus") == 1
+    assert "/etc/credstore" in (tmp_path / "root/etc/tmpfiles.d/batchbus.conf").read_text()
+    assert "systemctl daemon-reload && systemctl enable --now batchbus-router.service" in out.stdout
+    for name in UNITS.values():
+        text = (units / name).read_text()
+        assert f"ExecStart={venv}/bin/busctl start" in text and "/opt/batchbus/.venv" not in text
+    # With the venv's busctl in place, systemd has nothing at all to say about them.
+    assert verify(*(units / name for name in UNITS.values()), cwd=units) == []
+    again = busctl("install-units", "--root", str(tmp_path / "root"), "--prefix", str(venv))
+    assert again.returncode == 0 and again.stdout.count("unchanged") == 5
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--root", "/etc/hostname/below-a-file"], "cannot write /etc/hostname/below-a-file/etc/systemd"),
+    (["--prefix", "/home/me/venv", "--root", "/tmp/never-written"], "ProtectHome=yes"),
+    (["--prefix", "relative/venv", "--root", "/tmp/never-written"], "absolute path"),
+])
+def test_install_units_refuses_clearly(args, message):
+    out = busctl("install-units", *args)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
 
 
 def readme_toml_blocks() -> list[str]:
@@ -189,3 +242,39 @@ def test_readme_examples_are_valid_settings(tmp_path):
         settings, sources = load_settings(config_file=str(path), env={"BATCHBUS_STATE_DIR": str(tmp_path)})
         assert any(src.startswith("file ") for src in sources.values())
     assert any("datasets" in block for block in blocks)
+
+
+def test_systemd_credentials_provide_secret_token_and_curve_key(tmp_path):
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / "secret").write_text("s" * 64)
+    (creds / "token").write_text("eyJ.token\n")
+    (creds / "trainer-gpu0.key_secret").write_text("key")
+    config = tmp_path / "trainer.toml"
+    config.write_text('secret_file = "/from/file"\ntoken = "from-file"\n')
+    env = {"CREDENTIALS_DIRECTORY": str(creds), "BATCHBUS_STATE_DIR": str(tmp_path),
+           "BATCHBUS_SECRET_FILE": "/var/lib/batchbus/secret"}
+    settings, sources = load_settings(config_file=str(config), env=env)
+    # A provisioned credential beats the unit's Environment= fallback and the TOML file ...
+    assert settings.secret_file == str(creds / "secret") and sources["secret_file"] == "credential secret"
+    assert settings.token == "eyJ.token"
+    assert settings.curve_key_file == str(creds / "trainer-gpu0.key_secret")  # key name kept: trainer-gpu0
+    # ... a flag beats it, and without the credential the environment applies again.
+    settings, _ = load_settings(env=env, flags={"secret_file": "/flag"})
+    assert settings.secret_file == "/flag"
+    (creds / "secret").unlink()
+    settings, _ = load_settings(env=env)
+    assert settings.secret_file == "/var/lib/batchbus/secret"
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"token": " \n"}, "token is empty"),
+    ({"a.key_secret": "x", "b.key_secret": "y"}, "one CURVE key"),
+])
+def test_unusable_credentials_are_named(tmp_path, files, message):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_settings(env={"CREDENTIALS_DIRECTORY": str(tmp_path), "BATCHBUS_STATE_DIR": str(tmp_path)})
+    with pytest.raises(ConfigError, match="No such file"):
+        load_settings(env={"CREDENTIALS_DIRECTORY": str(tmp_path / "gone"), "BATCHBUS_STATE_DIR": "/x"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import zmq
 
@@ -94,11 +95,12 @@ class ProviderService:
         """The data server's counters and the handler's, plus whether the router link is up."""
         return {**self.server.stats(), "connected": self.link is not None and self.link.connected.is_set()}
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: threading.Event, on_loop: Callable[[], None] | None = None) -> None:
+        """Serve until ``stop``; ``on_loop`` runs every turn of the serving loop (the watchdog)."""
         watcher = threading.Thread(target=self._watch_link, args=(stop,), daemon=True)
         watcher.start()
         try:
-            self.server.run(stop)
+            self.server.run(stop, on_loop)
         finally:
             if self.metrics is not None:
                 self.metrics.close()

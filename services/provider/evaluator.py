@@ -4,12 +4,13 @@ only, never unpickled."""
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 
-from libbus.errors import BadRequest, Forbidden
+from libbus.errors import BadRequest, Forbidden, Unavailable
 from services.models import MODELS, build_model, dataset_kind, evaluate
 
 from .sources import Source
@@ -24,10 +25,11 @@ EVAL_LOGITS_BUDGET = 1 << 25
 
 
 def evaluate_weights(source: Source, split: str, model_spec: dict, blob: bytes,
-                     info: dict) -> tuple[float, float, int]:
+                     info: dict, stop: threading.Event | None = None) -> tuple[float, float, int]:
     """Build ``model_spec`` for ``info``, load safetensors ``blob`` into it, score it on ``split``.
 
-    Raises :class:`BadRequest` for a malformed spec, unreadable weights or weights that do not fit.
+    Raises :class:`BadRequest` for a malformed spec, unreadable weights or weights that do not fit,
+    and :class:`Unavailable` when ``stop`` is set (the provider is stopping) before it is done.
     """
     name = model_spec.get("name")
     kwargs = model_spec.get("kwargs", {})
@@ -52,6 +54,8 @@ def evaluate_weights(source: Source, split: str, model_spec: dict, blob: bytes,
 
     def batches():
         for start in range(0, n, chunk):
+            if stop is not None and stop.is_set():  # a SIGTERM must not wait for a whole split
+                raise Unavailable("the provider is stopping; evaluation abandoned: ask again")
             x, y = source.read(split, np.arange(start, min(n, start + chunk), dtype=np.int64))
             yield torch.from_numpy(x), torch.from_numpy(y)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -139,9 +140,12 @@ class ProviderHandler(Handler):
         #: dataset → time to assemble a batch; keyed only by datasets served here (bounded labels).
         self.latency: dict[str, LatencyHistogram] = {name: LatencyHistogram() for name in datasets}
         self._evaluator = ThreadPoolExecutor(eval_workers, thread_name_prefix="evaluate")
+        #: Set by close(): running evaluations give up at their next chunk (the process can exit).
+        self._closing = threading.Event()
         self._evaluations_running = 0
 
     def close(self) -> None:
+        self._closing.set()
         self._evaluator.shutdown(wait=False, cancel_futures=True)
         for ring in self.rings.values():
             ring.close()
@@ -344,7 +348,8 @@ class ProviderHandler(Handler):
 
         def run() -> Evaluation:
             try:
-                loss, acc, n = evaluate_weights(source, msg.split, msg.model, blob, self.infos[msg.dataset])
+                loss, acc, n = evaluate_weights(source, msg.split, msg.model, blob, self.infos[msg.dataset],
+                                                 self._closing)
                 log.info("evaluated job %s on %s/%s: loss %.4f accuracy %.4f (%d samples, %.1f s)",
                          msg.job or "-", msg.dataset, msg.split, loss, acc, n, time.monotonic() - started)
                 self.served[msg.dataset]["evaluations"] += 1

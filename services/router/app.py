@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import zmq
 
@@ -47,9 +48,10 @@ class RouterService:
         log.info("router %s listening on %s (jobs in %s)", self.name, endpoint, self.settings.db)
         return endpoint
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: threading.Event, on_loop: Callable[[], None] | None = None) -> None:
+        """Serve until ``stop``; ``on_loop`` runs every turn of the serving loop (the watchdog)."""
         try:
-            self.server.run(stop)
+            self.server.run(stop, on_loop)
         finally:
             if self.metrics is not None:
                 self.metrics.close()

@@ -16,6 +16,7 @@ from libbus.messages import Command, GetTask, Message, NoTask, PushResult, Task
 from libbus.metrics import MetricsExporter, start_exporter
 
 from .. import runtime
+from ..sdnotify import Notifier
 from .run import TaskRun
 
 __all__ = ["TrainerService", "run_trainer"]
@@ -27,8 +28,13 @@ PUSH_RESULT_PATIENCE_S = 600.0
 
 
 class TrainerService:
-    def __init__(self, settings: Settings):
+    """A trainer: asks the router for tasks and runs them. ``notifier`` tells systemd it is ready
+    (once started, whether or not the router answers yet: it may be restarting), what it does
+    (``STATUS=``), and is fed between training steps and task requests (the watchdog)."""
+
+    def __init__(self, settings: Settings, notifier: Notifier | None = None):
         self.settings = settings
+        self.notifier = notifier or Notifier()
         self.name = runtime.service_name(settings, "trainer")
         self.identity = runtime.identity(settings, "trainer", self.name)
         self.commands: queue.Queue[Command] = queue.Queue()
@@ -53,11 +59,16 @@ class TrainerService:
     def run(self, stop: threading.Event) -> int:
         self.metrics = start_exporter(self.settings.metrics_bind, "trainer", self.name, self.stats)
         self.link.start()
+        router = self.settings.router
+        self.notifier.ready(f"waiting for the router at {router}")
         # A stop (SIGTERM) also ends a running task: it is put on the command queue.
         watcher = threading.Thread(target=self._watch_stop, args=(stop,), daemon=True)
         watcher.start()
         try:
             while not stop.is_set():
+                self.notifier.watchdog()
+                self.notifier.status(f"idle: asking {router} for a task" if self.link.connected.is_set()
+                                     else f"waiting for the router at {router}")
                 if self.link.fatal is not None:
                     log.error("router refused trainer %s: %s", self.name, self.link.fatal)
                     return 1
@@ -92,7 +103,8 @@ class TrainerService:
         self.current_job = task.job
         log.info("running job %s", task.job)
         try:
-            state, result, error = TaskRun(task, self.settings, self.link, self.identity, self.commands).run()
+            state, result, error = TaskRun(task, self.settings, self.link, self.identity, self.commands,
+                                           notifier=self.notifier).run()
         finally:
             self.current_job = None
         self.tasks[state] += 1
@@ -105,6 +117,7 @@ class TrainerService:
         """Deliver the result, waiting out a router restart (bounded)."""
         waited = 0.0
         while waited < PUSH_RESULT_PATIENCE_S:
+            self.notifier.watchdog()  # each try is bounded by request_timeout_s; the patience is not
             try:
                 self.link.request(msg, timeout_s=self.settings.request_timeout_s)
                 log.info("job %s: %s, result delivered", msg.job, msg.state)
@@ -120,11 +133,11 @@ class TrainerService:
 
 
 def run_trainer(settings: Settings) -> int:
-    stop = threading.Event()
-    runtime.install_signal_handlers(stop)
+    stop, notify = threading.Event(), runtime.notifier()
+    runtime.install_signal_handlers(stop, notify)
     runtime.clean_shm()
-    service = TrainerService(settings)
-    runtime.sd_notify("READY=1")
-    code = service.run(stop)
-    runtime.sd_notify("STOPPING=1")
-    return code
+    service = TrainerService(settings, notify)
+    try:
+        return service.run(stop)
+    finally:
+        runtime.finish(notify)

@@ -21,6 +21,7 @@ from libbus.curve import curve_key_of
 from libbus.loader import RemoteLoader, pick_provider
 from libbus.messages import Command, Evaluate, Evaluation, Progress, Resolve, Task
 from services.models import TOKENS, batch_loss, build_model, dataset_kind, evaluate
+from services.sdnotify import Notifier
 
 __all__ = ["Stopped", "TaskRun"]
 
@@ -68,7 +69,7 @@ class TaskRun:
     """Runs ``task`` to its end and returns the ``(state, result, error)`` to push to the router."""
 
     def __init__(self, task: Task, settings: Settings, link: Link, identity: Identity,
-                 commands: queue.Queue[Command]):
+                 commands: queue.Queue[Command], *, notifier: Notifier | None = None):
         self.task = task
         self.job = task.job
         self.spec = JobSpec.from_dict(task.spec)
@@ -76,6 +77,8 @@ class TaskRun:
         self.link = link
         self.identity = identity
         self.commands = commands
+        #: systemd: fed between steps (a long epoch is no silence), told each epoch (STATUS=).
+        self.notifier = notifier or Notifier()
         self.history: list[dict] = []
 
     def run(self) -> tuple[str, dict, str]:
@@ -88,6 +91,8 @@ class TaskRun:
             return "failed", {"history": self.history}, f"{type(err).__name__}: {err}"
 
     def _check_commands(self) -> None:
+        """Between steps: feed the watchdog, act on commands."""
+        self.notifier.watchdog()
         while True:
             try:
                 cmd = self.commands.get_nowait()
@@ -129,6 +134,7 @@ class TaskRun:
         try:
             for epoch in range(spec.epochs):
                 train.set_epoch(epoch)
+                self.notifier.status(f"running job {self.job} epoch {epoch + 1}/{spec.epochs}")
                 model.train()
                 for x, y in train:
                     self._check_commands()
@@ -142,7 +148,7 @@ class TaskRun:
                     if now - last_report >= s.progress_interval_s:
                         last_report = now
                         self._report(self._progress(epoch, step, steps_per_epoch, meter, train))
-                val_loss, val_acc, _ = evaluate(model, val, kind)
+                val_loss, val_acc, _ = evaluate(model, self._watched(val), kind)
                 epoch_record = {"epoch": epoch + 1, "train_loss": meter.take_loss(),
                                 "val_loss": val_loss, "val_accuracy": val_acc}
                 if kind == TOKENS:  # per-token loss; perplexity is how language models are compared
@@ -169,6 +175,12 @@ class TaskRun:
                      evaluation.accuracy, evaluation.n)
         return result
 
+    def _watched(self, batches):
+        """``batches``, feeding the watchdog between them."""
+        for batch in batches:
+            self.notifier.watchdog()
+            yield batch
+
     def _progress(self, epoch: int, step: int, steps_per_epoch: int, meter: Meter,
                   loader: RemoteLoader) -> dict:
         elapsed = max(1e-9, time.monotonic() - meter.started)
@@ -191,6 +203,8 @@ class TaskRun:
         blob = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
         msg = Evaluate(dataset=self.spec.dataset, job=self.job,
                        model={"name": self.spec.model, "kwargs": self.spec.model_kwargs}, frames=[blob])
-        with Client(provider["endpoint"], self.identity, timeout_s=EVALUATE_TIMEOUT_S, retries=0,
-                    server_key=curve_key_of(provider)) as client:
+        # One bounded wait longer than the watchdog's interval: the watchdog waits as long.
+        with self.notifier.extended(EVALUATE_TIMEOUT_S), \
+                Client(provider["endpoint"], self.identity, timeout_s=EVALUATE_TIMEOUT_S, retries=0,
+                       server_key=curve_key_of(provider)) as client:
             return client.request(msg)
