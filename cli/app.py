@@ -12,7 +12,7 @@ import typer
 from libbus.auth import ROLES, ensure_secret
 from libbus.config import load_settings
 from libbus.errors import BusError, ConfigError
-from libbus.jobs import JOB_STATES
+from libbus.jobs import JOB_STATES, SETTABLE
 from libbus.messages import ControlJob, GetJob, ListJobs, ListPeers, Stats, SubmitJob
 
 from . import tables
@@ -212,15 +212,73 @@ def job_show(job: str, config: Config = None, router: Router = None, secret_file
     print_json(info) if json else tables.job(info)
 
 
+def _control(job: str, command: str, args: dict, config, router, secret_file, state_dir, token, json) -> None:
+    """Send one ControlJob and print the acknowledgement (the trainer's, or the router's own)."""
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    with admin_client(s) as client:
+        detail = client.request(ControlJob(job=job, command=command, args=args)).detail
+    if json:
+        print_json(detail)
+        return
+    line = f"{job}: {detail.get('state')}"
+    if detail.get("acked"):
+        line += f" (acknowledged by {detail.get('trainer')} in {detail.get('ack_ms', 0):.0f} ms)"
+    ckpt = detail.get("checkpoint")
+    if ckpt:
+        line += f"\ncheckpoint step {ckpt['step']} epoch {ckpt['epoch']}: {ckpt['path']} sha256 {ckpt['sha256']}"
+    if detail.get("error"):
+        line += f"\nrefused by the trainer: {detail['error']}"
+    typer.echo(line)
+
+
 @job_app.command("stop")
 @guard
 def job_stop(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
              state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
-    """Stop a queued or running job."""
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
-    with admin_client(s) as client:
-        detail = client.request(ControlJob(job=job, command="stop")).detail
-    print_json(detail) if json else typer.echo(f"{job}: {detail.get('state')}")
+    """Stop a job; a running one checkpoints first (`busctl job resume` continues it)."""
+    _control(job, "stop", {}, config, router, secret_file, state_dir, token, json)
+
+
+@job_app.command("pause")
+@guard
+def job_pause(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+              state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Pause a job: its trainer keeps it (and its lease) but trains on no more batches."""
+    _control(job, "pause", {}, config, router, secret_file, state_dir, token, json)
+
+
+@job_app.command("resume")
+@guard
+def job_resume(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+               state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Resume a paused job, or queue a stopped or failed one again from its last checkpoint."""
+    _control(job, "resume", {}, config, router, secret_file, state_dir, token, json)
+
+
+@job_app.command("checkpoint")
+@guard
+def job_checkpoint(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+                   state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Make the trainer write a checkpoint now; prints its path and sha256."""
+    _control(job, "checkpoint", {}, config, router, secret_file, state_dir, token, json)
+
+
+@job_app.command("set")
+@guard
+def job_set(job: str, values: Annotated[list[str], typer.Argument(help=f"NAME=VALUE pairs; names: {', '.join(SETTABLE)}.")],
+            config: Config = None, router: Router = None, secret_file: SecretFile = None,
+            state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Change hyper-parameters of a job, e.g. `busctl job set J lr=0.01 weight_decay=1e-4`."""
+    args = {}
+    for pair in values:
+        name, sep, value = pair.partition("=")
+        try:
+            args[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            fail(f"expected NAME=NUMBER such as lr=0.01, got {pair!r}", 2)
+    _control(job, "set", args, config, router, secret_file, state_dir, token, json)
 
 
 @job_app.command("watch")

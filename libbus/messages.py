@@ -26,7 +26,7 @@ __all__ = [
     "Resolve", "Resolved", "DatasetInfoRequest", "DatasetInfo", "BatchRequest", "BatchResponse",
     "AttachRing", "RingAttached",
     "SubmitJob", "JobSubmitted", "ListJobs", "JobList", "GetJob", "JobInfo", "ControlJob",
-    "GetTask", "Task", "NoTask", "Progress", "PushResult", "Command",
+    "GetTask", "Task", "NoTask", "Progress", "PushResult", "Command", "CommandAck", "Checkpointed",
     "Evaluate", "Evaluation", "Stats", "StatsReply", "ListPeers", "PeerList",
 ]
 
@@ -208,8 +208,10 @@ class JobInfo(Message):
 
 @dataclass(kw_only=True)
 class ControlJob(Message):
+    """stop, pause, resume, checkpoint, or set (``args``: the hyper-parameters to change)."""
     job: str
     command: str
+    args: dict = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -247,10 +249,31 @@ class PushResult(Message):
 
 @dataclass(kw_only=True)
 class Command(Message):
-    """Router → trainer, unsolicited (``id`` 0): stop, and later pause/resume/checkpoint/set."""
+    """Router → trainer, unsolicited (``id`` 0): stop, pause, resume, checkpoint, set.
+    The trainer answers a non-zero ``seq`` with :class:`CommandAck` once it has applied it."""
     job: str
     command: str
     args: dict = field(default_factory=dict)
+    seq: int = 0
+
+
+@dataclass(kw_only=True)
+class CommandAck(Message):
+    """Trainer → router: command ``seq`` of ``job`` was applied; ``state`` is the job's state on the
+    trainer now (running or paused); ``detail`` says what was done (a checkpoint's record...)."""
+    job: str
+    command: str
+    seq: int
+    state: str
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Checkpointed(Message):
+    """Trainer → router: a checkpoint of ``job`` is on disk (``checkpoint``: path, sha256, step,
+    epoch, cursor); the job resumes from the latest one if its trainer is lost."""
+    job: str
+    checkpoint: dict
 
 
 # -- evaluation ------------------------------------------------------------------------------

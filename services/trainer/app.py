@@ -16,6 +16,7 @@ from libbus.messages import Command, GetTask, Message, NoTask, PushResult, Task
 from libbus.metrics import MetricsExporter, start_exporter
 
 from .. import runtime
+from .reports import Reporter
 from .run import TaskRun
 
 __all__ = ["TrainerService", "run_trainer"]
@@ -87,19 +88,38 @@ class TrainerService:
             self.commands.put(Command(job=self.current_job, command="shutdown"))
 
     def _run_task(self, task: Task, stop: threading.Event) -> None:
-        while not self.commands.empty():  # commands for an earlier job are stale
-            self.commands.get_nowait()
+        self._drop_stale_commands(task.job)
         self.current_job = task.job
-        log.info("running job %s", task.job)
+        if stop.is_set():  # SIGTERM came between GetTask and here: hand it straight back
+            self.commands.put(Command(job=task.job, command="shutdown"))
+        log.info("running job %s%s", task.job,
+                 f" from checkpoint step {task.resume['step']}" if task.resume else "")
+        reporter = Reporter(self.link, task.job, self.settings.request_timeout_s, on_command=self.commands.put)
         try:
-            state, result, error = TaskRun(task, self.settings, self.link, self.identity, self.commands).run()
+            state, result, error = TaskRun(task, self.settings, self.link, self.identity, self.commands,
+                                           reporter).run()
+            # progress, checkpoint records and acknowledgements go before the result
+            reporter.flush(PUSH_RESULT_PATIENCE_S if not stop.is_set() else self.settings.request_timeout_s)
         finally:
+            reporter.close()
             self.current_job = None
         self.tasks[state] += 1
-        if stop.is_set() and state == "stopped":
-            log.info("job %s interrupted by shutdown; the router will requeue it", task.job)
+        if state == "lost":
+            log.warning("job %s abandoned: %s", task.job, error)
             return
+        if state == "queued":
+            log.info("job %s handed back to the router (shutting down)", task.job)
         self._push_result(PushResult(job=task.job, state=state, result=result, error=error), stop)
+
+    def _drop_stale_commands(self, job: str) -> None:
+        """Commands for an earlier job are stale; ones for this job (sent as it was assigned) are kept."""
+        keep = []
+        while not self.commands.empty():
+            cmd = self.commands.get_nowait()
+            if cmd.job == job:
+                keep.append(cmd)
+        for cmd in keep:
+            self.commands.put(cmd)
 
     def _push_result(self, msg: PushResult, stop: threading.Event) -> None:
         """Deliver the result, waiting out a router restart (bounded)."""
