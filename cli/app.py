@@ -13,7 +13,7 @@ from libbus.auth import ROLES, ensure_secret
 from libbus.config import load_settings
 from libbus.errors import BusError, ConfigError
 from libbus.jobs import JOB_STATES, SETTABLE
-from libbus.messages import ControlJob, GetJob, ListJobs, ListPeers, Stats, SubmitJob
+from libbus.messages import ControlJob, GetJob, GetModel, ListJobs, ListPeers, Stats, SubmitJob
 
 from . import tables
 from .common import admin_client, fail, guard, print_json, settings_from, setup_logging
@@ -279,6 +279,26 @@ def job_set(job: str, values: Annotated[list[str], typer.Argument(help=f"NAME=VA
         if not sep:
             fail(f"expected NAME=NUMBER such as lr=0.01, got {pair!r}", 2)
     _control(job, "set", args, config, router, secret_file, state_dir, token, json)
+
+
+@job_app.command("model")
+@guard
+def job_model(job: str, out: Annotated[Path, typer.Option("-o", "--out", help="Where to write the safetensors file.")],
+              config: Config = None, router: Router = None, secret_file: SecretFile = None,
+              state_dir: StateDir = None, token: Token = None) -> None:
+    """Download the final weights of a succeeded job (safetensors), checked against their sha256."""
+    import hashlib
+    from services.atomic import write_atomic
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    with admin_client(s) as client:
+        reply = client.request(GetModel(job=job))
+    frame = reply.frames[0]
+    data = bytes(frame.buffer if hasattr(frame, "buffer") else frame)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != reply.sha256:
+        fail(f"model of {job} arrived with sha256 {digest}, expected {reply.sha256}; nothing written")
+    write_atomic(out, data)
+    typer.echo(f"{out}: {len(data)} bytes, sha256 {digest}")
 
 
 @job_app.command("watch")

@@ -22,21 +22,24 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
     shown_epochs = 0
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     columns = (TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
-               TimeElapsedColumn())
+               TextColumn("step {task.fields[step]}"), TextColumn("loss {task.fields[loss]}"),
+               TextColumn("{task.fields[rate]} samples/s"), TextColumn("data wait {task.fields[wait]}%"),
+               TextColumn("{task.fields[state]}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bars:
         bar = None
         while True:
             info = client.request(GetJob(job=job)).job
             p = info.get("progress") or {}
             history = p.get("history", [])
-            if p and info["state"] == "running":
+            if p and info["state"] in ("running", "paused"):
                 epoch = min(p["epoch"] + 1, p["epochs"])
                 # after the last epoch (validation, provider-side test) the bar stays full
                 done = p["epoch"] >= p["epochs"]
                 within = p["steps_per_epoch"] if done else p["step"] - p["epoch"] * p["steps_per_epoch"]
                 fields = dict(epoch=f"{epoch}/{p['epochs']}", loss=f"{p['loss']:.4f}" if p.get("loss") else "-",
-                              rate=f"{p.get('samples_per_s', 0):.0f}")
+                              rate=f"{p.get('samples_per_s', 0):.0f}", step=p["step"],
+                              wait=f"{p.get('data_wait_pct', 0):.0f}",
+                              state="[yellow]paused[/]" if info["state"] == "paused" else "")
                 if bar is None or (len(history) > shown_epochs and p["epoch"] < p["epochs"]):
                     if bar is not None:
                         bars.update(bar, completed=p["steps_per_epoch"])

@@ -90,6 +90,9 @@ class Settings:
     shm: bool = True
     #: Trainer: ring slots per loader (0 = inflight + 1: every request in flight, plus the batch in use).
     shm_slots: int = 0
+    #: Router: where it keeps the final model each succeeded job's trainer sent; default
+    #: ``<state_dir>/artifacts`` (``busctl job model`` downloads from here).
+    artifact_dir: str = ""
     #: Router: how long a trainer holds a job without being heard from (0: 2 × heartbeat × liveness).
     lease_s: float = 0.0
     #: Trainer: where checkpoints and final models are written; default ``<state_dir>/checkpoints``.
@@ -121,6 +124,8 @@ class Settings:
             out.token_issuer = out.cluster
         if not out.db:
             out.db = os.path.join(out.state_dir, "router.db")
+        if not out.artifact_dir:
+            out.artifact_dir = os.path.join(out.state_dir, "artifacts")
         if not out.checkpoint_dir:
             out.checkpoint_dir = os.path.join(out.state_dir, "checkpoints")
         if out.lease_s <= 0:

@@ -27,6 +27,7 @@ __all__ = [
     "AttachRing", "RingAttached",
     "SubmitJob", "JobSubmitted", "ListJobs", "JobList", "GetJob", "JobInfo", "ControlJob",
     "GetTask", "Task", "NoTask", "Progress", "PushResult", "Command", "CommandAck", "Checkpointed",
+    "GetModel", "Model",
     "Evaluate", "Evaluation", "Stats", "StatsReply", "ListPeers", "PeerList",
 ]
 
@@ -241,10 +242,28 @@ class Progress(Message):
 
 @dataclass(kw_only=True)
 class PushResult(Message):
+    """A job's end (or hand-back). A succeeded job's final weights may ride along as one payload
+    frame (safetensors bytes, sha256 in ``result.model``) for the router to keep."""
+    nframes: ClassVar[tuple[int, int]] = (0, 1)
     job: str
     state: str
     result: dict = field(default_factory=dict)
     error: str = ""
+
+
+@dataclass(kw_only=True)
+class GetModel(Message):
+    """Admin → router: the final weights of a succeeded job."""
+    job: str
+
+
+@dataclass(kw_only=True)
+class Model(Message):
+    """The weights as one payload frame (safetensors bytes) and their sha256."""
+    nframes: ClassVar[tuple[int, int]] = (1, 1)
+    job: str
+    sha256: str
+    nbytes: int
 
 
 @dataclass(kw_only=True)

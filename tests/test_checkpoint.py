@@ -116,3 +116,19 @@ def test_an_old_database_gets_the_new_columns(tmp_path):
     assert store.claim("t1", lease_s=5)["id"] == "j1"
     assert store.get("j1")["failures"] == 0
     store.close()
+
+
+def test_the_router_keeps_a_model_only_if_its_bytes_match_and_names_no_other_path(tmp_path):
+    import hashlib
+    from libbus.errors import NotFound
+    from services.router.artifacts import Artifacts
+    artifacts = Artifacts(str(tmp_path))
+    data = b"weights"
+    with pytest.raises(BadRequest, match="sha256"):
+        artifacts.put("j0123456789", data, hashlib.sha256(b"other").hexdigest())
+    with pytest.raises(NotFound):
+        artifacts.get("j0123456789")
+    artifacts.put("j0123456789", data, hashlib.sha256(data).hexdigest())
+    assert artifacts.get("j0123456789") == data
+    with pytest.raises(NotFound):
+        artifacts.get("../../etc/passwd")

@@ -191,6 +191,8 @@ def resumed_from(cluster: Cluster, job: str, trainer: str) -> int:
 def test_trainer_killed_mid_epoch_another_resumes_exactly(cluster, train_digests):
     reference = cluster.submit()                 # the uninterrupted run, on one trainer
     job = cluster.submit()                       # the run to interrupt, on the other
+    watch = subprocess.Popen([*BUSCTL, "job", "watch", job], env={**cluster.env, "COLUMNS": "200"}, cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     victim = cluster.wait(job, lambda i: i["state"] == "running")["trainer"]
     pause_then_resume(cluster, job, victim)
     cluster.procs[victim].send_signal(signal.SIGKILL)  # mid-epoch, between checkpoints
@@ -216,6 +218,15 @@ def test_trainer_killed_mid_epoch_another_resumes_exactly(cluster, train_digests
         assert ours_epoch == pytest.approx(ref_epoch, rel=1e-5)
     assert_exactly_once(cluster, job, train_digests)
     assert_exactly_once(cluster, reference, train_digests)
+    # `busctl job watch` followed it through the pause and the trainer's death to the end
+    shown, _ = watch.communicate(timeout=30)
+    assert watch.returncode == 0, shown
+    assert "epoch 3: train loss" in shown and "data wait" in shown and f"job {job} succeeded" in shown, shown
+    # the model comes home: the router kept a copy, `busctl job model` downloads it
+    out = cluster.state / "downloaded.safetensors"
+    printed = busctl("job", "model", job, "-o", str(out), env=cluster.env).stdout
+    assert info["result"]["model"]["sha256"] in printed
+    assert out.read_bytes() == Path(info["result"]["model"]["path"]).read_bytes()
 
 
 def test_router_killed_mid_job_training_goes_on(cluster, train_digests):

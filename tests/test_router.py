@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from libbus.client import Identity
-from libbus.errors import BadRequest, Forbidden, NotFound
+from libbus.errors import BadRequest, Forbidden, NotFound, Timeout
 from libbus.jobs import JobSpec
 from libbus.link import Link
 from libbus.messages import (CommandAck, ControlJob, GetJob, GetTask, NoTask, Progress, PushResult, Resolve,
@@ -139,3 +139,42 @@ def test_a_restarted_router_gets_its_providers_back(router, provider, client_for
                 time.sleep(0.2)
     finally:
         again.shutdown()
+
+
+def test_commands_for_jobs_no_trainer_holds_are_applied_by_the_router(router, client_for):
+    admin = client_for(router.endpoint, role="admin")
+    job = admin.request(SubmitJob(spec={"dataset": "mnist", "lr": 0.01})).job
+    assert admin.request(ControlJob(job=job, command="pause")).detail["state"] == "paused"
+    trainer = client_for(router.endpoint, role="trainer")
+    assert isinstance(trainer.request(GetTask()), NoTask)          # a paused job is not handed out
+    spec = admin.request(ControlJob(job=job, command="set", args={"lr": 0.5})).detail["spec"]
+    assert spec["lr"] == 0.5 and admin.request(GetJob(job=job)).job["spec"]["lr"] == 0.5
+    with pytest.raises(BadRequest, match="cannot set epochs"):
+        admin.request(ControlJob(job=job, command="set", args={"epochs": 9}))
+    with pytest.raises(BadRequest, match="only a job a trainer holds can checkpoint"):
+        admin.request(ControlJob(job=job, command="checkpoint"))
+    with pytest.raises(BadRequest, match="takes no arguments"):
+        admin.request(ControlJob(job=job, command="pause", args={"now": 1}))
+    assert admin.request(ControlJob(job=job, command="resume")).detail["state"] == "queued"
+    task = trainer.request(GetTask())
+    assert task.job == job and task.spec["lr"] == 0.5 and task.resume is None
+
+
+def test_a_command_the_trainer_never_acknowledges_times_out_and_is_repeated(router, client_for):
+    router.service.handler.jobs.ack_timeout_s = 0.5
+    admin = client_for(router.endpoint, role="admin")
+    job = admin.request(SubmitJob(spec={"dataset": "mnist"})).job
+    trainer = client_for(router.endpoint, role="trainer")
+    assert trainer.request(GetTask()).job == job
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(admin.request, ControlJob(job=job, command="checkpoint"))
+        deadline = time.monotonic() + 5
+        while not any(m.type == "Command" for m in trainer.pushes):   # pushed, and "lost" here
+            assert time.monotonic() < deadline
+            trainer.recv(0.05)
+        # until acknowledged, the command rides on every progress reply
+        repeated = trainer.request(Progress(job=job, progress={})).detail["commands"]
+        assert [c["command"] for c in repeated] == ["checkpoint"]
+        with pytest.raises(Timeout, match="has not acknowledged checkpoint"):
+            asked.result(10)
+    assert trainer.request(Progress(job=job, progress={})).detail["commands"] == []

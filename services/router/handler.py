@@ -8,11 +8,12 @@ from typing import Callable
 
 from libbus.errors import BadRequest, NotFound
 from libbus.jobs import JobSpec, dataset_name
-from libbus.messages import (Checkpointed, CommandAck, ControlJob, GetJob, GetTask, JobInfo, JobList,
-                             JobSubmitted, ListJobs, ListPeers, Message, NoTask, Ok, PeerList, Progress,
+from libbus.messages import (Checkpointed, CommandAck, ControlJob, GetJob, GetModel, GetTask, JobInfo, JobList,
+                             JobSubmitted, ListJobs, ListPeers, Message, Model, NoTask, Ok, PeerList, Progress,
                              PushResult, Resolve, Resolved, Stats, StatsReply, SubmitJob, Task)
 from libbus.server import Handler, Session
 
+from .artifacts import Artifacts
 from .jobs import JobControl
 from .store import JobStore
 
@@ -30,25 +31,27 @@ class RouterHandler(Handler):
     Args:
         store: the job database.
         lease_s: how long a trainer holds a job without being heard from (services/router/jobs.py).
+        artifacts: where the final models trainers send with their results are kept.
         task_retry_ms: what ``NoTask`` tells an idle trainer to wait before asking again.
     """
 
     roles = {
         "Resolve": ("trainer", "admin"),
-        "SubmitJob": ADMIN, "ListJobs": ADMIN, "GetJob": ADMIN, "ControlJob": ADMIN,
+        "SubmitJob": ADMIN, "ListJobs": ADMIN, "GetJob": ADMIN, "ControlJob": ADMIN, "GetModel": ADMIN,
         "ListPeers": ADMIN, "Stats": ("admin", "trainer"),
         "GetTask": TRAINER, "Progress": TRAINER, "PushResult": TRAINER,
         "Checkpointed": TRAINER, "CommandAck": TRAINER,
     }
 
     def __init__(self, store: JobStore, *, lease_s: float = 10.0, task_retry_ms: int = 1000,
-                 server_stats: Callable[[], dict] = dict):
+                 server_stats: Callable[[], dict] = dict, artifacts: Artifacts | None = None):
         super().__init__()
         self.store = store
         self.task_retry_ms = task_retry_ms
         self.server_stats = server_stats
         self.peers: dict[str, Session] = {}
-        self.jobs = JobControl(store, self._push_to_trainer, self._trainer_names, lease_s=lease_s)
+        self.jobs = JobControl(store, self._push_to_trainer, self._trainer_names, lease_s=lease_s,
+                               artifacts=artifacts)
 
     # -- sessions -----------------------------------------------------------------------------
     def on_open(self, session: Session) -> None:
@@ -129,6 +132,10 @@ class RouterHandler(Handler):
     def on_ControlJob(self, session: Session, msg: ControlJob) -> Ok | Future:
         session.claims.check_job(msg.job)
         return self.jobs.control(session.name, msg.job, msg.command, msg.args)
+
+    def on_GetModel(self, session: Session, msg: GetModel) -> Model:
+        session.claims.check_job(msg.job)
+        return self.jobs.model(msg.job)
 
     def on_GetTask(self, session: Session, msg: GetTask) -> Task | NoTask:
         self.jobs.abandon_all(session.name)

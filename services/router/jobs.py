@@ -26,18 +26,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
-from libbus.errors import BadRequest, Forbidden, Timeout, Unavailable
+from libbus.errors import BadRequest, Forbidden, NotFound, Timeout, Unavailable
 from libbus.jobs import TERMINAL_STATES, JobSpec
 from libbus.messages import (
     Checkpointed,
     Command,
     CommandAck,
     Message,
+    Model,
     Ok,
     Progress,
     PushResult,
 )
 
+from .artifacts import Artifacts
 from .store import HOLDING_STATES, JobStore
 
 __all__ = ["COMMANDS", "JobControl"]
@@ -72,11 +74,14 @@ class JobControl:
         connected: the names of the trainers connected now.
         lease_s: lease length.
         ack_timeout_s: how long a command waits for the trainer's acknowledgement.
+        artifacts: where final models sent with a result are kept (None: not kept).
     """
 
     def __init__(self, store: JobStore, push: Callable[[str, Message], bool],
-                 connected: Callable[[], set[str]], *, lease_s: float, ack_timeout_s: float = ACK_TIMEOUT_S):
+                 connected: Callable[[], set[str]], *, lease_s: float, ack_timeout_s: float = ACK_TIMEOUT_S,
+                 artifacts: Artifacts | None = None):
         self.store = store
+        self.artifacts = artifacts
         self.push = push
         self.connected = connected
         self.lease_s = lease_s
@@ -215,9 +220,31 @@ class JobControl:
         reason = {"succeeded": f"finished on {trainer}",
                   "stopped": f"stopped on {trainer}",
                   "failed": f"failed on {trainer}: {msg.error}"}.get(msg.state, msg.state)
-        self.store.finish(msg.job, msg.state, reason, result=msg.result, error=msg.error)
-        log.info("job %s %s: %s", msg.job, msg.state, msg.result or msg.error)
+        result = msg.result
+        if msg.frames and msg.state == "succeeded" and self.artifacts is not None:
+            model = result.get("model")
+            if not isinstance(model, dict) or not isinstance(model.get("sha256"), str):
+                raise BadRequest("weights sent without result.model.sha256")
+            frame = msg.frames[0]
+            stored = self.artifacts.put(msg.job, frame.buffer if hasattr(frame, "buffer") else frame,
+                                        model["sha256"])
+            result = {**result, "model": {**model, "router_path": stored}}
+        self.store.finish(msg.job, msg.state, reason, result=result, error=msg.error)
+        log.info("job %s %s: %s", msg.job, msg.state, result or msg.error)
         return Ok()
+
+    def model(self, job_id: str) -> Model:
+        """The final weights of a succeeded job, as the router keeps them."""
+        job = self.store.get(job_id, events=False)
+        if job["state"] != "succeeded":
+            raise BadRequest(f"job {job_id} is {job['state']}; only a succeeded job has a final model "
+                             f"(busctl job checkpoint writes one for a running job on its trainer)")
+        model = (job["result"] or {}).get("model") or {}
+        if self.artifacts is None or "router_path" not in model:
+            raise NotFound(f"the router holds no model for job {job_id}; its trainer wrote it to "
+                           f"{model.get('path', '?')}")
+        data = self.artifacts.get(job_id)
+        return Model(job=job_id, sha256=model["sha256"], nbytes=len(data), frames=[data])
 
     def abandon_all(self, trainer: str) -> None:
         """``trainer`` asks for work, so it holds nothing: whatever it held was lost."""

@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -109,7 +110,25 @@ class TrainerService:
             return
         if state == "queued":
             log.info("job %s handed back to the router (shutting down)", task.job)
-        self._push_result(PushResult(job=task.job, state=state, result=result, error=error), stop)
+        msg = PushResult(job=task.job, state=state, result=result, error=error)
+        if state == "succeeded":
+            msg.frames = self._final_weights(result)
+        self._push_result(msg, stop)
+
+    def _final_weights(self, result: dict) -> list[bytes]:
+        """The final model's bytes, sent with the result for the router to keep (``busctl job model``),
+        unless they would not fit in one message."""
+        model = result.get("model") or {}
+        limit = self.settings.max_msg_bytes - (1 << 20)
+        if not model.get("path") or model.get("bytes", limit + 1) > limit:
+            log.info("final model %s stays on this trainer only (%s bytes; messages carry at most %d)",
+                     model.get("path"), model.get("bytes"), limit)
+            return []
+        try:
+            return [Path(model["path"]).read_bytes()]
+        except OSError as err:
+            log.warning("cannot read final model %s: %s", model["path"], err)
+            return []
 
     def _drop_stale_commands(self, job: str) -> None:
         """Commands for an earlier job are stale; ones for this job (sent as it was assigned) are kept."""
@@ -136,6 +155,15 @@ class TrainerService:
                 waited += self.settings.request_timeout_s
                 if stop.is_set():
                     break
+                continue
+            except BusError as err:
+                if not msg.frames:
+                    log.error("job %s: result refused: %s", msg.job, err)
+                    return
+                log.warning("job %s: router refused the final model (%s); sending the result without it",
+                            msg.job, err)
+                msg.frames = []
+                continue
         log.error("job %s: could not deliver its result to the router; giving up", msg.job)
 
 

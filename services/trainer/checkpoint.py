@@ -20,9 +20,7 @@ The final model is ``<checkpoint_dir>/<job>/model.safetensors``: the plain state
 from __future__ import annotations
 
 import hashlib
-import os
 import random
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +33,10 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from libbus.errors import BusError
+from services.atomic import write_atomic
 
 __all__ = ["FORMAT", "KEEP", "CheckpointError", "Restored", "job_dir", "load_checkpoint", "save_checkpoint",
-           "save_model", "write_atomic"]
+           "save_model"]
 
 FORMAT = "batchbus-checkpoint-1"
 #: Checkpoints a trainer keeps per job (older ones are removed once a newer one is on disk).
@@ -59,27 +58,6 @@ class Restored:
 
 def job_dir(checkpoint_dir: str, job: str) -> Path:
     return Path(checkpoint_dir) / job
-
-
-def write_atomic(path: Path, data: bytes) -> str:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one; returns its sha256."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself is durable once the directory is
-    finally:
-        os.close(fd)
-    return hashlib.sha256(data).hexdigest()
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
