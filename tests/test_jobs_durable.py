@@ -170,17 +170,21 @@ def final_weights(info: dict) -> dict[str, torch.Tensor]:
     return load_file(model["path"])
 
 
-def pause_then_resume(cluster: Cluster, job: str, trainer: str) -> None:
-    """Pause mid-epoch (acknowledged within a second; no batch trained while paused), then resume."""
-    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 12)
+def pause_then_resume(cluster: Cluster, job: str, trainer: str) -> dict:
+    """Pause as soon as the job trains (acknowledged within a second; no batch trained while
+    paused), checkpoint there — mid-epoch, whatever this machine's speed — and resume. Returns the
+    checkpoint's record."""
+    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1)
     detail = cluster.control(job, "pause")
     assert detail["state"] == "paused" and detail["trainer"] == trainer and detail["ack_ms"] < 1000
     assert cluster.job(job)["state"] == "paused"
     before = cluster.trained_batches(job, trainer)
-    time.sleep(0.5)
-    assert cluster.trained_batches(job, trainer) == before, "a paused trainer kept training"
+    ckpt = cluster.control(job, "checkpoint")["checkpoint"]
+    time.sleep(0.3)
+    assert cluster.trained_batches(job, trainer) == before == ckpt["step"], "a paused trainer kept training"
     detail = cluster.control(job, "resume")
     assert detail["state"] == "running" and detail["ack_ms"] < 1000
+    return ckpt
 
 
 def resumed_from(cluster: Cluster, job: str, trainer: str) -> int:

@@ -191,8 +191,10 @@ class JobControl:
         pending = self.pending.pop(msg.seq, None)
         took = f" after {1000 * (time.monotonic() - pending.sent):.0f} ms" if pending else ""
         reason = f"{msg.command} acknowledged by {trainer}{took}"
-        if msg.command == "set" and msg.detail.get("spec"):
-            self.store.set_spec(msg.job, JobSpec.from_dict(msg.detail["spec"]), reason)
+        applied = msg.detail.get("set")
+        if msg.command == "set" and isinstance(applied, dict) and applied:
+            # what the trainer applied, checked like an admin's `set`: a trainer changes nothing else
+            self.store.set_spec(msg.job, JobSpec.from_dict(job["spec"]).with_hyper(applied), reason)
         elif msg.state in ("running", "paused") and msg.state != job["state"]:
             self.store.set_state(msg.job, msg.state, reason)
         else:

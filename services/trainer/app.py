@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -99,8 +100,7 @@ class TrainerService:
         try:
             state, result, error = TaskRun(task, self.settings, self.link, self.identity, self.commands,
                                            reporter).run()
-            # progress, checkpoint records and acknowledgements go before the result
-            reporter.flush(PUSH_RESULT_PATIENCE_S if not stop.is_set() else self.settings.request_timeout_s)
+            self._flush(reporter, stop)
         finally:
             reporter.close()
             self.current_job = None
@@ -129,6 +129,16 @@ class TrainerService:
         except OSError as err:
             log.warning("cannot read final model %s: %s", model["path"], err)
             return []
+
+    def _flush(self, reporter: Reporter, stop: threading.Event) -> None:
+        """Progress, checkpoint records and acknowledgements go before the result: wait for them
+        (bounded; shorter once the service is stopping, so SIGTERM still ends it promptly)."""
+        started = time.monotonic()
+        while not reporter.flush(0.5):
+            waited = time.monotonic() - started
+            if waited > PUSH_RESULT_PATIENCE_S or (stop.is_set() and waited > self.settings.request_timeout_s):
+                log.warning("job %s: %d report(s) could not be delivered", reporter.job, reporter.pending)
+                return
 
     def _drop_stale_commands(self, job: str) -> None:
         """Commands for an earlier job are stale; ones for this job (sent as it was assigned) are kept."""

@@ -62,6 +62,11 @@ class Reporter:
             self._queue.append(msg)
             self._cond.notify_all()
 
+    @property
+    def pending(self) -> int:
+        """Reports not delivered yet."""
+        return len(self._queue)
+
     def flush(self, timeout_s: float) -> bool:
         """Wait until every report is delivered (True), the job is lost, or ``timeout_s`` passes."""
         with self._cond:
