@@ -178,3 +178,17 @@ def test_a_command_the_trainer_never_acknowledges_times_out_and_is_repeated(rout
         with pytest.raises(Timeout, match="has not acknowledged checkpoint"):
             asked.result(10)
     assert trainer.request(Progress(job=job, progress={})).detail["commands"] == []
+
+
+def test_a_retryable_failure_requeues_until_max_attempts(router, client_for):
+    admin = client_for(router.endpoint, role="admin")
+    job = admin.request(SubmitJob(spec={"dataset": "mnist", "max_attempts": 2})).job
+    trainer = client_for(router.endpoint, role="trainer")
+    for attempt, state in ((1, "queued"), (2, "failed")):
+        assert trainer.request(GetTask()).job == job
+        trainer.request(PushResult(job=job, state="failed", error="PeerTimeout: provider silent",
+                                   result={"retryable": True}))
+        info = admin.request(GetJob(job=job)).job
+        assert (info["state"], info["failures"]) == (state, attempt)
+    assert "gave up after 2 lost attempt(s)" in info["events"][-1]["reason"]
+    assert "provider silent" in info["error"]

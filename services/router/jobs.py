@@ -219,6 +219,10 @@ class JobControl:
             else:
                 self.store.release(msg.job, why, lost=False)
             return Ok()
+        if msg.state == "failed" and msg.result.get("retryable"):  # counted against max_attempts
+            state = self.store.release(msg.job, f"attempt failed on {trainer}: {msg.error}", lost=True)
+            log.warning("job %s %s after a failed attempt: %s", msg.job, state, msg.error)
+            return Ok()
         reason = {"succeeded": f"finished on {trainer}",
                   "stopped": f"stopped on {trainer}",
                   "failed": f"failed on {trainer}: {msg.error}"}.get(msg.state, msg.state)

@@ -233,7 +233,7 @@ class JobStore:
         where the next trainer resumes it from its last checkpoint. ``lost`` (the lease lapsed, the
         trainer abandoned it) counts against the spec's ``max_attempts``: the job that has lost
         that many is ``failed`` with the reason. A trainer that hands a job back on shutdown is
-        not ``lost``.
+        not ``lost``; an attempt that failed for a reason the next may not meet (a provider gone) is.
         """
         row = self._row(job)
         failures = row["failures"] + (1 if lost else 0)

@@ -107,7 +107,7 @@ def save_checkpoint(directory: Path, *, step: int, epoch: int, cursor: dict, mod
                 "rng": orjson.dumps(rng_meta).decode(), "extra": orjson.dumps(extra).decode()}
     data = save_safetensors(tensors, metadata=metadata)
     path = directory / f"step-{step:09d}.safetensors"
-    digest = write_atomic(path, data)
+    digest = _write(path, data)
     for old in sorted(directory.glob("step-*.safetensors"))[:-KEEP]:
         old.unlink(missing_ok=True)
     return {"path": str(path), "sha256": digest, "step": step, "epoch": epoch, "cursor": cursor,
@@ -160,4 +160,12 @@ def save_model(directory: Path, model: nn.Module, metadata: dict[str, str]) -> d
     """Write the final weights as ``model.safetensors``; returns ``{path, sha256, bytes}``."""
     data = save_safetensors({k: _cpu(v) for k, v in model.state_dict().items()}, metadata=metadata)
     path = directory / "model.safetensors"
-    return {"path": str(path), "sha256": write_atomic(path, data), "bytes": len(data)}
+    return {"path": str(path), "sha256": _write(path, data), "bytes": len(data)}
+
+
+def _write(path: Path, data: bytes) -> str:
+    try:
+        return write_atomic(path, data)
+    except OSError as err:
+        raise CheckpointError(f"cannot write {path}: {err.strerror or err} (checkpoint_dir full or "
+                              f"not writable?)") from err

@@ -14,7 +14,7 @@ from torch import nn
 
 from libbus.client import Client, Identity
 from libbus.config import Settings
-from libbus.errors import BadRequest, BusError
+from libbus.errors import BadRequest, BusError, NotFound, PeerTimeout, Unavailable
 from libbus.jobs import JobSpec
 from libbus.link import Link
 from libbus.loader import RemoteLoader, pick_provider
@@ -131,7 +131,9 @@ class TaskRun:
             return "lost", {}, str(self.reporter.lost)
         except BusError as err:
             log.error("job %s failed: %s", self.job, err)
-            return "failed", {"history": self.history}, f"{type(err).__name__}: {err}"
+            # a provider that did not answer or is gone may be back for the next attempt
+            retryable = isinstance(err, (PeerTimeout, Unavailable, NotFound))
+            return "failed", {"history": self.history, "retryable": retryable}, f"{type(err).__name__}: {err}"
         finally:
             if self.audit is not None:
                 self.audit.close()
