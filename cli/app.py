@@ -204,11 +204,12 @@ def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this s
 @job_app.command("show")
 @guard
 def job_show(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
-             state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
-    """State, spec, progress, events and result of one job."""
+             state_dir: StateDir = None, token: Token = None, json: Json = False,
+             progress: Annotated[int, typer.Option(help="Also the last N progress reports.")] = 0) -> None:
+    """State, spec, progress, checkpoints, events and result of one job."""
     s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
     with admin_client(s) as client:
-        info = client.request(GetJob(job=job)).job
+        info = client.request(GetJob(job=job, progress=max(0, progress))).job
     print_json(info) if json else tables.job(info)
 
 

@@ -199,7 +199,9 @@ class JobList(Message):
 
 @dataclass(kw_only=True)
 class GetJob(Message):
+    """One job; with ``progress`` > 0 also its last ``progress`` progress reports."""
     job: str
+    progress: int = 0
 
 
 @dataclass(kw_only=True)

@@ -287,7 +287,8 @@ def test_commands_from_the_cli_are_acknowledged(cluster):
     assert "stopping" in busctl("job", "stop", job, env=env).stdout
     info = cluster.wait_end(job)
     assert info["state"] == "stopped" and info["spec"]["lr"] == 0.0005
-    shown = busctl("job", "show", job, env=env).stdout
+    shown = busctl("job", "show", job, "--progress", "1000", env=env).stdout
+    assert " paused   epoch " in shown                 # the progress history has the paused reports
     for word in ("pause acknowledged by", "checkpoint acknowledged by", "set lr=0.0005 weight_decay=0.01",
                  "resume acknowledged by", "stop acknowledged by", "stopped on"):
         assert word in shown, shown

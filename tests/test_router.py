@@ -26,7 +26,7 @@ def test_store_survives_reopening_and_keeps_events(tmp_path):
     assert store.get(high)["result"] == {"test_accuracy": 0.97}
     assert [e["state"] for e in store.get(high)["events"]] == ["queued", "running", "succeeded"]
     assert store.claim("t2", 10)["id"] == low
-    store.requeue(low, "trainer gone")
+    store.release(low, "trainer gone", lost=False)
     job = store.get(low)
     assert job["state"] == "queued" and job["trainer"] is None and job["attempts"] == 1
     assert store.claim("t3", 10)["id"] == low and store.claim("t3", 10) is None

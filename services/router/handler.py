@@ -127,7 +127,10 @@ class RouterHandler(Handler):
 
     def on_GetJob(self, session: Session, msg: GetJob) -> JobInfo:
         session.claims.check_job(msg.job)
-        return JobInfo(job=self.store.get(msg.job))
+        job = self.store.get(msg.job)
+        if msg.progress > 0:
+            job["progress_history"] = self.store.progress_history(msg.job, min(msg.progress, 1000))
+        return JobInfo(job=job)
 
     def on_ControlJob(self, session: Session, msg: ControlJob) -> Ok | Future:
         session.claims.check_job(msg.job)

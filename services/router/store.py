@@ -217,10 +217,6 @@ class JobStore:
         self._transition(job, state, reason, result=orjson.dumps(result or {}).decode(), error=error,
                          lease_expires=None)
 
-    def requeue(self, job: str, reason: str) -> None:
-        """Put a job back in the queue without counting a lost attempt (an admin's resume)."""
-        self._transition(job, "queued", reason, trainer=None, lease_expires=None)
-
     def reopen(self, job: str, reason: str) -> None:
         """Queue a stopped or failed job again (an admin's resume), with fresh attempts."""
         self._transition(job, "queued", reason, trainer=None, lease_expires=None, failures=0, result=None,
@@ -294,8 +290,4 @@ class JobStore:
         """Jobs a trainer holds now (running or paused, with a trainer)."""
         rows = self.db.execute("SELECT * FROM jobs WHERE state IN ('running', 'paused') "
                                "AND trainer IS NOT NULL").fetchall()
-        return [self._as_dict(r) for r in rows]
-
-    def running(self) -> list[dict]:
-        rows = self.db.execute("SELECT * FROM jobs WHERE state = 'running'").fetchall()
         return [self._as_dict(r) for r in rows]
