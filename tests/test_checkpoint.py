@@ -12,7 +12,7 @@ from torch import nn
 from libbus.errors import BadRequest
 from libbus.jobs import JobSpec
 from services.router.store import JobStore
-from services.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_model
+from services.trainer.checkpoint import CheckpointError, load_checkpoint, prune, save_checkpoint, save_model
 
 
 def _model_and_optimizer(seed: int):
@@ -55,10 +55,13 @@ def test_a_checkpoint_restores_training_exactly(tmp_path):
 def test_only_the_last_checkpoints_are_kept_and_the_model_is_plain_safetensors(tmp_path):
     from safetensors.torch import load_file
     model, optimizer = _model_and_optimizer(2)
-    for step in (10, 20, 30):
+    for step in (10, 20, 30, 40):
         save_checkpoint(tmp_path, step=step, epoch=0, cursor={}, model=model, optimizer=optimizer, extra={})
-    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000020.safetensors",
-                                                              "step-000000030.safetensors"]
+    # the router last heard of step 20 (later records still wait for it): 20 stays
+    assert [p.name for p in prune(tmp_path, delivered_step=20)] == ["step-000000010.safetensors"]
+    assert [p.name for p in prune(tmp_path, delivered_step=40)] == ["step-000000020.safetensors"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000030.safetensors",
+                                                              "step-000000040.safetensors"]
     out = save_model(tmp_path, model, {"job": "j1"})
     assert load_file(out["path"]).keys() == model.state_dict().keys()
 

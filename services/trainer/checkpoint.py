@@ -11,7 +11,8 @@ A checkpoint is ONE safetensors file, ``<checkpoint_dir>/<job>/step-<step>.safet
 Nothing is pickled, so loading a checkpoint cannot run code. A file is written to a temporary name
 in the same directory, fsynced, renamed into place and the directory fsynced: a crash leaves the old
 checkpoint or the new one, never half of one. Its sha256 goes to the router with the record, and is
-checked before the file is trusted again. The trainer keeps the last :data:`KEEP` per job.
+checked before the file is trusted again. The trainer keeps the last :data:`KEEP` per job, and
+the last one the router has recorded.
 
 The final model is ``<checkpoint_dir>/<job>/model.safetensors``: the plain state dict, loadable with
 ``safetensors.torch.load_file`` into the model the job names.
@@ -35,8 +36,8 @@ from torch import nn
 from libbus.errors import BusError
 from services.atomic import write_atomic
 
-__all__ = ["FORMAT", "KEEP", "CheckpointError", "Restored", "job_dir", "load_checkpoint", "save_checkpoint",
-           "save_model"]
+__all__ = ["FORMAT", "KEEP", "CheckpointError", "Restored", "job_dir", "load_checkpoint", "prune",
+           "save_checkpoint", "save_model"]
 
 FORMAT = "batchbus-checkpoint-1"
 #: Checkpoints a trainer keeps per job (older ones are removed once a newer one is on disk).
@@ -89,7 +90,7 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
 def save_checkpoint(directory: Path, *, step: int, epoch: int, cursor: dict, model: nn.Module,
                     optimizer: torch.optim.Optimizer, extra: dict) -> dict:
     """Write a checkpoint of the training state; returns its record (path, sha256, step, epoch,
-    cursor, bytes) for the router. Older checkpoints beyond :data:`KEEP` are removed."""
+    cursor, bytes) for the router. Old ones are removed by :func:`prune`."""
     tensors = {f"model.{k}": _cpu(v) for k, v in model.state_dict().items()}
     optim = optimizer.state_dict()
     plain_state: dict = {}
@@ -108,10 +109,23 @@ def save_checkpoint(directory: Path, *, step: int, epoch: int, cursor: dict, mod
     data = save_safetensors(tensors, metadata=metadata)
     path = directory / f"step-{step:09d}.safetensors"
     digest = _write(path, data)
-    for old in sorted(directory.glob("step-*.safetensors"))[:-KEEP]:
-        old.unlink(missing_ok=True)
     return {"path": str(path), "sha256": digest, "step": step, "epoch": epoch, "cursor": cursor,
             "bytes": len(data)}
+
+
+def prune(directory: Path, delivered_step: int | None) -> list[Path]:
+    """Remove all but the last :data:`KEEP` checkpoints — never the one the router last heard of
+    (``delivered_step``), nor any newer: while reports wait for an absent router, the job would
+    resume from that one if this trainer died. Returns what was removed."""
+    files = sorted(directory.glob("step-*.safetensors"))
+    removed = []
+    for path in files[:-KEEP]:
+        step = int(path.stem.removeprefix("step-"))
+        if delivered_step is not None and step >= delivered_step:
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 def load_checkpoint(record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> Restored:

@@ -18,7 +18,7 @@ from typing import Callable
 
 from libbus.errors import BusError, Forbidden, PeerTimeout
 from libbus.link import Link
-from libbus.messages import Command, Message, Progress
+from libbus.messages import Checkpointed, Command, Message, Progress
 
 __all__ = ["Reporter"]
 
@@ -42,6 +42,8 @@ class Reporter:
         self.stop_requested = threading.Event()
         #: Why the router refused this trainer the job (it is someone else's now), else None.
         self.lost: BusError | None = None
+        #: Step of the last checkpoint record the router took (None before the first).
+        self.checkpoint_step: int | None = None
         #: Reports delivered and reports dropped from a full buffer.
         self.sent = 0
         self.dropped = 0
@@ -97,6 +99,8 @@ class Reporter:
                 if delivered and self._queue and self._queue[0] is msg:
                     self._queue.popleft()
                     self.sent += 1
+                    if isinstance(msg, Checkpointed) and self.lost is None:
+                        self.checkpoint_step = msg.checkpoint["step"]
                 self._busy = False
                 self._cond.notify_all()
                 if self._closed and not delivered:

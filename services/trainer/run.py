@@ -22,7 +22,7 @@ from libbus.messages import Checkpointed, Command, CommandAck, Evaluate, Evaluat
 from services.models import TOKENS, batch_loss, build_model, dataset_kind, evaluate
 
 from .audit import Audit
-from .checkpoint import job_dir, load_checkpoint, save_checkpoint, save_model
+from .checkpoint import job_dir, load_checkpoint, prune, save_checkpoint, save_model
 from .reports import Reporter
 
 __all__ = ["Lost", "Stopped", "TaskRun", "apply_hyper", "make_optimizer"]
@@ -232,6 +232,7 @@ class TaskRun:
                                  model=self.model, optimizer=self.optimizer, extra=extra)
         self.last_checkpoint = record
         self.reporter.put(Checkpointed(job=self.job, checkpoint=record))
+        prune(self.directory, self.reporter.checkpoint_step)
         log.info("job %s: checkpoint at step %d in %s", self.job, self.step, record["path"])
         return record
 
