@@ -42,7 +42,7 @@ def test_a_checkpoint_restores_training_exactly(tmp_path):
     expected = ({k: v.clone() for k, v in model.state_dict().items()}, np.random.rand(), random.random())
 
     other, other_opt = _model_and_optimizer(99)     # another process, another init
-    restored = load_checkpoint(record, other, other_opt)
+    restored = load_checkpoint(record, other, other_opt, str(tmp_path))
     assert (restored.step, restored.epoch, restored.cursor) == (3, 1, cursor)
     assert restored.extra["history"] == [{"epoch": 1, "val_loss": 0.5}]
     for _ in range(2):
@@ -73,14 +73,18 @@ def test_a_changed_missing_or_foreign_checkpoint_is_refused(tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[:-10])
     with pytest.raises(CheckpointError, match="sha256"):
-        load_checkpoint(record, model, optimizer)
+        load_checkpoint(record, model, optimizer, str(tmp_path))
     path.unlink()
     with pytest.raises(CheckpointError, match="cannot be read here"):
-        load_checkpoint(record, model, optimizer)
+        load_checkpoint(record, model, optimizer, str(tmp_path))
     path.write_bytes(data)
     bigger = nn.Sequential(nn.Linear(6, 7))
     with pytest.raises(CheckpointError, match="does not fit"):
-        load_checkpoint(record, bigger, torch.optim.Adam(bigger.parameters()))
+        load_checkpoint(record, bigger, torch.optim.Adam(bigger.parameters()), str(tmp_path))
+    # a record (it comes over the wire) naming a file outside this trainer's checkpoint_dir
+    with pytest.raises(CheckpointError, match="not under this trainer's checkpoint_dir"):
+        load_checkpoint({**record, "path": str(tmp_path / ".." / "elsewhere.safetensors")}, model, optimizer,
+                        str(tmp_path))
 
 
 def test_leases_lapse_into_the_queue_until_max_attempts_fails_the_job(tmp_path):

@@ -280,6 +280,7 @@ def test_commands_from_the_cli_are_acknowledged(cluster):
     assert detail["acked"] and detail["spec"]["lr"] == 0.0005 and detail["ack_ms"] < 1000
     assert cluster.control(job, "resume")["state"] == "running"
     cluster.wait(job, lambda i: (i["progress"] or {}).get("step", 0) > ckpt["step"] + 2)
+    cluster.control(job, "pause")                    # (a running trainer prunes old checkpoints)
     after = cluster.control(job, "checkpoint")["checkpoint"]
     with safe_open(after["path"], "pt") as fh:
         groups = json.loads(fh.metadata()["optim"])["param_groups"]

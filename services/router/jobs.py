@@ -210,6 +210,7 @@ class JobControl:
         if job["state"] == msg.state and job["trainer"] == trainer:
             return Ok(detail={"duplicate": True})  # resent after a reconnect: already stored
         self.own(trainer, msg.job)
+        self._forget_commands(msg.job, f"job {msg.job} left trainer {trainer} ({msg.state})")
         stop = msg.job in self.stop_requested
         self.stop_requested.discard(msg.job)
         if msg.state == "queued":  # handed back (the trainer is shutting down): not a lost attempt
@@ -283,7 +284,17 @@ class JobControl:
                 self._lose(job, f"lease of trainer {job['trainer']} lapsed (not heard from for "
                                 f"{self.lease_s:.0f} s)")
 
+    def _forget_commands(self, job_id: str, why: str) -> None:
+        """A job that leaves its trainer takes no more commands there: fail those still waiting, so
+        that none is repeated to the job's next attempt."""
+        for seq, p in list(self.pending.items()):
+            if p.job == job_id:
+                del self.pending[seq]
+                if not p.future.done():
+                    p.future.set_exception(Unavailable(f"{why} before acknowledging {p.command}"))
+
     def _lose(self, job: dict, reason: str) -> None:
+        self._forget_commands(job["id"], f"job {job['id']} lost trainer {job['trainer']}")
         if job["id"] in self.stop_requested:
             self.stop_requested.discard(job["id"])
             self.store.finish(job["id"], "stopped", f"stop requested; {reason}")

@@ -90,7 +90,7 @@ class TrainerService:
             self.commands.put(Command(job=self.current_job, command="shutdown"))
 
     def _run_task(self, task: Task, stop: threading.Event) -> None:
-        self._drop_stale_commands(task.job)
+        self._drop_stale_commands()
         self.current_job = task.job
         if stop.is_set():  # SIGTERM came between GetTask and here: hand it straight back
             self.commands.put(Command(job=task.job, command="shutdown"))
@@ -140,15 +140,12 @@ class TrainerService:
                 log.warning("job %s: %d report(s) could not be delivered", reporter.job, reporter.pending)
                 return
 
-    def _drop_stale_commands(self, job: str) -> None:
-        """Commands for an earlier job are stale; ones for this job (sent as it was assigned) are kept."""
-        keep = []
+    def _drop_stale_commands(self) -> None:
+        """Whatever is queued predates this task (an earlier job's, or an earlier attempt's at this
+        one: the same job may come back). A command sent as the task was assigned is not lost: the
+        router repeats unacknowledged commands in its replies to progress reports."""
         while not self.commands.empty():
-            cmd = self.commands.get_nowait()
-            if cmd.job == job:
-                keep.append(cmd)
-        for cmd in keep:
-            self.commands.put(cmd)
+            self.commands.get_nowait()
 
     def _push_result(self, msg: PushResult, stop: threading.Event) -> None:
         """Deliver the result, waiting out a router restart (bounded)."""

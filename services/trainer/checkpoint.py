@@ -128,14 +128,20 @@ def prune(directory: Path, delivered_step: int | None) -> list[Path]:
     return removed
 
 
-def load_checkpoint(record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
+def load_checkpoint(record: dict, model: nn.Module, optimizer: torch.optim.Optimizer, root: str) -> Restored:
     """Restore model, optimizer and random generators from the checkpoint ``record`` names.
 
+    Args:
+        root: this trainer's ``checkpoint_dir``; a record naming a file elsewhere is refused (the
+            path comes over the wire, from whichever trainer reported it).
+
     Raises:
-        CheckpointError: the file is missing, its sha256 differs from the record's, or it is not a
-            batchbus checkpoint of this model.
+        CheckpointError: the file is outside ``root``, missing, its sha256 differs from the
+            record's, or it is not a batchbus checkpoint of this model.
     """
-    path = Path(record.get("path", ""))
+    path = Path(str(record.get("path", "")))
+    if not path.resolve().is_relative_to(Path(root).resolve()):
+        raise CheckpointError(f"checkpoint {path} is not under this trainer's checkpoint_dir {root}")
     try:
         data = path.read_bytes()
     except OSError as err:

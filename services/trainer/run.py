@@ -241,7 +241,7 @@ class TaskRun:
         here, changed, or from another dataset size): the job then starts over."""
         try:
             self.train.load_state_dict(record.get("cursor") or {})
-            restored = load_checkpoint(record, self.model, self.optimizer)
+            restored = load_checkpoint(record, self.model, self.optimizer, self.settings.checkpoint_dir)
         except BusError as err:
             log.warning("job %s: cannot resume from %s: %s; starting over", self.job, record.get("path"), err)
             self.resumed_from = {"error": str(err)}
