@@ -28,16 +28,7 @@ from typing import Callable
 
 from libbus.errors import BadRequest, Forbidden, NotFound, Timeout, Unavailable
 from libbus.jobs import TERMINAL_STATES, JobSpec
-from libbus.messages import (
-    Checkpointed,
-    Command,
-    CommandAck,
-    Message,
-    Model,
-    Ok,
-    Progress,
-    PushResult,
-)
+from libbus.messages import Checkpointed, Command, CommandAck, Message, Model, Ok, Progress, PushResult
 
 from .artifacts import Artifacts
 from .store import HOLDING_STATES, JobStore

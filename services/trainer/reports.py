@@ -126,8 +126,8 @@ class Reporter:
             log.error("job %s: router rejected %s: %s", self.job, msg.type, err)
             return True  # a report the router cannot take is not retried
         detail = getattr(reply, "detail", {})
-        if detail.get("stop"):
-            self.stop_requested.set()
         for cmd in detail.get("commands", ()):  # repeated until acknowledged: their pushes may be lost
             self.on_command(Command(job=self.job, command=cmd["command"], args=cmd["args"], seq=cmd["seq"]))
+        if detail.get("stop"):  # after the commands: a stop among them is acknowledged, not just obeyed
+            self.stop_requested.set()
         return True

@@ -18,14 +18,15 @@ from libbus.errors import BadRequest, BusError, NotFound, PeerTimeout, Unavailab
 from libbus.jobs import JobSpec
 from libbus.link import Link
 from libbus.loader import RemoteLoader, pick_provider
-from libbus.messages import Checkpointed, Command, CommandAck, Evaluate, Evaluation, Progress, Resolve, Task
+from libbus.messages import Checkpointed, Command, Evaluate, Evaluation, Progress, Resolve, Task
 from services.models import TOKENS, batch_loss, build_model, dataset_kind, evaluate
 
 from .audit import Audit
 from .checkpoint import job_dir, load_checkpoint, prune, save_checkpoint, save_model
+from .control import Controls, Lost, Stopped
 from .reports import Reporter
 
-__all__ = ["Lost", "Stopped", "TaskRun", "apply_hyper", "make_optimizer"]
+__all__ = ["TaskRun", "apply_hyper", "make_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +37,6 @@ EVALUATE_TIMEOUT_S = 300.0
 def _perplexity(loss: float) -> float:
     """exp(mean next-token loss), capped so that a diverged run reports a number JSON can carry."""
     return math.exp(min(loss, 700.0))
-
-
-class Stopped(Exception):
-    """The task ends before its last epoch: stopped by the router, or (``handback``) given back
-    because the trainer is shutting down."""
-
-    def __init__(self, handback: bool = False):
-        super().__init__("handed back" if handback else "stopped")
-        self.handback = handback
-
-
-class Lost(Exception):
-    """The router gave the job to another trainer (this one's lease lapsed): abandon it quietly."""
 
 
 def make_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
@@ -89,9 +77,9 @@ class TaskRun:
     """Runs ``task`` to its end and returns the ``(state, result, error)`` to push to the router.
 
     ``state`` is ``succeeded``, ``failed``, ``stopped``, ``queued`` (handed back on shutdown, with a
-    fresh checkpoint) or ``lost`` (the router gave the job away: push nothing). Commands are applied
-    between batches, where the loader's position equals the samples trained on, so a checkpoint
-    taken there resumes at the exact next sample.
+    fresh checkpoint) or ``lost`` (the router gave the job away: push nothing). Commands
+    (:mod:`.control`) are applied between batches, where the loader's position equals the samples
+    trained on, so a checkpoint taken there resumes at the exact next sample.
     """
 
     def __init__(self, task: Task, settings: Settings, link: Link, identity: Identity,
@@ -102,10 +90,8 @@ class TaskRun:
         self.settings = settings
         self.link = link
         self.identity = identity
-        self.commands = commands
         self.reporter = reporter
         self.history: list[dict] = []
-        self.state = "running"
         self.step = 0
         self.directory = job_dir(settings.checkpoint_dir, self.job)
         self.last_checkpoint: dict | None = None
@@ -115,9 +101,10 @@ class TaskRun:
         self.train: RemoteLoader | None = None
         self.meter = Meter()
         self.audit: Audit | None = None
-        #: Sequence numbers of the commands applied (a command may arrive twice).
-        self.applied: set[int] = set()
         self._last_report = 0.0
+        self.controls = Controls(self.job, commands, reporter, checkpoint=self._checkpoint,
+                                 set_hyper=self._set_hyper, report=self._maybe_report,
+                                 before_stop=self._before_stop)
 
     def run(self) -> tuple[str, dict, str]:
         try:
@@ -138,88 +125,17 @@ class TaskRun:
             if self.audit is not None:
                 self.audit.close()
 
-    # -- commands -------------------------------------------------------------------------------
-    def _check_commands(self) -> None:
-        """Apply what the router asked for; called only where position == samples trained on."""
-        while True:
-            if self.reporter.lost is not None:
-                raise Lost
-            if self.reporter.stop_requested.is_set():  # a stop whose push was lost
-                self._stop(handback=False)
-            try:
-                cmd = self.commands.get_nowait()
-            except queue.Empty:
-                return
-            self._apply(cmd)
+    # -- what commands call ---------------------------------------------------------------------
+    def _set_hyper(self, changes: dict) -> dict:
+        """``busctl job set``: the optimizer's param groups change now, the spec with them."""
+        spec = self.spec.with_hyper(changes)
+        apply_hyper(self.optimizer, spec)
+        self.spec = spec
+        return spec.to_dict()
 
-    def _apply(self, cmd: Command) -> None:
-        if cmd.job != self.job or cmd.seq in self.applied:
-            return  # another job's, or pushed and also repeated in a progress reply
-        if cmd.seq:
-            self.applied.add(cmd.seq)
-        if cmd.command in ("stop", "shutdown"):
-            log.info("job %s: %s received", self.job, cmd.command)
-            if cmd.command == "stop":
-                self._ack(cmd, "stopping")
-            self._stop(handback=cmd.command == "shutdown")
-        elif cmd.command == "pause":
-            self._ack(cmd, "paused")
-            if self.state != "paused":
-                self._pause()
-        elif cmd.command == "resume":
-            self._ack(cmd, "running")  # not paused: nothing to do
-        elif cmd.command == "checkpoint":
-            self._ack(cmd, self.state, {"checkpoint": self._checkpoint()})
-        elif cmd.command == "set":
-            try:
-                spec = self.spec.with_hyper(cmd.args)
-            except BadRequest as err:
-                self._ack(cmd, self.state, {"error": str(err)})
-                return
-            apply_hyper(self.optimizer, spec)
-            self.spec = spec
-            log.info("job %s: set %s", self.job, cmd.args)
-            self._ack(cmd, self.state, {"spec": spec.to_dict(), "set": cmd.args})
-        else:
-            log.warning("job %s: unknown command %r ignored", self.job, cmd.command)
-
-    def _pause(self) -> None:
-        """Consume no batches until resumed; other commands (stop, checkpoint, set) still apply."""
-        self.state = "paused"
-        log.info("job %s: paused at step %d", self.job, self.step)
-        while True:
-            if self.reporter.lost is not None:
-                raise Lost
-            if self.reporter.stop_requested.is_set():
-                self._stop(handback=False)
-            self._maybe_report()  # still reporting: the replies carry commands whose push was lost
-            try:
-                cmd = self.commands.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if cmd.job != self.job or cmd.seq in self.applied:
-                continue
-            if cmd.command == "resume":
-                self.applied.add(cmd.seq)
-                self.state = "running"
-                log.info("job %s: resumed at step %d", self.job, self.step)
-                self._ack(cmd, "running")
-                return
-            if cmd.command == "pause":
-                self.applied.add(cmd.seq)
-                self._ack(cmd, "paused")
-                continue
-            self._apply(cmd)
-
-    def _stop(self, handback: bool) -> None:
+    def _before_stop(self) -> None:
         if self.model is not None and (self.step or self.last_checkpoint):
             self._checkpoint()  # stopped or handed back, the job can resume exactly here
-        raise Stopped(handback)
-
-    def _ack(self, cmd: Command, state: str, detail: dict | None = None) -> None:
-        if cmd.seq:
-            self.reporter.put(CommandAck(job=self.job, command=cmd.command, seq=cmd.seq, state=state,
-                                         detail=detail or {}))
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _checkpoint(self) -> dict:
@@ -298,7 +214,7 @@ class TaskRun:
         try:
             for epoch in range(train.epoch, spec.epochs):
                 train.set_epoch(epoch)
-                self._check_commands()
+                self.controls.check()
                 model.train()
                 for x, y in train:
                     if self.audit is not None:
@@ -313,7 +229,7 @@ class TaskRun:
                         self._checkpoint()
                     self._maybe_report()
                     # here the loader's position is exactly the samples trained on
-                    self._check_commands()
+                    self.controls.check()
                 val_loss, val_acc, _ = evaluate(model, val, kind)
                 epoch_record = {"epoch": epoch + 1, "train_loss": meter.take_loss(),
                                 "val_loss": val_loss, "val_accuracy": val_acc}
@@ -324,7 +240,7 @@ class TaskRun:
                          spec.epochs, val_loss, val_acc)
                 self._checkpoint()
                 self._report(self._progress(epoch + 1, steps_per_epoch, train))
-                self._check_commands()
+                self.controls.check()
         finally:
             train.close()
             val.close()
@@ -351,7 +267,7 @@ class TaskRun:
         return {"epoch": epoch, "epochs": self.spec.epochs, "step": self.step, "steps_per_epoch": steps_per_epoch,
                 "loss": last_loss, "samples": meter.samples, "samples_per_s": meter.samples / elapsed,
                 "data_wait_s": loader.wait_s, "transport": loader.transport,
-                "data_wait_pct": 100.0 * loader.wait_s / elapsed, "elapsed_s": elapsed, "state": self.state,
+                "data_wait_pct": 100.0 * loader.wait_s / elapsed, "elapsed_s": elapsed, "state": self.controls.state,
                 "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else None,
                 "resumed_from": self.resumed_from, "history": self.history}
 
