@@ -43,8 +43,8 @@ class Cluster:
     def __init__(self, state: Path):
         self.state = state
         self.audit = state / "audit"
-        self.env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_HEARTBEAT_LIVENESS": "8",
-                    "BATCHBUS_LEASE_S": "3", "BATCHBUS_TORCH_THREADS": "1", "BATCHBUS_PROGRESS_INTERVAL_S": "0.1",
+        self.env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_HEARTBEAT_LIVENESS": "10",
+                    "BATCHBUS_LEASE_S": "4", "BATCHBUS_TORCH_THREADS": "1", "BATCHBUS_PROGRESS_INTERVAL_S": "0.1",
                     "BATCHBUS_AUDIT_DIR": str(self.audit), "BATCHBUS_REQUEST_TIMEOUT_S": "3"}
         ensure_secret(state / "secret")
         self.procs: dict[str, subprocess.Popen] = {}
