@@ -22,7 +22,7 @@ from libbus.messages import Checkpointed, Command, Evaluate, Evaluation, Progres
 from services.models import TOKENS, batch_loss, build_model, dataset_kind, evaluate
 
 from .audit import Audit
-from .checkpoint import job_dir, load_checkpoint, prune, save_checkpoint, save_model
+from .checkpoint import CheckpointError, job_dir, load_checkpoint, prune, save_checkpoint, save_model
 from .control import Controls, Lost, Stopped
 from .reports import Reporter
 
@@ -134,8 +134,14 @@ class TaskRun:
         return spec.to_dict()
 
     def _before_stop(self) -> None:
-        if self.model is not None and (self.step or self.last_checkpoint):
-            self._checkpoint()  # stopped or handed back, the job can resume exactly here
+        """Stopped or handed back, the job can resume exactly here; if this checkpoint cannot be
+        written, it resumes from the last one (what it trained since is done again)."""
+        if self.model is None or not (self.step or self.last_checkpoint):
+            return
+        try:
+            self._checkpoint()
+        except CheckpointError as err:
+            log.error("job %s: no checkpoint on stop: %s", self.job, err)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _checkpoint(self) -> dict:
