@@ -1,5 +1,6 @@
 """Jobs that survive failures, with real processes: `busctl start` router, provider and trainers as
-subprocesses on one SQLite file, killed with SIGKILL or SIGTERM mid-job.
+subprocesses on one SQLite file, killed with SIGKILL (trainer, router, provider) or SIGTERM
+(trainer) mid-job.
 
 Every job here trains an MLP on mock://mnist?n=600 (shuffle full). Trainers run with an audit
 directory: each batch they train on is logged as per-sample digests of the bytes they received, so
@@ -45,10 +46,12 @@ class Cluster:
         self.audit = state / "audit"
         self.env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_HEARTBEAT_LIVENESS": "10",
                     "BATCHBUS_LEASE_S": "4", "BATCHBUS_TORCH_THREADS": "1", "BATCHBUS_PROGRESS_INTERVAL_S": "0.1",
-                    "BATCHBUS_AUDIT_DIR": str(self.audit), "BATCHBUS_REQUEST_TIMEOUT_S": "3"}
+                    "BATCHBUS_AUDIT_DIR": str(self.audit), "BATCHBUS_REQUEST_TIMEOUT_S": "3",
+                    "BATCHBUS_REQUEST_RETRIES": "1"}
         ensure_secret(state / "secret")
         self.procs: dict[str, subprocess.Popen] = {}
         self.endpoint = ""
+        self.provider_endpoint = ""
         token = issue_token((state / "secret").read_bytes().strip(), sub="test-admin", role="admin",
                             audience="batchbus", ttl_s=3600)
         self._admin_token = token
@@ -132,7 +135,7 @@ def cluster(tmp_path_factory):
                       "--ready-file", str(ready))
         cluster.start_trainer("t1")  # trainers start alongside: two are up, one job each
         cluster.start_trainer("t2")
-        wait_for(ready, [cluster.procs["provider"]], timeout=60)
+        cluster.provider_endpoint = wait_for(ready, [cluster.procs["provider"]], timeout=60)
         yield cluster
     finally:
         cluster.close()
@@ -315,4 +318,26 @@ def test_sigterm_hands_the_job_back_and_another_trainer_finishes(cluster, train_
     assert info["failures"] == 0                     # a hand-back is not a lost attempt
     last = [c for c in info["checkpoints"] if c["trainer"] == first][-1]   # written as it stopped
     assert last["step"] > 0 and resumed_from(cluster, job, heir) == last["step"]
+    assert_exactly_once(cluster, job, train_digests)
+
+
+def test_provider_killed_mid_job_the_attempt_is_retried_from_its_checkpoint(cluster, train_digests):
+    job = cluster.submit(batch_size=8)
+    cluster.wait(job, lambda i: (i["checkpoint"] or {}).get("step", 0) >= SPEC["checkpoint_every"])
+    provider = cluster.procs["provider"]
+    provider.send_signal(signal.SIGKILL)
+    provider.wait(10)
+    ready = cluster.state / "provider.ep"
+    ready.unlink()
+    cluster.start("provider", "provider", "--bind", cluster.provider_endpoint, "--dataset",
+                  "mnist=mock://mnist?n=600", "--ready-file", str(ready))   # back, same data
+    wait_for(ready, [cluster.procs["provider"]], timeout=60)
+    info = cluster.wait_end(job)
+    assert info["state"] == "succeeded", info["error"]
+    # the trainer's loader gave up on the dead provider: a retryable failure, counted, and the next
+    # attempt resumed from the last checkpoint
+    reasons = [e["reason"] for e in info["events"]]
+    assert info["failures"] == 1 and any(r.startswith("attempt failed on") and "PeerTimeout" in r
+                                         for r in reasons), reasons
+    assert any("(resumes from step" in r for r in reasons), reasons
     assert_exactly_once(cluster, job, train_digests)
