@@ -12,8 +12,8 @@ import typer
 from libbus.auth import ROLES, ensure_secret
 from libbus.config import load_settings
 from libbus.errors import BusError, ConfigError
-from libbus.jobs import JOB_STATES
-from libbus.messages import ControlJob, GetJob, ListJobs, ListPeers, Stats, SubmitJob
+from libbus.jobs import JOB_STATES, SETTABLE
+from libbus.messages import ControlJob, GetJob, GetModel, ListJobs, ListPeers, Stats, SubmitJob
 
 from . import tables
 from .common import admin_client, fail, guard, print_json, settings_from, setup_logging
@@ -214,23 +214,102 @@ def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this s
 @job_app.command("show")
 @guard
 def job_show(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
-             state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
-    """State, spec, progress, events and result of one job."""
+             state_dir: StateDir = None, token: Token = None, json: Json = False,
+             progress: Annotated[int, typer.Option(help="Also the last N progress reports.")] = 0) -> None:
+    """State, spec, progress, checkpoints, events and result of one job."""
     s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
     with admin_client(s) as client:
-        info = client.request(GetJob(job=job)).job
+        info = client.request(GetJob(job=job, progress=max(0, progress))).job
     print_json(info) if json else tables.job(info)
+
+
+def _control(job: str, command: str, args: dict, config, router, secret_file, state_dir, token, json) -> None:
+    """Send one ControlJob and print the acknowledgement (the trainer's, or the router's own)."""
+    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    with admin_client(s) as client:
+        detail = client.request(ControlJob(job=job, command=command, args=args)).detail
+    if json:
+        print_json(detail)
+        return
+    line = f"{job}: {detail.get('state')}"
+    if detail.get("acked"):
+        line += f" (acknowledged by {detail.get('trainer')} in {detail.get('ack_ms', 0):.0f} ms)"
+    ckpt = detail.get("checkpoint")
+    if ckpt:
+        line += f"\ncheckpoint step {ckpt['step']} epoch {ckpt['epoch']}: {ckpt['path']} sha256 {ckpt['sha256']}"
+    if detail.get("error"):
+        line += f"\nrefused by the trainer: {detail['error']}"
+    typer.echo(line)
 
 
 @job_app.command("stop")
 @guard
 def job_stop(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
              state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
-    """Stop a queued or running job."""
+    """Stop a job; a running one checkpoints first (`busctl job resume` continues it)."""
+    _control(job, "stop", {}, config, router, secret_file, state_dir, token, json)
+
+
+@job_app.command("pause")
+@guard
+def job_pause(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+              state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Pause a job: its trainer keeps it (and its lease) but trains on no more batches."""
+    _control(job, "pause", {}, config, router, secret_file, state_dir, token, json)
+
+
+@job_app.command("resume")
+@guard
+def job_resume(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+               state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Resume a paused job, or queue a stopped or failed one again from its last checkpoint."""
+    _control(job, "resume", {}, config, router, secret_file, state_dir, token, json)
+
+
+@job_app.command("checkpoint")
+@guard
+def job_checkpoint(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+                   state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Make the trainer write a checkpoint now; prints its path and sha256."""
+    _control(job, "checkpoint", {}, config, router, secret_file, state_dir, token, json)
+
+
+@job_app.command("set")
+@guard
+def job_set(job: str, values: Annotated[list[str], typer.Argument(help=f"NAME=VALUE pairs; names: {', '.join(SETTABLE)}.")],
+            config: Config = None, router: Router = None, secret_file: SecretFile = None,
+            state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Change hyper-parameters of a job, e.g. `busctl job set J lr=0.01 weight_decay=1e-4`."""
+    args = {}
+    for pair in values:
+        name, sep, value = pair.partition("=")
+        try:
+            args[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            fail(f"expected NAME=NUMBER such as lr=0.01, got {pair!r}", 2)
+    _control(job, "set", args, config, router, secret_file, state_dir, token, json)
+
+
+@job_app.command("model")
+@guard
+def job_model(job: str, out: Annotated[Path, typer.Option("-o", "--out", help="Where to write the safetensors file.")],
+              config: Config = None, router: Router = None, secret_file: SecretFile = None,
+              state_dir: StateDir = None, token: Token = None) -> None:
+    """Download the final weights of a succeeded job (safetensors), checked against their sha256."""
+    import hashlib
+    from services.atomic import write_atomic
     s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
     with admin_client(s) as client:
-        detail = client.request(ControlJob(job=job, command="stop")).detail
-    print_json(detail) if json else typer.echo(f"{job}: {detail.get('state')}")
+        reply = client.request(GetModel(job=job))
+    frame = reply.frames[0]
+    data = bytes(frame.buffer if hasattr(frame, "buffer") else frame)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != reply.sha256:
+        fail(f"model of {job} arrived with sha256 {digest}, expected {reply.sha256}; nothing written")
+    write_atomic(out, data)
+    typer.echo(f"{out}: {len(data)} bytes, sha256 {digest}")
 
 
 @job_app.command("watch")

@@ -61,8 +61,19 @@ def job(info: dict) -> None:
         console.print(f"result: val acc {_pct(r.get('val_accuracy'))}, test acc {_pct(r.get('test_accuracy'))}"
                       f" (loss {_pct(r.get('test_loss'))}, n={r.get('test_n', '-')}), "
                       f"{r.get('samples_per_s', 0):.0f} samples/s")
+    if r.get("model"):
+        console.print(f"model: {r['model']['path']} sha256 {r['model']['sha256']}")
     if info.get("error"):
         console.print(f"[red]error:[/] {info['error']}")
+    ckpts = info.get("checkpoints") or []
+    if ckpts:
+        last = ckpts[-1]
+        console.print(f"checkpoints: {len(ckpts)}, last at step {last['step']} epoch {last['epoch']} "
+                      f"on {last.get('trainer', '-')}: {last['path']}")
+    for p in info.get("progress_history", []):
+        console.print(f"  {time.strftime('%H:%M:%S', time.localtime(p['at']))} {p.get('state', 'running'):<8} "
+                      f"epoch {p.get('epoch')}/{p.get('epochs')} step {p.get('step')} loss {p.get('loss') or 0:.4f} "
+                      f"{p.get('samples_per_s', 0):.0f} samples/s data wait {p.get('data_wait_pct', 0):.0f}%")
     for e in info.get("events", []):
         console.print(f"  {time.strftime('%H:%M:%S', time.localtime(e['at']))} {e['state']:<9} {e['reason']}")
 

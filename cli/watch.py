@@ -22,33 +22,46 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
     shown_epochs = 0
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     columns = (TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
-               TimeElapsedColumn())
+               TextColumn("step {task.fields[step]}"), TextColumn("loss {task.fields[loss]}"),
+               TextColumn("{task.fields[rate]} samples/s"), TextColumn("data wait {task.fields[wait]}%"),
+               TextColumn("{task.fields[state]}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bars:
-        bar = None
+        bar, bar_epoch = None, -1  # the bar drawn last and the (0-based) epoch it shows
+
+        def close(history: list[dict], rate: float | None) -> None:
+            """Fill the current bar with its epoch's final figures."""
+            total = next(t.total for t in bars.tasks if t.id == bar)
+            done = {"completed": total, "step": int(total * (bar_epoch + 1))}
+            if rate is not None:
+                done["rate"] = f"{rate:.0f}"
+            if bar_epoch < len(history):
+                done["loss"] = f"{history[bar_epoch]['train_loss']:.4f}"
+            bars.update(bar, **done)
+
         while True:
             info = client.request(GetJob(job=job)).job
             p = info.get("progress") or {}
             history = p.get("history", [])
-            if p and info["state"] == "running":
-                epoch = min(p["epoch"] + 1, p["epochs"])
-                # after the last epoch (validation, provider-side test) the bar stays full
-                done = p["epoch"] >= p["epochs"]
-                within = p["steps_per_epoch"] if done else p["step"] - p["epoch"] * p["steps_per_epoch"]
-                fields = dict(epoch=f"{epoch}/{p['epochs']}", loss=f"{p['loss']:.4f}" if p.get("loss") else "-",
-                              rate=f"{p.get('samples_per_s', 0):.0f}")
-                if bar is None or (len(history) > shown_epochs and p["epoch"] < p["epochs"]):
+            if p and info["state"] in ("running", "paused"):
+                # after the last epoch (validation, provider-side test) the last bar stays full
+                current = min(p["epoch"], p["epochs"] - 1)
+                within = p["step"] - current * p["steps_per_epoch"]
+                fields = dict(epoch=f"{current + 1}/{p['epochs']}", step=p["step"],
+                              loss=f"{p['loss']:.4f}" if p.get("loss") is not None else "-",
+                              rate=f"{p.get('samples_per_s', 0):.0f}", wait=f"{p.get('data_wait_pct', 0):.0f}",
+                              state="[yellow]paused[/]" if info["state"] == "paused" else "")
+                if current != bar_epoch:
                     if bar is not None:
-                        bars.update(bar, completed=p["steps_per_epoch"])
-                    bar = bars.add_task("", total=p["steps_per_epoch"], **fields)
-                bars.update(bar, completed=max(0, within), **fields)
+                        close(history, p.get("samples_per_s"))
+                    bar, bar_epoch = bars.add_task("", total=p["steps_per_epoch"], **fields), current
+                bars.update(bar, completed=max(0, min(within, p["steps_per_epoch"])), **fields)
             for h in history[shown_epochs:]:
                 bars.console.print(f"epoch {h['epoch']}: train loss {h['train_loss']:.4f}  "
                                    f"val loss {h['val_loss']:.4f}  val accuracy {h['val_accuracy']:.4f}")
             shown_epochs = max(shown_epochs, len(history))
             if info["state"] in TERMINAL_STATES:
                 if bar is not None and info["state"] == "succeeded":
-                    bars.update(bar, completed=next(t.total for t in bars.tasks if t.id == bar))
+                    close(history, (info.get("result") or {}).get("samples_per_s"))
                 break
             if deadline is not None and time.monotonic() > deadline:
                 break

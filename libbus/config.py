@@ -94,6 +94,17 @@ class Settings:
     shm: bool = True
     #: Trainer: ring slots per loader (0 = inflight + 1: every request in flight, plus the batch in use).
     shm_slots: int = 0
+    #: Router: where it keeps the final model each succeeded job's trainer sent; default
+    #: ``<state_dir>/artifacts`` (``busctl job model`` downloads from here).
+    artifact_dir: str = ""
+    #: Router: how long a trainer holds a job without being heard from (0: 2 × heartbeat × liveness).
+    lease_s: float = 0.0
+    #: Trainer: where checkpoints and final models are written; default ``<state_dir>/checkpoints``.
+    #: Share it between trainers (NFS...) for a job to resume on another machine.
+    checkpoint_dir: str = ""
+    #: Trainer: write, per job, the digest of every sample trained on to ``<audit_dir>/<job>.*.jsonl``
+    #: (for tests and audits of exactly-once delivery); empty = off.
+    audit_dir: str = ""
     #: Trainer: seconds between progress reports.
     progress_interval_s: float = C.PROGRESS_INTERVAL_S
     #: Trainer: torch intra-op threads (0 = torch's default).
@@ -140,6 +151,12 @@ class Settings:
             out.curve_router_key = os.path.join(curve_dir, "router.key")
         if not out.curve_authorized_dir:
             out.curve_authorized_dir = os.path.join(curve_dir, "authorized")
+        if not out.artifact_dir:
+            out.artifact_dir = os.path.join(out.state_dir, "artifacts")
+        if not out.checkpoint_dir:
+            out.checkpoint_dir = os.path.join(out.state_dir, "checkpoints")
+        if out.lease_s <= 0:
+            out.lease_s = out.heartbeat_ms / 1000 * out.heartbeat_liveness * 2
         if not out.host_id:
             out.host_id = host_id()
         return out

@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 from .errors import BadRequest
 from .order import DEFAULT_BLOCK_SIZE, Shuffle
 
-__all__ = ["JOB_STATES", "TERMINAL_STATES", "JobSpec", "dataset_name"]
+__all__ = ["JOB_STATES", "TERMINAL_STATES", "SETTABLE", "JobSpec", "dataset_name"]
 
-JOB_STATES = ("queued", "running", "succeeded", "failed", "stopped")
+JOB_STATES = ("queued", "running", "paused", "succeeded", "failed", "stopped")
 TERMINAL_STATES = ("succeeded", "failed", "stopped")
 OPTIMIZERS = ("sgd", "adam")
+#: Hyper-parameters ``busctl job set`` may change while a job runs.
+SETTABLE = ("lr", "weight_decay", "momentum")
 
 
 def dataset_name(ref: str) -> str:
@@ -44,6 +46,10 @@ class JobSpec:
     #: Score the final weights on the provider's private test split.
     evaluate: bool = True
     priority: int = 0
+    #: Times the job may lose its trainer (lease lapsed, abandoned) before it is failed.
+    max_attempts: int = 3
+    #: Write a checkpoint every this many steps (0: only at the end of each epoch and on command).
+    checkpoint_every: int = 0
     name: str = ""
 
     @classmethod
@@ -75,12 +81,25 @@ class JobSpec:
         spec.dataset = dataset_name(spec.dataset)
         if spec.optimizer not in OPTIMIZERS:
             raise BadRequest(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
-        for name in ("epochs", "batch_size", "block_size"):
+        for name in ("epochs", "batch_size", "block_size", "max_attempts"):
             if getattr(spec, name) < 1:
                 raise BadRequest(f"{name} must be at least 1, got {getattr(spec, name)}")
+        if spec.checkpoint_every < 0:
+            raise BadRequest(f"checkpoint_every must be 0 or more steps, got {spec.checkpoint_every}")
         if spec.lr <= 0:
             raise BadRequest(f"lr must be positive, got {spec.lr}")
+        if spec.weight_decay < 0 or spec.momentum < 0:
+            raise BadRequest("weight_decay and momentum must not be negative")
         return spec
+
+    def with_hyper(self, changes: dict) -> JobSpec:
+        """This spec with ``busctl job set`` changes applied and checked (only :data:`SETTABLE` keys)."""
+        if not isinstance(changes, dict) or not changes:
+            raise BadRequest(f"set needs at least one of {', '.join(SETTABLE)} (e.g. lr=0.01)")
+        other = sorted(set(changes) - set(SETTABLE))
+        if other:
+            raise BadRequest(f"cannot set {', '.join(other)} on a running job; settable: {', '.join(SETTABLE)}")
+        return JobSpec.from_dict({**self.to_dict(), **changes})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

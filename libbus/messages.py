@@ -26,7 +26,8 @@ __all__ = [
     "Resolve", "Resolved", "DatasetInfoRequest", "DatasetInfo", "BatchRequest", "BatchResponse",
     "AttachRing", "RingAttached",
     "SubmitJob", "JobSubmitted", "ListJobs", "JobList", "GetJob", "JobInfo", "ControlJob",
-    "GetTask", "Task", "NoTask", "Progress", "PushResult", "Command",
+    "GetTask", "Task", "NoTask", "Progress", "PushResult", "Command", "CommandAck", "Checkpointed",
+    "GetModel", "Model",
     "Evaluate", "Evaluation", "StageControl", "Stats", "StatsReply", "ListPeers", "PeerList",
     "RevokeToken", "ListRevoked", "RevokedList", "Entitlements",
 ]
@@ -201,7 +202,9 @@ class JobList(Message):
 
 @dataclass(kw_only=True)
 class GetJob(Message):
+    """One job; with ``progress`` > 0 also its last ``progress`` progress reports."""
     job: str
+    progress: int = 0
 
 
 @dataclass(kw_only=True)
@@ -211,8 +214,10 @@ class JobInfo(Message):
 
 @dataclass(kw_only=True)
 class ControlJob(Message):
+    """stop, pause, resume, checkpoint, or set (``args``: the hyper-parameters to change)."""
     job: str
     command: str
+    args: dict = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -242,6 +247,9 @@ class Progress(Message):
 
 @dataclass(kw_only=True)
 class PushResult(Message):
+    """A job's end (or hand-back). A succeeded job's final weights may ride along as one payload
+    frame (safetensors bytes, sha256 in ``result.model``) for the router to keep."""
+    nframes: ClassVar[tuple[int, int]] = (0, 1)
     job: str
     state: str
     result: dict = field(default_factory=dict)
@@ -249,11 +257,47 @@ class PushResult(Message):
 
 
 @dataclass(kw_only=True)
+class GetModel(Message):
+    """Admin → router: the final weights of a succeeded job."""
+    job: str
+
+
+@dataclass(kw_only=True)
+class Model(Message):
+    """The weights as one payload frame (safetensors bytes) and their sha256."""
+    nframes: ClassVar[tuple[int, int]] = (1, 1)
+    job: str
+    sha256: str
+    nbytes: int
+
+
+@dataclass(kw_only=True)
 class Command(Message):
-    """Router → trainer, unsolicited (``id`` 0): stop, and later pause/resume/checkpoint/set."""
+    """Router → trainer, unsolicited (``id`` 0): stop, pause, resume, checkpoint, set.
+    The trainer answers a non-zero ``seq`` with :class:`CommandAck` once it has applied it."""
     job: str
     command: str
     args: dict = field(default_factory=dict)
+    seq: int = 0
+
+
+@dataclass(kw_only=True)
+class CommandAck(Message):
+    """Trainer → router: command ``seq`` of ``job`` was applied; ``state`` is the job's state on the
+    trainer now (running or paused); ``detail`` says what was done (a checkpoint's record...)."""
+    job: str
+    command: str
+    seq: int
+    state: str
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Checkpointed(Message):
+    """Trainer → router: a checkpoint of ``job`` is on disk (``checkpoint``: path, sha256, step,
+    epoch, cursor); the job resumes from the latest one if its trainer is lost."""
+    job: str
+    checkpoint: dict
 
 
 # -- evaluation ------------------------------------------------------------------------------

@@ -1,14 +1,15 @@
 """The router: its SQLite job store, discovery, heartbeats, and jobs whose trainer vanishes."""
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from libbus.client import Identity
-from libbus.errors import BadRequest, Forbidden, NotFound
+from libbus.errors import BadRequest, Forbidden, NotFound, Timeout
 from libbus.jobs import JobSpec
 from libbus.link import Link
-from libbus.messages import (ControlJob, GetJob, GetTask, NoTask, Progress, PushResult, Resolve,
+from libbus.messages import (CommandAck, ControlJob, GetJob, GetTask, NoTask, Progress, PushResult, Resolve,
                              Stats, SubmitJob, Task)
 from services.router.store import JobStore
 
@@ -18,17 +19,17 @@ def test_store_survives_reopening_and_keeps_events(tmp_path):
     store = JobStore(path)
     low = store.submit(JobSpec.from_dict({"dataset": "a"}))
     high = store.submit(JobSpec.from_dict({"dataset": "b", "priority": 5}))
-    assert store.claim("t1")["id"] == high            # priority first
+    assert store.claim("t1", 10)["id"] == high            # priority first
     store.finish(high, "succeeded", "done", result={"test_accuracy": 0.97})
     store.close()
     store = JobStore(path)
     assert store.get(high)["result"] == {"test_accuracy": 0.97}
     assert [e["state"] for e in store.get(high)["events"]] == ["queued", "running", "succeeded"]
-    assert store.claim("t2")["id"] == low
-    store.requeue(low, "trainer gone")
+    assert store.claim("t2", 10)["id"] == low
+    store.release(low, "trainer gone", lost=False)
     job = store.get(low)
     assert job["state"] == "queued" and job["trainer"] is None and job["attempts"] == 1
-    assert store.claim("t3")["id"] == low and store.claim("t3") is None
+    assert store.claim("t3", 10)["id"] == low and store.claim("t3", 10) is None
     store.close()
 
 
@@ -98,13 +99,25 @@ def test_stop_reaches_a_queued_job_and_a_running_trainer(router, client_for):
     running = admin.request(SubmitJob(spec={"dataset": "mnist"})).job
     trainer = client_for(router.endpoint, role="trainer")
     assert trainer.request(GetTask()).job == running
-    assert admin.request(ControlJob(job=running, command="stop")).detail["state"] == "stopping"
-    reply = trainer.request(Progress(job=running, progress={"step": 1}))
-    assert reply.detail["stop"] is True          # told on its next report, even if the push were lost
-    pushed = [m for m in trainer.pushes if m.type == "Command"]
-    assert [(m.job, m.command) for m in pushed] == [(running, "stop")]
+    with ThreadPoolExecutor(1) as pool:
+        # the admin's stop is answered once the trainer acknowledges it
+        asked = pool.submit(admin.request, ControlJob(job=running, command="stop"))
+        deadline = time.monotonic() + 5
+        while not any(m.type == "Command" for m in trainer.pushes):
+            assert time.monotonic() < deadline, "stop never pushed to the trainer"
+            trainer.recv(0.05)
+        pushed = [m for m in trainer.pushes if m.type == "Command"]
+        assert [(m.job, m.command) for m in pushed] == [(running, "stop")] and pushed[0].seq > 0
+        reply = trainer.request(Progress(job=running, progress={"step": 1}))
+        assert reply.detail["stop"] is True          # told on its next report, even if the push were lost
+        assert not asked.done()
+        trainer.request(CommandAck(job=running, command="stop", seq=pushed[0].seq, state="stopping"))
+        detail = asked.result(5).detail
+    assert detail["acked"] is True and detail["state"] == "stopping" and detail["trainer"] == "test-trainer"
     trainer.request(PushResult(job=running, state="stopped"))
-    assert admin.request(GetJob(job=running)).job["state"] == "stopped"
+    info = admin.request(GetJob(job=running)).job
+    assert info["state"] == "stopped"
+    assert [e["reason"].split(" by ")[0] for e in info["events"][2:4]] == ["stop requested", "stop acknowledged"]
     assert isinstance(trainer.request(GetTask()), NoTask)
 
 
@@ -126,3 +139,56 @@ def test_a_restarted_router_gets_its_providers_back(router, provider, client_for
                 time.sleep(0.2)
     finally:
         again.shutdown()
+
+
+def test_commands_for_jobs_no_trainer_holds_are_applied_by_the_router(router, client_for):
+    admin = client_for(router.endpoint, role="admin")
+    job = admin.request(SubmitJob(spec={"dataset": "mnist", "lr": 0.01})).job
+    assert admin.request(ControlJob(job=job, command="pause")).detail["state"] == "paused"
+    trainer = client_for(router.endpoint, role="trainer")
+    assert isinstance(trainer.request(GetTask()), NoTask)          # a paused job is not handed out
+    spec = admin.request(ControlJob(job=job, command="set", args={"lr": 0.5})).detail["spec"]
+    assert spec["lr"] == 0.5 and admin.request(GetJob(job=job)).job["spec"]["lr"] == 0.5
+    with pytest.raises(BadRequest, match="cannot set epochs"):
+        admin.request(ControlJob(job=job, command="set", args={"epochs": 9}))
+    with pytest.raises(BadRequest, match="only a job a trainer holds can checkpoint"):
+        admin.request(ControlJob(job=job, command="checkpoint"))
+    with pytest.raises(BadRequest, match="takes no arguments"):
+        admin.request(ControlJob(job=job, command="pause", args={"now": 1}))
+    assert admin.request(ControlJob(job=job, command="resume")).detail["state"] == "queued"
+    task = trainer.request(GetTask())
+    assert task.job == job and task.spec["lr"] == 0.5 and task.resume is None
+
+
+def test_a_command_the_trainer_never_acknowledges_times_out_and_is_repeated(router, client_for):
+    router.service.handler.jobs.ack_timeout_s = 0.5
+    admin = client_for(router.endpoint, role="admin")
+    job = admin.request(SubmitJob(spec={"dataset": "mnist"})).job
+    trainer = client_for(router.endpoint, role="trainer")
+    assert trainer.request(GetTask()).job == job
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(admin.request, ControlJob(job=job, command="checkpoint"))
+        deadline = time.monotonic() + 5
+        while not any(m.type == "Command" for m in trainer.pushes):   # pushed, and "lost" here
+            assert time.monotonic() < deadline
+            trainer.recv(0.05)
+        # until acknowledged, the command rides on every progress reply
+        repeated = trainer.request(Progress(job=job, progress={})).detail["commands"]
+        assert [c["command"] for c in repeated] == ["checkpoint"]
+        with pytest.raises(Timeout, match="has not acknowledged checkpoint"):
+            asked.result(10)
+    assert trainer.request(Progress(job=job, progress={})).detail["commands"] == []
+
+
+def test_a_retryable_failure_requeues_until_max_attempts(router, client_for):
+    admin = client_for(router.endpoint, role="admin")
+    job = admin.request(SubmitJob(spec={"dataset": "mnist", "max_attempts": 2})).job
+    trainer = client_for(router.endpoint, role="trainer")
+    for attempt, state in ((1, "queued"), (2, "failed")):
+        assert trainer.request(GetTask()).job == job
+        trainer.request(PushResult(job=job, state="failed", error="PeerTimeout: provider silent",
+                                   result={"retryable": True}))
+        info = admin.request(GetJob(job=job)).job
+        assert (info["state"], info["failures"]) == (state, attempt)
+    assert "gave up after 2 lost attempt(s)" in info["events"][-1]["reason"]
+    assert "provider silent" in info["error"]

@@ -13,6 +13,7 @@ from libbus.metrics import MetricsExporter, start_exporter
 from libbus.server import Server
 
 from .. import runtime
+from .artifacts import Artifacts
 from .handler import RouterHandler
 from .store import JobStore
 
@@ -27,8 +28,8 @@ class RouterService:
         self.name = runtime.service_name(settings, "router")
         key = runtime.verify_key(settings, create=True)
         self.store = JobStore(settings.db)
-        grace = settings.heartbeat_ms / 1000 * settings.heartbeat_liveness * 2
-        self.handler = RouterHandler(self.store, lease_grace_s=grace)
+        self.handler = RouterHandler(self.store, lease_s=settings.lease_s,
+                                     artifacts=Artifacts(settings.artifact_dir))
         bind = settings.bind or settings.router
         self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name, "router"), ctx)
         self.handler.server_stats = self.server.stats

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import Callable
 
-from libbus.errors import BadRequest, Forbidden, NotFound
-from libbus.jobs import TERMINAL_STATES, JobSpec, dataset_name
-from libbus.messages import (Command, ControlJob, Entitlements, GetJob, GetTask, JobInfo, JobList,
-                             JobSubmitted, ListJobs, ListPeers, ListRevoked, Message, NoTask, Ok, PeerList,
-                             Progress, PushResult, Resolve, Resolved, RevokedList, RevokeToken, Stats,
+from libbus.errors import BadRequest, NotFound
+from libbus.jobs import JobSpec, dataset_name
+from libbus.messages import (Checkpointed, CommandAck, ControlJob, Entitlements, GetJob, GetModel, GetTask, JobInfo,
+                             JobList, JobSubmitted, ListJobs, ListPeers, ListRevoked, Message, Model, NoTask, Ok,
+                             PeerList, Progress, PushResult, Resolve, Resolved, RevokedList, RevokeToken, Stats,
                              StatsReply, SubmitJob, Task)
 from libbus.server import Handler, Session
 
+from .artifacts import Artifacts
 from .grants import Revocations, assignments
+from .jobs import JobControl
 from .store import JobStore
 
 __all__ = ["RouterHandler"]
@@ -22,7 +25,6 @@ log = logging.getLogger(__name__)
 
 ADMIN = ("admin",)
 TRAINER = ("trainer",)
-COMMANDS = ("stop",)
 
 
 class RouterHandler(Handler):
@@ -30,31 +32,31 @@ class RouterHandler(Handler):
 
     Args:
         store: the job database.
-        lease_grace_s: how long a running job's trainer may be absent before the job is requeued.
+        lease_s: how long a trainer holds a job without being heard from (services/router/jobs.py).
+        artifacts: where the final models trainers send with their results are kept.
         task_retry_ms: what ``NoTask`` tells an idle trainer to wait before asking again.
     """
 
     roles = {
         "Resolve": ("trainer", "admin"),
-        "SubmitJob": ADMIN, "ListJobs": ADMIN, "GetJob": ADMIN, "ControlJob": ADMIN,
+        "SubmitJob": ADMIN, "ListJobs": ADMIN, "GetJob": ADMIN, "ControlJob": ADMIN, "GetModel": ADMIN,
         "ListPeers": ADMIN, "Stats": ("admin", "trainer"),
         "GetTask": TRAINER, "Progress": TRAINER, "PushResult": TRAINER,
+        "Checkpointed": TRAINER, "CommandAck": TRAINER,
         "RevokeToken": ADMIN, "ListRevoked": ADMIN,
     }
     #: How often the router recomputes what providers must know (assignments follow job changes).
     GRANTS_CHECK_S = 0.2
 
-    def __init__(self, store: JobStore, *, lease_grace_s: float = 10.0, task_retry_ms: int = 1000,
-                 server_stats: Callable[[], dict] = dict):
+    def __init__(self, store: JobStore, *, lease_s: float = 10.0, task_retry_ms: int = 1000,
+                 server_stats: Callable[[], dict] = dict, artifacts: Artifacts | None = None):
         super().__init__()
         self.store = store
-        self.lease_grace_s = lease_grace_s
         self.task_retry_ms = task_retry_ms
         self.server_stats = server_stats
         self.peers: dict[str, Session] = {}
-        self.stop_requested: set[str] = set()
-        self._absent_since: dict[str, float] = {}
-        self._last_lease_check = 0.0
+        self.jobs = JobControl(store, self._push_to_trainer, self._trainer_names, lease_s=lease_s,
+                               artifacts=artifacts)
         self.revocations = Revocations(store.db)
         #: Set by the service: applies the revoked token ids to the router's own server.
         self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
@@ -85,10 +87,20 @@ class RouterHandler(Handler):
         return [s for s in self.peers.values() if s.role == role]
 
     def trainer_session(self, name: str) -> Session | None:
-        for session in self.sessions_of("trainer"):
-            if session.name == name:
-                return session
-        return None
+        """The trainer's live session: the one heard from last (a reconnected trainer's old session
+        lingers until it expires, and a push sent there is lost)."""
+        sessions = [s for s in self.sessions_of("trainer") if s.name == name]
+        return max(sessions, key=lambda s: s.last_seen, default=None)
+
+    def _trainer_names(self) -> set[str]:
+        return {s.name for s in self.sessions_of("trainer")}
+
+    def _push_to_trainer(self, name: str, msg: Message) -> bool:
+        session = self.trainer_session(name)
+        if session is None:
+            return False
+        self.push(session.sid, msg)
+        return True
 
     # -- dispatch -----------------------------------------------------------------------------
     def handle(self, session: Session, msg: Message) -> Message | None:
@@ -131,66 +143,47 @@ class RouterHandler(Handler):
 
     def on_GetJob(self, session: Session, msg: GetJob) -> JobInfo:
         session.claims.check_job(msg.job)
-        return JobInfo(job=self.store.get(msg.job))
+        job = self.store.get(msg.job)
+        if msg.progress > 0:
+            job["progress_history"] = self.store.progress_history(msg.job, min(msg.progress, 1000))
+        return JobInfo(job=job)
 
-    def on_ControlJob(self, session: Session, msg: ControlJob) -> Ok:
-        if msg.command not in COMMANDS:
-            raise BadRequest(f"unknown command {msg.command!r}; supported: {', '.join(COMMANDS)}")
+    def on_ControlJob(self, session: Session, msg: ControlJob) -> Ok | Future:
         session.claims.check_job(msg.job)
-        job = self.store.get(msg.job, events=False)
-        if job["state"] in TERMINAL_STATES:
-            raise BadRequest(f"job {msg.job} already ended ({job['state']})")
-        if job["state"] == "queued":
-            self.store.finish(msg.job, "stopped", f"stopped by {session.name} before it ran")
-            return Ok(detail={"state": "stopped"})
-        trainer = self.trainer_session(job["trainer"])
-        if trainer is None:
-            self.store.finish(msg.job, "stopped", f"stopped by {session.name}; trainer {job['trainer']} absent")
-            return Ok(detail={"state": "stopped"})
-        self.stop_requested.add(msg.job)
-        self.push(trainer.sid, Command(job=msg.job, command="stop"))
-        log.info("job %s: stop requested by %s, sent to %s", msg.job, session.name, trainer.name)
-        return Ok(detail={"state": "stopping", "trainer": trainer.name})
+        return self.jobs.control(session.name, msg.job, msg.command, msg.args)
+
+    def on_GetModel(self, session: Session, msg: GetModel) -> Model:
+        session.claims.check_job(msg.job)
+        return self.jobs.model(msg.job)
 
     def on_GetTask(self, session: Session, msg: GetTask) -> Task | NoTask:
-        # A trainer asking for work holds no job: anything still leased to it was abandoned.
-        for job in self.store.running():
-            if job["trainer"] == session.name:
-                self._requeue(job, f"trainer {session.name} asked for new work; its job was abandoned")
+        self.jobs.abandon_all(session.name)
         claims = session.claims
-        job = self.store.claim(session.name, accept=lambda j: claims.allows_job(j["id"])
+        job = self.store.claim(session.name, self.jobs.lease_s,
+                               accept=lambda j: claims.allows_job(j["id"])
                                and claims.allows_dataset(dataset_name(j["spec"]["dataset"])))
+        if job is not None:
+            self._push_entitlements()  # the provider hears of the assignment before the trainer asks it
         if job is None:
             return NoTask(retry_ms=self.task_retry_ms)
         log.info("job %s assigned to %s", job["id"], session.name)
-        return Task(job=job["id"], spec=job["spec"])
-
-    def _own_job(self, session: Session, job_id: str) -> dict:
-        job = self.store.get(job_id, events=False)
-        if job["state"] != "running" or job["trainer"] != session.name:
-            raise Forbidden(f"job {job_id} is not running on {session.name} (state {job['state']}, "
-                            f"trainer {job['trainer']}); abandon it")
-        return job
+        return Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"])
 
     def on_Progress(self, session: Session, msg: Progress) -> Ok:
         session.claims.check_job(msg.job)
-        self._own_job(session, msg.job)
-        self.store.set_progress(msg.job, msg.progress)
-        return Ok(detail={"stop": msg.job in self.stop_requested})
+        return self.jobs.on_progress(session.name, msg)
+
+    def on_Checkpointed(self, session: Session, msg: Checkpointed) -> Ok:
+        session.claims.check_job(msg.job)
+        return self.jobs.on_checkpoint(session.name, msg)
+
+    def on_CommandAck(self, session: Session, msg: CommandAck) -> Ok:
+        session.claims.check_job(msg.job)
+        return self.jobs.on_ack(session.name, msg)
 
     def on_PushResult(self, session: Session, msg: PushResult) -> Ok:
         session.claims.check_job(msg.job)
-        job = self.store.get(msg.job, events=False)
-        if job["state"] == msg.state and job["trainer"] == session.name:
-            return Ok(detail={"duplicate": True})  # resent after a reconnect: already stored
-        self._own_job(session, msg.job)
-        reason = {"succeeded": f"finished on {session.name}",
-                  "stopped": f"stopped on {session.name}",
-                  "failed": f"failed on {session.name}: {msg.error}"}.get(msg.state, msg.state)
-        self.store.finish(msg.job, msg.state, reason, result=msg.result, error=msg.error)
-        self.stop_requested.discard(msg.job)
-        log.info("job %s %s: %s", msg.job, msg.state, msg.result or msg.error)
-        return Ok()
+        return self.jobs.on_result(session.name, msg)
 
     def on_ListPeers(self, session: Session, msg: ListPeers) -> PeerList:
         peers = []
@@ -215,7 +208,7 @@ class RouterHandler(Handler):
     def entitlements(self) -> Entitlements:
         subjects = {s.name: s.claims.sub for s in self.sessions_of("trainer")}
         return Entitlements(revoked=self.revocations.jtis(),
-                            assigned=assignments(self.store.running(), subjects))
+                            assigned=assignments(self.store.held(), subjects))
 
     def _push_entitlements(self) -> None:
         """Send providers what changed since the last push (nothing when nothing did)."""
@@ -236,36 +229,12 @@ class RouterHandler(Handler):
 
     # -- timers -------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        """Keep providers' entitlements current; requeue running jobs whose trainer has been gone
-        longer than the grace period."""
+        """Keep providers' entitlements current; leases and command acknowledgements
+        (services/router/jobs.py)."""
         if now - self._last_grants_check >= self.GRANTS_CHECK_S:
             self._last_grants_check = now
             self._push_entitlements()
-        if now - self._last_lease_check < 0.5:
-            return
-        self._last_lease_check = now
-        connected = {s.name for s in self.sessions_of("trainer")}
-        running = self.store.running()
-        for job in running:
-            if job["trainer"] in connected:
-                self._absent_since.pop(job["id"], None)
-                continue
-            since = self._absent_since.setdefault(job["id"], now)
-            if now - since > self.lease_grace_s:
-                self._requeue(job, f"trainer {job['trainer']} gone for {now - since:.0f} s")
-        live = {job["id"] for job in running}
-        for job_id in list(self._absent_since):
-            if job_id not in live:
-                del self._absent_since[job_id]
-
-    def _requeue(self, job: dict, reason: str) -> None:
-        self._absent_since.pop(job["id"], None)
-        if job["id"] in self.stop_requested:
-            self.stop_requested.discard(job["id"])
-            self.store.finish(job["id"], "stopped", f"stop requested; {reason}")
-            return
-        log.warning("job %s requeued: %s", job["id"], reason)
-        self.store.requeue(job["id"], reason)
+        self.jobs.tick(now)
 
     def stats(self) -> dict:
         counts = {}

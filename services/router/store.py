@@ -1,4 +1,11 @@
-"""The router's job queue in SQLite (WAL; every write committed before it is acknowledged)."""
+"""The router's job queue in SQLite (WAL, ``synchronous=FULL``; every write is committed before the
+router acknowledges it, so a router killed at any moment comes back with everything it said yes to).
+
+A job row holds its spec, state, lease (trainer + expiry, wall-clock seconds), attempt counters,
+last progress, last checkpoint and result. Every state transition, and every command and its
+acknowledgement, is a row in ``events``; progress reports and checkpoint records have tables of
+their own.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,12 @@ import orjson
 from libbus.errors import BadRequest, ConfigError, NotFound
 from libbus.jobs import JOB_STATES, TERMINAL_STATES, JobSpec
 
-__all__ = ["JobStore"]
+__all__ = ["JobStore", "HOLDING_STATES"]
+
+#: States in which a trainer holds the job under a lease.
+HOLDING_STATES = ("running", "paused")
+#: Progress reports kept per job (older ones are pruned; the last one is also on the job row).
+PROGRESS_KEPT = 1000
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -37,11 +49,38 @@ CREATE TABLE IF NOT EXISTS events (
     reason TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_job ON events (job, at);
+CREATE TABLE IF NOT EXISTS progress (
+    job      TEXT NOT NULL,
+    at       REAL NOT NULL,
+    progress TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS progress_job ON progress (job, at);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job     TEXT NOT NULL,
+    at      REAL NOT NULL,
+    trainer TEXT NOT NULL,
+    step    INTEGER NOT NULL,
+    epoch   INTEGER NOT NULL,
+    path    TEXT NOT NULL,
+    sha256  TEXT NOT NULL,
+    record  TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS checkpoints_job ON checkpoints (job, step);
 """
+
+#: Columns added to ``jobs`` after the first release; a database made before gets them on open.
+ADDED_COLUMNS = {
+    "lease_expires": "REAL",
+    "failures": "INTEGER NOT NULL DEFAULT 0",
+    "checkpoint": "TEXT",
+}
+
+#: Keys of a checkpoint record and their types (what a trainer must report).
+CHECKPOINT_FIELDS = {"path": str, "sha256": str, "step": int, "epoch": int, "cursor": dict}
 
 
 class JobStore:
-    """Jobs and their state transitions. Used by the router's single loop thread."""
+    """Jobs, their leases and their history. Used by the router's single loop thread."""
 
     def __init__(self, path: str):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -51,6 +90,10 @@ class JobStore:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
             self.db.executescript(SCHEMA)
+            have = {row[1] for row in self.db.execute("PRAGMA table_info(jobs)")}
+            for column, decl in ADDED_COLUMNS.items():
+                if column not in have:
+                    self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {decl}")
         except sqlite3.DatabaseError as err:
             raise ConfigError(f"job database {path}: {err}") from err
         self.db.row_factory = sqlite3.Row
@@ -59,6 +102,7 @@ class JobStore:
     def close(self) -> None:
         self.db.close()
 
+    # -- writes ---------------------------------------------------------------------------------
     def _transition(self, job: str, state: str, reason: str, **fields) -> None:
         now = time.time()
         sets = ", ".join(f"{k} = ?" for k in fields)
@@ -79,6 +123,131 @@ class JobStore:
             self.db.execute("INSERT INTO events VALUES (?, ?, 'queued', 'submitted')", (job, now))
         return job
 
+    def event(self, job: str, reason: str) -> None:
+        """Log ``reason`` (a command, an acknowledgement) without changing the job's state."""
+        state = self._row(job)["state"]
+        with self.db:
+            self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, time.time(), state, reason))
+
+    def set_state(self, job: str, state: str, reason: str) -> None:
+        """Move a held job between ``running`` and ``paused``, or a trainer-less one between
+        ``queued`` and ``paused``."""
+        if state not in ("queued", "running", "paused"):
+            raise BadRequest(f"set_state moves jobs between queued, running and paused, not {state!r}")
+        self._transition(job, state, reason)
+
+    def set_spec(self, job: str, spec: JobSpec, reason: str) -> None:
+        """Store a changed spec (``busctl job set``), logged: a resumed job runs with it."""
+        now = time.time()
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute("UPDATE jobs SET spec = ?, updated = ? WHERE id = ?",
+                            (orjson.dumps(spec.to_dict()).decode(), now, job))
+            self.db.execute("INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?", (now, reason, job))
+
+    def claim(self, trainer: str, lease_s: float, accept: Callable[[dict], bool] | None = None) -> dict | None:
+        """Hand the best queued job (priority, then age) that ``accept`` takes (given ``{id, spec}``)
+        to ``trainer`` under a lease of ``lease_s``; None when there is none. The job's last
+        checkpoint (if any) comes with it."""
+        now = time.time()
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            rows = self.db.execute("SELECT id, spec, checkpoint FROM jobs WHERE state = 'queued' "
+                                   "ORDER BY priority DESC, created")
+            row = next((r for r in rows if accept is None
+                        or accept({"id": r["id"], "spec": orjson.loads(r["spec"])})), None)
+            if row is None:
+                return None
+            self.db.execute("UPDATE jobs SET state = 'running', trainer = ?, attempts = attempts + 1, "
+                            "lease_expires = ?, updated = ? WHERE id = ?",
+                            (trainer, now + lease_s, now, row["id"]))
+            resumed = ""
+            if row["checkpoint"]:
+                ckpt = orjson.loads(row["checkpoint"])
+                resumed = f" (resumes from step {ckpt['step']}, epoch {ckpt['epoch']})"
+            self.db.execute("INSERT INTO events VALUES (?, ?, 'running', ?)",
+                            (row["id"], now, f"assigned to {trainer}{resumed}"))
+        return self.get(row["id"], events=False)
+
+    def renew(self, job: str, lease_s: float) -> None:
+        """Extend a held job's lease to ``lease_s`` from now."""
+        with self.db:
+            self.db.execute("UPDATE jobs SET lease_expires = ? WHERE id = ?", (time.time() + lease_s, job))
+
+    def renew_all(self, lease_s: float) -> int:
+        """Give every held job a fresh lease: a router that just started cannot know which trainers
+        are alive, so each gets one lease period to say Hello again. Returns how many."""
+        with self.db:
+            cur = self.db.execute("UPDATE jobs SET lease_expires = ? WHERE state IN ('running', 'paused') "
+                                  "AND trainer IS NOT NULL", (time.time() + lease_s,))
+        return cur.rowcount
+
+    def set_progress(self, job: str, progress: dict, lease_s: float) -> None:
+        """Store a progress report (the last one on the job row, a slim copy in the history) and
+        renew the lease of the trainer that sent it."""
+        now = time.time()
+        slim = {k: v for k, v in progress.items() if k != "history"}
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute("UPDATE jobs SET progress = ?, updated = ?, lease_expires = ? WHERE id = ?",
+                            (orjson.dumps(progress).decode(), now, now + lease_s, job))
+            self.db.execute("INSERT INTO progress VALUES (?, ?, ?)", (job, now, orjson.dumps(slim).decode()))
+            self.db.execute("DELETE FROM progress WHERE job = ? AND rowid NOT IN (SELECT rowid FROM progress "
+                            "WHERE job = ? ORDER BY at DESC LIMIT ?)", (job, job, PROGRESS_KEPT))
+
+    def add_checkpoint(self, job: str, trainer: str, record: dict) -> dict:
+        """Record a checkpoint the trainer wrote; the job resumes from the latest one.
+
+        Raises :class:`BadRequest` naming a missing or mistyped field of ``record``.
+        """
+        for key, kind in CHECKPOINT_FIELDS.items():
+            value = record.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise BadRequest(f"checkpoint record needs '{key}' ({kind.__name__}), got {value!r}")
+        now = time.time()
+        record = {**record, "trainer": trainer, "at": now}
+        text = orjson.dumps(record).decode()
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute("INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                            (job, now, trainer, record["step"], record["epoch"], record["path"],
+                             record["sha256"], text))
+            self.db.execute("UPDATE jobs SET checkpoint = ?, updated = ? WHERE id = ?", (text, now, job))
+        return record
+
+    def finish(self, job: str, state: str, reason: str, result: dict | None = None, error: str = "") -> None:
+        if state not in TERMINAL_STATES:
+            raise BadRequest(f"a job ends {', '.join(TERMINAL_STATES)}, not {state!r}")
+        self._transition(job, state, reason, result=orjson.dumps(result or {}).decode(), error=error,
+                         lease_expires=None)
+
+    def reopen(self, job: str, reason: str) -> None:
+        """Queue a stopped or failed job again (an admin's resume), with fresh attempts."""
+        self._transition(job, "queued", reason, trainer=None, lease_expires=None, failures=0, result=None,
+                         error=None)
+
+    def release(self, job: str, reason: str, *, lost: bool) -> str:
+        """Take a held job from its trainer; returns the job's new state.
+
+        A paused job stays paused (it waits for ``resume``); any other goes back to ``queued``,
+        where the next trainer resumes it from its last checkpoint. ``lost`` (the lease lapsed, the
+        trainer abandoned it) counts against the spec's ``max_attempts``: the job that has lost
+        that many is ``failed`` with the reason. A trainer that hands a job back on shutdown is
+        not ``lost``; an attempt that failed for a reason the next may not meet (a provider gone) is.
+        """
+        row = self._row(job)
+        failures = row["failures"] + (1 if lost else 0)
+        limit = orjson.loads(row["spec"]).get("max_attempts", 3)
+        if lost and failures >= limit:
+            self._transition(job, "failed", f"{reason}; gave up after {failures} lost attempt(s) "
+                             f"(max_attempts {limit})", trainer=None, lease_expires=None, failures=failures,
+                             error=f"lost its trainer {failures} time(s): {reason}", result="{}")
+            return "failed"
+        state = "paused" if row["state"] == "paused" else "queued"
+        self._transition(job, state, reason, trainer=None, lease_expires=None, failures=failures)
+        return state
+
+    # -- reads ----------------------------------------------------------------------------------
     def _row(self, job: str) -> sqlite3.Row:
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job,)).fetchone()
         if row is None:
@@ -88,17 +257,27 @@ class JobStore:
     @staticmethod
     def _as_dict(row: sqlite3.Row) -> dict:
         out = dict(row)
-        for key in ("spec", "progress", "result"):
+        for key in ("spec", "progress", "result", "checkpoint"):
             out[key] = orjson.loads(out[key]) if out[key] else None
         return out
 
     def get(self, job: str, events: bool = True) -> dict:
+        """The job record; with ``events``, also its events and checkpoint records (oldest first)."""
         out = self._as_dict(self._row(job))
         if events:
             rows = self.db.execute("SELECT at, state, reason FROM events WHERE job = ? ORDER BY at, rowid",
                                    (job,)).fetchall()
             out["events"] = [dict(r) for r in rows]
+            rows = self.db.execute("SELECT record FROM checkpoints WHERE job = ? ORDER BY at, rowid", (job,))
+            out["checkpoints"] = [orjson.loads(r[0]) for r in rows.fetchall()]
         return out
+
+    def progress_history(self, job: str, limit: int = 100) -> list[dict]:
+        """The last ``limit`` progress reports of ``job``, oldest first, each with its time ``at``."""
+        self._row(job)
+        rows = self.db.execute("SELECT at, progress FROM progress WHERE job = ? ORDER BY at DESC LIMIT ?",
+                               (job, max(1, limit))).fetchall()
+        return [{"at": r[0], **orjson.loads(r[1])} for r in reversed(rows)]
 
     def list(self, state: str | None = None, limit: int = 100) -> list[dict]:
         if state is not None and state not in JOB_STATES:
@@ -111,37 +290,8 @@ class JobStore:
             rows = self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,))
         return [self._as_dict(r) for r in rows.fetchall()]
 
-    def claim(self, trainer: str, accept: Callable[[dict], bool] | None = None) -> dict | None:
-        """Hand the best queued job (priority, then age) that ``accept`` takes (given ``{id, spec}``)
-        to ``trainer``; None when there is none."""
-        now = time.time()
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
-            rows = self.db.execute("SELECT id, spec FROM jobs WHERE state = 'queued' "
-                                   "ORDER BY priority DESC, created")
-            row = next((r for r in rows if accept is None
-                        or accept({"id": r["id"], "spec": orjson.loads(r["spec"])})), None)
-            if row is None:
-                return None
-            self.db.execute("UPDATE jobs SET state = 'running', trainer = ?, attempts = attempts + 1, "
-                            "updated = ? WHERE id = ?", (trainer, now, row["id"]))
-            self.db.execute("INSERT INTO events VALUES (?, ?, 'running', ?)",
-                            (row["id"], now, f"assigned to {trainer}"))
-        return self.get(row["id"], events=False)
-
-    def running(self) -> list[dict]:
-        rows = self.db.execute("SELECT * FROM jobs WHERE state = 'running'").fetchall()
+    def held(self) -> list[dict]:
+        """Jobs a trainer holds now (running or paused, with a trainer)."""
+        rows = self.db.execute("SELECT * FROM jobs WHERE state IN ('running', 'paused') "
+                               "AND trainer IS NOT NULL").fetchall()
         return [self._as_dict(r) for r in rows]
-
-    def set_progress(self, job: str, progress: dict) -> None:
-        with self.db:
-            self.db.execute("UPDATE jobs SET progress = ?, updated = ? WHERE id = ?",
-                            (orjson.dumps(progress).decode(), time.time(), job))
-
-    def finish(self, job: str, state: str, reason: str, result: dict | None = None, error: str = "") -> None:
-        if state not in TERMINAL_STATES:
-            raise BadRequest(f"a job ends {', '.join(TERMINAL_STATES)}, not {state!r}")
-        self._transition(job, state, reason, result=orjson.dumps(result or {}).decode(), error=error)
-
-    def requeue(self, job: str, reason: str) -> None:
-        self._transition(job, "queued", reason, trainer=None)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -17,6 +19,7 @@ from libbus.metrics import MetricsExporter, start_exporter
 
 from .. import runtime
 from ..sdnotify import Notifier
+from .reports import Reporter
 from .run import TaskRun
 
 __all__ = ["TrainerService", "run_trainer"]
@@ -98,20 +101,63 @@ class TrainerService:
             self.commands.put(Command(job=self.current_job, command="shutdown"))
 
     def _run_task(self, task: Task, stop: threading.Event) -> None:
-        while not self.commands.empty():  # commands for an earlier job are stale
-            self.commands.get_nowait()
+        self._drop_stale_commands()
         self.current_job = task.job
-        log.info("running job %s", task.job)
+        if stop.is_set():  # SIGTERM came between GetTask and here: hand it straight back
+            self.commands.put(Command(job=task.job, command="shutdown"))
+        log.info("running job %s%s", task.job,
+                 f" from checkpoint step {task.resume['step']}" if task.resume else "")
+        reporter = Reporter(self.link, task.job, self.settings.request_timeout_s, on_command=self.commands.put)
         try:
             state, result, error = TaskRun(task, self.settings, self.link, self.identity, self.commands,
-                                           notifier=self.notifier).run()
+                                           reporter, notifier=self.notifier).run()
+            self._flush(reporter, stop)
         finally:
+            reporter.close()
             self.current_job = None
         self.tasks[state] += 1
-        if stop.is_set() and state == "stopped":
-            log.info("job %s interrupted by shutdown; the router will requeue it", task.job)
+        if state == "lost":
+            log.warning("job %s abandoned: %s", task.job, error)
             return
-        self._push_result(PushResult(job=task.job, state=state, result=result, error=error), stop)
+        if state == "queued":
+            log.info("job %s handed back to the router (shutting down)", task.job)
+        msg = PushResult(job=task.job, state=state, result=result, error=error)
+        if state == "succeeded":
+            msg.frames = self._final_weights(result)
+        self._push_result(msg, stop)
+
+    def _final_weights(self, result: dict) -> list[bytes]:
+        """The final model's bytes, sent with the result for the router to keep (``busctl job model``),
+        unless they would not fit in one message."""
+        model = result.get("model") or {}
+        limit = self.settings.max_msg_bytes - (1 << 20)
+        if not model.get("path") or model.get("bytes", limit + 1) > limit:
+            log.info("final model %s stays on this trainer only (%s bytes; messages carry at most %d)",
+                     model.get("path"), model.get("bytes"), limit)
+            return []
+        try:
+            return [Path(model["path"]).read_bytes()]
+        except OSError as err:
+            log.warning("cannot read final model %s: %s", model["path"], err)
+            return []
+
+    def _flush(self, reporter: Reporter, stop: threading.Event) -> None:
+        """Progress, checkpoint records and acknowledgements go before the result: wait for them
+        (bounded; shorter once the service is stopping, so SIGTERM still ends it promptly)."""
+        started = time.monotonic()
+        while not reporter.flush(0.5):
+            self.notifier.watchdog()
+            waited = time.monotonic() - started
+            if waited > PUSH_RESULT_PATIENCE_S or (stop.is_set() and waited > self.settings.request_timeout_s):
+                log.warning("job %s: %d report(s) could not be delivered", reporter.job, reporter.pending)
+                return
+
+    def _drop_stale_commands(self) -> None:
+        """Whatever is queued predates this task (an earlier job's, or an earlier attempt's at this
+        one: the same job may come back). A command sent as the task was assigned is not lost: the
+        router repeats unacknowledged commands in its replies to progress reports."""
+        while not self.commands.empty():
+            self.commands.get_nowait()
 
     def _push_result(self, msg: PushResult, stop: threading.Event) -> None:
         """Deliver the result, waiting out a router restart (bounded)."""
@@ -129,6 +175,15 @@ class TrainerService:
                 waited += self.settings.request_timeout_s
                 if stop.is_set():
                     break
+                continue
+            except BusError as err:
+                if not msg.frames:
+                    log.error("job %s: result refused: %s", msg.job, err)
+                    return
+                log.warning("job %s: router refused the final model (%s); sending the result without it",
+                            msg.job, err)
+                msg.frames = []
+                continue
         log.error("job %s: could not deliver its result to the router; giving up", msg.job)
 
 

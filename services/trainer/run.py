@@ -14,16 +14,21 @@ from torch import nn
 
 from libbus.client import Client, Identity
 from libbus.config import Settings
-from libbus.errors import BadRequest, BusError
+from libbus.errors import BadRequest, BusError, NotFound, PeerTimeout, Unavailable
 from libbus.jobs import JobSpec
-from libbus.link import Link
 from libbus.curve import curve_key_of
+from libbus.link import Link
 from libbus.loader import RemoteLoader, pick_provider
-from libbus.messages import Command, Evaluate, Evaluation, Progress, Resolve, Task
+from libbus.messages import Checkpointed, Command, Evaluate, Evaluation, Progress, Resolve, Task
 from services.models import TOKENS, batch_loss, build_model, dataset_kind, evaluate
 from services.sdnotify import Notifier
 
-__all__ = ["Stopped", "TaskRun"]
+from .audit import Audit
+from .checkpoint import CheckpointError, job_dir, load_checkpoint, prune, save_checkpoint, save_model
+from .control import Controls, Lost, Stopped
+from .reports import Reporter
+
+__all__ = ["TaskRun", "apply_hyper", "make_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +41,19 @@ def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 700.0))
 
 
-class Stopped(Exception):
-    """The router asked this task to stop."""
-
-
 def make_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
     if spec.optimizer == "sgd":
         return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
     return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+def apply_hyper(optimizer: torch.optim.Optimizer, spec: JobSpec) -> None:
+    """Set the spec's settable hyper-parameters (``busctl job set``) on every param group."""
+    for group in optimizer.param_groups:
+        group["lr"] = spec.lr
+        group["weight_decay"] = spec.weight_decay
+        if "momentum" in group:
+            group["momentum"] = spec.momentum
 
 
 @dataclass
@@ -66,46 +76,126 @@ class Meter:
 
 
 class TaskRun:
-    """Runs ``task`` to its end and returns the ``(state, result, error)`` to push to the router."""
+    """Runs ``task`` to its end and returns the ``(state, result, error)`` to push to the router.
+
+    ``state`` is ``succeeded``, ``failed``, ``stopped``, ``queued`` (handed back on shutdown, with a
+    fresh checkpoint) or ``lost`` (the router gave the job away: push nothing). Commands
+    (:mod:`.control`) are applied between batches, where the loader's position equals the samples
+    trained on, so a checkpoint taken there resumes at the exact next sample.
+    """
 
     def __init__(self, task: Task, settings: Settings, link: Link, identity: Identity,
-                 commands: queue.Queue[Command], *, notifier: Notifier | None = None):
+                 commands: queue.Queue[Command], reporter: Reporter, *, notifier: Notifier | None = None):
         self.task = task
         self.job = task.job
         self.spec = JobSpec.from_dict(task.spec)
         self.settings = settings
         self.link = link
         self.identity = identity
-        self.commands = commands
+        self.reporter = reporter
         #: systemd: fed between steps (a long epoch is no silence), told each epoch (STATUS=).
         self.notifier = notifier or Notifier()
         self.history: list[dict] = []
+        self.step = 0
+        self.directory = job_dir(settings.checkpoint_dir, self.job)
+        self.last_checkpoint: dict | None = None
+        self.resumed_from: dict | None = None
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.train: RemoteLoader | None = None
+        self.meter = Meter()
+        self.audit: Audit | None = None
+        self._last_report = 0.0
+        self.controls = Controls(self.job, commands, reporter, checkpoint=self._checkpoint,
+                                 set_hyper=self._set_hyper, report=self._maybe_report,
+                                 before_stop=self._before_stop)
 
     def run(self) -> tuple[str, dict, str]:
         try:
             return "succeeded", self._train(), ""
-        except Stopped:
-            return "stopped", {"history": self.history}, ""
+        except Stopped as stop:
+            result = {"history": self.history, "checkpoint": self.last_checkpoint}
+            if stop.handback:
+                return "queued", result, f"trainer {self.identity.name} shutting down"
+            return "stopped", result, ""
+        except Lost:
+            return "lost", {}, str(self.reporter.lost)
         except BusError as err:
             log.error("job %s failed: %s", self.job, err)
-            return "failed", {"history": self.history}, f"{type(err).__name__}: {err}"
+            # a provider that did not answer or is gone may be back for the next attempt
+            retryable = isinstance(err, (PeerTimeout, Unavailable, NotFound))
+            return "failed", {"history": self.history, "retryable": retryable}, f"{type(err).__name__}: {err}"
+        finally:
+            if self.audit is not None:
+                self.audit.close()
 
-    def _check_commands(self) -> None:
-        """Between steps: feed the watchdog, act on commands."""
-        self.notifier.watchdog()
-        while True:
-            try:
-                cmd = self.commands.get_nowait()
-            except queue.Empty:
-                return
-            if cmd.job == self.job and cmd.command in ("stop", "shutdown"):
-                log.info("job %s: stop received", self.job)
-                raise Stopped
+    # -- what commands call ---------------------------------------------------------------------
+    def _set_hyper(self, changes: dict) -> dict:
+        """``busctl job set``: the optimizer's param groups change now, the spec with them."""
+        spec = self.spec.with_hyper(changes)
+        apply_hyper(self.optimizer, spec)
+        self.spec = spec
+        return spec.to_dict()
 
+    def _before_stop(self) -> None:
+        """Stopped or handed back, the job can resume exactly here; if this checkpoint cannot be
+        written, it resumes from the last one (what it trained since is done again)."""
+        if self.model is None or not (self.step or self.last_checkpoint):
+            return
+        try:
+            self._checkpoint()
+        except CheckpointError as err:
+            log.error("job %s: no checkpoint on stop: %s", self.job, err)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _checkpoint(self) -> dict:
+        """Write a checkpoint (unless the last one is of this very step) and report it."""
+        if self.last_checkpoint is not None and self.last_checkpoint["step"] == self.step:
+            return self.last_checkpoint
+        extra = {"history": self.history, "loss_sum": self.meter.loss_sum, "loss_n": self.meter.loss_n}
+        cursor = self.train.state_dict()
+        record = save_checkpoint(self.directory, step=self.step, epoch=cursor["epoch"], cursor=cursor,
+                                 model=self.model, optimizer=self.optimizer, extra=extra)
+        self.last_checkpoint = record
+        self.reporter.put(Checkpointed(job=self.job, checkpoint=record))
+        prune(self.directory, self.reporter.checkpoint_step)
+        log.info("job %s: checkpoint at step %d in %s", self.job, self.step, record["path"])
+        return record
+
+    def _resume(self, record: dict) -> bool:
+        """Continue from the checkpoint the router handed over. False if it cannot be used (missing
+        here, changed, or from another dataset size): the job then starts over."""
+        try:
+            self.train.load_state_dict(record.get("cursor") or {})
+            restored = load_checkpoint(record, self.model, self.optimizer, self.settings.checkpoint_dir)
+        except BusError as err:
+            log.warning("job %s: cannot resume from %s: %s; starting over", self.job, record.get("path"), err)
+            self.resumed_from = {"error": str(err)}
+            self.train.epoch, self.train.position = 0, 0
+            return False
+        apply_hyper(self.optimizer, self.spec)  # the stored spec has any `set` made since
+        self.step = restored.step
+        self.history = restored.extra.get("history", [])
+        self.meter.loss_sum = restored.extra.get("loss_sum", 0.0)
+        self.meter.loss_n = restored.extra.get("loss_n", 0)
+        self.last_checkpoint = record
+        self.resumed_from = {"step": restored.step, "epoch": restored.epoch, "path": record.get("path")}
+        log.info("job %s: resumed from step %d (epoch %d, position %d)", self.job, restored.step,
+                 self.train.epoch, self.train.position)
+        return True
+
+    # -- training ---------------------------------------------------------------------------------
     def _report(self, progress: dict) -> None:
-        reply = self.link.request(Progress(job=self.job, progress=progress), timeout_s=5.0)
-        if reply.detail.get("stop"):  # a stop whose push was lost still arrives here
-            raise Stopped
+        self._last_report = time.monotonic()
+        self.reporter.put(Progress(job=self.job, progress=progress))
+
+    def _maybe_report(self) -> None:
+        """Feed the watchdog; a progress report if the last one is ``progress_interval_s`` old.
+        Called after every step and while paused, so neither a long epoch nor a long pause is
+        silence to systemd."""
+        self.notifier.watchdog()
+        if time.monotonic() - self._last_report >= self.settings.progress_interval_s:
+            self._report(self._progress(self.train.epoch, len(self.train), self.train))
 
     def _train(self) -> dict:
         spec, s = self.spec, self.settings
@@ -116,38 +206,45 @@ class TaskRun:
                  provider["endpoint"])
         device = self._device()
         torch.manual_seed(spec.seed)
-        model = build_model(spec.model, info, **spec.model_kwargs).to(device)
-        optimizer = make_optimizer(spec, model.parameters())
+        model = self.model = build_model(spec.model, info, **spec.model_kwargs).to(device)
+        optimizer = self.optimizer = make_optimizer(spec, model.parameters())
         kind = dataset_kind(info)
         common = {"provider": provider["endpoint"], "token": self.identity.token, "batch_size": spec.batch_size,
                   "inflight": s.inflight, "timeout_s": s.request_timeout_s, "retries": s.request_retries,
                   "name": self.identity.name, "device": str(device), "shm": s.shm, "shm_slots": s.shm_slots,
                   "host_id": self.identity.host_id, "curve": self.identity.curve,
                   "provider_key": curve_key_of(provider)}
-        train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle, block_size=spec.block_size,
-                             seed=spec.seed, **common)
+        train = self.train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle,
+                                          block_size=spec.block_size, seed=spec.seed, **common)
         val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common)
-        meter = Meter()
+        if self.task.resume and not self._resume(self.task.resume):
+            torch.manual_seed(spec.seed)  # a checkpoint half loaded must not leak into the fresh start
+            model = self.model = build_model(spec.model, info, **spec.model_kwargs).to(device)
+            optimizer = self.optimizer = make_optimizer(spec, model.parameters())
+        if s.audit_dir:
+            self.audit = Audit(s.audit_dir, self.job, self.identity.name, self.step)
+        meter = self.meter
         steps_per_epoch = len(train)
-        last_report = 0.0
-        step = 0
         try:
-            for epoch in range(spec.epochs):
+            for epoch in range(train.epoch, spec.epochs):
                 train.set_epoch(epoch)
                 self.notifier.status(f"running job {self.job} epoch {epoch + 1}/{spec.epochs}")
+                self.controls.check()
                 model.train()
                 for x, y in train:
-                    self._check_commands()
+                    if self.audit is not None:
+                        self.audit.record(epoch, self.step + 1, x, y)
                     optimizer.zero_grad(set_to_none=True)
                     loss = batch_loss(model, x, y, kind)
                     loss.backward()
                     optimizer.step()
-                    step += 1
+                    self.step += 1
                     meter.add(len(x), loss.item())
-                    now = time.monotonic()
-                    if now - last_report >= s.progress_interval_s:
-                        last_report = now
-                        self._report(self._progress(epoch, step, steps_per_epoch, meter, train))
+                    if spec.checkpoint_every and self.step % spec.checkpoint_every == 0:
+                        self._checkpoint()
+                    self._maybe_report()
+                    # here the loader's position is exactly the samples trained on
+                    self.controls.check()
                 val_loss, val_acc, _ = evaluate(model, self._watched(val), kind)
                 epoch_record = {"epoch": epoch + 1, "train_loss": meter.take_loss(),
                                 "val_loss": val_loss, "val_accuracy": val_acc}
@@ -156,39 +253,38 @@ class TaskRun:
                 self.history.append(epoch_record)
                 log.info("job %s epoch %d/%d: val loss %.4f accuracy %.4f", self.job, epoch + 1,
                          spec.epochs, val_loss, val_acc)
-                self._report(self._progress(epoch + 1, step, steps_per_epoch, meter, train))
+                self._checkpoint()
+                self._report(self._progress(epoch + 1, steps_per_epoch, train))
+                self.controls.check()
         finally:
             train.close()
             val.close()
-        result = {**self._progress(spec.epochs, step, steps_per_epoch, meter, train),
+        result = {**self._progress(spec.epochs, steps_per_epoch, train),
                   "val_loss": self.history[-1]["val_loss"], "val_accuracy": self.history[-1]["val_accuracy"],
                   "provider": provider["name"]}
         if kind == TOKENS:
             result["val_perplexity"] = self.history[-1]["val_perplexity"]
         if spec.evaluate:
-            self._check_commands()
             evaluation = self._evaluate(model, provider)
             result.update(test_loss=evaluation.loss, test_accuracy=evaluation.accuracy, test_n=evaluation.n)
             if kind == TOKENS:
                 result["test_perplexity"] = _perplexity(evaluation.loss)
             log.info("job %s: provider-side test accuracy %.4f on %d samples", self.job,
                      evaluation.accuracy, evaluation.n)
+        result["model"] = save_model(self.directory, model, {"job": self.job, "model": spec.model,
+                                                            "step": str(self.step)})
         return result
 
-    def _watched(self, batches):
-        """``batches``, feeding the watchdog between them."""
-        for batch in batches:
-            self.notifier.watchdog()
-            yield batch
-
-    def _progress(self, epoch: int, step: int, steps_per_epoch: int, meter: Meter,
-                  loader: RemoteLoader) -> dict:
+    def _progress(self, epoch: int, steps_per_epoch: int, loader: RemoteLoader) -> dict:
+        meter = self.meter
         elapsed = max(1e-9, time.monotonic() - meter.started)
         last_loss = meter.loss_sum / meter.loss_n if meter.loss_n else None
-        return {"epoch": epoch, "epochs": self.spec.epochs, "step": step, "steps_per_epoch": steps_per_epoch,
+        return {"epoch": epoch, "epochs": self.spec.epochs, "step": self.step, "steps_per_epoch": steps_per_epoch,
                 "loss": last_loss, "samples": meter.samples, "samples_per_s": meter.samples / elapsed,
-                "data_wait_s": loader.wait_s, "transport": loader.transport, "data_wait_pct": 100.0 * loader.wait_s / elapsed,
-                "elapsed_s": elapsed, "history": self.history}
+                "data_wait_s": loader.wait_s, "transport": loader.transport,
+                "data_wait_pct": 100.0 * loader.wait_s / elapsed, "elapsed_s": elapsed, "state": self.controls.state,
+                "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else None,
+                "resumed_from": self.resumed_from, "history": self.history}
 
     def _device(self) -> torch.device:
         try:
@@ -198,6 +294,12 @@ class TaskRun:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise BadRequest(f"job asks for {device} but this trainer has no CUDA device")
         return device
+
+    def _watched(self, batches):
+        """``batches``, feeding the watchdog between them."""
+        for batch in batches:
+            self.notifier.watchdog()
+            yield batch
 
     def _evaluate(self, model: nn.Module, provider: dict) -> Evaluation:
         blob = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})

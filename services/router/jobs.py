@@ -1,0 +1,299 @@
+"""The router's job control: leases, hand-backs, retries, and live commands with acknowledgements.
+
+Kept apart from the handler (which checks roles and scopes, then calls in here) so that the rules a
+job lives by read in one place:
+
+- A trainer holds a ``running`` or ``paused`` job by a lease (an expiry time in the job store). The
+  lease is renewed while the trainer's session is alive (its heartbeats) and by each progress
+  report. A lease that lapses takes the job from the trainer: back to ``queued`` with its last
+  checkpoint (a paused job stays ``paused``), counted as a lost attempt; ``max_attempts`` lost
+  attempts fail the job with the reason.
+- A router that starts gives every held job a fresh lease, so trainers that kept training while it
+  was down have one lease period to say Hello again.
+- ``pause``, ``resume``, ``stop``, ``checkpoint`` and ``set`` for a job on a connected trainer are
+  pushed as a ``Command`` with a sequence number (and repeated in the replies to its progress
+  reports until acknowledged, in case the push was lost); the admin's ``ControlJob`` is answered when the
+  trainer's ``CommandAck`` arrives (or with ``TIMEOUT`` after ``ack_timeout_s``). Each command and
+  each acknowledgement is an event of the job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from libbus.errors import BadRequest, Forbidden, NotFound, Timeout, Unavailable
+from libbus.jobs import TERMINAL_STATES, JobSpec
+from libbus.messages import Checkpointed, Command, CommandAck, Message, Model, Ok, Progress, PushResult
+
+from .artifacts import Artifacts
+from .store import HOLDING_STATES, JobStore
+
+__all__ = ["COMMANDS", "JobControl"]
+
+log = logging.getLogger(__name__)
+
+COMMANDS = ("stop", "pause", "resume", "checkpoint", "set")
+#: How long an admin's command waits for the trainer's acknowledgement.
+ACK_TIMEOUT_S = 5.0
+#: How often leases are checked.
+LEASE_CHECK_S = 0.5
+
+
+@dataclass
+class _Pending:
+    """A command pushed to a trainer, waiting for its acknowledgement."""
+    job: str
+    command: str
+    args: dict
+    trainer: str
+    by: str
+    sent: float
+    future: Future
+
+
+class JobControl:
+    """Leases and commands over a :class:`JobStore`.
+
+    Args:
+        store: the job database.
+        push: sends a message to a trainer by trainer name; returns False if it is not connected.
+        connected: the names of the trainers connected now.
+        lease_s: lease length.
+        ack_timeout_s: how long a command waits for the trainer's acknowledgement.
+        artifacts: where final models sent with a result are kept (None: not kept).
+    """
+
+    def __init__(self, store: JobStore, push: Callable[[str, Message], bool],
+                 connected: Callable[[], set[str]], *, lease_s: float, ack_timeout_s: float = ACK_TIMEOUT_S,
+                 artifacts: Artifacts | None = None):
+        self.store = store
+        self.artifacts = artifacts
+        self.push = push
+        self.connected = connected
+        self.lease_s = lease_s
+        self.ack_timeout_s = ack_timeout_s
+        self.stop_requested: set[str] = set()
+        self.pending: dict[int, _Pending] = {}
+        self._seq = itertools.count(1)
+        self._last_check = 0.0
+        renewed = store.renew_all(lease_s)
+        if renewed:
+            log.info("%d job(s) held by trainers: each has %.0f s to reconnect", renewed, lease_s)
+
+    # -- admin commands ---------------------------------------------------------------------------
+    def control(self, by: str, job_id: str, command: str, args: dict) -> Ok | Future:
+        """Apply ``command`` to ``job_id`` for admin ``by``: at once when no trainer holds the job,
+        else by pushing it to the trainer (the returned future resolves on its acknowledgement)."""
+        if command not in COMMANDS:
+            raise BadRequest(f"unknown command {command!r}; supported: {', '.join(COMMANDS)}")
+        job = self.store.get(job_id, events=False)
+        state, trainer = job["state"], job["trainer"]
+        if command == "set":
+            spec = JobSpec.from_dict(job["spec"]).with_hyper(args)
+        elif args:
+            raise BadRequest(f"{command} takes no arguments, got {', '.join(args)}")
+        if command == "resume" and state in ("stopped", "failed"):
+            return self._restart(by, job)
+        if state in TERMINAL_STATES:
+            raise BadRequest(f"job {job_id} already ended ({state})")
+        if trainer is None or state == "queued":
+            return self._without_trainer(by, job, command, spec if command == "set" else None)
+        if command == "stop":
+            self.stop_requested.add(job_id)
+        if (command, state) in (("pause", "paused"), ("resume", "running")):
+            return Ok(detail={"state": state, "trainer": trainer, "acked": True, "note": f"already {state}"})
+        if trainer not in self.connected():
+            if command == "stop":
+                self.store.finish(job_id, "stopped", f"stopped by {by}; trainer {trainer} absent")
+                self.stop_requested.discard(job_id)
+                return Ok(detail={"state": "stopped"})
+            raise Unavailable(f"trainer {trainer} of job {job_id} is not connected now; its lease "
+                              f"decides the job's fate (try again, or stop the job)")
+        return self._send(by, job_id, trainer, command, args)
+
+    def _send(self, by: str, job_id: str, trainer: str, command: str, args: dict) -> Future:
+        seq = next(self._seq)
+        future: Future = Future()
+        self.pending[seq] = _Pending(job_id, command, args, trainer, by, time.monotonic(), future)
+        what = f"{command} {_args(args)}".strip()
+        self.store.event(job_id, f"{what} requested by {by}, sent to {trainer}")
+        self.push(trainer, Command(job=job_id, command=command, args=args, seq=seq))
+        log.info("job %s: %s requested by %s, sent to %s", job_id, what, by, trainer)
+        return future
+
+    def _without_trainer(self, by: str, job: dict, command: str, spec: JobSpec | None) -> Ok:
+        job_id, state = job["id"], job["state"]
+        if command == "stop":
+            self.store.finish(job_id, "stopped", f"stopped by {by} while {state}")
+            return Ok(detail={"state": "stopped"})
+        if command == "pause":
+            if state != "paused":
+                self.store.set_state(job_id, "paused", f"paused by {by} while {state}; no trainer has it")
+            return Ok(detail={"state": "paused"})
+        if command == "resume":
+            if state == "paused":
+                self.store.set_state(job_id, "queued", f"resumed by {by}; waits for a trainer")
+            return Ok(detail={"state": "queued"})
+        if command == "set":
+            self.store.set_spec(job_id, spec, f"set {_args(spec.to_dict(), job['spec'])} by {by}")
+            return Ok(detail={"state": state, "spec": spec.to_dict()})
+        raise BadRequest(f"job {job_id} is {state} on no trainer; only a job a trainer holds can checkpoint")
+
+    def _restart(self, by: str, job: dict) -> Ok:
+        """Resume a stopped or failed job: back in the queue, from its last checkpoint."""
+        ckpt = job["checkpoint"]
+        where = f"from step {ckpt['step']}" if ckpt else "from the start (no checkpoint)"
+        self.store.reopen(job["id"], f"resumed by {by} after it {job['state']}, {where}")
+        return Ok(detail={"state": "queued", "resume": ckpt})
+
+    # -- trainer reports ----------------------------------------------------------------------------
+    def own(self, trainer: str, job_id: str) -> dict:
+        """The job ``trainer`` holds, or :class:`Forbidden` telling it to abandon the job."""
+        job = self.store.get(job_id, events=False)
+        if job["state"] not in HOLDING_STATES or job["trainer"] != trainer:
+            raise Forbidden(f"job {job_id} is not running on {trainer} (state {job['state']}, "
+                            f"trainer {job['trainer']}); abandon it")
+        return job
+
+    def on_progress(self, trainer: str, msg: Progress) -> Ok:
+        """Store the report; the reply repeats the job's unacknowledged commands, so one whose push
+        was lost (the trainer reconnected as it was sent) still arrives."""
+        self.own(trainer, msg.job)
+        self.store.set_progress(msg.job, msg.progress, self.lease_s)
+        commands = [{"command": p.command, "args": p.args, "seq": seq}
+                    for seq, p in self.pending.items() if p.job == msg.job and p.trainer == trainer]
+        return Ok(detail={"stop": msg.job in self.stop_requested, "commands": commands})
+
+    def on_checkpoint(self, trainer: str, msg: Checkpointed) -> Ok:
+        self.own(trainer, msg.job)
+        record = self.store.add_checkpoint(msg.job, trainer, msg.checkpoint)
+        self.store.renew(msg.job, self.lease_s)
+        log.info("job %s: checkpoint at step %d (epoch %d) on %s", msg.job, record["step"], record["epoch"],
+                 trainer)
+        return Ok()
+
+    def on_ack(self, trainer: str, msg: CommandAck) -> Ok:
+        job = self.own(trainer, msg.job)
+        pending = self.pending.pop(msg.seq, None)
+        took = f" after {1000 * (time.monotonic() - pending.sent):.0f} ms" if pending else ""
+        reason = f"{msg.command} acknowledged by {trainer}{took}"
+        applied = msg.detail.get("set")
+        if msg.command == "set" and isinstance(applied, dict) and applied:
+            # what the trainer applied, checked like an admin's `set`: a trainer changes nothing else
+            self.store.set_spec(msg.job, JobSpec.from_dict(job["spec"]).with_hyper(applied), reason)
+        elif msg.state in ("running", "paused") and msg.state != job["state"]:
+            self.store.set_state(msg.job, msg.state, reason)
+        else:
+            self.store.event(msg.job, reason)
+        if pending is not None and not pending.future.done():
+            detail = {"state": msg.state, "trainer": trainer, "acked": True,
+                      "ack_ms": round(1000 * (time.monotonic() - pending.sent), 1), **msg.detail}
+            pending.future.set_result(Ok(detail=detail))
+        return Ok()
+
+    def on_result(self, trainer: str, msg: PushResult) -> Ok:
+        job = self.store.get(msg.job, events=False)
+        if job["state"] == msg.state and job["trainer"] == trainer:
+            return Ok(detail={"duplicate": True})  # resent after a reconnect: already stored
+        self.own(trainer, msg.job)
+        self._forget_commands(msg.job, f"job {msg.job} left trainer {trainer} ({msg.state})")
+        stop = msg.job in self.stop_requested
+        self.stop_requested.discard(msg.job)
+        if msg.state == "queued":  # handed back (the trainer is shutting down): not a lost attempt
+            why = f"handed back by {trainer}" + (f": {msg.error}" if msg.error else "")
+            if stop:
+                self.store.finish(msg.job, "stopped", f"stop requested; {why}", result=msg.result)
+            else:
+                self.store.release(msg.job, why, lost=False)
+            return Ok()
+        if msg.state == "failed" and msg.result.get("retryable"):  # counted against max_attempts
+            state = self.store.release(msg.job, f"attempt failed on {trainer}: {msg.error}", lost=True)
+            log.warning("job %s %s after a failed attempt: %s", msg.job, state, msg.error)
+            return Ok()
+        reason = {"succeeded": f"finished on {trainer}",
+                  "stopped": f"stopped on {trainer}",
+                  "failed": f"failed on {trainer}: {msg.error}"}.get(msg.state, msg.state)
+        result = msg.result
+        if msg.frames and msg.state == "succeeded" and self.artifacts is not None:
+            model = result.get("model")
+            if not isinstance(model, dict) or not isinstance(model.get("sha256"), str):
+                raise BadRequest("weights sent without result.model.sha256")
+            frame = msg.frames[0]
+            stored = self.artifacts.put(msg.job, frame.buffer if hasattr(frame, "buffer") else frame,
+                                        model["sha256"])
+            result = {**result, "model": {**model, "router_path": stored}}
+        self.store.finish(msg.job, msg.state, reason, result=result, error=msg.error)
+        log.info("job %s %s: %s", msg.job, msg.state, result or msg.error)
+        return Ok()
+
+    def model(self, job_id: str) -> Model:
+        """The final weights of a succeeded job, as the router keeps them."""
+        job = self.store.get(job_id, events=False)
+        if job["state"] != "succeeded":
+            raise BadRequest(f"job {job_id} is {job['state']}; only a succeeded job has a final model "
+                             f"(busctl job checkpoint writes one for a running job on its trainer)")
+        model = (job["result"] or {}).get("model") or {}
+        if self.artifacts is None or "router_path" not in model:
+            raise NotFound(f"the router holds no model for job {job_id}; its trainer wrote it to "
+                           f"{model.get('path', '?')}")
+        data = self.artifacts.get(job_id)
+        return Model(job=job_id, sha256=model["sha256"], nbytes=len(data), frames=[data])
+
+    def abandon_all(self, trainer: str) -> None:
+        """``trainer`` asks for work, so it holds nothing: whatever it held was lost."""
+        for job in self.store.held():
+            if job["trainer"] == trainer:
+                self._lose(job, f"trainer {trainer} asked for new work; its job was abandoned")
+
+    # -- timers --------------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Renew the leases of connected trainers, take jobs from lapsed ones, time out commands."""
+        for seq, p in list(self.pending.items()):
+            if now - p.sent > self.ack_timeout_s:
+                del self.pending[seq]
+                if not p.future.done():
+                    p.future.set_exception(Timeout(
+                        f"trainer {p.trainer} has not acknowledged {p.command} of job {p.job} within "
+                        f"{self.ack_timeout_s:.0f} s; it applies commands between batches (busctl job show "
+                        f"{p.job} logs the acknowledgement when it comes)"))
+        if now - self._last_check < LEASE_CHECK_S:
+            return
+        self._last_check = now
+        connected = self.connected()
+        wall = time.time()
+        for job in self.store.held():
+            expires = job["lease_expires"] or 0.0
+            if job["trainer"] in connected:
+                if expires - wall < self.lease_s / 2:
+                    self.store.renew(job["id"], self.lease_s)
+            elif expires < wall:
+                self._lose(job, f"lease of trainer {job['trainer']} lapsed (not heard from for "
+                                f"{self.lease_s:.0f} s)")
+
+    def _forget_commands(self, job_id: str, why: str) -> None:
+        """A job that leaves its trainer takes no more commands there: fail those still waiting, so
+        that none is repeated to the job's next attempt."""
+        for seq, p in list(self.pending.items()):
+            if p.job == job_id:
+                del self.pending[seq]
+                if not p.future.done():
+                    p.future.set_exception(Unavailable(f"{why} before acknowledging {p.command}"))
+
+    def _lose(self, job: dict, reason: str) -> None:
+        self._forget_commands(job["id"], f"job {job['id']} lost trainer {job['trainer']}")
+        if job["id"] in self.stop_requested:
+            self.stop_requested.discard(job["id"])
+            self.store.finish(job["id"], "stopped", f"stop requested; {reason}")
+            return
+        state = self.store.release(job["id"], reason, lost=True)
+        log.warning("job %s %s: %s", job["id"], state, reason)
+
+
+def _args(args: dict, before: dict | None = None) -> str:
+    """``k=v`` pairs of ``args`` (only those that differ from ``before``, when given)."""
+    return " ".join(f"{k}={v}" for k, v in args.items() if before is None or before.get(k) != v)

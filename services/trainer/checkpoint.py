@@ -1,0 +1,191 @@
+"""Checkpoints and final models on the trainer's disk: safetensors only, written atomically.
+
+A checkpoint is ONE safetensors file, ``<checkpoint_dir>/<job>/step-<step>.safetensors``:
+
+- tensors ``model.<name>`` (the model's state dict), ``optim.<param>.<key>`` (the optimizer's tensor
+  state), ``rng.torch``, ``rng.cuda.<i>`` and ``rng.numpy`` (the random generators' states);
+- string metadata ``batchbus`` (the format), ``step``, ``epoch``, ``cursor`` (the train loader's
+  position, :meth:`libbus.loader.RemoteLoader.state_dict`), ``optim`` (param groups and non-tensor
+  state), ``rng`` (python's and numpy's non-array parts) and ``extra`` (history, running loss), all JSON.
+
+Nothing is pickled, so loading a checkpoint cannot run code. A file is written to a temporary name
+in the same directory, fsynced, renamed into place and the directory fsynced: a crash leaves the old
+checkpoint or the new one, never half of one. Its sha256 goes to the router with the record, and is
+checked before the file is trusted again. The trainer keeps the last :data:`KEEP` per job, and
+the last one the router has recorded.
+
+The final model is ``<checkpoint_dir>/<job>/model.safetensors``: the plain state dict, loadable with
+``safetensors.torch.load_file`` into the model the job names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from torch import nn
+
+from libbus.errors import BusError
+from services.atomic import write_atomic
+
+__all__ = ["FORMAT", "KEEP", "CheckpointError", "Restored", "job_dir", "load_checkpoint", "prune",
+           "save_checkpoint", "save_model"]
+
+FORMAT = "batchbus-checkpoint-1"
+#: Checkpoints a trainer keeps per job (older ones are removed once a newer one is on disk).
+KEEP = 2
+
+
+class CheckpointError(BusError):
+    """A checkpoint that cannot be written or trusted (missing, wrong sha256, not ours)."""
+
+
+@dataclass
+class Restored:
+    """What a checkpoint gives back besides the model's and optimizer's state (restored in place)."""
+    step: int
+    epoch: int
+    cursor: dict
+    extra: dict
+
+
+def job_dir(checkpoint_dir: str, job: str) -> Path:
+    return Path(checkpoint_dir) / job
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous()
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["rng.numpy"] = torch.from_numpy(keys.astype(np.int64))
+    meta = {"python": random.getstate(), "numpy": [name, int(pos), int(has_gauss), float(cached)]}
+    return tensors, meta
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    torch.set_rng_state(tensors["rng.torch"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    version, state, gauss = meta["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((name, tensors["rng.numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def save_checkpoint(directory: Path, *, step: int, epoch: int, cursor: dict, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, extra: dict) -> dict:
+    """Write a checkpoint of the training state; returns its record (path, sha256, step, epoch,
+    cursor, bytes) for the router. Old ones are removed by :func:`prune`."""
+    tensors = {f"model.{k}": _cpu(v) for k, v in model.state_dict().items()}
+    optim = optimizer.state_dict()
+    plain_state: dict = {}
+    for param, entries in optim["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{param}.{key}"] = _cpu(value)
+            else:
+                plain_state.setdefault(str(param), {})[key] = value
+    rng_tensors, rng_meta = _rng_state()
+    tensors.update(rng_tensors)
+    metadata = {"batchbus": FORMAT, "step": str(step), "epoch": str(epoch),
+                "cursor": orjson.dumps(cursor).decode(),
+                "optim": orjson.dumps({"param_groups": optim["param_groups"], "state": plain_state}).decode(),
+                "rng": orjson.dumps(rng_meta).decode(), "extra": orjson.dumps(extra).decode()}
+    data = save_safetensors(tensors, metadata=metadata)
+    path = directory / f"step-{step:09d}.safetensors"
+    digest = _write(path, data)
+    return {"path": str(path), "sha256": digest, "step": step, "epoch": epoch, "cursor": cursor,
+            "bytes": len(data)}
+
+
+def prune(directory: Path, delivered_step: int | None) -> list[Path]:
+    """Remove all but the last :data:`KEEP` checkpoints — never the one the router last heard of
+    (``delivered_step``), nor any newer: while reports wait for an absent router, the job would
+    resume from that one if this trainer died. Returns what was removed."""
+    files = sorted(directory.glob("step-*.safetensors"))
+    removed = []
+    for path in files[:-KEEP]:
+        step = int(path.stem.removeprefix("step-"))
+        if delivered_step is not None and step >= delivered_step:
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def load_checkpoint(record: dict, model: nn.Module, optimizer: torch.optim.Optimizer, root: str) -> Restored:
+    """Restore model, optimizer and random generators from the checkpoint ``record`` names.
+
+    Args:
+        root: this trainer's ``checkpoint_dir``; a record naming a file elsewhere is refused (the
+            path comes over the wire, from whichever trainer reported it).
+
+    Raises:
+        CheckpointError: the file is outside ``root``, missing, its sha256 differs from the
+            record's, or it is not a batchbus checkpoint of this model.
+    """
+    path = Path(str(record.get("path", "")))
+    if not path.resolve().is_relative_to(Path(root).resolve()):
+        raise CheckpointError(f"checkpoint {path} is not under this trainer's checkpoint_dir {root}")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {path} cannot be read here: {err.strerror} (is checkpoint_dir "
+                              f"shared between trainers?)") from err
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != record.get("sha256"):
+        raise CheckpointError(f"checkpoint {path} has sha256 {digest[:12]}…, the router recorded "
+                              f"{str(record.get('sha256'))[:12]}…: changed or truncated")
+    try:
+        tensors = load_safetensors(data)
+        with safe_open(str(path), "pt") as fh:
+            meta = fh.metadata() or {}
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"checkpoint {path} is not a readable safetensors file: {err}") from err
+    if meta.get("batchbus") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} file (format {meta.get('batchbus')!r})")
+    try:
+        state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+        model.load_state_dict(state)
+        optim = orjson.loads(meta["optim"])
+        opt_state: dict = {int(p): dict(v) for p, v in optim["state"].items()}
+        for key, value in tensors.items():
+            if key.startswith("optim."):
+                _, param, name = key.split(".", 2)
+                opt_state.setdefault(int(param), {})[name] = value
+        optimizer.load_state_dict({"state": opt_state, "param_groups": optim["param_groups"]})
+        _set_rng_state(tensors, orjson.loads(meta["rng"]))
+        return Restored(step=int(meta["step"]), epoch=int(meta["epoch"]), cursor=orjson.loads(meta["cursor"]),
+                        extra=orjson.loads(meta["extra"]))
+    except (KeyError, ValueError, RuntimeError, orjson.JSONDecodeError) as err:
+        raise CheckpointError(f"checkpoint {path} does not fit this job's model and optimizer: {err}") from err
+
+
+def save_model(directory: Path, model: nn.Module, metadata: dict[str, str]) -> dict:
+    """Write the final weights as ``model.safetensors``; returns ``{path, sha256, bytes}``."""
+    data = save_safetensors({k: _cpu(v) for k, v in model.state_dict().items()}, metadata=metadata)
+    path = directory / "model.safetensors"
+    return {"path": str(path), "sha256": _write(path, data), "bytes": len(data)}
+
+
+def _write(path: Path, data: bytes) -> str:
+    try:
+        return write_atomic(path, data)
+    except OSError as err:
+        raise CheckpointError(f"cannot write {path}: {err.strerror or err} (checkpoint_dir full or "
+                              f"not writable?)") from err

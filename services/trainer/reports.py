@@ -1,0 +1,133 @@
+"""A task's reports to the router (progress, checkpoint records, command acknowledgements), sent in
+order from their own thread so that training never waits on the router.
+
+While the router is away the reports wait in a bounded buffer (the oldest progress reports are
+dropped first; checkpoint records and acknowledgements are kept) and are delivered, in order, when
+it is back. The router's answers are turned into flags the training loop reads between batches:
+``stop_requested`` (a stop whose push was lost), commands not yet acknowledged (handed to
+``on_command``) and ``lost`` (the router gave the job to someone
+else: abandon it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Callable
+
+from libbus.errors import BusError, Forbidden, PeerTimeout
+from libbus.link import Link
+from libbus.messages import Checkpointed, Command, Message, Progress
+
+__all__ = ["Reporter"]
+
+log = logging.getLogger(__name__)
+
+#: Reports buffered while the router is away.
+BUFFER = 1000
+#: Pause between tries while the router does not answer.
+RETRY_S = 0.2
+
+
+class Reporter:
+    """Delivers one job's reports in order. ``put`` never blocks; ``flush`` waits (bounded)."""
+
+    def __init__(self, link: Link, job: str, timeout_s: float,
+                 on_command: Callable[[Command], None] = lambda cmd: None):
+        self.link = link
+        self.job = job
+        self.on_command = on_command
+        self.timeout_s = timeout_s
+        self.stop_requested = threading.Event()
+        #: Why the router refused this trainer the job (it is someone else's now), else None.
+        self.lost: BusError | None = None
+        #: Step of the last checkpoint record the router took (None before the first).
+        self.checkpoint_step: int | None = None
+        #: Reports delivered and reports dropped from a full buffer.
+        self.sent = 0
+        self.dropped = 0
+        self._queue: deque[Message] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name=f"reports-{job}", daemon=True)
+        self._thread.start()
+
+    def put(self, msg: Message) -> None:
+        with self._cond:
+            if len(self._queue) >= BUFFER:
+                drop = next((m for m in self._queue if isinstance(m, Progress)), None)
+                if drop is not None:
+                    self._queue.remove(drop)
+                    self.dropped += 1
+            self._queue.append(msg)
+            self._cond.notify_all()
+
+    @property
+    def pending(self) -> int:
+        """Reports not delivered yet."""
+        return len(self._queue)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every report is delivered (True), the job is lost, or ``timeout_s`` passes."""
+        with self._cond:
+            return self._cond.wait_for(lambda: (not self._queue and not self._busy) or self.lost is not None,
+                                       timeout_s)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(self.timeout_s + 2.0)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue or self.lost is not None:
+                    self._busy = False
+                    self._cond.notify_all()
+                    if self._closed:
+                        return
+                    self._cond.wait(RETRY_S)
+                    continue
+                msg = self._queue[0]
+                self._busy = True
+            delivered = self._send(msg)
+            with self._cond:
+                if delivered and self._queue and self._queue[0] is msg:
+                    self._queue.popleft()
+                    self.sent += 1
+                    if isinstance(msg, Checkpointed) and self.lost is None:
+                        self.checkpoint_step = msg.checkpoint["step"]
+                self._busy = False
+                self._cond.notify_all()
+                if self._closed and not delivered:
+                    return  # closing with the router away: what is left is given up
+            if not delivered:
+                threading.Event().wait(RETRY_S)
+
+    def _send(self, msg: Message) -> bool:
+        """True once ``msg`` is answered (or refused for good); False to try again later."""
+        msg.id = 0
+        try:
+            reply = self.link.request(msg, timeout_s=self.timeout_s)
+        except PeerTimeout:
+            return False
+        except Forbidden as err:
+            log.warning("job %s: router refused %s: %s", self.job, msg.type, err)
+            self.lost = err
+            return True
+        except BusError as err:
+            if self.link.fatal is not None:
+                self.lost = err
+                return True
+            log.error("job %s: router rejected %s: %s", self.job, msg.type, err)
+            return True  # a report the router cannot take is not retried
+        detail = getattr(reply, "detail", {})
+        for cmd in detail.get("commands", ()):  # repeated until acknowledged: their pushes may be lost
+            self.on_command(Command(job=self.job, command=cmd["command"], args=cmd["args"], seq=cmd["seq"]))
+        if detail.get("stop"):  # after the commands: a stop among them is acknowledged, not just obeyed
+            self.stop_requested.set()
+        return True

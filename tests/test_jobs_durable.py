@@ -1,0 +1,343 @@
+"""Jobs that survive failures, with real processes: `busctl start` router, provider and trainers as
+subprocesses on one SQLite file, killed with SIGKILL (trainer, router, provider) or SIGTERM
+(trainer) mid-job.
+
+Every job here trains an MLP on mock://mnist?n=600 (shuffle full). Trainers run with an audit
+directory: each batch they train on is logged as per-sample digests of the bytes they received, so
+a test can check that the final model saw every training sample exactly once per epoch, whatever
+died on the way (services/trainer/audit.py replays resumed attempts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from libbus.auth import ensure_secret, issue_token
+from libbus.client import Client, Identity
+from libbus.errors import BadRequest
+from libbus.jobs import TERMINAL_STATES
+from libbus.loader import RemoteLoader
+from libbus.messages import ControlJob, GetJob, Resolve, SubmitJob
+from services.trainer.audit import digest, effective_epochs
+from tests.test_e2e import BUSCTL, REPO, busctl, wait_for
+
+SPEC = {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 64}, "epochs": 3, "batch_size": 16,
+        "shuffle": "full", "seed": 5, "optimizer": "adam", "lr": 0.003, "evaluate": False,
+        "checkpoint_every": 10}
+
+
+class Cluster:
+    """Router, provider and trainers as `busctl start` subprocesses sharing one state directory."""
+
+    def __init__(self, state: Path):
+        self.state = state
+        self.audit = state / "audit"
+        self.env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_HEARTBEAT_LIVENESS": "10",
+                    "BATCHBUS_LEASE_S": "4", "BATCHBUS_TORCH_THREADS": "1", "BATCHBUS_PROGRESS_INTERVAL_S": "0.1",
+                    "BATCHBUS_AUDIT_DIR": str(self.audit), "BATCHBUS_REQUEST_TIMEOUT_S": "3",
+                    "BATCHBUS_REQUEST_RETRIES": "1"}
+        ensure_secret(state / "secret")
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.endpoint = ""
+        self.provider_endpoint = ""
+        token = issue_token((state / "secret").read_bytes().strip(), sub="test-admin", role="admin",
+                            audience="batchbus", ttl_s=3600)
+        self._admin_token = token
+        self.admin: Client | None = None
+
+    def start(self, name: str, role: str, *args: str) -> subprocess.Popen:
+        log = open(self.state / f"{name}.log", "a")
+        proc = subprocess.Popen([*BUSCTL, "start", role, "--name", name, *args], env=self.env, cwd=REPO,
+                                stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_router(self, bind: str = "tcp://127.0.0.1:0") -> None:
+        ready = self.state / "router.ep"
+        ready.unlink(missing_ok=True)
+        self.start("router", "router", "--bind", bind, "--ready-file", str(ready))
+        self.endpoint = wait_for(ready, [self.procs["router"]], timeout=60)
+        self.env["BATCHBUS_ROUTER"] = self.endpoint
+        if self.admin is None:
+            self.admin = Client(self.endpoint, Identity(role="admin", name="test-admin", token=self._admin_token),
+                                timeout_s=10, retries=2)
+
+    def start_trainer(self, name: str) -> subprocess.Popen:
+        return self.start(name, "trainer")
+
+    def submit(self, **changes) -> str:
+        return self.admin.request(SubmitJob(spec={**SPEC, **changes})).job
+
+    def job(self, job: str) -> dict:
+        return self.admin.request(GetJob(job=job)).job
+
+    def control(self, job: str, command: str, **args) -> dict:
+        return self.admin.request(ControlJob(job=job, command=command, args=args)).detail
+
+    def wait(self, job: str, until, timeout: float = 60) -> dict:
+        """Poll ``job`` until ``until(info)``; fails naming the job's state and the logs."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job(job)
+            if until(info):
+                return info
+            if info["state"] in TERMINAL_STATES:
+                raise AssertionError(f"job {job} ended {info['state']}: {info.get('error')}; logs in {self.state}")
+            assert time.monotonic() < deadline, f"job {job} stuck in {info['state']}; logs in {self.state}"
+            time.sleep(0.02)
+
+    def wait_end(self, job: str, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job(job)
+            if info["state"] in TERMINAL_STATES:
+                return info
+            assert time.monotonic() < deadline, f"job {job} stuck in {info['state']}; logs in {self.state}"
+            time.sleep(0.1)
+
+    def trained_batches(self, job: str, trainer: str) -> int:
+        """Batches ``trainer`` has trained on for ``job`` so far (from its audit file)."""
+        return sum(len(p.read_bytes().splitlines()) - 1 for p in self.audit.glob(f"{job}.{trainer}.*.jsonl"))
+
+    def close(self) -> None:
+        if self.admin is not None:
+            self.admin.close()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("durable"))
+    try:
+        cluster.start_router()
+        ready = cluster.state / "provider.ep"
+        cluster.start("provider", "provider", "--bind", "tcp://127.0.0.1:0", "--dataset", "mnist=mock://mnist?n=600",
+                      "--ready-file", str(ready))
+        cluster.start_trainer("t1")  # trainers start alongside: two are up, one job each
+        cluster.start_trainer("t2")
+        cluster.provider_endpoint = wait_for(ready, [cluster.procs["provider"]], timeout=60)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def train_digests(cluster) -> Counter:
+    """The multiset of every train sample's digest, read straight from the provider."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            provider = cluster.admin.request(Resolve(dataset="mnist")).providers[0]["endpoint"]
+            break
+        except Exception:  # noqa: BLE001 - the provider is still registering
+            assert time.monotonic() < deadline, "provider never registered"
+            time.sleep(0.1)
+    with RemoteLoader("mnist", provider=provider, token=cluster._admin_token, batch_size=1000,
+                      shuffle="none", copy=True) as loader:
+        x, y = next(iter(loader))
+    xs, ys = x.numpy(), y.numpy()
+    return Counter(digest(xs[i].tobytes(), ys[i].tobytes()) for i in range(len(xs)))
+
+
+def assert_exactly_once(cluster: Cluster, job: str, train_digests: Counter) -> None:
+    epochs = effective_epochs(cluster.audit, job)
+    assert sorted(epochs) == list(range(SPEC["epochs"]))
+    for epoch, seen in epochs.items():
+        assert seen == train_digests, f"epoch {epoch}: {sum((seen - train_digests).values())} extra, " \
+                                      f"{sum((train_digests - seen).values())} missing samples"
+
+
+def final_weights(info: dict) -> dict[str, torch.Tensor]:
+    model = info["result"]["model"]
+    assert hashlib.sha256(Path(model["path"]).read_bytes()).hexdigest() == model["sha256"]
+    return load_file(model["path"])
+
+
+def pause_then_resume(cluster: Cluster, job: str, trainer: str) -> dict:
+    """Pause as soon as the job trains (acknowledged within a second; no batch trained while
+    paused), checkpoint there — mid-epoch, whatever this machine's speed — and resume. Returns the
+    checkpoint's record."""
+    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1)
+    detail = cluster.control(job, "pause")
+    assert detail["state"] == "paused" and detail["trainer"] == trainer and detail["ack_ms"] < 1000
+    assert cluster.job(job)["state"] == "paused"
+    before = cluster.trained_batches(job, trainer)
+    ckpt = cluster.control(job, "checkpoint")["checkpoint"]
+    time.sleep(0.3)
+    assert cluster.trained_batches(job, trainer) == before == ckpt["step"], "a paused trainer kept training"
+    detail = cluster.control(job, "resume")
+    assert detail["state"] == "running" and detail["ack_ms"] < 1000
+    return ckpt
+
+
+def resumed_from(cluster: Cluster, job: str, trainer: str) -> int:
+    (path,) = cluster.audit.glob(f"{job}.{trainer}.*.jsonl")
+    return json.loads(path.read_bytes().splitlines()[0])["resumed_from_step"]
+
+
+def test_trainer_killed_mid_epoch_another_resumes_exactly(cluster, train_digests):
+    reference = cluster.submit()                 # the uninterrupted run, on one trainer
+    job = cluster.submit()                       # the run to interrupt, on the other
+    watch = subprocess.Popen([*BUSCTL, "job", "watch", job], env={**cluster.env, "COLUMNS": "200"}, cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    victim = cluster.wait(job, lambda i: i["state"] == "running")["trainer"]
+    pause_then_resume(cluster, job, victim)
+    cluster.procs[victim].send_signal(signal.SIGKILL)  # mid-epoch, between checkpoints
+    cluster.procs[victim].wait(10)
+    cluster.start_trainer("t3")                  # two trainers again for the next tests
+    ref = cluster.wait_end(reference)
+    assert ref["state"] == "succeeded", ref["error"]
+    info = cluster.wait_end(job)
+    assert info["state"] == "succeeded", info["error"]
+    heir = info["trainer"]
+    assert heir != victim and info["attempts"] == 2 and info["failures"] == 1
+    reasons = [e["reason"] for e in info["events"]]
+    assert any(f"lease of trainer {victim} lapsed" in r for r in reasons), reasons
+    assert any(r.startswith(f"assigned to {heir} (resumes from step") for r in reasons), reasons
+    assert any(r.startswith(f"pause acknowledged by {victim}") for r in reasons), reasons
+    # the heir continued from the last checkpoint, not from scratch; the model equals the uninterrupted one
+    assert resumed_from(cluster, job, heir) > 0
+    ours, theirs = final_weights(info), final_weights(ref)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
+    for ours_epoch, ref_epoch in zip(info["result"]["history"], ref["result"]["history"], strict=True):
+        assert ours_epoch == pytest.approx(ref_epoch, rel=1e-5)
+    assert_exactly_once(cluster, job, train_digests)
+    assert_exactly_once(cluster, reference, train_digests)
+    # `busctl job watch` followed it through the pause and the trainer's death to the end
+    shown, _ = watch.communicate(timeout=30)
+    assert watch.returncode == 0, shown
+    assert "epoch 3: train loss" in shown and "data wait" in shown and f"job {job} succeeded" in shown, shown
+    # the model comes home: the router kept a copy, `busctl job model` downloads it
+    out = cluster.state / "downloaded.safetensors"
+    printed = busctl("job", "model", job, "-o", str(out), env=cluster.env).stdout
+    assert info["result"]["model"]["sha256"] in printed
+    assert out.read_bytes() == Path(info["result"]["model"]["path"]).read_bytes()
+
+
+def test_router_killed_mid_job_training_goes_on(cluster, train_digests):
+    job = cluster.submit(batch_size=8)
+    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1)
+    before = cluster.job(job)
+    router = cluster.procs["router"]
+    router.send_signal(signal.SIGKILL)
+    router.wait(10)
+    killed = time.time()
+    time.sleep(1.0)
+    cluster.start_router(bind=cluster.endpoint)  # same address, same SQLite file
+    restarted = time.time()
+    info = cluster.wait_end(job)
+    assert info["state"] == "succeeded", info["error"]
+    # the trainer trained while the router was down, and kept the job (no requeue)
+    stamps = [json.loads(line)["t"] for p in cluster.audit.glob(f"{job}.*.jsonl")
+              for line in p.read_bytes().splitlines()[1:]]
+    assert any(killed < t < restarted for t in stamps)
+    assert [e["state"] for e in info["events"]] == ["queued", "running", "succeeded"]
+    assert info["events"][:2] == before["events"][:2] and info["attempts"] == 1
+    # reports made while it was down were buffered and delivered: no checkpoint record is missing
+    steps = [c["step"] for c in info["checkpoints"]]
+    every = SPEC["checkpoint_every"]
+    assert set(range(every, info["result"]["step"] + 1, every)) <= set(steps)
+    assert_exactly_once(cluster, job, train_digests)
+
+
+def test_commands_from_the_cli_are_acknowledged(cluster):
+    job = cluster.submit(epochs=100)
+    info = cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1)
+    trainer = info["trainer"]
+    env = {**cluster.env}
+    out = busctl("job", "pause", job, env=env).stdout
+    assert out.startswith(f"{job}: paused (acknowledged by {trainer} in ")
+    assert int(out.split(" in ")[1].split()[0]) < 1000
+    before = cluster.trained_batches(job, trainer)
+    out = busctl("job", "checkpoint", job, env=env).stdout
+    ckpt = cluster.job(job)["checkpoint"]
+    assert f"checkpoint step {ckpt['step']} epoch {ckpt['epoch']}: {ckpt['path']} sha256 {ckpt['sha256']}" in out
+    assert cluster.trained_batches(job, trainer) == before
+    assert hashlib.sha256(Path(ckpt["path"]).read_bytes()).hexdigest() == ckpt["sha256"]
+    assert ckpt["step"] == before                    # taken exactly where training paused
+    with pytest.raises(BadRequest, match="lr must be positive"):
+        cluster.control(job, "set", lr=-1.0)
+    detail = json.loads(busctl("job", "set", job, "lr=0.0005", "weight_decay=0.01", "--json", env=env).stdout)
+    assert detail["acked"] and detail["spec"]["lr"] == 0.0005 and detail["ack_ms"] < 1000
+    assert cluster.control(job, "resume")["state"] == "running"
+    cluster.wait(job, lambda i: (i["progress"] or {}).get("step", 0) > ckpt["step"] + 2)
+    cluster.control(job, "pause")                    # (a running trainer prunes old checkpoints)
+    after = cluster.control(job, "checkpoint")["checkpoint"]
+    with safe_open(after["path"], "pt") as fh:
+        groups = json.loads(fh.metadata()["optim"])["param_groups"]
+    assert {(g["lr"], g["weight_decay"]) for g in groups} == {(0.0005, 0.01)}   # the optimizer has it
+    assert "stopping" in busctl("job", "stop", job, env=env).stdout
+    info = cluster.wait_end(job)
+    assert info["state"] == "stopped" and info["spec"]["lr"] == 0.0005
+    shown = busctl("job", "show", job, "--progress", "1000", env=env).stdout
+    assert " paused   epoch " in shown                 # the progress history has the paused reports
+    for word in ("pause acknowledged by", "checkpoint acknowledged by", "set lr=0.0005 weight_decay=0.01",
+                 "resume acknowledged by", "stop acknowledged by", "stopped on"):
+        assert word in shown, shown
+    # a stopped job resumes from the checkpoint its trainer wrote as it stopped
+    assert cluster.control(job, "resume")["resume"]["step"] == info["result"]["checkpoint"]["step"]
+    cluster.wait(job, lambda i: i["state"] == "running")
+    assert cluster.control(job, "stop")["acked"]
+    assert cluster.wait_end(job)["state"] == "stopped"
+
+
+def test_sigterm_hands_the_job_back_and_another_trainer_finishes(cluster, train_digests):
+    job = cluster.submit()
+    info = cluster.wait(job, lambda i: i["state"] == "running")
+    first = info["trainer"]
+    pause_then_resume(cluster, job, first)
+    cluster.procs[first].send_signal(signal.SIGTERM)
+    assert cluster.procs[first].wait(20) == 0          # drains and exits 0, as systemd expects
+    info = cluster.wait_end(job)                     # the other trainer, idle until now, finishes it
+    heir = info["trainer"]
+    assert info["state"] == "succeeded" and heir != first, info["error"]
+    back = next(e for e in info["events"] if "handed back" in e["reason"])
+    assert back["state"] == "queued" and back["reason"].startswith(f"handed back by {first}")
+    assert info["failures"] == 0                     # a hand-back is not a lost attempt
+    last = [c for c in info["checkpoints"] if c["trainer"] == first][-1]   # written as it stopped
+    assert last["step"] > 0 and resumed_from(cluster, job, heir) == last["step"]
+    assert_exactly_once(cluster, job, train_digests)
+
+
+def test_provider_killed_mid_job_the_attempt_is_retried_from_its_checkpoint(cluster, train_digests):
+    job = cluster.submit(batch_size=8)
+    cluster.wait(job, lambda i: (i["checkpoint"] or {}).get("step", 0) >= SPEC["checkpoint_every"])
+    provider = cluster.procs["provider"]
+    provider.send_signal(signal.SIGKILL)
+    provider.wait(10)
+    ready = cluster.state / "provider.ep"
+    ready.unlink()
+    cluster.start("provider", "provider", "--bind", cluster.provider_endpoint, "--dataset",
+                  "mnist=mock://mnist?n=600", "--ready-file", str(ready))   # back, same data
+    wait_for(ready, [cluster.procs["provider"]], timeout=60)
+    info = cluster.wait_end(job)
+    assert info["state"] == "succeeded", info["error"]
+    # the trainer's loader gave up on the dead provider: a retryable failure, counted, and the next
+    # attempt resumed from the last checkpoint
+    reasons = [e["reason"] for e in info["events"]]
+    assert info["failures"] == 1 and any(r.startswith("attempt failed on") and "PeerTimeout" in r
+                                         for r in reasons), reasons
+    assert any("(resumes from step" in r for r in reasons), reasons
+    assert_exactly_once(cluster, job, train_digests)
