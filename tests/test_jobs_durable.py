@@ -31,7 +31,8 @@ from libbus.jobs import TERMINAL_STATES
 from libbus.loader import RemoteLoader
 from libbus.messages import ControlJob, GetJob, Resolve, SubmitJob
 from services.trainer.audit import digest, effective_epochs
-from tests.test_e2e import BUSCTL, REPO, busctl, wait_for
+from tests.conftest import wait_file
+from tests.test_e2e import BUSCTL, REPO, busctl
 
 SPEC = {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 64}, "epochs": 3, "batch_size": 16,
         "shuffle": "full", "seed": 5, "optimizer": "adam", "lr": 0.003, "evaluate": False,
@@ -69,7 +70,7 @@ class Cluster:
         ready = self.state / "router.ep"
         ready.unlink(missing_ok=True)
         self.start("router", "router", "--bind", bind, "--ready-file", str(ready))
-        self.endpoint = wait_for(ready, [self.procs["router"]], timeout=60)
+        self.endpoint = wait_file(ready, [self.procs["router"]], timeout=60)
         self.env["BATCHBUS_ROUTER"] = self.endpoint
         if self.admin is None:
             self.admin = Client(self.endpoint, Identity(role="admin", name="test-admin", token=self._admin_token),
@@ -135,7 +136,7 @@ def cluster(tmp_path_factory):
                       "--ready-file", str(ready))
         cluster.start_trainer("t1")  # trainers start alongside: two are up, one job each
         cluster.start_trainer("t2")
-        cluster.provider_endpoint = wait_for(ready, [cluster.procs["provider"]], timeout=60)
+        cluster.provider_endpoint = wait_file(ready, [cluster.procs["provider"]], timeout=60)
         yield cluster
     finally:
         cluster.close()
@@ -331,7 +332,7 @@ def test_provider_killed_mid_job_the_attempt_is_retried_from_its_checkpoint(clus
     ready.unlink()
     cluster.start("provider", "provider", "--bind", cluster.provider_endpoint, "--dataset",
                   "mnist=mock://mnist?n=600", "--ready-file", str(ready))   # back, same data
-    wait_for(ready, [cluster.procs["provider"]], timeout=60)
+    wait_file(ready, [cluster.procs["provider"]], timeout=60)
     info = cluster.wait_end(job)
     assert info["state"] == "succeeded", info["error"]
     # the trainer's loader gave up on the dead provider: a retryable failure, counted, and the next
