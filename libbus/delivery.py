@@ -56,6 +56,9 @@ class SocketDelivery:
     def can_send(self) -> bool:
         return True
 
+    def can_take(self, batch_no: int) -> bool:
+        return True
+
     def fields(self, batch_no: int) -> dict:
         return {}
 
@@ -144,6 +147,10 @@ class RingDelivery:
     def can_send(self) -> bool:
         self._reap()
         return bool(self.free)
+
+    def can_take(self, batch_no: int) -> bool:
+        """Whether ``batch_no`` can be sent now: it holds a slot already (a resend), or one is free."""
+        return batch_no in self.slot_of or self.can_send()
 
     def wait_free(self) -> None:
         """Block until a slot frees up (only CUDA copies hold slots without a request in flight)."""
