@@ -47,7 +47,7 @@ def info_mismatch(ours: dict, theirs: dict) -> str | None:
         if name == "splits":
             a, b = _split_view(a), _split_view(b)
             if isinstance(a, dict) and isinstance(b, dict):
-                for split in sorted(set(a) | set(b)):
+                for split in [*a, *(k for k in b if k not in a)]:
                     for key in SPLIT_FIELDS:
                         x, y = (a.get(split) or {}).get(key), (b.get(split) or {}).get(key)
                         if x != y:

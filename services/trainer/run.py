@@ -114,11 +114,14 @@ class TaskRun:
         model = build_model(spec.model, info, **spec.model_kwargs).to(device)
         optimizer = make_optimizer(spec, model.parameters())
         kind = dataset_kind(info)
-        common = {"provider": provider["endpoint"], "token": self.identity.token, "batch_size": spec.batch_size,
+        # Every replica: requests spread over them, and the loaders ask again when none answers.
+        common = {"provider": resolved.providers, "provider_wait_s": s.provider_wait_s,
+                  "resolver": lambda: self.link.request(Resolve(dataset=spec.dataset),
+                                                        timeout_s=s.request_timeout_s).providers,
+                  "token": self.identity.token, "batch_size": spec.batch_size,
                   "inflight": s.inflight, "timeout_s": s.request_timeout_s, "retries": s.request_retries,
                   "name": self.identity.name, "device": str(device), "shm": s.shm, "shm_slots": s.shm_slots,
-                  "host_id": self.identity.host_id, "curve": self.identity.curve,
-                  "provider_key": curve_key_of(provider)}
+                  "host_id": self.identity.host_id, "curve": self.identity.curve}
         train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle, block_size=spec.block_size,
                              seed=spec.seed, **common)
         val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common)

@@ -1,0 +1,228 @@
+"""Replicas: several providers of one dataset, providers that die or restart, a router that dies.
+
+Providers that get killed run as real ``busctl start provider`` processes; every epoch is checked
+byte for byte against the dataset in the loader's order, so a sample lost, duplicated or moved by a
+failover fails the test.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from libbus.client import Client, Identity
+from libbus.errors import BadRequest, NotFound, PeerTimeout
+from libbus.loader import RemoteLoader
+from libbus.messages import Resolve, Stats
+from libbus.replicas import info_mismatch
+from services.provider.sources import open_source
+
+REPO = Path(__file__).resolve().parents[1]
+URI = "mock://mnist?n=600"
+SOURCE = open_source(URI)
+
+
+def read_epoch(loader: RemoteLoader, it=None, on_batch=None) -> tuple[np.ndarray, np.ndarray]:
+    """One pass, copied out of the loader (same-host tensors view a ring slot)."""
+    xs, ys = [], []
+    for i, (x, y) in enumerate(it if it is not None else loader):
+        xs.append(x.numpy().copy())
+        ys.append(y.numpy().copy())
+        if on_batch is not None:
+            on_batch(i)
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def assert_exact_epoch(loader: RemoteLoader, epoch: int, x: np.ndarray, y: np.ndarray) -> None:
+    """Every sample of the split exactly once, in the loader's order for ``epoch``."""
+    order = loader.order(epoch)
+    want_x, want_y = SOURCE.read("train", order)
+    assert len(x) == len(order) == 600
+    assert np.array_equal(y, want_y) and np.array_equal(x, want_x)
+
+
+class Spawner:
+    """``busctl start ROLE`` processes sharing the test's state directory, killed at teardown."""
+
+    def __init__(self, state_dir: Path):
+        self.state_dir = state_dir
+        self.procs: list[subprocess.Popen] = []
+        self.count = 0
+
+    def start(self, role: str, *args: str, bind: str = "tcp://127.0.0.1:0") -> tuple[subprocess.Popen, Path]:
+        self.count += 1
+        ready = self.state_dir / f"{role}-{self.count}.endpoint"
+        with open(self.state_dir / f"{role}-{self.count}.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "cli", "start", role, "--state-dir",
+                                     str(self.state_dir), "--bind", bind, "--heartbeat-ms", "200",
+                                     "--ready-file", str(ready), *args], cwd=REPO, stdout=log,
+                                    stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc, ready
+
+    def provider(self, router: str, name: str) -> tuple[subprocess.Popen, Path]:
+        return self.start("provider", "--router", router, "--name", name, "--dataset", f"mnist={URI}")
+
+    @staticmethod
+    def endpoint(proc: subprocess.Popen, ready: Path, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            assert proc.poll() is None, f"{proc.args} exited {proc.returncode}"
+            assert time.monotonic() < deadline, f"{ready} never appeared"
+            time.sleep(0.05)
+        return ready.read_text().strip()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture
+def spawn(state_dir):
+    spawner = Spawner(state_dir)
+    yield spawner
+    spawner.close()
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+
+
+def wait_replicas(router: str, token: str, count: int, timeout: float = 30) -> list[dict]:
+    """The router's providers of mnist, once ``count`` have registered."""
+    deadline = time.monotonic() + timeout
+    with Client(router, Identity(role="trainer", name="test-resolve", token=token), timeout_s=5) as client:
+        while True:
+            try:
+                providers = client.request(Resolve(dataset="mnist")).providers
+            except NotFound:  # none registered yet
+                providers = []
+            if len(providers) >= count:
+                return providers
+            assert time.monotonic() < deadline, f"{len(providers)} of {count} providers registered"
+            time.sleep(0.1)
+
+
+def served_batches(endpoint: str, token: str) -> int:
+    """Batches of mnist a provider has served, from its own Stats."""
+    with Client(endpoint, Identity(role="trainer", name="test-stats", token=token), timeout_s=5) as client:
+        stats = client.request(Stats()).services["provider"]
+    return stats["datasets"].get("mnist", {}).get("batches", 0)
+
+
+# -- agreement ------------------------------------------------------------------------------------
+
+def test_info_mismatch_names_the_field_replicas_disagree_on():
+    info = SOURCE.info()
+    assert info_mismatch(info, {**open_source("mock://mnist?n=600").info(), "uri": "file:///elsewhere"}) is None
+    assert info_mismatch(info, open_source("mock://mnist?n=500").info()) == \
+        "splits.train.num_samples is 600 here, 500 there"
+    assert info_mismatch(info, open_source("mock://cifar10?n=600").info()) == \
+        "sample_shape is [1, 28, 28] here, [3, 32, 32] there"
+
+
+def test_router_refuses_a_replica_whose_info_disagrees(router, start_provider, client_for, make_token):
+    first = start_provider(f"mnist={URI}")
+    second = start_provider(f"mnist={URI}", name="provider-twin")
+    providers = client_for(router.endpoint).request(Resolve(dataset="mnist")).providers
+    assert {p["endpoint"] for p in providers} == {first.endpoint, second.endpoint}
+    bad = open_source("mock://mnist?n=500").info()
+    client = client_for(router.endpoint, role="provider", token=make_token("provider", sub="provider-bad"))
+    client.identity.caps = {"endpoint": "tcp://127.0.0.1:9", "datasets": {"mnist": bad}}
+    with pytest.raises(BadRequest, match=r"dataset 'mnist' differs from the replica provider .* serves: "
+                                         r"splits.train.num_samples is 500 here, 600 there"):
+        client.hello()
+    providers = client_for(router.endpoint).request(Resolve(dataset="mnist")).providers
+    assert len(providers) == 2  # the disagreeing provider is not among them
+
+
+# -- spreading ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("host_id", [None, "another-host"], ids=["shm", "socket"])
+def test_an_epoch_is_spread_over_both_replicas_in_order(router, start_provider, make_token, host_id):
+    a = start_provider(f"mnist={URI}", name="provider-a")
+    b = start_provider(f"mnist={URI}", name="provider-b")
+    with RemoteLoader("mnist", router=router.endpoint, token=make_token(), batch_size=20, seed=3,
+                      inflight=4, host_id=host_id) as loader:
+        assert len(loader.replicas) == 2
+        assert loader.transport == ("shm" if host_id is None else "socket")
+        x, y = read_epoch(loader)
+        assert_exact_epoch(loader, 0, x, y)
+        state = loader.state_dict()
+    assert state == {**state, "epoch": 1, "position": 0}
+    served = [p.service.handler.served["mnist"] for p in (a, b)]
+    assert all(s["batches"] > 0 for s in served) and sum(s["batches"] for s in served) == 30
+    if host_id is None:  # both replicas wrote into the loader's one ring
+        assert all(s["shm_batches"] == s["batches"] for s in served)
+
+
+# -- failures -------------------------------------------------------------------------------------
+
+def test_a_replica_killed_mid_epoch_and_the_router_killed_cost_no_sample(spawn, make_token, caplog):
+    token = make_token(datasets=["mnist"])  # providers serve it without the router's assignments
+    router = f"ipc://{spawn.state_dir}/router.sock"  # known before it binds: all three start at once
+    router_proc, router_ready = spawn.start("router", bind=router)
+    procs = [spawn.provider(router, "provider-a"), spawn.provider(router, "provider-b")]
+    spawn.endpoint(router_proc, router_ready)
+    endpoints = [spawn.endpoint(*p) for p in procs]
+    wait_replicas(router, token, 2)
+    with RemoteLoader("mnist", router=router, token=token, batch_size=20, seed=11, inflight=4,
+                      timeout_s=1.0, retries=1, provider_wait_s=10) as loader:
+        assert {r.endpoint for r in loader.replicas} == set(endpoints)
+
+        def havoc(i: int) -> None:
+            if i == 3:   # the router goes: data keeps coming straight from the providers
+                kill(router_proc)
+            if i == 10:  # provider-a goes with requests outstanding: they go to provider-b
+                assert served_batches(endpoints[0], token) > 0
+                kill(procs[0][0])
+
+        x, y = read_epoch(loader, on_batch=havoc)
+        assert_exact_epoch(loader, 0, x, y)
+        x, y = read_epoch(loader)  # a whole epoch more from the replica left, no router
+        assert_exact_epoch(loader, 1, x, y)
+        assert [r.up for r in loader.replicas] == [r.endpoint != endpoints[0] for r in loader.replicas]
+    assert served_batches(endpoints[1], token) > 0
+    assert any("provider provider-a" in r.message and "dropped" in r.message for r in caplog.records)
+
+
+def test_the_only_replica_restarted_on_a_new_port_costs_no_sample(router, spawn, make_token):
+    token = make_token(datasets=["mnist"])
+    first = spawn.provider(router.endpoint, "provider-a")
+    old = spawn.endpoint(*first)
+    wait_replicas(router.endpoint, token, 1)
+    restarted = []
+
+    def restart(i: int) -> None:
+        if i == 5:
+            kill(first[0])
+            restarted.append(spawn.provider(router.endpoint, "provider-a"))
+
+    with RemoteLoader("mnist", router=router.endpoint, token=token, batch_size=20, seed=5, inflight=3,
+                      timeout_s=1.0, retries=1, provider_wait_s=45) as loader:
+        x, y = read_epoch(loader, on_batch=restart)
+        assert_exact_epoch(loader, 0, x, y)
+        new = spawn.endpoint(*restarted[0])
+        assert new != old and [r.endpoint for r in loader.replicas] == [new]
+        assert served_batches(new, token) > 0
+
+        # and when nothing comes back, the wait is bounded and says what it waited for
+        loader.provider_wait_s = 2.0
+        it = iter(loader)
+        next(it)
+        kill(restarted[0][0])
+        started = time.monotonic()
+        with pytest.raises(PeerTimeout, match=r"no provider of mnist/train answered for 2 s \(provider_wait_s\)"):
+            for _ in it:
+                pass
+        # a timeout and a failed reconnect (1 s each), then the 2 s wait; never a hang
+        assert time.monotonic() - started < 15
