@@ -38,7 +38,6 @@ from libbus.server import Handler, Session
 from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
-from .evaluator import evaluate_weights
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 
 __all__ = ["ProviderHandler", "batch_indices"]
@@ -333,6 +332,9 @@ class ProviderHandler(Handler):
 
         def run() -> Evaluation:
             try:
+                # torch is imported here, on the first evaluation: a provider that only serves
+                # batches starts in a fraction of the time.
+                from .evaluator import evaluate_weights
                 loss, acc, n = evaluate_weights(source, msg.split, msg.model, blob, self.infos[msg.dataset])
                 log.info("evaluated job %s on %s/%s: loss %.4f accuracy %.4f (%d samples, %.1f s)",
                          msg.job or "-", msg.dataset, msg.split, loss, acc, n, time.monotonic() - started)
