@@ -38,6 +38,7 @@ from shm import Ring
 from .client import Client, Identity
 from .config import host_id as machine_id
 from .constants import (
+    HELLO_TIMEOUT_S,
     PROVIDER_RETRY_S,
     PROVIDER_WAIT_S,
     REQUEST_RETRIES,
@@ -480,7 +481,7 @@ class RemoteLoader:
 
     def _rehello(self, replica: Replica) -> None:
         replica.client.reset()
-        replica.client.hello(self.timeout_s)
+        replica.client.hello(min(self.timeout_s, HELLO_TIMEOUT_S))
         replica.delivery.reattach(replica.client)  # a new session attaches the ring again
 
     def _strike(self, replica: Replica, reason: str, count: bool = True) -> list[int]:
