@@ -248,8 +248,10 @@ class RemoteLoader:
         except BaseException:
             client.close()
             raise
-        return Replica(name=entry["name"], endpoint=entry["endpoint"], client=client, delivery=delivery,
-                       local=local)
+        replica = Replica(name=entry["name"], endpoint=entry["endpoint"], client=client, delivery=delivery,
+                          local=local)
+        replica.watch()  # from now on: a loader idle between passes still hears of its death
+        return replica
 
     def _take_info(self, info: dict) -> None:
         """The first provider's DatasetInfo: the split's size and the order it yields."""
@@ -333,7 +335,7 @@ class RemoteLoader:
 
     def close(self) -> None:
         for replica in self.replicas:
-            replica.client.close()
+            replica.close()
         self._finalizer()
 
     def __enter__(self) -> RemoteLoader:
@@ -448,6 +450,12 @@ class RemoteLoader:
             oldest = min(r.oldest() for r in live)
             replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - wait_start), poller)
             self.wait_s += time.monotonic() - wait_start
+            if replica is not None and reply is None:  # its provider closed the connection: gone
+                if any(r.up and r is not replica for r in self.replicas):
+                    resend(self._down(replica, "connection lost"))
+                else:  # the only one: perhaps already restarted on the same endpoint
+                    resend(self._strike(replica, "connection lost", count=False))
+                continue
             if replica is None:
                 now = time.monotonic()
                 for r in live:
@@ -470,19 +478,27 @@ class RemoteLoader:
 
     # -- failures ---------------------------------------------------------------------------------
     def _open_sessions(self) -> None:
-        """Say Hello again to live replicas whose session was dropped (after a failure, or a pass
-        left early); one that does not answer is down."""
+        """Before a pass: drop replicas whose connection was lost meanwhile (while others are up),
+        and say Hello again to those whose session was dropped (after a failure, or a pass left
+        early, or a lost connection: it may be back); one that does not answer is down."""
         for replica in self.replicas:
-            if replica.up and replica.client.session is None:
+            if not replica.up:
+                continue
+            lost = replica.lost()
+            if lost and any(r.up and r is not replica for r in self.replicas):
+                self._down(replica, "connection lost")
+            elif lost or replica.client.session is None:
                 try:
                     self._rehello(replica)
                 except PeerTimeout as err:
                     self._down(replica, str(err))
 
     def _rehello(self, replica: Replica) -> None:
+        replica.unwatch()
         replica.client.reset()
         replica.client.hello(min(self.timeout_s, HELLO_TIMEOUT_S))
         replica.delivery.reattach(replica.client)  # a new session attaches the ring again
+        replica.watch()
 
     def _strike(self, replica: Replica, reason: str, count: bool = True) -> list[int]:
         """``replica`` failed its requests: reconnect it, or after ``retries`` strikes in a row
@@ -504,6 +520,7 @@ class RemoteLoader:
         elsewhere."""
         replica.up = False
         batches = [*moving, *replica.take_pending()]
+        replica.unwatch()
         replica.client.reset()
         left = [r.label for r in self.replicas if r.up]
         log.warning("%s/%s: provider %s dropped: %s; %d request(s) go to %s", self.dataset, self.split,
@@ -532,7 +549,7 @@ class RemoteLoader:
                     last = f"{label_of(entry)}: {err}"
                     continue
                 for gone in [r for r in self.replicas if not r.up]:
-                    gone.client.close()
+                    gone.close()
                 self.replicas = [r for r in self.replicas if r.up] + [replica]
                 log.warning("%s/%s: provider %s answers; reading on", self.dataset, self.split, replica.label)
                 return

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .client import Client
 from .messages import Message
@@ -91,6 +92,10 @@ class Replica:
     #: Timeouts since the last reply; more than the loader's ``retries`` takes the replica down.
     strikes: int = 0
     up: bool = True
+    #: Monitor of the connection's socket: a provider that dies closes its end, and the loader
+    #: hears of it at once rather than after a request times out.
+    monitor: zmq.Socket | None = None
+    _watched: zmq.Socket | None = None
 
     @property
     def label(self) -> str:
@@ -119,6 +124,42 @@ class Replica:
         rid = self.client.send(msg)
         self.pending[rid] = batch_no
         self.sent_at[batch_no] = time.monotonic()
+        self.watch()
+
+    def watch(self) -> None:
+        """Monitor the client's current socket for disconnection (a reset client has a new one)."""
+        sock = self.client.socket
+        if sock is self._watched:
+            return
+        self.unwatch()
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._watched = sock
+
+    def unwatch(self) -> None:
+        if self.monitor is None:
+            return
+        try:
+            self._watched.disable_monitor()
+        except zmq.ZMQError:
+            pass  # the socket is closed already: its monitor stopped with it
+        self.monitor.close(0)
+        self.monitor = self._watched = None
+
+    def lost(self) -> bool:
+        """Whether the connection was dropped (the provider's end closed) since the last call."""
+        if self.monitor is None:
+            return False
+        lost = False
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return lost
+            lost = lost or parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
+
+    def close(self) -> None:
+        self.unwatch()
+        self.client.close()
 
 
 def pick(replicas: list[Replica], batch_no: int) -> Replica | None:
@@ -151,8 +192,8 @@ class ReplyPoller:
 
 def recv_any(replicas: list[Replica], timeout_s: float,
              poller: ReplyPoller | None = None) -> tuple[Replica | None, Message | None]:
-    """The next reply from any of ``replicas`` with requests pending, or ``(None, None)`` once
-    ``timeout_s`` passes."""
+    """The next reply from any of ``replicas`` with requests pending: ``(replica, reply)``;
+    ``(replica, None)`` when its connection was lost; ``(None, None)`` once ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     poller = poller or ReplyPoller()
     waiting = [r for r in replicas if r.pending]
@@ -161,7 +202,11 @@ def recv_any(replicas: list[Replica], timeout_s: float,
             msg = r.client.recv(0)
             if msg is not None:
                 return r, msg
+        for r in waiting:
+            if r.lost():
+                return r, None
         left = deadline - time.monotonic()
         if left <= 0 or not waiting:
             return None, None
-        poller.poll([r.client.socket for r in waiting], math.ceil(left * 1000))
+        sockets = [r.client.socket for r in waiting] + [r.monitor for r in waiting if r.monitor is not None]
+        poller.poll(sockets, math.ceil(left * 1000))

@@ -19,9 +19,11 @@ import pytest
 from libbus.client import Client, Identity
 from libbus.errors import BadRequest, NotFound, PeerTimeout
 from libbus.loader import RemoteLoader
-from libbus.messages import Resolve, Stats
+from libbus.messages import Resolve, Stats, SubmitJob
 from libbus.replicas import info_mismatch
 from services.provider.sources import open_source
+
+from .conftest import wait_job
 
 REPO = Path(__file__).resolve().parents[1]
 URI = "mock://mnist?n=600"
@@ -226,3 +228,23 @@ def test_the_only_replica_restarted_on_a_new_port_costs_no_sample(router, spawn,
                 pass
         # a timeout and a failed reconnect (1 s each), then the 2 s wait; never a hang
         assert time.monotonic() - started < 15
+
+
+def test_a_job_keeps_training_through_a_killed_replica(router, spawn, trainer, client_for, make_token, caplog):
+    token = make_token(datasets=["mnist"])
+    procs = [spawn.provider(router.endpoint, "provider-a"), spawn.provider(router.endpoint, "provider-b")]
+    endpoints = [spawn.endpoint(*p) for p in procs]
+    wait_replicas(router.endpoint, token, 2)
+    admin = client_for(router.endpoint, role="admin")
+    job = admin.request(SubmitJob(spec={"dataset": "mnist", "model": "mlp", "epochs": 2, "batch_size": 20,
+                                        "evaluate": False})).job
+    deadline = time.monotonic() + 60
+    while served_batches(endpoints[0], token) == 0:  # the trainer reads from provider-a too...
+        assert time.monotonic() < deadline, "provider-a served nothing"
+        time.sleep(0.05)
+    kill(procs[0][0])                                # ...until it dies mid-epoch
+    info = wait_job(admin, job, 90)
+    assert info["state"] == "succeeded", info.get("error")
+    assert served_batches(endpoints[1], token) > 0
+    assert [h["epoch"] for h in info["result"]["history"]] == [1, 2]
+    assert any("provider provider-a" in r.message and "dropped" in r.message for r in caplog.records)
