@@ -7,9 +7,9 @@ this host, its batches come through a shared-memory ring instead (no batch bytes
 socket; see :mod:`libbus.delivery`). The order is a seeded shuffle that differs per epoch and is
 reproducible, and batches are yielded in that order whichever replica served them.
 
-Failures cost a retry, never a sample: a request a provider leaves unanswered is resent on a
-fresh connection; a provider that stays silent (``retries`` times) is dropped and its requests go
-to another replica. With none left, the loader waits up to ``provider_wait_s`` for one to come
+Failures cost a retry, never a sample: a provider whose connection drops is dropped at once and
+its requests go to another replica; a request a provider leaves unanswered is resent on a fresh
+connection, and a provider that stays silent (``retries`` times in a row) is dropped too. With none left, the loader waits up to ``provider_wait_s`` for one to come
 back — asking the router again, when it has one, so a provider restarted on a new port is found
 — and then raises :class:`~libbus.errors.PeerTimeout`. It never hangs.
 
@@ -54,7 +54,7 @@ from .errors import (
     ShmError,
     Unavailable,
 )
-from .messages import BatchRequest, DatasetInfoRequest, Error, Resolve
+from .messages import BatchRequest, DatasetInfoRequest, Error, Message, Resolve
 from .order import DEFAULT_BLOCK_SIZE, Order, Shuffle
 from .replicas import (
     Replica,
@@ -192,6 +192,8 @@ class RemoteLoader:
             self._entries = [entry_of(p) for p in (provider if isinstance(provider, list) else [provider])]
             if provider_key and len(self._entries) == 1 and not self._entries[0]["curve_key"]:
                 self._entries[0]["curve_key"] = provider_key.decode()
+            if not self._entries:
+                raise BadRequest("RemoteLoader got an empty provider list; give at least one endpoint")
         try:
             self._connect_first()
         except BaseException:
@@ -439,42 +441,55 @@ class RemoteLoader:
                 delivery.done(next_yield)  # the consumer is back: the batch it had is let go
                 next_yield += 1
                 continue
-            live = [r for r in self.replicas if r.up]
-            if not live:
-                self._await_replica()
-                continue
-            if not any(r.pending for r in live):
-                self._delivery.wait_free()  # slots held by copies to the GPU still running
-                continue
             wait_start = time.monotonic()
-            oldest = min(r.oldest() for r in live)
-            replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - wait_start), poller)
-            self.wait_s += time.monotonic() - wait_start
-            if replica is not None and reply is None:  # its provider closed the connection: gone
-                if any(r.up and r is not replica for r in self.replicas):
-                    resend(self._down(replica, "connection lost"))
-                else:  # the only one: perhaps already restarted on the same endpoint
-                    resend(self._strike(replica, "connection lost", count=False))
-                continue
-            if replica is None:
-                now = time.monotonic()
-                for r in live:
-                    if r.oldest() + self.timeout_s <= now:
-                        resend(self._strike(r, f"no reply within {self.timeout_s:.1f} s"))
-                continue
-            batch_no = replica.answered(reply.id)
+            try:
+                batch_no, replica, reply = self._next_reply(resend, reauthed, poller)
+            finally:  # waiting for replies and for providers to come back: data wait
+                self.wait_s += time.monotonic() - wait_start
             if batch_no is None:
-                continue  # a late reply to a request already sent again
-            if isinstance(reply, Error):
-                if reply.code == AuthRequired.code and batch_no not in reauthed:
-                    reauthed.add(batch_no)
-                    resend([batch_no, *self._strike(replica, "session expired on the provider", count=False)])
-                    continue
-                if reply.code == Unavailable.code:  # the provider is going away
-                    resend([batch_no, *self._down(replica, reply.message)])
-                    continue
-                replica.client.check(reply)
+                continue
             ready[batch_no] = replica.delivery.receive(batch_no, reply)
+
+    def _next_reply(self, resend: Callable[[list[int]], None], reauthed: set[int], poller: ReplyPoller
+                    ) -> tuple[int | None, Replica | None, Message | None]:
+        """Wait for the next reply to a request of this pass: ``(batch number, replica, reply)``,
+        or ``(None, None, None)`` after handling a failure (the batches to send again go to
+        ``resend``), an unexpected reply, or finding a provider again when none was left.
+        Raises the typed error of an ``Error`` reply, and :class:`PeerTimeout`."""
+        live = [r for r in self.replicas if r.up]
+        if not live:
+            self._await_replica()
+            return None, None, None
+        if not any(r.pending for r in live):
+            self._delivery.wait_free()  # slots held by copies to the GPU still running
+            return None, None, None
+        oldest = min(r.oldest() for r in live)
+        replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - time.monotonic()), poller)
+        if replica is not None and reply is None:  # its provider closed the connection: gone
+            if any(r.up and r is not replica for r in self.replicas):
+                resend(self._down(replica, "connection lost"))
+            else:  # the only one: perhaps already restarted on the same endpoint
+                resend(self._strike(replica, "connection lost", count=False))
+            return None, None, None
+        if replica is None:
+            now = time.monotonic()
+            for r in live:
+                if r.oldest() + self.timeout_s <= now:
+                    resend(self._strike(r, f"no reply within {self.timeout_s:.1f} s"))
+            return None, None, None
+        batch_no = replica.answered(reply.id)
+        if batch_no is None:
+            return None, None, None  # a late reply to a request already sent again
+        if isinstance(reply, Error):
+            if reply.code == AuthRequired.code and batch_no not in reauthed:
+                reauthed.add(batch_no)
+                resend([batch_no, *self._strike(replica, "session expired on the provider", count=False)])
+                return None, None, None
+            if reply.code == Unavailable.code:  # the provider is going away
+                resend([batch_no, *self._down(replica, reply.message)])
+                return None, None, None
+            replica.client.check(reply)
+        return batch_no, replica, reply
 
     # -- failures ---------------------------------------------------------------------------------
     def _open_sessions(self) -> None:
