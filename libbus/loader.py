@@ -101,8 +101,9 @@ class RemoteLoader:
         router: router address to resolve the dataset (to every live replica, and again when
             none answers). Or give ``provider``: one data endpoint, or a list of replicas as
             endpoints or ``Resolved`` entries (``{name, endpoint, host_id, curve_key}``).
-        resolver: with ``provider``, a callable returning the dataset's current ``Resolved``
-            entries, asked when no replica answers (a service with its own router link passes one).
+        resolver: with ``provider``, a callable ``(timeout_s) -> [Resolved entry]`` that asks the
+            router for the dataset's providers within ``timeout_s`` (raising a :class:`BusError`
+            otherwise), used when replicas fail; a service with its own router link passes one.
         token: a trainer (or admin) token, or a callable returning a fresh one.
         batch_size, drop_last: as in ``torch.utils.data.DataLoader``.
         shuffle, seed: ``none``, ``full`` (or ``True``: a permutation per epoch) or ``block``
@@ -133,7 +134,7 @@ class RemoteLoader:
 
     def __init__(self, dataset: str, *, token: str | Callable[[], str], split: str = "train",
                  router: str | None = None, provider: str | list | None = None,
-                 resolver: Callable[[], list[dict]] | None = None, batch_size: int = 64,
+                 resolver: Callable[[float], list[dict]] | None = None, batch_size: int = 64,
                  shuffle: bool | str = True, seed: int = 0, drop_last: bool = False, rank: int = 0,
                  world_size: int = 1, block_size: int = DEFAULT_BLOCK_SIZE, drop_uneven: bool = False,
                  inflight: int = 4, timeout_s: float = REQUEST_TIMEOUT_S,
@@ -225,7 +226,7 @@ class RemoteLoader:
                         server_key=self._router_key) as rc:
                 return [entry_of(p) for p in rc.request(Resolve(dataset=self.dataset)).providers]
         if self._resolver is not None:
-            return [entry_of(p) for p in self._resolver()]
+            return [entry_of(p) for p in self._resolver(timeout_s)]
         return []
 
     def _connect(self, entry: dict, timeout_s: float, retries: int) -> Replica:
@@ -413,6 +414,7 @@ class RemoteLoader:
         poller = ReplyPoller()
         next_send = next_yield = 0
         self._open_sessions()
+        self._readmit()
 
         def send(batch_no: int) -> bool:
             replica = pick(self.replicas, batch_no)
@@ -543,6 +545,37 @@ class RemoteLoader:
                     ", ".join(left) or f"a provider that comes back within {self.provider_wait_s:g} s")
         return batches
 
+    def _admit(self, replica: Replica) -> None:
+        """Read from ``replica`` from now on; forget the replicas that are down."""
+        for gone in [r for r in self.replicas if not r.up]:
+            gone.close()
+        self.replicas = [r for r in self.replicas if r.up] + [replica]
+
+    def _readmit(self) -> None:
+        """Before a pass, while a replica is down: ask the router (or resolver) for the dataset's
+        providers and take back those not in use — a provider restarted on a new port, or one
+        registered since. Each try waits ``min(timeout_s, 5 s)`` at most."""
+        if all(r.up for r in self.replicas) or (self._router is None and self._resolver is None):
+            return
+        quick = min(self.timeout_s, HELLO_TIMEOUT_S)
+        try:
+            entries = self._resolve(quick, 0)
+        except BusError as err:  # the router is away: read on from the replicas left
+            log.info("%s/%s: cannot ask the router for replicas: %s", self.dataset, self.split, err)
+            return
+        in_use = {r.endpoint for r in self.replicas if r.up}
+        for entry in self._by_preference(entries):
+            if entry["endpoint"] in in_use:
+                continue
+            try:
+                replica = self._connect(entry, quick, 0)
+            except BusError as err:
+                log.info("%s/%s: provider %s not taken back: %s", self.dataset, self.split, label_of(entry), err)
+                continue
+            self._admit(replica)
+            log.warning("%s/%s: provider %s is back; reading from it too", self.dataset, self.split,
+                        replica.label)
+
     def _await_replica(self) -> None:
         """No replica is left: look for one (asking the router again, when there is one) until
         ``provider_wait_s`` runs out, then raise :class:`PeerTimeout`."""
@@ -563,9 +596,7 @@ class RemoteLoader:
                 except BusError as err:
                     last = f"{label_of(entry)}: {err}"
                     continue
-                for gone in [r for r in self.replicas if not r.up]:
-                    gone.close()
-                self.replicas = [r for r in self.replicas if r.up] + [replica]
+                self._admit(replica)
                 log.warning("%s/%s: provider %s answers; reading on", self.dataset, self.split, replica.label)
                 return
             left = deadline - time.monotonic()

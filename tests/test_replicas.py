@@ -99,8 +99,8 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
-def wait_replicas(router: str, token: str, count: int, timeout: float = 30) -> list[dict]:
-    """The router's providers of mnist, once ``count`` have registered."""
+def wait_replicas(router: str, token: str, count: int, including: str = "", timeout: float = 30) -> list[dict]:
+    """The router's providers of mnist, once ``count`` have registered (``including`` this endpoint)."""
     deadline = time.monotonic() + timeout
     with Client(router, Identity(role="trainer", name="test-resolve", token=token), timeout_s=5) as client:
         while True:
@@ -108,7 +108,7 @@ def wait_replicas(router: str, token: str, count: int, timeout: float = 30) -> l
                 providers = client.request(Resolve(dataset="mnist")).providers
             except NotFound:  # none registered yet
                 providers = []
-            if len(providers) >= count:
+            if len(providers) >= count and (not including or including in {p["endpoint"] for p in providers}):
                 return providers
             assert time.monotonic() < deadline, f"{len(providers)} of {count} providers registered"
             time.sleep(0.1)
@@ -181,20 +181,30 @@ def test_a_replica_killed_mid_epoch_and_the_router_killed_cost_no_sample(spawn, 
                       timeout_s=1.0, retries=1, provider_wait_s=10) as loader:
         assert {r.endpoint for r in loader.replicas} == set(endpoints)
 
-        def havoc(i: int) -> None:
-            if i == 3:   # the router goes: data keeps coming straight from the providers
-                kill(router_proc)
-            if i == 10:  # provider-a goes with requests outstanding: they go to provider-b
+        def kill_a(i: int) -> None:
+            if i == 5:  # provider-a goes with requests outstanding: they go to provider-b
                 assert served_batches(endpoints[0], token) > 0
                 kill(procs[0][0])
 
-        x, y = read_epoch(loader, on_batch=havoc)
+        x, y = read_epoch(loader, on_batch=kill_a)
         assert_exact_epoch(loader, 0, x, y)
-        x, y = read_epoch(loader)  # a whole epoch more from the replica left, no router
+        assert any("provider provider-a" in r.message and "dropped" in r.message for r in caplog.records)
+        assert [r.endpoint for r in loader.replicas if r.up] == [endpoints[1]]
+
+        # provider-a restarts on a new port: the next pass takes it back...
+        restarted = spawn.endpoint(*spawn.provider(router, "provider-a"))
+        wait_replicas(router, token, 2, including=restarted)
+
+        def kill_router(i: int) -> None:
+            if i == 5:  # ...and the router goes: data keeps coming straight from the providers
+                kill(router_proc)
+
+        x, y = read_epoch(loader, on_batch=kill_router)
         assert_exact_epoch(loader, 1, x, y)
-        assert [r.up for r in loader.replicas] == [r.endpoint != endpoints[0] for r in loader.replicas]
-    assert served_batches(endpoints[1], token) > 0
-    assert any("provider provider-a" in r.message and "dropped" in r.message for r in caplog.records)
+        assert {r.endpoint for r in loader.replicas if r.up} == {restarted, endpoints[1]}
+        x, y = read_epoch(loader)  # a whole epoch more without a router
+        assert_exact_epoch(loader, 2, x, y)
+    assert served_batches(restarted, token) > 0 and served_batches(endpoints[1], token) > 0
 
 
 def test_the_only_replica_restarted_on_a_new_port_costs_no_sample(router, spawn, make_token):

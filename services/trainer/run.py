@@ -116,8 +116,8 @@ class TaskRun:
         kind = dataset_kind(info)
         # Every replica: requests spread over them, and the loaders ask again when none answers.
         common = {"provider": resolved.providers, "provider_wait_s": s.provider_wait_s,
-                  "resolver": lambda: self.link.request(Resolve(dataset=spec.dataset),
-                                                        timeout_s=s.request_timeout_s).providers,
+                  "resolver": lambda timeout_s: self.link.request(Resolve(dataset=spec.dataset),
+                                                                  timeout_s=timeout_s).providers,
                   "token": self.identity.token, "batch_size": spec.batch_size,
                   "inflight": s.inflight, "timeout_s": s.request_timeout_s, "retries": s.request_retries,
                   "name": self.identity.name, "device": str(device), "shm": s.shm, "shm_slots": s.shm_slots,
