@@ -191,6 +191,11 @@ class TaskRun:
         return device
 
     def _evaluate(self, model: nn.Module, provider: dict) -> Evaluation:
+        try:  # a live replica: the provider read from at the start may have gone since
+            live = self.link.request(Resolve(dataset=self.spec.dataset), timeout_s=self.settings.request_timeout_s)
+            provider = pick_provider(live.providers, self.identity.host_id)
+        except BusError as err:
+            log.warning("job %s: evaluating on %s (the router did not answer: %s)", self.job, provider["name"], err)
         blob = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
         msg = Evaluate(dataset=self.spec.dataset, job=self.job,
                        model={"name": self.spec.model, "kwargs": self.spec.model_kwargs}, frames=[blob])
