@@ -181,13 +181,14 @@ class ReplyPoller:
         self.key: tuple = ()
         self.poller = zmq.Poller()
 
-    def poll(self, sockets: list[zmq.Socket], timeout_ms: int) -> bool:
+    def poll(self, sockets: list[zmq.Socket], timeout_ms: int) -> set[zmq.Socket]:
+        """The sockets among ``sockets`` with something to read, waiting up to ``timeout_ms``."""
         key = tuple(id(s) for s in sockets)
         if key != self.key:
             self.key, self.poller = key, zmq.Poller()
             for s in sockets:
                 self.poller.register(s, zmq.POLLIN)
-        return bool(self.poller.poll(timeout_ms))
+        return {sock for sock, _ in self.poller.poll(timeout_ms)}
 
 
 def recv_any(replicas: list[Replica], timeout_s: float,
@@ -198,15 +199,15 @@ def recv_any(replicas: list[Replica], timeout_s: float,
     poller = poller or ReplyPoller()
     waiting = [r for r in replicas if r.pending]
     while True:
-        for r in waiting:
+        for r in waiting:  # usually a reply is waiting already: take it without a poll
             msg = r.client.recv(0)
             if msg is not None:
                 return r, msg
-        for r in waiting:
-            if r.lost():
-                return r, None
         left = deadline - time.monotonic()
         if left <= 0 or not waiting:
             return None, None
         sockets = [r.client.socket for r in waiting] + [r.monitor for r in waiting if r.monitor is not None]
-        poller.poll(sockets, math.ceil(left * 1000))
+        readable = poller.poll(sockets, math.ceil(left * 1000))
+        for r in waiting:  # a monitor event (queued now or before): is it the connection lost?
+            if r.monitor in readable and r.lost():
+                return r, None
