@@ -240,10 +240,10 @@ class RemoteLoader:
             if not self.info:
                 self._take_info(reply.info)
             else:
-                why = info_mismatch(self.info, reply.info)
+                why = info_mismatch(self.info, reply.info, "in this loader", f"on {entry['name']}")
                 if why:
-                    raise BadRequest(f"provider {label_of(entry)} serves a different "
-                                     f"{self.dataset!r}: {why}; replicas of a dataset must serve the same data")
+                    raise BadRequest(f"provider {label_of(entry)} serves a different {self.dataset!r}: "
+                                     f"{why}; replicas of a dataset must serve the same data")
             local = reply.host_id == self._identity.host_id
             if self._shm and local and reply.local_endpoint:
                 client = self._go_local(client, reply.local_endpoint, key)

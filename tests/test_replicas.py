@@ -23,7 +23,7 @@ from libbus.messages import Resolve, Stats, SubmitJob
 from libbus.replicas import info_mismatch
 from services.provider.sources import open_source
 
-from .conftest import wait_job
+from .conftest import _run, wait_job
 
 REPO = Path(__file__).resolve().parents[1]
 URI = "mock://mnist?n=600"
@@ -126,8 +126,8 @@ def served_batches(endpoint: str, token: str) -> int:
 def test_info_mismatch_names_the_field_replicas_disagree_on():
     info = SOURCE.info()
     assert info_mismatch(info, {**open_source("mock://mnist?n=600").info(), "uri": "file:///elsewhere"}) is None
-    assert info_mismatch(info, open_source("mock://mnist?n=500").info()) == \
-        "splits.train.num_samples is 600 here, 500 there"
+    assert info_mismatch(info, open_source("mock://mnist?n=500").info(), "on a", "on b") == \
+        "splits.train.num_samples is 600 on a, 500 on b"
     assert info_mismatch(info, open_source("mock://cifar10?n=600").info()) == \
         "sample_shape is [1, 28, 28] here, [3, 32, 32] there"
 
@@ -140,11 +140,34 @@ def test_router_refuses_a_replica_whose_info_disagrees(router, start_provider, c
     bad = open_source("mock://mnist?n=500").info()
     client = client_for(router.endpoint, role="provider", token=make_token("provider", sub="provider-bad"))
     client.identity.caps = {"endpoint": "tcp://127.0.0.1:9", "datasets": {"mnist": bad}}
-    with pytest.raises(BadRequest, match=r"dataset 'mnist' differs from the replica provider .* serves: "
-                                         r"splits.train.num_samples is 500 here, 600 there"):
+    with pytest.raises(BadRequest, match=r"dataset 'mnist' differs from the replica provider-[\w-]+ serves: "
+                                         r"splits.train.num_samples is 500 on test-provider, 600 on provider-"):
         client.hello()
     providers = client_for(router.endpoint).request(Resolve(dataset="mnist")).providers
     assert len(providers) == 2  # the disagreeing provider is not among them
+
+
+def test_a_loader_leaves_out_a_replica_that_serves_other_data(start_provider, make_settings, make_token, caplog):
+    from services.provider.app import ProviderService
+    good = start_provider(f"mnist={URI}", name="provider-good")
+    # Not registered anywhere (the router would refuse it): a script can still name its endpoint.
+    settings = make_settings(datasets=["mnist=mock://mnist?n=500"], router="tcp://127.0.0.1:9",
+                             assigned_only=False, name="provider-other")
+    other = _run(ProviderService(settings), settings)
+    try:
+        with RemoteLoader("mnist", provider=[other.endpoint, good.endpoint], token=make_token(), batch_size=50,
+                          seed=2, host_id="another-host") as loader:
+            # the first to answer defines the data; the one that differs from it is left out
+            assert [r.endpoint for r in loader.replicas] == [other.endpoint] and loader.num_samples == 500
+        with RemoteLoader("mnist", provider=[good.endpoint, other.endpoint], token=make_token(), batch_size=50,
+                          seed=2) as loader:
+            assert [r.endpoint for r in loader.replicas] == [good.endpoint]
+            x, y = read_epoch(loader)
+            assert_exact_epoch(loader, 0, x, y)
+    finally:
+        other.shutdown()
+    why = f"splits.train.num_samples is 600 in this loader, 500 on {other.endpoint}"
+    assert any("left out" in r.message and why in r.message for r in caplog.records)
 
 
 # -- spreading ------------------------------------------------------------------------------------

@@ -88,11 +88,11 @@ class RouterHandler(Handler):
                 continue  # this provider registering again: its new Hello replaces the old one
             for dataset, info in datasets.items():
                 theirs = peer.hello.caps["datasets"].get(dataset)
-                why = None if theirs is None else info_mismatch(info, theirs)
+                why = None if theirs is None else info_mismatch(info, theirs, f"on {name}", f"on {peer.name}")
                 if why:
-                    raise BadRequest(f"dataset {dataset!r} differs from the replica provider {peer.name} "
-                                     f"serves: {why}; replicas of a dataset must serve the same data "
-                                     "(serve it under another name, or fix the source)")
+                    raise BadRequest(f"dataset {dataset!r} differs from the replica {peer.name} serves: {why}; "
+                                     "replicas of a dataset must serve the same data (serve it under "
+                                     "another name, or fix the source)")
 
     def on_close(self, session: Session, reason: str) -> None:
         self.peers.pop(session.sid, None)
