@@ -132,6 +132,29 @@ def test_info_mismatch_names_the_field_replicas_disagree_on():
         "sample_shape is [1, 28, 28] here, [3, 32, 32] there"
 
 
+def test_requests_go_to_the_fewest_outstanding_same_host_first():
+    import torch
+
+    from libbus.delivery import SocketDelivery
+    from libbus.replicas import Replica, pick
+
+    def replica(name: str, local: bool, pending: int) -> Replica:
+        client = Client(f"tcp://127.0.0.1:9/{name}", Identity(role="trainer", name="t", token="x"))
+        r = Replica(name=name, endpoint=client.endpoint, client=client,
+                    delivery=SocketDelivery(torch.device("cpu")), local=local)
+        r.pending = {i: i for i in range(pending)}
+        return r
+
+    remote, local = replica("remote", False, 0), replica("local", True, 0)
+    assert pick([remote, local], 0) is local                       # a tie: same host first
+    local.pending = {1: 1}
+    assert pick([remote, local], 0) is remote                      # else the fewest outstanding
+    remote.pending = {1: 1, 2: 2}
+    assert pick([remote, local], 0) is local
+    local.up = False
+    assert pick([remote, local], 0) is remote and pick([local], 0) is None  # only live ones
+
+
 def test_router_refuses_a_replica_whose_info_disagrees(router, start_provider, client_for, make_token):
     first = start_provider(f"mnist={URI}")
     second = start_provider(f"mnist={URI}", name="provider-twin")
@@ -228,6 +251,30 @@ def test_a_replica_killed_mid_epoch_and_the_router_killed_cost_no_sample(spawn, 
         x, y = read_epoch(loader)  # a whole epoch more without a router
         assert_exact_epoch(loader, 2, x, y)
     assert served_batches(restarted, token) > 0 and served_batches(endpoints[1], token) > 0
+
+
+def test_a_hung_replica_is_dropped_after_its_timeouts(router, spawn, make_token, caplog):
+    token = make_token(datasets=["mnist"])
+    procs = {name: spawn.provider(router.endpoint, name) for name in ("provider-a", "provider-b")}
+    endpoints = {name: spawn.endpoint(*p) for name, p in procs.items()}
+    wait_replicas(router.endpoint, token, 2)
+    hung = procs["provider-a"][0]
+    with RemoteLoader("mnist", router=router.endpoint, token=token, batch_size=20, seed=4, inflight=4,
+                      timeout_s=1.0, retries=1) as loader:
+
+        def hang_a(i: int) -> None:
+            if i == 5:  # stopped, not killed: its connections stay open, its replies never come
+                hung.send_signal(signal.SIGSTOP)
+
+        try:
+            x, y = read_epoch(loader, on_batch=hang_a)
+        finally:
+            hung.send_signal(signal.SIGCONT)
+        assert_exact_epoch(loader, 0, x, y)
+        assert [r.endpoint for r in loader.replicas if r.up] == [endpoints["provider-b"]]
+    messages = [r.message for r in caplog.records]
+    assert any("no reply within 1.0 s" in m and "reconnecting" in m for m in messages)
+    assert any("provider provider-a" in m and "dropped" in m for m in messages)
 
 
 def test_the_only_replica_restarted_on_a_new_port_costs_no_sample(router, spawn, make_token):
