@@ -15,12 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from libbus.client import Client, Identity
+from libbus.delivery import SocketDelivery
 from libbus.errors import BadRequest, NotFound, PeerTimeout
 from libbus.loader import RemoteLoader
 from libbus.messages import Resolve, Stats, SubmitJob
-from libbus.replicas import info_mismatch
+from libbus.replicas import Replica, info_mismatch, pick
 from services.provider.sources import open_source
 
 from .conftest import _run, wait_job
@@ -133,11 +135,6 @@ def test_info_mismatch_names_the_field_replicas_disagree_on():
 
 
 def test_requests_go_to_the_fewest_outstanding_same_host_first():
-    import torch
-
-    from libbus.delivery import SocketDelivery
-    from libbus.replicas import Replica, pick
-
     def replica(name: str, local: bool, pending: int) -> Replica:
         client = Client(f"tcp://127.0.0.1:9/{name}", Identity(role="trainer", name="t", token="x"))
         r = Replica(name=name, endpoint=client.endpoint, client=client,
@@ -168,6 +165,18 @@ def test_router_refuses_a_replica_whose_info_disagrees(router, start_provider, c
         client.hello()
     providers = client_for(router.endpoint).request(Resolve(dataset="mnist")).providers
     assert len(providers) == 2  # the disagreeing provider is not among them
+    first.shutdown()
+    second.shutdown()
+    deadline = time.monotonic() + 20
+    while True:  # once the replicas it disagreed with are gone, it may define the name
+        try:
+            client.hello()
+            break
+        except BadRequest:
+            assert time.monotonic() < deadline, "the router still refuses the provider"
+            time.sleep(0.2)
+    providers = client_for(router.endpoint).request(Resolve(dataset="mnist")).providers
+    assert [p["endpoint"] for p in providers] == ["tcp://127.0.0.1:9"]
 
 
 def test_a_loader_leaves_out_a_replica_that_serves_other_data(start_provider, make_settings, make_token, caplog):
