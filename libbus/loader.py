@@ -163,6 +163,7 @@ class RemoteLoader:
         self.rank, self.world_size = rank, world_size
         self._block_size, self._drop_uneven = block_size, drop_uneven
         self.inflight = min(inflight, slots - 1)
+        self._inflight_wanted = inflight
         self.timeout_s, self.retries = timeout_s, retries
         self.provider_wait_s = provider_wait_s
         self.epoch = 0
@@ -408,7 +409,7 @@ class RemoteLoader:
 
     def _pipeline(self, batches: list[np.ndarray]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         ready: dict[int, object] = {}      # batch number -> what its delivery made of the reply
-        via: dict[int, Replica] = {}       # batch number -> the replica it was last sent to
+        via: dict[int, tuple[Replica, object]] = {}  # batch number -> replica and delivery last sent with
         again: list[int] = []              # batches to send again (their replica failed), in order
         reauthed: set[int] = set()         # batches resent after the provider forgot our session
         poller = ReplyPoller()
@@ -421,9 +422,9 @@ class RemoteLoader:
             if replica is None:
                 return False
             before = via.get(batch_no)
-            if before is not None and before.delivery is not replica.delivery:
-                before.delivery.done(batch_no)  # off the ring: its slot is free again
-            via[batch_no] = replica
+            if before is not None and before[1] is not replica.delivery:
+                before[1].done(batch_no)  # off the ring: its slot is free again
+            via[batch_no] = (replica, replica.delivery)
             replica.send(batch_no, self._request(batches[batch_no], replica.delivery.fields(batch_no)))
             return True
 
@@ -438,33 +439,33 @@ class RemoteLoader:
                    and send(next_send)):
                 next_send += 1
             if next_yield in ready:
-                delivery = via.pop(next_yield).delivery
+                delivery = via.pop(next_yield)[1]
                 yield delivery.hand_out(next_yield, ready.pop(next_yield))
                 delivery.done(next_yield)  # the consumer is back: the batch it had is let go
                 next_yield += 1
                 continue
             wait_start = time.monotonic()
             try:
-                batch_no, replica, reply = self._next_reply(resend, reauthed, poller)
+                batch_no, reply = self._next_reply(resend, reauthed, poller)
             finally:  # waiting for replies and for providers to come back: data wait
                 self.wait_s += time.monotonic() - wait_start
             if batch_no is None:
                 continue
-            ready[batch_no] = replica.delivery.receive(batch_no, reply)
+            ready[batch_no] = via[batch_no][1].receive(batch_no, reply)
 
     def _next_reply(self, resend: Callable[[list[int]], None], reauthed: set[int], poller: ReplyPoller
-                    ) -> tuple[int | None, Replica | None, Message | None]:
-        """Wait for the next reply to a request of this pass: ``(batch number, replica, reply)``,
-        or ``(None, None, None)`` after handling a failure (the batches to send again go to
+                    ) -> tuple[int | None, Message | None]:
+        """Wait for the next reply to a request of this pass: ``(batch number, reply)``,
+        or ``(None, None)`` after handling a failure (the batches to send again go to
         ``resend``), an unexpected reply, or finding a provider again when none was left.
         Raises the typed error of an ``Error`` reply, and :class:`PeerTimeout`."""
         live = [r for r in self.replicas if r.up]
         if not live:
             self._await_replica()
-            return None, None, None
+            return None, None
         if not any(r.pending for r in live):
             self._delivery.wait_free()  # slots held by copies to the GPU still running
-            return None, None, None
+            return None, None
         oldest = min(r.oldest() for r in live)
         replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - time.monotonic()), poller)
         if replica is not None and reply is None:  # its provider closed the connection: gone
@@ -472,26 +473,30 @@ class RemoteLoader:
                 resend(self._down(replica, "connection lost"))
             else:  # the only one: perhaps already restarted on the same endpoint
                 resend(self._strike(replica, "connection lost", count=False))
-            return None, None, None
+            return None, None
         if replica is None:
             now = time.monotonic()
             for r in live:
                 if r.oldest() + self.timeout_s <= now:
-                    resend(self._strike(r, f"no reply within {self.timeout_s:.1f} s"))
-            return None, None, None
+                    ring = r.delivery if r.delivery is self._ring else None
+                    batches = self._strike(r, f"no reply within {self.timeout_s:.1f} s")
+                    if ring is not None:
+                        self._quarantine(ring, batches)
+                    resend(batches)
+            return None, None
         batch_no = replica.answered(reply.id)
         if batch_no is None:
-            return None, None, None  # a late reply to a request already sent again
+            return None, None  # a late reply to a request already sent again
         if isinstance(reply, Error):
             if reply.code == AuthRequired.code and batch_no not in reauthed:
                 reauthed.add(batch_no)
                 resend([batch_no, *self._strike(replica, "session expired on the provider", count=False)])
-                return None, None, None
+                return None, None
             if reply.code == Unavailable.code:  # the provider is going away
                 resend([batch_no, *self._down(replica, reply.message)])
-                return None, None, None
+                return None, None
             replica.client.check(reply)
-        return batch_no, replica, reply
+        return batch_no, reply
 
     # -- failures ---------------------------------------------------------------------------------
     def _open_sessions(self) -> None:
@@ -531,6 +536,22 @@ class RemoteLoader:
         except PeerTimeout as err:
             return self._down(replica, f"{reason}; reconnecting failed: {err}", moving=batches)
         return batches
+
+    def _quarantine(self, ring: RingDelivery, batches: list[int]) -> None:
+        """A same-host provider left ``batches`` unanswered: their slots go out of use (it may be
+        frozen mid-write). Fewer slots mean fewer requests in flight; with fewer than two left,
+        same-host replicas send their batches over the socket from now on."""
+        ring.quarantine(batches)
+        if ring.usable >= 2:
+            self.inflight = min(self.inflight, ring.usable - 1)
+            return
+        log.warning("%s/%s: %d of %d ring slots may still be written by providers that stopped answering; "
+                    "same-host batches go over the socket from now on", self.dataset, self.split,
+                    len(ring.quarantined), ring.ring.layout.slots)
+        self.inflight = self._inflight_wanted
+        for replica in self.replicas:
+            if replica.delivery is ring:
+                replica.delivery = self._socket
 
     def _down(self, replica: Replica, reason: str, moving: list[int] = ()) -> list[int]:
         """Stop sending to ``replica``; returns its outstanding batches (and ``moving``), to send

@@ -262,28 +262,43 @@ def test_a_replica_killed_mid_epoch_and_the_router_killed_cost_no_sample(spawn, 
     assert served_batches(restarted, token) > 0 and served_batches(endpoints[1], token) > 0
 
 
-def test_a_hung_replica_is_dropped_after_its_timeouts(router, spawn, make_token, caplog):
+@pytest.mark.parametrize("slots", [0, 2], ids=["ring", "ring-too-small-after"])
+def test_a_hung_replica_is_dropped_after_its_timeouts(router, spawn, make_token, caplog, slots):
     token = make_token(datasets=["mnist"])
     procs = {name: spawn.provider(router.endpoint, name) for name in ("provider-a", "provider-b")}
     endpoints = {name: spawn.endpoint(*p) for name, p in procs.items()}
     wait_replicas(router.endpoint, token, 2)
-    hung = procs["provider-a"][0]
     with RemoteLoader("mnist", router=router.endpoint, token=token, batch_size=20, seed=4, inflight=4,
-                      timeout_s=1.0, retries=1) as loader:
+                      shm_slots=slots, timeout_s=1.0, retries=1) as loader:
+        # the first replica gets requests whatever the depth (ties go to it); it is the one to hang
+        name, kept = loader.replicas[0].name, loader.replicas[1].endpoint
+        hung = procs[name][0]
 
-        def hang_a(i: int) -> None:
+        def hang(i: int) -> None:
             if i == 5:  # stopped, not killed: its connections stay open, its replies never come
                 hung.send_signal(signal.SIGSTOP)
+            if i == 12:  # dropped by now; it resumes and finishes what it was writing
+                hung.send_signal(signal.SIGCONT)
 
         try:
-            x, y = read_epoch(loader, on_batch=hang_a)
+            x, y = read_epoch(loader, on_batch=hang)
         finally:
             hung.send_signal(signal.SIGCONT)
         assert_exact_epoch(loader, 0, x, y)
-        assert [r.endpoint for r in loader.replicas if r.up] == [endpoints["provider-b"]]
+        assert [r.endpoint for r in loader.replicas if r.up] == [kept]
+        # the ring slots it had requests for are out of use: a late write cannot land in a batch
+        ring = loader._ring
+        assert ring.quarantined
+        if slots:  # one slot left cannot hold a batch in use and one in flight: the socket it is
+            assert loader.transport == "socket" and loader.inflight == 4
+        else:
+            assert loader.transport == "shm" and loader.inflight == ring.usable - 1
+        x, y = read_epoch(loader)
+        assert_exact_epoch(loader, 1, x, y)
     messages = [r.message for r in caplog.records]
     assert any("no reply within 1.0 s" in m and "reconnecting" in m for m in messages)
-    assert any("provider provider-a" in m and "dropped" in m for m in messages)
+    assert any(f"provider {name}" in m and "dropped" in m for m in messages)
+    assert endpoints[name] != kept
 
 
 def test_the_only_replica_restarted_on_a_new_port_costs_no_sample(router, spawn, make_token):
