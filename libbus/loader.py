@@ -7,11 +7,12 @@ this host, its batches come through a shared-memory ring instead (no batch bytes
 socket; see :mod:`libbus.delivery`). The order is a seeded shuffle that differs per epoch and is
 reproducible, and batches are yielded in that order whichever replica served them.
 
-Failures cost a retry, never a sample: a provider whose connection drops is dropped at once and
-its requests go to another replica; a request a provider leaves unanswered is resent on a fresh
-connection, and a provider that stays silent (``retries`` times in a row) is dropped too. With none left, the loader waits up to ``provider_wait_s`` for one to come
-back — asking the router again, when it has one, so a provider restarted on a new port is found
-— and then raises :class:`~libbus.errors.PeerTimeout`. It never hangs.
+Failures cost a retry, never a sample: a provider whose connection drops is dropped at once and its
+requests go to another replica; a request a provider leaves unanswered is resent on a fresh
+connection, and a provider that stays silent (``retries`` times in a row) is dropped too. With none
+left, the loader waits up to ``provider_wait_s`` for one to come back — asking the router again,
+when it has one, so a provider restarted on a new port is found — and then raises
+:class:`~libbus.errors.PeerTimeout`. It never hangs.
 
     loader = RemoteLoader("mnist", router="tcp://head:5555", token=token, batch_size=64)
     for epoch in range(3):
