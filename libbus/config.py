@@ -105,6 +105,8 @@ class Settings:
     #: Trainer: write, per job, the digest of every sample trained on to ``<audit_dir>/<job>.*.jsonl``
     #: (for tests and audits of exactly-once delivery); empty = off.
     audit_dir: str = ""
+    #: Trainer: with no provider of the dataset answering, seconds to wait for one to come back.
+    provider_wait_s: float = C.PROVIDER_WAIT_S
     #: Trainer: seconds between progress reports.
     progress_interval_s: float = C.PROGRESS_INTERVAL_S
     #: Trainer: torch intra-op threads (0 = torch's default).
@@ -282,6 +284,9 @@ def load_settings(*, config_file: str | None = None, env: Mapping[str, str] | No
         raise ConfigError("heartbeat_ms and heartbeat_liveness must be positive")
     if settings.session_inflight < 1 or settings.session_rate < 0 or settings.session_burst < 1:
         raise ConfigError("session_inflight and session_burst must be at least 1, session_rate not negative")
+    if settings.provider_wait_s < 0:
+        raise ConfigError(f"provider_wait_s ({sources['provider_wait_s']}) must not be negative, "
+                          f"got {settings.provider_wait_s}")
     if settings.request_timeout_s <= 0 or settings.request_retries < 0:
         raise ConfigError("request_timeout_s must be positive and request_retries not negative")
     return settings.resolved(), sources

@@ -46,3 +46,7 @@ DRAIN_LINGER_S = 1.0
 TASK_POLL_S = 1.0
 #: How often a trainer reports progress.
 PROGRESS_INTERVAL_S = 2.0
+#: Loader: how long to wait for a provider of the dataset to come back when none answers.
+PROVIDER_WAIT_S = 60.0
+#: Loader: pause between rounds of looking for a provider while none answers.
+PROVIDER_RETRY_S = 0.5

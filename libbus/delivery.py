@@ -56,6 +56,9 @@ class SocketDelivery:
     def can_send(self) -> bool:
         return True
 
+    def can_take(self, batch_no: int) -> bool:
+        return True
+
     def fields(self, batch_no: int) -> dict:
         return {}
 
@@ -115,6 +118,8 @@ class RingDelivery:
         self.copies: deque[tuple[Any, int]] = deque()  # (CUDA event, slot) copies in flight
         self._tensors: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # CPU views of slots
         self.closed = False
+        #: Slots out of use for good: a provider that stopped answering may still write into them.
+        self.quarantined: set[int] = set()
         self.stager = None
         if device.type == "cuda":
             from shm.cuda import CudaStager
@@ -144,6 +149,26 @@ class RingDelivery:
     def can_send(self) -> bool:
         self._reap()
         return bool(self.free)
+
+    def can_take(self, batch_no: int) -> bool:
+        """Whether ``batch_no`` can be sent now: it holds a slot already (a resend), or one is free."""
+        return batch_no in self.slot_of or self.can_send()
+
+    def quarantine(self, batch_nos: list[int]) -> None:
+        """Take the slots of ``batch_nos`` out of use for good; the batches get fresh slots when sent
+        again. For requests a provider left unanswered: it may be frozen in the middle of writing
+        one of them (its ``seq`` check came before the write), and would finish that write into
+        whatever the slot holds when it resumes."""
+        for batch_no in batch_nos:
+            slot = self.slot_of.pop(batch_no, None)
+            self.seq_of.pop(batch_no, None)
+            if slot is not None:
+                self.quarantined.add(slot)
+
+    @property
+    def usable(self) -> int:
+        """Slots not quarantined."""
+        return self.ring.layout.slots - len(self.quarantined)
 
     def wait_free(self) -> None:
         """Block until a slot frees up (only CUDA copies hold slots without a request in flight)."""

@@ -48,7 +48,10 @@ class Cluster:
         self.env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_HEARTBEAT_LIVENESS": "10",
                     "BATCHBUS_LEASE_S": "4", "BATCHBUS_TORCH_THREADS": "1", "BATCHBUS_PROGRESS_INTERVAL_S": "0.1",
                     "BATCHBUS_AUDIT_DIR": str(self.audit), "BATCHBUS_REQUEST_TIMEOUT_S": "3",
-                    "BATCHBUS_REQUEST_RETRIES": "1"}
+                    "BATCHBUS_REQUEST_RETRIES": "1",
+                    # a loader waits this long for a lost provider to come back before the attempt
+                    # fails (retryable); tests/test_replicas.py covers the wait itself
+                    "BATCHBUS_PROVIDER_WAIT_S": "2"}
         ensure_secret(state / "secret")
         self.procs: dict[str, subprocess.Popen] = {}
         self.endpoint = ""
@@ -328,6 +331,8 @@ def test_provider_killed_mid_job_the_attempt_is_retried_from_its_checkpoint(clus
     provider = cluster.procs["provider"]
     provider.send_signal(signal.SIGKILL)
     provider.wait(10)
+    # nothing serves mnist for longer than provider_wait_s: the attempt fails, retryable
+    cluster.wait(job, lambda i: i["failures"] >= 1)
     ready = cluster.state / "provider.ep"
     ready.unlink()
     cluster.start("provider", "provider", "--bind", cluster.provider_endpoint, "--dataset",
@@ -338,7 +343,8 @@ def test_provider_killed_mid_job_the_attempt_is_retried_from_its_checkpoint(clus
     # the trainer's loader gave up on the dead provider: a retryable failure, counted, and the next
     # attempt resumed from the last checkpoint
     reasons = [e["reason"] for e in info["events"]]
-    assert info["failures"] == 1 and any(r.startswith("attempt failed on") and "PeerTimeout" in r
+    # (a second attempt may also have found no provider yet; max_attempts is 3)
+    assert info["failures"] >= 1 and any(r.startswith("attempt failed on") and "PeerTimeout" in r
                                          for r in reasons), reasons
     assert any("(resumes from step" in r for r in reasons), reasons
     assert_exactly_once(cluster, job, train_digests)

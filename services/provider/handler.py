@@ -41,7 +41,6 @@ from libbus.server import Handler, Session
 from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
-from .evaluator import evaluate_weights
 from .pipeline import pipeline_stats, stage_control
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 
@@ -348,6 +347,9 @@ class ProviderHandler(Handler):
 
         def run() -> Evaluation:
             try:
+                # torch is imported here, on the first evaluation: a provider that only serves
+                # batches starts in a fraction of the time.
+                from .evaluator import evaluate_weights
                 loss, acc, n = evaluate_weights(source, msg.split, msg.model, blob, self.infos[msg.dataset],
                                                  self._closing)
                 log.info("evaluated job %s on %s/%s: loss %.4f accuracy %.4f (%d samples, %.1f s)",

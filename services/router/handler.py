@@ -12,6 +12,7 @@ from libbus.messages import (Checkpointed, CommandAck, ControlJob, Entitlements,
                              JobList, JobSubmitted, ListJobs, ListPeers, ListRevoked, Message, Model, NoTask, Ok,
                              PeerList, Progress, PushResult, Resolve, Resolved, RevokedList, RevokeToken, Stats,
                              StatsReply, SubmitJob, Task)
+from libbus.replicas import info_mismatch
 from libbus.server import Handler, Session
 
 from .artifacts import Artifacts
@@ -75,10 +76,25 @@ class RouterHandler(Handler):
             curve_key = caps.get("curve_key", "")
             if not isinstance(curve_key, str) or len(curve_key) not in (0, 40):
                 raise BadRequest("a provider's caps.curve_key must be its 40-character z85 public key")
+            self._check_replicas(session.name, datasets)
             log.info("provider %s serves %s at %s", session.name, ", ".join(datasets) or "nothing", endpoint)
         self.peers[session.sid] = session
         if session.role == "provider":
             self.push(session.sid, self.entitlements())
+
+    def _check_replicas(self, name: str, datasets: dict) -> None:
+        """Refuse a provider whose DatasetInfo for a name differs from a live replica's (another
+        provider serving that name): a loader spreads one epoch's requests over all replicas."""
+        for peer in self.sessions_of("provider"):
+            if peer.name == name:
+                continue  # this provider registering again: its new Hello replaces the old one
+            for dataset, info in datasets.items():
+                theirs = peer.hello.caps["datasets"].get(dataset)
+                why = None if theirs is None else info_mismatch(info, theirs, f"on {name}", f"on {peer.name}")
+                if why:
+                    raise BadRequest(f"dataset {dataset!r} differs from the replica {peer.name} serves: {why}; "
+                                     "replicas of a dataset must serve the same data (serve it under "
+                                     "another name, or fix the source)")
 
     def on_close(self, session: Session, reason: str) -> None:
         self.peers.pop(session.sid, None)

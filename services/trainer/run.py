@@ -209,11 +209,14 @@ class TaskRun:
         model = self.model = build_model(spec.model, info, **spec.model_kwargs).to(device)
         optimizer = self.optimizer = make_optimizer(spec, model.parameters())
         kind = dataset_kind(info)
-        common = {"provider": provider["endpoint"], "token": self.identity.token, "batch_size": spec.batch_size,
+        # Every replica: requests spread over them, and the loaders ask again when none answers.
+        common = {"provider": resolved.providers, "provider_wait_s": s.provider_wait_s,
+                  "resolver": lambda timeout_s: self.link.request(Resolve(dataset=spec.dataset),
+                                                                  timeout_s=timeout_s).providers,
+                  "token": self.identity.token, "batch_size": spec.batch_size,
                   "inflight": s.inflight, "timeout_s": s.request_timeout_s, "retries": s.request_retries,
                   "name": self.identity.name, "device": str(device), "shm": s.shm, "shm_slots": s.shm_slots,
-                  "host_id": self.identity.host_id, "curve": self.identity.curve,
-                  "provider_key": curve_key_of(provider)}
+                  "host_id": self.identity.host_id, "curve": self.identity.curve}
         train = self.train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle,
                                           block_size=spec.block_size, seed=spec.seed, **common)
         val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common)
@@ -302,6 +305,11 @@ class TaskRun:
             yield batch
 
     def _evaluate(self, model: nn.Module, provider: dict) -> Evaluation:
+        try:  # a live replica: the provider read from at the start may have gone since
+            live = self.link.request(Resolve(dataset=self.spec.dataset), timeout_s=self.settings.request_timeout_s)
+            provider = pick_provider(live.providers, self.identity.host_id)
+        except BusError as err:
+            log.warning("job %s: evaluating on %s (the router did not answer: %s)", self.job, provider["name"], err)
         blob = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
         msg = Evaluate(dataset=self.spec.dataset, job=self.job,
                        model={"name": self.spec.model, "kwargs": self.spec.model_kwargs}, frames=[blob])
