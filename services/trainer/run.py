@@ -19,7 +19,7 @@ from libbus.jobs import JobSpec
 from libbus.curve import curve_key_of
 from libbus.link import Link
 from libbus.loader import RemoteLoader, pick_provider
-from libbus.messages import Checkpointed, Command, Evaluate, Evaluation, Progress, Resolve, Task
+from libbus.messages import Checkpointed, Command, Evaluate, Evaluation, Message, Progress, Resolve, Task
 from services.models import TOKENS, batch_loss, build_model, dataset_kind, evaluate
 from services.sdnotify import Notifier
 
@@ -197,9 +197,23 @@ class TaskRun:
         if time.monotonic() - self._last_report >= self.settings.progress_interval_s:
             self._report(self._progress(self.train.epoch, len(self.train), self.train))
 
+    def _resolve(self) -> Message:
+        """The dataset's providers. None online is waited out for ``provider_wait_s`` (a provider
+        restarting), as a loader waits for its lost providers, before the attempt fails."""
+        deadline = time.monotonic() + self.settings.provider_wait_s
+        while True:
+            try:
+                return self.link.request(Resolve(dataset=self.spec.dataset),
+                                         timeout_s=self.settings.request_timeout_s)
+            except NotFound:
+                if time.monotonic() >= deadline:
+                    raise
+            self.notifier.watchdog()
+            time.sleep(0.25)
+
     def _train(self) -> dict:
         spec, s = self.spec, self.settings
-        resolved = self.link.request(Resolve(dataset=spec.dataset), timeout_s=s.request_timeout_s)
+        resolved = self._resolve()
         provider = pick_provider(resolved.providers, self.identity.host_id)
         info = resolved.info
         log.info("job %s: %s on %s from %s (%s)", self.job, spec.model, spec.dataset, provider["name"],
