@@ -153,10 +153,11 @@ def draw(f: dict) -> RenderableType:
                          t["transport"] or "-")
     jobs = Table("job", "state", "trainer", "dataset", "model", "epoch", "progress", "step", "loss", box=box.SIMPLE_HEAD)
     for j in f["jobs"]:
-        bar = ProgressBar(total=1.0, completed=j["fraction"], width=24)
+        bar = Table.grid(padding=(0, 1))
+        bar.add_row(ProgressBar(total=1.0, completed=j["fraction"], width=20), f"{100 * j['fraction']:3.0f}%")
         jobs.add_row(j["id"], j["state"], j["trainer"] or "-", j["dataset"], j["model"],
                      f"{j['epoch']}/{j['epochs']}" if j["epoch"] is not None else f"-/{j['epochs']}",
-                     Group(bar, f"{100 * j['fraction']:.0f}%"),
+                     bar,
                      f"{j['step']}/{j['total_steps'] or '?'}", _num(j["loss"], ".4f"))
     for q in f["queued"]:
         jobs.add_row(q["id"], "[dim]queued[/]", "-", q["dataset"], q["model"], "-", "-", "-", "-")
