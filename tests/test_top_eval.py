@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -26,7 +27,7 @@ from safetensors.torch import save as save_safetensors
 from cli.top import render
 from libbus.auth import issue_token
 from libbus.client import Client, Identity
-from libbus.messages import ControlJob, GetJob, SubmitJob
+from libbus.messages import ControlJob, GetJob, Stats, SubmitJob
 from services.provider.evaluator import evaluate_weights
 from services.provider.sources import open_source
 from tests.conftest import wait_job
@@ -218,3 +219,37 @@ def test_render_is_pure():
     first.print(render(snapshot(12.0, 3000), None))  # no previous snapshot: no rate yet
     row = first.export_text().split("p1", 1)[1].splitlines()[0]
     assert "3000" in row and "1000" not in row
+
+
+def test_live_top_says_when_the_router_stops_answering_and_ends_on_ctrl_c(make_settings, state_dir, secret):
+    """A router that stops answering while top runs is said under the last frame; Ctrl-C exits 0."""
+    from services.router.app import RouterService
+    settings = make_settings(bind="tcp://127.0.0.1:0")
+    service = RouterService(settings)
+    endpoint = service.start()
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
+    thread.start()
+    env = {**os.environ, "BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_ROUTER": endpoint,
+           "BATCHBUS_REQUEST_TIMEOUT_S": "1", "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    proc = subprocess.Popen([*BUSCTL, "top", "--interval", "0.3"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        token = issue_token(secret, sub="test-admin", role="admin", audience="batchbus", ttl_s=600)
+        with Client(endpoint, Identity(role="admin", name="test-admin", token=token), timeout_s=10) as admin:
+            deadline = time.monotonic() + 30
+            while admin.request(Stats()).services["router"]["peers"].get("admin", 0) < 2:  # top's and ours
+                assert proc.poll() is None and time.monotonic() < deadline, "busctl top never connected"
+                time.sleep(0.1)
+        time.sleep(1.0)  # a refresh or two with the router there
+        stop.set()
+        thread.join(10)
+        time.sleep(3.0)  # a refresh or two find no router
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "batchbus top" in out and "router not answering" in out and "Traceback" not in out + err
