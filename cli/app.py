@@ -292,6 +292,17 @@ def job_set(job: str, values: Annotated[list[str], typer.Argument(help=f"NAME=VA
     _control(job, "set", args, config, router, secret_file, state_dir, token, json)
 
 
+@job_app.command("eval")
+@guard
+def job_eval(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+             state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Score a running job's current weights on its provider's private test split; training pauses
+    only for the copy of the weights."""
+    from .evaluate import evaluate_job
+    evaluate_job(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
+                 job, json=json)
+
+
 @job_app.command("model")
 @guard
 def job_model(job: str, out: Annotated[Path, typer.Option("-o", "--out", help="Where to write the safetensors file.")],
@@ -335,6 +346,20 @@ def queues(config: Config = None, router: Router = None, secret_file: SecretFile
     with admin_client(s) as client:
         services = client.request(Stats()).services
     print_json(services) if json else tables.queues(services)
+
+
+@app.command()
+@guard
+def top(interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 2.0,
+        once: Annotated[bool, typer.Option("--once", help="Print one frame (two snapshots --interval apart) and exit.")] = False,
+        config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
+        token: Token = None, json: Annotated[bool, typer.Option("--json", help="With --once: the frame's data.")] = False) -> None:
+    """A live view of providers, trainers, jobs and pipeline stages until Ctrl-C (docs/operations.md)."""
+    from .top import top_command
+    if json and not once:
+        fail("--json prints one frame: use it with --once", 2)
+    top_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
+                interval=interval, once=once, json=json)
 
 
 @app.command()

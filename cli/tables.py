@@ -7,7 +7,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["jobs", "job", "peers", "queues", "stages", "settings", "segments", "fmt_result"]
+__all__ = ["fmt_result", "job", "jobs", "peers", "queues", "refusals", "segments", "settings", "stage_tables",
+           "stages"]
 
 console = Console()
 
@@ -116,8 +117,15 @@ def revoked(rows: list[dict]) -> None:
 
 
 def stages(services: dict) -> None:
+    """Print :func:`stage_tables`."""
+    for table in stage_tables(services):
+        console.print(table)
+
+
+def stage_tables(services: dict) -> list[Table]:
     """One table per pipeline dataset of each provider: a row per stage, its output queue beside it
     (size/capacity, then put/get/drop counts); the row ``(requests)`` is the pipeline's input queue."""
+    tables = []
     for name, s in sorted(services.items()):
         for dataset, p in sorted((s.get("pipelines") or {}).items()):
             table = Table(title=f"{name}: pipeline {dataset}")
@@ -132,7 +140,8 @@ def stages(services: dict) -> None:
                 table.add_row(st.get("name", "?"), st.get("type", "?"), str(st.get("items_in", "-")),
                               str(st.get("items_out", "-")), str(st.get("errors", "-")),
                               f"{st.get('busy_s', 0):.2f}", *_queue_cells(st.get("queue", {})))
-            console.print(table)
+            tables.append(table)
+    return tables
 
 
 def _queue_cells(q: dict) -> tuple[str, str]:

@@ -214,7 +214,7 @@ class JobInfo(Message):
 
 @dataclass(kw_only=True)
 class ControlJob(Message):
-    """stop, pause, resume, checkpoint, or set (``args``: the hyper-parameters to change)."""
+    """stop, pause, resume, checkpoint, set (``args``: the hyper-parameters to change), or eval."""
     job: str
     command: str
     args: dict = field(default_factory=dict)
@@ -273,7 +273,7 @@ class Model(Message):
 
 @dataclass(kw_only=True)
 class Command(Message):
-    """Router → trainer, unsolicited (``id`` 0): stop, pause, resume, checkpoint, set.
+    """Router → trainer, unsolicited (``id`` 0): stop, pause, resume, checkpoint, set, eval.
     The trainer answers a non-zero ``seq`` with :class:`CommandAck` once it has applied it."""
     job: str
     command: str

@@ -112,7 +112,7 @@ def test_provider_is_ready_once_it_serves_feeds_the_watchdog_and_drains_on_sigte
         token = make_token(datasets=["mnist"])
         loader = RemoteLoader("mnist", provider=endpoint[1], token=token, batch_size=50, inflight=2,
                               timeout_s=1.0, retries=1, shm=False)
-        assert isinstance(loader.client.request(DatasetInfoRequest(dataset="mnist")), DatasetInfo)
+        assert loader.info["num_classes"] == 10  # it asked the provider for DatasetInfo as it opened
 
         # WATCHDOG=1 about every half interval (0.5 s), not every loop turn (0.1 s), never missing.
         beats = watchdog_times(manager.collect(3.0))

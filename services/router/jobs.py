@@ -15,6 +15,9 @@ job lives by read in one place:
   reports until acknowledged, in case the push was lost); the admin's ``ControlJob`` is answered when the
   trainer's ``CommandAck`` arrives (or with ``TIMEOUT`` after ``ack_timeout_s``). Each command and
   each acknowledgement is an event of the job.
+- ``eval`` (``busctl job eval``) travels the same way, but the trainer acknowledges it only once the
+  provider has scored the copied weights, so it waits up to ``EVAL_ACK_TIMEOUT_S``; an
+  acknowledgement that comes later still records the result as an event of the job.
 """
 
 from __future__ import annotations
@@ -33,13 +36,16 @@ from libbus.messages import Checkpointed, Command, CommandAck, Message, Model, O
 from .artifacts import Artifacts
 from .store import HOLDING_STATES, JobStore
 
-__all__ = ["COMMANDS", "JobControl"]
+__all__ = ["COMMANDS", "EVAL_ACK_TIMEOUT_S", "JobControl"]
 
 log = logging.getLogger(__name__)
 
-COMMANDS = ("stop", "pause", "resume", "checkpoint", "set")
+COMMANDS = ("stop", "pause", "resume", "checkpoint", "set", "eval")
 #: How long an admin's command waits for the trainer's acknowledgement.
 ACK_TIMEOUT_S = 5.0
+#: ``eval`` is acknowledged with the provider's score: the weights cross to it and its test split is
+#: read (below the idle limit of an admin's session, 300 s, so the waiting CLI is still there).
+EVAL_ACK_TIMEOUT_S = 240.0
 #: How often leases are checked.
 LEASE_CHECK_S = 0.5
 
@@ -54,6 +60,7 @@ class _Pending:
     by: str
     sent: float
     future: Future
+    timeout_s: float
 
 
 class JobControl:
@@ -100,7 +107,8 @@ class JobControl:
         if command == "resume" and state in ("stopped", "failed"):
             return self._restart(by, job)
         if state in TERMINAL_STATES:
-            raise BadRequest(f"job {job_id} already ended ({state})")
+            hint = "; its final scores are in busctl job show" if command == "eval" else ""
+            raise BadRequest(f"job {job_id} already ended ({state}){hint}")
         if trainer is None or state == "queued":
             return self._without_trainer(by, job, command, spec if command == "set" else None)
         if command == "stop":
@@ -119,7 +127,8 @@ class JobControl:
     def _send(self, by: str, job_id: str, trainer: str, command: str, args: dict) -> Future:
         seq = next(self._seq)
         future: Future = Future()
-        self.pending[seq] = _Pending(job_id, command, args, trainer, by, time.monotonic(), future)
+        timeout_s = EVAL_ACK_TIMEOUT_S if command == "eval" else self.ack_timeout_s
+        self.pending[seq] = _Pending(job_id, command, args, trainer, by, time.monotonic(), future, timeout_s)
         what = f"{command} {_args(args)}".strip()
         self.store.event(job_id, f"{what} requested by {by}, sent to {trainer}")
         self.push(trainer, Command(job=job_id, command=command, args=args, seq=seq))
@@ -142,7 +151,9 @@ class JobControl:
         if command == "set":
             self.store.set_spec(job_id, spec, f"set {_args(spec.to_dict(), job['spec'])} by {by}")
             return Ok(detail={"state": state, "spec": spec.to_dict()})
-        raise BadRequest(f"job {job_id} is {state} on no trainer; only a job a trainer holds can checkpoint")
+        what = "be evaluated (busctl job eval scores the weights of a running job)" if command == "eval" \
+            else "checkpoint"
+        raise BadRequest(f"job {job_id} is {state} on no trainer; only a job a trainer holds can {what}")
 
     def _restart(self, by: str, job: dict) -> Ok:
         """Resume a stopped or failed job: back in the queue, from its last checkpoint."""
@@ -181,7 +192,7 @@ class JobControl:
         job = self.own(trainer, msg.job)
         pending = self.pending.pop(msg.seq, None)
         took = f" after {1000 * (time.monotonic() - pending.sent):.0f} ms" if pending else ""
-        reason = f"{msg.command} acknowledged by {trainer}{took}"
+        reason = f"{msg.command} acknowledged by {trainer}{took}" + _evaluation(msg)
         applied = msg.detail.get("set")
         if msg.command == "set" and isinstance(applied, dict) and applied:
             # what the trainer applied, checked like an admin's `set`: a trainer changes nothing else
@@ -254,12 +265,12 @@ class JobControl:
     def tick(self, now: float) -> None:
         """Renew the leases of connected trainers, take jobs from lapsed ones, time out commands."""
         for seq, p in list(self.pending.items()):
-            if now - p.sent > self.ack_timeout_s:
+            if now - p.sent > p.timeout_s:
                 del self.pending[seq]
                 if not p.future.done():
                     p.future.set_exception(Timeout(
                         f"trainer {p.trainer} has not acknowledged {p.command} of job {p.job} within "
-                        f"{self.ack_timeout_s:.0f} s; it applies commands between batches (busctl job show "
+                        f"{p.timeout_s:.0f} s; it applies commands between batches (busctl job show "
                         f"{p.job} logs the acknowledgement when it comes)"))
         if now - self._last_check < LEASE_CHECK_S:
             return
@@ -292,6 +303,18 @@ class JobControl:
             return
         state = self.store.release(job["id"], reason, lost=True)
         log.warning("job %s %s: %s", job["id"], state, reason)
+
+
+def _evaluation(msg: CommandAck) -> str:
+    """What an ``eval`` acknowledgement found, for the job's events ("" for other commands)."""
+    d = msg.detail
+    if msg.command != "eval":
+        return ""
+    acc, loss = d.get("test_accuracy"), d.get("test_loss")
+    if isinstance(acc, (int, float)) and isinstance(loss, (int, float)):
+        return (f": step {d.get('step')} scored on {d.get('provider')}: test accuracy {acc:.4f}, "
+                f"loss {loss:.4f} on {d.get('test_n')} samples")
+    return f": evaluation failed: {d.get('error', 'no result')}"
 
 
 def _args(args: dict, before: dict | None = None) -> str:

@@ -1,5 +1,5 @@
-"""The router's commands to a running task (stop, pause, resume, checkpoint, set), applied between
-batches and acknowledged.
+"""The router's commands to a running task (stop, pause, resume, checkpoint, set, eval), applied
+between batches and acknowledged (``eval`` once its evaluation is done: :mod:`.evaluation`).
 
 :meth:`Controls.check` is called by the training loop only where the loader's position equals the
 samples trained on, so a checkpoint taken on command (or on stop) resumes at the exact next sample.
@@ -50,11 +50,14 @@ class Controls:
         set_hyper: applies ``set`` arguments; returns the new spec (raises :class:`BadRequest`).
         report: sends a progress report if one is due (also while paused: its replies carry commands).
         before_stop: called before :class:`Stopped` is raised (the task's last checkpoint).
+        evaluate: copies the weights now and scores them in the background; calls its argument
+            with the result (``busctl job eval``).
     """
 
     def __init__(self, job: str, commands: queue.Queue[Command], reporter: Reporter, *,
                  checkpoint: Callable[[], dict], set_hyper: Callable[[dict], dict],
-                 report: Callable[[], None], before_stop: Callable[[], None]):
+                 report: Callable[[], None], before_stop: Callable[[], None],
+                 evaluate: Callable[[Callable[[dict], None]], None]):
         self.job = job
         self.commands = commands
         self.reporter = reporter
@@ -62,6 +65,7 @@ class Controls:
         self._set_hyper = set_hyper
         self._report = report
         self._before_stop = before_stop
+        self._evaluate = evaluate
         #: ``running`` or ``paused``.
         self.state = "running"
         self._applied: set[int] = set()
@@ -119,6 +123,8 @@ class Controls:
                 return
             log.info("job %s: set %s", self.job, cmd.args)
             self._ack(cmd, self.state, {"spec": spec, "set": cmd.args})
+        elif cmd.command == "eval":  # acknowledged from the evaluation's thread, with its result
+            self._evaluate(lambda detail: self._ack(cmd, self.state, detail))
         else:
             log.warning("job %s: unknown command %r ignored", self.job, cmd.command)
 

@@ -26,6 +26,7 @@ from services.sdnotify import Notifier
 from .audit import Audit
 from .checkpoint import CheckpointError, job_dir, load_checkpoint, prune, save_checkpoint, save_model
 from .control import Controls, Lost, Stopped
+from .evaluation import LiveEvaluations
 from .reports import Reporter
 
 __all__ = ["TaskRun", "apply_hyper", "make_optimizer"]
@@ -106,19 +107,26 @@ class TaskRun:
         self.meter = Meter()
         self.audit: Audit | None = None
         self._last_report = 0.0
+        #: The provider the task reads from (and ``busctl job eval`` scores on), once resolved.
+        self.provider: dict | None = None
+        self.evaluations = LiveEvaluations(self.job, identity, EVALUATE_TIMEOUT_S)
         self.controls = Controls(self.job, commands, reporter, checkpoint=self._checkpoint,
                                  set_hyper=self._set_hyper, report=self._maybe_report,
-                                 before_stop=self._before_stop)
+                                 before_stop=self._before_stop, evaluate=self._evaluate_now)
 
     def run(self) -> tuple[str, dict, str]:
+        # a live evaluation's acknowledgement goes before the result; a trainer shutting down waits less
+        evaluation_wait_s = EVALUATE_TIMEOUT_S
         try:
             return "succeeded", self._train(), ""
         except Stopped as stop:
             result = {"history": self.history, "checkpoint": self.last_checkpoint}
             if stop.handback:
+                evaluation_wait_s = self.settings.request_timeout_s
                 return "queued", result, f"trainer {self.identity.name} shutting down"
             return "stopped", result, ""
         except Lost:
+            evaluation_wait_s = 0.0  # the router takes nothing more of this job from here
             return "lost", {}, str(self.reporter.lost)
         except BusError as err:
             log.error("job %s failed: %s", self.job, err)
@@ -128,6 +136,9 @@ class TaskRun:
         finally:
             if self.audit is not None:
                 self.audit.close()
+            if self.evaluations.running:
+                with self.notifier.extended(evaluation_wait_s):
+                    self.evaluations.join(evaluation_wait_s)
 
     # -- what commands call ---------------------------------------------------------------------
     def _set_hyper(self, changes: dict) -> dict:
@@ -136,6 +147,12 @@ class TaskRun:
         apply_hyper(self.optimizer, spec)
         self.spec = spec
         return spec.to_dict()
+
+    def _evaluate_now(self, done) -> None:
+        """``busctl job eval``: copy the weights here, between batches; score them in the background."""
+        self.evaluations.start(self.model, {"name": self.spec.model, "kwargs": self.spec.model_kwargs},
+                               self.spec.dataset, self.provider, step=self.step, epoch=self.train.epoch + 1,
+                               done=done)
 
     def _before_stop(self) -> None:
         """Stopped or handed back, the job can resume exactly here; if this checkpoint cannot be
@@ -214,7 +231,7 @@ class TaskRun:
     def _train(self) -> dict:
         spec, s = self.spec, self.settings
         resolved = self._resolve()
-        provider = pick_provider(resolved.providers, self.identity.host_id)
+        provider = self.provider = pick_provider(resolved.providers, self.identity.host_id)
         info = resolved.info
         log.info("job %s: %s on %s from %s (%s)", self.job, spec.model, spec.dataset, provider["name"],
                  provider["endpoint"])
