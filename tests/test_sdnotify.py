@@ -111,7 +111,7 @@ def test_provider_is_ready_once_it_serves_feeds_the_watchdog_and_drains_on_sigte
         socket.create_connection(("127.0.0.1", int(endpoint[2])), timeout=5).close()
         token = make_token(datasets=["mnist"])
         loader = RemoteLoader("mnist", provider=endpoint[1], token=token, batch_size=50, inflight=2,
-                              timeout_s=1.0, retries=1, shm=False)
+                              timeout_s=1.0, retries=1, shm=False, provider_wait_s=2.0)
         assert loader.info["num_classes"] == 10  # it asked the provider for DatasetInfo as it opened
 
         # WATCHDOG=1 about every half interval (0.5 s), not every loop turn (0.1 s), never missing.
