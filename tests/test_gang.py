@@ -129,3 +129,60 @@ def rank_epochs_batches(cluster: Cluster, job: str) -> dict[int, int]:
         head, *batches = [json.loads(line) for line in path.read_bytes().splitlines()]
         out[head["rank"]] = out.get(head["rank"], 0) + len(batches)
     return out
+
+
+def test_a_rank_killed_mid_job_requeues_the_gang_which_resumes_from_its_checkpoint(cluster, train_digests):
+    job = submit(cluster)
+    info = cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("checkpoint_step"),
+                        timeout=90)
+    rank1 = info["gang"]["members"][1]
+    cluster.procs[rank1].kill()  # SIGKILL: rank 0's next collective breaks
+    cluster.start_trainer("g3")   # a new member for the next gang
+    info = cluster.wait_end(job, timeout=120)
+    assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
+    events = [e["reason"] for e in info["events"]]
+    assert any("attempt failed" in e and "gang" in e for e in events), events
+    assert sum("assigned to a gang of 2" in e for e in events) == 2, events
+    assert info["progress"]["resumed_from"]["step"] >= 1
+    epochs = effective_epochs(cluster.audit, job)
+    for epoch in range(GANG["epochs"]):
+        assert epochs[epoch] == train_digests, f"epoch {epoch}: not every sample once"
+
+
+def test_gathering_and_assignment_rules(tmp_path):
+    """The router's side without processes: a real job database, the gang rules of services/router/gangs.py."""
+    from libbus.errors import BadRequest
+    from libbus.jobs import JobSpec
+    from libbus.messages import NoTask, Task
+    from services.router.gangs import Gangs
+    from services.router.grants import assignments
+    from services.router.store import JobStore
+
+    for bad in (0, 257, "2", True):
+        with pytest.raises(BadRequest, match="world_size"):
+            JobSpec.from_dict({"dataset": "mnist", "world_size": bad})
+    store = JobStore(str(tmp_path / "router.db"))
+    gangs = Gangs(store, lease_s=10)
+    job_id = store.submit(JobSpec.from_dict({"dataset": "mnist", "world_size": 2}))
+    job = store.first_queued()
+    assert isinstance(gangs.join("t1", job), NoTask) and store.get(job_id)["state"] == "queued"
+    assert isinstance(gangs.task_for("t1"), NoTask)  # waits on its gang, takes nothing else
+    gangs.tick(connected=set())                       # t1 disconnected: it leaves the gathering
+    assert gangs.task_for("t1") is None and not gangs.gathering
+    assert isinstance(gangs.join("t2", job), NoTask)
+    assert isinstance(gangs.join("t1", job), NoTask)  # completes the gang; rank 0 (t2) goes first
+    row = store.get(job_id)
+    assert (row["state"], row["trainer"], row["gang"]["members"]) == ("running", "t2", ["t2", "t1"])
+    assert assignments(store.held(), {"t1": "sub-1", "t2": "sub-2"}) == {"mnist": ["sub-1", "sub-2"]}
+    assert isinstance(gangs.task_for("t1"), NoTask)  # rank 1 waits for rank 0's rendezvous
+    task = gangs.task_for("t2")
+    assert isinstance(task, Task) and (task.rank, task.world_size, task.rendezvous) == (0, 2, "")
+    with pytest.raises(BadRequest, match="tcp://HOST:PORT"):
+        gangs.rendezvous(job_id, "ipc:///tmp/x")
+    gangs.rendezvous(job_id, "tcp://10.0.0.5:29500")
+    task = gangs.task_for("t1")
+    assert isinstance(task, Task) and (task.rank, task.rendezvous) == (1, "tcp://10.0.0.5:29500")
+    assert gangs.task_for("t1") is None  # delivered: asking again is asking for new work
+    assert store.release(job_id, "lease lapsed", lost=True) == "queued"
+    assert store.get(job_id)["gang"] is None and store.held() == []
+    store.close()
