@@ -19,7 +19,11 @@ from safetensors.torch import load_file
 
 from services.trainer.audit import effective_epochs
 from tests.conftest import wait_file
-from tests.test_jobs_durable import SPEC, Cluster, final_weights, train_digests  # noqa: F401 - a fixture
+from tests import test_jobs_durable as durable
+from tests.test_e2e import busctl
+from tests.test_jobs_durable import SPEC, Cluster, final_weights
+
+train_digests = durable.train_digests  # the fixture: every train sample's digest, from the provider
 
 GANG = {**SPEC, "epochs": 2, "world_size": 2}
 
@@ -85,6 +89,8 @@ def test_two_trainers_train_one_job_on_disjoint_shards_and_report_once(cluster, 
         assert torch.equal(ours[name], other[name]), name
     # progress came from rank 0 and counts the gang's samples
     assert info["progress"]["samples"] == 2 * sum(ranks[0][e].total() for e in ranks[0])
+    listed = busctl("jobs", env={**cluster.env, "COLUMNS": "200"}).stdout
+    assert f"{rank0} +1" in listed, listed
 
 
 def test_gang_pauses_together_stops_and_resumes_exactly_from_its_checkpoint(cluster, train_digests):
