@@ -164,7 +164,10 @@ class TaskRun:
         written, it resumes from the last one (what it trained since is done again). The gang's
         other ranks stop at this same step."""
         if self.gang is not None:
-            self.gang.sync(Code.STOP, self._hyper())
+            try:
+                self.gang.sync(Code.STOP, self._hyper())
+            except GangError as err:  # the others are gone already: the stop stands
+                log.warning("job %s: %s", self.job, err)
         self._checkpoint_quietly()
 
     def _checkpoint_quietly(self) -> None:
