@@ -155,6 +155,26 @@ def test_a_rank_killed_mid_job_requeues_the_gang_which_resumes_from_its_checkpoi
         assert epochs[epoch] == train_digests, f"epoch {epoch}: not every sample once"
 
 
+
+def test_sigterm_to_a_rank_hands_the_gang_back_without_losing_an_attempt(cluster, train_digests):
+    job = submit(cluster)
+    info = cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 3,
+                        timeout=90)
+    rank0, rank1 = info["gang"]["members"]
+    cluster.procs[rank1].terminate()  # its trainer is stopping: the whole gang hands the job back
+    assert cluster.procs[rank1].wait(30) == 0
+    back = cluster.wait(job, lambda i: i["state"] == "queued", timeout=30)
+    assert back["failures"] == 0 and back["checkpoint"]["step"] >= 3
+    assert any(e["reason"].startswith(f"handed back by {rank0}") for e in back["events"]), back["events"]
+    cluster.start_trainer("g4")
+    info = cluster.wait_end(job, timeout=120)
+    assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
+    assert info["progress"]["resumed_from"]["step"] == back["checkpoint"]["step"]
+    epochs = effective_epochs(cluster.audit, job)
+    for epoch in range(GANG["epochs"]):
+        assert epochs[epoch] == train_digests, f"epoch {epoch}: not every sample once"
+
+
 def test_gathering_and_assignment_rules(tmp_path):
     """The router's side without processes: a real job database, the gang rules of services/router/gangs.py."""
     from libbus.errors import BadRequest
