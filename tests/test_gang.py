@@ -5,6 +5,10 @@ train together through torch.distributed (gloo, CPU).
 The trainers audit every batch they train on (services/trainer/audit.py): per epoch, rank 0 and
 rank 1 must have read disjoint shards whose union is the train split. Rank 1 keeps its final
 weights in its own checkpoint directory; they must equal rank 0's, which the job's result names.
+Then a gang is paused, checkpointed, stopped and resumed (its final weights equal an uninterrupted
+run's); a rank is killed with SIGKILL, and another sent SIGTERM, mid-job (a new gang resumes from
+the checkpoint; every sample once per epoch). The router's gathering rules run on a real job
+database without processes.
 """
 
 from __future__ import annotations
