@@ -175,6 +175,7 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
            shuffle: Annotated[str | None, typer.Option(help="none, full or block.")] = None,
            block_size: Annotated[int | None, typer.Option(help="Samples per block of --shuffle block.")] = None,
            evaluate: Annotated[Optional[bool], typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")] = None,
+           world_size: Annotated[int | None, typer.Option(help="Trainers that train the job together (a gang).")] = None,
            config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
            token: Token = None, json: Json = False) -> None:
     """Queue a training job; prints its id."""
@@ -188,7 +189,7 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
             fail(f"job file {job_file} is not valid TOML: {err}", 2)
         spec = spec.get("job", spec)
     flags = dict(dataset=dataset, model=model, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
-                 seed=seed, evaluate=evaluate, shuffle=shuffle, block_size=block_size)
+                 seed=seed, evaluate=evaluate, shuffle=shuffle, block_size=block_size, world_size=world_size)
     spec.update({k: v for k, v in flags.items() if v is not None})
     if "dataset" not in spec:
         fail("say which dataset to train on: --dataset NAME or a job file with dataset = \"NAME\"", 2)

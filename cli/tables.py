@@ -39,14 +39,24 @@ def jobs(rows: list[dict]) -> None:
     for r in rows:
         p = r.get("progress") or {}
         progress = f"epoch {p.get('epoch', 0)}/{p.get('epochs', '?')}" if p else "-"
-        table.add_row(r["id"], r["state"], r["spec"]["dataset"], r["spec"]["model"], r.get("trainer") or "-",
+        table.add_row(r["id"], r["state"], r["spec"]["dataset"], r["spec"]["model"], _trainers(r),
                       progress, fmt_result(r.get("result")), _ago(r["updated"]))
     console.print(table)
+
+
+def _trainers(job: dict) -> str:
+    """The job's trainer; for a gang (world_size > 1) rank 0 and how many more."""
+    members = (job.get("gang") or {}).get("members") or []
+    return f"{members[0]} +{len(members) - 1}" if members else job.get("trainer") or "-"
 
 
 def job(info: dict) -> None:
     console.print(f"[bold]{info['id']}[/] {info['state']}  trainer {info.get('trainer') or '-'}  "
                   f"attempts {info['attempts']}")
+    gang = info.get("gang")
+    if gang and info["state"] in ("running", "paused"):
+        ranks = ", ".join(f"{rank}: {name}" for rank, name in enumerate(gang["members"]))
+        console.print(f"gang: rank {ranks}; rendezvous {gang['rendezvous'] or '(rank 0 not there yet)'}")
     spec = info["spec"]
     console.print("spec: " + ", ".join(f"{k}={v}" for k, v in spec.items() if v not in ("", {}, None)))
     p = info.get("progress") or {}

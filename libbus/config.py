@@ -55,7 +55,8 @@ class Settings:
     router: str = "tcp://127.0.0.1:5555"
     #: Where this service binds (router: its control socket; provider: its data socket).
     bind: str = ""
-    #: The data endpoint a provider tells trainers to connect to (default: what it bound).
+    #: The data endpoint a provider tells trainers to connect to (default: what it bound). A trainer:
+    #: the host the other ranks of its gang reach it at (default: its address on the route to the router).
     advertise: str = ""
     #: State directory: secret, router database, checkpoints.
     state_dir: str = ""

@@ -15,6 +15,8 @@ TERMINAL_STATES = ("succeeded", "failed", "stopped")
 OPTIMIZERS = ("sgd", "adam")
 #: Hyper-parameters ``busctl job set`` may change while a job runs.
 SETTABLE = ("lr", "weight_decay", "momentum")
+#: The most trainers one job may gather.
+MAX_WORLD_SIZE = 256
 
 
 def dataset_name(ref: str) -> str:
@@ -50,6 +52,9 @@ class JobSpec:
     max_attempts: int = 3
     #: Write a checkpoint every this many steps (0: only at the end of each epoch and on command).
     checkpoint_every: int = 0
+    #: Trainers that train the job together (a gang, torch.distributed): each reads its own shard
+    #: of ``train`` and ``batch_size`` is per trainer. The job waits until this many are free.
+    world_size: int = 1
     name: str = ""
 
     @classmethod
@@ -81,9 +86,11 @@ class JobSpec:
         spec.dataset = dataset_name(spec.dataset)
         if spec.optimizer not in OPTIMIZERS:
             raise BadRequest(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
-        for name in ("epochs", "batch_size", "block_size", "max_attempts"):
+        for name in ("epochs", "batch_size", "block_size", "max_attempts", "world_size"):
             if getattr(spec, name) < 1:
                 raise BadRequest(f"{name} must be at least 1, got {getattr(spec, name)}")
+        if spec.world_size > MAX_WORLD_SIZE:
+            raise BadRequest(f"world_size must be at most {MAX_WORLD_SIZE}, got {spec.world_size}")
         if spec.checkpoint_every < 0:
             raise BadRequest(f"checkpoint_every must be 0 or more steps, got {spec.checkpoint_every}")
         if spec.lr <= 0:

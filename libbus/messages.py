@@ -26,7 +26,7 @@ __all__ = [
     "Resolve", "Resolved", "DatasetInfoRequest", "DatasetInfo", "BatchRequest", "BatchResponse",
     "AttachRing", "RingAttached",
     "SubmitJob", "JobSubmitted", "ListJobs", "JobList", "GetJob", "JobInfo", "ControlJob",
-    "GetTask", "Task", "NoTask", "Progress", "PushResult", "Command", "CommandAck", "Checkpointed",
+    "GetTask", "Task", "Rendezvous", "NoTask", "Progress", "PushResult", "Command", "CommandAck", "Checkpointed",
     "GetModel", "Model",
     "Evaluate", "Evaluation", "StageControl", "Stats", "StatsReply", "ListPeers", "PeerList",
     "RevokeToken", "ListRevoked", "RevokedList", "Entitlements",
@@ -227,11 +227,22 @@ class GetTask(Message):
 
 @dataclass(kw_only=True)
 class Task(Message):
+    """A job for the trainer that asked. In a gang (``world_size`` > 1) every rank gets one;
+    ranks above 0 get theirs once rank 0 has reported ``rendezvous`` (``tcp://host:port``)."""
     job: str
     spec: dict
     rank: int = 0
     world_size: int = 1
     resume: dict | None = None
+    rendezvous: str = ""
+
+
+@dataclass(kw_only=True)
+class Rendezvous(Message):
+    """Trainer (rank 0 of a gang) → router: where the other ranks meet it (``tcp://host:port``,
+    a torch.distributed TCPStore). Answered with ``Ok``."""
+    job: str
+    address: str
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,8 @@ keeps them current with one unsolicited ``Entitlements`` message per change:
 
 - **revoked**: the ``jti``s an administrator revoked (``busctl token revoke``) that have not expired
   yet. They live in the router's SQLite file, so a restarted router still refuses them.
-- **assigned**: per dataset, the token subjects of the trainers running a job on it. A provider
+- **assigned**: per dataset, the token subjects of the trainers running a job on it (every member
+  of a gang, services/router/gangs.py). A provider
   with ``assigned_only`` (the default) serves a trainer only the datasets of its current job
   (or those its token's ``datasets`` scope names explicitly).
 """
@@ -69,13 +70,16 @@ class Revocations:
 def assignments(running: list[dict], trainer_subjects: dict[str, str]) -> dict[str, list[str]]:
     """``{dataset: [token subject, ...]}`` of trainers connected now and running a job on it.
 
-    ``running`` are job rows (``spec``, ``trainer`` = the trainer's session name);
+    ``running`` are job rows (``spec``, ``trainer`` = the trainer's session name, ``gang`` = every
+    rank's trainer when ``world_size`` > 1);
     ``trainer_subjects`` maps connected trainers' names to their tokens' subjects. A job whose
     trainer is not connected grants nothing: its next trainer is granted when it takes the job.
     """
     out: dict[str, set[str]] = {}
     for job in running:
-        sub = trainer_subjects.get(job.get("trainer") or "")
-        if sub is not None:
-            out.setdefault(dataset_name(job["spec"]["dataset"]), set()).add(sub)
+        names = (job.get("gang") or {}).get("members") or [job.get("trainer") or ""]
+        for name in names:
+            sub = trainer_subjects.get(name)
+            if sub is not None:
+                out.setdefault(dataset_name(job["spec"]["dataset"]), set()).add(sub)
     return {name: sorted(subs) for name, subs in sorted(out.items())}

@@ -10,12 +10,13 @@ from libbus.errors import BadRequest, NotFound
 from libbus.jobs import JobSpec, dataset_name
 from libbus.messages import (Checkpointed, CommandAck, ControlJob, Entitlements, GetJob, GetModel, GetTask, JobInfo,
                              JobList, JobSubmitted, ListJobs, ListPeers, ListRevoked, Message, Model, NoTask, Ok,
-                             PeerList, Progress, PushResult, Resolve, Resolved, RevokedList, RevokeToken, Stats,
-                             StatsReply, SubmitJob, Task)
+                             PeerList, Progress, PushResult, Rendezvous, Resolve, Resolved, RevokedList, RevokeToken,
+                             Stats, StatsReply, SubmitJob, Task)
 from libbus.replicas import info_mismatch
 from libbus.server import Handler, Session
 
 from .artifacts import Artifacts
+from .gangs import Gangs, world_size
 from .grants import Revocations, assignments
 from .jobs import JobControl
 from .store import JobStore
@@ -43,7 +44,7 @@ class RouterHandler(Handler):
         "SubmitJob": ADMIN, "ListJobs": ADMIN, "GetJob": ADMIN, "ControlJob": ADMIN, "GetModel": ADMIN,
         "ListPeers": ADMIN, "Stats": ("admin", "trainer"),
         "GetTask": TRAINER, "Progress": TRAINER, "PushResult": TRAINER,
-        "Checkpointed": TRAINER, "CommandAck": TRAINER,
+        "Checkpointed": TRAINER, "CommandAck": TRAINER, "Rendezvous": TRAINER,
         "RevokeToken": ADMIN, "ListRevoked": ADMIN,
     }
     #: How often the router recomputes what providers must know (assignments follow job changes).
@@ -58,6 +59,7 @@ class RouterHandler(Handler):
         self.peers: dict[str, Session] = {}
         self.jobs = JobControl(store, self._push_to_trainer, self._trainer_names, lease_s=lease_s,
                                artifacts=artifacts)
+        self.gangs = Gangs(store, lease_s)
         self.revocations = Revocations(store.db)
         #: Set by the service: applies the revoked token ids to the router's own server.
         self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
@@ -173,17 +175,29 @@ class RouterHandler(Handler):
         return self.jobs.model(msg.job)
 
     def on_GetTask(self, session: Session, msg: GetTask) -> Task | NoTask:
+        gang_task = self.gangs.task_for(session.name)  # services/router/gangs.py
+        if gang_task is not None:
+            return gang_task
         self.jobs.abandon_all(session.name)
         claims = session.claims
-        job = self.store.claim(session.name, self.jobs.lease_s,
-                               accept=lambda j: claims.allows_job(j["id"])
-                               and claims.allows_dataset(dataset_name(j["spec"]["dataset"])))
-        if job is not None:
-            self._push_entitlements()  # the provider hears of the assignment before the trainer asks it
+        job = self.store.first_queued(accept=lambda j: claims.allows_job(j["id"])
+                                      and claims.allows_dataset(dataset_name(j["spec"]["dataset"])))
         if job is None:
             return NoTask(retry_ms=self.task_retry_ms)
+        if world_size(job["spec"]) > 1:
+            reply = self.gangs.join(session.name, job)
+            self._push_entitlements()  # a formed gang's providers hear of it before its ranks ask them
+            return reply
+        job = self.store.claim(session.name, self.jobs.lease_s, accept=lambda j: j["id"] == job["id"])
+        self._push_entitlements()  # the provider hears of the assignment before the trainer asks it
         log.info("job %s assigned to %s", job["id"], session.name)
         return Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"])
+
+    def on_Rendezvous(self, session: Session, msg: Rendezvous) -> Ok:
+        session.claims.check_job(msg.job)
+        self.jobs.own(session.name, msg.job)  # rank 0 holds the job
+        self.gangs.rendezvous(msg.job, msg.address)
+        return Ok()
 
     def on_Progress(self, session: Session, msg: Progress) -> Ok:
         session.claims.check_job(msg.job)
@@ -251,6 +265,7 @@ class RouterHandler(Handler):
             self._last_grants_check = now
             self._push_entitlements()
         self.jobs.tick(now)
+        self.gangs.tick(self._trainer_names())
 
     def stats(self) -> dict:
         counts = {}

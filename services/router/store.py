@@ -2,9 +2,11 @@
 router acknowledges it, so a router killed at any moment comes back with everything it said yes to).
 
 A job row holds its spec, state, lease (trainer + expiry, wall-clock seconds), attempt counters,
-last progress, last checkpoint and result. Every state transition, and every command and its
-acknowledgement, is a row in ``events``; progress reports and checkpoint records have tables of
-their own.
+last progress, last checkpoint and result. A job with ``world_size`` > 1 also holds its ``gang``
+(``{members: [trainer by rank], rendezvous, delivered: [rank, ...]}``); its ``trainer`` is rank 0,
+which holds the lease and reports for the gang (services/router/gangs.py). Every state
+transition, and every command and its acknowledgement, is a row in ``events``; progress reports
+and checkpoint records have tables of their own.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ ADDED_COLUMNS = {
     "lease_expires": "REAL",
     "failures": "INTEGER NOT NULL DEFAULT 0",
     "checkpoint": "TEXT",
+    "gang": "TEXT",
 }
 
 #: Keys of a checkpoint record and their types (what a trainer must report).
@@ -169,6 +172,49 @@ class JobStore:
                             (row["id"], now, f"assigned to {trainer}{resumed}"))
         return self.get(row["id"], events=False)
 
+    def first_queued(self, accept: Callable[[dict], bool] | None = None) -> dict | None:
+        """The queued job :meth:`claim` would hand out next (``{id, spec}``), without taking it."""
+        rows = self.db.execute("SELECT id, spec FROM jobs WHERE state = 'queued' ORDER BY priority DESC, created")
+        for r in rows:
+            job = {"id": r["id"], "spec": orjson.loads(r["spec"])}
+            if accept is None or accept(job):
+                return job
+        return None
+
+    def form_gang(self, job: str, members: list[str], lease_s: float) -> None:
+        """Start a queued job on its gathered gang: ``members[0]`` (rank 0) holds the lease."""
+        now = time.time()
+        gang = {"members": members, "rendezvous": "", "delivered": []}
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            row = self.db.execute("SELECT state, checkpoint FROM jobs WHERE id = ?", (job,)).fetchone()
+            if row is None or row["state"] != "queued":
+                raise BadRequest(f"job {job} is not queued; its gang cannot start it")
+            self.db.execute("UPDATE jobs SET state = 'running', trainer = ?, gang = ?, attempts = attempts + 1, "
+                            "lease_expires = ?, updated = ? WHERE id = ?",
+                            (members[0], orjson.dumps(gang).decode(), now + lease_s, now, job))
+            resumed = ""
+            if row["checkpoint"]:
+                ckpt = orjson.loads(row["checkpoint"])
+                resumed = f" (resumes from step {ckpt['step']}, epoch {ckpt['epoch']})"
+            ranks = ", ".join(f"{rank}: {name}" for rank, name in enumerate(members))
+            self.db.execute("INSERT INTO events VALUES (?, ?, 'running', ?)",
+                            (job, now, f"assigned to a gang of {len(members)} (rank {ranks}){resumed}"))
+
+    def update_gang(self, job: str, reason: str = "", **changes) -> dict:
+        """Change fields of a running job's gang (its ``rendezvous``, ranks ``delivered``); returns it."""
+        gang = self._as_dict(self._row(job))["gang"]
+        if gang is None:
+            raise BadRequest(f"job {job} has no gang")
+        gang.update(changes)
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute("UPDATE jobs SET gang = ? WHERE id = ?", (orjson.dumps(gang).decode(), job))
+            if reason:
+                self.db.execute("INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?",
+                                (time.time(), reason, job))
+        return gang
+
     def renew(self, job: str, lease_s: float) -> None:
         """Extend a held job's lease to ``lease_s`` from now."""
         with self.db:
@@ -223,8 +269,8 @@ class JobStore:
 
     def reopen(self, job: str, reason: str) -> None:
         """Queue a stopped or failed job again (an admin's resume), with fresh attempts."""
-        self._transition(job, "queued", reason, trainer=None, lease_expires=None, failures=0, result=None,
-                         error=None)
+        self._transition(job, "queued", reason, trainer=None, gang=None, lease_expires=None, failures=0,
+                         result=None, error=None)
 
     def release(self, job: str, reason: str, *, lost: bool) -> str:
         """Take a held job from its trainer; returns the job's new state.
@@ -240,11 +286,11 @@ class JobStore:
         limit = orjson.loads(row["spec"]).get("max_attempts", 3)
         if lost and failures >= limit:
             self._transition(job, "failed", f"{reason}; gave up after {failures} lost attempt(s) "
-                             f"(max_attempts {limit})", trainer=None, lease_expires=None, failures=failures,
+                             f"(max_attempts {limit})", trainer=None, gang=None, lease_expires=None, failures=failures,
                              error=f"lost its trainer {failures} time(s): {reason}", result="{}")
             return "failed"
         state = "paused" if row["state"] == "paused" else "queued"
-        self._transition(job, state, reason, trainer=None, lease_expires=None, failures=failures)
+        self._transition(job, state, reason, trainer=None, gang=None, lease_expires=None, failures=failures)
         return state
 
     # -- reads ----------------------------------------------------------------------------------
@@ -257,7 +303,7 @@ class JobStore:
     @staticmethod
     def _as_dict(row: sqlite3.Row) -> dict:
         out = dict(row)
-        for key in ("spec", "progress", "result", "checkpoint"):
+        for key in ("spec", "progress", "result", "checkpoint", "gang"):
             out[key] = orjson.loads(out[key]) if out[key] else None
         return out
 

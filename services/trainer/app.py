@@ -116,6 +116,9 @@ class TrainerService:
             reporter.close()
             self.current_job = None
         self.tasks[state] += 1
+        if task.rank > 0:  # rank 0 reports for the gang (services/trainer/gang.py)
+            log.info("job %s: rank %d of %d ended %s %s", task.job, task.rank, task.world_size, state, error)
+            return
         if state == "lost":
             log.warning("job %s abandoned: %s", task.job, error)
             return

@@ -1,14 +1,15 @@
 """Opt-in audit of what a trainer trained on (setting ``audit_dir``), to check exactly-once delivery.
 
 Each attempt at a job writes ``<audit_dir>/<job>.<trainer>.<pid>.<n>.jsonl``: a first line
-``{"job", "trainer", "started", "resumed_from_step"}``, then one line per batch trained on,
+``{"job", "trainer", "started", "resumed_from_step", "rank"}``, then one line per batch trained on,
 ``{"epoch", "step", "t", "samples": [digest, ...]}`` (``t``: when, Unix seconds), a digest being the first 16 hex characters of the
 blake2b of the sample's bytes and its label's bytes as the trainer received them. The lines are
 flushed as written, so a trainer killed with SIGKILL leaves every batch it trained on.
 
 :func:`effective_epochs` replays the attempts of a job: an attempt resumed from step ``S`` discards
 what earlier attempts trained after ``S`` (that model state was lost with them) — what remains is
-what the final model saw, per epoch.
+what the final model saw, per epoch. The ranks of a gang (``world_size`` > 1) are replayed each on
+its own (rank ``r`` of every attempt reads shard ``r``), and their epochs joined.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ def digest(sample: bytes, label: bytes) -> str:
 class Audit:
     """Appends the digests of every trained batch of one attempt at ``job``."""
 
-    def __init__(self, directory: str, job: str, trainer: str, resumed_from_step: int):
+    def __init__(self, directory: str, job: str, trainer: str, resumed_from_step: int, rank: int = 0):
         path = Path(directory) / f"{job}.{trainer}.{os.getpid()}.{next(_attempts)}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(path, "ab")
         self._write({"job": job, "trainer": trainer, "started": time.time(),
-                     "resumed_from_step": resumed_from_step})
+                     "resumed_from_step": resumed_from_step, "rank": rank})
 
     def _write(self, record: dict) -> None:
         self._fh.write(orjson.dumps(record) + b"\n")
@@ -57,15 +58,18 @@ class Audit:
 
 def effective_epochs(directory: str | Path, job: str) -> dict[int, Counter]:
     """Per epoch, the multiset of sample digests the job's final model was trained on."""
-    attempts = []
+    attempts: dict[int, list] = {}
     for path in Path(directory).glob(f"{job}.*.jsonl"):
         lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
         if lines:
-            attempts.append((lines[0]["started"], lines[0]["resumed_from_step"], lines[1:]))
-    batches: list[dict] = []
-    for _, resumed, records in sorted(attempts, key=lambda a: a[0]):
-        batches = [b for b in batches if b["step"] <= resumed] + records
+            head = lines[0]
+            attempts.setdefault(head.get("rank", 0), []).append((head["started"], head["resumed_from_step"],
+                                                                   lines[1:]))
     epochs: dict[int, Counter] = {}
-    for b in batches:
-        epochs.setdefault(b["epoch"], Counter()).update(b["samples"])
+    for rank_attempts in attempts.values():
+        batches: list[dict] = []
+        for _, resumed, records in sorted(rank_attempts, key=lambda a: a[0]):
+            batches = [b for b in batches if b["step"] <= resumed] + records
+        for b in batches:
+            epochs.setdefault(b["epoch"], Counter()).update(b["samples"])
     return epochs

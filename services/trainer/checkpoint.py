@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
@@ -37,7 +37,7 @@ from libbus.errors import BusError
 from services.atomic import write_atomic
 
 __all__ = ["FORMAT", "KEEP", "CheckpointError", "Restored", "job_dir", "load_checkpoint", "prune",
-           "save_checkpoint", "save_model"]
+           "read_checkpoint", "restore_checkpoint", "save_checkpoint", "save_model"]
 
 FORMAT = "batchbus-checkpoint-1"
 #: Checkpoints a trainer keeps per job (older ones are removed once a newer one is on disk).
@@ -139,6 +139,12 @@ def load_checkpoint(record: dict, model: nn.Module, optimizer: torch.optim.Optim
         CheckpointError: the file is outside ``root``, missing, its sha256 differs from the
             record's, or it is not a batchbus checkpoint of this model.
     """
+    return restore_checkpoint(read_checkpoint(record, root), record, model, optimizer)
+
+
+def read_checkpoint(record: dict, root: str) -> bytes:
+    """The bytes of the checkpoint ``record`` names, from under ``root`` (see :func:`load_checkpoint`;
+    a gang's rank 0 sends them to its other ranks). :func:`restore_checkpoint` checks them."""
     path = Path(str(record.get("path", "")))
     if not path.resolve().is_relative_to(Path(root).resolve()):
         raise CheckpointError(f"checkpoint {path} is not under this trainer's checkpoint_dir {root}")
@@ -147,15 +153,28 @@ def load_checkpoint(record: dict, model: nn.Module, optimizer: torch.optim.Optim
     except OSError as err:
         raise CheckpointError(f"checkpoint {path} cannot be read here: {err.strerror} (is checkpoint_dir "
                               f"shared between trainers?)") from err
+    return data
+
+
+def _metadata(data: bytes) -> dict:
+    """A safetensors blob's string metadata (its header is 8 bytes of length, then JSON)."""
+    size = int.from_bytes(data[:8], "little")
+    return orjson.loads(data[8:8 + size]).get("__metadata__") or {}
+
+
+def restore_checkpoint(data: bytes, record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
+    """Restore model, optimizer and random generators from checkpoint bytes ``data`` (read here, or
+    received from a gang's rank 0), checked against ``record``'s sha256 first. Raises
+    :class:`CheckpointError` as :func:`load_checkpoint` does."""
+    path = record.get("path")
     digest = hashlib.sha256(data).hexdigest()
     if digest != record.get("sha256"):
         raise CheckpointError(f"checkpoint {path} has sha256 {digest[:12]}…, the router recorded "
                               f"{str(record.get('sha256'))[:12]}…: changed or truncated")
     try:
         tensors = load_safetensors(data)
-        with safe_open(str(path), "pt") as fh:
-            meta = fh.metadata() or {}
-    except (SafetensorError, OSError) as err:
+        meta = _metadata(data)
+    except (SafetensorError, ValueError, AttributeError) as err:
         raise CheckpointError(f"checkpoint {path} is not a readable safetensors file: {err}") from err
     if meta.get("batchbus") != FORMAT:
         raise CheckpointError(f"{path} is not a {FORMAT} file (format {meta.get('batchbus')!r})")

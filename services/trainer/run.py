@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 import torch
 from safetensors.torch import save as save_safetensors
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from libbus.client import Client, Identity
 from libbus.config import Settings
 from libbus.errors import BadRequest, BusError, NotFound, PeerTimeout, Unavailable
-from libbus.jobs import JobSpec
+from libbus.jobs import SETTABLE, JobSpec
 from libbus.curve import curve_key_of
 from libbus.link import Link
 from libbus.loader import RemoteLoader, pick_provider
@@ -24,9 +25,11 @@ from services.models import TOKENS, batch_loss, build_model, dataset_kind, evalu
 from services.sdnotify import Notifier
 
 from .audit import Audit
-from .checkpoint import CheckpointError, job_dir, load_checkpoint, prune, save_checkpoint, save_model
+from .checkpoint import (CheckpointError, job_dir, prune, read_checkpoint, restore_checkpoint, save_checkpoint,
+                         save_model)
 from .control import Controls, Lost, Stopped
 from .evaluation import LiveEvaluations
+from .gang import Code, Gang, GangError, advertised_host
 from .reports import Reporter
 
 __all__ = ["TaskRun", "apply_hyper", "make_optimizer"]
@@ -83,6 +86,9 @@ class TaskRun:
     fresh checkpoint) or ``lost`` (the router gave the job away: push nothing). Commands
     (:mod:`.control`) are applied between batches, where the loader's position equals the samples
     trained on, so a checkpoint taken there resumes at the exact next sample.
+
+    In a gang (``task.world_size`` > 1, :mod:`.gang`) rank 0 does all of that for the gang; the
+    other ranks train their shards in step with it and report nothing (their state is not pushed).
     """
 
     def __init__(self, task: Task, settings: Settings, link: Link, identity: Identity,
@@ -98,7 +104,13 @@ class TaskRun:
         self.notifier = notifier or Notifier()
         self.history: list[dict] = []
         self.step = 0
+        #: Rank 0 (or a job's only trainer) reports, checkpoints and scores; other ranks only train.
+        self.lead = task.rank == 0
+        self.gang: Gang | None = None
+        self._shutting_down = False
         self.directory = job_dir(settings.checkpoint_dir, self.job)
+        if not self.lead:  # the final weights of this rank (identical to rank 0's) go apart
+            self.directory = self.directory / f"rank-{task.rank}"
         self.last_checkpoint: dict | None = None
         self.resumed_from: dict | None = None
         self.model: nn.Module | None = None
@@ -111,7 +123,7 @@ class TaskRun:
         self.provider: dict | None = None
         self.evaluations = LiveEvaluations(self.job, identity, EVALUATE_TIMEOUT_S)
         self.controls = Controls(self.job, commands, reporter, checkpoint=self._checkpoint,
-                                 set_hyper=self._set_hyper, report=self._maybe_report,
+                                 set_hyper=self._set_hyper, report=self._while_paused,
                                  before_stop=self._before_stop, evaluate=self._evaluate_now)
 
     def run(self) -> tuple[str, dict, str]:
@@ -128,17 +140,27 @@ class TaskRun:
         except Lost:
             evaluation_wait_s = 0.0  # the router takes nothing more of this job from here
             return "lost", {}, str(self.reporter.lost)
+        except RuntimeError as err:
+            if self.gang is None:
+                raise
+            # a collective inside backward() (DDP) breaks when another rank is gone
+            return self._failed(GangError(f"rank {self.task.rank}: the gang broke: {err}"))
         except BusError as err:
-            log.error("job %s failed: %s", self.job, err)
-            # a provider that did not answer or is gone may be back for the next attempt
-            retryable = isinstance(err, (PeerTimeout, Unavailable, NotFound))
-            return "failed", {"history": self.history, "retryable": retryable}, f"{type(err).__name__}: {err}"
+            return self._failed(err)
         finally:
             if self.audit is not None:
                 self.audit.close()
             if self.evaluations.running:
                 with self.notifier.extended(evaluation_wait_s):
                     self.evaluations.join(evaluation_wait_s)
+            if self.gang is not None:
+                self.gang.close()
+
+    def _failed(self, err: BusError) -> tuple[str, dict, str]:
+        log.error("job %s failed: %s", self.job, err)
+        # a provider that did not answer or is gone (or a rank of the gang) may be back for the next attempt
+        retryable = isinstance(err, (PeerTimeout, Unavailable, NotFound))
+        return "failed", {"history": self.history, "retryable": retryable}, f"{type(err).__name__}: {err}"
 
     # -- what commands call ---------------------------------------------------------------------
     def _set_hyper(self, changes: dict) -> dict:
@@ -156,13 +178,67 @@ class TaskRun:
 
     def _before_stop(self) -> None:
         """Stopped or handed back, the job can resume exactly here; if this checkpoint cannot be
-        written, it resumes from the last one (what it trained since is done again)."""
+        written, it resumes from the last one (what it trained since is done again). The gang's
+        other ranks stop at this same step."""
+        if self.gang is not None:
+            try:
+                self.gang.sync(Code.STOP, self._hyper())
+            except GangError as err:  # the others are gone already: the stop stands
+                log.warning("job %s: %s", self.job, err)
+        self._checkpoint_quietly()
+
+    def _checkpoint_quietly(self) -> None:
         if self.model is None or not (self.step or self.last_checkpoint):
             return
         try:
             self._checkpoint()
         except CheckpointError as err:
             log.error("job %s: no checkpoint on stop: %s", self.job, err)
+
+    # -- the gang (world_size > 1) -----------------------------------------------------------------
+    def _hyper(self) -> dict:
+        return {k: getattr(self.spec, k) for k in SETTABLE}
+
+    def _check(self) -> None:
+        """Apply commands: :meth:`Controls.check`, and in a gang every rank does what rank 0 decided,
+        at this same step (:mod:`.gang`)."""
+        if self.gang is None:
+            self.controls.check()
+            return
+        if self.lead:
+            self.controls.check()  # a stop has told the gang already (_before_stop)
+            self._follow(*self.gang.sync(Code.RUN, self._hyper()))
+            return
+        self._follow(*self.gang.sync(self._own_code(), self._hyper()))
+
+    def _own_code(self) -> Code:
+        """A rank above 0 hears no commands from the router; only its own trainer's shutdown."""
+        while not self.controls.commands.empty():
+            if self.controls.commands.get_nowait().command == "shutdown":
+                self._shutting_down = True
+        return Code.HANDBACK if self._shutting_down else Code.RUN
+
+    def _follow(self, code: Code, hyper: dict) -> None:
+        """Do what the gang decided: take rank 0's hyper-parameters, wait out a pause, end."""
+        if not self.lead and hyper != self._hyper():
+            self._set_hyper(hyper)
+        while code == Code.PAUSE and not self.lead:
+            self.notifier.watchdog()
+            code, hyper = self.gang.sync(self._own_code(), self._hyper())
+            if hyper != self._hyper():
+                self._set_hyper(hyper)
+        if code == Code.RUN or (self.lead and code == Code.PAUSE):
+            return
+        if self.lead:  # another rank's trainer is shutting down: the gang hands the job back
+            log.info("job %s: a rank of the gang is shutting down; handing the job back", self.job)
+            self._checkpoint_quietly()
+        raise Stopped(handback=code == Code.HANDBACK)
+
+    def _while_paused(self) -> None:
+        """Called while rank 0 (or a lone trainer) is paused: reports, and keeps the gang paused."""
+        self._maybe_report()
+        if self.gang is not None:
+            self._follow(*self.gang.sync(Code.PAUSE, self._hyper()))
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _checkpoint(self) -> dict:
@@ -181,10 +257,12 @@ class TaskRun:
 
     def _resume(self, record: dict) -> bool:
         """Continue from the checkpoint the router handed over. False if it cannot be used (missing
-        here, changed, or from another dataset size): the job then starts over."""
+        here, changed, or from another dataset size): the job then starts over. In a gang rank 0
+        reads it and every rank restores the same bytes (each its own shard at the same cursor)."""
         try:
+            data = self._checkpoint_bytes(record)
             self.train.load_state_dict(record.get("cursor") or {})
-            restored = load_checkpoint(record, self.model, self.optimizer, self.settings.checkpoint_dir)
+            restored = restore_checkpoint(data, record, self.model, self.optimizer)
         except BusError as err:
             log.warning("job %s: cannot resume from %s: %s; starting over", self.job, record.get("path"), err)
             self.resumed_from = {"error": str(err)}
@@ -201,6 +279,22 @@ class TaskRun:
                  self.train.epoch, self.train.position)
         return True
 
+    def _checkpoint_bytes(self, record: dict) -> bytes:
+        if self.gang is None:
+            return read_checkpoint(record, self.settings.checkpoint_dir)
+        data, error = b"", None
+        if self.lead:
+            try:
+                data = read_checkpoint(record, self.settings.checkpoint_dir)
+            except CheckpointError as err:
+                error = err
+        data = self.gang.share(data)  # empty: rank 0 cannot read it, every rank starts over
+        if error is not None:
+            raise error
+        if not data:
+            raise CheckpointError(f"rank 0 could not read checkpoint {record.get('path')}")
+        return data
+
     # -- training ---------------------------------------------------------------------------------
     def _report(self, progress: dict) -> None:
         self._last_report = time.monotonic()
@@ -211,7 +305,7 @@ class TaskRun:
         Called after every step and while paused, so neither a long epoch nor a long pause is
         silence to systemd."""
         self.notifier.watchdog()
-        if time.monotonic() - self._last_report >= self.settings.progress_interval_s:
+        if self.lead and time.monotonic() - self._last_report >= self.settings.progress_interval_s:
             self._report(self._progress(self.train.epoch, len(self.train), self.train))
 
     def _resolve(self) -> Message:
@@ -236,6 +330,9 @@ class TaskRun:
         log.info("job %s: %s on %s from %s (%s)", self.job, spec.model, spec.dataset, provider["name"],
                  provider["endpoint"])
         device = self._device()
+        if self.task.world_size > 1:
+            self.gang = Gang(self.task, self.link, advertised_host(s.advertise, s.router), device,
+                             s.request_timeout_s)
         torch.manual_seed(spec.seed)
         model = self.model = build_model(spec.model, info, **spec.model_kwargs).to(device)
         optimizer = self.optimizer = make_optimizer(spec, model.parameters())
@@ -249,36 +346,40 @@ class TaskRun:
                   "name": self.identity.name, "device": str(device), "shm": s.shm, "shm_slots": s.shm_slots,
                   "host_id": self.identity.host_id, "curve": self.identity.curve}
         train = self.train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle,
-                                          block_size=spec.block_size, seed=spec.seed, **common)
-        val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common)
+                                          block_size=spec.block_size, seed=spec.seed, **self._shard(), **common)
+        val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common) if self.lead else None
         if self.task.resume and not self._resume(self.task.resume):
             torch.manual_seed(spec.seed)  # a checkpoint half loaded must not leak into the fresh start
             model = self.model = build_model(spec.model, info, **spec.model_kwargs).to(device)
             optimizer = self.optimizer = make_optimizer(spec, model.parameters())
+        net = model if self.gang is None else DistributedDataParallel(model, device_ids=self.gang.device_ids)
         if s.audit_dir:
-            self.audit = Audit(s.audit_dir, self.job, self.identity.name, self.step)
+            self.audit = Audit(s.audit_dir, self.job, self.identity.name, self.step, rank=self.task.rank)
         meter = self.meter
         steps_per_epoch = len(train)
         try:
             for epoch in range(train.epoch, spec.epochs):
                 train.set_epoch(epoch)
                 self.notifier.status(f"running job {self.job} epoch {epoch + 1}/{spec.epochs}")
-                self.controls.check()
+                self._check()
                 model.train()
                 for x, y in train:
                     if self.audit is not None:
                         self.audit.record(epoch, self.step + 1, x, y)
                     optimizer.zero_grad(set_to_none=True)
-                    loss = batch_loss(model, x, y, kind)
+                    loss = batch_loss(net, x, y, kind)
                     loss.backward()
                     optimizer.step()
                     self.step += 1
                     meter.add(len(x), loss.item())
-                    if spec.checkpoint_every and self.step % spec.checkpoint_every == 0:
+                    if self.lead and spec.checkpoint_every and self.step % spec.checkpoint_every == 0:
                         self._checkpoint()
                     self._maybe_report()
                     # here the loader's position is exactly the samples trained on
-                    self.controls.check()
+                    self._check()
+                if not self.lead:  # rank 0 scores, checkpoints and reports for the gang
+                    self._check()
+                    continue
                 val_loss, val_acc, _ = evaluate(model, self._watched(val), kind)
                 epoch_record = {"epoch": epoch + 1, "train_loss": meter.take_loss(),
                                 "val_loss": val_loss, "val_accuracy": val_acc}
@@ -289,13 +390,18 @@ class TaskRun:
                          spec.epochs, val_loss, val_acc)
                 self._checkpoint()
                 self._report(self._progress(epoch + 1, steps_per_epoch, train))
-                self.controls.check()
+                self._check()
         finally:
             train.close()
-            val.close()
+            if val is not None:
+                val.close()
+        if not self.lead:
+            return {"rank": self.task.rank, "step": self.step,
+                    "model": save_model(self.directory, model, {"job": self.job, "rank": str(self.task.rank),
+                                                                "step": str(self.step)})}
         result = {**self._progress(spec.epochs, steps_per_epoch, train),
                   "val_loss": self.history[-1]["val_loss"], "val_accuracy": self.history[-1]["val_accuracy"],
-                  "provider": provider["name"]}
+                  "provider": provider["name"], "world_size": self.task.world_size}
         if kind == TOKENS:
             result["val_perplexity"] = self.history[-1]["val_perplexity"]
         if spec.evaluate:
@@ -309,12 +415,20 @@ class TaskRun:
                                                             "step": str(self.step)})
         return result
 
+    def _shard(self) -> dict:
+        """A gang's rank reads its own shard of ``train``; all as many batches (DDP steps together)."""
+        if self.task.world_size == 1:
+            return {}
+        return {"rank": self.task.rank, "world_size": self.task.world_size, "drop_uneven": True}
+
     def _progress(self, epoch: int, steps_per_epoch: int, loader: RemoteLoader) -> dict:
+        """What rank 0 reports; ``samples`` counts the whole gang (every rank trains as many)."""
         meter = self.meter
         elapsed = max(1e-9, time.monotonic() - meter.started)
         last_loss = meter.loss_sum / meter.loss_n if meter.loss_n else None
         return {"epoch": epoch, "epochs": self.spec.epochs, "step": self.step, "steps_per_epoch": steps_per_epoch,
-                "loss": last_loss, "samples": meter.samples, "samples_per_s": meter.samples / elapsed,
+                "loss": last_loss, "samples": meter.samples * self.task.world_size,
+                "samples_per_s": meter.samples * self.task.world_size / elapsed,
                 "data_wait_s": loader.wait_s, "transport": loader.transport,
                 "data_wait_pct": 100.0 * loader.wait_s / elapsed, "elapsed_s": elapsed, "state": self.controls.state,
                 "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else None,

@@ -1,0 +1,120 @@
+"""Gangs: the trainers of one job with ``world_size`` > 1, gathered and started together.
+
+The rules, in one place:
+
+- **Gathering.** A queued job with ``world_size: N`` is taken by no single trainer. Each trainer that
+  asks for work (``GetTask``) while it is the best queued job it may take joins its gang, in the
+  order they ask (that order is their rank), and is told to ask again shortly (``NoTask``). Members
+  are kept in the router's memory only: a member that disconnects, or a job that stops being
+  queued (paused, stopped), leaves or dissolves the gathering, and a router that restarts gathers
+  anew (the trainers keep asking).
+- **Start.** With N members the job turns ``running`` under one lease held by rank 0 (``trainer`` of
+  the job row; the gang's members, rendezvous and delivered ranks are in its ``gang`` column). Rank 0
+  gets its ``Task`` at its next ``GetTask``, opens a torch.distributed TCPStore on its host and
+  reports its address (``Rendezvous``); each other rank gets its ``Task`` with that address at its
+  next ``GetTask``.
+- **One voice.** Rank 0 alone reports progress, checkpoints, command acknowledgements and the
+  result; commands go to rank 0, which relays them to the other ranks at the next step
+  (services/trainer/gang.py). The other ranks' liveness is watched by the gang itself: a rank that
+  dies breaks rank 0's next collective, and rank 0 fails the attempt as retryable (counted against
+  ``max_attempts``). Rank 0's own lease works as for any job: when it lapses the whole attempt is
+  released and the job requeued from its last checkpoint, to be gathered again.
+- A rank above 0 that asks for work again after its ``Task`` has finished its part (or left it):
+  the job stays with rank 0, which decides its fate.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from libbus.errors import BadRequest, NotFound
+from libbus.messages import NoTask, Task
+
+from .store import JobStore
+
+__all__ = ["Gangs", "GANG_POLL_MS", "world_size"]
+
+log = logging.getLogger(__name__)
+
+#: How soon a gathering member asks again (a gang starts when the last member asks).
+GANG_POLL_MS = 100
+_ADDRESS = re.compile(r"^tcp://[A-Za-z0-9.\-:\[\]]{1,255}:\d{1,5}$")
+
+
+def world_size(spec: dict) -> int:
+    return int(spec.get("world_size", 1))
+
+
+class Gangs:
+    """Gathers gangs for queued jobs and hands their ranks their tasks.
+
+    Args:
+        store: the job database.
+        lease_s: the lease a started gang's rank 0 gets.
+        retry_ms: what a trainer waiting on its gang is told to wait before asking again.
+    """
+
+    def __init__(self, store: JobStore, lease_s: float, retry_ms: int = GANG_POLL_MS):
+        self.store = store
+        self.lease_s = lease_s
+        self.retry_ms = retry_ms
+        #: job id -> the trainers gathered for it so far, in rank order.
+        self.gathering: dict[str, list[str]] = {}
+
+    def task_for(self, trainer: str) -> Task | NoTask | None:
+        """``trainer``'s answer when it is in a gang: its ``Task`` once it may start, ``NoTask``
+        while its gang gathers or waits for rank 0's rendezvous; None when it is in no gang."""
+        for job in self.store.held():
+            gang = job["gang"]
+            if not gang or trainer not in gang["members"]:
+                continue
+            rank = gang["members"].index(trainer)
+            if rank in gang["delivered"]:
+                continue  # it ran (or left) its part: it asks for new work
+            if rank > 0 and not gang["rendezvous"]:
+                return NoTask(retry_ms=self.retry_ms)
+            self.store.update_gang(job["id"], f"rank {rank} handed to {trainer}",
+                                   delivered=sorted({*gang["delivered"], rank}))
+            return Task(job=job["id"], spec=job["spec"], rank=rank, world_size=len(gang["members"]),
+                        resume=job["checkpoint"], rendezvous=gang["rendezvous"])
+        if any(trainer in members for members in self.gathering.values()):
+            return NoTask(retry_ms=self.retry_ms)
+        return None
+
+    def join(self, trainer: str, job: dict) -> Task | NoTask:
+        """``trainer`` joins the gang gathering for queued ``job`` (``{id, spec}``); the member that
+        completes it starts the job."""
+        members = self.gathering.setdefault(job["id"], [])
+        members.append(trainer)
+        size = world_size(job["spec"])
+        self.store.event(job["id"], f"{trainer} joined its gang ({len(members)}/{size})")
+        if len(members) < size:
+            return NoTask(retry_ms=self.retry_ms)
+        del self.gathering[job["id"]]
+        self.store.form_gang(job["id"], members, self.lease_s)
+        log.info("job %s: gang of %d formed: %s", job["id"], size, ", ".join(members))
+        return self.task_for(trainer) or NoTask(retry_ms=self.retry_ms)
+
+    def rendezvous(self, job_id: str, address: str) -> dict:
+        """Rank 0 of ``job_id`` meets its gang at ``address``; the caller checked it is rank 0."""
+        if not _ADDRESS.match(address):
+            raise BadRequest(f"rendezvous address must be tcp://HOST:PORT, got {address!r}")
+        return self.store.update_gang(job_id, f"rank 0 waits for its gang at {address}", rendezvous=address)
+
+    def tick(self, connected: set[str]) -> None:
+        """Members that disconnected leave their gathering; a job no longer queued dissolves it."""
+        for job_id, members in list(self.gathering.items()):
+            try:
+                state = self.store.get(job_id, events=False)["state"]
+            except NotFound:
+                state = "gone"
+            if state != "queued":
+                del self.gathering[job_id]
+                continue
+            gone = [m for m in members if m not in connected]
+            for member in gone:
+                members.remove(member)
+                self.store.event(job_id, f"{member} left its gathering gang (disconnected)")
+            if not members:
+                del self.gathering[job_id]
