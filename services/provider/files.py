@@ -88,14 +88,17 @@ def local_path(parts: SplitResult) -> Path:
 
 def _read_toml(root: Path) -> dict:
     path = root / TOML
-    if not path.is_file():
-        return {}
+    return parse_dataset_toml(path.read_bytes(), str(path)) if path.is_file() else {}
+
+
+def parse_dataset_toml(data: bytes, where: str) -> dict:
+    """A ``dataset.toml``'s keys, checked; :class:`DatasetError` naming ``where`` (a path or URL)."""
     try:
-        toml = tomllib.loads(path.read_text())
+        toml = tomllib.loads(data.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise DatasetError(f"{path}: not valid TOML: {err}") from err
+        raise DatasetError(f"{where}: not valid TOML: {err}") from err
     if unknown := toml.keys() - TOML_KEYS:
-        raise DatasetError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; expected "
+        raise DatasetError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected "
                            f"{', '.join(sorted(TOML_KEYS))}")
     return toml
 

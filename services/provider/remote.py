@@ -24,14 +24,13 @@ of the system's). File sizes are learned once at start-up.
 from __future__ import annotations
 
 import re
-import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 from urllib.parse import SplitResult, urljoin, urlunsplit
 
 from libbus.errors import DatasetError
 
-from .files import TOML_KEYS, parse_settings
+from .files import parse_dataset_toml, parse_settings
 from .formats import npy, raw, tokens
 from .formats.dataset import MEMORY_MODES, Context, FileSource
 from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile
@@ -214,16 +213,7 @@ def _manifest(murl: str, data: bytes) -> dict:
 
 def _read_toml(root: RemoteDir) -> dict:
     path = root / TOML
-    if not path.is_file():
-        return {}
-    try:
-        toml = tomllib.loads(root.client.get(path.url).decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise DatasetError(f"{path.url}: not valid TOML: {err}") from err
-    if unknown := toml.keys() - TOML_KEYS:
-        raise DatasetError(f"{path.url}: unknown key(s) {', '.join(sorted(unknown))}; expected "
-                           f"{', '.join(sorted(TOML_KEYS))}")
-    return toml
+    return parse_dataset_toml(root.client.get(path.url), path.url) if path.is_file() else {}
 
 
 def open_http_source(uri: str, parts: SplitResult, params: dict) -> Source:
