@@ -146,10 +146,12 @@ def raw_dealer():
 
 
 @pytest.fixture
-def trainer(make_settings, router):
+def trainer(make_settings, router, state_dir):
     """A trainer service on its own thread, registered with the router, stopped after the test."""
     from services.trainer.app import TrainerService
-    service = TrainerService(make_settings(router=router.endpoint, name="trainer-test"))
+    # audit_dir: every sample it trains on is logged, so a test can check each epoch saw the dataset once
+    service = TrainerService(make_settings(router=router.endpoint, name="trainer-test",
+                                           audit_dir=str(state_dir / "audit")))
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
     thread.start()

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from libbus.loader import RemoteLoader
 from libbus.messages import Resolve, Stats, SubmitJob
 from libbus.replicas import Replica, info_mismatch, pick
 from services.provider.sources import open_source
+from services.trainer.audit import digest, effective_epochs
 
 from .conftest import _run, wait_job
 
@@ -355,4 +357,9 @@ def test_a_job_keeps_training_through_a_killed_replica(router, spawn, trainer, c
     assert served_batches(endpoints[other], token) > 0
     assert [h["epoch"] for h in info["result"]["history"]] == [1, 2]
     assert info["result"]["test_n"] == 120  # scored on the replica left
+    # every epoch trained on every sample exactly once, the kill notwithstanding
+    x, y = open_source(URI).read("train", np.arange(open_source(URI).num_samples("train")))
+    dataset = Counter(digest(x[i].tobytes(), y[i].tobytes()) for i in range(len(x)))
+    epochs = effective_epochs(trainer.settings.audit_dir, job)
+    assert sorted(epochs) == [0, 1] and all(seen == dataset for seen in epochs.values())
     assert any(f"provider {first}" in r.message and "dropped" in r.message for r in caplog.records)
