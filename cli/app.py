@@ -9,14 +9,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from libbus.auth import ROLES, ensure_secret
 from libbus.config import load_settings
-from libbus.errors import BusError, ConfigError
 from libbus.jobs import JOB_STATES, SETTABLE
 from libbus.messages import ControlJob, GetJob, GetModel, ListJobs, ListPeers, Stats, SubmitJob
 
 from . import tables
 from .common import admin_client, fail, guard, print_json, settings_from, setup_logging
+from .options import Bind, Config, Json, LogLevel, MetricsBind, Name, ReadyFile, Router, SecretFile, StateDir, Token
+from .tokens import keys_app, token_app
 from .units import install_units
 from .watch import watch_job
 
@@ -26,10 +26,8 @@ app = typer.Typer(name="busctl", no_args_is_help=True, add_completion=False,
                        "this one lives in the project's environment.)")
 start_app = typer.Typer(no_args_is_help=True, help="Run a service in the foreground (systemd-friendly).")
 job_app = typer.Typer(no_args_is_help=True, help="Inspect or control one job.")
-token_app = typer.Typer(no_args_is_help=True, help="Mint and inspect tokens; create the cluster secret or signing key.")
 config_app = typer.Typer(no_args_is_help=True, help="Show the effective settings.")
 shm_app = typer.Typer(no_args_is_help=True, help="Shared-memory rings on this host.")
-keys_app = typer.Typer(no_args_is_help=True, help="CURVE key pairs: encrypted, key-authenticated connections (docs/security.md).")
 app.add_typer(start_app, name="start")
 app.add_typer(job_app, name="job")
 app.add_typer(token_app, name="token")
@@ -38,18 +36,6 @@ app.add_typer(shm_app, name="shm")
 app.add_typer(keys_app, name="keys")
 app.command("install-units")(guard(install_units))
 
-# Options shared by many commands, declared once.
-Config = Annotated[Optional[str], typer.Option("--config", help="TOML settings file (or BATCHBUS_CONFIG).")]
-Router = Annotated[Optional[str], typer.Option("--router", help="Router address (or BATCHBUS_ROUTER).")]
-SecretFile = Annotated[Optional[str], typer.Option("--secret-file", help="Cluster secret (or BATCHBUS_SECRET_FILE).")]
-StateDir = Annotated[Optional[str], typer.Option("--state-dir", help="State directory (or BATCHBUS_STATE_DIR).")]
-Token = Annotated[Optional[str], typer.Option("--token", help="Use this token (or BATCHBUS_TOKEN).")]
-Bind = Annotated[Optional[str], typer.Option("--bind", help="Address to bind, e.g. tcp://0.0.0.0:5555.")]
-Name = Annotated[Optional[str], typer.Option("--name", help="Service name (default role-host-pid).")]
-LogLevel = Annotated[Optional[str], typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR.")]
-ReadyFile = Annotated[Optional[Path], typer.Option("--ready-file", help="Write the bound endpoint here once serving.")]
-Json = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
-MetricsBind = Annotated[Optional[str], typer.Option("--metrics-bind", help="Serve Prometheus /metrics on HOST:PORT (docs/operations.md).")]
 
 
 def _write_ready(path: Path | None, endpoint: str) -> None:
@@ -412,137 +398,6 @@ def fetch(dataset: Annotated[str, typer.Argument(help="Dataset name (or remote:/
     from .data import fetch_command
     fetch_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
                   dataset, split, indices, out=out, json=json, epoch=epoch)
-
-
-@token_app.command("issue")
-@guard
-def token_issue(role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES)}.")],
-                name: Annotated[str, typer.Option(help="The token's subject.")] = "",
-                ttl: Annotated[float, typer.Option(help="Lifetime in seconds.")] = 24 * 3600.0,
-                dataset: Annotated[Optional[list[str]], typer.Option("--dataset", help="Restrict the token to this dataset (repeatable; default: all).")] = None,
-                job: Annotated[Optional[list[str]], typer.Option("--job", help="Restrict the token to this job id (repeatable; default: all).")] = None,
-                alg: Annotated[Optional[str], typer.Option("--alg", help="HS256 or EdDSA (default: token_alg setting).")] = None,
-                issuer: Annotated[Optional[str], typer.Option("--issuer", help="The iss claim (default: token_issuer, else the cluster).")] = None,
-                signing_key_file: Annotated[Optional[str], typer.Option("--signing-key-file", help="EdDSA signing key (or BATCHBUS_SIGNING_KEY_FILE).")] = None,
-                config: Config = None, secret_file: SecretFile = None, state_dir: StateDir = None) -> None:
-    """Print a signed token for ROLE: from the cluster secret (HS256) or the signing key (EdDSA)."""
-    from services.runtime import mint_token, signing_key
-    s = settings_from(config, secret_file=secret_file, state_dir=state_dir, token_alg=alg,
-                      token_issuer=issuer, signing_key_file=signing_key_file)
-    typer.echo(mint_token(s, signing_key(s), role=role, sub=name or role, ttl_s=ttl,
-                          datasets=dataset or None, jobs=job or None))
-
-
-@token_app.command("inspect")
-@guard
-def token_inspect(token: Annotated[str, typer.Argument(help="The token to show ('-' reads it from stdin).")],
-                  config: Config = None, secret_file: SecretFile = None, state_dir: StateDir = None,
-                  public_key_file: Annotated[Optional[str], typer.Option("--public-key-file", help="EdDSA public key (or BATCHBUS_PUBLIC_KEY_FILE).")] = None,
-                  alg: Annotated[Optional[str], typer.Option("--alg", help="Verify as HS256 or EdDSA (default: token_alg setting).")] = None,
-                  json: Json = False) -> None:
-    """Print a token's claims: verified with this node's key where it has one, else marked UNVERIFIED."""
-    import sys
-    import time
-    from libbus.auth import inspect_token, verify_token
-    from services.runtime import verify_key
-    if token == "-":
-        token = sys.stdin.read().strip()
-    s = settings_from(config, secret_file=secret_file, state_dir=state_dir, public_key_file=public_key_file,
-                      token_alg=alg)
-    header, claims = inspect_token(token)
-    try:
-        key = verify_key(s)
-    except ConfigError as err:
-        status, detail = "UNVERIFIED", f"no {s.token_alg} key here ({err})"
-    else:
-        try:
-            verify_token(token, key, audience=s.cluster, issuer=s.token_issuer, algorithm=s.token_alg)
-            status, detail = "VERIFIED", f"{s.token_alg} signature, audience, issuer and lifetime check out"
-        except BusError as err:
-            status, detail = "INVALID", f"{err} [{err.code}]"
-    if json:
-        print_json({"status": status, "detail": detail, "header": header, "claims": claims})
-    else:
-        typer.echo(f"{status}: {detail}")
-        typer.echo(f"  alg: {header.get('alg')}")
-        for key_name, value in claims.items():
-            if key_name in ("iat", "nbf", "exp") and isinstance(value, (int, float)):
-                value = f"{value} ({time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(value))})"
-            typer.echo(f"  {key_name}: {value}")
-    if status == "INVALID":
-        raise typer.Exit(1)
-
-
-@token_app.command("revoke")
-@guard
-def token_revoke(what: Annotated[str, typer.Argument(help="The token to revoke ('-' reads it from stdin), or its bare jti.")],
-                 reason: Annotated[str, typer.Option(help="Why: kept with the revocation.")] = "",
-                 keep: Annotated[Optional[float], typer.Option("--keep", help="For a bare jti: seconds to keep refusing it (default: token_ttl_s). A whole token is refused until it expires.")] = None,
-                 config: Config = None, router: Router = None, secret_file: SecretFile = None,
-                 state_dir: StateDir = None, token: Token = None) -> None:
-    """Revoke a token on every service: the router stores it (a restart keeps it), refuses it, closes
-    its sessions and tells every provider, which does the same."""
-    import sys
-    import time
-    from libbus.auth import inspect_token
-    from libbus.messages import RevokeToken
-    if what == "-":
-        what = sys.stdin.read().strip()
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
-    if what.count(".") == 2:  # a JWT: take its id and expiry from it
-        _, claims = inspect_token(what)
-        jti, exp = claims.get("jti"), claims.get("exp")
-        if not isinstance(jti, str) or not isinstance(exp, (int, float)):
-            fail("that token has no jti or exp claim: nothing to revoke", 2)
-    else:
-        jti, exp = what, time.time() + (s.token_ttl_s if keep is None else keep)
-    with admin_client(s) as client:
-        client.request(RevokeToken(jti=jti, exp=float(exp), reason=reason))
-    typer.echo(f"revoked {jti} until {time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(exp))}")
-
-
-@token_app.command("revoked")
-@guard
-def token_revoked(config: Config = None, router: Router = None, secret_file: SecretFile = None,
-                  state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
-    """Tokens revoked and not yet expired, newest first."""
-    from libbus.messages import ListRevoked
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
-    with admin_client(s) as client:
-        rows = client.request(ListRevoked()).revoked
-    print_json(rows) if json else tables.revoked(rows)
-
-
-@keys_app.command("gen")
-@guard
-def keys_gen(name: Annotated[str, typer.Argument(help="The key's name: the service (or admin) that uses it; tokens for it carry this subject.")],
-             out: Annotated[Path, typer.Option("--dir", help="Where to write NAME.key and NAME.key_secret.")] = Path(".")) -> None:
-    """Create a CURVE key pair: NAME.key_secret (0600, stays on its node; curve_key_file) and
-    NAME.key (public: copy it into the authorized directory of every server it connects to;
-    the router's goes to every node as curve_router_key)."""
-    from libbus.curve import generate_keys
-    public, secret_path = generate_keys(out, name)
-    typer.echo(f"public key {public} (copy to the servers' curve_authorized_dir)\n"
-               f"secret key {secret_path} (0600, keep it on this node)")
-
-
-@token_app.command("keygen")
-@guard
-def token_keygen(path: Annotated[Path, typer.Argument(help="Where to write the Ed25519 signing key (mode 0600); the public key goes to PATH.pub.")]) -> None:
-    """Create an EdDSA signing key (keep it on the administrator's machine) and its public key
-    (copy PATH.pub to every node as public_key_file; set token_alg = "EdDSA")."""
-    from libbus.auth import generate_signing_key
-    key, pub = generate_signing_key(path)
-    typer.echo(f"signing key {key} (0600, keep it private)\npublic key {pub} (copy to every node)")
-
-
-@token_app.command("secret")
-@guard
-def token_secret(path: Annotated[Path, typer.Argument(help="Where to create the secret (mode 0600).")]) -> None:
-    """Create a cluster secret file if it does not exist yet; copy it to every node."""
-    existed = path.exists()
-    ensure_secret(path)
-    typer.echo(f"{path} {'already exists' if existed else 'created'}")
 
 
 @shm_app.command("ls")
