@@ -1,7 +1,7 @@
 """Read token batches over ``http://`` from a local range server and compare concurrency settings.
 
 Writes 4 token shards of 16 MiB, serves them with the test suite's range server
-(``tests/httpd.py``, so run it from a checkout) in another process with ``--delay-ms`` added to
+(``tests/support/httpd.py``, so run it from a checkout) in another process with ``--delay-ms`` added to
 every request (a stand-in for network latency), and reads 20 batches of 64 samples of 2 KiB, random
 and sequential, with ``concurrency`` 1 and 8. Checks every batch against ``file://``::
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(4):
             tokens = rng.integers(0, 50000, 8 << 20, dtype=np.uint16)
             (root / "tok" / f"s-{i}.bin").write_bytes(tokens.tobytes())
-        code = ("import sys, time; from pathlib import Path; from tests.httpd import RangeServer; "
+        code = ("import sys, time; from pathlib import Path; from tests.support.httpd import RangeServer; "
                 "s = RangeServer(Path(sys.argv[1])); s.delay_s = float(sys.argv[2]) / 1000; "
                 "print(s.url, flush=True); time.sleep(3600)")
         server = subprocess.Popen([sys.executable, "-c", code, str(root), str(args.delay_ms)],

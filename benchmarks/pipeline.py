@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from services.provider.pipeline import Pipeline
+from services.provider.sources.pipeline import Pipeline
 from services.provider.sources import Source, open_source
-from services.provider.stages import Chunk
+from services.provider.sources.pipeline.stages import Chunk
 
 STAGES = """
 [[stages]]

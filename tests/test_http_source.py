@@ -1,4 +1,4 @@
-"""http:// sources against a real HTTP server on 127.0.0.1 (tests/httpd.py): token shards named by a
+"""http:// sources against a real HTTP server on 127.0.0.1 (tests/support/httpd.py): token shards named by a
 range, .npy pairs and raw arrays found by probing, a manifest; the bytes equal what file:// reads
 from the same files; one Range request per contiguous run, several in flight but never more than
 ``concurrency``, over few keep-alive connections; dropped connections retried, and errors that name
@@ -22,9 +22,9 @@ from libbus.errors import BusError, DatasetError, Unavailable
 from libbus.loader import RemoteLoader
 from libbus.messages import BatchRequest, DatasetInfoRequest
 from libbus.order import epoch_order
-from services.provider.remote import expand_template
+from services.provider.sources.http import expand_template
 from services.provider.sources import open_source
-from tests.httpd import RangeServer
+from tests.support.httpd import RangeServer
 
 FAST = "retries=2&backoff=0.01&timeout=5"
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from libbus.errors import BadRequest, ConfigError, DatasetError, Forbidden, NotFound, Timeout
-from services.provider.pipeline import Pipeline, find_stage, pipeline_stats, stage_control
+from services.provider.sources.pipeline import Pipeline, find_stage, pipeline_stats, stage_control
 from services.provider.sources import open_source
-from services.provider.stages import Chunk, SourceStage, Spec, Stage
-from services.provider.transforms import Cast, Flip, Normalize, OneHot, RandomCrop
+from services.provider.sources.pipeline.stages import Chunk, SourceStage, Spec, Stage
+from services.provider.sources.pipeline.transforms import Cast, Flip, Normalize, OneHot, RandomCrop
 
 SOURCE = """
 [[stages]]
@@ -428,7 +428,7 @@ class Slow(Stage):
 
 
 def slow_pipeline(seconds: float, timeout_s: float) -> Pipeline:
-    source = SourceStage("images", {"uri": "mock://mnist?n=50"}, None)
+    source = SourceStage("images", {"uri": "mock://mnist?n=50"}, None, open_source=open_source)
     return Pipeline("test://slow", [source, Slow("slow", {"seconds": seconds}, source.spec)], chunk=2,
                     queue_capacity=2, timeout_s=timeout_s)
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from libbus.errors import DatasetError
 from libbus.messages import BatchRequest, DatasetInfoRequest
 from services.provider.sources import Source, open_source
-from services.provider.weighted import Mix, Schedule, integer_weights
+from services.provider.sources.weighted import Mix, Schedule, integer_weights
 
 
 @settings(max_examples=60, deadline=None)

@@ -41,7 +41,7 @@ from libbus.server import Handler, Session
 from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
-from .pipeline import pipeline_stats, stage_control
+from .sources.pipeline import pipeline_stats, stage_control
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 
 __all__ = ["ProviderHandler", "batch_indices"]

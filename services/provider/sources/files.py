@@ -20,18 +20,17 @@ the files have no val split); ``seq_len``, ``token_bytes``, ``vocab_size`` for t
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
-from urllib.parse import SplitResult, unquote
 
 from libbus.errors import DatasetError
 
 from . import parquet
+from .base import OpenRequest, Source, local_path
 from .formats import cifar, idx, npy, raw, tokens
 from .formats.dataset import MEMORY_MODES, Context, FileSource
-from .sources import Source
+from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
 
-__all__ = ["FORMATS", "local_path", "open_file_source", "parse_settings"]
+__all__ = ["FORMATS", "open_file_source"]
 
 #: format → (is it in this directory?, opener, what its files are called), in detection order.
 FORMATS = {
@@ -41,26 +40,21 @@ FORMATS = {
     "tokens": (tokens.detect, tokens.open_tokens, tokens.EXPECTED),
     "raw": (None, raw.open_raw, raw.EXPECTED),
 }
-TOML = "dataset.toml"
-#: settings: name in the URI query → (name in dataset.toml and in Context.settings, type)
-SETTINGS = {"format": ("format", str), "val_fraction": ("val_fraction", float), "seq_len": ("seq_len", int),
-            "token_bytes": ("token_bytes", int), "vocab_size": ("vocab_size", int),
-            "classes": ("num_classes", int)}
-TOML_KEYS = {key for key, _ in SETTINGS.values()} | {"class_names", "train", "val", "test"}
 
 
-def open_file_source(uri: str, parts: SplitResult, params: dict) -> Source:
+def open_file_source(req: OpenRequest) -> Source:
     """Open the dataset in the directory a ``file://`` URI names, popping the ``params`` it knows.
 
     Raises :class:`DatasetError` for a missing directory, an unknown layout, a bad parameter, or a
     missing, truncated or inconsistent file (naming the file, the fault and what was expected).
     """
-    root = local_path(parts)
+    uri, params = req.uri, req.params
+    root = local_path(req.parts)
     if not root.is_dir():
         raise DatasetError(f"{uri}: {root} {'is not a directory' if root.exists() else 'does not exist'}")
     if params.get("format") == "parquet" or ("format" not in params and parquet.detect(root)):
         params.pop("format", None)
-        return parquet.open_parquet(uri, root, params)
+        return parquet.open_parquet_dir(uri, root, params)
     toml = _read_toml(root)
     settings = parse_settings(uri, params, toml)
     memory = params.pop("memory", "auto")
@@ -80,60 +74,9 @@ def open_file_source(uri: str, parts: SplitResult, params: dict) -> Source:
         raise
 
 
-def local_path(parts: SplitResult) -> Path:
-    """The directory a ``scheme://DIR`` URI names: ``scheme:///abs/dir`` is absolute,
-    ``scheme://rel/dir`` (a "host" that is not localhost) relative to the working directory."""
-    return Path(unquote(parts.path if parts.netloc in ("", "localhost") else parts.netloc + parts.path) or ".")
-
-
 def _read_toml(root: Path) -> dict:
     path = root / TOML
     return parse_dataset_toml(path.read_bytes(), str(path)) if path.is_file() else {}
-
-
-def parse_dataset_toml(data: bytes, where: str) -> dict:
-    """A ``dataset.toml``'s keys, checked; :class:`DatasetError` naming ``where`` (a path or URL)."""
-    try:
-        toml = tomllib.loads(data.decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise DatasetError(f"{where}: not valid TOML: {err}") from err
-    if unknown := toml.keys() - TOML_KEYS:
-        raise DatasetError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected "
-                           f"{', '.join(sorted(TOML_KEYS))}")
-    return toml
-
-
-def parse_settings(uri: str, params: dict, toml: dict) -> dict:
-    """The typed, checked settings: the URI's query over dataset.toml's top-level keys."""
-    out: dict = {}
-    for query_key, (key, kind) in SETTINGS.items():
-        where, value = f"{TOML} {key}", toml.get(key)
-        if query_key in params:
-            where, value = f"{uri}: {query_key}", params.pop(query_key)
-            try:
-                value = kind(value)
-            except ValueError:
-                raise DatasetError(f"{where} must be {'an integer' if kind is int else 'a number'}, "
-                                   f"got {value!r}") from None
-        if value is None:
-            continue
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise DatasetError(f"{where} must be a {kind.__name__}, got {value!r}")
-        if kind is not str:
-            bad = {"val_fraction": not 0 <= value < 1, "token_bytes": value not in (2, 4)}.get(key, value < 1)
-            if bad:
-                want = {"val_fraction": "in [0, 1)", "token_bytes": "2 or 4"}.get(key, "at least 1")
-                raise DatasetError(f"{where} must be {want}, got {value!r}")
-        out[key] = value
-    names = toml.get("class_names")
-    if names is not None:
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise DatasetError(f"{TOML} class_names must be a list of strings")
-        out["class_names"] = names
-        out.setdefault("num_classes", len(names))
-    return out
 
 
 def _detect(root: Path, toml: dict) -> str:

@@ -26,16 +26,16 @@ from __future__ import annotations
 import re
 from fnmatch import fnmatch
 from pathlib import Path
-from urllib.parse import SplitResult, urljoin, urlunsplit
+from urllib.parse import urljoin, urlunsplit
 
 from libbus.errors import DatasetError
 
-from .files import parse_dataset_toml, parse_settings
+from .base import OpenRequest, Source
 from .formats import npy, raw, tokens
 from .formats.dataset import MEMORY_MODES, Context, FileSource
+from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
 from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile
 from .formats.reader import Segment
-from .sources import Source
 
 __all__ = ["FORMATS", "MAX_FILES", "RemoteDir", "expand_template", "open_http_source"]
 
@@ -44,7 +44,6 @@ FORMATS = {"tokens": tokens.open_tokens, "npy": npy.open_npy, "raw": raw.open_ra
 #: Most files one URI may name (a typo in a range should not start a million HEAD requests).
 MAX_FILES = 100_000
 RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
-TOML = "dataset.toml"
 #: Names probed in a directory URI that lists no files.
 PROBED = [TOML] + [f"{n}.npy" for split in ("train", "val", "test") for column in ("x", "y")
                    for n in (f"{split}_{column}", f"{column}_{split}")]
@@ -216,12 +215,13 @@ def _read_toml(root: RemoteDir) -> dict:
     return parse_dataset_toml(root.client.get(path.url), path.url) if path.is_file() else {}
 
 
-def open_http_source(uri: str, parts: SplitResult, params: dict) -> Source:
+def open_http_source(req: OpenRequest) -> Source:
     """Open the dataset an ``http(s)://`` URI names, popping the ``params`` it knows.
 
     Raises :class:`DatasetError` naming the URL and the HTTP status or network error when a file
     cannot be reached, and as ``file://`` does for a bad layout or parameter.
     """
+    uri, parts, params = req.uri, req.parts, req.params
     client = RangeClient(_http_settings(uri, params))
     try:
         url = urlunsplit((parts.scheme, parts.netloc, parts.path or "/", "", ""))

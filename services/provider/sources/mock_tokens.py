@@ -23,7 +23,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .sources import SPLITS, Source, _int_param, _stable_seed
+from .base import SPLITS, OpenRequest, Source, stable_seed
 
 __all__ = ["MockTokens", "open_mock_tokens", "token_dtype"]
 
@@ -79,7 +79,7 @@ class MockTokens(Source):
         self.class_names = []
         small = max(1, n // 5)
         self.sizes = {"train": n, "val": small, "test": small}
-        rng = np.random.default_rng(_stable_seed("tokens-chain", vocab, seed))
+        rng = np.random.default_rng(stable_seed("tokens-chain", vocab, seed))
         #: (vocab, 4): each token's likely successors, most likely first (they may coincide).
         self.successors = rng.integers(0, vocab, size=(vocab, len(_SUCCESSOR_P)), dtype=np.int64)
         # noise decided on 32 random bits: next token is uniform where bits < threshold
@@ -110,7 +110,7 @@ class MockTokens(Source):
 
     def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         length = self.seq_len + 1
-        base = np.uint64(_stable_seed("tokens", self.seed, SPLITS.index(split)))
+        base = np.uint64(stable_seed("tokens", self.seed, SPLITS.index(split)))
         # One counter per token of every requested sequence: (split, index, position) → hash, so a
         # sequence is the same whichever batch asks for it, and the batch is generated at once.
         counters = indices.astype(np.uint64)[:, None] * np.uint64(length) + np.arange(length, dtype=np.uint64)
@@ -131,15 +131,16 @@ class MockTokens(Source):
         return {**super().info(), "seq_len": self.seq_len, "vocab_size": self.vocab}
 
 
-def open_mock_tokens(uri: str, parts, params: dict) -> MockTokens:
+def open_mock_tokens(req: OpenRequest) -> MockTokens:
     """``mock://tokens?n=&seq_len=&vocab=&seed=&noise=`` → :class:`MockTokens` (pops what it reads).
 
     Raises :class:`DatasetError` naming a parameter that is malformed or out of range.
     """
-    n = _int_param(uri, params, "n", 20000)
-    seq_len = _int_param(uri, params, "seq_len", 64)
-    vocab = _int_param(uri, params, "vocab", 256)
-    seed = _int_param(uri, params, "seed", 0)
+    uri, params = req.uri, req.params
+    n = req.int_param("n", 20000)
+    seq_len = req.int_param("seq_len", 64)
+    vocab = req.int_param("vocab", 256)
+    seed = req.int_param("seed", 0)
     try:
         noise = float(params.pop("noise", 0.1))
     except ValueError as err:

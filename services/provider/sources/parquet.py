@@ -38,9 +38,9 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .sources import SPLITS, Source
+from .base import SPLITS, OpenRequest, Source, local_path
 
-__all__ = ["ParquetSource", "detect", "open_parquet"]
+__all__ = ["ParquetSource", "detect", "open_parquet", "open_parquet_dir"]
 
 SPLIT_NAMES = {"train": ("train",), "val": ("validation", "valid", "val", "dev"), "test": ("test",)}
 FEATURE_NAMES = ("image", "img", "pixel_values", "x", "features", "input_ids", "tokens")
@@ -379,7 +379,12 @@ def _hub_class_names(schema, label: str) -> list[str]:
     return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else []
 
 
-def open_parquet(uri: str, root: Path, params: dict) -> ParquetSource:
+def open_parquet(req: OpenRequest) -> ParquetSource:
+    """``parquet://DIR``: the Parquet dataset under ``DIR`` (:func:`open_parquet_dir`)."""
+    return open_parquet_dir(req.uri, local_path(req.parts), req.params)
+
+
+def open_parquet_dir(uri: str, root: Path, params: dict) -> ParquetSource:
     """The Parquet dataset under ``root``, popping the ``params`` it knows (see the module doc).
 
     Raises :class:`DatasetError` naming the file, column or parameter at fault.

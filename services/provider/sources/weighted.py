@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from pathlib import Path
-from urllib.parse import SplitResult, unquote
+from urllib.parse import unquote
 
 import numpy as np
 
 from libbus.errors import DatasetError
 
-from .sources import SPLITS, Source, open_source
+from .base import SPLITS, OpenRequest, Source
 
 __all__ = ["MAX_PERIOD", "Mix", "Schedule", "integer_weights", "open_weighted"]
 
@@ -237,7 +237,8 @@ class Mix(Source):
             y[rows] = ys
 
 
-def _entry(uri: str, where: str, entry, named: Mapping[str, Source]) -> tuple[str, Source, object]:
+def _entry(uri: str, where: str, entry, named: Mapping[str, Source],
+           open_source: Callable[[str], Source]) -> tuple[str, Source, object]:
     if not isinstance(entry, dict):
         raise DatasetError(f"{where}: expected a table with uri or dataset, and weight")
     if unknown := entry.keys() - ENTRY_KEYS:
@@ -267,9 +268,10 @@ def _entry(uri: str, where: str, entry, named: Mapping[str, Source]) -> tuple[st
         raise DatasetError(f"{where}: {err}") from err
 
 
-def open_weighted(uri: str, parts: SplitResult, params: dict, named: Mapping[str, Source]) -> Mix:
+def open_weighted(req: OpenRequest) -> Mix:
     """The mix a ``weighted://FILE.toml`` URI names. Raises :class:`DatasetError` naming the file and
     the entry at fault: unreadable TOML, a bad entry, sources that disagree, weights on only some."""
+    uri, parts = req.uri, req.parts
     path = Path(unquote(parts.path if parts.netloc in ("", "localhost") else parts.netloc + parts.path))
     try:
         toml = tomllib.loads(path.read_text())
@@ -282,7 +284,7 @@ def open_weighted(uri: str, parts: SplitResult, params: dict, named: Mapping[str
     entries = toml.get("sources")
     if not isinstance(entries, list) or not entries:
         raise DatasetError(f"{path}: no [[sources]]; a mix needs at least one source")
-    opened = [_entry(uri, f"{path} source {i + 1}", e, named) for i, e in enumerate(entries)]
+    opened = [_entry(uri, f"{path} source {i + 1}", e, req.named, req.open) for i, e in enumerate(entries)]
     weights = [w for _, _, w in opened]
     if any(w is None for w in weights) and any(w is not None for w in weights):
         raise DatasetError(f"{path}: give every source a weight, or none (then each weighs its length)")

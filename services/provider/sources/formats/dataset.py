@@ -19,7 +19,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..sources import Source
+from ..base import Source
 from .reader import ByteSpace, Records, Segment
 
 __all__ = ["MEMORY_MODES", "Context", "FileSource", "Layout", "Table"]

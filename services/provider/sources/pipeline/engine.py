@@ -1,6 +1,6 @@
 """A pipeline dataset at run time: its stages on threads joined by bounded queues, served as a Source.
 
-:class:`Pipeline` is a :class:`~.sources.Source`, built by :mod:`.pipeline_factory` from a
+:class:`Pipeline` is a :class:`~..base.Source`, built by :mod:`.factory` from a
 ``pipeline://FILE.toml`` (docs/datasets.md §4). Each stage runs on its own thread, reading chunks of
 a batch from a bounded :class:`~.stages.StageQueue` and writing to the next, so that the stages
 work on different chunks at once; the batch is written into its destination (a reply buffer or a
@@ -27,7 +27,7 @@ from libbus.errors import (
     Timeout,
 )
 
-from .sources import Source
+from ..base import Source
 from .stages import Chunk, Spec, Stage, StageQueue
 
 __all__ = ["Pipeline", "find_stage", "pipeline_stats", "stage_control"]

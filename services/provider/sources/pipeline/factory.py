@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import logging
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 from libbus.errors import ConfigError, DatasetError
 
-from .pipeline import Pipeline
-from .stages import RandomStage, Spec, Stage
+from ..base import OpenRequest, Source
+from .engine import Pipeline
+from .stages import RandomStage, SourceStage, Spec, Stage
 from .transforms import STAGE_TYPES
 
 __all__ = ["TOP_KEYS", "build_pipeline", "open_pipeline"]
@@ -117,11 +119,12 @@ def _chain(where: str, tables: dict[str, dict]) -> list[str]:
     return chain
 
 
-def build_pipeline(config: dict, uri: str, where: str | None = None) -> Pipeline:
+def build_pipeline(config: dict, uri: str, where: str | None = None, *,
+                   open_source: Callable[[str], Source]) -> Pipeline:
     """Build and check a pipeline from its parsed TOML ``config``.
 
     Raises :class:`ConfigError` (or :class:`DatasetError` for a source that cannot be opened) naming
-    ``where`` (the file) and the stage at fault.
+    ``where`` (the file) and the stage at fault. ``open_source`` opens the source stage's URI.
     """
     where = where or uri
     unknown = sorted(set(config) - set(TOP_KEYS))
@@ -145,7 +148,9 @@ def build_pipeline(config: dict, uri: str, where: str | None = None) -> Pipeline
             table = tables[name]
             kind = next(k for k in table if k in STAGE_TYPES)
             cls = STAGE_TYPES[kind]
-            if issubclass(cls, RandomStage):
+            if issubclass(cls, SourceStage):
+                stage = cls(name, table[kind], spec, open_source=open_source)
+            elif issubclass(cls, RandomStage):
                 stage = cls(name, table[kind], spec, seed)
             else:
                 stage = cls(name, table[kind], spec)
@@ -159,8 +164,9 @@ def build_pipeline(config: dict, uri: str, where: str | None = None) -> Pipeline
     return Pipeline(uri, stages, chunk=chunk, queue_capacity=capacity)
 
 
-def open_pipeline(uri: str, parts, params: dict) -> Pipeline:
+def open_pipeline(req: OpenRequest) -> Pipeline:
     """``pipeline:///abs/file.toml`` or ``pipeline://rel/file.toml`` (relative to the working directory)."""
+    uri, parts = req.uri, req.parts
     path = Path(parts.netloc + parts.path) if parts.netloc else Path(parts.path)
     if not str(path) or str(path) == ".":
         raise DatasetError(f"{uri}: name the pipeline file, e.g. pipeline:///etc/batchbus/cifar.toml")
@@ -172,6 +178,6 @@ def open_pipeline(uri: str, parts, params: dict) -> Pipeline:
         raise DatasetError(f"{uri}: cannot read pipeline file {path}: {err}") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{uri}: {path} is not valid TOML: {err}") from err
-    return build_pipeline(config, uri, str(path))
+    return build_pipeline(config, uri, str(path), open_source=req.open)
 
 

@@ -19,6 +19,7 @@ import hashlib
 import math
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from libbus.errors import BadRequest, ConfigError, DatasetError
 
-from .sources import SPLITS
+from ..base import SPLITS, Source
 
 __all__ = ["Chunk", "RandomStage", "SourceStage", "Spec", "Stage", "StageQueue"]
 
@@ -193,16 +194,19 @@ class SourceStage(Stage):
     type = "source"
     params = {"uri": None}
 
-    def check(self, spec: Spec | None) -> Spec:
-        from .sources import open_source  # noqa: PLC0415 - sources imports nothing from here
+    def __init__(self, name: str, config: dict, input_spec: Spec | None, *,
+                 open_source: Callable[[str], Source]):
+        self._open_source = open_source  # the registry's, handed down: a stage does not import it
+        super().__init__(name, config, input_spec)
 
+    def check(self, spec: Spec | None) -> Spec:
         uri = self.config["uri"]
         if not isinstance(uri, str) or not uri:
             raise self.error("needs uri = \"SCHEME://…\" (for example mock://cifar10)")
         if uri.startswith("pipeline:"):
             raise self.error(f"a pipeline's source cannot be another pipeline ({uri})")
         try:
-            self.source = open_source(uri)
+            self.source = self._open_source(uri)
         except DatasetError as err:
             raise DatasetError(f"stage {self.name!r} (source): {err}") from err
         s = self.source

@@ -1,0 +1,60 @@
+"""The only module that lists dataset URI schemes: scheme → the kind's opener.
+
+Adding a source kind means one module under :mod:`services.provider.sources` (importing only
+:mod:`.base` and :mod:`.formats`) and one line in :data:`OPENERS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from urllib.parse import parse_qs, urlsplit
+
+from libbus.errors import DatasetError
+
+from . import files, http, mock, parquet, pipeline, weighted
+from .base import OpenRequest, Source
+
+__all__ = ["OPENERS", "open_source", "parse_dataset_arg"]
+
+#: scheme → opener(OpenRequest) → Source. An opener pops the parameters it understands; whatever is
+#: left is reported as unknown.
+OPENERS: dict[str, Callable[[OpenRequest], Source]] = {
+    "mock": mock.open_mock,
+    "dummy": mock.open_dummy,
+    "file": files.open_file_source,
+    "http": http.open_http_source,
+    "https": http.open_http_source,
+    "parquet": parquet.open_parquet,
+    "weighted": weighted.open_weighted,
+    "pipeline": pipeline.open_pipeline,
+}
+
+
+def open_source(uri: str, named: Mapping[str, Source] | None = None) -> Source:
+    """Build the source a URI names. Raises :class:`DatasetError` saying what is wrong with it.
+
+    ``named``: the datasets the same provider serves so far, which a ``weighted://`` mix may name.
+    """
+    parts = urlsplit(uri)
+    raw = parse_qs(parts.query, keep_blank_values=True)
+    params = {k: v[-1] for k, v in raw.items()}
+    opener = OPENERS.get(parts.scheme)
+    if opener is None:
+        raise DatasetError(f"unsupported dataset URI {uri!r}: known schemes are "
+                           f"{', '.join(s + '://' for s in OPENERS)}")
+    # nested URIs (a mix's members, a pipeline's source) are opened without the provider's names
+    source = opener(OpenRequest(uri, parts, params, open=open_source, named=named or {}))
+    if params:
+        raise DatasetError(f"{uri}: unknown parameter(s) {', '.join(sorted(params))}")
+    return source
+
+
+def parse_dataset_arg(arg: str) -> tuple[str, str]:
+    """``NAME=URI`` → (name, uri), as given to ``busctl start provider --dataset``."""
+    name, sep, uri = arg.partition("=")
+    name = name.strip()
+    if not sep or not name or not uri:
+        raise DatasetError(f"--dataset {arg!r}: expected NAME=URI, e.g. mnist=mock://mnist")
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise DatasetError(f"--dataset {arg!r}: name may hold letters, digits, '-', '_', '.'")
+    return name, uri.strip()
