@@ -7,26 +7,14 @@ shared memory) are :class:`BusError` subclasses too, so callers can catch one ro
 
 from __future__ import annotations
 
+# The root and the shared-memory error live in the ground-floor leaf, which shm (below libbus) imports too.
+from core.errors import BusError, ShmError
+
 __all__ = [
     "BusError", "AuthRequired", "AuthInvalid", "AuthExpired", "Forbidden", "NotFound", "BadRequest",
     "OutOfRange", "SplitPrivate", "TooLarge", "RateLimited", "Unavailable", "Timeout", "Internal",
     "PeerTimeout", "ConfigError", "DatasetError", "ShmError", "ERROR_CODES", "error_from_code",
 ]
-
-
-class BusError(Exception):
-    """Root of every batchbus error. ``code`` is the stable wire code sent in ``Error`` replies."""
-
-    code = "INTERNAL"
-
-    def __init__(self, message: str = "", *, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        if code is not None:
-            self.code = code
-
-    def __str__(self) -> str:
-        return self.message or self.code
 
 
 class AuthRequired(BusError):
@@ -108,11 +96,6 @@ class ConfigError(BusError):
 class DatasetError(BusError):
     """A dataset URI or its data is wrong."""
     code = "BAD_REQUEST"
-
-
-class ShmError(BusError):
-    """Shared memory could not be created, attached or validated."""
-    code = "INTERNAL"
 
 
 ERROR_CODES: dict[str, type[BusError]] = {

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from libbus.errors import ShmError
+from core.errors import ShmError
 
 __all__ = ["CudaStager"]
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from libbus.errors import ShmError
+from core.errors import ShmError
 
 from .names import SHM_DIR, new_name, path_of, process_start
 from .segment import Segment

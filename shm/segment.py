@@ -14,7 +14,7 @@ import os
 import stat
 from pathlib import Path
 
-from libbus.errors import ShmError
+from core.errors import ShmError
 
 from .names import SHM_DIR, path_of
 
