@@ -42,6 +42,7 @@ import zmq
 from libbus.auth import ensure_secret, issue_token
 from libbus.loader import RemoteLoader
 from libbus.order import batches_of, epoch_order
+from services.launch import ServiceProcs
 
 __all__ = ["main", "make_dataset"]
 
@@ -183,7 +184,6 @@ class Services:
     """A router and one provider serving the dataset twice (RAM and streamed), as real processes."""
 
     def __init__(self, root: Path, state: Path):
-        from cli.demo import ServiceProcs  # noqa: PLC0415 - the demo's process launcher
         secret = ensure_secret(state / "secret")
         # A script reading datasets directly holds a token scoped to them (providers serve other
         # trainers only the datasets of their job).
