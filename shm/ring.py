@@ -36,11 +36,12 @@ from core.errors import ShmError
 from .names import SHM_DIR, new_name, path_of, process_start
 from .segment import Segment
 
-__all__ = ["MAGIC", "VERSION", "Ring", "RingLayout", "SlotState", "read_header"]
+__all__ = ["HEADER", "MAGIC", "VERSION", "Ring", "RingLayout", "SlotState", "read_header"]
 
 MAGIC = b"BBRING\x00\x00"
 VERSION = 1
-_HEADER = struct.Struct("<8sIIQQQQ")
+#: The header's layout (see the module doc): magic, version, slots, slot_bytes, label_offset, pid, start.
+HEADER = struct.Struct("<8sIIQQQQ")
 _TABLE_OFFSET = 64
 _PAGE = 4096
 #: Sanity bounds on what a peer may ask us to map.
@@ -117,14 +118,14 @@ def read_header(path: Path) -> dict | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        raw = os.pread(fd, _HEADER.size, 0)
+        raw = os.pread(fd, HEADER.size, 0)
     except OSError:
         return None
     finally:
         os.close(fd)
-    if len(raw) < _HEADER.size:
+    if len(raw) < HEADER.size:
         return None
-    magic, version, slots, slot_bytes, label_offset, pid, start = _HEADER.unpack(raw)
+    magic, version, slots, slot_bytes, label_offset, pid, start = HEADER.unpack(raw)
     if magic != MAGIC:
         return None
     return {"version": version, "slots": slots, "slot_bytes": slot_bytes,
@@ -153,7 +154,7 @@ class Ring:
         layout.check()
         segment = Segment.create(name or new_name(), layout.size, shm_dir)
         pid = os.getpid()
-        _HEADER.pack_into(segment.buf, 0, MAGIC, VERSION, layout.slots, layout.slot_bytes,
+        HEADER.pack_into(segment.buf, 0, MAGIC, VERSION, layout.slots, layout.slot_bytes,
                           layout.label_offset, pid, process_start(pid) or 0)
         return cls(segment, layout)
 
@@ -166,9 +167,9 @@ class Ring:
         layout.check()
         segment = Segment.attach(name, shm_dir)
         try:
-            if segment.size < _HEADER.size:
+            if segment.size < HEADER.size:
                 raise ShmError(f"{name}: {segment.size} bytes is too small for a ring header")
-            magic, version, slots, slot_bytes, label_offset, _, _ = _HEADER.unpack_from(segment.buf, 0)
+            magic, version, slots, slot_bytes, label_offset, _, _ = HEADER.unpack_from(segment.buf, 0)
             if magic != MAGIC:
                 raise ShmError(f"{name}: bad magic {magic!r}; not a batchbus ring")
             if version != VERSION:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,24 +11,7 @@ import zmq
 from libbus.auth import ensure_secret, issue_token
 from libbus.client import Client, Identity
 from libbus.config import Settings, load_settings
-from libbus.jobs import TERMINAL_STATES
-from libbus.messages import GetJob
-
-CLUSTER = "batchbus"
-
-
-@dataclass
-class Running:
-    service: object
-    endpoint: str
-    stop: threading.Event
-    thread: threading.Thread
-    settings: Settings
-
-    def shutdown(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-        assert not self.thread.is_alive(), "service did not stop within 10 s"
+from tests.support import CLUSTER, Running, run_service
 
 
 @pytest.fixture
@@ -65,19 +46,11 @@ def make_settings(state_dir: Path):
     return make
 
 
-def _run(service, settings: Settings) -> Running:
-    endpoint = service.start()
-    stop = threading.Event()
-    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
-    thread.start()
-    return Running(service, endpoint, stop, thread, settings)
-
-
 @pytest.fixture
 def router(make_settings):
     from services.router.app import RouterService
     settings = make_settings(bind="tcp://127.0.0.1:0")
-    running = _run(RouterService(settings), settings)
+    running = run_service(RouterService(settings), settings)
     yield running
     running.shutdown()
 
@@ -94,7 +67,7 @@ def start_provider(make_settings, router):
         flags.setdefault("assigned_only", False)
         flags.setdefault("router", router.endpoint)
         settings = make_settings(datasets=list(datasets), **flags)
-        running = _run(ProviderService(settings), settings)
+        running = run_service(ProviderService(settings), settings)
         started.append(running)
         assert running.service.link.wait_connected(10), "provider did not register with the router"
         return running
@@ -159,24 +132,3 @@ def trainer(make_settings, router, state_dir):
     stop.set()
     thread.join(15)
     assert not thread.is_alive(), "trainer did not stop within 15 s"
-
-
-def wait_job(admin, job: str, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = admin.request(GetJob(job=job)).job
-        if info["state"] in TERMINAL_STATES:
-            return info
-        assert time.monotonic() < deadline, f"job {job} stuck in {info['state']}"
-        time.sleep(0.2)
-
-
-def wait_file(path: Path, procs: list, timeout: float = 60) -> str:
-    """The contents of ``path`` (a ready file) once a process writes it; fails if one of ``procs`` exits."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        for p in procs:
-            assert p.poll() is None, f"{p.args} exited {p.returncode}"
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
-    return path.read_text().strip()

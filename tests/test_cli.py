@@ -1,24 +1,12 @@
 """busctl as a user meets it: settings precedence, one-line errors, tokens."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from libbus.auth import verify_token
 from libbus.config import load_settings
 from libbus.errors import ConfigError
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def busctl(*args, env=None, timeout=60):
-    env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "cli", *args], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-
+from tests.support import busctl
 
 def test_settings_precedence_is_file_then_env_then_flags(tmp_path):
     cfg = tmp_path / "bus.toml"

@@ -2,10 +2,6 @@
 providers, ``--indices`` parsing, and job specs' shuffle modes."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,18 +11,16 @@ from libbus.errors import BadRequest
 from libbus.jobs import JobSpec
 from libbus.order import DEFAULT_BLOCK_SIZE
 from services.provider.sources import open_source
+from tests.support import busctl as run_busctl
 
-REPO = Path(__file__).resolve().parents[1]
 MNIST = "mock://mnist?n=600"
 TOKENS = "mock://tokens?n=64&seq_len=8&vocab=16"
 
 
 def busctl(router, state_dir, *args, timeout=60):
     """Run busctl in its own process against the test's router, as admin from the test's secret."""
-    env = {**os.environ, "BATCHBUS_REQUEST_TIMEOUT_S": "5", "BATCHBUS_REQUEST_RETRIES": "0"}
-    return subprocess.run([sys.executable, "-m", "cli", *args, "--router", router.endpoint,
-                           "--state-dir", str(state_dir)], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return run_busctl(*args, "--router", router.endpoint, "--state-dir", str(state_dir), timeout=timeout,
+                      env={"BATCHBUS_REQUEST_TIMEOUT_S": "5", "BATCHBUS_REQUEST_RETRIES": "0"})
 
 
 def one_line_error(out, *words):

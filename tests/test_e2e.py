@@ -2,64 +2,37 @@
 followed with `busctl`, a real CNN trained on batches pulled from the provider."""
 
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from shm import list_segments
 
-from .conftest import wait_file
-
-REPO = Path(__file__).resolve().parents[1]
-BUSCTL = [str(Path(sys.executable).with_name("busctl"))] if Path(sys.executable).with_name("busctl").exists() \
-    else [sys.executable, "-m", "cli"]
-
-
-def busctl(*args: str, env: dict, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-    out = subprocess.run([*BUSCTL, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    if check and out.returncode != 0:
-        raise AssertionError(f"busctl {' '.join(args)} exited {out.returncode}: {out.stderr}")
-    return out
+from tests.support import Cluster, busctl
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     state = tmp_path_factory.mktemp("cluster")
-    env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_HEARTBEAT_MS": "200",
-           "BATCHBUS_TORCH_THREADS": "1"}
-    busctl("token", "secret", str(state / "secret"), env=env)
-    logs = {role: open(state / f"{role}.log", "w") for role in ("router", "provider", "trainer")}
-    procs = []
-
-    def start(role, *args):
-        procs.append(subprocess.Popen([*BUSCTL, "start", role, *args], env=env, cwd=REPO,
-                                      stdout=logs[role], stderr=subprocess.STDOUT))
+    cluster = Cluster(state, {"BATCHBUS_HEARTBEAT_MS": "200"})
+    env = cluster.env
+    cluster.busctl("token", "secret", str(state / "secret"))
     try:
-        start("router", "--bind", "tcp://127.0.0.1:0", "--ready-file", str(state / "router.ep"))
-        env["BATCHBUS_ROUTER"] = wait_file(state / "router.ep", procs)
-        start("provider", "--bind", "tcp://127.0.0.1:0", "--dataset", "mnist=mock://mnist?n=3000",
-              "--ready-file", str(state / "provider.ep"))
-        wait_file(state / "provider.ep", procs)
-        start("trainer", "--name", "trainer-1")
+        cluster.start_router()
+        cluster.start("provider", "provider", "--bind", "tcp://127.0.0.1:0", "--dataset", "mnist=mock://mnist?n=3000",
+                      ready=True, named=False)
+        cluster.endpoint_of("provider")
+        cluster.start_trainer("trainer-1")
+        procs = list(cluster.procs.values())
         yield env, procs, state
     finally:
-        for p in procs:
-            p.terminate()
-        codes = [p.wait(30) for p in procs]
-        for f in logs.values():
-            f.close()
+        codes = cluster.close(timeout=30)
     # SIGTERM drains and exits 0, as systemd expects, and leaves no shared memory behind
     assert codes == [0, 0, 0], f"exit codes {codes}; logs in {state}"
-    pids = {p.pid for p in procs}
-    assert not [seg.name for seg in list_segments() if seg.pid in pids]
+    assert not [seg.name for seg in cluster.leaked]
 
 
 def job_state(job: str, env: dict) -> dict:
-    return json.loads(busctl("job", "show", job, "--json", env=env).stdout)
+    return json.loads(busctl("job", "show", job, "--json", env=env, check=True).stdout)
 
 
 def wait_state(job: str, env: dict, states: set, timeout: float) -> dict:
@@ -75,18 +48,18 @@ def wait_state(job: str, env: dict, states: set, timeout: float) -> dict:
 def test_a_submitted_job_trains_and_scores_on_the_private_split(cluster):
     env, procs, _ = cluster
     job = busctl("submit", "--dataset", "remote://mnist", "--model", "cnn", "--epochs", "2", "--batch-size", "64",
-                 "--lr", "0.002", "--optimizer", "adam", "--seed", "1", env=env).stdout.strip()
+                 "--lr", "0.002", "--optimizer", "adam", "--seed", "1", env=env, check=True).stdout.strip()
     info = wait_state(job, env, {"succeeded", "failed", "stopped"}, timeout=240)
     assert info["state"] == "succeeded", info.get("error")
     result = info["result"]
     assert result["test_accuracy"] >= 0.90 and result["test_n"] == 600
     assert len(result["history"]) == 2 and result["samples_per_s"] > 0
     assert [e["state"] for e in info["events"]] == ["queued", "running", "succeeded"]
-    listed = json.loads(busctl("jobs", "--json", env=env).stdout)
+    listed = json.loads(busctl("jobs", "--json", env=env, check=True).stdout)
     assert job in {j["id"] for j in listed}
-    peers = json.loads(busctl("peers", "--json", env=env).stdout)
+    peers = json.loads(busctl("peers", "--json", env=env, check=True).stdout)
     assert {"provider", "trainer", "admin"} <= {p["role"] for p in peers}
-    services = json.loads(busctl("queues", "--json", env=env).stdout)
+    services = json.loads(busctl("queues", "--json", env=env, check=True).stdout)
     provider_stats = next(s for s in services.values() if s["role"] == "provider")
     assert provider_stats["datasets"]["mnist"]["samples"] >= 2 * 3000  # every batch came from the provider
     # same host: the train and val batches went through the trainer's shared-memory rings
@@ -98,9 +71,9 @@ def test_stop_ends_a_running_job_promptly(cluster, tmp_path):
     env, procs, _ = cluster
     spec = tmp_path / "long.toml"
     spec.write_text('[job]\ndataset = "mnist"\nmodel = "mlp"\nepochs = 200\nevaluate = false\n')
-    job = busctl("submit", str(spec), env=env).stdout.strip()
+    job = busctl("submit", str(spec), env=env, check=True).stdout.strip()
     wait_state(job, env, {"running"}, timeout=60)
-    assert json.loads(busctl("job", "stop", job, "--json", env=env).stdout)["state"] in ("stopping", "stopped")
+    assert json.loads(busctl("job", "stop", job, "--json", env=env, check=True).stdout)["state"] in ("stopping", "stopped")
     started = time.monotonic()
     info = wait_state(job, env, {"stopped", "succeeded", "failed"}, timeout=30)
     assert info["state"] == "stopped" and time.monotonic() - started < 10

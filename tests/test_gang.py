@@ -22,33 +22,32 @@ import torch
 from safetensors.torch import load_file
 
 from services.trainer.audit import effective_epochs
-from tests.conftest import wait_file
-from tests import test_jobs_durable as durable
-from tests.test_e2e import busctl
-from tests.test_jobs_durable import SPEC, Cluster, final_weights
-
-train_digests = durable.train_digests  # the fixture: every train sample's digest, from the provider
+from tests.support.jobs import SPEC, JobCluster, final_weights
 
 GANG = {**SPEC, "epochs": 2, "world_size": 2}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("gang"))
+    cluster = JobCluster(tmp_path_factory.mktemp("gang"))
     try:
         cluster.start_router()
-        ready = cluster.state / "provider.ep"
-        cluster.start("provider", "provider", "--bind", "tcp://127.0.0.1:0", "--dataset", "mnist=mock://mnist?n=600",
-                      "--ready-file", str(ready))
+        cluster.start_provider()
         cluster.start_trainer("g1")
         cluster.start_trainer("g2")
-        cluster.provider_endpoint = wait_file(ready, [cluster.procs["provider"]], timeout=60)
+        cluster.provider_endpoint = cluster.endpoint_of("provider")
         yield cluster
     finally:
         cluster.close()
 
 
-def rank_epochs(cluster: Cluster, job: str) -> dict[int, dict[int, Counter]]:
+@pytest.fixture(scope="module")
+def train_digests(cluster) -> Counter:
+    """The multiset of every train sample's digest, read straight from the provider."""
+    return cluster.train_digests()
+
+
+def rank_epochs(cluster: JobCluster, job: str) -> dict[int, dict[int, Counter]]:
     """Per rank, per epoch, the digests that rank trained on (one attempt each)."""
     out: dict[int, dict[int, Counter]] = {}
     for path in cluster.audit.glob(f"{job}.*.jsonl"):
@@ -59,12 +58,12 @@ def rank_epochs(cluster: Cluster, job: str) -> dict[int, dict[int, Counter]]:
     return out
 
 
-def rank1_weights(cluster: Cluster, job: str) -> dict[str, torch.Tensor]:
+def rank1_weights(cluster: JobCluster, job: str) -> dict[str, torch.Tensor]:
     (path,) = (cluster.state / "checkpoints" / job).glob("rank-1/model.safetensors")
     return load_file(path)
 
 
-def submit(cluster: Cluster, **changes) -> str:
+def submit(cluster: JobCluster, **changes) -> str:
     return cluster.submit(**{**GANG, **changes})
 
 
@@ -93,7 +92,7 @@ def test_two_trainers_train_one_job_on_disjoint_shards_and_report_once(cluster, 
         assert torch.equal(ours[name], other[name]), name
     # progress came from rank 0 and counts the gang's samples
     assert info["progress"]["samples"] == 2 * sum(ranks[0][e].total() for e in ranks[0])
-    listed = busctl("jobs", env={**cluster.env, "COLUMNS": "200"}).stdout
+    listed = cluster.busctl("jobs", env={"COLUMNS": "200"}).stdout
     assert f"{rank0} +1" in listed, listed
 
 
@@ -132,7 +131,7 @@ def test_gang_pauses_together_stops_and_resumes_exactly_from_its_checkpoint(clus
     assert all(torch.equal(ours[k], v) for k, v in rank1_weights(cluster, job).items())
 
 
-def rank_epochs_batches(cluster: Cluster, job: str) -> dict[int, int]:
+def rank_epochs_batches(cluster: JobCluster, job: str) -> dict[int, int]:
     """Batches each rank has trained on for ``job`` so far, over all its attempts."""
     out: dict[int, int] = {}
     for path in cluster.audit.glob(f"{job}.*.jsonl"):

@@ -10,7 +10,7 @@ import torch
 from libbus.messages import DatasetInfoRequest, SubmitJob
 from services.models import as_float, predictions
 from services.provider.sources import open_source
-from .conftest import wait_job
+from tests.support import wait_job
 
 #: Learnable MNIST-shaped images: class blobs (std 1), shifted and scaled, under pixel noise of std 1.
 MOCK = "mock://mnist?n=3000&noise=1"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import time
@@ -22,124 +21,22 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
-from libbus.auth import ensure_secret, issue_token
-from libbus.client import Client, Identity
 from libbus.errors import BadRequest
-from libbus.jobs import TERMINAL_STATES
-from libbus.loader import RemoteLoader
-from libbus.messages import ControlJob, GetJob, Resolve, SubmitJob
-from services.trainer.audit import digest, effective_epochs
-from tests.conftest import wait_file
-from tests.test_e2e import BUSCTL, REPO, busctl
-
-SPEC = {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 64}, "epochs": 3, "batch_size": 16,
-        "shuffle": "full", "seed": 5, "optimizer": "adam", "lr": 0.003, "evaluate": False,
-        "checkpoint_every": 10}
-
-
-class Cluster:
-    """Router, provider and trainers as `busctl start` subprocesses sharing one state directory."""
-
-    def __init__(self, state: Path):
-        self.state = state
-        self.audit = state / "audit"
-        self.env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_HEARTBEAT_LIVENESS": "10",
-                    "BATCHBUS_LEASE_S": "4", "BATCHBUS_TORCH_THREADS": "1", "BATCHBUS_PROGRESS_INTERVAL_S": "0.1",
-                    "BATCHBUS_AUDIT_DIR": str(self.audit), "BATCHBUS_REQUEST_TIMEOUT_S": "3",
-                    "BATCHBUS_REQUEST_RETRIES": "1",
-                    # a loader waits this long for a lost provider to come back before the attempt
-                    # fails (retryable); tests/test_replicas.py covers the wait itself
-                    "BATCHBUS_PROVIDER_WAIT_S": "2"}
-        ensure_secret(state / "secret")
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.endpoint = ""
-        self.provider_endpoint = ""
-        token = issue_token((state / "secret").read_bytes().strip(), sub="test-admin", role="admin",
-                            audience="batchbus", ttl_s=3600)
-        self._admin_token = token
-        self.admin: Client | None = None
-
-    def start(self, name: str, role: str, *args: str) -> subprocess.Popen:
-        log = open(self.state / f"{name}.log", "a")
-        proc = subprocess.Popen([*BUSCTL, "start", role, "--name", name, *args], env=self.env, cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def start_router(self, bind: str = "tcp://127.0.0.1:0") -> None:
-        ready = self.state / "router.ep"
-        ready.unlink(missing_ok=True)
-        self.start("router", "router", "--bind", bind, "--ready-file", str(ready))
-        self.endpoint = wait_file(ready, [self.procs["router"]], timeout=60)
-        self.env["BATCHBUS_ROUTER"] = self.endpoint
-        if self.admin is None:
-            self.admin = Client(self.endpoint, Identity(role="admin", name="test-admin", token=self._admin_token),
-                                timeout_s=10, retries=2)
-
-    def start_trainer(self, name: str) -> subprocess.Popen:
-        return self.start(name, "trainer")
-
-    def submit(self, **changes) -> str:
-        return self.admin.request(SubmitJob(spec={**SPEC, **changes})).job
-
-    def job(self, job: str) -> dict:
-        return self.admin.request(GetJob(job=job)).job
-
-    def control(self, job: str, command: str, **args) -> dict:
-        return self.admin.request(ControlJob(job=job, command=command, args=args)).detail
-
-    def wait(self, job: str, until, timeout: float = 60) -> dict:
-        """Poll ``job`` until ``until(info)``; fails naming the job's state and the logs."""
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.job(job)
-            if until(info):
-                return info
-            if info["state"] in TERMINAL_STATES:
-                raise AssertionError(f"job {job} ended {info['state']}: {info.get('error')}; logs in {self.state}")
-            assert time.monotonic() < deadline, f"job {job} stuck in {info['state']}; logs in {self.state}"
-            time.sleep(0.02)
-
-    def wait_end(self, job: str, timeout: float = 60) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.job(job)
-            if info["state"] in TERMINAL_STATES:
-                return info
-            assert time.monotonic() < deadline, f"job {job} stuck in {info['state']}; logs in {self.state}"
-            time.sleep(0.1)
-
-    def trained_batches(self, job: str, trainer: str) -> int:
-        """Batches ``trainer`` has trained on for ``job`` so far (from its audit file)."""
-        return sum(len(p.read_bytes().splitlines()) - 1 for p in self.audit.glob(f"{job}.{trainer}.*.jsonl"))
-
-    def close(self) -> None:
-        if self.admin is not None:
-            self.admin.close()
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+from services.trainer.audit import effective_epochs
+from tests.support import busctl
+from tests.support.jobs import SPEC, JobCluster, final_weights
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("durable"))
+    cluster = JobCluster(tmp_path_factory.mktemp("durable"))
     try:
         cluster.start_router()
-        ready = cluster.state / "provider.ep"
-        cluster.start("provider", "provider", "--bind", "tcp://127.0.0.1:0", "--dataset", "mnist=mock://mnist?n=600",
-                      "--ready-file", str(ready))
+        cluster.start_provider()
         cluster.start_trainer("t1")  # trainers start alongside: two are up, one job each
         cluster.start_trainer("t2")
-        cluster.provider_endpoint = wait_file(ready, [cluster.procs["provider"]], timeout=60)
+        cluster.provider_endpoint = cluster.endpoint_of("provider")
         yield cluster
     finally:
         cluster.close()
@@ -148,22 +45,10 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def train_digests(cluster) -> Counter:
     """The multiset of every train sample's digest, read straight from the provider."""
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            provider = cluster.admin.request(Resolve(dataset="mnist")).providers[0]["endpoint"]
-            break
-        except Exception:  # noqa: BLE001 - the provider is still registering
-            assert time.monotonic() < deadline, "provider never registered"
-            time.sleep(0.1)
-    with RemoteLoader("mnist", provider=provider, token=cluster._admin_token, batch_size=1000,
-                      shuffle="none", copy=True) as loader:
-        x, y = next(iter(loader))
-    xs, ys = x.numpy(), y.numpy()
-    return Counter(digest(xs[i].tobytes(), ys[i].tobytes()) for i in range(len(xs)))
+    return cluster.train_digests()
 
 
-def assert_exactly_once(cluster: Cluster, job: str, train_digests: Counter) -> None:
+def assert_exactly_once(cluster: JobCluster, job: str, train_digests: Counter) -> None:
     epochs = effective_epochs(cluster.audit, job)
     assert sorted(epochs) == list(range(SPEC["epochs"]))
     for epoch, seen in epochs.items():
@@ -171,13 +56,7 @@ def assert_exactly_once(cluster: Cluster, job: str, train_digests: Counter) -> N
                                       f"{sum((train_digests - seen).values())} missing samples"
 
 
-def final_weights(info: dict) -> dict[str, torch.Tensor]:
-    model = info["result"]["model"]
-    assert hashlib.sha256(Path(model["path"]).read_bytes()).hexdigest() == model["sha256"]
-    return load_file(model["path"])
-
-
-def pause_then_resume(cluster: Cluster, job: str, trainer: str) -> dict:
+def pause_then_resume(cluster: JobCluster, job: str, trainer: str) -> dict:
     """Pause as soon as the job trains (acknowledged within a second; no batch trained while
     paused), checkpoint there — mid-epoch, whatever this machine's speed — and resume. Returns the
     checkpoint's record."""
@@ -194,7 +73,7 @@ def pause_then_resume(cluster: Cluster, job: str, trainer: str) -> dict:
     return ckpt
 
 
-def resumed_from(cluster: Cluster, job: str, trainer: str) -> int:
+def resumed_from(cluster: JobCluster, job: str, trainer: str) -> int:
     (path,) = cluster.audit.glob(f"{job}.{trainer}.*.jsonl")
     return json.loads(path.read_bytes().splitlines()[0])["resumed_from_step"]
 
@@ -202,8 +81,8 @@ def resumed_from(cluster: Cluster, job: str, trainer: str) -> int:
 def test_trainer_killed_mid_epoch_another_resumes_exactly(cluster, train_digests):
     reference = cluster.submit()                 # the uninterrupted run, on one trainer
     job = cluster.submit()                       # the run to interrupt, on the other
-    watch = subprocess.Popen([*BUSCTL, "job", "watch", job], env={**cluster.env, "COLUMNS": "200"}, cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watch = cluster.spawn("watch", "job", "watch", job, env={"COLUMNS": "200"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
     victim = cluster.wait(job, lambda i: i["state"] == "running")["trainer"]
     pause_then_resume(cluster, job, victim)
     cluster.procs[victim].send_signal(signal.SIGKILL)  # mid-epoch, between checkpoints
@@ -235,7 +114,7 @@ def test_trainer_killed_mid_epoch_another_resumes_exactly(cluster, train_digests
     assert "epoch 3: train loss" in shown and "data wait" in shown and f"job {job} succeeded" in shown, shown
     # the model comes home: the router kept a copy, `busctl job model` downloads it
     out = cluster.state / "downloaded.safetensors"
-    printed = busctl("job", "model", job, "-o", str(out), env=cluster.env).stdout
+    printed = cluster.busctl("job", "model", job, "-o", str(out)).stdout
     assert info["result"]["model"]["sha256"] in printed
     assert out.read_bytes() == Path(info["result"]["model"]["path"]).read_bytes()
 
@@ -271,11 +150,11 @@ def test_commands_from_the_cli_are_acknowledged(cluster):
     info = cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1)
     trainer = info["trainer"]
     env = {**cluster.env}
-    out = busctl("job", "pause", job, env=env).stdout
+    out = busctl("job", "pause", job, env=env, check=True).stdout
     assert out.startswith(f"{job}: paused (acknowledged by {trainer} in ")
     assert int(out.split(" in ")[1].split()[0]) < 1000
     before = cluster.trained_batches(job, trainer)
-    out = busctl("job", "checkpoint", job, env=env).stdout
+    out = busctl("job", "checkpoint", job, env=env, check=True).stdout
     ckpt = cluster.job(job)["checkpoint"]
     assert f"checkpoint step {ckpt['step']} epoch {ckpt['epoch']}: {ckpt['path']} sha256 {ckpt['sha256']}" in out
     assert cluster.trained_batches(job, trainer) == before
@@ -283,7 +162,7 @@ def test_commands_from_the_cli_are_acknowledged(cluster):
     assert ckpt["step"] == before                    # taken exactly where training paused
     with pytest.raises(BadRequest, match="lr must be positive"):
         cluster.control(job, "set", lr=-1.0)
-    detail = json.loads(busctl("job", "set", job, "lr=0.0005", "weight_decay=0.01", "--json", env=env).stdout)
+    detail = json.loads(busctl("job", "set", job, "lr=0.0005", "weight_decay=0.01", "--json", env=env, check=True).stdout)
     assert detail["acked"] and detail["spec"]["lr"] == 0.0005 and detail["ack_ms"] < 1000
     assert cluster.control(job, "resume")["state"] == "running"
     cluster.wait(job, lambda i: (i["progress"] or {}).get("step", 0) > ckpt["step"] + 2)
@@ -292,10 +171,10 @@ def test_commands_from_the_cli_are_acknowledged(cluster):
     with safe_open(after["path"], "pt") as fh:
         groups = json.loads(fh.metadata()["optim"])["param_groups"]
     assert {(g["lr"], g["weight_decay"]) for g in groups} == {(0.0005, 0.01)}   # the optimizer has it
-    assert "stopping" in busctl("job", "stop", job, env=env).stdout
+    assert "stopping" in busctl("job", "stop", job, env=env, check=True).stdout
     info = cluster.wait_end(job)
     assert info["state"] == "stopped" and info["spec"]["lr"] == 0.0005
-    shown = busctl("job", "show", job, "--progress", "1000", env=env).stdout
+    shown = busctl("job", "show", job, "--progress", "1000", env=env, check=True).stdout
     assert " paused   epoch " in shown                 # the progress history has the paused reports
     for word in ("pause acknowledged by", "checkpoint acknowledged by", "set lr=0.0005 weight_decay=0.01",
                  "resume acknowledged by", "stop acknowledged by", "stopped on"):
@@ -333,11 +212,8 @@ def test_provider_killed_mid_job_the_attempt_is_retried_from_its_checkpoint(clus
     provider.wait(10)
     # nothing serves mnist for longer than provider_wait_s: the attempt fails, retryable
     cluster.wait(job, lambda i: i["failures"] >= 1)
-    ready = cluster.state / "provider.ep"
-    ready.unlink()
-    cluster.start("provider", "provider", "--bind", cluster.provider_endpoint, "--dataset",
-                  "mnist=mock://mnist?n=600", "--ready-file", str(ready))   # back, same data
-    wait_file(ready, [cluster.procs["provider"]], timeout=60)
+    cluster.start_provider(bind=cluster.provider_endpoint)   # back, same data
+    cluster.endpoint_of("provider")
     info = cluster.wait_end(job)
     assert info["state"] == "succeeded", info["error"]
     # the trainer's loader gave up on the dead provider: a retryable failure, counted, and the next

@@ -12,37 +12,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from libbus.errors import ConfigError, OutOfRange, SplitPrivate
 from libbus.messages import BatchRequest
 from libbus.metrics import LatencyHistogram, parse_bind
 
-from .conftest import _run
+from tests.support import run_service, scrape, value
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    """Every sample on ``url``: (sample name, labels) → value."""
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        assert resp.status == 200
-        text = resp.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def value(samples: dict, metric: str, /, **labels) -> float:
-    matches = [v for (n, ls), v in samples.items() if n == metric and set(labels.items()) <= ls]
-    assert len(matches) == 1, f"{metric} {labels}: {len(matches)} samples"
-    return matches[0]
 
 
 @pytest.fixture
 def metered_router(make_settings):
     from services.router.app import RouterService
     settings = make_settings(bind="tcp://127.0.0.1:0", metrics_bind="127.0.0.1:0", name="router-m")
-    running = _run(RouterService(settings), settings)
+    running = run_service(RouterService(settings), settings)
     yield running
     running.shutdown()
 
@@ -94,7 +78,7 @@ def test_provider_counters_follow_what_was_served_and_refused(start_provider, cl
 def test_router_exports_sessions_peers_and_jobs(metered_router, make_settings, client_for):
     from services.provider.app import ProviderService
     settings = make_settings(router=metered_router.endpoint, datasets=["mnist=mock://mnist?n=60"])
-    provider = _run(ProviderService(settings), settings)
+    provider = run_service(ProviderService(settings), settings)
     try:
         assert provider.service.link.wait_connected(10)
         assert provider.service.metrics is None  # off unless metrics_bind is set

@@ -27,7 +27,7 @@ import pytest
 from libbus.auth import generate_signing_key, issue_token, load_signing_key
 from libbus.curve import generate_keys
 
-from .conftest import wait_file
+from tests.support import wait_file
 
 REPO = Path(__file__).resolve().parents[1]
 SUBNET = "10.213.7"

@@ -258,8 +258,8 @@ def test_random_crop_cuts_a_window_of_the_padded_sample():
     padded = np.pad(x, [(0, 0), (0, 0), (2, 2), (2, 2)], constant_values=-1)
     offsets = set()
     for row in range(50):
-        matches = [(t, l) for t in range(5) for l in range(5)
-                   if np.array_equal(c.x[row], padded[row, :, t:t + 6, l:l + 6])]
+        matches = [(t, left) for t in range(5) for left in range(5)
+                   if np.array_equal(c.x[row], padded[row, :, t:t + 6, left:left + 6])]
         assert matches, f"row {row} is not a window of its padded sample"
         offsets.update(matches)
     assert len(offsets) > 5  # the place varies from sample to sample

@@ -9,15 +9,12 @@ import time
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from cli.app import app
 from libbus.errors import Forbidden
 from libbus.loader import RemoteLoader
 from libbus.messages import BatchRequest, GetJob, StageControl, SubmitJob
 
-from .conftest import wait_job
-from .test_metrics import scrape, value
+from tests.support import busctl_in_process, scrape, value, wait_job
 
 PIPELINE = """
 seed = 7
@@ -50,14 +47,8 @@ def pipeline_file(tmp_path):
 @pytest.fixture
 def busctl(router, state_dir):
     """``busctl ARGS`` in-process against the test's router: (exit code, stdout, stderr)."""
-    runner = CliRunner()
     env = {"BATCHBUS_ROUTER": router.endpoint, "BATCHBUS_STATE_DIR": str(state_dir)}
-
-    def run(*args: str) -> tuple[int, str, str]:
-        result = runner.invoke(app, list(args), env=env)
-        return result.exit_code, result.stdout, result.stderr
-
-    return run
+    return lambda *args: busctl_in_process(*args, env=env)
 
 
 def stage_counters(busctl) -> dict[str, tuple[int, int, int]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,9 +26,8 @@ from libbus.replicas import Replica, info_mismatch, pick
 from services.provider.sources import open_source
 from services.trainer.audit import digest, effective_epochs
 
-from .conftest import _run, wait_job
+from tests.support import Cluster, run_service, wait_job
 
-REPO = Path(__file__).resolve().parents[1]
 URI = "mock://mnist?n=600"
 SOURCE = open_source(URI)
 
@@ -54,41 +52,29 @@ def assert_exact_epoch(loader: RemoteLoader, epoch: int, x: np.ndarray, y: np.nd
 
 
 class Spawner:
-    """``busctl start ROLE`` processes sharing the test's state directory, killed at teardown."""
+    """``busctl start ROLE`` processes sharing the test's state directory (the shared launcher,
+    :class:`tests.support.Cluster`), killed at teardown."""
 
     def __init__(self, state_dir: Path):
         self.state_dir = state_dir
-        self.procs: list[subprocess.Popen] = []
+        self.cluster = Cluster(state_dir)
         self.count = 0
 
-    def start(self, role: str, *args: str, bind: str = "tcp://127.0.0.1:0") -> tuple[subprocess.Popen, Path]:
+    def start(self, role: str, *args: str, bind: str = "tcp://127.0.0.1:0") -> tuple[subprocess.Popen, str]:
         self.count += 1
-        ready = self.state_dir / f"{role}-{self.count}.endpoint"
-        with open(self.state_dir / f"{role}-{self.count}.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "cli", "start", role, "--state-dir",
-                                     str(self.state_dir), "--bind", bind, "--heartbeat-ms", "200",
-                                     "--ready-file", str(ready), *args], cwd=REPO, stdout=log,
-                                    stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        return proc, ready
+        name = f"{role}-{self.count}"
+        proc = self.cluster.start(name, role, "--bind", bind, "--heartbeat-ms", "200", *args, ready=True,
+                                  named=False)
+        return proc, name
 
-    def provider(self, router: str, name: str) -> tuple[subprocess.Popen, Path]:
+    def provider(self, router: str, name: str) -> tuple[subprocess.Popen, str]:
         return self.start("provider", "--router", router, "--name", name, "--dataset", f"mnist={URI}")
 
-    @staticmethod
-    def endpoint(proc: subprocess.Popen, ready: Path, timeout: float = 60) -> str:
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            assert proc.poll() is None, f"{proc.args} exited {proc.returncode}"
-            assert time.monotonic() < deadline, f"{ready} never appeared"
-            time.sleep(0.05)
-        return ready.read_text().strip()
+    def endpoint(self, proc: subprocess.Popen, name: str, timeout: float = 60) -> str:
+        return self.cluster.endpoint_of(name, timeout)
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
+        self.cluster.close(sig=signal.SIGKILL)
 
 
 @pytest.fixture
@@ -187,7 +173,7 @@ def test_a_loader_leaves_out_a_replica_that_serves_other_data(start_provider, ma
     # Not registered anywhere (the router would refuse it): a script can still name its endpoint.
     settings = make_settings(datasets=["mnist=mock://mnist?n=500"], router="tcp://127.0.0.1:9",
                              assigned_only=False, name="provider-other")
-    other = _run(ProviderService(settings), settings)
+    other = run_service(ProviderService(settings), settings)
     try:
         with RemoteLoader("mnist", provider=[other.endpoint, good.endpoint], token=make_token(), batch_size=50,
                           seed=2, host_id="another-host") as loader:

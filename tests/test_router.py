@@ -123,10 +123,10 @@ def test_stop_reaches_a_queued_job_and_a_running_trainer(router, client_for):
 
 def test_a_restarted_router_gets_its_providers_back(router, provider, client_for, make_settings):
     from services.router.app import RouterService
-    from tests.conftest import _run
+    from tests.support import run_service
     router.shutdown()  # the router dies; the provider keeps running
     settings = make_settings(bind=router.endpoint)
-    again = _run(RouterService(settings), settings)
+    again = run_service(RouterService(settings), settings)
     try:
         admin = client_for(router.endpoint, role="admin")
         deadline = time.monotonic() + 15

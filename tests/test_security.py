@@ -27,7 +27,7 @@ from libbus.messages import (BatchRequest, DatasetInfoRequest, GetTask, Hello, L
                              SubmitJob, Task, decode, encode)
 from services.provider.sources import open_source
 
-from .conftest import CLUSTER, _run
+from tests.support import CLUSTER, run_service
 
 MNIST = "mock://mnist?n=600"
 ROLES = ("router", "provider", "trainer", "admin")
@@ -57,14 +57,14 @@ def curve_services(make_settings, curve_dir):
 
     def router(**flags):
         settings = make_settings(bind="tcp://127.0.0.1:0", curve=True, **flags)
-        r = _run(RouterService(settings), settings)
+        r = run_service(RouterService(settings), settings)
         running.append(r)
         return r
 
     def provider(router_endpoint: str, *datasets: str, **flags):
         flags.setdefault("assigned_only", False)
         settings = make_settings(router=router_endpoint, datasets=list(datasets), curve=True, **flags)
-        p = _run(ProviderService(settings), settings)
+        p = run_service(ProviderService(settings), settings)
         running.append(p)
         assert p.service.link.wait_connected(10), "CURVE provider did not register with the CURVE router"
         return p
@@ -277,7 +277,7 @@ def test_a_revoked_token_is_refused_everywhere_and_stays_revoked(router, start_p
     # a router restarted on the same database still refuses it, and tells new providers
     router.shutdown()
     settings = make_settings(bind="tcp://127.0.0.1:0")
-    again = _run(RouterService(settings), settings)
+    again = run_service(RouterService(settings), settings)
     try:
         with pytest.raises(AuthInvalid, match="revoked"):
             client_for(again.endpoint, token=token).hello()

@@ -24,7 +24,7 @@ from libbus.loader import RemoteLoader
 from libbus.messages import AttachRing, BatchRequest, DatasetInfoRequest
 from libbus.order import epoch_order
 from shm import SHM_DIR, Ring, RingLayout, SlotState, collect_garbage, list_segments, new_name
-from shm.ring import _HEADER
+from shm.ring import HEADER
 from services.provider.sources import open_source
 
 
@@ -146,7 +146,7 @@ def write_header(ring: Ring, **fields) -> None:
     values = dict(magic=b"BBRING\x00\x00", version=1, slots=lay.slots, slot_bytes=lay.slot_bytes,
                   label_offset=lay.label_offset, pid=os.getpid(), start=0)
     values.update(fields)
-    _HEADER.pack_into(ring.segment.buf, 0, *values.values())
+    HEADER.pack_into(ring.segment.buf, 0, *values.values())
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -211,7 +211,7 @@ def test_slow_consumer_fast_producer_never_sees_its_batch_change(ring_provider, 
                       shuffle=False, inflight=3) as loader:
         ring = loader._delivery.ring
         assert ring.layout.slots == 4
-        for i, (x, y) in enumerate(loader):
+        for i, (x, _y) in enumerate(loader):
             snapshot = x.clone()
             time.sleep(0.05)                            # the producer has filled every free slot by now
             states = [ring.state(s) for s in range(ring.layout.slots)]

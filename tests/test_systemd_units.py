@@ -16,6 +16,7 @@ import pytest
 
 from libbus.config import load_settings
 from libbus.errors import ConfigError
+from tests.support import busctl
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS_DIR = ROOT / "systemd"
@@ -188,11 +189,6 @@ def verify(*units: Path, cwd: Path) -> list[str]:
     proc = subprocess.run([tool, "verify", *map(str, units)], cwd=cwd, capture_output=True, text=True,
                           timeout=60, env={**os.environ, "SYSTEMD_LOG_COLOR": "0"})
     return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-
-
-def busctl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
 
 
 def test_install_units_puts_verified_units_in_place(tmp_path):

@@ -20,8 +20,7 @@ from libbus.messages import (AttachRing, BatchRequest, ControlJob, DatasetInfoRe
                              ListJobs, Progress, PushResult, Resolve, SubmitJob)
 from services import runtime
 
-from .conftest import CLUSTER
-from .test_cli import busctl
+from tests.support import CLUSTER, busctl
 
 
 @pytest.fixture

@@ -30,8 +30,7 @@ from libbus.client import Client, Identity
 from libbus.messages import ControlJob, GetJob, Stats, SubmitJob
 from services.provider.evaluator import evaluate_weights
 from services.provider.sources import open_source
-from tests.conftest import wait_job
-from tests.test_e2e import BUSCTL, REPO, busctl
+from tests.support import BUSCTL, REPO, busctl, wait_job
 
 DATASET = "mock://mnist?n=2000"
 SPEC = {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 32}, "epochs": 20, "batch_size": 16,
@@ -103,7 +102,7 @@ def test_eval_and_top_on_a_running_job(cluster, tmp_path):
     _wait(admin, job, lambda j: j["state"] == "running" and (j.get("progress") or {}).get("step", 0) >= 1)
 
     # scored mid-training: the step it was taken at, a test-split score, the copy time
-    out = busctl("job", "eval", job, "--json", env=env)
+    out = busctl("job", "eval", job, "--json", env=env, check=True)
     running = json.loads(out.stdout)
     source = open_source(DATASET)
     info = source.info()
@@ -115,7 +114,7 @@ def test_eval_and_top_on_a_running_job(cluster, tmp_path):
     assert isinstance(running["copy_ms"], float) and running["copy_ms"] >= 0
 
     # the same, for a human: one line with the accuracy, the step and the pause
-    human = busctl("job", "eval", job, env=env).stdout
+    human = busctl("job", "eval", job, env=env, check=True).stdout
     assert f"{job}: step " in human and "test accuracy" in human and "training paused" in human
 
     # top, live under tmux while the job trains (and ended by Ctrl-C with no traceback)
@@ -126,7 +125,7 @@ def test_eval_and_top_on_a_running_job(cluster, tmp_path):
 
     # paused: nothing trains between the evaluation and a checkpoint, so both are of one step
     admin.request(ControlJob(job=job, command="pause"))
-    frame = json.loads(busctl("top", "--once", "--json", "--interval", "0.3", env=env).stdout)
+    frame = json.loads(busctl("top", "--once", "--json", "--interval", "0.3", env=env, check=True).stdout)
     [trainer] = frame["trainers"]
     assert trainer["name"] == "trainer-top" and trainer["job"] == job and trainer["state"] == "paused"
     assert 1 <= trainer["epoch"] <= SPEC["epochs"] and trainer["step"] >= running["step"]
@@ -134,7 +133,7 @@ def test_eval_and_top_on_a_running_job(cluster, tmp_path):
     assert provider["name"] == "prov-top" and provider["datasets"] == ["mnist"] and provider["samples"] > 0
     assert provider["evaluations"] >= 2
     assert [j["id"] for j in frame["jobs"]] == [job] and 0 < frame["jobs"][0]["fraction"] < 1
-    text = busctl("top", "--once", "--interval", "0.3", env=env).stdout
+    text = busctl("top", "--once", "--interval", "0.3", env=env, check=True).stdout
     for shown in ("prov-top", "trainer-top", job, "paused", f"{trainer['epoch']}/{SPEC['epochs']}"):
         assert shown in text, f"{shown!r} not in:\n{text}"
 
@@ -165,7 +164,7 @@ def test_eval_of_a_queued_job_is_refused(router, state_dir):
     """No trainer holds it: a clear error at once, not a wait for an acknowledgement."""
     env = {**os.environ, "BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_ROUTER": router.endpoint,
            "PYTHONPATH": str(REPO)}
-    job = busctl("submit", "--dataset", "mnist", "--model", "mlp", env=env).stdout.strip()
+    job = busctl("submit", "--dataset", "mnist", "--model", "mlp", env=env, check=True).stdout.strip()
     out = busctl("job", "eval", job, env=env, check=False)
     assert out.returncode == 1 and f"job {job} is queued on no trainer" in out.stderr
     assert "Traceback" not in out.stderr

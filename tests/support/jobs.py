@@ -1,0 +1,75 @@
+"""A cluster for job tests: a router, a provider of ``mock://mnist?n=600`` and trainers as processes, tuned to
+notice failures fast, with trainers that audit every sample they train on (services/trainer/audit.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from libbus.loader import RemoteLoader
+from libbus.messages import Resolve
+from services.trainer.audit import digest
+
+from .cluster import Cluster
+
+__all__ = ["SPEC", "JobCluster", "final_weights"]
+
+#: The job the job tests train: an MLP on mock://mnist?n=600, shuffle full, checkpoints every 10 steps.
+SPEC = {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 64}, "epochs": 3, "batch_size": 16,
+        "shuffle": "full", "seed": 5, "optimizer": "adam", "lr": 0.003, "evaluate": False,
+        "checkpoint_every": 10}
+
+
+class JobCluster(Cluster):
+    """:class:`Cluster` with short heartbeats and leases, and an audit directory for its trainers."""
+
+    def __init__(self, state: Path):
+        self.audit = state / "audit"
+        super().__init__(state, {
+            "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_HEARTBEAT_LIVENESS": "10", "BATCHBUS_LEASE_S": "4",
+            "BATCHBUS_PROGRESS_INTERVAL_S": "0.1", "BATCHBUS_AUDIT_DIR": str(self.audit),
+            "BATCHBUS_REQUEST_TIMEOUT_S": "3", "BATCHBUS_REQUEST_RETRIES": "1",
+            # a loader waits this long for a lost provider to come back before the attempt
+            # fails (retryable); tests/test_replicas.py covers the wait itself
+            "BATCHBUS_PROVIDER_WAIT_S": "2"})
+        self.provider_endpoint = ""
+
+    def start_provider(self, bind: str = "tcp://127.0.0.1:0") -> None:
+        """The provider of ``mnist`` (again, after a stop: same name); :meth:`endpoint_of` waits for it."""
+        self.start("provider", "provider", "--bind", bind, "--dataset", "mnist=mock://mnist?n=600", ready=True)
+
+    def submit(self, **changes) -> str:
+        """Submit :data:`SPEC` with ``changes``; returns the job's id."""
+        return self.submit_spec({**SPEC, **changes})
+
+    def trained_batches(self, job: str, trainer: str) -> int:
+        """Batches ``trainer`` has trained on for ``job`` so far (from its audit file)."""
+        return sum(len(p.read_bytes().splitlines()) - 1 for p in self.audit.glob(f"{job}.{trainer}.*.jsonl"))
+
+    def train_digests(self) -> Counter:
+        """The multiset of every train sample's digest, read straight from the provider."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                provider = self.admin.request(Resolve(dataset="mnist")).providers[0]["endpoint"]
+                break
+            except Exception:  # noqa: BLE001 - the provider is still registering
+                assert time.monotonic() < deadline, "provider never registered"
+                time.sleep(0.1)
+        with RemoteLoader("mnist", provider=provider, token=self.admin_token, batch_size=1000,
+                          shuffle="none", copy=True) as loader:
+            x, y = next(iter(loader))
+        xs, ys = x.numpy(), y.numpy()
+        return Counter(digest(xs[i].tobytes(), ys[i].tobytes()) for i in range(len(xs)))
+
+
+def final_weights(info: dict) -> dict[str, torch.Tensor]:
+    """The weights a succeeded job pushed, checked against the digest its result names."""
+    model = info["result"]["model"]
+    assert hashlib.sha256(Path(model["path"]).read_bytes()).hexdigest() == model["sha256"]
+    return load_file(model["path"])

@@ -1,0 +1,167 @@
+"""The house's layers, checked from the source (no import runs): the import graph of the project's modules
+has no cycle, no package imports a higher layer, no module imports another's private name, and test files
+import helpers only from ``tests.support``.
+
+Every ``import`` counts, the ones inside functions too: an import moved into a function to dodge a cycle
+is still the cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+#: Lower layers first; a module may import its own layer and the ones below, never one above.
+LAYERS = ["core", "shm", "libbus", "services", "benchmarks", "cli"]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def _modules() -> dict[str, Path]:
+    files = [p for top in [*LAYERS, "tests"] for p in (REPO / top).rglob("*.py")]
+    return {_module_name(p): p for p in files}
+
+
+def _is_package(name: str) -> bool:
+    return _modules()[name].name == "__init__.py"
+
+
+def _import_statements(body: list[ast.stmt]):
+    """Every import statement, at any depth (functions, classes, ifs, trys), without walking expressions."""
+    stack = list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+            continue
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            stack.extend(getattr(node, field, ()))
+
+
+@cache
+def _imports(name: str) -> list[tuple[str, list[str], int]]:
+    """(imported project module, names taken from it, line) for every import statement in ``name``."""
+    modules = _modules()
+    tree = ast.parse(modules[name].read_text(), str(modules[name]))
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    out = []
+    for node in _import_statements(tree.body):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [a.name for a in node.names]
+            subs = [n for n in names if f"{base}.{n}" in modules]
+            out += [(f"{base}.{n}", [], node.lineno) for n in subs]
+            rest = [n for n in names if n not in subs]
+            if rest or not subs:
+                out.append((base, rest, node.lineno))
+    return [(target, names, line) for target, names, line in out if target in modules]
+
+
+def _edges() -> dict[str, set[str]]:
+    return {name: {target for target, _, _ in _imports(name)} for name in _modules()}
+
+
+def _layer(name: str) -> int | None:
+    top = name.partition(".")[0]
+    return LAYERS.index(top) if top in LAYERS else None
+
+
+def test_the_project_has_no_import_cycle():
+    graph = _edges()
+    # Tarjan's strongly connected components, iteratively (no recursion limit to meet)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1 or node in graph[node]:
+                        cycles.append(sorted(component))
+    assert not cycles, "import cycles (each list imports itself round): " + "; ".join(map(str, cycles))
+
+
+def test_no_package_imports_a_higher_layer():
+    wrong = []
+    for name in _modules():
+        mine = _layer(name)
+        if mine is None:
+            continue
+        for target, _, line in _imports(name):
+            theirs = _layer(target)
+            if theirs is None or theirs > mine:
+                wrong.append(f"{_modules()[name].relative_to(REPO)}:{line} imports {target}")
+    assert not wrong, f"layers are {' < '.join(LAYERS)}; these import upwards:\n" + "\n".join(wrong)
+
+
+def test_no_module_imports_another_modules_private_name():
+    wrong = []
+    for name in _modules():
+        for target, names, line in _imports(name):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private and target != name:
+                wrong.append(f"{_modules()[name].relative_to(REPO)}:{line} takes {', '.join(private)} from {target}")
+    assert not wrong, "private names used across modules (make them public or move them):\n" + "\n".join(wrong)
+
+
+def test_test_files_import_helpers_only_from_tests_support():
+    wrong = []
+    for name in _modules():
+        if not name.startswith("tests.") or name.startswith("tests.support"):
+            continue
+        for target, _, line in _imports(name):
+            if target.startswith("tests") and not target.startswith("tests.support"):
+                wrong.append(f"{_modules()[name].relative_to(REPO)}:{line} imports {target}")
+    assert not wrong, ("a test file imports another test file or conftest; shared helpers go in "
+                       "tests/support/, fixtures in conftest.py:\n" + "\n".join(wrong))
+
+
+def test_the_checks_see_the_import_forms_they_police(tmp_path):
+    """The graph reader itself: relative, from-package and function-level imports all become edges."""
+    assert "services.provider.sources.base" in _edges()["services.provider.sources.registry"]
+    assert "services.provider.sources.files" in _edges()["services.provider.sources.registry"]
+    assert "core.errors" in _edges()["libbus.errors"]
+    # cli/app.py imports the provider's service inside a function
+    assert "services.provider.app" in _edges()["cli.app"]
