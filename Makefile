@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install install-units demo test clean
+.PHONY: install install-units demo lint test clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,14 @@ demo: $(STAMP)
 install-units: $(STAMP)
 	$(BIN)/busctl install-units --prefix $(abspath $(VENV)) $(UNITS_FLAGS)
 
-test: $(STAMP)
+# Lint, format and types (seconds, cached), then the tests.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -91,7 +91,7 @@ class memory_cgroup:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
             _, controllers, rel = line.split(":", 2)
             own[controllers or "v2"] = rel.lstrip("/")
-        for _, mount, fstype, opts in mounts:
+        for _, mount, fstype, _opts in mounts:
             if fstype == "cgroup2":
                 base = Path(mount) / own.get("v2", "")
                 if "memory" in (Path(mount) / "cgroup.controllers").read_text().split():

@@ -178,7 +178,7 @@ class Link:
         self.client.reset()
         self._hello_sent = 0.0
         # Requests sent on the old socket are resent after the next Welcome.
-        for rid, (msg, fut, deadline) in list(self._pending.items()):
+        for msg, fut, deadline in list(self._pending.values()):
             self._outgoing.put((msg, fut, deadline))
         self._pending.clear()
 
