@@ -11,7 +11,7 @@ import typer
 
 from libbus.config import load_settings
 from libbus.jobs import JOB_STATES, SETTABLE
-from libbus.messages import ControlJob, GetJob, GetModel, ListJobs, ListPeers, Stats, SubmitJob
+from libbus.messages import ControlJob, GetJob, GetModel, ListJobs, ListPeers, Stats, SubmitJob, frame_buffer
 
 from . import tables
 from .common import admin_client, fail, guard, print_json, settings_from, setup_logging
@@ -302,7 +302,7 @@ def job_model(job: str, out: Annotated[Path, typer.Option("-o", "--out", help="W
     with admin_client(s) as client:
         reply = client.request(GetModel(job=job))
     frame = reply.frames[0]
-    data = bytes(frame.buffer if hasattr(frame, "buffer") else frame)
+    data = bytes(frame_buffer(frame))
     digest = hashlib.sha256(data).hexdigest()
     if digest != reply.sha256:
         fail(f"model of {job} arrived with sha256 {digest}, expected {reply.sha256}; nothing written")

@@ -18,7 +18,7 @@ from rich.table import Table
 from libbus.client import Client
 from libbus.config import Settings
 from libbus.curve import curve_key_of
-from libbus.messages import BatchRequest, BatchResponse, ListPeers, Resolve
+from libbus.messages import BatchRequest, BatchResponse, ListPeers, Resolve, frame_buffer
 
 from .common import admin_client, fail, print_json
 
@@ -180,7 +180,7 @@ def _request(dataset: str, split: str, indices: np.ndarray, epoch: int = 0) -> B
 def _arrays(reply: BatchResponse) -> tuple[np.ndarray, np.ndarray]:
     out = []
     for frame, shape, dtype in zip(reply.frames, reply.shapes, reply.dtypes):
-        buf = frame.buffer if hasattr(frame, "buffer") else frame
+        buf = frame_buffer(frame)
         out.append(np.frombuffer(buf, np.dtype(dtype)).reshape(shape).copy())
     return out[0], out[1]
 

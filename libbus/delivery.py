@@ -23,7 +23,7 @@ import torch
 from shm import Ring, RingLayout
 
 from .errors import BusError, ShmError
-from .messages import AttachRing, BatchResponse, Message
+from .messages import AttachRing, BatchResponse, Message, frame_buffer
 
 __all__ = ["RingDelivery", "SocketDelivery", "ring_layout"]
 
@@ -69,7 +69,7 @@ class SocketDelivery:
                            "expected the batch in 2 frames")
         out = []
         for frame, shape, dtype in zip(reply.frames, reply.shapes, reply.dtypes):
-            buf = frame.buffer if hasattr(frame, "buffer") else frame
+            buf = frame_buffer(frame)
             try:
                 arr = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
             except (TypeError, ValueError) as err:

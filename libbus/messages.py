@@ -21,7 +21,7 @@ from .errors import BadRequest, BusError, TooLarge
 from .schema import schema_of, too_deep, type_name
 
 __all__ = [
-    "Message", "MESSAGE_TYPES", "encode", "decode", "error_reply", "request_id_of",
+    "Message", "MESSAGE_TYPES", "encode", "decode", "error_reply", "frame_buffer", "request_id_of",
     "Hello", "Welcome", "Heartbeat", "Error", "Ok",
     "Resolve", "Resolved", "DatasetInfoRequest", "DatasetInfo", "BatchRequest", "BatchResponse",
     "AttachRing", "RingAttached",
@@ -406,7 +406,9 @@ def encode(msg: Message) -> list:
     return [PROTOCOL, head, *msg.frames]
 
 
-def _frame_bytes(frame) -> bytes | memoryview:
+def frame_buffer(frame) -> bytes | memoryview:
+    """The bytes of a received payload frame without a copy: a ``zmq.Frame``'s buffer, or the bytes
+    themselves (frames received with ``copy=True``, or built locally)."""
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
@@ -419,13 +421,13 @@ def decode(frames: list) -> Message:
         raise BadRequest(f"expected at least 2 frames (protocol tag, header), got {len(frames)}")
     if len(frames) > MAX_FRAMES:
         raise TooLarge(f"message has {len(frames)} frames; at most {MAX_FRAMES} are accepted")
-    total = sum(memoryview(_frame_bytes(f)).nbytes for f in frames)
+    total = sum(memoryview(frame_buffer(f)).nbytes for f in frames)
     if total > MAX_MSG_BYTES:
         raise TooLarge(f"message is {total} bytes in all; at most {MAX_MSG_BYTES} are accepted")
-    tag = bytes(_frame_bytes(frames[0]))
+    tag = bytes(frame_buffer(frames[0]))
     if tag != PROTOCOL:
         raise BadRequest(f"unknown protocol tag {tag[:16]!r}; expected {PROTOCOL!r}")
-    raw = _frame_bytes(frames[1])
+    raw = frame_buffer(frames[1])
     if len(raw) > MAX_HEADER_BYTES:
         raise TooLarge(f"header is {len(raw)} bytes; at most {MAX_HEADER_BYTES} are accepted")
     try:
@@ -471,7 +473,7 @@ def error_reply(request_id: int, err: BusError) -> Error:
 def request_id_of(frames: list) -> int:
     """Best-effort ``id`` of a message that failed to decode, so its Error can still be matched (0 if none)."""
     try:
-        raw = _frame_bytes(frames[1])
+        raw = frame_buffer(frames[1])
         if len(raw) > MAX_HEADER_BYTES:
             return 0
         head = orjson.loads(raw)

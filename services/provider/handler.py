@@ -35,6 +35,7 @@ from libbus.messages import (
     StageControl,
     Stats,
     StatsReply,
+    frame_buffer,
 )
 from libbus.metrics import LatencyHistogram
 from libbus.server import Handler, Session
@@ -93,7 +94,7 @@ def batch_indices(msg: BatchRequest, num_samples: int, split: str) -> np.ndarray
         raise BadRequest(f"indices frame is {size} bytes; expected a multiple of 8 (int64)")
     if size // 8 > MAX_BATCH_INDICES:
         raise TooLarge(f"{size // 8} indices; at most {MAX_BATCH_INDICES} per request")
-    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    buf = frame_buffer(frame)
     indices = np.frombuffer(buf, dtype="<i8")
     if len(indices):
         lo, hi = int(indices.min()), int(indices.max())

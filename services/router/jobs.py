@@ -31,7 +31,7 @@ from typing import Callable
 
 from libbus.errors import BadRequest, Forbidden, NotFound, Timeout, Unavailable
 from libbus.jobs import TERMINAL_STATES, JobSpec
-from libbus.messages import Checkpointed, Command, CommandAck, Message, Model, Ok, Progress, PushResult
+from libbus.messages import Checkpointed, Command, CommandAck, Message, Model, Ok, Progress, PushResult, frame_buffer
 
 from .artifacts import Artifacts
 from .store import HOLDING_STATES, JobStore
@@ -235,7 +235,7 @@ class JobControl:
             if not isinstance(model, dict) or not isinstance(model.get("sha256"), str):
                 raise BadRequest("weights sent without result.model.sha256")
             frame = msg.frames[0]
-            stored = self.artifacts.put(msg.job, frame.buffer if hasattr(frame, "buffer") else frame,
+            stored = self.artifacts.put(msg.job, frame_buffer(frame),
                                         model["sha256"])
             result = {**result, "model": {**model, "router_path": stored}}
         self.store.finish(msg.job, msg.state, reason, result=result, error=msg.error)

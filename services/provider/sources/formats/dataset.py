@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from libbus.errors import DatasetError
 from ..base import Source
 from .reader import ByteSpace, Records, Segment
 
-__all__ = ["MEMORY_MODES", "Context", "FileSource", "Layout", "Table"]
+__all__ = ["MEMORY_MODES", "Context", "FileSource", "Gatherer", "Layout", "Table"]
 
 MEMORY_MODES = ("auto", "ram", "stream")
 #: ``memory=auto`` keeps a dataset in RAM only below both this and a quarter of MemAvailable.
@@ -120,23 +121,45 @@ def mem_available() -> int:
 #: Gathers of at least this many bytes are split in two, the second half on a helper thread: numpy
 #: releases the GIL while it copies, and one thread does not saturate memory bandwidth.
 SPLIT_GATHER_BYTES = 1 << 20
-_gather_pool: ThreadPoolExecutor | None = None  # made on first use, not at import
 
 
-def _gather(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
-    """``out[:] = src[rows]`` with no temporary (``rows`` already checked to be in range)."""
-    # mode="clip": numpy buffers ``out`` under the default mode="raise" (a hidden temporary that
-    # makes the gather ~4x slower); the rows were checked by the caller.
-    if out.nbytes < SPLIT_GATHER_BYTES:
-        np.take(src, rows, axis=0, out=out, mode="clip")
-        return
-    global _gather_pool
-    if _gather_pool is None:
-        _gather_pool = ThreadPoolExecutor(1, thread_name_prefix="gather")
-    half = len(rows) // 2
-    other = _gather_pool.submit(np.take, src, rows[half:], 0, out[half:], "clip")
-    np.take(src, rows[:half], axis=0, out=out[:half], mode="clip")
-    other.result()
+class Gatherer:
+    """``out[:] = src[rows]`` with no temporary, large gathers split with a helper thread of its own.
+
+    The thread starts on the first large gather and stops at :meth:`close` (the source's), so a closed
+    source leaves no thread behind; after that, gathers run on the caller's thread alone.
+    """
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __call__(self, src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+        """Gather (``rows`` already checked to be in range)."""
+        # mode="clip": numpy buffers ``out`` under the default mode="raise" (a hidden temporary that
+        # makes the gather ~4x slower); the rows were checked by the caller.
+        pool = self._helper() if out.nbytes >= SPLIT_GATHER_BYTES else None
+        if pool is None:
+            np.take(src, rows, axis=0, out=out, mode="clip")
+            return
+        half = len(rows) // 2
+        other = pool.submit(np.take, src, rows[half:], 0, out[half:], "clip")
+        np.take(src, rows[:half], axis=0, out=out[:half], mode="clip")
+        other.result()
+
+    def _helper(self) -> ThreadPoolExecutor | None:
+        with self._lock:
+            if self._pool is None and not self._closed:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="gather")
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the helper thread (after the gathers under way)."""
+        with self._lock:
+            pool, self._pool, self._closed = self._pool, None, True
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 class FileSource(Source):
@@ -155,6 +178,8 @@ class FileSource(Source):
         self.kind = layout.kind
         self._fds = ctx.fds
         self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        self._gather = Gatherer()
+        weakref.finalize(self, self._gather.close)
         self._splits = self._carve(layout.tables, val_fraction)
         self.val_fraction = val_fraction if "val" not in layout.tables else None
         tables = {id(t): t for t, _, _ in self._splits.values() if t is not None}.values()
@@ -190,8 +215,9 @@ class FileSource(Source):
         return out
 
     def close(self) -> None:
-        """Close the dataset's files (a RAM source has already closed them)."""
+        """Close the dataset's files (a RAM source has already closed them) and stop its gather thread."""
         _close_all(self._fds)
+        self._gather.close()
 
     def num_samples(self, split: str) -> int:
         return self._splits[split][2]
@@ -225,7 +251,7 @@ class FileSource(Source):
         rows = idx + start if start else idx
         if self.memory == "ram":
             xs, ys = self._ram[id(table)]
-            _gather(xs, rows, x)
+            self._gather(xs, rows, x)
             np.take(ys, rows, axis=0, out=y, mode="clip")
         else:
             self._stream(table, rows, x, y)
