@@ -9,13 +9,26 @@ from typing import Annotated, Optional
 
 import typer
 
-from libbus.config import load_settings
+from libbus.config import Settings, load_settings
 from libbus.jobs import JOB_STATES, SETTABLE
 from libbus.messages import ControlJob, GetJob, GetModel, ListJobs, ListPeers, Stats, SubmitJob, frame_buffer
 
 from . import tables
 from .common import admin_client, fail, guard, print_json, settings_from, setup_logging
-from .options import Bind, Config, Json, LogLevel, MetricsBind, Name, ReadyFile, Router, SecretFile, StateDir, Token
+from .options import (
+    Bind,
+    Config,
+    Json,
+    LogLevel,
+    MetricsBind,
+    Name,
+    ReadyFile,
+    Router,
+    SecretFile,
+    StateDir,
+    Token,
+    admin_options,
+)
 from .tokens import keys_app, token_app
 from .units import install_units
 from .watch import watch_job
@@ -150,6 +163,7 @@ def bench(ctx: typer.Context) -> None:
 
 @app.command()
 @guard
+@admin_options
 def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job file (flags override it).")] = None,
            dataset: Annotated[Optional[str], typer.Option(help="Dataset name (or remote://NAME).")] = None,
            model: Annotated[Optional[str], typer.Option(help="mlp, cnn, tiny-lm or module:factory.")] = None,
@@ -162,8 +176,7 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
            block_size: Annotated[int | None, typer.Option(help="Samples per block of --shuffle block.")] = None,
            evaluate: Annotated[Optional[bool], typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")] = None,
            world_size: Annotated[int | None, typer.Option(help="Trainers that train the job together (a gang).")] = None,
-           config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
-           token: Token = None, json: Json = False) -> None:
+           *, settings: Settings, json: Json = False) -> None:
     """Queue a training job; prints its id."""
     spec: dict = {}
     if job_file is not None:
@@ -179,7 +192,7 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
     spec.update({k: v for k, v in flags.items() if v is not None})
     if "dataset" not in spec:
         fail("say which dataset to train on: --dataset NAME or a job file with dataset = \"NAME\"", 2)
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    s = settings
     with admin_client(s) as client:
         reply = client.request(SubmitJob(spec=spec))
     print_json({"job": reply.job}) if json else typer.echo(reply.job)
@@ -187,12 +200,12 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
 
 @app.command()
 @guard
+@admin_options
 def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this state: {', '.join(JOB_STATES)}.")] = None,
          limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 50,
-         config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
-         token: Token = None, json: Json = False) -> None:
+         *, settings: Settings, json: Json = False) -> None:
     """List jobs, newest first."""
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    s = settings
     with admin_client(s) as client:
         rows = client.request(ListJobs(state=state, limit=limit)).jobs
     print_json(rows) if json else tables.jobs(rows)
@@ -200,19 +213,19 @@ def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this s
 
 @job_app.command("show")
 @guard
-def job_show(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
-             state_dir: StateDir = None, token: Token = None, json: Json = False,
+@admin_options
+def job_show(job: str, *, settings: Settings, json: Json = False,
              progress: Annotated[int, typer.Option(help="Also the last N progress reports.")] = 0) -> None:
     """State, spec, progress, checkpoints, events and result of one job."""
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    s = settings
     with admin_client(s) as client:
         info = client.request(GetJob(job=job, progress=max(0, progress))).job
     print_json(info) if json else tables.job(info)
 
 
-def _control(job: str, command: str, args: dict, config, router, secret_file, state_dir, token, json) -> None:
+def _control(job: str, command: str, args: dict, settings: Settings, json: bool) -> None:
     """Send one ControlJob and print the acknowledgement (the trainer's, or the router's own)."""
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    s = settings
     with admin_client(s) as client:
         detail = client.request(ControlJob(job=job, command=command, args=args)).detail
     if json:
@@ -231,41 +244,41 @@ def _control(job: str, command: str, args: dict, config, router, secret_file, st
 
 @job_app.command("stop")
 @guard
-def job_stop(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
-             state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+@admin_options
+def job_stop(job: str, *, settings: Settings, json: Json = False) -> None:
     """Stop a job; a running one checkpoints first (`busctl job resume` continues it)."""
-    _control(job, "stop", {}, config, router, secret_file, state_dir, token, json)
+    _control(job, "stop", {}, settings, json)
 
 
 @job_app.command("pause")
 @guard
-def job_pause(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
-              state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+@admin_options
+def job_pause(job: str, *, settings: Settings, json: Json = False) -> None:
     """Pause a job: its trainer keeps it (and its lease) but trains on no more batches."""
-    _control(job, "pause", {}, config, router, secret_file, state_dir, token, json)
+    _control(job, "pause", {}, settings, json)
 
 
 @job_app.command("resume")
 @guard
-def job_resume(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
-               state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+@admin_options
+def job_resume(job: str, *, settings: Settings, json: Json = False) -> None:
     """Resume a paused job, or queue a stopped or failed one again from its last checkpoint."""
-    _control(job, "resume", {}, config, router, secret_file, state_dir, token, json)
+    _control(job, "resume", {}, settings, json)
 
 
 @job_app.command("checkpoint")
 @guard
-def job_checkpoint(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
-                   state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+@admin_options
+def job_checkpoint(job: str, *, settings: Settings, json: Json = False) -> None:
     """Make the trainer write a checkpoint now; prints its path and sha256."""
-    _control(job, "checkpoint", {}, config, router, secret_file, state_dir, token, json)
+    _control(job, "checkpoint", {}, settings, json)
 
 
 @job_app.command("set")
 @guard
+@admin_options
 def job_set(job: str, values: Annotated[list[str], typer.Argument(help=f"NAME=VALUE pairs; names: {', '.join(SETTABLE)}.")],
-            config: Config = None, router: Router = None, secret_file: SecretFile = None,
-            state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+            *, settings: Settings, json: Json = False) -> None:
     """Change hyper-parameters of a job, e.g. `busctl job set J lr=0.01 weight_decay=1e-4`."""
     args = {}
     for pair in values:
@@ -276,29 +289,29 @@ def job_set(job: str, values: Annotated[list[str], typer.Argument(help=f"NAME=VA
             sep = ""
         if not sep:
             fail(f"expected NAME=NUMBER such as lr=0.01, got {pair!r}", 2)
-    _control(job, "set", args, config, router, secret_file, state_dir, token, json)
+    _control(job, "set", args, settings, json)
 
 
 @job_app.command("eval")
 @guard
-def job_eval(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
-             state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+@admin_options
+def job_eval(job: str, *, settings: Settings, json: Json = False) -> None:
     """Score a running job's current weights on its provider's private test split; training pauses
     only for the copy of the weights."""
     from .evaluate import evaluate_job
-    evaluate_job(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
+    evaluate_job(settings,
                  job, json=json)
 
 
 @job_app.command("model")
 @guard
+@admin_options
 def job_model(job: str, out: Annotated[Path, typer.Option("-o", "--out", help="Where to write the safetensors file.")],
-              config: Config = None, router: Router = None, secret_file: SecretFile = None,
-              state_dir: StateDir = None, token: Token = None) -> None:
+              *, settings: Settings) -> None:
     """Download the final weights of a succeeded job (safetensors), checked against their sha256."""
     import hashlib
     from services.atomic import write_atomic
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    s = settings
     with admin_client(s) as client:
         reply = client.request(GetModel(job=job))
     frame = reply.frames[0]
@@ -312,10 +325,10 @@ def job_model(job: str, out: Annotated[Path, typer.Option("-o", "--out", help="W
 
 @job_app.command("watch")
 @guard
-def job_watch(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
-              state_dir: StateDir = None, token: Token = None) -> None:
+@admin_options
+def job_watch(job: str, *, settings: Settings) -> None:
     """Follow a job with a progress bar until it ends; exit 0 only if it succeeded."""
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    s = settings
     with admin_client(s) as client:
         final = watch_job(client, job)
     if final["state"] != "succeeded":
@@ -326,10 +339,10 @@ def job_watch(job: str, config: Config = None, router: Router = None, secret_fil
 
 @app.command()
 @guard
-def queues(config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
-           token: Token = None, json: Json = False) -> None:
+@admin_options
+def queues(*, settings: Settings, json: Json = False) -> None:
     """Every service's queue and traffic metrics, as carried on heartbeats."""
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    s = settings
     with admin_client(s) as client:
         services = client.request(Stats()).services
     print_json(services) if json else tables.queues(services)
@@ -337,39 +350,39 @@ def queues(config: Config = None, router: Router = None, secret_file: SecretFile
 
 @app.command()
 @guard
+@admin_options
 def top(interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 2.0,
         once: Annotated[bool, typer.Option("--once", help="Print one frame (two snapshots --interval apart) and exit.")] = False,
-        config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
-        token: Token = None, json: Annotated[bool, typer.Option("--json", help="With --once: the frame's data.")] = False) -> None:
+        *, settings: Settings, json: Annotated[bool, typer.Option("--json", help="With --once: the frame's data.")] = False) -> None:
     """A live view of providers, trainers, jobs and pipeline stages until Ctrl-C (docs/operations.md)."""
     from .top import top_command
     if json and not once:
         fail("--json prints one frame: use it with --once", 2)
-    top_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
+    top_command(settings,
                 interval=interval, once=once, json=json)
 
 
 @app.command()
 @guard
+@admin_options
 def control(provider: Annotated[str, typer.Argument(help="Provider name (busctl peers).")],
             stage: Annotated[str, typer.Argument(help="A stage of one of its pipeline datasets.")],
             command: Annotated[str, typer.Argument(help="stats; random stages also get, set, reset.")],
             args: Annotated[Optional[list[str]], typer.Argument(help="key=value, e.g. seed=3 epoch=2 (set).")] = None,
             dataset: Annotated[str, typer.Option(help="The pipeline dataset, when several have STAGE.")] = "",
-            config: Config = None, router: Router = None, secret_file: SecretFile = None,
-            state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+            *, settings: Settings, json: Json = False) -> None:
     """Send a control command to one stage of a provider's pipeline dataset (docs/operations.md)."""
     from .pipeline import control_command
-    control_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
+    control_command(settings,
                     provider, stage, command, args or [], dataset=dataset, json=json)
 
 
 @app.command()
 @guard
-def peers(config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
-          token: Token = None, json: Json = False) -> None:
+@admin_options
+def peers(*, settings: Settings, json: Json = False) -> None:
     """Providers, trainers and admins connected to the router."""
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    s = settings
     with admin_client(s) as client:
         rows = client.request(ListPeers()).peers
     print_json(rows) if json else tables.peers(rows)
@@ -377,26 +390,25 @@ def peers(config: Config = None, router: Router = None, secret_file: SecretFile 
 
 @app.command("datasets")
 @guard
-def datasets(config: Config = None, router: Router = None, secret_file: SecretFile = None,
-             state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+@admin_options
+def datasets(*, settings: Settings, json: Json = False) -> None:
     """Every dataset the providers serve: providers, kind, splits, sample shape and dtype, classes."""
     from .data import datasets_command
-    datasets_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir,
-                                   token=token), json=json)
+    datasets_command(settings, json=json)
 
 
 @app.command("fetch")
 @guard
+@admin_options
 def fetch(dataset: Annotated[str, typer.Argument(help="Dataset name (or remote://NAME).")],
           split: Annotated[str, typer.Option(help="train or val (test never leaves its provider).")] = "train",
           indices: Annotated[str, typer.Option(help="Ranges START:STOP[:STEP] such as 0:8 or 0:64:4, single indices, comma-joined: 3,7,9 or 0:4,100.")] = "0:8",
           out: Annotated[Path | None, typer.Option(help="Save instead of printing: .npz (x, y, indices) or .npy (x only).")] = None,
           epoch: Annotated[int, typer.Option(min=0, help="The epoch whose augmentations a pipeline dataset applies.")] = 0,
-          config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
-          token: Token = None, json: Json = False) -> None:
+          *, settings: Settings, json: Json = False) -> None:
     """Samples of a dataset exactly as a trainer receives them: shape, dtype, labels, per-sample summary."""
     from .data import fetch_command
-    fetch_command(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token),
+    fetch_command(settings,
                   dataset, split, indices, out=out, json=json, epoch=epoch)
 
 

@@ -9,11 +9,12 @@ from typing import Annotated, Optional
 import typer
 
 from libbus.auth import ROLES, ensure_secret
+from libbus.config import Settings
 from libbus.errors import BusError, ConfigError
 
 from . import tables
 from .common import admin_client, fail, guard, print_json, settings_from
-from .options import Config, Json, Router, SecretFile, StateDir, Token
+from .options import Config, Json, SecretFile, StateDir, admin_options
 
 __all__ = ["token_app", "keys_app"]
 
@@ -82,11 +83,11 @@ def token_inspect(token: Annotated[str, typer.Argument(help="The token to show (
 
 @token_app.command("revoke")
 @guard
+@admin_options
 def token_revoke(what: Annotated[str, typer.Argument(help="The token to revoke ('-' reads it from stdin), or its bare jti.")],
                  reason: Annotated[str, typer.Option(help="Why: kept with the revocation.")] = "",
                  keep: Annotated[Optional[float], typer.Option("--keep", help="For a bare jti: seconds to keep refusing it (default: token_ttl_s). A whole token is refused until it expires.")] = None,
-                 config: Config = None, router: Router = None, secret_file: SecretFile = None,
-                 state_dir: StateDir = None, token: Token = None) -> None:
+                 *, settings: Settings) -> None:
     """Revoke a token on every service: the router stores it (a restart keeps it), refuses it, closes
     its sessions and tells every provider, which does the same."""
     import sys
@@ -95,7 +96,7 @@ def token_revoke(what: Annotated[str, typer.Argument(help="The token to revoke (
     from libbus.messages import RevokeToken
     if what == "-":
         what = sys.stdin.read().strip()
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    s = settings
     if what.count(".") == 2:  # a JWT: take its id and expiry from it
         _, claims = inspect_token(what)
         jti, exp = claims.get("jti"), claims.get("exp")
@@ -110,11 +111,11 @@ def token_revoke(what: Annotated[str, typer.Argument(help="The token to revoke (
 
 @token_app.command("revoked")
 @guard
-def token_revoked(config: Config = None, router: Router = None, secret_file: SecretFile = None,
-                  state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+@admin_options
+def token_revoked(*, settings: Settings, json: Json = False) -> None:
     """Tokens revoked and not yet expired, newest first."""
     from libbus.messages import ListRevoked
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
+    s = settings
     with admin_client(s) as client:
         rows = client.request(ListRevoked()).revoked
     print_json(rows) if json else tables.revoked(rows)
