@@ -191,7 +191,7 @@ class FileSource(Source):
         if memory == "ram":
             for t in tables:
                 self._ram[id(t)] = self._load(t)
-            self.close()  # all in RAM: the files are no longer needed
+            _close_all(self._fds)  # all in RAM: the files are no longer needed
         self._class_labels = self.label_shape == () and self.label_dtype.kind in "iu"
         self.num_classes = layout.num_classes or (self._count_classes(tables) if self._class_labels else 0)
         self.class_names = layout.class_names or ([str(i) for i in range(self.num_classes)]

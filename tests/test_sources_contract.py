@@ -1,0 +1,165 @@
+"""The source contract (tests/support/contract.py) over every scheme the registry knows: mock, dummy, file
+(in RAM and streamed), http, parquet, weighted and pipeline; resident memory that stays bounded while a
+streamed dataset is read whole; a clear error, naming the file, for a file cut short. A new scheme gets a
+case here (the first test fails until it has one)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from libbus.errors import DatasetError
+from services.provider.sources import OPENERS, open_source
+from tests.support.contract import check_source_contract, peak_rss
+from tests.support.httpd import RangeServer
+
+MB = 1 << 20
+
+
+def write_npy(d: Path, rng: np.random.Generator) -> dict:
+    """train/val/test ``_x.npy`` + ``_y.npy`` pairs; returns what each split must serve."""
+    d.mkdir(parents=True, exist_ok=True)
+    ref = {}
+    for split, n in (("train", 40), ("val", 9), ("test", 5)):
+        x = rng.standard_normal((n, 3, 2)).astype(np.float32)
+        y = rng.integers(0, 4, n).astype(np.int64)
+        y[0] = 3
+        np.save(d / f"{split}_x.npy", x)
+        np.save(d / f"{split}_y.npy", y)
+        ref[split] = (x, y)
+    return ref
+
+
+def write_parquet(d: Path, rng: np.random.Generator) -> dict:
+    d.mkdir(parents=True, exist_ok=True)
+    ids = rng.integers(0, 1000, (30, 6)).astype(np.int32)
+    labels = rng.integers(0, 3, 30).astype(np.int64)
+    labels[0] = 2
+    table = pa.table({"input_ids": pa.array([r.tolist() for r in ids], pa.list_(pa.int32())), "label": labels})
+    pq.write_table(table, d / "train.parquet", row_group_size=7)
+    return {"train": (ids, labels)}
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = RangeServer(tmp_path)
+    yield srv
+    srv.close()
+
+
+def case(scheme: str, tmp_path: Path, server: RangeServer) -> tuple[str, dict | None]:
+    """(URI, reference or None) for one scheme: data written here byte for byte where it can be."""
+    rng = np.random.default_rng(len(scheme))
+    if scheme == "mock":
+        return "mock://cifar10?n=20", None
+    if scheme == "mock-tokens":
+        return "mock://tokens?n=30&seq_len=8&vocab=16", None
+    if scheme == "dummy":
+        return "dummy://?shape=2,3&n=30&classes=4", {"train": (np.zeros((30, 2, 3), np.float32), np.zeros(30))}
+    if scheme in ("file", "file-stream"):
+        ref = write_npy(tmp_path / "npy", rng)
+        return f"file://{tmp_path / 'npy'}?memory={'stream' if scheme == 'file-stream' else 'ram'}", ref
+    if scheme in ("http", "https"):  # one case for both: https is the same opener over TLS
+        ref = write_npy(tmp_path / "web", rng)
+        return f"{server.url}/web/?retries=2&backoff=0.01&timeout=5", ref
+    if scheme == "parquet":
+        ref = write_parquet(tmp_path / "pq", rng)
+        return f"parquet://{tmp_path / 'pq'}?val_fraction=0", ref
+    if scheme == "weighted":
+        (tmp_path / "mix.toml").write_text(textwrap.dedent("""\
+            [[sources]]
+            uri = "mock://mnist?n=30"
+            weight = 2
+            [[sources]]
+            uri = "mock://mnist?n=20&seed=3"
+            weight = 1
+            """))
+        return f"weighted://{tmp_path / 'mix.toml'}", None
+    if scheme == "pipeline":
+        (tmp_path / "p.toml").write_text(textwrap.dedent("""\
+            seed = 1
+            [[stages]]
+            name = "images"
+            source = { uri = "mock://mnist?n=40" }
+            [[stages]]
+            name = "flip"
+            input = "images"
+            flip = { p = 0.5 }
+            """))
+        return f"pipeline://{tmp_path / 'p.toml'}", None
+    raise AssertionError(f"no contract case for scheme {scheme!r}: add one to tests/test_sources_contract.py")
+
+
+SCHEMES = ["mock", "mock-tokens", "dummy", "file", "file-stream", "http", "parquet", "weighted", "pipeline"]
+
+
+def test_every_registered_scheme_has_a_contract_case():
+    covered = {s.split("-")[0] for s in SCHEMES} | {"https"}  # https: the http opener over TLS
+    assert set(OPENERS) <= covered, f"schemes without a contract case: {sorted(set(OPENERS) - covered)}"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_every_source_keeps_the_contract(scheme, tmp_path, server):
+    uri, reference = case(scheme, tmp_path, server)
+    source = open_source(uri)
+    try:
+        check_source_contract(source, reference)
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("scheme", ["file", "http", "parquet"])
+def test_a_file_cut_short_is_named(scheme, tmp_path, server):
+    uri, _ = case(scheme, tmp_path, server)
+    path = {"file": tmp_path / "npy" / "train_x.npy", "http": tmp_path / "web" / "train_x.npy",
+            "parquet": tmp_path / "pq" / "train.parquet"}[scheme]
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 3)
+    with pytest.raises(DatasetError, match=path.name):
+        source = open_source(uri.replace("memory=ram", "memory=stream"))
+        try:
+            source.read("train", np.arange(source.num_samples("train")))
+        finally:
+            source.close()
+
+
+def write_raw(d: Path, megabytes: int) -> None:
+    d.mkdir()
+    (d / "x.u8").write_bytes(np.tile(np.arange(4096, dtype=np.uint8), megabytes * 256).tobytes())
+    (d / "dataset.toml").write_text('[train]\nx = "x.u8"\ndtype = "uint8"\nshape = [4096]\n')
+
+
+@pytest.mark.parametrize("scheme", ["file", "http"])
+def test_streamed_resident_memory_stays_bounded(scheme, tmp_path, server):
+    """Reading a streamed dataset whole costs no more memory for 96 MB than for 8 MB."""
+    write_raw(tmp_path / "small", 8)
+    write_raw(tmp_path / "big", 96)
+    base = {"file": f"file://{tmp_path}", "http": server.url}[scheme]
+    query = "?memory=stream" if scheme == "file" else "/?memory=stream&files=x.u8,dataset.toml"
+    small, big = peak_rss(f"{base}/small{query}"), peak_rss(f"{base}/big{query}")
+    assert big - small < 24 * MB, f"peak RSS {small / MB:.0f} MB for 8 MB, {big / MB:.0f} MB for 96 MB"
+
+
+def test_a_closed_file_source_leaves_no_thread_behind(tmp_path):
+    """A RAM source splits large gathers with a helper thread; closing the source stops it."""
+    write_raw(tmp_path / "ram", 8)
+    source = open_source(f"file://{tmp_path / 'ram'}?memory=ram&val_fraction=0")
+    x = np.empty((1024, 4096), np.uint8)  # 4 MB: a gather large enough to be split
+    source.read_into("train", np.arange(1024, dtype=np.int64)[::-1].copy(), x, np.empty((1024, 0), np.int64))
+    assert np.array_equal(x[0], np.arange(4096, dtype=np.uint8))
+    helpers = [t for t in threading.enumerate() if t.name.startswith("gather")]
+    assert helpers, "the large gather ran on one thread: this test no longer tests the helper"
+    source.close()
+    del source
+    gc.collect()
+    for t in helpers:
+        t.join(5)
+        assert not t.is_alive()
