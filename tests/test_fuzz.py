@@ -23,10 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from libbus import PROTOCOL
-from libbus.constants import MAX_BATCH_INDICES, MAX_FRAMES
+from libbus.constants import MAX_BATCH_INDICES
 from libbus.errors import BusError
 from libbus.messages import (
-    MESSAGE_TYPES,
     AttachRing,
     BatchRequest,
     DatasetInfo,
@@ -38,169 +37,27 @@ from libbus.messages import (
     Resolve,
     Stats,
     SubmitJob,
-    decode,
     encode,
 )
-from libbus.schema import schema_of
 from shm import Ring, RingLayout
 from shm.names import SHM_DIR, new_name
+from tests.support.fuzz import (
+    ABSURD_INTS,
+    REPLY_TIMEOUT_S,
+    Peer,
+    batch_request,
+    head,
+    nested,
+    raw_message,
+    refusals,
+    rss,
+)
 
 CORPUS = Path(__file__).parent / "fuzz_corpus"
 FUZZ = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture,
                                                    HealthCheck.too_slow, HealthCheck.data_too_large]}
 #: Resident memory the whole fuzz run may add to this process (services run in-process).
 RSS_BOUND = 300 * 1024 * 1024
-SENTINEL_ID = 2**62
-#: Messages sent by every Peer in this run (sentinels included), for the record.
-SENT = [0]
-REPLY_TIMEOUT_S = 10.0
-
-
-# -- helpers -----------------------------------------------------------------------------------------
-
-def rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def head(**fields) -> bytes:
-    return orjson.dumps(fields)
-
-
-class Peer:
-    """A bare DEALER: sends any frames, then drains replies up to a sentinel so none is missed."""
-
-    def __init__(self, raw_dealer, endpoint: str):
-        self.sock = raw_dealer(endpoint)
-        self.sent = 0
-
-    def send(self, frames: list) -> None:
-        self.sock.send_multipart(frames, copy=len(frames) < 4 and sum(len(f) for f in frames) < 65536)
-        self.sent += 1
-        SENT[0] += 1
-
-    def hello(self, token: str, role: str = "trainer", host_id: str = "", caps: dict | None = None) -> dict:
-        self.send([PROTOCOL, head(type="Hello", id=1, role=role, name=f"fuzz-{role}", token=token,
-                                  host_id=host_id, caps=caps or {})])
-        replies = self.drain()
-        assert replies and replies[-1]["type"] == "Welcome", replies
-        return replies[-1]
-
-    def drain(self) -> list[dict]:
-        """Every reply to what was sent so far: a malformed sentinel's Error comes back last."""
-        self.send([PROTOCOL, head(type="NoSuchType", id=SENTINEL_ID)])
-        out = []
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, f"service stopped answering (replies so far: {out[-3:]})"
-            if not self.sock.poll(int(left * 1000)):
-                continue
-            frames = self.sock.recv_multipart()
-            decode(frames)  # whatever a service sends must itself be well-formed
-            h = orjson.loads(frames[1])
-            if h.get("id") == SENTINEL_ID and h["type"] == "Error":
-                return out
-            out.append(h)
-
-    def request(self, msg) -> tuple[dict, list]:
-        self.send(encode(msg))
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, f"no reply to {msg.type}"
-            if self.sock.poll(int(left * 1000)):
-                frames = self.sock.recv_multipart()
-                h = orjson.loads(frames[1])
-                if h.get("id") == msg.id and h["type"] != "Heartbeat":
-                    return h, frames[2:]
-
-
-def refusals(server) -> int:
-    """Errors the server says it sent: malformed, by code, and internal."""
-    c = server.counters
-    return c["malformed"] + c["internal"] + sum(v for k, v in c.items() if k.startswith("error_"))
-
-
-def nested(depth: int, kind: str) -> bytes:
-    if kind == "list":
-        return b"[" * depth + b"]" * depth
-    return b'{"a":' * depth + b"1" + b"}" * depth
-
-
-# -- strategies ----------------------------------------------------------------------------------
-
-ABSURD_INTS = st.sampled_from([0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, -2**63, 2**64 - 1,
-                               MAX_BATCH_INDICES, MAX_BATCH_INDICES + 1, 63, 64, 65])
-SCALARS = st.one_of(st.none(), st.booleans(), ABSURD_INTS, st.integers(-2**63, 2**63 - 1),
-                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20),
-                    st.sampled_from(["", "\x00", "../" * 20, "a" * 70000, "train", "test", "validation",
-                                     "mnist", "zeros", "trainer", "admin", "provider"]))
-JSON = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                     st.dictionaries(st.text(max_size=6), inner, max_size=4)),
-                    max_leaves=12)
-TYPES = sorted(MESSAGE_TYPES)
-
-
-@st.composite
-def typed_header(draw) -> bytes:
-    """A header of a real message type whose fields are absent, of the wrong type, or absurd."""
-    mtype = draw(st.sampled_from(TYPES))
-    out = {"type": mtype, "id": draw(st.one_of(st.integers(0, 2**40), JSON))}
-    for name in schema_of(MESSAGE_TYPES[mtype]):
-        if name == "id" or draw(st.integers(0, 5)) == 0:
-            continue
-        out[name] = draw(JSON)
-    raw = orjson.dumps(out)
-    tweak = draw(st.integers(0, 9))
-    if tweak == 0:  # NaN / Infinity are not JSON: a decoder must refuse them, not take them as floats
-        raw = raw[:-1] + b',"x":' + draw(st.sampled_from([b"NaN", b"Infinity", b"-Infinity", b"1e999"])) + b"}"
-    elif tweak == 1:  # deep nesting in some field
-        raw = raw[:-1] + b',"x":' + nested(draw(st.integers(200, 1100)), draw(st.sampled_from(["list", "dict"]))) + b"}"
-    elif tweak == 2:  # truncated
-        raw = raw[:draw(st.integers(0, len(raw)))]
-    return raw
-
-
-@st.composite
-def raw_message(draw) -> list[bytes]:
-    """Any frames at all: random, wrong tag, truncated, typed-but-hostile headers, extra payload."""
-    kind = draw(st.integers(0, 5))
-    if kind == 0:
-        return draw(st.lists(st.binary(max_size=128), min_size=1, max_size=MAX_FRAMES + 4))
-    tag = draw(st.sampled_from([PROTOCOL, PROTOCOL, PROTOCOL, b"", b"BB0", b"BB2", b"bb1", PROTOCOL + b"\x00"]))
-    header = draw(typed_header()) if kind != 1 else draw(st.binary(max_size=256))
-    payload = draw(st.lists(st.binary(max_size=64), max_size=3))
-    if kind == 5:
-        payload = draw(st.lists(st.binary(max_size=8), min_size=MAX_FRAMES - 2, max_size=MAX_FRAMES + 2))
-    return [tag, header, *payload]
-
-
-INDEX_VALUES = st.one_of(st.integers(-2**63, 2**63 - 1), st.sampled_from([-1, 0, 99, 100, 599, 600, 2**63 - 1, -2**63]))
-
-
-@st.composite
-def batch_request(draw, slot_seq: bool) -> list[bytes]:
-    """A well-typed BatchRequest with hostile dataset/split/range/indices (and slot/seq if asked)."""
-    fields = {"type": "BatchRequest", "id": draw(st.integers(1, 2**40)),
-              "dataset": draw(st.sampled_from(["mnist", "zeros", "nope", ""])),
-              "split": draw(st.sampled_from(["train", "train", "test", "validation", "../train", ""]))}
-    frames = []
-    form = draw(st.integers(0, 3))
-    if form == 0:
-        fields["range"] = draw(st.one_of(st.lists(INDEX_VALUES, max_size=3),
-                                         st.tuples(st.integers(-5, 700), st.integers(-5, 700)).map(list)))
-    elif form == 1:
-        frames = [np.array(draw(st.lists(INDEX_VALUES, max_size=64)), dtype="<i8").tobytes()]
-    elif form == 2:
-        frames = [draw(st.binary(max_size=100))]
-    if slot_seq:
-        for key in ("slot", "seq"):
-            if draw(st.integers(0, 4)):
-                fields[key] = draw(st.one_of(ABSURD_INTS, st.integers(-5, 70), JSON))
-    return [PROTOCOL, orjson.dumps(fields), *frames]
 
 
 # -- the environment: services, a legitimate trainer with a ring, hostile /dev/shm entries -------
