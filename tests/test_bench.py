@@ -1,15 +1,14 @@
 """`busctl bench` runs end to end on a small dataset: every row measured, ratios and checks reported."""
 
 import json
-import subprocess
-import sys
+
+from tests.support import busctl
 
 
 def test_bench_measures_every_path_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "cli", "bench", "--samples", "1024", "--epochs", "2",
-                          "--wait", "--wait-steps", "5", "--work-ms", "2", "--json", str(out)],
-                         capture_output=True, text=True, timeout=180)
+    run = busctl("bench", "--samples", "1024", "--epochs", "2", "--wait", "--wait-steps", "5", "--work-ms", "2",
+                 "--json", str(out), timeout=180)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = {r["path"]: r for r in result["rows"]}
@@ -24,7 +23,6 @@ def test_bench_measures_every_path_and_writes_json(tmp_path):
 
 
 def test_bench_rejects_a_dataset_too_small_for_its_batches(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "cli", "bench", "--samples", "100"], capture_output=True,
-                         text=True, timeout=60)
+    run = busctl("bench", "--samples", "100")
     assert run.returncode == 2 and "--samples must be at least" in run.stderr
     assert "Traceback" not in run.stderr

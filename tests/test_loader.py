@@ -1,10 +1,7 @@
 """RemoteLoader against a real provider: order, prefetch, and a provider that dies mid-request."""
 
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import orjson
@@ -15,8 +12,7 @@ from libbus.errors import BadRequest, PeerTimeout
 from libbus.loader import RemoteLoader
 from libbus.order import epoch_order
 from services.provider.sources import open_source
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import Cluster
 
 
 def labels_of(loader) -> list[int]:
@@ -54,16 +50,12 @@ def test_shards_are_disjoint_and_cover_every_sample():
 
 
 def test_a_killed_provider_makes_the_loader_time_out_not_hang(router, make_settings, make_token, state_dir):
-    ready = state_dir / "provider.endpoint"
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "start", "provider", "--state-dir", str(state_dir),
-                             "--router", router.endpoint, "--dataset", "big=mock://cifar10?n=5000",
-                             "--ready-file", str(ready)], cwd=REPO, stderr=subprocess.DEVNULL)
+    cluster = Cluster(state_dir)
+    proc = cluster.start("provider", "provider", "--router", router.endpoint, "--dataset", "big=mock://cifar10?n=5000",
+                         ready=True, named=False)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "provider did not start"
-            time.sleep(0.05)
-        loader = RemoteLoader("big", provider=ready.read_text().strip(), token=make_token(datasets=["big"]), batch_size=256,
+        endpoint = cluster.endpoint_of("provider")
+        loader = RemoteLoader("big", provider=endpoint, token=make_token(datasets=["big"]), batch_size=256,
                               inflight=2, timeout_s=1.0, retries=2, provider_wait_s=2)
         it = iter(loader)
         next(it)
@@ -77,9 +69,7 @@ def test_a_killed_provider_makes_the_loader_time_out_not_hang(router, make_setti
         assert time.monotonic() - started < 20
         loader.close()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        cluster.close(sig=signal.SIGKILL)
 
 
 @pytest.mark.parametrize("shuffle", ["none", "full", "block"])

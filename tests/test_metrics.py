@@ -1,14 +1,10 @@
 """Prometheus metrics: a router and a provider export their live counters on /metrics, the numbers
 follow what was served and refused, and the endpoint goes away with the service."""
 
-import os
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,9 +13,8 @@ from libbus.errors import ConfigError, OutOfRange, SplitPrivate
 from libbus.messages import BatchRequest
 from libbus.metrics import LatencyHistogram, parse_bind
 
-from tests.support import run_service, scrape, value
+from tests.support import busctl, run_service, scrape, value
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -109,10 +104,8 @@ def test_latency_histogram_buckets_are_cumulative():
 
 
 def test_busctl_start_takes_metrics_bind(tmp_path):
-    env = {**os.environ, "BATCHBUS_STATE_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "cli", "start", "router", "--bind", "tcp://127.0.0.1:0",
-                          "--metrics-bind", "nowhere"], env=env, cwd=REPO, capture_output=True, text=True,
-                         timeout=30)
+    out = busctl("start", "router", "--bind", "tcp://127.0.0.1:0", "--metrics-bind", "nowhere",
+                 env={"BATCHBUS_STATE_DIR": str(tmp_path)}, timeout=30)
     assert out.returncode != 0 and "metrics_bind must be HOST:PORT" in out.stderr + out.stdout
 
 

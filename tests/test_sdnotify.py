@@ -10,11 +10,9 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import Future
-from pathlib import Path
 
 import pytest
 
@@ -26,9 +24,9 @@ from safetensors.torch import save as save_safetensors
 from services.models import build_model
 from services.provider.handler import ProviderHandler
 from services.provider.sources import open_source
+from tests.support import REPO, Cluster
 from services.sdnotify import Notifier
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 class Manager:
@@ -77,14 +75,17 @@ def manager():
     m.close()
 
 
-def start(role: str, *args: str, manager: Manager, state_dir: Path, watchdog_usec: int,
-          **extra_env: str) -> subprocess.Popen:
-    env = {**os.environ, "NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": str(watchdog_usec),
-           "BATCHBUS_STATE_DIR": str(state_dir), "PYTHONPATH": str(REPO), **extra_env}
-    env.pop("WATCHDOG_PID", None)
-    with open(state_dir / f"{role}.log", "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "cli", "start", role, *args], env=env, cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT)
+@pytest.fixture
+def launcher(state_dir, manager):
+    """The launcher for these tests' services: they notify ``manager``, as systemd's would."""
+    cluster = Cluster(state_dir, {"NOTIFY_SOCKET": manager.address, "PYTHONPATH": str(REPO)})
+    cluster.env.pop("WATCHDOG_PID", None)
+    yield cluster
+    cluster.close()
+
+
+def start(launcher: Cluster, role: str, *args: str, watchdog_usec: int, **extra_env: str) -> subprocess.Popen:
+    return launcher.start(role, role, *args, named=False, env={"WATCHDOG_USEC": str(watchdog_usec), **extra_env})
 
 
 def watchdog_times(messages) -> list[float]:
@@ -92,16 +93,15 @@ def watchdog_times(messages) -> list[float]:
 
 
 def test_provider_is_ready_once_it_serves_feeds_the_watchdog_and_drains_on_sigterm(
-        manager, state_dir, make_token):
+        manager, state_dir, make_token, launcher):
     # The secret comes as a systemd credential (LoadCredential=secret:...); the unit's fallback
     # path (BATCHBUS_SECRET_FILE) does not even exist.
     creds = state_dir / "credentials"
     creds.mkdir()
     (creds / "secret").write_bytes((state_dir / "secret").read_bytes())
     (creds / "secret").chmod(0o400)
-    proc = start("provider", "--bind", "tcp://127.0.0.1:0", "--router", "tcp://127.0.0.1:9",
-                 "--dataset", "mnist=mock://mnist?n=600", manager=manager, state_dir=state_dir,
-                 watchdog_usec=1_000_000, CREDENTIALS_DIRECTORY=str(creds),
+    proc = start(launcher, "provider", "--bind", "tcp://127.0.0.1:0", "--router", "tcp://127.0.0.1:9",
+                 "--dataset", "mnist=mock://mnist?n=600", watchdog_usec=1_000_000, CREDENTIALS_DIRECTORY=str(creds),
                  BATCHBUS_SECRET_FILE=str(state_dir / "absent"))
     try:
         ready = manager.wait_for("READY", 90, proc)
@@ -251,10 +251,10 @@ def test_a_stopping_server_finishes_deferred_work_or_says_it_gave_up(secret, cli
 
 
 def test_trainer_reports_its_job_feeds_the_watchdog_between_steps_and_stops_on_sigterm(
-        manager, state_dir, router, start_provider, client_for):
+        manager, state_dir, router, start_provider, client_for, launcher):
     start_provider("mnist=mock://mnist?n=600")
-    proc = start("trainer", "--router", router.endpoint, "--name", "trainer-sd", manager=manager,
-                 state_dir=state_dir, watchdog_usec=2_000_000, BATCHBUS_HEARTBEAT_MS="200",
+    proc = start(launcher, "trainer", "--router", router.endpoint, "--name", "trainer-sd",
+                 watchdog_usec=2_000_000, BATCHBUS_HEARTBEAT_MS="200",
                  BATCHBUS_TORCH_THREADS="1")
     try:
         # Ready once started, whether or not the router has answered yet; STATUS says which.

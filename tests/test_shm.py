@@ -26,6 +26,7 @@ from libbus.order import epoch_order
 from shm import SHM_DIR, Ring, RingLayout, SlotState, collect_garbage, list_segments, new_name
 from shm.ring import HEADER
 from services.provider.sources import open_source
+from tests.support import busctl
 
 
 MNIST = "mock://mnist?n=600"
@@ -289,7 +290,7 @@ def test_gc_removes_a_killed_trainers_ring_and_keeps_live_ones(ring_for, tmp_pat
         proc.wait()
     assert (SHM_DIR / name).exists()                  # SIGKILL: nobody unlinked it
     assert not {s.name: s for s in list_segments()}[name].alive
-    out = subprocess.run([sys.executable, "-m", "cli", "shm", "gc"], capture_output=True, text=True, timeout=60)
+    out = busctl("shm", "gc")
     assert out.returncode == 0 and name in out.stdout and "removed" in out.stdout
     assert not (SHM_DIR / name).exists()
     assert (SHM_DIR / mine.name).exists()             # ours is alive: left alone
@@ -298,8 +299,7 @@ def test_gc_removes_a_killed_trainers_ring_and_keeps_live_ones(ring_for, tmp_pat
 
 def test_shm_ls_lists_rings_as_json(ring_for):
     ring = ring_for(RingLayout.for_batch(3, 4096, 64))
-    out = subprocess.run([sys.executable, "-m", "cli", "shm", "ls", "--json"], capture_output=True, text=True,
-                         timeout=60)
+    out = busctl("shm", "ls", "--json")
     assert out.returncode == 0, out.stderr
     rows = {r["name"]: r for r in orjson.loads(out.stdout)}
     assert rows[ring.name]["alive"] is True and rows[ring.name]["slots"] == 3
