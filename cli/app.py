@@ -428,7 +428,7 @@ def shm_gc(json: Json = False) -> None:
 def config_show(config: Config = None, json: Json = False) -> None:
     """Every setting, its effective value and where that value came from."""
     settings, sources = load_settings(config_file=config)
-    values = settings.as_dict()
+    values = settings.redacted()  # a token is a password: never printed
     if json:
         print_json({k: {"value": v, "source": sources[k]} for k, v in values.items()})
     else:
