@@ -33,7 +33,7 @@ from libbus.errors import DatasetError
 from .files import parse_dataset_toml, parse_settings
 from .formats import npy, raw, tokens
 from .formats.dataset import MEMORY_MODES, Context, FileSource
-from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile
+from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile, origin_of
 from .formats.reader import Segment
 from .sources import Source
 
@@ -166,6 +166,8 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
         if out[field] < (1 if key == "concurrency" else 0) or (key == "timeout" and out[field] == 0):
             raise DatasetError(f"{uri}: {key} must be {'at least 1' if key == 'concurrency' else 'positive'}, "
                                f"got {value!r}")
+    allowed = [o.strip() for o in params.pop("allow_origins", "").split(",") if o.strip()]
+    out["origins"] = (origin_of(uri), *(origin_of(o) for o in allowed))
     if "ca" in params:
         out["ca_file"] = params.pop("ca")
         if not Path(out["ca_file"]).is_file():
