@@ -1,0 +1,153 @@
+"""No peer exhausts a service (issue 12, findings 3, 4 and 5): memory before authentication, the
+evaluation oracle, and a flooding server against a client's deadline. Real processes and sockets;
+resident memory is sampled from /proc."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from benchmarks.preauth_flood import MiB, run
+from libbus.admission import admit_client
+from libbus.auth import ensure_secret, issue_token
+from libbus.client import Client, Identity
+from libbus.errors import PeerTimeout, RateLimited, TooLarge
+from libbus.messages import DatasetInfoRequest, Evaluate, Heartbeat, Ok, Welcome, decode, encode
+
+#: The bound issue 12 sets: resident memory of the router and of a provider while a peer with no
+#: token streams an endless multipart message (the 60 s run: python -m benchmarks.preauth_flood).
+PREAUTH_BOUND_MIB = 64
+
+
+def test_an_endless_multipart_message_without_a_token_leaves_memory_flat(tmp_path):
+    out = run(tmp_path / "state", seconds=8.0)
+    assert out["alive"], "a service died under the flood"
+    for name in ("router", "provider"):
+        r = out[name]
+        assert r["sent_mib"] > PREAUTH_BOUND_MIB, f"the attack did not get going against the {name}: {r}"
+        assert r["growth_mib"] <= PREAUTH_BOUND_MIB, f"{name} grew by {r['growth_mib']:.0f} MiB: {r}"
+
+
+def test_a_wrong_token_is_refused_at_the_handshake_and_the_service_still_serves(router, client_for, make_token,
+                                                                                 tmp_path):
+    other_secret = ensure_secret(tmp_path / "elsewhere" / "secret")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    admit_client(sock, issue_token(other_secret, sub="mallory", role="admin", audience="batchbus"))
+    sock.connect(router.endpoint)
+    try:
+        # whatever it sends goes nowhere: the connection never completes its handshake
+        for _ in range(50):
+            try:
+                sock.send_multipart([b"\x00" * 65536] * 8, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        assert not sock.poll(500)
+    finally:
+        sock.close(0)
+    assert router.service.server.stats()["counters"]["handshakes_refused"] >= 1
+    assert client_for(router.endpoint, role="admin").hello().session
+
+
+def test_evaluations_are_capped_in_size_and_rate(start_provider, client_for, make_token):
+    provider = start_provider("mnist=mock://mnist?n=600", eval_per_minute=2, eval_max_model_bytes=4096)
+    alice = client_for(provider.endpoint, token=make_token("trainer", sub="alice"), timeout_s=60)
+    model = {"name": "mlp"}
+    with pytest.raises(TooLarge, match="at most 4096"):
+        alice.request(Evaluate(dataset="mnist", model=model, job="j1", frames=[b"\0" * 5000]))
+    outcomes = []
+    for _ in range(3):  # garbage weights: admitted (then refused by the evaluator) until the rate runs out
+        try:
+            alice.request(Evaluate(dataset="mnist", model=model, job="j1", frames=[b"not safetensors"]))
+        except RateLimited as err:
+            outcomes.append(f"limited: {err}")
+        except Exception as err:  # noqa: BLE001 - the evaluator's verdict on garbage
+            outcomes.append(type(err).__name__)
+    assert outcomes[:2] == ["BadRequest", "BadRequest"] and "per minute for subject 'alice'" in outcomes[2]
+    # another of alice's jobs: her subject's rate is spent too
+    with pytest.raises(RateLimited, match="subject 'alice'"):
+        alice.request(Evaluate(dataset="mnist", model=model, job="j2", frames=[b"x"]))
+    # someone else on the same job: the job's rate is spent
+    bob = client_for(provider.endpoint, token=make_token("trainer", sub="bob"))
+    with pytest.raises(RateLimited, match="for job j1"):
+        bob.request(Evaluate(dataset="mnist", model=model, job="j1", frames=[b"x"]))
+    refused = provider.service.handler.stats()["refused"]
+    assert refused["evaluate_rate"] == 2 and refused["evaluate_too_large"] == 1
+
+
+def test_the_evaluation_queue_is_bounded(start_provider, client_for, make_token):
+    provider = start_provider("mnist=mock://mnist?n=600", eval_queue=1)
+    c = client_for(provider.endpoint, token=make_token("trainer", sub="carol"))
+    c.hello()
+    # two back to back: the first holds the only place while it runs (it imports torch first)
+    first = c.send(Evaluate(dataset="mnist", model={"name": "mlp"}, job="a", frames=[b"x"]))
+    second = c.send(Evaluate(dataset="mnist", model={"name": "mlp"}, job="b", frames=[b"x"]))
+    replies = {}
+    deadline = time.monotonic() + 30
+    while len(replies) < 2 and time.monotonic() < deadline:
+        msg = c.recv(1.0)
+        if msg is not None:
+            replies[msg.id] = msg
+    assert replies[second].type == "Error" and replies[second].code == "RATE_LIMITED"
+    assert "queued or running" in replies[second].message
+    assert replies[first].code == "BAD_REQUEST"  # garbage weights, but it ran
+    assert provider.service.handler.stats()["evaluations_queued"] == 0
+
+
+def _flooding_server(stop: threading.Event) -> str:
+    """A misbehaving service: welcomes, then floods heartbeats and stale replies, never answering."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.plain_server = True   # clients present their token; no ZAP handler here admits them all
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def serve() -> None:
+        peer = None
+        try:
+            while not stop.is_set():
+                if sock.poll(0):
+                    frames = sock.recv_multipart()
+                    peer, msg = frames[0], decode(frames[1:])
+                    if msg.type == "Hello":
+                        sock.send_multipart([peer, *encode(Welcome(id=msg.id, session="s", heartbeat_ms=1000))])
+                if peer is not None:
+                    for frame in (encode(Heartbeat(stats={})), encode(Ok(id=999_999))):
+                        try:
+                            sock.send_multipart([peer, *frame], zmq.NOBLOCK)
+                        except zmq.Again:
+                            pass
+        finally:
+            sock.close(0)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"tcp://127.0.0.1:{port}"
+
+
+def test_a_flooding_server_cannot_hold_a_client_past_its_deadline(make_token):
+    stop = threading.Event()
+    endpoint = _flooding_server(stop)
+    outcome: list = []
+    client = Client(endpoint, Identity(role="trainer", name="t", token=make_token("trainer")), timeout_s=1.0,
+                    retries=1)
+
+    def ask() -> None:
+        try:
+            client.request(DatasetInfoRequest(dataset="mnist"))
+            outcome.append("answered")
+        except PeerTimeout as err:
+            outcome.append(err)
+
+    worker = threading.Thread(target=ask, daemon=True)
+    try:
+        worker.start()
+        worker.join(60)  # far past 2 x 1 s: a client that ignored its deadline is still inside
+        assert not worker.is_alive(), "the client ignored its deadline while the server flooded it"
+        assert isinstance(outcome[0], PeerTimeout), outcome
+    finally:
+        stop.set()
+        worker.join(5)
+        client.close()
