@@ -75,7 +75,7 @@ def test_evaluations_are_capped_in_size_and_rate(start_provider, client_for, mak
     with pytest.raises(RateLimited, match="for job j1"):
         bob.request(Evaluate(dataset="mnist", model=model, job="j1", frames=[b"x"]))
     refused = provider.service.handler.stats()["refused"]
-    assert refused["evaluate_rate"] == 2 and refused["evaluate_too_large"] == 1
+    assert refused["evaluate_rate"] == 3 and refused["evaluate_too_large"] == 1
 
 
 def test_the_evaluation_queue_is_bounded(start_provider, client_for, make_token):
