@@ -194,8 +194,11 @@ def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this s
     """List jobs, newest first."""
     s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
     with admin_client(s) as client:
-        rows = client.request(ListJobs(state=state, limit=limit)).jobs
+        reply = client.request(ListJobs(state=state, limit=limit))
+    rows = reply.jobs
     print_json(rows) if json else tables.jobs(rows)
+    if reply.note:  # the router cut the list to fit one reply
+        typer.echo(f"note: {reply.note}", err=True)
 
 
 @job_app.command("show")
@@ -206,8 +209,11 @@ def job_show(job: str, config: Config = None, router: Router = None, secret_file
     """State, spec, progress, checkpoints, events and result of one job."""
     s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
     with admin_client(s) as client:
-        info = client.request(GetJob(job=job, progress=max(0, progress))).job
+        reply = client.request(GetJob(job=job, progress=max(0, progress)))
+    info = reply.job
     print_json(info) if json else tables.job(info)
+    if reply.note:  # the router cut the history to fit one reply
+        typer.echo(f"note: {reply.note}", err=True)
 
 
 def _control(job: str, command: str, args: dict, config, router, secret_file, state_dir, token, json) -> None:
