@@ -188,7 +188,13 @@ def _listing(uri: str, url: str, params: dict, client: RangeClient) -> tuple[str
         return base, {n: (urljoin(url, n), None) for n in names}
     if "manifest" in params:
         murl = urljoin(url, params.pop("manifest"))
-        return base, _manifest(murl, client.get(murl))
+        listed = _manifest(murl, client.get(murl))
+        origins = client.settings.origins
+        for name, (u, _) in listed.items():  # refused now, not at the first batch
+            if origins and origin_of(u) not in origins:
+                raise DatasetError(f"{murl}: entry {name!r} is {u}, outside the dataset's origin {origins[0]} "
+                                   "(allow it with ?allow_origins=scheme://host:port)")
+        return base, listed
     if RANGE.search(url):  # names relative to the folder above the range: unique, in range order
         base = url[:url.rfind("/", 0, RANGE.search(url).start()) + 1]
         return base, {u[len(base):]: (u, None) for u in expand_template(url)}
