@@ -15,7 +15,11 @@ from libbus.admission import admit_client
 from libbus.auth import ensure_secret, issue_token
 from libbus.client import Client, Identity
 from libbus.errors import PeerTimeout, RateLimited, TooLarge
-from libbus.messages import DatasetInfoRequest, Evaluate, Heartbeat, Ok, Welcome, decode, encode
+from libbus.loader import RemoteLoader
+from libbus.messages import DatasetInfo, DatasetInfoRequest, Evaluate, Heartbeat, Ok, Welcome, decode, encode
+from services.provider.sources import open_source
+
+INFO = open_source("mock://mnist?n=600").info()
 
 #: The bound issue 12 sets: resident memory of the router and of a provider while a peer with no
 #: token streams an endless multipart message (the 60 s run: python -m benchmarks.preauth_flood).
@@ -114,6 +118,8 @@ def _flooding_server(stop: threading.Event) -> str:
                     peer, msg = frames[0], decode(frames[1:])
                     if msg.type == "Hello":
                         sock.send_multipart([peer, *encode(Welcome(id=msg.id, session="s", heartbeat_ms=1000))])
+                    elif msg.type == "DatasetInfoRequest":   # looks like a provider, until asked for data
+                        sock.send_multipart([peer, *encode(DatasetInfo(id=msg.id, dataset=msg.dataset, info=INFO))])
                 if peer is not None:
                     for frame in (encode(Heartbeat(stats={})), encode(Ok(id=999_999))):
                         try:
@@ -151,3 +157,31 @@ def test_a_flooding_server_cannot_hold_a_client_past_its_deadline(make_token):
         stop.set()
         worker.join(5)
         client.close()
+
+
+def test_a_flooding_provider_cannot_hold_a_loader_past_its_deadline(make_token):
+    stop = threading.Event()
+    endpoint = _flooding_server(stop)
+    outcome: list = []
+
+    def iterate() -> None:
+        try:
+            loader = RemoteLoader("mnist", token=make_token("trainer"), provider=endpoint, batch_size=8,
+                                  timeout_s=1.0, retries=0, provider_wait_s=0, shm=False)
+            for _ in loader:
+                outcome.append("a batch from nowhere")
+                return
+        except PeerTimeout as err:
+            outcome.append(err)
+        except Exception as err:  # noqa: BLE001 - recorded, asserted below
+            outcome.append(err)
+
+    worker = threading.Thread(target=iterate, daemon=True)
+    try:
+        worker.start()
+        worker.join(90)
+        assert not worker.is_alive(), "the loader ignored its deadline while the provider flooded it"
+        assert isinstance(outcome[0], PeerTimeout), outcome
+    finally:
+        stop.set()
+        worker.join(5)
