@@ -22,95 +22,25 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import zmq
 
 from . import constants as C
 from .admission import TokenAuthenticator, admit_server
-from .auth import ALGORITHM, Claims, Key, verify_token
+from .auth import Claims, verify_token
 from .constants import POLL_MS
-from .curve import CurveKeys, KeyAuthenticator, secure_server
-from .errors import (AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal, RateLimited,
-                     Unavailable)
+from .curve import KeyAuthenticator, secure_server
+from .errors import AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal, Unavailable
+from .handler import Handler, ServerConfig
 from .messages import (Goodbye, Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of)
 from .schema import check_stored
 from .sessions import Session, SessionTable, frame_property, is_local_peer
-from .sockets import SocketLimits, make_socket, send_message
+from .sockets import make_socket, send_message
 
 __all__ = ["Session", "Handler", "Server", "ServerConfig", "is_local_peer"]
 
 log = logging.getLogger(__name__)
-
-
-class Handler:
-    """A service's logic. Subclasses set ``roles`` and implement :meth:`handle`.
-
-    ``roles`` maps a message type to the roles allowed to send it; types not listed are refused.
-    :meth:`handle` returns the reply, ``None`` (no reply), or a :class:`Future` resolving to the reply
-    (for slow work done off the loop). Raising a :class:`BusError` sends that error to the peer.
-    Messages the service wants to push unsolicited go through :meth:`push`.
-    """
-
-    roles: dict[str, tuple[str, ...]] = {}
-
-    def __init__(self):
-        self._outbox: list[tuple[str, Message]] = []
-
-    def push(self, sid: str, msg: Message) -> None:
-        self._outbox.append((sid, msg))
-
-    def take_outbox(self) -> list[tuple[str, Message]]:
-        out, self._outbox = self._outbox, []
-        return out
-
-    def on_open(self, session: Session) -> None:
-        """A session was authenticated; raise a BusError to refuse it."""
-
-    def on_close(self, session: Session, reason: str) -> None:
-        """A session ended (dropped by silence, replaced, or the service is stopping)."""
-
-    def handle(self, session: Session, msg: Message) -> Message | Future | None:
-        raise NotImplementedError
-
-    def tick(self, now: float) -> None:
-        """Called about every poll period for timers (leases, housekeeping)."""
-
-    def stats(self) -> dict:
-        return {}
-
-
-@dataclass
-class ServerConfig:
-    """How a server binds and whom it admits. ``secret`` is the token verification key: the HS256
-    secret, or the Ed25519 public key when ``algorithm`` is ``EdDSA``; ``issuer`` defaults to
-    ``audience``."""
-    bind: str
-    secret: Key
-    audience: str
-    name: str
-    heartbeat_ms: int = 1000
-    heartbeat_liveness: int = 5
-    idle_session_s: float = 300.0
-    limits: SocketLimits = SocketLimits()
-    algorithm: str = ALGORITHM
-    issuer: str = ""
-    #: CURVE: this server's key pair and the directory of client keys it admits (None: no CURVE).
-    curve: CurveKeys | None = None
-    authorized_dir: str = ""
-    session_inflight: int = C.SESSION_INFLIGHT
-    session_rate: float = C.SESSION_RATE
-    session_burst: int = C.SESSION_BURST
-    #: On stop: how long deferred work may take to finish, and how long the replies get to leave.
-    drain_s: float = C.DRAIN_S
-    drain_linger_s: float = C.DRAIN_LINGER_S
-    #: Most sessions one token subject may hold open here (0: no cap).
-    sessions_per_subject: int = C.SESSIONS_PER_SUBJECT
-    #: Without CURVE: admit only connections presenting a valid token in the PLAIN handshake
-    #: (libbus/admission.py). Off, anyone reaching the port can make the service buffer an
-    #: endless multipart message before it reads a Hello.
-    handshake_auth: bool = True
 
 
 class Server:
@@ -330,20 +260,11 @@ class Server:
                 self._close_session(session, "token expired")
                 raise AuthExpired("token expired; reconnect with a fresh token")
             if isinstance(msg, Heartbeat):
-                try:
-                    check_stored(msg.stats, "Heartbeat.stats", C.STORED_JSON_DEPTH, C.STORED_JSON_BYTES)
-                except BusError as err:  # kept out: it would break every StatsReply carrying it
+                if not session.take_stats(msg.stats):
                     self.counters["stats_refused"] += 1
-                    session.stats = {"refused": str(err)}
-                    return
-                session.stats = msg.stats
                 return
-            if session.inflight >= self.config.session_inflight:
-                raise RateLimited(f"{session.inflight} requests of this session are in flight; at most "
-                                  f"{self.config.session_inflight}: wait for replies before sending more")
-            if not session.admit(now, self.config.session_rate, self.config.session_burst):
-                raise RateLimited(f"more than {self.config.session_rate:g} requests/s (burst "
-                                  f"{self.config.session_burst}) from this session; slow down")
+            session.check_limits(now, self.config.session_inflight, self.config.session_rate,
+                                 self.config.session_burst)
             allowed = self.handler.roles.get(msg.type)
             if allowed is None:
                 raise BadRequest(f"{msg.type} is not a request this service ({self.config.name}) serves")
@@ -463,10 +384,8 @@ class Server:
 
     def _expire_sessions(self, now: float) -> None:
         beat_limit = self.config.heartbeat_ms / 1000 * self.config.heartbeat_liveness
-        for session in self.table.values():
-            limit = beat_limit if session.heartbeat else self.config.idle_session_s
-            if now - session.last_seen > limit:
-                self._close_session(session, f"silent for {now - session.last_seen:.1f} s")
+        for session in self.table.silent(now, beat_limit, self.config.idle_session_s):
+            self._close_session(session, f"silent for {now - session.last_seen:.1f} s")
 
     def _close_session(self, session: Session, reason: str) -> None:
         if not self.table.remove(session):

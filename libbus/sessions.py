@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import zmq
 
 from .auth import Claims
-from .constants import SESSIONS_PER_SUBJECT
-from .errors import RateLimited
+from .constants import SESSIONS_PER_SUBJECT, STORED_JSON_BYTES, STORED_JSON_DEPTH
+from .errors import BusError, RateLimited
 from .messages import Hello
+from .schema import check_stored
 
 __all__ = ["Session", "SessionTable", "is_local_peer", "frame_property"]
 
@@ -64,6 +65,25 @@ class Session:
         if self._tokens < 1.0:
             return False
         self._tokens -= 1.0
+        return True
+
+    def check_limits(self, now: float, inflight: int, rate: float, burst: int) -> None:
+        """Refuse (:class:`RateLimited`) a request past the in-flight cap or the rate."""
+        if self.inflight >= inflight:
+            raise RateLimited(f"{self.inflight} requests of this session are in flight; at most "
+                              f"{inflight}: wait for replies before sending more")
+        if not self.admit(now, rate, burst):
+            raise RateLimited(f"more than {rate:g} requests/s (burst {burst}) from this session; slow down")
+
+    def take_stats(self, stats: dict) -> bool:
+        """Keep a heartbeat's ``stats`` if within the stored-JSON bounds; else keep why not (they
+        would break every StatsReply that carries them) and return False."""
+        try:
+            check_stored(stats, "Heartbeat.stats", STORED_JSON_DEPTH, STORED_JSON_BYTES)
+        except BusError as err:
+            self.stats = {"refused": str(err)}
+            return False
+        self.stats = stats
         return True
 
     @property
@@ -160,6 +180,11 @@ class SessionTable:
         if self._subjects[session.subject] <= 0:
             del self._subjects[session.subject]
         return True
+
+    def silent(self, now: float, beat_limit: float, idle_limit: float) -> list[Session]:
+        """Sessions silent past their limit: heartbeat sessions ``beat_limit``, others ``idle_limit``."""
+        return [s for s in self.by_routing.values()
+                if now - s.last_seen > (beat_limit if s.heartbeat else idle_limit)]
 
     def of_subject(self, sub: str) -> int:
         return self._subjects.get(sub, 0)
