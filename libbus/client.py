@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from . import VERSION
 from .admission import admit_client
@@ -151,10 +152,11 @@ class Client:
         refused = False
         while True:
             try:
-                self._monitor.recv_multipart(zmq.NOBLOCK)
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return refused
-            refused = True
+            # only a ZAP refusal counts (a monitor replaced by another one reports MONITOR_STOPPED)
+            refused = refused or parse_monitor_message(frames)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
     def close(self) -> None:
         """Say ``Goodbye`` (the service closes our session now rather than when it expires) and
