@@ -32,6 +32,8 @@ __all__ = ["Link"]
 log = logging.getLogger(__name__)
 
 _FATAL = (AuthInvalid, AuthExpired, Forbidden)
+#: Most messages taken per turn of the link's loop before its timers run again.
+RECEIVE_BURST = 256
 
 
 class Link:
@@ -192,7 +194,7 @@ class Link:
 
     def _receive(self) -> None:
         client = self.client
-        while True:
+        for _ in range(RECEIVE_BURST):  # bounded: a flooding router must not starve heartbeats and deadlines
             msg = client.recv(0)
             if msg is None:
                 break

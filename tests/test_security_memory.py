@@ -11,12 +11,13 @@ import pytest
 import zmq
 
 from benchmarks.preauth_flood import MiB, run
-from libbus.admission import admit_client
+from libbus.admission import TokenAuthenticator, admit_client, admit_server
 from libbus.auth import ensure_secret, issue_token
 from libbus.client import Client, Identity
 from libbus.errors import PeerTimeout, RateLimited, TooLarge
+from libbus.link import Link
 from libbus.loader import RemoteLoader
-from libbus.messages import DatasetInfo, DatasetInfoRequest, Evaluate, Heartbeat, Ok, Welcome, decode, encode
+from libbus.messages import DatasetInfo, Evaluate, Heartbeat, Ok, Stats, Welcome, decode, encode
 from services.provider.sources import open_source
 
 INFO = open_source("mock://mnist?n=600").info()
@@ -101,13 +102,18 @@ def test_the_evaluation_queue_is_bounded(start_provider, client_for, make_token)
     assert provider.service.handler.stats()["evaluations_queued"] == 0
 
 
-def _flooding_server(stop: threading.Event) -> str:
-    """A misbehaving service: welcomes, then floods heartbeats and stale replies, never answering."""
-    ctx = zmq.Context.instance()
+def _flooding_server(stop: threading.Event, sent: list[int]) -> str:
+    """A misbehaving service: admits any token, welcomes, answers DatasetInfo, then floods heartbeats
+    and stale replies, never answering anything else. ``sent[0]`` counts the flood's messages."""
+    ctx = zmq.Context()   # its own: a ZAP handler serves one context
+    auth = TokenAuthenticator(ctx, lambda token: "anyone")
+    auth.start()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.plain_server = True   # clients present their token; no ZAP handler here admits them all
+    admit_server(sock)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    flood = (encode(Heartbeat(stats={})), encode(Ok(id=999_999)))
 
     def serve() -> None:
         peer = None
@@ -120,29 +126,32 @@ def _flooding_server(stop: threading.Event) -> str:
                         sock.send_multipart([peer, *encode(Welcome(id=msg.id, session="s", heartbeat_ms=1000))])
                     elif msg.type == "DatasetInfoRequest":   # looks like a provider, until asked for data
                         sock.send_multipart([peer, *encode(DatasetInfo(id=msg.id, dataset=msg.dataset, info=INFO))])
-                if peer is not None:
-                    for frame in (encode(Heartbeat(stats={})), encode(Ok(id=999_999))):
+                if peer is not None:   # encoded once: the flood outpaces a client decoding each message
+                    for _ in range(500):
                         try:
-                            sock.send_multipart([peer, *frame], zmq.NOBLOCK)
+                            sock.send_multipart([peer, *flood[sent[0] % 2]], zmq.NOBLOCK)
+                            sent[0] += 1
                         except zmq.Again:
-                            pass
+                            break
         finally:
             sock.close(0)
+            auth.stop()
+            ctx.term()
 
     threading.Thread(target=serve, daemon=True).start()
     return f"tcp://127.0.0.1:{port}"
 
 
 def test_a_flooding_server_cannot_hold_a_client_past_its_deadline(make_token):
-    stop = threading.Event()
-    endpoint = _flooding_server(stop)
+    stop, sent = threading.Event(), [0]
+    endpoint = _flooding_server(stop, sent)
     outcome: list = []
     client = Client(endpoint, Identity(role="trainer", name="t", token=make_token("trainer")), timeout_s=1.0,
                     retries=1)
 
     def ask() -> None:
         try:
-            client.request(DatasetInfoRequest(dataset="mnist"))
+            client.request(Stats())
             outcome.append("answered")
         except PeerTimeout as err:
             outcome.append(err)
@@ -153,6 +162,7 @@ def test_a_flooding_server_cannot_hold_a_client_past_its_deadline(make_token):
         worker.join(60)  # far past 2 x 1 s: a client that ignored its deadline is still inside
         assert not worker.is_alive(), "the client ignored its deadline while the server flooded it"
         assert isinstance(outcome[0], PeerTimeout), outcome
+        assert sent[0] > 1000, "the server never got to flood"
     finally:
         stop.set()
         worker.join(5)
@@ -160,8 +170,8 @@ def test_a_flooding_server_cannot_hold_a_client_past_its_deadline(make_token):
 
 
 def test_a_flooding_provider_cannot_hold_a_loader_past_its_deadline(make_token):
-    stop = threading.Event()
-    endpoint = _flooding_server(stop)
+    stop, sent = threading.Event(), [0]
+    endpoint = _flooding_server(stop, sent)
     outcome: list = []
 
     def iterate() -> None:
@@ -182,6 +192,33 @@ def test_a_flooding_provider_cannot_hold_a_loader_past_its_deadline(make_token):
         worker.join(90)
         assert not worker.is_alive(), "the loader ignored its deadline while the provider flooded it"
         assert isinstance(outcome[0], PeerTimeout), outcome
+        assert sent[0] > 1000, "the server never got to flood"
     finally:
         stop.set()
         worker.join(5)
+
+
+def test_a_flooding_router_cannot_hold_a_service_link_past_its_deadline(make_token):
+    stop, sent = threading.Event(), [0]
+    endpoint = _flooding_server(stop, sent)
+    link = Link(endpoint, Identity(role="trainer", name="t", token=make_token("trainer")), heartbeat_ms=100).start()
+    outcome: list = []
+
+    def ask() -> None:
+        try:
+            link.request(Stats(), timeout_s=1.0)
+            outcome.append("answered")
+        except PeerTimeout as err:
+            outcome.append(err)
+
+    worker = threading.Thread(target=ask, daemon=True)
+    try:
+        assert link.wait_connected(10)
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), "the link ignored its request's deadline while the router flooded it"
+        assert isinstance(outcome[0], PeerTimeout), outcome
+        assert sent[0] > 1000, "the server never got to flood"
+    finally:
+        stop.set()
+        link.close()
