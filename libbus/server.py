@@ -35,7 +35,7 @@ from .errors import AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError
 from .handler import Handler, ServerConfig
 from .messages import (Goodbye, Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of)
 from .schema import check_stored
-from .sessions import Session, SessionTable, frame_property, is_local_peer
+from .sessions import Session, SessionTable, check_labels, frame_property, is_local_peer
 from .sockets import make_socket, send_message
 
 __all__ = ["Session", "Handler", "Server", "ServerConfig", "is_local_peer"]
@@ -294,6 +294,7 @@ class Server:
             if hello.role != claims.role:
                 raise Forbidden(f"Hello says role {hello.role!r} but the token grants {claims.role!r}")
             check_stored(hello.caps, "Hello.caps", C.STORED_JSON_DEPTH, C.STORED_JSON_BYTES)
+            check_labels(hello)
             user_id = frame_property(first_frame, "User-Id")
             if self.config.curve is not None:
                 if not user_id:

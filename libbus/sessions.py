@@ -22,11 +22,14 @@ import zmq
 
 from .auth import Claims
 from .constants import SESSIONS_PER_SUBJECT, STORED_JSON_BYTES, STORED_JSON_DEPTH
-from .errors import BusError, RateLimited
+from .errors import BadRequest, BusError, RateLimited
 from .messages import Hello
 from .schema import check_stored
 
-__all__ = ["Session", "SessionTable", "is_local_peer", "frame_property"]
+__all__ = ["Session", "SessionTable", "is_local_peer", "frame_property", "check_labels", "MAX_LABEL"]
+
+#: Longest ``Hello.name``, ``host_id`` or ``version``: stored with the session and echoed to admins.
+MAX_LABEL = 128
 
 
 @dataclass
@@ -126,6 +129,16 @@ def is_local_peer(peer: str) -> bool:
         pass
     parts = peer.rsplit(":", 3)
     return len(parts) == 4 and parts[1].isdigit() and int(parts[1]) == os.getuid()
+
+
+def check_labels(hello: Hello) -> None:
+    """Refuse (:class:`BadRequest`) a Hello whose labels are too long or not printable: they are
+    stored with the session and echoed in every ``ListPeers``."""
+    for field_name in ("name", "host_id", "version"):
+        value = getattr(hello, field_name)
+        if len(value) > MAX_LABEL or not value.isprintable():
+            raise BadRequest(f"Hello.{field_name} must be at most {MAX_LABEL} printable characters, "
+                             f"got {len(value)}: {value[:40]!r}")
 
 
 def frame_property(frame, name: str) -> str:
