@@ -207,8 +207,11 @@ def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this s
     """List jobs, newest first."""
     s = settings
     with admin_client(s) as client:
-        rows = client.request(ListJobs(state=state, limit=limit)).jobs
+        reply = client.request(ListJobs(state=state, limit=limit))
+    rows = reply.jobs
     print_json(rows) if json else tables.jobs(rows)
+    if reply.note:  # the router cut the list to fit one reply
+        typer.echo(f"note: {reply.note}", err=True)
 
 
 @job_app.command("show")
@@ -219,8 +222,11 @@ def job_show(job: str, *, settings: Settings, json: Json = False,
     """State, spec, progress, checkpoints, events and result of one job."""
     s = settings
     with admin_client(s) as client:
-        info = client.request(GetJob(job=job, progress=max(0, progress))).job
+        reply = client.request(GetJob(job=job, progress=max(0, progress)))
+    info = reply.job
     print_json(info) if json else tables.job(info)
+    if reply.note:  # the router cut the history to fit one reply
+        typer.echo(f"note: {reply.note}", err=True)
 
 
 def _control(job: str, command: str, args: dict, settings: Settings, json: bool) -> None:
@@ -440,7 +446,7 @@ def shm_gc(json: Json = False) -> None:
 def config_show(config: Config = None, json: Json = False) -> None:
     """Every setting, its effective value and where that value came from."""
     settings, sources = load_settings(config_file=config)
-    values = settings.as_dict()
+    values = settings.redacted()  # a token is a password: never printed
     if json:
         print_json({k: {"value": v, "source": sources[k]} for k, v in values.items()})
     else:

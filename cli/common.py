@@ -25,6 +25,9 @@ def setup_logging(level: str) -> None:
 
 
 def settings_from(config: str | None = None, **flags: Any) -> Settings:
+    if flags.get("token"):
+        typer.echo("warning: a token given with --token shows in 'ps' and shell history; put it in a file "
+                   "named by BATCHBUS_TOKEN_FILE (or token_file in the config), or in BATCHBUS_TOKEN", err=True)
     settings, _ = load_settings(config_file=config, flags=flags)
     return settings
 
@@ -40,7 +43,8 @@ def admin_client(settings: Settings) -> Client:
     else:  # short-lived, minted afresh whenever the client says Hello (`busctl job watch` runs for hours)
         key = runtime.signing_key(settings)
         token = lambda: runtime.mint_token(settings, key, role="admin", sub=name, ttl_s=600)  # noqa: E731
-    identity = Identity(role="admin", name=name, token=token, curve=curve, router_key=runtime.router_key(settings))
+    identity = Identity(role="admin", name=name, token=token, curve=curve, router_key=runtime.router_key(settings),
+                        handshake=settings.handshake_auth)
     return Client(settings.router, identity, timeout_s=settings.request_timeout_s,
                   retries=settings.request_retries, server_key=identity.router_key)
 

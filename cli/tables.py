@@ -90,10 +90,11 @@ def job(info: dict) -> None:
 
 
 def peers(rows: list[dict]) -> None:
-    table = Table("name", "role", "endpoint", "datasets", "pid", "since")
+    # "subject" is who the peer is (its token's sub); "name" only what it calls itself
+    table = Table("name", "subject", "role", "endpoint", "datasets", "pid", "since")
     for r in sorted(rows, key=lambda r: (r["role"], r["name"])):
-        table.add_row(r["name"], r["role"], r.get("endpoint", "-"), ", ".join(r.get("datasets", [])) or "-",
-                      str(r.get("pid", "-")), _ago(r.get("since")))
+        table.add_row(r["name"], r.get("subject", "-"), r["role"], r.get("endpoint", "-"),
+                      ", ".join(r.get("datasets", [])) or "-", str(r.get("pid", "-")), _ago(r.get("since")))
     console.print(table)
 
 

@@ -114,11 +114,12 @@ def issue_token(key: Key, *, sub: str, role: str, audience: str, ttl_s: float = 
 
 
 def verify_token(token: str, key: Key, *, audience: str, issuer: str | None = None,
-                 algorithm: str = ALGORITHM) -> Claims:
+                 algorithm: str = ALGORITHM, check_times: bool = True) -> Claims:
     """Check algorithm, signature, ``aud``, ``iss`` (default: ``audience``), ``exp`` and ``nbf``.
 
     ``key`` is the HS256 secret or the Ed25519 public key. Raises :class:`AuthExpired` for an
-    expired token and :class:`AuthInvalid` for every other fault.
+    expired token and :class:`AuthInvalid` for every other fault. ``check_times=False`` skips
+    ``exp`` and ``nbf`` (the connection handshake: membership only; Hello checks the times).
     """
     _check_alg(algorithm)
     issuer = issuer or audience
@@ -131,7 +132,8 @@ def verify_token(token: str, key: Key, *, audience: str, issuer: str | None = No
                           f"{algorithm} tokens")
     try:
         raw = jwt.decode(token, key, algorithms=[algorithm], audience=audience, issuer=issuer,
-                         leeway=LEEWAY_S, options={"require": _REQUIRED})
+                         leeway=LEEWAY_S, options={"require": _REQUIRED, "verify_exp": check_times,
+                                                   "verify_nbf": check_times})
     except jwt.ExpiredSignatureError as err:
         raise AuthExpired("token expired; issue a new one with 'busctl token issue'") from err
     except jwt.InvalidAudienceError as err:
@@ -179,6 +181,10 @@ def load_secret(path: str | os.PathLike) -> bytes:
                           "or point --secret-file / BATCHBUS_SECRET_FILE at the cluster's") from err
     except OSError as err:
         raise ConfigError(f"cannot read secret file {p}: {err.strerror}") from err
+    mode = p.stat().st_mode & 0o777
+    if mode & 0o077:
+        # Anyone who reads it mints tokens of any role: refused like a readable CURVE secret key.
+        raise ConfigError(f"secret file {p} is readable by others (mode {mode:o}); chmod 600 it")
     if len(data) < 32:
         raise ConfigError(f"secret file {p} holds {len(data)} bytes; at least 32 are needed")
     return data

@@ -19,17 +19,22 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from . import VERSION
+from .admission import admit_client
 from .constants import HELLO_TIMEOUT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from .curve import CurveKeys, secure_client
-from .errors import AuthExpired, AuthRequired, BusError, ConfigError, PeerTimeout, error_from_code
-from .messages import Error, Heartbeat, Hello, Message, Welcome, decode
+from .errors import AuthExpired, AuthInvalid, AuthRequired, BusError, ConfigError, PeerTimeout, error_from_code
+from .messages import Error, Goodbye, Heartbeat, Hello, Message, Welcome, decode
 from .sockets import SocketLimits, make_socket, send_message
 
 __all__ = ["Identity", "Client", "connect"]
 
 log = logging.getLogger(__name__)
+
+#: How long a closing client's Goodbye may wait to leave (the process may exit right after).
+GOODBYE_LINGER_MS = 200
 
 
 @dataclass
@@ -45,9 +50,15 @@ class Identity:
     caps: dict = field(default_factory=dict)
     curve: CurveKeys | None = None
     router_key: bytes | None = None
+    #: Without CURVE: present the token in the connection's PLAIN handshake (libbus/admission.py),
+    #: as every batchbus server requires unless its ``handshake_auth`` is off.
+    handshake: bool = True
 
-    def hello(self, request_id: int) -> Hello:
-        token = self.token() if callable(self.token) else self.token
+    def current_token(self) -> str:
+        return self.token() if callable(self.token) else self.token
+
+    def hello(self, request_id: int, token: str | None = None) -> Hello:
+        token = token or self.current_token()
         return Hello(id=request_id, role=self.role, name=self.name, token=token, host_id=self.host_id,
                      pid=os.getpid(), version=VERSION, caps=dict(self.caps))
 
@@ -74,6 +85,8 @@ class Client:
         self.pushes: deque[Message] = deque(maxlen=1000)
         self.last_recv = 0.0
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._socket_token: str | None = None
         self._next_id = 0
         self._poller = zmq.Poller()
 
@@ -84,6 +97,18 @@ class Client:
             self._sock = make_socket(self.ctx, zmq.DEALER, self.limits)
             if self.identity.curve is not None:
                 secure_client(self._sock, self.identity.curve, self.server_key)
+            elif self.identity.handshake:
+                try:
+                    # minted once for the handshake and the socket's first Hello
+                    self._socket_token = self.identity.current_token()
+                    admit_client(self._sock, self._socket_token)
+                except BaseException:
+                    self._sock.close(0)
+                    self._sock = None
+                    raise
+            # A handshake the server refuses (its ZAP handler: a token or key it does not accept)
+            # never produces a reply; its monitor event is how the client can say why it waits.
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             self._sock.connect(self.endpoint)
             self._poller = zmq.Poller()
             self._poller.register(self._sock, zmq.POLLIN)
@@ -96,11 +121,55 @@ class Client:
     def reset(self) -> None:
         """Drop the socket (and anything queued on it); the next call connects afresh."""
         if self._sock is not None:
+            self._close_monitor()
             self._sock.close(0)
             self._sock = None
         self.session = None
 
+    def _close_monitor(self) -> None:
+        if self._monitor is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
+            self._monitor = None
+
+    def _check_refused(self) -> bool:
+        """Raise :class:`AuthInvalid` when the server refused our handshake (returns False otherwise)."""
+        if not self.handshake_refused():
+            return False
+        self.reset()
+        raise AuthInvalid(f"{self.endpoint} refused this connection at the handshake: it does not accept its "
+                          + ("CURVE key" if self.identity.curve else "token")
+                          + " (signed for another cluster or with another key, revoked, or no token at all); "
+                          "check the token and the cluster's secret or keys")
+
+    def handshake_refused(self) -> bool:
+        """Whether the server refused this socket's handshake (token or CURVE key not accepted)."""
+        if self._monitor is None:
+            return False
+        refused = False
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return refused
+            # only a ZAP refusal counts (a monitor replaced by another one reports MONITOR_STOPPED)
+            refused = refused or parse_monitor_message(frames)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
     def close(self) -> None:
+        """Say ``Goodbye`` (the service closes our session now rather than when it expires) and
+        drop the socket."""
+        if self._sock is not None and self.session is not None:
+            self._close_monitor()
+            try:
+                self._sock.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
+                send_message(self._sock, Goodbye())
+            except (zmq.ZMQError, BusError):
+                pass
+            self._sock.close()
+            self._sock = None
         self.reset()
 
     def __enter__(self) -> "Client":
@@ -112,9 +181,22 @@ class Client:
     def hello(self, timeout_s: float | None = None) -> Welcome:
         """Open a session; raises the server's auth error, or :class:`PeerTimeout`."""
         timeout_s = HELLO_TIMEOUT_S if timeout_s is None else timeout_s
-        hello = self.identity.hello(self.next_id())
-        self.send(hello)
-        reply = self.wait_for(hello.id, timeout_s)
+        _ = self.socket
+        token, self._socket_token = self._socket_token, None
+        hello = self.identity.hello(self.next_id(), token)
+        deadline = time.monotonic() + timeout_s
+        reply = None
+        try:
+            self.send(hello)
+        except PeerTimeout:  # no connection to queue on: a refused handshake tears it down
+            while time.monotonic() < deadline and not self._check_refused():
+                time.sleep(0.05)
+        else:
+            while True:
+                reply = self.wait_for(hello.id, min(0.1, max(0.0, deadline - time.monotonic())))
+                if reply is not None or time.monotonic() >= deadline:
+                    break
+                self._check_refused()
         if reply is None:
             self.reset()
             raise PeerTimeout(f"{self.endpoint} did not answer Hello within {timeout_s:.1f} s "
@@ -139,7 +221,12 @@ class Client:
         """The next reply (pushes are stored aside), or None when ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
         sock = self.socket
+        first = True
         while True:
+            # The deadline holds even while a peer floods us with pushes or stale replies.
+            if not first and time.monotonic() >= deadline:
+                return None
+            first = False
             try:  # a reply is usually waiting already: take it without a poll
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -167,6 +254,8 @@ class Client:
             if msg is None or msg.id == request_id:
                 return msg
             log.debug("discarding stale reply %s to request %d", msg.type, msg.id)
+            if time.monotonic() >= deadline:
+                return None
 
     @staticmethod
     def check(reply: Message) -> Message:

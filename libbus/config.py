@@ -64,6 +64,8 @@ class Settings:
     secret_file: str = ""
     #: A ready-made token (admin commands and services use it instead of minting one from the secret).
     token: str = ""
+    #: A file holding the token (read when ``token`` is unset): unlike ``--token`` it never shows in ``ps``.
+    token_file: str = ""
     #: Token algorithm of the cluster: HS256 (shared secret_file) or EdDSA (signing/public key pair).
     #: Verification accepts only this one.
     token_alg: str = "HS256"
@@ -132,6 +134,21 @@ class Settings:
     #: Per session: sustained requests per second (a token bucket; 0 = no limit) and its burst.
     session_rate: float = C.SESSION_RATE
     session_burst: int = C.SESSION_BURST
+    #: Per subject: most sessions open at once on a service; more are refused at Hello.
+    sessions_per_subject: int = C.SESSIONS_PER_SUBJECT
+    #: Without CURVE, services admit a connection only if its handshake carries a valid token, and
+    #: clients present theirs (memory stays bounded before authentication). Every node must agree.
+    handshake_auth: bool = True
+    #: Provider evaluations: most queued or running, largest weights, per minute per job and subject.
+    eval_queue: int = C.EVAL_QUEUE
+    eval_max_model_bytes: int = C.EVAL_MAX_MODEL_BYTES
+    eval_per_minute: float = C.EVAL_PER_MINUTE
+    #: Files a ``file://`` dataset may name outside its directory (its ``dataset.toml`` entries,
+    #: symlinks): these paths and what is under them. Empty: none.
+    allowed_paths: list = field(default_factory=list)
+    #: Origins (scheme://host[:port]) an HTTP dataset may be redirected to, or name in its manifest,
+    #: besides its own. Empty: only its own.
+    allowed_origins: list = field(default_factory=list)
     log_level: str = "INFO"
 
     def resolved(self) -> "Settings":
@@ -147,6 +164,14 @@ class Settings:
             out.signing_key_file = os.path.join(out.state_dir, "token.key")
         if not out.token_issuer:
             out.token_issuer = out.cluster
+        if out.token_file and not out.token:
+            try:
+                out.token = Path(out.token_file).read_text().strip()
+            except (OSError, UnicodeDecodeError) as err:
+                raise ConfigError(f"token_file {out.token_file}: {err}") from err
+            if not out.token:
+                raise ConfigError(f"token_file {out.token_file} is empty; it should hold a token "
+                                  "('busctl token issue')")
         if not out.db:
             out.db = os.path.join(out.state_dir, "router.db")
         curve_dir = os.path.join(out.state_dir, "curve")
@@ -166,6 +191,13 @@ class Settings:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def redacted(self) -> dict[str, Any]:
+        """:meth:`as_dict` with the token hidden: what ``busctl config show`` prints."""
+        out = self.as_dict()
+        if out.get("token"):
+            out["token"] = f"<hidden: {len(out['token'])} characters>"
+        return out
 
 
 def _credentials(directory: str) -> dict[str, tuple[str, str]]:

@@ -15,6 +15,11 @@ MAX_FRAMES = 16
 MAX_HEADER_BYTES = 1 * MiB
 #: Deepest nesting of containers a header may have (orjson writes at most 254 levels).
 MAX_HEADER_DEPTH = 32
+#: Peer JSON a service stores or echoes (heartbeat stats, provider caps, progress, results, checkpoints,
+#: acknowledgements): deepest nesting and largest encoding accepted. Admin replies nest these a few
+#: levels deeper, well inside MAX_HEADER_DEPTH.
+STORED_JSON_DEPTH = 12
+STORED_JSON_BYTES = 256 * KiB
 #: Most indices in one BatchRequest.
 MAX_BATCH_INDICES = 1 << 20
 #: Largest batch a provider will assemble (data + labels); below MAX_MSG_BYTES so a reply always fits.
@@ -26,6 +31,8 @@ SESSION_INFLIGHT = 64
 #: 300k samples/s with batches of 256 sends ~1,200 requests/s.
 SESSION_RATE = 5000.0
 SESSION_BURST = 2000
+#: Per token subject: most sessions open at once on one service (admin scripts, loaders).
+SESSIONS_PER_SUBJECT = 64
 
 #: How often peers exchange heartbeats, and how many missed intervals drop a peer.
 HEARTBEAT_MS = 1000
@@ -50,3 +57,9 @@ PROGRESS_INTERVAL_S = 2.0
 PROVIDER_WAIT_S = 60.0
 #: Loader: pause between rounds of looking for a provider while none answers.
 PROVIDER_RETRY_S = 0.5
+
+#: Provider evaluations (Evaluate): most queued or running at once, largest weights frame, and how
+#: many per minute per job and per token subject (they score the private test split).
+EVAL_QUEUE = 4
+EVAL_MAX_MODEL_BYTES = 128 * MiB
+EVAL_PER_MINUTE = 10.0

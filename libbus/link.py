@@ -32,6 +32,8 @@ __all__ = ["Link"]
 log = logging.getLogger(__name__)
 
 _FATAL = (AuthInvalid, AuthExpired, Forbidden)
+#: Most messages taken per turn of the link's loop before its timers run again.
+RECEIVE_BURST = 256
 
 
 class Link:
@@ -164,6 +166,14 @@ class Link:
             log.warning("router send queue full; %s dropped", msg.type)
 
     def _send_hello(self) -> None:
+        if self._hello_sent and self.client.handshake_refused():
+            # The router's handshake refused our token (wrong secret, another cluster, revoked):
+            # as fatal as an AUTH_INVALID reply to Hello.
+            self.fatal = AuthInvalid(f"router {self.client.endpoint} refused this service's token at the "
+                                     "connection handshake; check the token and the cluster secret")
+            log.error("router refused this service: %s", self.fatal)
+            self._stop.set()
+            return
         if self._hello_sent:  # the last Hello went unanswered: start over on a fresh socket
             self.client.reset()
         self._hello_id = self.client.next_id()
@@ -184,7 +194,7 @@ class Link:
 
     def _receive(self) -> None:
         client = self.client
-        while True:
+        for _ in range(RECEIVE_BURST):  # bounded: a flooding router must not starve heartbeats and deadlines
             msg = client.recv(0)
             if msg is None:
                 break

@@ -29,7 +29,7 @@ __all__ = [
     "GetTask", "Task", "Rendezvous", "NoTask", "Progress", "PushResult", "Command", "CommandAck", "Checkpointed",
     "GetModel", "Model",
     "Evaluate", "Evaluation", "StageControl", "Stats", "StatsReply", "ListPeers", "PeerList",
-    "RevokeToken", "ListRevoked", "RevokedList", "Entitlements",
+    "RevokeToken", "ListRevoked", "RevokedList", "Entitlements", "Goodbye",
 ]
 
 MESSAGE_TYPES: dict[str, type["Message"]] = {}
@@ -82,6 +82,12 @@ class Welcome(Message):
 class Heartbeat(Message):
     """Both ways, every heartbeat interval. Services carry their queue metrics in ``stats``."""
     stats: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Goodbye(Message):
+    """Client → any service, no reply: the client is done; the service closes its session now
+    instead of keeping it until it expires."""
 
 
 @dataclass(kw_only=True)
@@ -198,6 +204,8 @@ class ListJobs(Message):
 @dataclass(kw_only=True)
 class JobList(Message):
     jobs: list
+    #: Set when the list was cut to fit one reply: what was left out and how to see it.
+    note: str = ""
 
 
 @dataclass(kw_only=True)
@@ -210,6 +218,8 @@ class GetJob(Message):
 @dataclass(kw_only=True)
 class JobInfo(Message):
     job: dict
+    #: Set when history was cut to fit one reply.
+    note: str = ""
 
 
 @dataclass(kw_only=True)
@@ -403,6 +413,9 @@ def encode(msg: Message) -> list:
         head = orjson.dumps(msg.header(), option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError as err:
         raise BadRequest(f"{msg.type}: header is not JSON-serialisable: {err}") from err
+    if len(head) > MAX_HEADER_BYTES:
+        # The peer would drop it as malformed and wait out its timeout: refuse it here, loudly.
+        raise TooLarge(f"{msg.type} header is {len(head)} bytes; a peer accepts at most {MAX_HEADER_BYTES}")
     return [PROTOCOL, head, *msg.frames]
 
 

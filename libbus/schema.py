@@ -11,6 +11,10 @@ import types
 import typing
 from typing import Any, Callable
 
+import orjson
+
+from .errors import BadRequest, TooLarge
+
 __all__ = ["schema_of", "type_name", "too_deep"]
 
 #: Per message class: field name → (accepts(value) -> bool, required, annotation). Built once per
@@ -65,3 +69,14 @@ def too_deep(value: Any, limit: int) -> bool:
         if not level:
             return False
     return any(isinstance(item, (dict, list)) for item in level)
+
+
+def check_stored(value: Any, what: str, max_depth: int, max_bytes: int) -> None:
+    """Refuse (:class:`BadRequest`/:class:`TooLarge`) peer JSON a service would store or echo
+    (heartbeat stats, progress, results) when it nests deeper than ``max_depth`` or encodes to more
+    than ``max_bytes``: stored, it would break every admin reply that carries it."""
+    if too_deep(value, max_depth):
+        raise BadRequest(f"{what} nests deeper than {max_depth} levels; flatten it")
+    size = len(orjson.dumps(value))
+    if size > max_bytes:
+        raise TooLarge(f"{what} is {size} bytes of JSON; at most {max_bytes} are stored")

@@ -3,181 +3,44 @@
 :class:`Server` is the thin I/O loop; a service's logic is a :class:`Handler` that answers
 "given this session and this message, what goes out" and can be tested without a socket.
 
-Per connection the first message must be ``Hello`` with a valid token; the session is then bound to
-the ZeroMQ routing id, and every later request is checked against it (expiry, role, revocation, the
-per-session in-flight cap and rate limit). With CURVE on, the connection's key name (the ZAP
-``User-Id``) must equal the token's subject. Sessions that
-heartbeat (``caps.heartbeat``) are dropped after ``heartbeat_liveness`` silent intervals; other
-sessions (data-plane loaders) after ``idle_session_s`` — they say ``Hello`` again transparently.
+No connection is admitted before its handshake proved something (:mod:`libbus.admission`): a listed
+CURVE key, or without CURVE a valid token in the PLAIN handshake. Per connection the first message
+must then be ``Hello`` with a valid token; the session is bound to the ZeroMQ routing id, and every
+later request is checked against it (expiry, role, revocation, the per-session in-flight cap and rate
+limit). With CURVE on, the connection's key name (the ZAP ``User-Id``) must equal the token's subject.
+Sessions that heartbeat (``caps.heartbeat``) are dropped after ``heartbeat_liveness`` silent
+intervals; other sessions (data-plane loaders) after ``idle_session_s`` — they say ``Hello`` again
+transparently; a client that is done says ``Goodbye``. Session bookkeeping and the per-subject cap
+are in :mod:`libbus.sessions`.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import os
 import secrets
 import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import zmq
 
 from . import constants as C
-from .auth import ALGORITHM, Claims, Key, verify_token
+from .admission import TokenAuthenticator, admit_server
+from .auth import Claims, verify_token
 from .constants import POLL_MS
-from .curve import CurveKeys, KeyAuthenticator, secure_server
-from .errors import (AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal, RateLimited,
-                     Unavailable)
-from .messages import (Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of)
-from .sockets import SocketLimits, make_socket, send_message
+from .curve import KeyAuthenticator, secure_server
+from .errors import AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal, Unavailable
+from .handler import Handler, ServerConfig
+from .messages import (Goodbye, Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of)
+from .schema import check_stored
+from .sessions import Session, SessionTable, check_labels, frame_property, is_local_peer
+from .sockets import make_socket, send_message
 
-__all__ = ["Session", "Handler", "Server", "ServerConfig"]
+__all__ = ["Session", "Handler", "Server", "ServerConfig", "is_local_peer"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Session:
-    """One authenticated peer connection."""
-    sid: str
-    routing_id: bytes
-    claims: Claims
-    hello: Hello
-    opened: float
-    last_seen: float
-    heartbeat: bool
-    stats: dict = field(default_factory=dict)
-    #: The CURVE key name the connection authenticated with ("" without CURVE).
-    user_id: str = ""
-    #: ZeroMQ's ``Peer-Address``: the peer's IP over TCP; over ``ipc://`` the peer's credentials.
-    peer: str = ""
-    #: Requests of this session being worked on (deferred replies not yet sent).
-    inflight: int = 0
-    _tokens: float = 0.0
-    _refilled: float = 0.0
-
-    @property
-    def local(self) -> bool:
-        """Whether the peer came through a Unix socket as this service's own user: only such a
-        peer may hand this service a shared-memory ring."""
-        return is_local_peer(self.peer)
-
-    def admit(self, now: float, rate: float, burst: int) -> bool:
-        """Take one token from the session's bucket (``rate`` per second, at most ``burst``)."""
-        if rate <= 0:
-            return True
-        self._tokens = min(float(burst), self._tokens + (now - self._refilled) * rate)
-        self._refilled = now
-        if self._tokens < 1.0:
-            return False
-        self._tokens -= 1.0
-        return True
-
-    @property
-    def role(self) -> str:
-        return self.claims.role
-
-    @property
-    def name(self) -> str:
-        return self.hello.name
-
-    def describe(self) -> dict:
-        return {"session": self.sid, "name": self.name, "role": self.role, "host_id": self.hello.host_id,
-                "pid": self.hello.pid, "version": self.hello.version, "since": self.opened,
-                "peer": self.peer, "key": self.user_id,
-                "last_seen": time.time() - (time.monotonic() - self.last_seen)}
-
-
-def is_local_peer(peer: str) -> bool:
-    """True for a ``Peer-Address`` of an ``ipc://`` connection from this process's uid.
-
-    Over TCP libzmq reports the peer's IP; over a Unix socket it reports ``host:uid:gid:pid`` from
-    ``SO_PEERCRED``."""
-    if not peer:
-        return False
-    try:
-        ipaddress.ip_address(peer.split("%", 1)[0])
-        return False
-    except ValueError:
-        pass
-    parts = peer.rsplit(":", 3)
-    return len(parts) == 4 and parts[1].isdigit() and int(parts[1]) == os.getuid()
-
-
-def _frame_property(frame, name: str) -> str:
-    """A ZeroMQ message property (``User-Id``, ``Peer-Address``), or "" when it is not set."""
-    try:
-        value = frame.get(name)
-    except (zmq.ZMQError, AttributeError):
-        return ""
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value or "")
-
-
-class Handler:
-    """A service's logic. Subclasses set ``roles`` and implement :meth:`handle`.
-
-    ``roles`` maps a message type to the roles allowed to send it; types not listed are refused.
-    :meth:`handle` returns the reply, ``None`` (no reply), or a :class:`Future` resolving to the reply
-    (for slow work done off the loop). Raising a :class:`BusError` sends that error to the peer.
-    Messages the service wants to push unsolicited go through :meth:`push`.
-    """
-
-    roles: dict[str, tuple[str, ...]] = {}
-
-    def __init__(self):
-        self._outbox: list[tuple[str, Message]] = []
-
-    def push(self, sid: str, msg: Message) -> None:
-        self._outbox.append((sid, msg))
-
-    def take_outbox(self) -> list[tuple[str, Message]]:
-        out, self._outbox = self._outbox, []
-        return out
-
-    def on_open(self, session: Session) -> None:
-        """A session was authenticated; raise a BusError to refuse it."""
-
-    def on_close(self, session: Session, reason: str) -> None:
-        """A session ended (dropped by silence, replaced, or the service is stopping)."""
-
-    def handle(self, session: Session, msg: Message) -> Message | Future | None:
-        raise NotImplementedError
-
-    def tick(self, now: float) -> None:
-        """Called about every poll period for timers (leases, housekeeping)."""
-
-    def stats(self) -> dict:
-        return {}
-
-
-@dataclass
-class ServerConfig:
-    """How a server binds and whom it admits. ``secret`` is the token verification key: the HS256
-    secret, or the Ed25519 public key when ``algorithm`` is ``EdDSA``; ``issuer`` defaults to
-    ``audience``."""
-    bind: str
-    secret: Key
-    audience: str
-    name: str
-    heartbeat_ms: int = 1000
-    heartbeat_liveness: int = 5
-    idle_session_s: float = 300.0
-    limits: SocketLimits = SocketLimits()
-    algorithm: str = ALGORITHM
-    issuer: str = ""
-    #: CURVE: this server's key pair and the directory of client keys it admits (None: no CURVE).
-    curve: CurveKeys | None = None
-    authorized_dir: str = ""
-    session_inflight: int = C.SESSION_INFLIGHT
-    session_rate: float = C.SESSION_RATE
-    session_burst: int = C.SESSION_BURST
-    #: On stop: how long deferred work may take to finish, and how long the replies get to leave.
-    drain_s: float = C.DRAIN_S
-    drain_linger_s: float = C.DRAIN_LINGER_S
 
 
 class Server:
@@ -189,16 +52,15 @@ class Server:
     def __init__(self, handler: Handler, config: ServerConfig, ctx: zmq.Context | None = None):
         self.handler = handler
         self.config = config
-        # A ZAP handler serves one context; a CURVE server gets a context of its own so that two
-        # services in one process (tests, `busctl demo`) never share or fight over one.
-        self._own_ctx = config.curve is not None
+        # A ZAP handler serves one context; a server with one gets a context of its own so that
+        # two services in one process (tests, `busctl demo`) never share or fight over one.
+        self._own_ctx = config.curve is not None or config.handshake_auth
         self.ctx = zmq.Context() if self._own_ctx else (ctx or zmq.Context.instance())
-        self._auth: KeyAuthenticator | None = None
+        self._auth: KeyAuthenticator | TokenAuthenticator | None = None
         #: ``jti``s refused at Hello and whose sessions are closed (set from any thread).
         self._revoked: frozenset[str] = frozenset()
         self._revoked_changed = False
-        self.sessions: dict[bytes, Session] = {}
-        self.by_sid: dict[str, Session] = {}
+        self.table = SessionTable(config.sessions_per_subject)
         self.counters: Counter = Counter()
         self.endpoint = ""
         self._sock: zmq.Socket | None = None
@@ -217,6 +79,10 @@ class Server:
                 sock.close(0)
                 raise
             secure_server(sock, self.config.curve)
+        elif self.config.handshake_auth:
+            self._auth = TokenAuthenticator(self.ctx, self._admit)
+            self._auth.start()
+            admit_server(sock)
         bind = self.config.bind
         try:
             if bind.startswith("tcp://") and (bind.endswith(":0") or bind.endswith(":*")):
@@ -231,6 +97,34 @@ class Server:
             raise BusError(f"cannot bind {bind}: {err.strerror}", code="UNAVAILABLE") from err
         self._sock = sock
         return self.endpoint
+
+    @property
+    def sessions(self) -> dict[bytes, Session]:
+        """Open sessions by routing id (read-only view for tests and stats)."""
+        return self.table.by_routing
+
+    @property
+    def by_sid(self) -> dict[str, Session]:
+        return self.table.by_sid
+
+    def _verify(self, token: str) -> Claims:
+        """The claims of an acceptable token (at the handshake and at Hello), else a BusError."""
+        claims = verify_token(token, self.config.secret, audience=self.config.audience,
+                              issuer=self.config.issuer or None, algorithm=self.config.algorithm)
+        if claims.jti in self._revoked:
+            raise AuthInvalid(f"token {claims.jti} has been revoked; ask for a new one")
+        return claims
+
+    def _admit(self, token: str) -> str:
+        """The handshake's check (from the ZAP thread): a token this cluster signed and did not
+        revoke. Its times are left to Hello (an expired token still proves membership, and its
+        Hello gets the AUTH_EXPIRED a client renews its token on). Returns the subject."""
+        claims = verify_token(token, self.config.secret, audience=self.config.audience,
+                              issuer=self.config.issuer or None, algorithm=self.config.algorithm,
+                              check_times=False)
+        if claims.jti in self._revoked:
+            raise AuthInvalid(f"token {claims.jti} has been revoked")
+        return claims.sub
 
     def _stop_auth(self) -> None:
         if self._auth is not None:
@@ -280,7 +174,7 @@ class Server:
                     self._call(on_loop)
             self._drain(sock)
         finally:
-            for session in list(self.sessions.values()):
+            for session in self.table.values():
                 self._close_session(session, "service stopping")
             # Replies the drain sent get ``drain_linger_s`` to leave; nothing else is waited for.
             sock.close(int(self.config.drain_linger_s * 1000))
@@ -333,7 +227,7 @@ class Server:
 
     def _close_revoked(self) -> None:
         self._revoked_changed = False
-        for session in list(self.sessions.values()):
+        for session in self.table.values():
             if session.claims.jti in self._revoked:
                 self._close_session(session, "token revoked")
 
@@ -352,7 +246,11 @@ class Server:
         if isinstance(msg, Hello):
             self._on_hello(routing_id, msg, body[0])
             return
-        session = self.sessions.get(routing_id)
+        session = self.table.get(routing_id)
+        if isinstance(msg, Goodbye):
+            if session is not None:
+                self._close_session(session, "said Goodbye")
+            return
         try:
             if session is None:
                 raise AuthRequired("no session: send Hello with a token first")
@@ -362,14 +260,11 @@ class Server:
                 self._close_session(session, "token expired")
                 raise AuthExpired("token expired; reconnect with a fresh token")
             if isinstance(msg, Heartbeat):
-                session.stats = msg.stats
+                if not session.take_stats(msg.stats):
+                    self.counters["stats_refused"] += 1
                 return
-            if session.inflight >= self.config.session_inflight:
-                raise RateLimited(f"{session.inflight} requests of this session are in flight; at most "
-                                  f"{self.config.session_inflight}: wait for replies before sending more")
-            if not session.admit(now, self.config.session_rate, self.config.session_burst):
-                raise RateLimited(f"more than {self.config.session_rate:g} requests/s (burst "
-                                  f"{self.config.session_burst}) from this session; slow down")
+            session.check_limits(now, self.config.session_inflight, self.config.session_rate,
+                                 self.config.session_burst)
             allowed = self.handler.roles.get(msg.type)
             if allowed is None:
                 raise BadRequest(f"{msg.type} is not a request this service ({self.config.name}) serves")
@@ -395,13 +290,12 @@ class Server:
 
     def _on_hello(self, routing_id: bytes, hello: Hello, first_frame) -> None:
         try:
-            claims = verify_token(hello.token, self.config.secret, audience=self.config.audience,
-                                  issuer=self.config.issuer or None, algorithm=self.config.algorithm)
-            if claims.jti in self._revoked:
-                raise AuthInvalid(f"token {claims.jti} has been revoked; ask for a new one")
+            claims = self._verify(hello.token)
             if hello.role != claims.role:
                 raise Forbidden(f"Hello says role {hello.role!r} but the token grants {claims.role!r}")
-            user_id = _frame_property(first_frame, "User-Id")
+            check_stored(hello.caps, "Hello.caps", C.STORED_JSON_DEPTH, C.STORED_JSON_BYTES)
+            check_labels(hello)
+            user_id = frame_property(first_frame, "User-Id")
             if self.config.curve is not None:
                 if not user_id:
                     raise Forbidden("CURVE is on but this connection has no authenticated key name "
@@ -409,14 +303,15 @@ class Server:
                 if user_id != claims.sub:
                     raise Forbidden(f"the token's subject {claims.sub!r} does not own this connection's "
                                     f"CURVE key {user_id!r}")
-            old = self.sessions.get(routing_id)
+            old = self.table.get(routing_id)
+            self.table.check_room(claims, old)
             if old is not None:
                 self._close_session(old, "replaced by a new Hello")
             now = time.monotonic()
             session = Session(sid=secrets.token_hex(8), routing_id=routing_id, claims=claims,
                               hello=hello, opened=time.time(), last_seen=now,
                               heartbeat=bool(hello.caps.get("heartbeat")), user_id=user_id,
-                              peer=_frame_property(first_frame, "Peer-Address"),
+                              peer=frame_property(first_frame, "Peer-Address"),
                               _tokens=float(self.config.session_burst), _refilled=now)
             self.handler.on_open(session)
         except BusError as err:
@@ -424,8 +319,7 @@ class Server:
             log.info("refused Hello from %r (%s): %s", hello.name, hello.role, err)
             self._reply(routing_id, error_reply(hello.id, err))
             return
-        self.sessions[routing_id] = session
-        self.by_sid[session.sid] = session
+        self.table.add(session)
         self.counters["sessions_opened"] += 1
         log.info("session %s: %s %s (pid %s)", session.sid, hello.role, hello.name, hello.pid)
         self._reply(routing_id, Welcome(id=hello.id, session=session.sid,
@@ -491,14 +385,12 @@ class Server:
 
     def _expire_sessions(self, now: float) -> None:
         beat_limit = self.config.heartbeat_ms / 1000 * self.config.heartbeat_liveness
-        for session in list(self.sessions.values()):
-            limit = beat_limit if session.heartbeat else self.config.idle_session_s
-            if now - session.last_seen > limit:
-                self._close_session(session, f"silent for {now - session.last_seen:.1f} s")
+        for session in self.table.silent(now, beat_limit, self.config.idle_session_s):
+            self._close_session(session, f"silent for {now - session.last_seen:.1f} s")
 
     def _close_session(self, session: Session, reason: str) -> None:
-        self.sessions.pop(session.routing_id, None)
-        self.by_sid.pop(session.sid, None)
+        if not self.table.remove(session):
+            return
         self.counters["sessions_closed"] += 1
         log.info("session %s (%s %s) closed: %s", session.sid, session.role, session.name, reason)
         self._call(self.handler.on_close, session, reason)
@@ -511,6 +403,8 @@ class Server:
 
     def stats(self) -> dict:
         """Transport counters plus the handler's own metrics, for heartbeats and ``Stats``."""
-        return {"name": self.config.name, "endpoint": self.endpoint, "sessions": len(self.sessions),
+        if isinstance(self._auth, TokenAuthenticator):
+            self.counters["handshakes_refused"] = self._auth.refused
+        return {"name": self.config.name, "endpoint": self.endpoint, "sessions": len(self.table),
                 "pending": len(self._pending), "counters": dict(self.counters),
                 **self.handler.stats()}

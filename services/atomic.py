@@ -10,14 +10,33 @@ from pathlib import Path
 __all__ = ["write_atomic"]
 
 
+def _private_dirs(directory: Path) -> None:
+    """Create ``directory`` and its missing parents with mode 0700 (whatever the umask)."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        os.chmod(d, 0o700)
+
+
 def write_atomic(path: Path, data: bytes | memoryview) -> str:
     """Write ``data`` to ``path`` (temporary file in the same directory, fsync, rename, fsync of the
-    directory); returns the sha256 of ``data``."""
+    directory); returns the sha256 of ``data``.
+
+    The file is created 0600 and directories it creates 0700, whatever the umask: checkpoints and
+    models are the owner's data, not the host's (outside systemd's ``UMask=0077`` too)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _private_dirs(path.parent)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "wb") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())

@@ -192,7 +192,8 @@ def token_source(settings: Settings, role: str, name: str) -> Callable[[], str] 
 
 def identity(settings: Settings, role: str, name: str, caps: dict | None = None) -> Identity:
     return Identity(role=role, name=name, token=token_source(settings, role, name), host_id=settings.host_id,
-                    caps=caps or {}, curve=curve_keys(settings, role), router_key=router_key(settings))
+                    caps=caps or {}, curve=curve_keys(settings, role), router_key=router_key(settings),
+                    handshake=settings.handshake_auth)
 
 
 def limits(settings: Settings) -> SocketLimits:
@@ -206,4 +207,5 @@ def server_config(settings: Settings, bind: str, key: Key, name: str, role: str)
                         issuer=settings.token_issuer, curve=curve_keys(settings, role),
                         authorized_dir=settings.curve_authorized_dir,
                         session_inflight=settings.session_inflight, session_rate=settings.session_rate,
-                        session_burst=settings.session_burst)
+                        session_burst=settings.session_burst, sessions_per_subject=settings.sessions_per_subject,
+                        handshake_auth=settings.handshake_auth)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from libbus.admission import admit_client
 from libbus.auth import ensure_secret, issue_token
 from libbus.client import Client, Identity
 from libbus.config import Settings, load_settings
@@ -101,14 +102,16 @@ def client_for(make_token):
 
 
 @pytest.fixture
-def raw_dealer():
-    """A bare DEALER socket for sending hand-made frames."""
+def raw_dealer(make_token):
+    """A bare DEALER socket for sending hand-made frames (past the handshake: it presents a valid
+    token there, as every client must; what it sends after is up to the test)."""
     ctx = zmq.Context.instance()
     socks = []
 
     def make(endpoint: str) -> zmq.Socket:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        admit_client(s, make_token("trainer"))
         s.connect(endpoint)
         socks.append(s)
         return s

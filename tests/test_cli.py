@@ -46,6 +46,7 @@ def test_errors_are_one_line_without_traceback(tmp_path, args, env, words):
     if "did not answer" in words or "role" in words:
         state.mkdir()
         (state / "secret").write_text("s" * 64)
+        (state / "secret").chmod(0o600)  # a readable secret is refused (tests/test_security_secrets.py)
     out = busctl(*args, env={"BATCHBUS_STATE_DIR": str(state), **env})
     assert out.returncode != 0
     assert words in out.stderr and "Traceback" not in out.stderr + out.stdout

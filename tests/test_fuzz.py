@@ -114,7 +114,12 @@ class World:
         """A bare peer of ``router``, ``provider`` (TCP) or ``provider-local`` (its ipc endpoint)."""
         endpoints = {"router": self.router.endpoint, "provider": self.provider.endpoint,
                      "provider-local": self.local}
-        return Peer(self.raw_dealer, endpoints[service])
+        # The previous example's peer says Goodbye: sessions per subject are capped (64).
+        last = getattr(self, "_last_peer", None)
+        if last is not None:
+            last.sock.send_multipart([PROTOCOL, head(type="Goodbye")])
+        self._last_peer = Peer(self.raw_dealer, endpoints[service])
+        return self._last_peer
 
     def check(self) -> None:
         """Both services alive and correct, memory bounded, the IN_USE slot untouched."""

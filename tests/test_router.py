@@ -67,7 +67,7 @@ def test_silent_peer_is_dropped_and_its_stats_were_carried(router, make_token):
     # 5 intervals of 100 ms: dropped well within a few seconds of going silent
 
 
-def test_job_of_a_vanished_trainer_is_requeued_and_stale_reports_refused(router, client_for):
+def test_job_of_a_vanished_trainer_is_requeued_and_stale_reports_refused(router, client_for, make_token):
     admin = client_for(router.endpoint, role="admin")
     job = admin.request(SubmitJob(spec={"dataset": "mnist", "epochs": 1})).job
     first = client_for(router.endpoint, role="trainer")
@@ -79,11 +79,11 @@ def test_job_of_a_vanished_trainer_is_requeued_and_stale_reports_refused(router,
     while admin.request(GetJob(job=job)).job["state"] != "queued":
         assert time.monotonic() < deadline, "job never requeued"
         time.sleep(0.1)
-    second = client_for(router.endpoint, role="trainer")
+    # another trainer (identity = token subject, not Hello.name) takes it
+    second = client_for(router.endpoint, role="trainer", token=make_token("trainer", sub="trainer-2"))
     assert second.request(GetTask()).job == job
     events = [e["state"] for e in admin.request(GetJob(job=job)).job["events"]]
     assert events == ["queued", "running", "queued", "running"]
-    first.identity.name = "test-trainer-old"
     with pytest.raises(Forbidden, match="not running on"):
         first.request(Progress(job=job, progress={}))
 
@@ -113,7 +113,7 @@ def test_stop_reaches_a_queued_job_and_a_running_trainer(router, client_for):
         assert not asked.done()
         trainer.request(CommandAck(job=running, command="stop", seq=pushed[0].seq, state="stopping"))
         detail = asked.result(5).detail
-    assert detail["acked"] is True and detail["state"] == "stopping" and detail["trainer"] == "test-trainer"
+    assert detail["acked"] is True and detail["state"] == "stopping" and detail["trainer"] == "test"  # its token subject
     trainer.request(PushResult(job=running, state="stopped"))
     info = admin.request(GetJob(job=running)).job
     assert info["state"] == "stopped"

@@ -87,8 +87,9 @@ def test_eddsa_cluster_end_to_end(router, start_provider, client_for, sign):
 # -- refusals -----------------------------------------------------------------------------------
 
 def test_hs256_token_is_refused_by_an_eddsa_cluster(router, client_for, make_token):
-    # make_token signs with the (still present) HS256 cluster secret: a valid token of the wrong kind
-    with pytest.raises(AuthInvalid, match="accepts only EdDSA"):
+    # make_token signs with the (still present) HS256 cluster secret: a valid token of the wrong kind,
+    # refused at the connection handshake (the router logs why: "accepts only EdDSA")
+    with pytest.raises(AuthInvalid, match="refused this connection at the handshake"):
         client_for(router.endpoint, token=make_token("trainer")).hello()
 
 
@@ -97,7 +98,7 @@ def test_algorithm_confusion_token_is_refused(router, client_for, admin_keys):
     its algorithm would check it with the public key bytes, which everyone has."""
     public_pem = admin_keys[1].read_bytes()
     forged = _forge({"alg": "HS256", "typ": "JWT"}, _claims(), sign_with=public_pem)
-    with pytest.raises(AuthInvalid, match="accepts only EdDSA"):
+    with pytest.raises(AuthInvalid, match="refused this connection at the handshake"):
         client_for(router.endpoint, role="admin", token=forged).hello()
     # and the library's own check, even without the header pre-check, pins EdDSA
     with pytest.raises(AuthInvalid):

@@ -16,6 +16,7 @@ from libbus.metrics import MetricsExporter, start_exporter
 from libbus.server import Server
 
 from .. import runtime
+from .evalgate import EvalGate
 from .handler import ProviderHandler
 from .sources import open_source, parse_dataset_arg
 
@@ -41,8 +42,9 @@ class ProviderService:
             if name in datasets:
                 raise ConfigError(f"dataset name {name!r} is given twice")
             datasets[name] = open_source(uri, datasets)
+        gate = EvalGate(settings.eval_queue, settings.eval_max_model_bytes, settings.eval_per_minute)
         self.handler = ProviderHandler(datasets, host_id=settings.host_id, shm=settings.shm,
-                                       assigned_only=settings.assigned_only)
+                                       assigned_only=settings.assigned_only, evalgate=gate)
         key = runtime.verify_key(settings)
         bind = settings.bind or DEFAULT_BIND
         self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name, "provider"), self.ctx)

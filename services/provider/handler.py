@@ -42,6 +42,7 @@ from libbus.server import Handler, Session
 from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
+from .evalgate import EvalGate
 from .sources.pipeline import pipeline_stats, stage_control
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 
@@ -117,7 +118,7 @@ class ProviderHandler(Handler):
     }
 
     def __init__(self, datasets: dict[str, Source], *, host_id: str = "", shm: bool = True,
-                 eval_workers: int = 1, assigned_only: bool = True):
+                 eval_workers: int = 1, assigned_only: bool = True, evalgate: EvalGate | None = None):
         super().__init__()
         self.datasets = datasets
         self.host_id = host_id
@@ -142,7 +143,8 @@ class ProviderHandler(Handler):
         self._evaluator = ThreadPoolExecutor(eval_workers, thread_name_prefix="evaluate")
         #: Set by close(): running evaluations give up at their next chunk (the process can exit).
         self._closing = threading.Event()
-        self._evaluations_running = 0
+        #: Evaluation admission (queue, size, rate) and the counters the worker thread writes.
+        self.evalgate = evalgate or EvalGate()
 
     def close(self) -> None:
         self._closing.set()
@@ -252,7 +254,7 @@ class ProviderHandler(Handler):
         if isinstance(msg, AttachRing):
             return self.attach_ring(session, msg)
         if isinstance(msg, Evaluate):
-            return self.evaluate(msg)
+            return self.evaluate(msg, session)
         if isinstance(msg, Stats):
             return StatsReply(services={"provider": self.stats()})
         if isinstance(msg, StageControl):
@@ -337,16 +339,18 @@ class ProviderHandler(Handler):
                              "(send AttachRing first)")
         return ring
 
-    def evaluate(self, msg: Evaluate) -> Future:
+    def evaluate(self, msg: Evaluate, session: Session | None = None) -> Future:
         source = self.source(msg.dataset)
         if msg.split not in SPLITS:
             raise BadRequest(f"unknown split {msg.split!r}; expected one of {', '.join(SPLITS)}")
         weights = msg.frames[0]
+        gate = self.evalgate
+        gate.admit(session.claims.sub if session else "", msg.job, frame_len(weights))
         blob = bytes(weights.buffer if hasattr(weights, "buffer") else weights)
-        self._evaluations_running += 1
         started = time.monotonic()
 
         def run() -> Evaluation:
+            gate.started()
             try:
                 # torch is imported here, on the first evaluation: a provider that only serves
                 # batches starts in a fraction of the time.
@@ -355,15 +359,31 @@ class ProviderHandler(Handler):
                                                  self._closing)
                 log.info("evaluated job %s on %s/%s: loss %.4f accuracy %.4f (%d samples, %.1f s)",
                          msg.job or "-", msg.dataset, msg.split, loss, acc, n, time.monotonic() - started)
-                self.served[msg.dataset]["evaluations"] += 1
+                with gate.lock:  # stats() reads these on the serving loop
+                    self.served[msg.dataset]["evaluations"] += 1
                 return Evaluation(loss=loss, accuracy=acc, n=n)
             finally:
-                self._evaluations_running -= 1
+                gate.stopped_running()
+                gate.finished()
 
-        return self._evaluator.submit(run)
+        try:
+            fut = self._evaluator.submit(run)
+        except RuntimeError:  # shut down: nothing will run it
+            gate.finished()
+            raise Unavailable("this provider is stopping; evaluate elsewhere or later") from None
+        # Cancelled before it ran (the provider stopping): its place is given back.
+        fut.add_done_callback(lambda f: f.cancelled() and gate.finished())
+        return fut
 
     def stats(self) -> dict:
-        return {"datasets": {name: dict(c) for name, c in self.served.items()},
+        running, queued, counts = self.evalgate.snapshot()
+        with self.evalgate.lock:  # the evaluation thread counts evaluations into served
+            datasets = {name: dict(c) for name, c in self.served.items()}
+        refused = dict(self.refused)
+        for key in ("refused_too_large", "refused_queue_full", "refused_rate"):
+            if counts.get(key):
+                refused["evaluate_" + key[len("refused_"):]] = counts[key]
+        return {"datasets": datasets,
                 "waiting_assignment": len(self._waiting),
-                "refused": dict(self.refused), "evaluations_running": self._evaluations_running,
+                "refused": refused, "evaluations_running": running, "evaluations_queued": queued,
                 **pipeline_stats(self.datasets)}

@@ -1,4 +1,11 @@
-"""The router's logic: peers, discovery, jobs, commands, statistics. No sockets here."""
+"""The router's logic: peers, discovery, jobs, commands, statistics. No sockets here.
+
+Identity is the token's subject (``session.subject``; under CURVE also the key's name): job
+ownership, leases, pushes, acknowledgements, gang membership and provider grants all key on it.
+``Hello.name`` is a label for operators. One process holds a trainer or provider subject at a time:
+a ``Hello`` of the same subject from another process (host id, pid) is refused UNAVAILABLE while the
+first one's session lives (a restarted service gets in once its old session expires).
+"""
 
 from __future__ import annotations
 
@@ -6,22 +13,30 @@ import logging
 from concurrent.futures import Future
 from typing import Callable
 
-from libbus.errors import BadRequest, NotFound
+from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
+from libbus.errors import BadRequest, NotFound, Unavailable
 from libbus.jobs import JobSpec, dataset_name
 from libbus.messages import (Checkpointed, CommandAck, ControlJob, Entitlements, GetJob, GetModel, GetTask, JobInfo,
                              JobList, JobSubmitted, ListJobs, ListPeers, ListRevoked, Message, Model, NoTask, Ok,
                              PeerList, Progress, PushResult, Rendezvous, Resolve, Resolved, RevokedList, RevokeToken,
                              Stats, StatsReply, SubmitJob, Task)
 from libbus.replicas import info_mismatch
+from libbus.schema import check_stored
 from libbus.server import Handler, Session
 
 from .artifacts import Artifacts
 from .gangs import Gangs, world_size
 from .grants import Revocations, assignments
 from .jobs import JobControl
+from .replies import fit_job, fit_list
 from .store import JobStore
 
 __all__ = ["RouterHandler"]
+
+
+def _stored(value, what: str) -> None:
+    """Peer JSON the router stores and echoes to admins: bounded at the door (libbus/schema.py)."""
+    check_stored(value, what, STORED_JSON_DEPTH, STORED_JSON_BYTES)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +83,8 @@ class RouterHandler(Handler):
 
     # -- sessions -----------------------------------------------------------------------------
     def on_open(self, session: Session) -> None:
+        if session.role in ("trainer", "provider"):
+            self._check_single_holder(session)
         if session.role == "provider":
             caps = session.hello.caps
             endpoint, datasets = caps.get("endpoint"), caps.get("datasets")
@@ -78,17 +95,31 @@ class RouterHandler(Handler):
             curve_key = caps.get("curve_key", "")
             if not isinstance(curve_key, str) or len(curve_key) not in (0, 40):
                 raise BadRequest("a provider's caps.curve_key must be its 40-character z85 public key")
-            self._check_replicas(session.name, datasets)
+            for dataset in datasets:  # a provider token scoped to datasets serves only those
+                session.claims.check_dataset(dataset)
+            self._check_replicas(session, datasets)
             log.info("provider %s serves %s at %s", session.name, ", ".join(datasets) or "nothing", endpoint)
         self.peers[session.sid] = session
         if session.role == "provider":
             self.push(session.sid, self.entitlements())
 
-    def _check_replicas(self, name: str, datasets: dict) -> None:
+    def _check_single_holder(self, session: Session) -> None:
+        """Refuse a trainer or provider session whose subject a live session of another process
+        holds: two trainers of one identity would own, abandon and train each other's jobs."""
+        for peer in self.sessions_of(session.role):
+            if peer.subject == session.subject and peer.process != session.process:
+                raise Unavailable(
+                    f"{session.role} {session.subject!r} is already connected from host "
+                    f"{peer.hello.host_id or '?'} pid {peer.hello.pid} (as {peer.name!r}); one process holds an "
+                    f"identity at a time: give this {session.role} its own token (busctl token issue --name), "
+                    "or stop the other one (its session expires after a few silent heartbeats)")
+
+    def _check_replicas(self, session: Session, datasets: dict) -> None:
         """Refuse a provider whose DatasetInfo for a name differs from a live replica's (another
         provider serving that name): a loader spreads one epoch's requests over all replicas."""
+        name = session.name
         for peer in self.sessions_of("provider"):
-            if peer.name == name:
+            if peer.subject == session.subject:
                 continue  # this provider registering again: its new Hello replaces the old one
             for dataset, info in datasets.items():
                 theirs = peer.hello.caps["datasets"].get(dataset)
@@ -104,21 +135,31 @@ class RouterHandler(Handler):
     def sessions_of(self, role: str) -> list[Session]:
         return [s for s in self.peers.values() if s.role == role]
 
-    def trainer_session(self, name: str) -> Session | None:
+    def trainer_session(self, subject: str) -> Session | None:
         """The trainer's live session: the one heard from last (a reconnected trainer's old session
         lingers until it expires, and a push sent there is lost)."""
-        sessions = [s for s in self.sessions_of("trainer") if s.name == name]
+        sessions = [s for s in self.sessions_of("trainer") if s.subject == subject]
         return max(sessions, key=lambda s: s.last_seen, default=None)
 
     def _trainer_names(self) -> set[str]:
-        return {s.name for s in self.sessions_of("trainer")}
+        """The subjects of the connected trainers."""
+        return {s.subject for s in self.sessions_of("trainer")}
 
-    def _push_to_trainer(self, name: str, msg: Message) -> bool:
-        session = self.trainer_session(name)
+    def _push_to_trainer(self, subject: str, msg: Message) -> str:
+        """Push to the trainer's live session; its session id, or "" when it is not connected."""
+        session = self.trainer_session(subject)
         if session is None:
-            return False
+            return ""
         self.push(session.sid, msg)
-        return True
+        return session.sid
+
+    def _check_job_scope(self, session: Session, job_id: str) -> dict:
+        """An admin's job operation: the token's ``jobs`` scope, and its ``datasets`` scope on the
+        job's dataset. Returns the job."""
+        session.claims.check_job(job_id)
+        job = self.store.get(job_id, events=False)
+        session.claims.check_dataset(dataset_name(job["spec"]["dataset"]))
+        return job
 
     # -- dispatch -----------------------------------------------------------------------------
     def handle(self, session: Session, msg: Message) -> Message | None:
@@ -150,70 +191,80 @@ class RouterHandler(Handler):
         spec = JobSpec.from_dict(msg.spec)
         session.claims.check_dataset(dataset_name(spec.dataset))
         job = self.store.submit(spec)
-        log.info("job %s submitted by %s: %s %s on %s", job, session.name, spec.model, spec.optimizer,
+        log.info("job %s submitted by %s: %s %s on %s", job, session.subject, spec.model, spec.optimizer,
                  spec.dataset)
         return JobSubmitted(job=job)
 
     def on_ListJobs(self, session: Session, msg: ListJobs) -> JobList:
         # A scoped token sees only the jobs it could ask about one by one.
         claims = session.claims
-        return JobList(jobs=[j for j in self.store.list(msg.state, msg.limit) if claims.allows_job(j["id"])])
+        jobs = [j for j in self.store.list(msg.state, msg.limit)
+                if claims.allows_job(j["id"]) and claims.allows_dataset(dataset_name(j["spec"]["dataset"]))]
+        jobs, note = fit_list(jobs)
+        return JobList(jobs=jobs, note=note)
 
     def on_GetJob(self, session: Session, msg: GetJob) -> JobInfo:
-        session.claims.check_job(msg.job)
+        self._check_job_scope(session, msg.job)
         job = self.store.get(msg.job)
         if msg.progress > 0:
             job["progress_history"] = self.store.progress_history(msg.job, min(msg.progress, 1000))
-        return JobInfo(job=job)
+        job, note = fit_job(job)
+        return JobInfo(job=job, note=note)
 
     def on_ControlJob(self, session: Session, msg: ControlJob) -> Ok | Future:
-        session.claims.check_job(msg.job)
-        return self.jobs.control(session.name, msg.job, msg.command, msg.args)
+        self._check_job_scope(session, msg.job)
+        return self.jobs.control(session.subject, msg.job, msg.command, msg.args)
 
     def on_GetModel(self, session: Session, msg: GetModel) -> Model:
-        session.claims.check_job(msg.job)
+        self._check_job_scope(session, msg.job)
         return self.jobs.model(msg.job)
 
     def on_GetTask(self, session: Session, msg: GetTask) -> Task | NoTask:
-        gang_task = self.gangs.task_for(session.name)  # services/router/gangs.py
+        who = session.subject
+        gang_task = self.gangs.task_for(who)  # services/router/gangs.py
         if gang_task is not None:
             return gang_task
-        self.jobs.abandon_all(session.name)
+        self.jobs.abandon_all(who)
         claims = session.claims
         job = self.store.first_queued(accept=lambda j: claims.allows_job(j["id"])
                                       and claims.allows_dataset(dataset_name(j["spec"]["dataset"])))
         if job is None:
             return NoTask(retry_ms=self.task_retry_ms)
         if world_size(job["spec"]) > 1:
-            reply = self.gangs.join(session.name, job)
+            reply = self.gangs.join(who, job)
             self._push_entitlements()  # a formed gang's providers hear of it before its ranks ask them
             return reply
-        job = self.store.claim(session.name, self.jobs.lease_s, accept=lambda j: j["id"] == job["id"])
+        job = self.store.claim(who, self.jobs.lease_s, accept=lambda j: j["id"] == job["id"])
         self._push_entitlements()  # the provider hears of the assignment before the trainer asks it
-        log.info("job %s assigned to %s", job["id"], session.name)
+        log.info("job %s assigned to %s (%s)", job["id"], who, session.name)
         return Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"])
 
     def on_Rendezvous(self, session: Session, msg: Rendezvous) -> Ok:
         session.claims.check_job(msg.job)
-        self.jobs.own(session.name, msg.job)  # rank 0 holds the job
+        self.jobs.own(session.subject, msg.job)  # rank 0 holds the job
         self.gangs.rendezvous(msg.job, msg.address)
         return Ok()
 
     def on_Progress(self, session: Session, msg: Progress) -> Ok:
         session.claims.check_job(msg.job)
-        return self.jobs.on_progress(session.name, msg)
+        _stored(msg.progress, "Progress.progress")
+        return self.jobs.on_progress(session.subject, msg, session.sid)
 
     def on_Checkpointed(self, session: Session, msg: Checkpointed) -> Ok:
         session.claims.check_job(msg.job)
-        return self.jobs.on_checkpoint(session.name, msg)
+        _stored(msg.checkpoint, "Checkpointed.checkpoint")
+        return self.jobs.on_checkpoint(session.subject, msg)
 
     def on_CommandAck(self, session: Session, msg: CommandAck) -> Ok:
         session.claims.check_job(msg.job)
-        return self.jobs.on_ack(session.name, msg)
+        _stored(msg.detail, "CommandAck.detail")
+        return self.jobs.on_ack(session.subject, msg, session.sid)
 
     def on_PushResult(self, session: Session, msg: PushResult) -> Ok:
         session.claims.check_job(msg.job)
-        return self.jobs.on_result(session.name, msg)
+        _stored(msg.result, "PushResult.result")
+        _stored(msg.error, "PushResult.error")
+        return self.jobs.on_result(session.subject, msg)
 
     def on_ListPeers(self, session: Session, msg: ListPeers) -> PeerList:
         peers = []
@@ -226,9 +277,9 @@ class RouterHandler(Handler):
         return PeerList(peers=peers)
 
     def on_RevokeToken(self, session: Session, msg: RevokeToken) -> Ok:
-        self.revocations.revoke(msg.jti, msg.exp, msg.reason or f"revoked by {session.name}")
+        self.revocations.revoke(msg.jti, msg.exp, msg.reason or f"revoked by {session.subject}")
         self.apply_revoked(self.revocations.jtis())
-        log.warning("token %s revoked by %s: %s", msg.jti, session.name, msg.reason or "no reason given")
+        log.warning("token %s revoked by %s: %s", msg.jti, session.subject, msg.reason or "no reason given")
         self._push_entitlements()  # providers hear of it now, not at the next check
         return Ok(detail={"jti": msg.jti, "until": msg.exp})
 
@@ -236,7 +287,7 @@ class RouterHandler(Handler):
         return RevokedList(revoked=self.revocations.active())
 
     def entitlements(self) -> Entitlements:
-        subjects = {s.name: s.claims.sub for s in self.sessions_of("trainer")}
+        subjects = {sub: sub for sub in self._trainer_names()}  # jobs are held by subject
         return Entitlements(revoked=self.revocations.jtis(),
                             assigned=assignments(self.store.held(), subjects))
 

@@ -61,6 +61,9 @@ class _Pending:
     sent: float
     future: Future
     timeout_s: float
+    #: The session the command was delivered to (pushed, or repeated in a progress reply): only
+    #: that session's acknowledgement settles it.
+    sid: str = ""
 
 
 class JobControl:
@@ -68,8 +71,9 @@ class JobControl:
 
     Args:
         store: the job database.
-        push: sends a message to a trainer by trainer name; returns False if it is not connected.
-        connected: the names of the trainers connected now.
+        push: sends a message to a trainer by its token subject; returns the session id it went to,
+            or "" if the trainer is not connected.
+        connected: the subjects of the trainers connected now.
         lease_s: lease length.
         ack_timeout_s: how long a command waits for the trainer's acknowledgement.
         artifacts: where final models sent with a result are kept (None: not kept).
@@ -128,10 +132,11 @@ class JobControl:
         seq = next(self._seq)
         future: Future = Future()
         timeout_s = EVAL_ACK_TIMEOUT_S if command == "eval" else self.ack_timeout_s
-        self.pending[seq] = _Pending(job_id, command, args, trainer, by, time.monotonic(), future, timeout_s)
+        pending = _Pending(job_id, command, args, trainer, by, time.monotonic(), future, timeout_s)
+        self.pending[seq] = pending
         what = f"{command} {_args(args)}".strip()
         self.store.event(job_id, f"{what} requested by {by}, sent to {trainer}")
-        self.push(trainer, Command(job=job_id, command=command, args=args, seq=seq))
+        pending.sid = self.push(trainer, Command(job=job_id, command=command, args=args, seq=seq)) or ""
         log.info("job %s: %s requested by %s, sent to %s", job_id, what, by, trainer)
         return future
 
@@ -171,13 +176,16 @@ class JobControl:
                             f"trainer {job['trainer']}); abandon it")
         return job
 
-    def on_progress(self, trainer: str, msg: Progress) -> Ok:
+    def on_progress(self, trainer: str, msg: Progress, sid: str = "") -> Ok:
         """Store the report; the reply repeats the job's unacknowledged commands, so one whose push
-        was lost (the trainer reconnected as it was sent) still arrives."""
+        was lost (the trainer reconnected as it was sent) still arrives — at session ``sid`` now."""
         self.own(trainer, msg.job)
         self.store.set_progress(msg.job, msg.progress, self.lease_s)
-        commands = [{"command": p.command, "args": p.args, "seq": seq}
-                    for seq, p in self.pending.items() if p.job == msg.job and p.trainer == trainer]
+        commands = []
+        for seq, p in self.pending.items():
+            if p.job == msg.job and p.trainer == trainer:
+                p.sid = sid or p.sid
+                commands.append({"command": p.command, "args": p.args, "seq": seq})
         return Ok(detail={"stop": msg.job in self.stop_requested, "commands": commands})
 
     def on_checkpoint(self, trainer: str, msg: Checkpointed) -> Ok:
@@ -188,9 +196,14 @@ class JobControl:
                  trainer)
         return Ok()
 
-    def on_ack(self, trainer: str, msg: CommandAck) -> Ok:
+    def on_ack(self, trainer: str, msg: CommandAck, sid: str = "") -> Ok:
         job = self.own(trainer, msg.job)
-        pending = self.pending.pop(msg.seq, None)
+        pending = self.pending.get(msg.seq)
+        if pending is not None and (pending.job != msg.job or pending.trainer != trainer
+                                    or (sid and pending.sid and pending.sid != sid)):
+            raise Forbidden(f"command {msg.seq} was sent to job {pending.job} on another session; "
+                            f"this acknowledgement (job {msg.job}) does not settle it")
+        self.pending.pop(msg.seq, None)
         took = f" after {1000 * (time.monotonic() - pending.sent):.0f} ms" if pending else ""
         reason = f"{msg.command} acknowledged by {trainer}{took}" + _evaluation(msg)
         applied = msg.detail.get("set")

@@ -50,6 +50,8 @@ def open_file_source(req: OpenRequest) -> Source:
     """
     uri, params = req.uri, req.params
     root = local_path(req.parts)
+    # The operator's explicit allowance for files outside the directory (a dataset.toml cannot give it).
+    extra = [Path(p.strip()) for p in params.pop("allow_paths", "").split(",") if p.strip()]
     if not root.is_dir():
         raise DatasetError(f"{uri}: {root} {'is not a directory' if root.exists() else 'does not exist'}")
     if params.get("format") == "parquet" or ("format" not in params and parquet.detect(root)):
@@ -65,7 +67,7 @@ def open_file_source(req: OpenRequest) -> Source:
     fmt = settings.get("format") or _detect(root, toml)
     if fmt not in FORMATS:
         raise DatasetError(f"{uri}: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    ctx = Context(uri, root, cache, settings, toml)
+    ctx = Context(uri, root, cache, settings, toml, allowed=(root, cache, *extra))
     try:
         layout = FORMATS[fmt][1](ctx)
         return FileSource(uri, root, layout, ctx, memory, settings.get("val_fraction", 0.1))

@@ -34,7 +34,7 @@ from .base import OpenRequest, Source
 from .formats import npy, raw, tokens
 from .formats.dataset import MEMORY_MODES, Context, FileSource
 from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
-from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile
+from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile, origin_of
 from .formats.reader import Segment
 
 __all__ = ["FORMATS", "MAX_FILES", "RemoteDir", "expand_template", "open_http_source"]
@@ -165,6 +165,8 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
         if out[field] < (1 if key == "concurrency" else 0) or (key == "timeout" and out[field] == 0):
             raise DatasetError(f"{uri}: {key} must be {'at least 1' if key == 'concurrency' else 'positive'}, "
                                f"got {value!r}")
+    allowed = [o.strip() for o in params.pop("allow_origins", "").split(",") if o.strip()]
+    out["origins"] = (origin_of(uri), *(origin_of(o) for o in allowed))
     if "ca" in params:
         out["ca_file"] = params.pop("ca")
         if not Path(out["ca_file"]).is_file():
@@ -185,7 +187,13 @@ def _listing(uri: str, url: str, params: dict, client: RangeClient) -> tuple[str
         return base, {n: (urljoin(url, n), None) for n in names}
     if "manifest" in params:
         murl = urljoin(url, params.pop("manifest"))
-        return base, _manifest(murl, client.get(murl))
+        listed = _manifest(murl, client.get(murl))
+        origins = client.settings.origins
+        for name, (u, _) in listed.items():  # refused now, not at the first batch
+            if origins and origin_of(u) not in origins:
+                raise DatasetError(f"{murl}: entry {name!r} is {u}, outside the dataset's origin {origins[0]} "
+                                   "(allow it with ?allow_origins=scheme://host:port)")
+        return base, listed
     if RANGE.search(url):  # names relative to the folder above the range: unique, in range order
         base = url[:url.rfind("/", 0, RANGE.search(url).start()) + 1]
         return base, {u[len(base):]: (u, None) for u in expand_template(url)}

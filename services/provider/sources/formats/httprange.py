@@ -29,7 +29,7 @@ from urllib.parse import urljoin, urlsplit
 
 from libbus.errors import DatasetError
 
-__all__ = ["HttpError", "HttpSettings", "RangeClient", "RemoteFile"]
+__all__ = ["HttpError", "HttpSettings", "RangeClient", "RemoteFile", "origin_of"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,16 @@ class HttpSettings:
     backoff_s: float = 0.2  # before retry k: backoff_s * 2**k
     concurrency: int = 8  # requests in flight at most
     ca_file: str | None = None  # PEM bundle of the CAs to trust for https (default: the system's)
+    #: Origins (``scheme://host:port``) requests may go to, redirects and manifest entries included;
+    #: empty: any (the source sets the dataset's own origin plus the operator's ``allow_origins``).
+    origins: tuple[str, ...] = ()
+
+
+def origin_of(url: str) -> str:
+    """``scheme://host:port`` of ``url``, the port made explicit."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
 
 
 class HttpError(DatasetError):
@@ -78,6 +88,12 @@ class RangeClient:
     # -- requests ------------------------------------------------------------------------------
 
     def _connection(self, url: str) -> tuple[http.client.HTTPConnection, str]:
+        if self.settings.origins and origin_of(url) not in self.settings.origins:
+            # A redirect, manifest or dataset.toml must not point the provider at another host
+            # (an internal address, a metadata service): only the dataset's origin, or one allowed.
+            raise HttpError(f"{url}: outside the dataset's origin {self.settings.origins[0]}; the provider "
+                            "reads nothing else unless allowed (?allow_origins=scheme://host:port)",
+                            retryable=False)
         parts = urlsplit(url)
         conns = getattr(self._local, "conns", None)
         if conns is None:

@@ -1,0 +1,58 @@
+"""Admin replies that fit: a client drops a header over ``MAX_HEADER_BYTES`` (1 MiB) as malformed, so
+a reply that would be larger is cut here, with a note saying what was left out and how to see it —
+never dropped silently. (What peers send to be stored is bounded at the door too: libbus/schema.py
+``check_stored``; this is the second line, for many rows each within bounds.)"""
+
+from __future__ import annotations
+
+import orjson
+
+from libbus.constants import KiB, MAX_HEADER_BYTES
+
+__all__ = ["REPLY_BUDGET", "fit_list", "fit_job"]
+
+#: Bytes of rows or history one reply may carry; the rest of the header stays well inside the limit.
+REPLY_BUDGET = MAX_HEADER_BYTES - 64 * KiB
+
+
+def _size(value) -> int:
+    return len(orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY))
+
+
+def fit_list(rows: list, budget: int = REPLY_BUDGET) -> tuple[list, str]:
+    """The leading ``rows`` that fit in ``budget`` bytes, and a note when some were left out."""
+    used, kept = 0, []
+    for row in rows:
+        used += _size(row) + 1
+        if used > budget:
+            break
+        kept.append(row)
+    if len(kept) == len(rows):
+        return rows, ""
+    return kept, (f"{len(rows) - len(kept)} of {len(rows)} jobs left out to fit one reply "
+                  f"({MAX_HEADER_BYTES >> 10} KiB): ask for fewer (--limit) or one state at a time")
+
+
+def fit_job(job: dict, budget: int = REPLY_BUDGET) -> tuple[dict, str]:
+    """``job`` cut to ``budget`` bytes: oldest progress reports first, then oldest events; a note
+    says what was cut."""
+    if _size(job) <= budget:
+        return job, ""
+    job = dict(job)
+    cut = []
+    for key in ("progress_history", "events"):
+        items = job.get(key)
+        if not isinstance(items, list) or not items:
+            continue
+        before = len(items)
+        while items and _size(job) > budget:
+            items = items[len(items) // 2 + 1:] if key == "progress_history" else items[1:]
+            job[key] = items
+        if len(items) < before:
+            cut.append(f"{before - len(items)} oldest of {before} {key.replace('_', ' ')}")
+        if _size(job) <= budget:
+            break
+    if _size(job) > budget:
+        cut.append("the stored result (too large for one reply)")
+        job["result"] = {"truncated": True}
+    return job, "cut to fit one reply: " + ", ".join(cut)
