@@ -15,7 +15,7 @@ from libbus.auth import load_secret
 from libbus.errors import ConfigError, DatasetError
 from services.atomic import write_atomic
 from services.provider.sources import open_source
-from tests.httpd import RangeServer
+from tests.support.httpd import RangeServer
 
 FAST = "retries=1&backoff=0.01&timeout=5"
 
