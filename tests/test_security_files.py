@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from libbus.auth import load_secret
 from libbus.errors import ConfigError, DatasetError
 from services.atomic import write_atomic
 from services.provider.sources import open_source
+from tests.support.busctl import busctl
 from tests.support.httpd import RangeServer
 
 FAST = "retries=1&backoff=0.01&timeout=5"
@@ -30,10 +29,6 @@ def raw_dataset(d: Path, x_path: str) -> None:
         shape = [1]
         """))
 
-
-def busctl(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env})
 
 
 def test_a_dataset_toml_naming_the_cluster_secret_is_refused_by_a_real_provider(state_dir, tmp_path):

@@ -4,9 +4,7 @@ findings 8 and 9). Real router, real sockets, real busctl processes."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from libbus.client import Client, Identity
 from libbus.errors import BadRequest, RateLimited
 from libbus.messages import GetJob, GetTask, Heartbeat, ListJobs, Progress, PushResult, Stats, SubmitJob
+from tests.support.busctl import busctl
 
 
 def nested(depth: int) -> dict:
@@ -23,9 +22,8 @@ def nested(depth: int) -> dict:
     return value
 
 
-def busctl(router, state_dir, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_ROUTER": router.endpoint}
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=60, env=env)
+def admin_busctl(router, state_dir, *args: str) -> subprocess.CompletedProcess:
+    return busctl(*args, env={"BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_ROUTER": router.endpoint})
 
 
 def test_deeply_nested_stats_do_not_break_the_admin_tools(router, client_for, make_token, state_dir):
@@ -40,7 +38,7 @@ def test_deeply_nested_stats_do_not_break_the_admin_tools(router, client_for, ma
         time.sleep(0.05)
     services = admin.request(Stats()).services
     assert "nests deeper than" in services[peer.identity.name]["refused"]
-    out = busctl(router, state_dir, "queues", "--json")   # what failed for everyone before
+    out = admin_busctl(router, state_dir, "queues", "--json")   # what failed for everyone before
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert json.loads(out.stdout)
 
@@ -57,7 +55,7 @@ def test_a_nested_or_huge_result_is_refused_at_the_door(router, client_for, make
     with pytest.raises(Exception, match="at most 262144 are stored"):
         t.request(PushResult(job=job, state="succeeded", result={"blob": "x" * 300_000}))
     assert admin.request(GetJob(job=job)).job["state"] == "running"
-    out = busctl(router, state_dir, "jobs", "--json")
+    out = admin_busctl(router, state_dir, "jobs", "--json")
     assert out.returncode == 0 and job in [j["id"] for j in json.loads(out.stdout)], out.stderr
 
 
@@ -77,7 +75,7 @@ def test_admin_replies_over_the_client_limit_are_cut_with_a_note(router, client_
     assert 0 < len(listed.jobs) < 6 and "left out to fit one reply" in listed.note
     info = admin.request(GetJob(job=jobs[0], progress=6))
     assert "cut to fit one reply" in info.note and len(info.job["progress_history"]) < 6
-    out = busctl(router, state_dir, "jobs")
+    out = admin_busctl(router, state_dir, "jobs")
     assert out.returncode == 0 and "note:" in out.stderr and "left out" in out.stderr, out.stderr
 
 
@@ -93,7 +91,7 @@ def test_a_thousand_sequential_clients_leave_no_sessions_behind(router, make_tok
         time.sleep(0.05)
     assert len(server.sessions) == base, f"{len(server.sessions) - base} sessions left behind"
     for _ in range(3):      # and the real command line, process by process
-        assert busctl(router, state_dir, "jobs").returncode == 0
+        assert admin_busctl(router, state_dir, "jobs").returncode == 0
     deadline = time.monotonic() + 5
     while len(server.sessions) > base and time.monotonic() < deadline:
         time.sleep(0.05)
