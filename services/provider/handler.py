@@ -371,8 +371,11 @@ class ProviderHandler(Handler):
         except RuntimeError:  # shut down: nothing will run it
             gate.finished()
             raise Unavailable("this provider is stopping; evaluate elsewhere or later") from None
-        # Cancelled before it ran (the provider stopping): its place is given back.
-        fut.add_done_callback(lambda f: f.cancelled() and gate.finished())
+        def give_back(done: Future) -> None:  # cancelled before it ran (the provider stopping)
+            if done.cancelled():
+                gate.finished()
+
+        fut.add_done_callback(give_back)
         return fut
 
     def stats(self) -> dict:
