@@ -328,7 +328,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=16384, help="dataset size (16384 × 12 KiB = 192 MiB)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--epochs", type=int, default=2, help="passes over the dataset per row")
-    p.add_argument("--inflight", type=int, default=4, help="requests in flight (ring slots = this + 1)")
+    p.add_argument("--inflight", type=int, default=4, help="requests in flight (ring slots = this + 2)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader num_workers")
     p.add_argument("--wait", action="store_true", help="also run the trainer-loop mode")
     p.add_argument("--work-ms", type=float, default=20.0, help="CPU work per step in the trainer-loop mode")
