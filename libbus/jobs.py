@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from .errors import BadRequest
 from .order import DEFAULT_BLOCK_SIZE, Shuffle
 
-__all__ = ["JOB_STATES", "TERMINAL_STATES", "SETTABLE", "JobSpec", "dataset_name"]
+__all__ = ["JOB_STATES", "MAX_ATTEMPTS", "TERMINAL_STATES", "SETTABLE", "JobSpec", "dataset_name"]
 
 JOB_STATES = ("queued", "running", "paused", "succeeded", "failed", "stopped")
 TERMINAL_STATES = ("succeeded", "failed", "stopped")
@@ -17,6 +17,8 @@ OPTIMIZERS = ("sgd", "adam")
 SETTABLE = ("lr", "weight_decay", "momentum")
 #: The most trainers one job may gather.
 MAX_WORLD_SIZE = 256
+#: The most attempts a job may lose (each may have cost a trainer): past this it is poisoned.
+MAX_ATTEMPTS = 10
 
 
 def dataset_name(ref: str) -> str:
@@ -48,7 +50,8 @@ class JobSpec:
     #: Score the final weights on the provider's private test split.
     evaluate: bool = True
     priority: int = 0
-    #: Times the job may lose its trainer (lease lapsed, abandoned) before it is failed.
+    #: Times the job may lose its trainer (lease lapsed, abandoned, a retryable failure) before it
+    #: is failed as poisoned; at most :data:`MAX_ATTEMPTS`.
     max_attempts: int = 3
     #: Write a checkpoint every this many steps (0: only at the end of each epoch and on command).
     checkpoint_every: int = 0
@@ -89,6 +92,9 @@ class JobSpec:
         for name in ("epochs", "batch_size", "block_size", "max_attempts", "world_size"):
             if getattr(spec, name) < 1:
                 raise BadRequest(f"{name} must be at least 1, got {getattr(spec, name)}")
+        if spec.max_attempts > MAX_ATTEMPTS:
+            raise BadRequest(f"max_attempts must be at most {MAX_ATTEMPTS} (a job that loses that many "
+                             f"trainers is poisoned), got {spec.max_attempts}")
         if spec.world_size > MAX_WORLD_SIZE:
             raise BadRequest(f"world_size must be at most {MAX_WORLD_SIZE}, got {spec.world_size}")
         if spec.checkpoint_every < 0:

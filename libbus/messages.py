@@ -222,7 +222,10 @@ class ControlJob(Message):
 
 @dataclass(kw_only=True)
 class GetTask(Message):
-    pass
+    """Trainer → router: give me work. ``key`` names this one ask: the same ``key`` again (the
+    link resends after a reconnect, the trainer asks again after a lost reply) gets the job it
+    was already given, at no cost of an attempt."""
+    key: str = ""
 
 
 @dataclass(kw_only=True)

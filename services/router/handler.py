@@ -178,6 +178,9 @@ class RouterHandler(Handler):
         gang_task = self.gangs.task_for(session.name)  # services/router/gangs.py
         if gang_task is not None:
             return gang_task
+        again = self.jobs.assigned_again(session.name, msg.key)
+        if again is not None:  # a resend of the ask that was given this job: the same answer
+            return again
         self.jobs.abandon_all(session.name)
         claims = session.claims
         job = self.store.first_queued(accept=lambda j: claims.allows_job(j["id"])
@@ -191,7 +194,8 @@ class RouterHandler(Handler):
         job = self.store.claim(session.name, self.jobs.lease_s, accept=lambda j: j["id"] == job["id"])
         self._push_entitlements()  # the provider hears of the assignment before the trainer asks it
         log.info("job %s assigned to %s", job["id"], session.name)
-        return Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"])
+        return self.jobs.remember_task(session.name, msg.key,
+                                       Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"]))
 
     def on_Rendezvous(self, session: Session, msg: Rendezvous) -> Ok:
         session.claims.check_job(msg.job)

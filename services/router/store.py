@@ -20,7 +20,7 @@ from typing import Callable
 import orjson
 
 from libbus.errors import BadRequest, ConfigError, NotFound
-from libbus.jobs import JOB_STATES, TERMINAL_STATES, JobSpec
+from libbus.jobs import JOB_STATES, MAX_ATTEMPTS, TERMINAL_STATES, JobSpec
 
 __all__ = ["JobStore", "HOLDING_STATES"]
 
@@ -68,6 +68,10 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     record  TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS checkpoints_job ON checkpoints (job, step);
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
 """
 
 #: Columns added to ``jobs`` after the first release; a database made before gets them on open.
@@ -104,6 +108,15 @@ class JobStore:
 
     def close(self) -> None:
         self.db.close()
+
+    def next_epoch(self) -> int:
+        """A number no earlier start of the router on this database had: command ids carry it,
+        so a trainer that applied command 1 of the last router still applies this one's."""
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute("INSERT INTO meta VALUES ('router_epoch', 1) "
+                            "ON CONFLICT(key) DO UPDATE SET value = value + 1")
+            return self.db.execute("SELECT value FROM meta WHERE key = 'router_epoch'").fetchone()[0]
 
     # -- writes ---------------------------------------------------------------------------------
     def _transition(self, job: str, state: str, reason: str, **fields) -> None:
@@ -283,11 +296,11 @@ class JobStore:
         """
         row = self._row(job)
         failures = row["failures"] + (1 if lost else 0)
-        limit = orjson.loads(row["spec"]).get("max_attempts", 3)
+        limit = min(orjson.loads(row["spec"]).get("max_attempts", 3), MAX_ATTEMPTS)
         if lost and failures >= limit:
-            self._transition(job, "failed", f"{reason}; gave up after {failures} lost attempt(s) "
+            self._transition(job, "failed", f"{reason}; poisoned: gave up after {failures} lost attempt(s) "
                              f"(max_attempts {limit})", trainer=None, gang=None, lease_expires=None, failures=failures,
-                             error=f"lost its trainer {failures} time(s): {reason}", result="{}")
+                             error=f"poisoned: lost or failed {failures} trainer(s): {reason}", result="{}")
             return "failed"
         state = "paused" if row["state"] == "paused" else "queued"
         self._transition(job, state, reason, trainer=None, gang=None, lease_expires=None, failures=failures)
