@@ -6,12 +6,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import BadRequest
+from .jobstate import JobState
 from .order import DEFAULT_BLOCK_SIZE, Shuffle
 
 __all__ = ["JOB_STATES", "MAX_ATTEMPTS", "TERMINAL_STATES", "SETTABLE", "JobSpec", "dataset_name"]
 
-JOB_STATES = ("queued", "running", "paused", "succeeded", "failed", "stopped")
-TERMINAL_STATES = ("succeeded", "failed", "stopped")
+JOB_STATES = tuple(s.value for s in JobState)
+TERMINAL_STATES = tuple(s.value for s in JobState if s.terminal)
 OPTIMIZERS = ("sgd", "adam")
 #: Hyper-parameters ``busctl job set`` may change while a job runs.
 SETTABLE = ("lr", "weight_decay", "momentum")

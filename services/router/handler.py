@@ -8,6 +8,7 @@ from typing import Callable
 
 from libbus.errors import BadRequest, NotFound
 from libbus.jobs import JobSpec, dataset_name
+from libbus.jobstate import REFUSED
 from libbus.messages import (Checkpointed, CommandAck, ControlJob, Entitlements, GetJob, GetModel, GetTask, JobInfo,
                              JobList, JobSubmitted, ListJobs, ListPeers, ListRevoked, Message, Model, NoTask, Ok,
                              PeerList, Progress, PushResult, Rendezvous, Resolve, Resolved, RevokedList, RevokeToken,
@@ -275,4 +276,5 @@ class RouterHandler(Handler):
         counts = {}
         for row in self.store.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
             counts[row[0]] = row[1]
-        return {"jobs": counts, "peers": {r: len(self.sessions_of(r)) for r in ("provider", "trainer", "admin")}}
+        return {"jobs": counts, "peers": {r: len(self.sessions_of(r)) for r in ("provider", "trainer", "admin")},
+                "refused_transitions": dict(REFUSED)}

@@ -21,11 +21,13 @@ import orjson
 
 from libbus.errors import BadRequest, ConfigError, NotFound
 from libbus.jobs import JOB_STATES, MAX_ATTEMPTS, TERMINAL_STATES, JobSpec
+from libbus.jobstate import JobState, check_transition
 
 __all__ = ["JobStore", "HOLDING_STATES"]
 
 #: States in which a trainer holds the job under a lease.
-HOLDING_STATES = ("running", "paused")
+HOLDING_STATES = tuple(s.value for s in JobState if s.holding)
+_QUEUED, _RUNNING = JobState.QUEUED.value, JobState.RUNNING.value
 #: Progress reports kept per job (older ones are pruned; the last one is also on the job row).
 PROGRESS_KEPT = 1000
 
@@ -120,10 +122,16 @@ class JobStore:
 
     # -- writes ---------------------------------------------------------------------------------
     def _transition(self, job: str, state: str, reason: str, **fields) -> None:
+        """Move ``job`` to ``state`` (checked against :data:`libbus.jobstate.TRANSITIONS` inside the
+        write transaction: :class:`~libbus.jobstate.IllegalTransition` changes nothing)."""
         now = time.time()
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
+            row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job,)).fetchone()
+            if row is None:
+                raise NotFound(f"no job {job!r}; 'busctl jobs' lists them")
+            state = check_transition(job, row[0], state).value
             self.db.execute(f"UPDATE jobs SET state = ?, updated = ?{', ' + sets if sets else ''} WHERE id = ?",
                             (state, now, *fields.values(), job))
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, now, state, reason))
@@ -134,9 +142,9 @@ class JobStore:
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             self.db.execute("INSERT INTO jobs (id, spec, state, priority, created, updated) "
-                            "VALUES (?, ?, 'queued', ?, ?, ?)",
-                            (job, orjson.dumps(spec.to_dict()).decode(), spec.priority, now, now))
-            self.db.execute("INSERT INTO events VALUES (?, ?, 'queued', 'submitted')", (job, now))
+                            "VALUES (?, ?, ?, ?, ?, ?)",
+                            (job, orjson.dumps(spec.to_dict()).decode(), _QUEUED, spec.priority, now, now))
+            self.db.execute("INSERT INTO events VALUES (?, ?, ?, 'submitted')", (job, now, _QUEUED))
         return job
 
     def event(self, job: str, reason: str) -> None:
@@ -168,26 +176,27 @@ class JobStore:
         now = time.time()
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            rows = self.db.execute("SELECT id, spec, checkpoint FROM jobs WHERE state = 'queued' "
-                                   "ORDER BY priority DESC, created")
+            rows = self.db.execute("SELECT id, spec, checkpoint FROM jobs WHERE state = ? "
+                                   "ORDER BY priority DESC, created", (_QUEUED,))
             row = next((r for r in rows if accept is None
                         or accept({"id": r["id"], "spec": orjson.loads(r["spec"])})), None)
             if row is None:
                 return None
-            self.db.execute("UPDATE jobs SET state = 'running', trainer = ?, attempts = attempts + 1, "
+            self.db.execute("UPDATE jobs SET state = ?, trainer = ?, attempts = attempts + 1, "
                             "lease_expires = ?, updated = ? WHERE id = ?",
-                            (trainer, now + lease_s, now, row["id"]))
+                            (_RUNNING, trainer, now + lease_s, now, row["id"]))
             resumed = ""
             if row["checkpoint"]:
                 ckpt = orjson.loads(row["checkpoint"])
                 resumed = f" (resumes from step {ckpt['step']}, epoch {ckpt['epoch']})"
-            self.db.execute("INSERT INTO events VALUES (?, ?, 'running', ?)",
-                            (row["id"], now, f"assigned to {trainer}{resumed}"))
+            self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)",
+                            (row["id"], now, _RUNNING, f"assigned to {trainer}{resumed}"))
         return self.get(row["id"], events=False)
 
     def first_queued(self, accept: Callable[[dict], bool] | None = None) -> dict | None:
         """The queued job :meth:`claim` would hand out next (``{id, spec}``), without taking it."""
-        rows = self.db.execute("SELECT id, spec FROM jobs WHERE state = 'queued' ORDER BY priority DESC, created")
+        rows = self.db.execute("SELECT id, spec FROM jobs WHERE state = ? ORDER BY priority DESC, created",
+                               (_QUEUED,))
         for r in rows:
             job = {"id": r["id"], "spec": orjson.loads(r["spec"])}
             if accept is None or accept(job):
@@ -201,18 +210,18 @@ class JobStore:
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             row = self.db.execute("SELECT state, checkpoint FROM jobs WHERE id = ?", (job,)).fetchone()
-            if row is None or row["state"] != "queued":
+            if row is None or row["state"] != _QUEUED:
                 raise BadRequest(f"job {job} is not queued; its gang cannot start it")
-            self.db.execute("UPDATE jobs SET state = 'running', trainer = ?, gang = ?, attempts = attempts + 1, "
+            self.db.execute("UPDATE jobs SET state = ?, trainer = ?, gang = ?, attempts = attempts + 1, "
                             "lease_expires = ?, updated = ? WHERE id = ?",
-                            (members[0], orjson.dumps(gang).decode(), now + lease_s, now, job))
+                            (_RUNNING, members[0], orjson.dumps(gang).decode(), now + lease_s, now, job))
             resumed = ""
             if row["checkpoint"]:
                 ckpt = orjson.loads(row["checkpoint"])
                 resumed = f" (resumes from step {ckpt['step']}, epoch {ckpt['epoch']})"
             ranks = ", ".join(f"{rank}: {name}" for rank, name in enumerate(members))
-            self.db.execute("INSERT INTO events VALUES (?, ?, 'running', ?)",
-                            (job, now, f"assigned to a gang of {len(members)} (rank {ranks}){resumed}"))
+            self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)",
+                            (job, now, _RUNNING, f"assigned to a gang of {len(members)} (rank {ranks}){resumed}"))
 
     def update_gang(self, job: str, reason: str = "", **changes) -> dict:
         """Change fields of a running job's gang (its ``rendezvous``, ranks ``delivered``); returns it."""
@@ -237,8 +246,8 @@ class JobStore:
         """Give every held job a fresh lease: a router that just started cannot know which trainers
         are alive, so each gets one lease period to say Hello again. Returns how many."""
         with self.db:
-            cur = self.db.execute("UPDATE jobs SET lease_expires = ? WHERE state IN ('running', 'paused') "
-                                  "AND trainer IS NOT NULL", (time.time() + lease_s,))
+            cur = self.db.execute("UPDATE jobs SET lease_expires = ? WHERE state IN (?, ?) "
+                                  "AND trainer IS NOT NULL", (time.time() + lease_s, *HOLDING_STATES))
         return cur.rowcount
 
     def set_progress(self, job: str, progress: dict, lease_s: float) -> None:
@@ -351,6 +360,6 @@ class JobStore:
 
     def held(self) -> list[dict]:
         """Jobs a trainer holds now (running or paused, with a trainer)."""
-        rows = self.db.execute("SELECT * FROM jobs WHERE state IN ('running', 'paused') "
-                               "AND trainer IS NOT NULL").fetchall()
+        rows = self.db.execute("SELECT * FROM jobs WHERE state IN (?, ?) "
+                               "AND trainer IS NOT NULL", HOLDING_STATES).fetchall()
         return [self._as_dict(r) for r in rows]
