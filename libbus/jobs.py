@@ -14,6 +14,7 @@ __all__ = ["JOB_STATES", "MAX_ATTEMPTS", "TERMINAL_STATES", "SETTABLE", "JobSpec
 JOB_STATES = tuple(s.value for s in JobState)
 TERMINAL_STATES = tuple(s.value for s in JobState if s.terminal)
 OPTIMIZERS = ("sgd", "adam")
+GATHER_POLICIES = ("wait", "fail")
 #: Hyper-parameters ``busctl job set`` may change while a job runs.
 SETTABLE = ("lr", "weight_decay", "momentum")
 #: The most trainers one job may gather.
@@ -59,6 +60,10 @@ class JobSpec:
     #: Trainers that train the job together (a gang, torch.distributed): each reads its own shard
     #: of ``train`` and ``batch_size`` is per trainer. The job waits until this many are free.
     world_size: int = 1
+    #: A gang that has not gathered ``world_size`` trainers in this many seconds releases them to
+    #: other work; then the job waits its turn again (``gather_policy = "wait"``) or fails.
+    gather_timeout_s: float = 120.0
+    gather_policy: str = "wait"
     name: str = ""
 
     @classmethod
@@ -98,6 +103,10 @@ class JobSpec:
                              f"trainers is poisoned), got {spec.max_attempts}")
         if spec.world_size > MAX_WORLD_SIZE:
             raise BadRequest(f"world_size must be at most {MAX_WORLD_SIZE}, got {spec.world_size}")
+        if spec.gather_timeout_s <= 0:
+            raise BadRequest(f"gather_timeout_s must be positive, got {spec.gather_timeout_s}")
+        if spec.gather_policy not in GATHER_POLICIES:
+            raise BadRequest(f"gather_policy must be one of {', '.join(GATHER_POLICIES)}, got {spec.gather_policy!r}")
         if spec.checkpoint_every < 0:
             raise BadRequest(f"checkpoint_every must be 0 or more steps, got {spec.checkpoint_every}")
         if spec.lr <= 0:

@@ -185,7 +185,8 @@ class RouterHandler(Handler):
         self.jobs.abandon_all(session.name)
         claims = session.claims
         job = self.store.first_queued(accept=lambda j: claims.allows_job(j["id"])
-                                      and claims.allows_dataset(dataset_name(j["spec"]["dataset"])))
+                                      and claims.allows_dataset(dataset_name(j["spec"]["dataset"]))
+                                      and not self.gangs.waiting(j["id"]))
         if job is None:
             return NoTask(retry_ms=self.task_retry_ms)
         if world_size(job["spec"]) > 1:
