@@ -189,12 +189,13 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
 @guard
 def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this state: {', '.join(JOB_STATES)}.")] = None,
          limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 50,
+         offset: Annotated[int, typer.Option(min=0, help="Skip this many newest (the next page).")] = 0,
          config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
          token: Token = None, json: Json = False) -> None:
-    """List jobs, newest first."""
+    """List jobs, newest first, a page at a time (--limit, --offset)."""
     s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
     with admin_client(s) as client:
-        rows = client.request(ListJobs(state=state, limit=limit)).jobs
+        rows = client.request(ListJobs(state=state, limit=limit, offset=offset)).jobs
     print_json(rows) if json else tables.jobs(rows)
 
 
@@ -202,11 +203,14 @@ def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this s
 @guard
 def job_show(job: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
              state_dir: StateDir = None, token: Token = None, json: Json = False,
-             progress: Annotated[int, typer.Option(help="Also the last N progress reports.")] = 0) -> None:
-    """State, spec, progress, checkpoints, events and result of one job."""
+             progress: Annotated[int, typer.Option(help="Also the last N progress reports.")] = 0,
+             events: Annotated[int, typer.Option(min=1, help="The newest N events and checkpoint records.")] = 200,
+             offset: Annotated[int, typer.Option(min=0, help="Skip this many newest events (the next page).")] = 0
+             ) -> None:
+    """State, spec, progress, checkpoints, events and result of one job (events a page at a time)."""
     s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
     with admin_client(s) as client:
-        info = client.request(GetJob(job=job, progress=max(0, progress))).job
+        info = client.request(GetJob(job=job, progress=max(0, progress), events=events, offset=offset)).job
     print_json(info) if json else tables.job(info)
 
 

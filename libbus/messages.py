@@ -191,8 +191,10 @@ class JobSubmitted(Message):
 
 @dataclass(kw_only=True)
 class ListJobs(Message):
+    """Jobs, newest first: ``limit`` of them after the ``offset`` newest (pages)."""
     state: str | None = None
     limit: int = 100
+    offset: int = 0
 
 
 @dataclass(kw_only=True)
@@ -202,9 +204,12 @@ class JobList(Message):
 
 @dataclass(kw_only=True)
 class GetJob(Message):
-    """One job; with ``progress`` > 0 also its last ``progress`` progress reports."""
+    """One job; with ``progress`` > 0 also its last ``progress`` progress reports; ``events``
+    events and checkpoint records, newest first after skipping ``offset`` of them (pages)."""
     job: str
     progress: int = 0
+    events: int = 200
+    offset: int = 0
 
 
 @dataclass(kw_only=True)

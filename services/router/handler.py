@@ -158,11 +158,12 @@ class RouterHandler(Handler):
     def on_ListJobs(self, session: Session, msg: ListJobs) -> JobList:
         # A scoped token sees only the jobs it could ask about one by one.
         claims = session.claims
-        return JobList(jobs=[j for j in self.store.list(msg.state, msg.limit) if claims.allows_job(j["id"])])
+        return JobList(jobs=[j for j in self.store.list(msg.state, msg.limit, msg.offset)
+                             if claims.allows_job(j["id"])])
 
     def on_GetJob(self, session: Session, msg: GetJob) -> JobInfo:
         session.claims.check_job(msg.job)
-        job = self.store.get(msg.job)
+        job = self.store.get(msg.job, limit=msg.events, offset=msg.offset)
         if msg.progress > 0:
             job["progress_history"] = self.store.progress_history(msg.job, min(msg.progress, 1000))
         return JobInfo(job=job)

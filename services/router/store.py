@@ -30,6 +30,16 @@ HOLDING_STATES = tuple(s.value for s in JobState if s.holding)
 _QUEUED, _RUNNING = JobState.QUEUED.value, JobState.RUNNING.value
 #: Progress reports kept per job (older ones are pruned; the last one is also on the job row).
 PROGRESS_KEPT = 1000
+#: Retention, so that storage is bounded however long a job runs or a router lives: a job keeps
+#: its first events (submission, first assignments) and its last ones; its last checkpoint records;
+#: once ended, its last progress reports and only its last checkpoint record (the job row keeps its
+#: result, model hash and last checkpoint in any case).
+EVENTS_KEPT_FIRST = 20
+EVENTS_KEPT = 500
+CHECKPOINTS_KEPT = 50
+PROGRESS_KEPT_ENDED = 100
+#: What ``get`` returns by default: the newest events and checkpoint records (``busctl job show`` pages).
+EVENTS_SHOWN = 200
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -135,6 +145,20 @@ class JobStore:
             self.db.execute(f"UPDATE jobs SET state = ?, updated = ?{', ' + sets if sets else ''} WHERE id = ?",
                             (state, now, *fields.values(), job))
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, now, state, reason))
+            self._retain(job, ended=state in TERMINAL_STATES)
+
+    def _retain(self, job: str, ended: bool = False) -> None:
+        """Trim ``job``'s events, checkpoint records and (once ended) progress history to the
+        retention limits (inside the caller's transaction)."""
+        self.db.execute("DELETE FROM events WHERE job = ? AND rowid NOT IN (SELECT rowid FROM events WHERE job = ? "
+                        "ORDER BY at, rowid LIMIT ?) AND rowid NOT IN (SELECT rowid FROM events WHERE job = ? "
+                        "ORDER BY at DESC, rowid DESC LIMIT ?)", (job, job, EVENTS_KEPT_FIRST, job, EVENTS_KEPT))
+        kept = 1 if ended else CHECKPOINTS_KEPT
+        self.db.execute("DELETE FROM checkpoints WHERE job = ? AND rowid NOT IN (SELECT rowid FROM checkpoints "
+                        "WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)", (job, job, kept))
+        if ended:
+            self.db.execute("DELETE FROM progress WHERE job = ? AND rowid NOT IN (SELECT rowid FROM progress "
+                            "WHERE job = ? ORDER BY at DESC LIMIT ?)", (job, job, PROGRESS_KEPT_ENDED))
 
     def submit(self, spec: JobSpec) -> str:
         job = "j" + secrets.token_hex(5)
@@ -152,6 +176,13 @@ class JobStore:
         state = self._row(job)["state"]
         with self.db:
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, time.time(), state, reason))
+            self._retain_events(job)
+
+    def _retain_events(self, job: str) -> None:
+        """Events past the retention limit: one trim per ``EVENTS_KEPT // 10`` events, not per event."""
+        count = self.db.execute("SELECT COUNT(*) FROM events WHERE job = ?", (job,)).fetchone()[0]
+        if count > EVENTS_KEPT_FIRST + EVENTS_KEPT + EVENTS_KEPT // 10:
+            self._retain(job)
 
     def set_state(self, job: str, state: str, reason: str) -> None:
         """Move a held job between ``running`` and ``paused``, or a trainer-less one between
@@ -281,6 +312,9 @@ class JobStore:
                             (job, now, trainer, record["step"], record["epoch"], record["path"],
                              record["sha256"], text))
             self.db.execute("UPDATE jobs SET checkpoint = ?, updated = ? WHERE id = ?", (text, now, job))
+            self.db.execute("DELETE FROM checkpoints WHERE job = ? AND rowid NOT IN (SELECT rowid FROM "
+                            "checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)",
+                            (job, job, CHECKPOINTS_KEPT))
         return record
 
     def finish(self, job: str, state: str, reason: str, result: dict | None = None, error: str = "") -> None:
@@ -329,15 +363,19 @@ class JobStore:
             out[key] = orjson.loads(out[key]) if out[key] else None
         return out
 
-    def get(self, job: str, events: bool = True) -> dict:
-        """The job record; with ``events``, also its events and checkpoint records (oldest first)."""
+    def get(self, job: str, events: bool = True, limit: int = EVENTS_SHOWN, offset: int = 0) -> dict:
+        """The job record; with ``events``, also its events and checkpoint records (oldest first):
+        ``limit`` of them, skipping the ``offset`` newest (a page); ``events_total`` counts all kept."""
         out = self._as_dict(self._row(job))
         if events:
-            rows = self.db.execute("SELECT at, state, reason FROM events WHERE job = ? ORDER BY at, rowid",
-                                   (job,)).fetchall()
-            out["events"] = [dict(r) for r in rows]
-            rows = self.db.execute("SELECT record FROM checkpoints WHERE job = ? ORDER BY at, rowid", (job,))
-            out["checkpoints"] = [orjson.loads(r[0]) for r in rows.fetchall()]
+            limit, offset = max(1, min(limit, 10000)), max(0, offset)
+            rows = self.db.execute("SELECT at, state, reason FROM events WHERE job = ? ORDER BY at DESC, rowid DESC "
+                                   "LIMIT ? OFFSET ?", (job, limit, offset)).fetchall()
+            out["events"] = [dict(r) for r in reversed(rows)]
+            out["events_total"] = self.db.execute("SELECT COUNT(*) FROM events WHERE job = ?", (job,)).fetchone()[0]
+            rows = self.db.execute("SELECT record FROM checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC "
+                                   "LIMIT ?", (job, limit))
+            out["checkpoints"] = [orjson.loads(r[0]) for r in reversed(rows.fetchall())]
         return out
 
     def progress_history(self, job: str, limit: int = 100) -> list[dict]:
@@ -347,15 +385,16 @@ class JobStore:
                                (job, max(1, limit))).fetchall()
         return [{"at": r[0], **orjson.loads(r[1])} for r in reversed(rows)]
 
-    def list(self, state: str | None = None, limit: int = 100) -> list[dict]:
+    def list(self, state: str | None = None, limit: int = 100, offset: int = 0) -> list[dict]:
+        """Jobs, newest first: ``limit`` of them after skipping ``offset`` (a page)."""
         if state is not None and state not in JOB_STATES:
             raise BadRequest(f"unknown state {state!r}; expected one of {', '.join(JOB_STATES)}")
-        limit = max(1, min(limit, 10000))
+        limit, offset = max(1, min(limit, 10000)), max(0, offset)
         if state:
-            rows = self.db.execute("SELECT * FROM jobs WHERE state = ? ORDER BY created DESC LIMIT ?",
-                                   (state, limit))
+            rows = self.db.execute("SELECT * FROM jobs WHERE state = ? ORDER BY created DESC LIMIT ? OFFSET ?",
+                                   (state, limit, offset))
         else:
-            rows = self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,))
+            rows = self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ? OFFSET ?", (limit, offset))
         return [self._as_dict(r) for r in rows.fetchall()]
 
     def held(self) -> list[dict]:
