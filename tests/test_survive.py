@@ -36,7 +36,8 @@ class KillCluster(Cluster):
         super().__init__(state)
         # a loaded machine must not lapse a live trainer's lease: only the kills end attempts here
         # (a trainer restarted under its name abandons its job at once)
-        self.env.update(BATCHBUS_LEASE_S="20", BATCHBUS_HEARTBEAT_LIVENESS="24")
+        self.env.update(BATCHBUS_LEASE_S="20", BATCHBUS_HEARTBEAT_LIVENESS="24",
+                        PYTHONPATH=str(REPO))  # a job's model may be tests.killpoint:raising_model
 
     def start_killed_at(self, name: str, point: str, nth: int = 1) -> subprocess.Popen:
         """A trainer that SIGKILLs itself the ``nth`` time it reaches ``point``."""

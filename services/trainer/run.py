@@ -13,11 +13,10 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from libbus.client import Client, Identity
+from libbus.client import Identity
 from libbus.config import Settings
 from libbus.errors import BadRequest, BusError, NotFound, PeerTimeout, Unavailable
 from libbus.jobs import SETTABLE, JobSpec
-from libbus.curve import curve_key_of
 from libbus.link import Link
 from libbus.loader import RemoteLoader, pick_provider
 from libbus.messages import Checkpointed, Command, Evaluate, Evaluation, Message, Progress, Resolve, Task
@@ -29,15 +28,13 @@ from .checkpoint import (CheckpointError, job_dir, prune, read_checkpoint, resto
                          save_model)
 from .control import Controls, Lost, Stopped
 from .evaluation import LiveEvaluations
+from .final_eval import EVALUATE_TIMEOUT_S, score_on_provider
 from .gang import Code, Gang, GangError, advertised_host
 from .reports import Reporter
 
 __all__ = ["TaskRun", "apply_hyper", "describe_failure", "make_optimizer"]
 
 log = logging.getLogger(__name__)
-
-#: An evaluation scores the whole test split on the provider: give it longer than a batch.
-EVALUATE_TIMEOUT_S = 300.0
 
 
 def _perplexity(loss: float) -> float:
@@ -508,8 +505,12 @@ class TaskRun:
         blob = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
         msg = Evaluate(dataset=self.spec.dataset, job=self.job,
                        model={"name": self.spec.model, "kwargs": self.spec.model_kwargs}, frames=[blob])
-        # One bounded wait longer than the watchdog's interval: the watchdog waits as long.
-        with self.notifier.extended(EVALUATE_TIMEOUT_S), \
-                Client(provider["endpoint"], self.identity, timeout_s=EVALUATE_TIMEOUT_S, retries=0,
-                       server_key=curve_key_of(provider)) as client:
-            return client.request(msg)
+        s = self.settings
+        return score_on_provider(msg, provider, self.identity, link=self.link, request_timeout_s=s.request_timeout_s,
+                                 provider_wait_s=s.provider_wait_s, check=self._while_scoring)
+
+    def _while_scoring(self) -> None:
+        """During the final evaluation: the watchdog is fed and commands apply (a shutdown hands
+        the job back; its epoch-end checkpoint resumes it at this evaluation)."""
+        self.notifier.watchdog()
+        self.controls.check()
