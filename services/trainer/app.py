@@ -21,7 +21,8 @@ from libbus.metrics import MetricsExporter, start_exporter
 from .. import runtime
 from ..sdnotify import Notifier
 from .reports import Reporter
-from .run import TaskRun, describe_failure
+from .failures import describe_failure
+from .run import TaskRun
 
 __all__ = ["TrainerService", "run_trainer"]
 

@@ -28,11 +28,12 @@ from .checkpoint import (CheckpointError, job_dir, prune, read_checkpoint, resto
                          save_model)
 from .control import Controls, Lost, Stopped
 from .evaluation import LiveEvaluations
+from .failures import deterministic as _deterministic, describe_failure
 from .final_eval import EVALUATE_TIMEOUT_S, score_on_provider
 from .gang import Code, Gang, GangError, advertised_host
 from .reports import Reporter
 
-__all__ = ["TaskRun", "apply_hyper", "describe_failure", "make_optimizer"]
+__all__ = ["TaskRun", "apply_hyper", "make_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -40,32 +41,6 @@ log = logging.getLogger(__name__)
 def _perplexity(loss: float) -> float:
     """exp(mean next-token loss), capped so that a diverged run reports a number JSON can carry."""
     return math.exp(min(loss, 700.0))
-
-
-def _deterministic(err: BaseException) -> bool:
-    """A RuntimeError the job's own spec causes (not a broken collective)."""
-    text = str(err).lower()
-    return any(k in text for k in ("out of memory", "negative dimension", "invalid device", "shape", "size"))
-
-
-def describe_failure(err: BaseException, spec: JobSpec | None) -> str:
-    """``Type: message`` of a job's failure, with a hint where one helps the user fix the job."""
-    text = str(err).strip() or repr(err)
-    hint = ""
-    lowered = text.lower()
-    if "out of memory" in lowered:
-        hint = "CUDA out of memory: lower batch_size" + (f" (now {spec.batch_size})" if spec else "")
-    elif spec is not None and ("negative dimension" in lowered or "must be positive" in lowered
-                               or "non-positive" in lowered):
-        bad = [k for k, v in spec.model_kwargs.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0]
-        hint = "; ".join(f"model_kwargs.{k} must be positive (got {spec.model_kwargs[k]})" for k in bad)
-    elif "invalid device" in lowered or "device ordinal" in lowered:
-        hint = f"device {spec.device!r} does not exist on this trainer" if spec else ""
-    elif spec is not None and ":" in spec.model and isinstance(err, Exception) and not isinstance(err, BusError):
-        hint = f"the model factory {spec.model} raised"
-    out = f"{type(err).__name__}: {text[:2000]}"
-    return f"{out} (hint: {hint})" if hint else out
 
 
 def make_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
