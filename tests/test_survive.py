@@ -14,11 +14,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from libbus.errors import BadRequest
+from libbus.errors import BadRequest, Unavailable
 from tests import test_jobs_durable as durable
 from tests.conftest import wait_file
 from tests.test_e2e import REPO
@@ -190,3 +191,29 @@ def test_a_bad_job_fails_with_a_hint_and_the_trainer_takes_the_next(cluster, sto
     assert cluster.procs["solo"].poll() is None, "the trainer died of a bad job"
     with pytest.raises(BadRequest, match="max_attempts must be at most 10"):
         cluster.submit(**{**JOB, "max_attempts": 1000})
+
+
+def test_commands_are_applied_after_a_router_restart(cluster, stop_after):
+    """Command ids carry the router's epoch: the restarted router's first command is not taken
+    for one the trainer already applied (it used to time out, silently ignored)."""
+    stop_after.append("cmd")
+    cluster.start_trainer("cmd")
+    job = cluster.submit(**{**JOB, "epochs": 200, "evaluate": False})
+    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1, timeout=120)
+    assert cluster.control(job, "pause")["acked"]
+    router = cluster.procs["router"]
+    router.send_signal(signal.SIGKILL)
+    router.wait(10)
+    cluster.start_router(bind=cluster.endpoint)
+    deadline = time.monotonic() + 30
+    while True:  # the trainer says Hello again within a heartbeat or two
+        try:
+            detail = cluster.control(job, "resume")
+            break
+        except Unavailable:
+            assert time.monotonic() < deadline, "the trainer never came back to the restarted router"
+            time.sleep(0.2)
+    assert detail["acked"] and detail["state"] == "running"
+    assert cluster.control(job, "checkpoint")["acked"]
+    cluster.control(job, "stop")
+    assert cluster.wait_end(job, timeout=60)["state"] == "stopped"
