@@ -56,6 +56,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     error     TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (state, priority DESC, created);
+CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created);
 CREATE TABLE IF NOT EXISTS events (
     job    TEXT NOT NULL,
     at     REAL NOT NULL,
