@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from libbus.errors import BadRequest, Unavailable
+from services.trainer.audit import effective_epochs
 from tests import test_jobs_durable as durable
 from tests.conftest import wait_file
 from tests.test_e2e import REPO
-from services.trainer.audit import effective_epochs
 from tests.test_jobs_durable import SPEC, Cluster, final_weights
 
 train_digests = durable.train_digests  # the fixture: every train sample's digest, from the provider

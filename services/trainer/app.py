@@ -20,8 +20,8 @@ from libbus.metrics import MetricsExporter, start_exporter
 
 from .. import runtime
 from ..sdnotify import Notifier
-from .reports import Reporter
 from .failures import describe_failure
+from .reports import Reporter
 from .run import TaskRun
 
 __all__ = ["TrainerService", "run_trainer"]
