@@ -239,17 +239,21 @@ def main(argv: list[str] | None = None) -> int:
             if now >= next_fault:
                 soak.inject(now)
                 next_fault = now + soak.rng.expovariate(1 / args.fault_every)
-            if all(j["state"] in TERMINAL_STATES for j in soak.states(wave).values()):
+            # no new wave in the last fifth: the soak ends with its jobs, not with a fresh wave
+            if now < end - 12 * args.minutes and all(j["state"] in TERMINAL_STATES
+                                                     for j in soak.states(wave).values()):
                 wave = soak.submit_wave()
                 jobs += wave
             time.sleep(0.5)
         soak.settle()
-        deadline = time.monotonic() + 300
+        settled = time.monotonic()
+        deadline = settled + 300
         while True:
             final = soak.states(jobs)
             if all(j["state"] in TERMINAL_STATES for j in final.values()) or time.monotonic() > deadline:
                 break
             time.sleep(1)
+        drained_s = time.monotonic() - settled
         digests = soak.train_digests()
         end_rss = rss_kib(soak.procs["router"].pid)
         sessions_live = soak.sessions()
@@ -284,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
           f"undeclared endings: {len(undeclared)}")
     for line in undeclared:
         print("  " + line)
+    print(f"after the last fault, the jobs in flight ended within {drained_s:.0f} s")
     print(f"epochs audited: {epochs}, samples audited: {samples}, data lost or repeated: {lost}")
     print(f"left behind (rings, sockets): {len(left)} {left if left else ''}")
     print(f"services that took over {STOP_PATIENCE_S:.0f} s to stop on SIGTERM: {len(soak.slow_stops)} "

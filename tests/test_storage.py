@@ -1,5 +1,5 @@
 """Bounded storage: the router's events, checkpoint records and progress history are retained to
-limits (the result, model hash and last checkpoint always kept), job lists and job events come in
+per-job limits (the result, model hash and last checkpoint always kept), job lists and job events come in
 pages, and a trainer's checkpoint files stay bounded while the router is away. Real SQLite files."""
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def test_events_checkpoints_and_progress_are_retained_to_limits(tmp_path):
     assert info["events"][0]["reason"] == "submitted" and info["events"][-1]["reason"] == "command 2999"
     assert info["checkpoint"]["step"] == 300
     store.finish(job, "succeeded", "finished on t1", result={"model": {"sha256": "ab" * 32}})
-    assert count("checkpoints") == 1 and count("progress") == store_module.PROGRESS_KEPT_ENDED
+    assert count("checkpoints") == store_module.CHECKPOINTS_KEPT
     info = store.get(job)
-    assert info["checkpoints"][0]["step"] == 300 == info["checkpoint"]["step"]
+    assert info["checkpoints"][-1]["step"] == 300 == info["checkpoint"]["step"]
     assert info["result"]["model"]["sha256"] == "ab" * 32
 
 

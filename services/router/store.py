@@ -31,13 +31,11 @@ _QUEUED, _RUNNING = JobState.QUEUED.value, JobState.RUNNING.value
 #: Progress reports kept per job (older ones are pruned; the last one is also on the job row).
 PROGRESS_KEPT = 1000
 #: Retention, so that storage is bounded however long a job runs or a router lives: a job keeps
-#: its first events (submission, first assignments) and its last ones; its last checkpoint records;
-#: once ended, its last progress reports and only its last checkpoint record (the job row keeps its
-#: result, model hash and last checkpoint in any case).
+#: its first events (submission, first assignments) and its last ones, and its last checkpoint
+#: records (the job row keeps its result, model hash and last checkpoint in any case).
 EVENTS_KEPT_FIRST = 20
 EVENTS_KEPT = 500
 CHECKPOINTS_KEPT = 50
-PROGRESS_KEPT_ENDED = 100
 #: What ``get`` returns by default: the newest events and checkpoint records (``busctl job show`` pages).
 EVENTS_SHOWN = 200
 
@@ -146,20 +144,16 @@ class JobStore:
             self.db.execute(f"UPDATE jobs SET state = ?, updated = ?{', ' + sets if sets else ''} WHERE id = ?",
                             (state, now, *fields.values(), job))
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, now, state, reason))
-            self._retain(job, ended=state in TERMINAL_STATES)
+            self._retain(job)
 
-    def _retain(self, job: str, ended: bool = False) -> None:
-        """Trim ``job``'s events, checkpoint records and (once ended) progress history to the
-        retention limits (inside the caller's transaction)."""
+    def _retain(self, job: str) -> None:
+        """Trim ``job``'s events and checkpoint records to the retention limits (inside the
+        caller's transaction; progress reports are trimmed as they arrive)."""
         self.db.execute("DELETE FROM events WHERE job = ? AND rowid NOT IN (SELECT rowid FROM events WHERE job = ? "
                         "ORDER BY at, rowid LIMIT ?) AND rowid NOT IN (SELECT rowid FROM events WHERE job = ? "
                         "ORDER BY at DESC, rowid DESC LIMIT ?)", (job, job, EVENTS_KEPT_FIRST, job, EVENTS_KEPT))
-        kept = 1 if ended else CHECKPOINTS_KEPT
         self.db.execute("DELETE FROM checkpoints WHERE job = ? AND rowid NOT IN (SELECT rowid FROM checkpoints "
-                        "WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)", (job, job, kept))
-        if ended:
-            self.db.execute("DELETE FROM progress WHERE job = ? AND rowid NOT IN (SELECT rowid FROM progress "
-                            "WHERE job = ? ORDER BY at DESC LIMIT ?)", (job, job, PROGRESS_KEPT_ENDED))
+                        "WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)", (job, job, CHECKPOINTS_KEPT))
 
     def submit(self, spec: JobSpec) -> str:
         job = "j" + secrets.token_hex(5)
