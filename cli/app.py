@@ -203,11 +203,11 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
 @admin_options
 def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this state: {', '.join(JOB_STATES)}.")] = None,
          limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 50,
+         offset: Annotated[int, typer.Option(min=0, help="Skip this many newest (the next page).")] = 0,
          *, settings: Settings, json: Json = False) -> None:
-    """List jobs, newest first."""
-    s = settings
-    with admin_client(s) as client:
-        reply = client.request(ListJobs(state=state, limit=limit))
+    """List jobs, newest first, a page at a time (--limit, --offset)."""
+    with admin_client(settings) as client:
+        reply = client.request(ListJobs(state=state, limit=limit, offset=offset))
     rows = reply.jobs
     print_json(rows) if json else tables.jobs(rows)
     if reply.note:  # the router cut the list to fit one reply
@@ -218,11 +218,13 @@ def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this s
 @guard
 @admin_options
 def job_show(job: str, *, settings: Settings, json: Json = False,
-             progress: Annotated[int, typer.Option(help="Also the last N progress reports.")] = 0) -> None:
-    """State, spec, progress, checkpoints, events and result of one job."""
-    s = settings
-    with admin_client(s) as client:
-        reply = client.request(GetJob(job=job, progress=max(0, progress)))
+             progress: Annotated[int, typer.Option(help="Also the last N progress reports.")] = 0,
+             events: Annotated[int, typer.Option(min=1, help="The newest N events and checkpoint records.")] = 200,
+             offset: Annotated[int, typer.Option(min=0, help="Skip this many newest events (the next page).")] = 0
+             ) -> None:
+    """State, spec, progress, checkpoints, events and result of one job (events a page at a time)."""
+    with admin_client(settings) as client:
+        reply = client.request(GetJob(job=job, progress=max(0, progress), events=events, offset=offset))
     info = reply.job
     print_json(info) if json else tables.job(info)
     if reply.note:  # the router cut the history to fit one reply

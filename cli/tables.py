@@ -85,7 +85,10 @@ def job(info: dict) -> None:
         console.print(f"  {time.strftime('%H:%M:%S', time.localtime(p['at']))} {p.get('state', 'running'):<8} "
                       f"epoch {p.get('epoch')}/{p.get('epochs')} step {p.get('step')} loss {p.get('loss') or 0:.4f} "
                       f"{p.get('samples_per_s', 0):.0f} samples/s data wait {p.get('data_wait_pct', 0):.0f}%")
-    for e in info.get("events", []):
+    shown, total = info.get("events", []), info.get("events_total", 0)
+    if total > len(shown):
+        console.print(f"events: the {len(shown)} shown of {total} kept (older ones: --offset)")
+    for e in shown:
         console.print(f"  {time.strftime('%H:%M:%S', time.localtime(e['at']))} {e['state']:<9} {e['reason']}")
 
 

@@ -95,7 +95,7 @@ class Settings:
     host_id: str = ""
     #: Trainer: same-host batches through a shared-memory ring instead of the socket.
     shm: bool = True
-    #: Trainer: ring slots per loader (0 = inflight + 1: every request in flight, plus the batch in use).
+    #: Trainer: ring slots per loader (0 = inflight + 2: every request in flight, the batch in use and the one before).
     shm_slots: int = 0
     #: Router: where it keeps the final model each succeeded job's trainer sent; default
     #: ``<state_dir>/artifacts`` (``busctl job model`` downloads from here).

@@ -6,14 +6,19 @@ for the next — so the request pipeline (ordering, timeouts, resends) exists on
 
 - :class:`SocketDelivery`: the batch's bytes are the reply's frames; tensors view them.
 - :class:`RingDelivery`: the provider wrote the batch into a slot of our shared-memory ring. On
-  CPU the yielded tensors view the slot until the consumer asks for the next batch (or are copies,
-  with ``copy=True``); with a CUDA device the slot goes to the GPU on a side stream as soon as it
-  is filled, and is free again when that copy's event completes.
+  CPU the yielded tensors view the slot, and the slot returns to the ring only when the last tensor
+  viewing it is freed (a weak reference on the arrays the tensors' storages own): a batch stays what
+  it was for as long as it is held, as with ``torch.utils.data.DataLoader``. When the batches held
+  would leave the pipeline no slot to request into, the batch is copied into fresh memory instead
+  and its slot returns at once (never an overwrite, never a deadlock). ``copy=True`` always copies.
+  With a CUDA device each filled slot is copied on a side stream into a fresh device tensor as soon
+  as it arrives, and is free again when that copy's event completes: GPU batches are never reused.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from typing import Any
 
@@ -97,13 +102,30 @@ class SocketDelivery:
         pass
 
 
+class _Lease:
+    """A slot handed out as views: it returns to the ring when both arrays the yielded tensors'
+    storages own are collected, in whatever thread drops the last reference (a release is one
+    store into the slot table and a ``deque.append``, both atomic under the GIL)."""
+
+    __slots__ = ("slot", "left", "give_back")
+
+    def __init__(self, slot: int, give_back):
+        self.slot, self.left, self.give_back = slot, 2, give_back
+
+    def drop(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.give_back(self.slot)
+
+
 class RingDelivery:
     """Batches arrive in slots of a ring this process created and the provider attached.
 
     Args:
-        ring: the ring (created here; closed and unlinked by :meth:`close`).
+        ring: the ring (created here; closed and unlinked by :meth:`close`, its mapping kept while a
+            yielded tensor still views it).
         device: where yielded tensors live.
-        copy: on CPU, yield copies instead of views of the slot.
+        copy: on CPU, always yield copies instead of views of the slot.
     """
 
     transport = "shm"
@@ -116,7 +138,12 @@ class RingDelivery:
         self.slot_of: dict[int, int] = {}   # batch number -> its slot
         self.seq_of: dict[int, int] = {}    # batch number -> the sequence its slot awaits
         self.copies: deque[tuple[Any, int]] = deque()  # (CUDA event, slot) copies in flight
-        self._tensors: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # CPU views of slots
+        #: Slots handed out as views and still viewed by a live tensor.
+        self.leased: set[int] = set()
+        #: Batches copied because the ones the user held left the pipeline no slot.
+        self.copied = 0
+        #: A batch is handed out as a view only if this many slots stay free or in flight.
+        self.spare = 1
         self.closed = False
         #: Slots out of use for good: a provider that stopped answering may still write into them.
         self.quarantined: set[int] = set()
@@ -146,6 +173,14 @@ class RingDelivery:
         self.ring.release(slot)
         self.free.append(slot)
 
+    def _give_back(self, slot: int) -> None:
+        """The last tensor viewing ``slot`` was freed (any thread, any time: never raises)."""
+        self.leased.discard(slot)
+        try:
+            self._release(slot)
+        except ShmError:  # the loader closed meanwhile
+            pass
+
     def can_send(self) -> bool:
         self._reap()
         return bool(self.free)
@@ -171,7 +206,8 @@ class RingDelivery:
         return self.ring.layout.slots - len(self.quarantined)
 
     def wait_free(self) -> None:
-        """Block until a slot frees up (only CUDA copies hold slots without a request in flight)."""
+        """Block until a slot frees up (only CUDA copies hold slots without a request in flight;
+        a slot the user holds is never waited for: :meth:`hand_out` copies before that)."""
         if self.copies:
             self.copies[0][0].synchronize()
             self._reap()
@@ -222,16 +258,22 @@ class RingDelivery:
             slot = self.slot_of[batch_no]
             self.ring.take(slot, self.seq_of[batch_no])
             try:
-                key = (slot, *map(tuple, item.shapes), *item.dtypes)
-                tensors = self._tensors.get(key)
-            except TypeError as err:  # a provider sent shapes that are not lists of integers
-                raise BusError(f"malformed BatchResponse shapes {item.shapes}: {err}") from err
-            if tensors is None:  # made once per slot and batch shape: the slot's bytes change, not it
                 _, _, x, y = self._views(batch_no, item)
-                if len(self._tensors) > 16 * self.ring.layout.slots:
-                    self._tensors.clear()
-                tensors = self._tensors[key] = (torch.from_numpy(x), torch.from_numpy(y))
-            return tensors
+            finally:
+                self._forget(batch_no)  # the slot is ours now: released below or with its views
+            if len(self.free) + len(self.slot_of) < self.spare:
+                # the batches the user holds leave no slot to request into: this one is a copy
+                self.copied += 1
+                out = torch.from_numpy(x.copy()), torch.from_numpy(y.copy())
+                self._release(slot)
+                return out
+            # fresh arrays over the slot (the ring's are cached): their lives are the tensors' lives
+            xv, yv = x.view(), y.view()
+            lease = _Lease(slot, self._give_back)
+            for view in (xv, yv):
+                weakref.finalize(view, lease.drop).atexit = False
+            self.leased.add(slot)
+            return torch.from_numpy(xv), torch.from_numpy(yv)
         if self.stager is not None:
             xc, yc, event = item
             self.stager.hand_over(xc, yc, event)
@@ -239,7 +281,8 @@ class RingDelivery:
         return item
 
     def done(self, batch_no: int) -> None:
-        """The consumer asked for the next batch: a slot it was viewing is free again."""
+        """The consumer asked for the next batch: a slot still named by ``batch_no`` (one not handed
+        out as views: those return when the views are freed) is free again."""
         slot = self.slot_of.get(batch_no)
         if slot is not None:
             self._release(slot)
@@ -258,7 +301,6 @@ class RingDelivery:
 
     def close(self) -> None:
         self.closed = True
-        self._tensors.clear()
         if self.stager is not None:
             self.stager.close()  # unregister before the ring is unmapped
         self.ring.close()

@@ -6,17 +6,21 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import BadRequest
+from .jobstate import JobState
 from .order import DEFAULT_BLOCK_SIZE, Shuffle
 
-__all__ = ["JOB_STATES", "TERMINAL_STATES", "SETTABLE", "JobSpec", "dataset_name"]
+__all__ = ["JOB_STATES", "MAX_ATTEMPTS", "TERMINAL_STATES", "SETTABLE", "JobSpec", "dataset_name"]
 
-JOB_STATES = ("queued", "running", "paused", "succeeded", "failed", "stopped")
-TERMINAL_STATES = ("succeeded", "failed", "stopped")
+JOB_STATES = tuple(s.value for s in JobState)
+TERMINAL_STATES = tuple(s.value for s in JobState if s.terminal)
 OPTIMIZERS = ("sgd", "adam")
+GATHER_POLICIES = ("wait", "fail")
 #: Hyper-parameters ``busctl job set`` may change while a job runs.
 SETTABLE = ("lr", "weight_decay", "momentum")
 #: The most trainers one job may gather.
 MAX_WORLD_SIZE = 256
+#: The most attempts a job may lose (each may have cost a trainer): past this it is poisoned.
+MAX_ATTEMPTS = 10
 
 
 def dataset_name(ref: str) -> str:
@@ -48,13 +52,18 @@ class JobSpec:
     #: Score the final weights on the provider's private test split.
     evaluate: bool = True
     priority: int = 0
-    #: Times the job may lose its trainer (lease lapsed, abandoned) before it is failed.
+    #: Times the job may lose its trainer (lease lapsed, abandoned, a retryable failure) before it
+    #: is failed as poisoned; at most :data:`MAX_ATTEMPTS`.
     max_attempts: int = 3
     #: Write a checkpoint every this many steps (0: only at the end of each epoch and on command).
     checkpoint_every: int = 0
     #: Trainers that train the job together (a gang, torch.distributed): each reads its own shard
     #: of ``train`` and ``batch_size`` is per trainer. The job waits until this many are free.
     world_size: int = 1
+    #: A gang that has not gathered ``world_size`` trainers in this many seconds releases them to
+    #: other work; then the job waits its turn again (``gather_policy = "wait"``) or fails.
+    gather_timeout_s: float = 120.0
+    gather_policy: str = "wait"
     name: str = ""
 
     @classmethod
@@ -89,8 +98,15 @@ class JobSpec:
         for name in ("epochs", "batch_size", "block_size", "max_attempts", "world_size"):
             if getattr(spec, name) < 1:
                 raise BadRequest(f"{name} must be at least 1, got {getattr(spec, name)}")
+        if spec.max_attempts > MAX_ATTEMPTS:
+            raise BadRequest(f"max_attempts must be at most {MAX_ATTEMPTS} (a job that loses that many "
+                             f"trainers is poisoned), got {spec.max_attempts}")
         if spec.world_size > MAX_WORLD_SIZE:
             raise BadRequest(f"world_size must be at most {MAX_WORLD_SIZE}, got {spec.world_size}")
+        if spec.gather_timeout_s <= 0:
+            raise BadRequest(f"gather_timeout_s must be positive, got {spec.gather_timeout_s}")
+        if spec.gather_policy not in GATHER_POLICIES:
+            raise BadRequest(f"gather_policy must be one of {', '.join(GATHER_POLICIES)}, got {spec.gather_policy!r}")
         if spec.checkpoint_every < 0:
             raise BadRequest(f"checkpoint_every must be 0 or more steps, got {spec.checkpoint_every}")
         if spec.lr <= 0:

@@ -120,9 +120,12 @@ class RemoteLoader:
         device: where yielded tensors live (``"cpu"``, ``"cuda:0"``...).
         shm: use a shared-memory ring for providers on this host (falls back to the socket,
             with a log line saying why, when it is not possible).
-        shm_slots: ring slots (default ``inflight + 1``; 2 is a double buffer).
-        copy: on CPU with a ring, yield copies. By default tensors view the ring slot and are
-            valid until the next batch is asked for.
+        shm_slots: ring slots (default ``inflight + 2``: every request in flight, the batch being
+            handed out and the one the loop still holds; 2 is a double buffer).
+        copy: on CPU with a ring, always yield copies. By default tensors view the ring slot, which
+            returns to the ring only when the last tensor viewing it is freed: a batch stays valid
+            for as long as it is held, as with ``DataLoader``; a batch that would take the last slot
+            the pipeline needs is copied instead.
         host_id: this machine's id (default: /etc/machine-id), compared with the provider's.
         curve: this client's CURVE key pair (:func:`libbus.curve.load_keys`) on a CURVE cluster;
             its name must be the token's subject. ``router_key`` is then the router's public key,
@@ -152,7 +155,7 @@ class RemoteLoader:
             raise BadRequest("batch_size and inflight must be at least 1")
         if provider_wait_s < 0:
             raise BadRequest(f"provider_wait_s must not be negative, got {provider_wait_s}")
-        slots = shm_slots or inflight + 1
+        slots = shm_slots or inflight + 2
         if slots < 2:
             raise BadRequest(f"shm_slots must be at least 2 (one in use, one in flight), got {slots}")
         self.dataset = dataset.removeprefix("remote://")

@@ -197,8 +197,10 @@ class JobSubmitted(Message):
 
 @dataclass(kw_only=True)
 class ListJobs(Message):
+    """Jobs, newest first: ``limit`` of them after the ``offset`` newest (pages)."""
     state: str | None = None
     limit: int = 100
+    offset: int = 0
 
 
 @dataclass(kw_only=True)
@@ -210,9 +212,12 @@ class JobList(Message):
 
 @dataclass(kw_only=True)
 class GetJob(Message):
-    """One job; with ``progress`` > 0 also its last ``progress`` progress reports."""
+    """One job; with ``progress`` > 0 also its last ``progress`` progress reports; ``events``
+    events and checkpoint records, newest first after skipping ``offset`` of them (pages)."""
     job: str
     progress: int = 0
+    events: int = 200
+    offset: int = 0
 
 
 @dataclass(kw_only=True)
@@ -232,7 +237,10 @@ class ControlJob(Message):
 
 @dataclass(kw_only=True)
 class GetTask(Message):
-    pass
+    """Trainer → router: give me work. ``key`` names this one ask: the same ``key`` again (the
+    link resends after a reconnect, the trainer asks again after a lost reply) gets the job it
+    was already given, at no cost of an attempt."""
+    key: str = ""
 
 
 @dataclass(kw_only=True)

@@ -19,6 +19,10 @@ The rules, in one place:
   dies breaks rank 0's next collective, and rank 0 fails the attempt as retryable (counted against
   ``max_attempts``). Rank 0's own lease works as for any job: when it lapses the whole attempt is
   released and the job requeued from its last checkpoint, to be gathered again.
+- **Never blocking.** A gathering that has not completed within the job's ``gather_timeout_s``
+  releases its members to other work; the job then waits out as long before it gathers again
+  (other queued jobs go first meanwhile), or fails with the reason (``gather_policy = "fail"``).
+  A queued job of higher priority than a gathering's also releases it: priorities hold.
 - A rank above 0 that asks for work again after its ``Task`` has finished its part (or left it):
   the job stays with rank 0, which decides its fate.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 from libbus.errors import BadRequest, NotFound
 from libbus.messages import NoTask, Task
@@ -61,6 +66,14 @@ class Gangs:
         self.retry_ms = retry_ms
         #: job id -> the trainers gathered for it so far, in rank order.
         self.gathering: dict[str, list[str]] = {}
+        #: job id -> when its gathering began (monotonic).
+        self.since: dict[str, float] = {}
+        #: job id -> until when it gathers no more (its last gathering timed out; policy "wait").
+        self.held_back: dict[str, float] = {}
+
+    def waiting(self, job_id: str, now: float | None = None) -> bool:
+        """Whether ``job_id`` sits out its turn after a gathering that timed out."""
+        return self.held_back.get(job_id, 0.0) > (time.monotonic() if now is None else now)
 
     def task_for(self, trainer: str) -> Task | NoTask | None:
         """``trainer``'s answer when it is in a gang: its ``Task`` once it may start, ``NoTask``
@@ -86,12 +99,14 @@ class Gangs:
         """``trainer`` joins the gang gathering for queued ``job`` (``{id, spec}``); the member that
         completes it starts the job."""
         members = self.gathering.setdefault(job["id"], [])
+        self.since.setdefault(job["id"], time.monotonic())
         members.append(trainer)
         size = world_size(job["spec"])
         self.store.event(job["id"], f"{trainer} joined its gang ({len(members)}/{size})")
         if len(members) < size:
             return NoTask(retry_ms=self.retry_ms)
         del self.gathering[job["id"]]
+        self.since.pop(job["id"], None)
         self.store.form_gang(job["id"], members, self.lease_s)
         log.info("job %s: gang of %d formed: %s", job["id"], size, ", ".join(members))
         return self.task_for(trainer) or NoTask(retry_ms=self.retry_ms)
@@ -102,19 +117,57 @@ class Gangs:
             raise BadRequest(f"rendezvous address must be tcp://HOST:PORT, got {address!r}")
         return self.store.update_gang(job_id, f"rank 0 waits for its gang at {address}", rendezvous=address)
 
-    def tick(self, connected: set[str]) -> None:
-        """Members that disconnected leave their gathering; a job no longer queued dissolves it."""
+    def _dissolve(self, job_id: str) -> None:
+        self.gathering.pop(job_id, None)
+        self.since.pop(job_id, None)
+
+    def tick(self, connected: set[str], now: float | None = None) -> None:
+        """Members that disconnected leave their gathering; a job no longer queued dissolves it; a
+        gathering past its job's ``gather_timeout_s``, or behind a queued job of higher priority,
+        releases its members."""
+        now = time.monotonic() if now is None else now
+        for job_id, until in list(self.held_back.items()):
+            if until <= now:
+                del self.held_back[job_id]
         for job_id, members in list(self.gathering.items()):
             try:
-                state = self.store.get(job_id, events=False)["state"]
+                job = self.store.get(job_id, events=False)
             except NotFound:
-                state = "gone"
-            if state != "queued":
-                del self.gathering[job_id]
+                job = {"state": "gone"}
+            if job["state"] != "queued":
+                self._dissolve(job_id)
+                continue
+            if self._released(job, members, now):
                 continue
             gone = [m for m in members if m not in connected]
             for member in gone:
                 members.remove(member)
                 self.store.event(job_id, f"{member} left its gathering gang (disconnected)")
             if not members:
-                del self.gathering[job_id]
+                self._dissolve(job_id)
+
+    def _released(self, job: dict, members: list[str], now: float) -> bool:
+        """Release the gathering of ``job`` if it timed out (then hold the job back, or fail it) or
+        a queued job of higher priority waits. True if released."""
+        job_id, spec = job["id"], job["spec"]
+        timeout = float(spec.get("gather_timeout_s", 120.0))
+        first = self.store.first_queued(accept=lambda j: j["id"] not in self.gathering
+                                        and not self.waiting(j["id"], now))
+        if first is not None and int(first["spec"].get("priority", 0)) > int(job["priority"]):
+            self._dissolve(job_id)
+            self.store.event(job_id, f"gathering released ({', '.join(members)}): job {first['id']} of "
+                                     f"higher priority is queued")
+            return True
+        if now - self.since.get(job_id, now) < timeout:
+            return False
+        self._dissolve(job_id)
+        reason = (f"its gang of {world_size(spec)} did not gather within {timeout:g} s "
+                  f"({len(members)} trainer(s) came: {', '.join(members)}); they went to other work")
+        if spec.get("gather_policy", "wait") == "fail":
+            self.store.finish(job_id, "failed", reason, error=f"{reason} (gather_policy fail)")
+            log.warning("job %s failed: %s", job_id, reason)
+        else:
+            self.held_back[job_id] = now + timeout
+            self.store.event(job_id, f"{reason}; it waits {timeout:g} s before gathering again")
+            log.info("job %s: %s", job_id, reason)
+        return True

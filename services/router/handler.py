@@ -16,6 +16,7 @@ from typing import Callable
 from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
 from libbus.errors import BadRequest, NotFound, Unavailable
 from libbus.jobs import JobSpec, dataset_name
+from libbus.jobstate import REFUSED
 from libbus.messages import (Checkpointed, CommandAck, ControlJob, Entitlements, GetJob, GetModel, GetTask, JobInfo,
                              JobList, JobSubmitted, ListJobs, ListPeers, ListRevoked, Message, Model, NoTask, Ok,
                              PeerList, Progress, PushResult, Rendezvous, Resolve, Resolved, RevokedList, RevokeToken,
@@ -198,14 +199,14 @@ class RouterHandler(Handler):
     def on_ListJobs(self, session: Session, msg: ListJobs) -> JobList:
         # A scoped token sees only the jobs it could ask about one by one.
         claims = session.claims
-        jobs = [j for j in self.store.list(msg.state, msg.limit)
+        jobs = [j for j in self.store.list(msg.state, msg.limit, msg.offset)
                 if claims.allows_job(j["id"]) and claims.allows_dataset(dataset_name(j["spec"]["dataset"]))]
         jobs, note = fit_list(jobs)
         return JobList(jobs=jobs, note=note)
 
     def on_GetJob(self, session: Session, msg: GetJob) -> JobInfo:
         self._check_job_scope(session, msg.job)
-        job = self.store.get(msg.job)
+        job = self.store.get(msg.job, limit=msg.events, offset=msg.offset)
         if msg.progress > 0:
             job["progress_history"] = self.store.progress_history(msg.job, min(msg.progress, 1000))
         job, note = fit_job(job)
@@ -224,10 +225,14 @@ class RouterHandler(Handler):
         gang_task = self.gangs.task_for(who)  # services/router/gangs.py
         if gang_task is not None:
             return gang_task
+        again = self.jobs.assigned_again(who, msg.key)
+        if again is not None:  # a resend of the ask that was given this job: the same answer
+            return again
         self.jobs.abandon_all(who)
         claims = session.claims
         job = self.store.first_queued(accept=lambda j: claims.allows_job(j["id"])
-                                      and claims.allows_dataset(dataset_name(j["spec"]["dataset"])))
+                                      and claims.allows_dataset(dataset_name(j["spec"]["dataset"]))
+                                      and not self.gangs.waiting(j["id"]))
         if job is None:
             return NoTask(retry_ms=self.task_retry_ms)
         if world_size(job["spec"]) > 1:
@@ -237,7 +242,7 @@ class RouterHandler(Handler):
         job = self.store.claim(who, self.jobs.lease_s, accept=lambda j: j["id"] == job["id"])
         self._push_entitlements()  # the provider hears of the assignment before the trainer asks it
         log.info("job %s assigned to %s (%s)", job["id"], who, session.name)
-        return Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"])
+        return self.jobs.remember_task(who, msg.key, Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"]))
 
     def on_Rendezvous(self, session: Session, msg: Rendezvous) -> Ok:
         session.claims.check_job(msg.job)
@@ -322,4 +327,5 @@ class RouterHandler(Handler):
         counts = {}
         for row in self.store.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
             counts[row[0]] = row[1]
-        return {"jobs": counts, "peers": {r: len(self.sessions_of(r)) for r in ("provider", "trainer", "admin")}}
+        return {"jobs": counts, "peers": {r: len(self.sessions_of(r)) for r in ("provider", "trainer", "admin")},
+                "refused_transitions": dict(REFUSED)}

@@ -31,7 +31,7 @@ from typing import Callable
 
 from libbus.errors import BadRequest, Forbidden, NotFound, Timeout, Unavailable
 from libbus.jobs import TERMINAL_STATES, JobSpec
-from libbus.messages import Checkpointed, Command, CommandAck, Message, Model, Ok, Progress, PushResult, frame_buffer
+from libbus.messages import Checkpointed, Command, CommandAck, Message, Model, Ok, Progress, PushResult, Task, frame_buffer
 
 from .artifacts import Artifacts
 from .store import HOLDING_STATES, JobStore
@@ -90,7 +90,12 @@ class JobControl:
         self.ack_timeout_s = ack_timeout_s
         self.stop_requested: set[str] = set()
         self.pending: dict[int, _Pending] = {}
-        self._seq = itertools.count(1)
+        #: trainer -> (key of its last GetTask that got a job, that Task): a resend gets it again.
+        self.tasks: dict[str, tuple[str, Task]] = {}
+        #: Command ids: this start's router epoch in the high bits, so none repeats an earlier
+        #: start's (a trainer applies each id once and remembers those it has seen).
+        self.epoch = store.next_epoch()
+        self._seq = itertools.count((self.epoch << 32) + 1)
         self._last_check = 0.0
         renewed = store.renew_all(lease_s)
         if renewed:
@@ -235,6 +240,10 @@ class JobControl:
             else:
                 self.store.release(msg.job, why, lost=False)
             return Ok()
+        if msg.state == "failed" and msg.result.get("retryable") and stop:  # the stop stands
+            self.store.finish(msg.job, "stopped", f"stop requested; attempt failed on {trainer}: {msg.error}",
+                              result=msg.result, error=msg.error)
+            return Ok()
         if msg.state == "failed" and msg.result.get("retryable"):  # counted against max_attempts
             state = self.store.release(msg.job, f"attempt failed on {trainer}: {msg.error}", lost=True)
             log.warning("job %s %s after a failed attempt: %s", msg.job, state, msg.error)
@@ -267,6 +276,24 @@ class JobControl:
                            f"{model.get('path', '?')}")
         data = self.artifacts.get(job_id)
         return Model(job=job_id, sha256=model["sha256"], nbytes=len(data), frames=[data])
+
+    def remember_task(self, trainer: str, key: str, task: Task) -> Task:
+        """Keep ``task`` as the answer to ``trainer``'s ask ``key`` (one per trainer)."""
+        if key:
+            self.tasks[trainer] = (key, task)
+        return task
+
+    def assigned_again(self, trainer: str, key: str) -> Task | None:
+        """The task ``trainer``'s ask ``key`` was given, if this is that ask again and the trainer
+        still holds the job (then it is no abandonment and costs no attempt)."""
+        given = self.tasks.get(trainer)
+        if not key or given is None or given[0] != key:
+            return None
+        job = self.store.get(given[1].job, events=False)
+        if job["state"] not in HOLDING_STATES or job["trainer"] != trainer:
+            return None
+        log.info("job %s: %s asked again (a resend); same task, no attempt lost", job["id"], trainer)
+        return given[1]
 
     def abandon_all(self, trainer: str) -> None:
         """``trainer`` asks for work, so it holds nothing: whatever it held was lost."""

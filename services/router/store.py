@@ -20,14 +20,24 @@ from typing import Callable
 import orjson
 
 from libbus.errors import BadRequest, ConfigError, NotFound
-from libbus.jobs import JOB_STATES, TERMINAL_STATES, JobSpec
+from libbus.jobs import JOB_STATES, MAX_ATTEMPTS, TERMINAL_STATES, JobSpec
+from libbus.jobstate import JobState, check_transition
 
 __all__ = ["JobStore", "HOLDING_STATES"]
 
 #: States in which a trainer holds the job under a lease.
-HOLDING_STATES = ("running", "paused")
+HOLDING_STATES = tuple(s.value for s in JobState if s.holding)
+_QUEUED, _RUNNING = JobState.QUEUED.value, JobState.RUNNING.value
 #: Progress reports kept per job (older ones are pruned; the last one is also on the job row).
 PROGRESS_KEPT = 1000
+#: Retention, so that storage is bounded however long a job runs or a router lives: a job keeps
+#: its first events (submission, first assignments) and its last ones, and its last checkpoint
+#: records (the job row keeps its result, model hash and last checkpoint in any case).
+EVENTS_KEPT_FIRST = 20
+EVENTS_KEPT = 500
+CHECKPOINTS_KEPT = 50
+#: What ``get`` returns by default: the newest events and checkpoint records (``busctl job show`` pages).
+EVENTS_SHOWN = 200
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -44,6 +54,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     error     TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (state, priority DESC, created);
+CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created);
 CREATE TABLE IF NOT EXISTS events (
     job    TEXT NOT NULL,
     at     REAL NOT NULL,
@@ -68,6 +79,10 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     record  TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS checkpoints_job ON checkpoints (job, step);
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
 """
 
 #: Columns added to ``jobs`` after the first release; a database made before gets them on open.
@@ -105,15 +120,40 @@ class JobStore:
     def close(self) -> None:
         self.db.close()
 
+    def next_epoch(self) -> int:
+        """A number no earlier start of the router on this database had: command ids carry it,
+        so a trainer that applied command 1 of the last router still applies this one's."""
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute("INSERT INTO meta VALUES ('router_epoch', 1) "
+                            "ON CONFLICT(key) DO UPDATE SET value = value + 1")
+            return self.db.execute("SELECT value FROM meta WHERE key = 'router_epoch'").fetchone()[0]
+
     # -- writes ---------------------------------------------------------------------------------
     def _transition(self, job: str, state: str, reason: str, **fields) -> None:
+        """Move ``job`` to ``state`` (checked against :data:`libbus.jobstate.TRANSITIONS` inside the
+        write transaction: :class:`~libbus.jobstate.IllegalTransition` changes nothing)."""
         now = time.time()
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
+            row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job,)).fetchone()
+            if row is None:
+                raise NotFound(f"no job {job!r}; 'busctl jobs' lists them")
+            state = check_transition(job, row[0], state).value
             self.db.execute(f"UPDATE jobs SET state = ?, updated = ?{', ' + sets if sets else ''} WHERE id = ?",
                             (state, now, *fields.values(), job))
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, now, state, reason))
+            self._retain(job)
+
+    def _retain(self, job: str) -> None:
+        """Trim ``job``'s events and checkpoint records to the retention limits (inside the
+        caller's transaction; progress reports are trimmed as they arrive)."""
+        self.db.execute("DELETE FROM events WHERE job = ? AND rowid NOT IN (SELECT rowid FROM events WHERE job = ? "
+                        "ORDER BY at, rowid LIMIT ?) AND rowid NOT IN (SELECT rowid FROM events WHERE job = ? "
+                        "ORDER BY at DESC, rowid DESC LIMIT ?)", (job, job, EVENTS_KEPT_FIRST, job, EVENTS_KEPT))
+        self.db.execute("DELETE FROM checkpoints WHERE job = ? AND rowid NOT IN (SELECT rowid FROM checkpoints "
+                        "WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)", (job, job, CHECKPOINTS_KEPT))
 
     def submit(self, spec: JobSpec) -> str:
         job = "j" + secrets.token_hex(5)
@@ -121,9 +161,9 @@ class JobStore:
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             self.db.execute("INSERT INTO jobs (id, spec, state, priority, created, updated) "
-                            "VALUES (?, ?, 'queued', ?, ?, ?)",
-                            (job, orjson.dumps(spec.to_dict()).decode(), spec.priority, now, now))
-            self.db.execute("INSERT INTO events VALUES (?, ?, 'queued', 'submitted')", (job, now))
+                            "VALUES (?, ?, ?, ?, ?, ?)",
+                            (job, orjson.dumps(spec.to_dict()).decode(), _QUEUED, spec.priority, now, now))
+            self.db.execute("INSERT INTO events VALUES (?, ?, ?, 'submitted')", (job, now, _QUEUED))
         return job
 
     def event(self, job: str, reason: str) -> None:
@@ -131,6 +171,13 @@ class JobStore:
         state = self._row(job)["state"]
         with self.db:
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, time.time(), state, reason))
+            self._retain_events(job)
+
+    def _retain_events(self, job: str) -> None:
+        """Events past the retention limit: one trim per ``EVENTS_KEPT // 10`` events, not per event."""
+        count = self.db.execute("SELECT COUNT(*) FROM events WHERE job = ?", (job,)).fetchone()[0]
+        if count > EVENTS_KEPT_FIRST + EVENTS_KEPT + EVENTS_KEPT // 10:
+            self._retain(job)
 
     def set_state(self, job: str, state: str, reason: str) -> None:
         """Move a held job between ``running`` and ``paused``, or a trainer-less one between
@@ -155,26 +202,27 @@ class JobStore:
         now = time.time()
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            rows = self.db.execute("SELECT id, spec, checkpoint FROM jobs WHERE state = 'queued' "
-                                   "ORDER BY priority DESC, created")
+            rows = self.db.execute("SELECT id, spec, checkpoint FROM jobs WHERE state = ? "
+                                   "ORDER BY priority DESC, created", (_QUEUED,))
             row = next((r for r in rows if accept is None
                         or accept({"id": r["id"], "spec": orjson.loads(r["spec"])})), None)
             if row is None:
                 return None
-            self.db.execute("UPDATE jobs SET state = 'running', trainer = ?, attempts = attempts + 1, "
+            self.db.execute("UPDATE jobs SET state = ?, trainer = ?, attempts = attempts + 1, "
                             "lease_expires = ?, updated = ? WHERE id = ?",
-                            (trainer, now + lease_s, now, row["id"]))
+                            (_RUNNING, trainer, now + lease_s, now, row["id"]))
             resumed = ""
             if row["checkpoint"]:
                 ckpt = orjson.loads(row["checkpoint"])
                 resumed = f" (resumes from step {ckpt['step']}, epoch {ckpt['epoch']})"
-            self.db.execute("INSERT INTO events VALUES (?, ?, 'running', ?)",
-                            (row["id"], now, f"assigned to {trainer}{resumed}"))
+            self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)",
+                            (row["id"], now, _RUNNING, f"assigned to {trainer}{resumed}"))
         return self.get(row["id"], events=False)
 
     def first_queued(self, accept: Callable[[dict], bool] | None = None) -> dict | None:
         """The queued job :meth:`claim` would hand out next (``{id, spec}``), without taking it."""
-        rows = self.db.execute("SELECT id, spec FROM jobs WHERE state = 'queued' ORDER BY priority DESC, created")
+        rows = self.db.execute("SELECT id, spec FROM jobs WHERE state = ? ORDER BY priority DESC, created",
+                               (_QUEUED,))
         for r in rows:
             job = {"id": r["id"], "spec": orjson.loads(r["spec"])}
             if accept is None or accept(job):
@@ -188,18 +236,18 @@ class JobStore:
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             row = self.db.execute("SELECT state, checkpoint FROM jobs WHERE id = ?", (job,)).fetchone()
-            if row is None or row["state"] != "queued":
+            if row is None or row["state"] != _QUEUED:
                 raise BadRequest(f"job {job} is not queued; its gang cannot start it")
-            self.db.execute("UPDATE jobs SET state = 'running', trainer = ?, gang = ?, attempts = attempts + 1, "
+            self.db.execute("UPDATE jobs SET state = ?, trainer = ?, gang = ?, attempts = attempts + 1, "
                             "lease_expires = ?, updated = ? WHERE id = ?",
-                            (members[0], orjson.dumps(gang).decode(), now + lease_s, now, job))
+                            (_RUNNING, members[0], orjson.dumps(gang).decode(), now + lease_s, now, job))
             resumed = ""
             if row["checkpoint"]:
                 ckpt = orjson.loads(row["checkpoint"])
                 resumed = f" (resumes from step {ckpt['step']}, epoch {ckpt['epoch']})"
             ranks = ", ".join(f"{rank}: {name}" for rank, name in enumerate(members))
-            self.db.execute("INSERT INTO events VALUES (?, ?, 'running', ?)",
-                            (job, now, f"assigned to a gang of {len(members)} (rank {ranks}){resumed}"))
+            self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)",
+                            (job, now, _RUNNING, f"assigned to a gang of {len(members)} (rank {ranks}){resumed}"))
 
     def update_gang(self, job: str, reason: str = "", **changes) -> dict:
         """Change fields of a running job's gang (its ``rendezvous``, ranks ``delivered``); returns it."""
@@ -224,8 +272,8 @@ class JobStore:
         """Give every held job a fresh lease: a router that just started cannot know which trainers
         are alive, so each gets one lease period to say Hello again. Returns how many."""
         with self.db:
-            cur = self.db.execute("UPDATE jobs SET lease_expires = ? WHERE state IN ('running', 'paused') "
-                                  "AND trainer IS NOT NULL", (time.time() + lease_s,))
+            cur = self.db.execute("UPDATE jobs SET lease_expires = ? WHERE state IN (?, ?) "
+                                  "AND trainer IS NOT NULL", (time.time() + lease_s, *HOLDING_STATES))
         return cur.rowcount
 
     def set_progress(self, job: str, progress: dict, lease_s: float) -> None:
@@ -259,6 +307,9 @@ class JobStore:
                             (job, now, trainer, record["step"], record["epoch"], record["path"],
                              record["sha256"], text))
             self.db.execute("UPDATE jobs SET checkpoint = ?, updated = ? WHERE id = ?", (text, now, job))
+            self.db.execute("DELETE FROM checkpoints WHERE job = ? AND rowid NOT IN (SELECT rowid FROM "
+                            "checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)",
+                            (job, job, CHECKPOINTS_KEPT))
         return record
 
     def finish(self, job: str, state: str, reason: str, result: dict | None = None, error: str = "") -> None:
@@ -283,11 +334,11 @@ class JobStore:
         """
         row = self._row(job)
         failures = row["failures"] + (1 if lost else 0)
-        limit = orjson.loads(row["spec"]).get("max_attempts", 3)
+        limit = min(orjson.loads(row["spec"]).get("max_attempts", 3), MAX_ATTEMPTS)
         if lost and failures >= limit:
-            self._transition(job, "failed", f"{reason}; gave up after {failures} lost attempt(s) "
+            self._transition(job, "failed", f"{reason}; poisoned: gave up after {failures} lost attempt(s) "
                              f"(max_attempts {limit})", trainer=None, gang=None, lease_expires=None, failures=failures,
-                             error=f"lost its trainer {failures} time(s): {reason}", result="{}")
+                             error=f"poisoned: lost or failed {failures} trainer(s): {reason}", result="{}")
             return "failed"
         state = "paused" if row["state"] == "paused" else "queued"
         self._transition(job, state, reason, trainer=None, gang=None, lease_expires=None, failures=failures)
@@ -307,15 +358,19 @@ class JobStore:
             out[key] = orjson.loads(out[key]) if out[key] else None
         return out
 
-    def get(self, job: str, events: bool = True) -> dict:
-        """The job record; with ``events``, also its events and checkpoint records (oldest first)."""
+    def get(self, job: str, events: bool = True, limit: int = EVENTS_SHOWN, offset: int = 0) -> dict:
+        """The job record; with ``events``, also its events and checkpoint records (oldest first):
+        ``limit`` of them, skipping the ``offset`` newest (a page); ``events_total`` counts all kept."""
         out = self._as_dict(self._row(job))
         if events:
-            rows = self.db.execute("SELECT at, state, reason FROM events WHERE job = ? ORDER BY at, rowid",
-                                   (job,)).fetchall()
-            out["events"] = [dict(r) for r in rows]
-            rows = self.db.execute("SELECT record FROM checkpoints WHERE job = ? ORDER BY at, rowid", (job,))
-            out["checkpoints"] = [orjson.loads(r[0]) for r in rows.fetchall()]
+            limit, offset = max(1, min(limit, 10000)), max(0, offset)
+            rows = self.db.execute("SELECT at, state, reason FROM events WHERE job = ? ORDER BY at DESC, rowid DESC "
+                                   "LIMIT ? OFFSET ?", (job, limit, offset)).fetchall()
+            out["events"] = [dict(r) for r in reversed(rows)]
+            out["events_total"] = self.db.execute("SELECT COUNT(*) FROM events WHERE job = ?", (job,)).fetchone()[0]
+            rows = self.db.execute("SELECT record FROM checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC "
+                                   "LIMIT ?", (job, limit))
+            out["checkpoints"] = [orjson.loads(r[0]) for r in reversed(rows.fetchall())]
         return out
 
     def progress_history(self, job: str, limit: int = 100) -> list[dict]:
@@ -325,19 +380,20 @@ class JobStore:
                                (job, max(1, limit))).fetchall()
         return [{"at": r[0], **orjson.loads(r[1])} for r in reversed(rows)]
 
-    def list(self, state: str | None = None, limit: int = 100) -> list[dict]:
+    def list(self, state: str | None = None, limit: int = 100, offset: int = 0) -> list[dict]:
+        """Jobs, newest first: ``limit`` of them after skipping ``offset`` (a page)."""
         if state is not None and state not in JOB_STATES:
             raise BadRequest(f"unknown state {state!r}; expected one of {', '.join(JOB_STATES)}")
-        limit = max(1, min(limit, 10000))
+        limit, offset = max(1, min(limit, 10000)), max(0, offset)
         if state:
-            rows = self.db.execute("SELECT * FROM jobs WHERE state = ? ORDER BY created DESC LIMIT ?",
-                                   (state, limit))
+            rows = self.db.execute("SELECT * FROM jobs WHERE state = ? ORDER BY created DESC LIMIT ? OFFSET ?",
+                                   (state, limit, offset))
         else:
-            rows = self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,))
+            rows = self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ? OFFSET ?", (limit, offset))
         return [self._as_dict(r) for r in rows.fetchall()]
 
     def held(self) -> list[dict]:
         """Jobs a trainer holds now (running or paused, with a trainer)."""
-        rows = self.db.execute("SELECT * FROM jobs WHERE state IN ('running', 'paused') "
-                               "AND trainer IS NOT NULL").fetchall()
+        rows = self.db.execute("SELECT * FROM jobs WHERE state IN (?, ?) "
+                               "AND trainer IS NOT NULL", HOLDING_STATES).fetchall()
         return [self._as_dict(r) for r in rows]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ from libbus.metrics import MetricsExporter, start_exporter
 
 from .. import runtime
 from ..sdnotify import Notifier
+from .failures import describe_failure
 from .reports import Reporter
 from .run import TaskRun
 
@@ -68,6 +70,7 @@ class TrainerService:
         watcher = threading.Thread(target=self._watch_stop, args=(stop,), daemon=True)
         watcher.start()
         try:
+            ask = secrets.token_hex(8)
             while not stop.is_set():
                 self.notifier.watchdog()
                 self.notifier.status(f"idle: asking {router} for a task" if self.link.connected.is_set()
@@ -76,7 +79,10 @@ class TrainerService:
                     log.error("router refused trainer %s: %s", self.name, self.link.fatal)
                     return 1
                 try:
-                    reply = self.link.request(GetTask(), timeout_s=self.settings.request_timeout_s)
+                    # the same key until a reply comes: an ask whose reply was lost, asked again,
+                    # gets the job it was given (no abandoned attempt)
+                    reply = self.link.request(GetTask(key=ask), timeout_s=self.settings.request_timeout_s)
+                    ask = secrets.token_hex(8)
                 except PeerTimeout:
                     continue  # router away: keep asking
                 except BusError as err:
@@ -109,8 +115,14 @@ class TrainerService:
                  f" from checkpoint step {task.resume['step']}" if task.resume else "")
         reporter = Reporter(self.link, task.job, self.settings.request_timeout_s, on_command=self.commands.put)
         try:
-            state, result, error = TaskRun(task, self.settings, self.link, self.identity, self.commands,
-                                           reporter, notifier=self.notifier).run()
+            try:
+                run = TaskRun(task, self.settings, self.link, self.identity, self.commands, reporter,
+                              notifier=self.notifier)
+            except Exception as err:  # noqa: BLE001 - a spec this trainer cannot even set up: the job fails, not us
+                state, result, error = "failed", {"retryable": False}, describe_failure(err, None)
+                log.error("job %s failed before it started: %s", task.job, error)
+            else:
+                state, result, error = run.run()
             self._flush(reporter, stop)
         finally:
             reporter.close()

@@ -88,9 +88,11 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
 
 
 def save_checkpoint(directory: Path, *, step: int, epoch: int, cursor: dict, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, extra: dict) -> dict:
+                    optimizer: torch.optim.Optimizer, extra: dict, epoch_end: bool = False) -> dict:
     """Write a checkpoint of the training state; returns its record (path, sha256, step, epoch,
-    cursor, bytes) for the router. Old ones are removed by :func:`prune`."""
+    cursor, bytes) for the router. Old ones are removed by :func:`prune`. ``epoch_end``: the one
+    taken after an epoch's validation, at the same step as one taken after its last batch; it
+    gets a file of its own (``step-N.e``), so the record the router holds always names intact bytes."""
     tensors = {f"model.{k}": _cpu(v) for k, v in model.state_dict().items()}
     optim = optimizer.state_dict()
     plain_state: dict = {}
@@ -107,21 +109,28 @@ def save_checkpoint(directory: Path, *, step: int, epoch: int, cursor: dict, mod
                 "optim": orjson.dumps({"param_groups": optim["param_groups"], "state": plain_state}).decode(),
                 "rng": orjson.dumps(rng_meta).decode(), "extra": orjson.dumps(extra).decode()}
     data = save_safetensors(tensors, metadata=metadata)
-    path = directory / f"step-{step:09d}.safetensors"
+    path = directory / f"step-{step:09d}{'.e' if epoch_end else ''}.safetensors"
     digest = _write(path, data)
     return {"path": str(path), "sha256": digest, "step": step, "epoch": epoch, "cursor": cursor,
             "bytes": len(data)}
 
 
+def _step_of(path: Path) -> tuple[int, bool]:
+    step, _, tag = path.stem.removeprefix("step-").partition(".")
+    return int(step), tag == "e"
+
+
 def prune(directory: Path, delivered_step: int | None) -> list[Path]:
-    """Remove all but the last :data:`KEEP` checkpoints — never the one the router last heard of
-    (``delivered_step``), nor any newer: while reports wait for an absent router, the job would
-    resume from that one if this trainer died. Returns what was removed."""
-    files = sorted(directory.glob("step-*.safetensors"))
+    """Remove all but the last :data:`KEEP` checkpoints and those of the step the router last
+    heard of (``delivered_step``): while reports wait for an absent router the job would resume
+    from that one if this trainer died, and the newer ones it has not heard of are of no use past
+    the last ``KEEP``. So a trainer holds at most ``KEEP + 2`` files per job, however long the
+    router is away. Returns what was removed."""
+    files = sorted(directory.glob("step-*.safetensors"), key=_step_of)
     removed = []
     for path in files[:-KEEP]:
-        step = int(path.stem.removeprefix("step-"))
-        if delivered_step is not None and step >= delivered_step:
+        step, _ = _step_of(path)
+        if step == delivered_step:
             continue
         path.unlink(missing_ok=True)
         removed.append(path)

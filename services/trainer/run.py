@@ -13,11 +13,10 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from libbus.client import Client, Identity
+from libbus.client import Identity
 from libbus.config import Settings
 from libbus.errors import BadRequest, BusError, NotFound, PeerTimeout, Unavailable
 from libbus.jobs import SETTABLE, JobSpec
-from libbus.curve import curve_key_of
 from libbus.link import Link
 from libbus.loader import RemoteLoader, pick_provider
 from libbus.messages import Checkpointed, Command, Evaluate, Evaluation, Message, Progress, Resolve, Task
@@ -29,15 +28,14 @@ from .checkpoint import (CheckpointError, job_dir, prune, read_checkpoint, resto
                          save_model)
 from .control import Controls, Lost, Stopped
 from .evaluation import LiveEvaluations
+from .failures import deterministic as _deterministic, describe_failure
+from .final_eval import EVALUATE_TIMEOUT_S, score_on_provider
 from .gang import Code, Gang, GangError, advertised_host
 from .reports import Reporter
 
 __all__ = ["TaskRun", "apply_hyper", "make_optimizer"]
 
 log = logging.getLogger(__name__)
-
-#: An evaluation scores the whole test split on the provider: give it longer than a batch.
-EVALUATE_TIMEOUT_S = 300.0
 
 
 def _perplexity(loss: float) -> float:
@@ -112,6 +110,8 @@ class TaskRun:
         if not self.lead:  # the final weights of this rank (identical to rank 0's) go apart
             self.directory = self.directory / f"rank-{task.rank}"
         self.last_checkpoint: dict | None = None
+        #: (step, epoch records) of the last checkpoint written or resumed from.
+        self._checkpointed: tuple[int, int] = (-1, -1)
         self.resumed_from: dict | None = None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -140,12 +140,14 @@ class TaskRun:
         except Lost:
             evaluation_wait_s = 0.0  # the router takes nothing more of this job from here
             return "lost", {}, str(self.reporter.lost)
-        except RuntimeError as err:
-            if self.gang is None:
-                raise
-            # a collective inside backward() (DDP) breaks when another rank is gone
-            return self._failed(GangError(f"rank {self.task.rank}: the gang broke: {err}"))
         except BusError as err:
+            return self._failed(err)
+        except RuntimeError as err:
+            if self.gang is not None and not _deterministic(err):
+                # a collective inside backward() (DDP) breaks when another rank is gone
+                return self._failed(GangError(f"rank {self.task.rank}: the gang broke: {err}"))
+            return self._failed(err)
+        except Exception as err:  # noqa: BLE001 - whatever the job's model or data raise, the trainer lives on
             return self._failed(err)
         finally:
             if self.audit is not None:
@@ -156,11 +158,17 @@ class TaskRun:
             if self.gang is not None:
                 self.gang.close()
 
-    def _failed(self, err: BusError) -> tuple[str, dict, str]:
-        log.error("job %s failed: %s", self.job, err)
-        # a provider that did not answer or is gone (or a rank of the gang) may be back for the next attempt
+    def _failed(self, err: Exception) -> tuple[str, dict, str]:
+        """The job ends ``failed`` with the exception's type, message and a hint; only a peer that
+        did not answer or is gone (a provider, a rank of the gang) makes it retryable: a model, a
+        spec or a device that fails here fails the same way on the next trainer."""
         retryable = isinstance(err, (PeerTimeout, Unavailable, NotFound))
-        return "failed", {"history": self.history, "retryable": retryable}, f"{type(err).__name__}: {err}"
+        error = describe_failure(err, self.spec)
+        if retryable or isinstance(err, BusError):
+            log.error("job %s failed: %s", self.job, error)
+        else:
+            log.error("job %s failed: %s", self.job, error, exc_info=err)
+        return "failed", {"history": self.history, "retryable": retryable}, error
 
     # -- what commands call ---------------------------------------------------------------------
     def _set_hyper(self, changes: dict) -> dict:
@@ -242,14 +250,17 @@ class TaskRun:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _checkpoint(self) -> dict:
-        """Write a checkpoint (unless the last one is of this very step) and report it."""
-        if self.last_checkpoint is not None and self.last_checkpoint["step"] == self.step:
+        """Write a checkpoint (unless the last one is of this very step and epoch record: the
+        epoch-end one after the last step's adds the epoch's validation) and report it."""
+        if self.last_checkpoint is not None and self._checkpointed == (self.step, len(self.history)):
             return self.last_checkpoint
         extra = {"history": self.history, "loss_sum": self.meter.loss_sum, "loss_n": self.meter.loss_n}
         cursor = self.train.state_dict()
         record = save_checkpoint(self.directory, step=self.step, epoch=cursor["epoch"], cursor=cursor,
-                                 model=self.model, optimizer=self.optimizer, extra=extra)
+                                 model=self.model, optimizer=self.optimizer, extra=extra,
+                                 epoch_end=self._checkpointed[0] == self.step)
         self.last_checkpoint = record
+        self._checkpointed = (self.step, len(self.history))
         self.reporter.put(Checkpointed(job=self.job, checkpoint=record))
         prune(self.directory, self.reporter.checkpoint_step)
         log.info("job %s: checkpoint at step %d in %s", self.job, self.step, record["path"])
@@ -274,6 +285,7 @@ class TaskRun:
         self.meter.loss_sum = restored.extra.get("loss_sum", 0.0)
         self.meter.loss_n = restored.extra.get("loss_n", 0)
         self.last_checkpoint = record
+        self._checkpointed = (self.step, len(self.history))
         self.resumed_from = {"step": restored.step, "epoch": restored.epoch, "path": record.get("path")}
         log.info("job %s: resumed from step %d (epoch %d, position %d)", self.job, restored.step,
                  self.train.epoch, self.train.position)
@@ -358,6 +370,11 @@ class TaskRun:
         meter = self.meter
         steps_per_epoch = len(train)
         try:
+            if len(self.history) < min(train.epoch, spec.epochs):
+                # resumed from a checkpoint taken after an epoch's last step but before its
+                # validation (checkpoint_every, a stop, a SIGTERM there): the cursor says the
+                # epoch is done, its record is not; validate it now, as the uninterrupted run did
+                self._end_epoch(train.epoch - 1, val, kind, steps_per_epoch)
             for epoch in range(train.epoch, spec.epochs):
                 train.set_epoch(epoch)
                 self.notifier.status(f"running job {self.job} epoch {epoch + 1}/{spec.epochs}")
@@ -377,20 +394,7 @@ class TaskRun:
                     self._maybe_report()
                     # here the loader's position is exactly the samples trained on
                     self._check()
-                if not self.lead:  # rank 0 scores, checkpoints and reports for the gang
-                    self._check()
-                    continue
-                val_loss, val_acc, _ = evaluate(model, self._watched(val), kind)
-                epoch_record = {"epoch": epoch + 1, "train_loss": meter.take_loss(),
-                                "val_loss": val_loss, "val_accuracy": val_acc}
-                if kind == TOKENS:  # per-token loss; perplexity is how language models are compared
-                    epoch_record["val_perplexity"] = _perplexity(val_loss)
-                self.history.append(epoch_record)
-                log.info("job %s epoch %d/%d: val loss %.4f accuracy %.4f", self.job, epoch + 1,
-                         spec.epochs, val_loss, val_acc)
-                self._checkpoint()
-                self._report(self._progress(epoch + 1, steps_per_epoch, train))
-                self._check()
+                self._end_epoch(epoch, val, kind, steps_per_epoch)
         finally:
             train.close()
             if val is not None:
@@ -414,6 +418,24 @@ class TaskRun:
         result["model"] = save_model(self.directory, model, {"job": self.job, "model": spec.model,
                                                             "step": str(self.step)})
         return result
+
+    def _end_epoch(self, epoch: int, val: RemoteLoader | None, kind: str, steps_per_epoch: int) -> None:
+        """After ``epoch``'s last step: rank 0 validates, records the epoch, checkpoints at cursor
+        ``(epoch + 1, 0)`` with that record, and reports; every rank then applies commands."""
+        if not self.lead:  # rank 0 scores, checkpoints and reports for the gang
+            self._check()
+            return
+        val_loss, val_acc, _ = evaluate(self.model, self._watched(val), kind)
+        epoch_record = {"epoch": epoch + 1, "train_loss": self.meter.take_loss(),
+                        "val_loss": val_loss, "val_accuracy": val_acc}
+        if kind == TOKENS:  # per-token loss; perplexity is how language models are compared
+            epoch_record["val_perplexity"] = _perplexity(val_loss)
+        self.history.append(epoch_record)
+        log.info("job %s epoch %d/%d: val loss %.4f accuracy %.4f", self.job, epoch + 1,
+                 self.spec.epochs, val_loss, val_acc)
+        self._checkpoint()
+        self._report(self._progress(epoch + 1, steps_per_epoch, self.train))
+        self._check()
 
     def _shard(self) -> dict:
         """A gang's rank reads its own shard of ``train``; all as many batches (DDP steps together)."""
@@ -458,8 +480,12 @@ class TaskRun:
         blob = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
         msg = Evaluate(dataset=self.spec.dataset, job=self.job,
                        model={"name": self.spec.model, "kwargs": self.spec.model_kwargs}, frames=[blob])
-        # One bounded wait longer than the watchdog's interval: the watchdog waits as long.
-        with self.notifier.extended(EVALUATE_TIMEOUT_S), \
-                Client(provider["endpoint"], self.identity, timeout_s=EVALUATE_TIMEOUT_S, retries=0,
-                       server_key=curve_key_of(provider)) as client:
-            return client.request(msg)
+        s = self.settings
+        return score_on_provider(msg, provider, self.identity, link=self.link, request_timeout_s=s.request_timeout_s,
+                                 provider_wait_s=s.provider_wait_s, check=self._while_scoring)
+
+    def _while_scoring(self) -> None:
+        """During the final evaluation: the watchdog is fed and commands apply (a shutdown hands
+        the job back; its epoch-end checkpoint resumes it at this evaluation)."""
+        self.notifier.watchdog()
+        self.controls.check()

@@ -1,0 +1,76 @@
+"""The final, provider-side test evaluation of a task: a wait that stays responsive.
+
+Scoring a whole test split may take minutes, so the reply gets :data:`EVALUATE_TIMEOUT_S`; but the
+wait must not deafen the trainer. Every :data:`CHECK_S` it applies commands (a SIGTERM's
+``shutdown`` hands the job back at once: its epoch-end checkpoint resumes it exactly, at this very
+evaluation) and feeds the watchdog; and it asks the router whether the provider is still online:
+one gone for ``provider_wait_s`` fails the attempt as retryable (``Unavailable``), and the next
+attempt scores on a live replica, instead of waiting out the whole timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from libbus.client import Client, Identity
+from libbus.curve import curve_key_of
+from libbus.errors import BusError, NotFound, PeerTimeout, Unavailable
+from libbus.messages import Evaluate, Evaluation, Resolve
+
+__all__ = ["CHECK_S", "EVALUATE_TIMEOUT_S", "score_on_provider"]
+
+log = logging.getLogger(__name__)
+
+#: An evaluation scores the whole test split on the provider: give it longer than a batch.
+EVALUATE_TIMEOUT_S = 300.0
+#: How often the wait applies commands and feeds the watchdog.
+CHECK_S = 0.5
+#: How often it asks the router whether the provider is still online.
+PROVIDER_CHECK_S = 2.0
+
+
+def score_on_provider(msg: Evaluate, provider: dict, identity: Identity, *, link, request_timeout_s: float,
+                      provider_wait_s: float, check: Callable[[], None],
+                      timeout_s: float = EVALUATE_TIMEOUT_S) -> Evaluation:
+    """Send ``msg`` to ``provider`` and wait for its :class:`Evaluation`, calling ``check`` (which
+    may raise to end the wait) every :data:`CHECK_S`.
+
+    Raises the provider's typed error, :class:`PeerTimeout` after ``timeout_s``, and
+    :class:`Unavailable` when the router has not listed the provider for ``provider_wait_s``.
+    """
+    with Client(provider["endpoint"], identity, timeout_s=request_timeout_s, retries=0,
+                server_key=curve_key_of(provider)) as client:
+        client.hello(request_timeout_s)
+        request_id = client.send(msg)
+        deadline = time.monotonic() + timeout_s
+        next_probe = time.monotonic() + PROVIDER_CHECK_S
+        missing_since: float | None = None
+        while True:
+            reply = client.wait_for(request_id, CHECK_S)
+            if reply is not None:
+                return client.check(reply)
+            now = time.monotonic()
+            if now >= deadline:
+                raise PeerTimeout(f"provider {provider['name']} did not score the test split within {timeout_s:.0f} s")
+            check()
+            if now >= next_probe:
+                next_probe = now + PROVIDER_CHECK_S
+                if _listed(link, msg.dataset, provider["name"], request_timeout_s):
+                    missing_since = None
+                else:
+                    missing_since = missing_since or now
+                    if now - missing_since >= provider_wait_s:
+                        raise Unavailable(f"provider {provider['name']} went away during the test evaluation")
+
+
+def _listed(link, dataset: str, name: str, timeout_s: float) -> bool:
+    """Whether the router lists ``name`` among ``dataset``'s providers (True if it cannot say)."""
+    try:
+        return any(p["name"] == name for p in link.request(Resolve(dataset=dataset), timeout_s=timeout_s).providers)
+    except NotFound:
+        return False
+    except BusError as err:
+        log.debug("cannot ask the router about provider %s: %s", name, err)
+        return True
