@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.test_e2e import REPO
+from tests.support.busctl import REPO
 
 
 @pytest.mark.timeout(600)

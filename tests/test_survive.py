@@ -15,24 +15,22 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
 
 from libbus.errors import BadRequest, Unavailable
 from services.trainer.audit import effective_epochs
-from tests import test_jobs_durable as durable
-from tests.conftest import wait_file
-from tests.test_e2e import REPO
-from tests.test_jobs_durable import SPEC, Cluster, final_weights
+from tests.support.busctl import REPO
+from tests.support.jobs import SPEC, JobCluster, final_weights
 
-train_digests = durable.train_digests  # the fixture: every train sample's digest, from the provider
 
 # 600 samples / 16 = 38 steps an epoch: a checkpoint at steps 19 (mid-epoch) and 38 (its last step)
 JOB = {**SPEC, "epochs": 2, "checkpoint_every": 19, "evaluate": True, "max_attempts": 5}
 
 
-class KillCluster(Cluster):
+class KillCluster(JobCluster):
     def __init__(self, state):
         super().__init__(state)
         # a loaded machine must not lapse a live trainer's lease: only the kills end attempts here
@@ -46,8 +44,7 @@ class KillCluster(Cluster):
             proc = subprocess.Popen([sys.executable, "-m", "tests.killpoint", point, str(nth), "--", "start",
                                      "trainer", "--name", name], env=self.env, cwd=REPO, stdout=log,
                                     stderr=subprocess.STDOUT)
-        self.procs[name] = proc
-        return proc
+        return self.adopt(name, proc)
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +52,17 @@ def cluster(tmp_path_factory):
     cluster = KillCluster(tmp_path_factory.mktemp("survive"))
     try:
         cluster.start_router()
-        ready = cluster.state / "provider.ep"
-        cluster.start("provider", "provider", "--bind", "tcp://127.0.0.1:0", "--dataset",
-                      "mnist=mock://mnist?n=600", "--ready-file", str(ready))
-        cluster.provider_endpoint = wait_file(ready, [cluster.procs["provider"]], timeout=60)
+        cluster.start_provider()
+        cluster.provider_endpoint = cluster.endpoint_of("provider")
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture(scope="module")
+def train_digests(cluster) -> Counter:
+    """Every train sample's digest, read straight from the provider."""
+    return cluster.train_digests()
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def assert_same_run(info: dict, ref: dict) -> None:
         assert info["result"][key] == pytest.approx(ref["result"][key], rel=1e-5), key
 
 
-def assert_exactly_once(cluster: Cluster, job: str, train_digests, epochs: int = 2) -> None:
+def assert_exactly_once(cluster: JobCluster, job: str, train_digests, epochs: int = 2) -> None:
     seen = effective_epochs(cluster.audit, job)
     assert sorted(seen) == list(range(epochs))
     for epoch, got in seen.items():

@@ -77,6 +77,12 @@ class Cluster:
         self._all.append(proc)
         return proc
 
+    def adopt(self, name: str, proc: subprocess.Popen) -> subprocess.Popen:
+        """Track ``proc``, started some other way, under ``name``: teardown stops it like the others."""
+        self.procs[name] = proc
+        self._all.append(proc)
+        return proc
+
     def start(self, name: str, role: str, *args: str, ready: bool = False, named: bool = True,
               env: dict[str, str] | None = None) -> subprocess.Popen:
         """``busctl start ROLE [--name NAME] ARGS``; with ``ready``, it writes its endpoint to a ready file
