@@ -94,7 +94,10 @@ class TrainerService:
                 if isinstance(reply, NoTask):
                     stop.wait(reply.retry_ms / 1000)
                 elif isinstance(reply, Task):
-                    self._run_task(reply, stop)
+                    if not self._run_task(reply, stop):
+                        log.error("trainer %s exits: its last gang's process group could not be left "
+                                  "(its supervisor starts a fresh trainer)", self.name)
+                        return 1
             return 0
         finally:
             if self.metrics is not None:
@@ -106,7 +109,8 @@ class TrainerService:
         if self.current_job:
             self.commands.put(Command(job=self.current_job, command="shutdown"))
 
-    def _run_task(self, task: Task, stop: threading.Event) -> None:
+    def _run_task(self, task: Task, stop: threading.Event) -> bool:
+        """Run ``task`` and report how it ended; False when this process cannot take another task."""
         self._drop_stale_commands()
         self.current_job = task.job
         if stop.is_set():  # SIGTERM came between GetTask and here: hand it straight back
@@ -114,6 +118,7 @@ class TrainerService:
         log.info("running job %s%s", task.job,
                  f" from checkpoint step {task.resume['step']}" if task.resume else "")
         reporter = Reporter(self.link, task.job, self.settings.request_timeout_s, on_command=self.commands.put)
+        clean = True
         try:
             try:
                 run = TaskRun(task, self.settings, self.link, self.identity, self.commands, reporter,
@@ -123,6 +128,7 @@ class TrainerService:
                 log.error("job %s failed before it started: %s", task.job, error)
             else:
                 state, result, error = run.run()
+                clean = not run.unclean
             self._flush(reporter, stop)
         finally:
             reporter.close()
@@ -130,16 +136,17 @@ class TrainerService:
         self.tasks[state] += 1
         if task.rank > 0:  # rank 0 reports for the gang (services/trainer/gang.py)
             log.info("job %s: rank %d of %d ended %s %s", task.job, task.rank, task.world_size, state, error)
-            return
+            return clean
         if state == "lost":
             log.warning("job %s abandoned: %s", task.job, error)
-            return
+            return clean
         if state == "queued":
             log.info("job %s handed back to the router (shutting down)", task.job)
         msg = PushResult(job=task.job, state=state, result=result, error=error)
         if state == "succeeded":
             msg.frames = self._final_weights(result)
         self._push_result(msg, stop)
+        return clean
 
     def _final_weights(self, result: dict) -> list[bytes]:
         """The final model's bytes, sent with the result for the router to keep (``busctl job model``),

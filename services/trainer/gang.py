@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from datetime import timedelta
 from enum import IntEnum
 from urllib.parse import urlsplit
@@ -44,6 +45,9 @@ RENDEZVOUS_TIMEOUT_S = 60.0
 #: How long a collective waits for the slowest rank: rank 0 also scores the val split and writes
 #: checkpoints while the others wait at the next step.
 GANG_TIMEOUT_S = 300.0
+#: How long leaving the process group may take: gloo's teardown can block for good when another
+#: rank was killed mid-collective.
+GANG_CLOSE_TIMEOUT_S = 10.0
 
 
 class GangError(Unavailable):
@@ -153,7 +157,19 @@ class Gang:
         except RuntimeError as err:
             raise GangError(f"rank {self.rank}: a rank of the gang is gone: {err}") from err
 
-    def close(self) -> None:
-        """Leave the process group (a rank still waiting on this one sees its connection close)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self, timeout_s: float = GANG_CLOSE_TIMEOUT_S) -> bool:
+        """Leave the process group (a rank still waiting on this one sees its connection close).
+
+        Returns False when the teardown did not end within ``timeout_s`` (a rank killed mid-collective
+        can leave gloo's teardown blocked for good): this process then cannot join another gang, and
+        its trainer exits so that its supervisor starts a fresh one.
+        """
+        if not dist.is_initialized():
+            return True
+        teardown = threading.Thread(target=dist.destroy_process_group, name="gang-close", daemon=True)
+        teardown.start()
+        teardown.join(timeout_s)
+        if teardown.is_alive():
+            log.error("rank %d: leaving the process group did not end within %.0f s", self.rank, timeout_s)
+            return False
+        return True

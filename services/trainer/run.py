@@ -105,6 +105,8 @@ class TaskRun:
         #: Rank 0 (or a job's only trainer) reports, checkpoints and scores; other ranks only train.
         self.lead = task.rank == 0
         self.gang: Gang | None = None
+        #: The gang's process group could not be left: this process must not take another job.
+        self.unclean = False
         self._shutting_down = False
         self.directory = job_dir(settings.checkpoint_dir, self.job)
         if not self.lead:  # the final weights of this rank (identical to rank 0's) go apart
@@ -155,8 +157,8 @@ class TaskRun:
             if self.evaluations.running:
                 with self.notifier.extended(evaluation_wait_s):
                     self.evaluations.join(evaluation_wait_s)
-            if self.gang is not None:
-                self.gang.close()
+            if self.gang is not None and not self.gang.close():
+                self.unclean = True
 
     def _failed(self, err: Exception) -> tuple[str, dict, str]:
         """The job ends ``failed`` with the exception's type, message and a hint; only a peer that
