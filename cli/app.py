@@ -16,6 +16,7 @@ from libbus.messages import ControlJob, GetJob, GetModel, ListJobs, ListPeers, S
 from . import tables
 from .common import admin_client, fail, guard, print_json, settings_from, setup_logging
 from .options import Bind, Config, Json, LogLevel, MetricsBind, Name, ReadyFile, Router, SecretFile, StateDir, Token
+from .studies import current_model, evaluation_task, is_model_ref, studies, study_app
 from .tokens import keys_app, token_app
 from .units import install_units
 from .watch import watch_job
@@ -34,6 +35,8 @@ app.add_typer(token_app, name="token")
 app.add_typer(config_app, name="config")
 app.add_typer(shm_app, name="shm")
 app.add_typer(keys_app, name="keys")
+app.add_typer(study_app, name="study")
+app.command("studies")(studies)
 app.command("install-units")(guard(install_units))
 
 
@@ -152,7 +155,7 @@ def bench(ctx: typer.Context) -> None:
 @guard
 def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job file (flags override it).")] = None,
            dataset: Annotated[Optional[str], typer.Option(help="Dataset name (or remote://NAME).")] = None,
-           model: Annotated[Optional[str], typer.Option(help="mlp, cnn, tiny-lm or module:factory.")] = None,
+           model: Annotated[Optional[str], typer.Option(help="mlp, cnn, tiny-lm or module:factory; with --evaluate a stored model to score: a job id or FILE.safetensors.")] = None,
            epochs: Annotated[Optional[int], typer.Option()] = None,
            batch_size: Annotated[Optional[int], typer.Option()] = None,
            lr: Annotated[Optional[float], typer.Option()] = None,
@@ -162,10 +165,18 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
            block_size: Annotated[int | None, typer.Option(help="Samples per block of --shuffle block.")] = None,
            evaluate: Annotated[Optional[bool], typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")] = None,
            world_size: Annotated[int | None, typer.Option(help="Trainers that train the job together (a gang).")] = None,
+           split: Annotated[str, typer.Option(help="With --evaluate --model JOB|FILE: val (a trainer scores it) or test (the provider does).")] = "val",
+           arch: Annotated[str | None, typer.Option(help="With --evaluate --model FILE: its model, when the file does not say.")] = None,
            config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
            token: Token = None, json: Json = False) -> None:
-    """Queue a training job; prints its id."""
+    """Queue a training job (or, with --evaluate --model JOB|FILE, an evaluation task); prints its id."""
     spec: dict = {}
+    frames: list[bytes] = []
+    if evaluate and is_model_ref(model):
+        if not dataset:
+            fail("an evaluation task needs --dataset NAME", 2)
+        spec, frames = evaluation_task(model, dataset, split, arch)
+        model = dataset = evaluate = None
     if job_file is not None:
         try:
             spec = tomllib.loads(job_file.read_text())
@@ -181,7 +192,7 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
         fail("say which dataset to train on: --dataset NAME or a job file with dataset = \"NAME\"", 2)
     s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)
     with admin_client(s) as client:
-        reply = client.request(SubmitJob(spec=spec))
+        reply = client.request(SubmitJob(spec=spec, frames=frames))
     print_json({"job": reply.job}) if json else typer.echo(reply.job)
 
 
@@ -293,9 +304,12 @@ def job_eval(job: str, config: Config = None, router: Router = None, secret_file
 @job_app.command("model")
 @guard
 def job_model(job: str, out: Annotated[Path, typer.Option("-o", "--out", help="Where to write the safetensors file.")],
+              current: Annotated[bool, typer.Option("--current", help="A running job's current weights, copied between two steps.")] = False,
               config: Config = None, router: Router = None, secret_file: SecretFile = None,
               state_dir: StateDir = None, token: Token = None) -> None:
     """Download the final weights of a succeeded job (safetensors), checked against their sha256."""
+    if current:
+        return current_model(job, out, config, router, secret_file, state_dir, token)
     import hashlib
     from services.atomic import write_atomic
     s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token)

@@ -13,6 +13,7 @@ __all__ = ["JOB_STATES", "TERMINAL_STATES", "SETTABLE", "JobSpec", "dataset_name
 JOB_STATES = ("queued", "running", "paused", "succeeded", "failed", "stopped")
 TERMINAL_STATES = ("succeeded", "failed", "stopped")
 OPTIMIZERS = ("sgd", "adam")
+TASKS = ("train", "evaluate")
 #: Hyper-parameters ``busctl job set`` may change while a job runs.
 SETTABLE = ("lr", "weight_decay", "momentum")
 #: The most trainers one job may gather.
@@ -56,6 +57,16 @@ class JobSpec:
     #: of ``train`` and ``batch_size`` is per trainer. The job waits until this many are free.
     world_size: int = 1
     name: str = ""
+    #: Early stopping, decided by the router (services/router/early_stop.py): stop once ``monitor``
+    #: has not improved by more than ``min_delta`` for ``patience`` epochs (0: never).
+    patience: int = 0
+    min_delta: float = 0.0
+    monitor: str = "val_loss"
+    #: ``train``, or ``evaluate``: score the stored model ``model_from`` (a succeeded job's id, or
+    #: ``artifact:ID`` of an uploaded file) on ``split`` (``val`` on a trainer, ``test`` on the provider).
+    task: str = "train"
+    model_from: str = ""
+    split: str = "val"
 
     @classmethod
     def from_dict(cls, raw: dict) -> JobSpec:
@@ -93,6 +104,15 @@ class JobSpec:
             raise BadRequest(f"world_size must be at most {MAX_WORLD_SIZE}, got {spec.world_size}")
         if spec.checkpoint_every < 0:
             raise BadRequest(f"checkpoint_every must be 0 or more steps, got {spec.checkpoint_every}")
+        if spec.patience < 0 or spec.min_delta < 0:
+            raise BadRequest("patience and min_delta must not be negative")
+        if not spec.monitor.startswith("val_"):
+            raise BadRequest(f"monitor must be a validation metric (val_loss, val_accuracy), got {spec.monitor!r}")
+        if spec.task not in TASKS:
+            raise BadRequest(f"task must be one of {', '.join(TASKS)}, got {spec.task!r}")
+        if spec.task == "evaluate" and (not spec.model_from or spec.split not in ("val", "test")):
+            raise BadRequest("an evaluate task needs model_from (a succeeded job, or an uploaded file) and "
+                             f"split val or test, got model_from={spec.model_from!r} split={spec.split!r}")
         if spec.lr <= 0:
             raise BadRequest(f"lr must be positive, got {spec.lr}")
         if spec.weight_decay < 0 or spec.momentum < 0:

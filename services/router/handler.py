@@ -16,6 +16,7 @@ from libbus.replicas import info_mismatch
 from libbus.server import Handler, Session
 
 from .artifacts import Artifacts
+from .decisions import DECISION_ROLES, Decisions
 from .gangs import Gangs, world_size
 from .grants import Revocations, assignments
 from .jobs import JobControl
@@ -29,7 +30,7 @@ ADMIN = ("admin",)
 TRAINER = ("trainer",)
 
 
-class RouterHandler(Handler):
+class RouterHandler(Decisions, Handler):
     """Registers providers and trainers, resolves datasets, runs the job queue.
 
     Args:
@@ -46,6 +47,7 @@ class RouterHandler(Handler):
         "GetTask": TRAINER, "Progress": TRAINER, "PushResult": TRAINER,
         "Checkpointed": TRAINER, "CommandAck": TRAINER, "Rendezvous": TRAINER,
         "RevokeToken": ADMIN, "ListRevoked": ADMIN,
+        **DECISION_ROLES,  # studies (services/router/decisions.py)
     }
     #: How often the router recomputes what providers must know (assignments follow job changes).
     GRANTS_CHECK_S = 0.2
@@ -54,6 +56,7 @@ class RouterHandler(Handler):
                  server_stats: Callable[[], dict] = dict, artifacts: Artifacts | None = None):
         super().__init__()
         self.store = store
+        self.artifacts = artifacts
         self.task_retry_ms = task_retry_ms
         self.server_stats = server_stats
         self.peers: dict[str, Session] = {}
@@ -65,6 +68,7 @@ class RouterHandler(Handler):
         self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
         self._granted: Entitlements | None = None
         self._last_grants_check = 0.0
+        self.init_decisions()
 
     # -- sessions -----------------------------------------------------------------------------
     def on_open(self, session: Session) -> None:
@@ -149,7 +153,10 @@ class RouterHandler(Handler):
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
         spec = JobSpec.from_dict(msg.spec)
         session.claims.check_dataset(dataset_name(spec.dataset))
+        spec = self.evaluation_spec(spec, msg.frames)  # an evaluate task's model (services/router/decisions.py)
         job = self.store.submit(spec)
+        if msg.frames:
+            self.keep_upload(job, msg.frames)
         log.info("job %s submitted by %s: %s %s on %s", job, session.name, spec.model, spec.optimizer,
                  spec.dataset)
         return JobSubmitted(job=job)
@@ -191,7 +198,7 @@ class RouterHandler(Handler):
         job = self.store.claim(session.name, self.jobs.lease_s, accept=lambda j: j["id"] == job["id"])
         self._push_entitlements()  # the provider hears of the assignment before the trainer asks it
         log.info("job %s assigned to %s", job["id"], session.name)
-        return Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"])
+        return self.attach_model(Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"]))
 
     def on_Rendezvous(self, session: Session, msg: Rendezvous) -> Ok:
         session.claims.check_job(msg.job)
@@ -266,6 +273,7 @@ class RouterHandler(Handler):
             self._push_entitlements()
         self.jobs.tick(now)
         self.gangs.tick(self._trainer_names())
+        self.tick_decisions(now)  # studies, early stopping
 
     def stats(self) -> dict:
         counts = {}

@@ -28,6 +28,7 @@ from .audit import Audit
 from .checkpoint import (CheckpointError, job_dir, prune, read_checkpoint, restore_checkpoint, save_checkpoint,
                          save_model)
 from .control import Controls, Lost, Stopped
+from .evaltask import adopt_checkpoint, current_weights, run_evaluation
 from .evaluation import LiveEvaluations
 from .gang import Code, Gang, GangError, advertised_host
 from .reports import Reporter
@@ -124,9 +125,12 @@ class TaskRun:
         self.evaluations = LiveEvaluations(self.job, identity, EVALUATE_TIMEOUT_S)
         self.controls = Controls(self.job, commands, reporter, checkpoint=self._checkpoint,
                                  set_hyper=self._set_hyper, report=self._while_paused,
-                                 before_stop=self._before_stop, evaluate=self._evaluate_now)
+                                 before_stop=self._before_stop, evaluate=self._evaluate_now,
+                                 adopt=self._adopt, model=self._current_model)
 
     def run(self) -> tuple[str, dict, str]:
+        if self.spec.task == "evaluate":  # score a stored model, no training (services/trainer/evaltask.py)
+            return run_evaluation(self.task, self.spec, self.settings, self.link, self.identity)
         # a live evaluation's acknowledgement goes before the result; a trainer shutting down waits less
         evaluation_wait_s = EVALUATE_TIMEOUT_S
         try:
@@ -175,6 +179,15 @@ class TaskRun:
         self.evaluations.start(self.model, {"name": self.spec.model, "kwargs": self.spec.model_kwargs},
                                self.spec.dataset, self.provider, step=self.step, epoch=self.train.epoch + 1,
                                done=done)
+
+    def _adopt(self, args: dict) -> dict:
+        """Population-based training: load another job's checkpoint (weights and optimizer state) and
+        go on from here with this job's own data position and hyper-parameters."""
+        return adopt_checkpoint(self, args)
+
+    def _current_model(self) -> tuple[dict, bytes]:
+        """``busctl job model --current``: the weights now, between two steps."""
+        return current_weights(self)
 
     def _before_stop(self) -> None:
         """Stopped or handed back, the job can resume exactly here; if this checkpoint cannot be
