@@ -324,11 +324,13 @@ class Studies:
 
 
 def _epochs_trained(job: dict, reported: int) -> float:
-    """Epochs of training the job did (a fraction for a partial one): steps over steps per epoch."""
-    progress = job["progress"] or job["result"] or {}
-    step, per = progress.get("step"), progress.get("steps_per_epoch")
-    if isinstance(step, int) and isinstance(per, int) and per > 0:
-        return round(step / per, 2)
+    """Epochs of training the job did (a fraction for a partial one): its last step (the last
+    report's, the result's, or a stopped job's final checkpoint's) over its steps per epoch."""
+    parts = [job["progress"] or {}, job["result"] or {}, job["checkpoint"] or {}]
+    per = next((p["steps_per_epoch"] for p in parts if isinstance(p.get("steps_per_epoch"), int)), 0)
+    steps = [p["step"] for p in parts if isinstance(p.get("step"), int)]
+    if per > 0 and steps:
+        return round(max(steps) / per, 2)
     return float(reported)
 
 
