@@ -24,7 +24,7 @@ from pathlib import Path
 
 from libbus.auth import ensure_secret, issue_token
 from libbus.client import Client, Identity
-from libbus.messages import GetStudy, SubmitStudy
+from libbus.messages import GetJob, GetStudy, SubmitStudy
 
 BUSCTL = [str(Path(sys.executable).with_name("busctl"))]
 
@@ -136,10 +136,10 @@ def asha(args) -> None:
 
 def pbt_vs_random(args) -> None:
     base = {"dataset": "noisy", "model": "mlp", "model_kwargs": {"hidden": 64}, "epochs": args.epochs,
-            "batch_size": 32, "optimizer": "sgd", "momentum": 0.9, "evaluate": False}
-    space = {"lr": {"log_uniform": [1e-3, 0.5]}}
+            "batch_size": 32, "optimizer": "sgd", "momentum": args.momentum, "evaluate": False}
+    space = {"lr": {"log_uniform": [1e-3, 1.0]}}
     with tempfile.TemporaryDirectory(prefix="bb-pbt-") as tmp:
-        cluster = Cluster(Path(tmp), "noisy=mock://mnist?n=2000&noise=4", trainers=args.population)
+        cluster = Cluster(Path(tmp), f"noisy=mock://mnist?n={args.n}&noise={args.noise}", trainers=args.population)
         try:
             for seed in args.seeds:
                 results = {}
@@ -151,6 +151,12 @@ def pbt_vs_random(args) -> None:
                     info = cluster.run_study(raw, timeout=1800)
                     print(f"seed {seed}, {'random search' if strategy == 'search' else 'PBT'}:")
                     show(info)
+                    if strategy == "pbt":
+                        events = [e["reason"] for t in info["trials"]
+                                  for e in cluster.admin.request(GetJob(job=t["job"])).job["events"]]
+                        print(f"  exploit steps {sum(r.startswith('pbt exploit') for r in events)}, adopted "
+                              f"{sum(r.startswith('adopt acknowledged') for r in events)}, explore steps "
+                              f"{sum(r.startswith('pbt explore') for r in events)}")
                     results[strategy] = info["best"]["value"] if info["best"] else float("nan")
                 print(f"seed {seed}: best val_accuracy random {results['search']:.4f}, PBT {results['pbt']:.4f} "
                       f"({'PBT' if results['pbt'] > results['search'] else 'random'} wins), same budget "
@@ -168,6 +174,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--population", type=int, default=4)
     p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--noise", type=float, default=4.0)
+    p.add_argument("--n", type=int, default=2000, help="training samples of the mock")
     args = parser.parse_args()
     asha(args) if args.what == "asha" else pbt_vs_random(args)
 
