@@ -137,7 +137,7 @@ def asha(args) -> None:
 def pbt_vs_random(args) -> None:
     base = {"dataset": "noisy", "model": "mlp", "model_kwargs": {"hidden": 64}, "epochs": args.epochs,
             "batch_size": 32, "optimizer": "sgd", "momentum": args.momentum, "evaluate": False}
-    space = {"lr": {"log_uniform": [1e-3, 1.0]}}
+    space = {"lr": {"log_uniform": args.lr}}
     with tempfile.TemporaryDirectory(prefix="bb-pbt-") as tmp:
         cluster = Cluster(Path(tmp), f"noisy=mock://mnist?n={args.n}&noise={args.noise}", trainers=args.population)
         try:
@@ -147,7 +147,7 @@ def pbt_vs_random(args) -> None:
                     raw = {"base": {**base, "seed": seed}, "space": space,
                            "study": {"trials": args.population, "concurrent": args.population, "sampler": "random",
                                      "strategy": strategy, "seed": seed, "interval": 1, "quantile": 0.25,
-                                     "perturb": [0.8, 1.25]}}
+                                     "perturb": args.perturb}}
                     info = cluster.run_study(raw, timeout=1800)
                     print(f"seed {seed}, {'random search' if strategy == 'search' else 'PBT'}:")
                     show(info)
@@ -175,8 +175,10 @@ def main() -> None:
     p.add_argument("--population", type=int, default=4)
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--momentum", type=float, default=0.0)
-    p.add_argument("--noise", type=float, default=4.0)
-    p.add_argument("--n", type=int, default=2000, help="training samples of the mock")
+    p.add_argument("--noise", type=float, default=6.0)
+    p.add_argument("--n", type=int, default=5000, help="training samples of the mock")
+    p.add_argument("--lr", type=float, nargs=2, default=[1e-3, 0.3], help="the log-uniform range of lr")
+    p.add_argument("--perturb", type=float, nargs="+", default=[0.5, 2.0], help="PBT's explore factors")
     args = parser.parse_args()
     asha(args) if args.what == "asha" else pbt_vs_random(args)
 

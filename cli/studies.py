@@ -10,6 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Optional
 
+import orjson
 import typer
 from safetensors import safe_open
 
@@ -139,7 +140,11 @@ def evaluation_task(model: str, dataset: str, split: str, arch: str | None) -> t
     name = arch or meta.get("model")
     if not name:
         fail(f"{path} does not say which model it holds; name it with --arch (mlp, cnn, tiny-lm, module:factory)", 2)
-    return {**spec, "model_from": "upload", "model": name}, [data]
+    try:  # written by trainers since studies came; an older file's model is built with default arguments
+        kwargs = orjson.loads(meta.get("model_kwargs") or "{}") if not arch else {}
+    except orjson.JSONDecodeError:
+        kwargs = {}
+    return {**spec, "model_from": "upload", "model": name, "model_kwargs": kwargs if isinstance(kwargs, dict) else {}}, [data]
 
 
 def current_model(job: str, out: Path, config, router, secret_file, state_dir, token) -> None:

@@ -45,6 +45,8 @@ def study(**settings) -> dict:
     (study(trials="many"), "trials must be int"),
     (study(objective="accuracy"), "validation metric"),
     (study(sampler="grid"), "grid needs every"),
+    ({"base": BASE, "space": {"lr": {"choice": [0.1, 0.2]}}, "study": {"sampler": "grid", "trials": 3}},
+     "grid has 2 point"),
     (study(colour=1), "unknown key"),
     (study(strategy="pbt", trials=4, concurrent=4, pruner="asha"), "leave pruner at none"),
     (study(strategy="pbt", trials=4, concurrent=2), "must equal trials"),
@@ -57,7 +59,7 @@ def test_a_wrong_study_is_refused_naming_what_is_wrong(raw, match):
 
 
 def test_a_study_round_trips_and_knows_its_direction():
-    spec = StudySpec.from_dict(study(objective="val_loss", sampler="grid") | {"space": {"lr": {"choice": [0.1, 0.01]}}})
+    spec = StudySpec.from_dict(study(objective="val_loss", sampler="grid", trials=2) | {"space": {"lr": {"choice": [0.1, 0.01]}}})
     assert not spec.maximize
     assert StudySpec.from_dict(spec.to_dict()) == spec
     assert StudySpec.from_dict(study()).maximize  # val_accuracy by default

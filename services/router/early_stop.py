@@ -58,7 +58,9 @@ class EarlyStopping:
         if now - self._last < CHECK_S:
             return
         self._last = now
-        for job in self.jobs.held():
+        held = self.jobs.held()
+        self._decided = {k: v for k, v in self._decided.items() if k in {j["id"] for j in held}}
+        for job in held:
             spec = job["spec"]
             if not spec.get("patience"):
                 continue

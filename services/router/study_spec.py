@@ -177,6 +177,10 @@ class StudySpec:
             if ranged:
                 raise BadRequest(f"[study] sampler grid needs every [space] entry as choice = [...]; "
                                  f"{', '.join(ranged)} {'is' if len(ranged) == 1 else 'are'} a range")
+            points = math.prod(len(p.values) for p in self.space.values())
+            if self.trials > points:
+                raise BadRequest(f"[study] sampler grid has {points} point(s) and tries each once: trials must be "
+                                 f"at most {points}, got {self.trials}")
         if self.strategy == "pbt":
             self._check_pbt()
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import logging
 
+import orjson
+
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -101,7 +103,8 @@ def current_weights(run) -> tuple[dict, bytes]:
     sha256, step and epoch."""
     state, copy_ms = snapshot(run.model)
     data = save_safetensors({k: v.contiguous() for k, v in state.items()},
-                            metadata={"job": run.job, "model": run.spec.model, "step": str(run.step)})
+                            metadata={"job": run.job, "model": run.spec.model, "step": str(run.step),
+                                      "model_kwargs": orjson.dumps(run.spec.model_kwargs).decode()})
     detail = {"sha256": hashlib.sha256(data).hexdigest(), "step": run.step, "epoch": run.train.epoch + 1,
               "copy_ms": round(copy_ms, 3), "bytes": len(data)}
     return detail, data

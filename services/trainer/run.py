@@ -8,6 +8,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+import orjson
 import torch
 from safetensors.torch import save as save_safetensors
 from torch import nn
@@ -425,7 +426,8 @@ class TaskRun:
             log.info("job %s: provider-side test accuracy %.4f on %d samples", self.job,
                      evaluation.accuracy, evaluation.n)
         result["model"] = save_model(self.directory, model, {"job": self.job, "model": spec.model,
-                                                            "step": str(self.step)})
+                                                            "step": str(self.step),
+                                                            "model_kwargs": orjson.dumps(spec.model_kwargs).decode()})
         return result
 
     def _shard(self) -> dict:
