@@ -45,12 +45,9 @@ def busctl(state_dir: Path, router: str, *args: str) -> subprocess.CompletedProc
 
 @pytest.mark.parametrize("content, words", [
     ("[base\n", "not valid TOML"),
-    ('[base]\ndataset = "mnist"\n[space]\n', "[space] is empty"),
     ('[base]\ndataset = "mnist"\n[space]\nlr = { uniform = [0.1, 0.2] }\n[study]\nsampler = "annealing"\n',
      "sampler 'annealing' is unknown; expected one of random, grid, tpe"),
-    ('[base]\ndataset = "mnist"\n[space]\nlr = { uniform = [0.1, 0.2] }\n[study]\npruner = "hyperband"\n',
-     "pruner 'hyperband' is unknown"),
-])
+])  # the other refusals: tests/test_studies.py, on the same check
 def test_a_wrong_study_file_is_refused_in_one_line(tmp_path, content, words):
     path = tmp_path / "study.toml"
     path.write_text(content)

@@ -55,7 +55,7 @@ def test_study_runs_trials_as_jobs_and_names_the_best(router, provider, trainer,
 def test_a_stopped_study_stops_its_running_trial_and_starts_no_more(router, provider, trainer, client_for):
     admin = client_for(router.endpoint, role="admin")
     raw = {"base": {**BASE, "epochs": 50}, "space": {"lr": {"choice": [0.01, 0.02]}},
-           "study": {"trials": 4, "concurrent": 1, "sampler": "grid"}}
+           "study": {"trials": 4, "concurrent": 1, "sampler": "random"}}
     study = admin.request(SubmitStudy(spec=raw)).study["id"]
     deadline = time.monotonic() + 30
     while True:  # wait until the first trial trains
@@ -150,3 +150,26 @@ def test_current_model_of_a_running_job(router, provider, trainer, client_for):
                                                           hidden=32).state_dict())
     admin.request(ControlJob(job=job, command="stop"))
     assert wait_job(admin, job, 30)["state"] == "stopped"
+
+
+def test_pbt_member_adopts_a_better_members_checkpoint_and_explores(router, provider, trainer, client_for):
+    """One trainer: trial 0 (lr 0.1) trains first; trial 1 (lr 1e-6) is the bottom member at the first
+    epoch the router sees it report, copies trial 0's checkpoint through an `adopt` command and
+    continues with its lr explored."""
+    admin = client_for(router.endpoint, role="admin")
+    raw = {"base": {**BASE, "epochs": 4, "batch_size": 50, "momentum": 0.0}, "space": {"lr": {"choice": [1e-6, 0.1]}},
+           "study": {"strategy": "pbt", "trials": 2, "concurrent": 2, "sampler": "grid", "seed": 0,
+                     "perturb": [2.0]}}
+    info = wait_study(admin, admin.request(SubmitStudy(spec=raw)).study["id"])
+    good, bad = info["trials"]
+    assert (good["params"]["lr"], good["state"], bad["state"]) == (0.1, "complete", "complete")
+    events = [e["reason"] for e in admin.request(GetJob(job=bad["job"])).job["events"]]
+    assert any(r.startswith("pbt exploit at epoch ") and f"job {good['job']}" in r for r in events), events
+    assert any(r.startswith("adopt acknowledged") and f"of job {good['job']}" in r and ": loaded step " in r
+               for r in events), "\n".join(events)
+    # explore: the donor's lr doubled, which for a choice is the next value up (0.1 is the last one)
+    assert any(r.startswith("pbt explore: lr 1e-06 -> 0.1") for r in events), events
+    job = admin.request(GetJob(job=bad["job"])).job
+    assert job["spec"]["lr"] == 0.1 == bad["params"]["lr"]  # applied live through `set`
+    # with the good member's weights its second epoch scores like it, not like lr 1e-6 would
+    assert bad["value"] > bad["reports"]["1"] + 0.2

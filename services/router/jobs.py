@@ -195,7 +195,7 @@ class JobControl:
         job = self.own(trainer, msg.job)
         pending = self.pending.pop(msg.seq, None)
         took = f" after {1000 * (time.monotonic() - pending.sent):.0f} ms" if pending else ""
-        reason = f"{msg.command} acknowledged by {trainer}{took}" + _evaluation(msg)
+        reason = f"{msg.command} acknowledged by {trainer}{took}" + _evaluation(msg) + _adopted(msg)
         applied = msg.detail.get("set")
         if msg.command == "set" and isinstance(applied, dict) and applied:
             # what the trainer applied, checked like an admin's `set`: a trainer changes nothing else
@@ -314,6 +314,16 @@ def _check_adopt(args: dict) -> None:
     if set(args) - {"checkpoint", "from"} or not isinstance(record, dict) \
             or not all(isinstance(record.get(k), t) for k, t in (("path", str), ("sha256", str), ("step", int))):
         raise BadRequest("adopt takes {checkpoint: {path, sha256, step, ...}, from: JOB}")
+
+
+def _adopted(msg: CommandAck) -> str:
+    """What an ``adopt`` acknowledgement says it loaded, for the job's events ("" for other commands)."""
+    if msg.command != "adopt":
+        return ""
+    done = msg.detail.get("adopted")
+    if isinstance(done, dict):
+        return f": loaded step {done.get('step')} of job {done.get('from')}"
+    return f": not loaded: {msg.detail.get('error', 'no detail')}"
 
 
 def _current_model(msg: CommandAck, detail: dict) -> Message:

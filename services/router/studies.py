@@ -21,6 +21,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
+import optuna  # with the router, not at its first study: the import's second would stall the serving loop
+
 from libbus.errors import BadRequest, BusError
 from libbus.jobs import TERMINAL_STATES, JobSpec
 
@@ -46,8 +48,6 @@ class _Live:
 
 
 def _optuna():
-    import optuna  # noqa: PLC0415 - only a router that runs studies pays for the import
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna
 
 
@@ -67,7 +67,11 @@ def _distributions(spec: StudySpec) -> dict:
 def _sampler(spec: StudySpec):
     samplers = _optuna().samplers
     if spec.sampler == "grid":
-        return samplers.GridSampler({n: list(p.values) for n, p in spec.space.items()}, seed=spec.seed)
+        class Grid(samplers.GridSampler):
+            def after_trial(self, *args) -> None:
+                """GridSampler stops ``study.optimize`` once the grid is used up (``study.stop()``,
+                which raises outside it); here the study's ``trials`` (at most the grid) end it."""
+        return Grid({n: list(p.values) for n, p in spec.space.items()}, seed=spec.seed)
     if spec.sampler == "tpe":
         return samplers.TPESampler(seed=spec.seed, n_startup_trials=max(2, min(10, spec.trials // 3)))
     return samplers.RandomSampler(seed=spec.seed)
@@ -93,6 +97,7 @@ class Studies:
     """
 
     def __init__(self, jobs: JobStore, control: Callable[[str, str, str, dict], object]):
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # its per-trial INFO lines; ours say more
         self.jobs = jobs
         self.store = StudyStore(jobs.db)
         self.control = control
