@@ -12,12 +12,9 @@ from typing import Annotated, Optional
 
 import orjson
 import typer
-from safetensors import safe_open
 
 from libbus.errors import BadRequest
 from libbus.messages import ControlJob, GetStudy, ListStudies, Model, StopStudy, SubmitStudy
-from services.router.jobs import EVAL_ACK_TIMEOUT_S
-from services.router.study_spec import StudySpec
 
 from .common import admin_client, fail, guard, print_json, settings_from
 from .options import Config, Json, Router, SecretFile, StateDir, Token
@@ -36,6 +33,7 @@ def _client(config, router, secret_file, state_dir, token):
 
 def load_study(path: Path) -> dict:
     """A study file's tables, checked here as the router would check them (exit 2 when wrong)."""
+    from services.router.study_spec import StudySpec  # noqa: PLC0415 - keeps busctl start-up light
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -125,6 +123,7 @@ def evaluation_task(model: str, dataset: str, split: str, arch: str | None) -> t
     """The spec (and the uploaded weights, for a file) of an evaluation task of ``model``."""
     if split not in ("val", "test"):
         fail(f"--split must be val (scored on a trainer) or test (on the provider), got {split!r}", 2)
+    from safetensors import safe_open  # noqa: PLC0415 - keeps busctl start-up light
     spec = {"task": "evaluate", "dataset": dataset, "split": split, "evaluate": False}
     if _JOB_ID.match(model):
         return {**spec, "model_from": model}, []
@@ -149,7 +148,8 @@ def evaluation_task(model: str, dataset: str, split: str, arch: str | None) -> t
 
 def current_model(job: str, out: Path, config, router, secret_file, state_dir, token) -> None:
     """``busctl job model ID --current``: the running job's weights, copied between two steps."""
-    from services.atomic import write_atomic  # noqa: PLC0415
+    from services.atomic import write_atomic  # noqa: PLC0415 - keeps busctl start-up light
+    from services.router.jobs import EVAL_ACK_TIMEOUT_S  # noqa: PLC0415
     with _client(config, router, secret_file, state_dir, token) as client:
         client.hello()
         reply = client.request(ControlJob(job=job, command="model"), timeout_s=EVAL_ACK_TIMEOUT_S + 15, retries=0)

@@ -68,7 +68,7 @@ class EarlyStopping:
             if self._decided.get(job["id"]) == len(history):
                 continue
             monitor = spec.get("monitor", "val_loss")
-            values = [float(r[monitor]) if isinstance(r.get(monitor), (int, float)) else math.nan for r in history]
+            values = [float(r[monitor]) for r in history if isinstance(r.get(monitor), (int, float))]
             why = should_stop(values, patience=spec["patience"], min_delta=spec.get("min_delta", 0.0),
                               maximize="accuracy" in monitor)
             if why is None:
