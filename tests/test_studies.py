@@ -156,6 +156,12 @@ def test_asha_prunes_trials_and_a_restarted_router_finishes_the_study(tmp_path):
     assert info["best"]["value"] == max(t["value"] for t in done)
     assert info["epochs_trained"] < info["epochs_budget"] == 32
     assert len({t["job"] for t in info["trials"]}) == 8  # no trial got a second job across the restart
+    # what ASHA ranks trials by (the rungs each passed) survives a rebuild, as Optuna recorded it
+    rebuilt = Studies(store, trainers.control)._load(sid, studies.store.get(sid))
+    for t, frozen in zip(info["trials"], rebuilt.study.trials):
+        stored = studies.store.trials(sid)[t["number"]]["attrs"]
+        assert "completed_rung_0" in stored
+        assert {k: v for k, v in frozen.system_attrs.items() if k.startswith("completed_rung")} == stored
 
 
 def test_a_stopped_study_stops_its_trials(tmp_path):

@@ -201,10 +201,13 @@ class Studies:
                 state = {"complete": states.COMPLETE, "pruned": states.PRUNED}.get(t["state"], states.FAIL)
                 study_obj.add_trial(optuna.trial.create_trial(
                     state=state, params=params, distributions={k: dists[k] for k in params},
-                    value=t["value"] if state == states.COMPLETE else None, intermediate_values=t["reports"]))
+                    value=t["value"] if state == states.COMPLETE else None, intermediate_values=t["reports"],
+                    system_attrs=t["attrs"]))
             else:
                 study_obj.enqueue_trial(params, skip_if_exists=False)
                 trial = study_obj.ask(dists)
+                for key, value in t["attrs"].items():  # the rungs it passed, its grid point
+                    study_obj._storage.set_trial_system_attr(trial._trial_id, key, value)
                 for epoch, value in sorted(t["reports"].items()):
                     trial.report(value, epoch)
                 live.trials[t["number"]] = trial
@@ -216,6 +219,7 @@ class Studies:
         params = dict(trial.params)
         live.trials[number] = trial
         self.store.add_trial(study, number, params)
+        self.store.update_trial(study, number, attrs=_attrs(live, trial))
         self._submit_job(study, live, number, params)
 
     def _submit_job(self, study: str, live: _Live, number: int, params: dict) -> str:
@@ -246,6 +250,13 @@ class Studies:
         epochs = _epochs_trained(job, len(history))
         if new or epochs != t["epochs"]:
             self.store.update_trial(study, number, reports=reports, epochs=epochs)
+        # judged even when the job has just ended: ASHA records the rungs a trial passed (system
+        # attributes the other trials are ranked against), kept for a router that restarts
+        prune = bool(new) and spec.strategy == "search" and t["state"] == "running" and trial.should_prune()
+        if new and spec.strategy == "search":
+            attrs = _attrs(live, trial)
+            if attrs != t["attrs"]:
+                self.store.update_trial(study, number, attrs=attrs)
         if job["state"] in TERMINAL_STATES:
             self._ended(study, live, t, job, reports, study_state)
             return
@@ -257,7 +268,8 @@ class Studies:
             return
         if spec.strategy == "pbt":
             self._exploit(study, live, number, job, new[-1][0])
-        elif trial.should_prune():
+            return
+        if prune:
             epoch, value = new[-1]
             self.store.update_trial(study, number, state="pruning")
             self.jobs.event(t["job"], f"pruned by study {study} ({spec.pruner}) after epoch {epoch}: "
@@ -326,6 +338,12 @@ class Studies:
                                                              if isinstance(v, float) else f"{k} -> {v}"
                                                              for k, v in params.items()))
         self.store.update_trial(study, number, params={**mine["params"], **params})
+
+
+def _attrs(live: _Live, trial) -> dict:
+    """Optuna's system attributes of a running trial, but the parameters an enqueued trial was given."""
+    attrs = live.study._storage.get_trial_system_attrs(trial._trial_id)
+    return {k: v for k, v in attrs.items() if k != "fixed_params"}
 
 
 def _epochs_trained(job: dict, reported: int) -> float:

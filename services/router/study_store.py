@@ -5,7 +5,8 @@ them when it starts (services/router/studies.py), so a router killed at any mome
 A trial row: its ``number`` in the study, its ``job`` (an ordinary job, named ``STUDY/NUMBER``), the
 ``params`` it was given, its ``state`` (``running``, ``pruning`` — a stop sent, not yet ended —
 ``pruned``, ``complete``, ``failed``, ``stopped``), the objective ``value`` and the ``reports``
-(``{epoch: value}``) the pruner saw.
+(``{epoch: value}``) the pruner saw, and Optuna's ``attrs`` for the trial (its system attributes:
+the rungs ASHA promoted it past, a grid point), so that a rebuilt study judges as the first did.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ CREATE TABLE IF NOT EXISTS trials (
     value   REAL,
     reports TEXT NOT NULL DEFAULT '{}',
     epochs  REAL NOT NULL DEFAULT 0,
+    attrs   TEXT NOT NULL DEFAULT '{}',
     updated REAL NOT NULL,
     PRIMARY KEY (study, number)
 );
@@ -90,6 +92,7 @@ class StudyStore:
         for r in rows:
             trial = dict(r)
             trial["params"] = orjson.loads(trial["params"])
+            trial["attrs"] = orjson.loads(trial["attrs"])
             trial["reports"] = {int(k): v for k, v in orjson.loads(trial["reports"]).items()}
             out.append(trial)
         return out
@@ -101,8 +104,8 @@ class StudyStore:
                             (study, number, orjson.dumps(params).decode(), time.time()))
 
     def update_trial(self, study: str, number: int, **fields) -> None:
-        """Change ``job``, ``state``, ``value``, ``reports``, ``epochs`` or ``params`` of a trial."""
-        for key in ("reports", "params"):
+        """Change ``job``, ``state``, ``value``, ``reports``, ``epochs``, ``params`` or ``attrs`` of a trial."""
+        for key in ("reports", "params", "attrs"):
             if key in fields:
                 fields[key] = orjson.dumps({str(k): v for k, v in fields[key].items()}).decode()
         sets = ", ".join(f"{k} = ?" for k in fields)
