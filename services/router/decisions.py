@@ -47,6 +47,16 @@ class Decisions:
             except Exception:  # noqa: BLE001 - a bug in a strategy must not take the router down
                 log.exception("%s failed; trying again at the next tick", type(part).__name__)
 
+    def judge_report(self, job: str, progress: dict) -> None:
+        """A job's progress report: a study trial's new epoch is judged at once (pruning, PBT)."""
+        history = progress.get("history")
+        if not isinstance(history, list):
+            return
+        try:
+            self.studies.on_report(job, len(history))
+        except Exception:  # noqa: BLE001 - the report is stored; the next tick judges it again
+            log.exception("study report of job %s", job)
+
     # -- studies ---------------------------------------------------------------------------------
     def on_SubmitStudy(self, session: Session, msg: SubmitStudy) -> StudyInfo:
         base = msg.spec.get("base") if isinstance(msg.spec, dict) else None

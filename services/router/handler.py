@@ -208,7 +208,9 @@ class RouterHandler(Decisions, Handler):
 
     def on_Progress(self, session: Session, msg: Progress) -> Ok:
         session.claims.check_job(msg.job)
-        return self.jobs.on_progress(session.name, msg)
+        reply = self.jobs.on_progress(session.name, msg)
+        self.judge_report(msg.job, msg.progress)  # a study's trial: its new epoch judged now
+        return reply
 
     def on_Checkpointed(self, session: Session, msg: Checkpointed) -> Ok:
         session.claims.check_job(msg.job)

@@ -103,6 +103,8 @@ class Studies:
         self.control = control
         self._live: dict[str, _Live] = {}
         self._stop_sent: set[str] = set()
+        #: Jobs of running trials: their progress reports are judged as they arrive (:meth:`on_report`).
+        self._trial_jobs: dict[str, int] = {}  # job -> epochs judged
         self._last = 0.0
 
     # -- admin requests --------------------------------------------------------------------------
@@ -163,6 +165,19 @@ class Studies:
                 self._step(study)
             except BusError as err:  # one study's trouble must not stop the others (or the router)
                 log.error("study %s: %s", study, err)
+
+    def on_report(self, job: str, epochs: int) -> None:
+        """A trial's trainer reported ``epochs`` epochs: judge a new one now, not at the next tick
+        (the trainer trains on while the router decides)."""
+        if self._trial_jobs.get(job, epochs) >= epochs:
+            return
+        found = self.jobs.db.execute("SELECT study, number FROM trials WHERE job = ?", (job,)).fetchone()
+        if found is None:
+            return
+        row = self.store.get(found[0])
+        t = next(t for t in row["trials"] if t["number"] == found[1])
+        if t["state"] in ("running", "pruning"):
+            self._follow(found[0], self._load(found[0], row), t, row["state"])
 
     def _step(self, study: str) -> None:
         row = self.store.get(study)
@@ -247,6 +262,7 @@ class Studies:
         for epoch, value in new:
             reports[epoch] = value
             trial.report(value, epoch)
+        self._trial_jobs[t["job"]] = len(history)
         epochs = _epochs_trained(job, len(history))
         if new or epochs != t["epochs"]:
             self.store.update_trial(study, number, reports=reports, epochs=epochs)
@@ -280,6 +296,7 @@ class Studies:
         states = _optuna().trial.TrialState
         spec, number = live.spec, t["number"]
         trial = live.trials.pop(number, None)
+        self._trial_jobs.pop(t["job"], None)
         result = job["result"] or {}
         value = result.get(spec.objective)
         if value is None and reports:
