@@ -116,10 +116,12 @@ def asha(args) -> None:
             ended = sum(t["state"] in ("pruned", "complete", "failed") for t in info["trials"])
             if not killed and ended >= 5:
                 print(f"kill -9 the router with {ended} trials ended, {len(info['trials'])} started")
+                down = time.monotonic()
                 cluster.kill_router()
                 time.sleep(1.0)
                 cluster.start_router(cluster.endpoint)
                 killed.append(time.monotonic())
+                print(f"router back after {killed[0] - down:.1f} s (trainers trained on meanwhile)")
         try:
             raw = {"base": {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 64}, "epochs": 6,
                             "batch_size": 32, "optimizer": "sgd", "evaluate": False, "seed": args.seed},

@@ -43,7 +43,7 @@ FIXED = ("dataset", "name", "world_size", "task", "model_from", "split")
 MAX_TRIALS = 10000
 #: ``[study]`` keys and their defaults.
 STUDY_KEYS = {"trials": 10, "concurrent": 2, "objective": "val_accuracy", "sampler": "tpe", "pruner": "none",
-              "seed": 0, "strategy": "search", "min_epochs": 1, "reduction_factor": 3, "patience": 2,
+              "seed": 0, "strategy": "search", "min_epochs": 1, "reduction_factor": 4, "patience": 2,
               "min_delta": 0.0, "interval": 1, "quantile": 0.25, "perturb": [0.8, 1.25]}
 
 
@@ -96,7 +96,7 @@ class StudySpec:
     seed: int = 0
     strategy: str = "search"
     min_epochs: int = 1
-    reduction_factor: int = 3
+    reduction_factor: int = 4
     patience: int = 2
     min_delta: float = 0.0
     interval: int = 1
