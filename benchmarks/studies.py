@@ -127,7 +127,7 @@ def asha(args) -> None:
                             "batch_size": 32, "optimizer": "sgd", "evaluate": False, "seed": args.seed},
                    "space": {"lr": {"log_uniform": [1e-4, 0.3]}, "momentum": {"uniform": [0.0, 0.95]}},
                    "study": {"trials": 12, "concurrent": 2, "objective": "val_accuracy", "sampler": "tpe",
-                             "pruner": "asha", "seed": args.seed}}
+                             "pruner": "asha", "reduction_factor": args.rf, "seed": args.seed}}
             started = time.monotonic()
             info = cluster.run_study(raw, timeout=1200, on_poll=maybe_kill)
             print(f"seed {args.seed}; {time.monotonic() - started:.0f} s; router killed: {bool(killed)}")
@@ -172,6 +172,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     a = sub.add_parser("asha")
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--rf", type=int, default=3, help="ASHA's reduction factor")
     p = sub.add_parser("pbt")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--population", type=int, default=4)
