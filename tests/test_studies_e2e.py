@@ -173,3 +173,30 @@ def test_pbt_member_adopts_a_better_members_checkpoint_and_explores(router, prov
     assert job["spec"]["lr"] == 0.1 == bad["params"]["lr"]  # applied live through `set`
     # with the good member's weights its second epoch scores like it, not like lr 1e-6 would
     assert bad["value"] > bad["reports"]["1"] + 0.2
+
+
+def test_a_router_killed_mid_study_comes_back_and_completes_it(tmp_path):
+    """Real processes (`busctl start` router, provider, trainer): the router is killed -9 once a
+    trial has ended and started again on its address; the study goes on from its rows."""
+    from benchmarks.studies import Cluster
+    from libbus.messages import ListJobs as List
+    cluster = Cluster(tmp_path, "mnist=mock://mnist?n=600", trainers=1)
+    killed = []
+
+    def kill_once(info: dict) -> None:
+        if not killed and any(t["state"] in ("pruned", "complete") for t in info["trials"]):
+            cluster.kill_router()
+            cluster.start_router(cluster.endpoint)
+            killed.append(len(info["trials"]))
+    try:
+        raw = {"base": {**BASE, "epochs": 3}, "space": {"lr": {"log_uniform": [1e-4, 0.3]}},
+               "study": {"trials": 4, "concurrent": 1, "sampler": "random", "pruner": "asha", "seed": 2}}
+        info = cluster.run_study(raw, timeout=120, on_poll=kill_once)
+        assert killed, "the study ended before the router could be killed"
+        assert info["state"] == "complete"
+        assert [t["number"] for t in info["trials"]] == [0, 1, 2, 3]
+        assert all(t["state"] in ("complete", "pruned") for t in info["trials"])
+        jobs = [j for j in cluster.admin.request(List()).jobs if j["spec"]["name"].startswith(info["id"])]
+        assert sorted(j["id"] for j in jobs) == sorted(t["job"] for t in info["trials"])  # one job per trial
+    finally:
+        cluster.close()
