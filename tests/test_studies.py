@@ -36,6 +36,7 @@ def study(**settings) -> dict:
     ({"base": BASE, "space": {"lr": {"log_uniform": [0, 1]}}}, "low > 0"),
     ({"base": BASE, "space": {"lr": {"uniform": [-1, 1]}}}, "does not make a valid job"),
     ({"base": BASE, "space": {"epochs": {"int": [1, 2.5]}}}, "whole bounds"),
+    ({"base": BASE, "space": {"batch_size": {"uniform": [16, 64]}}}, "draws floats, but batch_size is int"),
     ({"base": BASE, "space": {"batch_size": {"choice": [32, 32]}}}, "twice"),
     ({"base": BASE, "space": {"colour": {"choice": ["red"]}}}, "not a job field"),
     ({"base": BASE, "space": {"dataset": {"choice": ["cifar"]}}}, "not a job field"),
@@ -180,3 +181,21 @@ def test_a_stopped_study_stops_its_trials(tmp_path):
     info = studies.show(sid)
     assert info["state"] == "stopped"
     assert [t["state"] for t in info["trials"]] == ["stopped", "stopped"]
+
+
+def test_a_trial_whose_job_cannot_be_made_fails_alone(tmp_path):
+    """A trial row whose parameters no longer make a valid job (written by another version, say)
+    fails that trial; the study goes on with the next."""
+    store = JobStore(str(tmp_path / "jobs.db"))
+    trainers = FakeTrainers(store)
+    studies = Studies(store, trainers.control)
+    sid = studies.submit(study(trials=3, concurrent=1, sampler="random"), "admin")
+    studies.store.add_trial(sid, 1, {"lr": -1.0})  # as if asked before a restart, its job not yet made
+    studies = Studies(store, trainers.control)
+    for _ in range(12):
+        trainers.epoch()
+        studies._last = 0
+        studies.tick(time.time())
+    info = studies.show(sid)
+    assert [t["state"] for t in info["trials"]][1] == "failed" and info["trials"][1]["job"] is None
+    assert info["state"] == "complete" and len(info["trials"]) == 3

@@ -47,12 +47,8 @@ class _Live:
     trials: dict[int, object] = field(default_factory=dict)
 
 
-def _optuna():
-    return optuna
-
-
 def _distributions(spec: StudySpec) -> dict:
-    d = _optuna().distributions
+    d = optuna.distributions
     out = {}
     for name, p in spec.space.items():
         if p.kind == "choice":
@@ -65,7 +61,7 @@ def _distributions(spec: StudySpec) -> dict:
 
 
 def _sampler(spec: StudySpec):
-    samplers = _optuna().samplers
+    samplers = optuna.samplers
     if spec.sampler == "grid":
         class Grid(samplers.GridSampler):
             def after_trial(self, *args) -> None:
@@ -78,7 +74,7 @@ def _sampler(spec: StudySpec):
 
 
 def _pruner(spec: StudySpec):
-    pruners = _optuna().pruners
+    pruners = optuna.pruners
     if spec.pruner == "median":
         return pruners.MedianPruner(n_startup_trials=min(spec.concurrent, 5), n_warmup_steps=spec.min_epochs - 1)
     if spec.pruner == "asha":
@@ -203,31 +199,43 @@ class Studies:
         live = self._live.get(study)
         if live is not None:
             return live
-        optuna = _optuna()
         spec = StudySpec.from_dict(row["spec"])
         dists = _distributions(spec)
         study_obj = optuna.create_study(direction="maximize" if spec.maximize else "minimize",
                                         sampler=_sampler(spec), pruner=_pruner(spec))
         live = _Live(spec, study_obj)
-        states = optuna.trial.TrialState
         for t in row["trials"]:
             params = {k: v for k, v in t["params"].items() if k in dists}
-            if t["state"] in TRIAL_ENDED:
-                state = {"complete": states.COMPLETE, "pruned": states.PRUNED}.get(t["state"], states.FAIL)
-                study_obj.add_trial(optuna.trial.create_trial(
-                    state=state, params=params, distributions={k: dists[k] for k in params},
-                    value=t["value"] if state == states.COMPLETE else None, intermediate_values=t["reports"],
-                    system_attrs=t["attrs"]))
-            else:
-                study_obj.enqueue_trial(params, skip_if_exists=False)
-                trial = study_obj.ask(dists)
-                for key, value in t["attrs"].items():  # the rungs it passed, its grid point
-                    study_obj._storage.set_trial_system_attr(trial._trial_id, key, value)
-                for epoch, value in sorted(t["reports"].items()):
-                    trial.report(value, epoch)
-                live.trials[t["number"]] = trial
+            try:
+                self._rebuild_trial(live, t, params, dists)
+            except ValueError as err:  # parameters outside the space (rows from another version)
+                log.warning("study %s: trial %d does not fit the space (%s): failed", study, t["number"], err)
+                if t["state"] not in TRIAL_ENDED:
+                    self.store.update_trial(study, t["number"], state="failed")
         self._live[study] = live
         return live
+
+    @staticmethod
+    def _rebuild_trial(live: _Live, t: dict, params: dict, dists: dict) -> None:
+        """Give the rebuilt Optuna study one trial as it ended, or as it stands (still running)."""
+        study_obj, states = live.study, optuna.trial.TrialState
+        if t["state"] in TRIAL_ENDED:
+            state = {"complete": states.COMPLETE, "pruned": states.PRUNED}.get(t["state"], states.FAIL)
+            study_obj.add_trial(optuna.trial.create_trial(
+                state=state, params=params, distributions={k: dists[k] for k in params},
+                value=t["value"] if state == states.COMPLETE else None, intermediate_values=t["reports"],
+                system_attrs=t["attrs"]))
+            return
+        for name, value in params.items():  # checked first: a trial asked and then refused stays open
+            if not dists[name]._contains(dists[name].to_internal_repr(value)):
+                raise ValueError(f"{name}={value!r} is outside {dists[name]}")
+        study_obj.enqueue_trial(params, skip_if_exists=False)
+        trial = study_obj.ask(dists)
+        for key, value in t["attrs"].items():  # the rungs it passed, its grid point
+            study_obj._storage.set_trial_system_attr(trial._trial_id, key, value)
+        for epoch, value in sorted(t["reports"].items()):
+            trial.report(value, epoch)
+        live.trials[t["number"]] = trial
 
     def _start_trial(self, study: str, live: _Live, number: int) -> None:
         trial = live.study.ask(_distributions(live.spec))
@@ -241,7 +249,17 @@ class Studies:
         name = f"{study}/{number}"
         # a router killed between the two writes left the job submitted: adopt it, not a second one
         row = self.jobs.db.execute("SELECT id FROM jobs WHERE json_extract(spec, '$.name') = ?", (name,)).fetchone()
-        job = row[0] if row else self.jobs.submit(JobSpec.from_dict({**live.spec.base, **params, "name": name}))
+        if row is None:
+            try:
+                spec = JobSpec.from_dict({**live.spec.base, **params, "name": name})
+            except BadRequest as err:  # a combination no single bound showed: this trial fails, not the study
+                log.warning("study %s: trial %d cannot run: %s", study, number, err)
+                self.store.update_trial(study, number, state="failed")
+                trial = live.trials.pop(number, None)
+                if trial is not None:
+                    live.study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+                return ""
+        job = row[0] if row else self.jobs.submit(spec)
         self.store.update_trial(study, number, job=job)
         log.info("study %s: trial %d is job %s with %s", study, number, job, params)
         return job
@@ -293,7 +311,7 @@ class Studies:
             self._stop_job(t["job"], f"study {study}: pruned")
 
     def _ended(self, study: str, live: _Live, t: dict, job: dict, reports: dict, study_state: str) -> None:
-        states = _optuna().trial.TrialState
+        states = optuna.trial.TrialState
         spec, number = live.spec, t["number"]
         trial = live.trials.pop(number, None)
         self._trial_jobs.pop(t["job"], None)

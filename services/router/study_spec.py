@@ -134,6 +134,11 @@ class StudySpec:
             if name not in known or name in FIXED:
                 varied = ", ".join(k for k in known if k not in FIXED)
                 raise BadRequest(f"[space] {name}: not a job field a study can vary; fields: {varied}")
+            default = known[name].default
+            if param.kind in ("uniform", "log_uniform") and type(default) is not float:
+                raise BadRequest(f"[space] {name}: {param.kind} draws floats, but {name} is "
+                                 f"{type(default).__name__ if default is not dataclasses.MISSING else 'not a number'}"
+                                 f"; use int = [low, high] or choice = [...]")
             for value in param.values:  # every bound or choice must make a valid job
                 try:
                     JobSpec.from_dict({**base, name: value})
