@@ -29,6 +29,7 @@ from .options import (
     Token,
     admin_options,
 )
+from .studies import current_model, evaluation_task, is_model_ref, studies, study_app
 from .tokens import keys_app, token_app
 from .units import install_units
 from .watch import watch_job
@@ -47,6 +48,8 @@ app.add_typer(token_app, name="token")
 app.add_typer(config_app, name="config")
 app.add_typer(shm_app, name="shm")
 app.add_typer(keys_app, name="keys")
+app.add_typer(study_app, name="study")
+app.command("studies")(studies)
 app.command("install-units")(guard(install_units))
 
 
@@ -166,7 +169,7 @@ def bench(ctx: typer.Context) -> None:
 @admin_options
 def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job file (flags override it).")] = None,
            dataset: Annotated[Optional[str], typer.Option(help="Dataset name (or remote://NAME).")] = None,
-           model: Annotated[Optional[str], typer.Option(help="mlp, cnn, tiny-lm or module:factory.")] = None,
+           model: Annotated[Optional[str], typer.Option(help="mlp, cnn, tiny-lm or module:factory; with --evaluate a stored model to score: a job id or FILE.safetensors.")] = None,
            epochs: Annotated[Optional[int], typer.Option()] = None,
            batch_size: Annotated[Optional[int], typer.Option()] = None,
            lr: Annotated[Optional[float], typer.Option()] = None,
@@ -176,9 +179,17 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
            block_size: Annotated[int | None, typer.Option(help="Samples per block of --shuffle block.")] = None,
            evaluate: Annotated[Optional[bool], typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")] = None,
            world_size: Annotated[int | None, typer.Option(help="Trainers that train the job together (a gang).")] = None,
+           split: Annotated[str, typer.Option(help="With --evaluate --model JOB|FILE: val (a trainer scores it) or test (the provider does).")] = "val",
+           arch: Annotated[str | None, typer.Option(help="With --evaluate --model FILE: its model, when the file does not say.")] = None,
            *, settings: Settings, json: Json = False) -> None:
-    """Queue a training job; prints its id."""
+    """Queue a training job (or, with --evaluate --model JOB|FILE, an evaluation task); prints its id."""
     spec: dict = {}
+    frames: list[bytes] = []
+    if evaluate and is_model_ref(model):
+        if not dataset:
+            fail("an evaluation task needs --dataset NAME", 2)
+        spec, frames = evaluation_task(model, dataset, split, arch)
+        model = dataset = evaluate = None
     if job_file is not None:
         try:
             spec = tomllib.loads(job_file.read_text())
@@ -194,7 +205,7 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
         fail("say which dataset to train on: --dataset NAME or a job file with dataset = \"NAME\"", 2)
     s = settings
     with admin_client(s) as client:
-        reply = client.request(SubmitJob(spec=spec))
+        reply = client.request(SubmitJob(spec=spec, frames=frames))
     print_json({"job": reply.job}) if json else typer.echo(reply.job)
 
 
@@ -315,8 +326,11 @@ def job_eval(job: str, *, settings: Settings, json: Json = False) -> None:
 @guard
 @admin_options
 def job_model(job: str, out: Annotated[Path, typer.Option("-o", "--out", help="Where to write the safetensors file.")],
+              current: Annotated[bool, typer.Option("--current", help="A running job's current weights, copied between two steps.")] = False,
               *, settings: Settings) -> None:
     """Download the final weights of a succeeded job (safetensors), checked against their sha256."""
+    if current:
+        return current_model(job, out, settings)
     import hashlib
     from services.atomic import write_atomic
     s = settings

@@ -15,6 +15,7 @@ JOB_STATES = tuple(s.value for s in JobState)
 TERMINAL_STATES = tuple(s.value for s in JobState if s.terminal)
 OPTIMIZERS = ("sgd", "adam")
 GATHER_POLICIES = ("wait", "fail")
+TASKS = ("train", "evaluate")
 #: Hyper-parameters ``busctl job set`` may change while a job runs.
 SETTABLE = ("lr", "weight_decay", "momentum")
 #: The most trainers one job may gather.
@@ -65,6 +66,16 @@ class JobSpec:
     gather_timeout_s: float = 120.0
     gather_policy: str = "wait"
     name: str = ""
+    #: Early stopping, decided by the router (services/router/early_stop.py): stop once ``monitor``
+    #: has not improved by more than ``min_delta`` for ``patience`` epochs (0: never).
+    patience: int = 0
+    min_delta: float = 0.0
+    monitor: str = "val_loss"
+    #: ``train``, or ``evaluate``: score the stored model ``model_from`` (a succeeded job's id, or
+    #: ``artifact:ID`` of an uploaded file) on ``split`` (``val`` on a trainer, ``test`` on the provider).
+    task: str = "train"
+    model_from: str = ""
+    split: str = "val"
 
     @classmethod
     def from_dict(cls, raw: dict) -> JobSpec:
@@ -109,6 +120,15 @@ class JobSpec:
             raise BadRequest(f"gather_policy must be one of {', '.join(GATHER_POLICIES)}, got {spec.gather_policy!r}")
         if spec.checkpoint_every < 0:
             raise BadRequest(f"checkpoint_every must be 0 or more steps, got {spec.checkpoint_every}")
+        if spec.patience < 0 or spec.min_delta < 0:
+            raise BadRequest("patience and min_delta must not be negative")
+        if not spec.monitor.startswith("val_"):
+            raise BadRequest(f"monitor must be a validation metric (val_loss, val_accuracy), got {spec.monitor!r}")
+        if spec.task not in TASKS:
+            raise BadRequest(f"task must be one of {', '.join(TASKS)}, got {spec.task!r}")
+        if spec.task == "evaluate" and (not spec.model_from or spec.split not in ("val", "test")):
+            raise BadRequest("an evaluate task needs model_from (a succeeded job, or an uploaded file) and "
+                             f"split val or test, got model_from={spec.model_from!r} split={spec.split!r}")
         if spec.lr <= 0:
             raise BadRequest(f"lr must be positive, got {spec.lr}")
         if spec.weight_decay < 0 or spec.momentum < 0:

@@ -30,6 +30,7 @@ __all__ = [
     "GetModel", "Model",
     "Evaluate", "Evaluation", "StageControl", "Stats", "StatsReply", "ListPeers", "PeerList",
     "RevokeToken", "ListRevoked", "RevokedList", "Entitlements", "Goodbye",
+    "SubmitStudy", "ListStudies", "GetStudy", "StopStudy", "StudyInfo", "StudyList",
 ]
 
 MESSAGE_TYPES: dict[str, type["Message"]] = {}
@@ -187,6 +188,9 @@ class RingAttached(Message):
 
 @dataclass(kw_only=True)
 class SubmitJob(Message):
+    """A job spec; an ``evaluate`` task of an uploaded model carries it as one payload frame
+    (safetensors bytes), which the router keeps as ``artifact:ID``."""
+    nframes: ClassVar[tuple[int, int]] = (0, 1)
     spec: dict
 
 
@@ -246,7 +250,9 @@ class GetTask(Message):
 @dataclass(kw_only=True)
 class Task(Message):
     """A job for the trainer that asked. In a gang (``world_size`` > 1) every rank gets one;
-    ranks above 0 get theirs once rank 0 has reported ``rendezvous`` (``tcp://host:port``)."""
+    ranks above 0 get theirs once rank 0 has reported ``rendezvous`` (``tcp://host:port``).
+    An ``evaluate`` task carries the model to score as one payload frame (safetensors bytes)."""
+    nframes: ClassVar[tuple[int, int]] = (0, 1)
     job: str
     spec: dict
     rank: int = 0
@@ -293,11 +299,14 @@ class GetModel(Message):
 
 @dataclass(kw_only=True)
 class Model(Message):
-    """The weights as one payload frame (safetensors bytes) and their sha256."""
+    """The weights as one payload frame (safetensors bytes) and their sha256; ``step`` and ``epoch``
+    of a running job's current weights (``busctl job model --current``), 0 for a final model."""
     nframes: ClassVar[tuple[int, int]] = (1, 1)
     job: str
     sha256: str
     nbytes: int
+    step: int = 0
+    epoch: int = 0
 
 
 @dataclass(kw_only=True)
@@ -313,7 +322,9 @@ class Command(Message):
 @dataclass(kw_only=True)
 class CommandAck(Message):
     """Trainer → router: command ``seq`` of ``job`` was applied; ``state`` is the job's state on the
-    trainer now (running or paused); ``detail`` says what was done (a checkpoint's record...)."""
+    trainer now (running or paused); ``detail`` says what was done (a checkpoint's record...).
+    ``model`` (``busctl job model --current``) carries the copied weights as one payload frame."""
+    nframes: ClassVar[tuple[int, int]] = (0, 1)
     job: str
     command: str
     seq: int
@@ -411,6 +422,42 @@ class Entitlements(Message):
     assigned to a running job on it (``{dataset: [sub, ...]}``)."""
     revoked: list
     assigned: dict
+
+
+# -- studies (services/router/studies.py) ------------------------------------------------------
+
+@dataclass(kw_only=True)
+class SubmitStudy(Message):
+    """Admin → router: a study file's tables (``{base, space, study}``). Reply: :class:`StudyInfo`."""
+    spec: dict
+
+
+@dataclass(kw_only=True)
+class ListStudies(Message):
+    pass
+
+
+@dataclass(kw_only=True)
+class GetStudy(Message):
+    study: str
+
+
+@dataclass(kw_only=True)
+class StopStudy(Message):
+    """Admin → router: stop a study and its running trials. Reply: ``Ok``."""
+    study: str
+
+
+@dataclass(kw_only=True)
+class StudyInfo(Message):
+    """A study: ``{id, state, objective, direction, trials: [{number, job, params, state, value,
+    epochs, reports}], best, epochs_trained, epochs_budget, spec}``."""
+    study: dict
+
+
+@dataclass(kw_only=True)
+class StudyList(Message):
+    studies: list
 
 
 # -- encode / decode -------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from libbus.schema import check_stored
 from libbus.server import Handler, Session
 
 from .artifacts import Artifacts
+from .decisions import DECISION_ROLES, Decisions
 from .gangs import Gangs, world_size
 from .grants import Revocations, assignments
 from .jobs import JobControl
@@ -45,7 +46,7 @@ ADMIN = ("admin",)
 TRAINER = ("trainer",)
 
 
-class RouterHandler(Handler):
+class RouterHandler(Decisions, Handler):
     """Registers providers and trainers, resolves datasets, runs the job queue.
 
     Args:
@@ -62,6 +63,7 @@ class RouterHandler(Handler):
         "GetTask": TRAINER, "Progress": TRAINER, "PushResult": TRAINER,
         "Checkpointed": TRAINER, "CommandAck": TRAINER, "Rendezvous": TRAINER,
         "RevokeToken": ADMIN, "ListRevoked": ADMIN,
+        **DECISION_ROLES,  # studies (services/router/decisions.py)
     }
     #: How often the router recomputes what providers must know (assignments follow job changes).
     GRANTS_CHECK_S = 0.2
@@ -70,6 +72,7 @@ class RouterHandler(Handler):
                  server_stats: Callable[[], dict] = dict, artifacts: Artifacts | None = None):
         super().__init__()
         self.store = store
+        self.artifacts = artifacts
         self.task_retry_ms = task_retry_ms
         self.server_stats = server_stats
         self.peers: dict[str, Session] = {}
@@ -81,6 +84,7 @@ class RouterHandler(Handler):
         self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
         self._granted: Entitlements | None = None
         self._last_grants_check = 0.0
+        self.init_decisions()
 
     # -- sessions -----------------------------------------------------------------------------
     def on_open(self, session: Session) -> None:
@@ -191,7 +195,10 @@ class RouterHandler(Handler):
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
         spec = JobSpec.from_dict(msg.spec)
         session.claims.check_dataset(dataset_name(spec.dataset))
+        spec = self.evaluation_spec(spec, msg.frames)  # an evaluate task's model (services/router/decisions.py)
         job = self.store.submit(spec)
+        if msg.frames:
+            self.keep_upload(job, msg.frames)
         log.info("job %s submitted by %s: %s %s on %s", job, session.subject, spec.model, spec.optimizer,
                  spec.dataset)
         return JobSubmitted(job=job)
@@ -242,7 +249,8 @@ class RouterHandler(Handler):
         job = self.store.claim(who, self.jobs.lease_s, accept=lambda j: j["id"] == job["id"])
         self._push_entitlements()  # the provider hears of the assignment before the trainer asks it
         log.info("job %s assigned to %s (%s)", job["id"], who, session.name)
-        return self.jobs.remember_task(who, msg.key, Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"]))
+        task = self.attach_model(Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"]))
+        return self.jobs.remember_task(who, msg.key, task)
 
     def on_Rendezvous(self, session: Session, msg: Rendezvous) -> Ok:
         session.claims.check_job(msg.job)
@@ -253,7 +261,9 @@ class RouterHandler(Handler):
     def on_Progress(self, session: Session, msg: Progress) -> Ok:
         session.claims.check_job(msg.job)
         _stored(msg.progress, "Progress.progress")
-        return self.jobs.on_progress(session.subject, msg, session.sid)
+        reply = self.jobs.on_progress(session.subject, msg, session.sid)
+        self.judge_report(msg.job, msg.progress)  # a study's trial: its new epoch judged now
+        return reply
 
     def on_Checkpointed(self, session: Session, msg: Checkpointed) -> Ok:
         session.claims.check_job(msg.job)
@@ -322,6 +332,7 @@ class RouterHandler(Handler):
             self._push_entitlements()
         self.jobs.tick(now)
         self.gangs.tick(self._trainer_names())
+        self.tick_decisions(now)  # studies, early stopping
 
     def stats(self) -> dict:
         counts = {}

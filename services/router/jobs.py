@@ -40,7 +40,7 @@ __all__ = ["COMMANDS", "EVAL_ACK_TIMEOUT_S", "JobControl"]
 
 log = logging.getLogger(__name__)
 
-COMMANDS = ("stop", "pause", "resume", "checkpoint", "set", "eval")
+COMMANDS = ("stop", "pause", "resume", "checkpoint", "set", "eval", "adopt", "model")
 #: How long an admin's command waits for the trainer's acknowledgement.
 ACK_TIMEOUT_S = 5.0
 #: ``eval`` is acknowledged with the provider's score: the weights cross to it and its test split is
@@ -111,6 +111,8 @@ class JobControl:
         state, trainer = job["state"], job["trainer"]
         if command == "set":
             spec = JobSpec.from_dict(job["spec"]).with_hyper(args)
+        elif command == "adopt":
+            _check_adopt(args)
         elif args:
             raise BadRequest(f"{command} takes no arguments, got {', '.join(args)}")
         if command == "resume" and state in ("stopped", "failed"):
@@ -136,11 +138,11 @@ class JobControl:
     def _send(self, by: str, job_id: str, trainer: str, command: str, args: dict) -> Future:
         seq = next(self._seq)
         future: Future = Future()
-        timeout_s = EVAL_ACK_TIMEOUT_S if command == "eval" else self.ack_timeout_s
+        timeout_s = EVAL_ACK_TIMEOUT_S if command in ("eval", "model") else self.ack_timeout_s
         pending = _Pending(job_id, command, args, trainer, by, time.monotonic(), future, timeout_s)
         self.pending[seq] = pending
         what = f"{command} {_args(args)}".strip()
-        self.store.event(job_id, f"{what} requested by {by}, sent to {trainer}")
+        self.store.event(job_id, f"{what if command != 'adopt' else 'adopt'} requested by {by}, sent to {trainer}")
         pending.sid = self.push(trainer, Command(job=job_id, command=command, args=args, seq=seq)) or ""
         log.info("job %s: %s requested by %s, sent to %s", job_id, what, by, trainer)
         return future
@@ -161,8 +163,9 @@ class JobControl:
         if command == "set":
             self.store.set_spec(job_id, spec, f"set {_args(spec.to_dict(), job['spec'])} by {by}")
             return Ok(detail={"state": state, "spec": spec.to_dict()})
-        what = "be evaluated (busctl job eval scores the weights of a running job)" if command == "eval" \
-            else "checkpoint"
+        what = {"eval": "be evaluated (busctl job eval scores the weights of a running job)",
+                "model": "send its current weights (busctl job model without --current: a succeeded job's)",
+                "adopt": "adopt a checkpoint"}.get(command, "checkpoint")
         raise BadRequest(f"job {job_id} is {state} on no trainer; only a job a trainer holds can {what}")
 
     def _restart(self, by: str, job: dict) -> Ok:
@@ -210,7 +213,7 @@ class JobControl:
                             f"this acknowledgement (job {msg.job}) does not settle it")
         self.pending.pop(msg.seq, None)
         took = f" after {1000 * (time.monotonic() - pending.sent):.0f} ms" if pending else ""
-        reason = f"{msg.command} acknowledged by {trainer}{took}" + _evaluation(msg)
+        reason = f"{msg.command} acknowledged by {trainer}{took}" + _evaluation(msg) + _adopted(msg)
         applied = msg.detail.get("set")
         if msg.command == "set" and isinstance(applied, dict) and applied:
             # what the trainer applied, checked like an admin's `set`: a trainer changes nothing else
@@ -222,7 +225,7 @@ class JobControl:
         if pending is not None and not pending.future.done():
             detail = {"state": msg.state, "trainer": trainer, "acked": True,
                       "ack_ms": round(1000 * (time.monotonic() - pending.sent), 1), **msg.detail}
-            pending.future.set_result(Ok(detail=detail))
+            pending.future.set_result(_current_model(msg, detail) if msg.command == "model" else Ok(detail=detail))
         return Ok()
 
     def on_result(self, trainer: str, msg: PushResult) -> Ok:
@@ -343,6 +346,34 @@ class JobControl:
             return
         state = self.store.release(job["id"], reason, lost=True)
         log.warning("job %s %s: %s", job["id"], state, reason)
+
+
+def _check_adopt(args: dict) -> None:
+    """``adopt`` names the checkpoint to load (its record, as the router keeps it) and whose it is."""
+    record = args.get("checkpoint")
+    if set(args) - {"checkpoint", "from"} or not isinstance(record, dict) \
+            or not all(isinstance(record.get(k), t) for k, t in (("path", str), ("sha256", str), ("step", int))):
+        raise BadRequest("adopt takes {checkpoint: {path, sha256, step, ...}, from: JOB}")
+
+
+def _adopted(msg: CommandAck) -> str:
+    """What an ``adopt`` acknowledgement says it loaded, for the job's events ("" for other commands)."""
+    if msg.command != "adopt":
+        return ""
+    done = msg.detail.get("adopted")
+    if isinstance(done, dict):
+        return f": loaded step {done.get('step')} of job {done.get('from')}"
+    return f": not loaded: {msg.detail.get('error', 'no detail')}"
+
+
+def _current_model(msg: CommandAck, detail: dict) -> Message:
+    """The reply to ``busctl job model --current``: the copied weights, or Ok with the trainer's error."""
+    if not msg.frames or not isinstance(detail.get("sha256"), str):
+        return Ok(detail={"error": "the trainer sent no weights", **detail})
+    frame = msg.frames[0]
+    data = bytes(frame.buffer if hasattr(frame, "buffer") else frame)
+    return Model(job=msg.job, sha256=detail["sha256"], nbytes=len(data), frames=[data],
+                 step=int(detail.get("step", 0)), epoch=int(detail.get("epoch", 0)))
 
 
 def _evaluation(msg: CommandAck) -> str:

@@ -52,12 +52,17 @@ class Controls:
         before_stop: called before :class:`Stopped` is raised (the task's last checkpoint).
         evaluate: copies the weights now and scores them in the background; calls its argument
             with the result (``busctl job eval``).
+        adopt: loads another job's checkpoint (weights and optimizer state; population-based
+            training); returns what it loaded (raises :class:`BadRequest`).
+        model: copies the current weights; returns ``(detail, safetensors bytes)`` (``busctl job
+            model --current``).
     """
 
     def __init__(self, job: str, commands: queue.Queue[Command], reporter: Reporter, *,
                  checkpoint: Callable[[], dict], set_hyper: Callable[[dict], dict],
                  report: Callable[[], None], before_stop: Callable[[], None],
-                 evaluate: Callable[[Callable[[dict], None]], None]):
+                 evaluate: Callable[[Callable[[dict], None]], None],
+                 adopt: Callable[[dict], dict] | None = None, model: Callable[[], tuple[dict, bytes]] | None = None):
         self.job = job
         self.commands = commands
         self.reporter = reporter
@@ -66,6 +71,8 @@ class Controls:
         self._report = report
         self._before_stop = before_stop
         self._evaluate = evaluate
+        self._adopt = adopt
+        self._model = model
         #: ``running`` or ``paused``.
         self.state = "running"
         self._applied: set[int] = set()
@@ -125,6 +132,14 @@ class Controls:
             self._ack(cmd, self.state, {"spec": spec, "set": cmd.args})
         elif cmd.command == "eval":  # acknowledged from the evaluation's thread, with its result
             self._evaluate(lambda detail: self._ack(cmd, self.state, detail))
+        elif cmd.command == "adopt" and self._adopt is not None:
+            try:
+                self._ack(cmd, self.state, {"adopted": self._adopt(cmd.args)})
+            except BadRequest as err:
+                self._ack(cmd, self.state, {"error": str(err)})
+        elif cmd.command == "model" and self._model is not None:
+            detail, data = self._model()
+            self._ack(cmd, self.state, detail, frames=[data])
         else:
             log.warning("job %s: unknown command %r ignored", self.job, cmd.command)
 
@@ -155,7 +170,7 @@ class Controls:
         self._before_stop()
         raise Stopped(handback)
 
-    def _ack(self, cmd: Command, state: str, detail: dict | None = None) -> None:
+    def _ack(self, cmd: Command, state: str, detail: dict | None = None, frames: list | None = None) -> None:
         if cmd.seq:
             self.reporter.put(CommandAck(job=self.job, command=cmd.command, seq=cmd.seq, state=state,
-                                         detail=detail or {}))
+                                         detail=detail or {}, frames=frames or []))

@@ -8,6 +8,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+import orjson
 import torch
 from safetensors.torch import save as save_safetensors
 from torch import nn
@@ -27,6 +28,7 @@ from .audit import Audit
 from .checkpoint import (CheckpointError, job_dir, prune, read_checkpoint, restore_checkpoint, save_checkpoint,
                          save_model)
 from .control import Controls, Lost, Stopped
+from .evaltask import adopt_checkpoint, current_weights, run_evaluation
 from .evaluation import LiveEvaluations
 from .failures import deterministic as _deterministic, describe_failure
 from .final_eval import EVALUATE_TIMEOUT_S, score_on_provider
@@ -126,9 +128,12 @@ class TaskRun:
         self.evaluations = LiveEvaluations(self.job, identity, EVALUATE_TIMEOUT_S)
         self.controls = Controls(self.job, commands, reporter, checkpoint=self._checkpoint,
                                  set_hyper=self._set_hyper, report=self._while_paused,
-                                 before_stop=self._before_stop, evaluate=self._evaluate_now)
+                                 before_stop=self._before_stop, evaluate=self._evaluate_now,
+                                 adopt=self._adopt, model=self._current_model)
 
     def run(self) -> tuple[str, dict, str]:
+        if self.spec.task == "evaluate":  # score a stored model, no training (services/trainer/evaltask.py)
+            return run_evaluation(self.task, self.spec, self.settings, self.link, self.identity)
         # a live evaluation's acknowledgement goes before the result; a trainer shutting down waits less
         evaluation_wait_s = EVALUATE_TIMEOUT_S
         try:
@@ -185,6 +190,15 @@ class TaskRun:
         self.evaluations.start(self.model, {"name": self.spec.model, "kwargs": self.spec.model_kwargs},
                                self.spec.dataset, self.provider, step=self.step, epoch=self.train.epoch + 1,
                                done=done)
+
+    def _adopt(self, args: dict) -> dict:
+        """Population-based training: load another job's checkpoint (weights and optimizer state) and
+        go on from here with this job's own data position and hyper-parameters."""
+        return adopt_checkpoint(self, args)
+
+    def _current_model(self) -> tuple[dict, bytes]:
+        """``busctl job model --current``: the weights now, between two steps."""
+        return current_weights(self)
 
     def _before_stop(self) -> None:
         """Stopped or handed back, the job can resume exactly here; if this checkpoint cannot be
@@ -418,7 +432,8 @@ class TaskRun:
             log.info("job %s: provider-side test accuracy %.4f on %d samples", self.job,
                      evaluation.accuracy, evaluation.n)
         result["model"] = save_model(self.directory, model, {"job": self.job, "model": spec.model,
-                                                            "step": str(self.step)})
+                                                            "step": str(self.step),
+                                                            "model_kwargs": orjson.dumps(spec.model_kwargs).decode()})
         return result
 
     def _end_epoch(self, epoch: int, val: RemoteLoader | None, kind: str, steps_per_epoch: int) -> None:

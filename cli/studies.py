@@ -1,0 +1,163 @@
+"""``busctl study submit|show|stop`` and ``busctl studies``: hyper-parameter studies the router runs
+(services/router/studies.py), and the evaluation tasks and current models of ``busctl submit
+--evaluate --model JOB|FILE`` and ``busctl job model --current``."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Optional
+
+import orjson
+import typer
+
+from libbus.errors import BadRequest
+from libbus.messages import ControlJob, GetStudy, ListStudies, Model, StopStudy, SubmitStudy
+
+from .common import admin_client, fail, guard, print_json, settings_from
+from .options import Config, Json, Router, SecretFile, StateDir, Token
+
+__all__ = ["study_app", "studies", "evaluation_task", "is_model_ref", "current_model"]
+
+study_app = typer.Typer(no_args_is_help=True, help="Hyper-parameter studies the router runs (docs/operations.md §Studies).")
+
+_JOB_ID = re.compile(r"^j[0-9a-f]{10}$")
+
+
+def _client(config, router, secret_file, state_dir, token):
+    return admin_client(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir,
+                                      token=token))
+
+
+def load_study(path: Path) -> dict:
+    """A study file's tables, checked here as the router would check them (exit 2 when wrong)."""
+    from services.router.study_spec import StudySpec  # noqa: PLC0415 - keeps busctl start-up light
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        fail(f"study file {path} does not exist", 2)
+    except tomllib.TOMLDecodeError as err:
+        fail(f"study file {path} is not valid TOML: {err}", 2)
+    try:
+        StudySpec.from_dict(raw)
+    except BadRequest as err:
+        fail(f"study file {path}: {err}", 2)
+    return raw
+
+
+@study_app.command("submit")
+@guard
+def study_submit(file: Annotated[Path, typer.Argument(help="TOML study file: [base], [space], [study].")],
+                 config: Config = None, router: Router = None, secret_file: SecretFile = None,
+                 state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Start a study; prints its id."""
+    raw = load_study(file)
+    with _client(config, router, secret_file, state_dir, token) as client:
+        study = client.request(SubmitStudy(spec=raw)).study
+    print_json({"study": study["id"]}) if json else typer.echo(study["id"])
+
+
+@study_app.command("show")
+@guard
+def study_show(study: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+               state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """A study's trials (job, params, state, objective value, epochs trained) and its best trial."""
+    with _client(config, router, secret_file, state_dir, token) as client:
+        info = client.request(GetStudy(study=study)).study
+    if json:
+        print_json(info)
+        return
+    typer.echo(f"study {info['id']}: {info['state']}{' (' + info['reason'] + ')' if info['reason'] else ''}; "
+               f"objective {info['objective']} ({info['direction']}d); epochs trained {info['epochs_trained']:g} "
+               f"of {info['epochs_budget']} if every trial ran to the end")
+    typer.echo(f"{'#':>3}  {'job':<12} {'state':<9} {'value':>9} {'epochs':>6}  params")
+    for t in info["trials"]:
+        value = f"{t['value']:.4f}" if t["value"] is not None else "-"
+        params = " ".join(f"{k}={_short(v)}" for k, v in t["params"].items())
+        typer.echo(f"{t['number']:>3}  {t['job'] or '-':<12} {t['state']:<9} {value:>9} {t['epochs']:>6g}  {params}")
+    best = info["best"]
+    typer.echo(f"best: trial {best['number']} (job {best['job']}) {info['objective']} {best['value']:.4f}"
+               if best else "best: none complete yet")
+
+
+def _short(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+@study_app.command("stop")
+@guard
+def study_stop(study: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
+               state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+    """Stop a study: no new trials; its running trials are stopped (they checkpoint)."""
+    with _client(config, router, secret_file, state_dir, token) as client:
+        detail = client.request(StopStudy(study=study)).detail
+    print_json(detail) if json else typer.echo(f"study {study} stopped")
+
+
+@guard
+def studies(config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
+            token: Token = None, json: Json = False) -> None:
+    """List studies, newest first."""
+    with _client(config, router, secret_file, state_dir, token) as client:
+        rows = client.request(ListStudies()).studies
+    if json:
+        print_json(rows)
+        return
+    typer.echo(f"{'study':<10} {'state':<9} {'trials':<28} {'epochs':>12}  best")
+    for s in rows:
+        counts = " ".join(f"{n} {k}" for k, n in sorted(s["counts"].items())) or "-"
+        best = f"{s['objective']} {s['best']['value']:.4f} (trial {s['best']['number']})" if s["best"] else "-"
+        typer.echo(f"{s['id']:<10} {s['state']:<9} {counts:<28} {s['epochs_trained']:>5g}/{s['epochs_budget']:<6}  {best}")
+
+
+# -- evaluation tasks and current models -----------------------------------------------------------
+
+def is_model_ref(model: str | None) -> bool:
+    """Whether ``busctl submit --model`` names a stored model (a job id or a .safetensors file)."""
+    return bool(model) and (bool(_JOB_ID.match(model)) or model.endswith(".safetensors"))
+
+
+def evaluation_task(model: str, dataset: str, split: str, arch: str | None) -> tuple[dict, list[bytes]]:
+    """The spec (and the uploaded weights, for a file) of an evaluation task of ``model``."""
+    if split not in ("val", "test"):
+        fail(f"--split must be val (scored on a trainer) or test (on the provider), got {split!r}", 2)
+    from safetensors import safe_open  # noqa: PLC0415 - keeps busctl start-up light
+    spec = {"task": "evaluate", "dataset": dataset, "split": split, "evaluate": False}
+    if _JOB_ID.match(model):
+        return {**spec, "model_from": model}, []
+    path = Path(model)
+    try:
+        data = path.read_bytes()
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except FileNotFoundError:
+        fail(f"model file {path} does not exist", 2)
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own types
+        fail(f"{path} is not a safetensors file: {err}", 2)
+    name = arch or meta.get("model")
+    if not name:
+        fail(f"{path} does not say which model it holds; name it with --arch (mlp, cnn, tiny-lm, module:factory)", 2)
+    try:  # written by trainers since studies came; an older file's model is built with default arguments
+        kwargs = orjson.loads(meta.get("model_kwargs") or "{}") if not arch else {}
+    except orjson.JSONDecodeError:
+        kwargs = {}
+    return {**spec, "model_from": "upload", "model": name, "model_kwargs": kwargs if isinstance(kwargs, dict) else {}}, [data]
+
+
+def current_model(job: str, out: Path, config, router, secret_file, state_dir, token) -> None:
+    """``busctl job model ID --current``: the running job's weights, copied between two steps."""
+    from services.atomic import write_atomic  # noqa: PLC0415 - keeps busctl start-up light
+    from services.router.jobs import EVAL_ACK_TIMEOUT_S  # noqa: PLC0415
+    with _client(config, router, secret_file, state_dir, token) as client:
+        client.hello()
+        reply = client.request(ControlJob(job=job, command="model"), timeout_s=EVAL_ACK_TIMEOUT_S + 15, retries=0)
+    if not isinstance(reply, Model):
+        fail(f"job {job}: the trainer sent no weights: {reply.detail.get('error', reply.detail)}")
+    data = bytes(reply.frames[0].buffer if hasattr(reply.frames[0], "buffer") else reply.frames[0])
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != reply.sha256:
+        fail(f"model of {job} arrived with sha256 {digest}, expected {reply.sha256}; nothing written")
+    write_atomic(out, data)
+    typer.echo(f"{out}: {len(data)} bytes, sha256 {digest}, step {reply.step} (epoch {reply.epoch})")

@@ -1,0 +1,121 @@
+"""The router's requests for what it decides on its own: studies (:mod:`.studies`), early stopping
+(:mod:`.early_stop`) and evaluation tasks (jobs with ``task = "evaluate"``: the model they score
+travels to the trainer with the task). A mixin of :class:`~.handler.RouterHandler`, kept here so
+that the handler only wires it in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+from libbus.errors import BadRequest, NotFound
+from libbus.jobs import JobSpec, dataset_name
+from libbus.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo, StudyList, SubmitStudy, Task
+from libbus.server import Session
+
+from .artifacts import Artifacts
+from .early_stop import EarlyStopping
+from .store import JobStore
+from .studies import Studies
+
+__all__ = ["Decisions", "DECISION_ROLES", "UPLOAD"]
+
+log = logging.getLogger(__name__)
+
+DECISION_ROLES = {"SubmitStudy": ("admin",), "ListStudies": ("admin",), "GetStudy": ("admin",),
+                  "StopStudy": ("admin",)}
+#: ``model_from`` of an evaluation task whose model came with it (kept as the task's own artifact).
+UPLOAD = "upload"
+
+
+class Decisions:
+    """Studies, early stopping and evaluation tasks for the router's handler (which provides
+    ``store``, ``jobs`` (JobControl) and ``artifacts``)."""
+
+    store: JobStore
+    artifacts: Artifacts | None
+
+    def init_decisions(self) -> None:
+        self.studies = Studies(self.store, self.jobs.control)
+        self.early_stopping = EarlyStopping(self.store, self.jobs.control)
+
+    def tick_decisions(self, now: float) -> None:
+        for part in (self.studies, self.early_stopping):
+            try:
+                part.tick(now)
+            except Exception:  # noqa: BLE001 - a bug in a strategy must not take the router down
+                log.exception("%s failed; trying again at the next tick", type(part).__name__)
+
+    def judge_report(self, job: str, progress: dict) -> None:
+        """A job's progress report: a study trial's new epoch is judged at once (pruning, PBT)."""
+        history = progress.get("history")
+        if not isinstance(history, list):
+            return
+        try:
+            self.studies.on_report(job, len(history))
+        except Exception:  # noqa: BLE001 - the report is stored; the next tick judges it again
+            log.exception("study report of job %s", job)
+
+    # -- studies ---------------------------------------------------------------------------------
+    def on_SubmitStudy(self, session: Session, msg: SubmitStudy) -> StudyInfo:
+        base = msg.spec.get("base") if isinstance(msg.spec, dict) else None
+        if isinstance(base, dict) and isinstance(base.get("dataset"), str):
+            session.claims.check_dataset(dataset_name(base["dataset"]))
+        study = self.studies.submit(msg.spec, session.name)
+        return StudyInfo(study=self.studies.show(study))
+
+    def on_ListStudies(self, session: Session, msg: ListStudies) -> StudyList:
+        return StudyList(studies=self.studies.list())
+
+    def on_GetStudy(self, session: Session, msg: GetStudy) -> StudyInfo:
+        return StudyInfo(study=self.studies.show(msg.study))
+
+    def on_StopStudy(self, session: Session, msg: StopStudy) -> Ok:
+        return Ok(detail=self.studies.stop(msg.study, session.name))
+
+    # -- evaluation tasks ------------------------------------------------------------------------
+    def evaluation_spec(self, spec: JobSpec, frames: list) -> JobSpec:
+        """Check an ``evaluate`` task before it is queued: a model uploaded with it, or a succeeded
+        job whose model the router holds (whose architecture the task then takes)."""
+        if spec.task != "evaluate":
+            if frames:
+                raise BadRequest("only an evaluate task carries a model with its submission")
+            return spec
+        if self.artifacts is None:
+            raise BadRequest("this router keeps no models (artifact_dir); it cannot run evaluation tasks")
+        if frames:
+            if spec.model_from != UPLOAD:
+                raise BadRequest(f"a model sent with the task needs model_from = {UPLOAD!r}")
+            return spec
+        if spec.model_from == UPLOAD:
+            raise BadRequest("model_from = 'upload' but no model came with the submission")
+        source = self.store.get(spec.model_from, events=False)
+        if source["state"] != "succeeded" or not (source["result"] or {}).get("model", {}).get("router_path"):
+            raise BadRequest(f"job {spec.model_from} is {source['state']}; an evaluation task scores the model of "
+                             "a succeeded job the router holds (busctl job model shows whether it does)")
+        trained = source["spec"]
+        return JobSpec.from_dict({**spec.to_dict(), "model": trained["model"], "model_kwargs": trained["model_kwargs"]})
+
+    def keep_upload(self, job: str, frames: list) -> None:
+        """Keep the model uploaded with evaluation task ``job`` as that job's artifact."""
+        frame = frames[0]
+        data = bytes(frame.buffer if hasattr(frame, "buffer") else frame)
+        try:
+            self.artifacts.put(job, data, hashlib.sha256(data).hexdigest())
+        except OSError as err:
+            self.store.finish(job, "failed", f"the uploaded model could not be kept: {err}", error=str(err))
+            raise BadRequest(f"the router could not keep the uploaded model: {err}") from err
+
+    def attach_model(self, task: Task) -> Task:
+        """An evaluation task carries the model it scores (a training task is returned as it is)."""
+        spec = task.spec
+        if spec.get("task") != "evaluate":
+            return task
+        source = task.job if spec["model_from"] == UPLOAD else spec["model_from"]
+        try:
+            task.frames = [self.artifacts.get(source)]
+        except NotFound as err:
+            self.store.finish(task.job, "failed", f"the model to evaluate is gone: {err}", error=str(err))
+            raise
+        return task

@@ -1,0 +1,396 @@
+"""Studies: the router runs hyper-parameter searches, with Optuna deciding and the router executing.
+
+Optuna's ask-and-tell interface samples each trial's parameters and judges each epoch's validation
+report (its pruners); the router does the rest with what a job already has: a trial is an ordinary
+job (``STUDY/NUMBER`` by name), each epoch's validation metric is read from the job's progress, and
+a trial the pruner gives up on is stopped through the normal command path (``stop``, as an admin
+would; it checkpoints, and could be resumed by hand). ``strategy = "pbt"`` replaces pruning with
+population-based training (:mod:`.pbt`): a bottom member takes a top member's latest checkpoint
+(an ``adopt`` command) and perturbed hyper-parameters (a ``set``), each step an event of its job.
+
+The study's truth is its rows (:mod:`.study_store`). The Optuna study lives in memory and is
+rebuilt from them when the router starts: finished trials are added as they ended, running ones
+asked again with their parameters and their reports replayed, so pruning goes on as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+import optuna  # with the router, not at its first study: the import's second would stall the serving loop
+
+from libbus.errors import BadRequest, BusError
+from libbus.jobs import TERMINAL_STATES, JobSpec
+
+from . import pbt
+from .store import JobStore
+from .study_spec import StudySpec
+from .study_store import TRIAL_ENDED, StudyStore
+
+__all__ = ["Studies", "CHECK_S"]
+
+log = logging.getLogger(__name__)
+
+#: How often running trials' reports are read.
+CHECK_S = 0.2
+
+
+@dataclass
+class _Live:
+    """A study's in-memory Optuna state: the study and its running trials by number."""
+    spec: StudySpec
+    study: object
+    trials: dict[int, object] = field(default_factory=dict)
+
+
+def _distributions(spec: StudySpec) -> dict:
+    d = optuna.distributions
+    out = {}
+    for name, p in spec.space.items():
+        if p.kind == "choice":
+            out[name] = d.CategoricalDistribution(list(p.values))
+        elif p.kind == "int":
+            out[name] = d.IntDistribution(p.values[0], p.values[1])
+        else:
+            out[name] = d.FloatDistribution(float(p.values[0]), float(p.values[1]), log=p.kind == "log_uniform")
+    return out
+
+
+def _sampler(spec: StudySpec):
+    samplers = optuna.samplers
+    if spec.sampler == "grid":
+        class Grid(samplers.GridSampler):
+            def after_trial(self, *args) -> None:
+                """GridSampler stops ``study.optimize`` once the grid is used up (``study.stop()``,
+                which raises outside it); here the study's ``trials`` (at most the grid) end it."""
+        return Grid({n: list(p.values) for n, p in spec.space.items()}, seed=spec.seed)
+    if spec.sampler == "tpe":
+        return samplers.TPESampler(seed=spec.seed, n_startup_trials=max(2, min(10, spec.trials // 3)))
+    return samplers.RandomSampler(seed=spec.seed)
+
+
+def _pruner(spec: StudySpec):
+    pruners = optuna.pruners
+    if spec.pruner == "median":
+        return pruners.MedianPruner(n_startup_trials=min(spec.concurrent, 5), n_warmup_steps=spec.min_epochs - 1)
+    if spec.pruner == "asha":
+        return pruners.SuccessiveHalvingPruner(min_resource=spec.min_epochs, reduction_factor=spec.reduction_factor)
+    if spec.pruner == "plateau":
+        return pruners.PatientPruner(None, patience=spec.patience, min_delta=spec.min_delta)
+    return pruners.NopPruner()
+
+
+class Studies:
+    """Runs every study in the job store's database.
+
+    Args:
+        jobs: the job store (trials are its jobs).
+        control: ``control(by, job, command, args)``, the admin command path (JobControl.control).
+    """
+
+    def __init__(self, jobs: JobStore, control: Callable[[str, str, str, dict], object]):
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # its per-trial INFO lines; ours say more
+        self.jobs = jobs
+        self.store = StudyStore(jobs.db)
+        self.control = control
+        self._live: dict[str, _Live] = {}
+        self._stop_sent: set[str] = set()
+        #: Jobs of running trials: their progress reports are judged as they arrive (:meth:`on_report`).
+        self._trial_jobs: dict[str, int] = {}  # job -> epochs judged
+        self._last = 0.0
+
+    # -- admin requests --------------------------------------------------------------------------
+    def submit(self, raw: dict, by: str) -> str:
+        spec = StudySpec.from_dict(raw)
+        study = self.store.create(spec.to_dict())
+        log.info("study %s submitted by %s: %d trials, %s sampler, %s pruner, %s", study, by, spec.trials,
+                 spec.sampler, spec.pruner, spec.strategy)
+        self._step(study)
+        return study
+
+    def show(self, study: str) -> dict:
+        """The study with its trials (each: number, job, params, state, value, epochs) and ``best``."""
+        row = self.store.get(study)
+        spec = StudySpec.from_dict(row["spec"])
+        trials = [{**{k: t[k] for k in ("number", "job", "params", "state", "value", "epochs")},
+                   "reports": {str(e): v for e, v in t["reports"].items()}} for t in row["trials"]]
+        done = [t for t in trials if t["state"] == "complete" and t["value"] is not None]
+        best = (max if spec.maximize else min)(done, key=lambda t: t["value"], default=None)
+        epochs = sum(t["epochs"] for t in trials)
+        return {"id": study, "state": row["state"], "reason": row["reason"], "created": row["created"],
+                "spec": row["spec"], "objective": spec.objective, "direction": "maximize" if spec.maximize
+                else "minimize", "trials": trials, "best": best, "epochs_trained": round(epochs, 2),
+                "epochs_budget": spec.trials * int(spec.base.get("epochs", JobSpec.epochs))}
+
+    def list(self) -> list[dict]:
+        out = []
+        for row in self.store.list():
+            s = self.show(row["id"])
+            counts: dict[str, int] = {}
+            for t in s["trials"]:
+                counts[t["state"]] = counts.get(t["state"], 0) + 1
+            out.append({k: s[k] for k in ("id", "state", "objective", "best", "epochs_trained", "epochs_budget",
+                                          "created")} | {"counts": counts, "trials": s["spec"]["study"]["trials"]})
+        return out
+
+    def stop(self, study: str, by: str) -> dict:
+        row = self.store.get(study)
+        if row["state"] != "running":
+            raise BadRequest(f"study {study} already ended ({row['state']})")
+        self.store.set_state(study, "stopped", f"stopped by {by}")
+        for t in row["trials"]:
+            if t["state"] in ("running", "pruning") and t["job"]:
+                self._stop_job(t["job"], f"study {study} stopped by {by}")
+        log.info("study %s stopped by %s", study, by)
+        return {"state": "stopped", "study": study}
+
+    # -- the executor ----------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Read new epoch reports, prune or exploit, tell Optuna of ended trials, start new ones."""
+        if now - self._last < CHECK_S:
+            return
+        self._last = now
+        rows = self.jobs.db.execute("SELECT DISTINCT s.id FROM studies s LEFT JOIN trials t ON t.study = s.id "
+                                    "WHERE s.state = 'running' OR t.state IN ('running', 'pruning')").fetchall()
+        for (study,) in rows:
+            try:
+                self._step(study)
+            except BusError as err:  # one study's trouble must not stop the others (or the router)
+                log.error("study %s: %s", study, err)
+
+    def on_report(self, job: str, epochs: int) -> None:
+        """A trial's trainer reported ``epochs`` epochs: judge a new one now, not at the next tick
+        (the trainer trains on while the router decides)."""
+        if self._trial_jobs.get(job, epochs) >= epochs:
+            return
+        found = self.jobs.db.execute("SELECT study, number FROM trials WHERE job = ?", (job,)).fetchone()
+        if found is None:
+            return
+        row = self.store.get(found[0])
+        t = next(t for t in row["trials"] if t["number"] == found[1])
+        if t["state"] in ("running", "pruning"):
+            self._follow(found[0], self._load(found[0], row), t, row["state"])
+
+    def _step(self, study: str) -> None:
+        row = self.store.get(study)
+        live = self._load(study, row)
+        for t in row["trials"]:
+            if t["state"] in ("running", "pruning"):
+                self._follow(study, live, t, row["state"])
+        if row["state"] != "running":
+            return
+        trials = self.store.trials(study)
+        active = sum(t["state"] in ("running", "pruning") for t in trials)
+        while active < live.spec.concurrent and len(trials) < live.spec.trials:
+            self._start_trial(study, live, len(trials))
+            trials = self.store.trials(study)
+            active += 1
+        if active == 0 and len(trials) >= live.spec.trials:
+            self.store.set_state(study, "complete", f"{len(trials)} trials ended")
+            self._live.pop(study, None)
+            log.info("study %s complete", study)
+
+    def _load(self, study: str, row: dict) -> _Live:
+        """The study's Optuna state, rebuilt from its rows the first time (a router that restarts)."""
+        live = self._live.get(study)
+        if live is not None:
+            return live
+        spec = StudySpec.from_dict(row["spec"])
+        dists = _distributions(spec)
+        study_obj = optuna.create_study(direction="maximize" if spec.maximize else "minimize",
+                                        sampler=_sampler(spec), pruner=_pruner(spec))
+        live = _Live(spec, study_obj)
+        for t in row["trials"]:
+            params = {k: v for k, v in t["params"].items() if k in dists}
+            try:
+                self._rebuild_trial(live, t, params, dists)
+            except ValueError as err:  # parameters outside the space (rows from another version)
+                log.warning("study %s: trial %d does not fit the space (%s): failed", study, t["number"], err)
+                if t["state"] not in TRIAL_ENDED:
+                    self.store.update_trial(study, t["number"], state="failed")
+        self._live[study] = live
+        return live
+
+    @staticmethod
+    def _rebuild_trial(live: _Live, t: dict, params: dict, dists: dict) -> None:
+        """Give the rebuilt Optuna study one trial as it ended, or as it stands (still running)."""
+        study_obj, states = live.study, optuna.trial.TrialState
+        if t["state"] in TRIAL_ENDED:
+            state = {"complete": states.COMPLETE, "pruned": states.PRUNED}.get(t["state"], states.FAIL)
+            study_obj.add_trial(optuna.trial.create_trial(
+                state=state, params=params, distributions={k: dists[k] for k in params},
+                value=t["value"] if state == states.COMPLETE else None, intermediate_values=t["reports"],
+                system_attrs=t["attrs"]))
+            return
+        for name, value in params.items():  # checked first: a trial asked and then refused stays open
+            if not dists[name]._contains(dists[name].to_internal_repr(value)):
+                raise ValueError(f"{name}={value!r} is outside {dists[name]}")
+        study_obj.enqueue_trial(params, skip_if_exists=False)
+        trial = study_obj.ask(dists)
+        for key, value in t["attrs"].items():  # the rungs it passed, its grid point
+            study_obj._storage.set_trial_system_attr(trial._trial_id, key, value)
+        for epoch, value in sorted(t["reports"].items()):
+            trial.report(value, epoch)
+        live.trials[t["number"]] = trial
+
+    def _start_trial(self, study: str, live: _Live, number: int) -> None:
+        trial = live.study.ask(_distributions(live.spec))
+        params = dict(trial.params)
+        live.trials[number] = trial
+        self.store.add_trial(study, number, params)
+        self.store.update_trial(study, number, attrs=_attrs(live, trial))
+        self._submit_job(study, live, number, params)
+
+    def _submit_job(self, study: str, live: _Live, number: int, params: dict) -> str:
+        name = f"{study}/{number}"
+        # a router killed between the two writes left the job submitted: adopt it, not a second one
+        row = self.jobs.db.execute("SELECT id FROM jobs WHERE json_extract(spec, '$.name') = ?", (name,)).fetchone()
+        if row is None:
+            try:
+                spec = JobSpec.from_dict({**live.spec.base, **params, "name": name})
+            except BadRequest as err:  # a combination no single bound showed: this trial fails, not the study
+                log.warning("study %s: trial %d cannot run: %s", study, number, err)
+                self.store.update_trial(study, number, state="failed")
+                trial = live.trials.pop(number, None)
+                if trial is not None:
+                    live.study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+                return ""
+        job = row[0] if row else self.jobs.submit(spec)
+        self.store.update_trial(study, number, job=job)
+        log.info("study %s: trial %d is job %s with %s", study, number, job, params)
+        return job
+
+    def _follow(self, study: str, live: _Live, t: dict, study_state: str) -> None:
+        number, spec = t["number"], live.spec
+        if not t["job"]:
+            self._submit_job(study, live, number, t["params"])
+            return
+        job = self.jobs.get(t["job"], events=False)
+        progress = job["progress"] or {}
+        history = progress.get("history") or (job["result"] or {}).get("history") or []
+        reports = dict(t["reports"])
+        trial = live.trials.get(number)
+        new = [(int(r["epoch"]), float(r[spec.objective])) for r in history
+               if isinstance(r.get(spec.objective), (int, float)) and math.isfinite(r[spec.objective])
+               and isinstance(r.get("epoch"), int) and int(r["epoch"]) not in reports]
+        for epoch, value in new:
+            reports[epoch] = value
+            trial.report(value, epoch)
+        self._trial_jobs[t["job"]] = len(history)
+        epochs = _epochs_trained(job, len(history))
+        if new or epochs != t["epochs"]:
+            self.store.update_trial(study, number, reports=reports, epochs=epochs)
+        # judged even when the job has just ended: ASHA records the rungs a trial passed (system
+        # attributes the other trials are ranked against), kept for a router that restarts
+        prune = bool(new) and spec.strategy == "search" and t["state"] == "running" and trial.should_prune()
+        if new and spec.strategy == "search":
+            attrs = _attrs(live, trial)
+            if attrs != t["attrs"]:
+                self.store.update_trial(study, number, attrs=attrs)
+        if job["state"] in TERMINAL_STATES:
+            self._ended(study, live, t, job, reports, study_state)
+            return
+        if t["state"] == "pruning" or study_state != "running":
+            if t["job"] not in self._stop_sent:  # a stop that could not be sent yet (or before a restart)
+                self._stop_job(t["job"], f"study {study}: {'pruned' if study_state == 'running' else 'stopped'}")
+            return
+        if not new:
+            return
+        if spec.strategy == "pbt":
+            self._exploit(study, live, number, job, new[-1][0])
+            return
+        if prune:
+            epoch, value = new[-1]
+            self.store.update_trial(study, number, state="pruning")
+            self.jobs.event(t["job"], f"pruned by study {study} ({spec.pruner}) after epoch {epoch}: "
+                                      f"{spec.objective} {value:.4f}")
+            self._stop_job(t["job"], f"study {study}: pruned")
+
+    def _ended(self, study: str, live: _Live, t: dict, job: dict, reports: dict, study_state: str) -> None:
+        states = optuna.trial.TrialState
+        spec, number = live.spec, t["number"]
+        trial = live.trials.pop(number, None)
+        self._trial_jobs.pop(t["job"], None)
+        result = job["result"] or {}
+        value = result.get(spec.objective)
+        if value is None and reports:
+            value = reports[max(reports)]
+        if job["state"] == "succeeded" and isinstance(value, (int, float)) and math.isfinite(value):
+            state, told = "complete", states.COMPLETE
+        elif job["state"] == "stopped" and t["state"] == "pruning":
+            state, told, value = "pruned", states.PRUNED, None
+        elif job["state"] == "stopped" and _early_stopped(self.jobs, t["job"]) and value is not None:
+            state, told = "complete", states.COMPLETE  # its own patience ended it: a finished trial
+        else:
+            state, told, value = ("stopped" if job["state"] == "stopped" else "failed"), states.FAIL, None
+        if trial is not None:
+            live.study.tell(trial, value if told == states.COMPLETE else None, state=told, skip_if_finished=True)
+        self.store.update_trial(study, number, state=state, value=value)
+        self._stop_sent.discard(t["job"])
+        log.info("study %s: trial %d (job %s) %s%s", study, number, t["job"], state,
+                 f", {spec.objective} {value:.4f}" if value is not None else "")
+
+    def _stop_job(self, job: str, why: str) -> None:
+        try:
+            self.control(why, job, "stop", {})
+        except BusError as err:  # a trainer absent for a moment: the next tick tries again
+            log.info("job %s: stop not sent yet (%s)", job, err)
+            return
+        self._stop_sent.add(job)
+
+    # -- population-based training ---------------------------------------------------------------
+    def _exploit(self, study: str, live: _Live, number: int, job: dict, epoch: int) -> None:
+        spec = live.spec
+        if epoch >= int(spec.base.get("epochs", JobSpec.epochs)):
+            return  # its last epoch: nothing left to train with another member's weights
+        trials = self.store.trials(study)
+        scores = {t["number"]: t["reports"][epoch] for t in trials if epoch in t["reports"]}
+        rng = random.Random(f"{spec.seed}/{study}/{number}/{epoch}")
+        donor = pbt.decide(number, epoch, scores, interval=spec.interval, quantile=spec.quantile,
+                           maximize=spec.maximize, rng=rng)
+        if donor is None:
+            return
+        source = next(t for t in trials if t["number"] == donor)
+        ckpt = self.jobs.get(source["job"], events=False)["checkpoint"] if source["job"] else None
+        if ckpt is None:
+            return
+        params = pbt.explore({**source["params"]}, spec.space, spec.perturb, rng)
+        try:
+            self.control(f"study {study} (pbt)", job["id"], "adopt", {"checkpoint": ckpt, "from": source["job"]})
+            self.control(f"study {study} (pbt)", job["id"], "set", params)
+        except BusError as err:
+            self.jobs.event(job["id"], f"pbt: could not exploit trial {donor}: {err}")
+            return
+        mine = next(t for t in trials if t["number"] == number)
+        self.jobs.event(job["id"], f"pbt exploit at epoch {epoch}: {spec.objective} {scores[number]:.4f} is in the "
+                                   f"bottom {spec.quantile:g}; copies trial {donor} (job {source['job']}, "
+                                   f"{scores[donor]:.4f}) from its checkpoint at step {ckpt['step']}")
+        self.jobs.event(job["id"], "pbt explore: " + ", ".join(f"{k} {mine['params'].get(k)} -> {v:.6g}"
+                                                             if isinstance(v, float) else f"{k} -> {v}"
+                                                             for k, v in params.items()))
+        self.store.update_trial(study, number, params={**mine["params"], **params})
+
+
+def _attrs(live: _Live, trial) -> dict:
+    """Optuna's system attributes of a running trial, but the parameters an enqueued trial was given."""
+    attrs = live.study._storage.get_trial_system_attrs(trial._trial_id)
+    return {k: v for k, v in attrs.items() if k != "fixed_params"}
+
+
+def _epochs_trained(job: dict, reported: int) -> float:
+    """Epochs of training the job did (a fraction for a partial one): its last step (the last
+    report's, the result's, or a stopped job's final checkpoint's) over its steps per epoch."""
+    parts = [job["progress"] or {}, job["result"] or {}, job["checkpoint"] or {}]
+    per = next((p["steps_per_epoch"] for p in parts if isinstance(p.get("steps_per_epoch"), int)), 0)
+    steps = [p["step"] for p in parts if isinstance(p.get("step"), int)]
+    if per > 0 and steps:
+        return round(max(steps) / per, 2)
+    return float(reported)
+
+
+def _early_stopped(jobs: JobStore, job: str) -> bool:
+    return any(e["reason"].startswith("early stopping") for e in jobs.get(job)["events"])

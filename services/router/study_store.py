@@ -1,0 +1,114 @@
+"""Studies and their trials in the router's SQLite database (the job store's connection, tables of
+their own). These rows are the study's truth: the Optuna study a router works with is rebuilt from
+them when it starts (services/router/studies.py), so a router killed at any moment continues.
+
+A trial row: its ``number`` in the study, its ``job`` (an ordinary job, named ``STUDY/NUMBER``), the
+``params`` it was given, its ``state`` (``running``, ``pruning`` — a stop sent, not yet ended —
+``pruned``, ``complete``, ``failed``, ``stopped``), the objective ``value`` and the ``reports``
+(``{epoch: value}``) the pruner saw, and Optuna's ``attrs`` for the trial (its system attributes:
+the rungs ASHA promoted it past, a grid point), so that a rebuilt study judges as the first did.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+import time
+
+import orjson
+
+from libbus.errors import NotFound
+
+__all__ = ["StudyStore", "STUDY_STATES", "TRIAL_STATES", "TRIAL_ENDED"]
+
+STUDY_STATES = ("running", "complete", "stopped")
+TRIAL_STATES = ("running", "pruning", "pruned", "complete", "failed", "stopped")
+TRIAL_ENDED = ("pruned", "complete", "failed", "stopped")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS studies (
+    id      TEXT PRIMARY KEY,
+    spec    TEXT NOT NULL,
+    state   TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    reason  TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS trials (
+    study   TEXT NOT NULL,
+    number  INTEGER NOT NULL,
+    job     TEXT,
+    params  TEXT NOT NULL,
+    state   TEXT NOT NULL,
+    value   REAL,
+    reports TEXT NOT NULL DEFAULT '{}',
+    epochs  REAL NOT NULL DEFAULT 0,
+    attrs   TEXT NOT NULL DEFAULT '{}',
+    updated REAL NOT NULL,
+    PRIMARY KEY (study, number)
+);
+"""
+
+
+class StudyStore:
+    """Study and trial rows on ``db`` (autocommit; every write is its own transaction)."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+        self.db.executescript(SCHEMA)
+
+    def create(self, spec: dict) -> str:
+        study = "s" + secrets.token_hex(4)
+        now = time.time()
+        with self.db:
+            self.db.execute("INSERT INTO studies VALUES (?, ?, 'running', ?, ?, '')",
+                            (study, orjson.dumps(spec).decode(), now, now))
+        return study
+
+    def set_state(self, study: str, state: str, reason: str) -> None:
+        with self.db:
+            self.db.execute("UPDATE studies SET state = ?, reason = ?, updated = ? WHERE id = ?",
+                            (state, reason, time.time(), study))
+
+    def get(self, study: str) -> dict:
+        row = self.db.execute("SELECT * FROM studies WHERE id = ?", (study,)).fetchone()
+        if row is None:
+            raise NotFound(f"no study {study!r}; 'busctl studies' lists them")
+        out = dict(row)
+        out["spec"] = orjson.loads(out["spec"])
+        out["trials"] = self.trials(study)
+        return out
+
+    def list(self, state: str | None = None) -> list[dict]:
+        if state:
+            rows = self.db.execute("SELECT id FROM studies WHERE state = ? ORDER BY created", (state,))
+        else:
+            rows = self.db.execute("SELECT id FROM studies ORDER BY created DESC")
+        return [self.get(r[0]) for r in rows.fetchall()]
+
+    def trials(self, study: str) -> list[dict]:
+        rows = self.db.execute("SELECT * FROM trials WHERE study = ? ORDER BY number", (study,)).fetchall()
+        out = []
+        for r in rows:
+            trial = dict(r)
+            trial["params"] = orjson.loads(trial["params"])
+            trial["attrs"] = orjson.loads(trial["attrs"])
+            trial["reports"] = {int(k): v for k, v in orjson.loads(trial["reports"]).items()}
+            out.append(trial)
+        return out
+
+    def add_trial(self, study: str, number: int, params: dict) -> None:
+        """A trial asked for, its job not yet submitted (``job`` NULL)."""
+        with self.db:
+            self.db.execute("INSERT INTO trials (study, number, params, state, updated) VALUES (?, ?, ?, 'running', ?)",
+                            (study, number, orjson.dumps(params).decode(), time.time()))
+
+    def update_trial(self, study: str, number: int, **fields) -> None:
+        """Change ``job``, ``state``, ``value``, ``reports``, ``epochs``, ``params`` or ``attrs`` of a trial."""
+        for key in ("reports", "params", "attrs"):
+            if key in fields:
+                fields[key] = orjson.dumps({str(k): v for k, v in fields[key].items()}).decode()
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self.db:
+            self.db.execute(f"UPDATE trials SET {sets}, updated = ? WHERE study = ? AND number = ?",
+                            (*fields.values(), time.time(), study, number))
