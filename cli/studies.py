@@ -8,27 +8,23 @@ import hashlib
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import orjson
 import typer
 
+from libbus.config import Settings
 from libbus.errors import BadRequest
-from libbus.messages import ControlJob, GetStudy, ListStudies, Model, StopStudy, SubmitStudy
+from libbus.messages import ControlJob, GetStudy, ListStudies, Model, StopStudy, SubmitStudy, frame_buffer
 
-from .common import admin_client, fail, guard, print_json, settings_from
-from .options import Config, Json, Router, SecretFile, StateDir, Token
+from .common import admin_client, fail, guard, print_json
+from .options import Json, admin_options
 
 __all__ = ["study_app", "studies", "evaluation_task", "is_model_ref", "current_model"]
 
 study_app = typer.Typer(no_args_is_help=True, help="Hyper-parameter studies the router runs (docs/operations.md §Studies).")
 
 _JOB_ID = re.compile(r"^j[0-9a-f]{10}$")
-
-
-def _client(config, router, secret_file, state_dir, token):
-    return admin_client(settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir,
-                                      token=token))
 
 
 def load_study(path: Path) -> dict:
@@ -49,22 +45,22 @@ def load_study(path: Path) -> dict:
 
 @study_app.command("submit")
 @guard
+@admin_options
 def study_submit(file: Annotated[Path, typer.Argument(help="TOML study file: [base], [space], [study].")],
-                 config: Config = None, router: Router = None, secret_file: SecretFile = None,
-                 state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+                 *, settings: Settings, json: Json = False) -> None:
     """Start a study; prints its id."""
     raw = load_study(file)
-    with _client(config, router, secret_file, state_dir, token) as client:
+    with admin_client(settings) as client:
         study = client.request(SubmitStudy(spec=raw)).study
     print_json({"study": study["id"]}) if json else typer.echo(study["id"])
 
 
 @study_app.command("show")
 @guard
-def study_show(study: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
-               state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+@admin_options
+def study_show(study: str, *, settings: Settings, json: Json = False) -> None:
     """A study's trials (job, params, state, objective value, epochs trained) and its best trial."""
-    with _client(config, router, secret_file, state_dir, token) as client:
+    with admin_client(settings) as client:
         info = client.request(GetStudy(study=study)).study
     if json:
         print_json(info)
@@ -88,19 +84,19 @@ def _short(v) -> str:
 
 @study_app.command("stop")
 @guard
-def study_stop(study: str, config: Config = None, router: Router = None, secret_file: SecretFile = None,
-               state_dir: StateDir = None, token: Token = None, json: Json = False) -> None:
+@admin_options
+def study_stop(study: str, *, settings: Settings, json: Json = False) -> None:
     """Stop a study: no new trials; its running trials are stopped (they checkpoint)."""
-    with _client(config, router, secret_file, state_dir, token) as client:
+    with admin_client(settings) as client:
         detail = client.request(StopStudy(study=study)).detail
     print_json(detail) if json else typer.echo(f"study {study} stopped")
 
 
 @guard
-def studies(config: Config = None, router: Router = None, secret_file: SecretFile = None, state_dir: StateDir = None,
-            token: Token = None, json: Json = False) -> None:
+@admin_options
+def studies(*, settings: Settings, json: Json = False) -> None:
     """List studies, newest first."""
-    with _client(config, router, secret_file, state_dir, token) as client:
+    with admin_client(settings) as client:
         rows = client.request(ListStudies()).studies
     if json:
         print_json(rows)
@@ -146,16 +142,16 @@ def evaluation_task(model: str, dataset: str, split: str, arch: str | None) -> t
     return {**spec, "model_from": "upload", "model": name, "model_kwargs": kwargs if isinstance(kwargs, dict) else {}}, [data]
 
 
-def current_model(job: str, out: Path, config, router, secret_file, state_dir, token) -> None:
+def current_model(job: str, out: Path, settings: Settings) -> None:
     """``busctl job model ID --current``: the running job's weights, copied between two steps."""
     from services.atomic import write_atomic  # noqa: PLC0415 - keeps busctl start-up light
     from services.router.jobs import EVAL_ACK_TIMEOUT_S  # noqa: PLC0415
-    with _client(config, router, secret_file, state_dir, token) as client:
+    with admin_client(settings) as client:
         client.hello()
         reply = client.request(ControlJob(job=job, command="model"), timeout_s=EVAL_ACK_TIMEOUT_S + 15, retries=0)
     if not isinstance(reply, Model):
         fail(f"job {job}: the trainer sent no weights: {reply.detail.get('error', reply.detail)}")
-    data = bytes(reply.frames[0].buffer if hasattr(reply.frames[0], "buffer") else reply.frames[0])
+    data = bytes(frame_buffer(reply.frames[0]))
     digest = hashlib.sha256(data).hexdigest()
     if digest != reply.sha256:
         fail(f"model of {job} arrived with sha256 {digest}, expected {reply.sha256}; nothing written")

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,9 +13,8 @@ import pytest
 from safetensors.torch import load as load_safetensors
 
 from libbus.messages import GetJob, SubmitJob
-from tests.conftest import wait_job
+from tests.support import busctl, wait_job
 
-REPO = Path(__file__).resolve().parents[1]
 STUDY = """
 [base]
 dataset = "mnist"
@@ -37,10 +34,8 @@ pruner = "asha"
 """
 
 
-def busctl(state_dir: Path, router: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_ROUTER": router}
-    return subprocess.run([sys.executable, "-m", "cli", *args], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+def admin_busctl(state_dir: Path, router: str, *args: str) -> subprocess.CompletedProcess:
+    return busctl(*args, env={"BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_ROUTER": router})
 
 
 @pytest.mark.parametrize("content, words", [
@@ -51,7 +46,7 @@ def busctl(state_dir: Path, router: str, *args: str) -> subprocess.CompletedProc
 def test_a_wrong_study_file_is_refused_in_one_line(tmp_path, content, words):
     path = tmp_path / "study.toml"
     path.write_text(content)
-    out = busctl(tmp_path, "tcp://127.0.0.1:9", "study", "submit", str(path))
+    out = admin_busctl(tmp_path, "tcp://127.0.0.1:9", "study", "submit", str(path))
     assert out.returncode == 2
     assert words in out.stderr and "Traceback" not in out.stderr
 
@@ -59,25 +54,25 @@ def test_a_wrong_study_file_is_refused_in_one_line(tmp_path, content, words):
 def test_study_commands_end_to_end(router, provider, trainer, state_dir, tmp_path):
     path = tmp_path / "study.toml"
     path.write_text(STUDY)
-    out = busctl(state_dir, router.endpoint, "study", "submit", str(path))
+    out = admin_busctl(state_dir, router.endpoint, "study", "submit", str(path))
     assert out.returncode == 0, out.stderr
     study = out.stdout.strip()
     deadline = time.monotonic() + 90
     while True:
-        info = json.loads(busctl(state_dir, router.endpoint, "study", "show", study, "--json").stdout)
+        info = json.loads(admin_busctl(state_dir, router.endpoint, "study", "show", study, "--json").stdout)
         if info["state"] != "running":
             break
         assert time.monotonic() < deadline, info
         time.sleep(0.5)
     assert info["state"] == "complete"
     assert sorted(t["params"]["lr"] for t in info["trials"]) == [0.05, 0.1]  # the grid, each point once
-    shown = busctl(state_dir, router.endpoint, "study", "show", study).stdout
+    shown = admin_busctl(state_dir, router.endpoint, "study", "show", study).stdout
     assert f"best: trial {info['best']['number']} (job {info['best']['job']})" in shown
-    listed = busctl(state_dir, router.endpoint, "studies").stdout
+    listed = admin_busctl(state_dir, router.endpoint, "studies").stdout
     assert study in listed and "complete" in listed
-    out = busctl(state_dir, router.endpoint, "study", "stop", study)
+    out = admin_busctl(state_dir, router.endpoint, "study", "stop", study)
     assert out.returncode == 1 and "already ended" in out.stderr
-    out = busctl(state_dir, router.endpoint, "study", "show", "s00000000")
+    out = admin_busctl(state_dir, router.endpoint, "study", "show", "s00000000")
     assert out.returncode == 1 and "no study" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -92,13 +87,13 @@ def test_evaluate_a_model_file_and_download_a_current_model(router, provider, tr
         assert time.monotonic() < deadline
         time.sleep(0.1)
     now = tmp_path / "now.safetensors"
-    out = busctl(state_dir, router.endpoint, "job", "model", job, "--current", "-o", str(now))
+    out = admin_busctl(state_dir, router.endpoint, "job", "model", job, "--current", "-o", str(now))
     assert out.returncode == 0, out.stderr
     assert f"sha256 {hashlib.sha256(now.read_bytes()).hexdigest()}, step " in out.stdout
-    busctl(state_dir, router.endpoint, "job", "stop", job)
+    admin_busctl(state_dir, router.endpoint, "job", "stop", job)
     assert wait_job(admin, job, 30)["state"] == "stopped"
     # the downloaded weights, scored by an evaluation task on the provider's test split
-    out = busctl(state_dir, router.endpoint, "submit", "--evaluate", "--model", str(now), "--dataset", "mnist",
+    out = admin_busctl(state_dir, router.endpoint, "submit", "--evaluate", "--model", str(now), "--dataset", "mnist",
                  "--split", "test")
     assert out.returncode == 0, out.stderr
     task = wait_job(admin, out.stdout.strip(), 60)
@@ -106,6 +101,6 @@ def test_evaluate_a_model_file_and_download_a_current_model(router, provider, tr
     assert task["result"]["model_sha256"] == hashlib.sha256(now.read_bytes()).hexdigest()
     assert task["result"]["test_n"] == 120 and 0 <= task["result"]["test_accuracy"] <= 1
     assert set(load_safetensors(now.read_bytes()))  # a loadable safetensors file
-    out = busctl(state_dir, router.endpoint, "submit", "--evaluate", "--model", str(tmp_path / "nope.safetensors"),
+    out = admin_busctl(state_dir, router.endpoint, "submit", "--evaluate", "--model", str(tmp_path / "nope.safetensors"),
                  "--dataset", "mnist")
     assert out.returncode == 2 and "does not exist" in out.stderr

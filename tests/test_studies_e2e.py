@@ -14,7 +14,7 @@ from libbus.errors import BadRequest
 from libbus.messages import ControlJob, GetJob, GetStudy, ListJobs, Model, StopStudy, SubmitJob, SubmitStudy
 from services.models import build_model, evaluate
 from services.provider.sources import open_source
-from tests.conftest import wait_job
+from tests.support import Cluster, wait_job
 
 BASE = {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 32}, "epochs": 2, "batch_size": 100,
         "evaluate": False, "optimizer": "sgd"}
@@ -178,25 +178,29 @@ def test_pbt_member_adopts_a_better_members_checkpoint_and_explores(router, prov
 def test_a_router_killed_mid_study_comes_back_and_completes_it(tmp_path):
     """Real processes (`busctl start` router, provider, trainer): the router is killed -9 once a
     trial has ended and started again on its address; the study goes on from its rows."""
-    from benchmarks.studies import Cluster
-    from libbus.messages import ListJobs as List
-    cluster = Cluster(tmp_path, "mnist=mock://mnist?n=600", trainers=1)
+    cluster = Cluster(tmp_path, {"BATCHBUS_PROGRESS_INTERVAL_S": "0.5", "BATCHBUS_LEASE_S": "10"})
     killed = []
-
-    def kill_once(info: dict) -> None:
-        if not killed and any(t["state"] in ("pruned", "complete") for t in info["trials"]):
-            cluster.kill_router()
-            cluster.start_router(cluster.endpoint)
-            killed.append(len(info["trials"]))
     try:
+        endpoint = cluster.start_router()
+        cluster.start("provider", "provider", "--dataset", "mnist=mock://mnist?n=600")
+        cluster.start_trainer("trainer-0")
         raw = {"base": {**BASE, "epochs": 3}, "space": {"lr": {"log_uniform": [1e-4, 0.3]}},
                "study": {"trials": 4, "concurrent": 1, "sampler": "random", "pruner": "asha", "seed": 2}}
-        info = cluster.run_study(raw, timeout=120, on_poll=kill_once)
+        study = cluster.admin.request(SubmitStudy(spec=raw)).study["id"]
+        deadline = time.monotonic() + 120
+        while (info := cluster.admin.request(GetStudy(study=study)).study)["state"] == "running":
+            assert time.monotonic() < deadline, f"study {study} did not finish\n{cluster.logs()}"
+            if not killed and any(t["state"] in ("pruned", "complete") for t in info["trials"]):
+                cluster.procs["router"].kill()
+                cluster.procs["router"].wait()
+                cluster.start_router(endpoint)
+                killed.append(len(info["trials"]))
+            time.sleep(0.5)
         assert killed, "the study ended before the router could be killed"
         assert info["state"] == "complete"
         assert [t["number"] for t in info["trials"]] == [0, 1, 2, 3]
         assert all(t["state"] in ("complete", "pruned") for t in info["trials"])
-        jobs = [j for j in cluster.admin.request(List()).jobs if j["spec"]["name"].startswith(info["id"])]
+        jobs = [j for j in cluster.admin.request(ListJobs()).jobs if j["spec"]["name"].startswith(info["id"])]
         assert sorted(j["id"] for j in jobs) == sorted(t["job"] for t in info["trials"])  # one job per trial
     finally:
         cluster.close()

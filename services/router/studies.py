@@ -63,7 +63,7 @@ def _distributions(spec: StudySpec) -> dict:
 def _sampler(spec: StudySpec):
     samplers = optuna.samplers
     if spec.sampler == "grid":
-        class Grid(samplers.GridSampler):
+        class Grid(optuna.samplers.GridSampler):
             def after_trial(self, *args) -> None:
                 """GridSampler stops ``study.optimize`` once the grid is used up (``study.stop()``,
                 which raises outside it); here the study's ``trials`` (at most the grid) end it."""

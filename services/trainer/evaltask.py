@@ -14,7 +14,6 @@ import hashlib
 import logging
 
 import orjson
-
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -30,6 +29,7 @@ from services.models import build_model, dataset_kind, evaluate
 
 from .checkpoint import CheckpointError, read_checkpoint, restore_checkpoint
 from .evaluation import snapshot
+from .optim import apply_hyper
 
 __all__ = ["run_evaluation", "adopt_checkpoint", "current_weights"]
 
@@ -84,7 +84,6 @@ def adopt_checkpoint(run, args: dict) -> dict:
     """Load the checkpoint ``args["checkpoint"]`` (another job's) into ``run`` (a TaskRun): its model
     and optimizer state, then this job's hyper-parameters again. The data position stays this
     job's. Raises :class:`BadRequest` when it cannot be read here or does not fit."""
-    from .run import apply_hyper  # noqa: PLC0415 - run imports this module
     if run.gang is not None:
         raise BadRequest("adopt is not supported for a gang (world_size > 1)")
     record = args.get("checkpoint") or {}

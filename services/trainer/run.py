@@ -25,17 +25,26 @@ from services.models import TOKENS, batch_loss, build_model, dataset_kind, evalu
 from services.sdnotify import Notifier
 
 from .audit import Audit
-from .checkpoint import (CheckpointError, job_dir, prune, read_checkpoint, restore_checkpoint, save_checkpoint,
-                         save_model)
+from .checkpoint import (
+    CheckpointError,
+    job_dir,
+    prune,
+    read_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+    save_model,
+)
 from .control import Controls, Lost, Stopped
 from .evaltask import adopt_checkpoint, current_weights, run_evaluation
 from .evaluation import LiveEvaluations
-from .failures import deterministic as _deterministic, describe_failure
+from .failures import describe_failure
+from .failures import deterministic as _deterministic
 from .final_eval import EVALUATE_TIMEOUT_S, score_on_provider
 from .gang import Code, Gang, GangError, advertised_host
+from .optim import apply_hyper, make_optimizer
 from .reports import Reporter
 
-__all__ = ["TaskRun", "apply_hyper", "make_optimizer"]
+__all__ = ["TaskRun"]
 
 log = logging.getLogger(__name__)
 
@@ -43,21 +52,6 @@ log = logging.getLogger(__name__)
 def _perplexity(loss: float) -> float:
     """exp(mean next-token loss), capped so that a diverged run reports a number JSON can carry."""
     return math.exp(min(loss, 700.0))
-
-
-def make_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
-    if spec.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
-    return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
-
-
-def apply_hyper(optimizer: torch.optim.Optimizer, spec: JobSpec) -> None:
-    """Set the spec's settable hyper-parameters (``busctl job set``) on every param group."""
-    for group in optimizer.param_groups:
-        group["lr"] = spec.lr
-        group["weight_decay"] = spec.weight_decay
-        if "momentum" in group:
-            group["momentum"] = spec.momentum
 
 
 @dataclass
