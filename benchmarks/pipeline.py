@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.provider.sources.pipeline import Pipeline
 from services.provider.sources import Source, open_source
+from services.provider.sources.pipeline import Pipeline
 from services.provider.sources.pipeline.stages import Chunk
 
 STAGES = """

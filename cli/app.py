@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -66,14 +66,15 @@ def _write_ready(path: Path | None, endpoint: str) -> None:
 @start_app.command("router")
 @guard
 def start_router(config: Config = None, router: Router = None, bind: Bind = None, secret_file: SecretFile = None,
-                 state_dir: StateDir = None, db: Annotated[Optional[str], typer.Option(help="Job database file.")] = None,
+                 state_dir: StateDir = None, db: Annotated[str | None, typer.Option(help="Job database file.")] = None,
                  name: Name = None, log_level: LogLevel = None, ready_file: ReadyFile = None,
-                 heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None,
+                 heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
                  metrics_bind: MetricsBind = None) -> None:
     """The control plane: registration, discovery, the job queue (SQLite), commands, stats."""
+    import threading
+
     from services import runtime
     from services.router.app import RouterService
-    import threading
     s = settings_from(config, router=router, bind=bind, secret_file=secret_file, state_dir=state_dir, db=db,
                       name=name, log_level=log_level, heartbeat_ms=heartbeat_ms,
                       metrics_bind=metrics_bind)
@@ -92,17 +93,18 @@ def start_router(config: Config = None, router: Router = None, bind: Bind = None
 
 @start_app.command("provider")
 @guard
-def start_provider(dataset: Annotated[Optional[list[str]], typer.Option("--dataset", help="NAME=URI, repeatable (mock://mnist, mock://cifar10, dummy://?shape=1,28,28&n=1000).")] = None,
+def start_provider(dataset: Annotated[list[str] | None, typer.Option("--dataset", help="NAME=URI, repeatable (mock://mnist, mock://cifar10, dummy://?shape=1,28,28&n=1000).")] = None,
                    config: Config = None, router: Router = None, bind: Bind = None,
-                   advertise: Annotated[Optional[str], typer.Option(help="Data endpoint trainers connect to.")] = None,
+                   advertise: Annotated[str | None, typer.Option(help="Data endpoint trainers connect to.")] = None,
                    secret_file: SecretFile = None, state_dir: StateDir = None, token: Token = None,
                    name: Name = None, log_level: LogLevel = None, ready_file: ReadyFile = None,
-                   heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None,
+                   heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
                    metrics_bind: MetricsBind = None) -> None:
     """Serve datasets on a data socket and register them with the router."""
+    import threading
+
     from services import runtime
     from services.provider.app import ProviderService
-    import threading
     s = settings_from(config, router=router, bind=bind, advertise=advertise, secret_file=secret_file,
                       state_dir=state_dir, token=token, name=name, log_level=log_level,
                       datasets=dataset or None, heartbeat_ms=heartbeat_ms, metrics_bind=metrics_bind)
@@ -125,8 +127,8 @@ def start_provider(dataset: Annotated[Optional[list[str]], typer.Option("--datas
 @guard
 def start_trainer(config: Config = None, router: Router = None, secret_file: SecretFile = None,
                   state_dir: StateDir = None, token: Token = None, name: Name = None, log_level: LogLevel = None,
-                  torch_threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads.")] = None,
-                  heartbeat_ms: Annotated[Optional[int], typer.Option(help="Heartbeat interval.")] = None,
+                  torch_threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
+                  heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
                   metrics_bind: MetricsBind = None) -> None:
     """Take jobs from the router and train them on batches pulled from providers."""
     from services.trainer.app import run_trainer
@@ -167,17 +169,17 @@ def bench(ctx: typer.Context) -> None:
 @app.command()
 @guard
 @admin_options
-def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job file (flags override it).")] = None,
-           dataset: Annotated[Optional[str], typer.Option(help="Dataset name (or remote://NAME).")] = None,
-           model: Annotated[Optional[str], typer.Option(help="mlp, cnn, tiny-lm or module:factory; with --evaluate a stored model to score: a job id or FILE.safetensors.")] = None,
-           epochs: Annotated[Optional[int], typer.Option()] = None,
-           batch_size: Annotated[Optional[int], typer.Option()] = None,
-           lr: Annotated[Optional[float], typer.Option()] = None,
-           optimizer: Annotated[Optional[str], typer.Option(help="sgd or adam.")] = None,
-           seed: Annotated[Optional[int], typer.Option()] = None,
+def submit(job_file: Annotated[Path | None, typer.Argument(help="TOML job file (flags override it).")] = None,
+           dataset: Annotated[str | None, typer.Option(help="Dataset name (or remote://NAME).")] = None,
+           model: Annotated[str | None, typer.Option(help="mlp, cnn, tiny-lm or module:factory; with --evaluate a stored model to score: a job id or FILE.safetensors.")] = None,
+           epochs: Annotated[int | None, typer.Option()] = None,
+           batch_size: Annotated[int | None, typer.Option()] = None,
+           lr: Annotated[float | None, typer.Option()] = None,
+           optimizer: Annotated[str | None, typer.Option(help="sgd or adam.")] = None,
+           seed: Annotated[int | None, typer.Option()] = None,
            shuffle: Annotated[str | None, typer.Option(help="none, full or block.")] = None,
            block_size: Annotated[int | None, typer.Option(help="Samples per block of --shuffle block.")] = None,
-           evaluate: Annotated[Optional[bool], typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")] = None,
+           evaluate: Annotated[bool | None, typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")] = None,
            world_size: Annotated[int | None, typer.Option(help="Trainers that train the job together (a gang).")] = None,
            split: Annotated[str, typer.Option(help="With --evaluate --model JOB|FILE: val (a trainer scores it) or test (the provider does).")] = "val",
            arch: Annotated[str | None, typer.Option(help="With --evaluate --model FILE: its model, when the file does not say.")] = None,
@@ -212,7 +214,7 @@ def submit(job_file: Annotated[Optional[Path], typer.Argument(help="TOML job fil
 @app.command()
 @guard
 @admin_options
-def jobs(state: Annotated[Optional[str], typer.Option(help=f"Only jobs in this state: {', '.join(JOB_STATES)}.")] = None,
+def jobs(state: Annotated[str | None, typer.Option(help=f"Only jobs in this state: {', '.join(JOB_STATES)}.")] = None,
          limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 50,
          offset: Annotated[int, typer.Option(min=0, help="Skip this many newest (the next page).")] = 0,
          *, settings: Settings, json: Json = False) -> None:
@@ -332,6 +334,7 @@ def job_model(job: str, out: Annotated[Path, typer.Option("-o", "--out", help="W
     if current:
         return current_model(job, out, settings)
     import hashlib
+
     from services.atomic import write_atomic
     s = settings
     with admin_client(s) as client:
@@ -390,7 +393,7 @@ def top(interval: Annotated[float, typer.Option(min=0.1, help="Seconds between r
 def control(provider: Annotated[str, typer.Argument(help="Provider name (busctl peers).")],
             stage: Annotated[str, typer.Argument(help="A stage of one of its pipeline datasets.")],
             command: Annotated[str, typer.Argument(help="stats; random stages also get, set, reset.")],
-            args: Annotated[Optional[list[str]], typer.Argument(help="key=value, e.g. seed=3 epoch=2 (set).")] = None,
+            args: Annotated[list[str] | None, typer.Argument(help="key=value, e.g. seed=3 epoch=2 (set).")] = None,
             dataset: Annotated[str, typer.Option(help="The pipeline dataset, when several have STAGE.")] = "",
             *, settings: Settings, json: Json = False) -> None:
     """Send a control command to one stage of a provider's pipeline dataset (docs/operations.md)."""

@@ -7,7 +7,8 @@ import getpass
 import logging
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 import typer

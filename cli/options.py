@@ -7,7 +7,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,17 +16,17 @@ from .common import settings_from
 __all__ = ["Config", "Router", "SecretFile", "StateDir", "Token", "Bind", "Name", "LogLevel", "ReadyFile", "Json",
            "MetricsBind", "ADMIN_OPTIONS", "admin_options"]
 
-Config = Annotated[Optional[str], typer.Option("--config", help="TOML settings file (or BATCHBUS_CONFIG).")]
-Router = Annotated[Optional[str], typer.Option("--router", help="Router address (or BATCHBUS_ROUTER).")]
-SecretFile = Annotated[Optional[str], typer.Option("--secret-file", help="Cluster secret (or BATCHBUS_SECRET_FILE).")]
-StateDir = Annotated[Optional[str], typer.Option("--state-dir", help="State directory (or BATCHBUS_STATE_DIR).")]
-Token = Annotated[Optional[str], typer.Option("--token", help="Use this token (or BATCHBUS_TOKEN).")]
-Bind = Annotated[Optional[str], typer.Option("--bind", help="Address to bind, e.g. tcp://0.0.0.0:5555.")]
-Name = Annotated[Optional[str], typer.Option("--name", help="Service name (default role-host-pid).")]
-LogLevel = Annotated[Optional[str], typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR.")]
-ReadyFile = Annotated[Optional[Path], typer.Option("--ready-file", help="Write the bound endpoint here once serving.")]
+Config = Annotated[str | None, typer.Option("--config", help="TOML settings file (or BATCHBUS_CONFIG).")]
+Router = Annotated[str | None, typer.Option("--router", help="Router address (or BATCHBUS_ROUTER).")]
+SecretFile = Annotated[str | None, typer.Option("--secret-file", help="Cluster secret (or BATCHBUS_SECRET_FILE).")]
+StateDir = Annotated[str | None, typer.Option("--state-dir", help="State directory (or BATCHBUS_STATE_DIR).")]
+Token = Annotated[str | None, typer.Option("--token", help="Use this token (or BATCHBUS_TOKEN).")]
+Bind = Annotated[str | None, typer.Option("--bind", help="Address to bind, e.g. tcp://0.0.0.0:5555.")]
+Name = Annotated[str | None, typer.Option("--name", help="Service name (default role-host-pid).")]
+LogLevel = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR.")]
+ReadyFile = Annotated[Path | None, typer.Option("--ready-file", help="Write the bound endpoint here once serving.")]
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
-MetricsBind = Annotated[Optional[str], typer.Option("--metrics-bind", help="Serve Prometheus /metrics on HOST:PORT (docs/operations.md).")]
+MetricsBind = Annotated[str | None, typer.Option("--metrics-bind", help="Serve Prometheus /metrics on HOST:PORT (docs/operations.md).")]
 
 #: What every command that talks to the router as admin takes, in --help order.
 ADMIN_OPTIONS = {"config": Config, "router": Router, "secret_file": SecretFile, "state_dir": StateDir, "token": Token}

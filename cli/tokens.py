@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -27,11 +27,11 @@ keys_app = typer.Typer(no_args_is_help=True, help="CURVE key pairs: encrypted, k
 def token_issue(role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES)}.")],
                 name: Annotated[str, typer.Option(help="The token's subject.")] = "",
                 ttl: Annotated[float, typer.Option(help="Lifetime in seconds.")] = 24 * 3600.0,
-                dataset: Annotated[Optional[list[str]], typer.Option("--dataset", help="Restrict the token to this dataset (repeatable; default: all).")] = None,
-                job: Annotated[Optional[list[str]], typer.Option("--job", help="Restrict the token to this job id (repeatable; default: all).")] = None,
-                alg: Annotated[Optional[str], typer.Option("--alg", help="HS256 or EdDSA (default: token_alg setting).")] = None,
-                issuer: Annotated[Optional[str], typer.Option("--issuer", help="The iss claim (default: token_issuer, else the cluster).")] = None,
-                signing_key_file: Annotated[Optional[str], typer.Option("--signing-key-file", help="EdDSA signing key (or BATCHBUS_SIGNING_KEY_FILE).")] = None,
+                dataset: Annotated[list[str] | None, typer.Option("--dataset", help="Restrict the token to this dataset (repeatable; default: all).")] = None,
+                job: Annotated[list[str] | None, typer.Option("--job", help="Restrict the token to this job id (repeatable; default: all).")] = None,
+                alg: Annotated[str | None, typer.Option("--alg", help="HS256 or EdDSA (default: token_alg setting).")] = None,
+                issuer: Annotated[str | None, typer.Option("--issuer", help="The iss claim (default: token_issuer, else the cluster).")] = None,
+                signing_key_file: Annotated[str | None, typer.Option("--signing-key-file", help="EdDSA signing key (or BATCHBUS_SIGNING_KEY_FILE).")] = None,
                 config: Config = None, secret_file: SecretFile = None, state_dir: StateDir = None) -> None:
     """Print a signed token for ROLE: from the cluster secret (HS256) or the signing key (EdDSA)."""
     from services.runtime import mint_token, signing_key
@@ -45,12 +45,13 @@ def token_issue(role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES
 @guard
 def token_inspect(token: Annotated[str, typer.Argument(help="The token to show ('-' reads it from stdin).")],
                   config: Config = None, secret_file: SecretFile = None, state_dir: StateDir = None,
-                  public_key_file: Annotated[Optional[str], typer.Option("--public-key-file", help="EdDSA public key (or BATCHBUS_PUBLIC_KEY_FILE).")] = None,
-                  alg: Annotated[Optional[str], typer.Option("--alg", help="Verify as HS256 or EdDSA (default: token_alg setting).")] = None,
+                  public_key_file: Annotated[str | None, typer.Option("--public-key-file", help="EdDSA public key (or BATCHBUS_PUBLIC_KEY_FILE).")] = None,
+                  alg: Annotated[str | None, typer.Option("--alg", help="Verify as HS256 or EdDSA (default: token_alg setting).")] = None,
                   json: Json = False) -> None:
     """Print a token's claims: verified with this node's key where it has one, else marked UNVERIFIED."""
     import sys
     import time
+
     from libbus.auth import inspect_token, verify_token
     from services.runtime import verify_key
     if token == "-":
@@ -86,12 +87,13 @@ def token_inspect(token: Annotated[str, typer.Argument(help="The token to show (
 @admin_options
 def token_revoke(what: Annotated[str, typer.Argument(help="The token to revoke ('-' reads it from stdin), or its bare jti.")],
                  reason: Annotated[str, typer.Option(help="Why: kept with the revocation.")] = "",
-                 keep: Annotated[Optional[float], typer.Option("--keep", help="For a bare jti: seconds to keep refusing it (default: token_ttl_s). A whole token is refused until it expires.")] = None,
+                 keep: Annotated[float | None, typer.Option("--keep", help="For a bare jti: seconds to keep refusing it (default: token_ttl_s). A whole token is refused until it expires.")] = None,
                  *, settings: Settings) -> None:
     """Revoke a token on every service: the router stores it (a restart keeps it), refuses it, closes
     its sessions and tells every provider, which does the same."""
     import sys
     import time
+
     from libbus.auth import inspect_token
     from libbus.messages import RevokeToken
     if what == "-":

@@ -17,7 +17,7 @@ batchbus server socket runs a ZAP handler and admits a connection only after its
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator

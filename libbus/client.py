@@ -15,8 +15,8 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -172,7 +172,7 @@ class Client:
             self._sock = None
         self.reset()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -10,9 +10,10 @@ import os
 import socket
 import tomllib
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from . import constants as C
 from .auth import ALGORITHMS
@@ -151,7 +152,7 @@ class Settings:
     allowed_origins: list = field(default_factory=list)
     log_level: str = "INFO"
 
-    def resolved(self) -> "Settings":
+    def resolved(self) -> Settings:
         """Fill the defaults that derive from other settings (paths under the state dir)."""
         out = dataclasses.replace(self)
         if not out.state_dir:

@@ -16,9 +16,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable
 
 import zmq
 
@@ -70,7 +70,7 @@ class Link:
         self._hello_sent = 0.0
 
     # -- public -------------------------------------------------------------------------------
-    def start(self) -> "Link":
+    def start(self) -> Link:
         self._thread.start()
         return self
 

@@ -33,7 +33,7 @@ __all__ = [
     "SubmitStudy", "ListStudies", "GetStudy", "StopStudy", "StudyInfo", "StudyList",
 ]
 
-MESSAGE_TYPES: dict[str, type["Message"]] = {}
+MESSAGE_TYPES: dict[str, type[Message]] = {}
 
 
 @dataclass(kw_only=True)

@@ -21,8 +21,8 @@ import secrets
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Callable, Iterable
 
 import zmq
 
@@ -33,7 +33,7 @@ from .constants import POLL_MS
 from .curve import KeyAuthenticator, secure_server
 from .errors import AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal, Unavailable
 from .handler import Handler, ServerConfig
-from .messages import (Goodbye, Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of)
+from .messages import Goodbye, Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of
 from .schema import check_stored
 from .sessions import Session, SessionTable, check_labels, frame_property, is_local_peer
 from .sockets import make_socket, send_message

@@ -9,23 +9,22 @@ import signal
 import socket
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import zmq
 
-from libbus.auth import (Key, ensure_secret, issue_token, load_public_key, load_secret,
-                         load_signing_key)
+from libbus.auth import Key, ensure_secret, issue_token, load_public_key, load_secret, load_signing_key
 from libbus.client import Identity
 from libbus.config import Settings
 from libbus.constants import DRAIN_LINGER_S
 from libbus.curve import CurveKeys, load_keys
 from libbus.curve import load_public_key as load_curve_public_key
-from shm import SHM_DIR
-from shm.names import pid_alive
 from libbus.errors import ConfigError
 from libbus.server import ServerConfig
 from libbus.sockets import SocketLimits
+from shm import SHM_DIR
+from shm.names import pid_alive
 
 from .sdnotify import Notifier
 

@@ -127,6 +127,7 @@ def test_an_old_database_gets_the_new_columns(tmp_path):
 
 def test_the_router_keeps_a_model_only_if_its_bytes_match_and_names_no_other_path(tmp_path):
     import hashlib
+
     from libbus.errors import NotFound
     from services.router.artifacts import Artifacts
     artifacts = Artifacts(str(tmp_path))

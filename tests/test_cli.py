@@ -8,6 +8,7 @@ from libbus.config import load_settings
 from libbus.errors import ConfigError
 from tests.support import busctl
 
+
 def test_settings_precedence_is_file_then_env_then_flags(tmp_path):
     cfg = tmp_path / "bus.toml"
     cfg.write_text('router = "tcp://file:1"\nheartbeat_ms = 300\ninflight = 2\n')

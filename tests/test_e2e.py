@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-
 from tests.support import Cluster, busctl
 
 

@@ -22,8 +22,8 @@ from libbus.errors import BusError, DatasetError, Unavailable
 from libbus.loader import RemoteLoader
 from libbus.messages import BatchRequest, DatasetInfoRequest
 from libbus.order import epoch_order
-from services.provider.sources.http import expand_template
 from services.provider.sources import open_source
+from services.provider.sources.http import expand_template
 from tests.support.httpd import RangeServer
 
 FAST = "retries=2&backoff=0.01&timeout=5"

@@ -12,9 +12,7 @@ import pytest
 from libbus.errors import ConfigError, OutOfRange, SplitPrivate
 from libbus.messages import BatchRequest
 from libbus.metrics import LatencyHistogram, parse_bind
-
 from tests.support import busctl, run_service, scrape, value
-
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ import pytest
 
 from libbus.auth import generate_signing_key, issue_token, load_signing_key
 from libbus.curve import generate_keys
-
 from tests.support import wait_file
 
 REPO = Path(__file__).resolve().parents[1]

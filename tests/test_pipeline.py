@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from libbus.errors import BadRequest, ConfigError, DatasetError, Forbidden, NotFound, Timeout
-from services.provider.sources.pipeline import Pipeline, find_stage, pipeline_stats, stage_control
 from services.provider.sources import open_source
+from services.provider.sources.pipeline import Pipeline, find_stage, pipeline_stats, stage_control
 from services.provider.sources.pipeline.stages import Chunk, SourceStage, Spec, Stage
 from services.provider.sources.pipeline.transforms import Cast, Flip, Normalize, OneHot, RandomCrop
 

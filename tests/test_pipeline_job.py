@@ -13,7 +13,6 @@ import pytest
 from libbus.errors import Forbidden
 from libbus.loader import RemoteLoader
 from libbus.messages import BatchRequest, GetJob, StageControl, SubmitJob
-
 from tests.support import busctl_in_process, scrape, value, wait_job
 
 PIPELINE = """

@@ -25,7 +25,6 @@ from libbus.messages import Resolve, Stats, SubmitJob
 from libbus.replicas import Replica, info_mismatch, pick
 from services.provider.sources import open_source
 from services.trainer.audit import digest, effective_epochs
-
 from tests.support import Cluster, run_service, wait_job
 
 URI = "mock://mnist?n=600"

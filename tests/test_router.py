@@ -9,8 +9,19 @@ from libbus.client import Identity
 from libbus.errors import BadRequest, Forbidden, NotFound, Timeout
 from libbus.jobs import JobSpec
 from libbus.link import Link
-from libbus.messages import (CommandAck, ControlJob, GetJob, GetTask, NoTask, Progress, PushResult, Resolve,
-                             Stats, SubmitJob, Task)
+from libbus.messages import (
+    CommandAck,
+    ControlJob,
+    GetJob,
+    GetTask,
+    NoTask,
+    Progress,
+    PushResult,
+    Resolve,
+    Stats,
+    SubmitJob,
+    Task,
+)
 from services.router.store import JobStore
 
 

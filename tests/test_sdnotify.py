@@ -15,18 +15,17 @@ import time
 from concurrent.futures import Future
 
 import pytest
+from safetensors.torch import save as save_safetensors
 
 from libbus.errors import PeerTimeout, Unavailable
 from libbus.loader import RemoteLoader
 from libbus.messages import DatasetInfo, DatasetInfoRequest, Evaluate, SubmitJob
 from libbus.server import Handler, Server, ServerConfig
-from safetensors.torch import save as save_safetensors
 from services.models import build_model
 from services.provider.handler import ProviderHandler
 from services.provider.sources import open_source
-from tests.support import REPO, Cluster
 from services.sdnotify import Notifier
-
+from tests.support import REPO, Cluster
 
 
 class Manager:

@@ -23,10 +23,20 @@ from libbus.auth import inspect_token, issue_token
 from libbus.client import Client, Identity
 from libbus.curve import KeyAuthenticator, generate_keys, load_keys, secure_client, secure_server
 from libbus.errors import AuthInvalid, BadRequest, ConfigError, Forbidden, PeerTimeout, RateLimited, TooLarge
-from libbus.messages import (BatchRequest, DatasetInfoRequest, GetTask, Hello, ListPeers, PushResult, Resolve,
-                             SubmitJob, Task, decode, encode)
+from libbus.messages import (
+    BatchRequest,
+    DatasetInfoRequest,
+    GetTask,
+    Hello,
+    ListPeers,
+    PushResult,
+    Resolve,
+    SubmitJob,
+    Task,
+    decode,
+    encode,
+)
 from services.provider.sources import open_source
-
 from tests.support import CLUSTER, run_service
 
 MNIST = "mock://mnist?n=600"

@@ -14,8 +14,20 @@ import pytest
 
 from libbus.client import Client, Identity
 from libbus.errors import BadRequest, Forbidden, Unavailable
-from libbus.messages import (Checkpointed, CommandAck, ControlJob, GetJob, GetModel, GetTask, ListJobs, NoTask,
-                             Progress, PushResult, SubmitJob, Task)
+from libbus.messages import (
+    Checkpointed,
+    CommandAck,
+    ControlJob,
+    GetJob,
+    GetModel,
+    GetTask,
+    ListJobs,
+    NoTask,
+    Progress,
+    PushResult,
+    SubmitJob,
+    Task,
+)
 
 
 def trainer(client_for, router, make_token, sub: str, name: str, **scopes) -> Client:

@@ -5,12 +5,11 @@ resident memory is sampled from /proc."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import zmq
 
-from benchmarks.preauth_flood import MiB, run
+from benchmarks.preauth_flood import run
 from libbus.admission import TokenAuthenticator, admit_client, admit_server
 from libbus.auth import ensure_secret, issue_token
 from libbus.client import Client, Identity

@@ -23,11 +23,10 @@ from libbus.errors import BadRequest, Forbidden, Unavailable
 from libbus.loader import RemoteLoader
 from libbus.messages import AttachRing, BatchRequest, DatasetInfoRequest
 from libbus.order import epoch_order
+from services.provider.sources import open_source
 from shm import SHM_DIR, Ring, RingLayout, SlotState, collect_garbage, list_segments, new_name
 from shm.ring import HEADER
-from services.provider.sources import open_source
 from tests.support import busctl
-
 
 MNIST = "mock://mnist?n=600"
 DTYPES = ["float32", "float64", "uint8", "int16", "uint16", "int64"]

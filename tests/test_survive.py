@@ -25,7 +25,6 @@ from services.trainer.audit import effective_epochs
 from tests.support.busctl import REPO
 from tests.support.jobs import SPEC, JobCluster, final_weights
 
-
 # 600 samples / 16 = 38 steps an epoch: a checkpoint at steps 19 (mid-epoch) and 38 (its last step)
 JOB = {**SPEC, "epochs": 2, "checkpoint_every": 19, "evaluate": True, "max_attempts": 5}
 

@@ -89,7 +89,7 @@ def exec_start(role: str) -> list[str]:
     return shlex.split(values[0])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def start_help(role: str) -> str:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
     env.pop("FORCE_COLOR", None)

@@ -12,7 +12,6 @@ from libbus.errors import BadRequest, DatasetError
 from libbus.messages import BatchRequest, DatasetInfoRequest, SubmitJob
 from services.models import build_model, evaluate
 from services.provider.sources import open_source
-
 from tests.support import wait_job
 
 TOKENS = "mock://tokens?n=640&seq_len=32&vocab=64"

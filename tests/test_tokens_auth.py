@@ -14,12 +14,22 @@ import time
 import jwt
 import pytest
 
-from libbus.auth import (Claims, generate_signing_key, issue_token, load_signing_key, verify_token)
+from libbus.auth import Claims, generate_signing_key, issue_token, load_signing_key, verify_token
 from libbus.errors import AuthExpired, AuthInvalid, ConfigError, Forbidden
-from libbus.messages import (AttachRing, BatchRequest, ControlJob, DatasetInfoRequest, Evaluate, GetJob,
-                             ListJobs, Progress, PushResult, Resolve, SubmitJob)
+from libbus.messages import (
+    AttachRing,
+    BatchRequest,
+    ControlJob,
+    DatasetInfoRequest,
+    Evaluate,
+    GetJob,
+    ListJobs,
+    Progress,
+    PushResult,
+    Resolve,
+    SubmitJob,
+)
 from services import runtime
-
 from tests.support import CLUSTER, busctl
 
 

@@ -2,12 +2,22 @@
 
 import orjson
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from libbus import PROTOCOL
-from libbus.errors import BadRequest, BusError, TooLarge, error_from_code, ERROR_CODES, PeerTimeout
-from libbus.messages import (BatchRequest, BatchResponse, Evaluate, Hello, MESSAGE_TYPES, Progress, decode,
-                             encode, request_id_of)
+from libbus.errors import ERROR_CODES, BadRequest, BusError, PeerTimeout, TooLarge, error_from_code
+from libbus.messages import (
+    MESSAGE_TYPES,
+    BatchRequest,
+    BatchResponse,
+    Evaluate,
+    Hello,
+    Progress,
+    decode,
+    encode,
+    request_id_of,
+)
 
 
 def head(**fields) -> bytes:

@@ -43,8 +43,8 @@ from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
 from .evalgate import EvalGate
-from .sources.pipeline import pipeline_stats, stage_control
 from .sources import PRIVATE_SPLIT, SPLITS, Source
+from .sources.pipeline import pipeline_stats, stage_control
 
 __all__ = ["ProviderHandler", "batch_indices"]
 

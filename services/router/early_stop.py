@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from libbus.errors import BusError
 

@@ -10,17 +10,44 @@ first one's session lives (a restarted service gets in once its old session expi
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
 
 from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
 from libbus.errors import BadRequest, NotFound, Unavailable
 from libbus.jobs import JobSpec, dataset_name
 from libbus.jobstate import REFUSED
-from libbus.messages import (Checkpointed, CommandAck, ControlJob, Entitlements, GetJob, GetModel, GetTask, JobInfo,
-                             JobList, JobSubmitted, ListJobs, ListPeers, ListRevoked, Message, Model, NoTask, Ok,
-                             PeerList, Progress, PushResult, Rendezvous, Resolve, Resolved, RevokedList, RevokeToken,
-                             Stats, StatsReply, SubmitJob, Task)
+from libbus.messages import (
+    Checkpointed,
+    CommandAck,
+    ControlJob,
+    Entitlements,
+    GetJob,
+    GetModel,
+    GetTask,
+    JobInfo,
+    JobList,
+    JobSubmitted,
+    ListJobs,
+    ListPeers,
+    ListRevoked,
+    Message,
+    Model,
+    NoTask,
+    Ok,
+    PeerList,
+    Progress,
+    PushResult,
+    Rendezvous,
+    Resolve,
+    Resolved,
+    RevokedList,
+    RevokeToken,
+    Stats,
+    StatsReply,
+    SubmitJob,
+    Task,
+)
 from libbus.replicas import info_mismatch
 from libbus.schema import check_stored
 from libbus.server import Handler, Session

@@ -25,13 +25,24 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
 
 from libbus.errors import BadRequest, Forbidden, NotFound, Timeout, Unavailable
 from libbus.jobs import TERMINAL_STATES, JobSpec
-from libbus.messages import Checkpointed, Command, CommandAck, Message, Model, Ok, Progress, PushResult, Task, frame_buffer
+from libbus.messages import (
+    Checkpointed,
+    Command,
+    CommandAck,
+    Message,
+    Model,
+    Ok,
+    Progress,
+    PushResult,
+    Task,
+    frame_buffer,
+)
 
 from .artifacts import Artifacts
 from .store import HOLDING_STATES, JobStore

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import orjson
 
-from libbus.constants import KiB, MAX_HEADER_BYTES
+from libbus.constants import MAX_HEADER_BYTES, KiB
 
 __all__ = ["REPLY_BUDGET", "fit_list", "fit_job"]
 

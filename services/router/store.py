@@ -14,8 +14,8 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import orjson
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import optuna  # with the router, not at its first study: the import's second would stall the serving loop
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
-from typing import Callable
+from collections.abc import Callable
 
 from libbus.errors import BadRequest
 from libbus.messages import Command, CommandAck

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from libbus.errors import BusError, Forbidden, PeerTimeout
 from libbus.link import Link
