@@ -40,9 +40,20 @@ REPO = Path(__file__).resolve().parents[1]
 #: busctl from this checkout (its directory first on sys.path), whatever the environment installed
 BUSCTL = [sys.executable, "-c", "from cli.app import main; main()"]
 DATA = "mnist=mock://mnist?n=400"
-SPEC = {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 32}, "epochs": 2, "batch_size": 20,
-        "shuffle": "full", "seed": 3, "optimizer": "adam", "lr": 0.003, "evaluate": True,
-        "checkpoint_every": 5, "max_attempts": 10}
+SPEC = {
+    "dataset": "mnist",
+    "model": "mlp",
+    "model_kwargs": {"hidden": 32},
+    "epochs": 2,
+    "batch_size": 20,
+    "shuffle": "full",
+    "seed": 3,
+    "optimizer": "adam",
+    "lr": 0.003,
+    "evaluate": True,
+    "checkpoint_every": 5,
+    "max_attempts": 10,
+}
 #: Jobs per wave: three single-trainer jobs and one gang.
 WAVE = [{}, {"epochs": 3}, {"checkpoint_every": 0}, {"world_size": 2}]
 FAULTS = ("kill", "term", "stop")
@@ -66,19 +77,28 @@ class Soak:
         self.state = state
         self.rng = random.Random(seed)
         ensure_secret(state / "secret")
-        self.env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_HEARTBEAT_MS": "250",
-                    "BATCHBUS_HEARTBEAT_LIVENESS": "10", "BATCHBUS_LEASE_S": "4", "BATCHBUS_TORCH_THREADS": "1",
-                    "BATCHBUS_PROGRESS_INTERVAL_S": "0.5", "BATCHBUS_AUDIT_DIR": str(state / "audit"),
-                    "BATCHBUS_REQUEST_TIMEOUT_S": "3", "BATCHBUS_REQUEST_RETRIES": "1",
-                    "BATCHBUS_PROVIDER_WAIT_S": "5"}
-        self.token = issue_token((state / "secret").read_bytes().strip(), sub="chaos", role="admin",
-                                 audience="batchbus", ttl_s=24 * 3600)
+        self.env = {
+            **os.environ,
+            "BATCHBUS_STATE_DIR": str(state),
+            "BATCHBUS_HEARTBEAT_MS": "250",
+            "BATCHBUS_HEARTBEAT_LIVENESS": "10",
+            "BATCHBUS_LEASE_S": "4",
+            "BATCHBUS_TORCH_THREADS": "1",
+            "BATCHBUS_PROGRESS_INTERVAL_S": "0.5",
+            "BATCHBUS_AUDIT_DIR": str(state / "audit"),
+            "BATCHBUS_REQUEST_TIMEOUT_S": "3",
+            "BATCHBUS_REQUEST_RETRIES": "1",
+            "BATCHBUS_PROVIDER_WAIT_S": "5",
+        }
+        self.token = issue_token(
+            (state / "secret").read_bytes().strip(), sub="chaos", role="admin", audience="batchbus", ttl_s=24 * 3600
+        )
         self.procs: dict[str, subprocess.Popen] = {}
         self.args: dict[str, list[str]] = {}
         self.envs: dict[str, dict] = {}
         self.pids: set[int] = set()
-        self.stopped: dict[str, float] = {}   # name -> when to SIGCONT
-        self.down: dict[str, float] = {}      # name -> when to restart
+        self.stopped: dict[str, float] = {}  # name -> when to SIGCONT
+        self.down: dict[str, float] = {}  # name -> when to restart
         self.faults: Counter = Counter()
         #: Services that did not stop within STOP_PATIENCE_S of a SIGTERM.
         self.slow_stops: list[str] = []
@@ -89,8 +109,13 @@ class Soak:
     def start(self, name: str, *args: str, env: dict | None = None) -> None:
         self.args[name], self.envs[name] = list(args), env or {}
         with open(self.state / f"{name}.log", "a") as log:
-            proc = subprocess.Popen([*BUSCTL, "start", *args, "--name", name], cwd=REPO, stdout=log,
-                                    stderr=subprocess.STDOUT, env={**self.env, **self.envs[name]})
+            proc = subprocess.Popen(
+                [*BUSCTL, "start", *args, "--name", name],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**self.env, **self.envs[name]},
+            )
         self.procs[name] = proc
         self.pids.add(proc.pid)
 
@@ -109,8 +134,9 @@ class Soak:
         self.env["BATCHBUS_ROUTER"] = self.endpoint
         # the router comes back on the same address after a fault
         self.args["router"] = ["router", "--bind", self.endpoint]
-        self.admin = Client(self.endpoint, Identity(role="admin", name="chaos", token=self.token),
-                            timeout_s=2, retries=0)
+        self.admin = Client(
+            self.endpoint, Identity(role="admin", name="chaos", token=self.token), timeout_s=2, retries=0
+        )
         for name in ("p1", "p2"):
             self.start(name, "provider", "--bind", "tcp://127.0.0.1:0", "--dataset", DATA)
         for i in range(4):
@@ -184,18 +210,25 @@ class Soak:
 
     def train_digests(self) -> Counter:
         providers = self.request(Resolve(dataset="mnist")).providers
-        with RemoteLoader("mnist", provider=providers[0]["endpoint"], token=self.token, batch_size=10_000,
-                          shuffle="none", copy=True) as loader:
+        with RemoteLoader(
+            "mnist", provider=providers[0]["endpoint"], token=self.token, batch_size=10_000, shuffle="none", copy=True
+        ) as loader:
             x, y = next(iter(loader))
         xs, ys = x.numpy(), y.numpy()
         return Counter(digest(xs[i].tobytes(), ys[i].tobytes()) for i in range(len(xs)))
 
     def sessions(self) -> int:
-        out = subprocess.run([*BUSCTL, "top", "--once", "--json", "--interval", "0.2"], cwd=REPO,
-                             env={**self.env, "BATCHBUS_TOKEN": self.token}, capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            [*BUSCTL, "top", "--once", "--json", "--interval", "0.2"],
+            cwd=REPO,
+            env={**self.env, "BATCHBUS_TOKEN": self.token},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         try:
             import orjson
+
             view = orjson.loads(out.stdout)
             return len(view.get("trainers", [])) + len(view.get("providers", []))
         except ValueError:
@@ -240,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 soak.inject(now)
                 next_fault = now + soak.rng.expovariate(1 / args.fault_every)
             # no new wave in the last fifth: the soak ends with its jobs, not with a fresh wave
-            if now < end - 12 * args.minutes and all(j["state"] in TERMINAL_STATES
-                                                     for j in soak.states(wave).values()):
+            if now < end - 12 * args.minutes and all(j["state"] in TERMINAL_STATES for j in soak.states(wave).values()):
                 wave = soak.submit_wave()
                 jobs += wave
             time.sleep(0.5)
@@ -280,21 +312,36 @@ def main(argv: list[str] | None = None) -> int:
         soak.shutdown()
     time.sleep(1)
     left = leftovers(soak.pids)
-    ok = not undeclared and not lost and not left and not soak.slow_stops and all(j["state"] in TERMINAL_STATES for j in final.values())
+    ok = (
+        not undeclared
+        and not lost
+        and not left
+        and not soak.slow_stops
+        and all(j["state"] in TERMINAL_STATES for j in final.values())
+    )
     print(f"chaos soak: {args.minutes:g} min, seed {args.seed}, state {state}")
-    print("faults injected: " + ", ".join(f"{k} {v}" for k, v in sorted(soak.faults.items()))
-          + f" (total {sum(soak.faults.values())})")
-    print(f"jobs: {len(final)} ({', '.join(f'{k} {v}' for k, v in sorted(by_state.items()))}); "
-          f"undeclared endings: {len(undeclared)}")
+    print(
+        "faults injected: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(soak.faults.items()))
+        + f" (total {sum(soak.faults.values())})"
+    )
+    print(
+        f"jobs: {len(final)} ({', '.join(f'{k} {v}' for k, v in sorted(by_state.items()))}); "
+        f"undeclared endings: {len(undeclared)}"
+    )
     for line in undeclared:
         print("  " + line)
     print(f"after the last fault, the jobs in flight ended within {drained_s:.0f} s")
     print(f"epochs audited: {epochs}, samples audited: {samples}, data lost or repeated: {lost}")
     print(f"left behind (rings, sockets): {len(left)} {left if left else ''}")
-    print(f"services that took over {STOP_PATIENCE_S:.0f} s to stop on SIGTERM: {len(soak.slow_stops)} "
-          f"{soak.slow_stops if soak.slow_stops else ''}")
-    print(f"router: sessions before shutdown {sessions_live} (4 trainers + 2 providers expected), "
-          f"RSS baseline {baseline_rss / 1024:.1f} MiB, at end {end_rss / 1024:.1f} MiB")
+    print(
+        f"services that took over {STOP_PATIENCE_S:.0f} s to stop on SIGTERM: {len(soak.slow_stops)} "
+        f"{soak.slow_stops if soak.slow_stops else ''}"
+    )
+    print(
+        f"router: sessions before shutdown {sessions_live} (4 trainers + 2 providers expected), "
+        f"RSS baseline {baseline_rss / 1024:.1f} MiB, at end {end_rss / 1024:.1f} MiB"
+    )
     print("result: " + ("PASS" if ok else "FAIL"))
     return 0 if ok else 1
 

@@ -53,11 +53,11 @@ SEED = 7
 
 # -- the dataset ------------------------------------------------------------------------------------
 
+
 def make_dataset(root: Path, samples: int) -> None:
     """``train_x.npy`` (float32, N×3×32×32) and ``train_y.npy`` (int64) under ``root``."""
     rng = np.random.default_rng(0)
-    x = np.lib.format.open_memmap(root / "train_x.npy", mode="w+", dtype=np.float32,
-                                  shape=(samples, *SAMPLE_SHAPE))
+    x = np.lib.format.open_memmap(root / "train_x.npy", mode="w+", dtype=np.float32, shape=(samples, *SAMPLE_SHAPE))
     for start in range(0, samples, 4096):
         stop = min(samples, start + 4096)
         x[start:stop] = rng.standard_normal((stop - start, *SAMPLE_SHAPE), dtype=np.float32)
@@ -76,8 +76,8 @@ def batch_plan(samples: int, batch: int, epochs: int) -> list[np.ndarray]:
 
 # -- measuring ----------------------------------------------------------------------------------
 
-def measure(name: str, batches: Iterable, batch_size: int, sample_bytes: int,
-            work_s: float = 0.0) -> dict:
+
+def measure(name: str, batches: Iterable, batch_size: int, sample_bytes: int, work_s: float = 0.0) -> dict:
     """Pull every batch, timing each wait; optionally spin ``work_s`` of CPU per batch."""
     waits: list[float] = []
     stamps: list[float] = []
@@ -99,9 +99,14 @@ def measure(name: str, batches: Iterable, batch_size: int, sample_bytes: int,
     span = stamps[-1] - stamps[0]
     n = (len(stamps) - 1) * batch_size
     steady = np.array(waits[1:]) * 1e3
-    row = {"path": name, "batches": len(stamps), "samples_per_s": n / span,
-           "gb_per_s": n * sample_bytes / span / 1e9,
-           "p50_ms": float(np.percentile(steady, 50)), "p99_ms": float(np.percentile(steady, 99))}
+    row = {
+        "path": name,
+        "batches": len(stamps),
+        "samples_per_s": n / span,
+        "gb_per_s": n * sample_bytes / span / 1e9,
+        "p50_ms": float(np.percentile(steady, 50)),
+        "p99_ms": float(np.percentile(steady, 99)),
+    }
     if work_s:
         total = stamps[-1] - stamps[0] + work_s
         row["wait_fraction"] = float(sum(waits[1:]) / total)
@@ -135,8 +140,7 @@ class NpyBatches(torch.utils.data.Dataset):
 
 
 def dataloader_batches(root: Path, plan: list[np.ndarray], workers: int) -> Iterator:
-    loader = torch.utils.data.DataLoader(NpyBatches(root), batch_size=None, sampler=plan,
-                                         num_workers=workers)
+    loader = torch.utils.data.DataLoader(NpyBatches(root), batch_size=None, sampler=plan, num_workers=workers)
     yield from loader
 
 
@@ -186,6 +190,7 @@ def loader_batches(loader: RemoteLoader, epochs: int, hold: int = 0) -> Iterator
 
 # -- the run ------------------------------------------------------------------------------------
 
+
 class Services:
     """A router and one provider serving the dataset twice (RAM and streamed), as real processes."""
 
@@ -193,17 +198,35 @@ class Services:
         secret = ensure_secret(state / "secret")
         # A script reading datasets directly holds a token scoped to them (providers serve other
         # trainers only the datasets of their job).
-        self.token = issue_token(secret, sub="bench", role="trainer", audience="batchbus", ttl_s=3600,
-                                 datasets=["ram", "stream"])
+        self.token = issue_token(
+            secret, sub="bench", role="trainer", audience="batchbus", ttl_s=3600, datasets=["ram", "stream"]
+        )
         self.procs = ServiceProcs(state)
         router = self.procs.start("router", "--bind", "tcp://127.0.0.1:0", "--log-level", "WARNING")
-        self.endpoint = self.procs.start("provider", "--router", router, "--log-level", "WARNING",
-                                         "--dataset", f"ram=file://{root}?memory=ram&val_fraction=0",
-                                         "--dataset", f"stream=file://{root}?memory=stream&val_fraction=0")
+        self.endpoint = self.procs.start(
+            "provider",
+            "--router",
+            router,
+            "--log-level",
+            "WARNING",
+            "--dataset",
+            f"ram=file://{root}?memory=ram&val_fraction=0",
+            "--dataset",
+            f"stream=file://{root}?memory=stream&val_fraction=0",
+        )
 
     def loader(self, dataset: str, batch: int, inflight: int, **kw) -> RemoteLoader:
-        return RemoteLoader(dataset, provider=self.endpoint, token=self.token, batch_size=batch, seed=SEED,
-                            shuffle="full", drop_last=True, inflight=inflight, **kw)
+        return RemoteLoader(
+            dataset,
+            provider=self.endpoint,
+            token=self.token,
+            batch_size=batch,
+            seed=SEED,
+            shuffle="full",
+            drop_last=True,
+            inflight=inflight,
+            **kw,
+        )
 
     def stop(self) -> None:
         self.procs.stop()
@@ -217,7 +240,7 @@ def run(args: argparse.Namespace) -> dict:
     services = None
     try:
         make_dataset(root, args.samples)
-        x = np.load(root / "train_x.npy")   # also leaves the file in the page cache for every row
+        x = np.load(root / "train_x.npy")  # also leaves the file in the page cache for every row
         y = np.load(root / "train_y.npy")
         sample_bytes = x[0].nbytes + y[0].nbytes
         plan = batch_plan(args.samples, args.batch, args.epochs)
@@ -226,12 +249,12 @@ def run(args: argparse.Namespace) -> dict:
         q = ctx.Queue()
         server = ctx.Process(target=_pyzmq_server, args=(str(root), q, stop_ev), daemon=True)
         server.start()
-        rows.append(measure("pyzmq", pyzmq_batches(q.get(timeout=60), plan, args.inflight), args.batch,
-                            sample_bytes))
+        rows.append(measure("pyzmq", pyzmq_batches(q.get(timeout=60), plan, args.inflight), args.batch, sample_bytes))
         services = Services(root, root / "state")
 
-        def loader_row(name: str, dataset: str, work_s: float = 0.0, steps: int | None = None, hold: int = 0,
-                       **kw) -> dict:
+        def loader_row(
+            name: str, dataset: str, work_s: float = 0.0, steps: int | None = None, hold: int = 0, **kw
+        ) -> dict:
             with services.loader(dataset, args.batch, args.inflight, **kw) as loader:
                 want = "socket" if kw.get("shm") is False else "shm"
                 if loader.transport != want:
@@ -252,9 +275,15 @@ def run(args: argparse.Namespace) -> dict:
         for r in rows:
             r["x_dataloader"] = r["samples_per_s"] / base["dataloader"]["samples_per_s"]
             r["x_memcpy"] = r["gb_per_s"] / base["memcpy"]["gb_per_s"]
-        result = {"samples": args.samples, "batch": args.batch, "epochs": args.epochs,
-                  "sample_bytes": sample_bytes, "dataset_mb": x.nbytes / 2**20, "rows": rows,
-                  "checks": checks(base)}
+        result = {
+            "samples": args.samples,
+            "batch": args.batch,
+            "epochs": args.epochs,
+            "sample_bytes": sample_bytes,
+            "dataset_mb": x.nbytes / 2**20,
+            "rows": rows,
+            "checks": checks(base),
+        }
         if args.wait:
             work = args.work_ms / 1e3
             steps = max(3, args.wait_steps)
@@ -262,13 +291,19 @@ def run(args: argparse.Namespace) -> dict:
             wait_rows = [
                 loader_row("shm", "ram", work, steps),
                 loader_row("socket", "ram", work, steps, shm=False),
-                measure("dataloader", dataloader_batches(root, wait_plan, args.workers), args.batch,
-                        sample_bytes, work),
+                measure(
+                    "dataloader", dataloader_batches(root, wait_plan, args.workers), args.batch, sample_bytes, work
+                ),
             ]
             result["wait"] = {"work_ms": args.work_ms, "rows": wait_rows}
-            result["checks"].append({"check": "shm wait fraction at 20 ms of work per step", "target": "< 2%",
-                                     "value": f"{wait_rows[0]['wait_fraction']:.2%}",
-                                     "ok": wait_rows[0]["wait_fraction"] < 0.02})
+            result["checks"].append(
+                {
+                    "check": "shm wait fraction at 20 ms of work per step",
+                    "target": "< 2%",
+                    "value": f"{wait_rows[0]['wait_fraction']:.2%}",
+                    "ok": wait_rows[0]["wait_fraction"] < 0.02,
+                }
+            )
         return result
     finally:
         stop_ev.set()
@@ -294,8 +329,16 @@ def cuda_rows(services: Services, args, sample_bytes: int, loader_row: Callable)
         dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     span = time.perf_counter() - start
-    rows.append({"path": "torch pinned→cuda", "batches": reps, "samples_per_s": reps * args.batch / span,
-                 "gb_per_s": reps * nbytes / span / 1e9, "p50_ms": span / reps * 1e3, "p99_ms": span / reps * 1e3})
+    rows.append(
+        {
+            "path": "torch pinned→cuda",
+            "batches": reps,
+            "samples_per_s": reps * args.batch / span,
+            "gb_per_s": reps * nbytes / span / 1e9,
+            "p50_ms": span / reps * 1e3,
+            "p99_ms": span / reps * 1e3,
+        }
+    )
     return rows
 
 
@@ -306,29 +349,52 @@ def checks(base: dict) -> list[dict]:
     sock_zmq = base["socket"]["gb_per_s"] / base["pyzmq"]["gb_per_s"]
     shm_copy = base["shm"]["gb_per_s"] / base["shm-copy"]["gb_per_s"]
     return [
-        {"check": "shm (valid while held) vs shm copy=True (GB/s)", "target": ">= 1x", "value": f"{shm_copy:.2f}x",
-         "ok": shm_copy >= 1.0},
+        {
+            "check": "shm (valid while held) vs shm copy=True (GB/s)",
+            "target": ">= 1x",
+            "value": f"{shm_copy:.2f}x",
+            "ok": shm_copy >= 1.0,
+        },
         {"check": "shm vs DataLoader (samples/s)", "target": ">= 5x", "value": f"{shm_dl:.1f}x", "ok": shm_dl >= 5},
         {"check": "shm vs memcpy (GB/s)", "target": ">= 40%", "value": f"{shm_mem:.0%}", "ok": shm_mem >= 0.4},
-        {"check": "socket vs raw pyzmq (GB/s)", "target": ">= 70%", "value": f"{sock_zmq:.0%}",
-         "ok": sock_zmq >= 0.7},
+        {"check": "socket vs raw pyzmq (GB/s)", "target": ">= 70%", "value": f"{sock_zmq:.0%}", "ok": sock_zmq >= 0.7},
     ]
 
 
 def print_result(result: dict) -> None:
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
+
     console = Console()
-    table = Table("path", "samples/s", "GB/s", "p50 ms", "p99 ms", "× DataLoader", "× memcpy",
-                  title=f"{result['samples']} samples × {result['sample_bytes']} B "
-                        f"({result['dataset_mb']:.0f} MiB), batch {result['batch']}, {result['epochs']} epoch(s)")
+    table = Table(
+        "path",
+        "samples/s",
+        "GB/s",
+        "p50 ms",
+        "p99 ms",
+        "× DataLoader",
+        "× memcpy",
+        title=f"{result['samples']} samples × {result['sample_bytes']} B "
+        f"({result['dataset_mb']:.0f} MiB), batch {result['batch']}, {result['epochs']} epoch(s)",
+    )
     for r in result["rows"]:
-        table.add_row(r["path"], f"{r['samples_per_s']:,.0f}", f"{r['gb_per_s']:.2f}", f"{r['p50_ms']:.2f}",
-                      f"{r['p99_ms']:.2f}", f"{r['x_dataloader']:.1f}", f"{r['x_memcpy']:.0%}")
+        table.add_row(
+            r["path"],
+            f"{r['samples_per_s']:,.0f}",
+            f"{r['gb_per_s']:.2f}",
+            f"{r['p50_ms']:.2f}",
+            f"{r['p99_ms']:.2f}",
+            f"{r['x_dataloader']:.1f}",
+            f"{r['x_memcpy']:.0%}",
+        )
     console.print(table)
     if "wait" in result:
-        wait = Table("path", "samples/s", "waiting for data",
-                     title=f"trainer loop: {result['wait']['work_ms']:.0f} ms of CPU work per step")
+        wait = Table(
+            "path",
+            "samples/s",
+            "waiting for data",
+            title=f"trainer loop: {result['wait']['work_ms']:.0f} ms of CPU work per step",
+        )
         for r in result["wait"]["rows"]:
             wait.add_row(r["path"], f"{r['samples_per_s']:,.0f}", f"{r['wait_fraction']:.2%}")
         console.print(wait)

@@ -38,31 +38,36 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(4):
             tokens = rng.integers(0, 50000, 8 << 20, dtype=np.uint16)
             (root / "tok" / f"s-{i}.bin").write_bytes(tokens.tobytes())
-        code = ("import sys, time; from pathlib import Path; from tests.support.httpd import RangeServer; "
-                "s = RangeServer(Path(sys.argv[1])); s.delay_s = float(sys.argv[2]) / 1000; "
-                "print(s.url, flush=True); time.sleep(3600)")
-        server = subprocess.Popen([sys.executable, "-c", code, str(root), str(args.delay_ms)],
-                                  stdout=subprocess.PIPE, text=True)
+        code = (
+            "import sys, time; from pathlib import Path; from tests.support.httpd import RangeServer; "
+            "s = RangeServer(Path(sys.argv[1])); s.delay_s = float(sys.argv[2]) / 1000; "
+            "print(s.url, flush=True); time.sleep(3600)"
+        )
+        server = subprocess.Popen(
+            [sys.executable, "-c", code, str(root), str(args.delay_ms)], stdout=subprocess.PIPE, text=True
+        )
         try:
             url = server.stdout.readline().strip()
             local = open_source(f"file://{root / 'tok'}?seq_len={SEQ_LEN}&token_bytes=2&memory=stream")
             for concurrency in (1, 8):
-                src = open_source(f"{url}/tok/s-{{0..3}}.bin?seq_len={SEQ_LEN}&token_bytes=2"
-                                  f"&concurrency={concurrency}")
+                src = open_source(f"{url}/tok/s-{{0..3}}.bin?seq_len={SEQ_LEN}&token_bytes=2&concurrency={concurrency}")
                 n = src.num_samples("train")
                 for order in ("random", "sequential"):
                     starts = rng.integers(0, n - BATCH, BATCHES)
-                    batches = [rng.integers(0, n, BATCH) if order == "random" else np.arange(a, a + BATCH)
-                               for a in starts]
+                    batches = [
+                        rng.integers(0, n, BATCH) if order == "random" else np.arange(a, a + BATCH) for a in starts
+                    ]
                     t = time.perf_counter()
                     got = [src.read("train", b)[0] for b in batches]
                     dt = time.perf_counter() - t
                     if not all(np.array_equal(x, local.read("train", b)[0]) for x, b in zip(got, batches)):
                         raise SystemExit("http and file reads differ")
                     rate = BATCHES * BATCH / dt
-                    print(f"concurrency={concurrency} {order:10s}: {rate:8.0f} samples/s, "
-                          f"{rate * 2 * (SEQ_LEN + 1) / 2**20:6.1f} MiB/s, "
-                          f"{'one request per sample' if order == 'random' else 'one request per batch'}")
+                    print(
+                        f"concurrency={concurrency} {order:10s}: {rate:8.0f} samples/s, "
+                        f"{rate * 2 * (SEQ_LEN + 1) / 2**20:6.1f} MiB/s, "
+                        f"{'one request per sample' if order == 'random' else 'one request per batch'}"
+                    )
         finally:
             server.kill()
             server.wait()

@@ -48,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_HEARTBEAT_MS": "1000"}
     ready = state / "router.ep"
     log = open(state / "router.log", "w")
-    router = subprocess.Popen([*BUSCTL, "start", "router", "--bind", "tcp://127.0.0.1:0", "--ready-file", str(ready)],
-                              cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    router = subprocess.Popen(
+        [*BUSCTL, "start", "router", "--bind", "tcp://127.0.0.1:0", "--ready-file", str(ready)],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     times: dict[str, list[float]] = defaultdict(list)
     clients: list[Client] = []
     try:
@@ -85,13 +90,29 @@ def main(argv: list[str] | None = None) -> int:
                 if not isinstance(task, Task):
                     continue
                 for step in range(1, args.progress + 1):
-                    timed(trainer, Progress(job=task.job, progress={"epoch": 1, "epochs": 2, "step": step * 10,
-                                                                    "loss": 0.5, "samples": step * 640}))
-                record = {"path": f"/ckpt/{task.job}/step-10.safetensors", "sha256": "0" * 64, "step": 10,
-                          "epoch": 0, "cursor": {"epoch": 0, "position": 640}}
+                    timed(
+                        trainer,
+                        Progress(
+                            job=task.job,
+                            progress={"epoch": 1, "epochs": 2, "step": step * 10, "loss": 0.5, "samples": step * 640},
+                        ),
+                    )
+                record = {
+                    "path": f"/ckpt/{task.job}/step-10.safetensors",
+                    "sha256": "0" * 64,
+                    "step": 10,
+                    "epoch": 0,
+                    "cursor": {"epoch": 0, "position": 640},
+                }
                 timed(trainer, Checkpointed(job=task.job, checkpoint=record))
-                timed(trainer, PushResult(job=task.job, state="succeeded",
-                                          result={"val_accuracy": 0.9, "history": [{"epoch": 1}, {"epoch": 2}]}))
+                timed(
+                    trainer,
+                    PushResult(
+                        job=task.job,
+                        state="succeeded",
+                        result={"val_accuracy": 0.9, "history": [{"epoch": 1}, {"epoch": 2}]},
+                    ),
+                )
                 done += 1
                 if done >= args.jobs:
                     break
@@ -109,16 +130,22 @@ def main(argv: list[str] | None = None) -> int:
         router.wait(30)
         log.close()
     size = sum(f.stat().st_size for f in state.glob("router.db*"))
-    print(f"jobs through one router: {args.jobs} ({args.trainers} trainer sessions, {args.progress} progress "
-          f"reports + 1 checkpoint record + result each) in {elapsed:.1f} s")
+    print(
+        f"jobs through one router: {args.jobs} ({args.trainers} trainer sessions, {args.progress} progress "
+        f"reports + 1 checkpoint record + result each) in {elapsed:.1f} s"
+    )
     print(f"{'message':<14}{'count':>8}{'median ms':>11}{'p99 ms':>9}{'max ms':>9}")
     for kind, values in sorted(times.items()):
         values.sort()
         p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
-        print(f"{kind:<14}{len(values):>8}{1000 * statistics.median(values):>11.2f}{1000 * p99:>9.2f}"
-              f"{1000 * values[-1]:>9.2f}")
-    print(f"database: {size / 2**20:.1f} MiB ({size / args.jobs / 1024:.1f} KiB per job), router RSS {rss:.0f} MiB, "
-          f"state {state}")
+        print(
+            f"{kind:<14}{len(values):>8}{1000 * statistics.median(values):>11.2f}{1000 * p99:>9.2f}"
+            f"{1000 * values[-1]:>9.2f}"
+        )
+    print(
+        f"database: {size / 2**20:.1f} MiB ({size / args.jobs / 1024:.1f} KiB per job), router RSS {rss:.0f} MiB, "
+        f"state {state}"
+    )
     return 0
 
 

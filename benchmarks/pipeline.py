@@ -58,10 +58,12 @@ def served(source: Source, batch: int):
 
 def inline(pipeline: Pipeline):
     """The same stages called one after the other on this thread: what the threads are measured against."""
+
     def read(indices, epoch):
         chunk = Chunk(None, 0, indices, "train", epoch)
         for stage in pipeline.stages:
             stage.run(chunk)
+
     return read
 
 

@@ -50,8 +50,8 @@ def _ready() -> bytes:
 def flood(endpoint: str, seconds: float, cap_bytes: int | None = None, stop: threading.Event | None = None) -> dict:
     """Stream an endless multipart message at ``endpoint`` (``tcp://host:port``) for ``seconds``,
     reconnecting whenever the service drops the connection. Returns what it did."""
-    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
-    frame = bytes([0x03]) + FRAME.to_bytes(8, "big") + b"\xa5" * FRAME   # MORE | LONG, never a last frame
+    host, port = endpoint[len("tcp://") :].rsplit(":", 1)
+    frame = bytes([0x03]) + FRAME.to_bytes(8, "big") + b"\xa5" * FRAME  # MORE | LONG, never a last frame
     sent = connections = refused = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not (stop and stop.is_set()):
@@ -74,15 +74,26 @@ def flood(endpoint: str, seconds: float, cap_bytes: int | None = None, stop: thr
 def start_services(state: Path, handshake_auth: bool = True) -> tuple[list[subprocess.Popen], str, str]:
     """A router and a provider (``busctl start``) in ``state``; returns the processes and endpoints."""
     from libbus.auth import ensure_secret  # noqa: PLC0415 - the benchmark's own imports stay light
+
     state.mkdir(parents=True, exist_ok=True)
     ensure_secret(state / "secret")
-    env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_HANDSHAKE_AUTH": str(handshake_auth).lower(),
-           "BATCHBUS_LOG_LEVEL": "WARNING"}
+    env = {
+        **os.environ,
+        "BATCHBUS_STATE_DIR": str(state),
+        "BATCHBUS_HANDSHAKE_AUTH": str(handshake_auth).lower(),
+        "BATCHBUS_LOG_LEVEL": "WARNING",
+    }
     procs: list[subprocess.Popen] = []
 
     def start(*args: str) -> None:
-        procs.append(subprocess.Popen([sys.executable, "-m", "cli", "start", *args], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "cli", "start", *args],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
 
     def ready(path: Path) -> str:
         deadline = time.monotonic() + 60
@@ -95,8 +106,17 @@ def start_services(state: Path, handshake_auth: bool = True) -> tuple[list[subpr
 
     start("router", "--bind", "tcp://127.0.0.1:0", "--ready-file", str(state / "router.ep"))
     router = ready(state / "router.ep")
-    start("provider", "--dataset", "mnist=mock://mnist?n=600", "--router", router, "--bind", "tcp://127.0.0.1:0",
-          "--ready-file", str(state / "provider.ep"))
+    start(
+        "provider",
+        "--dataset",
+        "mnist=mock://mnist?n=600",
+        "--router",
+        router,
+        "--bind",
+        "tcp://127.0.0.1:0",
+        "--ready-file",
+        str(state / "provider.ep"),
+    )
     provider = ready(state / "provider.ep")
     return procs, router, provider
 
@@ -121,8 +141,10 @@ def run(state: Path, seconds: float, handshake_auth: bool = True, cap_bytes: int
         before = {name: rss(pid) for name, (pid, _) in targets.items()}
         peak = dict(before)
         results: dict[str, dict] = {}
-        threads = [threading.Thread(target=lambda n=name, ep=ep: results.__setitem__(n, flood(ep, seconds, cap_bytes)))
-                   for name, (_, ep) in targets.items()]
+        threads = [
+            threading.Thread(target=lambda n=name, ep=ep: results.__setitem__(n, flood(ep, seconds, cap_bytes)))
+            for name, (_, ep) in targets.items()
+        ]
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
@@ -131,10 +153,17 @@ def run(state: Path, seconds: float, handshake_auth: bool = True, cap_bytes: int
             time.sleep(0.1)
         after = {name: rss(pid) for name, (pid, _) in targets.items()}
         alive = all(p.poll() is None for p in procs)
-        return {name: {"rss_before_mib": before[name] / MiB, "rss_peak_mib": peak[name] / MiB,
-                       "growth_mib": (peak[name] - before[name]) / MiB, "rss_after_mib": after[name] / MiB,
-                       "sent_mib": results[name]["sent_bytes"] / MiB, "connections": results[name]["connections"]}
-                for name in targets} | {"alive": alive, "endpoints": {"router": router, "provider": provider}}
+        return {
+            name: {
+                "rss_before_mib": before[name] / MiB,
+                "rss_peak_mib": peak[name] / MiB,
+                "growth_mib": (peak[name] - before[name]) / MiB,
+                "rss_after_mib": after[name] / MiB,
+                "sent_mib": results[name]["sent_bytes"] / MiB,
+                "connections": results[name]["connections"],
+            }
+            for name in targets
+        } | {"alive": alive, "endpoints": {"router": router, "provider": provider}}
     finally:
         stop_services(procs)
 
@@ -147,16 +176,23 @@ def main() -> None:
     ap.add_argument("--state", default="", help="state directory (default: a temporary one)")
     args = ap.parse_args()
     import tempfile  # noqa: PLC0415
+
     with tempfile.TemporaryDirectory() as tmp:
-        out = run(Path(args.state or tmp), args.seconds, not args.no_handshake_auth,
-                  args.cap_mib * MiB if args.cap_mib else None)
+        out = run(
+            Path(args.state or tmp),
+            args.seconds,
+            not args.no_handshake_auth,
+            args.cap_mib * MiB if args.cap_mib else None,
+        )
     mode = "handshake_auth = false" if args.no_handshake_auth else "default settings (handshake_auth = true)"
     print(f"endless multipart message from a peer with no token, {args.seconds:.0f} s, {mode}")
     for name in ("router", "provider"):
         r = out[name]
-        print(f"  {name:8s} sent {r['sent_mib']:8.0f} MiB over {r['connections']:5d} connection(s); resident "
-              f"{r['rss_before_mib']:.0f} MiB before, {r['rss_peak_mib']:.0f} MiB at peak "
-              f"(+{r['growth_mib']:.1f} MiB), {r['rss_after_mib']:.0f} MiB after")
+        print(
+            f"  {name:8s} sent {r['sent_mib']:8.0f} MiB over {r['connections']:5d} connection(s); resident "
+            f"{r['rss_before_mib']:.0f} MiB before, {r['rss_peak_mib']:.0f} MiB at peak "
+            f"(+{r['growth_mib']:.1f} MiB), {r['rss_after_mib']:.0f} MiB after"
+        )
     print(f"  services alive afterwards: {out['alive']}")
 
 

@@ -40,7 +40,7 @@ def make_dataset(root: Path, size_mb: int) -> int:
     with open(root / "x.u8", "wb") as f:
         left = n * SAMPLE_BYTES
         while left:
-            chunk = block[:min(left, len(block))]
+            chunk = block[: min(left, len(block))]
             f.write(chunk.tobytes())
             left -= len(chunk)
             block = np.roll(block, 4099)  # not one block repeated: no dedup or compression helps
@@ -49,8 +49,9 @@ def make_dataset(root: Path, size_mb: int) -> int:
         # start cold: the reader's reads hit the disk and are charged to its cgroup
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     (rng.integers(0, 10, n, dtype=np.uint8)).tofile(root / "y.u8")
-    (root / "dataset.toml").write_text(f'[train]\nx = "x.u8"\ndtype = "uint8"\nshape = [{SAMPLE_BYTES}]\n'
-                                       'y = "y.u8"\nlabel_dtype = "uint8"\n')
+    (root / "dataset.toml").write_text(
+        f'[train]\nx = "x.u8"\ndtype = "uint8"\nshape = [{SAMPLE_BYTES}]\ny = "y.u8"\nlabel_dtype = "uint8"\n'
+    )
     return n
 
 
@@ -109,15 +110,16 @@ class memory_cgroup:
         """The cgroup's own peak (page cache included) and OOM kills."""
         if self.path is None:
             return {}
+
         def read(name: str) -> str:
             return (self.path / name).read_text() if (self.path / name).exists() else ""
+
         if self.version == 2:
             events = dict(line.split() for line in read("memory.events").splitlines())
             peak = read("memory.peak").strip()
             return {"cgroup_peak_mb": int(peak) / MB if peak else None, "oom_kills": int(events.get("oom_kill", 0))}
         oom = dict(line.split() for line in read("memory.oom_control").splitlines())
-        return {"cgroup_peak_mb": int(read("memory.max_usage_in_bytes")) / MB,
-                "oom_kills": int(oom.get("oom_kill", 0))}
+        return {"cgroup_peak_mb": int(read("memory.max_usage_in_bytes")) / MB, "oom_kills": int(oom.get("oom_kill", 0))}
 
     def __exit__(self, *exc) -> None:
         if self.path is not None:
@@ -150,8 +152,13 @@ def reader(uri: str, seconds: float, batch: int, order: str) -> dict:
     elapsed = time.perf_counter() - started
     status = Path("/proc/self/status").read_text()
     hwm = int(status.split("VmHWM:")[1].split()[0]) * 1024
-    return {"memory": source.memory, "samples": samples, "seconds": elapsed, "vmhwm": hwm,
-            "sample_bytes": source.sample_nbytes}
+    return {
+        "memory": source.memory,
+        "samples": samples,
+        "seconds": elapsed,
+        "vmhwm": hwm,
+        "sample_bytes": source.sample_nbytes,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -161,8 +168,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--limit-mb", type=int, default=256, help="memory limit for the reader process")
     p.add_argument("--seconds", type=float, default=10.0, help="how long the reader reads")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--order", choices=("full", "block"), default="full",
-                   help="full: random indices; block: shuffled contiguous blocks")
+    p.add_argument(
+        "--order",
+        choices=("full", "block"),
+        default="full",
+        help="full: random indices; block: shuffled contiguous blocks",
+    )
     p.add_argument("--dir", type=Path, default=None, help="where to write the dataset (default: a temp dir)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -180,29 +191,62 @@ def main(argv: list[str] | None = None) -> dict:
         n = make_dataset(root, size_mb)
         generated = time.perf_counter() - started
         limit = args.limit_mb * MB
-        cmd = [sys.executable, "-m", "benchmarks.stream_memory", "--worker", f"file://{root}?memory=stream",
-               "--seconds", str(args.seconds), "--batch", str(args.batch), "--order", args.order]
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.stream_memory",
+            "--worker",
+            f"file://{root}?memory=stream",
+            "--seconds",
+            str(args.seconds),
+            "--batch",
+            str(args.batch),
+            "--order",
+            args.order,
+        ]
         cwd = Path(__file__).resolve().parent.parent
         with memory_cgroup(limit, f"batchbus-bench-{os.getpid()}") as cg:
-            proc = subprocess.run(cmd, check=False, cwd=cwd, capture_output=True, text=True, preexec_fn=cg.join,
-                                  timeout=args.seconds + 300)
+            proc = subprocess.run(
+                cmd,
+                check=False,
+                cwd=cwd,
+                capture_output=True,
+                text=True,
+                preexec_fn=cg.join,
+                timeout=args.seconds + 300,
+            )
             cg_stats = cg.stats()
             enforcement = f"cgroup v{cg.version} ({cg.path})" if cg.path else "VmHWM ceiling (no cgroup)"
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if proc.returncode:
-        result = {"ok": False, "returncode": proc.returncode, "stderr": proc.stderr[-2000:],
-                  "enforcement": enforcement, **cg_stats}
+        result = {
+            "ok": False,
+            "returncode": proc.returncode,
+            "stderr": proc.stderr[-2000:],
+            "enforcement": enforcement,
+            **cg_stats,
+        }
     else:
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         mb_s = r["samples"] * r["sample_bytes"] / MB / r["seconds"]
-        result = {"ok": True, "dataset_mb": size_mb, "samples_in_dataset": n, "limit_mb": args.limit_mb,
-                  "enforcement": enforcement, "order": args.order, "batch": args.batch,
-                  "peak_rss_mb": round(r["vmhwm"] / MB, 1), "samples_read": r["samples"],
-                  "seconds": round(r["seconds"], 2), "samples_per_s": round(r["samples"] / r["seconds"]),
-                  "mb_per_s": round(mb_s, 1), "generate_s": round(generated, 1), **cg_stats}
-    result["limit_held"] = bool(result["ok"] and result["peak_rss_mb"] * MB <= limit
-                                and not result.get("oom_kills"))
+        result = {
+            "ok": True,
+            "dataset_mb": size_mb,
+            "samples_in_dataset": n,
+            "limit_mb": args.limit_mb,
+            "enforcement": enforcement,
+            "order": args.order,
+            "batch": args.batch,
+            "peak_rss_mb": round(r["vmhwm"] / MB, 1),
+            "samples_read": r["samples"],
+            "seconds": round(r["seconds"], 2),
+            "samples_per_s": round(r["samples"] / r["seconds"]),
+            "mb_per_s": round(mb_s, 1),
+            "generate_s": round(generated, 1),
+            **cg_stats,
+        }
+    result["limit_held"] = bool(result["ok"] and result["peak_rss_mb"] * MB <= limit and not result.get("oom_kills"))
     width = max(map(len, result))
     for key, value in result.items():
         print(f"{key:<{width}}  {value}")

@@ -36,21 +36,28 @@ class Cluster:
     def __init__(self, state: Path, dataset: str, trainers: int):
         self.state = state
         ensure_secret(state / "secret")
-        self.env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_TORCH_THREADS": "1",
-                    "BATCHBUS_PROGRESS_INTERVAL_S": "0.5", "BATCHBUS_LEASE_S": "10"}
+        self.env = {
+            **os.environ,
+            "BATCHBUS_STATE_DIR": str(state),
+            "BATCHBUS_TORCH_THREADS": "1",
+            "BATCHBUS_PROGRESS_INTERVAL_S": "0.5",
+            "BATCHBUS_LEASE_S": "10",
+        }
         self.procs: dict[str, subprocess.Popen] = {}
         self.endpoint = self.start_router("tcp://127.0.0.1:0")
         self.start("provider", "provider", "--dataset", dataset)
         for i in range(trainers):
             self.start(f"trainer-{i}", "trainer")
-        token = issue_token((state / "secret").read_bytes().strip(), sub="bench", role="admin", audience="batchbus",
-                            ttl_s=7200)
+        token = issue_token(
+            (state / "secret").read_bytes().strip(), sub="bench", role="admin", audience="batchbus", ttl_s=7200
+        )
         self.admin = Client(self.endpoint, Identity(role="admin", name="bench", token=token), timeout_s=10, retries=3)
 
     def start(self, name: str, role: str, *args: str) -> None:
         with open(self.state / f"{name}.log", "a") as log:
-            self.procs[name] = subprocess.Popen([*BUSCTL, "start", role, "--name", name, *args], env=self.env,
-                                                stdout=log, stderr=subprocess.STDOUT)
+            self.procs[name] = subprocess.Popen(
+                [*BUSCTL, "start", role, "--name", name, *args], env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def start_router(self, bind: str) -> str:
         ready = self.state / "router.ep"
@@ -97,8 +104,10 @@ class Cluster:
 
 
 def show(info: dict) -> None:
-    print(f"study {info['id']} {info['state']}: epochs trained {info['epochs_trained']} of "
-          f"{info['epochs_budget']} ({100 * info['epochs_trained'] / info['epochs_budget']:.0f}%)")
+    print(
+        f"study {info['id']} {info['state']}: epochs trained {info['epochs_trained']} of "
+        f"{info['epochs_budget']} ({100 * info['epochs_trained'] / info['epochs_budget']:.0f}%)"
+    )
     for t in info["trials"]:
         value = f"{t['value']:.4f}" if t["value"] is not None else "-"
         params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
@@ -122,12 +131,30 @@ def asha(args) -> None:
                 cluster.start_router(cluster.endpoint)
                 killed.append(time.monotonic())
                 print(f"router back after {killed[0] - down:.1f} s (trainers trained on meanwhile)")
+
         try:
-            raw = {"base": {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 64}, "epochs": 6,
-                            "batch_size": 32, "optimizer": "sgd", "evaluate": False, "seed": args.seed},
-                   "space": {"lr": {"log_uniform": [1e-4, 0.3]}, "momentum": {"uniform": [0.0, 0.95]}},
-                   "study": {"trials": 12, "concurrent": 2, "objective": "val_accuracy", "sampler": "tpe",
-                             "pruner": "asha", "reduction_factor": args.rf, "seed": args.seed}}
+            raw = {
+                "base": {
+                    "dataset": "mnist",
+                    "model": "mlp",
+                    "model_kwargs": {"hidden": 64},
+                    "epochs": 6,
+                    "batch_size": 32,
+                    "optimizer": "sgd",
+                    "evaluate": False,
+                    "seed": args.seed,
+                },
+                "space": {"lr": {"log_uniform": [1e-4, 0.3]}, "momentum": {"uniform": [0.0, 0.95]}},
+                "study": {
+                    "trials": 12,
+                    "concurrent": 2,
+                    "objective": "val_accuracy",
+                    "sampler": "tpe",
+                    "pruner": "asha",
+                    "reduction_factor": args.rf,
+                    "seed": args.seed,
+                },
+            }
             started = time.monotonic()
             info = cluster.run_study(raw, timeout=1200, on_poll=maybe_kill)
             print(f"seed {args.seed}; {time.monotonic() - started:.0f} s; router killed: {bool(killed)}")
@@ -137,8 +164,16 @@ def asha(args) -> None:
 
 
 def pbt_vs_random(args) -> None:
-    base = {"dataset": "noisy", "model": "mlp", "model_kwargs": {"hidden": 64}, "epochs": args.epochs,
-            "batch_size": 32, "optimizer": "sgd", "momentum": args.momentum, "evaluate": False}
+    base = {
+        "dataset": "noisy",
+        "model": "mlp",
+        "model_kwargs": {"hidden": 64},
+        "epochs": args.epochs,
+        "batch_size": 32,
+        "optimizer": "sgd",
+        "momentum": args.momentum,
+        "evaluate": False,
+    }
     space = {"lr": {"log_uniform": args.lr}}
     with tempfile.TemporaryDirectory(prefix="bb-pbt-") as tmp:
         cluster = Cluster(Path(tmp), f"noisy=mock://mnist?n={args.n}&noise={args.noise}", trainers=args.population)
@@ -146,23 +181,40 @@ def pbt_vs_random(args) -> None:
             for seed in args.seeds:
                 results = {}
                 for strategy in ("search", "pbt"):
-                    raw = {"base": {**base, "seed": seed}, "space": space,
-                           "study": {"trials": args.population, "concurrent": args.population, "sampler": "random",
-                                     "strategy": strategy, "seed": seed, "interval": 1, "quantile": args.quantile,
-                                     "perturb": args.perturb}}
+                    raw = {
+                        "base": {**base, "seed": seed},
+                        "space": space,
+                        "study": {
+                            "trials": args.population,
+                            "concurrent": args.population,
+                            "sampler": "random",
+                            "strategy": strategy,
+                            "seed": seed,
+                            "interval": 1,
+                            "quantile": args.quantile,
+                            "perturb": args.perturb,
+                        },
+                    }
                     info = cluster.run_study(raw, timeout=1800)
                     print(f"seed {seed}, {'random search' if strategy == 'search' else 'PBT'}:")
                     show(info)
                     if strategy == "pbt":
-                        events = [e["reason"] for t in info["trials"]
-                                  for e in cluster.admin.request(GetJob(job=t["job"])).job["events"]]
-                        print(f"  exploit steps {sum(r.startswith('pbt exploit') for r in events)}, adopted "
-                              f"{sum(r.startswith('adopt acknowledged') for r in events)}, explore steps "
-                              f"{sum(r.startswith('pbt explore') for r in events)}")
+                        events = [
+                            e["reason"]
+                            for t in info["trials"]
+                            for e in cluster.admin.request(GetJob(job=t["job"])).job["events"]
+                        ]
+                        print(
+                            f"  exploit steps {sum(r.startswith('pbt exploit') for r in events)}, adopted "
+                            f"{sum(r.startswith('adopt acknowledged') for r in events)}, explore steps "
+                            f"{sum(r.startswith('pbt explore') for r in events)}"
+                        )
                     results[strategy] = info["best"]["value"] if info["best"] else float("nan")
-                print(f"seed {seed}: best val_accuracy random {results['search']:.4f}, PBT {results['pbt']:.4f} "
-                      f"({'PBT' if results['pbt'] > results['search'] else 'random'} wins), same budget "
-                      f"{args.population} x {args.epochs} epochs")
+                print(
+                    f"seed {seed}: best val_accuracy random {results['search']:.4f}, PBT {results['pbt']:.4f} "
+                    f"({'PBT' if results['pbt'] > results['search'] else 'random'} wins), same budget "
+                    f"{args.population} x {args.epochs} epochs"
+                )
         finally:
             cluster.close()
 

@@ -34,10 +34,14 @@ from .tokens import keys_app, token_app
 from .units import install_units
 from .watch import watch_job
 
-app = typer.Typer(name="busctl", no_args_is_help=True, add_completion=False,
-                  pretty_exceptions_enable=False,
-                  help="batchbus: stream training data to PyTorch trainers. (Not systemd's busctl: "
-                       "this one lives in the project's environment.)")
+app = typer.Typer(
+    name="busctl",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="batchbus: stream training data to PyTorch trainers. (Not systemd's busctl: "
+    "this one lives in the project's environment.)",
+)
 start_app = typer.Typer(no_args_is_help=True, help="Run a service in the foreground (systemd-friendly).")
 job_app = typer.Typer(no_args_is_help=True, help="Inspect or control one job.")
 config_app = typer.Typer(no_args_is_help=True, help="Show the effective settings.")
@@ -53,7 +57,6 @@ app.command("studies")(studies)
 app.command("install-units")(guard(install_units))
 
 
-
 def _write_ready(path: Path | None, endpoint: str) -> None:
     if path is not None:
         tmp = path.with_name(path.name + ".tmp")
@@ -63,21 +66,40 @@ def _write_ready(path: Path | None, endpoint: str) -> None:
 
 # -- services ------------------------------------------------------------------------------------
 
+
 @start_app.command("router")
 @guard
-def start_router(config: Config = None, router: Router = None, bind: Bind = None, secret_file: SecretFile = None,
-                 state_dir: StateDir = None, db: Annotated[str | None, typer.Option(help="Job database file.")] = None,
-                 name: Name = None, log_level: LogLevel = None, ready_file: ReadyFile = None,
-                 heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
-                 metrics_bind: MetricsBind = None) -> None:
+def start_router(
+    config: Config = None,
+    router: Router = None,
+    bind: Bind = None,
+    secret_file: SecretFile = None,
+    state_dir: StateDir = None,
+    db: Annotated[str | None, typer.Option(help="Job database file.")] = None,
+    name: Name = None,
+    log_level: LogLevel = None,
+    ready_file: ReadyFile = None,
+    heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
+    metrics_bind: MetricsBind = None,
+) -> None:
     """The control plane: registration, discovery, the job queue (SQLite), commands, stats."""
     import threading
 
     from services import runtime
     from services.router.app import RouterService
-    s = settings_from(config, router=router, bind=bind, secret_file=secret_file, state_dir=state_dir, db=db,
-                      name=name, log_level=log_level, heartbeat_ms=heartbeat_ms,
-                      metrics_bind=metrics_bind)
+
+    s = settings_from(
+        config,
+        router=router,
+        bind=bind,
+        secret_file=secret_file,
+        state_dir=state_dir,
+        db=db,
+        name=name,
+        log_level=log_level,
+        heartbeat_ms=heartbeat_ms,
+        metrics_bind=metrics_bind,
+    )
     setup_logging(s.log_level)
     stop, notify = threading.Event(), runtime.notifier()
     runtime.install_signal_handlers(stop, notify)
@@ -93,21 +115,46 @@ def start_router(config: Config = None, router: Router = None, bind: Bind = None
 
 @start_app.command("provider")
 @guard
-def start_provider(dataset: Annotated[list[str] | None, typer.Option("--dataset", help="NAME=URI, repeatable (mock://mnist, mock://cifar10, dummy://?shape=1,28,28&n=1000).")] = None,
-                   config: Config = None, router: Router = None, bind: Bind = None,
-                   advertise: Annotated[str | None, typer.Option(help="Data endpoint trainers connect to.")] = None,
-                   secret_file: SecretFile = None, state_dir: StateDir = None, token: Token = None,
-                   name: Name = None, log_level: LogLevel = None, ready_file: ReadyFile = None,
-                   heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
-                   metrics_bind: MetricsBind = None) -> None:
+def start_provider(
+    dataset: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--dataset", help="NAME=URI, repeatable (mock://mnist, mock://cifar10, dummy://?shape=1,28,28&n=1000)."
+        ),
+    ] = None,
+    config: Config = None,
+    router: Router = None,
+    bind: Bind = None,
+    advertise: Annotated[str | None, typer.Option(help="Data endpoint trainers connect to.")] = None,
+    secret_file: SecretFile = None,
+    state_dir: StateDir = None,
+    token: Token = None,
+    name: Name = None,
+    log_level: LogLevel = None,
+    ready_file: ReadyFile = None,
+    heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
+    metrics_bind: MetricsBind = None,
+) -> None:
     """Serve datasets on a data socket and register them with the router."""
     import threading
 
     from services import runtime
     from services.provider.app import ProviderService
-    s = settings_from(config, router=router, bind=bind, advertise=advertise, secret_file=secret_file,
-                      state_dir=state_dir, token=token, name=name, log_level=log_level,
-                      datasets=dataset or None, heartbeat_ms=heartbeat_ms, metrics_bind=metrics_bind)
+
+    s = settings_from(
+        config,
+        router=router,
+        bind=bind,
+        advertise=advertise,
+        secret_file=secret_file,
+        state_dir=state_dir,
+        token=token,
+        name=name,
+        log_level=log_level,
+        datasets=dataset or None,
+        heartbeat_ms=heartbeat_ms,
+        metrics_bind=metrics_bind,
+    )
     setup_logging(s.log_level)
     stop, notify = threading.Event(), runtime.notifier()
     runtime.install_signal_handlers(stop, notify)
@@ -125,16 +172,33 @@ def start_provider(dataset: Annotated[list[str] | None, typer.Option("--dataset"
 
 @start_app.command("trainer")
 @guard
-def start_trainer(config: Config = None, router: Router = None, secret_file: SecretFile = None,
-                  state_dir: StateDir = None, token: Token = None, name: Name = None, log_level: LogLevel = None,
-                  torch_threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
-                  heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
-                  metrics_bind: MetricsBind = None) -> None:
+def start_trainer(
+    config: Config = None,
+    router: Router = None,
+    secret_file: SecretFile = None,
+    state_dir: StateDir = None,
+    token: Token = None,
+    name: Name = None,
+    log_level: LogLevel = None,
+    torch_threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
+    heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
+    metrics_bind: MetricsBind = None,
+) -> None:
     """Take jobs from the router and train them on batches pulled from providers."""
     from services.trainer.app import run_trainer
-    s = settings_from(config, router=router, secret_file=secret_file, state_dir=state_dir, token=token,
-                      name=name, log_level=log_level, torch_threads=torch_threads, heartbeat_ms=heartbeat_ms,
-                      metrics_bind=metrics_bind)
+
+    s = settings_from(
+        config,
+        router=router,
+        secret_file=secret_file,
+        state_dir=state_dir,
+        token=token,
+        name=name,
+        log_level=log_level,
+        torch_threads=torch_threads,
+        heartbeat_ms=heartbeat_ms,
+        metrics_bind=metrics_bind,
+    )
     setup_logging(s.log_level)
     code = run_trainer(s)
     if code:
@@ -143,12 +207,15 @@ def start_trainer(config: Config = None, router: Router = None, secret_file: Sec
 
 @app.command()
 @guard
-def demo(epochs: Annotated[int, typer.Option(help="Epochs to train.")] = 2,
-         dataset: Annotated[str, typer.Option(help="Dataset URI the demo provider serves.")] = "mock://mnist",
-         model: Annotated[str, typer.Option(help="mlp or cnn.")] = "cnn",
-         state_dir: StateDir = None) -> None:
+def demo(
+    epochs: Annotated[int, typer.Option(help="Epochs to train.")] = 2,
+    dataset: Annotated[str, typer.Option(help="Dataset URI the demo provider serves.")] = "mock://mnist",
+    model: Annotated[str, typer.Option(help="mlp or cnn.")] = "cnn",
+    state_dir: StateDir = None,
+) -> None:
     """Router + provider + trainer on localhost; trains a CNN on mock MNIST and scores it on the provider."""
     from .demo import run_demo
+
     run_demo(epochs=epochs, uri=dataset, model=model, state_dir=state_dir)
 
 
@@ -161,29 +228,47 @@ def bench(ctx: typer.Context) -> None:
     writes the results.
     """
     from benchmarks.delivery import main as bench_main
+
     bench_main(ctx.args)
 
 
 # -- jobs ----------------------------------------------------------------------------------------
 
+
 @app.command()
 @guard
 @admin_options
-def submit(job_file: Annotated[Path | None, typer.Argument(help="TOML job file (flags override it).")] = None,
-           dataset: Annotated[str | None, typer.Option(help="Dataset name (or remote://NAME).")] = None,
-           model: Annotated[str | None, typer.Option(help="mlp, cnn, tiny-lm or module:factory; with --evaluate a stored model to score: a job id or FILE.safetensors.")] = None,
-           epochs: Annotated[int | None, typer.Option()] = None,
-           batch_size: Annotated[int | None, typer.Option()] = None,
-           lr: Annotated[float | None, typer.Option()] = None,
-           optimizer: Annotated[str | None, typer.Option(help="sgd or adam.")] = None,
-           seed: Annotated[int | None, typer.Option()] = None,
-           shuffle: Annotated[str | None, typer.Option(help="none, full or block.")] = None,
-           block_size: Annotated[int | None, typer.Option(help="Samples per block of --shuffle block.")] = None,
-           evaluate: Annotated[bool | None, typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")] = None,
-           world_size: Annotated[int | None, typer.Option(help="Trainers that train the job together (a gang).")] = None,
-           split: Annotated[str, typer.Option(help="With --evaluate --model JOB|FILE: val (a trainer scores it) or test (the provider does).")] = "val",
-           arch: Annotated[str | None, typer.Option(help="With --evaluate --model FILE: its model, when the file does not say.")] = None,
-           *, settings: Settings, json: Json = False) -> None:
+def submit(
+    job_file: Annotated[Path | None, typer.Argument(help="TOML job file (flags override it).")] = None,
+    dataset: Annotated[str | None, typer.Option(help="Dataset name (or remote://NAME).")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="mlp, cnn, tiny-lm or module:factory; with --evaluate a stored model to score: a job id or FILE.safetensors."
+        ),
+    ] = None,
+    epochs: Annotated[int | None, typer.Option()] = None,
+    batch_size: Annotated[int | None, typer.Option()] = None,
+    lr: Annotated[float | None, typer.Option()] = None,
+    optimizer: Annotated[str | None, typer.Option(help="sgd or adam.")] = None,
+    seed: Annotated[int | None, typer.Option()] = None,
+    shuffle: Annotated[str | None, typer.Option(help="none, full or block.")] = None,
+    block_size: Annotated[int | None, typer.Option(help="Samples per block of --shuffle block.")] = None,
+    evaluate: Annotated[
+        bool | None, typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")
+    ] = None,
+    world_size: Annotated[int | None, typer.Option(help="Trainers that train the job together (a gang).")] = None,
+    split: Annotated[
+        str,
+        typer.Option(help="With --evaluate --model JOB|FILE: val (a trainer scores it) or test (the provider does)."),
+    ] = "val",
+    arch: Annotated[
+        str | None, typer.Option(help="With --evaluate --model FILE: its model, when the file does not say.")
+    ] = None,
+    *,
+    settings: Settings,
+    json: Json = False,
+) -> None:
     """Queue a training job (or, with --evaluate --model JOB|FILE, an evaluation task); prints its id."""
     spec: dict = {}
     frames: list[bytes] = []
@@ -200,11 +285,22 @@ def submit(job_file: Annotated[Path | None, typer.Argument(help="TOML job file (
         except tomllib.TOMLDecodeError as err:
             fail(f"job file {job_file} is not valid TOML: {err}", 2)
         spec = spec.get("job", spec)
-    flags = dict(dataset=dataset, model=model, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
-                 seed=seed, evaluate=evaluate, shuffle=shuffle, block_size=block_size, world_size=world_size)
+    flags = dict(
+        dataset=dataset,
+        model=model,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        optimizer=optimizer,
+        seed=seed,
+        evaluate=evaluate,
+        shuffle=shuffle,
+        block_size=block_size,
+        world_size=world_size,
+    )
     spec.update({k: v for k, v in flags.items() if v is not None})
     if "dataset" not in spec:
-        fail("say which dataset to train on: --dataset NAME or a job file with dataset = \"NAME\"", 2)
+        fail('say which dataset to train on: --dataset NAME or a job file with dataset = "NAME"', 2)
     s = settings
     with admin_client(s) as client:
         reply = client.request(SubmitJob(spec=spec, frames=frames))
@@ -214,10 +310,14 @@ def submit(job_file: Annotated[Path | None, typer.Argument(help="TOML job file (
 @app.command()
 @guard
 @admin_options
-def jobs(state: Annotated[str | None, typer.Option(help=f"Only jobs in this state: {', '.join(JOB_STATES)}.")] = None,
-         limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 50,
-         offset: Annotated[int, typer.Option(min=0, help="Skip this many newest (the next page).")] = 0,
-         *, settings: Settings, json: Json = False) -> None:
+def jobs(
+    state: Annotated[str | None, typer.Option(help=f"Only jobs in this state: {', '.join(JOB_STATES)}.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 50,
+    offset: Annotated[int, typer.Option(min=0, help="Skip this many newest (the next page).")] = 0,
+    *,
+    settings: Settings,
+    json: Json = False,
+) -> None:
     """List jobs, newest first, a page at a time (--limit, --offset)."""
     with admin_client(settings) as client:
         reply = client.request(ListJobs(state=state, limit=limit, offset=offset))
@@ -230,11 +330,15 @@ def jobs(state: Annotated[str | None, typer.Option(help=f"Only jobs in this stat
 @job_app.command("show")
 @guard
 @admin_options
-def job_show(job: str, *, settings: Settings, json: Json = False,
-             progress: Annotated[int, typer.Option(help="Also the last N progress reports.")] = 0,
-             events: Annotated[int, typer.Option(min=1, help="The newest N events and checkpoint records.")] = 200,
-             offset: Annotated[int, typer.Option(min=0, help="Skip this many newest events (the next page).")] = 0
-             ) -> None:
+def job_show(
+    job: str,
+    *,
+    settings: Settings,
+    json: Json = False,
+    progress: Annotated[int, typer.Option(help="Also the last N progress reports.")] = 0,
+    events: Annotated[int, typer.Option(min=1, help="The newest N events and checkpoint records.")] = 200,
+    offset: Annotated[int, typer.Option(min=0, help="Skip this many newest events (the next page).")] = 0,
+) -> None:
     """State, spec, progress, checkpoints, events and result of one job (events a page at a time)."""
     with admin_client(settings) as client:
         reply = client.request(GetJob(job=job, progress=max(0, progress), events=events, offset=offset))
@@ -298,8 +402,13 @@ def job_checkpoint(job: str, *, settings: Settings, json: Json = False) -> None:
 @job_app.command("set")
 @guard
 @admin_options
-def job_set(job: str, values: Annotated[list[str], typer.Argument(help=f"NAME=VALUE pairs; names: {', '.join(SETTABLE)}.")],
-            *, settings: Settings, json: Json = False) -> None:
+def job_set(
+    job: str,
+    values: Annotated[list[str], typer.Argument(help=f"NAME=VALUE pairs; names: {', '.join(SETTABLE)}.")],
+    *,
+    settings: Settings,
+    json: Json = False,
+) -> None:
     """Change hyper-parameters of a job, e.g. `busctl job set J lr=0.01 weight_decay=1e-4`."""
     args = {}
     for pair in values:
@@ -320,22 +429,29 @@ def job_eval(job: str, *, settings: Settings, json: Json = False) -> None:
     """Score a running job's current weights on its provider's private test split; training pauses
     only for the copy of the weights."""
     from .evaluate import evaluate_job
-    evaluate_job(settings,
-                 job, json=json)
+
+    evaluate_job(settings, job, json=json)
 
 
 @job_app.command("model")
 @guard
 @admin_options
-def job_model(job: str, out: Annotated[Path, typer.Option("-o", "--out", help="Where to write the safetensors file.")],
-              current: Annotated[bool, typer.Option("--current", help="A running job's current weights, copied between two steps.")] = False,
-              *, settings: Settings) -> None:
+def job_model(
+    job: str,
+    out: Annotated[Path, typer.Option("-o", "--out", help="Where to write the safetensors file.")],
+    current: Annotated[
+        bool, typer.Option("--current", help="A running job's current weights, copied between two steps.")
+    ] = False,
+    *,
+    settings: Settings,
+) -> None:
     """Download the final weights of a succeeded job (safetensors), checked against their sha256."""
     if current:
         return current_model(job, out, settings)
     import hashlib
 
     from services.atomic import write_atomic
+
     s = settings
     with admin_client(s) as client:
         reply = client.request(GetModel(job=job))
@@ -362,6 +478,7 @@ def job_watch(job: str, *, settings: Settings) -> None:
 
 # -- cluster -------------------------------------------------------------------------------------
 
+
 @app.command()
 @guard
 @admin_options
@@ -376,30 +493,40 @@ def queues(*, settings: Settings, json: Json = False) -> None:
 @app.command()
 @guard
 @admin_options
-def top(interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 2.0,
-        once: Annotated[bool, typer.Option("--once", help="Print one frame (two snapshots --interval apart) and exit.")] = False,
-        *, settings: Settings, json: Annotated[bool, typer.Option("--json", help="With --once: the frame's data.")] = False) -> None:
+def top(
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 2.0,
+    once: Annotated[
+        bool, typer.Option("--once", help="Print one frame (two snapshots --interval apart) and exit.")
+    ] = False,
+    *,
+    settings: Settings,
+    json: Annotated[bool, typer.Option("--json", help="With --once: the frame's data.")] = False,
+) -> None:
     """A live view of providers, trainers, jobs and pipeline stages until Ctrl-C (docs/operations.md)."""
     from .top import top_command
+
     if json and not once:
         fail("--json prints one frame: use it with --once", 2)
-    top_command(settings,
-                interval=interval, once=once, json=json)
+    top_command(settings, interval=interval, once=once, json=json)
 
 
 @app.command()
 @guard
 @admin_options
-def control(provider: Annotated[str, typer.Argument(help="Provider name (busctl peers).")],
-            stage: Annotated[str, typer.Argument(help="A stage of one of its pipeline datasets.")],
-            command: Annotated[str, typer.Argument(help="stats; random stages also get, set, reset.")],
-            args: Annotated[list[str] | None, typer.Argument(help="key=value, e.g. seed=3 epoch=2 (set).")] = None,
-            dataset: Annotated[str, typer.Option(help="The pipeline dataset, when several have STAGE.")] = "",
-            *, settings: Settings, json: Json = False) -> None:
+def control(
+    provider: Annotated[str, typer.Argument(help="Provider name (busctl peers).")],
+    stage: Annotated[str, typer.Argument(help="A stage of one of its pipeline datasets.")],
+    command: Annotated[str, typer.Argument(help="stats; random stages also get, set, reset.")],
+    args: Annotated[list[str] | None, typer.Argument(help="key=value, e.g. seed=3 epoch=2 (set).")] = None,
+    dataset: Annotated[str, typer.Option(help="The pipeline dataset, when several have STAGE.")] = "",
+    *,
+    settings: Settings,
+    json: Json = False,
+) -> None:
     """Send a control command to one stage of a provider's pipeline dataset (docs/operations.md)."""
     from .pipeline import control_command
-    control_command(settings,
-                    provider, stage, command, args or [], dataset=dataset, json=json)
+
+    control_command(settings, provider, stage, command, args or [], dataset=dataset, json=json)
 
 
 @app.command()
@@ -419,22 +546,34 @@ def peers(*, settings: Settings, json: Json = False) -> None:
 def datasets(*, settings: Settings, json: Json = False) -> None:
     """Every dataset the providers serve: providers, kind, splits, sample shape and dtype, classes."""
     from .data import datasets_command
+
     datasets_command(settings, json=json)
 
 
 @app.command("fetch")
 @guard
 @admin_options
-def fetch(dataset: Annotated[str, typer.Argument(help="Dataset name (or remote://NAME).")],
-          split: Annotated[str, typer.Option(help="train or val (test never leaves its provider).")] = "train",
-          indices: Annotated[str, typer.Option(help="Ranges START:STOP[:STEP] such as 0:8 or 0:64:4, single indices, comma-joined: 3,7,9 or 0:4,100.")] = "0:8",
-          out: Annotated[Path | None, typer.Option(help="Save instead of printing: .npz (x, y, indices) or .npy (x only).")] = None,
-          epoch: Annotated[int, typer.Option(min=0, help="The epoch whose augmentations a pipeline dataset applies.")] = 0,
-          *, settings: Settings, json: Json = False) -> None:
+def fetch(
+    dataset: Annotated[str, typer.Argument(help="Dataset name (or remote://NAME).")],
+    split: Annotated[str, typer.Option(help="train or val (test never leaves its provider).")] = "train",
+    indices: Annotated[
+        str,
+        typer.Option(
+            help="Ranges START:STOP[:STEP] such as 0:8 or 0:64:4, single indices, comma-joined: 3,7,9 or 0:4,100."
+        ),
+    ] = "0:8",
+    out: Annotated[
+        Path | None, typer.Option(help="Save instead of printing: .npz (x, y, indices) or .npy (x only).")
+    ] = None,
+    epoch: Annotated[int, typer.Option(min=0, help="The epoch whose augmentations a pipeline dataset applies.")] = 0,
+    *,
+    settings: Settings,
+    json: Json = False,
+) -> None:
     """Samples of a dataset exactly as a trainer receives them: shape, dtype, labels, per-sample summary."""
     from .data import fetch_command
-    fetch_command(settings,
-                  dataset, split, indices, out=out, json=json, epoch=epoch)
+
+    fetch_command(settings, dataset, split, indices, out=out, json=json, epoch=epoch)
 
 
 @shm_app.command("ls")
@@ -442,6 +581,7 @@ def fetch(dataset: Annotated[str, typer.Argument(help="Dataset name (or remote:/
 def shm_ls(json: Json = False) -> None:
     """Every batchbus ring in /dev/shm: owner pid, whether it still runs, size."""
     from shm import list_segments
+
     rows = [seg.as_dict() for seg in list_segments()]
     print_json(rows) if json else tables.segments(rows)
 
@@ -451,13 +591,16 @@ def shm_ls(json: Json = False) -> None:
 def shm_gc(json: Json = False) -> None:
     """Remove rings whose owner is gone (a killed trainer's). Rings of live processes stay."""
     from shm import collect_garbage
+
     rows = [seg.as_dict() for seg in collect_garbage()]
     if json:
         print_json(rows)
     else:
         total = sum(r["size"] for r in rows)
-        typer.echo(f"removed {len(rows)} ring(s), {total / 2**20:.1f} MiB"
-                   + "".join(f"\n  {r['name']} (pid {r['pid']})" for r in rows))
+        typer.echo(
+            f"removed {len(rows)} ring(s), {total / 2**20:.1f} MiB"
+            + "".join(f"\n  {r['name']} (pid {r['pid']})" for r in rows)
+        )
 
 
 @config_app.command("show")

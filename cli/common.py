@@ -21,14 +21,20 @@ __all__ = ["settings_from", "admin_client", "fail", "guard", "print_json", "setu
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
 
 
 def settings_from(config: str | None = None, **flags: Any) -> Settings:
     if flags.get("token"):
-        typer.echo("warning: a token given with --token shows in 'ps' and shell history; put it in a file "
-                   "named by BATCHBUS_TOKEN_FILE (or token_file in the config), or in BATCHBUS_TOKEN", err=True)
+        typer.echo(
+            "warning: a token given with --token shows in 'ps' and shell history; put it in a file "
+            "named by BATCHBUS_TOKEN_FILE (or token_file in the config), or in BATCHBUS_TOKEN",
+            err=True,
+        )
     settings, _ = load_settings(config_file=config, flags=flags)
     return settings
 
@@ -37,6 +43,7 @@ def admin_client(settings: Settings) -> Client:
     """A connection to the router as admin: ``settings.token`` if set, else minted from the secret
     (HS256) or the signing key (EdDSA)."""
     from services import runtime  # noqa: PLC0415 - keeps busctl start-up light
+
     curve = runtime.curve_keys(settings, "admin")
     name = settings.name or (curve.name if curve else f"busctl-{getpass.getuser()}-{os.getpid()}")
     if settings.token:
@@ -44,10 +51,21 @@ def admin_client(settings: Settings) -> Client:
     else:  # short-lived, minted afresh whenever the client says Hello (`busctl job watch` runs for hours)
         key = runtime.signing_key(settings)
         token = lambda: runtime.mint_token(settings, key, role="admin", sub=name, ttl_s=600)  # noqa: E731
-    identity = Identity(role="admin", name=name, token=token, curve=curve, router_key=runtime.router_key(settings),
-                        handshake=settings.handshake_auth)
-    return Client(settings.router, identity, timeout_s=settings.request_timeout_s,
-                  retries=settings.request_retries, server_key=identity.router_key)
+    identity = Identity(
+        role="admin",
+        name=name,
+        token=token,
+        curve=curve,
+        router_key=runtime.router_key(settings),
+        handshake=settings.handshake_auth,
+    )
+    return Client(
+        settings.router,
+        identity,
+        timeout_s=settings.request_timeout_s,
+        retries=settings.request_retries,
+        server_key=identity.router_key,
+    )
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -57,6 +75,7 @@ def fail(message: str, code: int = 1) -> None:
 
 def guard(fn: Callable) -> Callable:
     """Turn batchbus errors into one line on stderr and a non-zero exit, never a traceback."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -74,6 +93,7 @@ def guard(fn: Callable) -> Callable:
         except Exception as err:  # noqa: BLE001 - a bug: one line here, the traceback in the debug log
             logging.getLogger("busctl").debug("unexpected error", exc_info=True)
             fail(f"unexpected {type(err).__name__}: {err} (a bug: please report it)")
+
     return wrapper
 
 

@@ -40,6 +40,7 @@ OUT_SUFFIXES = {".npz": "x, y and indices", ".npy": "the samples x only"}
 
 # -- datasets ------------------------------------------------------------------------------------
 
+
 def list_datasets(settings: Settings) -> list[dict]:
     """Every dataset a connected provider serves: ``[{dataset, providers: [{name, endpoint, host_id}], info}]``.
 
@@ -51,8 +52,9 @@ def list_datasets(settings: Settings) -> list[dict]:
         served: dict[str, list[dict]] = {}
         for peer in sorted((p for p in peers if p["role"] == "provider"), key=lambda p: p["name"]):
             for name in peer.get("datasets", []):
-                served.setdefault(name, []).append({"name": peer["name"], "endpoint": peer.get("endpoint", ""),
-                                                    "host_id": peer.get("host_id", "")})
+                served.setdefault(name, []).append(
+                    {"name": peer["name"], "endpoint": peer.get("endpoint", ""), "host_id": peer.get("host_id", "")}
+                )
         rows = []
         for name in sorted(served):
             # Resolve carries the DatasetInfo the provider registered in its Hello
@@ -98,8 +100,10 @@ def print_datasets(rows: list[dict]) -> None:
         extra = [f"{k} {info[k]}" for k in ("format", "memory") if info.get(k)]
         console.print(f"  source     {source}" + (f" ({', '.join(extra)})" if extra else ""))
         if info.get("stages"):  # a pipeline: its stages in order, from its source_uri
-            console.print(f"  stages     {info.get('source_uri', '?')} -> "
-                          + " -> ".join(f"{s['name']} ({s['type']})" for s in info["stages"][1:]))
+            console.print(
+                f"  stages     {info.get('source_uri', '?')} -> "
+                + " -> ".join(f"{s['name']} ({s['type']})" for s in info["stages"][1:])
+            )
         console.print(f"  splits     {_splits(info)}")
         console.print(f"  samples    {tuple(info.get('sample_shape', []))} {info.get('dtype', '?')}")
         console.print(f"  labels     {_labels(info)}")
@@ -112,6 +116,7 @@ def datasets_command(settings: Settings, json: bool = False) -> None:
 
 
 # -- fetch ---------------------------------------------------------------------------------------
+
 
 def split_pieces(text: str) -> list[tuple[int | None, int | None, int | None] | int]:
     """Check the syntax of ``--indices``: comma-separated ``I``, ``A:B`` or ``A:B:STEP`` (ends optional).
@@ -154,8 +159,11 @@ def parse_indices(text: str, num_samples: int) -> np.ndarray:
     for piece in split_pieces(text):
         if isinstance(piece, int):
             if piece >= num_samples:
-                raise ValueError(f"index {piece} is outside the split (0..{num_samples - 1})"
-                                 if num_samples else "the split is empty")
+                raise ValueError(
+                    f"index {piece} is outside the split (0..{num_samples - 1})"
+                    if num_samples
+                    else "the split is empty"
+                )
             out.append(np.array([piece], dtype=np.int64))
             continue
         start, stop, step = piece
@@ -173,8 +181,9 @@ def parse_indices(text: str, num_samples: int) -> np.ndarray:
 def _request(dataset: str, split: str, indices: np.ndarray, epoch: int = 0) -> BatchRequest:
     if len(indices) and bool(np.all(np.diff(indices) == 1)):
         return BatchRequest(dataset=dataset, split=split, range=[int(indices[0]), int(indices[-1]) + 1], epoch=epoch)
-    return BatchRequest(dataset=dataset, split=split, frames=[np.ascontiguousarray(indices, "<i8").tobytes()],
-                        epoch=epoch)
+    return BatchRequest(
+        dataset=dataset, split=split, frames=[np.ascontiguousarray(indices, "<i8").tobytes()], epoch=epoch
+    )
 
 
 def _arrays(reply: BatchResponse) -> tuple[np.ndarray, np.ndarray]:
@@ -185,8 +194,9 @@ def _arrays(reply: BatchResponse) -> tuple[np.ndarray, np.ndarray]:
     return out[0], out[1]
 
 
-def fetch(settings: Settings, dataset: str, split: str, indices_text: str,
-          epoch: int = 0) -> tuple[dict, dict, np.ndarray, np.ndarray, np.ndarray]:
+def fetch(
+    settings: Settings, dataset: str, split: str, indices_text: str, epoch: int = 0
+) -> tuple[dict, dict, np.ndarray, np.ndarray, np.ndarray]:
     """Samples ``indices_text`` of ``split`` from a provider of ``dataset``, as a trainer would read them
     in ``epoch`` (which only a pipeline dataset's random stages look at).
 
@@ -208,8 +218,13 @@ def fetch(settings: Settings, dataset: str, split: str, indices_text: str,
     # Every provider of a name serves the same data: take the first (the router lists them in the order
     # they registered). Not libbus.loader.pick_provider: that module imports torch, 2 s of start-up.
     provider = resolved.providers[0]
-    with Client(provider["endpoint"], identity, timeout_s=settings.request_timeout_s,
-                retries=settings.request_retries, server_key=curve_key_of(provider)) as client:
+    with Client(
+        provider["endpoint"],
+        identity,
+        timeout_s=settings.request_timeout_s,
+        retries=settings.request_retries,
+        server_key=curve_key_of(provider),
+    ) as client:
         if not splits[split].get("available", True):
             # The provider is the authority on what leaves it: ask, and show its refusal (SPLIT_PRIVATE).
             client.request(BatchRequest(dataset=resolved.dataset, split=split, range=[0, 0]))
@@ -234,11 +249,14 @@ def _label(info: dict, value: np.ndarray) -> str:
     return np.array2string(value, threshold=16, separator=",")
 
 
-def print_samples(dataset: str, split: str, info: dict, provider: dict, indices: np.ndarray,
-                  x: np.ndarray, y: np.ndarray) -> None:
+def print_samples(
+    dataset: str, split: str, info: dict, provider: dict, indices: np.ndarray, x: np.ndarray, y: np.ndarray
+) -> None:
     """Shape and dtype of the batch, then one line per sample: label and a compact summary."""
-    console.print(f"{dataset}/{split} from {provider['name']} ({provider['endpoint']}): {len(indices)} samples, "
-                  f"x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}")
+    console.print(
+        f"{dataset}/{split} from {provider['name']} ({provider['endpoint']}): {len(indices)} samples, "
+        f"x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}"
+    )
     if info.get("kind") == "tokens":
         # The token ids exactly as the model gets them, no eliding: that is what fetch is for.
         for i, row in zip(indices, x):
@@ -264,8 +282,15 @@ def save_samples(out: Path, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -
     return OUT_SUFFIXES[out.suffix]
 
 
-def fetch_command(settings: Settings, dataset: str, split: str, indices: str, out: Path | None = None,
-                  json: bool = False, epoch: int = 0) -> None:
+def fetch_command(
+    settings: Settings,
+    dataset: str,
+    split: str,
+    indices: str,
+    out: Path | None = None,
+    json: bool = False,
+    epoch: int = 0,
+) -> None:
     """``busctl fetch``: print samples, or save them to ``out`` (``.npz``: x, y, indices; ``.npy``: x)."""
     if out is not None and out.suffix not in OUT_SUFFIXES:
         fail(f"--out {out}: use a .npz file (x, y and indices) or a .npy file (x only)", 2)
@@ -273,11 +298,24 @@ def fetch_command(settings: Settings, dataset: str, split: str, indices: str, ou
     name = dataset.removeprefix("remote://").strip("/")
     if out is not None:
         what = save_samples(out, idx, x, y)
-        console.print(f"{name}/{split}: {len(idx)} samples, x {tuple(x.shape)} {x.dtype}, "
-                      f"y {tuple(y.shape)} {y.dtype} written to {out} ({what})")
+        console.print(
+            f"{name}/{split}: {len(idx)} samples, x {tuple(x.shape)} {x.dtype}, "
+            f"y {tuple(y.shape)} {y.dtype} written to {out} ({what})"
+        )
     elif json:
-        print_json({"dataset": name, "split": split, "provider": provider["name"], "indices": idx.tolist(),
-                    "x_shape": list(x.shape), "dtype": x.dtype.name, "y_shape": list(y.shape),
-                    "label_dtype": y.dtype.name, "x": x.tolist(), "y": y.tolist()})
+        print_json(
+            {
+                "dataset": name,
+                "split": split,
+                "provider": provider["name"],
+                "indices": idx.tolist(),
+                "x_shape": list(x.shape),
+                "dtype": x.dtype.name,
+                "y_shape": list(y.shape),
+                "label_dtype": y.dtype.name,
+                "x": x.tolist(),
+                "y": y.tolist(),
+            }
+        )
     else:
         print_samples(name, split, info, provider, idx, x, y)

@@ -36,8 +36,15 @@ def run_demo(*, epochs: int, uri: str, model: str, state_dir: str | None) -> Non
         with admin_client(settings) as client:
             _wait_for_peers(client)
             console.print("trainer   registered")
-            spec = {"dataset": "demo", "model": model, "epochs": epochs, "batch_size": 64, "lr": 2e-3,
-                    "optimizer": "adam", "seed": 0}
+            spec = {
+                "dataset": "demo",
+                "model": model,
+                "epochs": epochs,
+                "batch_size": 64,
+                "lr": 2e-3,
+                "optimizer": "adam",
+                "seed": 0,
+            }
             job = client.request(SubmitJob(spec=spec)).job
             console.print(f"submitted job {job}: {model}, adam, {epochs} epoch(s) on demo")
             final = watch_job(client, job, console)

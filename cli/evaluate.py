@@ -27,8 +27,9 @@ def evaluate_job(settings: Settings, job: str, *, json: bool = False) -> dict:
     """Ask for the evaluation and print it; exits 1 when the trainer could not evaluate."""
     with admin_client(settings) as client:
         client.hello()  # a router that is down is reported within seconds, not after the long wait
-        detail = client.request(ControlJob(job=job, command="eval"), timeout_s=EVAL_ACK_TIMEOUT_S + REPLY_SLACK_S,
-                                retries=0).detail
+        detail = client.request(
+            ControlJob(job=job, command="eval"), timeout_s=EVAL_ACK_TIMEOUT_S + REPLY_SLACK_S, retries=0
+        ).detail
     if json:
         print_json(detail)
     else:
@@ -43,7 +44,9 @@ def describe(job: str, d: dict) -> str:
     if d.get("error"):
         return f"{job}: evaluation at step {d.get('step', '?')} failed: {d['error']}"
     paused = " (the job is paused)" if d.get("state") == "paused" else ""
-    return (f"{job}: step {d['step']} (epoch {d['epoch']}) scored on {d['provider']}: "
-            f"test accuracy {d['test_accuracy']:.4f}, loss {d['test_loss']:.4f} on {d['test_n']} private samples\n"
-            f"training paused {d['copy_ms']:.1f} ms for the copy of the weights; the evaluation took "
-            f"{d['eval_s']:.1f} s{paused}")
+    return (
+        f"{job}: step {d['step']} (epoch {d['epoch']}) scored on {d['provider']}: "
+        f"test accuracy {d['test_accuracy']:.4f}, loss {d['test_loss']:.4f} on {d['test_n']} private samples\n"
+        f"training paused {d['copy_ms']:.1f} ms for the copy of the weights; the evaluation took "
+        f"{d['eval_s']:.1f} s{paused}"
+    )

@@ -13,8 +13,21 @@ import typer
 
 from .common import settings_from
 
-__all__ = ["Config", "Router", "SecretFile", "StateDir", "Token", "Bind", "Name", "LogLevel", "ReadyFile", "Json",
-           "MetricsBind", "ADMIN_OPTIONS", "admin_options"]
+__all__ = [
+    "Config",
+    "Router",
+    "SecretFile",
+    "StateDir",
+    "Token",
+    "Bind",
+    "Name",
+    "LogLevel",
+    "ReadyFile",
+    "Json",
+    "MetricsBind",
+    "ADMIN_OPTIONS",
+    "admin_options",
+]
 
 Config = Annotated[str | None, typer.Option("--config", help="TOML settings file (or BATCHBUS_CONFIG).")]
 Router = Annotated[str | None, typer.Option("--router", help="Router address (or BATCHBUS_ROUTER).")]
@@ -26,7 +39,9 @@ Name = Annotated[str | None, typer.Option("--name", help="Service name (default 
 LogLevel = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ERROR.")]
 ReadyFile = Annotated[Path | None, typer.Option("--ready-file", help="Write the bound endpoint here once serving.")]
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
-MetricsBind = Annotated[str | None, typer.Option("--metrics-bind", help="Serve Prometheus /metrics on HOST:PORT (docs/operations.md).")]
+MetricsBind = Annotated[
+    str | None, typer.Option("--metrics-bind", help="Serve Prometheus /metrics on HOST:PORT (docs/operations.md).")
+]
 
 #: What every command that talks to the router as admin takes, in --help order.
 ADMIN_OPTIONS = {"config": Config, "router": Router, "secret_file": SecretFile, "state_dir": StateDir, "token": Token}
@@ -41,8 +56,10 @@ def admin_options(command: Callable) -> Callable:
     params: list[inspect.Parameter] = []
     for param in signature.parameters.values():
         if param.name == "settings":
-            params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=kind)
-                       for name, kind in ADMIN_OPTIONS.items()]
+            params += [
+                inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=kind)
+                for name, kind in ADMIN_OPTIONS.items()
+            ]
         else:
             params.append(param)
 

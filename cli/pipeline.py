@@ -38,8 +38,9 @@ def parse_args(pairs: list[str]) -> dict:
     return args
 
 
-def control_command(settings: Settings, provider: str, stage: str, command: str, pairs: list[str],
-                    dataset: str = "", json: bool = False) -> None:
+def control_command(
+    settings: Settings, provider: str, stage: str, command: str, pairs: list[str], dataset: str = "", json: bool = False
+) -> None:
     """Send ``command`` with ``pairs`` to ``stage`` on ``provider``; print the stage's answer."""
     try:
         args = parse_args(pairs)
@@ -50,10 +51,16 @@ def control_command(settings: Settings, provider: str, stage: str, command: str,
         identity = router.identity
     providers = {p["name"]: p for p in peers if p["role"] == "provider"}
     if provider not in providers:
-        raise NotFound(f"no provider named {provider!r} is connected; providers: "
-                       f"{', '.join(sorted(providers)) or 'none'} (busctl peers)")
-    with Client(providers[provider]["endpoint"], identity, timeout_s=settings.request_timeout_s,
-                retries=settings.request_retries) as client:
+        raise NotFound(
+            f"no provider named {provider!r} is connected; providers: "
+            f"{', '.join(sorted(providers)) or 'none'} (busctl peers)"
+        )
+    with Client(
+        providers[provider]["endpoint"],
+        identity,
+        timeout_s=settings.request_timeout_s,
+        retries=settings.request_retries,
+    ) as client:
         detail = client.request(StageControl(stage=stage, command=command, dataset=dataset, args=args)).detail
     if json:
         print_json(detail)

@@ -22,7 +22,9 @@ from .options import Json, admin_options
 
 __all__ = ["study_app", "studies", "evaluation_task", "is_model_ref", "current_model"]
 
-study_app = typer.Typer(no_args_is_help=True, help="Hyper-parameter studies the router runs (docs/operations.md §Studies).")
+study_app = typer.Typer(
+    no_args_is_help=True, help="Hyper-parameter studies the router runs (docs/operations.md §Studies)."
+)
 
 _JOB_ID = re.compile(r"^j[0-9a-f]{10}$")
 
@@ -30,6 +32,7 @@ _JOB_ID = re.compile(r"^j[0-9a-f]{10}$")
 def load_study(path: Path) -> dict:
     """A study file's tables, checked here as the router would check them (exit 2 when wrong)."""
     from services.router.study_spec import StudySpec  # noqa: PLC0415 - keeps busctl start-up light
+
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -46,8 +49,12 @@ def load_study(path: Path) -> dict:
 @study_app.command("submit")
 @guard
 @admin_options
-def study_submit(file: Annotated[Path, typer.Argument(help="TOML study file: [base], [space], [study].")],
-                 *, settings: Settings, json: Json = False) -> None:
+def study_submit(
+    file: Annotated[Path, typer.Argument(help="TOML study file: [base], [space], [study].")],
+    *,
+    settings: Settings,
+    json: Json = False,
+) -> None:
     """Start a study; prints its id."""
     raw = load_study(file)
     with admin_client(settings) as client:
@@ -65,17 +72,22 @@ def study_show(study: str, *, settings: Settings, json: Json = False) -> None:
     if json:
         print_json(info)
         return
-    typer.echo(f"study {info['id']}: {info['state']}{' (' + info['reason'] + ')' if info['reason'] else ''}; "
-               f"objective {info['objective']} ({info['direction']}d); epochs trained {info['epochs_trained']:g} "
-               f"of {info['epochs_budget']} if every trial ran to the end")
+    typer.echo(
+        f"study {info['id']}: {info['state']}{' (' + info['reason'] + ')' if info['reason'] else ''}; "
+        f"objective {info['objective']} ({info['direction']}d); epochs trained {info['epochs_trained']:g} "
+        f"of {info['epochs_budget']} if every trial ran to the end"
+    )
     typer.echo(f"{'#':>3}  {'job':<12} {'state':<9} {'value':>9} {'epochs':>6}  params")
     for t in info["trials"]:
         value = f"{t['value']:.4f}" if t["value"] is not None else "-"
         params = " ".join(f"{k}={_short(v)}" for k, v in t["params"].items())
         typer.echo(f"{t['number']:>3}  {t['job'] or '-':<12} {t['state']:<9} {value:>9} {t['epochs']:>6g}  {params}")
     best = info["best"]
-    typer.echo(f"best: trial {best['number']} (job {best['job']}) {info['objective']} {best['value']:.4f}"
-               if best else "best: none complete yet")
+    typer.echo(
+        f"best: trial {best['number']} (job {best['job']}) {info['objective']} {best['value']:.4f}"
+        if best
+        else "best: none complete yet"
+    )
 
 
 def _short(v) -> str:
@@ -105,10 +117,13 @@ def studies(*, settings: Settings, json: Json = False) -> None:
     for s in rows:
         counts = " ".join(f"{n} {k}" for k, n in sorted(s["counts"].items())) or "-"
         best = f"{s['objective']} {s['best']['value']:.4f} (trial {s['best']['number']})" if s["best"] else "-"
-        typer.echo(f"{s['id']:<10} {s['state']:<9} {counts:<28} {s['epochs_trained']:>5g}/{s['epochs_budget']:<6}  {best}")
+        typer.echo(
+            f"{s['id']:<10} {s['state']:<9} {counts:<28} {s['epochs_trained']:>5g}/{s['epochs_budget']:<6}  {best}"
+        )
 
 
 # -- evaluation tasks and current models -----------------------------------------------------------
+
 
 def is_model_ref(model: str | None) -> bool:
     """Whether ``busctl submit --model`` names a stored model (a job id or a .safetensors file)."""
@@ -120,6 +135,7 @@ def evaluation_task(model: str, dataset: str, split: str, arch: str | None) -> t
     if split not in ("val", "test"):
         fail(f"--split must be val (scored on a trainer) or test (on the provider), got {split!r}", 2)
     from safetensors import safe_open  # noqa: PLC0415 - keeps busctl start-up light
+
     spec = {"task": "evaluate", "dataset": dataset, "split": split, "evaluate": False}
     if _JOB_ID.match(model):
         return {**spec, "model_from": model}, []
@@ -139,13 +155,19 @@ def evaluation_task(model: str, dataset: str, split: str, arch: str | None) -> t
         kwargs = orjson.loads(meta.get("model_kwargs") or "{}") if not arch else {}
     except orjson.JSONDecodeError:
         kwargs = {}
-    return {**spec, "model_from": "upload", "model": name, "model_kwargs": kwargs if isinstance(kwargs, dict) else {}}, [data]
+    return {
+        **spec,
+        "model_from": "upload",
+        "model": name,
+        "model_kwargs": kwargs if isinstance(kwargs, dict) else {},
+    }, [data]
 
 
 def current_model(job: str, out: Path, settings: Settings) -> None:
     """``busctl job model ID --current``: the running job's weights, copied between two steps."""
     from services.atomic import write_atomic  # noqa: PLC0415 - keeps busctl start-up light
     from services.router.jobs import EVAL_ACK_TIMEOUT_S  # noqa: PLC0415
+
     with admin_client(settings) as client:
         client.hello()
         reply = client.request(ControlJob(job=job, command="model"), timeout_s=EVAL_ACK_TIMEOUT_S + 15, retries=0)

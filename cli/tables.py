@@ -7,8 +7,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["fmt_result", "job", "jobs", "peers", "queues", "refusals", "segments", "settings", "stage_tables",
-           "stages"]
+__all__ = ["fmt_result", "job", "jobs", "peers", "queues", "refusals", "segments", "settings", "stage_tables", "stages"]
 
 console = Console()
 
@@ -39,8 +38,16 @@ def jobs(rows: list[dict]) -> None:
     for r in rows:
         p = r.get("progress") or {}
         progress = f"epoch {p.get('epoch', 0)}/{p.get('epochs', '?')}" if p else "-"
-        table.add_row(r["id"], r["state"], r["spec"]["dataset"], r["spec"]["model"], _trainers(r),
-                      progress, fmt_result(r.get("result")), _ago(r["updated"]))
+        table.add_row(
+            r["id"],
+            r["state"],
+            r["spec"]["dataset"],
+            r["spec"]["model"],
+            _trainers(r),
+            progress,
+            fmt_result(r.get("result")),
+            _ago(r["updated"]),
+        )
     console.print(table)
 
 
@@ -51,8 +58,9 @@ def _trainers(job: dict) -> str:
 
 
 def job(info: dict) -> None:
-    console.print(f"[bold]{info['id']}[/] {info['state']}  trainer {info.get('trainer') or '-'}  "
-                  f"attempts {info['attempts']}")
+    console.print(
+        f"[bold]{info['id']}[/] {info['state']}  trainer {info.get('trainer') or '-'}  attempts {info['attempts']}"
+    )
     gang = info.get("gang")
     if gang and info["state"] in ("running", "paused"):
         ranks = ", ".join(f"{rank}: {name}" for rank, name in enumerate(gang["members"]))
@@ -61,17 +69,23 @@ def job(info: dict) -> None:
     console.print("spec: " + ", ".join(f"{k}={v}" for k, v in spec.items() if v not in ("", {}, None)))
     p = info.get("progress") or {}
     if p:
-        console.print(f"progress: epoch {p.get('epoch')}/{p.get('epochs')} step {p.get('step')} "
-                      f"loss {p.get('loss') or 0:.4f} {p.get('samples_per_s', 0):.0f} samples/s "
-                      f"data wait {p.get('data_wait_pct', 0):.1f}%")
+        console.print(
+            f"progress: epoch {p.get('epoch')}/{p.get('epochs')} step {p.get('step')} "
+            f"loss {p.get('loss') or 0:.4f} {p.get('samples_per_s', 0):.0f} samples/s "
+            f"data wait {p.get('data_wait_pct', 0):.1f}%"
+        )
         for h in p.get("history", []):
-            console.print(f"  epoch {h['epoch']}: train loss {h['train_loss']:.4f} val loss {h['val_loss']:.4f} "
-                          f"val acc {h['val_accuracy']:.4f}")
+            console.print(
+                f"  epoch {h['epoch']}: train loss {h['train_loss']:.4f} val loss {h['val_loss']:.4f} "
+                f"val acc {h['val_accuracy']:.4f}"
+            )
     r = info.get("result") or {}
     if r:
-        console.print(f"result: val acc {_pct(r.get('val_accuracy'))}, test acc {_pct(r.get('test_accuracy'))}"
-                      f" (loss {_pct(r.get('test_loss'))}, n={r.get('test_n', '-')}), "
-                      f"{r.get('samples_per_s', 0):.0f} samples/s")
+        console.print(
+            f"result: val acc {_pct(r.get('val_accuracy'))}, test acc {_pct(r.get('test_accuracy'))}"
+            f" (loss {_pct(r.get('test_loss'))}, n={r.get('test_n', '-')}), "
+            f"{r.get('samples_per_s', 0):.0f} samples/s"
+        )
     if r.get("model"):
         console.print(f"model: {r['model']['path']} sha256 {r['model']['sha256']}")
     if info.get("error"):
@@ -79,12 +93,16 @@ def job(info: dict) -> None:
     ckpts = info.get("checkpoints") or []
     if ckpts:
         last = ckpts[-1]
-        console.print(f"checkpoints: {len(ckpts)}, last at step {last['step']} epoch {last['epoch']} "
-                      f"on {last.get('trainer', '-')}: {last['path']}")
+        console.print(
+            f"checkpoints: {len(ckpts)}, last at step {last['step']} epoch {last['epoch']} "
+            f"on {last.get('trainer', '-')}: {last['path']}"
+        )
     for p in info.get("progress_history", []):
-        console.print(f"  {time.strftime('%H:%M:%S', time.localtime(p['at']))} {p.get('state', 'running'):<8} "
-                      f"epoch {p.get('epoch')}/{p.get('epochs')} step {p.get('step')} loss {p.get('loss') or 0:.4f} "
-                      f"{p.get('samples_per_s', 0):.0f} samples/s data wait {p.get('data_wait_pct', 0):.0f}%")
+        console.print(
+            f"  {time.strftime('%H:%M:%S', time.localtime(p['at']))} {p.get('state', 'running'):<8} "
+            f"epoch {p.get('epoch')}/{p.get('epochs')} step {p.get('step')} loss {p.get('loss') or 0:.4f} "
+            f"{p.get('samples_per_s', 0):.0f} samples/s data wait {p.get('data_wait_pct', 0):.0f}%"
+        )
     shown, total = info.get("events", []), info.get("events_total", 0)
     if total > len(shown):
         console.print(f"events: the {len(shown)} shown of {total} kept (older ones: --offset)")
@@ -96,8 +114,15 @@ def peers(rows: list[dict]) -> None:
     # "subject" is who the peer is (its token's sub); "name" only what it calls itself
     table = Table("name", "subject", "role", "endpoint", "datasets", "pid", "since")
     for r in sorted(rows, key=lambda r: (r["role"], r["name"])):
-        table.add_row(r["name"], r.get("subject", "-"), r["role"], r.get("endpoint", "-"),
-                      ", ".join(r.get("datasets", [])) or "-", str(r.get("pid", "-")), _ago(r.get("since")))
+        table.add_row(
+            r["name"],
+            r.get("subject", "-"),
+            r["role"],
+            r.get("endpoint", "-"),
+            ", ".join(r.get("datasets", [])) or "-",
+            str(r.get("pid", "-")),
+            _ago(r.get("since")),
+        )
     console.print(table)
 
 
@@ -114,10 +139,18 @@ def queues(services: dict) -> None:
     for name, s in sorted(services.items()):
         counters = s.get("counters", {})
         refused = ", ".join(f"{k} {v}" for k, v in refusals(counters).items()) or "0"
-        detail = {k: v for k, v in s.items()
-                  if k not in ("counters", "name", "endpoint", "role", "sessions", "pipelines")}
-        table.add_row(name, s.get("role", "-"), str(s.get("sessions", "-")), str(counters.get("received", "-")),
-                      str(counters.get("sent", "-")), refused, str(detail) if detail else "-")
+        detail = {
+            k: v for k, v in s.items() if k not in ("counters", "name", "endpoint", "role", "sessions", "pipelines")
+        }
+        table.add_row(
+            name,
+            s.get("role", "-"),
+            str(s.get("sessions", "-")),
+            str(counters.get("received", "-")),
+            str(counters.get("sent", "-")),
+            refused,
+            str(detail) if detail else "-",
+        )
     console.print(table)
     stages(services)
 
@@ -125,8 +158,12 @@ def queues(services: dict) -> None:
 def revoked(rows: list[dict]) -> None:
     table = Table("jti", "revoked", "refused until", "reason")
     for r in rows:
-        table.add_row(r["jti"], _ago(r.get("at")), time.strftime("%Y-%m-%d %H:%M", time.localtime(r["exp"])),
-                      r.get("reason") or "-")
+        table.add_row(
+            r["jti"],
+            _ago(r.get("at")),
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(r["exp"])),
+            r.get("reason") or "-",
+        )
     console.print(table)
 
 
@@ -151,16 +188,24 @@ def stage_tables(services: dict) -> list[Table]:
                 table.add_column(column, justify="right", overflow="fold")
             table.add_row("(requests)", "queue", "-", "-", "-", "-", *_queue_cells(p.get("requests", {})))
             for st in rows:
-                table.add_row(st.get("name", "?"), st.get("type", "?"), str(st.get("items_in", "-")),
-                              str(st.get("items_out", "-")), str(st.get("errors", "-")),
-                              f"{st.get('busy_s', 0):.2f}", *_queue_cells(st.get("queue", {})))
+                table.add_row(
+                    st.get("name", "?"),
+                    st.get("type", "?"),
+                    str(st.get("items_in", "-")),
+                    str(st.get("items_out", "-")),
+                    str(st.get("errors", "-")),
+                    f"{st.get('busy_s', 0):.2f}",
+                    *_queue_cells(st.get("queue", {})),
+                )
             tables.append(table)
     return tables
 
 
 def _queue_cells(q: dict) -> tuple[str, str]:
-    return (f"{q.get('size', '-')}/{q.get('capacity', '-')}",
-            f"{q.get('put', '-')}/{q.get('get', '-')}/{q.get('drop', '-')}")
+    return (
+        f"{q.get('size', '-')}/{q.get('capacity', '-')}",
+        f"{q.get('put', '-')}/{q.get('get', '-')}/{q.get('drop', '-')}",
+    )
 
 
 def settings(values: dict, sources: dict) -> None:
@@ -176,7 +221,13 @@ def segments(rows: list[dict]) -> None:
         return
     table = Table("ring", "owner pid", "owner", "slots", "slot size", "size", "age")
     for r in rows:
-        table.add_row(r["name"], str(r["pid"]), "running" if r["alive"] else "[red]gone[/red] (busctl shm gc)",
-                      str(r["slots"]), f"{r['slot_bytes'] / 2**20:.1f} MiB", f"{r['size'] / 2**20:.1f} MiB",
-                      f"{r['age_s']:.0f}s")
+        table.add_row(
+            r["name"],
+            str(r["pid"]),
+            "running" if r["alive"] else "[red]gone[/red] (busctl shm gc)",
+            str(r["slots"]),
+            f"{r['slot_bytes'] / 2**20:.1f} MiB",
+            f"{r['size'] / 2**20:.1f} MiB",
+            f"{r['age_s']:.0f}s",
+        )
     console.print(table)

@@ -19,45 +19,80 @@ from .options import Config, Json, SecretFile, StateDir, admin_options
 __all__ = ["token_app", "keys_app"]
 
 token_app = typer.Typer(no_args_is_help=True, help="Mint and inspect tokens; create the cluster secret or signing key.")
-keys_app = typer.Typer(no_args_is_help=True, help="CURVE key pairs: encrypted, key-authenticated connections (docs/security.md).")
+keys_app = typer.Typer(
+    no_args_is_help=True, help="CURVE key pairs: encrypted, key-authenticated connections (docs/security.md)."
+)
 
 
 @token_app.command("issue")
 @guard
-def token_issue(role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES)}.")],
-                name: Annotated[str, typer.Option(help="The token's subject.")] = "",
-                ttl: Annotated[float, typer.Option(help="Lifetime in seconds.")] = 24 * 3600.0,
-                dataset: Annotated[list[str] | None, typer.Option("--dataset", help="Restrict the token to this dataset (repeatable; default: all).")] = None,
-                job: Annotated[list[str] | None, typer.Option("--job", help="Restrict the token to this job id (repeatable; default: all).")] = None,
-                alg: Annotated[str | None, typer.Option("--alg", help="HS256 or EdDSA (default: token_alg setting).")] = None,
-                issuer: Annotated[str | None, typer.Option("--issuer", help="The iss claim (default: token_issuer, else the cluster).")] = None,
-                signing_key_file: Annotated[str | None, typer.Option("--signing-key-file", help="EdDSA signing key (or BATCHBUS_SIGNING_KEY_FILE).")] = None,
-                config: Config = None, secret_file: SecretFile = None, state_dir: StateDir = None) -> None:
+def token_issue(
+    role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES)}.")],
+    name: Annotated[str, typer.Option(help="The token's subject.")] = "",
+    ttl: Annotated[float, typer.Option(help="Lifetime in seconds.")] = 24 * 3600.0,
+    dataset: Annotated[
+        list[str] | None,
+        typer.Option("--dataset", help="Restrict the token to this dataset (repeatable; default: all)."),
+    ] = None,
+    job: Annotated[
+        list[str] | None, typer.Option("--job", help="Restrict the token to this job id (repeatable; default: all).")
+    ] = None,
+    alg: Annotated[str | None, typer.Option("--alg", help="HS256 or EdDSA (default: token_alg setting).")] = None,
+    issuer: Annotated[
+        str | None, typer.Option("--issuer", help="The iss claim (default: token_issuer, else the cluster).")
+    ] = None,
+    signing_key_file: Annotated[
+        str | None, typer.Option("--signing-key-file", help="EdDSA signing key (or BATCHBUS_SIGNING_KEY_FILE).")
+    ] = None,
+    config: Config = None,
+    secret_file: SecretFile = None,
+    state_dir: StateDir = None,
+) -> None:
     """Print a signed token for ROLE: from the cluster secret (HS256) or the signing key (EdDSA)."""
     from services.runtime import mint_token, signing_key
-    s = settings_from(config, secret_file=secret_file, state_dir=state_dir, token_alg=alg,
-                      token_issuer=issuer, signing_key_file=signing_key_file)
-    typer.echo(mint_token(s, signing_key(s), role=role, sub=name or role, ttl_s=ttl,
-                          datasets=dataset or None, jobs=job or None))
+
+    s = settings_from(
+        config,
+        secret_file=secret_file,
+        state_dir=state_dir,
+        token_alg=alg,
+        token_issuer=issuer,
+        signing_key_file=signing_key_file,
+    )
+    typer.echo(
+        mint_token(
+            s, signing_key(s), role=role, sub=name or role, ttl_s=ttl, datasets=dataset or None, jobs=job or None
+        )
+    )
 
 
 @token_app.command("inspect")
 @guard
-def token_inspect(token: Annotated[str, typer.Argument(help="The token to show ('-' reads it from stdin).")],
-                  config: Config = None, secret_file: SecretFile = None, state_dir: StateDir = None,
-                  public_key_file: Annotated[str | None, typer.Option("--public-key-file", help="EdDSA public key (or BATCHBUS_PUBLIC_KEY_FILE).")] = None,
-                  alg: Annotated[str | None, typer.Option("--alg", help="Verify as HS256 or EdDSA (default: token_alg setting).")] = None,
-                  json: Json = False) -> None:
+def token_inspect(
+    token: Annotated[str, typer.Argument(help="The token to show ('-' reads it from stdin).")],
+    config: Config = None,
+    secret_file: SecretFile = None,
+    state_dir: StateDir = None,
+    public_key_file: Annotated[
+        str | None, typer.Option("--public-key-file", help="EdDSA public key (or BATCHBUS_PUBLIC_KEY_FILE).")
+    ] = None,
+    alg: Annotated[
+        str | None, typer.Option("--alg", help="Verify as HS256 or EdDSA (default: token_alg setting).")
+    ] = None,
+    json: Json = False,
+) -> None:
     """Print a token's claims: verified with this node's key where it has one, else marked UNVERIFIED."""
     import sys
     import time
 
     from libbus.auth import inspect_token, verify_token
     from services.runtime import verify_key
+
     if token == "-":
         token = sys.stdin.read().strip()
-    s = settings_from(config, secret_file=secret_file, state_dir=state_dir, public_key_file=public_key_file,
-                      token_alg=alg)
+    s = settings_from(
+        config, secret_file=secret_file, state_dir=state_dir, public_key_file=public_key_file, token_alg=alg
+    )
     header, claims = inspect_token(token)
     try:
         key = verify_key(s)
@@ -85,10 +120,19 @@ def token_inspect(token: Annotated[str, typer.Argument(help="The token to show (
 @token_app.command("revoke")
 @guard
 @admin_options
-def token_revoke(what: Annotated[str, typer.Argument(help="The token to revoke ('-' reads it from stdin), or its bare jti.")],
-                 reason: Annotated[str, typer.Option(help="Why: kept with the revocation.")] = "",
-                 keep: Annotated[float | None, typer.Option("--keep", help="For a bare jti: seconds to keep refusing it (default: token_ttl_s). A whole token is refused until it expires.")] = None,
-                 *, settings: Settings) -> None:
+def token_revoke(
+    what: Annotated[str, typer.Argument(help="The token to revoke ('-' reads it from stdin), or its bare jti.")],
+    reason: Annotated[str, typer.Option(help="Why: kept with the revocation.")] = "",
+    keep: Annotated[
+        float | None,
+        typer.Option(
+            "--keep",
+            help="For a bare jti: seconds to keep refusing it (default: token_ttl_s). A whole token is refused until it expires.",
+        ),
+    ] = None,
+    *,
+    settings: Settings,
+) -> None:
     """Revoke a token on every service: the router stores it (a restart keeps it), refuses it, closes
     its sessions and tells every provider, which does the same."""
     import sys
@@ -96,6 +140,7 @@ def token_revoke(what: Annotated[str, typer.Argument(help="The token to revoke (
 
     from libbus.auth import inspect_token
     from libbus.messages import RevokeToken
+
     if what == "-":
         what = sys.stdin.read().strip()
     s = settings
@@ -117,6 +162,7 @@ def token_revoke(what: Annotated[str, typer.Argument(help="The token to revoke (
 def token_revoked(*, settings: Settings, json: Json = False) -> None:
     """Tokens revoked and not yet expired, newest first."""
     from libbus.messages import ListRevoked
+
     s = settings
     with admin_client(s) as client:
         rows = client.request(ListRevoked()).revoked
@@ -125,23 +171,37 @@ def token_revoked(*, settings: Settings, json: Json = False) -> None:
 
 @keys_app.command("gen")
 @guard
-def keys_gen(name: Annotated[str, typer.Argument(help="The key's name: the service (or admin) that uses it; tokens for it carry this subject.")],
-             out: Annotated[Path, typer.Option("--dir", help="Where to write NAME.key and NAME.key_secret.")] = Path(".")) -> None:
+def keys_gen(
+    name: Annotated[
+        str,
+        typer.Argument(help="The key's name: the service (or admin) that uses it; tokens for it carry this subject."),
+    ],
+    out: Annotated[Path, typer.Option("--dir", help="Where to write NAME.key and NAME.key_secret.")] = Path("."),
+) -> None:
     """Create a CURVE key pair: NAME.key_secret (0600, stays on its node; curve_key_file) and
     NAME.key (public: copy it into the authorized directory of every server it connects to;
     the router's goes to every node as curve_router_key)."""
     from libbus.curve import generate_keys
+
     public, secret_path = generate_keys(out, name)
-    typer.echo(f"public key {public} (copy to the servers' curve_authorized_dir)\n"
-               f"secret key {secret_path} (0600, keep it on this node)")
+    typer.echo(
+        f"public key {public} (copy to the servers' curve_authorized_dir)\n"
+        f"secret key {secret_path} (0600, keep it on this node)"
+    )
 
 
 @token_app.command("keygen")
 @guard
-def token_keygen(path: Annotated[Path, typer.Argument(help="Where to write the Ed25519 signing key (mode 0600); the public key goes to PATH.pub.")]) -> None:
+def token_keygen(
+    path: Annotated[
+        Path,
+        typer.Argument(help="Where to write the Ed25519 signing key (mode 0600); the public key goes to PATH.pub."),
+    ],
+) -> None:
     """Create an EdDSA signing key (keep it on the administrator's machine) and its public key
     (copy PATH.pub to every node as public_key_file; set token_alg = "EdDSA")."""
     from libbus.auth import generate_signing_key
+
     key, pub = generate_signing_key(path)
     typer.echo(f"signing key {key} (0600, keep it private)\npublic key {pub} (copy to every node)")
 

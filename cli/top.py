@@ -38,9 +38,13 @@ QUEUED_SHOWN = 5
 
 def collect(client: Client) -> dict:
     """One snapshot: every service's Stats, the peers, the active and the first queued jobs."""
-    snapshot: dict[str, Any] = {"at": time.time(), "endpoint": client.endpoint,
-                                "services": client.request(Stats(), retries=0).services,
-                                "peers": client.request(ListPeers(), retries=0).peers, "jobs": []}
+    snapshot: dict[str, Any] = {
+        "at": time.time(),
+        "endpoint": client.endpoint,
+        "services": client.request(Stats(), retries=0).services,
+        "peers": client.request(ListPeers(), retries=0).peers,
+        "jobs": [],
+    }
     for state in (*ACTIVE_STATES, "queued"):
         limit = QUEUED_SHOWN if state == "queued" else 1000
         snapshot["jobs"] += client.request(ListJobs(state=state, limit=limit), retries=0).jobs
@@ -77,10 +81,18 @@ def frame(snapshot: dict, previous: dict | None) -> dict:
         refused = refusals(stats.get("counters", {}))
         for cause, n in (stats.get("refused") or {}).items():
             refused[cause] = refused.get(cause, 0) + n
-        providers.append({"name": peer["name"], "endpoint": peer.get("endpoint"), "datasets": peer.get("datasets", []),
-                          **served, "samples_per_s": _rate(served["samples"], earlier, dt),
-                          "sessions": stats.get("sessions"), "refused": refused,
-                          "evaluations_running": stats.get("evaluations_running", 0)})
+        providers.append(
+            {
+                "name": peer["name"],
+                "endpoint": peer.get("endpoint"),
+                "datasets": peer.get("datasets", []),
+                **served,
+                "samples_per_s": _rate(served["samples"], earlier, dt),
+                "sessions": stats.get("sessions"),
+                "refused": refused,
+                "evaluations_running": stats.get("evaluations_running", 0),
+            }
+        )
     active = [j for j in snapshot["jobs"] if j["state"] in ACTIVE_STATES]
     by_trainer = {j["trainer"]: j for j in active if j.get("trainer")}
     trainers = []
@@ -88,18 +100,46 @@ def frame(snapshot: dict, previous: dict | None) -> dict:
         stats = services.get(peer["name"], {})
         job = by_trainer.get(peer["name"])
         p = (job or {}).get("progress") or {}
-        trainers.append({"name": peer["name"], "job": job["id"] if job else stats.get("job"),
-                         "state": job["state"] if job else "idle", "epoch": _epoch(p), "epochs": p.get("epochs"),
-                         "step": p.get("step"), "loss": p.get("loss"), "samples": p.get("samples"),
-                         "samples_per_s": p.get("samples_per_s"), "data_wait_pct": p.get("data_wait_pct"),
-                         "transport": p.get("transport"), "tasks": stats.get("tasks", {})})
+        trainers.append(
+            {
+                "name": peer["name"],
+                "job": job["id"] if job else stats.get("job"),
+                "state": job["state"] if job else "idle",
+                "epoch": _epoch(p),
+                "epochs": p.get("epochs"),
+                "step": p.get("step"),
+                "loss": p.get("loss"),
+                "samples": p.get("samples"),
+                "samples_per_s": p.get("samples_per_s"),
+                "data_wait_pct": p.get("data_wait_pct"),
+                "transport": p.get("transport"),
+                "tasks": stats.get("tasks", {}),
+            }
+        )
     jobs = [_job_row(j) for j in active]
-    return {"at": snapshot["at"], "router": {"endpoint": snapshot.get("endpoint"), "peers": router.get("peers", {}),
-                                             "sessions": router.get("sessions")},
-            "job_counts": router.get("jobs", {}), "providers": providers, "trainers": trainers, "jobs": jobs,
-            "queued": [{"id": j["id"], "dataset": j["spec"]["dataset"], "model": j["spec"]["model"],
-                        "priority": j.get("priority", 0)} for j in snapshot["jobs"] if j["state"] == "queued"],
-            "pipelines": {name: s["pipelines"] for name, s in services.items() if s.get("pipelines")}}
+    return {
+        "at": snapshot["at"],
+        "router": {
+            "endpoint": snapshot.get("endpoint"),
+            "peers": router.get("peers", {}),
+            "sessions": router.get("sessions"),
+        },
+        "job_counts": router.get("jobs", {}),
+        "providers": providers,
+        "trainers": trainers,
+        "jobs": jobs,
+        "queued": [
+            {
+                "id": j["id"],
+                "dataset": j["spec"]["dataset"],
+                "model": j["spec"]["model"],
+                "priority": j.get("priority", 0),
+            }
+            for j in snapshot["jobs"]
+            if j["state"] == "queued"
+        ],
+        "pipelines": {name: s["pipelines"] for name, s in services.items() if s.get("pipelines")},
+    }
 
 
 def _epoch(p: dict) -> int | None:
@@ -112,10 +152,19 @@ def _epoch(p: dict) -> int | None:
 def _job_row(job: dict) -> dict:
     p = job.get("progress") or {}
     total = (p.get("epochs") or 0) * (p.get("steps_per_epoch") or 0)
-    return {"id": job["id"], "state": job["state"], "trainer": job.get("trainer"), "dataset": job["spec"]["dataset"],
-            "model": job["spec"]["model"], "epoch": _epoch(p), "epochs": job["spec"]["epochs"],
-            "step": p.get("step", 0), "total_steps": total or None, "loss": p.get("loss"),
-            "fraction": min(1.0, p.get("step", 0) / total) if total else 0.0}
+    return {
+        "id": job["id"],
+        "state": job["state"],
+        "trainer": job.get("trainer"),
+        "dataset": job["spec"]["dataset"],
+        "model": job["spec"]["model"],
+        "epoch": _epoch(p),
+        "epochs": job["spec"]["epochs"],
+        "step": p.get("step", 0),
+        "total_steps": total or None,
+        "loss": p.get("loss"),
+        "fraction": min(1.0, p.get("step", 0) / total) if total else 0.0,
+    }
 
 
 def _num(value, fmt: str) -> str:
@@ -134,36 +183,85 @@ def draw(f: dict) -> RenderableType:
     header = Text.from_markup(
         f"[bold]batchbus top[/]  router {f['router']['endpoint']}  "
         f"{peers.get('provider', 0)} provider(s), {peers.get('trainer', 0)} trainer(s), "
-        f"{peers.get('admin', 0)} admin(s)  jobs: {counts}  {time.strftime('%H:%M:%S', time.localtime(f['at']))}")
-    providers = Table("provider", "datasets", "samples served", "samples/s", "batches", "MiB", "sessions",
-                      "evals", "refused", box=box.SIMPLE_HEAD)
+        f"{peers.get('admin', 0)} admin(s)  jobs: {counts}  {time.strftime('%H:%M:%S', time.localtime(f['at']))}"
+    )
+    providers = Table(
+        "provider",
+        "datasets",
+        "samples served",
+        "samples/s",
+        "batches",
+        "MiB",
+        "sessions",
+        "evals",
+        "refused",
+        box=box.SIMPLE_HEAD,
+    )
     for p in f["providers"]:
         refused = ", ".join(f"{k} {v}" for k, v in p["refused"].items()) or "0"
-        providers.add_row(p["name"], ", ".join(p["datasets"]) or "-", str(p["samples"]), _num(p["samples_per_s"], ".0f"),
-                          str(p["batches"]), f"{p['bytes'] / 2**20:.1f}", str(p["sessions"] or 0),
-                          str(p["evaluations"]) + (" (1 running)" if p["evaluations_running"] else ""), refused)
-    trainers = Table("trainer", "job", "state", "epoch", "step", "loss", "samples", "samples/s", "data wait",
-                     "transport", box=box.SIMPLE_HEAD)
+        providers.add_row(
+            p["name"],
+            ", ".join(p["datasets"]) or "-",
+            str(p["samples"]),
+            _num(p["samples_per_s"], ".0f"),
+            str(p["batches"]),
+            f"{p['bytes'] / 2**20:.1f}",
+            str(p["sessions"] or 0),
+            str(p["evaluations"]) + (" (1 running)" if p["evaluations_running"] else ""),
+            refused,
+        )
+    trainers = Table(
+        "trainer",
+        "job",
+        "state",
+        "epoch",
+        "step",
+        "loss",
+        "samples",
+        "samples/s",
+        "data wait",
+        "transport",
+        box=box.SIMPLE_HEAD,
+    )
     for t in f["trainers"]:
         state = {"paused": "[yellow]paused[/]", "running": "[green]running[/]"}.get(t["state"], "[dim]idle[/]")
-        trainers.add_row(t["name"], t["job"] or "-", state,
-                         f"{t['epoch']}/{t['epochs']}" if t["epoch"] is not None else "-", _num(t["step"], "d"),
-                         _num(t["loss"], ".4f"), _num(t["samples"], "d"), _num(t["samples_per_s"], ".0f"),
-                         _num(t["data_wait_pct"], ".1f") + ("%" if t["data_wait_pct"] is not None else ""),
-                         t["transport"] or "-")
-    jobs = Table("job", "state", "trainer", "dataset", "model", "epoch", "progress", "step", "loss", box=box.SIMPLE_HEAD)
+        trainers.add_row(
+            t["name"],
+            t["job"] or "-",
+            state,
+            f"{t['epoch']}/{t['epochs']}" if t["epoch"] is not None else "-",
+            _num(t["step"], "d"),
+            _num(t["loss"], ".4f"),
+            _num(t["samples"], "d"),
+            _num(t["samples_per_s"], ".0f"),
+            _num(t["data_wait_pct"], ".1f") + ("%" if t["data_wait_pct"] is not None else ""),
+            t["transport"] or "-",
+        )
+    jobs = Table(
+        "job", "state", "trainer", "dataset", "model", "epoch", "progress", "step", "loss", box=box.SIMPLE_HEAD
+    )
     for j in f["jobs"]:
         bar = Table.grid(padding=(0, 1))
         bar.add_row(ProgressBar(total=1.0, completed=j["fraction"], width=20), f"{100 * j['fraction']:3.0f}%")
-        jobs.add_row(j["id"], j["state"], j["trainer"] or "-", j["dataset"], j["model"],
-                     f"{j['epoch']}/{j['epochs']}" if j["epoch"] is not None else f"-/{j['epochs']}",
-                     bar,
-                     f"{j['step']}/{j['total_steps'] or '?'}", _num(j["loss"], ".4f"))
+        jobs.add_row(
+            j["id"],
+            j["state"],
+            j["trainer"] or "-",
+            j["dataset"],
+            j["model"],
+            f"{j['epoch']}/{j['epochs']}" if j["epoch"] is not None else f"-/{j['epochs']}",
+            bar,
+            f"{j['step']}/{j['total_steps'] or '?'}",
+            _num(j["loss"], ".4f"),
+        )
     for q in f["queued"]:
         jobs.add_row(q["id"], "[dim]queued[/]", "-", q["dataset"], q["model"], "-", "-", "-", "-")
-    parts: list[RenderableType] = [header, Panel(providers, title="providers", expand=False),
-                                   Panel(trainers, title="trainers", expand=False),
-                                   Panel(jobs, title="jobs", expand=False)]
+    parts: list[RenderableType] = [
+        header,
+        Panel(providers, title="providers", expand=False),
+        Panel(trainers, title="trainers", expand=False),
+        Panel(jobs, title="jobs", expand=False),
+    ]
     parts += stage_tables({name: {"pipelines": p} for name, p in f["pipelines"].items()})
     return Group(*parts)
 
@@ -189,8 +287,9 @@ def top_command(settings: Settings, *, interval: float, once: bool, json: bool, 
                     try:
                         snapshot = collect(client)
                     except BusError as err:  # the router restarting: keep the last frame, say so, retry
-                        live.update(Group(render(previous), Text(f"router not answering: {err}", style="red")),
-                                    refresh=True)
+                        live.update(
+                            Group(render(previous), Text(f"router not answering: {err}", style="red")), refresh=True
+                        )
                         continue
                     live.update(render(snapshot, previous), refresh=True)
                     previous = snapshot

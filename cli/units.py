@@ -19,30 +19,37 @@ __all__ = ["UNITS", "VENV", "install_units", "units_source"]
 UNITS = ("batchbus-router.service", "batchbus-provider@.service", "batchbus-trainer@.service")
 VENV = "/opt/batchbus/.venv"
 #: Snippet in systemd/ → where it goes (under ``--root``).
-SNIPPETS = {"batchbus.sysusers": "etc/sysusers.d/batchbus.conf",
-            "batchbus.tmpfiles": "etc/tmpfiles.d/batchbus.conf"}
+SNIPPETS = {"batchbus.sysusers": "etc/sysusers.d/batchbus.conf", "batchbus.tmpfiles": "etc/tmpfiles.d/batchbus.conf"}
 #: ProtectHome=yes hides these from the services.
 HIDDEN = ("/home", "/root", "/run/user")
 
 
 def units_source() -> Path:
     """systemd/ of this checkout, or the copy a wheel installs under ``<prefix>/share/batchbus``."""
-    for candidate in (Path(__file__).resolve().parents[1] / "systemd",
-                      Path(sys.prefix) / "share" / "batchbus" / "systemd"):
+    for candidate in (
+        Path(__file__).resolve().parents[1] / "systemd",
+        Path(sys.prefix) / "share" / "batchbus" / "systemd",
+    ):
         if all((candidate / name).is_file() for name in (*UNITS, *SNIPPETS)):
             return candidate
-    raise ConfigError("the batchbus unit files are not installed with this busctl (looked in the "
-                      f"checkout's systemd/ and {sys.prefix}/share/batchbus/systemd)")
+    raise ConfigError(
+        "the batchbus unit files are not installed with this busctl (looked in the "
+        f"checkout's systemd/ and {sys.prefix}/share/batchbus/systemd)"
+    )
 
 
 def _check_prefix(prefix: str) -> None:
     """Refuse a prefix that cannot work in ``ExecStart=`` or that the sandbox hides."""
     if not prefix.startswith("/") or any(c.isspace() or c in "%$\\\"'" for c in prefix):
-        raise ConfigError(f"--prefix {prefix!r}: give the virtual environment as an absolute path without spaces, "
-             "quotes, '%' or '$' (it goes into ExecStart=)")
+        raise ConfigError(
+            f"--prefix {prefix!r}: give the virtual environment as an absolute path without spaces, "
+            "quotes, '%' or '$' (it goes into ExecStart=)"
+        )
     if any(prefix == d or prefix.startswith(d + "/") for d in HIDDEN):
-        raise ConfigError(f"--prefix {prefix}: the units run with ProtectHome=yes, which hides {', '.join(HIDDEN)}; "
-             f"install batchbus elsewhere (e.g. {VENV})")
+        raise ConfigError(
+            f"--prefix {prefix}: the units run with ProtectHome=yes, which hides {', '.join(HIDDEN)}; "
+            f"install batchbus elsewhere (e.g. {VENV})"
+        )
 
 
 def _write(path: Path, text: str) -> str:
@@ -58,8 +65,9 @@ def _write(path: Path, text: str) -> str:
     return "installed" if old is None else "updated"
 
 
-UnitsDir = Annotated[Path | None, typer.Option(
-    "--dir", help="Where the unit files go (default ROOT/etc/systemd/system).")]
+UnitsDir = Annotated[
+    Path | None, typer.Option("--dir", help="Where the unit files go (default ROOT/etc/systemd/system).")
+]
 Prefix = Annotated[str, typer.Option("--prefix", help="The virtual environment the units run busctl from.")]
 Root = Annotated[Path, typer.Option("--root", help="Install under this root directory (an image, a test).")]
 
@@ -83,12 +91,14 @@ def install_units(dir: UnitsDir = None, prefix: Prefix = VENV, root: Root = Path
         typer.echo(f"{what:>9}  {path}")
     busctl = f"{prefix}/bin/busctl"
     if not Path(busctl).exists():
-        typer.echo(f"note: {busctl} does not exist yet: install batchbus into {prefix} "
-                   "(systemd/README.md), or pass --prefix", err=True)
+        typer.echo(
+            f"note: {busctl} does not exist yet: install batchbus into {prefix} (systemd/README.md), or pass --prefix",
+            err=True,
+        )
     typer.echo(f"""
 Next, as root (systemd/README.md explains each step):
-  systemd-sysusers {root / SNIPPETS['batchbus.sysusers']}
-  systemd-tmpfiles --create {root / SNIPPETS['batchbus.tmpfiles']}
+  systemd-sysusers {root / SNIPPETS["batchbus.sysusers"]}
+  systemd-tmpfiles --create {root / SNIPPETS["batchbus.tmpfiles"]}
   # once per cluster; copy the same file (root, 0600) to /etc/credstore/ on every node:
   {busctl} token secret /etc/credstore/batchbus.secret
   # settings: /etc/batchbus/batchbus.toml, provider-NAME.toml, trainer-NAME.toml

@@ -21,10 +21,17 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
     console = console or Console()
     shown_epochs = 0
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    columns = (TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("step {task.fields[step]}"), TextColumn("loss {task.fields[loss]}"),
-               TextColumn("{task.fields[rate]} samples/s"), TextColumn("data wait {task.fields[wait]}%"),
-               TextColumn("{task.fields[state]}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("[bold]epoch {task.fields[epoch]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("step {task.fields[step]}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[rate]} samples/s"),
+        TextColumn("data wait {task.fields[wait]}%"),
+        TextColumn("{task.fields[state]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as bars:
         bar, bar_epoch = None, -1  # the bar drawn last and the (0-based) epoch it shows
 
@@ -46,18 +53,24 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
                 # after the last epoch (validation, provider-side test) the last bar stays full
                 current = min(p["epoch"], p["epochs"] - 1)
                 within = p["step"] - current * p["steps_per_epoch"]
-                fields = dict(epoch=f"{current + 1}/{p['epochs']}", step=p["step"],
-                              loss=f"{p['loss']:.4f}" if p.get("loss") is not None else "-",
-                              rate=f"{p.get('samples_per_s', 0):.0f}", wait=f"{p.get('data_wait_pct', 0):.0f}",
-                              state="[yellow]paused[/]" if info["state"] == "paused" else "")
+                fields = dict(
+                    epoch=f"{current + 1}/{p['epochs']}",
+                    step=p["step"],
+                    loss=f"{p['loss']:.4f}" if p.get("loss") is not None else "-",
+                    rate=f"{p.get('samples_per_s', 0):.0f}",
+                    wait=f"{p.get('data_wait_pct', 0):.0f}",
+                    state="[yellow]paused[/]" if info["state"] == "paused" else "",
+                )
                 if current != bar_epoch:
                     if bar is not None:
                         close(history, p.get("samples_per_s"))
                     bar, bar_epoch = bars.add_task("", total=p["steps_per_epoch"], **fields), current
                 bars.update(bar, completed=max(0, min(within, p["steps_per_epoch"])), **fields)
             for h in history[shown_epochs:]:
-                bars.console.print(f"epoch {h['epoch']}: train loss {h['train_loss']:.4f}  "
-                                   f"val loss {h['val_loss']:.4f}  val accuracy {h['val_accuracy']:.4f}")
+                bars.console.print(
+                    f"epoch {h['epoch']}: train loss {h['train_loss']:.4f}  "
+                    f"val loss {h['val_loss']:.4f}  val accuracy {h['val_accuracy']:.4f}"
+                )
             shown_epochs = max(shown_epochs, len(history))
             if info["state"] in TERMINAL_STATES:
                 if bar is not None and info["state"] == "succeeded":
@@ -70,8 +83,9 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
     if info["state"] == "succeeded":
         line = f"job {job} succeeded: val accuracy {result.get('val_accuracy', 0):.4f}"
         if "test_accuracy" in result:
-            line += (f", provider-side test accuracy {result['test_accuracy']:.4f} "
-                     f"on {result.get('test_n')} private samples")
+            line += (
+                f", provider-side test accuracy {result['test_accuracy']:.4f} on {result.get('test_n')} private samples"
+            )
         console.print(line)
     else:
         console.print(f"job {job} {info['state']}" + (f": {info['error']}" if info.get("error") else ""))

@@ -25,4 +25,5 @@ class BusError(Exception):
 
 class ShmError(BusError):
     """Shared memory could not be created, attached or validated."""
+
     code = "INTERNAL"

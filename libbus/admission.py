@@ -87,9 +87,11 @@ def admit_client(sock: zmq.Socket, token: str) -> None:
     Raises :class:`ConfigError` for a token longer than :data:`MAX_HANDSHAKE_TOKEN` bytes."""
     data = token.encode()
     if not data or len(data) > MAX_HANDSHAKE_TOKEN:
-        raise ConfigError(f"a token of {len(data)} bytes cannot ride in the connection handshake (1 to "
-                          f"{MAX_HANDSHAKE_TOKEN} bytes without CURVE): issue one with fewer scopes, "
-                          "or run the cluster with curve = true")
+        raise ConfigError(
+            f"a token of {len(data)} bytes cannot ride in the connection handshake (1 to "
+            f"{MAX_HANDSHAKE_TOKEN} bytes without CURVE): issue one with fewer scopes, "
+            "or run the cluster with curve = true"
+        )
     half = (len(data) + 1) // 2
     sock.plain_username = data[:half]
     sock.plain_password = data[half:] or b"-"

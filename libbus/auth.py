@@ -26,9 +26,21 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from .errors import AuthExpired, AuthInvalid, ConfigError, Forbidden
 
-__all__ = ["ROLES", "ALGORITHMS", "SCOPES", "LEEWAY_S", "Claims", "issue_token", "verify_token",
-           "inspect_token", "load_secret", "ensure_secret", "generate_signing_key", "load_signing_key",
-           "load_public_key"]
+__all__ = [
+    "ROLES",
+    "ALGORITHMS",
+    "SCOPES",
+    "LEEWAY_S",
+    "Claims",
+    "issue_token",
+    "verify_token",
+    "inspect_token",
+    "load_secret",
+    "ensure_secret",
+    "generate_signing_key",
+    "load_signing_key",
+    "load_public_key",
+]
 
 ROLES = ("provider", "trainer", "admin")
 #: The algorithms a cluster may choose (``token_alg``); verification accepts exactly one.
@@ -70,14 +82,14 @@ class Claims:
     def check_dataset(self, name: str) -> None:
         """Raise :class:`Forbidden` naming the dataset and the scope unless the token covers it."""
         if not self.allows_dataset(name):
-            raise Forbidden(f"dataset {name!r} is outside this token's datasets scope "
-                            f"[{', '.join(self.scopes['datasets'])}]")
+            raise Forbidden(
+                f"dataset {name!r} is outside this token's datasets scope [{', '.join(self.scopes['datasets'])}]"
+            )
 
     def check_job(self, job: str) -> None:
         """Raise :class:`Forbidden` naming the job and the scope unless the token covers it."""
         if not self.allows_job(job):
-            raise Forbidden(f"job {job!r} is outside this token's jobs scope "
-                            f"[{', '.join(self.scopes['jobs'])}]")
+            raise Forbidden(f"job {job!r} is outside this token's jobs scope [{', '.join(self.scopes['jobs'])}]")
 
 
 def _check_alg(algorithm: str) -> None:
@@ -85,9 +97,18 @@ def _check_alg(algorithm: str) -> None:
         raise ConfigError(f"token algorithm {algorithm!r} is not supported; use one of {', '.join(ALGORITHMS)}")
 
 
-def issue_token(key: Key, *, sub: str, role: str, audience: str, ttl_s: float = 3600.0,
-                datasets: list[str] | None = None, jobs: list[str] | None = None,
-                issuer: str | None = None, algorithm: str = ALGORITHM) -> str:
+def issue_token(
+    key: Key,
+    *,
+    sub: str,
+    role: str,
+    audience: str,
+    ttl_s: float = 3600.0,
+    datasets: list[str] | None = None,
+    jobs: list[str] | None = None,
+    issuer: str | None = None,
+    algorithm: str = ALGORITHM,
+) -> str:
     """Mint a signed token: ``key`` is the HS256 secret or the Ed25519 private key.
 
     ``issuer`` defaults to ``audience`` (the cluster). Raises :class:`ConfigError` for an unknown
@@ -99,13 +120,22 @@ def issue_token(key: Key, *, sub: str, role: str, audience: str, ttl_s: float = 
     if ttl_s <= 0:
         raise ConfigError(f"token ttl must be positive, got {ttl_s}")
     if algorithm == "EdDSA" and not isinstance(key, Ed25519PrivateKey):
-        raise ConfigError("EdDSA tokens are signed with the Ed25519 signing key (busctl token keygen), "
-                          f"not a {type(key).__name__}")
+        raise ConfigError(
+            f"EdDSA tokens are signed with the Ed25519 signing key (busctl token keygen), not a {type(key).__name__}"
+        )
     if algorithm == "HS256" and not isinstance(key, bytes):
         raise ConfigError("HS256 tokens are signed with the cluster secret file")
     now = int(time.time())
-    claims: dict[str, Any] = {"sub": sub, "role": role, "aud": audience, "iss": issuer or audience,
-                              "iat": now, "nbf": now, "exp": now + int(ttl_s), "jti": uuid.uuid4().hex}
+    claims: dict[str, Any] = {
+        "sub": sub,
+        "role": role,
+        "aud": audience,
+        "iss": issuer or audience,
+        "iat": now,
+        "nbf": now,
+        "exp": now + int(ttl_s),
+        "jti": uuid.uuid4().hex,
+    }
     if datasets is not None:
         claims["datasets"] = [str(d) for d in datasets]
     if jobs is not None:
@@ -113,8 +143,15 @@ def issue_token(key: Key, *, sub: str, role: str, audience: str, ttl_s: float = 
     return jwt.encode(claims, key, algorithm=algorithm)
 
 
-def verify_token(token: str, key: Key, *, audience: str, issuer: str | None = None,
-                 algorithm: str = ALGORITHM, check_times: bool = True) -> Claims:
+def verify_token(
+    token: str,
+    key: Key,
+    *,
+    audience: str,
+    issuer: str | None = None,
+    algorithm: str = ALGORITHM,
+    check_times: bool = True,
+) -> Claims:
     """Check algorithm, signature, ``aud``, ``iss`` (default: ``audience``), ``exp`` and ``nbf``.
 
     ``key`` is the HS256 secret or the Ed25519 public key. Raises :class:`AuthExpired` for an
@@ -128,12 +165,17 @@ def verify_token(token: str, key: Key, *, audience: str, issuer: str | None = No
     except jwt.InvalidTokenError as err:
         raise AuthInvalid(f"invalid token: {err}") from err
     if header.get("alg") != algorithm:
-        raise AuthInvalid(f"token is signed with {header.get('alg')!r}; this cluster accepts only "
-                          f"{algorithm} tokens")
+        raise AuthInvalid(f"token is signed with {header.get('alg')!r}; this cluster accepts only {algorithm} tokens")
     try:
-        raw = jwt.decode(token, key, algorithms=[algorithm], audience=audience, issuer=issuer,
-                         leeway=LEEWAY_S, options={"require": _REQUIRED, "verify_exp": check_times,
-                                                   "verify_nbf": check_times})
+        raw = jwt.decode(
+            token,
+            key,
+            algorithms=[algorithm],
+            audience=audience,
+            issuer=issuer,
+            leeway=LEEWAY_S,
+            options={"require": _REQUIRED, "verify_exp": check_times, "verify_nbf": check_times},
+        )
     except jwt.ExpiredSignatureError as err:
         raise AuthExpired("token expired; issue a new one with 'busctl token issue'") from err
     except jwt.InvalidAudienceError as err:
@@ -154,8 +196,16 @@ def verify_token(token: str, key: Key, *, audience: str, issuer: str | None = No
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise AuthInvalid(f"token claim {name!r} must be a list of strings, got {value!r}")
             scopes[name] = value
-    return Claims(sub=str(raw["sub"]), role=role, aud=audience, exp=float(raw["exp"]),
-                  iat=float(raw["iat"]), jti=str(raw["jti"]), scopes=scopes, iss=str(raw["iss"]))
+    return Claims(
+        sub=str(raw["sub"]),
+        role=role,
+        aud=audience,
+        exp=float(raw["exp"]),
+        iat=float(raw["iat"]),
+        jti=str(raw["jti"]),
+        scopes=scopes,
+        iss=str(raw["iss"]),
+    )
 
 
 def inspect_token(token: str) -> tuple[dict, dict]:
@@ -171,14 +221,17 @@ def inspect_token(token: str) -> tuple[dict, dict]:
 
 # -- HS256 secret ------------------------------------------------------------------------------
 
+
 def load_secret(path: str | os.PathLike) -> bytes:
     """Read the shared HS256 secret. Raises :class:`ConfigError` naming the file when it is unusable."""
     p = Path(path)
     try:
         data = p.read_bytes().strip()
     except FileNotFoundError as err:
-        raise ConfigError(f"secret file {p} does not exist; create one with 'busctl token secret {p}' "
-                          "or point --secret-file / BATCHBUS_SECRET_FILE at the cluster's") from err
+        raise ConfigError(
+            f"secret file {p} does not exist; create one with 'busctl token secret {p}' "
+            "or point --secret-file / BATCHBUS_SECRET_FILE at the cluster's"
+        ) from err
     except OSError as err:
         raise ConfigError(f"cannot read secret file {p}: {err.strerror}") from err
     mode = p.stat().st_mode & 0o777
@@ -213,6 +266,7 @@ def ensure_secret(path: str | os.PathLike) -> bytes:
 
 # -- EdDSA keys --------------------------------------------------------------------------------
 
+
 def generate_signing_key(path: str | os.PathLike) -> tuple[Path, Path]:
     """Write a new Ed25519 signing key (PEM, mode 0600) to ``path`` and its public key to ``path.pub``.
 
@@ -221,13 +275,14 @@ def generate_signing_key(path: str | os.PathLike) -> tuple[Path, Path]:
     p = Path(path)
     pub = p.with_name(p.name + ".pub")
     key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     if not _create_private(p, pem):
-        raise ConfigError(f"signing key {p} already exists; remove it first to replace it "
-                          "(every token it signed stops working)")
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
+        raise ConfigError(
+            f"signing key {p} already exists; remove it first to replace it (every token it signed stops working)"
+        )
+    pub.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
     return p, pub
 
 
@@ -243,8 +298,12 @@ def _read_pem(path: str | os.PathLike, what: str, hint: str) -> bytes:
 
 def load_signing_key(path: str | os.PathLike) -> Ed25519PrivateKey:
     """The Ed25519 signing key at ``path``. Raises :class:`ConfigError` naming the file."""
-    data = _read_pem(path, "signing key", f"create one with 'busctl token keygen {path}' on the "
-                     "administrator's machine, or use a token it issued (--token / BATCHBUS_TOKEN)")
+    data = _read_pem(
+        path,
+        "signing key",
+        f"create one with 'busctl token keygen {path}' on the "
+        "administrator's machine, or use a token it issued (--token / BATCHBUS_TOKEN)",
+    )
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as err:
@@ -256,8 +315,12 @@ def load_signing_key(path: str | os.PathLike) -> Ed25519PrivateKey:
 
 def load_public_key(path: str | os.PathLike) -> Ed25519PublicKey:
     """The Ed25519 public key at ``path`` (a ``.pub`` from ``busctl token keygen``)."""
-    data = _read_pem(path, "public key", "copy the .pub file written by 'busctl token keygen' there, "
-                     "or point public_key_file / BATCHBUS_PUBLIC_KEY_FILE at it")
+    data = _read_pem(
+        path,
+        "public key",
+        "copy the .pub file written by 'busctl token keygen' there, "
+        "or point public_key_file / BATCHBUS_PUBLIC_KEY_FILE at it",
+    )
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as err:

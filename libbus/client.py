@@ -43,6 +43,7 @@ class Identity:
 
     ``curve`` is the client's CURVE key pair when the cluster runs CURVE (its name must be the
     token's subject); ``router_key`` then is the router's public key."""
+
     role: str
     name: str
     token: str | Callable[[], str]
@@ -59,16 +60,32 @@ class Identity:
 
     def hello(self, request_id: int, token: str | None = None) -> Hello:
         token = token or self.current_token()
-        return Hello(id=request_id, role=self.role, name=self.name, token=token, host_id=self.host_id,
-                     pid=os.getpid(), version=VERSION, caps=dict(self.caps))
+        return Hello(
+            id=request_id,
+            role=self.role,
+            name=self.name,
+            token=token,
+            host_id=self.host_id,
+            pid=os.getpid(),
+            version=VERSION,
+            caps=dict(self.caps),
+        )
 
 
 class Client:
     """A synchronous request/reply connection. Not thread-safe: one thread owns it."""
 
-    def __init__(self, endpoint: str, identity: Identity, *, ctx: zmq.Context | None = None,
-                 timeout_s: float = REQUEST_TIMEOUT_S, retries: int = REQUEST_RETRIES,
-                 limits: SocketLimits = SocketLimits(), server_key: bytes | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        identity: Identity,
+        *,
+        ctx: zmq.Context | None = None,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        retries: int = REQUEST_RETRIES,
+        limits: SocketLimits = SocketLimits(),
+        server_key: bytes | None = None,
+    ):
         """``server_key``: the server's CURVE public key (with ``identity.curve``); a provider's
         comes from ``Resolved``, the router's is ``identity.router_key``."""
         if identity.curve is not None and not server_key:
@@ -140,10 +157,12 @@ class Client:
         if not self.handshake_refused():
             return False
         self.reset()
-        raise AuthInvalid(f"{self.endpoint} refused this connection at the handshake: it does not accept its "
-                          + ("CURVE key" if self.identity.curve else "token")
-                          + " (signed for another cluster or with another key, revoked, or no token at all); "
-                          "check the token and the cluster's secret or keys")
+        raise AuthInvalid(
+            f"{self.endpoint} refused this connection at the handshake: it does not accept its "
+            + ("CURVE key" if self.identity.curve else "token")
+            + " (signed for another cluster or with another key, revoked, or no token at all); "
+            "check the token and the cluster's secret or keys"
+        )
 
     def handshake_refused(self) -> bool:
         """Whether the server refused this socket's handshake (token or CURVE key not accepted)."""
@@ -199,8 +218,9 @@ class Client:
                 self._check_refused()
         if reply is None:
             self.reset()
-            raise PeerTimeout(f"{self.endpoint} did not answer Hello within {timeout_s:.1f} s "
-                              "(is the service running and reachable?)")
+            raise PeerTimeout(
+                f"{self.endpoint} did not answer Hello within {timeout_s:.1f} s (is the service running and reachable?)"
+            )
         welcome = self.check(reply)
         if not isinstance(welcome, Welcome):
             raise BusError(f"{self.endpoint} answered Hello with {welcome.type}")
@@ -265,8 +285,7 @@ class Client:
         return reply
 
     # -- request/reply ------------------------------------------------------------------------
-    def request(self, msg: Message, *, timeout_s: float | None = None,
-                retries: int | None = None) -> Message:
+    def request(self, msg: Message, *, timeout_s: float | None = None, retries: int | None = None) -> Message:
         """Send ``msg`` and return its reply, resending on a fresh connection after a timeout.
 
         Raises the typed :class:`BusError` of an ``Error`` reply, or :class:`PeerTimeout` after
@@ -290,10 +309,17 @@ class Client:
                 attempt += 1
                 if attempt > retries:
                     self.reset()
-                    raise PeerTimeout(f"{self.endpoint} did not answer {msg.type} within "
-                                      f"{timeout_s:.1f} s after {retries} retries")
-                log.warning("%s: no reply to %s in %.1f s; reconnecting (retry %d of %d)",
-                            self.endpoint, msg.type, timeout_s, attempt, retries)
+                    raise PeerTimeout(
+                        f"{self.endpoint} did not answer {msg.type} within {timeout_s:.1f} s after {retries} retries"
+                    )
+                log.warning(
+                    "%s: no reply to %s in %.1f s; reconnecting (retry %d of %d)",
+                    self.endpoint,
+                    msg.type,
+                    timeout_s,
+                    attempt,
+                    retries,
+                )
                 self.reset()
                 continue
             try:

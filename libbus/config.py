@@ -171,8 +171,9 @@ class Settings:
             except (OSError, UnicodeDecodeError) as err:
                 raise ConfigError(f"token_file {out.token_file}: {err}") from err
             if not out.token:
-                raise ConfigError(f"token_file {out.token_file} is empty; it should hold a token "
-                                  "('busctl token issue')")
+                raise ConfigError(
+                    f"token_file {out.token_file} is empty; it should hold a token ('busctl token issue')"
+                )
         if not out.db:
             out.db = os.path.join(out.state_dir, "router.db")
         curve_dir = os.path.join(out.state_dir, "curve")
@@ -258,8 +259,9 @@ def _coerce(name: str, kind: type, value: Any, source: str) -> Any:
     raise ConfigError(f"{source}: '{name}' must be {kind.__name__}, got {value!r}")
 
 
-def load_settings(*, config_file: str | None = None, env: Mapping[str, str] | None = None,
-                  flags: Mapping[str, Any] | None = None) -> tuple[Settings, dict[str, str]]:
+def load_settings(
+    *, config_file: str | None = None, env: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None
+) -> tuple[Settings, dict[str, str]]:
     """Build the settings: defaults < TOML file < ``BATCHBUS_*`` environment < systemd credentials < flags.
 
     ``config_file`` defaults to ``$BATCHBUS_CONFIG`` when set. Flags whose value is ``None`` are unset.
@@ -287,8 +289,7 @@ def load_settings(*, config_file: str | None = None, env: Mapping[str, str] | No
         for key, value in data.items():
             name = key.replace("-", "_")
             if name not in types_:
-                raise ConfigError(f"{config_file}: unknown setting '{key}'; "
-                                  f"known: {', '.join(sorted(types_))}")
+                raise ConfigError(f"{config_file}: unknown setting '{key}'; known: {', '.join(sorted(types_))}")
             values[name] = _coerce(name, types_[name], value, config_file)
             sources[name] = f"file {config_file}"
     for name, kind in types_.items():
@@ -312,15 +313,17 @@ def load_settings(*, config_file: str | None = None, env: Mapping[str, str] | No
         values["state_dir"] = default_state_dir(env)
     settings = Settings(**values)
     if settings.token_alg not in ALGORITHMS:
-        raise ConfigError(f"token_alg ({sources['token_alg']}) must be one of {', '.join(ALGORITHMS)}, "
-                          f"got {settings.token_alg!r}")
+        raise ConfigError(
+            f"token_alg ({sources['token_alg']}) must be one of {', '.join(ALGORITHMS)}, got {settings.token_alg!r}"
+        )
     if settings.heartbeat_ms <= 0 or settings.heartbeat_liveness <= 0:
         raise ConfigError("heartbeat_ms and heartbeat_liveness must be positive")
     if settings.session_inflight < 1 or settings.session_rate < 0 or settings.session_burst < 1:
         raise ConfigError("session_inflight and session_burst must be at least 1, session_rate not negative")
     if settings.provider_wait_s < 0:
-        raise ConfigError(f"provider_wait_s ({sources['provider_wait_s']}) must not be negative, "
-                          f"got {settings.provider_wait_s}")
+        raise ConfigError(
+            f"provider_wait_s ({sources['provider_wait_s']}) must not be negative, got {settings.provider_wait_s}"
+        )
     if settings.request_timeout_s <= 0 or settings.request_retries < 0:
         raise ConfigError("request_timeout_s must be positive and request_retries not negative")
     return settings.resolved(), sources

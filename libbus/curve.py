@@ -33,8 +33,18 @@ from zmq.utils import z85
 
 from .errors import ConfigError
 
-__all__ = ["ZAP_DOMAIN", "CurveKeys", "generate_keys", "load_keys", "load_public_key", "authorized_keys",
-           "KeyAuthenticator", "curve_key_of", "secure_server", "secure_client"]
+__all__ = [
+    "ZAP_DOMAIN",
+    "CurveKeys",
+    "generate_keys",
+    "load_keys",
+    "load_public_key",
+    "authorized_keys",
+    "KeyAuthenticator",
+    "curve_key_of",
+    "secure_server",
+    "secure_client",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +57,7 @@ SECRET_SUFFIX = ".key_secret"
 @dataclass(frozen=True)
 class CurveKeys:
     """A long-term key pair, z85-encoded (40 ASCII bytes each), and the name it was made under."""
+
     name: str
     public: bytes
     secret: bytes
@@ -155,8 +166,10 @@ class KeyAuthenticator(ThreadAuthenticator):
         super().__init__(ctx, log=log.getChild("zap"))
         self.directory = Path(directory)
         if not self.directory.is_dir():
-            raise ConfigError(f"CURVE authorized-keys directory {self.directory} does not exist "
-                              "(put the NAME.key files of the clients to admit there)")
+            raise ConfigError(
+                f"CURVE authorized-keys directory {self.directory} does not exist "
+                "(put the NAME.key files of the clients to admit there)"
+            )
         self._lock = threading.Lock()
         self._stamp: float | None = None
         self._names: dict[bytes, str] = {}

@@ -70,8 +70,10 @@ class SocketDelivery:
     def receive(self, batch_no: int, reply: Message) -> Any:
         reply = _check_response(reply)
         if reply.slot is not None or len(reply.frames) != 2:
-            raise BusError(f"malformed BatchResponse: {len(reply.frames)} frames, slot {reply.slot}; "
-                           "expected the batch in 2 frames")
+            raise BusError(
+                f"malformed BatchResponse: {len(reply.frames)} frames, slot {reply.slot}; "
+                "expected the batch in 2 frames"
+            )
         out = []
         for frame, shape, dtype in zip(reply.frames, reply.shapes, reply.dtypes):
             buf = frame_buffer(frame)
@@ -135,8 +137,8 @@ class RingDelivery:
         self.device = device
         self.copy = copy
         self.free: deque[int] = deque(range(ring.layout.slots))
-        self.slot_of: dict[int, int] = {}   # batch number -> its slot
-        self.seq_of: dict[int, int] = {}    # batch number -> the sequence its slot awaits
+        self.slot_of: dict[int, int] = {}  # batch number -> its slot
+        self.seq_of: dict[int, int] = {}  # batch number -> the sequence its slot awaits
         self.copies: deque[tuple[Any, int]] = deque()  # (CUDA event, slot) copies in flight
         #: Slots handed out as views and still viewed by a live tensor.
         self.leased: set[int] = set()
@@ -150,12 +152,14 @@ class RingDelivery:
         self.stager = None
         if device.type == "cuda":
             from shm.cuda import CudaStager
+
             self.stager = CudaStager(ring.segment.buf, device)
 
     def attach_message(self) -> AttachRing:
         lay = self.ring.layout
-        return AttachRing(name=self.ring.name, slots=lay.slots, slot_bytes=lay.slot_bytes,
-                          label_offset=lay.label_offset)
+        return AttachRing(
+            name=self.ring.name, slots=lay.slots, slot_bytes=lay.slot_bytes, label_offset=lay.label_offset
+        )
 
     def reattach(self, client) -> None:
         """A new session (after a reconnect) must attach the ring again before naming slots."""
@@ -227,8 +231,9 @@ class RingDelivery:
     def _views(self, batch_no: int, reply: BatchResponse):
         slot, seq = self.slot_of[batch_no], self.seq_of[batch_no]
         try:
-            x, y = self.ring.views(slot, tuple(reply.shapes[0]), reply.dtypes[0], tuple(reply.shapes[1]),
-                                   reply.dtypes[1])
+            x, y = self.ring.views(
+                slot, tuple(reply.shapes[0]), reply.dtypes[0], tuple(reply.shapes[1]), reply.dtypes[1]
+            )
         except (ShmError, TypeError, ValueError) as err:
             raise BusError(f"malformed BatchResponse for slot {slot}: {err}") from err
         return slot, seq, x, y
@@ -237,8 +242,10 @@ class RingDelivery:
         reply = _check_response(reply)
         slot, seq = self.slot_of[batch_no], self.seq_of[batch_no]
         if reply.slot != slot or reply.seq != seq or reply.frames:
-            raise BusError(f"BatchResponse names slot {reply.slot} seq {reply.seq} with "
-                           f"{len(reply.frames)} frames; expected slot {slot} seq {seq}, no frames")
+            raise BusError(
+                f"BatchResponse names slot {reply.slot} seq {reply.seq} with "
+                f"{len(reply.frames)} frames; expected slot {slot} seq {seq}, no frames"
+            )
         if self.stager is None and not self.copy:
             return reply  # the slot stays FILLED until hand_out
         self.ring.take(slot, seq)

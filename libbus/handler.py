@@ -59,6 +59,7 @@ class ServerConfig:
     """How a server binds and whom it admits. ``secret`` is the token verification key: the HS256
     secret, or the Ed25519 public key when ``algorithm`` is ``EdDSA``; ``issuer`` defaults to
     ``audience``."""
+
     bind: str
     secret: Key
     audience: str

@@ -92,7 +92,9 @@ class JobSpec:
         for name, value in raw.items():
             default = known[name].default
             if default is dataclasses.MISSING:
-                default = known[name].default_factory() if known[name].default_factory is not dataclasses.MISSING else ""
+                default = (
+                    known[name].default_factory() if known[name].default_factory is not dataclasses.MISSING else ""
+                )
             if name == "shuffle":
                 values[name] = _shuffle_mode(value)
                 continue
@@ -110,8 +112,10 @@ class JobSpec:
             if getattr(spec, name) < 1:
                 raise BadRequest(f"{name} must be at least 1, got {getattr(spec, name)}")
         if spec.max_attempts > MAX_ATTEMPTS:
-            raise BadRequest(f"max_attempts must be at most {MAX_ATTEMPTS} (a job that loses that many "
-                             f"trainers is poisoned), got {spec.max_attempts}")
+            raise BadRequest(
+                f"max_attempts must be at most {MAX_ATTEMPTS} (a job that loses that many "
+                f"trainers is poisoned), got {spec.max_attempts}"
+            )
         if spec.world_size > MAX_WORLD_SIZE:
             raise BadRequest(f"world_size must be at most {MAX_WORLD_SIZE}, got {spec.world_size}")
         if spec.gather_timeout_s <= 0:
@@ -127,8 +131,10 @@ class JobSpec:
         if spec.task not in TASKS:
             raise BadRequest(f"task must be one of {', '.join(TASKS)}, got {spec.task!r}")
         if spec.task == "evaluate" and (not spec.model_from or spec.split not in ("val", "test")):
-            raise BadRequest("an evaluate task needs model_from (a succeeded job, or an uploaded file) and "
-                             f"split val or test, got model_from={spec.model_from!r} split={spec.split!r}")
+            raise BadRequest(
+                "an evaluate task needs model_from (a succeeded job, or an uploaded file) and "
+                f"split val or test, got model_from={spec.model_from!r} split={spec.split!r}"
+            )
         if spec.lr <= 0:
             raise BadRequest(f"lr must be positive, got {spec.lr}")
         if spec.weight_decay < 0 or spec.momentum < 0:
@@ -153,5 +159,4 @@ def _shuffle_mode(value) -> str:
     try:
         return Shuffle.parse(value).value
     except BadRequest as err:
-        raise BadRequest(f"job field 'shuffle' must be none, full or block (or true/false), "
-                         f"got {value!r}") from err
+        raise BadRequest(f"job field 'shuffle' must be none, full or block (or true/false), got {value!r}") from err

@@ -31,6 +31,7 @@ __all__ = ["IllegalTransition", "JobState", "REFUSED", "TRANSITIONS", "check_tra
 
 class JobState(str, Enum):
     """Where a job is. A ``str`` enum: stored, sent and compared as its value."""
+
     QUEUED = "queued"
     RUNNING = "running"
     PAUSED = "paused"
@@ -80,6 +81,7 @@ def check_transition(job: str, current: str, new: str) -> JobState:
     if to not in TRANSITIONS[old]:
         REFUSED[f"{old.value}->{to.value}"] += 1
         allowed = ", ".join(sorted(s.value for s in TRANSITIONS[old])) or "nothing (it is final)"
-        raise IllegalTransition(f"job {job} is {old.value} and cannot become {to.value}; from {old.value} "
-                                f"it can become {allowed}")
+        raise IllegalTransition(
+            f"job {job} is {old.value} and cannot become {to.value}; from {old.value} it can become {allowed}"
+        )
     return to

@@ -47,10 +47,18 @@ class Link:
         stats: called on the I/O thread each beat; its dict rides on the heartbeat.
     """
 
-    def __init__(self, endpoint: str, identity: Identity, *, heartbeat_ms: int = 1000,
-                 liveness: int = 5, on_push: Callable[[Message], None] | None = None,
-                 stats: Callable[[], dict] | None = None, ctx: zmq.Context | None = None,
-                 limits: SocketLimits = SocketLimits()):
+    def __init__(
+        self,
+        endpoint: str,
+        identity: Identity,
+        *,
+        heartbeat_ms: int = 1000,
+        liveness: int = 5,
+        on_push: Callable[[Message], None] | None = None,
+        stats: Callable[[], dict] | None = None,
+        ctx: zmq.Context | None = None,
+        limits: SocketLimits = SocketLimits(),
+    ):
         identity.caps = {**identity.caps, "heartbeat": True}
         self.client = Client(endpoint, identity, ctx=ctx, limits=limits, server_key=identity.router_key)
         self.heartbeat_s = heartbeat_ms / 1000
@@ -98,8 +106,9 @@ class Link:
         try:
             return fut.result(timeout_s + 1.0)
         except FutureTimeout as err:
-            raise PeerTimeout(f"router {self.client.endpoint} did not answer {msg.type} "
-                              f"within {timeout_s:.1f} s") from err
+            raise PeerTimeout(
+                f"router {self.client.endpoint} did not answer {msg.type} within {timeout_s:.1f} s"
+            ) from err
 
     def close(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
@@ -141,10 +150,8 @@ class Link:
                 if self.connected.is_set() and now - last_beat >= self.heartbeat_s:
                     last_beat = now
                     self._send(Heartbeat(id=0, stats=self._safe_stats()))
-                if (self.connected.is_set()
-                        and now - client.last_recv > self.heartbeat_s * self.liveness):
-                    log.warning("router %s silent for %.1f s; reconnecting", client.endpoint,
-                                now - client.last_recv)
+                if self.connected.is_set() and now - client.last_recv > self.heartbeat_s * self.liveness:
+                    log.warning("router %s silent for %.1f s; reconnecting", client.endpoint, now - client.last_recv)
                     self._reconnect()
                 self._expire(now)
         except Exception:  # noqa: BLE001 - log, fail waiting callers, never hang them
@@ -169,8 +176,10 @@ class Link:
         if self._hello_sent and self.client.handshake_refused():
             # The router's handshake refused our token (wrong secret, another cluster, revoked):
             # as fatal as an AUTH_INVALID reply to Hello.
-            self.fatal = AuthInvalid(f"router {self.client.endpoint} refused this service's token at the "
-                                     "connection handshake; check the token and the cluster secret")
+            self.fatal = AuthInvalid(
+                f"router {self.client.endpoint} refused this service's token at the "
+                "connection handshake; check the token and the cluster secret"
+            )
             log.error("router refused this service: %s", self.fatal)
             self._stop.set()
             return
@@ -251,8 +260,9 @@ class Link:
             while not self._outgoing.empty():
                 item = self._outgoing.get_nowait()
                 if now > item[2]:
-                    item[1].set_exception(PeerTimeout(
-                        f"router {self.client.endpoint} unreachable; {item[0].type} not sent"))
+                    item[1].set_exception(
+                        PeerTimeout(f"router {self.client.endpoint} unreachable; {item[0].type} not sent")
+                    )
                 else:
                     keep.append(item)
             for item in keep:

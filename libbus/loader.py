@@ -136,17 +136,38 @@ class RemoteLoader:
     :class:`PeerTimeout`) when no provider given or resolved can be reached.
     """
 
-    def __init__(self, dataset: str, *, token: str | Callable[[], str], split: str = "train",
-                 router: str | None = None, provider: str | list | None = None,
-                 resolver: Callable[[float], list[dict]] | None = None, batch_size: int = 64,
-                 shuffle: bool | str = True, seed: int = 0, drop_last: bool = False, rank: int = 0,
-                 world_size: int = 1, block_size: int = DEFAULT_BLOCK_SIZE, drop_uneven: bool = False,
-                 inflight: int = 4, timeout_s: float = REQUEST_TIMEOUT_S,
-                 retries: int = REQUEST_RETRIES, provider_wait_s: float = PROVIDER_WAIT_S,
-                 name: str | None = None, device: str = "cpu",
-                 shm: bool = True, shm_slots: int = 0, copy: bool = False, host_id: str | None = None,
-                 ctx: zmq.Context | None = None, curve: CurveKeys | None = None,
-                 router_key: bytes | None = None, provider_key: bytes | None = None):
+    def __init__(
+        self,
+        dataset: str,
+        *,
+        token: str | Callable[[], str],
+        split: str = "train",
+        router: str | None = None,
+        provider: str | list | None = None,
+        resolver: Callable[[float], list[dict]] | None = None,
+        batch_size: int = 64,
+        shuffle: bool | str = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        drop_uneven: bool = False,
+        inflight: int = 4,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        retries: int = REQUEST_RETRIES,
+        provider_wait_s: float = PROVIDER_WAIT_S,
+        name: str | None = None,
+        device: str = "cpu",
+        shm: bool = True,
+        shm_slots: int = 0,
+        copy: bool = False,
+        host_id: str | None = None,
+        ctx: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
+        router_key: bytes | None = None,
+        provider_key: bytes | None = None,
+    ):
         if (router is None) == (provider is None):
             raise BadRequest("RemoteLoader needs exactly one of router= or provider=")
         if router is not None and resolver is not None:
@@ -177,9 +198,14 @@ class RemoteLoader:
         self.wait_s = 0.0
         self.device = torch.device(device)
         role = _role_of(token() if callable(token) else token)
-        self._identity = Identity(role=role, name=name or f"loader-{socket.gethostname()}-{os.getpid()}",
-                                  token=token, host_id=host_id or machine_id(), curve=curve,
-                                  router_key=router_key)
+        self._identity = Identity(
+            role=role,
+            name=name or f"loader-{socket.gethostname()}-{os.getpid()}",
+            token=token,
+            host_id=host_id or machine_id(),
+            curve=curve,
+            router_key=router_key,
+        )
         self._ctx = ctx
         self._router, self._router_key, self._resolver = router, router_key, resolver
         self._shm, self._slots, self._copy = shm, slots, copy
@@ -227,8 +253,14 @@ class RemoteLoader:
     def _resolve(self, timeout_s: float, retries: int) -> list[dict]:
         """The dataset's live providers, from the router (or the resolver); [] when neither is set."""
         if self._router is not None:
-            with Client(self._router, self._identity, ctx=self._ctx, timeout_s=timeout_s, retries=retries,
-                        server_key=self._router_key) as rc:
+            with Client(
+                self._router,
+                self._identity,
+                ctx=self._ctx,
+                timeout_s=timeout_s,
+                retries=retries,
+                server_key=self._router_key,
+            ) as rc:
                 return [entry_of(p) for p in rc.request(Resolve(dataset=self.dataset)).providers]
         if self._resolver is not None:
             return [entry_of(p) for p in self._resolver(timeout_s)]
@@ -237,18 +269,25 @@ class RemoteLoader:
     def _connect(self, entry: dict, timeout_s: float, retries: int) -> Replica:
         """A connection to one provider, checked to serve the same data, with its delivery."""
         key = curve_key_of(entry)
-        client = Client(entry["endpoint"], self._identity, ctx=self._ctx, timeout_s=self.timeout_s,
-                        retries=self.retries, server_key=key)
+        client = Client(
+            entry["endpoint"],
+            self._identity,
+            ctx=self._ctx,
+            timeout_s=self.timeout_s,
+            retries=self.retries,
+            server_key=key,
+        )
         try:
-            reply = client.request(DatasetInfoRequest(dataset=self.dataset), timeout_s=timeout_s,
-                                   retries=retries)
+            reply = client.request(DatasetInfoRequest(dataset=self.dataset), timeout_s=timeout_s, retries=retries)
             if not self.info:
                 self._take_info(reply.info)
             else:
                 why = info_mismatch(self.info, reply.info, "in this loader", f"on {entry['name']}")
                 if why:
-                    raise BadRequest(f"provider {label_of(entry)} serves a different {self.dataset!r}: "
-                                     f"{why}; replicas of a dataset must serve the same data")
+                    raise BadRequest(
+                        f"provider {label_of(entry)} serves a different {self.dataset!r}: "
+                        f"{why}; replicas of a dataset must serve the same data"
+                    )
             local = reply.host_id == self._identity.host_id
             if self._shm and local and reply.local_endpoint:
                 client = self._go_local(client, reply.local_endpoint, key)
@@ -256,8 +295,7 @@ class RemoteLoader:
         except BaseException:
             client.close()
             raise
-        replica = Replica(name=entry["name"], endpoint=entry["endpoint"], client=client, delivery=delivery,
-                          local=local)
+        replica = Replica(name=entry["name"], endpoint=entry["endpoint"], client=client, delivery=delivery, local=local)
         replica.watch()  # from now on: a loader idle between passes still hears of its death
         return replica
 
@@ -267,10 +305,17 @@ class RemoteLoader:
         if self.split not in splits:
             raise BadRequest(f"unknown split {self.split!r}; {self.dataset} has {', '.join(splits)}")
         self.num_samples = int(splits[self.split]["num_samples"])
-        self._order = Order(n=self.num_samples, seed=self.seed, shuffle=Shuffle.parse(self.shuffle),
-                            block_size=self._block_size, rank=self.rank, world_size=self.world_size,
-                            batch_size=self.batch_size, drop_last=self.drop_last,
-                            drop_uneven=self._drop_uneven)
+        self._order = Order(
+            n=self.num_samples,
+            seed=self.seed,
+            shuffle=Shuffle.parse(self.shuffle),
+            block_size=self._block_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            drop_uneven=self._drop_uneven,
+        )
         self.info = info
 
     @property
@@ -296,12 +341,12 @@ class RemoteLoader:
         """Same host: talk to the provider over its Unix socket rather than loopback TCP."""
         path = endpoint.removeprefix("ipc://")
         if not os.path.exists(path):  # a provider in another container or mount namespace
-            log.info("%s: provider's %s is not visible here; staying on %s", self.dataset, endpoint,
-                     client.endpoint)
+            log.info("%s: provider's %s is not visible here; staying on %s", self.dataset, endpoint, client.endpoint)
             return client
         client.close()
-        return Client(endpoint, self._identity, ctx=self._ctx, timeout_s=self.timeout_s,
-                      retries=self.retries, server_key=key)
+        return Client(
+            endpoint, self._identity, ctx=self._ctx, timeout_s=self.timeout_s, retries=self.retries, server_key=key
+        )
 
     def _delivery_for(self, client: Client, local: bool, provider_host: str) -> SocketDelivery | RingDelivery:
         """The loader's ring (made on first use) for a same-host provider that attaches it; else sockets.
@@ -337,8 +382,14 @@ class RemoteLoader:
                 ring.close()
             raise
         self._owned.append(delivery)
-        log.info("%s/%s: batches through shared memory %s (%d slots of %d bytes)", self.dataset,
-                 self.split, ring.name, self._slots, ring.layout.slot_bytes)
+        log.info(
+            "%s/%s: batches through shared memory %s (%d slots of %d bytes)",
+            self.dataset,
+            self.split,
+            ring.name,
+            self._slots,
+            ring.layout.slot_bytes,
+        )
         return delivery
 
     def close(self) -> None:
@@ -393,12 +444,17 @@ class RemoteLoader:
 
     # -- the pipeline ---------------------------------------------------------------------------
     def _request(self, indices: np.ndarray, fields: dict) -> BatchRequest:
-        if len(indices) and indices[-1] - indices[0] == len(indices) - 1 and (
-                len(indices) == 1 or bool(np.all(np.diff(indices) == 1))):
-            return BatchRequest(dataset=self.dataset, split=self.split,
-                                range=[int(indices[0]), int(indices[-1]) + 1], **fields)
-        return BatchRequest(dataset=self.dataset, split=self.split,
-                            frames=[np.ascontiguousarray(indices, dtype="<i8").data], **fields)
+        if (
+            len(indices)
+            and indices[-1] - indices[0] == len(indices) - 1
+            and (len(indices) == 1 or bool(np.all(np.diff(indices) == 1)))
+        ):
+            return BatchRequest(
+                dataset=self.dataset, split=self.split, range=[int(indices[0]), int(indices[-1]) + 1], **fields
+            )
+        return BatchRequest(
+            dataset=self.dataset, split=self.split, frames=[np.ascontiguousarray(indices, dtype="<i8").data], **fields
+        )
 
     def _fetch(self, batches: list[np.ndarray], epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         try:
@@ -412,10 +468,10 @@ class RemoteLoader:
                 replica.take_pending()
 
     def _pipeline(self, batches: list[np.ndarray], epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        ready: dict[int, object] = {}      # batch number -> what its delivery made of the reply
+        ready: dict[int, object] = {}  # batch number -> what its delivery made of the reply
         via: dict[int, tuple[Replica, object]] = {}  # batch number -> replica and delivery last sent with
-        again: list[int] = []              # batches to send again (their replica failed), in order
-        reauthed: set[int] = set()         # batches resent after the provider forgot our session
+        again: list[int] = []  # batches to send again (their replica failed), in order
+        reauthed: set[int] = set()  # batches resent after the provider forgot our session
         poller = ReplyPoller()
         next_send = next_yield = 0
         self._open_sessions()
@@ -430,7 +486,9 @@ class RemoteLoader:
                 before[1].done(batch_no)  # off the ring: its slot is free again
             via[batch_no] = (replica, replica.delivery)
             # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
-            replica.send(batch_no, self._request(batches[batch_no], {"epoch": epoch, **replica.delivery.fields(batch_no)}))
+            replica.send(
+                batch_no, self._request(batches[batch_no], {"epoch": epoch, **replica.delivery.fields(batch_no)})
+            )
             return True
 
         def resend(batch_nos: list[int]) -> None:
@@ -440,8 +498,7 @@ class RemoteLoader:
         while next_yield < len(batches):
             while again and send(again[0]):
                 again.pop(0)
-            while (not again and next_send < len(batches) and next_send - next_yield < self.inflight
-                   and send(next_send)):
+            while not again and next_send < len(batches) and next_send - next_yield < self.inflight and send(next_send):
                 next_send += 1
             if next_yield in ready:
                 delivery = via.pop(next_yield)[1]
@@ -458,8 +515,9 @@ class RemoteLoader:
                 continue
             ready[batch_no] = via[batch_no][1].receive(batch_no, reply)
 
-    def _next_reply(self, resend: Callable[[list[int]], None], reauthed: set[int], poller: ReplyPoller
-                    ) -> tuple[int | None, Message | None]:
+    def _next_reply(
+        self, resend: Callable[[list[int]], None], reauthed: set[int], poller: ReplyPoller
+    ) -> tuple[int | None, Message | None]:
         """Wait for the next reply to a request of this pass: ``(batch number, reply)``,
         or ``(None, None)`` after handling a failure (the batches to send again go to
         ``resend``), an unexpected reply, or finding a provider again when none was left.
@@ -534,8 +592,14 @@ class RemoteLoader:
         if replica.strikes > self.retries:
             return self._down(replica, f"{reason}, {replica.strikes} times in a row")
         batches = replica.take_pending()
-        log.warning("%s/%s: %s from %s; reconnecting, %d request(s) to send again", self.dataset,
-                    self.split, reason, replica.client.endpoint, len(batches))
+        log.warning(
+            "%s/%s: %s from %s; reconnecting, %d request(s) to send again",
+            self.dataset,
+            self.split,
+            reason,
+            replica.client.endpoint,
+            len(batches),
+        )
         try:
             self._rehello(replica)
         except PeerTimeout as err:
@@ -550,9 +614,14 @@ class RemoteLoader:
         if ring.usable >= 2:
             self.inflight = min(self.inflight, ring.usable - 1)
             return
-        log.warning("%s/%s: %d of %d ring slots may still be written by providers that stopped answering; "
-                    "same-host batches go over the socket from now on", self.dataset, self.split,
-                    len(ring.quarantined), ring.ring.layout.slots)
+        log.warning(
+            "%s/%s: %d of %d ring slots may still be written by providers that stopped answering; "
+            "same-host batches go over the socket from now on",
+            self.dataset,
+            self.split,
+            len(ring.quarantined),
+            ring.ring.layout.slots,
+        )
         self.inflight = self._inflight_wanted
         for replica in self.replicas:
             if replica.delivery is ring:
@@ -566,9 +635,15 @@ class RemoteLoader:
         replica.unwatch()
         replica.client.reset()
         left = [r.label for r in self.replicas if r.up]
-        log.warning("%s/%s: provider %s dropped: %s; %d request(s) go to %s", self.dataset, self.split,
-                    replica.label, reason, len(batches),
-                    ", ".join(left) or f"a provider that comes back within {self.provider_wait_s:g} s")
+        log.warning(
+            "%s/%s: provider %s dropped: %s; %d request(s) go to %s",
+            self.dataset,
+            self.split,
+            replica.label,
+            reason,
+            len(batches),
+            ", ".join(left) or f"a provider that comes back within {self.provider_wait_s:g} s",
+        )
         return batches
 
     def _admit(self, replica: Replica) -> None:
@@ -599,8 +674,7 @@ class RemoteLoader:
                 log.info("%s/%s: provider %s not taken back: %s", self.dataset, self.split, label_of(entry), err)
                 continue
             self._admit(replica)
-            log.warning("%s/%s: provider %s is back; reading from it too", self.dataset, self.split,
-                        replica.label)
+            log.warning("%s/%s: provider %s is back; reading from it too", self.dataset, self.split, replica.label)
 
     def _await_replica(self) -> None:
         """No replica is left: look for one (asking the router again, when there is one) until
@@ -627,6 +701,8 @@ class RemoteLoader:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PeerTimeout(f"no provider of {self.dataset}/{self.split} answered for "
-                                  f"{self.provider_wait_s:g} s (provider_wait_s); last: {last}")
+                raise PeerTimeout(
+                    f"no provider of {self.dataset}/{self.split} answered for "
+                    f"{self.provider_wait_s:g} s (provider_wait_s); last: {last}"
+                )
             time.sleep(min(PROVIDER_RETRY_S, left))

@@ -21,16 +21,62 @@ from .errors import BadRequest, BusError, TooLarge
 from .schema import schema_of, too_deep, type_name
 
 __all__ = [
-    "Message", "MESSAGE_TYPES", "encode", "decode", "error_reply", "frame_buffer", "request_id_of",
-    "Hello", "Welcome", "Heartbeat", "Error", "Ok",
-    "Resolve", "Resolved", "DatasetInfoRequest", "DatasetInfo", "BatchRequest", "BatchResponse",
-    "AttachRing", "RingAttached",
-    "SubmitJob", "JobSubmitted", "ListJobs", "JobList", "GetJob", "JobInfo", "ControlJob",
-    "GetTask", "Task", "Rendezvous", "NoTask", "Progress", "PushResult", "Command", "CommandAck", "Checkpointed",
-    "GetModel", "Model",
-    "Evaluate", "Evaluation", "StageControl", "Stats", "StatsReply", "ListPeers", "PeerList",
-    "RevokeToken", "ListRevoked", "RevokedList", "Entitlements", "Goodbye",
-    "SubmitStudy", "ListStudies", "GetStudy", "StopStudy", "StudyInfo", "StudyList",
+    "Message",
+    "MESSAGE_TYPES",
+    "encode",
+    "decode",
+    "error_reply",
+    "frame_buffer",
+    "request_id_of",
+    "Hello",
+    "Welcome",
+    "Heartbeat",
+    "Error",
+    "Ok",
+    "Resolve",
+    "Resolved",
+    "DatasetInfoRequest",
+    "DatasetInfo",
+    "BatchRequest",
+    "BatchResponse",
+    "AttachRing",
+    "RingAttached",
+    "SubmitJob",
+    "JobSubmitted",
+    "ListJobs",
+    "JobList",
+    "GetJob",
+    "JobInfo",
+    "ControlJob",
+    "GetTask",
+    "Task",
+    "Rendezvous",
+    "NoTask",
+    "Progress",
+    "PushResult",
+    "Command",
+    "CommandAck",
+    "Checkpointed",
+    "GetModel",
+    "Model",
+    "Evaluate",
+    "Evaluation",
+    "StageControl",
+    "Stats",
+    "StatsReply",
+    "ListPeers",
+    "PeerList",
+    "RevokeToken",
+    "ListRevoked",
+    "RevokedList",
+    "Entitlements",
+    "Goodbye",
+    "SubmitStudy",
+    "ListStudies",
+    "GetStudy",
+    "StopStudy",
+    "StudyInfo",
+    "StudyList",
 ]
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
@@ -61,9 +107,11 @@ class Message:
 
 # -- session -------------------------------------------------------------------------------------
 
+
 @dataclass(kw_only=True)
 class Hello(Message):
     """First message on every connection: who I am, and the token that proves it."""
+
     role: str
     name: str
     token: str
@@ -82,6 +130,7 @@ class Welcome(Message):
 @dataclass(kw_only=True)
 class Heartbeat(Message):
     """Both ways, every heartbeat interval. Services carry their queue metrics in ``stats``."""
+
     stats: dict = field(default_factory=dict)
 
 
@@ -100,10 +149,12 @@ class Error(Message):
 @dataclass(kw_only=True)
 class Ok(Message):
     """A plain acknowledgement."""
+
     detail: dict = field(default_factory=dict)
 
 
 # -- discovery and datasets -------------------------------------------------------------------
+
 
 @dataclass(kw_only=True)
 class Resolve(Message):
@@ -129,6 +180,7 @@ class DatasetInfo(Message):
     ``host_id`` is the provider's machine: a trainer with the same one may offer a ring, and
     connect through ``local_endpoint`` (an ``ipc://`` Unix socket) instead of TCP.
     """
+
     dataset: str
     info: dict
     host_id: str = ""
@@ -143,6 +195,7 @@ class BatchRequest(Message):
     ring slot, if the slot still awaits request ``seq``, instead of sending it back. ``epoch`` seeds
     a pipeline dataset's random stages, so a resent request gets the same bytes.
     """
+
     nframes: ClassVar[tuple[int, int]] = (0, 1)
     dataset: str
     split: str
@@ -156,6 +209,7 @@ class BatchRequest(Message):
 class BatchResponse(Message):
     """Data then labels, C-contiguous, shapes and dtypes in the header: two payload frames, or
     none when the batch is in ring slot ``slot`` under sequence ``seq``."""
+
     nframes: ClassVar[tuple[int, int]] = (0, 2)
     shapes: list
     dtypes: list
@@ -166,6 +220,7 @@ class BatchResponse(Message):
 
 # -- shared memory ------------------------------------------------------------------------------
 
+
 @dataclass(kw_only=True)
 class AttachRing(Message):
     """Map the trainer's ring ``name`` (same host only) for this session's batch requests.
@@ -173,6 +228,7 @@ class AttachRing(Message):
     The provider checks the ring's header (magic, version) and geometry against these fields, and
     that the file is this user's and private, before it writes a byte.
     """
+
     name: str
     slots: int
     slot_bytes: int
@@ -186,10 +242,12 @@ class RingAttached(Message):
 
 # -- jobs ---------------------------------------------------------------------------------------
 
+
 @dataclass(kw_only=True)
 class SubmitJob(Message):
     """A job spec; an ``evaluate`` task of an uploaded model carries it as one payload frame
     (safetensors bytes), which the router keeps as ``artifact:ID``."""
+
     nframes: ClassVar[tuple[int, int]] = (0, 1)
     spec: dict
 
@@ -202,6 +260,7 @@ class JobSubmitted(Message):
 @dataclass(kw_only=True)
 class ListJobs(Message):
     """Jobs, newest first: ``limit`` of them after the ``offset`` newest (pages)."""
+
     state: str | None = None
     limit: int = 100
     offset: int = 0
@@ -218,6 +277,7 @@ class JobList(Message):
 class GetJob(Message):
     """One job; with ``progress`` > 0 also its last ``progress`` progress reports; ``events``
     events and checkpoint records, newest first after skipping ``offset`` of them (pages)."""
+
     job: str
     progress: int = 0
     events: int = 200
@@ -234,6 +294,7 @@ class JobInfo(Message):
 @dataclass(kw_only=True)
 class ControlJob(Message):
     """stop, pause, resume, checkpoint, set (``args``: the hyper-parameters to change), or eval."""
+
     job: str
     command: str
     args: dict = field(default_factory=dict)
@@ -244,6 +305,7 @@ class GetTask(Message):
     """Trainer → router: give me work. ``key`` names this one ask: the same ``key`` again (the
     link resends after a reconnect, the trainer asks again after a lost reply) gets the job it
     was already given, at no cost of an attempt."""
+
     key: str = ""
 
 
@@ -252,6 +314,7 @@ class Task(Message):
     """A job for the trainer that asked. In a gang (``world_size`` > 1) every rank gets one;
     ranks above 0 get theirs once rank 0 has reported ``rendezvous`` (``tcp://host:port``).
     An ``evaluate`` task carries the model to score as one payload frame (safetensors bytes)."""
+
     nframes: ClassVar[tuple[int, int]] = (0, 1)
     job: str
     spec: dict
@@ -265,6 +328,7 @@ class Task(Message):
 class Rendezvous(Message):
     """Trainer (rank 0 of a gang) → router: where the other ranks meet it (``tcp://host:port``,
     a torch.distributed TCPStore). Answered with ``Ok``."""
+
     job: str
     address: str
 
@@ -284,6 +348,7 @@ class Progress(Message):
 class PushResult(Message):
     """A job's end (or hand-back). A succeeded job's final weights may ride along as one payload
     frame (safetensors bytes, sha256 in ``result.model``) for the router to keep."""
+
     nframes: ClassVar[tuple[int, int]] = (0, 1)
     job: str
     state: str
@@ -294,6 +359,7 @@ class PushResult(Message):
 @dataclass(kw_only=True)
 class GetModel(Message):
     """Admin → router: the final weights of a succeeded job."""
+
     job: str
 
 
@@ -301,6 +367,7 @@ class GetModel(Message):
 class Model(Message):
     """The weights as one payload frame (safetensors bytes) and their sha256; ``step`` and ``epoch``
     of a running job's current weights (``busctl job model --current``), 0 for a final model."""
+
     nframes: ClassVar[tuple[int, int]] = (1, 1)
     job: str
     sha256: str
@@ -313,6 +380,7 @@ class Model(Message):
 class Command(Message):
     """Router → trainer, unsolicited (``id`` 0): stop, pause, resume, checkpoint, set, eval.
     The trainer answers a non-zero ``seq`` with :class:`CommandAck` once it has applied it."""
+
     job: str
     command: str
     args: dict = field(default_factory=dict)
@@ -324,6 +392,7 @@ class CommandAck(Message):
     """Trainer → router: command ``seq`` of ``job`` was applied; ``state`` is the job's state on the
     trainer now (running or paused); ``detail`` says what was done (a checkpoint's record...).
     ``model`` (``busctl job model --current``) carries the copied weights as one payload frame."""
+
     nframes: ClassVar[tuple[int, int]] = (0, 1)
     job: str
     command: str
@@ -336,15 +405,18 @@ class CommandAck(Message):
 class Checkpointed(Message):
     """Trainer → router: a checkpoint of ``job`` is on disk (``checkpoint``: path, sha256, step,
     epoch, cursor); the job resumes from the latest one if its trainer is lost."""
+
     job: str
     checkpoint: dict
 
 
 # -- evaluation ------------------------------------------------------------------------------
 
+
 @dataclass(kw_only=True)
 class Evaluate(Message):
     """Weights (safetensors bytes) in one payload frame; the provider scores them on its test split."""
+
     nframes: ClassVar[tuple[int, int]] = (1, 1)
     dataset: str
     model: dict
@@ -361,10 +433,12 @@ class Evaluation(Message):
 
 # -- pipeline control ----------------------------------------------------------------------------
 
+
 @dataclass(kw_only=True)
 class StageControl(Message):
     """Admin → provider: ``command`` for ``stage`` of pipeline ``dataset`` (``""``: the one pipeline
     with such a stage). Reply: ``Ok{detail: {dataset, stage, type, result}}``."""
+
     stage: str
     command: str
     dataset: str = ""
@@ -372,6 +446,7 @@ class StageControl(Message):
 
 
 # -- stats and peers -------------------------------------------------------------------------
+
 
 @dataclass(kw_only=True)
 class Stats(Message):
@@ -395,10 +470,12 @@ class PeerList(Message):
 
 # -- security ------------------------------------------------------------------------------
 
+
 @dataclass(kw_only=True)
 class RevokeToken(Message):
     """Admin → router: refuse the token ``jti`` on every service until ``exp`` (its own expiry,
     after which it is dead anyway). Answered with ``Ok``."""
+
     jti: str
     exp: float
     reason: str = ""
@@ -412,6 +489,7 @@ class ListRevoked(Message):
 @dataclass(kw_only=True)
 class RevokedList(Message):
     """``revoked``: ``[{jti, exp, at, reason}]``, newest first."""
+
     revoked: list
 
 
@@ -420,15 +498,18 @@ class Entitlements(Message):
     """Router → provider, unsolicited, when the provider connects and whenever either part changes:
     the revoked ``jti``s still unexpired, and per dataset the token subjects of the trainers
     assigned to a running job on it (``{dataset: [sub, ...]}``)."""
+
     revoked: list
     assigned: dict
 
 
 # -- studies (services/router/studies.py) ------------------------------------------------------
 
+
 @dataclass(kw_only=True)
 class SubmitStudy(Message):
     """Admin → router: a study file's tables (``{base, space, study}``). Reply: :class:`StudyInfo`."""
+
     spec: dict
 
 
@@ -445,6 +526,7 @@ class GetStudy(Message):
 @dataclass(kw_only=True)
 class StopStudy(Message):
     """Admin → router: stop a study and its running trials. Reply: ``Ok``."""
+
     study: str
 
 
@@ -452,6 +534,7 @@ class StopStudy(Message):
 class StudyInfo(Message):
     """A study: ``{id, state, objective, direction, trials: [{number, job, params, state, value,
     epochs, reports}], best, epochs_trained, epochs_budget, spec}``."""
+
     study: dict
 
 
@@ -461,6 +544,7 @@ class StudyList(Message):
 
 
 # -- encode / decode -------------------------------------------------------------------------
+
 
 def encode(msg: Message) -> list:
     """Frames for ``msg``: protocol tag, JSON header, then its payload frames untouched."""
@@ -525,8 +609,7 @@ def decode(frames: list) -> Message:
             continue
         value = head[name]
         if not accepts(value):
-            raise BadRequest(f"{mtype}.{name} must be {type_name(annotation)}, "
-                             f"got {type(value).__name__}")
+            raise BadRequest(f"{mtype}.{name} must be {type_name(annotation)}, got {type(value).__name__}")
         kwargs[name] = value
     try:
         return cls(**kwargs, frames=payload)

@@ -42,8 +42,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "batchbus_"
 #: Upper bounds (seconds) of the batch latency buckets: 100 µs to 5 s.
-LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                     0.25, 0.5, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 #: A stats() call racing the service loop (a dict resized mid-copy) is retried this often.
 _STATS_ATTEMPTS = 3
 
@@ -103,8 +102,11 @@ _STAGE_METRICS = {
     "queue_capacity": (GaugeMetricFamily, "stage_queue_capacity", "Chunks a stage's output queue holds."),
     "queue_put": (CounterMetricFamily, "stage_queue_put", "Chunks put into a stage's output queue."),
     "queue_get": (CounterMetricFamily, "stage_queue_get", "Chunks taken from a stage's output queue."),
-    "queue_drop": (CounterMetricFamily, "stage_queue_drop",
-                   "Chunks taken from a stage's output queue and dropped: their batch had already failed."),
+    "queue_drop": (
+        CounterMetricFamily,
+        "stage_queue_drop",
+        "Chunks taken from a stage's output queue and dropped: their batch had already failed.",
+    ),
 }
 
 
@@ -118,8 +120,13 @@ class StatsCollector(Collector):
         latency: per dataset, the batch-serving latency histogram (provider only).
     """
 
-    def __init__(self, service: str, name: str, stats: Callable[[], dict],
-                 latency: Callable[[], dict[str, LatencyHistogram]] | None = None):
+    def __init__(
+        self,
+        service: str,
+        name: str,
+        stats: Callable[[], dict],
+        latency: Callable[[], dict[str, LatencyHistogram]] | None = None,
+    ):
         self.service = service
         self.name = name
         self.stats = stats
@@ -153,7 +160,7 @@ class StatsCollector(Collector):
             codes: dict[str, float] = {}
             for key, value in counters.items():
                 if key.startswith("error_"):
-                    codes[key[len("error_"):]] = codes.get(key[len("error_"):], 0) + value
+                    codes[key[len("error_") :]] = codes.get(key[len("error_") :], 0) + value
             if counters.get("internal"):
                 codes["INTERNAL"] = codes.get("INTERNAL", 0) + counters["internal"]
             for code, value in sorted(codes.items()):
@@ -162,11 +169,19 @@ class StatsCollector(Collector):
         if "sessions" in stats:
             yield one(GaugeMetricFamily, "sessions", "Sessions open now.", stats["sessions"])
         if "pending" in stats:
-            yield one(GaugeMetricFamily, "pending_requests",
-                      "Requests whose reply is being computed off the loop (evaluations).", stats["pending"])
+            yield one(
+                GaugeMetricFamily,
+                "pending_requests",
+                "Requests whose reply is being computed off the loop (evaluations).",
+                stats["pending"],
+            )
         if "connected" in stats:
-            yield one(GaugeMetricFamily, "router_connected", "1 while the link to the router is up.",
-                      1 if stats["connected"] else 0)
+            yield one(
+                GaugeMetricFamily,
+                "router_connected",
+                "1 while the link to the router is up.",
+                1 if stats["connected"] else 0,
+            )
         yield from self._provider(stats, family)
         yield from self._router(stats, family)
         yield from self._trainer(stats, family, one)
@@ -174,9 +189,12 @@ class StatsCollector(Collector):
     def _provider(self, stats: dict, family) -> Iterator[Metric]:
         refused = stats.get("refused")
         if isinstance(refused, dict):
-            fam = family(CounterMetricFamily, "refused",
-                         "Requests refused before serving, by reason (scope, unassigned, split_private, ring, stale_slot).",
-                         ("reason",))
+            fam = family(
+                CounterMetricFamily,
+                "refused",
+                "Requests refused before serving, by reason (scope, unassigned, split_private, ring, stale_slot).",
+                ("reason",),
+            )
             for reason, value in sorted(refused.items()):
                 fam.add_metric([self.service, self.name, reason], float(value))
             yield fam
@@ -195,9 +213,12 @@ class StatsCollector(Collector):
         if isinstance(pipelines, dict):
             yield from self._stages(pipelines, family)
         if self.latency is not None:
-            fam = family(HistogramMetricFamily, "batch_seconds",
-                         "Time to assemble one batch (read samples, fill the reply or ring slot), by dataset.",
-                         ("dataset",))
+            fam = family(
+                HistogramMetricFamily,
+                "batch_seconds",
+                "Time to assemble one batch (read samples, fill the reply or ring slot), by dataset.",
+                ("dataset",),
+            )
             for dataset, hist in sorted(self.latency().items()):
                 buckets, total = hist.snapshot()
                 fam.add_metric([self.service, self.name, dataset], buckets, total)
@@ -212,8 +233,10 @@ class StatsCollector(Collector):
             rows = [("(requests)", {}, pipeline.get("requests", {}))]
             rows += [(st.get("name", "?"), st, st.get("queue", {})) for st in pipeline.get("stages", [])]
             for stage, counters, queue in rows:
-                values = {**{k: counters.get(k) for k in ("items_in", "items_out", "errors", "busy_s")},
-                          **{f"queue_{k}": queue.get(k) for k in ("size", "capacity", "put", "get", "drop")}}
+                values = {
+                    **{k: counters.get(k) for k in ("items_in", "items_out", "errors", "busy_s")},
+                    **{f"queue_{k}": queue.get(k) for k in ("size", "capacity", "put", "get", "drop")},
+                }
                 for key, value in values.items():
                     if isinstance(value, (int, float)):
                         fams[key].add_metric([self.service, self.name, dataset, stage], float(value))
@@ -236,12 +259,12 @@ class StatsCollector(Collector):
     def _trainer(self, stats: dict, family, one) -> Iterator[Metric]:
         if self.service != "trainer":
             return
-        yield one(GaugeMetricFamily, "trainer_job_running", "1 while the trainer runs a job.",
-                  1 if stats.get("job") else 0)
+        yield one(
+            GaugeMetricFamily, "trainer_job_running", "1 while the trainer runs a job.", 1 if stats.get("job") else 0
+        )
         tasks = stats.get("tasks")
         if isinstance(tasks, dict):
-            fam = family(CounterMetricFamily, "tasks", "Jobs this trainer ran to an end, by final state.",
-                         ("state",))
+            fam = family(CounterMetricFamily, "tasks", "Jobs this trainer ran to an end, by final state.", ("state",))
             for state, n in sorted(tasks.items()):
                 fam.add_metric([self.service, self.name, state], float(n))
             yield fam
@@ -262,6 +285,7 @@ def parse_bind(value: str) -> tuple[str, int]:
 @dataclass
 class MetricsExporter:
     """A running ``/metrics`` HTTP endpoint. Build it with :meth:`start`; :meth:`close` stops it."""
+
     host: str
     port: int
     _server: object
@@ -301,8 +325,13 @@ class MetricsExporter:
         self._server = None
 
 
-def start_exporter(bind: str, service: str, name: str, stats: Callable[[], dict],
-                   latency: Callable[[], dict[str, LatencyHistogram]] | None = None) -> MetricsExporter | None:
+def start_exporter(
+    bind: str,
+    service: str,
+    name: str,
+    stats: Callable[[], dict],
+    latency: Callable[[], dict[str, LatencyHistogram]] | None = None,
+) -> MetricsExporter | None:
     """:meth:`MetricsExporter.start` when ``bind`` is set, else ``None`` (metrics off)."""
     if not bind:
         return None

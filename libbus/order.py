@@ -86,8 +86,9 @@ class Shuffle(enum.StrEnum):
                 return cls(value.strip().lower())
             except ValueError:
                 pass
-        raise BadRequest(f"shuffle mode {value!r} is not one of none, full, block "
-                         "(or a bool: True for full, False for none)")
+        raise BadRequest(
+            f"shuffle mode {value!r} is not one of none, full, block (or a bool: True for full, False for none)"
+        )
 
 
 class Cursor(NamedTuple):
@@ -145,9 +146,17 @@ def _block_order(n: int, block_size: int, rng: np.random.Generator) -> np.ndarra
     return np.arange(n, dtype=np.int64) + np.repeat(starts - out_starts, lengths)
 
 
-def epoch_order(n: int, *, epoch: int, seed: int, shuffle: Shuffle | str | bool, rank: int = 0,
-                world_size: int = 1, block_size: int = DEFAULT_BLOCK_SIZE,
-                drop_uneven: bool = False) -> np.ndarray:
+def epoch_order(
+    n: int,
+    *,
+    epoch: int,
+    seed: int,
+    shuffle: Shuffle | str | bool,
+    rank: int = 0,
+    world_size: int = 1,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    drop_uneven: bool = False,
+) -> np.ndarray:
     """The int64 sample indices rank ``rank`` reads in ``epoch``, in the order it reads them.
 
     Args:
@@ -211,7 +220,7 @@ def batches_of(order: np.ndarray, batch_size: int, drop_last: bool, start: int =
         raise BadRequest(f"start {start} is past the end of an epoch of {len(order)} samples")
     remaining = len(order) - start
     stop = start + (remaining - remaining % batch_size if drop_last else remaining)
-    return [order[i:i + batch_size] for i in range(start, stop, batch_size)]
+    return [order[i : i + batch_size] for i in range(start, stop, batch_size)]
 
 
 # -- the object a loader holds ---------------------------------------------------------------------
@@ -249,11 +258,17 @@ class Order:
     def __post_init__(self) -> None:
         # Normalise once here, so every method (and the saved state) sees plain ints and a Shuffle.
         rank, world_size = _check_shard(self.rank, self.world_size)
-        fields = {"n": _int("n", self.n, 0), "seed": _int("seed", self.seed, 0),
-                  "shuffle": Shuffle.parse(self.shuffle), "block_size": _int("block_size", self.block_size, 1),
-                  "rank": rank, "world_size": world_size,
-                  "batch_size": _int("batch_size", self.batch_size, 1),
-                  "drop_last": bool(self.drop_last), "drop_uneven": bool(self.drop_uneven)}
+        fields = {
+            "n": _int("n", self.n, 0),
+            "seed": _int("seed", self.seed, 0),
+            "shuffle": Shuffle.parse(self.shuffle),
+            "block_size": _int("block_size", self.block_size, 1),
+            "rank": rank,
+            "world_size": world_size,
+            "batch_size": _int("batch_size", self.batch_size, 1),
+            "drop_last": bool(self.drop_last),
+            "drop_uneven": bool(self.drop_uneven),
+        }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
@@ -265,9 +280,16 @@ class Order:
 
     def indices(self, epoch: int) -> np.ndarray:
         """This rank's int64 sample indices for ``epoch``, in reading order (see :func:`epoch_order`)."""
-        return epoch_order(self.n, epoch=epoch, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
-                           world_size=self.world_size, block_size=self.block_size,
-                           drop_uneven=self.drop_uneven)
+        return epoch_order(
+            self.n,
+            epoch=epoch,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            rank=self.rank,
+            world_size=self.world_size,
+            block_size=self.block_size,
+            drop_uneven=self.drop_uneven,
+        )
 
     def batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
         """The batches of ``epoch`` after the first ``start`` samples (see :func:`batches_of`).
@@ -311,8 +333,10 @@ class Order:
         epoch, position = _int("epoch", epoch, 0), _int("position", position, 0)
         longest = self.n // self.world_size if self.drop_uneven else -(-self.n // self.world_size)
         if position > longest:
-            raise BadRequest(f"position {position} is past the end of an epoch of {self.shard_size} samples "
-                             f"(n={self.n}, world_size={self.world_size})")
+            raise BadRequest(
+                f"position {position} is past the end of an epoch of {self.shard_size} samples "
+                f"(n={self.n}, world_size={self.world_size})"
+            )
         return epoch, position
 
     def state(self, epoch: int, position: int) -> dict[str, Any]:
@@ -329,9 +353,18 @@ class Order:
             BadRequest: ``epoch`` or ``position`` negative, or ``position`` past the longest shard.
         """
         epoch, position = self._check_position(epoch, position)
-        return {"version": STATE_VERSION, "epoch": epoch, "position": position, "n": self.n,
-                "seed": self.seed, "shuffle": str(self.shuffle), "block_size": self.block_size,
-                "world_size": self.world_size, "drop_uneven": self.drop_uneven, "rank": self.rank}
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "position": position,
+            "n": self.n,
+            "seed": self.seed,
+            "shuffle": str(self.shuffle),
+            "block_size": self.block_size,
+            "world_size": self.world_size,
+            "drop_uneven": self.drop_uneven,
+            "rank": self.rank,
+        }
 
     def restore(self, state: Mapping[str, Any]) -> Cursor:
         """The cursor saved in ``state`` by :meth:`state`, checked against these settings.
@@ -353,10 +386,18 @@ class Order:
         if missing:
             raise BadRequest(f"order state lacks {', '.join(missing)}")
         checked = [k for k in _CHECKED if k != "block_size" or self.shuffle is Shuffle.BLOCK]
-        mine = {"n": self.n, "seed": self.seed, "shuffle": str(self.shuffle), "block_size": self.block_size,
-                "world_size": self.world_size, "drop_uneven": self.drop_uneven}
+        mine = {
+            "n": self.n,
+            "seed": self.seed,
+            "shuffle": str(self.shuffle),
+            "block_size": self.block_size,
+            "world_size": self.world_size,
+            "drop_uneven": self.drop_uneven,
+        }
         differ = [f"{k} was {state[k]!r}, is {mine[k]!r}" for k in checked if state[k] != mine[k]]
         if differ:
-            raise BadRequest("order state was saved under other settings, so its position would "
-                             f"point at other samples: {'; '.join(differ)}")
+            raise BadRequest(
+                "order state was saved under other settings, so its position would "
+                f"point at other samples: {'; '.join(differ)}"
+            )
         return self.cursor(state["epoch"], state["position"])

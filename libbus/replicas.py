@@ -27,8 +27,19 @@ __all__ = ["REPLICA_FIELDS", "Replica", "ReplyPoller", "entry_of", "info_mismatc
 
 #: The DatasetInfo fields replicas must agree on: what a loader's order and a model are built
 #: from. Others (``uri``, ``path``, ``memory``, ``format``) describe one node's copy and may differ.
-REPLICA_FIELDS = ("splits", "sample_shape", "label_shape", "dtype", "label_dtype", "num_classes",
-                  "class_names", "kind", "seq_len", "vocab_size", "val_fraction")
+REPLICA_FIELDS = (
+    "splits",
+    "sample_shape",
+    "label_shape",
+    "dtype",
+    "label_dtype",
+    "num_classes",
+    "class_names",
+    "kind",
+    "seq_len",
+    "vocab_size",
+    "val_fraction",
+)
 #: Per split, what must agree (``shuffle`` is only a hint).
 SPLIT_FIELDS = ("num_samples", "available")
 
@@ -36,8 +47,7 @@ SPLIT_FIELDS = ("num_samples", "available")
 def _split_view(splits: Any) -> Any:
     if not isinstance(splits, dict):
         return splits
-    return {name: {k: s.get(k) for k in SPLIT_FIELDS} if isinstance(s, dict) else s
-            for name, s in splits.items()}
+    return {name: {k: s.get(k) for k in SPLIT_FIELDS} if isinstance(s, dict) else s for name, s in splits.items()}
 
 
 def info_mismatch(ours: dict, theirs: dict, here: str = "here", there: str = "there") -> str | None:
@@ -64,8 +74,7 @@ def entry_of(provider: str | dict) -> dict:
     """A provider as a ``Resolved`` entry ``{name, endpoint, host_id, curve_key}``."""
     if isinstance(provider, str):
         return {"name": provider, "endpoint": provider, "host_id": "", "curve_key": ""}
-    return {"name": provider.get("name") or provider["endpoint"], "host_id": "", "curve_key": "",
-            **provider}
+    return {"name": provider.get("name") or provider["endpoint"], "host_id": "", "curve_key": "", **provider}
 
 
 def label_of(entry: dict) -> str:
@@ -81,6 +90,7 @@ class Replica:
     ``endpoint`` is what the provider advertises (how replicas are told apart); ``client`` may
     talk to its same-host ``ipc://`` twin instead.
     """
+
     name: str
     endpoint: str
     client: Client
@@ -192,8 +202,9 @@ class ReplyPoller:
         return {sock for sock, _ in self.poller.poll(timeout_ms)}
 
 
-def recv_any(replicas: list[Replica], timeout_s: float,
-             poller: ReplyPoller | None = None) -> tuple[Replica | None, Message | None]:
+def recv_any(
+    replicas: list[Replica], timeout_s: float, poller: ReplyPoller | None = None
+) -> tuple[Replica | None, Message | None]:
     """The next reply from any of ``replicas`` with requests pending: ``(replica, reply)``;
     ``(replica, None)`` when its connection was lost; ``(None, None)`` once ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s

@@ -57,16 +57,27 @@ def type_name(annotation: Any) -> str:
     """How an error message names what a field must be ("an integer or null")."""
     if isinstance(annotation, types.UnionType):
         return " or ".join(type_name(a) for a in typing.get_args(annotation))
-    return {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
-            list: "a list", dict: "an object", type(None): "null"}.get(annotation, str(annotation))
+    return {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "a boolean",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }.get(annotation, str(annotation))
 
 
 def too_deep(value: Any, limit: int) -> bool:
     """Whether ``value`` (parsed JSON) nests containers more than ``limit`` levels deep."""
     level = [value]
     for _ in range(limit):
-        level = [child for item in level if isinstance(item, (dict, list))
-                 for child in (item.values() if isinstance(item, dict) else item)]
+        level = [
+            child
+            for item in level
+            if isinstance(item, (dict, list))
+            for child in (item.values() if isinstance(item, dict) else item)
+        ]
         if not level:
             return False
     return any(isinstance(item, (dict, list)) for item in level)

@@ -109,8 +109,13 @@ class Server:
 
     def _verify(self, token: str) -> Claims:
         """The claims of an acceptable token (at the handshake and at Hello), else a BusError."""
-        claims = verify_token(token, self.config.secret, audience=self.config.audience,
-                              issuer=self.config.issuer or None, algorithm=self.config.algorithm)
+        claims = verify_token(
+            token,
+            self.config.secret,
+            audience=self.config.audience,
+            issuer=self.config.issuer or None,
+            algorithm=self.config.algorithm,
+        )
         if claims.jti in self._revoked:
             raise AuthInvalid(f"token {claims.jti} has been revoked; ask for a new one")
         return claims
@@ -119,9 +124,14 @@ class Server:
         """The handshake's check (from the ZAP thread): a token this cluster signed and did not
         revoke. Its times are left to Hello (an expired token still proves membership, and its
         Hello gets the AUTH_EXPIRED a client renews its token on). Returns the subject."""
-        claims = verify_token(token, self.config.secret, audience=self.config.audience,
-                              issuer=self.config.issuer or None, algorithm=self.config.algorithm,
-                              check_times=False)
+        claims = verify_token(
+            token,
+            self.config.secret,
+            audience=self.config.audience,
+            issuer=self.config.issuer or None,
+            algorithm=self.config.algorithm,
+            check_times=False,
+        )
         if claims.jti in self._revoked:
             raise AuthInvalid(f"token {claims.jti} has been revoked")
         return claims.sub
@@ -218,11 +228,20 @@ class Server:
             time.sleep(0.01)
             self._turn()
         if self._pending:
-            log.warning("%s: %d request(s) still running after %.1f s of draining; answered UNAVAILABLE",
-                        self.config.name, len(self._pending), self.config.drain_s)
+            log.warning(
+                "%s: %d request(s) still running after %.1f s of draining; answered UNAVAILABLE",
+                self.config.name,
+                len(self._pending),
+                self.config.drain_s,
+            )
         for session, request_id, _fut in self._pending:
-            self._reply(session.routing_id, error_reply(request_id, Unavailable(
-                f"{self.config.name} is stopping; this request was given up unfinished: send it again")))
+            self._reply(
+                session.routing_id,
+                error_reply(
+                    request_id,
+                    Unavailable(f"{self.config.name} is stopping; this request was given up unfinished: send it again"),
+                ),
+            )
         self._pending = []
 
     def _close_revoked(self) -> None:
@@ -263,14 +282,12 @@ class Server:
                 if not session.take_stats(msg.stats):
                     self.counters["stats_refused"] += 1
                 return
-            session.check_limits(now, self.config.session_inflight, self.config.session_rate,
-                                 self.config.session_burst)
+            session.check_limits(now, self.config.session_inflight, self.config.session_rate, self.config.session_burst)
             allowed = self.handler.roles.get(msg.type)
             if allowed is None:
                 raise BadRequest(f"{msg.type} is not a request this service ({self.config.name}) serves")
             if session.role not in allowed:
-                raise Forbidden(f"{msg.type} needs role {' or '.join(allowed)}; your token's role is "
-                                f"{session.role}")
+                raise Forbidden(f"{msg.type} needs role {' or '.join(allowed)}; your token's role is {session.role}")
             reply = self.handler.handle(session, msg)
         except BusError as err:
             self._count_error(err)
@@ -298,21 +315,32 @@ class Server:
             user_id = frame_property(first_frame, "User-Id")
             if self.config.curve is not None:
                 if not user_id:
-                    raise Forbidden("CURVE is on but this connection has no authenticated key name "
-                                    "(no ZAP handler answered); refusing")
+                    raise Forbidden(
+                        "CURVE is on but this connection has no authenticated key name "
+                        "(no ZAP handler answered); refusing"
+                    )
                 if user_id != claims.sub:
-                    raise Forbidden(f"the token's subject {claims.sub!r} does not own this connection's "
-                                    f"CURVE key {user_id!r}")
+                    raise Forbidden(
+                        f"the token's subject {claims.sub!r} does not own this connection's CURVE key {user_id!r}"
+                    )
             old = self.table.get(routing_id)
             self.table.check_room(claims, old)
             if old is not None:
                 self._close_session(old, "replaced by a new Hello")
             now = time.monotonic()
-            session = Session(sid=secrets.token_hex(8), routing_id=routing_id, claims=claims,
-                              hello=hello, opened=time.time(), last_seen=now,
-                              heartbeat=bool(hello.caps.get("heartbeat")), user_id=user_id,
-                              peer=frame_property(first_frame, "Peer-Address"),
-                              _tokens=float(self.config.session_burst), _refilled=now)
+            session = Session(
+                sid=secrets.token_hex(8),
+                routing_id=routing_id,
+                claims=claims,
+                hello=hello,
+                opened=time.time(),
+                last_seen=now,
+                heartbeat=bool(hello.caps.get("heartbeat")),
+                user_id=user_id,
+                peer=frame_property(first_frame, "Peer-Address"),
+                _tokens=float(self.config.session_burst),
+                _refilled=now,
+            )
             self.handler.on_open(session)
         except BusError as err:
             self._count_error(err)
@@ -322,8 +350,7 @@ class Server:
         self.table.add(session)
         self.counters["sessions_opened"] += 1
         log.info("session %s: %s %s (pid %s)", session.sid, hello.role, hello.name, hello.pid)
-        self._reply(routing_id, Welcome(id=hello.id, session=session.sid,
-                                        heartbeat_ms=self.config.heartbeat_ms))
+        self._reply(routing_id, Welcome(id=hello.id, session=session.sid, heartbeat_ms=self.config.heartbeat_ms))
 
     # -- sending and timers -------------------------------------------------------------------
     def _reply(self, routing_id: bytes, msg: Message) -> None:
@@ -335,7 +362,8 @@ class Server:
             log.error("%s: cannot send %s: %s", self.config.name, msg.type, err)
             self.counters["internal"] += 1
             sent = msg.id != 0 and send_message(
-                self._sock, error_reply(msg.id, Internal(f"reply could not be encoded: {err}")), routing_id)
+                self._sock, error_reply(msg.id, Internal(f"reply could not be encoded: {err}")), routing_id
+            )
         if sent:
             self.counters["sent"] += 1
         else:
@@ -405,6 +433,11 @@ class Server:
         """Transport counters plus the handler's own metrics, for heartbeats and ``Stats``."""
         if isinstance(self._auth, TokenAuthenticator):
             self.counters["handshakes_refused"] = self._auth.refused
-        return {"name": self.config.name, "endpoint": self.endpoint, "sessions": len(self.table),
-                "pending": len(self._pending), "counters": dict(self.counters),
-                **self.handler.stats()}
+        return {
+            "name": self.config.name,
+            "endpoint": self.endpoint,
+            "sessions": len(self.table),
+            "pending": len(self._pending),
+            "counters": dict(self.counters),
+            **self.handler.stats(),
+        }

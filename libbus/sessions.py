@@ -35,6 +35,7 @@ MAX_LABEL = 128
 @dataclass
 class Session:
     """One authenticated peer connection."""
+
     sid: str
     routing_id: bytes
     claims: Claims
@@ -73,8 +74,10 @@ class Session:
     def check_limits(self, now: float, inflight: int, rate: float, burst: int) -> None:
         """Refuse (:class:`RateLimited`) a request past the in-flight cap or the rate."""
         if self.inflight >= inflight:
-            raise RateLimited(f"{self.inflight} requests of this session are in flight; at most "
-                              f"{inflight}: wait for replies before sending more")
+            raise RateLimited(
+                f"{self.inflight} requests of this session are in flight; at most "
+                f"{inflight}: wait for replies before sending more"
+            )
         if not self.admit(now, rate, burst):
             raise RateLimited(f"more than {rate:g} requests/s (burst {burst}) from this session; slow down")
 
@@ -109,10 +112,19 @@ class Session:
         return self.hello.host_id, self.hello.pid
 
     def describe(self) -> dict:
-        return {"session": self.sid, "name": self.name, "subject": self.subject, "role": self.role,
-                "host_id": self.hello.host_id, "pid": self.hello.pid, "version": self.hello.version,
-                "since": self.opened, "peer": self.peer, "key": self.user_id,
-                "last_seen": time.time() - (time.monotonic() - self.last_seen)}
+        return {
+            "session": self.sid,
+            "name": self.name,
+            "subject": self.subject,
+            "role": self.role,
+            "host_id": self.hello.host_id,
+            "pid": self.hello.pid,
+            "version": self.hello.version,
+            "since": self.opened,
+            "peer": self.peer,
+            "key": self.user_id,
+            "last_seen": time.time() - (time.monotonic() - self.last_seen),
+        }
 
 
 def is_local_peer(peer: str) -> bool:
@@ -137,8 +149,9 @@ def check_labels(hello: Hello) -> None:
     for field_name in ("name", "host_id", "version"):
         value = getattr(hello, field_name)
         if len(value) > MAX_LABEL or not value.isprintable():
-            raise BadRequest(f"Hello.{field_name} must be at most {MAX_LABEL} printable characters, "
-                             f"got {len(value)}: {value[:40]!r}")
+            raise BadRequest(
+                f"Hello.{field_name} must be at most {MAX_LABEL} printable characters, got {len(value)}: {value[:40]!r}"
+            )
 
 
 def frame_property(frame, name: str) -> str:
@@ -174,9 +187,11 @@ class SessionTable:
             return
         held = self._subjects[claims.sub] - (replacing is not None and replacing.subject == claims.sub)
         if held >= self.per_subject:
-            raise RateLimited(f"{claims.sub!r} already has {held} sessions open here; at most "
-                              f"{self.per_subject} (sessions_per_subject): close clients when done "
-                              "(Client.close() says Goodbye), or wait for idle ones to expire")
+            raise RateLimited(
+                f"{claims.sub!r} already has {held} sessions open here; at most "
+                f"{self.per_subject} (sessions_per_subject): close clients when done "
+                "(Client.close() says Goodbye), or wait for idle ones to expire"
+            )
 
     def add(self, session: Session) -> None:
         self.by_routing[session.routing_id] = session
@@ -196,8 +211,7 @@ class SessionTable:
 
     def silent(self, now: float, beat_limit: float, idle_limit: float) -> list[Session]:
         """Sessions silent past their limit: heartbeat sessions ``beat_limit``, others ``idle_limit``."""
-        return [s for s in self.by_routing.values()
-                if now - s.last_seen > (beat_limit if s.heartbeat else idle_limit)]
+        return [s for s in self.by_routing.values() if now - s.last_seen > (beat_limit if s.heartbeat else idle_limit)]
 
     def of_subject(self, sub: str) -> int:
         return self._subjects.get(sub, 0)

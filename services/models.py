@@ -47,16 +47,23 @@ def dataset_kind(info: dict) -> str:
 
 def _refuse_tokens(model: str, info: dict) -> None:
     if dataset_kind(info) == TOKENS:
-        raise BadRequest(f"model {model!r} classifies fixed-size samples, but this is a token dataset "
-                         f"(sample_shape {info.get('sample_shape')}); use model 'tiny-lm' for tokens")
+        raise BadRequest(
+            f"model {model!r} classifies fixed-size samples, but this is a token dataset "
+            f"(sample_shape {info.get('sample_shape')}); use model 'tiny-lm' for tokens"
+        )
 
 
 def _mlp(info: dict, hidden: int = 256) -> nn.Module:
     _refuse_tokens("mlp", info)
     features = math.prod(info["sample_shape"])
-    return nn.Sequential(nn.Flatten(), nn.Linear(features, hidden), nn.ReLU(),
-                         nn.Linear(hidden, hidden // 2), nn.ReLU(),
-                         nn.Linear(hidden // 2, info["num_classes"]))
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(features, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden // 2),
+        nn.ReLU(),
+        nn.Linear(hidden // 2, info["num_classes"]),
+    )
 
 
 def _cnn(info: dict, width: int = 16) -> nn.Module:
@@ -66,10 +73,18 @@ def _cnn(info: dict, width: int = 16) -> nn.Module:
         raise BadRequest(f"model 'cnn' needs image samples (C, H, W); this dataset's are {shape}")
     channels = shape[0]
     return nn.Sequential(
-        nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(width, width * 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.AdaptiveAvgPool2d(4), nn.Flatten(),
-        nn.Linear(width * 2 * 16, 64), nn.ReLU(), nn.Linear(64, info["num_classes"]))
+        nn.Conv2d(channels, width, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(width, width * 2, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(width * 2 * 16, 64),
+        nn.ReLU(),
+        nn.Linear(64, info["num_classes"]),
+    )
 
 
 class TinyLM(nn.Module):
@@ -80,15 +95,30 @@ class TinyLM(nn.Module):
     up to ``seq_len``.
     """
 
-    def __init__(self, vocab: int, seq_len: int, d_model: int = 64, heads: int = 4, layers: int = 2,
-                 ff: int = 4, dropout: float = 0.0):
+    def __init__(
+        self,
+        vocab: int,
+        seq_len: int,
+        d_model: int = 64,
+        heads: int = 4,
+        layers: int = 2,
+        ff: int = 4,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.seq_len = seq_len
         self.embed = nn.Embedding(vocab, d_model)
         self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
         nn.init.normal_(self.pos, std=0.02)
-        block = nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=ff * d_model, dropout=dropout,
-                                           activation="gelu", batch_first=True, norm_first=True)
+        block = nn.TransformerEncoderLayer(
+            d_model,
+            heads,
+            dim_feedforward=ff * d_model,
+            dropout=dropout,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
         # nested tensors only serve padding masks, which a causal LM on fixed-length sequences lacks
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
@@ -104,11 +134,14 @@ class TinyLM(nn.Module):
         return self.head(self.norm(h))
 
 
-def _tiny_lm(info: dict, d_model: int = 64, heads: int = 4, layers: int = 2, ff: int = 4,
-             dropout: float = 0.0) -> nn.Module:
+def _tiny_lm(
+    info: dict, d_model: int = 64, heads: int = 4, layers: int = 2, ff: int = 4, dropout: float = 0.0
+) -> nn.Module:
     if dataset_kind(info) != TOKENS:
-        raise BadRequest(f"model 'tiny-lm' needs a token dataset (kind 'tokens'); this one is "
-                         f"{dataset_kind(info)!r} with samples {info.get('sample_shape')}: use 'mlp' or 'cnn'")
+        raise BadRequest(
+            f"model 'tiny-lm' needs a token dataset (kind 'tokens'); this one is "
+            f"{dataset_kind(info)!r} with samples {info.get('sample_shape')}: use 'mlp' or 'cnn'"
+        )
     vocab = info.get("vocab_size") or info["num_classes"]
     seq_len = info.get("seq_len") or info["sample_shape"][0] - 1
     if seq_len < 1:
@@ -140,8 +173,7 @@ def build_model(name: str, info: dict, **kwargs) -> nn.Module:
         except (ImportError, AttributeError) as err:
             raise BadRequest(f"model {name!r}: cannot import {attr} from {module_name}: {err}") from err
     else:
-        raise BadRequest(f"unknown model {name!r}; built-ins are {', '.join(MODELS)}, "
-                         "or give package.module:factory")
+        raise BadRequest(f"unknown model {name!r}; built-ins are {', '.join(MODELS)}, or give package.module:factory")
     try:
         model = factory(info, **kwargs)
     except TypeError as err:

@@ -28,9 +28,26 @@ from shm.names import pid_alive
 
 from .sdnotify import Notifier
 
-__all__ = ["clean_shm", "local_endpoint", "remove_local_endpoint", "install_signal_handlers", "notifier", "finish",
-           "service_name", "token_source", "identity", "curve_keys", "curve_key_file", "router_key",
-           "server_config", "limits", "secret", "verify_key", "signing_key", "mint_token"]
+__all__ = [
+    "clean_shm",
+    "local_endpoint",
+    "remove_local_endpoint",
+    "install_signal_handlers",
+    "notifier",
+    "finish",
+    "service_name",
+    "token_source",
+    "identity",
+    "curve_keys",
+    "curve_key_file",
+    "router_key",
+    "server_config",
+    "limits",
+    "secret",
+    "verify_key",
+    "signing_key",
+    "mint_token",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +65,14 @@ def notifier() -> Notifier:
 def install_signal_handlers(stop: threading.Event, notify: Notifier | None = None) -> None:
     """SIGTERM and SIGINT set ``stop``: the service drains and exits 0 (what systemd expects).
     ``notify`` tells systemd at once (``STOPPING=1``) that the shutdown has begun."""
+
     def _handler(signum, _frame):
         name = signal.Signals(signum).name
         log.info("received %s; stopping", name)
         stop.set()
         if notify is not None:
             notify.stopping(f"{name}: finishing work in flight, then exiting")
+
     signal.signal(signal.SIGTERM, _handler)
     signal.signal(signal.SIGINT, _handler)
 
@@ -74,9 +93,9 @@ def clean_shm() -> None:
     """Remove rings and same-host sockets left by processes that died (SIGKILL, OOM) before they
     could remove them themselves."""
     from shm import collect_garbage  # noqa: PLC0415
+
     for seg in collect_garbage():
-        log.info("removed shared memory %s of dead process %d (%.1f MiB)", seg.name, seg.pid,
-                 seg.size / 2**20)
+        log.info("removed shared memory %s of dead process %d (%.1f MiB)", seg.name, seg.pid, seg.size / 2**20)
     try:
         base = _ipc_dir(create=False)
     except (ConfigError, OSError):
@@ -166,18 +185,36 @@ def signing_key(settings: Settings) -> Key:
     if settings.token_alg == "HS256":
         return secret(settings)
     if not os.path.exists(settings.signing_key_file):
-        raise ConfigError(f"token_alg is EdDSA and this node has no signing key ({settings.signing_key_file} "
-                          "does not exist): pass a token minted on the administrator's machine "
-                          "('busctl token issue') with --token or BATCHBUS_TOKEN, or set signing_key_file")
+        raise ConfigError(
+            f"token_alg is EdDSA and this node has no signing key ({settings.signing_key_file} "
+            "does not exist): pass a token minted on the administrator's machine "
+            "('busctl token issue') with --token or BATCHBUS_TOKEN, or set signing_key_file"
+        )
     return load_signing_key(settings.signing_key_file)
 
 
-def mint_token(settings: Settings, key: Key, *, role: str, sub: str, ttl_s: float | None = None,
-               datasets: list[str] | None = None, jobs: list[str] | None = None) -> str:
+def mint_token(
+    settings: Settings,
+    key: Key,
+    *,
+    role: str,
+    sub: str,
+    ttl_s: float | None = None,
+    datasets: list[str] | None = None,
+    jobs: list[str] | None = None,
+) -> str:
     """A token of this cluster (algorithm, audience, issuer from ``settings``) signed with ``key``."""
-    return issue_token(key, sub=sub, role=role, audience=settings.cluster, issuer=settings.token_issuer,
-                       ttl_s=settings.token_ttl_s if ttl_s is None else ttl_s, datasets=datasets,
-                       jobs=jobs, algorithm=settings.token_alg)
+    return issue_token(
+        key,
+        sub=sub,
+        role=role,
+        audience=settings.cluster,
+        issuer=settings.token_issuer,
+        ttl_s=settings.token_ttl_s if ttl_s is None else ttl_s,
+        datasets=datasets,
+        jobs=jobs,
+        algorithm=settings.token_alg,
+    )
 
 
 def token_source(settings: Settings, role: str, name: str) -> Callable[[], str] | str:
@@ -190,9 +227,16 @@ def token_source(settings: Settings, role: str, name: str) -> Callable[[], str] 
 
 
 def identity(settings: Settings, role: str, name: str, caps: dict | None = None) -> Identity:
-    return Identity(role=role, name=name, token=token_source(settings, role, name), host_id=settings.host_id,
-                    caps=caps or {}, curve=curve_keys(settings, role), router_key=router_key(settings),
-                    handshake=settings.handshake_auth)
+    return Identity(
+        role=role,
+        name=name,
+        token=token_source(settings, role, name),
+        host_id=settings.host_id,
+        caps=caps or {},
+        curve=curve_keys(settings, role),
+        router_key=router_key(settings),
+        handshake=settings.handshake_auth,
+    )
 
 
 def limits(settings: Settings) -> SocketLimits:
@@ -200,11 +244,21 @@ def limits(settings: Settings) -> SocketLimits:
 
 
 def server_config(settings: Settings, bind: str, key: Key, name: str, role: str) -> ServerConfig:
-    return ServerConfig(bind=bind, secret=key, audience=settings.cluster, name=name,
-                        heartbeat_ms=settings.heartbeat_ms, heartbeat_liveness=settings.heartbeat_liveness,
-                        limits=limits(settings), algorithm=settings.token_alg,
-                        issuer=settings.token_issuer, curve=curve_keys(settings, role),
-                        authorized_dir=settings.curve_authorized_dir,
-                        session_inflight=settings.session_inflight, session_rate=settings.session_rate,
-                        session_burst=settings.session_burst, sessions_per_subject=settings.sessions_per_subject,
-                        handshake_auth=settings.handshake_auth)
+    return ServerConfig(
+        bind=bind,
+        secret=key,
+        audience=settings.cluster,
+        name=name,
+        heartbeat_ms=settings.heartbeat_ms,
+        heartbeat_liveness=settings.heartbeat_liveness,
+        limits=limits(settings),
+        algorithm=settings.token_alg,
+        issuer=settings.token_issuer,
+        curve=curve_keys(settings, role),
+        authorized_dir=settings.curve_authorized_dir,
+        session_inflight=settings.session_inflight,
+        session_rate=settings.session_rate,
+        session_burst=settings.session_burst,
+        sessions_per_subject=settings.sessions_per_subject,
+        handshake_auth=settings.handshake_auth,
+    )

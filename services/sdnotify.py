@@ -33,8 +33,7 @@ class Notifier:
         clock: monotonic seconds (tests pass their own).
     """
 
-    def __init__(self, address: str = "", watchdog_usec: int = 0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, address: str = "", watchdog_usec: int = 0, clock: Callable[[], float] = time.monotonic):
         self.address = address
         self.watchdog_usec = watchdog_usec if address else 0
         self._clock = clock

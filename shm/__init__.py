@@ -11,14 +11,14 @@ from .ring import Ring, RingLayout, SlotState
 from .segment import Segment
 
 __all__ = [
-           "SHM_DIR",
-           "Ring",
-           "RingLayout",
-           "Segment",
-           "SegmentInfo",
-           "SlotState",
-           "collect_garbage",
-           "list_segments",
-           "new_name",
-           "parse_name",
+    "SHM_DIR",
+    "Ring",
+    "RingLayout",
+    "Segment",
+    "SegmentInfo",
+    "SlotState",
+    "collect_garbage",
+    "list_segments",
+    "new_name",
+    "parse_name",
 ]

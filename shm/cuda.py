@@ -32,6 +32,7 @@ class CudaStager:
 
     def __init__(self, buf: mmap.mmap, device: Any):
         import torch
+
         self.torch = torch
         self.device = torch.device(device)
         if self.device.type != "cuda" or not torch.cuda.is_available():

@@ -17,6 +17,7 @@ __all__ = ["SegmentInfo", "collect_garbage", "list_segments"]
 @dataclass(frozen=True)
 class SegmentInfo:
     """One ring file in the shared-memory directory, and whether its creator still runs."""
+
     name: str
     path: Path
     size: int
@@ -27,8 +28,15 @@ class SegmentInfo:
     slot_bytes: int
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "size": self.size, "pid": self.pid, "alive": self.alive,
-                "age_s": round(self.age_s, 1), "slots": self.slots, "slot_bytes": self.slot_bytes}
+        return {
+            "name": self.name,
+            "size": self.size,
+            "pid": self.pid,
+            "alive": self.alive,
+            "age_s": round(self.age_s, 1),
+            "slots": self.slots,
+            "slot_bytes": self.slot_bytes,
+        }
 
 
 def list_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
@@ -55,8 +63,18 @@ def list_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
         # The header's start time tells the creator apart from a later process with its pid;
         # a ring we cannot read (another user's) is judged by its pid alone.
         alive = pid_alive(pid, header.get("start")) if header.get("pid", pid) == pid else False
-        out.append(SegmentInfo(entry.name, Path(entry.path), st.st_size, pid, alive,
-                               now - st.st_mtime, header.get("slots", 0), header.get("slot_bytes", 0)))
+        out.append(
+            SegmentInfo(
+                entry.name,
+                Path(entry.path),
+                st.st_size,
+                pid,
+                alive,
+                now - st.st_mtime,
+                header.get("slots", 0),
+                header.get("slot_bytes", 0),
+            )
+        )
     return sorted(out, key=lambda s: -s.age_s)
 
 

@@ -49,7 +49,7 @@ def process_start(pid: int) -> int | None:
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return int(fields[19])  # field 22 of stat(5), counting from field 3 here
 
 

@@ -51,6 +51,7 @@ MAX_SLOT_BYTES = 1 << 30
 
 class SlotState(IntEnum):
     """Where a slot is in its cycle. ``FREE`` is 0: a fresh segment is all zeros."""
+
     FREE = 0
     REQUESTED = 1
     FILLED = 2
@@ -64,6 +65,7 @@ def _round_up(n: int, to: int) -> int:
 @dataclass(frozen=True)
 class RingLayout:
     """The geometry both sides must agree on before a byte is written."""
+
     slots: int
     slot_bytes: int
     label_offset: int
@@ -75,8 +77,9 @@ class RingLayout:
         if not 1 <= self.slot_bytes <= MAX_SLOT_BYTES:
             raise ShmError(f"ring slot_bytes must be 1..{MAX_SLOT_BYTES}, got {self.slot_bytes}")
         if not 0 <= self.label_offset <= self.slot_bytes or self.label_offset % 64:
-            raise ShmError(f"ring label_offset {self.label_offset} must be a multiple of 64 within "
-                           f"the {self.slot_bytes}-byte slot")
+            raise ShmError(
+                f"ring label_offset {self.label_offset} must be a multiple of 64 within the {self.slot_bytes}-byte slot"
+            )
 
     @property
     def stride(self) -> int:
@@ -105,7 +108,7 @@ def _view(buf, offset: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
     memoryview holds its export until it is garbage, and the array holds the memoryview.
     """
     nbytes = math.prod(shape) * dtype.itemsize
-    return np.frombuffer(memoryview(buf)[offset:offset + nbytes], dtype=dtype).reshape(shape)
+    return np.frombuffer(memoryview(buf)[offset : offset + nbytes], dtype=dtype).reshape(shape)
 
 
 def read_header(path: Path) -> dict | None:
@@ -128,8 +131,14 @@ def read_header(path: Path) -> dict | None:
     magic, version, slots, slot_bytes, label_offset, pid, start = HEADER.unpack(raw)
     if magic != MAGIC:
         return None
-    return {"version": version, "slots": slots, "slot_bytes": slot_bytes,
-            "label_offset": label_offset, "pid": pid, "start": start}
+    return {
+        "version": version,
+        "slots": slots,
+        "slot_bytes": slot_bytes,
+        "label_offset": label_offset,
+        "pid": pid,
+        "start": start,
+    }
 
 
 class Ring:
@@ -141,7 +150,7 @@ class Ring:
         self.name = segment.name
         # (state, seq) per slot as native uint64 words: a memoryview, whose item access costs a
         # fraction of a numpy scalar's, and this table is touched several times per batch.
-        self._table = memoryview(segment.buf)[_TABLE_OFFSET:_TABLE_OFFSET + 16 * layout.slots].cast("Q")
+        self._table = memoryview(segment.buf)[_TABLE_OFFSET : _TABLE_OFFSET + 16 * layout.slots].cast("Q")
         self._next_seq = 1
         # Views are made once per (slot, shapes, dtypes) and reused: building them costs more than
         # the rest of a small batch's bookkeeping. They hold the mapping until close() drops them.
@@ -154,8 +163,17 @@ class Ring:
         layout.check()
         segment = Segment.create(name or new_name(), layout.size, shm_dir)
         pid = os.getpid()
-        HEADER.pack_into(segment.buf, 0, MAGIC, VERSION, layout.slots, layout.slot_bytes,
-                          layout.label_offset, pid, process_start(pid) or 0)
+        HEADER.pack_into(
+            segment.buf,
+            0,
+            MAGIC,
+            VERSION,
+            layout.slots,
+            layout.slot_bytes,
+            layout.label_offset,
+            pid,
+            process_start(pid) or 0,
+        )
         return cls(segment, layout)
 
     @classmethod
@@ -206,8 +224,10 @@ class Ring:
         state, current = self.state(slot), self.seq(slot)
         if state not in states or (seq is not None and current != seq):
             want = "/".join(s.name.lower() for s in states)
-            raise ShmError(f"slot {slot} of {self.name} is {state.name.lower()} under sequence "
-                           f"{current}; expected {want}" + (f" under {seq}" if seq is not None else ""))
+            raise ShmError(
+                f"slot {slot} of {self.name} is {state.name.lower()} under sequence "
+                f"{current}; expected {want}" + (f" under {seq}" if seq is not None else "")
+            )
 
     # consumer side
     def request(self, slot: int) -> int:
@@ -257,11 +277,15 @@ class Ring:
         y_bytes = math.prod(y_shape) * y_dtype.itemsize
         lay = self.layout
         if x_bytes > lay.label_offset or y_bytes > lay.slot_bytes - lay.label_offset:
-            raise ShmError(f"a batch of {x_bytes} + {y_bytes} bytes does not fit slots of "
-                           f"{lay.label_offset} + {lay.slot_bytes - lay.label_offset} bytes")
+            raise ShmError(
+                f"a batch of {x_bytes} + {y_bytes} bytes does not fit slots of "
+                f"{lay.label_offset} + {lay.slot_bytes - lay.label_offset} bytes"
+            )
         base = lay.data_offset + slot * lay.stride
-        views = (_view(self.segment.buf, base, x_shape, x_dtype),
-                 _view(self.segment.buf, base + lay.label_offset, y_shape, y_dtype))
+        views = (
+            _view(self.segment.buf, base, x_shape, x_dtype),
+            _view(self.segment.buf, base + lay.label_offset, y_shape, y_dtype),
+        )
         if len(self._views) > 16 * lay.slots:  # a pass's last, short batch adds shapes: stay bounded
             self._views.clear()
         self._views[key] = views

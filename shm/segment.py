@@ -70,8 +70,7 @@ class Segment:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise ShmError(f"no shared memory {path} on this host (another host, or its owner "
-                           "is gone)") from None
+            raise ShmError(f"no shared memory {path} on this host (another host, or its owner is gone)") from None
         except OSError as err:
             raise ShmError(f"cannot open shared memory {path}: {err.strerror}") from err
         try:
@@ -79,8 +78,7 @@ class Segment:
             if not stat.S_ISREG(st.st_mode):
                 raise ShmError(f"{path} is not a regular file")
             if st.st_uid != os.geteuid():
-                raise ShmError(f"{path} belongs to uid {st.st_uid}, not to this service's uid "
-                               f"{os.geteuid()}")
+                raise ShmError(f"{path} belongs to uid {st.st_uid}, not to this service's uid {os.geteuid()}")
             if st.st_mode & 0o077:
                 raise ShmError(f"{path} has mode {stat.S_IMODE(st.st_mode):o}; a ring must be 0600")
             if st.st_size == 0:

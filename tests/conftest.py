@@ -28,10 +28,19 @@ def secret(state_dir: Path) -> bytes:
 
 @pytest.fixture
 def make_token(secret: bytes):
-    def make(role: str = "trainer", sub: str = "test", ttl_s: float = 600.0, key: bytes | None = None,
-             audience: str = CLUSTER, datasets: list[str] | None = None, jobs: list[str] | None = None) -> str:
-        return issue_token(key or secret, sub=sub, role=role, audience=audience, ttl_s=ttl_s,
-                           datasets=datasets, jobs=jobs)
+    def make(
+        role: str = "trainer",
+        sub: str = "test",
+        ttl_s: float = 600.0,
+        key: bytes | None = None,
+        audience: str = CLUSTER,
+        datasets: list[str] | None = None,
+        jobs: list[str] | None = None,
+    ) -> str:
+        return issue_token(
+            key or secret, sub=sub, role=role, audience=audience, ttl_s=ttl_s, datasets=datasets, jobs=jobs
+        )
+
     return make
 
 
@@ -44,12 +53,14 @@ def make_settings(state_dir: Path):
         flags.setdefault("request_retries", 1)
         settings, _ = load_settings(env={}, flags={"state_dir": str(state_dir), **flags})
         return settings
+
     return make
 
 
 @pytest.fixture
 def router(make_settings):
     from services.router.app import RouterService
+
     settings = make_settings(bind="tcp://127.0.0.1:0")
     running = run_service(RouterService(settings), settings)
     yield running
@@ -59,6 +70,7 @@ def router(make_settings):
 @pytest.fixture
 def start_provider(make_settings, router):
     from services.provider.app import ProviderService
+
     started = []
 
     def start(*datasets: str, **flags) -> Running:
@@ -91,8 +103,9 @@ def client_for(make_token):
     def make(endpoint: str, role: str = "trainer", token: str | None = None, host_id: str = "", **kw) -> Client:
         kw.setdefault("timeout_s", 3.0)
         kw.setdefault("retries", 0)
-        c = Client(endpoint, Identity(role=role, name=f"test-{role}", token=token or make_token(role),
-                                      host_id=host_id), **kw)
+        c = Client(
+            endpoint, Identity(role=role, name=f"test-{role}", token=token or make_token(role), host_id=host_id), **kw
+        )
         clients.append(c)
         return c
 
@@ -125,9 +138,11 @@ def raw_dealer(make_token):
 def trainer(make_settings, router, state_dir):
     """A trainer service on its own thread, registered with the router, stopped after the test."""
     from services.trainer.app import TrainerService
+
     # audit_dir: every sample it trains on is logged, so a test can check each epoch saw the dataset once
-    service = TrainerService(make_settings(router=router.endpoint, name="trainer-test",
-                                           audit_dir=str(state_dir / "audit")))
+    service = TrainerService(
+        make_settings(router=router.endpoint, name="trainer-test", audit_dir=str(state_dir / "audit"))
+    )
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
     thread.start()

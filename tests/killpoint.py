@@ -45,6 +45,7 @@ def plant(point: str, nth: int) -> None:
                 self.reporter.flush(5.0)
                 _die()
             return record
+
         run.TaskRun._checkpoint = checkpoint
     elif point == "validation":
         evaluate = run.evaluate
@@ -53,6 +54,7 @@ def plant(point: str, nth: int) -> None:
             if hit():
                 _die()
             return evaluate(*args, **kw)
+
         run.evaluate = validation
     elif point == "test_eval":
         original_eval = run.TaskRun._evaluate
@@ -61,6 +63,7 @@ def plant(point: str, nth: int) -> None:
             if hit():
                 _die()
             return original_eval(self, *args, **kw)
+
         run.TaskRun._evaluate = test_eval
     elif point in ("push_before", "push_after"):
         original_push = app.TrainerService._push_result
@@ -71,6 +74,7 @@ def plant(point: str, nth: int) -> None:
             original_push(self, msg, stop)
             if point == "push_after" and hit():
                 _die()
+
         app.TrainerService._push_result = push
     else:
         raise SystemExit(f"unknown kill point {point!r}")
@@ -82,5 +86,6 @@ if __name__ == "__main__":
         raise SystemExit("usage: python -m tests.killpoint POINT N -- BUSCTL ARGS...")
     plant(point, int(nth))
     from cli.app import main
+
     sys.argv = ["busctl", *rest]
     main()

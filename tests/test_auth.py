@@ -19,17 +19,54 @@ def test_token_round_trip_carries_its_claims():
     assert claims.scopes == {"datasets": ["mnist"]} and claims.jti and claims.exp > time.time()
 
 
-@pytest.mark.parametrize("token, error", [
-    (lambda: issue_token(b"x" * 40, sub="t", role="trainer", audience="c"), AuthInvalid),  # other secret
-    (lambda: issue_token(SECRET, sub="t", role="trainer", audience="other"), AuthInvalid),
-    (lambda: jwt.encode({"sub": "t", "role": "trainer", "aud": "c", "iss": "c", "iat": 0, "exp": 10, "jti": "j"},
-                        SECRET, algorithm="HS256"), AuthExpired),
-    (lambda: jwt.encode({"sub": "t", "role": "trainer", "aud": "c", "iss": "c", "iat": int(time.time()),
-                         "exp": int(time.time()) + 60, "jti": "j"}, None, algorithm="none"), AuthInvalid),
-    (lambda: jwt.encode({"sub": "t", "role": "root", "aud": "c", "iss": "c", "iat": int(time.time()),
-                         "exp": int(time.time()) + 60, "jti": "j"}, SECRET, algorithm="HS256"), AuthInvalid),
-    (lambda: "not.a.token", AuthInvalid),
-])
+@pytest.mark.parametrize(
+    "token, error",
+    [
+        (lambda: issue_token(b"x" * 40, sub="t", role="trainer", audience="c"), AuthInvalid),  # other secret
+        (lambda: issue_token(SECRET, sub="t", role="trainer", audience="other"), AuthInvalid),
+        (
+            lambda: jwt.encode(
+                {"sub": "t", "role": "trainer", "aud": "c", "iss": "c", "iat": 0, "exp": 10, "jti": "j"},
+                SECRET,
+                algorithm="HS256",
+            ),
+            AuthExpired,
+        ),
+        (
+            lambda: jwt.encode(
+                {
+                    "sub": "t",
+                    "role": "trainer",
+                    "aud": "c",
+                    "iss": "c",
+                    "iat": int(time.time()),
+                    "exp": int(time.time()) + 60,
+                    "jti": "j",
+                },
+                None,
+                algorithm="none",
+            ),
+            AuthInvalid,
+        ),
+        (
+            lambda: jwt.encode(
+                {
+                    "sub": "t",
+                    "role": "root",
+                    "aud": "c",
+                    "iss": "c",
+                    "iat": int(time.time()),
+                    "exp": int(time.time()) + 60,
+                    "jti": "j",
+                },
+                SECRET,
+                algorithm="HS256",
+            ),
+            AuthInvalid,
+        ),
+        (lambda: "not.a.token", AuthInvalid),
+    ],
+)
 def test_bad_tokens_are_refused_with_their_code(token, error):
     with pytest.raises(error):
         verify_token(token(), SECRET, audience="c")
@@ -43,6 +80,7 @@ def test_issuing_checks_role_and_ttl():
 
 
 # -- on real sockets ---------------------------------------------------------------------------
+
 
 def test_request_without_hello_gets_auth_required(provider, raw_dealer):
     sock = raw_dealer(provider.endpoint)
@@ -59,8 +97,11 @@ def test_bad_signature_gets_auth_invalid(provider, client_for, make_token):
 
 
 def test_expired_token_gets_auth_expired(provider, client_for, secret):
-    expired = jwt.encode({"sub": "t", "role": "trainer", "aud": "batchbus", "iss": "batchbus", "iat": 0, "exp": 100, "jti": "j"},
-                         secret, algorithm="HS256")
+    expired = jwt.encode(
+        {"sub": "t", "role": "trainer", "aud": "batchbus", "iss": "batchbus", "iat": 0, "exp": 100, "jti": "j"},
+        secret,
+        algorithm="HS256",
+    )
     with pytest.raises(AuthExpired):
         client_for(provider.endpoint, token=expired).hello()
 

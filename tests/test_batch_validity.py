@@ -66,9 +66,9 @@ def test_one_ahead_prefetch_and_gradient_accumulation_over_8_batches(mnist, make
         for i, (x, y) in enumerate(loader):  # accumulate 8, step, let them go
             held.append((x, y))
             if len(held) == 8:
-                _same(held, want[i - 7:i + 1])
+                _same(held, want[i - 7 : i + 1])
                 held.clear()
-        _same(held, want[len(want) - len(held):])
+        _same(held, want[len(want) - len(held) :])
 
 
 def test_a_consumer_holding_every_slot_gets_copies_not_a_deadlock_or_an_overwrite(mnist, make_token):
@@ -87,11 +87,11 @@ def test_a_slot_returns_when_its_last_view_is_freed_not_before(mnist, make_token
     with _loader(mnist.endpoint, make_token(), shm=True, inflight=1, shm_slots=3) as loader:
         ring = loader._delivery.ring
         x, y = next(iter(loader))
-        part = x[:3]          # a view of the view: the slot stays held by it
+        part = x[:3]  # a view of the view: the slot stays held by it
         snapshot = part.clone()
         del x, y
         assert SlotState.IN_USE in [ring.state(s) for s in range(3)]
-        for _ in loader:      # the ring keeps turning without that slot
+        for _ in loader:  # the ring keeps turning without that slot
             pass
         assert torch.equal(part, snapshot)
         del part

@@ -7,8 +7,21 @@ from tests.support import busctl
 
 def test_bench_measures_every_path_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    run = busctl("bench", "--samples", "1024", "--epochs", "2", "--wait", "--wait-steps", "5", "--work-ms", "2",
-                 "--json", str(out), timeout=180)
+    run = busctl(
+        "bench",
+        "--samples",
+        "1024",
+        "--epochs",
+        "2",
+        "--wait",
+        "--wait-steps",
+        "5",
+        "--work-ms",
+        "2",
+        "--json",
+        str(out),
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = {r["path"]: r for r in result["rows"]}
@@ -16,8 +29,11 @@ def test_bench_measures_every_path_and_writes_json(tmp_path):
     for row in rows.values():
         assert row["samples_per_s"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0
     assert rows["dataloader"]["x_dataloader"] == 1.0 and rows["memcpy"]["x_memcpy"] == 1.0
-    assert {c["check"] for c in result["checks"]} >= {"shm vs DataLoader (samples/s)", "shm vs memcpy (GB/s)",
-                                                       "socket vs raw pyzmq (GB/s)"}
+    assert {c["check"] for c in result["checks"]} >= {
+        "shm vs DataLoader (samples/s)",
+        "shm vs memcpy (GB/s)",
+        "socket vs raw pyzmq (GB/s)",
+    }
     assert [r["path"] for r in result["wait"]["rows"]] == ["shm", "socket", "dataloader"]
     assert "× DataLoader" in run.stdout
 

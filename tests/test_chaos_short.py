@@ -16,9 +16,25 @@ from tests.support.busctl import REPO
 
 @pytest.mark.timeout(600)
 def test_a_short_chaos_soak_loses_nothing(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "benchmarks.chaos", "--minutes", "0.5", "--seed", "7",
-                          "--fault-every", "3", "--state", str(tmp_path)], cwd=REPO, capture_output=True,
-                         text=True, timeout=580)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.chaos",
+            "--minutes",
+            "0.5",
+            "--seed",
+            "7",
+            "--fault-every",
+            "3",
+            "--state",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
     report = out.stdout + out.stderr
     assert out.returncode == 0, report
     assert "data lost or repeated: 0" in report and "left behind (rings, sockets): 0" in report, report

@@ -33,15 +33,22 @@ def test_a_checkpoint_restores_training_exactly(tmp_path):
     for _ in range(3):
         _step(model, optimizer)
     cursor = {"epoch": 1, "position": 40, "n": 100}
-    record = save_checkpoint(tmp_path, step=3, epoch=1, cursor=cursor, model=model, optimizer=optimizer,
-                             extra={"history": [{"epoch": 1, "val_loss": 0.5}]})
+    record = save_checkpoint(
+        tmp_path,
+        step=3,
+        epoch=1,
+        cursor=cursor,
+        model=model,
+        optimizer=optimizer,
+        extra={"history": [{"epoch": 1, "val_loss": 0.5}]},
+    )
     assert record["step"] == 3 and record["cursor"] == cursor and not list(tmp_path.glob(".*.tmp"))
     # the uninterrupted run goes on; random draws included (dropout, numpy, python)
     for _ in range(2):
         _step(model, optimizer)
     expected = ({k: v.clone() for k, v in model.state_dict().items()}, np.random.rand(), random.random())
 
-    other, other_opt = _model_and_optimizer(99)     # another process, another init
+    other, other_opt = _model_and_optimizer(99)  # another process, another init
     restored = load_checkpoint(record, other, other_opt, str(tmp_path))
     assert (restored.step, restored.epoch, restored.cursor) == (3, 1, cursor)
     assert restored.extra["history"] == [{"epoch": 1, "val_loss": 0.5}]
@@ -54,14 +61,17 @@ def test_a_checkpoint_restores_training_exactly(tmp_path):
 
 def test_only_the_last_checkpoints_are_kept_and_the_model_is_plain_safetensors(tmp_path):
     from safetensors.torch import load_file
+
     model, optimizer = _model_and_optimizer(2)
     for step in (10, 20, 30, 40):
         save_checkpoint(tmp_path, step=step, epoch=0, cursor={}, model=model, optimizer=optimizer, extra={})
     # the router last heard of step 20 (later records still wait for it): 20 stays
     assert [p.name for p in prune(tmp_path, delivered_step=20)] == ["step-000000010.safetensors"]
     assert [p.name for p in prune(tmp_path, delivered_step=40)] == ["step-000000020.safetensors"]
-    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000030.safetensors",
-                                                              "step-000000040.safetensors"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [
+        "step-000000030.safetensors",
+        "step-000000040.safetensors",
+    ]
     out = save_model(tmp_path, model, {"job": "j1"})
     assert load_file(out["path"]).keys() == model.state_dict().keys()
 
@@ -83,8 +93,9 @@ def test_a_changed_missing_or_foreign_checkpoint_is_refused(tmp_path):
         load_checkpoint(record, bigger, torch.optim.Adam(bigger.parameters()), str(tmp_path))
     # a record (it comes over the wire) naming a file outside this trainer's checkpoint_dir
     with pytest.raises(CheckpointError, match="not under this trainer's checkpoint_dir"):
-        load_checkpoint({**record, "path": str(tmp_path / ".." / "elsewhere.safetensors")}, model, optimizer,
-                        str(tmp_path))
+        load_checkpoint(
+            {**record, "path": str(tmp_path / ".." / "elsewhere.safetensors")}, model, optimizer, str(tmp_path)
+        )
 
 
 def test_leases_lapse_into_the_queue_until_max_attempts_fails_the_job(tmp_path):
@@ -98,9 +109,9 @@ def test_leases_lapse_into_the_queue_until_max_attempts_fails_the_job(tmp_path):
         store.add_checkpoint(job, "t1", {**record, "step": "7"})
     assert store.release(job, "lease lapsed", lost=True) == "queued"
     again = store.claim("t2", lease_s=5)
-    assert again["checkpoint"]["step"] == 7 and again["failures"] == 1     # resumes from it
+    assert again["checkpoint"]["step"] == 7 and again["failures"] == 1  # resumes from it
     assert store.get(job)["events"][-1]["reason"] == "assigned to t2 (resumes from step 7, epoch 0)"
-    assert store.release(job, "handed back", lost=False) == "queued"      # a hand-back is free
+    assert store.release(job, "handed back", lost=False) == "queued"  # a hand-back is free
     store.claim("t3", lease_s=5)
     assert store.release(job, "lease lapsed again", lost=True) == "failed"
     info = store.get(job)
@@ -113,11 +124,13 @@ def test_leases_lapse_into_the_queue_until_max_attempts_fails_the_job(tmp_path):
 def test_an_old_database_gets_the_new_columns(tmp_path):
     path = tmp_path / "old.db"
     db = sqlite3.connect(path)
-    db.executescript("CREATE TABLE jobs (id TEXT PRIMARY KEY, spec TEXT NOT NULL, state TEXT NOT NULL, "
-                     "priority INTEGER NOT NULL DEFAULT 0, trainer TEXT, attempts INTEGER NOT NULL DEFAULT 0, "
-                     "created REAL NOT NULL, updated REAL NOT NULL, progress TEXT, result TEXT, error TEXT);"
-                     "INSERT INTO jobs VALUES ('j1', '{\"dataset\": \"a\"}', 'queued', 0, NULL, 0, 1, 1, NULL, "
-                     "NULL, NULL);")
+    db.executescript(
+        "CREATE TABLE jobs (id TEXT PRIMARY KEY, spec TEXT NOT NULL, state TEXT NOT NULL, "
+        "priority INTEGER NOT NULL DEFAULT 0, trainer TEXT, attempts INTEGER NOT NULL DEFAULT 0, "
+        "created REAL NOT NULL, updated REAL NOT NULL, progress TEXT, result TEXT, error TEXT);"
+        "INSERT INTO jobs VALUES ('j1', '{\"dataset\": \"a\"}', 'queued', 0, NULL, 0, 1, 1, NULL, "
+        "NULL, NULL);"
+    )
     db.close()
     store = JobStore(str(path))
     assert store.claim("t1", lease_s=5)["id"] == "j1"
@@ -130,6 +143,7 @@ def test_the_router_keeps_a_model_only_if_its_bytes_match_and_names_no_other_pat
 
     from libbus.errors import NotFound
     from services.router.artifacts import Artifacts
+
     artifacts = Artifacts(str(tmp_path))
     data = b"weights"
     with pytest.raises(BadRequest, match="sha256"):

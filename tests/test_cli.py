@@ -1,6 +1,5 @@
 """busctl as a user meets it: settings precedence, one-line errors, tokens."""
 
-
 import pytest
 
 from libbus.auth import verify_token
@@ -19,12 +18,15 @@ def test_settings_precedence_is_file_then_env_then_flags(tmp_path):
     assert sources["inflight"] == "flag" and s.db.endswith("router.db")
 
 
-@pytest.mark.parametrize("content, env, words", [
-    ('routr = "x"', {}, "unknown setting 'routr'"),
-    ("heartbeat_ms = 'often'", {}, "'heartbeat_ms' must be int"),
-    ("router = ", {}, "not valid TOML"),
-    ("", {"BATCHBUS_INFLIGHT": "many"}, "BATCHBUS_INFLIGHT"),
-])
+@pytest.mark.parametrize(
+    "content, env, words",
+    [
+        ('routr = "x"', {}, "unknown setting 'routr'"),
+        ("heartbeat_ms = 'often'", {}, "'heartbeat_ms' must be int"),
+        ("router = ", {}, "not valid TOML"),
+        ("", {"BATCHBUS_INFLIGHT": "many"}, "BATCHBUS_INFLIGHT"),
+    ],
+)
 def test_bad_settings_name_their_source(tmp_path, content, env, words):
     cfg = tmp_path / "bus.toml"
     cfg.write_text(content)
@@ -32,16 +34,22 @@ def test_bad_settings_name_their_source(tmp_path, content, env, words):
         load_settings(config_file=str(cfg), env=env)
 
 
-@pytest.mark.parametrize("args, env, words", [
-    (["jobs"], {}, "secret file"),
-    (["submit", "--epochs", "2"], {}, "--dataset"),
-    (["start", "provider"], {}, "needs at least one --dataset"),
-    (["token", "issue", "--role", "god"], {}, "unknown role"),
-    (["jobs", "--config", "/nonexistent.toml"], {}, "does not exist"),
-    (["submit", "/nonexistent-job.toml"], {}, "does not exist"),
-    (["jobs", "--router", "tcp://127.0.0.1:9"], {"BATCHBUS_REQUEST_TIMEOUT_S": "0.3", "BATCHBUS_REQUEST_RETRIES": "0"},
-     "did not answer"),
-])
+@pytest.mark.parametrize(
+    "args, env, words",
+    [
+        (["jobs"], {}, "secret file"),
+        (["submit", "--epochs", "2"], {}, "--dataset"),
+        (["start", "provider"], {}, "needs at least one --dataset"),
+        (["token", "issue", "--role", "god"], {}, "unknown role"),
+        (["jobs", "--config", "/nonexistent.toml"], {}, "does not exist"),
+        (["submit", "/nonexistent-job.toml"], {}, "does not exist"),
+        (
+            ["jobs", "--router", "tcp://127.0.0.1:9"],
+            {"BATCHBUS_REQUEST_TIMEOUT_S": "0.3", "BATCHBUS_REQUEST_RETRIES": "0"},
+            "did not answer",
+        ),
+    ],
+)
 def test_errors_are_one_line_without_traceback(tmp_path, args, env, words):
     state = tmp_path / "state"
     if "did not answer" in words or "role" in words:
@@ -62,8 +70,17 @@ def test_unknown_flag_is_a_usage_error():
 def test_token_issue_mints_a_verifiable_token(tmp_path):
     assert busctl("token", "secret", str(tmp_path / "secret")).returncode == 0
     assert (tmp_path / "secret").stat().st_mode & 0o777 == 0o600
-    out = busctl("token", "issue", "--role", "admin", "--name", "ops", "--ttl", "60",
-                 env={"BATCHBUS_SECRET_FILE": str(tmp_path / "secret")})
+    out = busctl(
+        "token",
+        "issue",
+        "--role",
+        "admin",
+        "--name",
+        "ops",
+        "--ttl",
+        "60",
+        env={"BATCHBUS_SECRET_FILE": str(tmp_path / "secret")},
+    )
     assert out.returncode == 0, out.stderr
     claims = verify_token(out.stdout.strip(), (tmp_path / "secret").read_bytes().strip(), audience="batchbus")
     assert (claims.role, claims.sub) == ("admin", "ops")
@@ -73,6 +90,7 @@ def test_config_show_prints_every_setting_with_its_source():
     out = busctl("config", "show", "--json", env={"BATCHBUS_INFLIGHT": "7"})
     assert out.returncode == 0, out.stderr
     import json
+
     shown = json.loads(out.stdout)
     assert shown["inflight"] == {"value": 7, "source": "env BATCHBUS_INFLIGHT"}
     assert shown["heartbeat_ms"]["source"] == "default"

@@ -19,8 +19,15 @@ TOKENS = "mock://tokens?n=64&seq_len=8&vocab=16"
 
 def busctl(router, state_dir, *args, timeout=60):
     """Run busctl in its own process against the test's router, as admin from the test's secret."""
-    return run_busctl(*args, "--router", router.endpoint, "--state-dir", str(state_dir), timeout=timeout,
-                      env={"BATCHBUS_REQUEST_TIMEOUT_S": "5", "BATCHBUS_REQUEST_RETRIES": "0"})
+    return run_busctl(
+        *args,
+        "--router",
+        router.endpoint,
+        "--state-dir",
+        str(state_dir),
+        timeout=timeout,
+        env={"BATCHBUS_REQUEST_TIMEOUT_S": "5", "BATCHBUS_REQUEST_RETRIES": "0"},
+    )
 
 
 def one_line_error(out, *words):
@@ -41,6 +48,7 @@ def served(start_provider):
 
 # -- busctl datasets ----------------------------------------------------------------------------
 
+
 def test_datasets_lists_every_dataset_with_its_providers_and_info(router, served, state_dir):
     a, b = served
     out = busctl(router, state_dir, "datasets", "--json")
@@ -58,9 +66,18 @@ def test_datasets_lists_every_dataset_with_its_providers_and_info(router, served
     table = busctl(router, state_dir, "datasets")
     assert table.returncode == 0, table.stderr
     text = table.stdout
-    for words in ("mnist  (image)", f"prov-a at {a.endpoint}", f"prov-b at {b.endpoint}", MNIST,
-                  "train 600, val 120, test 120 (private", "(1, 28, 28) float32", "int64, 10 classes",
-                  "tok  (tokens)", "seq_len 8, vocab 16", "(9,) uint16"):
+    for words in (
+        "mnist  (image)",
+        f"prov-a at {a.endpoint}",
+        f"prov-b at {b.endpoint}",
+        MNIST,
+        "train 600, val 120, test 120 (private",
+        "(1, 28, 28) float32",
+        "int64, 10 classes",
+        "tok  (tokens)",
+        "seq_len 8, vocab 16",
+        "(9,) uint16",
+    ):
         assert words in text, f"{words!r} missing from:\n{text}"
 
 
@@ -71,6 +88,7 @@ def test_datasets_with_no_provider_says_so(router, state_dir):
 
 
 # -- busctl fetch -------------------------------------------------------------------------------
+
 
 def test_fetch_prints_what_a_trainer_receives(router, served, state_dir):
     out = busctl(router, state_dir, "fetch", "mnist", "--split", "val", "--indices", "3,7,9", "--json")
@@ -113,19 +131,22 @@ def test_fetch_saves_npz_and_npy(router, served, state_dir, tmp_path):
     one_line_error(busctl(router, state_dir, "fetch", "tok", "--out", str(tmp_path / "x.csv")), ".npz", ".npy")
 
 
-@pytest.mark.parametrize("args, words", [
-    (["mnist", "--indices", "0:x"], ["--indices", "'0:x' is not an index"]),
-    (["mnist", "--indices", "1:2:3:4"], ["is not an index, A:B or A:B:STEP"]),
-    (["mnist", "--indices", "0:8:0"], ["step cannot be 0"]),
-    (["mnist", "--indices", "-3"], ["cannot be negative"]),
-    (["mnist", "--indices", ""], ["no indices given"]),
-    (["mnist", "--indices", "590:610"], ["590:610 reaches past the split's end (600 samples)"]),
-    (["mnist", "--indices", "4,600"], ["index 600 is outside the split (0..599)", "mnist/train"]),
-    (["mnist", "--indices", "5:5"], ["selects no samples"]),
-    (["mnist", "--split", "holdout"], ["no split 'holdout'", "train, val, test"]),
-    (["mnist", "--split", "test"], ["never leaves its provider", "SPLIT_PRIVATE"]),
-    (["nope"], ["'nope' is not served by any provider", "mnist (prov-a)", "NOT_FOUND"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["mnist", "--indices", "0:x"], ["--indices", "'0:x' is not an index"]),
+        (["mnist", "--indices", "1:2:3:4"], ["is not an index, A:B or A:B:STEP"]),
+        (["mnist", "--indices", "0:8:0"], ["step cannot be 0"]),
+        (["mnist", "--indices", "-3"], ["cannot be negative"]),
+        (["mnist", "--indices", ""], ["no indices given"]),
+        (["mnist", "--indices", "590:610"], ["590:610 reaches past the split's end (600 samples)"]),
+        (["mnist", "--indices", "4,600"], ["index 600 is outside the split (0..599)", "mnist/train"]),
+        (["mnist", "--indices", "5:5"], ["selects no samples"]),
+        (["mnist", "--split", "holdout"], ["no split 'holdout'", "train, val, test"]),
+        (["mnist", "--split", "test"], ["never leaves its provider", "SPLIT_PRIVATE"]),
+        (["nope"], ["'nope' is not served by any provider", "mnist (prov-a)", "NOT_FOUND"]),
+    ],
+)
 def test_fetch_errors_are_one_line(router, served, state_dir, args, words):
     one_line_error(busctl(router, state_dir, "fetch", *args), *words)
 
@@ -149,6 +170,7 @@ def test_parse_indices_concatenates_pieces_in_order():
 
 # -- job spec: shuffle modes --------------------------------------------------------------------
 
+
 def test_job_spec_accepts_shuffle_modes_and_bools():
     assert JobSpec.from_dict({"dataset": "d"}).shuffle == "full"
     assert JobSpec.from_dict({"dataset": "d"}).block_size == DEFAULT_BLOCK_SIZE
@@ -159,12 +181,15 @@ def test_job_spec_accepts_shuffle_modes_and_bools():
     assert JobSpec.from_dict(spec.to_dict()) == spec  # what the router stores reads back the same
 
 
-@pytest.mark.parametrize("raw, words", [
-    ({"shuffle": "random"}, "job field 'shuffle' must be none, full or block (or true/false), got 'random'"),
-    ({"shuffle": 1}, "job field 'shuffle' must be none, full or block"),
-    ({"block_size": 0}, "block_size must be at least 1"),
-    ({"block_size": "big"}, "job field 'block_size' must be int"),
-])
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ({"shuffle": "random"}, "job field 'shuffle' must be none, full or block (or true/false), got 'random'"),
+        ({"shuffle": 1}, "job field 'shuffle' must be none, full or block"),
+        ({"block_size": 0}, "block_size must be at least 1"),
+        ({"block_size": "big"}, "job field 'block_size' must be int"),
+    ],
+)
 def test_job_spec_refuses_bad_shuffle_settings_naming_the_field(raw, words):
     with pytest.raises(BadRequest) as err:
         JobSpec.from_dict({"dataset": "d", **raw})

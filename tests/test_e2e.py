@@ -17,8 +17,16 @@ def cluster(tmp_path_factory):
     cluster.busctl("token", "secret", str(state / "secret"))
     try:
         cluster.start_router()
-        cluster.start("provider", "provider", "--bind", "tcp://127.0.0.1:0", "--dataset", "mnist=mock://mnist?n=3000",
-                      ready=True, named=False)
+        cluster.start(
+            "provider",
+            "provider",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--dataset",
+            "mnist=mock://mnist?n=3000",
+            ready=True,
+            named=False,
+        )
         cluster.endpoint_of("provider")
         cluster.start_trainer("trainer-1")
         procs = list(cluster.procs.values())
@@ -46,8 +54,25 @@ def wait_state(job: str, env: dict, states: set, timeout: float) -> dict:
 
 def test_a_submitted_job_trains_and_scores_on_the_private_split(cluster):
     env, procs, _ = cluster
-    job = busctl("submit", "--dataset", "remote://mnist", "--model", "cnn", "--epochs", "2", "--batch-size", "64",
-                 "--lr", "0.002", "--optimizer", "adam", "--seed", "1", env=env, check=True).stdout.strip()
+    job = busctl(
+        "submit",
+        "--dataset",
+        "remote://mnist",
+        "--model",
+        "cnn",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "64",
+        "--lr",
+        "0.002",
+        "--optimizer",
+        "adam",
+        "--seed",
+        "1",
+        env=env,
+        check=True,
+    ).stdout.strip()
     info = wait_state(job, env, {"succeeded", "failed", "stopped"}, timeout=240)
     assert info["state"] == "succeeded", info.get("error")
     result = info["result"]
@@ -72,7 +97,10 @@ def test_stop_ends_a_running_job_promptly(cluster, tmp_path):
     spec.write_text('[job]\ndataset = "mnist"\nmodel = "mlp"\nepochs = 200\nevaluate = false\n')
     job = busctl("submit", str(spec), env=env, check=True).stdout.strip()
     wait_state(job, env, {"running"}, timeout=60)
-    assert json.loads(busctl("job", "stop", job, "--json", env=env, check=True).stdout)["state"] in ("stopping", "stopped")
+    assert json.loads(busctl("job", "stop", job, "--json", env=env, check=True).stdout)["state"] in (
+        "stopping",
+        "stopped",
+    )
     started = time.monotonic()
     info = wait_state(job, env, {"stopped", "succeeded", "failed"}, timeout=30)
     assert info["state"] == "stopped" and time.monotonic() - started < 10

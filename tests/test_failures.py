@@ -20,8 +20,14 @@ def test_hints_name_the_field_to_change():
     assert describe_failure(oom, spec).endswith("(hint: CUDA out of memory: lower batch_size (now 512))")
     assert deterministic(oom)
     device = JobSpec.from_dict({"dataset": "mnist", "device": "cuda:7"})
-    assert "device 'cuda:7' does not exist" in describe_failure(RuntimeError("CUDA error: invalid device ordinal"), device)
+    assert "device 'cuda:7' does not exist" in describe_failure(
+        RuntimeError("CUDA error: invalid device ordinal"), device
+    )
     factory = JobSpec.from_dict({"dataset": "mnist", "model": "my.models:build"})
-    assert describe_failure(ValueError("no"), factory) == "ValueError: no (hint: the model factory my.models:build raised)"
-    assert describe_failure(PeerTimeout("provider p1 did not answer"), spec) == "PeerTimeout: provider p1 did not answer"
+    assert (
+        describe_failure(ValueError("no"), factory) == "ValueError: no (hint: the model factory my.models:build raised)"
+    )
+    assert (
+        describe_failure(PeerTimeout("provider p1 did not answer"), spec) == "PeerTimeout: provider p1 did not answer"
+    )
     assert not deterministic(RuntimeError("Connection closed by peer [127.0.0.1]:29500"))

@@ -57,11 +57,19 @@ def build_idx(d: Path, rng) -> Built:
     write_idx(d / "train-labels-idx1-ubyte", y, 0x08)
     write_idx(d / "t10k-images-idx3-ubyte", tx, 0x08)
     write_idx(d / "t10k-labels-idx1-ubyte", ty, 0x08)
-    return Built({"train": (x[:, None], y.astype(np.int64)), "test": (tx[:, None], ty.astype(np.int64))},
-                 {"sample_shape": [1, 7, 5], "dtype": "uint8", "label_shape": [], "num_classes": 10,
-                  "kind": "image", "format": "idx"},
-                 d / "train-images-idx3-ubyte",
-                 lambda: write_idx(d / "train-labels-idx1-ubyte", y[:-1], 0x08))
+    return Built(
+        {"train": (x[:, None], y.astype(np.int64)), "test": (tx[:, None], ty.astype(np.int64))},
+        {
+            "sample_shape": [1, 7, 5],
+            "dtype": "uint8",
+            "label_shape": [],
+            "num_classes": 10,
+            "kind": "image",
+            "format": "idx",
+        },
+        d / "train-images-idx3-ubyte",
+        lambda: write_idx(d / "train-labels-idx1-ubyte", y[:-1], 0x08),
+    )
 
 
 def build_idx_gz_float(d: Path, rng) -> Built:
@@ -71,10 +79,12 @@ def build_idx_gz_float(d: Path, rng) -> Built:
     y[0] = 3
     write_idx(d / "train-images-idx4-ubyte.gz", x, 0x0D)
     write_idx(d / "train-labels-idx1-ubyte.gz", y, 0x0B)
-    return Built({"train": (x, y.astype(np.int64))},
-                 {"sample_shape": [2, 3, 4], "dtype": "float32", "num_classes": 4, "format": "idx"},
-                 d / "train-images-idx4-ubyte.gz",
-                 lambda: write_idx(d / "train-labels-idx1-ubyte.gz", y[:-2], 0x0B))
+    return Built(
+        {"train": (x, y.astype(np.int64))},
+        {"sample_shape": [2, 3, 4], "dtype": "float32", "num_classes": 4, "format": "idx"},
+        d / "train-images-idx4-ubyte.gz",
+        lambda: write_idx(d / "train-labels-idx1-ubyte.gz", y[:-2], 0x0B),
+    )
 
 
 def write_cifar(path: Path, x: np.ndarray, y: np.ndarray) -> None:
@@ -90,10 +100,11 @@ def build_cifar(d: Path, rng) -> Built:
     write_cifar(d / "test_batch.bin", tx, ty)
     names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
     (d / "batches.meta.txt").write_text("\n".join(names) + "\n\n")
-    return Built({"train": (x, y.astype(np.int64)), "test": (tx, ty.astype(np.int64))},
-                 {"sample_shape": [3, 32, 32], "dtype": "uint8", "num_classes": 10, "class_names": names,
-                  "format": "cifar10"},
-                 d / "data_batch_2.bin")
+    return Built(
+        {"train": (x, y.astype(np.int64)), "test": (tx, ty.astype(np.int64))},
+        {"sample_shape": [3, 32, 32], "dtype": "uint8", "num_classes": 10, "class_names": names, "format": "cifar10"},
+        d / "data_batch_2.bin",
+    )
 
 
 def build_npy(d: Path, rng) -> Built:
@@ -105,9 +116,13 @@ def build_npy(d: Path, rng) -> Built:
         np.save(d / f"{split}_x.npy", x)
         np.save(d / f"{split}_y.npy", y)
         files[split] = (x, y.astype(np.int64))
-    return Built(files, {"sample_shape": [3, 2], "dtype": "float64", "num_classes": 3, "format": "npy"},
-                 d / "train_x.npy", lambda: np.save(d / "train_y.npy", files["train"][1][:-1]),
-                 val_in_files=True)
+    return Built(
+        files,
+        {"sample_shape": [3, 2], "dtype": "float64", "num_classes": 3, "format": "npy"},
+        d / "train_x.npy",
+        lambda: np.save(d / "train_y.npy", files["train"][1][:-1]),
+        val_in_files=True,
+    )
 
 
 def build_npz(d: Path, rng, compressed: bool) -> Built:
@@ -117,10 +132,12 @@ def build_npz(d: Path, rng, compressed: bool) -> Built:
     tx, ty = x[:7], y[:7]
     save = np.savez_compressed if compressed else np.savez
     save(d / "mnist.npz", x_train=x, y_train=y, x_test=tx, y_test=ty)
-    return Built({"train": (x, y.astype(np.int64)), "test": (tx, ty.astype(np.int64))},
-                 {"sample_shape": [4, 4], "dtype": "uint8", "num_classes": 10, "format": "npy"},
-                 d / "mnist.npz",
-                 lambda: save(d / "mnist.npz", x_train=x, y_train=y[:-1], x_test=tx, y_test=ty))
+    return Built(
+        {"train": (x, y.astype(np.int64)), "test": (tx, ty.astype(np.int64))},
+        {"sample_shape": [4, 4], "dtype": "uint8", "num_classes": 10, "format": "npy"},
+        d / "mnist.npz",
+        lambda: save(d / "mnist.npz", x_train=x, y_train=y[:-1], x_test=tx, y_test=ty),
+    )
 
 
 def build_tokens_bin(d: Path, rng) -> Built:
@@ -128,11 +145,22 @@ def build_tokens_bin(d: Path, rng) -> Built:
     tokens[:253].tofile(d / "shard_000.bin")  # sequences of 8 straddle the shard boundaries
     tokens[253:600].tofile(d / "shard_001.ds")
     tokens[600:].tofile(d / "shard_002.bin")
-    seqs = tokens[:1000 // 8 * 8].reshape(-1, 8)
-    return Built({"train": (seqs, np.zeros((len(seqs), 0), np.int64))},
-                 {"sample_shape": [8], "dtype": "uint16", "label_shape": [0], "num_classes": 65536,
-                  "kind": "tokens", "seq_len": 7, "vocab_size": 65536, "class_names": []},
-                 d / "shard_002.bin", query="&seq_len=7&token_bytes=2")
+    seqs = tokens[: 1000 // 8 * 8].reshape(-1, 8)
+    return Built(
+        {"train": (seqs, np.zeros((len(seqs), 0), np.int64))},
+        {
+            "sample_shape": [8],
+            "dtype": "uint16",
+            "label_shape": [0],
+            "num_classes": 65536,
+            "kind": "tokens",
+            "seq_len": 7,
+            "vocab_size": 65536,
+            "class_names": [],
+        },
+        d / "shard_002.bin",
+        query="&seq_len=7&token_bytes=2",
+    )
 
 
 def build_tokens_npy(d: Path, rng) -> Built:
@@ -140,11 +168,19 @@ def build_tokens_npy(d: Path, rng) -> Built:
     np.save(d / "a.npy", tokens[:300])
     np.save(d / "b.npy", tokens[300:])
     (d / "dataset.toml").write_text('format = "tokens"\nseq_len = 15\nvocab_size = 50000\n')
-    seqs = tokens[:700 // 16 * 16].reshape(-1, 16)
-    return Built({"train": (seqs, np.zeros((len(seqs), 0), np.int64))},
-                 {"sample_shape": [16], "dtype": "uint32", "num_classes": 50000, "kind": "tokens",
-                  "seq_len": 15, "vocab_size": 50000},
-                 d / "b.npy")
+    seqs = tokens[: 700 // 16 * 16].reshape(-1, 16)
+    return Built(
+        {"train": (seqs, np.zeros((len(seqs), 0), np.int64))},
+        {
+            "sample_shape": [16],
+            "dtype": "uint32",
+            "num_classes": 50000,
+            "kind": "tokens",
+            "seq_len": 15,
+            "vocab_size": 50000,
+        },
+        d / "b.npy",
+    )
 
 
 def build_raw(d: Path, rng) -> Built:
@@ -155,7 +191,8 @@ def build_raw(d: Path, rng) -> Built:
     y.tofile(d / "train.lab")
     tx.tofile(d / "test.f32")
     (d / "test.lab").write_bytes(bytes(9))
-    (d / "dataset.toml").write_text(textwrap.dedent("""\
+    (d / "dataset.toml").write_text(
+        textwrap.dedent("""\
         format = "raw"
         class_names = ["no", "yes"]
         [train]
@@ -170,17 +207,26 @@ def build_raw(d: Path, rng) -> Built:
         shape = [2, 5]
         y = "test.lab"
         label_dtype = "uint8"
-        """))
-    return Built({"train": (x, y.astype(np.int64)), "test": (tx, np.zeros(9, np.int64))},
-                 {"sample_shape": [2, 5], "dtype": "float32", "num_classes": 2, "class_names": ["no", "yes"],
-                  "format": "raw"},
-                 d / "train.f32", lambda: (d / "train.lab").write_bytes(y[:-1].tobytes()))
+        """)
+    )
+    return Built(
+        {"train": (x, y.astype(np.int64)), "test": (tx, np.zeros(9, np.int64))},
+        {"sample_shape": [2, 5], "dtype": "float32", "num_classes": 2, "class_names": ["no", "yes"], "format": "raw"},
+        d / "train.f32",
+        lambda: (d / "train.lab").write_bytes(y[:-1].tobytes()),
+    )
 
 
 BUILDERS = {
-    "idx": build_idx, "idx-gz-float": build_idx_gz_float, "cifar10": build_cifar, "npy": build_npy,
-    "npz": lambda d, rng: build_npz(d, rng, False), "npz-compressed": lambda d, rng: build_npz(d, rng, True),
-    "tokens-bin": build_tokens_bin, "tokens-npy": build_tokens_npy, "raw": build_raw,
+    "idx": build_idx,
+    "idx-gz-float": build_idx_gz_float,
+    "cifar10": build_cifar,
+    "npy": build_npy,
+    "npz": lambda d, rng: build_npz(d, rng, False),
+    "npz-compressed": lambda d, rng: build_npz(d, rng, True),
+    "tokens-bin": build_tokens_bin,
+    "tokens-npy": build_tokens_npy,
+    "raw": build_raw,
 }
 
 
@@ -197,8 +243,12 @@ def expected_splits(built: Built, val_fraction: float = 0.1) -> dict[str, tuple[
 
 def some_indices(n: int, rng) -> np.ndarray:
     """Unsorted, duplicated and contiguous indices, first and last included."""
-    return np.r_[rng.permutation(n)[:7], 0, 0, np.arange(min(n, 5)), n - 1, np.arange(n - 3, n)[::-1],
-                 n // 2, n // 2 + 1].astype(np.int64) % n
+    return (
+        np.r_[
+            rng.permutation(n)[:7], 0, 0, np.arange(min(n, 5)), n - 1, np.arange(n - 3, n)[::-1], n // 2, n // 2 + 1
+        ].astype(np.int64)
+        % n
+    )
 
 
 @pytest.mark.parametrize("memory", ["ram", "stream"])
@@ -255,11 +305,17 @@ def test_contract_mismatched_sample_and_label_counts_are_refused(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("fmt", BUILDERS)
-@pytest.mark.parametrize("bad, match", [
-    ("memory=lots", "memory must be one of"), ("val_fraction=1.5", r"val_fraction must be in \[0, 1\)"),
-    ("val_fraction=x", "must be a number"), ("cache=", None), ("frobnicate=1", "unknown parameter"),
-    ("format=tiff", "unknown format 'tiff'"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("memory=lots", "memory must be one of"),
+        ("val_fraction=1.5", r"val_fraction must be in \[0, 1\)"),
+        ("val_fraction=x", "must be a number"),
+        ("cache=", None),
+        ("frobnicate=1", "unknown parameter"),
+        ("format=tiff", "unknown format 'tiff'"),
+    ],
+)
 def test_contract_bad_parameters_are_refused(tmp_path, fmt, bad, match):
     built = BUILDERS[fmt](tmp_path, np.random.default_rng(3))
     uri = f"file://{tmp_path}?{bad}{built.query}"
@@ -301,22 +357,37 @@ def test_damaged_gzip_is_named(tmp_path):
         open_source(f"file://{tmp_path}")
 
 
-@pytest.mark.parametrize("setup, match", [
-    (lambda d: None, r"no known dataset layout in .*: expected one of .*train-images-idx3-ubyte.*found nothing"),
-    (lambda d: (d / "notes.txt").write_text("hi"), "found notes.txt"),
-    (lambda d: np.arange(10, dtype=np.uint16).tofile(d / "s.bin"), "need a sequence length"),
-    (lambda d: np.arange(99, dtype=np.uint16).tofile(d / "s.bin") or (d / "dataset.toml").write_text(
-        "seq_len = 4\n"), "token_bytes=2 or 4"),
-    (lambda d: np.save(d / "s.npy", np.arange(50, dtype=np.uint32)) or (d / "dataset.toml").write_text(
-        "seq_len = 4\n"), "4-byte tokens need vocab_size"),
-    (lambda d: (d / "dataset.toml").write_text("seq_len = 4\nvocab = 3\n"), "unknown key.*vocab"),
-    (lambda d: (d / "dataset.toml").write_text("seq_len = 'long'\n"), "seq_len must be a int"),
-    (lambda d: ((d / "train_x.npy").write_bytes(b"not numpy"), np.save(d / "train_y.npy", np.zeros(3))),
-     "train_x.npy: not a readable .npy"),
-    (lambda d: np.save(d / "train_x.npy", np.zeros((3, 2))), "has no partner; expected train_y.npy"),
-    (lambda d: write_idx(d / "train-images-idx3-ubyte", np.zeros((2, 2, 2), np.uint8), 0x08),
-     "images without labels"),
-])
+@pytest.mark.parametrize(
+    "setup, match",
+    [
+        (lambda d: None, r"no known dataset layout in .*: expected one of .*train-images-idx3-ubyte.*found nothing"),
+        (lambda d: (d / "notes.txt").write_text("hi"), "found notes.txt"),
+        (lambda d: np.arange(10, dtype=np.uint16).tofile(d / "s.bin"), "need a sequence length"),
+        (
+            lambda d: (
+                np.arange(99, dtype=np.uint16).tofile(d / "s.bin") or (d / "dataset.toml").write_text("seq_len = 4\n")
+            ),
+            "token_bytes=2 or 4",
+        ),
+        (
+            lambda d: (
+                np.save(d / "s.npy", np.arange(50, dtype=np.uint32)) or (d / "dataset.toml").write_text("seq_len = 4\n")
+            ),
+            "4-byte tokens need vocab_size",
+        ),
+        (lambda d: (d / "dataset.toml").write_text("seq_len = 4\nvocab = 3\n"), "unknown key.*vocab"),
+        (lambda d: (d / "dataset.toml").write_text("seq_len = 'long'\n"), "seq_len must be a int"),
+        (
+            lambda d: ((d / "train_x.npy").write_bytes(b"not numpy"), np.save(d / "train_y.npy", np.zeros(3))),
+            "train_x.npy: not a readable .npy",
+        ),
+        (lambda d: np.save(d / "train_x.npy", np.zeros((3, 2))), "has no partner; expected train_y.npy"),
+        (
+            lambda d: write_idx(d / "train-images-idx3-ubyte", np.zeros((2, 2, 2), np.uint8), 0x08),
+            "images without labels",
+        ),
+    ],
+)
 def test_layout_errors_say_what_to_do(tmp_path, setup, match):
     setup(tmp_path)
     with pytest.raises(DatasetError, match=match):
@@ -333,8 +404,11 @@ def test_missing_directory_and_bad_idx_header(tmp_path):
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros(4, np.uint8), 0x08)
     with open(tmp_path / "train-images-idx3-ubyte", "ab") as f:
         f.write(b"extra")
-    with pytest.raises(DatasetError, match=r"header says 4 images of 3x3 uint8 \(52 bytes\) but the file "
-                                           r"has 57 bytes \(longer"):
+    with pytest.raises(
+        DatasetError,
+        match=r"header says 4 images of 3x3 uint8 \(52 bytes\) but the file "
+        r"has 57 bytes \(longer",
+    ):
         open_source(f"file://{tmp_path}")
 
 
@@ -376,8 +450,9 @@ print(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
 
 
 def _peak_rss(uri: str) -> int:
-    out = subprocess.run([sys.executable, "-c", PEAK_RSS, uri], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, uri], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
     return int(out.stdout.split()[-1])
 
 

@@ -54,13 +54,16 @@ from tests.support.fuzz import (
 )
 
 CORPUS = Path(__file__).parent / "fuzz_corpus"
-FUZZ = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture,
-                                                   HealthCheck.too_slow, HealthCheck.data_too_large]}
+FUZZ = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+}
 #: Resident memory the whole fuzz run may add to this process (services run in-process).
 RSS_BOUND = 300 * 1024 * 1024
 
 
 # -- the environment: services, a legitimate trainer with a ring, hostile /dev/shm entries -------
+
 
 class World:
     """Router, provider, legitimate admin/trainer sessions, and a ring slot held IN_USE."""
@@ -84,8 +87,9 @@ class World:
         self.expected = (x.tobytes(), y.tobytes())
         layout = RingLayout.for_batch(4, x.nbytes, y.nbytes)
         self.ring = Ring.create(layout)
-        self.trainer.request(AttachRing(name=self.ring.name, slots=4, slot_bytes=layout.slot_bytes,
-                                        label_offset=layout.label_offset))
+        self.trainer.request(
+            AttachRing(name=self.ring.name, slots=4, slot_bytes=layout.slot_bytes, label_offset=layout.label_offset)
+        )
         # Slot 0: filled by the provider, taken by the trainer, then painted with a known pattern.
         seq = self.ring.request(0)
         self.trainer.request(BatchRequest(dataset="mnist", split="train", range=[0, 8], slot=0, seq=seq))
@@ -112,8 +116,7 @@ class World:
 
     def peer(self, service: str) -> Peer:
         """A bare peer of ``router``, ``provider`` (TCP) or ``provider-local`` (its ipc endpoint)."""
-        endpoints = {"router": self.router.endpoint, "provider": self.provider.endpoint,
-                     "provider-local": self.local}
+        endpoints = {"router": self.router.endpoint, "provider": self.provider.endpoint, "provider-local": self.local}
         # The previous example's peer says Goodbye: sessions per subject are capped (64).
         last = getattr(self, "_last_peer", None)
         if last is not None:
@@ -124,8 +127,9 @@ class World:
     def check(self) -> None:
         """Both services alive and correct, memory bounded, the IN_USE slot untouched."""
         assert self.router.thread.is_alive() and self.provider.thread.is_alive(), "a service loop died"
-        assert self.rserver.counters["internal"] == 0 and self.pserver.counters["internal"] == 0, \
+        assert self.rserver.counters["internal"] == 0 and self.pserver.counters["internal"] == 0, (
             "a handler raised something other than a BusError"
+        )
         info = self.trainer.request(DatasetInfoRequest(dataset="mnist"))
         assert isinstance(info, DatasetInfo) and info.info == self.mnist.info()
         reply = self.trainer.request(BatchRequest(dataset="mnist", split="train", range=[0, 8]))
@@ -168,9 +172,13 @@ def fire(world: World, peer: Peer, server, messages: list[list[bytes]]) -> list[
 
 # -- the fuzz tests ------------------------------------------------------------------------------
 
+
 @settings(max_examples=150, **FUZZ)
-@given(batch=st.lists(raw_message(), min_size=10, max_size=30), service=st.sampled_from(["router", "provider"]),
-       authed=st.sampled_from([None, "trainer", "admin"]))
+@given(
+    batch=st.lists(raw_message(), min_size=10, max_size=30),
+    service=st.sampled_from(["router", "provider"]),
+    authed=st.sampled_from([None, "trainer", "admin"]),
+)
 def test_any_frames_leave_both_services_answering(world, batch, service, authed):
     peer = world.peer(service)
     if authed:
@@ -195,15 +203,19 @@ def test_hostile_batch_requests_are_refused_or_exact(world, batch):
         reply = replies[0]
         if reply["type"] == "BatchResponse":  # then it must be exactly what the source holds
             src = world.handler.datasets[h["dataset"]]
-            idx = (np.arange(*h["range"], dtype=np.int64) if "range" in h
-                   else np.frombuffer(frames[2], "<i8"))
+            idx = np.arange(*h["range"], dtype=np.int64) if "range" in h else np.frombuffer(frames[2], "<i8")
             x = np.empty((len(idx), *src.sample_shape), src.dtype)
             y = np.empty((len(idx), *src.label_shape), src.label_dtype)
             src.read_into(h["split"], idx, x, y)
             assert reply["nbytes"] == x.nbytes + y.nbytes
         else:
-            assert reply["type"] == "Error" and reply["code"] in {"BAD_REQUEST", "NOT_FOUND", "OUT_OF_RANGE",
-                                                                  "TOO_LARGE", "SPLIT_PRIVATE"}, reply
+            assert reply["type"] == "Error" and reply["code"] in {
+                "BAD_REQUEST",
+                "NOT_FOUND",
+                "OUT_OF_RANGE",
+                "TOO_LARGE",
+                "SPLIT_PRIVATE",
+            }, reply
     world.check()
 
 
@@ -221,15 +233,28 @@ def test_slot_requests_never_write_out_of_turn(world, data, who):
             peer.hello(world.token(), host_id=world.host_id)
         if who == "other-with-ring":
             lay = world.layout
-            peer.send(encode(AttachRing(id=5, name=world.other_ring.name, slots=lay.slots,
-                                        slot_bytes=lay.slot_bytes, label_offset=lay.label_offset)))
+            peer.send(
+                encode(
+                    AttachRing(
+                        id=5,
+                        name=world.other_ring.name,
+                        slots=lay.slots,
+                        slot_bytes=lay.slot_bytes,
+                        label_offset=lay.label_offset,
+                    )
+                )
+            )
             assert peer.drain()[0]["type"] == "RingAttached"
     batch = data.draw(st.lists(batch_request(slot_seq=True), min_size=5, max_size=25))
     # aimed shots at the IN_USE and FILLED slots, with their old sequence numbers and neighbours
     for slot in (0, 1, 2):
         for seq in (world.in_use_seq, world.in_use_seq + 1, world.ring.seq(slot), 0, -1, 2**64 - 1):
-            batch.append([PROTOCOL, head(type="BatchRequest", id=7, dataset="mnist", split="train",
-                                         range=[0, 8], slot=slot, seq=seq)])
+            batch.append(
+                [
+                    PROTOCOL,
+                    head(type="BatchRequest", id=7, dataset="mnist", split="train", range=[0, 8], slot=slot, seq=seq),
+                ]
+            )
     if who == "same":
         batch += world.replays + world.replays[::-1]  # replayed and reordered
     replies = fire(world, peer, world.pserver, batch)
@@ -256,7 +281,7 @@ def hostile_shm(world):
         elif kind == "symlink":
             path.symlink_to(world.ring.segment.path)
         elif kind == "world-readable":
-            path.write_bytes(bytes(world.ring.segment.buf[:lay.size]))
+            path.write_bytes(bytes(world.ring.segment.buf[: lay.size]))
             path.chmod(0o644)
         elif kind == "bad-magic":
             path.write_bytes(b"\xff" * lay.size)
@@ -268,6 +293,7 @@ def hostile_shm(world):
             path.chmod(0o600)
         elif kind == "socket":
             import socket
+
             s = socket.socket(socket.AF_UNIX)
             s.bind(str(path))
             s.close()
@@ -291,20 +317,53 @@ def test_hostile_attach_ring_is_refused_and_counted(world, hostile_shm, data):
     peer = world.peer("provider-local")
     peer.hello(world.token(), host_id=world.host_id)
     lay = world.layout
-    names = data.draw(st.lists(st.one_of(
-        st.sampled_from(["../../etc/passwd", "/dev/shm/" + world.ring.name, world.ring.name + "/..",
-                         world.ring.name + "\n", "batchbus-0-0000000000000000", "batchbus-1-ffffffffffffffff",
-                         "", ".", "..", "a" * 5000, "batchbus-1-" + "0" * 15 + "/"]),
-        st.text(max_size=40),
-        st.sampled_from(SHM_KINDS).map(hostile_shm)), min_size=3, max_size=10))
+    names = data.draw(
+        st.lists(
+            st.one_of(
+                st.sampled_from(
+                    [
+                        "../../etc/passwd",
+                        "/dev/shm/" + world.ring.name,
+                        world.ring.name + "/..",
+                        world.ring.name + "\n",
+                        "batchbus-0-0000000000000000",
+                        "batchbus-1-ffffffffffffffff",
+                        "",
+                        ".",
+                        "..",
+                        "a" * 5000,
+                        "batchbus-1-" + "0" * 15 + "/",
+                    ]
+                ),
+                st.text(max_size=40),
+                st.sampled_from(SHM_KINDS).map(hostile_shm),
+            ),
+            min_size=3,
+            max_size=10,
+        )
+    )
     before = refusals(world.pserver)
     for name in names:
-        geometry = data.draw(st.one_of(
-            st.just((lay.slots, lay.slot_bytes, lay.label_offset)),
-            st.tuples(ABSURD_INTS, ABSURD_INTS, ABSURD_INTS),
-            st.tuples(st.integers(0, 65), st.integers(0, 1 << 31), st.integers(-64, 1 << 20))))
-        peer.send([PROTOCOL, head(type="AttachRing", id=3, name=name, slots=geometry[0],
-                                  slot_bytes=geometry[1], label_offset=geometry[2])])
+        geometry = data.draw(
+            st.one_of(
+                st.just((lay.slots, lay.slot_bytes, lay.label_offset)),
+                st.tuples(ABSURD_INTS, ABSURD_INTS, ABSURD_INTS),
+                st.tuples(st.integers(0, 65), st.integers(0, 1 << 31), st.integers(-64, 1 << 20)),
+            )
+        )
+        peer.send(
+            [
+                PROTOCOL,
+                head(
+                    type="AttachRing",
+                    id=3,
+                    name=name,
+                    slots=geometry[0],
+                    slot_bytes=geometry[1],
+                    label_offset=geometry[2],
+                ),
+            ]
+        )
     replies = peer.drain()
     assert [r["type"] for r in replies] == ["Error"] * len(names), replies
     # at least: a concurrent peer's refusal may land in the same window (seen once, not diagnosed)
@@ -313,8 +372,11 @@ def test_hostile_attach_ring_is_refused_and_counted(world, hostile_shm, data):
 
 
 @settings(max_examples=60, **FUZZ)
-@given(bit=st.integers(0, 10_000), role=st.sampled_from(["trainer", "admin", "provider"]),
-       service=st.sampled_from(["router", "provider"]))
+@given(
+    bit=st.integers(0, 10_000),
+    role=st.sampled_from(["trainer", "admin", "provider"]),
+    service=st.sampled_from(["router", "provider"]),
+)
 def test_tokens_with_a_flipped_bit_open_no_session(world, bit, role, service):
     token = world.token(role).encode()
     pos, b = (bit // 8) % len(token), bit % 8
@@ -340,11 +402,13 @@ def test_tokens_with_a_flipped_bit_open_no_session(world, bit, role, service):
 
 def _same_jwt(a: str, b: str) -> bool:
     """Base64url's spare low bits in a segment's last character decode to the same bytes."""
+
     def parts(t):
         try:
             return [base64.urlsafe_b64decode(p + "=" * (-len(p) % 4)) for p in t.split(".")]
         except Exception:  # noqa: BLE001
             return None
+
     return parts(a) is not None and parts(a) == parts(b)
 
 
@@ -363,14 +427,20 @@ def test_huge_index_frames_are_refused_or_served_without_growing(world):
             peer.send([PROTOCOL, head(type="BatchRequest", id=1, dataset="zeros", split="train"), frame])
             replies = peer.drain()
             assert replies[0]["type"] == "Error" and replies[0]["code"] == code, replies
-        peer.send([PROTOCOL, head(type="BatchRequest", id=2, dataset="zeros", split="train"),
-                   np.zeros(MAX_BATCH_INDICES, "<i8").tobytes()])
+        peer.send(
+            [
+                PROTOCOL,
+                head(type="BatchRequest", id=2, dataset="zeros", split="train"),
+                np.zeros(MAX_BATCH_INDICES, "<i8").tobytes(),
+            ]
+        )
         reply = peer.drain()[0]
         assert reply["type"] == "BatchResponse" and reply["shapes"][0][0] == MAX_BATCH_INDICES
     world.check()
 
 
 # -- the seed corpus -------------------------------------------------------------------------------
+
 
 def corpus_cases() -> list:
     cases = []
@@ -422,8 +492,12 @@ def test_seed_corpus(world, case):
     time.sleep(case.get("settle_s", 0))
     for name in case.get("then", []):  # follow-up requests a legitimate peer makes
         other = world.trainer if name == "Stats@provider" else world.admin
-        msg = {"Stats@router": Stats(), "ListPeers": ListPeers(), "Stats@provider": Stats(),
-               "Resolve@router": Resolve(dataset="evil")}[name]
+        msg = {
+            "Stats@router": Stats(),
+            "ListPeers": ListPeers(),
+            "Stats@provider": Stats(),
+            "Resolve@router": Resolve(dataset="evil"),
+        }[name]
         try:
             other.request(msg)
         except BusError:  # a refusal is an answer; a dead loop is not (world.check finds it)

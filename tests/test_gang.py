@@ -102,8 +102,7 @@ def test_gang_pauses_together_stops_and_resumes_exactly_from_its_checkpoint(clus
     assert ref["state"] == "succeeded"
 
     job = submit(cluster)
-    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 3,
-                 timeout=90)
+    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 3, timeout=90)
     detail = cluster.control(job, "pause")
     assert detail["state"] == "paused" and detail["ack_ms"] < 1000
     time.sleep(0.5)  # the other rank stops at the same step
@@ -142,11 +141,12 @@ def rank_epochs_batches(cluster: JobCluster, job: str) -> dict[int, int]:
 
 def test_a_rank_killed_mid_job_requeues_the_gang_which_resumes_from_its_checkpoint(cluster, train_digests):
     job = submit(cluster)
-    info = cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("checkpoint_step"),
-                        timeout=90)
+    info = cluster.wait(
+        job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("checkpoint_step"), timeout=90
+    )
     rank1 = info["gang"]["members"][1]
     cluster.procs[rank1].kill()  # SIGKILL: rank 0's next collective breaks
-    cluster.start_trainer("g3")   # a new member for the next gang
+    cluster.start_trainer("g3")  # a new member for the next gang
     info = cluster.wait_end(job, timeout=120)
     assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
     events = [e["reason"] for e in info["events"]]
@@ -158,11 +158,11 @@ def test_a_rank_killed_mid_job_requeues_the_gang_which_resumes_from_its_checkpoi
         assert epochs[epoch] == train_digests, f"epoch {epoch}: not every sample once"
 
 
-
 def test_sigterm_to_a_rank_hands_the_gang_back_without_losing_an_attempt(cluster, train_digests):
     job = submit(cluster)
-    info = cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 3,
-                        timeout=90)
+    info = cluster.wait(
+        job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 3, timeout=90
+    )
     rank0, rank1 = info["gang"]["members"]
     cluster.procs[rank1].terminate()  # its trainer is stopping: the whole gang hands the job back
     assert cluster.procs[rank1].wait(30) == 0
@@ -196,7 +196,7 @@ def test_gathering_and_assignment_rules(tmp_path):
     job = store.first_queued()
     assert isinstance(gangs.join("t1", job), NoTask) and store.get(job_id)["state"] == "queued"
     assert isinstance(gangs.task_for("t1"), NoTask)  # waits on its gang, takes nothing else
-    gangs.tick(connected=set())                       # t1 disconnected: it leaves the gathering
+    gangs.tick(connected=set())  # t1 disconnected: it leaves the gathering
     assert gangs.task_for("t1") is None and not gangs.gathering
     assert isinstance(gangs.join("t2", job), NoTask)
     assert isinstance(gangs.join("t1", job), NoTask)  # completes the gang; rank 0 (t2) goes first

@@ -24,8 +24,9 @@ def _ask_until_task(trainer, timeout: float = 10.0) -> Task:
 
 def test_a_gang_that_cannot_gather_releases_its_trainer_to_other_work(router, client_for):
     admin = client_for(router.endpoint, role="admin")
-    gang = admin.request(SubmitJob(spec={"dataset": "mnist", "world_size": 4, "gather_timeout_s": 0.5,
-                                         "priority": 1})).job
+    gang = admin.request(
+        SubmitJob(spec={"dataset": "mnist", "world_size": 4, "gather_timeout_s": 0.5, "priority": 1})
+    ).job
     single = admin.request(SubmitJob(spec={"dataset": "mnist"})).job
     trainer = client_for(router.endpoint, role="trainer")
     assert isinstance(trainer.request(GetTask(key="a")), NoTask)  # joined the gang of 4 (1/4)
@@ -39,8 +40,9 @@ def test_a_gang_that_cannot_gather_releases_its_trainer_to_other_work(router, cl
 def test_gather_policy_fail_and_priorities_on_the_job_database(tmp_path):
     store = JobStore(str(tmp_path / "router.db"))
     gangs = Gangs(store, lease_s=10)
-    failing = store.submit(JobSpec.from_dict({"dataset": "mnist", "world_size": 2, "gather_timeout_s": 5,
-                                              "gather_policy": "fail"}))
+    failing = store.submit(
+        JobSpec.from_dict({"dataset": "mnist", "world_size": 2, "gather_timeout_s": 5, "gather_policy": "fail"})
+    )
     assert isinstance(gangs.join("t1", store.first_queued()), NoTask)
     now = time.monotonic()
     gangs.tick({"t1"}, now=now + 1)

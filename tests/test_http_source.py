@@ -41,7 +41,7 @@ def write_shards(d, rng, sizes=(100, 37, 80, 64)):
     tokens = rng.integers(0, 60000, sum(sizes)).astype("<u2")
     at = 0
     for i, n in enumerate(sizes):
-        (d / f"shard-{i:02d}.bin").write_bytes(tokens[at:at + n].tobytes())
+        (d / f"shard-{i:02d}.bin").write_bytes(tokens[at : at + n].tobytes())
         at += n
     return tokens
 
@@ -72,8 +72,10 @@ def test_token_shards_by_range_read_as_file_does(tmp_path, server):
     assert server.gets()[before:] == [("/tok/shard-00.bin", "bytes=0-191")]
     before = len(server.gets())
     remote.read("train", np.array([0, 1, 4, 2]))  # runs 0-2 and 4
-    assert sorted(server.gets()[before:]) == [("/tok/shard-00.bin", "bytes=0-95"),
-                                              ("/tok/shard-00.bin", "bytes=128-159")]
+    assert sorted(server.gets()[before:]) == [
+        ("/tok/shard-00.bin", "bytes=0-95"),
+        ("/tok/shard-00.bin", "bytes=128-159"),
+    ]
     # sizes learned once, at open: no HEAD after it; requests reuse their thread's keep-alive connection
     heads = [r for r in server.requests if r[0] == "HEAD"]
     assert len(heads) == 4
@@ -129,7 +131,8 @@ def test_raw_arrays_described_by_dataset_toml(tmp_path, server):
     x = np.arange(24, dtype="<f4").reshape(6, 4)
     (d / "train.f32").write_bytes(x.tobytes())
     (d / "train.lbl").write_bytes(np.array([0, 1, 2, 0, 1, 2], np.uint8).tobytes())
-    (d / "dataset.toml").write_text(textwrap.dedent("""
+    (d / "dataset.toml").write_text(
+        textwrap.dedent("""
         val_fraction = 0.0
         [train]
         x = "train.f32"
@@ -137,7 +140,8 @@ def test_raw_arrays_described_by_dataset_toml(tmp_path, server):
         shape = [4]
         y = "train.lbl"
         label_dtype = "uint8"
-    """))
+    """)
+    )
     src = open_source(f"{server.url}/raw/?{FAST}")
     assert src.info()["format"] == "raw" and src.num_samples("train") == 6 and src.num_classes == 3
     got_x, got_y = src.read("train", np.array([5, 2]))
@@ -187,8 +191,11 @@ def test_retries_are_bounded_and_the_error_names_the_url(tmp_path, server):
     src = open_source(f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&{FAST}")
     server.drops = 100
     before = len(server.gets())
-    with pytest.raises(DatasetError, match=rf"GET {server.url}/tok/shard-00.bin \(bytes=0-39\): .* \(after 3 "
-                                           "attempts\\)") as err:
+    with pytest.raises(
+        DatasetError,
+        match=rf"GET {server.url}/tok/shard-00.bin \(bytes=0-39\): .* \(after 3 "
+        "attempts\\)",
+    ) as err:
         src.read("train", np.arange(2))
     assert err.value.code == "UNAVAILABLE" and len(server.gets()) - before == 3
 
@@ -209,16 +216,27 @@ def test_a_server_that_ignores_ranges_is_named(tmp_path, server):
         src.read("train", np.arange(2))
 
 
-@pytest.mark.parametrize("path, query, message", [
-    ("/tok/shard-{00..05}.bin", "seq_len=9&token_bytes=2", r"HEAD http://127\.0\.0\.1:\d+/tok/shard-04.bin: HTTP 404"),
-    ("/tok/", "seq_len=9", "HTTP cannot list a directory"),
-    ("/tok/shard-00.bin", "seq_len=9&token_bytes=2&retries=x", "retries must be an integer, got 'x'"),
-    ("/tok/shard-00.bin", "seq_len=9&token_bytes=2&concurrency=0", "concurrency must be at least 1"),
-    ("/tok/shard-00.bin", "seq_len=9&format=idx", "format 'idx' is not read over HTTP"),
-    ("/tok/shard-{00..01}.bin", "seq_len=9&token_bytes=2&files=a.bin", "give one of files=, manifest= or"),
-    ("/tok/shard-00.bin", "seq_len=9&token_bytes=2&files=a.bin", r"HEAD http://127\.0\.0\.1:\d+/tok/a.bin: HTTP 404"),
-    ("/tok/shard-00.bin", "token_bytes=2", "token shards need a sequence length"),
-])
+@pytest.mark.parametrize(
+    "path, query, message",
+    [
+        (
+            "/tok/shard-{00..05}.bin",
+            "seq_len=9&token_bytes=2",
+            r"HEAD http://127\.0\.0\.1:\d+/tok/shard-04.bin: HTTP 404",
+        ),
+        ("/tok/", "seq_len=9", "HTTP cannot list a directory"),
+        ("/tok/shard-00.bin", "seq_len=9&token_bytes=2&retries=x", "retries must be an integer, got 'x'"),
+        ("/tok/shard-00.bin", "seq_len=9&token_bytes=2&concurrency=0", "concurrency must be at least 1"),
+        ("/tok/shard-00.bin", "seq_len=9&format=idx", "format 'idx' is not read over HTTP"),
+        ("/tok/shard-{00..01}.bin", "seq_len=9&token_bytes=2&files=a.bin", "give one of files=, manifest= or"),
+        (
+            "/tok/shard-00.bin",
+            "seq_len=9&token_bytes=2&files=a.bin",
+            r"HEAD http://127\.0\.0\.1:\d+/tok/a.bin: HTTP 404",
+        ),
+        ("/tok/shard-00.bin", "token_bytes=2", "token shards need a sequence length"),
+    ],
+)
 def test_bad_http_uris_are_refused_at_open(tmp_path, server, path, query, message):
     write_shards(tmp_path / "tok", np.random.default_rng(10))
     with pytest.raises(DatasetError, match=message):
@@ -251,19 +269,19 @@ def test_the_provider_serves_an_http_dataset(tmp_path, server, start_provider, c
     assert issubclass(Unavailable, BusError)
 
 
-def test_a_loader_on_this_host_gets_http_batches_through_the_shm_ring(tmp_path, server, start_provider,
-                                                                    make_token):
+def test_a_loader_on_this_host_gets_http_batches_through_the_shm_ring(tmp_path, server, start_provider, make_token):
     write_shards(tmp_path / "tok", np.random.default_rng(13), sizes=(700, 500))
     uri = f"{server.url}/tok/shard-{{00..01}}.bin?seq_len=15&token_bytes=2&{FAST}"
     provider = start_provider(f"web={uri}")
     source = open_source(uri)
-    with RemoteLoader("web", provider=provider.endpoint, token=make_token(), batch_size=16, seed=4,
-                      inflight=2) as loader:
+    with RemoteLoader(
+        "web", provider=provider.endpoint, token=make_token(), batch_size=16, seed=4, inflight=2
+    ) as loader:
         assert loader.transport == "shm"
         order = epoch_order(loader.num_samples, epoch=0, seed=4, shuffle=True)
         start = 0
         for x, _ in loader:  # the provider's range reads land straight in the ring's slots
-            assert np.array_equal(x.numpy(), source.read("train", order[start:start + len(x)])[0])
+            assert np.array_equal(x.numpy(), source.read("train", order[start : start + len(x)])[0])
             start += len(x)
         assert start == loader.num_samples == 67
     assert provider.service.handler.served["web"]["shm_batches"] == len(loader)
@@ -274,15 +292,22 @@ def self_signed(d) -> tuple:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "batchbus test")])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
     (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (d / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                  serialization.NoEncryption()))
+    (d / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return d / "cert.pem", d / "key.pem"
 
 

@@ -38,12 +38,13 @@ def nearest_mean_accuracy(x: np.ndarray, y: np.ndarray, tx: np.ndarray, ty: np.n
     around a class pattern it is the optimal rule, so it measures what this data allows a classifier."""
     train, test = (a.reshape(len(a), -1).astype(np.float64) for a in (x, tx))
     means = np.stack([train[y == c].mean(0) for c in range(10)])
-    dist = (test ** 2).sum(1)[:, None] - 2 * test @ means.T + (means ** 2).sum(1)[None]
+    dist = (test**2).sum(1)[:, None] - 2 * test @ means.T + (means**2).sum(1)[None]
     return float((dist.argmin(1) == ty).mean())
 
 
 def test_a_job_trains_the_mlp_on_idx_files_to_the_accuracy_the_data_allows(
-        tmp_path, router, start_provider, trainer, client_for, make_token):  # noqa: F811 - pytest fixture
+    tmp_path, router, start_provider, trainer, client_for, make_token
+):  # noqa: F811 - pytest fixture
     source = open_source(MOCK)
     x, y = source.read("train", np.arange(source.num_samples("train")))
     tx, ty = source.read("test", np.arange(source.num_samples("test")))
@@ -62,20 +63,37 @@ def test_a_job_trains_the_mlp_on_idx_files_to_the_accuracy_the_data_allows(
     provider = start_provider(f"digits=file://{data}", assigned_only=True)
     admin = client_for(router.endpoint, role="admin")
     # a dataset-scoped token: this provider serves unscoped trainers only their job's dataset
-    info = client_for(provider.endpoint, token=make_token(datasets=["digits"])).request(
-        DatasetInfoRequest(dataset="digits")).info
+    info = (
+        client_for(provider.endpoint, token=make_token(datasets=["digits"]))
+        .request(DatasetInfoRequest(dataset="digits"))
+        .info
+    )
     assert (info["format"], info["dtype"], info["sample_shape"]) == ("idx", "uint8", [1, 28, 28])
     assert {s: v["num_samples"] for s, v in info["splits"].items()} == {"train": 2700, "val": 300, "test": 600}
 
-    job = admin.request(SubmitJob(spec={"dataset": "digits", "model": "mlp", "epochs": 2, "batch_size": 32,
-                                        "lr": 1e-3, "seed": 0, "shuffle": "block", "block_size": 256})).job
+    job = admin.request(
+        SubmitJob(
+            spec={
+                "dataset": "digits",
+                "model": "mlp",
+                "epochs": 2,
+                "batch_size": 32,
+                "lr": 1e-3,
+                "seed": 0,
+                "shuffle": "block",
+                "block_size": 256,
+            }
+        )
+    ).job
     done = wait_job(admin, job, timeout=60)
     assert done["state"] == "succeeded", done.get("error")
     assert (done["spec"]["shuffle"], done["spec"]["block_size"]) == ("block", 256)
     result = done["result"]
-    print(f"mlp on uint8 IDX {MOCK}: nearest-mean {allows:.4f}, val acc {result['val_accuracy']:.4f}, "
-          f"provider-side test acc {result['test_accuracy']:.4f} (n={result['test_n']}), "
-          f"val losses {[round(e['val_loss'], 3) for e in result['history']]}")
+    print(
+        f"mlp on uint8 IDX {MOCK}: nearest-mean {allows:.4f}, val acc {result['val_accuracy']:.4f}, "
+        f"provider-side test acc {result['test_accuracy']:.4f} (n={result['test_n']}), "
+        f"val losses {[round(e['val_loss'], 3) for e in result['history']]}"
+    )
     # Within 3 points of the near-optimal rule, on val (300 samples) and on the provider's private
     # test split (600): at 0.99 a binomial std on 300 samples is 0.6 points. Chance is 0.1.
     assert result["val_accuracy"] >= allows - 0.03

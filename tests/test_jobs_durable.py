@@ -52,8 +52,10 @@ def assert_exactly_once(cluster: JobCluster, job: str, train_digests: Counter) -
     epochs = effective_epochs(cluster.audit, job)
     assert sorted(epochs) == list(range(SPEC["epochs"]))
     for epoch, seen in epochs.items():
-        assert seen == train_digests, f"epoch {epoch}: {sum((seen - train_digests).values())} extra, " \
-                                      f"{sum((train_digests - seen).values())} missing samples"
+        assert seen == train_digests, (
+            f"epoch {epoch}: {sum((seen - train_digests).values())} extra, "
+            f"{sum((train_digests - seen).values())} missing samples"
+        )
 
 
 def pause_then_resume(cluster: JobCluster, job: str, trainer: str) -> dict:
@@ -79,15 +81,23 @@ def resumed_from(cluster: JobCluster, job: str, trainer: str) -> int:
 
 
 def test_trainer_killed_mid_epoch_another_resumes_exactly(cluster, train_digests):
-    reference = cluster.submit()                 # the uninterrupted run, on one trainer
-    job = cluster.submit()                       # the run to interrupt, on the other
-    watch = cluster.spawn("watch", "job", "watch", job, env={"COLUMNS": "200"}, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+    reference = cluster.submit()  # the uninterrupted run, on one trainer
+    job = cluster.submit()  # the run to interrupt, on the other
+    watch = cluster.spawn(
+        "watch",
+        "job",
+        "watch",
+        job,
+        env={"COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     victim = cluster.wait(job, lambda i: i["state"] == "running")["trainer"]
     pause_then_resume(cluster, job, victim)
     cluster.procs[victim].send_signal(signal.SIGKILL)  # mid-epoch, between checkpoints
     cluster.procs[victim].wait(10)
-    cluster.start_trainer("t3")                  # two trainers again for the next tests
+    cluster.start_trainer("t3")  # two trainers again for the next tests
     ref = cluster.wait_end(reference)
     assert ref["state"] == "succeeded", ref["error"]
     info = cluster.wait_end(job)
@@ -133,8 +143,9 @@ def test_router_killed_mid_job_training_goes_on(cluster, train_digests):
     info = cluster.wait_end(job)
     assert info["state"] == "succeeded", info["error"]
     # the trainer trained while the router was down, and kept the job (no requeue)
-    stamps = [json.loads(line)["t"] for p in cluster.audit.glob(f"{job}.*.jsonl")
-              for line in p.read_bytes().splitlines()[1:]]
+    stamps = [
+        json.loads(line)["t"] for p in cluster.audit.glob(f"{job}.*.jsonl") for line in p.read_bytes().splitlines()[1:]
+    ]
     assert any(killed < t < restarted for t in stamps)
     assert [e["state"] for e in info["events"]] == ["queued", "running", "succeeded"]
     assert info["events"][:2] == before["events"][:2] and info["attempts"] == 1
@@ -159,25 +170,33 @@ def test_commands_from_the_cli_are_acknowledged(cluster):
     assert f"checkpoint step {ckpt['step']} epoch {ckpt['epoch']}: {ckpt['path']} sha256 {ckpt['sha256']}" in out
     assert cluster.trained_batches(job, trainer) == before
     assert hashlib.sha256(Path(ckpt["path"]).read_bytes()).hexdigest() == ckpt["sha256"]
-    assert ckpt["step"] == before                    # taken exactly where training paused
+    assert ckpt["step"] == before  # taken exactly where training paused
     with pytest.raises(BadRequest, match="lr must be positive"):
         cluster.control(job, "set", lr=-1.0)
-    detail = json.loads(busctl("job", "set", job, "lr=0.0005", "weight_decay=0.01", "--json", env=env, check=True).stdout)
+    detail = json.loads(
+        busctl("job", "set", job, "lr=0.0005", "weight_decay=0.01", "--json", env=env, check=True).stdout
+    )
     assert detail["acked"] and detail["spec"]["lr"] == 0.0005 and detail["ack_ms"] < 1000
     assert cluster.control(job, "resume")["state"] == "running"
     cluster.wait(job, lambda i: (i["progress"] or {}).get("step", 0) > ckpt["step"] + 2)
-    cluster.control(job, "pause")                    # (a running trainer prunes old checkpoints)
+    cluster.control(job, "pause")  # (a running trainer prunes old checkpoints)
     after = cluster.control(job, "checkpoint")["checkpoint"]
     with safe_open(after["path"], "pt") as fh:
         groups = json.loads(fh.metadata()["optim"])["param_groups"]
-    assert {(g["lr"], g["weight_decay"]) for g in groups} == {(0.0005, 0.01)}   # the optimizer has it
+    assert {(g["lr"], g["weight_decay"]) for g in groups} == {(0.0005, 0.01)}  # the optimizer has it
     assert "stopping" in busctl("job", "stop", job, env=env, check=True).stdout
     info = cluster.wait_end(job)
     assert info["state"] == "stopped" and info["spec"]["lr"] == 0.0005
     shown = busctl("job", "show", job, "--progress", "1000", env=env, check=True).stdout
-    assert " paused   epoch " in shown                 # the progress history has the paused reports
-    for word in ("pause acknowledged by", "checkpoint acknowledged by", "set lr=0.0005 weight_decay=0.01",
-                 "resume acknowledged by", "stop acknowledged by", "stopped on"):
+    assert " paused   epoch " in shown  # the progress history has the paused reports
+    for word in (
+        "pause acknowledged by",
+        "checkpoint acknowledged by",
+        "set lr=0.0005 weight_decay=0.01",
+        "resume acknowledged by",
+        "stop acknowledged by",
+        "stopped on",
+    ):
         assert word in shown, shown
     # a stopped job resumes from the checkpoint its trainer wrote as it stopped
     assert cluster.control(job, "resume")["resume"]["step"] == info["result"]["checkpoint"]["step"]
@@ -192,14 +211,14 @@ def test_sigterm_hands_the_job_back_and_another_trainer_finishes(cluster, train_
     first = info["trainer"]
     pause_then_resume(cluster, job, first)
     cluster.procs[first].send_signal(signal.SIGTERM)
-    assert cluster.procs[first].wait(20) == 0          # drains and exits 0, as systemd expects
-    info = cluster.wait_end(job)                     # the other trainer, idle until now, finishes it
+    assert cluster.procs[first].wait(20) == 0  # drains and exits 0, as systemd expects
+    info = cluster.wait_end(job)  # the other trainer, idle until now, finishes it
     heir = info["trainer"]
     assert info["state"] == "succeeded" and heir != first, info["error"]
     back = next(e for e in info["events"] if "handed back" in e["reason"])
     assert back["state"] == "queued" and back["reason"].startswith(f"handed back by {first}")
-    assert info["failures"] == 0                     # a hand-back is not a lost attempt
-    last = [c for c in info["checkpoints"] if c["trainer"] == first][-1]   # written as it stopped
+    assert info["failures"] == 0  # a hand-back is not a lost attempt
+    last = [c for c in info["checkpoints"] if c["trainer"] == first][-1]  # written as it stopped
     assert last["step"] > 0 and resumed_from(cluster, job, heir) == last["step"]
     assert_exactly_once(cluster, job, train_digests)
 
@@ -212,7 +231,7 @@ def test_provider_killed_mid_job_the_attempt_is_retried_from_its_checkpoint(clus
     provider.wait(10)
     # nothing serves mnist for longer than provider_wait_s: the attempt fails, retryable
     cluster.wait(job, lambda i: i["failures"] >= 1)
-    cluster.start_provider(bind=cluster.provider_endpoint)   # back, same data
+    cluster.start_provider(bind=cluster.provider_endpoint)  # back, same data
     cluster.endpoint_of("provider")
     info = cluster.wait_end(job)
     assert info["state"] == "succeeded", info["error"]
@@ -220,7 +239,8 @@ def test_provider_killed_mid_job_the_attempt_is_retried_from_its_checkpoint(clus
     # attempt resumed from the last checkpoint
     reasons = [e["reason"] for e in info["events"]]
     # (a second attempt may also have found no provider yet; max_attempts is 3)
-    assert info["failures"] >= 1 and any(r.startswith("attempt failed on") and "PeerTimeout" in r
-                                         for r in reasons), reasons
+    assert info["failures"] >= 1 and any(r.startswith("attempt failed on") and "PeerTimeout" in r for r in reasons), (
+        reasons
+    )
     assert any("(resumes from step" in r for r in reasons), reasons
     assert_exactly_once(cluster, job, train_digests)

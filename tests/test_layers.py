@@ -60,7 +60,7 @@ def _imports(name: str) -> list[tuple[str, list[str], int]]:
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
-                anchor = anchor[:len(anchor) - node.level + 1]
+                anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
             names = [a.name for a in node.names]
             subs = [n for n in names if f"{base}.{n}" in modules]
@@ -154,8 +154,10 @@ def test_test_files_import_helpers_only_from_tests_support():
         for target, _, line in _imports(name):
             if target.startswith("tests") and not target.startswith("tests.support"):
                 wrong.append(f"{_modules()[name].relative_to(REPO)}:{line} imports {target}")
-    assert not wrong, ("a test file imports another test file or conftest; shared helpers go in "
-                       "tests/support/, fixtures in conftest.py:\n" + "\n".join(wrong))
+    assert not wrong, (
+        "a test file imports another test file or conftest; shared helpers go in "
+        "tests/support/, fixtures in conftest.py:\n" + "\n".join(wrong)
+    )
 
 
 def test_the_checks_see_the_import_forms_they_police(tmp_path):

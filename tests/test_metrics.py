@@ -18,6 +18,7 @@ from tests.support import busctl, run_service, scrape, value
 @pytest.fixture
 def metered_router(make_settings):
     from services.router.app import RouterService
+
     settings = make_settings(bind="tcp://127.0.0.1:0", metrics_bind="127.0.0.1:0", name="router-m")
     running = run_service(RouterService(settings), settings)
     yield running
@@ -70,6 +71,7 @@ def test_provider_counters_follow_what_was_served_and_refused(start_provider, cl
 
 def test_router_exports_sessions_peers_and_jobs(metered_router, make_settings, client_for):
     from services.provider.app import ProviderService
+
     settings = make_settings(router=metered_router.endpoint, datasets=["mnist=mock://mnist?n=60"])
     provider = run_service(ProviderService(settings), settings)
     try:
@@ -102,13 +104,22 @@ def test_latency_histogram_buckets_are_cumulative():
 
 
 def test_busctl_start_takes_metrics_bind(tmp_path):
-    out = busctl("start", "router", "--bind", "tcp://127.0.0.1:0", "--metrics-bind", "nowhere",
-                 env={"BATCHBUS_STATE_DIR": str(tmp_path)}, timeout=30)
+    out = busctl(
+        "start",
+        "router",
+        "--bind",
+        "tcp://127.0.0.1:0",
+        "--metrics-bind",
+        "nowhere",
+        env={"BATCHBUS_STATE_DIR": str(tmp_path)},
+        timeout=30,
+    )
     assert out.returncode != 0 and "metrics_bind must be HOST:PORT" in out.stderr + out.stdout
 
 
 def test_trainer_exports_its_link_and_jobs(router, make_settings):
     from services.trainer.app import TrainerService
+
     service = TrainerService(make_settings(router=router.endpoint, name="trainer-m", metrics_bind="127.0.0.1:0"))
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,), daemon=True)

@@ -97,10 +97,16 @@ class Host:
         self.net, self.name = net, name
         self.state = root / name
         (self.state / "curve" / "authorized").mkdir(parents=True)
-        self.env = {**os.environ, "BATCHBUS_STATE_DIR": str(self.state), "BATCHBUS_CURVE": "1",
-                    "BATCHBUS_TOKEN_ALG": "EdDSA", "BATCHBUS_HOST_ID": host_id,
-                    "BATCHBUS_HEARTBEAT_MS": "200", "BATCHBUS_TORCH_THREADS": "1",
-                    "PYTHONPATH": str(REPO)}
+        self.env = {
+            **os.environ,
+            "BATCHBUS_STATE_DIR": str(self.state),
+            "BATCHBUS_CURVE": "1",
+            "BATCHBUS_TOKEN_ALG": "EdDSA",
+            "BATCHBUS_HOST_ID": host_id,
+            "BATCHBUS_HEARTBEAT_MS": "200",
+            "BATCHBUS_TORCH_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+        }
         self.procs: list[subprocess.Popen] = []
 
     def cmd(self, *args: str) -> list[str]:
@@ -108,20 +114,27 @@ class Host:
 
     def start(self, role: str, *args: str, env: dict) -> subprocess.Popen:
         log = open(self.state / f"{role}.log", "a")
-        proc = subprocess.Popen(self.cmd("-m", "cli", "start", role, *args), env={**self.env, **env},
-                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            self.cmd("-m", "cli", "start", role, *args),
+            env={**self.env, **env},
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         self.procs.append(proc)
         return proc
 
     def busctl(self, *args: str, env: dict) -> subprocess.CompletedProcess:
-        out = subprocess.run(self.cmd("-m", "cli", *args), env={**self.env, **env}, cwd=REPO,
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            self.cmd("-m", "cli", *args), env={**self.env, **env}, cwd=REPO, capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, f"busctl {' '.join(args)} on {self.name}: {out.stderr}"
         return out
 
     def python(self, code: str, env: dict | None = None) -> dict:
-        out = subprocess.run(self.cmd("-c", code), env={**self.env, **(env or {})}, cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            self.cmd("-c", code), env={**self.env, **(env or {})}, cwd=REPO, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -166,14 +179,24 @@ def test_a_job_trains_across_three_hosts_with_curve_and_a_fourth_gets_nothing(tm
         def token(sub: str, role: str) -> str:
             return issue_token(sign, sub=sub, role=role, audience=CLUSTER, ttl_s=3600, algorithm="EdDSA")
 
-        for name, host_id in (("router", "host-r"), ("provider", "host-p"), ("trainer", "host-t"),
-                              ("intruder", "host-x")):
+        for name, host_id in (
+            ("router", "host-r"),
+            ("provider", "host-p"),
+            ("trainer", "host-t"),
+            ("intruder", "host-x"),
+        ):
             hosts[name] = Host(net, name, tmp_path, host_id)
             shutil.copy(public, hosts[name].state / "token.pub")
-        keys = {n: generate_keys(admin_dir / "keys", n) for n in
-                ("router", "provider", "trainer", "trainer-local", "admin", "intruder-listed")}
-        placement = {"router": ["router", "admin"], "provider": ["provider", "trainer-local"],
-                     "trainer": ["trainer"], "intruder": ["intruder-listed"]}
+        keys = {
+            n: generate_keys(admin_dir / "keys", n)
+            for n in ("router", "provider", "trainer", "trainer-local", "admin", "intruder-listed")
+        }
+        placement = {
+            "router": ["router", "admin"],
+            "provider": ["provider", "trainer-local"],
+            "trainer": ["trainer"],
+            "intruder": ["intruder-listed"],
+        }
         for host, names in placement.items():
             for n in names:
                 shutil.copy(keys[n][1], hosts[host].state / "curve" / f"{n}.key_secret")
@@ -187,28 +210,61 @@ def test_a_job_trains_across_three_hosts_with_curve_and_a_fourth_gets_nothing(tm
             shutil.copy(keys[n][0], hosts["provider"].state / "curve" / "authorized")
 
         r, p, t, x = (hosts[n] for n in ("router", "provider", "trainer", "intruder"))
-        admin_env = {"BATCHBUS_TOKEN": token("admin", "admin"),
-                     "BATCHBUS_CURVE_KEY_FILE": str(r.state / "curve" / "admin.key_secret")}
+        admin_env = {
+            "BATCHBUS_TOKEN": token("admin", "admin"),
+            "BATCHBUS_CURVE_KEY_FILE": str(r.state / "curve" / "admin.key_secret"),
+        }
         router_ep = f"tcp://{net.addr('router')}:5555"
         r.start("router", "--bind", router_ep, "--ready-file", str(r.state / "ready"), env={})
         wait_file(r.state / "ready", r.procs)
-        p.start("provider", "--router", router_ep, "--bind", f"tcp://{net.addr('provider')}:0",
-                "--dataset", "mnist=mock://mnist?n=600", "--ready-file", str(p.state / "ready"),
-                env={"BATCHBUS_TOKEN": token("provider", "provider")})
+        p.start(
+            "provider",
+            "--router",
+            router_ep,
+            "--bind",
+            f"tcp://{net.addr('provider')}:0",
+            "--dataset",
+            "mnist=mock://mnist?n=600",
+            "--ready-file",
+            str(p.state / "ready"),
+            env={"BATCHBUS_TOKEN": token("provider", "provider")},
+        )
         provider_ep = wait_file(p.state / "ready", p.procs)
         assert provider_ep.startswith(f"tcp://{net.addr('provider')}:")
 
         def run_job(trainer_host: Host, name: str) -> dict:
-            trainer = trainer_host.start("trainer", "--router", router_ep, "--name", name, env={
-                "BATCHBUS_TOKEN": token(name, "trainer"),
-                "BATCHBUS_CURVE_KEY_FILE": str(trainer_host.state / "curve" / f"{name}.key_secret")})
-            job = r.busctl("submit", "--router", router_ep, "--dataset", "mnist", "--model", "mlp",
-                           "--epochs", "1", "--batch-size", "50", "--json", env=admin_env)
+            trainer = trainer_host.start(
+                "trainer",
+                "--router",
+                router_ep,
+                "--name",
+                name,
+                env={
+                    "BATCHBUS_TOKEN": token(name, "trainer"),
+                    "BATCHBUS_CURVE_KEY_FILE": str(trainer_host.state / "curve" / f"{name}.key_secret"),
+                },
+            )
+            job = r.busctl(
+                "submit",
+                "--router",
+                router_ep,
+                "--dataset",
+                "mnist",
+                "--model",
+                "mlp",
+                "--epochs",
+                "1",
+                "--batch-size",
+                "50",
+                "--json",
+                env=admin_env,
+            )
             job_id = json.loads(job.stdout)["job"]
             deadline = time.monotonic() + 120
             while True:
-                info = json.loads(r.busctl("job", "show", job_id, "--router", router_ep, "--json",
-                                           env=admin_env).stdout)
+                info = json.loads(
+                    r.busctl("job", "show", job_id, "--router", router_ep, "--json", env=admin_env).stdout
+                )
                 if info["state"] in ("succeeded", "failed", "stopped"):
                     break
                 assert trainer.poll() is None, f"trainer exited {trainer.returncode}"
@@ -218,21 +274,26 @@ def test_a_job_trains_across_three_hosts_with_curve_and_a_fourth_gets_nothing(tm
             assert trainer.wait(30) == 0
             return info
 
-        remote = run_job(t, "trainer")                     # another host: batches over the socket
+        remote = run_job(t, "trainer")  # another host: batches over the socket
         assert remote["state"] == "succeeded", remote.get("error")
         assert remote["progress"]["transport"] == "socket"
         assert remote["result"]["val_accuracy"] > 0.8 and remote["result"]["test_n"] > 0
-        local = run_job(p, "trainer-local")                # beside the provider: shared memory
+        local = run_job(p, "trainer-local")  # beside the provider: shared memory
         assert local["state"] == "succeeded", local.get("error")
         assert local["progress"]["transport"] == "shm"
 
         # The fourth host: nothing without a listed key and a token this cluster signed.
         router_key = (r.state / "curve" / "router.key").read_text()
-        provider_key = next(line.split("=", 1)[1].strip().strip('"') for line in
-                            (p.state / "curve" / "provider.key_secret").read_text().splitlines()
-                            if line.strip().startswith("public-key"))
-        router_pub = next(line.split("=", 1)[1].strip().strip('"') for line in router_key.splitlines()
-                          if line.strip().startswith("public-key"))
+        provider_key = next(
+            line.split("=", 1)[1].strip().strip('"')
+            for line in (p.state / "curve" / "provider.key_secret").read_text().splitlines()
+            if line.strip().startswith("public-key")
+        )
+        router_pub = next(
+            line.split("=", 1)[1].strip().strip('"')
+            for line in router_key.splitlines()
+            if line.strip().startswith("public-key")
+        )
         stray = generate_keys(x.state / "curve", "stray")[1]
         listed = x.state / "curve" / "intruder-listed.key_secret"
         forged = issue_token(b"x" * 32, sub="intruder-listed", role="trainer", audience=CLUSTER)
@@ -242,18 +303,28 @@ def test_a_job_trains_across_three_hosts_with_curve_and_a_fourth_gets_nothing(tm
             ["provider, no CURVE", provider_ep, "", "", stolen_sub, "trainer", "batch"],
             ["router, unlisted key", router_ep, router_pub, str(stray), forged, "admin", "jobs"],
             ["provider, unlisted key", provider_ep, provider_key, str(stray), forged, "trainer", "batch"],
-            ["provider, listed key, forged token", provider_ep, provider_key, str(listed), forged, "trainer",
-             "batch"],
-            ["provider, listed key, another node's token", provider_ep, provider_key, str(listed), stolen_sub,
-             "trainer", "batch"],
+            ["provider, listed key, forged token", provider_ep, provider_key, str(listed), forged, "trainer", "batch"],
+            [
+                "provider, listed key, another node's token",
+                provider_ep,
+                provider_key,
+                str(listed),
+                stolen_sub,
+                "trainer",
+                "batch",
+            ],
         ]
         got = x.python(PROBE.replace("sys.argv[1]", repr(json.dumps(attempts))))
         # (an unlisted key's handshake is refused by the ZAP handler: the client sees it on its
         # socket monitor and says so; a client with no CURVE at all never even completes a greeting)
-        assert got == {"router, no CURVE": "TIMEOUT", "provider, no CURVE": "TIMEOUT",
-                       "router, unlisted key": "AUTH_INVALID", "provider, unlisted key": "AUTH_INVALID",
-                       "provider, listed key, forged token": "AUTH_INVALID",
-                       "provider, listed key, another node's token": "FORBIDDEN"}, got
+        assert got == {
+            "router, no CURVE": "TIMEOUT",
+            "provider, no CURVE": "TIMEOUT",
+            "router, unlisted key": "AUTH_INVALID",
+            "provider, unlisted key": "AUTH_INVALID",
+            "provider, listed key, forged token": "AUTH_INVALID",
+            "provider, listed key, another node's token": "FORBIDDEN",
+        }, got
         for host in (p, r):
             assert host.stop() == [0] * len(host.procs), f"{host.name} did not exit 0 on SIGTERM"
     finally:

@@ -29,8 +29,15 @@ def png(a: np.ndarray) -> bytes:
 def write_images(root, rng, splits=(("train", 2, 30), ("test", 1, 9)), names=("zero", "one", "two")):
     """HF-style ``data/{split}-0000i-of-0000n.parquet`` of 6x5 grey PNGs with ClassLabel metadata."""
     (root / "data").mkdir(parents=True)
-    meta = {b"huggingface": json.dumps({"info": {"features": {
-        "image": {"_type": "Image"}, "label": {"_type": "ClassLabel", "names": list(names)}}}}).encode()}
+    meta = {
+        b"huggingface": json.dumps(
+            {
+                "info": {
+                    "features": {"image": {"_type": "Image"}, "label": {"_type": "ClassLabel", "names": list(names)}}
+                }
+            }
+        ).encode()
+    }
     out = {}
     for split, shards, n in splits:
         x = rng.integers(0, 256, (n, 6, 5), dtype=np.uint8)
@@ -77,8 +84,9 @@ def test_jpeg_bytes_decode_as_pillow_does(tmp_path):
         buf = io.BytesIO()
         Image.fromarray(rng.integers(0, 256, (8, 7, 3), dtype=np.uint8)).save(buf, format="JPEG")
         blobs.append(buf.getvalue())
-    pq.write_table(pa.table({"img": pa.array(blobs, pa.binary()), "target": [0, 1, 0, 1, 1]}),
-                   tmp_path / "train.parquet")
+    pq.write_table(
+        pa.table({"img": pa.array(blobs, pa.binary()), "target": [0, 1, 0, 1, 1]}), tmp_path / "train.parquet"
+    )
     src = open_source(f"parquet://{tmp_path}?val_fraction=0")
     x, y = src.read("train", np.arange(5))
     assert x.shape == (5, 3, 8, 7) and y.tolist() == [0, 1, 0, 1, 1]
@@ -94,8 +102,11 @@ def test_list_columns_in_subsets_with_validation_files(tmp_path):
             feats = rng.standard_normal((n, 2, 3)).astype(np.float32)
             data[subset, split] = feats
             column = pa.array([f.tolist() for f in feats], pa.list_(pa.list_(pa.float32())))
-            pq.write_table(pa.table({"features": column, "labels": rng.integers(0, 4, n)}),
-                           tmp_path / subset / f"{split}-00000-of-00001.parquet", row_group_size=5)
+            pq.write_table(
+                pa.table({"features": column, "labels": rng.integers(0, 4, n)}),
+                tmp_path / subset / f"{split}-00000-of-00001.parquet",
+                row_group_size=5,
+            )
     with pytest.raises(DatasetError, match=r"2 subsets \(big, small\); choose one with \?subset=NAME"):
         open_source(f"parquet://{tmp_path}")
     src = open_source(f"parquet://{tmp_path}?subset=big&label=labels&column=features")
@@ -111,8 +122,11 @@ def test_classes_are_counted_from_statistics_or_labels(tmp_path, statistics):
     pq.write_table(table, tmp_path / "train.parquet", row_group_size=2, write_statistics=statistics)
     src = open_source(f"parquet://{tmp_path}?val_fraction=0")
     assert src.num_classes == 5 and src.class_names == ["0", "1", "2", "3", "4"]
-    pq.write_table(table.set_column(1, "label", pa.array([0, 1, -1, 0, 0, 0])), tmp_path / "train.parquet",
-                   write_statistics=statistics)
+    pq.write_table(
+        table.set_column(1, "label", pa.array([0, 1, -1, 0, 0, 0])),
+        tmp_path / "train.parquet",
+        write_statistics=statistics,
+    )
     with pytest.raises(DatasetError, match="label -1 is negative"):
         open_source(f"parquet://{tmp_path}")
 
@@ -129,21 +143,25 @@ def test_token_lists_of_one_length_and_a_row_that_differs(tmp_path):
 
 
 def test_numeric_columns_side_by_side_and_no_labels(tmp_path):
-    pq.write_table(pa.table({"a": [1.0, 2.0, 3.0], "b": [10, 20, 30], "note": ["x", "y", "z"]}),
-                   tmp_path / "train.parquet")
+    pq.write_table(
+        pa.table({"a": [1.0, 2.0, 3.0], "b": [10, 20, 30], "note": ["x", "y", "z"]}), tmp_path / "train.parquet"
+    )
     src = open_source(f"file://{tmp_path}?column=a,b&label=&val_fraction=0")
     assert src.info()["format"] == "parquet" and src.label_shape == (0,)
     x, y = src.read("train", np.array([2, 0]))
     assert x.tolist() == [[3.0, 30.0], [1.0, 10.0]] and y.shape == (2, 0)
 
 
-@pytest.mark.parametrize("query, message", [
-    ("column=pixels", "no column 'pixels'; the columns are image, label"),
-    ("label=klass", "no label column 'klass'"),
-    ("subset=nope", "no subset folder 'nope'"),
-    ("cache_mb=-1", "cache_mb must be a positive number"),
-    ("val_fraction=1.5", r"val_fraction must be a number in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "query, message",
+    [
+        ("column=pixels", "no column 'pixels'; the columns are image, label"),
+        ("label=klass", "no label column 'klass'"),
+        ("subset=nope", "no subset folder 'nope'"),
+        ("cache_mb=-1", "cache_mb must be a positive number"),
+        ("val_fraction=1.5", r"val_fraction must be a number in \[0, 1\)"),
+    ],
+)
 def test_bad_parameters_are_named(tmp_path, query, message):
     write_images(tmp_path, np.random.default_rng(5), splits=(("train", 1, 8),))
     with pytest.raises(DatasetError, match=message):

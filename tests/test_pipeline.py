@@ -23,7 +23,9 @@ name = "images"
 source = { uri = "mock://cifar10?n=200" }
 """
 
-AUGMENT = SOURCE + """
+AUGMENT = (
+    SOURCE
+    + """
 [[stages]]
 name = "norm"
 input = "images"
@@ -37,6 +39,7 @@ name = "flip"
 input = "crop"
 flip = {}
 """
+)
 
 
 @pytest.fixture
@@ -67,66 +70,112 @@ def read(p: Pipeline, split: str, indices, epoch: int = 0) -> tuple[np.ndarray, 
 # -- the factory refuses bad pipelines, naming the stage ------------------------------------------
 
 REFUSALS = {
-    "no type": (SOURCE + '[[stages]]\nname = "norm"\ninput = "images"\n',
-                ["stage 'norm' has no type", "give exactly one of source, normalize"]),
-    "two types": (SOURCE + '[[stages]]\nname = "aug"\ninput = "images"\nflip = {}\nnormalize = {}\n',
-                  ["stage 'aug' has 2 types (flip, normalize)"]),
-    "unknown input": (SOURCE + '[[stages]]\nname = "flip"\ninput = "imgs"\nflip = {}\n',
-                      ["stage 'flip' reads input 'imgs', which is not a stage; stages: images, flip"]),
+    "no type": (
+        SOURCE + '[[stages]]\nname = "norm"\ninput = "images"\n',
+        ["stage 'norm' has no type", "give exactly one of source, normalize"],
+    ),
+    "two types": (
+        SOURCE + '[[stages]]\nname = "aug"\ninput = "images"\nflip = {}\nnormalize = {}\n',
+        ["stage 'aug' has 2 types (flip, normalize)"],
+    ),
+    "unknown input": (
+        SOURCE + '[[stages]]\nname = "flip"\ninput = "imgs"\nflip = {}\n',
+        ["stage 'flip' reads input 'imgs', which is not a stage; stages: images, flip"],
+    ),
     "no input": (SOURCE + '[[stages]]\nname = "flip"\nflip = {}\n', ["stage 'flip' needs an input"]),
-    "cycle": (SOURCE + '[[stages]]\nname = "a"\ninput = "b"\nflip = {}\n'
-                       '[[stages]]\nname = "b"\ninput = "a"\nflip = {}\n',
-              ["stages form a cycle", "never reaches a source"]),
+    "cycle": (
+        SOURCE + '[[stages]]\nname = "a"\ninput = "b"\nflip = {}\n[[stages]]\nname = "b"\ninput = "a"\nflip = {}\n',
+        ["stages form a cycle", "never reaches a source"],
+    ),
     "self loop": (SOURCE + '[[stages]]\nname = "a"\ninput = "a"\nflip = {}\n', ["cycle: a -> a"]),
     "no source": ('[[stages]]\nname = "a"\nflip = {}\n', ["no source stage; add one with source = { uri"]),
-    "only transforms": ('[[stages]]\nname = "a"\ninput = "b"\nflip = {}\n'
-                        '[[stages]]\nname = "b"\ninput = "a"\ncast = { dtype = "float16" }\n', ["no source stage"]),
-    "two sources": (SOURCE + '[[stages]]\nname = "more"\nsource = { uri = "mock://mnist?n=10" }\n',
-                    ["2 source stages (images, more)"]),
-    "two sinks": (SOURCE + '[[stages]]\nname = "a"\ninput = "images"\nflip = {}\n'
-                           '[[stages]]\nname = "b"\ninput = "images"\nflip = {}\n',
-                  ["2 sinks (a, b)", "'images' feeds 'a', 'b'"]),
+    "only transforms": (
+        '[[stages]]\nname = "a"\ninput = "b"\nflip = {}\n'
+        '[[stages]]\nname = "b"\ninput = "a"\ncast = { dtype = "float16" }\n',
+        ["no source stage"],
+    ),
+    "two sources": (
+        SOURCE + '[[stages]]\nname = "more"\nsource = { uri = "mock://mnist?n=10" }\n',
+        ["2 source stages (images, more)"],
+    ),
+    "two sinks": (
+        SOURCE + '[[stages]]\nname = "a"\ninput = "images"\nflip = {}\n'
+        '[[stages]]\nname = "b"\ninput = "images"\nflip = {}\n',
+        ["2 sinks (a, b)", "'images' feeds 'a', 'b'"],
+    ),
     "duplicate name": (SOURCE + SOURCE, ["two stages are named 'images'"]),
     "nameless": ('[[stages]]\nsource = { uri = "mock://mnist" }\n', ["stage #1 has no name"]),
-    "bad name": ('[[stages]]\nname = "(requests)"\nsource = { uri = "mock://mnist" }\n',
-                 ["stage name '(requests)' may hold letters, digits, '-', '_', '.'"]),
-    "unknown stage key": (SOURCE + '[[stages]]\nname = "f"\ninput = "images"\nflip = {}\nthreads = 2\n',
-                          ["stage 'f': unknown key(s) threads"]),
-    "unknown parameter": (SOURCE + '[[stages]]\nname = "f"\ninput = "images"\nflip = { prob = 0.5 }\n',
-                          ["stage 'f' (flip): unknown parameter(s) prob; flip takes p, splits"]),
-    "channels": (SOURCE + '[[stages]]\nname = "n"\ninput = "images"\nnormalize = { mean = [0.5, 0.5] }\n',
-                 ["stage 'n' (normalize): mean has 2 values but samples have 3 channels"]),
-    "std zero": (SOURCE + '[[stages]]\nname = "n"\ninput = "images"\nnormalize = { std = 0 }\n',
-                 ["stage 'n' (normalize): std must be positive"]),
-    "crop too big": (SOURCE + '[[stages]]\nname = "c"\ninput = "images"\nrandom_crop = { size = 40, padding = 2 }\n',
-                     ["stage 'c' (random_crop): size [40, 40] does not fit samples of 32x32 padded by 2"]),
-    "one_hot twice": (SOURCE + '[[stages]]\nname = "h1"\ninput = "images"\none_hot = {}\n'
-                               '[[stages]]\nname = "h2"\ninput = "h1"\none_hot = {}\n',
-                      ["stage 'h2' (one_hot): needs one integer class id per sample, got labels of shape [10]"]),
-    "bad dtype": (SOURCE + '[[stages]]\nname = "c"\ninput = "images"\ncast = { dtype = "float99" }\n',
-                  ["stage 'c' (cast): dtype must be a number type (bool, int8…int64, uint8…uint64, "
-                   "float16…float64), "
-                   "got 'float99'"]),
-    "flip tokens": ('[[stages]]\nname = "t"\nsource = { uri = "mock://tokens?n=10" }\n'
-                    '[[stages]]\nname = "f"\ninput = "t"\nflip = {}\n',
-                    ["stage 'f' (flip): needs image samples", "tokens samples of shape [65]"]),
-    "normalize tokens": ('[[stages]]\nname = "t"\nsource = { uri = "mock://tokens?n=10" }\n'
-                         '[[stages]]\nname = "n"\ninput = "t"\nnormalize = {}\n',
-                         ["stage 'n' (normalize): needs numeric image samples, got tokens samples"]),
-    "splits": (SOURCE + '[[stages]]\nname = "f"\ninput = "images"\nflip = { splits = ["training"] }\n',
-               ["stage 'f' (flip): splits must be a list of train, val, test"]),
-    "bad source": ('[[stages]]\nname = "src"\nsource = { uri = "mock://imagenet" }\n',
-                   ["stage 'src' (source): mock://imagenet: unknown mock dataset 'imagenet'"]),
-    "nested pipeline": ('[[stages]]\nname = "src"\nsource = { uri = "pipeline:///x.toml" }\n',
-                        ["stage 'src' (source): a pipeline's source cannot be another pipeline"]),
-    "top key": ('threads = 4\n' + SOURCE, ["unknown key(s) threads; a pipeline file has stages, seed"]),
-    "no stages": ('seed = 1\n', ["no [[stages]]"]),
-    "source with input": (SOURCE + '[[stages]]\nname = "more"\ninput = "images"\nsource = { uri = "mock://mnist" }\n',
-                          ["2 source stages"]),
-    "lone source with input": ('[[stages]]\nname = "s"\ninput = "s"\nsource = { uri = "mock://mnist" }\n',
-                               ["stage 's' is a source and takes no input"]),
-    "bad chunk": ('chunk = 0\n' + SOURCE, ["chunk must be a positive integer, got 0"]),
-    "bad seed": ('seed = -1\n' + SOURCE, ["seed must be a non-negative integer"]),
+    "bad name": (
+        '[[stages]]\nname = "(requests)"\nsource = { uri = "mock://mnist" }\n',
+        ["stage name '(requests)' may hold letters, digits, '-', '_', '.'"],
+    ),
+    "unknown stage key": (
+        SOURCE + '[[stages]]\nname = "f"\ninput = "images"\nflip = {}\nthreads = 2\n',
+        ["stage 'f': unknown key(s) threads"],
+    ),
+    "unknown parameter": (
+        SOURCE + '[[stages]]\nname = "f"\ninput = "images"\nflip = { prob = 0.5 }\n',
+        ["stage 'f' (flip): unknown parameter(s) prob; flip takes p, splits"],
+    ),
+    "channels": (
+        SOURCE + '[[stages]]\nname = "n"\ninput = "images"\nnormalize = { mean = [0.5, 0.5] }\n',
+        ["stage 'n' (normalize): mean has 2 values but samples have 3 channels"],
+    ),
+    "std zero": (
+        SOURCE + '[[stages]]\nname = "n"\ninput = "images"\nnormalize = { std = 0 }\n',
+        ["stage 'n' (normalize): std must be positive"],
+    ),
+    "crop too big": (
+        SOURCE + '[[stages]]\nname = "c"\ninput = "images"\nrandom_crop = { size = 40, padding = 2 }\n',
+        ["stage 'c' (random_crop): size [40, 40] does not fit samples of 32x32 padded by 2"],
+    ),
+    "one_hot twice": (
+        SOURCE + '[[stages]]\nname = "h1"\ninput = "images"\none_hot = {}\n'
+        '[[stages]]\nname = "h2"\ninput = "h1"\none_hot = {}\n',
+        ["stage 'h2' (one_hot): needs one integer class id per sample, got labels of shape [10]"],
+    ),
+    "bad dtype": (
+        SOURCE + '[[stages]]\nname = "c"\ninput = "images"\ncast = { dtype = "float99" }\n',
+        [
+            "stage 'c' (cast): dtype must be a number type (bool, int8…int64, uint8…uint64, "
+            "float16…float64), "
+            "got 'float99'"
+        ],
+    ),
+    "flip tokens": (
+        '[[stages]]\nname = "t"\nsource = { uri = "mock://tokens?n=10" }\n'
+        '[[stages]]\nname = "f"\ninput = "t"\nflip = {}\n',
+        ["stage 'f' (flip): needs image samples", "tokens samples of shape [65]"],
+    ),
+    "normalize tokens": (
+        '[[stages]]\nname = "t"\nsource = { uri = "mock://tokens?n=10" }\n'
+        '[[stages]]\nname = "n"\ninput = "t"\nnormalize = {}\n',
+        ["stage 'n' (normalize): needs numeric image samples, got tokens samples"],
+    ),
+    "splits": (
+        SOURCE + '[[stages]]\nname = "f"\ninput = "images"\nflip = { splits = ["training"] }\n',
+        ["stage 'f' (flip): splits must be a list of train, val, test"],
+    ),
+    "bad source": (
+        '[[stages]]\nname = "src"\nsource = { uri = "mock://imagenet" }\n',
+        ["stage 'src' (source): mock://imagenet: unknown mock dataset 'imagenet'"],
+    ),
+    "nested pipeline": (
+        '[[stages]]\nname = "src"\nsource = { uri = "pipeline:///x.toml" }\n',
+        ["stage 'src' (source): a pipeline's source cannot be another pipeline"],
+    ),
+    "top key": ("threads = 4\n" + SOURCE, ["unknown key(s) threads; a pipeline file has stages, seed"]),
+    "no stages": ("seed = 1\n", ["no [[stages]]"]),
+    "source with input": (
+        SOURCE + '[[stages]]\nname = "more"\ninput = "images"\nsource = { uri = "mock://mnist" }\n',
+        ["2 source stages"],
+    ),
+    "lone source with input": (
+        '[[stages]]\nname = "s"\ninput = "s"\nsource = { uri = "mock://mnist" }\n',
+        ["stage 's' is a source and takes no input"],
+    ),
+    "bad chunk": ("chunk = 0\n" + SOURCE, ["chunk must be a positive integer, got 0"]),
+    "bad seed": ("seed = -1\n" + SOURCE, ["seed must be a non-negative integer"]),
 }
 
 
@@ -179,6 +228,7 @@ def test_stages_may_be_listed_in_any_order_and_declare_their_output(open_pipelin
 
 
 # -- each transform on small arrays ---------------------------------------------------------------
+
 
 def spec(shape=(3, 4, 5), dtype=np.float32, label_shape=(), label_dtype=np.int64, classes=4) -> Spec:
     return Spec(tuple(shape), np.dtype(dtype), tuple(label_shape), np.dtype(label_dtype), classes, "image")
@@ -258,8 +308,12 @@ def test_random_crop_cuts_a_window_of_the_padded_sample():
     padded = np.pad(x, [(0, 0), (0, 0), (2, 2), (2, 2)], constant_values=-1)
     offsets = set()
     for row in range(50):
-        matches = [(t, left) for t in range(5) for left in range(5)
-                   if np.array_equal(c.x[row], padded[row, :, t:t + 6, left:left + 6])]
+        matches = [
+            (t, left)
+            for t in range(5)
+            for left in range(5)
+            if np.array_equal(c.x[row], padded[row, :, t : t + 6, left : left + 6])
+        ]
         assert matches, f"row {row} is not a window of its padded sample"
         offsets.update(matches)
     assert len(offsets) > 5  # the place varies from sample to sample
@@ -274,6 +328,7 @@ def test_random_crop_cuts_a_window_of_the_padded_sample():
 
 
 # -- determinism ----------------------------------------------------------------------------------
+
 
 def test_the_same_request_gives_the_same_bytes_and_another_epoch_other_crops(open_pipeline):
     p = open_pipeline(AUGMENT)
@@ -302,6 +357,7 @@ def test_the_same_request_gives_the_same_bytes_and_another_epoch_other_crops(ope
 
 # -- metrics and queues ---------------------------------------------------------------------------
 
+
 def test_every_stage_counts_its_items_and_its_queue(open_pipeline):
     p = open_pipeline("chunk = 10\nqueue_capacity = 2\n" + AUGMENT)
     read(p, "train", range(64))
@@ -309,8 +365,15 @@ def test_every_stage_counts_its_items_and_its_queue(open_pipeline):
     m = pipeline_stats({"aug": p, "other": open_source("mock://mnist?n=10")})["pipelines"]["aug"]
     assert [s["name"] for s in m["stages"]] == ["images", "norm", "crop", "flip"]
     chunks = 7 + 1
-    assert m["requests"] | {"size": 0} == {"name": "requests", "size": 0, "capacity": 2, "put": chunks,
-                                           "get": chunks, "drop": 0, "closed": False}
+    assert m["requests"] | {"size": 0} == {
+        "name": "requests",
+        "size": 0,
+        "capacity": 2,
+        "put": chunks,
+        "get": chunks,
+        "drop": 0,
+        "closed": False,
+    }
     for s in m["stages"]:
         assert (s["items_in"], s["items_out"], s["errors"]) == (69, 69, 0), s
         assert s["busy_s"] > 0
@@ -320,8 +383,9 @@ def test_every_stage_counts_its_items_and_its_queue(open_pipeline):
 
 
 def test_a_failing_stage_fails_the_batch_with_its_name_and_the_pipeline_goes_on(open_pipeline):
-    p = open_pipeline("chunk = 4\n" + SOURCE + '[[stages]]\nname = "hot"\ninput = "images"\n'
-                      'one_hot = { num_classes = 3 }\n')
+    p = open_pipeline(
+        "chunk = 4\n" + SOURCE + '[[stages]]\nname = "hot"\ninput = "images"\none_hot = { num_classes = 3 }\n'
+    )
     with pytest.raises(DatasetError, match=r"stage 'hot' \(one_hot\): label \d is outside the 3 classes"):
         read(p, "train", range(40))
     labels = p.source.labels("train", np.arange(200))
@@ -338,6 +402,7 @@ def test_a_failing_stage_fails_the_batch_with_its_name_and_the_pipeline_goes_on(
 
 
 # -- control --------------------------------------------------------------------------------------
+
 
 def test_set_seed_changes_the_bytes_and_reset_restores_them(open_pipeline):
     p = open_pipeline(AUGMENT)
@@ -388,10 +453,16 @@ def test_stage_star_sends_a_command_to_every_stage_that_answers_it_after_the_sco
     allowed: list[str] = []
     detail = stage_control(datasets, "", "*", "set", {"seed": 4}, allowed.append)
     assert allowed == ["aug"] and (detail["dataset"], detail["stage"]) == ("aug", "*")
-    assert detail["result"] == {"crop": {"seed": 4, "epoch": "request", "items_since_anchor": 0},
-                                "flip": {"seed": 4, "epoch": "request", "items_since_anchor": 0}}
+    assert detail["result"] == {
+        "crop": {"seed": 4, "epoch": "request", "items_since_anchor": 0},
+        "flip": {"seed": 4, "epoch": "request", "items_since_anchor": 0},
+    }
     assert set(stage_control(datasets, "aug", "*", "stats", {}, allowed.append)["result"]) == {
-        "images", "norm", "crop", "flip"}
+        "images",
+        "norm",
+        "crop",
+        "flip",
+    }
 
     def refuse(dataset: str) -> None:
         raise Forbidden(f"not {dataset}")
@@ -414,6 +485,7 @@ def test_stage_star_sends_a_command_to_every_stage_that_answers_it_after_the_sco
 
 # -- deadlines and shutdown -----------------------------------------------------------------------
 
+
 class Slow(Stage):
     """A transform that takes its time: a stand-in for a stalled disk or a heavy decode."""
 
@@ -429,8 +501,13 @@ class Slow(Stage):
 
 def slow_pipeline(seconds: float, timeout_s: float) -> Pipeline:
     source = SourceStage("images", {"uri": "mock://mnist?n=50"}, None, open_source=open_source)
-    return Pipeline("test://slow", [source, Slow("slow", {"seconds": seconds}, source.spec)], chunk=2,
-                    queue_capacity=2, timeout_s=timeout_s)
+    return Pipeline(
+        "test://slow",
+        [source, Slow("slow", {"seconds": seconds}, source.spec)],
+        chunk=2,
+        queue_capacity=2,
+        timeout_s=timeout_s,
+    )
 
 
 def test_a_batch_not_through_in_time_fails_and_its_late_chunks_are_never_written():

@@ -61,10 +61,17 @@ def stage_counters(busctl) -> dict[str, tuple[int, int, int]]:
 
 
 def test_the_loader_sends_its_epoch_so_augmentations_change_per_epoch_and_replay_exactly(
-        start_provider, pipeline_file, make_token, busctl):
+    start_provider, pipeline_file, make_token, busctl
+):
     provider = start_provider(f"aug=pipeline://{pipeline_file}")
-    kw = dict(provider=provider.endpoint, token=make_token("trainer"), batch_size=50, shuffle="none",
-              shm=False, timeout_s=10.0)
+    kw = dict(
+        provider=provider.endpoint,
+        token=make_token("trainer"),
+        batch_size=50,
+        shuffle="none",
+        shm=False,
+        timeout_s=10.0,
+    )
     with RemoteLoader("aug", **kw) as loader:
         first = [x.numpy().copy() for x, _ in loader]
         second = [x.numpy().copy() for x, _ in loader]
@@ -88,12 +95,24 @@ def test_the_loader_sends_its_epoch_so_augmentations_change_per_epoch_and_replay
 
 
 def test_a_job_trains_the_cnn_on_a_pipeline_while_busctl_queues_shows_the_stages_move(
-        router, start_provider, trainer, client_for, pipeline_file, busctl):
+    router, start_provider, trainer, client_for, pipeline_file, busctl
+):
     provider = start_provider(f"aug=pipeline://{pipeline_file}")
     name = provider.service.name
     admin = client_for(router.endpoint, role="admin")
-    job = admin.request(SubmitJob(spec={"dataset": "aug", "model": "cnn", "model_kwargs": {"width": 8},
-                                        "epochs": 2, "batch_size": 32, "lr": 2e-3, "seed": 0})).job
+    job = admin.request(
+        SubmitJob(
+            spec={
+                "dataset": "aug",
+                "model": "cnn",
+                "model_kwargs": {"width": 8},
+                "epochs": 2,
+                "batch_size": 32,
+                "lr": 2e-3,
+                "seed": 0,
+            }
+        )
+    ).job
     # two reads of the stage counters while the job runs: every stage's must have moved in between
     deadline = time.monotonic() + 120
     while True:
@@ -113,16 +132,19 @@ def test_a_job_trains_the_cnn_on_a_pipeline_while_busctl_queues_shows_the_stages
     assert code == 0 and f"{name}: pipeline aug" in table, table
     assert all(word in table for word in ("(requests)", "digits", "source", "random_crop", "flip")), table
     code, out, _ = busctl("datasets")
-    assert code == 0 and (f"source     pipeline://{pipeline_file}" in out
-                          and "stages     mock://mnist?n=1000&noise=1 -> norm (normalize) -> crop (random_crop) "
-                              "-> flip (flip)" in out), out
+    assert code == 0 and (
+        f"source     pipeline://{pipeline_file}" in out
+        and "stages     mock://mnist?n=1000&noise=1 -> norm (normalize) -> crop (random_crop) -> flip (flip)" in out
+    ), out
 
     done = wait_job(admin, job, timeout=180)
     assert done["state"] == "succeeded", done.get("error")
     result = done["result"]
-    print(f"cnn on {pipeline_file.name}: val acc {result['val_accuracy']:.4f}, test acc "
-          f"{result['test_accuracy']:.4f}, {result['samples_per_s']:.0f} samples/s, "
-          f"data wait {result['data_wait_pct']:.0f}%")
+    print(
+        f"cnn on {pipeline_file.name}: val acc {result['val_accuracy']:.4f}, test acc "
+        f"{result['test_accuracy']:.4f}, {result['samples_per_s']:.0f} samples/s, "
+        f"data wait {result['data_wait_pct']:.0f}%"
+    )
     # chance is 0.1; the data allows about 0.99 (test_idx_job); augmentation costs a little of it
     assert result["val_accuracy"] >= 0.85 and result["test_accuracy"] >= 0.85
     assert result["transport"] == "shm"  # the sink thread wrote every train batch into the trainer's ring
@@ -135,8 +157,12 @@ def test_a_job_trains_the_cnn_on_a_pipeline_while_busctl_queues_shows_the_stages
 
     code, out, err = busctl("control", name, "crop", "get", "--json")
     assert code == 0, err
-    assert json.loads(out) == {"dataset": "aug", "stage": "crop", "type": "random_crop",
-                               "result": {"seed": 7, "epoch": "request", "items_since_anchor": 2 * 1000}}
+    assert json.loads(out) == {
+        "dataset": "aug",
+        "stage": "crop",
+        "type": "random_crop",
+        "result": {"seed": 7, "epoch": "request", "items_since_anchor": 2 * 1000},
+    }
     code, out, err = busctl("control", name, "crop", "set", "seed=11", "epoch=3")
     assert code == 0, err
     assert "seed" in out and "11" in out and provider.service.handler.datasets["aug"].stage("crop").epoch == 3
@@ -170,8 +196,12 @@ def test_batch_requests_carry_the_epoch_and_prometheus_shows_each_stage(start_pr
         trainer.request(StageControl(stage="flip", command="get"))
     admin = client_for(provider.endpoint, role="admin")
     detail = admin.request(StageControl(stage="flip", command="set", args={"seed": 1})).detail
-    assert detail == {"dataset": "aug", "stage": "flip", "type": "flip",
-                      "result": {"seed": 1, "epoch": "request", "items_since_anchor": 0}}
+    assert detail == {
+        "dataset": "aug",
+        "stage": "flip",
+        "type": "flip",
+        "result": {"seed": 1, "epoch": "request", "items_since_anchor": 0},
+    }
 
     s = scrape(provider.service.metrics.url)
     me = dict(service="provider", name="prov-p", dataset="aug")

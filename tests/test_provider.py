@@ -47,24 +47,26 @@ def test_batches_by_indices_and_by_range_are_the_source_bytes(provider, client_f
 def test_the_test_split_never_leaves_the_provider(provider, client_for):
     for role in ("trainer", "admin"):
         with pytest.raises(SplitPrivate):
-            client_for(provider.endpoint, role=role).request(
-                BatchRequest(dataset="mnist", split="test", range=[0, 1]))
+            client_for(provider.endpoint, role=role).request(BatchRequest(dataset="mnist", split="test", range=[0, 1]))
     assert provider.service.handler.refused["split_private"] == 2
 
 
-@pytest.mark.parametrize("request_kw, error", [
-    (dict(range=[0, 601]), OutOfRange),
-    (dict(range=[-1, 3]), OutOfRange),
-    (dict(frames=[indices_frame([0, 600])]), OutOfRange),
-    (dict(frames=[indices_frame([3, -2])]), OutOfRange),
-    (dict(range=[5, 2]), BadRequest),
-    (dict(frames=[b"1234567"]), BadRequest),
-    (dict(), BadRequest),
-    (dict(range=[0, 1], frames=[indices_frame([0])]), BadRequest),
-    (dict(range=[0, 2_000_000]), TooLarge),
-    (dict(split="bogus", range=[0, 1]), BadRequest),
-    (dict(dataset="nope", range=[0, 1]), NotFound),
-])
+@pytest.mark.parametrize(
+    "request_kw, error",
+    [
+        (dict(range=[0, 601]), OutOfRange),
+        (dict(range=[-1, 3]), OutOfRange),
+        (dict(frames=[indices_frame([0, 600])]), OutOfRange),
+        (dict(frames=[indices_frame([3, -2])]), OutOfRange),
+        (dict(range=[5, 2]), BadRequest),
+        (dict(frames=[b"1234567"]), BadRequest),
+        (dict(), BadRequest),
+        (dict(range=[0, 1], frames=[indices_frame([0])]), BadRequest),
+        (dict(range=[0, 2_000_000]), TooLarge),
+        (dict(split="bogus", range=[0, 1]), BadRequest),
+        (dict(dataset="nope", range=[0, 1]), NotFound),
+    ],
+)
 def test_bad_batch_requests_get_their_error(provider, client_for, request_kw, error):
     kw = {"dataset": "mnist", "split": "train", **request_kw}
     with pytest.raises(error):
@@ -109,7 +111,8 @@ def test_evaluate_scores_weights_on_the_private_split(provider, client_for):
     torch.manual_seed(0)
     model = build_model("mlp", info)
     reply = client_for(provider.endpoint, timeout_s=60).request(
-        Evaluate(dataset="mnist", model={"name": "mlp", "kwargs": {}}, frames=[_weights(model)]))
+        Evaluate(dataset="mnist", model={"name": "mlp", "kwargs": {}}, frames=[_weights(model)])
+    )
     assert reply.n == 120 and 0.0 <= reply.accuracy <= 1.0 and reply.loss > 0
     # the same weights scored here, on the same data, give the same numbers
     x, y = open_source(MNIST).read("test", np.arange(120))
@@ -120,6 +123,7 @@ def test_evaluate_scores_weights_on_the_private_split(provider, client_for):
 
 def test_evaluate_refuses_pickles_and_mismatched_weights(provider, client_for):
     import pickle
+
     client = client_for(provider.endpoint, timeout_s=30)
     evil = pickle.dumps({"w": torch.zeros(3)})
     with pytest.raises(BadRequest, match="safetensors"):
@@ -133,6 +137,8 @@ def test_evaluate_refuses_pickles_and_mismatched_weights(provider, client_for):
 
 def test_evaluate_never_imports_code_named_by_a_peer(provider, client_for):
     from libbus.errors import Forbidden
+
     with pytest.raises(Forbidden, match="built-in models only"):
         client_for(provider.endpoint, timeout_s=10).request(
-            Evaluate(dataset="mnist", model={"name": "os:system", "kwargs": {}}, frames=[b"x"]))
+            Evaluate(dataset="mnist", model={"name": "os:system", "kwargs": {}}, frames=[b"x"])
+        )

@@ -62,8 +62,7 @@ class Spawner:
     def start(self, role: str, *args: str, bind: str = "tcp://127.0.0.1:0") -> tuple[subprocess.Popen, str]:
         self.count += 1
         name = f"{role}-{self.count}"
-        proc = self.cluster.start(name, role, "--bind", bind, "--heartbeat-ms", "200", *args, ready=True,
-                                  named=False)
+        proc = self.cluster.start(name, role, "--bind", bind, "--heartbeat-ms", "200", *args, ready=True, named=False)
         return proc, name
 
     def provider(self, router: str, name: str) -> tuple[subprocess.Popen, str]:
@@ -112,27 +111,37 @@ def served_batches(endpoint: str, token: str) -> int:
 
 # -- agreement ------------------------------------------------------------------------------------
 
+
 def test_info_mismatch_names_the_field_replicas_disagree_on():
     info = SOURCE.info()
     assert info_mismatch(info, {**open_source("mock://mnist?n=600").info(), "uri": "file:///elsewhere"}) is None
-    assert info_mismatch(info, open_source("mock://mnist?n=500").info(), "on a", "on b") == \
-        "splits.train.num_samples is 600 on a, 500 on b"
-    assert info_mismatch(info, open_source("mock://cifar10?n=600").info()) == \
-        "sample_shape is [1, 28, 28] here, [3, 32, 32] there"
+    assert (
+        info_mismatch(info, open_source("mock://mnist?n=500").info(), "on a", "on b")
+        == "splits.train.num_samples is 600 on a, 500 on b"
+    )
+    assert (
+        info_mismatch(info, open_source("mock://cifar10?n=600").info())
+        == "sample_shape is [1, 28, 28] here, [3, 32, 32] there"
+    )
 
 
 def test_requests_go_to_the_fewest_outstanding_same_host_first():
     def replica(name: str, local: bool, pending: int) -> Replica:
         client = Client(f"tcp://127.0.0.1:9/{name}", Identity(role="trainer", name="t", token="x"))
-        r = Replica(name=name, endpoint=client.endpoint, client=client,
-                    delivery=SocketDelivery(torch.device("cpu")), local=local)
+        r = Replica(
+            name=name,
+            endpoint=client.endpoint,
+            client=client,
+            delivery=SocketDelivery(torch.device("cpu")),
+            local=local,
+        )
         r.pending = {i: i for i in range(pending)}
         return r
 
     remote, local = replica("remote", False, 0), replica("local", True, 0)
-    assert pick([remote, local], 0) is local                       # a tie: same host first
+    assert pick([remote, local], 0) is local  # a tie: same host first
     local.pending = {1: 1}
-    assert pick([remote, local], 0) is remote                      # else the fewest outstanding
+    assert pick([remote, local], 0) is remote  # else the fewest outstanding
     remote.pending = {1: 1, 2: 2}
     assert pick([remote, local], 0) is local
     local.up = False
@@ -147,8 +156,11 @@ def test_router_refuses_a_replica_whose_info_disagrees(router, start_provider, c
     bad = open_source("mock://mnist?n=500").info()
     client = client_for(router.endpoint, role="provider", token=make_token("provider", sub="provider-bad"))
     client.identity.caps = {"endpoint": "tcp://127.0.0.1:9", "datasets": {"mnist": bad}}
-    with pytest.raises(BadRequest, match=r"dataset 'mnist' differs from the replica provider-[\w-]+ serves: "
-                                         r"splits.train.num_samples is 500 on test-provider, 600 on provider-"):
+    with pytest.raises(
+        BadRequest,
+        match=r"dataset 'mnist' differs from the replica provider-[\w-]+ serves: "
+        r"splits.train.num_samples is 500 on test-provider, 600 on provider-",
+    ):
         client.hello()
     providers = client_for(router.endpoint).request(Resolve(dataset="mnist")).providers
     assert len(providers) == 2  # the disagreeing provider is not among them
@@ -168,18 +180,27 @@ def test_router_refuses_a_replica_whose_info_disagrees(router, start_provider, c
 
 def test_a_loader_leaves_out_a_replica_that_serves_other_data(start_provider, make_settings, make_token, caplog):
     from services.provider.app import ProviderService
+
     good = start_provider(f"mnist={URI}", name="provider-good")
     # Not registered anywhere (the router would refuse it): a script can still name its endpoint.
-    settings = make_settings(datasets=["mnist=mock://mnist?n=500"], router="tcp://127.0.0.1:9",
-                             assigned_only=False, name="provider-other")
+    settings = make_settings(
+        datasets=["mnist=mock://mnist?n=500"], router="tcp://127.0.0.1:9", assigned_only=False, name="provider-other"
+    )
     other = run_service(ProviderService(settings), settings)
     try:
-        with RemoteLoader("mnist", provider=[other.endpoint, good.endpoint], token=make_token(), batch_size=50,
-                          seed=2, host_id="another-host") as loader:
+        with RemoteLoader(
+            "mnist",
+            provider=[other.endpoint, good.endpoint],
+            token=make_token(),
+            batch_size=50,
+            seed=2,
+            host_id="another-host",
+        ) as loader:
             # the first to answer defines the data; the one that differs from it is left out
             assert [r.endpoint for r in loader.replicas] == [other.endpoint] and loader.num_samples == 500
-        with RemoteLoader("mnist", provider=[good.endpoint, other.endpoint], token=make_token(), batch_size=50,
-                          seed=2) as loader:
+        with RemoteLoader(
+            "mnist", provider=[good.endpoint, other.endpoint], token=make_token(), batch_size=50, seed=2
+        ) as loader:
             assert [r.endpoint for r in loader.replicas] == [good.endpoint]
             x, y = read_epoch(loader)
             assert_exact_epoch(loader, 0, x, y)
@@ -191,12 +212,14 @@ def test_a_loader_leaves_out_a_replica_that_serves_other_data(start_provider, ma
 
 # -- spreading ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("host_id", [None, "another-host"], ids=["shm", "socket"])
 def test_an_epoch_is_spread_over_both_replicas_in_order(router, start_provider, make_token, host_id):
     a = start_provider(f"mnist={URI}", name="provider-a")
     b = start_provider(f"mnist={URI}", name="provider-b")
-    with RemoteLoader("mnist", router=router.endpoint, token=make_token(), batch_size=20, seed=3,
-                      inflight=4, host_id=host_id) as loader:
+    with RemoteLoader(
+        "mnist", router=router.endpoint, token=make_token(), batch_size=20, seed=3, inflight=4, host_id=host_id
+    ) as loader:
         assert len(loader.replicas) == 2
         assert loader.transport == ("shm" if host_id is None else "socket")
         x, y = read_epoch(loader)
@@ -211,6 +234,7 @@ def test_an_epoch_is_spread_over_both_replicas_in_order(router, start_provider, 
 
 # -- failures -------------------------------------------------------------------------------------
 
+
 def test_a_replica_killed_mid_epoch_and_the_router_killed_cost_no_sample(spawn, make_token, caplog):
     token = make_token(datasets=["mnist"])  # providers serve it without the router's assignments
     router = f"ipc://{spawn.state_dir}/router.sock"  # known before it binds: all three start at once
@@ -219,8 +243,17 @@ def test_a_replica_killed_mid_epoch_and_the_router_killed_cost_no_sample(spawn, 
     spawn.endpoint(router_proc, router_ready)
     endpoints = [spawn.endpoint(*p) for p in procs]
     wait_replicas(router, token, 2)
-    with RemoteLoader("mnist", router=router, token=token, batch_size=20, seed=11, inflight=4,
-                      timeout_s=1.0, retries=1, provider_wait_s=10) as loader:
+    with RemoteLoader(
+        "mnist",
+        router=router,
+        token=token,
+        batch_size=20,
+        seed=11,
+        inflight=4,
+        timeout_s=1.0,
+        retries=1,
+        provider_wait_s=10,
+    ) as loader:
         assert {r.endpoint for r in loader.replicas} == set(endpoints)
 
         def kill_a(i: int) -> None:
@@ -255,8 +288,17 @@ def test_a_hung_replica_is_dropped_after_its_timeouts(router, spawn, make_token,
     procs = {name: spawn.provider(router.endpoint, name) for name in ("provider-a", "provider-b")}
     endpoints = {name: spawn.endpoint(*p) for name, p in procs.items()}
     wait_replicas(router.endpoint, token, 2)
-    with RemoteLoader("mnist", router=router.endpoint, token=token, batch_size=20, seed=4, inflight=4,
-                      shm_slots=slots, timeout_s=1.0, retries=1) as loader:
+    with RemoteLoader(
+        "mnist",
+        router=router.endpoint,
+        token=token,
+        batch_size=20,
+        seed=4,
+        inflight=4,
+        shm_slots=slots,
+        timeout_s=1.0,
+        retries=1,
+    ) as loader:
         # the first replica gets requests whatever the depth (ties go to it); it is the one to hang
         name, kept = loader.replicas[0].name, loader.replicas[1].endpoint
         hung = procs[name][0]
@@ -300,8 +342,17 @@ def test_the_only_replica_restarted_on_a_new_port_costs_no_sample(router, spawn,
             kill(first[0])
             restarted.append(spawn.provider(router.endpoint, "provider-a"))
 
-    with RemoteLoader("mnist", router=router.endpoint, token=token, batch_size=20, seed=5, inflight=3,
-                      timeout_s=1.0, retries=1, provider_wait_s=45) as loader:
+    with RemoteLoader(
+        "mnist",
+        router=router.endpoint,
+        token=token,
+        batch_size=20,
+        seed=5,
+        inflight=3,
+        timeout_s=1.0,
+        retries=1,
+        provider_wait_s=45,
+    ) as loader:
         x, y = read_epoch(loader, on_batch=restart)
         assert_exact_epoch(loader, 0, x, y)
         new = spawn.endpoint(*restarted[0])
@@ -329,13 +380,12 @@ def test_a_job_keeps_training_through_a_killed_replica(router, spawn, trainer, c
     # one dies, so the job must also find the other to score the model on at the end.
     first, other = (p["name"] for p in wait_replicas(router.endpoint, token, 2))
     admin = client_for(router.endpoint, role="admin")
-    job = admin.request(SubmitJob(spec={"dataset": "mnist", "model": "mlp", "epochs": 2,
-                                        "batch_size": 20})).job
+    job = admin.request(SubmitJob(spec={"dataset": "mnist", "model": "mlp", "epochs": 2, "batch_size": 20})).job
     deadline = time.monotonic() + 60
     while served_batches(endpoints[first], token) == 0:  # the trainer reads from both...
         assert time.monotonic() < deadline, f"{first} served nothing"
         time.sleep(0.05)
-    kill(procs[first][0])                                 # ...until the first dies mid-epoch
+    kill(procs[first][0])  # ...until the first dies mid-epoch
     info = wait_job(admin, job, 90)
     assert info["state"] == "succeeded", info.get("error")
     assert info["result"]["provider"] == first

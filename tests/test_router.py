@@ -30,7 +30,7 @@ def test_store_survives_reopening_and_keeps_events(tmp_path):
     store = JobStore(path)
     low = store.submit(JobSpec.from_dict({"dataset": "a"}))
     high = store.submit(JobSpec.from_dict({"dataset": "b", "priority": 5}))
-    assert store.claim("t1", 10)["id"] == high            # priority first
+    assert store.claim("t1", 10)["id"] == high  # priority first
     store.finish(high, "succeeded", "done", result={"test_accuracy": 0.97})
     store.close()
     store = JobStore(path)
@@ -44,11 +44,17 @@ def test_store_survives_reopening_and_keeps_events(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("spec, words", [
-    ({}, "needs 'dataset'"), ({"dataset": "a", "epochs": 0}, "epochs"), ({"dataset": "a", "lr": "fast"}, "lr"),
-    ({"dataset": "a", "optimizer": "lbfgs"}, "optimizer"), ({"dataset": "a", "colour": 1}, "unknown job field"),
-    ({"dataset": "remote://"}, "names nothing"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ({}, "needs 'dataset'"),
+        ({"dataset": "a", "epochs": 0}, "epochs"),
+        ({"dataset": "a", "lr": "fast"}, "lr"),
+        ({"dataset": "a", "optimizer": "lbfgs"}, "optimizer"),
+        ({"dataset": "a", "colour": 1}, "unknown job field"),
+        ({"dataset": "remote://"}, "names nothing"),
+    ],
+)
 def test_bad_job_specs_are_refused_naming_the_field(spec, words):
     with pytest.raises(BadRequest, match=words):
         JobSpec.from_dict(spec)
@@ -64,8 +70,12 @@ def test_resolve_names_providers_and_what_is_online(router, provider, client_for
 
 
 def test_silent_peer_is_dropped_and_its_stats_were_carried(router, make_token):
-    link = Link(router.endpoint, Identity(role="trainer", name="beat", token=make_token()), heartbeat_ms=100,
-                stats=lambda: {"queue": 3}).start()
+    link = Link(
+        router.endpoint,
+        Identity(role="trainer", name="beat", token=make_token()),
+        heartbeat_ms=100,
+        stats=lambda: {"queue": 3},
+    ).start()
     assert link.wait_connected(5)
     time.sleep(0.3)
     admin_stats = router.service.handler.on_Stats(None, Stats()).services
@@ -120,11 +130,13 @@ def test_stop_reaches_a_queued_job_and_a_running_trainer(router, client_for):
         pushed = [m for m in trainer.pushes if m.type == "Command"]
         assert [(m.job, m.command) for m in pushed] == [(running, "stop")] and pushed[0].seq > 0
         reply = trainer.request(Progress(job=running, progress={"step": 1}))
-        assert reply.detail["stop"] is True          # told on its next report, even if the push were lost
+        assert reply.detail["stop"] is True  # told on its next report, even if the push were lost
         assert not asked.done()
         trainer.request(CommandAck(job=running, command="stop", seq=pushed[0].seq, state="stopping"))
         detail = asked.result(5).detail
-    assert detail["acked"] is True and detail["state"] == "stopping" and detail["trainer"] == "test"  # its token subject
+    assert (
+        detail["acked"] is True and detail["state"] == "stopping" and detail["trainer"] == "test"
+    )  # its token subject
     trainer.request(PushResult(job=running, state="stopped"))
     info = admin.request(GetJob(job=running)).job
     assert info["state"] == "stopped"
@@ -135,6 +147,7 @@ def test_stop_reaches_a_queued_job_and_a_running_trainer(router, client_for):
 def test_a_restarted_router_gets_its_providers_back(router, provider, client_for, make_settings):
     from services.router.app import RouterService
     from tests.support import run_service
+
     router.shutdown()  # the router dies; the provider keeps running
     settings = make_settings(bind=router.endpoint)
     again = run_service(RouterService(settings), settings)
@@ -157,7 +170,7 @@ def test_commands_for_jobs_no_trainer_holds_are_applied_by_the_router(router, cl
     job = admin.request(SubmitJob(spec={"dataset": "mnist", "lr": 0.01})).job
     assert admin.request(ControlJob(job=job, command="pause")).detail["state"] == "paused"
     trainer = client_for(router.endpoint, role="trainer")
-    assert isinstance(trainer.request(GetTask()), NoTask)          # a paused job is not handed out
+    assert isinstance(trainer.request(GetTask()), NoTask)  # a paused job is not handed out
     spec = admin.request(ControlJob(job=job, command="set", args={"lr": 0.5})).detail["spec"]
     assert spec["lr"] == 0.5 and admin.request(GetJob(job=job)).job["spec"]["lr"] == 0.5
     with pytest.raises(BadRequest, match="cannot set epochs"):
@@ -180,7 +193,7 @@ def test_a_command_the_trainer_never_acknowledges_times_out_and_is_repeated(rout
     with ThreadPoolExecutor(1) as pool:
         asked = pool.submit(admin.request, ControlJob(job=job, command="checkpoint"))
         deadline = time.monotonic() + 5
-        while not any(m.type == "Command" for m in trainer.pushes):   # pushed, and "lost" here
+        while not any(m.type == "Command" for m in trainer.pushes):  # pushed, and "lost" here
             assert time.monotonic() < deadline
             trainer.recv(0.05)
         # until acknowledged, the command rides on every progress reply
@@ -197,8 +210,9 @@ def test_a_retryable_failure_requeues_until_max_attempts(router, client_for):
     trainer = client_for(router.endpoint, role="trainer")
     for attempt, state in ((1, "queued"), (2, "failed")):
         assert trainer.request(GetTask()).job == job
-        trainer.request(PushResult(job=job, state="failed", error="PeerTimeout: provider silent",
-                                   result={"retryable": True}))
+        trainer.request(
+            PushResult(job=job, state="failed", error="PeerTimeout: provider silent", result={"retryable": True})
+        )
         info = admin.request(GetJob(job=job)).job
         assert (info["state"], info["failures"]) == (state, attempt)
     assert "gave up after 2 lost attempt(s)" in info["events"][-1]["reason"]

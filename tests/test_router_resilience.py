@@ -14,8 +14,7 @@ from services.router.store import JobStore
 
 
 def _control(path: str, pushed: list) -> JobControl:
-    return JobControl(JobStore(path), lambda trainer, msg: pushed.append(msg) or True, lambda: {"t1"},
-                      lease_s=10)
+    return JobControl(JobStore(path), lambda trainer, msg: pushed.append(msg) or True, lambda: {"t1"}, lease_s=10)
 
 
 def test_command_ids_never_repeat_across_router_restarts(tmp_path):
@@ -43,8 +42,10 @@ def test_a_pending_stop_survives_a_retryable_failure(tmp_path):
     stop = jobs.control("admin", job, "stop", {})
     assert isinstance(stop, Future) and pushed[-1].command == "stop"
     # the provider went away before the trainer applied the stop: a retryable failure
-    jobs.on_result("t1", PushResult(job=job, state="failed", result={"retryable": True},
-                                    error="PeerTimeout: provider did not answer"))
+    jobs.on_result(
+        "t1",
+        PushResult(job=job, state="failed", result={"retryable": True}, error="PeerTimeout: provider did not answer"),
+    )
     info = jobs.store.get(job)
     assert info["state"] == "stopped", info["events"]
     assert "stop requested" in info["events"][-1]["reason"]

@@ -92,16 +92,27 @@ def watchdog_times(messages) -> list[float]:
 
 
 def test_provider_is_ready_once_it_serves_feeds_the_watchdog_and_drains_on_sigterm(
-        manager, state_dir, make_token, launcher):
+    manager, state_dir, make_token, launcher
+):
     # The secret comes as a systemd credential (LoadCredential=secret:...); the unit's fallback
     # path (BATCHBUS_SECRET_FILE) does not even exist.
     creds = state_dir / "credentials"
     creds.mkdir()
     (creds / "secret").write_bytes((state_dir / "secret").read_bytes())
     (creds / "secret").chmod(0o400)
-    proc = start(launcher, "provider", "--bind", "tcp://127.0.0.1:0", "--router", "tcp://127.0.0.1:9",
-                 "--dataset", "mnist=mock://mnist?n=600", watchdog_usec=1_000_000, CREDENTIALS_DIRECTORY=str(creds),
-                 BATCHBUS_SECRET_FILE=str(state_dir / "absent"))
+    proc = start(
+        launcher,
+        "provider",
+        "--bind",
+        "tcp://127.0.0.1:0",
+        "--router",
+        "tcp://127.0.0.1:9",
+        "--dataset",
+        "mnist=mock://mnist?n=600",
+        watchdog_usec=1_000_000,
+        CREDENTIALS_DIRECTORY=str(creds),
+        BATCHBUS_SECRET_FILE=str(state_dir / "absent"),
+    )
     try:
         ready = manager.wait_for("READY", 90, proc)
         # READY=1 comes with where it serves, and that endpoint takes connections at once.
@@ -109,8 +120,17 @@ def test_provider_is_ready_once_it_serves_feeds_the_watchdog_and_drains_on_sigte
         assert endpoint, ready
         socket.create_connection(("127.0.0.1", int(endpoint[2])), timeout=5).close()
         token = make_token(datasets=["mnist"])
-        loader = RemoteLoader("mnist", provider=endpoint[1], token=token, batch_size=50, inflight=2,
-                              timeout_s=1.0, retries=1, shm=False, provider_wait_s=2.0)
+        loader = RemoteLoader(
+            "mnist",
+            provider=endpoint[1],
+            token=token,
+            batch_size=50,
+            inflight=2,
+            timeout_s=1.0,
+            retries=1,
+            shm=False,
+            provider_wait_s=2.0,
+        )
         assert loader.info["num_classes"] == 10  # it asked the provider for DatasetInfo as it opened
 
         # WATCHDOG=1 about every half interval (0.5 s), not every loop turn (0.1 s), never missing.
@@ -159,19 +179,21 @@ class BlockingTick(Handler):
 def test_a_stuck_serving_loop_stops_feeding_the_watchdog(manager, secret):
     notifier = Notifier(manager.address, watchdog_usec=200_000)
     handler = BlockingTick()
-    server = Server(handler, ServerConfig(bind="tcp://127.0.0.1:0", secret=secret, audience="batchbus",
-                                          name="stuck", heartbeat_ms=100))
+    server = Server(
+        handler,
+        ServerConfig(bind="tcp://127.0.0.1:0", secret=secret, audience="batchbus", name="stuck", heartbeat_ms=100),
+    )
     stop = threading.Event()
     thread = threading.Thread(target=server.run, args=(stop, notifier.watchdog), daemon=True)
     thread.start()
     try:
-        assert len(watchdog_times(manager.collect(1.0))) >= 5   # fed every ~0.1 s while it turns
+        assert len(watchdog_times(manager.collect(1.0))) >= 5  # fed every ~0.1 s while it turns
         handler.block.set()
         assert handler.blocked.wait(5)
-        manager.collect(0.05)                                     # one sent just before the block
-        assert watchdog_times(manager.collect(1.0)) == []         # stuck: systemd would act now
+        manager.collect(0.05)  # one sent just before the block
+        assert watchdog_times(manager.collect(1.0)) == []  # stuck: systemd would act now
         handler.release.set()
-        assert watchdog_times(manager.collect(1.0))               # turning again: fed again
+        assert watchdog_times(manager.collect(1.0))  # turning again: fed again
     finally:
         handler.release.set()
         stop.set()
@@ -181,25 +203,27 @@ def test_a_stuck_serving_loop_stops_feeding_the_watchdog(manager, secret):
 
 
 def test_notifier_honours_the_environment(manager):
-    assert not Notifier.from_env({}).send("READY=1")              # outside systemd: a no-op
-    assert Notifier.from_env({"NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": "500000",
-                              "WATCHDOG_PID": str(os.getpid())}).watchdog_s == 0.5
-    other = Notifier.from_env({"NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": "500000",
-                               "WATCHDOG_PID": "1"})
-    assert other.watchdog_s == 0 and not other.watchdog()        # meant for another process
+    assert not Notifier.from_env({}).send("READY=1")  # outside systemd: a no-op
+    assert (
+        Notifier.from_env(
+            {"NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": "500000", "WATCHDOG_PID": str(os.getpid())}
+        ).watchdog_s
+        == 0.5
+    )
+    other = Notifier.from_env({"NOTIFY_SOCKET": manager.address, "WATCHDOG_USEC": "500000", "WATCHDOG_PID": "1"})
+    assert other.watchdog_s == 0 and not other.watchdog()  # meant for another process
     clock = [100.0]
     n = Notifier(manager.address, watchdog_usec=2_000_000, clock=lambda: clock[0])
     assert n.ready("up") and manager.receive(1) == {"READY": "1", "STATUS": "up"}
-    assert not n.watchdog()                                       # READY=1 just armed it
+    assert not n.watchdog()  # READY=1 just armed it
     clock[0] += 1.0
-    assert n.watchdog() and not n.watchdog()                      # at most every half interval
-    assert n.status("busy") and not n.status("busy")              # unchanged status: not resent
+    assert n.watchdog() and not n.watchdog()  # at most every half interval
+    assert n.status("busy") and not n.status("busy")  # unchanged status: not resent
     with n.extended(60):
         pass
     msgs = [manager.receive(1) for _ in range(4)]
     assert msgs[:2] == [{"WATCHDOG": "1"}, {"STATUS": "busy"}]
-    assert msgs[2:] == [{"WATCHDOG_USEC": "62000000", "WATCHDOG": "1"},
-                        {"WATCHDOG_USEC": "2000000", "WATCHDOG": "1"}]
+    assert msgs[2:] == [{"WATCHDOG_USEC": "62000000", "WATCHDOG": "1"}, {"WATCHDOG_USEC": "2000000", "WATCHDOG": "1"}]
     assert n.stopping() and not n.stopping()
     n.close()
 
@@ -223,8 +247,9 @@ class Deferred(Handler):
 @pytest.mark.parametrize("finishes", [True, False])
 def test_a_stopping_server_finishes_deferred_work_or_says_it_gave_up(secret, client_for, finishes):
     handler = Deferred()
-    server = Server(handler, ServerConfig(bind="tcp://127.0.0.1:0", secret=secret, audience="batchbus",
-                                          name="drainer", drain_s=1.0))
+    server = Server(
+        handler, ServerConfig(bind="tcp://127.0.0.1:0", secret=secret, audience="batchbus", name="drainer", drain_s=1.0)
+    )
     endpoint = server.bind()
     stop = threading.Event()
     thread = threading.Thread(target=server.run, args=(stop,), daemon=True)
@@ -232,10 +257,11 @@ def test_a_stopping_server_finishes_deferred_work_or_says_it_gave_up(secret, cli
 
     def stop_mid_request():
         assert handler.received.wait(10)
-        stop.set()                                   # SIGTERM while the request is being worked on
+        stop.set()  # SIGTERM while the request is being worked on
         if finishes:
             time.sleep(0.3)
             handler.future.set_result(DatasetInfo(dataset="d", info={"late": True}))
+
     threading.Thread(target=stop_mid_request, daemon=True).start()
     client = client_for(endpoint, timeout_s=10.0)
     started = time.monotonic()
@@ -244,24 +270,34 @@ def test_a_stopping_server_finishes_deferred_work_or_says_it_gave_up(secret, cli
     else:
         with pytest.raises(Unavailable, match="drainer is stopping"):
             client.request(DatasetInfoRequest(dataset="d"))
-    assert time.monotonic() - started < 5             # an answer, not the client's 10 s timeout
+    assert time.monotonic() - started < 5  # an answer, not the client's 10 s timeout
     thread.join(5)
     assert not thread.is_alive()
 
 
 def test_trainer_reports_its_job_feeds_the_watchdog_between_steps_and_stops_on_sigterm(
-        manager, state_dir, router, start_provider, client_for, launcher):
+    manager, state_dir, router, start_provider, client_for, launcher
+):
     start_provider("mnist=mock://mnist?n=600")
-    proc = start(launcher, "trainer", "--router", router.endpoint, "--name", "trainer-sd",
-                 watchdog_usec=2_000_000, BATCHBUS_HEARTBEAT_MS="200",
-                 BATCHBUS_TORCH_THREADS="1")
+    proc = start(
+        launcher,
+        "trainer",
+        "--router",
+        router.endpoint,
+        "--name",
+        "trainer-sd",
+        watchdog_usec=2_000_000,
+        BATCHBUS_HEARTBEAT_MS="200",
+        BATCHBUS_TORCH_THREADS="1",
+    )
     try:
         # Ready once started, whether or not the router has answered yet; STATUS says which.
         ready = manager.wait_for("READY", 90, proc)
         assert ready["STATUS"] == f"waiting for the router at {router.endpoint}"
         admin = client_for(router.endpoint, role="admin")
-        job = admin.request(SubmitJob(spec={"dataset": "mnist", "model": "mlp", "epochs": 200,
-                                            "batch_size": 32, "evaluate": False})).job
+        job = admin.request(
+            SubmitJob(spec={"dataset": "mnist", "model": "mlp", "epochs": 200, "batch_size": 32, "evaluate": False})
+        ).job
         running = f"running job {job} epoch "
         deadline = time.monotonic() + 60
         while not manager.messages[-1][1].get("STATUS", "").startswith(running + "3/200"):
@@ -283,18 +319,17 @@ def test_trainer_reports_its_job_feeds_the_watchdog_between_steps_and_stops_on_s
 
 
 def test_stopping_a_provider_abandons_a_running_evaluation_instead_of_waiting_for_it():
-    source = open_source("mock://cifar10?n=60000")                    # a 12,000-sample test split
+    source = open_source("mock://cifar10?n=60000")  # a 12,000-sample test split
     handler = ProviderHandler({"cifar": source}, assigned_only=False)
     info = handler.infos["cifar"]
     weights = save_safetensors(build_model("cnn", info).state_dict())
-    future = handler.evaluate(Evaluate(dataset="cifar", job="j", model={"name": "cnn", "kwargs": {}},
-                                       frames=[weights]))
+    future = handler.evaluate(Evaluate(dataset="cifar", job="j", model={"name": "cnn", "kwargs": {}}, frames=[weights]))
     time.sleep(0.3)
     started = time.monotonic()
-    handler.close()                                                     # what SIGTERM ends with
+    handler.close()  # what SIGTERM ends with
     with pytest.raises(Unavailable, match="provider is stopping"):
         future.result(timeout=30)
     assert time.monotonic() - started < 10
     for worker in [t for t in threading.enumerate() if t.name.startswith("evaluate")]:
-        worker.join(10)                                # nothing left for the interpreter to wait on
+        worker.join(10)  # nothing left for the interpreter to wait on
         assert not worker.is_alive()

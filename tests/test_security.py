@@ -45,6 +45,7 @@ ROLES = ("router", "provider", "trainer", "admin")
 
 # -- helpers ---------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def curve_dir(state_dir: Path) -> Path:
     """Key pairs for every role in ``<state_dir>/curve`` (the defaults services look in); the
@@ -63,6 +64,7 @@ def curve_services(make_settings, curve_dir):
     """Start a CURVE router, then CURVE providers attached to it; all stopped after the test."""
     from services.provider.app import ProviderService
     from services.router.app import RouterService
+
     running = []
 
     def router(**flags):
@@ -84,15 +86,29 @@ def curve_services(make_settings, curve_dir):
         r.shutdown()
 
 
-def curve_client(endpoint: str, curve_dir: Path, secret: bytes, *, key: str = "trainer", sub: str | None = None,
-                 role: str = "trainer", server: str = "router", timeout_s: float = 3.0,
-                 server_key: bytes | None = None) -> Client:
+def curve_client(
+    endpoint: str,
+    curve_dir: Path,
+    secret: bytes,
+    *,
+    key: str = "trainer",
+    sub: str | None = None,
+    role: str = "trainer",
+    server: str = "router",
+    timeout_s: float = 3.0,
+    server_key: bytes | None = None,
+) -> Client:
     keys = load_keys(curve_dir / f"{key}.key_secret") if "/" not in key else load_keys(key)
     token = issue_token(secret, sub=sub or keys.name, role=role, audience=CLUSTER)
     if server_key is None:
         server_key = load_keys(curve_dir / f"{server}.key_secret").public
-    return Client(endpoint, Identity(role=role, name=keys.name, token=token, curve=keys), timeout_s=timeout_s,
-                  retries=0, server_key=server_key)
+    return Client(
+        endpoint,
+        Identity(role=role, name=keys.name, token=token, curve=keys),
+        timeout_s=timeout_s,
+        retries=0,
+        server_key=server_key,
+    )
 
 
 class Relay:
@@ -145,18 +161,27 @@ def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition") -> None
 
 # -- CURVE -----------------------------------------------------------------------------------
 
+
 def test_keys_gen_writes_a_private_secret_whatever_the_umask(tmp_path):
     out = tmp_path / "keys"
-    run = subprocess.run(["sh", "-c", f"umask 000; {sys.executable} -m cli keys gen node-1 --dir {out}"],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        ["sh", "-c", f"umask 000; {sys.executable} -m cli keys gen node-1 --dir {out}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     secret, public = out / "node-1.key_secret", out / "node-1.key"
     assert secret.stat().st_mode & 0o777 == 0o600
     keys = load_keys(secret)
     assert keys.name == "node-1" and len(keys.public) == 40 and keys.public.decode() in public.read_text()
     assert "secret-key" not in public.read_text()  # the public file holds no secret half
-    again = subprocess.run([sys.executable, "-m", "cli", "keys", "gen", "node-1", "--dir", str(out)],
-                           capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "cli", "keys", "gen", "node-1", "--dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
     os.chmod(secret, 0o644)
     with pytest.raises(ConfigError, match="readable by others"):
@@ -168,10 +193,10 @@ def test_keys_gen_writes_a_private_secret_whatever_the_umask(tmp_path):
 def test_a_curve_cluster_admits_listed_keys_whose_token_matches(curve_services, curve_dir, secret):
     start_router, start_provider = curve_services
     router = start_router()
-    provider = start_provider(router.endpoint, "mnist=" + MNIST)   # provider → router over CURVE
+    provider = start_provider(router.endpoint, "mnist=" + MNIST)  # provider → router over CURVE
     admin = curve_client(router.endpoint, curve_dir, secret, key="admin", role="admin")
     peers = {p["name"]: p for p in admin.request(ListPeers()).peers}
-    assert peers["provider"]["key"] == "provider"                  # the session knows its key's name
+    assert peers["provider"]["key"] == "provider"  # the session knows its key's name
     resolved = admin.request(Resolve(dataset="mnist"))
     provider_key = load_keys(curve_dir / "provider.key_secret").public
     assert resolved.providers[0]["curve_key"] == provider_key.decode()
@@ -188,13 +213,17 @@ def test_a_curve_cluster_admits_listed_keys_whose_token_matches(curve_services, 
     # a key nobody listed, and no key at all: the handshake never completes, so nothing comes back
     # (the client sees the ZAP refusal on its socket's monitor and says so)
     outsider = generate_keys(curve_dir / "elsewhere", "outsider")[1]
-    stranger = curve_client(provider.endpoint, curve_dir, secret, key=str(outsider), server="provider",
-                            timeout_s=1.5)
+    stranger = curve_client(provider.endpoint, curve_dir, secret, key=str(outsider), server="provider", timeout_s=1.5)
     with pytest.raises(AuthInvalid, match="refused this connection at the handshake"):
         stranger.hello()
-    plain = Client(provider.endpoint, Identity(role="trainer", name="trainer",
-                                               token=issue_token(secret, sub="trainer", role="trainer",
-                                                                 audience=CLUSTER)), timeout_s=1.5, retries=0)
+    plain = Client(
+        provider.endpoint,
+        Identity(
+            role="trainer", name="trainer", token=issue_token(secret, sub="trainer", role="trainer", audience=CLUSTER)
+        ),
+        timeout_s=1.5,
+        retries=0,
+    )
     with pytest.raises(PeerTimeout):
         plain.hello()
     # an operator lists the outsider's key: admitted from the next connection, no restart
@@ -205,8 +234,9 @@ def test_a_curve_cluster_admits_listed_keys_whose_token_matches(curve_services, 
         c.close()
 
 
-def test_curve_hides_tokens_and_samples_from_the_wire(curve_services, curve_dir, secret, start_provider,
-                                                      client_for, make_token):
+def test_curve_hides_tokens_and_samples_from_the_wire(
+    curve_services, curve_dir, secret, start_provider, client_for, make_token
+):
     def captured(endpoint: str, make_client) -> tuple[bytes, str, bytes]:
         relay = Relay(endpoint)
         client = make_client(relay.endpoint)
@@ -217,13 +247,12 @@ def test_curve_hides_tokens_and_samples_from_the_wire(curve_services, curve_dir,
 
     plain = start_provider("mnist=" + MNIST)
     wire, token, data = captured(plain.endpoint, lambda ep: client_for(ep, token=make_token()))
-    assert token.encode() in wire and data[:4096] in wire            # without CURVE, both in clear
+    assert token.encode() in wire and data[:4096] in wire  # without CURVE, both in clear
 
     start_router, start_provider_curve = curve_services
     provider = start_provider_curve(start_router().endpoint, "mnist=" + MNIST)
-    wire, token, data = captured(provider.endpoint,
-                                 lambda ep: curve_client(ep, curve_dir, secret, server="provider"))
-    assert len(wire) > len(data)                                    # the batch did cross this relay
+    wire, token, data = captured(provider.endpoint, lambda ep: curve_client(ep, curve_dir, secret, server="provider"))
+    assert len(wire) > len(data)  # the batch did cross this relay
     assert token.encode() not in wire and token.split(".")[1].encode() not in wire
     assert data[:4096] not in wire and b"DatasetInfo" not in wire and b"BatchRequest" not in wire
 
@@ -253,15 +282,18 @@ def test_without_a_zap_handler_a_curve_server_admits_nobody(tmp_path):
         ctx.term()
         return user
 
-    assert reaches(with_handler=False) is None       # ZAP domain + ZAP_ENFORCE_DOMAIN: refused
-    assert reaches(with_handler=True) == "client"    # the handler admits it and names it
+    assert reaches(with_handler=False) is None  # ZAP domain + ZAP_ENFORCE_DOMAIN: refused
+    assert reaches(with_handler=True) == "client"  # the handler admits it and names it
 
 
 # -- revocation ------------------------------------------------------------------------------
 
-def test_a_revoked_token_is_refused_everywhere_and_stays_revoked(router, start_provider, client_for, make_token,
-                                                                 make_settings, state_dir):
+
+def test_a_revoked_token_is_refused_everywhere_and_stays_revoked(
+    router, start_provider, client_for, make_token, make_settings, state_dir
+):
     from services.router.app import RouterService
+
     provider = start_provider("mnist=" + MNIST)
     token = make_token("trainer", sub="laptop")
     jti = inspect_token(token)[1]["jti"]
@@ -270,9 +302,25 @@ def test_a_revoked_token_is_refused_everywhere_and_stays_revoked(router, start_p
     pserver = provider.service.server
     assert any(s.claims.jti == jti for s in pserver.sessions.values())
 
-    run = subprocess.run([sys.executable, "-m", "cli", "token", "revoke", token, "--reason", "laptop stolen",
-                          "--router", router.endpoint, "--state-dir", str(state_dir)],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "token",
+            "revoke",
+            token,
+            "--reason",
+            "laptop stolen",
+            "--router",
+            router.endpoint,
+            "--state-dir",
+            str(state_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0 and f"revoked {jti}" in run.stdout, run.stderr
     # the provider heard of it from the router and closed the session
     wait_for(lambda: not any(s.claims.jti == jti for s in pserver.sessions.values()), what="session closed")
@@ -280,8 +328,23 @@ def test_a_revoked_token_is_refused_everywhere_and_stays_revoked(router, start_p
         reader.request(DatasetInfoRequest(dataset="mnist"))
     with pytest.raises(AuthInvalid, match="revoked"):
         client_for(router.endpoint, token=token).hello()
-    listed = subprocess.run([sys.executable, "-m", "cli", "token", "revoked", "--json", "--router", router.endpoint,
-                             "--state-dir", str(state_dir)], capture_output=True, text=True, timeout=60)
+    listed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "token",
+            "revoked",
+            "--json",
+            "--router",
+            router.endpoint,
+            "--state-dir",
+            str(state_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert jti in listed.stdout and "laptop stolen" in listed.stdout
     assert client_for(provider.endpoint).request(DatasetInfoRequest(dataset="mnist"))  # others unaffected
 
@@ -303,6 +366,7 @@ def test_a_revoked_token_is_refused_everywhere_and_stays_revoked(router, start_p
 
 # -- assignment ------------------------------------------------------------------------------
 
+
 def test_a_provider_serves_trainers_only_the_dataset_of_their_job(router, start_provider, client_for, make_token):
     provider = start_provider("mnist=" + MNIST, "zeros=dummy://?shape=2&n=10", assigned_only=True)
     admin = client_for(router.endpoint, role="admin")
@@ -312,12 +376,12 @@ def test_a_provider_serves_trainers_only_the_dataset_of_their_job(router, start_
     on_router.identity.name = "t1"
     reader = client_for(provider.endpoint, token=t1, timeout_s=8.0)  # outlives the grace wait
     with pytest.raises(Forbidden, match="'t1' is not assigned to a job on mnist"):
-        reader.request(DatasetInfoRequest(dataset="mnist"))         # refused after the grace wait
+        reader.request(DatasetInfoRequest(dataset="mnist"))  # refused after the grace wait
     task = on_router.request(GetTask())
     assert isinstance(task, Task) and task.job == job
     assert reader.request(DatasetInfoRequest(dataset="mnist")).info["num_classes"] == 10
     with pytest.raises(Forbidden, match="not assigned to a job on zeros"):
-        reader.request(DatasetInfoRequest(dataset="zeros"))         # only its job's dataset
+        reader.request(DatasetInfoRequest(dataset="zeros"))  # only its job's dataset
     other = client_for(provider.endpoint, token=make_token("trainer", sub="t2"), timeout_s=8.0)
     with pytest.raises(Forbidden, match="'t2' is not assigned"):
         other.request(BatchRequest(dataset="mnist", split="train", range=[0, 2]))
@@ -338,7 +402,7 @@ def test_get_task_respects_the_tokens_scopes(router, client_for, make_token):
     mine = admin.request(SubmitJob(spec={"dataset": "mnist"})).job
     admin.request(SubmitJob(spec={"dataset": "zeros", "priority": 5}))
     scoped = client_for(router.endpoint, token=make_token("trainer", sub="s", jobs=[mine]))
-    assert scoped.request(GetTask()).job == mine                    # not the higher-priority one
+    assert scoped.request(GetTask()).job == mine  # not the higher-priority one
     only_cifar = client_for(router.endpoint, token=make_token("trainer", sub="c", datasets=["cifar"]))
     assert only_cifar.request(GetTask()).type == "NoTask"
     anyone = client_for(router.endpoint, token=make_token("trainer", sub="a"))
@@ -346,6 +410,7 @@ def test_get_task_respects_the_tokens_scopes(router, client_for, make_token):
 
 
 # -- limits ----------------------------------------------------------------------------------
+
 
 def test_requests_in_flight_per_session_are_capped(start_provider, raw_dealer, make_token):
     provider = start_provider("mnist=" + MNIST, assigned_only=True, session_inflight=3)
@@ -375,20 +440,25 @@ def test_a_session_over_its_rate_is_refused_counted_and_shown(router, start_prov
             outcomes.append("limited")
     # the burst, plus what 10/s refills while the 20 go out (a loaded machine is slower)
     assert 5 <= outcomes.count("ok") <= 12 and outcomes.count("limited") >= 8
-    time.sleep(0.6)                                                   # the bucket refills
+    time.sleep(0.6)  # the bucket refills
     assert client.request(DatasetInfoRequest(dataset="mnist")).info["num_classes"] == 10
     limited = provider.service.server.counters["error_RATE_LIMITED"]
     assert limited == outcomes.count("limited")
     time.sleep(0.3)  # a heartbeat carries the counters to the router
-    run = subprocess.run([sys.executable, "-m", "cli", "queues", "--router", router.endpoint,
-                          "--state-dir", str(state_dir)], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "COLUMNS": "400"})
+    run = subprocess.run(
+        [sys.executable, "-m", "cli", "queues", "--router", router.endpoint, "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "400"},
+    )
     assert run.returncode == 0, run.stderr
     assert "refused" in run.stdout and f"RATE_LIMITED {limited}" in run.stdout
 
 
 def test_a_message_over_the_total_size_cap_is_refused():
     from libbus.constants import MAX_MSG_BYTES
+
     big = np.zeros(MAX_MSG_BYTES // 8 + 1, np.uint8)  # calloc'd: no memory is touched
     frames = encode(BatchRequest(id=1, dataset="d", split="train", range=[0, 1])) + [memoryview(big)] * 8
     with pytest.raises(TooLarge, match="bytes in all"):
@@ -399,11 +469,12 @@ def test_revocations_outlive_a_restart_and_lapse_with_their_token(tmp_path):
     import sqlite3
 
     from services.router.grants import Revocations
+
     db = tmp_path / "router.db"
     now = time.time()
     revs = Revocations(sqlite3.connect(db, isolation_level=None))
     revs.revoke("live", now + 3600, "stolen")
-    revs.revoke("lapsed", now - 60, "old")                          # its token is dead anyway
+    revs.revoke("lapsed", now - 60, "old")  # its token is dead anyway
     with pytest.raises(BadRequest, match="1 to 128 printable characters"):
         revs.revoke("x" * 500, now + 10, "")
     reopened = Revocations(sqlite3.connect(db, isolation_level=None))

@@ -21,24 +21,32 @@ FAST = "retries=1&backoff=0.01&timeout=5"
 
 def raw_dataset(d: Path, x_path: str) -> None:
     d.mkdir(parents=True, exist_ok=True)
-    (d / "dataset.toml").write_text(textwrap.dedent(f"""\
+    (d / "dataset.toml").write_text(
+        textwrap.dedent(f"""\
         format = "raw"
         [train]
         x = "{x_path}"
         dtype = "uint8"
         shape = [1]
-        """))
-
+        """)
+    )
 
 
 def test_a_dataset_toml_naming_the_cluster_secret_is_refused_by_a_real_provider(state_dir, tmp_path):
     data = tmp_path / "evil"
-    raw_dataset(data, str(state_dir / "secret"))       # "samples" = the cluster's HS256 secret
-    out = busctl("start", "provider", "--dataset", f"evil=file://{data}", "--router", "tcp://127.0.0.1:9",
-                 env={"BATCHBUS_STATE_DIR": str(state_dir)})
+    raw_dataset(data, str(state_dir / "secret"))  # "samples" = the cluster's HS256 secret
+    out = busctl(
+        "start",
+        "provider",
+        "--dataset",
+        f"evil=file://{data}",
+        "--router",
+        "tcp://127.0.0.1:9",
+        env={"BATCHBUS_STATE_DIR": str(state_dir)},
+    )
     assert out.returncode != 0
     assert "outside the dataset's directory" in out.stderr and "Traceback" not in out.stderr, out.stderr
-    raw_dataset(data, os.path.relpath(state_dir / "secret", data))   # the same by a relative path
+    raw_dataset(data, os.path.relpath(state_dir / "secret", data))  # the same by a relative path
     with pytest.raises(DatasetError, match="outside the dataset's directory"):
         open_source(f"file://{data}")
 
@@ -52,7 +60,7 @@ def test_a_symlink_out_of_the_dataset_is_refused_unless_the_operator_allows_it(t
     (data / "train.u8").symlink_to(outside / "shared.u8")
     with pytest.raises(DatasetError, match=r"is really .*shared.u8, outside the dataset's directory"):
         open_source(f"file://{data}")
-    src = open_source(f"file://{data}?allow_paths={outside}&val_fraction=0")   # the operator's explicit word
+    src = open_source(f"file://{data}?allow_paths={outside}&val_fraction=0")  # the operator's explicit word
     assert src.num_samples("train") == 16
     src.close()
     # a file inside the directory, through a symlink that stays inside, is fine
@@ -68,7 +76,7 @@ def test_http_redirects_and_manifests_stay_on_the_datasets_origin(tmp_path):
     served = tmp_path / "www"
     (served / "tok").mkdir(parents=True)
     np.arange(400, dtype="<u2").tofile(served / "tok" / "shard-00.bin")
-    home, internal = RangeServer(served), RangeServer(served)   # two origins (ports) on this host
+    home, internal = RangeServer(served), RangeServer(served)  # two origins (ports) on this host
     try:
         home.redirects = {"/moved/": f"{internal.url}/tok/"}
         with pytest.raises(DatasetError, match=f"{internal.url}/tok/shard-00.bin: outside the dataset's origin"):
@@ -78,8 +86,9 @@ def test_http_redirects_and_manifests_stay_on_the_datasets_origin(tmp_path):
         with pytest.raises(DatasetError, match="outside the dataset's origin"):
             open_source(f"{home.url}/tok/?manifest=MANIFEST&seq_len=9&token_bytes=2&{FAST}")
         assert not internal.requests
-        src = open_source(f"{home.url}/moved/shard-00.bin?seq_len=9&token_bytes=2&val_fraction=0&"
-                          f"allow_origins={internal.url}&{FAST}")
+        src = open_source(
+            f"{home.url}/moved/shard-00.bin?seq_len=9&token_bytes=2&val_fraction=0&allow_origins={internal.url}&{FAST}"
+        )
         assert src.num_samples("train") == 40
         src.close()
     finally:
@@ -91,7 +100,7 @@ def test_a_world_readable_secret_is_refused_by_a_real_service(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
     (state / "secret").write_text("s" * 64)
-    os.chmod(state / "secret", 0o644)   # what `echo ... > secret` leaves under the usual umask
+    os.chmod(state / "secret", 0o644)  # what `echo ... > secret` leaves under the usual umask
     out = busctl("start", "router", "--bind", "tcp://127.0.0.1:0", env={"BATCHBUS_STATE_DIR": str(state)})
     assert out.returncode != 0
     assert "readable by others (mode 644); chmod 600 it" in out.stderr and "Traceback" not in out.stderr, out.stderr
@@ -111,9 +120,18 @@ def test_config_show_never_prints_the_token_and_a_command_line_token_is_warned_a
         assert token not in out.stdout and token[-20:] not in out.stdout and "<hidden:" in out.stdout
         out = busctl("config", "show", env={"BATCHBUS_STATE_DIR": str(state_dir), **env})
         assert token[-20:] not in out.stdout
-    out = busctl("jobs", "--token", token, "--router", "tcp://127.0.0.1:9",
-                 env={"BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_REQUEST_TIMEOUT_S": "0.2",
-                      "BATCHBUS_REQUEST_RETRIES": "0"})
+    out = busctl(
+        "jobs",
+        "--token",
+        token,
+        "--router",
+        "tcp://127.0.0.1:9",
+        env={
+            "BATCHBUS_STATE_DIR": str(state_dir),
+            "BATCHBUS_REQUEST_TIMEOUT_S": "0.2",
+            "BATCHBUS_REQUEST_RETRIES": "0",
+        },
+    )
     assert "warning: a token given with --token shows in 'ps'" in out.stderr
 
 

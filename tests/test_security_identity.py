@@ -48,11 +48,17 @@ def test_a_name_is_not_an_identity_every_route_is_refused(router, client_for, ma
     # mallory: a trainer token for another dataset, saying Hello with the victim's name
     mallory = trainer(client_for, router, make_token, "mallory", "gpu0", datasets=["other"])
     mallory.hello()
-    for forged in (PushResult(job=job, state="failed", error="mallory was here"),
-                   PushResult(job=job, state="succeeded", result={"model": {"sha256": hashlib.sha256(b"evil").hexdigest()}},
-                              frames=[b"evil"]),
-                   Checkpointed(job=job, checkpoint={"step": 1, "epoch": 0, "path": "/tmp/evil"}),
-                   Progress(job=job, progress={"step": 99})):
+    for forged in (
+        PushResult(job=job, state="failed", error="mallory was here"),
+        PushResult(
+            job=job,
+            state="succeeded",
+            result={"model": {"sha256": hashlib.sha256(b"evil").hexdigest()}},
+            frames=[b"evil"],
+        ),
+        Checkpointed(job=job, checkpoint={"step": 1, "epoch": 0, "path": "/tmp/evil"}),
+        Progress(job=job, progress={"step": 99}),
+    ):
         with pytest.raises(Forbidden, match="not running on 'mallory'|not running on mallory"):
             mallory.request(forged)
     info = job_of(admin, job)
@@ -91,10 +97,10 @@ def test_two_trainers_with_one_name_own_their_own_jobs(router, client_for, make_
     admin = client_for(router.endpoint, role="admin")
     first_job = admin.request(SubmitJob(spec={"dataset": "mnist"})).job
     second_job = admin.request(SubmitJob(spec={"dataset": "mnist"})).job
-    a = trainer(client_for, router, make_token, "node-a", "trainer-gpu0")   # a copied config: same name
+    a = trainer(client_for, router, make_token, "node-a", "trainer-gpu0")  # a copied config: same name
     b = trainer(client_for, router, make_token, "node-b", "trainer-gpu0")
     assert a.request(GetTask()).job == first_job
-    assert b.request(GetTask()).job == second_job   # b asking for work abandons nothing of a's
+    assert b.request(GetTask()).job == second_job  # b asking for work abandons nothing of a's
     assert (job_of(admin, first_job)["trainer"], job_of(admin, second_job)["trainer"]) == ("node-a", "node-b")
     with pytest.raises(Forbidden):
         b.request(Progress(job=first_job, progress={"step": 1}))
@@ -119,13 +125,15 @@ def test_a_second_process_with_the_same_identity_is_refused(router, client_for, 
     first = client_for(router.endpoint, role="trainer", token=token)
     first.identity.caps = {"heartbeat": False}
     assert isinstance(first.request(GetTask()), (Task, NoTask))
-    out = subprocess.run([sys.executable, "-c", DUPLICATE, router.endpoint, token],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", DUPLICATE, router.endpoint, token], capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.startswith("UNAVAILABLE") and "already connected" in out.stdout, out.stdout + out.stderr
     # the holder goes (Goodbye): the identity is free for the next process
     first.close()
-    out = subprocess.run([sys.executable, "-c", DUPLICATE, router.endpoint, token],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", DUPLICATE, router.endpoint, token], capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.strip() == "WELCOME", out.stdout + out.stderr
 
 
@@ -164,7 +172,8 @@ def test_a_dataset_scoped_admin_touches_only_its_datasets_jobs(router, client_fo
 
 
 def test_a_provider_registers_only_datasets_its_token_covers_and_replicas_are_checked_by_identity(
-        router, provider, client_for, make_token):
+    router, provider, client_for, make_token
+):
     live = router.service.handler.sessions_of("provider")[0]
     info = dict(live.hello.caps["datasets"]["mnist"])
     rogue = client_for(router.endpoint, role="provider", token=make_token("provider", sub="p2", datasets=["mnist"]))
@@ -182,10 +191,18 @@ def test_a_provider_registers_only_datasets_its_token_covers_and_replicas_are_ch
 
 def test_the_same_subject_cannot_register_a_second_provider_process(router, provider, client_for, make_token):
     live = router.service.handler.sessions_of("provider")[0]
-    twin = Client(router.endpoint, Identity(role="provider", name="copy", host_id="elsewhere",
-                                            token=make_token("provider", sub=live.subject),
-                                            caps={"endpoint": "tcp://127.0.0.1:9", "datasets": {}}),
-                  timeout_s=3, retries=0)
+    twin = Client(
+        router.endpoint,
+        Identity(
+            role="provider",
+            name="copy",
+            host_id="elsewhere",
+            token=make_token("provider", sub=live.subject),
+            caps={"endpoint": "tcp://127.0.0.1:9", "datasets": {}},
+        ),
+        timeout_s=3,
+        retries=0,
+    )
     # Identity.hello reports this process's pid; claim another host so it is "another process"
     live_process = live.process
     assert live_process != ("elsewhere", live.hello.pid)

@@ -35,8 +35,9 @@ def test_an_endless_multipart_message_without_a_token_leaves_memory_flat(tmp_pat
         assert r["growth_mib"] <= PREAUTH_BOUND_MIB, f"{name} grew by {r['growth_mib']:.0f} MiB: {r}"
 
 
-def test_a_wrong_token_is_refused_at_the_handshake_and_the_service_still_serves(router, client_for, make_token,
-                                                                                 tmp_path):
+def test_a_wrong_token_is_refused_at_the_handshake_and_the_service_still_serves(
+    router, client_for, make_token, tmp_path
+):
     other_secret = ensure_secret(tmp_path / "elsewhere" / "secret")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -58,6 +59,7 @@ def test_a_wrong_token_is_refused_at_the_handshake_and_the_service_still_serves(
 
 def test_evaluations_are_capped_in_size_and_rate(start_provider, client_for, make_token):
     import services.provider.evaluator  # noqa: F401 - torch loaded up front: the evaluations below take no time,
+
     # so no token of the 2-per-minute buckets refills during the test
     provider = start_provider("mnist=mock://mnist?n=600", eval_per_minute=2, eval_max_model_bytes=4096)
     alice = client_for(provider.endpoint, token=make_token("trainer", sub="alice"), timeout_s=60)
@@ -88,10 +90,10 @@ def test_the_evaluation_queue_is_bounded(start_provider, client_for, make_token)
     provider = start_provider("mnist=mock://mnist?n=600", eval_queue=1)
     gate = provider.service.handler.evalgate
     c = client_for(provider.endpoint, token=make_token("trainer", sub="carol"), timeout_s=60)
-    gate.admit("someone", "long-job", 1)   # an evaluation holds the only place (as a slow one would)
+    gate.admit("someone", "long-job", 1)  # an evaluation holds the only place (as a slow one would)
     with pytest.raises(RateLimited, match="1 evaluations are queued or running here; at most 1"):
         c.request(Evaluate(dataset="mnist", model={"name": "mlp"}, job="b", frames=[b"x"]))
-    gate.finished()                         # it ends: the next one is admitted (and judged on its weights)
+    gate.finished()  # it ends: the next one is admitted (and judged on its weights)
     with pytest.raises(BadRequest, match="not a valid safetensors"):
         c.request(Evaluate(dataset="mnist", model={"name": "mlp"}, job="b", frames=[b"x"]))
     stats = provider.service.handler.stats()
@@ -101,7 +103,7 @@ def test_the_evaluation_queue_is_bounded(start_provider, client_for, make_token)
 def _flooding_server(stop: threading.Event, sent: list[int]) -> str:
     """A misbehaving service: admits any token, welcomes, answers DatasetInfo, then floods heartbeats
     and stale replies, never answering anything else. ``sent[0]`` counts the flood's messages."""
-    ctx = zmq.Context()   # its own: a ZAP handler serves one context
+    ctx = zmq.Context()  # its own: a ZAP handler serves one context
     auth = TokenAuthenticator(ctx, lambda token: "anyone")
     auth.start()
     sock = ctx.socket(zmq.ROUTER)
@@ -120,9 +122,9 @@ def _flooding_server(stop: threading.Event, sent: list[int]) -> str:
                     peer, msg = frames[0], decode(frames[1:])
                     if msg.type == "Hello":
                         sock.send_multipart([peer, *encode(Welcome(id=msg.id, session="s", heartbeat_ms=1000))])
-                    elif msg.type == "DatasetInfoRequest":   # looks like a provider, until asked for data
+                    elif msg.type == "DatasetInfoRequest":  # looks like a provider, until asked for data
                         sock.send_multipart([peer, *encode(DatasetInfo(id=msg.id, dataset=msg.dataset, info=INFO))])
-                if peer is not None:   # encoded once: the flood outpaces a client decoding each message
+                if peer is not None:  # encoded once: the flood outpaces a client decoding each message
                     for _ in range(500):
                         try:
                             sock.send_multipart([peer, *flood[sent[0] % 2]], zmq.NOBLOCK)
@@ -142,8 +144,7 @@ def test_a_flooding_server_cannot_hold_a_client_past_its_deadline(make_token):
     stop, sent = threading.Event(), [0]
     endpoint = _flooding_server(stop, sent)
     outcome: list = []
-    client = Client(endpoint, Identity(role="trainer", name="t", token=make_token("trainer")), timeout_s=1.0,
-                    retries=1)
+    client = Client(endpoint, Identity(role="trainer", name="t", token=make_token("trainer")), timeout_s=1.0, retries=1)
 
     def ask() -> None:
         try:
@@ -172,8 +173,16 @@ def test_a_flooding_provider_cannot_hold_a_loader_past_its_deadline(make_token):
 
     def iterate() -> None:
         try:
-            loader = RemoteLoader("mnist", token=make_token("trainer"), provider=endpoint, batch_size=8,
-                                  timeout_s=1.0, retries=0, provider_wait_s=0, shm=False)
+            loader = RemoteLoader(
+                "mnist",
+                token=make_token("trainer"),
+                provider=endpoint,
+                batch_size=8,
+                timeout_s=1.0,
+                retries=0,
+                provider_wait_s=0,
+                shm=False,
+            )
             for _ in loader:
                 outcome.append("a batch from nowhere")
                 return

@@ -30,7 +30,7 @@ def test_deeply_nested_stats_do_not_break_the_admin_tools(router, client_for, ma
     peer = client_for(router.endpoint, role="trainer", token=make_token("trainer", sub="noisy"))
     peer.identity.caps = {"heartbeat": True}
     peer.hello()
-    peer.send(Heartbeat(stats=nested(25)))   # within the wire's 32 levels, not within what is stored
+    peer.send(Heartbeat(stats=nested(25)))  # within the wire's 32 levels, not within what is stored
     deadline = time.monotonic() + 5
     admin = client_for(router.endpoint, role="admin")
     while "refused" not in admin.request(Stats()).services.get(peer.identity.name, {}):
@@ -38,7 +38,7 @@ def test_deeply_nested_stats_do_not_break_the_admin_tools(router, client_for, ma
         time.sleep(0.05)
     services = admin.request(Stats()).services
     assert "nests deeper than" in services[peer.identity.name]["refused"]
-    out = admin_busctl(router, state_dir, "queues", "--json")   # what failed for everyone before
+    out = admin_busctl(router, state_dir, "queues", "--json")  # what failed for everyone before
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert json.loads(out.stdout)
 
@@ -63,7 +63,7 @@ def test_admin_replies_over_the_client_limit_are_cut_with_a_note(router, client_
     admin = client_for(router.endpoint, role="admin")
     blob = "x" * 200_000
     jobs = []
-    for i in range(6):   # six results of 200 kB: each within bounds, together over one reply's 1 MiB
+    for i in range(6):  # six results of 200 kB: each within bounds, together over one reply's 1 MiB
         job = admin.request(SubmitJob(spec={"dataset": "mnist"})).job
         t = client_for(router.endpoint, role="trainer", token=make_token("trainer", sub=f"t{i}"))
         assert t.request(GetTask()).job == job
@@ -83,14 +83,14 @@ def test_a_thousand_sequential_clients_leave_no_sessions_behind(router, make_tok
     server = router.service.server
     base = len(server.sessions)
     token = make_token("admin", sub="poller")
-    for _ in range(1000):   # what a script polling `busctl job show` does, in-process
+    for _ in range(1000):  # what a script polling `busctl job show` does, in-process
         with Client(router.endpoint, Identity(role="admin", name="poller", token=token), timeout_s=5) as c:
             c.request(ListJobs(limit=1))
     deadline = time.monotonic() + 5
     while len(server.sessions) > base and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(server.sessions) == base, f"{len(server.sessions) - base} sessions left behind"
-    for _ in range(3):      # and the real command line, process by process
+    for _ in range(3):  # and the real command line, process by process
         assert admin_busctl(router, state_dir, "jobs").returncode == 0
     deadline = time.monotonic() + 5
     while len(server.sessions) > base and time.monotonic() < deadline:
@@ -104,7 +104,7 @@ def test_sessions_per_subject_are_capped(router, make_token):
     token = make_token("admin", sub="leaky")
     open_clients = []
     try:
-        for _ in range(cap):     # a script that never closes its clients
+        for _ in range(cap):  # a script that never closes its clients
             c = Client(router.endpoint, Identity(role="admin", name="leaky", token=token), timeout_s=5, retries=0)
             c.hello()
             open_clients.append(c)
@@ -112,10 +112,14 @@ def test_sessions_per_subject_are_capped(router, make_token):
         open_clients.append(extra)
         with pytest.raises(RateLimited, match=f"'leaky' already has {cap} sessions open here"):
             extra.hello()
-        other = Client(router.endpoint, Identity(role="admin", name="ok", token=make_token("admin", sub="other")),
-                       timeout_s=5, retries=0)
+        other = Client(
+            router.endpoint,
+            Identity(role="admin", name="ok", token=make_token("admin", sub="other")),
+            timeout_s=5,
+            retries=0,
+        )
         open_clients.append(other)
-        assert other.hello().session      # other subjects are not affected
+        assert other.hello().session  # other subjects are not affected
     finally:
         for c in open_clients:
             c.close()

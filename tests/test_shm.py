@@ -72,9 +72,9 @@ def test_a_ring_is_private_unguessable_and_removed_by_its_creator(ring_for):
     assert ring.name.startswith(f"batchbus-{os.getpid()}-") and len(ring.name.rsplit("-", 1)[1]) == 16
     assert ring.name != new_name()
     other = Ring.attach(ring.name, ring.layout)
-    other.close()                                   # an attacher only closes...
+    other.close()  # an attacher only closes...
     assert path.exists()
-    ring.close()                                    # ...the creator unlinks
+    ring.close()  # ...the creator unlinks
     assert not path.exists()
 
 
@@ -86,7 +86,7 @@ def test_the_mapping_outlives_close_while_a_tensor_views_it(ring_for):
     ring.finish_fill(0, seq)
     tensor = torch.from_numpy(x)
     del x
-    ring.close()                                    # unlinked, but the tensor still holds the pages
+    ring.close()  # unlinked, but the tensor still holds the pages
     assert not (SHM_DIR / ring.name).exists()
     assert float(tensor.sum()) == 3.0 * 1024
 
@@ -96,13 +96,13 @@ def test_slot_state_machine_refuses_stale_and_duplicate_fills(ring_for):
     producer = Ring.attach(ring.name, ring.layout)
     try:
         first = ring.request(0)
-        again = ring.request(0)                      # a resend: fresh sequence number
+        again = ring.request(0)  # a resend: fresh sequence number
         with pytest.raises(Exception, match="under sequence"):
-            producer.begin_fill(0, first)            # the late request may not write
+            producer.begin_fill(0, first)  # the late request may not write
         producer.begin_fill(0, again)
         producer.finish_fill(0, again)
         with pytest.raises(Exception, match="filled"):
-            producer.finish_fill(0, again)           # a duplicate may not mark it twice
+            producer.finish_fill(0, again)  # a duplicate may not mark it twice
         ring.take(0, again)
         assert ring.state(0) is SlotState.IN_USE
         with pytest.raises(Exception, match="in_use"):
@@ -113,8 +113,7 @@ def test_slot_state_machine_refuses_stale_and_duplicate_fills(ring_for):
         producer.close()
 
 
-def test_provider_writes_into_the_slot_and_refuses_stale_or_duplicate_requests(ring_provider, local_client,
-                                                                               ring_for):
+def test_provider_writes_into_the_slot_and_refuses_stale_or_duplicate_requests(ring_provider, local_client, ring_for):
     client = local_client(ring_provider)
     info = client.request(DatasetInfoRequest(dataset="mnist")).info
     ring = ring_for(ring_layout(info, 32, 2))
@@ -129,7 +128,7 @@ def test_provider_writes_into_the_slot_and_refuses_stale_or_duplicate_requests(r
     want_x, want_y = source.read("train", idx)
     assert np.array_equal(x, want_x) and np.array_equal(y, want_y)
     before = x.copy()
-    for stale in (seq, seq - 1, seq + 5):            # duplicate, older, never issued
+    for stale in (seq, seq - 1, seq + 5):  # duplicate, older, never issued
         with pytest.raises(BadRequest, match="in_use|sequence"):
             client.request(BatchRequest(dataset="mnist", split="train", range=[100, 105], slot=1, seq=stale))
     assert np.array_equal(x, before) and ring.state(1) is SlotState.IN_USE
@@ -143,19 +142,30 @@ def test_provider_writes_into_the_slot_and_refuses_stale_or_duplicate_requests(r
 
 def write_header(ring: Ring, **fields) -> None:
     lay = ring.layout
-    values = dict(magic=b"BBRING\x00\x00", version=1, slots=lay.slots, slot_bytes=lay.slot_bytes,
-                  label_offset=lay.label_offset, pid=os.getpid(), start=0)
+    values = dict(
+        magic=b"BBRING\x00\x00",
+        version=1,
+        slots=lay.slots,
+        slot_bytes=lay.slot_bytes,
+        label_offset=lay.label_offset,
+        pid=os.getpid(),
+        start=0,
+    )
     values.update(fields)
     HEADER.pack_into(ring.segment.buf, 0, *values.values())
 
 
-@pytest.mark.parametrize("damage, message", [
-    (dict(magic=b"NOTARING"), "bad magic"),
-    (dict(version=99), "ring version 99"),
-    (dict(slot_bytes=1 << 20), "header says"),
-])
-def test_provider_refuses_a_ring_with_bad_magic_version_or_sizes(ring_provider, local_client, ring_for,
-                                                                 damage, message):
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (dict(magic=b"NOTARING"), "bad magic"),
+        (dict(version=99), "ring version 99"),
+        (dict(slot_bytes=1 << 20), "header says"),
+    ],
+)
+def test_provider_refuses_a_ring_with_bad_magic_version_or_sizes(
+    ring_provider, local_client, ring_for, damage, message
+):
     client = local_client(ring_provider)
     ring = ring_for(RingLayout.for_batch(2, 8192, 256))
     write_header(ring, **damage)
@@ -166,7 +176,7 @@ def test_provider_refuses_a_ring_with_bad_magic_version_or_sizes(ring_provider, 
 def test_provider_refuses_rings_it_should_not_touch(ring_provider, local_client, ring_for, client_for):
     client = local_client(ring_provider)
     ring = ring_for(RingLayout.for_batch(2, 8192, 256))
-    with pytest.raises(BadRequest, match="header says"):    # geometry differs from the header
+    with pytest.raises(BadRequest, match="header says"):  # geometry differs from the header
         attach(client, ring, slots=3)
     with pytest.raises(BadRequest, match="not a batchbus ring name"):
         attach(client, ring, name="../../etc/passwd")
@@ -184,20 +194,21 @@ def test_provider_refuses_rings_it_should_not_touch(ring_provider, local_client,
         attach(client_for(ring_provider.endpoint, host_id=host_id()), ring)  # TCP, even from this host
     with pytest.raises(BadRequest, match="attached no ring"):
         client.request(BatchRequest(dataset="mnist", split="train", range=[0, 1], slot=0, seq=1))
-    assert attach(client, ring).name == ring.name      # and the good one still attaches
+    assert attach(client, ring).name == ring.name  # and the good one still attaches
 
 
 @pytest.mark.parametrize("dataset", ["mnist", *(f"d-{d}" for d in DTYPES)])
 def test_loader_bytes_through_the_ring_equal_the_source_bytes(ring_provider, make_token, dataset):
     uri = MNIST if dataset == "mnist" else f"dummy://?shape=3,5&n=64&dtype={dataset[2:]}"
     source = open_source(uri)
-    with RemoteLoader(dataset, provider=ring_provider.endpoint, token=make_token(), batch_size=24,
-                      seed=3, inflight=2) as loader:
+    with RemoteLoader(
+        dataset, provider=ring_provider.endpoint, token=make_token(), batch_size=24, seed=3, inflight=2
+    ) as loader:
         assert loader.transport == "shm"
         order = epoch_order(loader.num_samples, epoch=0, seed=3, shuffle=True)
         start = 0
         for x, y in loader:
-            want_x, want_y = source.read("train", order[start:start + len(x)])
+            want_x, want_y = source.read("train", order[start : start + len(x)])
             assert x.dtype == torch.from_numpy(want_x).dtype
             assert np.array_equal(x.numpy(), want_x) and np.array_equal(y.numpy(), want_y)
             start += len(x)
@@ -207,17 +218,21 @@ def test_loader_bytes_through_the_ring_equal_the_source_bytes(ring_provider, mak
 
 def test_slow_consumer_fast_producer_never_sees_its_batch_change(ring_provider, make_token):
     """The provider fills ahead while the consumer sleeps on a batch: the slot in use never moves."""
-    with RemoteLoader("mnist", provider=ring_provider.endpoint, token=make_token(), batch_size=50,
-                      shuffle=False, inflight=3) as loader:
+    with RemoteLoader(
+        "mnist", provider=ring_provider.endpoint, token=make_token(), batch_size=50, shuffle=False, inflight=3
+    ) as loader:
         ring = loader._delivery.ring
         assert ring.layout.slots == 5
         for i, (x, _y) in enumerate(loader):
             snapshot = x.clone()
-            time.sleep(0.05)                            # the producer has filled every free slot by now
+            time.sleep(0.05)  # the producer has filled every free slot by now
             states = [ring.state(s) for s in range(ring.layout.slots)]
             assert states.count(SlotState.IN_USE) == 1  # the previous batch went with its tensors
-            assert all(s in (SlotState.FILLED, SlotState.REQUESTED, SlotState.FREE) for s in states
-                       if s is not SlotState.IN_USE)
+            assert all(
+                s in (SlotState.FILLED, SlotState.REQUESTED, SlotState.FREE)
+                for s in states
+                if s is not SlotState.IN_USE
+            )
             assert torch.equal(x, snapshot)
             want, _ = open_source(MNIST).read("train", np.arange(i * 50, i * 50 + len(x)))
             assert np.array_equal(x.numpy(), want)
@@ -227,8 +242,9 @@ def test_slow_consumer_fast_producer_never_sees_its_batch_change(ring_provider, 
 
 
 def test_copy_true_yields_batches_that_survive_the_next_one(ring_provider, make_token):
-    with RemoteLoader("mnist", provider=ring_provider.endpoint, token=make_token(), batch_size=100,
-                      shuffle=False, copy=True) as loader:
+    with RemoteLoader(
+        "mnist", provider=ring_provider.endpoint, token=make_token(), batch_size=100, shuffle=False, copy=True
+    ) as loader:
         batches = list(loader)
     want, _ = open_source(MNIST).read("train", np.arange(600))
     assert np.array_equal(torch.cat([x for x, _ in batches]).numpy(), want)
@@ -237,8 +253,7 @@ def test_copy_true_yields_batches_that_survive_the_next_one(ring_provider, make_
 def test_a_provider_on_another_host_id_gets_batches_over_the_socket(start_provider, make_token, caplog):
     elsewhere = start_provider("mnist=" + MNIST, host_id="node-b-simulated")
     with caplog.at_level("INFO", logger="libbus.loader"):
-        loader = RemoteLoader("mnist", provider=elsewhere.endpoint, token=make_token(), batch_size=100,
-                              shuffle=False)
+        loader = RemoteLoader("mnist", provider=elsewhere.endpoint, token=make_token(), batch_size=100, shuffle=False)
     with loader:
         assert loader.transport == "socket"
         xs = [x.clone() for x, _ in loader]
@@ -255,8 +270,9 @@ def test_shm_can_be_switched_off(ring_provider, make_token):
 
 
 def test_leaving_a_pass_early_frees_the_ring_for_the_next(ring_provider, make_token):
-    with RemoteLoader("mnist", provider=ring_provider.endpoint, token=make_token(), batch_size=50,
-                      shuffle=False, inflight=2) as loader:
+    with RemoteLoader(
+        "mnist", provider=ring_provider.endpoint, token=make_token(), batch_size=50, shuffle=False, inflight=2
+    ) as loader:
         for i, _ in enumerate(loader):
             if i == 2:
                 break
@@ -265,7 +281,7 @@ def test_leaving_a_pass_early_frees_the_ring_for_the_next(ring_provider, make_to
         del _
         assert all(ring.state(s) is not SlotState.IN_USE for s in range(ring.layout.slots))
         assert loader.position == 150
-        first = next(iter(loader))[0].clone()           # the next pass continues at sample 150
+        first = next(iter(loader))[0].clone()  # the next pass continues at sample 150
     want, _ = open_source(MNIST).read("train", np.arange(150, 200))
     assert np.array_equal(first.numpy(), want)
 
@@ -290,12 +306,12 @@ def test_gc_removes_a_killed_trainers_ring_and_keeps_live_ones(ring_for, tmp_pat
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert (SHM_DIR / name).exists()                  # SIGKILL: nobody unlinked it
+    assert (SHM_DIR / name).exists()  # SIGKILL: nobody unlinked it
     assert not {s.name: s for s in list_segments()}[name].alive
     out = busctl("shm", "gc")
     assert out.returncode == 0 and name in out.stdout and "removed" in out.stdout
     assert not (SHM_DIR / name).exists()
-    assert (SHM_DIR / mine.name).exists()             # ours is alive: left alone
+    assert (SHM_DIR / mine.name).exists()  # ours is alive: left alone
     assert mine.name not in {s.name for s in collect_garbage()}
 
 
@@ -310,7 +326,7 @@ def test_shm_ls_lists_rings_as_json(ring_for):
 
 def test_a_pid_reused_by_another_process_does_not_keep_a_ring_alive(ring_for):
     ring = ring_for(RingLayout.for_batch(2, 4096, 64))
-    write_header(ring, start=12345)                     # as if our pid's start time were different
+    write_header(ring, start=12345)  # as if our pid's start time were different
     seg = {s.name: s for s in list_segments()}[ring.name]
     assert seg.pid == os.getpid() and not seg.alive
 
@@ -318,13 +334,20 @@ def test_a_pid_reused_by_another_process_does_not_keep_a_ring_alive(ring_for):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_batches_come_from_the_pinned_ring(ring_provider, make_token):
-    with RemoteLoader("mnist", provider=ring_provider.endpoint, token=make_token(), batch_size=64,
-                      shuffle=False, device="cuda:0", inflight=3) as loader:
+    with RemoteLoader(
+        "mnist",
+        provider=ring_provider.endpoint,
+        token=make_token(),
+        batch_size=64,
+        shuffle=False,
+        device="cuda:0",
+        inflight=3,
+    ) as loader:
         assert loader.transport == "shm"
         xs = []
         for x, y in loader:
             assert x.is_cuda and y.is_cuda
-            xs.append((x * 1).cpu())                      # used on the current stream, as a model would
+            xs.append((x * 1).cpu())  # used on the current stream, as a model would
     want, _ = open_source(MNIST).read("train", np.arange(600))
     assert np.array_equal(torch.cat(xs).numpy(), want)
 
@@ -349,10 +372,11 @@ def test_a_slow_provider_is_resent_to_through_the_ring_and_the_bytes_are_right(s
     provider = start_provider("mnist=" + MNIST)
     handler = provider.service.handler
     handler.datasets["mnist"] = SlowOnce(handler.datasets["mnist"], delay_s=1.5)
-    with RemoteLoader("mnist", provider=provider.endpoint, token=make_token(), batch_size=100, shuffle=False,
-                      timeout_s=1.0, retries=2) as loader:
+    with RemoteLoader(
+        "mnist", provider=provider.endpoint, token=make_token(), batch_size=100, shuffle=False, timeout_s=1.0, retries=2
+    ) as loader:
         assert loader.transport == "shm"
-        xs = [x.clone() for x, _ in loader]       # the first batch times out once, then is resent
+        xs = [x.clone() for x, _ in loader]  # the first batch times out once, then is resent
     want, _ = open_source(MNIST).read("train", np.arange(600))
     assert np.array_equal(torch.cat(xs).numpy(), want)
 
@@ -372,11 +396,11 @@ def test_the_provider_unmaps_a_ring_its_loader_removed(ring_provider, make_token
 def test_a_fifo_planted_in_the_shm_directory_does_not_hang_ls_or_gc(tmp_path):
     os.mkfifo(tmp_path / new_name(pid=1))
     os.symlink("/etc/passwd", tmp_path / new_name(pid=1))
-    (tmp_path / new_name(pid=999_999)).write_bytes(b"garbage")   # a dead owner's unreadable file
-    listed = list_segments(tmp_path)                               # returns at once
+    (tmp_path / new_name(pid=999_999)).write_bytes(b"garbage")  # a dead owner's unreadable file
+    listed = list_segments(tmp_path)  # returns at once
     assert [s.pid for s in listed] == [999_999]
     assert [s.pid for s in collect_garbage(tmp_path)] == [999_999]
-    assert len(list(tmp_path.iterdir())) == 2                      # the FIFO and link are left alone
+    assert len(list(tmp_path.iterdir())) == 2  # the FIFO and link are left alone
 
 
 def test_closing_a_pass_after_its_loader_is_harmless(ring_provider, make_token):
@@ -384,19 +408,18 @@ def test_closing_a_pass_after_its_loader_is_harmless(ring_provider, make_token):
     passes = iter(loader)
     next(passes)
     loader.close()
-    passes.close()                                                 # no error from a closed ring
+    passes.close()  # no error from a closed ring
 
 
 def test_a_provider_that_refuses_rings_gets_the_socket_path_with_the_reason(start_provider, make_token, caplog):
     provider = start_provider("mnist=" + MNIST, shm=False)
     before = {s.name for s in list_segments()}
     with caplog.at_level("INFO", logger="libbus.loader"):
-        loader = RemoteLoader("mnist", provider=provider.endpoint, token=make_token(), batch_size=100,
-                              shuffle=False)
+        loader = RemoteLoader("mnist", provider=provider.endpoint, token=make_token(), batch_size=100, shuffle=False)
     with loader:
         assert loader.transport == "socket" and loader.endpoint == provider.endpoint  # and TCP
         xs = [x.clone() for x, _ in loader]
     assert "shared memory is disabled on this provider" in caplog.text
-    assert {s.name for s in list_segments()} <= before              # the refused ring was removed
+    assert {s.name for s in list_segments()} <= before  # the refused ring was removed
     want, _ = open_source(MNIST).read("train", np.arange(600))
     assert np.array_equal(torch.cat(xs).numpy(), want)

@@ -74,17 +74,20 @@ def case(scheme: str, tmp_path: Path, server: RangeServer) -> tuple[str, dict | 
         ref = write_parquet(tmp_path / "pq", rng)
         return f"parquet://{tmp_path / 'pq'}?val_fraction=0", ref
     if scheme == "weighted":
-        (tmp_path / "mix.toml").write_text(textwrap.dedent("""\
+        (tmp_path / "mix.toml").write_text(
+            textwrap.dedent("""\
             [[sources]]
             uri = "mock://mnist?n=30"
             weight = 2
             [[sources]]
             uri = "mock://mnist?n=20&seed=3"
             weight = 1
-            """))
+            """)
+        )
         return f"weighted://{tmp_path / 'mix.toml'}", None
     if scheme == "pipeline":
-        (tmp_path / "p.toml").write_text(textwrap.dedent("""\
+        (tmp_path / "p.toml").write_text(
+            textwrap.dedent("""\
             seed = 1
             [[stages]]
             name = "images"
@@ -93,7 +96,8 @@ def case(scheme: str, tmp_path: Path, server: RangeServer) -> tuple[str, dict | 
             name = "flip"
             input = "images"
             flip = { p = 0.5 }
-            """))
+            """)
+        )
         return f"pipeline://{tmp_path / 'p.toml'}", None
     raise AssertionError(f"no contract case for scheme {scheme!r}: add one to tests/test_sources_contract.py")
 
@@ -119,8 +123,11 @@ def test_every_source_keeps_the_contract(scheme, tmp_path, server):
 @pytest.mark.parametrize("scheme", ["file", "http", "parquet"])
 def test_a_file_cut_short_is_named(scheme, tmp_path, server):
     uri, _ = case(scheme, tmp_path, server)
-    path = {"file": tmp_path / "npy" / "train_x.npy", "http": tmp_path / "web" / "train_x.npy",
-            "parquet": tmp_path / "pq" / "train.parquet"}[scheme]
+    path = {
+        "file": tmp_path / "npy" / "train_x.npy",
+        "http": tmp_path / "web" / "train_x.npy",
+        "parquet": tmp_path / "pq" / "train.parquet",
+    }[scheme]
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 3)
     with pytest.raises(DatasetError, match=path.name):

@@ -24,43 +24,56 @@ def study(**settings) -> dict:
     return {"base": BASE, "space": SPACE, "study": settings}
 
 
-@pytest.mark.parametrize("raw, match", [
-    ("not a table", "object"),
-    ({"base": BASE}, r"\[space\] is empty"),
-    ({"base": BASE, "space": {}}, r"\[space\] is empty"),
-    ({"space": SPACE}, r"\[base\] is missing"),
-    ({"base": {"model": "mlp"}, "space": SPACE}, r"\[base\]: job spec needs 'dataset'"),
-    ({"base": BASE, "space": SPACE, "extra": {}}, "unknown table"),
-    ({"base": BASE, "space": {"lr": {"normal": [0, 1]}}}, "unknown kind 'normal'"),
-    ({"base": BASE, "space": {"lr": {"uniform": [1]}}}, r"\[low, high\]"),
-    ({"base": BASE, "space": {"lr": {"log_uniform": [0, 1]}}}, "low > 0"),
-    ({"base": BASE, "space": {"lr": {"uniform": [-1, 1]}}}, "does not make a valid job"),
-    ({"base": BASE, "space": {"epochs": {"int": [1, 2.5]}}}, "whole bounds"),
-    ({"base": BASE, "space": {"batch_size": {"uniform": [16, 64]}}}, "draws floats, but batch_size is int"),
-    ({"base": BASE, "space": {"batch_size": {"choice": [32, 32]}}}, "twice"),
-    ({"base": BASE, "space": {"colour": {"choice": ["red"]}}}, "not a job field"),
-    ({"base": BASE, "space": {"dataset": {"choice": ["cifar"]}}}, "not a job field"),
-    (study(sampler="bayes"), "sampler 'bayes' is unknown; expected one of random, grid, tpe"),
-    (study(pruner="hyperband"), "pruner 'hyperband' is unknown"),
-    (study(trials=0), "trials must be"),
-    (study(trials="many"), "trials must be int"),
-    (study(objective="accuracy"), "validation metric"),
-    (study(sampler="grid"), "grid needs every"),
-    ({"base": BASE, "space": {"lr": {"choice": [0.1, 0.2]}}, "study": {"sampler": "grid", "trials": 3}},
-     "grid has 2 point"),
-    (study(colour=1), "unknown key"),
-    (study(strategy="pbt", trials=4, concurrent=4, pruner="asha"), "leave pruner at none"),
-    (study(strategy="pbt", trials=4, concurrent=2), "must equal trials"),
-    ({"base": BASE, "space": {"batch_size": {"choice": [8, 16]}}, "study": {"strategy": "pbt", "trials": 2,
-                                                                           "concurrent": 2}}, "hyper-parameters"),
-])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        ("not a table", "object"),
+        ({"base": BASE}, r"\[space\] is empty"),
+        ({"base": BASE, "space": {}}, r"\[space\] is empty"),
+        ({"space": SPACE}, r"\[base\] is missing"),
+        ({"base": {"model": "mlp"}, "space": SPACE}, r"\[base\]: job spec needs 'dataset'"),
+        ({"base": BASE, "space": SPACE, "extra": {}}, "unknown table"),
+        ({"base": BASE, "space": {"lr": {"normal": [0, 1]}}}, "unknown kind 'normal'"),
+        ({"base": BASE, "space": {"lr": {"uniform": [1]}}}, r"\[low, high\]"),
+        ({"base": BASE, "space": {"lr": {"log_uniform": [0, 1]}}}, "low > 0"),
+        ({"base": BASE, "space": {"lr": {"uniform": [-1, 1]}}}, "does not make a valid job"),
+        ({"base": BASE, "space": {"epochs": {"int": [1, 2.5]}}}, "whole bounds"),
+        ({"base": BASE, "space": {"batch_size": {"uniform": [16, 64]}}}, "draws floats, but batch_size is int"),
+        ({"base": BASE, "space": {"batch_size": {"choice": [32, 32]}}}, "twice"),
+        ({"base": BASE, "space": {"colour": {"choice": ["red"]}}}, "not a job field"),
+        ({"base": BASE, "space": {"dataset": {"choice": ["cifar"]}}}, "not a job field"),
+        (study(sampler="bayes"), "sampler 'bayes' is unknown; expected one of random, grid, tpe"),
+        (study(pruner="hyperband"), "pruner 'hyperband' is unknown"),
+        (study(trials=0), "trials must be"),
+        (study(trials="many"), "trials must be int"),
+        (study(objective="accuracy"), "validation metric"),
+        (study(sampler="grid"), "grid needs every"),
+        (
+            {"base": BASE, "space": {"lr": {"choice": [0.1, 0.2]}}, "study": {"sampler": "grid", "trials": 3}},
+            "grid has 2 point",
+        ),
+        (study(colour=1), "unknown key"),
+        (study(strategy="pbt", trials=4, concurrent=4, pruner="asha"), "leave pruner at none"),
+        (study(strategy="pbt", trials=4, concurrent=2), "must equal trials"),
+        (
+            {
+                "base": BASE,
+                "space": {"batch_size": {"choice": [8, 16]}},
+                "study": {"strategy": "pbt", "trials": 2, "concurrent": 2},
+            },
+            "hyper-parameters",
+        ),
+    ],
+)
 def test_a_wrong_study_is_refused_naming_what_is_wrong(raw, match):
     with pytest.raises(BadRequest, match=match):
         StudySpec.from_dict(raw)
 
 
 def test_a_study_round_trips_and_knows_its_direction():
-    spec = StudySpec.from_dict(study(objective="val_loss", sampler="grid", trials=2) | {"space": {"lr": {"choice": [0.1, 0.01]}}})
+    spec = StudySpec.from_dict(
+        study(objective="val_loss", sampler="grid", trials=2) | {"space": {"lr": {"choice": [0.1, 0.01]}}}
+    )
     assert not spec.maximize
     assert StudySpec.from_dict(spec.to_dict()) == spec
     assert StudySpec.from_dict(study()).maximize  # val_accuracy by default
@@ -78,22 +91,28 @@ def test_pbt_copies_a_top_member_into_a_bottom_one_only():
 
 
 def test_pbt_explores_inside_the_space():
-    space = {"lr": Param("lr", "log_uniform", (1e-3, 0.1)), "batch_size": Param("batch_size", "choice", (16, 32)),
-             "momentum": Param("momentum", "choice", (0.5, 0.9, 0.99))}
+    space = {
+        "lr": Param("lr", "log_uniform", (1e-3, 0.1)),
+        "batch_size": Param("batch_size", "choice", (16, 32)),
+        "momentum": Param("momentum", "choice", (0.5, 0.9, 0.99)),
+    }
     out = explore({"lr": 0.09, "batch_size": 32, "momentum": 0.9}, space, [2.0], random.Random(1))
     assert out == {"lr": 0.1, "momentum": 0.99}  # clipped to the range; batch_size cannot change live
     assert explore({"lr": 0.01}, space, [0.5], random.Random(1)) == {"lr": 0.005}
 
 
-@pytest.mark.parametrize("values, patience, min_delta, maximize, stop", [
-    ([1.0, 0.9, 0.8], 2, 0.0, False, False),
-    ([1.0, 0.9, 0.9, 0.95], 2, 0.0, False, True),
-    ([1.0, 0.95, 0.92], 2, 0.1, False, True),   # improving, but by less than min_delta
-    ([0.5, 0.6, 0.6], 2, 0.0, True, False),
-    ([0.5, 0.6, 0.6, 0.59], 2, 0.0, True, True),
-    ([1.0, 0.5], 0, 0.0, False, False),         # patience 0: never
-    ([float("nan")] * 3, 2, 0.0, False, True),  # diverged from the start
-])
+@pytest.mark.parametrize(
+    "values, patience, min_delta, maximize, stop",
+    [
+        ([1.0, 0.9, 0.8], 2, 0.0, False, False),
+        ([1.0, 0.9, 0.9, 0.95], 2, 0.0, False, True),
+        ([1.0, 0.95, 0.92], 2, 0.1, False, True),  # improving, but by less than min_delta
+        ([0.5, 0.6, 0.6], 2, 0.0, True, False),
+        ([0.5, 0.6, 0.6, 0.59], 2, 0.0, True, True),
+        ([1.0, 0.5], 0, 0.0, False, False),  # patience 0: never
+        ([float("nan")] * 3, 2, 0.0, False, True),  # diverged from the start
+    ],
+)
 def test_early_stopping_decision(values, patience, min_delta, maximize, stop):
     assert (should_stop(values, patience=patience, min_delta=min_delta, maximize=maximize) is not None) == stop
 
@@ -125,7 +144,9 @@ class FakeTrainers:
             history = history + [{"epoch": e, "val_accuracy": min(1.0, job["spec"]["lr"] * 10 * e)}]
             progress = {"history": history, "step": 10 * e, "steps_per_epoch": 10}
             if e == job["spec"]["epochs"]:
-                self.store.finish(job["id"], "succeeded", "done", result={**progress, "val_accuracy": history[-1]["val_accuracy"]})
+                self.store.finish(
+                    job["id"], "succeeded", "done", result={**progress, "val_accuracy": history[-1]["val_accuracy"]}
+                )
             else:
                 self.store.set_progress(job["id"], progress, 10)
 

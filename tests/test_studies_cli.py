@@ -38,11 +38,16 @@ def admin_busctl(state_dir: Path, router: str, *args: str) -> subprocess.Complet
     return busctl(*args, env={"BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_ROUTER": router})
 
 
-@pytest.mark.parametrize("content, words", [
-    ("[base\n", "not valid TOML"),
-    ('[base]\ndataset = "mnist"\n[space]\nlr = { uniform = [0.1, 0.2] }\n[study]\nsampler = "annealing"\n',
-     "sampler 'annealing' is unknown; expected one of random, grid, tpe"),
-])  # the other refusals: tests/test_studies.py, on the same check
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("[base\n", "not valid TOML"),
+        (
+            '[base]\ndataset = "mnist"\n[space]\nlr = { uniform = [0.1, 0.2] }\n[study]\nsampler = "annealing"\n',
+            "sampler 'annealing' is unknown; expected one of random, grid, tpe",
+        ),
+    ],
+)  # the other refusals: tests/test_studies.py, on the same check
 def test_a_wrong_study_file_is_refused_in_one_line(tmp_path, content, words):
     path = tmp_path / "study.toml"
     path.write_text(content)
@@ -76,11 +81,16 @@ def test_study_commands_end_to_end(router, provider, trainer, state_dir, tmp_pat
     assert out.returncode == 1 and "no study" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_evaluate_a_model_file_and_download_a_current_model(router, provider, trainer, state_dir, tmp_path,
-                                                             client_for):
+def test_evaluate_a_model_file_and_download_a_current_model(router, provider, trainer, state_dir, tmp_path, client_for):
     admin = client_for(router.endpoint, role="admin")
-    spec = {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 32}, "epochs": 300, "batch_size": 100,
-            "evaluate": False}
+    spec = {
+        "dataset": "mnist",
+        "model": "mlp",
+        "model_kwargs": {"hidden": 32},
+        "epochs": 300,
+        "batch_size": 100,
+        "evaluate": False,
+    }
     job = admin.request(SubmitJob(spec=spec)).job
     deadline = time.monotonic() + 30
     while (admin.request(GetJob(job=job)).job.get("progress") or {}).get("step", 0) < 1:
@@ -93,14 +103,23 @@ def test_evaluate_a_model_file_and_download_a_current_model(router, provider, tr
     admin_busctl(state_dir, router.endpoint, "job", "stop", job)
     assert wait_job(admin, job, 30)["state"] == "stopped"
     # the downloaded weights, scored by an evaluation task on the provider's test split
-    out = admin_busctl(state_dir, router.endpoint, "submit", "--evaluate", "--model", str(now), "--dataset", "mnist",
-                 "--split", "test")
+    out = admin_busctl(
+        state_dir, router.endpoint, "submit", "--evaluate", "--model", str(now), "--dataset", "mnist", "--split", "test"
+    )
     assert out.returncode == 0, out.stderr
     task = wait_job(admin, out.stdout.strip(), 60)
     assert task["state"] == "succeeded" and task["spec"]["task"] == "evaluate"
     assert task["result"]["model_sha256"] == hashlib.sha256(now.read_bytes()).hexdigest()
     assert task["result"]["test_n"] == 120 and 0 <= task["result"]["test_accuracy"] <= 1
     assert set(load_safetensors(now.read_bytes()))  # a loadable safetensors file
-    out = admin_busctl(state_dir, router.endpoint, "submit", "--evaluate", "--model", str(tmp_path / "nope.safetensors"),
-                 "--dataset", "mnist")
+    out = admin_busctl(
+        state_dir,
+        router.endpoint,
+        "submit",
+        "--evaluate",
+        "--model",
+        str(tmp_path / "nope.safetensors"),
+        "--dataset",
+        "mnist",
+    )
     assert out.returncode == 2 and "does not exist" in out.stderr

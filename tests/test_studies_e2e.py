@@ -16,8 +16,15 @@ from services.models import build_model, evaluate
 from services.provider.sources import open_source
 from tests.support import Cluster, wait_job
 
-BASE = {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 32}, "epochs": 2, "batch_size": 100,
-        "evaluate": False, "optimizer": "sgd"}
+BASE = {
+    "dataset": "mnist",
+    "model": "mlp",
+    "model_kwargs": {"hidden": 32},
+    "epochs": 2,
+    "batch_size": 100,
+    "evaluate": False,
+    "optimizer": "sgd",
+}
 
 
 def wait_study(admin, study: str, timeout: float = 90) -> dict:
@@ -32,8 +39,11 @@ def wait_study(admin, study: str, timeout: float = 90) -> dict:
 
 def test_study_runs_trials_as_jobs_and_names_the_best(router, provider, trainer, client_for):
     admin = client_for(router.endpoint, role="admin")
-    raw = {"base": BASE, "space": {"lr": {"log_uniform": [1e-3, 0.5]}},
-           "study": {"trials": 3, "concurrent": 2, "sampler": "random", "pruner": "median", "seed": 3}}
+    raw = {
+        "base": BASE,
+        "space": {"lr": {"log_uniform": [1e-3, 0.5]}},
+        "study": {"trials": 3, "concurrent": 2, "sampler": "random", "pruner": "median", "seed": 3},
+    }
     study = admin.request(SubmitStudy(spec=raw)).study["id"]
     info = wait_study(admin, study)
     assert info["state"] == "complete"
@@ -54,8 +64,11 @@ def test_study_runs_trials_as_jobs_and_names_the_best(router, provider, trainer,
 
 def test_a_stopped_study_stops_its_running_trial_and_starts_no_more(router, provider, trainer, client_for):
     admin = client_for(router.endpoint, role="admin")
-    raw = {"base": {**BASE, "epochs": 50}, "space": {"lr": {"choice": [0.01, 0.02]}},
-           "study": {"trials": 4, "concurrent": 1, "sampler": "random"}}
+    raw = {
+        "base": {**BASE, "epochs": 50},
+        "space": {"lr": {"choice": [0.01, 0.02]}},
+        "study": {"trials": 4, "concurrent": 1, "sampler": "random"},
+    }
     study = admin.request(SubmitStudy(spec=raw)).study["id"]
     deadline = time.monotonic() + 30
     while True:  # wait until the first trial trains
@@ -75,12 +88,14 @@ def test_a_stopped_study_stops_its_running_trial_and_starts_no_more(router, prov
 
 def test_bad_study_files_are_refused_and_the_router_serves_on(router, client_for):
     admin = client_for(router.endpoint, role="admin")
-    bad = [({"base": BASE, "space": {}}, "empty"),
-           ({"base": BASE, "space": {"lr": {"uniform": [0.1, 0.01]}}}, "low < high"),
-           ({"base": BASE, "space": {"lr": {"uniform": [0.01, 0.1]}}, "study": {"sampler": "bayes"}}, "sampler"),
-           ({"base": BASE, "space": {"dataset": {"choice": ["a"]}}}, "cannot vary|not a job field"),
-           ({"space": {"lr": {"uniform": [0.01, 0.1]}}}, r"\[base\]"),
-           ({"base": BASE, "space": {"lr": {"uniform": [0.01, 0.1]}}, "study": {"sampler": "grid"}}, "grid")]
+    bad = [
+        ({"base": BASE, "space": {}}, "empty"),
+        ({"base": BASE, "space": {"lr": {"uniform": [0.1, 0.01]}}}, "low < high"),
+        ({"base": BASE, "space": {"lr": {"uniform": [0.01, 0.1]}}, "study": {"sampler": "bayes"}}, "sampler"),
+        ({"base": BASE, "space": {"dataset": {"choice": ["a"]}}}, "cannot vary|not a job field"),
+        ({"space": {"lr": {"uniform": [0.01, 0.1]}}}, r"\[base\]"),
+        ({"base": BASE, "space": {"lr": {"uniform": [0.01, 0.1]}}, "study": {"sampler": "grid"}}, "grid"),
+    ]
     for spec, match in bad:
         with pytest.raises(BadRequest, match=match):
             admin.request(SubmitStudy(spec=spec))
@@ -100,12 +115,17 @@ def test_early_stopping_stops_a_job_that_stopped_improving(router, provider, tra
 
 def _local_score(state: dict, split: str) -> tuple[float, float]:
     source = open_source("mock://mnist?n=600")
-    info = {"sample_shape": list(source.sample_shape), "num_classes": source.num_classes, "kind": "image",
-            "dtype": str(source.dtype)}
+    info = {
+        "sample_shape": list(source.sample_shape),
+        "num_classes": source.num_classes,
+        "kind": "image",
+        "dtype": str(source.dtype),
+    }
     model = build_model("mlp", info, hidden=32)
     model.load_state_dict(state)
     n = source.num_samples(split)
     import numpy as np
+
     x, y = source.read(split, np.arange(n))
     loss, acc, _ = evaluate(model, [(torch.from_numpy(x), torch.from_numpy(y))])
     return loss, acc
@@ -116,21 +136,38 @@ def test_evaluation_tasks_match_a_local_scoring(router, provider, trainer, clien
     trained = admin.request(SubmitJob(spec={**BASE, "epochs": 1, "lr": 0.05})).job
     assert wait_job(admin, trained, 60)["state"] == "succeeded"
     from libbus.messages import GetModel
+
     blob = bytes(admin.request(GetModel(job=trained)).frames[0])
     state = load_safetensors(blob)
     for split in ("val", "test"):
-        job = admin.request(SubmitJob(spec={"task": "evaluate", "dataset": "mnist", "model_from": trained,
-                                            "split": split, "evaluate": False})).job
+        job = admin.request(
+            SubmitJob(
+                spec={"task": "evaluate", "dataset": "mnist", "model_from": trained, "split": split, "evaluate": False}
+            )
+        ).job
         result = wait_job(admin, job, 60)["result"]
         loss, acc = _local_score(state, split)
         assert result[f"{split}_accuracy"] == pytest.approx(acc, abs=1e-6)
         assert result[f"{split}_loss"] == pytest.approx(loss, rel=1e-4)
         assert result["model_sha256"] == hashlib.sha256(blob).hexdigest()
     # the same weights uploaded as a file: the task keeps them and scores them alike
-    job = admin.request(SubmitJob(spec={"task": "evaluate", "dataset": "mnist", "model_from": "upload", "model": "mlp",
-                                        "model_kwargs": {"hidden": 32}, "split": "test", "evaluate": False},
-                                  frames=[blob])).job
-    assert wait_job(admin, job, 60)["result"]["test_accuracy"] == pytest.approx(_local_score(state, "test")[1], abs=1e-6)
+    job = admin.request(
+        SubmitJob(
+            spec={
+                "task": "evaluate",
+                "dataset": "mnist",
+                "model_from": "upload",
+                "model": "mlp",
+                "model_kwargs": {"hidden": 32},
+                "split": "test",
+                "evaluate": False,
+            },
+            frames=[blob],
+        )
+    ).job
+    assert wait_job(admin, job, 60)["result"]["test_accuracy"] == pytest.approx(
+        _local_score(state, "test")[1], abs=1e-6
+    )
     with pytest.raises(BadRequest, match="succeeded job"):  # an evaluation task made no model to score
         admin.request(SubmitJob(spec={"task": "evaluate", "dataset": "mnist", "model_from": job, "split": "val"}))
 
@@ -146,8 +183,9 @@ def test_current_model_of_a_running_job(router, provider, trainer, client_for):
     assert isinstance(reply, Model)
     data = bytes(reply.frames[0])
     assert hashlib.sha256(data).hexdigest() == reply.sha256 and reply.step >= 2
-    assert set(load_safetensors(data)) == set(build_model("mlp", {"sample_shape": [1, 28, 28], "num_classes": 10},
-                                                          hidden=32).state_dict())
+    assert set(load_safetensors(data)) == set(
+        build_model("mlp", {"sample_shape": [1, 28, 28], "num_classes": 10}, hidden=32).state_dict()
+    )
     admin.request(ControlJob(job=job, command="stop"))
     assert wait_job(admin, job, 30)["state"] == "stopped"
 
@@ -157,16 +195,19 @@ def test_pbt_member_adopts_a_better_members_checkpoint_and_explores(router, prov
     epoch the router sees it report, copies trial 0's checkpoint through an `adopt` command and
     continues with its lr explored."""
     admin = client_for(router.endpoint, role="admin")
-    raw = {"base": {**BASE, "epochs": 4, "batch_size": 25, "momentum": 0.0}, "space": {"lr": {"choice": [1e-6, 0.1]}},
-           "study": {"strategy": "pbt", "trials": 2, "concurrent": 2, "sampler": "grid", "seed": 0,
-                     "perturb": [2.0]}}
+    raw = {
+        "base": {**BASE, "epochs": 4, "batch_size": 25, "momentum": 0.0},
+        "space": {"lr": {"choice": [1e-6, 0.1]}},
+        "study": {"strategy": "pbt", "trials": 2, "concurrent": 2, "sampler": "grid", "seed": 0, "perturb": [2.0]},
+    }
     info = wait_study(admin, admin.request(SubmitStudy(spec=raw)).study["id"])
     good, bad = info["trials"]
     events = [e["reason"] for e in admin.request(GetJob(job=bad["job"])).job["events"]]
     assert (good["params"]["lr"], good["state"], bad["state"]) == (0.1, "complete", "complete"), (info, events)
     assert any(r.startswith("pbt exploit at epoch ") and f"job {good['job']}" in r for r in events), events
-    assert any(r.startswith("adopt acknowledged") and f"of job {good['job']}" in r and ": loaded step " in r
-               for r in events), "\n".join(events)
+    assert any(
+        r.startswith("adopt acknowledged") and f"of job {good['job']}" in r and ": loaded step " in r for r in events
+    ), "\n".join(events)
     # explore: the donor's lr doubled, which for a choice is the next value up (0.1 is the last one)
     assert any(r.startswith("pbt explore: lr 1e-06 -> 0.1") for r in events), events
     job = admin.request(GetJob(job=bad["job"])).job
@@ -184,8 +225,11 @@ def test_a_router_killed_mid_study_comes_back_and_completes_it(tmp_path):
         endpoint = cluster.start_router()
         cluster.start("provider", "provider", "--dataset", "mnist=mock://mnist?n=600")
         cluster.start_trainer("trainer-0")
-        raw = {"base": {**BASE, "epochs": 3}, "space": {"lr": {"log_uniform": [1e-4, 0.3]}},
-               "study": {"trials": 4, "concurrent": 1, "sampler": "random", "pruner": "asha", "seed": 2}}
+        raw = {
+            "base": {**BASE, "epochs": 3},
+            "space": {"lr": {"log_uniform": [1e-4, 0.3]}},
+            "study": {"trials": 4, "concurrent": 1, "sampler": "random", "pruner": "asha", "seed": 2},
+        }
         study = cluster.admin.request(SubmitStudy(spec=raw)).study["id"]
         deadline = time.monotonic() + 120
         while (info := cluster.admin.request(GetStudy(study=study)).study)["state"] == "running":

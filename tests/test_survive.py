@@ -34,15 +34,20 @@ class KillCluster(JobCluster):
         super().__init__(state)
         # a loaded machine must not lapse a live trainer's lease: only the kills end attempts here
         # (a trainer restarted under its name abandons its job at once)
-        self.env.update(BATCHBUS_LEASE_S="20", BATCHBUS_HEARTBEAT_LIVENESS="24",
-                        PYTHONPATH=str(REPO))  # a job's model may be tests.killpoint:raising_model
+        self.env.update(
+            BATCHBUS_LEASE_S="20", BATCHBUS_HEARTBEAT_LIVENESS="24", PYTHONPATH=str(REPO)
+        )  # a job's model may be tests.killpoint:raising_model
 
     def start_killed_at(self, name: str, point: str, nth: int = 1) -> subprocess.Popen:
         """A trainer that SIGKILLs itself the ``nth`` time it reaches ``point``."""
         with open(self.state / f"{name}.log", "a") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "tests.killpoint", point, str(nth), "--", "start",
-                                     "trainer", "--name", name], env=self.env, cwd=REPO, stdout=log,
-                                    stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.killpoint", point, str(nth), "--", "start", "trainer", "--name", name],
+                env=self.env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         return self.adopt(name, proc)
 
 
@@ -111,8 +116,10 @@ def assert_exactly_once(cluster: JobCluster, job: str, train_digests, epochs: in
     seen = effective_epochs(cluster.audit, job)
     assert sorted(seen) == list(range(epochs))
     for epoch, got in seen.items():
-        assert got == train_digests, f"epoch {epoch}: {sum((got - train_digests).values())} extra, " \
-                                     f"{sum((train_digests - got).values())} missing samples"
+        assert got == train_digests, (
+            f"epoch {epoch}: {sum((got - train_digests).values())} extra, "
+            f"{sum((train_digests - got).values())} missing samples"
+        )
 
 
 def wait_killed(proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -121,8 +128,9 @@ def wait_killed(proc: subprocess.Popen, timeout: float = 120) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_killed_mid_epoch_after_the_last_step_and_after_validation_in_a_row(cluster, reference, train_digests,
-                                                                            stop_after):
+def test_killed_mid_epoch_after_the_last_step_and_after_validation_in_a_row(
+    cluster, reference, train_digests, stop_after
+):
     """Three kills of one job, each at the first checkpoint of its new attempt: step 19 (mid-epoch),
     step 38 (the epoch's last step, before its validation: the next attempt validates it) and the
     epoch-end checkpoint after validation (cursor (1, 0), with the epoch's record)."""

@@ -93,8 +93,14 @@ def exec_start(role: str) -> list[str]:
 def start_help(role: str) -> str:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
     env.pop("FORCE_COLOR", None)
-    proc = subprocess.run([sys.executable, "-m", "cli", "start", role, "--help"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli", "start", role, "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -116,8 +122,9 @@ def test_exec_start_options_exist(role):
     text = start_help(role)
     options = [arg.split("=", 1)[0] for arg in exec_start(role)[3:] if arg.startswith("--")]
     for option in options:
-        assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", text), \
+        assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", text), (
             f"{UNITS[role]}: {option} is not an option of 'busctl start {role}':\n{text}"
+        )
 
 
 @pytest.mark.parametrize("role", UNITS)
@@ -162,15 +169,16 @@ def test_hardening(role):
 
 
 def test_secret_is_shared():
-    users = {role: (one(service(role), "User"), environment(service(role))["BATCHBUS_SECRET_FILE"])
-             for role in UNITS}
+    users = {role: (one(service(role), "User"), environment(service(role))["BATCHBUS_SECRET_FILE"]) for role in UNITS}
     assert len(set(users.values())) == 1, users
     # ... and so is the credential that takes its place when provisioned in /etc/credstore.
     for role in UNITS:
         creds = service(role)["LoadCredential"]
         assert "secret:batchbus.secret" in creds
-        assert any(c.endswith(".key_secret") and c.split(":")[0].removesuffix(".key_secret") in
-                   ("router", f"{role}-%i") for c in creds), creds
+        assert any(
+            c.endswith(".key_secret") and c.split(":")[0].removesuffix(".key_secret") in ("router", f"{role}-%i")
+            for c in creds
+        ), creds
 
 
 @pytest.mark.parametrize("role", UNITS)
@@ -186,8 +194,14 @@ def verify(*units: Path, cwd: Path) -> list[str]:
     tool = shutil.which("systemd-analyze")
     if tool is None:
         pytest.skip("systemd-analyze is not on PATH (install systemd to verify the units)")
-    proc = subprocess.run([tool, "verify", *map(str, units)], cwd=cwd, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "SYSTEMD_LOG_COLOR": "0"})
+    proc = subprocess.run(
+        [tool, "verify", *map(str, units)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_LOG_COLOR": "0"},
+    )
     return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
 
 
@@ -213,11 +227,14 @@ def test_install_units_puts_verified_units_in_place(tmp_path):
     assert again.returncode == 0 and again.stdout.count("unchanged") == 5
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--root", "/etc/hostname/below-a-file"], "cannot write /etc/hostname/below-a-file/etc/systemd"),
-    (["--prefix", "/home/me/venv", "--root", "/tmp/never-written"], "ProtectHome=yes"),
-    (["--prefix", "relative/venv", "--root", "/tmp/never-written"], "absolute path"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--root", "/etc/hostname/below-a-file"], "cannot write /etc/hostname/below-a-file/etc/systemd"),
+        (["--prefix", "/home/me/venv", "--root", "/tmp/never-written"], "ProtectHome=yes"),
+        (["--prefix", "relative/venv", "--root", "/tmp/never-written"], "absolute path"),
+    ],
+)
 def test_install_units_refuses_clearly(args, message):
     out = busctl("install-units", *args)
     assert out.returncode != 0 and message in out.stderr, out.stderr
@@ -248,8 +265,11 @@ def test_systemd_credentials_provide_secret_token_and_curve_key(tmp_path):
     (creds / "trainer-gpu0.key_secret").write_text("key")
     config = tmp_path / "trainer.toml"
     config.write_text('secret_file = "/from/file"\ntoken = "from-file"\n')
-    env = {"CREDENTIALS_DIRECTORY": str(creds), "BATCHBUS_STATE_DIR": str(tmp_path),
-           "BATCHBUS_SECRET_FILE": "/var/lib/batchbus/secret"}
+    env = {
+        "CREDENTIALS_DIRECTORY": str(creds),
+        "BATCHBUS_STATE_DIR": str(tmp_path),
+        "BATCHBUS_SECRET_FILE": "/var/lib/batchbus/secret",
+    }
     settings, sources = load_settings(config_file=str(config), env=env)
     # A provisioned credential beats the unit's Environment= fallback and the TOML file ...
     assert settings.secret_file == str(creds / "secret") and sources["secret_file"] == "credential secret"
@@ -263,10 +283,13 @@ def test_systemd_credentials_provide_secret_token_and_curve_key(tmp_path):
     assert settings.secret_file == "/var/lib/batchbus/secret"
 
 
-@pytest.mark.parametrize("files, message", [
-    ({"token": " \n"}, "token is empty"),
-    ({"a.key_secret": "x", "b.key_secret": "y"}, "one CURVE key"),
-])
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"token": " \n"}, "token is empty"),
+        ({"a.key_secret": "x", "b.key_secret": "y"}, "one CURVE key"),
+    ],
+)
 def test_unusable_credentials_are_named(tmp_path, files, message):
     for name, text in files.items():
         (tmp_path / name).write_text(text)

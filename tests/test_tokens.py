@@ -33,8 +33,7 @@ def test_token_batches_through_the_provider_are_deterministic_sequences(start_pr
     assert {s: v["num_samples"] for s, v in info["splits"].items()} == {"train": 640, "val": 128, "test": 128}
 
     idx = [7, 0, 639, 7]
-    x, y = arrays(client.request(BatchRequest(dataset="tok", split="train",
-                                              frames=[np.asarray(idx, "<i8").tobytes()])))
+    x, y = arrays(client.request(BatchRequest(dataset="tok", split="train", frames=[np.asarray(idx, "<i8").tobytes()])))
     assert x.shape == (4, 33) and x.dtype == np.uint16 and y.shape == (4, 0)
     assert x.max() < 64 and np.array_equal(x[0], x[3])
     # a sequence is the same whichever batch asks for it, and in a fresh source built from the URI
@@ -73,11 +72,18 @@ def test_large_vocabularies_use_four_byte_tokens_and_reads_are_fast():
     assert (time.perf_counter() - started) / 10 < 0.02  # ~2 ms here; generous for a loaded machine
 
 
-@pytest.mark.parametrize("query, words", [
-    ("n=0", "n must be at least 1"), ("vocab=1", "vocab must be between"), ("seq_len=0", "seq_len"),
-    ("noise=1.5", "noise is a probability"), ("noise=lots", "'noise' must be a number"),
-    ("seq_len=long", "'seq_len' must be an integer"), ("colour=red", "unknown parameter"),
-])
+@pytest.mark.parametrize(
+    "query, words",
+    [
+        ("n=0", "n must be at least 1"),
+        ("vocab=1", "vocab must be between"),
+        ("seq_len=0", "seq_len"),
+        ("noise=1.5", "noise is a probability"),
+        ("noise=lots", "'noise' must be a number"),
+        ("seq_len=long", "'seq_len' must be an integer"),
+        ("colour=red", "unknown parameter"),
+    ],
+)
 def test_bad_mock_token_parameters_are_named(query, words):
     with pytest.raises(DatasetError, match=words):
         open_source(f"mock://tokens?{query}")
@@ -127,16 +133,19 @@ def test_token_evaluation_scores_every_next_token_and_counts_sequences():
 def test_a_job_trains_tiny_lm_on_mock_tokens_and_its_loss_falls(router, start_provider, trainer, client_for):
     provider = start_provider(f"tok={TOKENS}", assigned_only=True)
     admin = client_for(router.endpoint, role="admin")
-    job = admin.request(SubmitJob(spec={"dataset": "tok", "model": "tiny-lm", "epochs": 3, "batch_size": 32,
-                                        "lr": 0.003, "seed": 0})).job
+    job = admin.request(
+        SubmitJob(spec={"dataset": "tok", "model": "tiny-lm", "epochs": 3, "batch_size": 32, "lr": 0.003, "seed": 0})
+    ).job
     info = wait_job(admin, job, timeout=60)
     assert info["state"] == "succeeded", info.get("error")
     result = info["result"]
     history = result["history"]
     log_vocab, best = math.log(64), open_source(TOKENS).entropy_per_token  # 4.16 and 1.78 nats
-    print(f"tiny-lm on {TOKENS}: log(vocab) {log_vocab:.3f}, chain entropy {best:.3f}, "
-          f"first-epoch train loss {history[0]['train_loss']:.3f}, val losses "
-          f"{[round(e['val_loss'], 3) for e in history]}, test loss {result['test_loss']:.3f}")
+    print(
+        f"tiny-lm on {TOKENS}: log(vocab) {log_vocab:.3f}, chain entropy {best:.3f}, "
+        f"first-epoch train loss {history[0]['train_loss']:.3f}, val losses "
+        f"{[round(e['val_loss'], 3) for e in history]}, test loss {result['test_loss']:.3f}"
+    )
     assert len(history) == 3
     # an untrained model scores about log(vocab); a trained one approaches the chain's entropy
     assert history[0]["train_loss"] > result["val_loss"] + 0.3

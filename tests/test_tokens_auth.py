@@ -45,12 +45,14 @@ def sign(admin_keys):
 
     def make(role="trainer", sub="test", **kw):
         return issue_token(private, sub=sub, role=role, audience=CLUSTER, algorithm="EdDSA", **kw)
+
     return make
 
 
 @pytest.fixture
 def make_settings(make_settings, admin_keys, sign, tmp_path):
     """Every service of these tests runs an EdDSA cluster and holds only the public key."""
+
     def make(**flags):
         flags.setdefault("token_alg", "EdDSA")
         flags.setdefault("public_key_file", str(admin_keys[1]))
@@ -58,6 +60,7 @@ def make_settings(make_settings, admin_keys, sign, tmp_path):
         if "datasets" in flags:  # a provider: it registers with a token the administrator issued
             flags.setdefault("token", sign("provider", sub="provider-test"))
         return make_settings(**flags)
+
     return make
 
 
@@ -74,11 +77,21 @@ def _forge(header: dict, claims: dict, sign_with=None) -> str:
 
 def _claims(**over):
     now = int(time.time())
-    return {"sub": "mallory", "role": "admin", "aud": CLUSTER, "iss": CLUSTER, "iat": now, "nbf": now,
-            "exp": now + 600, "jti": "j1", **over}
+    return {
+        "sub": "mallory",
+        "role": "admin",
+        "aud": CLUSTER,
+        "iss": CLUSTER,
+        "iat": now,
+        "nbf": now,
+        "exp": now + 600,
+        "jti": "j1",
+        **over,
+    }
 
 
 # -- the cluster works with only the public key -----------------------------------------------
+
 
 def test_eddsa_cluster_end_to_end(router, start_provider, client_for, sign):
     provider = start_provider("mnist=mock://mnist?n=600")
@@ -95,6 +108,7 @@ def test_eddsa_cluster_end_to_end(router, start_provider, client_for, sign):
 
 
 # -- refusals -----------------------------------------------------------------------------------
+
 
 def test_hs256_token_is_refused_by_an_eddsa_cluster(router, client_for, make_token):
     # make_token signs with the (still present) HS256 cluster secret: a valid token of the wrong kind,
@@ -130,8 +144,11 @@ def test_token_not_yet_valid_is_refused(router, client_for, admin_keys):
 
 def test_expired_token_is_refused(router, client_for, admin_keys):
     now = int(time.time())
-    old = jwt.encode(_claims(role="trainer", iat=now - 7200, nbf=now - 7200, exp=now - 3600),
-                     load_signing_key(admin_keys[0]), algorithm="EdDSA")
+    old = jwt.encode(
+        _claims(role="trainer", iat=now - 7200, nbf=now - 7200, exp=now - 3600),
+        load_signing_key(admin_keys[0]),
+        algorithm="EdDSA",
+    )
     with pytest.raises(AuthExpired):
         client_for(router.endpoint, token=old).hello()
 
@@ -153,8 +170,9 @@ def test_other_issuer_and_bad_scope_claims_are_refused(admin_keys):
         verify_token(loose, public, audience=CLUSTER, algorithm="EdDSA")
     # an EdDSA token to an HS256 verifier is refused as well
     with pytest.raises(AuthInvalid, match="accepts only HS256"):
-        verify_token(issue_token(key, sub="t", role="trainer", audience=CLUSTER, algorithm="EdDSA"),
-                     b"s" * 40, audience=CLUSTER)
+        verify_token(
+            issue_token(key, sub="t", role="trainer", audience=CLUSTER, algorithm="EdDSA"), b"s" * 40, audience=CLUSTER
+        )
 
 
 def test_node_without_token_or_signing_key_says_what_to_do(make_settings):
@@ -165,10 +183,10 @@ def test_node_without_token_or_signing_key_says_what_to_do(make_settings):
 
 # -- scopes -------------------------------------------------------------------------------------
 
+
 def test_claims_scope_checks():
     free = Claims(sub="a", role="trainer", aud="c", exp=0, iat=0, jti="j")
-    scoped = Claims(sub="a", role="trainer", aud="c", exp=0, iat=0, jti="j",
-                    scopes={"datasets": ["mnist"], "jobs": []})
+    scoped = Claims(sub="a", role="trainer", aud="c", exp=0, iat=0, jti="j", scopes={"datasets": ["mnist"], "jobs": []})
     assert free.allows_dataset("x") and free.allows_job("j1")
     assert scoped.allows_dataset("mnist") and not scoped.allows_dataset("zeros")
     assert not scoped.allows_job("j1")  # an empty scope allows nothing
@@ -179,9 +197,11 @@ def test_dataset_scope_on_the_provider(start_provider, client_for, sign):
     client = client_for(provider.endpoint, token=sign("trainer", datasets=["mnist"]))
     assert client.request(DatasetInfoRequest(dataset="mnist")).info["num_classes"] == 10
     assert client.request(BatchRequest(dataset="mnist", split="train", range=[0, 2])).shapes[0][0] == 2
-    for msg in (DatasetInfoRequest(dataset="zeros"),
-                BatchRequest(dataset="zeros", split="train", range=[0, 2]),
-                Evaluate(dataset="zeros", model={"name": "mlp"}, frames=[b"x"])):
+    for msg in (
+        DatasetInfoRequest(dataset="zeros"),
+        BatchRequest(dataset="zeros", split="train", range=[0, 2]),
+        Evaluate(dataset="zeros", model={"name": "mlp"}, frames=[b"x"]),
+    ):
         with pytest.raises(Forbidden, match=r"dataset 'zeros' is outside this token's datasets scope \[mnist\]"):
             client.request(msg)
     nothing_here = client_for(provider.endpoint, token=sign("trainer", datasets=["cifar10"]))
@@ -221,6 +241,7 @@ def test_dataset_and_job_scopes_on_the_router(router, start_provider, client_for
 
 # -- keys and the command line -----------------------------------------------------------------
 
+
 def test_signing_key_is_0600_under_a_permissive_umask(tmp_path):
     old = os.umask(0)
     try:
@@ -237,23 +258,46 @@ def test_signing_key_is_0600_under_a_permissive_umask(tmp_path):
 
 
 def test_busctl_issues_scoped_eddsa_tokens_and_inspects_them(tmp_path, admin_keys):
-    env = {"BATCHBUS_STATE_DIR": str(tmp_path / "node"), "BATCHBUS_TOKEN_ALG": "EdDSA",
-           "BATCHBUS_SIGNING_KEY_FILE": str(admin_keys[0])}
-    out = busctl("token", "issue", "--role", "trainer", "--name", "t1", "--dataset", "mnist",
-                 "--dataset", "cifar10", "--job", "j1", env=env)
+    env = {
+        "BATCHBUS_STATE_DIR": str(tmp_path / "node"),
+        "BATCHBUS_TOKEN_ALG": "EdDSA",
+        "BATCHBUS_SIGNING_KEY_FILE": str(admin_keys[0]),
+    }
+    out = busctl(
+        "token",
+        "issue",
+        "--role",
+        "trainer",
+        "--name",
+        "t1",
+        "--dataset",
+        "mnist",
+        "--dataset",
+        "cifar10",
+        "--job",
+        "j1",
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     token = out.stdout.strip()
     claims = verify_token(token, load_signing_key(admin_keys[0]).public_key(), audience=CLUSTER, algorithm="EdDSA")
     assert claims.scopes == {"datasets": ["mnist", "cifar10"], "jobs": ["j1"]} and claims.iss == CLUSTER
 
-    shown = busctl("token", "inspect", token, "--public-key-file", str(admin_keys[1]),
-                   env={**env, "BATCHBUS_SIGNING_KEY_FILE": str(tmp_path / "absent")})
+    shown = busctl(
+        "token",
+        "inspect",
+        token,
+        "--public-key-file",
+        str(admin_keys[1]),
+        env={**env, "BATCHBUS_SIGNING_KEY_FILE": str(tmp_path / "absent")},
+    )
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("VERIFIED") and "datasets: ['mnist', 'cifar10']" in shown.stdout
     unverified = busctl("token", "inspect", token, env={**env, "BATCHBUS_SIGNING_KEY_FILE": str(tmp_path / "absent")})
     assert unverified.returncode == 0 and unverified.stdout.startswith("UNVERIFIED")
     garbage = busctl("token", "inspect", "not-a-token", env=env)
     assert garbage.returncode != 0 and "Traceback" not in garbage.stderr and "not a token" in garbage.stderr
-    no_key = busctl("token", "issue", "--role", "admin",
-                    env={**env, "BATCHBUS_SIGNING_KEY_FILE": str(tmp_path / "absent")})
+    no_key = busctl(
+        "token", "issue", "--role", "admin", env={**env, "BATCHBUS_SIGNING_KEY_FILE": str(tmp_path / "absent")}
+    )
     assert no_key.returncode != 0 and "Traceback" not in no_key.stderr and "signing key" in no_key.stderr

@@ -33,24 +33,40 @@ from services.provider.sources import open_source
 from tests.support import BUSCTL, REPO, busctl, wait_job
 
 DATASET = "mock://mnist?n=2000"
-SPEC = {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 32}, "epochs": 20, "batch_size": 16,
-        "optimizer": "adam", "lr": 0.003, "seed": 3, "evaluate": False}
+SPEC = {
+    "dataset": "mnist",
+    "model": "mlp",
+    "model_kwargs": {"hidden": 32},
+    "epochs": 20,
+    "batch_size": 16,
+    "optimizer": "adam",
+    "lr": 0.003,
+    "seed": 3,
+    "evaluate": False,
+}
 
 
 @pytest.fixture
 def cluster(router, start_provider, make_settings, state_dir, secret):
     """Provider ``prov-top`` and trainer ``trainer-top`` on the router; an admin client; busctl's env."""
     from services.trainer.app import TrainerService
+
     start_provider(f"mnist={DATASET}", name="prov-top", assigned_only=True)
-    trainer = TrainerService(make_settings(router=router.endpoint, name="trainer-top", progress_interval_s=0.2,
-                                           torch_threads=1))
+    trainer = TrainerService(
+        make_settings(router=router.endpoint, name="trainer-top", progress_interval_s=0.2, torch_threads=1)
+    )
     stop = threading.Event()
     thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
     thread.start()
     token = issue_token(secret, sub="test-admin", role="admin", audience="batchbus", ttl_s=600)
     admin = Client(router.endpoint, Identity(role="admin", name="test-admin", token=token), timeout_s=10, retries=0)
-    env = {**os.environ, "BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_ROUTER": router.endpoint,
-           "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "BATCHBUS_STATE_DIR": str(state_dir),
+        "BATCHBUS_ROUTER": router.endpoint,
+        "PYTHONPATH": str(REPO),
+        "COLUMNS": "200",
+    }
     yield admin, env
     admin.close()
     stop.set()
@@ -75,17 +91,23 @@ def _tmux_top(env: dict, tmp_path) -> str:
     sock = str(tmp_path / "tmux.sock")
     cmd = " ".join([*BUSCTL, "top", "--interval", "0.5"]) + f" 2>{tmp_path / 'top.err'}; echo TOP-EXIT=$?; sleep 30"
     tmux = ["tmux", "-S", sock]
-    subprocess.run([*tmux, "new-session", "-d", "-s", session, "-x", "160", "-y", "60", "-c", str(REPO), cmd],
-                   env=env, check=True, timeout=10)
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", session, "-x", "160", "-y", "60", "-c", str(REPO), cmd],
+        env=env,
+        check=True,
+        timeout=10,
+    )
     try:
         time.sleep(3.0)
-        live = subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True,
-                              check=True, timeout=10).stdout
+        live = subprocess.run(
+            [*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True, check=True, timeout=10
+        ).stdout
         subprocess.run([*tmux, "send-keys", "-t", session, "C-c"], check=True, timeout=10)
         deadline = time.monotonic() + 20
         while True:
-            after = subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True,
-                                   check=True, timeout=10).stdout
+            after = subprocess.run(
+                [*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True, check=True, timeout=10
+            ).stdout
             if "TOP-EXIT=" in after or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -142,8 +164,9 @@ def test_eval_and_top_on_a_running_job(cluster, tmp_path):
     assert paused["state"] == "paused" and paused["step"] == ckpt["step"]
     with safe_open(ckpt["path"], "pt") as f:  # the weights of that step, scored here on the test split
         weights = {k.removeprefix("model."): f.get_tensor(k) for k in f.keys() if k.startswith("model.")}
-    loss, acc, n = evaluate_weights(source, "test", {"name": "mlp", "kwargs": SPEC["model_kwargs"]},
-                                    save_safetensors(weights), info)
+    loss, acc, n = evaluate_weights(
+        source, "test", {"name": "mlp", "kwargs": SPEC["model_kwargs"]}, save_safetensors(weights), info
+    )
     assert (paused["test_accuracy"], paused["test_n"]) == (acc, n)
     assert paused["test_loss"] == pytest.approx(loss, rel=1e-6)
 
@@ -162,8 +185,12 @@ def test_eval_and_top_on_a_running_job(cluster, tmp_path):
 
 def test_eval_of_a_queued_job_is_refused(router, state_dir):
     """No trainer holds it: a clear error at once, not a wait for an acknowledgement."""
-    env = {**os.environ, "BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_ROUTER": router.endpoint,
-           "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "BATCHBUS_STATE_DIR": str(state_dir),
+        "BATCHBUS_ROUTER": router.endpoint,
+        "PYTHONPATH": str(REPO),
+    }
     job = busctl("submit", "--dataset", "mnist", "--model", "mlp", env=env, check=True).stdout.strip()
     out = busctl("job", "eval", job, env=env, check=False)
     assert out.returncode == 1 and f"job {job} is queued on no trainer" in out.stderr
@@ -175,10 +202,16 @@ def test_router_down_is_one_line(state_dir):
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     sock.close(0)  # the address now has no one behind it
-    env = {**os.environ, "BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_ROUTER": f"tcp://127.0.0.1:{port}",
-           "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([*BUSCTL, *args], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for args in (("top", "--once"), ("job", "eval", "j1"))]
+    env = {
+        **os.environ,
+        "BATCHBUS_STATE_DIR": str(state_dir),
+        "BATCHBUS_ROUTER": f"tcp://127.0.0.1:{port}",
+        "PYTHONPATH": str(REPO),
+    }
+    procs = [
+        subprocess.Popen([*BUSCTL, *args], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for args in (("top", "--once"), ("job", "eval", "j1"))
+    ]
     for proc in procs:  # side by side: each waits out the Hello timeout
         _, err = proc.communicate(timeout=60)
         assert proc.returncode != 0 and "Traceback" not in err
@@ -188,23 +221,51 @@ def test_router_down_is_one_line(state_dir):
 
 def test_render_is_pure():
     """A frame from two snapshots, read without a terminal: rates from the difference, bars, stages."""
+
     def snapshot(at: float, samples: int) -> dict:
-        return {"at": at, "endpoint": "tcp://head:5555",
-                "services": {"router": {"jobs": {"running": 1, "queued": 1}, "peers": {"provider": 1, "trainer": 1}},
-                             "p1": {"datasets": {"mnist": {"samples": samples, "batches": samples // 10}},
-                                    "counters": {"error_FORBIDDEN": 2}, "refused": {"unassigned": 1},
-                                    "sessions": 2,
-                                    "pipelines": {"aug": {"requests": {"size": 1, "capacity": 8},
-                                                          "stages": [{"name": "flip", "type": "random"}]}}},
-                             "t1": {"job": "j1", "tasks": {}}},
-                "peers": [{"name": "p1", "role": "provider", "datasets": ["mnist"]}, {"name": "t1", "role": "trainer"}],
-                "jobs": [{"id": "j1", "state": "running", "trainer": "t1", "spec": {"dataset": "mnist", "model": "mlp",
-                                                                                   "epochs": 4},
-                          "progress": {"epoch": 1, "epochs": 4, "step": 150, "steps_per_epoch": 100, "loss": 0.25,
-                                       "samples": 2400, "samples_per_s": 800.0, "data_wait_pct": 3.5,
-                                       "transport": "shm"}},
-                         {"id": "j2", "state": "queued", "trainer": None, "spec": {"dataset": "mnist", "model": "cnn",
-                                                                                   "epochs": 1}}]}
+        return {
+            "at": at,
+            "endpoint": "tcp://head:5555",
+            "services": {
+                "router": {"jobs": {"running": 1, "queued": 1}, "peers": {"provider": 1, "trainer": 1}},
+                "p1": {
+                    "datasets": {"mnist": {"samples": samples, "batches": samples // 10}},
+                    "counters": {"error_FORBIDDEN": 2},
+                    "refused": {"unassigned": 1},
+                    "sessions": 2,
+                    "pipelines": {
+                        "aug": {"requests": {"size": 1, "capacity": 8}, "stages": [{"name": "flip", "type": "random"}]}
+                    },
+                },
+                "t1": {"job": "j1", "tasks": {}},
+            },
+            "peers": [{"name": "p1", "role": "provider", "datasets": ["mnist"]}, {"name": "t1", "role": "trainer"}],
+            "jobs": [
+                {
+                    "id": "j1",
+                    "state": "running",
+                    "trainer": "t1",
+                    "spec": {"dataset": "mnist", "model": "mlp", "epochs": 4},
+                    "progress": {
+                        "epoch": 1,
+                        "epochs": 4,
+                        "step": 150,
+                        "steps_per_epoch": 100,
+                        "loss": 0.25,
+                        "samples": 2400,
+                        "samples_per_s": 800.0,
+                        "data_wait_pct": 3.5,
+                        "transport": "shm",
+                    },
+                },
+                {
+                    "id": "j2",
+                    "state": "queued",
+                    "trainer": None,
+                    "spec": {"dataset": "mnist", "model": "cnn", "epochs": 1},
+                },
+            ],
+        }
 
     console = Console(file=io.StringIO(), width=200, record=True)
     console.print(render(snapshot(12.0, 3000), snapshot(10.0, 1000)))
@@ -223,16 +284,29 @@ def test_render_is_pure():
 def test_live_top_says_when_the_router_stops_answering_and_ends_on_ctrl_c(make_settings, state_dir, secret):
     """A router that stops answering while top runs is said under the last frame; Ctrl-C exits 0."""
     from services.router.app import RouterService
+
     settings = make_settings(bind="tcp://127.0.0.1:0")
     service = RouterService(settings)
     endpoint = service.start()
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
     thread.start()
-    env = {**os.environ, "BATCHBUS_STATE_DIR": str(state_dir), "BATCHBUS_ROUTER": endpoint,
-           "BATCHBUS_REQUEST_TIMEOUT_S": "1", "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    proc = subprocess.Popen([*BUSCTL, "top", "--interval", "0.3"], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "BATCHBUS_STATE_DIR": str(state_dir),
+        "BATCHBUS_ROUTER": endpoint,
+        "BATCHBUS_REQUEST_TIMEOUT_S": "1",
+        "PYTHONPATH": str(REPO),
+        "COLUMNS": "200",
+    }
+    proc = subprocess.Popen(
+        [*BUSCTL, "top", "--interval", "0.3"],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         token = issue_token(secret, sub="test-admin", role="admin", audience="batchbus", ttl_s=600)
         with Client(endpoint, Identity(role="admin", name="test-admin", token=token), timeout_s=10) as admin:

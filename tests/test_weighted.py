@@ -71,7 +71,7 @@ def test_large_batches_are_located_in_chunks():
     schedule = Schedule([3, 5, 2])
     positions = np.random.default_rng(0).integers(0, 10**9, 50_000)
     src, k = schedule.locate(positions)
-    one = [schedule.locate(positions[i:i + 1]) for i in (0, 20_000, 49_999)]
+    one = [schedule.locate(positions[i : i + 1]) for i in (0, 20_000, 49_999)]
     assert [(int(s[0]), int(kk[0])) for s, kk in one] == [(int(src[i]), int(k[i])) for i in (0, 20_000, 49_999)]
 
 
@@ -106,12 +106,18 @@ def write_mix(path: Path, body: str) -> str:
 
 def test_a_batch_reads_each_source_once_and_returns_its_samples(tmp_path):
     a, b = Counting(1, 30), Counting(2, 10)
-    mix = open_source(write_mix(tmp_path / "mix.toml", """
+    mix = open_source(
+        write_mix(
+            tmp_path / "mix.toml",
+            """
         [[sources]]
         dataset = "a"
         [[sources]]
         dataset = "b"
-    """), {"a": a, "b": b})
+    """,
+        ),
+        {"a": a, "b": b},
+    )
     assert mix.num_samples("train") == 40 and mix.num_samples("test") == 0
     idx = np.array([39, 0, 1, 2, 3, 17, 17, 5], np.int64)
     x, y = mix.read("train", idx)
@@ -138,34 +144,47 @@ def test_a_length_weighted_mix_serves_every_sample_once_per_epoch(lengths):
 
 def test_explicit_weights_repeat_a_short_source(tmp_path):
     a, b = Counting(1, 30), Counting(2, 4)
-    mix = open_source(write_mix(tmp_path / "mix.toml", """
+    mix = open_source(
+        write_mix(
+            tmp_path / "mix.toml",
+            """
         [[sources]]
         dataset = "a"
         weight = 0.5
         [[sources]]
         dataset = "b"
         weight = 0.5
-    """), {"a": a, "b": b})
+    """,
+        ),
+        {"a": a, "b": b},
+    )
     x, _ = mix.read("train", np.arange(34))
     from_b = x[x[:, 0] >= 2000, 0]
     assert len(from_b) == 17 and set(from_b.tolist()) == {2000.0, 2001.0, 2002.0, 2003.0}
     assert mix.info()["sources"][1]["train_share"] == 0.5
 
 
-@pytest.mark.parametrize("body, message", [
-    ("[[sources]]\nuri = 'mock://mnist?n=60'\n[[sources]]\nuri = 'mock://cifar10?n=60'\n",
-     r"source 2 \(mock://cifar10\?n=60\) has sample_shape \(3, 32, 32\)"),
-    ("[[sources]]\nuri = 'mock://mnist?n=60'\nweight = 2\n[[sources]]\nuri = 'mock://mnist?n=30'\n",
-     "give every source a weight, or none"),
-    ("[[sources]]\ndataset = 'nope'\n", r"dataset 'nope' is not served by this provider before the mix"),
-    ("[[sources]]\nuri = 'mock://mnist'\nweight = -1\n", "source 1: weight must be a positive number"),
-    ("[[sources]]\nuri = 'mock://mnist'\ndataset = 'x'\n", "give either uri"),
-    ("[[sources]]\nuri = 'mock://mnist'\nweigth = 1\n", r"source 1: unknown key\(s\) weigth"),
-    ("[[sources]]\nuri = 'mock://nope'\n", "source 1: mock://nope: unknown mock dataset"),
-    ("[[sources]]\nuri = 'weighted:///x.toml'\n", "to nest a mix, serve it under a name"),
-    ("sources = []\n", "a mix needs at least one source"),
-    ("[[sources]\n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            "[[sources]]\nuri = 'mock://mnist?n=60'\n[[sources]]\nuri = 'mock://cifar10?n=60'\n",
+            r"source 2 \(mock://cifar10\?n=60\) has sample_shape \(3, 32, 32\)",
+        ),
+        (
+            "[[sources]]\nuri = 'mock://mnist?n=60'\nweight = 2\n[[sources]]\nuri = 'mock://mnist?n=30'\n",
+            "give every source a weight, or none",
+        ),
+        ("[[sources]]\ndataset = 'nope'\n", r"dataset 'nope' is not served by this provider before the mix"),
+        ("[[sources]]\nuri = 'mock://mnist'\nweight = -1\n", "source 1: weight must be a positive number"),
+        ("[[sources]]\nuri = 'mock://mnist'\ndataset = 'x'\n", "give either uri"),
+        ("[[sources]]\nuri = 'mock://mnist'\nweigth = 1\n", r"source 1: unknown key\(s\) weigth"),
+        ("[[sources]]\nuri = 'mock://nope'\n", "source 1: mock://nope: unknown mock dataset"),
+        ("[[sources]]\nuri = 'weighted:///x.toml'\n", "to nest a mix, serve it under a name"),
+        ("sources = []\n", "a mix needs at least one source"),
+        ("[[sources]\n", "not valid TOML"),
+    ],
+)
 def test_bad_mix_files_name_the_entry(tmp_path, body, message):
     uri = write_mix(tmp_path / "mix.toml", body)
     with pytest.raises(DatasetError, match=message):
@@ -178,14 +197,17 @@ def test_a_missing_mix_file_is_named(tmp_path):
 
 
 def test_the_provider_serves_a_mix(tmp_path, start_provider, client_for):
-    uri = write_mix(tmp_path / "mix.toml", """
+    uri = write_mix(
+        tmp_path / "mix.toml",
+        """
         [[sources]]
         uri = "mock://mnist?n=300&seed=1"
         weight = 1
         [[sources]]
         dataset = "digits"
         weight = 2
-    """)
+    """,
+    )
     provider = start_provider("digits=mock://mnist?n=600&seed=2", f"mix={uri}")
     client = client_for(provider.endpoint)
     info = client.request(DatasetInfoRequest(dataset="mix")).info

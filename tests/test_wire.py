@@ -25,16 +25,16 @@ def head(**fields) -> bytes:
 
 
 def test_hello_round_trips_with_every_field():
-    msg = Hello(id=7, role="trainer", name="t1", token="abc", host_id="h", pid=12, version="0.1",
-                caps={"heartbeat": True})
+    msg = Hello(
+        id=7, role="trainer", name="t1", token="abc", host_id="h", pid=12, version="0.1", caps={"heartbeat": True}
+    )
     frames = encode(msg)
     assert frames[0] == PROTOCOL
     assert decode(frames) == msg
 
 
 def test_payload_frames_travel_apart_from_the_header():
-    msg = BatchResponse(id=3, shapes=[[2, 2], [2]], dtypes=["<f4", "<i8"], nbytes=32,
-                        frames=[b"\0" * 16, b"\1" * 16])
+    msg = BatchResponse(id=3, shapes=[[2, 2], [2]], dtypes=["<f4", "<i8"], nbytes=32, frames=[b"\0" * 16, b"\1" * 16])
     frames = encode(msg)
     assert frames[2:] == [b"\0" * 16, b"\1" * 16]
     assert b"\\u0000" not in frames[1] and b"frames" not in frames[1]
@@ -42,20 +42,23 @@ def test_payload_frames_travel_apart_from_the_header():
     assert out.frames == msg.frames and out.shapes == [[2, 2], [2]]
 
 
-@pytest.mark.parametrize("frames, words", [
-    ([b"BB1"], "at least 2 frames"),
-    ([b"XX9", head(type="Stats")], "protocol tag"),
-    ([b"BB1", b"{not json"], "not valid JSON"),
-    ([b"BB1", b"[1, 2]"], "JSON object"),
-    ([b"BB1", head(type="Nope")], "unknown message type"),
-    ([b"BB1", head(id=1)], "unknown message type"),
-    ([b"BB1", head(type="Hello", role="trainer", name="x")], "missing field 'token'"),
-    ([b"BB1", head(type="Hello", role=1, name="x", token="t")], "Hello.role must be a string"),
-    ([b"BB1", head(type="BatchRequest", dataset="d", split="train", range="0:3")], "range must be"),
-    ([b"BB1", head(type="BatchRequest", dataset="d", split="train"), b"a", b"b"], "payload frame"),
-    ([b"BB1", head(type="Evaluate", dataset="d", model={})], "payload frame"),
-    ([b"BB1", head(type="Progress", job="j", progress={}, id=True)], "Progress.id must be an integer"),
-])
+@pytest.mark.parametrize(
+    "frames, words",
+    [
+        ([b"BB1"], "at least 2 frames"),
+        ([b"XX9", head(type="Stats")], "protocol tag"),
+        ([b"BB1", b"{not json"], "not valid JSON"),
+        ([b"BB1", b"[1, 2]"], "JSON object"),
+        ([b"BB1", head(type="Nope")], "unknown message type"),
+        ([b"BB1", head(id=1)], "unknown message type"),
+        ([b"BB1", head(type="Hello", role="trainer", name="x")], "missing field 'token'"),
+        ([b"BB1", head(type="Hello", role=1, name="x", token="t")], "Hello.role must be a string"),
+        ([b"BB1", head(type="BatchRequest", dataset="d", split="train", range="0:3")], "range must be"),
+        ([b"BB1", head(type="BatchRequest", dataset="d", split="train"), b"a", b"b"], "payload frame"),
+        ([b"BB1", head(type="Evaluate", dataset="d", model={})], "payload frame"),
+        ([b"BB1", head(type="Progress", job="j", progress={}, id=True)], "Progress.id must be an integer"),
+    ],
+)
 def test_malformed_messages_are_bad_requests_that_say_why(frames, words):
     with pytest.raises(BadRequest, match=words):
         decode(frames)
@@ -81,16 +84,36 @@ def test_every_wire_code_maps_back_to_its_exception_class():
 
 
 def test_every_message_type_is_registered_once():
-    assert {"Hello", "Welcome", "BatchRequest", "BatchResponse", "Evaluate", "SubmitJob", "GetTask",
-            "PushResult", "Command", "Error"} <= set(MESSAGE_TYPES)
+    assert {
+        "Hello",
+        "Welcome",
+        "BatchRequest",
+        "BatchResponse",
+        "Evaluate",
+        "SubmitJob",
+        "GetTask",
+        "PushResult",
+        "Command",
+        "Error",
+    } <= set(MESSAGE_TYPES)
     assert Progress.type == "Progress" and BatchRequest.nframes == (0, 1) and Evaluate.nframes == (1, 1)
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.binary(max_size=64), max_size=5),
-       st.dictionaries(st.sampled_from(["type", "id", "dataset", "split", "range", "role", "token", "name"]),
-                       st.one_of(st.none(), st.integers(-2**63, 2**63 - 1), st.text(max_size=8), st.sampled_from(list(MESSAGE_TYPES)),
-                                 st.lists(st.integers(-2**63, 2**63 - 1), max_size=3)), max_size=6))
+@given(
+    st.lists(st.binary(max_size=64), max_size=5),
+    st.dictionaries(
+        st.sampled_from(["type", "id", "dataset", "split", "range", "role", "token", "name"]),
+        st.one_of(
+            st.none(),
+            st.integers(-(2**63), 2**63 - 1),
+            st.text(max_size=8),
+            st.sampled_from(list(MESSAGE_TYPES)),
+            st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3),
+        ),
+        max_size=6,
+    ),
+)
 def test_decode_never_fails_with_anything_but_a_bus_error(extra, header):
     for frames in ([b"BB1", orjson.dumps(header), *extra], extra):
         try:

@@ -43,8 +43,9 @@ class ProviderService:
                 raise ConfigError(f"dataset name {name!r} is given twice")
             datasets[name] = open_source(uri, datasets)
         gate = EvalGate(settings.eval_queue, settings.eval_max_model_bytes, settings.eval_per_minute)
-        self.handler = ProviderHandler(datasets, host_id=settings.host_id, shm=settings.shm,
-                                       assigned_only=settings.assigned_only, evalgate=gate)
+        self.handler = ProviderHandler(
+            datasets, host_id=settings.host_id, shm=settings.shm, assigned_only=settings.assigned_only, evalgate=gate
+        )
         key = runtime.verify_key(settings)
         bind = settings.bind or DEFAULT_BIND
         self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name, "provider"), self.ctx)
@@ -56,8 +57,9 @@ class ProviderService:
     def start(self) -> str:
         """Bind the data socket and start registering with the router. Returns the data endpoint."""
         runtime.clean_shm()
-        self.metrics = start_exporter(self.settings.metrics_bind, "provider", self.name, self.stats,
-                                      latency=lambda: self.handler.latency)
+        self.metrics = start_exporter(
+            self.settings.metrics_bind, "provider", self.name, self.stats, latency=lambda: self.handler.latency
+        )
         try:
             return self._start()
         except BaseException:
@@ -74,15 +76,20 @@ class ProviderService:
             except (BusError, OSError) as err:
                 log.warning("no same-host ipc endpoint (same-host trainers use %s): %s", self.endpoint, err)
         if "0.0.0.0" in self.endpoint or "*" in self.endpoint:
-            raise ConfigError(f"provider bound {bound}; set --advertise to the address trainers should "
-                              "connect to")
+            raise ConfigError(f"provider bound {bound}; set --advertise to the address trainers should connect to")
         caps = {"endpoint": self.endpoint, "datasets": self.handler.infos}
         if self.server.config.curve is not None:
             caps["curve_key"] = self.server.config.curve.public.decode()
-        self.link = Link(self.settings.router, runtime.identity(self.settings, "provider", self.name, caps),
-                         heartbeat_ms=self.settings.heartbeat_ms, liveness=self.settings.heartbeat_liveness,
-                         stats=self.server.stats, ctx=self.ctx, limits=runtime.limits(self.settings),
-                         on_push=self._on_push)
+        self.link = Link(
+            self.settings.router,
+            runtime.identity(self.settings, "provider", self.name, caps),
+            heartbeat_ms=self.settings.heartbeat_ms,
+            liveness=self.settings.heartbeat_liveness,
+            stats=self.server.stats,
+            ctx=self.ctx,
+            limits=runtime.limits(self.settings),
+            on_push=self._on_push,
+        )
         self.link.start()
         log.info("provider %s serving %s on %s", self.name, ", ".join(self.handler.datasets), self.endpoint)
         return self.endpoint
@@ -117,4 +124,3 @@ class ProviderService:
             if self.link is not None and self.link.fatal is not None:
                 log.error("router refused provider %s: %s", self.name, self.link.fatal)
                 stop.set()
-

@@ -32,14 +32,15 @@ class EvalGate:
             0 = unlimited.
     """
 
-    def __init__(self, queue: int = EVAL_QUEUE, max_model_bytes: int = EVAL_MAX_MODEL_BYTES,
-                 per_minute: float = EVAL_PER_MINUTE):
+    def __init__(
+        self, queue: int = EVAL_QUEUE, max_model_bytes: int = EVAL_MAX_MODEL_BYTES, per_minute: float = EVAL_PER_MINUTE
+    ):
         self.queue = queue
         self.max_model_bytes = max_model_bytes
         self.per_minute = per_minute
         #: Guards the counters here and whatever the evaluation thread updates for ``stats()``.
         self.lock = threading.Lock()
-        self._admitted = 0   # queued or running
+        self._admitted = 0  # queued or running
         self._running = 0
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, last refill)
         self.counts: Counter = Counter()
@@ -48,21 +49,27 @@ class EvalGate:
         """Take a place for one evaluation, or raise :class:`TooLarge` / :class:`RateLimited`."""
         if nbytes > self.max_model_bytes:
             self._count("refused_too_large")
-            raise TooLarge(f"model weights of {nbytes} bytes; this provider evaluates at most "
-                           f"{self.max_model_bytes} (eval_max_model_bytes)")
+            raise TooLarge(
+                f"model weights of {nbytes} bytes; this provider evaluates at most "
+                f"{self.max_model_bytes} (eval_max_model_bytes)"
+            )
         now = time.monotonic()
         with self.lock:
             if self._admitted >= self.queue:
                 self.counts["refused_queue_full"] += 1
-                raise RateLimited(f"{self._admitted} evaluations are queued or running here; at most "
-                                  f"{self.queue} (eval_queue): try again when one finishes")
+                raise RateLimited(
+                    f"{self._admitted} evaluations are queued or running here; at most "
+                    f"{self.queue} (eval_queue): try again when one finishes"
+                )
             keys = [f"sub:{subject}"] + ([f"job:{job}"] if job else [])
             for key in keys:
                 if self._tokens(key, now) < 1.0:
                     self.counts["refused_rate"] += 1
                     what = f"subject {subject!r}" if key.startswith("sub:") else f"job {job}"
-                    raise RateLimited(f"more than {self.per_minute:g} evaluations per minute for {what} "
-                                      "(eval_per_minute): the test split is not a training signal")
+                    raise RateLimited(
+                        f"more than {self.per_minute:g} evaluations per minute for {what} "
+                        "(eval_per_minute): the test split is not a training signal"
+                    )
             for key in keys:
                 tokens, _ = self._buckets[key]
                 self._buckets[key] = (tokens - 1.0, now)

@@ -24,8 +24,9 @@ EVAL_CHUNK = 512
 EVAL_LOGITS_BUDGET = 1 << 25
 
 
-def evaluate_weights(source: Source, split: str, model_spec: dict, blob: bytes,
-                     info: dict, stop: threading.Event | None = None) -> tuple[float, float, int]:
+def evaluate_weights(
+    source: Source, split: str, model_spec: dict, blob: bytes, info: dict, stop: threading.Event | None = None
+) -> tuple[float, float, int]:
     """Build ``model_spec`` for ``info``, load safetensors ``blob`` into it, score it on ``split``.
 
     Raises :class:`BadRequest` for a malformed spec, unreadable weights or weights that do not fit,
@@ -34,7 +35,7 @@ def evaluate_weights(source: Source, split: str, model_spec: dict, blob: bytes,
     name = model_spec.get("name")
     kwargs = model_spec.get("kwargs", {})
     if not isinstance(name, str) or not isinstance(kwargs, dict):
-        raise BadRequest("Evaluate.model must be {\"name\": str, \"kwargs\": {...}}")
+        raise BadRequest('Evaluate.model must be {"name": str, "kwargs": {...}}')
     if name not in MODELS:
         # module:factory would import and run code named by a remote peer: not on this node.
         raise Forbidden(f"this provider evaluates built-in models only ({', '.join(MODELS)}), not {name!r}")

@@ -57,6 +57,7 @@ def _chain(done: Future, into: Future) -> None:
     else:
         into.set_exception(err)
 
+
 log = logging.getLogger(__name__)
 
 READERS = ("trainer", "admin")
@@ -78,8 +79,7 @@ def batch_indices(msg: BatchRequest, num_samples: int, split: str) -> np.ndarray
         raise BadRequest("BatchRequest gives both a range and an indices frame; send one")
     if msg.range is not None:
         r = msg.range
-        if (len(r) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in r)
-                or r[0] > r[1]):
+        if len(r) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in r) or r[0] > r[1]:
             raise BadRequest(f"BatchRequest.range must be [start, end) integers with start <= end, got {r}")
         start, end = r
         if end - start > MAX_BATCH_INDICES:
@@ -117,8 +117,16 @@ class ProviderHandler(Handler):
         "StageControl": ("admin",),
     }
 
-    def __init__(self, datasets: dict[str, Source], *, host_id: str = "", shm: bool = True,
-                 eval_workers: int = 1, assigned_only: bool = True, evalgate: EvalGate | None = None):
+    def __init__(
+        self,
+        datasets: dict[str, Source],
+        *,
+        host_id: str = "",
+        shm: bool = True,
+        eval_workers: int = 1,
+        assigned_only: bool = True,
+        evalgate: EvalGate | None = None,
+    ):
         super().__init__()
         self.datasets = datasets
         self.host_id = host_id
@@ -181,8 +189,10 @@ class ProviderHandler(Handler):
         try:
             return self.datasets[name]
         except KeyError:
-            raise NotFound(f"dataset {name!r} is not served here; this provider serves "
-                           f"{', '.join(sorted(self.datasets)) or 'nothing'}") from None
+            raise NotFound(
+                f"dataset {name!r} is not served here; this provider serves "
+                f"{', '.join(sorted(self.datasets)) or 'nothing'}"
+            ) from None
 
     def check_scope(self, session: Session, msg: Message) -> None:
         """Refuse (FORBIDDEN) a request for a dataset or job outside the token's scopes. A ring
@@ -193,8 +203,10 @@ class ProviderHandler(Handler):
         if isinstance(msg, Evaluate) and msg.job:
             claims.check_job(msg.job)
         if isinstance(msg, AttachRing) and not any(claims.allows_dataset(d) for d in self.datasets):
-            raise Forbidden(f"this token's datasets scope [{', '.join(claims.scopes['datasets'])}] "
-                            f"covers none of the datasets served here ({', '.join(sorted(self.datasets))})")
+            raise Forbidden(
+                f"this token's datasets scope [{', '.join(claims.scopes['datasets'])}] "
+                f"covers none of the datasets served here ({', '.join(sorted(self.datasets))})"
+            )
 
     def entitled(self, session: Session, msg: Message) -> bool:
         """Whether the router has entitled this peer to what ``msg`` reads: admins always; a trainer
@@ -237,9 +249,12 @@ class ProviderHandler(Handler):
             elif now > deadline:
                 self.refused["unassigned"] += 1
                 what = getattr(msg, "dataset", "") or "any dataset served here"
-                fut.set_exception(Forbidden(
-                    f"{session.claims.sub!r} is not assigned to a job on {what}; the router assigns "
-                    "trainers to jobs (or issue a token scoped to the dataset: busctl token issue --dataset)"))
+                fut.set_exception(
+                    Forbidden(
+                        f"{session.claims.sub!r} is not assigned to a job on {what}; the router assigns "
+                        "trainers to jobs (or issue a token scoped to the dataset: busctl token issue --dataset)"
+                    )
+                )
             else:
                 still.append((deadline, session, msg, fut))
         self._waiting = still
@@ -249,8 +264,12 @@ class ProviderHandler(Handler):
             return self.batch(session, msg)
         if isinstance(msg, DatasetInfoRequest):
             self.source(msg.dataset)
-            return DatasetInfo(dataset=msg.dataset, info=self.infos[msg.dataset], host_id=self.host_id,
-                               local_endpoint=self.local_endpoint)
+            return DatasetInfo(
+                dataset=msg.dataset,
+                info=self.infos[msg.dataset],
+                host_id=self.host_id,
+                local_endpoint=self.local_endpoint,
+            )
         if isinstance(msg, AttachRing):
             return self.attach_ring(session, msg)
         if isinstance(msg, Evaluate):
@@ -258,8 +277,9 @@ class ProviderHandler(Handler):
         if isinstance(msg, Stats):
             return StatsReply(services={"provider": self.stats()})
         if isinstance(msg, StageControl):
-            detail = stage_control(self.datasets, msg.dataset, msg.stage, msg.command, msg.args,
-                                   session.claims.check_dataset)
+            detail = stage_control(
+                self.datasets, msg.dataset, msg.stage, msg.command, msg.args, session.claims.check_dataset
+            )
             log.info("%s: %s %s/%s %s", session.name, msg.command, detail["dataset"], msg.stage, msg.args)
             return Ok(detail=detail)
         raise BadRequest(f"provider does not serve {msg.type}")
@@ -269,12 +289,15 @@ class ProviderHandler(Handler):
         if not self.shm:
             raise Unavailable("shared memory is disabled on this provider (shm = false)")
         if session.hello.host_id != self.host_id:
-            raise Unavailable(f"ring offered from host {session.hello.host_id!r}; this provider runs "
-                              f"on {self.host_id!r}")
+            raise Unavailable(
+                f"ring offered from host {session.hello.host_id!r}; this provider runs on {self.host_id!r}"
+            )
         if not session.local:  # a remote peer claiming this host's id, or another user
             self.refused["ring"] += 1
-            raise Forbidden("AttachRing is accepted only over this provider's same-host ipc:// "
-                            f"endpoint from its own user; this peer came from {session.peer or '?'}")
+            raise Forbidden(
+                "AttachRing is accepted only over this provider's same-host ipc:// "
+                f"endpoint from its own user; this peer came from {session.peer or '?'}"
+            )
         layout = RingLayout(msg.slots, msg.slot_bytes, msg.label_offset)
         try:
             ring = Ring.attach(msg.name, layout)
@@ -286,8 +309,14 @@ class ProviderHandler(Handler):
         for sid in [sid for sid, r in self.rings.items() if sid == session.sid or r.name == msg.name]:
             self.rings.pop(sid).close()
         self.rings[session.sid] = ring
-        log.info("session %s (%s) attached ring %s: %d slots of %d bytes", session.sid, session.name,
-                 msg.name, msg.slots, msg.slot_bytes)
+        log.info(
+            "session %s (%s) attached ring %s: %d slots of %d bytes",
+            session.sid,
+            session.name,
+            msg.name,
+            msg.slots,
+            msg.slot_bytes,
+        )
         return RingAttached(name=msg.name)
 
     def batch(self, session: Session, msg: BatchRequest) -> BatchResponse:
@@ -297,12 +326,15 @@ class ProviderHandler(Handler):
             raise BadRequest(f"unknown split {msg.split!r}; expected one of {', '.join(SPLITS)}")
         if msg.split == PRIVATE_SPLIT:
             self.refused["split_private"] += 1
-            raise SplitPrivate(f"the {PRIVATE_SPLIT} split of {msg.dataset!r} never leaves its "
-                               "provider; ask for an evaluation instead (Evaluate)")
+            raise SplitPrivate(
+                f"the {PRIVATE_SPLIT} split of {msg.dataset!r} never leaves its "
+                "provider; ask for an evaluation instead (Evaluate)"
+            )
         indices = batch_indices(msg, source.num_samples(msg.split), msg.split)
         if len(indices) * source.sample_nbytes > MAX_BATCH_BYTES:
-            raise TooLarge(f"{len(indices)} samples of {source.sample_nbytes} bytes exceed the "
-                           f"{MAX_BATCH_BYTES} byte batch limit")
+            raise TooLarge(
+                f"{len(indices)} samples of {source.sample_nbytes} bytes exceed the {MAX_BATCH_BYTES} byte batch limit"
+            )
         x_shape = (len(indices), *source.sample_shape)
         y_shape = (len(indices), *source.label_shape)
         counters = self.served[msg.dataset]
@@ -327,16 +359,21 @@ class ProviderHandler(Handler):
         counters["samples"] += len(indices)
         counters["bytes"] += x.nbytes + y.nbytes
         self.latency[msg.dataset].observe(time.perf_counter() - started)
-        return BatchResponse(shapes=[list(x_shape), list(y_shape)], dtypes=[x.dtype.str, y.dtype.str],
-                             nbytes=x.nbytes + y.nbytes, slot=msg.slot, seq=msg.seq, frames=frames)
+        return BatchResponse(
+            shapes=[list(x_shape), list(y_shape)],
+            dtypes=[x.dtype.str, y.dtype.str],
+            nbytes=x.nbytes + y.nbytes,
+            slot=msg.slot,
+            seq=msg.seq,
+            frames=frames,
+        )
 
     def _ring_for(self, session: Session, msg: BatchRequest) -> Ring:
         if msg.slot is None or msg.seq is None:
             raise BadRequest("BatchRequest names a ring slot with both 'slot' and 'seq', or neither")
         ring = self.rings.get(session.sid)
         if ring is None:
-            raise BadRequest("BatchRequest names a ring slot but this session attached no ring "
-                             "(send AttachRing first)")
+            raise BadRequest("BatchRequest names a ring slot but this session attached no ring (send AttachRing first)")
         return ring
 
     def evaluate(self, msg: Evaluate, session: Session | None = None) -> Future:
@@ -355,10 +392,20 @@ class ProviderHandler(Handler):
                 # torch is imported here, on the first evaluation: a provider that only serves
                 # batches starts in a fraction of the time.
                 from .evaluator import evaluate_weights
-                loss, acc, n = evaluate_weights(source, msg.split, msg.model, blob, self.infos[msg.dataset],
-                                                 self._closing)
-                log.info("evaluated job %s on %s/%s: loss %.4f accuracy %.4f (%d samples, %.1f s)",
-                         msg.job or "-", msg.dataset, msg.split, loss, acc, n, time.monotonic() - started)
+
+                loss, acc, n = evaluate_weights(
+                    source, msg.split, msg.model, blob, self.infos[msg.dataset], self._closing
+                )
+                log.info(
+                    "evaluated job %s on %s/%s: loss %.4f accuracy %.4f (%d samples, %.1f s)",
+                    msg.job or "-",
+                    msg.dataset,
+                    msg.split,
+                    loss,
+                    acc,
+                    n,
+                    time.monotonic() - started,
+                )
                 with gate.lock:  # stats() reads these on the serving loop
                     self.served[msg.dataset]["evaluations"] += 1
                 return Evaluation(loss=loss, accuracy=acc, n=n)
@@ -371,6 +418,7 @@ class ProviderHandler(Handler):
         except RuntimeError:  # shut down: nothing will run it
             gate.finished()
             raise Unavailable("this provider is stopping; evaluate elsewhere or later") from None
+
         def give_back(done: Future) -> None:  # cancelled before it ran (the provider stopping)
             if done.cancelled():
                 gate.finished()
@@ -385,8 +433,12 @@ class ProviderHandler(Handler):
         refused = dict(self.refused)
         for key in ("refused_too_large", "refused_queue_full", "refused_rate"):
             if counts.get(key):
-                refused["evaluate_" + key[len("refused_"):]] = counts[key]
-        return {"datasets": datasets,
-                "waiting_assignment": len(self._waiting),
-                "refused": refused, "evaluations_running": running, "evaluations_queued": queued,
-                **pipeline_stats(self.datasets)}
+                refused["evaluate_" + key[len("refused_") :]] = counts[key]
+        return {
+            "datasets": datasets,
+            "waiting_assignment": len(self._waiting),
+            "refused": refused,
+            "evaluations_running": running,
+            "evaluations_queued": queued,
+            **pipeline_stats(self.datasets),
+        }

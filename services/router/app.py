@@ -28,8 +28,7 @@ class RouterService:
         self.name = runtime.service_name(settings, "router")
         key = runtime.verify_key(settings, create=True)
         self.store = JobStore(settings.db)
-        self.handler = RouterHandler(self.store, lease_s=settings.lease_s,
-                                     artifacts=Artifacts(settings.artifact_dir))
+        self.handler = RouterHandler(self.store, lease_s=settings.lease_s, artifacts=Artifacts(settings.artifact_dir))
         bind = settings.bind or settings.router
         self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name, "router"), ctx)
         self.handler.server_stats = self.server.stats
@@ -57,4 +56,3 @@ class RouterService:
             if self.metrics is not None:
                 self.metrics.close()
             self.store.close()
-

@@ -32,8 +32,9 @@ class Artifacts:
         trainer's sha256 says. Returns the path."""
         digest = hashlib.sha256(data).hexdigest()
         if digest != sha256:
-            raise BadRequest(f"model of job {job}: the bytes have sha256 {digest[:12]}…, the result says "
-                             f"{sha256[:12]}…")
+            raise BadRequest(
+                f"model of job {job}: the bytes have sha256 {digest[:12]}…, the result says {sha256[:12]}…"
+            )
         path = self._path(job)
         write_atomic(path, data)
         return str(path)

@@ -23,8 +23,7 @@ __all__ = ["Decisions", "DECISION_ROLES", "UPLOAD"]
 
 log = logging.getLogger(__name__)
 
-DECISION_ROLES = {"SubmitStudy": ("admin",), "ListStudies": ("admin",), "GetStudy": ("admin",),
-                  "StopStudy": ("admin",)}
+DECISION_ROLES = {"SubmitStudy": ("admin",), "ListStudies": ("admin",), "GetStudy": ("admin",), "StopStudy": ("admin",)}
 #: ``model_from`` of an evaluation task whose model came with it (kept as the task's own artifact).
 UPLOAD = "upload"
 
@@ -92,8 +91,10 @@ class Decisions:
             raise BadRequest("model_from = 'upload' but no model came with the submission")
         source = self.store.get(spec.model_from, events=False)
         if source["state"] != "succeeded" or not (source["result"] or {}).get("model", {}).get("router_path"):
-            raise BadRequest(f"job {spec.model_from} is {source['state']}; an evaluation task scores the model of "
-                             "a succeeded job the router holds (busctl job model shows whether it does)")
+            raise BadRequest(
+                f"job {spec.model_from} is {source['state']}; an evaluation task scores the model of "
+                "a succeeded job the router holds (busctl job model shows whether it does)"
+            )
         trained = source["spec"]
         return JobSpec.from_dict({**spec.to_dict(), "model": trained["model"], "model_kwargs": trained["model_kwargs"]})
 

@@ -40,8 +40,10 @@ def should_stop(values: list[float], *, patience: int, min_delta: float, maximiz
     if best is None:
         return None if len(values) < patience else f"no finite value in {len(values)} epochs"
     if len(values) - best_epoch >= patience:
-        return (f"no improvement by more than {min_delta:g} for {len(values) - best_epoch} epoch(s) "
-                f"(patience {patience}); best {best:.4f} at epoch {best_epoch}")
+        return (
+            f"no improvement by more than {min_delta:g} for {len(values) - best_epoch} epoch(s) "
+            f"(patience {patience}); best {best:.4f} at epoch {best_epoch}"
+        )
     return None
 
 
@@ -69,8 +71,9 @@ class EarlyStopping:
                 continue
             monitor = spec.get("monitor", "val_loss")
             values = [float(r[monitor]) for r in history if isinstance(r.get(monitor), (int, float))]
-            why = should_stop(values, patience=spec["patience"], min_delta=spec.get("min_delta", 0.0),
-                              maximize="accuracy" in monitor)
+            why = should_stop(
+                values, patience=spec["patience"], min_delta=spec.get("min_delta", 0.0), maximize="accuracy" in monitor
+            )
             if why is None:
                 self._decided[job["id"]] = len(history)
                 continue

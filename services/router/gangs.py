@@ -87,10 +87,17 @@ class Gangs:
                 continue  # it ran (or left) its part: it asks for new work
             if rank > 0 and not gang["rendezvous"]:
                 return NoTask(retry_ms=self.retry_ms)
-            self.store.update_gang(job["id"], f"rank {rank} handed to {trainer}",
-                                   delivered=sorted({*gang["delivered"], rank}))
-            return Task(job=job["id"], spec=job["spec"], rank=rank, world_size=len(gang["members"]),
-                        resume=job["checkpoint"], rendezvous=gang["rendezvous"])
+            self.store.update_gang(
+                job["id"], f"rank {rank} handed to {trainer}", delivered=sorted({*gang["delivered"], rank})
+            )
+            return Task(
+                job=job["id"],
+                spec=job["spec"],
+                rank=rank,
+                world_size=len(gang["members"]),
+                resume=job["checkpoint"],
+                rendezvous=gang["rendezvous"],
+            )
         if any(trainer in members for members in self.gathering.values()):
             return NoTask(retry_ms=self.retry_ms)
         return None
@@ -151,18 +158,22 @@ class Gangs:
         a queued job of higher priority waits. True if released."""
         job_id, spec = job["id"], job["spec"]
         timeout = float(spec.get("gather_timeout_s", 120.0))
-        first = self.store.first_queued(accept=lambda j: j["id"] not in self.gathering
-                                        and not self.waiting(j["id"], now))
+        first = self.store.first_queued(
+            accept=lambda j: j["id"] not in self.gathering and not self.waiting(j["id"], now)
+        )
         if first is not None and int(first["spec"].get("priority", 0)) > int(job["priority"]):
             self._dissolve(job_id)
-            self.store.event(job_id, f"gathering released ({', '.join(members)}): job {first['id']} of "
-                                     f"higher priority is queued")
+            self.store.event(
+                job_id, f"gathering released ({', '.join(members)}): job {first['id']} of higher priority is queued"
+            )
             return True
         if now - self.since.get(job_id, now) < timeout:
             return False
         self._dissolve(job_id)
-        reason = (f"its gang of {world_size(spec)} did not gather within {timeout:g} s "
-                  f"({len(members)} trainer(s) came: {', '.join(members)}); they went to other work")
+        reason = (
+            f"its gang of {world_size(spec)} did not gather within {timeout:g} s "
+            f"({len(members)} trainer(s) came: {', '.join(members)}); they went to other work"
+        )
         if spec.get("gather_policy", "wait") == "fail":
             self.store.finish(job_id, "failed", reason, error=f"{reason} (gather_policy fail)")
             log.warning("job %s failed: %s", job_id, reason)

@@ -59,8 +59,9 @@ class Revocations:
         """Revocations whose token could still be accepted (``exp`` + clock leeway not yet past),
         newest first. A read only: the router asks every few hundred milliseconds."""
         now = time.time() if now is None else now
-        rows = self.db.execute("SELECT jti, exp, at, reason FROM revoked WHERE exp + ? >= ? ORDER BY at DESC",
-                               (LEEWAY_S, now)).fetchall()
+        rows = self.db.execute(
+            "SELECT jti, exp, at, reason FROM revoked WHERE exp + ? >= ? ORDER BY at DESC", (LEEWAY_S, now)
+        ).fetchall()
         return [{"jti": r[0], "exp": r[1], "at": r[2], "reason": r[3]} for r in rows]
 
     def jtis(self) -> list[str]:

@@ -67,6 +67,7 @@ def _stored(value, what: str) -> None:
     """Peer JSON the router stores and echoes to admins: bounded at the door (libbus/schema.py)."""
     check_stored(value, what, STORED_JSON_DEPTH, STORED_JSON_BYTES)
 
+
 log = logging.getLogger(__name__)
 
 ADMIN = ("admin",)
@@ -85,26 +86,42 @@ class RouterHandler(Decisions, Handler):
 
     roles = {
         "Resolve": ("trainer", "admin"),
-        "SubmitJob": ADMIN, "ListJobs": ADMIN, "GetJob": ADMIN, "ControlJob": ADMIN, "GetModel": ADMIN,
-        "ListPeers": ADMIN, "Stats": ("admin", "trainer"),
-        "GetTask": TRAINER, "Progress": TRAINER, "PushResult": TRAINER,
-        "Checkpointed": TRAINER, "CommandAck": TRAINER, "Rendezvous": TRAINER,
-        "RevokeToken": ADMIN, "ListRevoked": ADMIN,
+        "SubmitJob": ADMIN,
+        "ListJobs": ADMIN,
+        "GetJob": ADMIN,
+        "ControlJob": ADMIN,
+        "GetModel": ADMIN,
+        "ListPeers": ADMIN,
+        "Stats": ("admin", "trainer"),
+        "GetTask": TRAINER,
+        "Progress": TRAINER,
+        "PushResult": TRAINER,
+        "Checkpointed": TRAINER,
+        "CommandAck": TRAINER,
+        "Rendezvous": TRAINER,
+        "RevokeToken": ADMIN,
+        "ListRevoked": ADMIN,
         **DECISION_ROLES,  # studies (services/router/decisions.py)
     }
     #: How often the router recomputes what providers must know (assignments follow job changes).
     GRANTS_CHECK_S = 0.2
 
-    def __init__(self, store: JobStore, *, lease_s: float = 10.0, task_retry_ms: int = 1000,
-                 server_stats: Callable[[], dict] = dict, artifacts: Artifacts | None = None):
+    def __init__(
+        self,
+        store: JobStore,
+        *,
+        lease_s: float = 10.0,
+        task_retry_ms: int = 1000,
+        server_stats: Callable[[], dict] = dict,
+        artifacts: Artifacts | None = None,
+    ):
         super().__init__()
         self.store = store
         self.artifacts = artifacts
         self.task_retry_ms = task_retry_ms
         self.server_stats = server_stats
         self.peers: dict[str, Session] = {}
-        self.jobs = JobControl(store, self._push_to_trainer, self._trainer_names, lease_s=lease_s,
-                               artifacts=artifacts)
+        self.jobs = JobControl(store, self._push_to_trainer, self._trainer_names, lease_s=lease_s, artifacts=artifacts)
         self.gangs = Gangs(store, lease_s)
         self.revocations = Revocations(store.db)
         #: Set by the service: applies the revoked token ids to the router's own server.
@@ -144,7 +161,8 @@ class RouterHandler(Decisions, Handler):
                     f"{session.role} {session.subject!r} is already connected from host "
                     f"{peer.hello.host_id or '?'} pid {peer.hello.pid} (as {peer.name!r}); one process holds an "
                     f"identity at a time: give this {session.role} its own token (busctl token issue --name), "
-                    "or stop the other one (its session expires after a few silent heartbeats)")
+                    "or stop the other one (its session expires after a few silent heartbeats)"
+                )
 
     def _check_replicas(self, session: Session, datasets: dict) -> None:
         """Refuse a provider whose DatasetInfo for a name differs from a live replica's (another
@@ -157,9 +175,11 @@ class RouterHandler(Decisions, Handler):
                 theirs = peer.hello.caps["datasets"].get(dataset)
                 why = None if theirs is None else info_mismatch(info, theirs, f"on {name}", f"on {peer.name}")
                 if why:
-                    raise BadRequest(f"dataset {dataset!r} differs from the replica {peer.name} serves: {why}; "
-                                     "replicas of a dataset must serve the same data (serve it under "
-                                     "another name, or fix the source)")
+                    raise BadRequest(
+                        f"dataset {dataset!r} differs from the replica {peer.name} serves: {why}; "
+                        "replicas of a dataset must serve the same data (serve it under "
+                        "another name, or fix the source)"
+                    )
 
     def on_close(self, session: Session, reason: str) -> None:
         self.peers.pop(session.sid, None)
@@ -209,14 +229,19 @@ class RouterHandler(Decisions, Handler):
             datasets = peer.hello.caps["datasets"]
             if name in datasets:
                 info = info or datasets[name]
-                providers.append({"name": peer.name, "endpoint": peer.hello.caps["endpoint"],
-                                  "host_id": peer.hello.host_id,
-                                  "curve_key": str(peer.hello.caps.get("curve_key") or "")})
+                providers.append(
+                    {
+                        "name": peer.name,
+                        "endpoint": peer.hello.caps["endpoint"],
+                        "host_id": peer.hello.host_id,
+                        "curve_key": str(peer.hello.caps.get("curve_key") or ""),
+                    }
+                )
         if not providers:
-            online = sorted({f"{d} ({p.name})" for p in self.sessions_of("provider")
-                             for d in p.hello.caps["datasets"]})
-            raise NotFound(f"dataset {name!r} is not served by any provider; online: "
-                           f"{', '.join(online) or 'no providers'}")
+            online = sorted({f"{d} ({p.name})" for p in self.sessions_of("provider") for d in p.hello.caps["datasets"]})
+            raise NotFound(
+                f"dataset {name!r} is not served by any provider; online: {', '.join(online) or 'no providers'}"
+            )
         return Resolved(dataset=name, info=info, providers=providers)
 
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
@@ -226,15 +251,17 @@ class RouterHandler(Decisions, Handler):
         job = self.store.submit(spec)
         if msg.frames:
             self.keep_upload(job, msg.frames)
-        log.info("job %s submitted by %s: %s %s on %s", job, session.subject, spec.model, spec.optimizer,
-                 spec.dataset)
+        log.info("job %s submitted by %s: %s %s on %s", job, session.subject, spec.model, spec.optimizer, spec.dataset)
         return JobSubmitted(job=job)
 
     def on_ListJobs(self, session: Session, msg: ListJobs) -> JobList:
         # A scoped token sees only the jobs it could ask about one by one.
         claims = session.claims
-        jobs = [j for j in self.store.list(msg.state, msg.limit, msg.offset)
-                if claims.allows_job(j["id"]) and claims.allows_dataset(dataset_name(j["spec"]["dataset"]))]
+        jobs = [
+            j
+            for j in self.store.list(msg.state, msg.limit, msg.offset)
+            if claims.allows_job(j["id"]) and claims.allows_dataset(dataset_name(j["spec"]["dataset"]))
+        ]
         jobs, note = fit_list(jobs)
         return JobList(jobs=jobs, note=note)
 
@@ -264,9 +291,13 @@ class RouterHandler(Decisions, Handler):
             return again
         self.jobs.abandon_all(who)
         claims = session.claims
-        job = self.store.first_queued(accept=lambda j: claims.allows_job(j["id"])
-                                      and claims.allows_dataset(dataset_name(j["spec"]["dataset"]))
-                                      and not self.gangs.waiting(j["id"]))
+        job = self.store.first_queued(
+            accept=lambda j: (
+                claims.allows_job(j["id"])
+                and claims.allows_dataset(dataset_name(j["spec"]["dataset"]))
+                and not self.gangs.waiting(j["id"])
+            )
+        )
         if job is None:
             return NoTask(retry_ms=self.task_retry_ms)
         if world_size(job["spec"]) > 1:
@@ -330,14 +361,12 @@ class RouterHandler(Decisions, Handler):
 
     def entitlements(self) -> Entitlements:
         subjects = {sub: sub for sub in self._trainer_names()}  # jobs are held by subject
-        return Entitlements(revoked=self.revocations.jtis(),
-                            assigned=assignments(self.store.held(), subjects))
+        return Entitlements(revoked=self.revocations.jtis(), assigned=assignments(self.store.held(), subjects))
 
     def _push_entitlements(self) -> None:
         """Send providers what changed since the last push (nothing when nothing did)."""
         now = self.entitlements()
-        if self._granted is not None and (now.revoked, now.assigned) == (self._granted.revoked,
-                                                                         self._granted.assigned):
+        if self._granted is not None and (now.revoked, now.assigned) == (self._granted.revoked, self._granted.assigned):
             return
         self._granted = now
         for provider in self.sessions_of("provider"):
@@ -365,5 +394,8 @@ class RouterHandler(Decisions, Handler):
         counts = {}
         for row in self.store.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
             counts[row[0]] = row[1]
-        return {"jobs": counts, "peers": {r: len(self.sessions_of(r)) for r in ("provider", "trainer", "admin")},
-                "refused_transitions": dict(REFUSED)}
+        return {
+            "jobs": counts,
+            "peers": {r: len(self.sessions_of(r)) for r in ("provider", "trainer", "admin")},
+            "refused_transitions": dict(REFUSED),
+        }

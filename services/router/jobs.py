@@ -64,6 +64,7 @@ LEASE_CHECK_S = 0.5
 @dataclass
 class _Pending:
     """A command pushed to a trainer, waiting for its acknowledgement."""
+
     job: str
     command: str
     args: dict
@@ -90,9 +91,16 @@ class JobControl:
         artifacts: where final models sent with a result are kept (None: not kept).
     """
 
-    def __init__(self, store: JobStore, push: Callable[[str, Message], bool],
-                 connected: Callable[[], set[str]], *, lease_s: float, ack_timeout_s: float = ACK_TIMEOUT_S,
-                 artifacts: Artifacts | None = None):
+    def __init__(
+        self,
+        store: JobStore,
+        push: Callable[[str, Message], bool],
+        connected: Callable[[], set[str]],
+        *,
+        lease_s: float,
+        ack_timeout_s: float = ACK_TIMEOUT_S,
+        artifacts: Artifacts | None = None,
+    ):
         self.store = store
         self.artifacts = artifacts
         self.push = push
@@ -142,8 +150,10 @@ class JobControl:
                 self.store.finish(job_id, "stopped", f"stopped by {by}; trainer {trainer} absent")
                 self.stop_requested.discard(job_id)
                 return Ok(detail={"state": "stopped"})
-            raise Unavailable(f"trainer {trainer} of job {job_id} is not connected now; its lease "
-                              f"decides the job's fate (try again, or stop the job)")
+            raise Unavailable(
+                f"trainer {trainer} of job {job_id} is not connected now; its lease "
+                f"decides the job's fate (try again, or stop the job)"
+            )
         return self._send(by, job_id, trainer, command, args)
 
     def _send(self, by: str, job_id: str, trainer: str, command: str, args: dict) -> Future:
@@ -174,9 +184,11 @@ class JobControl:
         if command == "set":
             self.store.set_spec(job_id, spec, f"set {_args(spec.to_dict(), job['spec'])} by {by}")
             return Ok(detail={"state": state, "spec": spec.to_dict()})
-        what = {"eval": "be evaluated (busctl job eval scores the weights of a running job)",
-                "model": "send its current weights (busctl job model without --current: a succeeded job's)",
-                "adopt": "adopt a checkpoint"}.get(command, "checkpoint")
+        what = {
+            "eval": "be evaluated (busctl job eval scores the weights of a running job)",
+            "model": "send its current weights (busctl job model without --current: a succeeded job's)",
+            "adopt": "adopt a checkpoint",
+        }.get(command, "checkpoint")
         raise BadRequest(f"job {job_id} is {state} on no trainer; only a job a trainer holds can {what}")
 
     def _restart(self, by: str, job: dict) -> Ok:
@@ -191,8 +203,9 @@ class JobControl:
         """The job ``trainer`` holds, or :class:`Forbidden` telling it to abandon the job."""
         job = self.store.get(job_id, events=False)
         if job["state"] not in HOLDING_STATES or job["trainer"] != trainer:
-            raise Forbidden(f"job {job_id} is not running on {trainer} (state {job['state']}, "
-                            f"trainer {job['trainer']}); abandon it")
+            raise Forbidden(
+                f"job {job_id} is not running on {trainer} (state {job['state']}, trainer {job['trainer']}); abandon it"
+            )
         return job
 
     def on_progress(self, trainer: str, msg: Progress, sid: str = "") -> Ok:
@@ -211,17 +224,19 @@ class JobControl:
         self.own(trainer, msg.job)
         record = self.store.add_checkpoint(msg.job, trainer, msg.checkpoint)
         self.store.renew(msg.job, self.lease_s)
-        log.info("job %s: checkpoint at step %d (epoch %d) on %s", msg.job, record["step"], record["epoch"],
-                 trainer)
+        log.info("job %s: checkpoint at step %d (epoch %d) on %s", msg.job, record["step"], record["epoch"], trainer)
         return Ok()
 
     def on_ack(self, trainer: str, msg: CommandAck, sid: str = "") -> Ok:
         job = self.own(trainer, msg.job)
         pending = self.pending.get(msg.seq)
-        if pending is not None and (pending.job != msg.job or pending.trainer != trainer
-                                    or (sid and pending.sid and pending.sid != sid)):
-            raise Forbidden(f"command {msg.seq} was sent to job {pending.job} on another session; "
-                            f"this acknowledgement (job {msg.job}) does not settle it")
+        if pending is not None and (
+            pending.job != msg.job or pending.trainer != trainer or (sid and pending.sid and pending.sid != sid)
+        ):
+            raise Forbidden(
+                f"command {msg.seq} was sent to job {pending.job} on another session; "
+                f"this acknowledgement (job {msg.job}) does not settle it"
+            )
         self.pending.pop(msg.seq, None)
         took = f" after {1000 * (time.monotonic() - pending.sent):.0f} ms" if pending else ""
         reason = f"{msg.command} acknowledged by {trainer}{took}" + _evaluation(msg) + _adopted(msg)
@@ -234,8 +249,13 @@ class JobControl:
         else:
             self.store.event(msg.job, reason)
         if pending is not None and not pending.future.done():
-            detail = {"state": msg.state, "trainer": trainer, "acked": True,
-                      "ack_ms": round(1000 * (time.monotonic() - pending.sent), 1), **msg.detail}
+            detail = {
+                "state": msg.state,
+                "trainer": trainer,
+                "acked": True,
+                "ack_ms": round(1000 * (time.monotonic() - pending.sent), 1),
+                **msg.detail,
+            }
             pending.future.set_result(_current_model(msg, detail) if msg.command == "model" else Ok(detail=detail))
         return Ok()
 
@@ -255,24 +275,30 @@ class JobControl:
                 self.store.release(msg.job, why, lost=False)
             return Ok()
         if msg.state == "failed" and msg.result.get("retryable") and stop:  # the stop stands
-            self.store.finish(msg.job, "stopped", f"stop requested; attempt failed on {trainer}: {msg.error}",
-                              result=msg.result, error=msg.error)
+            self.store.finish(
+                msg.job,
+                "stopped",
+                f"stop requested; attempt failed on {trainer}: {msg.error}",
+                result=msg.result,
+                error=msg.error,
+            )
             return Ok()
         if msg.state == "failed" and msg.result.get("retryable"):  # counted against max_attempts
             state = self.store.release(msg.job, f"attempt failed on {trainer}: {msg.error}", lost=True)
             log.warning("job %s %s after a failed attempt: %s", msg.job, state, msg.error)
             return Ok()
-        reason = {"succeeded": f"finished on {trainer}",
-                  "stopped": f"stopped on {trainer}",
-                  "failed": f"failed on {trainer}: {msg.error}"}.get(msg.state, msg.state)
+        reason = {
+            "succeeded": f"finished on {trainer}",
+            "stopped": f"stopped on {trainer}",
+            "failed": f"failed on {trainer}: {msg.error}",
+        }.get(msg.state, msg.state)
         result = msg.result
         if msg.frames and msg.state == "succeeded" and self.artifacts is not None:
             model = result.get("model")
             if not isinstance(model, dict) or not isinstance(model.get("sha256"), str):
                 raise BadRequest("weights sent without result.model.sha256")
             frame = msg.frames[0]
-            stored = self.artifacts.put(msg.job, frame_buffer(frame),
-                                        model["sha256"])
+            stored = self.artifacts.put(msg.job, frame_buffer(frame), model["sha256"])
             result = {**result, "model": {**model, "router_path": stored}}
         self.store.finish(msg.job, msg.state, reason, result=result, error=msg.error)
         log.info("job %s %s: %s", msg.job, msg.state, result or msg.error)
@@ -282,12 +308,15 @@ class JobControl:
         """The final weights of a succeeded job, as the router keeps them."""
         job = self.store.get(job_id, events=False)
         if job["state"] != "succeeded":
-            raise BadRequest(f"job {job_id} is {job['state']}; only a succeeded job has a final model "
-                             f"(busctl job checkpoint writes one for a running job on its trainer)")
+            raise BadRequest(
+                f"job {job_id} is {job['state']}; only a succeeded job has a final model "
+                f"(busctl job checkpoint writes one for a running job on its trainer)"
+            )
         model = (job["result"] or {}).get("model") or {}
         if self.artifacts is None or "router_path" not in model:
-            raise NotFound(f"the router holds no model for job {job_id}; its trainer wrote it to "
-                           f"{model.get('path', '?')}")
+            raise NotFound(
+                f"the router holds no model for job {job_id}; its trainer wrote it to {model.get('path', '?')}"
+            )
         data = self.artifacts.get(job_id)
         return Model(job=job_id, sha256=model["sha256"], nbytes=len(data), frames=[data])
 
@@ -322,10 +351,13 @@ class JobControl:
             if now - p.sent > p.timeout_s:
                 del self.pending[seq]
                 if not p.future.done():
-                    p.future.set_exception(Timeout(
-                        f"trainer {p.trainer} has not acknowledged {p.command} of job {p.job} within "
-                        f"{p.timeout_s:.0f} s; it applies commands between batches (busctl job show "
-                        f"{p.job} logs the acknowledgement when it comes)"))
+                    p.future.set_exception(
+                        Timeout(
+                            f"trainer {p.trainer} has not acknowledged {p.command} of job {p.job} within "
+                            f"{p.timeout_s:.0f} s; it applies commands between batches (busctl job show "
+                            f"{p.job} logs the acknowledgement when it comes)"
+                        )
+                    )
         if now - self._last_check < LEASE_CHECK_S:
             return
         self._last_check = now
@@ -337,8 +369,7 @@ class JobControl:
                 if expires - wall < self.lease_s / 2:
                     self.store.renew(job["id"], self.lease_s)
             elif expires < wall:
-                self._lose(job, f"lease of trainer {job['trainer']} lapsed (not heard from for "
-                                f"{self.lease_s:.0f} s)")
+                self._lose(job, f"lease of trainer {job['trainer']} lapsed (not heard from for {self.lease_s:.0f} s)")
 
     def _forget_commands(self, job_id: str, why: str) -> None:
         """A job that leaves its trainer takes no more commands there: fail those still waiting, so
@@ -362,8 +393,11 @@ class JobControl:
 def _check_adopt(args: dict) -> None:
     """``adopt`` names the checkpoint to load (its record, as the router keeps it) and whose it is."""
     record = args.get("checkpoint")
-    if set(args) - {"checkpoint", "from"} or not isinstance(record, dict) \
-            or not all(isinstance(record.get(k), t) for k, t in (("path", str), ("sha256", str), ("step", int))):
+    if (
+        set(args) - {"checkpoint", "from"}
+        or not isinstance(record, dict)
+        or not all(isinstance(record.get(k), t) for k, t in (("path", str), ("sha256", str), ("step", int)))
+    ):
         raise BadRequest("adopt takes {checkpoint: {path, sha256, step, ...}, from: JOB}")
 
 
@@ -383,8 +417,14 @@ def _current_model(msg: CommandAck, detail: dict) -> Message:
         return Ok(detail={"error": "the trainer sent no weights", **detail})
     frame = msg.frames[0]
     data = bytes(frame.buffer if hasattr(frame, "buffer") else frame)
-    return Model(job=msg.job, sha256=detail["sha256"], nbytes=len(data), frames=[data],
-                 step=int(detail.get("step", 0)), epoch=int(detail.get("epoch", 0)))
+    return Model(
+        job=msg.job,
+        sha256=detail["sha256"],
+        nbytes=len(data),
+        frames=[data],
+        step=int(detail.get("step", 0)),
+        epoch=int(detail.get("epoch", 0)),
+    )
 
 
 def _evaluation(msg: CommandAck) -> str:
@@ -394,8 +434,10 @@ def _evaluation(msg: CommandAck) -> str:
         return ""
     acc, loss = d.get("test_accuracy"), d.get("test_loss")
     if isinstance(acc, (int, float)) and isinstance(loss, (int, float)):
-        return (f": step {d.get('step')} scored on {d.get('provider')}: test accuracy {acc:.4f}, "
-                f"loss {loss:.4f} on {d.get('test_n')} samples")
+        return (
+            f": step {d.get('step')} scored on {d.get('provider')}: test accuracy {acc:.4f}, "
+            f"loss {loss:.4f} on {d.get('test_n')} samples"
+        )
     return f": evaluation failed: {d.get('error', 'no result')}"
 
 

@@ -24,13 +24,22 @@ __all__ = ["Exploit", "decide", "explore"]
 @dataclass(frozen=True)
 class Exploit:
     """Member ``member`` copies ``donor`` and continues with ``params``."""
+
     member: int
     donor: int
     params: dict
 
 
-def decide(member: int, epoch: int, scores: dict[int, float], *, interval: int, quantile: float,
-           maximize: bool, rng: random.Random) -> int | None:
+def decide(
+    member: int,
+    epoch: int,
+    scores: dict[int, float],
+    *,
+    interval: int,
+    quantile: float,
+    maximize: bool,
+    rng: random.Random,
+) -> int | None:
     """The donor ``member`` should copy after reporting ``epoch``, or None (keep training).
 
     Args:

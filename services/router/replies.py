@@ -29,8 +29,10 @@ def fit_list(rows: list, budget: int = REPLY_BUDGET) -> tuple[list, str]:
         kept.append(row)
     if len(kept) == len(rows):
         return rows, ""
-    return kept, (f"{len(rows) - len(kept)} of {len(rows)} jobs left out to fit one reply "
-                  f"({MAX_HEADER_BYTES >> 10} KiB): ask for fewer (--limit) or one state at a time")
+    return kept, (
+        f"{len(rows) - len(kept)} of {len(rows)} jobs left out to fit one reply "
+        f"({MAX_HEADER_BYTES >> 10} KiB): ask for fewer (--limit) or one state at a time"
+    )
 
 
 def fit_job(job: dict, budget: int = REPLY_BUDGET) -> tuple[dict, str]:
@@ -46,7 +48,7 @@ def fit_job(job: dict, budget: int = REPLY_BUDGET) -> tuple[dict, str]:
             continue
         before = len(items)
         while items and _size(job) > budget:
-            items = items[len(items) // 2 + 1:] if key == "progress_history" else items[1:]
+            items = items[len(items) // 2 + 1 :] if key == "progress_history" else items[1:]
             job[key] = items
         if len(items) < before:
             cut.append(f"{before - len(items)} oldest of {before} {key.replace('_', ' ')}")

@@ -125,8 +125,9 @@ class JobStore:
         so a trainer that applied command 1 of the last router still applies this one's."""
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute("INSERT INTO meta VALUES ('router_epoch', 1) "
-                            "ON CONFLICT(key) DO UPDATE SET value = value + 1")
+            self.db.execute(
+                "INSERT INTO meta VALUES ('router_epoch', 1) ON CONFLICT(key) DO UPDATE SET value = value + 1"
+            )
             return self.db.execute("SELECT value FROM meta WHERE key = 'router_epoch'").fetchone()[0]
 
     # -- writes ---------------------------------------------------------------------------------
@@ -141,28 +142,37 @@ class JobStore:
             if row is None:
                 raise NotFound(f"no job {job!r}; 'busctl jobs' lists them")
             state = check_transition(job, row[0], state).value
-            self.db.execute(f"UPDATE jobs SET state = ?, updated = ?{', ' + sets if sets else ''} WHERE id = ?",
-                            (state, now, *fields.values(), job))
+            self.db.execute(
+                f"UPDATE jobs SET state = ?, updated = ?{', ' + sets if sets else ''} WHERE id = ?",
+                (state, now, *fields.values(), job),
+            )
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, now, state, reason))
             self._retain(job)
 
     def _retain(self, job: str) -> None:
         """Trim ``job``'s events and checkpoint records to the retention limits (inside the
         caller's transaction; progress reports are trimmed as they arrive)."""
-        self.db.execute("DELETE FROM events WHERE job = ? AND rowid NOT IN (SELECT rowid FROM events WHERE job = ? "
-                        "ORDER BY at, rowid LIMIT ?) AND rowid NOT IN (SELECT rowid FROM events WHERE job = ? "
-                        "ORDER BY at DESC, rowid DESC LIMIT ?)", (job, job, EVENTS_KEPT_FIRST, job, EVENTS_KEPT))
-        self.db.execute("DELETE FROM checkpoints WHERE job = ? AND rowid NOT IN (SELECT rowid FROM checkpoints "
-                        "WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)", (job, job, CHECKPOINTS_KEPT))
+        self.db.execute(
+            "DELETE FROM events WHERE job = ? AND rowid NOT IN (SELECT rowid FROM events WHERE job = ? "
+            "ORDER BY at, rowid LIMIT ?) AND rowid NOT IN (SELECT rowid FROM events WHERE job = ? "
+            "ORDER BY at DESC, rowid DESC LIMIT ?)",
+            (job, job, EVENTS_KEPT_FIRST, job, EVENTS_KEPT),
+        )
+        self.db.execute(
+            "DELETE FROM checkpoints WHERE job = ? AND rowid NOT IN (SELECT rowid FROM checkpoints "
+            "WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)",
+            (job, job, CHECKPOINTS_KEPT),
+        )
 
     def submit(self, spec: JobSpec) -> str:
         job = "j" + secrets.token_hex(5)
         now = time.time()
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute("INSERT INTO jobs (id, spec, state, priority, created, updated) "
-                            "VALUES (?, ?, ?, ?, ?, ?)",
-                            (job, orjson.dumps(spec.to_dict()).decode(), _QUEUED, spec.priority, now, now))
+            self.db.execute(
+                "INSERT INTO jobs (id, spec, state, priority, created, updated) VALUES (?, ?, ?, ?, ?, ?)",
+                (job, orjson.dumps(spec.to_dict()).decode(), _QUEUED, spec.priority, now, now),
+            )
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, 'submitted')", (job, now, _QUEUED))
         return job
 
@@ -191,8 +201,9 @@ class JobStore:
         now = time.time()
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute("UPDATE jobs SET spec = ?, updated = ? WHERE id = ?",
-                            (orjson.dumps(spec.to_dict()).decode(), now, job))
+            self.db.execute(
+                "UPDATE jobs SET spec = ?, updated = ? WHERE id = ?", (orjson.dumps(spec.to_dict()).decode(), now, job)
+            )
             self.db.execute("INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?", (now, reason, job))
 
     def claim(self, trainer: str, lease_s: float, accept: Callable[[dict], bool] | None = None) -> dict | None:
@@ -202,27 +213,31 @@ class JobStore:
         now = time.time()
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            rows = self.db.execute("SELECT id, spec, checkpoint FROM jobs WHERE state = ? "
-                                   "ORDER BY priority DESC, created", (_QUEUED,))
-            row = next((r for r in rows if accept is None
-                        or accept({"id": r["id"], "spec": orjson.loads(r["spec"])})), None)
+            rows = self.db.execute(
+                "SELECT id, spec, checkpoint FROM jobs WHERE state = ? ORDER BY priority DESC, created", (_QUEUED,)
+            )
+            row = next(
+                (r for r in rows if accept is None or accept({"id": r["id"], "spec": orjson.loads(r["spec"])})), None
+            )
             if row is None:
                 return None
-            self.db.execute("UPDATE jobs SET state = ?, trainer = ?, attempts = attempts + 1, "
-                            "lease_expires = ?, updated = ? WHERE id = ?",
-                            (_RUNNING, trainer, now + lease_s, now, row["id"]))
+            self.db.execute(
+                "UPDATE jobs SET state = ?, trainer = ?, attempts = attempts + 1, "
+                "lease_expires = ?, updated = ? WHERE id = ?",
+                (_RUNNING, trainer, now + lease_s, now, row["id"]),
+            )
             resumed = ""
             if row["checkpoint"]:
                 ckpt = orjson.loads(row["checkpoint"])
                 resumed = f" (resumes from step {ckpt['step']}, epoch {ckpt['epoch']})"
-            self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)",
-                            (row["id"], now, _RUNNING, f"assigned to {trainer}{resumed}"))
+            self.db.execute(
+                "INSERT INTO events VALUES (?, ?, ?, ?)", (row["id"], now, _RUNNING, f"assigned to {trainer}{resumed}")
+            )
         return self.get(row["id"], events=False)
 
     def first_queued(self, accept: Callable[[dict], bool] | None = None) -> dict | None:
         """The queued job :meth:`claim` would hand out next (``{id, spec}``), without taking it."""
-        rows = self.db.execute("SELECT id, spec FROM jobs WHERE state = ? ORDER BY priority DESC, created",
-                               (_QUEUED,))
+        rows = self.db.execute("SELECT id, spec FROM jobs WHERE state = ? ORDER BY priority DESC, created", (_QUEUED,))
         for r in rows:
             job = {"id": r["id"], "spec": orjson.loads(r["spec"])}
             if accept is None or accept(job):
@@ -238,16 +253,20 @@ class JobStore:
             row = self.db.execute("SELECT state, checkpoint FROM jobs WHERE id = ?", (job,)).fetchone()
             if row is None or row["state"] != _QUEUED:
                 raise BadRequest(f"job {job} is not queued; its gang cannot start it")
-            self.db.execute("UPDATE jobs SET state = ?, trainer = ?, gang = ?, attempts = attempts + 1, "
-                            "lease_expires = ?, updated = ? WHERE id = ?",
-                            (_RUNNING, members[0], orjson.dumps(gang).decode(), now + lease_s, now, job))
+            self.db.execute(
+                "UPDATE jobs SET state = ?, trainer = ?, gang = ?, attempts = attempts + 1, "
+                "lease_expires = ?, updated = ? WHERE id = ?",
+                (_RUNNING, members[0], orjson.dumps(gang).decode(), now + lease_s, now, job),
+            )
             resumed = ""
             if row["checkpoint"]:
                 ckpt = orjson.loads(row["checkpoint"])
                 resumed = f" (resumes from step {ckpt['step']}, epoch {ckpt['epoch']})"
             ranks = ", ".join(f"{rank}: {name}" for rank, name in enumerate(members))
-            self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)",
-                            (job, now, _RUNNING, f"assigned to a gang of {len(members)} (rank {ranks}){resumed}"))
+            self.db.execute(
+                "INSERT INTO events VALUES (?, ?, ?, ?)",
+                (job, now, _RUNNING, f"assigned to a gang of {len(members)} (rank {ranks}){resumed}"),
+            )
 
     def update_gang(self, job: str, reason: str = "", **changes) -> dict:
         """Change fields of a running job's gang (its ``rendezvous``, ranks ``delivered``); returns it."""
@@ -259,8 +278,9 @@ class JobStore:
             self.db.execute("BEGIN IMMEDIATE")
             self.db.execute("UPDATE jobs SET gang = ? WHERE id = ?", (orjson.dumps(gang).decode(), job))
             if reason:
-                self.db.execute("INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?",
-                                (time.time(), reason, job))
+                self.db.execute(
+                    "INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?", (time.time(), reason, job)
+                )
         return gang
 
     def renew(self, job: str, lease_s: float) -> None:
@@ -272,8 +292,10 @@ class JobStore:
         """Give every held job a fresh lease: a router that just started cannot know which trainers
         are alive, so each gets one lease period to say Hello again. Returns how many."""
         with self.db:
-            cur = self.db.execute("UPDATE jobs SET lease_expires = ? WHERE state IN (?, ?) "
-                                  "AND trainer IS NOT NULL", (time.time() + lease_s, *HOLDING_STATES))
+            cur = self.db.execute(
+                "UPDATE jobs SET lease_expires = ? WHERE state IN (?, ?) AND trainer IS NOT NULL",
+                (time.time() + lease_s, *HOLDING_STATES),
+            )
         return cur.rowcount
 
     def set_progress(self, job: str, progress: dict, lease_s: float) -> None:
@@ -283,11 +305,16 @@ class JobStore:
         slim = {k: v for k, v in progress.items() if k != "history"}
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute("UPDATE jobs SET progress = ?, updated = ?, lease_expires = ? WHERE id = ?",
-                            (orjson.dumps(progress).decode(), now, now + lease_s, job))
+            self.db.execute(
+                "UPDATE jobs SET progress = ?, updated = ?, lease_expires = ? WHERE id = ?",
+                (orjson.dumps(progress).decode(), now, now + lease_s, job),
+            )
             self.db.execute("INSERT INTO progress VALUES (?, ?, ?)", (job, now, orjson.dumps(slim).decode()))
-            self.db.execute("DELETE FROM progress WHERE job = ? AND rowid NOT IN (SELECT rowid FROM progress "
-                            "WHERE job = ? ORDER BY at DESC LIMIT ?)", (job, job, PROGRESS_KEPT))
+            self.db.execute(
+                "DELETE FROM progress WHERE job = ? AND rowid NOT IN (SELECT rowid FROM progress "
+                "WHERE job = ? ORDER BY at DESC LIMIT ?)",
+                (job, job, PROGRESS_KEPT),
+            )
 
     def add_checkpoint(self, job: str, trainer: str, record: dict) -> dict:
         """Record a checkpoint the trainer wrote; the job resumes from the latest one.
@@ -303,25 +330,30 @@ class JobStore:
         text = orjson.dumps(record).decode()
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute("INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                            (job, now, trainer, record["step"], record["epoch"], record["path"],
-                             record["sha256"], text))
+            self.db.execute(
+                "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (job, now, trainer, record["step"], record["epoch"], record["path"], record["sha256"], text),
+            )
             self.db.execute("UPDATE jobs SET checkpoint = ?, updated = ? WHERE id = ?", (text, now, job))
-            self.db.execute("DELETE FROM checkpoints WHERE job = ? AND rowid NOT IN (SELECT rowid FROM "
-                            "checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)",
-                            (job, job, CHECKPOINTS_KEPT))
+            self.db.execute(
+                "DELETE FROM checkpoints WHERE job = ? AND rowid NOT IN (SELECT rowid FROM "
+                "checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)",
+                (job, job, CHECKPOINTS_KEPT),
+            )
         return record
 
     def finish(self, job: str, state: str, reason: str, result: dict | None = None, error: str = "") -> None:
         if state not in TERMINAL_STATES:
             raise BadRequest(f"a job ends {', '.join(TERMINAL_STATES)}, not {state!r}")
-        self._transition(job, state, reason, result=orjson.dumps(result or {}).decode(), error=error,
-                         lease_expires=None)
+        self._transition(
+            job, state, reason, result=orjson.dumps(result or {}).decode(), error=error, lease_expires=None
+        )
 
     def reopen(self, job: str, reason: str) -> None:
         """Queue a stopped or failed job again (an admin's resume), with fresh attempts."""
-        self._transition(job, "queued", reason, trainer=None, gang=None, lease_expires=None, failures=0,
-                         result=None, error=None)
+        self._transition(
+            job, "queued", reason, trainer=None, gang=None, lease_expires=None, failures=0, result=None, error=None
+        )
 
     def release(self, job: str, reason: str, *, lost: bool) -> str:
         """Take a held job from its trainer; returns the job's new state.
@@ -336,9 +368,17 @@ class JobStore:
         failures = row["failures"] + (1 if lost else 0)
         limit = min(orjson.loads(row["spec"]).get("max_attempts", 3), MAX_ATTEMPTS)
         if lost and failures >= limit:
-            self._transition(job, "failed", f"{reason}; poisoned: gave up after {failures} lost attempt(s) "
-                             f"(max_attempts {limit})", trainer=None, gang=None, lease_expires=None, failures=failures,
-                             error=f"poisoned: lost or failed {failures} trainer(s): {reason}", result="{}")
+            self._transition(
+                job,
+                "failed",
+                f"{reason}; poisoned: gave up after {failures} lost attempt(s) (max_attempts {limit})",
+                trainer=None,
+                gang=None,
+                lease_expires=None,
+                failures=failures,
+                error=f"poisoned: lost or failed {failures} trainer(s): {reason}",
+                result="{}",
+            )
             return "failed"
         state = "paused" if row["state"] == "paused" else "queued"
         self._transition(job, state, reason, trainer=None, gang=None, lease_expires=None, failures=failures)
@@ -364,20 +404,24 @@ class JobStore:
         out = self._as_dict(self._row(job))
         if events:
             limit, offset = max(1, min(limit, 10000)), max(0, offset)
-            rows = self.db.execute("SELECT at, state, reason FROM events WHERE job = ? ORDER BY at DESC, rowid DESC "
-                                   "LIMIT ? OFFSET ?", (job, limit, offset)).fetchall()
+            rows = self.db.execute(
+                "SELECT at, state, reason FROM events WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ? OFFSET ?",
+                (job, limit, offset),
+            ).fetchall()
             out["events"] = [dict(r) for r in reversed(rows)]
             out["events_total"] = self.db.execute("SELECT COUNT(*) FROM events WHERE job = ?", (job,)).fetchone()[0]
-            rows = self.db.execute("SELECT record FROM checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC "
-                                   "LIMIT ?", (job, limit))
+            rows = self.db.execute(
+                "SELECT record FROM checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?", (job, limit)
+            )
             out["checkpoints"] = [orjson.loads(r[0]) for r in reversed(rows.fetchall())]
         return out
 
     def progress_history(self, job: str, limit: int = 100) -> list[dict]:
         """The last ``limit`` progress reports of ``job``, oldest first, each with its time ``at``."""
         self._row(job)
-        rows = self.db.execute("SELECT at, progress FROM progress WHERE job = ? ORDER BY at DESC LIMIT ?",
-                               (job, max(1, limit))).fetchall()
+        rows = self.db.execute(
+            "SELECT at, progress FROM progress WHERE job = ? ORDER BY at DESC LIMIT ?", (job, max(1, limit))
+        ).fetchall()
         return [{"at": r[0], **orjson.loads(r[1])} for r in reversed(rows)]
 
     def list(self, state: str | None = None, limit: int = 100, offset: int = 0) -> list[dict]:
@@ -386,14 +430,16 @@ class JobStore:
             raise BadRequest(f"unknown state {state!r}; expected one of {', '.join(JOB_STATES)}")
         limit, offset = max(1, min(limit, 10000)), max(0, offset)
         if state:
-            rows = self.db.execute("SELECT * FROM jobs WHERE state = ? ORDER BY created DESC LIMIT ? OFFSET ?",
-                                   (state, limit, offset))
+            rows = self.db.execute(
+                "SELECT * FROM jobs WHERE state = ? ORDER BY created DESC LIMIT ? OFFSET ?", (state, limit, offset)
+            )
         else:
             rows = self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ? OFFSET ?", (limit, offset))
         return [self._as_dict(r) for r in rows.fetchall()]
 
     def held(self) -> list[dict]:
         """Jobs a trainer holds now (running or paused, with a trainer)."""
-        rows = self.db.execute("SELECT * FROM jobs WHERE state IN (?, ?) "
-                               "AND trainer IS NOT NULL", HOLDING_STATES).fetchall()
+        rows = self.db.execute(
+            "SELECT * FROM jobs WHERE state IN (?, ?) AND trainer IS NOT NULL", HOLDING_STATES
+        ).fetchall()
         return [self._as_dict(r) for r in rows]

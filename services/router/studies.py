@@ -42,6 +42,7 @@ CHECK_S = 0.2
 @dataclass
 class _Live:
     """A study's in-memory Optuna state: the study and its running trials by number."""
+
     spec: StudySpec
     study: object
     trials: dict[int, object] = field(default_factory=dict)
@@ -63,10 +64,12 @@ def _distributions(spec: StudySpec) -> dict:
 def _sampler(spec: StudySpec):
     samplers = optuna.samplers
     if spec.sampler == "grid":
+
         class Grid(optuna.samplers.GridSampler):
             def after_trial(self, *args) -> None:
                 """GridSampler stops ``study.optimize`` once the grid is used up (``study.stop()``,
                 which raises outside it); here the study's ``trials`` (at most the grid) end it."""
+
         return Grid({n: list(p.values) for n, p in spec.space.items()}, seed=spec.seed)
     if spec.sampler == "tpe":
         return samplers.TPESampler(seed=spec.seed, n_startup_trials=max(2, min(10, spec.trials // 3)))
@@ -107,8 +110,15 @@ class Studies:
     def submit(self, raw: dict, by: str) -> str:
         spec = StudySpec.from_dict(raw)
         study = self.store.create(spec.to_dict())
-        log.info("study %s submitted by %s: %d trials, %s sampler, %s pruner, %s", study, by, spec.trials,
-                 spec.sampler, spec.pruner, spec.strategy)
+        log.info(
+            "study %s submitted by %s: %d trials, %s sampler, %s pruner, %s",
+            study,
+            by,
+            spec.trials,
+            spec.sampler,
+            spec.pruner,
+            spec.strategy,
+        )
         self._step(study)
         return study
 
@@ -116,15 +126,29 @@ class Studies:
         """The study with its trials (each: number, job, params, state, value, epochs) and ``best``."""
         row = self.store.get(study)
         spec = StudySpec.from_dict(row["spec"])
-        trials = [{**{k: t[k] for k in ("number", "job", "params", "state", "value", "epochs")},
-                   "reports": {str(e): v for e, v in t["reports"].items()}} for t in row["trials"]]
+        trials = [
+            {
+                **{k: t[k] for k in ("number", "job", "params", "state", "value", "epochs")},
+                "reports": {str(e): v for e, v in t["reports"].items()},
+            }
+            for t in row["trials"]
+        ]
         done = [t for t in trials if t["state"] == "complete" and t["value"] is not None]
         best = (max if spec.maximize else min)(done, key=lambda t: t["value"], default=None)
         epochs = sum(t["epochs"] for t in trials)
-        return {"id": study, "state": row["state"], "reason": row["reason"], "created": row["created"],
-                "spec": row["spec"], "objective": spec.objective, "direction": "maximize" if spec.maximize
-                else "minimize", "trials": trials, "best": best, "epochs_trained": round(epochs, 2),
-                "epochs_budget": spec.trials * int(spec.base.get("epochs", JobSpec.epochs))}
+        return {
+            "id": study,
+            "state": row["state"],
+            "reason": row["reason"],
+            "created": row["created"],
+            "spec": row["spec"],
+            "objective": spec.objective,
+            "direction": "maximize" if spec.maximize else "minimize",
+            "trials": trials,
+            "best": best,
+            "epochs_trained": round(epochs, 2),
+            "epochs_budget": spec.trials * int(spec.base.get("epochs", JobSpec.epochs)),
+        }
 
     def list(self) -> list[dict]:
         out = []
@@ -133,8 +157,10 @@ class Studies:
             counts: dict[str, int] = {}
             for t in s["trials"]:
                 counts[t["state"]] = counts.get(t["state"], 0) + 1
-            out.append({k: s[k] for k in ("id", "state", "objective", "best", "epochs_trained", "epochs_budget",
-                                          "created")} | {"counts": counts, "trials": s["spec"]["study"]["trials"]})
+            out.append(
+                {k: s[k] for k in ("id", "state", "objective", "best", "epochs_trained", "epochs_budget", "created")}
+                | {"counts": counts, "trials": s["spec"]["study"]["trials"]}
+            )
         return out
 
     def stop(self, study: str, by: str) -> dict:
@@ -154,8 +180,10 @@ class Studies:
         if now - self._last < CHECK_S:
             return
         self._last = now
-        rows = self.jobs.db.execute("SELECT DISTINCT s.id FROM studies s LEFT JOIN trials t ON t.study = s.id "
-                                    "WHERE s.state = 'running' OR t.state IN ('running', 'pruning')").fetchall()
+        rows = self.jobs.db.execute(
+            "SELECT DISTINCT s.id FROM studies s LEFT JOIN trials t ON t.study = s.id "
+            "WHERE s.state = 'running' OR t.state IN ('running', 'pruning')"
+        ).fetchall()
         for (study,) in rows:
             try:
                 self._step(study)
@@ -201,8 +229,9 @@ class Studies:
             return live
         spec = StudySpec.from_dict(row["spec"])
         dists = _distributions(spec)
-        study_obj = optuna.create_study(direction="maximize" if spec.maximize else "minimize",
-                                        sampler=_sampler(spec), pruner=_pruner(spec))
+        study_obj = optuna.create_study(
+            direction="maximize" if spec.maximize else "minimize", sampler=_sampler(spec), pruner=_pruner(spec)
+        )
         live = _Live(spec, study_obj)
         for t in row["trials"]:
             params = {k: v for k, v in t["params"].items() if k in dists}
@@ -221,10 +250,16 @@ class Studies:
         study_obj, states = live.study, optuna.trial.TrialState
         if t["state"] in TRIAL_ENDED:
             state = {"complete": states.COMPLETE, "pruned": states.PRUNED}.get(t["state"], states.FAIL)
-            study_obj.add_trial(optuna.trial.create_trial(
-                state=state, params=params, distributions={k: dists[k] for k in params},
-                value=t["value"] if state == states.COMPLETE else None, intermediate_values=t["reports"],
-                system_attrs=t["attrs"]))
+            study_obj.add_trial(
+                optuna.trial.create_trial(
+                    state=state,
+                    params=params,
+                    distributions={k: dists[k] for k in params},
+                    value=t["value"] if state == states.COMPLETE else None,
+                    intermediate_values=t["reports"],
+                    system_attrs=t["attrs"],
+                )
+            )
             return
         for name, value in params.items():  # checked first: a trial asked and then refused stays open
             if not dists[name]._contains(dists[name].to_internal_repr(value)):
@@ -274,9 +309,14 @@ class Studies:
         history = progress.get("history") or (job["result"] or {}).get("history") or []
         reports = dict(t["reports"])
         trial = live.trials.get(number)
-        new = [(int(r["epoch"]), float(r[spec.objective])) for r in history
-               if isinstance(r.get(spec.objective), (int, float)) and math.isfinite(r[spec.objective])
-               and isinstance(r.get("epoch"), int) and int(r["epoch"]) not in reports]
+        new = [
+            (int(r["epoch"]), float(r[spec.objective]))
+            for r in history
+            if isinstance(r.get(spec.objective), (int, float))
+            and math.isfinite(r[spec.objective])
+            and isinstance(r.get("epoch"), int)
+            and int(r["epoch"]) not in reports
+        ]
         for epoch, value in new:
             reports[epoch] = value
             trial.report(value, epoch)
@@ -306,8 +346,9 @@ class Studies:
         if prune:
             epoch, value = new[-1]
             self.store.update_trial(study, number, state="pruning")
-            self.jobs.event(t["job"], f"pruned by study {study} ({spec.pruner}) after epoch {epoch}: "
-                                      f"{spec.objective} {value:.4f}")
+            self.jobs.event(
+                t["job"], f"pruned by study {study} ({spec.pruner}) after epoch {epoch}: {spec.objective} {value:.4f}"
+            )
             self._stop_job(t["job"], f"study {study}: pruned")
 
     def _ended(self, study: str, live: _Live, t: dict, job: dict, reports: dict, study_state: str) -> None:
@@ -331,8 +372,14 @@ class Studies:
             live.study.tell(trial, value if told == states.COMPLETE else None, state=told, skip_if_finished=True)
         self.store.update_trial(study, number, state=state, value=value)
         self._stop_sent.discard(t["job"])
-        log.info("study %s: trial %d (job %s) %s%s", study, number, t["job"], state,
-                 f", {spec.objective} {value:.4f}" if value is not None else "")
+        log.info(
+            "study %s: trial %d (job %s) %s%s",
+            study,
+            number,
+            t["job"],
+            state,
+            f", {spec.objective} {value:.4f}" if value is not None else "",
+        )
 
     def _stop_job(self, job: str, why: str) -> None:
         try:
@@ -350,8 +397,9 @@ class Studies:
         trials = self.store.trials(study)
         scores = {t["number"]: t["reports"][epoch] for t in trials if epoch in t["reports"]}
         rng = random.Random(f"{spec.seed}/{study}/{number}/{epoch}")
-        donor = pbt.decide(number, epoch, scores, interval=spec.interval, quantile=spec.quantile,
-                           maximize=spec.maximize, rng=rng)
+        donor = pbt.decide(
+            number, epoch, scores, interval=spec.interval, quantile=spec.quantile, maximize=spec.maximize, rng=rng
+        )
         if donor is None:
             return
         source = next(t for t in trials if t["number"] == donor)
@@ -366,12 +414,20 @@ class Studies:
             self.jobs.event(job["id"], f"pbt: could not exploit trial {donor}: {err}")
             return
         mine = next(t for t in trials if t["number"] == number)
-        self.jobs.event(job["id"], f"pbt exploit at epoch {epoch}: {spec.objective} {scores[number]:.4f} is in the "
-                                   f"bottom {spec.quantile:g}; copies trial {donor} (job {source['job']}, "
-                                   f"{scores[donor]:.4f}) from its checkpoint at step {ckpt['step']}")
-        self.jobs.event(job["id"], "pbt explore: " + ", ".join(f"{k} {mine['params'].get(k)} -> {v:.6g}"
-                                                             if isinstance(v, float) else f"{k} -> {v}"
-                                                             for k, v in params.items()))
+        self.jobs.event(
+            job["id"],
+            f"pbt exploit at epoch {epoch}: {spec.objective} {scores[number]:.4f} is in the "
+            f"bottom {spec.quantile:g}; copies trial {donor} (job {source['job']}, "
+            f"{scores[donor]:.4f}) from its checkpoint at step {ckpt['step']}",
+        )
+        self.jobs.event(
+            job["id"],
+            "pbt explore: "
+            + ", ".join(
+                f"{k} {mine['params'].get(k)} -> {v:.6g}" if isinstance(v, float) else f"{k} -> {v}"
+                for k, v in params.items()
+            ),
+        )
         self.store.update_trial(study, number, params={**mine["params"], **params})
 
 

@@ -42,15 +42,29 @@ FIXED = ("dataset", "name", "world_size", "task", "model_from", "split")
 #: The most trials one study may run.
 MAX_TRIALS = 10000
 #: ``[study]`` keys and their defaults.
-STUDY_KEYS = {"trials": 10, "concurrent": 2, "objective": "val_accuracy", "sampler": "tpe", "pruner": "none",
-              "seed": 0, "strategy": "search", "min_epochs": 1, "reduction_factor": 4, "patience": 2,
-              "min_delta": 0.0, "interval": 1, "quantile": 0.25, "perturb": [0.8, 1.25]}
+STUDY_KEYS = {
+    "trials": 10,
+    "concurrent": 2,
+    "objective": "val_accuracy",
+    "sampler": "tpe",
+    "pruner": "none",
+    "seed": 0,
+    "strategy": "search",
+    "min_epochs": 1,
+    "reduction_factor": 4,
+    "patience": 2,
+    "min_delta": 0.0,
+    "interval": 1,
+    "quantile": 0.25,
+    "perturb": [0.8, 1.25],
+}
 
 
 @dataclass(frozen=True)
 class Param:
     """One ``[space]`` entry: ``kind`` (log_uniform, uniform, int, choice) and its ``values`` (the
     bounds ``[low, high]``, or the choices)."""
+
     name: str
     kind: str
     values: tuple
@@ -60,7 +74,7 @@ class Param:
         where = f"[space] {name}"
         if not isinstance(raw, dict) or len(raw) != 1:
             raise BadRequest(f"{where}: expected one of {{ {' | '.join(f'{k} = [...]' for k in KINDS)} }}, got {raw!r}")
-        (kind, values), = raw.items()
+        ((kind, values),) = raw.items()
         if kind not in KINDS:
             raise BadRequest(f"{where}: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
         if not isinstance(values, list) or not values:
@@ -86,6 +100,7 @@ class StudySpec:
     """A checked study. ``base`` is the job spec every trial starts from (a dict, as submitted);
     ``space`` the parameters varied; the rest are ``[study]`` settings (see the module docstring and
     docs/operations.md §Studies)."""
+
     base: dict
     space: dict[str, Param]
     trials: int = 10
@@ -120,8 +135,9 @@ class StudySpec:
         if not isinstance(base, dict):
             raise BadRequest("[base] is missing: the job spec every trial starts from (dataset = ... at least)")
         if not isinstance(space, dict) or not space:
-            raise BadRequest("[space] is empty: name at least one job field to vary, e.g. "
-                             "lr = { log_uniform = [1e-4, 1e-1] }")
+            raise BadRequest(
+                "[space] is empty: name at least one job field to vary, e.g. lr = { log_uniform = [1e-4, 1e-1] }"
+            )
         if not isinstance(settings, dict):
             raise BadRequest("[study] must be a table")
         try:
@@ -136,9 +152,11 @@ class StudySpec:
                 raise BadRequest(f"[space] {name}: not a job field a study can vary; fields: {varied}")
             default = known[name].default
             if param.kind in ("uniform", "log_uniform") and type(default) is not float:
-                raise BadRequest(f"[space] {name}: {param.kind} draws floats, but {name} is "
-                                 f"{type(default).__name__ if default is not dataclasses.MISSING else 'not a number'}"
-                                 f"; use int = [low, high] or choice = [...]")
+                raise BadRequest(
+                    f"[space] {name}: {param.kind} draws floats, but {name} is "
+                    f"{type(default).__name__ if default is not dataclasses.MISSING else 'not a number'}"
+                    f"; use int = [low, high] or choice = [...]"
+                )
             for value in param.values:  # every bound or choice must make a valid job
                 try:
                     JobSpec.from_dict({**base, name: value})
@@ -163,7 +181,10 @@ class StudySpec:
     def _check(self, known: dict) -> None:
         def choose(key: str, options: tuple) -> None:
             if getattr(self, key) not in options:
-                raise BadRequest(f"[study] {key} {getattr(self, key)!r} is unknown; expected one of {', '.join(options)}")
+                raise BadRequest(
+                    f"[study] {key} {getattr(self, key)!r} is unknown; expected one of {', '.join(options)}"
+                )
+
         choose("sampler", SAMPLERS)
         choose("pruner", PRUNERS)
         choose("strategy", STRATEGIES)
@@ -172,44 +193,59 @@ class StudySpec:
         if self.concurrent < 1:
             raise BadRequest(f"[study] concurrent must be at least 1, got {self.concurrent}")
         if not self.objective.startswith("val_"):
-            raise BadRequest(f"[study] objective must be a validation metric a trainer reports each epoch "
-                             f"(val_accuracy, val_loss, val_perplexity), got {self.objective!r}")
+            raise BadRequest(
+                f"[study] objective must be a validation metric a trainer reports each epoch "
+                f"(val_accuracy, val_loss, val_perplexity), got {self.objective!r}"
+            )
         for key in ("min_epochs", "reduction_factor", "patience", "interval"):
             if getattr(self, key) < (2 if key == "reduction_factor" else 1):
                 raise BadRequest(f"[study] {key} is too small: {getattr(self, key)}")
         if self.sampler == "grid":
             ranged = [p.name for p in self.space.values() if p.kind != "choice"]
             if ranged:
-                raise BadRequest(f"[study] sampler grid needs every [space] entry as choice = [...]; "
-                                 f"{', '.join(ranged)} {'is' if len(ranged) == 1 else 'are'} a range")
+                raise BadRequest(
+                    f"[study] sampler grid needs every [space] entry as choice = [...]; "
+                    f"{', '.join(ranged)} {'is' if len(ranged) == 1 else 'are'} a range"
+                )
             points = math.prod(len(p.values) for p in self.space.values())
             if self.trials > points:
-                raise BadRequest(f"[study] sampler grid has {points} point(s) and tries each once: trials must be "
-                                 f"at most {points}, got {self.trials}")
+                raise BadRequest(
+                    f"[study] sampler grid has {points} point(s) and tries each once: trials must be "
+                    f"at most {points}, got {self.trials}"
+                )
         if self.strategy == "pbt":
             self._check_pbt()
 
     def _check_pbt(self) -> None:
         if not 0 < self.quantile <= 0.5:
             raise BadRequest(f"[study] quantile must be above 0 and at most 0.5, got {self.quantile}")
-        if len(self.perturb) < 1 or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0
-                                            for f in self.perturb):
+        if len(self.perturb) < 1 or not all(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in self.perturb
+        ):
             raise BadRequest(f"[study] perturb must list positive factors, e.g. [0.8, 1.25], got {self.perturb!r}")
         live = [name for name in self.space if name in SETTABLE]
         if not live:
-            raise BadRequest(f"[study] strategy pbt perturbs hyper-parameters a running job can change "
-                             f"({', '.join(SETTABLE)}); [space] has none of them")
+            raise BadRequest(
+                f"[study] strategy pbt perturbs hyper-parameters a running job can change "
+                f"({', '.join(SETTABLE)}); [space] has none of them"
+            )
         if self.pruner != "none":
-            raise BadRequest("[study] strategy pbt replaces bad trials' weights instead of pruning them: "
-                             "leave pruner at none")
+            raise BadRequest(
+                "[study] strategy pbt replaces bad trials' weights instead of pruning them: leave pruner at none"
+            )
         if self.concurrent < self.trials:
-            raise BadRequest(f"[study] strategy pbt trains its whole population at once: concurrent "
-                             f"({self.concurrent}) must equal trials ({self.trials})")
+            raise BadRequest(
+                f"[study] strategy pbt trains its whole population at once: concurrent "
+                f"({self.concurrent}) must equal trials ({self.trials})"
+            )
         if self.trials < 2:
             raise BadRequest("[study] strategy pbt needs a population of at least 2 trials")
 
     def to_dict(self) -> dict:
         """The study as submitted (the same dict :meth:`from_dict` takes)."""
         settings = {k: getattr(self, k) for k in STUDY_KEYS}
-        return {"base": self.base, "space": {p.name: {p.kind: list(p.values)} for p in self.space.values()},
-                "study": settings}
+        return {
+            "base": self.base,
+            "space": {p.name: {p.kind: list(p.values)} for p in self.space.values()},
+            "study": settings,
+        }

@@ -61,14 +61,17 @@ class StudyStore:
         study = "s" + secrets.token_hex(4)
         now = time.time()
         with self.db:
-            self.db.execute("INSERT INTO studies VALUES (?, ?, 'running', ?, ?, '')",
-                            (study, orjson.dumps(spec).decode(), now, now))
+            self.db.execute(
+                "INSERT INTO studies VALUES (?, ?, 'running', ?, ?, '')", (study, orjson.dumps(spec).decode(), now, now)
+            )
         return study
 
     def set_state(self, study: str, state: str, reason: str) -> None:
         with self.db:
-            self.db.execute("UPDATE studies SET state = ?, reason = ?, updated = ? WHERE id = ?",
-                            (state, reason, time.time(), study))
+            self.db.execute(
+                "UPDATE studies SET state = ?, reason = ?, updated = ? WHERE id = ?",
+                (state, reason, time.time(), study),
+            )
 
     def get(self, study: str) -> dict:
         row = self.db.execute("SELECT * FROM studies WHERE id = ?", (study,)).fetchone()
@@ -100,8 +103,10 @@ class StudyStore:
     def add_trial(self, study: str, number: int, params: dict) -> None:
         """A trial asked for, its job not yet submitted (``job`` NULL)."""
         with self.db:
-            self.db.execute("INSERT INTO trials (study, number, params, state, updated) VALUES (?, ?, ?, 'running', ?)",
-                            (study, number, orjson.dumps(params).decode(), time.time()))
+            self.db.execute(
+                "INSERT INTO trials (study, number, params, state, updated) VALUES (?, ?, ?, 'running', ?)",
+                (study, number, orjson.dumps(params).decode(), time.time()),
+            )
 
     def update_trial(self, study: str, number: int, **fields) -> None:
         """Change ``job``, ``state``, ``value``, ``reports``, ``epochs``, ``params`` or ``attrs`` of a trial."""
@@ -110,5 +115,7 @@ class StudyStore:
                 fields[key] = orjson.dumps({str(k): v for k, v in fields[key].items()}).decode()
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self.db:
-            self.db.execute(f"UPDATE trials SET {sets}, updated = ? WHERE study = ? AND number = ?",
-                            (*fields.values(), time.time(), study, number))
+            self.db.execute(
+                f"UPDATE trials SET {sets}, updated = ? WHERE study = ? AND number = ?",
+                (*fields.values(), time.time(), study, number),
+            )

@@ -48,9 +48,15 @@ class TrainerService:
         self.tasks: Counter = Counter()
         #: The Prometheus endpoint while running (``metrics_bind`` set), else ``None``.
         self.metrics: MetricsExporter | None = None
-        self.link = Link(settings.router, self.identity, heartbeat_ms=settings.heartbeat_ms,
-                         liveness=settings.heartbeat_liveness, on_push=self._on_push, stats=self.stats,
-                         limits=runtime.limits(settings))
+        self.link = Link(
+            settings.router,
+            self.identity,
+            heartbeat_ms=settings.heartbeat_ms,
+            liveness=settings.heartbeat_liveness,
+            on_push=self._on_push,
+            stats=self.stats,
+            limits=runtime.limits(settings),
+        )
         if settings.torch_threads > 0:
             torch.set_num_threads(settings.torch_threads)
 
@@ -73,8 +79,11 @@ class TrainerService:
             ask = secrets.token_hex(8)
             while not stop.is_set():
                 self.notifier.watchdog()
-                self.notifier.status(f"idle: asking {router} for a task" if self.link.connected.is_set()
-                                     else f"waiting for the router at {router}")
+                self.notifier.status(
+                    f"idle: asking {router} for a task"
+                    if self.link.connected.is_set()
+                    else f"waiting for the router at {router}"
+                )
                 if self.link.fatal is not None:
                     log.error("router refused trainer %s: %s", self.name, self.link.fatal)
                     return 1
@@ -95,8 +104,11 @@ class TrainerService:
                     stop.wait(reply.retry_ms / 1000)
                 elif isinstance(reply, Task):
                     if not self._run_task(reply, stop):
-                        log.error("trainer %s exits: its last gang's process group could not be left "
-                                  "(its supervisor starts a fresh trainer)", self.name)
+                        log.error(
+                            "trainer %s exits: its last gang's process group could not be left "
+                            "(its supervisor starts a fresh trainer)",
+                            self.name,
+                        )
                         return 1
             return 0
         finally:
@@ -115,14 +127,14 @@ class TrainerService:
         self.current_job = task.job
         if stop.is_set():  # SIGTERM came between GetTask and here: hand it straight back
             self.commands.put(Command(job=task.job, command="shutdown"))
-        log.info("running job %s%s", task.job,
-                 f" from checkpoint step {task.resume['step']}" if task.resume else "")
+        log.info("running job %s%s", task.job, f" from checkpoint step {task.resume['step']}" if task.resume else "")
         reporter = Reporter(self.link, task.job, self.settings.request_timeout_s, on_command=self.commands.put)
         clean = True
         try:
             try:
-                run = TaskRun(task, self.settings, self.link, self.identity, self.commands, reporter,
-                              notifier=self.notifier)
+                run = TaskRun(
+                    task, self.settings, self.link, self.identity, self.commands, reporter, notifier=self.notifier
+                )
             except Exception as err:  # noqa: BLE001 - a spec this trainer cannot even set up: the job fails, not us
                 state, result, error = "failed", {"retryable": False}, describe_failure(err, None)
                 log.error("job %s failed before it started: %s", task.job, error)
@@ -154,8 +166,12 @@ class TrainerService:
         model = result.get("model") or {}
         limit = self.settings.max_msg_bytes - (1 << 20)
         if not model.get("path") or model.get("bytes", limit + 1) > limit:
-            log.info("final model %s stays on this trainer only (%s bytes; messages carry at most %d)",
-                     model.get("path"), model.get("bytes"), limit)
+            log.info(
+                "final model %s stays on this trainer only (%s bytes; messages carry at most %d)",
+                model.get("path"),
+                model.get("bytes"),
+                limit,
+            )
             return []
         try:
             return [Path(model["path"]).read_bytes()]
@@ -202,8 +218,7 @@ class TrainerService:
                 if not msg.frames:
                     log.error("job %s: result refused: %s", msg.job, err)
                     return
-                log.warning("job %s: router refused the final model (%s); sending the result without it",
-                            msg.job, err)
+                log.warning("job %s: router refused the final model (%s); sending the result without it", msg.job, err)
                 msg.frames = []
                 continue
         log.error("job %s: could not deliver its result to the router; giving up", msg.job)

@@ -40,8 +40,15 @@ class Audit:
         path = Path(directory) / f"{job}.{trainer}.{os.getpid()}.{next(_attempts)}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(path, "ab")
-        self._write({"job": job, "trainer": trainer, "started": time.time(),
-                     "resumed_from_step": resumed_from_step, "rank": rank})
+        self._write(
+            {
+                "job": job,
+                "trainer": trainer,
+                "started": time.time(),
+                "resumed_from_step": resumed_from_step,
+                "rank": rank,
+            }
+        )
 
     def _write(self, record: dict) -> None:
         self._fh.write(orjson.dumps(record) + b"\n")
@@ -49,8 +56,14 @@ class Audit:
 
     def record(self, epoch: int, step: int, x: torch.Tensor, y: torch.Tensor) -> None:
         xs, ys = x.detach().cpu().numpy(), y.detach().cpu().numpy()
-        self._write({"epoch": epoch, "step": step, "t": time.time(),
-                     "samples": [digest(xs[i].tobytes(), ys[i].tobytes()) for i in range(len(xs))]})
+        self._write(
+            {
+                "epoch": epoch,
+                "step": step,
+                "t": time.time(),
+                "samples": [digest(xs[i].tobytes(), ys[i].tobytes()) for i in range(len(xs))],
+            }
+        )
 
     def close(self) -> None:
         self._fh.close()
@@ -63,8 +76,7 @@ def effective_epochs(directory: str | Path, job: str) -> dict[int, Counter]:
         lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
         if lines:
             head = lines[0]
-            attempts.setdefault(head.get("rank", 0), []).append((head["started"], head["resumed_from_step"],
-                                                                   lines[1:]))
+            attempts.setdefault(head.get("rank", 0), []).append((head["started"], head["resumed_from_step"], lines[1:]))
     epochs: dict[int, Counter] = {}
     for rank_attempts in attempts.values():
         batches: list[dict] = []

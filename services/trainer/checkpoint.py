@@ -36,8 +36,19 @@ from torch import nn
 from libbus.errors import BusError
 from services.atomic import write_atomic
 
-__all__ = ["FORMAT", "KEEP", "CheckpointError", "Restored", "job_dir", "load_checkpoint", "prune",
-           "read_checkpoint", "restore_checkpoint", "save_checkpoint", "save_model"]
+__all__ = [
+    "FORMAT",
+    "KEEP",
+    "CheckpointError",
+    "Restored",
+    "job_dir",
+    "load_checkpoint",
+    "prune",
+    "read_checkpoint",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "save_model",
+]
 
 FORMAT = "batchbus-checkpoint-1"
 #: Checkpoints a trainer keeps per job (older ones are removed once a newer one is on disk).
@@ -51,6 +62,7 @@ class CheckpointError(BusError):
 @dataclass
 class Restored:
     """What a checkpoint gives back besides the model's and optimizer's state (restored in place)."""
+
     step: int
     epoch: int
     cursor: dict
@@ -87,8 +99,17 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     np.random.set_state((name, tensors["rng.numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def save_checkpoint(directory: Path, *, step: int, epoch: int, cursor: dict, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, extra: dict, epoch_end: bool = False) -> dict:
+def save_checkpoint(
+    directory: Path,
+    *,
+    step: int,
+    epoch: int,
+    cursor: dict,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict,
+    epoch_end: bool = False,
+) -> dict:
     """Write a checkpoint of the training state; returns its record (path, sha256, step, epoch,
     cursor, bytes) for the router. Old ones are removed by :func:`prune`. ``epoch_end``: the one
     taken after an epoch's validation, at the same step as one taken after its last batch; it
@@ -104,15 +125,19 @@ def save_checkpoint(directory: Path, *, step: int, epoch: int, cursor: dict, mod
                 plain_state.setdefault(str(param), {})[key] = value
     rng_tensors, rng_meta = _rng_state()
     tensors.update(rng_tensors)
-    metadata = {"batchbus": FORMAT, "step": str(step), "epoch": str(epoch),
-                "cursor": orjson.dumps(cursor).decode(),
-                "optim": orjson.dumps({"param_groups": optim["param_groups"], "state": plain_state}).decode(),
-                "rng": orjson.dumps(rng_meta).decode(), "extra": orjson.dumps(extra).decode()}
+    metadata = {
+        "batchbus": FORMAT,
+        "step": str(step),
+        "epoch": str(epoch),
+        "cursor": orjson.dumps(cursor).decode(),
+        "optim": orjson.dumps({"param_groups": optim["param_groups"], "state": plain_state}).decode(),
+        "rng": orjson.dumps(rng_meta).decode(),
+        "extra": orjson.dumps(extra).decode(),
+    }
     data = save_safetensors(tensors, metadata=metadata)
     path = directory / f"step-{step:09d}{'.e' if epoch_end else ''}.safetensors"
     digest = _write(path, data)
-    return {"path": str(path), "sha256": digest, "step": step, "epoch": epoch, "cursor": cursor,
-            "bytes": len(data)}
+    return {"path": str(path), "sha256": digest, "step": step, "epoch": epoch, "cursor": cursor, "bytes": len(data)}
 
 
 def _step_of(path: Path) -> tuple[int, bool]:
@@ -160,15 +185,16 @@ def read_checkpoint(record: dict, root: str) -> bytes:
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise CheckpointError(f"checkpoint {path} cannot be read here: {err.strerror} (is checkpoint_dir "
-                              f"shared between trainers?)") from err
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read here: {err.strerror} (is checkpoint_dir shared between trainers?)"
+        ) from err
     return data
 
 
 def _metadata(data: bytes) -> dict:
     """A safetensors blob's string metadata (its header is 8 bytes of length, then JSON)."""
     size = int.from_bytes(data[:8], "little")
-    return orjson.loads(data[8:8 + size]).get("__metadata__") or {}
+    return orjson.loads(data[8 : 8 + size]).get("__metadata__") or {}
 
 
 def restore_checkpoint(data: bytes, record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
@@ -178,8 +204,10 @@ def restore_checkpoint(data: bytes, record: dict, model: nn.Module, optimizer: t
     path = record.get("path")
     digest = hashlib.sha256(data).hexdigest()
     if digest != record.get("sha256"):
-        raise CheckpointError(f"checkpoint {path} has sha256 {digest[:12]}…, the router recorded "
-                              f"{str(record.get('sha256'))[:12]}…: changed or truncated")
+        raise CheckpointError(
+            f"checkpoint {path} has sha256 {digest[:12]}…, the router recorded "
+            f"{str(record.get('sha256'))[:12]}…: changed or truncated"
+        )
     try:
         tensors = load_safetensors(data)
         meta = _metadata(data)
@@ -198,8 +226,12 @@ def restore_checkpoint(data: bytes, record: dict, model: nn.Module, optimizer: t
                 opt_state.setdefault(int(param), {})[name] = value
         optimizer.load_state_dict({"state": opt_state, "param_groups": optim["param_groups"]})
         _set_rng_state(tensors, orjson.loads(meta["rng"]))
-        return Restored(step=int(meta["step"]), epoch=int(meta["epoch"]), cursor=orjson.loads(meta["cursor"]),
-                        extra=orjson.loads(meta["extra"]))
+        return Restored(
+            step=int(meta["step"]),
+            epoch=int(meta["epoch"]),
+            cursor=orjson.loads(meta["cursor"]),
+            extra=orjson.loads(meta["extra"]),
+        )
     except (KeyError, ValueError, RuntimeError, orjson.JSONDecodeError) as err:
         raise CheckpointError(f"checkpoint {path} does not fit this job's model and optimizer: {err}") from err
 
@@ -215,5 +247,6 @@ def _write(path: Path, data: bytes) -> str:
     try:
         return write_atomic(path, data)
     except OSError as err:
-        raise CheckpointError(f"cannot write {path}: {err.strerror or err} (checkpoint_dir full or "
-                              f"not writable?)") from err
+        raise CheckpointError(
+            f"cannot write {path}: {err.strerror or err} (checkpoint_dir full or not writable?)"
+        ) from err

@@ -58,11 +58,20 @@ class Controls:
             model --current``).
     """
 
-    def __init__(self, job: str, commands: queue.Queue[Command], reporter: Reporter, *,
-                 checkpoint: Callable[[], dict], set_hyper: Callable[[dict], dict],
-                 report: Callable[[], None], before_stop: Callable[[], None],
-                 evaluate: Callable[[Callable[[dict], None]], None],
-                 adopt: Callable[[dict], dict] | None = None, model: Callable[[], tuple[dict, bytes]] | None = None):
+    def __init__(
+        self,
+        job: str,
+        commands: queue.Queue[Command],
+        reporter: Reporter,
+        *,
+        checkpoint: Callable[[], dict],
+        set_hyper: Callable[[dict], dict],
+        report: Callable[[], None],
+        before_stop: Callable[[], None],
+        evaluate: Callable[[Callable[[dict], None]], None],
+        adopt: Callable[[dict], dict] | None = None,
+        model: Callable[[], tuple[dict, bytes]] | None = None,
+    ):
         self.job = job
         self.commands = commands
         self.reporter = reporter
@@ -172,5 +181,13 @@ class Controls:
 
     def _ack(self, cmd: Command, state: str, detail: dict | None = None, frames: list | None = None) -> None:
         if cmd.seq:
-            self.reporter.put(CommandAck(job=self.job, command=cmd.command, seq=cmd.seq, state=state,
-                                         detail=detail or {}, frames=frames or []))
+            self.reporter.put(
+                CommandAck(
+                    job=self.job,
+                    command=cmd.command,
+                    seq=cmd.seq,
+                    state=state,
+                    detail=detail or {},
+                    frames=frames or [],
+                )
+            )

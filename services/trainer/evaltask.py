@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 EVALUATE_TIMEOUT_S = 300.0
 
 
-def run_evaluation(task: Task, spec: JobSpec, settings: Settings, link: Link,
-                   identity: Identity) -> tuple[str, dict, str]:
+def run_evaluation(
+    task: Task, spec: JobSpec, settings: Settings, link: Link, identity: Identity
+) -> tuple[str, dict, str]:
     """Score the model that came with ``task`` on ``spec.split``; ``(state, result, error)``."""
     try:
         if not task.frames:
@@ -49,13 +50,26 @@ def run_evaluation(task: Task, spec: JobSpec, settings: Settings, link: Link,
         blob = bytes(frame.buffer if hasattr(frame, "buffer") else frame)
         resolved = link.request(Resolve(dataset=spec.dataset), timeout_s=settings.request_timeout_s)
         provider = pick_provider(resolved.providers, identity.host_id)
-        result = {"split": spec.split, "model_from": spec.model_from, "model_sha256": hashlib.sha256(blob).hexdigest(),
-                  "provider": provider["name"]}
+        result = {
+            "split": spec.split,
+            "model_from": spec.model_from,
+            "model_sha256": hashlib.sha256(blob).hexdigest(),
+            "provider": provider["name"],
+        }
         if spec.split == "test":
-            msg = Evaluate(dataset=spec.dataset, job=task.job, model={"name": spec.model, "kwargs": spec.model_kwargs},
-                           frames=[blob])
-            with Client(provider["endpoint"], identity, timeout_s=EVALUATE_TIMEOUT_S, retries=0,
-                        server_key=curve_key_of(provider)) as client:
+            msg = Evaluate(
+                dataset=spec.dataset,
+                job=task.job,
+                model={"name": spec.model, "kwargs": spec.model_kwargs},
+                frames=[blob],
+            )
+            with Client(
+                provider["endpoint"],
+                identity,
+                timeout_s=EVALUATE_TIMEOUT_S,
+                retries=0,
+                server_key=curve_key_of(provider),
+            ) as client:
                 ev = client.request(msg)
             result.update(test_loss=ev.loss, test_accuracy=ev.accuracy, test_n=ev.n)
         else:
@@ -64,10 +78,21 @@ def run_evaluation(task: Task, spec: JobSpec, settings: Settings, link: Link,
                 model.load_state_dict(load_safetensors(blob))
             except (RuntimeError, ValueError) as err:
                 raise BadRequest(f"the model does not fit {spec.model} on {spec.dataset}: {err}") from err
-            val = RemoteLoader(spec.dataset, split="val", shuffle=False, provider=resolved.providers,
-                               token=identity.token, batch_size=spec.batch_size, timeout_s=settings.request_timeout_s,
-                               retries=settings.request_retries, name=identity.name, host_id=identity.host_id,
-                               curve=identity.curve, provider_wait_s=settings.provider_wait_s, shm=False)
+            val = RemoteLoader(
+                spec.dataset,
+                split="val",
+                shuffle=False,
+                provider=resolved.providers,
+                token=identity.token,
+                batch_size=spec.batch_size,
+                timeout_s=settings.request_timeout_s,
+                retries=settings.request_retries,
+                name=identity.name,
+                host_id=identity.host_id,
+                curve=identity.curve,
+                provider_wait_s=settings.provider_wait_s,
+                shm=False,
+            )
             try:
                 loss, accuracy, n = evaluate(model, val, dataset_kind(resolved.info))
             finally:
@@ -101,9 +126,20 @@ def current_weights(run) -> tuple[dict, bytes]:
     """The task's weights now (a copy taken between two steps) as safetensors bytes, with their
     sha256, step and epoch."""
     state, copy_ms = snapshot(run.model)
-    data = save_safetensors({k: v.contiguous() for k, v in state.items()},
-                            metadata={"job": run.job, "model": run.spec.model, "step": str(run.step),
-                                      "model_kwargs": orjson.dumps(run.spec.model_kwargs).decode()})
-    detail = {"sha256": hashlib.sha256(data).hexdigest(), "step": run.step, "epoch": run.train.epoch + 1,
-              "copy_ms": round(copy_ms, 3), "bytes": len(data)}
+    data = save_safetensors(
+        {k: v.contiguous() for k, v in state.items()},
+        metadata={
+            "job": run.job,
+            "model": run.spec.model,
+            "step": str(run.step),
+            "model_kwargs": orjson.dumps(run.spec.model_kwargs).decode(),
+        },
+    )
+    detail = {
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "step": run.step,
+        "epoch": run.train.epoch + 1,
+        "copy_ms": round(copy_ms, 3),
+        "bytes": len(data),
+    }
     return detail, data

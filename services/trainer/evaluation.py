@@ -53,20 +53,37 @@ class LiveEvaluations:
         self._thread: threading.Thread | None = None
         self._running_step: int | None = None
 
-    def start(self, model: nn.Module, model_spec: dict, dataset: str, provider: dict, *, step: int, epoch: int,
-              done: Callable[[dict], None]) -> None:
+    def start(
+        self,
+        model: nn.Module,
+        model_spec: dict,
+        dataset: str,
+        provider: dict,
+        *,
+        step: int,
+        epoch: int,
+        done: Callable[[dict], None],
+    ) -> None:
         """Copy ``model``'s weights now and score them in the background; ``done(detail)`` gets the
         result, or ``{"error": ...}``, with the ``step`` and (1-based) ``epoch`` the weights are from.
         A second call while an evaluation runs calls ``done`` at once with an error."""
         if self.running:
-            done({"error": f"an evaluation of step {self._running_step} is still running; ask again when "
-                           f"it is done", "step": step})
+            done(
+                {
+                    "error": f"an evaluation of step {self._running_step} is still running; ask again when it is done",
+                    "step": step,
+                }
+            )
             return
         state, copy_ms = snapshot(model)
         where = {"step": step, "epoch": epoch, "copy_ms": round(copy_ms, 3), "provider": provider["name"]}
         self._running_step = step
-        self._thread = threading.Thread(target=self._run, name=f"eval-{self.job}", daemon=True,
-                                        args=(state, model_spec, dataset, provider, where, done))
+        self._thread = threading.Thread(
+            target=self._run,
+            name=f"eval-{self.job}",
+            daemon=True,
+            args=(state, model_spec, dataset, provider, where, done),
+        )
         self._thread.start()
 
     @property
@@ -78,15 +95,27 @@ class LiveEvaluations:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def _run(self, state: dict[str, torch.Tensor], model_spec: dict, dataset: str, provider: dict,
-             where: dict, done: Callable[[dict], None]) -> None:
+    def _run(
+        self,
+        state: dict[str, torch.Tensor],
+        model_spec: dict,
+        dataset: str,
+        provider: dict,
+        where: dict,
+        done: Callable[[dict], None],
+    ) -> None:
         started = time.monotonic()
         try:
             blob = save_safetensors({k: v.contiguous() for k, v in state.items()})
             del state
             msg = Evaluate(dataset=dataset, job=self.job, model=model_spec, frames=[blob])
-            with Client(provider["endpoint"], self.identity, timeout_s=self.timeout_s, retries=0,
-                        server_key=curve_key_of(provider)) as client:
+            with Client(
+                provider["endpoint"],
+                self.identity,
+                timeout_s=self.timeout_s,
+                retries=0,
+                server_key=curve_key_of(provider),
+            ) as client:
                 evaluation = client.request(msg)
         except BusError as err:
             log.warning("job %s: evaluation of step %d failed: %s", self.job, where["step"], err)
@@ -97,7 +126,21 @@ class LiveEvaluations:
             done({**where, "error": f"{type(err).__name__}: {err}"})
             return
         eval_s = time.monotonic() - started
-        log.info("job %s: step %d scored on %s: test accuracy %.4f on %d samples (%.1f s)", self.job,
-                 where["step"], provider["name"], evaluation.accuracy, evaluation.n, eval_s)
-        done({**where, "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy,
-              "test_n": evaluation.n, "eval_s": round(eval_s, 3)})
+        log.info(
+            "job %s: step %d scored on %s: test accuracy %.4f on %d samples (%.1f s)",
+            self.job,
+            where["step"],
+            provider["name"],
+            evaluation.accuracy,
+            evaluation.n,
+            eval_s,
+        )
+        done(
+            {
+                **where,
+                "test_loss": evaluation.loss,
+                "test_accuracy": evaluation.accuracy,
+                "test_n": evaluation.n,
+                "eval_s": round(eval_s, 3),
+            }
+        )

@@ -12,8 +12,10 @@ __all__ = ["describe_failure", "deterministic"]
 def deterministic(err: BaseException) -> bool:
     """A RuntimeError the job's own spec causes (not a broken collective)."""
     text = str(err).lower()
-    return any(k in text for k in ("out of memory", "negative dimension", "invalid device ordinal",
-                                   "shapes cannot be multiplied"))
+    return any(
+        k in text
+        for k in ("out of memory", "negative dimension", "invalid device ordinal", "shapes cannot be multiplied")
+    )
 
 
 def describe_failure(err: BaseException, spec: JobSpec | None) -> str:
@@ -23,10 +25,14 @@ def describe_failure(err: BaseException, spec: JobSpec | None) -> str:
     lowered = text.lower()
     if "out of memory" in lowered:
         hint = "CUDA out of memory: lower batch_size" + (f" (now {spec.batch_size})" if spec else "")
-    elif spec is not None and ("negative dimension" in lowered or "must be positive" in lowered
-                               or "non-positive" in lowered):
-        bad = [k for k, v in spec.model_kwargs.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0]
+    elif spec is not None and (
+        "negative dimension" in lowered or "must be positive" in lowered or "non-positive" in lowered
+    ):
+        bad = [
+            k
+            for k, v in spec.model_kwargs.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0
+        ]
         hint = "; ".join(f"model_kwargs.{k} must be positive (got {spec.model_kwargs[k]})" for k in bad)
     elif "invalid device" in lowered or "device ordinal" in lowered:
         hint = f"device {spec.device!r} does not exist on this trainer" if spec else ""

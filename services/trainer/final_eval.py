@@ -31,17 +31,26 @@ CHECK_S = 0.5
 PROVIDER_CHECK_S = 2.0
 
 
-def score_on_provider(msg: Evaluate, provider: dict, identity: Identity, *, link, request_timeout_s: float,
-                      provider_wait_s: float, check: Callable[[], None],
-                      timeout_s: float = EVALUATE_TIMEOUT_S) -> Evaluation:
+def score_on_provider(
+    msg: Evaluate,
+    provider: dict,
+    identity: Identity,
+    *,
+    link,
+    request_timeout_s: float,
+    provider_wait_s: float,
+    check: Callable[[], None],
+    timeout_s: float = EVALUATE_TIMEOUT_S,
+) -> Evaluation:
     """Send ``msg`` to ``provider`` and wait for its :class:`Evaluation`, calling ``check`` (which
     may raise to end the wait) every :data:`CHECK_S`.
 
     Raises the provider's typed error, :class:`PeerTimeout` after ``timeout_s``, and
     :class:`Unavailable` when the router has not listed the provider for ``provider_wait_s``.
     """
-    with Client(provider["endpoint"], identity, timeout_s=request_timeout_s, retries=0,
-                server_key=curve_key_of(provider)) as client:
+    with Client(
+        provider["endpoint"], identity, timeout_s=request_timeout_s, retries=0, server_key=curve_key_of(provider)
+    ) as client:
         client.hello(request_timeout_s)
         request_id = client.send(msg)
         deadline = time.monotonic() + timeout_s

@@ -56,6 +56,7 @@ class GangError(Unavailable):
 
 class Code(IntEnum):
     """What every rank does after a sync point (the highest any rank asked for wins)."""
+
     RUN = 0
     PAUSE = 1
     STOP = 2
@@ -101,28 +102,36 @@ class Gang:
         wait = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         try:
             if self.rank == 0:
-                store = dist.TCPStore(host, 0, world_size=self.world_size, is_master=True, timeout=wait,
-                                      wait_for_workers=False)
+                store = dist.TCPStore(
+                    host, 0, world_size=self.world_size, is_master=True, timeout=wait, wait_for_workers=False
+                )
                 address = f"tcp://{host}:{store.port}"
                 link.request(Rendezvous(job=task.job, address=address), timeout_s=timeout_s)
             else:
                 url = urlsplit(task.rendezvous)
                 if url.scheme != "tcp" or not url.hostname or not url.port:
-                    raise BadRequest(f"task of job {task.job} names no rendezvous tcp://HOST:PORT, "
-                                     f"got {task.rendezvous!r}")
+                    raise BadRequest(
+                        f"task of job {task.job} names no rendezvous tcp://HOST:PORT, got {task.rendezvous!r}"
+                    )
                 address = task.rendezvous
-                store = dist.TCPStore(url.hostname, url.port, world_size=self.world_size, is_master=False,
-                                      timeout=wait)
-            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
-                                    timeout=timedelta(seconds=GANG_TIMEOUT_S))
+                store = dist.TCPStore(url.hostname, url.port, world_size=self.world_size, is_master=False, timeout=wait)
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=GANG_TIMEOUT_S),
+            )
         except (RuntimeError, ValueError) as err:  # torch.distributed's errors (DistError is one)
-            raise GangError(f"rank {self.rank} of {self.world_size} of job {task.job} could not meet its "
-                            f"gang: {err}") from err
+            raise GangError(
+                f"rank {self.rank} of {self.world_size} of job {task.job} could not meet its gang: {err}"
+            ) from err
         self.group = dist.group.WORLD
         #: DistributedDataParallel's ``device_ids``: the job's CUDA device, none on CPU.
         self.device_ids = [device.index or 0] if device.type == "cuda" else None
-        log.info("job %s: rank %d of %d joined its gang at %s (%s)", task.job, self.rank, self.world_size,
-                 address, backend)
+        log.info(
+            "job %s: rank %d of %d joined its gang at %s (%s)", task.job, self.rank, self.world_size, address, backend
+        )
 
     def sync(self, code: Code, hyper: dict) -> tuple[Code, dict]:
         """All ranks' highest :class:`Code` and rank 0's ``hyper`` (:data:`SETTABLE` values).

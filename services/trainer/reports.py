@@ -33,8 +33,9 @@ RETRY_S = 0.2
 class Reporter:
     """Delivers one job's reports in order. ``put`` never blocks; ``flush`` waits (bounded)."""
 
-    def __init__(self, link: Link, job: str, timeout_s: float,
-                 on_command: Callable[[Command], None] = lambda cmd: None):
+    def __init__(
+        self, link: Link, job: str, timeout_s: float, on_command: Callable[[Command], None] = lambda cmd: None
+    ):
         self.link = link
         self.job = job
         self.on_command = on_command
@@ -72,8 +73,7 @@ class Reporter:
     def flush(self, timeout_s: float) -> bool:
         """Wait until every report is delivered (True), the job is lost, or ``timeout_s`` passes."""
         with self._cond:
-            return self._cond.wait_for(lambda: (not self._queue and not self._busy) or self.lost is not None,
-                                       timeout_s)
+            return self._cond.wait_for(lambda: (not self._queue and not self._busy) or self.lost is not None, timeout_s)
 
     def close(self) -> None:
         with self._cond:

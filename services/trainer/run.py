@@ -57,6 +57,7 @@ def _perplexity(loss: float) -> float:
 @dataclass
 class Meter:
     """Running throughput and data-wait figures for progress reports."""
+
     started: float = field(default_factory=time.monotonic)
     samples: int = 0
     loss_sum: float = 0.0
@@ -85,8 +86,17 @@ class TaskRun:
     other ranks train their shards in step with it and report nothing (their state is not pushed).
     """
 
-    def __init__(self, task: Task, settings: Settings, link: Link, identity: Identity,
-                 commands: queue.Queue[Command], reporter: Reporter, *, notifier: Notifier | None = None):
+    def __init__(
+        self,
+        task: Task,
+        settings: Settings,
+        link: Link,
+        identity: Identity,
+        commands: queue.Queue[Command],
+        reporter: Reporter,
+        *,
+        notifier: Notifier | None = None,
+    ):
         self.task = task
         self.job = task.job
         self.spec = JobSpec.from_dict(task.spec)
@@ -120,10 +130,18 @@ class TaskRun:
         #: The provider the task reads from (and ``busctl job eval`` scores on), once resolved.
         self.provider: dict | None = None
         self.evaluations = LiveEvaluations(self.job, identity, EVALUATE_TIMEOUT_S)
-        self.controls = Controls(self.job, commands, reporter, checkpoint=self._checkpoint,
-                                 set_hyper=self._set_hyper, report=self._while_paused,
-                                 before_stop=self._before_stop, evaluate=self._evaluate_now,
-                                 adopt=self._adopt, model=self._current_model)
+        self.controls = Controls(
+            self.job,
+            commands,
+            reporter,
+            checkpoint=self._checkpoint,
+            set_hyper=self._set_hyper,
+            report=self._while_paused,
+            before_stop=self._before_stop,
+            evaluate=self._evaluate_now,
+            adopt=self._adopt,
+            model=self._current_model,
+        )
 
     def run(self) -> tuple[str, dict, str]:
         if self.spec.task == "evaluate":  # score a stored model, no training (services/trainer/evaltask.py)
@@ -181,9 +199,15 @@ class TaskRun:
 
     def _evaluate_now(self, done) -> None:
         """``busctl job eval``: copy the weights here, between batches; score them in the background."""
-        self.evaluations.start(self.model, {"name": self.spec.model, "kwargs": self.spec.model_kwargs},
-                               self.spec.dataset, self.provider, step=self.step, epoch=self.train.epoch + 1,
-                               done=done)
+        self.evaluations.start(
+            self.model,
+            {"name": self.spec.model, "kwargs": self.spec.model_kwargs},
+            self.spec.dataset,
+            self.provider,
+            step=self.step,
+            epoch=self.train.epoch + 1,
+            done=done,
+        )
 
     def _adopt(self, args: dict) -> dict:
         """Population-based training: load another job's checkpoint (weights and optimizer state) and
@@ -266,9 +290,16 @@ class TaskRun:
             return self.last_checkpoint
         extra = {"history": self.history, "loss_sum": self.meter.loss_sum, "loss_n": self.meter.loss_n}
         cursor = self.train.state_dict()
-        record = save_checkpoint(self.directory, step=self.step, epoch=cursor["epoch"], cursor=cursor,
-                                 model=self.model, optimizer=self.optimizer, extra=extra,
-                                 epoch_end=self._checkpointed[0] == self.step)
+        record = save_checkpoint(
+            self.directory,
+            step=self.step,
+            epoch=cursor["epoch"],
+            cursor=cursor,
+            model=self.model,
+            optimizer=self.optimizer,
+            extra=extra,
+            epoch_end=self._checkpointed[0] == self.step,
+        )
         self.last_checkpoint = record
         self._checkpointed = (self.step, len(self.history))
         self.reporter.put(Checkpointed(job=self.job, checkpoint=record))
@@ -297,8 +328,13 @@ class TaskRun:
         self.last_checkpoint = record
         self._checkpointed = (self.step, len(self.history))
         self.resumed_from = {"step": restored.step, "epoch": restored.epoch, "path": record.get("path")}
-        log.info("job %s: resumed from step %d (epoch %d, position %d)", self.job, restored.step,
-                 self.train.epoch, self.train.position)
+        log.info(
+            "job %s: resumed from step %d (epoch %d, position %d)",
+            self.job,
+            restored.step,
+            self.train.epoch,
+            self.train.position,
+        )
         return True
 
     def _checkpoint_bytes(self, record: dict) -> bytes:
@@ -336,8 +372,7 @@ class TaskRun:
         deadline = time.monotonic() + self.settings.provider_wait_s
         while True:
             try:
-                return self.link.request(Resolve(dataset=self.spec.dataset),
-                                         timeout_s=self.settings.request_timeout_s)
+                return self.link.request(Resolve(dataset=self.spec.dataset), timeout_s=self.settings.request_timeout_s)
             except NotFound:
                 if time.monotonic() >= deadline:
                     raise
@@ -349,26 +384,44 @@ class TaskRun:
         resolved = self._resolve()
         provider = self.provider = pick_provider(resolved.providers, self.identity.host_id)
         info = resolved.info
-        log.info("job %s: %s on %s from %s (%s)", self.job, spec.model, spec.dataset, provider["name"],
-                 provider["endpoint"])
+        log.info(
+            "job %s: %s on %s from %s (%s)", self.job, spec.model, spec.dataset, provider["name"], provider["endpoint"]
+        )
         device = self._device()
         if self.task.world_size > 1:
-            self.gang = Gang(self.task, self.link, advertised_host(s.advertise, s.router), device,
-                             s.request_timeout_s)
+            self.gang = Gang(self.task, self.link, advertised_host(s.advertise, s.router), device, s.request_timeout_s)
         torch.manual_seed(spec.seed)
         model = self.model = build_model(spec.model, info, **spec.model_kwargs).to(device)
         optimizer = self.optimizer = make_optimizer(spec, model.parameters())
         kind = dataset_kind(info)
         # Every replica: requests spread over them, and the loaders ask again when none answers.
-        common = {"provider": resolved.providers, "provider_wait_s": s.provider_wait_s,
-                  "resolver": lambda timeout_s: self.link.request(Resolve(dataset=spec.dataset),
-                                                                  timeout_s=timeout_s).providers,
-                  "token": self.identity.token, "batch_size": spec.batch_size,
-                  "inflight": s.inflight, "timeout_s": s.request_timeout_s, "retries": s.request_retries,
-                  "name": self.identity.name, "device": str(device), "shm": s.shm, "shm_slots": s.shm_slots,
-                  "host_id": self.identity.host_id, "curve": self.identity.curve}
-        train = self.train = RemoteLoader(spec.dataset, split="train", shuffle=spec.shuffle,
-                                          block_size=spec.block_size, seed=spec.seed, **self._shard(), **common)
+        common = {
+            "provider": resolved.providers,
+            "provider_wait_s": s.provider_wait_s,
+            "resolver": lambda timeout_s: (
+                self.link.request(Resolve(dataset=spec.dataset), timeout_s=timeout_s).providers
+            ),
+            "token": self.identity.token,
+            "batch_size": spec.batch_size,
+            "inflight": s.inflight,
+            "timeout_s": s.request_timeout_s,
+            "retries": s.request_retries,
+            "name": self.identity.name,
+            "device": str(device),
+            "shm": s.shm,
+            "shm_slots": s.shm_slots,
+            "host_id": self.identity.host_id,
+            "curve": self.identity.curve,
+        }
+        train = self.train = RemoteLoader(
+            spec.dataset,
+            split="train",
+            shuffle=spec.shuffle,
+            block_size=spec.block_size,
+            seed=spec.seed,
+            **self._shard(),
+            **common,
+        )
         val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common) if self.lead else None
         if self.task.resume and not self._resume(self.task.resume):
             torch.manual_seed(spec.seed)  # a checkpoint half loaded must not leak into the fresh start
@@ -410,12 +463,20 @@ class TaskRun:
             if val is not None:
                 val.close()
         if not self.lead:
-            return {"rank": self.task.rank, "step": self.step,
-                    "model": save_model(self.directory, model, {"job": self.job, "rank": str(self.task.rank),
-                                                                "step": str(self.step)})}
-        result = {**self._progress(spec.epochs, steps_per_epoch, train),
-                  "val_loss": self.history[-1]["val_loss"], "val_accuracy": self.history[-1]["val_accuracy"],
-                  "provider": provider["name"], "world_size": self.task.world_size}
+            return {
+                "rank": self.task.rank,
+                "step": self.step,
+                "model": save_model(
+                    self.directory, model, {"job": self.job, "rank": str(self.task.rank), "step": str(self.step)}
+                ),
+            }
+        result = {
+            **self._progress(spec.epochs, steps_per_epoch, train),
+            "val_loss": self.history[-1]["val_loss"],
+            "val_accuracy": self.history[-1]["val_accuracy"],
+            "provider": provider["name"],
+            "world_size": self.task.world_size,
+        }
         if kind == TOKENS:
             result["val_perplexity"] = self.history[-1]["val_perplexity"]
         if spec.evaluate:
@@ -423,11 +484,19 @@ class TaskRun:
             result.update(test_loss=evaluation.loss, test_accuracy=evaluation.accuracy, test_n=evaluation.n)
             if kind == TOKENS:
                 result["test_perplexity"] = _perplexity(evaluation.loss)
-            log.info("job %s: provider-side test accuracy %.4f on %d samples", self.job,
-                     evaluation.accuracy, evaluation.n)
-        result["model"] = save_model(self.directory, model, {"job": self.job, "model": spec.model,
-                                                            "step": str(self.step),
-                                                            "model_kwargs": orjson.dumps(spec.model_kwargs).decode()})
+            log.info(
+                "job %s: provider-side test accuracy %.4f on %d samples", self.job, evaluation.accuracy, evaluation.n
+            )
+        result["model"] = save_model(
+            self.directory,
+            model,
+            {
+                "job": self.job,
+                "model": spec.model,
+                "step": str(self.step),
+                "model_kwargs": orjson.dumps(spec.model_kwargs).decode(),
+            },
+        )
         return result
 
     def _end_epoch(self, epoch: int, val: RemoteLoader | None, kind: str, steps_per_epoch: int) -> None:
@@ -437,13 +506,18 @@ class TaskRun:
             self._check()
             return
         val_loss, val_acc, _ = evaluate(self.model, self._watched(val), kind)
-        epoch_record = {"epoch": epoch + 1, "train_loss": self.meter.take_loss(),
-                        "val_loss": val_loss, "val_accuracy": val_acc}
+        epoch_record = {
+            "epoch": epoch + 1,
+            "train_loss": self.meter.take_loss(),
+            "val_loss": val_loss,
+            "val_accuracy": val_acc,
+        }
         if kind == TOKENS:  # per-token loss; perplexity is how language models are compared
             epoch_record["val_perplexity"] = _perplexity(val_loss)
         self.history.append(epoch_record)
-        log.info("job %s epoch %d/%d: val loss %.4f accuracy %.4f", self.job, epoch + 1,
-                 self.spec.epochs, val_loss, val_acc)
+        log.info(
+            "job %s epoch %d/%d: val loss %.4f accuracy %.4f", self.job, epoch + 1, self.spec.epochs, val_loss, val_acc
+        )
         self._checkpoint()
         self._report(self._progress(epoch + 1, steps_per_epoch, self.train))
         self._check()
@@ -459,13 +533,23 @@ class TaskRun:
         meter = self.meter
         elapsed = max(1e-9, time.monotonic() - meter.started)
         last_loss = meter.loss_sum / meter.loss_n if meter.loss_n else None
-        return {"epoch": epoch, "epochs": self.spec.epochs, "step": self.step, "steps_per_epoch": steps_per_epoch,
-                "loss": last_loss, "samples": meter.samples * self.task.world_size,
-                "samples_per_s": meter.samples * self.task.world_size / elapsed,
-                "data_wait_s": loader.wait_s, "transport": loader.transport,
-                "data_wait_pct": 100.0 * loader.wait_s / elapsed, "elapsed_s": elapsed, "state": self.controls.state,
-                "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else None,
-                "resumed_from": self.resumed_from, "history": self.history}
+        return {
+            "epoch": epoch,
+            "epochs": self.spec.epochs,
+            "step": self.step,
+            "steps_per_epoch": steps_per_epoch,
+            "loss": last_loss,
+            "samples": meter.samples * self.task.world_size,
+            "samples_per_s": meter.samples * self.task.world_size / elapsed,
+            "data_wait_s": loader.wait_s,
+            "transport": loader.transport,
+            "data_wait_pct": 100.0 * loader.wait_s / elapsed,
+            "elapsed_s": elapsed,
+            "state": self.controls.state,
+            "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else None,
+            "resumed_from": self.resumed_from,
+            "history": self.history,
+        }
 
     def _device(self) -> torch.device:
         try:
@@ -489,11 +573,22 @@ class TaskRun:
         except BusError as err:
             log.warning("job %s: evaluating on %s (the router did not answer: %s)", self.job, provider["name"], err)
         blob = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
-        msg = Evaluate(dataset=self.spec.dataset, job=self.job,
-                       model={"name": self.spec.model, "kwargs": self.spec.model_kwargs}, frames=[blob])
+        msg = Evaluate(
+            dataset=self.spec.dataset,
+            job=self.job,
+            model={"name": self.spec.model, "kwargs": self.spec.model_kwargs},
+            frames=[blob],
+        )
         s = self.settings
-        return score_on_provider(msg, provider, self.identity, link=self.link, request_timeout_s=s.request_timeout_s,
-                                 provider_wait_s=s.provider_wait_s, check=self._while_scoring)
+        return score_on_provider(
+            msg,
+            provider,
+            self.identity,
+            link=self.link,
+            request_timeout_s=s.request_timeout_s,
+            provider_wait_s=s.provider_wait_s,
+            check=self._while_scoring,
+        )
 
     def _while_scoring(self) -> None:
         """During the final evaluation: the watchdog is fed and commands apply (a shutdown hands

@@ -8,5 +8,17 @@ from .cluster import Cluster, wait_file
 from .metrics import scrape, value
 from .services import CLUSTER, Running, run_service, wait_job
 
-__all__ = ["BUSCTL", "CLUSTER", "REPO", "Cluster", "Running", "busctl", "busctl_in_process", "run_service", "scrape",
-           "value", "wait_file", "wait_job"]
+__all__ = [
+    "BUSCTL",
+    "CLUSTER",
+    "REPO",
+    "Cluster",
+    "Running",
+    "busctl",
+    "busctl_in_process",
+    "run_service",
+    "scrape",
+    "value",
+    "wait_file",
+    "wait_job",
+]

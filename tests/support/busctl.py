@@ -13,18 +13,23 @@ __all__ = ["BUSCTL", "REPO", "busctl", "busctl_in_process"]
 
 REPO = Path(__file__).resolve().parents[2]
 #: The project's busctl (the venv's console script), or ``python -m cli`` where it is not installed.
-BUSCTL = [str(Path(sys.executable).with_name("busctl"))] if Path(sys.executable).with_name("busctl").exists() \
+BUSCTL = (
+    [str(Path(sys.executable).with_name("busctl"))]
+    if Path(sys.executable).with_name("busctl").exists()
     else [sys.executable, "-m", "cli"]
+)
 
 
-def busctl(*args: str, env: Mapping[str, str] | None = None, check: bool = False, timeout: float = 60,
-           cwd: Path = REPO) -> subprocess.CompletedProcess:
+def busctl(
+    *args: str, env: Mapping[str, str] | None = None, check: bool = False, timeout: float = 60, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     """``busctl ARGS`` in its own process, ``env`` over this process's environment; text output captured.
 
     With ``check``, a non-zero exit fails the test with busctl's stderr.
     """
-    out = subprocess.run([*BUSCTL, *args], env={**os.environ, **(env or {})}, cwd=cwd, capture_output=True,
-                         text=True, timeout=timeout)
+    out = subprocess.run(
+        [*BUSCTL, *args], env={**os.environ, **(env or {})}, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
     if check and out.returncode != 0:
         raise AssertionError(f"busctl {' '.join(args)} exited {out.returncode}: {out.stderr}")
     return out

@@ -83,8 +83,15 @@ class Cluster:
         self._all.append(proc)
         return proc
 
-    def start(self, name: str, role: str, *args: str, ready: bool = False, named: bool = True,
-              env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(
+        self,
+        name: str,
+        role: str,
+        *args: str,
+        ready: bool = False,
+        named: bool = True,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen:
         """``busctl start ROLE [--name NAME] ARGS``; with ``ready``, it writes its endpoint to a ready file
         that :meth:`endpoint_of` waits for. The cluster's secret is created first if no one has yet."""
         ensure_secret(self.state / "secret")
@@ -116,15 +123,20 @@ class Cluster:
         self.endpoint = self.endpoint_of("router")
         self.env["BATCHBUS_ROUTER"] = self.endpoint
         if self.admin is None:
-            self.admin = Client(self.endpoint, Identity(role="admin", name="test-admin", token=self.admin_token),
-                                timeout_s=10, retries=2)
+            self.admin = Client(
+                self.endpoint,
+                Identity(role="admin", name="test-admin", token=self.admin_token),
+                timeout_s=10,
+                retries=2,
+            )
         return self.endpoint
 
     def start_trainer(self, name: str, *args: str) -> subprocess.Popen:
         return self.start(name, "trainer", *args)
 
-    def busctl(self, *args: str, env: dict[str, str] | None = None, check: bool = True,
-               timeout: float = 60) -> subprocess.CompletedProcess:
+    def busctl(
+        self, *args: str, env: dict[str, str] | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
         """``busctl ARGS`` against this cluster (its state directory and router)."""
         return busctl(*args, env={**self.env, **(env or {})}, check=check, timeout=timeout)
 

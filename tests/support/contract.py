@@ -33,8 +33,12 @@ Reference = dict[str, tuple[np.ndarray, np.ndarray]]
 
 def some_indices(n: int, rng: np.random.Generator) -> np.ndarray:
     """Unsorted, duplicated and contiguous indices, first and last included."""
-    return np.r_[rng.permutation(n)[:7], 0, 0, np.arange(min(n, 5)), n - 1, np.arange(max(0, n - 3), n)[::-1],
-                 n // 2].astype(np.int64) % n
+    return (
+        np.r_[
+            rng.permutation(n)[:7], 0, 0, np.arange(min(n, 5)), n - 1, np.arange(max(0, n - 3), n)[::-1], n // 2
+        ].astype(np.int64)
+        % n
+    )
 
 
 def _served(handler: ProviderHandler, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -52,8 +56,7 @@ def check_source_contract(source: Source, reference: Reference | None = None, se
     # DatasetInfo agrees with the source and with what is read
     assert info["sample_shape"] == list(source.sample_shape) and info["dtype"] == source.dtype.name
     assert info["label_shape"] == list(source.label_shape) and info["label_dtype"] == source.label_dtype.name
-    assert info["splits"]["test"] == {"num_samples": source.num_samples("test"), "available": False,
-                                      "shuffle": False}
+    assert info["splits"]["test"] == {"num_samples": source.num_samples("test"), "available": False, "shuffle": False}
     for split in SPLITS:
         assert info["splits"][split]["num_samples"] == source.num_samples(split), split
         if reference is not None and split in reference:
@@ -111,7 +114,6 @@ print(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
 
 def peak_rss(uri: str) -> int:
     """The peak resident memory of a process that opens ``uri`` and reads all of its train split."""
-    out = subprocess.run([sys.executable, "-c", PEAK_RSS, uri], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", PEAK_RSS, uri], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return int(out.stdout.split()[-1])

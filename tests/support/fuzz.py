@@ -15,8 +15,20 @@ from libbus.constants import MAX_BATCH_INDICES, MAX_FRAMES
 from libbus.messages import MESSAGE_TYPES, decode, encode
 from libbus.schema import schema_of
 
-__all__ = ["ABSURD_INTS", "JSON", "REPLY_TIMEOUT_S", "SENT", "Peer", "batch_request", "head", "nested",
-           "raw_message", "refusals", "rss", "typed_header"]
+__all__ = [
+    "ABSURD_INTS",
+    "JSON",
+    "REPLY_TIMEOUT_S",
+    "SENT",
+    "Peer",
+    "batch_request",
+    "head",
+    "nested",
+    "raw_message",
+    "refusals",
+    "rss",
+    "typed_header",
+]
 
 SENTINEL_ID = 2**62
 #: Messages sent by every Peer in this run (sentinels included), for the record.
@@ -48,8 +60,12 @@ class Peer:
         SENT[0] += 1
 
     def hello(self, token: str, role: str = "trainer", host_id: str = "", caps: dict | None = None) -> dict:
-        self.send([PROTOCOL, head(type="Hello", id=1, role=role, name=f"fuzz-{role}", token=token,
-                                  host_id=host_id, caps=caps or {})])
+        self.send(
+            [
+                PROTOCOL,
+                head(type="Hello", id=1, role=role, name=f"fuzz-{role}", token=token, host_id=host_id, caps=caps or {}),
+            ]
+        )
         replies = self.drain()
         assert replies and replies[-1]["type"] == "Welcome", replies
         return replies[-1]
@@ -98,15 +114,53 @@ def nested(depth: int, kind: str) -> bytes:
 
 # -- strategies ----------------------------------------------------------------------------------
 
-ABSURD_INTS = st.sampled_from([0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, -2**63, 2**64 - 1,
-                               MAX_BATCH_INDICES, MAX_BATCH_INDICES + 1, 63, 64, 65])
-SCALARS = st.one_of(st.none(), st.booleans(), ABSURD_INTS, st.integers(-2**63, 2**63 - 1),
-                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20),
-                    st.sampled_from(["", "\x00", "../" * 20, "a" * 70000, "train", "test", "validation",
-                                     "mnist", "zeros", "trainer", "admin", "provider"]))
-JSON = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                     st.dictionaries(st.text(max_size=6), inner, max_size=4)),
-                    max_leaves=12)
+ABSURD_INTS = st.sampled_from(
+    [
+        0,
+        -1,
+        1,
+        2**31 - 1,
+        2**31,
+        2**32,
+        2**63 - 1,
+        -(2**63),
+        2**64 - 1,
+        MAX_BATCH_INDICES,
+        MAX_BATCH_INDICES + 1,
+        63,
+        64,
+        65,
+    ]
+)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    ABSURD_INTS,
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=20),
+    st.sampled_from(
+        [
+            "",
+            "\x00",
+            "../" * 20,
+            "a" * 70000,
+            "train",
+            "test",
+            "validation",
+            "mnist",
+            "zeros",
+            "trainer",
+            "admin",
+            "provider",
+        ]
+    ),
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+    max_leaves=12,
+)
 TYPES = sorted(MESSAGE_TYPES)
 
 
@@ -126,7 +180,7 @@ def typed_header(draw) -> bytes:
     elif tweak == 1:  # deep nesting in some field
         raw = raw[:-1] + b',"x":' + nested(draw(st.integers(200, 1100)), draw(st.sampled_from(["list", "dict"]))) + b"}"
     elif tweak == 2:  # truncated
-        raw = raw[:draw(st.integers(0, len(raw)))]
+        raw = raw[: draw(st.integers(0, len(raw)))]
     return raw
 
 
@@ -144,20 +198,28 @@ def raw_message(draw) -> list[bytes]:
     return [tag, header, *payload]
 
 
-INDEX_VALUES = st.one_of(st.integers(-2**63, 2**63 - 1), st.sampled_from([-1, 0, 99, 100, 599, 600, 2**63 - 1, -2**63]))
+INDEX_VALUES = st.one_of(
+    st.integers(-(2**63), 2**63 - 1), st.sampled_from([-1, 0, 99, 100, 599, 600, 2**63 - 1, -(2**63)])
+)
 
 
 @st.composite
 def batch_request(draw, slot_seq: bool) -> list[bytes]:
     """A well-typed BatchRequest with hostile dataset/split/range/indices (and slot/seq if asked)."""
-    fields = {"type": "BatchRequest", "id": draw(st.integers(1, 2**40)),
-              "dataset": draw(st.sampled_from(["mnist", "zeros", "nope", ""])),
-              "split": draw(st.sampled_from(["train", "train", "test", "validation", "../train", ""]))}
+    fields = {
+        "type": "BatchRequest",
+        "id": draw(st.integers(1, 2**40)),
+        "dataset": draw(st.sampled_from(["mnist", "zeros", "nope", ""])),
+        "split": draw(st.sampled_from(["train", "train", "test", "validation", "../train", ""])),
+    }
     frames = []
     form = draw(st.integers(0, 3))
     if form == 0:
-        fields["range"] = draw(st.one_of(st.lists(INDEX_VALUES, max_size=3),
-                                         st.tuples(st.integers(-5, 700), st.integers(-5, 700)).map(list)))
+        fields["range"] = draw(
+            st.one_of(
+                st.lists(INDEX_VALUES, max_size=3), st.tuples(st.integers(-5, 700), st.integers(-5, 700)).map(list)
+            )
+        )
     elif form == 1:
         frames = [np.array(draw(st.lists(INDEX_VALUES, max_size=64)), dtype="<i8").tobytes()]
     elif form == 2:

@@ -56,7 +56,7 @@ class _Handler(BaseHTTPRequestHandler):
             for old, new in owner.redirects.items():
                 if self.path.startswith(old):
                     self.send_response(302)
-                    self.send_header("Location", new + self.path[len(old):])
+                    self.send_header("Location", new + self.path[len(old) :])
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
@@ -81,7 +81,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if owner.short_body:  # promise the range, send half of it, hang up
-                self.wfile.write(body[:len(body) // 2])
+                self.wfile.write(body[: len(body) // 2])
                 self.wfile.flush()
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
@@ -127,8 +127,7 @@ class RangeServer:
             context.load_cert_chain(*tls)
             self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
 
     def gets(self) -> list[tuple[str, str | None]]:

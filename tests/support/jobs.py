@@ -20,9 +20,19 @@ from .cluster import Cluster
 __all__ = ["SPEC", "JobCluster", "final_weights"]
 
 #: The job the job tests train: an MLP on mock://mnist?n=600, shuffle full, checkpoints every 10 steps.
-SPEC = {"dataset": "mnist", "model": "mlp", "model_kwargs": {"hidden": 64}, "epochs": 3, "batch_size": 16,
-        "shuffle": "full", "seed": 5, "optimizer": "adam", "lr": 0.003, "evaluate": False,
-        "checkpoint_every": 10}
+SPEC = {
+    "dataset": "mnist",
+    "model": "mlp",
+    "model_kwargs": {"hidden": 64},
+    "epochs": 3,
+    "batch_size": 16,
+    "shuffle": "full",
+    "seed": 5,
+    "optimizer": "adam",
+    "lr": 0.003,
+    "evaluate": False,
+    "checkpoint_every": 10,
+}
 
 
 class JobCluster(Cluster):
@@ -30,13 +40,21 @@ class JobCluster(Cluster):
 
     def __init__(self, state: Path):
         self.audit = state / "audit"
-        super().__init__(state, {
-            "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_HEARTBEAT_LIVENESS": "10", "BATCHBUS_LEASE_S": "4",
-            "BATCHBUS_PROGRESS_INTERVAL_S": "0.1", "BATCHBUS_AUDIT_DIR": str(self.audit),
-            "BATCHBUS_REQUEST_TIMEOUT_S": "3", "BATCHBUS_REQUEST_RETRIES": "1",
-            # a loader waits this long for a lost provider to come back before the attempt
-            # fails (retryable); tests/test_replicas.py covers the wait itself
-            "BATCHBUS_PROVIDER_WAIT_S": "2"})
+        super().__init__(
+            state,
+            {
+                "BATCHBUS_HEARTBEAT_MS": "250",
+                "BATCHBUS_HEARTBEAT_LIVENESS": "10",
+                "BATCHBUS_LEASE_S": "4",
+                "BATCHBUS_PROGRESS_INTERVAL_S": "0.1",
+                "BATCHBUS_AUDIT_DIR": str(self.audit),
+                "BATCHBUS_REQUEST_TIMEOUT_S": "3",
+                "BATCHBUS_REQUEST_RETRIES": "1",
+                # a loader waits this long for a lost provider to come back before the attempt
+                # fails (retryable); tests/test_replicas.py covers the wait itself
+                "BATCHBUS_PROVIDER_WAIT_S": "2",
+            },
+        )
         self.provider_endpoint = ""
 
     def start_provider(self, bind: str = "tcp://127.0.0.1:0") -> None:
@@ -61,8 +79,9 @@ class JobCluster(Cluster):
             except Exception:  # noqa: BLE001 - the provider is still registering
                 assert time.monotonic() < deadline, "provider never registered"
                 time.sleep(0.1)
-        with RemoteLoader("mnist", provider=provider, token=self.admin_token, batch_size=1000,
-                          shuffle="none", copy=True) as loader:
+        with RemoteLoader(
+            "mnist", provider=provider, token=self.admin_token, batch_size=1000, shuffle="none", copy=True
+        ) as loader:
             x, y = next(iter(loader))
         xs, ys = x.numpy(), y.numpy()
         return Counter(digest(xs[i].tobytes(), ys[i].tobytes()) for i in range(len(xs)))

@@ -14,8 +14,11 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(url, timeout=5) as resp:
         assert resp.status == 200
         text = resp.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def value(samples: dict, metric: str, /, **labels) -> float:

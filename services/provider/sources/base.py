@@ -70,8 +70,7 @@ class Source(ABC):
         x[...] = xs
         y[...] = ys
 
-    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *,
-                   epoch: int = 0) -> None:
+    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *, epoch: int = 0) -> None:
         """What the provider calls for a BatchRequest of ``epoch``: :meth:`read_into`, for sources
         whose bytes do not depend on the epoch (a pipeline's random stages do)."""
         self.read_into(split, indices, x, y)
@@ -97,12 +96,18 @@ class Source(ABC):
         splits = {}
         for split in SPLITS:
             private = split == PRIVATE_SPLIT
-            splits[split] = {"num_samples": self.num_samples(split), "available": not private,
-                             "shuffle": not private}
-        return {"uri": self.uri, "splits": splits, "sample_shape": list(self.sample_shape),
-                "label_shape": list(self.label_shape), "dtype": self.dtype.name, "label_dtype": self.label_dtype.name,
-                "num_classes": self.num_classes, "class_names": list(self.class_names),
-                "kind": self.kind}
+            splits[split] = {"num_samples": self.num_samples(split), "available": not private, "shuffle": not private}
+        return {
+            "uri": self.uri,
+            "splits": splits,
+            "sample_shape": list(self.sample_shape),
+            "label_shape": list(self.label_shape),
+            "dtype": self.dtype.name,
+            "label_dtype": self.label_dtype.name,
+            "num_classes": self.num_classes,
+            "class_names": list(self.class_names),
+            "kind": self.kind,
+        }
 
 
 def stable_seed(*parts) -> int:

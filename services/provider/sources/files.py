@@ -89,5 +89,7 @@ def _detect(root: Path, toml: dict) -> str:
             return fmt
     names = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
     found = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-    raise DatasetError(f"no known dataset layout in {root}: expected one of "
-                       f"{'; '.join(e for _, _, e in FORMATS.values())}; found {found or 'nothing'}")
+    raise DatasetError(
+        f"no known dataset layout in {root}: expected one of "
+        f"{'; '.join(e for _, _, e in FORMATS.values())}; found {found or 'nothing'}"
+    )

@@ -45,8 +45,12 @@ FORMATS = {"tokens": tokens.open_tokens, "npy": npy.open_npy, "raw": raw.open_ra
 MAX_FILES = 100_000
 RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 #: Names probed in a directory URI that lists no files.
-PROBED = [TOML] + [f"{n}.npy" for split in ("train", "val", "test") for column in ("x", "y")
-                   for n in (f"{split}_{column}", f"{column}_{split}")]
+PROBED = [TOML] + [
+    f"{n}.npy"
+    for split in ("train", "val", "test")
+    for column in ("x", "y")
+    for n in (f"{split}_{column}", f"{column}_{split}")
+]
 
 
 def expand_template(url: str) -> list[str]:
@@ -81,7 +85,7 @@ class RemotePath:
 
     @property
     def stem(self) -> str:
-        return self.name[:-len(self.suffix)] if self.suffix else self.name
+        return self.name[: -len(self.suffix)] if self.suffix else self.name
 
     def is_file(self) -> bool:
         return self.parent.has(self)
@@ -142,8 +146,7 @@ class RemoteDir:
 class RemoteContext(Context):
     """A :class:`Context` whose files are URLs read by range."""
 
-    def segment(self, path: RemotePath, offset: int = 0, length: int | None = None,
-                name: str | None = None) -> Segment:
+    def segment(self, path: RemotePath, offset: int = 0, length: int | None = None, name: str | None = None) -> Segment:
         size = self.root.size(path.url, required=True)
         remote = RemoteFile(self.root.client, path.url, size)
         return Segment(name or path.url, -1, offset, size - offset if length is None else length, remote)
@@ -152,19 +155,25 @@ class RemoteContext(Context):
 def _http_settings(uri: str, params: dict) -> HttpSettings:
     defaults = HttpSettings()
     out = {}
-    for key, field, kind in (("timeout", "timeout_s", float), ("retries", "retries", int),
-                             ("backoff", "backoff_s", float), ("concurrency", "concurrency", int)):
+    for key, field, kind in (
+        ("timeout", "timeout_s", float),
+        ("retries", "retries", int),
+        ("backoff", "backoff_s", float),
+        ("concurrency", "concurrency", int),
+    ):
         if key not in params:
             continue
         value = params.pop(key)
         try:
             out[field] = kind(value)
         except ValueError:
-            raise DatasetError(f"{uri}: {key} must be {'an integer' if kind is int else 'a number'}, "
-                               f"got {value!r}") from None
+            raise DatasetError(
+                f"{uri}: {key} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
+            ) from None
         if out[field] < (1 if key == "concurrency" else 0) or (key == "timeout" and out[field] == 0):
-            raise DatasetError(f"{uri}: {key} must be {'at least 1' if key == 'concurrency' else 'positive'}, "
-                               f"got {value!r}")
+            raise DatasetError(
+                f"{uri}: {key} must be {'at least 1' if key == 'concurrency' else 'positive'}, got {value!r}"
+            )
     allowed = [o.strip() for o in params.pop("allow_origins", "").split(",") if o.strip()]
     out["origins"] = (origin_of(uri), *(origin_of(o) for o in allowed))
     if "ca" in params:
@@ -176,7 +185,7 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
 
 def _listing(uri: str, url: str, params: dict, client: RangeClient) -> tuple[str, dict | None]:
     """(base URL, name → (url, size)) for the files the URI names; ``None``: probe by name."""
-    base = url if url.endswith("/") else url[:url.rfind("/") + 1]
+    base = url if url.endswith("/") else url[: url.rfind("/") + 1]
     chosen = [k for k in ("files", "manifest") if k in params] + (["range"] if RANGE.search(url) else [])
     if len(chosen) > 1:
         raise DatasetError(f"{uri}: give one of files=, manifest= or a {{A..B}} range, not {' and '.join(chosen)}")
@@ -191,14 +200,16 @@ def _listing(uri: str, url: str, params: dict, client: RangeClient) -> tuple[str
         origins = client.settings.origins
         for name, (u, _) in listed.items():  # refused now, not at the first batch
             if origins and origin_of(u) not in origins:
-                raise DatasetError(f"{murl}: entry {name!r} is {u}, outside the dataset's origin {origins[0]} "
-                                   "(allow it with ?allow_origins=scheme://host:port)")
+                raise DatasetError(
+                    f"{murl}: entry {name!r} is {u}, outside the dataset's origin {origins[0]} "
+                    "(allow it with ?allow_origins=scheme://host:port)"
+                )
         return base, listed
     if RANGE.search(url):  # names relative to the folder above the range: unique, in range order
-        base = url[:url.rfind("/", 0, RANGE.search(url).start()) + 1]
-        return base, {u[len(base):]: (u, None) for u in expand_template(url)}
+        base = url[: url.rfind("/", 0, RANGE.search(url).start()) + 1]
+        return base, {u[len(base) :]: (u, None) for u in expand_template(url)}
     if not url.endswith("/"):
-        return base, {url[len(base):]: (url, None)}
+        return base, {url[len(base) :]: (url, None)}
     return base, None
 
 
@@ -239,9 +250,11 @@ def open_http_source(req: OpenRequest) -> Source:
             found = {n: ((root / n).url, root.size((root / n).url)) for n in PROBED}
             root.listed = {n: (u, s) for n, (u, s) in found.items() if s is not None}
             if not root.listed:
-                raise DatasetError(f"{uri}: HTTP cannot list a directory and none of {', '.join(PROBED[:3])}, "
-                                   "… is there: name the files with ?files=a.bin,b.bin, ?manifest=NAME or "
-                                   "a {000..015} range")
+                raise DatasetError(
+                    f"{uri}: HTTP cannot list a directory and none of {', '.join(PROBED[:3])}, "
+                    "… is there: name the files with ?files=a.bin,b.bin, ?manifest=NAME or "
+                    "a {000..015} range"
+                )
         if npz := [n for n in root.listed if n.endswith(".npz")]:
             raise DatasetError(f"{uri}: {npz[0]}: .npz archives are not read over HTTP; serve the .npy arrays")
         toml = _read_toml(root)
@@ -249,8 +262,7 @@ def open_http_source(req: OpenRequest) -> Source:
         memory = params.pop("memory", "stream")
         if memory not in MEMORY_MODES:
             raise DatasetError(f"{uri}: memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
-        fmt = settings.get("format") or (
-            "raw" if raw.detect(toml) else "npy" if npy.detect(root) else "tokens")
+        fmt = settings.get("format") or ("raw" if raw.detect(toml) else "npy" if npy.detect(root) else "tokens")
         if fmt not in FORMATS:
             raise DatasetError(f"{uri}: format {fmt!r} is not read over HTTP; expected one of {', '.join(FORMATS)}")
         ctx = RemoteContext(uri, root, root, settings, toml)

@@ -24,13 +24,11 @@ class MockImages(Source):
     """Generated, deterministic, learnable MNIST- or CIFAR-shaped data (float32, ~zero mean)."""
 
     SHAPES = {"mnist": ((1, 28, 28), 60000), "cifar10": ((3, 32, 32), 50000)}
-    CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-                   "truck"]
+    CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
     def __init__(self, uri: str, name: str, n: int | None = None, seed: int = 0, noise: float = 2.0):
         if name not in self.SHAPES:
-            raise DatasetError(f"{uri}: unknown mock dataset {name!r}; expected one of "
-                               f"{', '.join(self.SHAPES)}")
+            raise DatasetError(f"{uri}: unknown mock dataset {name!r}; expected one of {', '.join(self.SHAPES)}")
         shape, default_total = self.SHAPES[name]
         self.uri = uri
         self.name = name
@@ -54,7 +52,7 @@ class MockImages(Source):
         up = np.kron(coarse, np.ones((1, 1, 4, 4), np.float32))  # smooth 28x28 blobs
         out = np.zeros((self.num_classes, c, h, w), np.float32)
         oy, ox = (h - up.shape[2]) // 2, (w - up.shape[3]) // 2
-        out[:, :, oy:oy + up.shape[2], ox:ox + up.shape[3]] = up
+        out[:, :, oy : oy + up.shape[2], ox : ox + up.shape[3]] = up
         return out
 
     def num_samples(self, split: str) -> int:
@@ -101,8 +99,7 @@ class Dummy(Source):
         return self.n if split == "train" else max(1, self.n // 5)
 
     def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return (np.zeros((len(indices), *self.sample_shape), self.dtype),
-                np.zeros(len(indices), self.label_dtype))
+        return (np.zeros((len(indices), *self.sample_shape), self.dtype), np.zeros(len(indices), self.label_dtype))
 
 
 def open_mock(req: OpenRequest) -> Source:

@@ -58,8 +58,9 @@ class MockTokens(Source):
     label_shape = (0,)
     label_dtype = np.dtype(np.int64)
 
-    def __init__(self, uri: str, n: int = 20000, seq_len: int = 64, vocab: int = 256, seed: int = 0,
-                 noise: float = 0.1):
+    def __init__(
+        self, uri: str, n: int = 20000, seq_len: int = 64, vocab: int = 256, seed: int = 0, noise: float = 0.1
+    ):
         if n < 1:
             raise DatasetError(f"{uri}: n must be at least 1, got {n}")
         if seq_len < 1:
@@ -98,7 +99,7 @@ class MockTokens(Source):
         q = self.noise / self.vocab  # every token's share of the uniform noise
         total = 0.0
         for start in range(0, self.vocab, 1 << 16):  # chunks bound the (rows, 4, 4) temporaries
-            succ = self.successors[start:start + (1 << 16)]
+            succ = self.successors[start : start + (1 << 16)]
             same = succ[:, :, None] == succ[:, None, :]
             # a successor listed twice in a row gets both shares; count each distinct token once
             p = q + (1 - self.noise) * (same * _SUCCESSOR_P[None, None, :]).sum(2)

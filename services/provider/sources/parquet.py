@@ -76,8 +76,14 @@ def detect(root: Path) -> bool:
 
 
 def _subsets(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name not in ("data", *SPLIT_NAMES["train"])
-                  and not p.name.startswith(".") and any(_split_files(f, "train") for f in _folders(p)))
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and p.name not in ("data", *SPLIT_NAMES["train"])
+        and not p.name.startswith(".")
+        and any(_split_files(f, "train") for f in _folders(p))
+    )
 
 
 def find_files(uri: str, root: Path, subset: str | None) -> dict[str, list[Path]]:
@@ -85,15 +91,19 @@ def find_files(uri: str, root: Path, subset: str | None) -> dict[str, list[Path]
     if subset:
         base = root / subset
         if not base.is_dir():
-            raise DatasetError(f"{uri}: no subset folder {subset!r} in {root}; found "
-                               f"{', '.join(p.name for p in _subsets(root)) or 'none'}")
+            raise DatasetError(
+                f"{uri}: no subset folder {subset!r} in {root}; found "
+                f"{', '.join(p.name for p in _subsets(root)) or 'none'}"
+            )
     else:
         base = root
         if not any(_split_files(f, "train") for f in _folders(root)):
             subsets = _subsets(root)
             if len(subsets) > 1:
-                raise DatasetError(f"{uri}: {len(subsets)} subsets ({', '.join(p.name for p in subsets)}); "
-                                   "choose one with ?subset=NAME")
+                raise DatasetError(
+                    f"{uri}: {len(subsets)} subsets ({', '.join(p.name for p in subsets)}); "
+                    "choose one with ?subset=NAME"
+                )
             base = subsets[0] if subsets else root
     out = {}
     for split in SPLITS:
@@ -102,16 +112,17 @@ def find_files(uri: str, root: Path, subset: str | None) -> dict[str, list[Path]
                 out[split] = files
                 break
     if "train" not in out:
-        raise DatasetError(f"{uri}: no Parquet train files in {base} or {base / 'data'}; expected "
-                           "train-*.parquet, train.parquet or train/*.parquet")
+        raise DatasetError(
+            f"{uri}: no Parquet train files in {base} or {base / 'data'}; expected "
+            "train-*.parquet, train.parquet or train/*.parquet"
+        )
     return out
 
 
 class _Kind:
     """How a feature column becomes samples: ``image``, ``list`` or ``columns``."""
 
-    def __init__(self, name: str, columns: list[str], shape: tuple[int, ...], dtype: np.dtype,
-                 mode: str | None = None):
+    def __init__(self, name: str, columns: list[str], shape: tuple[int, ...], dtype: np.dtype, mode: str | None = None):
         self.name, self.columns, self.shape, self.dtype, self.mode = name, columns, shape, dtype, mode
 
 
@@ -139,8 +150,10 @@ def _kind(uri: str, path: Path, table, columns: list[str]) -> _Kind:
     types = [table.schema.field(c).type for c in columns]
     if len(columns) > 1:
         if not all(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) for t in types):
-            raise DatasetError(f"{uri}: several feature columns must all be numbers; {', '.join(columns)} are "
-                               f"{', '.join(map(str, types))}")
+            raise DatasetError(
+                f"{uri}: several feature columns must all be numbers; {', '.join(columns)} are "
+                f"{', '.join(map(str, types))}"
+            )
         dtype = np.result_type(*[t.to_pandas_dtype() for t in types])
         return _Kind("columns", columns, (len(columns),), np.dtype(dtype))
     t, col = types[0], columns[0]
@@ -164,8 +177,17 @@ def _kind(uri: str, path: Path, table, columns: list[str]) -> _Kind:
 class ParquetSource(Source):
     """Samples from Parquet files, read by row group through a small LRU (see the module doc)."""
 
-    def __init__(self, uri: str, root: Path, files: dict[str, list[Path]], column: str | None,
-                 label: str | None, val_fraction: float, classes: int | None, cache_mb: float):
+    def __init__(
+        self,
+        uri: str,
+        root: Path,
+        files: dict[str, list[Path]],
+        column: str | None,
+        label: str | None,
+        val_fraction: float,
+        classes: int | None,
+        cache_mb: float,
+    ):
         _, pq = _pyarrow()
         self.uri, self.root = uri, root
         self._lock, self._read_lock = threading.Lock(), threading.Lock()
@@ -182,17 +204,20 @@ class ParquetSource(Source):
                     raise DatasetError(f"{path}: not a readable Parquet file: {err}") from err
                 self.files.append((path, pf))
                 meta = pf.metadata
-                groups[split] += [(len(self.files) - 1, g, meta.row_group(g).num_rows)
-                                  for g in range(meta.num_row_groups)]
+                groups[split] += [
+                    (len(self.files) - 1, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
+                ]
         path0, pf0 = self.files[0]
         schema = pf0.schema_arrow
         self.label = self._label_column(schema.names, label)
         self.columns = self._feature_columns(schema.names, column)
         for path, pf in self.files:
-            if missing := [c for c in [*self.columns, *([self.label] if self.label else [])]
-                           if c not in pf.schema_arrow.names]:
-                raise DatasetError(f"{path}: has no column {missing[0]!r}; its columns: "
-                                   f"{', '.join(pf.schema_arrow.names)}")
+            if missing := [
+                c for c in [*self.columns, *([self.label] if self.label else [])] if c not in pf.schema_arrow.names
+            ]:
+                raise DatasetError(
+                    f"{path}: has no column {missing[0]!r}; its columns: {', '.join(pf.schema_arrow.names)}"
+                )
         first = next(((f, g) for f, g, n in groups["train"] if n), None)
         if first is None:
             raise DatasetError(f"{uri}: the train files ({', '.join(str(p) for p in files['train'][:3])}) hold no rows")
@@ -220,8 +245,10 @@ class ParquetSource(Source):
             return [found]
         rest = [n for n in names if n != self.label]
         if len(rest) != 1:
-            raise DatasetError(f"{self.uri}: cannot tell which column is the feature among {', '.join(rest)}; "
-                               "name it with ?column=NAME (or column=a,b,c for numeric columns side by side)")
+            raise DatasetError(
+                f"{self.uri}: cannot tell which column is the feature among {', '.join(rest)}; "
+                "name it with ?column=NAME (or column=a,b,c for numeric columns side by side)"
+            )
         return rest
 
     def _label_setup(self, schema, classes: int | None) -> None:
@@ -231,8 +258,10 @@ class ParquetSource(Source):
             return
         t = schema.field(self.label).type
         if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
-            raise DatasetError(f"{self.uri}: label column {self.label!r} is {t}; expected integer class ids "
-                               "(or numbers); choose another with ?label= or none with label=")
+            raise DatasetError(
+                f"{self.uri}: label column {self.label!r} is {t}; expected integer class ids "
+                "(or numbers); choose another with ?label= or none with label="
+            )
         self.label_shape = ()
         self.label_dtype = np.dtype(np.int64) if pa.types.is_integer(t) else np.dtype(t.to_pandas_dtype())
         if self.label_dtype.kind != "i":
@@ -327,8 +356,10 @@ class ParquetSource(Source):
                 ys = table.column(self.label).take(local).to_numpy(zero_copy_only=False)
                 if self.label_dtype.kind == "i" and len(ys) and (ys.min() < 0 or ys.max() >= self.num_classes):
                     bad = ys.min() if ys.min() < 0 else ys.max()
-                    raise DatasetError(f"{self.files[file][0]}: label {bad} is outside the {self.num_classes} "
-                                       f"classes 0..{self.num_classes - 1}")
+                    raise DatasetError(
+                        f"{self.files[file][0]}: label {bad} is outside the {self.num_classes} "
+                        f"classes 0..{self.num_classes - 1}"
+                    )
                 y[dest] = ys
 
     def _features(self, table, local: np.ndarray, x: np.ndarray, dest: np.ndarray, file: int, group: int) -> None:
@@ -342,13 +373,17 @@ class ParquetSource(Source):
         values = table.column(kind.columns[0]).take(local).to_pylist()
         for r, row, value in zip(dest.tolist(), local.tolist(), values):
             what = f"{path} row group {group} row {row}"
-            sample = (_decode_image(value, what, kind.mode) if kind.name == "image"
-                      else np.asarray(value if value is not None else [], kind.dtype))
+            sample = (
+                _decode_image(value, what, kind.mode)
+                if kind.name == "image"
+                else np.asarray(value if value is not None else [], kind.dtype)
+            )
             if sample.shape != kind.shape:
-                raise DatasetError(f"{what}: column {kind.columns[0]!r} has shape {sample.shape}, the dataset's "
-                                   f"first row {kind.shape}; every row must have one shape")
+                raise DatasetError(
+                    f"{what}: column {kind.columns[0]!r} has shape {sample.shape}, the dataset's "
+                    f"first row {kind.shape}; every row must have one shape"
+                )
             x[r] = sample
-
 
     def _lists(self, table, local: np.ndarray, x: np.ndarray, dest: np.ndarray) -> bool:
         """List rows straight from Arrow's flat values, when every row has the dataset's shape and

@@ -40,8 +40,9 @@ def open_source(uri: str, named: Mapping[str, Source] | None = None) -> Source:
     params = {k: v[-1] for k, v in raw.items()}
     opener = OPENERS.get(parts.scheme)
     if opener is None:
-        raise DatasetError(f"unsupported dataset URI {uri!r}: known schemes are "
-                           f"{', '.join(s + '://' for s in OPENERS)}")
+        raise DatasetError(
+            f"unsupported dataset URI {uri!r}: known schemes are {', '.join(s + '://' for s in OPENERS)}"
+        )
     # nested URIs (a mix's members, a pipeline's source) are opened without the provider's names
     source = opener(OpenRequest(uri, parts, params, open=open_source, named=named or {}))
     if params:

@@ -88,8 +88,10 @@ class Schedule:
         self.weights = weights
         self.period = sum(weights)
         if self.period > MAX_PERIOD:
-            raise DatasetError(f"weights {weights} repeat only every {self.period} samples (more than "
-                               f"{MAX_PERIOD}); give simpler explicit weights such as 3 and 1")
+            raise DatasetError(
+                f"weights {weights} repeat only every {self.period} samples (more than "
+                f"{MAX_PERIOD}); give simpler explicit weights such as 3 and 1"
+            )
         self.ids, self.checkpoints = self._build()
 
     def _build(self) -> tuple[np.ndarray, np.ndarray]:
@@ -121,7 +123,7 @@ class Schedule:
             beaten = under & ((earlier < 0) | ((earlier == 0) & (numbers[:, None] < picks)))
             ok = under[picks, ahead] & ~beaten.any(axis=0)
             good = m if ok.all() else int(np.argmin(ok))
-            ids[done:done + good] = picks[:good]
+            ids[done : done + good] = picks[:good]
             counts += chosen[:, :good].sum(axis=1)
             done += good
             if good < m:
@@ -145,7 +147,7 @@ class Schedule:
         the schedule gives to ``source[r]``."""
         positions = np.asarray(positions, np.int64).reshape(-1)
         if len(positions) > LOCATE_CHUNK:  # bounds the (positions x BLOCK) temporaries
-            parts = [self.locate(positions[a:a + LOCATE_CHUNK]) for a in range(0, len(positions), LOCATE_CHUNK)]
+            parts = [self.locate(positions[a : a + LOCATE_CHUNK]) for a in range(0, len(positions), LOCATE_CHUNK)]
             return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
         laps, r = np.divmod(positions, self.period)
         src = self.ids[r].astype(np.int64)
@@ -166,14 +168,19 @@ class Mix(Source):
         for name, src in zip(names[1:], sources[1:]):
             for attr in ("sample_shape", "dtype", "label_shape", "label_dtype", "kind"):
                 if getattr(src, attr) != getattr(first, attr):
-                    raise DatasetError(f"{uri}: {name} has {attr} {getattr(src, attr)} but {names[0]} has "
-                                       f"{getattr(first, attr)}; every source of a mix must agree")
+                    raise DatasetError(
+                        f"{uri}: {name} has {attr} {getattr(src, attr)} but {names[0]} has "
+                        f"{getattr(first, attr)}; every source of a mix must agree"
+                    )
         self.sample_shape, self.dtype = first.sample_shape, first.dtype
         self.label_shape, self.label_dtype, self.kind = first.label_shape, first.label_dtype, first.kind
         self.num_classes = max(s.num_classes for s in sources)
         same_names = all(s.class_names == first.class_names for s in sources)
-        self.class_names = list(first.class_names) if same_names else (
-            [str(i) for i in range(self.num_classes)] if first.class_names else [])
+        self.class_names = (
+            list(first.class_names)
+            if same_names
+            else ([str(i) for i in range(self.num_classes)] if first.class_names else [])
+        )
         self.weights = weights
         self._splits = {split: self._plan(split) for split in SPLITS}
 
@@ -200,9 +207,10 @@ class Mix(Source):
         _, members, schedule = self._splits["train"]
         shares = dict(zip(members, schedule.weights)) if schedule else {}
         info["format"] = "weighted"
-        info["sources"] = [{"name": name, "uri": src.uri, "train_share": (
-            shares[i] / schedule.period if i in shares else 0.0)}
-            for i, (name, src) in enumerate(zip(self.names, self.sources))]
+        info["sources"] = [
+            {"name": name, "uri": src.uri, "train_share": (shares[i] / schedule.period if i in shares else 0.0)}
+            for i, (name, src) in enumerate(zip(self.names, self.sources))
+        ]
         return info
 
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
@@ -212,8 +220,7 @@ class Mix(Source):
         for src in self.sources:
             src.close()
 
-    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *,
-                   epoch: int = 0) -> None:
+    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *, epoch: int = 0) -> None:
         """Samples ``indices`` of the mix: one read per source the batch touches (``epoch`` goes
         on to members whose bytes depend on it: pipelines with random stages)."""
         n, members, schedule = self._splits[split]
@@ -237,31 +244,37 @@ class Mix(Source):
             y[rows] = ys
 
 
-def _entry(uri: str, where: str, entry, named: Mapping[str, Source],
-           open_source: Callable[[str], Source]) -> tuple[str, Source, object]:
+def _entry(
+    uri: str, where: str, entry, named: Mapping[str, Source], open_source: Callable[[str], Source]
+) -> tuple[str, Source, object]:
     if not isinstance(entry, dict):
         raise DatasetError(f"{where}: expected a table with uri or dataset, and weight")
     if unknown := entry.keys() - ENTRY_KEYS:
-        raise DatasetError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected uri or dataset, "
-                           "and weight")
+        raise DatasetError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected uri or dataset, and weight")
     weight = entry.get("weight")
-    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int | float)
-                               or not weight > 0 or not math.isfinite(weight)):
+    if weight is not None and (
+        isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0 or not math.isfinite(weight)
+    ):
         raise DatasetError(f"{where}: weight must be a positive number, got {weight!r}")
     if ("uri" in entry) == ("dataset" in entry):
-        raise DatasetError(f"{where}: give either uri (a dataset URI) or dataset (a name this provider "
-                           "serves), not both or neither")
+        raise DatasetError(
+            f"{where}: give either uri (a dataset URI) or dataset (a name this provider serves), not both or neither"
+        )
     if "dataset" in entry:
         name = entry["dataset"]
         if name not in named:
-            raise DatasetError(f"{where}: dataset {name!r} is not served by this provider before the mix; "
-                               f"give it first with --dataset {name}=URI (served so far: "
-                               f"{', '.join(named) or 'none'})")
+            raise DatasetError(
+                f"{where}: dataset {name!r} is not served by this provider before the mix; "
+                f"give it first with --dataset {name}=URI (served so far: "
+                f"{', '.join(named) or 'none'})"
+            )
         return f"{where} (dataset {name!r})", named[name], weight
     sub = entry["uri"]
     if not isinstance(sub, str) or sub.startswith("weighted:"):
-        raise DatasetError(f"{where}: uri must be a dataset URI string other than weighted:// (to nest a "
-                           "mix, serve it under a name and give dataset = NAME)")
+        raise DatasetError(
+            f"{where}: uri must be a dataset URI string other than weighted:// (to nest a "
+            "mix, serve it under a name and give dataset = NAME)"
+        )
     try:
         return f"{where} ({sub})", open_source(sub), weight
     except DatasetError as err:
@@ -288,5 +301,4 @@ def open_weighted(req: OpenRequest) -> Mix:
     weights = [w for _, _, w in opened]
     if any(w is None for w in weights) and any(w is not None for w in weights):
         raise DatasetError(f"{path}: give every source a weight, or none (then each weighs its length)")
-    return Mix(uri, [n for n, _, _ in opened], [s for _, s, _ in opened],
-               None if weights[0] is None else weights)
+    return Mix(uri, [n for n, _, _ in opened], [s for _, s, _ in opened], None if weights[0] is None else weights)

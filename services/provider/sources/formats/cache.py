@@ -37,8 +37,10 @@ def cached(src: Path, cache_dir: Path, name: str, open_stream: Callable[[], Bina
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=f".{name}.", suffix=".tmp")
     except OSError as err:
-        raise DatasetError(f"{src}: cannot write its decompressed copy to {cache_dir} ({err.strerror}); "
-                           "name a writable directory with ?cache=DIR") from err
+        raise DatasetError(
+            f"{src}: cannot write its decompressed copy to {cache_dir} ({err.strerror}); "
+            "name a writable directory with ?cache=DIR"
+        ) from err
     try:
         with os.fdopen(fd, "wb") as out, open_stream() as stream:
             shutil.copyfileobj(stream, out, CHUNK)

@@ -41,9 +41,11 @@ def _table(ctx: Context, paths: list[Path]) -> Table:
     segments = [ctx.segment(p) for p in paths]
     for seg in segments:
         if seg.length % RECORD:
-            raise DatasetError(f"{seg.name}: {seg.length} bytes is not a whole number of {RECORD}-byte "
-                               f"records (1 label byte + {PIXELS} pixel bytes); truncated? "
-                               f"({seg.length // RECORD} whole records, {seg.length % RECORD} bytes over)")
+            raise DatasetError(
+                f"{seg.name}: {seg.length} bytes is not a whole number of {RECORD}-byte "
+                f"records (1 label byte + {PIXELS} pixel bytes); truncated? "
+                f"({seg.length // RECORD} whole records, {seg.length % RECORD} bytes over)"
+            )
     count = sum(s.length for s in segments) // RECORD
     records = Records(ByteSpace(segments), 0, RECORD, count, [(0, 1), (1, PIXELS)])
     return Table(count, [(records, ["y", "x"])], label_name=", ".join(s.name for s in segments))
@@ -60,5 +62,13 @@ def open_cifar(ctx: Context) -> Layout:
     meta = root / "batches.meta.txt"
     if not names and meta.is_file():
         names = [line.strip() for line in meta.read_text().splitlines() if line.strip()]
-    return Layout("cifar10", tables, SAMPLE, np.dtype("u1"), (), np.dtype("u1"),
-                  ctx.settings.get("num_classes") or (len(names) if names else 10), names or [])
+    return Layout(
+        "cifar10",
+        tables,
+        SAMPLE,
+        np.dtype("u1"),
+        (),
+        np.dtype("u1"),
+        ctx.settings.get("num_classes") or (len(names) if names else 10),
+        names or [],
+    )

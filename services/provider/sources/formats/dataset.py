@@ -36,8 +36,9 @@ class Context:
     """What a format opener gets: the directory, the settings, and the files it opens (closed by
     the source, or here when opening fails)."""
 
-    def __init__(self, uri: str, root: Path, cache_dir: Path, settings: dict, toml: dict,
-                 allowed: tuple[Path, ...] = ()):
+    def __init__(
+        self, uri: str, root: Path, cache_dir: Path, settings: dict, toml: dict, allowed: tuple[Path, ...] = ()
+    ):
         self.uri, self.root, self.cache_dir = uri, root, cache_dir
         self.settings = settings  # query over dataset.toml: seq_len, token_bytes, vocab_size, ...
         self.toml = toml
@@ -46,8 +47,7 @@ class Context:
         #: cache, and what the operator allowed (``?allow_paths=``). Empty: anywhere.
         self.allowed = tuple(Path(os.path.realpath(p)) for p in allowed)
 
-    def segment(self, path: Path, offset: int = 0, length: int | None = None,
-                name: str | None = None) -> Segment:
+    def segment(self, path: Path, offset: int = 0, length: int | None = None, name: str | None = None) -> Segment:
         """Open ``path`` (once per call) and describe ``length`` bytes of it from ``offset``."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -68,9 +68,11 @@ class Context:
             return
         real = Path(os.readlink(f"/proc/self/fd/{fd}"))
         if not any(real == a or a in real.parents for a in self.allowed):
-            raise DatasetError(f"{path}: is really {real}, outside the dataset's directory {self.root}; "
-                               "a provider serves files elsewhere only when its operator allows them "
-                               "(?allow_paths=DIR on the dataset's URI)")
+            raise DatasetError(
+                f"{path}: is really {real}, outside the dataset's directory {self.root}; "
+                "a provider serves files elsewhere only when its operator allows them "
+                "(?allow_paths=DIR on the dataset's URI)"
+            )
 
     def close(self) -> None:
         _close_all(self.fds)
@@ -182,8 +184,7 @@ class FileSource(Source):
     """Samples from files in a directory, in RAM (``memory=ram``) or read per batch with
     positional reads (``memory=stream``), so memory stays bounded whatever the dataset's size."""
 
-    def __init__(self, uri: str, root: Path, layout: Layout, ctx: Context, memory: str,
-                 val_fraction: float):
+    def __init__(self, uri: str, root: Path, layout: Layout, ctx: Context, memory: str, val_fraction: float):
         self.uri, self.root, self.layout = uri, root, layout
         self.sample_shape = layout.sample_shape
         self.dtype = layout.x_dtype.newbyteorder("=")
@@ -210,8 +211,9 @@ class FileSource(Source):
             _close_all(self._fds)  # all in RAM: the files are no longer needed
         self._class_labels = self.label_shape == () and self.label_dtype.kind in "iu"
         self.num_classes = layout.num_classes or (self._count_classes(tables) if self._class_labels else 0)
-        self.class_names = layout.class_names or ([str(i) for i in range(self.num_classes)]
-                                                  if self._class_labels else [])
+        self.class_names = layout.class_names or (
+            [str(i) for i in range(self.num_classes)] if self._class_labels else []
+        )
         if self.class_names and len(self.class_names) != self.num_classes:
             raise DatasetError(f"{uri}: {len(self.class_names)} class names for {self.num_classes} classes")
 
@@ -223,8 +225,9 @@ class FileSource(Source):
         if "val" not in tables:
             val = round(train.count * fraction)
             if train.count - val < 1:
-                raise DatasetError(f"{self.uri}: val_fraction {fraction} of {train.count} train samples "
-                                   "leaves none to train on")
+                raise DatasetError(
+                    f"{self.uri}: val_fraction {fraction} of {train.count} train samples leaves none to train on"
+                )
             out["train"] = (train, 0, train.count - val)
             out["val"] = (train, train.count - val, val)
         out.setdefault("test", (None, 0, 0))
@@ -257,8 +260,10 @@ class FileSource(Source):
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = len(idx)
         if x.shape != (n, *self.sample_shape) or y.shape != (n, *self.label_shape):
-            raise ValueError(f"read_into needs x of shape {(n, *self.sample_shape)} and y of shape "
-                             f"{(n, *self.label_shape)}, got {x.shape} and {y.shape}")
+            raise ValueError(
+                f"read_into needs x of shape {(n, *self.sample_shape)} and y of shape "
+                f"{(n, *self.label_shape)}, got {x.shape} and {y.shape}"
+            )
         if n == 0:
             return
         lo, hi = int(idx.min()), int(idx.max())
@@ -321,9 +326,12 @@ class FileSource(Source):
         if self._class_labels and self.num_classes and len(y):
             lo, hi = int(y.min()), int(y.max())
             if lo < 0 or hi >= self.num_classes:
-                raise DatasetError(f"{table.label_name}: label {lo if lo < 0 else hi} is outside the "
-                                   f"{self.num_classes} classes 0..{self.num_classes - 1}")
+                raise DatasetError(
+                    f"{table.label_name}: label {lo if lo < 0 else hi} is outside the "
+                    f"{self.num_classes} classes 0..{self.num_classes - 1}"
+                )
         if self.kind == "tokens" and x.size and int(x.max()) >= self.num_classes:
-            raise DatasetError(f"{self.root}: token {int(x.max())} is not below vocab_size "
-                               f"{self.num_classes}; set vocab_size to the tokenizer's")
-
+            raise DatasetError(
+                f"{self.root}: token {int(x.max())} is not below vocab_size "
+                f"{self.num_classes}; set vocab_size to the tokenizer's"
+            )

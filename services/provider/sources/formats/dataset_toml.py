@@ -11,9 +11,14 @@ __all__ = ["SETTINGS", "TOML", "TOML_KEYS", "parse_dataset_toml", "parse_setting
 
 TOML = "dataset.toml"
 #: settings: name in the URI query → (name in dataset.toml and in Context.settings, type)
-SETTINGS = {"format": ("format", str), "val_fraction": ("val_fraction", float), "seq_len": ("seq_len", int),
-            "token_bytes": ("token_bytes", int), "vocab_size": ("vocab_size", int),
-            "classes": ("num_classes", int)}
+SETTINGS = {
+    "format": ("format", str),
+    "val_fraction": ("val_fraction", float),
+    "seq_len": ("seq_len", int),
+    "token_bytes": ("token_bytes", int),
+    "vocab_size": ("vocab_size", int),
+    "classes": ("num_classes", int),
+}
 TOML_KEYS = {key for key, _ in SETTINGS.values()} | {"class_names", "train", "val", "test"}
 
 
@@ -24,8 +29,9 @@ def parse_dataset_toml(data: bytes, where: str) -> dict:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise DatasetError(f"{where}: not valid TOML: {err}") from err
     if unknown := toml.keys() - TOML_KEYS:
-        raise DatasetError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected "
-                           f"{', '.join(sorted(TOML_KEYS))}")
+        raise DatasetError(
+            f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected {', '.join(sorted(TOML_KEYS))}"
+        )
     return toml
 
 
@@ -39,8 +45,9 @@ def parse_settings(uri: str, params: dict, toml: dict) -> dict:
             try:
                 value = kind(value)
             except ValueError:
-                raise DatasetError(f"{where} must be {'an integer' if kind is int else 'a number'}, "
-                                   f"got {value!r}") from None
+                raise DatasetError(
+                    f"{where} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
+                ) from None
         if value is None:
             continue
         if kind is float and isinstance(value, int) and not isinstance(value, bool):

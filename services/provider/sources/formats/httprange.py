@@ -91,9 +91,11 @@ class RangeClient:
         if self.settings.origins and origin_of(url) not in self.settings.origins:
             # A redirect, manifest or dataset.toml must not point the provider at another host
             # (an internal address, a metadata service): only the dataset's origin, or one allowed.
-            raise HttpError(f"{url}: outside the dataset's origin {self.settings.origins[0]}; the provider "
-                            "reads nothing else unless allowed (?allow_origins=scheme://host:port)",
-                            retryable=False)
+            raise HttpError(
+                f"{url}: outside the dataset's origin {self.settings.origins[0]}; the provider "
+                "reads nothing else unless allowed (?allow_origins=scheme://host:port)",
+                retryable=False,
+            )
         parts = urlsplit(url)
         conns = getattr(self._local, "conns", None)
         if conns is None:
@@ -102,8 +104,9 @@ class RangeClient:
         conn = conns.get(key)
         if conn is None:
             if parts.scheme == "https":
-                conn = http.client.HTTPSConnection(parts.netloc, timeout=self.settings.timeout_s,
-                                                   context=self._tls_context())
+                conn = http.client.HTTPSConnection(
+                    parts.netloc, timeout=self.settings.timeout_s, context=self._tls_context()
+                )
             else:
                 conn = http.client.HTTPConnection(parts.netloc, timeout=self.settings.timeout_s)
             conns[key] = conn
@@ -134,15 +137,20 @@ class RangeClient:
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as err:
                 self._drop(url)
-                raise HttpError(f"{method} {_via(first, url)}{_range_text(headers)}: {_describe(err)}",
-                                retryable=not isinstance(err, ssl.SSLCertVerificationError)) from err
+                raise HttpError(
+                    f"{method} {_via(first, url)}{_range_text(headers)}: {_describe(err)}",
+                    retryable=not isinstance(err, ssl.SSLCertVerificationError),
+                ) from err
             if resp.status < 300:
                 return resp
             self._drop(url)  # an error or redirect body is not worth reading: a fresh connection next time
             location = resp.getheader("Location")
             if resp.status not in REDIRECTS or not location:
-                raise HttpError(f"{method} {_via(first, url)}{_range_text(headers)}: HTTP {resp.status} "
-                                f"{resp.reason}", retryable=resp.status in RETRY_STATUSES, status=resp.status)
+                raise HttpError(
+                    f"{method} {_via(first, url)}{_range_text(headers)}: HTTP {resp.status} {resp.reason}",
+                    retryable=resp.status in RETRY_STATUSES,
+                    status=resp.status,
+                )
             url = urljoin(url, location)
         raise HttpError(f"{method} {first}: more than {MAX_REDIRECTS} redirects", retryable=False)
 
@@ -156,17 +164,19 @@ class RangeClient:
                 if not err.retryable or attempt == s.retries:
                     tries = f" (after {attempt + 1} attempts)" if attempt else ""
                     raise HttpError(f"{err}{tries}", retryable=False, status=err.status) from err
-                log.warning("%s; retrying in %.2f s", err, s.backoff_s * 2 ** attempt)
-                time.sleep(s.backoff_s * 2 ** attempt)
+                log.warning("%s; retrying in %.2f s", err, s.backoff_s * 2**attempt)
+                time.sleep(s.backoff_s * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def size(self, url: str) -> int:
         """The size of the file at ``url`` in bytes (HEAD; a 1-byte GET where HEAD is refused)."""
+
         def head() -> int | None:
             resp = self._attempt("HEAD", url, {})
             resp.read()
             length = resp.getheader("Content-Length")
             return int(length) if length is not None and length.isdigit() else None
+
         try:
             size = self._retrying(head)
         except HttpError as err:
@@ -181,12 +191,15 @@ class RangeClient:
         resp.read()
         match = CONTENT_RANGE.fullmatch(resp.getheader("Content-Range") or "")
         if resp.status != 206 or match is None or match.group(3) == "*":
-            raise HttpError(f"GET {url}: cannot learn its size (no Content-Length on HEAD, no "
-                            "Content-Range on a range GET)", retryable=False)
+            raise HttpError(
+                f"GET {url}: cannot learn its size (no Content-Length on HEAD, no Content-Range on a range GET)",
+                retryable=False,
+            )
         return int(match.group(3))
 
     def get(self, url: str) -> bytes:
         """A whole small file (at most :data:`MAX_SMALL_FILE` bytes)."""
+
         def fetch() -> bytes:
             resp = self._attempt("GET", url, {})
             try:
@@ -198,6 +211,7 @@ class RangeClient:
                 self._drop(url)
                 raise HttpError(f"GET {url}: larger than {MAX_SMALL_FILE} bytes", retryable=False)
             return data
+
         return self._retrying(fetch)
 
     def read_into(self, url: str, offset: int, buffers: list[memoryview]) -> None:
@@ -213,13 +227,14 @@ class RangeClient:
         if resp.status != 206:
             resp.close()
             self._drop(url)
-            raise HttpError(f"{where}: HTTP {resp.status} instead of 206 Partial Content; the server "
-                            "does not serve byte ranges", retryable=False)
+            raise HttpError(
+                f"{where}: HTTP {resp.status} instead of 206 Partial Content; the server does not serve byte ranges",
+                retryable=False,
+            )
         match = CONTENT_RANGE.fullmatch(resp.getheader("Content-Range") or "")
         if match is None or (int(match.group(1)), int(match.group(2))) != (offset, offset + nbytes - 1):
             self._drop(url)
-            raise HttpError(f"{where}: answered Content-Range {resp.getheader('Content-Range')!r}",
-                            retryable=False)
+            raise HttpError(f"{where}: answered Content-Range {resp.getheader('Content-Range')!r}", retryable=False)
         got = 0
         try:
             for buf in buffers:
@@ -232,8 +247,9 @@ class RangeClient:
                     view = view[n:]
         except (OSError, http.client.HTTPException) as err:
             self._drop(url)
-            raise HttpError(f"{where}: body ended after {got} of {nbytes} bytes ({_describe(err)})",
-                            retryable=True) from err
+            raise HttpError(
+                f"{where}: body ended after {got} of {nbytes} bytes ({_describe(err)})", retryable=True
+            ) from err
         if resp.read(1):
             self._drop(url)
             raise HttpError(f"{where}: body longer than the {nbytes} bytes asked for", retryable=False)
@@ -259,7 +275,6 @@ class RemoteFile:
     client: RangeClient
     url: str
     size: int
-
 
 
 def _via(first: str, last: str) -> str:

@@ -28,8 +28,14 @@ from .reader import Segment
 __all__ = ["detect", "open_idx", "read_header"]
 
 #: IDX type code → dtype as stored (big-endian).
-DTYPES = {0x08: np.dtype("u1"), 0x09: np.dtype("i1"), 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-          0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+DTYPES = {
+    0x08: np.dtype("u1"),
+    0x09: np.dtype("i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
 NAME = re.compile(r"^(?:.*-)?(train|t10k|test|val)-(images|labels)[.-]idx\d+-ubyte(\.gz)?$")
 SPLIT_OF = {"train": "train", "t10k": "test", "test": "test", "val": "val"}
 EXPECTED = "train-images-idx3-ubyte[.gz] with train-labels-idx1-ubyte[.gz] (MNIST IDX)"
@@ -43,8 +49,7 @@ def _find(root: Path) -> dict[tuple[str, str], Path]:
             continue
         key = (SPLIT_OF[m.group(1)], m.group(2))
         if key in found and (found[key].suffix == ".gz") == (path.suffix == ".gz"):
-            raise DatasetError(f"{root}: both {found[key].name} and {path.name} hold {key[0]} {key[1]}; "
-                               "keep one")
+            raise DatasetError(f"{root}: both {found[key].name} and {path.name} hold {key[0]} {key[1]}; keep one")
         if key not in found or found[key].suffix == ".gz":  # the uncompressed file wins
             found[key] = path
     return found
@@ -59,24 +64,31 @@ def read_header(seg: Segment, noun: str = "items") -> tuple[np.dtype, tuple[int,
     """An IDX file's stored dtype, dimensions and the segment of its values, sizes checked."""
     head = os.pread(seg.fd, 4, 0)
     if len(head) < 4 or head[:2] != b"\0\0" or head[3] == 0:
-        raise DatasetError(f"{seg.name}: not an IDX file: expected 00 00 <type> <ndim> at its start, "
-                           f"found {head.hex(' ') or 'nothing'}")
+        raise DatasetError(
+            f"{seg.name}: not an IDX file: expected 00 00 <type> <ndim> at its start, "
+            f"found {head.hex(' ') or 'nothing'}"
+        )
     if head[2] not in DTYPES:
-        raise DatasetError(f"{seg.name}: unknown IDX type code 0x{head[2]:02X}; expected one of "
-                           f"{', '.join(f'0x{c:02X}' for c in DTYPES)}")
+        raise DatasetError(
+            f"{seg.name}: unknown IDX type code 0x{head[2]:02X}; expected one of "
+            f"{', '.join(f'0x{c:02X}' for c in DTYPES)}"
+        )
     dtype, ndim = DTYPES[head[2]], head[3]
     raw = os.pread(seg.fd, 4 * ndim, 4)
     if len(raw) < 4 * ndim:
-        raise DatasetError(f"{seg.name}: truncated header: {ndim} dimensions need {4 + 4 * ndim} bytes, "
-                           f"the file has {seg.length}")
+        raise DatasetError(
+            f"{seg.name}: truncated header: {ndim} dimensions need {4 + 4 * ndim} bytes, the file has {seg.length}"
+        )
     dims = struct.unpack(f">{ndim}I", raw)
     start = 4 + 4 * ndim
     want = start + math.prod(dims) * dtype.itemsize
     if seg.length != want:
         shape = "x".join(map(str, dims[1:])) or "scalars"
         what = "truncated" if seg.length < want else "longer than its header says"
-        raise DatasetError(f"{seg.name}: header says {dims[0]} {noun} of {shape} {dtype.name} ({want} bytes) "
-                           f"but the file has {seg.length} bytes ({what})")
+        raise DatasetError(
+            f"{seg.name}: header says {dims[0]} {noun} of {shape} {dtype.name} ({want} bytes) "
+            f"but the file has {seg.length} bytes ({what})"
+        )
     return dtype, dims, Segment(seg.name, seg.fd, start, want - start)
 
 
@@ -95,28 +107,45 @@ def open_idx(ctx: Context) -> Layout:
     for split in ("train", "val", "test"):
         if (split, "images") not in found:
             if (split, "labels") in found:
-                raise DatasetError(f"{found[split, 'labels']}: labels without images; expected "
-                                   f"{found[split, 'labels'].name.replace('labels', 'images')} beside it")
+                raise DatasetError(
+                    f"{found[split, 'labels']}: labels without images; expected "
+                    f"{found[split, 'labels'].name.replace('labels', 'images')} beside it"
+                )
             continue
         if (split, "labels") not in found:
-            raise DatasetError(f"{found[split, 'images']}: images without labels; expected "
-                               f"{found[split, 'images'].name.replace('images', 'labels')} beside it")
+            raise DatasetError(
+                f"{found[split, 'images']}: images without labels; expected "
+                f"{found[split, 'images'].name.replace('images', 'labels')} beside it"
+            )
         xdt, xdims, xseg = read_header(_open(ctx, found[split, "images"]), "images")
         ydt, ydims, yseg = read_header(_open(ctx, found[split, "labels"]), "labels")
         if xdims[0] != ydims[0]:
-            raise DatasetError(f"{found[split, 'images']} has {xdims[0]} images but "
-                               f"{found[split, 'labels']} has {ydims[0]} labels")
+            raise DatasetError(
+                f"{found[split, 'images']} has {xdims[0]} images but {found[split, 'labels']} has {ydims[0]} labels"
+            )
         sample = tuple(xdims[1:]) if len(xdims) != 3 else (1, *xdims[1:])
         kinds.add((xdt, sample, ydt, tuple(ydims[1:])))
         if len(kinds) > 1:
-            raise DatasetError(f"{found[split, 'images']}: its samples or labels differ in type or shape "
-                               "from the train split's")
+            raise DatasetError(
+                f"{found[split, 'images']}: its samples or labels differ in type or shape from the train split's"
+            )
         xbytes = math.prod(sample) * xdt.itemsize
         ybytes = math.prod(ydims[1:]) * ydt.itemsize
-        tables[split] = Table(xdims[0], [Table.single(xseg, xdims[0], xbytes, "x"),
-                                         Table.single(yseg, ydims[0], ybytes, "y")], label_name=yseg.name)
+        tables[split] = Table(
+            xdims[0],
+            [Table.single(xseg, xdims[0], xbytes, "x"), Table.single(yseg, ydims[0], ybytes, "y")],
+            label_name=yseg.name,
+        )
     if not tables:
         raise DatasetError(f"{ctx.root}: no IDX image/label pairs; expected {EXPECTED}")
     xdt, sample, ydt, label_shape = kinds.pop()
-    return Layout("idx", tables, sample, xdt, label_shape, ydt, ctx.settings.get("num_classes"),
-                  ctx.settings.get("class_names") or [])
+    return Layout(
+        "idx",
+        tables,
+        sample,
+        xdt,
+        label_shape,
+        ydt,
+        ctx.settings.get("num_classes"),
+        ctx.settings.get("class_names") or [],
+    )

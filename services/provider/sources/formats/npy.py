@@ -48,7 +48,7 @@ def npy_header(seg: Segment) -> tuple[np.dtype, tuple[int, ...], Segment]:
         if version not in ((1, 0), (2, 0)):
             raise ValueError(f"format version {version} (expected 1.0 or 2.0)")
         size_len = 2 if version == (1, 0) else 4
-        header_len = 8 + size_len + int.from_bytes(head[8:8 + size_len], "little")
+        header_len = 8 + size_len + int.from_bytes(head[8 : 8 + size_len], "little")
         f = io.BytesIO(read_at(seg, header_len))
         np.lib.format.read_magic(f)
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
@@ -60,13 +60,17 @@ def npy_header(seg: Segment) -> tuple[np.dtype, tuple[int, ...], Segment]:
     if any(d < 0 for d in shape):
         raise DatasetError(f"{seg.name}: header gives a negative dimension in shape {shape}")
     if dtype.kind not in "biuf" or not shape:
-        raise DatasetError(f"{seg.name}: holds {'a scalar' if not shape else dtype.name + ' values'}; "
-                           "expected an array of numbers with one row per sample")
+        raise DatasetError(
+            f"{seg.name}: holds {'a scalar' if not shape else dtype.name + ' values'}; "
+            "expected an array of numbers with one row per sample"
+        )
     want = header_len + math.prod(shape) * dtype.itemsize
     if seg.length != want:
         what = "truncated" if seg.length < want else "longer than its header says"
-        raise DatasetError(f"{seg.name}: header says shape {shape} of {dtype} ({want} bytes) but the file "
-                           f"has {seg.length} bytes ({what})")
+        raise DatasetError(
+            f"{seg.name}: header says shape {shape} of {dtype} ({want} bytes) but the file "
+            f"has {seg.length} bytes ({what})"
+        )
     return dtype, tuple(shape), Segment(seg.name, seg.fd, seg.offset + header_len, want - header_len, seg.remote)
 
 
@@ -84,19 +88,22 @@ def npz_members(ctx: Context, path: Path) -> dict[str, Segment]:
         if info.compress_type == zipfile.ZIP_STORED:
             local = os.pread(whole.fd, ZIP_LOCAL_HEADER.size, info.header_offset)
             if len(local) < ZIP_LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
-                raise DatasetError(f"{path}: member {info.filename} has no local header at byte "
-                                   f"{info.header_offset}; the archive is damaged")
+                raise DatasetError(
+                    f"{path}: member {info.filename} has no local header at byte "
+                    f"{info.header_offset}; the archive is damaged"
+                )
             _, name_len, extra_len = ZIP_LOCAL_HEADER.unpack(local)
             start = info.header_offset + ZIP_LOCAL_HEADER.size + name_len + extra_len
             if start + info.file_size > whole.length:
-                raise DatasetError(f"{path}: member {info.filename} runs past the end of the archive; "
-                                   "truncated?")
+                raise DatasetError(f"{path}: member {info.filename} runs past the end of the archive; truncated?")
             members[name] = Segment(f"{path}[{info.filename}]", whole.fd, start, info.file_size)
         else:
+
             @contextmanager
             def stream(info=info):
                 with zipfile.ZipFile(path) as zf, zf.open(info) as f:
                     yield f
+
             copy = cached(path, ctx.cache_dir, f"{path.stem}.{info.filename}", stream)
             members[name] = ctx.segment(copy, name=f"{path}[{info.filename}] (extracted to {copy})")
     return members
@@ -107,8 +114,9 @@ def open_npy(ctx: Context) -> Layout:
     truncated or mismatched array."""
     npz = sorted(ctx.root.glob("*.npz"))
     if len(npz) > 1:
-        raise DatasetError(f"{ctx.root}: several .npz files ({', '.join(p.name for p in npz)}); "
-                           "keep one per dataset directory")
+        raise DatasetError(
+            f"{ctx.root}: several .npz files ({', '.join(p.name for p in npz)}); keep one per dataset directory"
+        )
     if npz and not any((ctx.root / f"{n}.npy").is_file() for n in _names("train", "x")):
         members = npz_members(ctx, npz[0])
         what = f"{npz[0]} member "
@@ -130,18 +138,31 @@ def open_npy(ctx: Context) -> Layout:
         xdt, xshape, xseg = npy_header(x if isinstance(x, Segment) else ctx.segment(x))
         ydt, yshape, yseg = npy_header(y if isinstance(y, Segment) else ctx.segment(y))
         if xshape[0] != yshape[0]:
-            raise DatasetError(f"{what}{xn}.npy has {xshape[0]} samples but {what}{yn}.npy has {yshape[0]} "
-                               f"(in {ctx.root})")
+            raise DatasetError(
+                f"{what}{xn}.npy has {xshape[0]} samples but {what}{yn}.npy has {yshape[0]} (in {ctx.root})"
+            )
         kinds.add((xdt, xshape[1:], ydt, yshape[1:]))
         if len(kinds) > 1:
-            raise DatasetError(f"{xseg.name}: the {split} arrays differ in dtype or row shape from the "
-                               "other splits'")
+            raise DatasetError(f"{xseg.name}: the {split} arrays differ in dtype or row shape from the other splits'")
         n = xshape[0]
-        tables[split] = Table(n, [Table.single(xseg, n, math.prod(xshape[1:]) * xdt.itemsize, "x"),
-                                  Table.single(yseg, n, math.prod(yshape[1:]) * ydt.itemsize, "y")],
-                              label_name=yseg.name)
+        tables[split] = Table(
+            n,
+            [
+                Table.single(xseg, n, math.prod(xshape[1:]) * xdt.itemsize, "x"),
+                Table.single(yseg, n, math.prod(yshape[1:]) * ydt.itemsize, "y"),
+            ],
+            label_name=yseg.name,
+        )
     if not tables:
         raise DatasetError(f"{ctx.root}: no train arrays; expected {EXPECTED}")
     xdt, sample, ydt, label_shape = kinds.pop()
-    return Layout("npy", tables, sample, xdt, label_shape, ydt, ctx.settings.get("num_classes"),
-                  ctx.settings.get("class_names") or [])
+    return Layout(
+        "npy",
+        tables,
+        sample,
+        xdt,
+        label_shape,
+        ydt,
+        ctx.settings.get("num_classes"),
+        ctx.settings.get("class_names") or [],
+    )

@@ -63,18 +63,24 @@ def open_raw(ctx: Context) -> Layout:
         if spec is None:
             continue
         where = f"{toml_path} [{split}]"
-        if not isinstance(spec, dict) or not {"x", "dtype", "shape"} <= spec.keys() or not all(
-                isinstance(spec.get(k, ""), str) for k in ("x", "y")):
+        if (
+            not isinstance(spec, dict)
+            or not {"x", "dtype", "shape"} <= spec.keys()
+            or not all(isinstance(spec.get(k, ""), str) for k in ("x", "y"))
+        ):
             raise DatasetError(f"{where}: needs x (a file name), dtype and shape; y (a file name) is optional")
         if unknown := spec.keys() - TABLE_KEYS:
-            raise DatasetError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected "
-                               f"{', '.join(sorted(TABLE_KEYS))}")
+            raise DatasetError(
+                f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected {', '.join(sorted(TABLE_KEYS))}"
+            )
         xdt, shape = _dtype(spec["dtype"], f"{where} dtype"), _shape(spec["shape"], f"{where} shape")
         xseg = ctx.segment(ctx.root / spec["x"])
         xbytes = math.prod(shape) * xdt.itemsize
         if xseg.length % xbytes:
-            raise DatasetError(f"{xseg.name}: {xseg.length} bytes is not a whole number of {xbytes}-byte "
-                               f"samples ({xdt} {list(shape)}); truncated? ({xseg.length % xbytes} bytes over)")
+            raise DatasetError(
+                f"{xseg.name}: {xseg.length} bytes is not a whole number of {xbytes}-byte "
+                f"samples ({xdt} {list(shape)}); truncated? ({xseg.length % xbytes} bytes over)"
+            )
         n = xseg.length // xbytes
         parts = [Table.single(xseg, n, xbytes, "x")]
         ydt, label_shape, label_name = None, (), ""
@@ -84,8 +90,10 @@ def open_raw(ctx: Context) -> Layout:
             yseg = ctx.segment(ctx.root / spec["y"])
             ybytes = math.prod(label_shape) * ydt.itemsize
             if yseg.length != n * ybytes:
-                raise DatasetError(f"{xseg.name} has {n} samples but {yseg.name} has {yseg.length} bytes, "
-                                   f"{yseg.length / ybytes:g} labels of {ybytes} bytes; expected {n * ybytes}")
+                raise DatasetError(
+                    f"{xseg.name} has {n} samples but {yseg.name} has {yseg.length} bytes, "
+                    f"{yseg.length / ybytes:g} labels of {ybytes} bytes; expected {n * ybytes}"
+                )
             parts.append(Table.single(yseg, n, ybytes, "y"))
             label_name = yseg.name
         kinds.add((xdt, shape, ydt, label_shape))
@@ -95,5 +103,13 @@ def open_raw(ctx: Context) -> Layout:
     if not tables:
         raise DatasetError(f"{toml_path}: no [train] table; expected {EXPECTED}")
     xdt, shape, ydt, label_shape = kinds.pop()
-    return Layout("raw", tables, shape, xdt, label_shape, ydt, ctx.settings.get("num_classes"),
-                  ctx.settings.get("class_names") or [])
+    return Layout(
+        "raw",
+        tables,
+        shape,
+        xdt,
+        label_shape,
+        ydt,
+        ctx.settings.get("num_classes"),
+        ctx.settings.get("class_names") or [],
+    )

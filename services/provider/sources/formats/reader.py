@@ -99,7 +99,8 @@ class ByteSpace:
                     _pread(seg, seg.offset + at - self.starts[i], piece)
                 else:
                     remote.setdefault(id(seg.remote.client), []).append(
-                        (seg.remote, seg.offset + at - self.starts[i], piece))
+                        (seg.remote, seg.offset + at - self.starts[i], piece)
+                    )
         for pieces in remote.values():
             pieces[0][0].client.read_runs(pieces)
 
@@ -108,8 +109,10 @@ class ByteSpace:
         stretches also cut at ``IOV_MAX`` buffers)."""
         total = sum(len(b) for b in buffers)
         if offset < 0 or offset + total > self.size:
-            raise DatasetError(f"read of {total} bytes at {offset} is outside the {self.size} bytes of "
-                               f"{', '.join(s.name for s in self.segments)}")
+            raise DatasetError(
+                f"read of {total} bytes at {offset} is outside the {self.size} bytes of "
+                f"{', '.join(s.name for s in self.segments)}"
+            )
         i = bisect.bisect_right(self.starts, offset) - 1
         pos, batch, batch_at = offset, [], offset
         for buf in buffers:
@@ -134,8 +137,9 @@ def _pread(seg: Segment, offset: int, buffers: list[memoryview]) -> None:
     while buffers:
         got = os.preadv(seg.fd, buffers, offset)
         if got == 0:
-            raise DatasetError(f"{seg.name}: unexpected end of file at byte {offset}; the file was "
-                               "truncated after it was opened")
+            raise DatasetError(
+                f"{seg.name}: unexpected end of file at byte {offset}; the file was truncated after it was opened"
+            )
         offset += got
         # a short read (a signal, or over 2 GiB at once): drop what is full, resume in the rest
         while buffers and got >= len(buffers[0]):
@@ -152,8 +156,7 @@ class Records:
     between them are read into a scratch buffer (one read per run beats skipping a byte).
     """
 
-    def __init__(self, space: ByteSpace, base: int, record: int, count: int,
-                 fields: list[tuple[int, int]]):
+    def __init__(self, space: ByteSpace, base: int, record: int, count: int, fields: list[tuple[int, int]]):
         self.space, self.base, self.record, self.count = space, base, record, count
         self.fields = fields
         # the record as pieces: (field number or None for a gap, nbytes)
@@ -197,7 +200,7 @@ class Records:
                 if a in run_at:
                     buffers = []
                     runs.append((self.base + int(ordered[a]) * w, buffers))
-                buffers.append(dest[row * w:(row + b - a) * w])
+                buffers.append(dest[row * w : (row + b - a) * w])
             self.space.read_runs(runs)
             return
         rows_all = order.tolist()
@@ -208,7 +211,6 @@ class Records:
             for r in rows_all[a:b]:
                 for f, nbytes in self.pieces:
                     dest = dests[f] if f is not None else None
-                    buffers.append(self.scratch[:nbytes] if dest is None
-                                   else dest[r * nbytes:(r + 1) * nbytes])
+                    buffers.append(self.scratch[:nbytes] if dest is None else dest[r * nbytes : (r + 1) * nbytes])
             runs.append((self.base + int(ordered[a]) * self.record, buffers))
         self.space.read_runs(runs)

@@ -29,8 +29,7 @@ EXPECTED = "token shards (*.bin, *.ds or *.npy, with seq_len set)"
 
 def shards(root: Path) -> list[Path]:
     """The shard files in ``root``, in name order."""
-    return sorted(p for p in root.iterdir()
-                  if p.suffix in SUFFIXES and not p.name.startswith(".") and p.is_file())
+    return sorted(p for p in root.iterdir() if p.suffix in SUFFIXES and not p.name.startswith(".") and p.is_file())
 
 
 def detect(root: Path) -> bool:
@@ -44,8 +43,9 @@ def open_tokens(ctx: Context) -> Layout:
     s, root = ctx.settings, ctx.root
     seq_len, token_bytes = s.get("seq_len"), s.get("token_bytes")
     if not seq_len:
-        raise DatasetError(f"{root}: token shards need a sequence length: add ?seq_len=N to the URI or "
-                           "seq_len = N to dataset.toml")
+        raise DatasetError(
+            f"{root}: token shards need a sequence length: add ?seq_len=N to the URI or seq_len = N to dataset.toml"
+        )
     segments = []
     for path in shards(root):
         seg = ctx.segment(path)
@@ -56,12 +56,16 @@ def open_tokens(ctx: Context) -> Layout:
             size = dtype.itemsize
         else:
             if token_bytes is None:
-                raise DatasetError(f"{path}: the token size of .bin/.ds shards is not recorded in them: add "
-                                   "?token_bytes=2 or 4 to the URI, or token_bytes to dataset.toml")
+                raise DatasetError(
+                    f"{path}: the token size of .bin/.ds shards is not recorded in them: add "
+                    "?token_bytes=2 or 4 to the URI, or token_bytes to dataset.toml"
+                )
             size = token_bytes
             if seg.length % size:
-                raise DatasetError(f"{path}: {seg.length} bytes is not a whole number of {size}-byte tokens; "
-                                   "truncated, or token_bytes is wrong")
+                raise DatasetError(
+                    f"{path}: {seg.length} bytes is not a whole number of {size}-byte tokens; "
+                    "truncated, or token_bytes is wrong"
+                )
         if token_bytes is not None and size != token_bytes:
             raise DatasetError(f"{path}: holds {size}-byte tokens but token_bytes is {token_bytes}")
         token_bytes = size
@@ -70,8 +74,10 @@ def open_tokens(ctx: Context) -> Layout:
         raise DatasetError(f"{root}: no token shards; expected {EXPECTED}")
     vocab = s.get("vocab_size") or (65536 if token_bytes == 2 else None)
     if vocab is None:
-        raise DatasetError(f"{root}: 4-byte tokens need vocab_size (the tokenizer's): add ?vocab_size=N "
-                           "or vocab_size = N to dataset.toml")
+        raise DatasetError(
+            f"{root}: 4-byte tokens need vocab_size (the tokenizer's): add ?vocab_size=N "
+            "or vocab_size = N to dataset.toml"
+        )
     if vocab > 1 << (8 * token_bytes):
         raise DatasetError(f"{root}: vocab_size {vocab} does not fit {token_bytes}-byte tokens")
     space = ByteSpace(segments)
@@ -80,5 +86,12 @@ def open_tokens(ctx: Context) -> Layout:
     if count == 0:
         raise DatasetError(f"{root}: {tokens} tokens make no whole sequence of seq_len + 1 = {seq_len + 1}")
     table = Table(count, [(Records(space, 0, record, count, [(0, record)]), ["x"])])
-    return Layout("tokens", {"train": table}, (seq_len + 1,), np.dtype(f"<u{token_bytes}"), num_classes=vocab,
-                  kind="tokens", extra={"seq_len": seq_len, "vocab_size": vocab, "token_bytes": token_bytes})
+    return Layout(
+        "tokens",
+        {"train": table},
+        (seq_len + 1,),
+        np.dtype(f"<u{token_bytes}"),
+        num_classes=vocab,
+        kind="tokens",
+        extra={"seq_len": seq_len, "vocab_size": vocab, "token_bytes": token_bytes},
+    )

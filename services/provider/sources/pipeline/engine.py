@@ -66,8 +66,8 @@ class _Job:
             if self.error is not None:
                 return
             end = chunk.start + len(chunk.indices)
-            self.x[chunk.start:end] = chunk.x
-            self.y[chunk.start:end] = chunk.y
+            self.x[chunk.start : end] = chunk.x
+            self.y[chunk.start : end] = chunk.y
             self.remaining -= 1
             if self.remaining == 0:
                 self.done.set()
@@ -115,8 +115,15 @@ class Pipeline(Source):
         timeout_s: how long a read waits for its batch.
     """
 
-    def __init__(self, uri: str, stages: list[Stage], *, chunk: int = 64, queue_capacity: int = 4,
-                 timeout_s: float = BATCH_TIMEOUT_S):
+    def __init__(
+        self,
+        uri: str,
+        stages: list[Stage],
+        *,
+        chunk: int = 64,
+        queue_capacity: int = 4,
+        timeout_s: float = BATCH_TIMEOUT_S,
+    ):
         self.uri = uri
         self.stages = stages
         self.source: Source = stages[0].source
@@ -152,10 +159,19 @@ class Pipeline(Source):
                 return
             inboxes = [self.requests, *self.queues[:-1]]
             for stage, inbox, outbox in zip(self.stages, inboxes, self.queues):
-                self._threads.append(threading.Thread(target=_stage_worker, args=(stage, inbox, outbox, self._stop),
-                                                      name=f"stage-{stage.name}", daemon=True))
-            self._threads.append(threading.Thread(target=_sink_worker, args=(self.queues[-1], self._stop),
-                                                  name="stage-sink", daemon=True))
+                self._threads.append(
+                    threading.Thread(
+                        target=_stage_worker,
+                        args=(stage, inbox, outbox, self._stop),
+                        name=f"stage-{stage.name}",
+                        daemon=True,
+                    )
+                )
+            self._threads.append(
+                threading.Thread(
+                    target=_sink_worker, args=(self.queues[-1], self._stop), name="stage-sink", daemon=True
+                )
+            )
             for thread in self._threads:
                 thread.start()
 
@@ -171,8 +187,7 @@ class Pipeline(Source):
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         self.serve_into(split, indices, x, y, epoch=0)
 
-    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *,
-                   epoch: int = 0) -> None:
+    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *, epoch: int = 0) -> None:
         """Run ``indices`` through the stages into ``x``/``y``; random stages draw from ``epoch``.
 
         Raises the first stage error (its type, its message prefixed with the stage's name),
@@ -190,33 +205,39 @@ class Pipeline(Source):
         job = _Job(x, y, len(starts))
         deadline = time.monotonic() + self.timeout_s
         for start in starts:
-            chunk = Chunk(job, start, indices[start:start + self.chunk], split, epoch)
+            chunk = Chunk(job, start, indices[start : start + self.chunk], split, epoch)
             if job.failed or not self.requests.put(chunk, self._stop, POLL_S, deadline):
                 break  # the wait below turns a stop or the deadline into the batch's error
         while not job.done.wait(POLL_S):
             if self._stop.is_set():
                 job.fail(DatasetError(f"{self.uri}: pipeline closed while reading"))
             elif time.monotonic() > deadline:
-                job.fail(Timeout(f"{self.uri}: batch of {len(indices)} samples not through the pipeline "
-                                 f"within {self.timeout_s:g} s"))
+                job.fail(
+                    Timeout(
+                        f"{self.uri}: batch of {len(indices)} samples not through the pipeline "
+                        f"within {self.timeout_s:g} s"
+                    )
+                )
         if job.error is not None:
             raise job.error
 
     # -- metrics and control --------------------------------------------------------------------
     def metrics(self) -> dict:
         """Every stage's counters with its output queue's, and the request queue's."""
-        return {"requests": self.requests.metrics(),
-                "stages": [{**s.metrics(), "queue": q.metrics()} for s, q in zip(self.stages, self.queues)]}
+        return {
+            "requests": self.requests.metrics(),
+            "stages": [{**s.metrics(), "queue": q.metrics()} for s, q in zip(self.stages, self.queues)],
+        }
 
     def stage(self, name: str) -> Stage:
         for stage in self.stages:
             if stage.name == name:
                 return stage
-        raise NotFound(f"{self.uri} has no stage {name!r}; its stages are "
-                       f"{', '.join(s.name for s in self.stages)}")
+        raise NotFound(f"{self.uri} has no stage {name!r}; its stages are {', '.join(s.name for s in self.stages)}")
 
 
 # -- what the provider asks of its pipelines ------------------------------------------------------
+
 
 def pipeline_stats(datasets: dict[str, Source]) -> dict:
     """``{"pipelines": {dataset: metrics}}`` for the pipeline datasets among ``datasets`` (else ``{}``)."""
@@ -238,13 +259,21 @@ def find_stage(datasets: dict[str, Source], dataset: str, stage: str) -> tuple[s
         names = [f"{n}/{s.name}" for n, p in sorted(pipelines.items()) for s in p.stages]
         raise NotFound(f"no pipeline here has a stage {stage!r}; stages: {', '.join(names)}")
     if len(candidates) > 1:
-        raise BadRequest(f"stage {stage!r} is in several pipelines ({', '.join(candidates)}); name the "
-                         "dataset (busctl control --dataset NAME)")
+        raise BadRequest(
+            f"stage {stage!r} is in several pipelines ({', '.join(candidates)}); name the "
+            "dataset (busctl control --dataset NAME)"
+        )
     return candidates[0], pipelines[candidates[0]].stage(stage)
 
 
-def stage_control(datasets: dict[str, Source], dataset: str, stage: str, command: str, args: dict,
-                  check_dataset: Callable[[str], None]) -> dict:
+def stage_control(
+    datasets: dict[str, Source],
+    dataset: str,
+    stage: str,
+    command: str,
+    args: dict,
+    check_dataset: Callable[[str], None],
+) -> dict:
     """Run a control command: ``{dataset, stage, type, result}`` from the stage's answer.
 
     ``stage`` ``"*"`` sends it to every stage of the pipeline that answers ``command`` (the seed
@@ -255,20 +284,20 @@ def stage_control(datasets: dict[str, Source], dataset: str, stage: str, command
     if stage != "*":
         name, target = find_stage(datasets, dataset, stage)
         check_dataset(name)
-        return {"dataset": name, "stage": target.name, "type": target.type,
-                "result": target.control(command, args)}
+        return {"dataset": name, "stage": target.name, "type": target.type, "result": target.control(command, args)}
     pipelines = _pipelines(datasets)
     if not dataset and len(pipelines) > 1:
-        raise BadRequest(f"stage '*' needs the dataset: this provider serves {len(pipelines)} pipelines "
-                         f"({', '.join(sorted(pipelines))}); busctl control --dataset NAME")
+        raise BadRequest(
+            f"stage '*' needs the dataset: this provider serves {len(pipelines)} pipelines "
+            f"({', '.join(sorted(pipelines))}); busctl control --dataset NAME"
+        )
     name = dataset or next(iter(pipelines))
     pipeline = _pipeline(pipelines, name)
     check_dataset(name)
     targets = [s for s in pipeline.stages if command in s.commands()]
     if not targets:
         raise BadRequest(f"no stage of {name!r} answers {command!r}")
-    return {"dataset": name, "stage": "*", "type": "*",
-            "result": {s.name: s.control(command, args) for s in targets}}
+    return {"dataset": name, "stage": "*", "type": "*", "result": {s.name: s.control(command, args) for s in targets}}
 
 
 def _pipelines(datasets: dict[str, Source]) -> dict[str, Pipeline]:

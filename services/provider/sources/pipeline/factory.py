@@ -55,7 +55,7 @@ def _stage_tables(where: str, stages) -> dict[str, dict]:
     for number, table in enumerate(stages, 1):
         name = table.get("name")
         if not isinstance(name, str) or not name:
-            raise ConfigError(f"{where}: stage #{number} has no name (name = \"…\")")
+            raise ConfigError(f'{where}: stage #{number} has no name (name = "…")')
         if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise ConfigError(f"{where}: stage name {name!r} may hold letters, digits, '-', '_', '.'")
         if name in tables:
@@ -63,14 +63,18 @@ def _stage_tables(where: str, stages) -> dict[str, dict]:
         types = [k for k in table if k in STAGE_TYPES]
         unknown = sorted(set(table) - set(STAGE_TYPES) - {"name", "input"})
         if unknown:
-            raise ConfigError(f"{where}: stage {name!r}: unknown key(s) {', '.join(unknown)}; a stage has "
-                              f"name, input and one of {known}")
+            raise ConfigError(
+                f"{where}: stage {name!r}: unknown key(s) {', '.join(unknown)}; a stage has "
+                f"name, input and one of {known}"
+            )
         if len(types) != 1:
             what = "no type" if not types else f"{len(types)} types ({', '.join(types)})"
             raise ConfigError(f"{where}: stage {name!r} has {what}; give exactly one of {known}")
         if not isinstance(table[types[0]], dict):
-            raise ConfigError(f"{where}: stage {name!r}: {types[0]} must be a table of parameters, "
-                              f"got {type(table[types[0]]).__name__}")
+            raise ConfigError(
+                f"{where}: stage {name!r}: {types[0]} must be a table of parameters, "
+                f"got {type(table[types[0]]).__name__}"
+            )
         if "input" in table and not isinstance(table["input"], str):
             raise ConfigError(f"{where}: stage {name!r}: input must be a stage name, got {table['input']!r}")
         tables[name] = table
@@ -82,10 +86,9 @@ def _chain(where: str, tables: dict[str, dict]) -> list[str]:
     names = list(tables)
     sources = [n for n in names if "source" in tables[n]]
     if not sources:
-        raise ConfigError(f"{where}: no source stage; add one with source = {{ uri = \"…\" }}")
+        raise ConfigError(f'{where}: no source stage; add one with source = {{ uri = "…" }}')
     if len(sources) > 1:
-        raise ConfigError(f"{where}: {len(sources)} source stages ({', '.join(sources)}); a pipeline has "
-                          "exactly one")
+        raise ConfigError(f"{where}: {len(sources)} source stages ({', '.join(sources)}); a pipeline has exactly one")
     for name, table in tables.items():
         is_source = "source" in table
         if is_source and "input" in table:
@@ -93,16 +96,20 @@ def _chain(where: str, tables: dict[str, dict]) -> list[str]:
         if not is_source and "input" not in table:
             raise ConfigError(f"{where}: stage {name!r} needs an input (the name of the stage it reads)")
         if not is_source and table["input"] not in tables:
-            raise ConfigError(f"{where}: stage {name!r} reads input {table['input']!r}, which is not a stage; "
-                              f"stages: {', '.join(names)}")
+            raise ConfigError(
+                f"{where}: stage {name!r} reads input {table['input']!r}, which is not a stage; "
+                f"stages: {', '.join(names)}"
+            )
     for name in names:  # every stage has one input: walking back either reaches a source or loops
         seen = [name]
         while "input" in tables[seen[-1]]:
             nxt = tables[seen[-1]]["input"]
             if nxt in seen:
-                loop = seen[seen.index(nxt):] + [nxt]
-                raise ConfigError(f"{where}: stages form a cycle: {' -> '.join(reversed(loop))} "
-                                  f"(stage {name!r} never reaches a source)")
+                loop = seen[seen.index(nxt) :] + [nxt]
+                raise ConfigError(
+                    f"{where}: stages form a cycle: {' -> '.join(reversed(loop))} "
+                    f"(stage {name!r} never reaches a source)"
+                )
             seen.append(nxt)
     readers: dict[str, list[str]] = {n: [] for n in names}
     for name in names:
@@ -111,16 +118,19 @@ def _chain(where: str, tables: dict[str, dict]) -> list[str]:
     sinks = [n for n in names if not readers[n]]
     if len(sinks) > 1:
         forks = [f"{n!r} feeds {', '.join(repr(r) for r in rs)}" for n, rs in readers.items() if len(rs) > 1]
-        raise ConfigError(f"{where}: {len(sinks)} sinks ({', '.join(sinks)}): stage {'; '.join(forks)}; "
-                          "a pipeline is one chain, each stage read by at most one other")
+        raise ConfigError(
+            f"{where}: {len(sinks)} sinks ({', '.join(sinks)}): stage {'; '.join(forks)}; "
+            "a pipeline is one chain, each stage read by at most one other"
+        )
     chain = [sources[0]]
     while readers[chain[-1]]:
         chain.append(readers[chain[-1]][0])
     return chain
 
 
-def build_pipeline(config: dict, uri: str, where: str | None = None, *,
-                   open_source: Callable[[str], Source]) -> Pipeline:
+def build_pipeline(
+    config: dict, uri: str, where: str | None = None, *, open_source: Callable[[str], Source]
+) -> Pipeline:
     """Build and check a pipeline from its parsed TOML ``config``.
 
     Raises :class:`ConfigError` (or :class:`DatasetError` for a source that cannot be opened) naming
@@ -129,8 +139,7 @@ def build_pipeline(config: dict, uri: str, where: str | None = None, *,
     where = where or uri
     unknown = sorted(set(config) - set(TOP_KEYS))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; a pipeline file has "
-                          f"{', '.join(TOP_KEYS)}")
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; a pipeline file has {', '.join(TOP_KEYS)}")
     settings = {**TOP_KEYS, **config}
     if settings["stages"] is None:
         raise ConfigError(f"{where}: no [[stages]]; a pipeline is a list of them, a source first")
@@ -179,5 +188,3 @@ def open_pipeline(req: OpenRequest) -> Pipeline:
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{uri}: {path} is not valid TOML: {err}") from err
     return build_pipeline(config, uri, str(path), open_source=req.open)
-
-

@@ -35,6 +35,7 @@ __all__ = ["Chunk", "RandomStage", "SourceStage", "Spec", "Stage", "StageQueue"]
 @dataclass(frozen=True)
 class Spec:
     """What one sample and its label look like at some point of a pipeline."""
+
     sample_shape: tuple[int, ...]
     dtype: np.dtype
     label_shape: tuple[int, ...]
@@ -46,6 +47,7 @@ class Spec:
 @dataclass
 class Chunk:
     """Rows ``start:start + len(indices)`` of one batch on their way through the stages."""
+
     job: Any
     start: int
     indices: np.ndarray
@@ -94,8 +96,15 @@ class StageQueue:
         return item
 
     def metrics(self) -> dict:
-        return {"name": self.name, "size": self.size(), "capacity": self.capacity, "put": self.puts,
-                "get": self.gets, "drop": self.drops, "closed": self.closed}
+        return {
+            "name": self.name,
+            "size": self.size(),
+            "capacity": self.capacity,
+            "put": self.puts,
+            "get": self.gets,
+            "drop": self.drops,
+            "closed": self.closed,
+        }
 
 
 def _stable_key(text: str) -> int:
@@ -114,8 +123,9 @@ class Stage:
         self.name = name
         unknown = sorted(set(config) - set(self.params))
         if unknown:
-            raise self.error(f"unknown parameter(s) {', '.join(unknown)}; {self.type} takes "
-                             f"{', '.join(self.params) or 'none'}")
+            raise self.error(
+                f"unknown parameter(s) {', '.join(unknown)}; {self.type} takes {', '.join(self.params) or 'none'}"
+            )
         self.config = {**self.params, **config}
         self.input_spec = input_spec
         self.spec = self.check(input_spec)
@@ -148,8 +158,14 @@ class Stage:
         self.items_out += n
 
     def metrics(self) -> dict:
-        return {"name": self.name, "type": self.type, "items_in": self.items_in,
-                "items_out": self.items_out, "errors": self.errors, "busy_s": round(self.busy_s, 6)}
+        return {
+            "name": self.name,
+            "type": self.type,
+            "items_in": self.items_in,
+            "items_out": self.items_out,
+            "errors": self.errors,
+            "busy_s": round(self.busy_s, 6),
+        }
 
     # -- control --------------------------------------------------------------------------------
     def commands(self) -> tuple[str, ...]:
@@ -158,8 +174,9 @@ class Stage:
     def control(self, command: str, args: dict) -> dict:
         """Answer a control command (``busctl control``). Raises :class:`BadRequest` naming the stage."""
         if command not in self.commands():
-            raise BadRequest(f"stage {self.name!r} ({self.type}) has no command {command!r}; it answers "
-                             f"{', '.join(self.commands())}")
+            raise BadRequest(
+                f"stage {self.name!r} ({self.type}) has no command {command!r}; it answers {', '.join(self.commands())}"
+            )
         if args:
             raise BadRequest(f"stage {self.name!r}: {command} takes no arguments, got {', '.join(args)}")
         return self.metrics()
@@ -171,8 +188,10 @@ class Stage:
         if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             raise self.error(f"{key} must be a number or a list of numbers, got {value!r}")
         if len(values) not in (1, length):
-            raise self.error(f"{key} has {len(values)} values but samples have {length} channels "
-                             f"(shape {self.input_spec.sample_shape}); give 1 or {length}")
+            raise self.error(
+                f"{key} has {len(values)} values but samples have {length} channels "
+                f"(shape {self.input_spec.sample_shape}); give 1 or {length}"
+            )
         return np.asarray(values, np.float64)
 
     def _dtype(self, key: str, kinds: str) -> np.dtype:
@@ -182,8 +201,11 @@ class Stage:
         except (TypeError, ValueError):
             dtype = None
         if dtype is None or dtype.kind not in kinds:
-            what = "a float type (float16, float32, float64)" if kinds == "f" else \
-                "a number type (bool, int8…int64, uint8…uint64, float16…float64)"
+            what = (
+                "a float type (float16, float32, float64)"
+                if kinds == "f"
+                else "a number type (bool, int8…int64, uint8…uint64, float16…float64)"
+            )
             raise self.error(f"{key} must be {what}, got {value!r}")
         return dtype
 
@@ -194,15 +216,14 @@ class SourceStage(Stage):
     type = "source"
     params = {"uri": None}
 
-    def __init__(self, name: str, config: dict, input_spec: Spec | None, *,
-                 open_source: Callable[[str], Source]):
+    def __init__(self, name: str, config: dict, input_spec: Spec | None, *, open_source: Callable[[str], Source]):
         self._open_source = open_source  # the registry's, handed down: a stage does not import it
         super().__init__(name, config, input_spec)
 
     def check(self, spec: Spec | None) -> Spec:
         uri = self.config["uri"]
         if not isinstance(uri, str) or not uri:
-            raise self.error("needs uri = \"SCHEME://…\" (for example mock://cifar10)")
+            raise self.error('needs uri = "SCHEME://…" (for example mock://cifar10)')
         if uri.startswith("pipeline:"):
             raise self.error(f"a pipeline's source cannot be another pipeline ({uri})")
         try:
@@ -210,8 +231,14 @@ class SourceStage(Stage):
         except DatasetError as err:
             raise DatasetError(f"stage {self.name!r} (source): {err}") from err
         s = self.source
-        return Spec(tuple(s.sample_shape), np.dtype(s.dtype), tuple(s.label_shape), np.dtype(s.label_dtype),
-                    s.num_classes, s.kind)
+        return Spec(
+            tuple(s.sample_shape),
+            np.dtype(s.dtype),
+            tuple(s.label_shape),
+            np.dtype(s.label_dtype),
+            s.num_classes,
+            s.kind,
+        )
 
     def apply(self, chunk: Chunk) -> None:
         chunk.x, chunk.y = self.source.read(chunk.split, chunk.indices)
@@ -242,14 +269,17 @@ class RandomStage(Stage):
         self.items_since_anchor += len(chunk.indices)
         key = np.uint64(_stable_key(repr((self.seed, epoch, SPLITS.index(chunk.split), self.key))))
         counters = chunk.indices.astype(np.uint64)[:, None] * np.uint64(draws) + np.arange(draws, dtype=np.uint64)
-        return (_splitmix64(key + counters * _GOLDEN_GAMMA) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        return (_splitmix64(key + counters * _GOLDEN_GAMMA) >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
     def commands(self) -> tuple[str, ...]:
         return ("stats", "get", "set", "reset")
 
     def state(self) -> dict:
-        return {"seed": self.seed, "epoch": "request" if self.epoch is None else self.epoch,
-                "items_since_anchor": self.items_since_anchor}
+        return {
+            "seed": self.seed,
+            "epoch": "request" if self.epoch is None else self.epoch,
+            "items_since_anchor": self.items_since_anchor,
+        }
 
     def control(self, command: str, args: dict) -> dict:
         """``stats``, or ``get`` / ``set seed=N epoch=N|request`` / ``reset``: the seed spec's shuffle
@@ -257,8 +287,10 @@ class RandomStage(Stage):
         if command == "set":
             unknown = sorted(set(args) - {"seed", "epoch"})
             if unknown or not args:
-                raise BadRequest(f"stage {self.name!r}: set takes seed=N and/or epoch=N (or epoch=request), "
-                                 f"got {', '.join(unknown) or 'nothing'}")
+                raise BadRequest(
+                    f"stage {self.name!r}: set takes seed=N and/or epoch=N (or epoch=request), "
+                    f"got {', '.join(unknown) or 'nothing'}"
+                )
             seed = _nonneg(self.name, "seed", args["seed"]) if "seed" in args else self.seed
             epoch = self.epoch
             if "epoch" in args:
@@ -293,5 +325,3 @@ def _nonneg(stage: str, key: str, value) -> int:
     if isinstance(value, bool) or number < 0 or (isinstance(value, float) and value != number):
         raise BadRequest(f"stage {stage!r}: {key} must be a non-negative integer, got {value!r}")
     return number
-
-

@@ -51,22 +51,26 @@ class OneHot(Stage):
 
     def check(self, spec: Spec) -> Spec:
         if spec.label_shape != () or spec.label_dtype.kind not in "iu":
-            raise self.error(f"needs one integer class id per sample, got labels of shape "
-                             f"{list(spec.label_shape)} and dtype {spec.label_dtype}")
+            raise self.error(
+                f"needs one integer class id per sample, got labels of shape "
+                f"{list(spec.label_shape)} and dtype {spec.label_dtype}"
+            )
         classes = self.config["num_classes"] if self.config["num_classes"] is not None else spec.num_classes
         if not isinstance(classes, int) or isinstance(classes, bool) or classes < 1:
-            raise self.error(f"num_classes must be a positive integer (the input has "
-                             f"{spec.num_classes}), got {classes!r}")
+            raise self.error(
+                f"num_classes must be a positive integer (the input has {spec.num_classes}), got {classes!r}"
+            )
         self.classes = classes
-        return replace(spec, label_shape=(classes,), label_dtype=self._dtype("dtype", "fiub"),
-                       num_classes=classes)
+        return replace(spec, label_shape=(classes,), label_dtype=self._dtype("dtype", "fiub"), num_classes=classes)
 
     def apply(self, chunk: Chunk) -> None:
         y = chunk.y
         if len(y) and (y.min() < 0 or y.max() >= self.classes):
             bad = int(y.min()) if y.min() < 0 else int(y.max())
-            raise DatasetError(f"stage {self.name!r} (one_hot): label {bad} is outside the "
-                               f"{self.classes} classes 0..{self.classes - 1}")
+            raise DatasetError(
+                f"stage {self.name!r} (one_hot): label {bad} is outside the "
+                f"{self.classes} classes 0..{self.classes - 1}"
+            )
         out = np.zeros((len(y), self.classes), self.spec.label_dtype)
         out[np.arange(len(y)), y] = 1
         chunk.y = out
@@ -97,8 +101,10 @@ class Cast(Stage):
 
 def _spatial(stage: Stage, spec: Spec) -> None:
     if spec.kind == "tokens" or len(spec.sample_shape) < 2:
-        raise stage.error(f"needs image samples with height and width (C, H, W) or (H, W), got "
-                          f"{spec.kind} samples of shape {list(spec.sample_shape)}")
+        raise stage.error(
+            f"needs image samples with height and width (C, H, W) or (H, W), got "
+            f"{spec.kind} samples of shape {list(spec.sample_shape)}"
+        )
 
 
 class RandomCrop(RandomStage):
@@ -117,8 +123,11 @@ class RandomCrop(RandomStage):
             raise self.error(f"padding must be a non-negative integer, got {pad!r}")
         size = self.config["size"]
         size = [h, w] if size is None else [size, size] if isinstance(size, int) else size
-        if (not isinstance(size, list) or len(size) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in size)):
+        if (
+            not isinstance(size, list)
+            or len(size) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in size)
+        ):
             raise self.error(f"size must be a positive integer or [height, width], got {self.config['size']!r}")
         if size[0] > h + 2 * pad or size[1] > w + 2 * pad:
             raise self.error(f"size {size} does not fit samples of {h}x{w} padded by {pad}")
@@ -141,7 +150,7 @@ class RandomCrop(RandomStage):
         room_h, room_w = x.shape[-2] - ch, x.shape[-1] - cw
         if chunk.split not in self.splits:
             top, left = room_h // 2, room_w // 2
-            chunk.x = np.ascontiguousarray(x[..., top:top + ch, left:left + cw])
+            chunk.x = np.ascontiguousarray(x[..., top : top + ch, left : left + cw])
             return
         u = self.uniforms(chunk, 2)
         top = (u[:, 0] * (room_h + 1)).astype(np.intp)
