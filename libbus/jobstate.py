@@ -22,14 +22,14 @@ the job, both states and what is allowed from there, and counted in :data:`REFUS
 from __future__ import annotations
 
 from collections import Counter
-from enum import Enum
+from enum import StrEnum
 
 from .errors import BadRequest
 
 __all__ = ["IllegalTransition", "JobState", "REFUSED", "TRANSITIONS", "check_transition"]
 
 
-class JobState(str, Enum):
+class JobState(StrEnum):
     """Where a job is. A ``str`` enum: stored, sent and compared as its value."""
 
     QUEUED = "queued"

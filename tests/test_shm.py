@@ -223,7 +223,8 @@ def test_slow_consumer_fast_producer_never_sees_its_batch_change(ring_provider, 
     ) as loader:
         ring = loader._delivery.ring
         assert ring.layout.slots == 5
-        for i, (x, _y) in enumerate(loader):
+        for i, batch in enumerate(loader):
+            x = batch[0]
             snapshot = x.clone()
             time.sleep(0.05)  # the producer has filled every free slot by now
             states = [ring.state(s) for s in range(ring.layout.slots)]
@@ -237,7 +238,7 @@ def test_slow_consumer_fast_producer_never_sees_its_batch_change(ring_provider, 
             want, _ = open_source(MNIST).read("train", np.arange(i * 50, i * 50 + len(x)))
             assert np.array_equal(x.numpy(), want)
         # between passes every slot no tensor views is free again
-        del x, y
+        del x, batch
         assert [ring.state(s) for s in range(ring.layout.slots)] == [SlotState.FREE] * 5
 
 
