@@ -1,38 +1,26 @@
 """The busctl command line. Every command builds its settings once (file < env < flags) and calls
-into libbus/services; errors print one line and exit non-zero."""
+into libbus/services; errors print one line and exit non-zero. This module builds the app, registers
+the commands that live in their own modules (cli/start.py, cli/jobs.py, cli/tokens.py, cli/studies.py)
+and holds the small ones."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from libbus.config import Settings, load_settings
-from libbus.jobs import JOB_STATES, SETTABLE
-from libbus.messages import ControlJob, GetJob, GetModel, ListJobs, ListPeers, Stats, SubmitJob, frame_buffer
+from libbus.messages import ListPeers, Stats
 
 from . import tables
-from .common import admin_client, fail, guard, print_json, settings_from, setup_logging
-from .options import (
-    Bind,
-    Config,
-    Json,
-    LogLevel,
-    MetricsBind,
-    Name,
-    ReadyFile,
-    Router,
-    SecretFile,
-    StateDir,
-    Token,
-    admin_options,
-)
-from .studies import current_model, evaluation_task, is_model_ref, studies, study_app
+from .common import admin_client, fail, guard, print_json
+from .jobs import job_app, jobs, submit
+from .options import Config, Json, StateDir, admin_options
+from .start import start_app
+from .studies import studies, study_app
 from .tokens import keys_app, token_app
 from .units import install_units
-from .watch import watch_job
 
 app = typer.Typer(
     name="busctl",
@@ -42,8 +30,6 @@ app = typer.Typer(
     help="batchbus: stream training data to PyTorch trainers. (Not systemd's busctl: "
     "this one lives in the project's environment.)",
 )
-start_app = typer.Typer(no_args_is_help=True, help="Run a service in the foreground (systemd-friendly).")
-job_app = typer.Typer(no_args_is_help=True, help="Inspect or control one job.")
 config_app = typer.Typer(no_args_is_help=True, help="Show the effective settings.")
 shm_app = typer.Typer(no_args_is_help=True, help="Shared-memory rings on this host.")
 app.add_typer(start_app, name="start")
@@ -55,154 +41,6 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(study_app, name="study")
 app.command("studies")(studies)
 app.command("install-units")(guard(install_units))
-
-
-def _write_ready(path: Path | None, endpoint: str) -> None:
-    if path is not None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(endpoint + "\n")
-        tmp.replace(path)
-
-
-# -- services ------------------------------------------------------------------------------------
-
-
-@start_app.command("router")
-@guard
-def start_router(
-    config: Config = None,
-    router: Router = None,
-    bind: Bind = None,
-    secret_file: SecretFile = None,
-    state_dir: StateDir = None,
-    db: Annotated[str | None, typer.Option(help="Job database file.")] = None,
-    name: Name = None,
-    log_level: LogLevel = None,
-    ready_file: ReadyFile = None,
-    heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
-    metrics_bind: MetricsBind = None,
-) -> None:
-    """The control plane: registration, discovery, the job queue (SQLite), commands, stats."""
-    import threading
-
-    from services import runtime
-    from services.router.app import RouterService
-
-    s = settings_from(
-        config,
-        router=router,
-        bind=bind,
-        secret_file=secret_file,
-        state_dir=state_dir,
-        db=db,
-        name=name,
-        log_level=log_level,
-        heartbeat_ms=heartbeat_ms,
-        metrics_bind=metrics_bind,
-    )
-    setup_logging(s.log_level)
-    stop, notify = threading.Event(), runtime.notifier()
-    runtime.install_signal_handlers(stop, notify)
-    service = RouterService(s)
-    endpoint = service.start()
-    _write_ready(ready_file, endpoint)
-    notify.ready(f"routing on {endpoint}; jobs in {s.db}")
-    try:
-        service.run(stop, notify.watchdog)
-    finally:
-        runtime.finish(notify)
-
-
-@start_app.command("provider")
-@guard
-def start_provider(
-    dataset: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--dataset", help="NAME=URI, repeatable (mock://mnist, mock://cifar10, dummy://?shape=1,28,28&n=1000)."
-        ),
-    ] = None,
-    config: Config = None,
-    router: Router = None,
-    bind: Bind = None,
-    advertise: Annotated[str | None, typer.Option(help="Data endpoint trainers connect to.")] = None,
-    secret_file: SecretFile = None,
-    state_dir: StateDir = None,
-    token: Token = None,
-    name: Name = None,
-    log_level: LogLevel = None,
-    ready_file: ReadyFile = None,
-    heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
-    metrics_bind: MetricsBind = None,
-) -> None:
-    """Serve datasets on a data socket and register them with the router."""
-    import threading
-
-    from services import runtime
-    from services.provider.app import ProviderService
-
-    s = settings_from(
-        config,
-        router=router,
-        bind=bind,
-        advertise=advertise,
-        secret_file=secret_file,
-        state_dir=state_dir,
-        token=token,
-        name=name,
-        log_level=log_level,
-        datasets=dataset or None,
-        heartbeat_ms=heartbeat_ms,
-        metrics_bind=metrics_bind,
-    )
-    setup_logging(s.log_level)
-    stop, notify = threading.Event(), runtime.notifier()
-    runtime.install_signal_handlers(stop, notify)
-    service = ProviderService(s)
-    endpoint = service.start()
-    _write_ready(ready_file, endpoint)
-    notify.ready(f"serving {', '.join(service.handler.datasets)} on {endpoint}")
-    try:
-        service.run(stop, notify.watchdog)
-    finally:
-        runtime.finish(notify)
-    if service.link is not None and service.link.fatal is not None:
-        fail(f"router refused this provider: {service.link.fatal}")
-
-
-@start_app.command("trainer")
-@guard
-def start_trainer(
-    config: Config = None,
-    router: Router = None,
-    secret_file: SecretFile = None,
-    state_dir: StateDir = None,
-    token: Token = None,
-    name: Name = None,
-    log_level: LogLevel = None,
-    torch_threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
-    heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
-    metrics_bind: MetricsBind = None,
-) -> None:
-    """Take jobs from the router and train them on batches pulled from providers."""
-    from services.trainer.app import run_trainer
-
-    s = settings_from(
-        config,
-        router=router,
-        secret_file=secret_file,
-        state_dir=state_dir,
-        token=token,
-        name=name,
-        log_level=log_level,
-        torch_threads=torch_threads,
-        heartbeat_ms=heartbeat_ms,
-        metrics_bind=metrics_bind,
-    )
-    setup_logging(s.log_level)
-    code = run_trainer(s)
-    if code:
-        raise typer.Exit(code)
 
 
 @app.command()
@@ -232,248 +70,10 @@ def bench(ctx: typer.Context) -> None:
     bench_main(ctx.args)
 
 
-# -- jobs ----------------------------------------------------------------------------------------
+# -- jobs (cli/jobs.py) --------------------------------------------------------------------------
 
-
-@app.command()
-@guard
-@admin_options
-def submit(
-    job_file: Annotated[Path | None, typer.Argument(help="TOML job file (flags override it).")] = None,
-    dataset: Annotated[str | None, typer.Option(help="Dataset name (or remote://NAME).")] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="mlp, cnn, tiny-lm or module:factory; with --evaluate a stored model to score: a job id or FILE.safetensors."
-        ),
-    ] = None,
-    epochs: Annotated[int | None, typer.Option()] = None,
-    batch_size: Annotated[int | None, typer.Option()] = None,
-    lr: Annotated[float | None, typer.Option()] = None,
-    optimizer: Annotated[str | None, typer.Option(help="sgd or adam.")] = None,
-    seed: Annotated[int | None, typer.Option()] = None,
-    shuffle: Annotated[str | None, typer.Option(help="none, full or block.")] = None,
-    block_size: Annotated[int | None, typer.Option(help="Samples per block of --shuffle block.")] = None,
-    evaluate: Annotated[
-        bool | None, typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")
-    ] = None,
-    world_size: Annotated[int | None, typer.Option(help="Trainers that train the job together (a gang).")] = None,
-    split: Annotated[
-        str,
-        typer.Option(help="With --evaluate --model JOB|FILE: val (a trainer scores it) or test (the provider does)."),
-    ] = "val",
-    arch: Annotated[
-        str | None, typer.Option(help="With --evaluate --model FILE: its model, when the file does not say.")
-    ] = None,
-    *,
-    settings: Settings,
-    json: Json = False,
-) -> None:
-    """Queue a training job (or, with --evaluate --model JOB|FILE, an evaluation task); prints its id."""
-    spec: dict = {}
-    frames: list[bytes] = []
-    if evaluate and is_model_ref(model):
-        if not dataset:
-            fail("an evaluation task needs --dataset NAME", 2)
-        spec, frames = evaluation_task(model, dataset, split, arch)
-        model = dataset = evaluate = None
-    if job_file is not None:
-        try:
-            spec = tomllib.loads(job_file.read_text())
-        except FileNotFoundError:
-            fail(f"job file {job_file} does not exist", 2)
-        except tomllib.TOMLDecodeError as err:
-            fail(f"job file {job_file} is not valid TOML: {err}", 2)
-        spec = spec.get("job", spec)
-    flags = dict(
-        dataset=dataset,
-        model=model,
-        epochs=epochs,
-        batch_size=batch_size,
-        lr=lr,
-        optimizer=optimizer,
-        seed=seed,
-        evaluate=evaluate,
-        shuffle=shuffle,
-        block_size=block_size,
-        world_size=world_size,
-    )
-    spec.update({k: v for k, v in flags.items() if v is not None})
-    if "dataset" not in spec:
-        fail('say which dataset to train on: --dataset NAME or a job file with dataset = "NAME"', 2)
-    s = settings
-    with admin_client(s) as client:
-        reply = client.request(SubmitJob(spec=spec, frames=frames))
-    print_json({"job": reply.job}) if json else typer.echo(reply.job)
-
-
-@app.command()
-@guard
-@admin_options
-def jobs(
-    state: Annotated[str | None, typer.Option(help=f"Only jobs in this state: {', '.join(JOB_STATES)}.")] = None,
-    limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 50,
-    offset: Annotated[int, typer.Option(min=0, help="Skip this many newest (the next page).")] = 0,
-    *,
-    settings: Settings,
-    json: Json = False,
-) -> None:
-    """List jobs, newest first, a page at a time (--limit, --offset)."""
-    with admin_client(settings) as client:
-        reply = client.request(ListJobs(state=state, limit=limit, offset=offset))
-    rows = reply.jobs
-    print_json(rows) if json else tables.jobs(rows)
-    if reply.note:  # the router cut the list to fit one reply
-        typer.echo(f"note: {reply.note}", err=True)
-
-
-@job_app.command("show")
-@guard
-@admin_options
-def job_show(
-    job: str,
-    *,
-    settings: Settings,
-    json: Json = False,
-    progress: Annotated[int, typer.Option(help="Also the last N progress reports.")] = 0,
-    events: Annotated[int, typer.Option(min=1, help="The newest N events and checkpoint records.")] = 200,
-    offset: Annotated[int, typer.Option(min=0, help="Skip this many newest events (the next page).")] = 0,
-) -> None:
-    """State, spec, progress, checkpoints, events and result of one job (events a page at a time)."""
-    with admin_client(settings) as client:
-        reply = client.request(GetJob(job=job, progress=max(0, progress), events=events, offset=offset))
-    info = reply.job
-    print_json(info) if json else tables.job(info)
-    if reply.note:  # the router cut the history to fit one reply
-        typer.echo(f"note: {reply.note}", err=True)
-
-
-def _control(job: str, command: str, args: dict, settings: Settings, json: bool) -> None:
-    """Send one ControlJob and print the acknowledgement (the trainer's, or the router's own)."""
-    s = settings
-    with admin_client(s) as client:
-        detail = client.request(ControlJob(job=job, command=command, args=args)).detail
-    if json:
-        print_json(detail)
-        return
-    line = f"{job}: {detail.get('state')}"
-    if detail.get("acked"):
-        line += f" (acknowledged by {detail.get('trainer')} in {detail.get('ack_ms', 0):.0f} ms)"
-    ckpt = detail.get("checkpoint")
-    if ckpt:
-        line += f"\ncheckpoint step {ckpt['step']} epoch {ckpt['epoch']}: {ckpt['path']} sha256 {ckpt['sha256']}"
-    if detail.get("error"):
-        line += f"\nrefused by the trainer: {detail['error']}"
-    typer.echo(line)
-
-
-@job_app.command("stop")
-@guard
-@admin_options
-def job_stop(job: str, *, settings: Settings, json: Json = False) -> None:
-    """Stop a job; a running one checkpoints first (`busctl job resume` continues it)."""
-    _control(job, "stop", {}, settings, json)
-
-
-@job_app.command("pause")
-@guard
-@admin_options
-def job_pause(job: str, *, settings: Settings, json: Json = False) -> None:
-    """Pause a job: its trainer keeps it (and its lease) but trains on no more batches."""
-    _control(job, "pause", {}, settings, json)
-
-
-@job_app.command("resume")
-@guard
-@admin_options
-def job_resume(job: str, *, settings: Settings, json: Json = False) -> None:
-    """Resume a paused job, or queue a stopped or failed one again from its last checkpoint."""
-    _control(job, "resume", {}, settings, json)
-
-
-@job_app.command("checkpoint")
-@guard
-@admin_options
-def job_checkpoint(job: str, *, settings: Settings, json: Json = False) -> None:
-    """Make the trainer write a checkpoint now; prints its path and sha256."""
-    _control(job, "checkpoint", {}, settings, json)
-
-
-@job_app.command("set")
-@guard
-@admin_options
-def job_set(
-    job: str,
-    values: Annotated[list[str], typer.Argument(help=f"NAME=VALUE pairs; names: {', '.join(SETTABLE)}.")],
-    *,
-    settings: Settings,
-    json: Json = False,
-) -> None:
-    """Change hyper-parameters of a job, e.g. `busctl job set J lr=0.01 weight_decay=1e-4`."""
-    args = {}
-    for pair in values:
-        name, sep, value = pair.partition("=")
-        try:
-            args[name.strip()] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep:
-            fail(f"expected NAME=NUMBER such as lr=0.01, got {pair!r}", 2)
-    _control(job, "set", args, settings, json)
-
-
-@job_app.command("eval")
-@guard
-@admin_options
-def job_eval(job: str, *, settings: Settings, json: Json = False) -> None:
-    """Score a running job's current weights on its provider's private test split; training pauses
-    only for the copy of the weights."""
-    from .evaluate import evaluate_job
-
-    evaluate_job(settings, job, json=json)
-
-
-@job_app.command("model")
-@guard
-@admin_options
-def job_model(
-    job: str,
-    out: Annotated[Path, typer.Option("-o", "--out", help="Where to write the safetensors file.")],
-    current: Annotated[
-        bool, typer.Option("--current", help="A running job's current weights, copied between two steps.")
-    ] = False,
-    *,
-    settings: Settings,
-) -> None:
-    """Download the final weights of a succeeded job (safetensors), checked against their sha256."""
-    if current:
-        return current_model(job, out, settings)
-    import hashlib
-
-    from services.atomic import write_atomic
-
-    s = settings
-    with admin_client(s) as client:
-        reply = client.request(GetModel(job=job))
-    frame = reply.frames[0]
-    data = bytes(frame_buffer(frame))
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != reply.sha256:
-        fail(f"model of {job} arrived with sha256 {digest}, expected {reply.sha256}; nothing written")
-    write_atomic(out, data)
-    typer.echo(f"{out}: {len(data)} bytes, sha256 {digest}")
-
-
-@job_app.command("watch")
-@guard
-@admin_options
-def job_watch(job: str, *, settings: Settings) -> None:
-    """Follow a job with a progress bar until it ends; exit 0 only if it succeeded."""
-    s = settings
-    with admin_client(s) as client:
-        final = watch_job(client, job)
-    if final["state"] != "succeeded":
-        raise typer.Exit(1)
+app.command()(submit)
+app.command()(jobs)
 
 
 # -- cluster -------------------------------------------------------------------------------------

@@ -165,5 +165,5 @@ def test_the_checks_see_the_import_forms_they_police(tmp_path):
     assert "services.provider.sources.base" in _edges()["services.provider.sources.registry"]
     assert "services.provider.sources.files" in _edges()["services.provider.sources.registry"]
     assert "core.errors" in _edges()["libbus.errors"]
-    # cli/app.py imports the provider's service inside a function
-    assert "services.provider.app" in _edges()["cli.app"]
+    # cli/start.py imports the provider's service inside a function
+    assert "services.provider.app" in _edges()["cli.start"]

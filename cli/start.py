@@ -1,0 +1,163 @@
+"""``busctl start router|provider|trainer``: run a service in the foreground (systemd-friendly)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .common import fail, guard, settings_from, setup_logging
+from .options import Bind, Config, LogLevel, MetricsBind, Name, ReadyFile, Router, SecretFile, StateDir, Token
+
+__all__ = ["start_app"]
+
+start_app = typer.Typer(no_args_is_help=True, help="Run a service in the foreground (systemd-friendly).")
+
+
+def _write_ready(path: Path | None, endpoint: str) -> None:
+    if path is not None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(endpoint + "\n")
+        tmp.replace(path)
+
+
+# -- services ------------------------------------------------------------------------------------
+
+
+@start_app.command("router")
+@guard
+def start_router(
+    config: Config = None,
+    router: Router = None,
+    bind: Bind = None,
+    secret_file: SecretFile = None,
+    state_dir: StateDir = None,
+    db: Annotated[str | None, typer.Option(help="Job database file.")] = None,
+    name: Name = None,
+    log_level: LogLevel = None,
+    ready_file: ReadyFile = None,
+    heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
+    metrics_bind: MetricsBind = None,
+) -> None:
+    """The control plane: registration, discovery, the job queue (SQLite), commands, stats."""
+    import threading
+
+    from services import runtime
+    from services.router.app import RouterService
+
+    s = settings_from(
+        config,
+        router=router,
+        bind=bind,
+        secret_file=secret_file,
+        state_dir=state_dir,
+        db=db,
+        name=name,
+        log_level=log_level,
+        heartbeat_ms=heartbeat_ms,
+        metrics_bind=metrics_bind,
+    )
+    setup_logging(s.log_level)
+    stop, notify = threading.Event(), runtime.notifier()
+    runtime.install_signal_handlers(stop, notify)
+    service = RouterService(s)
+    endpoint = service.start()
+    _write_ready(ready_file, endpoint)
+    notify.ready(f"routing on {endpoint}; jobs in {s.db}")
+    try:
+        service.run(stop, notify.watchdog)
+    finally:
+        runtime.finish(notify)
+
+
+@start_app.command("provider")
+@guard
+def start_provider(
+    dataset: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--dataset", help="NAME=URI, repeatable (mock://mnist, mock://cifar10, dummy://?shape=1,28,28&n=1000)."
+        ),
+    ] = None,
+    config: Config = None,
+    router: Router = None,
+    bind: Bind = None,
+    advertise: Annotated[str | None, typer.Option(help="Data endpoint trainers connect to.")] = None,
+    secret_file: SecretFile = None,
+    state_dir: StateDir = None,
+    token: Token = None,
+    name: Name = None,
+    log_level: LogLevel = None,
+    ready_file: ReadyFile = None,
+    heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
+    metrics_bind: MetricsBind = None,
+) -> None:
+    """Serve datasets on a data socket and register them with the router."""
+    import threading
+
+    from services import runtime
+    from services.provider.app import ProviderService
+
+    s = settings_from(
+        config,
+        router=router,
+        bind=bind,
+        advertise=advertise,
+        secret_file=secret_file,
+        state_dir=state_dir,
+        token=token,
+        name=name,
+        log_level=log_level,
+        datasets=dataset or None,
+        heartbeat_ms=heartbeat_ms,
+        metrics_bind=metrics_bind,
+    )
+    setup_logging(s.log_level)
+    stop, notify = threading.Event(), runtime.notifier()
+    runtime.install_signal_handlers(stop, notify)
+    service = ProviderService(s)
+    endpoint = service.start()
+    _write_ready(ready_file, endpoint)
+    notify.ready(f"serving {', '.join(service.handler.datasets)} on {endpoint}")
+    try:
+        service.run(stop, notify.watchdog)
+    finally:
+        runtime.finish(notify)
+    if service.link is not None and service.link.fatal is not None:
+        fail(f"router refused this provider: {service.link.fatal}")
+
+
+@start_app.command("trainer")
+@guard
+def start_trainer(
+    config: Config = None,
+    router: Router = None,
+    secret_file: SecretFile = None,
+    state_dir: StateDir = None,
+    token: Token = None,
+    name: Name = None,
+    log_level: LogLevel = None,
+    torch_threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
+    heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
+    metrics_bind: MetricsBind = None,
+) -> None:
+    """Take jobs from the router and train them on batches pulled from providers."""
+    from services.trainer.app import run_trainer
+
+    s = settings_from(
+        config,
+        router=router,
+        secret_file=secret_file,
+        state_dir=state_dir,
+        token=token,
+        name=name,
+        log_level=log_level,
+        torch_threads=torch_threads,
+        heartbeat_ms=heartbeat_ms,
+        metrics_bind=metrics_bind,
+    )
+    setup_logging(s.log_level)
+    code = run_trainer(s)
+    if code:
+        raise typer.Exit(code)
