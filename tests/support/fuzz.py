@@ -1,5 +1,6 @@
-"""Hostile-input helpers for tests/test_fuzz.py: a bare DEALER peer that drains every reply, resident
-memory, the servers' refusal counts, and hypothesis strategies for hostile frames and requests."""
+"""Hostile-input helpers for tests/test_fuzz.py and tests/test_fuzz_services.py: a bare DEALER peer that
+drains every reply, resident memory, the servers' refusal counts, hypothesis strategies for hostile frames
+and requests, and the world they are fired at (services, sessions and a ring slot held IN_USE)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,47 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+import pytest
+from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
 from libbus import PROTOCOL
 from libbus.constants import MAX_BATCH_INDICES, MAX_FRAMES
-from libbus.messages import MESSAGE_TYPES, decode, encode
+from libbus.messages import (
+    MESSAGE_TYPES,
+    AttachRing,
+    BatchRequest,
+    DatasetInfo,
+    DatasetInfoRequest,
+    GetJob,
+    JobInfo,
+    ListPeers,
+    PeerList,
+    SubmitJob,
+    decode,
+    encode,
+)
 from libbus.schema import schema_of
+from shm import Ring, RingLayout
 
 __all__ = [
     "ABSURD_INTS",
+    "FUZZ",
     "JSON",
     "REPLY_TIMEOUT_S",
+    "RSS_BOUND",
     "SENT",
     "Peer",
+    "World",
     "batch_request",
+    "fire",
     "head",
     "nested",
     "raw_message",
     "refusals",
     "rss",
     "typed_header",
+    "world_fixture",
 ]
 
 SENTINEL_ID = 2**62
@@ -229,3 +251,118 @@ def batch_request(draw, slot_seq: bool) -> list[bytes]:
             if draw(st.integers(0, 4)):
                 fields[key] = draw(st.one_of(ABSURD_INTS, st.integers(-5, 70), JSON))
     return [PROTOCOL, orjson.dumps(fields), *frames]
+
+
+# -- the environment: services, a legitimate trainer with a ring ---------------------------------
+
+FUZZ = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+}
+#: Resident memory the whole fuzz run may add to this process (services run in-process).
+RSS_BOUND = 300 * 1024 * 1024
+
+
+class World:
+    """Router, provider, legitimate admin/trainer sessions, and a ring slot held IN_USE."""
+
+    def __init__(self, router, provider, raw_dealer, make_token, client_for):
+        self.router, self.provider = router, provider
+        self.rserver, self.pserver = router.service.server, provider.service.server
+        self.handler = provider.service.handler
+        self.host_id = self.handler.host_id
+        self.make_token, self.raw_dealer = make_token, raw_dealer
+        self.admin = client_for(router.endpoint, role="admin")
+        self.job = self.admin.request(SubmitJob(spec={"dataset": "mnist", "epochs": 1})).job
+        # Rings are offered over the provider's same-host ipc endpoint (over TCP they are refused).
+        self.local = self.handler.local_endpoint
+        self.trainer = client_for(self.local, role="trainer", host_id=self.host_id)
+        src = self.handler.datasets["mnist"]
+        self.mnist = src
+        x = np.empty((8, *src.sample_shape), src.dtype)
+        y = np.empty((8, *src.label_shape), src.label_dtype)
+        src.read_into("train", np.arange(8, dtype=np.int64), x, y)
+        self.expected = (x.tobytes(), y.tobytes())
+        layout = RingLayout.for_batch(4, x.nbytes, y.nbytes)
+        self.ring = Ring.create(layout)
+        self.trainer.request(
+            AttachRing(name=self.ring.name, slots=4, slot_bytes=layout.slot_bytes, label_offset=layout.label_offset)
+        )
+        # Slot 0: filled by the provider, taken by the trainer, then painted with a known pattern.
+        seq = self.ring.request(0)
+        self.trainer.request(BatchRequest(dataset="mnist", split="train", range=[0, 8], slot=0, seq=seq))
+        self.ring.take(0, seq)
+        self.in_use_seq = seq
+        base = layout.data_offset
+        self.slot_bytes = slice(base, base + layout.stride)
+        self.ring.segment.buf[self.slot_bytes] = bytes(range(256)) * (layout.stride // 256)
+        self.pattern = bytes(self.ring.segment.buf[self.slot_bytes])
+        # Slot 1: left FILLED and slot 2 IN_USE under old sequence numbers, so replays have targets.
+        self.replays = []
+        for slot in (1, 2):
+            s = self.ring.request(slot)
+            req = BatchRequest(id=10_000 + slot, dataset="mnist", split="train", range=[8, 16], slot=slot, seq=s)
+            self.trainer.request(req)
+            self.replays.append(encode(req))
+        self.ring.take(2, s)
+        self.other_ring = Ring.create(layout)  # a second trainer's ring
+        self.layout = layout
+        self.rss0 = rss()
+
+    def token(self, role: str = "trainer") -> str:
+        return self.make_token(role)
+
+    def peer(self, service: str) -> Peer:
+        """A bare peer of ``router``, ``provider`` (TCP) or ``provider-local`` (its ipc endpoint)."""
+        endpoints = {"router": self.router.endpoint, "provider": self.provider.endpoint, "provider-local": self.local}
+        # The previous example's peer says Goodbye: sessions per subject are capped (64).
+        last = getattr(self, "_last_peer", None)
+        if last is not None:
+            last.sock.send_multipart([PROTOCOL, head(type="Goodbye")])
+        self._last_peer = Peer(self.raw_dealer, endpoints[service])
+        return self._last_peer
+
+    def check(self) -> None:
+        """Both services alive and correct, memory bounded, the IN_USE slot untouched."""
+        assert self.router.thread.is_alive() and self.provider.thread.is_alive(), "a service loop died"
+        assert self.rserver.counters["internal"] == 0 and self.pserver.counters["internal"] == 0, (
+            "a handler raised something other than a BusError"
+        )
+        info = self.trainer.request(DatasetInfoRequest(dataset="mnist"))
+        assert isinstance(info, DatasetInfo) and info.info == self.mnist.info()
+        reply = self.trainer.request(BatchRequest(dataset="mnist", split="train", range=[0, 8]))
+        assert bytes(reply.frames[0]) == self.expected[0] and bytes(reply.frames[1]) == self.expected[1]
+        peers = self.admin.request(ListPeers())
+        assert isinstance(peers, PeerList) and any(p["role"] == "provider" for p in peers.peers)
+        job = self.admin.request(GetJob(job=self.job))
+        assert isinstance(job, JobInfo) and job.job["id"] == self.job
+        assert bytes(self.ring.segment.buf[self.slot_bytes]) == self.pattern, "IN_USE slot was written"
+        assert self.ring.state(0) == 3 and self.ring.seq(0) == self.in_use_seq
+        grown = rss() - self.rss0
+        assert grown < RSS_BOUND, f"resident memory grew by {grown >> 20} MiB during fuzzing"
+
+    def close(self) -> None:
+        self.ring.close()
+        self.other_ring.close()
+
+
+@pytest.fixture(name="world")
+def world_fixture(router, provider, raw_dealer, make_token, client_for):
+    w = World(router, provider, raw_dealer, make_token, client_for)
+    yield w
+    w.close()
+
+
+def fire(world: World, peer: Peer, server, messages: list[list[bytes]]) -> list[dict]:
+    """Send, drain, and check that every Error that came back was counted by the server."""
+    before = refusals(server)
+    for frames in messages:
+        peer.send(frames)
+    replies = peer.drain()
+    deadline = time.monotonic() + REPLY_TIMEOUT_S
+    while server._pending and time.monotonic() < deadline:  # deferred work (Evaluate) finishes
+        time.sleep(0.01)
+    replies += peer.drain()
+    errors = sum(1 for r in replies if r["type"] == "Error") + 2  # + the two sentinels
+    assert refusals(server) - before == errors, (server.counters, replies[-5:])
+    return replies
