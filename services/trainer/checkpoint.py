@@ -34,6 +34,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from libbus.errors import BusError
+from libbus.jobs import JobSpec
 from services.atomic import write_atomic
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "Restored",
     "job_dir",
     "load_checkpoint",
+    "model_metadata",
     "prune",
     "read_checkpoint",
     "restore_checkpoint",
@@ -234,6 +236,17 @@ def restore_checkpoint(data: bytes, record: dict, model: nn.Module, optimizer: t
         )
     except (KeyError, ValueError, RuntimeError, orjson.JSONDecodeError) as err:
         raise CheckpointError(f"checkpoint {path} does not fit this job's model and optimizer: {err}") from err
+
+
+def model_metadata(job: str, spec: JobSpec, step: int) -> dict[str, str]:
+    """The safetensors metadata of a job's model: enough to build it again (``model`` and its
+    ``model_kwargs``) and to say where it is from (``job``, ``step``)."""
+    return {
+        "job": job,
+        "model": spec.model,
+        "step": str(step),
+        "model_kwargs": orjson.dumps(spec.model_kwargs).decode(),
+    }
 
 
 def save_model(directory: Path, model: nn.Module, metadata: dict[str, str]) -> dict:

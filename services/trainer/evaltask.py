@@ -6,6 +6,7 @@
 - :func:`adopt_checkpoint`: population-based training's exploit step: load another job's
   checkpoint (weights and optimizer state) into a running task.
 - :func:`current_weights`: ``busctl job model --current``: the weights now, between two steps.
+- :func:`evaluate_now`: ``busctl job eval``: the weights now, scored in the background.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import logging
 
-import orjson
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -27,11 +27,11 @@ from libbus.loader import RemoteLoader, pick_provider
 from libbus.messages import Evaluate, Resolve, Task
 from services.models import build_model, dataset_kind, evaluate
 
-from .checkpoint import CheckpointError, read_checkpoint, restore_checkpoint
+from .checkpoint import CheckpointError, model_metadata, read_checkpoint, restore_checkpoint
 from .evaluation import snapshot
 from .optim import apply_hyper
 
-__all__ = ["run_evaluation", "adopt_checkpoint", "current_weights"]
+__all__ = ["run_evaluation", "adopt_checkpoint", "current_weights", "evaluate_now"]
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +127,7 @@ def current_weights(run) -> tuple[dict, bytes]:
     sha256, step and epoch."""
     state, copy_ms = snapshot(run.model)
     data = save_safetensors(
-        {k: v.contiguous() for k, v in state.items()},
-        metadata={
-            "job": run.job,
-            "model": run.spec.model,
-            "step": str(run.step),
-            "model_kwargs": orjson.dumps(run.spec.model_kwargs).decode(),
-        },
+        {k: v.contiguous() for k, v in state.items()}, metadata=model_metadata(run.job, run.spec, run.step)
     )
     detail = {
         "sha256": hashlib.sha256(data).hexdigest(),
@@ -143,3 +137,17 @@ def current_weights(run) -> tuple[dict, bytes]:
         "bytes": len(data),
     }
     return detail, data
+
+
+def evaluate_now(run, done) -> None:
+    """``busctl job eval``: copy the weights of ``run`` (a TaskRun) here, between batches; score them
+    in the background (:class:`.evaluation.LiveEvaluations`), calling ``done`` with the result."""
+    run.evaluations.start(
+        run.model,
+        {"name": run.spec.model, "kwargs": run.spec.model_kwargs},
+        run.spec.dataset,
+        run.provider,
+        step=run.step,
+        epoch=run.train.epoch + 1,
+        done=done,
+    )

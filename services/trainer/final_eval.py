@@ -14,12 +14,19 @@ import logging
 import time
 from collections.abc import Callable
 
+from safetensors.torch import save as save_safetensors
+from torch import nn
+
 from libbus.client import Client, Identity
+from libbus.config import Settings
 from libbus.curve import curve_key_of
 from libbus.errors import BusError, NotFound, PeerTimeout, Unavailable
+from libbus.jobs import JobSpec
+from libbus.link import Link
+from libbus.loader import pick_provider
 from libbus.messages import Evaluate, Evaluation, Resolve
 
-__all__ = ["CHECK_S", "EVALUATE_TIMEOUT_S", "score_on_provider"]
+__all__ = ["CHECK_S", "EVALUATE_TIMEOUT_S", "score_final", "score_on_provider"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,43 @@ def score_on_provider(
                     missing_since = missing_since or now
                     if now - missing_since >= provider_wait_s:
                         raise Unavailable(f"provider {provider['name']} went away during the test evaluation")
+
+
+def score_final(
+    model: nn.Module,
+    job: str,
+    spec: JobSpec,
+    provider: dict,
+    *,
+    link: Link,
+    identity: Identity,
+    settings: Settings,
+    check: Callable[[], None],
+) -> Evaluation:
+    """A task's final test evaluation: ``model``'s weights scored by a live replica of the dataset's
+    provider (``provider``, the one read from, when the router does not answer), calling ``check``
+    while it waits (:func:`score_on_provider`)."""
+    try:  # a live replica: the provider read from at the start may have gone since
+        live = link.request(Resolve(dataset=spec.dataset), timeout_s=settings.request_timeout_s)
+        provider = pick_provider(live.providers, identity.host_id)
+    except BusError as err:
+        log.warning("job %s: evaluating on %s (the router did not answer: %s)", job, provider["name"], err)
+    blob = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
+    msg = Evaluate(
+        dataset=spec.dataset,
+        job=job,
+        model={"name": spec.model, "kwargs": spec.model_kwargs},
+        frames=[blob],
+    )
+    return score_on_provider(
+        msg,
+        provider,
+        identity,
+        link=link,
+        request_timeout_s=settings.request_timeout_s,
+        provider_wait_s=settings.provider_wait_s,
+        check=check,
+    )
 
 
 def _listed(link, dataset: str, name: str, timeout_s: float) -> bool:

@@ -3,75 +3,43 @@
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import time
-from dataclasses import dataclass, field
+from functools import partial
 
-import orjson
 import torch
-from safetensors.torch import save as save_safetensors
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from libbus.client import Identity
 from libbus.config import Settings
-from libbus.errors import BadRequest, BusError, NotFound, PeerTimeout, Unavailable
-from libbus.jobs import SETTABLE, JobSpec
+from libbus.errors import BusError, NotFound, PeerTimeout, Unavailable
+from libbus.jobs import JobSpec
 from libbus.link import Link
 from libbus.loader import RemoteLoader, pick_provider
-from libbus.messages import Checkpointed, Command, Evaluate, Evaluation, Message, Progress, Resolve, Task
-from services.models import TOKENS, batch_loss, build_model, dataset_kind, evaluate
+from libbus.messages import Checkpointed, Command, Evaluation, Progress, Task
+from services.models import batch_loss, dataset_kind, evaluate
 from services.sdnotify import Notifier
 
 from .audit import Audit
-from .checkpoint import (
-    CheckpointError,
-    job_dir,
-    prune,
-    read_checkpoint,
-    restore_checkpoint,
-    save_checkpoint,
-    save_model,
-)
+from .checkpoint import CheckpointError, job_dir, model_metadata, prune, save_model
 from .control import Controls, Lost, Stopped
-from .evaltask import adopt_checkpoint, current_weights, run_evaluation
+from .evaltask import adopt_checkpoint, current_weights, evaluate_now, run_evaluation
 from .evaluation import LiveEvaluations
 from .failures import describe_failure
 from .failures import deterministic as _deterministic
-from .final_eval import EVALUATE_TIMEOUT_S, score_on_provider
-from .gang import Code, Gang, GangError, advertised_host
-from .optim import apply_hyper, make_optimizer
+from .final_eval import EVALUATE_TIMEOUT_S, score_final
+from .gang import Gang, GangError, advertised_host
+from .lockstep import Lockstep
+from .optim import apply_hyper
+from .prepare import build, job_device, open_loaders, resolve
+from .progress import Meter, epoch_record, final_result, progress_report
 from .reports import Reporter
+from .resume import restore, save
 
 __all__ = ["TaskRun"]
 
 log = logging.getLogger(__name__)
-
-
-def _perplexity(loss: float) -> float:
-    """exp(mean next-token loss), capped so that a diverged run reports a number JSON can carry."""
-    return math.exp(min(loss, 700.0))
-
-
-@dataclass
-class Meter:
-    """Running throughput and data-wait figures for progress reports."""
-
-    started: float = field(default_factory=time.monotonic)
-    samples: int = 0
-    loss_sum: float = 0.0
-    loss_n: int = 0
-
-    def add(self, n: int, loss: float) -> None:
-        self.samples += n
-        self.loss_sum += loss * n
-        self.loss_n += n
-
-    def take_loss(self) -> float:
-        loss = self.loss_sum / self.loss_n if self.loss_n else float("nan")
-        self.loss_sum, self.loss_n = 0.0, 0
-        return loss
 
 
 class TaskRun:
@@ -111,9 +79,10 @@ class TaskRun:
         #: Rank 0 (or a job's only trainer) reports, checkpoints and scores; other ranks only train.
         self.lead = task.rank == 0
         self.gang: Gang | None = None
+        #: In a gang: commands applied in step with the other ranks.
+        self.lockstep: Lockstep | None = None
         #: The gang's process group could not be left: this process must not take another job.
         self.unclean = False
-        self._shutting_down = False
         self.directory = job_dir(settings.checkpoint_dir, self.job)
         if not self.lead:  # the final weights of this rank (identical to rank 0's) go apart
             self.directory = self.directory / f"rank-{task.rank}"
@@ -138,9 +107,10 @@ class TaskRun:
             set_hyper=self._set_hyper,
             report=self._while_paused,
             before_stop=self._before_stop,
-            evaluate=self._evaluate_now,
-            adopt=self._adopt,
-            model=self._current_model,
+            # busctl job eval, population-based training's adopt, busctl job model --current (.evaltask)
+            evaluate=partial(evaluate_now, self),
+            adopt=partial(adopt_checkpoint, self),
+            model=partial(current_weights, self),
         )
 
     def run(self) -> tuple[str, dict, str]:
@@ -197,36 +167,12 @@ class TaskRun:
         self.spec = spec
         return spec.to_dict()
 
-    def _evaluate_now(self, done) -> None:
-        """``busctl job eval``: copy the weights here, between batches; score them in the background."""
-        self.evaluations.start(
-            self.model,
-            {"name": self.spec.model, "kwargs": self.spec.model_kwargs},
-            self.spec.dataset,
-            self.provider,
-            step=self.step,
-            epoch=self.train.epoch + 1,
-            done=done,
-        )
-
-    def _adopt(self, args: dict) -> dict:
-        """Population-based training: load another job's checkpoint (weights and optimizer state) and
-        go on from here with this job's own data position and hyper-parameters."""
-        return adopt_checkpoint(self, args)
-
-    def _current_model(self) -> tuple[dict, bytes]:
-        """``busctl job model --current``: the weights now, between two steps."""
-        return current_weights(self)
-
     def _before_stop(self) -> None:
         """Stopped or handed back, the job can resume exactly here; if this checkpoint cannot be
         written, it resumes from the last one (what it trained since is done again). The gang's
         other ranks stop at this same step."""
-        if self.gang is not None:
-            try:
-                self.gang.sync(Code.STOP, self._hyper())
-            except GangError as err:  # the others are gone already: the stop stands
-                log.warning("job %s: %s", self.job, err)
+        if self.lockstep is not None:
+            self.lockstep.stop()
         self._checkpoint_quietly()
 
     def _checkpoint_quietly(self) -> None:
@@ -237,50 +183,20 @@ class TaskRun:
         except CheckpointError as err:
             log.error("job %s: no checkpoint on stop: %s", self.job, err)
 
-    # -- the gang (world_size > 1) -----------------------------------------------------------------
-    def _hyper(self) -> dict:
-        return {k: getattr(self.spec, k) for k in SETTABLE}
-
+    # -- applying commands (in a gang: in step with the other ranks, .lockstep) ---------------------
     def _check(self) -> None:
         """Apply commands: :meth:`Controls.check`, and in a gang every rank does what rank 0 decided,
-        at this same step (:mod:`.gang`)."""
-        if self.gang is None:
+        at this same step (:mod:`.lockstep`)."""
+        if self.lockstep is None:
             self.controls.check()
-            return
-        if self.lead:
-            self.controls.check()  # a stop has told the gang already (_before_stop)
-            self._follow(*self.gang.sync(Code.RUN, self._hyper()))
-            return
-        self._follow(*self.gang.sync(self._own_code(), self._hyper()))
-
-    def _own_code(self) -> Code:
-        """A rank above 0 hears no commands from the router; only its own trainer's shutdown."""
-        while not self.controls.commands.empty():
-            if self.controls.commands.get_nowait().command == "shutdown":
-                self._shutting_down = True
-        return Code.HANDBACK if self._shutting_down else Code.RUN
-
-    def _follow(self, code: Code, hyper: dict) -> None:
-        """Do what the gang decided: take rank 0's hyper-parameters, wait out a pause, end."""
-        if not self.lead and hyper != self._hyper():
-            self._set_hyper(hyper)
-        while code == Code.PAUSE and not self.lead:
-            self.notifier.watchdog()
-            code, hyper = self.gang.sync(self._own_code(), self._hyper())
-            if hyper != self._hyper():
-                self._set_hyper(hyper)
-        if code == Code.RUN or (self.lead and code == Code.PAUSE):
-            return
-        if self.lead:  # another rank's trainer is shutting down: the gang hands the job back
-            log.info("job %s: a rank of the gang is shutting down; handing the job back", self.job)
-            self._checkpoint_quietly()
-        raise Stopped(handback=code == Code.HANDBACK)
+        else:
+            self.lockstep.check()
 
     def _while_paused(self) -> None:
         """Called while rank 0 (or a lone trainer) is paused: reports, and keeps the gang paused."""
         self._maybe_report()
-        if self.gang is not None:
-            self._follow(*self.gang.sync(Code.PAUSE, self._hyper()))
+        if self.lockstep is not None:
+            self.lockstep.paused()
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _checkpoint(self) -> dict:
@@ -288,17 +204,9 @@ class TaskRun:
         epoch-end one after the last step's adds the epoch's validation) and report it."""
         if self.last_checkpoint is not None and self._checkpointed == (self.step, len(self.history)):
             return self.last_checkpoint
-        extra = {"history": self.history, "loss_sum": self.meter.loss_sum, "loss_n": self.meter.loss_n}
-        cursor = self.train.state_dict()
-        record = save_checkpoint(
-            self.directory,
-            step=self.step,
-            epoch=cursor["epoch"],
-            cursor=cursor,
-            model=self.model,
-            optimizer=self.optimizer,
-            extra=extra,
-            epoch_end=self._checkpointed[0] == self.step,
+        end = self._checkpointed[0] == self.step  # the epoch-end one after the last step's
+        record = save(
+            self.directory, self.step, self.train, self.model, self.optimizer, self.meter, self.history, epoch_end=end
         )
         self.last_checkpoint = record
         self._checkpointed = (self.step, len(self.history))
@@ -312,9 +220,7 @@ class TaskRun:
         here, changed, or from another dataset size): the job then starts over. In a gang rank 0
         reads it and every rank restores the same bytes (each its own shard at the same cursor)."""
         try:
-            data = self._checkpoint_bytes(record)
-            self.train.load_state_dict(record.get("cursor") or {})
-            restored = restore_checkpoint(data, record, self.model, self.optimizer)
+            restored = restore(record, self.settings.checkpoint_dir, self.gang, self.train, self.model, self.optimizer)
         except BusError as err:
             log.warning("job %s: cannot resume from %s: %s; starting over", self.job, record.get("path"), err)
             self.resumed_from = {"error": str(err)}
@@ -337,22 +243,6 @@ class TaskRun:
         )
         return True
 
-    def _checkpoint_bytes(self, record: dict) -> bytes:
-        if self.gang is None:
-            return read_checkpoint(record, self.settings.checkpoint_dir)
-        data, error = b"", None
-        if self.lead:
-            try:
-                data = read_checkpoint(record, self.settings.checkpoint_dir)
-            except CheckpointError as err:
-                error = err
-        data = self.gang.share(data)  # empty: rank 0 cannot read it, every rank starts over
-        if error is not None:
-            raise error
-        if not data:
-            raise CheckpointError(f"rank 0 could not read checkpoint {record.get('path')}")
-        return data
-
     # -- training ---------------------------------------------------------------------------------
     def _report(self, progress: dict) -> None:
         self._last_report = time.monotonic()
@@ -366,67 +256,36 @@ class TaskRun:
         if self.lead and time.monotonic() - self._last_report >= self.settings.progress_interval_s:
             self._report(self._progress(self.train.epoch, len(self.train), self.train))
 
-    def _resolve(self) -> Message:
-        """The dataset's providers. None online is waited out for ``provider_wait_s`` (a provider
-        restarting), as a loader waits for its lost providers, before the attempt fails."""
-        deadline = time.monotonic() + self.settings.provider_wait_s
-        while True:
-            try:
-                return self.link.request(Resolve(dataset=self.spec.dataset), timeout_s=self.settings.request_timeout_s)
-            except NotFound:
-                if time.monotonic() >= deadline:
-                    raise
-            self.notifier.watchdog()
-            time.sleep(0.25)
-
     def _train(self) -> dict:
         spec, s = self.spec, self.settings
-        resolved = self._resolve()
+        resolved = resolve(self.link, spec.dataset, s, self.notifier.watchdog)
         provider = self.provider = pick_provider(resolved.providers, self.identity.host_id)
         info = resolved.info
         log.info(
             "job %s: %s on %s from %s (%s)", self.job, spec.model, spec.dataset, provider["name"], provider["endpoint"]
         )
-        device = self._device()
+        device = job_device(spec)
         if self.task.world_size > 1:
             self.gang = Gang(self.task, self.link, advertised_host(s.advertise, s.router), device, s.request_timeout_s)
-        torch.manual_seed(spec.seed)
-        model = self.model = build_model(spec.model, info, **spec.model_kwargs).to(device)
-        optimizer = self.optimizer = make_optimizer(spec, model.parameters())
+            self.lockstep = Lockstep(
+                self.gang,
+                self.controls,
+                job=self.job,
+                lead=self.lead,
+                spec=lambda: self.spec,
+                set_hyper=self._set_hyper,
+                watchdog=self.notifier.watchdog,
+                handback=self._checkpoint_quietly,
+            )
+        model, optimizer = build(spec, info, device)
+        self.model, self.optimizer = model, optimizer
         kind = dataset_kind(info)
-        # Every replica: requests spread over them, and the loaders ask again when none answers.
-        common = {
-            "provider": resolved.providers,
-            "provider_wait_s": s.provider_wait_s,
-            "resolver": lambda timeout_s: (
-                self.link.request(Resolve(dataset=spec.dataset), timeout_s=timeout_s).providers
-            ),
-            "token": self.identity.token,
-            "batch_size": spec.batch_size,
-            "inflight": s.inflight,
-            "timeout_s": s.request_timeout_s,
-            "retries": s.request_retries,
-            "name": self.identity.name,
-            "device": str(device),
-            "shm": s.shm,
-            "shm_slots": s.shm_slots,
-            "host_id": self.identity.host_id,
-            "curve": self.identity.curve,
-        }
-        train = self.train = RemoteLoader(
-            spec.dataset,
-            split="train",
-            shuffle=spec.shuffle,
-            block_size=spec.block_size,
-            seed=spec.seed,
-            **self._shard(),
-            **common,
-        )
-        val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common) if self.lead else None
+        train, val = open_loaders(self.task, spec, s, self.link, self.identity, resolved.providers, device)
+        self.train = train
         if self.task.resume and not self._resume(self.task.resume):
-            torch.manual_seed(spec.seed)  # a checkpoint half loaded must not leak into the fresh start
-            model = self.model = build_model(spec.model, info, **spec.model_kwargs).to(device)
-            optimizer = self.optimizer = make_optimizer(spec, model.parameters())
+            # a checkpoint half loaded must not leak into the fresh start (build seeds anew)
+            model, optimizer = build(spec, info, device)
+            self.model, self.optimizer = model, optimizer
         net = model if self.gang is None else DistributedDataParallel(model, device_ids=self.gang.device_ids)
         if s.audit_dir:
             self.audit = Audit(s.audit_dir, self.job, self.identity.name, self.step, rank=self.task.rank)
@@ -470,33 +329,14 @@ class TaskRun:
                     self.directory, model, {"job": self.job, "rank": str(self.task.rank), "step": str(self.step)}
                 ),
             }
-        result = {
-            **self._progress(spec.epochs, steps_per_epoch, train),
-            "val_loss": self.history[-1]["val_loss"],
-            "val_accuracy": self.history[-1]["val_accuracy"],
-            "provider": provider["name"],
-            "world_size": self.task.world_size,
-        }
-        if kind == TOKENS:
-            result["val_perplexity"] = self.history[-1]["val_perplexity"]
-        if spec.evaluate:
-            evaluation = self._evaluate(model, provider)
-            result.update(test_loss=evaluation.loss, test_accuracy=evaluation.accuracy, test_n=evaluation.n)
-            if kind == TOKENS:
-                result["test_perplexity"] = _perplexity(evaluation.loss)
+        progress = self._progress(spec.epochs, steps_per_epoch, train)
+        evaluation = self._evaluate(model, provider) if spec.evaluate else None
+        if evaluation is not None:
             log.info(
                 "job %s: provider-side test accuracy %.4f on %d samples", self.job, evaluation.accuracy, evaluation.n
             )
-        result["model"] = save_model(
-            self.directory,
-            model,
-            {
-                "job": self.job,
-                "model": spec.model,
-                "step": str(self.step),
-                "model_kwargs": orjson.dumps(spec.model_kwargs).decode(),
-            },
-        )
+        result = final_result(progress, self.history, provider["name"], self.task.world_size, kind, evaluation)
+        result["model"] = save_model(self.directory, model, model_metadata(self.job, spec, self.step))
         return result
 
     def _end_epoch(self, epoch: int, val: RemoteLoader | None, kind: str, steps_per_epoch: int) -> None:
@@ -506,15 +346,7 @@ class TaskRun:
             self._check()
             return
         val_loss, val_acc, _ = evaluate(self.model, self._watched(val), kind)
-        epoch_record = {
-            "epoch": epoch + 1,
-            "train_loss": self.meter.take_loss(),
-            "val_loss": val_loss,
-            "val_accuracy": val_acc,
-        }
-        if kind == TOKENS:  # per-token loss; perplexity is how language models are compared
-            epoch_record["val_perplexity"] = _perplexity(val_loss)
-        self.history.append(epoch_record)
+        self.history.append(epoch_record(epoch + 1, self.meter.take_loss(), val_loss, val_acc, kind))
         log.info(
             "job %s epoch %d/%d: val loss %.4f accuracy %.4f", self.job, epoch + 1, self.spec.epochs, val_loss, val_acc
         )
@@ -522,43 +354,21 @@ class TaskRun:
         self._report(self._progress(epoch + 1, steps_per_epoch, self.train))
         self._check()
 
-    def _shard(self) -> dict:
-        """A gang's rank reads its own shard of ``train``; all as many batches (DDP steps together)."""
-        if self.task.world_size == 1:
-            return {}
-        return {"rank": self.task.rank, "world_size": self.task.world_size, "drop_uneven": True}
-
     def _progress(self, epoch: int, steps_per_epoch: int, loader: RemoteLoader) -> dict:
         """What rank 0 reports; ``samples`` counts the whole gang (every rank trains as many)."""
-        meter = self.meter
-        elapsed = max(1e-9, time.monotonic() - meter.started)
-        last_loss = meter.loss_sum / meter.loss_n if meter.loss_n else None
-        return {
-            "epoch": epoch,
-            "epochs": self.spec.epochs,
-            "step": self.step,
-            "steps_per_epoch": steps_per_epoch,
-            "loss": last_loss,
-            "samples": meter.samples * self.task.world_size,
-            "samples_per_s": meter.samples * self.task.world_size / elapsed,
-            "data_wait_s": loader.wait_s,
-            "transport": loader.transport,
-            "data_wait_pct": 100.0 * loader.wait_s / elapsed,
-            "elapsed_s": elapsed,
-            "state": self.controls.state,
-            "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else None,
-            "resumed_from": self.resumed_from,
-            "history": self.history,
-        }
-
-    def _device(self) -> torch.device:
-        try:
-            device = torch.device(self.spec.device)
-        except RuntimeError as err:
-            raise BadRequest(f"job device {self.spec.device!r} is not a torch device: {err}") from err
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise BadRequest(f"job asks for {device} but this trainer has no CUDA device")
-        return device
+        return progress_report(
+            self.meter,
+            loader,
+            epoch=epoch,
+            epochs=self.spec.epochs,
+            step=self.step,
+            steps_per_epoch=steps_per_epoch,
+            world_size=self.task.world_size,
+            state=self.controls.state,
+            last_checkpoint=self.last_checkpoint,
+            resumed_from=self.resumed_from,
+            history=self.history,
+        )
 
     def _watched(self, batches):
         """``batches``, feeding the watchdog between them."""
@@ -567,26 +377,15 @@ class TaskRun:
             yield batch
 
     def _evaluate(self, model: nn.Module, provider: dict) -> Evaluation:
-        try:  # a live replica: the provider read from at the start may have gone since
-            live = self.link.request(Resolve(dataset=self.spec.dataset), timeout_s=self.settings.request_timeout_s)
-            provider = pick_provider(live.providers, self.identity.host_id)
-        except BusError as err:
-            log.warning("job %s: evaluating on %s (the router did not answer: %s)", self.job, provider["name"], err)
-        blob = save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
-        msg = Evaluate(
-            dataset=self.spec.dataset,
-            job=self.job,
-            model={"name": self.spec.model, "kwargs": self.spec.model_kwargs},
-            frames=[blob],
-        )
-        s = self.settings
-        return score_on_provider(
-            msg,
+        """The final test evaluation, on a live replica of the provider (:func:`.final_eval.score_final`)."""
+        return score_final(
+            model,
+            self.job,
+            self.spec,
             provider,
-            self.identity,
             link=self.link,
-            request_timeout_s=s.request_timeout_s,
-            provider_wait_s=s.provider_wait_s,
+            identity=self.identity,
+            settings=self.settings,
             check=self._while_scoring,
         )
 

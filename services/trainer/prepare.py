@@ -1,0 +1,103 @@
+"""What a training task sets up before its first step: the dataset's providers, the device, the model
+with its optimizer, and the train and val loaders (a gang's rank reading its own shard)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from libbus.client import Identity
+from libbus.config import Settings
+from libbus.errors import BadRequest, NotFound
+from libbus.jobs import JobSpec
+from libbus.link import Link
+from libbus.loader import RemoteLoader
+from libbus.messages import Message, Resolve, Task
+from services.models import build_model
+
+from .optim import make_optimizer
+
+__all__ = ["build", "job_device", "open_loaders", "resolve", "shard"]
+
+
+def resolve(link: Link, dataset: str, settings: Settings, watchdog: Callable[[], None]) -> Message:
+    """The dataset's providers. None online is waited out for ``provider_wait_s`` (a provider
+    restarting), as a loader waits for its lost providers, before the attempt fails."""
+    deadline = time.monotonic() + settings.provider_wait_s
+    while True:
+        try:
+            return link.request(Resolve(dataset=dataset), timeout_s=settings.request_timeout_s)
+        except NotFound:
+            if time.monotonic() >= deadline:
+                raise
+        watchdog()
+        time.sleep(0.25)
+
+
+def job_device(spec: JobSpec) -> torch.device:
+    """The job's ``device``; :class:`BadRequest` if torch does not know it or this trainer lacks it."""
+    try:
+        device = torch.device(spec.device)
+    except RuntimeError as err:
+        raise BadRequest(f"job device {spec.device!r} is not a torch device: {err}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BadRequest(f"job asks for {device} but this trainer has no CUDA device")
+    return device
+
+
+def build(spec: JobSpec, info: dict, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The job's model on ``device``, from the spec's seed, and its optimizer."""
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model, info, **spec.model_kwargs).to(device)
+    return model, make_optimizer(spec, model.parameters())
+
+
+def shard(task: Task) -> dict:
+    """A gang's rank reads its own shard of ``train``; all as many batches (DDP steps together)."""
+    if task.world_size == 1:
+        return {}
+    return {"rank": task.rank, "world_size": task.world_size, "drop_uneven": True}
+
+
+def open_loaders(
+    task: Task,
+    spec: JobSpec,
+    settings: Settings,
+    link: Link,
+    identity: Identity,
+    providers: list[dict],
+    device: torch.device,
+) -> tuple[RemoteLoader, RemoteLoader | None]:
+    """The ``train`` loader (this rank's shard) and, on rank 0 only, the ``val`` loader."""
+    s = settings
+    # Every replica: requests spread over them, and the loaders ask again when none answers.
+    common = {
+        "provider": providers,
+        "provider_wait_s": s.provider_wait_s,
+        "resolver": lambda timeout_s: link.request(Resolve(dataset=spec.dataset), timeout_s=timeout_s).providers,
+        "token": identity.token,
+        "batch_size": spec.batch_size,
+        "inflight": s.inflight,
+        "timeout_s": s.request_timeout_s,
+        "retries": s.request_retries,
+        "name": identity.name,
+        "device": str(device),
+        "shm": s.shm,
+        "shm_slots": s.shm_slots,
+        "host_id": identity.host_id,
+        "curve": identity.curve,
+    }
+    train = RemoteLoader(
+        spec.dataset,
+        split="train",
+        shuffle=spec.shuffle,
+        block_size=spec.block_size,
+        seed=spec.seed,
+        **shard(task),
+        **common,
+    )
+    val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common) if task.rank == 0 else None
+    return train, val
