@@ -150,3 +150,10 @@ def trainer(make_settings, router, state_dir):
     stop.set()
     thread.join(15)
     assert not thread.is_alive(), "trainer did not stop within 15 s"
+
+
+@pytest.fixture(scope="module")
+def train_digests(cluster):
+    """The multiset of every train sample's digest, read straight from the provider of the module's
+    ``cluster`` (a :class:`tests.support.jobs.JobCluster`): what every epoch's audit must equal."""
+    return cluster.train_digests()

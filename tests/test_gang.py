@@ -41,12 +41,6 @@ def cluster(tmp_path_factory):
         cluster.close()
 
 
-@pytest.fixture(scope="module")
-def train_digests(cluster) -> Counter:
-    """The multiset of every train sample's digest, read straight from the provider."""
-    return cluster.train_digests()
-
-
 def rank_epochs(cluster: JobCluster, job: str) -> dict[int, dict[int, Counter]]:
     """Per rank, per epoch, the digests that rank trained on (one attempt each)."""
     out: dict[int, dict[int, Counter]] = {}

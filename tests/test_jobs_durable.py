@@ -42,12 +42,6 @@ def cluster(tmp_path_factory):
         cluster.close()
 
 
-@pytest.fixture(scope="module")
-def train_digests(cluster) -> Counter:
-    """The multiset of every train sample's digest, read straight from the provider."""
-    return cluster.train_digests()
-
-
 def assert_exactly_once(cluster: JobCluster, job: str, train_digests: Counter) -> None:
     epochs = effective_epochs(cluster.audit, job)
     assert sorted(epochs) == list(range(SPEC["epochs"]))

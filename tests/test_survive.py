@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 
 import pytest
 import torch
@@ -61,12 +60,6 @@ def cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.close()
-
-
-@pytest.fixture(scope="module")
-def train_digests(cluster) -> Counter:
-    """Every train sample's digest, read straight from the provider."""
-    return cluster.train_digests()
 
 
 @pytest.fixture(scope="module")
