@@ -6,6 +6,11 @@ wait must not deafen the trainer. Every :data:`CHECK_S` it applies commands (a S
 evaluation) and feeds the watchdog; and it asks the router whether the provider is still online:
 one gone for ``provider_wait_s`` fails the attempt as retryable (``Unavailable``), and the next
 attempt scores on a live replica, instead of waiting out the whole timeout.
+
+A provider limits evaluations (its queue, and a rate per job and per token subject: the test split
+must not become a training signal). A job's one final evaluation that meets the limit waits and asks
+again, within the same :data:`EVALUATE_TIMEOUT_S`: a trainer that finishes many short jobs a minute
+must not fail them for it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from torch import nn
 from libbus.client import Client, Identity
 from libbus.config import Settings
 from libbus.curve import curve_key_of
-from libbus.errors import BusError, NotFound, PeerTimeout, Unavailable
+from libbus.errors import BusError, NotFound, PeerTimeout, RateLimited, Unavailable
 from libbus.jobs import JobSpec
 from libbus.link import Link
 from libbus.loader import pick_provider
@@ -36,6 +41,8 @@ EVALUATE_TIMEOUT_S = 300.0
 CHECK_S = 0.5
 #: How often it asks the router whether the provider is still online.
 PROVIDER_CHECK_S = 2.0
+#: How long a final evaluation the provider rate-limited waits before it asks again.
+RATE_LIMITED_WAIT_S = 2.0
 
 
 def score_on_provider(
@@ -107,15 +114,32 @@ def score_final(
         model={"name": spec.model, "kwargs": spec.model_kwargs},
         frames=[blob],
     )
-    return score_on_provider(
-        msg,
-        provider,
-        identity,
-        link=link,
-        request_timeout_s=settings.request_timeout_s,
-        provider_wait_s=settings.provider_wait_s,
-        check=check,
-    )
+    deadline = time.monotonic() + EVALUATE_TIMEOUT_S
+    while True:
+        try:
+            return score_on_provider(
+                msg,
+                provider,
+                identity,
+                link=link,
+                request_timeout_s=settings.request_timeout_s,
+                provider_wait_s=settings.provider_wait_s,
+                check=check,
+                timeout_s=max(1.0, deadline - time.monotonic()),
+            )
+        except RateLimited as err:
+            if time.monotonic() + RATE_LIMITED_WAIT_S >= deadline:
+                raise Unavailable(f"provider {provider['name']} kept refusing the test evaluation: {err}") from err
+            log.info("job %s: %s; asking again in %.0f s", job, err, RATE_LIMITED_WAIT_S)
+            _wait(RATE_LIMITED_WAIT_S, check)
+
+
+def _wait(seconds: float, check: Callable[[], None]) -> None:
+    """Sleep ``seconds``, calling ``check`` (commands, the watchdog) every :data:`CHECK_S`."""
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        time.sleep(min(CHECK_S, left))
+        check()
 
 
 def _listed(link, dataset: str, name: str, timeout_s: float) -> bool:
