@@ -17,8 +17,9 @@ def test_final_evaluations_beyond_the_providers_queue_wait_their_turn(
     start_provider, router, client_for, make_token, make_settings
 ):
     provider = start_provider("mnist=mock://mnist?n=2000", eval_queue=1)
-    link = client_for(router.endpoint, role="trainer", timeout_s=10.0)
-    resolved = link.request(Resolve(dataset="mnist"))
+    # one router client per evaluation: a ZeroMQ socket is not thread-safe (a trainer's Link is)
+    links = [client_for(router.endpoint, role="trainer", timeout_s=10.0) for _ in range(4)]
+    resolved = links[0].request(Resolve(dataset="mnist"))
     spec = JobSpec(dataset="mnist", model="mlp", model_kwargs={"hidden": 32})
     settings = make_settings()
     results: dict[int, object] = {}
@@ -32,7 +33,7 @@ def test_final_evaluations_beyond_the_providers_queue_wait_their_turn(
                 f"j{i}",
                 spec,
                 resolved.providers[0],
-                link=link,
+                link=links[i],
                 identity=identity,
                 settings=settings,
                 check=lambda: None,
