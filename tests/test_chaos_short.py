@@ -1,6 +1,6 @@
-"""The chaos soak (benchmarks/chaos.py), short: for 30 s a seeded schedule kills (-9), stops
-(SIGTERM) and freezes (SIGSTOP/SIGCONT) the router, two provider replicas and four trainers (shm
-and socket) while single-trainer jobs and a gang run; afterwards every job succeeded (or failed
+"""The chaos soak (benchmarks/chaos.py), short: for 15 s a seeded schedule (a fault every 2 s on
+average) kills (-9), stops (SIGTERM) and freezes (SIGSTOP/SIGCONT) the router, two provider replicas
+and four trainers (shm and socket) while single-trainer jobs and a gang run; afterwards every job succeeded (or failed
 for a declared reason), every epoch saw every sample exactly once, nothing was left in /dev/shm.
 The 10-minute run and its figures are in docs/operations.md."""
 
@@ -22,11 +22,11 @@ def test_a_short_chaos_soak_loses_nothing(tmp_path):
             "-m",
             "benchmarks.chaos",
             "--minutes",
-            "0.5",
+            "0.25",
             "--seed",
             "7",
             "--fault-every",
-            "3",
+            "2",
             "--state",
             str(tmp_path),
         ],
