@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install install-units demo lint test clean
+.PHONY: install install-units demo lint test tools clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,8 +31,19 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint
-	$(BIN)/python -m pytest -q
+# The tests start real processes that mostly wait on sockets, so they run in parallel (pytest-xdist,
+# one test file per worker at a time); the few that watch machine-wide state run alone afterwards.
+TEST_WORKERS ?= 3
+test: lint tools
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
+
+# Programs some tests drive: tmux (busctl top on a terminal) and iproute2's ip (hosts in network
+# namespaces). Installed from Debian's packages when missing and we are root; else those tests say what is missing.
+tools:
+	@missing=""; for t in tmux:tmux ip:iproute2; do command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing$$missing"; apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

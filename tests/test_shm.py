@@ -296,6 +296,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.serial  # every provider's start-up sweeps dead rings machine-wide: run alone
 def test_gc_removes_a_killed_trainers_ring_and_keeps_live_ones(ring_for, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", CREATE_AND_WAIT], stdout=subprocess.PIPE, text=True)
     try:

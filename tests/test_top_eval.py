@@ -86,7 +86,7 @@ def _wait(admin: Client, job: str, until, timeout: float = 60) -> dict:
 
 
 def _tmux_top(env: dict, tmp_path) -> str:
-    """Run `busctl top` in a detached 160x60 tmux session for ~3 s; the screen it shows, after Ctrl-C."""
+    """Run `busctl top` in a detached 160x60 tmux session until it draws; the screen it shows, after Ctrl-C."""
     session = f"bbtop{os.getpid()}"
     sock = str(tmp_path / "tmux.sock")
     cmd = " ".join([*BUSCTL, "top", "--interval", "0.5"]) + f" 2>{tmp_path / 'top.err'}; echo TOP-EXIT=$?; sleep 30"
@@ -98,7 +98,17 @@ def _tmux_top(env: dict, tmp_path) -> str:
         timeout=10,
     )
     try:
-        time.sleep(3.0)
+        # Ctrl-C once top draws its frames (a loaded machine may take seconds to import and connect;
+        # a Ctrl-C before the first frame is an interrupted start, exit 130, not how top ends)
+        deadline = time.monotonic() + 30
+        while True:
+            live = subprocess.run(
+                [*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True, check=True, timeout=10
+            ).stdout
+            if "trainer-top" in live or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        time.sleep(1.5)  # a few more frames, so that rates are drawn
         live = subprocess.run(
             [*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True, check=True, timeout=10
         ).stdout
