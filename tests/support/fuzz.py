@@ -355,7 +355,7 @@ def world_fixture(router, provider, raw_dealer, make_token, client_for):
 
 def fire(world: World, peer: Peer, server, messages: list[list[bytes]]) -> list[dict]:
     """Send, drain, and check that every Error that came back was counted by the server."""
-    before = refusals(server)
+    before, dropped_before = refusals(server), server.counters["send_dropped"]
     for frames in messages:
         peer.send(frames)
     replies = peer.drain()
@@ -364,5 +364,9 @@ def fire(world: World, peer: Peer, server, messages: list[list[bytes]]) -> list[
         time.sleep(0.01)
     replies += peer.drain()
     errors = sum(1 for r in replies if r["type"] == "Error") + 2  # + the two sentinels
-    assert refusals(server) - before == errors, (server.counters, replies[-5:])
+    # every Error received was counted; one counted but not received is one the server could not hand
+    # to a peer whose queue was full (it counts those as send_dropped, and never blocks on them)
+    dropped = server.counters["send_dropped"] - dropped_before
+    counted = refusals(server) - before
+    assert counted - dropped <= errors <= counted, (server.counters, replies[-5:])
     return replies
