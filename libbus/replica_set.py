@@ -34,7 +34,8 @@ from .replicas import Replica, entry_of, info_mismatch, label_of
 
 __all__ = ["Links", "ReplicaSet"]
 
-log = logging.getLogger(__name__)
+# The loader's logger: a script that turns up (or silences) "libbus.loader" sees failovers too.
+log = logging.getLogger("libbus.loader")
 
 
 @dataclass
