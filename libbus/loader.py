@@ -31,7 +31,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jwt
@@ -39,17 +39,21 @@ import numpy as np
 import torch
 import zmq
 
+from . import elastic
 from .client import Identity
 from .config import host_id as machine_id
 from .constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from .curve import CurveKeys
 from .delivery import RingDelivery
 from .delivery_api import Delivery
+from .elastic import Plan
 from .errors import BadRequest
 from .messages import BatchRequest
-from .order import DEFAULT_BLOCK_SIZE, Order, Shuffle
+from .order import DEFAULT_BLOCK_SIZE, Order, Shuffle, batches_of, shard_bounds
+from .ranks import detect
 from .replica_set import Links, ReplicaSet
 from .replicas import Replica, ReplyPoller, entry_of, recv_any
+from .stall import StallMeter
 from .window import (
     Arrived,
     ConnectionLost,
@@ -85,7 +89,7 @@ def pick_provider(providers: list[dict], local_host: str) -> dict:
     return providers[0]
 
 
-class RemoteLoader:
+class RemoteLoader(torch.utils.data.IterableDataset):
     """Batches of one split of a remote dataset, as ``(x, y)`` tensors on ``device``.
 
     Args:
@@ -141,10 +145,10 @@ class RemoteLoader:
         shuffle: bool | str = True,
         seed: int = 0,
         drop_last: bool = False,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        drop_uneven: bool = False,
+        drop_uneven: bool | None = None,
         inflight: int = 4,
         timeout_s: float = REQUEST_TIMEOUT_S,
         retries: int = REQUEST_RETRIES,
@@ -159,6 +163,7 @@ class RemoteLoader:
         curve: CurveKeys | None = None,
         router_key: bytes | None = None,
         provider_key: bytes | None = None,
+        transform: Callable[[Any], Any] | None = None,
     ):
         if (router is None) == (provider is None):
             raise BadRequest("RemoteLoader needs exactly one of router= or provider=")
@@ -177,13 +182,21 @@ class RemoteLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
-        self.rank, self.world_size = rank, world_size
-        self._block_size, self._drop_uneven = block_size, drop_uneven
+        where = detect(rank, world_size)
+        self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
+        self._block_size = block_size
+        self._drop_uneven = where.world_size > 1 if drop_uneven is None else drop_uneven
+        if transform is not None and not callable(transform):
+            raise BadRequest(f"transform must be a callable taking a batch, got {type(transform).__name__}")
+        self.transform = transform
+        self._plan: Plan = None  # what is left of the current epoch after an elastic resume
         self.epoch = 0
         #: Samples of the current epoch already handed out: with ``epoch``, the loader's cursor.
         self.position = 0
         #: Seconds spent waiting for batches (not hidden by prefetch), summed over iterations.
         self.wait_s = 0.0
+        #: The data-stall signal by replica, a Prometheus collector (:mod:`libbus.stall`).
+        self.stall = StallMeter(self.dataset, split)
         self._poller = ReplyPoller()
         self.device = torch.device(device)
         role = _role_of(token() if callable(token) else token)
@@ -231,6 +244,22 @@ class RemoteLoader:
             batch_size=self.batch_size,
             drop_last=self.drop_last,
             drop_uneven=self._drop_uneven,
+        )
+        lo, hi = shard_bounds(
+            self.num_samples, rank=self.rank, world_size=self.world_size, drop_uneven=self._drop_uneven
+        )
+        log.info(
+            "%s/%s: rank %d of %d (%s, local rank %d) reads shard [%d, %d) of each epoch's %d samples, %d batches",
+            self.dataset,
+            split,
+            self.rank,
+            self.world_size,
+            where.source,
+            self.local_rank,
+            lo,
+            hi,
+            self.num_samples,
+            len(self),
         )
 
     @property
@@ -295,40 +324,61 @@ class RemoteLoader:
         """Read ``epoch``'s order on the next pass, from its start (passes advance it on their own).
 
         Setting the epoch the loader is already in keeps its position, so a position restored by
-        :meth:`load_state_dict` survives a training loop's ``set_epoch`` call.
+        :meth:`load_state_dict` survives a training loop's ``set_epoch`` call (as Lightning,
+        Accelerate and ``DistributedSampler``-style loops make at each epoch's start).
         """
         if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
+            self.epoch, self.position, self._plan = epoch, 0, None
 
     def order(self, epoch: int) -> np.ndarray:
-        """The sample indices this rank reads in ``epoch``."""
-        return self._order.indices(epoch)
+        """The sample indices this rank reads in ``epoch`` (after an elastic resume, in the resumed
+        epoch: what is left of it for this rank)."""
+        return elastic.indices(self._order, epoch, self._plan if epoch == self.epoch else None)
 
     def __len__(self) -> int:
+        """Batches this rank yields in an epoch (the same on every rank by default, under DDP)."""
         return self._order.num_batches()
 
-    def state_dict(self) -> dict:
-        """The loader's cursor, JSON-ready: store it with a checkpoint to resume at the exact sample."""
-        return self._order.state(self.epoch, self.position)
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's cursor, JSON-ready: store it with a checkpoint to resume at the exact sample.
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue at a saved cursor on the next pass. Raises :class:`BadRequest` for a cursor
-        saved with another dataset size, seed, shuffle or world size (naming what differs)."""
-        self.epoch, self.position = self._order.restore(state)
+        The form torchdata's ``StatefulDataLoader`` and ``torch.distributed.checkpoint``'s
+        ``Stateful`` protocol take: a dict of plain values, read back by :meth:`load_state_dict`."""
+        return elastic.state(self._order, self.epoch, self.position, self._plan)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue at a saved cursor on the next pass, at this world size or another.
+
+        ``state`` is one cursor (from :meth:`state_dict` of any rank: under the same world size
+        this rank continues at its position; under another, every old rank is taken to be at that
+        position, as ranks in lock-step are), a list of every old rank's cursor, or one cursor
+        merged from them (:func:`libbus.merge_cursors`). Under another world size the samples of
+        the epoch no rank consumed are re-split over the new ranks, each read exactly once.
+
+        Raises:
+            BadRequest: a cursor saved with another dataset size, seed or shuffle (naming what
+                differs), of another version, or a list that is not one cursor per old rank.
+        """
+        self.epoch, self.position, self._plan = elastic.restore(self._order, state)
+
+    def __iter__(self) -> Iterator[Any]:
         """One pass: the rest of the current epoch. A pass left early is continued by the next."""
+        if torch.utils.data.get_worker_info() is not None:
+            raise BadRequest(
+                "RemoteLoader runs in the main process: use DataLoader(loader, batch_size=None, num_workers=0) "
+                "(it prefetches by itself, inflight= requests ahead)"
+            )
         epoch, position = self.epoch, self.position
-        batches = self._order.batches(epoch, start=position)
+        batches = batches_of(self.order(epoch), self.batch_size, self.drop_last, start=position)
         fetch = self._fetch(batches, epoch)
         try:
             for item, batch in zip(fetch, batches):
                 position += len(batch)
                 self.position = position  # counted when handed out: a checkpoint now includes it
-                yield item
+                yield item if self.transform is None else self.transform(item)
         finally:
             fetch.close()  # frees ring slots now, not whenever the generator is collected
-        self.epoch, self.position = epoch + 1, 0
+        self.epoch, self.position, self._plan = epoch + 1, 0, None
 
     # -- the pipeline ---------------------------------------------------------------------------
     def _request(self, indices: np.ndarray, fields: dict) -> BatchRequest:
@@ -367,11 +417,14 @@ class RemoteLoader:
                 yield delivery.hand_out(batch_no, item)
                 window.advance(delivery)  # the consumer is back: the batch it had is let go
                 continue
+            waiting_on = window.via.get(window.next_yield)
             wait_start = time.monotonic()
             try:  # waiting for replies and for providers to come back: data wait
                 self._act(window, self._next_outcome(window))
             finally:
-                self.wait_s += time.monotonic() - wait_start
+                waited = time.monotonic() - wait_start
+                self.wait_s += waited
+                self.stall.add(waited, waiting_on[0].label if waiting_on else "")
 
     def _next_outcome(self, window: RequestWindow) -> Outcome:
         """Wait for what happens next to the requests of this pass (see :mod:`libbus.window`)."""
