@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
-	$(BIN)/python -m pip install -q -e '.[test]'
+	# recipes: Lightning, Accelerate, torchdata for examples/; they accept the torch installed above (pip
+	# upgrades a dependency only when it must), so no other torch build is pulled in
+	$(BIN)/python -m pip install -q -e '.[test,recipes]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -7,6 +7,11 @@ this host, its batches come through a shared-memory ring instead (no batch bytes
 socket; see :mod:`libbus.delivery`). The order is a seeded shuffle that differs per epoch and is
 reproducible, and batches are yielded in that order whichever replica served them.
 
+The loader is thin: :class:`~libbus.window.RequestWindow` (no sockets) decides which batch is
+requested from which replica and yields them in order, :class:`~libbus.replica_set.ReplicaSet` owns
+the connections and their failures, and this module waits for replies and acts on each explicit
+outcome (:data:`~libbus.window.Outcome`).
+
 Failures cost a retry, never a sample: a provider whose connection drops is dropped at once and its
 requests go to another replica; a request a provider leaves unanswered is resent on a fresh
 connection, and a provider that stays silent (``retries`` times in a row) is dropped too. With none
@@ -26,45 +31,41 @@ import logging
 import os
 import socket
 import time
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jwt
 import numpy as np
 import torch
 import zmq
 
-from shm import Ring
-
-from .client import Client, Identity
+from . import elastic
+from .client import Identity
 from .config import host_id as machine_id
-from .constants import (
-    HELLO_TIMEOUT_S,
-    PROVIDER_RETRY_S,
-    PROVIDER_WAIT_S,
-    REQUEST_RETRIES,
-    REQUEST_TIMEOUT_S,
-)
-from .curve import CurveKeys, curve_key_of
-from .delivery import RingDelivery, SocketDelivery, ring_layout
-from .errors import (
-    AuthRequired,
-    BadRequest,
-    BusError,
-    PeerTimeout,
-    ShmError,
-    Unavailable,
-)
-from .messages import BatchRequest, DatasetInfoRequest, Error, Message, Resolve
-from .order import DEFAULT_BLOCK_SIZE, Order, Shuffle
-from .replicas import (
-    Replica,
-    ReplyPoller,
-    entry_of,
-    info_mismatch,
-    label_of,
-    pick,
-    recv_any,
+from .constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
+from .curve import CurveKeys
+from .delivery import RingDelivery
+from .delivery_api import Delivery
+from .elastic import Plan
+from .errors import BadRequest
+from .messages import BatchRequest
+from .order import DEFAULT_BLOCK_SIZE, Order, Shuffle, batches_of, shard_bounds
+from .ranks import detect
+from .replica_set import Links, ReplicaSet
+from .replicas import Replica, ReplyPoller, entry_of, recv_any
+from .stall import StallMeter
+from .window import (
+    Arrived,
+    ConnectionLost,
+    Failed,
+    GoingAway,
+    Late,
+    NoReplica,
+    NothingPending,
+    Outcome,
+    RequestWindow,
+    SessionExpired,
+    TimedOut,
 )
 
 __all__ = ["RemoteLoader", "pick_provider"]
@@ -88,12 +89,7 @@ def pick_provider(providers: list[dict], local_host: str) -> dict:
     return providers[0]
 
 
-def _close_all(owned: list) -> None:
-    for item in owned:
-        item.close()
-
-
-class RemoteLoader:
+class RemoteLoader(torch.utils.data.IterableDataset):
     """Batches of one split of a remote dataset, as ``(x, y)`` tensors on ``device``.
 
     Args:
@@ -149,10 +145,10 @@ class RemoteLoader:
         shuffle: bool | str = True,
         seed: int = 0,
         drop_last: bool = False,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        drop_uneven: bool = False,
+        drop_uneven: bool | None = None,
         inflight: int = 4,
         timeout_s: float = REQUEST_TIMEOUT_S,
         retries: int = REQUEST_RETRIES,
@@ -167,6 +163,7 @@ class RemoteLoader:
         curve: CurveKeys | None = None,
         router_key: bytes | None = None,
         provider_key: bytes | None = None,
+        transform: Callable[[Any], Any] | None = None,
     ):
         if (router is None) == (provider is None):
             raise BadRequest("RemoteLoader needs exactly one of router= or provider=")
@@ -185,17 +182,22 @@ class RemoteLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
-        self.rank, self.world_size = rank, world_size
-        self._block_size, self._drop_uneven = block_size, drop_uneven
-        self.inflight = min(inflight, slots - 1)
-        self._inflight_wanted = inflight
-        self.timeout_s, self.retries = timeout_s, retries
-        self.provider_wait_s = provider_wait_s
+        where = detect(rank, world_size)
+        self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
+        self._block_size = block_size
+        self._drop_uneven = where.world_size > 1 if drop_uneven is None else drop_uneven
+        if transform is not None and not callable(transform):
+            raise BadRequest(f"transform must be a callable taking a batch, got {type(transform).__name__}")
+        self.transform = transform
+        self._plan: Plan = None  # what is left of the current epoch after an elastic resume
         self.epoch = 0
         #: Samples of the current epoch already handed out: with ``epoch``, the loader's cursor.
         self.position = 0
         #: Seconds spent waiting for batches (not hidden by prefetch), summed over iterations.
         self.wait_s = 0.0
+        #: The data-stall signal by replica, a Prometheus collector (:mod:`libbus.stall`).
+        self.stall = StallMeter(self.dataset, split)
+        self._poller = ReplyPoller()
         self.device = torch.device(device)
         role = _role_of(token() if callable(token) else token)
         self._identity = Identity(
@@ -206,105 +208,32 @@ class RemoteLoader:
             curve=curve,
             router_key=router_key,
         )
-        self._ctx = ctx
-        self._router, self._router_key, self._resolver = router, router_key, resolver
-        self._shm, self._slots, self._copy = shm, slots, copy
-        self._socket = SocketDelivery(self.device)
-        self._ring: RingDelivery | None = None
-        # A script that never calls close() still removes its ring when the loader is collected or
-        # the interpreter exits (a SIGKILL leaves it to `busctl shm gc`).
-        self._owned: list = []
-        self._finalizer = weakref.finalize(self, _close_all, self._owned)
-        #: The replicas this loader talks to (those found down are dropped when a new one is found).
-        self.replicas: list[Replica] = []
-        self.info: dict = {}
-        if router is not None:
-            self._entries = self._resolve(timeout_s, retries)
-        else:
-            self._entries = [entry_of(p) for p in (provider if isinstance(provider, list) else [provider])]
-            if provider_key and len(self._entries) == 1 and not self._entries[0]["curve_key"]:
-                self._entries[0]["curve_key"] = provider_key.decode()
-            if not self._entries:
-                raise BadRequest("RemoteLoader got an empty provider list; give at least one endpoint")
-        try:
-            self._connect_first()
-        except BaseException:
-            self.close()
-            raise
-
-    def _connect_first(self) -> None:
-        """Connect every replica that answers (same-host first); fail only when none does."""
-        failed: list[BusError] = []
-        for entry in self._by_preference(self._entries):
-            try:
-                self.replicas.append(self._connect(entry, self.timeout_s, self.retries))
-            except (PeerTimeout, BadRequest) as err:  # others (auth, not found) mean the same everywhere
-                if not self.info and isinstance(err, BadRequest):
-                    raise
-                log.warning("%s: provider %s left out: %s", self.dataset, label_of(entry), err)
-                failed.append(err)
-        if not self.replicas:
-            raise failed[0]
-
-    def _by_preference(self, entries: list[dict]) -> list[dict]:
-        host = self._identity.host_id
-        return sorted(entries, key=lambda e: e.get("host_id") != host)
-
-    def _resolve(self, timeout_s: float, retries: int) -> list[dict]:
-        """The dataset's live providers, from the router (or the resolver); [] when neither is set."""
-        if self._router is not None:
-            with Client(
-                self._router,
-                self._identity,
-                ctx=self._ctx,
-                timeout_s=timeout_s,
-                retries=retries,
-                server_key=self._router_key,
-            ) as rc:
-                return [entry_of(p) for p in rc.request(Resolve(dataset=self.dataset)).providers]
-        if self._resolver is not None:
-            return [entry_of(p) for p in self._resolver(timeout_s)]
-        return []
-
-    def _connect(self, entry: dict, timeout_s: float, retries: int) -> Replica:
-        """A connection to one provider, checked to serve the same data, with its delivery."""
-        key = curve_key_of(entry)
-        client = Client(
-            entry["endpoint"],
-            self._identity,
-            ctx=self._ctx,
-            timeout_s=self.timeout_s,
-            retries=self.retries,
-            server_key=key,
+        links = Links(
+            dataset=self.dataset,
+            split=split,
+            identity=self._identity,
+            batch_size=batch_size,
+            device=self.device,
+            timeout_s=timeout_s,
+            retries=retries,
+            provider_wait_s=provider_wait_s,
+            router=router,
+            router_key=router_key,
+            resolver=resolver,
+            ctx=ctx,
+            shm=shm,
+            slots=slots,
+            copy=copy,
         )
-        try:
-            reply = client.request(DatasetInfoRequest(dataset=self.dataset), timeout_s=timeout_s, retries=retries)
-            if not self.info:
-                self._take_info(reply.info)
-            else:
-                why = info_mismatch(self.info, reply.info, "in this loader", f"on {entry['name']}")
-                if why:
-                    raise BadRequest(
-                        f"provider {label_of(entry)} serves a different {self.dataset!r}: "
-                        f"{why}; replicas of a dataset must serve the same data"
-                    )
-            local = reply.host_id == self._identity.host_id
-            if self._shm and local and reply.local_endpoint:
-                client = self._go_local(client, reply.local_endpoint, key)
-            delivery = self._delivery_for(client, local, reply.host_id)
-        except BaseException:
-            client.close()
-            raise
-        replica = Replica(name=entry["name"], endpoint=entry["endpoint"], client=client, delivery=delivery, local=local)
-        replica.watch()  # from now on: a loader idle between passes still hears of its death
-        return replica
-
-    def _take_info(self, info: dict) -> None:
-        """The first provider's DatasetInfo: the split's size and the order it yields."""
-        splits = info["splits"]
-        if self.split not in splits:
-            raise BadRequest(f"unknown split {self.split!r}; {self.dataset} has {', '.join(splits)}")
-        self.num_samples = int(splits[self.split]["num_samples"])
+        entries = None
+        if provider is not None:
+            entries = [entry_of(p) for p in (provider if isinstance(provider, list) else [provider])]
+            if provider_key and len(entries) == 1 and not entries[0]["curve_key"]:
+                entries[0]["curve_key"] = provider_key.decode()
+        #: The connections to the dataset's replicas (:mod:`libbus.replica_set`).
+        self.links = ReplicaSet(links, entries, inflight)
+        self.info = self.links.info
+        self.num_samples = int(self.info["splits"][split]["num_samples"])
         self._order = Order(
             n=self.num_samples,
             seed=self.seed,
@@ -316,7 +245,48 @@ class RemoteLoader:
             drop_last=self.drop_last,
             drop_uneven=self._drop_uneven,
         )
-        self.info = info
+        lo, hi = shard_bounds(
+            self.num_samples, rank=self.rank, world_size=self.world_size, drop_uneven=self._drop_uneven
+        )
+        log.info(
+            "%s/%s: rank %d of %d (%s, local rank %d) reads shard [%d, %d) of each epoch's %d samples, %d batches",
+            self.dataset,
+            split,
+            self.rank,
+            self.world_size,
+            where.source,
+            self.local_rank,
+            lo,
+            hi,
+            self.num_samples,
+            len(self),
+        )
+
+    @property
+    def replicas(self) -> list[Replica]:
+        """The replicas this loader talks to (those found down are dropped when a new one is found)."""
+        return self.links.replicas
+
+    @property
+    def inflight(self) -> int:
+        """Batch requests kept outstanding now (fewer while ring slots are quarantined)."""
+        return self.links.inflight
+
+    @property
+    def provider_wait_s(self) -> float:
+        return self.links.links.provider_wait_s
+
+    @provider_wait_s.setter
+    def provider_wait_s(self, seconds: float) -> None:
+        self.links.links.provider_wait_s = seconds
+
+    @property
+    def timeout_s(self) -> float:
+        return self.links.links.timeout_s
+
+    @property
+    def retries(self) -> int:
+        return self.links.links.retries
 
     @property
     def provider(self) -> str:
@@ -329,73 +299,20 @@ class RemoteLoader:
         return self.replicas[0].client.endpoint if self.replicas else ""
 
     @property
-    def _delivery(self) -> SocketDelivery | RingDelivery:
-        return self._ring or self._socket
+    def _ring(self) -> RingDelivery | None:
+        return self.links.ring
+
+    @property
+    def _delivery(self) -> Delivery:
+        return self.links.ring or self.links.socket
 
     @property
     def transport(self) -> str:
         """``"shm"`` when batches come through a shared-memory ring, else ``"socket"``."""
-        return "shm" if any(r.up and r.delivery is self._ring for r in self.replicas) else "socket"
-
-    def _go_local(self, client: Client, endpoint: str, key: bytes | None) -> Client:
-        """Same host: talk to the provider over its Unix socket rather than loopback TCP."""
-        path = endpoint.removeprefix("ipc://")
-        if not os.path.exists(path):  # a provider in another container or mount namespace
-            log.info("%s: provider's %s is not visible here; staying on %s", self.dataset, endpoint, client.endpoint)
-            return client
-        client.close()
-        return Client(
-            endpoint, self._identity, ctx=self._ctx, timeout_s=self.timeout_s, retries=self.retries, server_key=key
-        )
-
-    def _delivery_for(self, client: Client, local: bool, provider_host: str) -> SocketDelivery | RingDelivery:
-        """The loader's ring (made on first use) for a same-host provider that attaches it; else sockets.
-
-        Every same-host replica attaches the same ring: a request names a free slot whichever
-        replica it goes to, and a batch sent again to another replica keeps its slot."""
-        if not self._shm:
-            why = "shm is disabled"
-        elif not local:
-            why = f"provider is on host {provider_host or '?'}, this loader on {self._identity.host_id}"
-        else:
-            try:
-                if self._ring is None:
-                    self._ring = self._attach_ring(client)
-                else:
-                    self._ring.reattach(client)
-                return self._ring
-            except (ShmError, BusError) as err:
-                why = str(err)
-        log.info("%s/%s: batches over the socket from %s (%s)", self.dataset, self.split, client.endpoint, why)
-        return self._socket
-
-    def _attach_ring(self, client: Client) -> RingDelivery:
-        ring = Ring.create(ring_layout(self.info, self.batch_size, self._slots))
-        delivery = None
-        try:
-            delivery = RingDelivery(ring, self.device, self._copy)
-            client.request(delivery.attach_message())
-        except BaseException:
-            if delivery is not None:
-                delivery.close()  # unpins (CUDA) before it unmaps
-            else:
-                ring.close()
-            raise
-        self._owned.append(delivery)
-        log.info(
-            "%s/%s: batches through shared memory %s (%d slots of %d bytes)",
-            self.dataset,
-            self.split,
-            ring.name,
-            self._slots,
-            ring.layout.slot_bytes,
-        )
-        return delivery
+        return self.links.transport
 
     def close(self) -> None:
-        for replica in self.replicas:
-            replica.close()
-        self._finalizer()
+        self.links.close()
 
     def __enter__(self) -> RemoteLoader:
         return self
@@ -407,40 +324,61 @@ class RemoteLoader:
         """Read ``epoch``'s order on the next pass, from its start (passes advance it on their own).
 
         Setting the epoch the loader is already in keeps its position, so a position restored by
-        :meth:`load_state_dict` survives a training loop's ``set_epoch`` call.
+        :meth:`load_state_dict` survives a training loop's ``set_epoch`` call (as Lightning,
+        Accelerate and ``DistributedSampler``-style loops make at each epoch's start).
         """
         if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
+            self.epoch, self.position, self._plan = epoch, 0, None
 
     def order(self, epoch: int) -> np.ndarray:
-        """The sample indices this rank reads in ``epoch``."""
-        return self._order.indices(epoch)
+        """The sample indices this rank reads in ``epoch`` (after an elastic resume, in the resumed
+        epoch: what is left of it for this rank)."""
+        return elastic.indices(self._order, epoch, self._plan if epoch == self.epoch else None)
 
     def __len__(self) -> int:
+        """Batches this rank yields in an epoch (the same on every rank by default, under DDP)."""
         return self._order.num_batches()
 
-    def state_dict(self) -> dict:
-        """The loader's cursor, JSON-ready: store it with a checkpoint to resume at the exact sample."""
-        return self._order.state(self.epoch, self.position)
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's cursor, JSON-ready: store it with a checkpoint to resume at the exact sample.
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue at a saved cursor on the next pass. Raises :class:`BadRequest` for a cursor
-        saved with another dataset size, seed, shuffle or world size (naming what differs)."""
-        self.epoch, self.position = self._order.restore(state)
+        The form torchdata's ``StatefulDataLoader`` and ``torch.distributed.checkpoint``'s
+        ``Stateful`` protocol take: a dict of plain values, read back by :meth:`load_state_dict`."""
+        return elastic.state(self._order, self.epoch, self.position, self._plan)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue at a saved cursor on the next pass, at this world size or another.
+
+        ``state`` is one cursor (from :meth:`state_dict` of any rank: under the same world size
+        this rank continues at its position; under another, every old rank is taken to be at that
+        position, as ranks in lock-step are), a list of every old rank's cursor, or one cursor
+        merged from them (:func:`libbus.merge_cursors`). Under another world size the samples of
+        the epoch no rank consumed are re-split over the new ranks, each read exactly once.
+
+        Raises:
+            BadRequest: a cursor saved with another dataset size, seed or shuffle (naming what
+                differs), of another version, or a list that is not one cursor per old rank.
+        """
+        self.epoch, self.position, self._plan = elastic.restore(self._order, state)
+
+    def __iter__(self) -> Iterator[Any]:
         """One pass: the rest of the current epoch. A pass left early is continued by the next."""
+        if torch.utils.data.get_worker_info() is not None:
+            raise BadRequest(
+                "RemoteLoader runs in the main process: use DataLoader(loader, batch_size=None, num_workers=0) "
+                "(it prefetches by itself, inflight= requests ahead)"
+            )
         epoch, position = self.epoch, self.position
-        batches = self._order.batches(epoch, start=position)
+        batches = batches_of(self.order(epoch), self.batch_size, self.drop_last, start=position)
         fetch = self._fetch(batches, epoch)
         try:
             for item, batch in zip(fetch, batches):
                 position += len(batch)
                 self.position = position  # counted when handed out: a checkpoint now includes it
-                yield item
+                yield item if self.transform is None else self.transform(item)
         finally:
             fetch.close()  # frees ring slots now, not whenever the generator is collected
-        self.epoch, self.position = epoch + 1, 0
+        self.epoch, self.position, self._plan = epoch + 1, 0, None
 
     # -- the pipeline ---------------------------------------------------------------------------
     def _request(self, indices: np.ndarray, fields: dict) -> BatchRequest:
@@ -456,253 +394,72 @@ class RemoteLoader:
             dataset=self.dataset, split=self.split, frames=[np.ascontiguousarray(indices, dtype="<i8").data], **fields
         )
 
-    def _fetch(self, batches: list[np.ndarray], epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _fetch(self, batches: list[np.ndarray], epoch: int) -> Iterator[Any]:
         try:
             yield from self._pipeline(batches, epoch)
         finally:
             # A pass left early: its slots are free again, and late replies are dropped.
-            for delivery in {id(self._socket): self._socket, id(self._ring): self._ring}.values():
-                if delivery is not None:
-                    delivery.reset()
+            for delivery in self.links.deliveries():
+                delivery.reset()
             for replica in self.replicas:
                 replica.take_pending()
 
-    def _pipeline(self, batches: list[np.ndarray], epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        ready: dict[int, object] = {}  # batch number -> what its delivery made of the reply
-        via: dict[int, tuple[Replica, object]] = {}  # batch number -> replica and delivery last sent with
-        again: list[int] = []  # batches to send again (their replica failed), in order
-        reauthed: set[int] = set()  # batches resent after the provider forgot our session
-        poller = ReplyPoller()
-        next_send = next_yield = 0
-        self._open_sessions()
-        self._readmit()
-
-        def send(batch_no: int) -> bool:
-            replica = pick(self.replicas, batch_no)
-            if replica is None:
-                return False
-            before = via.get(batch_no)
-            if before is not None and before[1] is not replica.delivery:
-                before[1].done(batch_no)  # off the ring: its slot is free again
-            via[batch_no] = (replica, replica.delivery)
-            # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
-            replica.send(
-                batch_no, self._request(batches[batch_no], {"epoch": epoch, **replica.delivery.fields(batch_no)})
-            )
-            return True
-
-        def resend(batch_nos: list[int]) -> None:
-            again.extend(batch_nos)
-            again.sort()
-
-        while next_yield < len(batches):
-            while again and send(again[0]):
-                again.pop(0)
-            while not again and next_send < len(batches) and next_send - next_yield < self.inflight and send(next_send):
-                next_send += 1
-            if next_yield in ready:
-                delivery = via.pop(next_yield)[1]
-                yield delivery.hand_out(next_yield, ready.pop(next_yield))
-                delivery.done(next_yield)  # the consumer is back: the batch it had is let go
-                next_yield += 1
+    def _pipeline(self, batches: list[np.ndarray], epoch: int) -> Iterator[Any]:
+        # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
+        window = RequestWindow(len(batches), lambda n, fields: self._request(batches[n], {"epoch": epoch, **fields}))
+        self.links.open_sessions()
+        self.links.readmit()
+        while not window.finished:
+            window.fill(self.replicas, self.inflight)
+            taken = window.take()
+            if taken is not None:
+                batch_no, delivery, item = taken
+                yield delivery.hand_out(batch_no, item)
+                window.advance(delivery)  # the consumer is back: the batch it had is let go
                 continue
+            waiting_on = window.via.get(window.next_yield)
             wait_start = time.monotonic()
-            try:
-                batch_no, reply = self._next_reply(resend, reauthed, poller)
-            finally:  # waiting for replies and for providers to come back: data wait
-                self.wait_s += time.monotonic() - wait_start
-            if batch_no is None:
-                continue
-            ready[batch_no] = via[batch_no][1].receive(batch_no, reply)
+            try:  # waiting for replies and for providers to come back: data wait
+                self._act(window, self._next_outcome(window))
+            finally:
+                waited = time.monotonic() - wait_start
+                self.wait_s += waited
+                self.stall.add(waited, waiting_on[0].label if waiting_on else "")
 
-    def _next_reply(
-        self, resend: Callable[[list[int]], None], reauthed: set[int], poller: ReplyPoller
-    ) -> tuple[int | None, Message | None]:
-        """Wait for the next reply to a request of this pass: ``(batch number, reply)``,
-        or ``(None, None)`` after handling a failure (the batches to send again go to
-        ``resend``), an unexpected reply, or finding a provider again when none was left.
-        Raises the typed error of an ``Error`` reply, and :class:`PeerTimeout`."""
-        live = [r for r in self.replicas if r.up]
+    def _next_outcome(self, window: RequestWindow) -> Outcome:
+        """Wait for what happens next to the requests of this pass (see :mod:`libbus.window`)."""
+        live = self.links.live
         if not live:
-            self._await_replica()
-            return None, None
+            return NoReplica()
         if not any(r.pending for r in live):
-            self._delivery.wait_free()  # slots held by copies to the GPU still running
-            return None, None
+            return NothingPending()
         oldest = min(r.oldest() for r in live)
-        replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - time.monotonic()), poller)
-        if replica is not None and reply is None:  # its provider closed the connection: gone
-            if any(r.up and r is not replica for r in self.replicas):
-                resend(self._down(replica, "connection lost"))
-            else:  # the only one: perhaps already restarted on the same endpoint
-                resend(self._strike(replica, "connection lost", count=False))
-            return None, None
-        if replica is None:
-            now = time.monotonic()
-            for r in live:
-                if r.oldest() + self.timeout_s <= now:
-                    ring = r.delivery if r.delivery is self._ring else None
-                    batches = self._strike(r, f"no reply within {self.timeout_s:.1f} s")
-                    if ring is not None:
-                        self._quarantine(ring, batches)
-                    resend(batches)
-            return None, None
-        batch_no = replica.answered(reply.id)
-        if batch_no is None:
-            return None, None  # a late reply to a request already sent again
-        if isinstance(reply, Error):
-            if reply.code == AuthRequired.code and batch_no not in reauthed:
-                reauthed.add(batch_no)
-                resend([batch_no, *self._strike(replica, "session expired on the provider", count=False)])
-                return None, None
-            if reply.code == Unavailable.code:  # the provider is going away
-                resend([batch_no, *self._down(replica, reply.message)])
-                return None, None
-            replica.client.check(reply)
-        return batch_no, reply
+        replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - time.monotonic()), self._poller)
+        now = time.monotonic()
+        overdue = [r for r in live if r.oldest() + self.timeout_s <= now] if replica is None else []
+        return window.classify(replica, reply, overdue)
 
-    # -- failures ---------------------------------------------------------------------------------
-    def _open_sessions(self) -> None:
-        """Before a pass: drop replicas whose connection was lost meanwhile (while others are up),
-        and say Hello again to those whose session was dropped (after a failure, or a pass left
-        early, or a lost connection: it may be back); one that does not answer is down."""
-        for replica in self.replicas:
-            if not replica.up:
-                continue
-            lost = replica.lost()
-            if lost and any(r.up and r is not replica for r in self.replicas):
-                self._down(replica, "connection lost")
-            elif lost or replica.client.session is None:
-                try:
-                    self._rehello(replica)
-                except PeerTimeout as err:
-                    self._down(replica, str(err))
-
-    def _rehello(self, replica: Replica) -> None:
-        replica.unwatch()
-        replica.client.reset()
-        replica.client.hello(min(self.timeout_s, HELLO_TIMEOUT_S))
-        replica.delivery.reattach(replica.client)  # a new session attaches the ring again
-        replica.watch()
-
-    def _strike(self, replica: Replica, reason: str, count: bool = True) -> list[int]:
-        """``replica`` failed its requests: reconnect it, or after ``retries`` strikes in a row
-        (or a failed reconnect) take it down. Returns the batches to send again."""
-        replica.strikes += count
-        if replica.strikes > self.retries:
-            return self._down(replica, f"{reason}, {replica.strikes} times in a row")
-        batches = replica.take_pending()
-        log.warning(
-            "%s/%s: %s from %s; reconnecting, %d request(s) to send again",
-            self.dataset,
-            self.split,
-            reason,
-            replica.client.endpoint,
-            len(batches),
-        )
-        try:
-            self._rehello(replica)
-        except PeerTimeout as err:
-            return self._down(replica, f"{reason}; reconnecting failed: {err}", moving=batches)
-        return batches
-
-    def _quarantine(self, ring: RingDelivery, batches: list[int]) -> None:
-        """A same-host provider left ``batches`` unanswered: their slots go out of use (it may be
-        frozen mid-write). Fewer slots mean fewer requests in flight; with fewer than two left,
-        same-host replicas send their batches over the socket from now on."""
-        ring.quarantine(batches)
-        if ring.usable >= 2:
-            self.inflight = min(self.inflight, ring.usable - 1)
-            return
-        log.warning(
-            "%s/%s: %d of %d ring slots may still be written by providers that stopped answering; "
-            "same-host batches go over the socket from now on",
-            self.dataset,
-            self.split,
-            len(ring.quarantined),
-            ring.ring.layout.slots,
-        )
-        self.inflight = self._inflight_wanted
-        for replica in self.replicas:
-            if replica.delivery is ring:
-                replica.delivery = self._socket
-
-    def _down(self, replica: Replica, reason: str, moving: list[int] = ()) -> list[int]:
-        """Stop sending to ``replica``; returns its outstanding batches (and ``moving``), to send
-        elsewhere."""
-        replica.up = False
-        batches = [*moving, *replica.take_pending()]
-        replica.unwatch()
-        replica.client.reset()
-        left = [r.label for r in self.replicas if r.up]
-        log.warning(
-            "%s/%s: provider %s dropped: %s; %d request(s) go to %s",
-            self.dataset,
-            self.split,
-            replica.label,
-            reason,
-            len(batches),
-            ", ".join(left) or f"a provider that comes back within {self.provider_wait_s:g} s",
-        )
-        return batches
-
-    def _admit(self, replica: Replica) -> None:
-        """Read from ``replica`` from now on; forget the replicas that are down."""
-        for gone in [r for r in self.replicas if not r.up]:
-            gone.close()
-        self.replicas = [r for r in self.replicas if r.up] + [replica]
-
-    def _readmit(self) -> None:
-        """Before a pass, while a replica is down: ask the router (or resolver) for the dataset's
-        providers and take back those not in use — a provider restarted on a new port, or one
-        registered since. Each try waits ``min(timeout_s, 5 s)`` at most."""
-        if all(r.up for r in self.replicas) or (self._router is None and self._resolver is None):
-            return
-        quick = min(self.timeout_s, HELLO_TIMEOUT_S)
-        try:
-            entries = self._resolve(quick, 0)
-        except BusError as err:  # the router is away: read on from the replicas left
-            log.info("%s/%s: cannot ask the router for replicas: %s", self.dataset, self.split, err)
-            return
-        in_use = {r.endpoint for r in self.replicas if r.up}
-        for entry in self._by_preference(entries):
-            if entry["endpoint"] in in_use:
-                continue
-            try:
-                replica = self._connect(entry, quick, 0)
-            except BusError as err:
-                log.info("%s/%s: provider %s not taken back: %s", self.dataset, self.split, label_of(entry), err)
-                continue
-            self._admit(replica)
-            log.warning("%s/%s: provider %s is back; reading from it too", self.dataset, self.split, replica.label)
-
-    def _await_replica(self) -> None:
-        """No replica is left: look for one (asking the router again, when there is one) until
-        ``provider_wait_s`` runs out, then raise :class:`PeerTimeout`."""
-        deadline = time.monotonic() + self.provider_wait_s
-        last = "none answered"
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                self._entries = self._resolve(max(0.1, min(self.timeout_s, left)), 0) or self._entries
-            except BusError as err:  # the router is away too, or lists no provider yet
-                last = f"router: {err}"
-            for entry in self._by_preference(self._entries):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    replica = self._connect(entry, max(0.1, min(self.timeout_s, left)), 0)
-                except BusError as err:
-                    last = f"{label_of(entry)}: {err}"
-                    continue
-                self._admit(replica)
-                log.warning("%s/%s: provider %s answers; reading on", self.dataset, self.split, replica.label)
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PeerTimeout(
-                    f"no provider of {self.dataset}/{self.split} answered for "
-                    f"{self.provider_wait_s:g} s (provider_wait_s); last: {last}"
-                )
-            time.sleep(min(PROVIDER_RETRY_S, left))
+    def _act(self, window: RequestWindow, outcome: Outcome) -> None:
+        """Do what ``outcome`` calls for; raises the typed error of an ``Error`` reply, and
+        :class:`PeerTimeout` when no provider comes back within ``provider_wait_s``."""
+        links = self.links
+        match outcome:
+            case Arrived(batch_no=batch_no, reply=reply):
+                window.arrived(batch_no, reply)
+            case NoReplica():
+                links.await_replica()
+            case NothingPending():
+                self._delivery.wait_free()  # slots held by copies to the GPU still running
+            case ConnectionLost(replica=replica):
+                window.resend(links.lost(replica))
+            case TimedOut(overdue=overdue):
+                for replica in overdue:
+                    window.resend(links.timed_out(replica))
+            case SessionExpired(replica=replica, batch_no=batch_no):
+                window.resend([batch_no, *links.strike(replica, "session expired on the provider", count=False)])
+            case GoingAway(replica=replica, batch_no=batch_no, reason=reason):
+                window.resend([batch_no, *links.down(replica, reason)])
+            case Failed(replica=replica, reply=reply):
+                replica.client.check(reply)
+            case Late():
+                pass  # a late reply to a request already sent again

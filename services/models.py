@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from libbus.errors import BadRequest
+from libbus.tensors import as_float  # public in libbus; re-exported here for the services
 
 __all__ = [
     "MODELS",
@@ -195,21 +196,6 @@ def predictions(model: nn.Module, x: torch.Tensor, y: torch.Tensor, kind: str) -
         logits = model(tokens[:, :-1])
         return logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
     return model(as_float(x)), y
-
-
-def as_float(x: torch.Tensor) -> torch.Tensor:
-    """Model input from a batch of samples: integer images become float, float ones pass untouched.
-
-    File sources serve images as stored (MNIST IDX and CIFAR-10 are uint8, 0..255), so no bytes are
-    inflated on the wire or in a ring slot; the one conversion happens here, on the trainer's (or
-    evaluator's) device. ``uint8`` is scaled to ``[0, 1]``, the convention of torchvision's
-    ``ToTensor``; other integer types keep their values (their range says nothing general).
-    """
-    if x.is_floating_point():
-        return x
-    if x.dtype == torch.uint8:
-        return x.float().div_(255)
-    return x.float()
 
 
 def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, kind: str) -> torch.Tensor:

@@ -82,6 +82,8 @@ def run_evaluation(
                 spec.dataset,
                 split="val",
                 shuffle=False,
+                rank=0,
+                world_size=1,
                 provider=resolved.providers,
                 token=identity.token,
                 batch_size=spec.batch_size,

@@ -57,8 +57,8 @@ def build(spec: JobSpec, info: dict, device: torch.device) -> tuple[nn.Module, t
 
 def shard(task: Task) -> dict:
     """A gang's rank reads its own shard of ``train``; all as many batches (DDP steps together)."""
-    if task.world_size == 1:
-        return {}
+    if task.world_size == 1:  # said outright: a loader left to itself would look for a process group
+        return {"rank": 0, "world_size": 1}
     return {"rank": task.rank, "world_size": task.world_size, "drop_uneven": True}
 
 
@@ -99,5 +99,10 @@ def open_loaders(
         **shard(task),
         **common,
     )
-    val = RemoteLoader(spec.dataset, split="val", shuffle=False, **common) if task.rank == 0 else None
+    # rank 0 scores the whole val split, whatever gang it is in
+    val = (
+        RemoteLoader(spec.dataset, split="val", shuffle=False, rank=0, world_size=1, **common)
+        if task.rank == 0
+        else None
+    )
     return train, val
