@@ -126,6 +126,10 @@ class RemoteLoader:
             returns to the ring only when the last tensor viewing it is freed: a batch stays valid
             for as long as it is held, as with ``DataLoader``; a batch that would take the last slot
             the pipeline needs is copied instead.
+        collate: how variable-size fields of a multi-field dataset are yielded: ``"pad"`` (one
+            tensor padded to the batch's longest, plus ``<name>_lengths``) or ``"list"`` (a list
+            of tensors); see :mod:`libbus.collate`. Such datasets yield a dict of fields; those of
+            exactly two fixed fields ``x``, ``y`` yield ``(x, y)``.
         host_id: this machine's id (default: /etc/machine-id), compared with the provider's.
         curve: this client's CURVE key pair (:func:`libbus.curve.load_keys`) on a CURVE cluster;
             its name must be the token's subject. ``router_key`` is then the router's public key,
@@ -162,6 +166,7 @@ class RemoteLoader:
         shm: bool = True,
         shm_slots: int = 0,
         copy: bool = False,
+        collate: str = "pad",
         host_id: str | None = None,
         ctx: zmq.Context | None = None,
         curve: CurveKeys | None = None,
@@ -209,7 +214,8 @@ class RemoteLoader:
         self._ctx = ctx
         self._router, self._router_key, self._resolver = router, router_key, resolver
         self._shm, self._slots, self._copy = shm, slots, copy
-        self._socket = SocketDelivery(self.device)
+        self._socket = SocketDelivery(self.device, collate)
+        self._collate = collate
         self._ring: RingDelivery | None = None
         # A script that never calls close() still removes its ring when the loader is collected or
         # the interpreter exits (a SIGKILL leaves it to `busctl shm gc`).
@@ -373,7 +379,7 @@ class RemoteLoader:
         ring = Ring.create(ring_layout(self.info, self.batch_size, self._slots))
         delivery = None
         try:
-            delivery = RingDelivery(ring, self.device, self._copy)
+            delivery = RingDelivery(ring, self.device, self._copy, self._collate)
             client.request(delivery.attach_message())
         except BaseException:
             if delivery is not None:
