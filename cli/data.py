@@ -18,6 +18,8 @@ from rich.table import Table
 from libbus.client import Client
 from libbus.config import Settings
 from libbus.curve import curve_key_of
+from libbus.errors import BusError
+from libbus.fields import decode_frames, fields_of_info, is_xy
 from libbus.messages import BatchRequest, BatchResponse, ListPeers, Resolve, frame_buffer
 
 from .common import admin_client, fail, print_json
@@ -105,8 +107,21 @@ def print_datasets(rows: list[dict]) -> None:
                 + " -> ".join(f"{s['name']} ({s['type']})" for s in info["stages"][1:])
             )
         console.print(f"  splits     {_splits(info)}")
-        console.print(f"  samples    {tuple(info.get('sample_shape', []))} {info.get('dtype', '?')}")
-        console.print(f"  labels     {_labels(info)}")
+        fields = _fields(info)
+        if fields is not None:
+            console.print(f"  fields     {', '.join(f.describe() for f in fields)}")
+        if fields is None or is_xy(fields):
+            console.print(f"  samples    {tuple(info.get('sample_shape', []))} {info.get('dtype', '?')}")
+            console.print(f"  labels     {_labels(info)}")
+
+
+def _fields(info: dict) -> list | None:
+    """The fields a DatasetInfo describes (``?``: a varying dimension, ``*``: bytes/str), or
+    ``None`` when a provider sent none that make sense."""
+    try:
+        return fields_of_info(info)
+    except (BusError, KeyError, TypeError, ValueError):
+        return None
 
 
 def datasets_command(settings: Settings, json: bool = False) -> None:
@@ -233,7 +248,10 @@ def fetch(
             indices = parse_indices(indices_text, int(splits[split]["num_samples"]))
         except ValueError as err:
             fail(f"--indices {indices_text!r}: {err} in {resolved.dataset}/{split}", 2)
-        x, y = _arrays(client.request(_request(resolved.dataset, split, indices, epoch)))
+        reply = client.request(_request(resolved.dataset, split, indices, epoch))
+        if reply.names is not None:  # named fields: a dict of them, and no y
+            return info, provider, indices, decode_frames(reply.names, reply.shapes, reply.dtypes, reply.frames), None
+        x, y = _arrays(reply)
     return info, provider, indices, x, y
 
 
@@ -296,6 +314,22 @@ def fetch_command(
         fail(f"--out {out}: use a .npz file (x, y and indices) or a .npy file (x only)", 2)
     info, provider, idx, x, y = fetch(settings, dataset, split, indices, epoch)
     name = dataset.removeprefix("remote://").strip("/")
+    if y is None:
+        if out is not None:
+            fail(f"--out saves x/y datasets; {name} has named fields: use --json", 2)
+        if json:
+            print_json(
+                {
+                    "dataset": name,
+                    "split": split,
+                    "provider": provider["name"],
+                    "indices": idx.tolist(),
+                    "fields": {k: _json_field(v) for k, v in x.items()},
+                }
+            )
+        else:
+            print_fields(name, split, provider, idx, x)
+        return
     if out is not None:
         what = save_samples(out, idx, x, y)
         console.print(
@@ -319,3 +353,32 @@ def fetch_command(
         )
     else:
         print_samples(name, split, info, provider, idx, x, y)
+
+
+def _json_field(value) -> list:
+    """A field's batch for ``--json``: numbers as nested lists, bytes as hex, text as is."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return [v.hex() if isinstance(v, bytes) else v if isinstance(v, str) else v.tolist() for v in value]
+
+
+def _summary(value) -> str:
+    """One sample of one field, compactly: a number, text, a byte count, or shape and range."""
+    if isinstance(value, str):
+        return repr(value if len(value) <= 40 else value[:37] + "...")
+    if isinstance(value, bytes):
+        return f"{len(value)} bytes"
+    if value.ndim == 0:
+        return str(value.item())
+    if value.size == 0:
+        return f"{tuple(value.shape)} empty"
+    return f"{tuple(value.shape)} {value.min():.4g}..{value.max():.4g}"
+
+
+def print_fields(dataset: str, split: str, provider: dict, indices: np.ndarray, batch: dict) -> None:
+    """A batch of named fields: one row per sample, one column per field."""
+    console.print(f"{dataset}/{split} from {provider['name']} ({provider['endpoint']}): {len(indices)} samples")
+    table = Table("index", *batch)
+    for row, i in enumerate(indices):
+        table.add_row(str(int(i)), *(_summary(v[row]) for v in batch.values()))
+    console.print(table)

@@ -19,7 +19,8 @@ from typing import Any
 
 from . import errors
 
-PROTOCOL = b"BB1"
+#: The wire tag, ``BB`` + the wire version. 2: batches carry named fields (issue 15).
+PROTOCOL = b"BB2"
 VERSION = "0.1.0"
 
 #: Public name -> the module that defines it (imported when the name is first used).

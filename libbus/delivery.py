@@ -13,6 +13,11 @@ for the next — so the request pipeline (ordering, timeouts, resends) exists on
   and its slot returns at once (never an overwrite, never a deadlock). ``copy=True`` always copies.
   With a CUDA device each filled slot is copied on a side stream into a fresh device tensor as soon
   as it arrives, and is free again when that copy's event completes: GPU batches are never reused.
+
+A dataset of two fixed fields ``x``, ``y`` is yielded as ``(x, y)``, as above. Any other (named
+fields, some of variable size or bytes/text: :mod:`libbus.fields`) is yielded as a dict built by
+:func:`libbus.collate.collate`; through a ring its fields are copied out of the slot as the reply
+arrives and the slot returns at once, so such a batch, too, stays valid while held.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import torch
 
 from shm import Ring, RingLayout
 
+from .collate import check_collate, collate
 from .errors import BusError, ShmError
+from .fields import decode_frames, fields_of_info, is_xy, slot_bytes_for, unpack_slot
 from .messages import AttachRing, BatchResponse, Message, frame_buffer
 
 __all__ = ["RingDelivery", "SocketDelivery", "ring_layout"]
@@ -38,16 +45,29 @@ log = logging.getLogger(__name__)
 def _check_response(reply: Message) -> BatchResponse:
     if not isinstance(reply, BatchResponse):
         raise BusError(f"expected BatchResponse, got {reply.type}")
-    if len(reply.shapes) != 2 or len(reply.dtypes) != 2:
+    if reply.names is None and (len(reply.shapes) != 2 or len(reply.dtypes) != 2):
         raise BusError(f"malformed BatchResponse: {len(reply.shapes)} shapes, {len(reply.dtypes)} dtypes")
     return reply
 
 
 def ring_layout(info: dict, batch_size: int, slots: int) -> RingLayout:
-    """Slots that hold the largest batch of the dataset ``info`` describes (data + labels)."""
-    x_bytes = int(np.prod(info["sample_shape"])) * np.dtype(info["dtype"]).itemsize
-    y_bytes = int(np.prod(info.get("label_shape") or [])) * np.dtype(info["label_dtype"]).itemsize
-    return RingLayout.for_batch(slots, batch_size * x_bytes, batch_size * y_bytes)
+    """Slots that hold the largest batch of the dataset ``info`` describes: data + labels, or
+    every named field within its declared maximum. Raises :class:`ShmError` for a dataset with a
+    variable field that declares no maximum (its batches go over the socket)."""
+    fields = fields_of_info(info)
+    if is_xy(fields):
+        x, y = fields
+        return RingLayout.for_batch(slots, batch_size * x.sample_nbytes, batch_size * y.sample_nbytes)
+    total = slot_bytes_for(fields, batch_size)
+    if total is None:
+        unsized = [f.name for f in fields if f.variable and not f.max_bytes]
+        raise ShmError(f"field(s) {', '.join(unsized)} declare no max_bytes, so no ring slot size can hold a batch")
+    return RingLayout.for_batch(slots, total, 0)
+
+
+def _fields_out(reply: BatchResponse, batch: dict, how: str, device: torch.device) -> Any:
+    """What the loader yields for a batch of named fields."""
+    return collate(batch, reply.shapes, reply.dtypes, how, device)
 
 
 class SocketDelivery:
@@ -55,8 +75,9 @@ class SocketDelivery:
 
     transport = "socket"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, collate: str = "pad"):
         self.device = device
+        self.collate = check_collate(collate)
 
     def can_send(self) -> bool:
         return True
@@ -69,6 +90,11 @@ class SocketDelivery:
 
     def receive(self, batch_no: int, reply: Message) -> Any:
         reply = _check_response(reply)
+        if reply.names is not None:
+            if reply.slot is not None:
+                raise BusError(f"malformed BatchResponse: names slot {reply.slot}; expected the batch in frames")
+            batch = decode_frames(reply.names, reply.shapes, reply.dtypes, [frame_buffer(f) for f in reply.frames])
+            return _fields_out(reply, batch, self.collate, self.device)
         if reply.slot is not None or len(reply.frames) != 2:
             raise BusError(
                 f"malformed BatchResponse: {len(reply.frames)} frames, slot {reply.slot}; "
@@ -85,7 +111,7 @@ class SocketDelivery:
             out.append(tensor if self.device.type == "cpu" else tensor.to(self.device))
         return out[0], out[1]
 
-    def hand_out(self, batch_no: int, item: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def hand_out(self, batch_no: int, item: Any) -> tuple[torch.Tensor, torch.Tensor] | dict:
         return item
 
     def done(self, batch_no: int) -> None:
@@ -132,10 +158,11 @@ class RingDelivery:
 
     transport = "shm"
 
-    def __init__(self, ring: Ring, device: torch.device, copy: bool = False):
+    def __init__(self, ring: Ring, device: torch.device, copy: bool = False, collate: str = "pad"):
         self.ring = ring
         self.device = device
         self.copy = copy
+        self.collate = check_collate(collate)
         self.free: deque[int] = deque(range(ring.layout.slots))
         self.slot_of: dict[int, int] = {}  # batch number -> its slot
         self.seq_of: dict[int, int] = {}  # batch number -> the sequence its slot awaits
@@ -246,6 +273,15 @@ class RingDelivery:
                 f"BatchResponse names slot {reply.slot} seq {reply.seq} with "
                 f"{len(reply.frames)} frames; expected slot {slot} seq {seq}, no frames"
             )
+        if reply.names is not None:  # named fields: copied out now, the slot is free again
+            self.ring.take(slot, seq)
+            try:
+                with self.ring.slot_buffer(slot) as buf:
+                    batch = unpack_slot(reply.names, reply.shapes, reply.dtypes, buf)
+            finally:
+                self._release(slot)
+                self._forget(batch_no)
+            return _fields_out(reply, batch, self.collate, self.device)
         if self.stager is None and not self.copy:
             return reply  # the slot stays FILLED until hand_out
         self.ring.take(slot, seq)
@@ -260,7 +296,9 @@ class RingDelivery:
         self._forget(batch_no)
         return item
 
-    def hand_out(self, batch_no: int, item: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def hand_out(self, batch_no: int, item: Any) -> tuple[torch.Tensor, torch.Tensor] | dict:
+        if isinstance(item, dict):
+            return item
         if isinstance(item, BatchResponse):
             slot = self.slot_of[batch_no]
             self.ring.take(slot, self.seq_of[batch_no])

@@ -122,6 +122,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             returns to the ring only when the last tensor viewing it is freed: a batch stays valid
             for as long as it is held, as with ``DataLoader``; a batch that would take the last slot
             the pipeline needs is copied instead.
+        collate: how variable-size fields of a multi-field dataset are yielded: ``"pad"`` (one
+            tensor padded to the batch's longest, plus ``<name>_lengths``) or ``"list"`` (a list
+            of tensors); see :mod:`libbus.collate`. Such datasets yield a dict of fields; those of
+            exactly two fixed fields ``x``, ``y`` yield ``(x, y)``.
         host_id: this machine's id (default: /etc/machine-id), compared with the provider's.
         curve: this client's CURVE key pair (:func:`libbus.curve.load_keys`) on a CURVE cluster;
             its name must be the token's subject. ``router_key`` is then the router's public key,
@@ -158,6 +162,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         shm: bool = True,
         shm_slots: int = 0,
         copy: bool = False,
+        collate: str = "pad",
         host_id: str | None = None,
         ctx: zmq.Context | None = None,
         curve: CurveKeys | None = None,
@@ -224,6 +229,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             shm=shm,
             slots=slots,
             copy=copy,
+            collate=collate,
         )
         entries = None
         if provider is not None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from .constants import MAX_FRAMES
 from .errors import BusError
-from .wire import Message
+from .wire import Message, WrongVersion
 
 __all__ = [
     "error_reply",
@@ -90,7 +91,12 @@ class Ok(Message):
 
 
 def error_reply(request_id: int, err: BusError) -> Error:
-    return Error(id=request_id, code=err.code, message=str(err))
+    """The Error for ``err``; refusing a peer of another wire version, sent under that peer's tag,
+    so that it can read the refusal (an Error has the same form in every version)."""
+    reply = Error(id=request_id, code=err.code, message=str(err))
+    if isinstance(err, WrongVersion):
+        reply.wire_tag = err.tag
+    return reply
 
 
 # -- discovery and datasets -------------------------------------------------------------------
@@ -147,13 +153,20 @@ class BatchRequest(Message):
 
 @dataclass(kw_only=True)
 class BatchResponse(Message):
-    """Data then labels, C-contiguous, shapes and dtypes in the header: two payload frames, or
-    none when the batch is in ring slot ``slot`` under sequence ``seq``."""
+    """A batch's fields, C-contiguous, their shapes and dtypes in the header, or no frames when the
+    batch is in ring slot ``slot`` under sequence ``seq``.
 
-    nframes: ClassVar[tuple[int, int]] = (0, 2)
+    ``names`` lists the fields (absent: ``x`` and ``y``, data then labels); ``shapes[i]`` and
+    ``dtypes[i]`` describe field ``i``: a fixed field is one frame of its batch array; a variable
+    field (``-1`` in its shape for a varying dimension, dtype ``bytes`` or ``str`` for byte strings
+    and text) is its values frame, then its index frame (see :mod:`libbus.fields`).
+    """
+
+    nframes: ClassVar[tuple[int, int]] = (0, MAX_FRAMES - 2)
     shapes: list
     dtypes: list
     nbytes: int
+    names: list | None = None
     slot: int | None = None
     seq: int | None = None
 

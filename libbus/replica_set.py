@@ -57,6 +57,8 @@ class Links:
     shm: bool = True
     slots: int = 6
     copy: bool = False
+    #: How variable-size fields are yielded: "pad" or "list" (:mod:`libbus.collate`).
+    collate: str = "pad"
 
 
 def _close_all(owned: list) -> None:
@@ -76,7 +78,7 @@ class ReplicaSet:
         self.links = links
         self.inflight = min(inflight, links.slots - 1)
         self.inflight_wanted = inflight
-        self.socket = SocketDelivery(links.device)
+        self.socket = SocketDelivery(links.device, links.collate)
         self.ring: RingDelivery | None = None
         # A script that never calls close() still removes its ring when the loader is collected or
         # the interpreter exits (a SIGKILL leaves it to `busctl shm gc`).
@@ -222,7 +224,7 @@ class ReplicaSet:
         ring = Ring.create(ring_layout(self.info, links.batch_size, links.slots))
         delivery = None
         try:
-            delivery = RingDelivery(ring, links.device, links.copy)
+            delivery = RingDelivery(ring, links.device, links.copy, links.collate)
             client.request(delivery.attach_message())
         except BaseException:
             if delivery is not None:

@@ -1,9 +1,13 @@
 """The batchbus wire format: the :class:`Message` base, the registry of message types, and the only
 code that touches frame positions.
 
-A message is ``[b"BB1", header, *payload]``: ``header`` is an orjson object with ``type`` and the
+A message is ``[b"BB2", header, *payload]``: ``header`` is an orjson object with ``type`` and the
 message's fields; bulk data (indices, samples, labels, weights) travels only in ``payload`` frames.
 :func:`encode` and :func:`decode` are the only code that touch frame positions.
+
+The tag carries the wire version (``BB`` + digits). A message tagged with another version is
+refused with :class:`WrongVersion`, naming both; the reply to it (an ``Error``) goes back under the
+peer's own tag, so an older peer can read why.
 
 Field types are checked on decode against the dataclass annotations, so a handler can trust
 ``msg.field`` to have its declared type. Unknown header keys are ignored (forward compatibility).
@@ -15,6 +19,7 @@ each registers itself in :data:`MESSAGE_TYPES` when its module is imported, whic
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -28,6 +33,7 @@ from .schema import schema_of, too_deep, type_name
 __all__ = [
     "Message",
     "MESSAGE_TYPES",
+    "WrongVersion",
     "encode",
     "decode",
     "frame_buffer",
@@ -35,6 +41,22 @@ __all__ = [
 ]
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
+
+_TAG = re.compile(rb"BB([0-9]{1,4})")
+
+
+class WrongVersion(BadRequest):
+    """A peer speaks another wire version; ``tag`` is its tag (the reply goes back under it)."""
+
+    def __init__(self, tag: bytes):
+        self.tag = tag
+        theirs = _TAG.fullmatch(tag)
+        ours = _TAG.fullmatch(PROTOCOL)
+        super().__init__(
+            f"wire version mismatch: the peer speaks batchbus wire version {int(theirs[1]) if theirs else '?'} "
+            f"({tag!r}), this service version {int(ours[1]) if ours else '?'} ({PROTOCOL!r}); "
+            "run the same batchbus release on both sides"
+        )
 
 
 @dataclass(kw_only=True)
@@ -44,6 +66,9 @@ class Message:
     type: ClassVar[str] = ""
     #: Payload frames this message must carry: (min, max).
     nframes: ClassVar[tuple[int, int]] = (0, 0)
+
+    #: The tag this message is sent under: the class's, or a refused older peer's (see :func:`encode`).
+    wire_tag: ClassVar[bytes] = PROTOCOL
 
     id: int = 0
     frames: list = field(default_factory=list, repr=False, compare=False)
@@ -72,7 +97,7 @@ def encode(msg: Message) -> list:
     if len(head) > MAX_HEADER_BYTES:
         # The peer would drop it as malformed and wait out its timeout: refuse it here, loudly.
         raise TooLarge(f"{msg.type} header is {len(head)} bytes; a peer accepts at most {MAX_HEADER_BYTES}")
-    return [PROTOCOL, head, *msg.frames]
+    return [msg.wire_tag, head, *msg.frames]
 
 
 def frame_buffer(frame) -> bytes | memoryview:
@@ -94,6 +119,8 @@ def decode(frames: list) -> Message:
     if total > MAX_MSG_BYTES:
         raise TooLarge(f"message is {total} bytes in all; at most {MAX_MSG_BYTES} are accepted")
     tag = bytes(frame_buffer(frames[0]))
+    if tag != PROTOCOL and _TAG.fullmatch(tag):
+        raise WrongVersion(tag)
     if tag != PROTOCOL:
         raise BadRequest(f"unknown protocol tag {tag[:16]!r}; expected {PROTOCOL!r}")
     raw = frame_buffer(frames[1])

@@ -5,6 +5,8 @@ Layout (little-endian)::
     0     header: magic, version, slots, slot_bytes, label_offset, creator pid, creator start time
     64    slot table: per slot (state u64, seq u64)
     4096  slot 0 | slot 1 | ...   each page-aligned; data at 0, labels at ``label_offset``
+                                  (or, for a batch of named fields, each field's index and
+                                  values back to back from 0: :meth:`Ring.slot_buffer`)
 
 A slot moves ``FREE → REQUESTED → FILLED → IN_USE → FREE``. The consumer (the trainer, who created
 the ring) requests a slot under a fresh sequence number and names both in its BatchRequest; the
@@ -290,6 +292,16 @@ class Ring:
             self._views.clear()
         self._views[key] = views
         return views
+
+    def slot_buffer(self, slot: int) -> memoryview:
+        """The bytes of ``slot`` (all ``slot_bytes`` of them), for batches of named fields packed
+        from the slot's start (:mod:`libbus.fields`). Release it (``with``) when done: a live
+        export keeps the mapping from being closed."""
+        self._check_slot(slot)
+        if self.segment.buf is None:
+            raise ShmError(f"ring {self.name} is closed")
+        base = self.layout.data_offset + slot * self.layout.stride
+        return memoryview(self.segment.buf)[base : base + self.layout.slot_bytes]
 
     def close(self) -> None:
         """Unmap (once no views are alive), and unlink if this process created the ring."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
+from libbus import PROTOCOL
 from libbus.errors import BadRequest, BusError, NotFound, OutOfRange, SplitPrivate, TooLarge
 from libbus.messages import BatchRequest, DatasetInfoRequest, Evaluate, decode
 from services.models import build_model
@@ -79,11 +80,11 @@ def test_malformed_frames_get_errors_and_the_provider_keeps_serving(provider, cl
     sock = client.socket  # an authenticated connection, fed garbage
     junk = [
         [b"\x00\xff garbage"],
-        [b"BB1", b"{bad json"],
-        [b"BB1", orjson.dumps({"type": "Launch", "id": 1})],
-        [b"BB1", orjson.dumps({"type": "BatchRequest", "id": 2})],
-        [b"BB1", orjson.dumps({"type": "BatchRequest", "id": 3, "dataset": 5, "split": "train"})],
-        [b"BB1", orjson.dumps({"type": "Welcome", "id": 4, "session": "x", "heartbeat_ms": 1})],
+        [PROTOCOL, b"{bad json"],
+        [PROTOCOL, orjson.dumps({"type": "Launch", "id": 1})],
+        [PROTOCOL, orjson.dumps({"type": "BatchRequest", "id": 2})],
+        [PROTOCOL, orjson.dumps({"type": "BatchRequest", "id": 3, "dataset": 5, "split": "train"})],
+        [PROTOCOL, orjson.dumps({"type": "Welcome", "id": 4, "session": "x", "heartbeat_ms": 1})],
         [b"XXX", b"{}"],
     ]
     for frames in junk:
@@ -95,7 +96,7 @@ def test_malformed_frames_get_errors_and_the_provider_keeps_serving(provider, cl
     assert codes == ["BAD_REQUEST"] * len(junk)
     # oversize: a frame beyond MAXMSGSIZE makes libzmq drop that connection, not the service
     big = raw_dealer(provider.endpoint)
-    big.send_multipart([b"BB1", b"{}", b"\0" * (provider.settings.max_msg_bytes + 1)])
+    big.send_multipart([PROTOCOL, b"{}", b"\0" * (provider.settings.max_msg_bytes + 1)])
     x, _ = arrays(client.request(BatchRequest(dataset="mnist", split="train", range=[0, 4])))
     assert x.shape == (4, 1, 28, 28)
     counters = provider.service.server.counters

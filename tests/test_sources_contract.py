@@ -18,7 +18,7 @@ import pytest
 
 from libbus.errors import DatasetError
 from services.provider.sources import OPENERS, open_source
-from tests.support.contract import check_source_contract, peak_rss
+from tests.support.contract import check_fields_contract, check_source_contract, peak_rss
 from tests.support.httpd import RangeServer
 
 MB = 1 << 20
@@ -60,6 +60,8 @@ def case(scheme: str, tmp_path: Path, server: RangeServer) -> tuple[str, dict | 
     rng = np.random.default_rng(len(scheme))
     if scheme == "mock":
         return "mock://cifar10?n=20", None
+    if scheme == "mock-fields":
+        return "mock://fields?n=30", None
     if scheme == "mock-tokens":
         return "mock://tokens?n=30&seq_len=8&vocab=16", None
     if scheme == "dummy":
@@ -103,6 +105,7 @@ def case(scheme: str, tmp_path: Path, server: RangeServer) -> tuple[str, dict | 
 
 
 SCHEMES = ["mock", "mock-tokens", "dummy", "file", "file-stream", "http", "parquet", "weighted", "pipeline"]
+SCHEMES += ["mock-fields"]  # samples with named fields (issue 15)
 
 
 def test_every_registered_scheme_has_a_contract_case():
@@ -115,7 +118,10 @@ def test_every_source_keeps_the_contract(scheme, tmp_path, server):
     uri, reference = case(scheme, tmp_path, server)
     source = open_source(uri)
     try:
-        check_source_contract(source, reference)
+        if source.xy:
+            check_source_contract(source, reference)
+        else:
+            check_fields_contract(source, reference)
     finally:
         source.close()
 

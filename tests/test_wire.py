@@ -45,18 +45,18 @@ def test_payload_frames_travel_apart_from_the_header():
 @pytest.mark.parametrize(
     "frames, words",
     [
-        ([b"BB1"], "at least 2 frames"),
+        ([PROTOCOL], "at least 2 frames"),
         ([b"XX9", head(type="Stats")], "protocol tag"),
-        ([b"BB1", b"{not json"], "not valid JSON"),
-        ([b"BB1", b"[1, 2]"], "JSON object"),
-        ([b"BB1", head(type="Nope")], "unknown message type"),
-        ([b"BB1", head(id=1)], "unknown message type"),
-        ([b"BB1", head(type="Hello", role="trainer", name="x")], "missing field 'token'"),
-        ([b"BB1", head(type="Hello", role=1, name="x", token="t")], "Hello.role must be a string"),
-        ([b"BB1", head(type="BatchRequest", dataset="d", split="train", range="0:3")], "range must be"),
-        ([b"BB1", head(type="BatchRequest", dataset="d", split="train"), b"a", b"b"], "payload frame"),
-        ([b"BB1", head(type="Evaluate", dataset="d", model={})], "payload frame"),
-        ([b"BB1", head(type="Progress", job="j", progress={}, id=True)], "Progress.id must be an integer"),
+        ([PROTOCOL, b"{not json"], "not valid JSON"),
+        ([PROTOCOL, b"[1, 2]"], "JSON object"),
+        ([PROTOCOL, head(type="Nope")], "unknown message type"),
+        ([PROTOCOL, head(id=1)], "unknown message type"),
+        ([PROTOCOL, head(type="Hello", role="trainer", name="x")], "missing field 'token'"),
+        ([PROTOCOL, head(type="Hello", role=1, name="x", token="t")], "Hello.role must be a string"),
+        ([PROTOCOL, head(type="BatchRequest", dataset="d", split="train", range="0:3")], "range must be"),
+        ([PROTOCOL, head(type="BatchRequest", dataset="d", split="train"), b"a", b"b"], "payload frame"),
+        ([PROTOCOL, head(type="Evaluate", dataset="d", model={})], "payload frame"),
+        ([PROTOCOL, head(type="Progress", job="j", progress={}, id=True)], "Progress.id must be an integer"),
     ],
 )
 def test_malformed_messages_are_bad_requests_that_say_why(frames, words):
@@ -66,12 +66,12 @@ def test_malformed_messages_are_bad_requests_that_say_why(frames, words):
 
 def test_too_many_frames_is_too_large():
     with pytest.raises(TooLarge):
-        decode([b"BB1", head(type="Stats")] + [b"x"] * 100)
+        decode([PROTOCOL, head(type="Stats")] + [b"x"] * 100)
 
 
 def test_request_id_survives_a_bad_message_so_the_error_can_be_matched():
-    assert request_id_of([b"BB1", head(type="Nope", id=42)]) == 42
-    assert request_id_of([b"BB1", b"garbage"]) == 0
+    assert request_id_of([PROTOCOL, head(type="Nope", id=42)]) == 42
+    assert request_id_of([PROTOCOL, b"garbage"]) == 0
 
 
 def test_every_wire_code_maps_back_to_its_exception_class():
@@ -115,8 +115,17 @@ def test_every_message_type_is_registered_once():
     ),
 )
 def test_decode_never_fails_with_anything_but_a_bus_error(extra, header):
-    for frames in ([b"BB1", orjson.dumps(header), *extra], extra):
+    for frames in ([PROTOCOL, orjson.dumps(header), *extra], extra):
         try:
             decode(frames)
         except BusError:
             pass
+
+
+def test_an_older_wire_version_is_refused_naming_both_and_answered_under_its_tag():
+    from libbus.messages import error_reply
+
+    with pytest.raises(BadRequest, match=r"version 1 \(b'BB1'\), this service version 2 \(b'BB2'\)") as caught:
+        decode([b"BB1", head(type="Stats", id=4)])
+    assert encode(error_reply(4, caught.value))[0] == b"BB1"  # the old peer can read its refusal
+    assert encode(error_reply(4, BadRequest("x")))[0] == PROTOCOL

@@ -13,6 +13,7 @@ import numpy as np
 from libbus.constants import MAX_BATCH_BYTES, MAX_BATCH_INDICES
 from libbus.errors import (
     BadRequest,
+    BusError,
     Forbidden,
     NotFound,
     OutOfRange,
@@ -21,6 +22,7 @@ from libbus.errors import (
     TooLarge,
     Unavailable,
 )
+from libbus.fields import encode_frames, pack_slot
 from libbus.messages import (
     AttachRing,
     BatchRequest,
@@ -144,6 +146,9 @@ class ProviderHandler(Handler):
         #: session id → the ring its trainer attached (one per session; a new AttachRing replaces it).
         self.rings: dict[str, Ring] = {}
         self.infos = {name: source.info() for name, source in datasets.items()}
+        #: Each dataset's fields, and whether it is an x/y dataset (served through ``serve_into``).
+        self.fields = {name: source.fields for name, source in datasets.items()}
+        self.xy = {name: source.xy for name, source in datasets.items()}
         self.served: dict[str, Counter] = defaultdict(Counter)
         self.refused: Counter = Counter()
         #: dataset → time to assemble a batch; keyed only by datasets served here (bounded labels).
@@ -331,6 +336,8 @@ class ProviderHandler(Handler):
                 "provider; ask for an evaluation instead (Evaluate)"
             )
         indices = batch_indices(msg, source.num_samples(msg.split), msg.split)
+        if not self.xy[msg.dataset]:
+            return self._batch_fields(session, msg, source, indices, started)
         if len(indices) * source.sample_nbytes > MAX_BATCH_BYTES:
             raise TooLarge(
                 f"{len(indices)} samples of {source.sample_nbytes} bytes exceed the {MAX_BATCH_BYTES} byte batch limit"
@@ -363,6 +370,60 @@ class ProviderHandler(Handler):
             shapes=[list(x_shape), list(y_shape)],
             dtypes=[x.dtype.str, y.dtype.str],
             nbytes=x.nbytes + y.nbytes,
+            slot=msg.slot,
+            seq=msg.seq,
+            frames=frames,
+        )
+
+    def _batch_fields(
+        self, session: Session, msg: BatchRequest, source: Source, indices: np.ndarray, started: float
+    ) -> BatchResponse:
+        """A multi-field batch: every field read, then written as frames or into the ring slot.
+        A batch beyond the declared maxima, the slot or the batch limit is refused (TOO_LARGE)
+        naming the field and the sizes."""
+        fields = self.fields[msg.dataset]
+        ring = self._ring_for(session, msg) if msg.slot is not None or msg.seq is not None else None
+        if ring is not None:
+            try:
+                ring.begin_fill(msg.slot, msg.seq)
+            except ShmError as err:
+                self.refused["stale_slot"] += 1
+                raise BadRequest(f"batch not written: {err}") from err
+        batch = source.read_fields(msg.split, indices, msg.epoch)
+        n = len(indices)
+        try:
+            if ring is None:
+                frames, shapes, dtypes, nbytes = encode_frames(fields, batch, n)
+                if nbytes > MAX_BATCH_BYTES:
+                    raise TooLarge(f"a batch of {n} samples is {nbytes} bytes; the batch limit is {MAX_BATCH_BYTES}")
+            else:
+                with ring.slot_buffer(msg.slot) as buf:
+                    shapes, dtypes, nbytes = pack_slot(fields, batch, n, buf)
+                frames = []
+        except ShmError as err:
+            self.refused["stale_slot"] += 1
+            raise BadRequest(f"batch not written: {err}") from err
+        except BusError as err:
+            self.refused["too_large"] += 1
+            raise TooLarge(f"{msg.dataset}/{msg.split}: {err}") from err
+        if ring is not None:
+            try:
+                ring.finish_fill(msg.slot, msg.seq)
+            except ShmError as err:
+                self.refused["stale_slot"] += 1
+                raise BadRequest(f"batch not written: {err}") from err
+        counters = self.served[msg.dataset]
+        if ring is not None:
+            counters["shm_batches"] += 1
+        counters["batches"] += 1
+        counters["samples"] += n
+        counters["bytes"] += nbytes
+        self.latency[msg.dataset].observe(time.perf_counter() - started)
+        return BatchResponse(
+            names=[f.name for f in fields],
+            shapes=shapes,
+            dtypes=dtypes,
+            nbytes=nbytes,
             slot=msg.slot,
             seq=msg.seq,
             frames=frames,

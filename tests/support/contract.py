@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 
 from libbus.errors import OutOfRange, SplitPrivate
+from libbus.fields import Field, decode_frames
 from libbus.messages import BatchRequest
 from services.provider.handler import ProviderHandler
 from services.provider.sources import SPLITS, Source
 
 from .busctl import REPO
 
-__all__ = ["check_source_contract", "peak_rss", "some_indices"]
+__all__ = ["check_fields_contract", "check_source_contract", "peak_rss", "some_indices"]
 
 Reference = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -47,6 +48,48 @@ def _served(handler: ProviderHandler, split: str, indices: np.ndarray) -> tuple[
     x = np.frombuffer(bytes(reply.frames[0]), np.dtype(xd)).reshape(xs)
     y = np.frombuffer(bytes(reply.frames[1]), np.dtype(yd)).reshape(ys)
     return x, y
+
+
+def _as_bytes(value) -> list[bytes]:
+    """A field's batch as one byte string per sample (with its shape), to compare exactly."""
+    if isinstance(value, np.ndarray):
+        return [value.tobytes(), repr(value.shape).encode(), value.dtype.str.encode()]
+    return [
+        v.encode() if isinstance(v, str) else bytes(v) if isinstance(v, bytes) else v.tobytes() + repr(v.shape).encode()
+        for v in value
+    ]
+
+
+def check_fields_contract(source: Source, reference=None, seed: int = 0) -> None:
+    """The contract for a source of named fields (not x/y): DatasetInfo describes its fields,
+    ``read_fields`` is deterministic (and equals ``reference(split, indices)`` when given), the
+    provider serves those bytes field by field, and refuses what lies outside a split and the test
+    split."""
+    rng = np.random.default_rng(seed)
+    info = source.info()
+    assert [Field.from_info(d) for d in info["fields"]] == source.fields and not source.xy
+    assert "sample_shape" not in info, "old x/y keys would misdescribe a multi-field dataset"
+    handler = ProviderHandler({"d": source}, assigned_only=False)
+    try:
+        for split in ("train", "val"):
+            n = source.num_samples(split)
+            idx = some_indices(n, rng)
+            batch = source.read_fields(split, idx)
+            again = source.read_fields(split, idx)
+            want = {name: _as_bytes(batch[name]) for name in batch}
+            assert want == {name: _as_bytes(again[name]) for name in again}, "not deterministic"
+            if reference is not None:
+                ref = reference(split, idx)
+                assert want == {name: _as_bytes(ref[name]) for name in ref}, split
+            reply = handler.batch(None, BatchRequest(dataset="d", split=split, frames=[idx.astype("<i8").tobytes()]))
+            served = decode_frames(reply.names, reply.shapes, reply.dtypes, reply.frames)
+            assert {name: _as_bytes(served[name]) for name in served} == want, split
+            with pytest.raises(OutOfRange, match=f"outside {split}"):
+                handler.batch(None, BatchRequest(dataset="d", split=split, range=[n - 1, n + 1]))
+        with pytest.raises(SplitPrivate):
+            handler.batch(None, BatchRequest(dataset="d", split="test", range=[0, 1]))
+    finally:
+        handler.close()
 
 
 def check_source_contract(source: Source, reference: Reference | None = None, seed: int = 0) -> None:

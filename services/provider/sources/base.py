@@ -24,8 +24,9 @@ from urllib.parse import SplitResult, unquote
 import numpy as np
 
 from libbus.errors import DatasetError
+from libbus.fields import Field, FieldBatch, is_xy
 
-__all__ = ["PRIVATE_SPLIT", "SPLITS", "OpenRequest", "Source", "local_path", "stable_seed"]
+__all__ = ["PRIVATE_SPLIT", "SPLITS", "Field", "FieldBatch", "OpenRequest", "Source", "local_path", "stable_seed"]
 
 SPLITS = ("train", "val", "test")
 #: The split that never leaves the provider: only its local evaluator reads it.
@@ -75,6 +76,30 @@ class Source(ABC):
         whose bytes do not depend on the epoch (a pipeline's random stages do)."""
         self.read_into(split, indices, x, y)
 
+    @property
+    def fields(self) -> list[Field]:
+        """The sample's named fields. A source of one array and one label (every source built on
+        ``sample_shape``/``dtype``/``label_shape``) has two: ``x`` and ``y``. A multi-field source
+        overrides this and :meth:`read_fields`."""
+        return [
+            Field("x", self.dtype.name, tuple(self.sample_shape)),
+            Field("y", self.label_dtype.name, tuple(self.label_shape)),
+        ]
+
+    @property
+    def xy(self) -> bool:
+        """Served as two fixed arrays ``x``, ``y`` (through :meth:`serve_into`, straight into a slot)."""
+        return is_xy(self.fields)
+
+    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
+        """Every field of the samples at ``indices`` of ``epoch``: name → a batch array (fixed
+        fields), a list of per-sample arrays (variable ones), or a list of bytes / str. The default
+        serves ``x`` and ``y`` through :meth:`serve_into`."""
+        x = np.empty((len(indices), *self.sample_shape), self.dtype)
+        y = np.empty((len(indices), *self.label_shape), self.label_dtype)
+        self.serve_into(split, indices, x, y, epoch=epoch)
+        return {"x": x, "y": y}
+
     def close(self) -> None:
         """Release what the source holds (threads, files); the provider calls it when it stops."""
 
@@ -90,24 +115,30 @@ class Source(ABC):
 
     @property
     def sample_nbytes(self) -> int:
-        return self.x_nbytes + self.y_nbytes
+        """Bytes of one sample (the declared maxima of variable fields)."""
+        if self.xy:
+            return self.x_nbytes + self.y_nbytes
+        return sum(f.sample_nbytes for f in self.fields)
 
     def info(self) -> dict:
+        """The DatasetInfo ``info``: ``fields`` is the truth; an x/y dataset also keeps the keys
+        older readers know (``sample_shape``, ``dtype``, ``label_shape``, ``label_dtype``)."""
         splits = {}
         for split in SPLITS:
             private = split == PRIVATE_SPLIT
             splits[split] = {"num_samples": self.num_samples(split), "available": not private, "shuffle": not private}
-        return {
-            "uri": self.uri,
-            "splits": splits,
-            "sample_shape": list(self.sample_shape),
-            "label_shape": list(self.label_shape),
-            "dtype": self.dtype.name,
-            "label_dtype": self.label_dtype.name,
-            "num_classes": self.num_classes,
-            "class_names": list(self.class_names),
-            "kind": self.kind,
-        }
+        fields = self.fields
+        out: dict = {"uri": self.uri, "splits": splits}
+        if is_xy(fields):
+            out.update(
+                sample_shape=list(self.sample_shape),
+                label_shape=list(self.label_shape),
+                dtype=self.dtype.name,
+                label_dtype=self.label_dtype.name,
+            )
+        out.update(num_classes=self.num_classes, class_names=list(self.class_names), kind=self.kind)
+        out["fields"] = [f.to_info() for f in fields]
+        return out
 
 
 def stable_seed(*parts) -> int:

@@ -5,6 +5,10 @@
   and covered in noise. ``?n=`` sets the train size (val and test are a fifth of it), ``?seed=``,
   ``?noise=`` the noise's standard deviation (default 2.0; class patterns have about 1).
 - ``mock://tokens``: a learnable token stream (:mod:`.mock_tokens`).
+- ``mock://fields?n=&seed=&max=``: samples with named fields of every kind, for tests and demos:
+  ``image`` ``uint8 (?, ?, 3)`` (2..16 pixels a side), ``tokens`` ``int32 (?,)`` (0..12 of them),
+  ``text`` ``str``, ``label`` ``int64 ()``. ``max=`` overrides the image's declared ``max_bytes``
+  (768) — set it below 768 to see an oversized batch refused.
 - ``dummy://?shape=1,28,28&n=1000&classes=10&dtype=float32``: zeros, for benchmarks and loop tests.
 """
 
@@ -14,10 +18,10 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .base import SPLITS, OpenRequest, Source, stable_seed
+from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, stable_seed
 from .mock_tokens import open_mock_tokens
 
-__all__ = ["Dummy", "MockImages", "open_dummy", "open_mock"]
+__all__ = ["Dummy", "MockFields", "MockImages", "open_dummy", "open_mock"]
 
 
 class MockImages(Source):
@@ -81,6 +85,56 @@ class MockImages(Source):
         return x, y
 
 
+class MockFields(Source):
+    """Generated samples with variable-size, bytes-like and fixed named fields (deterministic)."""
+
+    WORDS = ("red", "green", "blue", "cat", "dog", "sun", "ünï", "code")
+
+    def __init__(self, uri: str, n: int = 40, seed: int = 0, image_max: int = 16 * 16 * 3):
+        if n < 1:
+            raise DatasetError(f"{uri}: n must be at least 1, got {n}")
+        self.uri = uri
+        self.seed = seed
+        self.sizes = {"train": n, "val": max(1, n // 5), "test": max(1, n // 5)}
+        self.num_classes = 4
+        self.class_names = [str(i) for i in range(4)]
+        self.kind = "fields"
+        self._fields = [
+            Field("image", "uint8", (None, None, 3), image_max),
+            Field("tokens", "int32", (None,), 12 * 4),
+            Field("text", "str", (), 64),
+            Field("label", "int64", ()),
+        ]
+
+    @property
+    def fields(self) -> list[Field]:
+        return list(self._fields)
+
+    def num_samples(self, split: str) -> int:
+        return self.sizes[split]
+
+    def sample(self, split: str, index: int) -> tuple[np.ndarray, np.ndarray, str, int]:
+        """Sample ``index`` of ``split``: (image, tokens, text, label)."""
+        rng = np.random.default_rng((self.seed, SPLITS.index(split), index))
+        h, w = (int(v) for v in rng.integers(2, 17, size=2))
+        image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        tokens = rng.integers(0, 1000, int(rng.integers(0, 13)), dtype=np.int32)
+        text = " ".join(self.WORDS[int(i)] for i in rng.integers(0, len(self.WORDS), int(rng.integers(0, 6))))
+        return image, tokens, text, int(rng.integers(0, self.num_classes))
+
+    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
+        samples = [self.sample(split, i) for i in indices.tolist()]
+        return {
+            "image": [s[0] for s in samples],
+            "tokens": [s[1] for s in samples],
+            "text": [s[2] for s in samples],
+            "label": np.array([s[3] for s in samples], np.int64),
+        }
+
+    def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise DatasetError(f"{self.uri}: a multi-field dataset is read with read_fields, not as x/y")
+
+
 class Dummy(Source):
     """All-zero samples and labels of a given shape: the cheapest possible source."""
 
@@ -108,6 +162,13 @@ def open_mock(req: OpenRequest) -> Source:
     name = req.parts.netloc or req.parts.path.strip("/")
     if name == "tokens":
         return open_mock_tokens(req)
+    if name == "fields":
+        return MockFields(
+            uri,
+            n=req.int_param("n", 40) or 1,
+            seed=req.int_param("seed", 0) or 0,
+            image_max=req.int_param("max", 768) or 1,
+        )
     n = req.int_param("n", None)
     seed = req.int_param("seed", 0)
     try:

@@ -18,6 +18,11 @@ Columns: ``?column=`` the feature (default: ``image``, ``img``, ``pixel_values``
 - a list (or fixed-size list, nested lists) of numbers with one shape in every row;
 - several numeric columns, ``column=a,b,c``, served side by side as a vector.
 
+Named fields instead of x/y: ``?fields=image:image,caption,label`` serves those columns as fields
+of the same names — images of any size as bytes or decoded ``uint8 (?, ?, 3)``, text as strings,
+numbers and lists of numbers — and ``?max_bytes=`` declares a variable field's largest sample
+(:mod:`.parquet_fields`).
+
 Integer labels are class ids (served int64); ``num_classes`` comes from ``?classes=``, the
 class names a hub stores in the file's metadata, or the largest label. Reads go by row group: a
 batch reads each row group it touches once, keeping the most recently used ones (encoded, not
@@ -38,14 +43,15 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .base import SPLITS, OpenRequest, Source, local_path
+from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, local_path
+from .parquet_fields import field_of, parse_fields, read_fields
 
 __all__ = ["ParquetSource", "detect", "open_parquet", "open_parquet_dir"]
 
 SPLIT_NAMES = {"train": ("train",), "val": ("validation", "valid", "val", "dev"), "test": ("test",)}
 FEATURE_NAMES = ("image", "img", "pixel_values", "x", "features", "input_ids", "tokens")
 LABEL_NAMES = ("label", "labels", "target", "y", "class")
-PARAMS = ("column", "label", "subset", "val_fraction", "classes", "cache_mb")
+PARAMS = ("column", "label", "subset", "val_fraction", "classes", "cache_mb", "fields", "max_bytes")
 
 
 def _pyarrow():
@@ -187,6 +193,8 @@ class ParquetSource(Source):
         val_fraction: float,
         classes: int | None,
         cache_mb: float,
+        fields: str | None = None,
+        max_bytes: int = 0,
     ):
         _, pq = _pyarrow()
         self.uri, self.root = uri, root
@@ -209,8 +217,11 @@ class ParquetSource(Source):
                 ]
         path0, pf0 = self.files[0]
         schema = pf0.schema_arrow
-        self.label = self._label_column(schema.names, label)
-        self.columns = self._feature_columns(schema.names, column)
+        #: ``fields=``: (column, how) per field; empty for an x/y dataset.
+        self.field_specs = parse_fields(uri, fields) if fields else []
+        self._fields = [field_of(uri, schema, c, how, max_bytes) for c, how in self.field_specs]
+        self.label = None if fields else self._label_column(schema.names, label)
+        self.columns = [c for c, _ in self.field_specs] or self._feature_columns(schema.names, column)
         for path, pf in self.files:
             if missing := [
                 c for c in [*self.columns, *([self.label] if self.label else [])] if c not in pf.schema_arrow.names
@@ -221,8 +232,11 @@ class ParquetSource(Source):
         first = next(((f, g) for f, g, n in groups["train"] if n), None)
         if first is None:
             raise DatasetError(f"{uri}: the train files ({', '.join(str(p) for p in files['train'][:3])}) hold no rows")
-        self.kind_of = _kind(uri, path0, self._group(*first).slice(0, 1), self.columns)
-        self.sample_shape, self.dtype = self.kind_of.shape, self.kind_of.dtype
+        if self._fields:
+            self.sample_shape, self.dtype, self.num_classes = (0,), np.dtype(np.uint8), classes or 0
+        else:
+            self.kind_of = _kind(uri, path0, self._group(*first).slice(0, 1), self.columns)
+            self.sample_shape, self.dtype = self.kind_of.shape, self.kind_of.dtype
         self._layouts = self._carve(groups, val_fraction)
         self._label_setup(schema, classes)
 
@@ -308,6 +322,13 @@ class ParquetSource(Source):
 
     def num_samples(self, split: str) -> int:
         return self._layouts[split][3]
+
+    @property
+    def fields(self) -> list[Field]:
+        return list(self._fields) if self._fields else super().fields
+
+    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
+        return read_fields(self, split, indices) if self._fields else super().read_fields(split, indices, epoch)
 
     def info(self) -> dict:
         info = super().info()
@@ -442,5 +463,8 @@ def open_parquet_dir(uri: str, root: Path, params: dict) -> ParquetSource:
     fraction = number("val_fraction", float, 0.1, lambda v: 0 <= v < 1, "a number in [0, 1)")
     classes = number("classes", int, None, lambda v: v >= 1, "an integer of at least 1")
     cache_mb = number("cache_mb", float, 256.0, lambda v: v > 0, "a positive number (MiB)")
+    max_bytes = number("max_bytes", int, 0, lambda v: v >= 0, "a byte count")
     files = find_files(uri, root, got.get("subset"))
-    return ParquetSource(uri, root, files, got.get("column"), got.get("label"), fraction, classes, cache_mb)
+    return ParquetSource(
+        uri, root, files, got.get("column"), got.get("label"), fraction, classes, cache_mb, got.get("fields"), max_bytes
+    )
