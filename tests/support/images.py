@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-#: Class colours (RGB): far apart, so that any classifier separates them after any resize or crop.
-COLOURS = [(220, 30, 30), (30, 200, 40), (40, 60, 230), (230, 220, 40)]
+#: Class colours (RGB): far apart in hue and in grey level (luminance about 55, 100, 160, 232), so that
+#: any classifier separates them after any resize or crop, grey images included.
+COLOURS = [(160, 10, 10), (60, 90, 255), (60, 230, 60), (250, 245, 120)]
 FORMATS = [("jpg", "JPEG"), ("png", "PNG"), ("webp", "WEBP")]
 MODES = ["RGB", "L", "RGBA", "P"]
 

@@ -157,6 +157,8 @@ class ImageSource(Source):
         """The provider's per-dataset counters, in the shape of a pipeline's (one ``decode`` stage)."""
         return {"requests": {}, "stages": [self.counters.stage()]}
 
+    decode_metrics = metrics
+
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()
