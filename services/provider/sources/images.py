@@ -22,7 +22,6 @@ Without ``size``, ``&encoded=1`` opens the same files as encoded bytes, for a pi
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,22 +32,14 @@ from libbus.errors import DatasetError
 
 from .base import SPLITS, OpenRequest, Source
 from .formats import imageops
+from .formats.imageops import BAD_POLICIES, default_workers
 
 __all__ = ["BAD_POLICIES", "EncodedImages", "ImageSource", "default_workers", "open_images", "sample_uniforms"]
 
 log = logging.getLogger(__name__)
 
-BAD_POLICIES = ("fail", "skip")
 #: torchvision's RandomResizedCrop defaults.
 RRC_SCALE, RRC_RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)
-
-
-def default_workers() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def sample_uniforms(seed: int, epoch: int, split: str, stage: int, index: int, n: int) -> np.ndarray:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import warnings
 
 import numpy as np
@@ -25,17 +26,32 @@ except ImportError:  # pragma: no cover - reported when an image dataset is open
     Image = ImageEnhance = None
 
 __all__ = [
+    "BAD_POLICIES",
     "IMAGE_EXTS",
     "BadImage",
     "center_crop",
     "color_jitter",
     "decode",
+    "default_workers",
     "flip",
     "random_resized_crop",
     "require_pillow",
+    "resize_exact",
     "resize_shorter",
     "to_chw",
 ]
+
+#: What a bad image (truncated, corrupt, not an image) does: fail the batch naming it, or be skipped.
+BAD_POLICIES = ("fail", "skip")
+
+
+def default_workers() -> int:
+    """The cores this process may run on (the default size of a decoding pool)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
 
 #: File name endings that hold images (lower case), as ImageFolder and WebDataset name them.
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp")
@@ -80,6 +96,11 @@ def resize_shorter(img, size: int, resample: int | None = None):
     else:
         nw, nh = max(1, int(size * w / h)), size
     return img.resize((nw, nh), Image.BILINEAR if resample is None else resample)
+
+
+def resize_exact(img, height: int, width: int):
+    """Scale to exactly ``height`` × ``width`` (bilinear), aspect not kept."""
+    return img.resize((width, height), Image.BILINEAR)
 
 
 def center_crop(img, height: int, width: int):

@@ -29,8 +29,12 @@ from libbus.errors import ConfigError, DatasetError
 
 from ..base import OpenRequest, Source
 from .engine import Pipeline
+from .image_stages import IMAGE_STAGES
 from .stages import RandomStage, SourceStage, Spec, Stage
-from .transforms import STAGE_TYPES
+from .transforms import STAGE_TYPES as _TRANSFORM_TYPES
+
+#: Every stage type: the source, the array transforms and the image stages.
+STAGE_TYPES = {**_TRANSFORM_TYPES, **IMAGE_STAGES}
 
 __all__ = ["TOP_KEYS", "build_pipeline", "open_pipeline"]
 
@@ -169,6 +173,11 @@ def build_pipeline(
         raise ConfigError(f"{where}: {err}") from err
     except DatasetError as err:
         raise DatasetError(f"{where}: {err}") from err
+    if spec is not None and spec.kind in ("encoded", "decoded"):
+        raise ConfigError(
+            f"{where}: the last stage {chain[-1]!r} leaves {spec.kind} images of any size; end with "
+            "center_crop or random_resized_crop (fixed (3, H, W) samples)"
+        )
     log.debug("%s: %s", where, " -> ".join(f"{s.name} ({s.type})" for s in stages))
     return Pipeline(uri, stages, chunk=chunk, queue_capacity=capacity)
 
