@@ -9,7 +9,9 @@ The layout is detected from the files in ``DIR`` (first match wins) or named by 
 - ``raw``: little-endian arrays that a ``dataset.toml`` describes;
 - ``parquet``: Parquet files as dataset hubs lay them out (:mod:`.parquet`, its own parameters);
 - ``imagefolder``: ``train/CLASS/*.jpg|png|webp`` trees, and ``webdataset``: ``*.tar`` shards, both
-  decoded on the provider (:mod:`.images`: ``size``, ``augment``, ``bad``, ``workers``, ``encoded``).
+  decoded on the provider (:mod:`.images`: ``size``, ``augment``, ``bad``, ``workers``, ``encoded``);
+- ``text``: ``train.txt`` (``val.txt``, ``test.txt``), a document per line, for a pipeline's
+  ``tokenize`` and ``pack`` stages (``encoded=1``).
 
 URI parameters (each but ``memory`` and ``cache`` may also be set in ``DIR/dataset.toml``; the URI
 wins): ``format``; ``memory=auto|ram|stream`` (auto: RAM when the data is under a quarter of
@@ -28,7 +30,7 @@ from libbus.errors import DatasetError
 
 from . import images, parquet
 from .base import OpenRequest, Source, local_path
-from .formats import cifar, idx, imagefolder, npy, raw, tokens, webdataset
+from .formats import cifar, idx, imagefolder, npy, raw, textlines, tokens, webdataset
 from .formats.dataset import MEMORY_MODES, Context, FileSource
 from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
 
@@ -81,8 +83,8 @@ def open_file_source(req: OpenRequest) -> Source:
         raise
 
 
-#: Image layouts, decoded on the provider (:mod:`.images`), in detection order.
-IMAGE_FORMATS = ("imagefolder", "webdataset")
+#: Layouts of encoded samples, decoded on the provider (:mod:`.images`), in detection order.
+IMAGE_FORMATS = ("imagefolder", "webdataset", "text")
 
 
 def _image_format(root: Path, params: dict) -> str | None:
@@ -96,6 +98,8 @@ def _image_format(root: Path, params: dict) -> str | None:
         return "imagefolder"
     if webdataset.detect(root):
         return "webdataset"
+    if textlines.detect(root):
+        return "text"
     return None
 
 
@@ -111,6 +115,10 @@ def _open_image_layout(req: OpenRequest, root: Path, fmt: str) -> Source:
         if not imagefolder.detect(root):
             raise DatasetError(f"{req.uri}: no ImageFolder tree in {root}; expected {imagefolder.EXPECTED}")
         store = imagefolder.ImageFolder(req.uri, root, val_fraction)
+    elif fmt == "text":
+        if not textlines.detect(root):
+            raise DatasetError(f"{req.uri}: no text files in {root}; expected {textlines.EXPECTED}")
+        store = textlines.TextLines(req.uri, root, val_fraction)
     else:
         cache = Path(params.pop("cache")) if params.get("cache") else root / ".batchbus-cache"
         params.pop("cache", None)

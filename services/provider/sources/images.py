@@ -156,8 +156,8 @@ class ImageSource(Source):
 
 
 class EncodedImages(Source):
-    """The same files as encoded bytes: samples are :class:`~.formats.imagefolder.Encoded` objects, for a
-    pipeline's ``decode`` stage. Not servable as they are (no fixed shape)."""
+    """The same files as stored: samples are :class:`~.formats.imagefolder.Encoded` objects (image bytes,
+    text), for a pipeline's ``decode`` or ``tokenize`` stage. Not servable as they are (no fixed shape)."""
 
     kind = "encoded"
 
@@ -211,6 +211,11 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
         workers = req.int_param("workers", None)
         workers = default_workers() if workers is None else workers
         seed = req.int_param("seed", 0)
+        if fmt == "text" and not encoded:
+            raise DatasetError(
+                f'{req.uri}: text is tokenized in a pipeline: source = {{ uri = "file://DIR?encoded=1" }}, '
+                "then tokenize and pack stages (docs/datasets.md §7.1)"
+            )
         if encoded:
             if size is not None:
                 raise DatasetError(f"{req.uri}: give size=S (decoded) or encoded=1 (bytes), not both")
