@@ -88,6 +88,60 @@ def _cnn(info: dict, width: int = 16) -> nn.Module:
     )
 
 
+class _Block(nn.Module):
+    """ResNet's basic block: two 3×3 convolutions with batch norm, plus the (projected) input."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet18(nn.Module):
+    """torchvision's ``resnet18`` (same layers and parameter count at ``width=64``), written here because
+    torchvision has no CPU build on PyPI. The global average pool takes images of any size ≥ 32×32
+    (smaller ones work too: the stride only runs out)."""
+
+    def __init__(self, channels: int, num_classes: int, width: int = 64):
+        super().__init__()
+        widths = [width, width * 2, width * 4, width * 8]
+        self.stem = nn.Sequential(
+            nn.Conv2d(channels, width, 7, 2, 3, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, 1),
+        )
+        blocks, cin = [], width
+        for i, cout in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            blocks += [_Block(cin, cout, stride), _Block(cout, cout, 1)]
+            cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+
+
+def _resnet18(info: dict, width: int = 64) -> nn.Module:
+    _refuse_tokens("resnet18", info)
+    shape = info["sample_shape"]
+    if len(shape) != 3:
+        raise BadRequest(f"model 'resnet18' needs image samples (C, H, W); this dataset's are {shape}")
+    return ResNet18(shape[0], info["num_classes"], width)
+
+
 class TinyLM(nn.Module):
     """A small causal transformer language model: token ids ``(B, T)`` → next-token logits ``(B, T, vocab)``.
 
@@ -152,13 +206,13 @@ def _tiny_lm(
     return TinyLM(vocab, seq_len, d_model=d_model, heads=heads, layers=layers, ff=ff, dropout=dropout)
 
 
-MODELS = {"mlp": _mlp, "cnn": _cnn, "tiny-lm": _tiny_lm}
+MODELS = {"mlp": _mlp, "cnn": _cnn, "resnet18": _resnet18, "tiny-lm": _tiny_lm}
 
 
 def build_model(name: str, info: dict, **kwargs) -> nn.Module:
     """The model ``name`` for a dataset described by ``info`` (DatasetInfo fields).
 
-    ``name`` is a built-in (``mlp``, ``cnn`` for labelled samples, ``tiny-lm`` for token datasets)
+    ``name`` is a built-in (``mlp``, ``cnn``, ``resnet18`` for labelled samples, ``tiny-lm`` for token datasets)
     or ``package.module:factory``, a callable taking ``(info, **kwargs)`` and returning an
     ``nn.Module``. Raises :class:`BadRequest` for an unknown model, arguments it does not take, or a
     built-in that does not fit the dataset's kind.

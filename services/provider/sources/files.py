@@ -7,7 +7,11 @@ The layout is detected from the files in ``DIR`` (first match wins) or named by 
 - ``npy``: ``train_x.npy`` + ``train_y.npy`` (``val_…``, ``test_…``), or an ``.npz`` holding them;
 - ``tokens``: ``.bin``/``.ds``/``.npy`` shards of 2- or 4-byte tokens, sequences of ``seq_len + 1``;
 - ``raw``: little-endian arrays that a ``dataset.toml`` describes;
-- ``parquet``: Parquet files as dataset hubs lay them out (:mod:`.parquet`, its own parameters).
+- ``parquet``: Parquet files as dataset hubs lay them out (:mod:`.parquet`, its own parameters);
+- ``imagefolder``: ``train/CLASS/*.jpg|png|webp`` trees, and ``webdataset``: ``*.tar`` shards, both
+  decoded on the provider (:mod:`.images`: ``size``, ``augment``, ``bad``, ``workers``, ``encoded``);
+- ``text``: ``train.txt`` (``val.txt``, ``test.txt``), a document per line, for a pipeline's
+  ``tokenize`` and ``pack`` stages (``encoded=1``).
 
 URI parameters (each but ``memory`` and ``cache`` may also be set in ``DIR/dataset.toml``; the URI
 wins): ``format``; ``memory=auto|ram|stream`` (auto: RAM when the data is under a quarter of
@@ -24,9 +28,9 @@ from pathlib import Path
 
 from libbus.errors import DatasetError
 
-from . import parquet
+from . import images, parquet
 from .base import OpenRequest, Source, local_path
-from .formats import cifar, idx, npy, raw, tokens
+from .formats import cifar, idx, imagefolder, npy, raw, textlines, tokens, webdataset
 from .formats.dataset import MEMORY_MODES, Context, FileSource
 from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
 
@@ -57,6 +61,9 @@ def open_file_source(req: OpenRequest) -> Source:
     if params.get("format") == "parquet" or ("format" not in params and parquet.detect(root)):
         params.pop("format", None)
         return parquet.open_parquet_dir(uri, root, params)
+    image_format = _image_format(root, params)
+    if image_format is not None:
+        return _open_image_layout(req, root, image_format)
     toml = _read_toml(root)
     settings = parse_settings(uri, params, toml)
     memory = params.pop("memory", "auto")
@@ -74,6 +81,49 @@ def open_file_source(req: OpenRequest) -> Source:
     except BaseException:
         ctx.close()
         raise
+
+
+#: Layouts of encoded samples, decoded on the provider (:mod:`.images`), in detection order.
+IMAGE_FORMATS = ("imagefolder", "webdataset", "text")
+
+
+def _image_format(root: Path, params: dict) -> str | None:
+    fmt = params.get("format")
+    if fmt is not None:
+        if fmt in IMAGE_FORMATS:
+            params.pop("format")
+            return fmt
+        return None
+    if imagefolder.detect(root):
+        return "imagefolder"
+    if webdataset.detect(root):
+        return "webdataset"
+    if textlines.detect(root):
+        return "text"
+    return None
+
+
+def _open_image_layout(req: OpenRequest, root: Path, fmt: str) -> Source:
+    params = req.params
+    try:
+        val_fraction = float(params.pop("val_fraction", "0.1"))
+    except ValueError:
+        raise DatasetError(f"{req.uri}: val_fraction must be a number") from None
+    if not 0 <= val_fraction < 1:
+        raise DatasetError(f"{req.uri}: val_fraction must be in [0, 1), got {val_fraction}")
+    if fmt == "imagefolder":
+        if not imagefolder.detect(root):
+            raise DatasetError(f"{req.uri}: no ImageFolder tree in {root}; expected {imagefolder.EXPECTED}")
+        store = imagefolder.ImageFolder(req.uri, root, val_fraction)
+    elif fmt == "text":
+        if not textlines.detect(root):
+            raise DatasetError(f"{req.uri}: no text files in {root}; expected {textlines.EXPECTED}")
+        store = textlines.TextLines(req.uri, root, val_fraction)
+    else:
+        cache = Path(params.pop("cache")) if params.get("cache") else root / ".batchbus-cache"
+        params.pop("cache", None)
+        store = webdataset.open_local_shards(req.uri, root, cache, val_fraction, strict=params.get("bad") != "skip")
+    return images.open_images(req, store, fmt)
 
 
 def _read_toml(root: Path) -> dict:

@@ -241,7 +241,12 @@ class Pipeline(Source):
 
 def pipeline_stats(datasets: dict[str, Source]) -> dict:
     """``{"pipelines": {dataset: metrics}}`` for the pipeline datasets among ``datasets`` (else ``{}``)."""
-    pipelines = {name: s.metrics() for name, s in datasets.items() if isinstance(s, Pipeline)}
+    # image sources (file://DIR?size=S) report their decoding in the same shape: one ``decode`` stage
+    pipelines = {
+        name: s.metrics()
+        for name, s in datasets.items()
+        if isinstance(s, Pipeline) or callable(getattr(s, "decode_metrics", None))
+    }
     return {"pipelines": pipelines} if pipelines else {}
 
 

@@ -29,8 +29,13 @@ from libbus.errors import ConfigError, DatasetError
 
 from ..base import OpenRequest, Source
 from .engine import Pipeline
+from .image_stages import IMAGE_STAGES
 from .stages import RandomStage, SourceStage, Spec, Stage
-from .transforms import STAGE_TYPES
+from .text_stages import TEXT_STAGES
+from .transforms import STAGE_TYPES as _TRANSFORM_TYPES
+
+#: Every stage type: the source, the array transforms, the image and the text stages.
+STAGE_TYPES = {**_TRANSFORM_TYPES, **IMAGE_STAGES, **TEXT_STAGES}
 
 __all__ = ["TOP_KEYS", "build_pipeline", "open_pipeline"]
 
@@ -169,6 +174,15 @@ def build_pipeline(
         raise ConfigError(f"{where}: {err}") from err
     except DatasetError as err:
         raise DatasetError(f"{where}: {err}") from err
+    if spec is not None and spec.kind in ("encoded", "decoded", "token_lists"):
+        what = (
+            "token ids of any length; end with pack"
+            if spec.kind == "token_lists"
+            else (
+                f"{spec.kind} images of any size; end with center_crop or random_resized_crop (fixed (3, H, W) samples)"
+            )
+        )
+        raise ConfigError(f"{where}: the last stage {chain[-1]!r} leaves {what}")
     log.debug("%s: %s", where, " -> ".join(f"{s.name} ({s.type})" for s in stages))
     return Pipeline(uri, stages, chunk=chunk, queue_capacity=capacity)
 

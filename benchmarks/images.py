@@ -1,0 +1,199 @@
+"""Images decoded on the provider: the three rows of issue 15's Performance section, in one run.
+
+Generated JPEGs of realistic size (500×375, quality 90) in an ImageFolder tree; the ImageNet train recipe
+(decode → random_resized_crop 224 → flip → normalize):
+
+- ``per-core``: samples/s on one core (the process pinned to it): batchbus's pipeline
+  (examples/pipelines/imagenet-train.toml, every stage ``workers = 1``) against
+  ``DataLoader(num_workers=1)`` doing the same work per sample with Pillow and torch (torchvision's
+  recipe, written out: there is no CPU torchvision build to install here).
+- ``offload``: the consumer's CPU seconds per 1,000 samples when a provider process decodes
+  (``file://DIR?size=224&augment=1`` through a ``RemoteLoader``) against a ``DataLoader`` whose
+  workers decode (the consumer plus its workers), and the ratio.
+- ``scale``: the provider's decoding pool at ``workers=1`` pinned to one core against ``workers=2`` on
+  two cores (threads, one process), samples/s and the ratio.
+
+    python -m benchmarks.images --images 256 --json images.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from libbus.auth import ensure_secret, issue_token
+from libbus.loader import RemoteLoader
+from services.launch import ServiceProcs
+from services.provider.sources import open_source
+
+__all__ = ["main"]
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pipelines" / "imagenet-train.toml"
+MEAN = torch.tensor([123.675, 116.28, 103.53]).view(3, 1, 1)
+STD = torch.tensor([58.395, 57.12, 57.375]).view(3, 1, 1)
+
+
+def make_images(root: Path, n: int, classes: int = 4) -> list[Path]:
+    rng = np.random.default_rng(0)
+    paths = []
+    base = np.linspace(0, 255, 500, dtype=np.float32)[None, :, None]
+    for i in range(n):
+        folder = root / "train" / f"c{i % classes}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = np.clip(base + rng.normal(0, 40, (375, 500, 3)), 0, 255).astype(np.uint8)
+        path = folder / f"{i:05d}.jpg"
+        Image.fromarray(pixels).save(path, "JPEG", quality=90)
+        paths.append(path)
+    return paths
+
+
+class TorchRecipe(torch.utils.data.Dataset):
+    """What torchvision's RandomResizedCrop(224) → RandomHorizontalFlip → ToTensor-less Normalize does."""
+
+    def __init__(self, paths: list[Path]):
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):
+        img = Image.open(io.BytesIO(self.paths[i].read_bytes())).convert("RGB")
+        w, h = img.size
+        for _ in range(10):
+            area = w * h * float(torch.empty(1).uniform_(0.08, 1.0))
+            ratio = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3))))
+            cw, ch = int(round(math.sqrt(area * ratio))), int(round(math.sqrt(area / ratio)))
+            if 0 < cw <= w and 0 < ch <= h:
+                top, left = int(torch.randint(0, h - ch + 1, (1,))), int(torch.randint(0, w - cw + 1, (1,)))
+                break
+        else:
+            cw, ch, top, left = w, h, 0, 0
+        img = img.resize((224, 224), Image.BILINEAR, box=(left, top, left + cw, top + ch))
+        if torch.rand(1) < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        x = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float()
+        return (x - MEAN) / STD, 0
+
+
+def pinned(cores: set[int]):
+    class Pin:
+        def __enter__(self):
+            self.old = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, cores)
+
+        def __exit__(self, *exc):
+            os.sched_setaffinity(0, self.old)
+
+    return Pin()
+
+
+def run_source(uri: str, n: int, batch: int = 32) -> float:
+    source = open_source(uri)
+    x = np.empty((batch, *source.sample_shape), source.dtype)
+    y = np.empty(batch, np.int64)
+    source.serve_into("train", np.arange(batch), x, y, epoch=0)  # warm-up
+    started, done = time.perf_counter(), 0
+    for start in range(0, n - batch + 1, batch):
+        source.serve_into("train", np.arange(start, start + batch), x, y, epoch=1)
+        done += batch
+    elapsed = time.perf_counter() - started
+    source.close()
+    return done / elapsed
+
+
+def run_dataloader(paths: list[Path], workers: int, batch: int = 32) -> tuple[float, float]:
+    """(samples/s, CPU seconds of this process and its workers per 1000 samples)."""
+    loader = torch.utils.data.DataLoader(TorchRecipe(paths), batch_size=batch, num_workers=workers, drop_last=True)
+    cpu0 = _cpu()
+    started, done = time.perf_counter(), 0
+    for x, _ in loader:
+        done += len(x)
+    elapsed = time.perf_counter() - started
+    del loader
+    return done / elapsed, (_cpu() - cpu0) / done * 1000
+
+
+def _cpu() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def run_remote(root: Path, state: Path, n: int, batch: int = 32) -> tuple[float, float]:
+    """A provider process decodes; (samples/s, this consumer's CPU seconds per 1000 samples)."""
+    secret = ensure_secret(state / "secret")
+    token = issue_token(secret, sub="bench", role="trainer", audience="batchbus", ttl_s=3600, datasets=["img"])
+    procs = ServiceProcs(state)
+    try:
+        router = procs.start("router", "--bind", "tcp://127.0.0.1:0", "--log-level", "WARNING")
+        endpoint = procs.start(
+            "provider", "--router", router, "--log-level", "WARNING",
+            "--dataset", f"img=file://{root}?size=224&augment=1&val_fraction=0",
+        )  # fmt: skip
+        with RemoteLoader("img", provider=endpoint, token=token, batch_size=batch, seed=0, drop_last=True) as loader:
+            batches = iter(loader)
+            next(batches)  # connection and ring set-up are not the steady state
+            cpu0 = time.process_time()
+            started, done = time.perf_counter(), 0
+            for x, _ in batches:
+                done += len(x)
+            elapsed = time.perf_counter() - started
+            return done / elapsed, (time.process_time() - cpu0) / max(done, 1) * 1000
+    finally:
+        procs.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    cores = sorted(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="batchbus-images-") as tmp:
+        root = Path(tmp) / "data"
+        paths = make_images(root, args.images)
+        pipeline = Path(tmp) / "train.toml"
+        text = EXAMPLE.read_text().replace("file:///data/imagenet", f"file://{root}")
+        for stage in ("decode = { ", "random_resized_crop = { "):
+            text = text.replace(stage, stage + "workers = 1, ")
+        pipeline.write_text(text.replace("?encoded=1", "?encoded=1&val_fraction=0"))
+        rows: dict[str, dict] = {}
+        with pinned({cores[0]}):
+            bb = run_source(f"pipeline://{pipeline}", args.images)
+            dl, _ = run_dataloader(paths, 1)
+        rows["per-core"] = {"batchbus": round(bb, 1), "dataloader": round(dl, 1), "ratio": round(bb / dl, 2)}
+        _, dl_cpu = run_dataloader(paths, min(2, len(cores)))
+        remote_rate, remote_cpu = run_remote(root, Path(tmp) / "state", args.images)
+        rows["offload"] = {
+            "provider_decodes_cpu_s_per_1k": round(remote_cpu, 3),
+            "dataloader_cpu_s_per_1k": round(dl_cpu, 3),
+            "ratio": round(remote_cpu / dl_cpu, 3),
+            "remote_samples_per_s": round(remote_rate, 1),
+        }
+        with pinned({cores[0]}):
+            one = run_source(f"file://{root}?size=224&augment=1&workers=1&val_fraction=0", args.images)
+        two = run_source(f"file://{root}?size=224&augment=1&workers=2&val_fraction=0", args.images)
+        rows["scale"] = {
+            "workers1_1core": round(one, 1),
+            "workers2_2cores": round(two, 1),
+            "ratio": round(two / one, 2),
+        }
+    out = {"images": args.images, "cores": len(cores), "rows": rows}
+    print(json.dumps(out, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""ImageFolder trees: ``DIR/train/CLASS/*.jpg|jpeg|png|webp`` (and ``val/``, ``test/``), as torchvision's
+``ImageFolder`` reads them.
+
+Class names are the folder names under ``train/``, sorted (class id = position); files are listed
+recursively under each class folder and ordered by (class, path), so the same tree always gives the
+same indices. Where ``val/`` is missing, val is carved from train per class: the files whose path hashes
+lowest, ``val_fraction`` of each class — deterministic, stratified, and stable when files are added.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from libbus.errors import DatasetError
+
+from .imageops import IMAGE_EXTS
+
+__all__ = ["EXPECTED", "Encoded", "ImageFolder", "detect"]
+
+EXPECTED = "ImageFolder: train/CLASS/*.jpg|jpeg|png|webp (val/, test/ optional)"
+
+
+@dataclass
+class Encoded:
+    """One sample as stored: its encoded image bytes (or None), label, where it is (for errors), and
+    any text that came with it (a WebDataset ``.txt`` member)."""
+
+    data: bytes | None
+    label: int
+    where: str
+    text: str | None = None
+
+
+def _images(folder: Path) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        found += [Path(dirpath) / f for f in filenames if f.lower().endswith(IMAGE_EXTS) and not f.startswith(".")]
+    return sorted(found)
+
+
+def _class_dirs(split_dir: Path) -> list[Path]:
+    return sorted(p for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def detect(root: Path) -> bool:
+    """Whether ``root/train`` holds class folders with at least one image."""
+    train = root / "train"
+    if not train.is_dir():
+        return False
+    return any(_first_image(d) for d in _class_dirs(train))
+
+
+def _first_image(folder: Path) -> bool:
+    for _, _, filenames in os.walk(folder):
+        if any(f.lower().endswith(IMAGE_EXTS) for f in filenames):
+            return True
+    return False
+
+
+def _hash(path: str) -> bytes:
+    return hashlib.blake2b(path.encode(), digest_size=8).digest()
+
+
+class ImageFolder:
+    """The files of an ImageFolder tree, by split: ``(path, class id)`` in index order."""
+
+    def __init__(self, uri: str, root: Path, val_fraction: float = 0.1):
+        self.uri, self.root = uri, root
+        train = root / "train"
+        self.class_names = [d.name for d in _class_dirs(train)]
+        classes = {name: i for i, name in enumerate(self.class_names)}
+        self.files: dict[str, list[tuple[Path, int]]] = {}
+        for split in ("train", "val", "test"):
+            folder = root / split
+            if not folder.is_dir():
+                self.files[split] = []
+                continue
+            rows = []
+            for d in _class_dirs(folder):
+                if d.name not in classes:
+                    raise DatasetError(
+                        f"{uri}: {d} is a class folder that train/ does not have; train's classes are "
+                        f"{', '.join(self.class_names)}"
+                    )
+                rows += [(p, classes[d.name]) for p in _images(d)]
+            self.files[split] = rows
+        if not self.files["train"]:
+            raise DatasetError(f"{uri}: no images under {train}; expected {EXPECTED}")
+        if not (root / "val").is_dir():
+            self.files["train"], self.files["val"] = self._carve(self.files["train"], val_fraction)
+
+    def _carve(self, rows: list[tuple[Path, int]], fraction: float) -> tuple[list, list]:
+        by_class: dict[int, list[tuple[Path, int]]] = {}
+        for row in rows:
+            by_class.setdefault(row[1], []).append(row)
+        val: set[Path] = set()
+        for members in by_class.values():
+            count = int(round(len(members) * fraction))
+            ranked = sorted(members, key=lambda r: _hash(str(r[0].relative_to(self.root))))
+            val.update(p for p, _ in ranked[:count])
+        return [r for r in rows if r[0] not in val], [r for r in rows if r[0] in val]
+
+    def num_samples(self, split: str) -> int:
+        return len(self.files[split])
+
+    def fetch(self, split: str, indices) -> list[Encoded]:
+        """The encoded bytes and labels at ``indices``. Raises :class:`DatasetError` for a file that
+        went missing or cannot be read."""
+        rows = self.files[split]
+        out = []
+        for i in indices:
+            path, label = rows[int(i)]
+            try:
+                data = path.read_bytes()
+            except OSError as err:
+                raise DatasetError(f"{self.uri}: cannot read {path}: {err.strerror or err}") from None
+            out.append(Encoded(data, label, str(path)))
+        return out
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,93 @@
+"""Text files: ``DIR/train.txt`` (``val.txt``, ``test.txt``), one document per line, UTF-8.
+
+The raw text a tokenizer reads on the provider (a pipeline's ``tokenize`` and ``pack`` stages). Line
+starts are found once, at open, with one vectorised scan of the memory-mapped file; a sample is a
+line (empty lines are skipped), read with one positional read. Where ``val.txt`` is missing, val is
+carved from train: the lines whose number hashes lowest, ``val_fraction`` of them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from libbus.errors import DatasetError
+
+from .imagefolder import Encoded
+
+__all__ = ["EXPECTED", "TextLines", "detect"]
+
+EXPECTED = "text: train.txt (val.txt, test.txt), one document per line"
+
+
+def detect(root: Path) -> bool:
+    return (root / "train.txt").is_file()
+
+
+def _lines(path: Path) -> np.ndarray:
+    """``(n, 2)`` start and end byte offsets of the non-empty lines of ``path``."""
+    size = path.stat().st_size
+    if size == 0:
+        return np.empty((0, 2), np.int64)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        ends = np.flatnonzero(np.frombuffer(m, np.uint8) == 10).astype(np.int64)
+    if not len(ends) or ends[-1] != size - 1:
+        ends = np.append(ends, size)  # a last line without a newline
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    keep = ends > starts
+    return np.stack([starts[keep], ends[keep]], 1)
+
+
+class TextLines:
+    """The lines of the split files, served as :class:`~.imagefolder.Encoded` samples with ``text`` set."""
+
+    class_names: list[str] = []
+
+    def __init__(self, uri: str, root: Path, val_fraction: float):
+        self.uri = uri
+        self.paths: dict[str, Path | None] = {}
+        self.rows: dict[str, np.ndarray] = {}
+        for split in ("train", "val", "test"):
+            path = root / f"{split}.txt"
+            self.paths[split] = path if path.is_file() else None
+            self.rows[split] = _lines(path) if path.is_file() else np.empty((0, 2), np.int64)
+        if not len(self.rows["train"]):
+            raise DatasetError(f"{uri}: {root / 'train.txt'} has no text; expected {EXPECTED}")
+        if self.paths["val"] is None and val_fraction > 0:
+            rows = self.rows["train"]
+            rank = np.argsort(_hash(np.arange(len(rows), dtype=np.uint64)), kind="stable")
+            val = np.zeros(len(rows), bool)
+            val[rank[: int(round(len(rows) * val_fraction))]] = True
+            self.rows["train"], self.rows["val"] = rows[~val], rows[val]
+            self.paths["val"] = self.paths["train"]
+        self._fds = {s: os.open(p, os.O_RDONLY) for s, p in self.paths.items() if p is not None}
+
+    def num_samples(self, split: str) -> int:
+        return len(self.rows[split])
+
+    def fetch(self, split: str, indices) -> list[Encoded]:
+        out = []
+        fd, path = self._fds[split], self.paths[split]
+        for i in indices:
+            start, end = (int(v) for v in self.rows[split][int(i)])
+            data = os.pread(fd, end - start, start)
+            if len(data) != end - start:
+                raise DatasetError(f"{self.uri}: {path} changed while served (line at byte {start} cut short)")
+            out.append(Encoded(None, -1, f"{path}:{start}", data.decode("utf-8", "replace").rstrip("\r")))
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+def _hash(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function: a fixed, well-mixed order of line numbers."""
+    with np.errstate(over="ignore"):
+        z = (z + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))

@@ -1,0 +1,195 @@
+"""WebDataset shards as an encoded-sample store: splits from shard names, samples by index, reads coalesced.
+
+Shards named ``train-*.tar``, ``val-*.tar`` (or ``valid``/``validation``), ``test-*.tar`` make the
+splits; when no shard name starts with a split, every shard is train. Shards are taken in name order
+and their samples in tar order. Where no shard is val, val is carved from train per class as for
+ImageFolder trees (the samples whose key hashes lowest). Labels come from ``.cls`` members; class
+names from ``classes.txt`` beside the shards (one per line), else ``0``, ``1``, ….
+
+A batch's members are read shard by shard in offset order, neighbours (gaps under
+:data:`COALESCE_GAP`) in one read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+from libbus.errors import DatasetError
+
+from .imagefolder import Encoded
+from .imageops import IMAGE_EXTS
+from .tarshards import ShardIndex, load_or_build
+
+__all__ = ["COALESCE_GAP", "EXPECTED", "ShardStore", "detect", "open_local_shards", "split_of"]
+
+log = logging.getLogger(__name__)
+
+EXPECTED = "WebDataset: *.tar shards (train-*.tar, val-*.tar, test-*.tar)"
+#: Members closer than this are read together (one pread) rather than apart.
+COALESCE_GAP = 64 << 10
+IMAGE_MEMBERS = tuple(e[1:] for e in IMAGE_EXTS)
+SPLIT_PREFIXES = {"train": ("train",), "val": ("validation", "valid", "val"), "test": ("test",)}
+
+
+def detect(root: Path) -> bool:
+    return any(p.suffix == ".tar" and p.is_file() for p in root.iterdir())
+
+
+def split_of(name: str) -> str | None:
+    lower = name.lower()
+    for split, prefixes in SPLIT_PREFIXES.items():
+        if any(lower.startswith(p) and not lower[len(p) : len(p) + 1].isalpha() for p in prefixes):
+            return split
+    return None
+
+
+class ShardStore:
+    """The samples of a set of shards, by split: ``(shard number, sample number)`` in index order.
+
+    ``pread(shard, offset, n)`` reads shard bytes (a local file or an HTTP range).
+    """
+
+    def __init__(self, uri: str, names: list[str], indexes: list[ShardIndex], pread, class_names, val_fraction):
+        self.uri, self.names, self.indexes, self.pread = uri, names, indexes, pread
+        splits = [split_of(n) for n in names]
+        if not any(splits):
+            splits = ["train"] * len(names)
+        self.rows: dict[str, list[tuple[int, int]]] = {s: [] for s in ("train", "val", "test")}
+        for shard, split in enumerate(splits):
+            if split is None:
+                log.warning("%s: shard %s names no split (train-, val-, test-); left out", uri, names[shard])
+                continue
+            self.rows[split] += [(shard, i) for i in range(len(indexes[shard].keys))]
+        if not self.rows["val"] and val_fraction > 0:
+            self._carve(val_fraction)
+        labels = [lab for ix in indexes for lab in ix.labels if lab is not None]
+        self.class_names = list(class_names) if class_names else [str(i) for i in range(max(labels, default=-1) + 1)]
+        if labels and max(labels) >= len(self.class_names):
+            raise DatasetError(f"{uri}: a .cls holds {max(labels)} but classes.txt names {len(self.class_names)}")
+
+    def _carve(self, fraction: float) -> None:
+        by_class: dict[int | None, list[tuple[int, int]]] = {}
+        for shard, i in self.rows["train"]:
+            by_class.setdefault(self.indexes[shard].labels[i], []).append((shard, i))
+        val = set()
+        for members in by_class.values():
+            ranked = sorted(members, key=lambda r: hashlib.blake2b(self._key(r).encode(), digest_size=8).digest())
+            val.update(ranked[: int(round(len(members) * fraction))])
+        self.rows["val"] = [r for r in self.rows["train"] if r in val]
+        self.rows["train"] = [r for r in self.rows["train"] if r not in val]
+
+    def _key(self, row: tuple[int, int]) -> str:
+        return f"{self.names[row[0]]}:{self.indexes[row[0]].keys[row[1]]}"
+
+    def num_samples(self, split: str) -> int:
+        return len(self.rows[split])
+
+    def fetch(self, split: str, indices) -> list[Encoded]:
+        """Each sample's image bytes (None when it has none), class id (-1 without a ``.cls``) and text."""
+        rows = [self.rows[split][int(i)] for i in indices]
+        wanted: dict[int, list[tuple[int, int, int, str]]] = {}  # shard → (offset, size, row, ext)
+        for r, (shard, i) in enumerate(rows):
+            members = self.indexes[shard].members[i]
+            image = next((e for e in IMAGE_MEMBERS if e in members), None)
+            for ext in (image, "txt"):
+                if ext is not None and ext in members:
+                    off, size = members[ext]
+                    wanted.setdefault(shard, []).append((off, size, r, ext))
+        found: list[dict[str, bytes]] = [{} for _ in rows]
+        for shard, parts in wanted.items():
+            self._read_coalesced(shard, sorted(parts), found)
+        out = []
+        for r, (shard, i) in enumerate(rows):
+            index, got = self.indexes[shard], found[r]
+            image = next((got[e] for e in IMAGE_MEMBERS if e in got), None)
+            text = got["txt"].decode("utf-8", "replace") if "txt" in got else None
+            label = index.labels[i]
+            out.append(Encoded(image, -1 if label is None else label, self._key((shard, i)), text))
+        return out
+
+    def _read_coalesced(self, shard: int, parts: list, found: list[dict[str, bytes]]) -> None:
+        run: list = []
+        for part in parts + [None]:
+            if run and (part is None or part[0] - (run[-1][0] + run[-1][1]) > COALESCE_GAP):
+                start, end = run[0][0], max(p[0] + p[1] for p in run)
+                data = self.pread(shard, start, end - start)
+                if len(data) != end - start:
+                    raise DatasetError(f"{self.uri}: shard {self.names[shard]} changed or was cut short while read")
+                for off, size, r, ext in run:
+                    found[r][ext] = data[off - start : off - start + size]
+                run = []
+            if part is not None:
+                run.append(part)
+
+    def close(self) -> None:
+        pass
+
+
+class LocalShards(ShardStore):
+    """Shards in a local directory, read with ``pread`` on descriptors opened once."""
+
+    def __init__(self, uri: str, paths: list[Path], indexes: list[ShardIndex], class_names, val_fraction: float):
+        self.paths = paths
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        super().__init__(uri, [p.name for p in paths], indexes, self._pread, class_names, val_fraction)
+
+    def _pread(self, shard: int, offset: int, n: int) -> bytes:
+        with self._lock:
+            fd = self._fds.get(shard)
+            if fd is None:
+                try:
+                    fd = self._fds[shard] = os.open(self.paths[shard], os.O_RDONLY)
+                except OSError as err:
+                    raise DatasetError(f"{self.uri}: cannot open {self.paths[shard]}: {err.strerror}") from None
+        return os.pread(fd, n, offset)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def class_names_file(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def open_local_shards(uri: str, root: Path, cache: Path, val_fraction: float, *, strict: bool) -> LocalShards:
+    """Index (or load the cached indexes of) every ``*.tar`` in ``root``.
+
+    ``strict``: a truncated shard is refused (naming it and what was cut); otherwise its whole samples
+    are served and the cut is logged. Raises :class:`DatasetError`.
+    """
+    paths = sorted(p for p in root.iterdir() if p.suffix == ".tar" and p.is_file())
+    if not paths:
+        raise DatasetError(f"{uri}: no .tar shards in {root}; expected {EXPECTED}")
+    indexes = []
+    for path in paths:
+        try:
+            index = load_or_build(path, cache)
+        except OSError as err:
+            raise DatasetError(f"{uri}: cannot read shard {path}: {err.strerror or err}") from None
+        if index.truncated:
+            if strict:
+                raise DatasetError(
+                    f"{uri}: shard {path} is truncated: {index.truncated} (bad=skip serves its "
+                    f"{len(index.keys)} whole samples)"
+                )
+            log.warning(
+                "%s: shard %s is truncated (%s): serving its %d whole samples",
+                uri,
+                path,
+                index.truncated,
+                len(index.keys),
+            )
+        indexes.append(index)
+    names_file = root / "classes.txt"
+    names = class_names_file(names_file.read_text() if names_file.is_file() else None)
+    return LocalShards(uri, paths, indexes, names, val_fraction)

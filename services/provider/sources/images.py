@@ -1,0 +1,237 @@
+"""Image datasets as users have them: ImageFolder trees and WebDataset shards, decoded on the provider.
+
+``file://DIR?size=S`` on either layout serves every image decoded, shorter side resized to ``S`` and
+centre-cropped to ``S × S``: ``(3, S, S)`` uint8 samples (grey and palette images expanded, alpha
+dropped) with int64 class ids. ``&augment=1`` serves train through torchvision's ImageNet train
+recipe instead (random-resized-crop to ``S``, then a left-right flip with probability 0.5), its
+numbers drawn per ``(seed, epoch, split, index)``; val and test keep the resize and centre crop.
+
+The work runs on a pool of ``workers`` threads (default: the cores this process may use): Pillow
+releases the GIL while it decodes and resamples, so a batch keeps that many cores busy
+(docs/performance.md measures it). Each sample's whole chain runs in one task, written straight into
+its row of the destination (a reply buffer or a trainer's ring slot).
+
+A bad image (truncated, corrupt, not an image) follows ``bad=fail`` (the default: the batch fails
+with an error naming the file or shard and key) or ``bad=skip`` (its row is filled with the nearest
+good sample of the same batch and the provider's ``bad_images`` counter goes up); never garbage.
+
+Without ``size``, ``&encoded=1`` opens the same files as encoded bytes, for a pipeline whose
+``decode`` stage does the rest (``pipeline://``, docs/datasets.md §7).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from libbus.errors import DatasetError
+
+from .base import SPLITS, OpenRequest, Source
+from .formats import imageops
+from .formats.imageops import BAD_POLICIES, default_workers
+
+__all__ = ["BAD_POLICIES", "EncodedImages", "ImageSource", "default_workers", "open_images", "sample_uniforms"]
+
+log = logging.getLogger(__name__)
+
+#: torchvision's RandomResizedCrop defaults.
+RRC_SCALE, RRC_RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)
+
+
+def sample_uniforms(seed: int, epoch: int, split: str, stage: int, index: int, n: int) -> np.ndarray:
+    """``n`` uniforms in [0, 1) that depend only on (seed, epoch, split, stage, index)."""
+    return np.random.default_rng((seed, epoch, SPLITS.index(split), stage, int(index))).random(n)
+
+
+def fill_bad_rows(x: np.ndarray, y: np.ndarray, bad: list[int], where: str) -> None:
+    """``bad=skip``: copy into each bad row the nearest good row of the batch (ties: the earlier one).
+    Raises :class:`DatasetError` when the whole batch is bad."""
+    good = np.setdiff1d(np.arange(len(x)), bad)
+    if not len(good):
+        raise DatasetError(f"{where}: every sample of the batch ({len(x)}) is a bad image; nothing to serve")
+    for row in bad:
+        near = good[np.argmin(np.abs(good - row))]
+        x[row] = x[near]
+        y[row] = y[near]
+
+
+class ImageCounters:
+    """What the provider's metrics show for an image dataset: samples decoded, bad images, time."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.items = self.bad = 0
+        self.busy_s = 0.0
+        self.lock = threading.Lock()
+
+    def add(self, items: int, bad: int, busy_s: float) -> None:
+        with self.lock:
+            self.items += items
+            self.bad += bad
+            self.busy_s += busy_s
+
+    def stage(self) -> dict:
+        return {
+            "name": self.name,
+            "type": "decode",
+            "items_in": self.items,
+            "items_out": self.items - self.bad,
+            "errors": self.bad,
+            "bad_images": self.bad,
+            "busy_s": round(self.busy_s, 6),
+        }
+
+
+class ImageSource(Source):
+    """Encoded images from ``store`` (an ImageFolder or WebDataset layout), served as ``(3, S, S)`` uint8."""
+
+    def __init__(self, uri: str, store, size: int, *, augment: bool, bad: str, workers: int, seed: int, fmt: str):
+        self.uri, self.store, self.size = uri, store, size
+        self.augment, self.bad, self.seed, self.format = augment, bad, seed, fmt
+        self.sample_shape = (3, size, size)
+        self.dtype = np.dtype(np.uint8)
+        self.class_names = list(store.class_names)
+        self.num_classes = len(self.class_names)
+        self.workers = workers
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="decode")
+        self.counters = ImageCounters("images")
+
+    def num_samples(self, split: str) -> int:
+        return self.store.num_samples(split)
+
+    def info(self) -> dict:
+        return {**super().info(), "format": self.format, "augment": self.augment, "workers": self.workers}
+
+    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        self.serve_into(split, indices, x, y, epoch=0)
+
+    def _one(self, sample, split: str, epoch: int, index: int, out: np.ndarray) -> None:
+        if sample.data is None:
+            raise imageops.BadImage(f"{sample.where}: no image member (.jpg, .jpeg, .png, .webp)")
+        img = imageops.decode(sample.data, sample.where)
+        s = self.size
+        if self.augment and split == "train":
+            u = sample_uniforms(self.seed, epoch, split, 0, index, 41)
+            img = imageops.random_resized_crop(img, u, s, s, RRC_SCALE, RRC_RATIO)
+            if u[40] < 0.5:
+                img = imageops.flip(img)
+        else:
+            img = imageops.center_crop(imageops.resize_shorter(img, s), s, s)
+        out[...] = np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)
+
+    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *, epoch: int = 0) -> None:
+        started = time.perf_counter()
+        samples = self.store.fetch(split, indices)
+        errors: dict[int, imageops.BadImage] = {}
+
+        def work(row: int) -> None:
+            try:
+                self._one(samples[row], split, epoch, int(indices[row]), x[row])
+            except imageops.BadImage as err:
+                errors[row] = err
+
+        list(self.pool.map(work, range(len(samples))))
+        y[...] = np.asarray([s.label for s in samples], np.int64).reshape(y.shape)
+        self.counters.add(len(samples), len(errors), time.perf_counter() - started)
+        if errors:
+            first = errors[min(errors)]
+            if self.bad == "fail":
+                raise DatasetError(f"{self.uri}: bad image: {first} (bad=skip serves the batch without it)")
+            log.warning("%s: %d bad image(s) replaced in a batch, the first: %s", self.uri, len(errors), first)
+            fill_bad_rows(x, y, sorted(errors), self.uri)
+
+    def metrics(self) -> dict:
+        """The provider's per-dataset counters, in the shape of a pipeline's (one ``decode`` stage)."""
+        return {"requests": {}, "stages": [self.counters.stage()]}
+
+    decode_metrics = metrics
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
+
+
+class EncodedImages(Source):
+    """The same files as stored: samples are :class:`~.formats.imagefolder.Encoded` objects (image bytes,
+    text), for a pipeline's ``decode`` or ``tokenize`` stage. Not servable as they are (no fixed shape)."""
+
+    kind = "encoded"
+
+    def __init__(self, uri: str, store, fmt: str):
+        self.uri, self.store, self.format = uri, store, fmt
+        self.sample_shape = ()
+        self.dtype = np.dtype(object)
+        self.class_names = list(store.class_names)
+        self.num_classes = len(self.class_names)
+
+    def num_samples(self, split: str) -> int:
+        return self.store.num_samples(split)
+
+    def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        samples = self.store.fetch(split, indices)
+        x = np.empty(len(samples), object)
+        x[:] = samples
+        return x, np.asarray([s.label for s in samples], np.int64)
+
+    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        raise DatasetError(
+            f"{self.uri}: encoded images have no fixed shape; serve them with ?size=S or through a "
+            "pipeline's decode stage"
+        )
+
+    def info(self) -> dict:
+        return {**super().info(), "format": self.format}
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _flag(req: OpenRequest, key: str) -> bool:
+    value = req.params.pop(key, "0").lower()
+    if value not in ("0", "1", "true", "false", "yes", "no"):
+        raise DatasetError(f"{req.uri}: {key} must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "yes")
+
+
+def open_images(req: OpenRequest, store, fmt: str) -> Source:
+    """The source for an image layout ``store``, from the URI's ``size``, ``augment``, ``bad``,
+    ``workers``, ``seed`` and ``encoded`` parameters. Raises :class:`DatasetError` for bad ones."""
+    try:
+        imageops.require_pillow(req.uri)
+        encoded = _flag(req, "encoded")
+        size = req.int_param("size", None)
+        augment = _flag(req, "augment")
+        bad = req.params.pop("bad", "fail")
+        if bad not in BAD_POLICIES:
+            raise DatasetError(f"{req.uri}: bad must be one of {', '.join(BAD_POLICIES)}, got {bad!r}")
+        workers = req.int_param("workers", None)
+        workers = default_workers() if workers is None else workers
+        seed = req.int_param("seed", 0)
+        if fmt == "text" and not encoded:
+            raise DatasetError(
+                f'{req.uri}: text is tokenized in a pipeline: source = {{ uri = "file://DIR?encoded=1" }}, '
+                "then tokenize and pack stages (docs/datasets.md §7.1)"
+            )
+        if encoded:
+            if size is not None:
+                raise DatasetError(f"{req.uri}: give size=S (decoded) or encoded=1 (bytes), not both")
+            return EncodedImages(req.uri, store, fmt)
+        if size is None:
+            raise DatasetError(
+                f"{req.uri}: {fmt} images come in every size: add ?size=S to serve them as (3, S, S) uint8 "
+                "(resized and centre-cropped), or use a pipeline with encoded=1"
+            )
+        if not 1 <= size <= 4096:
+            raise DatasetError(f"{req.uri}: size must be between 1 and 4096 pixels, got {size}")
+        if not 1 <= workers <= 256:
+            raise DatasetError(f"{req.uri}: workers must be between 1 and 256, got {workers}")
+        if seed is None or seed < 0:
+            raise DatasetError(f"{req.uri}: seed must be a non-negative integer")
+        return ImageSource(req.uri, store, size, augment=augment, bad=bad, workers=workers, seed=seed, fmt=fmt)
+    except BaseException:
+        store.close()
+        raise

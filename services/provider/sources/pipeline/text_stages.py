@@ -1,0 +1,99 @@
+"""Text stages of a pipeline: ``tokenize`` (Hugging Face ``tokenizers``) and ``pack`` (docs/datasets.md §7.1).
+
+Their input is a source of text samples (``file://DIR?encoded=1`` on ``train.txt`` files, or WebDataset
+shards with ``.txt`` members). ``tokenize`` turns each sample's text into token ids with the tokenizer
+JSON file the operator gives (``tokenizer.json``, as ``tokenizers`` saves it; nothing is downloaded),
+``encode_batch`` running on the tokenizer's own Rust threads; ``pack`` makes the fixed-length token
+samples that ``tiny-lm`` and every token dataset use: ``length + 1`` tokens (a model's input and, shifted
+by one, its targets), a document cut at that length or padded with ``pad_id`` after its end token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from libbus.errors import ConfigError
+
+from .stages import Chunk, Spec, Stage
+
+__all__ = ["TEXT_STAGES"]
+
+TOKEN_LISTS = "token_lists"
+
+
+class Tokenize(Stage):
+    """``tokenize``: text → token ids, with ``tokenizer`` (a ``tokenizer.json`` path); ``eos`` (a token
+    string, e.g. ``"</s>"``) is appended to every document when given."""
+
+    type = "tokenize"
+    params = {"tokenizer": None, "eos": None}
+
+    def check(self, spec: Spec) -> Spec:
+        if spec.kind != "encoded":
+            raise self.error(f"needs text samples (a source with encoded=1), got {spec.kind} samples")
+        path = self.config["tokenizer"]
+        if not isinstance(path, str) or not path:
+            raise self.error('needs tokenizer = "/path/to/tokenizer.json"')
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise self.error("needs the tokenizers package: pip install 'batchbus[images]'") from None
+        if not Path(path).is_file():
+            raise self.error(f"tokenizer file {path} does not exist")
+        try:
+            self.tokenizer = Tokenizer.from_file(path)
+        except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
+            raise self.error(f"{path} is not a tokenizers JSON file: {err}") from None
+        self.vocab = self.tokenizer.get_vocab_size()
+        self.eos = None
+        if self.config["eos"] is not None:
+            self.eos = self.tokenizer.token_to_id(self.config["eos"])
+            if self.eos is None:
+                raise self.error(f"eos token {self.config['eos']!r} is not in the tokenizer's vocabulary")
+        return replace(spec, kind=TOKEN_LISTS, num_classes=self.vocab, label_shape=(0,))
+
+    def apply(self, chunk: Chunk) -> None:
+        texts = []
+        for sample in chunk.x:
+            if sample.text is None:
+                raise ConfigError(f"stage {self.name!r} (tokenize): sample {sample.where} has no text")
+            texts.append(sample.text)
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=True)
+        out = np.empty(len(texts), object)
+        for i, enc in enumerate(encodings):
+            ids = enc.ids + ([self.eos] if self.eos is not None else [])
+            out[i] = np.asarray(ids, np.int64)
+        chunk.x = out
+        chunk.y = np.empty((len(texts), 0), np.int64)
+
+
+class Pack(Stage):
+    """``pack``: token ids → fixed ``length + 1`` token samples (cut, or padded with ``pad_id``)."""
+
+    type = "pack"
+    params = {"length": None, "pad_id": 0}
+
+    def check(self, spec: Spec) -> Spec:
+        if spec.kind != TOKEN_LISTS:
+            raise self.error(f"needs token ids (after tokenize), got {spec.kind} samples")
+        length, pad = self.config["length"], self.config["pad_id"]
+        if not isinstance(length, int) or isinstance(length, bool) or not 1 <= length <= 1 << 20:
+            raise self.error(f"length must be a positive number of tokens, got {length!r}")
+        if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < spec.num_classes:
+            raise self.error(f"pad_id must be a token id below the vocabulary's {spec.num_classes}, got {pad!r}")
+        dtype = np.dtype(np.uint16) if spec.num_classes <= 1 << 16 else np.dtype(np.uint32)
+        return replace(spec, sample_shape=(length + 1,), dtype=dtype, kind="tokens")
+
+    def apply(self, chunk: Chunk) -> None:
+        n = self.spec.sample_shape[0]
+        out = np.full((len(chunk.x), n), self.config["pad_id"], self.spec.dtype)
+        for i, ids in enumerate(chunk.x):
+            out[i, : min(n, len(ids))] = ids[:n]
+        chunk.x = out
+
+
+#: Text stage types by their TOML key.
+TEXT_STAGES: dict[str, type[Stage]] = {cls.type: cls for cls in (Tokenize, Pack)}

@@ -1,0 +1,56 @@
+"""Text datasets written by tests: a tiny word-level tokenizer trained on the spot (no hub download) and
+documents with a learnable order (counting words from a random start), as lines or WebDataset ``.txt``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+WORDS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split()
+SPECIALS = ["<pad>", "</s>", "<unk>"]
+
+
+def document(number: int) -> str:
+    """Words counted on from a start, wrapping: each next word is fully determined by the one before."""
+    rng = np.random.default_rng(number)
+    start, length = int(rng.integers(len(WORDS))), int(rng.integers(6, 40))
+    return " ".join(WORDS[(start + k) % len(WORDS)] for k in range(length))
+
+
+def write_tokenizer(path: Path) -> Path:
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=SPECIALS))
+    tok.save(str(path))
+    return path
+
+
+def write_text(root: Path, train: int, test: int = 0) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "train.txt").write_text("".join(document(n) + "\n" for n in range(train)))
+    if test:
+        (root / "test.txt").write_text("".join(document(100_000 + n) + "\n" for n in range(test)))
+    return root
+
+
+def text_pipeline(path: Path, source_uri: str, tokenizer: Path, length: int) -> str:
+    path.write_text(
+        f"""
+[[stages]]
+name = "text"
+source = {{ uri = "{source_uri}" }}
+
+[[stages]]
+name = "tok"
+input = "text"
+tokenize = {{ tokenizer = "{tokenizer}", eos = "</s>" }}
+
+[[stages]]
+name = "pack"
+input = "tok"
+pack = {{ length = {length}, pad_id = 0 }}
+"""
+    )
+    return f"pipeline://{path}"
