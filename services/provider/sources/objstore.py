@@ -33,14 +33,14 @@ from libbus.errors import DatasetError
 
 from . import parquet
 from .base import OpenRequest, Source
-from .formats import cifar, idx, npy, raw, tokens
-from .formats.blockcache import BlockCache
+from .formats import cifar, idx, npy, objects, raw, tokens
+from .formats.blockcache import BlockCache, cache_stats
 from .formats.dataset import MEMORY_MODES, Context, FileSource
 from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
-from .formats.objects import ObjectClient, ObjectError, ObjectMeta, ObjectPath, ObjectSettings, ObjectTree
+from .formats.objects import ObjectClient, ObjectPath, ObjectSettings, ObjectTree
 from .formats.reader import Segment
 
-__all__ = ["CACHE", "SCHEMES", "configure_cache", "open_object_source"]
+__all__ = ["CACHE", "SCHEMES", "configure_cache", "object_store_stats", "open_object_source"]
 
 SCHEMES = ("s3", "gs", "az")
 FORMATS = {
@@ -62,6 +62,17 @@ CACHE: dict = {"dir": "", "limit": 0}
 def configure_cache(cache_dir: str, cache_limit: int) -> None:
     """The disk cache object-store datasets use unless their URI names another (provider settings)."""
     CACHE.update(dir=cache_dir, limit=int(cache_limit))
+
+
+def object_store_stats(datasets: dict[str, Source]) -> dict:
+    """``{"object_store": {requests, retries, failures, bytes_fetched, caches}}`` when the provider
+    serves an object-store dataset (else ``{}``): what ``busctl queues`` and the metrics show."""
+    if not any(isinstance(s, (ObjectFileSource, ObjectParquetSource)) for s in datasets.values()):
+        return {}
+    with objects.STATS_LOCK:
+        out: dict = dict(objects.STATS)
+    out["caches"] = cache_stats()
+    return {"object_store": out}
 
 
 def _redacted(req: OpenRequest) -> str:
@@ -254,6 +265,3 @@ def _detect(root: ObjectPath, toml: dict) -> str:
         f"no known dataset layout in {root}: expected Parquet files, a dataset.toml, IDX or CIFAR-10 "
         f"batches, .npy pairs or token shards; found {', '.join(names) or 'nothing'}"
     )
-
-
-__all__ += ["ObjectError", "ObjectMeta"]

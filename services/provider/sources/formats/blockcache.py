@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import tempfile
 import threading
@@ -30,6 +31,8 @@ from pathlib import Path
 from libbus.errors import DatasetError
 
 __all__ = ["BlockCache", "cache_stats"]
+
+log = logging.getLogger(__name__)
 
 #: After an eviction the cache holds at most this fraction of its limit (fewer scans).
 LOW_WATER = 0.9
@@ -142,9 +145,7 @@ class BlockCache:
                     os.unlink(tmp)
                 raise
         except OSError as err:
-            import logging
-
-            logging.getLogger(__name__).warning("cache %s: cannot store a block (%s)", self.root, err.strerror)
+            log.warning("cache %s: cannot store a block (%s)", self.root, err.strerror)
             return
         self._count(bytes_stored=n)
 

@@ -105,11 +105,11 @@ _HOSTS_LOCK = threading.Lock()
 
 #: Process-wide request counters (metrics, ``busctl queues``): requests, retries, failures, bytes.
 STATS = {"requests": 0, "retries": 0, "failures": 0, "bytes_fetched": 0}
-_STATS_LOCK = threading.Lock()
+STATS_LOCK = threading.Lock()
 
 
 def _count(**deltas: int) -> None:
-    with _STATS_LOCK:
+    with STATS_LOCK:
         for k, v in deltas.items():
             STATS[k] += v
 
