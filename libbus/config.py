@@ -150,6 +150,10 @@ class Settings:
     #: Origins (scheme://host[:port]) an HTTP dataset may be redirected to, or name in its manifest,
     #: besides its own. Empty: only its own.
     allowed_origins: list = field(default_factory=list)
+    #: Provider: the disk cache of object-store datasets (s3://, gs://, az://): its directory (several
+    #: providers may share one) and the most bytes it holds, least recently used evicted. Empty: none.
+    cache_dir: str = ""
+    cache_limit: int = 0
     log_level: str = "INFO"
 
     def resolved(self) -> Settings:

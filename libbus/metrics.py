@@ -110,6 +110,28 @@ _STAGE_METRICS = {
 }
 
 
+#: Object-store reads (provider stats ``object_store``) and its disk caches' (``object_store.caches``).
+_OBJECT_METRICS = {
+    "requests": (CounterMetricFamily, "object_requests", "Ranged requests sent to object stores, retries included."),
+    "retries": (
+        CounterMetricFamily,
+        "object_retries",
+        "Object-store requests retried (429, 503 SlowDown, 5xx, drops).",
+    ),
+    "failures": (CounterMetricFamily, "object_failures", "Object-store reads that failed their batch (UNAVAILABLE)."),
+    "bytes_fetched": (CounterMetricFamily, "object_bytes_fetched", "Bytes read from object stores."),
+}
+_CACHE_METRICS = {
+    "hits": (CounterMetricFamily, "object_cache_hits", "Blocks served from the provider's disk cache."),
+    "misses": (CounterMetricFamily, "object_cache_misses", "Blocks not in the disk cache (fetched)."),
+    "evictions": (CounterMetricFamily, "object_cache_evictions", "Blocks evicted from the disk cache (LRU)."),
+    "bytes_hit": (CounterMetricFamily, "object_cache_bytes_hit", "Bytes served from the disk cache."),
+    "bytes_stored": (CounterMetricFamily, "object_cache_bytes_stored", "Bytes this provider stored in the cache."),
+    "bytes": (GaugeMetricFamily, "object_cache_bytes", "Bytes the cache directory holds now (all its providers)."),
+    "limit_bytes": (GaugeMetricFamily, "object_cache_limit_bytes", "The most bytes the cache holds."),
+}
+
+
 class StatsCollector(Collector):
     """Reads ``stats()`` (the dict a service puts on its heartbeats) at each scrape.
 
@@ -212,6 +234,9 @@ class StatsCollector(Collector):
         pipelines = stats.get("pipelines")
         if isinstance(pipelines, dict):
             yield from self._stages(pipelines, family)
+        objects = stats.get("object_store")
+        if isinstance(objects, dict):
+            yield from self._object_store(objects, family)
         if self.latency is not None:
             fam = family(
                 HistogramMetricFamily,
@@ -223,6 +248,20 @@ class StatsCollector(Collector):
                 buckets, total = hist.snapshot()
                 fam.add_metric([self.service, self.name, dataset], buckets, total)
             yield fam
+
+    def _object_store(self, objects: dict, family) -> Iterator[Metric]:
+        """Requests to object stores (s3://, gs://, az://) and, per cache directory, the disk cache."""
+        for key, (kind, metric, doc) in _OBJECT_METRICS.items():
+            fam = family(kind, metric, doc)
+            fam.add_metric([self.service, self.name], float(objects.get(key, 0)))
+            yield fam
+        caches = objects.get("caches")
+        if isinstance(caches, dict):
+            for key, (kind, metric, doc) in _CACHE_METRICS.items():
+                fam = family(kind, metric, doc, ("cache_dir",))
+                for where, c in sorted(caches.items()):
+                    fam.add_metric([self.service, self.name, where], float(c.get(key, 0)))
+                yield fam
 
     def _stages(self, pipelines: dict, family) -> Iterator[Metric]:
         """Per stage of each pipeline dataset: its counters, and its output queue's (the pipeline's

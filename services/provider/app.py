@@ -19,6 +19,7 @@ from .. import runtime
 from .evalgate import EvalGate
 from .handler import ProviderHandler
 from .sources import open_source, parse_dataset_arg
+from .sources.objstore import configure_cache
 
 __all__ = ["ProviderService", "DEFAULT_BIND"]
 
@@ -37,6 +38,7 @@ class ProviderService:
         self.name = runtime.service_name(settings, "provider")
         self.ctx = ctx or zmq.Context.instance()
         datasets = {}
+        configure_cache(settings.cache_dir, settings.cache_limit)
         for arg in settings.datasets:
             name, uri = parse_dataset_arg(arg)
             if name in datasets:

@@ -46,6 +46,7 @@ from shm import Ring, RingLayout
 
 from .evalgate import EvalGate
 from .sources import PRIVATE_SPLIT, SPLITS, Source
+from .sources.objstore import object_store_stats
 from .sources.pipeline import pipeline_stats, stage_control
 
 __all__ = ["ProviderHandler", "batch_indices"]
@@ -502,4 +503,5 @@ class ProviderHandler(Handler):
             "evaluations_running": running,
             "evaluations_queued": queued,
             **pipeline_stats(self.datasets),
+            **object_store_stats(self.datasets),
         }

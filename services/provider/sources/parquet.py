@@ -207,7 +207,8 @@ class ParquetSource(Source):
             groups[split] = []
             for path in paths:
                 try:
-                    pf = pq.ParquetFile(path)
+                    # a path, or an object store's file (.objstore): a seekable file read by range
+                    pf = pq.ParquetFile(path.open("rb") if hasattr(path, "tree") else path)
                 except Exception as err:  # pyarrow raises several types for a bad file
                     raise DatasetError(f"{path}: not a readable Parquet file: {err}") from err
                 self.files.append((path, pf))
@@ -440,7 +441,7 @@ def open_parquet(req: OpenRequest) -> ParquetSource:
     return open_parquet_dir(req.uri, local_path(req.parts), req.params)
 
 
-def open_parquet_dir(uri: str, root: Path, params: dict) -> ParquetSource:
+def open_parquet_dir(uri: str, root: Path, params: dict, source_class: type = ParquetSource) -> ParquetSource:
     """The Parquet dataset under ``root``, popping the ``params`` it knows (see the module doc).
 
     Raises :class:`DatasetError` naming the file, column or parameter at fault.
@@ -465,6 +466,6 @@ def open_parquet_dir(uri: str, root: Path, params: dict) -> ParquetSource:
     cache_mb = number("cache_mb", float, 256.0, lambda v: v > 0, "a positive number (MiB)")
     max_bytes = number("max_bytes", int, 0, lambda v: v >= 0, "a byte count")
     files = find_files(uri, root, got.get("subset"))
-    return ParquetSource(
+    return source_class(
         uri, root, files, got.get("column"), got.get("label"), fraction, classes, cache_mb, got.get("fields"), max_bytes
     )

@@ -11,7 +11,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from libbus.errors import DatasetError
 
-from . import files, http, mock, parquet, pipeline, weighted
+from . import files, http, mock, objstore, parquet, pipeline, weighted
 from .base import OpenRequest, Source
 
 __all__ = ["OPENERS", "open_source", "parse_dataset_arg"]
@@ -27,6 +27,7 @@ OPENERS: dict[str, Callable[[OpenRequest], Source]] = {
     "parquet": parquet.open_parquet,
     "weighted": weighted.open_weighted,
     "pipeline": pipeline.open_pipeline,
+    **{scheme: objstore.open_object_source for scheme in objstore.SCHEMES},
 }
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gzip
 import math
-import os
 import re
 import struct
 from functools import partial
@@ -23,7 +22,7 @@ from libbus.errors import DatasetError
 
 from .cache import cached
 from .dataset import Context, Layout, Table
-from .reader import Segment
+from .reader import Segment, read_at
 
 __all__ = ["detect", "open_idx", "read_header"]
 
@@ -62,7 +61,7 @@ def detect(root: Path) -> bool:
 
 def read_header(seg: Segment, noun: str = "items") -> tuple[np.dtype, tuple[int, ...], Segment]:
     """An IDX file's stored dtype, dimensions and the segment of its values, sizes checked."""
-    head = os.pread(seg.fd, 4, 0)
+    head = read_at(seg, 4)
     if len(head) < 4 or head[:2] != b"\0\0" or head[3] == 0:
         raise DatasetError(
             f"{seg.name}: not an IDX file: expected 00 00 <type> <ndim> at its start, "
@@ -74,7 +73,7 @@ def read_header(seg: Segment, noun: str = "items") -> tuple[np.dtype, tuple[int,
             f"{', '.join(f'0x{c:02X}' for c in DTYPES)}"
         )
     dtype, ndim = DTYPES[head[2]], head[3]
-    raw = os.pread(seg.fd, 4 * ndim, 4)
+    raw = read_at(seg, 4 * ndim, 4)
     if len(raw) < 4 * ndim:
         raise DatasetError(
             f"{seg.name}: truncated header: {ndim} dimensions need {4 + 4 * ndim} bytes, the file has {seg.length}"
@@ -89,7 +88,7 @@ def read_header(seg: Segment, noun: str = "items") -> tuple[np.dtype, tuple[int,
             f"{seg.name}: header says {dims[0]} {noun} of {shape} {dtype.name} ({want} bytes) "
             f"but the file has {seg.length} bytes ({what})"
         )
-    return dtype, dims, Segment(seg.name, seg.fd, start, want - start)
+    return dtype, dims, Segment(seg.name, seg.fd, seg.offset + start, want - start, seg.remote)
 
 
 def _open(ctx: Context, path: Path) -> Segment:
