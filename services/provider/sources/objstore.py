@@ -119,7 +119,7 @@ def _settings(req: OpenRequest) -> tuple[ObjectSettings, float]:
         deadline_s=_number(req, "deadline", float, d.deadline_s, 0.001),
         block_bytes=_number(req, "block", int, d.block_bytes, 4096),
     )
-    return s, _number(req, "timeout", float, 30.0, 0.001)
+    return s, _number(req, "timeout", float, 5.0, 0.001)
 
 
 def _cache(req: OpenRequest) -> BlockCache | None:

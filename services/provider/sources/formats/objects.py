@@ -96,7 +96,8 @@ class ObjectSettings:
     retries: int = 5  # further tries of a request after the first
     backoff_s: float = 0.1  # retry k waits uniform(0, min(max_backoff_s, backoff_s * 2**k)): full jitter
     max_backoff_s: float = 5.0
-    deadline_s: float = 60.0  # a batch's reads, retries included, finish within this or fail
+    deadline_s: float = 8.0  # a batch's reads, retries included, finish within this or fail (under the
+    # trainer's 10 s request timeout, so the trainer hears UNAVAILABLE rather than a timeout)
     block_bytes: int = 4 << 20  # the cache's unit (without a cache: unused)
 
 
