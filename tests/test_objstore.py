@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -205,3 +206,39 @@ def test_two_providers_share_one_cache_directory(s3, tmp_path):
         assert p.returncode == 0 and out.strip().endswith("ok"), out
     assert 0 < _cache_bytes(cache) <= 32768
     assert int((cache / "usage").read_text()) == _cache_bytes(cache)
+
+
+def test_an_object_rewritten_while_served_fails_its_batch(s3, tmp_path):
+    _tokens(s3, tmp_path, "rewrite", shards=1)
+    src = open_source(f"s3://data/rewrite/?seq_len=15&token_bytes=2&val_fraction=0&{FAST}")
+    src.read("train", np.arange(2))
+    s3.s3.put_object(Bucket="data", Key="rewrite/shard-00.bin", Body=bytes(64 * 16 * 2))
+    with pytest.raises(DatasetError, match=r"rewrite/shard-00.bin .*changed since the dataset was opened"):
+        src.read("train", np.arange(2))
+    src.close()
+
+
+def test_requests_in_flight_are_bounded_per_dataset_and_per_host(s3, tmp_path, monkeypatch):
+    ref = _tokens(s3, tmp_path, "hosts", n_seq=64, seq=16, shards=1)
+    src = open_source(f"s3://data/hosts/?seq_len=15&token_bytes=2&val_fraction=0&concurrency=8&{FAST}")
+    idx = np.arange(0, 64, 4)  # 16 runs: 16 requests
+    s3.delay_s, s3.max_inflight = 0.1, 0
+    try:
+        assert np.array_equal(src.read("train", idx)[0], ref[idx])
+        assert s3.max_inflight == 8  # the dataset's concurrency
+        # two datasets on one host (named anew, so that its limit is theirs): 3 requests at once in all
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3.url.replace("127.0.0.1", "localhost"))
+        query = f"seq_len=15&token_bytes=2&val_fraction=0&concurrency=8&host_concurrency=3&{FAST}"
+        pair = [open_source(f"s3://data/hosts/?{query}") for _ in range(2)]
+        s3.max_inflight = 0
+        threads = [threading.Thread(target=p.read, args=("train", idx)) for p in pair]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert 1 < s3.max_inflight <= 3
+        for p in pair:
+            p.close()
+    finally:
+        s3.delay_s = 0.0
+        src.close()
