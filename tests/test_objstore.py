@@ -240,3 +240,20 @@ def test_requests_in_flight_are_bounded_per_dataset_and_per_host(s3, tmp_path, m
     finally:
         s3.delay_s = 0.0
         src.close()
+
+
+@pytest.mark.parametrize(
+    "uri, message",
+    [
+        ("s3://data/nothing-here/?seq_len=3", r"s3://data/nothing-here/: no objects under this prefix"),
+        ("s3://no-such-bucket/a/?seq_len=3", r"LIST s3://no-such-bucket/a/: not found \(404 NoSuchBucket\)"),
+        ("s3:///a/?seq_len=3", r"name a bucket"),
+        ("s3://data/refuse/?seq_len=15&token_bytes=2&concurrency=0", r"concurrency must be at least 1, got '0'"),
+        ("s3://data/refuse/?seq_len=15&token_bytes=2&cache_dir=/tmp/c", r"a cache_dir needs a cache_limit"),
+        ("s3://data/refuse/?seq_len=15&token_bytes=2&format=csv", r"unknown format 'csv'"),
+    ],
+)
+def test_bad_object_uris_are_refused_at_open(s3, tmp_path, uri, message):
+    _tokens(s3, tmp_path, "refuse", shards=1)
+    with pytest.raises(DatasetError, match=message):
+        open_source(uri + "&retries=0")
