@@ -257,3 +257,13 @@ def test_bad_object_uris_are_refused_at_open(s3, tmp_path, uri, message):
     _tokens(s3, tmp_path, "refuse", shards=1)
     with pytest.raises(DatasetError, match=message):
         open_source(uri + "&retries=0")
+
+
+def test_a_dataset_toml_cannot_name_objects_outside_its_prefix(s3, tmp_path):
+    _tokens(s3, tmp_path, "private", shards=1)
+    d = tmp_path / "raw"
+    d.mkdir()
+    (d / "dataset.toml").write_text('[train]\nx = "../private/shard-00.bin"\ndtype = "uint8"\nshape = [4]\n')
+    s3.put_dir("data", "public", d)
+    with pytest.raises(DatasetError, match=r"s3://data/public/../private/shard-00.bin: no such object"):
+        open_source(f"s3://data/public/?{FAST}")
