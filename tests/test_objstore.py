@@ -51,19 +51,25 @@ def _write_parquet(d, rng) -> None:
     pq.write_table(table, d / "train.parquet", row_group_size=7)
 
 
-@pytest.mark.parametrize("fmt", ["idx", "cifar10", "npy", "tokens-bin", "tokens-npy", "raw", "parquet"])
+@pytest.mark.parametrize(
+    "fmt", ["idx", "cifar10", "npy", "tokens-bin", "tokens-npy", "raw", "parquet", "raw-cached", "parquet-cached"]
+)
 def test_each_format_serves_the_bytes_of_its_files(s3, tmp_path, fmt):
     rng = np.random.default_rng(len(fmt))
     d = tmp_path / fmt
     d.mkdir()
-    query = _write_parquet(d, rng) or "" if fmt == "parquet" else BUILDERS[fmt](d, rng).query
+    base = fmt.removesuffix("-cached")
+    query = _write_parquet(d, rng) or "" if base == "parquet" else BUILDERS[base](d, rng).query
     s3.put_dir("formats", fmt, d)
     local = open_source(f"file://{d}?{query}")
-    remote = open_source(f"s3://formats/{fmt}?{query}&{FAST}")
+    # through a disk cache of small blocks: samples and Parquet pages straddle block boundaries
+    cache = f"&cache_dir={tmp_path / 'cache'}&cache_limit=100000&block=4096" if fmt != base else ""
+    remote = open_source(f"s3://formats/{fmt}?{query}&{FAST}{cache}")
     try:
         assert remote.info()["uri"].startswith("s3://formats/")
         for split in ("train", "val", "test"):
             _same(local, remote, split, rng)
+        assert bool(cache) == (tmp_path / "cache").is_dir() and (not cache or _cache_bytes(tmp_path / "cache") > 0)
     finally:
         local.close()
         remote.close()
