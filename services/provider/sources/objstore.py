@@ -60,7 +60,8 @@ CACHE: dict = {"dir": "", "limit": 0}
 
 
 def configure_cache(cache_dir: str, cache_limit: int) -> None:
-    """The disk cache object-store datasets use unless their URI names another (provider settings)."""
+    """The disk cache object-store datasets use unless their URI names another (provider settings).
+    Process-wide: the provider sets it before opening its datasets (one provider per process)."""
     CACHE.update(dir=cache_dir, limit=int(cache_limit))
 
 
