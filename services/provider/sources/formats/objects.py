@@ -155,9 +155,16 @@ class ObjectClient:
         s, where = self.settings, f"{self.backend.name}/{obj.key} (bytes {start}-{start + length - 1})"
         for attempt in range(s.retries + 1):
             try:
-                with self._host:
+                if not self._host.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    raise ObjectError(
+                        f"GET {where}: no request slot free for {self.backend.host} within the batch's "
+                        f"{s.deadline_s:g} s deadline ({s.host_concurrency} in flight from this provider)"
+                    )
+                try:
                     _count(requests=1)
                     data = self.backend.get_range(obj.key, start, start + length, obj.etag)
+                finally:
+                    self._host.release()
                 if len(data) != length:
                     raise ObjectError(f"GET {where}: got {len(data)} bytes; the object is shorter than when opened")
                 _count(bytes_fetched=length)
