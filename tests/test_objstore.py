@@ -273,3 +273,17 @@ def test_a_dataset_toml_cannot_name_objects_outside_its_prefix(s3, tmp_path):
     s3.put_dir("data", "public", d)
     with pytest.raises(DatasetError, match=r"s3://data/public/../private/shard-00.bin: no such object"):
         open_source(f"s3://data/public/?{FAST}")
+
+
+def test_credentials_from_a_profile_file(s3, tmp_path, monkeypatch):
+    ref = _tokens(s3, tmp_path, "profile", shards=1)
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[reader]\naws_access_key_id = {s3.access_key}\naws_secret_access_key = {s3.secret_key}\n")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_PROFILE", "reader")
+    src = open_source(f"s3://data/profile/?seq_len=15&token_bytes=2&val_fraction=0&{FAST}")
+    assert np.array_equal(src.read("train", np.array([5, 0]))[0], ref[[5, 0]])
+    src.close()
