@@ -287,3 +287,18 @@ def test_credentials_from_a_profile_file(s3, tmp_path, monkeypatch):
     src = open_source(f"s3://data/profile/?seq_len=15&token_bytes=2&val_fraction=0&{FAST}")
     assert np.array_equal(src.read("train", np.array([5, 0]))[0], ref[[5, 0]])
     src.close()
+
+
+def test_a_damaged_cache_block_is_fetched_again(s3, tmp_path):
+    ref = _tokens(s3, tmp_path, "damaged", n_seq=64, seq=64, shards=1)  # 8 KiB: two 4 KiB blocks
+    cache = tmp_path / "cache"
+    uri = f"s3://data/damaged/?seq_len=63&token_bytes=2&val_fraction=0&block=4096&cache_dir={cache}&cache_limit=65536"
+    src = open_source(uri)
+    src.read("train", np.arange(64))
+    blocks = sorted(p for p in (cache / "blocks").rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert len(blocks) == 2
+    blocks[0].write_bytes(blocks[0].read_bytes()[:100])  # cut short, as a full disk or a crash might
+    before = len(s3.gets())
+    assert np.array_equal(src.read("train", np.arange(64))[0], ref)
+    assert len(s3.gets()) - before == 1 and blocks[0].stat().st_size == 4096
+    src.close()
