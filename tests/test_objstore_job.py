@@ -2,13 +2,15 @@
 bucket of a loopback S3 server, the provider's credentials and endpoint taken from ``AWS_*`` variables,
 its reads going through its disk cache; the cache and request counters show in its stats and metrics."""
 
+import time
+
 import numpy as np
 import pytest
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from libbus.errors import Unavailable
-from libbus.messages import BatchRequest, DatasetInfoRequest, SubmitJob
+from libbus.messages import BatchRequest, DatasetInfoRequest, Stats, SubmitJob
 from libbus.metrics import StatsCollector
 from services.provider.sources import open_source
 from services.provider.sources.formats.objects import STATS
@@ -58,6 +60,11 @@ def test_a_job_trains_on_a_dataset_read_from_s3(s3, tmp_path, router, start_prov
     cached = stats["caches"][str(cache.resolve())]
     assert stats["requests"] >= 1 and stats["failures"] == failures
     assert cached["hits"] > cached["misses"] > 0 and 0 < cached["bytes"] <= 64 << 20
+    # what `busctl queues` prints: the provider's stats as its heartbeats carry them to the router
+    deadline = time.monotonic() + 10
+    while not any("object_store" in v for v in admin.request(Stats()).services.values()):
+        assert time.monotonic() < deadline, "no object_store stats reached the router"
+        time.sleep(0.1)
     registry = CollectorRegistry()
     registry.register(StatsCollector("provider", "p", provider.service.handler.stats))
     text = generate_latest(registry).decode()
