@@ -61,6 +61,16 @@ class _Proxy(BaseHTTPRequestHandler):
             fault = (
                 owner.faults.pop(0) if owner.faults and self.command == "GET" and self.headers.get("Range") else None
             )
+            owner.inflight += 1
+            owner.max_inflight = max(owner.max_inflight, owner.inflight)
+        try:
+            self._answer(body, fault)
+        finally:
+            with owner.lock:
+                owner.inflight -= 1
+
+    def _answer(self, body: bytes, fault) -> None:
+        owner = self.server.owner
         if owner.delay_s:
             time.sleep(owner.delay_s)
         if fault == "drop":
@@ -102,6 +112,7 @@ class S3Server:
 
     Faults, settable while it runs: ``faults`` (answers for the next ranged GETs, in order: ``(status,
     code)`` such as ``(503, "SlowDown")``, or ``"drop"`` to hang up), ``delay_s`` (every request).
+    ``max_inflight``: the most requests it answered at once (reset it to measure).
     """
 
     def __init__(self):
@@ -145,6 +156,7 @@ class S3Server:
         self.requests: list[tuple[str, str, str | None]] = []
         self.faults: list = []
         self.delay_s = 0.0
+        self.inflight = self.max_inflight = 0  # requests being answered now, and the most at once
         self._proxy = _ProxyServer(("127.0.0.1", 0), _Proxy)
         self._proxy.owner = self
         self.url = f"http://127.0.0.1:{self._proxy.server_address[1]}"

@@ -40,7 +40,7 @@ from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
 from .formats.objects import ObjectClient, ObjectPath, ObjectSettings, ObjectTree
 from .formats.reader import Segment
 
-__all__ = ["CACHE", "SCHEMES", "configure_cache", "object_store_stats", "open_object_source"]
+__all__ = ["CACHE", "SCHEMES", "configure_cache", "object_root", "object_store_stats", "open_object_source"]
 
 SCHEMES = ("s3", "gs", "az")
 FORMATS = {
@@ -60,7 +60,8 @@ CACHE: dict = {"dir": "", "limit": 0}
 
 
 def configure_cache(cache_dir: str, cache_limit: int) -> None:
-    """The disk cache object-store datasets use unless their URI names another (provider settings)."""
+    """The disk cache object-store datasets use unless their URI names another (provider settings).
+    Process-wide: the provider sets it before opening its datasets (one provider per process)."""
     CACHE.update(dir=cache_dir, limit=int(cache_limit))
 
 
@@ -119,7 +120,7 @@ def _settings(req: OpenRequest) -> tuple[ObjectSettings, float]:
         deadline_s=_number(req, "deadline", float, d.deadline_s, 0.001),
         block_bytes=_number(req, "block", int, d.block_bytes, 4096),
     )
-    return s, _number(req, "timeout", float, 30.0, 0.001)
+    return s, _number(req, "timeout", float, 5.0, 0.001)
 
 
 def _cache(req: OpenRequest) -> BlockCache | None:
@@ -205,14 +206,13 @@ class ObjectParquetSource(parquet.ParquetSource):
         self.client.close()
 
 
-def open_object_source(req: OpenRequest) -> Source:
-    """Open the dataset under an object-store prefix, popping the ``params`` it knows.
-
-    Raises :class:`DatasetError` for a URI with credentials, a refused or failed listing (naming the
-    store and operation), an unknown layout or a bad parameter.
+def object_root(req: OpenRequest) -> ObjectPath:
+    """The listed prefix an object-store URI names, as a folder a file-backed format opens like a
+    ``Path`` (its client: ``root.tree.client``; close it with the source). Pops the object-store
+    parameters (client, cache); refuses a URI carrying credentials. What a kind that reads files
+    (WebDataset tars, image folders) calls to take ``s3://`` too.
     """
     _refuse_credentials(req)
-    uri, params = req.uri, req.params
     settings, timeout_s = _settings(req)
     cache = _cache(req)
     backend = _backend(req, timeout_s)
@@ -223,8 +223,22 @@ def open_object_source(req: OpenRequest) -> Source:
         objects = backend.list(listing)
         if not objects:
             raise DatasetError(f"{backend.name}/{listing}: no objects under this prefix")
-        tree = ObjectTree(client, listing, objects)
-        root = tree.root
+        return ObjectTree(client, listing, objects).root
+    except BaseException:
+        client.close()
+        raise
+
+
+def open_object_source(req: OpenRequest) -> Source:
+    """Open the dataset under an object-store prefix, popping the ``params`` it knows.
+
+    Raises :class:`DatasetError` for a URI with credentials, a refused or failed listing (naming the
+    store and operation), an unknown layout or a bad parameter.
+    """
+    uri, params = req.uri, req.params
+    root = object_root(req)
+    client = root.tree.client
+    try:
         if params.get("format") == "parquet" or ("format" not in params and parquet.detect(root)):
             params.pop("format", None)
             src = parquet.open_parquet_dir(uri, root, params, source_class=ObjectParquetSource)

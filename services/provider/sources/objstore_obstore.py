@@ -66,7 +66,8 @@ class ObstoreBackend:
             options["allow_http"] = True  # the operator named a plain-HTTP endpoint (a local S3 server)
         if scheme == "s3":
             kwargs.update(_aws_profile())
-        self.host = urlsplit(endpoint).netloc if endpoint else f"{scheme}:{bucket}"
+        default = {"s3": f"{bucket}.s3", "gs": "storage.googleapis.com", "az": "blob.core.windows.net"}[scheme]
+        self.host = urlsplit(endpoint).netloc if endpoint else default
         try:
             self.store = from_url(
                 f"{scheme}://{bucket}", client_options=options, retry_config={"max_retries": 0}, **kwargs

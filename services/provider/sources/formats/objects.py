@@ -96,7 +96,8 @@ class ObjectSettings:
     retries: int = 5  # further tries of a request after the first
     backoff_s: float = 0.1  # retry k waits uniform(0, min(max_backoff_s, backoff_s * 2**k)): full jitter
     max_backoff_s: float = 5.0
-    deadline_s: float = 60.0  # a batch's reads, retries included, finish within this or fail
+    deadline_s: float = 8.0  # a batch's reads, retries included, finish within this or fail (under the
+    # trainer's 10 s request timeout, so the trainer hears UNAVAILABLE rather than a timeout)
     block_bytes: int = 4 << 20  # the cache's unit (without a cache: unused)
 
 
@@ -154,9 +155,16 @@ class ObjectClient:
         s, where = self.settings, f"{self.backend.name}/{obj.key} (bytes {start}-{start + length - 1})"
         for attempt in range(s.retries + 1):
             try:
-                with self._host:
+                if not self._host.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    raise ObjectError(
+                        f"GET {where}: no request slot free for {self.backend.host} within the batch's "
+                        f"{s.deadline_s:g} s deadline ({s.host_concurrency} in flight from this provider)"
+                    )
+                try:
                     _count(requests=1)
                     data = self.backend.get_range(obj.key, start, start + length, obj.etag)
+                finally:
+                    self._host.release()
                 if len(data) != length:
                     raise ObjectError(f"GET {where}: got {len(data)} bytes; the object is shorter than when opened")
                 _count(bytes_fetched=length)
