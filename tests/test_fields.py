@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from libbus import PROTOCOL
 from libbus.admission import admit_client
-from libbus.errors import BusError, TooLarge
+from libbus.client import Client, Identity
+from libbus.errors import BadRequest, BusError, TooLarge
 from libbus.fields import Field, decode_frames, encode_frames, pack_slot, slot_bytes_for, unpack_slot
 from libbus.loader import RemoteLoader
+from libbus.messages import Evaluate
 from services.provider.sources import open_source
 
 URI = "mock://fields?n=50"
@@ -178,3 +180,10 @@ def test_headers_that_do_not_match_the_frames_are_refused(shapes, dtypes, words)
     frames = _good()[0]
     with pytest.raises(BusError, match=words):
         decode_frames(NAMES, shapes, dtypes, frames)
+
+
+def test_evaluating_a_multi_field_dataset_is_refused_clearly(fields_provider, make_token):
+    identity = Identity(role="trainer", name="t", token=make_token())
+    with Client(fields_provider.endpoint, identity) as client:
+        with pytest.raises(BadRequest, match="'multi' has named fields .*evaluate only x/y datasets"):
+            client.request(Evaluate(dataset="multi", model={"name": "mlp"}, frames=[b"\0" * 8]))

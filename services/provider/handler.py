@@ -439,6 +439,11 @@ class ProviderHandler(Handler):
 
     def evaluate(self, msg: Evaluate, session: Session | None = None) -> Future:
         source = self.source(msg.dataset)
+        if not self.xy[msg.dataset]:
+            raise BadRequest(
+                f"{msg.dataset!r} has named fields ({', '.join(f.name for f in self.fields[msg.dataset])}); "
+                "the built-in models evaluate only x/y datasets"
+            )
         if msg.split not in SPLITS:
             raise BadRequest(f"unknown split {msg.split!r}; expected one of {', '.join(SPLITS)}")
         weights = msg.frames[0]
