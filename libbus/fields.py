@@ -11,7 +11,8 @@ A batch of a field travels as its values (all samples' bytes back to back) and, 
 field, an *index*: int64 little-endian, ``n + 1`` byte offsets into the values (``0`` first, the
 values' length last, never decreasing), then for arrays ``n × ndim`` per-sample shapes. Everything a
 peer sends is checked before it is viewed: an offset or shape that does not add up is a
-:class:`BusError` naming the field, never an out-of-bounds read.
+:class:`BusError` naming the field, never an out-of-bounds read. On the sending side, a sample
+beyond its field's declared ``max_bytes``, or a batch beyond its ring slot, is :class:`TooLarge`.
 
 Over the socket, each field is its values frame followed (variable fields) by its index frame. In a
 ring slot the same pieces lie back to back from the slot's start, each at a 64-byte boundary: index,
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BusError
+from .errors import BusError, TooLarge
 
 __all__ = [
     "Field",
@@ -185,7 +186,7 @@ def _pieces(field: Field, value: Any, n: int) -> tuple[list, str, list[int]]:
         index[n + 1 :] = np.asarray(shapes, dtype=_I8).reshape(-1)
     if field.max_bytes and sizes and max(sizes) > field.max_bytes:
         worst = int(np.argmax(sizes))
-        raise BusError(
+        raise TooLarge(
             f"field {field.name!r}: sample {worst} of the batch holds {sizes[worst]} bytes; "
             f"the field declares at most {field.max_bytes} (max_bytes)"
         )
@@ -235,7 +236,7 @@ def pack_slot(fields: list[Field], batch: FieldBatch, n: int, buf: memoryview) -
         for b in bufs:
             size = memoryview(b).nbytes
             if pos + size > len(buf):
-                raise BusError(
+                raise TooLarge(
                     f"batch does not fit the ring slot: field {field.name!r} needs {size} bytes at offset "
                     f"{pos}; the slot holds {len(buf)} (sized for max_bytes {field.max_bytes} per sample)"
                 )
