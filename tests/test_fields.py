@@ -18,8 +18,9 @@ from libbus.client import Client, Identity
 from libbus.errors import BadRequest, BusError, TooLarge
 from libbus.fields import Field, decode_frames, encode_frames, pack_slot, slot_bytes_for, unpack_slot
 from libbus.loader import RemoteLoader
-from libbus.messages import Evaluate
+from libbus.messages import Evaluate, decode
 from services.provider.sources import open_source
+from tests.support.fuzz import FUZZ, batch_request
 
 URI = "mock://fields?n=50"
 
@@ -187,3 +188,34 @@ def test_evaluating_a_multi_field_dataset_is_refused_clearly(fields_provider, ma
     with Client(fields_provider.endpoint, identity) as client:
         with pytest.raises(BadRequest, match="'multi' has named fields .*evaluate only x/y datasets"):
             client.request(Evaluate(dataset="multi", model={"name": "mlp"}, frames=[b"\0" * 8]))
+
+
+@settings(max_examples=60, **FUZZ)
+@given(batch=st.lists(batch_request(slot_seq=True), min_size=3, max_size=8))
+def test_hostile_requests_for_a_multi_field_dataset_are_refused_or_exact(fields_provider, make_token, batch):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    token = make_token()
+    admit_client(sock, token)
+    source = fields_provider.service.handler.datasets["multi"]
+    try:
+        sock.connect(fields_provider.endpoint)
+        hello = {"type": "Hello", "id": 1, "role": "trainer", "name": "fuzz", "token": token}
+        sock.send_multipart([PROTOCOL, orjson.dumps(hello)])
+        assert sock.poll(5000) and decode(sock.recv_multipart()).type == "Welcome"
+        for frames in batch:
+            head = orjson.loads(frames[1])
+            head["dataset"] = "multi" if head["dataset"] in ("mnist", "zeros") else head["dataset"]
+            sock.send_multipart([frames[0], orjson.dumps(head), *frames[2:]])
+            assert sock.poll(5000), "the provider stopped answering"
+            reply = decode(sock.recv_multipart())
+            if reply.type == "Error":
+                assert reply.code in {"BAD_REQUEST", "NOT_FOUND", "OUT_OF_RANGE", "TOO_LARGE", "SPLIT_PRIVATE"}, reply
+                continue
+            idx = np.arange(*head["range"]) if "range" in head else np.frombuffer(frames[2], "<i8")
+            got = decode_frames(reply.names, reply.shapes, reply.dtypes, reply.frames)
+            want = source.read_fields(head["split"], idx)
+            assert got["text"] == want["text"] and got["label"].tobytes() == want["label"].tobytes()
+            assert [a.tobytes() for a in got["image"]] == [a.tobytes() for a in want["image"]]
+    finally:
+        sock.close()
