@@ -58,6 +58,13 @@ def _round_up(n: int, to: int = _ALIGN) -> int:
     return -(-n // to) * to
 
 
+def _raw(buf) -> memoryview:
+    """A flat byte view of ``buf`` (bytes, or a C-contiguous array, empty ones included)."""
+    if isinstance(buf, np.ndarray):
+        return memoryview(buf.reshape(-1).view(np.uint8))
+    return memoryview(buf).cast("B")
+
+
 @dataclass(frozen=True)
 class Field:
     """One named field of a sample.
@@ -205,10 +212,10 @@ def encode_frames(fields: list[Field], batch: FieldBatch, n: int) -> tuple[list,
         bufs, dtype, shape = _pieces(field, batch[field.name], n)
         if len(bufs) == 2:
             bufs = [bufs[1], bufs[0]]  # on the wire: values, then index
-        frames += [memoryview(b).cast("B") if not isinstance(b, bytes) else b for b in bufs]
+        frames += [b if isinstance(b, bytes) else _raw(b) for b in bufs]
         shapes.append(shape)
         dtypes.append(dtype)
-        nbytes += sum(memoryview(b).nbytes for b in bufs)
+        nbytes += sum(_raw(b).nbytes for b in bufs)
     return frames, shapes, dtypes, nbytes
 
 
@@ -234,13 +241,14 @@ def pack_slot(fields: list[Field], batch: FieldBatch, n: int, buf: memoryview) -
             raise BusError(f"the batch lacks field {field.name!r}")
         bufs, dtype, shape = _pieces(field, batch[field.name], n)
         for b in bufs:
-            size = memoryview(b).nbytes
+            raw = _raw(b)
+            size = raw.nbytes
             if pos + size > len(buf):
                 raise TooLarge(
                     f"batch does not fit the ring slot: field {field.name!r} needs {size} bytes at offset "
                     f"{pos}; the slot holds {len(buf)} (sized for max_bytes {field.max_bytes} per sample)"
                 )
-            buf[pos : pos + size] = memoryview(b).cast("B")
+            buf[pos : pos + size] = raw
             pos = _round_up(pos + size)
             nbytes += size
         shapes.append(shape)
@@ -322,8 +330,8 @@ def _unpack(field: Field, n: int, index: np.ndarray | None, values, copy: bool) 
 
 
 def _describe(names: Any, shapes: Any, dtypes: Any) -> list[tuple[Field, int]]:
-    if not isinstance(names, list) or not all(isinstance(s, str) for s in names):
-        raise BusError("malformed BatchResponse: names must be a list of strings")
+    if not isinstance(names, list) or not all(isinstance(s, str) for s in names) or len(set(names)) != len(names):
+        raise BusError("malformed BatchResponse: names must be a list of distinct strings")
     if not isinstance(shapes, list) or not isinstance(dtypes, list) or not len(names) == len(shapes) == len(dtypes):
         raise BusError(f"malformed BatchResponse: {len(names)} names, {len(shapes)} shapes, {len(dtypes)} dtypes")
     described = [_field_of(name, shape, dtype) for name, shape, dtype in zip(names, shapes, dtypes)]

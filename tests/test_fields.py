@@ -18,7 +18,7 @@ from libbus.client import Client, Identity
 from libbus.errors import BadRequest, BusError, TooLarge
 from libbus.fields import Field, decode_frames, encode_frames, pack_slot, slot_bytes_for, unpack_slot
 from libbus.loader import RemoteLoader
-from libbus.messages import Evaluate, decode
+from libbus.messages import BatchRequest, Evaluate, decode
 from services.provider.sources import open_source
 from tests.support.fuzz import FUZZ, batch_request
 
@@ -181,6 +181,8 @@ def test_headers_that_do_not_match_the_frames_are_refused(shapes, dtypes, words)
     frames = _good()[0]
     with pytest.raises(BusError, match=words):
         decode_frames(NAMES, shapes, dtypes, frames)
+    with pytest.raises(BusError, match="distinct strings"):
+        decode_frames(["img", "t", "img"], _good()[1], _good()[2], frames)
 
 
 def test_evaluating_a_multi_field_dataset_is_refused_clearly(fields_provider, make_token):
@@ -219,3 +221,15 @@ def test_hostile_requests_for_a_multi_field_dataset_are_refused_or_exact(fields_
             assert [a.tobytes() for a in got["image"]] == [a.tobytes() for a in want["image"]]
     finally:
         sock.close()
+
+
+def test_an_empty_batch_round_trips_over_frames_and_a_slot(fields_provider, make_token):
+    with Client(fields_provider.endpoint, Identity(role="trainer", name="t", token=make_token())) as client:
+        reply = client.request(BatchRequest(dataset="multi", split="train", range=[3, 3]))
+    assert reply.shapes == [[0, -1, -1, 3], [0, -1], [0], [0]]
+    got = decode_frames(reply.names, reply.shapes, reply.dtypes, reply.frames)
+    assert got["image"] == [] and got["text"] == [] and got["label"].shape == (0,)
+    fields = open_source(URI).fields
+    slot = memoryview(bytearray(slot_bytes_for(fields, 4)))
+    shapes, dtypes, _ = pack_slot(fields, open_source(URI).read_fields("train", np.arange(0)), 0, slot)
+    assert unpack_slot(reply.names, shapes, dtypes, slot)["tokens"] == []
