@@ -320,11 +320,23 @@ def _unpack(field: Field, n: int, index: np.ndarray | None, values, copy: bool) 
     ):
         raise BusError(f"malformed BatchResponse: field {field.name!r} has sample shapes outside {field.shape}")
     item = field.np_dtype.itemsize
+    # every sample spans exactly prod(shape) × itemsize bytes: checked in float first (no int64
+    # overflow can make a hostile shape pass), then exactly
+    spans = np.diff(offsets)
+    if n and (
+        bool(np.any(np.prod(shapes.astype(np.float64), axis=1) * item > size))
+        or bool(np.any(np.prod(shapes, axis=1) * item != spans))
+    ):
+        wrong = np.flatnonzero(np.prod(shapes.astype(np.float64), axis=1) * item != spans)
+        bad = int(wrong[0]) if len(wrong) else 0
+        raise BusError(
+            f"malformed BatchResponse: field {field.name!r} sample of shape {shapes[bad].tolist()} "
+            f"spans {int(spans[bad])} bytes"
+        )
+    flat = np.frombuffer(values, field.np_dtype)  # size is a sum of whole samples: a multiple of item
     out = []
     for a, b, s in zip(lo, hi, shapes.tolist()):
-        if math.prod(s) * item != b - a:
-            raise BusError(f"malformed BatchResponse: field {field.name!r} sample of shape {s} spans {b - a} bytes")
-        arr = np.frombuffer(memoryview(values)[a:b], field.np_dtype).reshape(s)
+        arr = flat[a // item : b // item].reshape(s)
         out.append(arr.copy() if copy else arr)
     return out
 

@@ -233,3 +233,10 @@ def test_an_empty_batch_round_trips_over_frames_and_a_slot(fields_provider, make
     slot = memoryview(bytearray(slot_bytes_for(fields, 4)))
     shapes, dtypes, _ = pack_slot(fields, open_source(URI).read_fields("train", np.arange(0)), 0, slot)
     assert unpack_slot(reply.names, shapes, dtypes, slot)["tokens"] == []
+
+
+def test_a_sample_shape_whose_product_overflows_int64_is_refused():
+    # 2^32 × 2^32 × 3 bytes is 0 modulo 2^64: an int64 check alone would take it for an empty sample
+    index = np.array([0, 0, 2**32, 2**32, 3], "<i8").tobytes()
+    with pytest.raises(BusError, match=r"sample of shape \[4294967296, 4294967296, 3\] spans 0 bytes"):
+        decode_frames(["img"], [[1, -1, -1, 3]], ["|u1"], [b"", index])
