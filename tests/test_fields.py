@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import zmq
@@ -15,10 +17,11 @@ from hypothesis import strategies as st
 from libbus import PROTOCOL
 from libbus.admission import admit_client
 from libbus.client import Client, Identity
-from libbus.errors import BadRequest, BusError, TooLarge
+from libbus.errors import BadRequest, BusError, ConfigError, TooLarge
 from libbus.fields import Field, decode_frames, encode_frames, pack_slot, slot_bytes_for, unpack_slot
 from libbus.loader import RemoteLoader
 from libbus.messages import BatchRequest, Evaluate, decode
+from services.provider.handler import ProviderHandler
 from services.provider.sources import open_source
 from tests.support.fuzz import FUZZ, batch_request
 
@@ -240,3 +243,10 @@ def test_a_sample_shape_whose_product_overflows_int64_is_refused():
     index = np.array([0, 0, 2**32, 2**32, 3], "<i8").tobytes()
     with pytest.raises(BusError, match=r"sample of shape \[4294967296, 4294967296, 3\] spans 0 bytes"):
         decode_frames(["img"], [[1, -1, -1, 3]], ["|u1"], [b"", index])
+
+
+def test_a_dataset_with_more_fields_than_a_message_carries_is_refused_at_start(tmp_path):
+    pq.write_table(pa.table({f"t{i}": pa.array(["a", "b"]) for i in range(8)}), tmp_path / "train.parquet")
+    source = open_source(f"parquet://{tmp_path}?val_fraction=0&fields=" + ",".join(f"t{i}" for i in range(8)))
+    with pytest.raises(ConfigError, match="8 fields, whose batches need 16 frames; a message carries at most 14"):
+        ProviderHandler({"wide": source})

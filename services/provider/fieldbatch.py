@@ -7,15 +7,26 @@ from collections import Counter
 
 import numpy as np
 
-from libbus.constants import MAX_BATCH_BYTES
-from libbus.errors import BadRequest, BusError, ShmError, TooLarge
+from libbus.constants import MAX_BATCH_BYTES, MAX_FRAMES
+from libbus.errors import BadRequest, BusError, ConfigError, ShmError, TooLarge
 from libbus.fields import Field, encode_frames, pack_slot
 from libbus.messages import BatchRequest, BatchResponse
 from shm import Ring
 
 from .sources import Source
 
-__all__ = ["fields_reply"]
+__all__ = ["check_frames", "fields_reply"]
+
+
+def check_frames(dataset: str, fields: list[Field]) -> None:
+    """Refuse (at start-up) a dataset whose batches would need more payload frames than a message
+    may carry: one per fixed field, two per variable one, at most ``MAX_FRAMES - 2``."""
+    need = sum(2 if f.variable else 1 for f in fields)
+    if need > MAX_FRAMES - 2:
+        raise ConfigError(
+            f"dataset {dataset!r} has {len(fields)} fields, whose batches need {need} frames; a message "
+            f"carries at most {MAX_FRAMES - 2} (one per fixed field, two per variable one): serve fewer"
+        )
 
 
 def fields_reply(

@@ -43,7 +43,7 @@ from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
 from .evalgate import EvalGate
-from .fieldbatch import fields_reply
+from .fieldbatch import check_frames, fields_reply
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.pipeline import pipeline_stats, stage_control
 
@@ -148,6 +148,8 @@ class ProviderHandler(Handler):
         #: Each dataset's fields, and whether it is an x/y dataset (served through ``serve_into``).
         self.fields = {name: source.fields for name, source in datasets.items()}
         self.xy = {name: source.xy for name, source in datasets.items()}
+        for name, fields in self.fields.items():
+            check_frames(name, fields)
         self.served: dict[str, Counter] = defaultdict(Counter)
         self.refused: Counter = Counter()
         #: dataset → time to assemble a batch; keyed only by datasets served here (bounded labels).
