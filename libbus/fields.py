@@ -11,7 +11,8 @@ A batch of a field travels as its values (all samples' bytes back to back) and, 
 field, an *index*: int64 little-endian, ``n + 1`` byte offsets into the values (``0`` first, the
 values' length last, never decreasing), then for arrays ``n × ndim`` per-sample shapes. Everything a
 peer sends is checked before it is viewed: an offset or shape that does not add up is a
-:class:`BusError` naming the field, never an out-of-bounds read.
+:class:`BusError` naming the field, never an out-of-bounds read. On the sending side, a sample
+beyond its field's declared ``max_bytes``, or a batch beyond its ring slot, is :class:`TooLarge`.
 
 Over the socket, each field is its values frame followed (variable fields) by its index frame. In a
 ring slot the same pieces lie back to back from the slot's start, each at a 64-byte boundary: index,
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BusError
+from .errors import BusError, TooLarge
 
 __all__ = [
     "Field",
@@ -55,6 +56,13 @@ FieldBatch = dict[str, Any]
 
 def _round_up(n: int, to: int = _ALIGN) -> int:
     return -(-n // to) * to
+
+
+def _raw(buf) -> memoryview:
+    """A flat byte view of ``buf`` (bytes, or a C-contiguous array, empty ones included)."""
+    if isinstance(buf, np.ndarray):
+        return memoryview(buf.reshape(-1).view(np.uint8))
+    return memoryview(buf).cast("B")
 
 
 @dataclass(frozen=True)
@@ -185,7 +193,7 @@ def _pieces(field: Field, value: Any, n: int) -> tuple[list, str, list[int]]:
         index[n + 1 :] = np.asarray(shapes, dtype=_I8).reshape(-1)
     if field.max_bytes and sizes and max(sizes) > field.max_bytes:
         worst = int(np.argmax(sizes))
-        raise BusError(
+        raise TooLarge(
             f"field {field.name!r}: sample {worst} of the batch holds {sizes[worst]} bytes; "
             f"the field declares at most {field.max_bytes} (max_bytes)"
         )
@@ -204,10 +212,10 @@ def encode_frames(fields: list[Field], batch: FieldBatch, n: int) -> tuple[list,
         bufs, dtype, shape = _pieces(field, batch[field.name], n)
         if len(bufs) == 2:
             bufs = [bufs[1], bufs[0]]  # on the wire: values, then index
-        frames += [memoryview(b).cast("B") if not isinstance(b, bytes) else b for b in bufs]
+        frames += [b if isinstance(b, bytes) else _raw(b) for b in bufs]
         shapes.append(shape)
         dtypes.append(dtype)
-        nbytes += sum(memoryview(b).nbytes for b in bufs)
+        nbytes += sum(_raw(b).nbytes for b in bufs)
     return frames, shapes, dtypes, nbytes
 
 
@@ -233,13 +241,14 @@ def pack_slot(fields: list[Field], batch: FieldBatch, n: int, buf: memoryview) -
             raise BusError(f"the batch lacks field {field.name!r}")
         bufs, dtype, shape = _pieces(field, batch[field.name], n)
         for b in bufs:
-            size = memoryview(b).nbytes
+            raw = _raw(b)
+            size = raw.nbytes
             if pos + size > len(buf):
-                raise BusError(
+                raise TooLarge(
                     f"batch does not fit the ring slot: field {field.name!r} needs {size} bytes at offset "
                     f"{pos}; the slot holds {len(buf)} (sized for max_bytes {field.max_bytes} per sample)"
                 )
-            buf[pos : pos + size] = memoryview(b).cast("B")
+            buf[pos : pos + size] = raw
             pos = _round_up(pos + size)
             nbytes += size
         shapes.append(shape)
@@ -311,18 +320,30 @@ def _unpack(field: Field, n: int, index: np.ndarray | None, values, copy: bool) 
     ):
         raise BusError(f"malformed BatchResponse: field {field.name!r} has sample shapes outside {field.shape}")
     item = field.np_dtype.itemsize
+    # every sample spans exactly prod(shape) × itemsize bytes: checked in float first (no int64
+    # overflow can make a hostile shape pass), then exactly
+    spans = np.diff(offsets)
+    if n and (
+        bool(np.any(np.prod(shapes.astype(np.float64), axis=1) * item > size))
+        or bool(np.any(np.prod(shapes, axis=1) * item != spans))
+    ):
+        wrong = np.flatnonzero(np.prod(shapes.astype(np.float64), axis=1) * item != spans)
+        bad = int(wrong[0]) if len(wrong) else 0
+        raise BusError(
+            f"malformed BatchResponse: field {field.name!r} sample of shape {shapes[bad].tolist()} "
+            f"spans {int(spans[bad])} bytes"
+        )
+    flat = np.frombuffer(values, field.np_dtype)  # size is a sum of whole samples: a multiple of item
     out = []
     for a, b, s in zip(lo, hi, shapes.tolist()):
-        if math.prod(s) * item != b - a:
-            raise BusError(f"malformed BatchResponse: field {field.name!r} sample of shape {s} spans {b - a} bytes")
-        arr = np.frombuffer(memoryview(values)[a:b], field.np_dtype).reshape(s)
+        arr = flat[a // item : b // item].reshape(s)
         out.append(arr.copy() if copy else arr)
     return out
 
 
 def _describe(names: Any, shapes: Any, dtypes: Any) -> list[tuple[Field, int]]:
-    if not isinstance(names, list) or not all(isinstance(s, str) for s in names):
-        raise BusError("malformed BatchResponse: names must be a list of strings")
+    if not isinstance(names, list) or not all(isinstance(s, str) for s in names) or len(set(names)) != len(names):
+        raise BusError("malformed BatchResponse: names must be a list of distinct strings")
     if not isinstance(shapes, list) or not isinstance(dtypes, list) or not len(names) == len(shapes) == len(dtypes):
         raise BusError(f"malformed BatchResponse: {len(names)} names, {len(shapes)} shapes, {len(dtypes)} dtypes")
     described = [_field_of(name, shape, dtype) for name, shape, dtype in zip(names, shapes, dtypes)]

@@ -39,6 +39,7 @@ REPLICA_FIELDS = (
     "seq_len",
     "vocab_size",
     "val_fraction",
+    "fields",
 )
 #: Per split, what must agree (``shuffle`` is only a hint).
 SPLIT_FIELDS = ("num_samples", "available")

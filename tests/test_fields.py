@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import zmq
@@ -14,10 +16,14 @@ from hypothesis import strategies as st
 
 from libbus import PROTOCOL
 from libbus.admission import admit_client
-from libbus.errors import BusError, TooLarge
+from libbus.client import Client, Identity
+from libbus.errors import BadRequest, BusError, ConfigError, TooLarge
 from libbus.fields import Field, decode_frames, encode_frames, pack_slot, slot_bytes_for, unpack_slot
 from libbus.loader import RemoteLoader
+from libbus.messages import BatchRequest, Evaluate, decode
+from services.provider.handler import ProviderHandler
 from services.provider.sources import open_source
+from tests.support.fuzz import FUZZ, batch_request
 
 URI = "mock://fields?n=50"
 
@@ -178,3 +184,69 @@ def test_headers_that_do_not_match_the_frames_are_refused(shapes, dtypes, words)
     frames = _good()[0]
     with pytest.raises(BusError, match=words):
         decode_frames(NAMES, shapes, dtypes, frames)
+    with pytest.raises(BusError, match="distinct strings"):
+        decode_frames(["img", "t", "img"], _good()[1], _good()[2], frames)
+
+
+def test_evaluating_a_multi_field_dataset_is_refused_clearly(fields_provider, make_token):
+    identity = Identity(role="trainer", name="t", token=make_token())
+    with Client(fields_provider.endpoint, identity) as client:
+        with pytest.raises(BadRequest, match="'multi' has named fields .*evaluate only x/y datasets"):
+            client.request(Evaluate(dataset="multi", model={"name": "mlp"}, frames=[b"\0" * 8]))
+
+
+@settings(max_examples=60, **FUZZ)
+@given(batch=st.lists(batch_request(slot_seq=True), min_size=3, max_size=8))
+def test_hostile_requests_for_a_multi_field_dataset_are_refused_or_exact(fields_provider, make_token, batch):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    token = make_token()
+    admit_client(sock, token)
+    source = fields_provider.service.handler.datasets["multi"]
+    try:
+        sock.connect(fields_provider.endpoint)
+        hello = {"type": "Hello", "id": 1, "role": "trainer", "name": "fuzz", "token": token}
+        sock.send_multipart([PROTOCOL, orjson.dumps(hello)])
+        assert sock.poll(5000) and decode(sock.recv_multipart()).type == "Welcome"
+        for frames in batch:
+            head = orjson.loads(frames[1])
+            head["dataset"] = "multi" if head["dataset"] in ("mnist", "zeros") else head["dataset"]
+            sock.send_multipart([frames[0], orjson.dumps(head), *frames[2:]])
+            assert sock.poll(5000), "the provider stopped answering"
+            reply = decode(sock.recv_multipart())
+            if reply.type == "Error":
+                assert reply.code in {"BAD_REQUEST", "NOT_FOUND", "OUT_OF_RANGE", "TOO_LARGE", "SPLIT_PRIVATE"}, reply
+                continue
+            idx = np.arange(*head["range"]) if "range" in head else np.frombuffer(frames[2], "<i8")
+            got = decode_frames(reply.names, reply.shapes, reply.dtypes, reply.frames)
+            want = source.read_fields(head["split"], idx)
+            assert got["text"] == want["text"] and got["label"].tobytes() == want["label"].tobytes()
+            assert [a.tobytes() for a in got["image"]] == [a.tobytes() for a in want["image"]]
+    finally:
+        sock.close()
+
+
+def test_an_empty_batch_round_trips_over_frames_and_a_slot(fields_provider, make_token):
+    with Client(fields_provider.endpoint, Identity(role="trainer", name="t", token=make_token())) as client:
+        reply = client.request(BatchRequest(dataset="multi", split="train", range=[3, 3]))
+    assert reply.shapes == [[0, -1, -1, 3], [0, -1], [0], [0]]
+    got = decode_frames(reply.names, reply.shapes, reply.dtypes, reply.frames)
+    assert got["image"] == [] and got["text"] == [] and got["label"].shape == (0,)
+    fields = open_source(URI).fields
+    slot = memoryview(bytearray(slot_bytes_for(fields, 4)))
+    shapes, dtypes, _ = pack_slot(fields, open_source(URI).read_fields("train", np.arange(0)), 0, slot)
+    assert unpack_slot(reply.names, shapes, dtypes, slot)["tokens"] == []
+
+
+def test_a_sample_shape_whose_product_overflows_int64_is_refused():
+    # 2^32 × 2^32 × 3 bytes is 0 modulo 2^64: an int64 check alone would take it for an empty sample
+    index = np.array([0, 0, 2**32, 2**32, 3], "<i8").tobytes()
+    with pytest.raises(BusError, match=r"sample of shape \[4294967296, 4294967296, 3\] spans 0 bytes"):
+        decode_frames(["img"], [[1, -1, -1, 3]], ["|u1"], [b"", index])
+
+
+def test_a_dataset_with_more_fields_than_a_message_carries_is_refused_at_start(tmp_path):
+    pq.write_table(pa.table({f"t{i}": pa.array(["a", "b"]) for i in range(8)}), tmp_path / "train.parquet")
+    source = open_source(f"parquet://{tmp_path}?val_fraction=0&fields=" + ",".join(f"t{i}" for i in range(8)))
+    with pytest.raises(ConfigError, match="8 fields, whose batches need 16 frames; a message carries at most 14"):
+        ProviderHandler({"wide": source})

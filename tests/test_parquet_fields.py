@@ -66,6 +66,7 @@ def test_parquet_fields_are_described_and_read_exactly(written):
         "caption str *",
         "label int64 ()",
     ]
+    assert source.info()["kind"] == "fields" and "sample_shape" not in source.info()
     batch = source.read_fields("train", np.array([11, 0, 4, 7]))
     assert [a.tobytes() for a in batch["png"]] == [rgb[i].tobytes() for i in (11, 0, 4, 7)]
     assert batch["jpg"] == [jpegs[i] for i in (11, 0, 4, 7)] and batch["caption"] == [texts[i] for i in (11, 0, 4, 7)]

@@ -13,7 +13,6 @@ import numpy as np
 from libbus.constants import MAX_BATCH_BYTES, MAX_BATCH_INDICES
 from libbus.errors import (
     BadRequest,
-    BusError,
     Forbidden,
     NotFound,
     OutOfRange,
@@ -22,7 +21,6 @@ from libbus.errors import (
     TooLarge,
     Unavailable,
 )
-from libbus.fields import encode_frames, pack_slot
 from libbus.messages import (
     AttachRing,
     BatchRequest,
@@ -45,6 +43,7 @@ from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
 from .evalgate import EvalGate
+from .fieldbatch import check_frames, fields_reply
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.objstore import object_store_stats
 from .sources.pipeline import pipeline_stats, stage_control
@@ -150,6 +149,8 @@ class ProviderHandler(Handler):
         #: Each dataset's fields, and whether it is an x/y dataset (served through ``serve_into``).
         self.fields = {name: source.fields for name, source in datasets.items()}
         self.xy = {name: source.xy for name, source in datasets.items()}
+        for name, fields in self.fields.items():
+            check_frames(name, fields)
         self.served: dict[str, Counter] = defaultdict(Counter)
         self.refused: Counter = Counter()
         #: dataset → time to assemble a batch; keyed only by datasets served here (bounded labels).
@@ -379,56 +380,17 @@ class ProviderHandler(Handler):
     def _batch_fields(
         self, session: Session, msg: BatchRequest, source: Source, indices: np.ndarray, started: float
     ) -> BatchResponse:
-        """A multi-field batch: every field read, then written as frames or into the ring slot.
-        A batch beyond the declared maxima, the slot or the batch limit is refused (TOO_LARGE)
-        naming the field and the sizes."""
-        fields = self.fields[msg.dataset]
+        """A batch of named fields, as frames or into the session's ring slot (:mod:`.fieldbatch`)."""
         ring = self._ring_for(session, msg) if msg.slot is not None or msg.seq is not None else None
-        if ring is not None:
-            try:
-                ring.begin_fill(msg.slot, msg.seq)
-            except ShmError as err:
-                self.refused["stale_slot"] += 1
-                raise BadRequest(f"batch not written: {err}") from err
-        batch = source.read_fields(msg.split, indices, msg.epoch)
-        n = len(indices)
-        try:
-            if ring is None:
-                frames, shapes, dtypes, nbytes = encode_frames(fields, batch, n)
-                if nbytes > MAX_BATCH_BYTES:
-                    raise TooLarge(f"a batch of {n} samples is {nbytes} bytes; the batch limit is {MAX_BATCH_BYTES}")
-            else:
-                with ring.slot_buffer(msg.slot) as buf:
-                    shapes, dtypes, nbytes = pack_slot(fields, batch, n, buf)
-                frames = []
-        except ShmError as err:
-            self.refused["stale_slot"] += 1
-            raise BadRequest(f"batch not written: {err}") from err
-        except BusError as err:
-            self.refused["too_large"] += 1
-            raise TooLarge(f"{msg.dataset}/{msg.split}: {err}") from err
-        if ring is not None:
-            try:
-                ring.finish_fill(msg.slot, msg.seq)
-            except ShmError as err:
-                self.refused["stale_slot"] += 1
-                raise BadRequest(f"batch not written: {err}") from err
+        reply = fields_reply(source, self.fields[msg.dataset], msg, indices, ring, self.refused)
         counters = self.served[msg.dataset]
         if ring is not None:
             counters["shm_batches"] += 1
         counters["batches"] += 1
-        counters["samples"] += n
-        counters["bytes"] += nbytes
+        counters["samples"] += len(indices)
+        counters["bytes"] += reply.nbytes
         self.latency[msg.dataset].observe(time.perf_counter() - started)
-        return BatchResponse(
-            names=[f.name for f in fields],
-            shapes=shapes,
-            dtypes=dtypes,
-            nbytes=nbytes,
-            slot=msg.slot,
-            seq=msg.seq,
-            frames=frames,
-        )
+        return reply
 
     def _ring_for(self, session: Session, msg: BatchRequest) -> Ring:
         if msg.slot is None or msg.seq is None:
@@ -440,6 +402,11 @@ class ProviderHandler(Handler):
 
     def evaluate(self, msg: Evaluate, session: Session | None = None) -> Future:
         source = self.source(msg.dataset)
+        if not self.xy[msg.dataset]:
+            raise BadRequest(
+                f"{msg.dataset!r} has named fields ({', '.join(f.name for f in self.fields[msg.dataset])}); "
+                "the built-in models evaluate only x/y datasets"
+            )
         if msg.split not in SPLITS:
             raise BadRequest(f"unknown split {msg.split!r}; expected one of {', '.join(SPLITS)}")
         weights = msg.frames[0]

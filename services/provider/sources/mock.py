@@ -99,6 +99,8 @@ class MockFields(Source):
         self.num_classes = 4
         self.class_names = [str(i) for i in range(4)]
         self.kind = "fields"
+        # no x/y: what reads the old way (a mix, a pipeline stage) gets a DatasetError from read()
+        self.sample_shape, self.dtype = (0,), np.dtype(np.uint8)
         self._fields = [
             Field("image", "uint8", (None, None, 3), image_max),
             Field("tokens", "int32", (None,), 12 * 4),

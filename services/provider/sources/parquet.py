@@ -235,6 +235,7 @@ class ParquetSource(Source):
             raise DatasetError(f"{uri}: the train files ({', '.join(str(p) for p in files['train'][:3])}) hold no rows")
         if self._fields:
             self.sample_shape, self.dtype, self.num_classes = (0,), np.dtype(np.uint8), classes or 0
+            self.kind = "fields"
         else:
             self.kind_of = _kind(uri, path0, self._group(*first).slice(0, 1), self.columns)
             self.sample_shape, self.dtype = self.kind_of.shape, self.kind_of.dtype
