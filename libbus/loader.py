@@ -31,6 +31,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -190,6 +191,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             raise BadRequest(f"transform must be a callable taking a batch, got {type(transform).__name__}")
         self.transform = transform
         self._plan: Plan = None  # what is left of the current epoch after an elastic resume
+        self._pass: weakref.ref | None = None  # the pass being iterated, if any
         self.epoch = 0
         #: Samples of the current epoch already handed out: with ``epoch``, the loader's cursor.
         self.position = 0
@@ -362,12 +364,26 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.epoch, self.position, self._plan = elastic.restore(self._order, state)
 
     def __iter__(self) -> Iterator[Any]:
-        """One pass: the rest of the current epoch. A pass left early is continued by the next."""
+        """One pass: the rest of the current epoch. A pass left early is continued by the next.
+
+        A pass still open (a loop that stopped after the last batch without asking for more, as
+        Lightning does at ``len(loader)`` batches) is closed first: its slots are freed now, and an
+        epoch whose last batch was handed out is over."""
         if torch.utils.data.get_worker_info() is not None:
             raise BadRequest(
                 "RemoteLoader runs in the main process: use DataLoader(loader, batch_size=None, num_workers=0) "
                 "(it prefetches by itself, inflight= requests ahead)"
             )
+        previous = self._pass() if self._pass is not None else None
+        if previous is not None:
+            previous.close()
+        if self.position > 0 and elastic.num_batches(self._order, self._plan, self.position) == 0:
+            self.epoch, self.position, self._plan = self.epoch + 1, 0, None
+        current = self._one_pass()
+        self._pass = weakref.ref(current)
+        return current
+
+    def _one_pass(self) -> Iterator[Any]:
         epoch, position = self.epoch, self.position
         batches = batches_of(self.order(epoch), self.batch_size, self.drop_last, start=position)
         fetch = self._fetch(batches, epoch)

@@ -106,3 +106,12 @@ def test_the_data_stall_is_counted_by_replica_and_exported(provider, make_token)
     registry.register(loader.stall)
     text = generate_latest(registry).decode()
     assert 'batchbus_loader_data_wait_seconds_total{dataset="mnist",replica="' in text
+
+
+def test_a_loop_that_stops_at_len_batches_starts_the_next_epoch_on_the_next_pass(provider, make_token):
+    """Lightning takes ``len(loader)`` batches and never asks for one more: the epoch is still over."""
+    with RemoteLoader("zeros", provider=provider.endpoint, token=make_token(), batch_size=25, shuffle=False) as loader:
+        it = iter(loader)
+        first = [next(it) for _ in range(len(loader))]
+        assert (loader.epoch, loader.position) == (0, 100) and len(first) == 4
+        assert len(list(loader)) == 4 and loader.epoch == 2  # epoch 1, whole; the next pass is epoch 2
