@@ -150,6 +150,9 @@ class Settings:
     #: Origins (scheme://host[:port]) an HTTP dataset may be redirected to, or name in its manifest,
     #: besides its own. Empty: only its own.
     allowed_origins: list = field(default_factory=list)
+    #: Provider: the Python modules whose functions pipeline ``user`` stages may run (exact names;
+    #: services/provider/sources/pipeline/user_stage.py). Empty: no user code runs.
+    user_modules: list = field(default_factory=list)
     log_level: str = "INFO"
 
     def resolved(self) -> Settings:
