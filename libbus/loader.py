@@ -107,7 +107,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         shuffle, seed: ``none``, ``full`` (or ``True``: a permutation per epoch) or ``block``
             (shuffled blocks of ``block_size`` samples, sequential inside), drawn from ``(seed, epoch)``.
         rank, world_size: read shard ``rank`` of ``world_size`` disjoint shards that together
-            cover the split; ``drop_uneven`` gives every rank the same count (for DDP).
+            cover the split. Not given: from an initialized ``torch.distributed`` process group,
+            else ``RANK``/``WORLD_SIZE`` (:func:`libbus.ranks.detect`), else 0 of 1.
+            ``drop_uneven`` gives every rank the same count (default: on with more than one rank).
         inflight: batch requests kept outstanding (prefetch depth), over all replicas.
         timeout_s, retries: per-request reply timeout, and how many times in a row a replica may
             leave a request unanswered (each time it is reconnected and asked again) before its
@@ -128,6 +130,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             its name must be the token's subject. ``router_key`` is then the router's public key,
             and ``provider_key`` the provider's when ``provider=`` is one endpoint (with
             ``router=``, and in ``Resolved`` entries, each provider's key comes with it).
+        transform: a callable applied to each batch before it is yielded (in this process).
 
     Raises :class:`BadRequest` for bad arguments, and what the first provider answered (or
     :class:`PeerTimeout`) when no provider given or resolved can be reached.

@@ -115,3 +115,15 @@ def test_a_loop_that_stops_at_len_batches_starts_the_next_epoch_on_the_next_pass
         first = [next(it) for _ in range(len(loader))]
         assert (loader.epoch, loader.position) == (0, 100) and len(first) == 4
         assert len(list(loader)) == 4 and loader.epoch == 2  # epoch 1, whole; the next pass is epoch 2
+
+
+def test_the_public_api_is_one_import_and_costs_no_torch_until_used():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, libbus; assert 'torch' not in sys.modules, 'import libbus pulled in torch'; "
+        "from libbus import RemoteLoader, as_float, merge_cursors, errors; "
+        "assert issubclass(errors.BadRequest, errors.BusError) and 'torch' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
