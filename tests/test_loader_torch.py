@@ -127,3 +127,19 @@ def test_the_public_api_is_one_import_and_costs_no_torch_until_used():
         "assert issubclass(errors.BadRequest, errors.BusError) and 'torch' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_torch_distributed_checkpoint_saves_and_loads_the_cursor(provider, make_token, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    kw = dict(provider=provider.endpoint, token=make_token(), batch_size=20, seed=2, rank=0, world_size=1)
+    with RemoteLoader("mnist", **kw) as loader:
+        it = iter(loader)
+        for _ in range(4):
+            next(it)
+        dcp.save({"loader": loader}, checkpoint_id=str(tmp_path))  # a Stateful: its state_dict() is saved
+        rest = ids_of(it)
+    with RemoteLoader("mnist", **kw) as resumed:
+        dcp.load({"loader": resumed}, checkpoint_id=str(tmp_path))
+        assert (resumed.epoch, resumed.position) == (0, 80)
+        assert ids_of(resumed) == rest
