@@ -335,6 +335,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         if epoch != self.epoch:
             self.epoch, self.position, self._plan = epoch, 0, None
 
+    def rewind(self, epoch: int = 0) -> None:
+        """Start ``epoch`` from its beginning on the next pass, forgetting any restored cursor (and
+        the plan of an elastic resume)."""
+        self.epoch, self.position, self._plan = epoch, 0, None
+
     def order(self, epoch: int) -> np.ndarray:
         """The sample indices this rank reads in ``epoch`` (after an elastic resume, in the resumed
         epoch: what is left of it for this rank)."""

@@ -78,6 +78,11 @@ def test_a_cursor_saved_at_two_ranks_resumes_at_three_and_at_one_exactly(provide
                 assert loader.epoch == 1
         counts = Counter(seen + rest)
         assert sorted(counts) == list(range(600)) and set(counts.values()) == {1}, f"world {world}"
+    with RemoteLoader("mnist", rank=0, world_size=3, drop_uneven=False, **kw) as loader:
+        loader.load_state_dict(states)
+        assert len(loader.order(0)) == 154  # rank 0 of 3: a third of the 460 left, rounded up
+        loader.rewind()  # starting over forgets the resumed epoch's plan
+        assert len(loader.order(0)) == 200 and loader.state_dict()["plan"] is None
 
 
 def test_a_transform_runs_on_each_batch_in_the_script(provider, make_token):
