@@ -188,6 +188,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.drop_last = drop_last
         where = detect(rank, world_size)
         self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
+        self._rank_source = where.source
         self._block_size = block_size
         self._drop_uneven = where.world_size > 1 if drop_uneven is None else drop_uneven
         if transform is not None and not callable(transform):
@@ -237,8 +238,16 @@ class RemoteLoader(torch.utils.data.IterableDataset):
                 entries[0]["curve_key"] = provider_key.decode()
         #: The connections to the dataset's replicas (:mod:`libbus.replica_set`).
         self.links = ReplicaSet(links, entries, inflight)
-        self.info = self.links.info
-        self.num_samples = int(self.info["splits"][split]["num_samples"])
+        try:
+            self._take_info(self.links.info)
+        except BaseException:
+            self.links.close()  # a bad seed or block size: the connections go now, not at collection
+            raise
+
+    def _take_info(self, info: dict) -> None:
+        """The first provider's DatasetInfo: the split's size and the order this rank reads."""
+        self.info = info
+        self.num_samples = int(info["splits"][self.split]["num_samples"])
         self._order = Order(
             n=self.num_samples,
             seed=self.seed,
@@ -256,10 +265,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         log.info(
             "%s/%s: rank %d of %d (%s, local rank %d) reads shard [%d, %d) of each epoch's %d samples, %d batches",
             self.dataset,
-            split,
+            self.split,
             self.rank,
             self.world_size,
-            where.source,
+            self._rank_source,
             self.local_rank,
             lo,
             hi,
