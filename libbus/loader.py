@@ -203,7 +203,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.wait_s = 0.0
         #: The data-stall signal by replica, a Prometheus collector (:mod:`libbus.stall`).
         self.stall = StallMeter(self.dataset, split)
-        self._poller = ReplyPoller()
         self.device = torch.device(device)
         role = _role_of(token() if callable(token) else token)
         self._identity = Identity(
@@ -440,6 +439,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
     def _pipeline(self, batches: list[np.ndarray], epoch: int) -> Iterator[Any]:
         # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
         window = RequestWindow(len(batches), lambda n, fields: self._request(batches[n], {"epoch": epoch, **fields}))
+        poller = ReplyPoller()  # per pass: a socket id reused after a reconnect must not alias
         self.links.open_sessions()
         self.links.readmit()
         while not window.finished:
@@ -453,13 +453,13 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             waiting_on = window.via.get(window.next_yield)
             wait_start = time.monotonic()
             try:  # waiting for replies and for providers to come back: data wait
-                self._act(window, self._next_outcome(window))
+                self._act(window, self._next_outcome(window, poller))
             finally:
                 waited = time.monotonic() - wait_start
                 self.wait_s += waited
                 self.stall.add(waited, waiting_on[0].label if waiting_on else "")
 
-    def _next_outcome(self, window: RequestWindow) -> Outcome:
+    def _next_outcome(self, window: RequestWindow, poller: ReplyPoller) -> Outcome:
         """Wait for what happens next to the requests of this pass (see :mod:`libbus.window`)."""
         live = self.links.live
         if not live:
@@ -467,7 +467,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         if not any(r.pending for r in live):
             return NothingPending()
         oldest = min(r.oldest() for r in live)
-        replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - time.monotonic()), self._poller)
+        replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - time.monotonic()), poller)
         now = time.monotonic()
         overdue = [r for r in live if r.oldest() + self.timeout_s <= now] if replica is None else []
         return window.classify(replica, reply, overdue)
