@@ -112,6 +112,7 @@ def frame(snapshot: dict, previous: dict | None) -> dict:
                 "samples": p.get("samples"),
                 "samples_per_s": p.get("samples_per_s"),
                 "data_wait_pct": p.get("data_wait_pct"),
+                "data_wait_slowest": p.get("data_wait_slowest"),
                 "transport": p.get("transport"),
                 "tasks": stats.get("tasks", {}),
             }
@@ -165,6 +166,14 @@ def _job_row(job: dict) -> dict:
         "loss": p.get("loss"),
         "fraction": min(1.0, p.get("step", 0) / total) if total else 0.0,
     }
+
+
+def _wait(t: dict) -> str:
+    """The data stall: the share of time spent waiting for batches, and the replica waited on most."""
+    if t["data_wait_pct"] is None:
+        return "-"
+    slowest = t.get("data_wait_slowest")
+    return f"{t['data_wait_pct']:.1f}%" + (f" ({slowest})" if slowest and t["data_wait_pct"] >= 1 else "")
 
 
 def _num(value, fmt: str) -> str:
@@ -234,7 +243,7 @@ def draw(f: dict) -> RenderableType:
             _num(t["loss"], ".4f"),
             _num(t["samples"], "d"),
             _num(t["samples_per_s"], ".0f"),
-            _num(t["data_wait_pct"], ".1f") + ("%" if t["data_wait_pct"] is not None else ""),
+            _wait(t),
             t["transport"] or "-",
         )
     jobs = Table(

@@ -154,6 +154,9 @@ class Settings:
     #: providers may share one) and the most bytes it holds, least recently used evicted. Empty: none.
     cache_dir: str = ""
     cache_limit: int = 0
+    #: Provider: the Python modules whose functions pipeline ``user`` stages may run (exact names;
+    #: services/provider/sources/pipeline/user_stage.py). Empty: no user code runs.
+    user_modules: list = field(default_factory=list)
     log_level: str = "INFO"
 
     def resolved(self) -> Settings:

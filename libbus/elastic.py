@@ -83,10 +83,11 @@ def num_batches(order: Order, plan: Plan, start: int = 0) -> int:
 
 
 def state(order: Order, epoch: int, position: int, plan: Plan) -> dict[str, Any]:
-    """``order``'s cursor as a JSON-ready dict; with a plan, a version-2 cursor that carries it."""
+    """``order``'s cursor as a JSON-ready dict (version 2: with its ``plan``, ``None`` for a whole
+    epoch). The keys are the same whatever the plan, so a checkpointer that loads into the shape of
+    a fresh loader's ``state_dict()`` (``torch.distributed.checkpoint``) loads every one of them."""
     out = order.state(epoch, position)
-    if plan is not None:
-        out.update(version=ELASTIC_VERSION, plan=[list(r) for r in plan])
+    out.update(version=ELASTIC_VERSION, plan=None if plan is None else [list(r) for r in plan])
     return out
 
 

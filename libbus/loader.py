@@ -1,11 +1,9 @@
 """``RemoteLoader``: iterate ``(x, y)`` torch tensors of a remote dataset, like a DataLoader.
 
-Batches are pulled by sample index straight from the providers' data sockets, with a configurable
-number of requests in flight. When several providers serve the dataset (replicas), each request
-goes to the one with the fewest outstanding (see :mod:`libbus.replicas`). When a provider runs on
-this host, its batches come through a shared-memory ring instead (no batch bytes cross the
-socket; see :mod:`libbus.delivery`). The order is a seeded shuffle that differs per epoch and is
-reproducible, and batches are yielded in that order whichever replica served them.
+Batches are pulled by sample index straight from the providers' data sockets, ``inflight`` requests
+at a time, each to the replica with the fewest outstanding (:mod:`libbus.replicas`); from a provider
+on this host, through a shared-memory ring (:mod:`libbus.delivery`). The order is a seeded shuffle,
+new each epoch and reproducible, and batches are yielded in it whichever replica served them.
 
 The loader is thin: :class:`~libbus.window.RequestWindow` (no sockets) decides which batch is
 requested from which replica and yields them in order, :class:`~libbus.replica_set.ReplicaSet` owns
@@ -31,6 +29,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -106,7 +105,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         shuffle, seed: ``none``, ``full`` (or ``True``: a permutation per epoch) or ``block``
             (shuffled blocks of ``block_size`` samples, sequential inside), drawn from ``(seed, epoch)``.
         rank, world_size: read shard ``rank`` of ``world_size`` disjoint shards that together
-            cover the split; ``drop_uneven`` gives every rank the same count (for DDP).
+            cover the split. Not given: from an initialized ``torch.distributed`` process group,
+            else ``RANK``/``WORLD_SIZE`` (:func:`libbus.ranks.detect`), else 0 of 1.
+            ``drop_uneven`` gives every rank the same count (default: on with more than one rank).
         inflight: batch requests kept outstanding (prefetch depth), over all replicas.
         timeout_s, retries: per-request reply timeout, and how many times in a row a replica may
             leave a request unanswered (each time it is reconnected and asked again) before its
@@ -122,15 +123,14 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             returns to the ring only when the last tensor viewing it is freed: a batch stays valid
             for as long as it is held, as with ``DataLoader``; a batch that would take the last slot
             the pipeline needs is copied instead.
-        collate: how variable-size fields of a multi-field dataset are yielded: ``"pad"`` (one
-            tensor padded to the batch's longest, plus ``<name>_lengths``) or ``"list"`` (a list
-            of tensors); see :mod:`libbus.collate`. Such datasets yield a dict of fields; those of
-            exactly two fixed fields ``x``, ``y`` yield ``(x, y)``.
+        collate: a dataset of named fields yields a dict, its variable-size fields ``"pad"``-ded (plus
+            ``<name>_lengths``) or as a ``"list"`` (:mod:`libbus.collate`); one of ``x``, ``y``: ``(x, y)``.
         host_id: this machine's id (default: /etc/machine-id), compared with the provider's.
         curve: this client's CURVE key pair (:func:`libbus.curve.load_keys`) on a CURVE cluster;
             its name must be the token's subject. ``router_key`` is then the router's public key,
             and ``provider_key`` the provider's when ``provider=`` is one endpoint (with
             ``router=``, and in ``Resolved`` entries, each provider's key comes with it).
+        transform: a callable applied to each batch before it is yielded (in this process).
 
     Raises :class:`BadRequest` for bad arguments, and what the first provider answered (or
     :class:`PeerTimeout`) when no provider given or resolved can be reached.
@@ -189,12 +189,14 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.drop_last = drop_last
         where = detect(rank, world_size)
         self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
+        self._rank_source = where.source
         self._block_size = block_size
         self._drop_uneven = where.world_size > 1 if drop_uneven is None else drop_uneven
         if transform is not None and not callable(transform):
             raise BadRequest(f"transform must be a callable taking a batch, got {type(transform).__name__}")
         self.transform = transform
         self._plan: Plan = None  # what is left of the current epoch after an elastic resume
+        self._pass: weakref.ref | None = None  # the pass being iterated, if any
         self.epoch = 0
         #: Samples of the current epoch already handed out: with ``epoch``, the loader's cursor.
         self.position = 0
@@ -202,7 +204,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.wait_s = 0.0
         #: The data-stall signal by replica, a Prometheus collector (:mod:`libbus.stall`).
         self.stall = StallMeter(self.dataset, split)
-        self._poller = ReplyPoller()
         self.device = torch.device(device)
         role = _role_of(token() if callable(token) else token)
         self._identity = Identity(
@@ -238,8 +239,16 @@ class RemoteLoader(torch.utils.data.IterableDataset):
                 entries[0]["curve_key"] = provider_key.decode()
         #: The connections to the dataset's replicas (:mod:`libbus.replica_set`).
         self.links = ReplicaSet(links, entries, inflight)
-        self.info = self.links.info
-        self.num_samples = int(self.info["splits"][split]["num_samples"])
+        try:
+            self._take_info(self.links.info)
+        except BaseException:
+            self.links.close()  # a bad seed or block size: the connections go now, not at collection
+            raise
+
+    def _take_info(self, info: dict) -> None:
+        """The first provider's DatasetInfo: the split's size and the order this rank reads."""
+        self.info = info
+        self.num_samples = int(info["splits"][self.split]["num_samples"])
         self._order = Order(
             n=self.num_samples,
             seed=self.seed,
@@ -257,10 +266,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         log.info(
             "%s/%s: rank %d of %d (%s, local rank %d) reads shard [%d, %d) of each epoch's %d samples, %d batches",
             self.dataset,
-            split,
+            self.split,
             self.rank,
             self.world_size,
-            where.source,
+            self._rank_source,
             self.local_rank,
             lo,
             hi,
@@ -336,6 +345,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         if epoch != self.epoch:
             self.epoch, self.position, self._plan = epoch, 0, None
 
+    def rewind(self, epoch: int = 0) -> None:
+        """Start ``epoch`` from its beginning on the next pass, forgetting any restored cursor (and
+        the plan of an elastic resume)."""
+        self.epoch, self.position, self._plan = epoch, 0, None
+
     def order(self, epoch: int) -> np.ndarray:
         """The sample indices this rank reads in ``epoch`` (after an elastic resume, in the resumed
         epoch: what is left of it for this rank)."""
@@ -368,12 +382,26 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.epoch, self.position, self._plan = elastic.restore(self._order, state)
 
     def __iter__(self) -> Iterator[Any]:
-        """One pass: the rest of the current epoch. A pass left early is continued by the next."""
+        """One pass: the rest of the current epoch. A pass left early is continued by the next.
+
+        A pass still open (a loop that stopped after the last batch without asking for more, as
+        Lightning does at ``len(loader)`` batches) is closed first: its slots are freed now, and an
+        epoch whose last batch was handed out is over."""
         if torch.utils.data.get_worker_info() is not None:
             raise BadRequest(
                 "RemoteLoader runs in the main process: use DataLoader(loader, batch_size=None, num_workers=0) "
                 "(it prefetches by itself, inflight= requests ahead)"
             )
+        previous = self._pass() if self._pass is not None else None
+        if previous is not None:
+            previous.close()
+        if self.position > 0 and elastic.num_batches(self._order, self._plan, self.position) == 0:
+            self.epoch, self.position, self._plan = self.epoch + 1, 0, None
+        current = self._one_pass()
+        self._pass = weakref.ref(current)
+        return current
+
+    def _one_pass(self) -> Iterator[Any]:
         epoch, position = self.epoch, self.position
         batches = batches_of(self.order(epoch), self.batch_size, self.drop_last, start=position)
         fetch = self._fetch(batches, epoch)
@@ -413,6 +441,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
     def _pipeline(self, batches: list[np.ndarray], epoch: int) -> Iterator[Any]:
         # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
         window = RequestWindow(len(batches), lambda n, fields: self._request(batches[n], {"epoch": epoch, **fields}))
+        poller = ReplyPoller()  # per pass: a socket id reused after a reconnect must not alias
         self.links.open_sessions()
         self.links.readmit()
         while not window.finished:
@@ -426,13 +455,13 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             waiting_on = window.via.get(window.next_yield)
             wait_start = time.monotonic()
             try:  # waiting for replies and for providers to come back: data wait
-                self._act(window, self._next_outcome(window))
+                self._act(window, self._next_outcome(window, poller))
             finally:
                 waited = time.monotonic() - wait_start
                 self.wait_s += waited
                 self.stall.add(waited, waiting_on[0].label if waiting_on else "")
 
-    def _next_outcome(self, window: RequestWindow) -> Outcome:
+    def _next_outcome(self, window: RequestWindow, poller: ReplyPoller) -> Outcome:
         """Wait for what happens next to the requests of this pass (see :mod:`libbus.window`)."""
         live = self.links.live
         if not live:
@@ -440,7 +469,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         if not any(r.pending for r in live):
             return NothingPending()
         oldest = min(r.oldest() for r in live)
-        replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - time.monotonic()), self._poller)
+        replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - time.monotonic()), poller)
         now = time.monotonic()
         overdue = [r for r in live if r.oldest() + self.timeout_s <= now] if replica is None else []
         return window.classify(replica, reply, overdue)

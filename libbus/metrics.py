@@ -301,6 +301,9 @@ class StatsCollector(Collector):
         yield one(
             GaugeMetricFamily, "trainer_job_running", "1 while the trainer runs a job.", 1 if stats.get("job") else 0
         )
+        wait = stats.get("data_wait_s")
+        if isinstance(wait, (int, float)):  # the data-stall signal: the model idle, waiting for batches
+            yield one(CounterMetricFamily, "trainer_data_wait_seconds", "Seconds training waited for data.", wait)
         tasks = stats.get("tasks")
         if isinstance(tasks, dict):
             fam = family(CounterMetricFamily, "tasks", "Jobs this trainer ran to an end, by final state.", ("state",))

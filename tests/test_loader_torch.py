@@ -78,6 +78,11 @@ def test_a_cursor_saved_at_two_ranks_resumes_at_three_and_at_one_exactly(provide
                 assert loader.epoch == 1
         counts = Counter(seen + rest)
         assert sorted(counts) == list(range(600)) and set(counts.values()) == {1}, f"world {world}"
+    with RemoteLoader("mnist", rank=0, world_size=3, drop_uneven=False, **kw) as loader:
+        loader.load_state_dict(states)
+        assert len(loader.order(0)) == 154  # rank 0 of 3: a third of the 460 left, rounded up
+        loader.rewind()  # starting over forgets the resumed epoch's plan
+        assert len(loader.order(0)) == 200 and loader.state_dict()["plan"] is None
 
 
 def test_a_transform_runs_on_each_batch_in_the_script(provider, make_token):
@@ -106,3 +111,40 @@ def test_the_data_stall_is_counted_by_replica_and_exported(provider, make_token)
     registry.register(loader.stall)
     text = generate_latest(registry).decode()
     assert 'batchbus_loader_data_wait_seconds_total{dataset="mnist",replica="' in text
+
+
+def test_a_loop_that_stops_at_len_batches_starts_the_next_epoch_on_the_next_pass(provider, make_token):
+    """Lightning takes ``len(loader)`` batches and never asks for one more: the epoch is still over."""
+    with RemoteLoader("zeros", provider=provider.endpoint, token=make_token(), batch_size=25, shuffle=False) as loader:
+        it = iter(loader)
+        first = [next(it) for _ in range(len(loader))]
+        assert (loader.epoch, loader.position) == (0, 100) and len(first) == 4
+        assert len(list(loader)) == 4 and loader.epoch == 2  # epoch 1, whole; the next pass is epoch 2
+
+
+def test_the_public_api_is_one_import_and_costs_no_torch_until_used():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, libbus; assert 'torch' not in sys.modules, 'import libbus pulled in torch'; "
+        "from libbus import RemoteLoader, as_float, merge_cursors, errors; "
+        "assert issubclass(errors.BadRequest, errors.BusError) and 'torch' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_torch_distributed_checkpoint_saves_and_loads_the_cursor(provider, make_token, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    kw = dict(provider=provider.endpoint, token=make_token(), batch_size=20, seed=2, rank=0, world_size=1)
+    with RemoteLoader("mnist", **kw) as loader:
+        it = iter(loader)
+        for _ in range(4):
+            next(it)
+        dcp.save({"loader": loader}, checkpoint_id=str(tmp_path))  # a Stateful: its state_dict() is saved
+        rest = ids_of(it)
+    with RemoteLoader("mnist", **kw) as resumed:
+        dcp.load({"loader": resumed}, checkpoint_id=str(tmp_path))
+        assert (resumed.epoch, resumed.position) == (0, 80)
+        assert ids_of(resumed) == rest

@@ -137,6 +137,7 @@ def test_trainer_exports_its_link_and_jobs(router, make_settings):
     me = dict(service="trainer", name="trainer-m")
     assert value(s, "batchbus_router_connected", **me) == 1
     assert value(s, "batchbus_trainer_job_running", **me) == 0
+    assert value(s, "batchbus_trainer_data_wait_seconds_total", **me) == 0  # the data stall, none yet
     assert not thread.is_alive()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url, timeout=2)

@@ -88,3 +88,18 @@ def test_ddp_under_torchrun_without_rank_arguments_resumes_at_other_world_sizes(
     run("ddp_torchrun.py", tmp_path, env, launcher=[*torchrun, "3"])
     assert_exactly_once(tmp_path)
     assert {p.name for p in tmp_path.glob("ledger*.txt")} >= {"ledger-w2-r0.txt", "ledger-w3-r2.txt"}
+
+
+def test_lightning_trainer_with_a_datamodule_resumes_exactly_after_a_kill(env, tmp_path):
+    pytest.importorskip("lightning", reason="needs the recipes extra (pip install -e '.[recipes]')")
+    run("lightning_datamodule.py", tmp_path, env, die_at=5)
+    assert (tmp_path / "last.ckpt").exists()
+    run("lightning_datamodule.py", tmp_path, env)
+    assert_exactly_once(tmp_path)
+
+
+def test_accelerate_with_the_loader_registered_for_checkpointing_resumes_exactly(env, tmp_path):
+    pytest.importorskip("accelerate", reason="needs the recipes extra (pip install -e '.[recipes]')")
+    run("accelerate_prepare.py", tmp_path, env, die_at=5)
+    run("accelerate_prepare.py", tmp_path, env)
+    assert_exactly_once(tmp_path)

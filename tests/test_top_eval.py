@@ -265,6 +265,7 @@ def test_render_is_pure():
                         "samples": 2400,
                         "samples_per_s": 800.0,
                         "data_wait_pct": 3.5,
+                        "data_wait_slowest": "p1",
                         "transport": "shm",
                     },
                 },
@@ -282,7 +283,7 @@ def test_render_is_pure():
     text = console.export_text()
     assert "1000" in text.split("p1", 1)[1].splitlines()[0]  # (3000 - 1000) samples / 2 s
     assert "FORBIDDEN 2, unassigned 1" in text
-    assert "t1" in text and "2/4" in text and "0.2500" in text and "3.5%" in text and "shm" in text
+    assert "t1" in text and "2/4" in text and "0.2500" in text and "3.5% (p1)" in text and "shm" in text
     assert "38%" in text and "150/400" in text  # 150 of 4 x 100 steps
     assert "j2" in text and "queued" in text and "p1: pipeline aug" in text and "flip" in text
     first = Console(file=io.StringIO(), width=200, record=True)

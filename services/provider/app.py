@@ -43,7 +43,7 @@ class ProviderService:
             name, uri = parse_dataset_arg(arg)
             if name in datasets:
                 raise ConfigError(f"dataset name {name!r} is given twice")
-            datasets[name] = open_source(uri, datasets)
+            datasets[name] = open_source(uri, datasets, user_modules=settings.user_modules)
         gate = EvalGate(settings.eval_queue, settings.eval_max_model_bytes, settings.eval_per_minute)
         self.handler = ProviderHandler(
             datasets, host_id=settings.host_id, shm=settings.shm, assigned_only=settings.assigned_only, evalgate=gate

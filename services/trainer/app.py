@@ -46,6 +46,9 @@ class TrainerService:
         self.current_job: str | None = None
         #: Jobs run to an end, by final state (succeeded, failed, stopped).
         self.tasks: Counter = Counter()
+        #: Seconds the jobs that ended waited for data; the running one's come from its loader.
+        self.data_wait_done = 0.0
+        self.run_now: TaskRun | None = None
         #: The Prometheus endpoint while running (``metrics_bind`` set), else ``None``.
         self.metrics: MetricsExporter | None = None
         self.link = Link(
@@ -65,7 +68,13 @@ class TrainerService:
             self.commands.put(msg)
 
     def stats(self) -> dict:
-        return {"job": self.current_job, "tasks": dict(self.tasks), "connected": self.link.connected.is_set()}
+        train = self.run_now.train if self.run_now is not None else None
+        return {
+            "job": self.current_job,
+            "tasks": dict(self.tasks),
+            "connected": self.link.connected.is_set(),
+            "data_wait_s": self.data_wait_done + (train.wait_s if train is not None else 0.0),
+        }
 
     def run(self, stop: threading.Event) -> int:
         self.metrics = start_exporter(self.settings.metrics_bind, "trainer", self.name, self.stats)
@@ -139,12 +148,15 @@ class TrainerService:
                 state, result, error = "failed", {"retryable": False}, describe_failure(err, None)
                 log.error("job %s failed before it started: %s", task.job, error)
             else:
+                self.run_now = run
                 state, result, error = run.run()
                 clean = not run.unclean
             self._flush(reporter, stop)
         finally:
             reporter.close()
-            self.current_job = None
+            if self.run_now is not None and self.run_now.train is not None:
+                self.data_wait_done += self.run_now.train.wait_s
+            self.current_job, self.run_now = None, None
         self.tasks[state] += 1
         if task.rank > 0:  # rank 0 reports for the gang (services/trainer/gang.py)
             log.info("job %s: rank %d of %d ended %s %s", task.job, task.rank, task.world_size, state, error)

@@ -67,6 +67,8 @@ def progress_report(
         "data_wait_s": loader.wait_s,
         "transport": loader.transport,
         "data_wait_pct": 100.0 * loader.wait_s / elapsed,
+        # the replica whose batches were waited for longest: the slow provider, when data is the bottleneck
+        "data_wait_slowest": _slowest(loader),
         "elapsed_s": elapsed,
         "state": state,
         "checkpoint_step": last_checkpoint["step"] if last_checkpoint else None,
@@ -102,3 +104,8 @@ def final_result(
         if kind == TOKENS:
             result["test_perplexity"] = perplexity(evaluation.loss)
     return result
+
+
+def _slowest(loader: RemoteLoader) -> str | None:
+    _, by_replica = loader.stall.snapshot()
+    return max(by_replica, key=by_replica.__getitem__) if by_replica else None

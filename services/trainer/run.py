@@ -224,7 +224,7 @@ class TaskRun:
         except BusError as err:
             log.warning("job %s: cannot resume from %s: %s; starting over", self.job, record.get("path"), err)
             self.resumed_from = {"error": str(err)}
-            self.train.epoch, self.train.position = 0, 0
+            self.train.rewind()  # what load_state_dict may have set (an elastic plan too) is dropped
             return False
         apply_hyper(self.optimizer, self.spec)  # the stored spec has any `set` made since
         self.step = restored.step

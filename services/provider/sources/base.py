@@ -169,6 +169,8 @@ class OpenRequest:
     open: Callable[[str], Source]
     #: The datasets the same provider serves so far, by name (a ``weighted://`` mix may name them).
     named: Mapping[str, Source] = field(default_factory=dict)
+    #: Modules a pipeline's ``user`` stages may run, from the provider's own settings (never a URI).
+    user_modules: frozenset[str] = frozenset()
 
     def int_param(self, key: str, default: int | None) -> int | None:
         """Pop integer parameter ``key`` (``default`` when absent). Raises :class:`DatasetError`."""

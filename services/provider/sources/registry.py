@@ -6,7 +6,7 @@ Adding a source kind means one module under :mod:`services.provider.sources` (im
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 from libbus.errors import DatasetError
@@ -31,10 +31,11 @@ OPENERS: dict[str, Callable[[OpenRequest], Source]] = {
 }
 
 
-def open_source(uri: str, named: Mapping[str, Source] | None = None) -> Source:
+def open_source(uri: str, named: Mapping[str, Source] | None = None, user_modules: Collection[str] = ()) -> Source:
     """Build the source a URI names. Raises :class:`DatasetError` saying what is wrong with it.
 
     ``named``: the datasets the same provider serves so far, which a ``weighted://`` mix may name.
+    ``user_modules``: the modules pipeline ``user`` stages may run (the provider's ``user_modules``).
     """
     parts = urlsplit(uri)
     raw = parse_qs(parts.query, keep_blank_values=True)
@@ -45,7 +46,12 @@ def open_source(uri: str, named: Mapping[str, Source] | None = None) -> Source:
             f"unsupported dataset URI {uri!r}: known schemes are {', '.join(s + '://' for s in OPENERS)}"
         )
     # nested URIs (a mix's members, a pipeline's source) are opened without the provider's names
-    source = opener(OpenRequest(uri, parts, params, open=open_source, named=named or {}))
+    allowed = frozenset(user_modules)
+
+    def nested(inner: str) -> Source:
+        return open_source(inner, user_modules=allowed)
+
+    source = opener(OpenRequest(uri, parts, params, open=nested, named=named or {}, user_modules=allowed))
     if params:
         raise DatasetError(f"{uri}: unknown parameter(s) {', '.join(sorted(params))}")
     return source

@@ -32,14 +32,16 @@ from .engine import Pipeline
 from .image_stages import IMAGE_STAGES
 from .stages import RandomStage, SourceStage, Spec, Stage
 from .text_stages import TEXT_STAGES
-from .transforms import STAGE_TYPES as _TRANSFORM_TYPES
-
-#: Every stage type: the source, the array transforms, the image and the text stages.
-STAGE_TYPES = {**_TRANSFORM_TYPES, **IMAGE_STAGES, **TEXT_STAGES}
+from .transforms import STAGE_TYPES as BUILTIN_TYPES
+from .user_stage import UserStage
 
 __all__ = ["TOP_KEYS", "build_pipeline", "open_pipeline"]
 
 log = logging.getLogger(__name__)
+
+#: Stage types: the source, the array transforms, the image and the text stages, and ``user``
+#: (operator-installed code, :mod:`.user_stage`).
+STAGE_TYPES: dict[str, type[Stage]] = {**BUILTIN_TYPES, **IMAGE_STAGES, **TEXT_STAGES, "user": UserStage}
 
 #: Top-level keys of a pipeline file, with their defaults.
 TOP_KEYS = {"stages": None, "seed": 0, "chunk": 64, "queue_capacity": 4}
@@ -134,12 +136,18 @@ def _chain(where: str, tables: dict[str, dict]) -> list[str]:
 
 
 def build_pipeline(
-    config: dict, uri: str, where: str | None = None, *, open_source: Callable[[str], Source]
+    config: dict,
+    uri: str,
+    where: str | None = None,
+    *,
+    open_source: Callable[[str], Source],
+    user_modules: frozenset[str] = frozenset(),
 ) -> Pipeline:
     """Build and check a pipeline from its parsed TOML ``config``.
 
     Raises :class:`ConfigError` (or :class:`DatasetError` for a source that cannot be opened) naming
-    ``where`` (the file) and the stage at fault. ``open_source`` opens the source stage's URI.
+    ``where`` (the file) and the stage at fault. ``open_source`` opens the source stage's URI;
+    ``user`` stages may run only functions of ``user_modules`` (the provider's own settings).
     """
     where = where or uri
     unknown = sorted(set(config) - set(TOP_KEYS))
@@ -162,7 +170,9 @@ def build_pipeline(
             table = tables[name]
             kind = next(k for k in table if k in STAGE_TYPES)
             cls = STAGE_TYPES[kind]
-            if issubclass(cls, SourceStage):
+            if cls is UserStage:
+                stage = UserStage(name, table[kind], spec, seed, allowed=user_modules)
+            elif issubclass(cls, SourceStage):
                 stage = cls(name, table[kind], spec, open_source=open_source)
             elif issubclass(cls, RandomStage):
                 stage = cls(name, table[kind], spec, seed)
@@ -201,4 +211,4 @@ def open_pipeline(req: OpenRequest) -> Pipeline:
         raise DatasetError(f"{uri}: cannot read pipeline file {path}: {err}") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{uri}: {path} is not valid TOML: {err}") from err
-    return build_pipeline(config, uri, str(path), open_source=req.open)
+    return build_pipeline(config, uri, str(path), open_source=req.open, user_modules=req.user_modules)
