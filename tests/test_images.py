@@ -172,3 +172,30 @@ def test_a_class_folder_that_train_lacks_is_refused(tmp_path):
     (root / "test" / "class7" / "a.jpg").write_bytes(image_bytes(0, 0))
     with pytest.raises(DatasetError, match="class7 is a class folder that train/ does not have"):
         open_source(f"file://{root}?size=8")
+
+
+def test_webdataset_shards_behind_http_read_as_local_ones_with_coalesced_reads(tmp_path):
+    from tests.support.httpd import RangeServer
+
+    root = tmp_path / "www"
+    paths = write_shards(root, "train", shards=2, per_shard=8)
+    server = RangeServer(root)
+    try:
+        query = f"size=12&val_fraction=0&cache={tmp_path / 'cache'}&retries=1&backoff=0.01"
+        remote = open_source(f"{server.url}/train-{{0000..0001}}.tar?{query}")
+        local = open_source(f"file://{root}?size=12&val_fraction=0")
+        assert remote.info()["format"] == "webdataset" and remote.num_samples("train") == 16
+        before = len(server.gets())
+        x, y = remote.read("train", np.arange(8, 16))
+        assert len(server.gets()) - before == 1  # one shard's 8 samples: one range request
+        assert np.array_equal(x, local.read("train", np.arange(8, 16))[0])
+        assert list(y) == list(local.read("train", np.arange(8, 16))[1])
+        assert len(list((tmp_path / "cache").iterdir())) == 2
+        # the shard changes (a new ETag): its index is rebuilt, the other one comes from the cache
+        paths[1].write_bytes(tar_bytes(shard_members("train", 8, 5)))
+        before = len(server.gets())
+        again = open_source(f"{server.url}/train-{{0000..0001}}.tar?{query}")
+        assert again.num_samples("train") == 13
+        assert all(path.endswith("train-0001.tar") for path, _ in server.gets()[before:])
+    finally:
+        server.close()
