@@ -199,3 +199,21 @@ def test_webdataset_shards_behind_http_read_as_local_ones_with_coalesced_reads(t
         assert all(path.endswith("train-0001.tar") for path, _ in server.gets()[before:])
     finally:
         server.close()
+
+
+def test_skipped_bad_images_are_counted_in_the_providers_metrics(tmp_path, start_provider, client_for):
+    from libbus.messages import BatchRequest
+    from tests.support import scrape, value
+
+    root = write_imagefolder(tmp_path / "d", per_class=3, classes=2)
+    (root / "train" / "class0" / "00001.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    running = start_provider(
+        f"pics=file://{root}?size=8&bad=skip&val_fraction=0", metrics_bind="127.0.0.1:0", name="prov-img"
+    )
+    reply = client_for(running.endpoint).request(BatchRequest(dataset="pics", split="train", range=[0, 6]))
+    assert reply is not None
+    s = scrape(running.service.metrics.url)
+    labels = dict(service="provider", name="prov-img", dataset="pics", stage="images")
+    assert value(s, "batchbus_stage_bad_images_total", **labels) == 1
+    assert value(s, "batchbus_stage_items_in_total", **labels) == 6
+    assert value(s, "batchbus_stage_errors_total", **labels) == 0

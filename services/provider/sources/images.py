@@ -64,23 +64,25 @@ class ImageCounters:
 
     def __init__(self, name: str):
         self.name = name
-        self.items = self.bad = 0
+        self.items = self.bad = self.failed = 0
         self.busy_s = 0.0
         self.lock = threading.Lock()
 
-    def add(self, items: int, bad: int, busy_s: float) -> None:
+    def add(self, items: int, bad: int, busy_s: float, failed: bool) -> None:
         with self.lock:
             self.items += items
             self.bad += bad
             self.busy_s += busy_s
+            self.failed += failed
 
     def stage(self) -> dict:
+        """A pipeline stage's counters: ``errors`` counts failed batches, ``bad_images`` bad images."""
         return {
             "name": self.name,
             "type": "decode",
             "items_in": self.items,
             "items_out": self.items - self.bad,
-            "errors": self.bad,
+            "errors": self.failed,
             "bad_images": self.bad,
             "busy_s": round(self.busy_s, 6),
         }
@@ -136,7 +138,7 @@ class ImageSource(Source):
 
         list(self.pool.map(work, range(len(samples))))
         y[...] = np.asarray([s.label for s in samples], np.int64).reshape(y.shape)
-        self.counters.add(len(samples), len(errors), time.perf_counter() - started)
+        self.counters.add(len(samples), len(errors), time.perf_counter() - started, bool(errors) and self.bad == "fail")
         if errors:
             first = errors[min(errors)]
             if self.bad == "fail":
