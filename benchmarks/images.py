@@ -11,8 +11,9 @@ train recipe (decode → random_resized_crop 224 → flip → normalize):
   (``file://DIR?size=224&augment=1`` through a ``RemoteLoader``) against a ``DataLoader`` whose
   workers decode (the consumer plus its workers), and the ratio.
 - ``scale``: one against two provider processes, each pinned to its own core (``taskset``) with
-  ``workers=1``, serving one ``RemoteLoader`` that only counts; and the decoding pool in one process,
-  2 threads against 2 processes against 1 thread, back to back (does the GIL cost anything?).
+  ``workers=1``, serving one ``RemoteLoader`` that only counts; and one provider's decoding pool,
+  ``workers=2`` threads against ``workers=2&pool=process`` against 1 thread, back to back (does the
+  GIL cost anything?).
 
 CPU-seconds are the honest unit on a shared machine: wall rates move with the neighbours' load.
 
@@ -25,7 +26,6 @@ import argparse
 import io
 import json
 import math
-import multiprocessing
 import os
 import resource
 import shutil
@@ -118,26 +118,6 @@ def run_source(uri: str, n: int, batch: int = 32) -> tuple[float, float]:
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
     source.close()
     return done / elapsed, done / cpu
-
-
-def _pool_worker(args) -> int:
-    uri, lo, hi = args
-    source = open_source(uri)
-    x = np.empty((hi - lo, *source.sample_shape), source.dtype)
-    source.serve_into("train", np.arange(lo, hi), x, np.empty(hi - lo, np.int64), epoch=1)
-    source.close()
-    return hi - lo
-
-
-def run_processes(uri: str, n: int, procs: int) -> float:
-    """Samples per wall-second with ``procs`` processes each serving a share (``workers=1`` each)."""
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(procs) as pool:
-        pool.map(_pool_worker, [(uri, 0, 8)] * procs)  # start-up and imports are not the steady state
-        started = time.perf_counter()
-        step = n // procs
-        done = sum(pool.map(_pool_worker, [(uri, i * step, (i + 1) * step) for i in range(procs)]))
-        return done / (time.perf_counter() - started)
 
 
 def run_dataloader(paths: list[Path], workers: int, batch: int = 32) -> tuple[float, float, float]:
@@ -272,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         with pinned({cores[0]}):
             t1, _ = run_source(uri + "&workers=1", args.images)
         t2, _ = run_source(uri + "&workers=2", args.images)
-        p2 = run_processes(uri + "&workers=1", args.images, 2)
+        p2, _ = run_source(uri + "&workers=2&pool=process", args.images)
         scale.update(
             threads1=round(t1, 1), threads2=round(t2, 1), processes2=round(p2, 1),
             threads2_vs_1=round(t2 / t1, 2), threads2_vs_processes2=round(t2 / p2, 2),

@@ -155,6 +155,7 @@ def test_a_bad_image_fails_the_batch_naming_it_or_is_skipped_and_counted(tmp_pat
         ("?size=8&bad=ignore", "bad must be one of fail, skip"),
         ("?size=8&augment=maybe", "augment must be 0 or 1"),
         ("?size=8&workers=0", "workers must be between"),
+        ("?size=8&pool=fork", "pool must be one of thread, process"),
         ("?size=8&encoded=1", "not both"),
         ("?size=8&val_fraction=2", "val_fraction must be in"),
         ("?size=8&colour=1", "unknown parameter"),
@@ -217,3 +218,27 @@ def test_skipped_bad_images_are_counted_in_the_providers_metrics(tmp_path, start
     assert value(s, "batchbus_stage_bad_images_total", **labels) == 1
     assert value(s, "batchbus_stage_items_in_total", **labels) == 6
     assert value(s, "batchbus_stage_errors_total", **labels) == 0
+
+
+def test_worker_processes_serve_the_same_bytes_as_threads(tmp_path):
+    root = write_imagefolder(tmp_path / "d", per_class=5, classes=2)
+    (root / "train" / "class1" / "00002.webp").write_bytes(b"RIFF....WEBP broken")
+    query = "size=12&augment=1&bad=skip&val_fraction=0&workers=2"
+    threads = open_source(f"file://{root}?{query}")
+    processes = open_source(f"file://{root}?{query}&pool=process")
+    try:
+        shape = (10, 3, 12, 12)
+        for epoch in (0, 3):
+            xt, xp = np.empty(shape, np.uint8), np.empty(shape, np.uint8)
+            yt, yp = np.empty(10, np.int64), np.empty(10, np.int64)
+            threads.serve_into("train", np.arange(10), xt, yt, epoch=epoch)
+            processes.serve_into("train", np.arange(10), xp, yp, epoch=epoch)
+            assert np.array_equal(xt, xp) and np.array_equal(yt, yp)
+        assert processes.metrics()["stages"][0]["bad_images"] == 2
+        failing = open_source(f"file://{root}?size=12&val_fraction=0&workers=2&pool=process")
+        with pytest.raises(DatasetError, match="00002.webp: not a whole image"):
+            failing.read("train", np.arange(10))
+        failing.close()
+    finally:
+        threads.close()
+        processes.close()

@@ -22,9 +22,11 @@ Without ``size``, ``&encoded=1`` opens the same files as encoded bytes, for a pi
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 
@@ -38,6 +40,8 @@ __all__ = ["BAD_POLICIES", "EncodedImages", "ImageSource", "default_workers", "b
 
 log = logging.getLogger(__name__)
 
+#: How a provider runs its decoding: threads of its own process, or worker processes.
+POOLS = ("thread", "process")
 #: torchvision's RandomResizedCrop defaults.
 RRC_SCALE, RRC_RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)
 
@@ -99,7 +103,19 @@ class ImageCounters:
 class ImageSource(Source):
     """Encoded images from ``store`` (an ImageFolder or WebDataset layout), served as ``(3, S, S)`` uint8."""
 
-    def __init__(self, uri: str, store, size: int, *, augment: bool, bad: str, workers: int, seed: int, fmt: str):
+    def __init__(
+        self,
+        uri: str,
+        store,
+        size: int,
+        *,
+        augment: bool,
+        bad: str,
+        workers: int,
+        seed: int,
+        fmt: str,
+        worker_source: tuple | None = None,
+    ):
         self.uri, self.store, self.size = uri, store, size
         self.augment, self.bad, self.seed, self.format = augment, bad, seed, fmt
         self.sample_shape = (3, size, size)
@@ -107,7 +123,15 @@ class ImageSource(Source):
         self.class_names = list(store.class_names)
         self.num_classes = len(self.class_names)
         self.workers = workers
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="decode")
+        self.pool = ThreadPoolExecutor(1 if worker_source else workers, thread_name_prefix="decode")
+        #: ``pool=process``: ``workers`` processes, each with its own one-thread copy of this source.
+        self.processes: ProcessPoolExecutor | None = None
+        if worker_source is not None:
+            opener, worker_uri = worker_source
+            context = multiprocessing.get_context("spawn")  # the provider has threads: no fork
+            self.processes = ProcessPoolExecutor(
+                workers, mp_context=context, initializer=_init_worker, initargs=(opener, worker_uri)
+            )
         self.counters = ImageCounters("images")
 
     def num_samples(self, split: str) -> int:
@@ -132,21 +156,42 @@ class ImageSource(Source):
             img = imageops.center_crop(imageops.resize_shorter(img, s), s, s)
         out[...] = np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)
 
-    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *, epoch: int = 0) -> None:
-        started = time.perf_counter()
+    def decode_into(self, split: str, indices: np.ndarray, epoch: int, x: np.ndarray, y: np.ndarray) -> dict[int, str]:
+        """Decode ``indices`` into ``x``/``y`` on this process's threads; the bad rows, with why."""
         samples = self.store.fetch(split, indices)
-        errors: dict[int, imageops.BadImage] = {}
+        errors: dict[int, str] = {}
         u = batch_uniforms(self.seed, epoch, split, indices, 41) if self.augment and split == "train" else None
 
         def work(row: int) -> None:
             try:
                 self._one(samples[row], split, None if u is None else u[row], x[row])
             except imageops.BadImage as err:
-                errors[row] = err
+                errors[row] = str(err)
 
         list(self.pool.map(work, range(len(samples))))
         y[...] = np.asarray([s.label for s in samples], np.int64).reshape(y.shape)
-        self.counters.add(len(samples), len(errors), time.perf_counter() - started, bool(errors) and self.bad == "fail")
+        return errors
+
+    def _decode_processes(self, split: str, indices: np.ndarray, epoch: int, x, y) -> dict[int, str]:
+        """Cut the batch into ``workers`` runs, one per worker process; gather their rows."""
+        parts = [p for p in np.array_split(np.arange(len(indices)), self.workers) if len(p)]
+        futures = [self.processes.submit(_decode_part, split, indices[p], epoch) for p in parts]
+        errors: dict[int, str] = {}
+        for rows, fut in zip(parts, futures):
+            px, py, perr = fut.result()
+            x[rows] = px
+            y[rows] = py.reshape(y[rows].shape)
+            errors.update({int(rows[r]): why for r, why in perr.items()})
+        return errors
+
+    def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *, epoch: int = 0) -> None:
+        started = time.perf_counter()
+        if self.processes is not None:
+            errors = self._decode_processes(split, indices, epoch, x, y)
+        else:
+            errors = self.decode_into(split, indices, epoch, x, y)
+        failed = bool(errors) and self.bad == "fail"
+        self.counters.add(len(indices), len(errors), time.perf_counter() - started, failed)
         if errors:
             first = errors[min(errors)]
             if self.bad == "fail":
@@ -162,7 +207,31 @@ class ImageSource(Source):
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.processes is not None:
+            self.processes.shutdown(wait=True, cancel_futures=True)
         self.store.close()
+
+
+#: In a ``pool=process`` worker: its own copy of the source (one decoding thread).
+_WORKER: dict = {}
+
+
+def _init_worker(opener, uri: str) -> None:
+    _WORKER["source"] = opener(uri)
+
+
+def _decode_part(split: str, indices: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+    source = _WORKER["source"]
+    x = np.empty((len(indices), *source.sample_shape), source.dtype)
+    y = np.empty(len(indices), np.int64)
+    return x, y, source.decode_into(split, indices, epoch, x, y)
+
+
+def _worker_uri(uri: str) -> str:
+    """The URI a ``pool=process`` worker opens: the same dataset, decoded on one thread."""
+    parts = urlsplit(uri)
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in ("pool", "workers")]
+    return urlunsplit(parts._replace(query=urlencode([*query, ("pool", "thread"), ("workers", "1")])))
 
 
 class EncodedImages(Source):
@@ -218,6 +287,9 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
         bad = req.params.pop("bad", "fail")
         if bad not in BAD_POLICIES:
             raise DatasetError(f"{req.uri}: bad must be one of {', '.join(BAD_POLICIES)}, got {bad!r}")
+        pool = req.params.pop("pool", "thread")
+        if pool not in POOLS:
+            raise DatasetError(f"{req.uri}: pool must be one of {', '.join(POOLS)}, got {pool!r}")
         workers = req.int_param("workers", None)
         workers = default_workers() if workers is None else workers
         seed = req.int_param("seed", 0)
@@ -241,7 +313,18 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
             raise DatasetError(f"{req.uri}: workers must be between 1 and 256, got {workers}")
         if seed is None or seed < 0:
             raise DatasetError(f"{req.uri}: seed must be a non-negative integer")
-        return ImageSource(req.uri, store, size, augment=augment, bad=bad, workers=workers, seed=seed, fmt=fmt)
+        worker_source = (req.open, _worker_uri(req.uri)) if pool == "process" else None
+        return ImageSource(
+            req.uri,
+            store,
+            size,
+            augment=augment,
+            bad=bad,
+            workers=workers,
+            seed=seed,
+            fmt=fmt,
+            worker_source=worker_source,
+        )
     except BaseException:
         store.close()
         raise
