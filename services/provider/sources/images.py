@@ -280,8 +280,9 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
     """The source for an image layout ``store``, from the URI's ``size``, ``augment``, ``bad``,
     ``workers``, ``seed`` and ``encoded`` parameters. Raises :class:`DatasetError` for bad ones."""
     try:
-        imageops.require_pillow(req.uri)
         encoded = _flag(req, "encoded")
+        if fmt != "text":
+            imageops.require_pillow(req.uri)
         size = req.int_param("size", None)
         augment = _flag(req, "augment")
         bad = req.params.pop("bad", "fail")
