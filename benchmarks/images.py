@@ -1,17 +1,21 @@
 """Images decoded on the provider: the three rows of issue 15's Performance section, in one run.
 
-Generated JPEGs of realistic size (500×375, quality 90) in an ImageFolder tree; the ImageNet train recipe
-(decode → random_resized_crop 224 → flip → normalize):
+Generated JPEGs of realistic size (500×375, quality 90, ~125 KB) in an ImageFolder tree; the ImageNet
+train recipe (decode → random_resized_crop 224 → flip → normalize):
 
-- ``per-core``: samples/s on one core (the process pinned to it): batchbus's pipeline
-  (examples/pipelines/imagenet-train.toml, every stage ``workers = 1``) against
+- ``per-core``: samples per CPU-second and per wall-second, the process pinned to one core:
+  batchbus's pipeline (examples/pipelines/imagenet-train.toml, every stage ``workers = 1``) against
   ``DataLoader(num_workers=1)`` doing the same work per sample with Pillow and torch (torchvision's
-  recipe, written out: there is no CPU torchvision build to install here).
+  recipe written out: torchvision's PyPI wheel does not load against the CPU torch here).
 - ``offload``: the consumer's CPU seconds per 1,000 samples when a provider process decodes
   (``file://DIR?size=224&augment=1`` through a ``RemoteLoader``) against a ``DataLoader`` whose
   workers decode (the consumer plus its workers), and the ratio.
-- ``scale``: the provider's decoding pool at ``workers=1`` pinned to one core against ``workers=2`` on
-  two cores (threads, one process), samples/s and the ratio.
+- ``scale``: one against two provider processes, each pinned to its own core (``taskset``) with
+  ``workers=1``, serving one ``RemoteLoader`` that only counts; and one provider's decoding pool,
+  ``workers=2`` threads against ``workers=2&pool=process`` against 1 thread, back to back (does the
+  GIL cost anything?).
+
+CPU-seconds are the honest unit on a shared machine: wall rates move with the neighbours' load.
 
     python -m benchmarks.images --images 256 --json images.json
 """
@@ -24,6 +28,9 @@ import json
 import math
 import os
 import resource
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -98,30 +105,32 @@ def pinned(cores: set[int]):
     return Pin()
 
 
-def run_source(uri: str, n: int, batch: int = 32) -> float:
+def run_source(uri: str, n: int, batch: int = 32) -> tuple[float, float]:
+    """(samples per wall-second, samples per CPU-second of this process) serving ``n`` samples."""
     source = open_source(uri)
     x = np.empty((batch, *source.sample_shape), source.dtype)
     y = np.empty(batch, np.int64)
     source.serve_into("train", np.arange(batch), x, y, epoch=0)  # warm-up
-    started, done = time.perf_counter(), 0
+    started, cpu0, done = time.perf_counter(), time.process_time(), 0
     for start in range(0, n - batch + 1, batch):
         source.serve_into("train", np.arange(start, start + batch), x, y, epoch=1)
         done += batch
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
     source.close()
-    return done / elapsed
+    return done / elapsed, done / cpu
 
 
-def run_dataloader(paths: list[Path], workers: int, batch: int = 32) -> tuple[float, float]:
-    """(samples/s, CPU seconds of this process and its workers per 1000 samples)."""
+def run_dataloader(paths: list[Path], workers: int, batch: int = 32) -> tuple[float, float, float]:
+    """(samples/s, samples per CPU-second, CPU seconds per 1000 samples) of this process and its workers."""
     loader = torch.utils.data.DataLoader(TorchRecipe(paths), batch_size=batch, num_workers=workers, drop_last=True)
     cpu0 = _cpu()
     started, done = time.perf_counter(), 0
     for x, _ in loader:
         done += len(x)
     elapsed = time.perf_counter() - started
-    del loader
-    return done / elapsed, (_cpu() - cpu0) / done * 1000
+    del loader  # its workers exit: their CPU time lands in RUSAGE_CHILDREN
+    cpu = _cpu() - cpu0
+    return done / elapsed, done / cpu, cpu / done * 1000
 
 
 def _cpu() -> float:
@@ -129,10 +138,14 @@ def _cpu() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _token(state: Path) -> str:
+    secret = ensure_secret(state / "secret")
+    return issue_token(secret, sub="bench", role="trainer", audience="batchbus", ttl_s=3600, datasets=["img"])
+
+
 def run_remote(root: Path, state: Path, n: int, batch: int = 32) -> tuple[float, float]:
     """A provider process decodes; (samples/s, this consumer's CPU seconds per 1000 samples)."""
-    secret = ensure_secret(state / "secret")
-    token = issue_token(secret, sub="bench", role="trainer", audience="batchbus", ttl_s=3600, datasets=["img"])
+    token = _token(state)
     procs = ServiceProcs(state)
     try:
         router = procs.start("router", "--bind", "tcp://127.0.0.1:0", "--log-level", "WARNING")
@@ -141,15 +154,57 @@ def run_remote(root: Path, state: Path, n: int, batch: int = 32) -> tuple[float,
             "--dataset", f"img=file://{root}?size=224&augment=1&val_fraction=0",
         )  # fmt: skip
         with RemoteLoader("img", provider=endpoint, token=token, batch_size=batch, seed=0, drop_last=True) as loader:
-            batches = iter(loader)
-            next(batches)  # connection and ring set-up are not the steady state
+            # from the first request, set-up included: the loader asks batches ahead of the consumer
             cpu0 = time.process_time()
             started, done = time.perf_counter(), 0
-            for x, _ in batches:
-                done += len(x)
+            for _ in range(2):
+                for x, _ in loader:
+                    done += len(x)
             elapsed = time.perf_counter() - started
             return done / elapsed, (time.process_time() - cpu0) / max(done, 1) * 1000
     finally:
+        procs.stop()
+
+
+def run_pinned_providers(root: Path, state: Path, cores: list[int], epochs: int = 3, batch: int = 32) -> float:
+    """Samples/s that one counting RemoteLoader gets from ``len(cores)`` provider processes, each pinned
+    to its core (``taskset``) with one decoding thread."""
+    token = _token(state)
+    procs = ServiceProcs(state)
+    providers: list[subprocess.Popen] = []
+    try:
+        router = procs.start("router", "--bind", "tcp://127.0.0.1:0", "--log-level", "WARNING")
+        endpoints = []
+        for i, core in enumerate(cores):
+            ready = state / f"p{i}.endpoint"
+            cmd = [
+                "taskset", "-c", str(core), sys.executable, "-m", "cli", "start", "provider",
+                "--state-dir", str(state), "--router", router, "--name", f"p{i}", "--log-level", "WARNING",
+                "--ready-file", str(ready),
+                "--dataset", f"img=file://{root}?size=224&augment=1&val_fraction=0&workers=1",
+            ]  # fmt: skip
+            providers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                if time.monotonic() > deadline or providers[-1].poll() is not None:
+                    raise SystemExit(f"provider p{i} did not start")
+                time.sleep(0.05)
+            endpoints.append(ready.read_text().strip())
+        with RemoteLoader(
+            "img", provider=endpoints, token=token, batch_size=batch, seed=0, drop_last=True, inflight=4
+        ) as loader:
+            # timed from the first request: the loader asks ``inflight`` batches ahead, so a clock
+            # started at the first batch would leave out the work already under way
+            started, done = time.perf_counter(), 0
+            for _ in range(epochs):
+                for x, _ in loader:
+                    done += len(x)
+            return done / (time.perf_counter() - started)
+    finally:
+        for p in providers:
+            p.terminate()
+        for p in providers:
+            p.wait(15)
         procs.stop()
 
 
@@ -169,25 +224,39 @@ def main(argv: list[str] | None = None) -> int:
         pipeline.write_text(text.replace("?encoded=1", "?encoded=1&val_fraction=0"))
         rows: dict[str, dict] = {}
         with pinned({cores[0]}):
-            bb = run_source(f"pipeline://{pipeline}", args.images)
-            dl, _ = run_dataloader(paths, 1)
-        rows["per-core"] = {"batchbus": round(bb, 1), "dataloader": round(dl, 1), "ratio": round(bb / dl, 2)}
-        _, dl_cpu = run_dataloader(paths, min(2, len(cores)))
+            bb_wall, bb_cpu = run_source(f"pipeline://{pipeline}", args.images)
+            dl_wall, dl_cpu, _ = run_dataloader(paths, 1)
+        rows["per-core"] = {
+            "batchbus_per_cpu_s": round(bb_cpu, 1),
+            "dataloader_per_cpu_s": round(dl_cpu, 1),
+            "ratio_cpu": round(bb_cpu / dl_cpu, 2),
+            "batchbus_per_s": round(bb_wall, 1),
+            "dataloader_per_s": round(dl_wall, 1),
+            "ratio_wall": round(bb_wall / dl_wall, 2),
+        }
+        _, _, dl_cpu_1k = run_dataloader(paths, min(2, len(cores)))
         remote_rate, remote_cpu = run_remote(root, Path(tmp) / "state", args.images)
         rows["offload"] = {
             "provider_decodes_cpu_s_per_1k": round(remote_cpu, 3),
-            "dataloader_cpu_s_per_1k": round(dl_cpu, 3),
-            "ratio": round(remote_cpu / dl_cpu, 3),
+            "dataloader_cpu_s_per_1k": round(dl_cpu_1k, 3),
+            "ratio": round(remote_cpu / dl_cpu_1k, 3),
             "remote_samples_per_s": round(remote_rate, 1),
         }
+        uri = f"file://{root}?size=224&augment=1&val_fraction=0"
+        scale: dict[str, float] = {}
+        if shutil.which("taskset") and len(cores) >= 2:
+            one = run_pinned_providers(root, Path(tmp) / "s1", cores[:1])
+            two = run_pinned_providers(root, Path(tmp) / "s2", cores[:2])
+            scale.update(providers1=round(one, 1), providers2=round(two, 1), providers_ratio=round(two / one, 2))
         with pinned({cores[0]}):
-            one = run_source(f"file://{root}?size=224&augment=1&workers=1&val_fraction=0", args.images)
-        two = run_source(f"file://{root}?size=224&augment=1&workers=2&val_fraction=0", args.images)
-        rows["scale"] = {
-            "workers1_1core": round(one, 1),
-            "workers2_2cores": round(two, 1),
-            "ratio": round(two / one, 2),
-        }
+            t1, _ = run_source(uri + "&workers=1", args.images)
+        t2, _ = run_source(uri + "&workers=2", args.images)
+        p2, _ = run_source(uri + "&workers=2&pool=process", args.images)
+        scale.update(
+            threads1=round(t1, 1), threads2=round(t2, 1), processes2=round(p2, 1),
+            threads2_vs_1=round(t2 / t1, 2), threads2_vs_processes2=round(t2 / p2, 2),
+        )  # fmt: skip
+        rows["scale"] = scale
     out = {"images": args.images, "cores": len(cores), "rows": rows}
     print(json.dumps(out, indent=2))
     if args.json:

@@ -98,6 +98,7 @@ _STAGE_METRICS = {
     "items_out": (CounterMetricFamily, "stage_items_out", "Samples a pipeline stage put out."),
     "errors": (CounterMetricFamily, "stage_errors", "Chunks a pipeline stage failed on (each failed its batch)."),
     "busy_s": (CounterMetricFamily, "stage_busy_seconds", "Seconds a pipeline stage spent working."),
+    "bad_images": (CounterMetricFamily, "stage_bad_images", "Bad images a decode stage met (skipped or failed)."),
     "queue_size": (GaugeMetricFamily, "stage_queue_size", "Chunks waiting in a stage's output queue now."),
     "queue_capacity": (GaugeMetricFamily, "stage_queue_capacity", "Chunks a stage's output queue holds."),
     "queue_put": (CounterMetricFamily, "stage_queue_put", "Chunks put into a stage's output queue."),
@@ -273,7 +274,7 @@ class StatsCollector(Collector):
             rows += [(st.get("name", "?"), st, st.get("queue", {})) for st in pipeline.get("stages", [])]
             for stage, counters, queue in rows:
                 values = {
-                    **{k: counters.get(k) for k in ("items_in", "items_out", "errors", "busy_s")},
+                    **{k: counters.get(k) for k in ("items_in", "items_out", "errors", "busy_s", "bad_images")},
                     **{f"queue_{k}": queue.get(k) for k in ("size", "capacity", "put", "get", "drop")},
                 }
                 for key, value in values.items():

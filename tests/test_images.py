@@ -155,6 +155,7 @@ def test_a_bad_image_fails_the_batch_naming_it_or_is_skipped_and_counted(tmp_pat
         ("?size=8&bad=ignore", "bad must be one of fail, skip"),
         ("?size=8&augment=maybe", "augment must be 0 or 1"),
         ("?size=8&workers=0", "workers must be between"),
+        ("?size=8&pool=fork", "pool must be one of thread, process"),
         ("?size=8&encoded=1", "not both"),
         ("?size=8&val_fraction=2", "val_fraction must be in"),
         ("?size=8&colour=1", "unknown parameter"),
@@ -172,3 +173,72 @@ def test_a_class_folder_that_train_lacks_is_refused(tmp_path):
     (root / "test" / "class7" / "a.jpg").write_bytes(image_bytes(0, 0))
     with pytest.raises(DatasetError, match="class7 is a class folder that train/ does not have"):
         open_source(f"file://{root}?size=8")
+
+
+def test_webdataset_shards_behind_http_read_as_local_ones_with_coalesced_reads(tmp_path):
+    from tests.support.httpd import RangeServer
+
+    root = tmp_path / "www"
+    paths = write_shards(root, "train", shards=2, per_shard=8)
+    server = RangeServer(root)
+    try:
+        query = f"size=12&val_fraction=0&cache={tmp_path / 'cache'}&retries=1&backoff=0.01"
+        remote = open_source(f"{server.url}/train-{{0000..0001}}.tar?{query}")
+        local = open_source(f"file://{root}?size=12&val_fraction=0")
+        assert remote.info()["format"] == "webdataset" and remote.num_samples("train") == 16
+        before = len(server.gets())
+        x, y = remote.read("train", np.arange(8, 16))
+        assert len(server.gets()) - before == 1  # one shard's 8 samples: one range request
+        assert np.array_equal(x, local.read("train", np.arange(8, 16))[0])
+        assert list(y) == list(local.read("train", np.arange(8, 16))[1])
+        assert len(list((tmp_path / "cache").iterdir())) == 2
+        # the shard changes (a new ETag): its index is rebuilt, the other one comes from the cache
+        paths[1].write_bytes(tar_bytes(shard_members("train", 8, 5)))
+        before = len(server.gets())
+        again = open_source(f"{server.url}/train-{{0000..0001}}.tar?{query}")
+        assert again.num_samples("train") == 13
+        assert all(path.endswith("train-0001.tar") for path, _ in server.gets()[before:])
+    finally:
+        server.close()
+
+
+def test_skipped_bad_images_are_counted_in_the_providers_metrics(tmp_path, start_provider, client_for):
+    from libbus.messages import BatchRequest
+    from tests.support import scrape, value
+
+    root = write_imagefolder(tmp_path / "d", per_class=3, classes=2)
+    (root / "train" / "class0" / "00001.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    running = start_provider(
+        f"pics=file://{root}?size=8&bad=skip&val_fraction=0", metrics_bind="127.0.0.1:0", name="prov-img"
+    )
+    reply = client_for(running.endpoint).request(BatchRequest(dataset="pics", split="train", range=[0, 6]))
+    assert reply is not None
+    s = scrape(running.service.metrics.url)
+    labels = dict(service="provider", name="prov-img", dataset="pics", stage="images")
+    assert value(s, "batchbus_stage_bad_images_total", **labels) == 1
+    assert value(s, "batchbus_stage_items_in_total", **labels) == 6
+    assert value(s, "batchbus_stage_errors_total", **labels) == 0
+
+
+def test_worker_processes_serve_the_same_bytes_as_threads(tmp_path):
+    root = write_imagefolder(tmp_path / "d", per_class=5, classes=2)
+    (root / "train" / "class1" / "00002.webp").write_bytes(b"RIFF....WEBP broken")
+    query = "size=12&augment=1&bad=skip&val_fraction=0&workers=2"
+    threads = open_source(f"file://{root}?{query}")
+    processes = open_source(f"file://{root}?{query}&pool=process")
+    try:
+        shape = (10, 3, 12, 12)
+        for epoch in (0, 3):
+            xt, xp = np.empty(shape, np.uint8), np.empty(shape, np.uint8)
+            yt, yp = np.empty(10, np.int64), np.empty(10, np.int64)
+            threads.serve_into("train", np.arange(10), xt, yt, epoch=epoch)
+            processes.serve_into("train", np.arange(10), xp, yp, epoch=epoch)
+            assert np.array_equal(xt, xp) and np.array_equal(yt, yp)
+        assert processes.metrics()["stages"][0]["bad_images"] == 2
+        failing = open_source(f"file://{root}?size=12&val_fraction=0&workers=2&pool=process")
+        with pytest.raises(DatasetError, match="00002.webp: not a whole image"):
+            failing.read("train", np.arange(10))
+        failing.close()
+    finally:
+        threads.close()
+        processes.close()

@@ -53,3 +53,18 @@ def test_resnet18_is_torchvisions_and_takes_images_of_any_size():
     small = build_model("resnet18", {**info, "sample_shape": [3, 40, 40], "num_classes": 3}, width=8).eval()
     for shape in ((2, 3, 40, 40), (1, 3, 17, 23), (2, 3, 96, 64)):
         assert small(torch.zeros(shape)).shape == (shape[0], 3)
+
+
+def test_busctl_datasets_shows_an_image_folder_as_3_s_s_uint8(tmp_path, router, start_provider, state_dir):
+    from tests.support import busctl
+    from tests.support.images import write_imagefolder
+
+    root = write_imagefolder(tmp_path / "pets", per_class=3, classes=2)
+    start_provider(f"pets=file://{root}?size=24", name="prov-img")
+    out = busctl(
+        "datasets", "--router", router.endpoint, "--state-dir", str(state_dir), timeout=60,
+        env={"BATCHBUS_REQUEST_TIMEOUT_S": "5", "BATCHBUS_REQUEST_RETRIES": "0"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for words in ("pets  (image)", "(3, 24, 24) uint8", "int64, 2 classes"):
+        assert words in out.stdout, f"{words!r} missing from:\n{out.stdout}"

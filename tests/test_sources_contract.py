@@ -21,6 +21,7 @@ from services.provider.sources import OPENERS, open_source
 from tests.support.contract import check_fields_contract, check_source_contract, peak_rss
 from tests.support.httpd import RangeServer
 from tests.support.s3server import S3Server
+from tests.support.images import write_imagefolder, write_shards
 
 MB = 1 << 20
 
@@ -117,11 +118,18 @@ def case(scheme: str, tmp_path: Path, server: RangeServer, request=None) -> tupl
             """)
         )
         return f"pipeline://{tmp_path / 'p.toml'}", None
+    if scheme == "file-imagefolder":  # images decoded on the provider (issue 15)
+        write_imagefolder(tmp_path / "if", per_class=6, classes=2, splits=("train", "test"))
+        return f"file://{tmp_path / 'if'}?size=8&augment=1&workers=2", None
+    if scheme == "http-webdataset":
+        write_shards(tmp_path / "wds", "train", shards=2, per_shard=6)
+        return f"{server.url}/wds/train-{{0000..0001}}.tar?size=8&cache={tmp_path / 'cache'}&retries=1", None
     raise AssertionError(f"no contract case for scheme {scheme!r}: add one to tests/test_sources_contract.py")
 
 
 SCHEMES = ["mock", "mock-tokens", "dummy", "file", "file-stream", "http", "s3", "parquet", "weighted", "pipeline"]
 SCHEMES += ["mock-fields"]  # samples with named fields (issue 15)
+SCHEMES += ["file-imagefolder", "http-webdataset"]
 
 
 def test_every_registered_scheme_has_a_contract_case():

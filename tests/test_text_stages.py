@@ -46,6 +46,12 @@ def test_webdataset_txt_members_are_tokenized_too(tmp_path):
     tokenizer = Tokenizer.from_file(str(tok_path))
     assert all(np.array_equal(x[i], expected(tokenizer, document(i), 8)) for i in range(5))
     source.close()
+    # shards of images alone: the batch fails naming the sample, never a batch of padding
+    (root / "train-0000.tar").write_bytes(tar_bytes(shard_members("train", 0, 3)))
+    no_text = open_source(text_pipeline(tmp_path / "q.toml", f"file://{root}?encoded=1&val_fraction=0", tok_path, 8))
+    with pytest.raises(DatasetError, match="train-0000.tar:train/s000000 has no text"):
+        no_text.read("train", np.arange(3))
+    no_text.close()
 
 
 @pytest.mark.parametrize(

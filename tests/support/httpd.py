@@ -70,7 +70,8 @@ class _Handler(BaseHTTPRequestHandler):
             size = path.stat().st_size
             match = RANGE.fullmatch(rng or "")
             if match is None or owner.no_ranges:
-                self._reply(200, b"" if head else path.read_bytes(), length=size)
+                etag = f'"{path.stat().st_mtime_ns:x}-{size:x}"'  # what a real server derives it from
+                self._reply(200, b"" if head else path.read_bytes(), length=size, etag=etag)
                 return
             a, b = int(match.group(1)), min(int(match.group(2)), size - 1)
             with path.open("rb") as f:
@@ -91,8 +92,10 @@ class _Handler(BaseHTTPRequestHandler):
             with self.server.lock:
                 owner.inflight -= 1
 
-    def _reply(self, status: int, body: bytes, length: int | None = None) -> None:
+    def _reply(self, status: int, body: bytes, length: int | None = None, etag: str | None = None) -> None:
         self.send_response(status)
+        if etag is not None:
+            self.send_header("ETag", etag)
         self.send_header("Content-Length", str(len(body) if length is None else length))
         self.end_headers()
         if self.command != "HEAD":

@@ -19,10 +19,14 @@ mean for ``file://``. HTTP settings: ``timeout`` (seconds per request, default 1
 (default 3), ``backoff`` (seconds before the first retry, doubling; default 0.2), ``concurrency``
 (requests in flight per dataset, default 8), ``ca`` (a PEM file of CAs to trust for https instead
 of the system's). File sizes are learned once at start-up.
+
+URIs naming ``.tar`` files (``https://host/shards/train-{0000..0099}.tar``) are WebDataset shards,
+decoded on the provider as under ``file://`` (:mod:`.images`: ``size``, ``augment``, ``bad``, …).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from fnmatch import fnmatch
 from pathlib import Path
@@ -30,8 +34,9 @@ from urllib.parse import urljoin, urlunsplit
 
 from libbus.errors import DatasetError
 
+from . import images
 from .base import OpenRequest, Source
-from .formats import npy, raw, tokens
+from .formats import npy, raw, tokens, webdataset
 from .formats.dataset import MEMORY_MODES, Context, FileSource
 from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
 from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile, origin_of
@@ -234,6 +239,24 @@ def _read_toml(root: RemoteDir) -> dict:
     return parse_dataset_toml(root.client.get(path.url), path.url) if path.is_file() else {}
 
 
+def _open_shards(req: OpenRequest, urls: list[str], client: RangeClient) -> Source:
+    """WebDataset ``.tar`` shards, decoded on the provider (:mod:`.images`); shard indexes cached in
+    ``cache=DIR`` (default ``~/.cache/batchbus/webdataset``)."""
+    params = req.params
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchbus" / "webdataset"
+    cache = Path(params.pop("cache", "") or default)
+    try:
+        val_fraction = float(params.pop("val_fraction", "0.1"))
+    except ValueError:
+        raise DatasetError(f"{req.uri}: val_fraction must be a number") from None
+    if not 0 <= val_fraction < 1:
+        raise DatasetError(f"{req.uri}: val_fraction must be in [0, 1), got {val_fraction}")
+    store = webdataset.open_remote_shards(
+        req.uri, urls, client, cache, val_fraction, strict=params.get("bad") != "skip"
+    )
+    return images.open_images(req, store, "webdataset")
+
+
 def open_http_source(req: OpenRequest) -> Source:
     """Open the dataset an ``http(s)://`` URI names, popping the ``params`` it knows.
 
@@ -255,6 +278,8 @@ def open_http_source(req: OpenRequest) -> Source:
                     "… is there: name the files with ?files=a.bin,b.bin, ?manifest=NAME or "
                     "a {000..015} range"
                 )
+        if root.listed and all(n.endswith(".tar") for n in root.listed):  # WebDataset shards
+            return _open_shards(req, [u for u, _ in root.listed.values()], client)
         if npz := [n for n in root.listed if n.endswith(".npz")]:
             raise DatasetError(f"{uri}: {npz[0]}: .npz archives are not read over HTTP; serve the .npy arrays")
         toml = _read_toml(root)

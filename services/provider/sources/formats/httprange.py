@@ -185,6 +185,20 @@ class RangeClient:
             size = None
         return size if size is not None else self._retrying(lambda: self._total_from_get(url))
 
+    def version(self, url: str) -> tuple[int, str]:
+        """(size, version) of the file at ``url``: the version is its ETag, else its Last-Modified,
+        else ``""`` (one HEAD; what a cache of something derived from the file is keyed by)."""
+
+        def head() -> tuple[int | None, str]:
+            resp = self._attempt("HEAD", url, {})
+            resp.read()
+            length = resp.getheader("Content-Length")
+            stamp = resp.getheader("ETag") or resp.getheader("Last-Modified") or ""
+            return (int(length) if length is not None and length.isdigit() else None), stamp
+
+        size, stamp = self._retrying(head)
+        return (size if size is not None else self.size(url)), stamp
+
     def _total_from_get(self, url: str) -> int:
         headers = {"Range": "bytes=0-0"}
         resp = self._attempt("GET", url, headers)

@@ -36,7 +36,7 @@ class Encoded:
 
 def _images(folder: Path) -> list[Path]:
     found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+    for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         found += [Path(dirpath) / f for f in filenames if f.lower().endswith(IMAGE_EXTS) and not f.startswith(".")]
     return sorted(found)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from libbus.errors import DatasetError
 
-__all__ = ["INDEX_VERSION", "ShardIndex", "build_index", "load_or_build", "sample_key"]
+__all__ = ["INDEX_VERSION", "ShardIndex", "build_index", "load_cached", "load_or_build", "sample_key", "save"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class _Reader(io.RawIOBase):
         return n
 
 
-def build_index(name: str, pread, size: int, stamp: str) -> ShardIndex:
+def build_index(name: str, pread, size: int, stamp: str, buffer: int = 1 << 16) -> ShardIndex:
     """Walk the tar headers of a shard read through ``pread(offset, n) -> bytes``.
 
     A shard cut short (a member's bytes past the end, a header cut off) is indexed up to its last whole
@@ -91,7 +91,7 @@ def build_index(name: str, pread, size: int, stamp: str) -> ShardIndex:
     :class:`DatasetError` naming it.
     """
     index = ShardIndex(INDEX_VERSION, size, stamp)
-    reader = io.BufferedReader(_Reader(pread, size), 1 << 16)
+    reader = io.BufferedReader(_Reader(pread, size), buffer)
     by_key: dict[str, int] = {}
     try:
         with tarfile.open(fileobj=reader, mode="r:") as tar:
@@ -141,12 +141,9 @@ def load_or_build(path: Path, cache_dir: Path) -> ShardIndex:
     st = path.stat()
     stamp = str(st.st_mtime_ns)
     cached = cache_dir / (path.name + ".index.json")
-    try:
-        data = json.loads(cached.read_text())
-        if data.get("version") == INDEX_VERSION and data.get("size") == st.st_size and data.get("stamp") == stamp:
-            return ShardIndex(**data)
-    except (OSError, ValueError, TypeError):
-        pass
+    index = load_cached(cached, st.st_size, stamp)
+    if index is not None:
+        return index
     fd = os.open(path, os.O_RDONLY)
     try:
         index = build_index(str(path), lambda off, n: os.pread(fd, n, off), st.st_size, stamp)
@@ -154,6 +151,17 @@ def load_or_build(path: Path, cache_dir: Path) -> ShardIndex:
         os.close(fd)
     save(index, cached)
     return index
+
+
+def load_cached(cached: Path, size: int, stamp: str) -> ShardIndex | None:
+    """The index cached at ``cached`` if it was built from a shard of this size and stamp."""
+    try:
+        data = json.loads(cached.read_text())
+        if data.get("version") == INDEX_VERSION and data.get("size") == size and data.get("stamp") == stamp:
+            return ShardIndex(**data)
+    except (OSError, ValueError, TypeError):
+        pass
+    return None
 
 
 def save(index: ShardIndex, cached: Path) -> None:

@@ -22,9 +22,9 @@ from libbus.errors import DatasetError
 
 from .imagefolder import Encoded
 from .imageops import IMAGE_EXTS
-from .tarshards import ShardIndex, load_or_build
+from .tarshards import ShardIndex, build_index, load_cached, load_or_build, save
 
-__all__ = ["COALESCE_GAP", "EXPECTED", "ShardStore", "detect", "open_local_shards", "split_of"]
+__all__ = ["COALESCE_GAP", "EXPECTED", "ShardStore", "detect", "open_local_shards", "open_remote_shards", "split_of"]
 
 log = logging.getLogger(__name__)
 
@@ -176,20 +176,43 @@ def open_local_shards(uri: str, root: Path, cache: Path, val_fraction: float, *,
             index = load_or_build(path, cache)
         except OSError as err:
             raise DatasetError(f"{uri}: cannot read shard {path}: {err.strerror or err}") from None
-        if index.truncated:
-            if strict:
-                raise DatasetError(
-                    f"{uri}: shard {path} is truncated: {index.truncated} (bad=skip serves its "
-                    f"{len(index.keys)} whole samples)"
-                )
-            log.warning(
-                "%s: shard %s is truncated (%s): serving its %d whole samples",
-                uri,
-                path,
-                index.truncated,
-                len(index.keys),
-            )
-        indexes.append(index)
+        indexes.append(_checked(uri, str(path), index, strict))
     names_file = root / "classes.txt"
     names = class_names_file(names_file.read_text() if names_file.is_file() else None)
     return LocalShards(uri, paths, indexes, names, val_fraction)
+
+
+def _checked(uri: str, name: str, index: ShardIndex, strict: bool) -> ShardIndex:
+    if index.truncated:
+        if strict:
+            raise DatasetError(
+                f"{uri}: shard {name} is truncated: {index.truncated} (bad=skip serves its "
+                f"{len(index.keys)} whole samples)"
+            )
+        log.warning(
+            "%s: shard %s is truncated (%s): serving its %d whole samples", uri, name, index.truncated, len(index.keys)
+        )
+    return index
+
+
+def open_remote_shards(uri: str, urls: list[str], client, cache: Path, val_fraction: float, *, strict: bool):
+    """Shards behind HTTP(S) (``client``: a :class:`~.httprange.RangeClient`): each index from ``cache``
+    when the shard's size and ETag (or Last-Modified) match, else built with range reads of the headers
+    and cached. Raises :class:`DatasetError` (an :class:`~.httprange.HttpError` names URL and status)."""
+    indexes = []
+    for url in urls:
+        size, stamp = client.version(url)
+        cached = cache / (hashlib.blake2b(url.encode(), digest_size=12).hexdigest() + ".index.json")
+        index = load_cached(cached, size, stamp)
+        if index is None:
+            index = build_index(url, lambda off, n, u=url: _get(client, u, off, n), size, stamp, buffer=1 << 20)
+            save(index, cached)
+        indexes.append(_checked(uri, url, index, strict))
+    names = [u.rsplit("/", 1)[-1] for u in urls]
+    return ShardStore(uri, names, indexes, lambda shard, off, n: _get(client, urls[shard], off, n), None, val_fraction)
+
+
+def _get(client, url: str, offset: int, n: int) -> bytes:
+    buf = bytearray(n)
+    client.read_into(url, offset, [memoryview(buf)])
+    return bytes(buf)

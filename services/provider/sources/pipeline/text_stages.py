@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from libbus.errors import ConfigError
+from libbus.errors import DatasetError
 
 from .stages import Chunk, Spec, Stage
 
@@ -59,7 +59,7 @@ class Tokenize(Stage):
         texts = []
         for sample in chunk.x:
             if sample.text is None:
-                raise ConfigError(f"stage {self.name!r} (tokenize): sample {sample.where} has no text")
+                raise DatasetError(f"stage {self.name!r} (tokenize): sample {sample.where} has no text (.txt member)")
             texts.append(sample.text)
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=True)
         out = np.empty(len(texts), object)
