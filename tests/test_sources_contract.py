@@ -20,8 +20,8 @@ from libbus.errors import DatasetError
 from services.provider.sources import OPENERS, open_source
 from tests.support.contract import check_fields_contract, check_source_contract, peak_rss
 from tests.support.httpd import RangeServer
-from tests.support.s3server import S3Server
 from tests.support.images import write_imagefolder, write_shards
+from tests.support.s3server import S3Server
 
 MB = 1 << 20
 
