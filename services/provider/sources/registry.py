@@ -6,6 +6,7 @@ Adding a source kind means one module under :mod:`services.provider.sources` (im
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Mapping
 from urllib.parse import parse_qs, urlsplit
 
@@ -45,12 +46,10 @@ def open_source(uri: str, named: Mapping[str, Source] | None = None, user_module
         raise DatasetError(
             f"unsupported dataset URI {uri!r}: known schemes are {', '.join(s + '://' for s in OPENERS)}"
         )
-    # nested URIs (a mix's members, a pipeline's source) are opened without the provider's names
+    # nested URIs (a mix's members, a pipeline's source) are opened without the provider's names; a
+    # partial, not a closure, so that it pickles (an image source's `pool=process` workers open with it)
     allowed = frozenset(user_modules)
-
-    def nested(inner: str) -> Source:
-        return open_source(inner, user_modules=allowed)
-
+    nested = functools.partial(open_source, user_modules=allowed)
     source = opener(OpenRequest(uri, parts, params, open=nested, named=named or {}, user_modules=allowed))
     if params:
         raise DatasetError(f"{uri}: unknown parameter(s) {', '.join(sorted(params))}")
