@@ -1,0 +1,50 @@
+"""Replies a peer does not read are bounded in bytes per connection (issue 12, finding 4; libbus/
+backlog.py). Real provider processes and sockets; resident memory is sampled from /proc."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.unread_replies import run
+from libbus.loader import RemoteLoader
+
+#: What a connection that reads nothing may cost a provider under the default settings:
+#: ``session_unsent_bytes`` (64 MiB) plus the one ~1.5 MiB reply that crossed it, plus small untracked
+#: replies and allocator slack. Without the bound the same attack grows by what it asked for.
+UNREAD_BOUND_MIB = 80
+
+
+def test_a_reader_that_never_reads_costs_the_provider_a_bounded_amount(tmp_path):
+    # 300 batches of ~1.5 MiB asked for, nothing read for 3 s (its requests wait 1 s, then are refused)
+    out = run(tmp_path / "state", requests=300, seconds=3.0, env={"BATCHBUS_UNSENT_WAIT_S": "1"})
+    assert out["alive"]
+    assert out["requested_mib"] > 4 * UNREAD_BOUND_MIB, out
+    assert out["growth_mib"] <= UNREAD_BOUND_MIB, f"the provider grew by {out['growth_mib']:.0f} MiB: {out}"
+    # another reader was served all along, and the attacker, when it finally reads, finds why it got
+    # only part of what it asked for
+    assert out["honest_batches"] > 0
+    outcome = out["outcome"]
+    assert 0 < outcome["BatchResponse"] < 300
+    refused = {k: v for k, v in outcome.items() if k.startswith("RATE_LIMITED")}
+    assert any("still unread" in k and "(session_unsent_bytes)" in k for k in refused), outcome
+    assert sum(outcome.values()) == 300, outcome
+
+
+def test_a_loader_reading_through_a_tiny_budget_gets_every_batch(start_provider, make_token):
+    # a budget below one batch: every request waits for the previous reply to leave, and the
+    # loader still gets every sample, in order, as with no budget at all
+    provider = start_provider("zeros=dummy://?shape=64,64&n=512&classes=4", session_unsent_bytes=1024)
+    loader = RemoteLoader(
+        "zeros",
+        token=make_token("trainer"),
+        provider=provider.endpoint,
+        batch_size=64,
+        shuffle=False,
+        inflight=8,
+        shm=False,
+    )
+    batches = list(loader)
+    assert sum(len(x) for x, _ in batches) == 512
+    assert all(np.asarray(x).shape[1:] == (64, 64) for x, _ in batches)
+    backlog = provider.service.server.backlog.stats()
+    assert backlog["deferred_for_reads"] > 0 and backlog["refused_unread"] == 0
