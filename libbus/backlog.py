@@ -2,17 +2,19 @@
 
 libzmq bounds a peer's queue of unsent replies by its high-water mark, which counts messages
 (1000), not bytes: a reader that sends many ``BatchRequest`` and never reads would make a provider
-hold 1000 batches of up to 128 MiB each. A server cannot see inside that queue, but it can see when
-each reply leaves it: :func:`libbus.sockets.send_tracked` sends a reply's last frame zero-copy with
-a tracker, which libzmq releases once the whole message is written to the kernel (a peer that does
-not read fills its TCP window, and then nothing more is written). So per connection the server
-knows, exactly and without the peer's word, how many bytes of replies it still holds.
+hold 1000 batches of up to 128 MiB each. A server cannot see inside that queue, but it can see
+when each reply leaves it: :func:`libbus.sockets.send_tracked` sends one frame of a reply zero-copy
+and watched (:class:`~libbus.sockets.SentTracker`); libzmq releases a frame once it is written to
+the kernel, frames in order (a peer that does not read fills its TCP window, and then nothing
+more is written). So per connection the server knows, exactly and without the peer's word, how many
+bytes of replies it still holds.
 
 When that is over the budget (``session_unsent_bytes``), the connection's next requests wait (in
 order, counted against ``session_inflight``) and are served as soon as the backlog drains under
 the budget; one that waits longer than ``unsent_wait_s`` is refused RATE_LIMITED with the figures.
 A reader that reads is never slowed beyond its own pace; one that does not read costs at most
-the budget, plus the one reply that crossed it, plus ``HWM`` replies too small to be tracked.
+the budget, plus the one reply that crossed it, plus ``HWM`` replies too small to be tracked, plus
+one reply's small copied frames behind its watched one.
 
 The ledger is kept per connection (ZeroMQ routing id), not per session: a new ``Hello`` on the same
 connection does not make the bytes queued on it disappear. No wire change: old and new clients
@@ -25,12 +27,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import zmq
-
 from .constants import MiB
 from .errors import RateLimited
 from .messages import Message
 from .sessions import Session
+from .sockets import SentTracker
 
 __all__ = ["Backlog", "Backlogs"]
 
@@ -64,7 +65,7 @@ class Backlogs:
         self.deferred = 0
         self.refused = 0
 
-    def track(self, routing_id: bytes, tracker: zmq.MessageTracker, nbytes: int) -> None:
+    def track(self, routing_id: bytes, tracker: SentTracker, nbytes: int) -> None:
         """A reply of ``nbytes`` was handed to libzmq for ``routing_id``."""
         if self.budget <= 0:
             return

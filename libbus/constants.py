@@ -38,8 +38,8 @@ SESSIONS_PER_SUBJECT = 64
 SESSION_UNSENT_BYTES = 64 * MiB
 UNSENT_WAIT_S = 30.0
 #: Replies at least this large are tracked until they leave the process; smaller ones are bounded
-#: by the high-water mark (HWM x this).
-TRACK_MIN_BYTES = 4 * KiB
+#: by the high-water mark (HWM x this). Tracking a reply with no zero-copy frame costs one.
+TRACK_MIN_BYTES = 16 * KiB
 
 #: How often peers exchange heartbeats, and how many missed intervals drop a peer.
 HEARTBEAT_MS = 1000
