@@ -3,10 +3,16 @@ backlog.py). Real provider processes and sockets; resident memory is sampled fro
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import zmq
 
 from benchmarks.unread_replies import run
+from libbus.constants import MiB
 from libbus.loader import RemoteLoader
+from libbus.messages import Ok
+from libbus.sockets import send_tracked
 
 #: What a connection that reads nothing may cost a provider under the default settings:
 #: ``session_unsent_bytes`` (64 MiB) plus the one ~1.5 MiB reply that crossed it, plus small untracked
@@ -48,3 +54,33 @@ def test_a_loader_reading_through_a_tiny_budget_gets_every_batch(start_provider,
     assert all(np.asarray(x).shape[1:] == (64, 64) for x, _ in batches)
     backlog = provider.service.server.backlog.stats()
     assert backlog["deferred_for_reads"] > 0 and backlog["refused_unread"] == 0
+
+
+def test_a_tracked_reply_is_done_only_once_the_peer_has_taken_it():
+    ctx = zmq.Context.instance()
+    server = ctx.socket(zmq.ROUTER)
+    reader = ctx.socket(zmq.DEALER)
+    try:
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        reader.setsockopt(zmq.RCVHWM, 1)  # takes one message at a time, with a small TCP window
+        reader.setsockopt(zmq.RCVBUF, 64 * 1024)
+        reader.connect(f"tcp://127.0.0.1:{port}")
+        reader.send(b"hi")
+        routing_id, _ = server.recv_multipart()
+        big = np.zeros(MiB, np.uint8)
+        sent = [send_tracked(server, Ok(id=i + 1, frames=[big.data]), routing_id, 16 * 1024) for i in range(40)]
+        small = send_tracked(server, Ok(id=99, frames=[b"x" * 100]), routing_id, 16 * 1024)  # not tracked
+        assert all(ok for ok, _, _ in sent) and small[1] is None
+        time.sleep(0.5)
+        held = [t for _, t, _ in sent if not t.done]
+        assert len(held) > 30  # the kernel buffers a few MiB; the rest waits in libzmq, and is counted
+        for _ in range(40):  # the reader takes everything: every reply has left
+            assert reader.poll(5000)
+            reader.recv_multipart()
+        deadline = time.monotonic() + 5
+        while not all(t.done for _, t, _ in sent):
+            assert time.monotonic() < deadline, "replies taken by the reader still counted as held"
+            time.sleep(0.01)
+    finally:
+        reader.close(0)
+        server.close(0)
