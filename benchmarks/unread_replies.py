@@ -11,6 +11,7 @@ holds for the connection stay within ``session_unsent_bytes`` (64 MiB) plus one 
     python -m benchmarks.unread_replies
     python -m benchmarks.unread_replies --no-cap --requests 200
     python -m benchmarks.unread_replies --overhead   # the socket path with the bound on and off
+    python -m benchmarks.unread_replies --send-cost  # one reply's send, watched or not
 
 ``--overhead`` runs ``busctl bench``'s socket row (RemoteLoader over loopback TCP, real router and
 provider processes) alternately against a provider with the bound on (default) and off, in one
@@ -153,13 +154,69 @@ def overhead(rounds: int = 8, samples: int = 8192, batch: int = 256, epochs: int
     return rates
 
 
+def send_cost(blocks: int = 20, n: int = 300) -> dict:
+    """Microseconds to send one reply (a 3 MiB batch, and a 24 KiB one made of small frames) from a
+    ROUTER to a reading DEALER over loopback TCP, watched (the bound on) or not, alternating blocks
+    of ``n`` sends in one process. Medians over ``blocks``."""
+    import threading  # noqa: PLC0415
+
+    from libbus.messages import BatchResponse  # noqa: PLC0415
+    from libbus.sockets import send_tracked  # noqa: PLC0415
+
+    ctx = zmq.Context()
+    server, reader = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    server.setsockopt(zmq.SNDHWM, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    reader.connect(f"tcp://127.0.0.1:{port}")
+    reader.send(b"hi")
+    routing_id = server.recv_multipart()[0]
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            if reader.poll(50):
+                reader.recv_multipart(copy=False)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    out: dict = {}
+    try:
+        for label, samples, shape in (("3 MiB", 256, (3, 32, 32)), ("24 KiB", 24, (256,))):
+            x, y = np.zeros((samples, *shape), np.float32), np.zeros(samples, np.int64)
+            reply = BatchResponse(
+                shapes=[list(x.shape), list(y.shape)], dtypes=[x.dtype.str, y.dtype.str], nbytes=x.nbytes + y.nbytes
+            )
+            times: dict[str, list[float]] = {"on": [], "off": []}
+            for b in range(blocks):
+                for mode in ("on", "off") if b % 2 == 0 else ("off", "on"):
+                    track = 16 * 1024 if mode == "on" else None
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        reply.frames = [x.data, y.data]
+                        send_tracked(server, reply, routing_id, track)
+                    times[mode].append((time.perf_counter() - t0) / n * 1e6)
+            out[label] = {mode: float(np.median(v)) for mode, v in times.items()}
+    finally:
+        stop.set()
+        thread.join()
+        reader.close(0)
+        server.close(2000)
+        ctx.term()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=400, help="BatchRequests the reader sends and does not read")
     ap.add_argument("--seconds", type=float, default=20.0, help="how long it does not read")
     ap.add_argument("--no-cap", action="store_true", help="run the provider with session_unsent_bytes = 0")
     ap.add_argument("--overhead", action="store_true", help="socket-path throughput with the bound on and off")
+    ap.add_argument("--send-cost", action="store_true", help="microseconds per reply sent, watched or not")
     args = ap.parse_args()
+    if args.send_cost:
+        for label, r in send_cost().items():
+            print(f"{label} reply: {r['on']:.1f} us watched, {r['off']:.1f} us not (on/off {r['on'] / r['off']:.3f})")
+        return
     if args.overhead:
         rates = overhead()
         on, off = float(np.median(rates["on"])), float(np.median(rates["off"]))

@@ -107,7 +107,7 @@ def _send_watched(sock: zmq.Socket, data, flags: int) -> SentTracker:
     Cheaper than pyzmq's ``track=True``, which makes an Event per frame."""
     view = memoryview(data)
     tracker = SentTracker(view)
-    sock.send(zmq.Frame(view, copy=False), flags, copy=False)
+    sock.send(view if view.nbytes >= ZERO_COPY_THRESHOLD else zmq.Frame(view, copy=False), flags, copy=False)
     return tracker
 
 
