@@ -13,9 +13,9 @@ holds for the connection stay within ``session_unsent_bytes`` (64 MiB) plus one 
     python -m benchmarks.unread_replies --overhead   # the socket path with the bound on and off
     python -m benchmarks.unread_replies --send-cost  # one reply's send, watched or not
 
-``--overhead`` runs ``busctl bench``'s socket row (RemoteLoader over loopback TCP, real router and
-provider processes) alternately against a provider with the bound on (default) and off, in one
-run, and prints the throughput of each and their ratio.
+``--overhead`` reads ``busctl bench``'s dataset over the socket path (RemoteLoader over loopback
+TCP) from one provider, with its reply tracking switched on and off between rounds, and prints the
+throughput of each and their ratio.
 """
 
 from __future__ import annotations
@@ -126,30 +126,60 @@ def run(state: Path, requests: int = 400, seconds: float = 8.0, env: dict | None
         stop_services(procs)
 
 
-def overhead(rounds: int = 8, samples: int = 8192, batch: int = 256, epochs: int = 2) -> dict:
-    """GB/s of the socket path with the byte bound on and off, alternating ``rounds`` times."""
-    import os  # noqa: PLC0415 - only this mode starts the delivery benchmark's services
-    import shutil  # noqa: PLC0415
+def overhead(rounds: int = 12, samples: int = 8192, batch: int = 256) -> dict:
+    """GB/s of the socket path (``RemoteLoader(shm=False)``, one epoch a round) with the bound on
+    and off, alternating ``rounds`` times against one router and one provider run on threads of
+    this process: between rounds only the provider's tracking is switched, so nothing else
+    (process start, page cache, sockets) differs between the two."""
+    import shutil  # noqa: PLC0415 - only this mode starts services
+    import threading  # noqa: PLC0415
 
-    from benchmarks.delivery import Services, loader_batches, make_dataset, measure  # noqa: PLC0415
+    from benchmarks.delivery import make_dataset  # noqa: PLC0415
+    from libbus.auth import ensure_secret  # noqa: PLC0415
+    from libbus.config import load_settings  # noqa: PLC0415
+    from libbus.constants import TRACK_MIN_BYTES  # noqa: PLC0415
+    from libbus.loader import RemoteLoader  # noqa: PLC0415
+    from services.provider.app import ProviderService  # noqa: PLC0415
+    from services.router.app import RouterService  # noqa: PLC0415
 
     root = Path(tempfile.mkdtemp(prefix="batchbus-unread-"))
+    make_dataset(root, samples)
+    state = root / "state"
+    secret = ensure_secret(state / "secret")
+    stop = threading.Event()
+    started = []
+
+    def start(service):
+        endpoint = service.start()
+        thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
+        thread.start()
+        started.append(thread)
+        return endpoint
+
+    def settings(**flags):
+        return load_settings(env={}, flags={"state_dir": str(state), "log_level": "WARNING", **flags})[0]
+
     rates: dict[str, list[float]] = {"on": [], "off": []}
     try:
-        make_dataset(root, samples)
+        router = start(RouterService(settings(bind="tcp://127.0.0.1:0")))
+        ram = f"ram=file://{root}?memory=ram&val_fraction=0"
+        provider = ProviderService(settings(router=router, datasets=[ram], assigned_only=False))
+        endpoint = start(provider)
+        token = issue_token(secret, sub="bench", role="trainer", audience="batchbus", datasets=["ram"])
         sample_bytes = sum(np.load(root / f"train_{k}.npy", mmap_mode="r")[0].nbytes for k in "xy")
         for r in range(rounds):
             for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                os.environ["BATCHBUS_SESSION_UNSENT_BYTES"] = "0" if mode == "off" else str(64 * MiB)
-                services = Services(root, root / f"state-{r}-{mode}")
-                try:
-                    with services.loader("ram", batch, 4, shm=False) as loader:
-                        row = measure(mode, loader_batches(loader, epochs), batch, sample_bytes)
-                    rates[mode].append(row["gb_per_s"])
-                finally:
-                    services.stop()
+                provider.server._track_min = TRACK_MIN_BYTES if mode == "on" else None
+                kw = {"batch_size": batch, "inflight": 4, "shm": False, "shuffle": "full", "drop_last": True}
+                with RemoteLoader("ram", provider=endpoint, token=token, **kw) as loader:
+                    t0, n = time.perf_counter(), 0
+                    for _ in loader:
+                        n += 1
+                    rates[mode].append(n * batch * sample_bytes / (time.perf_counter() - t0) / 1e9)
     finally:
-        os.environ.pop("BATCHBUS_SESSION_UNSENT_BYTES", None)
+        stop.set()
+        for thread in started:
+            thread.join(15)
         shutil.rmtree(root, ignore_errors=True)
     return rates
 
@@ -220,10 +250,13 @@ def main() -> None:
     if args.overhead:
         rates = overhead()
         on, off = float(np.median(rates["on"])), float(np.median(rates["off"]))
-        pairs = sorted(a / b for a, b in zip(rates["on"], rates["off"], strict=True))
+        pairs = [a / b for a, b in zip(rates["on"], rates["off"], strict=True)]
+        geo = float(np.exp(np.mean(np.log(pairs))))
         print("socket path (RemoteLoader over loopback TCP), GB/s per round, bound on / off:")
         print("  " + ", ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(rates["on"], rates["off"], strict=True)))
-        print(f"  median on {on:.3f} GB/s, off {off:.3f} GB/s: on/off {on / off:.3f}; per round {pairs}")
+        print(
+            f"  median on {on:.3f} GB/s, off {off:.3f} GB/s: on/off {on / off:.3f}; geometric mean of rounds {geo:.3f}"
+        )
         return
     env = {"BATCHBUS_SESSION_UNSENT_BYTES": "0"} if args.no_cap else {}
     with tempfile.TemporaryDirectory() as tmp:

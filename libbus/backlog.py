@@ -139,7 +139,7 @@ class Backlogs:
 
     def stats(self) -> dict:
         return {
-            "unsent_bytes": sum(b.unsent for b in self._by_routing.values()),
+            "unsent_bytes": sum(b.settle() for b in self._by_routing.values()),
             "waiting_for_reads": self.waiting,
             "deferred_for_reads": self.deferred,
             "refused_unread": self.refused,
