@@ -9,9 +9,10 @@ import numpy as np
 import zmq
 
 from benchmarks.unread_replies import run
+from libbus.admission import admit_client
 from libbus.constants import MiB
 from libbus.loader import RemoteLoader
-from libbus.messages import Ok
+from libbus.messages import BatchRequest, Goodbye, Hello, Ok, encode
 from libbus.sockets import send_tracked
 
 #: What a connection that reads nothing may cost a provider under the default settings:
@@ -84,3 +85,35 @@ def test_a_tracked_reply_is_done_only_once_the_peer_has_taken_it():
     finally:
         reader.close(0)
         server.close(0)
+
+
+def test_waiting_requests_of_a_reader_that_leaves_are_dropped(start_provider, make_token, client_for):
+    provider = start_provider("zeros=dummy://?shape=64,64&n=4096&classes=4", session_unsent_bytes=1024)
+    token = make_token("trainer", sub="leaver")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 64 * 1024)
+    admit_client(sock, token)
+    sock.connect(provider.endpoint)
+    try:
+        sock.send_multipart(encode(Hello(id=1, role="trainer", name="leaver", token=token)))
+        assert sock.poll(5000)
+        sock.recv_multipart()
+        for i in range(40):  # 1 MiB each, never read: past the first few, they wait
+            request = BatchRequest(id=10 + i, dataset="zeros", split="train", range=[i * 64, i * 64 + 64])
+            sock.send_multipart(encode(request))
+        server = provider.service.server
+        deadline = time.monotonic() + 10
+        while server.backlog.stats()["waiting_for_reads"] == 0:
+            assert time.monotonic() < deadline, server.backlog.stats()
+            time.sleep(0.05)
+        sock.send_multipart(encode(Goodbye()))
+        while server.backlog.stats()["waiting_for_reads"]:
+            assert time.monotonic() < deadline, "a closed session's waiting requests were kept"
+            time.sleep(0.05)
+    finally:
+        sock.close(0)
+    # everyone else is served as before
+    other = client_for(provider.endpoint, token=make_token("trainer", sub="other"))
+    assert other.request(BatchRequest(dataset="zeros", split="train", range=[0, 8])).nbytes > 0
