@@ -71,8 +71,11 @@ def flood(endpoint: str, seconds: float, cap_bytes: int | None = None, stop: thr
     return {"sent_bytes": sent, "connections": connections, "dropped": refused}
 
 
-def start_services(state: Path, handshake_auth: bool = True) -> tuple[list[subprocess.Popen], str, str]:
-    """A router and a provider (``busctl start``) in ``state``; returns the processes and endpoints."""
+def start_services(
+    state: Path, handshake_auth: bool = True, dataset: str = "mnist=mock://mnist?n=600", env: dict | None = None
+) -> tuple[list[subprocess.Popen], str, str]:
+    """A router and a provider (``busctl start``) of ``dataset`` in ``state``, with ``env`` added to
+    their environment (settings); returns the processes and endpoints."""
     from libbus.auth import ensure_secret  # noqa: PLC0415 - the benchmark's own imports stay light
 
     state.mkdir(parents=True, exist_ok=True)
@@ -82,6 +85,7 @@ def start_services(state: Path, handshake_auth: bool = True) -> tuple[list[subpr
         "BATCHBUS_STATE_DIR": str(state),
         "BATCHBUS_HANDSHAKE_AUTH": str(handshake_auth).lower(),
         "BATCHBUS_LOG_LEVEL": "WARNING",
+        **(env or {}),
     }
     procs: list[subprocess.Popen] = []
 
@@ -109,7 +113,7 @@ def start_services(state: Path, handshake_auth: bool = True) -> tuple[list[subpr
     start(
         "provider",
         "--dataset",
-        "mnist=mock://mnist?n=600",
+        dataset,
         "--router",
         router,
         "--bind",

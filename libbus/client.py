@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from . import VERSION
 from .admission import admit_client
@@ -27,7 +26,7 @@ from .constants import HELLO_TIMEOUT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from .curve import CurveKeys, secure_client
 from .errors import AuthExpired, AuthInvalid, AuthRequired, BusError, ConfigError, PeerTimeout, error_from_code
 from .messages import Error, Goodbye, Heartbeat, Hello, Message, Welcome, decode
-from .sockets import SocketLimits, make_socket, send_message
+from .sockets import SocketLimits, drain_monitor, make_socket, send_message
 
 __all__ = ["Identity", "Client", "connect"]
 
@@ -166,16 +165,8 @@ class Client:
 
     def handshake_refused(self) -> bool:
         """Whether the server refused this socket's handshake (token or CURVE key not accepted)."""
-        if self._monitor is None:
-            return False
-        refused = False
-        while True:
-            try:
-                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return refused
-            # only a ZAP refusal counts (a monitor replaced by another one reports MONITOR_STOPPED)
-            refused = refused or parse_monitor_message(frames)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        # only a ZAP refusal counts (a monitor replaced by another one reports MONITOR_STOPPED)
+        return drain_monitor(self._monitor, zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
     def close(self) -> None:
         """Say ``Goodbye`` (the service closes our session now rather than when it expires) and

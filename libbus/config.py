@@ -137,6 +137,10 @@ class Settings:
     session_burst: int = C.SESSION_BURST
     #: Per subject: most sessions open at once on a service; more are refused at Hello.
     sessions_per_subject: int = C.SESSIONS_PER_SUBJECT
+    #: Per connection: most bytes of replies held that the peer has not read (0 = no cap), and how
+    #: long its next request waits for them to drain before RATE_LIMITED (libbus/backlog.py).
+    session_unsent_bytes: int = C.SESSION_UNSENT_BYTES
+    unsent_wait_s: float = C.UNSENT_WAIT_S
     #: Without CURVE, services admit a connection only if its handshake carries a valid token, and
     #: clients present theirs (memory stays bounded before authentication). Every node must agree.
     handshake_auth: bool = True

@@ -33,6 +33,13 @@ SESSION_RATE = 5000.0
 SESSION_BURST = 2000
 #: Per token subject: most sessions open at once on one service (admin scripts, loaders).
 SESSIONS_PER_SUBJECT = 64
+#: Per connection: most bytes of replies a service holds that the peer has not taken yet (libbus/
+#: backlog.py); past it the connection's requests wait, and after UNSENT_WAIT_S are refused.
+SESSION_UNSENT_BYTES = 64 * MiB
+UNSENT_WAIT_S = 30.0
+#: Replies at least this large are tracked until they leave the process; smaller ones are bounded
+#: by the high-water mark (HWM x this). Tracking a reply with no zero-copy frame costs one.
+TRACK_MIN_BYTES = 16 * KiB
 
 #: How often peers exchange heartbeats, and how many missed intervals drop a peer.
 HEARTBEAT_MS = 1000

@@ -81,6 +81,10 @@ class ServerConfig:
     drain_linger_s: float = C.DRAIN_LINGER_S
     #: Most sessions one token subject may hold open here (0: no cap).
     sessions_per_subject: int = C.SESSIONS_PER_SUBJECT
+    #: Most bytes of replies held for a connection that has not read them (0: no cap), and how
+    #: long its next request waits for them to drain before it is refused (libbus/backlog.py).
+    session_unsent_bytes: int = C.SESSION_UNSENT_BYTES
+    unsent_wait_s: float = C.UNSENT_WAIT_S
     #: Without CURVE: admit only connections presenting a valid token in the PLAIN handshake
     #: (libbus/admission.py). Off, anyone reaching the port can make the service buffer an
     #: endless multipart message before it reads a Hello.

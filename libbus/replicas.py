@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from .client import Client
 from .messages import Message
+from .sockets import drain_monitor
 
 __all__ = ["REPLICA_FIELDS", "Replica", "ReplyPoller", "entry_of", "info_mismatch", "label_of", "pick", "recv_any"]
 
@@ -159,15 +159,7 @@ class Replica:
 
     def lost(self) -> bool:
         """Whether the connection was dropped (the provider's end closed) since the last call."""
-        if self.monitor is None:
-            return False
-        lost = False
-        while True:
-            try:
-                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return lost
-            lost = lost or parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
+        return drain_monitor(self.monitor, zmq.EVENT_DISCONNECTED)
 
     def close(self) -> None:
         self.unwatch()

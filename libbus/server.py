@@ -11,7 +11,8 @@ limit). With CURVE on, the connection's key name (the ZAP ``User-Id``) must equa
 Sessions that heartbeat (``caps.heartbeat``) are dropped after ``heartbeat_liveness`` silent
 intervals; other sessions (data-plane loaders) after ``idle_session_s`` — they say ``Hello`` again
 transparently; a client that is done says ``Goodbye``. Session bookkeeping and the per-subject cap
-are in :mod:`libbus.sessions`.
+are in :mod:`libbus.sessions`; the byte bound on replies a peer has not read (its requests wait,
+then are refused) in :mod:`libbus.backlog`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import zmq
 from . import constants as C
 from .admission import TokenAuthenticator, admit_server
 from .auth import Claims, verify_token
+from .backlog import Backlogs
 from .constants import POLL_MS
 from .curve import KeyAuthenticator, secure_server
 from .errors import AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal, Unavailable
@@ -36,7 +38,7 @@ from .handler import Handler, ServerConfig
 from .messages import Goodbye, Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of
 from .schema import check_stored
 from .sessions import Session, SessionTable, check_labels, frame_property, is_local_peer
-from .sockets import make_socket, send_message
+from .sockets import make_socket, send_message, send_tracked
 
 __all__ = ["Session", "Handler", "Server", "ServerConfig", "is_local_peer"]
 
@@ -65,6 +67,9 @@ class Server:
         self.endpoint = ""
         self._sock: zmq.Socket | None = None
         self._pending: list[tuple[Session, int, Future]] = []
+        self.backlog = Backlogs(config.session_unsent_bytes, config.unsent_wait_s)
+        #: Replies this large are tracked until they leave (None: the byte bound is off).
+        self._track_min = C.TRACK_MIN_BYTES if config.session_unsent_bytes > 0 else None
         self._last_beat = 0.0
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -175,7 +180,8 @@ class Server:
         poller.register(sock, zmq.POLLIN)
         try:
             while not stop.is_set():
-                timeout = 10 if self._pending else min(POLL_MS, self.config.heartbeat_ms // 2 or 1)
+                busy = self._pending or self.backlog.waiting
+                timeout = 10 if busy else min(POLL_MS, self.config.heartbeat_ms // 2 or 1)
                 events = dict(poller.poll(timeout))
                 if sock in events:
                     self._receive(sock)
@@ -208,6 +214,7 @@ class Server:
     def _turn(self) -> None:
         """Timers and deferred replies: everything a loop turn does besides receiving."""
         self._finish_pending()
+        self.backlog.release(time.monotonic(), self._serve_waited)
         if self._revoked_changed:
             self._close_revoked()
         now = time.monotonic()
@@ -234,7 +241,8 @@ class Server:
                 len(self._pending),
                 self.config.drain_s,
             )
-        for session, request_id, _fut in self._pending:
+        waited = [(s, m.id, None) for s, m in self.backlog.take_all_waiting()]
+        for session, request_id, _fut in self._pending + waited:
             self._reply(
                 session.routing_id,
                 error_reply(
@@ -288,6 +296,32 @@ class Server:
                 raise BadRequest(f"{msg.type} is not a request this service ({self.config.name}) serves")
             if session.role not in allowed:
                 raise Forbidden(f"{msg.type} needs role {' or '.join(allowed)}; your token's role is {session.role}")
+        except BusError as err:
+            self._count_error(err)
+            self._reply(routing_id, error_reply(msg.id, err))
+            return
+        if self.backlog.must_wait(routing_id):
+            # the peer has not taken its earlier replies: this one waits (libbus/backlog.py)
+            session.inflight += 1
+            self.backlog.defer(routing_id, session, msg, now)
+            return
+        self._serve(session, msg)
+
+    def _serve_waited(self, session: Session, msg: Message, refused: BusError | None) -> None:
+        """A request that waited for its connection's backlog: serve it now, or refuse it."""
+        session.inflight -= 1
+        if self.table.get(session.routing_id) is not session:
+            return  # its session closed meanwhile
+        if refused is not None:
+            self._count_error(refused)
+            self._reply(session.routing_id, error_reply(msg.id, refused))
+            return
+        self._serve(session, msg)
+
+    def _serve(self, session: Session, msg: Message) -> None:
+        """Hand an admitted request to the handler and send (or defer) what it answers."""
+        routing_id = session.routing_id
+        try:
             reply = self.handler.handle(session, msg)
         except BusError as err:
             self._count_error(err)
@@ -355,7 +389,9 @@ class Server:
     # -- sending and timers -------------------------------------------------------------------
     def _reply(self, routing_id: bytes, msg: Message) -> None:
         try:
-            sent = send_message(self._sock, msg, routing_id)
+            sent, tracker, nbytes = send_tracked(self._sock, msg, routing_id, self._track_min)
+            if tracker is not None:
+                self.backlog.track(routing_id, tracker, nbytes)
         except BusError as err:
             # A reply that cannot be encoded (a handler bug, or data a peer smuggled in) becomes
             # an INTERNAL error for that request; the loop serving everyone else goes on.
@@ -419,6 +455,7 @@ class Server:
     def _close_session(self, session: Session, reason: str) -> None:
         if not self.table.remove(session):
             return
+        session.inflight -= len(self.backlog.drop_waiting(session.routing_id, session))
         self.counters["sessions_closed"] += 1
         log.info("session %s (%s %s) closed: %s", session.sid, session.role, session.name, reason)
         self._call(self.handler.on_close, session, reason)
@@ -439,5 +476,6 @@ class Server:
             "sessions": len(self.table),
             "pending": len(self._pending),
             "counters": dict(self.counters),
+            "backlog": self.backlog.stats(),
             **self.handler.stats(),
         }

@@ -260,5 +260,7 @@ def server_config(settings: Settings, bind: str, key: Key, name: str, role: str)
         session_rate=settings.session_rate,
         session_burst=settings.session_burst,
         sessions_per_subject=settings.sessions_per_subject,
+        session_unsent_bytes=settings.session_unsent_bytes,
+        unsent_wait_s=settings.unsent_wait_s,
         handshake_auth=settings.handshake_auth,
     )

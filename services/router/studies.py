@@ -28,6 +28,7 @@ from libbus.jobs import TERMINAL_STATES, JobSpec
 
 from . import pbt
 from .store import JobStore
+from .studies_halving import BudgetHalvingPruner
 from .study_spec import StudySpec
 from .study_store import TRIAL_ENDED, StudyStore
 
@@ -81,7 +82,10 @@ def _pruner(spec: StudySpec):
     if spec.pruner == "median":
         return pruners.MedianPruner(n_startup_trials=min(spec.concurrent, 5), n_warmup_steps=spec.min_epochs - 1)
     if spec.pruner == "asha":
-        return pruners.SuccessiveHalvingPruner(min_resource=spec.min_epochs, reduction_factor=spec.reduction_factor)
+        last = spec.base.get("epochs")
+        return BudgetHalvingPruner(
+            spec.min_epochs, spec.reduction_factor, spec.trials, last if isinstance(last, int) else 0
+        )
     if spec.pruner == "plateau":
         return pruners.PatientPruner(None, patience=spec.patience, min_delta=spec.min_delta)
     return pruners.NopPruner()
