@@ -2,6 +2,7 @@
 the tokenizer's own encoding of each row's string, and tiny-lm trains on them and its loss falls."""
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
@@ -40,6 +41,17 @@ def test_a_parquet_text_column_is_tokenized_as_the_tokenizer_encodes_its_strings
     # the same directory through file://, naming the column
     source = open_source(text_pipeline(tmp_path / "q.toml", f"file://{root}?encoded=1&column=text", tok_path, 16))
     assert np.array_equal(source.read("test", picks)[0], x)
+    source.close()
+
+
+def test_the_text_samples_are_the_rows_strings_and_cannot_be_served_without_a_pipeline(tmp_path):
+    table = pa.table({"body": pa.array(["one two", None, "é three"], pa.large_string()), "n": [1, 2, 3]})
+    pq.write_table(table, tmp_path / "train.parquet")
+    source = open_source(f"parquet://{tmp_path}?encoded=1&column=body&val_fraction=0")
+    x, y = source.read("train", np.arange(3))
+    assert [s.text for s in x] == ["one two", "", "é three"] and y.shape == (3, 0)  # a null row: empty
+    with pytest.raises(DatasetError, match="encoded=1 serves text for a pipeline's tokenize stage"):
+        source.read_into("train", np.arange(1), np.empty(1, object), np.empty((1, 0), np.int64))
     source.close()
 
 
