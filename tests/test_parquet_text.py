@@ -77,11 +77,11 @@ def test_a_job_trains_tiny_lm_on_a_parquet_text_column_and_its_loss_falls(
     tmp_path, router, start_provider, trainer, client_for
 ):  # noqa: F811 - pytest fixture
     tok_path = write_tokenizer(tmp_path / "tokenizer.json")
-    root = write_parquet_text(tmp_path / "pq", train=256, test=64)
+    root = write_parquet_text(tmp_path / "pq", train=192, test=32)
     uri = text_pipeline(tmp_path / "p.toml", f"parquet://{root}?encoded=1", tok_path, 24)
     start_provider(f"counting={uri}", assigned_only=True)
     admin = client_for(router.endpoint, role="admin")
-    spec = {"dataset": "counting", "model": "tiny-lm", "epochs": 3, "batch_size": 32, "lr": 0.005, "seed": 0}
+    spec = {"dataset": "counting", "model": "tiny-lm", "epochs": 2, "batch_size": 32, "lr": 0.005, "seed": 0}
     done = wait_job(admin, admin.request(SubmitJob(spec=spec)).job, timeout=90)
     assert done["state"] == "succeeded", done.get("error")
     result, history = done["result"], done["result"]["history"]
@@ -89,4 +89,4 @@ def test_a_job_trains_tiny_lm_on_a_parquet_text_column_and_its_loss_falls(
     # untrained: about log(19) = 2.94 nats; each next word (or the padding after </s>) is determined
     assert history[0]["train_loss"] > result["val_loss"] + 0.5
     assert history[-1]["val_loss"] < history[0]["val_loss"] and result["val_loss"] < 1.0
-    assert result["test_n"] == 64
+    assert result["test_n"] == 32
