@@ -54,3 +54,18 @@ pack = {{ length = {length}, pad_id = 0 }}
 """
     )
     return f"pipeline://{path}"
+
+
+def write_parquet_text(root: Path, train: int, test: int = 0, row_group: int = 64) -> Path:
+    """The same documents as :func:`write_text`, as a hub exports text: ``train.parquet`` (``test``) with
+    a string column ``text`` beside a numeric ``id``, in row groups of ``row_group`` rows."""
+    import pyarrow as pa  # the parquet extra: only the tests that use it import it
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True, exist_ok=True)
+    for split, first, n in (("train", 0, train), ("test", 100_000, test)):
+        if n:
+            numbers = list(range(first, first + n))
+            table = pa.table({"id": pa.array(numbers, pa.int64()), "text": [document(k) for k in numbers]})
+            pq.write_table(table, root / f"{split}.parquet", row_group_size=row_group)
+    return root

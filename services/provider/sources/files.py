@@ -31,6 +31,7 @@ from libbus.errors import DatasetError
 from . import images, parquet
 from .base import OpenRequest, Source, local_path
 from .formats import cifar, idx, imagefolder, npy, raw, textlines, tokens, webdataset
+from .formats.confine import Confinement
 from .formats.dataset import MEMORY_MODES, Context, FileSource
 from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
 
@@ -63,7 +64,7 @@ def open_file_source(req: OpenRequest) -> Source:
         return parquet.open_parquet_dir(uri, root, params)
     image_format = _image_format(root, params)
     if image_format is not None:
-        return _open_image_layout(req, root, image_format)
+        return _open_image_layout(req, root, image_format, Confinement(root, (root, *extra)))
     toml = _read_toml(root)
     settings = parse_settings(uri, params, toml)
     memory = params.pop("memory", "auto")
@@ -103,7 +104,7 @@ def _image_format(root: Path, params: dict) -> str | None:
     return None
 
 
-def _open_image_layout(req: OpenRequest, root: Path, fmt: str) -> Source:
+def _open_image_layout(req: OpenRequest, root: Path, fmt: str, confinement: Confinement) -> Source:
     params = req.params
     try:
         val_fraction = float(params.pop("val_fraction", "0.1"))
@@ -114,15 +115,16 @@ def _open_image_layout(req: OpenRequest, root: Path, fmt: str) -> Source:
     if fmt == "imagefolder":
         if not imagefolder.detect(root):
             raise DatasetError(f"{req.uri}: no ImageFolder tree in {root}; expected {imagefolder.EXPECTED}")
-        store = imagefolder.ImageFolder(req.uri, root, val_fraction)
+        store = imagefolder.ImageFolder(req.uri, root, val_fraction, confinement)
     elif fmt == "text":
         if not textlines.detect(root):
             raise DatasetError(f"{req.uri}: no text files in {root}; expected {textlines.EXPECTED}")
-        store = textlines.TextLines(req.uri, root, val_fraction)
+        store = textlines.TextLines(req.uri, root, val_fraction, confinement)
     else:
         cache = Path(params.pop("cache")) if params.get("cache") else root / ".batchbus-cache"
         params.pop("cache", None)
-        store = webdataset.open_local_shards(req.uri, root, cache, val_fraction, strict=params.get("bad") != "skip")
+        strict = params.get("bad") != "skip"
+        store = webdataset.open_local_shards(req.uri, root, cache, val_fraction, strict=strict, confinement=confinement)
     return images.open_images(req, store, fmt)
 
 

@@ -21,7 +21,8 @@ Columns: ``?column=`` the feature (default: ``image``, ``img``, ``pixel_values``
 Named fields instead of x/y: ``?fields=image:image,caption,label`` serves those columns as fields
 of the same names — images of any size as bytes or decoded ``uint8 (?, ?, 3)``, text as strings,
 numbers and lists of numbers — and ``?max_bytes=`` declares a variable field's largest sample
-(:mod:`.parquet_fields`).
+(:mod:`.parquet_fields`). ``?encoded=1`` serves a string column (``column=``, default ``text``) as
+text samples for a pipeline's ``tokenize`` stage, like ``train.txt`` lines (docs/datasets.md §9.4).
 
 Integer labels are class ids (served int64); ``num_classes`` comes from ``?classes=``, the
 class names a hub stores in the file's metadata, or the largest label. Reads go by row group: a
@@ -44,14 +45,14 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, local_path
-from .parquet_fields import field_of, parse_fields, read_fields
+from .parquet_fields import field_of, parse_fields, read_fields, read_texts, text_column
 
 __all__ = ["ParquetSource", "detect", "open_parquet", "open_parquet_dir"]
 
 SPLIT_NAMES = {"train": ("train",), "val": ("validation", "valid", "val", "dev"), "test": ("test",)}
 FEATURE_NAMES = ("image", "img", "pixel_values", "x", "features", "input_ids", "tokens")
 LABEL_NAMES = ("label", "labels", "target", "y", "class")
-PARAMS = ("column", "label", "subset", "val_fraction", "classes", "cache_mb", "fields", "max_bytes")
+PARAMS = ("column", "label", "subset", "val_fraction", "classes", "cache_mb", "fields", "max_bytes", "encoded")
 
 
 def _pyarrow():
@@ -177,7 +178,8 @@ def _kind(uri: str, path: Path, table, columns: list[str]) -> _Kind:
             raise DatasetError(f"{path}: column {col!r} holds lists of {inner}, not numbers")
         dtype = np.dtype(inner.to_pandas_dtype())
         return _Kind("list", columns, np.asarray(table.column(col)[0].as_py(), dtype).shape, dtype)
-    raise DatasetError(f"{path}: column {col!r} is {t}; expected image bytes, a list of numbers, or numbers")
+    text = " (text: encoded=1 feeds a pipeline's tokenize stage)" if pa.types.is_string(t) else ""
+    raise DatasetError(f"{path}: column {col!r} is {t}; expected image bytes, a list of numbers, or numbers{text}")
 
 
 class ParquetSource(Source):
@@ -195,6 +197,7 @@ class ParquetSource(Source):
         cache_mb: float,
         fields: str | None = None,
         max_bytes: int = 0,
+        encoded: bool = False,
     ):
         _, pq = _pyarrow()
         self.uri, self.root = uri, root
@@ -221,7 +224,9 @@ class ParquetSource(Source):
         #: ``fields=``: (column, how) per field; empty for an x/y dataset.
         self.field_specs = parse_fields(uri, fields) if fields else []
         self._fields = [field_of(uri, schema, c, how, max_bytes) for c, how in self.field_specs]
-        self.label = None if fields else self._label_column(schema.names, label)
+        self.label = None if fields or encoded else self._label_column(schema.names, label)
+        if encoded and not column and "text" in schema.names:
+            column = "text"
         self.columns = [c for c, _ in self.field_specs] or self._feature_columns(schema.names, column)
         for path, pf in self.files:
             if missing := [
@@ -236,6 +241,9 @@ class ParquetSource(Source):
         if self._fields:
             self.sample_shape, self.dtype, self.num_classes = (0,), np.dtype(np.uint8), classes or 0
             self.kind = "fields"
+        elif encoded:  # text for a pipeline's tokenize stage: Encoded samples, no fixed shape
+            text_column(uri, schema, self.columns)
+            self.sample_shape, self.dtype, self.kind = (), np.dtype(object), "encoded"
         else:
             self.kind_of = _kind(uri, path0, self._group(*first).slice(0, 1), self.columns)
             self.sample_shape, self.dtype = self.kind_of.shape, self.kind_of.dtype
@@ -359,8 +367,13 @@ class ParquetSource(Source):
                 self._cache.popitem(last=False)
         return table
 
+    def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return read_texts(self, split, indices) if self.kind == "encoded" else super().read(split, indices)
+
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         """Samples ``indices`` of ``split``: each row group the batch touches is read once."""
+        if self.kind == "encoded":
+            raise DatasetError(f"{self.uri}: encoded=1 serves text for a pipeline's tokenize stage (§9.4)")
         groups, starts, first, n = self._layouts[split]
         idx = np.asarray(indices, np.int64).reshape(-1)
         if not len(idx):
@@ -466,7 +479,20 @@ def open_parquet_dir(uri: str, root: Path, params: dict, source_class: type = Pa
     classes = number("classes", int, None, lambda v: v >= 1, "an integer of at least 1")
     cache_mb = number("cache_mb", float, 256.0, lambda v: v > 0, "a positive number (MiB)")
     max_bytes = number("max_bytes", int, 0, lambda v: v >= 0, "a byte count")
+    encoded = bool(number("encoded", int, 0, lambda v: v in (0, 1), "0 or 1"))
+    if encoded and ("fields" in got or got.get("label")):
+        raise DatasetError(f"{uri}: encoded=1 serves one text column, without fields= or label=")
     files = find_files(uri, root, got.get("subset"))
     return source_class(
-        uri, root, files, got.get("column"), got.get("label"), fraction, classes, cache_mb, got.get("fields"), max_bytes
+        uri,
+        root,
+        files,
+        got.get("column"),
+        got.get("label"),
+        fraction,
+        classes,
+        cache_mb,
+        got.get("fields"),
+        max_bytes,
+        encoded,
     )

@@ -10,6 +10,9 @@ Each listed column becomes a field of the same name; ``HOW`` says what it become
 
 ``max_bytes=`` declares the most bytes one sample of a variable field holds (decoded bytes for an
 image): with it, a same-host trainer gets batches through shared memory; without, over the socket.
+
+``?encoded=1`` (not a field): one string column served as text samples (:class:`Encoded`, as a
+``train.txt`` line is) for a pipeline's ``tokenize`` stage.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from .base import Field, FieldBatch
+from .formats.imagefolder import Encoded
 
-__all__ = ["HOWS", "field_of", "parse_fields", "read_column"]
+__all__ = ["HOWS", "field_of", "parse_fields", "read_column", "read_texts", "text_column"]
 
 HOWS = ("auto", "bytes", "image", "grey", "str")
 
@@ -99,25 +103,51 @@ def read_column(table, local: np.ndarray, field: Field, how: str, where: str) ->
     return [np.asarray(v if v is not None else [], field.np_dtype) for v in values]
 
 
+def text_column(uri: str, schema, columns: list[str]) -> None:
+    """Refuse anything but one string column for ``encoded=1``. Raises :class:`DatasetError`."""
+    if len(columns) != 1:
+        raise DatasetError(f"{uri}: encoded=1 serves one text column; column= names {', '.join(columns)}")
+    field = field_of(uri, schema, columns[0], "auto", 0)
+    if field.dtype != "str":
+        raise DatasetError(
+            f"{uri}: encoded=1 serves text, and column {columns[0]!r} is {schema.field(columns[0]).type}; "
+            "name a string column with ?column="
+        )
+
+
+def read_texts(source, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``encoded=1``: rows ``indices`` of ``split`` as :class:`Encoded` samples with ``text`` set (a null
+    row is the empty text), and no labels."""
+    column = source.columns[0]
+    batch = _read(source, split, indices, [(Field(column, "str", ()), "str")])
+    x = np.empty(len(batch[column]), object)
+    x[:] = [Encoded(None, -1, f"{source.uri} {split}[{int(i)}]", t) for i, t in zip(indices, batch[column])]
+    return x, np.empty((len(x), 0), np.int64)
+
+
 def read_fields(source, split: str, indices: np.ndarray) -> FieldBatch:
     """Samples ``indices`` of ``split`` of a Parquet source in fields mode: each row group once."""
+    return _read(source, split, indices, list(zip(source.fields, (how for _, how in source.field_specs))))
+
+
+def _read(source, split: str, indices: np.ndarray, specs: list[tuple[Field, str]]) -> FieldBatch:
     groups, starts, first, n = source._layouts[split]
     idx = np.asarray(indices, np.int64).reshape(-1)
     if len(idx) and (idx.min() < 0 or idx.max() >= n):
         raise IndexError(f"index outside {split} (0..{n - 1})")
     rows = idx + first
     where = np.searchsorted(starts, rows, side="right") - 1
-    parts: dict[str, list] = {f.name: [None] * len(idx) for f in source.fields}
+    parts: dict[str, list] = {f.name: [None] * len(idx) for f, _ in specs}
     for g in np.unique(where).tolist():
         dest = np.flatnonzero(where == g)
         file, group, _ = groups[g]
         table = source._group(file, group)
         what = f"{source.files[file][0]} row group {group}"
-        for field, (_, how) in zip(source.fields, source.field_specs):
+        for field, how in specs:
             values = read_column(table, rows[dest] - starts[g], field, how, what)
             for r, v in zip(dest.tolist(), values):
                 parts[field.name][r] = v
     out: FieldBatch = {}
-    for field in source.fields:
+    for field, _ in specs:
         out[field.name] = np.array(parts[field.name], field.np_dtype) if not field.variable else parts[field.name]
     return out

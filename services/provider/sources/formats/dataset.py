@@ -21,6 +21,7 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from ..base import Source
+from .confine import Confinement
 from .reader import ByteSpace, Records, Segment
 
 __all__ = ["MEMORY_MODES", "Context", "FileSource", "Gatherer", "Layout", "Table"]
@@ -45,7 +46,7 @@ class Context:
         self.fds: list[int] = []
         #: Where the files this dataset opens may really be (symlinks resolved): its directory, its
         #: cache, and what the operator allowed (``?allow_paths=``). Empty: anywhere.
-        self.allowed = tuple(Path(os.path.realpath(p)) for p in allowed)
+        self.confinement = Confinement(root, allowed)
 
     def segment(self, path: Path, offset: int = 0, length: int | None = None, name: str | None = None) -> Segment:
         """Open ``path`` (once per call) and describe ``length`` bytes of it from ``offset``."""
@@ -54,25 +55,12 @@ class Context:
         except OSError as err:
             raise DatasetError(f"{path}: cannot open it: {err.strerror}") from err
         self.fds.append(fd)
-        self._confine(path, fd)
+        self.confinement.check_fd(path, fd)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise DatasetError(f"{path}: not a regular file")
         size = st.st_size
         return Segment(name or str(path), fd, offset, size - offset if length is None else length)
-
-    def _confine(self, path: Path, fd: int) -> None:
-        """Refuse a file that is really (symlinks resolved, as opened) outside the allowed places:
-        a ``dataset.toml`` entry or a symlink must not make the provider serve the cluster secret."""
-        if not self.allowed:
-            return
-        real = Path(os.readlink(f"/proc/self/fd/{fd}"))
-        if not any(real == a or a in real.parents for a in self.allowed):
-            raise DatasetError(
-                f"{path}: is really {real}, outside the dataset's directory {self.root}; "
-                "a provider serves files elsewhere only when its operator allows them "
-                "(?allow_paths=DIR on the dataset's URI)"
-            )
 
     def close(self) -> None:
         _close_all(self.fds)

@@ -5,6 +5,10 @@ Class names are the folder names under ``train/``, sorted (class id = position);
 recursively under each class folder and ordered by (class, path), so the same tree always gives the
 same indices. Where ``val/`` is missing, val is carved from train per class: the files whose path hashes
 lowest, ``val_fraction`` of each class — deterministic, stratified, and stable when files are added.
+
+Confined (:mod:`.confine`): a split or class folder, or an image, that is a symlink to somewhere outside
+the dataset's directory is refused at open, and each image is checked again as it is opened for a batch.
+Symlinked folders deeper in a class folder are not followed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 
 from libbus.errors import DatasetError
 
+from .confine import Confinement
 from .imageops import IMAGE_EXTS
 
 __all__ = ["EXPECTED", "Encoded", "ImageFolder", "detect"]
@@ -34,11 +39,20 @@ class Encoded:
     text: str | None = None
 
 
-def _images(folder: Path) -> list[Path]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found += [Path(dirpath) / f for f in filenames if f.lower().endswith(IMAGE_EXTS) and not f.startswith(".")]
+def _images(folder: Path, confinement: Confinement) -> list[Path]:
+    """The images under ``folder`` (not through symlinked folders); a symlinked image is checked."""
+    found, todo = [], [folder]
+    while todo:
+        with os.scandir(todo.pop()) as entries:
+            for e in entries:
+                if e.name.startswith("."):
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(Path(e.path))
+                elif e.name.lower().endswith(IMAGE_EXTS):
+                    if e.is_symlink():
+                        confinement.check(Path(e.path))
+                    found.append(Path(e.path))
     return sorted(found)
 
 
@@ -68,8 +82,9 @@ def _hash(path: str) -> bytes:
 class ImageFolder:
     """The files of an ImageFolder tree, by split: ``(path, class id)`` in index order."""
 
-    def __init__(self, uri: str, root: Path, val_fraction: float = 0.1):
+    def __init__(self, uri: str, root: Path, val_fraction: float = 0.1, confinement: Confinement | None = None):
         self.uri, self.root = uri, root
+        self.confinement = confinement or Confinement(root)
         train = root / "train"
         self.class_names = [d.name for d in _class_dirs(train)]
         classes = {name: i for i, name in enumerate(self.class_names)}
@@ -80,13 +95,15 @@ class ImageFolder:
                 self.files[split] = []
                 continue
             rows = []
+            self.confinement.check(folder)
             for d in _class_dirs(folder):
+                self.confinement.check(d)
                 if d.name not in classes:
                     raise DatasetError(
                         f"{uri}: {d} is a class folder that train/ does not have; train's classes are "
                         f"{', '.join(self.class_names)}"
                     )
-                rows += [(p, classes[d.name]) for p in _images(d)]
+                rows += [(p, classes[d.name]) for p in _images(d, self.confinement)]
             self.files[split] = rows
         if not self.files["train"]:
             raise DatasetError(f"{uri}: no images under {train}; expected {EXPECTED}")
@@ -114,8 +131,10 @@ class ImageFolder:
         out = []
         for i in indices:
             path, label = rows[int(i)]
+            fd = self.confinement.open(path)
             try:
-                data = path.read_bytes()
+                with os.fdopen(fd, "rb") as f:
+                    data = f.read()
             except OSError as err:
                 raise DatasetError(f"{self.uri}: cannot read {path}: {err.strerror or err}") from None
             out.append(Encoded(data, label, str(path)))

@@ -3,7 +3,8 @@
 The raw text a tokenizer reads on the provider (a pipeline's ``tokenize`` and ``pack`` stages). Line
 starts are found once, at open, with one vectorised scan of the memory-mapped file; a sample is a
 line (empty lines are skipped), read with one positional read. Where ``val.txt`` is missing, val is
-carved from train: the lines whose number hashes lowest, ``val_fraction`` of them.
+carved from train: the lines whose number hashes lowest, ``val_fraction`` of them. A split file that is
+really (symlinks resolved, as opened) outside the dataset's directory is refused (:mod:`.confine`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
+from .confine import Confinement
 from .imagefolder import Encoded
 
 __all__ = ["EXPECTED", "TextLines", "detect"]
@@ -27,12 +29,12 @@ def detect(root: Path) -> bool:
     return (root / "train.txt").is_file()
 
 
-def _lines(path: Path) -> np.ndarray:
-    """``(n, 2)`` start and end byte offsets of the non-empty lines of ``path``."""
-    size = path.stat().st_size
+def _lines(fd: int) -> np.ndarray:
+    """``(n, 2)`` start and end byte offsets of the non-empty lines of the open file ``fd``."""
+    size = os.fstat(fd).st_size
     if size == 0:
         return np.empty((0, 2), np.int64)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
         ends = np.flatnonzero(np.frombuffer(m, np.uint8) == 10).astype(np.int64)
     if not len(ends) or ends[-1] != size - 1:
         ends = np.append(ends, size)  # a last line without a newline
@@ -46,14 +48,26 @@ class TextLines:
 
     class_names: list[str] = []
 
-    def __init__(self, uri: str, root: Path, val_fraction: float):
+    def __init__(self, uri: str, root: Path, val_fraction: float, confinement: Confinement | None = None):
         self.uri = uri
         self.paths: dict[str, Path | None] = {}
         self.rows: dict[str, np.ndarray] = {}
+        self._fds: dict[str, int] = {}
+        try:
+            self._open(root, confinement or Confinement(root), val_fraction)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, root: Path, confinement: Confinement, val_fraction: float) -> None:
+        uri = self.uri
         for split in ("train", "val", "test"):
             path = root / f"{split}.txt"
-            self.paths[split] = path if path.is_file() else None
-            self.rows[split] = _lines(path) if path.is_file() else np.empty((0, 2), np.int64)
+            if path.is_file():
+                self.paths[split], self._fds[split] = path, confinement.open(path)
+                self.rows[split] = _lines(self._fds[split])
+            else:
+                self.paths[split], self.rows[split] = None, np.empty((0, 2), np.int64)
         if not len(self.rows["train"]):
             raise DatasetError(f"{uri}: {root / 'train.txt'} has no text; expected {EXPECTED}")
         if self.paths["val"] is None and val_fraction > 0:
@@ -63,7 +77,7 @@ class TextLines:
             val[rank[: int(round(len(rows) * val_fraction))]] = True
             self.rows["train"], self.rows["val"] = rows[~val], rows[val]
             self.paths["val"] = self.paths["train"]
-        self._fds = {s: os.open(p, os.O_RDONLY) for s, p in self.paths.items() if p is not None}
+            self._fds["val"] = self._fds["train"]
 
     def num_samples(self, split: str) -> int:
         return len(self.rows[split])
@@ -80,7 +94,7 @@ class TextLines:
         return out
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd in set(self._fds.values()):
             os.close(fd)
         self._fds = {}
 

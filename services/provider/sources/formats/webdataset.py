@@ -7,7 +7,9 @@ ImageFolder trees (the samples whose key hashes lowest). Labels come from ``.cls
 names from ``classes.txt`` beside the shards (one per line), else ``0``, ``1``, ….
 
 A batch's members are read shard by shard in offset order, neighbours (gaps under
-:data:`COALESCE_GAP`) in one read.
+:data:`COALESCE_GAP`) in one read. Local shards and ``classes.txt`` are confined (:mod:`.confine`): one
+that is a symlink to somewhere outside the dataset's directory is refused at open, and checked again as
+opened for reading.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from libbus.errors import DatasetError
 
+from .confine import Confinement
 from .imagefolder import Encoded
 from .imageops import IMAGE_EXTS
 from .tarshards import ShardIndex, build_index, load_cached, load_or_build, save
@@ -132,8 +135,10 @@ class ShardStore:
 class LocalShards(ShardStore):
     """Shards in a local directory, read with ``pread`` on descriptors opened once."""
 
-    def __init__(self, uri: str, paths: list[Path], indexes: list[ShardIndex], class_names, val_fraction: float):
-        self.paths = paths
+    def __init__(
+        self, uri: str, paths: list[Path], indexes: list[ShardIndex], class_names, val_fraction: float, confinement
+    ):
+        self.paths, self.confinement = paths, confinement
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
         super().__init__(uri, [p.name for p in paths], indexes, self._pread, class_names, val_fraction)
@@ -142,10 +147,7 @@ class LocalShards(ShardStore):
         with self._lock:
             fd = self._fds.get(shard)
             if fd is None:
-                try:
-                    fd = self._fds[shard] = os.open(self.paths[shard], os.O_RDONLY)
-                except OSError as err:
-                    raise DatasetError(f"{self.uri}: cannot open {self.paths[shard]}: {err.strerror}") from None
+                fd = self._fds[shard] = self.confinement.open(self.paths[shard])
         return os.pread(fd, n, offset)
 
     def close(self) -> None:
@@ -161,8 +163,10 @@ def class_names_file(text: str | None) -> list[str] | None:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def open_local_shards(uri: str, root: Path, cache: Path, val_fraction: float, *, strict: bool) -> LocalShards:
-    """Index (or load the cached indexes of) every ``*.tar`` in ``root``.
+def open_local_shards(
+    uri: str, root: Path, cache: Path, val_fraction: float, *, strict: bool, confinement: Confinement | None = None
+) -> LocalShards:
+    """Index (or load the cached indexes of) every ``*.tar`` in ``root``, each checked by ``confinement``.
 
     ``strict``: a truncated shard is refused (naming it and what was cut); otherwise its whole samples
     are served and the cut is logged. Raises :class:`DatasetError`.
@@ -170,16 +174,20 @@ def open_local_shards(uri: str, root: Path, cache: Path, val_fraction: float, *,
     paths = sorted(p for p in root.iterdir() if p.suffix == ".tar" and p.is_file())
     if not paths:
         raise DatasetError(f"{uri}: no .tar shards in {root}; expected {EXPECTED}")
+    confinement = confinement or Confinement(root)
     indexes = []
     for path in paths:
+        confinement.check(path)
         try:
             index = load_or_build(path, cache)
         except OSError as err:
             raise DatasetError(f"{uri}: cannot read shard {path}: {err.strerror or err}") from None
         indexes.append(_checked(uri, str(path), index, strict))
     names_file = root / "classes.txt"
+    if names_file.is_file():
+        confinement.check(names_file)
     names = class_names_file(names_file.read_text() if names_file.is_file() else None)
-    return LocalShards(uri, paths, indexes, names, val_fraction)
+    return LocalShards(uri, paths, indexes, names, val_fraction, confinement)
 
 
 def _checked(uri: str, name: str, index: ShardIndex, strict: bool) -> ShardIndex:

@@ -1,9 +1,10 @@
 """Text stages of a pipeline: ``tokenize`` (Hugging Face ``tokenizers``) and ``pack`` (docs/datasets.md §7.1).
 
-Their input is a source of text samples (``file://DIR?encoded=1`` on ``train.txt`` files, or WebDataset
-shards with ``.txt`` members). ``tokenize`` turns each sample's text into token ids with the tokenizer
-JSON file the operator gives (``tokenizer.json``, as ``tokenizers`` saves it; nothing is downloaded),
-``encode_batch`` running on the tokenizer's own Rust threads; ``pack`` makes the fixed-length token
+Their input is a source of text samples (``file://DIR?encoded=1`` on ``train.txt`` files, WebDataset
+shards with ``.txt`` members, or a Parquet string column: ``parquet://DIR?encoded=1``). ``tokenize``
+turns each sample's text into token ids with the tokenizer JSON file the operator gives
+(``tokenizer.json``, as ``tokenizers`` saves it; nothing is downloaded), ``encode_batch`` running on
+the tokenizer's own Rust threads; ``pack`` makes the fixed-length token
 samples that ``tiny-lm`` and every token dataset use: ``length + 1`` tokens (a model's input and, shifted
 by one, its targets), a document cut at that length or padded with ``pad_id`` after its end token.
 """
