@@ -11,6 +11,7 @@ import pytest
 
 from libbus.errors import DatasetError
 from services.provider.sources import open_source
+from services.provider.sources.objstore import object_store_stats
 from tests.support.images import shard_members, tar_bytes, write_imagefolder, write_shards
 from tests.support.s3server import S3Server
 
@@ -50,6 +51,7 @@ def test_an_imagefolder_prefix_serves_the_bytes_of_its_local_tree(s3, tmp_path):
         assert remote.info()["format"] == "imagefolder" and remote.info()["sample_shape"] == [3, 16, 16]
         _same_everywhere(local, remote)
         assert len(s3.gets()) > before  # images came by ranged GETs
+        assert object_store_stats({"pets": remote})["object_store"]["bytes_fetched"] > 0  # busctl queues
     finally:
         local.close()
         remote.close()
@@ -68,6 +70,7 @@ def test_webdataset_shards_under_a_prefix_serve_the_bytes_of_the_local_shards(s3
         assert remote.info()["format"] == "webdataset" and remote.info()["class_names"] == ["cat", "dog"]
         _same_everywhere(local, remote)
         assert len(list((cache / "webdataset").glob("*.index.json"))) == 3
+        assert "object_store" in object_store_stats({"wds": remote})
     finally:
         local.close()
         remote.close()

@@ -71,12 +71,22 @@ def configure_cache(cache_dir: str, cache_limit: int) -> None:
 def object_store_stats(datasets: dict[str, Source]) -> dict:
     """``{"object_store": {requests, retries, failures, bytes_fetched, caches}}`` when the provider
     serves an object-store dataset (else ``{}``): what ``busctl queues`` and the metrics show."""
-    if not any(isinstance(s, (ObjectFileSource, ObjectParquetSource)) for s in datasets.values()):
+    if not any(_reads_objects(s) for s in datasets.values()):
         return {}
     with objects.STATS_LOCK:
         out: dict = dict(objects.STATS)
     out["caches"] = cache_stats()
     return {"object_store": out}
+
+
+def _reads_objects(source: Source) -> bool:
+    """Whether ``source`` reads an object store (a file format, Parquet, or an image layout's store)."""
+    store = getattr(source, "store", None)
+    return (
+        isinstance(source, (ObjectFileSource, ObjectParquetSource))
+        or isinstance(store, webdataset.ObjectShards)
+        or isinstance(getattr(store, "root", None), ObjectPath)
+    )
 
 
 def _redacted(req: OpenRequest) -> str:
