@@ -92,6 +92,14 @@ def start_provider(
     ready_file: ReadyFile = None,
     heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
     metrics_bind: MetricsBind = None,
+    cache_dir: Annotated[
+        str | None,
+        typer.Option(help="Disk cache of object-store datasets, shared by providers (or BATCHBUS_CACHE_DIR)."),
+    ] = None,
+    cache_limit: Annotated[
+        str | None,
+        typer.Option(help="Most bytes the cache holds, least recently used evicted (or BATCHBUS_CACHE_LIMIT)."),
+    ] = None,
 ) -> None:
     """Serve datasets on a data socket and register them with the router."""
     import threading
@@ -112,6 +120,8 @@ def start_provider(
         datasets=dataset or None,
         heartbeat_ms=heartbeat_ms,
         metrics_bind=metrics_bind,
+        cache_dir=cache_dir,
+        cache_limit=cache_limit,
     )
     setup_logging(s.log_level)
     stop, notify = threading.Event(), runtime.notifier()

@@ -337,4 +337,22 @@ def load_settings(
         )
     if settings.request_timeout_s <= 0 or settings.request_retries < 0:
         raise ConfigError("request_timeout_s must be positive and request_retries not negative")
+    _check_cache(settings, sources)
     return settings.resolved(), sources
+
+
+def _check_cache(settings: Settings, sources: dict[str, str]) -> None:
+    """The object-store disk cache: a limit in bytes, not negative, that a cache directory needs, and a
+    directory (or a path one can be made at), not a file."""
+    if settings.cache_limit < 0:
+        raise ConfigError(
+            f"cache_limit ({sources['cache_limit']}) must be a number of bytes, not negative, got {settings.cache_limit}"
+        )
+    where = settings.cache_dir
+    if where and os.path.exists(where) and not os.path.isdir(where):
+        raise ConfigError(f"cache_dir ({sources['cache_dir']}) {where} is a file, not a directory")
+    if where and settings.cache_limit == 0:
+        raise ConfigError(
+            f"cache_dir ({sources['cache_dir']}) needs a cache_limit in bytes (--cache-limit, "
+            "BATCHBUS_CACHE_LIMIT), e.g. 100000000000"
+        )

@@ -1,6 +1,9 @@
 """``s3://BUCKET/PREFIX``, ``gs://BUCKET/PREFIX``, ``az://CONTAINER/PREFIX`` dataset sources: the
 formats a provider serves from files (token shards, npy pairs, raw arrays with ``dataset.toml``,
-Parquet by row group, CIFAR-10 batches, uncompressed IDX), read by byte range from an object store.
+Parquet by row group, CIFAR-10 batches, uncompressed IDX), and the image layouts (ImageFolder
+prefixes, WebDataset ``.tar`` shards, ``?size=S`` as for ``file://``), read by byte range from an
+object store. A shard's index is cached in the cache directory (``cache_dir``/webdataset, else
+``~/.cache/batchbus/webdataset``) under the object's ETag: a rewritten shard is indexed again.
 
 The prefix is listed once at open; the format is ``?format=`` or detected as for ``file://``.
 Reads go through :mod:`.formats.objects` (one request per contiguous run, bounded concurrency per
@@ -31,9 +34,9 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from . import parquet
+from . import images, parquet
 from .base import FieldBatch, OpenRequest, Source
-from .formats import cifar, idx, npy, objects, raw, tokens
+from .formats import cifar, idx, imagefolder, npy, objects, raw, tokens, webdataset
 from .formats.blockcache import BlockCache, cache_stats
 from .formats.dataset import MEMORY_MODES, Context, FileSource
 from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
@@ -68,12 +71,22 @@ def configure_cache(cache_dir: str, cache_limit: int) -> None:
 def object_store_stats(datasets: dict[str, Source]) -> dict:
     """``{"object_store": {requests, retries, failures, bytes_fetched, caches}}`` when the provider
     serves an object-store dataset (else ``{}``): what ``busctl queues`` and the metrics show."""
-    if not any(isinstance(s, (ObjectFileSource, ObjectParquetSource)) for s in datasets.values()):
+    if not any(_reads_objects(s) for s in datasets.values()):
         return {}
     with objects.STATS_LOCK:
         out: dict = dict(objects.STATS)
     out["caches"] = cache_stats()
     return {"object_store": out}
+
+
+def _reads_objects(source: Source) -> bool:
+    """Whether ``source`` reads an object store (a file format, Parquet, or an image layout's store)."""
+    store = getattr(source, "store", None)
+    return (
+        isinstance(source, (ObjectFileSource, ObjectParquetSource))
+        or isinstance(store, webdataset.ObjectShards)
+        or isinstance(getattr(store, "root", None), ObjectPath)
+    )
 
 
 def _redacted(req: OpenRequest) -> str:
@@ -244,6 +257,8 @@ def open_object_source(req: OpenRequest) -> Source:
             src = parquet.open_parquet_dir(uri, root, params, source_class=ObjectParquetSource)
             src.client = client
             return src
+        if (image_format := _image_format(root, params)) is not None:
+            return _open_images(req, root, image_format)
         toml = _read_toml(root)
         file_settings = parse_settings(uri, params, toml)
         memory = params.pop("memory", "stream")
@@ -266,6 +281,41 @@ def open_object_source(req: OpenRequest) -> Source:
     except BaseException:
         client.close()
         raise
+
+
+def _image_format(root: ObjectPath, params: dict) -> str | None:
+    fmt = params.get("format")
+    if fmt in ("imagefolder", "webdataset"):
+        params.pop("format")
+        return fmt
+    if fmt is None and imagefolder.detect(root):
+        return "imagefolder"
+    if fmt is None and webdataset.detect(root):
+        return "webdataset"
+    return None
+
+
+def _open_images(req: OpenRequest, root: ObjectPath, fmt: str) -> Source:
+    """An ImageFolder prefix or WebDataset shards, decoded on the provider as ``file://`` does."""
+    try:
+        val_fraction = float(req.params.pop("val_fraction", "0.1"))
+    except ValueError:
+        raise DatasetError(f"{_redacted(req)}: val_fraction must be a number") from None
+    if not 0 <= val_fraction < 1:
+        raise DatasetError(f"{_redacted(req)}: val_fraction must be in [0, 1), got {val_fraction}")
+    if fmt == "imagefolder":
+        if not imagefolder.detect(root):
+            raise DatasetError(f"{_redacted(req)}: no ImageFolder tree in {root}; expected {imagefolder.EXPECTED}")
+        return images.open_images(req, imagefolder.ImageFolder(req.uri, root, val_fraction), fmt)
+    cache = root.tree.client.cache
+    where = (
+        cache.root
+        if cache is not None
+        else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchbus"
+    )
+    strict = req.params.get("bad") != "skip"
+    store = webdataset.open_object_shards(req.uri, root, where / "webdataset", val_fraction, strict=strict)
+    return images.open_images(req, store, fmt)
 
 
 def _read_toml(root: ObjectPath) -> dict:

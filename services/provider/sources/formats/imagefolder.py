@@ -3,8 +3,10 @@
 
 Class names are the folder names under ``train/``, sorted (class id = position); files are listed
 recursively under each class folder and ordered by (class, path), so the same tree always gives the
-same indices. Where ``val/`` is missing, val is carved from train per class: the files whose path hashes
-lowest, ``val_fraction`` of each class — deterministic, stratified, and stable when files are added.
+same indices. The tree may be a local directory or an object-store prefix (an
+:class:`~.objects.ObjectPath`, ``s3://BUCKET/PREFIX``): the same tree gives the same samples, and a
+batch's images are then fetched together through the store's client. Where ``val/`` is missing, val
+is carved from train per class: the files whose path hashes lowest, ``val_fraction`` of each class — deterministic, stratified, and stable when files are added.
 
 Confined (:mod:`.confine`): a split or class folder, or an image, that is a symlink to somewhere outside
 the dataset's directory is refused at open, and each image is checked again as it is opened for a batch.
@@ -39,8 +41,10 @@ class Encoded:
     text: str | None = None
 
 
-def _images(folder: Path, confinement: Confinement) -> list[Path]:
+def _images(folder: Path, confinement: Confinement | None = None) -> list[Path]:
     """The images under ``folder`` (not through symlinked folders); a symlinked image is checked."""
+    if not isinstance(folder, Path):  # an object-store folder: the keys below it, filtered as below
+        return sorted(p for p in folder.files_below() if _visible_image(p.relative_to(folder).parts))
     found, todo = [], [folder]
     while todo:
         with os.scandir(todo.pop()) as entries:
@@ -50,10 +54,14 @@ def _images(folder: Path, confinement: Confinement) -> list[Path]:
                 if e.is_dir(follow_symlinks=False):
                     todo.append(Path(e.path))
                 elif e.name.lower().endswith(IMAGE_EXTS):
-                    if e.is_symlink():
+                    if e.is_symlink() and confinement is not None:
                         confinement.check(Path(e.path))
                     found.append(Path(e.path))
     return sorted(found)
+
+
+def _visible_image(parts: tuple[str, ...]) -> bool:
+    return not any(p.startswith(".") for p in parts) and parts[-1].lower().endswith(IMAGE_EXTS)
 
 
 def _class_dirs(split_dir: Path) -> list[Path]:
@@ -69,6 +77,8 @@ def detect(root: Path) -> bool:
 
 
 def _first_image(folder: Path) -> bool:
+    if not isinstance(folder, Path):
+        return bool(_images(folder))
     for _, _, filenames in os.walk(folder):
         if any(f.lower().endswith(IMAGE_EXTS) for f in filenames):
             return True
@@ -128,6 +138,8 @@ class ImageFolder:
         """The encoded bytes and labels at ``indices``. Raises :class:`DatasetError` for a file that
         went missing or cannot be read."""
         rows = self.files[split]
+        if not isinstance(self.root, Path):
+            return self._fetch_objects([rows[int(i)] for i in indices])
         out = []
         for i in indices:
             path, label = rows[int(i)]
@@ -140,5 +152,15 @@ class ImageFolder:
             out.append(Encoded(data, label, str(path)))
         return out
 
+    def _fetch_objects(self, rows: list) -> list[Encoded]:
+        client = self.root.tree.client
+        client.start_batch()  # the batch's images: requests in parallel (bounded), one deadline
+        try:
+            data = client.read_ranges([(p.meta, 0, p.meta.size) for p, _ in rows])
+        finally:
+            client.end_batch()
+        return [Encoded(d, label, str(p)) for d, (p, label) in zip(data, rows)]
+
     def close(self) -> None:
-        pass
+        if not isinstance(self.root, Path):
+            self.root.tree.client.close()

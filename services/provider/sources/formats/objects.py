@@ -35,6 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from pathlib import PurePosixPath
 from typing import Protocol
 
 from libbus.errors import DatasetError
@@ -192,6 +193,13 @@ class ObjectClient:
             raise ObjectError(f"{self.backend.name}/{obj.key}: larger than {MAX_SMALL_OBJECT} bytes")
         return bytes(self.fetch(obj, 0, obj.size)) if obj.size else b""
 
+    def read_ranges(self, ranges: list[tuple[ObjectMeta, int, int]]) -> list[bytes]:
+        """The bytes of each ``(object, offset, length)`` (whole images, a shard's coalesced members):
+        one batch of :meth:`read_runs`, so bounded, retried, cached and under one deadline."""
+        out = [bytearray(n) for _, _, n in ranges]
+        self.read_runs([(ObjectFile(self, m), at, [memoryview(b)]) for (m, at, _), b in zip(ranges, out) if len(b)])
+        return [bytes(b) for b in out]
+
     # -- a batch's runs ----------------------------------------------------------------------
 
     def read_runs(self, runs: list[tuple[ObjectFile, int, list[memoryview]]]) -> None:
@@ -333,6 +341,14 @@ class ObjectPath:
     def glob(self, pattern: str):
         return (p for p in self.iterdir() if fnmatch(p.name, pattern))
 
+    def files_below(self) -> list[ObjectPath]:
+        """Every object under this folder, at any depth (what ``os.walk`` finds in a directory)."""
+        head = f"{self.rel}/" if self.rel else ""
+        return [ObjectPath(self.tree, k) for k in self.tree.files if k.startswith(head)]
+
+    def relative_to(self, other: ObjectPath) -> PurePosixPath:
+        return PurePosixPath(self.rel).relative_to(other.rel or ".")
+
     def open(self, mode: str = "rb") -> ObjectReader:
         """A seekable binary file over the object (what pyarrow reads Parquet through)."""
         if mode != "rb":
@@ -346,7 +362,7 @@ class ObjectPath:
         return self.read_bytes().decode(encoding)
 
     def __lt__(self, other: ObjectPath) -> bool:
-        return self.rel < other.rel
+        return self.rel.split("/") < other.rel.split("/")  # by parts, as pathlib sorts
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ObjectPath) and other.tree is self.tree and other.rel == self.rel

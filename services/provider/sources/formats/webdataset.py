@@ -27,7 +27,16 @@ from .imagefolder import Encoded
 from .imageops import IMAGE_EXTS
 from .tarshards import ShardIndex, build_index, load_cached, load_or_build, save
 
-__all__ = ["COALESCE_GAP", "EXPECTED", "ShardStore", "detect", "open_local_shards", "open_remote_shards", "split_of"]
+__all__ = [
+    "COALESCE_GAP",
+    "EXPECTED",
+    "ShardStore",
+    "detect",
+    "open_local_shards",
+    "open_object_shards",
+    "open_remote_shards",
+    "split_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +112,12 @@ class ShardStore:
                     off, size = members[ext]
                     wanted.setdefault(shard, []).append((off, size, r, ext))
         found: list[dict[str, bytes]] = [{} for _ in rows]
-        for shard, parts in wanted.items():
-            self._read_coalesced(shard, sorted(parts), found)
+        runs = [run for shard, parts in wanted.items() for run in _coalesced(shard, sorted(parts))]
+        for (shard, start, end, run), data in zip(runs, self.read_many([(s, a, b - a) for s, a, b, _ in runs])):
+            if len(data) != end - start:
+                raise DatasetError(f"{self.uri}: shard {self.names[shard]} changed or was cut short while read")
+            for off, size, r, ext in run:
+                found[r][ext] = data[off - start : off - start + size]
         out = []
         for r, (shard, i) in enumerate(rows):
             index, got = self.indexes[shard], found[r]
@@ -114,19 +127,9 @@ class ShardStore:
             out.append(Encoded(image, -1 if label is None else label, self._key((shard, i)), text))
         return out
 
-    def _read_coalesced(self, shard: int, parts: list, found: list[dict[str, bytes]]) -> None:
-        run: list = []
-        for part in parts + [None]:
-            if run and (part is None or part[0] - (run[-1][0] + run[-1][1]) > COALESCE_GAP):
-                start, end = run[0][0], max(p[0] + p[1] for p in run)
-                data = self.pread(shard, start, end - start)
-                if len(data) != end - start:
-                    raise DatasetError(f"{self.uri}: shard {self.names[shard]} changed or was cut short while read")
-                for off, size, r, ext in run:
-                    found[r][ext] = data[off - start : off - start + size]
-                run = []
-            if part is not None:
-                run.append(part)
+    def read_many(self, runs: list[tuple[int, int, int]]) -> list[bytes]:
+        """The bytes of each ``(shard, offset, length)`` of a batch (one after another here)."""
+        return [self.pread(shard, off, n) for shard, off, n in runs]
 
     def close(self) -> None:
         pass
@@ -155,6 +158,23 @@ class LocalShards(ShardStore):
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+#: A wanted member: (offset in the shard, size, row in the batch, extension).
+Part = tuple[int, int, int, str]
+
+
+def _coalesced(shard: int, parts: list[Part]) -> list[tuple[int, int, int, list[Part]]]:
+    """``(shard, start, end, members)`` runs of a shard's wanted members (sorted by offset): neighbours
+    closer than :data:`COALESCE_GAP` share one read."""
+    out: list[tuple[int, int, int, list[Part]]] = []
+    for part in parts:
+        if out and part[0] - out[-1][2] <= COALESCE_GAP:
+            out[-1][3].append(part)
+            out[-1] = (shard, out[-1][1], max(out[-1][2], part[0] + part[1]), out[-1][3])
+        else:
+            out.append((shard, part[0], part[0] + part[1], [part]))
+    return out
 
 
 def class_names_file(text: str | None) -> list[str] | None:
@@ -224,3 +244,45 @@ def _get(client, url: str, offset: int, n: int) -> bytes:
     buf = bytearray(n)
     client.read_into(url, offset, [memoryview(buf)])
     return bytes(buf)
+
+
+class ObjectShards(ShardStore):
+    """Shards in an object store: a batch's coalesced runs fetched together through the dataset's
+    :class:`~.objects.ObjectClient` (bounded, retried, one deadline, If-Match on the ETag seen at open)."""
+
+    def __init__(self, uri: str, paths: list, indexes: list[ShardIndex], class_names, val_fraction: float):
+        self.client, self.metas = paths[0].tree.client, [p.meta for p in paths]
+        pread = lambda shard, off, n: bytes(self.client.fetch(self.metas[shard], off, n))  # noqa: E731
+        super().__init__(uri, [p.name for p in paths], indexes, pread, class_names, val_fraction)
+
+    def read_many(self, runs: list[tuple[int, int, int]]) -> list[bytes]:
+        self.client.start_batch()
+        try:
+            return self.client.read_ranges([(self.metas[shard], off, n) for shard, off, n in runs])
+        finally:
+            self.client.end_batch()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def open_object_shards(uri: str, root, cache: Path, val_fraction: float, *, strict: bool) -> ObjectShards:
+    """Every ``*.tar`` object under ``root`` (an :class:`~.objects.ObjectPath`): each index from
+    ``cache`` (a local directory) when the object's size and ETag match, else built with ranged reads
+    of its headers and cached there. Raises :class:`DatasetError` (an ``ObjectError`` names the object)."""
+    paths = sorted(p for p in root.iterdir() if p.suffix == ".tar" and p.is_file())
+    if not paths:
+        raise DatasetError(f"{uri}: no .tar shards in {root}; expected {EXPECTED}")
+    client, indexes = root.tree.client, []
+    for path in paths:
+        meta = path.meta
+        cached = cache / (hashlib.blake2b(str(path).encode(), digest_size=12).hexdigest() + ".index.json")
+        index = load_cached(cached, meta.size, meta.etag)
+        if index is None:
+            pread = lambda off, n, m=meta: bytes(client.fetch(m, off, n))  # noqa: E731
+            index = build_index(str(path), pread, meta.size, meta.etag, buffer=1 << 20)
+            save(index, cached)
+        indexes.append(_checked(uri, str(path), index, strict))
+    names_file = root / "classes.txt"
+    names = class_names_file(names_file.read_text() if names_file.is_file() else None)
+    return ObjectShards(uri, paths, indexes, names, val_fraction)
