@@ -86,7 +86,7 @@ def test_the_router_starts_an_elastic_gang_at_its_maximum_or_after_the_wait_with
     assert gangs.tick({"t1"}, now=now + 6) is False
     info = store.get(short)
     assert info["state"] == "queued" and gangs.waiting(short, now + 6)
-    assert "did not gather within 5 s" in info["events"][-1]["reason"]
+    assert "its gang of 2 to 3 did not gather within 5 s" in info["events"][-1]["reason"]
 
 
 def _wait_connected(cluster: JobCluster, names: tuple[str, ...], timeout: float = 60) -> None:

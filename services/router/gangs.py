@@ -62,6 +62,11 @@ def min_world_size(spec: dict) -> int:
     return int(spec.get("min_world_size") or world_size(spec)) if spec.get("elastic") else world_size(spec)
 
 
+def _wanted(spec: dict) -> str:
+    low, high = min_world_size(spec), world_size(spec)
+    return str(high) if low == high else f"{low} to {high}"
+
+
 class Gangs:
     """Gathers gangs for queued jobs and hands their ranks their tasks.
 
@@ -195,7 +200,7 @@ class Gangs:
             return True
         self._dissolve(job_id)
         reason = (
-            f"its gang of {world_size(spec)} did not gather within {timeout:g} s "
+            f"its gang of {_wanted(spec)} did not gather within {timeout:g} s "
             f"({len(members)} trainer(s) came: {', '.join(members)}); they went to other work"
         )
         if spec.get("gather_policy", "wait") == "fail":
