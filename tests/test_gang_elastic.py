@@ -5,6 +5,7 @@ resumes its checkpoint on the one trainer left, every sample of every epoch trai
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -97,6 +98,22 @@ def _wait_connected(cluster: JobCluster, names: tuple[str, ...], timeout: float 
         time.sleep(0.2)
 
 
+def _submit_elastic(cluster: JobCluster, path) -> str:
+    """:data:`SPEC` as a job file, made elastic (1 to 2) by ``busctl submit``'s flags; a careless
+    range on the same command line is refused in one line."""
+    fields = {**SPEC, "epochs": 2, "gather_timeout_s": 5.0}
+    lines = [f"{k} = {json.dumps(v)}" for k, v in fields.items() if not isinstance(v, dict)]
+    lines += ["[model_kwargs]", *(f"{k} = {json.dumps(v)}" for k, v in SPEC["model_kwargs"].items())]
+    path.write_text("\n".join(lines) + "\n")
+    bad = cluster.busctl(
+        "submit", str(path), "--elastic", "--min-world-size", "3", "--max-world-size", "2", check=False
+    )
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr + bad.stdout
+    assert "min_world_size=3 max_world_size=2" in bad.stderr and bad.stderr.strip().count("\n") == 0, bad.stderr
+    out = cluster.busctl("submit", str(path), "--elastic", "--min-world-size", "1", "--max-world-size", "2")
+    return out.stdout.strip()
+
+
 def test_an_elastic_gang_that_loses_a_trainer_resumes_on_the_one_left(tmp_path):
     cluster = JobCluster(tmp_path)
     try:
@@ -106,9 +123,7 @@ def test_an_elastic_gang_that_loses_a_trainer_resumes_on_the_one_left(tmp_path):
         cluster.start_trainer("e2")
         _wait_connected(cluster, ("e1", "e2"))
         digests = cluster.train_digests()
-        job = cluster.submit(
-            **{**SPEC, "epochs": 2, **ELASTIC, "gather_timeout_s": 5.0, "max_attempts": 3},
-        )
+        job = _submit_elastic(cluster, tmp_path / "job.toml")
         info = cluster.wait(
             job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("checkpoint_step"), timeout=90
         )
