@@ -140,3 +140,17 @@ def test_an_elastic_gang_that_loses_a_trainer_resumes_on_the_one_left(tmp_path):
             assert epochs[epoch] == digests, f"epoch {epoch}: not every sample once"
     finally:
         cluster.close()
+
+
+def _attempt(directory, name: str, rank: int, started: float, resumed: int, steps: range) -> None:
+    lines = [{"job": "j", "trainer": name, "started": started, "resumed_from_step": resumed, "rank": rank}]
+    lines += [{"epoch": 0, "step": s, "t": started + s / 100, "samples": [f"{name}{s}"]} for s in steps]
+    (directory / f"j.{name}.1.{rank}.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+
+
+def test_the_audit_replays_a_gang_resumed_at_another_world_size(tmp_path):
+    _attempt(tmp_path, "a", 0, 10.0, 0, range(1, 5))  # a gang of 2 trained steps 1..4,
+    _attempt(tmp_path, "b", 1, 10.001, 0, range(1, 5))  # its rank 1 alongside (never cut by rank 0)
+    _attempt(tmp_path, "c", 0, 20.0, 2, range(3, 6))  # then one trainer resumed from step 2
+    seen = effective_epochs(tmp_path, "j")[0]
+    assert sorted(seen) == ["a1", "a2", "b1", "b2", "c3", "c4", "c5"]
