@@ -46,6 +46,13 @@ def submit(
         bool | None, typer.Option("--evaluate/--no-evaluate", help="Score on the provider's test split at the end.")
     ] = None,
     world_size: Annotated[int | None, typer.Option(help="Trainers that train the job together (a gang).")] = None,
+    elastic: Annotated[
+        bool | None, typer.Option("--elastic/--no-elastic", help="A gang of --min/--max-world-size trainers.")
+    ] = None,
+    min_world_size: Annotated[
+        int | None, typer.Option(help="With --elastic: the fewest trainers it starts on.")
+    ] = None,
+    max_world_size: Annotated[int | None, typer.Option(help="With --elastic: the most trainers it gathers.")] = None,
     split: Annotated[
         str,
         typer.Option(help="With --evaluate --model JOB|FILE: val (a trainer scores it) or test (the provider does)."),
@@ -85,6 +92,9 @@ def submit(
         shuffle=shuffle,
         block_size=block_size,
         world_size=world_size,
+        elastic=elastic,
+        min_world_size=min_world_size,
+        max_world_size=max_world_size,
     )
     spec.update({k: v for k, v in flags.items() if v is not None})
     if "dataset" not in spec:

@@ -65,6 +65,13 @@ class JobSpec:
     #: other work; then the job waits its turn again (``gather_policy = "wait"``) or fails.
     gather_timeout_s: float = 120.0
     gather_policy: str = "wait"
+    #: An elastic gang starts on as many trainers as are free, from ``min_world_size`` up to
+    #: ``max_world_size`` (at once with the maximum; else with at least the minimum once
+    #: ``gather_timeout_s`` has passed), and a requeued one resumes at the size it gets then
+    #: (its cursor re-split, libbus/elastic.py). ``world_size`` is then the maximum.
+    elastic: bool = False
+    min_world_size: int = 0
+    max_world_size: int = 0
     name: str = ""
     #: Early stopping, decided by the router (services/router/early_stop.py): stop once ``monitor``
     #: has not improved by more than ``min_delta`` for ``patience`` epochs (0: never).
@@ -118,6 +125,7 @@ class JobSpec:
             )
         if spec.world_size > MAX_WORLD_SIZE:
             raise BadRequest(f"world_size must be at most {MAX_WORLD_SIZE}, got {spec.world_size}")
+        _check_elastic(spec, raw)
         if spec.gather_timeout_s <= 0:
             raise BadRequest(f"gather_timeout_s must be positive, got {spec.gather_timeout_s}")
         if spec.gather_policy not in GATHER_POLICIES:
@@ -152,6 +160,28 @@ class JobSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _check_elastic(spec: JobSpec, raw: dict) -> None:
+    """``elastic`` needs ``1 <= min_world_size <= max_world_size <= MAX_WORLD_SIZE``; its
+    ``world_size`` becomes ``max_world_size`` (one given as well must equal it). Without
+    ``elastic`` the bounds mean nothing, and a spec that sets them is refused rather than ignored."""
+    if not spec.elastic:
+        if spec.min_world_size or spec.max_world_size:
+            raise BadRequest("min_world_size and max_world_size need elastic = true (else set world_size)")
+        return
+    low, high = spec.min_world_size, spec.max_world_size
+    if not 1 <= low <= high <= MAX_WORLD_SIZE:
+        raise BadRequest(
+            f"an elastic job needs 1 <= min_world_size <= max_world_size <= {MAX_WORLD_SIZE}, "
+            f"got min_world_size={low} max_world_size={high}"
+        )
+    if "world_size" in raw and spec.world_size != high:
+        raise BadRequest(
+            f"an elastic job's world_size is its max_world_size: got world_size={spec.world_size} "
+            f"and max_world_size={high} (leave world_size out)"
+        )
+    spec.world_size = high
 
 
 def _shuffle_mode(value) -> str:

@@ -23,6 +23,11 @@ The rules, in one place:
   releases its members to other work; the job then waits out as long before it gathers again
   (other queued jobs go first meanwhile), or fails with the reason (``gather_policy = "fail"``).
   A queued job of higher priority than a gathering's also releases it: priorities hold.
+- **Elastic.** A job with ``elastic = true`` gathers up to ``max_world_size`` (its ``world_size``)
+  and starts at once with that many; a gathering still short of it when ``gather_timeout_s`` has
+  passed starts with the members it has if they are at least ``min_world_size`` (else it is
+  released as above). Each rank's ``Task`` carries the world size chosen; a requeued elastic gang
+  gathers anew and resumes its checkpoint at its new size (the cursor re-split, libbus/elastic.py).
 - A rank above 0 that asks for work again after its ``Task`` has finished its part (or left it):
   the job stays with rank 0, which decides its fate.
 """
@@ -38,7 +43,7 @@ from libbus.messages import NoTask, Task
 
 from .store import JobStore
 
-__all__ = ["Gangs", "GANG_POLL_MS", "world_size"]
+__all__ = ["Gangs", "GANG_POLL_MS", "min_world_size", "world_size"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +53,18 @@ _ADDRESS = re.compile(r"^tcp://[A-Za-z0-9.\-:\[\]]{1,255}:\d{1,5}$")
 
 
 def world_size(spec: dict) -> int:
+    """The most trainers ``spec`` gathers (an elastic job's ``max_world_size``)."""
     return int(spec.get("world_size", 1))
+
+
+def min_world_size(spec: dict) -> int:
+    """The fewest trainers ``spec`` starts with once its gather timeout has passed."""
+    return int(spec.get("min_world_size") or world_size(spec)) if spec.get("elastic") else world_size(spec)
+
+
+def _wanted(spec: dict) -> str:
+    low, high = min_world_size(spec), world_size(spec)
+    return str(high) if low == high else f"{low} to {high}"
 
 
 class Gangs:
@@ -112,11 +128,14 @@ class Gangs:
         self.store.event(job["id"], f"{trainer} joined its gang ({len(members)}/{size})")
         if len(members) < size:
             return NoTask(retry_ms=self.retry_ms)
-        del self.gathering[job["id"]]
-        self.since.pop(job["id"], None)
-        self.store.form_gang(job["id"], members, self.lease_s)
-        log.info("job %s: gang of %d formed: %s", job["id"], size, ", ".join(members))
+        self._start(job["id"], members)
         return self.task_for(trainer) or NoTask(retry_ms=self.retry_ms)
+
+    def _start(self, job_id: str, members: list[str]) -> None:
+        """Start ``job_id`` on its gathered ``members`` (each gets its ``Task`` at its next ask)."""
+        self._dissolve(job_id)
+        self.store.form_gang(job_id, members, self.lease_s)
+        log.info("job %s: gang of %d formed: %s", job_id, len(members), ", ".join(members))
 
     def rendezvous(self, job_id: str, address: str) -> dict:
         """Rank 0 of ``job_id`` meets its gang at ``address``; the caller checked it is rank 0."""
@@ -128,11 +147,12 @@ class Gangs:
         self.gathering.pop(job_id, None)
         self.since.pop(job_id, None)
 
-    def tick(self, connected: set[str], now: float | None = None) -> None:
+    def tick(self, connected: set[str], now: float | None = None) -> bool:
         """Members that disconnected leave their gathering; a job no longer queued dissolves it; a
         gathering past its job's ``gather_timeout_s``, or behind a queued job of higher priority,
-        releases its members."""
+        releases its members (or, elastic, starts with them). True if a gang started."""
         now = time.monotonic() if now is None else now
+        started = False
         for job_id, until in list(self.held_back.items()):
             if until <= now:
                 del self.held_back[job_id]
@@ -144,18 +164,21 @@ class Gangs:
             if job["state"] != "queued":
                 self._dissolve(job_id)
                 continue
-            if self._released(job, members, now):
-                continue
             gone = [m for m in members if m not in connected]
             for member in gone:
                 members.remove(member)
                 self.store.event(job_id, f"{member} left its gathering gang (disconnected)")
             if not members:
                 self._dissolve(job_id)
+                continue
+            if self._released(job, members, now):  # an elastic gang may start instead (members connected)
+                started = started or self.store.get(job_id, events=False)["state"] == "running"
+        return started
 
     def _released(self, job: dict, members: list[str], now: float) -> bool:
-        """Release the gathering of ``job`` if it timed out (then hold the job back, or fail it) or
-        a queued job of higher priority waits. True if released."""
+        """Release the gathering of ``job`` if it timed out (then hold the job back, or fail it;
+        an elastic job with enough members starts instead) or a queued job of higher priority
+        waits. True if released or started."""
         job_id, spec = job["id"], job["spec"]
         timeout = float(spec.get("gather_timeout_s", 120.0))
         first = self.store.first_queued(
@@ -169,9 +192,15 @@ class Gangs:
             return True
         if now - self.since.get(job_id, now) < timeout:
             return False
+        if spec.get("elastic") and len(members) >= min_world_size(spec):
+            self.store.event(
+                job_id, f"elastic gang starts with {len(members)} of up to {world_size(spec)} after {timeout:g} s"
+            )
+            self._start(job_id, list(members))
+            return True
         self._dissolve(job_id)
         reason = (
-            f"its gang of {world_size(spec)} did not gather within {timeout:g} s "
+            f"its gang of {_wanted(spec)} did not gather within {timeout:g} s "
             f"({len(members)} trainer(s) came: {', '.join(members)}); they went to other work"
         )
         if spec.get("gather_policy", "wait") == "fail":

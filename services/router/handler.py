@@ -387,7 +387,8 @@ class RouterHandler(Decisions, Handler):
             self._last_grants_check = now
             self._push_entitlements()
         self.jobs.tick(now)
-        self.gangs.tick(self._trainer_names())
+        if self.gangs.tick(self._trainer_names()):  # an elastic gang started: its providers hear of it
+            self._push_entitlements()
         self.tick_decisions(now)  # studies, early stopping
 
     def stats(self) -> dict:

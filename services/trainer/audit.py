@@ -8,8 +8,7 @@ flushed as written, so a trainer killed with SIGKILL leaves every batch it train
 
 :func:`effective_epochs` replays the attempts of a job: an attempt resumed from step ``S`` discards
 what earlier attempts trained after ``S`` (that model state was lost with them) — what remains is
-what the final model saw, per epoch. The ranks of a gang (``world_size`` > 1) are replayed each on
-its own (rank ``r`` of every attempt reads shard ``r``), and their epochs joined.
+what the final model saw, per epoch, whatever rank or world size each attempt had.
 """
 
 from __future__ import annotations
@@ -70,18 +69,23 @@ class Audit:
 
 
 def effective_epochs(directory: str | Path, job: str) -> dict[int, Counter]:
-    """Per epoch, the multiset of sample digests the job's final model was trained on."""
-    attempts: dict[int, list] = {}
+    """Per epoch, the multiset of sample digests the job's final model was trained on.
+
+    An attempt's batches after step ``S`` are cut by a later attempt resumed from ``S``: a later
+    attempt of the same rank, or of any rank once it began after this one's last batch (the ranks
+    of one attempt overlap in time; an elastic gang resumes at another world size)."""
+    attempts = []
     for path in Path(directory).glob(f"{job}.*.jsonl"):
         lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
         if lines:
-            head = lines[0]
-            attempts.setdefault(head.get("rank", 0), []).append((head["started"], head["resumed_from_step"], lines[1:]))
+            head, records = lines[0], lines[1:]
+            ended = max([head["started"], *(b.get("t", head["started"]) for b in records)])
+            attempts.append((head["started"], ended, head.get("rank", 0), int(head["resumed_from_step"]), records))
     epochs: dict[int, Counter] = {}
-    for rank_attempts in attempts.values():
-        batches: list[dict] = []
-        for _, resumed, records in sorted(rank_attempts, key=lambda a: a[0]):
-            batches = [b for b in batches if b["step"] <= resumed] + records
-        for b in batches:
-            epochs.setdefault(b["epoch"], Counter()).update(b["samples"])
+    for started, ended, rank, _, records in attempts:
+        later = [s for t, _, r, s, _ in attempts if t > started and (r == rank or t > ended)]
+        cut = min(later, default=None)
+        for b in records:
+            if cut is None or b["step"] <= cut:
+                epochs.setdefault(b["epoch"], Counter()).update(b["samples"])
     return epochs
