@@ -207,6 +207,13 @@ class ObjectParquetSource(parquet.ParquetSource):
         finally:
             self.client.end_batch()
 
+    def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self.client.start_batch()  # texts for a pipeline (?encoded=1): the same per-batch deadline
+        try:
+            return super().read(split, indices)
+        finally:
+            self.client.end_batch()
+
     def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
         self.client.start_batch()  # named fields (?fields=): the same per-batch deadline
         try:
