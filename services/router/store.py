@@ -38,6 +38,8 @@ EVENTS_KEPT = 500
 CHECKPOINTS_KEPT = 50
 #: What ``get`` returns by default: the newest events and checkpoint records (``busctl job show`` pages).
 EVENTS_SHOWN = 200
+#: The jobs a trainer holds (running or paused, with a trainer).
+_HELD = "SELECT * FROM jobs WHERE state IN (?, ?) AND trainer IS NOT NULL"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -55,6 +57,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (state, priority DESC, created);
 CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created);
+CREATE INDEX IF NOT EXISTS jobs_trainer ON jobs (trainer);
 CREATE TABLE IF NOT EXISTS events (
     job    TEXT NOT NULL,
     at     REAL NOT NULL,
@@ -92,6 +95,28 @@ ADDED_COLUMNS = {
     "checkpoint": "TEXT",
     "gang": "TEXT",
 }
+
+
+class _Relaxed:
+    """A transaction committed without waiting for the disk (WAL, ``synchronous=NORMAL``): for
+    progress reports and lease renewals, many per second with a thousand trainers. A router killed
+    at any moment still has them (the WAL is written before the commit returns); a power cut may
+    lose the last few until the next FULL commit (every state transition) makes them durable, and a
+    router that starts gives every held job a fresh lease anyway (:meth:`JobStore.renew_all`)."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind, *exc) -> None:
+        try:
+            self.db.execute("ROLLBACK" if kind else "COMMIT")
+        finally:
+            self.db.execute("PRAGMA synchronous=FULL")
+
 
 #: Keys of a checkpoint record and their types (what a trainer must report).
 CHECKPOINT_FIELDS = {"path": str, "sha256": str, "step": int, "epoch": int, "cursor": dict}
@@ -285,8 +310,14 @@ class JobStore:
 
     def renew(self, job: str, lease_s: float) -> None:
         """Extend a held job's lease to ``lease_s`` from now."""
-        with self.db:
-            self.db.execute("UPDATE jobs SET lease_expires = ? WHERE id = ?", (time.time() + lease_s, job))
+        self.renew_many([job], lease_s)
+
+    def renew_many(self, jobs: list[str], lease_s: float) -> None:
+        """Extend these held jobs' leases to ``lease_s`` from now, in one transaction."""
+        with _Relaxed(self.db):
+            self.db.executemany(
+                "UPDATE jobs SET lease_expires = ? WHERE id = ?", [(time.time() + lease_s, j) for j in jobs]
+            )
 
     def renew_all(self, lease_s: float) -> int:
         """Give every held job a fresh lease: a router that just started cannot know which trainers
@@ -303,8 +334,7 @@ class JobStore:
         renew the lease of the trainer that sent it."""
         now = time.time()
         slim = {k: v for k, v in progress.items() if k != "history"}
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with _Relaxed(self.db):
             self.db.execute(
                 "UPDATE jobs SET progress = ?, updated = ?, lease_expires = ? WHERE id = ?",
                 (orjson.dumps(progress).decode(), now, now + lease_s, job),
@@ -437,9 +467,31 @@ class JobStore:
             rows = self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ? OFFSET ?", (limit, offset))
         return [self._as_dict(r) for r in rows.fetchall()]
 
+    def held_by(self, trainer: str) -> list[dict]:
+        """Jobs ``trainer`` holds now (as rank 0 of a gang too)."""
+        rows = self.db.execute(_HELD + " AND trainer = ?", (*HOLDING_STATES, trainer)).fetchall()
+        return [self._as_dict(r) for r in rows]
+
+    def held_gangs(self) -> list[dict]:
+        """Held jobs that run on a gang (``world_size`` > 1)."""
+        rows = self.db.execute(_HELD + " AND gang IS NOT NULL", HOLDING_STATES).fetchall()
+        return [self._as_dict(r) for r in rows]
+
+    def held_leases(self) -> list[tuple[str, str, float]]:
+        """``(job, trainer, lease_expires)`` of every held job: the lease check, without the rows."""
+        rows = self.db.execute(_HELD.replace("*", "id, trainer, lease_expires", 1), HOLDING_STATES)
+        return [(r[0], r[1], r[2] or 0.0) for r in rows.fetchall()]
+
+    def held_grants(self) -> list[dict]:
+        """Held jobs as :func:`services.router.grants.assignments` reads them (dataset, trainer,
+        gang members), without decoding every spec and progress report."""
+        cols = "json_extract(spec, '$.dataset'), trainer, json_extract(gang, '$.members')"
+        rows = self.db.execute(_HELD.replace("*", cols, 1), HOLDING_STATES).fetchall()
+        return [
+            {"spec": {"dataset": d}, "trainer": t, "gang": {"members": orjson.loads(m)} if m else None}
+            for d, t, m in rows
+        ]
+
     def held(self) -> list[dict]:
         """Jobs a trainer holds now (running or paused, with a trainer)."""
-        rows = self.db.execute(
-            "SELECT * FROM jobs WHERE state IN (?, ?) AND trainer IS NOT NULL", HOLDING_STATES
-        ).fetchall()
-        return [self._as_dict(r) for r in rows]
+        return [self._as_dict(r) for r in self.db.execute(_HELD, HOLDING_STATES).fetchall()]
