@@ -90,3 +90,20 @@ def test_the_router_raises_its_open_file_limit_within_the_hard_one():
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_fairness_bench_serves_every_loader_of_one_provider(tmp_path):
+    out = tmp_path / "fair.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fairness", "--loaders", "3", "--samples", "1024", "--seconds", "2"]
+        + ["--warmup", "0.5", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["loaders"] == 3 and len(r["rates"]) == 3 and all(rate > 0 for rate in r["rates"])
+    assert abs(r["total_samples_per_s"] - sum(r["rates"])) < 1e-6 and 0 < r["slowest_over_fastest"] <= 1
+    assert "samples/s in all" in run.stdout
