@@ -126,6 +126,9 @@ class RouterHandler(Decisions, Handler):
         self._by_subject: dict[str, dict[str, dict[str, Session]]] = {}
         #: provider session id -> the (revoked, assigned) it was last sent.
         self._sent: dict[str, tuple[list[str], dict]] = {}
+        #: Trainer sessions opened and closed; with ``store.changes``, when assignments can have moved.
+        self._roster = 0
+        self._assigned_at: tuple[int, int] | None = None
         self.jobs = JobControl(store, self._push_to_trainer, self._trainer_names, lease_s=lease_s, artifacts=artifacts)
         self.gangs = Gangs(store, lease_s)
         self.revocations = Revocations(store.db)
@@ -155,6 +158,7 @@ class RouterHandler(Decisions, Handler):
             log.info("provider %s serves %s at %s", session.name, ", ".join(datasets) or "nothing", endpoint)
         self.peers[session.sid] = session
         self._by_subject.setdefault(session.role, {}).setdefault(session.subject, {})[session.sid] = session
+        self._roster += session.role == "trainer"
         if session.role == "provider":
             self._push_to_provider(session, self.revocations.jtis(), self._assigned())
 
@@ -191,6 +195,7 @@ class RouterHandler(Decisions, Handler):
         if self.peers.pop(session.sid, None) is None:
             return
         self._sent.pop(session.sid, None)
+        self._roster += session.role == "trainer"
         subjects = self._by_subject.get(session.role, {})
         sessions = subjects.get(session.subject, {})
         sessions.pop(session.sid, None)
@@ -384,7 +389,12 @@ class RouterHandler(Decisions, Handler):
         """Send each provider what changed for its datasets since its last push (nothing when
         nothing did): a job taken on one dataset is news to its providers only, and a provider
         reads only its own datasets' lists (services/provider/handler.py ``entitled``)."""
-        now = (self.revocations.jtis(), self._assigned())
+        moved = (self.store.changes, self._roster)
+        if self._granted is not None and moved == self._assigned_at:  # no job or trainer came or went
+            now = (self.revocations.jtis(), self._granted[1])
+        else:
+            now = (self.revocations.jtis(), self._assigned())
+            self._assigned_at = moved
         if now == self._granted:
             return
         self._granted = now

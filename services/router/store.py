@@ -1,5 +1,6 @@
-"""The router's job queue in SQLite (WAL, ``synchronous=FULL``; every write is committed before the
-router acknowledges it, so a router killed at any moment comes back with everything it said yes to).
+"""The router's job queue in SQLite (WAL, ``synchronous=FULL``, progress and leases NORMAL: ``_Relaxed``;
+every write is committed before the router acknowledges it, so a router killed at any moment comes back
+with everything it said yes to).
 
 A job row holds its spec, state, lease (trainer + expiry, wall-clock seconds), attempt counters,
 last progress, last checkpoint and result. A job with ``world_size`` > 1 also holds its ``gang``
@@ -38,7 +39,6 @@ EVENTS_KEPT = 500
 CHECKPOINTS_KEPT = 50
 #: What ``get`` returns by default: the newest events and checkpoint records (``busctl job show`` pages).
 EVENTS_SHOWN = 200
-#: The jobs a trainer holds (running or paused, with a trainer).
 _HELD = "SELECT * FROM jobs WHERE state IN (?, ?) AND trainer IS NOT NULL"
 
 SCHEMA = """
@@ -98,11 +98,10 @@ ADDED_COLUMNS = {
 
 
 class _Relaxed:
-    """A transaction committed without waiting for the disk (WAL, ``synchronous=NORMAL``): for
-    progress reports and lease renewals, many per second with a thousand trainers. A router killed
-    at any moment still has them (the WAL is written before the commit returns); a power cut may
-    lose the last few until the next FULL commit (every state transition) makes them durable, and a
-    router that starts gives every held job a fresh lease anyway (:meth:`JobStore.renew_all`)."""
+    """A transaction committed without an fsync (WAL, ``synchronous=NORMAL``) for progress reports and
+    lease renewals: a killed router still has them (the WAL is written before the commit returns); a
+    power cut may lose the last few before the next FULL commit (any transition), and a restarted
+    router renews every lease anyway (:meth:`JobStore.renew_all`)."""
 
     def __init__(self, db: sqlite3.Connection):
         self.db = db
@@ -141,6 +140,8 @@ class JobStore:
             raise ConfigError(f"job database {path}: {err}") from err
         self.db.row_factory = sqlite3.Row
         self.path = path
+        #: Bumped by every write that can change who holds what: readers of the held jobs recompute then.
+        self.changes = 0
 
     def close(self) -> None:
         self.db.close()
@@ -161,6 +162,7 @@ class JobStore:
         write transaction: :class:`~libbus.jobstate.IllegalTransition` changes nothing)."""
         now = time.time()
         sets = ", ".join(f"{k} = ?" for k in fields)
+        self.changes += 1
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job,)).fetchone()
@@ -236,6 +238,7 @@ class JobStore:
         to ``trainer`` under a lease of ``lease_s``; None when there is none. The job's last
         checkpoint (if any) comes with it."""
         now = time.time()
+        self.changes += 1
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             rows = self.db.execute(
@@ -273,6 +276,7 @@ class JobStore:
         """Start a queued job on its gathered gang: ``members[0]`` (rank 0) holds the lease."""
         now = time.time()
         gang = {"members": members, "rendezvous": "", "delivered": []}
+        self.changes += 1
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             row = self.db.execute("SELECT state, checkpoint FROM jobs WHERE id = ?", (job,)).fetchone()
@@ -299,6 +303,7 @@ class JobStore:
         if gang is None:
             raise BadRequest(f"job {job} has no gang")
         gang.update(changes)
+        self.changes += 1
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             self.db.execute("UPDATE jobs SET gang = ? WHERE id = ?", (orjson.dumps(gang).decode(), job))
@@ -469,13 +474,11 @@ class JobStore:
 
     def held_by(self, trainer: str) -> list[dict]:
         """Jobs ``trainer`` holds now (as rank 0 of a gang too)."""
-        rows = self.db.execute(_HELD + " AND trainer = ?", (*HOLDING_STATES, trainer)).fetchall()
-        return [self._as_dict(r) for r in rows]
+        return [self._as_dict(r) for r in self.db.execute(_HELD + " AND trainer = ?", (*HOLDING_STATES, trainer))]
 
     def held_gangs(self) -> list[dict]:
         """Held jobs that run on a gang (``world_size`` > 1)."""
-        rows = self.db.execute(_HELD + " AND gang IS NOT NULL", HOLDING_STATES).fetchall()
-        return [self._as_dict(r) for r in rows]
+        return [self._as_dict(r) for r in self.db.execute(_HELD + " AND gang IS NOT NULL", HOLDING_STATES)]
 
     def held_leases(self) -> list[tuple[str, str, float]]:
         """``(job, trainer, lease_expires)`` of every held job: the lease check, without the rows."""
@@ -483,8 +486,7 @@ class JobStore:
         return [(r[0], r[1], r[2] or 0.0) for r in rows.fetchall()]
 
     def held_grants(self) -> list[dict]:
-        """Held jobs as :func:`services.router.grants.assignments` reads them (dataset, trainer,
-        gang members), without decoding every spec and progress report."""
+        """Held jobs as ``grants.assignments`` reads them, without decoding specs and progress."""
         cols = "json_extract(spec, '$.dataset'), trainer, json_extract(gang, '$.members')"
         rows = self.db.execute(_HELD.replace("*", cols, 1), HOLDING_STATES).fetchall()
         return [
