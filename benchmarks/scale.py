@@ -40,6 +40,7 @@ import zmq
 
 from libbus.admission import admit_client
 from libbus.auth import ensure_secret, issue_token
+from libbus.client import Client, Identity
 from libbus.messages import (
     Entitlements,
     Error,
@@ -50,6 +51,7 @@ from libbus.messages import (
     Progress,
     PushResult,
     Resolve,
+    Stats,
     SubmitJob,
     Task,
     Welcome,
@@ -314,6 +316,21 @@ def submit(router: Router, jobs: int, datasets: int, window: int = 32) -> None:
         sock.close(0)
 
 
+def watch(router: Router, procs: list, finished, stop_at: int) -> dict:
+    """Every 2 s, the router's job counts; once none is queued, running or paused (some may have
+    failed: lost three times), tell the workers to stop. Returns the last counts by state."""
+    token = router.token("admin", "scale-watch")
+    with Client(router.endpoint, Identity(role="admin", name="scale-watch", token=token), timeout_s=60) as admin:
+        while any(p.is_alive() for p in procs):
+            time.sleep(2)
+            counts = admin.request(Stats()).services["router"]["jobs"]
+            if not any(counts.get(state, 0) for state in ("queued", "running", "paused")):
+                with finished.get_lock():
+                    finished.value = max(finished.value, stop_at)  # the workers' signal to stop
+                break
+        return admin.request(Stats()).services["router"]["jobs"]
+
+
 def _recv(sock: zmq.Socket, timeout_s: float = 60):
     if not sock.poll(int(timeout_s * 1000)):
         raise SystemExit("the router did not answer within a minute")
@@ -367,6 +384,7 @@ def run(args: argparse.Namespace) -> dict:
         ]
         for p in procs:
             p.start()
+        states = watch(router, procs, finished, args.jobs)
         results = [out.get(timeout=max(1.0, deadline - time.time() + 60)) for _ in procs]
         for p in procs:
             p.join(30)
@@ -396,7 +414,8 @@ def run(args: argparse.Namespace) -> dict:
         "trainers": args.trainers,
         "providers": args.providers,
         "jobs": args.jobs,
-        "finished": finished.value,
+        "finished": states.get("succeeded", 0),
+        "job_states": states,
         "progress_per_job": args.progress,
         "step_ms": args.step_ms,
         "procs": args.procs,
@@ -415,7 +434,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_result(r: dict) -> None:
     print(
-        f"{r['trainers']} trainers, {r['providers']} providers, {r['finished']}/{r['jobs']} jobs "
+        f"{r['trainers']} trainers, {r['providers']} providers, {r['finished']}/{r['jobs']} jobs succeeded "
+        f"(by state: {r['job_states']}) "
         f"({r['progress_per_job']} progress reports {r['step_ms']:.0f} ms apart) in {r['wall_s']:.1f} s "
         f"(submitting took {r['submit_s']:.1f} s)"
     )

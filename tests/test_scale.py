@@ -27,7 +27,8 @@ def test_scale_runs_every_job_through_simulated_trainers_and_providers(tmp_path)
     )
     assert run.returncode == 0, run.stderr[-2000:]
     r = json.loads(out.read_text())
-    assert r["finished"] == 30 and r["trainers"] == 12 and r["providers"] == 3
+    assert r["finished"] == 30 and r["job_states"] == {"succeeded": 30}
+    assert r["trainers"] == 12 and r["providers"] == 3
     lat = r["latency"]
     assert lat["PushResult"]["count"] == 30 and lat["Progress"]["count"] == 60
     assert lat["Resolve"]["count"] >= 12 and lat["GetTask"]["count"] >= 30
