@@ -7,7 +7,11 @@ TORCH_SPEC ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install install-units demo lint test tools clean
+# `busctl bench --peers`: the loaders it compares with. These two go in without their declared
+# dependencies (see the `bench` extra in pyproject.toml for why, and for what they need instead).
+BENCH_NODEPS ?= litdata==0.2.76 mosaicml-streaming==0.13.0
+
+.PHONY: install install-bench install-units demo lint test tools clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +23,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+install-bench: $(STAMP)
+	$(BIN)/python -m pip install -q $(TORCH_SPEC) -e '.[bench]'
+	$(BIN)/python -m pip install -q --no-deps $(BENCH_NODEPS)
 
 demo: $(STAMP)
 	$(BIN)/busctl demo

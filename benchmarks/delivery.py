@@ -414,6 +414,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--work-ms", type=float, default=20.0, help="CPU work per step in the trainer-loop mode")
     p.add_argument("--wait-steps", type=int, default=100, help="steps per row in the trainer-loop mode")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="compare with DataLoader, Mosaic, litData, WebDataset, torchdata instead (benchmarks/peers.py)",
+    )
     return p
 
 
@@ -421,6 +426,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     if args.samples < 4 * args.batch or args.batch < 1:
         parser().error(f"--samples must be at least 4 batches ({4 * args.batch})")
+    if args.peers:  # busctl bench hands --peers to benchmarks.peers, which imports this module
+        parser().error("--peers: run `busctl bench --peers` or `python -m benchmarks.peers`")
     result = run(args)
     print_result(result)
     if args.json:

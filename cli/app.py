@@ -62,10 +62,16 @@ def demo(
 def bench(ctx: typer.Context) -> None:
     """Same-host delivery benchmark: shm ring vs socket vs DataLoader vs raw pyzmq vs memcpy.
 
+    ``--peers``: the same samples and batches through torch's DataLoader, MosaicML Streaming,
+    Lightning litData, WebDataset and torchdata.nodes beside batchbus (``make install-bench``).
+
     Options are the benchmark's own (``busctl bench -h`` lists them); ``--json FILE``
     writes the results.
     """
-    from benchmarks.delivery import main as bench_main
+    if "--peers" in ctx.args:  # the same samples through MosaicML Streaming, litData, WebDataset, torchdata
+        from benchmarks.peers import main as bench_main
+    else:
+        from benchmarks.delivery import main as bench_main
 
     bench_main(ctx.args)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import resource
 import threading
 from collections.abc import Callable
 
@@ -17,9 +18,26 @@ from .artifacts import Artifacts
 from .handler import RouterHandler
 from .store import JobStore
 
-__all__ = ["RouterService"]
+__all__ = ["RouterService", "raise_open_files"]
 
 log = logging.getLogger(__name__)
+
+#: Open files a router wants: one per connected peer (a thousand trainers and a hundred providers
+#: are 1,100), plus its database, logs and ZeroMQ's own. Soft limits are often 1,024.
+WANT_OPEN_FILES = 65536
+
+
+def raise_open_files(want: int = WANT_OPEN_FILES) -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` towards ``want`` (never past the hard limit, which
+    only the operator can raise: ``LimitNOFILE=`` in the unit, ``ulimit -Hn``). Returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft != resource.RLIM_INFINITY and soft < 4096:
+        log.warning("open files limited to %d: the router holds one per connected peer; raise LimitNOFILE", soft)
+    return soft
 
 
 class RouterService:
@@ -38,6 +56,7 @@ class RouterService:
         self.metrics: MetricsExporter | None = None
 
     def start(self) -> str:
+        raise_open_files()
         self.metrics = start_exporter(self.settings.metrics_bind, "router", self.name, self.server.stats)
         try:
             endpoint = self.server.bind()

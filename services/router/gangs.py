@@ -94,9 +94,9 @@ class Gangs:
     def task_for(self, trainer: str) -> Task | NoTask | None:
         """``trainer``'s answer when it is in a gang: its ``Task`` once it may start, ``NoTask``
         while its gang gathers or waits for rank 0's rendezvous; None when it is in no gang."""
-        for job in self.store.held():
+        for job in self.store.held_gangs():
             gang = job["gang"]
-            if not gang or trainer not in gang["members"]:
+            if trainer not in gang["members"]:
                 continue
             rank = gang["members"].index(trainer)
             if rank in gang["delivered"]:

@@ -121,12 +121,20 @@ class RouterHandler(Decisions, Handler):
         self.task_retry_ms = task_retry_ms
         self.server_stats = server_stats
         self.peers: dict[str, Session] = {}
+        #: role -> token subject -> session id -> session: the lookups every request makes, without
+        #: a scan over a thousand sessions (sessions_of, trainer_session, _check_single_holder).
+        self._by_subject: dict[str, dict[str, dict[str, Session]]] = {}
+        #: provider session id -> the (revoked, assigned) it was last sent.
+        self._sent: dict[str, tuple[list[str], dict]] = {}
+        #: Trainer sessions opened and closed; with ``store.changes``, when assignments can have moved.
+        self._roster = 0
+        self._assigned_at: tuple[int, int] | None = None
         self.jobs = JobControl(store, self._push_to_trainer, self._trainer_names, lease_s=lease_s, artifacts=artifacts)
         self.gangs = Gangs(store, lease_s)
         self.revocations = Revocations(store.db)
         #: Set by the service: applies the revoked token ids to the router's own server.
         self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
-        self._granted: Entitlements | None = None
+        self._granted: tuple[list[str], dict] | None = None
         self._last_grants_check = 0.0
         self.init_decisions()
 
@@ -149,14 +157,16 @@ class RouterHandler(Decisions, Handler):
             self._check_replicas(session, datasets)
             log.info("provider %s serves %s at %s", session.name, ", ".join(datasets) or "nothing", endpoint)
         self.peers[session.sid] = session
+        self._by_subject.setdefault(session.role, {}).setdefault(session.subject, {})[session.sid] = session
+        self._roster += session.role == "trainer"
         if session.role == "provider":
-            self.push(session.sid, self.entitlements())
+            self._push_to_provider(session, self.revocations.jtis(), self._assigned())
 
     def _check_single_holder(self, session: Session) -> None:
         """Refuse a trainer or provider session whose subject a live session of another process
         holds: two trainers of one identity would own, abandon and train each other's jobs."""
-        for peer in self.sessions_of(session.role):
-            if peer.subject == session.subject and peer.process != session.process:
+        for peer in self._by_subject.get(session.role, {}).get(session.subject, {}).values():
+            if peer.process != session.process:
                 raise Unavailable(
                     f"{session.role} {session.subject!r} is already connected from host "
                     f"{peer.hello.host_id or '?'} pid {peer.hello.pid} (as {peer.name!r}); one process holds an "
@@ -182,20 +192,28 @@ class RouterHandler(Decisions, Handler):
                     )
 
     def on_close(self, session: Session, reason: str) -> None:
-        self.peers.pop(session.sid, None)
+        if self.peers.pop(session.sid, None) is None:
+            return
+        self._sent.pop(session.sid, None)
+        self._roster += session.role == "trainer"
+        subjects = self._by_subject.get(session.role, {})
+        sessions = subjects.get(session.subject, {})
+        sessions.pop(session.sid, None)
+        if not sessions:
+            subjects.pop(session.subject, None)
 
     def sessions_of(self, role: str) -> list[Session]:
-        return [s for s in self.peers.values() if s.role == role]
+        return [s for subject in self._by_subject.get(role, {}).values() for s in subject.values()]
 
     def trainer_session(self, subject: str) -> Session | None:
         """The trainer's live session: the one heard from last (a reconnected trainer's old session
         lingers until it expires, and a push sent there is lost)."""
-        sessions = [s for s in self.sessions_of("trainer") if s.subject == subject]
+        sessions = self._by_subject.get("trainer", {}).get(subject, {}).values()
         return max(sessions, key=lambda s: s.last_seen, default=None)
 
     def _trainer_names(self) -> set[str]:
         """The subjects of the connected trainers."""
-        return {s.subject for s in self.sessions_of("trainer")}
+        return set(self._by_subject.get("trainer", {}))
 
     def _push_to_trainer(self, subject: str, msg: Message) -> str:
         """Push to the trainer's live session; its session id, or "" when it is not connected."""
@@ -305,7 +323,7 @@ class RouterHandler(Decisions, Handler):
             self._push_entitlements()  # a formed gang's providers hear of it before its ranks ask them
             return reply
         job = self.store.claim(who, self.jobs.lease_s, accept=lambda j: j["id"] == job["id"])
-        self._push_entitlements()  # the provider hears of the assignment before the trainer asks it
+        self._grant(dataset_name(job["spec"]["dataset"]), who)  # its providers hear of it before it asks them
         log.info("job %s assigned to %s (%s)", job["id"], who, session.name)
         task = self.attach_model(Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"]))
         return self.jobs.remember_task(who, msg.key, task)
@@ -360,17 +378,51 @@ class RouterHandler(Decisions, Handler):
         return RevokedList(revoked=self.revocations.active())
 
     def entitlements(self) -> Entitlements:
+        """Every dataset's assignments (each provider is sent those of its own datasets)."""
+        return Entitlements(revoked=self.revocations.jtis(), assigned=self._assigned())
+
+    def _assigned(self) -> dict[str, list[str]]:
         subjects = {sub: sub for sub in self._trainer_names()}  # jobs are held by subject
-        return Entitlements(revoked=self.revocations.jtis(), assigned=assignments(self.store.held(), subjects))
+        return assignments(self.store.held_grants(), subjects)
 
     def _push_entitlements(self) -> None:
-        """Send providers what changed since the last push (nothing when nothing did)."""
-        now = self.entitlements()
-        if self._granted is not None and (now.revoked, now.assigned) == (self._granted.revoked, self._granted.assigned):
+        """Send each provider what changed for its datasets since its last push (nothing when
+        nothing did): a job taken on one dataset is news to its providers only, and a provider
+        reads only its own datasets' lists (services/provider/handler.py ``entitled``)."""
+        moved = (self.store.changes, self._roster)
+        if self._granted is not None and moved == self._assigned_at:  # no job or trainer came or went
+            now = (self.revocations.jtis(), self._granted[1])
+        else:
+            now = (self.revocations.jtis(), self._assigned())
+            self._assigned_at = moved
+        if now == self._granted:
             return
         self._granted = now
         for provider in self.sessions_of("provider"):
-            self.push(provider.sid, Entitlements(revoked=now.revoked, assigned=now.assigned))
+            self._push_to_provider(provider, *now)
+
+    def _grant(self, dataset: str, subject: str) -> None:
+        """A trainer took a job on ``dataset``: add it to what that dataset's providers were sent,
+        without recomputing every assignment (the next :attr:`GRANTS_CHECK_S` check does that)."""
+        if self._granted is None:
+            self._push_entitlements()
+            return
+        revoked, assigned = self._granted
+        subjects = assigned.get(dataset, [])
+        if subject in subjects:
+            return
+        assigned = {**assigned, dataset: sorted([*subjects, subject])}
+        self._granted = (revoked, assigned)
+        for provider in self.sessions_of("provider"):
+            if dataset in provider.hello.caps["datasets"]:
+                self._push_to_provider(provider, revoked, assigned)
+
+    def _push_to_provider(self, provider: Session, revoked: list[str], assigned: dict) -> None:
+        served = provider.hello.caps["datasets"]
+        mine = (revoked, {name: subs for name, subs in assigned.items() if name in served})
+        if self._sent.get(provider.sid) != mine:
+            self._sent[provider.sid] = mine
+            self.push(provider.sid, Entitlements(revoked=mine[0], assigned=mine[1]))
 
     def on_Stats(self, session: Session, msg: Stats) -> StatsReply:
         services = {"router": {"role": "router", **self.server_stats()}}

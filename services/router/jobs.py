@@ -340,9 +340,8 @@ class JobControl:
 
     def abandon_all(self, trainer: str) -> None:
         """``trainer`` asks for work, so it holds nothing: whatever it held was lost."""
-        for job in self.store.held():
-            if job["trainer"] == trainer:
-                self._lose(job, f"trainer {trainer} asked for new work; its job was abandoned")
+        for job in self.store.held_by(trainer):
+            self._lose(job, f"trainer {trainer} asked for new work; its job was abandoned")
 
     # -- timers --------------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -363,13 +362,16 @@ class JobControl:
         self._last_check = now
         connected = self.connected()
         wall = time.time()
-        for job in self.store.held():
-            expires = job["lease_expires"] or 0.0
-            if job["trainer"] in connected:
+        renew = []
+        for job_id, trainer, expires in self.store.held_leases():
+            if trainer in connected:
                 if expires - wall < self.lease_s / 2:
-                    self.store.renew(job["id"], self.lease_s)
+                    renew.append(job_id)
             elif expires < wall:
-                self._lose(job, f"lease of trainer {job['trainer']} lapsed (not heard from for {self.lease_s:.0f} s)")
+                job = self.store.get(job_id, events=False)
+                self._lose(job, f"lease of trainer {trainer} lapsed (not heard from for {self.lease_s:.0f} s)")
+        if renew:  # one transaction for all of them, not one commit each
+            self.store.renew_many(renew, self.lease_s)
 
     def _forget_commands(self, job_id: str, why: str) -> None:
         """A job that leaves its trainer takes no more commands there: fail those still waiting, so

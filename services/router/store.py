@@ -1,5 +1,6 @@
-"""The router's job queue in SQLite (WAL, ``synchronous=FULL``; every write is committed before the
-router acknowledges it, so a router killed at any moment comes back with everything it said yes to).
+"""The router's job queue in SQLite (WAL, ``synchronous=FULL``, progress and leases NORMAL: ``_Relaxed``;
+every write is committed before the router acknowledges it, so a router killed at any moment comes back
+with everything it said yes to).
 
 A job row holds its spec, state, lease (trainer + expiry, wall-clock seconds), attempt counters,
 last progress, last checkpoint and result. A job with ``world_size`` > 1 also holds its ``gang``
@@ -38,6 +39,7 @@ EVENTS_KEPT = 500
 CHECKPOINTS_KEPT = 50
 #: What ``get`` returns by default: the newest events and checkpoint records (``busctl job show`` pages).
 EVENTS_SHOWN = 200
+_HELD = "SELECT * FROM jobs WHERE state IN (?, ?) AND trainer IS NOT NULL"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -55,6 +57,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (state, priority DESC, created);
 CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created);
+CREATE INDEX IF NOT EXISTS jobs_trainer ON jobs (trainer);
 CREATE TABLE IF NOT EXISTS events (
     job    TEXT NOT NULL,
     at     REAL NOT NULL,
@@ -93,6 +96,27 @@ ADDED_COLUMNS = {
     "gang": "TEXT",
 }
 
+
+class _Relaxed:
+    """A transaction committed without an fsync (WAL, ``synchronous=NORMAL``) for progress reports and
+    lease renewals: a killed router still has them (the WAL is written before the commit returns); a
+    power cut may lose the last few before the next FULL commit (any transition), and a restarted
+    router renews every lease anyway (:meth:`JobStore.renew_all`)."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind, *exc) -> None:
+        try:
+            self.db.execute("ROLLBACK" if kind else "COMMIT")
+        finally:
+            self.db.execute("PRAGMA synchronous=FULL")
+
+
 #: Keys of a checkpoint record and their types (what a trainer must report).
 CHECKPOINT_FIELDS = {"path": str, "sha256": str, "step": int, "epoch": int, "cursor": dict}
 
@@ -116,6 +140,8 @@ class JobStore:
             raise ConfigError(f"job database {path}: {err}") from err
         self.db.row_factory = sqlite3.Row
         self.path = path
+        #: Bumped by every write that can change who holds what: readers of the held jobs recompute then.
+        self.changes = 0
 
     def close(self) -> None:
         self.db.close()
@@ -136,6 +162,7 @@ class JobStore:
         write transaction: :class:`~libbus.jobstate.IllegalTransition` changes nothing)."""
         now = time.time()
         sets = ", ".join(f"{k} = ?" for k in fields)
+        self.changes += 1
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job,)).fetchone()
@@ -211,6 +238,7 @@ class JobStore:
         to ``trainer`` under a lease of ``lease_s``; None when there is none. The job's last
         checkpoint (if any) comes with it."""
         now = time.time()
+        self.changes += 1
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             rows = self.db.execute(
@@ -248,6 +276,7 @@ class JobStore:
         """Start a queued job on its gathered gang: ``members[0]`` (rank 0) holds the lease."""
         now = time.time()
         gang = {"members": members, "rendezvous": "", "delivered": []}
+        self.changes += 1
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             row = self.db.execute("SELECT state, checkpoint FROM jobs WHERE id = ?", (job,)).fetchone()
@@ -274,6 +303,7 @@ class JobStore:
         if gang is None:
             raise BadRequest(f"job {job} has no gang")
         gang.update(changes)
+        self.changes += 1
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             self.db.execute("UPDATE jobs SET gang = ? WHERE id = ?", (orjson.dumps(gang).decode(), job))
@@ -285,8 +315,14 @@ class JobStore:
 
     def renew(self, job: str, lease_s: float) -> None:
         """Extend a held job's lease to ``lease_s`` from now."""
-        with self.db:
-            self.db.execute("UPDATE jobs SET lease_expires = ? WHERE id = ?", (time.time() + lease_s, job))
+        self.renew_many([job], lease_s)
+
+    def renew_many(self, jobs: list[str], lease_s: float) -> None:
+        """Extend these held jobs' leases to ``lease_s`` from now, in one transaction."""
+        with _Relaxed(self.db):
+            self.db.executemany(
+                "UPDATE jobs SET lease_expires = ? WHERE id = ?", [(time.time() + lease_s, j) for j in jobs]
+            )
 
     def renew_all(self, lease_s: float) -> int:
         """Give every held job a fresh lease: a router that just started cannot know which trainers
@@ -303,8 +339,7 @@ class JobStore:
         renew the lease of the trainer that sent it."""
         now = time.time()
         slim = {k: v for k, v in progress.items() if k != "history"}
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with _Relaxed(self.db):
             self.db.execute(
                 "UPDATE jobs SET progress = ?, updated = ?, lease_expires = ? WHERE id = ?",
                 (orjson.dumps(progress).decode(), now, now + lease_s, job),
@@ -437,9 +472,28 @@ class JobStore:
             rows = self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ? OFFSET ?", (limit, offset))
         return [self._as_dict(r) for r in rows.fetchall()]
 
+    def held_by(self, trainer: str) -> list[dict]:
+        """Jobs ``trainer`` holds now (as rank 0 of a gang too)."""
+        return [self._as_dict(r) for r in self.db.execute(_HELD + " AND trainer = ?", (*HOLDING_STATES, trainer))]
+
+    def held_gangs(self) -> list[dict]:
+        """Held jobs that run on a gang (``world_size`` > 1)."""
+        return [self._as_dict(r) for r in self.db.execute(_HELD + " AND gang IS NOT NULL", HOLDING_STATES)]
+
+    def held_leases(self) -> list[tuple[str, str, float]]:
+        """``(job, trainer, lease_expires)`` of every held job: the lease check, without the rows."""
+        rows = self.db.execute(_HELD.replace("*", "id, trainer, lease_expires", 1), HOLDING_STATES)
+        return [(r[0], r[1], r[2] or 0.0) for r in rows.fetchall()]
+
+    def held_grants(self) -> list[dict]:
+        """Held jobs as ``grants.assignments`` reads them, without decoding specs and progress."""
+        cols = "json_extract(spec, '$.dataset'), trainer, json_extract(gang, '$.members')"
+        rows = self.db.execute(_HELD.replace("*", cols, 1), HOLDING_STATES).fetchall()
+        return [
+            {"spec": {"dataset": d}, "trainer": t, "gang": {"members": orjson.loads(m)} if m else None}
+            for d, t, m in rows
+        ]
+
     def held(self) -> list[dict]:
         """Jobs a trainer holds now (running or paused, with a trainer)."""
-        rows = self.db.execute(
-            "SELECT * FROM jobs WHERE state IN (?, ?) AND trainer IS NOT NULL", HOLDING_STATES
-        ).fetchall()
-        return [self._as_dict(r) for r in rows]
+        return [self._as_dict(r) for r in self.db.execute(_HELD, HOLDING_STATES).fetchall()]

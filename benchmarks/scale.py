@@ -1,0 +1,481 @@
+"""The router at scale: a thousand trainers and a hundred providers as lightweight wire clients.
+
+A ``busctl start router`` process on a fresh state directory; this process submits ``--jobs`` jobs as
+an admin (several requests in flight), then ``--procs`` worker processes each play their share of
+``--trainers`` trainers and ``--providers`` providers as raw DEALER sockets on one poller (no torch,
+no threads): every peer says ``Hello`` (the PLAIN handshake and the token, as the real ones do) and
+heartbeats at the interval the router's ``Welcome`` names; providers announce datasets and read the
+``Entitlements`` the router pushes them; trainers ``Resolve`` their dataset, then loop ``GetTask`` →
+``--progress`` × ``Progress`` (``--step-ms`` apart) → ``PushResult`` until every job is done.
+
+Reported: the router's CPU seconds (user + system, from ``/proc/PID/stat``) over the job phase and
+as a fraction of one core, its resident memory, the database size (with its WAL), and p50/p99/max of
+the time each trainer waited for the reply to ``GetTask``, ``Resolve``, ``Progress`` and
+``PushResult``. The latencies include the worker processes' own turn on this machine's cores; the
+router's CPU seconds do not depend on how busy the machine is.
+
+Every socket is a file descriptor in the router (and two in a worker); the workers raise their own
+soft ``RLIMIT_NOFILE`` to the hard limit, and the router is started with it raised too.
+
+    python -m benchmarks.scale --trainers 1000 --providers 100 --jobs 10000 --json scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from libbus.admission import admit_client
+from libbus.auth import ensure_secret, issue_token
+from libbus.client import Client, Identity
+from libbus.messages import (
+    Entitlements,
+    Error,
+    GetTask,
+    Heartbeat,
+    Hello,
+    JobSubmitted,
+    Progress,
+    PushResult,
+    Resolve,
+    Stats,
+    SubmitJob,
+    Task,
+    Welcome,
+    decode,
+)
+from libbus.sockets import make_socket, send_message
+
+__all__ = ["main", "run"]
+
+REPO = Path(__file__).resolve().parents[1]
+BUSCTL = [sys.executable, "-c", "from cli.app import main; main()"]
+TIMED = ("GetTask", "Resolve", "Progress", "PushResult")
+
+
+def _raise_nofile() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit (a thousand connections need more than 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (``/proc/PID/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def dataset_info(name: str) -> dict:
+    """What every simulated provider of ``name`` announces (replicas must agree)."""
+    return {
+        "name": name,
+        "splits": {"train": {"num_samples": 60000}, "val": {"num_samples": 0}},
+        "features": {"x": {"dtype": "float32", "shape": [1, 28, 28]}, "y": {"dtype": "int64", "shape": []}},
+    }
+
+
+# -- one simulated peer ----------------------------------------------------------------------------------
+
+
+class Peer:
+    """One simulated trainer or provider: a DEALER socket and what it is waiting for."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, role: str, name: str, token: str, caps: dict):
+        self.sock = make_socket(ctx, zmq.DEALER)
+        admit_client(self.sock, token)
+        self.sock.connect(endpoint)
+        self.role, self.name, self.token, self.caps = role, name, token, caps
+        self.next_id = 1
+        self.waiting: tuple[int, str, float] | None = None  # (request id, type, sent at)
+        self.beat_s = 1.0
+        self.next_beat = 0.0
+        self.wake = 0.0  # a trainer's next action (between progress reports, after NoTask)
+        self.job = ""
+        self.reports = 0
+        self.dataset = ""
+        self.resolved = False
+        self.welcomed = False
+
+    def send(self, msg, now: float) -> None:
+        msg.id = self.next_id
+        self.next_id += 1
+        self.waiting = (msg.id, msg.type, now)
+        send_message(self.sock, msg)
+
+    def hello(self, now: float) -> None:
+        self.send(
+            Hello(role=self.role, name=self.name, token=self.token, host_id="scale", pid=os.getpid(), caps=self.caps),
+            now,
+        )
+
+
+class Worker:
+    """A share of the simulated peers on one poller, in one process."""
+
+    def __init__(self, args: dict, endpoint: str, tokens: list[tuple[str, str, str]], shared, stop_at: int):
+        self.args = args
+        self.providers_up = shared[1]  # trainers start once every provider has registered
+        self.ctx = zmq.Context()
+        self.finished = shared[0]  # shared count of jobs pushed as succeeded
+        self.stop_at = stop_at
+        self.times: dict[str, list[float]] = defaultdict(list)
+        self.counts: dict[str, int] = defaultdict(int)
+        self.peers: list[Peer] = []
+        for role, name, token in tokens:
+            if role == "provider":
+                ds = f"sim-{int(name.rsplit('-', 1)[1]) % args['datasets']}"
+                caps = {"endpoint": f"tcp://127.0.0.1:1/{name}", "datasets": {ds: dataset_info(ds)}, "heartbeat": True}
+            else:
+                caps = {"heartbeat": True}
+            self.peers.append(Peer(self.ctx, endpoint, role, name, token, caps))
+        self.by_sock = {p.sock: p for p in self.peers}
+
+    def run(self, deadline: float) -> None:
+        poller = zmq.Poller()
+        now = time.monotonic()
+        for i, p in enumerate(self.peers):
+            poller.register(p.sock, zmq.POLLIN)
+            p.next_beat = now + p.beat_s * (i % 97) / 97  # spread the beats over the interval
+            p.hello(now)
+        while time.monotonic() < deadline:
+            with self.finished.get_lock():
+                if self.finished.value >= self.stop_at:
+                    break
+            for sock, _ in poller.poll(20):
+                peer = self.by_sock[sock]
+                for _ in range(16):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.on_reply(peer, decode(frames), time.monotonic())
+            now = time.monotonic()
+            for p in self.peers:
+                if now >= p.next_beat and p.welcomed:
+                    p.next_beat = now + p.beat_s
+                    send_message(p.sock, Heartbeat(stats={}))
+                if p.waiting is None and now >= p.wake:
+                    if p.role == "trainer":
+                        if self.providers_up.value >= self.args["providers"]:
+                            self.act(p, now)
+                    elif not p.welcomed:  # a provider whose session the router dropped says Hello again
+                        p.hello(now)
+        for p in self.peers:
+            p.sock.close(0)
+        self.ctx.term()
+
+    def on_reply(self, p: Peer, msg, now: float) -> None:
+        if isinstance(msg, Heartbeat | Entitlements) or (p.waiting is None or msg.id != p.waiting[0]):
+            self.counts[f"push {msg.type}"] += 1
+            if isinstance(msg, Error) and msg.code == "AUTH_REQUIRED":  # a heartbeat of a dropped session
+                p.welcomed = False
+            return
+        _, kind, sent = p.waiting
+        p.waiting = None
+        if kind in TIMED:
+            self.times[kind].append(now - sent)
+        if isinstance(msg, Error):
+            self.counts[f"error {kind} {msg.code}"] += 1
+            p.wake = now + 1.0
+            p.job = ""
+            if kind == "Hello" or msg.code == "AUTH_REQUIRED":
+                p.welcomed = False
+            return
+        if isinstance(msg, Welcome):
+            p.beat_s = msg.heartbeat_ms / 1000
+            p.welcomed = True
+            if p.role == "provider" and not p.resolved:  # (a provider's first Welcome)
+                p.resolved = True
+                with self.providers_up.get_lock():
+                    self.providers_up.value += 1
+        elif isinstance(msg, Task):
+            p.job, p.reports = msg.job, 0
+            p.wake = now + self.args["step_ms"] / 1000
+        elif kind == "GetTask":  # NoTask: ask again when told
+            p.wake = now + getattr(msg, "retry_ms", 1000) / 1000
+        elif kind == "Progress":
+            p.reports += 1
+            p.wake = now + self.args["step_ms"] / 1000
+        elif kind == "PushResult":
+            p.job = ""
+            with self.finished.get_lock():
+                self.finished.value += 1
+        elif kind == "Resolve":
+            p.resolved = True
+
+    def act(self, p: Peer, now: float) -> None:
+        """A trainer's next request: resolve once, then ask for work, report, finish."""
+        if not p.welcomed:
+            p.hello(now)
+        elif not p.resolved:
+            p.send(Resolve(dataset=f"sim-{int(p.name.rsplit('-', 1)[1]) % self.args['datasets']}"), now)
+        elif not p.job:
+            p.send(GetTask(key=f"{p.name}-{p.next_id}"), now)
+        elif p.reports < self.args["progress"]:
+            progress = {"epoch": 1, "epochs": 1, "step": p.reports + 1, "loss": 0.5, "samples": 64 * (p.reports + 1)}
+            p.send(Progress(job=p.job, progress=progress), now)
+        else:
+            p.send(PushResult(job=p.job, state="succeeded", result={"val_accuracy": 0.9}), now)
+
+
+def _worker(args: dict, endpoint: str, tokens, shared, stop_at: int, deadline: float, out) -> None:
+    _raise_nofile()
+    w = Worker(args, endpoint, tokens, shared, stop_at)
+    w.run(deadline)
+    out.put({"times": dict(w.times), "counts": dict(w.counts)})
+
+
+# -- the run -------------------------------------------------------------------------------------------
+
+
+class Router:
+    """A ``busctl start router`` process on a fresh state directory."""
+
+    def __init__(self, state: Path, profile: Path | None = None):
+        self.state = state
+        secret = ensure_secret(state / "secret")
+        self.secret = secret
+        env = {**os.environ, "BATCHBUS_STATE_DIR": str(state)}
+        ready = state / "router.ep"
+        self.log = open(state / "router.log", "w")
+        cmd = [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "cli"] if profile else BUSCTL
+        self.proc = subprocess.Popen(
+            [*cmd, "start", "router", "--bind", "tcp://127.0.0.1:0", "--ready-file", str(ready)],
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_raise_nofile,
+        )
+        deadline = time.monotonic() + 60
+        while not ready.exists() or not ready.read_text().strip():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"router did not start; see {state}/router.log")
+            time.sleep(0.05)
+        self.endpoint = ready.read_text().strip()
+
+    def token(self, role: str, name: str) -> str:
+        return issue_token(self.secret, sub=name, role=role, audience="batchbus", ttl_s=24 * 3600)
+
+    def db_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.state.glob("router.db*"))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def submit(router: Router, jobs: int, datasets: int, window: int = 32) -> None:
+    """``jobs`` jobs from one admin session, ``window`` requests in flight."""
+    ctx = zmq.Context.instance()
+    sock = make_socket(ctx, zmq.DEALER)
+    token = router.token("admin", "scale-admin")
+    admit_client(sock, token)
+    sock.connect(router.endpoint)
+    try:
+        send_message(sock, Hello(id=1, role="admin", name="scale-admin", token=token, pid=os.getpid()))
+        if not isinstance(_recv(sock), Welcome):
+            raise SystemExit("the router refused the admin's Hello")
+        sent = done = 0
+        while done < jobs:
+            while sent < jobs and sent - done < window:
+                spec = {"dataset": f"sim-{sent % datasets}", "model": "mlp", "epochs": 1, "name": f"job-{sent}"}
+                send_message(sock, SubmitJob(id=sent + 2, spec=spec))
+                sent += 1
+            reply = _recv(sock)
+            if not isinstance(reply, JobSubmitted):
+                raise SystemExit(f"SubmitJob refused: {reply}")
+            done += 1
+    finally:
+        sock.close(0)
+
+
+def watch(router: Router, procs: list, finished, stop_at: int) -> dict:
+    """Every 2 s, the router's job counts; once none is queued, running or paused (some may have
+    failed: lost three times), tell the workers to stop. Returns the last counts by state."""
+    token = router.token("admin", "scale-watch")
+    with Client(router.endpoint, Identity(role="admin", name="scale-watch", token=token), timeout_s=60) as admin:
+        while any(p.is_alive() for p in procs):
+            time.sleep(2)
+            counts = admin.request(Stats()).services["router"]["jobs"]
+            if not any(counts.get(state, 0) for state in ("queued", "running", "paused")):
+                with finished.get_lock():
+                    finished.value = max(finished.value, stop_at)  # the workers' signal to stop
+                break
+        return admin.request(Stats()).services["router"]["jobs"]
+
+
+def _recv(sock: zmq.Socket, timeout_s: float = 60):
+    if not sock.poll(int(timeout_s * 1000)):
+        raise SystemExit("the router did not answer within a minute")
+    return decode(sock.recv_multipart(copy=False))
+
+
+def _split(items: list, n: int) -> list[list]:
+    return [items[i::n] for i in range(n)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    state = Path(tempfile.mkdtemp(prefix="batchbus-scale-"))
+    router = Router(state, args.profile)
+    try:
+        t0 = time.monotonic()
+        submit(router, args.jobs, args.datasets)
+        submit_s = time.monotonic() - t0
+        peers = [
+            ("provider", f"sim-provider-{i}", router.token("provider", f"sim-provider-{i}"))
+            for i in range(args.providers)
+        ]
+        peers += [
+            ("trainer", f"sim-trainer-{i}", router.token("trainer", f"sim-trainer-{i}")) for i in range(args.trainers)
+        ]
+        ctx = multiprocessing.get_context("spawn")
+        finished, providers_up = ctx.Value("l", 0), ctx.Value("l", 0)
+        out = ctx.Queue()
+        wargs = {
+            "progress": args.progress,
+            "step_ms": args.step_ms,
+            "datasets": args.datasets,
+            "providers": args.providers,
+        }
+        cpu0, w0 = _cpu_s(router.proc.pid), time.monotonic()
+        deadline = time.time() + args.timeout
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(
+                    wargs,
+                    router.endpoint,
+                    share,
+                    (finished, providers_up),
+                    args.jobs,
+                    time.monotonic() + args.timeout,
+                    out,
+                ),
+                daemon=True,
+            )
+            for share in _split(peers, args.procs)
+        ]
+        for p in procs:
+            p.start()
+        states = watch(router, procs, finished, args.jobs)
+        results = [out.get(timeout=max(1.0, deadline - time.time() + 60)) for _ in procs]
+        for p in procs:
+            p.join(30)
+        cpu = _cpu_s(router.proc.pid) - cpu0
+        wall = time.monotonic() - w0
+        rss = _rss_mib(router.proc.pid)
+        db = router.db_bytes()
+    finally:
+        router.stop()
+    times: dict[str, list[float]] = defaultdict(list)
+    counts: dict[str, int] = defaultdict(int)
+    for r in results:
+        for k, v in r["times"].items():
+            times[k] += v
+        for k, v in r["counts"].items():
+            counts[k] += v
+    latency = {}
+    for kind in TIMED:
+        ms = np.array(times.get(kind) or [0.0]) * 1e3
+        latency[kind] = {
+            "count": len(times.get(kind, [])),
+            "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99)),
+            "max_ms": float(ms.max()),
+        }
+    result = {
+        "trainers": args.trainers,
+        "providers": args.providers,
+        "jobs": args.jobs,
+        "finished": states.get("succeeded", 0),
+        "job_states": states,
+        "progress_per_job": args.progress,
+        "step_ms": args.step_ms,
+        "procs": args.procs,
+        "submit_s": submit_s,
+        "wall_s": wall,
+        "router_cpu_s": cpu,
+        "router_cores": cpu / wall,
+        "router_rss_mib": rss,
+        "db_mib": db / 2**20,
+        "latency": latency,
+        "counts": dict(counts),
+    }
+    shutil.rmtree(state, ignore_errors=True)
+    return result
+
+
+def print_result(r: dict) -> None:
+    print(
+        f"{r['trainers']} trainers, {r['providers']} providers, {r['finished']}/{r['jobs']} jobs succeeded "
+        f"(by state: {r['job_states']}) "
+        f"({r['progress_per_job']} progress reports {r['step_ms']:.0f} ms apart) in {r['wall_s']:.1f} s "
+        f"(submitting took {r['submit_s']:.1f} s)"
+    )
+    print(
+        f"router: {r['router_cpu_s']:.1f} CPU s = {r['router_cores']:.2f} of a core, RSS {r['router_rss_mib']:.0f} MiB; "
+        f"database {r['db_mib']:.1f} MiB"
+    )
+    print(f"{'message':<12}{'count':>8}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}")
+    for kind, v in r["latency"].items():
+        print(f"{kind:<12}{v['count']:>8}{v['p50_ms']:>9.2f}{v['p99_ms']:>9.2f}{v['max_ms']:>9.1f}")
+    for k, v in sorted(r["counts"].items()):
+        print(f"  {k}: {v}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trainers", type=int, default=1000)
+    p.add_argument("--providers", type=int, default=100)
+    p.add_argument("--jobs", type=int, default=10_000)
+    p.add_argument("--datasets", type=int, default=10, help="distinct dataset names the providers serve")
+    p.add_argument("--progress", type=int, default=3, help="Progress reports per job")
+    p.add_argument("--step-ms", type=float, default=5000.0, help="a trainer's time between reports")
+    p.add_argument("--procs", type=int, default=4, help="worker processes playing the peers")
+    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--profile", type=Path, help="run the router under cProfile, its stats written here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    if min(args.trainers, args.providers, args.jobs, args.datasets, args.procs) < 1 or args.progress < 0:
+        parser().error("--trainers, --providers, --jobs, --datasets and --procs must be at least 1")
+    args.datasets = min(args.datasets, args.providers)  # every dataset has a provider
+    result = run(args)
+    print_result(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

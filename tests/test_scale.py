@@ -1,0 +1,110 @@
+"""The router at scale (benchmarks/scale.py), small: simulated trainers and providers on the wire run
+every job to its end; and what the scale work changed in the router, shown on a real socket."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from libbus.client import Client, Identity
+from libbus.messages import Entitlements, GetTask, SubmitJob, Task
+from tests.support.busctl import REPO
+
+
+def scale(*args: str, timeout: float = 100) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.scale", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_scale_runs_every_job_through_simulated_trainers_and_providers(tmp_path):
+    out = tmp_path / "scale.json"
+    run = scale(
+        *("--trainers", "12", "--providers", "3", "--jobs", "30", "--progress", "2", "--step-ms", "20"),
+        *("--procs", "2", "--timeout", "60", "--json", str(out)),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["finished"] == 30 and r["job_states"] == {"succeeded": 30}
+    assert r["trainers"] == 12 and r["providers"] == 3
+    lat = r["latency"]
+    assert lat["PushResult"]["count"] == 30 and lat["Progress"]["count"] == 60
+    assert lat["Resolve"]["count"] >= 12 and lat["GetTask"]["count"] >= 30
+    assert not [k for k in r["counts"] if k.startswith("error")], r["counts"]
+    assert r["counts"].get("push Entitlements", 0) >= 3  # every provider heard from the router
+    assert r["router_cpu_s"] > 0 and r["router_rss_mib"] > 0 and r["db_mib"] > 0
+    assert "GetTask" in run.stdout and "of a core" in run.stdout
+
+
+def test_scale_refuses_an_empty_cluster():
+    run = scale("--trainers", "0")
+    assert run.returncode == 2 and "must be at least 1" in run.stderr and "Traceback" not in run.stderr
+
+
+def provider(router, make_token, dataset: str) -> Client:
+    caps = {"endpoint": "tcp://127.0.0.1:1", "datasets": {dataset: {"name": dataset}}}
+    token = make_token("provider", sub=f"p-{dataset}")
+    c = Client(router.endpoint, Identity(role="provider", name=f"p-{dataset}", token=token, caps=caps), timeout_s=3)
+    c.hello()
+    return c
+
+
+def assignments(c: Client, seconds: float) -> list[dict]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        c.recv(0.05)
+    return [m.assigned for m in c.pushes if isinstance(m, Entitlements)]
+
+
+def test_a_provider_is_told_the_assignments_of_its_own_datasets_only(router, make_token, client_for):
+    """A job taken on one dataset is news to that dataset's providers only (and each is sent its
+    own datasets' lists, not every dataset's), so a thousand trainers taking jobs do not flood a
+    hundred providers."""
+    alpha, beta = provider(router, make_token, "alpha"), provider(router, make_token, "beta")
+    try:
+        admin = client_for(router.endpoint, role="admin", token=make_token("admin", sub="root"))
+        admin.request(SubmitJob(spec={"dataset": "alpha", "model": "mlp", "epochs": 1}))
+        trainer = client_for(router.endpoint, role="trainer", token=make_token("trainer", sub="t1"))
+        assert isinstance(trainer.request(GetTask(key="1")), Task)
+        assert {"alpha": ["t1"]} in assignments(alpha, 0.3)
+        seen = assignments(beta, 0.6)  # a few periodic checks
+        assert seen and all("alpha" not in a for a in seen), seen
+        assert router.service.handler.entitlements().assigned == {"alpha": ["t1"]}  # the router's whole view
+    finally:
+        alpha.close()
+        beta.close()
+
+
+def test_the_router_raises_its_open_file_limit_within_the_hard_one():
+    """A thousand trainers are a thousand open sockets: a soft limit of 1,024 would refuse the rest."""
+    code = (
+        "import resource; from services.router.app import raise_open_files\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "got = raise_open_files(100_000_000)\n"
+        "assert got == resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 256, got\n"
+        "assert got <= hard or hard == resource.RLIM_INFINITY\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 300))\n"
+        "assert raise_open_files() == 300  # never past the hard limit: that is the operator's\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_fairness_bench_serves_every_loader_of_one_provider(tmp_path):
+    out = tmp_path / "fair.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fairness", "--loaders", "3", "--samples", "1024", "--seconds", "2"]
+        + ["--warmup", "0.5", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["loaders"] == 3 and len(r["rates"]) == 3 and all(rate > 0 for rate in r["rates"])
+    assert abs(r["total_samples_per_s"] - sum(r["rates"])) < 1e-6 and 0 < r["slowest_over_fastest"] <= 1
+    assert "samples/s in all" in run.stdout
