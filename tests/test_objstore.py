@@ -21,19 +21,15 @@ from services.provider.sources import open_source
 from services.provider.sources.formats.blockcache import cache_stats
 from tests.support.busctl import REPO
 from tests.support.formats import BUILDERS, some_indices
-from tests.support.s3server import S3Server
+from tests.support.s3server import s3_in_env
 
 FAST = "retries=3&backoff=0.01&deadline=20"
 
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server()
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in server.env().items():
-            mp.setenv(k, v)
+    with s3_in_env() as server:
         yield server
-    server.close()
 
 
 def _same(a, b, split: str, rng) -> None:

@@ -13,19 +13,15 @@ from libbus.errors import DatasetError
 from services.provider.sources import open_source
 from services.provider.sources.objstore import object_store_stats
 from tests.support.images import shard_members, tar_bytes, write_imagefolder, write_shards
-from tests.support.s3server import S3Server
+from tests.support.s3server import s3_in_env
 
 FAST = "retries=3&backoff=0.01&deadline=20"
 
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server()
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in server.env().items():
-            mp.setenv(k, v)
+    with s3_in_env() as server:
         yield server
-    server.close()
 
 
 def _same_everywhere(local, remote) -> None:

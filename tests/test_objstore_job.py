@@ -17,17 +17,13 @@ from services.provider.sources.formats.objects import STATS
 from services.provider.sources.objstore import configure_cache
 from tests.support import wait_job
 from tests.support.formats import write_idx
-from tests.support.s3server import S3Server
+from tests.support.s3server import s3_in_env
 
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server()
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in server.env().items():
-            mp.setenv(k, v)
+    with s3_in_env() as server:
         yield server
-    server.close()
     configure_cache("", 0)  # the providers here set the process's default cache: unset it for later tests
 
 

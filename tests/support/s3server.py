@@ -13,9 +13,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
+import pytest
 
 __all__ = ["S3Server"]
 
@@ -198,3 +201,17 @@ class S3Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+@contextmanager
+def s3_in_env() -> Iterator[S3Server]:
+    """A loopback S3 server whose endpoint and credentials are in this process's environment (the
+    ``AWS_*`` variables a provider reads) while the block runs; the server closed after it."""
+    server = S3Server()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in server.env().items():
+                mp.setenv(k, v)
+            yield server
+    finally:
+        server.close()

@@ -179,11 +179,8 @@ class ObjectFileSource(FileSource):
     client: ObjectClient
 
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-        self.client.start_batch()
-        try:
+        with self.client.batch():
             super().read_into(split, indices, x, y)
-        finally:
-            self.client.end_batch()
 
     def info(self) -> dict:
         info = super().info()
@@ -201,25 +198,16 @@ class ObjectParquetSource(parquet.ParquetSource):
     client: ObjectClient
 
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-        self.client.start_batch()
-        try:
+        with self.client.batch():
             super().read_into(split, indices, x, y)
-        finally:
-            self.client.end_batch()
 
     def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        self.client.start_batch()  # texts for a pipeline (?encoded=1): the same per-batch deadline
-        try:
+        with self.client.batch():  # texts for a pipeline (?encoded=1): the same per-batch deadline
             return super().read(split, indices)
-        finally:
-            self.client.end_batch()
 
     def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
-        self.client.start_batch()  # named fields (?fields=): the same per-batch deadline
-        try:
+        with self.client.batch():  # named fields (?fields=): the same per-batch deadline
             return super().read_fields(split, indices, epoch)
-        finally:
-            self.client.end_batch()
 
     def close(self) -> None:
         super().close()

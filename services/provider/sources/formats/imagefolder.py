@@ -154,11 +154,8 @@ class ImageFolder:
 
     def _fetch_objects(self, rows: list) -> list[Encoded]:
         client = self.root.tree.client
-        client.start_batch()  # the batch's images: requests in parallel (bounded), one deadline
-        try:
+        with client.batch():  # the batch's images: requests in parallel (bounded), one deadline
             data = client.read_ranges([(p.meta, 0, p.meta.size) for p, _ in rows])
-        finally:
-            client.end_batch()
         return [Encoded(d, label, str(p)) for d, (p, label) in zip(data, rows)]
 
     def close(self) -> None:

@@ -31,8 +31,9 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import PurePosixPath
@@ -138,12 +139,14 @@ class ObjectClient:
 
     # -- the batch's deadline ----------------------------------------------------------------
 
-    def start_batch(self) -> None:
-        """Start this thread's batch: its reads share one deadline, ``deadline_s`` from now."""
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """This thread's batch: the reads inside share one deadline, ``deadline_s`` from its start."""
         self._local.deadline = time.monotonic() + self.settings.deadline_s
-
-    def end_batch(self) -> None:
-        self._local.deadline = None
+        try:
+            yield
+        finally:
+            self._local.deadline = None
 
     def _deadline(self) -> float:
         return getattr(self._local, "deadline", None) or time.monotonic() + self.settings.deadline_s

@@ -256,11 +256,8 @@ class ObjectShards(ShardStore):
         super().__init__(uri, [p.name for p in paths], indexes, pread, class_names, val_fraction)
 
     def read_many(self, runs: list[tuple[int, int, int]]) -> list[bytes]:
-        self.client.start_batch()
-        try:
+        with self.client.batch():
             return self.client.read_ranges([(self.metas[shard], off, n) for shard, off, n in runs])
-        finally:
-            self.client.end_batch()
 
     def close(self) -> None:
         self.client.close()
