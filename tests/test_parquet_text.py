@@ -8,10 +8,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from libbus.errors import DatasetError
-from libbus.messages import SubmitJob
 from services.provider.sources import open_source
-from tests.support import wait_job
-from tests.support.text import text_pipeline, write_parquet_text, write_tokenizer
+from tests.support.text import text_pipeline, train_tiny_lm, write_parquet_text, write_tokenizer
 
 
 def reference(tokenizer: Tokenizer, texts: list[str], length: int) -> np.ndarray:
@@ -76,16 +74,10 @@ def test_careless_parquet_text_sources_are_refused_naming_the_column(tmp_path, q
 def test_a_job_trains_tiny_lm_on_a_parquet_text_column_and_its_loss_falls(
     tmp_path, router, start_provider, trainer, client_for
 ):  # noqa: F811 - pytest fixture
-    tok_path = write_tokenizer(tmp_path / "tokenizer.json")
     root = write_parquet_text(tmp_path / "pq", train=192, test=32)
-    uri = text_pipeline(tmp_path / "p.toml", f"parquet://{root}?encoded=1", tok_path, 24)
-    start_provider(f"counting={uri}", assigned_only=True)
     admin = client_for(router.endpoint, role="admin")
-    spec = {"dataset": "counting", "model": "tiny-lm", "epochs": 2, "batch_size": 32, "lr": 0.005, "seed": 0}
-    done = wait_job(admin, admin.request(SubmitJob(spec=spec)).job, timeout=90)
-    assert done["state"] == "succeeded", done.get("error")
-    result, history = done["result"], done["result"]["history"]
-    print(f"tiny-lm on a Parquet text column: train losses {[round(e['train_loss'], 3) for e in history]}")
+    result = train_tiny_lm(tmp_path, f"parquet://{root}?encoded=1", start_provider, admin, epochs=2)
+    history = result["history"]
     # untrained: about log(19) = 2.94 nats; each next word (or the padding after </s>) is determined
     assert history[0]["train_loss"] > result["val_loss"] + 0.5
     assert history[-1]["val_loss"] < history[0]["val_loss"] and result["val_loss"] < 1.0

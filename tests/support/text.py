@@ -8,6 +8,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from libbus.messages import SubmitJob
+from tests.support import wait_job
+
 WORDS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split()
 SPECIALS = ["<pad>", "</s>", "<unk>"]
 
@@ -69,3 +72,20 @@ def write_parquet_text(root: Path, train: int, test: int = 0, row_group: int = 6
             table = pa.table({"id": pa.array(numbers, pa.int64()), "text": [document(k) for k in numbers]})
             pq.write_table(table, root / f"{split}.parquet", row_group_size=row_group)
     return root
+
+
+def train_tiny_lm(tmp_path: Path, source_uri: str, start_provider, admin, epochs: int) -> dict:
+    """A tiny-lm job through router, provider and trainer on ``source_uri`` (``?encoded=1`` texts)
+    tokenized by the provider; its result once it succeeded, with what its loss did printed."""
+    tok_path = write_tokenizer(tmp_path / "tokenizer.json")
+    uri = text_pipeline(tmp_path / "p.toml", source_uri, tok_path, 24)
+    start_provider(f"counting={uri}", assigned_only=True)
+    spec = {"dataset": "counting", "model": "tiny-lm", "epochs": epochs, "batch_size": 32, "lr": 0.005, "seed": 0}
+    done = wait_job(admin, admin.request(SubmitJob(spec=spec)).job, timeout=90)
+    assert done["state"] == "succeeded", done.get("error")
+    result = done["result"]
+    print(
+        f"tiny-lm on {source_uri}: train losses {[round(e['train_loss'], 3) for e in result['history']]}, "
+        f"val {result['val_loss']:.3f}, test {result['test_loss']:.3f}"
+    )
+    return result
