@@ -51,7 +51,7 @@ from .messages import BatchRequest
 from .order import DEFAULT_BLOCK_SIZE, Order, Shuffle, batches_of, shard_bounds
 from .ranks import detect
 from .replica_set import Links, ReplicaSet
-from .replicas import Replica, ReplyPoller, entry_of, recv_any
+from .replicas import Replica, ReplyPoller, entries_of, recv_any
 from .stall import StallMeter
 from .window import (
     Arrived,
@@ -234,7 +234,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         )
         entries = None
         if provider is not None:
-            entries = [entry_of(p) for p in (provider if isinstance(provider, list) else [provider])]
+            entries = entries_of(provider if isinstance(provider, list) else [provider])
             if provider_key and len(entries) == 1 and not entries[0]["curve_key"]:
                 entries[0]["curve_key"] = provider_key.decode()
         #: The connections to the dataset's replicas (:mod:`libbus.replica_set`).

@@ -30,7 +30,7 @@ from .delivery import RingDelivery, SocketDelivery, ring_layout
 from .delivery_api import Delivery
 from .errors import BadRequest, BusError, PeerTimeout, ShmError
 from .messages import DatasetInfoRequest, Resolve
-from .replicas import Replica, entry_of, info_mismatch, label_of
+from .replicas import Replica, entries_of, info_mismatch, label_of
 
 __all__ = ["Links", "ReplicaSet"]
 
@@ -146,9 +146,9 @@ class ReplicaSet:
                 retries=retries,
                 server_key=links.router_key,
             ) as rc:
-                return [entry_of(p) for p in rc.request(Resolve(dataset=links.dataset)).providers]
+                return entries_of(rc.request(Resolve(dataset=links.dataset)).providers)
         if links.resolver is not None:
-            return [entry_of(p) for p in links.resolver(timeout_s)]
+            return entries_of(links.resolver(timeout_s))
         return []
 
     def _client(self, endpoint: str, key: bytes | None) -> Client:

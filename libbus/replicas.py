@@ -23,7 +23,17 @@ from .client import Client
 from .messages import Message
 from .sockets import drain_monitor
 
-__all__ = ["REPLICA_FIELDS", "Replica", "ReplyPoller", "entry_of", "info_mismatch", "label_of", "pick", "recv_any"]
+__all__ = [
+    "REPLICA_FIELDS",
+    "Replica",
+    "ReplyPoller",
+    "entries_of",
+    "entry_of",
+    "info_mismatch",
+    "label_of",
+    "pick",
+    "recv_any",
+]
 
 #: The DatasetInfo fields replicas must agree on: what a loader's order and a model are built
 #: from. Others (``uri``, ``path``, ``memory``, ``format``) describe one node's copy and may differ.
@@ -76,6 +86,17 @@ def entry_of(provider: str | dict) -> dict:
     if isinstance(provider, str):
         return {"name": provider, "endpoint": provider, "host_id": "", "curve_key": ""}
     return {"name": provider.get("name") or provider["endpoint"], "host_id": "", "curve_key": "", **provider}
+
+
+def entries_of(providers: list) -> list[dict]:
+    """Providers as ``Resolved`` entries, one per endpoint: a provider listed twice (a reconnected
+    one whose old session a router has not yet let go, or a list given twice) is one replica, not
+    two connections that would fight over one ring. The later listing wins (the newer session)."""
+    by_endpoint = {}
+    for entry in map(entry_of, providers):
+        by_endpoint.pop(entry["endpoint"], None)
+        by_endpoint[entry["endpoint"]] = entry
+    return list(by_endpoint.values())
 
 
 def label_of(entry: dict) -> str:

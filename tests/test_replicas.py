@@ -232,6 +232,33 @@ def test_an_epoch_is_spread_over_both_replicas_in_order(router, start_provider, 
         assert all(s["shm_batches"] == s["batches"] for s in served)
 
 
+def test_a_provider_with_a_lingering_old_session_is_one_replica(router, start_provider, make_token, client_for):
+    """A provider whose router link reconnected has two sessions at the router until the old one
+    expires: Resolve lists it once (the newest), and a loader given one endpoint twice opens one
+    replica, so the loader's ring is not attached twice on one provider (CI saw a job fail so)."""
+    provider = start_provider(f"mnist={URI}", name="provider-a")
+    (session,) = router.service.handler.sessions_of("provider")
+    token = make_token("provider", sub="provider-a")
+    # what the same provider says again after a reconnect
+    echo = Client(
+        router.endpoint,
+        Identity(
+            role="provider", name="provider-a", token=token, host_id=session.hello.host_id, caps=session.hello.caps
+        ),
+    )
+    echo.hello()
+    assert len(router.service.handler.sessions_of("provider")) == 2
+    asker = client_for(router.endpoint, token=make_token(sub="asker"))
+    resolved = asker.request(Resolve(dataset="mnist")).providers
+    assert [p["endpoint"] for p in resolved] == [provider.endpoint]
+    for where in (dict(router=router.endpoint), dict(provider=[provider.endpoint, provider.endpoint])):
+        with RemoteLoader("mnist", token=make_token(), batch_size=20, seed=3, **where) as loader:
+            assert len(loader.replicas) == 1 and loader.transport == "shm"
+            x, y = read_epoch(loader)
+            assert_exact_epoch(loader, 0, x, y)
+    echo.close()
+
+
 # -- failures -------------------------------------------------------------------------------------
 
 

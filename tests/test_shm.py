@@ -140,6 +140,25 @@ def test_provider_writes_into_the_slot_and_refuses_stale_or_duplicate_requests(r
     assert ring_provider.service.handler.refused["stale_slot"] >= 5
 
 
+def test_one_ring_attached_on_two_sessions_serves_both(ring_provider, local_client, ring_for):
+    """A loader attaches its one ring on every session it has with a provider (two replicas on one
+    endpoint, or a reconnect whose old session lingers): the second attach must not take the ring
+    from the first session while it still names slots (CI saw a job fail so)."""
+    first, second = local_client(ring_provider), local_client(ring_provider)
+    info = first.request(DatasetInfoRequest(dataset="mnist")).info
+    ring = ring_for(ring_layout(info, 8, 2))
+    attach(first, ring)
+    attach(second, ring)
+    for slot, client in enumerate((first, second)):
+        seq = ring.request(slot)
+        reply = client.request(BatchRequest(dataset="mnist", split="train", range=[slot, slot + 8], slot=slot, seq=seq))
+        assert (reply.slot, reply.seq) == (slot, seq)
+        ring.take(slot, seq)
+        x, _ = ring.views(slot, tuple(reply.shapes[0]), reply.dtypes[0], tuple(reply.shapes[1]), reply.dtypes[1])
+        assert np.array_equal(x, open_source(MNIST).read("train", np.arange(slot, slot + 8))[0])
+        ring.release(slot)
+
+
 def write_header(ring: Ring, **fields) -> None:
     lay = ring.layout
     values = dict(

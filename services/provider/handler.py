@@ -311,10 +311,13 @@ class ProviderHandler(Handler):
         except ShmError as err:
             self.refused["ring"] += 1
             raise BadRequest(f"ring refused: {err}") from err
-        # This session's earlier ring, and the same ring still mapped for a session the trainer
-        # left when it reconnected, are let go now rather than when those sessions expire.
-        for sid in [sid for sid, r in self.rings.items() if sid == session.sid or r.name == msg.name]:
-            self.rings.pop(sid).close()
+        # This session's earlier ring is let go now. The same ring may stay mapped for another
+        # session: a loader attaches its one ring on each session it has here (two replicas on one
+        # endpoint, or a reconnect whose old session has not expired yet), and a session that still
+        # names slots must keep it. Mappings of a ring its trainer removed go in `tick`.
+        old = self.rings.pop(session.sid, None)
+        if old is not None:
+            old.close()
         self.rings[session.sid] = ring
         log.info(
             "session %s (%s) attached ring %s: %d slots of %d bytes",

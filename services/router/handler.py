@@ -241,26 +241,31 @@ class RouterHandler(Decisions, Handler):
     def on_Resolve(self, session: Session, msg: Resolve) -> Resolved:
         name = dataset_name(msg.dataset)
         session.claims.check_dataset(name)
-        providers = []
+        # One entry per endpoint, from the session heard from last: a provider that reconnected
+        # (its router link went silent for a moment) has an old session here until it expires.
+        # The order stays the order providers registered in (a trainer and a script resolving
+        # at different moments see the same list).
+        providers: dict[str, dict] = {}
+        heard: dict[str, float] = {}
         info = None
         for peer in self.sessions_of("provider"):
             datasets = peer.hello.caps["datasets"]
-            if name in datasets:
+            endpoint = peer.hello.caps["endpoint"]
+            if name in datasets and peer.last_seen >= heard.get(endpoint, 0.0):
                 info = info or datasets[name]
-                providers.append(
-                    {
-                        "name": peer.name,
-                        "endpoint": peer.hello.caps["endpoint"],
-                        "host_id": peer.hello.host_id,
-                        "curve_key": str(peer.hello.caps.get("curve_key") or ""),
-                    }
-                )
+                heard[endpoint] = peer.last_seen
+                providers[endpoint] = {
+                    "name": peer.name,
+                    "endpoint": endpoint,
+                    "host_id": peer.hello.host_id,
+                    "curve_key": str(peer.hello.caps.get("curve_key") or ""),
+                }
         if not providers:
             online = sorted({f"{d} ({p.name})" for p in self.sessions_of("provider") for d in p.hello.caps["datasets"]})
             raise NotFound(
                 f"dataset {name!r} is not served by any provider; online: {', '.join(online) or 'no providers'}"
             )
-        return Resolved(dataset=name, info=info, providers=providers)
+        return Resolved(dataset=name, info=info, providers=list(providers.values()))
 
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
         spec = JobSpec.from_dict(msg.spec)
