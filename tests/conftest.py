@@ -48,11 +48,13 @@ def make_token(secret: bytes):
 def make_settings(state_dir: Path):
     def make(**flags) -> Settings:
         flags.setdefault("heartbeat_ms", 100)
-        flags.setdefault("heartbeat_liveness", 5)
+        # 10 silent intervals (1 s) before a peer counts as gone: on a loaded CI machine the threads of
+        # one test process can miss the GIL for more than the product's 3 intervals
+        flags.setdefault("heartbeat_liveness", 10)
         flags.setdefault("request_timeout_s", 3.0)
         flags.setdefault("request_retries", 1)
         # Heartbeats at 100 ms find a dead peer fast; a job's lease is longer than the default of two
-        # liveness periods (1 s here), because on a loaded CI machine the router, provider and trainer
+        # liveness periods (2 s here), because on a loaded CI machine the router, provider and trainer
         # threads of one test process can all miss the GIL for a second, and a lapsed lease requeues a live job.
         flags.setdefault("lease_s", 4.0)
         settings, _ = load_settings(env={}, flags={"state_dir": str(state_dir), **flags})
