@@ -32,9 +32,10 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .base import SPLITS, OpenRequest, Source, stable_seed
+from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, stable_seed
 from .formats import imageops
 from .formats.imageops import BAD_POLICIES, default_workers
+from .image_fields import DecodedImages, parse_names, select
 
 __all__ = ["BAD_POLICIES", "EncodedImages", "ImageSource", "default_workers", "batch_uniforms", "open_images"]
 
@@ -115,8 +116,13 @@ class ImageSource(Source):
         seed: int,
         fmt: str,
         worker_source: tuple | None = None,
+        names: tuple[str, ...] = (),
     ):
         self.uri, self.store, self.size = uri, store, size
+        #: ``fields=``: served as these named fields (:mod:`.image_fields`) instead of x/y.
+        self.names = names
+        if names:
+            self.kind = "fields"
         self.augment, self.bad, self.seed, self.format = augment, bad, seed, fmt
         self.sample_shape = (3, size, size)
         self.dtype = np.dtype(np.uint8)
@@ -142,6 +148,19 @@ class ImageSource(Source):
 
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         self.serve_into(split, indices, x, y, epoch=0)
+
+    @property
+    def fields(self) -> list[Field]:
+        if not self.names:
+            return super().fields
+        every = {"image": Field("image", "uint8", self.sample_shape), "label": Field("label", "int64", ())}
+        return [every[name] for name in self.names]
+
+    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
+        x = np.empty((len(indices), *self.sample_shape), self.dtype)
+        y = np.empty(len(indices), np.int64)
+        self.serve_into(split, indices, x, y, epoch=epoch)
+        return select(self.names, x, y) if self.names else {"x": x, "y": y}
 
     def _one(self, sample, split: str, u: np.ndarray | None, out: np.ndarray) -> None:
         if sample.data is None:
@@ -299,10 +318,27 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
                 f'{req.uri}: text is tokenized in a pipeline: source = {{ uri = "file://DIR?encoded=1" }}, '
                 "then tokenize and pack stages (docs/datasets.md §7.1)"
             )
+        names = parse_names(req.uri, req.params.pop("fields")) if "fields" in req.params else ()
+        max_bytes = req.int_param("max_bytes", 0)
         if encoded:
-            if size is not None:
-                raise DatasetError(f"{req.uri}: give size=S (decoded) or encoded=1 (bytes), not both")
+            if size is not None or names:
+                raise DatasetError(f"{req.uri}: give size=S or fields= (decoded) or encoded=1 (bytes), not both")
             return EncodedImages(req.uri, store, fmt)
+        if fmt == "text" and names:
+            raise DatasetError(f"{req.uri}: fields= serves images; text is tokenized in a pipeline (encoded=1)")
+        if max_bytes and (size is not None or not names) or max_bytes is None or max_bytes < 0:
+            raise DatasetError(
+                f"{req.uri}: max_bytes declares the largest decoded image of fields= without size=, got {max_bytes}"
+            )
+        if not 1 <= workers <= 256:
+            raise DatasetError(f"{req.uri}: workers must be between 1 and 256, got {workers}")
+        if names and size is None:
+            if pool != "thread" or augment:
+                raise DatasetError(f"{req.uri}: fields= without size= decodes on threads, without augment")
+            counters = ImageCounters("images")
+            return DecodedImages(
+                req.uri, store, fmt, names, bad=bad, workers=workers, max_bytes=max_bytes, counters=counters
+            )
         if size is None:
             raise DatasetError(
                 f"{req.uri}: {fmt} images come in every size: add ?size=S to serve them as (3, S, S) uint8 "
@@ -310,8 +346,6 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
             )
         if not 1 <= size <= 4096:
             raise DatasetError(f"{req.uri}: size must be between 1 and 4096 pixels, got {size}")
-        if not 1 <= workers <= 256:
-            raise DatasetError(f"{req.uri}: workers must be between 1 and 256, got {workers}")
         if seed is None or seed < 0:
             raise DatasetError(f"{req.uri}: seed must be a non-negative integer")
         worker_source = (req.open, _worker_uri(req.uri)) if pool == "process" else None
@@ -325,6 +359,7 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
             seed=seed,
             fmt=fmt,
             worker_source=worker_source,
+            names=names,
         )
     except BaseException:
         store.close()
