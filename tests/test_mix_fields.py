@@ -18,6 +18,7 @@ from libbus import RemoteLoader
 from libbus.errors import DatasetError
 from services.provider.sources import open_source
 from tests.support.busctl import busctl
+from tests.support.contract import check_fields_contract
 from tests.support.images import image_bytes, write_imagefolder
 from tests.support.text import document, text_pipeline, write_parquet_text, write_text, write_tokenizer
 
@@ -134,3 +135,13 @@ def test_text_lines_and_a_parquet_text_column_mix_as_a_pipelines_source(tmp_path
     bad = write_mix(tmp_path / "bad.toml", (f"file://{lines}?encoded=1", 1), ("mock://mnist", 1))
     with pytest.raises(DatasetError, match=r"source 2 \(mock://mnist\) has kind image but .* has encoded"):
         open_source(bad)
+
+
+def test_a_mix_of_decoded_image_folders_keeps_the_source_contract(folders, tmp_path):
+    uris = [f"file://{d}?fields=image,label&max_bytes=20000" for d in folders]
+    mix = open_source(write_mix(tmp_path / "mix.toml", (uris[0], 1), (uris[1], 2)))
+    try:
+        assert [f.describe() for f in mix.fields] == ["image uint8 (?, ?, 3)", "label int64 ()"]
+        check_fields_contract(mix)  # read_fields deterministic, served byte for byte, splits refused
+    finally:
+        mix.close()

@@ -20,6 +20,7 @@ from PIL import Image
 from libbus import RemoteLoader
 from libbus.errors import ConfigError
 from services.provider.sources import open_source
+from tests.support.contract import check_fields_contract
 from tests.support.images import image_bytes, write_imagefolder
 
 STAGES = """
@@ -125,3 +126,18 @@ def test_a_skipped_bad_image_takes_its_rows_every_field_from_its_neighbour(tmp_p
 def test_careless_pipelines_of_named_fields_are_refused_at_open(tmp_path, source, body, message):
     with pytest.raises(ConfigError, match=message):
         open_source(write_pipeline(tmp_path / "p.toml", source, body))
+
+
+def test_a_pipeline_of_named_fields_keeps_the_source_contract(tmp_path):
+    p = open_source(write_pipeline(tmp_path / "p.toml", "mock://fields?n=20", STAGES.format(field='field = "image"\n')))
+    try:
+        assert [f.describe() for f in p.fields] == [
+            "image uint8 (3, 10, 10)", "tokens int32 (?,)", "text str *", "label int64 ()"
+        ]  # fmt: skip
+        alone = open_source("mock://fields?n=20").read_fields("val", np.arange(4))
+        served = p.read_fields("val", np.arange(4))
+        assert served["text"] == alone["text"] and np.array_equal(served["label"], alone["label"])
+        assert all(np.array_equal(a, b) for a, b in zip(served["tokens"], alone["tokens"]))  # passed through
+        check_fields_contract(p)  # closes p (the provider's handler does when it stops)
+    finally:
+        p.close()
