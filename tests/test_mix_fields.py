@@ -15,7 +15,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from libbus import RemoteLoader
-from libbus.errors import DatasetError
+from libbus.errors import ConfigError, DatasetError
+from services.provider.handler import ProviderHandler
 from services.provider.sources import open_source
 from tests.support.busctl import busctl
 from tests.support.contract import check_fields_contract
@@ -132,6 +133,9 @@ def test_text_lines_and_a_parquet_text_column_mix_as_a_pipelines_source(tmp_path
     eos = tokenizer.token_to_id("</s>")
     want = sorted((tokenizer.encode(document(n)).ids + [eos])[:9] for n in [*range(6), *range(4)])
     assert sorted(x.tolist()) == want  # lines hold documents 0..5, the column 0..3: each row once
+    with pytest.raises(ConfigError, match=r"dataset 'text' \(weighted://.*\) holds encoded images or text, which "
+                       "have no fixed shape: make it a pipeline's source"):  # fmt: skip
+        ProviderHandler({"text": open_source(mix)})  # served as it is, every batch would fail: refused at start
     bad = write_mix(tmp_path / "bad.toml", (f"file://{lines}?encoded=1", 1), ("mock://mnist", 1))
     with pytest.raises(DatasetError, match=r"source 2 \(mock://mnist\) has kind image but .* has encoded"):
         open_source(bad)
