@@ -49,7 +49,8 @@ def _objects(values) -> np.ndarray:
 def _decoded(arr: np.ndarray):
     from PIL import Image  # the images extra: only a stage that resizes or crops gets here
 
-    return Image.fromarray(np.ascontiguousarray(arr[:, :, 0] if arr.shape[2] == 1 else arr)).convert("RGB")
+    img = Image.fromarray(np.ascontiguousarray(arr[:, :, 0] if arr.shape[2] == 1 else arr))
+    return img if img.mode == "RGB" else img.convert("RGB")  # grey expanded, as decode does
 
 
 class FieldsPlan:
@@ -118,7 +119,7 @@ class FieldsPlan:
             kind = self.specs[f.name].kind if f.name in self.specs else None
             values = [v for part in parts for v in part[f.name]] if f.variable else None
             if kind == DECODED:
-                out[f.name] = [np.asarray(img.convert("RGB"), np.uint8) for img in values]  # type: ignore[union-attr]
+                out[f.name] = [np.asarray(img, np.uint8) for img in values]  # type: ignore[union-attr]
             elif values is not None:
                 out[f.name] = values
             elif parts:
