@@ -9,7 +9,8 @@ listed, in that order, of:
   centre-cropped, ``augment=1`` for the train recipe); without ``size``, ``uint8 (?, ?, 3)``: each
   image decoded at its own size, height × width × RGB (as a Parquet ``:image`` column), its
   largest sample declared by ``max_bytes=`` (then a same-host trainer gets it through shared memory);
-- ``label``: ``int64 ()``, the class id (-1 for a WebDataset sample without ``.cls``).
+- ``label``: ``int64 ()``, the class id (-1 for a WebDataset sample without ``.cls``);
+- ``text`` (WebDataset only): ``str``, the sample's ``.txt`` member (a caption; empty without one).
 
 A bad image follows ``bad=`` as everywhere: ``fail`` names the file, ``skip`` fills its row of every
 field from the nearest good sample of the batch.
@@ -27,26 +28,33 @@ from libbus.errors import DatasetError
 from .base import Field, FieldBatch, Source
 from .formats import imageops
 
-__all__ = ["NAMES", "DecodedImages", "parse_names", "select"]
+__all__ = ["NAMES", "DecodedImages", "field_of", "parse_names", "select"]
 
-#: The fields an image layout offers.
-NAMES = ("image", "label")
+#: The fields an image layout offers (``text``: WebDataset's ``.txt`` members).
+NAMES = ("image", "label", "text")
 
 
-def parse_names(uri: str, text: str) -> tuple[str, ...]:
-    """``"image,label"`` → the names, each once, each one :data:`NAMES` offers."""
+def parse_names(uri: str, text: str, fmt: str) -> tuple[str, ...]:
+    """``"image,label"`` → the names, each once, each one :data:`NAMES` offers (``fmt``'s layout)."""
+    offered = NAMES if fmt == "webdataset" else NAMES[:2]
     names = tuple(p.strip() for p in text.split(",") if p.strip())
-    if not names or len(set(names)) != len(names) or not set(names) <= set(NAMES):
+    if not names or len(set(names)) != len(names) or not set(names) <= set(offered):
         raise DatasetError(
-            f"{uri}: fields must list each of {', '.join(NAMES)} at most once, e.g. fields=image,label; got {text!r}"
+            f"{uri}: fields must list each of {', '.join(offered)} at most once ({fmt}), e.g. "
+            f"fields=image,label; got {text!r}"
         )
     return names
 
 
-def select(names: tuple[str, ...], image, label: np.ndarray) -> FieldBatch:
+def select(names: tuple[str, ...], image, label: np.ndarray, texts: list | None = None) -> FieldBatch:
     """The batch of the fields ``names`` lists."""
-    every = {"image": image, "label": label}
+    every = {"image": image, "label": label, "text": texts}
     return {name: every[name] for name in names}
+
+
+def field_of(name: str, image: Field) -> Field:
+    """Field ``name`` of an image layout, ``image`` the image field."""
+    return {"image": image, "label": Field("label", "int64", ()), "text": Field("text", "str", ())}[name]
 
 
 class DecodedImages(Source):
@@ -67,11 +75,8 @@ class DecodedImages(Source):
 
     @property
     def fields(self) -> list[Field]:
-        every = {
-            "image": Field("image", "uint8", (None, None, 3), self.max_bytes),
-            "label": Field("label", "int64", ()),
-        }
-        return [every[name] for name in self.names]
+        image = Field("image", "uint8", (None, None, 3), self.max_bytes)
+        return [field_of(name, image) for name in self.names]
 
     def num_samples(self, split: str) -> int:
         return self.store.num_samples(split)
@@ -99,6 +104,7 @@ class DecodedImages(Source):
 
         images = list(self.pool.map(one, range(len(samples))))
         labels = np.asarray([s.label for s in samples], np.int64)
+        texts = [s.text or "" for s in samples]
         failed = bool(errors) and self.bad == "fail"
         self.counters.add(len(samples), len(errors), time.perf_counter() - started, failed)
         if errors:
@@ -110,8 +116,8 @@ class DecodedImages(Source):
                 raise DatasetError(f"{self.uri}: every sample of the batch ({len(images)}) is a bad image")
             for row in sorted(errors):
                 near = int(good[np.argmin(np.abs(good - row))])
-                images[row], labels[row] = images[near], labels[near]
-        return select(self.names, images, labels)
+                images[row], labels[row], texts[row] = images[near], labels[near], texts[near]
+        return select(self.names, images, labels, texts)
 
     def metrics(self) -> dict:
         """The provider's per-dataset counters, as an image source's (one ``decode`` stage)."""

@@ -35,7 +35,7 @@ from libbus.errors import DatasetError
 from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, stable_seed
 from .formats import imageops
 from .formats.imageops import BAD_POLICIES, default_workers
-from .image_fields import DecodedImages, parse_names, select
+from .image_fields import DecodedImages, field_of, parse_names, select
 
 __all__ = ["BAD_POLICIES", "EncodedImages", "ImageSource", "default_workers", "batch_uniforms", "open_images"]
 
@@ -60,9 +60,9 @@ def batch_uniforms(seed: int, epoch: int, split: str, indices: np.ndarray, draws
     return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-def fill_bad_rows(x: np.ndarray, y: np.ndarray, bad: list[int], where: str) -> None:
-    """``bad=skip``: copy into each bad row the nearest good row of the batch (ties: the earlier one).
-    Raises :class:`DatasetError` when the whole batch is bad."""
+def fill_bad_rows(x: np.ndarray, y: np.ndarray, bad: list[int], where: str, texts: list | None = None) -> None:
+    """``bad=skip``: copy into each bad row the nearest good row of the batch (ties: the earlier one),
+    its text too (``fields=…,text``). Raises :class:`DatasetError` when the whole batch is bad."""
     good = np.setdiff1d(np.arange(len(x)), bad)
     if not len(good):
         raise DatasetError(f"{where}: every sample of the batch ({len(x)}) is a bad image; nothing to serve")
@@ -70,6 +70,8 @@ def fill_bad_rows(x: np.ndarray, y: np.ndarray, bad: list[int], where: str) -> N
         near = good[np.argmin(np.abs(good - row))]
         x[row] = x[near]
         y[row] = y[near]
+        if texts is not None:
+            texts[row] = texts[near]
 
 
 class ImageCounters:
@@ -153,14 +155,17 @@ class ImageSource(Source):
     def fields(self) -> list[Field]:
         if not self.names:
             return super().fields
-        every = {"image": Field("image", "uint8", self.sample_shape), "label": Field("label", "int64", ())}
-        return [every[name] for name in self.names]
+        return [field_of(name, Field("image", "uint8", self.sample_shape)) for name in self.names]
 
     def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
         x = np.empty((len(indices), *self.sample_shape), self.dtype)
         y = np.empty(len(indices), np.int64)
-        self.serve_into(split, indices, x, y, epoch=epoch)
-        return select(self.names, x, y) if self.names else {"x": x, "y": y}
+        samples = texts = None
+        if "text" in self.names:  # fetched once here (worker processes fetch their own to decode)
+            samples = self.store.fetch(split, indices)
+            texts = [s.text or "" for s in samples]
+        self._serve(split, indices, epoch, x, y, None if self.processes else samples, texts)
+        return select(self.names, x, y, texts) if self.names else {"x": x, "y": y}
 
     def _one(self, sample, split: str, u: np.ndarray | None, out: np.ndarray) -> None:
         if sample.data is None:
@@ -175,9 +180,12 @@ class ImageSource(Source):
             img = imageops.center_crop(imageops.resize_shorter(img, s), s, s)
         out[...] = np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)
 
-    def decode_into(self, split: str, indices: np.ndarray, epoch: int, x: np.ndarray, y: np.ndarray) -> dict[int, str]:
-        """Decode ``indices`` into ``x``/``y`` on this process's threads; the bad rows, with why."""
-        samples = self.store.fetch(split, indices)
+    def decode_into(
+        self, split: str, indices: np.ndarray, epoch: int, x: np.ndarray, y: np.ndarray, samples: list | None = None
+    ) -> dict[int, str]:
+        """Decode ``indices`` (``samples``, when already fetched) into ``x``/``y`` on this process's
+        threads; the bad rows, with why."""
+        samples = self.store.fetch(split, indices) if samples is None else samples
         errors: dict[int, str] = {}
         u = batch_uniforms(self.seed, epoch, split, indices, 41) if self.augment and split == "train" else None
 
@@ -204,11 +212,14 @@ class ImageSource(Source):
         return errors
 
     def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *, epoch: int = 0) -> None:
+        self._serve(split, indices, epoch, x, y)
+
+    def _serve(self, split: str, indices, epoch: int, x, y, samples: list | None = None, texts: list | None = None):
         started = time.perf_counter()
         if self.processes is not None:
             errors = self._decode_processes(split, indices, epoch, x, y)
         else:
-            errors = self.decode_into(split, indices, epoch, x, y)
+            errors = self.decode_into(split, indices, epoch, x, y, samples)
         failed = bool(errors) and self.bad == "fail"
         self.counters.add(len(indices), len(errors), time.perf_counter() - started, failed)
         if errors:
@@ -216,7 +227,7 @@ class ImageSource(Source):
             if self.bad == "fail":
                 raise DatasetError(f"{self.uri}: bad image: {first} (bad=skip serves the batch without it)")
             log.warning("%s: %d bad image(s) replaced in a batch, the first: %s", self.uri, len(errors), first)
-            fill_bad_rows(x, y, sorted(errors), self.uri)
+            fill_bad_rows(x, y, sorted(errors), self.uri, texts)
 
     def metrics(self) -> dict:
         """The provider's per-dataset counters, in the shape of a pipeline's (one ``decode`` stage)."""
@@ -318,7 +329,7 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
                 f'{req.uri}: text is tokenized in a pipeline: source = {{ uri = "file://DIR?encoded=1" }}, '
                 "then tokenize and pack stages (docs/datasets.md §7.1)"
             )
-        names = parse_names(req.uri, req.params.pop("fields")) if "fields" in req.params else ()
+        names = parse_names(req.uri, req.params.pop("fields"), fmt) if "fields" in req.params else ()
         max_bytes = req.int_param("max_bytes", 0)
         if encoded:
             if size is not None or names:
