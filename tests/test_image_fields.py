@@ -66,5 +66,11 @@ def test_a_field_the_layout_lacks_is_refused(tmp_path):
     root = write_imagefolder(tmp_path / "if", per_class=2)
     with pytest.raises(DatasetError, match=r"fields must list each of image, label at most once \(imagefolder\)"):
         open_source(f"file://{root}?size=8&fields=image,text")
-    with pytest.raises(DatasetError, match="not both"):
-        open_source(f"file://{root}?encoded=1&fields=image")
+    for query, message in (
+        ("encoded=1&fields=image", "not both"),
+        ("size=8&fields=image&max_bytes=100", "max_bytes declares the largest decoded image of fields= without size="),
+        ("fields=image&max_bytes=-1", "max_bytes declares"),
+        ("fields=image&pool=process", "fields= without size= decodes on threads, without augment"),
+    ):
+        with pytest.raises(DatasetError, match=message):
+            open_source(f"file://{root}?{query}")

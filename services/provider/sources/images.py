@@ -337,7 +337,7 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
             return EncodedImages(req.uri, store, fmt)
         if fmt == "text" and names:
             raise DatasetError(f"{req.uri}: fields= serves images; text is tokenized in a pipeline (encoded=1)")
-        if max_bytes and (size is not None or not names) or max_bytes is None or max_bytes < 0:
+        if max_bytes is None or max_bytes < 0 or (max_bytes and (size is not None or not names)):
             raise DatasetError(
                 f"{req.uri}: max_bytes declares the largest decoded image of fields= without size=, got {max_bytes}"
             )
