@@ -15,7 +15,8 @@ naming its predecessor in ``input`` (docs/datasets.md §4)::
 :func:`build_pipeline` checks the graph (one type per stage, known inputs, no cycle, one source, one
 chain) and each stage's parameters against what its input produces, and refuses a bad pipeline
 with a :class:`ConfigError` (a :class:`DatasetError` for a source it cannot open) naming the file
-and the stage.
+and the stage. When the source serves named fields, each transform also names the field it acts on
+(``field = "image"``) and is built against that field (:mod:`.fields`).
 """
 
 from __future__ import annotations
