@@ -45,10 +45,14 @@ def folders(tmp_path_factory) -> tuple[Path, Path]:
     return a, b
 
 
-def test_two_image_folders_mix_into_dict_batches_of_their_own_bytes(folders, tmp_path, start_provider, make_token):
+def test_two_image_folders_mix_into_dict_batches_of_their_own_bytes(
+    folders, tmp_path, router, start_provider, make_token, state_dir
+):
     a, b = (f"file://{d}?size={SIZE}&fields=image,label" for d in folders)
     mix = write_mix(tmp_path / "mix.toml", (a, 3), (b, 1))
     provider = start_provider(f"mix={mix}")
+    shown = busctl("datasets", "--router", router.endpoint, "--state-dir", str(state_dir), timeout=60)
+    assert shown.returncode == 0 and f"fields     image uint8 (3, {SIZE}, {SIZE}), label int64 ()" in shown.stdout
     alone = [open_source(a), open_source(b)]
     refs = [s.read_fields("train", np.arange(s.num_samples("train"))) for s in alone]
     total = sum(s.num_samples("train") for s in alone)
