@@ -141,3 +141,17 @@ def test_a_pipeline_of_named_fields_keeps_the_source_contract(tmp_path):
         check_fields_contract(p)  # closes p (the provider's handler does when it stops)
     finally:
         p.close()
+
+
+def test_named_fields_that_come_out_as_fixed_x_and_y_are_served_as_x_y(tmp_path):
+    table = pa.table({"x": pa.array([_png(v) for v in range(4)], pa.binary()), "y": [0, 1, 0, 1]})
+    pq.write_table(table, tmp_path / "train.parquet")
+    body = '[[stages]]\nname = "c"\ninput = "src"\nfield = "x"\ncenter_crop = { size = 4 }\n'
+    p = open_source(write_pipeline(tmp_path / "p.toml", f"parquet://{tmp_path}?fields=x:image,y&val_fraction=0", body))
+    try:
+        assert p.xy and p.info()["sample_shape"] == [3, 4, 4]  # what a trainer's (x, y) loader expects
+        x, y = np.empty((4, 3, 4, 4), np.uint8), np.empty(4, np.int64)
+        p.serve_into("train", np.arange(4), x, y)
+        assert y.tolist() == [0, 1, 0, 1] and [int(img[0, 0, 0]) for img in x] == [0, 20, 40, 60]
+    finally:
+        p.close()
