@@ -25,8 +25,9 @@ from .admission import admit_client
 from .constants import HELLO_TIMEOUT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from .curve import CurveKeys, secure_client
 from .errors import AuthExpired, AuthInvalid, AuthRequired, BusError, ConfigError, PeerTimeout, error_from_code
-from .messages import Error, Goodbye, Heartbeat, Hello, Message, Welcome, decode
+from .messages import Error, Goodbye, Heartbeat, Hello, Message, Welcome, decode, request_id_of
 from .sockets import SocketLimits, drain_monitor, make_socket, send_message
+from .wire import WrongVersion
 
 __all__ = ["Identity", "Client", "connect"]
 
@@ -248,6 +249,10 @@ class Client:
             self.last_recv = time.monotonic()
             try:
                 msg = decode(frames)
+            except WrongVersion as err:  # an older service: its refusal is the answer, not a timeout
+                if reply := self._version_refusal(frames, err):
+                    return reply
+                continue
             except BusError as err:
                 log.warning("%s sent a malformed message: %s", self.endpoint, err)
                 continue
@@ -256,6 +261,16 @@ class Client:
                     self.pushes.append(msg)
                 continue
             return msg
+
+    def _version_refusal(self, frames: list, err: WrongVersion) -> Error | None:
+        """The ``Error`` a service of another wire version sent back (an Error reads the same in every
+        version), as this client's refusal naming both versions; None for a message with no request id."""
+        request_id = request_id_of(frames)
+        mismatch = WrongVersion(err.tag, peer=self.endpoint, us="this client")
+        log.warning("%s", mismatch)
+        if not request_id:
+            return None
+        return Error(id=request_id, code=mismatch.code, message=str(mismatch))
 
     def wait_for(self, request_id: int, timeout_s: float) -> Message | None:
         """The reply to ``request_id``; stale replies to earlier attempts are discarded."""

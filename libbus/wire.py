@@ -48,13 +48,13 @@ _TAG = re.compile(rb"BB([0-9]{1,4})")
 class WrongVersion(BadRequest):
     """A peer speaks another wire version; ``tag`` is its tag (the reply goes back under it)."""
 
-    def __init__(self, tag: bytes):
+    def __init__(self, tag: bytes, peer: str = "the peer", us: str = "this service"):
         self.tag = tag
         theirs = _TAG.fullmatch(tag)
         ours = _TAG.fullmatch(PROTOCOL)
         super().__init__(
-            f"wire version mismatch: the peer speaks batchbus wire version {int(theirs[1]) if theirs else '?'} "
-            f"({tag!r}), this service version {int(ours[1]) if ours else '?'} ({PROTOCOL!r}); "
+            f"wire version mismatch: {peer} speaks batchbus wire version {int(theirs[1]) if theirs else '?'} "
+            f"({tag!r}), {us} version {int(ours[1]) if ours else '?'} ({PROTOCOL!r}); "
             "run the same batchbus release on both sides"
         )
 

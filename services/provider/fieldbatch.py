@@ -15,7 +15,7 @@ from shm import Ring
 
 from .sources import Source
 
-__all__ = ["check_frames", "fields_reply"]
+__all__ = ["check_frames", "check_servable", "fields_reply"]
 
 
 def check_frames(dataset: str, fields: list[Field]) -> None:
@@ -26,6 +26,18 @@ def check_frames(dataset: str, fields: list[Field]) -> None:
         raise ConfigError(
             f"dataset {dataset!r} has {len(fields)} fields, whose batches need {need} frames; a message "
             f"carries at most {MAX_FRAMES - 2} (one per fixed field, two per variable one): serve fewer"
+        )
+
+
+def check_servable(dataset: str, source: Source) -> None:
+    """Refuse (at start-up) a dataset of encoded images or text, alone or mixed: they have no fixed
+    shape and feed a pipeline's ``decode`` or ``tokenize`` stage; served as they are, every batch
+    would fail."""
+    if source.kind == "encoded":
+        raise ConfigError(
+            f"dataset {dataset!r} ({source.uri}) holds encoded images or text, which have no fixed shape: "
+            "make it a pipeline's source (decode or tokenize stages: docs/datasets.md §9.3, §9.4), or serve "
+            "images with ?size=S or ?fields=image,label"
         )
 
 

@@ -43,7 +43,7 @@ from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
 from .evalgate import EvalGate
-from .fieldbatch import check_frames, fields_reply
+from .fieldbatch import check_frames, check_servable, fields_reply
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.objstore import object_store_stats
 from .sources.pipeline import pipeline_stats, stage_control
@@ -150,6 +150,7 @@ class ProviderHandler(Handler):
         self.fields = {name: source.fields for name, source in datasets.items()}
         self.xy = {name: source.xy for name, source in datasets.items()}
         for name, fields in self.fields.items():
+            check_servable(name, datasets[name])
             check_frames(name, fields)
         self.served: dict[str, Counter] = defaultdict(Counter)
         self.refused: Counter = Counter()

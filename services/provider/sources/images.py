@@ -32,9 +32,10 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .base import SPLITS, OpenRequest, Source, stable_seed
+from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, stable_seed
 from .formats import imageops
 from .formats.imageops import BAD_POLICIES, default_workers
+from .image_fields import DecodedImages, field_of, parse_names, select
 
 __all__ = ["BAD_POLICIES", "EncodedImages", "ImageSource", "default_workers", "batch_uniforms", "open_images"]
 
@@ -59,9 +60,9 @@ def batch_uniforms(seed: int, epoch: int, split: str, indices: np.ndarray, draws
     return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-def fill_bad_rows(x: np.ndarray, y: np.ndarray, bad: list[int], where: str) -> None:
-    """``bad=skip``: copy into each bad row the nearest good row of the batch (ties: the earlier one).
-    Raises :class:`DatasetError` when the whole batch is bad."""
+def fill_bad_rows(x: np.ndarray, y: np.ndarray, bad: list[int], where: str, texts: list | None = None) -> None:
+    """``bad=skip``: copy into each bad row the nearest good row of the batch (ties: the earlier one),
+    its text too (``fields=…,text``). Raises :class:`DatasetError` when the whole batch is bad."""
     good = np.setdiff1d(np.arange(len(x)), bad)
     if not len(good):
         raise DatasetError(f"{where}: every sample of the batch ({len(x)}) is a bad image; nothing to serve")
@@ -69,6 +70,8 @@ def fill_bad_rows(x: np.ndarray, y: np.ndarray, bad: list[int], where: str) -> N
         near = good[np.argmin(np.abs(good - row))]
         x[row] = x[near]
         y[row] = y[near]
+        if texts is not None:
+            texts[row] = texts[near]
 
 
 class ImageCounters:
@@ -115,8 +118,13 @@ class ImageSource(Source):
         seed: int,
         fmt: str,
         worker_source: tuple | None = None,
+        names: tuple[str, ...] = (),
     ):
         self.uri, self.store, self.size = uri, store, size
+        #: ``fields=``: served as these named fields (:mod:`.image_fields`) instead of x/y.
+        self.names = names
+        if names:
+            self.kind = "fields"
         self.augment, self.bad, self.seed, self.format = augment, bad, seed, fmt
         self.sample_shape = (3, size, size)
         self.dtype = np.dtype(np.uint8)
@@ -143,6 +151,22 @@ class ImageSource(Source):
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         self.serve_into(split, indices, x, y, epoch=0)
 
+    @property
+    def fields(self) -> list[Field]:
+        if not self.names:
+            return super().fields
+        return [field_of(name, Field("image", "uint8", self.sample_shape)) for name in self.names]
+
+    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
+        x = np.empty((len(indices), *self.sample_shape), self.dtype)
+        y = np.empty(len(indices), np.int64)
+        samples = texts = None
+        if "text" in self.names:  # fetched once here (worker processes fetch their own to decode)
+            samples = self.store.fetch(split, indices)
+            texts = [s.text or "" for s in samples]
+        self._serve(split, indices, epoch, x, y, None if self.processes else samples, texts)
+        return select(self.names, x, y, texts) if self.names else {"x": x, "y": y}
+
     def _one(self, sample, split: str, u: np.ndarray | None, out: np.ndarray) -> None:
         if sample.data is None:
             raise imageops.BadImage(f"{sample.where}: no image member (.jpg, .jpeg, .png, .webp)")
@@ -156,9 +180,12 @@ class ImageSource(Source):
             img = imageops.center_crop(imageops.resize_shorter(img, s), s, s)
         out[...] = np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)
 
-    def decode_into(self, split: str, indices: np.ndarray, epoch: int, x: np.ndarray, y: np.ndarray) -> dict[int, str]:
-        """Decode ``indices`` into ``x``/``y`` on this process's threads; the bad rows, with why."""
-        samples = self.store.fetch(split, indices)
+    def decode_into(
+        self, split: str, indices: np.ndarray, epoch: int, x: np.ndarray, y: np.ndarray, samples: list | None = None
+    ) -> dict[int, str]:
+        """Decode ``indices`` (``samples``, when already fetched) into ``x``/``y`` on this process's
+        threads; the bad rows, with why."""
+        samples = self.store.fetch(split, indices) if samples is None else samples
         errors: dict[int, str] = {}
         u = batch_uniforms(self.seed, epoch, split, indices, 41) if self.augment and split == "train" else None
 
@@ -185,11 +212,14 @@ class ImageSource(Source):
         return errors
 
     def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *, epoch: int = 0) -> None:
+        self._serve(split, indices, epoch, x, y)
+
+    def _serve(self, split: str, indices, epoch: int, x, y, samples: list | None = None, texts: list | None = None):
         started = time.perf_counter()
         if self.processes is not None:
             errors = self._decode_processes(split, indices, epoch, x, y)
         else:
-            errors = self.decode_into(split, indices, epoch, x, y)
+            errors = self.decode_into(split, indices, epoch, x, y, samples)
         failed = bool(errors) and self.bad == "fail"
         self.counters.add(len(indices), len(errors), time.perf_counter() - started, failed)
         if errors:
@@ -197,7 +227,7 @@ class ImageSource(Source):
             if self.bad == "fail":
                 raise DatasetError(f"{self.uri}: bad image: {first} (bad=skip serves the batch without it)")
             log.warning("%s: %d bad image(s) replaced in a batch, the first: %s", self.uri, len(errors), first)
-            fill_bad_rows(x, y, sorted(errors), self.uri)
+            fill_bad_rows(x, y, sorted(errors), self.uri, texts)
 
     def metrics(self) -> dict:
         """The provider's per-dataset counters, in the shape of a pipeline's (one ``decode`` stage)."""
@@ -299,10 +329,27 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
                 f'{req.uri}: text is tokenized in a pipeline: source = {{ uri = "file://DIR?encoded=1" }}, '
                 "then tokenize and pack stages (docs/datasets.md §7.1)"
             )
+        names = parse_names(req.uri, req.params.pop("fields"), fmt) if "fields" in req.params else ()
+        max_bytes = req.int_param("max_bytes", 0)
         if encoded:
-            if size is not None:
-                raise DatasetError(f"{req.uri}: give size=S (decoded) or encoded=1 (bytes), not both")
+            if size is not None or names:
+                raise DatasetError(f"{req.uri}: give size=S or fields= (decoded) or encoded=1 (bytes), not both")
             return EncodedImages(req.uri, store, fmt)
+        if fmt == "text" and names:
+            raise DatasetError(f"{req.uri}: fields= serves images; text is tokenized in a pipeline (encoded=1)")
+        if max_bytes is None or max_bytes < 0 or (max_bytes and (size is not None or not names)):
+            raise DatasetError(
+                f"{req.uri}: max_bytes declares the largest decoded image of fields= without size=, got {max_bytes}"
+            )
+        if not 1 <= workers <= 256:
+            raise DatasetError(f"{req.uri}: workers must be between 1 and 256, got {workers}")
+        if names and size is None:
+            if pool != "thread" or augment:
+                raise DatasetError(f"{req.uri}: fields= without size= decodes on threads, without augment")
+            counters = ImageCounters("images")
+            return DecodedImages(
+                req.uri, store, fmt, names, bad=bad, workers=workers, max_bytes=max_bytes, counters=counters
+            )
         if size is None:
             raise DatasetError(
                 f"{req.uri}: {fmt} images come in every size: add ?size=S to serve them as (3, S, S) uint8 "
@@ -310,8 +357,6 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
             )
         if not 1 <= size <= 4096:
             raise DatasetError(f"{req.uri}: size must be between 1 and 4096 pixels, got {size}")
-        if not 1 <= workers <= 256:
-            raise DatasetError(f"{req.uri}: workers must be between 1 and 256, got {workers}")
         if seed is None or seed < 0:
             raise DatasetError(f"{req.uri}: seed must be a non-negative integer")
         worker_source = (req.open, _worker_uri(req.uri)) if pool == "process" else None
@@ -325,6 +370,7 @@ def open_images(req: OpenRequest, store, fmt: str) -> Source:
             seed=seed,
             fmt=fmt,
             worker_source=worker_source,
+            names=names,
         )
     except BaseException:
         store.close()

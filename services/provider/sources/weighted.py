@@ -21,6 +21,8 @@ one sample of ``N * w / sum(w)``. The schedule repeats every ``sum(w) / gcd(w)``
 period is computed at start-up (one byte per position, a few seconds per ten million) and any
 position is then located in O(1).
 A batch's samples from one source are read with one call to that source.
+
+Sources with named fields mix too, when they agree on them (:mod:`.weighted_fields`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .base import SPLITS, OpenRequest, Source
+from .base import SPLITS, Field, FieldBatch, OpenRequest, Source
+from .weighted_fields import gather, mix_fields
 
 __all__ = ["MAX_PERIOD", "Mix", "Schedule", "integer_weights", "open_weighted"]
 
@@ -160,13 +163,20 @@ class Schedule:
 
 
 class Mix(Source):
-    """Several sources with the same sample shape and dtype, mixed by a :class:`Schedule` per split."""
+    """Several sources with the same sample shape and dtype (or the same named fields), mixed by a
+    :class:`Schedule` per split."""
 
     def __init__(self, uri: str, names: list[str], sources: list[Source], weights: list | None):
         self.uri, self.names, self.sources = uri, names, sources
         first = sources[0]
+        #: The named fields every source serves (:mod:`.weighted_fields`); None for x/y sources.
+        self._fields = mix_fields(uri, names, sources)
+        # encoded text (lines, a Parquet column) feeds tokenize, which drops labels: those may differ
+        unlabelled = first.kind == "encoded" and any(s.label_shape == (0,) for s in sources)
         for name, src in zip(names[1:], sources[1:]):
-            for attr in ("sample_shape", "dtype", "label_shape", "label_dtype", "kind"):
+            for attr in ("kind", "sample_shape", "dtype", "label_shape", "label_dtype"):
+                if self._fields is not None or (unlabelled and attr.startswith("label")):
+                    break  # named fields: agreeing on them is what counts
                 if getattr(src, attr) != getattr(first, attr):
                     raise DatasetError(
                         f"{uri}: {name} has {attr} {getattr(src, attr)} but {names[0]} has "
@@ -174,6 +184,8 @@ class Mix(Source):
                     )
         self.sample_shape, self.dtype = first.sample_shape, first.dtype
         self.label_shape, self.label_dtype, self.kind = first.label_shape, first.label_dtype, first.kind
+        if unlabelled:
+            self.label_shape = (0,)
         self.num_classes = max(s.num_classes for s in sources)
         same_names = all(s.class_names == first.class_names for s in sources)
         self.class_names = (
@@ -213,6 +225,45 @@ class Mix(Source):
         ]
         return info
 
+    @property
+    def fields(self) -> list[Field]:
+        return list(self._fields) if self._fields is not None else super().fields
+
+    def _located(self, split: str, indices: np.ndarray) -> list[tuple[Source, np.ndarray, np.ndarray]]:
+        """``(source, its local indices, the batch rows they fill)`` per source the batch touches."""
+        n, members, schedule = self._splits[split]
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        if not len(idx):
+            return []
+        if idx.min() < 0 or idx.max() >= n:
+            raise IndexError(f"index outside {split} (0..{n - 1})")
+        which, k = schedule.locate(idx)
+        out = []
+        for j in np.unique(which).tolist():
+            src = self.sources[members[j]]
+            rows = np.flatnonzero(which == j)
+            out.append((src, k[rows] % src.num_samples(split), rows))
+        return out
+
+    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
+        """Named fields: one ``read_fields`` per source the batch touches, gathered into batch order."""
+        if self._fields is None:
+            return super().read_fields(split, indices, epoch)
+        parts = [(rows, src.read_fields(split, local, epoch)) for src, local, rows in self._located(split, indices)]
+        return gather(self._fields, len(indices), parts)
+
+    def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Samples as their sources ``read`` them: what a pipeline's source stage asks, and the only
+        way to read sources without a fixed shape (encoded images or text for ``decode`` or ``tokenize``)."""
+        x = np.empty((len(indices), *self.sample_shape), self.dtype)
+        y = np.empty((len(indices), *self.label_shape), self.label_dtype)
+        for src, local, rows in self._located(split, indices):
+            xs, ys = src.read(split, local)
+            x[rows] = xs
+            if self.label_shape != (0,):
+                y[rows] = np.asarray(ys).reshape(len(rows), *self.label_shape)
+        return x, y
+
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         self.serve_into(split, indices, x, y)
 
@@ -223,20 +274,10 @@ class Mix(Source):
     def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, *, epoch: int = 0) -> None:
         """Samples ``indices`` of the mix: one read per source the batch touches (``epoch`` goes
         on to members whose bytes depend on it: pipelines with random stages)."""
-        n, members, schedule = self._splits[split]
-        idx = np.asarray(indices, np.int64).reshape(-1)
-        if not len(idx):
-            return
-        if idx.min() < 0 or idx.max() >= n:
-            raise IndexError(f"index outside {split} (0..{n - 1})")
-        which, k = schedule.locate(idx)
-        for j in np.unique(which).tolist():
-            src = self.sources[members[j]]
-            local = k[which == j] % src.num_samples(split)
-            if len(local) == len(idx):  # the whole batch from one source: straight into x and y
+        for src, local, rows in self._located(split, indices):
+            if len(rows) == len(indices):  # the whole batch from one source: straight into x and y
                 src.serve_into(split, local, x, y, epoch=epoch)
                 continue
-            rows = np.flatnonzero(which == j)
             xs = np.empty((len(rows), *self.sample_shape), self.dtype)
             ys = np.empty((len(rows), *self.label_shape), self.label_dtype)
             src.serve_into(split, local, xs, ys, epoch=epoch)

@@ -26,8 +26,10 @@ from libbus.errors import (
     NotFound,
     Timeout,
 )
+from libbus.fields import is_xy
 
-from ..base import Source
+from ..base import Field, FieldBatch, Source
+from .fields import FieldsPlan
 from .stages import Chunk, Spec, Stage, StageQueue
 
 __all__ = ["Pipeline", "find_stage", "pipeline_stats", "stage_control"]
@@ -43,8 +45,10 @@ BATCH_TIMEOUT_S = 60.0
 class _Job:
     """One read in flight: where its rows go, how many chunks are still out, the first failure."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, chunks: int):
+    def __init__(self, x: np.ndarray | None, y: np.ndarray | None, chunks: int):
         self.x, self.y = x, y
+        #: Named fields (no ``x``): each chunk's fields by its first row.
+        self.parts: dict[int, dict] = {}
         self.remaining = chunks
         self.error: BaseException | None = None
         self.lock = threading.Lock()
@@ -66,8 +70,11 @@ class _Job:
             if self.error is not None:
                 return
             end = chunk.start + len(chunk.indices)
-            self.x[chunk.start : end] = chunk.x
-            self.y[chunk.start : end] = chunk.y
+            if self.x is None:
+                self.parts[chunk.start] = chunk.fields  # type: ignore[assignment]
+            else:
+                self.x[chunk.start : end] = chunk.x
+                self.y[chunk.start : end] = chunk.y  # type: ignore[index]
             self.remaining -= 1
             if self.remaining == 0:
                 self.done.set()
@@ -123,15 +130,27 @@ class Pipeline(Source):
         chunk: int = 64,
         queue_capacity: int = 4,
         timeout_s: float = BATCH_TIMEOUT_S,
+        plan: FieldsPlan | None = None,
     ):
         self.uri = uri
         self.stages = stages
+        #: A source of named fields: how they go through the stages, and what comes out (:mod:`.fields`).
+        self.plan = plan
+        self._fields = plan.output() if plan is not None else None
         self.source: Source = stages[0].source
         spec: Spec = stages[-1].spec
         self.sample_shape, self.dtype = spec.sample_shape, spec.dtype
         self.label_shape, self.label_dtype = spec.label_shape, spec.label_dtype
         self.num_classes, self.kind = spec.num_classes, spec.kind
-        self.class_names = list(self.source.class_names) if spec.num_classes == self.source.num_classes else []
+        if self._fields is not None:  # named fields: the source's classes and shapes (unless x, y come out)
+            self.num_classes, self.kind = self.source.num_classes, "fields"
+            self.sample_shape, self.dtype = self.source.sample_shape, self.source.dtype
+            self.label_shape, self.label_dtype = (), np.dtype(np.int64)
+            if is_xy(self._fields):
+                x, y = self._fields
+                self.sample_shape, self.dtype = tuple(x.shape), x.np_dtype  # type: ignore[assignment]
+                self.label_shape, self.label_dtype = tuple(y.shape), y.np_dtype  # type: ignore[assignment]
+        self.class_names = list(self.source.class_names) if self.num_classes == self.source.num_classes else []
         self.chunk = chunk
         self.timeout_s = timeout_s
         #: The pipeline's input (chunks of requested batches), then each stage's output queue.
@@ -145,6 +164,10 @@ class Pipeline(Source):
 
     def num_samples(self, split: str) -> int:
         return self.source.num_samples(split)
+
+    @property
+    def fields(self) -> list[Field]:
+        return list(self._fields) if self._fields is not None else super().fields
 
     def info(self) -> dict:
         out = {**self.source.info(), **super().info()}
@@ -196,13 +219,29 @@ class Pipeline(Source):
         """
         if epoch < 0:
             raise BadRequest(f"epoch must be a non-negative integer, got {epoch}")
-        if not len(indices):
-            return
+        if self.plan is not None:  # named fields that came out as exactly x and y
+            batch = self.read_fields(split, indices, epoch)
+            x[...], y[...] = batch["x"], batch["y"]
+        elif len(indices):
+            self._run(_Job(x, y, -(-len(indices) // self.chunk)), split, indices, epoch)
+
+    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
+        """Named fields through the stages (:mod:`.fields`); raises as :meth:`serve_into`."""
+        if self.plan is None or self._fields is None:
+            return super().read_fields(split, indices, epoch)
+        if epoch < 0:
+            raise BadRequest(f"epoch must be a non-negative integer, got {epoch}")
+        job = _Job(None, None, -(-len(indices) // self.chunk))
+        if len(indices):
+            self._run(job, split, indices, epoch)
+        return self.plan.finish(self._fields, [job.parts[start] for start in sorted(job.parts)])
+
+    def _run(self, job: _Job, split: str, indices: np.ndarray, epoch: int) -> None:
+        """Send ``indices`` through the stages in chunks; wait until ``job`` has them all."""
         if self._stop.is_set():
             raise DatasetError(f"{self.uri}: pipeline is closed")
         self._ensure_started()
         starts = range(0, len(indices), self.chunk)
-        job = _Job(x, y, len(starts))
         deadline = time.monotonic() + self.timeout_s
         for start in starts:
             chunk = Chunk(job, start, indices[start : start + self.chunk], split, epoch)

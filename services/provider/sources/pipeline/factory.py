@@ -15,7 +15,8 @@ naming its predecessor in ``input`` (docs/datasets.md §4)::
 :func:`build_pipeline` checks the graph (one type per stage, known inputs, no cycle, one source, one
 chain) and each stage's parameters against what its input produces, and refuses a bad pipeline
 with a :class:`ConfigError` (a :class:`DatasetError` for a source it cannot open) naming the file
-and the stage.
+and the stage. When the source serves named fields, each transform also names the field it acts on
+(``field = "image"``) and is built against that field (:mod:`.fields`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import logging
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from libbus.errors import ConfigError, DatasetError
 
 from ..base import OpenRequest, Source
 from .engine import Pipeline
+from .fields import FieldsPlan, FieldStage
 from .image_stages import IMAGE_STAGES
 from .stages import RandomStage, SourceStage, Spec, Stage
 from .text_stages import TEXT_STAGES
@@ -68,11 +71,11 @@ def _stage_tables(where: str, stages) -> dict[str, dict]:
         if name in tables:
             raise ConfigError(f"{where}: two stages are named {name!r}")
         types = [k for k in table if k in STAGE_TYPES]
-        unknown = sorted(set(table) - set(STAGE_TYPES) - {"name", "input"})
+        unknown = sorted(set(table) - set(STAGE_TYPES) - {"name", "input", "field"})
         if unknown:
             raise ConfigError(
                 f"{where}: stage {name!r}: unknown key(s) {', '.join(unknown)}; a stage has "
-                f"name, input and one of {known}"
+                f"name, input, field (with a source of named fields) and one of {known}"
             )
         if len(types) != 1:
             what = "no type" if not types else f"{len(types)} types ({', '.join(types)})"
@@ -82,8 +85,9 @@ def _stage_tables(where: str, stages) -> dict[str, dict]:
                 f"{where}: stage {name!r}: {types[0]} must be a table of parameters, "
                 f"got {type(table[types[0]]).__name__}"
             )
-        if "input" in table and not isinstance(table["input"], str):
-            raise ConfigError(f"{where}: stage {name!r}: input must be a stage name, got {table['input']!r}")
+        for key in ("input", "field"):
+            if key in table and not isinstance(table[key], str):
+                raise ConfigError(f"{where}: stage {name!r}: {key} must be a {key} name, got {table[key]!r}")
         tables[name] = table
     return tables
 
@@ -165,25 +169,28 @@ def build_pipeline(
     chain = _chain(where, tables)
     stages: list[Stage] = []
     spec: Spec | None = None
+    plan: FieldsPlan | None = None
     try:
         for name in chain:
             table = tables[name]
             kind = next(k for k in table if k in STAGE_TYPES)
-            cls = STAGE_TYPES[kind]
-            if cls is UserStage:
-                stage = UserStage(name, table[kind], spec, seed, allowed=user_modules)
-            elif issubclass(cls, SourceStage):
-                stage = cls(name, table[kind], spec, open_source=open_source)
-            elif issubclass(cls, RandomStage):
-                stage = cls(name, table[kind], spec, seed)
-            else:
-                stage = cls(name, table[kind], spec)
+            if plan is None or kind == "source":
+                _no_field(table, name, kind, stages)
+                stage = _stage(STAGE_TYPES[kind], name, table[kind], spec, seed, open_source, user_modules)
+                if isinstance(stage, SourceStage) and not stage.source.xy:
+                    plan = FieldsPlan(where, stage.source.fields, stage.source.num_classes)
+            else:  # a source of named fields: the stage acts on the one it names
+                stage = _field_stage(plan, table, name, kind, seed, open_source, user_modules)
             stages.append(stage)
             spec = stage.spec
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from err
     except DatasetError as err:
         raise DatasetError(f"{where}: {err}") from err
+    if plan is not None:
+        plan.output()  # refuses a field left encoded
+        log.debug("%s: named fields %s", where, ", ".join(f"{s.name} ({s.type})" for s in stages))
+        return Pipeline(uri, stages, chunk=chunk, queue_capacity=capacity, plan=plan)
     if spec is not None and spec.kind in ("encoded", "decoded", "token_lists"):
         what = (
             "token ids of any length; end with pack"
@@ -195,6 +202,50 @@ def build_pipeline(
         raise ConfigError(f"{where}: the last stage {chain[-1]!r} leaves {what}")
     log.debug("%s: %s", where, " -> ".join(f"{s.name} ({s.type})" for s in stages))
     return Pipeline(uri, stages, chunk=chunk, queue_capacity=capacity)
+
+
+def _stage(cls: type[Stage], name: str, config: dict, spec: Spec | None, seed: int, open_source, user_modules) -> Stage:
+    if cls is UserStage:
+        return UserStage(name, config, spec, seed, allowed=user_modules)
+    if issubclass(cls, SourceStage):
+        return cls(name, config, spec, open_source=open_source)
+    if issubclass(cls, RandomStage):
+        return cls(name, config, spec, seed)
+    return cls(name, config, spec)
+
+
+def _no_field(table: dict, name: str, kind: str, stages: list[Stage]) -> None:
+    """Refuse ``field =`` on a source stage or in a pipeline whose source serves x/y."""
+    if "field" not in table:
+        return
+    if kind == "source":
+        raise ConfigError(f"stage {name!r} (source): a source takes no field; the stages after it name theirs")
+    raise ConfigError(
+        f"stage {name!r} ({kind}): field = names one of a source's named fields, and "
+        f"{stages[0].source.uri} serves x/y samples; leave field out"
+    )
+
+
+def _field_stage(plan: FieldsPlan, table: dict, name: str, kind: str, seed: int, open_source, user_modules) -> Stage:
+    """Stage ``name`` acting on the named field its table's ``field`` gives (:mod:`.fields`)."""
+    if "field" not in table:
+        raise ConfigError(
+            f"stage {name!r} ({kind}): the source serves named fields ({', '.join(plan.source)}); "
+            f'name the one this stage acts on, e.g. field = "{next(iter(plan.source))}"'
+        )
+    field = table["field"]
+    spec, convert = plan.input_spec(name, kind, field)
+    if kind == "decode" and plan.source[field].dtype != "bytes" and field not in plan.specs:
+        raise ConfigError(f"stage {name!r} (decode): field {plan.source[field].describe()} is not encoded bytes")
+    if kind == "tokenize" and plan.source[field].dtype != "str" and field not in plan.specs:
+        raise ConfigError(f"stage {name!r} (tokenize): field {plan.source[field].describe()} is not text")
+    stage = _stage(STAGE_TYPES[kind], name, table[kind], spec, seed, open_source, user_modules)
+    if stage.spec.label_shape != spec.label_shape or stage.spec.label_dtype != spec.label_dtype:
+        if kind != "tokenize":  # tokenize drops x/y labels, which a field never had
+            raise ConfigError(f"stage {name!r} ({kind}): acts on x/y labels; a named field has none")
+    plan.specs[field] = stage.spec
+    # it answers as the stage it wraps does (name, type, spec, counters, control): one to the engine
+    return cast(Stage, FieldStage(stage, field, convert, plan.where))
 
 
 def open_pipeline(req: OpenRequest) -> Pipeline:

@@ -55,6 +55,8 @@ class Chunk:
     epoch: int
     x: np.ndarray | None = None
     y: np.ndarray | None = None
+    #: A source of named fields: every field by name (:mod:`.fields`); None in an x/y pipeline.
+    fields: dict | None = None
 
 
 class StageQueue:
@@ -241,6 +243,9 @@ class SourceStage(Stage):
         )
 
     def apply(self, chunk: Chunk) -> None:
+        if not self.source.xy:  # named fields, for stages that name theirs (:mod:`.fields`)
+            chunk.fields = dict(self.source.read_fields(chunk.split, chunk.indices, chunk.epoch))
+            return
         chunk.x, chunk.y = self.source.read(chunk.split, chunk.indices)
 
 
