@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -20,6 +21,24 @@ def _write_ready(path: Path | None, endpoint: str) -> None:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(endpoint + "\n")
         tmp.replace(path)
+
+
+def _serve(service, ready_file: Path | None, ready: Callable[[str], str]) -> None:
+    """Run a router or provider in the foreground until SIGTERM/SIGINT: bind, write the ready file,
+    tell systemd (``ready(endpoint)`` is its status line), feed its watchdog from the loop."""
+    import threading
+
+    from services import runtime
+
+    stop, notify = threading.Event(), runtime.notifier()
+    runtime.install_signal_handlers(stop, notify)
+    endpoint = service.start()
+    _write_ready(ready_file, endpoint)
+    notify.ready(ready(endpoint))
+    try:
+        service.run(stop, notify.watchdog)
+    finally:
+        runtime.finish(notify)
 
 
 # -- services ------------------------------------------------------------------------------------
@@ -41,9 +60,6 @@ def start_router(
     metrics_bind: MetricsBind = None,
 ) -> None:
     """The control plane: registration, discovery, the job queue (SQLite), commands, stats."""
-    import threading
-
-    from services import runtime
     from services.router.app import RouterService
 
     s = settings_from(
@@ -59,16 +75,7 @@ def start_router(
         metrics_bind=metrics_bind,
     )
     setup_logging(s.log_level)
-    stop, notify = threading.Event(), runtime.notifier()
-    runtime.install_signal_handlers(stop, notify)
-    service = RouterService(s)
-    endpoint = service.start()
-    _write_ready(ready_file, endpoint)
-    notify.ready(f"routing on {endpoint}; jobs in {s.db}")
-    try:
-        service.run(stop, notify.watchdog)
-    finally:
-        runtime.finish(notify)
+    _serve(RouterService(s), ready_file, lambda endpoint: f"routing on {endpoint}; jobs in {s.db}")
 
 
 @start_app.command("provider")
@@ -102,9 +109,6 @@ def start_provider(
     ] = None,
 ) -> None:
     """Serve datasets on a data socket and register them with the router."""
-    import threading
-
-    from services import runtime
     from services.provider.app import ProviderService
 
     s = settings_from(
@@ -124,16 +128,8 @@ def start_provider(
         cache_limit=cache_limit,
     )
     setup_logging(s.log_level)
-    stop, notify = threading.Event(), runtime.notifier()
-    runtime.install_signal_handlers(stop, notify)
     service = ProviderService(s)
-    endpoint = service.start()
-    _write_ready(ready_file, endpoint)
-    notify.ready(f"serving {', '.join(service.handler.datasets)} on {endpoint}")
-    try:
-        service.run(stop, notify.watchdog)
-    finally:
-        runtime.finish(notify)
+    _serve(service, ready_file, lambda endpoint: f"serving {', '.join(service.handler.datasets)} on {endpoint}")
     if service.link is not None and service.link.fatal is not None:
         fail(f"router refused this provider: {service.link.fatal}")
 
