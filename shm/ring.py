@@ -202,6 +202,7 @@ class Ring:
         except ShmError:
             segment.close()
             raise
+        segment.populate()  # checked: now map its pages, not one fault per page in the first pass
         return cls(segment, layout)
 
     @staticmethod
