@@ -129,8 +129,23 @@ def mem_available() -> int:
 SPLIT_GATHER_BYTES = 1 << 20
 
 
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+#: Split only where a core is left for it: the provider's own thread and a same-host trainer take
+#: about one core between them. On two cores the helper only competes with them: each batch then
+#: cost ~200 us more CPU (the hand-off, two copies contending for memory) and the shm row ran
+#: slower, not faster (docs/performance.md, "What bounds the shm row").
+SPLIT_GATHER = _usable_cores() >= 3
+
+
 class Gatherer:
-    """``out[:] = src[rows]`` with no temporary, large gathers split with a helper thread of its own.
+    """``out[:] = src[rows]`` with no temporary, large gathers split with a helper thread of its own
+    (where :data:`SPLIT_GATHER`: three cores or more).
 
     The thread starts on the first large gather and stops at :meth:`close` (the source's), so a closed
     source leaves no thread behind; after that, gathers run on the caller's thread alone.
@@ -145,7 +160,7 @@ class Gatherer:
         """Gather (``rows`` already checked to be in range)."""
         # mode="clip": numpy buffers ``out`` under the default mode="raise" (a hidden temporary that
         # makes the gather ~4x slower); the rows were checked by the caller.
-        pool = self._helper() if out.nbytes >= SPLIT_GATHER_BYTES else None
+        pool = self._helper() if SPLIT_GATHER and out.nbytes >= SPLIT_GATHER_BYTES else None
         if pool is None:
             np.take(src, rows, axis=0, out=out, mode="clip")
             return
