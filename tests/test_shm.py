@@ -168,7 +168,12 @@ def test_provider_writes_into_the_slot_and_refuses_stale_or_duplicate_requests(r
     with pytest.raises(BadRequest, match="does not fit"):
         seq = ring.request(0)
         client.request(BatchRequest(dataset="mnist", split="train", range=[0, 33], slot=0, seq=seq))
-    assert ring_provider.service.handler.refused["stale_slot"] >= 5
+    seq = ring.request(0)
+    ring._table[0] = 99  # a state word no slot state has (a trainer scribbling on its table)
+    with pytest.raises(BadRequest, match="slot 0 .* is in unknown state 99"):
+        client.request(BatchRequest(dataset="mnist", split="train", range=[0, 1], slot=0, seq=seq))
+    assert ring_provider.service.handler.refused["stale_slot"] >= 6
+    assert client.request(DatasetInfoRequest(dataset="mnist")).info  # and the provider serves on
 
 
 def write_header(ring: Ring, **fields) -> None:
