@@ -60,6 +60,14 @@ class SlotState(IntEnum):
     IN_USE = 3
 
 
+def _state_name(word: int) -> str:
+    """A slot-table state word as a name; a word no state has (a peer scribbled on the table) as such."""
+    try:
+        return SlotState(word).name.lower()
+    except ValueError:
+        return f"in unknown state {word}"
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -202,6 +210,7 @@ class Ring:
         except ShmError:
             segment.close()
             raise
+        segment.populate()  # checked: now map its pages, not one fault per page in the first pass
         return cls(segment, layout)
 
     @staticmethod
@@ -223,11 +232,13 @@ class Ring:
 
     def _expect(self, slot: int, seq: int | None, *states: SlotState) -> None:
         self._check_slot(slot)
-        state, current = self.state(slot), self.seq(slot)
+        # raw words, compared as ints: a SlotState is made only for the message (this runs
+        # twice per batch on each side, and an enum lookup costs more than the rest of it)
+        state, current = self._table[2 * slot], self._table[2 * slot + 1]
         if state not in states or (seq is not None and current != seq):
             want = "/".join(s.name.lower() for s in states)
             raise ShmError(
-                f"slot {slot} of {self.name} is {state.name.lower()} under sequence "
+                f"slot {slot} of {self.name} is {_state_name(state)} under sequence "
                 f"{current}; expected {want}" + (f" under {seq}" if seq is not None else "")
             )
 

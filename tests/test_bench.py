@@ -4,7 +4,10 @@ import json
 
 import pytest
 
+from benchmarks.delivery_report import CHECKS
 from tests.support import busctl
+
+THRESHOLDS = {c.name: c.threshold for c in CHECKS}
 
 
 def test_bench_measures_every_path_and_writes_json(tmp_path):
@@ -20,6 +23,8 @@ def test_bench_measures_every_path_and_writes_json(tmp_path):
         "5",
         "--work-ms",
         "2",
+        "--repeat",
+        "2",
         "--json",
         str(out),
         timeout=180,
@@ -27,7 +32,18 @@ def test_bench_measures_every_path_and_writes_json(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = {r["path"]: r for r in result["rows"]}
-    assert {"memcpy", "dataloader", "pyzmq", "shm", "shm-stream", "socket"} <= set(rows)
+    assert {"memcpy", "memcpy-ring", "dataloader", "pyzmq", "shm", "shm-stream", "socket"} <= set(rows)
+    # --repeat: every row measured again, each repeat's ratios its own, a target judged by its worst
+    assert len(result["repeats"]) == 2 and [r["path"] for r in result["repeats"][1]] == list(rows)
+    assert result["repeats"][1][0]["x_memcpy"] == 1.0 and rows["memcpy-ring"]["x_memcpy_ring"] == 1.0
+    judged = [c for c in result["checks"] if "values" in c]
+    assert {c["check"] for c in judged} == set(THRESHOLDS)
+    for check in judged:
+        assert len(check["values"]) == 2 and check["ok"] == (min(check["values"]) >= THRESHOLDS[check["check"]])
+    summary = {r["path"]: r for r in result["summary"]}
+    assert summary["shm"]["x_memcpy"]["min"] == min(
+        r["x_memcpy"] for rs in result["repeats"] for r in rs if r["path"] == "shm"
+    )
     for row in rows.values():
         assert row["samples_per_s"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0
     assert rows["dataloader"]["x_dataloader"] == 1.0 and rows["memcpy"]["x_memcpy"] == 1.0
@@ -43,6 +59,9 @@ def test_bench_measures_every_path_and_writes_json(tmp_path):
 def test_bench_rejects_a_dataset_too_small_for_its_batches(tmp_path):
     run = busctl("bench", "--samples", "100")
     assert run.returncode == 2 and "--samples must be at least" in run.stderr
+    assert "Traceback" not in run.stderr
+    run = busctl("bench", "--repeat", "0")
+    assert run.returncode == 2 and "--repeat must be at least 1" in run.stderr
     assert "Traceback" not in run.stderr
 
 

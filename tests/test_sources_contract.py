@@ -18,6 +18,7 @@ import pytest
 
 from libbus.errors import DatasetError
 from services.provider.sources import OPENERS, open_source
+from services.provider.sources.formats import dataset
 from tests.support.contract import check_fields_contract, check_source_contract, peak_rss
 from tests.support.httpd import RangeServer
 from tests.support.images import write_imagefolder, write_shards
@@ -186,8 +187,21 @@ def test_streamed_resident_memory_stays_bounded(scheme, tmp_path, server):
     assert big - small < 24 * MB, f"peak RSS {small / MB:.0f} MB for 8 MB, {big / MB:.0f} MB for 96 MB"
 
 
-def test_a_closed_file_source_leaves_no_thread_behind(tmp_path):
-    """A RAM source splits large gathers with a helper thread; closing the source stops it."""
+def test_without_a_spare_core_a_large_gather_runs_on_the_callers_thread(tmp_path, monkeypatch):
+    monkeypatch.setattr(dataset, "SPLIT_GATHER", False)
+    write_raw(tmp_path / "ram", 8)
+    source = open_source(f"file://{tmp_path / 'ram'}?memory=ram&val_fraction=0")
+    x = np.empty((1024, 4096), np.uint8)
+    source.read_into("train", np.arange(1024, dtype=np.int64)[::-1].copy(), x, np.empty((1024, 0), np.int64))
+    assert (x == np.arange(4096, dtype=np.uint8)).all()  # every row written
+    assert source._gather._pool is None  # no helper thread was started
+    source.close()
+
+
+def test_a_closed_file_source_leaves_no_thread_behind(tmp_path, monkeypatch):
+    """A RAM source splits large gathers with a helper thread (on three cores or more: forced here,
+    where there may be two); closing the source stops it."""
+    monkeypatch.setattr(dataset, "SPLIT_GATHER", True)
     write_raw(tmp_path / "ram", 8)
     source = open_source(f"file://{tmp_path / 'ram'}?memory=ram&val_fraction=0")
     x = np.empty((1024, 4096), np.uint8)  # 4 MB: a gather large enough to be split

@@ -344,9 +344,10 @@ class ProviderHandler(Handler):
         indices = batch_indices(msg, source.num_samples(msg.split), msg.split)
         if not self.xy[msg.dataset]:
             return self._batch_fields(session, msg, source, indices, started)
-        if len(indices) * source.sample_nbytes > MAX_BATCH_BYTES:
+        sample_nbytes = source.x_nbytes + source.y_nbytes  # an x/y source's (sample_nbytes rebuilds its fields)
+        if len(indices) * sample_nbytes > MAX_BATCH_BYTES:
             raise TooLarge(
-                f"{len(indices)} samples of {source.sample_nbytes} bytes exceed the {MAX_BATCH_BYTES} byte batch limit"
+                f"{len(indices)} samples of {sample_nbytes} bytes exceed the {MAX_BATCH_BYTES} byte batch limit"
             )
         x_shape = (len(indices), *source.sample_shape)
         y_shape = (len(indices), *source.label_shape)

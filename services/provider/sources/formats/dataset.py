@@ -129,8 +129,23 @@ def mem_available() -> int:
 SPLIT_GATHER_BYTES = 1 << 20
 
 
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+#: Split only where a core is left for it: the provider's own thread and a same-host trainer take
+#: about one core between them. On two cores the helper only competes with them: each batch then
+#: cost ~200 us more CPU (the hand-off, two copies contending for memory) and the shm row ran
+#: slower, not faster (docs/performance.md, "What bounds the shm row").
+SPLIT_GATHER = _usable_cores() >= 3
+
+
 class Gatherer:
-    """``out[:] = src[rows]`` with no temporary, large gathers split with a helper thread of its own.
+    """``out[:] = src[rows]`` with no temporary, large gathers split with a helper thread of its own
+    (where :data:`SPLIT_GATHER`: three cores or more).
 
     The thread starts on the first large gather and stops at :meth:`close` (the source's), so a closed
     source leaves no thread behind; after that, gathers run on the caller's thread alone.
@@ -145,7 +160,7 @@ class Gatherer:
         """Gather (``rows`` already checked to be in range)."""
         # mode="clip": numpy buffers ``out`` under the default mode="raise" (a hidden temporary that
         # makes the gather ~4x slower); the rows were checked by the caller.
-        pool = self._helper() if out.nbytes >= SPLIT_GATHER_BYTES else None
+        pool = self._helper() if SPLIT_GATHER and out.nbytes >= SPLIT_GATHER_BYTES else None
         if pool is None:
             np.take(src, rows, axis=0, out=out, mode="clip")
             return
@@ -204,6 +219,9 @@ class FileSource(Source):
         )
         if self.class_names and len(self.class_names) != self.num_classes:
             raise DatasetError(f"{uri}: {len(self.class_names)} class names for {self.num_classes} classes")
+        #: RAM tables whose every label is a class id below num_classes: a batch of them needs no
+        #: check (a scan of the labels once, instead of two reductions per batch).
+        self._labels_ok = {key for key, (_, ys) in self._ram.items() if self._labels_in_range(ys)}
 
     def _carve(self, tables: dict[str, Table], fraction: float) -> dict[str, tuple[Table | None, int, int]]:
         if "train" not in tables:
@@ -309,9 +327,14 @@ class FileSource(Source):
                 top = max(top, int(ys.max()) if len(ys) else -1)
         return top + 1
 
+    def _labels_in_range(self, ys: np.ndarray) -> bool:
+        if not (self._class_labels and self.num_classes):
+            return False
+        return not len(ys) or (int(ys.min()) >= 0 and int(ys.max()) < self.num_classes)
+
     def _check(self, table: Table, x: np.ndarray, y: np.ndarray) -> None:
         # never serve what a model would choke on: a class id or token beyond what info() promised
-        if self._class_labels and self.num_classes and len(y):
+        if self._class_labels and self.num_classes and len(y) and id(table) not in self._labels_ok:
             lo, hi = int(y.min()), int(y.max())
             if lo < 0 or hi >= self.num_classes:
                 raise DatasetError(
