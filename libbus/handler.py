@@ -50,6 +50,11 @@ class Handler:
     def tick(self, now: float) -> None:
         """Called about every poll period for timers (leases, housekeeping)."""
 
+    def flush(self) -> None:
+        """Make durable what the replies of this turn acknowledge (the server holds a burst's replies
+        and pushes until this returns: the router fsyncs its job database here once per burst, not once
+        per transition). Raising withholds them: each request is answered UNAVAILABLE instead."""
+
     def stats(self) -> dict:
         return {}
 

@@ -443,6 +443,11 @@ class RouterHandler(Decisions, Handler):
             self._push_entitlements()
         self.tick_decisions(now)  # studies, early stopping
 
+    def flush(self) -> None:
+        """The end of the server's turn: what this turn's replies acknowledge reaches the disk (one
+        fsync for all of its transitions; services/router/store_db.py), before they go out."""
+        self.store.durability.sync()
+
     def stats(self) -> dict:
         counts = {}
         for row in self.store.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):

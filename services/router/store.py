@@ -1,6 +1,6 @@
-"""The router's job queue in SQLite (WAL, ``synchronous=FULL``, progress and leases NORMAL: ``_Relaxed``;
-every write is committed before the router acknowledges it, so a router killed at any moment comes back
-with everything it said yes to).
+"""The router's job queue in SQLite (WAL; every write is committed and made durable before the router
+acknowledges it, so a router killed at any moment comes back with everything it said yes to: how, and
+the group commit of a running router, in services/router/store_db.py).
 
 A job row holds its spec, state, lease (trainer + expiry, wall-clock seconds), attempt counters,
 last progress, last checkpoint and result. A job with ``world_size`` > 1 also holds its ``gang``
@@ -24,6 +24,8 @@ from libbus.errors import BadRequest, ConfigError, NotFound
 from libbus.jobs import JOB_STATES, MAX_ATTEMPTS, TERMINAL_STATES, JobSpec
 from libbus.jobstate import JobState, check_transition
 
+from .store_db import ADDED_COLUMNS, SCHEMA, Durability
+
 __all__ = ["JobStore", "HOLDING_STATES"]
 
 #: States in which a trainer holds the job under a lease.
@@ -40,82 +42,6 @@ CHECKPOINTS_KEPT = 50
 #: What ``get`` returns by default: the newest events and checkpoint records (``busctl job show`` pages).
 EVENTS_SHOWN = 200
 _HELD = "SELECT * FROM jobs WHERE state IN (?, ?) AND trainer IS NOT NULL"
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id        TEXT PRIMARY KEY,
-    spec      TEXT NOT NULL,
-    state     TEXT NOT NULL,
-    priority  INTEGER NOT NULL DEFAULT 0,
-    trainer   TEXT,
-    attempts  INTEGER NOT NULL DEFAULT 0,
-    created   REAL NOT NULL,
-    updated   REAL NOT NULL,
-    progress  TEXT,
-    result    TEXT,
-    error     TEXT
-);
-CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (state, priority DESC, created);
-CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created);
-CREATE INDEX IF NOT EXISTS jobs_trainer ON jobs (trainer);
-CREATE TABLE IF NOT EXISTS events (
-    job    TEXT NOT NULL,
-    at     REAL NOT NULL,
-    state  TEXT NOT NULL,
-    reason TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_job ON events (job, at);
-CREATE TABLE IF NOT EXISTS progress (
-    job      TEXT NOT NULL,
-    at       REAL NOT NULL,
-    progress TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS progress_job ON progress (job, at);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    job     TEXT NOT NULL,
-    at      REAL NOT NULL,
-    trainer TEXT NOT NULL,
-    step    INTEGER NOT NULL,
-    epoch   INTEGER NOT NULL,
-    path    TEXT NOT NULL,
-    sha256  TEXT NOT NULL,
-    record  TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS checkpoints_job ON checkpoints (job, step);
-CREATE TABLE IF NOT EXISTS meta (
-    key   TEXT PRIMARY KEY,
-    value INTEGER NOT NULL
-);
-"""
-
-#: Columns added to ``jobs`` after the first release; a database made before gets them on open.
-ADDED_COLUMNS = {
-    "lease_expires": "REAL",
-    "failures": "INTEGER NOT NULL DEFAULT 0",
-    "checkpoint": "TEXT",
-    "gang": "TEXT",
-}
-
-
-class _Relaxed:
-    """A transaction committed without an fsync (WAL, ``synchronous=NORMAL``) for progress reports and
-    lease renewals: a killed router still has them (the WAL is written before the commit returns); a
-    power cut may lose the last few before the next FULL commit (any transition), and a restarted
-    router renews every lease anyway (:meth:`JobStore.renew_all`)."""
-
-    def __init__(self, db: sqlite3.Connection):
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, kind, *exc) -> None:
-        try:
-            self.db.execute("ROLLBACK" if kind else "COMMIT")
-        finally:
-            self.db.execute("PRAGMA synchronous=FULL")
-
 
 #: Keys of a checkpoint record and their types (what a trainer must report).
 CHECKPOINT_FIELDS = {"path": str, "sha256": str, "step": int, "epoch": int, "cursor": dict}
@@ -140,10 +66,12 @@ class JobStore:
             raise ConfigError(f"job database {path}: {err}") from err
         self.db.row_factory = sqlite3.Row
         self.path = path
+        self.durability = Durability(self.db, path)
         #: Bumped by every write that can change who holds what: readers of the held jobs recompute then.
         self.changes = 0
 
     def close(self) -> None:
+        self.durability.sync()
         self.db.close()
 
     def next_epoch(self) -> int:
@@ -319,7 +247,7 @@ class JobStore:
 
     def renew_many(self, jobs: list[str], lease_s: float) -> None:
         """Extend these held jobs' leases to ``lease_s`` from now, in one transaction."""
-        with _Relaxed(self.db):
+        with self.durability.relaxed():
             self.db.executemany(
                 "UPDATE jobs SET lease_expires = ? WHERE id = ?", [(time.time() + lease_s, j) for j in jobs]
             )
@@ -339,7 +267,7 @@ class JobStore:
         renew the lease of the trainer that sent it."""
         now = time.time()
         slim = {k: v for k, v in progress.items() if k != "history"}
-        with _Relaxed(self.db):
+        with self.durability.relaxed():
             self.db.execute(
                 "UPDATE jobs SET progress = ?, updated = ?, lease_expires = ? WHERE id = ?",
                 (orjson.dumps(progress).decode(), now, now + lease_s, job),
@@ -493,6 +421,12 @@ class JobStore:
             {"spec": {"dataset": d}, "trainer": t, "gang": {"members": orjson.loads(m)} if m else None}
             for d, t, m in rows
         ]
+
+    def held_watched(self) -> dict[str, float]:
+        """Early stopping's read: ``{job: updated}`` of the held jobs whose spec sets ``patience``
+        (their rows are read only when they change)."""
+        cols, where = "id, updated", " AND json_extract(spec, '$.patience') > 0"
+        return dict(self.db.execute(_HELD.replace("*", cols, 1) + where, HOLDING_STATES).fetchall())
 
     def held(self) -> list[dict]:
         """Jobs a trainer holds now (running or paused, with a trainer)."""
