@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 
 from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
@@ -135,6 +136,9 @@ class RouterHandler(Decisions, Handler):
         #: Set by the service: applies the revoked token ids to the router's own server.
         self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
         self._granted: tuple[list[str], dict] | None = None
+        #: Datasets whose trainers this turn's claims added to: their providers hear of it once, at the
+        #: turn's tick (with the turn's replies), not once per claim.
+        self._grants_due: set[str] = set()
         self._last_grants_check = 0.0
         self.init_decisions()
 
@@ -211,9 +215,9 @@ class RouterHandler(Decisions, Handler):
         sessions = self._by_subject.get("trainer", {}).get(subject, {}).values()
         return max(sessions, key=lambda s: s.last_seen, default=None)
 
-    def _trainer_names(self) -> set[str]:
-        """The subjects of the connected trainers."""
-        return set(self._by_subject.get("trainer", {}))
+    def _trainer_names(self) -> AbstractSet[str]:
+        """The subjects of the connected trainers (a live view: no copy of a thousand names each turn)."""
+        return self._by_subject.setdefault("trainer", {}).keys()
 
     def _push_to_trainer(self, subject: str, msg: Message) -> str:
         """Push to the trainer's live session; its session id, or "" when it is not connected."""
@@ -323,7 +327,7 @@ class RouterHandler(Decisions, Handler):
             self._push_entitlements()  # a formed gang's providers hear of it before its ranks ask them
             return reply
         job = self.store.claim(who, self.jobs.lease_s, accept=lambda j: j["id"] == job["id"])
-        self._grant(dataset_name(job["spec"]["dataset"]), who)  # its providers hear of it before it asks them
+        self._grant(dataset_name(job["spec"]["dataset"]), who)  # its providers hear of it with its Task (tick)
         log.info("job %s assigned to %s (%s)", job["id"], who, session.name)
         task = self.attach_model(Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"]))
         return self.jobs.remember_task(who, msg.key, task)
@@ -402,8 +406,8 @@ class RouterHandler(Decisions, Handler):
             self._push_to_provider(provider, *now)
 
     def _grant(self, dataset: str, subject: str) -> None:
-        """A trainer took a job on ``dataset``: add it to what that dataset's providers were sent,
-        without recomputing every assignment (the next :attr:`GRANTS_CHECK_S` check does that)."""
+        """A trainer took a job on ``dataset``: add it to what that dataset's providers are sent (at
+        this turn's tick), without recomputing every assignment (the :attr:`GRANTS_CHECK_S` check does)."""
         if self._granted is None:
             self._push_entitlements()
             return
@@ -411,11 +415,19 @@ class RouterHandler(Decisions, Handler):
         subjects = assigned.get(dataset, [])
         if subject in subjects:
             return
-        assigned = {**assigned, dataset: sorted([*subjects, subject])}
-        self._granted = (revoked, assigned)
+        self._granted = (revoked, {**assigned, dataset: sorted([*subjects, subject])})
+        self._grants_due.add(dataset)
+
+    def _push_grants(self) -> None:
+        """The providers of the datasets this turn's claims were on hear of them: one push each per
+        turn, sent with the turn's replies (a provider holds a request from a trainer not yet assigned
+        for a moment, services/provider/handler.py)."""
+        if not self._grants_due or self._granted is None:
+            return
+        due, self._grants_due = self._grants_due, set()
         for provider in self.sessions_of("provider"):
-            if dataset in provider.hello.caps["datasets"]:
-                self._push_to_provider(provider, revoked, assigned)
+            if not due.isdisjoint(provider.hello.caps["datasets"]):
+                self._push_to_provider(provider, *self._granted)
 
     def _push_to_provider(self, provider: Session, revoked: list[str], assigned: dict) -> None:
         served = provider.hello.caps["datasets"]
@@ -435,6 +447,7 @@ class RouterHandler(Decisions, Handler):
     def tick(self, now: float) -> None:
         """Keep providers' entitlements current; leases and command acknowledgements
         (services/router/jobs.py)."""
+        self._push_grants()
         if now - self._last_grants_check >= self.GRANTS_CHECK_S:
             self._last_grants_check = now
             self._push_entitlements()

@@ -24,7 +24,7 @@ from libbus.errors import BadRequest, ConfigError, NotFound
 from libbus.jobs import JOB_STATES, MAX_ATTEMPTS, TERMINAL_STATES, JobSpec
 from libbus.jobstate import JobState, check_transition
 
-from .store_db import ADDED_COLUMNS, SCHEMA, Durability
+from .store_db import ADDED_COLUMNS, INDEXES, SCHEMA, Durability
 
 __all__ = ["JobStore", "HOLDING_STATES"]
 
@@ -62,6 +62,7 @@ class JobStore:
             for column, decl in ADDED_COLUMNS.items():
                 if column not in have:
                     self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {decl}")
+            self.db.execute(INDEXES)
         except sqlite3.DatabaseError as err:
             raise ConfigError(f"job database {path}: {err}") from err
         self.db.row_factory = sqlite3.Row
