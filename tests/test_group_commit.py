@@ -18,7 +18,7 @@ import pytest
 
 from libbus.auth import ensure_secret, issue_token
 from libbus.client import Client, Identity
-from libbus.errors import Unavailable
+from libbus.errors import NotFound, Unavailable
 from libbus.handler import Handler, ServerConfig
 from libbus.jobs import JobSpec
 from libbus.messages import GetTask, Ok, PushResult, Stats, SubmitJob, Task
@@ -147,11 +147,15 @@ def test_a_grouped_store_fsyncs_for_transitions_and_not_for_progress(tmp_path):
     store = JobStore(str(tmp_path / "router.db"))
     store.durability.group()
     syncs = store.durability.syncs
+    other = sqlite3.connect(tmp_path / "router.db")
     job = store.submit(JobSpec.from_dict({"dataset": "d", "model": "mlp"}))
-    store.claim("t1", 10.0)
-    assert store.durability.pending  # committed (readable at once), not yet on disk
-    store.durability.sync()
-    assert store.durability.syncs == syncs + 1 and not store.durability.pending  # one fsync for both
+    assert store.claim("t1", 10.0)["state"] == "running"  # the turn reads its own writes
+    assert store.durability.pending and other.execute("SELECT COUNT(*) FROM jobs").fetchone()[0] == 0
+    with pytest.raises(NotFound):  # a refused write undoes itself only, not the turn's others
+        store.set_state("jnothere", "paused", "no such job")
+    store.durability.sync()  # the turn's end: one transaction, one fsync
+    assert store.durability.syncs == syncs + 1 and not store.durability.pending
+    assert other.execute("SELECT state, trainer FROM jobs").fetchone() == ("running", "t1")
     store.set_progress(job, {"step": 1}, 10.0)
     store.renew_many([job], 10.0)
     assert not store.durability.pending  # progress and renewals need no fsync of their own

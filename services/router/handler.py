@@ -125,6 +125,8 @@ class RouterHandler(Decisions, Handler):
         #: role -> token subject -> session id -> session: the lookups every request makes, without
         #: a scan over a thousand sessions (sessions_of, trainer_session, _check_single_holder).
         self._by_subject: dict[str, dict[str, dict[str, Session]]] = {}
+        #: dataset -> provider session id -> session: who serves a dataset, without a scan (Resolve, grants).
+        self._serving: dict[str, dict[str, Session]] = {}
         #: provider session id -> the (revoked, assigned) it was last sent.
         self._sent: dict[str, tuple[list[str], dict]] = {}
         #: Trainer sessions opened and closed; with ``store.changes``, when assignments can have moved.
@@ -164,6 +166,8 @@ class RouterHandler(Decisions, Handler):
         self._by_subject.setdefault(session.role, {}).setdefault(session.subject, {})[session.sid] = session
         self._roster += session.role == "trainer"
         if session.role == "provider":
+            for dataset in session.hello.caps["datasets"]:
+                self._serving.setdefault(dataset, {})[session.sid] = session
             self._push_to_provider(session, self.revocations.jtis(), self._assigned())
 
     def _check_single_holder(self, session: Session) -> None:
@@ -200,6 +204,12 @@ class RouterHandler(Decisions, Handler):
             return
         self._sent.pop(session.sid, None)
         self._roster += session.role == "trainer"
+        if session.role == "provider":
+            for dataset in session.hello.caps["datasets"]:
+                serving = self._serving.get(dataset, {})
+                serving.pop(session.sid, None)
+                if not serving:
+                    self._serving.pop(dataset, None)
         subjects = self._by_subject.get(session.role, {})
         sessions = subjects.get(session.subject, {})
         sessions.pop(session.sid, None)
@@ -247,7 +257,7 @@ class RouterHandler(Decisions, Handler):
         session.claims.check_dataset(name)
         providers = []
         info = None
-        for peer in self.sessions_of("provider"):
+        for peer in self._serving.get(name, {}).values():
             datasets = peer.hello.caps["datasets"]
             if name in datasets:
                 info = info or datasets[name]
@@ -425,9 +435,9 @@ class RouterHandler(Decisions, Handler):
         if not self._grants_due or self._granted is None:
             return
         due, self._grants_due = self._grants_due, set()
-        for provider in self.sessions_of("provider"):
-            if not due.isdisjoint(provider.hello.caps["datasets"]):
-                self._push_to_provider(provider, *self._granted)
+        providers = {sid: p for dataset in due for sid, p in self._serving.get(dataset, {}).items()}
+        for provider in providers.values():
+            self._push_to_provider(provider, *self._granted)
 
     def _push_to_provider(self, provider: Session, revoked: list[str], assigned: dict) -> None:
         served = provider.hello.caps["datasets"]
@@ -459,7 +469,11 @@ class RouterHandler(Decisions, Handler):
     def flush(self) -> None:
         """The end of the server's turn: what this turn's replies acknowledge reaches the disk (one
         fsync for all of its transitions; services/router/store_db.py), before they go out."""
-        self.store.durability.sync()
+        try:
+            self.store.durability.sync()
+        except Exception:
+            self.store.changes += 1  # the turn's writes were undone: assignments are recomputed
+            raise
 
     def stats(self) -> dict:
         counts = {}

@@ -78,8 +78,7 @@ class JobStore:
     def next_epoch(self) -> int:
         """A number no earlier start of the router on this database had: command ids carry it,
         so a trainer that applied command 1 of the last router still applies this one's."""
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             self.db.execute(
                 "INSERT INTO meta VALUES ('router_epoch', 1) ON CONFLICT(key) DO UPDATE SET value = value + 1"
             )
@@ -92,8 +91,7 @@ class JobStore:
         now = time.time()
         sets = ", ".join(f"{k} = ?" for k in fields)
         self.changes += 1
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job,)).fetchone()
             if row is None:
                 raise NotFound(f"no job {job!r}; 'busctl jobs' lists them")
@@ -103,7 +101,7 @@ class JobStore:
                 (state, now, *fields.values(), job),
             )
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, now, state, reason))
-            self._retain(job)
+            self._retain_events(job)  # (checkpoint records are trimmed as they are added)
 
     def _retain(self, job: str) -> None:
         """Trim ``job``'s events and checkpoint records to the retention limits (inside the
@@ -123,8 +121,7 @@ class JobStore:
     def submit(self, spec: JobSpec) -> str:
         job = "j" + secrets.token_hex(5)
         now = time.time()
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             self.db.execute(
                 "INSERT INTO jobs (id, spec, state, priority, created, updated) VALUES (?, ?, ?, ?, ?, ?)",
                 (job, orjson.dumps(spec.to_dict()).decode(), _QUEUED, spec.priority, now, now),
@@ -135,7 +132,7 @@ class JobStore:
     def event(self, job: str, reason: str) -> None:
         """Log ``reason`` (a command, an acknowledgement) without changing the job's state."""
         state = self._row(job)["state"]
-        with self.db:
+        with self.durability.write():
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, time.time(), state, reason))
             self._retain_events(job)
 
@@ -155,8 +152,7 @@ class JobStore:
     def set_spec(self, job: str, spec: JobSpec, reason: str) -> None:
         """Store a changed spec (``busctl job set``), logged: a resumed job runs with it."""
         now = time.time()
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             self.db.execute(
                 "UPDATE jobs SET spec = ?, updated = ? WHERE id = ?", (orjson.dumps(spec.to_dict()).decode(), now, job)
             )
@@ -168,8 +164,7 @@ class JobStore:
         checkpoint (if any) comes with it."""
         now = time.time()
         self.changes += 1
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             rows = self.db.execute(
                 "SELECT id, spec, checkpoint FROM jobs WHERE state = ? ORDER BY priority DESC, created", (_QUEUED,)
             )
@@ -206,8 +201,7 @@ class JobStore:
         now = time.time()
         gang = {"members": members, "rendezvous": "", "delivered": []}
         self.changes += 1
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             row = self.db.execute("SELECT state, checkpoint FROM jobs WHERE id = ?", (job,)).fetchone()
             if row is None or row["state"] != _QUEUED:
                 raise BadRequest(f"job {job} is not queued; its gang cannot start it")
@@ -233,8 +227,7 @@ class JobStore:
             raise BadRequest(f"job {job} has no gang")
         gang.update(changes)
         self.changes += 1
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             self.db.execute("UPDATE jobs SET gang = ? WHERE id = ?", (orjson.dumps(gang).decode(), job))
             if reason:
                 self.db.execute(
@@ -248,7 +241,7 @@ class JobStore:
 
     def renew_many(self, jobs: list[str], lease_s: float) -> None:
         """Extend these held jobs' leases to ``lease_s`` from now, in one transaction."""
-        with self.durability.relaxed():
+        with self.durability.write(relaxed=True):
             self.db.executemany(
                 "UPDATE jobs SET lease_expires = ? WHERE id = ?", [(time.time() + lease_s, j) for j in jobs]
             )
@@ -256,7 +249,7 @@ class JobStore:
     def renew_all(self, lease_s: float) -> int:
         """Give every held job a fresh lease: a router that just started cannot know which trainers
         are alive, so each gets one lease period to say Hello again. Returns how many."""
-        with self.db:
+        with self.durability.write():
             cur = self.db.execute(
                 "UPDATE jobs SET lease_expires = ? WHERE state IN (?, ?) AND trainer IS NOT NULL",
                 (time.time() + lease_s, *HOLDING_STATES),
@@ -268,7 +261,7 @@ class JobStore:
         renew the lease of the trainer that sent it."""
         now = time.time()
         slim = {k: v for k, v in progress.items() if k != "history"}
-        with self.durability.relaxed():
+        with self.durability.write(relaxed=True):
             self.db.execute(
                 "UPDATE jobs SET progress = ?, updated = ?, lease_expires = ? WHERE id = ?",
                 (orjson.dumps(progress).decode(), now, now + lease_s, job),
@@ -292,8 +285,7 @@ class JobStore:
         now = time.time()
         record = {**record, "trainer": trainer, "at": now}
         text = orjson.dumps(record).decode()
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             self.db.execute(
                 "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (job, now, trainer, record["step"], record["epoch"], record["path"], record["sha256"], text),

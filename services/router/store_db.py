@@ -4,13 +4,15 @@ Every write commits before the router acknowledges it. How it is made durable:
 
 - Standalone (tests, tools): state transitions commit with ``synchronous=FULL`` (an fsync of the WAL
   each); progress reports and lease renewals commit without one (:meth:`Durability.relaxed`).
-- Grouped (the running router, :meth:`Durability.group`): every commit is ``synchronous=NORMAL``
-  (written to the WAL, not synced), and :meth:`Durability.sync` fsyncs the WAL once at the end of
-  the loop turn, before the turn's replies go out (libbus/server.py holds them until the handler's
-  ``flush``). That is what ``FULL`` does at each commit (``NORMAL`` plus an fsync of the WAL), once
-  for all of a turn's transitions: group commit. A router killed or a machine losing power after a
-  reply went out still has what it acknowledged; one that dies before the sync has acknowledged
-  nothing of that turn. Progress-only turns (no transition) still need no fsync.
+- Grouped (the running router, :meth:`Durability.group`): the writes of one turn of the router's
+  loop are one transaction (each write a savepoint in it, so a refused one undoes only itself),
+  which :meth:`Durability.sync` commits at the end of the turn (``synchronous=NORMAL``: written to
+  the WAL) and then makes durable with one fsync of the WAL, before the turn's replies go out
+  (libbus/server.py holds them until the handler's ``flush``). That is what ``FULL`` does at a
+  commit (``NORMAL`` plus an fsync of the WAL), once for all of a turn's writes: group commit. A
+  router killed or a machine losing power after a reply went out still has what it acknowledged;
+  one that dies before the sync has acknowledged nothing of that turn. A turn of progress reports
+  only (no transition) commits without an fsync.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["ADDED_COLUMNS", "INDEXES", "SCHEMA", "Durability"]
+__all__ = ["ADDED_COLUMNS", "INDEXES", "SCHEMA", "Durability", "savepoint"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -83,36 +85,63 @@ ADDED_COLUMNS = {
 INDEXES = "CREATE INDEX IF NOT EXISTS jobs_gang ON jobs (state) WHERE gang IS NOT NULL"
 
 
+@contextmanager
+def savepoint(db: sqlite3.Connection) -> Iterator[None]:
+    """One write of the other tables on the job database (studies, revocations), all or none: nested
+    in the turn's transaction when the router has one open (a failure undoes this write only, never the
+    turn's others), else a transaction of its own. :class:`Durability` counts it for the turn's fsync."""
+    db.execute("SAVEPOINT other")
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK TO other")
+        db.execute("RELEASE other")
+        raise
+    db.execute("RELEASE other")
+
+
 class Durability:
-    """When the commits of ``db`` (a WAL database at ``path``) are fsynced; see the module's docstring."""
+    """When the writes to ``db`` (a WAL database at ``path``) commit and reach the disk; see the
+    module's docstring. Every writer of the job database goes through :meth:`write`."""
 
     def __init__(self, db: sqlite3.Connection, path: str):
         self.db = db
         self.wal = path + "-wal"
         self.grouped = False
-        #: ``db.total_changes`` when everything committed so far was durable (or needed not be).
+        #: ``db.total_changes`` at the last sync, and the changes since that need no fsync (progress).
         self._synced = db.total_changes
+        self._relaxed = 0
         #: fsyncs :meth:`sync` made (for statistics and tests).
         self.syncs = 0
 
     def group(self) -> None:
-        """Commit without an fsync from now on; :meth:`sync` (once a turn) makes the commits durable."""
-        self.sync_now()
+        """From now on the writes of a turn are one transaction, committed and fsynced by :meth:`sync`."""
+        self._fsync()
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.grouped = True
 
     @property
     def pending(self) -> bool:
-        """Whether something committed since the last sync needs one."""
-        return self.grouped and self.db.total_changes != self._synced
+        """Whether something written since the last sync needs an fsync (a transition, not progress)."""
+        return self.grouped and self.db.total_changes - self._synced > self._relaxed
 
     def sync(self) -> None:
-        """Make every commit so far durable: one fsync of the WAL, when one needs it."""
+        """The end of a turn: commit its transaction, and fsync the WAL once if a write needs it."""
+        if not self.grouped:
+            return
+        if self.db.in_transaction:
+            try:
+                self.db.execute("COMMIT")
+            except sqlite3.Error:
+                if self.db.in_transaction:  # the turn's writes are undone: none was acknowledged
+                    self.db.execute("ROLLBACK")
+                raise
         if self.pending:
-            self.sync_now()
+            self._fsync()
+        self._synced, self._relaxed = self.db.total_changes, 0
 
-    def sync_now(self) -> None:
-        changes = self.db.total_changes
+    def _fsync(self) -> None:
+        """What ``synchronous=FULL`` does at each commit: everything committed so far reaches the disk."""
         if os.path.exists(self.wal):
             fd = os.open(self.wal, os.O_RDONLY)
             try:
@@ -120,25 +149,40 @@ class Durability:
             finally:
                 os.close(fd)
             self.syncs += 1
-        self._synced = changes
 
     @contextmanager
-    def relaxed(self) -> Iterator[None]:
-        """A transaction that needs no fsync of its own (progress reports, lease renewals): a killed
-        router still has it (the WAL is written before the commit returns); a power cut may lose the
-        last few before the next synced commit, and a restarted router renews every lease anyway."""
-        clean = self.db.total_changes == self._synced
-        if not self.grouped:
+    def write(self, relaxed: bool = False) -> Iterator[None]:
+        """One write (several statements, all or none). Grouped: a savepoint in the turn's transaction
+        (opened by the first write of the turn). Standalone: a transaction of its own, committed with an
+        fsync unless ``relaxed`` (progress reports, lease renewals: a killed router still has them, the
+        WAL being written before the commit returns; a power cut may lose the last few, and a restarted
+        router renews every lease anyway)."""
+        if self.grouped:
+            with self._savepoint(relaxed):
+                yield
+            return
+        if relaxed:
             self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            with self.db:
+                self.db.execute("BEGIN IMMEDIATE")
+                yield
+        finally:
+            if relaxed:
+                self.db.execute("PRAGMA synchronous=FULL")
+
+    @contextmanager
+    def _savepoint(self, relaxed: bool) -> Iterator[None]:
+        if not self.db.in_transaction:
+            self.db.execute("BEGIN IMMEDIATE")
+        before = self.db.total_changes
+        self.db.execute("SAVEPOINT write")
         try:
             yield
-            self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self.db.execute("ROLLBACK TO write")
+            self.db.execute("RELEASE write")
             raise
-        finally:
-            if not self.grouped:
-                self.db.execute("PRAGMA synchronous=FULL")
-        if clean:  # nothing else waits for a sync: this needs none
-            self._synced = self.db.total_changes
+        self.db.execute("RELEASE write")
+        if relaxed:
+            self._relaxed += self.db.total_changes - before
