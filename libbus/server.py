@@ -197,8 +197,8 @@ class Server:
                 self.ctx.term()
 
     def _receive(self, sock: zmq.Socket) -> None:
-        # Drain what is queued, bounded (messages, time) so timers run and held replies do not wait long.
-        self._held, until = [], time.monotonic() + C.BURST_S
+        self._held = [] if self.handler.group_commit else None  # (others send each reply at once)
+        until = time.monotonic() + C.BURST_S  # drain what is queued, bounded: timers run, replies wait little
         for _ in range(256):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -210,6 +210,7 @@ class Server:
             self._flush_outbox()
             if time.monotonic() > until:
                 break
+        self._release()  # the burst's replies leave now, not after the timers
 
     def _release(self) -> None:
         """The turn's end: the handler makes its replies' effects durable (group commit), then they go out."""
@@ -225,7 +226,7 @@ class Server:
 
     def _turn(self) -> None:
         """Timers and deferred replies: everything a loop turn does besides receiving."""
-        self._held = [] if self._held is None else self._held
+        self._held = [] if self.handler.group_commit else None
         self._finish_pending()
         self.backlog.release(time.monotonic(), self._serve_waited)
         if self._revoked_changed:
@@ -244,7 +245,6 @@ class Server:
         and its timeout and retry (to a restarted service or a replica) apply. Work still running
         when the time is up is answered UNAVAILABLE, so that no client waits out its timeout."""
         self._receive(sock)
-        self._release()
         deadline = time.monotonic() + self.config.drain_s
         while self._pending and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -84,6 +84,7 @@ class _Gated(Handler):
     """Answers Stats with Ok; its flush waits for ``gate`` (or fails when ``fail`` is set)."""
 
     roles = {"Stats": ("trainer",)}
+    group_commit = True
 
     def __init__(self):
         super().__init__()
@@ -132,6 +133,14 @@ def test_replies_wait_for_the_handlers_flush(gated):
         assert not asked.done(), "the reply went out before the flush made it durable"
         handler.gate.set()
         assert isinstance(asked.result(5), Ok)
+
+
+def test_a_service_without_group_commit_answers_at_once(gated):
+    """A provider's batches are not held for a flush it has nothing to do in."""
+    handler, client = gated
+    handler.group_commit = False
+    handler.gate.clear()
+    assert isinstance(client.request(Stats()), Ok)  # answered though its turn's flush still waits
 
 
 def test_a_failed_flush_acknowledges_nothing(gated):

@@ -104,6 +104,8 @@ class RouterHandler(Decisions, Handler):
         "ListRevoked": ADMIN,
         **DECISION_ROLES,  # studies (services/router/decisions.py)
     }
+    #: Replies wait for :meth:`flush`: a transition is acknowledged once it is on disk.
+    group_commit = True
     #: How often the router recomputes what providers must know (assignments follow job changes).
     GRANTS_CHECK_S = 0.2
 
@@ -139,7 +141,7 @@ class RouterHandler(Decisions, Handler):
         self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
         self._granted: tuple[list[str], dict] | None = None
         #: Datasets whose trainers this turn's claims added to: their providers hear of it once, at the
-        #: turn's tick (with the turn's replies), not once per claim.
+        #: turn's tick (just after the turn's replies), not once per claim.
         self._grants_due: set[str] = set()
         self._last_grants_check = 0.0
         self.init_decisions()
@@ -430,8 +432,8 @@ class RouterHandler(Decisions, Handler):
 
     def _push_grants(self) -> None:
         """The providers of the datasets this turn's claims were on hear of them: one push each per
-        turn, sent with the turn's replies (a provider holds a request from a trainer not yet assigned
-        for a moment, services/provider/handler.py)."""
+        turn, just after the turn's replies (a provider holds a request from a trainer not yet assigned
+        up to ``ASSIGNMENT_WAIT_S`` for it, services/provider/handler.py)."""
         if not self._grants_due or self._granted is None:
             return
         due, self._grants_due = self._grants_due, set()
