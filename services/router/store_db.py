@@ -3,7 +3,7 @@
 Every write commits before the router acknowledges it. How it is made durable:
 
 - Standalone (tests, tools): state transitions commit with ``synchronous=FULL`` (an fsync of the WAL
-  each); progress reports and lease renewals commit without one (:meth:`Durability.relaxed`).
+  each); progress reports and lease renewals commit without one (``Durability.write(relaxed=True)``).
 - Grouped (the running router, :meth:`Durability.group`): the writes of one turn of the router's
   loop are one transaction (each write a savepoint in it, so a refused one undoes only itself),
   which :meth:`Durability.sync` commits at the end of the turn (``synchronous=NORMAL``: written to
