@@ -174,3 +174,32 @@ def test_a_grouped_store_fsyncs_for_transitions_and_not_for_progress(tmp_path):
     store.close()  # syncs what is pending
     assert store.durability.syncs == syncs + 2
     assert sqlite3.connect(tmp_path / "router.db").execute("SELECT state FROM jobs").fetchone()[0] == "succeeded"
+
+
+def test_the_router_answers_a_claim_only_once_its_turn_is_on_disk(router, client_for):
+    """The router's turn syncs (a slow disk, held here by a gate) before its Task reply leaves."""
+    admin = client_for(router.endpoint, role="admin")
+    job = admin.request(SubmitJob(spec={"dataset": "mnist"})).job
+    durability = router.service.store.durability
+    gate, syncing, real_sync = threading.Event(), threading.Event(), durability.sync
+
+    def slow_sync() -> None:
+        if durability.pending:  # the claim's turn (renewals and Hellos need no fsync)
+            syncing.set()
+            gate.wait(10)
+        real_sync()
+
+    durability.sync = slow_sync
+    trainer = client_for(router.endpoint, role="trainer")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(trainer.request, GetTask(key="k1"))
+            assert syncing.wait(5)
+            time.sleep(0.3)
+            assert not asked.done(), "the Task left before its claim was on disk"
+            gate.set()
+            assert asked.result(5).job == job
+    finally:
+        gate.set()
+    other = sqlite3.connect(router.settings.db)
+    assert other.execute("SELECT state, trainer FROM jobs WHERE id = ?", (job,)).fetchone() == ("running", "test")
