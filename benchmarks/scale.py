@@ -140,6 +140,7 @@ class Worker:
         self.finished = shared[0]  # shared count of jobs pushed as succeeded
         self.stop_at = stop_at
         self.times: dict[str, list[float]] = defaultdict(list)
+        self.sent_at: dict[str, list[float]] = defaultdict(list)  # when each timed request went, from the start
         self.counts: dict[str, int] = defaultdict(int)
         self.peers: list[Peer] = []
         for role, name, token in tokens:
@@ -195,6 +196,7 @@ class Worker:
         p.waiting = None
         if kind in TIMED:
             self.times[kind].append(now - sent)
+            self.sent_at[kind].append(sent - self.args["t0"])
         if isinstance(msg, Error):
             self.counts[f"error {kind} {msg.code}"] += 1
             p.wake = now + 1.0
@@ -243,7 +245,7 @@ def _worker(args: dict, endpoint: str, tokens, shared, stop_at: int, deadline: f
     _raise_nofile()
     w = Worker(args, endpoint, tokens, shared, stop_at)
     w.run(deadline)
-    out.put({"times": dict(w.times), "counts": dict(w.counts)})
+    out.put({"times": dict(w.times), "sent_at": dict(w.sent_at), "counts": dict(w.counts)})
 
 
 # -- the run -------------------------------------------------------------------------------------------
@@ -303,12 +305,16 @@ def submit(router: Router, jobs: int, datasets: int, window: int = 32) -> None:
         if not isinstance(_recv(sock), Welcome):
             raise SystemExit("the router refused the admin's Hello")
         sent = done = 0
+        spec = lambda n: {"dataset": f"sim-{n % datasets}", "model": "mlp", "epochs": 1, "name": f"job-{n}"}  # noqa: E731
         while done < jobs:
             while sent < jobs and sent - done < window:
-                spec = {"dataset": f"sim-{sent % datasets}", "model": "mlp", "epochs": 1, "name": f"job-{sent}"}
-                send_message(sock, SubmitJob(id=sent + 2, spec=spec))
+                send_message(sock, SubmitJob(id=sent + 2, spec=spec(sent)))
                 sent += 1
             reply = _recv(sock)
+            if isinstance(reply, Error) and reply.code == "RATE_LIMITED":  # faster than a session may ask
+                time.sleep(0.05)
+                send_message(sock, SubmitJob(id=reply.id, spec=spec(reply.id - 2)))
+                continue
             if not isinstance(reply, JobSubmitted):
                 raise SystemExit(f"SubmitJob refused: {reply}")
             done += 1
@@ -362,6 +368,7 @@ def run(args: argparse.Namespace) -> dict:
             "progress": args.progress,
             "step_ms": args.step_ms,
             "datasets": args.datasets,
+            "t0": time.monotonic(),
             "providers": args.providers,
         }
         cpu0, w0 = _cpu_s(router.proc.pid), time.monotonic()
@@ -395,21 +402,20 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         router.stop()
     times: dict[str, list[float]] = defaultdict(list)
+    sent_at: dict[str, list[float]] = defaultdict(list)
     counts: dict[str, int] = defaultdict(int)
     for r in results:
         for k, v in r["times"].items():
             times[k] += v
+            sent_at[k] += r["sent_at"][k]
         for k, v in r["counts"].items():
             counts[k] += v
-    latency = {}
-    for kind in TIMED:
-        ms = np.array(times.get(kind) or [0.0]) * 1e3
-        latency[kind] = {
-            "count": len(times.get(kind, [])),
-            "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)),
-            "max_ms": float(ms.max()),
-        }
+    latency = {kind: _percentiles(times.get(kind, [])) for kind in TIMED}
+    # the same, for requests sent after the start (every trainer's Hello, Resolve and first GetTask at once)
+    settled = {
+        kind: _percentiles([t for t, at in zip(times.get(kind, []), sent_at.get(kind, [])) if at >= args.settle_s])
+        for kind in TIMED
+    }
     result = {
         "trainers": args.trainers,
         "providers": args.providers,
@@ -426,10 +432,18 @@ def run(args: argparse.Namespace) -> dict:
         "router_rss_mib": rss,
         "db_mib": db / 2**20,
         "latency": latency,
+        "settle_s": args.settle_s,
+        "latency_settled": settled,
         "counts": dict(counts),
     }
     shutil.rmtree(state, ignore_errors=True)
     return result
+
+
+def _percentiles(seconds: list[float]) -> dict:
+    ms = np.array(seconds or [0.0]) * 1e3
+    p50, p99 = np.percentile(ms, [50, 99])
+    return {"count": len(seconds), "p50_ms": float(p50), "p99_ms": float(p99), "max_ms": float(ms.max())}
 
 
 def print_result(r: dict) -> None:
@@ -444,8 +458,9 @@ def print_result(r: dict) -> None:
         f"database {r['db_mib']:.1f} MiB"
     )
     print(f"{'message':<12}{'count':>8}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}")
-    for kind, v in r["latency"].items():
-        print(f"{kind:<12}{v['count']:>8}{v['p50_ms']:>9.2f}{v['p99_ms']:>9.2f}{v['max_ms']:>9.1f}")
+    after = f"sent after the first {r['settle_s']:.0f} s (the start: every trainer's Hello, Resolve, first GetTask):"
+    for kind, v in [*r["latency"].items(), ("", after), *r["latency_settled"].items()]:
+        print(f"{kind:<12}{v['count']:>8}{v['p50_ms']:>9.2f}{v['p99_ms']:>9.2f}{v['max_ms']:>9.1f}" if kind else v)
     for k, v in sorted(r["counts"].items()):
         print(f"  {k}: {v}")
 
@@ -460,6 +475,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", type=float, default=5000.0, help="a trainer's time between reports")
     p.add_argument("--procs", type=int, default=4, help="worker processes playing the peers")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    p.add_argument("--settle-s", type=float, default=10.0, help="latencies also reported for requests sent after this")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--profile", type=Path, help="run the router under cProfile, its stats written here")
     return p

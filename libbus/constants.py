@@ -52,6 +52,8 @@ REQUEST_RETRIES = 2
 HELLO_TIMEOUT_S = 5.0
 #: Service poll period when nothing happens: bounds how long a stop request waits.
 POLL_MS = 100
+#: Longest a server handles one burst of requests before it flushes and sends their replies.
+BURST_S = 0.02
 #: How long a draining service waits for in-flight work after SIGTERM.
 DRAIN_S = 5.0
 #: How long the replies a draining service sent get to leave before its socket closes.

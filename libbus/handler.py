@@ -27,6 +27,8 @@ class Handler:
     """
 
     roles: dict[str, tuple[str, ...]] = {}
+    #: True: the server holds the replies and pushes of each burst until :meth:`flush` returns.
+    group_commit = False
 
     def __init__(self):
         self._outbox: list[tuple[str, Message]] = []
@@ -49,6 +51,11 @@ class Handler:
 
     def tick(self, now: float) -> None:
         """Called about every poll period for timers (leases, housekeeping)."""
+
+    def flush(self) -> None:
+        """Make durable what the replies of this burst acknowledge (with :attr:`group_commit`, the server
+        holds them until this returns: the router fsyncs its job database here once per burst, not once
+        per transition). Raising withholds them: each request is answered UNAVAILABLE instead."""
 
     def stats(self) -> dict:
         return {}

@@ -71,6 +71,7 @@ class Server:
         #: Replies this large are tracked until they leave (None: the byte bound is off).
         self._track_min = C.TRACK_MIN_BYTES if config.session_unsent_bytes > 0 else None
         self._last_beat = 0.0
+        self._held: list[tuple[bytes, Message]] | None = None  # this turn's replies, sent after the flush
 
     # -- lifecycle ----------------------------------------------------------------------------
     def bind(self) -> str:
@@ -107,10 +108,6 @@ class Server:
     def sessions(self) -> dict[bytes, Session]:
         """Open sessions by routing id (read-only view for tests and stats)."""
         return self.table.by_routing
-
-    @property
-    def by_sid(self) -> dict[str, Session]:
-        return self.table.by_sid
 
     def _verify(self, token: str) -> Claims:
         """The claims of an acceptable token (at the handshake and at Hello), else a BusError."""
@@ -200,7 +197,8 @@ class Server:
                 self.ctx.term()
 
     def _receive(self, sock: zmq.Socket) -> None:
-        # Drain what is queued, bounded so timers still run under load.
+        self._held = [] if self.handler.group_commit else None  # (others send each reply at once)
+        until = time.monotonic() + C.BURST_S  # drain what is queued, bounded: timers run, replies wait little
         for _ in range(256):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -210,9 +208,25 @@ class Server:
             # Pushes a message caused go out before anything handled after it: a
             # stop Command must not arrive after the reply to the next request.
             self._flush_outbox()
+            if time.monotonic() > until:
+                break
+        self._release()  # the burst's replies leave now, not after the timers
+
+    def _release(self) -> None:
+        """The turn's end: the handler makes its replies' effects durable (group commit), then they go out."""
+        held, self._held = self._held or [], None
+        try:
+            self.handler.flush()
+        except Exception as err:  # noqa: BLE001 - nothing acknowledged: requests UNAVAILABLE, pushes dropped
+            log.exception("%s: flush failed; %d held message(s) withheld", self.config.name, len(held))
+            why = Unavailable(f"{self.config.name} could not store this request's effect ({err}); send it again")
+            held = [(rid, error_reply(msg.id, why)) for rid, msg in held if msg.id != 0]
+        for routing_id, msg in held:
+            self._reply(routing_id, msg)
 
     def _turn(self) -> None:
         """Timers and deferred replies: everything a loop turn does besides receiving."""
+        self._held = [] if self.handler.group_commit else None
         self._finish_pending()
         self.backlog.release(time.monotonic(), self._serve_waited)
         if self._revoked_changed:
@@ -222,6 +236,7 @@ class Server:
         self._heartbeat(now)
         self._call(self.handler.tick, now)
         self._flush_outbox()
+        self._release()
 
     def _drain(self, sock: zmq.Socket) -> None:
         """After ``stop`` (SIGTERM): answer the requests already queued, then give deferred work
@@ -388,6 +403,9 @@ class Server:
 
     # -- sending and timers -------------------------------------------------------------------
     def _reply(self, routing_id: bytes, msg: Message) -> None:
+        if self._held is not None:  # sent by _release, after the handler's flush
+            self._held.append((routing_id, msg))
+            return
         try:
             sent, tracker, nbytes = send_tracked(self._sock, msg, routing_id, self._track_min)
             if tracker is not None:
@@ -402,6 +420,7 @@ class Server:
             )
         if sent:
             self.counters["sent"] += 1
+            self.table.sent(routing_id, time.monotonic())
         else:
             self.counters["send_dropped"] += 1
 
@@ -434,7 +453,7 @@ class Server:
 
     def _flush_outbox(self) -> None:
         for sid, msg in self.handler.take_outbox():
-            session = self.by_sid.get(sid)
+            session = self.table.by_sid.get(sid)
             if session is not None:
                 self._reply(session.routing_id, msg)
 
@@ -443,9 +462,8 @@ class Server:
             return
         self._last_beat = now
         beat = Heartbeat(stats={})
-        for session in self.sessions.values():
-            if session.heartbeat:
-                self._reply(session.routing_id, beat)
+        for session in self.table.beat_due(now, self.config.heartbeat_ms / 1000):
+            self._reply(session.routing_id, beat)
 
     def _expire_sessions(self, now: float) -> None:
         beat_limit = self.config.heartbeat_ms / 1000 * self.config.heartbeat_liveness

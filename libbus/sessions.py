@@ -51,6 +51,8 @@ class Session:
     peer: str = ""
     #: Requests of this session being worked on (deferred replies not yet sent).
     inflight: int = 0
+    #: When the server last sent this session anything (monotonic): a heartbeat is then not needed.
+    last_sent: float = 0.0
     _tokens: float = 0.0
     _refilled: float = 0.0
 
@@ -198,6 +200,12 @@ class SessionTable:
         self.by_sid[session.sid] = session
         self._subjects[session.subject] += 1
 
+    def sent(self, routing_id: bytes, now: float) -> None:
+        """Something went to this connection at ``now`` (a heartbeat can wait an interval)."""
+        session = self.by_routing.get(routing_id)
+        if session is not None:
+            session.last_sent = now
+
     def remove(self, session: Session) -> bool:
         """Forget ``session``; False when it was not open (closed twice)."""
         if self.by_routing.get(session.routing_id) is not session:
@@ -208,6 +216,11 @@ class SessionTable:
         if self._subjects[session.subject] <= 0:
             del self._subjects[session.subject]
         return True
+
+    def beat_due(self, now: float, interval: float) -> list[Session]:
+        """Heartbeat sessions sent nothing for ``interval``: a peer takes any message as a sign of
+        life (libbus/link.py ``last_recv``), so one that had a reply or a push needs no beat."""
+        return [s for s in self.by_routing.values() if s.heartbeat and now - s.last_sent >= interval]
 
     def silent(self, now: float, beat_limit: float, idle_limit: float) -> list[Session]:
         """Sessions silent past their limit: heartbeat sessions ``beat_limit``, others ``idle_limit``."""

@@ -9,7 +9,11 @@ import sys
 import time
 
 from libbus.client import Client, Identity
-from libbus.messages import Entitlements, GetTask, SubmitJob, Task
+from libbus.errors import NotFound, Unavailable
+from libbus.jobs import JobSpec
+from libbus.messages import Entitlements, GetTask, Resolve, SubmitJob, Task
+from services.router.early_stop import EarlyStopping
+from services.router.store import JobStore
 from tests.support.busctl import REPO
 
 
@@ -36,6 +40,9 @@ def test_scale_runs_every_job_through_simulated_trainers_and_providers(tmp_path)
     assert r["counts"].get("push Entitlements", 0) >= 3  # every provider heard from the router
     assert r["router_cpu_s"] > 0 and r["router_rss_mib"] > 0 and r["db_mib"] > 0
     assert "GetTask" in run.stdout and "of a core" in run.stdout
+    settled = r["latency_settled"]  # the same, for requests sent after the start (--settle-s)
+    assert r["settle_s"] == 10 and set(settled) == set(lat)
+    assert all(settled[k]["count"] <= lat[k]["count"] for k in lat)
 
 
 def test_scale_refuses_an_empty_cluster():
@@ -108,3 +115,66 @@ def test_fairness_bench_serves_every_loader_of_one_provider(tmp_path):
     assert r["loaders"] == 3 and len(r["rates"]) == 3 and all(rate > 0 for rate in r["rates"])
     assert abs(r["total_samples_per_s"] - sum(r["rates"])) < 1e-6 and 0 < r["slowest_over_fastest"] <= 1
     assert "samples/s in all" in run.stdout
+
+
+def test_resolve_names_the_providers_serving_now_as_they_come_and_go(router, make_token):
+    """Resolve reads the router's index of providers by dataset: a provider that leaves is no longer named."""
+    caps = {"endpoint": "tcp://127.0.0.1:1", "datasets": {"alpha": {"name": "alpha"}}}
+    names = ("pa", "pb")
+    providers = [
+        Client(router.endpoint, Identity(role="provider", name=n, token=make_token("provider", sub=n), caps=caps))
+        for n in names
+    ]
+    admin = Client(router.endpoint, Identity(role="admin", name="a", token=make_token("admin", sub="a")))
+    try:
+        for p in providers:
+            p.hello()
+        assert sorted(p["name"] for p in admin.request(Resolve(dataset="alpha")).providers) == ["pa", "pb"]
+        providers[0].close()  # says Goodbye
+        deadline = time.monotonic() + 5
+        while [p["name"] for p in admin.request(Resolve(dataset="alpha")).providers] != ["pb"]:
+            assert time.monotonic() < deadline, "a provider that left is still named"
+            time.sleep(0.05)
+        providers[1].close()
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                admin.request(Resolve(dataset="alpha"))
+            except NotFound as err:
+                assert "no providers" in str(err)
+                break
+            assert time.monotonic() < deadline, "a dataset nobody serves still resolves"
+            time.sleep(0.05)
+    finally:
+        for p in providers:
+            p.close()
+        admin.close()
+
+
+def test_early_stopping_reads_changed_jobs_and_retries_a_stop_that_could_not_be_sent(tmp_path):
+    store = JobStore(str(tmp_path / "router.db"))
+    patient = store.submit(JobSpec.from_dict({"dataset": "d", "model": "mlp", "patience": 2}))
+    plain = store.submit(JobSpec.from_dict({"dataset": "d", "model": "mlp"}))
+    store.claim("t1", 10.0)
+    store.claim("t2", 10.0)
+    stalled = {"history": [{"val_loss": 1.0}, {"val_loss": 1.0}, {"val_loss": 1.0}]}
+    for job in (patient, plain):
+        store.set_progress(job, stalled, 10.0)
+    sent, away = [], [True]
+
+    def control(by, job, command, args):
+        if away[0]:
+            raise Unavailable("trainer t1 is not connected now")
+        sent.append((by, job, command))
+
+    stopping = EarlyStopping(store, control)
+    assert store.held_watched().keys() == {patient}  # a job without patience is never read
+    stopping.tick(1.0)
+    assert sent == []  # its trainer was away: not decided yet
+    away[0] = False
+    stopping.tick(2.0)  # no new report, yet tried again
+    assert sent == [("early stopping", patient, "stop")]
+    stopping.tick(3.0)
+    assert len(sent) == 1  # decided once, not at every tick
+    events = [e["reason"] for e in store.get(patient)["events"]]
+    assert any(r.startswith("early stopping on val_loss: no improvement") for r in events)

@@ -47,6 +47,8 @@ class RouterService:
         key = runtime.verify_key(settings, create=True)
         self.store = JobStore(settings.db)
         self.handler = RouterHandler(self.store, lease_s=settings.lease_s, artifacts=Artifacts(settings.artifact_dir))
+        # group commit: the server calls the handler's flush (one fsync) before a turn's replies go out
+        self.store.durability.group()
         bind = settings.bind or settings.router
         self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name, "router"), ctx)
         self.handler.server_stats = self.server.stats

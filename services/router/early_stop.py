@@ -55,17 +55,22 @@ class EarlyStopping:
         self.control = control
         self._decided: dict[str, int] = {}  # job -> epochs seen at the last decision
         self._last = 0.0
+        self._seen: dict[str, float] = {}  # job -> its ``updated`` when it was last read
 
     def tick(self, now: float) -> None:
         if now - self._last < CHECK_S:
             return
         self._last = now
-        held = self.jobs.held()
-        self._decided = {k: v for k, v in self._decided.items() if k in {j["id"] for j in held}}
-        for job in held:
+        # only jobs with patience are read, and of those only the ones changed (a progress report)
+        # since the last look: a thousand held jobs are not decoded twice a second
+        watched = self.jobs.held_watched()
+        fresh = [job for job, updated in watched.items() if self._seen.get(job) != updated]
+        self._seen = {job: self._seen.get(job, 0.0) for job in watched}
+        self._decided = {k: v for k, v in self._decided.items() if k in watched}
+        for job_id in fresh:
+            self._seen[job_id] = watched[job_id]
+            job = self.jobs.get(job_id, events=False)
             spec = job["spec"]
-            if not spec.get("patience"):
-                continue
             history = (job["progress"] or {}).get("history") or []
             if self._decided.get(job["id"]) == len(history):
                 continue
@@ -81,6 +86,7 @@ class EarlyStopping:
                 self.control("early stopping", job["id"], "stop", {})
             except BusError as err:  # its trainer away for a moment: decided again next time
                 log.info("job %s: early stop not sent yet: %s", job["id"], err)
+                self._seen.pop(job["id"], None)
                 continue
             self._decided[job["id"]] = len(history)
             self.jobs.event(job["id"], f"early stopping on {monitor}: {why}")

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Set as AbstractSet
 
 from libbus.errors import BadRequest, NotFound
 from libbus.messages import NoTask, Task
@@ -147,7 +148,7 @@ class Gangs:
         self.gathering.pop(job_id, None)
         self.since.pop(job_id, None)
 
-    def tick(self, connected: set[str], now: float | None = None) -> bool:
+    def tick(self, connected: AbstractSet[str], now: float | None = None) -> bool:
         """Members that disconnected leave their gathering; a job no longer queued dissolves it; a
         gathering past its job's ``gather_timeout_s``, or behind a queued job of higher priority,
         releases its members (or, elastic, starts with them). True if a gang started."""

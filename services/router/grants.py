@@ -21,6 +21,8 @@ from libbus.auth import LEEWAY_S
 from libbus.errors import BadRequest
 from libbus.jobs import dataset_name
 
+from .store_db import savepoint
+
 __all__ = ["Revocations", "assignments", "MAX_JTI_LEN"]
 
 MAX_JTI_LEN = 128
@@ -49,8 +51,7 @@ class Revocations:
             raise BadRequest(f"revocation expiry must be a finite time, got {exp!r}")
         reason = reason[:500]
         now = time.time()
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with savepoint(self.db):
             self.db.execute("INSERT OR REPLACE INTO revoked VALUES (?, ?, ?, ?)", (jti, float(exp), now, reason))
             # Rows whose token has expired can never matter again.
             self.db.execute("DELETE FROM revoked WHERE exp + ? < ?", (LEEWAY_S, now))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 
 from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
@@ -103,6 +104,8 @@ class RouterHandler(Decisions, Handler):
         "ListRevoked": ADMIN,
         **DECISION_ROLES,  # studies (services/router/decisions.py)
     }
+    #: Replies wait for :meth:`flush`: a transition is acknowledged once it is on disk.
+    group_commit = True
     #: How often the router recomputes what providers must know (assignments follow job changes).
     GRANTS_CHECK_S = 0.2
 
@@ -124,6 +127,8 @@ class RouterHandler(Decisions, Handler):
         #: role -> token subject -> session id -> session: the lookups every request makes, without
         #: a scan over a thousand sessions (sessions_of, trainer_session, _check_single_holder).
         self._by_subject: dict[str, dict[str, dict[str, Session]]] = {}
+        #: dataset -> provider session id -> session: who serves a dataset, without a scan (Resolve, grants).
+        self._serving: dict[str, dict[str, Session]] = {}
         #: provider session id -> the (revoked, assigned) it was last sent.
         self._sent: dict[str, tuple[list[str], dict]] = {}
         #: Trainer sessions opened and closed; with ``store.changes``, when assignments can have moved.
@@ -135,6 +140,9 @@ class RouterHandler(Decisions, Handler):
         #: Set by the service: applies the revoked token ids to the router's own server.
         self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
         self._granted: tuple[list[str], dict] | None = None
+        #: Datasets whose trainers this turn's claims added to: their providers hear of it once, at the
+        #: turn's tick (just after the turn's replies), not once per claim.
+        self._grants_due: set[str] = set()
         self._last_grants_check = 0.0
         self.init_decisions()
 
@@ -160,6 +168,8 @@ class RouterHandler(Decisions, Handler):
         self._by_subject.setdefault(session.role, {}).setdefault(session.subject, {})[session.sid] = session
         self._roster += session.role == "trainer"
         if session.role == "provider":
+            for dataset in session.hello.caps["datasets"]:
+                self._serving.setdefault(dataset, {})[session.sid] = session
             self._push_to_provider(session, self.revocations.jtis(), self._assigned())
 
     def _check_single_holder(self, session: Session) -> None:
@@ -196,6 +206,12 @@ class RouterHandler(Decisions, Handler):
             return
         self._sent.pop(session.sid, None)
         self._roster += session.role == "trainer"
+        if session.role == "provider":
+            for dataset in session.hello.caps["datasets"]:
+                serving = self._serving.get(dataset, {})
+                serving.pop(session.sid, None)
+                if not serving:
+                    self._serving.pop(dataset, None)
         subjects = self._by_subject.get(session.role, {})
         sessions = subjects.get(session.subject, {})
         sessions.pop(session.sid, None)
@@ -211,9 +227,9 @@ class RouterHandler(Decisions, Handler):
         sessions = self._by_subject.get("trainer", {}).get(subject, {}).values()
         return max(sessions, key=lambda s: s.last_seen, default=None)
 
-    def _trainer_names(self) -> set[str]:
-        """The subjects of the connected trainers."""
-        return set(self._by_subject.get("trainer", {}))
+    def _trainer_names(self) -> AbstractSet[str]:
+        """The subjects of the connected trainers (a live view: no copy of a thousand names each turn)."""
+        return self._by_subject.setdefault("trainer", {}).keys()
 
     def _push_to_trainer(self, subject: str, msg: Message) -> str:
         """Push to the trainer's live session; its session id, or "" when it is not connected."""
@@ -248,7 +264,7 @@ class RouterHandler(Decisions, Handler):
         providers: dict[str, dict] = {}
         heard: dict[str, float] = {}
         info = None
-        for peer in self.sessions_of("provider"):
+        for peer in self._serving.get(name, {}).values():
             datasets = peer.hello.caps["datasets"]
             endpoint = peer.hello.caps["endpoint"]
             if name in datasets and peer.last_seen >= heard.get(endpoint, 0.0):
@@ -328,7 +344,7 @@ class RouterHandler(Decisions, Handler):
             self._push_entitlements()  # a formed gang's providers hear of it before its ranks ask them
             return reply
         job = self.store.claim(who, self.jobs.lease_s, accept=lambda j: j["id"] == job["id"])
-        self._grant(dataset_name(job["spec"]["dataset"]), who)  # its providers hear of it before it asks them
+        self._grant(dataset_name(job["spec"]["dataset"]), who)  # its providers hear of it with its Task (tick)
         log.info("job %s assigned to %s (%s)", job["id"], who, session.name)
         task = self.attach_model(Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"]))
         return self.jobs.remember_task(who, msg.key, task)
@@ -407,8 +423,8 @@ class RouterHandler(Decisions, Handler):
             self._push_to_provider(provider, *now)
 
     def _grant(self, dataset: str, subject: str) -> None:
-        """A trainer took a job on ``dataset``: add it to what that dataset's providers were sent,
-        without recomputing every assignment (the next :attr:`GRANTS_CHECK_S` check does that)."""
+        """A trainer took a job on ``dataset``: add it to what that dataset's providers are sent (at
+        this turn's tick), without recomputing every assignment (the :attr:`GRANTS_CHECK_S` check does)."""
         if self._granted is None:
             self._push_entitlements()
             return
@@ -416,11 +432,19 @@ class RouterHandler(Decisions, Handler):
         subjects = assigned.get(dataset, [])
         if subject in subjects:
             return
-        assigned = {**assigned, dataset: sorted([*subjects, subject])}
-        self._granted = (revoked, assigned)
-        for provider in self.sessions_of("provider"):
-            if dataset in provider.hello.caps["datasets"]:
-                self._push_to_provider(provider, revoked, assigned)
+        self._granted = (revoked, {**assigned, dataset: sorted([*subjects, subject])})
+        self._grants_due.add(dataset)
+
+    def _push_grants(self) -> None:
+        """The providers of the datasets this turn's claims were on hear of them: one push each per
+        turn, just after the turn's replies (a provider holds a request from a trainer not yet assigned
+        up to ``ASSIGNMENT_WAIT_S`` for it, services/provider/handler.py)."""
+        if not self._grants_due or self._granted is None:
+            return
+        due, self._grants_due = self._grants_due, set()
+        providers = {sid: p for dataset in due for sid, p in self._serving.get(dataset, {}).items()}
+        for provider in providers.values():
+            self._push_to_provider(provider, *self._granted)
 
     def _push_to_provider(self, provider: Session, revoked: list[str], assigned: dict) -> None:
         served = provider.hello.caps["datasets"]
@@ -440,6 +464,7 @@ class RouterHandler(Decisions, Handler):
     def tick(self, now: float) -> None:
         """Keep providers' entitlements current; leases and command acknowledgements
         (services/router/jobs.py)."""
+        self._push_grants()
         if now - self._last_grants_check >= self.GRANTS_CHECK_S:
             self._last_grants_check = now
             self._push_entitlements()
@@ -447,6 +472,15 @@ class RouterHandler(Decisions, Handler):
         if self.gangs.tick(self._trainer_names()):  # an elastic gang started: its providers hear of it
             self._push_entitlements()
         self.tick_decisions(now)  # studies, early stopping
+
+    def flush(self) -> None:
+        """The end of the server's turn: what this turn's replies acknowledge reaches the disk (one
+        fsync for all of its transitions; services/router/store_db.py), before they go out."""
+        try:
+            self.store.durability.sync()
+        except Exception:
+            self.store.changes += 1  # the turn's writes were undone: assignments are recomputed
+            raise
 
     def stats(self) -> dict:
         counts = {}

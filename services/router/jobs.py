@@ -26,6 +26,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -95,7 +96,7 @@ class JobControl:
         self,
         store: JobStore,
         push: Callable[[str, Message], bool],
-        connected: Callable[[], set[str]],
+        connected: Callable[[], AbstractSet[str]],
         *,
         lease_s: float,
         ack_timeout_s: float = ACK_TIMEOUT_S,

@@ -1,6 +1,6 @@
-"""The router's job queue in SQLite (WAL, ``synchronous=FULL``, progress and leases NORMAL: ``_Relaxed``;
-every write is committed before the router acknowledges it, so a router killed at any moment comes back
-with everything it said yes to).
+"""The router's job queue in SQLite (WAL; every write is committed and made durable before the router
+acknowledges it, so a router killed at any moment comes back with everything it said yes to: how, and
+the group commit of a running router, in services/router/store_db.py).
 
 A job row holds its spec, state, lease (trainer + expiry, wall-clock seconds), attempt counters,
 last progress, last checkpoint and result. A job with ``world_size`` > 1 also holds its ``gang``
@@ -24,6 +24,8 @@ from libbus.errors import BadRequest, ConfigError, NotFound
 from libbus.jobs import JOB_STATES, MAX_ATTEMPTS, TERMINAL_STATES, JobSpec
 from libbus.jobstate import JobState, check_transition
 
+from .store_db import ADDED_COLUMNS, INDEXES, SCHEMA, Durability
+
 __all__ = ["JobStore", "HOLDING_STATES"]
 
 #: States in which a trainer holds the job under a lease.
@@ -40,82 +42,6 @@ CHECKPOINTS_KEPT = 50
 #: What ``get`` returns by default: the newest events and checkpoint records (``busctl job show`` pages).
 EVENTS_SHOWN = 200
 _HELD = "SELECT * FROM jobs WHERE state IN (?, ?) AND trainer IS NOT NULL"
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id        TEXT PRIMARY KEY,
-    spec      TEXT NOT NULL,
-    state     TEXT NOT NULL,
-    priority  INTEGER NOT NULL DEFAULT 0,
-    trainer   TEXT,
-    attempts  INTEGER NOT NULL DEFAULT 0,
-    created   REAL NOT NULL,
-    updated   REAL NOT NULL,
-    progress  TEXT,
-    result    TEXT,
-    error     TEXT
-);
-CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (state, priority DESC, created);
-CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created);
-CREATE INDEX IF NOT EXISTS jobs_trainer ON jobs (trainer);
-CREATE TABLE IF NOT EXISTS events (
-    job    TEXT NOT NULL,
-    at     REAL NOT NULL,
-    state  TEXT NOT NULL,
-    reason TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_job ON events (job, at);
-CREATE TABLE IF NOT EXISTS progress (
-    job      TEXT NOT NULL,
-    at       REAL NOT NULL,
-    progress TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS progress_job ON progress (job, at);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    job     TEXT NOT NULL,
-    at      REAL NOT NULL,
-    trainer TEXT NOT NULL,
-    step    INTEGER NOT NULL,
-    epoch   INTEGER NOT NULL,
-    path    TEXT NOT NULL,
-    sha256  TEXT NOT NULL,
-    record  TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS checkpoints_job ON checkpoints (job, step);
-CREATE TABLE IF NOT EXISTS meta (
-    key   TEXT PRIMARY KEY,
-    value INTEGER NOT NULL
-);
-"""
-
-#: Columns added to ``jobs`` after the first release; a database made before gets them on open.
-ADDED_COLUMNS = {
-    "lease_expires": "REAL",
-    "failures": "INTEGER NOT NULL DEFAULT 0",
-    "checkpoint": "TEXT",
-    "gang": "TEXT",
-}
-
-
-class _Relaxed:
-    """A transaction committed without an fsync (WAL, ``synchronous=NORMAL``) for progress reports and
-    lease renewals: a killed router still has them (the WAL is written before the commit returns); a
-    power cut may lose the last few before the next FULL commit (any transition), and a restarted
-    router renews every lease anyway (:meth:`JobStore.renew_all`)."""
-
-    def __init__(self, db: sqlite3.Connection):
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, kind, *exc) -> None:
-        try:
-            self.db.execute("ROLLBACK" if kind else "COMMIT")
-        finally:
-            self.db.execute("PRAGMA synchronous=FULL")
-
 
 #: Keys of a checkpoint record and their types (what a trainer must report).
 CHECKPOINT_FIELDS = {"path": str, "sha256": str, "step": int, "epoch": int, "cursor": dict}
@@ -136,21 +62,23 @@ class JobStore:
             for column, decl in ADDED_COLUMNS.items():
                 if column not in have:
                     self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {decl}")
+            self.db.execute(INDEXES)
         except sqlite3.DatabaseError as err:
             raise ConfigError(f"job database {path}: {err}") from err
         self.db.row_factory = sqlite3.Row
         self.path = path
+        self.durability = Durability(self.db, path)
         #: Bumped by every write that can change who holds what: readers of the held jobs recompute then.
         self.changes = 0
 
     def close(self) -> None:
+        self.durability.sync()
         self.db.close()
 
     def next_epoch(self) -> int:
         """A number no earlier start of the router on this database had: command ids carry it,
         so a trainer that applied command 1 of the last router still applies this one's."""
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             self.db.execute(
                 "INSERT INTO meta VALUES ('router_epoch', 1) ON CONFLICT(key) DO UPDATE SET value = value + 1"
             )
@@ -163,8 +91,7 @@ class JobStore:
         now = time.time()
         sets = ", ".join(f"{k} = ?" for k in fields)
         self.changes += 1
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             row = self.db.execute("SELECT state FROM jobs WHERE id = ?", (job,)).fetchone()
             if row is None:
                 raise NotFound(f"no job {job!r}; 'busctl jobs' lists them")
@@ -174,7 +101,7 @@ class JobStore:
                 (state, now, *fields.values(), job),
             )
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, now, state, reason))
-            self._retain(job)
+            self._retain_events(job)  # (checkpoint records are trimmed as they are added)
 
     def _retain(self, job: str) -> None:
         """Trim ``job``'s events and checkpoint records to the retention limits (inside the
@@ -194,8 +121,7 @@ class JobStore:
     def submit(self, spec: JobSpec) -> str:
         job = "j" + secrets.token_hex(5)
         now = time.time()
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             self.db.execute(
                 "INSERT INTO jobs (id, spec, state, priority, created, updated) VALUES (?, ?, ?, ?, ?, ?)",
                 (job, orjson.dumps(spec.to_dict()).decode(), _QUEUED, spec.priority, now, now),
@@ -206,7 +132,7 @@ class JobStore:
     def event(self, job: str, reason: str) -> None:
         """Log ``reason`` (a command, an acknowledgement) without changing the job's state."""
         state = self._row(job)["state"]
-        with self.db:
+        with self.durability.write():
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, time.time(), state, reason))
             self._retain_events(job)
 
@@ -226,8 +152,7 @@ class JobStore:
     def set_spec(self, job: str, spec: JobSpec, reason: str) -> None:
         """Store a changed spec (``busctl job set``), logged: a resumed job runs with it."""
         now = time.time()
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             self.db.execute(
                 "UPDATE jobs SET spec = ?, updated = ? WHERE id = ?", (orjson.dumps(spec.to_dict()).decode(), now, job)
             )
@@ -239,8 +164,7 @@ class JobStore:
         checkpoint (if any) comes with it."""
         now = time.time()
         self.changes += 1
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             rows = self.db.execute(
                 "SELECT id, spec, checkpoint FROM jobs WHERE state = ? ORDER BY priority DESC, created", (_QUEUED,)
             )
@@ -277,8 +201,7 @@ class JobStore:
         now = time.time()
         gang = {"members": members, "rendezvous": "", "delivered": []}
         self.changes += 1
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             row = self.db.execute("SELECT state, checkpoint FROM jobs WHERE id = ?", (job,)).fetchone()
             if row is None or row["state"] != _QUEUED:
                 raise BadRequest(f"job {job} is not queued; its gang cannot start it")
@@ -304,8 +227,7 @@ class JobStore:
             raise BadRequest(f"job {job} has no gang")
         gang.update(changes)
         self.changes += 1
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             self.db.execute("UPDATE jobs SET gang = ? WHERE id = ?", (orjson.dumps(gang).decode(), job))
             if reason:
                 self.db.execute(
@@ -319,7 +241,7 @@ class JobStore:
 
     def renew_many(self, jobs: list[str], lease_s: float) -> None:
         """Extend these held jobs' leases to ``lease_s`` from now, in one transaction."""
-        with _Relaxed(self.db):
+        with self.durability.write(relaxed=True):
             self.db.executemany(
                 "UPDATE jobs SET lease_expires = ? WHERE id = ?", [(time.time() + lease_s, j) for j in jobs]
             )
@@ -327,7 +249,7 @@ class JobStore:
     def renew_all(self, lease_s: float) -> int:
         """Give every held job a fresh lease: a router that just started cannot know which trainers
         are alive, so each gets one lease period to say Hello again. Returns how many."""
-        with self.db:
+        with self.durability.write():
             cur = self.db.execute(
                 "UPDATE jobs SET lease_expires = ? WHERE state IN (?, ?) AND trainer IS NOT NULL",
                 (time.time() + lease_s, *HOLDING_STATES),
@@ -339,7 +261,7 @@ class JobStore:
         renew the lease of the trainer that sent it."""
         now = time.time()
         slim = {k: v for k, v in progress.items() if k != "history"}
-        with _Relaxed(self.db):
+        with self.durability.write(relaxed=True):
             self.db.execute(
                 "UPDATE jobs SET progress = ?, updated = ?, lease_expires = ? WHERE id = ?",
                 (orjson.dumps(progress).decode(), now, now + lease_s, job),
@@ -363,8 +285,7 @@ class JobStore:
         now = time.time()
         record = {**record, "trainer": trainer, "at": now}
         text = orjson.dumps(record).decode()
-        with self.db:
-            self.db.execute("BEGIN IMMEDIATE")
+        with self.durability.write():
             self.db.execute(
                 "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (job, now, trainer, record["step"], record["epoch"], record["path"], record["sha256"], text),
@@ -493,6 +414,12 @@ class JobStore:
             {"spec": {"dataset": d}, "trainer": t, "gang": {"members": orjson.loads(m)} if m else None}
             for d, t, m in rows
         ]
+
+    def held_watched(self) -> dict[str, float]:
+        """Early stopping's read: ``{job: updated}`` of the held jobs whose spec sets ``patience``
+        (their rows are read only when they change)."""
+        cols, where = "id, updated", " AND json_extract(spec, '$.patience') > 0"
+        return dict(self.db.execute(_HELD.replace("*", cols, 1) + where, HOLDING_STATES).fetchall())
 
     def held(self) -> list[dict]:
         """Jobs a trainer holds now (running or paused, with a trainer)."""

@@ -19,6 +19,8 @@ import orjson
 
 from libbus.errors import NotFound
 
+from .store_db import savepoint
+
 __all__ = ["StudyStore", "STUDY_STATES", "TRIAL_STATES", "TRIAL_ENDED"]
 
 STUDY_STATES = ("running", "complete", "stopped")
@@ -60,14 +62,14 @@ class StudyStore:
     def create(self, spec: dict) -> str:
         study = "s" + secrets.token_hex(4)
         now = time.time()
-        with self.db:
+        with savepoint(self.db):
             self.db.execute(
                 "INSERT INTO studies VALUES (?, ?, 'running', ?, ?, '')", (study, orjson.dumps(spec).decode(), now, now)
             )
         return study
 
     def set_state(self, study: str, state: str, reason: str) -> None:
-        with self.db:
+        with savepoint(self.db):
             self.db.execute(
                 "UPDATE studies SET state = ?, reason = ?, updated = ? WHERE id = ?",
                 (state, reason, time.time(), study),
@@ -102,7 +104,7 @@ class StudyStore:
 
     def add_trial(self, study: str, number: int, params: dict) -> None:
         """A trial asked for, its job not yet submitted (``job`` NULL)."""
-        with self.db:
+        with savepoint(self.db):
             self.db.execute(
                 "INSERT INTO trials (study, number, params, state, updated) VALUES (?, ?, ?, 'running', ?)",
                 (study, number, orjson.dumps(params).decode(), time.time()),
@@ -114,7 +116,7 @@ class StudyStore:
             if key in fields:
                 fields[key] = orjson.dumps({str(k): v for k, v in fields[key].items()}).decode()
         sets = ", ".join(f"{k} = ?" for k in fields)
-        with self.db:
+        with savepoint(self.db):
             self.db.execute(
                 f"UPDATE trials SET {sets}, updated = ? WHERE study = ? AND number = ?",
                 (*fields.values(), time.time(), study, number),
