@@ -49,7 +49,7 @@ def make_settings(state_dir: Path):
     def make(**flags) -> Settings:
         flags.setdefault("heartbeat_ms", 100)
         # 10 silent intervals (1 s) before a peer counts as gone: on a loaded CI machine the threads of
-        # one test process can miss the GIL for more than the product's 3 intervals
+        # one test process can miss the GIL for longer than 5 intervals of 100 ms
         flags.setdefault("heartbeat_liveness", 10)
         flags.setdefault("request_timeout_s", 3.0)
         flags.setdefault("request_retries", 1)
