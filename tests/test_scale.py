@@ -119,11 +119,18 @@ def test_fairness_bench_serves_every_loader_of_one_provider(tmp_path):
 
 def test_resolve_names_the_providers_serving_now_as_they_come_and_go(router, make_token):
     """Resolve reads the router's index of providers by dataset: a provider that leaves is no longer named."""
-    caps = {"endpoint": "tcp://127.0.0.1:1", "datasets": {"alpha": {"name": "alpha"}}}
     names = ("pa", "pb")
     providers = [
-        Client(router.endpoint, Identity(role="provider", name=n, token=make_token("provider", sub=n), caps=caps))
-        for n in names
+        Client(
+            router.endpoint,
+            Identity(
+                role="provider",
+                name=n,
+                token=make_token("provider", sub=n),
+                caps={"endpoint": f"tcp://127.0.0.1:{port}", "datasets": {"alpha": {"name": "alpha"}}},
+            ),
+        )
+        for port, n in enumerate(names, 1)
     ]
     admin = Client(router.endpoint, Identity(role="admin", name="a", token=make_token("admin", sub="a")))
     try:
