@@ -40,8 +40,13 @@ def test_provider_counters_follow_what_was_served_and_refused(start_provider, cl
     with pytest.raises(SplitPrivate):
         client.request(BatchRequest(dataset="mnist", split="test", range=[0, 1]))
 
-    s = scrape(metrics.url)
     me = dict(service="provider", name="prov-m")
+    # the server counts a reply once it has handed it to ZeroMQ: the client may hold it (and scrape)
+    # a moment before the server thread gets to count it
+    deadline = time.monotonic() + 5
+    while value(s := scrape(metrics.url), "batchbus_messages_sent_total", **me) < 7:
+        assert time.monotonic() < deadline, "the replies were never counted as sent"
+        time.sleep(0.05)
     assert value(s, "batchbus_samples_served_total", dataset="mnist", **me) == sum(sizes) + 3
     assert value(s, "batchbus_batches_served_total", dataset="mnist", **me) == 4
     assert value(s, "batchbus_bytes_served_total", dataset="mnist", **me) == (sum(sizes) + 3) * (28 * 28 * 4 + 8)
