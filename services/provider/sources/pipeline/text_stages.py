@@ -11,6 +11,7 @@ by one, its targets), a document cut at that length or padded with ``pad_id`` af
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from .stages import Chunk, Spec, Stage
+from .text_join import JoinIndex
 
 __all__ = ["TEXT_STAGES"]
 
@@ -72,23 +74,70 @@ class Tokenize(Stage):
 
 
 class Pack(Stage):
-    """``pack``: token ids → fixed ``length + 1`` token samples (cut, or padded with ``pad_id``)."""
+    """``pack``: token ids → fixed ``length + 1`` token samples: one per document (cut, or padded with
+    ``pad_id``), or with ``join = true`` the documents' token stream cut into samples (:mod:`.text_join`).
+
+    A joining pack makes each sample from a run of its input's documents, so it tells the pipeline so
+    (``regroups``): the pipeline builds its index when it opens (:meth:`build_index`), counts its samples
+    with :meth:`num_samples` and sends a batch's chunk through the stages before it as the documents
+    :meth:`source_indices` names, the requested samples riding along in ``Chunk.requested``."""
 
     type = "pack"
-    params = {"length": None, "pad_id": 0}
+    params = {"length": None, "pad_id": 0, "join": False}
 
     def check(self, spec: Spec) -> Spec:
         if spec.kind != TOKEN_LISTS:
             raise self.error(f"needs token ids (after tokenize), got {spec.kind} samples")
-        length, pad = self.config["length"], self.config["pad_id"]
+        length, pad, join = self.config["length"], self.config["pad_id"], self.config["join"]
         if not isinstance(length, int) or isinstance(length, bool) or not 1 <= length <= 1 << 20:
             raise self.error(f"length must be a positive number of tokens, got {length!r}")
         if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < spec.num_classes:
             raise self.error(f"pad_id must be a token id below the vocabulary's {spec.num_classes}, got {pad!r}")
+        if not isinstance(join, bool):
+            raise self.error(f"join must be true or false, got {join!r}")
+        #: True: samples cut from the documents' joined stream (the pipeline asks the hooks below).
+        self.regroups = join
+        self.indexes: dict[str, JoinIndex] = {}
         dtype = np.dtype(np.uint16) if spec.num_classes <= 1 << 16 else np.dtype(np.uint32)
         return replace(spec, sample_shape=(length + 1,), dtype=dtype, kind="tokens")
 
+    # -- join = true: the pipeline's hooks ------------------------------------------------------
+    def build_index(self, read: Callable[[str, np.ndarray], np.ndarray], documents: dict[str, int]) -> None:
+        """Tokenize every document of each split once (``read(split, indices)`` gives token ids) and
+        keep their offsets. Refuses (:class:`ConfigError`) a split of documents too short for one sample."""
+        width = self.config["length"] + 1
+        for split, count in documents.items():
+            index = JoinIndex.build(lambda indices, split=split: read(split, indices), count, width)
+            if count and not index.num_samples:
+                raise self.error(
+                    f"join makes no {split} sample: its {count} documents hold {index.tokens} tokens, fewer "
+                    f"than one sample of length + 1 = {width}; lower length (or leave join out: one sample "
+                    "per document)"
+                )
+            self.indexes[split] = index
+
+    def num_samples(self, split: str) -> int:
+        """Whole samples in ``split``'s token stream (the last partial one dropped)."""
+        index = self.indexes.get(split)
+        return index.num_samples if index is not None else 0
+
+    def source_indices(self, split: str, samples: np.ndarray) -> np.ndarray:
+        """The documents (sorted, each once) that ``samples`` are cut from."""
+        return self.indexes[split].documents_of(samples)
+
+    def join_info(self) -> dict:
+        """Per split: documents, tokens, samples and the tokens dropped at the end (DatasetInfo ``pack``)."""
+        splits = {split: index.info() for split, index in self.indexes.items()}
+        return {"length": self.config["length"], "join": True, "splits": splits}
+
     def apply(self, chunk: Chunk) -> None:
+        if self.regroups:
+            samples = chunk.requested
+            assert samples is not None, "the pipeline sends a joining pack the requested samples"
+            index = self.indexes[chunk.split]
+            chunk.x = index.assemble(samples, chunk.indices, chunk.x, self.spec.dtype, chunk.split)
+            chunk.indices, chunk.y = samples, np.empty((len(samples), 0), np.int64)
+            return
         n = self.spec.sample_shape[0]
         out = np.full((len(chunk.x), n), self.config["pad_id"], self.spec.dtype)
         for i, ids in enumerate(chunk.x):

@@ -1,0 +1,125 @@
+"""``pack = { length = L, join = true }``: every document's tokens and its ``</s>``, concatenated and cut into
+samples of ``L + 1`` tokens, addressable by index in any order, and refused where it cannot work."""
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer
+
+from libbus.errors import ConfigError, DatasetError
+from services.provider.sources import open_source
+from tests.support.text import document, text_pipeline, train_tiny_lm, write_parquet_text, write_text, write_tokenizer
+
+
+def reference(tokenizer: Tokenizer, texts: list[str], length: int) -> np.ndarray:
+    """Packing by hand: each text's ids and </s>, one stream, cut into rows of ``length + 1`` (tail dropped)."""
+    eos = tokenizer.token_to_id("</s>")
+    stream = np.concatenate([tokenizer.encode(text).ids + [eos] for text in texts])
+    rows = len(stream) // (length + 1)
+    return stream[: rows * (length + 1)].reshape(rows, length + 1).astype(np.uint16)
+
+
+def joined(tmp_path, source_uri: str, length: int, chunk: int = 64):
+    tok_path = write_tokenizer(tmp_path / "tokenizer.json")
+    path = tmp_path / "p.toml"
+    uri = text_pipeline(path, source_uri, tok_path, length, join=True)
+    path.write_text(f"chunk = {chunk}\n" + path.read_text())
+    return open_source(uri), Tokenizer.from_file(str(tok_path))
+
+
+@pytest.mark.parametrize("length", [4, 50])  # documents over several samples; samples over several documents
+def test_joined_samples_are_the_documents_token_stream_cut_into_rows(tmp_path, length):
+    root = write_text(tmp_path / "text", train=30, test=12)
+    source, tokenizer = joined(tmp_path, f"file://{root}?encoded=1&val_fraction=0", length)
+    info = source.info()
+    assert (info["kind"], info["sample_shape"], info["dtype"]) == ("tokens", [length + 1], "uint16")
+    for split, first, n in (("train", 0, 30), ("test", 100_000, 12)):
+        ref = reference(tokenizer, [document(first + k) for k in range(n)], length)
+        assert info["splits"][split]["num_samples"] == len(ref) > 0
+        x, y = source.read(split, np.arange(len(ref)))
+        assert np.array_equal(x, ref) and y.shape == (len(ref), 0)
+        index = info["pack"]["splits"][split]
+        assert (index["documents"], index["samples"]) == (n, len(ref))
+        assert 0 <= index["dropped"] == index["tokens"] - ref.size < length + 1  # only the partial tail
+    assert info["splits"]["val"]["num_samples"] == 0
+    source.close()
+
+
+def test_any_order_and_any_batch_give_the_bytes_of_the_sequential_read(tmp_path):
+    root = write_parquet_text(tmp_path / "pq", train=60, test=20, row_group=8)
+    source, tokenizer = joined(tmp_path, f"parquet://{root}?encoded=1", 10, chunk=5)
+    column = pq.read_table(root / "test.parquet").column("text").to_pylist()
+    rng = np.random.default_rng(0)
+    for split in ("train", "val", "test"):
+        n = source.num_samples(split)
+        whole = source.read(split, np.arange(n))[0]
+        if split == "test":
+            assert np.array_equal(whole, reference(tokenizer, column, 10))
+        order = rng.permutation(n)
+        cuts = np.cumsum(rng.integers(1, 18, n))
+        for batch in np.split(order, cuts[cuts < n]):
+            assert np.array_equal(source.read(split, batch)[0], whole[batch])
+        repeats = np.array([3, 3, 0, n - 1, 3])
+        assert np.array_equal(source.read(split, repeats)[0], whole[repeats])
+    train = source.read("train", np.arange(source.num_samples("train")))[0]
+    source.close()
+    again, _ = joined(tmp_path, f"parquet://{root}?encoded=1", 10, chunk=64)  # same files: same samples
+    assert np.array_equal(again.read("train", np.arange(len(train)))[0], train)
+    again.close()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (("length = 8", "length = 4096"), "join makes no train sample: its 3 documents hold [0-9]+ tokens, fewer than"),
+        (("join = true", 'join = "yes"'), "join must be true or false, got 'yes'"),
+        (("length = 8", 'length = "8"'), "length must be a positive number of tokens"),
+    ],
+)
+def test_careless_joins_are_refused_at_open_with_the_reason(tmp_path, change, message):
+    root = write_text(tmp_path / "text", train=3)
+    path = tmp_path / "p.toml"
+    uri = text_pipeline(path, f"file://{root}?encoded=1&val_fraction=0", write_tokenizer(tmp_path / "t.json"), 8, True)
+    path.write_text(path.read_text().replace(*change))
+    with pytest.raises(ConfigError, match=message):
+        open_source(uri)
+
+
+def test_join_needs_token_lists_per_sample_and_a_document_changed_after_open_fails_its_batch(tmp_path):
+    fixed = tmp_path / "fixed.toml"
+    fixed.write_text(
+        '[[stages]]\nname = "s"\nsource = { uri = "mock://tokens" }\n[[stages]]\nname = "p"\n'
+        'input = "s"\npack = { length = 8, join = true }\n'
+    )
+    with pytest.raises(ConfigError, match="needs token ids \\(after tokenize\\), got tokens samples"):
+        open_source(f"pipeline://{fixed}")
+    tok_path = write_tokenizer(tmp_path / "t.json")
+    fields = tmp_path / "f.toml"
+    text_pipeline(fields, "mock://fields", tok_path, 8, join=True)
+    fields.write_text(fields.read_text().replace('input = "text"', 'input = "text"\nfield = "text"'))
+    fields.write_text(fields.read_text().replace('input = "tok"', 'input = "tok"\nfield = "text"'))
+    with pytest.raises(ConfigError, match="makes each sample from several of its input's, and a source of named"):
+        open_source(f"pipeline://{fields}")
+    root = tmp_path / "text"
+    root.mkdir()
+    (root / "train.txt").write_text("one two three\nfour five\nsix seven eight nine\n")
+    source, tokenizer = joined(tmp_path, f"file://{root}?encoded=1&val_fraction=0", 2)
+    assert source.num_samples("train") == 4  # 4 + 3 + 5 tokens
+    (root / "train.txt").write_text("one two three\nfour f iv\nsix seven eight nine\n")  # same bytes, more tokens
+    with pytest.raises(DatasetError, match="document 1 has 4 tokens, 3 when the dataset was opened"):
+        source.read("train", np.arange(4))
+    intact = [tokenizer.token_to_id(word) for word in ("one", "two", "three")]
+    assert source.read("train", np.array([0]))[0].tolist() == [intact]  # a sample of intact documents still reads
+    source.close()
+
+
+def test_a_job_trains_tiny_lm_on_joined_text_and_its_loss_falls(tmp_path, router, start_provider, trainer, client_for):
+    root = write_text(tmp_path / "text", train=256, test=64)
+    admin = client_for(router.endpoint, role="admin")
+    result = train_tiny_lm(tmp_path, f"file://{root}?encoded=1", start_provider, admin, epochs=3, join=True)
+    history = result["history"]
+    # untrained: about log(19) = 2.94 nats; only a document's first word and its end are not determined
+    assert history[0]["train_loss"] > result["val_loss"] + 0.5
+    assert history[-1]["val_loss"] < history[0]["val_loss"] and result["val_loss"] < 1.0
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))  # the samples of 25 tokens the test split makes
+    assert result["test_n"] == len(reference(tokenizer, [document(100_000 + k) for k in range(64)], 24))
