@@ -19,18 +19,24 @@ def reference(tokenizer: Tokenizer, texts: list[str], length: int) -> np.ndarray
     return stream[: rows * (length + 1)].reshape(rows, length + 1).astype(np.uint16)
 
 
-def joined(tmp_path, source_uri: str, length: int, chunk: int = 64):
+def joined(tmp_path, source_uri: str, length: int, chunk: int = 64, keep_mb: int | None = None):
+    """The pipeline's source, packed with join (``keep_mb`` 0: batches tokenize their documents again)."""
     tok_path = write_tokenizer(tmp_path / "tokenizer.json")
     path = tmp_path / "p.toml"
     uri = text_pipeline(path, source_uri, tok_path, length, join=True)
-    path.write_text(f"chunk = {chunk}\n" + path.read_text())
+    keep = "" if keep_mb is None else f", keep_mb = {keep_mb}"
+    path.write_text(f"chunk = {chunk}\n" + path.read_text().replace("join = true", "join = true" + keep))
     return open_source(uri), Tokenizer.from_file(str(tok_path))
 
 
-@pytest.mark.parametrize("length", [4, 50])  # documents over several samples; samples over several documents
-def test_joined_samples_are_the_documents_token_stream_cut_into_rows(tmp_path, length):
+# documents over several samples, samples over several documents; tokens kept in memory, tokenized again, or
+# kept for the splits that fit the budget (test's 12 documents, not train's 30)
+@pytest.mark.parametrize(
+    "length, keep_mb, kept", [(4, None, "train test"), (4, 0, ""), (50, 0, ""), (4, 0.001, "test")]
+)
+def test_joined_samples_are_the_documents_token_stream_cut_into_rows(tmp_path, length, keep_mb, kept):
     root = write_text(tmp_path / "text", train=30, test=12)
-    source, tokenizer = joined(tmp_path, f"file://{root}?encoded=1&val_fraction=0", length)
+    source, tokenizer = joined(tmp_path, f"file://{root}?encoded=1&val_fraction=0", length, keep_mb=keep_mb)
     info = source.info()
     assert (info["kind"], info["sample_shape"], info["dtype"]) == ("tokens", [length + 1], "uint16")
     for split, first, n in (("train", 0, 30), ("test", 100_000, 12)):
@@ -41,13 +47,14 @@ def test_joined_samples_are_the_documents_token_stream_cut_into_rows(tmp_path, l
         index = info["pack"]["splits"][split]
         assert (index["documents"], index["samples"]) == (n, len(ref))
         assert 0 <= index["dropped"] == index["tokens"] - ref.size < length + 1  # only the partial tail
+        assert (index["kept_mb"] > 0) == (split in kept)
     assert info["splits"]["val"]["num_samples"] == 0
     source.close()
 
 
 def test_any_order_and_any_batch_give_the_bytes_of_the_sequential_read(tmp_path):
     root = write_parquet_text(tmp_path / "pq", train=60, test=20, row_group=8)
-    source, tokenizer = joined(tmp_path, f"parquet://{root}?encoded=1", 10, chunk=5)
+    source, tokenizer = joined(tmp_path, f"parquet://{root}?encoded=1", 10, chunk=5, keep_mb=0)
     column = pq.read_table(root / "test.parquet").column("text").to_pylist()
     rng = np.random.default_rng(0)
     for split in ("train", "val", "test"):
@@ -63,7 +70,7 @@ def test_any_order_and_any_batch_give_the_bytes_of_the_sequential_read(tmp_path)
         assert np.array_equal(source.read(split, repeats)[0], whole[repeats])
     train = source.read("train", np.arange(source.num_samples("train")))[0]
     source.close()
-    again, _ = joined(tmp_path, f"parquet://{root}?encoded=1", 10, chunk=64)  # same files: same samples
+    again, _ = joined(tmp_path, f"parquet://{root}?encoded=1", 10)  # same files, tokens kept: same samples
     assert np.array_equal(again.read("train", np.arange(len(train)))[0], train)
     again.close()
 
@@ -74,6 +81,8 @@ def test_any_order_and_any_batch_give_the_bytes_of_the_sequential_read(tmp_path)
         (("length = 8", "length = 4096"), "join makes no train sample: its 3 documents hold [0-9]+ tokens, fewer than"),
         (("join = true", 'join = "yes"'), "join must be true or false, got 'yes'"),
         (("length = 8", 'length = "8"'), "length must be a positive number of tokens"),
+        (("join = true", "join = true, keep_mb = -1"), "keep_mb must be a number of megabytes"),
+        (("join = true", "keep_mb = 10"), "keep_mb goes with join = true"),
     ],
 )
 def test_careless_joins_are_refused_at_open_with_the_reason(tmp_path, change, message):
@@ -103,7 +112,7 @@ def test_join_needs_token_lists_per_sample_and_a_document_changed_after_open_fai
     root = tmp_path / "text"
     root.mkdir()
     (root / "train.txt").write_text("one two three\nfour five\nsix seven eight nine\n")
-    source, tokenizer = joined(tmp_path, f"file://{root}?encoded=1&val_fraction=0", 2)
+    source, tokenizer = joined(tmp_path, f"file://{root}?encoded=1&val_fraction=0", 2, keep_mb=0)
     assert source.num_samples("train") == 4  # 4 + 3 + 5 tokens
     (root / "train.txt").write_text("one two three\nfour f iv\nsix seven eight nine\n")  # same bytes, more tokens
     with pytest.raises(DatasetError, match="document 1 has 4 tokens, 3 when the dataset was opened"):

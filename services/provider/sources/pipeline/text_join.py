@@ -31,13 +31,43 @@ log = logging.getLogger(__name__)
 INDEX_BLOCK = 1024
 
 
-def count_tokens(read: Callable[[np.ndarray], np.ndarray], documents: int, block: int = INDEX_BLOCK) -> np.ndarray:
-    """Token counts (int64) of documents ``0 .. documents - 1``: ``read(indices)`` gives their token ids."""
+def count_tokens(
+    read: Callable[[np.ndarray], np.ndarray], documents: int, keep: Keep | None = None, block: int = INDEX_BLOCK
+) -> np.ndarray:
+    """Token counts (int64) of documents ``0 .. documents - 1``: ``read(indices)`` gives their token ids,
+    which ``keep`` (if given) keeps while its budget lasts."""
     counts = np.empty(documents, np.int64)
     for start in range(0, documents, block):
         stop = min(documents, start + block)
-        counts[start:stop] = [len(ids) for ids in read(np.arange(start, stop))]
+        ids = read(np.arange(start, stop))
+        counts[start:stop] = [len(v) for v in ids]
+        if keep is not None:
+            keep.add(ids)
     return counts
+
+
+class Keep:
+    """The token ids read by the open-time pass, kept (in ``dtype``) while they fit ``budget`` bytes."""
+
+    def __init__(self, dtype: np.dtype, budget: int):
+        self.dtype, self.budget = dtype, budget
+        self.parts: list[np.ndarray] | None = [] if budget > 0 else None
+        self.nbytes = 0
+
+    def add(self, ids) -> None:
+        if self.parts is None or not len(ids):
+            return
+        part = np.concatenate(list(ids)).astype(self.dtype, copy=False)
+        self.nbytes += part.nbytes
+        if self.nbytes > self.budget:  # too big: the batches tokenize their documents again
+            self.parts = None
+        else:
+            self.parts.append(part)
+
+    def stream(self) -> np.ndarray | None:
+        if self.parts is None:
+            return None
+        return np.concatenate(self.parts) if self.parts else np.empty(0, self.dtype)
 
 
 class JoinIndex:
@@ -48,8 +78,10 @@ class JoinIndex:
         width: tokens a sample holds (``length + 1``).
     """
 
-    def __init__(self, counts: np.ndarray, width: int):
+    def __init__(self, counts: np.ndarray, width: int, stream: np.ndarray | None = None):
         self.width = width
+        #: The whole split's token ids when they were kept (:class:`Keep`): samples are cut from it directly.
+        self.stream = stream
         #: ``offsets[d]`` is where document ``d`` starts in the stream; ``offsets[-1]`` the stream's length.
         self.offsets = np.zeros(len(counts) + 1, np.int64)
         np.cumsum(counts, out=self.offsets[1:])
@@ -60,15 +92,20 @@ class JoinIndex:
         self.dropped = self.tokens - self.num_samples * width
 
     @classmethod
-    def build(cls, read: Callable[[np.ndarray], np.ndarray], documents: int, width: int) -> JoinIndex:
-        """The index of a split of ``documents`` documents, each read (tokenized) once by ``read``."""
+    def build(
+        cls, read: Callable[[np.ndarray], np.ndarray], documents: int, width: int, dtype: np.dtype, budget: int
+    ) -> JoinIndex:
+        """The index of a split of ``documents`` documents, each read (tokenized) once by ``read``; its
+        token ids kept in memory if they take at most ``budget`` bytes (as ``dtype``)."""
         started = time.perf_counter()
-        index = cls(count_tokens(read, documents), width)
+        keep = Keep(dtype, budget)
+        index = cls(count_tokens(read, documents, keep), width, keep.stream())
         seconds = time.perf_counter() - started
         log.info(
-            "pack join: %d documents, %d tokens, %d samples in %.2f s (%.0f documents/s)",
+            "pack join: %d documents, %d tokens (%s), %d samples in %.2f s (%.0f documents/s)",
             documents,
             index.tokens,
+            "kept in memory" if index.stream is not None else "not kept",
             index.num_samples,
             seconds,
             documents / seconds if seconds > 0 else 0.0,
@@ -85,7 +122,7 @@ class JoinIndex:
     def documents_of(self, samples: np.ndarray) -> np.ndarray:
         """The documents (sorted, each once) that ``samples`` need: what a batch reads and tokenizes."""
         first, stop = self.spans(samples)
-        if not len(samples):
+        if not len(samples) or self.stream is not None:  # kept tokens: nothing to read
             return np.empty(0, np.int64)
         return np.unique(np.concatenate([np.arange(a, b) for a, b in zip(first.tolist(), stop.tolist())]))
 
@@ -93,6 +130,9 @@ class JoinIndex:
         """``(len(samples), width)`` tokens from ``tokens[k]``, the ids of ``documents[k]`` (as
         :meth:`documents_of` listed them). Raises :class:`DatasetError` if a document's tokens are not
         as many as when the index was built (its file changed since the dataset was opened)."""
+        if self.stream is not None:
+            starts = samples.astype(np.int64)[:, None] * self.width
+            return self.stream[starts + np.arange(self.width)].astype(dtype, copy=False)
         ids: dict[int, np.ndarray] = {}
         for doc, value in zip(documents.tolist(), tokens):
             expected = int(self.offsets[doc + 1] - self.offsets[doc])
@@ -116,4 +156,5 @@ class JoinIndex:
             "tokens": self.tokens,
             "samples": self.num_samples,
             "dropped": self.dropped,
+            "kept_mb": round(self.stream.nbytes / 2**20, 3) if self.stream is not None else 0,
         }

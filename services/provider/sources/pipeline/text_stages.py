@@ -6,7 +6,8 @@ turns each sample's text into token ids with the tokenizer JSON file the operato
 (``tokenizer.json``, as ``tokenizers`` saves it; nothing is downloaded), ``encode_batch`` running on
 the tokenizer's own Rust threads; ``pack`` makes the fixed-length token
 samples that ``tiny-lm`` and every token dataset use: ``length + 1`` tokens (a model's input and, shifted
-by one, its targets), a document cut at that length or padded with ``pad_id`` after its end token.
+by one, its targets), a document cut at that length or padded with ``pad_id`` after its end token, or
+with ``join = true`` the documents' token stream cut into samples (:mod:`.text_join`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from .text_join import JoinIndex
 __all__ = ["TEXT_STAGES"]
 
 TOKEN_LISTS = "token_lists"
+#: ``pack`` with ``join``: megabytes of joined token ids kept in memory (all splits together) by default.
+KEEP_MB = 256
 
 
 class Tokenize(Stage):
@@ -83,7 +86,7 @@ class Pack(Stage):
     :meth:`source_indices` names, the requested samples riding along in ``Chunk.requested``."""
 
     type = "pack"
-    params = {"length": None, "pad_id": 0, "join": False}
+    params = {"length": None, "pad_id": 0, "join": False, "keep_mb": None}
 
     def check(self, spec: Spec) -> Spec:
         if spec.kind != TOKEN_LISTS:
@@ -95,6 +98,12 @@ class Pack(Stage):
             raise self.error(f"pad_id must be a token id below the vocabulary's {spec.num_classes}, got {pad!r}")
         if not isinstance(join, bool):
             raise self.error(f"join must be true or false, got {join!r}")
+        keep = self.config["keep_mb"]
+        if keep is not None and not join:
+            raise self.error("keep_mb goes with join = true (the joined token stream kept in memory)")
+        if keep is not None and (not isinstance(keep, (int, float)) or isinstance(keep, bool) or keep < 0):
+            raise self.error(f"keep_mb must be a number of megabytes (0: keep no tokens), got {keep!r}")
+        self.config["keep_mb"] = KEEP_MB if keep is None else keep
         #: True: samples cut from the documents' joined stream (the pipeline asks the hooks below).
         self.regroups = join
         self.indexes: dict[str, JoinIndex] = {}
@@ -106,8 +115,11 @@ class Pack(Stage):
         """Tokenize every document of each split once (``read(split, indices)`` gives token ids) and
         keep their offsets. Refuses (:class:`ConfigError`) a split of documents too short for one sample."""
         width = self.config["length"] + 1
+        budget = int(self.config["keep_mb"] * 2**20)  # for all splits together
         for split, count in documents.items():
-            index = JoinIndex.build(lambda indices, split=split: read(split, indices), count, width)
+            index = JoinIndex.build(lambda ids, split=split: read(split, ids), count, width, self.spec.dtype, budget)
+            if index.stream is not None:
+                budget -= index.stream.nbytes
             if count and not index.num_samples:
                 raise self.error(
                     f"join makes no {split} sample: its {count} documents hold {index.tokens} tokens, fewer "
