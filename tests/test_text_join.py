@@ -8,6 +8,7 @@ from tokenizers import Tokenizer
 
 from libbus.errors import ConfigError, DatasetError
 from services.provider.sources import open_source
+from services.provider.sources.pipeline.text_join import JoinIndex
 from tests.support.text import document, text_pipeline, train_tiny_lm, write_parquet_text, write_text, write_tokenizer
 
 
@@ -132,3 +133,23 @@ def test_a_job_trains_tiny_lm_on_joined_text_and_its_loss_falls(tmp_path, router
     assert history[-1]["val_loss"] < history[0]["val_loss"] and result["val_loss"] < 1.0
     tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))  # the samples of 25 tokens the test split makes
     assert result["test_n"] == len(reference(tokenizer, [document(100_000 + k) for k in range(64)], 24))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_index_finds_every_samples_documents_among_empty_and_long_ones(keep):
+    rng = np.random.default_rng(3)
+    counts = rng.choice([0, 0, 1, 2, 5, 30], 200)  # documents without tokens (no eos), shorter and longer than a row
+    docs = [rng.integers(0, 60_000, c) for c in counts]
+    stream = np.concatenate(docs)
+    index = JoinIndex(counts, 7, stream.astype(np.uint16) if keep else None)
+    assert index.num_samples == len(stream) // 7 and index.dropped == len(stream) % 7
+    samples = rng.permutation(index.num_samples)[:50]
+    needed = index.documents_of(samples)
+    got = index.assemble(samples, needed, [docs[d] for d in needed], np.dtype(np.uint16), "train")
+    assert np.array_equal(got, stream[: index.num_samples * 7].reshape(-1, 7)[samples])
+    if keep:  # cut from the kept stream: nothing to read
+        assert len(needed) == 0
+    else:  # only documents that hold some of the samples' tokens (or empty ones between them) are read
+        starts, ends = index.offsets[needed], index.offsets[needed + 1]
+        rows = samples[:, None] * 7
+        assert ((starts[None, :] < rows + 7) & (ends[None, :] > rows) | (starts == ends)).any(axis=0).all()
