@@ -9,6 +9,8 @@ from tokenizers import Tokenizer
 from libbus.errors import ConfigError, DatasetError
 from services.provider.sources import open_source
 from services.provider.sources.pipeline.text_join import JoinIndex
+from tests.support.httpd import RangeServer
+from tests.support.images import shard_members, tar_bytes
 from tests.support.text import document, text_pipeline, train_tiny_lm, write_parquet_text, write_text, write_tokenizer
 
 
@@ -84,6 +86,8 @@ def test_any_order_and_any_batch_give_the_bytes_of_the_sequential_read(tmp_path)
         (("length = 8", 'length = "8"'), "length must be a positive number of tokens"),
         (("join = true", "join = true, keep_mb = -1"), "keep_mb must be a number of megabytes"),
         (("join = true", "keep_mb = 10"), "keep_mb goes with join = true"),
+        (("join = true", 'join = true, index_cache = "/tmp"'), "index_cache goes with join = true and keep_mb = 0"),
+        (("join = true", 'join = true, keep_mb = 0, index_cache = "/nonexistent"'), "must name an existing directory"),
     ],
 )
 def test_careless_joins_are_refused_at_open_with_the_reason(tmp_path, change, message):
@@ -153,3 +157,60 @@ def test_the_index_finds_every_samples_documents_among_empty_and_long_ones(keep)
         starts, ends = index.offsets[needed], index.offsets[needed + 1]
         rows = samples[:, None] * 7
         assert ((starts[None, :] < rows + 7) & (ends[None, :] > rows) | (starts == ends)).any(axis=0).all()
+
+
+def test_the_index_cache_skips_the_pass_until_a_file_changes_and_survives_a_corrupt_file(tmp_path):
+    root = write_text(tmp_path / "text", train=30, test=12)
+    cache = root / "cache"  # inside the dataset's directory: its own files are not part of the key
+    cache.mkdir()
+    uri = f"file://{root}?encoded=1&val_fraction=0"
+
+    def opened():
+        source, _ = joined(tmp_path, uri, 4, keep_mb=0)  # the same pipeline file, index_cache added below
+        return source
+
+    path = tmp_path / "p.toml"
+    first = opened()
+    path.write_text(path.read_text().replace("keep_mb = 0", f'keep_mb = 0, index_cache = "{cache}"'))
+    built = open_source(first.uri)
+    files = list(cache.glob("pack-*.npz"))
+    again = open_source(first.uri)
+    assert len(files) == 1 and not built.info()["pack"]["splits"]["train"]["cached"]
+    assert again.info()["pack"]["splits"]["train"]["cached"]
+    for split in ("train", "test"):
+        n = first.num_samples(split)
+        assert again.num_samples(split) == n
+        assert np.array_equal(again.read(split, np.arange(n))[0], first.read(split, np.arange(n))[0])
+    with open(root / "train.txt", "a") as f:  # a document added: another key, the pass runs again
+        f.write(document(999) + "\n")
+    grown = open_source(first.uri)
+    assert not grown.info()["pack"]["splits"]["train"]["cached"] and len(list(cache.glob("pack-*.npz"))) == 2
+    assert grown.num_samples("train") > first.num_samples("train")
+    for file in cache.glob("pack-*.npz"):
+        file.write_bytes(b"not an npz at all")  # a corrupt cache: ignored and written again, never trusted
+    rebuilt = open_source(first.uri)
+    assert not rebuilt.info()["pack"]["splits"]["train"]["cached"]
+    assert np.array_equal(rebuilt.read("train", np.arange(5))[0], grown.read("train", np.arange(5))[0])
+    assert open_source(first.uri).info()["pack"]["splits"]["train"]["cached"]
+    for source in (first, built, again, grown, rebuilt):
+        source.close()
+
+
+def test_the_index_cache_is_refused_for_files_behind_http(tmp_path):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "train-0000.tar").write_bytes(tar_bytes(shard_members("train", 0, 5, text=document)))
+    server = RangeServer(tmp_path / "w")
+    try:
+        path = tmp_path / "p.toml"
+        shards = f"{server.url}/train-{{0000..0000}}.tar?encoded=1&val_fraction=0"
+        uri = text_pipeline(path, shards, write_tokenizer(tmp_path / "t.json"), 4, join=True)
+        joined_shards = open_source(uri)
+        assert joined_shards.num_samples("train") > 0  # joined shards over HTTP work, without a cache
+        joined_shards.close()
+        path.write_text(
+            path.read_text().replace("join = true", f'join = true, keep_mb = 0, index_cache = "{tmp_path}"')
+        )
+        with pytest.raises(ConfigError, match="index_cache needs a local source .*http:// files could outlive"):
+            open_source(uri)
+    finally:
+        server.close()

@@ -186,7 +186,8 @@ class Pipeline(Source):
             return chunk.x  # type: ignore[return-value]
 
         try:
-            stage.build_index(read, {split: self.source.num_samples(split) for split in SPLITS})  # type: ignore[attr-defined]
+            documents = {split: self.source.num_samples(split) for split in SPLITS}
+            stage.build_index(read, documents, before)  # type: ignore[attr-defined]
         except (ConfigError, DatasetError) as err:
             raise type(err)(f"{self.uri}: {err}") from err
         return stage

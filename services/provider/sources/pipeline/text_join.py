@@ -78,8 +78,10 @@ class JoinIndex:
         width: tokens a sample holds (``length + 1``).
     """
 
-    def __init__(self, counts: np.ndarray, width: int, stream: np.ndarray | None = None):
+    def __init__(self, counts: np.ndarray, width: int, stream: np.ndarray | None = None, cached: bool = False):
         self.width = width
+        #: The counts came from the index cache (:mod:`.text_index_cache`), not from a pass at this open.
+        self.cached = cached
         #: The whole split's token ids when they were kept (:class:`Keep`): samples are cut from it directly.
         self.stream = stream
         #: ``offsets[d]`` is where document ``d`` starts in the stream; ``offsets[-1]`` the stream's length.
@@ -157,4 +159,5 @@ class JoinIndex:
             "samples": self.num_samples,
             "dropped": self.dropped,
             "kept_mb": round(self.stream.nbytes / 2**20, 3) if self.stream is not None else 0,
+            "cached": self.cached,
         }

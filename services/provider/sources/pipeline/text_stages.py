@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from libbus.errors import DatasetError
+from libbus.errors import ConfigError, DatasetError
 
 from .stages import Chunk, Spec, Stage
+from .text_index_cache import cache_path, load_counts, save_counts
 from .text_join import JoinIndex
 
 __all__ = ["TEXT_STAGES"]
@@ -86,7 +87,7 @@ class Pack(Stage):
     :meth:`source_indices` names, the requested samples riding along in ``Chunk.requested``."""
 
     type = "pack"
-    params = {"length": None, "pad_id": 0, "join": False, "keep_mb": None}
+    params = {"length": None, "pad_id": 0, "join": False, "keep_mb": None, "index_cache": None}
 
     def check(self, spec: Spec) -> Spec:
         if spec.kind != TOKEN_LISTS:
@@ -104,6 +105,11 @@ class Pack(Stage):
         if keep is not None and (not isinstance(keep, (int, float)) or isinstance(keep, bool) or keep < 0):
             raise self.error(f"keep_mb must be a number of megabytes (0: keep no tokens), got {keep!r}")
         self.config["keep_mb"] = KEEP_MB if keep is None else keep
+        cache = self.config["index_cache"]
+        if cache is not None and (not join or keep != 0):
+            raise self.error("index_cache goes with join = true and keep_mb = 0 (kept tokens need the pass anyway)")
+        if cache is not None and (not isinstance(cache, str) or not Path(cache).is_dir()):
+            raise self.error(f"index_cache must name an existing directory, got {cache!r}")
         #: True: samples cut from the documents' joined stream (the pipeline asks the hooks below).
         self.regroups = join
         self.indexes: dict[str, JoinIndex] = {}
@@ -111,13 +117,29 @@ class Pack(Stage):
         return replace(spec, sample_shape=(length + 1,), dtype=dtype, kind="tokens")
 
     # -- join = true: the pipeline's hooks ------------------------------------------------------
-    def build_index(self, read: Callable[[str, np.ndarray], np.ndarray], documents: dict[str, int]) -> None:
-        """Tokenize every document of each split once (``read(split, indices)`` gives token ids) and
-        keep their offsets. Refuses (:class:`ConfigError`) a split of documents too short for one sample."""
+    def build_index(
+        self, read: Callable[[str, np.ndarray], np.ndarray], documents: dict[str, int], before: list[Stage]
+    ) -> None:
+        """Tokenize every document of each split once (``read(split, indices)`` gives token ids, through
+        the stages ``before`` this one) and keep their offsets, or read them from ``index_cache``.
+        Refuses (:class:`ConfigError`) a split of documents too short for one sample."""
         width = self.config["length"] + 1
         budget = int(self.config["keep_mb"] * 2**20)  # for all splits together
+        path = cached = None
+        if self.config["index_cache"] is not None:
+            stages = [(s.type, s.config) for s in before]
+            try:
+                path = cache_path(self.config["index_cache"], before[0].config["uri"], stages)
+            except ConfigError as err:
+                raise self.error(str(err)) from None
+            cached = load_counts(path, documents)
         for split, count in documents.items():
-            index = JoinIndex.build(lambda ids, split=split: read(split, ids), count, width, self.spec.dtype, budget)
+            if cached is not None:
+                index = JoinIndex(cached[split], width, cached=True)
+            else:
+                index = JoinIndex.build(
+                    lambda ids, split=split: read(split, ids), count, width, self.spec.dtype, budget
+                )
             if index.stream is not None:
                 budget -= index.stream.nbytes
             if count and not index.num_samples:
@@ -127,6 +149,8 @@ class Pack(Stage):
                     "per document)"
                 )
             self.indexes[split] = index
+        if path is not None and cached is None:
+            save_counts(path, {split: np.diff(index.offsets) for split, index in self.indexes.items()})
 
     def num_samples(self, split: str) -> int:
         """Whole samples in ``split``'s token stream (the last partial one dropped)."""
