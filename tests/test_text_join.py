@@ -78,6 +78,19 @@ def test_any_order_and_any_batch_give_the_bytes_of_the_sequential_read(tmp_path)
     again.close()
 
 
+def test_a_tokenizer_saved_with_padding_pads_nothing_inside_the_stream(tmp_path):
+    root = write_text(tmp_path / "text", train=20, test=9)
+    source, tokenizer = joined(tmp_path, f"file://{root}?encoded=1&val_fraction=0", 6, keep_mb=0)
+    tokenizer.enable_padding(pad_id=0, pad_token="<pad>")  # documents of different lengths in one batch
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    padded = open_source(source.uri)
+    tokenizer.no_padding()
+    ref = reference(tokenizer, [document(100_000 + k) for k in range(9)], 6)
+    assert np.array_equal(padded.read("test", np.arange(len(ref)))[0], ref) and not (ref == 0).any()
+    source.close()
+    padded.close()
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -54,6 +54,9 @@ class Tokenize(Stage):
             self.tokenizer = Tokenizer.from_file(path)
         except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
             raise self.error(f"{path} is not a tokenizers JSON file: {err}") from None
+        # A tokenizer saved with padding would pad each document to its batch's longest: tokens that depend
+        # on what else is in the batch, and padding inside a document; pack pads (or joins) on its own.
+        self.tokenizer.no_padding()
         self.vocab = self.tokenizer.get_vocab_size()
         self.eos = None
         if self.config["eos"] is not None:
