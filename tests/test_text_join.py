@@ -143,7 +143,7 @@ def test_join_needs_token_lists_per_sample_and_a_document_changed_after_open_fai
 def test_a_job_trains_tiny_lm_on_joined_text_and_its_loss_falls(tmp_path, router, start_provider, trainer, client_for):
     root = write_text(tmp_path / "text", train=256, test=64)
     admin = client_for(router.endpoint, role="admin")
-    result = train_tiny_lm(tmp_path, f"file://{root}?encoded=1", start_provider, admin, epochs=3, join=True)
+    result = train_tiny_lm(tmp_path, f"file://{root}?encoded=1", start_provider, admin, epochs=2, join=True)
     history = result["history"]
     # untrained: about log(19) = 2.94 nats; only a document's first word and its end are not determined
     assert history[0]["train_loss"] > result["val_loss"] + 0.5
@@ -172,18 +172,12 @@ def test_the_index_finds_every_samples_documents_among_empty_and_long_ones(keep)
         assert ((starts[None, :] < rows + 7) & (ends[None, :] > rows) | (starts == ends)).any(axis=0).all()
 
 
-def test_the_index_cache_skips_the_pass_until_a_file_changes_and_survives_a_corrupt_file(tmp_path):
+def test_the_index_cache_skips_the_pass_until_a_file_changes_and_trusts_no_corrupt_file_or_link(tmp_path):
     root = write_text(tmp_path / "text", train=30, test=12)
     cache = root / "cache"  # inside the dataset's directory: its own files are not part of the key
     cache.mkdir()
-    uri = f"file://{root}?encoded=1&val_fraction=0"
-
-    def opened():
-        source, _ = joined(tmp_path, uri, 4, keep_mb=0)  # the same pipeline file, index_cache added below
-        return source
-
+    first, _ = joined(tmp_path, f"file://{root}?encoded=1&val_fraction=0", 4, keep_mb=0)  # no cache yet
     path = tmp_path / "p.toml"
-    first = opened()
     path.write_text(path.read_text().replace("keep_mb = 0", f'keep_mb = 0, index_cache = "{cache}"'))
     built = open_source(first.uri)
     files = list(cache.glob("pack-*.npz"))
@@ -204,9 +198,22 @@ def test_the_index_cache_skips_the_pass_until_a_file_changes_and_survives_a_corr
     rebuilt = open_source(first.uri)
     assert not rebuilt.info()["pack"]["splits"]["train"]["cached"]
     assert np.array_equal(rebuilt.read("train", np.arange(5))[0], grown.read("train", np.arange(5))[0])
-    assert open_source(first.uri).info()["pack"]["splits"]["train"]["cached"]
-    for source in (first, built, again, grown, rebuilt):
+    cached = open_source(first.uri)
+    assert cached.info()["pack"]["splits"]["train"]["cached"]
+    for source in (first, built, again, grown, rebuilt, cached):
         source.close()
+    for file in cache.glob("pack-*.npz"):
+        file.unlink()
+    open_source(first.uri).close()  # writes the current key's file alone
+    (file,) = cache.glob("pack-*.npz")
+    victim = tmp_path / "victim"  # a link planted where the cache file goes: the link is replaced, not followed
+    victim.write_bytes(b"precious")
+    file.unlink()
+    file.symlink_to(victim)
+    planted = open_source(first.uri)
+    assert not planted.info()["pack"]["splits"]["train"]["cached"]
+    planted.close()
+    assert victim.read_bytes() == b"precious" and not any(f.is_symlink() for f in cache.glob("pack-*.npz"))
 
 
 def test_the_index_cache_is_refused_for_files_behind_http(tmp_path):

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -93,12 +94,17 @@ def load_counts(path: Path, documents: dict[str, int]) -> dict[str, np.ndarray] 
 
 
 def save_counts(path: Path, counts: dict[str, np.ndarray]) -> None:
-    """Write ``counts`` to ``path`` atomically (a reader never sees half a file); a failure is logged."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Write ``counts`` to ``path`` atomically (a reader never sees half a file); a failure is logged.
+
+    The temporary file is created new (``mkstemp``: never an existing file or a link someone left in a
+    shared directory), and the rename replaces a link at ``path`` itself, not what it points to."""
+    tmp = None
     try:
-        with open(tmp, "wb") as f:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
             np.savez(f, **counts)
         os.replace(tmp, path)
     except OSError as err:
         log.warning("pack index cache %s not written: %s", path, err)
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
