@@ -1,6 +1,8 @@
 """``pack = { length = L, join = true }``: every document's tokens and its ``</s>``, concatenated and cut into
 samples of ``L + 1`` tokens, addressable by index in any order, and refused where it cannot work."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -71,6 +73,10 @@ def test_any_order_and_any_batch_give_the_bytes_of_the_sequential_read(tmp_path)
             assert np.array_equal(source.read(split, batch)[0], whole[batch])
         repeats = np.array([3, 3, 0, n - 1, 3])
         assert np.array_equal(source.read(split, repeats)[0], whole[repeats])
+        batches = np.array_split(rng.permutation(n), 8)  # batches in flight at once, as a provider's requests
+        with ThreadPoolExecutor(4) as pool:
+            for batch, got in zip(batches, pool.map(lambda b, split=split: source.read(split, b)[0], batches)):
+                assert np.array_equal(got, whole[batch])
     train = source.read("train", np.arange(source.num_samples("train")))[0]
     source.close()
     again, _ = joined(tmp_path, f"parquet://{root}?encoded=1", 10)  # same files, tokens kept: same samples
