@@ -38,7 +38,10 @@ def write_text(root: Path, train: int, test: int = 0) -> Path:
     return root
 
 
-def text_pipeline(path: Path, source_uri: str, tokenizer: Path, length: int) -> str:
+def text_pipeline(path: Path, source_uri: str, tokenizer: Path, length: int, join: bool = False) -> str:
+    """A pipeline file tokenizing ``source_uri`` (with ``</s>`` ending each document) and packing it: one
+    sample per document padded with 0, or with ``join`` the documents' stream cut into samples."""
+    pack = "join = true" if join else "pad_id = 0"
     path.write_text(
         f"""
 [[stages]]
@@ -53,7 +56,7 @@ tokenize = {{ tokenizer = "{tokenizer}", eos = "</s>" }}
 [[stages]]
 name = "pack"
 input = "tok"
-pack = {{ length = {length}, pad_id = 0 }}
+pack = {{ length = {length}, {pack} }}
 """
     )
     return f"pipeline://{path}"
@@ -74,11 +77,11 @@ def write_parquet_text(root: Path, train: int, test: int = 0, row_group: int = 6
     return root
 
 
-def train_tiny_lm(tmp_path: Path, source_uri: str, start_provider, admin, epochs: int) -> dict:
+def train_tiny_lm(tmp_path: Path, source_uri: str, start_provider, admin, epochs: int, join: bool = False) -> dict:
     """A tiny-lm job through router, provider and trainer on ``source_uri`` (``?encoded=1`` texts)
     tokenized by the provider; its result once it succeeded, with what its loss did printed."""
     tok_path = write_tokenizer(tmp_path / "tokenizer.json")
-    uri = text_pipeline(tmp_path / "p.toml", source_uri, tok_path, 24)
+    uri = text_pipeline(tmp_path / "p.toml", source_uri, tok_path, 24, join)
     start_provider(f"counting={uri}", assigned_only=True)
     spec = {"dataset": "counting", "model": "tiny-lm", "epochs": epochs, "batch_size": 32, "lr": 0.005, "seed": 0}
     done = wait_job(admin, admin.request(SubmitJob(spec=spec)).job, timeout=90)

@@ -21,6 +21,7 @@ import numpy as np
 from libbus.errors import (
     BadRequest,
     BusError,
+    ConfigError,
     DatasetError,
     Internal,
     NotFound,
@@ -28,7 +29,7 @@ from libbus.errors import (
 )
 from libbus.fields import is_xy
 
-from ..base import Field, FieldBatch, Source
+from ..base import SPLITS, Field, FieldBatch, Source
 from .fields import FieldsPlan
 from .stages import Chunk, Spec, Stage, StageQueue
 
@@ -161,8 +162,39 @@ class Pipeline(Source):
         self._start_lock = threading.Lock()
         # Worker threads hold no reference to the pipeline: one that is dropped unclosed stops them.
         weakref.finalize(self, self._stop.set)
+        #: A stage that makes each sample from a run of its input's (``pack`` with ``join``): it counts
+        #: the samples, and a chunk goes through the stages before it as the inputs it names.
+        self.regroup = self._open_regroup()
+
+    def _open_regroup(self) -> Stage | None:
+        """The regrouping stage, its index built now by reading every split through the stages before
+        it, in index order on this thread (the same files give the same index); None if there is none."""
+        at = next((i for i, s in enumerate(self.stages) if getattr(s, "regroups", False)), None)
+        if at is None:
+            return None
+        stage, before = self.stages[at], self.stages[:at]
+        if self.plan is not None:
+            raise ConfigError(
+                f"{self.uri}: stage {stage.name!r} ({stage.type}) makes each sample from several of its "
+                f"input's, and a source of named fields ({', '.join(self.plan.source)}) keeps them per sample"
+            )
+
+        def read(split: str, indices: np.ndarray) -> np.ndarray:
+            chunk = Chunk(None, 0, indices, split, 0)
+            for s in before:
+                s.apply(chunk)
+            return chunk.x  # type: ignore[return-value]
+
+        try:
+            documents = {split: self.source.num_samples(split) for split in SPLITS}
+            stage.build_index(read, documents, before)  # type: ignore[attr-defined]
+        except (ConfigError, DatasetError) as err:
+            raise type(err)(f"{self.uri}: {err}") from err
+        return stage
 
     def num_samples(self, split: str) -> int:
+        if self.regroup is not None:
+            return self.regroup.num_samples(split)  # type: ignore[attr-defined]
         return self.source.num_samples(split)
 
     @property
@@ -173,6 +205,8 @@ class Pipeline(Source):
         out = {**self.source.info(), **super().info()}
         out["source_uri"] = self.source.uri
         out["stages"] = [{"name": s.name, "type": s.type} for s in self.stages]
+        if self.regroup is not None:
+            out[self.regroup.type] = self.regroup.join_info()  # type: ignore[attr-defined]
         return out
 
     # -- threads --------------------------------------------------------------------------------
@@ -245,6 +279,9 @@ class Pipeline(Source):
         deadline = time.monotonic() + self.timeout_s
         for start in starts:
             chunk = Chunk(job, start, indices[start : start + self.chunk], split, epoch)
+            if self.regroup is not None:  # the stages before it read the inputs these samples are made of
+                chunk.requested = chunk.indices
+                chunk.indices = self.regroup.source_indices(split, chunk.requested)  # type: ignore[attr-defined]
             if job.failed or not self.requests.put(chunk, self._stop, POLL_S, deadline):
                 break  # the wait below turns a stop or the deadline into the batch's error
         while not job.done.wait(POLL_S):

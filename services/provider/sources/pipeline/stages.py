@@ -57,6 +57,9 @@ class Chunk:
     y: np.ndarray | None = None
     #: A source of named fields: every field by name (:mod:`.fields`); None in an x/y pipeline.
     fields: dict | None = None
+    #: A stage that makes samples from runs of its input's (``pack`` with ``join``): the requested sample
+    #: indices, while ``indices`` are those the stages before it read; None otherwise.
+    requested: np.ndarray | None = None
 
 
 class StageQueue:
