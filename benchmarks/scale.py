@@ -26,6 +26,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import random
 import resource
 import shutil
 import subprocess
@@ -151,6 +152,13 @@ class Worker:
                 caps = {"heartbeat": True}
             self.peers.append(Peer(self.ctx, endpoint, role, name, token, caps))
         self.by_sock = {p.sock: p for p in self.peers}
+        self.rng = random.Random(f"{args['seed']}-{tokens[0][1] if tokens else ''}")  # one stream per worker
+
+    def step_s(self) -> float:
+        """A trainer's time to its next report: ``step_ms``, or drawn within ``±jitter`` of it (trainers
+        whose jobs take different times, as on a real cluster, rather than all in lockstep)."""
+        jitter = self.args["jitter"]
+        return self.args["step_ms"] / 1000 * (1 + jitter * (2 * self.rng.random() - 1))
 
     def run(self, deadline: float) -> None:
         poller = zmq.Poller()
@@ -213,12 +221,12 @@ class Worker:
                     self.providers_up.value += 1
         elif isinstance(msg, Task):
             p.job, p.reports = msg.job, 0
-            p.wake = now + self.args["step_ms"] / 1000
+            p.wake = now + self.step_s()
         elif kind == "GetTask":  # NoTask: ask again when told
             p.wake = now + getattr(msg, "retry_ms", 1000) / 1000
         elif kind == "Progress":
             p.reports += 1
-            p.wake = now + self.args["step_ms"] / 1000
+            p.wake = now + self.step_s()
         elif kind == "PushResult":
             p.job = ""
             with self.finished.get_lock():
@@ -367,6 +375,8 @@ def run(args: argparse.Namespace) -> dict:
         wargs = {
             "progress": args.progress,
             "step_ms": args.step_ms,
+            "jitter": args.jitter,
+            "seed": args.seed,
             "datasets": args.datasets,
             "t0": time.monotonic(),
             "providers": args.providers,
@@ -424,6 +434,7 @@ def run(args: argparse.Namespace) -> dict:
         "job_states": states,
         "progress_per_job": args.progress,
         "step_ms": args.step_ms,
+        "jitter": args.jitter,
         "procs": args.procs,
         "submit_s": submit_s,
         "wall_s": wall,
@@ -450,7 +461,7 @@ def print_result(r: dict) -> None:
     print(
         f"{r['trainers']} trainers, {r['providers']} providers, {r['finished']}/{r['jobs']} jobs succeeded "
         f"(by state: {r['job_states']}) "
-        f"({r['progress_per_job']} progress reports {r['step_ms']:.0f} ms apart) in {r['wall_s']:.1f} s "
+        f"({r['progress_per_job']} progress reports {r['step_ms']:.0f} ms ±{100 * r['jitter']:.0f}% apart) in {r['wall_s']:.1f} s "
         f"(submitting took {r['submit_s']:.1f} s)"
     )
     print(
@@ -473,6 +484,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--datasets", type=int, default=10, help="distinct dataset names the providers serve")
     p.add_argument("--progress", type=int, default=3, help="Progress reports per job")
     p.add_argument("--step-ms", type=float, default=5000.0, help="a trainer's time between reports")
+    p.add_argument(
+        "--jitter", type=float, default=0.0, help="each step drawn within +-this fraction of --step-ms (0: lockstep)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds the jitter")
     p.add_argument("--procs", type=int, default=4, help="worker processes playing the peers")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     p.add_argument("--settle-s", type=float, default=10.0, help="latencies also reported for requests sent after this")
@@ -485,6 +500,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     if min(args.trainers, args.providers, args.jobs, args.datasets, args.procs) < 1 or args.progress < 0:
         parser().error("--trainers, --providers, --jobs, --datasets and --procs must be at least 1")
+    if not 0 <= args.jitter < 1:
+        parser().error(f"--jitter is a fraction of --step-ms in [0, 1), got {args.jitter}")
     args.datasets = min(args.datasets, args.providers)  # every dataset has a provider
     result = run(args)
     print_result(result)

@@ -27,7 +27,7 @@ def test_scale_runs_every_job_through_simulated_trainers_and_providers(tmp_path)
     out = tmp_path / "scale.json"
     run = scale(
         *("--trainers", "12", "--providers", "3", "--jobs", "30", "--progress", "2", "--step-ms", "20"),
-        *("--procs", "2", "--timeout", "60", "--json", str(out)),
+        *("--procs", "2", "--timeout", "60", "--jitter", "0.5", "--json", str(out)),
     )
     assert run.returncode == 0, run.stderr[-2000:]
     r = json.loads(out.read_text())
@@ -48,6 +48,8 @@ def test_scale_runs_every_job_through_simulated_trainers_and_providers(tmp_path)
 def test_scale_refuses_an_empty_cluster():
     run = scale("--trainers", "0")
     assert run.returncode == 2 and "must be at least 1" in run.stderr and "Traceback" not in run.stderr
+    run = scale("--jitter", "1.5")
+    assert run.returncode == 2 and "--jitter is a fraction" in run.stderr and "Traceback" not in run.stderr
 
 
 def provider(router, make_token, dataset: str) -> Client:
