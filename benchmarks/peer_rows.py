@@ -18,11 +18,16 @@ import torch
 
 from benchmarks.delivery import SAMPLE_SHAPE, SEED, NpyBatches, Services, batch_plan, loader_batches
 
-__all__ = ["BUILDERS", "close"]
+__all__ = ["BUILDERS", "Make", "close", "on_close", "streaming_without_torchvision"]
 
 Make = Callable[[], Iterable]
 #: What a row must close when it is done (the batchbus loader, then its services), last first.
 _open: list[Callable[[], None]] = []
+
+
+def on_close(fn: Callable[[], None]) -> None:
+    """Have :func:`close` call ``fn`` when the row is done (after what was registered later)."""
+    _open.append(fn)
 
 
 def close() -> None:
@@ -85,7 +90,7 @@ def dataloader_batched(root: Path, work: Path, cfg: dict) -> Make:
 # -- MosaicML Streaming ---------------------------------------------------------------------------------
 
 
-def _streaming_without_torchvision() -> None:
+def streaming_without_torchvision() -> None:
     """Let ``import streaming`` skip its ``vision``/``text``/``multimodal`` dataset classes: they
     import torchvision, which has no CPU build for this torch (the row needs only ``streaming.base``).
     Done when this module is imported: in the row's process and in the DataLoader workers Streaming
@@ -97,7 +102,7 @@ def _streaming_without_torchvision() -> None:
         sys.modules.setdefault(f"streaming.{sub}", types.ModuleType(f"streaming.{sub}"))
 
 
-_streaming_without_torchvision()
+streaming_without_torchvision()
 
 
 class MosaicSamples(torch.utils.data.IterableDataset):
@@ -231,9 +236,9 @@ def torchdata(root: Path, work: Path, cfg: dict) -> Make:
 def _batchbus(shm: bool) -> Callable[[Path, Path, dict], Make]:
     def build(root: Path, work: Path, cfg: dict) -> Make:
         services = Services(root, work / "state")
-        _open.append(services.stop)
+        on_close(services.stop)
         loader = services.loader("ram", cfg["batch"], cfg["inflight"], shm=shm)
-        _open.append(loader.close)
+        on_close(loader.close)
         if loader.transport != ("shm" if shm else "socket"):
             raise RuntimeError(f"expected the {'shm' if shm else 'socket'} path, the loader chose {loader.transport}")
         return lambda: loader_batches(loader, 1)

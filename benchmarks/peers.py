@@ -20,8 +20,17 @@ the throughput). Throughput counts from a row's first batch to its last; ``start
 from building the loader to its first batch. Every batch is checked for its shapes and dtypes. A peer
 that is not installed (``make install-bench``) gives a row saying so.
 
-The samples are tensors. ``WORKLOADS`` is where the image workload (JPEG decode + augmentation, the
-"samples as users have them" recipe) plugs in once it has landed.
+Two workloads (``--workload``):
+
+- ``tensor`` (the default): the samples above, read as they are stored (benchmarks/peer_rows.py).
+- ``images``: generated JPEGs of varied sizes (~500×375, quality 90; benchmarks/peer_jpeg.py) decoded
+  and augmented the way the provider's ImageNet train recipe does it (decode → random-resized-crop to
+  ``--image-size`` → flip → normalize, float32), in every row with the same decoder: per sample in the
+  peers' workers, on the provider's stages for batchbus (benchmarks/peer_images.py). 1,024 images and
+  batches of 64 unless ``--samples``/``--batch`` say otherwise.
+
+Each row also reports the CPU seconds its whole process tree (consumer, workers, provider) spent
+per 1,000 samples over the timed window: on a shared machine that is the steadier figure.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import argparse
 import importlib.util
 import json
 import multiprocessing
+import os
 import shutil
 import sys
 import tempfile
@@ -44,6 +54,7 @@ import torch
 
 from benchmarks import peer_rows
 from benchmarks.delivery import SAMPLE_SHAPE, batch_plan, make_dataset, measure, parser
+from benchmarks.peer_jpeg import CLASSES, make_jpegs
 
 __all__ = ["ROWS", "WORKLOADS", "main", "run_peers", "print_peers"]
 
@@ -59,9 +70,11 @@ ROWS: dict[str, str | None] = {
     "socket": None,
 }
 
-#: The sample recipes the rows can run. ``images`` (decode and augment JPEGs) is added here when the
-#: image pipeline is on main; each row then builds its samples from the recipe instead of the .npy.
-WORKLOADS = ("tensor",)
+#: The sample recipes the rows can run, and each one's defaults for --samples and --batch.
+WORKLOADS: dict[str, dict[str, int]] = {
+    "tensor": {"samples": 16384, "batch": 256},
+    "images": {"samples": 1024, "batch": 64},
+}
 
 
 def installed(module: str | None) -> bool:
@@ -73,17 +86,49 @@ def installed(module: str | None) -> bool:
         return False
 
 
-def checked(batches: Iterable, batch: int, started: dict) -> Iterator:
-    """Each batch as ``(x, y)`` tensors, its shapes and dtypes checked; notes when the first came."""
-    want_x = (batch, *SAMPLE_SHAPE)
+def checked(batches: Iterable, cfg: dict, started: dict) -> Iterator:
+    """Each batch as ``(x, y)`` tensors, its shapes, dtypes and label range checked; notes when the
+    first came, and the row's CPU time then."""
+    batch = cfg["batch"]
+    want_x = (batch, *cfg["sample_shape"])
     for i, b in enumerate(batches):
         if i == 0:
             started["first"] = time.perf_counter()
+            started["cpu"] = tree_cpu_s()
         x, y = (b["x"], b["y"]) if isinstance(b, dict) else (b[0], b[1])
         x, y = torch.as_tensor(x), torch.as_tensor(y)
         if tuple(x.shape) != want_x or x.dtype != torch.float32 or tuple(y.shape) != (batch,):
             raise RuntimeError(f"wrong batch: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}")
+        if int(y.min()) < 0 or int(y.max()) >= cfg["classes"]:
+            raise RuntimeError(f"wrong batch: labels {int(y.min())}..{int(y.max())}, not 0..{cfg['classes'] - 1}")
         yield x, y
+
+
+def tree_cpu_s(pid: int | None = None) -> float | None:
+    """CPU seconds used so far by process ``pid`` (this one) and every live process under it (its
+    loader's workers, its router and provider), from /proc; None where there is no /proc."""
+    pid = os.getpid() if pid is None else pid
+    tick = os.sysconf("SC_CLK_TCK")
+    kids: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return None
+    for name in names:
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue  # it exited meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ... utime, stime
+        kids.setdefault(int(fields[1]), []).append(int(name))
+        cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += cpu.get(p, 0.0)
+        todo += kids.get(p, [])
+    return total
 
 
 def epochs(make: Callable[[], Iterable]) -> Iterator:
@@ -98,16 +143,26 @@ def _row_main(name: str, root: str, cfg: dict, out) -> None:
         work = Path(root) / f"row-{name}"
         work.mkdir()
         t0 = time.perf_counter()
-        make = peer_rows.BUILDERS[name](Path(root), work, cfg)  # writes the peer's format, if any
+        builders = peer_rows.BUILDERS if cfg["workload"] == "tensor" else _image_builders()
+        make = builders[name](Path(root), work, cfg)  # writes the peer's format, if any
         prepared = time.perf_counter()
         started: dict = {}
-        batches = islice(checked(make(), cfg["batch"], started), cfg["batches"])
+        batches = islice(checked(make(), cfg, started), cfg["batches"])
         row = measure(name, batches, cfg["batch"], cfg["sample_bytes"])
+        cpu = tree_cpu_s()
         row.update(status="ok", prepare_s=prepared - t0, startup_s=started["first"] - prepared)
+        if cpu is not None and started["cpu"] is not None:  # the window measure() timed: first to last batch
+            row["cpu_s_per_1k"] = (cpu - started["cpu"]) / ((row["batches"] - 1) * cfg["batch"]) * 1000
         peer_rows.close()
     except BaseException as err:  # noqa: BLE001 - the row reports why it failed; the run goes on
         row = {"path": name, "status": f"failed: {type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
     out.put(row)
+
+
+def _image_builders() -> dict:
+    from benchmarks import peer_images  # noqa: PLC0415 - the image rows' process only
+
+    return peer_images.BUILDERS
 
 
 def run_row(name: str, root: Path, cfg: dict, timeout_s: float) -> dict:
@@ -130,22 +185,22 @@ def run_row(name: str, root: Path, cfg: dict, timeout_s: float) -> dict:
 
 def run_peers(args) -> dict:
     """Every row of ``--rows`` (all by default) on one dataset; ratios to ``dataloader-batched``."""
-    if args.workload not in WORKLOADS:
-        raise SystemExit(
-            f"workload {args.workload!r} is not available yet (only {', '.join(WORKLOADS)}): the image "
-            "recipe plugs in at benchmarks.peers.WORKLOADS once it has landed"
-        )
     names = args.rows.split(",") if args.rows else list(ROWS)
-    unknown = [n for n in names if n not in ROWS]
-    if unknown:
-        raise SystemExit(f"unknown row(s) {', '.join(unknown)}; rows are {', '.join(ROWS)}")
     root = Path(tempfile.mkdtemp(prefix="batchbus-peers-"))
     try:
-        make_dataset(root, args.samples)
-        x = np.load(root / "train_x.npy", mmap_mode="r")
-        sample_bytes = x[0].nbytes + 8
+        if args.workload == "images":
+            make_jpegs(root / "images", args.samples, args.image_side)
+            shape, classes = (3, args.image_size, args.image_size), CLASSES
+        else:
+            make_dataset(root, args.samples)
+            shape, classes = SAMPLE_SHAPE, 10
+        sample_bytes = 4 * int(np.prod(shape)) + 8  # float32 samples, int64 labels
         plan = batch_plan(args.samples, args.batch, args.epochs)
         cfg = {
+            "workload": args.workload,
+            "sample_shape": shape,
+            "classes": classes,
+            "image_size": args.image_size,
             "samples": args.samples,
             "batch": args.batch,
             "epochs": args.epochs,
@@ -161,7 +216,7 @@ def run_peers(args) -> dict:
     for r in rows:
         if base is not None and r["status"] == "ok":
             r["x_dataloader_batched"] = r["samples_per_s"] / base["samples_per_s"]
-    return {**cfg, "workload": args.workload, "dataset_mb": args.samples * sample_bytes / 2**20, "rows": rows}
+    return {**cfg, "dataset_mb": args.samples * sample_bytes / 2**20, "rows": rows}
 
 
 def print_peers(result: dict) -> None:
@@ -175,14 +230,15 @@ def print_peers(result: dict) -> None:
         "p50 ms",
         "p99 ms",
         "× DL batched",
+        "CPU s / 1k",
         "start-up s",
         "prepare s",
-        title=f"{result['samples']} samples ({result['dataset_mb']:.0f} MiB), {result['batches']} random batches "
-        f"of {result['batch']}, workload {result['workload']}",
+        title=f"{result['samples']} samples ({result['dataset_mb']:.0f} MiB as served), {result['batches']} "
+        f"random batches of {result['batch']}, workload {result['workload']}",
     )
     for r in result["rows"]:
         if r["status"] != "ok":
-            table.add_row(r["path"], r["status"].splitlines()[0][:80], *[""] * 6)
+            table.add_row(r["path"], r["status"].splitlines()[0][:80], *[""] * 7)
             continue
         table.add_row(
             r["path"],
@@ -191,6 +247,7 @@ def print_peers(result: dict) -> None:
             f"{r['p50_ms']:.2f}",
             f"{r['p99_ms']:.2f}",
             f"{r['x_dataloader_batched']:.2f}" if "x_dataloader_batched" in r else "—",
+            f"{r['cpu_s_per_1k']:.2f}" if "cpu_s_per_1k" in r else "—",
             f"{r['startup_s']:.2f}",
             f"{r['prepare_s']:.1f}",
         )
@@ -203,15 +260,41 @@ def peers_parser() -> argparse.ArgumentParser:
     p.prog = "busctl bench --peers"
     g = p.add_argument_group("peers (the loaders install with `make install-bench`)")
     g.add_argument("--rows", default="", help=f"these rows only, comma-separated (of {', '.join(ROWS)})")
-    g.add_argument("--workload", default="tensor", help=f"the samples' recipe (of {', '.join(WORKLOADS)})")
+    g.add_argument(
+        "--workload",
+        default="tensor",
+        choices=list(WORKLOADS),
+        help="tensor: the .npy samples as stored; images: JPEGs decoded and augmented (1,024 and batches of 64 "
+        "unless --samples/--batch say otherwise)",
+    )
+    g.add_argument("--image-size", type=int, default=224, help="images: the random-resized-crop's side")
+    g.add_argument("--image-side", type=int, default=500, help="images: the generated JPEGs' typical width")
     g.add_argument("--row-timeout", type=float, default=300.0, help="give a row up after this many seconds")
+    p.set_defaults(samples=None, batch=None)  # the workload's (WORKLOADS)
     return p
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The options, the workload's defaults filled in; a usage error (exit 2) for values no row can run."""
+    p = peers_parser()
+    args = p.parse_args(argv)
+    for key, value in WORKLOADS[args.workload].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.batch < 1 or args.samples < 4 * args.batch:
+        p.error(f"--samples must be at least 4 batches ({4 * max(args.batch, 1)}) and --batch at least 1")
+    if args.epochs < 1 or args.workers < 0 or args.inflight < 1:
+        p.error("--epochs and --inflight must be at least 1, --workers at least 0")
+    unknown = [n for n in args.rows.split(",") if n not in ROWS] if args.rows else []
+    if unknown:
+        p.error(f"unknown row(s) {', '.join(unknown)}; rows are {', '.join(ROWS)}")
+    if args.workload == "images" and not (8 <= args.image_size <= 1024 and 16 <= args.image_side <= 4096):
+        p.error("--image-size must be 8 to 1024 pixels and --image-side 16 to 4096")
+    return args
+
+
 def main(argv: list[str] | None = None) -> dict:
-    args = peers_parser().parse_args(argv)
-    if args.samples < 4 * args.batch or args.batch < 1:
-        peers_parser().error(f"--samples must be at least 4 batches ({4 * args.batch})")
+    args = parse(argv)
     result = run_peers(args)
     print_peers(result)
     if args.json:

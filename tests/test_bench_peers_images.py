@@ -1,0 +1,66 @@
+"""`busctl bench --peers --workload images`: JPEGs decoded and augmented in every row, rows written as JSON."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from benchmarks.peer_jpeg import CLASSES, MEAN, STD, Augment, make_jpegs
+from benchmarks.peers import parse
+from tests.support import busctl
+
+
+@pytest.mark.timeout(180)
+def test_images_workload_decodes_in_a_dataloader_and_on_a_provider(tmp_path):
+    """Two rows (the peers' per-sample DataLoader in-process, batchbus's shm ring from a provider
+    running the ImageNet train pipeline), tiny JPEGs, six batches each: every batch checked for its
+    shape, dtype and labels before it counts."""
+    out = tmp_path / "peers.json"
+    run = busctl(
+        "bench", "--peers", "--workload", "images", "--rows", "dataloader,shm",
+        "--samples", "24", "--batch", "4", "--epochs", "1", "--workers", "0",
+        "--image-size", "16", "--image-side", "40", "--json", str(out),
+        timeout=170,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["workload"] == "images" and result["sample_shape"] == [3, 16, 16] and result["batches"] == 6
+    rows = {r["path"]: r for r in result["rows"]}
+    assert list(rows) == ["dataloader", "shm"]
+    for row in rows.values():
+        assert row["status"] == "ok", row
+        assert row["batches"] == 6 and row["samples_per_s"] > 0 and row["cpu_s_per_1k"] >= 0
+    assert "workload images" in run.stdout
+
+
+def test_the_recipe_serves_normalized_crops_of_varied_images(tmp_path):
+    """The generated JPEGs come in several sizes and every class; the recipe crops any of them to
+    the asked size and normalizes with ImageNet's statistics (a flat grey image lands on -mean/std)."""
+    files = make_jpegs(tmp_path, 8, side=64)
+    sizes = {Image.open(p).size for p, _ in files}
+    assert len(sizes) > 1 and {label for _, label in files} == set(range(CLASSES))
+    augment = Augment(12)
+    for path, _ in files:
+        x = augment(path.read_bytes(), str(path))
+        assert x.shape == (3, 12, 12) and x.dtype == np.float32 and np.isfinite(x).all()
+    grey = tmp_path / "grey.png"
+    Image.new("RGB", (30, 20), (128, 128, 128)).save(grey)
+    x = augment(grey.read_bytes())
+    np.testing.assert_allclose(x, np.broadcast_to((128 - MEAN) / STD, x.shape), rtol=1e-5)
+
+
+def test_values_no_row_can_run_are_refused_in_one_line():
+    run = busctl("bench", "--peers", "--workload", "video")
+    assert run.returncode == 2 and "invalid choice: 'video'" in run.stderr and "Traceback" not in run.stderr
+    for argv in (
+        ["--workload", "images", "--image-size", "0"],
+        ["--workload", "images", "--samples", "100", "--batch", "64"],
+        ["--workload", "images", "--epochs", "0"],
+    ):
+        with pytest.raises(SystemExit) as refused:
+            parse(["--peers", *argv])
+        assert refused.value.code == 2
+    args = parse(["--peers", "--workload", "images"])
+    assert (args.samples, args.batch, args.image_size) == (1024, 64, 224)
+    assert (parse(["--peers"]).samples, parse(["--peers"]).batch) == (16384, 256)
