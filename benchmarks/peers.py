@@ -16,9 +16,13 @@ socket               batchbus: the same provider, batches over loopback TCP
 ===================  ===============================================================================
 
 Peers that read a format of their own write it first, in their row's process (``prepare_s``, not in
-the throughput). Throughput counts from a row's first batch to its last; ``startup_s`` is the time
-from building the loader to its first batch. Every batch is checked for its shapes and dtypes. A peer
-that is not installed (``make install-bench``) gives a row saying so.
+the throughput). A row reads its passes back to back until it has its batches. The first few
+(``warmup``: 6, at most a quarter of the batches) are read before the clock starts: loaders decode
+ahead while they start (two batches per DataLoader worker, ``--inflight`` requests), and counting
+those would credit start-up work to the throughput. Throughput counts from the first timed batch to
+the last; ``startup_s`` is the time from building the loader to its first batch. Every batch is
+checked for its shapes, dtypes and labels. A peer that is not installed (``make install-bench``)
+gives a row saying so.
 
 Two workloads (``--workload``):
 
@@ -70,6 +74,9 @@ ROWS: dict[str, str | None] = {
     "socket": None,
 }
 
+#: Batches a row reads before its clock starts (see :func:`warmup_batches`).
+WARMUP = 6
+
 #: The sample recipes the rows can run, and each one's defaults for --samples and --batch.
 WORKLOADS: dict[str, dict[str, int]] = {
     "tensor": {"samples": 16384, "batch": 256},
@@ -88,12 +95,13 @@ def installed(module: str | None) -> bool:
 
 def checked(batches: Iterable, cfg: dict, started: dict) -> Iterator:
     """Each batch as ``(x, y)`` tensors, its shapes, dtypes and label range checked; notes when the
-    first came, and the row's CPU time then."""
+    first came, and the row's CPU time when the first timed one (after the warm-up) came."""
     batch = cfg["batch"]
     want_x = (batch, *cfg["sample_shape"])
     for i, b in enumerate(batches):
         if i == 0:
             started["first"] = time.perf_counter()
+        if i == cfg["warmup"]:
             started["cpu"] = tree_cpu_s()
         x, y = (b["x"], b["y"]) if isinstance(b, dict) else (b[0], b[1])
         x, y = torch.as_tensor(x), torch.as_tensor(y)
@@ -134,7 +142,18 @@ def tree_cpu_s(pid: int | None = None) -> float | None:
 def epochs(make: Callable[[], Iterable]) -> Iterator:
     """A loader's passes, one after another, for as long as the row reads."""
     while True:
-        yield from make()
+        empty = True
+        for batch in make():
+            empty = False
+            yield batch
+        if empty:
+            raise RuntimeError("a pass over the data gave no batch")
+
+
+def warmup_batches(batches: int) -> int:
+    """Batches read before the clock starts: what the loaders may have ready by their first batch
+    (two per DataLoader worker, or ``--inflight`` requests), at most a quarter of the row's."""
+    return min(WARMUP, batches // 4)
 
 
 def _row_main(name: str, root: str, cfg: dict, out) -> None:
@@ -147,12 +166,20 @@ def _row_main(name: str, root: str, cfg: dict, out) -> None:
         make = builders[name](Path(root), work, cfg)  # writes the peer's format, if any
         prepared = time.perf_counter()
         started: dict = {}
-        batches = islice(checked(make(), cfg, started), cfg["batches"])
-        row = measure(name, batches, cfg["batch"], cfg["sample_bytes"])
+        batches = checked(epochs(make), cfg, started)
+        for _ in islice(batches, cfg["warmup"]):  # the batches made ahead while the loader started
+            pass
+        row = measure(name, islice(batches, cfg["batches"] - cfg["warmup"]), cfg["batch"], cfg["sample_bytes"])
         cpu = tree_cpu_s()
-        row.update(status="ok", prepare_s=prepared - t0, startup_s=started["first"] - prepared)
-        if cpu is not None and started["cpu"] is not None:  # the window measure() timed: first to last batch
-            row["cpu_s_per_1k"] = (cpu - started["cpu"]) / ((row["batches"] - 1) * cfg["batch"]) * 1000
+        row.update(
+            status="ok",
+            prepare_s=prepared - t0,
+            startup_s=started["first"] - prepared,
+            timed_batches=row["batches"],
+            batches=row["batches"] + cfg["warmup"],
+        )
+        if cpu is not None and started["cpu"] is not None:  # measure()'s window: first timed batch to last
+            row["cpu_s_per_1k"] = (cpu - started["cpu"]) / ((row["timed_batches"] - 1) * cfg["batch"]) * 1000
         peer_rows.close()
     except BaseException as err:  # noqa: BLE001 - the row reports why it failed; the run goes on
         row = {"path": name, "status": f"failed: {type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
@@ -205,6 +232,7 @@ def run_peers(args) -> dict:
             "batch": args.batch,
             "epochs": args.epochs,
             "batches": len(plan),
+            "warmup": warmup_batches(len(plan)),
             "sample_bytes": sample_bytes,
             "workers": args.workers,
             "inflight": args.inflight,
