@@ -113,8 +113,9 @@ def checked(batches: Iterable, cfg: dict, started: dict) -> Iterator:
 
 
 def tree_cpu_s(pid: int | None = None) -> float | None:
-    """CPU seconds used so far by process ``pid`` (this one) and every live process under it (its
-    loader's workers, its router and provider), from /proc; None where there is no /proc."""
+    """CPU seconds used so far by process ``pid`` (this one) and every process under it (its loader's
+    workers, its router and provider; those that have exited and been waited for too), from /proc;
+    None where there is no /proc."""
     pid = os.getpid() if pid is None else pid
     tick = os.sysconf("SC_CLK_TCK")
     kids: dict[int, list[int]] = {}
@@ -128,9 +129,9 @@ def tree_cpu_s(pid: int | None = None) -> float | None:
             stat = Path(f"/proc/{name}/stat").read_text()
         except OSError:
             continue  # it exited meanwhile
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ... utime, stime
-        kids.setdefault(int(fields[1]), []).append(int(name))
-        cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tick
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, …, utime, stime,
+        kids.setdefault(int(fields[1]), []).append(int(name))  # cutime, cstime (children that have exited:
+        cpu[int(name)] = sum(int(f) for f in fields[11:15]) / tick  # torchdata's workers of the pass before)
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
@@ -159,6 +160,9 @@ def warmup_batches(batches: int) -> int:
 def _row_main(name: str, root: str, cfg: dict, out) -> None:
     """One row, in its own process: prepare the peer's format, read ``cfg['batches']`` batches."""
     try:
+        # as in the user's own script: a process started by spawn defaults to spawn for its children,
+        # which would start torchdata's per-pass workers (and DataLoader's) afresh, imports and all
+        multiprocessing.set_start_method(cfg["start_method"], force=True)
         work = Path(root) / f"row-{name}"
         work.mkdir()
         t0 = time.perf_counter()
@@ -233,6 +237,7 @@ def run_peers(args) -> dict:
             "epochs": args.epochs,
             "batches": len(plan),
             "warmup": warmup_batches(len(plan)),
+            "start_method": multiprocessing.get_start_method(),  # this platform's default, for the rows
             "sample_bytes": sample_bytes,
             "workers": args.workers,
             "inflight": args.inflight,
