@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from benchmarks.peer_jpeg import CLASSES, MEAN, STD, Augment, make_jpegs
-from benchmarks.peers import parse
+from benchmarks.peers import best_of, parse
 from tests.support import busctl
 
 
@@ -59,6 +59,8 @@ def test_values_no_row_can_run_are_refused_in_one_line():
         ["--workload", "images", "--image-size", "0"],
         ["--workload", "images", "--samples", "100", "--batch", "64"],
         ["--workload", "images", "--epochs", "0"],
+        ["--rounds", "0"],
+        ["--rows", "shm,ray"],
     ):
         with pytest.raises(SystemExit) as refused:
             parse(["--peers", *argv])
@@ -66,3 +68,16 @@ def test_values_no_row_can_run_are_refused_in_one_line():
     args = parse(["--peers", "--workload", "images"])
     assert (args.samples, args.batch, args.image_size) == (1024, 64, 224)
     assert (parse(["--peers"]).samples, parse(["--peers"]).batch) == (16384, 256)
+
+
+def test_rounds_keep_each_rows_fastest_and_list_them_all():
+    failed = {"path": "shm", "status": "failed: no result within 300 s"}
+    runs = [
+        {"path": "shm", "status": "ok", "samples_per_s": 300.0, "cpu_s_per_1k": 3.0},
+        failed,
+        {"path": "shm", "status": "ok", "samples_per_s": 400.0, "cpu_s_per_1k": 2.8},
+    ]
+    row = best_of(runs)
+    assert row["samples_per_s"] == 400.0 and row["cpu_s_per_1k"] == 2.8
+    assert row["rounds_samples_per_s"] == [300.0, None, 400.0] and row["rounds_cpu_s_per_1k"] == [3.0, None, 2.8]
+    assert best_of([failed, failed]) == failed
