@@ -34,7 +34,8 @@ Two workloads (``--workload``):
   batches of 64 unless ``--samples``/``--batch`` say otherwise.
 
 Each row also reports the CPU seconds its whole process tree (consumer, workers, provider) spent
-per 1,000 samples over the timed window: on a shared machine that is the steadier figure.
+per 1,000 samples over the timed window: on a shared machine that is the steadier figure. ``cores``
+is that CPU over the window's wall time: the share of the machine the row got.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ def _row_main(name: str, root: str, work_dir: str, cfg: dict, out) -> None:
         )
         if cpu is not None and started["cpu"] is not None:  # measure()'s window: first timed batch to last
             row["cpu_s_per_1k"] = (cpu - started["cpu"]) / ((row["timed_batches"] - 1) * cfg["batch"]) * 1000
+            row["cores"] = row["cpu_s_per_1k"] * row["samples_per_s"] / 1000  # busy on average: the share it got
         peer_rows.close()
     except BaseException as err:  # noqa: BLE001 - the row reports why it failed; the run goes on
         row = {"path": name, "status": f"failed: {type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
@@ -284,6 +286,7 @@ def print_peers(result: dict) -> None:
         "p99 ms",
         "× DL batched",
         "CPU s / 1k",
+        "cores",
         "start-up s",
         "prepare s",
         title=f"{result['samples']} samples ({result['dataset_mb']:.0f} MiB as served), {result['batches']} "
@@ -292,7 +295,7 @@ def print_peers(result: dict) -> None:
     )
     for r in result["rows"]:
         if r["status"] != "ok":
-            table.add_row(r["path"], r["status"].splitlines()[0][:80], *[""] * 7)
+            table.add_row(r["path"], r["status"].splitlines()[0][:80], *[""] * 8)
             continue
         table.add_row(
             r["path"],
@@ -301,7 +304,8 @@ def print_peers(result: dict) -> None:
             f"{r['p50_ms']:.2f}",
             f"{r['p99_ms']:.2f}",
             f"{r['x_dataloader_batched']:.2f}" if "x_dataloader_batched" in r else "—",
-            f"{r['cpu_s_per_1k']:.2f}" if "cpu_s_per_1k" in r else "—",
+            f"{r['cpu_s_per_1k']:.3g}" if "cpu_s_per_1k" in r else "—",
+            f"{r['cores']:.2f}" if "cores" in r else "—",
             f"{r['startup_s']:.2f}",
             f"{r['prepare_s']:.1f}",
         )

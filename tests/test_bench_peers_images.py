@@ -32,7 +32,7 @@ def test_images_workload_decodes_in_a_dataloader_and_on_a_provider(tmp_path):
     for row in rows.values():
         assert row["status"] == "ok", row
         assert row["batches"] == 8 and row["timed_batches"] == 6  # both passes, the first two untimed
-        assert row["samples_per_s"] > 0 and row["cpu_s_per_1k"] >= 0
+        assert row["samples_per_s"] > 0 and row["cpu_s_per_1k"] >= 0 and row["cores"] >= 0
     assert "workload images" in run.stdout
 
 
