@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.delivery import SEED, batch_plan, loader_batches
+from benchmarks.delivery import SEED, batch_plan
 from benchmarks.peer_jpeg import Augment, image_files
-from benchmarks.peer_rows import Make, on_close
+from benchmarks.peer_rows import Make, batches_of_loader, on_close, workers
 from libbus.auth import ensure_secret, issue_token
 from libbus.loader import RemoteLoader
 from services.launch import ServiceProcs
@@ -79,8 +79,7 @@ def dataloader(root: Path, work: Path, cfg: dict) -> Make:
         batch_size=cfg["batch"],
         shuffle=True,
         drop_last=True,
-        num_workers=cfg["workers"],
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
         generator=torch.Generator().manual_seed(SEED),
     )
     return lambda: loader
@@ -91,8 +90,7 @@ def dataloader_batched(root: Path, work: Path, cfg: dict) -> Make:
         JpegBatches(image_files(_tree(root)), cfg["image_size"]),
         batch_size=None,
         sampler=batch_plan(cfg["samples"], cfg["batch"], 1),
-        num_workers=cfg["workers"],
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
     )
     return lambda: loader
 
@@ -121,9 +119,8 @@ def mosaic(root: Path, work: Path, cfg: dict) -> Make:
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_size=cfg["batch"],
-        num_workers=cfg["workers"],
         drop_last=True,
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
     )
     return lambda: loader
 
@@ -165,9 +162,8 @@ def litdata(root: Path, work: Path, cfg: dict) -> Make:
     loader = ld.StreamingDataLoader(
         dataset,
         batch_size=cfg["batch"],
-        num_workers=cfg["workers"],
         drop_last=True,
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
     )
     return lambda: loader
 
@@ -199,7 +195,7 @@ def webdataset(root: Path, work: Path, cfg: dict) -> Make:
         .map(partial(_wds_decode, size=cfg["image_size"]))
         .batched(cfg["batch"], partial=False)
     )
-    loader = wds.WebLoader(dataset, batch_size=None, num_workers=cfg["workers"], persistent_workers=cfg["workers"] > 0)
+    loader = wds.WebLoader(dataset, batch_size=None, **workers(cfg))
     return lambda: loader
 
 
@@ -277,10 +273,7 @@ def _batchbus(shm: bool) -> Callable[[Path, Path, dict], Make]:
             inflight=cfg["inflight"],
             shm=shm,
         )
-        on_close(loader.close)
-        if loader.transport != ("shm" if shm else "socket"):
-            raise RuntimeError(f"expected the {'shm' if shm else 'socket'} path, the loader chose {loader.transport}")
-        return lambda: loader_batches(loader, 1)
+        return batches_of_loader(loader, shm)
 
     return build
 

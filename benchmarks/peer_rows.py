@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.delivery import SAMPLE_SHAPE, SEED, NpyBatches, Services, batch_plan, loader_batches
 
-__all__ = ["BUILDERS", "Make", "close", "on_close", "streaming_without_torchvision"]
+__all__ = ["BUILDERS", "Make", "batches_of_loader", "close", "on_close", "streaming_without_torchvision", "workers"]
 
 Make = Callable[[], Iterable]
 #: What a row must close when it is done (the batchbus loader, then its services), last first.
@@ -33,6 +33,19 @@ def on_close(fn: Callable[[], None]) -> None:
 def close() -> None:
     while _open:
         _open.pop()()
+
+
+def workers(cfg: dict) -> dict:
+    """The worker options every row's loader takes: ``--workers`` processes, kept across passes."""
+    return {"num_workers": cfg["workers"], "persistent_workers": cfg["workers"] > 0}
+
+
+def batches_of_loader(loader, shm: bool) -> Make:
+    """A batchbus row's passes: checks the loader took the path the row is named after."""
+    on_close(loader.close)
+    if loader.transport != ("shm" if shm else "socket"):
+        raise RuntimeError(f"expected the {'shm' if shm else 'socket'} path, the loader chose {loader.transport}")
+    return lambda: loader_batches(loader, 1)
 
 
 def _arrays(root: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -68,8 +81,7 @@ def dataloader(root: Path, work: Path, cfg: dict) -> Make:
         batch_size=cfg["batch"],
         shuffle=True,
         drop_last=True,
-        num_workers=cfg["workers"],
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
         generator=torch.Generator().manual_seed(SEED),
     )
     return lambda: loader
@@ -81,8 +93,7 @@ def dataloader_batched(root: Path, work: Path, cfg: dict) -> Make:
         NpyBatches(root),
         batch_size=None,
         sampler=plan,
-        num_workers=cfg["workers"],
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
     )
     return lambda: loader
 
@@ -131,9 +142,8 @@ def mosaic(root: Path, work: Path, cfg: dict) -> Make:
     loader = torch.utils.data.DataLoader(
         MosaicSamples(dataset),
         batch_size=cfg["batch"],
-        num_workers=cfg["workers"],
         drop_last=True,
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
     )
     return lambda: loader
 
@@ -163,9 +173,8 @@ def litdata(root: Path, work: Path, cfg: dict) -> Make:
     loader = ld.StreamingDataLoader(
         dataset,
         batch_size=cfg["batch"],
-        num_workers=cfg["workers"],
         drop_last=True,
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
     )
     return lambda: loader
 
@@ -198,7 +207,7 @@ def webdataset(root: Path, work: Path, cfg: dict) -> Make:
         .batched(cfg["batch"], partial=False)
     )
     # each worker reads whole shards: the pass is the workers' shards together
-    loader = wds.WebLoader(dataset, batch_size=None, num_workers=cfg["workers"], persistent_workers=cfg["workers"] > 0)
+    loader = wds.WebLoader(dataset, batch_size=None, **workers(cfg))
     return lambda: loader
 
 
@@ -237,11 +246,7 @@ def _batchbus(shm: bool) -> Callable[[Path, Path, dict], Make]:
     def build(root: Path, work: Path, cfg: dict) -> Make:
         services = Services(root, work / "state")
         on_close(services.stop)
-        loader = services.loader("ram", cfg["batch"], cfg["inflight"], shm=shm)
-        on_close(loader.close)
-        if loader.transport != ("shm" if shm else "socket"):
-            raise RuntimeError(f"expected the {'shm' if shm else 'socket'} path, the loader chose {loader.transport}")
-        return lambda: loader_batches(loader, 1)
+        return batches_of_loader(services.loader("ram", cfg["batch"], cfg["inflight"], shm=shm), shm)
 
     return build
 

@@ -59,7 +59,6 @@ import torch
 
 from benchmarks import peer_rows
 from benchmarks.delivery import SAMPLE_SHAPE, batch_plan, make_dataset, measure, parser
-from benchmarks.peer_jpeg import CLASSES, make_jpegs
 
 __all__ = ["ROWS", "WORKLOADS", "main", "run_peers", "print_peers"]
 
@@ -237,6 +236,8 @@ def run_peers(args) -> dict:
     root = Path(tempfile.mkdtemp(prefix="batchbus-peers-"))
     try:
         if args.workload == "images":
+            from benchmarks.peer_jpeg import CLASSES, make_jpegs  # noqa: PLC0415 - Pillow: the images workload's
+
             make_jpegs(root / "images", args.samples, args.image_side)
             shape, classes = (3, args.image_size, args.image_size), CLASSES
         else:
