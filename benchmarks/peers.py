@@ -35,7 +35,8 @@ Two workloads (``--workload``):
 
 Each row also reports the CPU seconds its whole process tree (consumer, workers, provider) spent
 per 1,000 samples over the timed window: on a shared machine that is the steadier figure. ``cores``
-is that CPU over the window's wall time: the share of the machine the row got.
+is that CPU over the window's wall time: the share of the machine the row got, and
+``x_dataloader_batched_per_cpu`` the row's samples per CPU-second over the batched DataLoader's.
 """
 
 from __future__ import annotations
@@ -268,11 +269,19 @@ def run_peers(args) -> dict:
         rows = [best_of(runs[name]) for name in names]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    add_ratios(rows)
+    return {**cfg, "dataset_mb": args.samples * sample_bytes / 2**20, "rows": rows}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each row that ran against ``dataloader-batched``: in samples/s and, where both rows' CPU was
+    measurable (a tick is 10 ms), in samples per CPU-second."""
     base = next((r for r in rows if r["path"] == "dataloader-batched" and r["status"] == "ok"), None)
     for r in rows:
         if base is not None and r["status"] == "ok":
             r["x_dataloader_batched"] = r["samples_per_s"] / base["samples_per_s"]
-    return {**cfg, "dataset_mb": args.samples * sample_bytes / 2**20, "rows": rows}
+            if r.get("cpu_s_per_1k") and base.get("cpu_s_per_1k"):
+                r["x_dataloader_batched_per_cpu"] = base["cpu_s_per_1k"] / r["cpu_s_per_1k"]
 
 
 def print_peers(result: dict) -> None:
@@ -287,6 +296,7 @@ def print_peers(result: dict) -> None:
         "p99 ms",
         "× DL batched",
         "CPU s / 1k",
+        "per CPU × DL b.",
         "cores",
         "start-up s",
         "prepare s",
@@ -296,7 +306,7 @@ def print_peers(result: dict) -> None:
     )
     for r in result["rows"]:
         if r["status"] != "ok":
-            table.add_row(r["path"], r["status"].splitlines()[0][:80], *[""] * 8)
+            table.add_row(r["path"], r["status"].splitlines()[0][:80], *[""] * 9)
             continue
         table.add_row(
             r["path"],
@@ -306,6 +316,7 @@ def print_peers(result: dict) -> None:
             f"{r['p99_ms']:.2f}",
             f"{r['x_dataloader_batched']:.2f}" if "x_dataloader_batched" in r else "—",
             f"{r['cpu_s_per_1k']:.3g}" if "cpu_s_per_1k" in r else "—",
+            f"{r['x_dataloader_batched_per_cpu']:.2f}" if "x_dataloader_batched_per_cpu" in r else "—",
             f"{r['cores']:.2f}" if "cores" in r else "—",
             f"{r['startup_s']:.2f}",
             f"{r['prepare_s']:.1f}",

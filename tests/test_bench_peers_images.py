@@ -7,18 +7,18 @@ import pytest
 from PIL import Image
 
 from benchmarks.peer_jpeg import CLASSES, MEAN, STD, Augment, make_jpegs
-from benchmarks.peers import best_of, parse
+from benchmarks.peers import add_ratios, best_of, parse
 from tests.support import busctl
 
 
 @pytest.mark.timeout(180)
 def test_images_workload_decodes_in_a_dataloader_and_on_a_provider(tmp_path):
-    """Two rows (the peers' per-sample DataLoader in-process, batchbus's shm ring from a provider
+    """Two rows (the batched DataLoader in-process, batchbus's shm ring from a provider
     running the ImageNet train pipeline), tiny JPEGs, two passes of four batches read back to back:
     every batch checked for its shape, dtype and labels before it counts."""
     out = tmp_path / "peers.json"
     run = busctl(
-        "bench", "--peers", "--workload", "images", "--rows", "dataloader,shm",
+        "bench", "--peers", "--workload", "images", "--rows", "dataloader-batched,shm",
         "--samples", "16", "--batch", "4", "--epochs", "2", "--workers", "0",
         "--image-size", "16", "--image-side", "40", "--json", str(out),
         timeout=170,
@@ -28,11 +28,12 @@ def test_images_workload_decodes_in_a_dataloader_and_on_a_provider(tmp_path):
     assert result["workload"] == "images" and result["sample_shape"] == [3, 16, 16]
     assert result["batches"] == 8 and result["warmup"] == 2
     rows = {r["path"]: r for r in result["rows"]}
-    assert list(rows) == ["dataloader", "shm"]
+    assert list(rows) == ["dataloader-batched", "shm"]
     for row in rows.values():
         assert row["status"] == "ok", row
         assert row["batches"] == 8 and row["timed_batches"] == 6  # both passes, the first two untimed
         assert row["samples_per_s"] > 0 and row["cpu_s_per_1k"] >= 0 and row["cores"] >= 0
+    assert rows["dataloader-batched"]["x_dataloader_batched"] == 1.0 and rows["shm"]["x_dataloader_batched"] > 0
     assert "workload images" in run.stdout
 
 
@@ -81,3 +82,18 @@ def test_rounds_keep_each_rows_fastest_and_list_them_all():
     assert row["samples_per_s"] == 400.0 and row["cpu_s_per_1k"] == 2.8
     assert row["rounds_samples_per_s"] == [300.0, None, 400.0] and row["rounds_cpu_s_per_1k"] == [3.0, None, 2.8]
     assert best_of([failed, failed]) == failed
+
+
+def test_ratios_to_the_batched_dataloader_in_wall_time_and_in_cpu():
+    rows = [
+        {"path": "dataloader-batched", "status": "ok", "samples_per_s": 200.0, "cpu_s_per_1k": 3.0},
+        {"path": "shm", "status": "ok", "samples_per_s": 300.0, "cpu_s_per_1k": 2.5},
+        {"path": "socket", "status": "ok", "samples_per_s": 100.0, "cpu_s_per_1k": 0.0},  # under a tick
+        {"path": "mosaic", "status": "not installed (make install-bench)"},
+    ]
+    add_ratios(rows)
+    base, shm, socket, mosaic = rows
+    assert base["x_dataloader_batched"] == 1.0 and base["x_dataloader_batched_per_cpu"] == 1.0
+    assert shm["x_dataloader_batched"] == 1.5 and shm["x_dataloader_batched_per_cpu"] == 1.2
+    assert socket["x_dataloader_batched"] == 0.5 and "x_dataloader_batched_per_cpu" not in socket
+    assert "x_dataloader_batched" not in mosaic
