@@ -47,6 +47,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -162,6 +163,7 @@ def _row_main(name: str, root: str, work_dir: str, cfg: dict, out) -> None:
     """One row, in its own process: prepare the peer's format under ``work_dir``, read
     ``cfg['batches']`` batches."""
     try:
+        os.setpgrp()  # a group of its own: what it starts can be ended with it (run_row)
         # as in the user's own script: a process started by spawn defaults to spawn for its children,
         # which would start torchdata's per-pass workers (and DataLoader's) afresh, imports and all
         multiprocessing.set_start_method(cfg["start_method"], force=True)
@@ -186,9 +188,13 @@ def _row_main(name: str, root: str, work_dir: str, cfg: dict, out) -> None:
         if cpu is not None and started["cpu"] is not None:  # measure()'s window: first timed batch to last
             row["cpu_s_per_1k"] = (cpu - started["cpu"]) / ((row["timed_batches"] - 1) * cfg["batch"]) * 1000
             row["cores"] = row["cpu_s_per_1k"] * row["samples_per_s"] / 1000  # busy on average: the share it got
-        peer_rows.close()
     except BaseException as err:  # noqa: BLE001 - the row reports why it failed; the run goes on
         row = {"path": name, "status": f"failed: {type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+    finally:
+        try:
+            peer_rows.close()  # a failed batchbus row too: its router and provider are processes of their own
+        except Exception as err:  # noqa: BLE001 - the row's result is what the run needs
+            print(f"{name}: closing: {type(err).__name__}: {err}", file=sys.stderr)
     out.put(row)
 
 
@@ -206,16 +212,29 @@ def run_row(name: str, root: Path, cfg: dict, timeout_s: float) -> dict:
     work = tempfile.mkdtemp(prefix=f"row-{name}-", dir=root)  # the peer's format: gone when the row is
     proc = ctx.Process(target=_row_main, args=(name, str(root), work, cfg, out))  # not daemonic: it has workers
     proc.start()
+    answered = False
     try:
         row = out.get(timeout=timeout_s)
+        answered = True
     except Exception:  # noqa: BLE001 - queue.Empty, or the process died before it answered
         row = {"path": name, "status": f"failed: no result within {timeout_s:.0f} s (exit code {proc.exitcode})"}
-    proc.join(30)
-    if proc.is_alive():
-        proc.kill()
+    finally:  # given up, or this run interrupted (Ctrl-C): the row and all it started go at once
+        proc.join(30 if answered else 0)
+        if proc.is_alive() or not answered:
+            _kill_group(proc.pid)
+            if proc.is_alive():  # killed before it made its group
+                proc.kill()
         proc.join()
-    shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     return row
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the row's process group: the row, its loader's workers, its router and provider."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # all gone already
 
 
 def best_of(runs: list[dict]) -> dict:

@@ -1,6 +1,9 @@
 """`busctl bench --peers --workload images`: JPEGs decoded and augmented in every row, rows written as JSON."""
 
 import json
+import os
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,3 +100,30 @@ def test_ratios_to_the_batched_dataloader_in_wall_time_and_in_cpu():
     assert shm["x_dataloader_batched"] == 1.5 and shm["x_dataloader_batched_per_cpu"] == 1.2
     assert socket["x_dataloader_batched"] == 0.5 and "x_dataloader_batched_per_cpu" not in socket
     assert "x_dataloader_batched" not in mosaic
+
+
+@pytest.mark.timeout(120)
+def test_a_row_given_up_leaves_no_process_behind(tmp_path):
+    """A row past --row-timeout is killed with everything it started (its router and provider are
+    processes of their own), and the run goes on to write its rows."""
+    out = tmp_path / "peers.json"
+    run = busctl(
+        "bench", "--peers", "--workload", "images", "--rows", "shm",
+        "--samples", "64", "--batch", "8", "--epochs", "400", "--row-timeout", "8", "--json", str(out),
+        env={"TMPDIR": str(tmp_path)}, timeout=100,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"].startswith("failed: no result within 8 s"), row
+    time.sleep(0.5)
+    assert not [cmd for cmd in _command_lines() if str(tmp_path) in cmd]
+
+
+def _command_lines() -> list[str]:
+    lines = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return lines
