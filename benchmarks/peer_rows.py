@@ -18,16 +18,34 @@ import torch
 
 from benchmarks.delivery import SAMPLE_SHAPE, SEED, NpyBatches, Services, batch_plan, loader_batches
 
-__all__ = ["BUILDERS", "close"]
+__all__ = ["BUILDERS", "Make", "batches_of_loader", "close", "on_close", "streaming_without_torchvision", "workers"]
 
 Make = Callable[[], Iterable]
 #: What a row must close when it is done (the batchbus loader, then its services), last first.
 _open: list[Callable[[], None]] = []
 
 
+def on_close(fn: Callable[[], None]) -> None:
+    """Have :func:`close` call ``fn`` when the row is done (after what was registered later)."""
+    _open.append(fn)
+
+
 def close() -> None:
     while _open:
         _open.pop()()
+
+
+def workers(cfg: dict) -> dict:
+    """The worker options every row's loader takes: ``--workers`` processes, kept across passes."""
+    return {"num_workers": cfg["workers"], "persistent_workers": cfg["workers"] > 0}
+
+
+def batches_of_loader(loader, shm: bool) -> Make:
+    """A batchbus row's passes: checks the loader took the path the row is named after."""
+    on_close(loader.close)
+    if loader.transport != ("shm" if shm else "socket"):
+        raise RuntimeError(f"expected the {'shm' if shm else 'socket'} path, the loader chose {loader.transport}")
+    return lambda: loader_batches(loader, 1)
 
 
 def _arrays(root: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -63,8 +81,7 @@ def dataloader(root: Path, work: Path, cfg: dict) -> Make:
         batch_size=cfg["batch"],
         shuffle=True,
         drop_last=True,
-        num_workers=cfg["workers"],
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
         generator=torch.Generator().manual_seed(SEED),
     )
     return lambda: loader
@@ -76,8 +93,7 @@ def dataloader_batched(root: Path, work: Path, cfg: dict) -> Make:
         NpyBatches(root),
         batch_size=None,
         sampler=plan,
-        num_workers=cfg["workers"],
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
     )
     return lambda: loader
 
@@ -85,7 +101,7 @@ def dataloader_batched(root: Path, work: Path, cfg: dict) -> Make:
 # -- MosaicML Streaming ---------------------------------------------------------------------------------
 
 
-def _streaming_without_torchvision() -> None:
+def streaming_without_torchvision() -> None:
     """Let ``import streaming`` skip its ``vision``/``text``/``multimodal`` dataset classes: they
     import torchvision, which has no CPU build for this torch (the row needs only ``streaming.base``).
     Done when this module is imported: in the row's process and in the DataLoader workers Streaming
@@ -97,7 +113,7 @@ def _streaming_without_torchvision() -> None:
         sys.modules.setdefault(f"streaming.{sub}", types.ModuleType(f"streaming.{sub}"))
 
 
-_streaming_without_torchvision()
+streaming_without_torchvision()
 
 
 class MosaicSamples(torch.utils.data.IterableDataset):
@@ -126,9 +142,8 @@ def mosaic(root: Path, work: Path, cfg: dict) -> Make:
     loader = torch.utils.data.DataLoader(
         MosaicSamples(dataset),
         batch_size=cfg["batch"],
-        num_workers=cfg["workers"],
         drop_last=True,
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
     )
     return lambda: loader
 
@@ -158,9 +173,8 @@ def litdata(root: Path, work: Path, cfg: dict) -> Make:
     loader = ld.StreamingDataLoader(
         dataset,
         batch_size=cfg["batch"],
-        num_workers=cfg["workers"],
         drop_last=True,
-        persistent_workers=cfg["workers"] > 0,
+        **workers(cfg),
     )
     return lambda: loader
 
@@ -193,7 +207,7 @@ def webdataset(root: Path, work: Path, cfg: dict) -> Make:
         .batched(cfg["batch"], partial=False)
     )
     # each worker reads whole shards: the pass is the workers' shards together
-    loader = wds.WebLoader(dataset, batch_size=None, num_workers=cfg["workers"], persistent_workers=cfg["workers"] > 0)
+    loader = wds.WebLoader(dataset, batch_size=None, **workers(cfg))
     return lambda: loader
 
 
@@ -231,12 +245,8 @@ def torchdata(root: Path, work: Path, cfg: dict) -> Make:
 def _batchbus(shm: bool) -> Callable[[Path, Path, dict], Make]:
     def build(root: Path, work: Path, cfg: dict) -> Make:
         services = Services(root, work / "state")
-        _open.append(services.stop)
-        loader = services.loader("ram", cfg["batch"], cfg["inflight"], shm=shm)
-        _open.append(loader.close)
-        if loader.transport != ("shm" if shm else "socket"):
-            raise RuntimeError(f"expected the {'shm' if shm else 'socket'} path, the loader chose {loader.transport}")
-        return lambda: loader_batches(loader, 1)
+        on_close(services.stop)
+        return batches_of_loader(services.loader("ram", cfg["batch"], cfg["inflight"], shm=shm), shm)
 
     return build
 

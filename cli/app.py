@@ -63,7 +63,8 @@ def bench(ctx: typer.Context) -> None:
     """Same-host delivery benchmark: shm ring vs socket vs DataLoader vs raw pyzmq vs memcpy.
 
     ``--peers``: the same samples and batches through torch's DataLoader, MosaicML Streaming,
-    Lightning litData, WebDataset and torchdata.nodes beside batchbus (``make install-bench``).
+    Lightning litData, WebDataset and torchdata.nodes beside batchbus (``make install-bench``);
+    ``--workload images`` decodes and augments JPEGs in every row (``--image-size``, ``--image-side``).
 
     Options are the benchmark's own (``busctl bench -h`` lists them); ``--json FILE``
     writes the results.

@@ -102,9 +102,7 @@ def test_bench_peers_writes_a_row_for_every_loader_asked_for(tmp_path):
             assert row["batches"] == 8 and row["samples_per_s"] > 0
 
 
-def test_bench_peers_refuses_unknown_rows_and_workloads():
+def test_bench_peers_refuses_unknown_rows():
     run = busctl("bench", "--peers", "--rows", "dataloader,ray")
     assert run.returncode != 0 and "unknown row(s) ray" in run.stderr
-    run = busctl("bench", "--peers", "--workload", "images")
-    assert run.returncode != 0 and "not available yet" in run.stderr
     assert "Traceback" not in run.stderr
