@@ -107,12 +107,24 @@ def print_datasets(rows: list[dict]) -> None:
                 + " -> ".join(f"{s['name']} ({s['type']})" for s in info["stages"][1:])
             )
         console.print(f"  splits     {_splits(info)}")
+        if info.get("pack"):
+            console.print(f"  packing    {_packing(info['pack'])}")
         fields = _fields(info)
         if fields is not None:
             console.print(f"  fields     {', '.join(f.describe() for f in fields)}")
         if fields is None or is_xy(fields):
             console.print(f"  samples    {tuple(info.get('sample_shape', []))} {info.get('dtype', '?')}")
             console.print(f"  labels     {_labels(info)}")
+
+
+def _packing(pack: dict) -> str:
+    """A joining ``pack`` stage's index (docs/datasets.md §9.4): per split, documents → samples."""
+    splits = "; ".join(
+        f"{split} {v['documents']:,} documents, {v['tokens']:,} tokens -> {v['samples']:,} samples"
+        + (f" ({v['dropped']:,} tokens left over)" if v.get("dropped") else "")
+        for split, v in pack.get("splits", {}).items()
+    )
+    return f"documents joined into samples of {pack['length'] + 1} tokens: {splits}"
 
 
 def _fields(info: dict) -> list | None:

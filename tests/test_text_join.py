@@ -1,6 +1,7 @@
 """``pack = { length = L, join = true }``: every document's tokens and its ``</s>``, concatenated and cut into
 samples of ``L + 1`` tokens, addressable by index in any order, and refused where it cannot work."""
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -11,6 +12,7 @@ from tokenizers import Tokenizer
 from libbus.errors import ConfigError, DatasetError
 from services.provider.sources import open_source
 from services.provider.sources.pipeline.text_join import JoinIndex
+from tests.support.busctl import busctl_in_process
 from tests.support.httpd import RangeServer
 from tests.support.images import shard_members, tar_bytes
 from tests.support.text import document, text_pipeline, train_tiny_lm, write_parquet_text, write_text, write_tokenizer
@@ -146,10 +148,23 @@ def test_join_needs_token_lists_per_sample_and_a_document_changed_after_open_fai
     source.close()
 
 
-def test_a_job_trains_tiny_lm_on_joined_text_and_its_loss_falls(tmp_path, router, start_provider, trainer, client_for):
+def test_a_job_trains_tiny_lm_on_joined_text_and_its_loss_falls(
+    tmp_path, router, start_provider, trainer, client_for, state_dir
+):
     root = write_text(tmp_path / "text", train=256, test=64)
     admin = client_for(router.endpoint, role="admin")
     result = train_tiny_lm(tmp_path, f"file://{root}?encoded=1", start_provider, admin, epochs=2, join=True)
+    # the operator sees the packing: documents and tokens per split, and how many samples they make
+    env = {"BATCHBUS_ROUTER": router.endpoint, "BATCHBUS_STATE_DIR": str(state_dir)}
+    code, out, err = busctl_in_process("datasets", env=env)
+    assert code == 0, err
+    found = re.search(
+        r"packing    documents joined into samples of 25 tokens: train ([\d,]+) documents, ([\d,]+) tokens -> ([\d,]+) samples",
+        out,
+    )
+    assert found, out
+    documents, tokens, samples = (int(g.replace(",", "")) for g in found.groups())
+    assert samples == tokens // 25 and f"splits     train {samples}," in out and documents > 200, out
     history = result["history"]
     # untrained: about log(19) = 2.94 nats; only a document's first word and its end are not determined
     assert history[0]["train_loss"] > result["val_loss"] + 0.5
