@@ -46,51 +46,55 @@ class _Handler(BaseHTTPRequestHandler):
             drop = rng is not None and owner.drops > 0
             if drop:
                 owner.drops -= 1
-        try:
+        try:  # in flight until its delay ends, before any byte of the answer goes (see s3server._forward)
             if owner.delay_s:
                 time.sleep(owner.delay_s)
-            if drop:  # hang up without a word, as a dying load balancer does
-                self.close_connection = True
-                self.connection.shutdown(socket.SHUT_RDWR)
-                return
-            for old, new in owner.redirects.items():
-                if self.path.startswith(old):
-                    self.send_response(302)
-                    self.send_header("Location", new + self.path[len(old) :])
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-            path = owner.root / self.path.split("?")[0].lstrip("/")
-            if not path.is_file():
-                self._reply(404, b"not found\n")
-                return
-            if head and owner.no_head:
-                self._reply(405, b"")
-                return
-            size = path.stat().st_size
-            match = RANGE.fullmatch(rng or "")
-            if match is None or owner.no_ranges:
-                etag = f'"{path.stat().st_mtime_ns:x}-{size:x}"'  # what a real server derives it from
-                self._reply(200, b"" if head else path.read_bytes(), length=size, etag=etag)
-                return
-            a, b = int(match.group(1)), min(int(match.group(2)), size - 1)
-            with path.open("rb") as f:
-                f.seek(a)
-                body = f.read(b + 1 - a)
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {a}-{b}/{size}")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if owner.short_body:  # promise the range, send half of it, hang up
-                self.wfile.write(body[: len(body) // 2])
-                self.wfile.flush()
-                self.close_connection = True
-                self.connection.shutdown(socket.SHUT_RDWR)
-                return
-            self.wfile.write(body)
         finally:
             with self.server.lock:
                 owner.inflight -= 1
+        self._answer(rng, drop, head)
+
+    def _answer(self, rng: str | None, drop: bool, head: bool) -> None:
+        owner = self.server.owner
+        if drop:  # hang up without a word, as a dying load balancer does
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        for old, new in owner.redirects.items():
+            if self.path.startswith(old):
+                self.send_response(302)
+                self.send_header("Location", new + self.path[len(old) :])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+        path = owner.root / self.path.split("?")[0].lstrip("/")
+        if not path.is_file():
+            self._reply(404, b"not found\n")
+            return
+        if head and owner.no_head:
+            self._reply(405, b"")
+            return
+        size = path.stat().st_size
+        match = RANGE.fullmatch(rng or "")
+        if match is None or owner.no_ranges:
+            etag = f'"{path.stat().st_mtime_ns:x}-{size:x}"'  # what a real server derives it from
+            self._reply(200, b"" if head else path.read_bytes(), length=size, etag=etag)
+            return
+        a, b = int(match.group(1)), min(int(match.group(2)), size - 1)
+        with path.open("rb") as f:
+            f.seek(a)
+            body = f.read(b + 1 - a)
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {a}-{b}/{size}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if owner.short_body:  # promise the range, send half of it, hang up
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        self.wfile.write(body)
 
     def _reply(self, status: int, body: bytes, length: int | None = None, etag: str | None = None) -> None:
         self.send_response(status)

@@ -64,18 +64,21 @@ class _Proxy(BaseHTTPRequestHandler):
             fault = (
                 owner.faults.pop(0) if owner.faults and self.command == "GET" and self.headers.get("Range") else None
             )
+            # In flight from its arrival to the end of its delay, before any byte of the answer goes:
+            # a client that has its whole answer (and may send its next request) never still counts
+            # here, so the most at once is never more than the client really had out.
             owner.inflight += 1
             owner.max_inflight = max(owner.max_inflight, owner.inflight)
         try:
-            self._answer(body, fault)
+            if owner.delay_s:
+                time.sleep(owner.delay_s)
         finally:
             with owner.lock:
                 owner.inflight -= 1
+        self._answer(body, fault)
 
     def _answer(self, body: bytes, fault) -> None:
         owner = self.server.owner
-        if owner.delay_s:
-            time.sleep(owner.delay_s)
         if fault == "drop":
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
@@ -115,7 +118,8 @@ class S3Server:
 
     Faults, settable while it runs: ``faults`` (answers for the next ranged GETs, in order: ``(status,
     code)`` such as ``(503, "SlowDown")``, or ``"drop"`` to hang up), ``delay_s`` (every request).
-    ``max_inflight``: the most requests it answered at once (reset it to measure).
+    ``max_inflight``: the most requests it held at once, each from its arrival to the end of its delay (reset
+    it to measure).
     """
 
     def __init__(self):
