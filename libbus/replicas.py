@@ -91,10 +91,10 @@ def entry_of(provider: str | dict) -> dict:
 def entries_of(providers: list) -> list[dict]:
     """Providers as ``Resolved`` entries, one per endpoint: a provider listed twice (a reconnected
     one whose old session a router has not yet let go, or a list given twice) is one replica, not
-    two connections that would fight over one ring. The later listing wins (the newer session)."""
-    by_endpoint = {}
+    two connections that would fight over one ring. The later listing wins (the newer session), in
+    the first one's place."""
+    by_endpoint: dict[str, dict] = {}
     for entry in map(entry_of, providers):
-        by_endpoint.pop(entry["endpoint"], None)
         by_endpoint[entry["endpoint"]] = entry
     return list(by_endpoint.values())
 

@@ -261,27 +261,27 @@ class RouterHandler(Decisions, Handler):
         # (its router link went silent for a moment) has an old session here until it expires.
         # The order stays the order providers registered in (a trainer and a script resolving
         # at different moments see the same list).
-        providers: dict[str, dict] = {}
-        heard: dict[str, float] = {}
-        info = None
+        latest: dict[str, Session] = {}
         for peer in self._serving.get(name, {}).values():
-            datasets = peer.hello.caps["datasets"]
             endpoint = peer.hello.caps["endpoint"]
-            if name in datasets and peer.last_seen >= heard.get(endpoint, 0.0):
-                info = info or datasets[name]
-                heard[endpoint] = peer.last_seen
-                providers[endpoint] = {
-                    "name": peer.name,
-                    "endpoint": endpoint,
-                    "host_id": peer.hello.host_id,
-                    "curve_key": str(peer.hello.caps.get("curve_key") or ""),
-                }
+            if endpoint not in latest or peer.last_seen >= latest[endpoint].last_seen:
+                latest[endpoint] = peer  # (a dict keeps the key's first place)
+        providers = [
+            {
+                "name": peer.name,
+                "endpoint": endpoint,
+                "host_id": peer.hello.host_id,
+                "curve_key": str(peer.hello.caps.get("curve_key") or ""),
+            }
+            for endpoint, peer in latest.items()
+        ]
         if not providers:
             online = sorted({f"{d} ({p.name})" for p in self.sessions_of("provider") for d in p.hello.caps["datasets"]})
             raise NotFound(
                 f"dataset {name!r} is not served by any provider; online: {', '.join(online) or 'no providers'}"
             )
-        return Resolved(dataset=name, info=info, providers=list(providers.values()))
+        info = next(iter(latest.values())).hello.caps["datasets"][name]  # the first registered's
+        return Resolved(dataset=name, info=info, providers=providers)
 
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
         spec = JobSpec.from_dict(msg.spec)
