@@ -65,6 +65,7 @@ class Claims:
     jti: str
     scopes: dict = field(default_factory=dict)
     iss: str = ""
+    nbf: float | None = None  # not valid before (None: valid from ``iat``)
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) > self.exp + LEEWAY_S
@@ -196,6 +197,10 @@ def verify_token(
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise AuthInvalid(f"token claim {name!r} must be a list of strings, got {value!r}")
             scopes[name] = value
+    try:
+        nbf = None if raw.get("nbf") is None else float(raw["nbf"])
+    except (TypeError, ValueError) as err:
+        raise AuthInvalid("invalid token: Not Before claim (nbf) must be a number") from err
     return Claims(
         sub=str(raw["sub"]),
         role=role,
@@ -205,6 +210,7 @@ def verify_token(
         jti=str(raw["jti"]),
         scopes=scopes,
         iss=str(raw["iss"]),
+        nbf=nbf,
     )
 
 

@@ -29,16 +29,16 @@ import zmq
 
 from . import constants as C
 from .admission import TokenAuthenticator, admit_server
-from .auth import Claims, verify_token
 from .backlog import Backlogs
 from .constants import POLL_MS
 from .curve import KeyAuthenticator, secure_server
-from .errors import AuthExpired, AuthInvalid, AuthRequired, BadRequest, BusError, Forbidden, Internal, Unavailable
+from .errors import AuthExpired, AuthRequired, BadRequest, BusError, Forbidden, Internal, Unavailable
 from .handler import Handler, ServerConfig
 from .messages import Goodbye, Heartbeat, Hello, Message, Welcome, decode, error_reply, request_id_of
 from .schema import check_stored
 from .sessions import Session, SessionTable, check_labels, frame_property, is_local_peer
 from .sockets import make_socket, send_message, send_tracked
+from .tokencheck import TokenCheck
 
 __all__ = ["Session", "Handler", "Server", "ServerConfig", "is_local_peer"]
 
@@ -59,8 +59,11 @@ class Server:
         self._own_ctx = config.curve is not None or config.handshake_auth
         self.ctx = zmq.Context() if self._own_ctx else (ctx or zmq.Context.instance())
         self._auth: KeyAuthenticator | TokenAuthenticator | None = None
-        #: ``jti``s refused at Hello and whose sessions are closed (set from any thread).
-        self._revoked: frozenset[str] = frozenset()
+        #: Token checks at the handshake and at Hello; ``tokens.revoked``: the ``jti``s refused there
+        #: and whose sessions are closed (set from any thread, see :meth:`set_revoked`).
+        self.tokens = TokenCheck(
+            config.secret, audience=config.audience, issuer=config.issuer or None, algorithm=config.algorithm
+        )
         self._revoked_changed = False
         self.table = SessionTable(config.sessions_per_subject)
         self.counters: Counter = Counter()
@@ -71,6 +74,7 @@ class Server:
         #: Replies this large are tracked until they leave (None: the byte bound is off).
         self._track_min = C.TRACK_MIN_BYTES if config.session_unsent_bytes > 0 else None
         self._last_beat = 0.0
+        self._last_expiry = 0.0
         self._held: list[tuple[bytes, Message]] | None = None  # this turn's replies, sent after the flush
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -86,7 +90,7 @@ class Server:
                 raise
             secure_server(sock, self.config.curve)
         elif self.config.handshake_auth:
-            self._auth = TokenAuthenticator(self.ctx, self._admit)
+            self._auth = TokenAuthenticator(self.ctx, self.tokens.handshake)
             self._auth.start()
             admit_server(sock)
         bind = self.config.bind
@@ -109,35 +113,6 @@ class Server:
         """Open sessions by routing id (read-only view for tests and stats)."""
         return self.table.by_routing
 
-    def _verify(self, token: str) -> Claims:
-        """The claims of an acceptable token (at the handshake and at Hello), else a BusError."""
-        claims = verify_token(
-            token,
-            self.config.secret,
-            audience=self.config.audience,
-            issuer=self.config.issuer or None,
-            algorithm=self.config.algorithm,
-        )
-        if claims.jti in self._revoked:
-            raise AuthInvalid(f"token {claims.jti} has been revoked; ask for a new one")
-        return claims
-
-    def _admit(self, token: str) -> str:
-        """The handshake's check (from the ZAP thread): a token this cluster signed and did not
-        revoke. Its times are left to Hello (an expired token still proves membership, and its
-        Hello gets the AUTH_EXPIRED a client renews its token on). Returns the subject."""
-        claims = verify_token(
-            token,
-            self.config.secret,
-            audience=self.config.audience,
-            issuer=self.config.issuer or None,
-            algorithm=self.config.algorithm,
-            check_times=False,
-        )
-        if claims.jti in self._revoked:
-            raise AuthInvalid(f"token {claims.jti} has been revoked")
-        return claims.sub
-
     def _stop_auth(self) -> None:
         if self._auth is not None:
             self._auth.stop()
@@ -146,7 +121,7 @@ class Server:
     def set_revoked(self, jtis: Iterable[str]) -> None:
         """Refuse tokens with these ids from now on and close their sessions (thread-safe: the
         loop applies it on its next turn)."""
-        self._revoked = frozenset(jtis)
+        self.tokens.set_revoked(jtis)
         self._revoked_changed = True
 
     def bind_also(self, endpoint: str) -> str:
@@ -270,7 +245,7 @@ class Server:
     def _close_revoked(self) -> None:
         self._revoked_changed = False
         for session in self.table.values():
-            if session.claims.jti in self._revoked:
+            if session.claims.jti in self.tokens.revoked:
                 self._close_session(session, "token revoked")
 
     # -- receiving ----------------------------------------------------------------------------
@@ -356,7 +331,7 @@ class Server:
 
     def _on_hello(self, routing_id: bytes, hello: Hello, first_frame) -> None:
         try:
-            claims = self._verify(hello.token)
+            claims = self.tokens.hello(hello.token)
             if hello.role != claims.role:
                 raise Forbidden(f"Hello says role {hello.role!r} but the token grants {claims.role!r}")
             check_stored(hello.caps, "Hello.caps", C.STORED_JSON_DEPTH, C.STORED_JSON_BYTES)
@@ -466,7 +441,14 @@ class Server:
             self._reply(session.routing_id, beat)
 
     def _expire_sessions(self, now: float) -> None:
-        beat_limit = self.config.heartbeat_ms / 1000 * self.config.heartbeat_liveness
+        """Close sessions silent past their limit. The scan visits every session, so it runs a
+        few times per heartbeat interval, not every turn (a loop turn per message burst): a
+        session closes at most a quarter interval after its limit."""
+        beat_s = self.config.heartbeat_ms / 1000
+        if now - self._last_expiry < min(beat_s, self.config.idle_session_s) / 4:
+            return
+        self._last_expiry = now
+        beat_limit = beat_s * self.config.heartbeat_liveness
         for session in self.table.silent(now, beat_limit, self.config.idle_session_s):
             self._close_session(session, f"silent for {now - session.last_seen:.1f} s")
 

@@ -356,7 +356,7 @@ def test_a_revoked_token_is_refused_everywhere_and_stays_revoked(
         with pytest.raises(AuthInvalid, match="revoked"):
             client_for(again.endpoint, token=token).hello()
         fresh = start_provider("mnist=" + MNIST, router=again.endpoint)
-        wait_for(lambda: jti in fresh.service.server._revoked, what="revocations pushed to a new provider")
+        wait_for(lambda: jti in fresh.service.server.tokens.revoked, what="revocations pushed to a new provider")
         with pytest.raises(AuthInvalid, match="revoked"):
             client_for(fresh.endpoint, token=token).hello()
         fresh.shutdown()
