@@ -72,13 +72,32 @@ def _rss_mib(pid: int) -> float:
     return 0.0
 
 
+def _start_router_proc(cores: set[int] | None) -> None:
+    """In the router's process before exec: more file descriptors, and its cores (inherited by
+    every thread it starts: the loop, libzmq's I/O thread, the handshake's ZAP thread)."""
+    raise_nofile()
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
+def _pinned(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """``--pin``: the router alone on the first usable core, the simulated peers on the others,
+    as on a cluster, where the router has its host's cores and every trainer runs elsewhere."""
+    if not pin:
+        return None, None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--pin needs at least two usable cores")
+    return {cores[0]}, set(cores[1:])
+
+
 # -- the run -------------------------------------------------------------------------------------------
 
 
 class Router:
     """A ``busctl start router`` process on a fresh state directory."""
 
-    def __init__(self, state: Path, profile: Path | None = None):
+    def __init__(self, state: Path, profile: Path | None = None, cores: set[int] | None = None):
         self.state = state
         secret = ensure_secret(state / "secret")
         self.secret = secret
@@ -92,7 +111,7 @@ class Router:
             env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            preexec_fn=raise_nofile,
+            preexec_fn=lambda: _start_router_proc(cores),
         )
         deadline = time.monotonic() + 60
         while not ready.exists() or not ready.read_text().strip():
@@ -173,7 +192,8 @@ def _split(items: list, n: int) -> list[list]:
 
 def run(args: argparse.Namespace) -> dict:
     state = Path(tempfile.mkdtemp(prefix="batchbus-scale-"))
-    router = Router(state, args.profile)
+    router_cores, peer_cores = _pinned(args.pin)
+    router = Router(state, args.profile, router_cores)
     try:
         t0 = time.monotonic()
         submit(router, args.jobs, args.datasets)
@@ -196,6 +216,7 @@ def run(args: argparse.Namespace) -> dict:
             "datasets": args.datasets,
             "t0": time.monotonic(),
             "providers": args.providers,
+            "cores": peer_cores,
         }
         cpu0, w0 = _cpu_s(router.proc.pid), time.monotonic()
         deadline = time.time() + args.timeout
@@ -252,6 +273,7 @@ def run(args: argparse.Namespace) -> dict:
         "step_ms": args.step_ms,
         "jitter": args.jitter,
         "procs": args.procs,
+        "pinned": args.pin,
         "submit_s": submit_s,
         "wall_s": wall,
         "router_cpu_s": cpu,
@@ -278,7 +300,7 @@ def print_result(r: dict) -> None:
         f"{r['trainers']} trainers, {r['providers']} providers, {r['finished']}/{r['jobs']} jobs succeeded "
         f"(by state: {r['job_states']}) "
         f"({r['progress_per_job']} progress reports {r['step_ms']:.0f} ms ±{100 * r['jitter']:.0f}% apart) in {r['wall_s']:.1f} s "
-        f"(submitting took {r['submit_s']:.1f} s)"
+        f"(submitting took {r['submit_s']:.1f} s){'; the router pinned to a core of its own' if r['pinned'] else ''}"
     )
     print(
         f"router: {r['router_cpu_s']:.1f} CPU s = {r['router_cores']:.2f} of a core, RSS {r['router_rss_mib']:.0f} MiB; "
@@ -305,6 +327,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the jitter")
     p.add_argument("--procs", type=int, default=4, help="worker processes playing the peers")
+    p.add_argument("--pin", action="store_true", help="the router alone on one core, the simulated peers on the others")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     p.add_argument("--settle-s", type=float, default=10.0, help="latencies also reported for requests sent after this")
     p.add_argument("--json", type=Path, help="write the results here")

@@ -210,6 +210,8 @@ class Worker:
 
 def run_worker(args: dict, endpoint: str, tokens, shared, stop_at: int, deadline: float, out) -> None:
     raise_nofile()
+    if args.get("cores"):
+        os.sched_setaffinity(0, args["cores"])
     w = Worker(args, endpoint, tokens, shared, stop_at)
     w.run(deadline)
     out.put({"times": dict(w.times), "sent_at": dict(w.sent_at), "counts": dict(w.counts)})

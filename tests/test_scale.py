@@ -27,12 +27,12 @@ def test_scale_runs_every_job_through_simulated_trainers_and_providers(tmp_path)
     out = tmp_path / "scale.json"
     run = scale(
         *("--trainers", "12", "--providers", "3", "--jobs", "30", "--progress", "2", "--step-ms", "20"),
-        *("--procs", "2", "--timeout", "60", "--jitter", "0.5", "--json", str(out)),
+        *("--procs", "2", "--timeout", "60", "--jitter", "0.5", "--pin", "--json", str(out)),
     )
     assert run.returncode == 0, run.stderr[-2000:]
     r = json.loads(out.read_text())
     assert r["finished"] == 30 and r["job_states"] == {"succeeded": 30}
-    assert r["trainers"] == 12 and r["providers"] == 3
+    assert r["trainers"] == 12 and r["providers"] == 3 and r["pinned"]
     lat = r["latency"]
     assert lat["PushResult"]["count"] == 30 and lat["Progress"]["count"] == 60
     assert lat["Resolve"]["count"] >= 12 and lat["GetTask"]["count"] >= 30
@@ -178,6 +178,13 @@ def test_early_stopping_reads_changed_jobs_and_retries_a_stop_that_could_not_be_
 
     stopping = EarlyStopping(store, control)
     assert store.held_watched().keys() == {patient}  # a job without patience is never read
+    plan = store.db.execute(
+        "EXPLAIN QUERY PLAN SELECT id FROM jobs WHERE state IN (?, ?) AND trainer IS NOT NULL"
+        " AND json_extract(spec, '$.patience') > 0",
+        ("running", "paused"),
+    ).fetchall()
+    # nor is its spec: the partial index holds the watched jobs
+    assert "jobs_watched" in str([tuple(row) for row in plan])
     stopping.tick(1.0)
     assert sent == []  # its trainer was away: not decided yet
     away[0] = False

@@ -62,7 +62,7 @@ class JobStore:
             for column, decl in ADDED_COLUMNS.items():
                 if column not in have:
                     self.db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {decl}")
-            self.db.execute(INDEXES)
+            self.db.executescript(INDEXES)
         except sqlite3.DatabaseError as err:
             raise ConfigError(f"job database {path}: {err}") from err
         self.db.row_factory = sqlite3.Row
@@ -418,7 +418,7 @@ class JobStore:
     def held_watched(self) -> dict[str, float]:
         """Early stopping's read: ``{job: updated}`` of the held jobs whose spec sets ``patience``
         (their rows are read only when they change)."""
-        cols, where = "id, updated", " AND json_extract(spec, '$.patience') > 0"
+        cols, where = "id, updated", " AND json_extract(spec, '$.patience') > 0"  # the index jobs_watched
         return dict(self.db.execute(_HELD.replace("*", cols, 1) + where, HOLDING_STATES).fetchall())
 
     def held(self) -> list[dict]:
