@@ -194,3 +194,27 @@ def test_early_stopping_reads_changed_jobs_and_retries_a_stop_that_could_not_be_
     assert len(sent) == 1  # decided once, not at every tick
     events = [e["reason"] for e in store.get(patient)["events"]]
     assert any(r.startswith("early stopping on val_loss: no improvement") for r in events)
+
+
+def test_router_messages_bench_times_each_message_of_the_job_path(tmp_path):
+    out = tmp_path / "router_messages.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.router_messages", "--trainers", "20", "--providers", "10"]
+        + ["--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    us = json.loads(out.read_text())["us"]
+    counts = {kind: v["count"] for kind, v in us.items()}
+    assert counts == {"Resolve": 20, "GetTask": 40, "Progress": 120, "PushResult": 40, "turn: timers + flush": 2}
+    assert all(v["mean"] > 0 for v in us.values()) and "GetTask" in run.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "benchmarks.router_messages", "--providers", "3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "one per dataset" in bad.stderr and "Traceback" not in bad.stderr
