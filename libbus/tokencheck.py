@@ -32,7 +32,7 @@ class TokenCheck:
     def __init__(self, key: Key, *, audience: str, issuer: str | None, algorithm: str, keep: int = KEEP):
         self._key, self._audience, self._issuer, self._algorithm = key, audience, issuer, algorithm
         self._keep = keep
-        self._verified: dict[str, tuple[Claims, float | None]] = {}  # token → (claims, nbf)
+        self._verified: dict[str, Claims] = {}  # token → its claims
         self._lock = threading.Lock()
         #: ``jti``s refused from now on (replaced whole, so readers need no lock).
         self.revoked: frozenset[str] = frozenset()
@@ -51,11 +51,11 @@ class TokenCheck:
     def hello(self, token: str) -> Claims:
         """The claims of a token acceptable now (at ``Hello``): signed by this cluster, for it,
         within its times and not revoked; else :class:`AuthExpired` or :class:`AuthInvalid`."""
-        claims, nbf = self._claims(token)
+        claims = self._claims(token)
         now = time.time()
-        if claims.exp <= now - LEEWAY_S:  # PyJWT's own rule, and its message
+        if claims.exp <= now - LEEWAY_S:  # verify_token's rule (PyJWT's) and message
             raise AuthExpired("token expired; issue a new one with 'busctl token issue'")
-        if nbf is not None and nbf > now + LEEWAY_S:
+        if claims.nbf is not None and claims.nbf > now + LEEWAY_S:
             raise AuthInvalid(
                 "token is not valid yet (The token is not yet valid (nbf)); check the clocks of issuer and node"
             )
@@ -66,7 +66,7 @@ class TokenCheck:
         """The handshake's check: a token this cluster signed and did not revoke. Its times are
         left to ``Hello`` (an expired token still proves membership, and its Hello gets the
         AUTH_EXPIRED a client renews its token on). Returns the subject."""
-        claims, _ = self._claims(token)
+        claims = self._claims(token)
         self._check_revoked(claims)
         return claims.sub
 
@@ -74,7 +74,7 @@ class TokenCheck:
         if claims.jti in self.revoked:
             raise AuthInvalid(f"token {claims.jti} has been revoked; ask for a new one")
 
-    def _claims(self, token: str) -> tuple[Claims, float | None]:
+    def _claims(self, token: str) -> Claims:
         kept = self._verified.get(token)
         if kept is not None:
             return kept
@@ -86,10 +86,9 @@ class TokenCheck:
             algorithm=self._algorithm,
             check_times=False,
         )
-        kept = (claims, claims.nbf)
         with self._lock:
             self.verifications += 1
             while len(self._verified) >= self._keep:
                 del self._verified[next(iter(self._verified))]
-            self._verified[token] = kept
-        return kept
+            self._verified[token] = claims
+        return claims
