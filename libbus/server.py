@@ -39,6 +39,7 @@ from .messages import Goodbye, Heartbeat, Hello, Message, Welcome, decode, error
 from .schema import check_stored
 from .sessions import Session, SessionTable, check_labels, frame_property, is_local_peer
 from .sockets import make_socket, send_message, send_tracked
+from .wakeup import Wakeup
 
 __all__ = ["Session", "Handler", "Server", "ServerConfig", "is_local_peer"]
 
@@ -67,6 +68,7 @@ class Server:
         self.endpoint = ""
         self._sock: zmq.Socket | None = None
         self._pending: list[tuple[Session, int, Future]] = []
+        self._wake = Wakeup()  # set by a deferred reply's Future when done: the loop sends it at once
         self.backlog = Backlogs(config.session_unsent_bytes, config.unsent_wait_s)
         #: Replies this large are tracked until they leave (None: the byte bound is off).
         self._track_min = C.TRACK_MIN_BYTES if config.session_unsent_bytes > 0 else None
@@ -175,6 +177,7 @@ class Server:
         sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
         try:
             while not stop.is_set():
                 busy = self._pending or self.backlog.waiting
@@ -350,6 +353,7 @@ class Server:
         if isinstance(reply, Future):
             session.inflight += 1
             self._pending.append((session, msg.id, reply))
+            reply.add_done_callback(self._wake.set)
         elif reply is not None:
             reply.id = msg.id
             self._reply(routing_id, reply)
@@ -430,13 +434,13 @@ class Server:
     def _finish_pending(self) -> None:
         if not self._pending:
             return
+        self._wake.clear()  # before looking: a Future done after this sets it again
         still = []
         for session, request_id, fut in self._pending:
             if not fut.done():
                 still.append((session, request_id, fut))
                 continue
             session.inflight -= 1
-            routing_id = session.routing_id
             err = fut.exception()
             if err is None:
                 reply = fut.result()
@@ -448,7 +452,7 @@ class Server:
                 log.error("%s: deferred work failed", self.config.name, exc_info=err)
                 self.counters["internal"] += 1
                 reply = error_reply(request_id, Internal(f"{type(err).__name__}: {err}"))
-            self._reply(routing_id, reply)
+            self._reply(session.routing_id, reply)
         self._pending = still
 
     def _flush_outbox(self) -> None:
