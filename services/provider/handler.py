@@ -7,6 +7,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NoReturn
 
 import numpy as np
 
@@ -325,7 +326,7 @@ class ProviderHandler(Handler):
             x = np.empty(x_shape, source.dtype)
             y = np.empty(y_shape, source.label_dtype)
             source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
-            return self._served(msg, source, x, y, [x.data, y.data], started)
+            return self._served(msg, x, y, [x.data, y.data], started)
         ring = self._ring_for(session, msg)
         try:
             ring.begin_fill(msg.slot, msg.seq)
@@ -352,16 +353,15 @@ class ProviderHandler(Handler):
             ring.finish_fill(msg.slot, msg.seq)  # checks the slot still awaits this request
         except ShmError as err:
             self._refuse_stale(err)
-        return self._served(msg, source, x, y, [], started)
+        return self._served(msg, x, y, [], started)
 
-    def _refuse_stale(self, err: ShmError) -> None:
+    def _refuse_stale(self, err: ShmError) -> NoReturn:
+        """A slot not (or no longer) awaiting this request: nothing is written, or marked filled."""
         with self._count_lock:
             self.refused["stale_slot"] += 1
         raise BadRequest(f"batch not written: {err}") from err
 
-    def _served(
-        self, msg: BatchRequest, source: Source, x: np.ndarray, y: np.ndarray, frames: list, started: float
-    ) -> BatchResponse:
+    def _served(self, msg: BatchRequest, x: np.ndarray, y: np.ndarray, frames: list, started: float) -> BatchResponse:
         """Count a batch served and build its reply: the batch in ``frames``, or none (in the ring)."""
         nbytes = x.nbytes + y.nbytes
         with self._count_lock:
