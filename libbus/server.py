@@ -39,6 +39,7 @@ from .schema import check_stored
 from .sessions import Session, SessionTable, check_labels, frame_property, is_local_peer
 from .sockets import make_socket, send_message, send_tracked
 from .tokencheck import TokenCheck
+from .wakeup import Wakeup
 
 __all__ = ["Session", "Handler", "Server", "ServerConfig", "is_local_peer"]
 
@@ -70,6 +71,7 @@ class Server:
         self.endpoint = ""
         self._sock: zmq.Socket | None = None
         self._pending: list[tuple[Session, int, Future]] = []
+        self._wake = Wakeup()  # set by a deferred reply's Future when done: the loop sends it at once
         self.backlog = Backlogs(config.session_unsent_bytes, config.unsent_wait_s)
         #: Replies this large are tracked until they leave (None: the byte bound is off).
         self._track_min = C.TRACK_MIN_BYTES if config.session_unsent_bytes > 0 else None
@@ -150,11 +152,16 @@ class Server:
         sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
         try:
             while not stop.is_set():
                 busy = self._pending or self.backlog.waiting
                 timeout = 10 if busy else min(POLL_MS, self.config.heartbeat_ms // 2 or 1)
                 events = dict(poller.poll(timeout))
+                if self._wake.fd in events:
+                    # unset before the turn looks at what is done: a Future done after this sets it
+                    # again (cleared whenever it is seen set, so it never keeps the poll from waiting)
+                    self._wake.clear()
                 if sock in events:
                     self._receive(sock)
                 self._turn()
@@ -325,6 +332,7 @@ class Server:
         if isinstance(reply, Future):
             session.inflight += 1
             self._pending.append((session, msg.id, reply))
+            reply.add_done_callback(self._wake.set)
         elif reply is not None:
             reply.id = msg.id
             self._reply(routing_id, reply)
@@ -411,7 +419,6 @@ class Server:
                 still.append((session, request_id, fut))
                 continue
             session.inflight -= 1
-            routing_id = session.routing_id
             err = fut.exception()
             if err is None:
                 reply = fut.result()
@@ -423,7 +430,7 @@ class Server:
                 log.error("%s: deferred work failed", self.config.name, exc_info=err)
                 self.counters["internal"] += 1
                 reply = error_reply(request_id, Internal(f"{type(err).__name__}: {err}"))
-            self._reply(routing_id, reply)
+            self._reply(session.routing_id, reply)
         self._pending = still
 
     def _flush_outbox(self) -> None:

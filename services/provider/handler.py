@@ -7,15 +7,15 @@ import threading
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NoReturn
 
 import numpy as np
 
-from libbus.constants import MAX_BATCH_BYTES, MAX_BATCH_INDICES
+from libbus.constants import MAX_BATCH_BYTES
 from libbus.errors import (
     BadRequest,
     Forbidden,
     NotFound,
-    OutOfRange,
     ShmError,
     SplitPrivate,
     TooLarge,
@@ -35,7 +35,6 @@ from libbus.messages import (
     StageControl,
     Stats,
     StatsReply,
-    frame_buffer,
 )
 from libbus.metrics import LatencyHistogram
 from libbus.server import Handler, Session
@@ -44,6 +43,7 @@ from shm import Ring, RingLayout
 
 from .evalgate import EvalGate
 from .fieldbatch import check_frames, check_servable, fields_reply
+from .ringbatch import Filler, batch_indices
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.objstore import object_store_stats
 from .sources.pipeline import pipeline_stats, stage_control
@@ -71,42 +71,6 @@ RING_CHECK_S = 1.0
 ASSIGNMENT_WAIT_S = 3.0
 
 
-def batch_indices(msg: BatchRequest, num_samples: int, split: str) -> np.ndarray:
-    """The int64 indices a BatchRequest names, checked against the split's size.
-
-    Raises :class:`BadRequest` (neither or both of range/frame, bad frame), :class:`TooLarge`
-    (too many indices) or :class:`OutOfRange` (naming the first bad index).
-    """
-    if msg.range is not None and msg.frames:
-        raise BadRequest("BatchRequest gives both a range and an indices frame; send one")
-    if msg.range is not None:
-        r = msg.range
-        if len(r) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in r) or r[0] > r[1]:
-            raise BadRequest(f"BatchRequest.range must be [start, end) integers with start <= end, got {r}")
-        start, end = r
-        if end - start > MAX_BATCH_INDICES:
-            raise TooLarge(f"range of {end - start} samples; at most {MAX_BATCH_INDICES} per request")
-        if start < 0 or end > num_samples:
-            raise OutOfRange(f"range [{start}, {end}) is outside {split} (0..{num_samples})")
-        return np.arange(start, end, dtype=np.int64)
-    if not msg.frames:
-        raise BadRequest("BatchRequest needs a range or an int64 indices frame")
-    frame = msg.frames[0]
-    size = frame_len(frame)
-    if size % 8:
-        raise BadRequest(f"indices frame is {size} bytes; expected a multiple of 8 (int64)")
-    if size // 8 > MAX_BATCH_INDICES:
-        raise TooLarge(f"{size // 8} indices; at most {MAX_BATCH_INDICES} per request")
-    buf = frame_buffer(frame)
-    indices = np.frombuffer(buf, dtype="<i8")
-    if len(indices):
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < 0 or hi >= num_samples:
-            bad = lo if lo < 0 else hi
-            raise OutOfRange(f"index {bad} is outside {split} (0..{num_samples - 1})")
-    return indices
-
-
 class ProviderHandler(Handler):
     """Serves named datasets to trainers; keeps the test split for its own evaluator."""
 
@@ -128,6 +92,7 @@ class ProviderHandler(Handler):
         eval_workers: int = 1,
         assigned_only: bool = True,
         evalgate: EvalGate | None = None,
+        fill_thread: bool | None = None,
     ):
         super().__init__()
         self.datasets = datasets
@@ -161,10 +126,16 @@ class ProviderHandler(Handler):
         self._closing = threading.Event()
         #: Evaluation admission (queue, size, rate) and the counters the worker thread writes.
         self.evalgate = evalgate or EvalGate()
+        #: Where x/y ring slots are filled: a thread of their own (``fill_thread``, by default
+        #: :data:`~.ringbatch.FILL_THREAD`) or the loop's. Rings are closed through it.
+        self.filler = Filler(fill_thread)
+        #: Counters and histograms the fill thread writes too (stats() reads them under it).
+        self._count_lock = self.evalgate.lock
 
     def close(self) -> None:
         self._closing.set()
         self._evaluator.shutdown(wait=False, cancel_futures=True)
+        self.filler.close()  # the fills under way finish first: their rings are closed below
         for ring in self.rings.values():
             ring.close()
         self.rings.clear()
@@ -186,12 +157,12 @@ class ProviderHandler(Handler):
         self._rings_checked = now
         for sid in [sid for sid, ring in self.rings.items() if not ring.segment.path.exists()]:
             log.info("ring %s was removed by its trainer; unmapped", self.rings[sid].name)
-            self.rings.pop(sid).close()
+            self.filler.close_ring(self.rings.pop(sid))
 
     def on_close(self, session: Session, reason: str) -> None:
         ring = self.rings.pop(session.sid, None)
         if ring is not None:
-            ring.close()
+            self.filler.close_ring(ring)
 
     def source(self, name: str) -> Source:
         try:
@@ -318,7 +289,7 @@ class ProviderHandler(Handler):
         # names slots must keep it. Mappings of a ring its trainer removed go in `tick`.
         old = self.rings.pop(session.sid, None)
         if old is not None:
-            old.close()
+            self.filler.close_ring(old)
         self.rings[session.sid] = ring
         log.info(
             "session %s (%s) attached ring %s: %d slots of %d bytes",
@@ -330,7 +301,7 @@ class ProviderHandler(Handler):
         )
         return RingAttached(name=msg.name)
 
-    def batch(self, session: Session, msg: BatchRequest) -> BatchResponse:
+    def batch(self, session: Session, msg: BatchRequest) -> BatchResponse | Future:
         started = time.perf_counter()
         source = self.source(msg.dataset)
         if msg.split not in SPLITS:
@@ -351,32 +322,60 @@ class ProviderHandler(Handler):
             )
         x_shape = (len(indices), *source.sample_shape)
         y_shape = (len(indices), *source.label_shape)
-        counters = self.served[msg.dataset]
-        if msg.slot is not None or msg.seq is not None:
-            ring = self._ring_for(session, msg)
-            try:
-                ring.begin_fill(msg.slot, msg.seq)
-                x, y = ring.views(msg.slot, x_shape, source.dtype, y_shape, source.label_dtype)
-                source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
-                ring.finish_fill(msg.slot, msg.seq)  # checks the slot still awaits this request
-            except ShmError as err:
-                self.refused["stale_slot"] += 1
-                raise BadRequest(f"batch not written: {err}") from err
-            frames = []
-            counters["shm_batches"] += 1
-        else:
+        if msg.slot is None and msg.seq is None:
             x = np.empty(x_shape, source.dtype)
             y = np.empty(y_shape, source.label_dtype)
             source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
-            frames = [x.data, y.data]
-        counters["batches"] += 1
-        counters["samples"] += len(indices)
-        counters["bytes"] += x.nbytes + y.nbytes
-        self.latency[msg.dataset].observe(time.perf_counter() - started)
+            return self._served(msg, x, y, [x.data, y.data], started)
+        ring = self._ring_for(session, msg)
+        try:
+            ring.begin_fill(msg.slot, msg.seq)
+            x, y = ring.views(msg.slot, x_shape, source.dtype, y_shape, source.label_dtype)
+        except ShmError as err:
+            self._refuse_stale(err)
+        if not getattr(source, "concurrent_reads", False):  # a source that may not be read from two threads
+            return self._fill(ring, msg, source, indices, x, y, started)
+        return self.filler.run(self._fill, ring, msg, source, indices, x, y, started)
+
+    def _fill(
+        self,
+        ring: Ring,
+        msg: BatchRequest,
+        source: Source,
+        indices: np.ndarray,
+        x: np.ndarray,
+        y: np.ndarray,
+        started: float,
+    ) -> BatchResponse:
+        """Write a checked request's batch into its ring slot (on the fill thread, or the loop's)."""
+        source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
+        try:
+            ring.finish_fill(msg.slot, msg.seq)  # checks the slot still awaits this request
+        except ShmError as err:
+            self._refuse_stale(err)
+        return self._served(msg, x, y, [], started)
+
+    def _refuse_stale(self, err: ShmError) -> NoReturn:
+        """A slot not (or no longer) awaiting this request: nothing is written, or marked filled."""
+        with self._count_lock:
+            self.refused["stale_slot"] += 1
+        raise BadRequest(f"batch not written: {err}") from err
+
+    def _served(self, msg: BatchRequest, x: np.ndarray, y: np.ndarray, frames: list, started: float) -> BatchResponse:
+        """Count a batch served and build its reply: the batch in ``frames``, or none (in the ring)."""
+        nbytes = x.nbytes + y.nbytes
+        with self._count_lock:
+            counters = self.served[msg.dataset]
+            if not frames:
+                counters["shm_batches"] += 1
+            counters["batches"] += 1
+            counters["samples"] += len(x)
+            counters["bytes"] += nbytes
+            self.latency[msg.dataset].observe(time.perf_counter() - started)
         return BatchResponse(
-            shapes=[list(x_shape), list(y_shape)],
+            shapes=[list(x.shape), list(y.shape)],
             dtypes=[x.dtype.str, y.dtype.str],
-            nbytes=x.nbytes + y.nbytes,
+            nbytes=nbytes,
             slot=msg.slot,
             seq=msg.seq,
             frames=frames,
@@ -462,9 +461,9 @@ class ProviderHandler(Handler):
 
     def stats(self) -> dict:
         running, queued, counts = self.evalgate.snapshot()
-        with self.evalgate.lock:  # the evaluation thread counts evaluations into served
+        with self._count_lock:  # the evaluation and fill threads count into served and refused
             datasets = {name: dict(c) for name, c in self.served.items()}
-        refused = dict(self.refused)
+            refused = dict(self.refused)
         for key in ("refused_too_large", "refused_queue_full", "refused_rate"):
             if counts.get(key):
                 refused["evaluate_" + key[len("refused_") :]] = counts[key]

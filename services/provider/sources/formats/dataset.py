@@ -24,7 +24,7 @@ from ..base import Source
 from .confine import Confinement
 from .reader import ByteSpace, Records, Segment
 
-__all__ = ["MEMORY_MODES", "Context", "FileSource", "Gatherer", "Layout", "Table"]
+__all__ = ["MEMORY_MODES", "Context", "FileSource", "Gatherer", "Layout", "Table", "usable_cores"]
 
 MEMORY_MODES = ("auto", "ram", "stream")
 #: ``memory=auto`` keeps a dataset in RAM only below both this and a quarter of MemAvailable.
@@ -129,7 +129,7 @@ def mem_available() -> int:
 SPLIT_GATHER_BYTES = 1 << 20
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -140,7 +140,7 @@ def _usable_cores() -> int:
 #: about one core between them. On two cores the helper only competes with them: each batch then
 #: cost ~200 us more CPU (the hand-off, two copies contending for memory) and the shm row ran
 #: slower, not faster (docs/performance.md, "What bounds the shm row").
-SPLIT_GATHER = _usable_cores() >= 3
+SPLIT_GATHER = usable_cores() >= 3
 
 
 class Gatherer:
@@ -186,6 +186,10 @@ class Gatherer:
 class FileSource(Source):
     """Samples from files in a directory, in RAM (``memory=ram``) or read per batch with
     positional reads (``memory=stream``), so memory stays bounded whatever the dataset's size."""
+
+    #: Reads may run on two threads at once (the provider's fill thread and its serving loop):
+    #: RAM gathers and positional reads share no state.
+    concurrent_reads = True
 
     def __init__(self, uri: str, root: Path, layout: Layout, ctx: Context, memory: str, val_fraction: float):
         self.uri, self.root, self.layout = uri, root, layout
