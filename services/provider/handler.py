@@ -43,7 +43,7 @@ from shm import Ring, RingLayout
 
 from .evalgate import EvalGate
 from .fieldbatch import check_frames, check_servable, fields_reply
-from .ringbatch import Filler, batch_indices
+from .ringbatch import OVERLAP_READS, Filler, RingUse, batch_indices
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.objstore import object_store_stats
 from .sources.pipeline import pipeline_stats, stage_control
@@ -126,15 +126,21 @@ class ProviderHandler(Handler):
         self._closing = threading.Event()
         #: Evaluation admission (queue, size, rate) and the counters the worker thread writes.
         self.evalgate = evalgate or EvalGate()
+        #: Rings are unmapped through this, once no fill writes into them.
+        self._ring_use = RingUse()
         #: Where x/y ring slots are filled: a thread of their own (``fill_thread``, by default
-        #: :data:`~.ringbatch.FILL_THREAD`) or the loop's. Rings are closed through it.
-        self.filler = Filler(fill_thread)
+        #: :data:`~.ringbatch.FILL_THREAD`) or the loop's.
+        self.filler = Filler(self._ring_use, fill_thread)
+        #: Where batches of a source with ``overlap_reads`` (a pipeline, whose reads wait on its
+        #: stages' threads) are read: several at once, off the loop (:data:`~.ringbatch.OVERLAP_READS`).
+        self.overlap = Filler(self._ring_use, True, OVERLAP_READS, "overlap")
         #: Counters and histograms the fill thread writes too (stats() reads them under it).
         self._count_lock = self.evalgate.lock
 
     def close(self) -> None:
         self._closing.set()
         self._evaluator.shutdown(wait=False, cancel_futures=True)
+        self.overlap.close()
         self.filler.close()  # the fills under way finish first: their rings are closed below
         for ring in self.rings.values():
             ring.close()
@@ -157,12 +163,12 @@ class ProviderHandler(Handler):
         self._rings_checked = now
         for sid in [sid for sid, ring in self.rings.items() if not ring.segment.path.exists()]:
             log.info("ring %s was removed by its trainer; unmapped", self.rings[sid].name)
-            self.filler.close_ring(self.rings.pop(sid))
+            self._ring_use.close(self.rings.pop(sid))
 
     def on_close(self, session: Session, reason: str) -> None:
         ring = self.rings.pop(session.sid, None)
         if ring is not None:
-            self.filler.close_ring(ring)
+            self._ring_use.close(ring)
 
     def source(self, name: str) -> Source:
         try:
@@ -289,7 +295,7 @@ class ProviderHandler(Handler):
         # names slots must keep it. Mappings of a ring its trainer removed go in `tick`.
         old = self.rings.pop(session.sid, None)
         if old is not None:
-            self.filler.close_ring(old)
+            self._ring_use.close(old)
         self.rings[session.sid] = ring
         log.info(
             "session %s (%s) attached ring %s: %d slots of %d bytes",
@@ -322,20 +328,31 @@ class ProviderHandler(Handler):
             )
         x_shape = (len(indices), *source.sample_shape)
         y_shape = (len(indices), *source.label_shape)
+        overlap = getattr(source, "overlap_reads", False)
         if msg.slot is None and msg.seq is None:
             x = np.empty(x_shape, source.dtype)
             y = np.empty(y_shape, source.label_dtype)
-            source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
-            return self._served(msg, x, y, [x.data, y.data], started)
+            if overlap:
+                return self.overlap.run(self._read, msg, source, indices, x, y, started)
+            return self._read(msg, source, indices, x, y, started)
         ring = self._ring_for(session, msg)
         try:
             ring.begin_fill(msg.slot, msg.seq)
             x, y = ring.views(msg.slot, x_shape, source.dtype, y_shape, source.label_dtype)
         except ShmError as err:
             self._refuse_stale(err)
+        if overlap:
+            return self.overlap.run(self._fill, ring, msg, source, indices, x, y, started, ring=ring)
         if not getattr(source, "concurrent_reads", False):  # a source that may not be read from two threads
             return self._fill(ring, msg, source, indices, x, y, started)
-        return self.filler.run(self._fill, ring, msg, source, indices, x, y, started)
+        return self.filler.run(self._fill, ring, msg, source, indices, x, y, started, ring=ring)
+
+    def _read(
+        self, msg: BatchRequest, source: Source, indices: np.ndarray, x: np.ndarray, y: np.ndarray, started: float
+    ) -> BatchResponse:
+        """A checked request's batch, read into ``x``/``y`` for the reply's frames."""
+        source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
+        return self._served(msg, x, y, [x.data, y.data], started)
 
     def _fill(
         self,

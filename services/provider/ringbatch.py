@@ -1,16 +1,20 @@
 """What the provider's handler needs for x/y batches besides the handler itself: the indices a
-request names (:func:`batch_indices`), and where ring slots are filled (:class:`Filler`).
+request names (:func:`batch_indices`), and where batches are read and ring slots filled (:class:`Filler`).
 
 A ring slot filled on the serving loop's thread holds up every other request for the gather's
 time: about two thirds of the provider's CPU per 3 MB batch. With a core to spare, a fill thread
 does the gather (numpy copies without the GIL) while the loop receives, checks and answers the next
 request; the handler returns a :class:`~concurrent.futures.Future` that the server answers when it
-completes (:mod:`libbus.server`, woken by :mod:`libbus.wakeup`). One thread, so fills finish in
-the order they were asked for.
+completes (:mod:`libbus.server`, woken by :mod:`libbus.wakeup`).
+
+A source whose reads mostly wait on threads of its own (a pipeline: its stages) is read off the
+loop on several threads, whatever the cores: while one batch's last chunk goes through the last
+stages, the next batch's chunks are already in the first ones, and the loop answers meanwhile.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,13 +29,17 @@ from shm import Ring
 
 from .sources.formats.dataset import usable_cores
 
-__all__ = ["FILL_THREAD", "Filler", "batch_indices"]
+__all__ = ["FILL_THREAD", "OVERLAP_READS", "Filler", "RingUse", "batch_indices"]
 
 #: Fill ring slots on a thread of their own by default only with four cores or more. On two, the
 #: serving loop, the fill thread and a same-host trainer contend for the same two cores, and the
 #: hand-off (a futex wake-up, a GIL switch, the loop's wake-up per reply) costs more than the
 #: overlap gives (docs/performance.md, "What bounds the shm row").
 FILL_THREAD = usable_cores() >= 4
+
+#: Batches of a source with ``overlap_reads`` (a pipeline) read at once: the next batch's chunks
+#: enter its first stages while the last stages finish the one before.
+OVERLAP_READS = 2
 
 
 def batch_indices(msg: BatchRequest, num_samples: int, split: str) -> np.ndarray:
@@ -70,38 +78,68 @@ def batch_indices(msg: BatchRequest, num_samples: int, split: str) -> np.ndarray
     return indices
 
 
-class Filler:
-    """Runs ring-slot fills on a thread of its own (``threaded``; default :data:`FILL_THREAD`),
-    started on the first fill and stopped by :meth:`close`, or on the caller's thread.
+class RingUse:
+    """The fills under way per ring, across fillers: a ring is unmapped once its last one has ended
+    (one under way still writes into it)."""
 
-    A ring must not be unmapped while a fill writes into it: :meth:`close_ring` closes it on the
-    fill thread, after every fill queued before.
-    """
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._busy: dict[int, int] = {}  # id(ring) -> its fills under way (each holds the ring)
+        self._closing: dict[int, Ring] = {}  # rings to unmap when their last fill ends
 
-    def __init__(self, threaded: bool | None = None):
-        self.threaded = FILL_THREAD if threaded is None else threaded
-        self._pool: ThreadPoolExecutor | None = None
+    def hold(self, ring: Ring) -> None:
+        with self._lock:
+            self._busy[id(ring)] = self._busy.get(id(ring), 0) + 1
 
-    def run(self, fill: Callable[..., Any], *args) -> Any:
-        """``fill(*args)``: its result here, or a Future of it from the fill thread."""
-        if not self.threaded:
-            return fill(*args)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fill")
-        return self._pool.submit(fill, *args)
-
-    def close_ring(self, ring: Ring) -> None:
-        """Unmap ``ring`` once no fill can be writing into it."""
-        if self._pool is not None:
-            try:
-                self._pool.submit(ring.close)
+    def release(self, ring: Ring) -> None:
+        with self._lock:
+            left = self._busy.pop(id(ring)) - 1
+            if left:
+                self._busy[id(ring)] = left
                 return
-            except RuntimeError:  # shut down meanwhile: no fill runs any more
-                pass
+            closing = self._closing.pop(id(ring), None)
+        if closing is not None:
+            closing.close()
+
+    def close(self, ring: Ring) -> None:
+        """Unmap ``ring`` now, or once no fill can be writing into it."""
+        with self._lock:
+            if self._busy.get(id(ring)):
+                self._closing[id(ring)] = ring
+                return
         ring.close()
 
+
+class Filler:
+    """Runs batch reads and ring-slot fills on ``threads`` threads of their own (``threaded``;
+    default :data:`FILL_THREAD`), started on the first and stopped by :meth:`close`, or on the
+    caller's thread. A fill names its ring, held in ``rings`` until the fill ends."""
+
+    def __init__(self, rings: RingUse, threaded: bool | None = None, threads: int = 1, name: str = "fill"):
+        self.rings = rings
+        self.threaded = FILL_THREAD if threaded is None else threaded
+        self.threads, self.name = threads, name
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def run(self, fill: Callable[..., Any], *args, ring: Ring | None = None) -> Any:
+        """``fill(*args)``: its result here, or a Future of it from a thread of this filler's."""
+        with self._lock:
+            pool = self._pool
+            if self.threaded and pool is None:
+                pool = self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
+            if pool is not None and ring is not None:
+                self.rings.hold(ring)
+            future = pool.submit(fill, *args) if pool is not None else None
+        if future is None:
+            return fill(*args)
+        if ring is not None:
+            future.add_done_callback(lambda _: self.rings.release(ring))  # type: ignore[arg-type]
+        return future
+
     def close(self) -> None:
-        """Stop the fill thread after the fills under way (a millisecond each); fill inline after."""
-        pool, self._pool, self.threaded = self._pool, None, False
+        """Stop the threads after the work under way (its rings unmapped as it ends); run inline after."""
+        with self._lock:
+            pool, self._pool, self.threaded = self._pool, None, False
         if pool is not None:
             pool.shutdown(wait=True)

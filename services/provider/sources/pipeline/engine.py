@@ -192,6 +192,14 @@ class Pipeline(Source):
             raise type(err)(f"{self.uri}: {err}") from err
         return stage
 
+    @property
+    def overlap_reads(self) -> bool:
+        """Whether the provider may read several batches at once, off its loop: a read mostly waits
+        for the stages' threads, and the next batch's chunks then go through the first stages while
+        the last ones finish the batch before. Not with a regrouping stage (``pack`` with ``join``),
+        whose look-ups run on the reading thread."""
+        return self.regroup is None
+
     def num_samples(self, split: str) -> int:
         if self.regroup is not None:
             return self.regroup.num_samples(split)  # type: ignore[attr-defined]

@@ -1,0 +1,126 @@
+"""A pipeline's batches are read off the provider's loop, several at once (services/provider/ringbatch.py
+``overlap``): the next batch's chunks go through the first stages while the last ones finish the batch
+before. What a loader must still see: the same bytes, in order, errors as errors, rings unmapped only
+once nothing writes into them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from libbus.errors import BadRequest, DatasetError
+from libbus.loader import RemoteLoader
+from libbus.order import batches_of, epoch_order
+from services.provider.ringbatch import RingUse
+from shm import Ring, RingLayout
+
+PIPELINE = """
+seed = 3
+chunk = 16
+[[stages]]
+name = "digits"
+source = { uri = "mock://mnist?n=256&noise=1" }
+[[stages]]
+name = "crop"
+input = "digits"
+random_crop = { padding = 2 }
+[[stages]]
+name = "flip"
+input = "crop"
+flip = { p = 0.5 }
+"""
+
+
+class Watch:
+    """The pipeline, recording how many of its reads ran at once and on which threads (and failing one
+    on demand); everything else is the pipeline's own."""
+
+    def __init__(self, source, fail_at: int = -1):
+        self.source, self.fail_at = source, fail_at
+        self.lock = threading.Lock()
+        self.running = self.most = self.reads = 0
+        self.threads: set[str] = set()
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def serve_into(self, split, indices, x, y, *, epoch=0):
+        with self.lock:
+            self.reads += 1
+            failing = self.reads - 1 == self.fail_at
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.threads.add(threading.current_thread().name)
+        try:
+            time.sleep(0.02)  # a read waits on the stages' threads; long enough for the next to start
+            if failing:
+                raise DatasetError("stage 'crop' (random_crop): the test's planted failure")
+            self.source.serve_into(split, indices, x, y, epoch=epoch)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+@pytest.fixture
+def provider(start_provider, tmp_path):
+    path = tmp_path / "aug.toml"
+    path.write_text(PIPELINE)
+    return start_provider(f"aug=pipeline://{path}")
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_batches_are_read_several_at_once_off_the_loop_with_the_bytes_of_one_at_a_time(provider, make_token, shm):
+    handler = provider.service.handler
+    pipeline = handler.datasets["aug"]
+    assert pipeline.overlap_reads
+    watch = handler.datasets["aug"] = Watch(pipeline)
+    with RemoteLoader(
+        "aug", provider=provider.endpoint, token=make_token(), batch_size=32, seed=5, inflight=4, shm=shm
+    ) as loader:
+        assert loader.transport == ("shm" if shm else "socket")
+        got = [(x.clone(), y.clone()) for x, y in loader]
+    assert len(got) == 8 and watch.reads == 8
+    assert watch.most >= 2, "the pipeline's batches were read one at a time"
+    assert all(name.startswith("overlap") for name in watch.threads), watch.threads
+    # the bytes of reading each batch alone, in the loader's order (epoch 0)
+    want = batches_of(epoch_order(256, epoch=0, seed=5, shuffle=True), 32, False)
+    for (x, y), indices in zip(got, want):
+        wx = np.empty(tuple(x.shape), np.float32)
+        wy = np.empty(tuple(y.shape), np.int64)
+        pipeline.serve_into("train", np.asarray(indices), wx, wy, epoch=0)
+        assert torch.equal(x, torch.from_numpy(wx)) and torch.equal(y, torch.from_numpy(wy))
+
+
+def test_a_failed_read_reaches_the_loader_and_the_provider_serves_on(provider, make_token):
+    handler = provider.service.handler
+    handler.datasets["aug"] = Watch(handler.datasets["aug"], fail_at=2)
+    with RemoteLoader("aug", provider=provider.endpoint, token=make_token(), batch_size=32, inflight=4) as loader:
+        with pytest.raises(BadRequest, match="planted failure"):  # a DatasetError, code BAD_REQUEST
+            for _ in loader:
+                pass
+        assert sum(1 for _ in loader) == 6  # the epoch goes on from the batch that failed (2 were delivered)
+
+
+def test_a_ring_is_unmapped_only_once_its_last_fill_has_ended():
+    ring = Ring.create(RingLayout(2, 4096, 2048))
+    try:
+        use = RingUse()
+        use.hold(ring)
+        use.hold(ring)  # two batches of one session in flight
+        use.close(ring)  # its session closed meanwhile
+        assert ring.slot_buffer(0) is not None  # still mapped: fills write into it
+        use.release(ring)
+        assert ring.slot_buffer(1) is not None
+        use.release(ring)  # the last one ended
+        with pytest.raises(Exception, match="closed"):
+            ring.slot_buffer(0)
+        other = Ring.create(RingLayout(2, 4096, 2048))
+        use.close(other)  # nothing in flight: at once
+        with pytest.raises(Exception, match="closed"):
+            other.slot_buffer(0)
+    finally:
+        ring.close()
