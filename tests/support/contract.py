@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -44,6 +45,8 @@ def some_indices(n: int, rng: np.random.Generator) -> np.ndarray:
 
 def _served(handler: ProviderHandler, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     reply = handler.batch(None, BatchRequest(dataset="d", split=split, frames=[indices.astype("<i8").tobytes()]))
+    if isinstance(reply, Future):  # read off the loop (a pipeline's batches): the server sends it when done
+        reply = reply.result(timeout=60)
     (xs, ys), (xd, yd) = reply.shapes, reply.dtypes
     x = np.frombuffer(bytes(reply.frames[0]), np.dtype(xd)).reshape(xs)
     y = np.frombuffer(bytes(reply.frames[1]), np.dtype(yd)).reshape(ys)
