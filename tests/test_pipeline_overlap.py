@@ -17,6 +17,7 @@ from libbus.loader import RemoteLoader
 from libbus.order import batches_of, epoch_order
 from services.provider.ringbatch import RingUse
 from shm import Ring, RingLayout
+from tests.support.images import write_imagefolder
 
 PIPELINE = """
 seed = 3
@@ -49,6 +50,12 @@ class Watch:
         return getattr(self.source, name)
 
     def serve_into(self, split, indices, x, y, *, epoch=0):
+        return self._watched(lambda: self.source.serve_into(split, indices, x, y, epoch=epoch))
+
+    def read_fields(self, split, indices, epoch=0):
+        return self._watched(lambda: self.source.read_fields(split, indices, epoch))
+
+    def _watched(self, read):
         with self.lock:
             self.reads += 1
             failing = self.reads - 1 == self.fail_at
@@ -59,10 +66,27 @@ class Watch:
             time.sleep(0.02)  # a read waits on the stages' threads; long enough for the next to start
             if failing:
                 raise DatasetError("stage 'crop' (random_crop): the test's planted failure")
-            self.source.serve_into(split, indices, x, y, epoch=epoch)
+            return read()
         finally:
             with self.lock:
                 self.running -= 1
+
+
+NAMED = """
+[[stages]]
+name = "src"
+source = {{ uri = "{uri}" }}
+[[stages]]
+name = "crop"
+input = "src"
+field = "image"
+random_resized_crop = {{ size = 10 }}
+[[stages]]
+name = "flip"
+input = "crop"
+field = "image"
+flip = {{ p = 0.5 }}
+"""
 
 
 @pytest.fixture
@@ -93,6 +117,29 @@ def test_batches_are_read_several_at_once_off_the_loop_with_the_bytes_of_one_at_
         wy = np.empty(tuple(y.shape), np.int64)
         pipeline.serve_into("train", np.asarray(indices), wx, wy, epoch=0)
         assert torch.equal(x, torch.from_numpy(wx)) and torch.equal(y, torch.from_numpy(wy))
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_named_fields_are_read_off_the_loop_too(start_provider, make_token, tmp_path, shm):
+    """An image folder as named fields, cropped and flipped (``field = "image"``): its batches overlap too."""
+    folder = write_imagefolder(tmp_path / "imgs", per_class=8)
+    path = tmp_path / "named.toml"
+    path.write_text(NAMED.format(uri=f"file://{folder}?fields=image,label&val_fraction=0"))
+    provider = start_provider(f"aug=pipeline://{path}")
+    handler = provider.service.handler
+    pipeline = handler.datasets["aug"]
+    watch = handler.datasets["aug"] = Watch(pipeline)
+    with RemoteLoader(
+        "aug", provider=provider.endpoint, token=make_token(), batch_size=4, shuffle=False, inflight=4, shm=shm
+    ) as loader:
+        loader.set_epoch(2)
+        got = [{k: v.clone() for k, v in batch.items()} for batch in loader]
+    assert loader.transport == ("shm" if shm else "socket") and len(got) == 4
+    assert watch.most >= 2 and all(name.startswith("overlap") for name in watch.threads), watch.threads
+    for n, batch in enumerate(got):
+        want = pipeline.read_fields("train", np.arange(4 * n, 4 * n + 4), 2)
+        assert np.array_equal(batch["image"].numpy(), want["image"])
+        assert np.array_equal(batch["label"].numpy(), want["label"])
 
 
 def test_a_failed_read_reaches_the_loader_and_the_provider_serves_on(provider, make_token):

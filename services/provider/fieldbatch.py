@@ -15,7 +15,7 @@ from shm import Ring
 
 from .sources import Source
 
-__all__ = ["check_frames", "check_servable", "fields_reply"]
+__all__ = ["begin_fill", "check_frames", "check_servable", "fields_reply"]
 
 
 def check_frames(dataset: str, fields: list[Field]) -> None:
@@ -42,13 +42,20 @@ def check_servable(dataset: str, source: Source) -> None:
 
 
 def fields_reply(
-    source: Source, fields: list[Field], msg: BatchRequest, indices: np.ndarray, ring: Ring | None, refused: Counter
+    source: Source,
+    fields: list[Field],
+    msg: BatchRequest,
+    indices: np.ndarray,
+    ring: Ring | None,
+    refused: Counter,
+    begun: bool = False,
 ) -> BatchResponse:
     """Read the batch and answer it. A stale slot is ``BAD_REQUEST`` (``batch not written``); a
     batch beyond the declared maxima, the slot or the batch limit ``TOO_LARGE`` naming the field and
-    sizes; each counted in ``refused``."""
-    if ring is not None:
-        _stale_checked(ring.begin_fill, msg, refused)
+    sizes; each counted in ``refused``. ``begun``: the slot's fill was begun already (:func:`begin_fill`,
+    on the serving loop, when the rest runs off it)."""
+    if ring is not None and not begun:
+        begin_fill(ring, msg, refused)
     batch = source.read_fields(msg.split, indices, msg.epoch)
     n = len(indices)
     try:
@@ -74,6 +81,11 @@ def fields_reply(
         names=[f.name for f in fields], shapes=shapes, dtypes=dtypes, nbytes=nbytes, slot=msg.slot, seq=msg.seq,
         frames=frames,
     )  # fmt: skip
+
+
+def begin_fill(ring: Ring, msg: BatchRequest, refused: Counter) -> None:
+    """Mark the request's slot as being filled, or refuse a stale one (``batch not written``)."""
+    _stale_checked(ring.begin_fill, msg, refused)
 
 
 def _stale_checked(check, msg: BatchRequest, refused: Counter) -> None:

@@ -42,7 +42,7 @@ from libbus.sockets import frame_len
 from shm import Ring, RingLayout
 
 from .evalgate import EvalGate
-from .fieldbatch import check_frames, check_servable, fields_reply
+from .fieldbatch import begin_fill, check_frames, check_servable, fields_reply
 from .ringbatch import OVERLAP_READS, Filler, RingUse, batch_indices
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.objstore import object_store_stats
@@ -341,31 +341,26 @@ class ProviderHandler(Handler):
             x, y = ring.views(msg.slot, x_shape, source.dtype, y_shape, source.label_dtype)
         except ShmError as err:
             self._refuse_stale(err)
-        if overlap:
-            return self.overlap.run(self._fill, ring, msg, source, indices, x, y, started, ring=ring)
-        if not getattr(source, "concurrent_reads", False):  # a source that may not be read from two threads
-            return self._fill(ring, msg, source, indices, x, y, started)
-        return self.filler.run(self._fill, ring, msg, source, indices, x, y, started, ring=ring)
+        filler = self.overlap if overlap else self.filler if getattr(source, "concurrent_reads", False) else None
+        if filler is None:  # a source that may not be read from two threads: on the loop
+            return self._read(msg, source, indices, x, y, started, ring)
+        return filler.run(self._read, msg, source, indices, x, y, started, ring, ring=ring)
 
     def _read(
-        self, msg: BatchRequest, source: Source, indices: np.ndarray, x: np.ndarray, y: np.ndarray, started: float
-    ) -> BatchResponse:
-        """A checked request's batch, read into ``x``/``y`` for the reply's frames."""
-        source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
-        return self._served(msg, x, y, [x.data, y.data], started)
-
-    def _fill(
         self,
-        ring: Ring,
         msg: BatchRequest,
         source: Source,
         indices: np.ndarray,
         x: np.ndarray,
         y: np.ndarray,
         started: float,
+        ring: Ring | None = None,
     ) -> BatchResponse:
-        """Write a checked request's batch into its ring slot (on the fill thread, or the loop's)."""
+        """Read a checked request's batch into ``x``/``y``: the reply's frames, or ``ring``'s slot
+        (on the loop's thread, or a filler's)."""
         source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
+        if ring is None:
+            return self._served(msg, x, y, [x.data, y.data], started)
         try:
             ring.finish_fill(msg.slot, msg.seq)  # checks the slot still awaits this request
         except ShmError as err:
@@ -380,38 +375,45 @@ class ProviderHandler(Handler):
 
     def _served(self, msg: BatchRequest, x: np.ndarray, y: np.ndarray, frames: list, started: float) -> BatchResponse:
         """Count a batch served and build its reply: the batch in ``frames``, or none (in the ring)."""
-        nbytes = x.nbytes + y.nbytes
+        shapes, dtypes, nbytes = [list(x.shape), list(y.shape)], [x.dtype.str, y.dtype.str], x.nbytes + y.nbytes
+        reply = BatchResponse(shapes=shapes, dtypes=dtypes, nbytes=nbytes, slot=msg.slot, seq=msg.seq, frames=frames)
+        return self._count(msg, reply, len(x), started)
+
+    def _count(self, msg: BatchRequest, reply: BatchResponse, n: int, started: float) -> BatchResponse:
+        """Count ``reply``, a batch of ``n`` samples served (from any thread)."""
         with self._count_lock:
             counters = self.served[msg.dataset]
-            if not frames:
+            if msg.slot is not None:
                 counters["shm_batches"] += 1
             counters["batches"] += 1
-            counters["samples"] += len(x)
-            counters["bytes"] += nbytes
+            counters["samples"] += n
+            counters["bytes"] += reply.nbytes
             self.latency[msg.dataset].observe(time.perf_counter() - started)
-        return BatchResponse(
-            shapes=[list(x.shape), list(y.shape)],
-            dtypes=[x.dtype.str, y.dtype.str],
-            nbytes=nbytes,
-            slot=msg.slot,
-            seq=msg.seq,
-            frames=frames,
-        )
+        return reply
 
     def _batch_fields(
         self, session: Session, msg: BatchRequest, source: Source, indices: np.ndarray, started: float
-    ) -> BatchResponse:
-        """A batch of named fields, as frames or into the session's ring slot (:mod:`.fieldbatch`)."""
+    ) -> BatchResponse | Future:
+        """A batch of named fields, as frames or into the session's ring slot (:mod:`.fieldbatch`);
+        a pipeline's off the loop, as :meth:`batch` reads x/y ones (the stale-slot check on it)."""
         ring = self._ring_for(session, msg) if msg.slot is not None or msg.seq is not None else None
-        reply = fields_reply(source, self.fields[msg.dataset], msg, indices, ring, self.refused)
-        counters = self.served[msg.dataset]
+        if not getattr(source, "overlap_reads", False):
+            reply = fields_reply(source, self.fields[msg.dataset], msg, indices, ring, self.refused)
+            return self._count(msg, reply, len(indices), started)
         if ring is not None:
-            counters["shm_batches"] += 1
-        counters["batches"] += 1
-        counters["samples"] += len(indices)
-        counters["bytes"] += reply.nbytes
-        self.latency[msg.dataset].observe(time.perf_counter() - started)
-        return reply
+            begin_fill(ring, msg, self.refused)
+        return self.overlap.run(self._fields_off_loop, msg, source, indices, ring, started, ring=ring)
+
+    def _fields_off_loop(
+        self, msg: BatchRequest, source: Source, indices: np.ndarray, ring: Ring | None, started: float
+    ) -> BatchResponse:
+        refused: Counter = Counter()  # counted here, added under the lock
+        try:
+            reply = fields_reply(source, self.fields[msg.dataset], msg, indices, ring, refused, begun=True)
+        finally:
+            with self._count_lock:
+                self.refused.update(refused)
+        return self._count(msg, reply, len(indices), started)
 
     def _ring_for(self, session: Session, msg: BatchRequest) -> Ring:
         if msg.slot is None or msg.seq is None:
