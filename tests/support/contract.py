@@ -43,10 +43,15 @@ def some_indices(n: int, rng: np.random.Generator) -> np.ndarray:
     )
 
 
+def _answer(handler: ProviderHandler, msg: BatchRequest):
+    """The handler's reply to ``msg``: a pipeline's is a Future (read off the loop; the server sends
+    it when done)."""
+    reply = handler.batch(None, msg)
+    return reply.result(timeout=60) if isinstance(reply, Future) else reply
+
+
 def _served(handler: ProviderHandler, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    reply = handler.batch(None, BatchRequest(dataset="d", split=split, frames=[indices.astype("<i8").tobytes()]))
-    if isinstance(reply, Future):  # read off the loop (a pipeline's batches): the server sends it when done
-        reply = reply.result(timeout=60)
+    reply = _answer(handler, BatchRequest(dataset="d", split=split, frames=[indices.astype("<i8").tobytes()]))
     (xs, ys), (xd, yd) = reply.shapes, reply.dtypes
     x = np.frombuffer(bytes(reply.frames[0]), np.dtype(xd)).reshape(xs)
     y = np.frombuffer(bytes(reply.frames[1]), np.dtype(yd)).reshape(ys)
@@ -84,7 +89,7 @@ def check_fields_contract(source: Source, reference=None, seed: int = 0) -> None
             if reference is not None:
                 ref = reference(split, idx)
                 assert want == {name: _as_bytes(ref[name]) for name in ref}, split
-            reply = handler.batch(None, BatchRequest(dataset="d", split=split, frames=[idx.astype("<i8").tobytes()]))
+            reply = _answer(handler, BatchRequest(dataset="d", split=split, frames=[idx.astype("<i8").tobytes()]))
             served = decode_frames(reply.names, reply.shapes, reply.dtypes, reply.frames)
             assert {name: _as_bytes(served[name]) for name in served} == want, split
             with pytest.raises(OutOfRange, match=f"outside {split}"):
