@@ -57,7 +57,8 @@ class TokenCheck:
             raise AuthExpired("token expired; issue a new one with 'busctl token issue'")
         if claims.nbf is not None and claims.nbf > now + LEEWAY_S:
             raise AuthInvalid(
-                "token is not valid yet (The token is not yet valid (nbf)); check the clocks of issuer and node"
+                f"token is not valid yet (its nbf is {claims.nbf - now:.0f} s ahead of this node's clock); "
+                "check the clocks of issuer and node"
             )
         self._check_revoked(claims)
         return claims
