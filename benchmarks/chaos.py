@@ -28,11 +28,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from libbus.auth import ensure_secret, issue_token
-from libbus.client import Client, Identity
-from libbus.jobs import TERMINAL_STATES
-from libbus.loader import RemoteLoader
-from libbus.messages import GetJob, Resolve, SubmitJob
+from libbus.connect.client import Client, Identity
+from libbus.jobs.spec import TERMINAL_STATES
+from libbus.loader.remote import RemoteLoader
+from libbus.security.auth import ensure_secret, issue_token
+from libbus.wire.messages import GetJob, Resolve, SubmitJob
 from services.trainer.audit import digest, effective_epochs
 from shm.names import SHM_DIR, parse_name
 

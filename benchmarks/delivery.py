@@ -43,9 +43,9 @@ import torch
 import zmq
 
 from benchmarks.delivery_report import add_ratios, checks, print_result, summarize
-from libbus.auth import ensure_secret, issue_token
-from libbus.loader import RemoteLoader
-from libbus.order import batches_of, epoch_order
+from libbus.loader.remote import RemoteLoader
+from libbus.order.epochs import batches_of, epoch_order
+from libbus.security.auth import ensure_secret, issue_token
 from services.launch import ServiceProcs
 from shm import Ring, RingLayout
 

@@ -28,7 +28,7 @@ __all__ = ["main", "run"]
 def _loader(endpoint: str, token: str, args: dict, ready, out) -> None:
     """One loader: its first batch, then (all loaders at once) read until the window closes; the
     samples received inside the window."""
-    from libbus.loader import RemoteLoader  # noqa: PLC0415 - torch loads in the loader processes only
+    from libbus.loader.remote import RemoteLoader  # noqa: PLC0415 - torch loads in the loader processes only
 
     got = 0
     with RemoteLoader(

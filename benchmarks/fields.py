@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from libbus.auth import ensure_secret, issue_token
-from libbus.loader import RemoteLoader
+from libbus.loader.remote import RemoteLoader
+from libbus.security.auth import ensure_secret, issue_token
 from services.launch import ServiceProcs
 
 __all__ = ["main"]

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from libbus.auth import ensure_secret, issue_token
-from libbus.loader import RemoteLoader
+from libbus.loader.remote import RemoteLoader
+from libbus.security.auth import ensure_secret, issue_token
 from services.launch import ServiceProcs
 from services.provider.sources import open_source
 

@@ -21,9 +21,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from libbus.auth import ensure_secret, issue_token
-from libbus.client import Client, Identity
-from libbus.messages import Checkpointed, GetJob, GetTask, ListJobs, Progress, PushResult, SubmitJob, Task
+from libbus.connect.client import Client, Identity
+from libbus.security.auth import ensure_secret, issue_token
+from libbus.wire.messages import Checkpointed, GetJob, GetTask, ListJobs, Progress, PushResult, SubmitJob, Task
 
 REPO = Path(__file__).resolve().parents[1]
 BUSCTL = [sys.executable, "-c", "from cli.app import main; main()"]

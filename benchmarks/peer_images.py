@@ -30,8 +30,8 @@ import torch
 from benchmarks.delivery import SEED, batch_plan
 from benchmarks.peer_jpeg import Augment, image_files
 from benchmarks.peer_rows import Make, batches_of_loader, on_close, workers
-from libbus.auth import ensure_secret, issue_token
-from libbus.loader import RemoteLoader
+from libbus.loader.remote import RemoteLoader
+from libbus.security.auth import ensure_secret, issue_token
 from services.launch import ServiceProcs
 
 __all__ = ["BUILDERS", "EXAMPLE"]

@@ -3,7 +3,7 @@
 It speaks ZMTP 3.0 by hand over TCP (greeting with the NULL mechanism, READY, then 1 MiB frames that
 all carry MORE and never end), at a router and at a provider started as real processes, and samples
 their resident memory (``VmRSS`` from ``/proc/PID/status``). With the default settings every server
-socket admits only a handshake that carries a valid token (libbus/admission.py), so the peer is cut
+socket admits only a handshake that carries a valid token (libbus/security/admission.py), so the peer is cut
 off at its greeting and memory stays flat; with ``--no-handshake-auth`` (``handshake_auth = false``)
 libzmq buffers the endless message and memory grows with what was sent (the attack then stops at
 ``--cap-mib`` so as not to exhaust the machine).
@@ -76,7 +76,7 @@ def start_services(
 ) -> tuple[list[subprocess.Popen], str, str]:
     """A router and a provider (``busctl start``) of ``dataset`` in ``state``, with ``env`` added to
     their environment (settings); returns the processes and endpoints."""
-    from libbus.auth import ensure_secret  # noqa: PLC0415 - the benchmark's own imports stay light
+    from libbus.security.auth import ensure_secret  # noqa: PLC0415 - the benchmark's own imports stay light
 
     state.mkdir(parents=True, exist_ok=True)
     ensure_secret(state / "secret")

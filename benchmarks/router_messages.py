@@ -23,9 +23,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from libbus.auth import Claims
-from libbus.messages import GetTask, Hello, Message, Progress, PushResult, Resolve, SubmitJob
-from libbus.sessions import Session
+from libbus.security.auth import Claims
+from libbus.serve.sessions import Session
+from libbus.wire.messages import GetTask, Hello, Message, Progress, PushResult, Resolve, SubmitJob
 from services.router.handler import RouterHandler
 from services.router.store import JobStore
 

@@ -37,10 +37,10 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from libbus.admission import admit_client
-from libbus.auth import ensure_secret, issue_token
-from libbus.client import Client, Identity
-from libbus.messages import (
+from libbus.connect.client import Client, Identity
+from libbus.security.admission import admit_client
+from libbus.security.auth import ensure_secret, issue_token
+from libbus.wire.messages import (
     Error,
     Hello,
     JobSubmitted,
@@ -49,7 +49,7 @@ from libbus.messages import (
     Welcome,
     decode,
 )
-from libbus.sockets import make_socket, send_message
+from libbus.wire.sockets import make_socket, send_message
 
 from .scale_peers import TIMED, raise_nofile, run_worker
 

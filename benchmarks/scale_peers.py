@@ -17,8 +17,8 @@ from collections import defaultdict
 
 import zmq
 
-from libbus.admission import admit_client
-from libbus.messages import (
+from libbus.security.admission import admit_client
+from libbus.wire.messages import (
     Entitlements,
     Error,
     GetTask,
@@ -31,7 +31,7 @@ from libbus.messages import (
     Welcome,
     decode,
 )
-from libbus.sockets import make_socket, send_message
+from libbus.wire.sockets import make_socket, send_message
 
 __all__ = ["TIMED", "raise_nofile", "run_worker"]
 

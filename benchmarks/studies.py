@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from libbus.auth import ensure_secret, issue_token
-from libbus.client import Client, Identity
-from libbus.messages import GetJob, GetStudy, SubmitStudy
+from libbus.connect.client import Client, Identity
+from libbus.security.auth import ensure_secret, issue_token
+from libbus.wire.messages import GetJob, GetStudy, SubmitStudy
 
 BUSCTL = [str(Path(sys.executable).with_name("busctl"))]
 

@@ -5,7 +5,7 @@ TCP and never reads the replies (its socket takes at most one message and a smal
 provider (``busctl start``, a real process) holds each reply until the peer takes it; its resident
 memory (``VmRSS`` from ``/proc``) is sampled throughout. With the default settings the replies it
 holds for the connection stay within ``session_unsent_bytes`` (64 MiB) plus one reply
-(libbus/backlog.py): later requests wait, then are refused RATE_LIMITED. With ``--no-cap``
+(libbus/serve/backlog.py): later requests wait, then are refused RATE_LIMITED. With ``--no-cap``
 (``session_unsent_bytes = 0``) libzmq's high-water mark, 1000 messages, is the only bound.
 
     python -m benchmarks.unread_replies
@@ -30,9 +30,9 @@ import numpy as np
 import zmq
 
 from benchmarks.preauth_flood import MiB, rss, start_services, stop_services
-from libbus.admission import admit_client
-from libbus.auth import issue_token
-from libbus.messages import BatchRequest, Error, Hello, decode, encode
+from libbus.security.admission import admit_client
+from libbus.security.auth import issue_token
+from libbus.wire.messages import BatchRequest, Error, Hello, decode, encode
 
 __all__ = ["attack", "run"]
 
@@ -135,10 +135,10 @@ def overhead(rounds: int = 12, samples: int = 8192, batch: int = 256) -> dict:
     import threading  # noqa: PLC0415
 
     from benchmarks.delivery import make_dataset  # noqa: PLC0415
-    from libbus.auth import ensure_secret  # noqa: PLC0415
     from libbus.config import load_settings  # noqa: PLC0415
     from libbus.constants import TRACK_MIN_BYTES  # noqa: PLC0415
-    from libbus.loader import RemoteLoader  # noqa: PLC0415
+    from libbus.loader.remote import RemoteLoader  # noqa: PLC0415
+    from libbus.security.auth import ensure_secret  # noqa: PLC0415
     from services.provider.app import ProviderService  # noqa: PLC0415
     from services.router.app import RouterService  # noqa: PLC0415
 
@@ -190,8 +190,8 @@ def send_cost(blocks: int = 20, n: int = 300) -> dict:
     of ``n`` sends in one process. Medians over ``blocks``."""
     import threading  # noqa: PLC0415
 
-    from libbus.messages import BatchResponse  # noqa: PLC0415
-    from libbus.sockets import send_tracked  # noqa: PLC0415
+    from libbus.wire.messages import BatchResponse  # noqa: PLC0415
+    from libbus.wire.sockets import send_tracked  # noqa: PLC0415
 
     ctx = zmq.Context()
     server, reader = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)

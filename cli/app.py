@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from libbus.config import Settings, load_settings
-from libbus.messages import ListPeers, Stats
+from libbus.wire.messages import ListPeers, Stats
 
 from . import tables
 from .common import admin_client, fail, guard, print_json

@@ -13,8 +13,8 @@ from typing import Any
 import orjson
 import typer
 
-from libbus.client import Client, Identity
 from libbus.config import Settings, load_settings
+from libbus.connect.client import Client, Identity
 from libbus.errors import BusError, ConfigError
 
 __all__ = ["settings_from", "admin_client", "fail", "guard", "print_json", "setup_logging"]

@@ -15,12 +15,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from libbus.client import Client
 from libbus.config import Settings
-from libbus.curve import curve_key_of
+from libbus.connect.client import Client
 from libbus.errors import BusError
-from libbus.fields import decode_frames, fields_of_info, is_xy
-from libbus.messages import BatchRequest, BatchResponse, ListPeers, Resolve, frame_buffer
+from libbus.security.curve import curve_key_of
+from libbus.wire.fields import decode_frames, fields_of_info, is_xy
+from libbus.wire.messages import BatchRequest, BatchResponse, ListPeers, Resolve, frame_buffer
 
 from .common import admin_client, fail, print_json
 
@@ -243,7 +243,7 @@ def fetch(
     if split not in splits:
         fail(f"dataset {resolved.dataset!r} has no split {split!r}; it has {', '.join(splits)}", 2)
     # Every provider of a name serves the same data: take the first (the router lists them in the order
-    # they registered). Not libbus.loader.pick_provider: that module imports torch, 2 s of start-up.
+    # they registered). Not libbus.loader.remote.pick_provider: that module imports torch, 2 s of start-up.
     provider = resolved.providers[0]
     with Client(
         provider["endpoint"],

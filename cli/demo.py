@@ -8,9 +8,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from libbus.auth import ensure_secret
 from libbus.errors import BusError, PeerTimeout
-from libbus.messages import ListPeers, SubmitJob
+from libbus.security.auth import ensure_secret
+from libbus.wire.messages import ListPeers, SubmitJob
 from services.launch import READY_TIMEOUT_S, ServiceProcs
 
 from .common import admin_client, settings_from

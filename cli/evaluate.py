@@ -12,7 +12,7 @@ from __future__ import annotations
 import typer
 
 from libbus.config import Settings
-from libbus.messages import ControlJob
+from libbus.wire.messages import ControlJob
 from services.router.jobs import EVAL_ACK_TIMEOUT_S
 
 from .common import admin_client, print_json

@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 
 from libbus.config import Settings
-from libbus.jobs import JOB_STATES, SETTABLE
-from libbus.messages import ControlJob, GetJob, GetModel, ListJobs, SubmitJob, frame_buffer
+from libbus.jobs.spec import JOB_STATES, SETTABLE
+from libbus.wire.messages import ControlJob, GetJob, GetModel, ListJobs, SubmitJob, frame_buffer
 
 from . import tables
 from .common import admin_client, fail, guard, print_json

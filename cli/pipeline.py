@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from libbus.client import Client
 from libbus.config import Settings
+from libbus.connect.client import Client
 from libbus.errors import NotFound
-from libbus.messages import ListPeers, StageControl
+from libbus.wire.messages import ListPeers, StageControl
 
 from .common import admin_client, fail, print_json
 

@@ -15,7 +15,7 @@ import typer
 
 from libbus.config import Settings
 from libbus.errors import BadRequest
-from libbus.messages import ControlJob, GetStudy, ListStudies, Model, StopStudy, SubmitStudy, frame_buffer
+from libbus.wire.messages import ControlJob, GetStudy, ListStudies, Model, StopStudy, SubmitStudy, frame_buffer
 
 from .common import admin_client, fail, guard, print_json
 from .options import Json, admin_options

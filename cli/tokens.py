@@ -8,9 +8,9 @@ from typing import Annotated
 
 import typer
 
-from libbus.auth import ROLES, ensure_secret
 from libbus.config import Settings
 from libbus.errors import BusError, ConfigError
+from libbus.security.auth import ROLES, ensure_secret
 
 from . import tables
 from .common import admin_client, fail, guard, print_json, settings_from
@@ -85,7 +85,7 @@ def token_inspect(
     import sys
     import time
 
-    from libbus.auth import inspect_token, verify_token
+    from libbus.security.auth import inspect_token, verify_token
     from services.runtime import verify_key
 
     if token == "-":
@@ -138,8 +138,8 @@ def token_revoke(
     import sys
     import time
 
-    from libbus.auth import inspect_token
-    from libbus.messages import RevokeToken
+    from libbus.security.auth import inspect_token
+    from libbus.wire.messages import RevokeToken
 
     if what == "-":
         what = sys.stdin.read().strip()
@@ -161,7 +161,7 @@ def token_revoke(
 @admin_options
 def token_revoked(*, settings: Settings, json: Json = False) -> None:
     """Tokens revoked and not yet expired, newest first."""
-    from libbus.messages import ListRevoked
+    from libbus.wire.messages import ListRevoked
 
     s = settings
     with admin_client(s) as client:
@@ -181,7 +181,7 @@ def keys_gen(
     """Create a CURVE key pair: NAME.key_secret (0600, stays on its node; curve_key_file) and
     NAME.key (public: copy it into the authorized directory of every server it connects to;
     the router's goes to every node as curve_router_key)."""
-    from libbus.curve import generate_keys
+    from libbus.security.curve import generate_keys
 
     public, secret_path = generate_keys(out, name)
     typer.echo(
@@ -200,7 +200,7 @@ def token_keygen(
 ) -> None:
     """Create an EdDSA signing key (keep it on the administrator's machine) and its public key
     (copy PATH.pub to every node as public_key_file; set token_alg = "EdDSA")."""
-    from libbus.auth import generate_signing_key
+    from libbus.security.auth import generate_signing_key
 
     key, pub = generate_signing_key(path)
     typer.echo(f"signing key {key} (0600, keep it private)\npublic key {pub} (copy to every node)")

@@ -20,10 +20,10 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from libbus.client import Client
 from libbus.config import Settings
+from libbus.connect.client import Client
 from libbus.errors import BusError
-from libbus.messages import ListJobs, ListPeers, Stats
+from libbus.wire.messages import ListJobs, ListPeers, Stats
 
 from .common import admin_client, print_json
 from .tables import refusals, stage_tables

@@ -7,9 +7,9 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from libbus.client import Client
-from libbus.jobs import TERMINAL_STATES
-from libbus.messages import GetJob
+from libbus.connect.client import Client
+from libbus.jobs.spec import TERMINAL_STATES
+from libbus.wire.messages import GetJob
 
 __all__ = ["watch_job"]
 

@@ -1,5 +1,12 @@
-"""libbus: the batchbus wire — frames and messages, errors, auth, sockets, sessions, config — and
-the public API of a training script.
+"""libbus: the batchbus wire and the public API of a training script, in folders along its seams
+(lowest first; ``tests/test_layers.py`` holds the order):
+
+- ``errors``, ``constants``: the one exception tree and the named limits (the ground floor);
+- ``wire/``: frames, the header schema, every message, socket options, the named-field batch layout;
+- ``security/``: tokens, CURVE, admission;
+- ``serve/`` (the server framework), ``connect/`` (the client side), ``order/`` (the sample order);
+- ``jobs/`` (the job schema and states), ``config`` (the one settings object);
+- ``loader/``: ``RemoteLoader`` and what it stands on (imports torch).
 
 A script needs only this package's face::
 
@@ -7,8 +14,7 @@ A script needs only this package's face::
 
 ``RemoteLoader`` and the other torch-based names are imported on first use (PEP 562), so
 ``import libbus`` stays light for services that never load data (the router imports no torch);
-their types are declared in ``__init__.pyi`` (an import here would close a cycle: the wire modules
-import this package's ``PROTOCOL``).
+their types are declared in ``__init__.pyi``.
 libbus imports zmq, never ``services`` or ``cli``.
 """
 
@@ -17,20 +23,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import errors
-
-#: The wire tag, ``BB`` + the wire version. 2: batches carry named fields (issue 15).
-PROTOCOL = b"BB2"
-VERSION = "0.1.0"
+from libbus import errors
+from libbus.constants import PROTOCOL, VERSION
 
 #: Public name -> the module that defines it (imported when the name is first used).
 _LAZY = {
-    "RemoteLoader": "libbus.loader",
-    "merge_cursors": "libbus.elastic",
-    "as_float": "libbus.tensors",
-    "RankInfo": "libbus.ranks",
-    "detect_rank": "libbus.ranks",
-    "StallMeter": "libbus.stall",
+    "RemoteLoader": "libbus.loader.remote",
+    "merge_cursors": "libbus.order.elastic",
+    "as_float": "libbus.loader.tensors",
+    "RankInfo": "libbus.loader.ranks",
+    "detect_rank": "libbus.loader.ranks",
+    "StallMeter": "libbus.loader.stall",
 }
 
 __all__ = [

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import constants as C
-from .auth import ALGORITHMS
-from .errors import ConfigError
+from libbus import constants as C
+from libbus.errors import ConfigError
+from libbus.security.auth import ALGORITHMS
 
 __all__ = ["Settings", "load_settings", "default_state_dir", "host_id"]
 
@@ -138,7 +138,7 @@ class Settings:
     #: Per subject: most sessions open at once on a service; more are refused at Hello.
     sessions_per_subject: int = C.SESSIONS_PER_SUBJECT
     #: Per connection: most bytes of replies held that the peer has not read (0 = no cap), and how
-    #: long its next request waits for them to drain before RATE_LIMITED (libbus/backlog.py).
+    #: long its next request waits for them to drain before RATE_LIMITED (libbus/serve/backlog.py).
     session_unsent_bytes: int = C.SESSION_UNSENT_BYTES
     unsent_wait_s: float = C.UNSENT_WAIT_S
     #: Without CURVE, services admit a connection only if its handshake carries a valid token, and

@@ -1,5 +1,10 @@
 """Named limits and timeouts, in one place. Settings can override the ones users tune."""
 
+#: The wire tag, ``BB`` + the wire version. 2: batches carry named fields (issue 15).
+PROTOCOL = b"BB2"
+#: This build's version, sent in ``Hello``.
+VERSION = "0.1.0"
+
 KiB = 1024
 MiB = 1024 * KiB
 

@@ -7,8 +7,8 @@ shared memory) are :class:`BusError` subclasses too, so callers can catch one ro
 
 from __future__ import annotations
 
-# The root and the shared-memory error live in the ground-floor leaf, which shm (below libbus) imports too.
-from core.errors import BusError, ShmError
+# The root and the shared-memory error live in shm, the lowest layer that raises them.
+from shm.errors import BusError, ShmError
 
 __all__ = [
     "BusError",

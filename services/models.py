@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from libbus.errors import BadRequest
-from libbus.tensors import as_float  # public in libbus; re-exported here for the services
+from libbus.loader.tensors import as_float  # public in libbus; re-exported here for the services
 
 __all__ = [
     "MODELS",

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import zmq
 
-from libbus.auth import Key, ensure_secret, issue_token, load_public_key, load_secret, load_signing_key
-from libbus.client import Identity
 from libbus.config import Settings
+from libbus.connect.client import Identity
 from libbus.constants import DRAIN_LINGER_S
-from libbus.curve import CurveKeys, load_keys
-from libbus.curve import load_public_key as load_curve_public_key
 from libbus.errors import ConfigError
-from libbus.server import ServerConfig
-from libbus.sockets import SocketLimits
+from libbus.security.auth import Key, ensure_secret, issue_token, load_public_key, load_secret, load_signing_key
+from libbus.security.curve import CurveKeys, load_keys
+from libbus.security.curve import load_public_key as load_curve_public_key
+from libbus.serve.server import ServerConfig
+from libbus.wire.sockets import SocketLimits
 from shm import SHM_DIR
 from shm.names import pid_alive
 

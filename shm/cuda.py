@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from core.errors import ShmError
+from shm.errors import ShmError
 
 __all__ = ["CudaStager"]
 

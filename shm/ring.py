@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.errors import ShmError
+from shm.errors import ShmError
 
 from .names import SHM_DIR, new_name, path_of, process_start
 from .segment import Segment
@@ -306,7 +306,7 @@ class Ring:
 
     def slot_buffer(self, slot: int) -> memoryview:
         """The bytes of ``slot`` (all ``slot_bytes`` of them), for batches of named fields packed
-        from the slot's start (:mod:`libbus.fields`). Release it (``with``) when done: a live
+        from the slot's start (:mod:`libbus.wire.fields`). Release it (``with``) when done: a live
         export keeps the mapping from being closed."""
         self._check_slot(slot)
         if self.segment.buf is None:

@@ -22,7 +22,7 @@ import os
 import stat
 from pathlib import Path
 
-from core.errors import ShmError
+from shm.errors import ShmError
 
 from .names import SHM_DIR, path_of
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from libbus.admission import admit_client
-from libbus.auth import ensure_secret, issue_token
-from libbus.client import Client, Identity
 from libbus.config import Settings, load_settings
+from libbus.connect.client import Client, Identity
+from libbus.security.admission import admit_client
+from libbus.security.auth import ensure_secret, issue_token
 from tests.support import CLUSTER, Running, run_service
 
 

@@ -5,9 +5,9 @@ import time
 import jwt
 import pytest
 
-from libbus.auth import issue_token, verify_token
 from libbus.errors import AuthExpired, AuthInvalid, ConfigError, Forbidden
-from libbus.messages import BatchRequest, DatasetInfoRequest, ListJobs, SubmitJob, decode, encode
+from libbus.security.auth import issue_token, verify_token
+from libbus.wire.messages import BatchRequest, DatasetInfoRequest, ListJobs, SubmitJob, decode, encode
 
 SECRET = b"k" * 40
 

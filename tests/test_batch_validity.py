@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from libbus.loader import RemoteLoader
+from libbus.loader.remote import RemoteLoader
 from shm import SlotState
 
 DATA = "mock://mnist?n=1000"

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from libbus.errors import BadRequest
-from libbus.jobs import JobSpec
+from libbus.jobs.spec import JobSpec
 from services.router.store import JobStore
 from services.trainer.checkpoint import CheckpointError, load_checkpoint, prune, save_checkpoint, save_model
 

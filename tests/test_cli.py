@@ -2,9 +2,9 @@
 
 import pytest
 
-from libbus.auth import verify_token
 from libbus.config import load_settings
 from libbus.errors import ConfigError
+from libbus.security.auth import verify_token
 from tests.support import busctl
 
 

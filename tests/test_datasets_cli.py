@@ -8,8 +8,8 @@ import pytest
 
 from cli.data import parse_indices
 from libbus.errors import BadRequest
-from libbus.jobs import JobSpec
-from libbus.order import DEFAULT_BLOCK_SIZE
+from libbus.jobs.spec import JobSpec
+from libbus.order.epochs import DEFAULT_BLOCK_SIZE
 from services.provider.sources import open_source
 from tests.support import busctl as run_busctl
 

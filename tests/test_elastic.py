@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libbus import elastic
+from libbus.order import elastic
 from libbus.errors import BadRequest
-from libbus.order import Order, epoch_order
-from libbus.ranks import detect
+from libbus.loader.ranks import detect
+from libbus.order.epochs import Order, epoch_order
 
 
 def world(n: int, size: int, **kw) -> list[Order]:

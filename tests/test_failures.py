@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from libbus.errors import PeerTimeout
-from libbus.jobs import JobSpec
+from libbus.jobs.spec import JobSpec
 from services.trainer.failures import describe_failure, deterministic
 
 

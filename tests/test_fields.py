@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libbus import PROTOCOL
-from libbus.admission import admit_client
-from libbus.client import Client, Identity
+from libbus.connect.client import Client, Identity
 from libbus.errors import BadRequest, BusError, ConfigError, TooLarge
-from libbus.fields import Field, decode_frames, encode_frames, pack_slot, slot_bytes_for, unpack_slot
-from libbus.loader import RemoteLoader
-from libbus.messages import BatchRequest, Evaluate, decode
+from libbus.loader.remote import RemoteLoader
+from libbus.security.admission import admit_client
+from libbus.wire.fields import Field, decode_frames, encode_frames, pack_slot, slot_bytes_for, unpack_slot
+from libbus.wire.messages import BatchRequest, Evaluate, decode
 from services.provider.handler import ProviderHandler
 from services.provider.sources import open_source
 from tests.support.fuzz import FUZZ, batch_request

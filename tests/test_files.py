@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from libbus.errors import DatasetError
-from libbus.messages import BatchRequest, DatasetInfoRequest
+from libbus.wire.messages import BatchRequest, DatasetInfoRequest
 from services.provider.sources import open_source
 from tests.support.formats import BUILDERS, build_idx, expected_splits, some_indices
 

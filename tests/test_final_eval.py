@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import threading
 
-from libbus.client import Identity
-from libbus.jobs import JobSpec
-from libbus.messages import Resolve
+from libbus.connect.client import Identity
+from libbus.jobs.spec import JobSpec
+from libbus.wire.messages import Resolve
 from services.models import build_model
 from services.trainer.final_eval import score_final
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from libbus import PROTOCOL
 from libbus.constants import MAX_BATCH_INDICES
 from libbus.errors import BusError
-from libbus.messages import ListPeers, Resolve, Stats
+from libbus.wire.messages import ListPeers, Resolve, Stats
 from tests.support.fuzz import (
     FUZZ,
     fire,

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libbus import PROTOCOL
-from libbus.messages import AttachRing, encode
+from libbus.wire.messages import AttachRing, encode
 from shm.names import SHM_DIR, new_name
 from tests.support.fuzz import (
     ABSURD_INTS,

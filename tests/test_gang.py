@@ -175,8 +175,8 @@ def test_sigterm_to_a_rank_hands_the_gang_back_without_losing_an_attempt(cluster
 def test_gathering_and_assignment_rules(tmp_path):
     """The router's side without processes: a real job database, the gang rules of services/router/gangs.py."""
     from libbus.errors import BadRequest
-    from libbus.jobs import JobSpec
-    from libbus.messages import NoTask, Task
+    from libbus.jobs.spec import JobSpec
+    from libbus.wire.messages import NoTask, Task
     from services.router.gangs import Gangs
     from services.router.grants import assignments
     from services.router.store import JobStore

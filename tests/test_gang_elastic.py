@@ -11,8 +11,8 @@ import time
 import pytest
 
 from libbus.errors import BadRequest
-from libbus.jobs import MAX_WORLD_SIZE, JobSpec
-from libbus.messages import NoTask, Stats, Task
+from libbus.jobs.spec import MAX_WORLD_SIZE, JobSpec
+from libbus.wire.messages import NoTask, Stats, Task
 from services.router.gangs import Gangs
 from services.router.store import JobStore
 from services.trainer.audit import effective_epochs

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from libbus.jobs import JobSpec
-from libbus.messages import GetJob, GetTask, NoTask, SubmitJob, Task
+from libbus.jobs.spec import JobSpec
+from libbus.wire.messages import GetJob, GetTask, NoTask, SubmitJob, Task
 from services.router.gangs import Gangs
 from services.router.store import JobStore
 

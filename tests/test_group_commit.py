@@ -1,4 +1,4 @@
-"""Group commit (services/router/store_db.py, libbus/server.py ``_release``): the router acknowledges a
+"""Group commit (services/router/store_db.py, libbus/serve/server.py ``_release``): the router acknowledges a
 transition only once it is on disk, with one fsync for all the transitions of a loop turn.
 
 A real router process killed with SIGKILL right after its replies still has every claim and result
@@ -16,13 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from libbus.auth import ensure_secret, issue_token
-from libbus.client import Client, Identity
+from libbus.connect.client import Client, Identity
 from libbus.errors import NotFound, Unavailable
-from libbus.handler import Handler, ServerConfig
-from libbus.jobs import JobSpec
-from libbus.messages import GetTask, Ok, PushResult, Stats, SubmitJob, Task
-from libbus.server import Server
+from libbus.jobs.spec import JobSpec
+from libbus.security.auth import ensure_secret, issue_token
+from libbus.serve.handler import Handler, ServerConfig
+from libbus.serve.server import Server
+from libbus.wire.messages import GetTask, Ok, PushResult, Stats, SubmitJob, Task
 from services.router.store import JobStore
 from tests.support import Cluster
 

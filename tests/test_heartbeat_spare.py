@@ -1,6 +1,6 @@
-"""Heartbeats only where they are needed (libbus/server.py ``_heartbeat``, libbus/sessions.py ``beat_due``):
+"""Heartbeats only where they are needed (libbus/serve/server.py ``_heartbeat``, libbus/serve/sessions.py ``beat_due``):
 a session sent anything within the interval gets no heartbeat, since a peer takes any message as a
-sign of life (libbus/link.py ``last_recv``). An idle session still gets its beats and is kept; a busy
+sign of life (libbus/connect/link.py ``last_recv``). An idle session still gets its beats and is kept; a busy
 one gets none, and a busy Link whose only news from the server are replies does not reconnect."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import time
 import pytest
 import zmq
 
-from libbus.admission import admit_client
-from libbus.auth import Claims
-from libbus.client import Identity
-from libbus.handler import Handler, ServerConfig
-from libbus.link import Link
-from libbus.messages import Heartbeat, Hello, Ok, Stats, Welcome, decode
-from libbus.server import Server
-from libbus.sessions import Session, SessionTable
-from libbus.sockets import make_socket, send_message
+from libbus.connect.client import Identity
+from libbus.connect.link import Link
+from libbus.security.admission import admit_client
+from libbus.security.auth import Claims
+from libbus.serve.handler import Handler, ServerConfig
+from libbus.serve.server import Server
+from libbus.serve.sessions import Session, SessionTable
+from libbus.wire.messages import Heartbeat, Hello, Ok, Stats, Welcome, decode
+from libbus.wire.sockets import make_socket, send_message
 
 BEAT_MS = 300
 

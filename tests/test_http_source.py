@@ -19,9 +19,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from libbus.errors import BusError, DatasetError, Unavailable
-from libbus.loader import RemoteLoader
-from libbus.messages import BatchRequest, DatasetInfoRequest
-from libbus.order import epoch_order
+from libbus.loader.remote import RemoteLoader
+from libbus.order.epochs import epoch_order
+from libbus.wire.messages import BatchRequest, DatasetInfoRequest
 from services.provider.sources import open_source
 from services.provider.sources.http import expand_template
 from tests.support.httpd import RangeServer

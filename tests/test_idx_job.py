@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from libbus.messages import DatasetInfoRequest, SubmitJob
+from libbus.wire.messages import DatasetInfoRequest, SubmitJob
 from services.models import as_float, predictions
 from services.provider.sources import open_source
 from tests.support import wait_job

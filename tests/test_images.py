@@ -203,7 +203,7 @@ def test_webdataset_shards_behind_http_read_as_local_ones_with_coalesced_reads(t
 
 
 def test_skipped_bad_images_are_counted_in_the_providers_metrics(tmp_path, start_provider, client_for):
-    from libbus.messages import BatchRequest
+    from libbus.wire.messages import BatchRequest
     from tests.support import scrape, value
 
     root = write_imagefolder(tmp_path / "d", per_class=3, classes=2)

@@ -6,7 +6,7 @@ them, so the bar is near 1)."""
 import pytest
 import torch
 
-from libbus.messages import DatasetInfoRequest, SubmitJob
+from libbus.wire.messages import DatasetInfoRequest, SubmitJob
 from services.models import build_model
 from tests.support import wait_job
 from tests.support.images import write_imagefolder, write_shards

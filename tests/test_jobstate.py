@@ -1,4 +1,4 @@
-"""The job lifecycle as one state machine (libbus/jobstate.py): the table, the guard in the job
+"""The job lifecycle as one state machine (libbus/jobs/state.py): the table, the guard in the job
 store (a real SQLite file), refusals counted, and no state spelled in the store's SQL."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from libbus.jobs import JOB_STATES, TERMINAL_STATES, JobSpec
-from libbus.jobstate import REFUSED, TRANSITIONS, IllegalTransition, JobState, check_transition
+from libbus.jobs.spec import JOB_STATES, TERMINAL_STATES, JobSpec
+from libbus.jobs.state import REFUSED, TRANSITIONS, IllegalTransition, JobState, check_transition
 from services.router.store import JobStore
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 #: Lower layers first; a module may import its own layer and the ones below, never one above.
-LAYERS = ["core", "shm", "libbus", "services", "benchmarks", "cli"]
+LAYERS = ["shm", "libbus", "services", "benchmarks", "cli"]
+#: Inside libbus, lower floors first. A folder imports its own modules and the floors below; folders on one
+#: floor are neighbours that never import each other (the loader and the server framework know nothing of
+#: one another). The package's face (``libbus/__init__.py``) stands above them all and nothing inside imports it.
+LIBBUS_FLOORS = [
+    {"errors", "constants"},
+    {"wire"},
+    {"security"},
+    {"serve", "connect", "order"},
+    {"jobs", "config"},
+    {"loader"},
+]
 
 
 def _module_name(path: Path) -> str:
@@ -136,6 +147,52 @@ def test_no_package_imports_a_higher_layer():
     assert not wrong, f"layers are {' < '.join(LAYERS)}; these import upwards:\n" + "\n".join(wrong)
 
 
+def _libbus_floor(name: str) -> tuple[int, str] | None:
+    """(floor, room) of a libbus module: ``libbus.wire.frames`` is on floor 1, room ``wire``."""
+    parts = name.split(".")
+    if parts[0] != "libbus" or len(parts) < 2:
+        return None
+    for floor, rooms in enumerate(LIBBUS_FLOORS):
+        if parts[1] in rooms:
+            return floor, parts[1]
+    return None
+
+
+def test_every_libbus_module_has_a_floor():
+    homeless = [n for n in _modules() if n.startswith("libbus.") and _libbus_floor(n) is None]
+    assert not homeless, f"libbus modules outside LIBBUS_FLOORS (add their folder to a floor): {homeless}"
+
+
+def test_libbus_folders_import_only_their_own_and_lower_floors():
+    wrong = []
+    for name in _modules():
+        mine = _libbus_floor(name)
+        if mine is None:
+            continue
+        for target, _, line in _imports(name):
+            if target == "libbus":
+                wrong.append(f"{_modules()[name].relative_to(REPO)}:{line} imports the package's face")
+                continue
+            theirs = _libbus_floor(target)
+            if theirs is None or theirs[1] == mine[1]:
+                continue
+            if theirs[0] >= mine[0]:
+                wrong.append(f"{_modules()[name].relative_to(REPO)}:{line} imports {target}")
+    floors = " < ".join("/".join(sorted(rooms)) for rooms in LIBBUS_FLOORS)
+    assert not wrong, f"libbus floors are {floors}; these import sideways or upwards:\n" + "\n".join(wrong)
+
+
+def test_the_router_never_imports_the_loader():
+    """The router is the control plane: nothing it imports, however indirectly, is the script API (torch)."""
+    reach, todo = set(), [n for n in _modules() if n.startswith("services.router")]
+    while todo:
+        for target in _edges()[todo.pop()]:
+            if target not in reach:
+                reach.add(target)
+                todo.append(target)
+    assert not sorted(n for n in reach if n.startswith("libbus.loader"))
+
+
 def test_no_module_imports_another_modules_private_name():
     wrong = []
     for name in _modules():
@@ -164,6 +221,6 @@ def test_the_checks_see_the_import_forms_they_police(tmp_path):
     """The graph reader itself: relative, from-package and function-level imports all become edges."""
     assert "services.provider.sources.base" in _edges()["services.provider.sources.registry"]
     assert "services.provider.sources.files" in _edges()["services.provider.sources.registry"]
-    assert "core.errors" in _edges()["libbus.errors"]
+    assert "shm.errors" in _edges()["libbus.errors"]
     # cli/start.py imports the provider's service inside a function
     assert "services.provider.app" in _edges()["cli.start"]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from libbus.errors import BadRequest, PeerTimeout
-from libbus.loader import RemoteLoader
-from libbus.order import epoch_order
+from libbus.loader.remote import RemoteLoader
+from libbus.order.epochs import epoch_order
 from services.provider.sources import open_source
 from tests.support import Cluster
 

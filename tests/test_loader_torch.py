@@ -44,7 +44,7 @@ def test_inside_a_dataloader_it_yields_what_it_yields_alone(provider, make_token
 
 
 def test_ranks_from_the_launchers_variables_split_the_epoch_evenly(provider, make_token, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="libbus.loader")
+    caplog.set_level(logging.INFO, logger="libbus.loader.remote")
     parts = []
     for rank in range(2):
         monkeypatch.setenv("RANK", str(rank))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from libbus.errors import ConfigError, OutOfRange, SplitPrivate
-from libbus.messages import BatchRequest
-from libbus.metrics import LatencyHistogram, parse_bind
+from libbus.serve.metrics import LatencyHistogram, parse_bind
+from libbus.wire.messages import BatchRequest
 from tests.support import busctl, run_service, scrape, value
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from libbus.auth import generate_signing_key, issue_token, load_signing_key
-from libbus.curve import generate_keys
+from libbus.security.auth import generate_signing_key, issue_token, load_signing_key
+from libbus.security.curve import generate_keys
 from tests.support import wait_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,10 +147,10 @@ class Host:
 
 PROBE = """
 import json, sys
-from libbus.client import Client, Identity
-from libbus.curve import load_keys
+from libbus.connect.client import Client, Identity
+from libbus.security.curve import load_keys
 from libbus.errors import BusError
-from libbus.messages import BatchRequest, ListJobs
+from libbus.wire.messages import BatchRequest, ListJobs
 results = {}
 for label, endpoint, server_key, key_file, token, role, msg in json.loads(sys.argv[1]):
     curve = load_keys(key_file) if key_file else None

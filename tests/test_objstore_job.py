@@ -10,8 +10,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from libbus.errors import Unavailable
-from libbus.messages import BatchRequest, DatasetInfoRequest, Stats, SubmitJob
-from libbus.metrics import StatsCollector
+from libbus.serve.metrics import StatsCollector
+from libbus.wire.messages import BatchRequest, DatasetInfoRequest, Stats, SubmitJob
 from services.provider.sources import open_source
 from services.provider.sources.formats.objects import STATS
 from services.provider.sources.objstore import configure_cache

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libbus.errors import BadRequest
-from libbus.order import (
+from libbus.order.epochs import (
     DEFAULT_BLOCK_SIZE,
     Cursor,
     Order,
@@ -298,6 +298,6 @@ def test_order_normalises_its_fields_and_refuses_bad_ones():
 
 
 def test_loader_signature_still_works():
-    # libbus.loader calls epoch_order(n, epoch=, seed=, shuffle=bool, rank=, world_size=)
+    # libbus.loader.remote calls epoch_order(n, epoch=, seed=, shuffle=bool, rank=, world_size=)
     parts = [epoch_order(1001, epoch=3, seed=1, shuffle=True, rank=r, world_size=4) for r in range(4)]
     assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(1001))

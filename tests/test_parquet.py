@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from libbus.errors import DatasetError
-from libbus.messages import BatchRequest, DatasetInfoRequest
+from libbus.wire.messages import BatchRequest, DatasetInfoRequest
 from services.provider.sources import open_source
 
 

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from libbus.errors import DatasetError
-from libbus.loader import RemoteLoader
+from libbus.loader.remote import RemoteLoader
 from services.provider.sources import open_source
 
 N = 12

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from libbus.errors import Forbidden
-from libbus.loader import RemoteLoader
-from libbus.messages import BatchRequest, GetJob, StageControl, SubmitJob
+from libbus.loader.remote import RemoteLoader
+from libbus.wire.messages import BatchRequest, GetJob, StageControl, SubmitJob
 from tests.support import busctl_in_process, scrape, value, wait_job
 
 PIPELINE = """

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from libbus.errors import BadRequest, DatasetError
-from libbus.loader import RemoteLoader
-from libbus.order import batches_of, epoch_order
+from libbus.loader.remote import RemoteLoader
+from libbus.order.epochs import batches_of, epoch_order
 from services.provider.ringbatch import RingUse
 from shm import Ring, RingLayout
 from tests.support.images import write_imagefolder

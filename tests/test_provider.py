@@ -9,7 +9,7 @@ from safetensors.torch import save as save_safetensors
 
 from libbus import PROTOCOL
 from libbus.errors import BadRequest, BusError, NotFound, OutOfRange, SplitPrivate, TooLarge
-from libbus.messages import BatchRequest, DatasetInfoRequest, Evaluate, decode
+from libbus.wire.messages import BatchRequest, DatasetInfoRequest, Evaluate, decode
 from services.models import build_model
 from services.provider.sources import open_source
 

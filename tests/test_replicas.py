@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from libbus.client import Client, Identity
-from libbus.delivery import SocketDelivery
+from libbus.connect.client import Client, Identity
 from libbus.errors import BadRequest, NotFound, PeerTimeout
-from libbus.loader import RemoteLoader
-from libbus.messages import Resolve, Stats, SubmitJob
-from libbus.replicas import Replica, info_mismatch, pick
+from libbus.loader.delivery import SocketDelivery
+from libbus.loader.remote import RemoteLoader
+from libbus.loader.replicas import Replica, pick
+from libbus.wire.messages import Resolve, Stats, SubmitJob
+from libbus.wire.msg_data import info_mismatch
 from services.provider.sources import open_source
 from services.trainer.audit import digest, effective_epochs
 from tests.support import Cluster, run_service, wait_job

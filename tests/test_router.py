@@ -5,11 +5,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from libbus.client import Identity
+from libbus.connect.client import Identity
+from libbus.connect.link import Link
 from libbus.errors import BadRequest, Forbidden, NotFound, Timeout
-from libbus.jobs import JobSpec
-from libbus.link import Link
-from libbus.messages import (
+from libbus.jobs.spec import JobSpec
+from libbus.wire.messages import (
     CommandAck,
     ControlJob,
     GetJob,

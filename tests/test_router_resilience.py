@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from libbus.jobs import JobSpec
-from libbus.messages import Command, GetJob, GetTask, PushResult, SubmitJob, Task
+from libbus.jobs.spec import JobSpec
+from libbus.wire.messages import Command, GetJob, GetTask, PushResult, SubmitJob, Task
 from services.router.jobs import JobControl
 from services.router.store import JobStore
 

@@ -8,10 +8,10 @@ import subprocess
 import sys
 import time
 
-from libbus.client import Client, Identity
+from libbus.connect.client import Client, Identity
 from libbus.errors import NotFound, Unavailable
-from libbus.jobs import JobSpec
-from libbus.messages import Entitlements, GetTask, Resolve, SubmitJob, Task
+from libbus.jobs.spec import JobSpec
+from libbus.wire.messages import Entitlements, GetTask, Resolve, SubmitJob, Task
 from services.router.early_stop import EarlyStopping
 from services.router.store import JobStore
 from tests.support.busctl import REPO

@@ -18,9 +18,9 @@ import pytest
 from safetensors.torch import save as save_safetensors
 
 from libbus.errors import PeerTimeout, Unavailable
-from libbus.loader import RemoteLoader
-from libbus.messages import DatasetInfo, DatasetInfoRequest, Evaluate, SubmitJob
-from libbus.server import Handler, Server, ServerConfig
+from libbus.loader.remote import RemoteLoader
+from libbus.serve.server import Handler, Server, ServerConfig
+from libbus.wire.messages import DatasetInfo, DatasetInfoRequest, Evaluate, SubmitJob
 from services.models import build_model
 from services.provider.handler import ProviderHandler
 from services.provider.sources import open_source

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import zmq
 
-from libbus.auth import inspect_token, issue_token
-from libbus.client import Client, Identity
-from libbus.curve import KeyAuthenticator, generate_keys, load_keys, secure_client, secure_server
+from libbus.connect.client import Client, Identity
 from libbus.errors import AuthInvalid, BadRequest, ConfigError, Forbidden, PeerTimeout, RateLimited, TooLarge
-from libbus.messages import (
+from libbus.security.auth import inspect_token, issue_token
+from libbus.security.curve import KeyAuthenticator, generate_keys, load_keys, secure_client, secure_server
+from libbus.wire.messages import (
     BatchRequest,
     DatasetInfoRequest,
     GetTask,

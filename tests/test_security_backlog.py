@@ -9,11 +9,11 @@ import numpy as np
 import zmq
 
 from benchmarks.unread_replies import run
-from libbus.admission import admit_client
 from libbus.constants import MiB
-from libbus.loader import RemoteLoader
-from libbus.messages import BatchRequest, Goodbye, Hello, Ok, encode
-from libbus.sockets import send_tracked
+from libbus.loader.remote import RemoteLoader
+from libbus.security.admission import admit_client
+from libbus.wire.messages import BatchRequest, Goodbye, Hello, Ok, encode
+from libbus.wire.sockets import send_tracked
 
 #: What a connection that reads nothing may cost a provider under the default settings:
 #: ``session_unsent_bytes`` (64 MiB) plus the one ~1.5 MiB reply that crossed it, plus small untracked

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from libbus.auth import load_secret
 from libbus.errors import ConfigError, DatasetError
+from libbus.security.auth import load_secret
 from services.atomic import write_atomic
 from services.provider.sources import open_source
 from tests.support.busctl import busctl

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from libbus.client import Client, Identity
+from libbus.connect.client import Client, Identity
 from libbus.errors import BadRequest, Forbidden, Unavailable
-from libbus.messages import (
+from libbus.wire.messages import (
     Checkpointed,
     CommandAck,
     ControlJob,
@@ -108,7 +108,7 @@ def test_two_trainers_with_one_name_own_their_own_jobs(router, client_for, make_
 
 DUPLICATE = """
 import sys
-from libbus.client import Client, Identity
+from libbus.connect.client import Client, Identity
 from libbus.errors import BusError
 c = Client(sys.argv[1], Identity(role="trainer", name="trainer-gpu0", token=sys.argv[2], host_id="other-host"),
            timeout_s=5, retries=0)

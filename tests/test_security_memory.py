@@ -10,13 +10,13 @@ import pytest
 import zmq
 
 from benchmarks.preauth_flood import run
-from libbus.admission import TokenAuthenticator, admit_client, admit_server
-from libbus.auth import ensure_secret, issue_token
-from libbus.client import Client, Identity
+from libbus.connect.client import Client, Identity
+from libbus.connect.link import Link
 from libbus.errors import BadRequest, PeerTimeout, RateLimited, TooLarge
-from libbus.link import Link
-from libbus.loader import RemoteLoader
-from libbus.messages import DatasetInfo, Evaluate, Heartbeat, Ok, Stats, Welcome, decode, encode
+from libbus.loader.remote import RemoteLoader
+from libbus.security.admission import TokenAuthenticator, admit_client, admit_server
+from libbus.security.auth import ensure_secret, issue_token
+from libbus.wire.messages import DatasetInfo, Evaluate, Heartbeat, Ok, Stats, Welcome, decode, encode
 from services.provider.sources import open_source
 
 INFO = open_source("mock://mnist?n=600").info()

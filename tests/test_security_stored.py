@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from libbus.client import Client, Identity
+from libbus.connect.client import Client, Identity
 from libbus.errors import BadRequest, RateLimited
-from libbus.messages import GetJob, GetTask, Heartbeat, ListJobs, Progress, PushResult, Stats, SubmitJob
+from libbus.wire.messages import GetJob, GetTask, Heartbeat, ListJobs, Progress, PushResult, Stats, SubmitJob
 from tests.support.busctl import busctl
 
 

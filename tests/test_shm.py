@@ -17,13 +17,13 @@ import orjson
 import pytest
 import torch
 
-from libbus.client import Client
 from libbus.config import host_id
-from libbus.delivery import ring_layout
+from libbus.connect.client import Client
 from libbus.errors import BadRequest, Forbidden, Unavailable
-from libbus.loader import RemoteLoader
-from libbus.messages import AttachRing, BatchRequest, DatasetInfoRequest
-from libbus.order import epoch_order
+from libbus.loader.delivery import ring_layout
+from libbus.loader.remote import RemoteLoader
+from libbus.order.epochs import epoch_order
+from libbus.wire.messages import AttachRing, BatchRequest, DatasetInfoRequest
 from services.provider.sources import open_source
 from shm import SHM_DIR, Ring, RingLayout, SlotState, collect_garbage, list_segments, new_name
 from shm.ring import HEADER
@@ -308,7 +308,7 @@ def test_copy_true_yields_batches_that_survive_the_next_one(ring_provider, make_
 
 def test_a_provider_on_another_host_id_gets_batches_over_the_socket(start_provider, make_token, caplog):
     elsewhere = start_provider("mnist=" + MNIST, host_id="node-b-simulated")
-    with caplog.at_level("INFO", logger="libbus.loader"):
+    with caplog.at_level("INFO", logger="libbus.loader.remote"):
         loader = RemoteLoader("mnist", provider=elsewhere.endpoint, token=make_token(), batch_size=100, shuffle=False)
     with loader:
         assert loader.transport == "socket"
@@ -471,7 +471,7 @@ def test_closing_a_pass_after_its_loader_is_harmless(ring_provider, make_token):
 def test_a_provider_that_refuses_rings_gets_the_socket_path_with_the_reason(start_provider, make_token, caplog):
     provider = start_provider("mnist=" + MNIST, shm=False)
     before = {s.name for s in list_segments()}
-    with caplog.at_level("INFO", logger="libbus.loader"):
+    with caplog.at_level("INFO", logger="libbus.loader.remote"):
         loader = RemoteLoader("mnist", provider=provider.endpoint, token=make_token(), batch_size=100, shuffle=False)
     with loader:
         assert loader.transport == "socket" and loader.endpoint == provider.endpoint  # and TCP

@@ -1,7 +1,7 @@
 """Ring slots filled on the provider's fill thread (services/provider/ringbatch.py), with a real
 provider, real loaders and real shared memory: the bytes, the stale-slot refusal and errors reach
 the trainer as on the loop's thread, and a closed provider leaves no thread. The server's wake-up
-for deferred replies (libbus/wakeup.py) is checked on its own."""
+for deferred replies (libbus/serve/wakeup.py) is checked on its own."""
 
 import os
 import select
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from libbus.config import host_id
-from libbus.delivery import ring_layout
 from libbus.errors import BadRequest, DatasetError
-from libbus.loader import RemoteLoader
-from libbus.messages import AttachRing, BatchRequest, DatasetInfoRequest
-from libbus.order import epoch_order
-from libbus.wakeup import Wakeup
+from libbus.loader.delivery import ring_layout
+from libbus.loader.remote import RemoteLoader
+from libbus.order.epochs import epoch_order
+from libbus.serve.wakeup import Wakeup
+from libbus.wire.messages import AttachRing, BatchRequest, DatasetInfoRequest
 from services.provider import ringbatch
 from shm import Ring, SlotState
 

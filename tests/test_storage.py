@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from libbus.jobs import JobSpec
-from libbus.messages import GetJob, ListJobs, SubmitJob
+from libbus.jobs.spec import JobSpec
+from libbus.wire.messages import GetJob, ListJobs, SubmitJob
 from services.router import store as store_module
 from services.router.store import JobStore
 from services.trainer.checkpoint import KEEP, prune, save_checkpoint

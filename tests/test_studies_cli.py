@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load as load_safetensors
 
-from libbus.messages import GetJob, SubmitJob
+from libbus.wire.messages import GetJob, SubmitJob
 from tests.support import busctl, wait_job
 
 STUDY = """

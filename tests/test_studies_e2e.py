@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from libbus.errors import BadRequest
-from libbus.messages import ControlJob, GetJob, GetStudy, ListJobs, Model, StopStudy, SubmitJob, SubmitStudy
+from libbus.wire.messages import ControlJob, GetJob, GetStudy, ListJobs, Model, StopStudy, SubmitJob, SubmitStudy
 from services.models import build_model, evaluate
 from services.provider.sources import open_source
 from tests.support import Cluster, wait_job
@@ -135,7 +135,7 @@ def test_evaluation_tasks_match_a_local_scoring(router, provider, trainer, clien
     admin = client_for(router.endpoint, role="admin")
     trained = admin.request(SubmitJob(spec={**BASE, "epochs": 1, "lr": 0.05})).job
     assert wait_job(admin, trained, 60)["state"] == "succeeded"
-    from libbus.messages import GetModel
+    from libbus.wire.messages import GetModel
 
     blob = bytes(admin.request(GetModel(job=trained)).frames[0])
     state = load_safetensors(blob)

@@ -1,14 +1,14 @@
 """A token's signature is verified once, and every check that depends on time or revocation still
-runs at every use (libbus/tokencheck.py): what a kept token must not let through."""
+runs at every use (libbus/security/tokencheck.py): what a kept token must not let through."""
 
 import time
 
 import jwt
 import pytest
 
-from libbus.auth import LEEWAY_S
 from libbus.errors import AuthExpired, AuthInvalid
-from libbus.tokencheck import TokenCheck
+from libbus.security.auth import LEEWAY_S
+from libbus.security.tokencheck import TokenCheck
 from tests.support import CLUSTER
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from libbus.errors import BadRequest, DatasetError
-from libbus.messages import BatchRequest, DatasetInfoRequest, SubmitJob
+from libbus.wire.messages import BatchRequest, DatasetInfoRequest, SubmitJob
 from services.models import build_model, evaluate
 from services.provider.sources import open_source
 from tests.support import wait_job

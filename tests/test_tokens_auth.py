@@ -14,9 +14,9 @@ import time
 import jwt
 import pytest
 
-from libbus.auth import Claims, generate_signing_key, issue_token, load_signing_key, verify_token
 from libbus.errors import AuthExpired, AuthInvalid, ConfigError, Forbidden
-from libbus.messages import (
+from libbus.security.auth import Claims, generate_signing_key, issue_token, load_signing_key, verify_token
+from libbus.wire.messages import (
     AttachRing,
     BatchRequest,
     ControlJob,

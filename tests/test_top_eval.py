@@ -25,9 +25,9 @@ from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
 from cli.top import render
-from libbus.auth import issue_token
-from libbus.client import Client, Identity
-from libbus.messages import ControlJob, GetJob, Stats, SubmitJob
+from libbus.connect.client import Client, Identity
+from libbus.security.auth import issue_token
+from libbus.wire.messages import ControlJob, GetJob, Stats, SubmitJob
 from services.provider.evaluator import evaluate_weights
 from services.provider.sources import open_source
 from tests.support import BUSCTL, REPO, busctl, wait_job

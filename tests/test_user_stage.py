@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from libbus.errors import ConfigError, DatasetError
-from libbus.loader import RemoteLoader
+from libbus.loader.remote import RemoteLoader
 from services.provider.sources import open_source
 from tests.support.pipeline import SOURCE, read
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libbus.errors import DatasetError
-from libbus.messages import BatchRequest, DatasetInfoRequest
+from libbus.wire.messages import BatchRequest, DatasetInfoRequest
 from services.provider.sources import Source, open_source
 from services.provider.sources.weighted import Mix, Schedule, integer_weights
 

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from libbus.delivery import RingDelivery, SocketDelivery
-from libbus.delivery_api import Delivery
 from libbus.errors import AuthRequired, BusError, NotFound, Unavailable
-from libbus.messages import BatchResponse, Error
-from libbus.window import (
+from libbus.loader.delivery import RingDelivery, SocketDelivery
+from libbus.loader.delivery_api import Delivery
+from libbus.loader.window import (
     Arrived,
     ConnectionLost,
     Failed,
@@ -27,6 +26,7 @@ from libbus.window import (
     SessionExpired,
     TimedOut,
 )
+from libbus.wire.messages import BatchResponse, Error
 from shm import Ring, RingLayout
 
 

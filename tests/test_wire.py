@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from libbus import PROTOCOL
 from libbus.errors import ERROR_CODES, BadRequest, BusError, PeerTimeout, TooLarge, error_from_code
-from libbus.messages import (
+from libbus.wire.messages import (
     MESSAGE_TYPES,
     BatchRequest,
     BatchResponse,
@@ -123,7 +123,7 @@ def test_decode_never_fails_with_anything_but_a_bus_error(extra, header):
 
 
 def test_an_older_wire_version_is_refused_naming_both_and_answered_under_its_tag():
-    from libbus.messages import error_reply
+    from libbus.wire.messages import error_reply
 
     with pytest.raises(BadRequest, match=r"version 1 \(b'BB1'\), this service version 2 \(b'BB2'\)") as caught:
         decode([b"BB1", head(type="Stats", id=4)])

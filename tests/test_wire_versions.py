@@ -13,9 +13,9 @@ import pytest
 import zmq
 
 from libbus import PROTOCOL, RemoteLoader
-from libbus.admission import TokenAuthenticator, admit_server
-from libbus.client import Client, Identity
+from libbus.connect.client import Client, Identity
 from libbus.errors import BadRequest
+from libbus.security.admission import TokenAuthenticator, admit_server
 
 
 class OldService:

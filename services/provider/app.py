@@ -9,11 +9,11 @@ from collections.abc import Callable
 import zmq
 
 from libbus.config import Settings
+from libbus.connect.link import Link
 from libbus.errors import BusError, ConfigError
-from libbus.link import Link
-from libbus.messages import Entitlements, Message
-from libbus.metrics import MetricsExporter, start_exporter
-from libbus.server import Server
+from libbus.serve.metrics import MetricsExporter, start_exporter
+from libbus.serve.server import Server
+from libbus.wire.messages import Entitlements, Message
 
 from .. import runtime
 from .evalgate import EvalGate

@@ -1,5 +1,5 @@
 """A BatchResponse for a dataset of named fields: every field read, then encoded as frames or packed
-into the trainer's ring slot (:mod:`libbus.fields`). The provider's handler counts and times it."""
+into the trainer's ring slot (:mod:`libbus.wire.fields`). The provider's handler counts and times it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 
 from libbus.constants import MAX_BATCH_BYTES, MAX_FRAMES
 from libbus.errors import BadRequest, BusError, ConfigError, ShmError, TooLarge
-from libbus.fields import Field, encode_frames, pack_slot
-from libbus.messages import BatchRequest, BatchResponse
+from libbus.wire.fields import Field, encode_frames, pack_slot
+from libbus.wire.messages import BatchRequest, BatchResponse
 from shm import Ring
 
 from .sources import Source

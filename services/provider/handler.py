@@ -21,7 +21,9 @@ from libbus.errors import (
     TooLarge,
     Unavailable,
 )
-from libbus.messages import (
+from libbus.serve.metrics import LatencyHistogram
+from libbus.serve.server import Handler, Session
+from libbus.wire.messages import (
     AttachRing,
     BatchRequest,
     BatchResponse,
@@ -36,9 +38,7 @@ from libbus.messages import (
     Stats,
     StatsReply,
 )
-from libbus.metrics import LatencyHistogram
-from libbus.server import Handler, Session
-from libbus.sockets import frame_len
+from libbus.wire.sockets import frame_len
 from shm import Ring, RingLayout
 
 from .evalgate import EvalGate

@@ -5,7 +5,7 @@ A ring slot filled on the serving loop's thread holds up every other request for
 time: about two thirds of the provider's CPU per 3 MB batch. With a core to spare, a fill thread
 does the gather (numpy copies without the GIL) while the loop receives, checks and answers the next
 request; the handler returns a :class:`~concurrent.futures.Future` that the server answers when it
-completes (:mod:`libbus.server`, woken by :mod:`libbus.wakeup`).
+completes (:mod:`libbus.serve.server`, woken by :mod:`libbus.serve.wakeup`).
 
 A source whose reads mostly wait on threads of its own (a pipeline: its stages) is read off the
 loop on several threads, whatever the cores: while one batch's last chunk goes through the last
@@ -23,8 +23,8 @@ import numpy as np
 
 from libbus.constants import MAX_BATCH_INDICES
 from libbus.errors import BadRequest, OutOfRange, TooLarge
-from libbus.messages import BatchRequest, frame_buffer
-from libbus.sockets import frame_len
+from libbus.wire.messages import BatchRequest, frame_buffer
+from libbus.wire.sockets import frame_len
 from shm import Ring
 
 from .sources.formats.dataset import usable_cores

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import zmq
 
 from libbus.config import Settings
-from libbus.metrics import MetricsExporter, start_exporter
-from libbus.server import Server
+from libbus.serve.metrics import MetricsExporter, start_exporter
+from libbus.serve.server import Server
 
 from .. import runtime
 from .artifacts import Artifacts

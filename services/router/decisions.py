@@ -10,9 +10,9 @@ import hashlib
 import logging
 
 from libbus.errors import BadRequest, NotFound
-from libbus.jobs import JobSpec, dataset_name
-from libbus.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo, StudyList, SubmitStudy, Task
-from libbus.server import Session
+from libbus.jobs.spec import JobSpec, dataset_name
+from libbus.serve.server import Session
+from libbus.wire.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo, StudyList, SubmitStudy, Task
 
 from .artifacts import Artifacts
 from .early_stop import EarlyStopping

@@ -27,7 +27,7 @@ The rules, in one place:
   and starts at once with that many; a gathering still short of it when ``gather_timeout_s`` has
   passed starts with the members it has if they are at least ``min_world_size`` (else it is
   released as above). Each rank's ``Task`` carries the world size chosen; a requeued elastic gang
-  gathers anew and resumes its checkpoint at its new size (the cursor re-split, libbus/elastic.py).
+  gathers anew and resumes its checkpoint at its new size (the cursor re-split, libbus/order/elastic.py).
 - A rank above 0 that asks for work again after its ``Task`` has finished its part (or left it):
   the job stays with rank 0, which decides its fate.
 """
@@ -40,7 +40,7 @@ import time
 from collections.abc import Set as AbstractSet
 
 from libbus.errors import BadRequest, NotFound
-from libbus.messages import NoTask, Task
+from libbus.wire.messages import NoTask, Task
 
 from .store import JobStore
 

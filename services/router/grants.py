@@ -17,9 +17,9 @@ import math
 import sqlite3
 import time
 
-from libbus.auth import LEEWAY_S
 from libbus.errors import BadRequest
-from libbus.jobs import dataset_name
+from libbus.jobs.spec import dataset_name
+from libbus.security.auth import LEEWAY_S
 
 from .store_db import savepoint
 

@@ -16,9 +16,10 @@ from concurrent.futures import Future
 
 from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
 from libbus.errors import BadRequest, NotFound, Unavailable
-from libbus.jobs import JobSpec, dataset_name
-from libbus.jobstate import REFUSED
-from libbus.messages import (
+from libbus.jobs.spec import JobSpec, dataset_name
+from libbus.jobs.state import REFUSED
+from libbus.serve.server import Handler, Session
+from libbus.wire.messages import (
     Checkpointed,
     CommandAck,
     ControlJob,
@@ -49,9 +50,8 @@ from libbus.messages import (
     SubmitJob,
     Task,
 )
-from libbus.replicas import info_mismatch
-from libbus.schema import check_stored
-from libbus.server import Handler, Session
+from libbus.wire.msg_data import info_mismatch
+from libbus.wire.schema import check_stored
 
 from .artifacts import Artifacts
 from .decisions import DECISION_ROLES, Decisions
@@ -65,7 +65,7 @@ __all__ = ["RouterHandler"]
 
 
 def _stored(value, what: str) -> None:
-    """Peer JSON the router stores and echoes to admins: bounded at the door (libbus/schema.py)."""
+    """Peer JSON the router stores and echoes to admins: bounded at the door (libbus/wire/schema.py)."""
     check_stored(value, what, STORED_JSON_DEPTH, STORED_JSON_BYTES)
 
 

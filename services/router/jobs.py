@@ -31,8 +31,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from libbus.errors import BadRequest, Forbidden, NotFound, Timeout, Unavailable
-from libbus.jobs import TERMINAL_STATES, JobSpec
-from libbus.messages import (
+from libbus.jobs.spec import TERMINAL_STATES, JobSpec
+from libbus.wire.messages import (
     Checkpointed,
     Command,
     CommandAck,

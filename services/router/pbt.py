@@ -14,7 +14,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from libbus.jobs import SETTABLE
+from libbus.jobs.spec import SETTABLE
 
 from .study_spec import Param
 

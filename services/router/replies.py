@@ -1,6 +1,6 @@
 """Admin replies that fit: a client drops a header over ``MAX_HEADER_BYTES`` (1 MiB) as malformed, so
 a reply that would be larger is cut here, with a note saying what was left out and how to see it —
-never dropped silently. (What peers send to be stored is bounded at the door too: libbus/schema.py
+never dropped silently. (What peers send to be stored is bounded at the door too: libbus/wire/schema.py
 ``check_stored``; this is the second line, for many rows each within bounds.)"""
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from pathlib import Path
 import orjson
 
 from libbus.errors import BadRequest, ConfigError, NotFound
-from libbus.jobs import JOB_STATES, MAX_ATTEMPTS, TERMINAL_STATES, JobSpec
-from libbus.jobstate import JobState, check_transition
+from libbus.jobs.spec import JOB_STATES, MAX_ATTEMPTS, TERMINAL_STATES, JobSpec
+from libbus.jobs.state import JobState, check_transition
 
 from .store_db import ADDED_COLUMNS, INDEXES, SCHEMA, Durability
 
@@ -86,8 +86,8 @@ class JobStore:
 
     # -- writes ---------------------------------------------------------------------------------
     def _transition(self, job: str, state: str, reason: str, **fields) -> None:
-        """Move ``job`` to ``state`` (checked against :data:`libbus.jobstate.TRANSITIONS` inside the
-        write transaction: :class:`~libbus.jobstate.IllegalTransition` changes nothing)."""
+        """Move ``job`` to ``state`` (checked against :data:`libbus.jobs.state.TRANSITIONS` inside the
+        write transaction: :class:`~libbus.jobs.state.IllegalTransition` changes nothing)."""
         now = time.time()
         sets = ", ".join(f"{k} = ?" for k in fields)
         self.changes += 1

@@ -8,7 +8,7 @@ Every write commits before the router acknowledges it. How it is made durable:
   loop are one transaction (each write a savepoint in it, so a refused one undoes only itself),
   which :meth:`Durability.sync` commits at the end of the turn (``synchronous=NORMAL``: written to
   the WAL) and then makes durable with one fsync of the WAL, before the turn's replies go out
-  (libbus/server.py holds them until the handler's ``flush``). That is what ``FULL`` does at a
+  (libbus/serve/server.py holds them until the handler's ``flush``). That is what ``FULL`` does at a
   commit (``NORMAL`` plus an fsync of the WAL), once for all of a turn's writes: group commit. A
   router killed or a machine losing power after a reply went out still has what it acknowledged;
   one that dies before the sync has acknowledged nothing of that turn. A turn of progress reports

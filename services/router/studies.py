@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import optuna  # with the router, not at its first study: the import's second would stall the serving loop
 
 from libbus.errors import BadRequest, BusError
-from libbus.jobs import TERMINAL_STATES, JobSpec
+from libbus.jobs.spec import TERMINAL_STATES, JobSpec
 
 from . import pbt
 from .store import JobStore

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from libbus.errors import BadRequest
-from libbus.jobs import SETTABLE, JobSpec
+from libbus.jobs.spec import SETTABLE, JobSpec
 
 __all__ = ["SAMPLERS", "PRUNERS", "STRATEGIES", "KINDS", "Param", "StudySpec"]
 

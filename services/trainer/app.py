@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from libbus.config import Settings
+from libbus.connect.link import Link
 from libbus.errors import BusError, Forbidden, PeerTimeout
-from libbus.link import Link
-from libbus.messages import Command, GetTask, Message, NoTask, PushResult, Task
-from libbus.metrics import MetricsExporter, start_exporter
+from libbus.serve.metrics import MetricsExporter, start_exporter
+from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, Task
 
 from .. import runtime
 from ..sdnotify import Notifier

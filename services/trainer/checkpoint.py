@@ -5,7 +5,7 @@ A checkpoint is ONE safetensors file, ``<checkpoint_dir>/<job>/step-<step>.safet
 - tensors ``model.<name>`` (the model's state dict), ``optim.<param>.<key>`` (the optimizer's tensor
   state), ``rng.torch``, ``rng.cuda.<i>`` and ``rng.numpy`` (the random generators' states);
 - string metadata ``batchbus`` (the format), ``step``, ``epoch``, ``cursor`` (the train loader's
-  position, :meth:`libbus.loader.RemoteLoader.state_dict`), ``optim`` (param groups and non-tensor
+  position, :meth:`libbus.loader.remote.RemoteLoader.state_dict`), ``optim`` (param groups and non-tensor
   state), ``rng`` (python's and numpy's non-array parts) and ``extra`` (history, running loss), all JSON.
 
 Nothing is pickled, so loading a checkpoint cannot run code. A file is written to a temporary name
@@ -34,7 +34,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from libbus.errors import BusError
-from libbus.jobs import JobSpec
+from libbus.jobs.spec import JobSpec
 from services.atomic import write_atomic
 
 __all__ = [

@@ -14,7 +14,7 @@ import queue
 from collections.abc import Callable
 
 from libbus.errors import BadRequest
-from libbus.messages import Command, CommandAck
+from libbus.wire.messages import Command, CommandAck
 
 from .reports import Reporter
 

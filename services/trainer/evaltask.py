@@ -17,14 +17,14 @@ import logging
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from libbus.client import Client, Identity
 from libbus.config import Settings
-from libbus.curve import curve_key_of
+from libbus.connect.client import Client, Identity
+from libbus.connect.link import Link
 from libbus.errors import BadRequest, BusError
-from libbus.jobs import JobSpec
-from libbus.link import Link
-from libbus.loader import RemoteLoader, pick_provider
-from libbus.messages import Evaluate, Resolve, Task
+from libbus.jobs.spec import JobSpec
+from libbus.loader.remote import RemoteLoader, pick_provider
+from libbus.security.curve import curve_key_of
+from libbus.wire.messages import Evaluate, Resolve, Task
 from services.models import build_model, dataset_kind, evaluate
 
 from .checkpoint import CheckpointError, model_metadata, read_checkpoint, restore_checkpoint

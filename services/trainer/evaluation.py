@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from libbus.client import Client, Identity
-from libbus.curve import curve_key_of
+from libbus.connect.client import Client, Identity
 from libbus.errors import BusError
-from libbus.messages import Evaluate
+from libbus.security.curve import curve_key_of
+from libbus.wire.messages import Evaluate
 
 __all__ = ["LiveEvaluations", "snapshot"]
 

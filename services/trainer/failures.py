@@ -4,7 +4,7 @@ helps the user fix the job (every exception a job raises ends that job, never th
 from __future__ import annotations
 
 from libbus.errors import BusError
-from libbus.jobs import JobSpec
+from libbus.jobs.spec import JobSpec
 
 __all__ = ["describe_failure", "deterministic"]
 

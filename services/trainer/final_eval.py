@@ -22,14 +22,14 @@ from collections.abc import Callable
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from libbus.client import Client, Identity
 from libbus.config import Settings
-from libbus.curve import curve_key_of
+from libbus.connect.client import Client, Identity
+from libbus.connect.link import Link
 from libbus.errors import BusError, NotFound, PeerTimeout, RateLimited, Unavailable
-from libbus.jobs import JobSpec
-from libbus.link import Link
-from libbus.loader import pick_provider
-from libbus.messages import Evaluate, Evaluation, Resolve
+from libbus.jobs.spec import JobSpec
+from libbus.loader.remote import pick_provider
+from libbus.security.curve import curve_key_of
+from libbus.wire.messages import Evaluate, Evaluation, Resolve
 
 __all__ = ["CHECK_S", "EVALUATE_TIMEOUT_S", "score_final", "score_on_provider"]
 

@@ -31,10 +31,10 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from libbus.connect.link import Link
 from libbus.errors import BadRequest, Unavailable
-from libbus.jobs import SETTABLE
-from libbus.link import Link
-from libbus.messages import Rendezvous, Task
+from libbus.jobs.spec import SETTABLE
+from libbus.wire.messages import Rendezvous, Task
 
 __all__ = ["Code", "Gang", "GangError", "GANG_TIMEOUT_S", "RENDEZVOUS_TIMEOUT_S", "advertised_host"]
 

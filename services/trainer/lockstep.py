@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from libbus.jobs import SETTABLE, JobSpec
+from libbus.jobs.spec import SETTABLE, JobSpec
 
 from .control import Controls, Stopped
 from .gang import Code, Gang, GangError

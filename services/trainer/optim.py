@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from libbus.jobs import JobSpec
+from libbus.jobs.spec import JobSpec
 
 __all__ = ["apply_hyper", "make_optimizer"]
 

@@ -9,13 +9,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from libbus.client import Identity
 from libbus.config import Settings
+from libbus.connect.client import Identity
+from libbus.connect.link import Link
 from libbus.errors import BadRequest, NotFound
-from libbus.jobs import JobSpec
-from libbus.link import Link
-from libbus.loader import RemoteLoader
-from libbus.messages import Message, Resolve, Task
+from libbus.jobs.spec import JobSpec
+from libbus.loader.remote import RemoteLoader
+from libbus.wire.messages import Message, Resolve, Task
 from services.models import build_model
 
 from .optim import make_optimizer

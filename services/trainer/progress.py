@@ -7,8 +7,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from libbus.loader import RemoteLoader
-from libbus.messages import Evaluation
+from libbus.loader.remote import RemoteLoader
+from libbus.wire.messages import Evaluation
 from services.models import TOKENS
 
 __all__ = ["Meter", "epoch_record", "final_result", "perplexity", "progress_report"]

@@ -16,9 +16,9 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from libbus.connect.link import Link
 from libbus.errors import BusError, Forbidden, PeerTimeout
-from libbus.link import Link
-from libbus.messages import Checkpointed, Command, Message, Progress
+from libbus.wire.messages import Checkpointed, Command, Message, Progress
 
 __all__ = ["Reporter"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from libbus.loader import RemoteLoader
+from libbus.loader.remote import RemoteLoader
 
 from .checkpoint import CheckpointError, Restored, read_checkpoint, restore_checkpoint, save_checkpoint
 from .gang import Gang

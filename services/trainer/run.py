@@ -11,13 +11,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from libbus.client import Identity
 from libbus.config import Settings
+from libbus.connect.client import Identity
+from libbus.connect.link import Link
 from libbus.errors import BusError, NotFound, PeerTimeout, Unavailable
-from libbus.jobs import JobSpec
-from libbus.link import Link
-from libbus.loader import RemoteLoader, pick_provider
-from libbus.messages import Checkpointed, Command, Evaluation, Progress, Task
+from libbus.jobs.spec import JobSpec
+from libbus.loader.remote import RemoteLoader, pick_provider
+from libbus.wire.messages import Checkpointed, Command, Evaluation, Progress, Task
 from services.models import batch_loss, dataset_kind, evaluate
 from services.sdnotify import Notifier
 

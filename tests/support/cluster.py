@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from libbus.auth import ensure_secret, issue_token
-from libbus.client import Client, Identity
-from libbus.jobs import TERMINAL_STATES
-from libbus.messages import ControlJob, GetJob, SubmitJob
+from libbus.connect.client import Client, Identity
+from libbus.jobs.spec import TERMINAL_STATES
+from libbus.security.auth import ensure_secret, issue_token
+from libbus.wire.messages import ControlJob, GetJob, SubmitJob
 from shm import SegmentInfo, list_segments
 
 from .busctl import BUSCTL, REPO, busctl

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from libbus.errors import OutOfRange, SplitPrivate
-from libbus.fields import Field, decode_frames
-from libbus.messages import BatchRequest
+from libbus.wire.fields import Field, decode_frames
+from libbus.wire.messages import BatchRequest
 from services.provider.handler import ProviderHandler
 from services.provider.sources import SPLITS, Source
 

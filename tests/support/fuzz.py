@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from libbus import PROTOCOL
 from libbus.constants import MAX_BATCH_INDICES, MAX_FRAMES
-from libbus.messages import (
+from libbus.wire.messages import (
     MESSAGE_TYPES,
     AttachRing,
     BatchRequest,
@@ -30,7 +30,7 @@ from libbus.messages import (
     decode,
     encode,
 )
-from libbus.schema import schema_of
+from libbus.wire.schema import schema_of
 from shm import Ring, RingLayout
 
 __all__ = [

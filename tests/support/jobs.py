@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from libbus.loader import RemoteLoader
-from libbus.messages import Resolve
+from libbus.loader.remote import RemoteLoader
+from libbus.wire.messages import Resolve
 from services.trainer.audit import digest
 
 from .cluster import Cluster

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 
 from libbus.config import Settings
-from libbus.jobs import TERMINAL_STATES
-from libbus.messages import GetJob
+from libbus.jobs.spec import TERMINAL_STATES
+from libbus.wire.messages import GetJob
 
 __all__ = ["CLUSTER", "Running", "run_service", "wait_job"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from libbus.messages import SubmitJob
+from libbus.wire.messages import SubmitJob
 from tests.support import wait_job
 
 WORDS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split()

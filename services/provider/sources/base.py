@@ -24,7 +24,7 @@ from urllib.parse import SplitResult, unquote
 import numpy as np
 
 from libbus.errors import DatasetError
-from libbus.fields import Field, FieldBatch, is_xy
+from libbus.wire.fields import Field, FieldBatch, is_xy
 
 __all__ = ["PRIVATE_SPLIT", "SPLITS", "Field", "FieldBatch", "OpenRequest", "Source", "local_path", "stable_seed"]
 

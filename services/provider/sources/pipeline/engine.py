@@ -27,7 +27,7 @@ from libbus.errors import (
     NotFound,
     Timeout,
 )
-from libbus.fields import is_xy
+from libbus.wire.fields import is_xy
 
 from ..base import SPLITS, Field, FieldBatch, Source
 from .fields import FieldsPlan

@@ -1,0 +1,192 @@
+"""The job spec: what a user submits, what the router stores and what a trainer runs. Checked once."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from libbus.errors import BadRequest
+from libbus.jobs.state import JobState
+from libbus.order.epochs import DEFAULT_BLOCK_SIZE, Shuffle
+
+__all__ = ["JOB_STATES", "MAX_ATTEMPTS", "TERMINAL_STATES", "SETTABLE", "JobSpec", "dataset_name"]
+
+JOB_STATES = tuple(s.value for s in JobState)
+TERMINAL_STATES = tuple(s.value for s in JobState if s.terminal)
+OPTIMIZERS = ("sgd", "adam")
+GATHER_POLICIES = ("wait", "fail")
+TASKS = ("train", "evaluate")
+#: Hyper-parameters ``busctl job set`` may change while a job runs.
+SETTABLE = ("lr", "weight_decay", "momentum")
+#: The most trainers one job may gather.
+MAX_WORLD_SIZE = 256
+#: The most attempts a job may lose (each may have cost a trainer): past this it is poisoned.
+MAX_ATTEMPTS = 10
+
+
+def dataset_name(ref: str) -> str:
+    """A job names its dataset as ``NAME`` or, in the seed's form, ``remote://NAME``."""
+    name = ref.removeprefix("remote://").strip("/")
+    if not name:
+        raise BadRequest(f"dataset {ref!r} names nothing; use NAME or remote://NAME")
+    return name
+
+
+@dataclass
+class JobSpec:
+    dataset: str
+    model: str = "cnn"
+    model_kwargs: dict = field(default_factory=dict)
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    epochs: int = 2
+    batch_size: int = 64
+    seed: int = 0
+    #: How ``train`` is ordered each epoch: ``none``, ``full`` or ``block`` (a bool is accepted:
+    #: true is ``full``, false ``none``); stored as the mode's name. ``val`` is never shuffled.
+    shuffle: str = Shuffle.FULL.value
+    #: Samples per block of ``shuffle = "block"`` (read sequentially inside a block).
+    block_size: int = DEFAULT_BLOCK_SIZE
+    device: str = "cpu"
+    #: Score the final weights on the provider's private test split.
+    evaluate: bool = True
+    priority: int = 0
+    #: Times the job may lose its trainer (lease lapsed, abandoned, a retryable failure) before it
+    #: is failed as poisoned; at most :data:`MAX_ATTEMPTS`.
+    max_attempts: int = 3
+    #: Write a checkpoint every this many steps (0: only at the end of each epoch and on command).
+    checkpoint_every: int = 0
+    #: Trainers that train the job together (a gang, torch.distributed): each reads its own shard
+    #: of ``train`` and ``batch_size`` is per trainer. The job waits until this many are free.
+    world_size: int = 1
+    #: A gang that has not gathered ``world_size`` trainers in this many seconds releases them to
+    #: other work; then the job waits its turn again (``gather_policy = "wait"``) or fails.
+    gather_timeout_s: float = 120.0
+    gather_policy: str = "wait"
+    #: An elastic gang starts on as many trainers as are free, from ``min_world_size`` up to
+    #: ``max_world_size`` (at once with the maximum; else with at least the minimum once
+    #: ``gather_timeout_s`` has passed), and a requeued one resumes at the size it gets then
+    #: (its cursor re-split, libbus/order/elastic.py). ``world_size`` is then the maximum.
+    elastic: bool = False
+    min_world_size: int = 0
+    max_world_size: int = 0
+    name: str = ""
+    #: Early stopping, decided by the router (services/router/early_stop.py): stop once ``monitor``
+    #: has not improved by more than ``min_delta`` for ``patience`` epochs (0: never).
+    patience: int = 0
+    min_delta: float = 0.0
+    monitor: str = "val_loss"
+    #: ``train``, or ``evaluate``: score the stored model ``model_from`` (a succeeded job's id, or
+    #: ``artifact:ID`` of an uploaded file) on ``split`` (``val`` on a trainer, ``test`` on the provider).
+    task: str = "train"
+    model_from: str = ""
+    split: str = "val"
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> JobSpec:
+        """Check a submitted spec; raises :class:`BadRequest` naming the field that is wrong."""
+        if not isinstance(raw, dict):
+            raise BadRequest("job spec must be an object")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise BadRequest(f"unknown job field(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        if "dataset" not in raw:
+            raise BadRequest("job spec needs 'dataset' (a name a provider serves)")
+        values = {}
+        for name, value in raw.items():
+            default = known[name].default
+            if default is dataclasses.MISSING:
+                default = (
+                    known[name].default_factory() if known[name].default_factory is not dataclasses.MISSING else ""
+                )
+            if name == "shuffle":
+                values[name] = _shuffle_mode(value)
+                continue
+            want = type(default)
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise BadRequest(f"job field '{name}' must be {want.__name__}, got {value!r}")
+            values[name] = value
+        spec = cls(**values)
+        spec.dataset = dataset_name(spec.dataset)
+        if spec.optimizer not in OPTIMIZERS:
+            raise BadRequest(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {spec.optimizer!r}")
+        for name in ("epochs", "batch_size", "block_size", "max_attempts", "world_size"):
+            if getattr(spec, name) < 1:
+                raise BadRequest(f"{name} must be at least 1, got {getattr(spec, name)}")
+        if spec.max_attempts > MAX_ATTEMPTS:
+            raise BadRequest(
+                f"max_attempts must be at most {MAX_ATTEMPTS} (a job that loses that many "
+                f"trainers is poisoned), got {spec.max_attempts}"
+            )
+        if spec.world_size > MAX_WORLD_SIZE:
+            raise BadRequest(f"world_size must be at most {MAX_WORLD_SIZE}, got {spec.world_size}")
+        _check_elastic(spec, raw)
+        if spec.gather_timeout_s <= 0:
+            raise BadRequest(f"gather_timeout_s must be positive, got {spec.gather_timeout_s}")
+        if spec.gather_policy not in GATHER_POLICIES:
+            raise BadRequest(f"gather_policy must be one of {', '.join(GATHER_POLICIES)}, got {spec.gather_policy!r}")
+        if spec.checkpoint_every < 0:
+            raise BadRequest(f"checkpoint_every must be 0 or more steps, got {spec.checkpoint_every}")
+        if spec.patience < 0 or spec.min_delta < 0:
+            raise BadRequest("patience and min_delta must not be negative")
+        if not spec.monitor.startswith("val_"):
+            raise BadRequest(f"monitor must be a validation metric (val_loss, val_accuracy), got {spec.monitor!r}")
+        if spec.task not in TASKS:
+            raise BadRequest(f"task must be one of {', '.join(TASKS)}, got {spec.task!r}")
+        if spec.task == "evaluate" and (not spec.model_from or spec.split not in ("val", "test")):
+            raise BadRequest(
+                "an evaluate task needs model_from (a succeeded job, or an uploaded file) and "
+                f"split val or test, got model_from={spec.model_from!r} split={spec.split!r}"
+            )
+        if spec.lr <= 0:
+            raise BadRequest(f"lr must be positive, got {spec.lr}")
+        if spec.weight_decay < 0 or spec.momentum < 0:
+            raise BadRequest("weight_decay and momentum must not be negative")
+        return spec
+
+    def with_hyper(self, changes: dict) -> JobSpec:
+        """This spec with ``busctl job set`` changes applied and checked (only :data:`SETTABLE` keys)."""
+        if not isinstance(changes, dict) or not changes:
+            raise BadRequest(f"set needs at least one of {', '.join(SETTABLE)} (e.g. lr=0.01)")
+        other = sorted(set(changes) - set(SETTABLE))
+        if other:
+            raise BadRequest(f"cannot set {', '.join(other)} on a running job; settable: {', '.join(SETTABLE)}")
+        return JobSpec.from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check_elastic(spec: JobSpec, raw: dict) -> None:
+    """``elastic`` needs ``1 <= min_world_size <= max_world_size <= MAX_WORLD_SIZE``; its
+    ``world_size`` becomes ``max_world_size`` (one given as well must equal it). Without
+    ``elastic`` the bounds mean nothing, and a spec that sets them is refused rather than ignored."""
+    if not spec.elastic:
+        if spec.min_world_size or spec.max_world_size:
+            raise BadRequest("min_world_size and max_world_size need elastic = true (else set world_size)")
+        return
+    low, high = spec.min_world_size, spec.max_world_size
+    if not 1 <= low <= high <= MAX_WORLD_SIZE:
+        raise BadRequest(
+            f"an elastic job needs 1 <= min_world_size <= max_world_size <= {MAX_WORLD_SIZE}, "
+            f"got min_world_size={low} max_world_size={high}"
+        )
+    if "world_size" in raw and spec.world_size != high:
+        raise BadRequest(
+            f"an elastic job's world_size is its max_world_size: got world_size={spec.world_size} "
+            f"and max_world_size={high} (leave world_size out)"
+        )
+    spec.world_size = high
+
+
+def _shuffle_mode(value) -> str:
+    """The shuffle mode's name for a submitted ``shuffle`` (a mode name or a bool)."""
+    try:
+        return Shuffle.parse(value).value
+    except BadRequest as err:
+        raise BadRequest(f"job field 'shuffle' must be none, full or block (or true/false), got {value!r}") from err

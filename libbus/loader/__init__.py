@@ -1,0 +1,40 @@
+"""The training script's side: :class:`RemoteLoader`, its request window, replicas and failover,
+the shm or socket delivery, collation, ranks and the stall meter. Imports torch.
+
+This face re-exports every submodule's ``__all__``; inside libbus, import the submodule itself."""
+
+from __future__ import annotations
+
+from libbus.loader import collate as _collate
+from libbus.loader import delivery as _delivery
+from libbus.loader import delivery_api as _delivery_api
+from libbus.loader import ranks as _ranks
+from libbus.loader import remote as _remote
+from libbus.loader import replica_set as _replica_set
+from libbus.loader import replicas as _replicas
+from libbus.loader import stall as _stall
+from libbus.loader import tensors as _tensors
+from libbus.loader import window as _window
+from libbus.loader.collate import *  # noqa: F403
+from libbus.loader.delivery import *  # noqa: F403
+from libbus.loader.delivery_api import *  # noqa: F403
+from libbus.loader.ranks import *  # noqa: F403
+from libbus.loader.remote import *  # noqa: F403
+from libbus.loader.replica_set import *  # noqa: F403
+from libbus.loader.replicas import *  # noqa: F403
+from libbus.loader.stall import *  # noqa: F403
+from libbus.loader.tensors import *  # noqa: F403
+from libbus.loader.window import *  # noqa: F403
+
+__all__ = [
+    *_collate.__all__,
+    *_delivery.__all__,
+    *_delivery_api.__all__,
+    *_ranks.__all__,
+    *_remote.__all__,
+    *_replica_set.__all__,
+    *_replicas.__all__,
+    *_stall.__all__,
+    *_tensors.__all__,
+    *_window.__all__,
+]

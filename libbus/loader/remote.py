@@ -1,0 +1,500 @@
+"""``RemoteLoader``: iterate ``(x, y)`` torch tensors of a remote dataset, like a DataLoader.
+
+Batches are pulled by sample index straight from the providers' data sockets, ``inflight`` requests
+at a time, each to the replica with the fewest outstanding (:mod:`libbus.loader.replicas`); from a provider
+on this host, through a shared-memory ring (:mod:`libbus.loader.delivery`). The order is a seeded shuffle,
+new each epoch and reproducible, and batches are yielded in it whichever replica served them.
+
+The loader is thin: :class:`~libbus.loader.window.RequestWindow` (no sockets) decides which batch is
+requested from which replica and yields them in order, :class:`~libbus.loader.replica_set.ReplicaSet` owns
+the connections and their failures, and this module waits for replies and acts on each explicit
+outcome (:data:`~libbus.loader.window.Outcome`).
+
+Failures cost a retry, never a sample: a provider whose connection drops is dropped at once and its
+requests go to another replica; a request a provider leaves unanswered is resent on a fresh
+connection, and a provider that stays silent (``retries`` times in a row) is dropped too. With none
+left, the loader waits up to ``provider_wait_s`` for one to come back — asking the router again,
+when it has one, so a provider restarted on a new port is found — and then raises
+:class:`~libbus.errors.PeerTimeout`. It never hangs.
+
+    loader = RemoteLoader("mnist", router="tcp://head:5555", token=token, batch_size=64)
+    for epoch in range(3):
+        for x, y in loader:      # each pass is the next epoch
+            ...
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jwt
+import numpy as np
+import torch
+import zmq
+
+from libbus.config import host_id as machine_id
+from libbus.connect.client import Identity
+from libbus.constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
+from libbus.errors import BadRequest
+from libbus.loader.delivery import RingDelivery
+from libbus.loader.delivery_api import Delivery
+from libbus.loader.ranks import detect
+from libbus.loader.replica_set import Links, ReplicaSet
+from libbus.loader.replicas import Replica, ReplyPoller, entries_of, recv_any
+from libbus.loader.stall import StallMeter
+from libbus.loader.window import (
+    Arrived,
+    ConnectionLost,
+    Failed,
+    GoingAway,
+    Late,
+    NoReplica,
+    NothingPending,
+    Outcome,
+    RequestWindow,
+    SessionExpired,
+    TimedOut,
+)
+from libbus.order import elastic
+from libbus.order.elastic import Plan
+from libbus.order.epochs import DEFAULT_BLOCK_SIZE, Order, Shuffle, batches_of, shard_bounds
+from libbus.security.curve import CurveKeys
+from libbus.wire.messages import BatchRequest
+
+__all__ = ["RemoteLoader", "pick_provider"]
+
+log = logging.getLogger(__name__)
+
+
+def _role_of(token: str) -> str:
+    """The role a token claims (read unverified: the server verifies it)."""
+    try:
+        return str(jwt.decode(token, options={"verify_signature": False}).get("role", "trainer"))
+    except jwt.InvalidTokenError:
+        return "trainer"
+
+
+def pick_provider(providers: list[dict], local_host: str) -> dict:
+    """Prefer a provider on this host (its batches need not cross the network), else the first."""
+    for p in providers:
+        if p.get("host_id") == local_host:
+            return p
+    return providers[0]
+
+
+class RemoteLoader(torch.utils.data.IterableDataset):
+    """Batches of one split of a remote dataset, as ``(x, y)`` tensors on ``device``.
+
+    Args:
+        dataset: the name a provider serves it under (``remote://NAME`` also accepted).
+        split: ``train`` or ``val`` (``test`` never leaves its provider).
+        router: router address to resolve the dataset (to every live replica, and again when
+            none answers). Or give ``provider``: one data endpoint, or a list of replicas as
+            endpoints or ``Resolved`` entries (``{name, endpoint, host_id, curve_key}``).
+        resolver: with ``provider``, a callable ``(timeout_s) -> [Resolved entry]`` that asks the
+            router for the dataset's providers within ``timeout_s`` (raising a :class:`BusError`
+            otherwise), used when replicas fail; a service with its own router link passes one.
+        token: a trainer (or admin) token, or a callable returning a fresh one.
+        batch_size, drop_last: as in ``torch.utils.data.DataLoader``.
+        shuffle, seed: ``none``, ``full`` (or ``True``: a permutation per epoch) or ``block``
+            (shuffled blocks of ``block_size`` samples, sequential inside), drawn from ``(seed, epoch)``.
+        rank, world_size: read shard ``rank`` of ``world_size`` disjoint shards that together
+            cover the split. Not given: from an initialized ``torch.distributed`` process group,
+            else ``RANK``/``WORLD_SIZE`` (:func:`libbus.loader.ranks.detect`), else 0 of 1.
+            ``drop_uneven`` gives every rank the same count (default: on with more than one rank).
+        inflight: batch requests kept outstanding (prefetch depth), over all replicas.
+        timeout_s, retries: per-request reply timeout, and how many times in a row a replica may
+            leave a request unanswered (each time it is reconnected and asked again) before its
+            requests go to another replica.
+        provider_wait_s: with no replica left, how long to wait for one to come back before
+            :class:`PeerTimeout`.
+        device: where yielded tensors live (``"cpu"``, ``"cuda:0"``...).
+        shm: use a shared-memory ring for providers on this host (falls back to the socket,
+            with a log line saying why, when it is not possible).
+        shm_slots: ring slots (default ``inflight + 2``: every request in flight, the batch being
+            handed out and the one the loop still holds; 2 is a double buffer).
+        copy: on CPU with a ring, always yield copies. By default tensors view the ring slot, which
+            returns to the ring only when the last tensor viewing it is freed: a batch stays valid
+            for as long as it is held, as with ``DataLoader``; a batch that would take the last slot
+            the pipeline needs is copied instead.
+        collate: a dataset of named fields yields a dict, its variable-size fields ``"pad"``-ded (plus
+            ``<name>_lengths``) or as a ``"list"`` (:mod:`libbus.loader.collate`); one of ``x``, ``y``: ``(x, y)``.
+        host_id: this machine's id (default: /etc/machine-id), compared with the provider's.
+        curve: this client's CURVE key pair (:func:`libbus.security.curve.load_keys`) on a CURVE cluster;
+            its name must be the token's subject. ``router_key`` is then the router's public key,
+            and ``provider_key`` the provider's when ``provider=`` is one endpoint (with
+            ``router=``, and in ``Resolved`` entries, each provider's key comes with it).
+        transform: a callable applied to each batch before it is yielded (in this process).
+
+    Raises :class:`BadRequest` for bad arguments, and what the first provider answered (or
+    :class:`PeerTimeout`) when no provider given or resolved can be reached.
+    """
+
+    def __init__(
+        self,
+        dataset: str,
+        *,
+        token: str | Callable[[], str],
+        split: str = "train",
+        router: str | None = None,
+        provider: str | list | None = None,
+        resolver: Callable[[float], list[dict]] | None = None,
+        batch_size: int = 64,
+        shuffle: bool | str = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        drop_uneven: bool | None = None,
+        inflight: int = 4,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        retries: int = REQUEST_RETRIES,
+        provider_wait_s: float = PROVIDER_WAIT_S,
+        name: str | None = None,
+        device: str = "cpu",
+        shm: bool = True,
+        shm_slots: int = 0,
+        copy: bool = False,
+        collate: str = "pad",
+        host_id: str | None = None,
+        ctx: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
+        router_key: bytes | None = None,
+        provider_key: bytes | None = None,
+        transform: Callable[[Any], Any] | None = None,
+    ):
+        if (router is None) == (provider is None):
+            raise BadRequest("RemoteLoader needs exactly one of router= or provider=")
+        if router is not None and resolver is not None:
+            raise BadRequest("RemoteLoader resolves through router= itself; resolver= goes with provider=")
+        if batch_size < 1 or inflight < 1:
+            raise BadRequest("batch_size and inflight must be at least 1")
+        if provider_wait_s < 0:
+            raise BadRequest(f"provider_wait_s must not be negative, got {provider_wait_s}")
+        slots = shm_slots or inflight + 2
+        if slots < 2:
+            raise BadRequest(f"shm_slots must be at least 2 (one in use, one in flight), got {slots}")
+        self.dataset = dataset.removeprefix("remote://")
+        self.split = split
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        where = detect(rank, world_size)
+        self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
+        self._rank_source = where.source
+        self._block_size = block_size
+        self._drop_uneven = where.world_size > 1 if drop_uneven is None else drop_uneven
+        if transform is not None and not callable(transform):
+            raise BadRequest(f"transform must be a callable taking a batch, got {type(transform).__name__}")
+        self.transform = transform
+        self._plan: Plan = None  # what is left of the current epoch after an elastic resume
+        self._pass: weakref.ref | None = None  # the pass being iterated, if any
+        self.epoch = 0
+        #: Samples of the current epoch already handed out: with ``epoch``, the loader's cursor.
+        self.position = 0
+        #: Seconds spent waiting for batches (not hidden by prefetch), summed over iterations.
+        self.wait_s = 0.0
+        #: The data-stall signal by replica, a Prometheus collector (:mod:`libbus.loader.stall`).
+        self.stall = StallMeter(self.dataset, split)
+        self.device = torch.device(device)
+        role = _role_of(token() if callable(token) else token)
+        self._identity = Identity(
+            role=role,
+            name=name or f"loader-{socket.gethostname()}-{os.getpid()}",
+            token=token,
+            host_id=host_id or machine_id(),
+            curve=curve,
+            router_key=router_key,
+        )
+        links = Links(
+            dataset=self.dataset,
+            split=split,
+            identity=self._identity,
+            batch_size=batch_size,
+            device=self.device,
+            timeout_s=timeout_s,
+            retries=retries,
+            provider_wait_s=provider_wait_s,
+            router=router,
+            router_key=router_key,
+            resolver=resolver,
+            ctx=ctx,
+            shm=shm,
+            slots=slots,
+            copy=copy,
+            collate=collate,
+        )
+        entries = None
+        if provider is not None:
+            entries = entries_of(provider if isinstance(provider, list) else [provider])
+            if provider_key and len(entries) == 1 and not entries[0]["curve_key"]:
+                entries[0]["curve_key"] = provider_key.decode()
+        #: The connections to the dataset's replicas (:mod:`libbus.loader.replica_set`).
+        self.links = ReplicaSet(links, entries, inflight)
+        try:
+            self._take_info(self.links.info)
+        except BaseException:
+            self.links.close()  # a bad seed or block size: the connections go now, not at collection
+            raise
+
+    def _take_info(self, info: dict) -> None:
+        """The first provider's DatasetInfo: the split's size and the order this rank reads."""
+        self.info = info
+        self.num_samples = int(info["splits"][self.split]["num_samples"])
+        self._order = Order(
+            n=self.num_samples,
+            seed=self.seed,
+            shuffle=Shuffle.parse(self.shuffle),
+            block_size=self._block_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            drop_uneven=self._drop_uneven,
+        )
+        lo, hi = shard_bounds(
+            self.num_samples, rank=self.rank, world_size=self.world_size, drop_uneven=self._drop_uneven
+        )
+        log.info(
+            "%s/%s: rank %d of %d (%s, local rank %d) reads shard [%d, %d) of each epoch's %d samples, %d batches",
+            self.dataset,
+            self.split,
+            self.rank,
+            self.world_size,
+            self._rank_source,
+            self.local_rank,
+            lo,
+            hi,
+            self.num_samples,
+            len(self),
+        )
+
+    @property
+    def replicas(self) -> list[Replica]:
+        """The replicas this loader talks to (those found down are dropped when a new one is found)."""
+        return self.links.replicas
+
+    @property
+    def inflight(self) -> int:
+        """Batch requests kept outstanding now (fewer while ring slots are quarantined)."""
+        return self.links.inflight
+
+    @property
+    def provider_wait_s(self) -> float:
+        return self.links.links.provider_wait_s
+
+    @provider_wait_s.setter
+    def provider_wait_s(self, seconds: float) -> None:
+        self.links.links.provider_wait_s = seconds
+
+    @property
+    def timeout_s(self) -> float:
+        return self.links.links.timeout_s
+
+    @property
+    def retries(self) -> int:
+        return self.links.links.retries
+
+    @property
+    def provider(self) -> str:
+        """The advertised endpoint of the first replica (same-host first)."""
+        return self.replicas[0].endpoint if self.replicas else ""
+
+    @property
+    def endpoint(self) -> str:
+        """Where the first replica's requests go: ``provider``, or its ``ipc://`` twin on this host."""
+        return self.replicas[0].client.endpoint if self.replicas else ""
+
+    @property
+    def _ring(self) -> RingDelivery | None:
+        return self.links.ring
+
+    @property
+    def _delivery(self) -> Delivery:
+        return self.links.ring or self.links.socket
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` when batches come through a shared-memory ring, else ``"socket"``."""
+        return self.links.transport
+
+    def close(self) -> None:
+        self.links.close()
+
+    def __enter__(self) -> RemoteLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read ``epoch``'s order on the next pass, from its start (passes advance it on their own).
+
+        Setting the epoch the loader is already in keeps its position, so a position restored by
+        :meth:`load_state_dict` survives a training loop's ``set_epoch`` call (as Lightning,
+        Accelerate and ``DistributedSampler``-style loops make at each epoch's start).
+        """
+        if epoch != self.epoch:
+            self.epoch, self.position, self._plan = epoch, 0, None
+
+    def rewind(self, epoch: int = 0) -> None:
+        """Start ``epoch`` from its beginning on the next pass, forgetting any restored cursor (and
+        the plan of an elastic resume)."""
+        self.epoch, self.position, self._plan = epoch, 0, None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The sample indices this rank reads in ``epoch`` (after an elastic resume, in the resumed
+        epoch: what is left of it for this rank)."""
+        return elastic.indices(self._order, epoch, self._plan if epoch == self.epoch else None)
+
+    def __len__(self) -> int:
+        """Batches this rank yields in an epoch (the same on every rank by default, under DDP)."""
+        return self._order.num_batches()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's cursor, JSON-ready: store it with a checkpoint to resume at the exact sample.
+
+        The form torchdata's ``StatefulDataLoader`` and ``torch.distributed.checkpoint``'s
+        ``Stateful`` protocol take: a dict of plain values, read back by :meth:`load_state_dict`."""
+        return elastic.state(self._order, self.epoch, self.position, self._plan)
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue at a saved cursor on the next pass, at this world size or another.
+
+        ``state`` is one cursor (from :meth:`state_dict` of any rank: under the same world size
+        this rank continues at its position; under another, every old rank is taken to be at that
+        position, as ranks in lock-step are), a list of every old rank's cursor, or one cursor
+        merged from them (:func:`libbus.merge_cursors`). Under another world size the samples of
+        the epoch no rank consumed are re-split over the new ranks, each read exactly once.
+
+        Raises:
+            BadRequest: a cursor saved with another dataset size, seed or shuffle (naming what
+                differs), of another version, or a list that is not one cursor per old rank.
+        """
+        self.epoch, self.position, self._plan = elastic.restore(self._order, state)
+
+    def __iter__(self) -> Iterator[Any]:
+        """One pass: the rest of the current epoch. A pass left early is continued by the next.
+
+        A pass still open (a loop that stopped after the last batch without asking for more, as
+        Lightning does at ``len(loader)`` batches) is closed first: its slots are freed now, and an
+        epoch whose last batch was handed out is over."""
+        if torch.utils.data.get_worker_info() is not None:
+            raise BadRequest(
+                "RemoteLoader runs in the main process: use DataLoader(loader, batch_size=None, num_workers=0) "
+                "(it prefetches by itself, inflight= requests ahead)"
+            )
+        previous = self._pass() if self._pass is not None else None
+        if previous is not None:
+            previous.close()
+        if self.position > 0 and elastic.num_batches(self._order, self._plan, self.position) == 0:
+            self.epoch, self.position, self._plan = self.epoch + 1, 0, None
+        current = self._one_pass()
+        self._pass = weakref.ref(current)
+        return current
+
+    def _one_pass(self) -> Iterator[Any]:
+        epoch, position = self.epoch, self.position
+        batches = batches_of(self.order(epoch), self.batch_size, self.drop_last, start=position)
+        fetch = self._fetch(batches, epoch)
+        try:
+            for item, batch in zip(fetch, batches):
+                position += len(batch)
+                self.position = position  # counted when handed out: a checkpoint now includes it
+                yield item if self.transform is None else self.transform(item)
+        finally:
+            fetch.close()  # frees ring slots now, not whenever the generator is collected
+        self.epoch, self.position, self._plan = epoch + 1, 0, None
+
+    # -- the pipeline ---------------------------------------------------------------------------
+    def _request(self, indices: np.ndarray, fields: dict) -> BatchRequest:
+        if (
+            len(indices)
+            and indices[-1] - indices[0] == len(indices) - 1
+            and (len(indices) == 1 or bool(np.all(np.diff(indices) == 1)))
+        ):
+            return BatchRequest(
+                dataset=self.dataset, split=self.split, range=[int(indices[0]), int(indices[-1]) + 1], **fields
+            )
+        return BatchRequest(
+            dataset=self.dataset, split=self.split, frames=[np.ascontiguousarray(indices, dtype="<i8").data], **fields
+        )
+
+    def _fetch(self, batches: list[np.ndarray], epoch: int) -> Iterator[Any]:
+        try:
+            yield from self._pipeline(batches, epoch)
+        finally:
+            # A pass left early: its slots are free again, and late replies are dropped.
+            for delivery in self.links.deliveries():
+                delivery.reset()
+            for replica in self.replicas:
+                replica.take_pending()
+
+    def _pipeline(self, batches: list[np.ndarray], epoch: int) -> Iterator[Any]:
+        # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
+        window = RequestWindow(len(batches), lambda n, fields: self._request(batches[n], {"epoch": epoch, **fields}))
+        poller = ReplyPoller()  # per pass: a socket id reused after a reconnect must not alias
+        self.links.open_sessions()
+        self.links.readmit()
+        while not window.finished:
+            window.fill(self.replicas, self.inflight)
+            taken = window.take()
+            if taken is not None:
+                batch_no, delivery, item = taken
+                yield delivery.hand_out(batch_no, item)
+                window.advance(delivery)  # the consumer is back: the batch it had is let go
+                continue
+            waiting_on = window.via.get(window.next_yield)
+            wait_start = time.monotonic()
+            try:  # waiting for replies and for providers to come back: data wait
+                self._act(window, self._next_outcome(window, poller))
+            finally:
+                waited = time.monotonic() - wait_start
+                self.wait_s += waited
+                self.stall.add(waited, waiting_on[0].label if waiting_on else "")
+
+    def _next_outcome(self, window: RequestWindow, poller: ReplyPoller) -> Outcome:
+        """Wait for what happens next to the requests of this pass (see :mod:`libbus.loader.window`)."""
+        live = self.links.live
+        if not live:
+            return NoReplica()
+        if not any(r.pending for r in live):
+            return NothingPending()
+        oldest = min(r.oldest() for r in live)
+        replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - time.monotonic()), poller)
+        now = time.monotonic()
+        overdue = [r for r in live if r.oldest() + self.timeout_s <= now] if replica is None else []
+        return window.classify(replica, reply, overdue)
+
+    def _act(self, window: RequestWindow, outcome: Outcome) -> None:
+        """Do what ``outcome`` calls for; raises the typed error of an ``Error`` reply, and
+        :class:`PeerTimeout` when no provider comes back within ``provider_wait_s``."""
+        links = self.links
+        match outcome:
+            case Arrived(batch_no=batch_no, reply=reply):
+                window.arrived(batch_no, reply)
+            case NoReplica():
+                links.await_replica()
+            case NothingPending():
+                self._delivery.wait_free()  # slots held by copies to the GPU still running
+            case ConnectionLost(replica=replica):
+                window.resend(links.lost(replica))
+            case TimedOut(overdue=overdue):
+                for replica in overdue:
+                    window.resend(links.timed_out(replica))
+            case SessionExpired(replica=replica, batch_no=batch_no):
+                window.resend([batch_no, *links.strike(replica, "session expired on the provider", count=False)])
+            case GoingAway(replica=replica, batch_no=batch_no, reason=reason):
+                window.resend([batch_no, *links.down(replica, reason)])
+            case Failed(replica=replica, reply=reply):
+                replica.client.check(reply)
+            case Late():
+                pass  # a late reply to a request already sent again

@@ -1,0 +1,146 @@
+"""Replies a peer has not taken yet, bounded in bytes per connection (issue 12).
+
+libzmq bounds a peer's queue of unsent replies by its high-water mark, which counts messages
+(1000), not bytes: a reader that sends many ``BatchRequest`` and never reads would make a provider
+hold 1000 batches of up to 128 MiB each. A server cannot see inside that queue, but it can see
+when each reply leaves it: :func:`libbus.wire.sockets.send_tracked` sends one frame of a reply zero-copy
+and watched (:class:`~libbus.wire.sockets.SentTracker`); libzmq releases a frame once it is written to
+the kernel, frames in order (a peer that does not read fills its TCP window, and then nothing
+more is written). So per connection the server knows, exactly and without the peer's word, how many
+bytes of replies it still holds.
+
+When that is over the budget (``session_unsent_bytes``), the connection's next requests wait (in
+order, counted against ``session_inflight``) and are served as soon as the backlog drains under
+the budget; one that waits longer than ``unsent_wait_s`` is refused RATE_LIMITED with the figures.
+A reader that reads is never slowed beyond its own pace; one that does not read costs at most
+the budget, plus the one reply that crossed it, plus ``HWM`` replies too small to be tracked, plus
+one reply's small copied frames behind its watched one.
+
+The ledger is kept per connection (ZeroMQ routing id), not per session: a new ``Hello`` on the same
+connection does not make the bytes queued on it disappear. No wire change: old and new clients
+are bounded alike.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from libbus.constants import MiB
+from libbus.errors import RateLimited
+from libbus.serve.sessions import Session
+from libbus.wire.messages import Message
+from libbus.wire.sockets import SentTracker
+
+__all__ = ["Backlog", "Backlogs"]
+
+
+@dataclass
+class Backlog:
+    """One connection's replies not yet written out, and its requests waiting for them to go."""
+
+    #: ``(tracker, bytes)`` of each tracked reply still held, oldest first (a connection's replies
+    #: leave in order).
+    held: deque = field(default_factory=deque)
+    unsent: int = 0
+    #: ``(deadline, session, request)`` waiting for the backlog to drain, in arrival order.
+    waiting: deque = field(default_factory=deque)
+
+    def settle(self) -> int:
+        """Forget the replies that have left; returns the bytes still held."""
+        held = self.held
+        while held and held[0][0].done:
+            self.unsent -= held.popleft()[1]
+        return self.unsent
+
+
+class Backlogs:
+    """The ledgers of one server's connections, keyed by routing id."""
+
+    def __init__(self, budget: int, wait_s: float):
+        self.budget = budget
+        self.wait_s = wait_s
+        self._by_routing: dict[bytes, Backlog] = {}
+        self.deferred = 0
+        self.refused = 0
+
+    def track(self, routing_id: bytes, tracker: SentTracker, nbytes: int) -> None:
+        """A reply of ``nbytes`` was handed to libzmq for ``routing_id``."""
+        if self.budget <= 0:
+            return
+        backlog = self._by_routing.get(routing_id)
+        if backlog is None:
+            backlog = self._by_routing[routing_id] = Backlog()
+        backlog.held.append((tracker, nbytes))
+        backlog.unsent += nbytes
+
+    def unsent(self, routing_id: bytes) -> int:
+        backlog = self._by_routing.get(routing_id)
+        return 0 if backlog is None else backlog.settle()
+
+    def must_wait(self, routing_id: bytes) -> bool:
+        """Whether a request of this connection must wait: requests already wait (order is kept),
+        or more than the budget of its replies is still held."""
+        backlog = self._by_routing.get(routing_id)
+        if backlog is None:
+            return False
+        return bool(backlog.waiting) or backlog.settle() > self.budget
+
+    def defer(self, routing_id: bytes, session: Session, msg: Message, now: float) -> None:
+        self._by_routing[routing_id].waiting.append((now + self.wait_s, session, msg))
+        self.deferred += 1
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(b.waiting) for b in self._by_routing.values())
+
+    def release(self, now: float, serve: Callable[[Session, Message, RateLimited | None], None]) -> None:
+        """Serve the waiting requests whose connection is back under the budget (``serve(session,
+        msg, None)``), refuse those that waited ``wait_s`` (``serve(session, msg, error)``), and
+        forget connections with nothing held and nothing waiting."""
+        for routing_id, backlog in list(self._by_routing.items()):
+            while backlog.waiting:
+                deadline, session, msg = backlog.waiting[0]
+                if backlog.settle() <= self.budget:
+                    backlog.waiting.popleft()
+                    serve(session, msg, None)  # its reply may put the connection over again
+                elif now > deadline:
+                    backlog.waiting.popleft()
+                    self.refused += 1
+                    serve(session, msg, self.refusal(backlog.unsent))
+                else:
+                    break
+            if not backlog.waiting and not backlog.settle():
+                del self._by_routing[routing_id]
+
+    def refusal(self, unsent: int) -> RateLimited:
+        return RateLimited(
+            f"{unsent / MiB:.1f} MiB of replies to this connection are still unread (the peer is not "
+            f"reading them); at most {self.budget / MiB:.0f} MiB (session_unsent_bytes) are held for a "
+            f"connection, and this request waited {self.wait_s:g} s for them to drain: read replies "
+            "before sending more requests"
+        )
+
+    def drop_waiting(self, routing_id: bytes, session: Session) -> list[Message]:
+        """Take the waiting requests of a session that closed; returns them."""
+        backlog = self._by_routing.get(routing_id)
+        if backlog is None:
+            return []
+        mine = [m for _, s, m in backlog.waiting if s is session]
+        backlog.waiting = deque(w for w in backlog.waiting if w[1] is not session)
+        return mine
+
+    def take_all_waiting(self) -> list[tuple[Session, Message]]:
+        out = [(s, m) for b in self._by_routing.values() for _, s, m in b.waiting]
+        for b in self._by_routing.values():
+            b.waiting.clear()
+        return out
+
+    def stats(self) -> dict:
+        return {
+            "unsent_bytes": sum(b.settle() for b in self._by_routing.values()),
+            "waiting_for_reads": self.waiting,
+            "deferred_for_reads": self.deferred,
+            "refused_unread": self.refused,
+        }

@@ -1,0 +1,334 @@
+"""Messages of sessions and the data plane: session, discovery and datasets, shared memory, evaluation,
+pipeline control, stats and peers, security. Each class registers itself with :mod:`libbus.wire.frames` when
+this module is imported; import them from :mod:`libbus.wire.messages`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from libbus.constants import MAX_FRAMES
+from libbus.errors import BusError
+from libbus.wire.frames import Message, WrongVersion
+
+__all__ = [
+    "REPLICA_FIELDS",
+    "info_mismatch",
+    "error_reply",
+    "Hello",
+    "Welcome",
+    "Heartbeat",
+    "Error",
+    "Ok",
+    "Resolve",
+    "Resolved",
+    "DatasetInfoRequest",
+    "DatasetInfo",
+    "BatchRequest",
+    "BatchResponse",
+    "AttachRing",
+    "RingAttached",
+    "Evaluate",
+    "Evaluation",
+    "StageControl",
+    "Stats",
+    "StatsReply",
+    "ListPeers",
+    "PeerList",
+    "RevokeToken",
+    "ListRevoked",
+    "RevokedList",
+    "Entitlements",
+    "Goodbye",
+]
+
+
+# -- session -------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Hello(Message):
+    """First message on every connection: who I am, and the token that proves it."""
+
+    role: str
+    name: str
+    token: str
+    host_id: str = ""
+    pid: int = 0
+    version: str = ""
+    caps: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Welcome(Message):
+    session: str
+    heartbeat_ms: int
+
+
+@dataclass(kw_only=True)
+class Heartbeat(Message):
+    """Both ways, every heartbeat interval. Services carry their queue metrics in ``stats``."""
+
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Goodbye(Message):
+    """Client → any service, no reply: the client is done; the service closes its session now
+    instead of keeping it until it expires."""
+
+
+@dataclass(kw_only=True)
+class Error(Message):
+    code: str
+    message: str
+
+
+@dataclass(kw_only=True)
+class Ok(Message):
+    """A plain acknowledgement."""
+
+    detail: dict = field(default_factory=dict)
+
+
+def error_reply(request_id: int, err: BusError) -> Error:
+    """The Error for ``err``; refusing a peer of another wire version, sent under that peer's tag,
+    so that it can read the refusal (an Error has the same form in every version)."""
+    reply = Error(id=request_id, code=err.code, message=str(err))
+    if isinstance(err, WrongVersion):
+        reply.wire_tag = err.tag
+    return reply
+
+
+# -- discovery and datasets -------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Resolve(Message):
+    dataset: str
+
+
+@dataclass(kw_only=True)
+class Resolved(Message):
+    dataset: str
+    info: dict
+    providers: list
+
+
+@dataclass(kw_only=True)
+class DatasetInfoRequest(Message):
+    dataset: str
+
+
+@dataclass(kw_only=True)
+class DatasetInfo(Message):
+    """What a trainer needs to size its model and its requests. See docs/protocol.md for ``info``.
+
+    ``host_id`` is the provider's machine: a trainer with the same one may offer a ring, and
+    connect through ``local_endpoint`` (an ``ipc://`` Unix socket) instead of TCP.
+    """
+
+    dataset: str
+    info: dict
+    host_id: str = ""
+    local_endpoint: str = ""
+
+
+@dataclass(kw_only=True)
+class BatchRequest(Message):
+    """Samples by index: either ``range=[start, end)`` or one int64 payload frame of indices.
+
+    With ``slot`` and ``seq`` (after :class:`AttachRing`) the provider writes the batch into that
+    ring slot, if the slot still awaits request ``seq``, instead of sending it back. ``epoch`` seeds
+    a pipeline dataset's random stages, so a resent request gets the same bytes.
+    """
+
+    nframes: ClassVar[tuple[int, int]] = (0, 1)
+    dataset: str
+    split: str
+    range: list | None = None
+    slot: int | None = None
+    seq: int | None = None
+    epoch: int = 0
+
+
+@dataclass(kw_only=True)
+class BatchResponse(Message):
+    """A batch's fields, C-contiguous, their shapes and dtypes in the header, or no frames when the
+    batch is in ring slot ``slot`` under sequence ``seq``.
+
+    ``names`` lists the fields (absent: ``x`` and ``y``, data then labels); ``shapes[i]`` and
+    ``dtypes[i]`` describe field ``i``: a fixed field is one frame of its batch array; a variable
+    field (``-1`` in its shape for a varying dimension, dtype ``bytes`` or ``str`` for byte strings
+    and text) is its values frame, then its index frame (see :mod:`libbus.wire.fields`).
+    """
+
+    nframes: ClassVar[tuple[int, int]] = (0, MAX_FRAMES - 2)
+    shapes: list
+    dtypes: list
+    nbytes: int
+    names: list | None = None
+    slot: int | None = None
+    seq: int | None = None
+
+
+# -- shared memory ------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class AttachRing(Message):
+    """Map the trainer's ring ``name`` (same host only) for this session's batch requests.
+
+    The provider checks the ring's header (magic, version) and geometry against these fields, and
+    that the file is this user's and private, before it writes a byte.
+    """
+
+    name: str
+    slots: int
+    slot_bytes: int
+    label_offset: int
+
+
+@dataclass(kw_only=True)
+class RingAttached(Message):
+    name: str
+
+
+# -- evaluation ------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Evaluate(Message):
+    """Weights (safetensors bytes) in one payload frame; the provider scores them on its test split."""
+
+    nframes: ClassVar[tuple[int, int]] = (1, 1)
+    dataset: str
+    model: dict
+    job: str = ""
+    split: str = "test"
+
+
+@dataclass(kw_only=True)
+class Evaluation(Message):
+    loss: float
+    accuracy: float
+    n: int
+
+
+# -- pipeline control ----------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class StageControl(Message):
+    """Admin → provider: ``command`` for ``stage`` of pipeline ``dataset`` (``""``: the one pipeline
+    with such a stage). Reply: ``Ok{detail: {dataset, stage, type, result}}``."""
+
+    stage: str
+    command: str
+    dataset: str = ""
+    args: dict = field(default_factory=dict)
+
+
+# -- stats and peers -------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Stats(Message):
+    pass
+
+
+@dataclass(kw_only=True)
+class StatsReply(Message):
+    services: dict
+
+
+@dataclass(kw_only=True)
+class ListPeers(Message):
+    pass
+
+
+@dataclass(kw_only=True)
+class PeerList(Message):
+    peers: list
+
+
+# -- security ------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class RevokeToken(Message):
+    """Admin → router: refuse the token ``jti`` on every service until ``exp`` (its own expiry,
+    after which it is dead anyway). Answered with ``Ok``."""
+
+    jti: str
+    exp: float
+    reason: str = ""
+
+
+@dataclass(kw_only=True)
+class ListRevoked(Message):
+    pass
+
+
+@dataclass(kw_only=True)
+class RevokedList(Message):
+    """``revoked``: ``[{jti, exp, at, reason}]``, newest first."""
+
+    revoked: list
+
+
+@dataclass(kw_only=True)
+class Entitlements(Message):
+    """Router → provider, unsolicited, when the provider connects and whenever either part changes:
+    the revoked ``jti``s still unexpired, and per dataset the token subjects of the trainers
+    assigned to a running job on it (``{dataset: [sub, ...]}``)."""
+
+    revoked: list
+    assigned: dict
+
+
+#: The DatasetInfo fields replicas must agree on: what a loader's order and a model are built
+#: from. Others (``uri``, ``path``, ``memory``, ``format``) describe one node's copy and may differ.
+REPLICA_FIELDS = (
+    "splits",
+    "sample_shape",
+    "label_shape",
+    "dtype",
+    "label_dtype",
+    "num_classes",
+    "class_names",
+    "kind",
+    "seq_len",
+    "vocab_size",
+    "val_fraction",
+    "fields",
+)
+#: Per split, what must agree (``shuffle`` is only a hint).
+SPLIT_FIELDS = ("num_samples", "available")
+
+
+def _split_view(splits: Any) -> Any:
+    if not isinstance(splits, dict):
+        return splits
+    return {name: {k: s.get(k) for k in SPLIT_FIELDS} if isinstance(s, dict) else s for name, s in splits.items()}
+
+
+def info_mismatch(ours: dict, theirs: dict, here: str = "here", there: str = "there") -> str | None:
+    """The first :data:`REPLICA_FIELDS` field on which two DatasetInfos differ, as
+    ``"FIELD is OURS <here>, THEIRS <there>"`` (a dotted path for split sizes, e.g.
+    ``splits.train.num_samples is 600 on node-1, 500 on node-2``); ``None`` when they agree."""
+    for name in REPLICA_FIELDS:
+        a, b = ours.get(name), theirs.get(name)
+        if name == "splits":
+            a, b = _split_view(a), _split_view(b)
+            if isinstance(a, dict) and isinstance(b, dict):
+                for split in [*a, *(k for k in b if k not in a)]:
+                    for key in SPLIT_FIELDS:
+                        x, y = (a.get(split) or {}).get(key), (b.get(split) or {}).get(key)
+                        if x != y:
+                            return f"splits.{split}.{key} is {x!r} {here}, {y!r} {there}"
+                continue
+        if a != b:
+            return f"{name} is {a!r} {here}, {b!r} {there}"
+    return None
