@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libbus.order import elastic
 from libbus.errors import BadRequest
 from libbus.loader.ranks import detect
+from libbus.order import elastic
 from libbus.order.epochs import Order, epoch_order
 
 
