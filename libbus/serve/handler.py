@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from libbus import constants as C
-from libbus.security.auth import ALGORITHM, Key
+from libbus.security.auth import ALGORITHM, VerifyKey
 from libbus.security.curve import CurveKeys
 from libbus.serve.sessions import Session
 from libbus.wire.messages import Message
@@ -30,7 +30,7 @@ class Handler:
     #: True: the server holds the replies and pushes of each burst until :meth:`flush` returns.
     group_commit = False
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._outbox: list[tuple[str, Message]] = []
 
     def push(self, sid: str, msg: Message) -> None:
@@ -68,7 +68,7 @@ class ServerConfig:
     ``audience``."""
 
     bind: str
-    secret: Key
+    secret: VerifyKey
     audience: str
     name: str
     heartbeat_ms: int = 1000
