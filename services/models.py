@@ -270,7 +270,7 @@ def evaluate(model: nn.Module, batches, kind: str = "image") -> tuple[float, flo
     for x, y in batches:
         logits, targets = predictions(model, x, y, kind)
         total_loss += nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-        correct += (logits.argmax(1) == targets).sum().item()
+        correct += int((logits.argmax(1) == targets).sum().item())
         predicted += len(targets)
         n += len(x)
     if predicted == 0:
