@@ -25,6 +25,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
@@ -49,7 +50,7 @@ def _token(state: Path, sub: str) -> str:
 
 def _reader(endpoint: str, token: str, reads: bool) -> zmq.Socket:
     """A connected, welcomed DEALER. One that does not read takes one message at most."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if not reads:
         sock.setsockopt(zmq.RCVHWM, 1)
@@ -170,7 +171,13 @@ def overhead(rounds: int = 12, samples: int = 8192, batch: int = 256) -> dict:
         for r in range(rounds):
             for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
                 provider.server._track_min = TRACK_MIN_BYTES if mode == "on" else None
-                kw = {"batch_size": batch, "inflight": 4, "shm": False, "shuffle": "full", "drop_last": True}
+                kw: dict[str, Any] = {
+                    "batch_size": batch,
+                    "inflight": 4,
+                    "shm": False,
+                    "shuffle": "full",
+                    "drop_last": True,
+                }
                 with RemoteLoader("ram", provider=endpoint, token=token, **kw) as loader:
                     t0, n = time.perf_counter(), 0
                     for _ in loader:
