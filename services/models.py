@@ -17,7 +17,7 @@ How a batch becomes predictions and targets depends on the dataset's ``kind`` an
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -225,6 +225,7 @@ def build_model(
     """
     if info.get("num_classes", 0) < 1:
         raise BadRequest("classification models need a dataset with num_classes >= 1")
+    factory: Callable[..., object]
     if name in MODELS:
         factory = MODELS[name]
     elif ":" in name:
