@@ -229,9 +229,10 @@ def build_model(
     if name in MODELS:
         factory = MODELS[name]
     elif ":" in name:
-        factory = import_allowed(name, allowed, f"model {name!r}")
-        if not callable(factory):
-            raise BadRequest(f"model {name!r}: {type(factory).__name__} is not callable")
+        found = import_allowed(name, allowed, f"model {name!r}")
+        if not callable(found):
+            raise BadRequest(f"model {name!r}: {type(found).__name__} is not callable")
+        factory = found
     else:
         raise BadRequest(f"unknown model {name!r}; built-ins are {', '.join(MODELS)}, or give package.module:factory")
     kwargs = dict(kwargs or {})
