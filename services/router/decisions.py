@@ -16,6 +16,7 @@ from libbus.wire.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo
 
 from .artifacts import Artifacts
 from .early_stop import EarlyStopping
+from .jobs import JobControl
 from .store import JobStore
 from .studies import Studies
 
@@ -33,6 +34,7 @@ class Decisions:
     ``store``, ``jobs`` (JobControl) and ``artifacts``)."""
 
     store: JobStore
+    jobs: JobControl
     artifacts: Artifacts | None
 
     def init_decisions(self) -> None:

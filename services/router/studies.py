@@ -45,13 +45,13 @@ class _Live:
     """A study's in-memory Optuna state: the study and its running trials by number."""
 
     spec: StudySpec
-    study: object
-    trials: dict[int, object] = field(default_factory=dict)
+    study: optuna.Study
+    trials: dict[int, optuna.trial.Trial] = field(default_factory=dict)
 
 
 def _distributions(spec: StudySpec) -> dict:
     d = optuna.distributions
-    out = {}
+    out: dict[str, optuna.distributions.BaseDistribution] = {}
     for name, p in spec.space.items():
         if p.kind == "choice":
             out[name] = d.CategoricalDistribution(list(p.values))
