@@ -205,10 +205,6 @@ class Link:
         client = self.client
         for _ in range(RECEIVE_BURST):  # bounded: a flooding router must not starve heartbeats and deadlines
             msg = client.recv(0)
-            # Pushes received before this reply are handed over before its caller wakes: the router
-            # sends a Command its request caused ahead of the reply (a stop decided at an epoch's
-            # report), and the caller must find it queued once the reply is in.
-            self._hand_pushes()
             if msg is None:
                 break
             if msg.id == self._hello_id:
@@ -225,13 +221,8 @@ class Link:
                     fut.set_exception(error_from_code(msg.code, msg.message))
                 else:
                     fut.set_result(msg)
-        self._hand_pushes()
-
-    def _hand_pushes(self) -> None:
-        """Give the pushes received so far to ``on_push``, in the order they came."""
-        pushes = self.client.pushes
-        while pushes:
-            push = pushes.popleft()
+        while client.pushes:
+            push = client.pushes.popleft()
             try:
                 self.on_push(push)
             except Exception:  # noqa: BLE001

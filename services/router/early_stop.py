@@ -7,9 +7,9 @@ event of the job, starting "early stopping".
 The decision is taken when an epoch's report arrives (:meth:`EarlyStopping.on_report`), epoch by
 epoch in order, never by a timer: the job stops at the first epoch at which its history runs out of
 patience, whenever and however batched its reports reach the router, so the same job replays the
-same decision. The trainer waits for the router's answer to the report of an epoch of such a job
-(bounded by its request timeout) before it trains on, so the stop takes effect right after that
-epoch.
+same decision. The stop rides on the reply to that report (JobControl.on_progress judges before it
+answers), and the trainer waits for that reply at the end of each epoch of such a job (bounded by
+its request timeout) before it trains on, so the stop takes effect right after that epoch.
 """
 
 from __future__ import annotations
