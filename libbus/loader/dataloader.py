@@ -55,8 +55,10 @@ def refuse_dataloader_args(given: Mapping[str, Any]) -> None:
         raise TypeError(f"RemoteLoader() got an unexpected keyword argument {next(iter(given))!r}")
 
 
-#: How far up the stack :func:`refuse_rebatching` looks for the DataLoader iterator that called ``iter()``.
+#: How far up the stack :func:`refuse_rebatching` looks for the DataLoader iterator that called ``iter()``,
+#: and the modules whose frames it reads.
 _FRAMES = 8
+_DATALOADER_MODULES = ("torch.utils.data.", "torchdata.")
 
 
 def refuse_rebatching(dataset: object) -> None:
@@ -79,6 +81,11 @@ def refuse_rebatching(dataset: object) -> None:
     for _ in range(_FRAMES):
         if frame is None:
             return
+        if not frame.f_globals.get("__name__", "").startswith(_DATALOADER_MODULES):
+            # never f_locals of other frames: it caches their locals on the frame (a script's
+            # tensors, a slot they view) until that frame runs on
+            frame = frame.f_back
+            continue
         it = frame.f_locals.get("self")
         if isinstance(it, base) and getattr(it, "_dataset", None) is dataset:
             if getattr(it, "_auto_collation", False):
