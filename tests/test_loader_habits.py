@@ -206,3 +206,46 @@ def test_a_script_finds_the_router_and_token_as_busctl_does(router, provider, ma
     none = script({"BATCHBUS_ROUTER": router.endpoint})
     assert none.returncode != 0 and "RemoteLoader needs a trainer token" in none.stderr
     assert "BATCHBUS_TOKEN_FILE" in none.stderr
+
+
+DDP_EVAL = """
+import sys
+import torch
+import torch.distributed as dist
+from libbus import RemoteLoader
+
+dist.init_process_group("gloo")
+where = dict(provider=sys.argv[1], batch_size=32)  # the token: BATCHBUS_TOKEN_FILE, as busctl reads it
+with RemoteLoader("mnist", split="val", **where) as val:
+    ys = torch.cat([y for _, y in val])
+with RemoteLoader("mnist", split="val", shard=True, **where) as part:
+    totals = torch.zeros(2, dtype=torch.long)
+    for _, y in part:
+        totals += torch.tensor([int(y.sum()), len(y)])
+    dist.all_reduce(totals)
+    row = [dist.get_rank(), int(ys.sum()), len(ys), *totals.tolist(), part.shard_size, len(part.dataset)]
+    with open(f"{sys.argv[2]}/rank{dist.get_rank()}.txt", "w") as out:  # one file a rank: no interleaving
+        out.write(" ".join(map(str, row)))
+dist.destroy_process_group()
+"""
+
+
+def test_under_torchrun_val_is_whole_on_every_rank_and_sharded_totals_sum_right(provider, make_token, tmp_path):
+    script = tmp_path / "ddp_eval.py"
+    script.write_text(DDP_EVAL)
+    token_file = tmp_path / "trainer.token"
+    token_file.write_text(make_token())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHBUS_")}
+    env.update(PYTHONPATH=str(REPO), BATCHBUS_TOKEN_FILE=str(token_file))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3", str(script)]
+    done = subprocess.run(
+        [*cmd, provider.endpoint, str(tmp_path)], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    labels = int(_SOURCE.read("val", np.arange(120))[1].sum())
+    rows = sorted(path.read_text().split() for path in tmp_path.glob("rank*.txt"))
+    assert [row[0] for row in rows] == ["0", "1", "2"]
+    for _, whole_labels, whole_n, summed_labels, summed_n, shard_size, split_n in rows:
+        assert (int(whole_labels), int(whole_n)) == (labels, 120)  # every rank: the whole split
+        assert (int(summed_labels), int(summed_n)) == (labels, 120)  # shards summed: every sample once
+        assert int(shard_size) == 40 and int(split_n) == 120
