@@ -249,3 +249,16 @@ def test_under_torchrun_val_is_whole_on_every_rank_and_sharded_totals_sum_right(
         assert (int(whole_labels), int(whole_n)) == (labels, 120)  # every rank: the whole split
         assert (int(summed_labels), int(summed_n)) == (labels, 120)  # shards summed: every sample once
         assert int(shard_size) == 40 and int(split_n) == 120
+
+
+def test_a_scripts_connection_comes_from_busctls_settings_curve_keys_included(tmp_path):
+    from libbus.config import script_connection
+
+    env = {"BATCHBUS_STATE_DIR": str(tmp_path), "BATCHBUS_TOKEN_FILE": str(tmp_path / "t")}
+    (tmp_path / "t").write_text("a-token\n")
+    plain = script_connection(env=env)
+    assert (plain.router, plain.token, plain.curve_key_file) == ("tcp://127.0.0.1:5555", "a-token", "")
+    curve = script_connection(env={**env, "BATCHBUS_CURVE": "true", "BATCHBUS_ROUTER": "tcp://head:5555"})
+    assert curve.router == "tcp://head:5555"
+    assert curve.curve_key_file == str(tmp_path / "curve" / "trainer.key_secret")
+    assert curve.curve_router_key == str(tmp_path / "curve" / "router.key")
