@@ -87,7 +87,7 @@ def main():
     distributed = "RANK" in os.environ  # under torchrun
     if distributed:
         dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank = dist.get_rank() if distributed else 0
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if use_cuda else "cpu")
     torch.manual_seed(args.seed)
 
@@ -96,9 +96,9 @@ def main():
     info = train_loader.info
 
     def eval_loader(split: str) -> RemoteLoader:
-        return RemoteLoader(
-            args.dataset, split=split, batch_size=args.batch_size, shuffle=False, drop_uneven=False, **common
-        )
+        """This rank's shard of ``split`` (the rank named: sharded), every sample once over the ranks."""
+        shard = {"rank": rank, "world_size": world, "drop_uneven": False}
+        return RemoteLoader(args.dataset, split=split, batch_size=args.batch_size, shuffle=False, **shard, **common)
 
     val_loader = eval_loader("val")
     test_loader = eval_loader("test") if info["splits"]["test"]["available"] else None

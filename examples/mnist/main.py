@@ -119,13 +119,16 @@ def main():
 
     where = loader_args()
     common = {**where, "device": str(device)}
-    # train: this rank's shard (rank and world size found); val: sharded too, every sample once, reduced
+    # train: this rank's shard (rank and world size found). val: sharded by naming the rank, every
+    # sample once over the ranks (drop_uneven=False), the sums all-reduced
     train_loader = RemoteLoader(args.dataset, batch_size=args.batch_size, seed=args.seed, **common)
     val_loader = RemoteLoader(
         args.dataset,
         split="val",
         batch_size=args.test_batch_size,
         shuffle=False,
+        rank=rank,
+        world_size=world,
         drop_uneven=False,
         **common,
     )
