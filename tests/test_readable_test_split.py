@@ -11,6 +11,7 @@ import pytest
 
 from libbus import RemoteLoader
 from libbus.errors import ConfigError, SplitPrivate
+from libbus.wire.messages import BatchRequest
 from services.provider.app import private_test_option
 from tests.support import busctl
 
@@ -41,14 +42,19 @@ def read_all(endpoint: str, token: str, dataset: str, split: str) -> list[int]:
         return [int(i) for x, _ in loader for i in x[:, 0].tolist()]
 
 
-def test_the_operator_marks_a_test_split_readable_and_the_default_stays_private(served, make_token):
+def test_the_operator_marks_a_test_split_readable_and_the_default_stays_private(served, make_token, client_for):
     token = make_token()
     assert read_all(served.endpoint, token, "public", "test") == list(range(TEST))
     info = served.service.handler.infos
     assert info["public"]["splits"]["test"]["available"] is True
     assert info["held"]["splits"]["test"]["available"] is False
-    with pytest.raises(SplitPrivate, match="private_test=false"):
+    with pytest.raises(SplitPrivate, match="never leaves its provider"):
         read_all(served.endpoint, token, "held", "test")
+    # the provider itself refuses it, whatever the client, and says how an operator would open it
+    client = client_for(served.endpoint, token=token)
+    assert client.request(BatchRequest(dataset="public", split="test", range=[0, 2])).nbytes > 0
+    with pytest.raises(SplitPrivate, match="private_test=false"):
+        client.request(BatchRequest(dataset="held", split="test", range=[0, 2]))
     # the option is the provider's: the source never sees it, and its URI is the plain one
     assert "private_test" not in info["public"]["uri"]
 
