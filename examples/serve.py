@@ -10,8 +10,9 @@ state directory) and serves what the scripts in ``examples/`` read:
 
 Nothing here needs hiding, so every test split is readable (``private_test=false``). It writes
 ``connection.json`` (the router's endpoint and a trainer token scoped to these datasets) into the state
-directory, where ``recipe_support.loader_args`` finds it when ``BATCHBUS_ROUTER`` is not set, and
-serves until Ctrl-C or SIGTERM. The state directory is ``state/examples`` in the checkout, or
+directory, where ``recipe_support.loader_args`` finds it when ``BATCHBUS_ROUTER`` is not set, and the
+same as settings: ``batchbus.toml`` (``router``, ``token_file``), for any script run with
+``BATCHBUS_CONFIG`` naming it. It serves until Ctrl-C or SIGTERM and then removes both. The state directory is ``state/examples`` in the checkout, or
 ``BATCHBUS_EXAMPLES_DIR``. ``--samples N`` sets the mock datasets' train size (val and test: N/5).
 """
 
@@ -61,8 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     state = state_dir()
     state.mkdir(parents=True, exist_ok=True)
     ensure_secret(state / "secret")
-    connection = state / "connection.json"
+    connection, config = state / "connection.json", state / "batchbus.toml"
     connection.unlink(missing_ok=True)
+    config.unlink(missing_ok=True)
     n = args.samples
     datasets = {
         "ids": f"file://{write_ids(state / 'data' / 'ids')}?private_test=false",
@@ -79,9 +81,16 @@ def main(argv: list[str] | None = None) -> None:
         settings, _ = load_settings(env={}, flags={"state_dir": str(state)})
         key = runtime.signing_key(settings)
         token = runtime.mint_token(settings, key, role="trainer", sub="examples", datasets=sorted(datasets))
+        token_file = state / "token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(token + "\n")
+        config.write_text(
+            "# examples/serve.py: the examples' router and a trainer token (BATCHBUS_CONFIG=this file)\n"
+            f"router = {json.dumps(router)}\ntoken_file = {json.dumps(str(token_file))}\n"
+        )
         tmp = connection.with_suffix(".tmp")
         tmp.write_text(json.dumps({"router": router, "token": token, "datasets": sorted(datasets)}))
-        tmp.replace(connection)  # whole or absent: a script never reads half of it
+        tmp.replace(connection)  # whole or absent (and written last): a script never reads half of it
         print(f"router   {router}\nprovider {provider} serving {', '.join(datasets)} (state and logs in {state})")
         print("run an example in another terminal, e.g.: .venv/bin/python examples/stateful_dataloader.py /tmp/bb-sdl")
         print("Ctrl-C stops", flush=True)
@@ -90,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         pass
     finally:
         connection.unlink(missing_ok=True)
+        config.unlink(missing_ok=True)
         codes = procs.stop()
         print("stopped: " + ", ".join(f"{role} exit {code}" for role, code in codes.items()), flush=True)
 

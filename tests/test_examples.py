@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from libbus.config import load_settings
 from tests.support import REPO
 
 EXAMPLES = REPO / "examples"
@@ -54,13 +55,18 @@ def served(tmp_path_factory):
         assert proc.poll() is None, f"serve.py exited {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}"
         assert time.monotonic() < deadline, "serve.py wrote no connection.json in 120 s"
         time.sleep(0.1)
-    assert sorted(json.loads(connection.read_text())["datasets"]) == ["ids", "imagenet", "mnist"]
+    written = json.loads(connection.read_text())
+    assert sorted(written["datasets"]) == ["ids", "imagenet", "mnist"]
+    # the same as settings, for scripts run with BATCHBUS_CONFIG naming the file
+    settings, _ = load_settings(config_file=str(state / "batchbus.toml"), env={})
+    assert (settings.router, settings.token) == (written["router"], written["token"])
     yield env
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "router exit 0" in out and "provider exit 0" in out, out
     assert not connection.exists(), "serve.py left its connection file behind"
+    assert not (state / "batchbus.toml").exists(), "serve.py left its settings file behind"
 
 
 def test_the_make_target_runs_the_serve_script():
