@@ -18,7 +18,7 @@ import pytest
 
 from libbus.connect.client import Client, Identity
 from libbus.errors import Forbidden, Unavailable
-from libbus.wire.messages import CommandAck, ControlJob, GetJob, GetTask, Progress, Resolve, SubmitJob
+from libbus.wire.messages import CommandAck, ControlJob, GetJob, GetTask, ListPeers, Progress, Resolve, SubmitJob
 from tests.support import REPO
 
 N = 40  # samples in the train split: two ranks read 20 each
@@ -94,6 +94,8 @@ def test_a_second_trainer_service_under_the_subject_is_still_refused_and_loaders
     attacker = _client(router.endpoint, token, host_id="elsewhere", loader=False)
     try:
         assert [p["endpoint"] for p in loader.request(Resolve(dataset="ids")).providers] == [ids.endpoint]
+        kinds = sorted(p["kind"] for p in admin.request(ListPeers()).peers if p["subject"] == "team-a")
+        assert kinds == ["loader", "trainer"], kinds  # operators tell them apart
         # ... but it is no trainer service: no work, no progress on the service's job
         for msg in (GetTask(), Progress(job=job, progress={"step": 1})):
             with pytest.raises(Forbidden, match="said Hello as a loader"):
