@@ -127,3 +127,22 @@ def test_every_example_runs_as_shown(served, line, tmp_path):
         assert (tmp_path / "bb-imagenet" / "checkpoint.pth.tar").exists()
     else:  # the recipes: a ledger of every sample trained on, each exactly once per epoch
         exactly_once(tmp_path / re.search(r"/tmp/(bb-\S+)", line).group(1))
+
+
+def test_the_readmes_training_script_runs_as_shown(served, tmp_path):
+    """README's "Your own training script", saved as train.py and run as its first lines say, against
+    the examples' cluster (BATCHBUS_CONFIG: the settings file serve.py wrote)."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Your own training script", 1)[1]
+    script = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    shown = re.search(r"#\s+(BATCHBUS_CONFIG=\S+ \S+ train\.py)", script).group(1)
+    assert shown == "BATCHBUS_CONFIG=state/examples/batchbus.toml .venv/bin/python train.py"
+    (tmp_path / "train.py").write_text(script)
+    config = Path(served["BATCHBUS_EXAMPLES_DIR"]) / "batchbus.toml"  # this test's state/examples
+    env = {**served, "BATCHBUS_CONFIG": str(config)}
+    done = subprocess.run(
+        [sys.executable, "train.py"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    epochs = re.findall(r"epoch (\d+): (\d+) samples, last loss [\d.]+", done.stdout)
+    assert epochs == [(str(e), str(SAMPLES)) for e in range(3)], done.stdout
