@@ -45,6 +45,7 @@ import io
 import json
 import threading
 from collections import OrderedDict
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -53,12 +54,14 @@ from libbus.errors import DatasetError
 
 from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, local_path
 from .formats.imagefolder import Encoded
+from .formats.location import Format, Location
 
-__all__ = ["ParquetSource", "detect", "open_parquet", "open_parquet_dir"]
+__all__ = ["FORMAT", "ParquetSource", "detect", "open_parquet", "open_parquet_dir"]
 
 SPLIT_NAMES = {"train": ("train",), "val": ("validation", "valid", "val", "dev"), "test": ("test",)}
 FEATURE_NAMES = ("image", "img", "pixel_values", "x", "features", "input_ids", "tokens")
 LABEL_NAMES = ("label", "labels", "target", "y", "class")
+EXPECTED = "Parquet files: train*.parquet or train/*.parquet (in DIR, DIR/data or a subset folder)"
 PARAMS = ("column", "label", "subset", "val_fraction", "classes", "cache_mb", "fields", "max_bytes", "encoded")
 
 
@@ -205,9 +208,13 @@ class ParquetSource(Source):
         fields: str | None = None,
         max_bytes: int = 0,
         encoded: bool = False,
+        location=None,
     ):
         _, pq = _pyarrow()
         self.uri, self.root = uri, root
+        #: Where the files are (:class:`~.formats.location.Location`): each batch's reads run under its
+        #: ``batch()`` (an object store's deadline); ``None``: local files.
+        self.location = location
         self._lock, self._read_lock = threading.Lock(), threading.Lock()
         self._cache: OrderedDict[tuple[int, int], object] = OrderedDict()
         self.cache_bytes = int(cache_mb * (1 << 20))
@@ -345,7 +352,15 @@ class ParquetSource(Source):
         return list(self._fields) if self._fields else super().fields
 
     def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
-        return read_fields(self, split, indices) if self._fields else super().read_fields(split, indices, epoch)
+        with self._batch():  # named fields (?fields=): the same per-batch scope
+            return read_fields(self, split, indices) if self._fields else super().read_fields(split, indices, epoch)
+
+    def _batch(self):
+        return self.location.batch() if self.location is not None else nullcontext()
+
+    def close(self) -> None:
+        if self.location is not None:
+            self.location.close()
 
     def info(self) -> dict:
         info = super().info()
@@ -375,10 +390,15 @@ class ParquetSource(Source):
         return table
 
     def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return read_texts(self, split, indices) if self.kind == "encoded" else super().read(split, indices)
+        with self._batch():  # texts for a pipeline (?encoded=1): the same per-batch scope
+            return read_texts(self, split, indices) if self.kind == "encoded" else super().read(split, indices)
 
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         """Samples ``indices`` of ``split``: each row group the batch touches is read once."""
+        with self._batch():
+            self._read_into(split, indices, x, y)
+
+    def _read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         if self.kind == "encoded":
             raise DatasetError(f"{self.uri}: encoded=1 serves text for a pipeline's tokenize stage (§9.4)")
         groups, starts, first, n = self._layouts[split]
@@ -589,8 +609,9 @@ def open_parquet(req: OpenRequest) -> ParquetSource:
     return open_parquet_dir(req.uri, local_path(req.parts), req.params)
 
 
-def open_parquet_dir(uri: str, root: Path, params: dict, source_class: type = ParquetSource) -> ParquetSource:
-    """The Parquet dataset under ``root``, popping the ``params`` it knows (see the module doc).
+def open_parquet_dir(uri: str, root: Path, params: dict, location=None) -> ParquetSource:
+    """The Parquet dataset under ``root`` (``location``'s root, when given), popping the ``params`` it
+    knows (see the module doc).
 
     Raises :class:`DatasetError` naming the file, column or parameter at fault.
     """
@@ -617,7 +638,7 @@ def open_parquet_dir(uri: str, root: Path, params: dict, source_class: type = Pa
     if encoded and ("fields" in got or got.get("label")):
         raise DatasetError(f"{uri}: encoded=1 serves one text column, without fields= or label=")
     files = find_files(uri, root, got.get("subset"))
-    return source_class(
+    return ParquetSource(
         uri,
         root,
         files,
@@ -629,4 +650,14 @@ def open_parquet_dir(uri: str, root: Path, params: dict, source_class: type = Pa
         got.get("fields"),
         max_bytes,
         encoded,
+        location,
     )
+
+
+def open_location(loc: Location) -> ParquetSource:
+    """The Parquet dataset at ``loc`` (a local directory or an object-store prefix)."""
+    return open_parquet_dir(loc.uri, loc.root, loc.params, loc)
+
+
+#: This layout's line in the registry (:mod:`.layouts`).
+FORMAT = Format("parquet", lambda loc: detect(loc.root), open_location, EXPECTED, "source", ("file", "object"))

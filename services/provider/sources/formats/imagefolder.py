@@ -24,8 +24,9 @@ from libbus.errors import DatasetError
 
 from .confine import Confinement
 from .imageops import IMAGE_EXTS
+from .location import Format, Location
 
-__all__ = ["EXPECTED", "Encoded", "ImageFolder", "detect"]
+__all__ = ["EXPECTED", "Encoded", "FORMAT", "ImageFolder", "detect", "open_store"]
 
 EXPECTED = "ImageFolder: train/CLASS/*.jpg|jpeg|png|webp (val/, test/ optional)"
 
@@ -161,3 +162,14 @@ class ImageFolder:
     def close(self) -> None:
         if not isinstance(self.root, Path):
             self.root.tree.client.close()
+
+
+def open_store(loc: Location, val_fraction: float) -> ImageFolder:
+    """The ImageFolder tree at ``loc`` (a local directory or an object-store prefix)."""
+    if not detect(loc.root):
+        raise DatasetError(f"{loc.name}: no ImageFolder tree in {loc.root}; expected {EXPECTED}")
+    return ImageFolder(loc.uri, loc.root, val_fraction, loc.confinement)
+
+
+#: This layout's line in the registry (:mod:`..layouts`).
+FORMAT = Format("imagefolder", lambda loc: detect(loc.root), open_store, EXPECTED, "samples", ("file", "object"))

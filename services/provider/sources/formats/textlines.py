@@ -19,8 +19,9 @@ from libbus.errors import DatasetError
 
 from .confine import Confinement
 from .imagefolder import Encoded
+from .location import Format, Location
 
-__all__ = ["EXPECTED", "TextLines", "detect"]
+__all__ = ["EXPECTED", "FORMAT", "TextLines", "detect", "open_store"]
 
 EXPECTED = "text: train.txt (val.txt, test.txt), one document per line"
 
@@ -105,3 +106,14 @@ def _hash(z: np.ndarray) -> np.ndarray:
         z = (z + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+def open_store(loc: Location, val_fraction: float) -> TextLines:
+    """The text files in the local directory ``loc``."""
+    if not detect(loc.root):
+        raise DatasetError(f"{loc.name}: no text files in {loc.root}; expected {EXPECTED}")
+    return TextLines(loc.uri, loc.root, val_fraction, loc.confinement)
+
+
+#: This layout's line in the registry (:mod:`..layouts`).
+FORMAT = Format("text", lambda loc: detect(loc.root), open_store, EXPECTED, "samples", ("file",))

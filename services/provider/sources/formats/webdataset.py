@@ -25,16 +25,19 @@ from libbus.errors import DatasetError
 from .confine import Confinement
 from .imagefolder import Encoded
 from .imageops import IMAGE_EXTS
+from .location import Format, Location
 from .tarshards import ShardIndex, build_index, load_cached, load_or_build, save
 
 __all__ = [
     "COALESCE_GAP",
     "EXPECTED",
+    "FORMAT",
     "ShardStore",
     "detect",
     "open_local_shards",
     "open_object_shards",
     "open_remote_shards",
+    "open_store",
     "split_of",
 ]
 
@@ -283,3 +286,21 @@ def open_object_shards(uri: str, root, cache: Path, val_fraction: float, *, stri
     names_file = root / "classes.txt"
     names = class_names_file(names_file.read_text() if names_file.is_file() else None)
     return ObjectShards(uri, paths, indexes, names, val_fraction)
+
+
+def open_store(loc: Location, val_fraction: float) -> ShardStore:
+    """The shards at ``loc``: each location's reader (local ``pread``, HTTP ranges, object ranges
+    fetched together under one deadline), their indexes cached in ``loc.cache_dir()``."""
+    strict = loc.params.get("bad") != "skip"
+    if loc.kind == "file":
+        return open_local_shards(
+            loc.uri, loc.root, loc.cache_dir(), val_fraction, strict=strict, confinement=loc.confinement
+        )
+    if loc.kind == "http":
+        urls = [p.url for p in sorted(loc.root.iterdir()) if p.suffix == ".tar"]
+        return open_remote_shards(loc.uri, urls, loc.client, loc.cache_dir(), val_fraction, strict=strict)
+    return open_object_shards(loc.uri, loc.root, loc.cache_dir(), val_fraction, strict=strict)
+
+
+#: This layout's line in the registry (:mod:`..layouts`).
+FORMAT = Format("webdataset", lambda loc: detect(loc.root), open_store, EXPECTED, "samples")
