@@ -19,9 +19,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from libbus.errors import DatasetError
-from services.provider.sources import OPENERS, open_source
+from services.provider.sources import OPENERS, layouts, open_source
 from services.provider.sources.formats import dataset
+from services.provider.sources.formats.location import KINDS
 from services.provider.sources.layouts import FORMATS
+from tests.support import layout_example
 from tests.support.contract import check_encoded_contract, check_fields_contract, check_source_contract, peak_rss
 from tests.support.formats import build_cifar, build_idx, build_npy, build_raw, build_tokens_bin, expected_splits
 from tests.support.httpd import RangeServer
@@ -292,3 +294,18 @@ def test_every_layout_keeps_the_contract_at_every_location(name, kind, tmp_path,
         source.close()
         if local is not None:
             local.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_new_layout_is_one_module_and_one_registry_line(kind, tmp_path, server, request, monkeypatch):
+    """tests/support/layout_example.py is written as a new layout is; its registry line is all it takes
+    to read it at every location."""
+    monkeypatch.setattr(layouts, "FORMATS", (*layouts.FORMATS, layout_example.FORMAT))
+    d = tmp_path / "data"
+    reference = layout_example.write_rows(d, np.random.default_rng(5))
+    source = open_source(located(kind, "rows", d, "", server, request))
+    try:
+        assert source.info()["format"] == "rows"
+        check_source_contract(source, reference)
+    finally:
+        source.close()

@@ -40,7 +40,6 @@ FORMATS: tuple[Format, ...] = (
     npy.FORMAT,
     tokens.FORMAT,
 )
-BY_NAME = {f.name: f for f in FORMATS}
 
 
 def readable_at(kind: str) -> list[Format]:
@@ -89,13 +88,14 @@ def choose(loc: Location) -> Format:
             f"no known dataset layout in {loc.root}: expected one of "
             f"{'; '.join(f.expected for f in here)}; found {found or 'nothing'}"
         )
-    if name not in BY_NAME:
+    named = next((f for f in FORMATS if f.name == name), None)
+    if named is None:
         raise DatasetError(f"{loc.uri}: unknown format {name!r}; expected one of {', '.join(f.name for f in here)}")
-    if loc.kind not in BY_NAME[name].where:
+    if loc.kind not in named.where:
         raise DatasetError(
             f"{loc.uri}: format {name!r} is not read {loc.label}; expected one of {', '.join(f.name for f in here)}"
         )
-    return BY_NAME[name]
+    return named
 
 
 def _val_fraction(loc: Location) -> float:
