@@ -365,6 +365,8 @@ class ParquetSource(Source):
     def info(self) -> dict:
         info = super().info()
         info.update(format="parquet", path=str(self.root), columns=self.columns, label_column=self.label)
+        if self.location is not None:
+            info.update(self.location.info())  # an object store's: store
         if self.val_fraction is not None:
             info["val_fraction"] = self.val_fraction
         return info

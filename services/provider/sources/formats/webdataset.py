@@ -240,7 +240,20 @@ def open_remote_shards(uri: str, urls: list[str], client, cache: Path, val_fract
             save(index, cached)
         indexes.append(_checked(uri, url, index, strict))
     names = [u.rsplit("/", 1)[-1] for u in urls]
-    return ShardStore(uri, names, indexes, lambda shard, off, n: _get(client, urls[shard], off, n), None, val_fraction)
+    return RemoteShards(uri, names, indexes, client, urls, val_fraction)
+
+
+class RemoteShards(ShardStore):
+    """Shards behind HTTP(S), read by range through the dataset's client (released at :meth:`close`)."""
+
+    def __init__(self, uri: str, names: list[str], indexes: list[ShardIndex], client, urls: list[str], val_fraction):
+        self.client = client
+        super().__init__(
+            uri, names, indexes, lambda shard, off, n: _get(client, urls[shard], off, n), None, val_fraction
+        )
+
+    def close(self) -> None:
+        self.client.close()
 
 
 def _get(client, url: str, offset: int, n: int) -> bytes:
