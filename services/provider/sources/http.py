@@ -263,11 +263,22 @@ class HttpLocation(Location):
             self.client.close()
             raise
         super().__init__(req, root)
+        self._cache: Path | None = None
 
     def cache_dir(self) -> Path:
         """``?cache=DIR`` (default ``~/.cache/batchbus/webdataset``): where shard indexes go."""
-        default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchbus" / "webdataset"
-        return Path(self.params.pop("cache", "") or default)
+        if self._cache is None:
+            default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchbus" / "webdataset"
+            self._cache = Path(self.params.pop("cache", "") or default)
+        return self._cache
+
+    def stamp(self, path: RemotePath) -> tuple[int, str]:
+        return self.client.version(path.url)  # its ETag, else its Last-Modified
+
+    def pread(self, path: RemotePath, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        self.client.read_into(path.url, offset, [memoryview(buf)])
+        return bytes(buf)
 
     def context(self, settings: dict, toml: dict) -> Context:
         return RemoteContext(self.uri, self.root, self.root, settings, toml, location=self)

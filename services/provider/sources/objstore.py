@@ -35,7 +35,7 @@ from pathlib import Path
 from libbus.errors import DatasetError
 
 from .base import OpenRequest, Source
-from .formats import objects, webdataset
+from .formats import objects
 from .formats.blockcache import BlockCache, cache_stats
 from .formats.dataset import Context
 from .formats.location import Location
@@ -77,7 +77,7 @@ def _reads_objects(source: Source) -> bool:
     store = getattr(source, "store", None)
     return (
         isinstance(getattr(source, "location", None), ObjectLocation)
-        or isinstance(store, webdataset.ObjectShards)
+        or isinstance(getattr(store, "location", None), ObjectLocation)
         or isinstance(getattr(store, "root", None), ObjectPath)
     )
 
@@ -205,6 +205,16 @@ class ObjectLocation(Location):
 
     def context(self, settings: dict, toml: dict) -> Context:
         return ObjectContext(self.uri, self.root, Path(os.devnull), settings, toml, location=self)
+
+    def stamp(self, path: ObjectPath) -> tuple[int, str]:
+        return path.meta.size, path.meta.etag
+
+    def pread(self, path: ObjectPath, offset: int, n: int) -> bytes:
+        return bytes(self.client.fetch(path.meta, offset, n))
+
+    def read_ranges(self, ranges: list[tuple[ObjectPath, int, int]]) -> list[bytes]:
+        with self.client.batch():  # a batch's runs together: bounded, retried, one deadline
+            return self.client.read_ranges([(path.meta, offset, n) for path, offset, n in ranges])
 
     def batch(self):
         return self.client.batch()

@@ -10,6 +10,9 @@ and any layout read from any place. A :class:`Location` is a root seen as a fold
 - positional reads: :meth:`Location.context` gives the :class:`~.dataset.Context` whose
   :meth:`~.dataset.Context.segment` opens a file for ranged, coalescing reads (``preadv`` locally, one
   request per contiguous run remotely, fetched concurrently), straight into a batch's destination;
+  a layout that indexes its files reads bytes with :meth:`Location.pread` and
+  :meth:`Location.read_ranges` and keys its on-disk index by :meth:`Location.stamp` at
+  :meth:`Location.index_path`;
 - what each batch's reads share (:meth:`Location.batch`: an object store's deadline), what DatasetInfo
   says of the place (:meth:`Location.info`), and the client to release (:meth:`Location.close`).
 
@@ -20,6 +23,7 @@ that reads its files through ``ctx.segment`` (every array layout here) works at 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,6 +85,33 @@ class Location:
     def cache_dir(self) -> Path:
         """Where this dataset keeps what it derives from its files (decompressed copies, shard indexes)."""
         raise NotImplementedError
+
+    # -- reads of whole files and ranges, for layouts that index their files (WebDataset shards) ----------
+
+    #: Bytes worth reading at once while walking a file's headers (a remote read costs a round trip).
+    read_ahead: int = 1 << 20
+
+    def stamp(self, path) -> tuple[int, str]:
+        """``path``'s size and a version that changes when it is rewritten (mtime, ETag): what an index a
+        layout keeps on disk is keyed by."""
+        raise NotImplementedError
+
+    def index_path(self, path, suffix: str) -> Path:
+        """Where a layout keeps what it derives from ``path`` (``suffix``: what it is, ``.index.json``)."""
+        return self.cache_dir() / (hashlib.blake2b(str(path).encode(), digest_size=12).hexdigest() + suffix)
+
+    def pread(self, path, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes of ``path`` from ``offset`` (one read)."""
+        raise NotImplementedError
+
+    def read(self, path) -> bytes:
+        """A whole small file (a ``classes.txt``)."""
+        return path.read_bytes()
+
+    def read_ranges(self, ranges: list[tuple[Any, int, int]]) -> list[bytes]:
+        """The bytes of each ``(path, offset, length)`` of one batch (remote: fetched together where the
+        location can)."""
+        return [self.pread(path, offset, n) for path, offset, n in ranges]
 
     @contextmanager
     def batch(self) -> Iterator[None]:
