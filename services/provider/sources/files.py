@@ -88,9 +88,12 @@ class FileLocation(Location):
         return os.pread(fd, n, offset)
 
     def read(self, path: Path) -> bytes:
-        fd = self.confinement.open(path)
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
+        fd = self.confinement.open(path)  # checked as opened: a swapped symlink is refused here too
+        try:
+            with os.fdopen(fd, "rb") as f:
+                return f.read()
+        except OSError as err:
+            raise DatasetError(f"{self.uri}: cannot read {path}: {err.strerror or err}") from None
 
     def close(self) -> None:
         """Close the files :meth:`pread` opened (each once, kept open for the dataset's reads)."""

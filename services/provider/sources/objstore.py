@@ -212,6 +212,9 @@ class ObjectLocation(Location):
     def pread(self, path: ObjectPath, offset: int, n: int) -> bytes:
         return bytes(self.client.fetch(path.meta, offset, n))
 
+    def read_files(self, paths: list[ObjectPath]) -> list[bytes]:
+        return self.read_ranges([(path, 0, path.meta.size) for path in paths])
+
     def read_ranges(self, ranges: list[tuple[ObjectPath, int, int]]) -> list[bytes]:
         with self.client.batch():  # a batch's runs together: bounded, retried, one deadline
             return self.client.read_ranges([(path.meta, offset, n) for path, offset, n in ranges])
