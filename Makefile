@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 # dependencies (see the `bench` extra in pyproject.toml for why, and for what they need instead).
 BENCH_NODEPS ?= litdata==0.2.76 mosaicml-streaming==0.13.0
 
-.PHONY: install install-bench install-units demo lint test tools clean
+.PHONY: install install-bench install-units demo serve-examples lint test tools clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ install-bench: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/busctl demo
+
+# A router and a provider of the datasets examples/ reads, on localhost, until Ctrl-C (examples/README.md)
+serve-examples: $(STAMP)
+	$(BIN)/python examples/serve.py
 
 # systemd units (systemd/README.md) that run this checkout's venv; as root. UNITS_FLAGS=--root DIR etc.
 install-units: $(STAMP)

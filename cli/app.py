@@ -27,6 +27,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # -h as well as --help, on every command and subcommand (click's contexts inherit it)
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="batchbus: stream training data to PyTorch trainers. (Not systemd's busctl: "
     "this one lives in the project's environment.)",
 )
@@ -57,7 +59,10 @@ def demo(
     run_demo(epochs=epochs, uri=dataset, model=model, state_dir=state_dir)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+# -h goes to the benchmark's own parser (it lists the benchmark's options); --help shows this page
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["--help"]}
+)
 @guard
 def bench(ctx: typer.Context) -> None:
     """Same-host delivery benchmark: shm ring vs socket vs DataLoader vs raw pyzmq vs memcpy.

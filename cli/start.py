@@ -84,7 +84,10 @@ def start_provider(
     dataset: Annotated[
         list[str] | None,
         typer.Option(
-            "--dataset", help="NAME=URI, repeatable (mock://mnist, mock://cifar10, dummy://?shape=1,28,28&n=1000)."
+            "--dataset",
+            help="NAME=URI, repeatable: mnist=mock://mnist, 'zeros=dummy://?shape=1,28,28&n=1000' (quote a URI "
+            "holding ? or &). On any URI, private_test=false makes the test split readable by trainers "
+            "(default: it never leaves the provider).",
         ),
     ] = None,
     config: Config = None,

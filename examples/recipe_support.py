@@ -2,7 +2,8 @@
 
 Each recipe reads its connection from the environment, as a real script would take it from its
 launcher: ``BATCHBUS_ROUTER`` (or ``BATCHBUS_PROVIDER``, one provider's data endpoint),
-``BATCHBUS_TOKEN`` and ``BATCHBUS_DATASET``.
+``BATCHBUS_TOKEN`` and ``BATCHBUS_DATASET``; with none of them set, from the ``connection.json``
+that ``make serve-examples`` (``examples/serve.py``) writes while it serves the examples' datasets.
 
 The ledger is how the recipes prove what they claim: each appends the sample ids of every batch it
 trains on (``epoch id`` per line), records the ledger's length in each checkpoint, and cuts it back
@@ -14,18 +15,31 @@ The datasets the tests serve hold the sample's index in its first feature, so an
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
 
 import torch
 
+REPO = Path(__file__).resolve().parent.parent
+
 
 def loader_args() -> dict:
-    """``router=``/``provider=`` and ``token=`` for :class:`libbus.RemoteLoader`, from the environment."""
+    """``router=``/``provider=`` and ``token=`` for :class:`libbus.RemoteLoader`: from the environment,
+    else from what ``make serve-examples`` wrote. Exits with what to do when neither is there."""
     router, provider = os.environ.get("BATCHBUS_ROUTER"), os.environ.get("BATCHBUS_PROVIDER")
-    where = {"router": router} if router else {"provider": provider}
-    return {**where, "token": os.environ["BATCHBUS_TOKEN"]}
+    if router or provider:
+        where = {"router": router} if router else {"provider": provider}
+        return {**where, "token": os.environ["BATCHBUS_TOKEN"]}
+    served = Path(os.environ.get("BATCHBUS_EXAMPLES_DIR") or REPO / "state" / "examples") / "connection.json"
+    if not served.exists():
+        raise SystemExit(
+            f"no cluster to read from: run `make serve-examples` in another terminal (it writes {served}), "
+            "or set BATCHBUS_ROUTER and BATCHBUS_TOKEN"
+        )
+    connection = json.loads(served.read_text())
+    return {"router": connection["router"], "token": connection["token"]}
 
 
 def dataset() -> str:

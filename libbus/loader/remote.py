@@ -255,6 +255,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             name=name or f"loader-{socket.gethostname()}-{os.getpid()}",
             token=token,
             host_id=host_id or machine_id(),
+            caps={"loader": True},  # many processes may share a trainer token's loader sessions
             curve=curve,
             router_key=router_key,
         )

@@ -109,6 +109,18 @@ class Session:
         return self.hello.name
 
     @property
+    def loader(self) -> bool:
+        """A data-plane loader (a trainer token's ``RemoteLoader``, ``Hello.caps.loader``): it only
+        reads data, so the ranks of one script, or several scripts, may hold one subject at once."""
+        return self.claims.role == "trainer" and self.hello.caps.get("loader") is True
+
+    @property
+    def kind(self) -> str:
+        """What the session is for: its role, or ``"loader"`` for a loader's trainer-token session
+        (a trainer *service* is what takes jobs, leases and commands; a loader is not)."""
+        return "loader" if self.loader else self.claims.role
+
+    @property
     def process(self) -> tuple[str, int]:
         """``(host_id, pid)`` the peer reported: tells a reconnecting process from another one."""
         return self.hello.host_id, self.hello.pid
@@ -119,6 +131,7 @@ class Session:
             "name": self.name,
             "subject": self.subject,
             "role": self.role,
+            "kind": self.kind,
             "host_id": self.hello.host_id,
             "pid": self.hello.pid,
             "version": self.hello.version,

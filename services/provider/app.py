@@ -21,11 +21,50 @@ from .handler import ProviderHandler
 from .sources import open_source, parse_dataset_arg
 from .sources.objstore import configure_cache
 
-__all__ = ["ProviderService", "DEFAULT_BIND"]
+__all__ = ["ProviderService", "DEFAULT_BIND", "private_test_option", "split_notice"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BIND = "tcp://127.0.0.1:0"
+
+_FALSE, _TRUE = ("false", "0", "no", "off"), ("true", "1", "yes", "on")
+
+
+def private_test_option(uri: str) -> tuple[str, bool]:
+    """``private_test=false`` on a dataset's URI (``ids=file:///data/ids?private_test=false``): the
+    operator marks its test split readable by trainers, where nothing needs hiding. Returns the URI
+    without the option (the source never sees it) and whether the test split stays private (the
+    default). Raises :class:`ConfigError` for a value that is not a boolean."""
+    base, sep, query = uri.partition("?")
+    if not sep:
+        return uri, True
+    kept, private = [], True
+    for pair in query.split("&"):
+        key, _, value = pair.partition("=")
+        if key != "private_test":
+            kept.append(pair)
+        elif value.lower() in _FALSE:
+            private = False
+        elif value.lower() not in _TRUE:
+            raise ConfigError(f"{uri}: private_test must be true or false, got {value!r}")
+    return (f"{base}?{'&'.join(kept)}" if kept else base), private
+
+
+def split_notice(name: str, info: dict) -> str:
+    """One line on where a dataset's splits come from: how many samples each holds, whether val was
+    carved out of train (``val_fraction`` in its DatasetInfo: the files hold no val split) and
+    whether its test split is readable."""
+    splits = info["splits"]
+    val = splits["val"]["num_samples"]
+    where = (
+        f"val {val} carved from train (val_fraction {info['val_fraction']}: the files hold no val split; "
+        "train keeps the rest)"
+        if info.get("val_fraction") is not None
+        else f"val {val}"
+    )
+    test = splits["test"]
+    readable = "readable (private_test=false)" if test.get("available") else "private: provider-side evaluation only"
+    return f"dataset {name}: train {splits['train']['num_samples']}, {where}, test {test['num_samples']} {readable}"
 
 
 class ProviderService:
@@ -38,16 +77,27 @@ class ProviderService:
         self.name = runtime.service_name(settings, "provider")
         self.ctx = ctx or zmq.Context.instance()
         datasets = {}
+        readable_test = set()
         configure_cache(settings.cache_dir, settings.cache_limit)
         for arg in settings.datasets:
             name, uri = parse_dataset_arg(arg)
             if name in datasets:
                 raise ConfigError(f"dataset name {name!r} is given twice")
+            uri, private_test = private_test_option(uri)
             datasets[name] = open_source(uri, datasets, user_modules=settings.user_modules)
+            if not private_test:
+                readable_test.add(name)
         gate = EvalGate(settings.eval_queue, settings.eval_max_model_bytes, settings.eval_per_minute)
         self.handler = ProviderHandler(
-            datasets, host_id=settings.host_id, shm=settings.shm, assigned_only=settings.assigned_only, evalgate=gate
+            datasets,
+            host_id=settings.host_id,
+            shm=settings.shm,
+            assigned_only=settings.assigned_only,
+            evalgate=gate,
+            readable_test=frozenset(readable_test),
         )
+        for name in datasets:
+            log.info("%s", split_notice(name, self.handler.infos[name]))
         key = runtime.verify_key(settings)
         bind = settings.bind or DEFAULT_BIND
         self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name, "provider"), self.ctx)

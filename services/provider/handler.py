@@ -109,6 +109,7 @@ class ProviderHandler(Handler):
         assigned_only: bool = True,
         evalgate: EvalGate | None = None,
         fill_thread: bool | None = None,
+        readable_test: frozenset[str] = frozenset(),
     ):
         super().__init__()
         self.datasets = datasets
@@ -127,6 +128,11 @@ class ProviderHandler(Handler):
         #: session id → the ring its trainer attached (one per session; a new AttachRing replaces it).
         self.rings: dict[str, Ring] = {}
         self.infos = {name: source.info() for name, source in datasets.items()}
+        #: Datasets whose operator marked the test split readable (``private_test=false``): served
+        #: like train and val, and said so in their DatasetInfo.
+        self.readable_test = readable_test
+        for name in readable_test:
+            self.infos[name]["splits"][PRIVATE_SPLIT].update(available=True, shuffle=True)
         #: Each dataset's fields, and whether it is an x/y dataset (served through ``serve_into``).
         self.fields = {name: source.fields for name, source in datasets.items()}
         self.xy = {name: source.xy for name, source in datasets.items()}
@@ -322,11 +328,12 @@ class ProviderHandler(Handler):
         source = self.source(msg.dataset)
         if msg.split not in SPLITS:
             raise BadRequest(f"unknown split {msg.split!r}; expected one of {', '.join(SPLITS)}")
-        if msg.split == PRIVATE_SPLIT:
+        if msg.split == PRIVATE_SPLIT and msg.dataset not in self.readable_test:
             self.counters.refuse("split_private")
             raise SplitPrivate(
                 f"the {PRIVATE_SPLIT} split of {msg.dataset!r} never leaves its "
-                "provider; ask for an evaluation instead (Evaluate)"
+                "provider; ask for an evaluation instead (Evaluate), or, where nothing needs hiding, "
+                "have its operator serve it with private_test=false"
             )
         indices = msg.indices(source.num_samples(msg.split))
         fields = None if self.xy[msg.dataset] else self.fields[msg.dataset]

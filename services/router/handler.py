@@ -2,9 +2,12 @@
 
 Identity is the token's subject (``session.subject``; under CURVE also the key's name): job
 ownership, leases, pushes, acknowledgements, gang membership and provider grants all key on it.
-``Hello.name`` is a label for operators. One process holds a trainer or provider subject at a time:
-a ``Hello`` of the same subject from another process (host id, pid) is refused UNAVAILABLE while the
-first one's session lives (a restarted service gets in once its old session expires).
+``Hello.name`` is a label for operators. One process holds a trainer service's or a provider's
+subject at a time: a ``Hello`` of the same subject from another process (host id, pid) is refused
+UNAVAILABLE while the first one's session lives (a restarted service gets in once its old session
+expires). A loader's session (``Hello.caps.loader``, sent by ``RemoteLoader``) holds nothing that
+must have one holder: the ranks of one script, or several scripts, share one trainer token, and
+such a session may only resolve datasets (:data:`LOADER_REQUESTS`), never take jobs or commands.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 
 from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
-from libbus.errors import BadRequest, NotFound, Unavailable
+from libbus.errors import BadRequest, Forbidden, NotFound, Unavailable
 from libbus.jobs.spec import JobSpec, dataset_name
 from libbus.jobs.state import REFUSED
 from libbus.serve.server import Handler, Session
@@ -73,6 +76,8 @@ log = logging.getLogger(__name__)
 
 ADMIN = ("admin",)
 TRAINER = ("trainer",)
+#: What a loader's session may ask the router (services/router/handler.py docstring).
+LOADER_REQUESTS = frozenset({"Resolve", "Stats"})
 
 
 class RouterHandler(Decisions, Handler):
@@ -148,7 +153,7 @@ class RouterHandler(Decisions, Handler):
 
     # -- sessions -----------------------------------------------------------------------------
     def on_open(self, session: Session) -> None:
-        if session.role in ("trainer", "provider"):
+        if session.kind in ("trainer", "provider"):
             self._check_single_holder(session)
         if session.role == "provider":
             caps = session.hello.caps
@@ -165,8 +170,8 @@ class RouterHandler(Decisions, Handler):
             self._check_replicas(session, datasets)
             log.info("provider %s serves %s at %s", session.name, ", ".join(datasets) or "nothing", endpoint)
         self.peers[session.sid] = session
-        self._by_subject.setdefault(session.role, {}).setdefault(session.subject, {})[session.sid] = session
-        self._roster += session.role == "trainer"
+        self._by_subject.setdefault(session.kind, {}).setdefault(session.subject, {})[session.sid] = session
+        self._roster += session.kind == "trainer"
         if session.role == "provider":
             for dataset in session.hello.caps["datasets"]:
                 self._serving.setdefault(dataset, {})[session.sid] = session
@@ -174,8 +179,9 @@ class RouterHandler(Decisions, Handler):
 
     def _check_single_holder(self, session: Session) -> None:
         """Refuse a trainer or provider session whose subject a live session of another process
-        holds: two trainers of one identity would own, abandon and train each other's jobs."""
-        for peer in self._by_subject.get(session.role, {}).get(session.subject, {}).values():
+        holds: two trainers of one identity would own, abandon and train each other's jobs. (A
+        loader's session is indexed apart, under ``"loader"``: it never meets this rule.)"""
+        for peer in self._by_subject.get(session.kind, {}).get(session.subject, {}).values():
             if peer.process != session.process:
                 raise Unavailable(
                     f"{session.role} {session.subject!r} is already connected from host "
@@ -205,14 +211,14 @@ class RouterHandler(Decisions, Handler):
         if self.peers.pop(session.sid, None) is None:
             return
         self._sent.pop(session.sid, None)
-        self._roster += session.role == "trainer"
+        self._roster += session.kind == "trainer"
         if session.role == "provider":
             for dataset in session.hello.caps["datasets"]:
                 serving = self._serving.get(dataset, {})
                 serving.pop(session.sid, None)
                 if not serving:
                     self._serving.pop(dataset, None)
-        subjects = self._by_subject.get(session.role, {})
+        subjects = self._by_subject.get(session.kind, {})
         sessions = subjects.get(session.subject, {})
         sessions.pop(session.sid, None)
         if not sessions:
@@ -252,6 +258,11 @@ class RouterHandler(Decisions, Handler):
         method = getattr(self, "on_" + msg.type, None)
         if method is None:
             raise BadRequest(f"router does not serve {msg.type}")
+        if session.loader and msg.type not in LOADER_REQUESTS:
+            raise Forbidden(
+                f"{msg.type} comes from a trainer service; this session said Hello as a loader "
+                f"(caps.loader), which may only send {', '.join(sorted(LOADER_REQUESTS))}"
+            )
         return method(session, msg)
 
     def on_Resolve(self, session: Session, msg: Resolve) -> Resolved:
@@ -487,6 +498,6 @@ class RouterHandler(Decisions, Handler):
             counts[row[0]] = row[1]
         return {
             "jobs": counts,
-            "peers": {r: len(self.sessions_of(r)) for r in ("provider", "trainer", "admin")},
+            "peers": {r: len(self.sessions_of(r)) for r in ("provider", "trainer", "loader", "admin")},
             "refused_transitions": dict(REFUSED),
         }
