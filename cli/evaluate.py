@@ -12,6 +12,8 @@ from __future__ import annotations
 import typer
 
 from libbus.config import Settings
+from libbus.jobs.commands import JobCommand
+from libbus.jobs.state import JobState
 from libbus.wire.messages import ControlJob
 from services.router.jobs import EVAL_ACK_TIMEOUT_S
 
@@ -28,7 +30,7 @@ def evaluate_job(settings: Settings, job: str, *, json: bool = False) -> dict:
     with admin_client(settings) as client:
         client.hello()  # a router that is down is reported within seconds, not after the long wait
         detail = client.request(
-            ControlJob(job=job, command="eval"), timeout_s=EVAL_ACK_TIMEOUT_S + REPLY_SLACK_S, retries=0
+            ControlJob(job=job, command=JobCommand.EVAL), timeout_s=EVAL_ACK_TIMEOUT_S + REPLY_SLACK_S, retries=0
         ).detail
     if json:
         print_json(detail)
@@ -43,7 +45,7 @@ def describe(job: str, d: dict) -> str:
     """One human line (two when it failed) for an ``eval`` acknowledgement's detail."""
     if d.get("error"):
         return f"{job}: evaluation at step {d.get('step', '?')} failed: {d['error']}"
-    paused = " (the job is paused)" if d.get("state") == "paused" else ""
+    paused = " (the job is paused)" if d.get("state") == JobState.PAUSED else ""
     return (
         f"{job}: step {d['step']} (epoch {d['epoch']}) scored on {d['provider']}: "
         f"test accuracy {d['test_accuracy']:.4f}, loss {d['test_loss']:.4f} on {d['test_n']} private samples\n"

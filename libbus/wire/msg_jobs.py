@@ -91,7 +91,9 @@ class JobInfo(Message):
 
 @dataclass(kw_only=True)
 class ControlJob(Message):
-    """stop, pause, resume, checkpoint, set (``args``: the hyper-parameters to change), or eval."""
+    """Admin → router: ``command`` (a :class:`libbus.jobs.commands.JobCommand` value: stop, pause, resume,
+    checkpoint, set, eval, adopt, model) for ``job``; ``args`` for set (the hyper-parameters to change)
+    and adopt (the checkpoint to load)."""
 
     job: str
     command: str
@@ -176,7 +178,7 @@ class Model(Message):
 
 @dataclass(kw_only=True)
 class Command(Message):
-    """Router → trainer, unsolicited (``id`` 0): stop, pause, resume, checkpoint, set, eval.
+    """Router → trainer, unsolicited (``id`` 0): a :class:`libbus.jobs.commands.JobCommand` value.
     The trainer answers a non-zero ``seq`` with :class:`CommandAck` once it has applied it."""
 
     job: str

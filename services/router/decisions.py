@@ -11,6 +11,7 @@ import logging
 
 from libbus.errors import BadRequest, NotFound
 from libbus.jobs.spec import JobSpec, dataset_name
+from libbus.jobs.state import JobState
 from libbus.serve.server import Session
 from libbus.wire.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo, StudyList, SubmitStudy, Task
 
@@ -90,7 +91,7 @@ class Decisions:
         if spec.model_from == UPLOAD:
             raise BadRequest("model_from = 'upload' but no model came with the submission")
         source = self.store.get(spec.model_from, events=False)
-        if source["state"] != "succeeded" or not (source["result"] or {}).get("model", {}).get("router_path"):
+        if source["state"] != JobState.SUCCEEDED or not (source["result"] or {}).get("model", {}).get("router_path"):
             raise BadRequest(
                 f"job {spec.model_from} is {source['state']}; an evaluation task scores the model of "
                 "a succeeded job the router holds (busctl job model shows whether it does)"
@@ -105,7 +106,7 @@ class Decisions:
         try:
             self.artifacts.put(job, data, hashlib.sha256(data).hexdigest())
         except OSError as err:
-            self.store.finish(job, "failed", f"the uploaded model could not be kept: {err}", error=str(err))
+            self.store.finish(job, JobState.FAILED, f"the uploaded model could not be kept: {err}", error=str(err))
             raise BadRequest(f"the router could not keep the uploaded model: {err}") from err
 
     def attach_model(self, task: Task) -> Task:
@@ -117,6 +118,6 @@ class Decisions:
         try:
             task.frames = [self.artifacts.get(source)]
         except NotFound as err:
-            self.store.finish(task.job, "failed", f"the model to evaluate is gone: {err}", error=str(err))
+            self.store.finish(task.job, JobState.FAILED, f"the model to evaluate is gone: {err}", error=str(err))
             raise
         return task
