@@ -12,6 +12,7 @@ import logging
 from libbus.errors import BadRequest, NotFound
 from libbus.jobs.spec import JobSpec, dataset_name
 from libbus.jobs.state import JobState
+from libbus.serve.handler import serves
 from libbus.serve.server import Session
 from libbus.wire.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo, StudyList, SubmitStudy, Task
 
@@ -20,11 +21,10 @@ from .early_stop import EarlyStopping
 from .store import JobStore
 from .studies import Studies
 
-__all__ = ["Decisions", "DECISION_ROLES", "UPLOAD"]
+__all__ = ["Decisions", "UPLOAD"]
 
 log = logging.getLogger(__name__)
 
-DECISION_ROLES = {"SubmitStudy": ("admin",), "ListStudies": ("admin",), "GetStudy": ("admin",), "StopStudy": ("admin",)}
 #: ``model_from`` of an evaluation task whose model came with it (kept as the task's own artifact).
 UPLOAD = "upload"
 
@@ -58,6 +58,7 @@ class Decisions:
             log.exception("study report of job %s", job)
 
     # -- studies ---------------------------------------------------------------------------------
+    @serves(SubmitStudy, "admin")
     def on_SubmitStudy(self, session: Session, msg: SubmitStudy) -> StudyInfo:
         base = msg.spec.get("base") if isinstance(msg.spec, dict) else None
         if isinstance(base, dict) and isinstance(base.get("dataset"), str):
@@ -65,12 +66,15 @@ class Decisions:
         study = self.studies.submit(msg.spec, session.name)
         return StudyInfo(study=self.studies.show(study))
 
+    @serves(ListStudies, "admin")
     def on_ListStudies(self, session: Session, msg: ListStudies) -> StudyList:
         return StudyList(studies=self.studies.list())
 
+    @serves(GetStudy, "admin")
     def on_GetStudy(self, session: Session, msg: GetStudy) -> StudyInfo:
         return StudyInfo(study=self.studies.show(msg.study))
 
+    @serves(StopStudy, "admin")
     def on_StopStudy(self, session: Session, msg: StopStudy) -> Ok:
         return Ok(detail=self.studies.stop(msg.study, session.name))
 

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 
 from libbus.errors import BusError
+from libbus.jobs.commands import JobCommand
 
 from .store import JobStore
 
@@ -83,7 +84,7 @@ class EarlyStopping:
                 self._decided[job["id"]] = len(history)
                 continue
             try:
-                self.control("early stopping", job["id"], "stop", {})
+                self.control("early stopping", job["id"], JobCommand.STOP, {})
             except BusError as err:  # its trainer away for a moment: decided again next time
                 log.info("job %s: early stop not sent yet: %s", job["id"], err)
                 self._seen.pop(job["id"], None)

@@ -96,7 +96,7 @@ class JobControl:
     def __init__(
         self,
         store: JobStore,
-        push: Callable[[str, Message], bool],
+        push: Callable[[str, Message], str],
         connected: Callable[[], AbstractSet[str]],
         *,
         lease_s: float,
