@@ -158,8 +158,10 @@ class Settings:
     #: providers may share one) and the most bytes it holds, least recently used evicted. Empty: none.
     cache_dir: str = ""
     cache_limit: int = 0
-    #: Provider: the Python modules whose functions pipeline ``user`` stages may run (exact names;
-    #: services/provider/sources/pipeline/user_stage.py). Empty: no user code runs.
+    #: The Python modules (exact names) whose code this node may run because its operator says so:
+    #: on a provider, the functions of pipeline ``user`` stages (services/provider/sources/pipeline/
+    #: user_stage.py); on a trainer, the ``module:factory`` models jobs name (services/usercode.py).
+    #: A job never decides what a node imports. Empty: no user code runs.
     user_modules: list = field(default_factory=list)
     log_level: str = "INFO"
 

@@ -16,14 +16,16 @@ How a batch becomes predictions and targets depends on the dataset's ``kind`` an
 
 from __future__ import annotations
 
-import importlib
 import math
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from libbus.errors import BadRequest
 from libbus.loader.tensors import as_float  # public in libbus; re-exported here for the services
+from services.usercode import import_allowed
 
 __all__ = [
     "MODELS",
@@ -209,26 +211,29 @@ def _tiny_lm(
 MODELS = {"mlp": _mlp, "cnn": _cnn, "resnet18": _resnet18, "tiny-lm": _tiny_lm}
 
 
-def build_model(name: str, info: dict, **kwargs) -> nn.Module:
+def build_model(
+    name: str, info: dict, kwargs: Mapping[str, Any] | None = None, *, allowed: Collection[str] = ()
+) -> nn.Module:
     """The model ``name`` for a dataset described by ``info`` (DatasetInfo fields).
 
     ``name`` is a built-in (``mlp``, ``cnn``, ``resnet18`` for labelled samples, ``tiny-lm`` for token datasets)
-    or ``package.module:factory``, a callable taking ``(info, **kwargs)`` and returning an
-    ``nn.Module``. Raises :class:`BadRequest` for an unknown model, arguments it does not take, or a
-    built-in that does not fit the dataset's kind.
+    or ``package.module:factory``, a callable taking ``(info, **kwargs)`` (the job's ``model_kwargs``: data,
+    never a setting of this node) and returning an
+    ``nn.Module``, whose module must be in ``allowed`` (the node's ``user_modules``; see
+    :mod:`services.usercode`). Raises :class:`BadRequest` for an unknown model, a module the node does
+    not allow, arguments it does not take, or a built-in that does not fit the dataset's kind.
     """
     if info.get("num_classes", 0) < 1:
         raise BadRequest("classification models need a dataset with num_classes >= 1")
     if name in MODELS:
         factory = MODELS[name]
     elif ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise BadRequest(f"model {name!r}: cannot import {attr} from {module_name}: {err}") from err
+        factory = import_allowed(name, allowed, f"model {name!r}")
+        if not callable(factory):
+            raise BadRequest(f"model {name!r}: {type(factory).__name__} is not callable")
     else:
         raise BadRequest(f"unknown model {name!r}; built-ins are {', '.join(MODELS)}, or give package.module:factory")
+    kwargs = dict(kwargs or {})
     try:
         model = factory(info, **kwargs)
     except TypeError as err:

@@ -25,7 +25,7 @@ def test_final_evaluations_beyond_the_providers_queue_wait_their_turn(
     results: dict[int, object] = {}
 
     def evaluate(i: int) -> None:
-        model = build_model(spec.model, resolved.info, **spec.model_kwargs)
+        model = build_model(spec.model, resolved.info, spec.model_kwargs)
         identity = Identity(role="trainer", name=f"t{i}", token=make_token("trainer", sub=f"t{i}"))
         try:
             results[i] = score_final(

@@ -50,7 +50,7 @@ def test_resnet18_is_torchvisions_and_takes_images_of_any_size():
     info = {"sample_shape": [3, 224, 224], "num_classes": 1000, "kind": "image"}
     model = build_model("resnet18", info)
     assert sum(p.numel() for p in model.parameters()) == 11_689_512  # torchvision.models.resnet18()
-    small = build_model("resnet18", {**info, "sample_shape": [3, 40, 40], "num_classes": 3}, width=8).eval()
+    small = build_model("resnet18", {**info, "sample_shape": [3, 40, 40], "num_classes": 3}, {"width": 8}).eval()
     for shape in ((2, 3, 40, 40), (1, 3, 17, 23), (2, 3, 96, 64)):
         assert small(torch.zeros(shape)).shape == (shape[0], 3)
 

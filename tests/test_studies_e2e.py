@@ -121,7 +121,7 @@ def _local_score(state: dict, split: str) -> tuple[float, float]:
         "kind": "image",
         "dtype": str(source.dtype),
     }
-    model = build_model("mlp", info, hidden=32)
+    model = build_model("mlp", info, {"hidden": 32})
     model.load_state_dict(state)
     n = source.num_samples(split)
     import numpy as np
@@ -184,7 +184,7 @@ def test_current_model_of_a_running_job(router, provider, trainer, client_for):
     data = bytes(reply.frames[0])
     assert hashlib.sha256(data).hexdigest() == reply.sha256 and reply.step >= 2
     assert set(load_safetensors(data)) == set(
-        build_model("mlp", {"sample_shape": [1, 28, 28], "num_classes": 10}, hidden=32).state_dict()
+        build_model("mlp", {"sample_shape": [1, 28, 28], "num_classes": 10}, {"hidden": 32}).state_dict()
     )
     admin.request(ControlJob(job=job, command="stop"))
     assert wait_job(admin, job, 30)["state"] == "stopped"

@@ -34,8 +34,12 @@ class KillCluster(JobCluster):
         # a loaded machine must not lapse a live trainer's lease: only the kills end attempts here
         # (a trainer restarted under its name abandons its job at once)
         self.env.update(
-            BATCHBUS_LEASE_S="20", BATCHBUS_HEARTBEAT_LIVENESS="24", PYTHONPATH=str(REPO)
-        )  # a job's model may be tests.killpoint:raising_model
+            BATCHBUS_LEASE_S="20",
+            BATCHBUS_HEARTBEAT_LIVENESS="24",
+            # a job's model may be tests.killpoint:raising_model: importable, and allowed by the trainers' operator
+            PYTHONPATH=str(REPO),
+            BATCHBUS_USER_MODULES="tests.killpoint",
+        )
 
     def start_killed_at(self, name: str, point: str, nth: int = 1) -> subprocess.Popen:
         """A trainer that SIGKILLs itself the ``nth`` time it reaches ``point``."""
@@ -181,6 +185,9 @@ def test_a_bad_job_fails_with_a_hint_and_the_trainer_takes_the_next(cluster, sto
     cluster.start_trainer("solo")
     bad = cluster.submit(**{**JOB, "model_kwargs": {"hidden": -1}, "max_attempts": 5})
     raising = cluster.submit(**{**JOB, "model": "tests.killpoint:raising_model"})
+    # a job may not choose what a trainer imports: pydoc.pipepager(info, cmd) would run a shell command
+    marker = cluster.state / "pwned"
+    shell = cluster.submit(**{**JOB, "model": "pydoc:pipepager", "model_kwargs": {"cmd": f"touch {marker}"}})
     good = cluster.submit(**{**JOB, "epochs": 1, "evaluate": False})
     info = cluster.wait_end(bad, timeout=60)
     assert info["state"] == "failed" and info["attempts"] == 1, info
@@ -188,6 +195,9 @@ def test_a_bad_job_fails_with_a_hint_and_the_trainer_takes_the_next(cluster, sto
     info = cluster.wait_end(raising, timeout=60)
     assert info["state"] == "failed" and info["attempts"] == 1
     assert "ValueError: this factory always fails" in info["error"] and "factory" in info["error"]
+    info = cluster.wait_end(shell, timeout=60)
+    assert info["state"] == "failed" and "not in this node's user_modules (tests.killpoint)" in info["error"], info
+    assert "nothing was imported" in info["error"] and not marker.exists()
     assert cluster.wait_end(good, timeout=120)["state"] == "succeeded"
     assert cluster.procs["solo"].poll() is None, "the trainer died of a bad job"
     with pytest.raises(BadRequest, match="max_attempts must be at most 10"):

@@ -39,7 +39,7 @@ def evaluate_weights(
     if name not in MODELS:
         # module:factory would import and run code named by a remote peer: not on this node.
         raise Forbidden(f"this provider evaluates built-in models only ({', '.join(MODELS)}), not {name!r}")
-    model = build_model(name, info, **kwargs)
+    model = build_model(name, info, kwargs)
     try:
         state = load_safetensors(blob)
     except Exception as err:

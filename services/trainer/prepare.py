@@ -4,7 +4,7 @@ with its optimizer, and the train and val loaders (a gang's rank reading its own
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -48,10 +48,13 @@ def job_device(spec: JobSpec) -> torch.device:
     return device
 
 
-def build(spec: JobSpec, info: dict, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The job's model on ``device``, from the spec's seed, and its optimizer."""
+def build(
+    spec: JobSpec, info: dict, device: torch.device, allowed: Collection[str]
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The job's model on ``device``, from the spec's seed, and its optimizer. A ``module:factory``
+    model must be in ``allowed`` (this trainer's ``user_modules``)."""
     torch.manual_seed(spec.seed)
-    model = build_model(spec.model, info, **spec.model_kwargs).to(device)
+    model = build_model(spec.model, info, spec.model_kwargs, allowed=allowed).to(device)
     return model, make_optimizer(spec, model.parameters())
 
 
