@@ -14,10 +14,10 @@ import typer
 from libbus.config import Settings
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.state import JobState
-from libbus.wire.messages import ControlJob
+from libbus.wire.messages import ControlJob, Ok
 from services.router.jobs import EVAL_ACK_TIMEOUT_S
 
-from .common import admin_client, print_json
+from .common import admin_client, fail, print_json
 
 __all__ = ["describe", "evaluate_job"]
 
@@ -29,9 +29,12 @@ def evaluate_job(settings: Settings, job: str, *, json: bool = False) -> dict:
     """Ask for the evaluation and print it; exits 1 when the trainer could not evaluate."""
     with admin_client(settings) as client:
         client.hello()  # a router that is down is reported within seconds, not after the long wait
-        detail = client.request(
+        reply = client.request(
             ControlJob(job=job, command=JobCommand.EVAL), timeout_s=EVAL_ACK_TIMEOUT_S + REPLY_SLACK_S, retries=0
-        ).detail
+        )
+    if not isinstance(reply, Ok):
+        fail(f"the router answered eval with {reply.type}")
+    detail = reply.detail
     if json:
         print_json(detail)
     else:

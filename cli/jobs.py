@@ -13,7 +13,7 @@ from libbus.config import Settings
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JOB_STATES, SETTABLE
 from libbus.jobs.state import JobState
-from libbus.wire.messages import ControlJob, GetJob, GetModel, ListJobs, SubmitJob, frame_buffer
+from libbus.wire.messages import ControlJob, GetJob, GetModel, ListJobs, Ok, SubmitJob, frame_buffer
 
 from . import tables
 from .common import admin_client, fail, guard, print_json
@@ -151,7 +151,10 @@ def _control(job: str, command: JobCommand, args: dict, settings: Settings, json
     """Send one ControlJob and print the acknowledgement (the trainer's, or the router's own)."""
     s = settings
     with admin_client(s) as client:
-        detail = client.request(ControlJob(job=job, command=command, args=args)).detail
+        reply = client.request(ControlJob(job=job, command=command, args=args))
+    if not isinstance(reply, Ok):  # (a Model answers only `model`, which cli/studies.py sends)
+        fail(f"the router answered {command} with {reply.type}")
+    detail = reply.detail
     if json:
         print_json(detail)
         return
