@@ -205,14 +205,6 @@ def parse_indices(text: str, num_samples: int) -> np.ndarray:
     return indices
 
 
-def _request(dataset: str, split: str, indices: np.ndarray, epoch: int = 0) -> BatchRequest:
-    if len(indices) and bool(np.all(np.diff(indices) == 1)):
-        return BatchRequest(dataset=dataset, split=split, range=[int(indices[0]), int(indices[-1]) + 1], epoch=epoch)
-    return BatchRequest(
-        dataset=dataset, split=split, frames=[np.ascontiguousarray(indices, "<i8").tobytes()], epoch=epoch
-    )
-
-
 def _arrays(reply: BatchResponse) -> tuple[np.ndarray, np.ndarray]:
     out = []
     for frame, shape, dtype in zip(reply.frames, reply.shapes, reply.dtypes):
@@ -260,7 +252,7 @@ def fetch(
             indices = parse_indices(indices_text, int(splits[split]["num_samples"]))
         except ValueError as err:
             fail(f"--indices {indices_text!r}: {err} in {resolved.dataset}/{split}", 2)
-        reply = client.request(_request(resolved.dataset, split, indices, epoch))
+        reply = client.request(BatchRequest.for_indices(indices, dataset=resolved.dataset, split=split, epoch=epoch))
         if reply.names is not None:  # named fields: a dict of them, and no y
             return info, provider, indices, decode_frames(reply.names, reply.shapes, reply.dtypes, reply.frames), None
         x, y = _arrays(reply)

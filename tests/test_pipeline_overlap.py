@@ -1,4 +1,4 @@
-"""A pipeline's batches are read off the provider's loop, several at once (services/provider/ringbatch.py
+"""A pipeline's batches are read off the provider's loop, several at once (services/provider/fillers.py
 ``overlap``): the next batch's chunks go through the first stages while the last ones finish the batch
 before. What a loader must still see: the same bytes, in order, errors as errors, rings unmapped only
 once nothing writes into them."""
@@ -15,7 +15,8 @@ import torch
 from libbus.errors import BadRequest, DatasetError
 from libbus.loader.remote import RemoteLoader
 from libbus.order.epochs import batches_of, epoch_order
-from services.provider.ringbatch import RingUse
+from services.provider.fillers import RingUse
+from services.provider.sources.base import ReadPolicy
 from shm import Ring, RingLayout
 from tests.support.images import write_imagefolder
 
@@ -100,7 +101,7 @@ def provider(start_provider, tmp_path):
 def test_batches_are_read_several_at_once_off_the_loop_with_the_bytes_of_one_at_a_time(provider, make_token, shm):
     handler = provider.service.handler
     pipeline = handler.datasets["aug"]
-    assert pipeline.overlap_reads
+    assert pipeline.read_policy is ReadPolicy.OVERLAP
     watch = handler.datasets["aug"] = Watch(pipeline)
     with RemoteLoader(
         "aug", provider=provider.endpoint, token=make_token(), batch_size=32, seed=5, inflight=4, shm=shm

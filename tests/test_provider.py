@@ -1,6 +1,9 @@
 """The provider on real sockets: data by index and range, the private split, range checks,
 malformed frames that leave it serving, and evaluation of safetensors weights on its test split."""
 
+import contextlib
+import sys
+
 import numpy as np
 import orjson
 import pytest
@@ -9,7 +12,8 @@ from safetensors.torch import save as save_safetensors
 
 from libbus import PROTOCOL
 from libbus.errors import BadRequest, BusError, NotFound, OutOfRange, SplitPrivate, TooLarge
-from libbus.wire.messages import BatchRequest, DatasetInfoRequest, Evaluate, decode
+from libbus.loader.remote import RemoteLoader
+from libbus.wire.messages import BatchRequest, DatasetInfoRequest, Evaluate, decode, encode
 from services.models import build_model
 from services.provider.sources import open_source
 
@@ -74,6 +78,72 @@ def test_bad_batch_requests_get_their_error(provider, client_for, request_kw, er
         client_for(provider.endpoint).request(BatchRequest(**kw))
 
 
+@pytest.mark.parametrize(
+    "indices, header_range",
+    [
+        ([4, 5, 6, 7], [4, 8]),  # a run up by one: the header says it all
+        ([9], [9, 10]),
+        ([3, 1, 2], None),
+        ([5, 5, 6], None),
+        ([7, 6, 5], None),
+        ([0, 2, 4], None),
+        ([], None),
+    ],
+)
+def test_indices_travel_as_a_range_or_one_int64_frame_and_read_back_the_same(indices, header_range):
+    """The indices' wire rule, written once beside BatchRequest: what the loader encodes, the provider
+    reads back exactly, after the message went through encode and decode."""
+    idx = np.asarray(indices, dtype=np.int64)
+    sent = BatchRequest.for_indices(idx, dataset="d", split="train", epoch=3, slot=1, seq=9)
+    assert sent.range == header_range and len(sent.frames) == (header_range is None)
+    got = decode(encode(sent))
+    assert (got.dataset, got.split, got.epoch, got.slot, got.seq) == ("d", "train", 3, 1, 9)
+    assert got.indices(10).tolist() == indices
+    with pytest.raises(OutOfRange, match="outside train") if indices else contextlib.nullcontext():
+        got.indices(max(indices, default=0))  # the split one sample too small
+
+
+class Path:
+    """A provider's source, recording at each read the functions a request crossed to reach it,
+    from the handler's ``batch`` on (as the issue that laid the path out counts them)."""
+
+    def __init__(self, source):
+        self.source, self.paths = source, []
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def _record(self, read: str) -> None:
+        names, frame = [read], sys._getframe(2)
+        while frame is not None and names[-1] != "batch":
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        self.paths.append(names[::-1])
+
+    def serve_into(self, split, indices, x, y, *, epoch=0):
+        self._record("serve_into")
+        self.source.serve_into(split, indices, x, y, epoch=epoch)
+
+    def read_fields(self, split, indices, epoch=0):
+        self._record("read_fields")
+        return self.source.read_fields(split, indices, epoch)
+
+
+@pytest.mark.parametrize("shm", [True, False])
+@pytest.mark.parametrize("dataset", ["mnist", "multi"])
+def test_a_batch_request_crosses_four_functions_to_the_source_read(start_provider, make_token, shm, dataset):
+    """docs/architecture.md, "One BatchRequest, function by function": the same walk on both
+    transports and in both payload forms (x/y, named fields)."""
+    provider = start_provider("mnist=mock://mnist?n=64", "multi=mock://fields?n=50")
+    handler = provider.service.handler
+    path = handler.datasets[dataset] = Path(handler.datasets[dataset])
+    with RemoteLoader(dataset, provider=provider.endpoint, token=make_token(), batch_size=5, shm=shm) as loader:
+        assert sum(1 for _ in loader) == (10 if dataset == "multi" else 13)
+        assert loader.transport == ("shm" if shm else "socket")
+    read = "serve_into" if dataset == "mnist" else "read_fields"
+    assert path.paths and all(p == ["batch", "run", "write_batch", read] for p in path.paths), path.paths
+
+
 def test_malformed_frames_get_errors_and_the_provider_keeps_serving(provider, client_for, raw_dealer, make_token):
     client = client_for(provider.endpoint)
     client.hello()
@@ -134,6 +204,17 @@ def test_evaluate_refuses_pickles_and_mismatched_weights(provider, client_for):
         client.request(Evaluate(dataset="mnist", model={"name": "mlp", "kwargs": {}}, frames=[wrong]))
     with pytest.raises(BusError, match="built-in models only"):
         client.request(Evaluate(dataset="mnist", model={"name": "resnet9000"}, frames=[wrong]))
+
+
+def test_evaluate_sizes_the_model_from_the_weights_not_from_the_peers_kwargs(provider, client_for):
+    """68 bytes of kwargs must not make the provider build a 31 GB model (issue 30 #10): the model's shape is
+    built on the meta device and refused when the weights sent cannot fill it; the provider goes on serving."""
+    client = client_for(provider.endpoint, timeout_s=30)
+    small = _weights(build_model("mlp", {"sample_shape": [1, 28, 28], "num_classes": 10}))
+    with pytest.raises(BadRequest, match=r"do not fit model 'mlp': with kwargs \{'hidden': 10000000\} it needs"):
+        client.request(Evaluate(dataset="mnist", model={"name": "mlp", "kwargs": {"hidden": 10**7}}, frames=[small]))
+    reply = client.request(Evaluate(dataset="mnist", model={"name": "mlp", "kwargs": {}}, frames=[small]))
+    assert reply.n == 120
 
 
 def test_evaluate_never_imports_code_named_by_a_peer(provider, client_for):

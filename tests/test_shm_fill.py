@@ -1,4 +1,4 @@
-"""Ring slots filled on the provider's fill thread (services/provider/ringbatch.py), with a real
+"""Ring slots filled on the provider's fill thread (services/provider/fillers.py), with a real
 provider, real loaders and real shared memory: the bytes, the stale-slot refusal and errors reach
 the trainer as on the loop's thread, and a closed provider leaves no thread. The server's wake-up
 for deferred replies (libbus/serve/wakeup.py) is checked on its own."""
@@ -20,7 +20,7 @@ from libbus.loader.remote import RemoteLoader
 from libbus.order.epochs import epoch_order
 from libbus.serve.wakeup import Wakeup
 from libbus.wire.messages import AttachRing, BatchRequest, DatasetInfoRequest
-from services.provider import ringbatch
+from services.provider import fillers
 from shm import Ring, SlotState
 
 
@@ -39,7 +39,7 @@ def npy_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def fill_provider(start_provider, npy_dir, monkeypatch):
     """A provider that fills ring slots on its fill thread (the default needs 4 cores)."""
-    monkeypatch.setattr(ringbatch, "FILL_THREAD", True)
+    monkeypatch.setattr(fillers, "FILL_THREAD", True)
     return start_provider(f"d=file://{npy_dir}?memory=ram&val_fraction=0")
 
 

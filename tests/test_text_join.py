@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 
 from libbus.errors import ConfigError, DatasetError
 from services.provider.sources import open_source
+from services.provider.sources.base import ReadPolicy
 from services.provider.sources.pipeline.text_join import JoinIndex
 from tests.support.busctl import busctl_in_process
 from tests.support.httpd import RangeServer
@@ -44,7 +45,7 @@ def joined(tmp_path, source_uri: str, length: int, chunk: int = 64, keep_mb: int
 def test_joined_samples_are_the_documents_token_stream_cut_into_rows(tmp_path, length, keep_mb, kept):
     root = write_text(tmp_path / "text", train=30, test=12)
     source, tokenizer = joined(tmp_path, f"file://{root}?encoded=1&val_fraction=0", length, keep_mb=keep_mb)
-    assert not source.overlap_reads  # the provider reads it one batch at a time, on its loop
+    assert source.read_policy is ReadPolicy.LOOP  # the provider reads it one batch at a time, on its loop
     info = source.info()
     assert (info["kind"], info["sample_shape"], info["dtype"]) == ("tokens", [length + 1], "uint16")
     for split, first, n in (("train", 0, 30), ("test", 100_000, 12)):

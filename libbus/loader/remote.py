@@ -416,17 +416,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
 
     # -- the pipeline ---------------------------------------------------------------------------
     def _request(self, indices: np.ndarray, fields: dict) -> BatchRequest:
-        if (
-            len(indices)
-            and indices[-1] - indices[0] == len(indices) - 1
-            and (len(indices) == 1 or bool(np.all(np.diff(indices) == 1)))
-        ):
-            return BatchRequest(
-                dataset=self.dataset, split=self.split, range=[int(indices[0]), int(indices[-1]) + 1], **fields
-            )
-        return BatchRequest(
-            dataset=self.dataset, split=self.split, frames=[np.ascontiguousarray(indices, dtype="<i8").data], **fields
-        )
+        return BatchRequest.for_indices(indices, dataset=self.dataset, split=self.split, **fields)
 
     def _fetch(self, batches: list[np.ndarray], epoch: int) -> Iterator[Any]:
         try:

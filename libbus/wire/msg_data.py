@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any, ClassVar
 
-from libbus.constants import MAX_FRAMES
-from libbus.errors import BusError
-from libbus.wire.frames import Message, Request, WrongVersion, message
+import numpy as np
+
+from libbus.constants import MAX_BATCH_INDICES, MAX_FRAMES
+from libbus.errors import BadRequest, BusError, OutOfRange, TooLarge
+from libbus.wire.frames import Message, Request, WrongVersion, frame_buffer, message
 
 __all__ = [
     "REPLICA_FIELDS",
@@ -138,7 +140,8 @@ class DatasetInfo(Message):
 
 @message
 class BatchRequest(Request["BatchResponse"]):
-    """Samples by index: either ``range=[start, end)`` or one int64 payload frame of indices.
+    """Samples by index: either ``range=[start, end)`` or one int64 payload frame of indices
+    (:meth:`for_indices` picks, :meth:`indices` reads them back, checked).
 
     With ``slot`` and ``seq`` (after :class:`AttachRing`) the provider writes the batch into that
     ring slot, if the slot still awaits request ``seq``, instead of sending it back. ``epoch`` seeds
@@ -152,6 +155,51 @@ class BatchRequest(Request["BatchResponse"]):
     slot: int | None = None
     seq: int | None = None
     epoch: int = 0
+
+    # The indices' wire rule, both ways: the loader encodes with for_indices, the provider decodes with indices.
+    @classmethod
+    def for_indices(cls, indices: np.ndarray, *, dataset: str, split: str, **fields: Any) -> BatchRequest:
+        """A request for ``indices``: ``range=[a, b)`` when they run up by one (the header says it
+        all), else one int64 little-endian frame (a view of ``indices`` when they are already that:
+        sent without a copy). ``fields``: the other header fields (``epoch``, ``slot``, ``seq``)."""
+        if len(indices) and indices[-1] - indices[0] == len(indices) - 1 and bool(np.all(np.diff(indices) == 1)):
+            return cls(dataset=dataset, split=split, range=[int(indices[0]), int(indices[-1]) + 1], **fields)
+        frame = np.ascontiguousarray(indices, dtype="<i8").data
+        return cls(dataset=dataset, split=split, frames=[frame], **fields)
+
+    def indices(self, num_samples: int) -> np.ndarray:
+        """The int64 indices this request names, checked against its split's ``num_samples``.
+
+        Raises :class:`BadRequest` (neither or both of range/frame, a bad frame), :class:`TooLarge`
+        (more than ``MAX_BATCH_INDICES``) or :class:`OutOfRange` (naming the first bad index).
+        """
+        if self.range is not None and self.frames:
+            raise BadRequest("BatchRequest gives both a range and an indices frame; send one")
+        if self.range is not None:
+            r = self.range
+            if len(r) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in r) or r[0] > r[1]:
+                raise BadRequest(f"BatchRequest.range must be [start, end) integers with start <= end, got {r}")
+            start, end = r
+            if end - start > MAX_BATCH_INDICES:
+                raise TooLarge(f"range of {end - start} samples; at most {MAX_BATCH_INDICES} per request")
+            if start < 0 or end > num_samples:
+                raise OutOfRange(f"range [{start}, {end}) is outside {self.split} (0..{num_samples})")
+            return np.arange(start, end, dtype=np.int64)
+        if not self.frames:
+            raise BadRequest("BatchRequest needs a range or an int64 indices frame")
+        buf = frame_buffer(self.frames[0])
+        size = memoryview(buf).nbytes
+        if size % 8:
+            raise BadRequest(f"indices frame is {size} bytes; expected a multiple of 8 (int64)")
+        if size // 8 > MAX_BATCH_INDICES:
+            raise TooLarge(f"{size // 8} indices; at most {MAX_BATCH_INDICES} per request")
+        indices = np.frombuffer(buf, dtype="<i8")
+        if len(indices):
+            lo, hi = int(indices.min()), int(indices.max())
+            if lo < 0 or hi >= num_samples:
+                bad = lo if lo < 0 else hi
+                raise OutOfRange(f"index {bad} is outside {self.split} (0..{num_samples - 1})")
+        return indices
 
 
 @message

@@ -39,11 +39,22 @@ def evaluate_weights(
     if name not in MODELS:
         # module:factory would import and run code named by a remote peer: not on this node.
         raise Forbidden(f"this provider evaluates built-in models only ({', '.join(MODELS)}), not {name!r}")
-    model = build_model(name, info, kwargs)
     try:
         state = load_safetensors(blob)
     except Exception as err:
         raise BadRequest(f"weights are not a valid safetensors blob: {err}") from err
+    # The model's size comes from the peer's kwargs (`hidden = 10**7` is 68 bytes on the wire): its shape
+    # is built first on the meta device, which allocates nothing, and must fit in the weights that came
+    # with it (load_state_dict needs every tensor, so real weights are never smaller than the model).
+    with torch.device("meta"):
+        shape = build_model(name, info, kwargs)
+    needed = sum(t.numel() * t.element_size() for t in shape.state_dict().values())
+    if needed > len(blob):
+        raise BadRequest(
+            f"weights do not fit model {name!r}: with kwargs {kwargs} it needs {needed} bytes of weights, "
+            f"{len(blob)} were sent (nothing was built)"
+        )
+    model = build_model(name, info, kwargs)
     try:
         model.load_state_dict(state)
     except RuntimeError as err:

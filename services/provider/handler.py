@@ -5,15 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NoReturn
 
-import numpy as np
-
-from libbus.constants import MAX_BATCH_BYTES
+from libbus.constants import MAX_BATCH_BYTES, MAX_FRAMES
 from libbus.errors import (
     BadRequest,
+    ConfigError,
     Forbidden,
     NotFound,
     ShmError,
@@ -22,7 +19,6 @@ from libbus.errors import (
     Unavailable,
 )
 from libbus.serve.handler import serves
-from libbus.serve.metrics import LatencyHistogram
 from libbus.serve.server import Handler, Session
 from libbus.wire.messages import (
     AttachRing,
@@ -42,14 +38,14 @@ from libbus.wire.messages import (
 from libbus.wire.sockets import frame_len
 from shm import Ring, RingLayout
 
+from .destination import BatchCounters, Destination, Frames, Slot, write_batch
 from .evalgate import EvalGate
-from .fieldbatch import begin_fill, check_frames, check_servable, fields_reply
-from .ringbatch import OVERLAP_READS, Filler, RingUse, batch_indices
+from .fillers import Fillers
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.objstore import object_store_stats
 from .sources.pipeline import pipeline_stats, stage_control
 
-__all__ = ["ProviderHandler", "batch_indices"]
+__all__ = ["ProviderHandler", "check_servable"]
 
 
 def _chain(done: Future, into: Future) -> None:
@@ -59,6 +55,26 @@ def _chain(done: Future, into: Future) -> None:
         into.set_result(done.result())
     else:
         into.set_exception(err)
+
+
+def check_servable(dataset: str, source: Source) -> None:
+    """Refuse (at start-up) a dataset that no batch could be served of: encoded images or text, alone
+    or mixed (they have no fixed shape and feed a pipeline's ``decode`` or ``tokenize`` stage), or
+    fields whose batches need more payload frames than a message may carry (one per fixed field, two
+    per variable one, at most ``MAX_FRAMES - 2``). Raises :class:`ConfigError`."""
+    if source.kind == "encoded":
+        raise ConfigError(
+            f"dataset {dataset!r} ({source.uri}) holds encoded images or text, which have no fixed shape: "
+            "make it a pipeline's source (decode or tokenize stages: docs/datasets.md §9.3, §9.4), or serve "
+            "images with ?size=S or ?fields=image,label"
+        )
+    fields = source.fields
+    need = sum(2 if f.variable else 1 for f in fields)
+    if need > MAX_FRAMES - 2:
+        raise ConfigError(
+            f"dataset {dataset!r} has {len(fields)} fields, whose batches need {need} frames; a message "
+            f"carries at most {MAX_FRAMES - 2} (one per fixed field, two per variable one): serve fewer"
+        )
 
 
 log = logging.getLogger(__name__)
@@ -106,34 +122,25 @@ class ProviderHandler(Handler):
         #: Each dataset's fields, and whether it is an x/y dataset (served through ``serve_into``).
         self.fields = {name: source.fields for name, source in datasets.items()}
         self.xy = {name: source.xy for name, source in datasets.items()}
-        for name, fields in self.fields.items():
-            check_servable(name, datasets[name])
-            check_frames(name, fields)
-        self.served: dict[str, Counter] = defaultdict(Counter)
-        self.refused: Counter = Counter()
-        #: dataset → time to assemble a batch; keyed only by datasets served here (bounded labels).
-        self.latency: dict[str, LatencyHistogram] = {name: LatencyHistogram() for name in datasets}
+        for name, source in datasets.items():
+            check_servable(name, source)
         self._evaluator = ThreadPoolExecutor(eval_workers, thread_name_prefix="evaluate")
         #: Set by close(): running evaluations give up at their next chunk (the process can exit).
         self._closing = threading.Event()
         #: Evaluation admission (queue, size, rate) and the counters the worker thread writes.
         self.evalgate = evalgate or EvalGate()
-        #: Rings are unmapped through this, once no fill writes into them.
-        self._ring_use = RingUse()
-        #: Where x/y ring slots are filled: a thread of their own (``fill_thread``, by default
-        #: :data:`~.ringbatch.FILL_THREAD`) or the loop's.
-        self.filler = Filler(self._ring_use, fill_thread)
-        #: Where batches of a source with ``overlap_reads`` (a pipeline, whose reads wait on its
-        #: stages' threads) are read: several at once, off the loop (:data:`~.ringbatch.OVERLAP_READS`).
-        self.overlap = Filler(self._ring_use, True, OVERLAP_READS, "overlap")
-        #: Counters and histograms the fill thread writes too (stats() reads them under it).
-        self._count_lock = self.evalgate.lock
+        #: Served and refused batches, and batch latency: counted from the loop and the fill threads
+        #: alike, under the evaluation counters' lock (stats() reads them under it).
+        self.counters = BatchCounters(datasets, self.evalgate.lock)
+        self.served, self.refused, self.latency = self.counters.served, self.counters.refused, self.counters.latency
+        #: Where batches are read (the loop, the fill thread, the overlap threads: :mod:`.fillers`),
+        #: and through which rings are unmapped once no fill writes into them.
+        self.fillers = Fillers(fill_thread)
 
     def close(self) -> None:
         self._closing.set()
         self._evaluator.shutdown(wait=False, cancel_futures=True)
-        self.overlap.close()
-        self.filler.close()  # the fills under way finish first: their rings are closed below
+        self.fillers.close()  # the fills under way finish first: their rings are closed below
         for ring in self.rings.values():
             ring.close()
         self.rings.clear()
@@ -155,12 +162,12 @@ class ProviderHandler(Handler):
         self._rings_checked = now
         for sid in [sid for sid, ring in self.rings.items() if not ring.segment.path.exists()]:
             log.info("ring %s was removed by its trainer; unmapped", self.rings[sid].name)
-            self._ring_use.close(self.rings.pop(sid))
+            self.fillers.rings.close(self.rings.pop(sid))
 
     def on_close(self, session: Session, reason: str) -> None:
         ring = self.rings.pop(session.sid, None)
         if ring is not None:
-            self._ring_use.close(ring)
+            self.fillers.rings.close(ring)
 
     def source(self, name: str) -> Source:
         try:
@@ -293,7 +300,7 @@ class ProviderHandler(Handler):
         # names slots must keep it. Mappings of a ring its trainer removed go in `tick`.
         old = self.rings.pop(session.sid, None)
         if old is not None:
-            self._ring_use.close(old)
+            self.fillers.rings.close(old)
         self.rings[session.sid] = ring
         log.info(
             "session %s (%s) attached ring %s: %d slots of %d bytes",
@@ -307,120 +314,34 @@ class ProviderHandler(Handler):
 
     @serves(BatchRequest, *READERS)
     def batch(self, session: Session, msg: BatchRequest) -> BatchResponse | Future:
+        """Check ``msg`` and begin its destination (a stale ring slot is refused here, on the loop),
+        then write the batch there on the filler its source's read policy names: the reply, or a
+        Future of it that the server sends when it completes."""
         started = time.perf_counter()
         source = self.source(msg.dataset)
         if msg.split not in SPLITS:
             raise BadRequest(f"unknown split {msg.split!r}; expected one of {', '.join(SPLITS)}")
         if msg.split == PRIVATE_SPLIT:
-            self.refused["split_private"] += 1
+            self.counters.refuse("split_private")
             raise SplitPrivate(
                 f"the {PRIVATE_SPLIT} split of {msg.dataset!r} never leaves its "
                 "provider; ask for an evaluation instead (Evaluate)"
             )
-        indices = batch_indices(msg, source.num_samples(msg.split), msg.split)
-        if not self.xy[msg.dataset]:
-            return self._batch_fields(session, msg, source, indices, started)
-        sample_nbytes = source.x_nbytes + source.y_nbytes  # an x/y source's (sample_nbytes rebuilds its fields)
-        if len(indices) * sample_nbytes > MAX_BATCH_BYTES:
-            raise TooLarge(
-                f"{len(indices)} samples of {sample_nbytes} bytes exceed the {MAX_BATCH_BYTES} byte batch limit"
-            )
-        x_shape = (len(indices), *source.sample_shape)
-        y_shape = (len(indices), *source.label_shape)
-        overlap = getattr(source, "overlap_reads", False)
+        indices = msg.indices(source.num_samples(msg.split))
+        fields = None if self.xy[msg.dataset] else self.fields[msg.dataset]
+        if fields is None:  # an x/y batch is bounded before it is read (named fields: once encoded)
+            sample_nbytes = source.x_nbytes + source.y_nbytes  # (Source.sample_nbytes rebuilds its fields)
+            if len(indices) * sample_nbytes > MAX_BATCH_BYTES:
+                raise TooLarge(
+                    f"{len(indices)} samples of {sample_nbytes} bytes exceed the {MAX_BATCH_BYTES} byte batch limit"
+                )
+        dest: Destination
         if msg.slot is None and msg.seq is None:
-            x = np.empty(x_shape, source.dtype)
-            y = np.empty(y_shape, source.label_dtype)
-            if overlap:
-                return self.overlap.run(self._read, msg, source, indices, x, y, started)
-            return self._read(msg, source, indices, x, y, started)
-        ring = self._ring_for(session, msg)
-        try:
-            ring.begin_fill(msg.slot, msg.seq)
-            x, y = ring.views(msg.slot, x_shape, source.dtype, y_shape, source.label_dtype)
-        except ShmError as err:
-            self._refuse_stale(err)
-        filler = self.overlap if overlap else self.filler if getattr(source, "concurrent_reads", False) else None
-        if filler is None:  # a source that may not be read from two threads: on the loop
-            return self._read(msg, source, indices, x, y, started, ring)
-        return filler.run(self._read, msg, source, indices, x, y, started, ring, ring=ring)
-
-    def _read(
-        self,
-        msg: BatchRequest,
-        source: Source,
-        indices: np.ndarray,
-        x: np.ndarray,
-        y: np.ndarray,
-        started: float,
-        ring: Ring | None = None,
-    ) -> BatchResponse:
-        """Read a checked request's batch into ``x``/``y``: the reply's frames, or ``ring``'s slot
-        (on the loop's thread, or a filler's)."""
-        source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
-        if ring is None:
-            return self._served(msg, x, y, [x.data, y.data], started)
-        try:
-            ring.finish_fill(msg.slot, msg.seq)  # checks the slot still awaits this request
-        except ShmError as err:
-            self._refuse_stale(err)
-        return self._served(msg, x, y, [], started)
-
-    def _refuse_stale(self, err: ShmError) -> NoReturn:
-        """A slot not (or no longer) awaiting this request: nothing is written, or marked filled."""
-        with self._count_lock:
-            self.refused["stale_slot"] += 1
-        raise BadRequest(f"batch not written: {err}") from err
-
-    def _served(self, msg: BatchRequest, x: np.ndarray, y: np.ndarray, frames: list, started: float) -> BatchResponse:
-        """Count a batch served and build its reply: the batch in ``frames``, or none (in the ring)."""
-        shapes, dtypes, nbytes = [list(x.shape), list(y.shape)], [x.dtype.str, y.dtype.str], x.nbytes + y.nbytes
-        reply = BatchResponse(shapes=shapes, dtypes=dtypes, nbytes=nbytes, slot=msg.slot, seq=msg.seq, frames=frames)
-        return self._count(msg, reply, len(x), started)
-
-    def _count(self, msg: BatchRequest, reply: BatchResponse, n: int, started: float) -> BatchResponse:
-        """Count ``reply``, a batch of ``n`` samples served (from any thread)."""
-        with self._count_lock:
-            counters = self.served[msg.dataset]
-            if msg.slot is not None:
-                counters["shm_batches"] += 1
-            counters["batches"] += 1
-            counters["samples"] += n
-            counters["bytes"] += reply.nbytes
-            self.latency[msg.dataset].observe(time.perf_counter() - started)
-        return reply
-
-    def _batch_fields(
-        self, session: Session, msg: BatchRequest, source: Source, indices: np.ndarray, started: float
-    ) -> BatchResponse | Future:
-        """A batch of named fields, as frames or into the session's ring slot (:mod:`.fieldbatch`);
-        a pipeline's off the loop, as :meth:`batch` reads x/y ones (the stale-slot check on it)."""
-        ring = self._ring_for(session, msg) if msg.slot is not None or msg.seq is not None else None
-        if not getattr(source, "overlap_reads", False):
-            reply = fields_reply(source, self.fields[msg.dataset], msg, indices, ring, self.refused)
-            return self._count(msg, reply, len(indices), started)
-        if ring is not None:
-            begin_fill(ring, msg, self.refused)
-        return self.overlap.run(self._fields_off_loop, msg, source, indices, ring, started, ring=ring)
-
-    def _fields_off_loop(
-        self, msg: BatchRequest, source: Source, indices: np.ndarray, ring: Ring | None, started: float
-    ) -> BatchResponse:
-        refused: Counter = Counter()  # counted here, added under the lock
-        try:
-            reply = fields_reply(source, self.fields[msg.dataset], msg, indices, ring, refused, begun=True)
-        finally:
-            with self._count_lock:
-                self.refused.update(refused)
-        return self._count(msg, reply, len(indices), started)
-
-    def _ring_for(self, session: Session, msg: BatchRequest) -> Ring:
-        if msg.slot is None or msg.seq is None:
-            raise BadRequest("BatchRequest names a ring slot with both 'slot' and 'seq', or neither")
-        ring = self.rings.get(session.sid)
-        if ring is None:
-            raise BadRequest("BatchRequest names a ring slot but this session attached no ring (send AttachRing first)")
-        return ring
+            dest = Frames(msg, self.counters)
+        else:
+            dest = Slot.begin(msg, self.counters, self.rings.get(session.sid))
+        filler = self.fillers.for_batch(source.read_policy, dest.ring)
+        return filler.run(write_batch, source, msg, indices, dest, fields, started, ring=dest.ring)
 
     def evaluate(self, msg: Evaluate, session: Session | None = None) -> Future:
         source = self.source(msg.dataset)
@@ -479,7 +400,7 @@ class ProviderHandler(Handler):
 
     def stats(self) -> dict:
         running, queued, counts = self.evalgate.snapshot()
-        with self._count_lock:  # the evaluation and fill threads count into served and refused
+        with self.counters.lock:  # the evaluation and fill threads count into served and refused
             datasets = {name: dict(c) for name, c in self.served.items()}
             refused = dict(self.refused)
         for key in ("refused_too_large", "refused_queue_full", "refused_rate"):

@@ -13,6 +13,7 @@ a kind that opens other sources (a weighted mix's members, a pipeline's source s
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import math
 from abc import ABC, abstractmethod
@@ -26,11 +27,34 @@ import numpy as np
 from libbus.errors import DatasetError
 from libbus.wire.fields import Field, FieldBatch, is_xy
 
-__all__ = ["PRIVATE_SPLIT", "SPLITS", "Field", "FieldBatch", "OpenRequest", "Source", "local_path", "stable_seed"]
+__all__ = [
+    "PRIVATE_SPLIT",
+    "SPLITS",
+    "Field",
+    "FieldBatch",
+    "OpenRequest",
+    "ReadPolicy",
+    "Source",
+    "local_path",
+    "stable_seed",
+]
 
 SPLITS = ("train", "val", "test")
 #: The split that never leaves the provider: only its local evaluator reads it.
 PRIVATE_SPLIT = "test"
+
+
+class ReadPolicy(enum.Enum):
+    """Where the provider may read a source's batches (:mod:`services.provider.fillers` picks the thread)."""
+
+    #: On the serving loop's thread, one batch at a time: reads share state (the default).
+    LOOP = "loop"
+    #: Reads may run on two threads at once (they share no state): a ring slot is filled on the
+    #: provider's fill thread, where it has one (four cores or more), while the loop serves on.
+    CONCURRENT = "concurrent"
+    #: Reads mostly wait on threads of the source's own (a pipeline's stages): several batches at
+    #: once, off the loop, whatever the cores and the destination.
+    OVERLAP = "overlap"
 
 
 class Source(ABC):
@@ -45,6 +69,8 @@ class Source(ABC):
     num_classes: int = 0
     class_names: list[str] = []
     kind: str = "image"
+    #: Where the provider may read this source's batches.
+    read_policy: ReadPolicy = ReadPolicy.LOOP
 
     @abstractmethod
     def num_samples(self, split: str) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import Source
+from ..base import ReadPolicy, Source
 from .confine import Confinement
 from .reader import ByteSpace, Records, Segment
 
@@ -189,7 +189,7 @@ class FileSource(Source):
 
     #: Reads may run on two threads at once (the provider's fill thread and its serving loop):
     #: RAM gathers and positional reads share no state.
-    concurrent_reads = True
+    read_policy = ReadPolicy.CONCURRENT
 
     def __init__(self, uri: str, root: Path, layout: Layout, ctx: Context, memory: str, val_fraction: float):
         self.uri, self.root, self.layout = uri, root, layout

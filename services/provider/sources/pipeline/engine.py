@@ -29,7 +29,7 @@ from libbus.errors import (
 )
 from libbus.wire.fields import is_xy
 
-from ..base import SPLITS, Field, FieldBatch, Source
+from ..base import SPLITS, Field, FieldBatch, ReadPolicy, Source
 from .fields import FieldsPlan
 from .stages import Chunk, Spec, Stage, StageQueue
 
@@ -165,6 +165,10 @@ class Pipeline(Source):
         #: A stage that makes each sample from a run of its input's (``pack`` with ``join``): it counts
         #: the samples, and a chunk goes through the stages before it as the inputs it names.
         self.regroup = self._open_regroup()
+        #: Several batches read at once, off the provider's loop: a read mostly waits for the stages'
+        #: threads, and the next batch's chunks then go through the first stages while the last ones
+        #: finish the batch before. Not with a regrouping stage, whose look-ups run on the reading thread.
+        self.read_policy = ReadPolicy.LOOP if self.regroup is not None else ReadPolicy.OVERLAP
 
     def _open_regroup(self) -> Stage | None:
         """The regrouping stage, its index built now by reading every split through the stages before
@@ -191,14 +195,6 @@ class Pipeline(Source):
         except (ConfigError, DatasetError) as err:
             raise type(err)(f"{self.uri}: {err}") from err
         return stage
-
-    @property
-    def overlap_reads(self) -> bool:
-        """Whether the provider may read several batches at once, off its loop: a read mostly waits
-        for the stages' threads, and the next batch's chunks then go through the first stages while
-        the last ones finish the batch before. Not with a regrouping stage (``pack`` with ``join``),
-        whose look-ups run on the reading thread."""
-        return self.regroup is None
 
     def num_samples(self, split: str) -> int:
         if self.regroup is not None:

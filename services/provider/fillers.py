@@ -1,5 +1,6 @@
-"""What the provider's handler needs for x/y batches besides the handler itself: the indices a
-request names (:func:`batch_indices`), and where batches are read and ring slots filled (:class:`Filler`).
+"""Where the provider reads a batch: on the serving loop's thread, on its fill thread, or on its
+overlap threads. The source's :class:`~.sources.base.ReadPolicy` and the destination pick one
+(:meth:`Fillers.for_batch`); each is a :class:`Filler`.
 
 A ring slot filled on the serving loop's thread holds up every other request for the gather's
 time: about two thirds of the provider's CPU per 3 MB batch. With a core to spare, a fill thread
@@ -19,17 +20,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
-from libbus.constants import MAX_BATCH_INDICES
-from libbus.errors import BadRequest, OutOfRange, TooLarge
-from libbus.wire.messages import BatchRequest, frame_buffer
-from libbus.wire.sockets import frame_len
 from shm import Ring
 
+from .sources.base import ReadPolicy
 from .sources.formats.dataset import usable_cores
 
-__all__ = ["FILL_THREAD", "OVERLAP_READS", "Filler", "RingUse", "batch_indices"]
+__all__ = ["FILL_THREAD", "OVERLAP_READS", "Filler", "Fillers", "RingUse"]
 
 #: Fill ring slots on a thread of their own by default only with four cores or more. On two, the
 #: serving loop, the fill thread and a same-host trainer contend for the same two cores, and the
@@ -37,45 +33,9 @@ __all__ = ["FILL_THREAD", "OVERLAP_READS", "Filler", "RingUse", "batch_indices"]
 #: overlap gives (docs/performance.md, "What bounds the shm row").
 FILL_THREAD = usable_cores() >= 4
 
-#: Batches of a source with ``overlap_reads`` (a pipeline) read at once: the next batch's chunks
+#: Batches of a source with :attr:`ReadPolicy.OVERLAP` (a pipeline) read at once: the next batch's chunks
 #: enter its first stages while the last stages finish the one before.
 OVERLAP_READS = 2
-
-
-def batch_indices(msg: BatchRequest, num_samples: int, split: str) -> np.ndarray:
-    """The int64 indices a BatchRequest names, checked against the split's size.
-
-    Raises :class:`BadRequest` (neither or both of range/frame, bad frame), :class:`TooLarge`
-    (too many indices) or :class:`OutOfRange` (naming the first bad index).
-    """
-    if msg.range is not None and msg.frames:
-        raise BadRequest("BatchRequest gives both a range and an indices frame; send one")
-    if msg.range is not None:
-        r = msg.range
-        if len(r) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in r) or r[0] > r[1]:
-            raise BadRequest(f"BatchRequest.range must be [start, end) integers with start <= end, got {r}")
-        start, end = r
-        if end - start > MAX_BATCH_INDICES:
-            raise TooLarge(f"range of {end - start} samples; at most {MAX_BATCH_INDICES} per request")
-        if start < 0 or end > num_samples:
-            raise OutOfRange(f"range [{start}, {end}) is outside {split} (0..{num_samples})")
-        return np.arange(start, end, dtype=np.int64)
-    if not msg.frames:
-        raise BadRequest("BatchRequest needs a range or an int64 indices frame")
-    frame = msg.frames[0]
-    size = frame_len(frame)
-    if size % 8:
-        raise BadRequest(f"indices frame is {size} bytes; expected a multiple of 8 (int64)")
-    if size // 8 > MAX_BATCH_INDICES:
-        raise TooLarge(f"{size // 8} indices; at most {MAX_BATCH_INDICES} per request")
-    buf = frame_buffer(frame)
-    indices = np.frombuffer(buf, dtype="<i8")
-    if len(indices):
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < 0 or hi >= num_samples:
-            bad = lo if lo < 0 else hi
-            raise OutOfRange(f"index {bad} is outside {split} (0..{num_samples - 1})")
-    return indices
 
 
 class RingUse:
@@ -143,3 +103,31 @@ class Filler:
             pool, self._pool, self.threaded = self._pool, None, False
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+class Fillers:
+    """The provider's three fillers, over one :class:`RingUse`: the loop's thread, the fill thread
+    (``fill_thread``; default :data:`FILL_THREAD`) and the overlap threads."""
+
+    def __init__(self, fill_thread: bool | None = None):
+        #: Rings are unmapped through this, once no fill writes into them.
+        self.rings = RingUse()
+        self.loop = Filler(self.rings, False, name="loop")
+        self.fill = Filler(self.rings, fill_thread)
+        self.overlap = Filler(self.rings, True, OVERLAP_READS, "overlap")
+
+    def for_batch(self, policy: ReadPolicy, ring: Ring | None) -> Filler:
+        """Where a batch of a source with ``policy`` is read, into ``ring``'s slot or (``None``) the
+        reply's frames: a source that may be read from one thread only, on the loop; one whose reads
+        may run side by side fills ring slots on the fill thread (the socket's batches stay on the
+        loop); one whose reads wait on threads of its own, on the overlap threads, always."""
+        if policy is ReadPolicy.OVERLAP:
+            return self.overlap
+        if policy is ReadPolicy.CONCURRENT and ring is not None:
+            return self.fill
+        return self.loop
+
+    def close(self) -> None:
+        """Stop the threads after the reads under way (the fills under way finish first)."""
+        self.overlap.close()
+        self.fill.close()

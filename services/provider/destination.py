@@ -1,0 +1,192 @@
+"""Where a checked BatchRequest's batch is written, and the write itself.
+
+A batch goes to one of two destinations: the reply's payload frames (:class:`Frames`), or the ring
+slot the request names (:class:`Slot`, begun on the serving loop so that a stale slot is refused
+before anything is read). :func:`write_batch` reads the batch from its source straight into the
+destination, in either payload form (two fixed arrays ``x``/``y`` through ``Source.serve_into``, or
+named fields through ``Source.read_fields``, encoded or packed by :mod:`libbus.wire.fields`), and
+answers it; it runs on whichever thread :mod:`.fillers` picks.
+
+A slot that no longer awaits its request (the trainer gave up on it and asked again, or scribbled on
+its table) is refused in one place, :meth:`Slot._fresh`: when the fill begins, when the slot's memory
+is taken, and when it is marked filled. Nothing is marked filled for a stale request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from libbus.constants import MAX_BATCH_BYTES
+from libbus.errors import BadRequest, BusError, ShmError, TooLarge
+from libbus.serve.metrics import LatencyHistogram
+from libbus.wire.fields import Field, FieldBatch, encode_frames, pack_slot
+from libbus.wire.messages import BatchRequest, BatchResponse
+from shm import Ring
+
+from .sources import Source
+
+__all__ = ["BatchCounters", "Destination", "Frames", "Slot", "write_batch"]
+
+
+class BatchCounters:
+    """What the provider counts of the batches it serves and refuses, written from the loop and the
+    fill threads alike (under ``lock``, which ``stats()`` takes to read them)."""
+
+    def __init__(self, datasets: Iterable[str], lock: threading.Lock):
+        self.lock = lock
+        #: dataset → batches, samples, bytes, shm_batches (and the evaluations the handler counts).
+        self.served: dict[str, Counter] = defaultdict(Counter)
+        #: why → requests refused.
+        self.refused: Counter = Counter()
+        #: dataset → time to assemble a batch; keyed only by datasets served here (bounded labels).
+        self.latency: dict[str, LatencyHistogram] = {name: LatencyHistogram() for name in datasets}
+
+    def refuse(self, why: str) -> None:
+        with self.lock:
+            self.refused[why] += 1
+
+    def serve(self, msg: BatchRequest, reply: BatchResponse, n: int, started: float) -> BatchResponse:
+        """Count ``reply``, a batch of ``n`` samples asked for at ``started`` (``perf_counter``)."""
+        with self.lock:
+            counters = self.served[msg.dataset]
+            if msg.slot is not None:
+                counters["shm_batches"] += 1
+            counters["batches"] += 1
+            counters["samples"] += n
+            counters["bytes"] += reply.nbytes
+            self.latency[msg.dataset].observe(time.perf_counter() - started)
+        return reply
+
+
+class Destination(ABC):
+    """Where the batch of ``msg`` is written; counts what it serves and refuses in ``counters``."""
+
+    #: The ring the batch is written into (held open by the filler while it writes), or ``None``.
+    ring: Ring | None = None
+
+    def __init__(self, msg: BatchRequest, counters: BatchCounters):
+        self.msg, self.counters = msg, counters
+
+    @abstractmethod
+    def arrays(self, n: int, source: Source) -> tuple[np.ndarray, np.ndarray]:
+        """Arrays for ``n`` samples and labels of an x/y ``source``, for it to read into."""
+
+    @abstractmethod
+    def pack(self, fields: list[Field], batch: FieldBatch, n: int) -> tuple[list, list, list, int]:
+        """Write a batch of named fields here: ``(frames, shapes, dtypes, nbytes)`` of its reply."""
+
+    def done(self, reply: BatchResponse, n: int, started: float) -> BatchResponse:
+        """The batch of ``reply`` (``n`` samples asked for at ``started``) is written: counted, answered."""
+        return self.counters.serve(self.msg, reply, n, started)
+
+    @contextmanager
+    def _declared(self) -> Iterator[None]:
+        """A batch of named fields beyond the declared maxima, the slot or the batch limit is
+        ``TOO_LARGE`` naming the field and sizes; one that is not what its fields declare (a source
+        serving what it does not say) ``BAD_REQUEST``."""
+        where = f"{self.msg.dataset}/{self.msg.split}"
+        try:
+            yield
+        except TooLarge as err:
+            self.counters.refuse("too_large")
+            raise TooLarge(f"{where}: {err}") from err
+        except BusError as err:
+            raise BadRequest(f"{where}: {err}") from err
+
+
+class Frames(Destination):
+    """The reply's payload frames: the batch is read into fresh arrays and sent over the socket."""
+
+    def arrays(self, n: int, source: Source) -> tuple[np.ndarray, np.ndarray]:
+        return np.empty((n, *source.sample_shape), source.dtype), np.empty((n, *source.label_shape), source.label_dtype)
+
+    def pack(self, fields: list[Field], batch: FieldBatch, n: int) -> tuple[list, list, list, int]:
+        with self._declared():
+            frames, shapes, dtypes, nbytes = encode_frames(fields, batch, n)
+            if nbytes > MAX_BATCH_BYTES:
+                raise TooLarge(f"a batch of {n} samples is {nbytes} bytes; the batch limit is {MAX_BATCH_BYTES}")
+        return frames, shapes, dtypes, nbytes
+
+
+class Slot(Destination):
+    """Slot ``slot`` of the session's ``ring``, while it awaits request ``seq``; the reply carries no frames."""
+
+    ring: Ring
+
+    def __init__(self, msg: BatchRequest, counters: BatchCounters, ring: Ring, slot: int, seq: int):
+        super().__init__(msg, counters)
+        self.ring, self.slot, self.seq = ring, slot, seq
+
+    @classmethod
+    def begin(cls, msg: BatchRequest, counters: BatchCounters, ring: Ring | None) -> Slot:
+        """The slot ``msg`` names in the session's ``ring``, marked as being filled; a stale one
+        refused (``batch not written``). Raises :class:`BadRequest`."""
+        if msg.slot is None or msg.seq is None:
+            raise BadRequest("BatchRequest names a ring slot with both 'slot' and 'seq', or neither")
+        if ring is None:
+            raise BadRequest("BatchRequest names a ring slot but this session attached no ring (send AttachRing first)")
+        slot = cls(msg, counters, ring, msg.slot, msg.seq)
+        with slot._fresh():
+            ring.begin_fill(slot.slot, slot.seq)
+        return slot
+
+    def arrays(self, n: int, source: Source) -> tuple[np.ndarray, np.ndarray]:
+        x_shape, y_shape = (n, *source.sample_shape), (n, *source.label_shape)
+        with self._fresh():  # a batch that does not fit the slot is refused as a stale one is
+            return self.ring.views(self.slot, x_shape, source.dtype, y_shape, source.label_dtype)
+
+    def pack(self, fields: list[Field], batch: FieldBatch, n: int) -> tuple[list, list, list, int]:
+        with self._fresh(), self.ring.slot_buffer(self.slot) as buf, self._declared():
+            shapes, dtypes, nbytes = pack_slot(fields, batch, n, buf)
+        return [], shapes, dtypes, nbytes
+
+    def done(self, reply: BatchResponse, n: int, started: float) -> BatchResponse:
+        with self._fresh():  # the trainer may have moved on while the slot was written
+            self.ring.finish_fill(self.slot, self.seq)
+        reply.frames = []  # the batch is in the slot
+        return super().done(reply, n, started)
+
+    @contextmanager
+    def _fresh(self) -> Iterator[None]:
+        """The stale-slot check: a ring refusing this request's slot is ``BAD_REQUEST`` (``batch not
+        written``), counted ``stale_slot``."""
+        try:
+            yield
+        except ShmError as err:
+            self.counters.refuse("stale_slot")
+            raise BadRequest(f"batch not written: {err}") from err
+
+
+def write_batch(
+    source: Source,
+    msg: BatchRequest,
+    indices: np.ndarray,
+    dest: Destination,
+    fields: list[Field] | None,
+    started: float,
+) -> BatchResponse:
+    """Read the samples ``indices`` of ``msg.split`` from ``source`` into ``dest`` and answer them:
+    an x/y batch (``fields`` is ``None``) straight into the destination's arrays, a batch of named
+    ``fields`` read whole, then encoded or packed. Raises what the source raises, and
+    ``BAD_REQUEST``/``TOO_LARGE`` for a stale slot or a batch that does not fit."""
+    n = len(indices)
+    if fields is None:
+        x, y = dest.arrays(n, source)
+        source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
+        shapes, dtypes, nbytes = [list(x.shape), list(y.shape)], [x.dtype.str, y.dtype.str], x.nbytes + y.nbytes
+        frames, names = [x.data, y.data], None
+    else:
+        batch = source.read_fields(msg.split, indices, msg.epoch)
+        frames, shapes, dtypes, nbytes = dest.pack(fields, batch, n)
+        names = [f.name for f in fields]
+    reply = BatchResponse(
+        shapes=shapes, dtypes=dtypes, nbytes=nbytes, names=names, slot=msg.slot, seq=msg.seq, frames=frames
+    )
+    return dest.done(reply, n, started)
