@@ -10,7 +10,7 @@ from rich.console import Console
 
 from libbus.errors import BusError, PeerTimeout
 from libbus.jobs.state import JobState
-from libbus.security.auth import ensure_secret
+from libbus.security.auth import ensure_secret, private_dir
 from libbus.wire.messages import ListPeers, SubmitJob
 from services.launch import READY_TIMEOUT_S, ServiceProcs
 
@@ -23,7 +23,7 @@ __all__ = ["run_demo"]
 def run_demo(*, epochs: int, uri: str, model: str, state_dir: str | None) -> None:
     console = Console()
     state = Path(state_dir or tempfile.mkdtemp(prefix="batchbus-demo-"))
-    state.mkdir(parents=True, exist_ok=True)
+    private_dir(state)
     ensure_secret(state / "secret")
     console.print(f"[bold]batchbus demo[/]: router, provider and trainer on localhost; state and logs in {state}")
     procs = ServiceProcs(state)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from libbus.errors import BusError, PeerTimeout
+from libbus.security.auth import private_dir
 
 __all__ = ["READY_TIMEOUT_S", "ServiceProcs"]
 
@@ -21,7 +22,7 @@ class ServiceProcs:
     def __init__(self, state_dir: Path):
         self.state_dir = state_dir
         self.logs = state_dir / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
+        self.logs = private_dir(state_dir / "logs")
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, role: str, *args: str, ready: bool = True) -> str:

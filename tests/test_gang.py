@@ -52,8 +52,16 @@ def rank_epochs(cluster: JobCluster, job: str) -> dict[int, dict[int, Counter]]:
     return out
 
 
-def rank1_weights(cluster: JobCluster, job: str) -> dict[str, torch.Tensor]:
-    (path,) = (cluster.state / "checkpoints" / job).glob("rank-1/model.safetensors")
+def rank1_weights(cluster: JobCluster, job: str, timeout_s: float = 60.0) -> dict[str, torch.Tensor]:
+    """Rank 1's final weights. Rank 1 writes them (atomically) after the last step while rank 0 pushes
+    the job's result: the job's end does not wait for them, so they are awaited here (bounded)."""
+    path = cluster.state / "checkpoints" / job / "rank-1" / "model.safetensors"
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, (
+            f"rank 1 wrote no final weights in {timeout_s:.0f} s; logs in {cluster.state}"
+        )
+        time.sleep(0.1)
     return load_file(path)
 
 

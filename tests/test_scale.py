@@ -160,40 +160,51 @@ def test_resolve_names_the_providers_serving_now_as_they_come_and_go(router, mak
         admin.close()
 
 
-def test_early_stopping_reads_changed_jobs_and_retries_a_stop_that_could_not_be_sent(tmp_path):
+def test_early_stopping_decides_at_the_epoch_report_and_again_when_the_stop_could_not_be_sent(tmp_path):
     store = JobStore(str(tmp_path / "router.db"))
     patient = store.submit(JobSpec.from_dict({"dataset": "d", "model": "mlp", "patience": 2}))
     plain = store.submit(JobSpec.from_dict({"dataset": "d", "model": "mlp"}))
     store.claim("t1", 10.0)
     store.claim("t2", 10.0)
-    stalled = {"history": [{"val_loss": 1.0}, {"val_loss": 1.0}, {"val_loss": 1.0}]}
-    for job in (patient, plain):
-        store.set_progress(job, stalled, 10.0)
-    sent, away = [], [True]
+    stalled = [{"epoch": e, "val_loss": 1.0} for e in range(1, 6)]
+    sent, away, stopping_now = [], [True], set()
 
     def control(by, job, command, args):
         if away[0]:
             raise Unavailable("trainer t1 is not connected now")
         sent.append((by, job, command))
+        stopping_now.add(job)
 
-    stopping = EarlyStopping(store, control)
-    assert store.held_watched().keys() == {patient}  # a job without patience is never read
+    stopping = EarlyStopping(store, control, stopping_now)
+    stopping.on_report(plain, stalled)  # no patience: never stopped
+    stopping.on_report(patient, stalled[:2])  # epoch 2: one epoch without improvement, patience left
+    assert sent == []
+    # epochs 3 and 4 in one report (one was lost while the router was away): epoch 3 decides, but
+    # its trainer is away and the stop is not sent
+    stopping.on_report(patient, stalled[:4])
+    assert sent == []
+    away[0] = False
+    stopping.on_report(patient, stalled[:4])  # the next report (within epoch 5): decided again, sent
+    assert sent == [("early stopping", patient, "stop")]
+    stopping.on_report(patient, stalled)
+    assert len(sent) == 1  # decided once while its stop is under way
+    events = [e["reason"] for e in store.get(patient)["events"]]
+    assert [r for r in events if r.startswith("early stopping")] == [
+        "early stopping on val_loss at epoch 3: no improvement by more than 0 for 2 epoch(s) (patience 2); "
+        "best 1.0000 at epoch 1"
+    ]
+    # a job resumed after its stop is judged on its whole history again, by its first report
+    stopping_now.clear()
+    stopping.on_report(patient, stalled)
+    assert sent == [("early stopping", patient, "stop")] * 2
+    # the cache of ended jobs is dropped through the index of held jobs with patience
+    assert store.held_watched().keys() == {patient}
     plan = store.db.execute(
         "EXPLAIN QUERY PLAN SELECT id FROM jobs WHERE state IN (?, ?) AND trainer IS NOT NULL"
         " AND json_extract(spec, '$.patience') > 0",
         ("running", "paused"),
     ).fetchall()
-    # nor is its spec: the partial index holds the watched jobs
     assert "jobs_watched" in str([tuple(row) for row in plan])
-    stopping.tick(1.0)
-    assert sent == []  # its trainer was away: not decided yet
-    away[0] = False
-    stopping.tick(2.0)  # no new report, yet tried again
-    assert sent == [("early stopping", patient, "stop")]
-    stopping.tick(3.0)
-    assert len(sent) == 1  # decided once, not at every tick
-    events = [e["reason"] for e in store.get(patient)["events"]]
-    assert any(r.startswith("early stopping on val_loss: no improvement") for r in events)
 
 
 def test_router_messages_bench_times_each_message_of_the_job_path(tmp_path):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from libbus.errors import BadRequest, Unavailable
-from services.router.early_stop import should_stop
+from services.router.early_stop import should_stop, stop_epoch
 from services.router.pbt import decide, explore
 from services.router.store import JobStore
 from services.router.studies import Studies
@@ -116,6 +116,24 @@ def test_pbt_explores_inside_the_space():
 )
 def test_early_stopping_decision(values, patience, min_delta, maximize, stop):
     assert (should_stop(values, patience=patience, min_delta=min_delta, maximize=maximize) is not None) == stop
+
+
+def test_early_stopping_stops_at_the_first_epoch_out_of_patience_however_the_history_arrives():
+    losses = [1.0, 0.8, 0.85, 0.7, 0.75, 0.72, 0.9]  # epoch 4 is the best; 5 and 6 do not beat it
+    history = [{"epoch": e, "val_loss": v} for e, v in enumerate(losses, 1)]
+    spec = {"patience": 2, "min_delta": 0.0}
+    assert stop_epoch(history, spec)[0] == 6
+    # the same answer from the whole history, or judged on from any epoch found not to stop it
+    assert {stop_epoch(history, spec, after)[0] for after in range(6)} == {6}
+    assert stop_epoch(history[:5], spec) is None
+    # an epoch without the monitored metric changes nothing; a maximised metric counts up
+    gappy = history[:4] + [{"epoch": 5}] + history[4:]
+    assert stop_epoch(gappy, spec)[0] == 7
+    accuracy = [{"epoch": e, "val_accuracy": v} for e, v in enumerate([0.5, 0.6, 0.6, 0.59], 1)]
+    assert stop_epoch(accuracy, {"patience": 2, "monitor": "val_accuracy"}) == (
+        4,
+        "no improvement by more than 0 for 2 epoch(s) (patience 2); best 0.6000 at epoch 2",
+    )
 
 
 class FakeTrainers:

@@ -104,13 +104,21 @@ def test_bad_study_files_are_refused_and_the_router_serves_on(router, client_for
 
 def test_early_stopping_stops_a_job_that_stopped_improving(router, provider, trainer, client_for):
     admin = client_for(router.endpoint, role="admin")
-    # lr so small the loss cannot improve by min_delta: stopped after `patience` epochs, not 40
+    # lr so small the loss cannot improve by min_delta: epoch 1 stays the best, and epoch 3 is the
+    # second in a row without an improvement; the router decides at that epoch's report and the
+    # trainer, waiting for that report's answer, trains no epoch past it (however loaded the machine)
     spec = {**BASE, "epochs": 40, "lr": 1e-9, "patience": 2, "min_delta": 0.5}
     job = admin.request(SubmitJob(spec=spec)).job
     info = wait_job(admin, job, 60)
     assert info["state"] == "stopped"
-    assert any(e["reason"].startswith("early stopping on val_loss") for e in info["events"])
-    assert len(info["result"]["history"]) < 10
+    decided = [e["reason"] for e in info["events"] if e["reason"].startswith("early stopping")]
+    assert len(decided) == 1 and decided[0].startswith(
+        "early stopping on val_loss at epoch 3: no improvement by more than 0.5 for 2 epoch(s) (patience 2); best "
+    ), decided
+    assert decided[0].endswith(" at epoch 1")
+    assert [r["epoch"] for r in info["result"]["history"]] == [1, 2, 3]
+    # no step of epoch 4 was trained: the stop's checkpoint is the one of epoch 3's end
+    assert info["checkpoint"]["step"] == 3 * info["progress"]["steps_per_epoch"], (info["checkpoint"], info["progress"])
 
 
 def _local_score(state: dict, split: str) -> tuple[float, float]:

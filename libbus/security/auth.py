@@ -40,6 +40,7 @@ __all__ = [
     "generate_signing_key",
     "load_signing_key",
     "load_public_key",
+    "private_dir",
 ]
 
 ROLES = ("provider", "trainer", "admin")
@@ -249,9 +250,28 @@ def load_secret(path: str | os.PathLike) -> bytes:
     return data
 
 
+def private_dir(path: str | Path) -> Path:
+    """``path`` as a directory, made with its missing parents at mode 0700 whatever the umask (a state
+    directory holds the secret, keys, tokens and the job database). An existing directory is left as it
+    is: its operator chose its mode (systemd's ``StateDirectory=``, a shared checkpoint mount)."""
+    path = Path(path)
+    missing = []
+    for p in [path, *path.parents]:
+        if p.exists():
+            break
+        missing.append(p)
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=0o700)
+        except FileExistsError:
+            continue  # made meanwhile by another process: theirs to set
+        os.chmod(p, 0o700)  # mkdir's mode is masked by the umask; chmod is not
+    return path
+
+
 def _create_private(path: Path, data: bytes) -> bool:
     """Write ``data`` to a new file of mode 0600 (whatever the umask). False if it already exists."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:

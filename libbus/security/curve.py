@@ -32,6 +32,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from libbus.errors import ConfigError
+from libbus.security.auth import private_dir
 
 __all__ = [
     "ZAP_DOMAIN",
@@ -87,7 +88,7 @@ def generate_keys(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
     if not name or "/" in name or name.startswith(".") or not name.isprintable():
         raise ConfigError(f"key name {name!r}: use letters, digits, '-', '_' (it becomes a file name)")
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     public_path, secret_path = out / f"{name}{PUBLIC_SUFFIX}", out / f"{name}{SECRET_SUFFIX}"
     for path in (public_path, secret_path):
         if path.exists():

@@ -38,7 +38,7 @@ class Decisions:
 
     def init_decisions(self) -> None:
         self.studies = Studies(self.store, self.jobs.control)
-        self.early_stopping = EarlyStopping(self.store, self.jobs.control)
+        self.early_stopping = EarlyStopping(self.store, self.jobs.control, self.jobs.stop_requested)
 
     def tick_decisions(self, now: float) -> None:
         for part in (self.studies, self.early_stopping):
@@ -48,7 +48,8 @@ class Decisions:
                 log.exception("%s failed; trying again at the next tick", type(part).__name__)
 
     def judge_report(self, job: str, progress: dict) -> None:
-        """A job's progress report: a study trial's new epoch is judged at once (pruning, PBT)."""
+        """A job's progress report: its new epochs are judged at once (a study trial's pruning and
+        PBT, a job's early stopping)."""
         history = progress.get("history")
         if not isinstance(history, list):
             return
@@ -56,6 +57,10 @@ class Decisions:
             self.studies.on_report(job, len(history))
         except Exception:  # noqa: BLE001 - the report is stored; the next tick judges it again
             log.exception("study report of job %s", job)
+        try:
+            self.early_stopping.on_report(job, history)
+        except Exception:  # noqa: BLE001 - a bug in the rule must not take the router down; the next report judges again
+            log.exception("early stopping at a report of job %s", job)
 
     # -- studies ---------------------------------------------------------------------------------
     @serves(SubmitStudy, "admin")

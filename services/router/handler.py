@@ -344,9 +344,8 @@ class RouterHandler(Decisions, Handler):
     def on_Progress(self, session: Session, msg: Progress) -> Ok:
         session.claims.check_job(msg.job)
         _stored(msg.progress, "Progress.progress")
-        reply = self.jobs.on_progress(session.subject, msg, session.sid)
-        self.judge_report(msg.job, msg.progress)  # a study's trial: its new epoch judged now
-        return reply
+        # its new epoch judged now (studies, early stopping): a stop decided here rides on the reply
+        return self.jobs.on_progress(session.subject, msg, session.sid, judge=self.judge_report)
 
     @serves(Checkpointed, *TRAINER)
     def on_Checkpointed(self, session: Session, msg: Checkpointed) -> Ok:

@@ -214,11 +214,17 @@ class JobControl:
             )
         return job
 
-    def on_progress(self, trainer: str, msg: Progress, sid: str = "") -> Ok:
-        """Store the report; the reply repeats the job's unacknowledged commands, so one whose push
-        was lost (the trainer reconnected as it was sent) still arrives — at session ``sid`` now."""
+    def on_progress(
+        self, trainer: str, msg: Progress, sid: str = "", judge: Callable[[str, dict], None] | None = None
+    ) -> Ok:
+        """Store the report, then ``judge(job, progress)`` it (the router's decisions at an epoch's
+        report); the reply repeats the job's unacknowledged commands, so one whose push was lost (the
+        trainer reconnected as it was sent) still arrives — at session ``sid`` now — and a command
+        the judgement just sent rides on this very reply, ahead of whatever the trainer does next."""
         self.own(trainer, msg.job)
         self.store.set_progress(msg.job, msg.progress, self.lease_s)
+        if judge is not None:
+            judge(msg.job, msg.progress)
         commands = []
         for seq, p in self.pending.items():
             if p.job == msg.job and p.trainer == trainer:

@@ -12,6 +12,7 @@ and checkpoint records have tables of their own.
 
 from __future__ import annotations
 
+import os
 import secrets
 import sqlite3
 import time
@@ -23,6 +24,7 @@ import orjson
 from libbus.errors import BadRequest, ConfigError, NotFound
 from libbus.jobs.spec import JOB_STATES, MAX_ATTEMPTS, TERMINAL_STATES, JobSpec
 from libbus.jobs.state import JobState, check_transition
+from libbus.security.auth import private_dir
 
 from .store_db import ADDED_COLUMNS, INDEXES, SCHEMA, Durability
 
@@ -51,7 +53,13 @@ class JobStore:
     """Jobs, their leases and their history. Used by the router's single loop thread."""
 
     def __init__(self, path: str):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            private_dir(Path(path).parent)
+            # the database holds every job's spec, events and results: 0600 from its first byte (SQLite
+            # gives its -wal and -shm files the database's mode); an existing one keeps its own mode
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        except OSError as err:
+            raise ConfigError(f"job database {path}: {err.strerror or err}") from err
         try:
             # One thread uses the store at a time (the router loop), though not the one that opened it.
             self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
