@@ -19,7 +19,7 @@ from libbus import constants as C
 from libbus.errors import ConfigError
 from libbus.security.auth import ALGORITHMS
 
-__all__ = ["Settings", "load_settings", "default_state_dir", "host_id"]
+__all__ = ["ScriptConnection", "Settings", "load_settings", "default_state_dir", "host_id", "script_connection"]
 
 ENV_PREFIX = "BATCHBUS_"
 #: systemd credentials (``LoadCredential=ID:...``) read from ``$CREDENTIALS_DIRECTORY``, by ID: the
@@ -358,3 +358,36 @@ def _check_cache(settings: Settings, sources: dict[str, str]) -> None:
             f"cache_dir ({sources['cache_dir']}) needs a cache_limit in bytes (--cache-limit, "
             "BATCHBUS_CACHE_LIMIT), e.g. 100000000000"
         )
+
+
+@dataclass(frozen=True)
+class ScriptConnection:
+    """Where a training script's loader connects when it names no router: the router, token and
+    CURVE files ``busctl`` would use (:func:`script_connection`)."""
+
+    router: str
+    #: The token, or "" when none is configured.
+    token: str
+    #: With ``curve`` on: this client's key pair file and the router's public key file; else "".
+    curve_key_file: str = ""
+    curve_router_key: str = ""
+
+
+def script_connection(role: str = "trainer", env: Mapping[str, str] | None = None) -> ScriptConnection:
+    """The connection settings of a script, from the same places as ``busctl``'s: defaults < the TOML
+    file ``$BATCHBUS_CONFIG`` < ``BATCHBUS_*`` variables (``BATCHBUS_ROUTER``, ``BATCHBUS_TOKEN``,
+    ``BATCHBUS_TOKEN_FILE``...) < systemd credentials. ``role`` names the default CURVE key file.
+
+    Raises:
+        ConfigError: as :func:`load_settings`, naming the file or variable that is wrong.
+    """
+    settings, _ = load_settings(env=env)
+    if not settings.curve:
+        return ScriptConnection(router=settings.router, token=settings.token)
+    key_file = settings.curve_key_file or os.path.join(settings.state_dir, "curve", f"{role}.key_secret")
+    return ScriptConnection(
+        router=settings.router,
+        token=settings.token,
+        curve_key_file=key_file,
+        curve_router_key=settings.curve_router_key,
+    )

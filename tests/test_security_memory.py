@@ -100,9 +100,14 @@ def test_the_evaluation_queue_is_bounded(start_provider, client_for, make_token)
     assert stats["evaluations_queued"] == 0 and stats["refused"]["evaluate_queue_full"] == 1
 
 
-def _flooding_server(stop: threading.Event, sent: list[int]) -> str:
+def _flooding_server(stop: threading.Event, sent: list[int]) -> tuple[str, threading.Thread]:
     """A misbehaving service: admits any token, welcomes, answers DatasetInfo, then floods heartbeats
-    and stale replies, never answering anything else. ``sent[0]`` counts the flood's messages."""
+    and stale replies, never answering anything else. ``sent[0]`` counts the flood's messages.
+
+    Its thread tears its context down once ``stop`` is set; a test closes its own client first (no
+    handshake in flight while the ZAP handler stops) and joins the thread before it returns, so one
+    test's teardown never overlaps the next test's start-up (a worker aborted once inside libzmq
+    while they overlapped under load)."""
     ctx = zmq.Context()  # its own: a ZAP handler serves one context
     auth = TokenAuthenticator(ctx, lambda token: "anyone")
     auth.start()
@@ -136,13 +141,14 @@ def _flooding_server(stop: threading.Event, sent: list[int]) -> str:
             auth.stop()
             ctx.term()
 
-    threading.Thread(target=serve, daemon=True).start()
-    return f"tcp://127.0.0.1:{port}"
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"tcp://127.0.0.1:{port}", thread
 
 
 def test_a_flooding_server_cannot_hold_a_client_past_its_deadline(make_token):
     stop, sent = threading.Event(), [0]
-    endpoint = _flooding_server(stop, sent)
+    endpoint, server = _flooding_server(stop, sent)
     outcome: list = []
     client = Client(endpoint, Identity(role="trainer", name="t", token=make_token("trainer")), timeout_s=1.0, retries=1)
 
@@ -161,15 +167,18 @@ def test_a_flooding_server_cannot_hold_a_client_past_its_deadline(make_token):
         assert isinstance(outcome[0], PeerTimeout), outcome
         assert sent[0] > 1000, "the server never got to flood"
     finally:
-        stop.set()
         worker.join(5)
         client.close()
+        stop.set()
+        server.join(30)
+        assert not server.is_alive(), "the flooding server did not tear down"
 
 
 def test_a_flooding_provider_cannot_hold_a_loader_past_its_deadline(make_token):
     stop, sent = threading.Event(), [0]
-    endpoint = _flooding_server(stop, sent)
+    endpoint, server = _flooding_server(stop, sent)
     outcome: list = []
+    loaders: list = []
 
     def iterate() -> None:
         try:
@@ -183,6 +192,7 @@ def test_a_flooding_provider_cannot_hold_a_loader_past_its_deadline(make_token):
                 provider_wait_s=0,
                 shm=False,
             )
+            loaders.append(loader)
             for _ in loader:
                 outcome.append("a batch from nowhere")
                 return
@@ -199,13 +209,17 @@ def test_a_flooding_provider_cannot_hold_a_loader_past_its_deadline(make_token):
         assert isinstance(outcome[0], PeerTimeout), outcome
         assert sent[0] > 1000, "the server never got to flood"
     finally:
-        stop.set()
         worker.join(5)
+        for loader in loaders:
+            loader.close()
+        stop.set()
+        server.join(30)
+        assert not server.is_alive(), "the flooding server did not tear down"
 
 
 def test_a_flooding_router_cannot_hold_a_service_link_past_its_deadline(make_token):
     stop, sent = threading.Event(), [0]
-    endpoint = _flooding_server(stop, sent)
+    endpoint, server = _flooding_server(stop, sent)
     link = Link(endpoint, Identity(role="trainer", name="t", token=make_token("trainer")), heartbeat_ms=100).start()
     outcome: list = []
 
@@ -225,5 +239,8 @@ def test_a_flooding_router_cannot_hold_a_service_link_past_its_deadline(make_tok
         assert isinstance(outcome[0], PeerTimeout), outcome
         assert sent[0] > 1000, "the server never got to flood"
     finally:
-        stop.set()
+        worker.join(5)
         link.close()
+        stop.set()
+        server.join(30)
+        assert not server.is_alive(), "the flooding server did not tear down"

@@ -1,11 +1,12 @@
 """The training script's side: :class:`RemoteLoader`, its request window, replicas and failover,
-the shm or socket delivery, collation, ranks and the stall meter. Imports torch.
+the shm or socket delivery, collation, ranks, the stall meter and DataLoader's habits. Imports torch.
 
 This face re-exports every submodule's ``__all__``; inside libbus, import the submodule itself."""
 
 from __future__ import annotations
 
 from libbus.loader import collate as _collate
+from libbus.loader import dataloader as _dataloader
 from libbus.loader import delivery as _delivery
 from libbus.loader import delivery_api as _delivery_api
 from libbus.loader import ranks as _ranks
@@ -16,6 +17,7 @@ from libbus.loader import stall as _stall
 from libbus.loader import tensors as _tensors
 from libbus.loader import window as _window
 from libbus.loader.collate import *  # noqa: F403
+from libbus.loader.dataloader import *  # noqa: F403
 from libbus.loader.delivery import *  # noqa: F403
 from libbus.loader.delivery_api import *  # noqa: F403
 from libbus.loader.ranks import *  # noqa: F403
@@ -28,6 +30,7 @@ from libbus.loader.window import *  # noqa: F403
 
 __all__ = [
     *_collate.__all__,
+    *_dataloader.__all__,
     *_delivery.__all__,
     *_delivery_api.__all__,
     *_ranks.__all__,

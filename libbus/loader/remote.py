@@ -18,9 +18,14 @@ when it has one, so a provider restarted on a new port is found — and then rai
 :class:`~libbus.errors.PeerTimeout`. It never hangs.
 
     loader = RemoteLoader("mnist", router="tcp://head:5555", token=token, batch_size=64)
-    for epoch in range(3):
-        for x, y in loader:      # each pass is the next epoch
+    for epoch in range(loader.epoch, 3):
+        loader.set_epoch(epoch)  # optional: each pass is the next epoch anyway
+        for x, y in loader:      # a whole epoch, as a DataLoader's pass
             ...
+
+Every ``iter()`` is a whole pass, as with a ``DataLoader``: the next epoch (or the one :meth:`set_epoch`
+named), from its start, whether or not the pass before it was left early. Only the first pass after
+:meth:`load_state_dict` continues at the loaded cursor (torchdata ``StatefulDataLoader``'s rule).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import socket
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Never
 
 import jwt
 import numpy as np
@@ -39,9 +44,11 @@ import torch
 import zmq
 
 from libbus.config import host_id as machine_id
+from libbus.config import script_connection
 from libbus.connect.client import Identity
 from libbus.constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
-from libbus.errors import BadRequest
+from libbus.errors import BadRequest, ConfigError, SplitPrivate
+from libbus.loader.dataloader import DatasetSplit, pending_state, refuse_dataloader_args, refuse_rebatching
 from libbus.loader.delivery import RingDelivery
 from libbus.loader.delivery_api import Delivery
 from libbus.loader.ranks import detect
@@ -64,7 +71,7 @@ from libbus.loader.window import (
 from libbus.order import elastic
 from libbus.order.elastic import Plan
 from libbus.order.epochs import DEFAULT_BLOCK_SIZE, Order, Shuffle, batches_of, shard_bounds
-from libbus.security.curve import CurveKeys
+from libbus.security.curve import CurveKeys, load_keys, load_public_key
 from libbus.wire.messages import BatchRequest
 
 __all__ = ["RemoteLoader", "pick_provider"]
@@ -93,21 +100,30 @@ class RemoteLoader(torch.utils.data.IterableDataset):
 
     Args:
         dataset: the name a provider serves it under (``remote://NAME`` also accepted).
-        split: ``train`` or ``val`` (``test`` never leaves its provider).
+        split: ``train`` or ``val``; ``test`` only where its provider lets it leave (a private
+            test split is refused here, with :class:`SplitPrivate`).
         router: router address to resolve the dataset (to every live replica, and again when
             none answers). Or give ``provider``: one data endpoint, or a list of replicas as
-            endpoints or ``Resolved`` entries (``{name, endpoint, host_id, curve_key}``).
+            endpoints or ``Resolved`` entries (``{name, endpoint, host_id, curve_key}``). Neither:
+            the router ``busctl`` would use (:func:`libbus.config.script_connection`:
+            ``BATCHBUS_ROUTER``, the file ``BATCHBUS_CONFIG`` names, else its default).
         resolver: with ``provider``, a callable ``(timeout_s) -> [Resolved entry]`` that asks the
             router for the dataset's providers within ``timeout_s`` (raising a :class:`BusError`
             otherwise), used when replicas fail; a service with its own router link passes one.
-        token: a trainer (or admin) token, or a callable returning a fresh one.
+        token: a trainer (or admin) token, or a callable returning a fresh one. Not given: the
+            token ``busctl`` would use (``BATCHBUS_TOKEN``, ``BATCHBUS_TOKEN_FILE``, the config file).
         batch_size, drop_last: as in ``torch.utils.data.DataLoader``.
         shuffle, seed: ``none``, ``full`` (or ``True``: a permutation per epoch) or ``block``
             (shuffled blocks of ``block_size`` samples, sequential inside), drawn from ``(seed, epoch)``.
+            Default: ``True`` for ``train``, ``"none"`` for other splits.
+        shard: read only this rank's shard of the split. Default: on for ``train`` (or when
+            ``rank``/``world_size`` are given), off for other splits, so that every rank of a
+            script evaluates on the whole split; a sharded evaluation sums its totals over ranks.
         rank, world_size: read shard ``rank`` of ``world_size`` disjoint shards that together
             cover the split. Not given: from an initialized ``torch.distributed`` process group,
             else ``RANK``/``WORLD_SIZE`` (:func:`libbus.loader.ranks.detect`), else 0 of 1.
-            ``drop_uneven`` gives every rank the same count (default: on with more than one rank).
+            ``drop_uneven`` gives every rank the same count (default: on for a sharded ``train``
+            split with more than one rank; off elsewhere, so a sharded evaluation reads every sample).
         inflight: batch requests kept outstanding (prefetch depth), over all replicas.
         timeout_s, retries: per-request reply timeout, and how many times in a row a replica may
             leave a request unanswered (each time it is reconnected and asked again) before its
@@ -132,23 +148,29 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             ``router=``, and in ``Resolved`` entries, each provider's key comes with it).
         transform: a callable applied to each batch before it is yielded (in this process).
 
-    Raises :class:`BadRequest` for bad arguments, and what the first provider answered (or
-    :class:`PeerTimeout`) when no provider given or resolved can be reached.
+    ``DataLoader`` arguments (``sampler``, ``num_workers``, ``collate_fn``...) are refused with a
+    :class:`BadRequest` naming what replaces each (:mod:`libbus.loader.dataloader`).
+
+    Raises :class:`BadRequest` for bad arguments, :class:`SplitPrivate` for a split its provider
+    keeps, :class:`ConfigError` for a missing token or bad settings when they are read from the
+    environment, and what the first provider answered (or :class:`PeerTimeout`) when no provider
+    given or resolved can be reached.
     """
 
     def __init__(
         self,
         dataset: str,
         *,
-        token: str | Callable[[], str],
+        token: str | Callable[[], str] | None = None,
         split: str = "train",
         router: str | None = None,
         provider: str | list | None = None,
         resolver: Callable[[float], list[dict]] | None = None,
         batch_size: int = 64,
-        shuffle: bool | str = True,
+        shuffle: bool | str | None = None,
         seed: int = 0,
         drop_last: bool = False,
+        shard: bool | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
@@ -169,9 +191,26 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         router_key: bytes | None = None,
         provider_key: bytes | None = None,
         transform: Callable[[Any], Any] | None = None,
+        **dataloader_only: Never,
     ):
-        if (router is None) == (provider is None):
-            raise BadRequest("RemoteLoader needs exactly one of router= or provider=")
+        refuse_dataloader_args(dataloader_only)
+        if router is not None and provider is not None:
+            raise BadRequest("RemoteLoader takes one of router= or provider=, not both")
+        if token is None or (router is None and provider is None):
+            conn = script_connection()  # what busctl would use: BATCHBUS_* and the config file
+            if router is None and provider is None:
+                router = conn.router
+                if curve is None and conn.curve_key_file:
+                    curve = load_keys(conn.curve_key_file)
+                    router_key = router_key or load_public_key(conn.curve_router_key)
+            if token is None:
+                if not conn.token:
+                    raise ConfigError(
+                        "RemoteLoader needs a trainer token: pass token=, or set BATCHBUS_TOKEN_FILE (or "
+                        "BATCHBUS_TOKEN, or token_file in the config file BATCHBUS_CONFIG names); "
+                        "'busctl token issue --role trainer' makes one"
+                    )
+                token = conn.token
         if router is not None and resolver is not None:
             raise BadRequest("RemoteLoader resolves through router= itself; resolver= goes with provider=")
         if batch_size < 1 or inflight < 1:
@@ -181,29 +220,34 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         slots = shm_slots or inflight + 2
         if slots < 2:
             raise BadRequest(f"shm_slots must be at least 2 (one in use, one in flight), got {slots}")
-        self.dataset = dataset.removeprefix("remote://")
+        name_of_dataset = dataset.removeprefix("remote://")
         self.split = split
         self.batch_size = batch_size
-        self.shuffle = shuffle
+        self.shuffle = (True if split == "train" else "none") if shuffle is None else shuffle
         self.seed = seed
         self.drop_last = drop_last
         where = detect(rank, world_size)
         self.rank, self.world_size, self.local_rank = where.rank, where.world_size, where.local_rank
+        #: Whether this rank reads only its shard of the split (else the whole split).
+        self.shard = (split == "train" or rank is not None) if shard is None else shard
         self._rank_source = where.source
         self._block_size = block_size
-        self._drop_uneven = where.world_size > 1 if drop_uneven is None else drop_uneven
+        sharded_world = where.world_size if self.shard else 1
+        self._drop_uneven = sharded_world > 1 and split == "train" if drop_uneven is None else drop_uneven
         if transform is not None and not callable(transform):
             raise BadRequest(f"transform must be a callable taking a batch, got {type(transform).__name__}")
         self.transform = transform
         self._plan: Plan = None  # what is left of the current epoch after an elastic resume
         self._pass: weakref.ref | None = None  # the pass being iterated, if any
-        self.epoch = 0
-        #: Samples of the current epoch already handed out: with ``epoch``, the loader's cursor.
-        self.position = 0
+        # A pass has begun the cursor's epoch: the next pass takes the next one. Off after a pass
+        # ends, and after set_epoch, rewind and load_state_dict (the next pass starts at the cursor).
+        self._begun = False
+        self._epoch = 0
+        self._position = 0
         #: Seconds spent waiting for batches (not hidden by prefetch), summed over iterations.
         self.wait_s = 0.0
         #: The data-stall signal by replica, a Prometheus collector (:mod:`libbus.loader.stall`).
-        self.stall = StallMeter(self.dataset, split)
+        self.stall = StallMeter(name_of_dataset, split)
         self.device = torch.device(device)
         role = _role_of(token() if callable(token) else token)
         self._identity = Identity(
@@ -215,7 +259,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             router_key=router_key,
         )
         links = Links(
-            dataset=self.dataset,
+            dataset=name_of_dataset,
             split=split,
             identity=self._identity,
             batch_size=batch_size,
@@ -248,34 +292,49 @@ class RemoteLoader(torch.utils.data.IterableDataset):
     def _take_info(self, info: dict) -> None:
         """The first provider's DatasetInfo: the split's size and the order this rank reads."""
         self.info = info
-        self.num_samples = int(info["splits"][self.split]["num_samples"])
+        name, split = self.links.links.dataset, self.split
+        if not info["splits"][split].get("available", True):
+            raise SplitPrivate(
+                f"the {split} split of {name!r} never leaves its provider: have the provider score a model on "
+                "it instead (busctl submit --evaluate --split test, docs/operations.md), or have its operator make it readable"
+            )
+        #: Samples in the split, on every rank together (``len(loader.dataset)``).
+        self.num_samples = int(info["splits"][split]["num_samples"])
+        #: The split served: ``len()`` its samples, ``str()`` and ``.name`` the dataset's name.
+        self.dataset = DatasetSplit(name, split, self.num_samples, info)
+        rank, world_size = (self.rank, self.world_size) if self.shard else (0, 1)
         self._order = Order(
             n=self.num_samples,
             seed=self.seed,
             shuffle=Shuffle.parse(self.shuffle),
             block_size=self._block_size,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=rank,
+            world_size=world_size,
             batch_size=self.batch_size,
             drop_last=self.drop_last,
             drop_uneven=self._drop_uneven,
         )
-        lo, hi = shard_bounds(
-            self.num_samples, rank=self.rank, world_size=self.world_size, drop_uneven=self._drop_uneven
-        )
+        lo, hi = shard_bounds(self.num_samples, rank=rank, world_size=world_size, drop_uneven=self._drop_uneven)
         log.info(
-            "%s/%s: rank %d of %d (%s, local rank %d) reads shard [%d, %d) of each epoch's %d samples, %d batches",
-            self.dataset,
-            self.split,
+            "%s/%s: rank %d of %d (%s, local rank %d) reads %s [%d, %d) of each epoch's %d samples, %d batches",
+            name,
+            split,
             self.rank,
             self.world_size,
             self._rank_source,
             self.local_rank,
+            "shard" if self.shard else "the whole split",
             lo,
             hi,
             self.num_samples,
             len(self),
         )
+
+    @property
+    def shard_size(self) -> int:
+        """Samples this rank reads in a whole epoch: its shard's, or the split's when not sharded.
+        Summed over the ranks of a sharded evaluation, they are the split's samples read."""
+        return self._order.shard_size
 
     @property
     def replicas(self) -> list[Replica]:
@@ -326,6 +385,29 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         """``"shm"`` when batches come through a shared-memory ring, else ``"socket"``."""
         return self.links.transport
 
+    @property
+    def epoch(self) -> int:
+        """The cursor's epoch: of the pass under way (or the last one begun), else of the next pass.
+
+        Right as soon as a state is loaded, also through a torchdata ``StatefulDataLoader`` that
+        holds it for its next ``iter()`` (:func:`~libbus.loader.dataloader.pending_state`)."""
+        self._adopt_pending()
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """Samples of :attr:`epoch` this rank has handed out: with ``epoch``, the loader's cursor."""
+        self._adopt_pending()
+        return self._position
+
+    def _adopt_pending(self) -> None:
+        """Before the first pass: load the state a wrapping ``StatefulDataLoader`` holds for its next
+        ``iter()`` now (it loads the same again then)."""
+        if self._pass is None and not self._begun:
+            state = pending_state(self)
+            if state is not None:
+                self.load_state_dict(state)
+
     def close(self) -> None:
         self.links.close()
 
@@ -336,38 +418,44 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.close()
 
     def set_epoch(self, epoch: int) -> None:
-        """Read ``epoch``'s order on the next pass, from its start (passes advance it on their own).
+        """Read ``epoch``'s order on the next pass, from its start (passes advance it on their own),
+        as ``DistributedSampler.set_epoch``.
 
-        Setting the epoch the loader is already in keeps its position, so a position restored by
-        :meth:`load_state_dict` survives a training loop's ``set_epoch`` call (as Lightning,
-        Accelerate and ``DistributedSampler``-style loops make at each epoch's start).
+        Naming the epoch of a cursor :meth:`load_state_dict` restored, before any pass has begun it,
+        keeps the cursor: a training loop's ``set_epoch(epoch)`` at the start of the resumed epoch
+        (as ``DistributedSampler``-style loops make) continues at the restored sample.
         """
-        if epoch != self.epoch:
-            self.epoch, self.position, self._plan = epoch, 0, None
+        self._adopt_pending()
+        if epoch != self._epoch or self._begun:
+            self.rewind(epoch)
 
     def rewind(self, epoch: int = 0) -> None:
         """Start ``epoch`` from its beginning on the next pass, forgetting any restored cursor (and
         the plan of an elastic resume)."""
-        self.epoch, self.position, self._plan = epoch, 0, None
+        self._epoch, self._position, self._plan, self._begun = epoch, 0, None, False
 
     def order(self, epoch: int) -> np.ndarray:
         """The sample indices this rank reads in ``epoch`` (after an elastic resume, in the resumed
         epoch: what is left of it for this rank)."""
-        return elastic.indices(self._order, epoch, self._plan if epoch == self.epoch else None)
+        return elastic.indices(self._order, epoch, self._plan if epoch == self._epoch else None)
 
     def __len__(self) -> int:
-        """Batches this rank yields in an epoch (the same on every rank by default, under DDP)."""
+        """Batches this rank yields in a whole pass (for ``train``, the same on every rank by default)."""
         return self._order.num_batches()
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's cursor, JSON-ready: store it with a checkpoint to resume at the exact sample.
+        Taken during a pass, the pass's epoch and the samples it has handed out.
 
         The form torchdata's ``StatefulDataLoader`` and ``torch.distributed.checkpoint``'s
         ``Stateful`` protocol take: a dict of plain values, read back by :meth:`load_state_dict`."""
-        return elastic.state(self._order, self.epoch, self.position, self._plan)
+        self._adopt_pending()
+        return elastic.state(self._order, self._epoch, self._position, self._plan)
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Continue at a saved cursor on the next pass, at this world size or another.
+        """Continue at a saved cursor on the next pass, at this world size or another. ``epoch`` and
+        ``position`` read the cursor at once (a cursor saved after an epoch's last sample reads as the
+        start of the next epoch); the pass after that one is whole again.
 
         ``state`` is one cursor (from :meth:`state_dict` of any rank: under the same world size
         this rank continues at its position; under another, every old rank is taken to be at that
@@ -379,44 +467,54 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             BadRequest: a cursor saved with another dataset size, seed or shuffle (naming what
                 differs), of another version, or a list that is not one cursor per old rank.
         """
-        self.epoch, self.position, self._plan = elastic.restore(self._order, state)
+        self._epoch, self._position, self._plan = elastic.restore(self._order, state)
+        self._begun = False
 
     def __iter__(self) -> Iterator[Any]:
-        """One pass: the rest of the current epoch. A pass left early is continued by the next.
+        """One whole pass: the next epoch (or the one :meth:`set_epoch` named) from its start; the
+        first pass after :meth:`load_state_dict`, the rest of the restored epoch. A pass left early
+        leaves no trace on the next one, and ``len(loader)`` batches are a whole pass.
 
-        A pass still open (a loop that stopped after the last batch without asking for more, as
-        Lightning does at ``len(loader)`` batches) is closed first: its slots are freed now, and an
-        epoch whose last batch was handed out is over."""
+        The pass begins at its first batch: an iterator made and dropped unused (as torchdata's
+        ``StatefulDataLoader`` makes one to read a state) takes nothing. A pass still open is closed
+        first, its ring slots freed now.
+
+        Raises:
+            BadRequest: in a DataLoader worker process, or under a DataLoader that would batch the
+                loader's batches again (its ``batch_size`` is not ``None``).
+        """
         if torch.utils.data.get_worker_info() is not None:
             raise BadRequest(
                 "RemoteLoader runs in the main process: use DataLoader(loader, batch_size=None, num_workers=0) "
                 "(it prefetches by itself, inflight= requests ahead)"
             )
+        refuse_rebatching(self)
         previous = self._pass() if self._pass is not None else None
         if previous is not None:
             previous.close()
-        if self.position > 0 and elastic.num_batches(self._order, self._plan, self.position) == 0:
-            self.epoch, self.position, self._plan = self.epoch + 1, 0, None
         current = self._one_pass()
         self._pass = weakref.ref(current)
         return current
 
     def _one_pass(self) -> Iterator[Any]:
-        epoch, position = self.epoch, self.position
+        if self._begun:  # the last pass began this epoch: this one is the next, whole
+            self._epoch, self._position, self._plan = self._epoch + 1, 0, None
+        self._begun = True
+        epoch, position = self._epoch, self._position
         batches = batches_of(self.order(epoch), self.batch_size, self.drop_last, start=position)
         fetch = self._fetch(batches, epoch)
         try:
             for item, batch in zip(fetch, batches):
                 position += len(batch)
-                self.position = position  # counted when handed out: a checkpoint now includes it
+                self._position = position  # counted when handed out: a checkpoint now includes it
                 yield item if self.transform is None else self.transform(item)
         finally:
             fetch.close()  # frees ring slots now, not whenever the generator is collected
-        self.epoch, self.position, self._plan = epoch + 1, 0, None
+        self._epoch, self._position, self._plan, self._begun = epoch + 1, 0, None, False
 
     # -- the pipeline ---------------------------------------------------------------------------
     def _request(self, indices: np.ndarray, fields: dict) -> BatchRequest:
-        return BatchRequest.for_indices(indices, dataset=self.dataset, split=self.split, **fields)
+        return BatchRequest.for_indices(indices, dataset=self.dataset.name, split=self.split, **fields)
 
     def _fetch(self, batches: list[np.ndarray], epoch: int) -> Iterator[Any]:
         try:
