@@ -42,6 +42,7 @@ from libbus.errors import DatasetError
 from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, stable_seed
 from .formats import imageops
 from .formats.imageops import BAD_POLICIES, default_workers
+from .splitmix import uniforms
 
 __all__ = [
     "BAD_POLICIES",
@@ -66,12 +67,7 @@ def batch_uniforms(seed: int, epoch: int, split: str, indices: np.ndarray, draws
     alone: SplitMix64 at a counter, the whole batch at once (a generator per sample costs ~65 µs)."""
     key = np.uint64(stable_seed("images", seed, epoch, SPLITS.index(split)))
     counters = indices.astype(np.uint64)[:, None] * np.uint64(draws) + np.arange(draws, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        z = key + counters * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return uniforms(key, counters)
 
 
 def fill_bad_rows(x: np.ndarray, y: np.ndarray, bad: list[int], where: str, texts: list | None = None) -> None:
