@@ -30,6 +30,7 @@ from pathlib import Path
 
 from libbus.connect.client import Client, Identity
 from libbus.jobs.spec import TERMINAL_STATES
+from libbus.jobs.state import JobState
 from libbus.loader.remote import RemoteLoader
 from libbus.security.auth import ensure_secret, issue_token
 from libbus.wire.messages import GetJob, Resolve, SubmitJob
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         epochs = samples = lost = 0
         undeclared = []
         for job, info in final.items():
-            if info["state"] == "succeeded":
+            if info["state"] == JobState.SUCCEEDED:
                 spec_epochs = info["spec"]["epochs"]
                 seen = effective_epochs(state / "audit", job)
                 if sorted(seen) != list(range(spec_epochs)) or len(info["result"].get("history", [])) != spec_epochs:
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     if got != digests:
                         lost += sum((digests - got).values()) + sum((got - digests).values())
                         print(f"job {job} epoch {epoch}: not exactly once")
-            elif not (info["state"] == "failed" and "poisoned" in (info["error"] or "")):
+            elif not (info["state"] == JobState.FAILED and "poisoned" in (info["error"] or "")):
                 undeclared.append(f"{job} {info['state']}: {info['error']}")
     finally:
         soak.settle()

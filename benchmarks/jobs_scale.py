@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from libbus.connect.client import Client, Identity
+from libbus.jobs.state import JobState
 from libbus.security.auth import ensure_secret, issue_token
 from libbus.wire.messages import Checkpointed, GetJob, GetTask, ListJobs, Progress, PushResult, SubmitJob, Task
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                     trainer,
                     PushResult(
                         job=task.job,
-                        state="succeeded",
+                        state=JobState.SUCCEEDED,
                         result={"val_accuracy": 0.9, "history": [{"epoch": 1}, {"epoch": 2}]},
                     ),
                 )

@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from libbus.jobs.state import JobState
 from libbus.security.auth import Claims
 from libbus.serve.sessions import Session
 from libbus.wire.messages import GetTask, Hello, Message, Progress, PushResult, Resolve, SubmitJob
@@ -98,7 +99,7 @@ class Bench:
                 for s in self.trainers:
                     self.call(s, Progress(id=1, job=jobs[s.sid], progress=progress))
             for s in self.trainers:
-                self.call(s, PushResult(id=1, job=jobs[s.sid], state="succeeded", result={"val_accuracy": 0.9}))
+                self.call(s, PushResult(id=1, job=jobs[s.sid], state=JobState.SUCCEEDED, result={"val_accuracy": 0.9}))
         self.turn()
 
 

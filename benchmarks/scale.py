@@ -38,6 +38,7 @@ import numpy as np
 import zmq
 
 from libbus.connect.client import Client, Identity
+from libbus.jobs.state import JobState
 from libbus.security.admission import admit_client
 from libbus.security.auth import ensure_secret, issue_token
 from libbus.wire.messages import (
@@ -173,7 +174,7 @@ def watch(router: Router, procs: list, finished, stop_at: int) -> dict:
         while any(p.is_alive() for p in procs):
             time.sleep(2)
             counts = admin.request(Stats()).services["router"]["jobs"]
-            if not any(counts.get(state, 0) for state in ("queued", "running", "paused")):
+            if not any(counts.get(state, 0) for state in (JobState.QUEUED, JobState.RUNNING, JobState.PAUSED)):
                 with finished.get_lock():
                     finished.value = max(finished.value, stop_at)  # the workers' signal to stop
                 break
@@ -267,7 +268,7 @@ def run(args: argparse.Namespace) -> dict:
         "trainers": args.trainers,
         "providers": args.providers,
         "jobs": args.jobs,
-        "finished": states.get("succeeded", 0),
+        "finished": states.get(JobState.SUCCEEDED, 0),
         "job_states": states,
         "progress_per_job": args.progress,
         "step_ms": args.step_ms,

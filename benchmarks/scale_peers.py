@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import zmq
 
+from libbus.jobs.state import JobState
 from libbus.security.admission import admit_client
 from libbus.wire.messages import (
     Entitlements,
@@ -205,7 +206,7 @@ class Worker:
             progress = {"epoch": 1, "epochs": 1, "step": p.reports + 1, "loss": 0.5, "samples": 64 * (p.reports + 1)}
             p.send(Progress(job=p.job, progress=progress), now)
         else:
-            p.send(PushResult(job=p.job, state="succeeded", result={"val_accuracy": 0.9}), now)
+            p.send(PushResult(job=p.job, state=JobState.SUCCEEDED, result={"val_accuracy": 0.9}), now)
 
 
 def run_worker(args: dict, endpoint: str, tokens, shared, stop_at: int, deadline: float, out) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from libbus.connect.client import Client, Identity
 from libbus.security.auth import ensure_secret, issue_token
 from libbus.wire.messages import GetJob, GetStudy, SubmitStudy
+from services.router.study_store import StudyState, TrialState
 
 BUSCTL = [str(Path(sys.executable).with_name("busctl"))]
 
@@ -84,7 +85,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while True:
             info = self.study(study)
-            if info["state"] != "running":
+            if info["state"] != StudyState.RUNNING:
                 return info
             if on_poll is not None:
                 on_poll(info)
@@ -122,7 +123,9 @@ def asha(args) -> None:
         killed: list[float] = []
 
         def maybe_kill(info: dict) -> None:
-            ended = sum(t["state"] in ("pruned", "complete", "failed") for t in info["trials"])
+            ended = sum(
+                t["state"] in (TrialState.PRUNED, TrialState.COMPLETE, TrialState.FAILED) for t in info["trials"]
+            )
             if not killed and ended >= 5:
                 print(f"kill -9 the router with {ended} trials ended, {len(info['trials'])} started")
                 down = time.monotonic()

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from libbus.errors import BusError, PeerTimeout
+from libbus.jobs.state import JobState
 from libbus.security.auth import ensure_secret, private_dir
 from libbus.wire.messages import ListPeers, SubmitJob
 from services.launch import READY_TIMEOUT_S, ServiceProcs
@@ -51,7 +52,7 @@ def run_demo(*, epochs: int, uri: str, model: str, state_dir: str | None) -> Non
     finally:
         codes = procs.stop()
     console.print("services stopped: " + ", ".join(f"{r} exit {c}" for r, c in codes.items()))
-    if final["state"] != "succeeded":
+    if final["state"] != JobState.SUCCEEDED:
         raise BusError(f"demo job ended {final['state']}: {final.get('error') or 'see the logs in ' + str(state)}")
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import typer
 
 from libbus.config import Settings
-from libbus.wire.messages import ControlJob
+from libbus.jobs.commands import JobCommand
+from libbus.jobs.state import JobState
+from libbus.wire.messages import ControlJob, Ok
 from services.router.jobs import EVAL_ACK_TIMEOUT_S
 
-from .common import admin_client, print_json
+from .common import admin_client, fail, print_json
 
 __all__ = ["describe", "evaluate_job"]
 
@@ -27,9 +29,12 @@ def evaluate_job(settings: Settings, job: str, *, json: bool = False) -> dict:
     """Ask for the evaluation and print it; exits 1 when the trainer could not evaluate."""
     with admin_client(settings) as client:
         client.hello()  # a router that is down is reported within seconds, not after the long wait
-        detail = client.request(
-            ControlJob(job=job, command="eval"), timeout_s=EVAL_ACK_TIMEOUT_S + REPLY_SLACK_S, retries=0
-        ).detail
+        reply = client.request(
+            ControlJob(job=job, command=JobCommand.EVAL), timeout_s=EVAL_ACK_TIMEOUT_S + REPLY_SLACK_S, retries=0
+        )
+    if not isinstance(reply, Ok):
+        fail(f"the router answered eval with {reply.type}")
+    detail = reply.detail
     if json:
         print_json(detail)
     else:
@@ -43,7 +48,7 @@ def describe(job: str, d: dict) -> str:
     """One human line (two when it failed) for an ``eval`` acknowledgement's detail."""
     if d.get("error"):
         return f"{job}: evaluation at step {d.get('step', '?')} failed: {d['error']}"
-    paused = " (the job is paused)" if d.get("state") == "paused" else ""
+    paused = " (the job is paused)" if d.get("state") == JobState.PAUSED else ""
     return (
         f"{job}: step {d['step']} (epoch {d['epoch']}) scored on {d['provider']}: "
         f"test accuracy {d['test_accuracy']:.4f}, loss {d['test_loss']:.4f} on {d['test_n']} private samples\n"

@@ -10,8 +10,10 @@ from typing import Annotated
 import typer
 
 from libbus.config import Settings
+from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JOB_STATES, SETTABLE
-from libbus.wire.messages import ControlJob, GetJob, GetModel, ListJobs, SubmitJob, frame_buffer
+from libbus.jobs.state import JobState
+from libbus.wire.messages import ControlJob, GetJob, GetModel, ListJobs, Ok, SubmitJob, frame_buffer
 
 from . import tables
 from .common import admin_client, fail, guard, print_json
@@ -145,11 +147,14 @@ def job_show(
         typer.echo(f"note: {reply.note}", err=True)
 
 
-def _control(job: str, command: str, args: dict, settings: Settings, json: bool) -> None:
+def _control(job: str, command: JobCommand, args: dict, settings: Settings, json: bool) -> None:
     """Send one ControlJob and print the acknowledgement (the trainer's, or the router's own)."""
     s = settings
     with admin_client(s) as client:
-        detail = client.request(ControlJob(job=job, command=command, args=args)).detail
+        reply = client.request(ControlJob(job=job, command=command, args=args))
+    if not isinstance(reply, Ok):  # (a Model answers only `model`, which cli/studies.py sends)
+        fail(f"the router answered {command} with {reply.type}")
+    detail = reply.detail
     if json:
         print_json(detail)
         return
@@ -164,39 +169,39 @@ def _control(job: str, command: str, args: dict, settings: Settings, json: bool)
     typer.echo(line)
 
 
-@job_app.command("stop")
+@job_app.command(JobCommand.STOP.value)
 @guard
 @admin_options
 def job_stop(job: str, *, settings: Settings, json: Json = False) -> None:
     """Stop a job; a running one checkpoints first (`busctl job resume` continues it)."""
-    _control(job, "stop", {}, settings, json)
+    _control(job, JobCommand.STOP, {}, settings, json)
 
 
-@job_app.command("pause")
+@job_app.command(JobCommand.PAUSE.value)
 @guard
 @admin_options
 def job_pause(job: str, *, settings: Settings, json: Json = False) -> None:
     """Pause a job: its trainer keeps it (and its lease) but trains on no more batches."""
-    _control(job, "pause", {}, settings, json)
+    _control(job, JobCommand.PAUSE, {}, settings, json)
 
 
-@job_app.command("resume")
+@job_app.command(JobCommand.RESUME.value)
 @guard
 @admin_options
 def job_resume(job: str, *, settings: Settings, json: Json = False) -> None:
     """Resume a paused job, or queue a stopped or failed one again from its last checkpoint."""
-    _control(job, "resume", {}, settings, json)
+    _control(job, JobCommand.RESUME, {}, settings, json)
 
 
-@job_app.command("checkpoint")
+@job_app.command(JobCommand.CHECKPOINT.value)
 @guard
 @admin_options
 def job_checkpoint(job: str, *, settings: Settings, json: Json = False) -> None:
     """Make the trainer write a checkpoint now; prints its path and sha256."""
-    _control(job, "checkpoint", {}, settings, json)
+    _control(job, JobCommand.CHECKPOINT, {}, settings, json)
 
 
-@job_app.command("set")
+@job_app.command(JobCommand.SET.value)
 @guard
 @admin_options
 def job_set(
@@ -216,10 +221,10 @@ def job_set(
             sep = ""
         if not sep:
             fail(f"expected NAME=NUMBER such as lr=0.01, got {pair!r}", 2)
-    _control(job, "set", args, settings, json)
+    _control(job, JobCommand.SET, args, settings, json)
 
 
-@job_app.command("eval")
+@job_app.command(JobCommand.EVAL.value)
 @guard
 @admin_options
 def job_eval(job: str, *, settings: Settings, json: Json = False) -> None:
@@ -230,7 +235,7 @@ def job_eval(job: str, *, settings: Settings, json: Json = False) -> None:
     evaluate_job(settings, job, json=json)
 
 
-@job_app.command("model")
+@job_app.command(JobCommand.MODEL.value)
 @guard
 @admin_options
 def job_model(
@@ -269,5 +274,5 @@ def job_watch(job: str, *, settings: Settings) -> None:
     s = settings
     with admin_client(s) as client:
         final = watch_job(client, job)
-    if final["state"] != "succeeded":
+    if final["state"] != JobState.SUCCEEDED:
         raise typer.Exit(1)

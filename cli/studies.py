@@ -15,6 +15,7 @@ import typer
 
 from libbus.config import Settings
 from libbus.errors import BadRequest
+from libbus.jobs.commands import JobCommand
 from libbus.wire.messages import ControlJob, GetStudy, ListStudies, Model, StopStudy, SubmitStudy, frame_buffer
 
 from .common import admin_client, fail, guard, print_json
@@ -170,7 +171,9 @@ def current_model(job: str, out: Path, settings: Settings) -> None:
 
     with admin_client(settings) as client:
         client.hello()
-        reply = client.request(ControlJob(job=job, command="model"), timeout_s=EVAL_ACK_TIMEOUT_S + 15, retries=0)
+        reply = client.request(
+            ControlJob(job=job, command=JobCommand.MODEL), timeout_s=EVAL_ACK_TIMEOUT_S + 15, retries=0
+        )
     if not isinstance(reply, Model):
         fail(f"job {job}: the trainer sent no weights: {reply.detail.get('error', reply.detail)}")
     data = bytes(frame_buffer(reply.frames[0]))

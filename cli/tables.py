@@ -7,6 +7,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from libbus.jobs.state import JobState
+
 __all__ = ["fmt_result", "job", "jobs", "peers", "queues", "refusals", "segments", "settings", "stage_tables", "stages"]
 
 console = Console()
@@ -62,7 +64,7 @@ def job(info: dict) -> None:
         f"[bold]{info['id']}[/] {info['state']}  trainer {info.get('trainer') or '-'}  attempts {info['attempts']}"
     )
     gang = info.get("gang")
-    if gang and info["state"] in ("running", "paused"):
+    if gang and JobState(info["state"]).holding:
         ranks = ", ".join(f"{rank}: {name}" for rank, name in enumerate(gang["members"]))
         console.print(f"gang: rank {ranks}; rendezvous {gang['rendezvous'] or '(rank 0 not there yet)'}")
     spec = info["spec"]
@@ -99,7 +101,7 @@ def job(info: dict) -> None:
         )
     for p in info.get("progress_history", []):
         console.print(
-            f"  {time.strftime('%H:%M:%S', time.localtime(p['at']))} {p.get('state', 'running'):<8} "
+            f"  {time.strftime('%H:%M:%S', time.localtime(p['at']))} {p.get('state', JobState.RUNNING):<8} "
             f"epoch {p.get('epoch')}/{p.get('epochs')} step {p.get('step')} loss {p.get('loss') or 0:.4f} "
             f"{p.get('samples_per_s', 0):.0f} samples/s data wait {p.get('data_wait_pct', 0):.0f}%"
         )

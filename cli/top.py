@@ -23,6 +23,7 @@ from rich.text import Text
 from libbus.config import Settings
 from libbus.connect.client import Client
 from libbus.errors import BusError
+from libbus.jobs.state import JobState
 from libbus.wire.messages import ListJobs, ListPeers, Stats
 
 from .common import admin_client, print_json
@@ -31,7 +32,7 @@ from .tables import refusals, stage_tables
 __all__ = ["collect", "frame", "render", "top_command"]
 
 #: Jobs that hold a trainer, listed with a progress bar.
-ACTIVE_STATES = ("running", "paused")
+ACTIVE_STATES = (JobState.RUNNING, JobState.PAUSED)
 #: Queued jobs listed (the rest are counted).
 QUEUED_SHOWN = 5
 
@@ -45,8 +46,8 @@ def collect(client: Client) -> dict:
         "peers": client.request(ListPeers(), retries=0).peers,
         "jobs": [],
     }
-    for state in (*ACTIVE_STATES, "queued"):
-        limit = QUEUED_SHOWN if state == "queued" else 1000
+    for state in (*ACTIVE_STATES, JobState.QUEUED):
+        limit = QUEUED_SHOWN if state is JobState.QUEUED else 1000
         snapshot["jobs"] += client.request(ListJobs(state=state, limit=limit), retries=0).jobs
     return snapshot
 
@@ -137,7 +138,7 @@ def frame(snapshot: dict, previous: dict | None) -> dict:
                 "priority": j.get("priority", 0),
             }
             for j in snapshot["jobs"]
-            if j["state"] == "queued"
+            if j["state"] == JobState.QUEUED
         ],
         "pipelines": {name: s["pipelines"] for name, s in services.items() if s.get("pipelines")},
     }
@@ -233,7 +234,9 @@ def draw(f: dict) -> RenderableType:
         box=box.SIMPLE_HEAD,
     )
     for t in f["trainers"]:
-        state = {"paused": "[yellow]paused[/]", "running": "[green]running[/]"}.get(t["state"], "[dim]idle[/]")
+        state = {JobState.PAUSED: "[yellow]paused[/]", JobState.RUNNING: "[green]running[/]"}.get(
+            t["state"], "[dim]idle[/]"
+        )
         trainers.add_row(
             t["name"],
             t["job"] or "-",

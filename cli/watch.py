@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from libbus.connect.client import Client
 from libbus.jobs.spec import TERMINAL_STATES
+from libbus.jobs.state import JobState
 from libbus.wire.messages import GetJob
 
 __all__ = ["watch_job"]
@@ -53,7 +54,7 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
             info = client.request(GetJob(job=job)).job
             p = info.get("progress") or {}
             history = p.get("history", [])
-            if p and info["state"] in ("running", "paused"):
+            if p and JobState(info["state"]).holding:
                 # after the last epoch (validation, provider-side test) the last bar stays full
                 current = min(p["epoch"], p["epochs"] - 1)
                 within = p["step"] - current * p["steps_per_epoch"]
@@ -63,7 +64,7 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
                     loss=f"{p['loss']:.4f}" if p.get("loss") is not None else "-",
                     rate=f"{p.get('samples_per_s', 0):.0f}",
                     wait=f"{p.get('data_wait_pct', 0):.0f}",
-                    state="[yellow]paused[/]" if info["state"] == "paused" else "",
+                    state="[yellow]paused[/]" if info["state"] == JobState.PAUSED else "",
                 )
                 if bar is None or current != bar_epoch:
                     if bar is not None:
@@ -77,14 +78,14 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
                 )
             shown_epochs = max(shown_epochs, len(history))
             if info["state"] in TERMINAL_STATES:
-                if bar is not None and info["state"] == "succeeded":
+                if bar is not None and info["state"] == JobState.SUCCEEDED:
                     close(history, (info.get("result") or {}).get("samples_per_s"))
                 break
             if deadline is not None and time.monotonic() > deadline:
                 break
             time.sleep(POLL_S)
     result = info.get("result") or {}
-    if info["state"] == "succeeded":
+    if info["state"] == JobState.SUCCEEDED:
         line = f"job {job} succeeded: val accuracy {result.get('val_accuracy', 0):.4f}"
         if "test_accuracy" in result:
             line += (

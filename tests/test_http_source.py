@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -326,3 +327,16 @@ def test_https_with_a_ca_file_and_an_untrusted_certificate(tmp_path):
             open_source(f"{url}&ca=/nowhere.pem")
     finally:
         tls.close()
+
+
+def test_a_closed_http_source_leaves_no_request_thread_behind(tmp_path, server):
+    """A dataset behind HTTP releases its range client (the threads that fetch a batch's runs) when closed."""
+    write_shards(tmp_path / "tok", np.random.default_rng(11))
+    source = open_source(f"{server.url}/tok/shard-{{00..03}}.bin?seq_len=9&token_bytes=2&{FAST}")
+    source.read("train", np.array([0, 2, 4, 6]))  # four runs: fetched on the client's threads
+    busy = [t for t in threading.enumerate() if t.name.startswith("http-range")]
+    assert busy, "no request thread ran: this test no longer tests their release"
+    source.close()
+    for t in busy:
+        t.join(5)
+        assert not t.is_alive()

@@ -1,7 +1,9 @@
 """The source contract (tests/support/contract.py) over every scheme the registry knows: mock, dummy, file
-(in RAM and streamed), http, parquet, weighted and pipeline; resident memory that stays bounded while a
-streamed dataset is read whole; a clear error, naming the file, for a file cut short. A new scheme gets a
-case here (the first test fails until it has one)."""
+(in RAM and streamed), http, parquet, weighted and pipeline; and over every layout the layout registry
+lists at every location it declares (local files, HTTP through the loopback server, S3 through moto), the
+same samples wherever the files are; resident memory that stays bounded while a streamed dataset is read
+whole; a clear error, naming the file, for a file cut short. A new scheme gets a case here, a new layout a
+small example (the tests fail until they have one)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from libbus.errors import DatasetError
-from services.provider.sources import OPENERS, open_source
+from services.provider.sources import OPENERS, layouts, open_source
 from services.provider.sources.formats import dataset
-from tests.support.contract import check_fields_contract, check_source_contract, peak_rss
+from services.provider.sources.formats.location import KINDS
+from services.provider.sources.layouts import FORMATS
+from tests.support import layout_example
+from tests.support.contract import check_encoded_contract, check_fields_contract, check_source_contract, peak_rss
+from tests.support.formats import build_cifar, build_idx, build_npy, build_raw, build_tokens_bin, expected_splits
 from tests.support.httpd import RangeServer
 from tests.support.images import write_imagefolder, write_shards
 from tests.support.s3server import S3Server
@@ -215,3 +221,91 @@ def test_a_closed_file_source_leaves_no_thread_behind(tmp_path, monkeypatch):
     for t in helpers:
         t.join(5)
         assert not t.is_alive()
+
+
+# -- every layout at every location ----------------------------------------------------------------
+
+
+def write_layout(name: str, d: Path) -> tuple[str, dict | None]:
+    """A small dataset of layout ``name`` written into ``d``: (the URI query that opens it, what each split
+    must serve, or None where the bytes are decoded images and the local files are the reference)."""
+    d.mkdir(parents=True)
+    rng = np.random.default_rng(len(name))
+    tables = {"raw": build_raw, "idx": build_idx, "cifar10": build_cifar, "npy": build_npy, "tokens": build_tokens_bin}
+    if name in tables:
+        built = tables[name](d, rng)
+        return built.query.lstrip("&"), expected_splits(built)
+    if name == "parquet":
+        return "val_fraction=0", write_parquet(d, rng)
+    if name == "imagefolder":
+        write_imagefolder(d, per_class=4, classes=2, splits=("train", "test"))
+        return "size=8&workers=2", None
+    if name == "webdataset":
+        write_shards(d, "train", shards=2, per_shard=5)
+        return "size=8&workers=2", None
+    if name == "text":
+        lines = [f"document {i}: {'word ' * (i % 5)}".strip() for i in range(30)]
+        (d / "train.txt").write_text("\n".join(lines) + "\n")
+        return "encoded=1&val_fraction=0", {"train": lines}
+    raise AssertionError(f"no example of layout {name!r}: add one to write_layout in tests/test_sources_contract.py")
+
+
+def located(kind: str, name: str, d: Path, query: str, server: RangeServer, request) -> str:
+    """The URI of the files in ``d`` at a location of ``kind``."""
+    if kind == "file":
+        return f"file://{d}?{query}"
+    if kind == "http":  # HTTP cannot list a directory: the files are named
+        files = ",".join(sorted(p.name for p in d.iterdir() if p.is_file() and not p.name.startswith(".")))
+        return f"{server.url}/{d.relative_to(server.root)}/?files={files}&retries=1&backoff=0.01&{query}"
+    prefix = f"{d.parent.name}-{name}"
+    request.getfixturevalue("s3").put_dir("layouts", prefix, d)
+    return f"s3://layouts/{prefix}/?retries=2&backoff=0.01&{query}"
+
+
+LAYOUTS = [pytest.param(f.name, kind, id=f"{f.name}-{kind}") for f in FORMATS for kind in f.where]
+
+
+@pytest.mark.parametrize("name, kind", LAYOUTS)
+def test_every_layout_keeps_the_contract_at_every_location(name, kind, tmp_path, server, request, monkeypatch):
+    """A layout reads the same samples wherever its files are: the contract at each location the
+    registry declares for it, and the same bytes as the local files."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # remote shard indexes
+    d = tmp_path / "data"
+    query, reference = write_layout(name, d)
+    source = open_source(located(kind, name, d, query, server, request))
+    local = open_source(f"file://{d}?{query}") if kind != "file" else None
+    try:
+        assert source.info()["format"] == name
+        if local is not None:  # first: the contract's handler closes the source when done
+            for split in ("train", "val"):
+                n = local.num_samples(split)
+                assert source.num_samples(split) == n, split
+                if n and source.xy:
+                    idx = np.arange(n)[::-1].copy()
+                    (x, y), (lx, ly) = source.read(split, idx), local.read(split, idx)
+                    assert x.tobytes() == lx.tobytes() and y.tobytes() == ly.tobytes(), split
+        if source.kind == "encoded":
+            check_encoded_contract(source, reference)
+        elif source.xy:
+            check_source_contract(source, reference)
+        else:
+            check_fields_contract(source, reference)
+    finally:
+        source.close()
+        if local is not None:
+            local.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_new_layout_is_one_module_and_one_registry_line(kind, tmp_path, server, request, monkeypatch):
+    """tests/support/layout_example.py is written as a new layout is; its registry line is all it takes
+    to read it at every location."""
+    monkeypatch.setattr(layouts, "FORMATS", (*layouts.FORMATS, layout_example.FORMAT))
+    d = tmp_path / "data"
+    reference = layout_example.write_rows(d, np.random.default_rng(5))
+    source = open_source(located(kind, "rows", d, "", server, request))
+    try:
+        assert source.info()["format"] == "rows"
+        check_source_contract(source, reference)
+    finally:
+        source.close()

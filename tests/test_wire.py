@@ -129,3 +129,61 @@ def test_an_older_wire_version_is_refused_naming_both_and_answered_under_its_tag
         decode([b"BB1", head(type="Stats", id=4)])
     assert encode(error_reply(4, caught.value))[0] == b"BB1"  # the old peer can read its refusal
     assert encode(error_reply(4, BadRequest("x")))[0] == PROTOCOL
+
+
+def test_every_registered_message_is_exported_once_by_its_family_and_the_face():
+    from libbus.wire import messages, msg_data, msg_jobs
+
+    families = {msg_data.__name__: msg_data.__all__, msg_jobs.__name__: msg_jobs.__all__}
+    for name, cls in MESSAGE_TYPES.items():
+        assert cls.type == name and name in families[cls.__module__], f"{name} missing from its family's __all__"
+        assert getattr(messages, name) is cls
+    assert len(messages.__all__) == len(set(messages.__all__))
+    assert set(MESSAGE_TYPES) <= set(messages.__all__)
+
+
+def test_a_message_name_declared_twice_is_refused_at_import():
+    from libbus.wire.frames import Message, message
+
+    with pytest.raises(TypeError, match="'Ok' is declared twice"):
+
+        @message
+        class Ok(Message):  # noqa: F811 - the clash is the point
+            pass
+
+    assert MESSAGE_TYPES["Ok"].__module__ == "libbus.wire.msg_data"
+
+
+def test_every_request_names_its_reply_types_and_they_are_messages():
+    from libbus.wire.messages import ControlJob, GetJob, GetTask, JobInfo, Model, NoTask, Ok, Request, Task
+
+    requests = {name: cls for name, cls in MESSAGE_TYPES.items() if issubclass(cls, Request)}
+    assert len(requests) >= 25
+    for cls in requests.values():
+        assert cls.reply_types() and all(r.type in MESSAGE_TYPES for r in cls.reply_types())
+    assert GetJob.reply_types() == (JobInfo,)
+    assert ControlJob.reply_types() == (Ok, Model) and GetTask.reply_types() == (Task, NoTask)
+
+
+def test_a_handler_serves_what_its_methods_are_marked_with_mixins_included():
+    from libbus.serve.handler import Handler, serves
+    from libbus.wire.messages import GetJob, JobInfo, Stats, StatsReply
+
+    class Mixin:
+        @serves(Stats, "admin", "trainer")
+        def on_stats(self, session, msg):
+            return StatsReply(services={"seen": msg.id})
+
+    class Service(Mixin, Handler):
+        @serves(GetJob, "admin")
+        def on_get_job(self, session, msg):
+            return JobInfo(job={"id": msg.job})
+
+    assert Service.roles == {"Stats": ("admin", "trainer"), "GetJob": ("admin",)}
+    service = Service()
+    assert service.handle(None, GetJob(job="j1")).job == {"id": "j1"}
+    assert service.handle(None, Stats(id=4)).services == {"seen": 4}
+    with pytest.raises(BadRequest, match="Service does not serve Hello"):
+        service.handle(None, Hello(role="admin", name="a", token="t"))
+    with pytest.raises(TypeError, match="names no role"):
+        serves(GetJob)

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar, overload
 
 import zmq
 
@@ -24,7 +25,7 @@ from libbus.constants import HELLO_TIMEOUT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from libbus.errors import AuthExpired, AuthInvalid, AuthRequired, BusError, ConfigError, PeerTimeout, error_from_code
 from libbus.security.admission import admit_client
 from libbus.security.curve import CurveKeys, secure_client
-from libbus.wire.frames import WrongVersion
+from libbus.wire.frames import Request, WrongVersion
 from libbus.wire.messages import Error, Goodbye, Heartbeat, Hello, Message, Welcome, decode, request_id_of
 from libbus.wire.sockets import SocketLimits, drain_monitor, make_socket, send_message
 
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 #: How long a closing client's Goodbye may wait to leave (the process may exit right after).
 GOODBYE_LINGER_MS = 200
+
+R = TypeVar("R", bound=Message)
 
 
 @dataclass
@@ -291,11 +294,18 @@ class Client:
         return reply
 
     # -- request/reply ------------------------------------------------------------------------
+    @overload
+    def request(self, msg: Request[R], *, timeout_s: float | None = None, retries: int | None = None) -> R: ...
+
+    @overload
+    def request(self, msg: Message, *, timeout_s: float | None = None, retries: int | None = None) -> Message: ...
+
     def request(self, msg: Message, *, timeout_s: float | None = None, retries: int | None = None) -> Message:
         """Send ``msg`` and return its reply, resending on a fresh connection after a timeout.
 
-        Raises the typed :class:`BusError` of an ``Error`` reply, or :class:`PeerTimeout` after
-        ``retries`` resends went unanswered.
+        For the type checker, a :class:`Request` gets its declared reply type (``request(GetJob(...))`` is
+        a ``JobInfo``). Raises the typed :class:`BusError` of an ``Error`` reply, or :class:`PeerTimeout`
+        after ``retries`` resends went unanswered.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         retries = self.retries if retries is None else retries
@@ -329,7 +339,7 @@ class Client:
                 self.reset()
                 continue
             try:
-                return self.check(reply)
+                answer = self.check(reply)
             except (AuthRequired, AuthExpired) as err:
                 # The server dropped our idle session, or our token ran out: say Hello again
                 # (with a fresh token when the identity mints them), once per request.
@@ -337,6 +347,8 @@ class Client:
                     raise
                 rehello_done = True
                 self.session = None
+                continue
+            return answer  # a Request's reply type, by the protocol (the overloads above say so)
 
 
 def connect(endpoint: str, identity: Identity, **kw) -> Client:

@@ -19,17 +19,20 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TypeVar, overload
 
 import zmq
 
 from libbus.connect.client import Client, Identity
 from libbus.errors import AuthExpired, AuthInvalid, BusError, Forbidden, PeerTimeout, error_from_code
-from libbus.wire.messages import Error, Heartbeat, Message, Welcome
+from libbus.wire.messages import Error, Heartbeat, Message, Request, Welcome
 from libbus.wire.sockets import SocketLimits
 
 __all__ = ["Link"]
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Message)
 
 _FATAL = (AuthInvalid, AuthExpired, Forbidden)
 #: Most messages taken per turn of the link's loop before its timers run again.
@@ -92,8 +95,15 @@ class Link:
                 return False
         return True
 
+    @overload
+    def request(self, msg: Request[R], timeout_s: float = 10.0) -> R: ...
+
+    @overload
+    def request(self, msg: Message, timeout_s: float = 10.0) -> Message: ...
+
     def request(self, msg: Message, timeout_s: float = 10.0) -> Message:
-        """Send ``msg`` to the router and wait for the reply (thread-safe).
+        """Send ``msg`` to the router and wait for the reply (thread-safe); for the type checker, a
+        :class:`Request` gets its declared reply type.
 
         Raises the reply's typed error, or :class:`PeerTimeout` if no reply came within ``timeout_s``
         (including time spent waiting for the router to come back).

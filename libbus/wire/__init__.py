@@ -1,20 +1,19 @@
 """The wire: frames and their protocol tag, the header schema, every message type (session, data, jobs),
 socket options, and the named-field batch layout both ends share.
 
-This face re-exports every submodule's ``__all__``; inside libbus, import the submodule itself."""
+This face re-exports every submodule's ``__all__`` (:mod:`libbus.wire.messages`, the messages' own face,
+is the families' and the frames' together); inside libbus, import the submodule itself."""
 
 from __future__ import annotations
 
 from libbus.wire import fields as _fields
 from libbus.wire import frames as _frames
-from libbus.wire import messages as _messages
 from libbus.wire import msg_data as _msg_data
 from libbus.wire import msg_jobs as _msg_jobs
 from libbus.wire import schema as _schema
 from libbus.wire import sockets as _sockets
 from libbus.wire.fields import *  # noqa: F403
 from libbus.wire.frames import *  # noqa: F403
-from libbus.wire.messages import *  # noqa: F403
 from libbus.wire.msg_data import *  # noqa: F403
 from libbus.wire.msg_jobs import *  # noqa: F403
 from libbus.wire.schema import *  # noqa: F403
@@ -23,7 +22,6 @@ from libbus.wire.sockets import *  # noqa: F403
 __all__ = [
     *_fields.__all__,
     *_frames.__all__,
-    *_messages.__all__,
     *_msg_data.__all__,
     *_msg_jobs.__all__,
     *_schema.__all__,

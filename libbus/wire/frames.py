@@ -1,5 +1,6 @@
-"""The batchbus wire format: the :class:`Message` base, the registry of message types, and the only
-code that touches frame positions.
+"""The batchbus wire format: the :class:`Message` base, the :func:`message` decorator that registers a
+message type, :class:`Request` (a message that declares its reply), and the only code that touches frame
+positions.
 
 A message is ``[b"BB2", header, *payload]``: ``header`` is an orjson object with ``type`` and the
 message's fields; bulk data (indices, samples, labels, weights) travels only in ``payload`` frames.
@@ -13,15 +14,19 @@ Field types are checked on decode against the dataclass annotations, so a handle
 ``msg.field`` to have its declared type. Unknown header keys are ignored (forward compatibility).
 
 The message classes themselves live by family in :mod:`libbus.wire.msg_data` and :mod:`libbus.wire.msg_jobs`;
-each registers itself in :data:`MESSAGE_TYPES` when its module is imported, which
-:mod:`libbus.wire.messages` (the public face) does for all of them.
+each is declared with ``@message``, which makes it a keyword-only dataclass and registers it in
+:data:`MESSAGE_TYPES` under its class name when its module is imported (:mod:`libbus.wire.messages`, the
+public face, imports every family). A request names its reply once, as its base:
+``class GetJob(Request["JobInfo"])``; :meth:`libbus.connect.client.Client.request` then returns a ``JobInfo``
+to the type checker (the reply is not checked at run time: a test handler may answer as it likes).
 """
 
 from __future__ import annotations
 
 import re
+import types
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, ForwardRef, Generic, TypeVar, dataclass_transform, get_args, get_origin
 
 import orjson
 
@@ -32,6 +37,8 @@ from libbus.wire.schema import schema_of, too_deep, type_name
 __all__ = [
     "Message",
     "MESSAGE_TYPES",
+    "Request",
+    "message",
     "WrongVersion",
     "encode",
     "decode",
@@ -72,16 +79,68 @@ class Message:
     id: int = 0
     frames: list = field(default_factory=list, repr=False, compare=False)
 
-    def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw)
-        cls.type = cls.__name__
-        MESSAGE_TYPES[cls.type] = cls
-
     def header(self) -> dict[str, Any]:
         out = {"type": self.type}
         for name in schema_of(type(self)):
             out[name] = getattr(self, name)
         return out
+
+
+ReplyT = TypeVar("ReplyT", bound=Message, covariant=True)
+
+
+@dataclass(kw_only=True)
+class Request(Message, Generic[ReplyT]):
+    """A message its receiver answers with a ``ReplyT`` (or an ``Error``). A request class names its
+    reply once, as its base: ``class GetJob(Request["JobInfo"])``, a union for several
+    (``Request["Task | NoTask"]``); quoted when the reply is declared further down."""
+
+    @classmethod
+    def reply_types(cls) -> tuple[type[Message], ...]:
+        """The message types this request may be answered with (besides ``Error``), from its base."""
+        found = _REPLIES.get(cls)
+        if found is None:
+            found = _REPLIES[cls] = _replies_of(cls)
+        return found
+
+
+_REPLIES: dict[type, tuple[type[Message], ...]] = {}
+
+
+def _replies_of(cls: type) -> tuple[type[Message], ...]:
+    for klass in cls.__mro__:
+        for base in klass.__dict__.get("__orig_bases__", ()):
+            if get_origin(base) is not Request:
+                continue
+            (reply,) = get_args(base)
+            if isinstance(reply, ForwardRef):
+                kinds: tuple = tuple(MESSAGE_TYPES.get(name.strip()) for name in reply.__forward_arg__.split("|"))
+            else:
+                kinds = get_args(reply) if isinstance(reply, types.UnionType) else (reply,)
+            out: list[type[Message]] = []
+            for kind in kinds:
+                if not (isinstance(kind, type) and issubclass(kind, Message)):
+                    raise TypeError(f"{cls.__name__}: Request[...] must name registered message types, got {reply!r}")
+                out.append(kind)
+            return tuple(out)
+    raise TypeError(f"{cls.__name__} names no reply: declare it as Request[ReplyType]")
+
+
+M = TypeVar("M", bound=type[Message])
+
+
+@dataclass_transform(kw_only_default=True, field_specifiers=(field,))
+def message(cls: M) -> M:
+    """Class decorator: ``cls`` becomes a keyword-only dataclass and a message type of the wire, named
+    by its class name (the header's ``type``). The one way to declare a message; a name used twice is
+    refused at import."""
+    dataclass(kw_only=True)(cls)  # in place: the class itself comes back
+    name = cls.__name__
+    if name in MESSAGE_TYPES:
+        raise TypeError(f"message type {name!r} is declared twice ({MESSAGE_TYPES[name].__module__}, {cls.__module__})")
+    cls.type = name
+    MESSAGE_TYPES[name] = cls
+    return cls
 
 
 # -- encode / decode -------------------------------------------------------------------------

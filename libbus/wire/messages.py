@@ -1,129 +1,26 @@
-"""Every message on the batchbus wire, defined once: its type name, header fields and payload frames.
+"""Every message on the batchbus wire, defined once: its type name, header fields, payload frames and,
+for a request, its reply.
 
 This is the public face: import messages, :func:`encode`, :func:`decode` and the frame helpers from
-here. The definitions live in one place each: the wire format (the :class:`Message` base, the type
-registry, encode/decode, frame helpers) in :mod:`libbus.wire.frames`; the message classes by family in
-:mod:`libbus.wire.msg_data` (session, datasets, shared memory, evaluation, pipeline control, stats and peers,
-security) and :mod:`libbus.wire.msg_jobs` (jobs, commands to trainers, studies). Importing this module
-imports every family, which registers every message type in :data:`MESSAGE_TYPES`.
+here. The definitions live in one place each: the wire format (the :class:`Message` base, the
+:func:`message` decorator and the type registry, :class:`Request`, encode/decode, frame helpers) in
+:mod:`libbus.wire.frames`; the message classes by family in :mod:`libbus.wire.msg_data` (session,
+datasets, shared memory, evaluation, pipeline control, stats and peers, security) and
+:mod:`libbus.wire.msg_jobs` (jobs, commands to trainers, studies). Importing this module imports every
+family, which registers every message type in :data:`MESSAGE_TYPES`; the exports are assembled from the
+families' own ``__all__`` (as pyzmq's are), so no message name is written here.
 
-A message is ``[b"BB1", header, *payload]``: ``header`` is an orjson object with ``type`` and the
+A message is ``[b"BB2", header, *payload]``: ``header`` is an orjson object with ``type`` and the
 message's fields; bulk data (indices, samples, labels, weights) travels only in ``payload`` frames.
 """
 
 from __future__ import annotations
 
-from libbus.wire.frames import MESSAGE_TYPES, Message, decode, encode, frame_buffer, request_id_of
-from libbus.wire.msg_data import (
-    AttachRing,
-    BatchRequest,
-    BatchResponse,
-    DatasetInfo,
-    DatasetInfoRequest,
-    Entitlements,
-    Error,
-    Evaluate,
-    Evaluation,
-    Goodbye,
-    Heartbeat,
-    Hello,
-    ListPeers,
-    ListRevoked,
-    Ok,
-    PeerList,
-    Resolve,
-    Resolved,
-    RevokedList,
-    RevokeToken,
-    RingAttached,
-    StageControl,
-    Stats,
-    StatsReply,
-    Welcome,
-    error_reply,
-)
-from libbus.wire.msg_jobs import (
-    Checkpointed,
-    Command,
-    CommandAck,
-    ControlJob,
-    GetJob,
-    GetModel,
-    GetStudy,
-    GetTask,
-    JobInfo,
-    JobList,
-    JobSubmitted,
-    ListJobs,
-    ListStudies,
-    Model,
-    NoTask,
-    Progress,
-    PushResult,
-    Rendezvous,
-    StopStudy,
-    StudyInfo,
-    StudyList,
-    SubmitJob,
-    SubmitStudy,
-    Task,
-)
+from libbus.wire import frames as _frames
+from libbus.wire import msg_data as _msg_data
+from libbus.wire import msg_jobs as _msg_jobs
+from libbus.wire.frames import *  # noqa: F403
+from libbus.wire.msg_data import *  # noqa: F403
+from libbus.wire.msg_jobs import *  # noqa: F403
 
-__all__ = [
-    "Message",
-    "MESSAGE_TYPES",
-    "encode",
-    "decode",
-    "error_reply",
-    "frame_buffer",
-    "request_id_of",
-    "Hello",
-    "Welcome",
-    "Heartbeat",
-    "Error",
-    "Ok",
-    "Resolve",
-    "Resolved",
-    "DatasetInfoRequest",
-    "DatasetInfo",
-    "BatchRequest",
-    "BatchResponse",
-    "AttachRing",
-    "RingAttached",
-    "SubmitJob",
-    "JobSubmitted",
-    "ListJobs",
-    "JobList",
-    "GetJob",
-    "JobInfo",
-    "ControlJob",
-    "GetTask",
-    "Task",
-    "Rendezvous",
-    "NoTask",
-    "Progress",
-    "PushResult",
-    "Command",
-    "CommandAck",
-    "Checkpointed",
-    "GetModel",
-    "Model",
-    "Evaluate",
-    "Evaluation",
-    "StageControl",
-    "Stats",
-    "StatsReply",
-    "ListPeers",
-    "PeerList",
-    "RevokeToken",
-    "ListRevoked",
-    "RevokedList",
-    "Entitlements",
-    "Goodbye",
-    "SubmitStudy",
-    "ListStudies",
-    "GetStudy",
-    "StopStudy",
-    "StudyInfo",
-    "StudyList",
-]
+__all__ = [*_frames.__all__, *_msg_data.__all__, *_msg_jobs.__all__]

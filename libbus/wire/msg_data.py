@@ -1,18 +1,19 @@
 """Messages of sessions and the data plane: session, discovery and datasets, shared memory, evaluation,
-pipeline control, stats and peers, security. Each class registers itself with :mod:`libbus.wire.frames` when
-this module is imported; import them from :mod:`libbus.wire.messages`.
+pipeline control, stats and peers, security. Each is declared with :func:`~libbus.wire.frames.message`
+(which registers it) and, when it is a request, names its reply as its base; import them from
+:mod:`libbus.wire.messages`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, ClassVar
 
 import numpy as np
 
 from libbus.constants import MAX_BATCH_INDICES, MAX_FRAMES
 from libbus.errors import BadRequest, BusError, OutOfRange, TooLarge
-from libbus.wire.frames import Message, WrongVersion, frame_buffer
+from libbus.wire.frames import Message, Request, WrongVersion, frame_buffer, message
 
 __all__ = [
     "REPLICA_FIELDS",
@@ -49,8 +50,8 @@ __all__ = [
 # -- session -------------------------------------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class Hello(Message):
+@message
+class Hello(Request["Welcome"]):
     """First message on every connection: who I am, and the token that proves it."""
 
     role: str
@@ -62,32 +63,32 @@ class Hello(Message):
     caps: dict = field(default_factory=dict)
 
 
-@dataclass(kw_only=True)
+@message
 class Welcome(Message):
     session: str
     heartbeat_ms: int
 
 
-@dataclass(kw_only=True)
+@message
 class Heartbeat(Message):
     """Both ways, every heartbeat interval. Services carry their queue metrics in ``stats``."""
 
     stats: dict = field(default_factory=dict)
 
 
-@dataclass(kw_only=True)
+@message
 class Goodbye(Message):
     """Client → any service, no reply: the client is done; the service closes its session now
     instead of keeping it until it expires."""
 
 
-@dataclass(kw_only=True)
+@message
 class Error(Message):
     code: str
     message: str
 
 
-@dataclass(kw_only=True)
+@message
 class Ok(Message):
     """A plain acknowledgement."""
 
@@ -106,24 +107,24 @@ def error_reply(request_id: int, err: BusError) -> Error:
 # -- discovery and datasets -------------------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class Resolve(Message):
+@message
+class Resolve(Request["Resolved"]):
     dataset: str
 
 
-@dataclass(kw_only=True)
+@message
 class Resolved(Message):
     dataset: str
     info: dict
     providers: list
 
 
-@dataclass(kw_only=True)
-class DatasetInfoRequest(Message):
+@message
+class DatasetInfoRequest(Request["DatasetInfo"]):
     dataset: str
 
 
-@dataclass(kw_only=True)
+@message
 class DatasetInfo(Message):
     """What a trainer needs to size its model and its requests. See docs/protocol.md for ``info``.
 
@@ -137,8 +138,8 @@ class DatasetInfo(Message):
     local_endpoint: str = ""
 
 
-@dataclass(kw_only=True)
-class BatchRequest(Message):
+@message
+class BatchRequest(Request["BatchResponse"]):
     """Samples by index: either ``range=[start, end)`` or one int64 payload frame of indices
     (:meth:`for_indices` picks, :meth:`indices` reads them back, checked).
 
@@ -201,7 +202,7 @@ class BatchRequest(Message):
         return indices
 
 
-@dataclass(kw_only=True)
+@message
 class BatchResponse(Message):
     """A batch's fields, C-contiguous, their shapes and dtypes in the header, or no frames when the
     batch is in ring slot ``slot`` under sequence ``seq``.
@@ -224,8 +225,8 @@ class BatchResponse(Message):
 # -- shared memory ------------------------------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class AttachRing(Message):
+@message
+class AttachRing(Request["RingAttached"]):
     """Map the trainer's ring ``name`` (same host only) for this session's batch requests.
 
     The provider checks the ring's header (magic, version) and geometry against these fields, and
@@ -238,7 +239,7 @@ class AttachRing(Message):
     label_offset: int
 
 
-@dataclass(kw_only=True)
+@message
 class RingAttached(Message):
     name: str
 
@@ -246,8 +247,8 @@ class RingAttached(Message):
 # -- evaluation ------------------------------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class Evaluate(Message):
+@message
+class Evaluate(Request["Evaluation"]):
     """Weights (safetensors bytes) in one payload frame; the provider scores them on its test split."""
 
     nframes: ClassVar[tuple[int, int]] = (1, 1)
@@ -257,7 +258,7 @@ class Evaluate(Message):
     split: str = "test"
 
 
-@dataclass(kw_only=True)
+@message
 class Evaluation(Message):
     loss: float
     accuracy: float
@@ -267,8 +268,8 @@ class Evaluation(Message):
 # -- pipeline control ----------------------------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class StageControl(Message):
+@message
+class StageControl(Request[Ok]):
     """Admin → provider: ``command`` for ``stage`` of pipeline ``dataset`` (``""``: the one pipeline
     with such a stage). Reply: ``Ok{detail: {dataset, stage, type, result}}``."""
 
@@ -281,22 +282,22 @@ class StageControl(Message):
 # -- stats and peers -------------------------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class Stats(Message):
+@message
+class Stats(Request["StatsReply"]):
     pass
 
 
-@dataclass(kw_only=True)
+@message
 class StatsReply(Message):
     services: dict
 
 
-@dataclass(kw_only=True)
-class ListPeers(Message):
+@message
+class ListPeers(Request["PeerList"]):
     pass
 
 
-@dataclass(kw_only=True)
+@message
 class PeerList(Message):
     peers: list
 
@@ -304,8 +305,8 @@ class PeerList(Message):
 # -- security ------------------------------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class RevokeToken(Message):
+@message
+class RevokeToken(Request[Ok]):
     """Admin → router: refuse the token ``jti`` on every service until ``exp`` (its own expiry,
     after which it is dead anyway). Answered with ``Ok``."""
 
@@ -314,19 +315,19 @@ class RevokeToken(Message):
     reason: str = ""
 
 
-@dataclass(kw_only=True)
-class ListRevoked(Message):
+@message
+class ListRevoked(Request["RevokedList"]):
     pass
 
 
-@dataclass(kw_only=True)
+@message
 class RevokedList(Message):
     """``revoked``: ``[{jti, exp, at, reason}]``, newest first."""
 
     revoked: list
 
 
-@dataclass(kw_only=True)
+@message
 class Entitlements(Message):
     """Router → provider, unsolicited, when the provider connects and whenever either part changes:
     the revoked ``jti``s still unexpired, and per dataset the token subjects of the trainers

@@ -1,14 +1,15 @@
 """Messages of jobs (submission, tasks, progress, results, models, commands to trainers) and of
-studies. Each class registers itself with :mod:`libbus.wire.frames` when this module is imported; import them
-from :mod:`libbus.wire.messages`.
+studies. Each is declared with :func:`~libbus.wire.frames.message` (which registers it) and, when it is a
+request, names its reply as its base; import them from :mod:`libbus.wire.messages`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import ClassVar
 
-from libbus.wire.frames import Message
+from libbus.wire.frames import Message, Request, message
+from libbus.wire.msg_data import Ok
 
 __all__ = [
     "SubmitJob",
@@ -41,8 +42,8 @@ __all__ = [
 # -- jobs ---------------------------------------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class SubmitJob(Message):
+@message
+class SubmitJob(Request["JobSubmitted"]):
     """A job spec; an ``evaluate`` task of an uploaded model carries it as one payload frame
     (safetensors bytes), which the router keeps as ``artifact:ID``."""
 
@@ -50,13 +51,13 @@ class SubmitJob(Message):
     spec: dict
 
 
-@dataclass(kw_only=True)
+@message
 class JobSubmitted(Message):
     job: str
 
 
-@dataclass(kw_only=True)
-class ListJobs(Message):
+@message
+class ListJobs(Request["JobList"]):
     """Jobs, newest first: ``limit`` of them after the ``offset`` newest (pages)."""
 
     state: str | None = None
@@ -64,15 +65,15 @@ class ListJobs(Message):
     offset: int = 0
 
 
-@dataclass(kw_only=True)
+@message
 class JobList(Message):
     jobs: list
     #: Set when the list was cut to fit one reply: what was left out and how to see it.
     note: str = ""
 
 
-@dataclass(kw_only=True)
-class GetJob(Message):
+@message
+class GetJob(Request["JobInfo"]):
     """One job; with ``progress`` > 0 also its last ``progress`` progress reports; ``events``
     events and checkpoint records, newest first after skipping ``offset`` of them (pages)."""
 
@@ -82,24 +83,26 @@ class GetJob(Message):
     offset: int = 0
 
 
-@dataclass(kw_only=True)
+@message
 class JobInfo(Message):
     job: dict
     #: Set when history was cut to fit one reply.
     note: str = ""
 
 
-@dataclass(kw_only=True)
-class ControlJob(Message):
-    """stop, pause, resume, checkpoint, set (``args``: the hyper-parameters to change), or eval."""
+@message
+class ControlJob(Request["Ok | Model"]):
+    """Admin → router: ``command`` (a :class:`libbus.jobs.commands.JobCommand` value: stop, pause, resume,
+    checkpoint, set, eval, adopt, model) for ``job``; ``args`` for set (the hyper-parameters to change)
+    and adopt (the checkpoint to load)."""
 
     job: str
     command: str
     args: dict = field(default_factory=dict)
 
 
-@dataclass(kw_only=True)
-class GetTask(Message):
+@message
+class GetTask(Request["Task | NoTask"]):
     """Trainer → router: give me work. ``key`` names this one ask: the same ``key`` again (the
     link resends after a reconnect, the trainer asks again after a lost reply) gets the job it
     was already given, at no cost of an attempt."""
@@ -107,7 +110,7 @@ class GetTask(Message):
     key: str = ""
 
 
-@dataclass(kw_only=True)
+@message
 class Task(Message):
     """A job for the trainer that asked. In a gang (``world_size`` > 1) every rank gets one;
     ranks above 0 get theirs once rank 0 has reported ``rendezvous`` (``tcp://host:port``).
@@ -122,8 +125,8 @@ class Task(Message):
     rendezvous: str = ""
 
 
-@dataclass(kw_only=True)
-class Rendezvous(Message):
+@message
+class Rendezvous(Request[Ok]):
     """Trainer (rank 0 of a gang) → router: where the other ranks meet it (``tcp://host:port``,
     a torch.distributed TCPStore). Answered with ``Ok``."""
 
@@ -131,19 +134,19 @@ class Rendezvous(Message):
     address: str
 
 
-@dataclass(kw_only=True)
+@message
 class NoTask(Message):
     retry_ms: int
 
 
-@dataclass(kw_only=True)
-class Progress(Message):
+@message
+class Progress(Request[Ok]):
     job: str
     progress: dict
 
 
-@dataclass(kw_only=True)
-class PushResult(Message):
+@message
+class PushResult(Request[Ok]):
     """A job's end (or hand-back). A succeeded job's final weights may ride along as one payload
     frame (safetensors bytes, sha256 in ``result.model``) for the router to keep."""
 
@@ -154,14 +157,14 @@ class PushResult(Message):
     error: str = ""
 
 
-@dataclass(kw_only=True)
-class GetModel(Message):
+@message
+class GetModel(Request["Model"]):
     """Admin → router: the final weights of a succeeded job."""
 
     job: str
 
 
-@dataclass(kw_only=True)
+@message
 class Model(Message):
     """The weights as one payload frame (safetensors bytes) and their sha256; ``step`` and ``epoch``
     of a running job's current weights (``busctl job model --current``), 0 for a final model."""
@@ -174,9 +177,9 @@ class Model(Message):
     epoch: int = 0
 
 
-@dataclass(kw_only=True)
+@message
 class Command(Message):
-    """Router → trainer, unsolicited (``id`` 0): stop, pause, resume, checkpoint, set, eval.
+    """Router → trainer, unsolicited (``id`` 0): a :class:`libbus.jobs.commands.JobCommand` value.
     The trainer answers a non-zero ``seq`` with :class:`CommandAck` once it has applied it."""
 
     job: str
@@ -185,8 +188,8 @@ class Command(Message):
     seq: int = 0
 
 
-@dataclass(kw_only=True)
-class CommandAck(Message):
+@message
+class CommandAck(Request[Ok]):
     """Trainer → router: command ``seq`` of ``job`` was applied; ``state`` is the job's state on the
     trainer now (running or paused); ``detail`` says what was done (a checkpoint's record...).
     ``model`` (``busctl job model --current``) carries the copied weights as one payload frame."""
@@ -199,8 +202,8 @@ class CommandAck(Message):
     detail: dict = field(default_factory=dict)
 
 
-@dataclass(kw_only=True)
-class Checkpointed(Message):
+@message
+class Checkpointed(Request[Ok]):
     """Trainer → router: a checkpoint of ``job`` is on disk (``checkpoint``: path, sha256, step,
     epoch, cursor); the job resumes from the latest one if its trainer is lost."""
 
@@ -211,31 +214,31 @@ class Checkpointed(Message):
 # -- studies (services/router/studies.py) ------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class SubmitStudy(Message):
+@message
+class SubmitStudy(Request["StudyInfo"]):
     """Admin → router: a study file's tables (``{base, space, study}``). Reply: :class:`StudyInfo`."""
 
     spec: dict
 
 
-@dataclass(kw_only=True)
-class ListStudies(Message):
+@message
+class ListStudies(Request["StudyList"]):
     pass
 
 
-@dataclass(kw_only=True)
-class GetStudy(Message):
+@message
+class GetStudy(Request["StudyInfo"]):
     study: str
 
 
-@dataclass(kw_only=True)
-class StopStudy(Message):
+@message
+class StopStudy(Request[Ok]):
     """Admin → router: stop a study and its running trials. Reply: ``Ok``."""
 
     study: str
 
 
-@dataclass(kw_only=True)
+@message
 class StudyInfo(Message):
     """A study: ``{id, state, objective, direction, trials: [{number, job, params, state, value,
     epochs, reports}], best, epochs_trained, epochs_budget, spec}``."""
@@ -243,6 +246,6 @@ class StudyInfo(Message):
     study: dict
 
 
-@dataclass(kw_only=True)
+@message
 class StudyList(Message):
     studies: list

@@ -19,6 +19,7 @@ from libbus.errors import (
     TooLarge,
     Unavailable,
 )
+from libbus.serve.handler import serves
 from libbus.serve.server import Handler, Session
 from libbus.wire.messages import (
     AttachRing,
@@ -90,15 +91,6 @@ ASSIGNMENT_WAIT_S = 3.0
 
 class ProviderHandler(Handler):
     """Serves named datasets to trainers; keeps the test split for its own evaluator."""
-
-    roles = {
-        "DatasetInfoRequest": READERS,
-        "BatchRequest": READERS,
-        "AttachRing": READERS,
-        "Evaluate": READERS,
-        "Stats": READERS,
-        "StageControl": ("admin",),
-    }
 
     def __init__(
         self,
@@ -258,31 +250,37 @@ class ProviderHandler(Handler):
                 still.append((deadline, session, msg, fut))
         self._waiting = still
 
-    def serve(self, session: Session, msg: Message) -> Message | Future:
-        if isinstance(msg, BatchRequest):
-            return self.batch(session, msg)
-        if isinstance(msg, DatasetInfoRequest):
-            self.source(msg.dataset)
-            return DatasetInfo(
-                dataset=msg.dataset,
-                info=self.infos[msg.dataset],
-                host_id=self.host_id,
-                local_endpoint=self.local_endpoint,
-            )
-        if isinstance(msg, AttachRing):
-            return self.attach_ring(session, msg)
-        if isinstance(msg, Evaluate):
-            return self.evaluate(msg, session)
-        if isinstance(msg, Stats):
-            return StatsReply(services={"provider": self.stats()})
-        if isinstance(msg, StageControl):
-            detail = stage_control(
-                self.datasets, msg.dataset, msg.stage, msg.command, msg.args, session.claims.check_dataset
-            )
-            log.info("%s: %s %s/%s %s", session.name, msg.command, detail["dataset"], msg.stage, msg.args)
-            return Ok(detail=detail)
-        raise BadRequest(f"provider does not serve {msg.type}")
+    def serve(self, session: Session, msg: Message) -> Message | Future | None:
+        """Answer an admitted, entitled request (its :func:`serves` method)."""
+        return self.dispatch(session, msg)
 
+    @serves(DatasetInfoRequest, *READERS)
+    def on_DatasetInfoRequest(self, session: Session, msg: DatasetInfoRequest) -> DatasetInfo:
+        self.source(msg.dataset)
+        return DatasetInfo(
+            dataset=msg.dataset,
+            info=self.infos[msg.dataset],
+            host_id=self.host_id,
+            local_endpoint=self.local_endpoint,
+        )
+
+    @serves(Evaluate, *READERS)
+    def on_Evaluate(self, session: Session, msg: Evaluate) -> Future:
+        return self.evaluate(msg, session)
+
+    @serves(Stats, *READERS)
+    def on_Stats(self, session: Session, msg: Stats) -> StatsReply:
+        return StatsReply(services={"provider": self.stats()})
+
+    @serves(StageControl, "admin")
+    def on_StageControl(self, session: Session, msg: StageControl) -> Ok:
+        detail = stage_control(
+            self.datasets, msg.dataset, msg.stage, msg.command, msg.args, session.claims.check_dataset
+        )
+        log.info("%s: %s %s/%s %s", session.name, msg.command, detail["dataset"], msg.stage, msg.args)
+        return Ok(detail=detail)
+
+    @serves(AttachRing, *READERS)
     def attach_ring(self, session: Session, msg: AttachRing) -> RingAttached:
         """Map the session's trainer's ring, after checking it is this host's, private and sane."""
         if not self.shm:
@@ -321,6 +319,7 @@ class ProviderHandler(Handler):
         )
         return RingAttached(name=msg.name)
 
+    @serves(BatchRequest, *READERS)
     def batch(self, session: Session, msg: BatchRequest) -> BatchResponse | Future:
         """Check ``msg`` and begin its destination (a stale ring slot is refused here, on the loop),
         then write the batch there on the filler its source's read policy names: the reply, or a

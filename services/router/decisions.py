@@ -11,6 +11,8 @@ import logging
 
 from libbus.errors import BadRequest, NotFound
 from libbus.jobs.spec import JobSpec, dataset_name
+from libbus.jobs.state import JobState
+from libbus.serve.handler import serves
 from libbus.serve.server import Session
 from libbus.wire.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo, StudyList, SubmitStudy, Task
 
@@ -20,11 +22,10 @@ from .jobs import JobControl
 from .store import JobStore
 from .studies import Studies
 
-__all__ = ["Decisions", "DECISION_ROLES", "UPLOAD"]
+__all__ = ["Decisions", "UPLOAD"]
 
 log = logging.getLogger(__name__)
 
-DECISION_ROLES = {"SubmitStudy": ("admin",), "ListStudies": ("admin",), "GetStudy": ("admin",), "StopStudy": ("admin",)}
 #: ``model_from`` of an evaluation task whose model came with it (kept as the task's own artifact).
 UPLOAD = "upload"
 
@@ -64,6 +65,7 @@ class Decisions:
             log.exception("early stopping at a report of job %s", job)
 
     # -- studies ---------------------------------------------------------------------------------
+    @serves(SubmitStudy, "admin")
     def on_SubmitStudy(self, session: Session, msg: SubmitStudy) -> StudyInfo:
         base = msg.spec.get("base") if isinstance(msg.spec, dict) else None
         if isinstance(base, dict) and isinstance(base.get("dataset"), str):
@@ -71,12 +73,15 @@ class Decisions:
         study = self.studies.submit(msg.spec, session.name)
         return StudyInfo(study=self.studies.show(study))
 
+    @serves(ListStudies, "admin")
     def on_ListStudies(self, session: Session, msg: ListStudies) -> StudyList:
         return StudyList(studies=self.studies.list())
 
+    @serves(GetStudy, "admin")
     def on_GetStudy(self, session: Session, msg: GetStudy) -> StudyInfo:
         return StudyInfo(study=self.studies.show(msg.study))
 
+    @serves(StopStudy, "admin")
     def on_StopStudy(self, session: Session, msg: StopStudy) -> Ok:
         return Ok(detail=self.studies.stop(msg.study, session.name))
 
@@ -97,7 +102,7 @@ class Decisions:
         if spec.model_from == UPLOAD:
             raise BadRequest("model_from = 'upload' but no model came with the submission")
         source = self.store.get(spec.model_from, events=False)
-        if source["state"] != "succeeded" or not (source["result"] or {}).get("model", {}).get("router_path"):
+        if source["state"] != JobState.SUCCEEDED or not (source["result"] or {}).get("model", {}).get("router_path"):
             raise BadRequest(
                 f"job {spec.model_from} is {source['state']}; an evaluation task scores the model of "
                 "a succeeded job the router holds (busctl job model shows whether it does)"
@@ -112,7 +117,7 @@ class Decisions:
         try:
             self.artifacts.put(job, data, hashlib.sha256(data).hexdigest())
         except OSError as err:
-            self.store.finish(job, "failed", f"the uploaded model could not be kept: {err}", error=str(err))
+            self.store.finish(job, JobState.FAILED, f"the uploaded model could not be kept: {err}", error=str(err))
             raise BadRequest(f"the router could not keep the uploaded model: {err}") from err
 
     def attach_model(self, task: Task) -> Task:
@@ -124,6 +129,6 @@ class Decisions:
         try:
             task.frames = [self.artifacts.get(source)]
         except NotFound as err:
-            self.store.finish(task.job, "failed", f"the model to evaluate is gone: {err}", error=str(err))
+            self.store.finish(task.job, JobState.FAILED, f"the model to evaluate is gone: {err}", error=str(err))
             raise
         return task

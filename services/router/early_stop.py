@@ -21,6 +21,7 @@ from collections.abc import Callable, Container
 import orjson
 
 from libbus.errors import BusError
+from libbus.jobs.commands import JobCommand
 
 from .store import JobStore
 
@@ -118,7 +119,7 @@ class EarlyStopping:
         epoch, why = found
         monitor = spec.get("monitor", "val_loss")
         try:
-            self.control("early stopping", job_id, "stop", {})
+            self.control("early stopping", job_id, JobCommand.STOP, {})
         except BusError as err:
             log.info("job %s: early stop at epoch %d not sent yet: %s", job_id, epoch, err)
             return

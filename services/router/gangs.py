@@ -40,6 +40,7 @@ import time
 from collections.abc import Set as AbstractSet
 
 from libbus.errors import BadRequest, NotFound
+from libbus.jobs.state import JobState
 from libbus.wire.messages import NoTask, Task
 
 from .store import JobStore
@@ -162,7 +163,7 @@ class Gangs:
                 job = self.store.get(job_id, events=False)
             except NotFound:
                 job = {"state": "gone"}
-            if job["state"] != "queued":
+            if job["state"] != JobState.QUEUED:
                 self._dissolve(job_id)
                 continue
             gone = [m for m in members if m not in connected]
@@ -173,7 +174,7 @@ class Gangs:
                 self._dissolve(job_id)
                 continue
             if self._released(job, members, now):  # an elastic gang may start instead (members connected)
-                started = started or self.store.get(job_id, events=False)["state"] == "running"
+                started = started or self.store.get(job_id, events=False)["state"] == JobState.RUNNING
         return started
 
     def _released(self, job: dict, members: list[str], now: float) -> bool:
@@ -205,7 +206,7 @@ class Gangs:
             f"({len(members)} trainer(s) came: {', '.join(members)}); they went to other work"
         )
         if spec.get("gather_policy", "wait") == "fail":
-            self.store.finish(job_id, "failed", reason, error=f"{reason} (gather_policy fail)")
+            self.store.finish(job_id, JobState.FAILED, reason, error=f"{reason} (gather_policy fail)")
             log.warning("job %s failed: %s", job_id, reason)
         else:
             self.held_back[job_id] = now + timeout

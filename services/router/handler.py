@@ -21,6 +21,7 @@ from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
 from libbus.errors import BadRequest, Forbidden, NotFound, Unavailable
 from libbus.jobs.spec import JobSpec, dataset_name
 from libbus.jobs.state import REFUSED
+from libbus.serve.handler import serves
 from libbus.serve.server import Handler, Session
 from libbus.wire.messages import (
     Checkpointed,
@@ -57,7 +58,7 @@ from libbus.wire.msg_data import info_mismatch
 from libbus.wire.schema import check_stored
 
 from .artifacts import Artifacts
-from .decisions import DECISION_ROLES, Decisions
+from .decisions import Decisions
 from .gangs import Gangs, world_size
 from .grants import Revocations, assignments
 from .jobs import JobControl
@@ -76,6 +77,7 @@ log = logging.getLogger(__name__)
 
 ADMIN = ("admin",)
 TRAINER = ("trainer",)
+TRAINER_OR_ADMIN = ("trainer", "admin")
 #: What a loader's session may ask the router (services/router/handler.py docstring).
 LOADER_REQUESTS = frozenset({"Resolve", "Stats"})
 
@@ -90,25 +92,6 @@ class RouterHandler(Decisions, Handler):
         task_retry_ms: what ``NoTask`` tells an idle trainer to wait before asking again.
     """
 
-    roles = {
-        "Resolve": ("trainer", "admin"),
-        "SubmitJob": ADMIN,
-        "ListJobs": ADMIN,
-        "GetJob": ADMIN,
-        "ControlJob": ADMIN,
-        "GetModel": ADMIN,
-        "ListPeers": ADMIN,
-        "Stats": ("admin", "trainer"),
-        "GetTask": TRAINER,
-        "Progress": TRAINER,
-        "PushResult": TRAINER,
-        "Checkpointed": TRAINER,
-        "CommandAck": TRAINER,
-        "Rendezvous": TRAINER,
-        "RevokeToken": ADMIN,
-        "ListRevoked": ADMIN,
-        **DECISION_ROLES,  # studies (services/router/decisions.py)
-    }
     #: Replies wait for :meth:`flush`: a transition is acknowledged once it is on disk.
     group_commit = True
     #: How often the router recomputes what providers must know (assignments follow job changes).
@@ -254,17 +237,16 @@ class RouterHandler(Decisions, Handler):
         return job
 
     # -- dispatch -----------------------------------------------------------------------------
-    def handle(self, session: Session, msg: Message) -> Message | None:
-        method = getattr(self, "on_" + msg.type, None)
-        if method is None:
-            raise BadRequest(f"router does not serve {msg.type}")
+    def handle(self, session: Session, msg: Message) -> Message | Future | None:
         if session.loader and msg.type not in LOADER_REQUESTS:
             raise Forbidden(
                 f"{msg.type} comes from a trainer service; this session said Hello as a loader "
                 f"(caps.loader), which may only send {', '.join(sorted(LOADER_REQUESTS))}"
             )
-        return method(session, msg)
+        return self.dispatch(session, msg)
 
+    # -- requests (each method marked with the message it serves and who may send it) ------------
+    @serves(Resolve, *TRAINER_OR_ADMIN)
     def on_Resolve(self, session: Session, msg: Resolve) -> Resolved:
         name = dataset_name(msg.dataset)
         session.claims.check_dataset(name)
@@ -294,6 +276,7 @@ class RouterHandler(Decisions, Handler):
         info = next(iter(latest.values())).hello.caps["datasets"][name]  # the first registered's
         return Resolved(dataset=name, info=info, providers=providers)
 
+    @serves(SubmitJob, *ADMIN)
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
         spec = JobSpec.from_dict(msg.spec)
         session.claims.check_dataset(dataset_name(spec.dataset))
@@ -304,6 +287,7 @@ class RouterHandler(Decisions, Handler):
         log.info("job %s submitted by %s: %s %s on %s", job, session.subject, spec.model, spec.optimizer, spec.dataset)
         return JobSubmitted(job=job)
 
+    @serves(ListJobs, *ADMIN)
     def on_ListJobs(self, session: Session, msg: ListJobs) -> JobList:
         # A scoped token sees only the jobs it could ask about one by one.
         claims = session.claims
@@ -315,6 +299,7 @@ class RouterHandler(Decisions, Handler):
         jobs, note = fit_list(jobs)
         return JobList(jobs=jobs, note=note)
 
+    @serves(GetJob, *ADMIN)
     def on_GetJob(self, session: Session, msg: GetJob) -> JobInfo:
         self._check_job_scope(session, msg.job)
         job = self.store.get(msg.job, limit=msg.events, offset=msg.offset)
@@ -323,14 +308,17 @@ class RouterHandler(Decisions, Handler):
         job, note = fit_job(job)
         return JobInfo(job=job, note=note)
 
+    @serves(ControlJob, *ADMIN)
     def on_ControlJob(self, session: Session, msg: ControlJob) -> Ok | Future:
         self._check_job_scope(session, msg.job)
         return self.jobs.control(session.subject, msg.job, msg.command, msg.args)
 
+    @serves(GetModel, *ADMIN)
     def on_GetModel(self, session: Session, msg: GetModel) -> Model:
         self._check_job_scope(session, msg.job)
         return self.jobs.model(msg.job)
 
+    @serves(GetTask, *TRAINER)
     def on_GetTask(self, session: Session, msg: GetTask) -> Task | NoTask:
         who = session.subject
         gang_task = self.gangs.task_for(who)  # services/router/gangs.py
@@ -360,34 +348,40 @@ class RouterHandler(Decisions, Handler):
         task = self.attach_model(Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"]))
         return self.jobs.remember_task(who, msg.key, task)
 
+    @serves(Rendezvous, *TRAINER)
     def on_Rendezvous(self, session: Session, msg: Rendezvous) -> Ok:
         session.claims.check_job(msg.job)
         self.jobs.own(session.subject, msg.job)  # rank 0 holds the job
         self.gangs.rendezvous(msg.job, msg.address)
         return Ok()
 
+    @serves(Progress, *TRAINER)
     def on_Progress(self, session: Session, msg: Progress) -> Ok:
         session.claims.check_job(msg.job)
         _stored(msg.progress, "Progress.progress")
         # its new epoch judged now (studies, early stopping): a stop decided here rides on the reply
         return self.jobs.on_progress(session.subject, msg, session.sid, judge=self.judge_report)
 
+    @serves(Checkpointed, *TRAINER)
     def on_Checkpointed(self, session: Session, msg: Checkpointed) -> Ok:
         session.claims.check_job(msg.job)
         _stored(msg.checkpoint, "Checkpointed.checkpoint")
         return self.jobs.on_checkpoint(session.subject, msg)
 
+    @serves(CommandAck, *TRAINER)
     def on_CommandAck(self, session: Session, msg: CommandAck) -> Ok:
         session.claims.check_job(msg.job)
         _stored(msg.detail, "CommandAck.detail")
         return self.jobs.on_ack(session.subject, msg, session.sid)
 
+    @serves(PushResult, *TRAINER)
     def on_PushResult(self, session: Session, msg: PushResult) -> Ok:
         session.claims.check_job(msg.job)
         _stored(msg.result, "PushResult.result")
         _stored(msg.error, "PushResult.error")
         return self.jobs.on_result(session.subject, msg)
 
+    @serves(ListPeers, *ADMIN)
     def on_ListPeers(self, session: Session, msg: ListPeers) -> PeerList:
         peers = []
         for peer in self.peers.values():
@@ -398,6 +392,7 @@ class RouterHandler(Decisions, Handler):
             peers.append(entry)
         return PeerList(peers=peers)
 
+    @serves(RevokeToken, *ADMIN)
     def on_RevokeToken(self, session: Session, msg: RevokeToken) -> Ok:
         self.revocations.revoke(msg.jti, msg.exp, msg.reason or f"revoked by {session.subject}")
         self.apply_revoked(self.revocations.jtis())
@@ -405,6 +400,7 @@ class RouterHandler(Decisions, Handler):
         self._push_entitlements()  # providers hear of it now, not at the next check
         return Ok(detail={"jti": msg.jti, "until": msg.exp})
 
+    @serves(ListRevoked, *ADMIN)
     def on_ListRevoked(self, session: Session, msg: ListRevoked) -> RevokedList:
         return RevokedList(revoked=self.revocations.active())
 
@@ -463,6 +459,7 @@ class RouterHandler(Decisions, Handler):
             self._sent[provider.sid] = mine
             self.push(provider.sid, Entitlements(revoked=mine[0], assigned=mine[1]))
 
+    @serves(Stats, "admin", "trainer")
     def on_Stats(self, session: Session, msg: Stats) -> StatsReply:
         services = {"router": {"role": "router", **self.server_stats()}}
         for peer in self.peers.values():

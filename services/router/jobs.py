@@ -31,7 +31,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from libbus.errors import BadRequest, Forbidden, NotFound, Timeout, Unavailable
-from libbus.jobs.spec import TERMINAL_STATES, JobSpec
+from libbus.jobs.commands import ADMIN_COMMANDS, JobCommand
+from libbus.jobs.spec import JobSpec
+from libbus.jobs.state import JobState
 from libbus.wire.messages import (
     Checkpointed,
     Command,
@@ -46,13 +48,12 @@ from libbus.wire.messages import (
 )
 
 from .artifacts import Artifacts
-from .store import HOLDING_STATES, JobStore
+from .store import JobStore
 
-__all__ = ["COMMANDS", "EVAL_ACK_TIMEOUT_S", "JobControl"]
+__all__ = ["EVAL_ACK_TIMEOUT_S", "JobControl"]
 
 log = logging.getLogger(__name__)
 
-COMMANDS = ("stop", "pause", "resume", "checkpoint", "set", "eval", "adopt", "model")
 #: How long an admin's command waits for the trainer's acknowledgement.
 ACK_TIMEOUT_S = 5.0
 #: ``eval`` is acknowledged with the provider's score: the weights cross to it and its test split is
@@ -95,7 +96,7 @@ class JobControl:
     def __init__(
         self,
         store: JobStore,
-        push: Callable[[str, Message], bool],
+        push: Callable[[str, Message], str],
         connected: Callable[[], AbstractSet[str]],
         *,
         lease_s: float,
@@ -125,71 +126,75 @@ class JobControl:
     def control(self, by: str, job_id: str, command: str, args: dict) -> Ok | Future:
         """Apply ``command`` to ``job_id`` for admin ``by``: at once when no trainer holds the job,
         else by pushing it to the trainer (the returned future resolves on its acknowledgement)."""
-        if command not in COMMANDS:
-            raise BadRequest(f"unknown command {command!r}; supported: {', '.join(COMMANDS)}")
+        if command not in ADMIN_COMMANDS:
+            raise BadRequest(f"unknown command {command!r}; supported: {', '.join(ADMIN_COMMANDS)}")
+        cmd = JobCommand(command)
         job = self.store.get(job_id, events=False)
-        state, trainer = job["state"], job["trainer"]
-        if command == "set":
+        state, trainer = JobState(job["state"]), job["trainer"]
+        spec = None
+        if cmd is JobCommand.SET:
             spec = JobSpec.from_dict(job["spec"]).with_hyper(args)
-        elif command == "adopt":
+        elif cmd is JobCommand.ADOPT:
             _check_adopt(args)
         elif args:
-            raise BadRequest(f"{command} takes no arguments, got {', '.join(args)}")
-        if command == "resume" and state in ("stopped", "failed"):
+            raise BadRequest(f"{cmd} takes no arguments, got {', '.join(args)}")
+        if cmd is JobCommand.RESUME and state in (JobState.STOPPED, JobState.FAILED):
             return self._restart(by, job)
-        if state in TERMINAL_STATES:
-            hint = "; its final scores are in busctl job show" if command == "eval" else ""
+        if state.terminal:
+            hint = "; its final scores are in busctl job show" if cmd is JobCommand.EVAL else ""
             raise BadRequest(f"job {job_id} already ended ({state}){hint}")
-        if trainer is None or state == "queued":
-            return self._without_trainer(by, job, command, spec if command == "set" else None)
-        if command == "stop":
+        if trainer is None or state is JobState.QUEUED:
+            return self._without_trainer(by, job, cmd, spec)
+        if cmd is JobCommand.STOP:
             self.stop_requested.add(job_id)
-        if (command, state) in (("pause", "paused"), ("resume", "running")):
+        if (cmd, state) in ((JobCommand.PAUSE, JobState.PAUSED), (JobCommand.RESUME, JobState.RUNNING)):
             return Ok(detail={"state": state, "trainer": trainer, "acked": True, "note": f"already {state}"})
         if trainer not in self.connected():
-            if command == "stop":
-                self.store.finish(job_id, "stopped", f"stopped by {by}; trainer {trainer} absent")
+            if cmd is JobCommand.STOP:
+                self.store.finish(job_id, JobState.STOPPED, f"stopped by {by}; trainer {trainer} absent")
                 self.stop_requested.discard(job_id)
-                return Ok(detail={"state": "stopped"})
+                return Ok(detail={"state": JobState.STOPPED})
             raise Unavailable(
                 f"trainer {trainer} of job {job_id} is not connected now; its lease "
                 f"decides the job's fate (try again, or stop the job)"
             )
-        return self._send(by, job_id, trainer, command, args)
+        return self._send(by, job_id, trainer, cmd, args)
 
-    def _send(self, by: str, job_id: str, trainer: str, command: str, args: dict) -> Future:
+    def _send(self, by: str, job_id: str, trainer: str, command: JobCommand, args: dict) -> Future:
         seq = next(self._seq)
         future: Future = Future()
-        timeout_s = EVAL_ACK_TIMEOUT_S if command in ("eval", "model") else self.ack_timeout_s
+        timeout_s = EVAL_ACK_TIMEOUT_S if command.slow else self.ack_timeout_s
         pending = _Pending(job_id, command, args, trainer, by, time.monotonic(), future, timeout_s)
         self.pending[seq] = pending
         what = f"{command} {_args(args)}".strip()
-        self.store.event(job_id, f"{what if command != 'adopt' else 'adopt'} requested by {by}, sent to {trainer}")
+        self.store.event(
+            job_id, f"{what if command is not JobCommand.ADOPT else command} requested by {by}, sent to {trainer}"
+        )
         pending.sid = self.push(trainer, Command(job=job_id, command=command, args=args, seq=seq)) or ""
         log.info("job %s: %s requested by %s, sent to %s", job_id, what, by, trainer)
         return future
 
-    def _without_trainer(self, by: str, job: dict, command: str, spec: JobSpec | None) -> Ok:
-        job_id, state = job["id"], job["state"]
-        if command == "stop":
-            self.store.finish(job_id, "stopped", f"stopped by {by} while {state}")
-            return Ok(detail={"state": "stopped"})
-        if command == "pause":
-            if state != "paused":
-                self.store.set_state(job_id, "paused", f"paused by {by} while {state}; no trainer has it")
-            return Ok(detail={"state": "paused"})
-        if command == "resume":
-            if state == "paused":
-                self.store.set_state(job_id, "queued", f"resumed by {by}; waits for a trainer")
-            return Ok(detail={"state": "queued"})
-        if command == "set":
+    def _without_trainer(self, by: str, job: dict, command: JobCommand, spec: JobSpec | None) -> Ok:
+        job_id, state = job["id"], JobState(job["state"])
+        if command is JobCommand.STOP:
+            self.store.finish(job_id, JobState.STOPPED, f"stopped by {by} while {state}")
+            return Ok(detail={"state": JobState.STOPPED})
+        if command is JobCommand.PAUSE:
+            if state is not JobState.PAUSED:
+                self.store.set_state(job_id, JobState.PAUSED, f"paused by {by} while {state}; no trainer has it")
+            return Ok(detail={"state": JobState.PAUSED})
+        if command is JobCommand.RESUME:
+            if state is JobState.PAUSED:
+                self.store.set_state(job_id, JobState.QUEUED, f"resumed by {by}; waits for a trainer")
+            return Ok(detail={"state": JobState.QUEUED})
+        if command is JobCommand.SET and spec is not None:
             self.store.set_spec(job_id, spec, f"set {_args(spec.to_dict(), job['spec'])} by {by}")
             return Ok(detail={"state": state, "spec": spec.to_dict()})
         what = {
-            "eval": "be evaluated (busctl job eval scores the weights of a running job)",
-            "model": "send its current weights (busctl job model without --current: a succeeded job's)",
-            "adopt": "adopt a checkpoint",
-        }.get(command, "checkpoint")
+            JobCommand.EVAL: "be evaluated (busctl job eval scores the weights of a running job)",
+            JobCommand.MODEL: "send its current weights (busctl job model without --current: a succeeded job's)",
+            JobCommand.ADOPT: "adopt a checkpoint",
+        }.get(command, JobCommand.CHECKPOINT.value)
         raise BadRequest(f"job {job_id} is {state} on no trainer; only a job a trainer holds can {what}")
 
     def _restart(self, by: str, job: dict) -> Ok:
@@ -197,13 +202,13 @@ class JobControl:
         ckpt = job["checkpoint"]
         where = f"from step {ckpt['step']}" if ckpt else "from the start (no checkpoint)"
         self.store.reopen(job["id"], f"resumed by {by} after it {job['state']}, {where}")
-        return Ok(detail={"state": "queued", "resume": ckpt})
+        return Ok(detail={"state": JobState.QUEUED, "resume": ckpt})
 
     # -- trainer reports ----------------------------------------------------------------------------
     def own(self, trainer: str, job_id: str) -> dict:
         """The job ``trainer`` holds, or :class:`Forbidden` telling it to abandon the job."""
         job = self.store.get(job_id, events=False)
-        if job["state"] not in HOLDING_STATES or job["trainer"] != trainer:
+        if not JobState(job["state"]).holding or job["trainer"] != trainer:
             raise Forbidden(
                 f"job {job_id} is not running on {trainer} (state {job['state']}, trainer {job['trainer']}); abandon it"
             )
@@ -248,10 +253,10 @@ class JobControl:
         took = f" after {1000 * (time.monotonic() - pending.sent):.0f} ms" if pending else ""
         reason = f"{msg.command} acknowledged by {trainer}{took}" + _evaluation(msg) + _adopted(msg)
         applied = msg.detail.get("set")
-        if msg.command == "set" and isinstance(applied, dict) and applied:
+        if msg.command == JobCommand.SET and isinstance(applied, dict) and applied:
             # what the trainer applied, checked like an admin's `set`: a trainer changes nothing else
             self.store.set_spec(msg.job, JobSpec.from_dict(job["spec"]).with_hyper(applied), reason)
-        elif msg.state in ("running", "paused") and msg.state != job["state"]:
+        elif msg.state in (JobState.RUNNING, JobState.PAUSED) and msg.state != job["state"]:
             self.store.set_state(msg.job, msg.state, reason)
         else:
             self.store.event(msg.job, reason)
@@ -263,7 +268,9 @@ class JobControl:
                 "ack_ms": round(1000 * (time.monotonic() - pending.sent), 1),
                 **msg.detail,
             }
-            pending.future.set_result(_current_model(msg, detail) if msg.command == "model" else Ok(detail=detail))
+            pending.future.set_result(
+                _current_model(msg, detail) if msg.command == JobCommand.MODEL else Ok(detail=detail)
+            )
         return Ok()
 
     def on_result(self, trainer: str, msg: PushResult) -> Ok:
@@ -274,33 +281,34 @@ class JobControl:
         self._forget_commands(msg.job, f"job {msg.job} left trainer {trainer} ({msg.state})")
         stop = msg.job in self.stop_requested
         self.stop_requested.discard(msg.job)
-        if msg.state == "queued":  # handed back (the trainer is shutting down): not a lost attempt
+        if msg.state == JobState.QUEUED:  # handed back (the trainer is shutting down): not a lost attempt
             why = f"handed back by {trainer}" + (f": {msg.error}" if msg.error else "")
             if stop:
-                self.store.finish(msg.job, "stopped", f"stop requested; {why}", result=msg.result)
+                self.store.finish(msg.job, JobState.STOPPED, f"stop requested; {why}", result=msg.result)
             else:
                 self.store.release(msg.job, why, lost=False)
             return Ok()
-        if msg.state == "failed" and msg.result.get("retryable") and stop:  # the stop stands
+        if msg.state == JobState.FAILED and msg.result.get("retryable") and stop:  # the stop stands
             self.store.finish(
                 msg.job,
-                "stopped",
+                JobState.STOPPED,
                 f"stop requested; attempt failed on {trainer}: {msg.error}",
                 result=msg.result,
                 error=msg.error,
             )
             return Ok()
-        if msg.state == "failed" and msg.result.get("retryable"):  # counted against max_attempts
+        if msg.state == JobState.FAILED and msg.result.get("retryable"):  # counted against max_attempts
             state = self.store.release(msg.job, f"attempt failed on {trainer}: {msg.error}", lost=True)
             log.warning("job %s %s after a failed attempt: %s", msg.job, state, msg.error)
             return Ok()
-        reason = {
-            "succeeded": f"finished on {trainer}",
-            "stopped": f"stopped on {trainer}",
-            "failed": f"failed on {trainer}: {msg.error}",
-        }.get(msg.state, msg.state)
+        reasons: dict[str, str] = {
+            JobState.SUCCEEDED: f"finished on {trainer}",
+            JobState.STOPPED: f"stopped on {trainer}",
+            JobState.FAILED: f"failed on {trainer}: {msg.error}",
+        }
+        reason = reasons.get(msg.state, msg.state)
         result = msg.result
-        if msg.frames and msg.state == "succeeded" and self.artifacts is not None:
+        if msg.frames and msg.state == JobState.SUCCEEDED and self.artifacts is not None:
             model = result.get("model")
             if not isinstance(model, dict) or not isinstance(model.get("sha256"), str):
                 raise BadRequest("weights sent without result.model.sha256")
@@ -314,7 +322,7 @@ class JobControl:
     def model(self, job_id: str) -> Model:
         """The final weights of a succeeded job, as the router keeps them."""
         job = self.store.get(job_id, events=False)
-        if job["state"] != "succeeded":
+        if job["state"] != JobState.SUCCEEDED:
             raise BadRequest(
                 f"job {job_id} is {job['state']}; only a succeeded job has a final model "
                 f"(busctl job checkpoint writes one for a running job on its trainer)"
@@ -340,7 +348,7 @@ class JobControl:
         if not key or given is None or given[0] != key:
             return None
         job = self.store.get(given[1].job, events=False)
-        if job["state"] not in HOLDING_STATES or job["trainer"] != trainer:
+        if not JobState(job["state"]).holding or job["trainer"] != trainer:
             return None
         log.info("job %s: %s asked again (a resend); same task, no attempt lost", job["id"], trainer)
         return given[1]
@@ -393,7 +401,7 @@ class JobControl:
         self._forget_commands(job["id"], f"job {job['id']} lost trainer {job['trainer']}")
         if job["id"] in self.stop_requested:
             self.stop_requested.discard(job["id"])
-            self.store.finish(job["id"], "stopped", f"stop requested; {reason}")
+            self.store.finish(job["id"], JobState.STOPPED, f"stop requested; {reason}")
             return
         state = self.store.release(job["id"], reason, lost=True)
         log.warning("job %s %s: %s", job["id"], state, reason)
@@ -412,7 +420,7 @@ def _check_adopt(args: dict) -> None:
 
 def _adopted(msg: CommandAck) -> str:
     """What an ``adopt`` acknowledgement says it loaded, for the job's events ("" for other commands)."""
-    if msg.command != "adopt":
+    if msg.command != JobCommand.ADOPT:
         return ""
     done = msg.detail.get("adopted")
     if isinstance(done, dict):
@@ -439,7 +447,7 @@ def _current_model(msg: CommandAck, detail: dict) -> Message:
 def _evaluation(msg: CommandAck) -> str:
     """What an ``eval`` acknowledgement found, for the job's events ("" for other commands)."""
     d = msg.detail
-    if msg.command != "eval":
+    if msg.command != JobCommand.EVAL:
         return ""
     acc, loss = d.get("test_accuracy"), d.get("test_loss")
     if isinstance(acc, (int, float)) and isinstance(loss, (int, float)):

@@ -154,7 +154,7 @@ class JobStore:
     def set_state(self, job: str, state: str, reason: str) -> None:
         """Move a held job between ``running`` and ``paused``, or a trainer-less one between
         ``queued`` and ``paused``."""
-        if state not in ("queued", "running", "paused"):
+        if state not in (JobState.QUEUED, JobState.RUNNING, JobState.PAUSED):
             raise BadRequest(f"set_state moves jobs between queued, running and paused, not {state!r}")
         self._transition(job, state, reason)
 
@@ -317,10 +317,18 @@ class JobStore:
     def reopen(self, job: str, reason: str) -> None:
         """Queue a stopped or failed job again (an admin's resume), with fresh attempts."""
         self._transition(
-            job, "queued", reason, trainer=None, gang=None, lease_expires=None, failures=0, result=None, error=None
+            job,
+            JobState.QUEUED,
+            reason,
+            trainer=None,
+            gang=None,
+            lease_expires=None,
+            failures=0,
+            result=None,
+            error=None,
         )
 
-    def release(self, job: str, reason: str, *, lost: bool) -> str:
+    def release(self, job: str, reason: str, *, lost: bool) -> JobState:
         """Take a held job from its trainer; returns the job's new state.
 
         A paused job stays paused (it waits for ``resume``); any other goes back to ``queued``,
@@ -335,7 +343,7 @@ class JobStore:
         if lost and failures >= limit:
             self._transition(
                 job,
-                "failed",
+                JobState.FAILED,
                 f"{reason}; poisoned: gave up after {failures} lost attempt(s) (max_attempts {limit})",
                 trainer=None,
                 gang=None,
@@ -344,8 +352,8 @@ class JobStore:
                 error=f"poisoned: lost or failed {failures} trainer(s): {reason}",
                 result="{}",
             )
-            return "failed"
-        state = "paused" if row["state"] == "paused" else "queued"
+            return JobState.FAILED
+        state = JobState.PAUSED if row["state"] == JobState.PAUSED else JobState.QUEUED
         self._transition(job, state, reason, trainer=None, gang=None, lease_expires=None, failures=failures)
         return state
 

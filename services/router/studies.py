@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 import optuna  # with the router, not at its first study: the import's second would stall the serving loop
 
 from libbus.errors import BadRequest, BusError
-from libbus.jobs.spec import TERMINAL_STATES, JobSpec
+from libbus.jobs.commands import JobCommand
+from libbus.jobs.spec import JobSpec
+from libbus.jobs.state import JobState
 
 from . import pbt
 from .store import JobStore
 from .studies_halving import BudgetHalvingPruner
 from .study_spec import StudySpec
-from .study_store import TRIAL_ENDED, StudyStore
+from .study_store import TRIAL_ENDED, StudyState, StudyStore, TrialState
 
 __all__ = ["Studies", "CHECK_S"]
 
@@ -137,7 +139,7 @@ class Studies:
             }
             for t in row["trials"]
         ]
-        done = [t for t in trials if t["state"] == "complete" and t["value"] is not None]
+        done = [t for t in trials if t["state"] == TrialState.COMPLETE and t["value"] is not None]
         best = (max if spec.maximize else min)(done, key=lambda t: t["value"], default=None)
         epochs = sum(t["epochs"] for t in trials)
         return {
@@ -169,14 +171,14 @@ class Studies:
 
     def stop(self, study: str, by: str) -> dict:
         row = self.store.get(study)
-        if row["state"] != "running":
+        if row["state"] != StudyState.RUNNING:
             raise BadRequest(f"study {study} already ended ({row['state']})")
-        self.store.set_state(study, "stopped", f"stopped by {by}")
+        self.store.set_state(study, StudyState.STOPPED, f"stopped by {by}")
         for t in row["trials"]:
-            if t["state"] in ("running", "pruning") and t["job"]:
+            if TrialState(t["state"]).live and t["job"]:
                 self._stop_job(t["job"], f"study {study} stopped by {by}")
         log.info("study %s stopped by %s", study, by)
-        return {"state": "stopped", "study": study}
+        return {"state": StudyState.STOPPED, "study": study}
 
     # -- the executor ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -186,7 +188,8 @@ class Studies:
         self._last = now
         rows = self.jobs.db.execute(
             "SELECT DISTINCT s.id FROM studies s LEFT JOIN trials t ON t.study = s.id "
-            "WHERE s.state = 'running' OR t.state IN ('running', 'pruning')"
+            "WHERE s.state = ? OR t.state IN (?, ?)",
+            (StudyState.RUNNING, TrialState.RUNNING, TrialState.PRUNING),
         ).fetchall()
         for (study,) in rows:
             try:
@@ -204,25 +207,25 @@ class Studies:
             return
         row = self.store.get(found[0])
         t = next(t for t in row["trials"] if t["number"] == found[1])
-        if t["state"] in ("running", "pruning"):
+        if TrialState(t["state"]).live:
             self._follow(found[0], self._load(found[0], row), t, row["state"])
 
     def _step(self, study: str) -> None:
         row = self.store.get(study)
         live = self._load(study, row)
         for t in row["trials"]:
-            if t["state"] in ("running", "pruning"):
+            if TrialState(t["state"]).live:
                 self._follow(study, live, t, row["state"])
-        if row["state"] != "running":
+        if row["state"] != StudyState.RUNNING:
             return
         trials = self.store.trials(study)
-        active = sum(t["state"] in ("running", "pruning") for t in trials)
+        active = sum(TrialState(t["state"]).live for t in trials)
         while active < live.spec.concurrent and len(trials) < live.spec.trials:
             self._start_trial(study, live, len(trials))
             trials = self.store.trials(study)
             active += 1
         if active == 0 and len(trials) >= live.spec.trials:
-            self.store.set_state(study, "complete", f"{len(trials)} trials ended")
+            self.store.set_state(study, StudyState.COMPLETE, f"{len(trials)} trials ended")
             self._live.pop(study, None)
             log.info("study %s complete", study)
 
@@ -244,7 +247,7 @@ class Studies:
             except ValueError as err:  # parameters outside the space (rows from another version)
                 log.warning("study %s: trial %d does not fit the space (%s): failed", study, t["number"], err)
                 if t["state"] not in TRIAL_ENDED:
-                    self.store.update_trial(study, t["number"], state="failed")
+                    self.store.update_trial(study, t["number"], state=TrialState.FAILED)
         self._live[study] = live
         return live
 
@@ -253,7 +256,9 @@ class Studies:
         """Give the rebuilt Optuna study one trial as it ended, or as it stands (still running)."""
         study_obj, states = live.study, optuna.trial.TrialState
         if t["state"] in TRIAL_ENDED:
-            state = {"complete": states.COMPLETE, "pruned": states.PRUNED}.get(t["state"], states.FAIL)
+            state = {TrialState.COMPLETE: states.COMPLETE, TrialState.PRUNED: states.PRUNED}.get(
+                t["state"], states.FAIL
+            )
             study_obj.add_trial(
                 optuna.trial.create_trial(
                     state=state,
@@ -293,7 +298,7 @@ class Studies:
                 spec = JobSpec.from_dict({**live.spec.base, **params, "name": name})
             except BadRequest as err:  # a combination no single bound showed: this trial fails, not the study
                 log.warning("study %s: trial %d cannot run: %s", study, number, err)
-                self.store.update_trial(study, number, state="failed")
+                self.store.update_trial(study, number, state=TrialState.FAILED)
                 trial = live.trials.pop(number, None)
                 if trial is not None:
                     live.study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
@@ -330,17 +335,20 @@ class Studies:
             self.store.update_trial(study, number, reports=reports, epochs=epochs)
         # judged even when the job has just ended: ASHA records the rungs a trial passed (system
         # attributes the other trials are ranked against), kept for a router that restarts
-        prune = bool(new) and spec.strategy == "search" and t["state"] == "running" and trial.should_prune()
+        prune = bool(new) and spec.strategy == "search" and t["state"] == TrialState.RUNNING and trial.should_prune()
         if new and spec.strategy == "search":
             attrs = _attrs(live, trial)
             if attrs != t["attrs"]:
                 self.store.update_trial(study, number, attrs=attrs)
-        if job["state"] in TERMINAL_STATES:
+        if JobState(job["state"]).terminal:
             self._ended(study, live, t, job, reports, study_state)
             return
-        if t["state"] == "pruning" or study_state != "running":
+        if t["state"] == TrialState.PRUNING or study_state != StudyState.RUNNING:
             if t["job"] not in self._stop_sent:  # a stop that could not be sent yet (or before a restart)
-                self._stop_job(t["job"], f"study {study}: {'pruned' if study_state == 'running' else 'stopped'}")
+                self._stop_job(
+                    t["job"],
+                    f"study {study}: {TrialState.PRUNED if study_state == StudyState.RUNNING else StudyState.STOPPED}",
+                )
             return
         if not new:
             return
@@ -349,7 +357,7 @@ class Studies:
             return
         if prune:
             epoch, value = new[-1]
-            self.store.update_trial(study, number, state="pruning")
+            self.store.update_trial(study, number, state=TrialState.PRUNING)
             self.jobs.event(
                 t["job"], f"pruned by study {study} ({spec.pruner}) after epoch {epoch}: {spec.objective} {value:.4f}"
             )
@@ -364,14 +372,18 @@ class Studies:
         value = result.get(spec.objective)
         if value is None and reports:
             value = reports[max(reports)]
-        if job["state"] == "succeeded" and isinstance(value, (int, float)) and math.isfinite(value):
-            state, told = "complete", states.COMPLETE
-        elif job["state"] == "stopped" and t["state"] == "pruning":
-            state, told, value = "pruned", states.PRUNED, None
-        elif job["state"] == "stopped" and _early_stopped(self.jobs, t["job"]) and value is not None:
-            state, told = "complete", states.COMPLETE  # its own patience ended it: a finished trial
+        if job["state"] == JobState.SUCCEEDED and isinstance(value, (int, float)) and math.isfinite(value):
+            state, told = TrialState.COMPLETE, states.COMPLETE
+        elif job["state"] == JobState.STOPPED and t["state"] == TrialState.PRUNING:
+            state, told, value = TrialState.PRUNED, states.PRUNED, None
+        elif job["state"] == JobState.STOPPED and _early_stopped(self.jobs, t["job"]) and value is not None:
+            state, told = TrialState.COMPLETE, states.COMPLETE  # its own patience ended it: a finished trial
         else:
-            state, told, value = ("stopped" if job["state"] == "stopped" else "failed"), states.FAIL, None
+            state, told, value = (
+                (TrialState.STOPPED if job["state"] == JobState.STOPPED else TrialState.FAILED),
+                states.FAIL,
+                None,
+            )
         if trial is not None:
             live.study.tell(trial, value if told == states.COMPLETE else None, state=told, skip_if_finished=True)
         self.store.update_trial(study, number, state=state, value=value)
@@ -387,7 +399,7 @@ class Studies:
 
     def _stop_job(self, job: str, why: str) -> None:
         try:
-            self.control(why, job, "stop", {})
+            self.control(why, job, JobCommand.STOP, {})
         except BusError as err:  # a trainer absent for a moment: the next tick tries again
             log.info("job %s: stop not sent yet (%s)", job, err)
             return
@@ -412,8 +424,10 @@ class Studies:
             return
         params = pbt.explore({**source["params"]}, spec.space, spec.perturb, rng)
         try:
-            self.control(f"study {study} (pbt)", job["id"], "adopt", {"checkpoint": ckpt, "from": source["job"]})
-            self.control(f"study {study} (pbt)", job["id"], "set", params)
+            self.control(
+                f"study {study} (pbt)", job["id"], JobCommand.ADOPT, {"checkpoint": ckpt, "from": source["job"]}
+            )
+            self.control(f"study {study} (pbt)", job["id"], JobCommand.SET, params)
         except BusError as err:
             self.jobs.event(job["id"], f"pbt: could not exploit trial {donor}: {err}")
             return

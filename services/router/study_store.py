@@ -15,6 +15,7 @@ import builtins
 import secrets
 import sqlite3
 import time
+from enum import StrEnum
 
 import orjson
 
@@ -22,11 +23,40 @@ from libbus.errors import NotFound
 
 from .store_db import savepoint
 
-__all__ = ["StudyStore", "STUDY_STATES", "TRIAL_STATES", "TRIAL_ENDED"]
+__all__ = ["StudyState", "StudyStore", "TrialState", "TRIAL_ENDED"]
 
-STUDY_STATES = ("running", "complete", "stopped")
-TRIAL_STATES = ("running", "pruning", "pruned", "complete", "failed", "stopped")
-TRIAL_ENDED = ("pruned", "complete", "failed", "stopped")
+
+class StudyState(StrEnum):
+    """Where a study is: trials still run (or are still to start), all ended, or stopped by an admin."""
+
+    RUNNING = "running"
+    COMPLETE = "complete"
+    STOPPED = "stopped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TrialState(StrEnum):
+    """Where a trial is; ``pruning``: its stop is sent and its job has not ended yet."""
+
+    RUNNING = "running"
+    PRUNING = "pruning"
+    PRUNED = "pruned"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def live(self) -> bool:
+        """Its job may still be running: the study follows it."""
+        return self in (TrialState.RUNNING, TrialState.PRUNING)
+
+
+TRIAL_ENDED = tuple(s for s in TrialState if not s.live)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS studies (
@@ -65,11 +95,12 @@ class StudyStore:
         now = time.time()
         with savepoint(self.db):
             self.db.execute(
-                "INSERT INTO studies VALUES (?, ?, 'running', ?, ?, '')", (study, orjson.dumps(spec).decode(), now, now)
+                "INSERT INTO studies VALUES (?, ?, ?, ?, ?, '')",
+                (study, orjson.dumps(spec).decode(), StudyState.RUNNING, now, now),
             )
         return study
 
-    def set_state(self, study: str, state: str, reason: str) -> None:
+    def set_state(self, study: str, state: StudyState, reason: str) -> None:
         with savepoint(self.db):
             self.db.execute(
                 "UPDATE studies SET state = ?, reason = ?, updated = ? WHERE id = ?",
@@ -107,8 +138,8 @@ class StudyStore:
         """A trial asked for, its job not yet submitted (``job`` NULL)."""
         with savepoint(self.db):
             self.db.execute(
-                "INSERT INTO trials (study, number, params, state, updated) VALUES (?, ?, ?, 'running', ?)",
-                (study, number, orjson.dumps(params).decode(), time.time()),
+                "INSERT INTO trials (study, number, params, state, updated) VALUES (?, ?, ?, ?, ?)",
+                (study, number, orjson.dumps(params).decode(), TrialState.RUNNING, time.time()),
             )
 
     def update_trial(self, study: str, number: int, **fields) -> None:

@@ -15,6 +15,8 @@ import torch
 from libbus.config import Settings
 from libbus.connect.link import Link
 from libbus.errors import BusError, Forbidden, PeerTimeout
+from libbus.jobs.commands import JobCommand
+from libbus.jobs.state import JobState
 from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, Task
 
@@ -22,7 +24,7 @@ from .. import runtime
 from ..sdnotify import Notifier
 from .failures import describe_failure
 from .reports import Reporter
-from .run import TaskRun
+from .run import LOST, TaskRun
 
 __all__ = ["TrainerService", "run_trainer"]
 
@@ -128,24 +130,25 @@ class TrainerService:
     def _watch_stop(self, stop: threading.Event) -> None:
         stop.wait()
         if self.current_job:
-            self.commands.put(Command(job=self.current_job, command="shutdown"))
+            self.commands.put(Command(job=self.current_job, command=JobCommand.SHUTDOWN))
 
     def _run_task(self, task: Task, stop: threading.Event) -> bool:
         """Run ``task`` and report how it ended; False when this process cannot take another task."""
         self._drop_stale_commands()
         self.current_job = task.job
         if stop.is_set():  # SIGTERM came between GetTask and here: hand it straight back
-            self.commands.put(Command(job=task.job, command="shutdown"))
+            self.commands.put(Command(job=task.job, command=JobCommand.SHUTDOWN))
         log.info("running job %s%s", task.job, f" from checkpoint step {task.resume['step']}" if task.resume else "")
         reporter = Reporter(self.link, task.job, self.settings.request_timeout_s, on_command=self.commands.put)
         clean = True
+        state: JobState | str  # or LOST: the router gave the job to another trainer
         try:
             try:
                 run = TaskRun(
                     task, self.settings, self.link, self.identity, self.commands, reporter, notifier=self.notifier
                 )
             except Exception as err:  # noqa: BLE001 - a spec this trainer cannot even set up: the job fails, not us
-                state, result, error = "failed", {"retryable": False}, describe_failure(err, None)
+                state, result, error = JobState.FAILED, {"retryable": False}, describe_failure(err, None)
                 log.error("job %s failed before it started: %s", task.job, error)
             else:
                 self.run_now = run
@@ -157,17 +160,17 @@ class TrainerService:
             if self.run_now is not None and self.run_now.train is not None:
                 self.data_wait_done += self.run_now.train.wait_s
             self.current_job, self.run_now = None, None
-        self.tasks[state] += 1
+        self.tasks[str(state)] += 1  # a plain str key: the stats go out as JSON
         if task.rank > 0:  # rank 0 reports for the gang (services/trainer/gang.py)
             log.info("job %s: rank %d of %d ended %s %s", task.job, task.rank, task.world_size, state, error)
             return clean
-        if state == "lost":
+        if state == LOST:
             log.warning("job %s abandoned: %s", task.job, error)
             return clean
-        if state == "queued":
+        if state == JobState.QUEUED:
             log.info("job %s handed back to the router (shutting down)", task.job)
         msg = PushResult(job=task.job, state=state, result=result, error=error)
-        if state == "succeeded":
+        if state == JobState.SUCCEEDED:
             msg.frames = self._final_weights(result)
         self._push_result(msg, stop)
         return clean

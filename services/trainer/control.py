@@ -1,5 +1,6 @@
-"""The router's commands to a running task (stop, pause, resume, checkpoint, set, eval), applied
-between batches and acknowledged (``eval`` once its evaluation is done: :mod:`.evaluation`).
+"""The router's commands to a running task (:class:`~libbus.jobs.commands.JobCommand`: stop, pause,
+resume, checkpoint, set, eval, adopt, model; and the trainer's own shutdown), applied between batches and
+acknowledged (``eval`` once its evaluation is done: :mod:`.evaluation`).
 
 :meth:`Controls.check` is called by the training loop only where the loader's position equals the
 samples trained on, so a checkpoint taken on command (or on stop) resumes at the exact next sample.
@@ -12,8 +13,11 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable
+from functools import partial
 
 from libbus.errors import BadRequest
+from libbus.jobs.commands import JobCommand
+from libbus.jobs.state import JobState
 from libbus.wire.messages import Command, CommandAck
 
 from .reports import Reporter
@@ -80,11 +84,23 @@ class Controls:
         self._report = report
         self._before_stop = before_stop
         self._evaluate = evaluate
-        self._adopt = adopt
-        self._model = model
         #: ``running`` or ``paused``.
-        self.state = "running"
+        self.state = JobState.RUNNING
         self._applied: set[int] = set()
+        #: What each command does here (``adopt`` and ``model`` only where the run can).
+        self._appliers: dict[JobCommand, Callable[[Command], None]] = {
+            JobCommand.STOP: self._on_stop,
+            JobCommand.SHUTDOWN: self._on_stop,
+            JobCommand.PAUSE: self._on_pause,
+            JobCommand.RESUME: self._on_resume,
+            JobCommand.CHECKPOINT: self._on_checkpoint,
+            JobCommand.SET: self._on_set,
+            JobCommand.EVAL: self._on_eval,
+        }
+        if adopt is not None:
+            self._appliers[JobCommand.ADOPT] = partial(self._on_adopt, adopt)
+        if model is not None:
+            self._appliers[JobCommand.MODEL] = partial(self._on_model, model)
 
     def check(self) -> None:
         """Apply every queued command; returns when none is left and the task is not paused.
@@ -118,43 +134,60 @@ class Controls:
     def _apply(self, cmd: Command) -> None:
         if not self._fresh(cmd):
             return
-        if cmd.command in ("stop", "shutdown"):
-            log.info("job %s: %s received", self.job, cmd.command)
-            if cmd.command == "stop":
-                self._ack(cmd, "stopping")
-            self._stop(handback=cmd.command == "shutdown")
-        elif cmd.command == "pause":
-            self._ack(cmd, "paused")
-            if self.state != "paused":
-                self._pause()
-        elif cmd.command == "resume":
-            self._ack(cmd, "running")  # not paused: nothing to do
-        elif cmd.command == "checkpoint":
-            self._ack(cmd, self.state, {"checkpoint": self._checkpoint()})
-        elif cmd.command == "set":
-            try:
-                spec = self._set_hyper(cmd.args)
-            except BadRequest as err:
-                self._ack(cmd, self.state, {"error": str(err)})
-                return
-            log.info("job %s: set %s", self.job, cmd.args)
-            self._ack(cmd, self.state, {"spec": spec, "set": cmd.args})
-        elif cmd.command == "eval":  # acknowledged from the evaluation's thread, with its result
-            self._evaluate(lambda detail: self._ack(cmd, self.state, detail))
-        elif cmd.command == "adopt" and self._adopt is not None:
-            try:
-                self._ack(cmd, self.state, {"adopted": self._adopt(cmd.args)})
-            except BadRequest as err:
-                self._ack(cmd, self.state, {"error": str(err)})
-        elif cmd.command == "model" and self._model is not None:
-            detail, data = self._model()
-            self._ack(cmd, self.state, detail, frames=[data])
-        else:
+        try:
+            command = JobCommand(cmd.command)
+        except ValueError:
+            command = None
+        apply = self._appliers.get(command) if command is not None else None
+        if apply is None:
             log.warning("job %s: unknown command %r ignored", self.job, cmd.command)
+            return
+        apply(cmd)
+
+    def _on_stop(self, cmd: Command) -> None:
+        log.info("job %s: %s received", self.job, cmd.command)
+        handback = cmd.command == JobCommand.SHUTDOWN
+        if not handback:
+            self._ack(cmd, "stopping")
+        self._stop(handback=handback)
+
+    def _on_pause(self, cmd: Command) -> None:
+        self._ack(cmd, JobState.PAUSED)
+        if self.state is not JobState.PAUSED:
+            self._pause()
+
+    def _on_resume(self, cmd: Command) -> None:
+        self._ack(cmd, JobState.RUNNING)  # not paused: nothing to do
+
+    def _on_checkpoint(self, cmd: Command) -> None:
+        self._ack(cmd, self.state, {"checkpoint": self._checkpoint()})
+
+    def _on_set(self, cmd: Command) -> None:
+        try:
+            spec = self._set_hyper(cmd.args)
+        except BadRequest as err:
+            self._ack(cmd, self.state, {"error": str(err)})
+            return
+        log.info("job %s: set %s", self.job, cmd.args)
+        self._ack(cmd, self.state, {"spec": spec, "set": cmd.args})
+
+    def _on_eval(self, cmd: Command) -> None:
+        # acknowledged from the evaluation's thread, with its result
+        self._evaluate(lambda detail: self._ack(cmd, self.state, detail))
+
+    def _on_adopt(self, adopt: Callable[[dict], dict], cmd: Command) -> None:
+        try:
+            self._ack(cmd, self.state, {"adopted": adopt(cmd.args)})
+        except BadRequest as err:
+            self._ack(cmd, self.state, {"error": str(err)})
+
+    def _on_model(self, model: Callable[[], tuple[dict, bytes]], cmd: Command) -> None:
+        detail, data = model()
+        self._ack(cmd, self.state, detail, frames=[data])
 
     def _pause(self) -> None:
         """Consume no batches until resumed; stop, checkpoint and set still apply."""
-        self.state = "paused"
+        self.state = JobState.PAUSED
         log.info("job %s: paused", self.job)
         while True:
             if self.reporter.lost is not None:
@@ -165,13 +198,13 @@ class Controls:
             except queue.Empty:
                 self._check_stop_flag()
                 continue
-            if cmd.command == "resume" and self._fresh(cmd):
-                self.state = "running"
+            if cmd.command == JobCommand.RESUME and self._fresh(cmd):
+                self.state = JobState.RUNNING
                 log.info("job %s: resumed", self.job)
-                self._ack(cmd, "running")
+                self._ack(cmd, JobState.RUNNING)
                 return
-            if cmd.command == "pause" and self._fresh(cmd):
-                self._ack(cmd, "paused")
+            if cmd.command == JobCommand.PAUSE and self._fresh(cmd):
+                self._ack(cmd, JobState.PAUSED)
                 continue
             self._apply(cmd)
 

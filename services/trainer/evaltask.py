@@ -22,6 +22,7 @@ from libbus.connect.client import Client, Identity
 from libbus.connect.link import Link
 from libbus.errors import BadRequest, BusError
 from libbus.jobs.spec import JobSpec
+from libbus.jobs.state import JobState
 from libbus.loader.remote import RemoteLoader, pick_provider
 from libbus.security.curve import curve_key_of
 from libbus.wire.messages import Evaluate, Resolve, Task
@@ -41,7 +42,7 @@ EVALUATE_TIMEOUT_S = 300.0
 
 def run_evaluation(
     task: Task, spec: JobSpec, settings: Settings, link: Link, identity: Identity
-) -> tuple[str, dict, str]:
+) -> tuple[JobState, dict, str]:
     """Score the model that came with ``task`` on ``spec.split``; ``(state, result, error)``."""
     try:
         if not task.frames:
@@ -102,9 +103,9 @@ def run_evaluation(
             result.update(val_loss=loss, val_accuracy=accuracy, val_n=n)
     except BusError as err:
         log.error("evaluation task %s failed: %s", task.job, err)
-        return "failed", {"retryable": False}, f"{type(err).__name__}: {err}"
+        return JobState.FAILED, {"retryable": False}, f"{type(err).__name__}: {err}"
     log.info("evaluation task %s: %s", task.job, result)
-    return "succeeded", result, ""
+    return JobState.SUCCEEDED, result, ""
 
 
 def adopt_checkpoint(run, args: dict) -> dict:

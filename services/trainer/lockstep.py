@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import SETTABLE, JobSpec
 
 from .control import Controls, Stopped
@@ -81,7 +82,7 @@ class Lockstep:
     def _own_code(self) -> Code:
         """A rank above 0 hears no commands from the router; only its own trainer's shutdown."""
         while not self.controls.commands.empty():
-            if self.controls.commands.get_nowait().command == "shutdown":
+            if self.controls.commands.get_nowait().command == JobCommand.SHUTDOWN:
                 self.shutting_down = True
         return Code.HANDBACK if self.shutting_down else Code.RUN
 

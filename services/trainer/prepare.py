@@ -16,7 +16,7 @@ from libbus.connect.link import Link
 from libbus.errors import BadRequest, NotFound
 from libbus.jobs.spec import JobSpec
 from libbus.loader.remote import RemoteLoader
-from libbus.wire.messages import Message, Resolve, Task
+from libbus.wire.messages import Resolve, Resolved, Task
 from services.models import build_model
 
 from .optim import make_optimizer
@@ -24,7 +24,7 @@ from .optim import make_optimizer
 __all__ = ["build", "job_device", "open_loaders", "resolve", "shard"]
 
 
-def resolve(link: Link, dataset: str, settings: Settings, watchdog: Callable[[], object]) -> Message:
+def resolve(link: Link, dataset: str, settings: Settings, watchdog: Callable[[], object]) -> Resolved:
     """The dataset's providers. None online is waited out for ``provider_wait_s`` (a provider
     restarting), as a loader waits for its lost providers, before the attempt fails."""
     deadline = time.monotonic() + settings.provider_wait_s

@@ -16,6 +16,7 @@ from libbus.connect.client import Identity
 from libbus.connect.link import Link
 from libbus.errors import BusError, NotFound, PeerTimeout, Unavailable
 from libbus.jobs.spec import JobSpec
+from libbus.jobs.state import JobState
 from libbus.loader.remote import RemoteLoader, pick_provider
 from libbus.wire.messages import Checkpointed, Command, Evaluation, Progress, Task
 from services.models import batch_loss, dataset_kind, evaluate
@@ -37,9 +38,12 @@ from .progress import Meter, epoch_record, final_result, progress_report
 from .reports import Reporter
 from .resume import restore, save
 
-__all__ = ["TaskRun"]
+__all__ = ["LOST", "TaskRun"]
 
 log = logging.getLogger(__name__)
+
+#: How a run ends when the router gave its job to another trainer: no job state (nothing is pushed).
+LOST = "lost"
 
 
 class TaskRun:
@@ -113,22 +117,22 @@ class TaskRun:
             model=partial(current_weights, self),
         )
 
-    def run(self) -> tuple[str, dict, str]:
+    def run(self) -> tuple[JobState | str, dict, str]:
         if self.spec.task == "evaluate":  # score a stored model, no training (services/trainer/evaltask.py)
             return run_evaluation(self.task, self.spec, self.settings, self.link, self.identity)
         # a live evaluation's acknowledgement goes before the result; a trainer shutting down waits less
         evaluation_wait_s = EVALUATE_TIMEOUT_S
         try:
-            return "succeeded", self._train(), ""
+            return JobState.SUCCEEDED, self._train(), ""
         except Stopped as stop:
             result = {"history": self.history, "checkpoint": self.last_checkpoint}
             if stop.handback:
                 evaluation_wait_s = self.settings.request_timeout_s
-                return "queued", result, f"trainer {self.identity.name} shutting down"
-            return "stopped", result, ""
+                return JobState.QUEUED, result, f"trainer {self.identity.name} shutting down"
+            return JobState.STOPPED, result, ""
         except Lost:
             evaluation_wait_s = 0.0  # the router takes nothing more of this job from here
-            return "lost", {}, str(self.reporter.lost)
+            return LOST, {}, str(self.reporter.lost)
         except BusError as err:
             return self._failed(err)
         except RuntimeError as err:
@@ -147,7 +151,7 @@ class TaskRun:
             if self.gang is not None and not self.gang.close():
                 self.unclean = True
 
-    def _failed(self, err: Exception) -> tuple[str, dict, str]:
+    def _failed(self, err: Exception) -> tuple[JobState | str, dict, str]:
         """The job ends ``failed`` with the exception's type, message and a hint; only a peer that
         did not answer or is gone (a provider, a rank of the gang) makes it retryable: a model, a
         spec or a device that fails here fails the same way on the next trainer."""
@@ -157,7 +161,7 @@ class TaskRun:
             log.error("job %s failed: %s", self.job, error)
         else:
             log.error("job %s failed: %s", self.job, error, exc_info=err)
-        return "failed", {"history": self.history, "retryable": retryable}, error
+        return JobState.FAILED, {"history": self.history, "retryable": retryable}, error
 
     def _parts(self) -> tuple[RemoteLoader, nn.Module, torch.optim.Optimizer]:
         """The train loader, model and optimizer that :meth:`_train` sets up before anything here

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from libbus.errors import OutOfRange, SplitPrivate
+from libbus.errors import DatasetError, OutOfRange, SplitPrivate
 from libbus.wire.fields import Field, decode_frames
 from libbus.wire.messages import BatchRequest
 from services.provider.handler import ProviderHandler
@@ -28,7 +28,7 @@ from services.provider.sources import SPLITS, Source
 
 from .busctl import REPO
 
-__all__ = ["check_fields_contract", "check_source_contract", "peak_rss", "some_indices"]
+__all__ = ["check_encoded_contract", "check_fields_contract", "check_source_contract", "peak_rss", "some_indices"]
 
 Reference = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -98,6 +98,32 @@ def check_fields_contract(source: Source, reference=None, seed: int = 0) -> None
             handler.batch(None, BatchRequest(dataset="d", split="test", range=[0, 1]))
     finally:
         handler.close()
+
+
+def check_encoded_contract(source: Source, reference: dict[str, list[str]] | None = None, seed: int = 0) -> None:
+    """The contract for a source of encoded samples (text lines, image bytes) that a pipeline's ``decode``
+    or ``tokenize`` stage reads: DatasetInfo's sizes and a private test split; ``read`` deterministic and,
+    given ``reference`` (split → texts), the texts as stored; refused where a fixed shape is needed."""
+    rng = np.random.default_rng(seed)
+    info = source.info()
+    assert info["kind"] == "encoded" and source.kind == "encoded"
+    assert info["splits"]["test"] == {"num_samples": source.num_samples("test"), "available": False, "shuffle": False}
+    for split in SPLITS:
+        assert info["splits"][split]["num_samples"] == source.num_samples(split), split
+        if reference is not None and split in reference:
+            assert source.num_samples(split) == len(reference[split]), split
+    for split in ("train", "val"):
+        n = source.num_samples(split)
+        if n == 0:
+            continue
+        idx = some_indices(n, rng)
+        x, _ = source.read(split, idx)
+        again, _ = source.read(split, idx)
+        assert [(s.data, s.text, s.label) for s in x] == [(s.data, s.text, s.label) for s in again], "not deterministic"
+        if reference is not None and split in reference:
+            assert [s.text for s in x] == [reference[split][i] for i in idx], split
+        with pytest.raises(DatasetError, match="no fixed shape"):
+            source.read_into(split, idx, np.empty(len(idx), object), np.empty(len(idx), np.int64))
 
 
 def check_source_contract(source: Source, reference: Reference | None = None, seed: int = 0) -> None:

@@ -1,5 +1,6 @@
-"""``http://`` and ``https://`` dataset sources: token shards, ``.npy`` pairs and raw arrays read
-with HTTP Range requests, through the same format code as ``file://`` (:mod:`.formats`).
+"""``http://`` and ``https://`` dataset sources: the location part (which files, their sizes, reads by
+HTTP Range request); the layouts are those of ``file://`` that read here (:mod:`.layouts`: token shards,
+``.npy`` pairs, raw arrays, WebDataset shards).
 
 Which files make the dataset:
 
@@ -12,8 +13,8 @@ Which files make the dataset:
 - a directory URI with none of these is probed for ``dataset.toml`` and the ``.npy`` names of
   :mod:`.formats.npy` (HTTP cannot list a directory).
 
-The format is ``?format=tokens|npy|raw`` or detected as for ``file://`` (raw when a fetched
-``dataset.toml`` has a ``[train]`` table, then npy, then tokens). ``seq_len``, ``token_bytes``,
+The format is ``?format=``, or ``dataset.toml``'s, or detected as for ``file://`` (WebDataset when
+``.tar`` files are named, raw when a fetched ``dataset.toml`` has a ``[train]`` table, then npy, then tokens). ``seq_len``, ``token_bytes``,
 ``vocab_size``, ``val_fraction``, ``classes`` and ``memory`` (default ``stream``) mean what they
 mean for ``file://``. HTTP settings: ``timeout`` (seconds per request, default 10), ``retries``
 (default 3), ``backoff`` (seconds before the first retry, doubling; default 0.2), ``concurrency``
@@ -34,18 +35,16 @@ from urllib.parse import urljoin, urlunsplit
 
 from libbus.errors import DatasetError
 
-from . import images
 from .base import OpenRequest, Source
-from .formats import npy, raw, tokens, webdataset
-from .formats.dataset import MEMORY_MODES, Context, FileSource
-from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
+from .formats.dataset import Context
+from .formats.dataset_toml import TOML
 from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile, origin_of
+from .formats.location import Location
 from .formats.reader import Segment
+from .layouts import open_layout
 
-__all__ = ["FORMATS", "MAX_FILES", "RemoteDir", "expand_template", "open_http_source"]
+__all__ = ["MAX_FILES", "HttpLocation", "RemoteDir", "expand_template", "open_http_source"]
 
-#: format → opener(Context) → Layout: the formats whose files can be read by range over HTTP.
-FORMATS = {"tokens": tokens.open_tokens, "npy": npy.open_npy, "raw": raw.open_raw}
 #: Most files one URI may name (a typo in a range should not start a million HEAD requests).
 MAX_FILES = 100_000
 RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
@@ -97,6 +96,10 @@ class RemotePath:
 
     def is_dir(self) -> bool:
         return False
+
+    def read_bytes(self) -> bytes:
+        """The whole file (a ``dataset.toml``)."""
+        return self.parent.client.get(self.url)
 
     def __lt__(self, other: RemotePath) -> bool:  # listed order: a range's number order
         return self.order < other.order
@@ -234,27 +237,54 @@ def _manifest(murl: str, data: bytes) -> dict:
     return listed
 
 
-def _read_toml(root: RemoteDir) -> dict:
-    path = root / TOML
-    return parse_dataset_toml(root.client.get(path.url), path.url) if path.is_file() else {}
+class HttpLocation(Location):
+    """The files an HTTP(S) URI names (see the module doc): sizes learned once, files read by range
+    through one :class:`~.formats.httprange.RangeClient` per dataset."""
 
+    kind, label, memory = "http", "over HTTP", "stream"
 
-def _open_shards(req: OpenRequest, urls: list[str], client: RangeClient) -> Source:
-    """WebDataset ``.tar`` shards, decoded on the provider (:mod:`.images`); shard indexes cached in
-    ``cache=DIR`` (default ``~/.cache/batchbus/webdataset``)."""
-    params = req.params
-    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchbus" / "webdataset"
-    cache = Path(params.pop("cache", "") or default)
-    try:
-        val_fraction = float(params.pop("val_fraction", "0.1"))
-    except ValueError:
-        raise DatasetError(f"{req.uri}: val_fraction must be a number") from None
-    if not 0 <= val_fraction < 1:
-        raise DatasetError(f"{req.uri}: val_fraction must be in [0, 1), got {val_fraction}")
-    store = webdataset.open_remote_shards(
-        req.uri, urls, client, cache, val_fraction, strict=params.get("bad") != "skip"
-    )
-    return images.open_images(req, store, "webdataset")
+    def __init__(self, req: OpenRequest):
+        uri, parts, params = req.uri, req.parts, req.params
+        self.client = RangeClient(_http_settings(uri, params))
+        try:
+            url = urlunsplit((parts.scheme, parts.netloc, parts.path or "/", "", ""))
+            base, listed = _listing(uri, url, params, self.client)
+            root = RemoteDir(base, self.client, listed)
+            if listed is None:  # a bare directory: find what is there
+                found = {n: ((root / n).url, root.size((root / n).url)) for n in PROBED}
+                root.listed = {n: (u, s) for n, (u, s) in found.items() if s is not None}
+                if not root.listed:
+                    raise DatasetError(
+                        f"{uri}: HTTP cannot list a directory and none of {', '.join(PROBED[:3])}, "
+                        "… is there: name the files with ?files=a.bin,b.bin, ?manifest=NAME or "
+                        "a {000..015} range"
+                    )
+        except BaseException:
+            self.client.close()
+            raise
+        super().__init__(req, root)
+        self._cache: Path | None = None
+
+    def cache_dir(self) -> Path:
+        """``?cache=DIR`` (default ``~/.cache/batchbus/webdataset``): where shard indexes go."""
+        if self._cache is None:
+            default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchbus" / "webdataset"
+            self._cache = Path(self.params.pop("cache", "") or default)
+        return self._cache
+
+    def stamp(self, path: RemotePath) -> tuple[int, str]:
+        return self.client.version(path.url)  # its ETag, else its Last-Modified
+
+    def pread(self, path: RemotePath, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        self.client.read_into(path.url, offset, [memoryview(buf)])
+        return bytes(buf)
+
+    def context(self, settings: dict, toml: dict) -> Context:
+        return RemoteContext(self.uri, self.root, self.root, settings, toml, location=self)
+
+    def close(self) -> None:
+        self.client.close()
 
 
 def open_http_source(req: OpenRequest) -> Source:
@@ -263,36 +293,4 @@ def open_http_source(req: OpenRequest) -> Source:
     Raises :class:`DatasetError` naming the URL and the HTTP status or network error when a file
     cannot be reached, and as ``file://`` does for a bad layout or parameter.
     """
-    uri, parts, params = req.uri, req.parts, req.params
-    client = RangeClient(_http_settings(uri, params))
-    try:
-        url = urlunsplit((parts.scheme, parts.netloc, parts.path or "/", "", ""))
-        base, listed = _listing(uri, url, params, client)
-        root = RemoteDir(base, client, listed)
-        if listed is None:  # a bare directory: find what is there
-            found = {n: ((root / n).url, root.size((root / n).url)) for n in PROBED}
-            root.listed = {n: (u, s) for n, (u, s) in found.items() if s is not None}
-            if not root.listed:
-                raise DatasetError(
-                    f"{uri}: HTTP cannot list a directory and none of {', '.join(PROBED[:3])}, "
-                    "… is there: name the files with ?files=a.bin,b.bin, ?manifest=NAME or "
-                    "a {000..015} range"
-                )
-        if root.listed and all(n.endswith(".tar") for n in root.listed):  # WebDataset shards
-            return _open_shards(req, [u for u, _ in root.listed.values()], client)
-        if npz := [n for n in root.listed if n.endswith(".npz")]:
-            raise DatasetError(f"{uri}: {npz[0]}: .npz archives are not read over HTTP; serve the .npy arrays")
-        toml = _read_toml(root)
-        settings = parse_settings(uri, params, toml)
-        memory = params.pop("memory", "stream")
-        if memory not in MEMORY_MODES:
-            raise DatasetError(f"{uri}: memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
-        fmt = settings.get("format") or ("raw" if raw.detect(toml) else "npy" if npy.detect(root) else "tokens")
-        if fmt not in FORMATS:
-            raise DatasetError(f"{uri}: format {fmt!r} is not read over HTTP; expected one of {', '.join(FORMATS)}")
-        ctx = RemoteContext(uri, root, root, settings, toml)
-        layout = FORMATS[fmt](ctx)
-        return FileSource(uri, root, layout, ctx, memory, settings.get("val_fraction", 0.1))
-    except BaseException:
-        client.close()
-        raise
+    return open_layout(HttpLocation(req))

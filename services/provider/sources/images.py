@@ -17,6 +17,13 @@ good sample of the same batch and the provider's ``bad_images`` counter goes up)
 
 Without ``size``, ``&encoded=1`` opens the same files as encoded bytes, for a pipeline whose
 ``decode`` stage does the rest (``pipeline://``, docs/datasets.md §7).
+
+Named fields instead of x/y: ``?fields=image,label`` (``text`` too for WebDataset) serves a dict per
+batch, for a ``weighted://`` mix of image datasets or a pipeline whose stages name the field they act
+on: ``image`` ``uint8 (3, S, S)`` exactly as ``?size=S`` serves ``x``, or without ``size`` each image
+decoded at its own size, ``uint8 (?, ?, 3)``, its largest sample declared by ``max_bytes=`` (then a
+same-host trainer gets it through shared memory); ``label`` ``int64 ()`` (-1 for a WebDataset sample
+without ``.cls``); ``text`` ``str``, the sample's ``.txt`` member. ``bad=`` applies to every field.
 """
 
 from __future__ import annotations
@@ -35,9 +42,17 @@ from libbus.errors import DatasetError
 from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, stable_seed
 from .formats import imageops
 from .formats.imageops import BAD_POLICIES, default_workers
-from .image_fields import DecodedImages, field_of, parse_names, select
+from .splitmix import uniforms
 
-__all__ = ["BAD_POLICIES", "EncodedImages", "ImageSource", "default_workers", "batch_uniforms", "open_images"]
+__all__ = [
+    "BAD_POLICIES",
+    "DecodedImages",
+    "EncodedImages",
+    "ImageSource",
+    "batch_uniforms",
+    "default_workers",
+    "open_images",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +67,7 @@ def batch_uniforms(seed: int, epoch: int, split: str, indices: np.ndarray, draws
     alone: SplitMix64 at a counter, the whole batch at once (a generator per sample costs ~65 µs)."""
     key = np.uint64(stable_seed("images", seed, epoch, SPLITS.index(split)))
     counters = indices.astype(np.uint64)[:, None] * np.uint64(draws) + np.arange(draws, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        z = key + counters * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return uniforms(key, counters)
 
 
 def fill_bad_rows(x: np.ndarray, y: np.ndarray, bad: list[int], where: str, texts: list | None = None) -> None:
@@ -121,7 +131,7 @@ class ImageSource(Source):
         names: tuple[str, ...] = (),
     ):
         self.uri, self.store, self.size = uri, store, size
-        #: ``fields=``: served as these named fields (:mod:`.image_fields`) instead of x/y.
+        #: ``fields=``: served as these named fields (below) instead of x/y.
         self.names = names
         if names:
             self.kind = "fields"
@@ -296,6 +306,108 @@ class EncodedImages(Source):
         return {**super().info(), "format": self.format}
 
     def close(self) -> None:
+        self.store.close()
+
+
+# -- named fields: ?fields=image,label,text ------------------------------------------------------
+
+#: The fields an image layout offers (``text``: WebDataset's ``.txt`` members).
+NAMES = ("image", "label", "text")
+
+
+def parse_names(uri: str, text: str, fmt: str) -> tuple[str, ...]:
+    """``"image,label"`` → the names, each once, each one :data:`NAMES` offers (``fmt``'s layout)."""
+    offered = NAMES if fmt == "webdataset" else NAMES[:2]
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not names or len(set(names)) != len(names) or not set(names) <= set(offered):
+        raise DatasetError(
+            f"{uri}: fields must list each of {', '.join(offered)} at most once ({fmt}), e.g. "
+            f"fields=image,label; got {text!r}"
+        )
+    return names
+
+
+def select(names: tuple[str, ...], image, label: np.ndarray, texts: list | None = None) -> FieldBatch:
+    """The batch of the fields ``names`` lists."""
+    every = {"image": image, "label": label, "text": texts}
+    return {name: every[name] for name in names}
+
+
+def field_of(name: str, image: Field) -> Field:
+    """Field ``name`` of an image layout, ``image`` the image field."""
+    return {"image": image, "label": Field("label", "int64", ()), "text": Field("text", "str", ())}[name]
+
+
+class DecodedImages(Source):
+    """Every image decoded at its own size: fields ``image uint8 (?, ?, 3)`` and/or ``label int64 ()``."""
+
+    kind = "fields"
+
+    def __init__(
+        self, uri: str, store, fmt: str, names: tuple[str, ...], *, bad: str, workers: int, max_bytes: int, counters
+    ):
+        self.uri, self.store, self.format, self.names = uri, store, fmt, names
+        self.bad, self.workers, self.max_bytes = bad, workers, max_bytes
+        self.sample_shape, self.dtype = (0,), np.dtype(np.uint8)  # no x/y (see Source.fields)
+        self.class_names = list(store.class_names)
+        self.num_classes = len(self.class_names)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="decode")
+        self.counters = counters
+
+    @property
+    def fields(self) -> list[Field]:
+        image = Field("image", "uint8", (None, None, 3), self.max_bytes)
+        return [field_of(name, image) for name in self.names]
+
+    def num_samples(self, split: str) -> int:
+        return self.store.num_samples(split)
+
+    def info(self) -> dict:
+        return {**super().info(), "format": self.format, "workers": self.workers}
+
+    def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise DatasetError(f"{self.uri}: a multi-field dataset is read with read_fields, not as x/y")
+
+    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
+        started = time.perf_counter()
+        samples = self.store.fetch(split, indices)
+        errors: dict[int, str] = {}
+
+        def one(row: int):
+            sample = samples[row]
+            try:
+                if sample.data is None:
+                    raise imageops.BadImage(f"{sample.where}: no image member (.jpg, .jpeg, .png, .webp)")
+                return np.asarray(imageops.decode(sample.data, sample.where), np.uint8)
+            except imageops.BadImage as err:
+                errors[row] = str(err)
+                return None
+
+        images = list(self.pool.map(one, range(len(samples))))
+        labels = np.asarray([s.label for s in samples], np.int64)
+        texts = [s.text or "" for s in samples]
+        failed = bool(errors) and self.bad == "fail"
+        self.counters.add(len(samples), len(errors), time.perf_counter() - started, failed)
+        if errors:
+            first = errors[min(errors)]
+            if failed:
+                raise DatasetError(f"{self.uri}: bad image: {first} (bad=skip serves the batch without it)")
+            good = np.array([r for r in range(len(images)) if r not in errors])
+            if not len(good):
+                raise DatasetError(f"{self.uri}: every sample of the batch ({len(images)}) is a bad image")
+            for row in sorted(errors):
+                near = int(good[np.argmin(np.abs(good - row))])
+                images[row], labels[row], texts[row] = images[near], labels[near], texts[near]
+        return select(self.names, images, labels, texts)
+
+    def metrics(self) -> dict:
+        """The provider's per-dataset counters, as an image source's (one ``decode`` stage)."""
+        return {"requests": {}, "stages": [self.counters.stage()]}
+
+    decode_metrics = metrics
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()
 
 

@@ -20,6 +20,7 @@ from libbus.errors import DatasetError
 
 from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, stable_seed
 from .mock_tokens import open_mock_tokens
+from .splitmix import GAMMA, mix
 
 __all__ = ["Dummy", "MockFields", "MockImages", "open_dummy", "open_mock"]
 
@@ -64,11 +65,9 @@ class MockImages(Source):
 
     def labels(self, split: str, indices: np.ndarray) -> np.ndarray:
         base = stable_seed("labels", self.name, self.seed, split)
-        # splitmix64 of (base + index): a cheap, vectorised, well-mixed hash
-        z = (indices.astype(np.uint64) + np.uint64(base)) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
+        # SplitMix64's output at (base + index) * gamma: a cheap, vectorised, well-mixed hash
+        with np.errstate(over="ignore"):
+            z = mix((indices.astype(np.uint64) + np.uint64(base)) * GAMMA)
         return (z % np.uint64(self.num_classes)).astype(np.int64)
 
     def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

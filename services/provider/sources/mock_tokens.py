@@ -24,6 +24,9 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from .base import SPLITS, OpenRequest, Source, stable_seed
+from .splitmix import GAMMA as _M1
+from .splitmix import MUL1 as _M2
+from .splitmix import MUL2 as _M3
 
 __all__ = ["MockTokens", "open_mock_tokens", "token_dtype"]
 
@@ -34,8 +37,6 @@ _SUCCESSOR_P = np.bincount(_SLOT_TO_SUCCESSOR) / len(_SLOT_TO_SUCCESSOR)
 #: The successor table is (vocab, 4): bounded so that a typo cannot ask for gigabytes.
 MAX_VOCAB = 1 << 24
 
-_M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
 
 def token_dtype(vocab: int) -> np.dtype:
     """The narrowest token dtype the token-dataset layout allows for ``vocab`` tokens."""
@@ -43,7 +44,8 @@ def token_dtype(vocab: int) -> np.dtype:
 
 
 def _splitmix64(z: np.ndarray) -> np.ndarray:
-    """A cheap, vectorised, well-mixed 64-bit hash: counter-based randomness, one value per token."""
+    """A cheap, vectorised, well-mixed 64-bit hash: counter-based randomness, one value per token.
+    Built from SplitMix64's constants but not SplitMix64 (:mod:`.splitmix`); kept, so the tokens stay."""
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps on purpose
         z = (z + _M1) * _M2
         z = (z ^ (z >> np.uint64(30))) * _M3

@@ -1,11 +1,13 @@
 """``s3://BUCKET/PREFIX``, ``gs://BUCKET/PREFIX``, ``az://CONTAINER/PREFIX`` dataset sources: the
+location part (a listed prefix, its objects read by range); the layouts (:mod:`.layouts`) are the
 formats a provider serves from files (token shards, npy pairs, raw arrays with ``dataset.toml``,
 Parquet by row group, CIFAR-10 batches, uncompressed IDX), and the image layouts (ImageFolder
 prefixes, WebDataset ``.tar`` shards, ``?size=S`` as for ``file://``), read by byte range from an
 object store. A shard's index is cached in the cache directory (``cache_dir``/webdataset, else
 ``~/.cache/batchbus/webdataset``) under the object's ETag: a rewritten shard is indexed again.
 
-The prefix is listed once at open; the format is ``?format=`` or detected as for ``file://``.
+The prefix is listed once at open; the format is ``?format=``, ``dataset.toml``'s, or detected as for
+``file://``.
 Reads go through :mod:`.formats.objects` (one request per contiguous run, bounded concurrency per
 dataset and per host, retries with jittered backoff, a deadline per batch) and, when the provider
 has a ``cache_dir``, a bounded disk cache of blocks (:mod:`.formats.blockcache`).
@@ -30,29 +32,20 @@ import os
 import re
 from pathlib import Path
 
-import numpy as np
-
 from libbus.errors import DatasetError
 
-from . import images, parquet
-from .base import FieldBatch, OpenRequest, Source
-from .formats import cifar, idx, imagefolder, npy, objects, raw, tokens, webdataset
+from .base import OpenRequest, Source
+from .formats import objects
 from .formats.blockcache import BlockCache, cache_stats
-from .formats.dataset import MEMORY_MODES, Context, FileSource
-from .formats.dataset_toml import TOML, parse_dataset_toml, parse_settings
-from .formats.objects import ObjectClient, ObjectPath, ObjectSettings, ObjectTree
+from .formats.dataset import Context
+from .formats.location import Location
+from .formats.objects import ObjectClient, ObjectFile, ObjectPath, ObjectSettings, ObjectTree
 from .formats.reader import Segment
+from .layouts import open_layout
 
-__all__ = ["CACHE", "SCHEMES", "configure_cache", "object_root", "object_store_stats", "open_object_source"]
+__all__ = ["CACHE", "SCHEMES", "ObjectLocation", "configure_cache", "object_store_stats", "open_object_source"]
 
 SCHEMES = ("s3", "gs", "az")
-FORMATS = {
-    "tokens": (tokens.detect, tokens.open_tokens),
-    "npy": (npy.detect, npy.open_npy),
-    "idx": (idx.detect, idx.open_idx),
-    "cifar10": (cifar.detect, cifar.open_cifar),
-    "raw": (None, raw.open_raw),
-}
 #: Query parameters that would carry a credential (refused by name; their value is never echoed).
 SECRET_PARAMS = re.compile(
     r"(?i)^(aws_)?(access_key(_id)?|secret(_access_key)?|session_token|token|password|sas|sig|"
@@ -83,8 +76,8 @@ def _reads_objects(source: Source) -> bool:
     """Whether ``source`` reads an object store (a file format, Parquet, or an image layout's store)."""
     store = getattr(source, "store", None)
     return (
-        isinstance(source, (ObjectFileSource, ObjectParquetSource))
-        or isinstance(store, webdataset.ObjectShards)
+        isinstance(getattr(source, "location", None), ObjectLocation)
+        or isinstance(getattr(store, "location", None), ObjectLocation)
         or isinstance(getattr(store, "root", None), ObjectPath)
     )
 
@@ -161,8 +154,6 @@ class ObjectContext(Context):
     def segment(self, path: ObjectPath, offset: int = 0, length: int | None = None, name: str | None = None) -> Segment:
         if not isinstance(path, ObjectPath) or not path.is_file():
             raise DatasetError(f"{path}: no such object under {self.root}")
-        from .formats.objects import ObjectFile
-
         meta = path.meta
         return Segment(
             name or str(path),
@@ -173,68 +164,69 @@ class ObjectContext(Context):
         )
 
 
-class ObjectFileSource(FileSource):
-    """A :class:`FileSource` over objects: each batch's reads share one deadline."""
+class ObjectLocation(Location):
+    """The objects under a prefix, listed once at open (an :class:`~.formats.objects.ObjectPath` root),
+    read by range through one :class:`~.formats.objects.ObjectClient` per dataset: bounded, retried,
+    through the disk cache, each batch's reads under one deadline. Pops the object-store parameters
+    (client, cache); refuses a URI carrying credentials."""
 
-    client: ObjectClient
+    kind, label, memory = "object", "from object stores", "stream"
 
-    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-        with self.client.batch():
-            super().read_into(split, indices, x, y)
+    def __init__(self, req: OpenRequest):
+        _refuse_credentials(req)
+        settings, timeout_s = _settings(req)
+        cache = _cache(req)
+        backend = _backend(req, timeout_s)
+        self.client = ObjectClient(backend, settings, cache)
+        try:
+            prefix = req.parts.path.lstrip("/")
+            listing = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+            objects = backend.list(listing)
+            if not objects:
+                raise DatasetError(f"{backend.name}/{listing}: no objects under this prefix")
+        except BaseException:
+            self.client.close()
+            raise
+        super().__init__(req, ObjectTree(self.client, listing, objects).root)
+
+    @property
+    def name(self) -> str:
+        return _redacted(self.req)
+
+    def cache_dir(self) -> Path:
+        """Where shard indexes go: ``CACHE_DIR/webdataset`` (the disk cache's), else ``~/.cache/batchbus/webdataset``."""
+        cache = self.client.cache
+        where = (
+            cache.root
+            if cache is not None
+            else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchbus"
+        )
+        return where / "webdataset"
+
+    def context(self, settings: dict, toml: dict) -> Context:
+        return ObjectContext(self.uri, self.root, Path(os.devnull), settings, toml, location=self)
+
+    def stamp(self, path: ObjectPath) -> tuple[int, str]:
+        return path.meta.size, path.meta.etag
+
+    def pread(self, path: ObjectPath, offset: int, n: int) -> bytes:
+        return bytes(self.client.fetch(path.meta, offset, n))
+
+    def read_files(self, paths: list[ObjectPath]) -> list[bytes]:
+        return self.read_ranges([(path, 0, path.meta.size) for path in paths])
+
+    def read_ranges(self, ranges: list[tuple[ObjectPath, int, int]]) -> list[bytes]:
+        with self.client.batch():  # a batch's runs together: bounded, retried, one deadline
+            return self.client.read_ranges([(path.meta, offset, n) for path, offset, n in ranges])
+
+    def batch(self):
+        return self.client.batch()
 
     def info(self) -> dict:
-        info = super().info()
-        info["store"] = self.client.backend.name.split("://")[0]
-        return info
+        return {"store": self.client.backend.name.split("://")[0]}
 
     def close(self) -> None:
-        super().close()
         self.client.close()
-
-
-class ObjectParquetSource(parquet.ParquetSource):
-    """A :class:`~.parquet.ParquetSource` over objects (row groups read by range)."""
-
-    client: ObjectClient
-
-    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-        with self.client.batch():
-            super().read_into(split, indices, x, y)
-
-    def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        with self.client.batch():  # texts for a pipeline (?encoded=1): the same per-batch deadline
-            return super().read(split, indices)
-
-    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
-        with self.client.batch():  # named fields (?fields=): the same per-batch deadline
-            return super().read_fields(split, indices, epoch)
-
-    def close(self) -> None:
-        super().close()
-        self.client.close()
-
-
-def object_root(req: OpenRequest) -> ObjectPath:
-    """The listed prefix an object-store URI names, as a folder a file-backed format opens like a
-    ``Path`` (its client: ``root.tree.client``; close it with the source). Pops the object-store
-    parameters (client, cache); refuses a URI carrying credentials. What a kind that reads files
-    (WebDataset tars, image folders) calls to take ``s3://`` too.
-    """
-    _refuse_credentials(req)
-    settings, timeout_s = _settings(req)
-    cache = _cache(req)
-    backend = _backend(req, timeout_s)
-    client = ObjectClient(backend, settings, cache)
-    try:
-        prefix = req.parts.path.lstrip("/")
-        listing = prefix if not prefix or prefix.endswith("/") else prefix + "/"
-        objects = backend.list(listing)
-        if not objects:
-            raise DatasetError(f"{backend.name}/{listing}: no objects under this prefix")
-        return ObjectTree(client, listing, objects).root
-    except BaseException:
-        client.close()
-        raise
 
 
 def open_object_source(req: OpenRequest) -> Source:
@@ -243,91 +235,4 @@ def open_object_source(req: OpenRequest) -> Source:
     Raises :class:`DatasetError` for a URI with credentials, a refused or failed listing (naming the
     store and operation), an unknown layout or a bad parameter.
     """
-    uri, params = req.uri, req.params
-    root = object_root(req)
-    client = root.tree.client
-    try:
-        if params.get("format") == "parquet" or ("format" not in params and parquet.detect(root)):
-            params.pop("format", None)
-            src = parquet.open_parquet_dir(uri, root, params, source_class=ObjectParquetSource)
-            src.client = client
-            return src
-        if (image_format := _image_format(root, params)) is not None:
-            return _open_images(req, root, image_format)
-        toml = _read_toml(root)
-        file_settings = parse_settings(uri, params, toml)
-        memory = params.pop("memory", "stream")
-        if memory not in MEMORY_MODES:
-            raise DatasetError(f"{uri}: memory must be one of {', '.join(MEMORY_MODES)}, got {memory!r}")
-        fmt = file_settings.get("format") or _detect(root, toml)
-        if fmt not in FORMATS:
-            raise DatasetError(f"{uri}: unknown format {fmt!r}; expected one of parquet, {', '.join(FORMATS)}")
-        if fmt in ("idx", "npy") and (packed := [p.name for p in root.iterdir() if p.name.endswith((".gz", ".npz"))]):
-            raise DatasetError(
-                f"{root}/{packed[0]}: compressed files are not read from object stores (each batch reads "
-                "byte ranges); store the arrays uncompressed (.npy, IDX without .gz)"
-            )
-        ctx = ObjectContext(uri, root, Path(os.devnull), file_settings, toml)
-        layout = FORMATS[fmt][1](ctx)
-        source = ObjectFileSource.__new__(ObjectFileSource)
-        source.client = client
-        FileSource.__init__(source, uri, root, layout, ctx, memory, file_settings.get("val_fraction", 0.1))
-        return source
-    except BaseException:
-        client.close()
-        raise
-
-
-def _image_format(root: ObjectPath, params: dict) -> str | None:
-    fmt = params.get("format")
-    if fmt in ("imagefolder", "webdataset"):
-        params.pop("format")
-        return fmt
-    if fmt is None and imagefolder.detect(root):
-        return "imagefolder"
-    if fmt is None and webdataset.detect(root):
-        return "webdataset"
-    return None
-
-
-def _open_images(req: OpenRequest, root: ObjectPath, fmt: str) -> Source:
-    """An ImageFolder prefix or WebDataset shards, decoded on the provider as ``file://`` does."""
-    try:
-        val_fraction = float(req.params.pop("val_fraction", "0.1"))
-    except ValueError:
-        raise DatasetError(f"{_redacted(req)}: val_fraction must be a number") from None
-    if not 0 <= val_fraction < 1:
-        raise DatasetError(f"{_redacted(req)}: val_fraction must be in [0, 1), got {val_fraction}")
-    if fmt == "imagefolder":
-        if not imagefolder.detect(root):
-            raise DatasetError(f"{_redacted(req)}: no ImageFolder tree in {root}; expected {imagefolder.EXPECTED}")
-        return images.open_images(req, imagefolder.ImageFolder(req.uri, root, val_fraction), fmt)
-    cache = root.tree.client.cache
-    where = (
-        cache.root
-        if cache is not None
-        else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchbus"
-    )
-    strict = req.params.get("bad") != "skip"
-    store = webdataset.open_object_shards(req.uri, root, where / "webdataset", val_fraction, strict=strict)
-    return images.open_images(req, store, fmt)
-
-
-def _read_toml(root: ObjectPath) -> dict:
-    path = root / TOML
-    if not path.is_file():
-        return {}
-    return parse_dataset_toml(root.tree.client.get_small(path.meta), str(path))
-
-
-def _detect(root: ObjectPath, toml: dict) -> str:
-    if raw.detect(toml):
-        return "raw"
-    for fmt in ("idx", "cifar10", "npy", "tokens"):
-        if FORMATS[fmt][0](root):
-            return fmt
-    names = [p.name for p in root.iterdir()][:10]
-    raise DatasetError(
-        f"no known dataset layout in {root}: expected Parquet files, a dataset.toml, IDX or CIFAR-10 "
-        f"batches, .npy pairs or token shards; found {', '.join(names) or 'nothing'}"
-    )
+    return open_layout(ObjectLocation(req))

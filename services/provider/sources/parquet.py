@@ -21,7 +21,7 @@ Columns: ``?column=`` the feature (default: ``image``, ``img``, ``pixel_values``
 Named fields instead of x/y: ``?fields=image:image,caption,label`` serves those columns as fields
 of the same names — images of any size as bytes or decoded ``uint8 (?, ?, 3)``, text as strings,
 numbers and lists of numbers — and ``?max_bytes=`` declares a variable field's largest sample
-(:mod:`.parquet_fields`). ``?encoded=1`` serves a string column (``column=``, default ``text``) as
+(below). ``?encoded=1`` serves a string column (``column=``, default ``text``) as
 text samples for a pipeline's ``tokenize`` stage, like ``train.txt`` lines (docs/datasets.md §9.4).
 
 Integer labels are class ids (served int64); ``num_classes`` comes from ``?classes=``, the
@@ -30,6 +30,13 @@ batch reads each row group it touches once, keeping the most recently used ones 
 decoded) up to ``cache_mb`` (default 256); memory stays bounded whatever the dataset's size.
 Shuffling whole row groups (``shuffle = "block"`` with ``block_size`` near the row-group size)
 reads far less than a full shuffle.
+
+Named fields (``?fields=COL[:HOW],...``): each listed column becomes a field of the same name, ``HOW``
+saying what: a binary column or a hub's image struct ``{bytes, path}`` is ``bytes`` (the default: the
+encoded file) or ``image`` (decoded to ``uint8 (?, ?, 3)``, any size per row) or ``grey``
+(``(?, ?, 1)``); a string column is ``str``; a column of numbers a fixed field of shape ``()``, of lists
+of numbers ``(?,)``. ``max_bytes=`` declares the most bytes one sample of a variable field holds
+(decoded bytes for an image): with it, a same-host trainer gets batches through shared memory.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import io
 import json
 import threading
 from collections import OrderedDict
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -45,13 +53,15 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, local_path
-from .parquet_fields import field_of, parse_fields, read_fields, read_texts, text_column
+from .formats.imagefolder import Encoded
+from .formats.location import Format, Location
 
-__all__ = ["ParquetSource", "detect", "open_parquet", "open_parquet_dir"]
+__all__ = ["FORMAT", "ParquetSource", "detect", "open_parquet", "open_parquet_dir"]
 
 SPLIT_NAMES = {"train": ("train",), "val": ("validation", "valid", "val", "dev"), "test": ("test",)}
 FEATURE_NAMES = ("image", "img", "pixel_values", "x", "features", "input_ids", "tokens")
 LABEL_NAMES = ("label", "labels", "target", "y", "class")
+EXPECTED = "Parquet files: train*.parquet or train/*.parquet (in DIR, DIR/data or a subset folder)"
 PARAMS = ("column", "label", "subset", "val_fraction", "classes", "cache_mb", "fields", "max_bytes", "encoded")
 
 
@@ -198,9 +208,13 @@ class ParquetSource(Source):
         fields: str | None = None,
         max_bytes: int = 0,
         encoded: bool = False,
+        location=None,
     ):
         _, pq = _pyarrow()
         self.uri, self.root = uri, root
+        #: Where the files are (:class:`~.formats.location.Location`): each batch's reads run under its
+        #: ``batch()`` (an object store's deadline); ``None``: local files.
+        self.location = location
         self._lock, self._read_lock = threading.Lock(), threading.Lock()
         self._cache: OrderedDict[tuple[int, int], object] = OrderedDict()
         self.cache_bytes = int(cache_mb * (1 << 20))
@@ -338,11 +352,21 @@ class ParquetSource(Source):
         return list(self._fields) if self._fields else super().fields
 
     def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
-        return read_fields(self, split, indices) if self._fields else super().read_fields(split, indices, epoch)
+        with self._batch():  # named fields (?fields=): the same per-batch scope
+            return read_fields(self, split, indices) if self._fields else super().read_fields(split, indices, epoch)
+
+    def _batch(self):
+        return self.location.batch() if self.location is not None else nullcontext()
+
+    def close(self) -> None:
+        if self.location is not None:
+            self.location.close()
 
     def info(self) -> dict:
         info = super().info()
         info.update(format="parquet", path=str(self.root), columns=self.columns, label_column=self.label)
+        if self.location is not None:
+            info.update(self.location.info())  # an object store's: store
         if self.val_fraction is not None:
             info["val_fraction"] = self.val_fraction
         return info
@@ -368,10 +392,15 @@ class ParquetSource(Source):
         return table
 
     def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return read_texts(self, split, indices) if self.kind == "encoded" else super().read(split, indices)
+        with self._batch():  # texts for a pipeline (?encoded=1): the same per-batch scope
+            return read_texts(self, split, indices) if self.kind == "encoded" else super().read(split, indices)
 
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         """Samples ``indices`` of ``split``: each row group the batch touches is read once."""
+        with self._batch():
+            self._read_into(split, indices, x, y)
+
+    def _read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         if self.kind == "encoded":
             raise DatasetError(f"{self.uri}: encoded=1 serves text for a pipeline's tokenize stage (§9.4)")
         groups, starts, first, n = self._layouts[split]
@@ -437,6 +466,133 @@ class ParquetSource(Source):
         return True
 
 
+# -- named fields: ?fields=COL[:HOW],... and ?encoded=1 ---------------------------------------
+
+HOWS = ("auto", "bytes", "image", "grey", "str")
+
+
+def parse_fields(uri: str, text: str) -> list[tuple[str, str]]:
+    """``"a:image,b,c:str"`` → ``[("a", "image"), ("b", "auto"), ("c", "str")]``."""
+    out = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        column, _, how = piece.partition(":")
+        how = how.strip() or "auto"
+        if how not in HOWS:
+            raise DatasetError(f"{uri}: fields: {piece!r}: expected COLUMN or COLUMN:{'|'.join(HOWS[1:])}")
+        out.append((column.strip(), how))
+    if not out or len({c for c, _ in out}) != len(out):
+        raise DatasetError(f"{uri}: fields= must name each column once, e.g. fields=image:image,text,label")
+    return out
+
+
+def field_of(uri: str, schema, column: str, how: str, max_bytes: int) -> Field:
+    """The field column ``column`` of ``schema`` becomes. Raises :class:`DatasetError`."""
+    import pyarrow as pa  # present: the Parquet source imported it
+
+    if column not in schema.names:
+        raise DatasetError(f"{uri}: no column {column!r}; the columns are {', '.join(schema.names)}")
+    t = schema.field(column).type
+    binary = pa.types.is_binary(t) or pa.types.is_large_binary(t)
+    if (pa.types.is_struct(t) and t.get_field_index("bytes") >= 0) or binary:
+        if how in ("image", "grey"):
+            return Field(column, "uint8", (None, None, 3 if how == "image" else 1), max_bytes)
+        if how in ("auto", "bytes"):
+            return Field(column, "bytes", (), max_bytes)
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        if how in ("auto", "str"):
+            return Field(column, "str", (), max_bytes)
+    elif how == "auto" and (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+        return Field(column, np.dtype(t.to_pandas_dtype()).name, ())
+    elif how == "auto" and (pa.types.is_list(t) or pa.types.is_large_list(t)):
+        inner = t.value_type
+        if pa.types.is_integer(inner) or pa.types.is_floating(inner):
+            return Field(column, np.dtype(inner.to_pandas_dtype()).name, (None,), max_bytes)
+    raise DatasetError(f"{uri}: column {column!r} is {t}; it cannot be served as {how!r}")
+
+
+def _image(blob, where: str, mode: str) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError  # optional: image columns only
+
+    if isinstance(blob, dict):
+        blob = blob.get("bytes")
+    if not blob:
+        raise DatasetError(f"{where}: the image has no bytes (only a path?); store the image bytes in the file")
+    try:
+        with Image.open(io.BytesIO(blob)) as img:
+            a = np.asarray(img.convert(mode), np.uint8)
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise DatasetError(f"{where}: not a readable image: {err}") from err
+    return a[:, :, None] if a.ndim == 2 else a
+
+
+def read_column(table, local: np.ndarray, field: Field, how: str, where: str) -> list | np.ndarray:
+    """Rows ``local`` of one column of a row group as the field's values."""
+    column = table.column(field.name).take(local)
+    if not field.variable:
+        return column.to_numpy(zero_copy_only=False).astype(field.np_dtype, copy=False)
+    values = column.to_pylist()
+    if field.dtype == "bytes":
+        return [(v.get("bytes") if isinstance(v, dict) else v) or b"" for v in values]
+    if field.dtype == "str":
+        return [v or "" for v in values]
+    if how in ("image", "grey"):
+        mode = "RGB" if how == "image" else "L"
+        return [_image(v, f"{where} row {r}", mode) for r, v in zip(local.tolist(), values)]
+    return [np.asarray(v if v is not None else [], field.np_dtype) for v in values]
+
+
+def text_column(uri: str, schema, columns: list[str]) -> None:
+    """Refuse anything but one string column for ``encoded=1``. Raises :class:`DatasetError`."""
+    if len(columns) != 1:
+        raise DatasetError(f"{uri}: encoded=1 serves one text column; column= names {', '.join(columns)}")
+    field = field_of(uri, schema, columns[0], "auto", 0)
+    if field.dtype != "str":
+        raise DatasetError(
+            f"{uri}: encoded=1 serves text, and column {columns[0]!r} is {schema.field(columns[0]).type}; "
+            "name a string column with ?column="
+        )
+
+
+def read_texts(source, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``encoded=1``: rows ``indices`` of ``split`` as :class:`Encoded` samples with ``text`` set (a null
+    row is the empty text), and no labels."""
+    column = source.columns[0]
+    batch = _read(source, split, indices, [(Field(column, "str", ()), "str")])
+    x = np.empty(len(batch[column]), object)
+    x[:] = [Encoded(None, -1, f"{source.uri} {split}[{int(i)}]", t) for i, t in zip(indices, batch[column])]
+    return x, np.empty((len(x), 0), np.int64)
+
+
+def read_fields(source, split: str, indices: np.ndarray) -> FieldBatch:
+    """Samples ``indices`` of ``split`` of a Parquet source in fields mode: each row group once."""
+    return _read(source, split, indices, list(zip(source.fields, (how for _, how in source.field_specs))))
+
+
+def _read(source, split: str, indices: np.ndarray, specs: list[tuple[Field, str]]) -> FieldBatch:
+    groups, starts, first, n = source._layouts[split]
+    idx = np.asarray(indices, np.int64).reshape(-1)
+    if len(idx) and (idx.min() < 0 or idx.max() >= n):
+        raise IndexError(f"index outside {split} (0..{n - 1})")
+    rows = idx + first
+    where = np.searchsorted(starts, rows, side="right") - 1
+    parts: dict[str, list] = {f.name: [None] * len(idx) for f, _ in specs}
+    for g in np.unique(where).tolist():
+        dest = np.flatnonzero(where == g)
+        file, group, _ = groups[g]
+        table = source._group(file, group)
+        what = f"{source.files[file][0]} row group {group}"
+        for field, how in specs:
+            values = read_column(table, rows[dest] - starts[g], field, how, what)
+            for r, v in zip(dest.tolist(), values):
+                parts[field.name][r] = v
+    out: FieldBatch = {}
+    for field, _ in specs:
+        out[field.name] = np.array(parts[field.name], field.np_dtype) if not field.variable else parts[field.name]
+    return out
+
+
 def _hub_class_names(schema, label: str) -> list[str]:
     """Class names a dataset hub stored in the file's metadata (a ClassLabel feature), if any."""
     meta = (schema.metadata or {}).get(b"huggingface")
@@ -455,8 +611,9 @@ def open_parquet(req: OpenRequest) -> ParquetSource:
     return open_parquet_dir(req.uri, local_path(req.parts), req.params)
 
 
-def open_parquet_dir(uri: str, root: Path, params: dict, source_class: type = ParquetSource) -> ParquetSource:
-    """The Parquet dataset under ``root``, popping the ``params`` it knows (see the module doc).
+def open_parquet_dir(uri: str, root: Path, params: dict, location=None) -> ParquetSource:
+    """The Parquet dataset under ``root`` (``location``'s root, when given), popping the ``params`` it
+    knows (see the module doc).
 
     Raises :class:`DatasetError` naming the file, column or parameter at fault.
     """
@@ -483,7 +640,7 @@ def open_parquet_dir(uri: str, root: Path, params: dict, source_class: type = Pa
     if encoded and ("fields" in got or got.get("label")):
         raise DatasetError(f"{uri}: encoded=1 serves one text column, without fields= or label=")
     files = find_files(uri, root, got.get("subset"))
-    return source_class(
+    return ParquetSource(
         uri,
         root,
         files,
@@ -495,4 +652,14 @@ def open_parquet_dir(uri: str, root: Path, params: dict, source_class: type = Pa
         got.get("fields"),
         max_bytes,
         encoded,
+        location,
     )
+
+
+def open_location(loc: Location) -> ParquetSource:
+    """The Parquet dataset at ``loc`` (a local directory or an object-store prefix)."""
+    return open_parquet_dir(loc.uri, loc.root, loc.params, loc)
+
+
+#: This layout's line in the registry (:mod:`.layouts`).
+FORMAT = Format("parquet", lambda loc: detect(loc.root), open_location, EXPECTED, "source", ("file", "object"))

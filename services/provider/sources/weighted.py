@@ -22,7 +22,13 @@ period is computed at start-up (one byte per position, a few seconds per ten mil
 position is then located in O(1).
 A batch's samples from one source are read with one call to that source.
 
-Sources with named fields mix too, when they agree on them (:mod:`.weighted_fields`).
+Sources with named fields mix too, when they agree on them (below).
+
+A mix serves its sources' named fields when they are *union-compatible*: the same names in the same
+order, and for each the same dtype and shape, ``None`` (variable) dimensions in the same places. A
+source that disagrees, or an x/y dataset beside named-field ones, is refused when the mix is opened,
+naming both sources and the field. The mix declares each variable field's largest ``max_bytes`` (a
+source that declares none makes the mix's undeclared: its batches then travel over the socket).
 """
 
 from __future__ import annotations
@@ -39,7 +45,6 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from .base import SPLITS, Field, FieldBatch, OpenRequest, Source
-from .weighted_fields import gather, mix_fields
 
 __all__ = ["MAX_PERIOD", "Mix", "Schedule", "integer_weights", "open_weighted"]
 
@@ -169,7 +174,7 @@ class Mix(Source):
     def __init__(self, uri: str, names: list[str], sources: list[Source], weights: list | None):
         self.uri, self.names, self.sources = uri, names, sources
         first = sources[0]
-        #: The named fields every source serves (:mod:`.weighted_fields`); None for x/y sources.
+        #: The named fields every source serves (:func:`mix_fields`); None for x/y sources.
         self._fields = mix_fields(uri, names, sources)
         # encoded text (lines, a Parquet column) feeds tokenize, which drops labels: those may differ
         unlabelled = first.kind == "encoded" and any(s.label_shape == (0,) for s in sources)
@@ -283,6 +288,70 @@ class Mix(Source):
             src.serve_into(split, local, xs, ys, epoch=epoch)
             x[rows] = xs
             y[rows] = ys
+
+
+# -- named fields: which a mix serves, and a batch gathered from its sources' rows ----------------
+
+
+def _describe(fields: list[Field]) -> str:
+    return ", ".join(f.describe() for f in fields)
+
+
+def mix_fields(where: str, names: list[str], sources: list[Source]) -> list[Field] | None:
+    """The fields every source of the mix serves, or ``None`` when all are x/y datasets (the mix
+    checks those as it always has). Raises :class:`DatasetError` naming the first source (after the
+    first) that disagrees with the first, and the field."""
+    first, name0 = sources[0].fields, names[0]
+    for name, src in zip(names[1:], sources[1:]):
+        theirs = src.fields
+        if src.xy != sources[0].xy:
+            xy, named = (name, name0) if src.xy else (name0, name)
+            raise DatasetError(
+                f"{where}: {xy} is an x/y dataset but {named} has named fields "
+                f"({_describe(first if named == name0 else theirs)}); every source of a mix must serve "
+                "the same fields"
+            )
+    if sources[0].xy:
+        return None
+    for name, src in zip(names[1:], sources[1:]):
+        theirs = src.fields
+        if [f.name for f in theirs] != [f.name for f in first]:
+            raise DatasetError(
+                f"{where}: {name} has fields {', '.join(f.name for f in theirs)} but {name0} has "
+                f"{', '.join(f.name for f in first)}; every source of a mix must serve the same fields, in order"
+            )
+        for mine, other in zip(first, theirs):
+            if (mine.dtype, mine.shape if not mine.opaque else ()) != (
+                other.dtype,
+                other.shape if not other.opaque else (),
+            ):
+                raise DatasetError(
+                    f"{where}: {name} has field {other.describe()} but {name0} has {mine.describe()}; "
+                    "every source of a mix must agree on each field's dtype and shape"
+                )
+    out = []
+    for i, f in enumerate(first):
+        declared = [s.fields[i].max_bytes for s in sources]
+        out.append(Field(f.name, f.dtype, f.shape, max(declared) if f.variable and all(declared) else 0))
+    return out
+
+
+def gather(fields: list[Field], n: int, parts: list[tuple[np.ndarray, FieldBatch]]) -> FieldBatch:
+    """A batch of ``n`` samples from ``parts``: (the batch rows a source read, what it read)."""
+    out: FieldBatch = {}
+    for f in fields:
+        if f.variable:
+            values: list = [None] * n
+            for rows, batch in parts:
+                for r, v in zip(rows.tolist(), batch[f.name]):
+                    values[r] = v
+            out[f.name] = values
+        else:
+            arr = np.empty((n, *f.shape), f.np_dtype)  # type: ignore[type-var]
+            for rows, batch in parts:
+                arr[rows] = batch[f.name]
+            out[f.name] = arr
+    return out
 
 
 def _entry(

@@ -15,9 +15,10 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from .dataset import Context, Layout, Table
+from .location import Format
 from .reader import ByteSpace, Records
 
-__all__ = ["data_dir", "detect", "open_cifar"]
+__all__ = ["FORMAT", "data_dir", "detect", "open_cifar"]
 
 SAMPLE = (3, 32, 32)
 PIXELS = 3072
@@ -72,3 +73,7 @@ def open_cifar(ctx: Context) -> Layout:
         ctx.settings.get("num_classes") or (len(names) if names else 10),
         names or [],
     )
+
+
+#: This layout's line in the registry (:mod:`..layouts`).
+FORMAT = Format("cifar10", lambda loc: detect(loc.root), open_cifar, EXPECTED, where=("file", "object"))

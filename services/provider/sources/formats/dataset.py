@@ -13,6 +13,7 @@ import stat
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,12 +36,21 @@ CHUNK_BYTES = 64 << 20
 
 class Context:
     """What a format opener gets: the directory, the settings, and the files it opens (closed by
-    the source, or here when opening fails)."""
+    the source, or here when opening fails). Remote locations override :meth:`segment`."""
 
     def __init__(
-        self, uri: str, root: Path, cache_dir: Path, settings: dict, toml: dict, allowed: tuple[Path, ...] = ()
+        self,
+        uri: str,
+        root: Path,
+        cache_dir: Path,
+        settings: dict,
+        toml: dict,
+        allowed: tuple[Path, ...] = (),
+        location=None,
     ):
         self.uri, self.root, self.cache_dir = uri, root, cache_dir
+        #: The :class:`~.location.Location` the files are read from (``None``: plain local files).
+        self.location = location
         self.settings = settings  # query over dataset.toml: seq_len, token_bytes, vocab_size, ...
         self.toml = toml
         self.fds: list[int] = []
@@ -193,6 +203,8 @@ class FileSource(Source):
 
     def __init__(self, uri: str, root: Path, layout: Layout, ctx: Context, memory: str, val_fraction: float):
         self.uri, self.root, self.layout = uri, root, layout
+        #: Where the files are (each batch's reads run under its :meth:`~.location.Location.batch`).
+        self.location = ctx.location
         self.sample_shape = layout.sample_shape
         self.dtype = layout.x_dtype.newbyteorder("=")
         y = layout.y_dtype
@@ -244,9 +256,12 @@ class FileSource(Source):
         return out
 
     def close(self) -> None:
-        """Close the dataset's files (a RAM source has already closed them) and stop its gather thread."""
+        """Close the dataset's files (a RAM source has already closed them), stop its gather thread
+        and release its location's client."""
         _close_all(self._fds)
         self._gather.close()
+        if self.location is not None:
+            self.location.close()
 
     def num_samples(self, split: str) -> int:
         return self._splits[split][2]
@@ -254,6 +269,8 @@ class FileSource(Source):
     def info(self) -> dict:
         info = super().info()
         info.update(format=self.layout.format, memory=self.memory, path=str(self.root), **self.layout.extra)
+        if self.location is not None:
+            info.update(self.location.info())
         if self.val_fraction is not None:
             info["val_fraction"] = self.val_fraction  # val is the tail of the train files
         return info
@@ -266,6 +283,10 @@ class FileSource(Source):
         the split, ``ValueError`` for destinations of the wrong shape, :class:`DatasetError` for
         data that is not what the files promised (a label or token out of range, a shrunk file).
         """
+        with self.location.batch() if self.location is not None else nullcontext():
+            self._read_into(split, indices, x, y)
+
+    def _read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         table, start, count = self._splits[split]
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = len(idx)

@@ -22,9 +22,10 @@ from libbus.errors import DatasetError
 
 from .cache import cached
 from .dataset import Context, Layout, Table
+from .location import Format
 from .reader import Segment, read_at
 
-__all__ = ["detect", "open_idx", "read_header"]
+__all__ = ["FORMAT", "detect", "open_idx", "read_header"]
 
 #: IDX type code → dtype as stored (big-endian).
 DTYPES = {
@@ -148,3 +149,7 @@ def open_idx(ctx: Context) -> Layout:
         ctx.settings.get("num_classes"),
         ctx.settings.get("class_names") or [],
     )
+
+
+#: This layout's line in the registry (:mod:`..layouts`).
+FORMAT = Format("idx", lambda loc: detect(loc.root), open_idx, EXPECTED, where=("file", "object"), compressed=(".gz",))

@@ -24,8 +24,9 @@ from libbus.errors import DatasetError
 
 from .confine import Confinement
 from .imageops import IMAGE_EXTS
+from .location import Format, Location
 
-__all__ = ["EXPECTED", "Encoded", "ImageFolder", "detect"]
+__all__ = ["EXPECTED", "Encoded", "FORMAT", "ImageFolder", "detect", "open_store"]
 
 EXPECTED = "ImageFolder: train/CLASS/*.jpg|jpeg|png|webp (val/, test/ optional)"
 
@@ -92,9 +93,10 @@ def _hash(path: str) -> bytes:
 class ImageFolder:
     """The files of an ImageFolder tree, by split: ``(path, class id)`` in index order."""
 
-    def __init__(self, uri: str, root: Path, val_fraction: float = 0.1, confinement: Confinement | None = None):
-        self.uri, self.root = uri, root
-        self.confinement = confinement or Confinement(root)
+    def __init__(self, uri: str, location: Location, val_fraction: float = 0.1):
+        self.uri, self.location, self.root = uri, location, location.root
+        root = self.root
+        self.confinement = location.confinement or Confinement(root)
         train = root / "train"
         self.class_names = [d.name for d in _class_dirs(train)]
         classes = {name: i for i, name in enumerate(self.class_names)}
@@ -137,27 +139,22 @@ class ImageFolder:
     def fetch(self, split: str, indices) -> list[Encoded]:
         """The encoded bytes and labels at ``indices``. Raises :class:`DatasetError` for a file that
         went missing or cannot be read."""
-        rows = self.files[split]
-        if not isinstance(self.root, Path):
-            return self._fetch_objects([rows[int(i)] for i in indices])
-        out = []
-        for i in indices:
-            path, label = rows[int(i)]
-            fd = self.confinement.open(path)
-            try:
-                with os.fdopen(fd, "rb") as f:
-                    data = f.read()
-            except OSError as err:
-                raise DatasetError(f"{self.uri}: cannot read {path}: {err.strerror or err}") from None
-            out.append(Encoded(data, label, str(path)))
-        return out
-
-    def _fetch_objects(self, rows: list) -> list[Encoded]:
-        client = self.root.tree.client
-        with client.batch():  # the batch's images: requests in parallel (bounded), one deadline
-            data = client.read_ranges([(p.meta, 0, p.meta.size) for p, _ in rows])
-        return [Encoded(d, label, str(p)) for d, (p, label) in zip(data, rows)]
+        rows = [self.files[split][int(i)] for i in indices]
+        # the batch's images together (an object store: requests in parallel, one deadline); a local
+        # file is opened through the confinement, a file that cannot be read named by the location
+        data = self.location.read_files([path for path, _ in rows])
+        return [Encoded(d, label, str(path)) for d, (path, label) in zip(data, rows)]
 
     def close(self) -> None:
-        if not isinstance(self.root, Path):
-            self.root.tree.client.close()
+        self.location.close()
+
+
+def open_store(loc: Location, val_fraction: float) -> ImageFolder:
+    """The ImageFolder tree at ``loc`` (a local directory or an object-store prefix)."""
+    if not detect(loc.root):
+        raise DatasetError(f"{loc.name}: no ImageFolder tree in {loc.root}; expected {EXPECTED}")
+    return ImageFolder(loc.uri, loc, val_fraction)
+
+
+#: This layout's line in the registry (:mod:`..layouts`).
+FORMAT = Format("imagefolder", lambda loc: detect(loc.root), open_store, EXPECTED, "samples", ("file", "object"))

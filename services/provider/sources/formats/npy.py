@@ -23,9 +23,10 @@ from libbus.errors import DatasetError
 
 from .cache import cached
 from .dataset import Context, Layout, Table
+from .location import Format
 from .reader import Segment, read_at
 
-__all__ = ["detect", "npy_header", "npz_members", "open_npy"]
+__all__ = ["FORMAT", "detect", "npy_header", "npz_members", "open_npy"]
 
 EXPECTED = "train_x.npy with train_y.npy (or an .npz holding them)"
 ZIP_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature … file name length, extra field length
@@ -166,3 +167,7 @@ def open_npy(ctx: Context) -> Layout:
         ctx.settings.get("num_classes"),
         ctx.settings.get("class_names") or [],
     )
+
+
+#: This layout's line in the registry (:mod:`..layouts`).
+FORMAT = Format("npy", lambda loc: detect(loc.root), open_npy, EXPECTED, compressed=(".npz",))

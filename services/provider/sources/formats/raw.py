@@ -25,8 +25,9 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from .dataset import Context, Layout, Table
+from .location import Format
 
-__all__ = ["TABLE_KEYS", "detect", "open_raw"]
+__all__ = ["FORMAT", "TABLE_KEYS", "detect", "open_raw"]
 
 TABLE_KEYS = {"x", "dtype", "shape", "y", "label_dtype", "label_shape"}
 EXPECTED = 'a dataset.toml with format = "raw" and a [train] table'
@@ -113,3 +114,7 @@ def open_raw(ctx: Context) -> Layout:
         ctx.settings.get("num_classes"),
         ctx.settings.get("class_names") or [],
     )
+
+
+#: This layout's line in the registry (:mod:`..layouts`).
+FORMAT = Format("raw", lambda loc: detect(loc.toml()), open_raw, EXPECTED)

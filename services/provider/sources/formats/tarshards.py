@@ -21,7 +21,7 @@ from pathlib import Path
 
 from libbus.errors import DatasetError
 
-__all__ = ["INDEX_VERSION", "ShardIndex", "build_index", "load_cached", "load_or_build", "sample_key", "save"]
+__all__ = ["INDEX_VERSION", "ShardIndex", "build_index", "load_cached", "sample_key", "save"]
 
 log = logging.getLogger(__name__)
 
@@ -133,24 +133,6 @@ def _class_id(shard: str, key: str, data: bytes) -> int:
     except (UnicodeDecodeError, ValueError):
         raise DatasetError(f"{shard}: sample {key!r}: .cls must hold a class id (0, 1, …), got {data[:20]!r}") from None
     return label
-
-
-def load_or_build(path: Path, cache_dir: Path) -> ShardIndex:
-    """The index of local shard ``path``, from ``cache_dir`` when it matches the shard's size and mtime,
-    else built and written there (atomically; a cache that cannot be written is only logged)."""
-    st = path.stat()
-    stamp = str(st.st_mtime_ns)
-    cached = cache_dir / (path.name + ".index.json")
-    index = load_cached(cached, st.st_size, stamp)
-    if index is not None:
-        return index
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        index = build_index(str(path), lambda off, n: os.pread(fd, n, off), st.st_size, stamp)
-    finally:
-        os.close(fd)
-    save(index, cached)
-    return index
 
 
 def load_cached(cached: Path, size: int, stamp: str) -> ShardIndex | None:

@@ -17,10 +17,12 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
+from ..splitmix import GAMMA, MUL1, MUL2
 from .confine import Confinement
 from .imagefolder import Encoded
+from .location import Format, Location
 
-__all__ = ["EXPECTED", "TextLines", "detect"]
+__all__ = ["EXPECTED", "FORMAT", "TextLines", "detect", "open_store"]
 
 EXPECTED = "text: train.txt (val.txt, test.txt), one document per line"
 
@@ -100,8 +102,20 @@ class TextLines:
 
 
 def _hash(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's output function: a fixed, well-mixed order of line numbers."""
+    """A fixed, well-mixed order of line numbers, from SplitMix64's constants (not SplitMix64 itself,
+    :mod:`..splitmix`: kept, so the order stays)."""
     with np.errstate(over="ignore"):
-        z = (z + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = (z + GAMMA) * MUL1
+        z = (z ^ (z >> np.uint64(27))) * MUL2
     return z ^ (z >> np.uint64(31))
+
+
+def open_store(loc: Location, val_fraction: float) -> TextLines:
+    """The text files in the local directory ``loc``."""
+    if not detect(loc.root):
+        raise DatasetError(f"{loc.name}: no text files in {loc.root}; expected {EXPECTED}")
+    return TextLines(loc.uri, loc.root, val_fraction, loc.confinement)
+
+
+#: This layout's line in the registry (:mod:`..layouts`).
+FORMAT = Format("text", lambda loc: detect(loc.root), open_store, EXPECTED, "samples", ("file",))

@@ -18,10 +18,11 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from .dataset import Context, Layout, Table
+from .location import Format
 from .npy import npy_header
 from .reader import ByteSpace, Records
 
-__all__ = ["detect", "open_tokens", "shards"]
+__all__ = ["FORMAT", "detect", "open_tokens", "shards"]
 
 SUFFIXES = (".bin", ".ds", ".npy")
 EXPECTED = "token shards (*.bin, *.ds or *.npy, with seq_len set)"
@@ -95,3 +96,7 @@ def open_tokens(ctx: Context) -> Layout:
         kind="tokens",
         extra={"seq_len": seq_len, "vocab_size": vocab, "token_bytes": token_bytes},
     )
+
+
+#: This layout's line in the registry (:mod:`..layouts`).
+FORMAT = Format("tokens", lambda loc: detect(loc.root), open_tokens, EXPECTED)

@@ -16,25 +16,22 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import threading
 from pathlib import Path
 
 from libbus.errors import DatasetError
 
-from .confine import Confinement
 from .imagefolder import Encoded
 from .imageops import IMAGE_EXTS
-from .tarshards import ShardIndex, build_index, load_cached, load_or_build, save
+from .location import Format, Location
+from .tarshards import ShardIndex, build_index, load_cached, save
 
 __all__ = [
     "COALESCE_GAP",
     "EXPECTED",
+    "FORMAT",
     "ShardStore",
     "detect",
-    "open_local_shards",
-    "open_object_shards",
-    "open_remote_shards",
+    "open_store",
     "split_of",
 ]
 
@@ -60,13 +57,14 @@ def split_of(name: str) -> str | None:
 
 
 class ShardStore:
-    """The samples of a set of shards, by split: ``(shard number, sample number)`` in index order.
-
-    ``pread(shard, offset, n)`` reads shard bytes (a local file or an HTTP range).
+    """The samples of a set of shards, by split: ``(shard number, sample number)`` in index order, their
+    bytes read through the shards' location (a batch's runs together: :meth:`~.location.Location.read_ranges`).
     """
 
-    def __init__(self, uri: str, names: list[str], indexes: list[ShardIndex], pread, class_names, val_fraction):
-        self.uri, self.names, self.indexes, self.pread = uri, names, indexes, pread
+    def __init__(self, uri: str, location: Location, paths: list, indexes: list[ShardIndex], class_names, val_fraction):
+        self.uri, self.location, self.paths, self.indexes = uri, location, paths, indexes
+        #: Shard names (the last part of each path: ``train-0000.tar``): splits come from them.
+        self.names = names = [str(p.name).rsplit("/", 1)[-1] for p in paths]
         splits = [split_of(n) for n in names]
         if not any(splits):
             splits = ["train"] * len(names)
@@ -128,36 +126,11 @@ class ShardStore:
         return out
 
     def read_many(self, runs: list[tuple[int, int, int]]) -> list[bytes]:
-        """The bytes of each ``(shard, offset, length)`` of a batch (one after another here)."""
-        return [self.pread(shard, off, n) for shard, off, n in runs]
+        """The bytes of each ``(shard, offset, length)`` of a batch."""
+        return self.location.read_ranges([(self.paths[shard], off, n) for shard, off, n in runs])
 
     def close(self) -> None:
-        pass
-
-
-class LocalShards(ShardStore):
-    """Shards in a local directory, read with ``pread`` on descriptors opened once."""
-
-    def __init__(
-        self, uri: str, paths: list[Path], indexes: list[ShardIndex], class_names, val_fraction: float, confinement
-    ):
-        self.paths, self.confinement = paths, confinement
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
-        super().__init__(uri, [p.name for p in paths], indexes, self._pread, class_names, val_fraction)
-
-    def _pread(self, shard: int, offset: int, n: int) -> bytes:
-        with self._lock:
-            fd = self._fds.get(shard)
-            if fd is None:
-                fd = self._fds[shard] = self.confinement.open(self.paths[shard])
-        return os.pread(fd, n, offset)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        self.location.close()
 
 
 #: A wanted member: (offset in the shard, size, row in the batch, extension).
@@ -183,33 +156,6 @@ def class_names_file(text: str | None) -> list[str] | None:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def open_local_shards(
-    uri: str, root: Path, cache: Path, val_fraction: float, *, strict: bool, confinement: Confinement | None = None
-) -> LocalShards:
-    """Index (or load the cached indexes of) every ``*.tar`` in ``root``, each checked by ``confinement``.
-
-    ``strict``: a truncated shard is refused (naming it and what was cut); otherwise its whole samples
-    are served and the cut is logged. Raises :class:`DatasetError`.
-    """
-    paths = sorted(p for p in root.iterdir() if p.suffix == ".tar" and p.is_file())
-    if not paths:
-        raise DatasetError(f"{uri}: no .tar shards in {root}; expected {EXPECTED}")
-    confinement = confinement or Confinement(root)
-    indexes = []
-    for path in paths:
-        confinement.check(path)
-        try:
-            index = load_or_build(path, cache)
-        except OSError as err:
-            raise DatasetError(f"{uri}: cannot read shard {path}: {err.strerror or err}") from None
-        indexes.append(_checked(uri, str(path), index, strict))
-    names_file = root / "classes.txt"
-    if names_file.is_file():
-        confinement.check(names_file)
-    names = class_names_file(names_file.read_text() if names_file.is_file() else None)
-    return LocalShards(uri, paths, indexes, names, val_fraction, confinement)
-
-
 def _checked(uri: str, name: str, index: ShardIndex, strict: bool) -> ShardIndex:
     if index.truncated:
         if strict:
@@ -223,63 +169,33 @@ def _checked(uri: str, name: str, index: ShardIndex, strict: bool) -> ShardIndex
     return index
 
 
-def open_remote_shards(uri: str, urls: list[str], client, cache: Path, val_fraction: float, *, strict: bool):
-    """Shards behind HTTP(S) (``client``: a :class:`~.httprange.RangeClient`): each index from ``cache``
-    when the shard's size and ETag (or Last-Modified) match, else built with range reads of the headers
-    and cached. Raises :class:`DatasetError` (an :class:`~.httprange.HttpError` names URL and status)."""
-    indexes = []
-    for url in urls:
-        size, stamp = client.version(url)
-        cached = cache / (hashlib.blake2b(url.encode(), digest_size=12).hexdigest() + ".index.json")
-        index = load_cached(cached, size, stamp)
-        if index is None:
-            index = build_index(url, lambda off, n, u=url: _get(client, u, off, n), size, stamp, buffer=1 << 20)
-            save(index, cached)
-        indexes.append(_checked(uri, url, index, strict))
-    names = [u.rsplit("/", 1)[-1] for u in urls]
-    return ShardStore(uri, names, indexes, lambda shard, off, n: _get(client, urls[shard], off, n), None, val_fraction)
-
-
-def _get(client, url: str, offset: int, n: int) -> bytes:
-    buf = bytearray(n)
-    client.read_into(url, offset, [memoryview(buf)])
-    return bytes(buf)
-
-
-class ObjectShards(ShardStore):
-    """Shards in an object store: a batch's coalesced runs fetched together through the dataset's
-    :class:`~.objects.ObjectClient` (bounded, retried, one deadline, If-Match on the ETag seen at open)."""
-
-    def __init__(self, uri: str, paths: list, indexes: list[ShardIndex], class_names, val_fraction: float):
-        self.client, self.metas = paths[0].tree.client, [p.meta for p in paths]
-        pread = lambda shard, off, n: bytes(self.client.fetch(self.metas[shard], off, n))  # noqa: E731
-        super().__init__(uri, [p.name for p in paths], indexes, pread, class_names, val_fraction)
-
-    def read_many(self, runs: list[tuple[int, int, int]]) -> list[bytes]:
-        with self.client.batch():
-            return self.client.read_ranges([(self.metas[shard], off, n) for shard, off, n in runs])
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def open_object_shards(uri: str, root, cache: Path, val_fraction: float, *, strict: bool) -> ObjectShards:
-    """Every ``*.tar`` object under ``root`` (an :class:`~.objects.ObjectPath`): each index from
-    ``cache`` (a local directory) when the object's size and ETag match, else built with ranged reads
-    of its headers and cached there. Raises :class:`DatasetError` (an ``ObjectError`` names the object)."""
-    paths = sorted(p for p in root.iterdir() if p.suffix == ".tar" and p.is_file())
+def open_store(loc: Location, val_fraction: float) -> ShardStore:
+    """Every ``*.tar`` at ``loc`` (a local directory, files behind HTTP, an object-store prefix), each
+    index from ``loc``'s cache when the shard's size and version (mtime, ETag) match, else built by
+    walking its headers and cached there. ``bad=skip``: a truncated shard serves its whole samples (else
+    it is refused, naming it and what was cut). Raises :class:`DatasetError`."""
+    strict = loc.params.get("bad") != "skip"
+    paths = sorted(p for p in loc.root.iterdir() if p.suffix == ".tar" and p.is_file())
     if not paths:
-        raise DatasetError(f"{uri}: no .tar shards in {root}; expected {EXPECTED}")
-    client, indexes = root.tree.client, []
-    for path in paths:
-        meta = path.meta
-        cached = cache / (hashlib.blake2b(str(path).encode(), digest_size=12).hexdigest() + ".index.json")
-        index = load_cached(cached, meta.size, meta.etag)
-        if index is None:
-            pread = lambda off, n, m=meta: bytes(client.fetch(m, off, n))  # noqa: E731
-            index = build_index(str(path), pread, meta.size, meta.etag, buffer=1 << 20)
-            save(index, cached)
-        indexes.append(_checked(uri, str(path), index, strict))
-    names_file = root / "classes.txt"
-    names = class_names_file(names_file.read_text() if names_file.is_file() else None)
-    return ObjectShards(uri, paths, indexes, names, val_fraction)
+        raise DatasetError(f"{loc.uri}: no .tar shards in {loc.root}; expected {EXPECTED}")
+    indexes = [_checked(loc.uri, str(path), _index(loc, path), strict) for path in paths]
+    names_file = loc.root / "classes.txt"
+    names = class_names_file(loc.read(names_file).decode() if names_file.is_file() else None)
+    return ShardStore(loc.uri, loc, paths, indexes, names, val_fraction)
+
+
+def _index(loc: Location, path) -> ShardIndex:
+    size, stamp = loc.stamp(path)
+    cached = loc.index_path(path, ".index.json")
+    index = load_cached(cached, size, stamp)
+    if index is None:
+        try:
+            index = build_index(str(path), lambda off, n: loc.pread(path, off, n), size, stamp, loc.read_ahead)
+        except OSError as err:
+            raise DatasetError(f"{loc.uri}: cannot read shard {path}: {err.strerror or err}") from None
+        save(index, cached)
+    return index
+
+
+#: This layout's line in the registry (:mod:`..layouts`).
+FORMAT = Format("webdataset", lambda loc: detect(loc.root), open_store, EXPECTED, "samples")

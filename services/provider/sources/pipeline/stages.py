@@ -28,6 +28,7 @@ import numpy as np
 from libbus.errors import BadRequest, ConfigError, DatasetError
 
 from ..base import SPLITS, Source
+from ..splitmix import uniforms
 
 __all__ = ["Chunk", "RandomStage", "SourceStage", "Spec", "Stage", "StageQueue", "source_of"]
 
@@ -295,7 +296,7 @@ class RandomStage(Stage[Spec]):
         self.items_since_anchor += len(chunk.indices)
         key = np.uint64(_stable_key(repr((self.seed, epoch, SPLITS.index(chunk.split), self.key))))
         counters = chunk.indices.astype(np.uint64)[:, None] * np.uint64(draws) + np.arange(draws, dtype=np.uint64)
-        return (_splitmix64(key + counters * _GOLDEN_GAMMA) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        return uniforms(key, counters)
 
     def commands(self) -> tuple[str, ...]:
         return ("stats", "get", "set", "reset")
@@ -330,17 +331,6 @@ class RandomStage(Stage[Spec]):
 
     def metrics(self) -> dict:
         return {**super().metrics(), **self.state()}
-
-
-#: SplitMix64's state increment: its state after ``n`` steps is ``seed + n * gamma``.
-_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _splitmix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's output function on uint64 states (wrapping arithmetic)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
 
 
 def _nonneg(stage: str, key: str, value) -> int:
