@@ -25,7 +25,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -33,7 +33,7 @@ import zmq
 from benchmarks.preauth_flood import MiB, rss, start_services, stop_services
 from libbus.security.admission import admit_client
 from libbus.security.auth import issue_token
-from libbus.wire.messages import BatchRequest, Error, Hello, decode, encode
+from libbus.wire.messages import BatchRequest, BatchResponse, Error, Hello, decode, encode
 
 __all__ = ["attack", "run"]
 
@@ -88,7 +88,7 @@ def run(state: Path, requests: int = 400, seconds: float = 8.0, env: dict | None
         honest.send_multipart(_batch(0))  # the dataset is made and the first batch allocated
         if not honest.poll(30_000):
             raise RuntimeError("the provider did not serve a first batch")
-        reply_bytes = decode(honest.recv_multipart(copy=False)).nbytes
+        reply_bytes = cast(BatchResponse, decode(honest.recv_multipart(copy=False))).nbytes
         time.sleep(1.0)
         before = peak = rss(pid)
         mallory = attack(provider, _token(state, "mallory"), requests)
