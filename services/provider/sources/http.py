@@ -36,7 +36,7 @@ from urllib.parse import urljoin, urlunsplit
 from libbus.errors import DatasetError
 
 from .base import OpenRequest, Source
-from .formats.dataset import Context
+from .formats.dataset import Context, FilePath
 from .formats.dataset_toml import TOML
 from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile, origin_of
 from .formats.location import Location
@@ -135,16 +135,19 @@ class RemoteDir:
             return path.name in self.listed
         return self.size(path.url) is not None
 
-    def size(self, url: str, required: bool = False) -> int | None:
-        """The size of ``url``; ``None`` when the server says it does not exist (404, 410), unless
-        ``required`` (then that is an error naming the URL and the status)."""
+    def size(self, url: str) -> int | None:
+        """The size of ``url``; ``None`` when the server says it does not exist (404, 410)."""
+        try:
+            return self.file_size(url)
+        except HttpError as err:
+            if err.status not in (404, 410):
+                raise
+            return None
+
+    def file_size(self, url: str) -> int:
+        """The size of ``url``; raises :class:`HttpError` naming the URL and the status when it has none."""
         if url not in self.sizes:
-            try:
-                self.sizes[url] = self.client.size(url)
-            except HttpError as err:
-                if required or err.status not in (404, 410):
-                    raise
-                return None
+            self.sizes[url] = self.client.size(url)
         return self.sizes[url]
 
     def __str__(self) -> str:
@@ -152,17 +155,24 @@ class RemoteDir:
 
 
 class RemoteContext(Context):
-    """A :class:`Context` whose files are URLs read by range."""
+    """A :class:`Context` whose files are the URLs of ``files``, read by range."""
 
-    def segment(self, path: RemotePath, offset: int = 0, length: int | None = None, name: str | None = None) -> Segment:
-        size = self.root.size(path.url, required=True)
-        remote = RemoteFile(self.root.client, path.url, size)
+    def __init__(self, location: HttpLocation, files: RemoteDir, settings: dict, toml: dict):
+        # nothing is decompressed here (compressed layouts are refused over HTTP): no cache directory
+        super().__init__(location.uri, location.root, Path(os.devnull), settings, toml, location=location)
+        self.files = files
+
+    def segment(self, path: FilePath, offset: int = 0, length: int | None = None, name: str | None = None) -> Segment:
+        if not isinstance(path, RemotePath):
+            raise DatasetError(f"{path}: not a file of {self.files}")
+        size = self.files.file_size(path.url)
+        remote = RemoteFile(self.files.client, path.url, size)
         return Segment(name or path.url, -1, offset, size - offset if length is None else length, remote)
 
 
 def _http_settings(uri: str, params: dict) -> HttpSettings:
     defaults = HttpSettings()
-    out = {}
+    out: dict[str, float] = {}
     for key, field, kind in (
         ("timeout", "timeout_s", float),
         ("retries", "retries", int),
@@ -183,12 +193,12 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
                 f"{uri}: {key} must be {'at least 1' if key == 'concurrency' else 'positive'}, got {value!r}"
             )
     allowed = [o.strip() for o in params.pop("allow_origins", "").split(",") if o.strip()]
-    out["origins"] = (origin_of(uri), *(origin_of(o) for o in allowed))
-    if "ca" in params:
-        out["ca_file"] = params.pop("ca")
-        if not Path(out["ca_file"]).is_file():
-            raise DatasetError(f"{uri}: ca {out['ca_file']!r} is not a file (a PEM bundle of CA certificates)")
-    return HttpSettings(**{f: out.get(f, getattr(defaults, f)) for f in HttpSettings.__dataclass_fields__})
+    origins = (origin_of(uri), *(origin_of(o) for o in allowed))
+    ca_file = params.pop("ca", None)
+    if ca_file is not None and not Path(ca_file).is_file():
+        raise DatasetError(f"{uri}: ca {ca_file!r} is not a file (a PEM bundle of CA certificates)")
+    numbers = {f: out.get(f, getattr(defaults, f)) for f in ("timeout_s", "retries", "backoff_s", "concurrency")}
+    return HttpSettings(**numbers, ca_file=ca_file, origins=origins)
 
 
 def _listing(uri: str, url: str, params: dict, client: RangeClient) -> tuple[str, dict | None]:
@@ -213,8 +223,8 @@ def _listing(uri: str, url: str, params: dict, client: RangeClient) -> tuple[str
                     "(allow it with ?allow_origins=scheme://host:port)"
                 )
         return base, listed
-    if RANGE.search(url):  # names relative to the folder above the range: unique, in range order
-        base = url[: url.rfind("/", 0, RANGE.search(url).start()) + 1]
+    if found := RANGE.search(url):  # names relative to the folder above the range: unique, in range order
+        base = url[: url.rfind("/", 0, found.start()) + 1]
         return base, {u[len(base) :]: (u, None) for u in expand_template(url)}
     if not url.endswith("/"):
         return base, {url[len(base) :]: (url, None)}
@@ -249,7 +259,7 @@ class HttpLocation(Location):
         try:
             url = urlunsplit((parts.scheme, parts.netloc, parts.path or "/", "", ""))
             base, listed = _listing(uri, url, params, self.client)
-            root = RemoteDir(base, self.client, listed)
+            self.files = root = RemoteDir(base, self.client, listed)
             if listed is None:  # a bare directory: find what is there
                 found = {n: ((root / n).url, root.size((root / n).url)) for n in PROBED}
                 root.listed = {n: (u, s) for n, (u, s) in found.items() if s is not None}
@@ -281,7 +291,7 @@ class HttpLocation(Location):
         return bytes(buf)
 
     def context(self, settings: dict, toml: dict) -> Context:
-        return RemoteContext(self.uri, self.root, self.root, settings, toml, location=self)
+        return RemoteContext(self, self.files, settings, toml)
 
     def close(self) -> None:
         self.client.close()

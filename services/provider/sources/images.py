@@ -209,10 +209,12 @@ class ImageSource(Source):
         y[...] = np.asarray([s.label for s in samples], np.int64).reshape(y.shape)
         return errors
 
-    def _decode_processes(self, split: str, indices: np.ndarray, epoch: int, x, y) -> dict[int, str]:
+    def _decode_processes(
+        self, processes: ProcessPoolExecutor, split: str, indices: np.ndarray, epoch: int, x, y
+    ) -> dict[int, str]:
         """Cut the batch into ``workers`` runs, one per worker process; gather their rows."""
         parts = [p for p in np.array_split(np.arange(len(indices)), self.workers) if len(p)]
-        futures = [self.processes.submit(_decode_part, split, indices[p], epoch) for p in parts]
+        futures = [processes.submit(_decode_part, split, indices[p], epoch) for p in parts]
         errors: dict[int, str] = {}
         for rows, fut in zip(parts, futures):
             px, py, perr = fut.result()
@@ -227,7 +229,7 @@ class ImageSource(Source):
     def _serve(self, split: str, indices, epoch: int, x, y, samples: list | None = None, texts: list | None = None):
         started = time.perf_counter()
         if self.processes is not None:
-            errors = self._decode_processes(split, indices, epoch, x, y)
+            errors = self._decode_processes(self.processes, split, indices, epoch, x, y)
         else:
             errors = self.decode_into(split, indices, epoch, x, y, samples)
         failed = bool(errors) and self.bad == "fail"

@@ -37,7 +37,7 @@ from libbus.errors import DatasetError
 from .base import OpenRequest, Source
 from .formats import objects
 from .formats.blockcache import BlockCache, cache_stats
-from .formats.dataset import Context
+from .formats.dataset import Context, FilePath
 from .formats.location import Location
 from .formats.objects import ObjectClient, ObjectFile, ObjectPath, ObjectSettings, ObjectTree
 from .formats.reader import Segment
@@ -151,7 +151,7 @@ def _backend(req: OpenRequest, timeout_s: float):
 class ObjectContext(Context):
     """A :class:`Context` whose files are objects read by range."""
 
-    def segment(self, path: ObjectPath, offset: int = 0, length: int | None = None, name: str | None = None) -> Segment:
+    def segment(self, path: FilePath, offset: int = 0, length: int | None = None, name: str | None = None) -> Segment:
         if not isinstance(path, ObjectPath) or not path.is_file():
             raise DatasetError(f"{path}: no such object under {self.root}")
         meta = path.meta
@@ -160,7 +160,7 @@ class ObjectContext(Context):
             -1,
             offset,
             meta.size - offset if length is None else length,
-            ObjectFile(self.root.tree.client, meta),
+            ObjectFile(path.tree.client, meta),
         )
 
 

@@ -47,6 +47,7 @@ import threading
 from collections import OrderedDict
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -55,6 +56,10 @@ from libbus.errors import DatasetError
 from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, local_path
 from .formats.imagefolder import Encoded
 from .formats.location import Format, Location
+
+if TYPE_CHECKING:  # optional at run time: imported when used (_pyarrow)
+    from pyarrow import Table as ArrowTable
+    from pyarrow.parquet import ParquetFile
 
 __all__ = ["FORMAT", "ParquetSource", "detect", "open_parquet", "open_parquet_dir"]
 
@@ -153,8 +158,8 @@ def _decode_image(blob, where: str, mode: str | None = None) -> np.ndarray:
     if not blob:
         raise DatasetError(f"{where}: the image has no bytes (only a path?); store the image bytes in the file")
     try:
-        with Image.open(io.BytesIO(blob)) as img:
-            img = img.convert(mode or ("L" if img.mode in ("1", "L", "P", "I;16") else "RGB"))
+        with Image.open(io.BytesIO(blob)) as opened:
+            img = opened.convert(mode or ("L" if opened.mode in ("1", "L", "P", "I;16") else "RGB"))
             a = np.asarray(img, np.uint8)
     except (UnidentifiedImageError, OSError, ValueError) as err:
         raise DatasetError(f"{where}: not a readable image: {err}") from err
@@ -216,9 +221,9 @@ class ParquetSource(Source):
         #: ``batch()`` (an object store's deadline); ``None``: local files.
         self.location = location
         self._lock, self._read_lock = threading.Lock(), threading.Lock()
-        self._cache: OrderedDict[tuple[int, int], object] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, int], ArrowTable] = OrderedDict()
         self.cache_bytes = int(cache_mb * (1 << 20))
-        self.files: list[tuple[Path, object]] = []
+        self.files: list[tuple[Path, ParquetFile]] = []
         groups: dict[str, list[tuple[int, int, int]]] = {}  # split → (file number, row group, rows)
         for split, paths in files.items():
             groups[split] = []

@@ -222,10 +222,10 @@ class Mix(Source):
             if len(values) == 1 and None not in values:
                 info[key] = values.pop()
         _, members, schedule = self._splits["train"]
-        shares = dict(zip(members, schedule.weights)) if schedule else {}
+        shares = {i: w / schedule.period for i, w in zip(members, schedule.weights)} if schedule else {}
         info["format"] = "weighted"
         info["sources"] = [
-            {"name": name, "uri": src.uri, "train_share": (shares[i] / schedule.period if i in shares else 0.0)}
+            {"name": name, "uri": src.uri, "train_share": shares.get(i, 0.0)}
             for i, (name, src) in enumerate(zip(self.names, self.sources))
         ]
         return info
@@ -242,6 +242,7 @@ class Mix(Source):
             return []
         if idx.min() < 0 or idx.max() >= n:
             raise IndexError(f"index outside {split} (0..{n - 1})")
+        assert schedule is not None  # only a split no source has lacks one, and no index is inside it
         which, k = schedule.locate(idx)
         out = []
         for j in np.unique(which).tolist():

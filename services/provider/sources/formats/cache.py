@@ -11,8 +11,12 @@ import tempfile
 import zipfile
 import zlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsRead
 
 from libbus.errors import DatasetError
 
@@ -21,7 +25,9 @@ __all__ = ["cached"]
 CHUNK = 1 << 20
 
 
-def cached(src: Path, cache_dir: Path, name: str, open_stream: Callable[[], BinaryIO]) -> Path:
+def cached(
+    src: Path, cache_dir: Path, name: str, open_stream: Callable[[], AbstractContextManager[SupportsRead[bytes]]]
+) -> Path:
     """The path of ``cache_dir/name``, filled from ``open_stream()`` unless fresh against ``src``.
 
     Raises :class:`DatasetError` naming ``src`` when it cannot be decompressed, or the cache

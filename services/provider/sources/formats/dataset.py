@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -25,13 +26,21 @@ from ..base import ReadPolicy, Source
 from .confine import Confinement
 from .reader import ByteSpace, Records, Segment
 
-__all__ = ["MEMORY_MODES", "Context", "FileSource", "Gatherer", "Layout", "Table", "usable_cores"]
+__all__ = ["MEMORY_MODES", "Context", "FilePath", "FileSource", "Gatherer", "Layout", "Table", "usable_cores"]
 
 MEMORY_MODES = ("auto", "ram", "stream")
 #: ``memory=auto`` keeps a dataset in RAM only below both this and a quarter of MemAvailable.
 RAM_CAP_BYTES = 2 << 30
 #: Bytes read per step when loading into RAM or scanning labels: bounds the temporaries.
 CHUNK_BYTES = 64 << 20
+
+
+class FilePath(Protocol):
+    """A file a layout names under its root: a local :class:`~pathlib.Path`, or a remote location's own
+    path (an HTTP listing's, an object store's), which has the part of ``Path`` layouts use."""
+
+    @property
+    def name(self) -> str: ...
 
 
 class Context:
@@ -58,8 +67,11 @@ class Context:
         #: cache, and what the operator allowed (``?allow_paths=``). Empty: anywhere.
         self.confinement = Confinement(root, allowed)
 
-    def segment(self, path: Path, offset: int = 0, length: int | None = None, name: str | None = None) -> Segment:
-        """Open ``path`` (once per call) and describe ``length`` bytes of it from ``offset``."""
+    def segment(self, path: FilePath, offset: int = 0, length: int | None = None, name: str | None = None) -> Segment:
+        """Open ``path`` (once per call) and describe ``length`` bytes of it from ``offset``. Each context
+        opens the files of its own location (here: local files)."""
+        if not isinstance(path, Path):
+            raise DatasetError(f"{path}: not a local file")
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as err:
@@ -119,7 +131,7 @@ class Layout:
 
 
 def _flat(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1).view(np.uint8))
+    return a.reshape(-1).view(np.uint8).data
 
 
 def mem_available() -> int:
@@ -161,7 +173,7 @@ class Gatherer:
     source leaves no thread behind; after that, gathers run on the caller's thread alone.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -243,7 +255,7 @@ class FileSource(Source):
         if "train" not in tables:
             raise DatasetError(f"{self.uri}: found {', '.join(tables) or 'no'} split(s) but no train split")
         train = tables["train"]
-        out = {s: (t, 0, t.count) for s, t in tables.items()}
+        out: dict[str, tuple[Table | None, int, int]] = {s: (t, 0, t.count) for s, t in tables.items()}
         if "val" not in tables:
             val = round(train.count * fraction)
             if train.count - val < 1:
@@ -301,6 +313,7 @@ class FileSource(Source):
         if lo < 0 or hi >= count:
             raise IndexError(f"index {lo if lo < 0 else hi} is outside {split} (0..{count - 1})")
         rows = idx + start if start else idx
+        assert table is not None  # only the empty test split has no table, and no index is inside it
         if self.memory == "ram":
             xs, ys = self._ram[id(table)]
             self._gather(xs, rows, x)
@@ -318,12 +331,12 @@ class FileSource(Source):
         if y is not None and stored is not None:
             yb = y if y.flags.c_contiguous and y.dtype == stored else np.empty((n, *self.label_shape), stored)
         table.read(rows, None if xb is None else _flat(xb), None if yb is None else _flat(yb))
-        if xb is not None:
+        if x is not None and xb is not None:
             if not self.layout.x_dtype.isnative:
                 xb.byteswap(inplace=True)  # IDX is big-endian on disk; serve native order
             if xb is not x:
                 x[...] = xb
-        if yb is not None and yb is not y:
+        if y is not None and yb is not None and yb is not y:
             y[...] = yb  # widens class ids to int64, fixes byte order
 
     def _load(self, table: Table) -> tuple[np.ndarray, np.ndarray]:

@@ -28,7 +28,7 @@ from .reader import Segment, read_at
 __all__ = ["FORMAT", "detect", "open_idx", "read_header"]
 
 #: IDX type code → dtype as stored (big-endian).
-DTYPES = {
+DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype("u1"),
     0x09: np.dtype("i1"),
     0x0B: np.dtype(">i2"),

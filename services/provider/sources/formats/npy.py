@@ -14,8 +14,11 @@ import math
 import os
 import struct
 import zipfile
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -75,6 +78,13 @@ def npy_header(seg: Segment) -> tuple[np.dtype, tuple[int, ...], Segment]:
     return dtype, tuple(shape), Segment(seg.name, seg.fd, seg.offset + header_len, want - header_len, seg.remote)
 
 
+@contextmanager
+def _member(path: Path, info: zipfile.ZipInfo) -> Iterator[IO[bytes]]:
+    """The member ``info`` of the archive ``path``, opened for reading."""
+    with zipfile.ZipFile(path) as zf, zf.open(info) as f:
+        yield f
+
+
 def npz_members(ctx: Context, path: Path) -> dict[str, Segment]:
     """Each ``.npy`` member of an ``.npz`` as a segment: in place if stored, else a cached copy."""
     try:
@@ -99,13 +109,7 @@ def npz_members(ctx: Context, path: Path) -> dict[str, Segment]:
                 raise DatasetError(f"{path}: member {info.filename} runs past the end of the archive; truncated?")
             members[name] = Segment(f"{path}[{info.filename}]", whole.fd, start, info.file_size)
         else:
-
-            @contextmanager
-            def stream(info=info):
-                with zipfile.ZipFile(path) as zf, zf.open(info) as f:
-                    yield f
-
-            copy = cached(path, ctx.cache_dir, f"{path.stem}.{info.filename}", stream)
+            copy = cached(path, ctx.cache_dir, f"{path.stem}.{info.filename}", partial(_member, path, info))
             members[name] = ctx.segment(copy, name=f"{path}[{info.filename}] (extracted to {copy})")
     return members
 
@@ -118,6 +122,7 @@ def open_npy(ctx: Context) -> Layout:
         raise DatasetError(
             f"{ctx.root}: several .npz files ({', '.join(p.name for p in npz)}); keep one per dataset directory"
         )
+    members: Mapping[str, Segment | Path]  # an .npz's members as segments, else the .npy files
     if npz and not any((ctx.root / f"{n}.npy").is_file() for n in _names("train", "x")):
         members = npz_members(ctx, npz[0])
         what = f"{npz[0]} member "

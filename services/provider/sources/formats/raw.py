@@ -84,7 +84,8 @@ def open_raw(ctx: Context) -> Layout:
             )
         n = xseg.length // xbytes
         parts = [Table.single(xseg, n, xbytes, "x")]
-        ydt, label_shape, label_name = None, (), ""
+        ydt, label_name = None, ""
+        label_shape: tuple[int, ...] = ()
         if "y" in spec:
             ydt = _dtype(spec.get("label_dtype", "int64"), f"{where} label_dtype")
             label_shape = _shape(spec.get("label_shape", []), f"{where} label_shape")

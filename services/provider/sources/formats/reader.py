@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import os
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -34,15 +34,17 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 class RemoteClient(Protocol):
     """What reads remote files (an HTTP client)."""
 
-    def read_runs(self, runs: list[tuple[Remote, int, list[memoryview]]]) -> None:
+    def read_runs(self, runs: list[tuple[Any, int, list[memoryview]]]) -> None:
         """Fill each run's buffers with the bytes of its file from its offset on, all runs before
-        returning (concurrently where it can). Raises :class:`DatasetError`."""
+        returning (concurrently where it can). Raises :class:`DatasetError`. Each run's file is a
+        :class:`Remote` of this client's own kind (a client reads only its own: runs are grouped by client)."""
 
 
 class Remote(Protocol):
     """A file read by byte ranges from somewhere else (an HTTP URL), through its client."""
 
-    client: RemoteClient
+    @property
+    def client(self) -> RemoteClient: ...
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ def open_tokens(ctx: Context) -> Layout:
         segments.append(seg)
     if not segments:
         raise DatasetError(f"{root}: no token shards; expected {EXPECTED}")
+    assert token_bytes is not None  # each shard set it
     vocab = s.get("vocab_size") or (65536 if token_bytes == 2 else None)
     if vocab is None:
         raise DatasetError(

@@ -104,8 +104,8 @@ class ShardStore:
         wanted: dict[int, list[tuple[int, int, int, str]]] = {}  # shard → (offset, size, row, ext)
         for r, (shard, i) in enumerate(rows):
             members = self.indexes[shard].members[i]
-            image = next((e for e in IMAGE_MEMBERS if e in members), None)
-            for ext in (image, "txt"):
+            image_ext = next((e for e in IMAGE_MEMBERS if e in members), None)
+            for ext in (image_ext, "txt"):
                 if ext is not None and ext in members:
                     off, size = members[ext]
                     wanted.setdefault(shard, []).append((off, size, r, ext))
