@@ -171,20 +171,20 @@ def _pyzmq_server(root: str, endpoint_q, stop_ev) -> None:
     """The raw baseline's server: gather the requested rows, send them zero-copy, nothing else."""
     x = np.load(Path(root) / "train_x.npy")
     y = np.load(Path(root) / "train_y.npy")
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     endpoint_q.put(f"tcp://127.0.0.1:{port}")
     while not stop_ev.is_set():
         if not sock.poll(100):
             continue
-        peer, idx = sock.recv_multipart(copy=True)
-        idx = np.frombuffer(idx, np.int64)
-        sock.send_multipart([peer, np.take(x, idx, axis=0), np.take(y, idx)], copy=False)
+        peer, raw = sock.recv_multipart(copy=True)
+        idx = np.frombuffer(raw, np.int64)
+        sock.send_multipart([peer, np.take(x, idx, axis=0).data, np.take(y, idx).data], copy=False)
 
 
 def pyzmq_batches(endpoint: str, plan: list[np.ndarray], inflight: int) -> Iterator:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 30_000)
     sock.connect(endpoint)

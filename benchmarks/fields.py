@@ -18,6 +18,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "--dataset", f"multi=mock://fields?n={args.samples}",
                 "--dataset", f"mnist=mock://mnist?n={args.samples}",
             )  # fmt: skip
-            result = {"rows": _rows(endpoint, token, args)}
+            result: dict[str, Any] = {"rows": _rows(endpoint, token, args)}
             if args.device != "cpu":
                 result["cuda"] = _cuda_check(endpoint, token, args)
         finally:

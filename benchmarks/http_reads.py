@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO, cast
 
 import numpy as np
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-c", code, str(root), str(args.delay_ms)], stdout=subprocess.PIPE, text=True
         )
         try:
-            url = server.stdout.readline().strip()
+            url = cast(IO[str], server.stdout).readline().strip()  # stdout=PIPE
             local = open_source(f"file://{root / 'tok'}?seq_len={SEQ_LEN}&token_bytes=2&memory=stream")
             for concurrency in (1, 8):
                 src = open_source(f"{url}/tok/s-{{0..3}}.bin?seq_len={SEQ_LEN}&token_bytes=2&concurrency={concurrency}")

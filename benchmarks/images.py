@@ -86,9 +86,9 @@ class TorchRecipe(torch.utils.data.Dataset):
                 break
         else:
             cw, ch, top, left = w, h, 0, 0
-        img = img.resize((224, 224), Image.BILINEAR, box=(left, top, left + cw, top + ch))
+        img = img.resize((224, 224), Image.Resampling.BILINEAR, box=(left, top, left + cw, top + ch))
         if torch.rand(1) < 0.5:
-            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         x = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float()
         return (x - MEAN) / STD, 0
 

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO, cast
 
 import numpy as np
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-c", SERVER, str(root / "tok"), str(args.delay_ms)], stdout=subprocess.PIPE, text=True
         )
         try:
-            url, key, secret = server.stdout.readline().split()
+            url, key, secret = cast(IO[str], server.stdout).readline().split()  # stdout=PIPE
             os.environ.update(
                 AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret, AWS_ENDPOINT_URL=url, AWS_REGION="us-east-1"
             )

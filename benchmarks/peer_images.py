@@ -116,7 +116,7 @@ def mosaic(root: Path, work: Path, cfg: dict) -> Make:
         batch_size=cfg["batch"],
         predownload=None,
     )
-    loader = torch.utils.data.DataLoader(
+    loader: torch.utils.data.DataLoader = torch.utils.data.DataLoader(
         dataset,
         batch_size=cfg["batch"],
         drop_last=True,

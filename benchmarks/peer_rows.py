@@ -22,10 +22,10 @@ __all__ = ["BUILDERS", "Make", "batches_of_loader", "close", "on_close", "stream
 
 Make = Callable[[], Iterable]
 #: What a row must close when it is done (the batchbus loader, then its services), last first.
-_open: list[Callable[[], None]] = []
+_open: list[Callable[[], object]] = []
 
 
-def on_close(fn: Callable[[], None]) -> None:
+def on_close(fn: Callable[[], object]) -> None:
     """Have :func:`close` call ``fn`` when the row is done (after what was registered later)."""
     _open.append(fn)
 

@@ -229,8 +229,10 @@ def run_row(name: str, root: Path, cfg: dict, timeout_s: float) -> dict:
     return row
 
 
-def _kill_group(pgid: int) -> None:
+def _kill_group(pgid: int | None) -> None:
     """SIGKILL the row's process group: the row, its loader's workers, its router and provider."""
+    if pgid is None:  # never started
+        return
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

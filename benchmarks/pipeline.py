@@ -13,6 +13,7 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -85,12 +86,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'source alone (uint8 npy in RAM)':<44} {alone:>9.0f}")
         path = Path(tmp, "inline.toml")
         path.write_text(STAGES.format(data=data))
-        pipeline = open_source(f"pipeline://{path}")  # its threads never start: only inline() reads
+        pipeline = cast(Pipeline, open_source(f"pipeline://{path}"))  # its threads never start: only inline() reads
         print(f"{'stages inline, one thread':<44} {rate(inline(pipeline), args.samples, args.batch):>9.0f}")
         for chunk in (int(c) for c in args.chunks.split(",")):
             path = Path(tmp, f"p{chunk}.toml")
             path.write_text(f"chunk = {chunk}\n" + STAGES.format(data=data))
-            pipeline = open_source(f"pipeline://{path}")
+            pipeline = cast(Pipeline, open_source(f"pipeline://{path}"))
             try:
                 r = rate(served(pipeline, args.batch), args.samples, args.batch)
                 busy = ", ".join(f"{s['name']} {s['busy_s']:.2f}" for s in pipeline.metrics()["stages"])

@@ -139,7 +139,7 @@ class Router:
 
 def submit(router: Router, jobs: int, datasets: int, window: int = 32) -> None:
     """``jobs`` jobs from one admin session, ``window`` requests in flight."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = make_socket(ctx, zmq.DEALER)
     token = router.token("admin", "scale-admin")
     admit_client(sock, token)

@@ -134,6 +134,7 @@ class memory_cgroup:
 def reader(uri: str, seconds: float, batch: int, order: str) -> dict:
     """The provider-like loop: random batches through ``read_into`` into one reused buffer."""
     from services.provider.sources import open_source  # only the reader process needs it
+    from services.provider.sources.formats.dataset import FileSource
 
     source = open_source(uri)
     n = source.num_samples("train")
@@ -153,7 +154,7 @@ def reader(uri: str, seconds: float, batch: int, order: str) -> dict:
     status = Path("/proc/self/status").read_text()
     hwm = int(status.split("VmHWM:")[1].split()[0]) * 1024
     return {
-        "memory": source.memory,
+        "memory": source.memory if isinstance(source, FileSource) else None,
         "samples": samples,
         "seconds": elapsed,
         "vmhwm": hwm,

@@ -25,6 +25,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -32,7 +33,7 @@ import zmq
 from benchmarks.preauth_flood import MiB, rss, start_services, stop_services
 from libbus.security.admission import admit_client
 from libbus.security.auth import issue_token
-from libbus.wire.messages import BatchRequest, Error, Hello, decode, encode
+from libbus.wire.messages import BatchRequest, BatchResponse, Error, Hello, decode, encode
 
 __all__ = ["attack", "run"]
 
@@ -49,7 +50,7 @@ def _token(state: Path, sub: str) -> str:
 
 def _reader(endpoint: str, token: str, reads: bool) -> zmq.Socket:
     """A connected, welcomed DEALER. One that does not read takes one message at most."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if not reads:
         sock.setsockopt(zmq.RCVHWM, 1)
@@ -87,7 +88,7 @@ def run(state: Path, requests: int = 400, seconds: float = 8.0, env: dict | None
         honest.send_multipart(_batch(0))  # the dataset is made and the first batch allocated
         if not honest.poll(30_000):
             raise RuntimeError("the provider did not serve a first batch")
-        reply_bytes = decode(honest.recv_multipart(copy=False)).nbytes
+        reply_bytes = cast(BatchResponse, decode(honest.recv_multipart(copy=False))).nbytes
         time.sleep(1.0)
         before = peak = rss(pid)
         mallory = attack(provider, _token(state, "mallory"), requests)
@@ -170,7 +171,13 @@ def overhead(rounds: int = 12, samples: int = 8192, batch: int = 256) -> dict:
         for r in range(rounds):
             for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
                 provider.server._track_min = TRACK_MIN_BYTES if mode == "on" else None
-                kw = {"batch_size": batch, "inflight": 4, "shm": False, "shuffle": "full", "drop_last": True}
+                kw: dict[str, Any] = {
+                    "batch_size": batch,
+                    "inflight": 4,
+                    "shm": False,
+                    "shuffle": "full",
+                    "drop_last": True,
+                }
                 with RemoteLoader("ram", provider=endpoint, token=token, **kw) as loader:
                     t0, n = time.perf_counter(), 0
                     for _ in loader:

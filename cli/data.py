@@ -162,6 +162,7 @@ def split_pieces(text: str) -> list[tuple[int | None, int | None, int | None] | 
         piece = raw.strip()
         parts = piece.split(":")
         try:
+            value: int | tuple[int | None, ...]
             if len(parts) == 1:
                 value = int(piece)
             elif len(parts) in (2, 3):
@@ -219,12 +220,12 @@ def _arrays(reply: BatchResponse) -> tuple[np.ndarray, np.ndarray]:
 
 def fetch(
     settings: Settings, dataset: str, split: str, indices_text: str, epoch: int = 0
-) -> tuple[dict, dict, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[dict, dict, np.ndarray, dict[str, np.ndarray] | tuple[np.ndarray, np.ndarray]]:
     """Samples ``indices_text`` of ``split`` from a provider of ``dataset``, as a trainer would read them
     in ``epoch`` (which only a pipeline dataset's random stages look at).
 
-    Returns ``(info, provider, indices, x, y)``. Exits with a one-line error for bad ``--indices`` or
-    an unknown split; provider errors (``SPLIT_PRIVATE`` for ``test``, ``TOO_LARGE``…) are raised as
+    Returns ``(info, provider, indices, batch)``: ``batch`` is ``(x, y)``, or a dict of named fields.
+    Exits with a one-line error for bad ``--indices`` or an unknown split; provider errors (``SPLIT_PRIVATE`` for ``test``, ``TOO_LARGE``…) are raised as
     their :class:`~libbus.errors.BusError` for the command's guard to print.
     """
     try:
@@ -258,9 +259,9 @@ def fetch(
             fail(f"--indices {indices_text!r}: {err} in {resolved.dataset}/{split}", 2)
         reply = client.request(BatchRequest.for_indices(indices, dataset=resolved.dataset, split=split, epoch=epoch))
         if reply.names is not None:  # named fields: a dict of them, and no y
-            return info, provider, indices, decode_frames(reply.names, reply.shapes, reply.dtypes, reply.frames), None
+            return info, provider, indices, decode_frames(reply.names, reply.shapes, reply.dtypes, reply.frames)
         x, y = _arrays(reply)
-    return info, provider, indices, x, y
+    return info, provider, indices, (x, y)
 
 
 def _label(info: dict, value: np.ndarray) -> str:
@@ -320,9 +321,9 @@ def fetch_command(
     """``busctl fetch``: print samples, or save them to ``out`` (``.npz``: x, y, indices; ``.npy``: x)."""
     if out is not None and out.suffix not in OUT_SUFFIXES:
         fail(f"--out {out}: use a .npz file (x, y and indices) or a .npy file (x only)", 2)
-    info, provider, idx, x, y = fetch(settings, dataset, split, indices, epoch)
+    info, provider, idx, batch = fetch(settings, dataset, split, indices, epoch)
     name = dataset.removeprefix("remote://").strip("/")
-    if y is None:
+    if isinstance(batch, dict):  # named fields
         if out is not None:
             fail(f"--out saves x/y datasets; {name} has named fields: use --json", 2)
         if json:
@@ -332,12 +333,13 @@ def fetch_command(
                     "split": split,
                     "provider": provider["name"],
                     "indices": idx.tolist(),
-                    "fields": {k: _json_field(v) for k, v in x.items()},
+                    "fields": {k: _json_field(v) for k, v in batch.items()},
                 }
             )
         else:
-            print_fields(name, split, provider, idx, x)
+            print_fields(name, split, provider, idx, batch)
         return
+    x, y = batch
     if out is not None:
         what = save_samples(out, idx, x, y)
         console.print(

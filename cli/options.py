@@ -68,6 +68,6 @@ def admin_options(command: Callable) -> Callable:
         given = {name: kwargs.pop(name, None) for name in ADMIN_OPTIONS}
         return command(*args, settings=settings_from(given.pop("config"), **given), **kwargs)
 
-    wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]  # typer reads it
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper

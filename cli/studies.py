@@ -8,7 +8,7 @@ import hashlib
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeGuard
 
 import orjson
 import typer
@@ -126,9 +126,9 @@ def studies(*, settings: Settings, json: Json = False) -> None:
 # -- evaluation tasks and current models -----------------------------------------------------------
 
 
-def is_model_ref(model: str | None) -> bool:
+def is_model_ref(model: str | None) -> TypeGuard[str]:
     """Whether ``busctl submit --model`` names a stored model (a job id or a .safetensors file)."""
-    return bool(model) and (bool(_JOB_ID.match(model)) or model.endswith(".safetensors"))
+    return bool(model and (_JOB_ID.match(model) or model.endswith(".safetensors")))
 
 
 def evaluation_task(model: str, dataset: str, split: str, arch: str | None) -> tuple[dict, list[bytes]]:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from libbus.connect.client import Client
 from libbus.jobs.spec import TERMINAL_STATES
@@ -34,12 +35,15 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=False) as bars:
-        bar, bar_epoch = None, -1  # the bar drawn last and the (0-based) epoch it shows
+        bar: TaskID | None = None  # the bar drawn last
+        bar_epoch = -1  # the (0-based) epoch it shows
 
         def close(history: list[dict], rate: float | None) -> None:
             """Fill the current bar with its epoch's final figures."""
-            total = next(t.total for t in bars.tasks if t.id == bar)
-            done = {"completed": total, "step": int(total * (bar_epoch + 1))}
+            if bar is None:  # none drawn yet
+                return
+            total = next(t.total for t in bars.tasks if t.id == bar) or 0.0
+            done: dict[str, Any] = {"completed": total, "step": int(total * (bar_epoch + 1))}
             if rate is not None:
                 done["rate"] = f"{rate:.0f}"
             if bar_epoch < len(history):
@@ -62,7 +66,7 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
                     wait=f"{p.get('data_wait_pct', 0):.0f}",
                     state="[yellow]paused[/]" if info["state"] == JobState.PAUSED else "",
                 )
-                if current != bar_epoch:
+                if bar is None or current != bar_epoch:
                     if bar is not None:
                         close(history, p.get("samples_per_s"))
                     bar, bar_epoch = bars.add_task("", total=p["steps_per_epoch"], **fields), current

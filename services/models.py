@@ -17,7 +17,7 @@ How a batch becomes predictions and targets depends on the dataset's ``kind`` an
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -225,12 +225,14 @@ def build_model(
     """
     if info.get("num_classes", 0) < 1:
         raise BadRequest("classification models need a dataset with num_classes >= 1")
+    factory: Callable[..., object]
     if name in MODELS:
         factory = MODELS[name]
     elif ":" in name:
-        factory = import_allowed(name, allowed, f"model {name!r}")
-        if not callable(factory):
-            raise BadRequest(f"model {name!r}: {type(factory).__name__} is not callable")
+        found = import_allowed(name, allowed, f"model {name!r}")
+        if not callable(found):
+            raise BadRequest(f"model {name!r}: {type(found).__name__} is not callable")
+        factory = found
     else:
         raise BadRequest(f"unknown model {name!r}; built-ins are {', '.join(MODELS)}, or give package.module:factory")
     kwargs = dict(kwargs or {})
@@ -275,7 +277,7 @@ def evaluate(model: nn.Module, batches, kind: str = "image") -> tuple[float, flo
     for x, y in batches:
         logits, targets = predictions(model, x, y, kind)
         total_loss += nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-        correct += (logits.argmax(1) == targets).sum().item()
+        correct += int((logits.argmax(1) == targets).sum().item())
         predicted += len(targets)
         n += len(x)
     if predicted == 0:

@@ -18,7 +18,15 @@ from libbus.config import Settings
 from libbus.connect.client import Identity
 from libbus.constants import DRAIN_LINGER_S
 from libbus.errors import ConfigError
-from libbus.security.auth import Key, ensure_secret, issue_token, load_public_key, load_secret, load_signing_key
+from libbus.security.auth import (
+    SigningKey,
+    VerifyKey,
+    ensure_secret,
+    issue_token,
+    load_secret,
+    load_signing_key,
+    load_token_public_key,
+)
 from libbus.security.curve import CurveKeys, load_keys
 from libbus.security.curve import load_public_key as load_curve_public_key
 from libbus.serve.server import ServerConfig
@@ -169,7 +177,7 @@ def secret(settings: Settings, create: bool = False) -> bytes:
     return ensure_secret(settings.secret_file) if create else load_secret(settings.secret_file)
 
 
-def verify_key(settings: Settings, create: bool = False) -> Key:
+def verify_key(settings: Settings, create: bool = False) -> VerifyKey:
     """What this node checks tokens with: the HS256 secret (the router creates it on first start
     with ``create``), or in EdDSA mode the public key (derived from the signing key where only
     that is present). Raises :class:`ConfigError` naming the missing file."""
@@ -177,10 +185,10 @@ def verify_key(settings: Settings, create: bool = False) -> Key:
         return secret(settings, create)
     if not os.path.exists(settings.public_key_file) and os.path.exists(settings.signing_key_file):
         return load_signing_key(settings.signing_key_file).public_key()
-    return load_public_key(settings.public_key_file)
+    return load_token_public_key(settings.public_key_file)
 
 
-def signing_key(settings: Settings) -> Key:
+def signing_key(settings: Settings) -> SigningKey:
     """What this node mints tokens with: the HS256 secret or the EdDSA signing key."""
     if settings.token_alg == "HS256":
         return secret(settings)
@@ -195,7 +203,7 @@ def signing_key(settings: Settings) -> Key:
 
 def mint_token(
     settings: Settings,
-    key: Key,
+    key: SigningKey,
     *,
     role: str,
     sub: str,
@@ -243,7 +251,7 @@ def limits(settings: Settings) -> SocketLimits:
     return SocketLimits(max_msg_bytes=settings.max_msg_bytes, hwm=settings.hwm)
 
 
-def server_config(settings: Settings, bind: str, key: Key, name: str, role: str) -> ServerConfig:
+def server_config(settings: Settings, bind: str, key: VerifyKey, name: str, role: str) -> ServerConfig:
     return ServerConfig(
         bind=bind,
         secret=key,

@@ -38,7 +38,7 @@ class CudaStager:
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise ShmError(f"device {device} is not an available CUDA device")
         # The array holds an export of the mapping: the ring cannot be unmapped while pinned.
-        self._pages = np.frombuffer(memoryview(buf), np.uint8)
+        self._pages: np.ndarray | None = np.frombuffer(memoryview(buf), np.uint8)
         self._ptr = self._pages.ctypes.data
         with torch.cuda.device(self.device):
             err = int(torch.cuda.cudart().cudaHostRegister(self._ptr, self._pages.nbytes, _REGISTER_PORTABLE))

@@ -160,7 +160,8 @@ class Ring:
         self.name = segment.name
         # (state, seq) per slot as native uint64 words: a memoryview, whose item access costs a
         # fraction of a numpy scalar's, and this table is touched several times per batch.
-        self._table = memoryview(segment.buf)[_TABLE_OFFSET : _TABLE_OFFSET + 16 * layout.slots].cast("Q")
+        self._table = memoryview(segment.mapping())[_TABLE_OFFSET : _TABLE_OFFSET + 16 * layout.slots].cast("Q")
+        self._closed = False
         self._next_seq = 1
         # Views are made once per (slot, shapes, dtypes) and reused: building them costs more than
         # the rest of a small batch's bookkeeping. They hold the mapping until close() drops them.
@@ -174,7 +175,7 @@ class Ring:
         segment = Segment.create(name or new_name(), layout.size, shm_dir)
         pid = os.getpid()
         HEADER.pack_into(
-            segment.buf,
+            segment.mapping(),
             0,
             MAGIC,
             VERSION,
@@ -197,7 +198,7 @@ class Ring:
         try:
             if segment.size < HEADER.size:
                 raise ShmError(f"{name}: {segment.size} bytes is too small for a ring header")
-            magic, version, slots, slot_bytes, label_offset, _, _ = HEADER.unpack_from(segment.buf, 0)
+            magic, version, slots, slot_bytes, label_offset, _, _ = HEADER.unpack_from(segment.mapping(), 0)
             if magic != MAGIC:
                 raise ShmError(f"{name}: bad magic {magic!r}; not a batchbus ring")
             if version != VERSION:
@@ -225,7 +226,7 @@ class Ring:
         return self._table[2 * slot + 1]
 
     def _check_slot(self, slot: int) -> None:
-        if self._table is None:
+        if self._closed:
             raise ShmError(f"ring {self.name} is closed")
         if not 0 <= slot < self.layout.slots:
             raise ShmError(f"slot {slot} outside ring {self.name} of {self.layout.slots} slots")
@@ -316,9 +317,9 @@ class Ring:
 
     def close(self) -> None:
         """Unmap (once no views are alive), and unlink if this process created the ring."""
-        if self._table is not None:
-            self._table.release()
-            self._table = None
+        if not self._closed:
+            self._table.release()  # a released view refuses every access
+            self._closed = True
         self._views.clear()
         owner = self.segment.owner
         self.segment.close()

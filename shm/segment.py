@@ -104,6 +104,12 @@ class Segment:
             os.close(fd)
         return cls(name, path, buf, owner=False, allocated=st.st_blocks * 512 >= st.st_size)
 
+    def mapping(self) -> mmap.mmap:
+        """The live mapping. Raises :class:`ShmError` once the segment is closed."""
+        if self.buf is None:
+            raise ShmError(f"shared memory {self.name} is closed")
+        return self.buf
+
     def populate(self) -> bool:
         """Map every page of an attached segment into this process now, so that the first write
         into each costs no fault. Only for a fully allocated segment (as :meth:`create` makes

@@ -114,7 +114,7 @@ class Client:
     def socket(self) -> zmq.Socket:
         if self._sock is None:
             self._sock = make_socket(self.ctx, zmq.DEALER, self.limits)
-            if self.identity.curve is not None:
+            if self.identity.curve is not None and self.server_key is not None:  # __init__ refuses curve without it
                 secure_client(self._sock, self.identity.curve, self.server_key)
             elif self.identity.handshake:
                 try:
@@ -148,7 +148,8 @@ class Client:
     def _close_monitor(self) -> None:
         if self._monitor is not None:
             try:
-                self._sock.disable_monitor()
+                if self._sock is not None:
+                    self._sock.disable_monitor()
             except zmq.ZMQError:
                 pass
             self._monitor.close(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from libbus.errors import BadRequest
 from libbus.jobs.state import JobState
@@ -95,13 +96,12 @@ class JobSpec:
             raise BadRequest(f"unknown job field(s) {', '.join(unknown)}; known: {', '.join(known)}")
         if "dataset" not in raw:
             raise BadRequest("job spec needs 'dataset' (a name a provider serves)")
-        values = {}
+        values: dict[str, Any] = {}
         for name, value in raw.items():
             default = known[name].default
             if default is dataclasses.MISSING:
-                default = (
-                    known[name].default_factory() if known[name].default_factory is not dataclasses.MISSING else ""
-                )
+                factory = known[name].default_factory
+                default = factory() if factory is not dataclasses.MISSING else ""
             if name == "shuffle":
                 values[name] = _shuffle_mode(value)
                 continue

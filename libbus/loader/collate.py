@@ -45,7 +45,8 @@ def _pad(samples: list[np.ndarray], varying: list[int], device: torch.device):
     top = sizes.max(axis=0)
     padded = np.zeros((n, *top.tolist()), samples[0].dtype)
     for row, arr in enumerate(samples):
-        padded[(row, *(slice(0, s) for s in arr.shape))] = arr
+        where: tuple[int | slice, ...] = (row, *(slice(0, s) for s in arr.shape))
+        padded[where] = arr
     lengths = np.ascontiguousarray(sizes[:, varying[0]] if len(varying) == 1 else sizes[:, varying])
     return _tensor(padded, device), _tensor(lengths, device)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Mapping
+from types import FrameType
 from typing import Any
 
 from libbus.errors import BadRequest
@@ -77,7 +78,7 @@ def refuse_rebatching(dataset: object) -> None:
     base = getattr(dataloader, "_BaseDataLoaderIter", None)
     if base is None:
         return
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_FRAMES):
         if frame is None:
             return

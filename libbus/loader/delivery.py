@@ -179,7 +179,7 @@ class RingDelivery:
         if device.type == "cuda":
             from shm.cuda import CudaStager
 
-            self.stager = CudaStager(ring.segment.buf, device)
+            self.stager = CudaStager(ring.segment.mapping(), device)
 
     def attach_message(self) -> AttachRing:
         lay = self.ring.layout
@@ -288,7 +288,7 @@ class RingDelivery:
         if self.stager is not None:
             xc, yc, event = self.stager.copy(x, y)
             self.copies.append((event, slot))
-            item = (xc, yc, event)
+            item: tuple = (xc, yc, event)
         else:
             item = (torch.from_numpy(x.copy()), torch.from_numpy(y.copy()))
             self._release(slot)

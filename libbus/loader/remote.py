@@ -35,7 +35,7 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, Never
 
 import jwt
@@ -517,7 +517,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
     def _request(self, indices: np.ndarray, fields: dict) -> BatchRequest:
         return BatchRequest.for_indices(indices, dataset=self.dataset.name, split=self.split, **fields)
 
-    def _fetch(self, batches: list[np.ndarray], epoch: int) -> Iterator[Any]:
+    def _fetch(self, batches: list[np.ndarray], epoch: int) -> Generator[Any, None, None]:
         try:
             yield from self._pipeline(batches, epoch)
         finally:
@@ -527,7 +527,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             for replica in self.replicas:
                 replica.take_pending()
 
-    def _pipeline(self, batches: list[np.ndarray], epoch: int) -> Iterator[Any]:
+    def _pipeline(self, batches: list[np.ndarray], epoch: int) -> Generator[Any, None, None]:
         # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
         window = RequestWindow(len(batches), lambda n, fields: self._request(batches[n], {"epoch": epoch, **fields}))
         poller = ReplyPoller()  # per pass: a socket id reused after a reconnect must not alias

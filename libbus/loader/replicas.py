@@ -125,7 +125,8 @@ class Replica:
         if self.monitor is None:
             return
         try:
-            self._watched.disable_monitor()
+            if self._watched is not None:
+                self._watched.disable_monitor()
         except zmq.ZMQError:
             pass  # the socket is closed already: its monitor stopped with it
         self.monitor.close(0)

@@ -39,7 +39,7 @@ __all__ = [
     "ensure_secret",
     "generate_signing_key",
     "load_signing_key",
-    "load_public_key",
+    "load_token_public_key",
     "private_dir",
 ]
 
@@ -53,6 +53,10 @@ SCOPES = ("datasets", "jobs")
 LEEWAY_S = 5
 _REQUIRED = ["sub", "role", "aud", "iss", "exp", "iat", "jti"]
 
+#: What mints tokens (the HS256 secret or the Ed25519 signing key) and what checks them (the
+#: secret or the Ed25519 public key); ``Key`` is either.
+SigningKey = bytes | Ed25519PrivateKey
+VerifyKey = bytes | Ed25519PublicKey
 Key = bytes | Ed25519PrivateKey | Ed25519PublicKey
 
 
@@ -100,7 +104,7 @@ def _check_alg(algorithm: str) -> None:
 
 
 def issue_token(
-    key: Key,
+    key: SigningKey,
     *,
     sub: str,
     role: str,
@@ -147,7 +151,7 @@ def issue_token(
 
 def verify_token(
     token: str,
-    key: Key,
+    key: VerifyKey,
     *,
     audience: str,
     issuer: str | None = None,
@@ -339,7 +343,7 @@ def load_signing_key(path: str | os.PathLike) -> Ed25519PrivateKey:
     return key
 
 
-def load_public_key(path: str | os.PathLike) -> Ed25519PublicKey:
+def load_token_public_key(path: str | os.PathLike) -> Ed25519PublicKey:
     """The Ed25519 public key at ``path`` (a ``.pub`` from ``busctl token keygen``)."""
     data = _read_pem(
         path,

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable
 
 from libbus.errors import AuthExpired, AuthInvalid
-from libbus.security.auth import LEEWAY_S, Claims, Key, verify_token
+from libbus.security.auth import LEEWAY_S, Claims, VerifyKey, verify_token
 
 __all__ = ["KEEP", "TokenCheck"]
 
@@ -29,7 +29,7 @@ class TokenCheck:
     """Checks tokens against one server's key, audience, issuer and revocations (thread-safe:
     the ZAP thread and the service loop both call it)."""
 
-    def __init__(self, key: Key, *, audience: str, issuer: str | None, algorithm: str, keep: int = KEEP):
+    def __init__(self, key: VerifyKey, *, audience: str, issuer: str | None, algorithm: str, keep: int = KEEP):
         self._key, self._audience, self._issuer, self._algorithm = key, audience, issuer, algorithm
         self._keep = keep
         self._verified: dict[str, Claims] = {}  # token → its claims

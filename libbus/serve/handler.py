@@ -21,7 +21,7 @@ from typing import Any, ClassVar, TypeVar
 
 from libbus import constants as C
 from libbus.errors import BadRequest
-from libbus.security.auth import ALGORITHM, Key
+from libbus.security.auth import ALGORITHM, VerifyKey
 from libbus.security.curve import CurveKeys
 from libbus.serve.sessions import Session
 from libbus.wire.messages import Message
@@ -123,7 +123,7 @@ class ServerConfig:
     ``audience``."""
 
     bind: str
-    secret: Key
+    secret: VerifyKey
     audience: str
     name: str
     heartbeat_ms: int = 1000

@@ -17,6 +17,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import (
@@ -93,7 +94,7 @@ _SERVED = {
 }
 
 #: A pipeline stage's stats keys (``queue_*``: its output queue's) with their metric and help text.
-_STAGE_METRICS = {
+_STAGE_METRICS: dict[str, tuple[type[Metric], str, str]] = {
     "items_in": (CounterMetricFamily, "stage_items_in", "Samples a pipeline stage took in, by dataset and stage."),
     "items_out": (CounterMetricFamily, "stage_items_out", "Samples a pipeline stage put out."),
     "errors": (CounterMetricFamily, "stage_errors", "Chunks a pipeline stage failed on (each failed its batch)."),
@@ -112,7 +113,7 @@ _STAGE_METRICS = {
 
 
 #: Object-store reads (provider stats ``object_store``) and its disk caches' (``object_store.caches``).
-_OBJECT_METRICS = {
+_OBJECT_METRICS: dict[str, tuple[type[Metric], str, str]] = {
     "requests": (CounterMetricFamily, "object_requests", "Ranged requests sent to object stores, retries included."),
     "retries": (
         CounterMetricFamily,
@@ -122,7 +123,7 @@ _OBJECT_METRICS = {
     "failures": (CounterMetricFamily, "object_failures", "Object-store reads that failed their batch (UNAVAILABLE)."),
     "bytes_fetched": (CounterMetricFamily, "object_bytes_fetched", "Bytes read from object stores."),
 }
-_CACHE_METRICS = {
+_CACHE_METRICS: dict[str, tuple[type[Metric], str, str]] = {
     "hits": (CounterMetricFamily, "object_cache_hits", "Blocks served from the provider's disk cache."),
     "misses": (CounterMetricFamily, "object_cache_misses", "Blocks not in the disk cache (fetched)."),
     "evictions": (CounterMetricFamily, "object_cache_evictions", "Blocks evicted from the disk cache (LRU)."),
@@ -270,7 +271,7 @@ class StatsCollector(Collector):
         labels = ("dataset", "stage")
         fams = {key: family(kind, metric, doc, labels) for key, (kind, metric, doc) in _STAGE_METRICS.items()}
         for dataset, pipeline in sorted(pipelines.items()):
-            rows = [("(requests)", {}, pipeline.get("requests", {}))]
+            rows: list[tuple[str, dict, dict]] = [("(requests)", {}, pipeline.get("requests", {}))]
             rows += [(st.get("name", "?"), st, st.get("queue", {})) for st in pipeline.get("stages", [])]
             for stage, counters, queue in rows:
                 values = {
@@ -331,7 +332,7 @@ class MetricsExporter:
 
     host: str
     port: int
-    _server: object
+    _server: WSGIServer | None
     _thread: threading.Thread
 
     @property

@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from typing import cast
 
 import zmq
 
@@ -132,13 +133,18 @@ class Server:
         Sessions are per connection, whichever endpoint it came through. Returns the bound
         endpoint; raises :class:`BusError` if it cannot be bound.
         """
-        if self._sock is None:
-            self.bind()
+        sock = self._bound()
         try:
-            self._sock.bind(endpoint)
+            sock.bind(endpoint)
         except zmq.ZMQError as err:
             raise BusError(f"cannot bind {endpoint}: {err.strerror}", code="UNAVAILABLE") from err
-        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _bound(self) -> zmq.Socket:
+        """The ROUTER socket, bound now if :meth:`bind` has not run yet."""
+        if self._sock is None:
+            self.bind()
+        return cast(zmq.Socket, self._sock)  # bind() set it or raised
 
     def run(self, stop: threading.Event, on_loop: Callable[[], None] | None = None) -> None:
         """Serve until ``stop`` is set, then drain (:meth:`_drain`) and close every session and the socket.
@@ -147,9 +153,7 @@ class Server:
         burst of messages): a service feeds systemd's watchdog there, so that a loop that is stuck
         stops feeding it.
         """
-        if self._sock is None:
-            self.bind()
-        sock = self._sock
+        sock = self._bound()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake.fd, zmq.POLLIN)
@@ -389,8 +393,9 @@ class Server:
         if self._held is not None:  # sent by _release, after the handler's flush
             self._held.append((routing_id, msg))
             return
+        sock = cast(zmq.Socket, self._sock)  # replies are sent only from inside run(), socket bound
         try:
-            sent, tracker, nbytes = send_tracked(self._sock, msg, routing_id, self._track_min)
+            sent, tracker, nbytes = send_tracked(sock, msg, routing_id, self._track_min)
             if tracker is not None:
                 self.backlog.track(routing_id, tracker, nbytes)
         except BusError as err:
@@ -399,7 +404,7 @@ class Server:
             log.error("%s: cannot send %s: %s", self.config.name, msg.type, err)
             self.counters["internal"] += 1
             sent = msg.id != 0 and send_message(
-                self._sock, error_reply(msg.id, Internal(f"reply could not be encoded: {err}")), routing_id
+                sock, error_reply(msg.id, Internal(f"reply could not be encoded: {err}")), routing_id
             )
         if sent:
             self.counters["sent"] += 1

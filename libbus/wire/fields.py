@@ -61,7 +61,7 @@ def _round_up(n: int, to: int = _ALIGN) -> int:
 def _raw(buf) -> memoryview:
     """A flat byte view of ``buf`` (bytes, or a C-contiguous array, empty ones included)."""
     if isinstance(buf, np.ndarray):
-        return memoryview(buf.reshape(-1).view(np.uint8))
+        return buf.reshape(-1).view(np.uint8).data
     return memoryview(buf).cast("B")
 
 
@@ -90,6 +90,14 @@ class Field:
         return self.opaque or any(d is None for d in self.shape)
 
     @property
+    def fixed_shape(self) -> tuple[int, ...]:
+        """``shape`` of a fixed field (every dimension known). Raises :class:`BusError` for a variable one."""
+        dims = tuple(d for d in self.shape if d is not None)
+        if self.opaque or len(dims) != len(self.shape):
+            raise BusError(f"field {self.name!r} has no fixed shape ({self.describe()})")
+        return dims
+
+    @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(np.uint8) if self.opaque else np.dtype(self.dtype)
 
@@ -98,7 +106,7 @@ class Field:
         """Bytes of one sample: exact for a fixed field, the declared maximum for a variable one."""
         if self.variable:
             return self.max_bytes
-        return math.prod(self.shape) * self.np_dtype.itemsize  # type: ignore[arg-type]
+        return math.prod(self.fixed_shape) * self.np_dtype.itemsize
 
     @property
     def ndim(self) -> int:
@@ -168,7 +176,7 @@ def _pieces(field: Field, value: Any, n: int) -> tuple[list, str, list[int]]:
     index before them. Raises :class:`BusError` for a value that is not what the field declares."""
     if not field.variable:
         arr = np.ascontiguousarray(value, dtype=field.np_dtype)
-        want = (n, *field.shape)
+        want = (n, *field.fixed_shape)
         if arr.shape != want:
             raise BusError(f"field {field.name!r}: batch has shape {arr.shape}; the field declares {want}")
         return [arr], arr.dtype.str, list(want)
@@ -296,7 +304,7 @@ def _unpack(field: Field, n: int, index: np.ndarray | None, values, copy: bool) 
         want = n * field.sample_nbytes
         if size != want:
             raise BusError(f"malformed BatchResponse: field {field.name!r} is {size} bytes; expected {want}")
-        arr = np.frombuffer(values, field.np_dtype).reshape((n, *field.shape))  # type: ignore[arg-type]
+        arr = np.frombuffer(values, field.np_dtype).reshape((n, *field.fixed_shape))
         return arr.copy() if copy else arr
     offsets = index[: n + 1]
     if offsets[0] != 0 or offsets[-1] != size or (n and bool(np.any(np.diff(offsets) < 0))):

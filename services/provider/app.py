@@ -18,7 +18,7 @@ from libbus.wire.messages import Entitlements, Message
 from .. import runtime
 from .evalgate import EvalGate
 from .handler import ProviderHandler
-from .sources import open_source, parse_dataset_arg
+from .sources import Source, open_source, parse_dataset_arg
 from .sources.objstore import configure_cache
 
 __all__ = ["ProviderService", "DEFAULT_BIND", "private_test_option", "split_notice"]
@@ -76,7 +76,7 @@ class ProviderService:
         self.settings = settings
         self.name = runtime.service_name(settings, "provider")
         self.ctx = ctx or zmq.Context.instance()
-        datasets = {}
+        datasets: dict[str, Source] = {}
         readable_test = set()
         configure_cache(settings.cache_dir, settings.cache_limit)
         for arg in settings.datasets:

@@ -42,7 +42,7 @@ class RingUse:
     """The fills under way per ring, across fillers: a ring is unmapped once its last one has ended
     (one under way still writes into it)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._busy: dict[int, int] = {}  # id(ring) -> its fills under way (each holds the ring)
         self._closing: dict[int, Ring] = {}  # rings to unmap when their last fill ends
@@ -94,7 +94,7 @@ class Filler:
         if future is None:
             return fill(*args)
         if ring is not None:
-            future.add_done_callback(lambda _: self.rings.release(ring))  # type: ignore[arg-type]
+            future.add_done_callback(lambda _: self.rings.release(ring))
         return future
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 from libbus.constants import MAX_BATCH_BYTES, MAX_FRAMES
 from libbus.errors import (
@@ -233,7 +234,7 @@ class ProviderHandler(Handler):
                     fut.set_exception(err)
                     continue
                 if isinstance(reply, Future):
-                    reply.add_done_callback(lambda done, fut=fut: _chain(done, fut))
+                    reply.add_done_callback(partial(_chain, into=fut))
                 else:
                     fut.set_result(reply)
             elif now > deadline:

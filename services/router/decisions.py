@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 
-from libbus.errors import BadRequest, NotFound
+from libbus.errors import BadRequest, Internal, NotFound
 from libbus.jobs.spec import JobSpec, dataset_name
 from libbus.jobs.state import JobState
 from libbus.serve.handler import serves
@@ -18,6 +18,7 @@ from libbus.wire.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo
 
 from .artifacts import Artifacts
 from .early_stop import EarlyStopping
+from .jobs import JobControl
 from .store import JobStore
 from .studies import Studies
 
@@ -34,6 +35,7 @@ class Decisions:
     ``store``, ``jobs`` (JobControl) and ``artifacts``)."""
 
     store: JobStore
+    jobs: JobControl
     artifacts: Artifacts | None
 
     def init_decisions(self) -> None:
@@ -112,6 +114,8 @@ class Decisions:
         """Keep the model uploaded with evaluation task ``job`` as that job's artifact."""
         frame = frames[0]
         data = bytes(frame.buffer if hasattr(frame, "buffer") else frame)
+        if self.artifacts is None:
+            raise Internal("this router keeps no models (no artifacts directory)")
         try:
             self.artifacts.put(job, data, hashlib.sha256(data).hexdigest())
         except OSError as err:
@@ -124,6 +128,8 @@ class Decisions:
         if spec.get("task") != "evaluate":
             return task
         source = task.job if spec["model_from"] == UPLOAD else spec["model_from"]
+        if self.artifacts is None:
+            raise Internal("this router keeps no models (no artifacts directory)")
         try:
             task.frames = [self.artifacts.get(source)]
         except NotFound as err:

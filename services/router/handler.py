@@ -342,7 +342,10 @@ class RouterHandler(Decisions, Handler):
             reply = self.gangs.join(who, job)
             self._push_entitlements()  # a formed gang's providers hear of it before its ranks ask them
             return reply
-        job = self.store.claim(who, self.jobs.lease_s, accept=lambda j: j["id"] == job["id"])
+        queued = job["id"]
+        job = self.store.claim(who, self.jobs.lease_s, accept=lambda j: j["id"] == queued)
+        if job is None:  # not on this loop: it was queued a moment ago
+            return NoTask(retry_ms=self.task_retry_ms)
         self._grant(dataset_name(job["spec"]["dataset"]), who)  # its providers hear of it with its Task (tick)
         log.info("job %s assigned to %s (%s)", job["id"], who, session.name)
         task = self.attach_model(Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"]))

@@ -12,6 +12,7 @@ and checkpoint records have tables of their own.
 
 from __future__ import annotations
 
+import builtins
 import os
 import secrets
 import sqlite3
@@ -382,10 +383,10 @@ class JobStore:
             ).fetchall()
             out["events"] = [dict(r) for r in reversed(rows)]
             out["events_total"] = self.db.execute("SELECT COUNT(*) FROM events WHERE job = ?", (job,)).fetchone()[0]
-            rows = self.db.execute(
+            records = self.db.execute(
                 "SELECT record FROM checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?", (job, limit)
-            )
-            out["checkpoints"] = [orjson.loads(r[0]) for r in reversed(rows.fetchall())]
+            ).fetchall()
+            out["checkpoints"] = [orjson.loads(r[0]) for r in reversed(records)]
         return out
 
     def progress_history(self, job: str, limit: int = 100) -> list[dict]:
@@ -409,20 +410,20 @@ class JobStore:
             rows = self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ? OFFSET ?", (limit, offset))
         return [self._as_dict(r) for r in rows.fetchall()]
 
-    def held_by(self, trainer: str) -> list[dict]:
+    def held_by(self, trainer: str) -> builtins.list[dict]:
         """Jobs ``trainer`` holds now (as rank 0 of a gang too)."""
         return [self._as_dict(r) for r in self.db.execute(_HELD + " AND trainer = ?", (*HOLDING_STATES, trainer))]
 
-    def held_gangs(self) -> list[dict]:
+    def held_gangs(self) -> builtins.list[dict]:
         """Held jobs that run on a gang (``world_size`` > 1)."""
         return [self._as_dict(r) for r in self.db.execute(_HELD + " AND gang IS NOT NULL", HOLDING_STATES)]
 
-    def held_leases(self) -> list[tuple[str, str, float]]:
+    def held_leases(self) -> builtins.list[tuple[str, str, float]]:
         """``(job, trainer, lease_expires)`` of every held job: the lease check, without the rows."""
         rows = self.db.execute(_HELD.replace("*", "id, trainer, lease_expires", 1), HOLDING_STATES)
         return [(r[0], r[1], r[2] or 0.0) for r in rows.fetchall()]
 
-    def held_grants(self) -> list[dict]:
+    def held_grants(self) -> builtins.list[dict]:
         """Held jobs as ``grants.assignments`` reads them, without decoding specs and progress."""
         cols = "json_extract(spec, '$.dataset'), trainer, json_extract(gang, '$.members')"
         rows = self.db.execute(_HELD.replace("*", cols, 1), HOLDING_STATES).fetchall()
@@ -437,6 +438,6 @@ class JobStore:
         cols, where = "id, updated", " AND json_extract(spec, '$.patience') > 0"  # the index jobs_watched
         return dict(self.db.execute(_HELD.replace("*", cols, 1) + where, HOLDING_STATES).fetchall())
 
-    def held(self) -> list[dict]:
+    def held(self) -> builtins.list[dict]:
         """Jobs a trainer holds now (running or paused, with a trainer)."""
         return [self._as_dict(r) for r in self.db.execute(_HELD, HOLDING_STATES).fetchall()]

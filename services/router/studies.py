@@ -47,13 +47,13 @@ class _Live:
     """A study's in-memory Optuna state: the study and its running trials by number."""
 
     spec: StudySpec
-    study: object
-    trials: dict[int, object] = field(default_factory=dict)
+    study: optuna.Study
+    trials: dict[int, optuna.trial.Trial] = field(default_factory=dict)
 
 
 def _distributions(spec: StudySpec) -> dict:
     d = optuna.distributions
-    out = {}
+    out: dict[str, optuna.distributions.BaseDistribution] = {}
     for name, p in spec.space.items():
         if p.kind == "choice":
             out[name] = d.CategoricalDistribution(list(p.values))
@@ -328,14 +328,21 @@ class Studies:
         ]
         for epoch, value in new:
             reports[epoch] = value
-            trial.report(value, epoch)
+            if trial is not None:  # registered when it started or the study was restored
+                trial.report(value, epoch)
         self._trial_jobs[t["job"]] = len(history)
         epochs = _epochs_trained(job, len(history))
         if new or epochs != t["epochs"]:
             self.store.update_trial(study, number, reports=reports, epochs=epochs)
         # judged even when the job has just ended: ASHA records the rungs a trial passed (system
         # attributes the other trials are ranked against), kept for a router that restarts
-        prune = bool(new) and spec.strategy == "search" and t["state"] == TrialState.RUNNING and trial.should_prune()
+        prune = (
+            bool(new)
+            and spec.strategy == "search"
+            and t["state"] == TrialState.RUNNING
+            and trial is not None
+            and trial.should_prune()
+        )
         if new and spec.strategy == "search":
             attrs = _attrs(live, trial)
             if attrs != t["attrs"]:

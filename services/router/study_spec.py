@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from libbus.errors import BadRequest
 from libbus.jobs.spec import SETTABLE, JobSpec
@@ -165,7 +166,7 @@ class StudySpec:
         unknown = sorted(set(settings) - set(STUDY_KEYS))
         if unknown:
             raise BadRequest(f"[study]: unknown key(s) {', '.join(unknown)}; known: {', '.join(STUDY_KEYS)}")
-        values = {}
+        values: dict[str, Any] = {}
         for key, default in STUDY_KEYS.items():
             value = settings.get(key, default)
             want = type(default)

@@ -11,6 +11,7 @@ the rungs ASHA promoted it past, a grid point), so that a rebuilt study judges a
 
 from __future__ import annotations
 
+import builtins
 import secrets
 import sqlite3
 import time
@@ -122,7 +123,7 @@ class StudyStore:
             rows = self.db.execute("SELECT id FROM studies ORDER BY created DESC")
         return [self.get(r[0]) for r in rows.fetchall()]
 
-    def trials(self, study: str) -> list[dict]:
+    def trials(self, study: str) -> builtins.list[dict]:
         rows = self.db.execute("SELECT * FROM trials WHERE study = ? ORDER BY number", (study,)).fetchall()
         out = []
         for r in rows:

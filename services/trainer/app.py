@@ -141,6 +141,7 @@ class TrainerService:
         log.info("running job %s%s", task.job, f" from checkpoint step {task.resume['step']}" if task.resume else "")
         reporter = Reporter(self.link, task.job, self.settings.request_timeout_s, on_command=self.commands.put)
         clean = True
+        state: JobState | str  # or LOST: the router gave the job to another trainer
         try:
             try:
                 run = TaskRun(

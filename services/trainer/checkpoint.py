@@ -24,6 +24,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import orjson
@@ -84,7 +85,9 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = state
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # the global generator is MT19937, whose legacy state is this tuple (the stubs allow a dict too)
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
+    name, keys, pos, has_gauss, cached = legacy
     tensors["rng.numpy"] = torch.from_numpy(keys.astype(np.int64))
     meta = {"python": random.getstate(), "numpy": [name, int(pos), int(has_gauss), float(cached)]}
     return tensors, meta

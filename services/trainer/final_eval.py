@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import cast
 
 from safetensors.torch import save as save_safetensors
 from torch import nn
@@ -73,7 +74,7 @@ def score_on_provider(
         while True:
             reply = client.wait_for(request_id, CHECK_S)
             if reply is not None:
-                return client.check(reply)
+                return cast(Evaluation, client.check(reply))  # Evaluate's declared reply, as request() trusts it
             now = time.monotonic()
             if now >= deadline:
                 raise PeerTimeout(f"provider {provider['name']} did not score the test split within {timeout_s:.0f} s")

@@ -151,7 +151,9 @@ class Gang:
         self._collective(dist.broadcast, size, src=0)
         n = int(size.item())
         if self.rank == 0:
-            blob = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+            blob = (
+                torch.frombuffer(bytearray(data or b""), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+            )
         else:
             blob = torch.empty(n, dtype=torch.uint8)
         if n:

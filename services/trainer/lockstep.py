@@ -42,7 +42,7 @@ class Lockstep:
         lead: bool,
         spec: Callable[[], JobSpec],
         set_hyper: Callable[[dict], object],
-        watchdog: Callable[[], None],
+        watchdog: Callable[[], object],
         handback: Callable[[], None],
     ):
         self.gang = gang

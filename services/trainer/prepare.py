@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from .optim import make_optimizer
 __all__ = ["build", "job_device", "open_loaders", "resolve", "shard"]
 
 
-def resolve(link: Link, dataset: str, settings: Settings, watchdog: Callable[[], None]) -> Resolved:
+def resolve(link: Link, dataset: str, settings: Settings, watchdog: Callable[[], object]) -> Resolved:
     """The dataset's providers. None online is waited out for ``provider_wait_s`` (a provider
     restarting), as a loader waits for its lost providers, before the attempt fails."""
     deadline = time.monotonic() + settings.provider_wait_s
@@ -77,7 +78,7 @@ def open_loaders(
     """The ``train`` loader (this rank's shard) and, on rank 0 only, the ``val`` loader."""
     s = settings
     # Every replica: requests spread over them, and the loaders ask again when none answers.
-    common = {
+    common: dict[str, Any] = {
         "provider": providers,
         "provider_wait_s": s.provider_wait_s,
         "resolver": lambda timeout_s: link.request(Resolve(dataset=spec.dataset), timeout_s=timeout_s).providers,

@@ -163,11 +163,18 @@ class TaskRun:
             log.error("job %s failed: %s", self.job, error, exc_info=err)
         return JobState.FAILED, {"history": self.history, "retryable": retryable}, error
 
+    def _parts(self) -> tuple[RemoteLoader, nn.Module, torch.optim.Optimizer]:
+        """The train loader, model and optimizer that :meth:`_train` sets up before anything here
+        (a command, a checkpoint, a report) can need them."""
+        if self.train is None or self.model is None or self.optimizer is None:
+            raise RuntimeError(f"job {self.job}: asked for its model before training was set up")
+        return self.train, self.model, self.optimizer
+
     # -- what commands call ---------------------------------------------------------------------
     def _set_hyper(self, changes: dict) -> dict:
         """``busctl job set``: the optimizer's param groups change now, the spec with them."""
         spec = self.spec.with_hyper(changes)
-        apply_hyper(self.optimizer, spec)
+        apply_hyper(self._parts()[2], spec)
         self.spec = spec
         return spec.to_dict()
 
@@ -209,9 +216,8 @@ class TaskRun:
         if self.last_checkpoint is not None and self._checkpointed == (self.step, len(self.history)):
             return self.last_checkpoint
         end = self._checkpointed[0] == self.step  # the epoch-end one after the last step's
-        record = save(
-            self.directory, self.step, self.train, self.model, self.optimizer, self.meter, self.history, epoch_end=end
-        )
+        train, model, optimizer = self._parts()
+        record = save(self.directory, self.step, train, model, optimizer, self.meter, self.history, epoch_end=end)
         self.last_checkpoint = record
         self._checkpointed = (self.step, len(self.history))
         self.reporter.put(Checkpointed(job=self.job, checkpoint=record))
@@ -223,14 +229,15 @@ class TaskRun:
         """Continue from the checkpoint the router handed over. False if it cannot be used (missing
         here, changed, or from another dataset size): the job then starts over. In a gang rank 0
         reads it and every rank restores the same bytes (each its own shard at the same cursor)."""
+        train, model, optimizer = self._parts()
         try:
-            restored = restore(record, self.settings.checkpoint_dir, self.gang, self.train, self.model, self.optimizer)
+            restored = restore(record, self.settings.checkpoint_dir, self.gang, train, model, optimizer)
         except BusError as err:
             log.warning("job %s: cannot resume from %s: %s; starting over", self.job, record.get("path"), err)
             self.resumed_from = {"error": str(err)}
-            self.train.rewind()  # what load_state_dict may have set (an elastic plan too) is dropped
+            train.rewind()  # what load_state_dict may have set (an elastic plan too) is dropped
             return False
-        apply_hyper(self.optimizer, self.spec)  # the stored spec has any `set` made since
+        apply_hyper(optimizer, self.spec)  # the stored spec has any `set` made since
         self.step = restored.step
         self.history = restored.extra.get("history", [])
         self.meter.loss_sum = restored.extra.get("loss_sum", 0.0)
@@ -242,8 +249,8 @@ class TaskRun:
             "job %s: resumed from step %d (epoch %d, position %d)",
             self.job,
             restored.step,
-            self.train.epoch,
-            self.train.position,
+            train.epoch,
+            train.position,
         )
         return True
 
@@ -258,7 +265,8 @@ class TaskRun:
         silence to systemd."""
         self.notifier.watchdog()
         if self.lead and time.monotonic() - self._last_report >= self.settings.progress_interval_s:
-            self._report(self._progress(self.train.epoch, len(self.train), self.train))
+            train = self._parts()[0]
+            self._report(self._progress(train.epoch, len(train), train))
 
     def _train(self) -> dict:
         spec, s = self.spec, self.settings
@@ -349,13 +357,14 @@ class TaskRun:
         if not self.lead:  # rank 0 scores, checkpoints and reports for the gang
             self._check()
             return
-        val_loss, val_acc, _ = evaluate(self.model, self._watched(val), kind)
+        train, model, _ = self._parts()
+        val_loss, val_acc, _ = evaluate(model, self._watched(val), kind)
         self.history.append(epoch_record(epoch + 1, self.meter.take_loss(), val_loss, val_acc, kind))
         log.info(
             "job %s epoch %d/%d: val loss %.4f accuracy %.4f", self.job, epoch + 1, self.spec.epochs, val_loss, val_acc
         )
         self._checkpoint()
-        self._report(self._progress(epoch + 1, steps_per_epoch, self.train))
+        self._report(self._progress(epoch + 1, steps_per_epoch, train))
         if self.spec.patience:  # the router judges the epoch at this report: its stop applies here, not later
             self.reporter.flush(self.settings.request_timeout_s)
         self._check()

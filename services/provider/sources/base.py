@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import overload
 from urllib.parse import SplitResult, unquote
 
 import numpy as np
@@ -198,6 +199,10 @@ class OpenRequest:
     #: Modules a pipeline's ``user`` stages may run, from the provider's own settings (never a URI).
     user_modules: frozenset[str] = frozenset()
 
+    @overload
+    def int_param(self, key: str, default: int) -> int: ...
+    @overload
+    def int_param(self, key: str, default: None) -> int | None: ...
     def int_param(self, key: str, default: int | None) -> int | None:
         """Pop integer parameter ``key`` (``default`` when absent). Raises :class:`DatasetError`."""
         if key not in self.params:

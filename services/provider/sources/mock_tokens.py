@@ -116,7 +116,9 @@ class MockTokens(Source):
         base = np.uint64(stable_seed("tokens", self.seed, SPLITS.index(split)))
         # One counter per token of every requested sequence: (split, index, position) → hash, so a
         # sequence is the same whichever batch asks for it, and the batch is generated at once.
-        counters = indices.astype(np.uint64)[:, None] * np.uint64(length) + np.arange(length, dtype=np.uint64)
+        counters: np.ndarray = indices.astype(np.uint64)[:, None] * np.uint64(length) + np.arange(
+            length, dtype=np.uint64
+        )
         with np.errstate(over="ignore"):
             decide = _splitmix64(counters ^ base)
             uniform = (_splitmix64(counters ^ (base * _M3)) % np.uint64(self.vocab)).astype(np.int64)

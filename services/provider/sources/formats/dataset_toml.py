@@ -54,7 +54,7 @@ def parse_settings(uri: str, params: dict, toml: dict) -> dict:
             value = float(value)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise DatasetError(f"{where} must be a {kind.__name__}, got {value!r}")
-        if kind is not str:
+        if isinstance(value, (int, float)):  # kind is int or float: value is one
             bad = {"val_fraction": not 0 <= value < 1, "token_bytes": value not in (2, 4)}.get(key, value < 1)
             if bad:
                 want = {"val_fraction": "in [0, 1)", "token_bytes": "2 or 4"}.get(key, "at least 1")

@@ -278,8 +278,8 @@ class RangeClient:
         futures = [self._pool.submit(self.read_into, f.url, offset, buffers) for f, offset, buffers in runs]
         wait(futures)
         for fut in futures:
-            if fut.exception() is not None:
-                raise fut.exception()
+            if (err := fut.exception()) is not None:
+                raise err
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,7 +23,7 @@ from libbus.errors import DatasetError
 try:  # the ``images`` extra
     from PIL import Image, ImageEnhance
 except ImportError:  # pragma: no cover - reported when an image dataset is opened
-    Image = ImageEnhance = None
+    Image = ImageEnhance = None  # type: ignore[assignment]  # an image dataset refuses to open without them
 try:  # the ``images`` extra: libjpeg-turbo without Pillow's overhead, 1.5x faster per core on JPEG
     import simplejpeg
 except ImportError:  # pragma: no cover - Pillow decodes JPEG too
@@ -89,7 +89,7 @@ def decode(data: bytes, where: str):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img: Image.Image = Image.open(io.BytesIO(data))
             img.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise BadImage(f"{where}: not a whole image ({type(err).__name__}: {err})") from None
@@ -108,12 +108,12 @@ def resize_shorter(img, size: int, resample: int | None = None):
         nw, nh = size, max(1, int(size * h / w))
     else:
         nw, nh = max(1, int(size * w / h)), size
-    return img.resize((nw, nh), Image.BILINEAR if resample is None else resample)
+    return img.resize((nw, nh), Image.Resampling.BILINEAR if resample is None else resample)
 
 
 def resize_exact(img, height: int, width: int):
     """Scale to exactly ``height`` × ``width`` (bilinear), aspect not kept."""
-    return img.resize((width, height), Image.BILINEAR)
+    return img.resize((width, height), Image.Resampling.BILINEAR)
 
 
 def center_crop(img, height: int, width: int):
@@ -158,7 +158,7 @@ def random_resized_crop(
         else:
             cw, ch = w, h
         top, left = (h - ch) // 2, (w - cw) // 2
-    return img.resize((width, height), Image.BILINEAR, box=(left, top, left + cw, top + ch))
+    return img.resize((width, height), Image.Resampling.BILINEAR, box=(left, top, left + cw, top + ch))
 
 
 def flip(img):

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from functools import partial
 from pathlib import PurePosixPath
 from typing import Protocol
 
@@ -211,18 +212,18 @@ class ObjectClient:
         deadline = self._deadline()
         tasks: list[Callable[[], None]]
         if self.cache is None:
-            tasks = [lambda f=f, o=o, b=b: self._read_run(f, o, b, deadline) for f, o, b in runs]
+            tasks = [partial(self._read_run, f, o, b, deadline) for f, o, b in runs]
         else:
             blocks = _by_block(runs, self.settings.block_bytes)
-            tasks = [lambda k=k, p=p: self._serve_block(k[0], k[1], p, deadline) for k, p in blocks.items()]
+            tasks = [partial(self._serve_block, self.cache, k[0], k[1], p, deadline) for k, p in blocks.items()]
         if len(tasks) == 1:
             tasks[0]()
             return
         futures = [self._pool.submit(t) for t in tasks]
         wait(futures)
         for fut in futures:
-            if fut.exception() is not None:
-                raise fut.exception()
+            if (err := fut.exception()) is not None:
+                raise err
 
     def _read_run(self, f: ObjectFile, offset: int, buffers: list[memoryview], deadline: float) -> None:
         nbytes = sum(len(b) for b in buffers)
@@ -235,8 +236,10 @@ class ObjectClient:
             view[:] = data[at : at + len(view)]
             at += len(view)
 
-    def _serve_block(self, f: ObjectFile, block: int, pieces: list[tuple[int, memoryview]], deadline: float) -> None:
-        cache, size = self.cache, self.settings.block_bytes
+    def _serve_block(
+        self, cache: BlockCache, f: ObjectFile, block: int, pieces: list[tuple[int, memoryview]], deadline: float
+    ) -> None:
+        size = self.settings.block_bytes
         length = min(size, f.meta.size - block * size)
         name = cache.block_name(self.backend.name, f.meta.key, f.meta.etag, f.meta.size, size, block)
         fd = cache.open(name, length)

@@ -114,7 +114,8 @@ class ByteSpace:
                 f"{', '.join(s.name for s in self.segments)}"
             )
         i = bisect.bisect_right(self.starts, offset) - 1
-        pos, batch, batch_at = offset, [], offset
+        batch: list[memoryview] = []
+        pos, batch_at = offset, offset
         for buf in buffers:
             while len(buf):
                 seg_end = self.starts[i] + self.segments[i].length
@@ -204,13 +205,13 @@ class Records:
             self.space.read_runs(runs)
             return
         rows_all = order.tolist()
-        cuts = run_ends.tolist()
+        ends = run_ends.tolist()
         runs = []
-        for a, b in zip([0, *cuts], [*cuts, n]):
+        for a, b in zip([0, *ends], [*ends, n]):
             buffers = []
             for r in rows_all[a:b]:
                 for f, nbytes in self.pieces:
-                    dest = dests[f] if f is not None else None
-                    buffers.append(self.scratch[:nbytes] if dest is None else dest[r * nbytes : (r + 1) * nbytes])
+                    into = dests[f] if f is not None else None
+                    buffers.append(self.scratch[:nbytes] if into is None else into[r * nbytes : (r + 1) * nbytes])
             runs.append((self.base + int(ordered[a]) * self.record, buffers))
         self.space.read_runs(runs)

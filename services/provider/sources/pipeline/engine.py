@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 
@@ -31,7 +32,8 @@ from libbus.wire.fields import is_xy
 
 from ..base import SPLITS, Field, FieldBatch, ReadPolicy, Source
 from .fields import FieldsPlan
-from .stages import Chunk, Spec, Stage, StageQueue
+from .stages import Chunk, Spec, Stage, StageQueue, source_of
+from .text_stages import Pack
 
 __all__ = ["Pipeline", "find_stage", "pipeline_stats", "stage_control"]
 
@@ -71,11 +73,13 @@ class _Job:
             if self.error is not None:
                 return
             end = chunk.start + len(chunk.indices)
-            if self.x is None:
-                self.parts[chunk.start] = chunk.fields  # type: ignore[assignment]
+            x, y = self.x, self.y
+            if x is None or y is None:
+                # named fields: the source stage set them and every stage acts on one of them
+                self.parts[chunk.start] = cast(dict, chunk.fields)
             else:
-                self.x[chunk.start : end] = chunk.x
-                self.y[chunk.start : end] = chunk.y  # type: ignore[index]
+                x[chunk.start : end] = chunk.x
+                y[chunk.start : end] = chunk.y
             self.remaining -= 1
             if self.remaining == 0:
                 self.done.set()
@@ -138,7 +142,7 @@ class Pipeline(Source):
         #: A source of named fields: how they go through the stages, and what comes out (:mod:`.fields`).
         self.plan = plan
         self._fields = plan.output() if plan is not None else None
-        self.source: Source = stages[0].source
+        self.source: Source = source_of(stages)
         spec: Spec = stages[-1].spec
         self.sample_shape, self.dtype = spec.sample_shape, spec.dtype
         self.label_shape, self.label_dtype = spec.label_shape, spec.label_dtype
@@ -149,8 +153,8 @@ class Pipeline(Source):
             self.label_shape, self.label_dtype = (), np.dtype(np.int64)
             if is_xy(self._fields):
                 x, y = self._fields
-                self.sample_shape, self.dtype = tuple(x.shape), x.np_dtype  # type: ignore[assignment]
-                self.label_shape, self.label_dtype = tuple(y.shape), y.np_dtype  # type: ignore[assignment]
+                self.sample_shape, self.dtype = x.fixed_shape, x.np_dtype
+                self.label_shape, self.label_dtype = y.fixed_shape, y.np_dtype
         self.class_names = list(self.source.class_names) if self.num_classes == self.source.num_classes else []
         self.chunk = chunk
         self.timeout_s = timeout_s
@@ -170,7 +174,7 @@ class Pipeline(Source):
         #: finish the batch before. Not with a regrouping stage, whose look-ups run on the reading thread.
         self.read_policy = ReadPolicy.LOOP if self.regroup is not None else ReadPolicy.OVERLAP
 
-    def _open_regroup(self) -> Stage | None:
+    def _open_regroup(self) -> Pack | None:
         """The regrouping stage, its index built now by reading every split through the stages before
         it, in index order on this thread (the same files give the same index); None if there is none."""
         at = next((i for i, s in enumerate(self.stages) if getattr(s, "regroups", False)), None)
@@ -182,23 +186,24 @@ class Pipeline(Source):
                 f"{self.uri}: stage {stage.name!r} ({stage.type}) makes each sample from several of its "
                 f"input's, and a source of named fields ({', '.join(self.plan.source)}) keeps them per sample"
             )
+        pack = cast(Pack, stage)  # only pack regroups, and a named-field pipeline was refused above
 
         def read(split: str, indices: np.ndarray) -> np.ndarray:
             chunk = Chunk(None, 0, indices, split, 0)
             for s in before:
                 s.apply(chunk)
-            return chunk.x  # type: ignore[return-value]
+            return chunk.xy()[0]
 
         try:
             documents = {split: self.source.num_samples(split) for split in SPLITS}
-            stage.build_index(read, documents, before)  # type: ignore[attr-defined]
+            pack.build_index(read, documents, before)
         except (ConfigError, DatasetError) as err:
             raise type(err)(f"{self.uri}: {err}") from err
-        return stage
+        return pack
 
     def num_samples(self, split: str) -> int:
         if self.regroup is not None:
-            return self.regroup.num_samples(split)  # type: ignore[attr-defined]
+            return self.regroup.num_samples(split)
         return self.source.num_samples(split)
 
     @property
@@ -210,7 +215,7 @@ class Pipeline(Source):
         out["source_uri"] = self.source.uri
         out["stages"] = [{"name": s.name, "type": s.type} for s in self.stages]
         if self.regroup is not None:
-            out[self.regroup.type] = self.regroup.join_info()  # type: ignore[attr-defined]
+            out[self.regroup.type] = self.regroup.join_info()
         return out
 
     # -- threads --------------------------------------------------------------------------------
@@ -285,7 +290,7 @@ class Pipeline(Source):
             chunk = Chunk(job, start, indices[start : start + self.chunk], split, epoch)
             if self.regroup is not None:  # the stages before it read the inputs these samples are made of
                 chunk.requested = chunk.indices
-                chunk.indices = self.regroup.source_indices(split, chunk.requested)  # type: ignore[attr-defined]
+                chunk.indices = self.regroup.source_indices(split, chunk.requested)
             if job.failed or not self.requests.put(chunk, self._stop, POLL_S, deadline):
                 break  # the wait below turns a stop or the deadline into the batch's error
         while not job.done.wait(POLL_S):
@@ -322,11 +327,12 @@ class Pipeline(Source):
 def pipeline_stats(datasets: dict[str, Source]) -> dict:
     """``{"pipelines": {dataset: metrics}}`` for the pipeline datasets among ``datasets`` (else ``{}``)."""
     # image sources (file://DIR?size=S) report their decoding in the same shape: one ``decode`` stage
-    pipelines = {
-        name: s.metrics()
-        for name, s in datasets.items()
-        if isinstance(s, Pipeline) or callable(getattr(s, "decode_metrics", None))
-    }
+    pipelines: dict[str, dict] = {}
+    for name, s in datasets.items():
+        if isinstance(s, Pipeline):
+            pipelines[name] = s.metrics()
+        elif callable(decode_metrics := getattr(s, "decode_metrics", None)):
+            pipelines[name] = decode_metrics()
     return {"pipelines": pipelines} if pipelines else {}
 
 

@@ -33,7 +33,7 @@ from ..base import OpenRequest, Source
 from .engine import Pipeline
 from .fields import FieldsPlan, FieldStage
 from .image_stages import IMAGE_STAGES
-from .stages import RandomStage, SourceStage, Spec, Stage
+from .stages import RandomStage, SourceStage, Spec, Stage, source_of
 from .text_stages import TEXT_STAGES
 from .transforms import STAGE_TYPES as BUILTIN_TYPES
 from .user_stage import UserStage
@@ -205,10 +205,12 @@ def build_pipeline(
 
 
 def _stage(cls: type[Stage], name: str, config: dict, spec: Spec | None, seed: int, open_source, user_modules) -> Stage:
+    if issubclass(cls, SourceStage):
+        return cls(name, config, None, open_source=open_source)  # the chain's first stage: no input
+    if spec is None:  # unreachable: _chain starts every pipeline at its one source
+        raise ConfigError(f"stage {name!r} ({cls.type}) needs an input")
     if cls is UserStage:
         return UserStage(name, config, spec, seed, allowed=user_modules)
-    if issubclass(cls, SourceStage):
-        return cls(name, config, spec, open_source=open_source)
     if issubclass(cls, RandomStage):
         return cls(name, config, spec, seed)
     return cls(name, config, spec)
@@ -222,7 +224,7 @@ def _no_field(table: dict, name: str, kind: str, stages: list[Stage]) -> None:
         raise ConfigError(f"stage {name!r} (source): a source takes no field; the stages after it name theirs")
     raise ConfigError(
         f"stage {name!r} ({kind}): field = names one of a source's named fields, and "
-        f"{stages[0].source.uri} serves x/y samples; leave field out"
+        f"{source_of(stages).uri} serves x/y samples; leave field out"
     )
 
 

@@ -92,7 +92,7 @@ class FieldsPlan:
                 "bytes, str, uint8 (?, ?, 3) images, integer (?,) lists or fixed fields"
             )
         kind = "tokens" if f.np_dtype.kind in "iu" and len(f.shape) == 1 else "image"
-        return Spec(tuple(f.shape), f.np_dtype, (), np.dtype(np.int64), self.num_classes, kind), None  # type: ignore[arg-type]
+        return Spec(f.fixed_shape, f.np_dtype, (), np.dtype(np.int64), self.num_classes, kind), None
 
     def output(self) -> list[Field]:
         """The pipeline's fields, in the source's order. Raises :class:`ConfigError` for a field left
@@ -118,14 +118,12 @@ class FieldsPlan:
         for f in fields:
             kind = self.specs[f.name].kind if f.name in self.specs else None
             values = [v for part in parts for v in part[f.name]] if f.variable else None
-            if kind == DECODED:
-                out[f.name] = [np.asarray(img, np.uint8) for img in values]  # type: ignore[union-attr]
-            elif values is not None:
-                out[f.name] = values
+            if values is not None:  # a decoded field is a variable one
+                out[f.name] = [np.asarray(img, np.uint8) for img in values] if kind == DECODED else values
             elif parts:
                 out[f.name] = np.concatenate([np.asarray(part[f.name], f.np_dtype) for part in parts])
             else:
-                out[f.name] = np.empty((0, *f.shape), f.np_dtype)  # type: ignore[misc]
+                out[f.name] = np.empty((0, *f.fixed_shape), f.np_dtype)
         return out
 
 

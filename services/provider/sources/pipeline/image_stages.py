@@ -39,8 +39,10 @@ def _size_pair(stage: Stage, key: str) -> tuple[int, int]:
     return size[0], size[1]
 
 
-class _PoolStage:
+class _PoolStage(Stage[Spec]):
     """A per-sample map over a thread pool of ``workers`` (a parameter of every image stage)."""
+
+    pool: ThreadPoolExecutor
 
     def _pool(self) -> ThreadPoolExecutor:
         workers = self.config["workers"]
@@ -61,7 +63,7 @@ def _fixed(chunk_x: list, shape: tuple[int, ...]) -> np.ndarray:
     return out
 
 
-class Decode(_PoolStage, Stage):
+class Decode(_PoolStage):
     """``decode``: encoded JPEG/PNG/WebP bytes → RGB images of any size; ``bad`` = fail | skip."""
 
     type = "decode"
@@ -77,7 +79,7 @@ class Decode(_PoolStage, Stage):
         return replace(spec, kind=DECODED)
 
     def apply(self, chunk: Chunk) -> None:
-        samples = chunk.x
+        samples, labels = chunk.xy()
         errors: dict[int, Exception] = {}
 
         def one(i: int):
@@ -98,7 +100,7 @@ class Decode(_PoolStage, Stage):
             good = np.array([i for i in range(len(images)) if i not in errors])
             if not len(good):
                 raise DatasetError(f"every sample of a chunk ({len(images)}) is a bad image")
-            y = np.array(chunk.y)
+            y = np.array(labels)
             for i in errors:
                 near = int(good[np.argmin(np.abs(good - i))])
                 images[i], y[i] = images[near], y[near]
@@ -111,7 +113,7 @@ class Decode(_PoolStage, Stage):
         return {**super().metrics(), "bad_images": self.bad_images}
 
 
-class Resize(_PoolStage, Stage):
+class Resize(_PoolStage):
     """``resize``: shorter side to ``size`` (aspect kept), or exactly ``[height, width]``."""
 
     type = "resize"
@@ -128,17 +130,18 @@ class Resize(_PoolStage, Stage):
         return spec
 
     def apply(self, chunk: Chunk) -> None:
-        images = chunk.x
+        images = chunk.xy()[0]
         if self.exact:
             h, w = self.exact
             out = self.map(lambda i: imageops.resize_exact(images[i], h, w), len(images))
         else:
             out = self.map(lambda i: imageops.resize_shorter(images[i], self.shorter), len(images))
-        chunk.x = np.empty(len(out), object)
-        chunk.x[:] = out
+        x = np.empty(len(out), object)
+        x[:] = out
+        chunk.x = x
 
 
-class CenterCrop(_PoolStage, Stage):
+class CenterCrop(_PoolStage):
     """``center_crop``: the centre ``size`` window (padded with black where the image is smaller) →
     fixed ``(3, H, W)`` uint8."""
 
@@ -154,7 +157,7 @@ class CenterCrop(_PoolStage, Stage):
 
     def apply(self, chunk: Chunk) -> None:
         h, w = self.size
-        images = chunk.x
+        images = chunk.xy()[0]
         chunk.x = _fixed(self.map(lambda i: imageops.center_crop(images[i], h, w), len(images)), (3, h, w))
 
 
@@ -180,7 +183,7 @@ class RandomResizedCrop(_PoolStage, RandomStage):
 
     def apply(self, chunk: Chunk) -> None:
         h, w = self.size
-        images = chunk.x
+        images = chunk.xy()[0]
         if chunk.split not in self.splits:
             crops = self.map(
                 lambda i: imageops.center_crop(imageops.resize_shorter(images[i], min(h, w)), h, w), len(images)
@@ -219,8 +222,9 @@ class ColorJitter(RandomStage):
         if chunk.split not in self.splits:
             return
         u = self.uniforms(chunk, 3)
-        x = chunk.x.astype(np.float32)
-        top = 255.0 if chunk.x.dtype == np.uint8 else 1.0
+        before = chunk.xy()[0]
+        x = before.astype(np.float32)
+        top = 255.0 if before.dtype == np.uint8 else 1.0
         for k, key in enumerate(("brightness", "contrast", "saturation")):
             v = float(self.config[key])
             if not v:
@@ -229,10 +233,10 @@ class ColorJitter(RandomStage):
             grey = (0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2])[:, None]
             base = 0.0 if key == "brightness" else grey.mean(axis=(2, 3), keepdims=True) if key == "contrast" else grey
             x = np.clip(base + f * (x - base), 0.0, top)
-        chunk.x = np.rint(x).astype(np.uint8) if chunk.x.dtype == np.uint8 else x.astype(chunk.x.dtype)
+        chunk.x = np.rint(x).astype(np.uint8) if before.dtype == np.uint8 else x.astype(before.dtype)
 
 
-class ToDtype(Stage):
+class ToDtype(Stage[Spec]):
     """``to_dtype``: samples to ``dtype``; ``scale = true`` maps uint8 0..255 onto 0..1 (torchvision's
     ``ToDtype(scale=True)``)."""
 
@@ -250,7 +254,7 @@ class ToDtype(Stage):
         return replace(spec, dtype=dtype)
 
     def apply(self, chunk: Chunk) -> None:
-        x = chunk.x.astype(self.spec.dtype)
+        x = chunk.xy()[0].astype(self.spec.dtype)
         if self.config["scale"]:
             x *= self.spec.dtype.type(1.0 / 255.0)
         chunk.x = x

@@ -21,7 +21,7 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from libbus.errors import BadRequest, ConfigError, DatasetError
 from ..base import SPLITS, Source
 from ..splitmix import uniforms
 
-__all__ = ["Chunk", "RandomStage", "SourceStage", "Spec", "Stage", "StageQueue"]
+__all__ = ["Chunk", "RandomStage", "SourceStage", "Spec", "Stage", "StageQueue", "source_of"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,12 @@ class Chunk:
     #: A stage that makes samples from runs of its input's (``pack`` with ``join``): the requested sample
     #: indices, while ``indices`` are those the stages before it read; None otherwise.
     requested: np.ndarray | None = None
+
+    def xy(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(x, y)``, which every stage after the source has (a named-field stage sets its field's)."""
+        if self.x is None or self.y is None:
+            raise RuntimeError("a pipeline stage ran on a chunk before its source read it")
+        return self.x, self.y
 
 
 class StageQueue:
@@ -117,7 +123,11 @@ def _stable_key(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-class Stage:
+#: What a stage's input is: the :class:`Spec` of the stage before it, or None for the source.
+InSpec = TypeVar("InSpec", bound="Spec | None")
+
+
+class Stage(Generic[InSpec]):
     """One named stage. Subclasses set ``type``, ``params`` (key → default) and implement
     :meth:`check` (params and input, at build time) and :meth:`apply` (one chunk)."""
 
@@ -125,7 +135,7 @@ class Stage:
     #: Known parameters and their defaults; a key not listed is refused.
     params: ClassVar[dict[str, Any]] = {}
 
-    def __init__(self, name: str, config: dict, input_spec: Spec | None):
+    def __init__(self, name: str, config: dict, input_spec: InSpec):
         self.name = name
         unknown = sorted(set(config) - set(self.params))
         if unknown:
@@ -141,7 +151,7 @@ class Stage:
     def error(self, what: str) -> ConfigError:
         return ConfigError(f"stage {self.name!r} ({self.type}): {what}")
 
-    def check(self, spec: Spec | None) -> Spec:
+    def check(self, spec: InSpec) -> Spec:
         """Check parameters against the input ``spec``; return this stage's output spec."""
         raise NotImplementedError
 
@@ -196,7 +206,7 @@ class Stage:
         if len(values) not in (1, length):
             raise self.error(
                 f"{key} has {len(values)} values but samples have {length} channels "
-                f"(shape {self.input_spec.sample_shape}); give 1 or {length}"
+                f"(shape {self.input_spec.sample_shape if self.input_spec is not None else ()}); give 1 or {length}"
             )
         return np.asarray(values, np.float64)
 
@@ -216,17 +226,17 @@ class Stage:
         return dtype
 
 
-class SourceStage(Stage):
+class SourceStage(Stage[None]):
     """``source``: reads the samples from any URI a provider opens (``mock://``, ``file://`` …)."""
 
     type = "source"
     params = {"uri": None}
 
-    def __init__(self, name: str, config: dict, input_spec: Spec | None, *, open_source: Callable[[str], Source]):
+    def __init__(self, name: str, config: dict, input_spec: None, *, open_source: Callable[[str], Source]):
         self._open_source = open_source  # the registry's, handed down: a stage does not import it
         super().__init__(name, config, input_spec)
 
-    def check(self, spec: Spec | None) -> Spec:
+    def check(self, spec: None) -> Spec:
         uri = self.config["uri"]
         if not isinstance(uri, str) or not uri:
             raise self.error('needs uri = "SCHEME://…" (for example mock://cifar10)')
@@ -253,12 +263,20 @@ class SourceStage(Stage):
         chunk.x, chunk.y = self.source.read(chunk.split, chunk.indices)
 
 
-class RandomStage(Stage):
+def source_of(stages: list[Stage]) -> Source:
+    """The source a pipeline's stages read: its first stage's (a chain starts at its one source)."""
+    first = stages[0]
+    if not isinstance(first, SourceStage):
+        raise ConfigError(f"a pipeline starts at its source stage, not at {first.name!r} ({first.type})")
+    return first.source
+
+
+class RandomStage(Stage[Spec]):
     """A stage whose output depends on random numbers drawn per sample from ``(seed, epoch, split,
     stage, index)``. It applies to the splits listed in ``splits`` (default train only); other splits
     get its deterministic counterpart. ``seed`` and the epoch can be set by control commands."""
 
-    def __init__(self, name: str, config: dict, input_spec: Spec | None, seed: int):
+    def __init__(self, name: str, config: dict, input_spec: Spec, seed: int):
         super().__init__(name, config, input_spec)
         splits = self.config["splits"]
         if not isinstance(splits, list) or not all(s in SPLITS for s in splits):

@@ -102,7 +102,7 @@ def save_counts(path: Path, counts: dict[str, np.ndarray]) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **counts)
+            np.savez(f, **counts)  # type: ignore[arg-type]  # numpy's stub matches **kwds against allow_pickle
         os.replace(tmp, path)
     except OSError as err:
         log.warning("pack index cache %s not written: %s", path, err)

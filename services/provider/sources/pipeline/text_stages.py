@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ TOKEN_LISTS = "token_lists"
 KEEP_MB = 256
 
 
-class Tokenize(Stage):
+class Tokenize(Stage[Spec]):
     """``tokenize``: text → token ids, with ``tokenizer`` (a ``tokenizer.json`` path); ``eos`` (a token
     string, e.g. ``"</s>"``) is appended to every document when given."""
 
@@ -67,7 +68,7 @@ class Tokenize(Stage):
 
     def apply(self, chunk: Chunk) -> None:
         texts = []
-        for sample in chunk.x:
+        for sample in chunk.xy()[0]:
             if sample.text is None:
                 raise DatasetError(f"stage {self.name!r} (tokenize): sample {sample.where} has no text (.txt member)")
             texts.append(sample.text)
@@ -80,7 +81,7 @@ class Tokenize(Stage):
         chunk.y = np.empty((len(texts), 0), np.int64)
 
 
-class Pack(Stage):
+class Pack(Stage[Spec]):
     """``pack``: token ids → fixed ``length + 1`` token samples: one per document (cut, or padded with
     ``pad_id``), or with ``join = true`` the documents' token stream cut into samples (:mod:`.text_join`).
 
@@ -140,9 +141,7 @@ class Pack(Stage):
             if cached is not None:
                 index = JoinIndex(cached[split], width, cached=True)
             else:
-                index = JoinIndex.build(
-                    lambda ids, split=split: read(split, ids), count, width, self.spec.dtype, budget
-                )
+                index = JoinIndex.build(partial(read, split), count, width, self.spec.dtype, budget)
             if index.stream is not None:
                 budget -= index.stream.nbytes
             if count and not index.num_samples:
@@ -178,8 +177,9 @@ class Pack(Stage):
             chunk.indices, chunk.y = samples, np.empty((len(samples), 0), np.int64)
             return
         n = self.spec.sample_shape[0]
-        out = np.full((len(chunk.x), n), self.config["pad_id"], self.spec.dtype)
-        for i, ids in enumerate(chunk.x):
+        lists = chunk.xy()[0]
+        out = np.full((len(lists), n), self.config["pad_id"], self.spec.dtype)
+        for i, ids in enumerate(lists):
             out[i, : min(n, len(ids))] = ids[:n]
         chunk.x = out
 

@@ -17,7 +17,7 @@ from .stages import Chunk, RandomStage, SourceStage, Spec, Stage
 __all__ = ["STAGE_TYPES", "TRANSFORMS", "Cast", "Flip", "Normalize", "OneHot", "RandomCrop"]
 
 
-class Normalize(Stage):
+class Normalize(Stage[Spec]):
     """``normalize``: ``(x - mean) / std`` per channel (the first sample axis), as float."""
 
     type = "normalize"
@@ -37,13 +37,13 @@ class Normalize(Stage):
         return replace(spec, dtype=dtype)
 
     def apply(self, chunk: Chunk) -> None:
-        x = chunk.x.astype(self.spec.dtype)
+        x = chunk.xy()[0].astype(self.spec.dtype)
         x -= self.mean
         x *= self.scale
         chunk.x = x
 
 
-class OneHot(Stage):
+class OneHot(Stage[Spec]):
     """``one_hot``: a class id label becomes a ``(num_classes,)`` row with a single 1."""
 
     type = "one_hot"
@@ -64,7 +64,7 @@ class OneHot(Stage):
         return replace(spec, label_shape=(classes,), label_dtype=self._dtype("dtype", "fiub"), num_classes=classes)
 
     def apply(self, chunk: Chunk) -> None:
-        y = chunk.y
+        y = chunk.xy()[1]
         if len(y) and (y.min() < 0 or y.max() >= self.classes):
             bad = int(y.min()) if y.min() < 0 else int(y.max())
             raise DatasetError(
@@ -76,7 +76,7 @@ class OneHot(Stage):
         chunk.y = out
 
 
-class Cast(Stage):
+class Cast(Stage[Spec]):
     """``cast``: samples and/or labels to another numeric dtype (values converted as numpy does)."""
 
     type = "cast"
@@ -95,8 +95,9 @@ class Cast(Stage):
         return out
 
     def apply(self, chunk: Chunk) -> None:
-        chunk.x = chunk.x.astype(self.spec.dtype, copy=False)
-        chunk.y = chunk.y.astype(self.spec.label_dtype, copy=False)
+        x, y = chunk.xy()
+        chunk.x = x.astype(self.spec.dtype, copy=False)
+        chunk.y = y.astype(self.spec.label_dtype, copy=False)
 
 
 def _spatial(stage: Stage, spec: Spec) -> None:
@@ -141,7 +142,7 @@ class RandomCrop(RandomStage):
         return replace(spec, sample_shape=(*spec.sample_shape[:-2], *size))
 
     def apply(self, chunk: Chunk) -> None:
-        x, p = chunk.x, self.pad
+        x, p = chunk.xy()[0], self.pad
         if p:
             widths = [(0, 0)] * (x.ndim - 2) + [(p, p), (p, p)]
             extra = {"constant_values": self.config["fill"]} if self.config["mode"] == "constant" else {}
@@ -179,7 +180,7 @@ class Flip(RandomStage):
             return
         flips = self.uniforms(chunk, 1)[:, 0] < self.p
         if flips.any():
-            x = np.array(chunk.x)
+            x = np.array(chunk.xy()[0])
             x[flips] = x[flips][..., ::-1]
             chunk.x = x
 

@@ -79,7 +79,7 @@ class UserStage(RandomStage):
     type = "user"
     params = {"function": None, "splits": ["train"], "sample_shape": None, "dtype": None}
 
-    def __init__(self, name: str, config: dict, input_spec: Spec | None, seed: int, allowed: Collection[str] = ()):
+    def __init__(self, name: str, config: dict, input_spec: Spec, seed: int, allowed: Collection[str] = ()):
         self.allowed = frozenset(allowed)
         super().__init__(name, config, input_spec, seed)
         try:
@@ -87,9 +87,7 @@ class UserStage(RandomStage):
         except DatasetError as err:
             raise self.error(str(err).split(": ", 1)[1]) from err
 
-    def check(self, spec: Spec | None) -> Spec:
-        if spec is None:
-            raise self.error("needs an input")
+    def check(self, spec: Spec) -> Spec:
         shape = self.config["sample_shape"]
         if shape is not None and (not isinstance(shape, list) or not all(isinstance(d, int) and d > 0 for d in shape)):
             raise self.error(f"sample_shape must be a list of positive integers, got {shape!r}")
@@ -104,20 +102,21 @@ class UserStage(RandomStage):
         )
 
     def apply(self, chunk: Chunk) -> None:
+        before, labels = chunk.xy()
         if chunk.split not in self.splits:
             if self.spec.sample_shape != self.input_spec.sample_shape:
                 raise DatasetError(f"changes the sample shape, so it must apply to {chunk.split} too")
-            chunk.x = chunk.x.astype(self.spec.dtype, copy=False)
+            chunk.x = before.astype(self.spec.dtype, copy=False)
             return
         epoch = chunk.epoch if self.epoch is None else self.epoch
         x = np.empty((len(chunk.indices), *self.spec.sample_shape), self.spec.dtype)
-        y = chunk.y.copy()
+        y = labels.copy()
         for row, index in enumerate(chunk.indices.tolist()):
             rng = np.random.default_rng((self.seed, epoch, SPLITS.index(chunk.split), self.key, index))
-            out = self.function({"x": chunk.x[row].copy(), "y": chunk.y[row].copy()}, rng)
+            out = self.function({"x": before[row].copy(), "y": labels[row].copy()}, rng)
             if not isinstance(out, dict):
                 raise DatasetError(f"{self.config['function']} returned {type(out).__name__}, not a dict")
-            sample = np.asarray(out.get("x", chunk.x[row]))
+            sample = np.asarray(out.get("x", before[row]))
             if sample.shape != self.spec.sample_shape or sample.dtype != self.spec.dtype:
                 raise DatasetError(
                     f"{self.config['function']} returned a sample of shape "
