@@ -6,7 +6,9 @@ state directory) and serves what the scripts in ``examples/`` read:
 - ``ids``: 48 train, 6 val and 5 test samples whose first feature is the sample's index (the recipes
   prove "every sample exactly once" with it), generated as ``.npy`` pairs;
 - ``mnist``: ``mock://mnist`` (generated, learnable, MNIST-shaped), for ``examples/mnist/main.py``;
-- ``imagenet``: ``mock://cifar10`` (generated, learnable, 3-channel images), for ``examples/imagenet/main.py``.
+- ``imagenet``: ``mock://cifar10`` (generated, learnable, 3-channel images), for ``examples/imagenet/main.py``;
+- ``multi``: ``mock://fields`` (50 samples of named fields: images of varying size, tokens, text), for
+  docs/datasets.md §8's loader block.
 
 Nothing here needs hiding, so every test split is readable (``private_test=false``). It writes
 ``connection.json`` (the router's endpoint and a trainer token scoped to these datasets) into the state
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         "ids": f"file://{write_ids(state / 'data' / 'ids')}?private_test=false",
         "mnist": f"mock://mnist?n={n}&private_test=false",
         "imagenet": f"mock://cifar10?n={n}&private_test=false",
+        "multi": "mock://fields?n=50&private_test=false",
     }
     procs = ServiceProcs(state)
     stop = threading.Event()

@@ -56,7 +56,7 @@ def served(tmp_path_factory):
         assert time.monotonic() < deadline, "serve.py wrote no connection.json in 120 s"
         time.sleep(0.1)
     written = json.loads(connection.read_text())
-    assert sorted(written["datasets"]) == ["ids", "imagenet", "mnist"]
+    assert sorted(written["datasets"]) == ["ids", "imagenet", "mnist", "multi"]
     # the same as settings, for scripts run with BATCHBUS_CONFIG naming the file
     settings, _ = load_settings(config_file=str(state / "batchbus.toml"), env={})
     assert (settings.router, settings.token) == (written["router"], written["token"])

@@ -38,7 +38,8 @@ def run(script: str, ckpt: Path, env: dict, die_at: int = 0, launcher: list[str]
     done = subprocess.run(cmd, env=env, cwd=EXAMPLES, capture_output=True, text=True, timeout=180)
     output = done.stdout[-3000:] + done.stderr[-3000:]
     if die_at == 0:
-        assert done.returncode == 0, output
+        # a rank's own traceback comes before torchrun's report of it: show its start too, not only the tail
+        assert done.returncode == 0, done.stderr[:4000] + "\n[...]\n" + output
     else:  # killed, by itself: python's own -9, or torchrun's report of a rank's
         assert done.returncode == -9 or "Signal 9 (SIGKILL)" in output or "exitcode  : -9" in output, output
     return output
