@@ -70,7 +70,8 @@ def _splits(info: dict) -> str:
     for split, s in info.get("splits", {}).items():
         note = "" if s.get("available", True) else " (private: provider-side evaluation only)"
         if split == "val" and info.get("val_fraction") is not None:  # the files hold no val split
-            note = f" (carved from the tail of train, val_fraction {info['val_fraction']:g}: the files hold no val)"
+            how = info.get("val_carved", "the tail of train")
+            note = f" (carved from train: {how}, val_fraction {info['val_fraction']:g}; the files hold no val)"
         elif split == "test" and s.get("available"):
             note = " (readable: private_test=false)"
         parts.append(f"{split} {s.get('num_samples', '?')}{note}")

@@ -62,11 +62,17 @@ def test_the_operator_marks_a_test_split_readable_and_the_default_stays_private(
 def test_a_carved_val_is_said_at_start_and_in_busctl_datasets(router, served, state_dir, caplog):
     lines = [r.getMessage() for r in caplog.get_records("setup") if r.name == "services.provider.app"]
     carved = round(TRAIN * 0.1)
-    assert f"dataset held: train {TRAIN - carved}, val {carved} carved from train (val_fraction 0.1" in "\n".join(lines)
+    assert (
+        f"dataset held: train {TRAIN - carved}, val {carved} carved from train (the tail of train, in file order, val_fraction 0.1"
+        in "\n".join(lines)
+    )
     assert "dataset public: train 30, val 6, test 8 readable (private_test=false)" in lines
     out = busctl("datasets", "--router", router.endpoint, "--state-dir", str(state_dir), check=True).stdout
     flat = " ".join(out.split())
-    assert f"val {carved} (carved from the tail of train, val_fraction 0.1: the files hold no val)" in flat, out
+    assert (
+        f"val {carved} (carved from train: the tail of train, in file order, val_fraction 0.1; the files hold no val)"
+        in flat
+    ), out
     assert f"test {TEST} (private: provider-side evaluation only)" in flat, out  # held's
     assert f"test {TEST} (readable: private_test=false)" in flat, out  # public's
 
@@ -77,3 +83,34 @@ def test_the_private_test_option_parses_strictly():
     assert private_test_option("mock://mnist") == ("mock://mnist", True)
     with pytest.raises(ConfigError, match="private_test must be true or false"):
         private_test_option("file:///d?private_test=maybe")
+
+
+def test_image_folders_shards_and_text_say_how_they_carved_val(tmp_path):
+    """Every source that carves val out of train says so in DatasetInfo (the provider's start-up line and
+    ``busctl datasets`` print it); one whose files hold val says nothing."""
+    from services.provider.app import split_notice
+    from services.provider.sources import open_source
+    from tests.support.images import write_imagefolder, write_shards
+    from tests.support.text import write_text
+
+    folder = write_imagefolder(tmp_path / "imgs", per_class=10)
+    write_shards(tmp_path / "wds", "train", shards=2, per_shard=10)
+    text = write_text(tmp_path / "text", train=40)
+    for uri, how in [
+        (f"file://{folder}?size=8", "per class, the files whose path hashes lowest"),
+        (f"file://{tmp_path / 'wds'}?size=8", "per class, the samples whose key hashes lowest"),
+        (f"file://{text}?encoded=1", "the lines whose number hashes lowest"),
+    ]:
+        source = open_source(uri)
+        try:
+            info = source.info()
+            assert info["val_fraction"] == 0.1 and info["val_carved"] == how, (uri, info)
+            assert f"carved from train ({how}, val_fraction 0.1" in split_notice("d", info)
+        finally:
+            source.close()
+    held = write_imagefolder(tmp_path / "held", per_class=4, splits=("train", "val"))
+    source = open_source(f"file://{held}?size=8")
+    try:
+        assert "val_fraction" not in source.info() and "carved" not in split_notice("d", source.info())
+    finally:
+        source.close()

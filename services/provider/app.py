@@ -57,8 +57,8 @@ def split_notice(name: str, info: dict) -> str:
     splits = info["splits"]
     val = splits["val"]["num_samples"]
     where = (
-        f"val {val} carved from train (val_fraction {info['val_fraction']}: the files hold no val split; "
-        "train keeps the rest)"
+        f"val {val} carved from train ({info.get('val_carved', 'the tail of train')}, val_fraction "
+        f"{info['val_fraction']}: the files hold no val split; train keeps the rest)"
         if info.get("val_fraction") is not None
         else f"val {val}"
     )

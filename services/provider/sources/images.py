@@ -33,6 +33,7 @@ import multiprocessing
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
@@ -60,6 +61,21 @@ log = logging.getLogger(__name__)
 POOLS = ("thread", "process")
 #: torchvision's RandomResizedCrop defaults.
 RRC_SCALE, RRC_RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)
+
+
+def carve_info(store: Carving) -> dict:
+    """DatasetInfo's ``val_fraction`` and ``val_carved`` when ``store`` carved val out of train (its files
+    hold no val split), so the provider's start-up line and ``busctl datasets`` say so; else nothing."""
+    if store.val_fraction is None:
+        return {}
+    return {"val_fraction": store.val_fraction, "val_carved": store.val_carved}
+
+
+class Carving(Protocol):
+    """What an encoded-sample store (ImageFolder, WebDataset shards, text lines) says of its val split."""
+
+    val_fraction: float | None
+    val_carved: str
 
 
 def batch_uniforms(seed: int, epoch: int, split: str, indices: np.ndarray, draws: int) -> np.ndarray:
@@ -156,7 +172,13 @@ class ImageSource(Source):
         return self.store.num_samples(split)
 
     def info(self) -> dict:
-        return {**super().info(), "format": self.format, "augment": self.augment, "workers": self.workers}
+        return {
+            **super().info(),
+            **carve_info(self.store),
+            "format": self.format,
+            "augment": self.augment,
+            "workers": self.workers,
+        }
 
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         self.serve_into(split, indices, x, y, epoch=0)
@@ -305,7 +327,7 @@ class EncodedImages(Source):
         )
 
     def info(self) -> dict:
-        return {**super().info(), "format": self.format}
+        return {**super().info(), **carve_info(self.store), "format": self.format}
 
     def close(self) -> None:
         self.store.close()

@@ -284,7 +284,8 @@ class FileSource(Source):
         if self.location is not None:
             info.update(self.location.info())
         if self.val_fraction is not None:
-            info["val_fraction"] = self.val_fraction  # val is the tail of the train files
+            info["val_fraction"] = self.val_fraction
+            info["val_carved"] = "the tail of train, in file order"
         return info
 
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:

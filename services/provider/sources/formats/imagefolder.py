@@ -119,8 +119,12 @@ class ImageFolder:
             self.files[split] = rows
         if not self.files["train"]:
             raise DatasetError(f"{uri}: no images under {train}; expected {EXPECTED}")
+        #: Where val came from, for DatasetInfo (``val_fraction``, ``val_carved``): None when the files hold it.
+        self.val_fraction: float | None = None
+        self.val_carved = "per class, the files whose path hashes lowest"
         if not (root / "val").is_dir():
             self.files["train"], self.files["val"] = self._carve(self.files["train"], val_fraction)
+            self.val_fraction = val_fraction
 
     def _carve(self, rows: list[tuple[Path, int]], fraction: float) -> tuple[list, list]:
         by_class: dict[int, list[tuple[Path, int]]] = {}

@@ -72,7 +72,11 @@ class TextLines:
                 self.paths[split], self.rows[split] = None, np.empty((0, 2), np.int64)
         if not len(self.rows["train"]):
             raise DatasetError(f"{uri}: {root / 'train.txt'} has no text; expected {EXPECTED}")
+        #: Where val came from, for DatasetInfo (``val_fraction``, ``val_carved``): None when a file holds it.
+        self.val_fraction: float | None = None
+        self.val_carved = "the lines whose number hashes lowest"
         if self.paths["val"] is None and val_fraction > 0:
+            self.val_fraction = val_fraction
             rows = self.rows["train"]
             rank = np.argsort(_hash(np.arange(len(rows), dtype=np.uint64)), kind="stable")
             val = np.zeros(len(rows), bool)

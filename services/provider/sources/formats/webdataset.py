@@ -74,8 +74,12 @@ class ShardStore:
                 log.warning("%s: shard %s names no split (train-, val-, test-); left out", uri, names[shard])
                 continue
             self.rows[split] += [(shard, i) for i in range(len(indexes[shard].keys))]
+        #: Where val came from, for DatasetInfo (``val_fraction``, ``val_carved``): None when the shards hold it.
+        self.val_fraction: float | None = None
+        self.val_carved = "per class, the samples whose key hashes lowest"
         if not self.rows["val"] and val_fraction > 0:
             self._carve(val_fraction)
+            self.val_fraction = val_fraction
         labels = [lab for ix in indexes for lab in ix.labels if lab is not None]
         self.class_names = list(class_names) if class_names else [str(i) for i in range(max(labels, default=-1) + 1)]
         if labels and max(labels) >= len(self.class_names):
