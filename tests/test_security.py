@@ -480,3 +480,46 @@ def test_revocations_outlive_a_restart_and_lapse_with_their_token(tmp_path):
     reopened = Revocations(sqlite3.connect(db, isolation_level=None))
     assert [r["jti"] for r in reopened.active()] == ["live"]
     assert reopened.jtis() == ["live"] and reopened.active(now + 3600 + 10) == []
+
+
+def test_a_provider_that_has_not_heard_from_the_router_waits_instead_of_refusing(
+    make_settings, client_for, make_token, tmp_path
+):
+    """A provider (re)started while its router link is still connecting knows no assignments yet: an assigned
+    trainer's request must wait for the router's word, not be refused FORBIDDEN after ASSIGNMENT_WAIT_S (which
+    failed a job whose provider was restarted on a loaded machine). Here the router is not even up yet."""
+    from services.provider.app import ProviderService
+    from services.provider.handler import ASSIGNMENT_WAIT_S
+    from services.router.app import RouterService
+
+    router_endpoint = f"ipc://{tmp_path}/router.sock"
+    settings = make_settings(datasets=["mnist=" + MNIST], assigned_only=True, router=router_endpoint)
+    provider = run_service(ProviderService(settings), settings)
+    router = None
+    try:
+        t1 = make_token("trainer", sub="t1")
+        reader = client_for(provider.endpoint, token=t1, timeout_s=60.0, retries=0)
+        got: list = []
+        asking = threading.Thread(target=lambda: got.append(reader.request(DatasetInfoRequest(dataset="mnist"))))
+        asking.start()
+        deadline = time.monotonic() + 30
+        while not provider.service.handler.stats().get("waiting_assignment"):
+            assert time.monotonic() < deadline, "the request never waited for an assignment"
+            time.sleep(0.05)
+        asking.join(ASSIGNMENT_WAIT_S + 2)  # past the wait a synced provider would give it
+        assert asking.is_alive() and not got, "refused before the provider heard from the router"
+        assert provider.service.handler.refused["unassigned"] == 0
+
+        router_settings = make_settings(bind=router_endpoint)
+        router = run_service(RouterService(router_settings), router_settings)
+        admin = client_for(router.endpoint, role="admin")
+        job = admin.request(SubmitJob(spec={"dataset": "mnist", "epochs": 1})).job
+        on_router = client_for(router.endpoint, token=t1)
+        on_router.identity.name = "t1"
+        assert on_router.request(GetTask()).job == job
+        asking.join(30)
+        assert got and got[0].info["num_classes"] == 10  # served once the router's word came
+    finally:
+        provider.shutdown()
+        if router is not None:
+            router.shutdown()

@@ -87,6 +87,11 @@ RING_CHECK_S = 1.0
 #: router's word before FORBIDDEN: a trainer given a task connects at once, and the router's
 #: Entitlements push may still be on its way.
 ASSIGNMENT_WAIT_S = 3.0
+#: A provider that has not yet heard from the router at all (just started, its link still connecting
+#: on a loaded machine) knows nothing of assignments: its waits begin once the router's first word
+#: arrives, and a request still waiting this long without it gets UNAVAILABLE (retryable), never a
+#: FORBIDDEN that would fail the job of a trainer the router did assign.
+UNSYNCED_WAIT_S = 30.0
 
 
 class ProviderHandler(Handler):
@@ -113,6 +118,8 @@ class ProviderHandler(Handler):
         #: ``{dataset: {token subject}}`` of trainers on a job, as the router last said. Replaced
         #: whole from the router link's thread; read on the serving loop.
         self.assigned: dict[str, frozenset[str]] = {}
+        #: When the router's first Entitlements arrived (None: not yet; see UNSYNCED_WAIT_S).
+        self.synced_at: float | None = None
         #: Requests waiting for an assignment: (deadline, session, message, future).
         self._waiting: list[tuple[float, Session, Message, Future]] = []
         #: An ``ipc://`` endpoint on this socket for same-host peers (set by the service), or "".
@@ -157,6 +164,8 @@ class ProviderHandler(Handler):
     def set_assigned(self, assigned: dict[str, list[str]]) -> None:
         """Take the router's assignments (any thread: one reference swap)."""
         self.assigned = {name: frozenset(subs) for name, subs in assigned.items()}
+        if self.synced_at is None:
+            self.synced_at = time.monotonic()
 
     def tick(self, now: float) -> None:
         """Answer requests whose assignment arrived (or refuse those whose wait ran out); unmap
@@ -237,7 +246,16 @@ class ProviderHandler(Handler):
                     reply.add_done_callback(partial(_chain, into=fut))
                 else:
                     fut.set_result(reply)
-            elif now > deadline:
+            elif self.synced_at is None:
+                if now > deadline - ASSIGNMENT_WAIT_S + UNSYNCED_WAIT_S:
+                    fut.set_exception(
+                        Unavailable(
+                            "this provider has not heard from the router yet, so it knows no assignments; ask again"
+                        )
+                    )
+                else:
+                    still.append((deadline, session, msg, fut))
+            elif now > max(deadline, self.synced_at + ASSIGNMENT_WAIT_S):
                 self.refused["unassigned"] += 1
                 what = getattr(msg, "dataset", "") or "any dataset served here"
                 fut.set_exception(
