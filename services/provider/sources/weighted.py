@@ -348,7 +348,8 @@ def gather(fields: list[Field], n: int, parts: list[tuple[np.ndarray, FieldBatch
                     values[r] = v
             out[f.name] = values
         else:
-            arr = np.empty((n, *f.shape), f.np_dtype)  # type: ignore[type-var]
+            # a fixed-size field here (variable ones took the branch above): its shape holds ints only
+            arr = np.empty((n, *f.fixed_shape), f.np_dtype)
             for rows, batch in parts:
                 arr[rows] = batch[f.name]
             out[f.name] = arr
