@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout, as `python examples/serve.py`
 
 from libbus.config import load_settings  # noqa: E402
-from libbus.security.auth import ensure_secret  # noqa: E402
+from libbus.security.auth import ensure_secret, private_dir  # noqa: E402
 from services import runtime  # noqa: E402
 from services.launch import ServiceProcs  # noqa: E402
 
@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=5000, help="train samples of mnist and imagenet")
     parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="the router's address (default: a free port)")
     args = parser.parse_args(argv)
-    state = state_dir()
-    state.mkdir(parents=True, exist_ok=True)
+    state = private_dir(state_dir())  # it holds the cluster's secret and a trainer token
     ensure_secret(state / "secret")
     connection, config = state / "connection.json", state / "batchbus.toml"
     connection.unlink(missing_ok=True)
