@@ -10,18 +10,22 @@ services, sockets, shared memory and files, and shows the refusal.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import jwt
+import numpy as np
 import pytest
 import zmq
 
 from libbus.connect.client import Client, Identity
-from libbus.errors import AuthExpired
+from libbus.errors import AuthExpired, DatasetError
 from libbus.security.admission import admit_client
 from libbus.security.auth import LEEWAY_S
 from libbus.wire.messages import DatasetInfoRequest
-from tests.support import CLUSTER
+from services.provider.sources import open_source
+from tests.support import CLUSTER, busctl
 
 # -- 13: expired tokens at the handshake --------------------------------------------------------
 
@@ -108,3 +112,49 @@ def test_a_session_whose_token_expires_is_ended_at_its_next_message(provider, cl
     with pytest.raises(AuthExpired):
         client.request(DatasetInfoRequest(dataset="mnist"))
     assert not any(s.subject == "short" for s in server.table.values())
+
+
+# -- 20: hard links in a file:// dataset ----------------------------------------------------------
+
+
+def _npy_dataset(root: Path, n: int = 16) -> Path:
+    root.mkdir(parents=True)
+    np.save(root / "train_x.npy", np.arange(n * 4, dtype=np.float32).reshape(n, 4))
+    np.save(root / "train_y.npy", np.arange(n, dtype=np.int64) % 2)
+    return root
+
+
+def test_a_hard_link_in_a_file_dataset_is_refused(tmp_path):
+    """The probe: ``train_x.npy`` hard-linked to a file outside the directory was served, since a
+    hard link's path really is under the directory. Now a file with more than one link is refused,
+    by ``open_source`` and by ``busctl start provider`` (the reason, no traceback); the operator's
+    ``?allow_hardlinks=1`` serves it."""
+    outside = tmp_path / "private"
+    outside.mkdir()
+    secret = np.full((16, 4), 7.0, np.float32)
+    np.save(outside / "secret.npy", secret)
+    data = _npy_dataset(tmp_path / "data")
+    (data / "train_x.npy").unlink()
+    os.link(outside / "secret.npy", data / "train_x.npy")
+    with pytest.raises(DatasetError, match=r"train_x.npy: is a hard link \(2 names"):
+        open_source(f"file://{data}")
+    out = busctl("start", "provider", "--dataset", f"d=file://{data}", "--state-dir", str(tmp_path / "st"), timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "is a hard link" in out.stderr and "allow_hardlinks=1" in out.stderr
+    allowed = open_source(f"file://{data}?allow_hardlinks=1")
+    assert np.array_equal(allowed.read("train", np.arange(4))[0], secret[:4])
+    # a dataset without links opens as before
+    assert open_source(f"file://{_npy_dataset(tmp_path / 'plain')}").num_samples("train") > 0
+
+
+def test_a_hard_link_made_after_the_check_is_refused_as_the_file_is_opened(tmp_path):
+    """The check is on the file as opened (``fstat``), so a link made after a path was checked is
+    caught when the provider opens it to read."""
+    from services.provider.sources.formats.confine import Confinement
+
+    data = _npy_dataset(tmp_path / "data")
+    confinement = Confinement(data, (data,))
+    confinement.check(data / "train_y.npy")  # one link: fine
+    os.link(data / "train_y.npy", tmp_path / "elsewhere.npy")
+    with pytest.raises(DatasetError, match="is a hard link"):
+        confinement.open(data / "train_y.npy")
