@@ -20,12 +20,12 @@ import pytest
 import zmq
 
 from libbus.connect.client import Client, Identity
-from libbus.errors import AuthExpired, DatasetError
+from libbus.errors import AuthExpired, DatasetError, TooLarge
 from libbus.security.admission import admit_client
-from libbus.security.auth import LEEWAY_S
-from libbus.wire.messages import DatasetInfoRequest
+from libbus.security.auth import LEEWAY_S, ensure_secret, issue_token
+from libbus.wire.messages import BatchRequest, DatasetInfoRequest
 from services.provider.sources import open_source
-from tests.support import CLUSTER, busctl
+from tests.support import CLUSTER, Cluster, busctl
 
 # -- 13: expired tokens at the handshake --------------------------------------------------------
 
@@ -158,3 +158,81 @@ def test_a_hard_link_made_after_the_check_is_refused_as_the_file_is_opened(tmp_p
     os.link(data / "train_y.npy", tmp_path / "elsewhere.npy")
     with pytest.raises(DatasetError, match="is a hard link"):
         confinement.open(data / "train_y.npy")
+
+
+# -- 15: a batch of named fields is bounded before it is read -------------------------------------
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+@pytest.fixture
+def fields_cluster(tmp_path):
+    cluster = Cluster(tmp_path / "state")
+    try:
+        cluster.start_router()
+        cluster.start("provider", "provider", "--dataset", "f=mock://fields?n=2000", ready=True)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_a_huge_batch_of_named_fields_is_refused_before_it_is_read(fields_cluster):
+    """The probe: 2^18 indices of a named-field dataset were read whole on the serving loop (+566 MiB,
+    9 s, another tenant's batch waiting) before the byte limit refused them. Now the request is
+    refused from its index count and the fields' declared maxima before a sample is read: the
+    provider's peak memory does not move, and another tenant's batch sent right after is served."""
+    cluster = fields_cluster
+    endpoint = cluster.endpoint_of("provider")
+    pid = cluster.procs["provider"].pid
+    secret = ensure_secret(cluster.state / "secret")
+
+    def tenant(sub: str) -> Client:
+        token = issue_token(secret, sub=sub, role="trainer", audience=CLUSTER, datasets=["f"])
+        return Client(endpoint, Identity(role="trainer", name=sub, token=token), timeout_s=60, retries=0)
+
+    mallory, alice = tenant("mallory"), tenant("alice")
+    try:
+        want = alice.request(BatchRequest(dataset="f", split="train", range=[0, 32]))  # warm: both sessions open
+        mallory.hello()
+        before = _peak_rss_mib(pid)
+        huge = BatchRequest.for_indices(np.zeros(1 << 18, np.int64), dataset="f", split="train")
+        mallory.send(huge)
+        small = BatchRequest(dataset="f", split="train", range=[0, 32])
+        alice.send(small)
+        refusal = mallory.wait_for(huge.id, 60)
+        served = alice.wait_for(small.id, 60)
+        assert refusal is not None and served is not None
+        with pytest.raises(TooLarge, match=r"262144 samples of \d+ bytes at most .* ask for at most \d+"):
+            mallory.check(refusal)
+        got = alice.check(served)
+        assert got.names == want.names and [bytes(f) for f in got.frames] == [bytes(f) for f in want.frames]
+        grown = _peak_rss_mib(pid) - before
+        assert grown < 32, f"the provider's peak memory grew by {grown:.0f} MiB for a refused batch"
+        assert cluster.procs["provider"].poll() is None
+    finally:
+        mallory.close()
+        alice.close()
+
+
+def test_the_bound_counts_declared_maxima_and_caps_undeclared_fields():
+    """What check_batch_size allows: exact x/y sizes, the fields' declared maxima, and a sample cap
+    where a variable field declares no maximum."""
+    from libbus.constants import MAX_BATCH_BYTES, MAX_UNDECLARED_BATCH
+    from libbus.wire.fields import Field
+    from services.provider.destination import check_batch_size
+
+    source = open_source("mock://fields?n=100")
+    fields = source.fields
+    per = 768 + 8 * 4 + 48 + 8 * 2 + 64 + 8 + 8  # image, tokens, text (max + index each), label
+    check_batch_size(source, fields, MAX_BATCH_BYTES // per)
+    with pytest.raises(TooLarge, match=f"ask for at most {MAX_BATCH_BYTES // per} samples"):
+        check_batch_size(source, fields, MAX_BATCH_BYTES // per + 1)
+    loose = [Field("text", "str", ()), Field("label", "int64", ())]
+    check_batch_size(source, loose, MAX_UNDECLARED_BATCH)
+    with pytest.raises(TooLarge, match="text declare no max_bytes"):
+        check_batch_size(source, loose, MAX_UNDECLARED_BATCH + 1)
