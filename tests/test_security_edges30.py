@@ -19,12 +19,15 @@ import numpy as np
 import pytest
 import zmq
 
+from libbus.config import host_id
 from libbus.connect.client import Client, Identity
-from libbus.errors import AuthExpired, DatasetError, TooLarge
+from libbus.errors import AuthExpired, BadRequest, DatasetError, TooLarge
+from libbus.loader.delivery import ring_layout
 from libbus.security.admission import admit_client
 from libbus.security.auth import LEEWAY_S, ensure_secret, issue_token
-from libbus.wire.messages import BatchRequest, DatasetInfoRequest
+from libbus.wire.messages import AttachRing, BatchRequest, DatasetInfoRequest
 from services.provider.sources import open_source
+from shm import Ring
 from tests.support import CLUSTER, Cluster, busctl
 
 # -- 13: expired tokens at the handshake --------------------------------------------------------
@@ -236,3 +239,61 @@ def test_the_bound_counts_declared_maxima_and_caps_undeclared_fields():
     check_batch_size(source, loose, MAX_UNDECLARED_BATCH)
     with pytest.raises(TooLarge, match="text declare no max_bytes"):
         check_batch_size(source, loose, MAX_UNDECLARED_BATCH + 1)
+
+
+# -- 14: a ring shrunk after it was attached ------------------------------------------------------
+
+
+@pytest.fixture
+def mnist_cluster(tmp_path):
+    cluster = Cluster(tmp_path / "state")
+    try:
+        cluster.start_router()
+        cluster.start("provider", "provider", "--dataset", "mnist=mock://mnist?n=600", ready=True)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("keep", ["nothing", "the header only"])
+def test_a_ring_shrunk_after_attaching_is_refused_and_the_provider_lives(mnist_cluster, keep):
+    """The probe: a same-user loader attached its ring, then ``ftruncate``d it; the provider's next
+    write into the slot died of SIGBUS. Now the provider checks the ring's size before it touches
+    it: the request is refused (``batch not written: … was shrunk``), so is every later one naming
+    that ring, and the provider (a real process) serves on."""
+    cluster = mnist_cluster
+    secret = ensure_secret(cluster.state / "secret")
+    token = issue_token(secret, sub="loader", role="trainer", audience=CLUSTER, datasets=["mnist"])
+    remote = Client(cluster.endpoint_of("provider"), Identity(role="trainer", name="l", token=token), timeout_s=30)
+    ring = None
+    try:
+        info = remote.request(DatasetInfoRequest(dataset="mnist"))
+        local = Client(
+            info.local_endpoint,
+            Identity(role="trainer", name="l", token=token, host_id=host_id()),
+            timeout_s=30,
+            retries=0,
+        )
+        ring = Ring.create(ring_layout(info.info, 16, 2))
+        lay = ring.layout
+        local.request(
+            AttachRing(name=ring.name, slots=lay.slots, slot_bytes=lay.slot_bytes, label_offset=lay.label_offset)
+        )
+        seq = ring.request(0)
+        assert local.request(BatchRequest(dataset="mnist", split="train", range=[0, 16], slot=0, seq=seq)).slot == 0
+        ring.take(0, seq)
+        ring.release(0)
+        seq = ring.request(1)  # the next request is on its way: then the file shrinks
+        with open(ring.segment.path, "r+b") as f:
+            os.ftruncate(f.fileno(), 0 if keep == "nothing" else 4096)
+        for slot in (1, 0):
+            with pytest.raises(BadRequest, match="batch not written: .* was shrunk to"):
+                local.request(BatchRequest(dataset="mnist", split="train", range=[0, 16], slot=slot, seq=seq))
+        assert cluster.procs["provider"].poll() is None, "the provider died"
+        x = remote.request(BatchRequest(dataset="mnist", split="train", range=[0, 16]))
+        assert x.shapes[0] == [16, 1, 28, 28]
+        local.close()
+    finally:
+        remote.close()
+        if ring is not None:
+            ring.close()
