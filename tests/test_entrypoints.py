@@ -20,6 +20,7 @@ import torch
 
 from tests.support.busctl import REPO
 from tests.support.jobs import JobCluster, final_weights
+from tests.support.memcg import memory_cgroup
 
 #: mock://mnist?n=600 has 540 train samples: 34 steps of 16 an epoch; checkpoints at 10, 20, 30, 34
 JOB = {
@@ -157,3 +158,52 @@ def test_a_module_the_trainer_does_not_allow_runs_nothing(cluster, tmp_path):
         assert not marker.exists()
     finally:
         _stop(cluster, "strict")
+
+
+def test_an_attempt_that_exhausts_memory_is_killed_alone(cluster):
+    """The trainer and its attempts in a memory cgroup of 1.5 GiB: the out-of-memory killer takes
+    the attempt (it offers itself first), the trainer says so and takes the next job."""
+    with memory_cgroup(1536 << 20) as group:
+        proc = cluster.start_trainer("bounded")
+        try:
+            (group / "cgroup.procs").write_text(str(proc.pid))
+            info = _fails_alone(cluster, "tests.support.entrypoints:hog")
+            assert info["state"] == "failed" and "killed by SIGKILL" in info["error"], info["error"]
+            assert "out-of-memory killer" in info["error"] and "allocating" in info["error"]
+            assert proc.poll() is None
+            after = _fails_alone(cluster, "tests.support.entrypoints:exits")  # it takes the next job
+            assert "SystemExit: 3" in after["error"]
+        finally:
+            _stop(cluster, "bounded")
+
+
+def test_commands_apply_at_the_functions_calls(cluster):
+    """set, pause, resume, checkpoint and stop on an entrypoint job, then resume from its checkpoint."""
+    spec = {**JOB, "entrypoint": "tests.support.entrypoints:counter", "params": {"steps": 400, "delta": 1}}
+    cluster.start_trainer("ctl")
+    try:
+        job = cluster.submit_spec(spec)
+        cluster.wait(job, lambda i: (i.get("progress") or {}).get("step", 0) >= 5)
+        assert cluster.control(job, "set", delta=2)["spec"]["params"]["delta"] == 2
+        assert cluster.control(job, "pause")["state"] == "paused"
+        paused = cluster.wait(job, lambda i: i["progress"]["state"] == "paused")["progress"]["step"]
+        time.sleep(0.5)
+        assert cluster.job(job)["progress"]["step"] == paused  # no step while paused
+        cluster.control(job, "resume")
+        record = cluster.control(job, "checkpoint")["checkpoint"]
+        assert record["step"] > paused and record["path"].endswith(".safetensors")
+        cluster.control(job, "stop")
+        stopped = cluster.wait_end(job)
+        assert stopped["state"] == "stopped", stopped["error"]
+        at = stopped["checkpoint"]["step"]
+        assert at >= record["step"]
+        cluster.control(job, "resume")  # queued again: the next attempt restores the stopped one's state
+        info = cluster.wait_end(job, timeout=120)
+        assert info["state"] == "succeeded", info["error"]
+        logs = cluster.busctl("job", "logs", job).stdout
+        assert f"counter starts at n={at} " in logs, logs
+        weights = final_weights(info)
+        assert int(weights["n"]) == 400
+        assert float(weights["total"]) > 400  # delta 2 from the set on
+    finally:
+        _stop(cluster, "ctl")

@@ -88,3 +88,20 @@ def stoppable(job: Job) -> None:
         n += 1
         time.sleep(0.05)
         job.step()
+
+
+def counter(job: Job) -> None:
+    """Adds ``params["delta"]`` (which ``busctl job set`` may change) once a step, for
+    ``params["steps"]`` steps; its state is the count and the total."""
+    state = job.restore() or {"n": 0, "total": 0.0}
+    n, total = state["n"], state["total"]
+    print(f"counter starts at n={n} total={total}", flush=True)
+    job.on_checkpoint(lambda: {"n": n, "total": total})
+    while n < job.params["steps"]:
+        time.sleep(0.02)
+        n += 1
+        total += job.params["delta"]
+        job.step(loss=float(job.params["delta"]))
+        if n % 50 == 0:
+            job.report(val_loss=1.0 / n)
+    job.save_model({"n": torch.tensor(n), "total": torch.tensor(total)})
