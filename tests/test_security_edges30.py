@@ -10,12 +10,15 @@ services, sockets, shared memory and files, and shows the refusal.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import time
 from pathlib import Path
 
 import jwt
 import numpy as np
+import orjson
 import pytest
 import zmq
 
@@ -25,7 +28,7 @@ from libbus.errors import AuthExpired, BadRequest, DatasetError, TooLarge
 from libbus.loader.delivery import ring_layout
 from libbus.security.admission import admit_client
 from libbus.security.auth import LEEWAY_S, ensure_secret, issue_token
-from libbus.wire.messages import AttachRing, BatchRequest, DatasetInfoRequest
+from libbus.wire.messages import AttachRing, BatchRequest, DatasetInfoRequest, GetTask, PushResult
 from services.provider.sources import open_source
 from shm import Ring
 from tests.support import CLUSTER, Cluster, busctl
@@ -297,3 +300,62 @@ def test_a_ring_shrunk_after_attaching_is_refused_and_the_provider_lives(mnist_c
         remote.close()
         if ring is not None:
             ring.close()
+
+
+# -- 18: peer strings at an admin's terminal ------------------------------------------------------
+
+#: What the probe's peers wrote: clear the screen, set the clipboard (OSC 52), overwrite the line,
+#: reverse the text that follows (a bidi override).
+HOSTILE = "\x1b[2J\x1b]52;c;ZWNobyBwd25lZA==\x07\rok \u202eevil"
+
+
+def test_escape_sequences_from_peers_never_reach_the_admins_terminal(tmp_path):
+    """The probe: a job named with escape sequences, and a trainer's error carrying more, were
+    printed as they were by ``busctl job show``. Now every peer string is printed with its control
+    characters escaped (``\\x1b[2J``): job show, jobs, the error line of a failed call; JSON output
+    escapes them too."""
+    cluster = Cluster(tmp_path / "state")
+    try:
+        cluster.start_router()
+        job = cluster.submit_spec({"dataset": "mnist", "name": f"job{HOSTILE}", "epochs": 1})
+        secret = ensure_secret(cluster.state / "secret")
+        token = issue_token(secret, sub="t-evil", role="trainer", audience=CLUSTER)
+        with Client(
+            cluster.endpoint, Identity(role="trainer", name="t-evil", token=token, caps={"heartbeat": True})
+        ) as t:
+            task = t.request(GetTask(key="k1"))
+            assert task.job == job
+            t.request(PushResult(job=job, state="failed", error=f"boom{HOSTILE}"))
+        cluster.wait_end(job)
+        outputs = [
+            cluster.busctl("job", "show", job),
+            cluster.busctl("jobs"),
+            cluster.busctl("job", "show", f"nosuch{HOSTILE}", check=False),  # the router's error quotes it
+            cluster.busctl("job", "show", job, "--json"),
+        ]
+        for out in outputs:
+            for stream in (out.stdout, out.stderr):
+                assert not any(c in stream for c in "\x1b\x07\r\u202e"), f"raw control characters in {stream!r}"
+        show, _, missing, as_json = outputs
+        assert "job\\x1b[2J\\x1b]52;c;ZWNobyBwd25lZA==\\x07\\rok \\u202eevil" in show.stdout
+        assert "boom\\x1b[2J" in show.stdout
+        assert missing.returncode != 0 and "nosuch\\x1b[2J" in missing.stderr
+        assert orjson.loads(as_json.stdout)["spec"]["name"] == f"job{HOSTILE}"  # JSON keeps the text, escaped
+    finally:
+        cluster.close()
+
+
+def test_printable_escapes_what_a_terminal_acts_on():
+    from cli.common import SafeConsole, print_json, printable
+
+    assert printable("plain: ok [1/2] é 日本") == "plain: ok [1/2] é 日本"
+    assert printable(HOSTILE) == "\\x1b[2J\\x1b]52;c;ZWNobyBwd25lZA==\\x07\\rok \\u202eevil"
+    assert printable("two\nlines\tand tab") == "two\nlines\tand tab"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_json({"s": HOSTILE + "\U000e0001"})  # a tag character, beyond the BMP
+    assert out.getvalue().isascii() and orjson.loads(out.getvalue()) == {"s": HOSTILE + "\U000e0001"}
+    console = SafeConsole(file=io.StringIO(), color_system=None, width=200)
+    console.print(f"job x[/bold]{HOSTILE}")  # a closing tag that opens nothing: printed, not an error
+    text = console.file.getvalue()
+    assert "\x1b" not in text and "x[/bold]\\x1b[2J" in text
