@@ -16,7 +16,7 @@ from libbus.jobs.state import JobState
 from libbus.wire.messages import ControlJob, GetJob, GetJobLogs, GetModel, ListJobs, Ok, SubmitJob, frame_buffer
 
 from . import tables
-from .common import admin_client, fail, guard, print_json
+from .common import admin_client, echo, fail, guard, print_json
 from .options import Json, admin_options
 from .studies import current_model, evaluation_task, is_model_ref
 from .watch import watch_job
@@ -177,7 +177,7 @@ def _control(job: str, command: JobCommand, args: dict, settings: Settings, json
         line += f"\ncheckpoint step {ckpt['step']} epoch {ckpt['epoch']}: {ckpt['path']} sha256 {ckpt['sha256']}"
     if detail.get("error"):
         line += f"\nrefused by the trainer: {detail['error']}"
-    typer.echo(line)
+    echo(line)  # the trainer's acknowledgement and error: peer text
 
 
 @job_app.command(JobCommand.STOP.value)
