@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from libbus.errors import AuthExpired, BadRequest, DatasetError, TooLarge
 from libbus.loader.delivery import ring_layout
 from libbus.security.admission import admit_client
 from libbus.security.auth import LEEWAY_S, ensure_secret, issue_token
-from libbus.wire.messages import AttachRing, BatchRequest, DatasetInfoRequest, GetTask, PushResult
+from libbus.wire.messages import AttachRing, BatchRequest, DatasetInfoRequest, GetTask, ListPeers, PushResult
 from services.provider.sources import open_source
 from shm import Ring
 from tests.support import CLUSTER, Cluster, busctl
@@ -103,6 +104,46 @@ def test_a_client_is_told_its_token_expired_and_a_minting_one_renews(router, cli
         assert tokens == []  # the expired one was refused, the fresh one admitted
     finally:
         renewing.close()
+
+
+def test_a_service_whose_socket_token_expired_comes_back_to_a_restarted_router(tmp_path):
+    """libzmq presents a socket's handshake token again at every reconnection: once it has expired
+    the restarted router refuses it. A service that mints its tokens (here a provider with 1 s
+    tokens) starts over on a fresh socket with a fresh token (its link's silence timeout, or its
+    refused Hello: ``Link._renewable``), never giving up as it does on a token the router does not
+    accept at all."""
+    cluster = Cluster(tmp_path / "state")
+    try:
+        cluster.start_router()
+        cluster.start(
+            "provider", "provider", "--dataset", "m=mock://mnist?n=60", ready=True, env={"BATCHBUS_TOKEN_TTL_S": "1"}
+        )
+        cluster.endpoint_of("provider")
+
+        def registered() -> bool:
+            assert cluster.admin is not None
+            return any(p["role"] == "provider" for p in cluster.admin.request(ListPeers()).peers)
+
+        _wait_for(registered, 60, "the provider never registered")
+        expired_at = time.time() + 1 + LEEWAY_S
+        while time.time() <= expired_at:  # the token its link socket was made with has expired
+            time.sleep(0.2)
+        router = cluster.procs["router"]
+        router.send_signal(signal.SIGKILL)
+        router.wait(10)
+        cluster.start_router(bind=cluster.endpoint)
+        _wait_for(registered, 60, f"the provider did not come back\n{cluster.logs()}")
+        assert cluster.procs["provider"].poll() is None
+        assert "refused this service" not in (cluster.state / "provider.log").read_text()
+    finally:
+        cluster.close()
+
+
+def _wait_for(condition, timeout_s: float, why: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.2)
 
 
 def test_a_session_whose_token_expires_is_ended_at_its_next_message(provider, client_for, make_token):
