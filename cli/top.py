@@ -68,6 +68,11 @@ def _served(stats: dict) -> dict[str, int]:
     return total
 
 
+def _row(services: dict, peer: dict) -> dict | None:
+    """A peer's Stats row: its session's (the router keys rows by token subject, not by name)."""
+    return next((r for r in services.values() if r.get("session") == peer.get("session")), None)
+
+
 def frame(snapshot: dict, previous: dict | None) -> dict:
     """The frame model: what one refresh shows, as plain data (``busctl top --once --json``)."""
     services, peers = snapshot["services"], snapshot["peers"]
@@ -76,9 +81,10 @@ def frame(snapshot: dict, previous: dict | None) -> dict:
     router = services.get("router", {})
     providers = []
     for peer in sorted((p for p in peers if p["role"] == "provider"), key=lambda p: p["name"]):
-        stats = services.get(peer["name"], {})
+        stats = _row(services, peer) or {}
         served = _served(stats)
-        earlier = _served(before[peer["name"]])["samples"] if peer["name"] in before else None
+        old = _row(before, peer)
+        earlier = _served(old)["samples"] if old is not None else None
         refused = refusals(stats.get("counters", {}))
         for cause, n in (stats.get("refused") or {}).items():
             refused[cause] = refused.get(cause, 0) + n
@@ -98,7 +104,7 @@ def frame(snapshot: dict, previous: dict | None) -> dict:
     by_trainer = {j["trainer"]: j for j in active if j.get("trainer")}
     trainers = []
     for peer in sorted((p for p in peers if p["role"] == "trainer"), key=lambda p: p["name"]):
-        stats = services.get(peer["name"], {})
+        stats = _row(services, peer) or {}
         job = by_trainer.get(peer["name"])
         p = (job or {}).get("progress") or {}
         trainers.append(

@@ -34,12 +34,16 @@ from .studies_halving import BudgetHalvingPruner
 from .study_spec import StudySpec
 from .study_store import TRIAL_ENDED, StudyState, StudyStore, TrialState
 
-__all__ = ["Studies", "CHECK_S"]
+__all__ = ["Studies", "CHECK_S", "START_PER_STEP"]
 
 log = logging.getLogger(__name__)
 
 #: How often running trials' reports are read.
 CHECK_S = 0.2
+#: The most trials one step of a study starts (at its submission, then at each tick, every
+#: ``CHECK_S``): sampling and queueing a trial costs the router's loop up to a few milliseconds
+#: (TPE's more as trials accumulate), so a population of ``concurrent`` trials is queued in slices.
+START_PER_STEP = 8
 
 
 @dataclass
@@ -165,7 +169,11 @@ class Studies:
                 counts[t["state"]] = counts.get(t["state"], 0) + 1
             out.append(
                 {k: s[k] for k in ("id", "state", "objective", "best", "epochs_trained", "epochs_budget", "created")}
-                | {"counts": counts, "trials": s["spec"]["study"]["trials"]}
+                | {
+                    "counts": counts,
+                    "trials": s["spec"]["study"]["trials"],
+                    "dataset": s["spec"]["base"].get("dataset"),
+                }
             )
         return out
 
@@ -220,12 +228,15 @@ class Studies:
             return
         trials = self.store.trials(study)
         active = sum(TrialState(t["state"]).live for t in trials)
-        while active < live.spec.concurrent and len(trials) < live.spec.trials:
-            self._start_trial(study, live, len(trials))
-            trials = self.store.trials(study)
+        started = len(trials)
+        # a slice per step: the rest start at the next ticks, so no request or tick holds the loop
+        # (and a busy trainer's lease renewal) for a whole population's sampling and queueing
+        for _ in range(min(live.spec.concurrent - active, live.spec.trials - started, START_PER_STEP)):
+            self._start_trial(study, live, started)
+            started += 1
             active += 1
-        if active == 0 and len(trials) >= live.spec.trials:
-            self.store.set_state(study, StudyState.COMPLETE, f"{len(trials)} trials ended")
+        if active == 0 and started >= live.spec.trials:
+            self.store.set_state(study, StudyState.COMPLETE, f"{started} trials ended")
             self._live.pop(study, None)
             log.info("study %s complete", study)
 
