@@ -504,7 +504,7 @@ class RouterHandler(Decisions, Handler):
                 if candidate not in services:
                     key = candidate
                     break
-            services[key] = {"role": peer.role, **stats, "name": peer.name, "session": peer.sid}
+            services[key] = {**stats, "role": peer.role, "name": peer.name, "session": peer.sid}  # (ours win)
         return StatsReply(services=fit_rows(services))
 
     def _holders_for(self, claims) -> set[str]:
