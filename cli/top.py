@@ -69,8 +69,10 @@ def _served(stats: dict) -> dict[str, int]:
 
 
 def _row(services: dict, peer: dict) -> dict | None:
-    """A peer's Stats row: its session's (the router keys rows by token subject, not by name)."""
-    return next((r for r in services.values() if r.get("session") == peer.get("session")), None)
+    """A peer's Stats row: its session's (the router keys rows by token subject, not by name; a
+    router before that keyed them by name)."""
+    row = next((r for r in services.values() if peer.get("session") and r.get("session") == peer["session"]), None)
+    return row if row is not None else services.get(peer["name"])
 
 
 def frame(snapshot: dict, previous: dict | None) -> dict:
