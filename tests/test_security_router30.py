@@ -334,3 +334,17 @@ def test_stats_are_keyed_by_subject_scoped_and_fit_one_reply(router, client_for,
     finally:
         for link in links:
             link.close()
+
+
+def test_a_full_revocation_list_fits_one_push_and_no_token_outlives_it(state_dir):
+    from libbus.constants import MAX_HEADER_BYTES
+    from libbus.wire.frames import encode
+    from libbus.wire.messages import Entitlements
+    from services.router.grants import MAX_JTI_LEN, MAX_REVOKED
+
+    push = Entitlements(revoked=["x" * MAX_JTI_LEN] * MAX_REVOKED, assigned={"mnist": [f"t{i}" for i in range(1000)]})
+    assert len(encode(push)[1]) < MAX_HEADER_BYTES  # what broke past 9,000 revocations
+    env = {"BATCHBUS_STATE_DIR": str(state_dir)}
+    out = busctl("token", "issue", "--role", "trainer", "--ttl", str(400 * 86400), env=env)
+    assert out.returncode == 2 and "--ttl is at most 31622400 s (366 days)" in out.stderr, out.stderr
+    assert busctl("token", "issue", "--role", "trainer", "--ttl", str(366 * 86400), env=env).returncode == 0

@@ -97,6 +97,7 @@ class Revocations:
         self.db.executescript(SCHEMA)
         if "by" not in {row[1] for row in self.db.execute("PRAGMA table_info(revoked)")}:
             self.db.execute("ALTER TABLE revoked ADD COLUMN by TEXT NOT NULL DEFAULT ''")
+        self.db.execute("DELETE FROM revoked WHERE exp + ? < ?", (LEEWAY_S, time.time()))  # (a router that starts)
         #: The sorted ids in force, and when the first of them expires (then they are read again).
         self._jtis: list[str] | None = None
         self._until = 0.0
