@@ -21,6 +21,7 @@ from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
 from libbus.errors import BadRequest, Forbidden, NotFound, Unavailable
 from libbus.jobs.spec import JobSpec, dataset_name
 from libbus.jobs.state import REFUSED
+from libbus.security.auth import Claims
 from libbus.serve.handler import serves
 from libbus.serve.server import Handler, Session
 from libbus.wire.messages import (
@@ -507,7 +508,7 @@ class RouterHandler(Decisions, Handler):
             services[key] = {**stats, "role": peer.role, "name": peer.name, "session": peer.sid}  # (ours win)
         return StatsReply(services=fit_rows(services))
 
-    def _holders_for(self, claims) -> set[str]:
+    def _holders_for(self, claims: Claims) -> set[str]:
         """Subjects of the trainers holding a job inside ``claims``' scopes (a scoped admin's Stats)."""
         return {
             job["trainer"]

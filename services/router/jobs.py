@@ -267,8 +267,10 @@ class JobControl:
         sent = self.sent.get(msg.seq)
         if sent is None or sent[:3] != (msg.job, trainer, msg.command):
             # only a command this router sent this job's trainer is acknowledged (and logged): a
-            # trainer cannot write events of its own making, nor evict the job's real ones with them
-            raise Forbidden(
+            # trainer cannot write events of its own making, nor evict the job's real ones with them.
+            # BAD_REQUEST, not FORBIDDEN: a trainer told FORBIDDEN gives its job up (reports.py), and
+            # a stale acknowledgement (a router restarted since) is no reason to
+            raise BadRequest(
                 f"command {msg.seq} ({msg.command}) was not sent to job {msg.job} on {trainer} by this router; "
                 "nothing to acknowledge"
             )
