@@ -286,9 +286,8 @@ class RouterHandler(Decisions, Handler):
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
         spec = JobSpec.from_dict(msg.spec)
         session.claims.check_dataset(dataset_name(spec.dataset))
-        spec = self.evaluation_spec(
-            spec, msg.frames, session.claims
-        )  # an evaluate task's model (services/router/decisions.py)
+        # an evaluate task's model, within the submitter's scopes (services/router/decisions.py)
+        spec = self.evaluation_spec(spec, msg.frames, session.claims)
         job = self.store.submit(spec)
         if msg.frames:
             self.keep_upload(job, msg.frames)
@@ -497,7 +496,7 @@ class RouterHandler(Decisions, Handler):
     @serves(Stats, "admin", "trainer")
     def on_Stats(self, session: Session | None, msg: Stats) -> StatsReply:
         """The router's own metrics and those its peers carry on heartbeats, one row per session,
-        keyed by its token subject (``"SUBJECT (ROLE)"`` when that key is taken: the router's own
+        keyed by its token subject (``"SUBJECT (KIND)"`` when that key is taken: the router's own
         row is ``router`` whoever names itself so); each row says its ``name`` and ``session``.
         An unrestricted admin sees every row; anyone else (a trainer, a scoped admin) the rows of
         its own subject, of providers serving a dataset in its scope (their per-dataset counters
