@@ -11,7 +11,8 @@ state directory) and serves what the scripts in ``examples/`` read:
   docs/datasets.md §8's loader block.
 
 Nothing here needs hiding, so every test split is readable (``private_test=false``). It writes
-``connection.json`` (the router's endpoint and a trainer token scoped to these datasets) into the state
+``connection.json`` (the router's endpoint and a reader token scoped to these datasets: it reads them and
+can take no job) into the state
 directory, where ``recipe_support.loader_args`` finds it when ``BATCHBUS_ROUTER`` is not set, and the
 same as settings: ``batchbus.toml`` (``router``, ``token_file``), for any script run with
 ``BATCHBUS_CONFIG`` naming it. It serves until Ctrl-C or SIGTERM and then removes both. The state directory is ``state/examples`` in the checkout, or
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=5000, help="train samples of mnist and imagenet")
     parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="the router's address (default: a free port)")
     args = parser.parse_args(argv)
-    state = private_dir(state_dir())  # it holds the cluster's secret and a trainer token
+    state = private_dir(state_dir())  # it holds the cluster's signing key and a reader token
     ensure_secret(state / "secret")
     connection, config = state / "connection.json", state / "batchbus.toml"
     connection.unlink(missing_ok=True)
@@ -82,12 +83,12 @@ def main(argv: list[str] | None = None) -> None:
         provider = procs.start("provider", "--router", router, *served)
         settings, _ = load_settings(env={}, flags={"state_dir": str(state)})
         key = runtime.signing_key(settings)
-        token = runtime.mint_token(settings, key, role="trainer", sub="examples", datasets=sorted(datasets))
+        token = runtime.mint_token(settings, key, role="reader", sub="examples", datasets=sorted(datasets))
         token_file = state / "token"
         token_file.touch(mode=0o600)
         token_file.write_text(token + "\n")
         config.write_text(
-            "# examples/serve.py: the examples' router and a trainer token (BATCHBUS_CONFIG=this file)\n"
+            "# examples/serve.py: the examples' router and a reader token (BATCHBUS_CONFIG=this file)\n"
             f"router = {json.dumps(router)}\ntoken_file = {json.dumps(str(token_file))}\n"
         )
         tmp = connection.with_suffix(".tmp")

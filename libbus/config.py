@@ -377,6 +377,8 @@ def script_connection(role: str = "trainer", env: Mapping[str, str] | None = Non
     """The connection settings of a script, from the same places as ``busctl``'s: defaults < the TOML
     file ``$BATCHBUS_CONFIG`` < ``BATCHBUS_*`` variables (``BATCHBUS_ROUTER``, ``BATCHBUS_TOKEN``,
     ``BATCHBUS_TOKEN_FILE``...) < systemd credentials. ``role`` names the default CURVE key file.
+    A script's token should be a reader token (``busctl token issue --role reader --dataset NAME``):
+    it reads its datasets and can take no job, report no score and push no weights.
 
     Raises:
         ConfigError: as :func:`load_settings`, naming the file or variable that is wrong.

@@ -5,7 +5,7 @@ Two algorithms, one per cluster: ``HS256`` with a shared secret file (every node
 key. Verification pins the cluster's one algorithm, so ``alg: none``, a token of the other
 algorithm, and algorithm confusion (HS256 "signed" with the public key as secret) are refused.
 
-Claims: ``sub`` (who), ``role`` (provider | trainer | admin), ``aud`` (the cluster), ``iss`` (the
+Claims: ``sub`` (who), ``role`` (provider | trainer | reader | admin: :data:`ROLES`), ``aud`` (the cluster), ``iss`` (the
 issuer, by default the cluster), ``iat``, ``nbf``, ``exp``, ``jti``; optional scopes ``datasets``
 and ``jobs`` (lists of names/ids). No scope claim means unrestricted; ``[]`` means nothing.
 """
@@ -43,7 +43,10 @@ __all__ = [
     "private_dir",
 ]
 
-ROLES = ("provider", "trainer", "admin")
+#: provider: serves datasets; trainer: a trainer service (takes jobs, reports progress, pushes results,
+#: and reads data for them); reader: a script's loader (reads the train/val data of its datasets and
+#: nothing else: never a job, a report or a result); admin: submits, controls and inspects.
+ROLES = ("provider", "trainer", "reader", "admin")
 #: The algorithms a cluster may choose (``token_alg``); verification accepts exactly one.
 ALGORITHMS = ("HS256", "EdDSA")
 ALGORITHM = "HS256"
