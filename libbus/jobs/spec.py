@@ -166,7 +166,8 @@ class JobSpec:
         keys of a built-in job; any of its ``params`` (plain values) for an entrypoint job."""
         if not isinstance(changes, dict) or not changes:
             raise BadRequest(f"set needs at least one of {', '.join(SETTABLE)} (e.g. lr=0.01)")
-        if self.entrypoint:
+        if self.entrypoint:  # NAME or params.NAME (a study's name for it)
+            changes = {str(k).removeprefix("params."): v for k, v in changes.items()}
             return JobSpec.from_dict({**self.to_dict(), "params": {**self.params, **changes}})
         other = sorted(set(changes) - set(SETTABLE))
         if other:

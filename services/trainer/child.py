@@ -53,6 +53,8 @@ class ParentLink:
 
     def __init__(self, channel: Channel):
         self.channel = channel
+        #: What a Link holds once its router refused it for good; the parent deals with that here.
+        self.fatal: BusError | None = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, Future] = {}
         self._lock = threading.Lock()

@@ -105,3 +105,14 @@ def counter(job: Job) -> None:
         if n % 50 == 0:
             job.report(val_loss=1.0 / n)
     job.save_model({"n": torch.tensor(n), "total": torch.tensor(total)})
+
+
+def parabola(job: Job) -> None:
+    """A function a study tunes: its val_loss falls each epoch towards (x - 0.3)², so trials with x
+    far from 0.3 are worse at every epoch (a pruner can tell early)."""
+    x = job.params["x"]
+    for epoch in range(job.epochs_reported, job.params.get("epochs", 4)):
+        time.sleep(0.02)
+        job.step(loss=x)
+        job.report(val_loss=(x - 0.3) ** 2 + 1.0 / (epoch + 1))
+    job.save_model({"x": torch.tensor(x)})
