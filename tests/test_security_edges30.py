@@ -25,6 +25,7 @@ import zmq
 
 from libbus.config import host_id
 from libbus.connect.client import Client, Identity
+from libbus.connect.link import Link
 from libbus.errors import AuthExpired, BadRequest, DatasetError, TooLarge
 from libbus.loader.delivery import ring_layout
 from libbus.security.admission import admit_client
@@ -137,6 +138,24 @@ def test_a_service_whose_socket_token_expired_comes_back_to_a_restarted_router(t
         assert "refused this service" not in (cluster.state / "provider.log").read_text()
     finally:
         cluster.close()
+
+
+def test_a_router_link_refused_for_an_expired_token_renews_it(router, secret, make_token):
+    """The router link of a service that mints its tokens, whose socket was made with a token that
+    has expired (here the first two it mints), is refused at the handshake; it starts over on a fresh
+    socket with a fresh token rather than stopping as on a token the router does not accept at all."""
+    minted = [0]
+
+    def token() -> str:
+        minted[0] += 1
+        return _expired_token(secret, sub="link") if minted[0] <= 2 else make_token("trainer", sub="link")
+
+    link = Link(router.endpoint, Identity(role="trainer", name="link", token=token), heartbeat_ms=200).start()
+    try:
+        assert link.wait_connected(30), f"the link never connected: {link.fatal}"
+        assert link.fatal is None and minted[0] > 2
+    finally:
+        link.close()
 
 
 def _wait_for(condition, timeout_s: float, why: str) -> None:
