@@ -1,0 +1,225 @@
+"""batchbus under Slurm, for real: the recipes in slurm/ submitted with sbatch to a one-node slurmctld + slurmd of
+this module's own (tests/support/slurm.py; skipped only where slurm-wlm and munge cannot be installed).
+
+- the whole cluster in one allocation (slurm/batchbus-cluster.sbatch) trains a job to a downloaded model;
+- an array of two trainer tasks (slurm/batchbus-trainers.sbatch) joins a router running outside Slurm and drains
+  its queue;
+- `scancel --signal=TERM` of a running trainer task: the trainer checkpoints and hands its job back, the task
+  requeues itself, and its next run resumes the job at the next sample, ending with the weights of an
+  uninterrupted run.
+
+Jobs are tests/support/jobs.py's MLP on mock://mnist?n=600 (2 epochs here), audited sample by sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import stat
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.trainer.audit import effective_epochs
+from tests.support import BUSCTL, REPO
+from tests.support.jobs import SPEC, JobCluster, final_weights
+from tests.support.slurm import SlurmCluster, slurm  # noqa: F401 - the fixture
+
+RECIPES = REPO / "slurm"
+JOB = {**SPEC, "epochs": 2}
+#: What every service started by a recipe runs with here: one torch thread, fast heartbeats (2 cores, shared).
+QUICK = {"BATCHBUS_TORCH_THREADS": "1", "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_PROGRESS_INTERVAL_S": "0.1"}
+
+
+@pytest.fixture(scope="module")
+def cluster(slurm, tmp_path_factory):  # noqa: F811 - the fixture above
+    """A router and a provider running outside Slurm (a head node's services), which trainer tasks join."""
+    bus = JobCluster(tmp_path_factory.mktemp("bus"))
+    try:
+        bus.start_router()
+        bus.start_provider()
+        bus.endpoint_of("provider")
+        yield bus
+    finally:
+        bus.close()
+
+
+def recipe_env(**extra: str) -> dict[str, str]:
+    assert len(BUSCTL) == 1, "the recipes run the venv's busctl"
+    return {**QUICK, "BB_BUSCTL": BUSCTL[0], **extra}
+
+
+@contextlib.contextmanager
+def task_logs(directory: Path) -> Iterator[None]:
+    """A failure inside says what the Slurm tasks wrote (their ``*.out`` files under ``directory``)."""
+    try:
+        yield
+    except AssertionError as err:
+        outs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}" for p in directory.glob("*.out"))
+        raise AssertionError(f"{err}\n{outs}") from err
+
+
+def assert_private(path: Path) -> None:
+    mode = stat.S_IMODE(path.stat().st_mode)
+    assert mode & 0o077 == 0, f"{path} is mode {mode:o}"
+
+
+def assert_exactly_once(bus: JobCluster, job: str, train_digests: Counter) -> None:
+    epochs = effective_epochs(bus.audit, job)
+    assert sorted(epochs) == list(range(JOB["epochs"]))
+    for epoch, seen in epochs.items():
+        assert seen == train_digests, f"epoch {epoch}: samples missing or repeated"
+
+
+def assert_same_weights(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), f"{name} differs"
+
+
+def test_whole_cluster_in_one_allocation_trains_to_a_model(slurm, tmp_path):  # noqa: F811
+    job_file = tmp_path / "job.toml"
+    # (json's scalars are TOML's; the one table goes last)
+    scalars = "".join(f"{k} = {json.dumps(v)}\n" for k, v in JOB.items() if not isinstance(v, dict))
+    job_file.write_text(scalars + "[model_kwargs]\nhidden = 64\n")
+    state = tmp_path / "state"
+    env = recipe_env(BB_HOST="127.0.0.1", BB_DATASETS="mnist=mock://mnist?n=600", BB_STATE=str(state))
+    out = tmp_path / "slurm-%j.out"
+    sid = slurm.sbatch(
+        RECIPES / "batchbus-cluster.sbatch",
+        "--ntasks=2",
+        "--cpus-per-task=1",
+        f"--output={out}",
+        args=(str(job_file),),
+        env=env,
+        cwd=tmp_path,
+    )
+    log = Path(str(out).replace("%j", sid))
+    fields = slurm.wait_job(
+        sid,
+        lambda f: f["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"),
+        100,
+        "ended",
+        logs=log.read_text() if log.exists() else "",
+    )
+    text = log.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{text}"
+    job = (state / "submitted").read_text().strip()
+    assert f"job {job} succeeded" in text, text
+    # the model came home, byte for byte what the trainer pushed to the router
+    model = state / "model.safetensors"
+    assert model.read_bytes() == (state / "artifacts" / job / "model.safetensors").read_bytes()
+    weights = load_file(model)
+    assert weights and all(bool(torch.isfinite(t).all()) for t in weights.values())
+    # a provider and two trainers (one per task) joined; all stopped cleanly at the end
+    joined = (state / "router.log").read_text()
+    for name in (f"provider provider-{sid}-0", f"trainer trainer-{sid}-0", f"trainer trainer-{sid}-1"):
+        assert f"{name} (pid" in joined, joined
+    for line in ("bb-trainer stopped (srun exit 0)", "bb-provider stopped (srun exit 0)", "router stopped (exit 0)"):
+        assert line in text, text
+    # tokens were files of the allocation's own, gone with it; the state and the secret are private
+    assert not (state / "tokens").exists()
+    assert_private(state)
+    assert_private(state / "secret")
+
+
+def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train_digests):  # noqa: F811
+    jobs = [cluster.submit_spec(JOB) for _ in range(3)]
+    env = recipe_env(
+        **{k: v for k, v in cluster.env.items() if k.startswith("BATCHBUS_")},
+        BB_ROUTER=cluster.endpoint,
+        BB_SECRET_FILE=str(cluster.state / "secret"),
+        BB_STATE=str(tmp_path / "trainers"),
+    )
+    out = tmp_path / "task-%A_%a.out"
+    array = slurm.sbatch(
+        RECIPES / "batchbus-trainers.sbatch",
+        "--array=0-1",
+        "--cpus-per-task=1",
+        f"--output={out}",
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        with task_logs(tmp_path):
+            # the first job's trainer holds it, paused, until another task has taken the second: both tasks work
+            first = cluster.wait(jobs[0], lambda i: i["state"] == "running", timeout=60)["trainer"]
+            cluster.control(jobs[0], "pause")
+            second = cluster.wait(jobs[1], lambda i: i["state"] == "running", timeout=60)["trainer"]
+            assert cluster.control(jobs[0], "resume")["state"] == "running"
+            infos = [cluster.wait_end(j, timeout=90) for j in jobs]
+    finally:
+        slurm.run("scancel", array)  # for good: a plain scancel does not requeue
+    assert [i["state"] for i in infos] == ["succeeded"] * 3, [i["error"] for i in infos]
+    tasks = slurm.tasks(array)
+    names = {f"trainer-{jid}-0" for jid in tasks}
+    assert {first, second} == names and {i["trainer"] for i in infos} <= names
+    # the same job three times: the same model, every sample once per epoch
+    reference = final_weights(infos[0])
+    for info in infos[1:]:
+        assert_same_weights(final_weights(info), reference)
+    for job in jobs:
+        assert_exactly_once(cluster, job, train_digests)
+    for jid in tasks:
+        fields = slurm.wait_job(jid, lambda f: f["JobState"] not in ("RUNNING", "COMPLETING"), 60, "ended")
+        assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", fields
+
+
+def test_sigterm_then_requeue_resumes_exactly(slurm, cluster, tmp_path, train_digests):  # noqa: F811
+    reference = cluster.submit_spec(JOB)
+    victim = cluster.submit_spec(JOB)
+    env = recipe_env(
+        **{k: v for k, v in cluster.env.items() if k.startswith("BATCHBUS_")},
+        BB_ROUTER=cluster.endpoint,
+        BB_SECRET_FILE=str(cluster.state / "secret"),
+        BB_STATE=str(tmp_path / "trainers"),
+    )
+    out = tmp_path / "task-%j.out"
+    sid = slurm.sbatch(
+        RECIPES / "batchbus-trainers.sbatch", "--cpus-per-task=1", f"--output={out}", env=env, cwd=tmp_path
+    )
+    log = Path(str(out).replace("%j", sid))
+    try:
+        with task_logs(tmp_path):
+            # the uninterrupted run first (the queue is first come, first served)
+            ref = cluster.wait_end(reference, timeout=90)
+            assert ref["state"] == "succeeded", ref["error"]
+            # mid-epoch for sure: paused once it has trained a step, then Slurm's SIGTERM
+            running = cluster.wait(
+                victim, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1
+            )
+            trainer = running["trainer"]
+            assert cluster.control(victim, "pause")["state"] == "paused"
+            slurm.run("scancel", "--signal=TERM", sid)
+            cluster.wait(victim, lambda i: any("handed back" in e["reason"] for e in i["events"]), timeout=30)
+            # (a job handed back while paused stays paused until resumed: resumed now, it is queued again)
+            cluster.control(victim, "resume")
+            assert cluster.job(victim)["state"] == "queued"
+            # the task requeued itself; Slurm holds a requeued job back for two minutes (BeginTime): release it
+            slurm.wait_job(
+                sid,
+                lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1",
+                30,
+                "requeued",
+                logs=log.read_text() if log.exists() else "",
+            )
+            slurm.release(sid)
+            info = cluster.wait_end(victim, timeout=90)
+    finally:
+        slurm.run("scancel", sid)
+    assert info["state"] == "succeeded", info["error"]
+    assert info["failures"] == 0 and info["trainer"] == trainer  # the same task's next run: same name, same subject
+    back = next(e for e in info["events"] if "handed back" in e["reason"])
+    assert back["reason"].startswith(f"handed back by {trainer}")
+    # the next run resumed from the checkpoint written as the trainer stopped, not from scratch
+    reasons = [e["reason"] for e in info["events"]]
+    resumed = [int(r.split("resumes from step ")[1].split(",")[0]) for r in reasons if "resumes from step" in r]
+    assert resumed and resumed[-1] > 0 and resumed[-1] in {c["step"] for c in info["checkpoints"]}, reasons
+    assert_same_weights(final_weights(info), final_weights(ref))
+    assert_exactly_once(cluster, victim, train_digests)
+    text = log.read_text()
+    assert "trainers exited (0)" in text and f"requeueing {sid}" in text and "restart 1" in text, text
