@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import stat
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +25,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from libbus.connect.client import Client, Identity
 from services.trainer.audit import effective_epochs
-from tests.support import BUSCTL, REPO
+from tests.support import BUSCTL, REPO, Cluster
 from tests.support.jobs import SPEC, JobCluster, final_weights
 from tests.support.slurm import SlurmCluster, slurm  # noqa: F401 - the fixture
 
@@ -68,8 +70,8 @@ def assert_private(path: Path) -> None:
     assert mode & 0o077 == 0, f"{path} is mode {mode:o}"
 
 
-def assert_exactly_once(bus: JobCluster, job: str, train_digests: Counter) -> None:
-    epochs = effective_epochs(bus.audit, job)
+def assert_exactly_once(audit: Path, job: str, train_digests: Counter) -> None:
+    epochs = effective_epochs(audit, job)
     assert sorted(epochs) == list(range(JOB["epochs"]))
     for epoch, seen in epochs.items():
         assert seen == train_digests, f"epoch {epoch}: samples missing or repeated"
@@ -81,13 +83,44 @@ def assert_same_weights(ours: dict[str, torch.Tensor], theirs: dict[str, torch.T
         assert torch.equal(ours[name], theirs[name]), f"{name} differs"
 
 
-def test_whole_cluster_in_one_allocation_trains_to_a_model(slurm, tmp_path):  # noqa: F811
+def attach(inside: Cluster, endpoint: str) -> None:
+    """Make ``inside``'s admin client talk to the router at ``endpoint`` (started by a recipe)."""
+    inside.admin = Client(endpoint, Identity(role="admin", name="test-admin", token=inside.admin_token), timeout_s=10)
+
+
+def detach(inside: Cluster) -> None:
+    if inside.admin is not None:
+        inside.admin.close()
+        inside.admin = None
+
+
+def wait_line(path: Path, line: str, slurm: SlurmCluster, sid: str, timeout: float = 60) -> None:  # noqa: F811
+    """Wait until the Slurm job's output ``path`` has ``line``; fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and line in path.read_text()):
+        fields = slurm.job(sid)
+        assert fields["JobState"] in ("PENDING", "RUNNING"), f"{fields}\n{path.read_text()}"
+        assert time.monotonic() < deadline, f"no {line!r} in {path}:\n{path.read_text()}"
+        time.sleep(0.1)
+
+
+def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
+    slurm,  # noqa: F811
+    cluster,
+    tmp_path,
+    train_digests,
+):
     job_file = tmp_path / "job.toml"
     # (json's scalars are TOML's; the one table goes last)
     scalars = "".join(f"{k} = {json.dumps(v)}\n" for k, v in JOB.items() if not isinstance(v, dict))
     job_file.write_text(scalars + "[model_kwargs]\nhidden = 64\n")
-    state = tmp_path / "state"
-    env = recipe_env(BB_HOST="127.0.0.1", BB_DATASETS="mnist=mock://mnist?n=600", BB_STATE=str(state))
+    state, audit = tmp_path / "state", tmp_path / "audit"
+    env = recipe_env(
+        BB_HOST="127.0.0.1",
+        BB_DATASETS="mnist=mock://mnist?n=600",
+        BB_STATE=str(state),
+        BATCHBUS_AUDIT_DIR=str(audit),
+    )
     out = tmp_path / "slurm-%j.out"
     sid = slurm.sbatch(
         RECIPES / "batchbus-cluster.sbatch",
@@ -99,28 +132,51 @@ def test_whole_cluster_in_one_allocation_trains_to_a_model(slurm, tmp_path):  # 
         cwd=tmp_path,
     )
     log = Path(str(out).replace("%j", sid))
-    fields = slurm.wait_job(
-        sid,
-        lambda f: f["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"),
-        100,
-        "ended",
-        logs=log.read_text() if log.exists() else "",
-    )
-    text = log.read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{text}"
-    job = (state / "submitted").read_text().strip()
-    assert f"job {job} succeeded" in text, text
+    inside = Cluster(state)  # an admin of the cluster in the allocation (its secret is in the state directory)
+    try:
+        with task_logs(tmp_path):
+            wait_line(log, "(restart 0)", slurm, sid)
+            job = (state / "submitted").read_text().strip()
+            attach(inside, (state / "router.ep").read_text().strip())
+            # mid-epoch for sure (paused after a step), the allocation ends: what --signal=B:TERM@180 does
+            inside.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1)
+            inside.control(job, "pause")
+            slurm.run("scancel", "--batch", "--signal=TERM", sid)
+            slurm.wait_job(sid, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1", 60, "requeued")
+            detach(inside)
+            slurm.release(sid)
+            # the next run: the router on the same job database, the job resumed from its checkpoint
+            wait_line(log, "(restart 1)", slurm, sid)
+            attach(inside, (state / "router.ep").read_text().strip())
+            inside.control(job, "resume")  # (handed back while paused, it stayed paused)
+            detach(inside)
+            fields = slurm.wait_job(
+                sid, lambda f: f["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"), 90, "ended"
+            )
+        text = log.read_text()
+        assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{text}"
+        assert f"job {job} succeeded" in text and f"requeueing {sid}" in text, text
+        # the job database outlived both runs: a router started on it afterwards tells the story
+        inside.start_router()
+        info = inside.job(job)
+    finally:
+        inside.close()
+    assert info["state"] == "succeeded" and info["failures"] == 0, info["error"]
+    reasons = [e["reason"] for e in info["events"]]
+    assert any(r.startswith(f"handed back by trainer-{sid}-") for r in reasons), reasons
+    assert any("resumes from step" in r and "resumes from step 0," not in r for r in reasons), reasons
+    assert_exactly_once(audit, job, train_digests)
     # the model came home, byte for byte what the trainer pushed to the router
     model = state / "model.safetensors"
     assert model.read_bytes() == (state / "artifacts" / job / "model.safetensors").read_bytes()
     weights = load_file(model)
     assert weights and all(bool(torch.isfinite(t).all()) for t in weights.values())
-    # a provider and two trainers (one per task) joined; all stopped cleanly at the end
+    # a provider and two trainers (one per task) joined; all stopped cleanly, both times
     joined = (state / "router.log").read_text()
     for name in (f"provider provider-{sid}-0", f"trainer trainer-{sid}-0", f"trainer trainer-{sid}-1"):
         assert f"{name} (pid" in joined, joined
     for line in ("bb-trainer stopped (srun exit 0)", "bb-provider stopped (srun exit 0)", "router stopped (exit 0)"):
-        assert line in text, text
+        assert text.count(line) == 2, text
     # tokens were files of the allocation's own, gone with it; the state and the secret are private
     assert not (state / "tokens").exists()
     assert_private(state)
@@ -163,7 +219,7 @@ def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train
     for info in infos[1:]:
         assert_same_weights(final_weights(info), reference)
     for job in jobs:
-        assert_exactly_once(cluster, job, train_digests)
+        assert_exactly_once(cluster.audit, job, train_digests)
     for jid in tasks:
         fields = slurm.wait_job(jid, lambda f: f["JobState"] not in ("RUNNING", "COMPLETING"), 60, "ended")
         assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", fields
@@ -220,6 +276,6 @@ def test_sigterm_then_requeue_resumes_exactly(slurm, cluster, tmp_path, train_di
     resumed = [int(r.split("resumes from step ")[1].split(",")[0]) for r in reasons if "resumes from step" in r]
     assert resumed and resumed[-1] > 0 and resumed[-1] in {c["step"] for c in info["checkpoints"]}, reasons
     assert_same_weights(final_weights(info), final_weights(ref))
-    assert_exactly_once(cluster, victim, train_digests)
+    assert_exactly_once(cluster.audit, victim, train_digests)
     text = log.read_text()
     assert "trainers exited (0)" in text and f"requeueing {sid}" in text and "restart 1" in text, text
