@@ -17,6 +17,7 @@ import contextlib
 import json
 import stat
 import time
+import tomllib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from libbus.connect.client import Client, Identity
+from libbus.jobs.spec import JobSpec
 from services.trainer.audit import effective_epochs
 from tests.support import BUSCTL, REPO, Cluster
 from tests.support.jobs import SPEC, JobCluster, final_weights
@@ -279,3 +281,9 @@ def test_sigterm_then_requeue_resumes_exactly(slurm, cluster, tmp_path, train_di
     assert_exactly_once(cluster.audit, victim, train_digests)
     text = log.read_text()
     assert "trainers exited (0)" in text and f"requeueing {sid}" in text and "restart 1" in text, text
+
+
+def test_the_first_run_job_file_is_a_valid_job():
+    """slurm/README.md's first run submits slurm/job.toml: it must be a job the router accepts."""
+    spec = JobSpec.from_dict(tomllib.loads((RECIPES / "job.toml").read_text()))
+    assert spec.dataset == "mnist" and spec.checkpoint_every > 0
