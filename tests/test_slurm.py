@@ -192,6 +192,7 @@ def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train
         BB_ROUTER=cluster.endpoint,
         BB_SECRET_FILE=str(cluster.state / "secret"),
         BB_STATE=str(tmp_path / "trainers"),
+        BB_IDLE_EXIT_S="3",
     )
     out = tmp_path / "task-%A_%a.out"
     array = slurm.sbatch(
@@ -210,10 +211,15 @@ def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train
             second = cluster.wait(jobs[1], lambda i: i["state"] == "running", timeout=60)["trainer"]
             assert cluster.control(jobs[0], "resume")["state"] == "running"
             infos = [cluster.wait_end(j, timeout=90) for j in jobs]
+            # the queue drained, each task stops its trainer and ends by itself, without requeueing
+            tasks = slurm.tasks(array)
+            ended = [
+                slurm.wait_job(jid, lambda f: f["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"), 60, "ended")
+                for jid in tasks
+            ]
     finally:
-        slurm.run("scancel", array)  # for good: a plain scancel does not requeue
+        slurm.run("scancel", array)  # (nothing left to cancel unless the test failed)
     assert [i["state"] for i in infos] == ["succeeded"] * 3, [i["error"] for i in infos]
-    tasks = slurm.tasks(array)
     names = {f"trainer-{jid}-0" for jid in tasks}
     assert {first, second} == names and {i["trainer"] for i in infos} <= names
     # the same job three times: the same model, every sample once per epoch
@@ -222,9 +228,11 @@ def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train
         assert_same_weights(final_weights(info), reference)
     for job in jobs:
         assert_exactly_once(cluster.audit, job, train_digests)
-    for jid in tasks:
-        fields = slurm.wait_job(jid, lambda f: f["JobState"] not in ("RUNNING", "COMPLETING"), 60, "ended")
-        assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", fields
+    for fields in ended:
+        assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), fields
+    for out in tmp_path.glob("task-*.out"):
+        text = out.read_text()
+        assert "the queue is drained" in text and "trainers exited (0)" in text and "requeueing" not in text, text
 
 
 def test_sigterm_then_requeue_resumes_exactly(slurm, cluster, tmp_path, train_digests):  # noqa: F811
