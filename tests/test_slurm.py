@@ -31,7 +31,7 @@ from libbus.jobs.spec import JobSpec
 from services.trainer.audit import effective_epochs
 from tests.support import BUSCTL, REPO, Cluster
 from tests.support.jobs import SPEC, JobCluster, final_weights
-from tests.support.slurm import SlurmCluster, slurm  # noqa: F401 - the fixture
+from tests.support.slurm import NODE, SlurmCluster, slurm  # noqa: F401 - the fixture
 
 RECIPES = REPO / "slurm"
 JOB = {**SPEC, "epochs": 2}
@@ -175,9 +175,9 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
     assert weights and all(bool(torch.isfinite(t).all()) for t in weights.values())
     # a provider and two trainers (one per task) joined; all stopped cleanly, both times
     joined = (state / "router.log").read_text()
-    for name in (f"provider provider-{sid}-0", f"trainer trainer-{sid}-0", f"trainer trainer-{sid}-1"):
+    for name in (f"provider provider-{sid}-{NODE}", f"trainer trainer-{sid}-0", f"trainer trainer-{sid}-1"):
         assert f"{name} (pid" in joined, joined
-    for line in ("bb-trainer stopped (srun exit 0)", "bb-provider stopped (srun exit 0)", "router stopped (exit 0)"):
+    for line in ("bb-trainer stopped (srun exit 0)", "provider stopped (exit 0)", "router stopped (exit 0)"):
         assert text.count(line) == 2, text
     # tokens were files of the allocation's own, gone with it; the state and the secret are private
     assert not (state / "tokens").exists()
