@@ -188,6 +188,7 @@ class EntrypointRun:
         try:
             channel.send(
                 "start",
+                [bytes(f.buffer if hasattr(f, "buffer") else f) for f in self.task.frames],  # model_from's weights
                 settings=s.as_dict(),
                 task={
                     "job": self.task.job,

@@ -139,10 +139,11 @@ def _beat(channel: Channel, job: AttemptJob, done: threading.Event) -> None:
             return
 
 
-def run(channel: Channel, start: dict) -> tuple[JobState | str, dict, str]:
+def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | str, dict, str]:
     """Import, set up and call the function; how the attempt ended as the trainer pushes it."""
     settings = Settings(**start["settings"])
     task = Task(**start["task"])
+    task.frames = frames[:1]  # the weights of model_from, if the job names one
     job_id = task.job
     link = ParentLink(channel)
     commands: queue.Queue[Command] = queue.Queue()
@@ -217,14 +218,14 @@ def main(argv: list[str]) -> int:
     got = channel.recv()
     if got is None or got[0]["op"] != "start":
         return 2
-    start = got[0]
+    start, frames = got
     logging.basicConfig(
         level=start["settings"].get("log_level", "INFO"),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        state, result, error = run(channel, start)
+        state, result, error = run(channel, start, frames)
     except BaseException as err:  # noqa: BLE001 - set-up itself failed: say so, do not leave the parent guessing
         state, result, error = JobState.FAILED, {"retryable": False}, describe_failure(err, None)
         log.error("attempt could not start: %s", error)

@@ -51,7 +51,7 @@ from .checkpoint import (
 )
 from .control import Controls, Lost, Stopped
 from .gang import Code, Gang, GangError
-from .prepare import shard
+from .prepare import initial_weights, shard
 from .progress import Meter
 from .reports import Reporter
 from .resume import read_shared
@@ -162,8 +162,10 @@ class AttemptJob(Job):
             "host_id": self.identity.host_id,
             "curve": self.identity.curve,
         }
-        if split == "train":  # the job's order, this rank's shard
+        if split == "train":  # the job's order, this rank's shard, its train_range
             args.update(shuffle=spec.shuffle, block_size=spec.block_size, seed=spec.seed, **shard(self.task))
+            if spec.train_range:
+                args["samples"] = tuple(spec.train_range)
         else:  # whole, in file order, unless asked otherwise
             args.update(shuffle=False, rank=0, world_size=1)
         loader = RemoteLoader(spec.dataset, split=split, **{**args, **kwargs})
@@ -186,6 +188,11 @@ class AttemptJob(Job):
             self.resumed_from = {"error": str(err)}
             return None
         return self._restore_value
+
+    def initial_model(self) -> dict[str, torch.Tensor] | None:
+        if not self.task.frames:
+            return None
+        return initial_weights(self.task.frames[0], self.spec.model_from)
 
     def checkpoint(self, state: Mapping[str, Any] | None = None) -> dict:
         record = self._write(state)

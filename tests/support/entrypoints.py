@@ -144,3 +144,20 @@ def ddp(job: Job) -> None:
         print(f"rank {job.rank} of {job.world_size}: epoch {epoch} tag {job.params.get('tag')}", flush=True)
         job.report(val_loss=loss.item())
     job.save_model(model.state_dict())
+
+
+def ids_seen(job: Job) -> None:
+    """Saves the ids (first feature) of every train sample it was given, epoch by epoch."""
+    train = job.loader("train", batch_size=7)
+    seen = {}
+    for epoch in range(job.params.get("epochs", 2)):
+        seen[f"epoch{epoch}"] = torch.cat([x[:, 0] for x, _ in train]).to(torch.int64)
+        job.report(val_loss=0.0)
+    job.save_model(seen)
+
+
+def constant(job: Job) -> None:
+    """Its model is ``params["value"]``, or where it starts from (``model_from``) plus one."""
+    start = job.initial_model()
+    w = start["w"] + 1 if start is not None else torch.full((3,), float(job.params.get("value", 0.0)))
+    job.save_model({"w": w})
