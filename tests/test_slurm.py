@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import stat
+import subprocess
 import time
 import tomllib
 from collections import Counter
@@ -295,3 +297,10 @@ def test_the_first_run_job_file_is_a_valid_job():
     """slurm/README.md's first run submits slurm/job.toml: it must be a job the router accepts."""
     spec = JobSpec.from_dict(tomllib.loads((RECIPES / "job.toml").read_text()))
     assert spec.dataset == "mnist" and spec.checkpoint_every > 0
+
+
+def test_the_recipes_pass_shellcheck():
+    assert shutil.which("shellcheck"), "this test checks slurm/*.sbatch with shellcheck: apt-get install shellcheck"
+    recipes = sorted(str(p) for p in RECIPES.glob("*.sbatch"))
+    out = subprocess.run(["shellcheck", *recipes], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
