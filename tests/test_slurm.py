@@ -1,7 +1,8 @@
 """batchbus under Slurm, for real: the recipes in slurm/ submitted with sbatch to a one-node slurmctld + slurmd of
 this module's own (tests/support/slurm.py; skipped only where slurm-wlm and munge cannot be installed).
 
-- the whole cluster in one allocation (slurm/batchbus-cluster.sbatch) trains a job to a downloaded model;
+- the whole cluster in one allocation (slurm/batchbus-cluster.sbatch), its two tasks' trainers one gang, is ended
+  mid-epoch as its time limit would end it, requeues itself and trains the job to a downloaded model;
 - an array of two trainer tasks (slurm/batchbus-trainers.sbatch) joins a router running outside Slurm and drains
   its queue;
 - `scancel --signal=TERM` of a running trainer task: the trainer checkpoints and hands its job back, the task
@@ -116,7 +117,8 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
 ):
     job_file = tmp_path / "job.toml"
     # (json's scalars are TOML's; the one table goes last)
-    scalars = "".join(f"{k} = {json.dumps(v)}\n" for k, v in JOB.items() if not isinstance(v, dict))
+    gang = {**JOB, "world_size": 2}  # both tasks' trainers train it together, ranks from the allocation
+    scalars = "".join(f"{k} = {json.dumps(v)}\n" for k, v in gang.items() if not isinstance(v, dict))
     job_file.write_text(scalars + "[model_kwargs]\nhidden = 64\n")
     state, audit = tmp_path / "state", tmp_path / "audit"
     env = recipe_env(
@@ -168,6 +170,8 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
     assert info["state"] == "succeeded" and info["failures"] == 0, info["error"]
     reasons = [e["reason"] for e in info["events"]]
     assert any(r.startswith(f"handed back by trainer-{sid}-") for r in reasons), reasons
+    gangs = [r for r in reasons if r.startswith("assigned to a gang of 2")]
+    assert len(gangs) == 2 and all(f"trainer-{sid}-0" in r and f"trainer-{sid}-1" in r for r in gangs), reasons
     assert any("resumes from step" in r and "resumes from step 0," not in r for r in reasons), reasons
     assert_exactly_once(audit, job, train_digests)
     # the model came home, byte for byte what the trainer pushed to the router
