@@ -109,6 +109,9 @@ def wait_line(path: Path, line: str, slurm: SlurmCluster, sid: str, timeout: flo
         time.sleep(0.1)
 
 
+# two start-ups of a whole cluster (router, provider, two trainers) and a gang's training: about 35 s here alone,
+# twice that on this 2-core machine under other suites' load
+@pytest.mark.timeout(240)
 def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
     slurm,  # noqa: F811
     cluster,
