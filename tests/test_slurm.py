@@ -215,8 +215,11 @@ def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train
     try:
         with task_logs(tmp_path):
             # the first job's trainer holds it, paused, until another task has taken the second: both tasks work
-            first = cluster.wait(jobs[0], lambda i: i["state"] == "running", timeout=60)["trainer"]
-            cluster.control(jobs[0], "pause")
+            # (paused once it trains: a trainer applies commands between batches)
+            first = cluster.wait(
+                jobs[0], lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1, timeout=60
+            )["trainer"]
+            assert cluster.control(jobs[0], "pause")["state"] == "paused"
             second = cluster.wait(jobs[1], lambda i: i["state"] == "running", timeout=60)["trainer"]
             assert cluster.control(jobs[0], "resume")["state"] == "running"
             infos = [cluster.wait_end(j, timeout=90) for j in jobs]
