@@ -204,7 +204,7 @@ def test_a_script_finds_the_router_and_token_as_busctl_does(router, provider, ma
     by_file = script({"BATCHBUS_CONFIG": str(config)})
     assert by_file.returncode == 0 and by_file.stdout.split() == ["120", "120"], by_file.stderr
     none = script({"BATCHBUS_ROUTER": router.endpoint})
-    assert none.returncode != 0 and "RemoteLoader needs a trainer token" in none.stderr
+    assert none.returncode != 0 and "RemoteLoader needs a token" in none.stderr and "--role reader" in none.stderr
     assert "BATCHBUS_TOKEN_FILE" in none.stderr
 
 
