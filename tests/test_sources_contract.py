@@ -28,6 +28,7 @@ from tests.support.contract import check_encoded_contract, check_fields_contract
 from tests.support.formats import build_cifar, build_idx, build_npy, build_raw, build_tokens_bin, expected_splits
 from tests.support.httpd import RangeServer
 from tests.support.images import write_imagefolder, write_shards
+from tests.support.peers import write_tfrecords
 from tests.support.s3server import S3Server
 
 MB = 1 << 20
@@ -247,6 +248,12 @@ def write_layout(name: str, d: Path) -> tuple[str, dict | None]:
         lines = [f"document {i}: {'word ' * (i % 5)}".strip() for i in range(30)]
         (d / "train.txt").write_text("\n".join(lines) + "\n")
         return "encoded=1&val_fraction=0", {"train": lines}
+    if name == "tfrecord":  # an (x, y) dataset: pixels as x, label as y
+        written = write_tfrecords(d, rng)
+        ref = {s: (np.stack(w["pixels"]).reshape(-1, 2, 3), np.array(w["label"])) for s, w in written.items()}
+        (x, y), cut = ref["train"], len(ref["train"][1]) - 3  # val: the tail of train (val_fraction 0.1)
+        ref["train"], ref["val"] = (x[:cut], y[:cut]), (x[cut:], y[cut:])
+        return "fields=pixels&label=label&shape=2,3", ref
     raise AssertionError(f"no example of layout {name!r}: add one to write_layout in tests/test_sources_contract.py")
 
 

@@ -21,7 +21,7 @@ from libbus.errors import DatasetError
 
 from . import images, parquet
 from .base import Source
-from .formats import cifar, idx, imagefolder, npy, raw, textlines, tokens, webdataset
+from .formats import cifar, idx, imagefolder, npy, raw, textlines, tfrecord, tokens, webdataset
 from .formats.dataset import MEMORY_MODES, FileSource
 from .formats.dataset_toml import parse_settings
 from .formats.location import Format, Location
@@ -33,6 +33,7 @@ FORMATS: tuple[Format, ...] = (
     parquet.FORMAT,
     imagefolder.FORMAT,
     webdataset.FORMAT,
+    tfrecord.FORMAT,
     textlines.FORMAT,
     raw.FORMAT,
     idx.FORMAT,
