@@ -24,7 +24,8 @@ largest record's, from the index, so a same-host trainer gets batches through sh
 ``?label=NAME``: an int64 feature of one value per record, the class id, served as ``y``
 (``num_classes`` from ``?classes=``, else its largest value + 1); with one other field left, a fixed
 one of numbers, that field is ``x`` and the dataset is an ``(x, y)`` one that the built-in models train
-on (``?shape=1,28,28`` reshapes ``x``).
+on (``?shape=1,28,28`` reshapes ``x``): the rule of :mod:`.fieldpick`, shared with MDS. A bytes feature
+of several values per record is refused, naming it (leave it out with ``?fields=``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import struct
@@ -49,6 +49,7 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from ..base import SPLITS, Field, FieldBatch, Source
+from .fieldpick import classes, fill, select
 from .location import Format, Location
 from .tfexample import BYTES, FLOAT, INT64, parse_example
 
@@ -57,7 +58,7 @@ __all__ = ["EXPECTED", "FORMAT", "TFRecordSource", "detect", "masked_crc", "open
 log = logging.getLogger(__name__)
 
 EXPECTED = "TFRecord: *.tfrecord, *.tfrecords or *.tfrec files of tf.train.Example (gzip or not)"
-PARAMS = ("fields", "label", "shape", "classes", "val_fraction")
+PARAMS = ("fields", "label", "shape", "classes", "val_fraction")  # fields, label, shape: .fieldpick
 INDEX_VERSION = 1
 #: Records closer than this in one file are read together (one read) rather than apart.
 COALESCE_GAP = 64 << 10
@@ -279,15 +280,6 @@ def _shard(loc: Location, path) -> Shard:
 # -- the source ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Pick:
-    """A served field and the feature it comes from."""
-
-    field: Field
-    feature: str
-    kind: str
-
-
 class TFRecordSource(Source):
     """The records of a set of TFRecord files as named fields, or ``(x, y)`` (see the module doc)."""
 
@@ -321,82 +313,32 @@ class TFRecordSource(Source):
     # -- which features become which fields --------------------------------------------------------
 
     def _pick(self, params: dict[str, str]) -> None:
-        feats, uri = self.features, self.uri
-        names = ", ".join(f"{n} ({feats[n]['kind']})" for n in sorted(feats)) or "none"
-        label = params.get("label") or None
-        wanted = [w.strip() for w in params.get("fields", "").split(",") if w.strip()]
-        for name in [*wanted, *([label] if label else [])]:
-            if name not in feats:
-                raise DatasetError(f"{uri}: no feature {name!r} in the records; their features: {names}")
-        if len(set(wanted)) != len(wanted) or label in wanted:
-            raise DatasetError(f"{uri}: fields= and label= must name each feature once")
-        explicit = bool(wanted)
-        picks = []
-        for name in wanted or sorted(n for n in feats if n != label):
-            pick = self._field(name, explicit)
-            if pick is not None:
-                picks.append(pick)
-        self.num_classes, self.label = 0, label
+        columns: dict[str, Field] = {}
+        refused: dict[str, str] = {}
+        for name, s in sorted(self.features.items()):
+            kind, lo, hi = s["kind"], s["min"], s["max"]
+            if kind == BYTES and hi > 1:
+                refused[name] = f"holds up to {hi} byte strings per record; a field serves one"
+            elif kind == BYTES:
+                columns[name] = Field(name, "bytes", (), int(s["bytes"]))
+            elif lo == hi:
+                columns[name] = Field(name, _DTYPES[kind].name, () if hi == 1 else (hi,))
+            else:
+                columns[name] = Field(name, _DTYPES[kind].name, (None,), int(s["bytes"]))
+        self.selection = select(self.uri, columns, refused, params, "feature")
+        self.label = label = self.selection.label
+        self.num_classes = 0
         if label is not None:
-            s = feats[label]
-            if s["kind"] != INT64 or s["min"] != 1 or s["max"] != 1:
-                raise DatasetError(
-                    f"{uri}: label {label!r} must be an int64 feature of one value in every record; it is a "
-                    f"{s['kind']} list of {s['min']}..{s['max']} values"
-                )
-            if s["lo"] < 0:
-                raise DatasetError(f"{uri}: label {label!r} holds {s['lo']}; class ids are 0..N-1")
-            try:
-                self.num_classes = int(params.get("classes") or s["hi"] + 1)
-            except ValueError:
-                raise DatasetError(f"{uri}: classes must be an integer, got {params['classes']!r}") from None
-            if self.num_classes <= s["hi"]:
-                raise DatasetError(f"{uri}: label {label!r} holds {s['hi']}, beyond classes={self.num_classes}")
+            s = self.features[label]
+            self.num_classes = classes(self.uri, label, s["lo"], s["hi"], params.get("classes"))
             self.class_names = [str(i) for i in range(self.num_classes)]
-        shape = params.get("shape")
-        xy = label is not None and len(picks) == 1 and not picks[0].field.variable and picks[0].kind != BYTES
-        if shape is not None and not xy:
-            raise DatasetError(f"{uri}: shape= reshapes x: it needs label= and one fixed field of numbers besides")
-        if xy:
-            f = picks[0]
-            dims = f.field.fixed_shape
-            if shape is not None:
-                try:
-                    dims = tuple(int(d) for d in shape.split(","))
-                except ValueError:
-                    raise DatasetError(f"{uri}: shape must be sizes like 1,28,28, got {shape!r}") from None
-                if math.prod(dims) != math.prod(f.field.fixed_shape):
-                    raise DatasetError(
-                        f"{uri}: shape {shape} holds {math.prod(dims)} values; feature {f.feature!r} has "
-                        f"{math.prod(f.field.fixed_shape)} per record"
-                    )
-            picks = [_Pick(Field("x", f.field.dtype, dims), f.feature, f.kind)]
-            self.sample_shape, self.dtype, self.kind = dims, f.field.np_dtype, "image"
+        if self.selection.xy:
+            x = self.selection.picks[0].field
+            self.sample_shape, self.dtype, self.kind = x.fixed_shape, x.np_dtype, "image"
         else:
             self.sample_shape, self.dtype, self.kind = (0,), np.dtype(np.uint8), "fields"
-        if label is not None:
-            picks.append(_Pick(Field("y", "int64", ()), label, INT64))
-        if not picks:
-            raise DatasetError(f"{uri}: no feature to serve; their features: {names}")
-        self.picks = picks
-        self._fields = [p.field for p in picks]
-        self._wanted = frozenset(p.feature for p in picks)
-
-    def _field(self, name: str, explicit: bool) -> _Pick | None:
-        s = self.features[name]
-        kind, lo, hi = s["kind"], s["min"], s["max"]
-        if kind == BYTES:
-            if hi > 1:
-                why = f"feature {name!r} holds up to {hi} byte strings per record; a field serves one"
-                if explicit:
-                    raise DatasetError(f"{self.uri}: {why}")
-                log.warning("%s: %s: left out (name the features to serve with ?fields=)", self.uri, why)
-                return None
-            return _Pick(Field(name, "bytes", (), int(s["bytes"])), name, kind)
-        dtype = _DTYPES[kind].name
-        if lo == hi:
-            return _Pick(Field(name, dtype, () if hi == 1 else (hi,)), name, kind)
-        return _Pick(Field(name, dtype, (None,), int(s["bytes"])), name, kind)
+        self._fields = self.selection.fields
+        self._wanted = self.selection.columns
 
     @property
     def fields(self) -> list[Field]:
@@ -468,24 +410,11 @@ class TFRecordSource(Source):
     def _values(self, split: str, indices: np.ndarray) -> FieldBatch:
         records = self._records(split, indices)
         out: FieldBatch = {}
-        for pick in self.picks:
-            f = pick.field
-            values = [r.get(pick.feature) for r in records]
-            if f.dtype == "bytes":
-                out[f.name] = [v[1][0] if v is not None and len(v[1]) else b"" for v in values]
-            elif f.variable:
-                out[f.name] = [v[1] if v is not None else np.empty(0, f.np_dtype) for v in values]
-            else:
-                shape = f.fixed_shape
-                arr = np.empty((len(values), *shape), f.np_dtype)
-                for i, v in enumerate(values):
-                    if v is None or len(v[1]) != math.prod(shape):
-                        raise DatasetError(
-                            f"{self.uri}: {split}[{int(indices[i])}]: feature {pick.feature!r} holds "
-                            f"{0 if v is None else len(v[1])} values, not {math.prod(shape)} (the file changed?)"
-                        )
-                    arr[i] = v[1].reshape(shape)
-                out[f.name] = arr
+        for pick in self.selection.picks:
+            values = [r[pick.column][1] if pick.column in r else None for r in records]
+            if pick.field.dtype == "bytes":
+                values = [v[0] if v else None for v in values]
+            out[pick.field.name] = fill(pick, values, lambda i: f"{self.uri}: {split}[{int(indices[i])}]")
         if self.label is not None and len(out["y"]) and (out["y"].min() < 0 or out["y"].max() >= self.num_classes):
             raise DatasetError(f"{self.uri}: a label in {split} is outside 0..{self.num_classes - 1}")
         return out
