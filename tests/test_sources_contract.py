@@ -28,7 +28,7 @@ from tests.support.contract import check_encoded_contract, check_fields_contract
 from tests.support.formats import build_cifar, build_idx, build_npy, build_raw, build_tokens_bin, expected_splits
 from tests.support.httpd import RangeServer
 from tests.support.images import write_imagefolder, write_shards
-from tests.support.peers import write_tfrecords
+from tests.support.peers import mds_job, write_mds, write_tfrecords
 from tests.support.s3server import S3Server
 
 MB = 1 << 20
@@ -254,6 +254,11 @@ def write_layout(name: str, d: Path) -> tuple[str, dict | None]:
         (x, y), cut = ref["train"], len(ref["train"][1]) - 3  # val: the tail of train (val_fraction 0.1)
         ref["train"], ref["val"] = (x[:cut], y[:cut]), (x[cut:], y[cut:])
         return "fields=pixels&label=label&shape=2,3", ref
+    if name == "mds":  # Streaming's MDSWriter; an (x, y) dataset: x as x, y as y
+        d.rmdir()
+        (samples,) = write_mds(mds_job(d, 9, 30, columns=("x", "y")))
+        x, y = np.stack([s["x"] for s in samples]), np.array([s["y"] for s in samples])
+        return "fields=x&label=y&classes=4", {"train": (x[:27], y[:27]), "val": (x[27:], y[27:])}
     raise AssertionError(f"no example of layout {name!r}: add one to write_layout in tests/test_sources_contract.py")
 
 

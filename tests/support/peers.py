@@ -1,15 +1,22 @@
 """Datasets written by the peer loaders' own writers, as their users have them: TFRecord shards of
 ``tf.train.Example`` (the ``tfrecord`` package's writer: TensorFlow's framing and protobuf messages,
-without TensorFlow), for tests/test_tfrecord.py and tests/test_sources_contract.py."""
+without TensorFlow) and MosaicML Streaming's MDS shards (its ``MDSWriter``), for tests/test_tfrecord.py,
+tests/test_mds.py and tests/test_sources_contract.py."""
 
 from __future__ import annotations
 
 import gzip
+import io
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["write_tfrecords"]
+from .busctl import REPO
+
+__all__ = ["MDS_COLUMNS", "mds_job", "mds_samples", "png_pixels", "write_mds", "write_tfrecords"]
 
 
 def write_tfrecords(
@@ -49,3 +56,90 @@ def write_tfrecords(
             path.with_name(name + ".gz").write_bytes(gzip.compress(path.read_bytes()))
             path.unlink()
     return out
+
+
+def mds_samples(seed: int, n: int) -> list[dict]:
+    """``n`` samples of every column kind :func:`write_mds` writes, the same for the same ``seed``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        h, w = (int(v) for v in rng.integers(2, 9, 2))
+        out.append(
+            {
+                "x": rng.standard_normal((2, 3)).astype(np.float32),
+                "y": int(rng.integers(0, 4)),
+                "caption": "é" * int(rng.integers(0, 6)) + "caption",
+                "tokens": rng.integers(0, 1000, int(rng.integers(1, 9))).astype(np.int32),
+                "any": rng.standard_normal((int(rng.integers(1, 4)), 2)).astype(np.float64),
+                "image": rng.integers(0, 256, (h, w, 3), dtype=np.uint8),
+                "blob": rng.integers(0, 256, int(rng.integers(0, 30)), dtype=np.uint8).tobytes(),
+            }
+        )
+    return out
+
+
+#: The columns :func:`write_mds` writes, by Streaming encoding (MDSWriter orders them by name).
+MDS_COLUMNS = {
+    "x": "ndarray:float32:2,3",
+    "y": "int64",
+    "caption": "str",
+    "tokens": "ndarray:int32",
+    "any": "ndarray",
+    "image": "png",
+    "blob": "bytes",
+}
+
+_WRITE_MDS = """
+import json, sys, types
+# streaming's vision/text/multimodal dataset classes import torchvision, which has no CPU build for this
+# torch; the writer needs none of them (benchmarks/peer_rows.py does the same, in its own process)
+for sub in ("vision", "text", "multimodal"):
+    sys.modules.setdefault(f"streaming.{sub}", types.ModuleType(f"streaming.{sub}"))
+from PIL import Image
+from streaming import MDSWriter
+from tests.support.peers import MDS_COLUMNS, mds_samples
+for job in json.loads(sys.argv[1]):
+    columns = {k: v for k, v in MDS_COLUMNS.items() if k in job["columns"]}
+    with MDSWriter(
+        out=job["out"], columns=columns, compression=job["compression"] or None, size_limit=job["size_limit"]
+    ) as writer:
+        for sample in mds_samples(job["seed"], job["n"]):
+            sample["image"] = Image.fromarray(sample["image"])
+            writer.write({k: v for k, v in sample.items() if k in columns})
+"""
+
+
+def mds_job(
+    out: Path, seed: int, n: int, compression: str = "", size_limit: int = 1 << 11, columns=MDS_COLUMNS
+) -> dict:
+    """One directory for :func:`write_mds`: :func:`mds_samples` ``(seed, n)``, the ``columns`` named."""
+    return {
+        "out": str(out),
+        "seed": seed,
+        "n": n,
+        "compression": compression,
+        "size_limit": size_limit,
+        "columns": list(columns),
+    }
+
+
+def write_mds(*jobs: dict) -> list[list[dict]]:
+    """MDS shards written by Streaming's ``MDSWriter`` for each :func:`mds_job`, all in one process of their
+    own (importing Streaming takes seconds; see the script for why apart); returns each job's samples."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITE_MDS, json.dumps(list(jobs))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return [mds_samples(job["seed"], job["n"]) for job in jobs]
+
+
+def png_pixels(data: bytes) -> np.ndarray:
+    """The pixels of a PNG file's bytes."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img)
