@@ -3,8 +3,11 @@
 A job spec comes from the wire: whoever can submit a job chooses its ``model`` string. Importing any
 module it names would run that module's top level on the trainer (``pydoc:pipepager`` with a crafted
 ``model_kwargs`` runs a shell command), so what may run on a node is the operator's decision, not the
-job's: a ``package.module:name`` reference is resolved only if ``module`` is listed, by its exact name, in
-the node's ``user_modules`` setting. Nothing is imported before that check.
+job's: a ``package.module:name`` reference is resolved only if ``module`` is allowed by the node's
+setting — ``job_modules`` on a trainer (entrypoints and ``module:factory`` models), ``user_modules`` on a
+provider (pipeline ``user`` stages). An entry allows that module by its exact name; an entry ending in
+``.`` or ``.*`` (``mylab.`` / ``mylab.*``) allows every module under that package. Nothing is imported
+before that check.
 """
 
 from __future__ import annotations
@@ -14,13 +17,23 @@ from collections.abc import Collection
 
 from libbus.errors import BadRequest
 
-__all__ = ["import_allowed"]
+__all__ = ["import_allowed", "module_allowed"]
 
 
-def import_allowed(ref: str, allowed: Collection[str], what: str) -> object:
+def module_allowed(module_name: str, allowed: Collection[str]) -> bool:
+    """Whether ``allowed`` lists ``module_name``, or a package prefix of it (``pkg.`` or ``pkg.*``)."""
+    for entry in allowed:
+        prefix = entry.removesuffix("*")
+        if entry == module_name or (prefix.endswith(".") and module_name.startswith(prefix)):
+            return True
+    return False
+
+
+def import_allowed(ref: str, allowed: Collection[str], what: str, setting: str = "user_modules") -> object:
     """The attribute ``name`` of ``module`` for ``ref`` = ``"module:name"``, if ``module`` is in ``allowed``.
 
-    ``what`` names the reference in messages (``"model 'pkg.mod:build'"``).
+    ``what`` names the reference in messages (``"model 'pkg.mod:build'"``); ``setting`` the node's
+    setting that lists ``allowed``.
 
     Raises:
         BadRequest: a malformed reference, a module the node does not allow (named with the setting
@@ -29,11 +42,11 @@ def import_allowed(ref: str, allowed: Collection[str], what: str) -> object:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr.isidentifier() or attr.startswith("_"):
         raise BadRequest(f"{what}: give package.module:name (a public name), got {ref!r}")
-    if module_name not in allowed:
+    if not module_allowed(module_name, allowed):
         listed = ", ".join(sorted(allowed)) or "none"
         raise BadRequest(
-            f"{what}: module {module_name!r} is not in this node's user_modules ({listed}); only modules its "
-            "operator lists there (its config file or BATCHBUS_USER_MODULES) may run, nothing was imported"
+            f"{what}: module {module_name!r} is not in this node's {setting} ({listed}); only modules its "
+            f"operator lists there (its config file or BATCHBUS_{setting.upper()}) may run, nothing was imported"
         )
     try:
         module = importlib.import_module(module_name)
