@@ -1,7 +1,8 @@
 """Datasets written by the peer loaders' own writers, as their users have them: TFRecord shards of
 ``tf.train.Example`` (the ``tfrecord`` package's writer: TensorFlow's framing and protobuf messages,
-without TensorFlow) and MosaicML Streaming's MDS shards (its ``MDSWriter``), for tests/test_tfrecord.py,
-tests/test_mds.py and tests/test_sources_contract.py."""
+without TensorFlow), MosaicML Streaming's MDS shards (its ``MDSWriter``) and Hugging Face datasets saved
+with ``save_to_disk``, for tests/test_tfrecord.py, tests/test_mds.py, tests/test_hfdisk.py and
+tests/test_sources_contract.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from .busctl import REPO
 
-__all__ = ["MDS_COLUMNS", "mds_job", "mds_samples", "png_pixels", "write_mds", "write_tfrecords"]
+__all__ = ["MDS_COLUMNS", "mds_job", "mds_samples", "png_pixels", "write_hf", "write_mds", "write_tfrecords"]
 
 
 def write_tfrecords(
@@ -143,3 +144,40 @@ def png_pixels(data: bytes) -> np.ndarray:
 
     with Image.open(io.BytesIO(data)) as img:
         return np.asarray(img)
+
+
+def write_hf(d: Path, seed: int, splits: dict[str, int], shard_bytes: str = "1KB", extra: bool = False) -> dict:
+    """A ``datasets`` ``DatasetDict`` of ``splits`` (name → rows; one split named ``""``: a plain ``Dataset``)
+    saved with ``save_to_disk`` into ``d``: columns ``image`` (an Image feature: PNG), ``label`` (a
+    ClassLabel of a, b, c), ``text``, ``vec`` (3 float32) and ``tokens`` (int32, any length); with ``extra``
+    a ``meta`` column of structs. Returns split → column → values."""
+    import datasets  # the peer's writer: a test extra
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    features = {
+        "image": datasets.Image(),
+        "label": datasets.ClassLabel(names=["a", "b", "c"]),
+        "text": datasets.Value("string"),
+        "vec": datasets.Sequence(datasets.Value("float32"), length=3),
+        "tokens": datasets.Sequence(datasets.Value("int32")),
+    }
+    if extra:
+        features["meta"] = {"a": datasets.Value("int32"), "b": datasets.Value("string")}
+    out, made = {}, {}
+    for split, n in splits.items():
+        cols = {
+            "image": [rng.integers(0, 256, (int(rng.integers(2, 7)), 5, 3), dtype=np.uint8) for _ in range(n)],
+            "label": [int(v) for v in rng.integers(0, 3, n)],
+            "text": [f"row {i} " + "ü" * int(rng.integers(0, 4)) for i in range(n)],
+            "vec": [rng.standard_normal(3).astype(np.float32) for _ in range(n)],
+            "tokens": [rng.integers(0, 99, int(rng.integers(0, 6))).astype(np.int32) for _ in range(n)],
+        }
+        if extra:
+            cols["meta"] = [{"a": i, "b": str(i)} for i in range(n)]
+        rows = dict(cols, image=[Image.fromarray(a) for a in cols["image"]])
+        made[split] = datasets.Dataset.from_dict(rows, features=datasets.Features(features))
+        out[split] = cols
+    saved = made[""] if "" in made else datasets.DatasetDict(made)
+    saved.save_to_disk(str(d), max_shard_size=shard_bytes)
+    return out
