@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 BENCH_NODEPS ?= litdata==0.2.76 mosaicml-streaming==0.13.0
 # The peer writers the tests write datasets with, also without their declared dependencies (the test
 # extra in pyproject.toml lists what they import instead).
-TEST_NODEPS ?= mosaicml-streaming==0.13.0
+TEST_NODEPS ?= mosaicml-streaming==0.13.0 litdata==0.2.76
 
 .PHONY: install install-bench install-units demo serve-examples lint test tools clean
 

@@ -28,7 +28,7 @@ from tests.support.contract import check_encoded_contract, check_fields_contract
 from tests.support.formats import build_cifar, build_idx, build_npy, build_raw, build_tokens_bin, expected_splits
 from tests.support.httpd import RangeServer
 from tests.support.images import write_imagefolder, write_shards
-from tests.support.peers import mds_job, write_hf, write_mds, write_tfrecords
+from tests.support.peers import mds_job, write_hf, write_litdata, write_mds, write_tfrecords
 from tests.support.s3server import S3Server
 
 MB = 1 << 20
@@ -266,6 +266,11 @@ def write_layout(name: str, d: Path) -> tuple[str, dict | None]:
         (x, y) = ref["train"]
         ref["train"], ref["val"] = (x[:18], y[:18]), (x[18:], y[18:])
         return "fields=vec&label=label", ref
+    if name == "litdata":  # litData's optimize(); an (x, y) dataset: x (its shape declared) as x, y as y
+        d.rmdir()
+        (samples,) = write_litdata((d, 9, 30, True))
+        x, y = np.stack([s["x"] for s in samples]), np.array([s["y"] for s in samples])
+        return "fields=x&label=y&shape=2,3&classes=4", {"train": (x[:27], y[:27]), "val": (x[27:], y[27:])}
     raise AssertionError(f"no example of layout {name!r}: add one to write_layout in tests/test_sources_contract.py")
 
 

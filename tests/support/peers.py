@@ -1,8 +1,8 @@
 """Datasets written by the peer loaders' own writers, as their users have them: TFRecord shards of
 ``tf.train.Example`` (the ``tfrecord`` package's writer: TensorFlow's framing and protobuf messages,
-without TensorFlow), MosaicML Streaming's MDS shards (its ``MDSWriter``) and Hugging Face datasets saved
-with ``save_to_disk``, for tests/test_tfrecord.py, tests/test_mds.py, tests/test_hfdisk.py and
-tests/test_sources_contract.py."""
+without TensorFlow), MosaicML Streaming's MDS shards (its ``MDSWriter``), litData's ``optimize()`` output
+and Hugging Face datasets saved with ``save_to_disk``, for tests/test_tfrecord.py, tests/test_mds.py,
+tests/test_litdata.py, tests/test_hfdisk.py and tests/test_sources_contract.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,17 @@ import numpy as np
 
 from .busctl import REPO
 
-__all__ = ["MDS_COLUMNS", "mds_job", "mds_samples", "png_pixels", "write_hf", "write_mds", "write_tfrecords"]
+__all__ = [
+    "MDS_COLUMNS",
+    "lit_sample",
+    "mds_job",
+    "mds_samples",
+    "png_pixels",
+    "write_hf",
+    "write_litdata",
+    "write_mds",
+    "write_tfrecords",
+]
 
 
 def write_tfrecords(
@@ -181,3 +191,50 @@ def write_hf(d: Path, seed: int, splits: dict[str, int], shard_bytes: str = "1KB
     saved = made[""] if "" in made else datasets.DatasetDict(made)
     saved.save_to_disk(str(d), max_shard_size=shard_bytes)
     return out
+
+
+def lit_sample(key: tuple[int, int], columns: tuple[str, ...] = ()) -> dict:
+    """Sample ``i`` of seed ``seed`` (``key``) as an ``optimize()`` function returns it: ``x`` (float32 2x3),
+    ``y`` (a class id), ``caption``, ``blob`` (bytes), ``tokens`` (int32, 1..8 of them), ``image`` (a PIL
+    image, kept as raw pixels); only ``columns`` where given."""
+    from PIL import Image
+
+    seed, i = key
+    rng = np.random.default_rng([seed, i])
+    h, w = (int(v) for v in rng.integers(2, 7, 2))
+    sample = {
+        "x": rng.standard_normal((2, 3)).astype(np.float32),
+        "y": int(rng.integers(0, 4)),
+        "caption": f"sample {i} " + "ß" * int(rng.integers(0, 4)),
+        "blob": rng.integers(0, 256, int(rng.integers(1, 30)), dtype=np.uint8).tobytes(),
+        "tokens": rng.integers(0, 500, int(rng.integers(1, 9))).astype(np.int32),
+        "image": Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)),
+    }
+    return {k: v for k, v in sample.items() if k in columns} if columns else sample
+
+
+def _lit_xy(key: tuple[int, int]) -> dict:
+    return lit_sample(key, ("x", "y"))
+
+
+_WRITE_LITDATA = """
+import json, sys
+from litdata import optimize
+from tests.support import peers
+for job in json.loads(sys.argv[1]):
+    fn = peers._lit_xy if job["xy"] else peers.lit_sample
+    inputs = [(job["seed"], i) for i in range(job["n"])]
+    optimize(fn=fn, inputs=inputs, output_dir=job["out"], chunk_bytes=job["chunk_bytes"], num_workers=1)
+"""
+
+
+def write_litdata(*jobs: tuple[Path, int, int, bool]) -> list[list[dict]]:
+    """litData ``optimize()`` output of :func:`lit_sample` for each ``(out, seed, n, xy)`` (``xy``: only ``x``
+    and ``y``), all in one process of its own (``optimize`` starts workers and prints progress); returns
+    each job's samples."""
+    spec = [{"out": str(o), "seed": s, "n": n, "xy": xy, "chunk_bytes": "2kb"} for o, s, n, xy in jobs]
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITE_LITDATA, json.dumps(spec)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [[lit_sample((s, i), ("x", "y") if xy else ()) for i in range(n)] for _, s, n, xy in jobs]

@@ -7,7 +7,9 @@ own order), plus those it cannot serve and why. :func:`select` then picks:
 - ``?fields=a,b,c``: those columns, in that order (default: every column, in the format's order);
 - ``?label=NAME``: an integer column of one value per sample, the class id, served as ``y`` (int64);
 - with a label and one other column left, a fixed one of numbers, that column is ``x``: an ``(x, y)``
-  dataset, the kind the built-in models train on; ``?shape=1,28,28`` reshapes ``x`` (same size).
+  dataset, the kind the built-in models train on; ``?shape=1,28,28`` reshapes ``x`` (same size). A column
+  of numbers whose shape varies becomes ``x`` of the shape ``?shape=`` declares; a sample of another size
+  is refused when read, naming it.
 
 A column the format cannot serve is refused when picked (by name, or by default as every column),
 naming it, why, and how to leave it out.
@@ -83,18 +85,19 @@ def select(
                 f"{uri}: label {label!r} must be an integer {what} of one value per sample; it is {f.describe()}"
             )
     shape = params.get("shape")
-    xy = label is not None and len(picks) == 1 and not picks[0].field.variable
+    numeric = len(picks) == 1 and not picks[0].field.opaque
+    xy = label is not None and numeric and (not picks[0].field.variable or shape is not None)
     if shape is not None and not xy:
-        raise DatasetError(f"{uri}: shape= reshapes x: it needs label= and one fixed {what} of numbers besides")
+        raise DatasetError(f"{uri}: shape= reshapes x: it needs label= and one {what} of numbers besides")
     if xy:
         f = picks[0].field
-        dims = f.fixed_shape
+        dims = f.fixed_shape if not f.variable else ()
         if shape is not None:
             try:
                 dims = tuple(int(d) for d in shape.split(","))
             except ValueError:
                 raise DatasetError(f"{uri}: shape must be sizes like 1,28,28, got {shape!r}") from None
-            if math.prod(dims) != math.prod(f.fixed_shape):
+            if not f.variable and math.prod(dims) != math.prod(f.fixed_shape):
                 raise DatasetError(
                     f"{uri}: shape {shape} holds {math.prod(dims)} values; {what} {picks[0].column!r} has "
                     f"{math.prod(f.fixed_shape)} per sample"

@@ -46,7 +46,18 @@ from ..base import SPLITS, Field, FieldBatch, Source
 from .fieldpick import classes, fill, select
 from .location import Format, Location
 
-__all__ = ["EXPECTED", "FORMAT", "MDSSource", "column_field", "detect", "open_location"]
+__all__ = [
+    "EXPECTED",
+    "FORMAT",
+    "Columns",
+    "MDSSource",
+    "Shard",
+    "column_field",
+    "detect",
+    "open_location",
+    "pil",
+    "read_offsets",
+]
 
 EXPECTED = "MDS (MosaicML Streaming): index.json and its shards, in DIR or DIR/train, DIR/val, DIR/test"
 PARAMS = ("fields", "label", "shape", "classes", "val_fraction")
@@ -150,7 +161,7 @@ def _ndarray(data: bytes, dtype: str | None, shape: tuple[int, ...] | None, name
     return values.reshape(shape)
 
 
-def _pil(data: bytes, name: str) -> np.ndarray:
+def pil(data: bytes, name: str) -> np.ndarray:
     width, height, mode_size = (int(v) for v in np.frombuffer(data, "<u4", 3))
     mode = data[12 : 12 + mode_size].decode()
     if mode not in _PIL_CHANNELS:
@@ -174,7 +185,7 @@ def _decoder(encoding: str, field: Field, name: str) -> Callable[[bytes], Any]:
     if encoding == "str_float":
         return lambda b: float(b.decode())
     if encoding == "pil":
-        return lambda b: _pil(b, name)
+        return lambda b: pil(b, name)
     dtype, _, shape = rest.partition(":")
     fixed = tuple(int(d) for d in shape.split(",")) if shape else None
 
@@ -252,6 +263,23 @@ def _local_copy(loc: Location, path, algo: str) -> Path:
     return dest
 
 
+def read_offsets(loc: Location, path, local: Path | None, n: int, said: str) -> np.ndarray:
+    """The ``n + 1`` sample offsets in the header of shard ``path`` (read from ``local``, its decompressed
+    copy, when it has one), checked against ``n`` (what ``said`` says) and the shard's size."""
+    if local is not None:
+        with open(local, "rb") as f:
+            head = f.read(4 * (n + 2))
+    else:
+        head = loc.pread(path, 0, 4 * (n + 2))
+    if n < 0 or len(head) != 4 * (n + 2) or int(np.frombuffer(head, "<u4", 1)[0]) != n:
+        raise DatasetError(f"{path}: its header does not hold the {n} samples {said} says (a damaged shard)")
+    offsets = np.frombuffer(head, "<u4", n + 1, 4).astype(np.int64)
+    size = os.path.getsize(local) if local is not None else loc.stamp(path)[0]
+    if n and (np.any(np.diff(offsets) < 0) or offsets[-1] > size):
+        raise DatasetError(f"{path}: its sample offsets run past its {size} bytes (a damaged or cut shard)")
+    return offsets
+
+
 def _shard(loc: Location, prefix: str, entry: dict, where: str) -> Shard:
     if entry.get("version") != 2 or entry.get("format") != "mds":
         raise DatasetError(
@@ -266,18 +294,7 @@ def _shard(loc: Location, prefix: str, entry: dict, where: str) -> Shard:
         local = _local_copy(loc, path, str(entry.get("compression") or "").split(":")[0])
     else:
         raise DatasetError(f"{where}: shard {raw.get('basename') or packed.get('basename')!r} is missing")
-    n = int(entry.get("samples", -1))
-    if local is not None:
-        with open(local, "rb") as f:
-            head = f.read(4 * (n + 2))
-    else:
-        head = loc.pread(path, 0, 4 * (n + 2))
-    if n < 0 or len(head) != 4 * (n + 2) or int(np.frombuffer(head, "<u4", 1)[0]) != n:
-        raise DatasetError(f"{path}: its header does not hold the {n} samples index.json says (a damaged shard)")
-    offsets = np.frombuffer(head, "<u4", n + 1, 4).astype(np.int64)
-    size = os.path.getsize(local) if local is not None else loc.stamp(path)[0]
-    if n and (np.any(np.diff(offsets) < 0) or offsets[-1] > size):
-        raise DatasetError(f"{path}: its sample offsets run past its {size} bytes (a damaged or cut shard)")
+    offsets = read_offsets(loc, path, local, int(entry.get("samples", -1)), "index.json")
     names, encodings, sizes = entry.get("column_names"), entry.get("column_encodings"), entry.get("column_sizes")
     if not (isinstance(names, list) and isinstance(encodings, list) and isinstance(sizes, list)):
         raise DatasetError(f"{where}: a shard without column_names, column_encodings and column_sizes")
@@ -304,11 +321,35 @@ def _columns(data: bytes, shard: Shard, at: str) -> dict[str, bytes]:
 # -- the source ----------------------------------------------------------------------------------------
 
 
-class MDSSource(Source):
-    """The samples of MDS shards as named fields in their column order, or ``(x, y)`` (see the module doc)."""
+class Columns:
+    """How a format's column encodings become fields (:func:`column_field`) and values (:func:`_decoder`):
+    MDS's here; litData's chunks have the same shard layout and their own encodings (:mod:`.litdata`)."""
 
-    def __init__(self, loc: Location, shards: dict[str, list[Shard]], params: dict[str, str], val_fraction: float):
+    format = "mds"
+    #: What messages call a column.
+    what = "column"
+
+    def field(self, name: str, encoding: str, first: bytes | None) -> Field | str:
+        return column_field(name, encoding, first)
+
+    def decoder(self, encoding: str, field: Field, name: str) -> Callable[[bytes], Any]:
+        return _decoder(encoding, field, name)
+
+
+class MDSSource(Source):
+    """The samples of MDS shards (or litData chunks: ``kinds``) as named fields in their column order, or
+    ``(x, y)`` (see the module doc)."""
+
+    def __init__(
+        self,
+        loc: Location,
+        shards: dict[str, list[Shard]],
+        params: dict[str, str],
+        val_fraction: float,
+        kinds: Columns | None = None,
+    ):
         self.uri, self.location, self.root = loc.uri, loc, loc.root
+        self.kinds = kinds = kinds or Columns()
         self.shards = [s for split in SPLITS for s in shards.get(split, [])]
         first = self.shards[0]
         for s in self.shards[1:]:
@@ -342,15 +383,15 @@ class MDSSource(Source):
         columns: dict[str, Field] = {}
         refused: dict[str, str] = {}
         for name, enc in zip(first.names, first.encodings):
-            got = column_field(name, enc, sample0.get(name))
+            got = kinds.field(name, enc, sample0.get(name))
             if isinstance(got, str):
                 refused[name] = got
             else:
                 columns[name] = Field(got.name, got.dtype, got.shape, largest if got.variable else 0)
-        self.selection = select(self.uri, columns, refused, params, "column")
+        self.selection = select(self.uri, columns, refused, params, kinds.what)
         encoding = dict(zip(first.names, first.encodings))
         self._decode = {
-            p.column: _decoder(encoding[p.column], columns[p.column], p.column) for p in self.selection.picks
+            p.column: kinds.decoder(encoding[p.column], columns[p.column], p.column) for p in self.selection.picks
         }
         self.label, self.num_classes = self.selection.label, 0
         if self.selection.xy:
@@ -460,7 +501,7 @@ class MDSSource(Source):
 
     def info(self) -> dict:
         info = super().info()
-        info.update(format="mds", path=str(self.root), shards=len(self.shards))
+        info.update(format=self.kinds.format, path=str(self.root), shards=len(self.shards))
         info["columns"] = dict(zip(self.shards[0].names, self.shards[0].encodings))
         info.update(self.location.info())
         if self.val_fraction is not None:
