@@ -142,7 +142,9 @@ def queues(services: dict) -> None:
         counters = s.get("counters", {})
         refused = ", ".join(f"{k} {v}" for k, v in refusals(counters).items()) or "0"
         detail = {
-            k: v for k, v in s.items() if k not in ("counters", "name", "endpoint", "role", "sessions", "pipelines")
+            k: v
+            for k, v in s.items()
+            if k not in ("counters", "name", "endpoint", "role", "sessions", "pipelines", "session")
         }
         table.add_row(
             name,

@@ -49,7 +49,11 @@ def token_issue(
     state_dir: StateDir = None,
 ) -> None:
     """Print a signed token for ROLE: from the cluster secret (HS256) or the signing key (EdDSA)."""
+    from services.router.grants import LONGEST_TOKEN_S
     from services.runtime import mint_token, signing_key
+
+    if ttl > LONGEST_TOKEN_S:  # a revocation lasts at most this long (docs/security.md §5)
+        fail(f"--ttl is at most {LONGEST_TOKEN_S:.0f} s ({LONGEST_TOKEN_S / 86400:.0f} days), got {ttl:g}", 2)
 
     s = settings_from(
         config,
@@ -150,7 +154,10 @@ def token_revoke(
         if not isinstance(jti, str) or not isinstance(exp, (int, float)):
             fail("that token has no jti or exp claim: nothing to revoke", 2)
     else:
-        jti, exp = what, time.time() + (s.token_ttl_s if keep is None else keep)
+        from services.router.grants import LONGEST_TOKEN_S
+
+        # no token busctl mints outlives this (token issue --ttl); the router refuses a longer expiry
+        jti, exp = what, time.time() + min(s.token_ttl_s if keep is None else keep, LONGEST_TOKEN_S)
     with admin_client(s) as client:
         client.request(RevokeToken(jti=jti, exp=float(exp), reason=reason))
     typer.echo(f"revoked {jti} until {time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(exp))}")

@@ -9,8 +9,7 @@ import pytest
 from libbus.errors import BadRequest
 from libbus.wire.messages import GetJob, ListJobs, SubmitJob, SubmitStudy
 from services.router.early_stop import stop_epoch
-from tests.support import wait_job
-from tests.test_studies_e2e import wait_study
+from tests.support import wait_job, wait_study
 
 BASE = {
     "dataset": "mnist",
@@ -20,26 +19,9 @@ BASE = {
 }
 
 
-@pytest.fixture
-def trainer(make_settings, router):
-    """A trainer service whose operator allows the tests' entrypoints."""
-    import threading
-
-    from services.trainer.app import TrainerService
-
-    service = TrainerService(
-        make_settings(router=router.endpoint, name="trainer-entry", job_modules=["tests.support.entrypoints"])
-    )
-    stop = threading.Event()
-    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
-    thread.start()
-    yield service
-    stop.set()
-    thread.join(30)
-    assert not thread.is_alive()
-
-
-def test_a_study_of_eight_trials_over_an_entrypoint_prunes_and_names_the_best(router, provider, trainer, client_for):
+def test_a_study_of_eight_trials_over_an_entrypoint_prunes_and_names_the_best(
+    router, provider, entry_trainer, client_for
+):
     admin = client_for(router.endpoint, role="admin")
     raw = {
         "base": BASE,
@@ -69,7 +51,7 @@ def test_a_study_of_eight_trials_over_an_entrypoint_prunes_and_names_the_best(ro
     assert best["value"] == pytest.approx((best["params"]["params.x"] - 0.3) ** 2 + 0.25)
 
 
-def test_early_stopping_ends_an_entrypoint_job_at_the_epoch_it_judged(router, provider, trainer, client_for):
+def test_early_stopping_ends_an_entrypoint_job_at_the_epoch_it_judged(router, provider, entry_trainer, client_for):
     admin = client_for(router.endpoint, role="admin")
     spec = {**BASE, "params": {"epochs": 12, "x": 5.0}, "patience": 2, "min_delta": 0.5}
     job = admin.request(SubmitJob(spec=spec)).job
