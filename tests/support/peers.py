@@ -27,6 +27,7 @@ __all__ = [
     "write_litdata",
     "write_mds",
     "write_tfrecords",
+    "write_xy_everywhere",
 ]
 
 
@@ -238,3 +239,67 @@ def write_litdata(*jobs: tuple[Path, int, int, bool]) -> list[list[dict]]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return [[lit_sample((s, i), ("x", "y") if xy else ()) for i in range(n)] for _, s, n, xy in jobs]
+
+
+# -- one (x, y) dataset in every peer format, for a job to train on ------------------------------------------
+
+_WRITE_XY = """
+import functools, sys, types
+import numpy as np
+for sub in ("vision", "text", "multimodal"):  # see _WRITE_MDS
+    sys.modules.setdefault(f"streaming.{sub}", types.ModuleType(f"streaming.{sub}"))
+from litdata import optimize
+from streaming import MDSWriter
+from tests.support import peers
+arrays, mds, lit = sys.argv[1:]
+z = np.load(arrays)
+shape = ",".join(map(str, z["x"].shape[1:]))
+with MDSWriter(out=mds, columns={"x": f"ndarray:float32:{shape}", "y": "int64"}, size_limit=1 << 20) as writer:
+    for x, y in zip(z["x"], z["y"]):
+        writer.write({"x": x, "y": int(y)})
+fn = functools.partial(peers._lit_row, arrays)
+optimize(fn=fn, inputs=list(range(len(z["y"]))), output_dir=lit, chunk_bytes="1MB", num_workers=1)
+"""
+
+
+def _lit_row(arrays: str, i: int) -> dict:
+    z = np.load(arrays)
+    return {"x": z["x"][i], "y": int(z["y"][i])}
+
+
+def write_xy_everywhere(d: Path, x: np.ndarray, y: np.ndarray) -> dict[str, str]:
+    """The train samples ``x`` (float32) and class ids ``y`` written by each peer's own writer under ``d``
+    (``tfrecord``, ``mds``, ``litdata``, ``hf``) and as ``.npy`` (``npy``); returns each one's URI query that
+    serves it as ``(x, y)`` of ``x``'s shape."""
+    import datasets
+    from tfrecord.writer import TFRecordWriter
+
+    shape = ",".join(map(str, x.shape[1:]))
+    (d / "npy").mkdir(parents=True)
+    np.save(d / "npy" / "train_x.npy", x)
+    np.save(d / "npy" / "train_y.npy", y)
+    (d / "tfrecord").mkdir()
+    writer = TFRecordWriter(str(d / "tfrecord" / "train-0000-of-0001.tfrecord"))
+    for xi, yi in zip(x, y):
+        writer.write({"pixels": (xi.reshape(-1), "float"), "label": (int(yi), "int")})
+    writer.close()
+    flat = datasets.Sequence(datasets.Value("float32"), length=int(np.prod(x.shape[1:])))
+    features = datasets.Features({"pixels": flat, "label": datasets.Value("int64")})
+    rows = {"pixels": list(x.reshape(len(x), -1)), "label": [int(v) for v in y]}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(d / "hf"))
+    np.savez(d / "arrays.npz", x=x, y=y)
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITE_XY, str(d / "arrays.npz"), str(d / "mds"), str(d / "litdata")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {
+        "npy": "",
+        "tfrecord": f"fields=pixels&label=label&shape={shape}",
+        "mds": "fields=x&label=y",
+        "litdata": f"fields=x&label=y&shape={shape}",
+        "hf": f"fields=pixels&label=label&shape={shape}",
+    }
