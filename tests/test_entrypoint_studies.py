@@ -69,3 +69,41 @@ def test_a_study_space_names_params_only_of_an_entrypoint(router, client_for):
     raw = {"base": {**BASE, "entrypoint": ""}, "space": {"params": {"x": {"uniform": [0.0, 1.0]}}}}
     with pytest.raises(BadRequest, match="params are an entrypoint's"):
         admin.request(SubmitStudy(spec={**raw, "study": {"trials": 2}}))
+
+
+def test_pbt_over_an_entrypoint_adopts_a_better_members_state_through_checkpoint_and_restore(
+    router, provider, entry_trainer, client_for
+):
+    """One trainer: trial 0 (rate 2) trains first; trial 1 (rate 0.5) is the bottom member at its first
+    report, takes trial 0's latest state (its attempt ends there and the next restores it) and goes on
+    with its rate explored."""
+    admin = client_for(router.endpoint, role="admin")
+    raw = {
+        "base": {**BASE, "entrypoint": "tests.support.entrypoints:pbt_member", "params": {"epochs": 4}},
+        "space": {"params": {"rate": {"choice": [0.5, 2.0]}}},
+        "study": {
+            "strategy": "pbt",
+            "trials": 2,
+            "concurrent": 2,
+            "sampler": "grid",
+            "seed": 0,
+            "perturb": [2.0],
+            "objective": "val_loss",
+        },
+    }
+    info = wait_study(admin, admin.request(SubmitStudy(spec=raw)).study["id"], timeout=240)
+    events_of = {
+        t["number"]: [e["reason"] for e in admin.request(GetJob(job=t["job"])).job["events"]] for t in info["trials"]
+    }
+    bad = next(t for t in info["trials"] if any(r.startswith("pbt exploit") for r in events_of[t["number"]]))
+    good = next(t for t in info["trials"] if t is not bad)
+    assert (good["state"], bad["state"]) == ("complete", "complete"), info
+    events = events_of[bad["number"]]
+    assert any(r.startswith("pbt exploit at epoch 1") and f"job {good['job']}" in r for r in events), events
+    assert any(r.startswith("pbt explore: params.rate 0.5 -> 2") for r in events), events
+    job = admin.request(GetJob(job=bad["job"])).job
+    assert job["spec"]["params"]["rate"] == 2.0
+    # its second attempt began from trial 0's last state (w = 8 after 4 epochs of 2), at its own epoch 1
+    history = job["result"]["history"]
+    assert [r["epoch"] for r in history] == [1, 2, 3, 4]
+    assert history[1]["val_loss"] == pytest.approx((8 + 2 - 20) ** 2)

@@ -81,6 +81,9 @@ def check_servable(dataset: str, source: Source) -> None:
 log = logging.getLogger(__name__)
 
 READERS = ("trainer", "admin")
+#: Who may read batches: a reader token's loader too (a script's token: its datasets, no jobs, no
+#: evaluations; libbus/security/auth.py ROLES).
+BATCH_READERS = ("trainer", "reader", "admin")
 #: How often the provider looks for rings their trainers have removed.
 RING_CHECK_S = 1.0
 #: How long a request from a trainer not (yet) assigned to a job on its dataset waits for the
@@ -209,9 +212,9 @@ class ProviderHandler(Handler):
             )
 
     def entitled(self, session: Session, msg: Message) -> bool:
-        """Whether the router has entitled this peer to what ``msg`` reads: admins always; a trainer
-        when it runs a job on the dataset, or its token names datasets explicitly (the
-        administrator granted them: scripts using RemoteLoader), or ``assigned_only`` is off."""
+        """Whether the router has entitled this peer to what ``msg`` reads: admins and readers always
+        (a reader's grant is its token's ``datasets`` scope, checked before); a trainer when it runs a
+        job on the dataset, or its token names datasets explicitly, or ``assigned_only`` is off."""
         if session.role != "trainer" or not self.assigned_only or "datasets" in session.claims.scopes:
             return True
         sub = session.claims.sub
@@ -272,7 +275,7 @@ class ProviderHandler(Handler):
         """Answer an admitted, entitled request (its :func:`serves` method)."""
         return self.dispatch(session, msg)
 
-    @serves(DatasetInfoRequest, *READERS)
+    @serves(DatasetInfoRequest, *BATCH_READERS)
     def on_DatasetInfoRequest(self, session: Session, msg: DatasetInfoRequest) -> DatasetInfo:
         self.source(msg.dataset)
         return DatasetInfo(
@@ -298,7 +301,7 @@ class ProviderHandler(Handler):
         log.info("%s: %s %s/%s %s", session.name, msg.command, detail["dataset"], msg.stage, msg.args)
         return Ok(detail=detail)
 
-    @serves(AttachRing, *READERS)
+    @serves(AttachRing, *BATCH_READERS)
     def attach_ring(self, session: Session, msg: AttachRing) -> RingAttached:
         """Map the session's trainer's ring, after checking it is this host's, private and sane."""
         if not self.shm:
@@ -337,7 +340,7 @@ class ProviderHandler(Handler):
         )
         return RingAttached(name=msg.name)
 
-    @serves(BatchRequest, *READERS)
+    @serves(BatchRequest, *BATCH_READERS)
     def batch(self, session: Session, msg: BatchRequest) -> BatchResponse | Future:
         """Check ``msg`` and begin its destination (a stale ring slot is refused here, on the loop),
         then write the batch there on the filler its source's read policy names: the reply, or a

@@ -8,6 +8,8 @@ UNAVAILABLE while the first one's session lives (a restarted service gets in onc
 expires). A loader's session (``Hello.caps.loader``, sent by ``RemoteLoader``) holds nothing that
 must have one holder: the ranks of one script, or several scripts, share one trainer token, and
 such a session may only resolve datasets (:data:`LOADER_REQUESTS`), never take jobs or commands.
+A ``reader`` token (what scripts are given) opens nothing but such sessions: it reads its datasets and
+can never act as a trainer service (no task, progress, checkpoint, acknowledgement or result).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ log = logging.getLogger(__name__)
 ADMIN = ("admin",)
 TRAINER = ("trainer",)
 TRAINER_OR_ADMIN = ("trainer", "admin")
+#: Who may resolve a dataset: a reader's loader too (a reader sends nothing else here).
+RESOLVERS = ("trainer", "reader", "admin")
 #: What a loader's session may ask the router (services/router/handler.py docstring).
 LOADER_REQUESTS = frozenset({"Resolve", "Stats"})
 
@@ -142,6 +146,11 @@ class RouterHandler(Decisions, Handler):
 
     # -- sessions -----------------------------------------------------------------------------
     def on_open(self, session: Session) -> None:
+        if session.role == "reader" and not session.loader:
+            raise Forbidden(
+                "a reader token opens loader sessions only (RemoteLoader says Hello with caps.loader); "
+                "a trainer service needs a trainer token (busctl token issue --role trainer)"
+            )
         if session.kind in ("trainer", "provider"):
             self._check_single_holder(session)
         if session.role == "provider":
@@ -252,7 +261,7 @@ class RouterHandler(Decisions, Handler):
         return self.dispatch(session, msg)
 
     # -- requests (each method marked with the message it serves and who may send it) ------------
-    @serves(Resolve, *TRAINER_OR_ADMIN)
+    @serves(Resolve, *RESOLVERS)
     def on_Resolve(self, session: Session, msg: Resolve) -> Resolved:
         name = dataset_name(msg.dataset)
         session.claims.check_dataset(name)

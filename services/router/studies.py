@@ -447,11 +447,13 @@ class Studies:
         if ckpt is None:
             return
         params = pbt.explore({**source["params"]}, spec.space, spec.perturb, rng)
+        adopt = (JobCommand.ADOPT, {"checkpoint": ckpt, "from": source["job"]})
+        steps = [adopt, (JobCommand.SET, params)]
+        if spec.base.get("entrypoint"):  # its attempt ends at the adopt (it resumes from it): set first
+            steps.reverse()
         try:
-            self.control(
-                f"study {study} (pbt)", job["id"], JobCommand.ADOPT, {"checkpoint": ckpt, "from": source["job"]}
-            )
-            self.control(f"study {study} (pbt)", job["id"], JobCommand.SET, params)
+            for command, args in steps:
+                self.control(f"study {study} (pbt)", job["id"], command, args)
         except BusError as err:
             self.jobs.event(job["id"], f"pbt: could not exploit trial {donor}: {err}")
             return

@@ -261,18 +261,14 @@ class StudySpec:
             self._check_pbt()
 
     def _check_pbt(self) -> None:
-        if self.base.get("entrypoint"):
-            raise BadRequest(
-                "[study] strategy pbt needs built-in jobs for now (it copies weights into a running job); "
-                "an entrypoint job's study searches (strategy search) with any sampler and pruner"
-            )
         if not 0 < self.quantile <= 0.5:
             raise BadRequest(f"[study] quantile must be above 0 and at most 0.5, got {self.quantile}")
         if len(self.perturb) < 1 or not all(
             isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in self.perturb
         ):
             raise BadRequest(f"[study] perturb must list positive factors, e.g. [0.8, 1.25], got {self.perturb!r}")
-        live = [name for name in self.space if name in SETTABLE]
+        entry = bool(self.base.get("entrypoint"))  # an entrypoint's params are all settable
+        live = [name for name in self.space if name in SETTABLE or (entry and name.startswith(PARAMS))]
         if not live:
             raise BadRequest(
                 f"[study] strategy pbt perturbs hyper-parameters a running job can change "
