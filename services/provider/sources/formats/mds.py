@@ -69,7 +69,7 @@ _SCALARS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uin
 _VALUE_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32", 33: "int32"}
 _VALUE_DTYPES |= {34: "float32", 64: "uint64", 65: "int64", 66: "float64"}
 _SHAPE_DTYPES = {0: "<u1", 1: "<u2", 2: "<u4", 3: "<u8"}
-_PIL_CHANNELS = {"L": 1, "RGB": 3, "RGBA": 4, "CMYK": 4, "LA": 2, "I;16": 1}
+_PIL_CHANNELS = {"L": 1, "RGB": 3, "RGBA": 4, "CMYK": 4, "LA": 2}  # 8-bit modes: served uint8
 _WHY = {
     "pkl": "is pickled (encoding 'pkl'), and batchbus never unpickles what it serves",
     "str_decimal": "is a decimal (encoding 'str_decimal'), which has no numeric dtype to serve it as",
@@ -167,7 +167,7 @@ def pil(data: bytes, name: str) -> np.ndarray:
     if mode not in _PIL_CHANNELS:
         raise DatasetError(f"column {name!r}: a PIL image of mode {mode!r}; served modes: {', '.join(_PIL_CHANNELS)}")
     pixels = np.frombuffer(data, np.uint8, offset=12 + mode_size)
-    return pixels.reshape(height, width, -1) if mode != "I;16" else pixels.view("<u2").reshape(height, width, 1)
+    return pixels.reshape(height, width, _PIL_CHANNELS[mode])
 
 
 def _decoder(encoding: str, field: Field, name: str) -> Callable[[bytes], Any]:

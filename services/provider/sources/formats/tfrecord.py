@@ -39,6 +39,7 @@ import struct
 import tempfile
 import threading
 import zlib
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,7 +147,7 @@ def build_index(name: str, pread: Callable[[int, int], bytes], size: int, read_a
     """Walk the file ``name`` (``size`` bytes, read with ``pread(offset, n)``): each record's header
     offset and data length, and a summary of its features. Raises :class:`DatasetError` naming the
     file and offset of a record that is corrupt, cut short or not an Example."""
-    frames: list[tuple[int, int]] = []
+    frames = array("q")  # header offset, data length: 16 bytes a record, however many records
     summary: dict[str, dict] = {}
     buf, buf_start = b"", 0
 
@@ -160,7 +161,7 @@ def build_index(name: str, pread: Callable[[int, int], bytes], size: int, read_a
 
     pos = 0
     while pos < size:
-        where = f"{name}: record {len(frames)} at byte {pos}"
+        where = f"{name}: record {len(frames) // 2} at byte {pos}"
         if size - pos < HEADER:
             raise DatasetError(f"{where} is cut short: {size - pos} bytes left of a 12-byte header")
         head = get(pos, HEADER)
@@ -179,12 +180,12 @@ def build_index(name: str, pread: Callable[[int, int], bytes], size: int, read_a
         except ValueError as err:
             raise DatasetError(f"{where} is not a tf.train.Example: {err}") from None
         _summarise(summary, example, where)
-        frames.append((pos, length))
+        frames.extend((pos, length))
         pos += HEADER + length + FOOTER
     for s in summary.values():
-        if s.pop("present") < len(frames):
+        if s.pop("present") < len(frames) // 2:
             s["min"] = 0  # missing from some records
-    return np.array(frames, np.int64).reshape(-1, 2), summary
+    return np.frombuffer(frames, np.int64).reshape(-1, 2).copy(), summary
 
 
 def _load_index(path: Path, size: int, stamp: str) -> tuple[np.ndarray, dict] | None:
