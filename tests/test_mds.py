@@ -154,3 +154,22 @@ def test_mds_through_a_provider_on_both_deliveries(written, start_provider, make
         xs, ys = zip(*[(x.numpy(), y.numpy()) for x, y in xy])
         assert np.concatenate(xs).tobytes() == np.stack([s["x"] for s in train[:21]]).tobytes()
         assert np.concatenate(ys).tolist() == [s["y"] for s in train[:21]]
+
+
+def test_split_folders_of_compressed_shards_in_a_bucket(written, tmp_path, monkeypatch):
+    """Streaming's split folders at a bucket prefix: the zstd shards fetched once into the cache, the same
+    samples as the local files."""
+    from tests.support.s3server import s3_in_env
+
+    d, train, test = written
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with s3_in_env() as s3:
+        s3.put_dir("mds", "split", d)
+        source = open_source("s3://mds/split/?retries=1&backoff=0.01")
+        try:
+            assert [source.num_samples(s) for s in ("train", "val", "test")] == [21, 2, 5]
+            idx = np.array([20, 0, 7])
+            _same(source.read_fields("train", idx), train, idx)
+            assert sorted((tmp_path / "xdg").rglob("*.mds"))  # the decompressed copies
+        finally:
+            source.close()

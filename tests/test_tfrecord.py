@@ -219,3 +219,27 @@ def test_a_list_of_byte_strings_is_refused_naming_it_unless_left_out(tmp_path):
         assert source.read_fields("train", np.arange(4))["label"].tolist() == [0, 1, 0, 1]
     finally:
         source.close()
+
+
+def test_gzip_shards_in_a_bucket_are_decompressed_once_into_the_cache(tmp_path, monkeypatch):
+    """A gzip file cannot be read by range: it is fetched through the location once, decompressed into the
+    cache, and read from there; the next open reads neither it nor its records again."""
+    from tests.support.s3server import s3_in_env
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    ref = write_tfrecords(tmp_path / "gz", np.random.default_rng(9), gz=True)
+    with s3_in_env() as s3:
+        s3.put_dir("tfr", "gz", tmp_path / "gz")
+        uri = "s3://tfr/gz/?retries=1&backoff=0.01&fields=jpeg,label"
+        source = open_source(uri)
+        try:
+            got = source.read_fields("train", np.array([4, 0]))
+            assert got["jpeg"] == [ref["train"]["jpeg"][i] for i in (4, 0)]
+            assert got["label"].tolist() == [ref["train"]["label"][i] for i in (4, 0)]
+        finally:
+            source.close()
+        copies = sorted((tmp_path / "xdg").rglob("*.tfrecord"))
+        assert len(copies) == 3 and len(sorted((tmp_path / "xdg").rglob("*.tfrecord-index.npz"))) == 3
+        before = [p.stat().st_mtime_ns for p in copies]
+        open_source(uri).close()
+        assert [p.stat().st_mtime_ns for p in copies] == before  # reused, not made again
