@@ -26,7 +26,7 @@ from libbus.errors import BusError
 from libbus.jobs.state import JobState
 from libbus.wire.messages import ListJobs, ListPeers, Stats
 
-from .common import admin_client, print_json
+from .common import SafeConsole, admin_client, print_json, printable
 from .tables import refusals, stage_tables
 
 __all__ = ["collect", "frame", "render", "top_command"]
@@ -291,7 +291,7 @@ def top_command(settings: Settings, *, interval: float, once: bool, json: bool, 
     ``interval`` apart, so that rates are real) and return. A router that does not answer at the
     start is an error (one line, from ``guard``); one that stops answering later is shown in the
     frame while top keeps asking."""
-    console = console or Console()
+    console = console or SafeConsole()  # peers' strings without control characters
     with admin_client(settings) as client:
         client.hello()  # a router that is down is one line within seconds (guard), not a frame
         previous = collect(client)
@@ -308,7 +308,8 @@ def top_command(settings: Settings, *, interval: float, once: bool, json: bool, 
                         snapshot = collect(client)
                     except BusError as err:  # the router restarting: keep the last frame, say so, retry
                         live.update(
-                            Group(render(previous), Text(f"router not answering: {err}", style="red")), refresh=True
+                            Group(render(previous), Text(printable(f"router not answering: {err}"), style="red")),
+                            refresh=True,
                         )
                         continue
                     live.update(render(snapshot, previous), refresh=True)

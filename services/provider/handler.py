@@ -8,7 +8,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
-from libbus.constants import MAX_BATCH_BYTES, MAX_FRAMES
+from libbus.constants import MAX_FRAMES
 from libbus.errors import (
     BadRequest,
     ConfigError,
@@ -16,7 +16,6 @@ from libbus.errors import (
     NotFound,
     ShmError,
     SplitPrivate,
-    TooLarge,
     Unavailable,
 )
 from libbus.serve.handler import serves
@@ -39,7 +38,7 @@ from libbus.wire.messages import (
 from libbus.wire.sockets import frame_len
 from shm import Ring, RingLayout
 
-from .destination import BatchCounters, Destination, Frames, Slot, write_batch
+from .destination import BatchCounters, Destination, Frames, Slot, check_batch_size, write_batch
 from .evalgate import EvalGate
 from .fillers import Fillers
 from .sources import PRIVATE_SPLIT, SPLITS, Source
@@ -358,12 +357,7 @@ class ProviderHandler(Handler):
             )
         indices = msg.indices(source.num_samples(msg.split))
         fields = None if self.xy[msg.dataset] else self.fields[msg.dataset]
-        if fields is None:  # an x/y batch is bounded before it is read (named fields: once encoded)
-            sample_nbytes = source.x_nbytes + source.y_nbytes  # (Source.sample_nbytes rebuilds its fields)
-            if len(indices) * sample_nbytes > MAX_BATCH_BYTES:
-                raise TooLarge(
-                    f"{len(indices)} samples of {sample_nbytes} bytes exceed the {MAX_BATCH_BYTES} byte batch limit"
-                )
+        check_batch_size(source, fields, len(indices))  # bounded before it is read, on the loop
         dest: Destination
         if msg.slot is None and msg.seq is None:
             dest = Frames(msg, self.counters)
