@@ -10,6 +10,9 @@ STAMP  := $(VENV)/.installed
 # `busctl bench --peers`: the loaders it compares with. These two go in without their declared
 # dependencies (see the `bench` extra in pyproject.toml for why, and for what they need instead).
 BENCH_NODEPS ?= litdata==0.2.76 mosaicml-streaming==0.13.0
+# The peer writers the tests write datasets with, also without their declared dependencies (the test
+# extra in pyproject.toml lists what they import instead).
+TEST_NODEPS ?= mosaicml-streaming==0.13.0 litdata==0.2.76
 
 .PHONY: install install-bench install-units demo serve-examples lint test tools clean
 
@@ -20,6 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	# recipes: Lightning, Accelerate, torchdata for examples/; they accept the torch installed above (pip
 	# upgrades a dependency only when it must), so no other torch build is pulled in
 	$(BIN)/python -m pip install -q -e '.[test,recipes]'
+	$(BIN)/python -m pip install -q --no-deps $(TEST_NODEPS)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -28,6 +28,7 @@ from tests.support.contract import check_encoded_contract, check_fields_contract
 from tests.support.formats import build_cifar, build_idx, build_npy, build_raw, build_tokens_bin, expected_splits
 from tests.support.httpd import RangeServer
 from tests.support.images import write_imagefolder, write_shards
+from tests.support.peers import mds_job, write_hf, write_litdata, write_mds, write_tfrecords
 from tests.support.s3server import S3Server
 
 MB = 1 << 20
@@ -247,6 +248,29 @@ def write_layout(name: str, d: Path) -> tuple[str, dict | None]:
         lines = [f"document {i}: {'word ' * (i % 5)}".strip() for i in range(30)]
         (d / "train.txt").write_text("\n".join(lines) + "\n")
         return "encoded=1&val_fraction=0", {"train": lines}
+    if name == "tfrecord":  # an (x, y) dataset: pixels as x, label as y
+        written = write_tfrecords(d, rng)
+        ref = {s: (np.stack(w["pixels"]).reshape(-1, 2, 3), np.array(w["label"])) for s, w in written.items()}
+        (x, y), cut = ref["train"], len(ref["train"][1]) - 3  # val: the tail of train (val_fraction 0.1)
+        ref["train"], ref["val"] = (x[:cut], y[:cut]), (x[cut:], y[cut:])
+        return "fields=pixels&label=label&shape=2,3", ref
+    if name == "mds":  # Streaming's MDSWriter; an (x, y) dataset: x as x, y as y
+        d.rmdir()
+        (samples,) = write_mds(mds_job(d, 9, 30, columns=("x", "y")))
+        x, y = np.stack([s["x"] for s in samples]), np.array([s["y"] for s in samples])
+        return "fields=x&label=y&classes=4", {"train": (x[:27], y[:27]), "val": (x[27:], y[27:])}
+    if name == "hf-disk":  # datasets' save_to_disk (a DatasetDict); an (x, y) dataset: vec as x, label as y
+        d.rmdir()
+        cols = write_hf(d, 6, {"train": 20, "test": 4})
+        ref = {s: (np.stack(c["vec"]), np.array(c["label"])) for s, c in cols.items()}
+        (x, y) = ref["train"]
+        ref["train"], ref["val"] = (x[:18], y[:18]), (x[18:], y[18:])
+        return "fields=vec&label=label", ref
+    if name == "litdata":  # litData's optimize(); an (x, y) dataset: x (its shape declared) as x, y as y
+        d.rmdir()
+        (samples,) = write_litdata((d, 9, 30, True))
+        x, y = np.stack([s["x"] for s in samples]), np.array([s["y"] for s in samples])
+        return "fields=x&label=y&shape=2,3&classes=4", {"train": (x[:27], y[:27]), "val": (x[27:], y[27:])}
     raise AssertionError(f"no example of layout {name!r}: add one to write_layout in tests/test_sources_contract.py")
 
 

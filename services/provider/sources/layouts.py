@@ -21,7 +21,7 @@ from libbus.errors import DatasetError
 
 from . import images, parquet
 from .base import Source
-from .formats import cifar, idx, imagefolder, npy, raw, textlines, tokens, webdataset
+from .formats import cifar, hfdisk, idx, imagefolder, litdata, mds, npy, raw, textlines, tfrecord, tokens, webdataset
 from .formats.dataset import MEMORY_MODES, FileSource
 from .formats.dataset_toml import parse_settings
 from .formats.location import Format, Location
@@ -31,6 +31,10 @@ __all__ = ["FORMATS", "choose", "open_layout", "readable_at"]
 #: Every layout, in detection order (first match wins): one line per layout module.
 FORMATS: tuple[Format, ...] = (
     parquet.FORMAT,
+    tfrecord.FORMAT,
+    mds.FORMAT,
+    litdata.FORMAT,
+    hfdisk.FORMAT,
     imagefolder.FORMAT,
     webdataset.FORMAT,
     textlines.FORMAT,
