@@ -148,6 +148,11 @@ class Settings:
     eval_queue: int = C.EVAL_QUEUE
     eval_max_model_bytes: int = C.EVAL_MAX_MODEL_BYTES
     eval_per_minute: float = C.EVAL_PER_MINUTE
+    #: Provider: evaluations per day per dataset, all askers together (0 = unlimited), the longest one
+    #: may run, and the noise of released test scores (docs/security.md, "The private test split").
+    eval_per_dataset_day: int = C.EVAL_PER_DATASET_DAY
+    eval_timeout_s: float = C.EVAL_TIMEOUT_S
+    eval_epsilon: float = C.EVAL_EPSILON
     #: Files a ``file://`` dataset may name outside its directory (its ``dataset.toml`` entries,
     #: symlinks): these paths and what is under them. Empty: none.
     allowed_paths: list = field(default_factory=list)
@@ -163,6 +168,10 @@ class Settings:
     #: user_stage.py); on a trainer, the ``module:factory`` models jobs name (services/usercode.py).
     #: A job never decides what a node imports. Empty: no user code runs.
     user_modules: list = field(default_factory=list)
+    #: Provider: the modules (exact names, or prefixes ending in ``.``) whose evaluators may score a
+    #: model on its test split (``Evaluate`` with ``model.evaluator``; services/provider/evaluator.py).
+    #: Empty: built-in models only.
+    evaluator_modules: list = field(default_factory=list)
     log_level: str = "INFO"
 
     def resolved(self) -> Settings:

@@ -3,8 +3,11 @@
 A job spec comes from the wire: whoever can submit a job chooses its ``model`` string. Importing any
 module it names would run that module's top level on the trainer (``pydoc:pipepager`` with a crafted
 ``model_kwargs`` runs a shell command), so what may run on a node is the operator's decision, not the
-job's: a ``package.module:name`` reference is resolved only if ``module`` is listed, by its exact name, in
-the node's ``user_modules`` setting. Nothing is imported before that check.
+job's: a ``package.module:name`` reference is resolved only if ``module`` is listed in the node's
+setting for that kind of code (``user_modules`` for models and pipeline stages, ``evaluator_modules``
+for a provider's evaluators): by its exact name, or under a prefix the operator wrote ending in ``.``
+(``"myorg.evals."`` allows ``myorg.evals.mnist``, not ``myorg.evals`` itself nor ``myorg.evalsX``).
+Nothing is imported before that check.
 """
 
 from __future__ import annotations
@@ -14,13 +17,20 @@ from collections.abc import Collection
 
 from libbus.errors import BadRequest
 
-__all__ = ["import_allowed"]
+__all__ = ["import_allowed", "module_allowed"]
 
 
-def import_allowed(ref: str, allowed: Collection[str], what: str) -> object:
-    """The attribute ``name`` of ``module`` for ``ref`` = ``"module:name"``, if ``module`` is in ``allowed``.
+def module_allowed(module_name: str, allowed: Collection[str]) -> bool:
+    """Whether ``allowed`` lists ``module_name`` exactly, or a prefix of it that ends in ``.``."""
+    return module_name in allowed or any(a.endswith(".") and module_name.startswith(a) for a in allowed)
 
-    ``what`` names the reference in messages (``"model 'pkg.mod:build'"``).
+
+def import_allowed(ref: str, allowed: Collection[str], what: str, setting: str = "user_modules") -> object:
+    """The attribute ``name`` of ``module`` for ``ref`` = ``"module:name"``, if ``module`` is allowed
+    (:func:`module_allowed`).
+
+    ``what`` names the reference in messages (``"model 'pkg.mod:build'"``); ``setting`` is the
+    node's setting that lists what is allowed (named in the refusal, with its environment variable).
 
     Raises:
         BadRequest: a malformed reference, a module the node does not allow (named with the setting
@@ -29,11 +39,11 @@ def import_allowed(ref: str, allowed: Collection[str], what: str) -> object:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr.isidentifier() or attr.startswith("_"):
         raise BadRequest(f"{what}: give package.module:name (a public name), got {ref!r}")
-    if module_name not in allowed:
+    if not module_allowed(module_name, allowed):
         listed = ", ".join(sorted(allowed)) or "none"
         raise BadRequest(
-            f"{what}: module {module_name!r} is not in this node's user_modules ({listed}); only modules its "
-            "operator lists there (its config file or BATCHBUS_USER_MODULES) may run, nothing was imported"
+            f"{what}: module {module_name!r} is not in this node's {setting} ({listed}); only modules its "
+            f"operator lists there (its config file or BATCHBUS_{setting.upper()}) may run, nothing was imported"
         )
     try:
         module = importlib.import_module(module_name)

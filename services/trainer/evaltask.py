@@ -30,6 +30,7 @@ from services.models import build_model, dataset_kind, evaluate
 
 from .checkpoint import CheckpointError, model_metadata, read_checkpoint, restore_checkpoint
 from .evaluation import snapshot
+from .final_eval import model_spec
 from .optim import apply_hyper
 
 __all__ = ["run_evaluation", "adopt_checkpoint", "current_weights", "evaluate_now"]
@@ -61,7 +62,7 @@ def run_evaluation(
             msg = Evaluate(
                 dataset=spec.dataset,
                 job=task.job,
-                model={"name": spec.model, "kwargs": spec.model_kwargs},
+                model=model_spec(spec),
                 frames=[blob],
             )
             with Client(
@@ -147,7 +148,7 @@ def evaluate_now(run, done) -> None:
     in the background (:class:`.evaluation.LiveEvaluations`), calling ``done`` with the result."""
     run.evaluations.start(
         run.model,
-        {"name": run.spec.model, "kwargs": run.spec.model_kwargs},
+        model_spec(run.spec),
         run.spec.dataset,
         run.provider,
         step=run.step,
