@@ -56,8 +56,9 @@ def model_spec(spec: JobSpec) -> dict:
 
 
 class _Restarted(Exception):
-    """The provider scoring the weights restarted (it forgot the session, or the router lists it at
-    another endpoint): the request is lost there and must be sent again, to ``provider``."""
+    """The provider scoring the weights restarted or is stopping (it forgot the session, the router
+    lists it at another endpoint, or it answered UNAVAILABLE): the request is lost there and must be
+    sent again, to ``provider`` (``{}``: wherever the router lists it next)."""
 
     def __init__(self, provider: dict, why: str):
         super().__init__(why)
@@ -76,21 +77,36 @@ def score_on_provider(
     timeout_s: float = EVALUATE_TIMEOUT_S,
 ) -> Evaluation:
     """Send ``msg`` to ``provider`` and wait for its :class:`Evaluation`, calling ``check`` (which
-    may raise to end the wait) every :data:`CHECK_S`. A provider that restarts meanwhile (found every
-    :data:`PROVIDER_CHECK_S`: it no longer knows our session, or the router lists it at another
-    endpoint) gets the request again, within the same ``timeout_s``.
+    may raise to end the wait) every :data:`CHECK_S`. A provider that stops or restarts meanwhile (it
+    answers UNAVAILABLE, or, checked every :data:`PROVIDER_CHECK_S`, no longer knows our session or
+    is listed at another endpoint) gets the request again once the router lists it, within the same
+    ``timeout_s``.
 
     Raises the provider's typed error, :class:`PeerTimeout` after ``timeout_s``, and
     :class:`Unavailable` when the router has not listed the provider for ``provider_wait_s``.
     """
     deadline = time.monotonic() + timeout_s
+    missing_since: float | None = None
     while True:
         try:
             return _try_once(msg, provider, identity, link, request_timeout_s, provider_wait_s, check, deadline)
         except _Restarted as restarted:
             log.warning("job %s: %s; sending the evaluation again", msg.job or "-", restarted)
-            provider = restarted.provider
-            msg.id = 0  # a fresh id on the new session
+            provider = restarted.provider or provider
+        except PeerTimeout:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("job %s: provider %s does not answer; looking for it again", msg.job or "-", provider["name"])
+        msg.id = 0  # a fresh id on the next session
+        _wait(CHECK_S, check)
+        listed = _listed(link, msg.dataset, provider["name"], request_timeout_s)
+        if listed is None:  # gone from the router's list: wait a while for it (or fail the attempt)
+            missing_since = missing_since or time.monotonic()
+            if time.monotonic() - missing_since >= provider_wait_s:
+                raise Unavailable(f"provider {provider['name']} went away during the test evaluation")
+        else:
+            missing_since = None
+            provider = listed or provider
 
 
 def _try_once(
@@ -114,6 +130,8 @@ def _try_once(
         while True:
             reply = client.recv(CHECK_S)
             if reply is not None and reply.id == request_id:
+                if isinstance(reply, Error) and reply.code == Unavailable.code:  # it is stopping: "ask again"
+                    raise _Restarted({}, f"provider {provider['name']} answered: {reply.message}")
                 return cast(Evaluation, client.check(reply))  # Evaluate's declared reply, as request() trusts it
             if reply is not None and reply.id == probe_id:
                 probe_id = 0
