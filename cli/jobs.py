@@ -62,6 +62,12 @@ def submit(
     arch: Annotated[
         str | None, typer.Option(help="With --evaluate --model FILE: its model, when the file does not say.")
     ] = None,
+    evaluator: Annotated[
+        str | None,
+        typer.Option(
+            help="module:function that scores the weights on the provider's test split (its evaluator_modules must allow it)."
+        ),
+    ] = None,
     *,
     settings: Settings,
     json: Json = False,
@@ -97,6 +103,7 @@ def submit(
         elastic=elastic,
         min_world_size=min_world_size,
         max_world_size=max_world_size,
+        evaluator=evaluator,
     )
     spec.update({k: v for k, v in flags.items() if v is not None})
     if "dataset" not in spec:

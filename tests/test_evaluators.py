@@ -24,6 +24,7 @@ from services.provider.sources import open_source
 from services.trainer.final_eval import score_saved
 from services.usercode import module_allowed
 from tests.support.evaluators import HOLD
+from tests.support.services import wait_job
 
 MNIST = "mock://mnist?n=600"
 INFO = {"sample_shape": [1, 28, 28], "num_classes": 10}
@@ -288,3 +289,28 @@ def _until(condition, what: str, timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
+
+
+def test_a_job_names_the_evaluator_that_scores_its_final_weights(router, start_provider, trainer, client_for):
+    """Issue 26: a job's model scored on the provider's private test split by an operator-installed
+    evaluator; the score the router records is the provider's."""
+    provider = start_provider(f"mnist={MNIST}", evaluator_modules=ALLOWED, assigned_only=True)
+    admin = client_for(router.endpoint, role="admin", timeout_s=10)
+    spec = {
+        "dataset": "mnist",
+        "model": "mlp",
+        "model_kwargs": {"hidden": 16},
+        "epochs": 1,
+        "evaluator": "tests.support.evaluators:mlp",
+        "evaluator_kwargs": {"hidden": 16},
+    }
+    info = wait_job(admin, admin.request(SubmitJob(spec=spec)).job, timeout=120)
+    assert info["state"] == "succeeded", info.get("error")
+    result = info["result"]
+    assert result["test_n"] == 120 and 0.0 <= result["test_accuracy"] <= result["test_metrics"]["top2"] <= 1.0
+    assert result["test_provider"] == provider.service.name
+    assert provider.service.handler.served["mnist"]["evaluations"] == 1
+    # a job naming an evaluator the provider does not allow fails saying which setting to change
+    spec["evaluator"] = "tests.support.user_transforms:jitter"
+    info = wait_job(admin, admin.request(SubmitJob(spec={**spec, "max_attempts": 1})).job, timeout=120)
+    assert info["state"] == "failed" and "evaluator_modules" in info["error"], info

@@ -64,3 +64,24 @@ def held(state_dict: dict[str, torch.Tensor], batches: Iterable, info: dict) -> 
         while HOLD.is_set() and time.monotonic() < until:
             time.sleep(0.02)
     return {"loss": 1.0, "accuracy": 0.25}
+
+
+def mlp(
+    state_dict: dict[str, torch.Tensor], batches: Iterable, info: dict, *, hidden: int = 256
+) -> Mapping[str, float]:
+    """The built-in ``mlp``, built here from the weights, scored with top-2 accuracy as well."""
+    from services.models import as_float, build_model
+
+    model = build_model("mlp", info, {"hidden": hidden})
+    model.load_state_dict(state_dict)
+    model.eval()
+    total, correct, top2, n = 0.0, 0, 0, 0
+    for x, y in batches:
+        logits, targets = model(as_float(x)), y.long()
+        total += float(
+            nn.functional.cross_entropy(logits, targets, reduction="none").clamp(max=info["loss_clip"]).sum()
+        )
+        correct += int((logits.argmax(1) == targets).sum())
+        top2 += int((logits.topk(2, 1).indices == targets[:, None]).any(1).sum())
+        n += len(targets)
+    return {"loss": total / n, "accuracy": correct / n, "top2": top2 / n}
