@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -38,7 +40,7 @@ from services.usercode import import_allowed
 from .evalgate import Bound
 from .sources import Source
 
-__all__ = ["EVAL_CHUNK", "MAX_EXTRA_METRICS", "Prepared", "Scores", "prepare", "score"]
+__all__ = ["EVAL_CHUNK", "MAX_EXTRA_METRICS", "Prepared", "Scores", "evaluate_weights", "prepare", "score"]
 
 EVAL_CHUNK = 512
 #: Bound on the logits one evaluation chunk may produce (float32 elements: 128 MiB). A token sample
@@ -208,3 +210,20 @@ def _checked(result: object, ref: str, n: int) -> Scores:
             f"evaluator {ref} returned {len(extra)} metrics besides loss and accuracy; at most {MAX_EXTRA_METRICS}"
         )
     return Scores(values["loss"], values["accuracy"], n, extra)
+
+
+def evaluate_weights(
+    source: Source,
+    split: str,
+    model_spec: dict,
+    blob: bytes,
+    info: dict,
+    stop: threading.Event | None = None,
+    evaluator_modules: Collection[str] = (),
+    timeout_s: float = float("inf"),
+) -> tuple[float, float, int]:
+    """``(loss, accuracy, n)`` of ``blob`` scored by ``model_spec`` on ``split``, exactly as the
+    provider computes them before release (a script's or a test's check of a provider's answer)."""
+    prepared = prepare(model_spec, blob, info, evaluator_modules)
+    scores = score(prepared, source, split, info, Bound(time.monotonic() + timeout_s, timeout_s, stop), xy=source.xy)
+    return scores.loss, scores.accuracy, scores.n
