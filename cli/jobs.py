@@ -1,4 +1,4 @@
-"""``busctl submit``, ``busctl jobs`` and ``busctl job show|watch|pause|resume|checkpoint|stop|set|model|eval``:
+"""``busctl submit``, ``busctl jobs`` and ``busctl job show|watch|logs|pause|resume|checkpoint|stop|set|model|eval``:
 queue jobs, list them, inspect and control one."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from libbus.config import Settings
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JOB_STATES, SETTABLE
 from libbus.jobs.state import JobState
-from libbus.wire.messages import ControlJob, GetJob, GetModel, ListJobs, Ok, SubmitJob, frame_buffer
+from libbus.wire.messages import ControlJob, GetJob, GetJobLogs, GetModel, ListJobs, Ok, SubmitJob, frame_buffer
 
 from . import tables
 from .common import admin_client, fail, guard, print_json
@@ -62,6 +62,13 @@ def submit(
     arch: Annotated[
         str | None, typer.Option(help="With --evaluate --model FILE: its model, when the file does not say.")
     ] = None,
+    entrypoint: Annotated[
+        str | None,
+        typer.Option(help="Your training function, package.module:function (docs/jobs.md); its trainer must allow it."),
+    ] = None,
+    param: Annotated[
+        list[str] | None, typer.Option("--param", help="NAME=VALUE for job.params (a TOML value or text); repeat it.")
+    ] = None,
     evaluator: Annotated[
         str | None,
         typer.Option(
@@ -106,6 +113,10 @@ def submit(
         evaluator=evaluator,
     )
     spec.update({k: v for k, v in flags.items() if v is not None})
+    if entrypoint is not None:
+        spec["entrypoint"] = entrypoint
+    if param:
+        spec["params"] = {**spec.get("params", {}), **_pairs(param)}
     if "dataset" not in spec:
         fail('say which dataset to train on: --dataset NAME or a job file with dataset = "NAME"', 2)
     s = settings
@@ -213,22 +224,74 @@ def job_checkpoint(job: str, *, settings: Settings, json: Json = False) -> None:
 @admin_options
 def job_set(
     job: str,
-    values: Annotated[list[str], typer.Argument(help=f"NAME=VALUE pairs; names: {', '.join(SETTABLE)}.")],
+    values: Annotated[
+        list[str],
+        typer.Argument(help=f"NAME=VALUE pairs; a built-in job's {', '.join(SETTABLE)}, an entrypoint's params."),
+    ],
     *,
     settings: Settings,
     json: Json = False,
 ) -> None:
-    """Change hyper-parameters of a job, e.g. `busctl job set J lr=0.01 weight_decay=1e-4`."""
-    args = {}
-    for pair in values:
+    """Change hyper-parameters of a job, e.g. `busctl job set J lr=0.01 weight_decay=1e-4` (an
+    entrypoint job: any of its params, seen by job.params from its next step)."""
+    _control(job, JobCommand.SET, _pairs(values), settings, json)
+
+
+def _pairs(pairs: list[str]) -> dict:
+    """``NAME=VALUE`` pairs; a value is read as TOML (``0.01``, ``true``, ``[1, 2]``), else as text."""
+    out = {}
+    for pair in pairs:
         name, sep, value = pair.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            fail(f"expected NAME=VALUE such as lr=0.01, got {pair!r}", 2)
         try:
-            args[name.strip()] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep:
-            fail(f"expected NAME=NUMBER such as lr=0.01, got {pair!r}", 2)
-    _control(job, JobCommand.SET, args, settings, json)
+            out[name] = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[name] = value.strip()
+    return out
+
+
+def _printable(line: str) -> str:
+    """A line a job printed, with control characters shown escaped (no escape sequence reaches the
+    terminal of whoever reads the logs)."""
+    return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in line)
+
+
+@job_app.command("logs")
+@guard
+@admin_options
+def job_logs(
+    job: str,
+    attempt: Annotated[int, typer.Option(help="Which attempt (0 is the first); the latest by default.")] = -1,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends.")] = False,
+    *,
+    settings: Settings,
+    json: Json = False,
+) -> None:
+    """What an entrypoint job's function printed (stdout and stderr), per attempt."""
+    import time
+
+    after = 0
+    with admin_client(settings) as client:
+        while True:
+            reply = client.request(GetJobLogs(job=job, attempt=attempt, after=after))
+            if json:
+                print_json(reply.header())
+            else:
+                if after == 0 and reply.dropped:
+                    typer.echo(f"[{reply.dropped} earlier line(s) of attempt {reply.attempt} no longer kept]")
+                for line in reply.lines:
+                    typer.echo(_printable(line))
+            attempt, after = reply.attempt, reply.next
+            if reply.lines:
+                continue
+            if not follow:
+                return
+            state = client.request(GetJob(job=job, events=0)).job.get("state")
+            if state is not None and JobState(state).terminal:
+                return
+            time.sleep(1.0)
 
 
 @job_app.command(JobCommand.EVAL.value)

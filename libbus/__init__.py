@@ -6,7 +6,8 @@
 - ``security/``: tokens, CURVE, admission;
 - ``serve/`` (the server framework), ``connect/`` (the client side), ``order/`` (the sample order);
 - ``jobs/`` (the job schema and states), ``config`` (the one settings object);
-- ``loader/``: ``RemoteLoader`` and what it stands on (imports torch).
+- ``loader/``: ``RemoteLoader`` and what it stands on (imports torch); beside it ``jobapi/``: the
+  ``Job`` a training function submitted as a job is handed (docs/jobs.md).
 
 A script needs only this package's face::
 
@@ -34,6 +35,8 @@ _LAZY = {
     "RankInfo": "libbus.loader.ranks",
     "detect_rank": "libbus.loader.ranks",
     "StallMeter": "libbus.loader.stall",
+    "Job": "libbus.jobapi.job",
+    "JobEnded": "libbus.jobapi.job",
 }
 
 __all__ = [
@@ -42,6 +45,8 @@ __all__ = [
     "RankInfo",
     "RemoteLoader",
     "StallMeter",
+    "Job",
+    "JobEnded",
     "as_float",
     "detect_rank",
     "errors",

@@ -3,6 +3,8 @@
 from libbus import errors as errors
 from libbus.constants import PROTOCOL as PROTOCOL
 from libbus.constants import VERSION as VERSION
+from libbus.jobapi.job import Job as Job
+from libbus.jobapi.job import JobEnded as JobEnded
 from libbus.loader.ranks import RankInfo as RankInfo
 from libbus.loader.ranks import detect as detect_rank
 from libbus.loader.remote import RemoteLoader as RemoteLoader
@@ -16,6 +18,8 @@ __all__ = [
     "RankInfo",
     "RemoteLoader",
     "StallMeter",
+    "Job",
+    "JobEnded",
     "as_float",
     "detect_rank",
     "errors",

@@ -163,15 +163,25 @@ class Settings:
     #: providers may share one) and the most bytes it holds, least recently used evicted. Empty: none.
     cache_dir: str = ""
     cache_limit: int = 0
-    #: The Python modules (exact names) whose code this node may run because its operator says so:
-    #: on a provider, the functions of pipeline ``user`` stages (services/provider/sources/pipeline/
-    #: user_stage.py); on a trainer, the ``module:factory`` models jobs name (services/usercode.py).
-    #: A job never decides what a node imports. Empty: no user code runs.
+    #: Provider: the Python modules (exact names) whose functions pipeline ``user`` stages may run
+    #: (services/provider/sources/pipeline/user_stage.py). Empty: none.
     user_modules: list = field(default_factory=list)
-    #: Provider: the modules (exact names, or prefixes ending in ``.``) whose evaluators may score a
+    #: Provider: the modules (exact names, or packages as ``pkg.`` / ``pkg.*``) whose evaluators may score a
     #: model on its test split (``Evaluate`` with ``model.evaluator``; services/provider/evaluator.py).
     #: Empty: built-in models only.
     evaluator_modules: list = field(default_factory=list)
+    #: Trainer: the modules whose code jobs may run here, entrypoints and ``module:factory`` models
+    #: (exact names, or packages as ``pkg.`` / ``pkg.*``; services/usercode.py). A job never decides
+    #: what a node imports. Empty: only the built-in models and entrypoints.
+    job_modules: list = field(default_factory=list)
+    #: Trainer: an entrypoint attempt (a child process) that makes no job call (step, report,
+    #: checkpoint) and fetches no batch for this long is hung: it is killed and the attempt fails.
+    attempt_silence_s: float = 300.0
+    #: Trainer: how long a stopped or handed-back attempt has to checkpoint and end before it is killed.
+    stop_grace_s: float = 30.0
+    #: Trainer: the most bytes of an attempt's output (stdout and stderr) kept for ``busctl job logs``
+    #: (the last ones; earlier lines are dropped with a marker).
+    attempt_log_bytes: int = 256 << 10
     log_level: str = "INFO"
 
     def resolved(self) -> Settings:

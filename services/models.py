@@ -219,7 +219,7 @@ def build_model(
     ``name`` is a built-in (``mlp``, ``cnn``, ``resnet18`` for labelled samples, ``tiny-lm`` for token datasets)
     or ``package.module:factory``, a callable taking ``(info, **kwargs)`` (the job's ``model_kwargs``: data,
     never a setting of this node) and returning an
-    ``nn.Module``, whose module must be in ``allowed`` (the node's ``user_modules``; see
+    ``nn.Module``, whose module must be in ``allowed`` (the trainer's ``job_modules``; see
     :mod:`services.usercode`). Raises :class:`BadRequest` for an unknown model, a module the node does
     not allow, arguments it does not take, or a built-in that does not fit the dataset's kind.
     """
@@ -229,7 +229,7 @@ def build_model(
     if name in MODELS:
         factory = MODELS[name]
     elif ":" in name:
-        found = import_allowed(name, allowed, f"model {name!r}")
+        found = import_allowed(name, allowed, f"model {name!r}", setting="job_modules")
         if not callable(found):
             raise BadRequest(f"model {name!r}: {type(found).__name__} is not callable")
         factory = found

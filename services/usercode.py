@@ -3,11 +3,11 @@
 A job spec comes from the wire: whoever can submit a job chooses its ``model`` string. Importing any
 module it names would run that module's top level on the trainer (``pydoc:pipepager`` with a crafted
 ``model_kwargs`` runs a shell command), so what may run on a node is the operator's decision, not the
-job's: a ``package.module:name`` reference is resolved only if ``module`` is listed in the node's
-setting for that kind of code (``user_modules`` for models and pipeline stages, ``evaluator_modules``
-for a provider's evaluators): by its exact name, or under a prefix the operator wrote ending in ``.``
-(``"myorg.evals."`` allows ``myorg.evals.mnist``, not ``myorg.evals`` itself nor ``myorg.evalsX``).
-Nothing is imported before that check.
+job's: a ``package.module:name`` reference is resolved only if ``module`` is allowed by the node's
+setting — ``job_modules`` on a trainer (entrypoints and ``module:factory`` models), ``user_modules`` on a
+provider (pipeline ``user`` stages; ``evaluator_modules`` for its evaluators). An entry allows that module by its exact name; an entry ending in
+``.`` or ``.*`` (``mylab.`` / ``mylab.*``) allows every module under that package. Nothing is imported
+before that check.
 """
 
 from __future__ import annotations
@@ -21,16 +21,19 @@ __all__ = ["import_allowed", "module_allowed"]
 
 
 def module_allowed(module_name: str, allowed: Collection[str]) -> bool:
-    """Whether ``allowed`` lists ``module_name`` exactly, or a prefix of it that ends in ``.``."""
-    return module_name in allowed or any(a.endswith(".") and module_name.startswith(a) for a in allowed)
+    """Whether ``allowed`` lists ``module_name``, or a package prefix of it (``pkg.`` or ``pkg.*``)."""
+    for entry in allowed:
+        prefix = entry.removesuffix("*")
+        if entry == module_name or (prefix.endswith(".") and module_name.startswith(prefix)):
+            return True
+    return False
 
 
 def import_allowed(ref: str, allowed: Collection[str], what: str, setting: str = "user_modules") -> object:
-    """The attribute ``name`` of ``module`` for ``ref`` = ``"module:name"``, if ``module`` is allowed
-    (:func:`module_allowed`).
+    """The attribute ``name`` of ``module`` for ``ref`` = ``"module:name"``, if ``module`` is in ``allowed``.
 
-    ``what`` names the reference in messages (``"model 'pkg.mod:build'"``); ``setting`` is the
-    node's setting that lists what is allowed (named in the refusal, with its environment variable).
+    ``what`` names the reference in messages (``"model 'pkg.mod:build'"``); ``setting`` the node's
+    setting that lists ``allowed``.
 
     Raises:
         BadRequest: a malformed reference, a module the node does not allow (named with the setting

@@ -6,7 +6,9 @@ SIGKILL the ``N``-th time it reaches ``POINT``:
 - ``checkpoint``: right after a checkpoint was written and its record delivered to the router;
 - ``validation``: at the start of an epoch's validation (services.models.evaluate);
 - ``test_eval``: at the start of the provider-side test evaluation;
-- ``push_before``: just before the result is sent; ``push_after``: right after the router stored it.
+- ``push_before``: just before the result is sent; ``push_after``: right after the router stored it;
+- ``entry_checkpoint``: right after an entrypoint attempt's checkpoint record reached the router
+  (the trainer dies; its attempt's process dies with it).
 
 The process dies as a real trainer killed there would; nothing else is changed. Only the tests use it.
 """
@@ -65,6 +67,19 @@ def plant(point: str, nth: int) -> None:
             return original_eval(self, *args, **kw)
 
         run.TaskRun._evaluate = test_eval
+    elif point == "entry_checkpoint":
+        from libbus.wire.messages import Checkpointed
+        from services.trainer import attempt
+
+        original_deliver = attempt.EntrypointRun._deliver
+
+        def deliver(self, msg, timeout_s):
+            reply = original_deliver(self, msg, timeout_s)
+            if isinstance(msg, Checkpointed) and hit():
+                _die()
+            return reply
+
+        attempt.EntrypointRun._deliver = deliver
     elif point in ("push_before", "push_after"):
         original_push = app.TrainerService._push_result
 

@@ -24,7 +24,7 @@ LIBBUS_FLOORS = [
     {"security"},
     {"serve", "connect", "order"},
     {"jobs", "config"},
-    {"loader"},
+    {"loader", "jobapi"},
 ]
 
 

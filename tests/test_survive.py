@@ -38,7 +38,7 @@ class KillCluster(JobCluster):
             BATCHBUS_HEARTBEAT_LIVENESS="24",
             # a job's model may be tests.killpoint:raising_model: importable, and allowed by the trainers' operator
             PYTHONPATH=str(REPO),
-            BATCHBUS_USER_MODULES="tests.killpoint",
+            BATCHBUS_JOB_MODULES="tests.killpoint",
         )
 
     def start_killed_at(self, name: str, point: str, nth: int = 1) -> subprocess.Popen:
@@ -196,7 +196,7 @@ def test_a_bad_job_fails_with_a_hint_and_the_trainer_takes_the_next(cluster, sto
     assert info["state"] == "failed" and info["attempts"] == 1
     assert "ValueError: this factory always fails" in info["error"] and "factory" in info["error"]
     info = cluster.wait_end(shell, timeout=60)
-    assert info["state"] == "failed" and "not in this node's user_modules (tests.killpoint)" in info["error"], info
+    assert info["state"] == "failed" and "not in this node's job_modules (tests.killpoint)" in info["error"], info
     assert "nothing was imported" in info["error"] and not marker.exists()
     assert cluster.wait_end(good, timeout=120)["state"] == "succeeded"
     assert cluster.procs["solo"].poll() is None, "the trainer died of a bad job"

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from libbus.errors import BadRequest
 from libbus.jobs.state import JobState
 from libbus.order.epochs import DEFAULT_BLOCK_SIZE, Shuffle
+from libbus.wire.schema import too_deep
 
 __all__ = ["JOB_STATES", "MAX_ATTEMPTS", "TERMINAL_STATES", "SETTABLE", "JobSpec", "dataset_name"]
 
@@ -84,6 +88,13 @@ class JobSpec:
     task: str = "train"
     model_from: str = ""
     split: str = "val"
+    #: The user's training function, ``package.module:function``: the trainer runs it in a child
+    #: process with a :class:`libbus.jobapi.Job` (docs/jobs.md). Empty: the built-in loop trains
+    #: ``model``. A trainer imports only modules its operator allows (its ``job_modules`` setting).
+    entrypoint: str = ""
+    #: The entrypoint's own parameters (``job.params``): names to plain values; ``busctl job set``
+    #: changes them while it runs, a study samples them (``[space] "params.lr" = ...``).
+    params: dict = field(default_factory=dict)
     #: What scores the weights on the provider's test split: "" (the built-in ``model`` is built
     #: there), or ``package.module:function`` that the provider's ``evaluator_modules`` allows, called
     #: with ``evaluator_kwargs`` (services/provider/evaluator.py; docs/python-api.md).
@@ -150,6 +161,7 @@ class JobSpec:
                 "an evaluate task needs model_from (a succeeded job, or an uploaded file) and "
                 f"split val or test, got model_from={spec.model_from!r} split={spec.split!r}"
             )
+        _check_entrypoint(spec)
         if spec.lr <= 0:
             raise BadRequest(f"lr must be positive, got {spec.lr}")
         if spec.weight_decay < 0 or spec.momentum < 0:
@@ -157,9 +169,13 @@ class JobSpec:
         return spec
 
     def with_hyper(self, changes: dict) -> JobSpec:
-        """This spec with ``busctl job set`` changes applied and checked (only :data:`SETTABLE` keys)."""
+        """This spec with ``busctl job set`` changes applied and checked: only :data:`SETTABLE`
+        keys of a built-in job; any of its ``params`` (plain values) for an entrypoint job."""
         if not isinstance(changes, dict) or not changes:
             raise BadRequest(f"set needs at least one of {', '.join(SETTABLE)} (e.g. lr=0.01)")
+        if self.entrypoint:  # NAME or params.NAME (a study's name for it)
+            changes = {str(k).removeprefix("params."): v for k, v in changes.items()}
+            return JobSpec.from_dict({**self.to_dict(), "params": {**self.params, **changes}})
         other = sorted(set(changes) - set(SETTABLE))
         if other:
             raise BadRequest(f"cannot set {', '.join(other)} on a running job; settable: {', '.join(SETTABLE)}")
@@ -189,6 +205,35 @@ def _check_elastic(spec: JobSpec, raw: dict) -> None:
             f"and max_world_size={high} (leave world_size out)"
         )
     spec.world_size = high
+
+
+#: The most bytes a job's ``params`` may take as JSON, and how deep they may nest.
+MAX_PARAMS_BYTES = 64 << 10
+MAX_PARAMS_DEPTH = 4
+_ENTRYPOINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z][A-Za-z0-9_]*$")
+
+
+def _check_entrypoint(spec: JobSpec) -> None:
+    """``entrypoint`` names ``package.module:function`` (a public name); ``params`` are plain,
+    bounded values with string names. Whether a trainer may import it is the trainer's decision."""
+    if spec.entrypoint and not _ENTRYPOINT.match(spec.entrypoint):
+        raise BadRequest(f"entrypoint must be package.module:function (a public name), got {spec.entrypoint!r}")
+    if spec.params and not spec.entrypoint:
+        raise BadRequest(
+            "params are an entrypoint's parameters: set entrypoint too (built-in jobs use lr, epochs, ...)"
+        )
+    if spec.entrypoint and spec.task != "train":
+        raise BadRequest("an entrypoint job trains (task = train); score its model with an evaluate task")
+    if any(not isinstance(k, str) or not k.isidentifier() for k in spec.params):
+        raise BadRequest(f"params names must be identifiers, got {sorted(map(str, spec.params))}")
+    if too_deep(spec.params, MAX_PARAMS_DEPTH):
+        raise BadRequest(f"params nest deeper than {MAX_PARAMS_DEPTH} levels")
+    try:
+        size = len(orjson.dumps(spec.params))
+    except TypeError as err:
+        raise BadRequest(f"params must be plain values (numbers, strings, lists, tables): {err}") from err
+    if size > MAX_PARAMS_BYTES:
+        raise BadRequest(f"params take {size} bytes as JSON; at most {MAX_PARAMS_BYTES}")
 
 
 def _shuffle_mode(value) -> str:

@@ -24,6 +24,9 @@ __all__ = [
     "Rendezvous",
     "NoTask",
     "Progress",
+    "JobLog",
+    "GetJobLogs",
+    "JobLogs",
     "PushResult",
     "Command",
     "CommandAck",
@@ -123,6 +126,8 @@ class Task(Message):
     world_size: int = 1
     resume: dict | None = None
     rendezvous: str = ""
+    #: Attempts of this job begun before this one (0 on its first).
+    attempt: int = 0
 
 
 @message
@@ -137,6 +142,41 @@ class Rendezvous(Request[Ok]):
 @message
 class NoTask(Message):
     retry_ms: int
+
+
+@message
+class JobLog(Request[Ok]):
+    """Trainer → router: lines an entrypoint job's attempt printed (stdout and stderr, in order;
+    ``seq`` is the first line's number in the attempt), kept for ``busctl job logs``."""
+
+    job: str
+    attempt: int
+    seq: int
+    lines: list
+
+
+@message
+class GetJobLogs(Request["JobLogs"]):
+    """Admin → router: the output lines of one attempt of ``job`` (``attempt`` -1: the latest) from
+    line ``after`` on, at most ``limit``."""
+
+    job: str
+    attempt: int = -1
+    after: int = 0
+    limit: int = 1000
+
+
+@message
+class JobLogs(Message):
+    """The lines asked for; ``next`` is the ``after`` to ask with for the ones after them; ``dropped``
+    counts the attempt's earliest lines no longer kept; ``attempts`` lists those the router keeps."""
+
+    job: str
+    attempt: int
+    lines: list
+    next: int
+    dropped: int = 0
+    attempts: list = field(default_factory=list)
 
 
 @message

@@ -30,10 +30,13 @@ from libbus.wire.messages import (
     Entitlements,
     EvaluationReport,
     GetJob,
+    GetJobLogs,
     GetModel,
     GetTask,
     JobInfo,
     JobList,
+    JobLog,
+    JobLogs,
     JobSubmitted,
     ListJobs,
     ListPeers,
@@ -63,6 +66,7 @@ from .decisions import Decisions
 from .gangs import Gangs, world_size
 from .grants import Revocations, assignments
 from .jobs import JobControl
+from .logs import JobOutput
 from .replies import fit_job, fit_list
 from .store import JobStore
 
@@ -126,6 +130,7 @@ class RouterHandler(Decisions, Handler):
         self.jobs = JobControl(store, self._push_to_trainer, self._trainer_names, lease_s=lease_s, artifacts=artifacts)
         self.gangs = Gangs(store, lease_s)
         self.revocations = Revocations(store.db)
+        self.output = JobOutput(store.db)
         #: Set by the service: applies the revoked token ids to the router's own server.
         self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
         self._granted: tuple[list[str], dict] | None = None
@@ -349,7 +354,9 @@ class RouterHandler(Decisions, Handler):
             return NoTask(retry_ms=self.task_retry_ms)
         self._grant(dataset_name(job["spec"]["dataset"]), who)  # its providers hear of it with its Task (tick)
         log.info("job %s assigned to %s (%s)", job["id"], who, session.name)
-        task = self.attach_model(Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"]))
+        task = self.attach_model(
+            Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"], attempt=max(0, job.get("attempts", 1) - 1))
+        )
         return self.jobs.remember_task(who, msg.key, task)
 
     @serves(Rendezvous, *TRAINER)
@@ -365,6 +372,19 @@ class RouterHandler(Decisions, Handler):
         _stored(msg.progress, "Progress.progress")
         # its new epoch judged now (studies, early stopping): a stop decided here rides on the reply
         return self.jobs.on_progress(session.subject, msg, session.sid, judge=self.judge_report)
+
+    @serves(JobLog, *TRAINER)
+    def on_JobLog(self, session: Session, msg: JobLog) -> Ok:
+        session.claims.check_job(msg.job)
+        self.jobs.own(session.subject, msg.job)  # only the job's trainer adds to its output
+        self.output.add(msg.job, msg.attempt, msg.seq, msg.lines)
+        return Ok()
+
+    @serves(GetJobLogs, *ADMIN)
+    def on_GetJobLogs(self, session: Session, msg: GetJobLogs) -> JobLogs:
+        self._check_job_scope(session, msg.job)
+        attempt, lines, nxt, dropped, attempts = self.output.read(msg.job, msg.attempt, msg.after, msg.limit)
+        return JobLogs(job=msg.job, attempt=attempt, lines=lines, next=nxt, dropped=dropped, attempts=attempts)
 
     @serves(Checkpointed, *TRAINER)
     def on_Checkpointed(self, session: Session, msg: Checkpointed) -> Ok:

@@ -31,7 +31,7 @@ from libbus.jobs.state import JobState
 from . import pbt
 from .store import JobStore
 from .studies_halving import BudgetHalvingPruner
-from .study_spec import StudySpec
+from .study_spec import StudySpec, trial_spec
 from .study_store import TRIAL_ENDED, StudyState, StudyStore, TrialState
 
 __all__ = ["Studies", "CHECK_S"]
@@ -295,7 +295,7 @@ class Studies:
         row = self.jobs.db.execute("SELECT id FROM jobs WHERE json_extract(spec, '$.name') = ?", (name,)).fetchone()
         if row is None:
             try:
-                spec = JobSpec.from_dict({**live.spec.base, **params, "name": name})
+                spec = JobSpec.from_dict({**trial_spec(live.spec.base, params), "name": name})
             except BadRequest as err:  # a combination no single bound showed: this trial fails, not the study
                 log.warning("study %s: trial %d cannot run: %s", study, number, err)
                 self.store.update_trial(study, number, state=TrialState.FAILED)

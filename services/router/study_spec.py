@@ -31,7 +31,23 @@ from typing import Any
 from libbus.errors import BadRequest
 from libbus.jobs.spec import SETTABLE, JobSpec
 
-__all__ = ["SAMPLERS", "PRUNERS", "STRATEGIES", "KINDS", "Param", "StudySpec"]
+__all__ = ["SAMPLERS", "PRUNERS", "STRATEGIES", "KINDS", "Param", "StudySpec", "trial_spec"]
+
+
+def trial_spec(base: dict, values: dict) -> dict:
+    """The job spec of a trial: ``base`` with the sampled ``values`` (``params.NAME`` ones go into
+    its ``params``)."""
+    params = {k.removeprefix(PARAMS): v for k, v in values.items() if k.startswith(PARAMS)}
+    fields = {k: v for k, v in values.items() if not k.startswith(PARAMS)}
+    out = {**base, **fields}
+    if params:
+        out["params"] = {**base.get("params", {}), **params}
+    return out
+
+
+def _prefixed(table: dict) -> dict:
+    return {f"{PARAMS}{k}": v for k, v in table.items()}
+
 
 SAMPLERS = ("random", "grid", "tpe")
 PRUNERS = ("none", "median", "asha", "plateau")
@@ -39,6 +55,8 @@ STRATEGIES = ("search", "pbt")
 #: How a ``[space]`` entry draws its values.
 KINDS = ("log_uniform", "uniform", "int", "choice")
 #: Job fields a study may not vary: they say what the trials are, not how they train.
+#: A ``[space]`` entry named ``params.NAME`` varies an entrypoint job's ``params[NAME]``.
+PARAMS = "params."
 FIXED = ("dataset", "name", "world_size", "task", "model_from", "split")
 #: The most trials one study may run.
 MAX_TRIALS = 10000
@@ -145,9 +163,20 @@ class StudySpec:
             JobSpec.from_dict(base)
         except BadRequest as err:
             raise BadRequest(f"[base]: {err}") from err
+        if isinstance(space.get("params"), dict):  # [space.params] lr = {...}: the entrypoint's params
+            space = {**{k: v for k, v in space.items() if k != "params"}, **_prefixed(space["params"])}
         params = {name: Param.parse(name, value) for name, value in space.items()}
         known = {f.name: f for f in dataclasses.fields(JobSpec)}
         for name, param in params.items():
+            if name.startswith(PARAMS):  # an entrypoint's parameter: any plain value its function reads
+                if not base.get("entrypoint"):
+                    raise BadRequest(f"[space] {name}: params are an entrypoint's; [base] names no entrypoint")
+                for value in param.values:
+                    try:
+                        JobSpec.from_dict(trial_spec(base, {name: value}))
+                    except BadRequest as err:
+                        raise BadRequest(f"[space] {name}: {value!r} does not make a valid job: {err}") from err
+                continue
             if name not in known or name in FIXED:
                 varied = ", ".join(k for k in known if k not in FIXED)
                 raise BadRequest(f"[space] {name}: not a job field a study can vary; fields: {varied}")
@@ -218,6 +247,11 @@ class StudySpec:
             self._check_pbt()
 
     def _check_pbt(self) -> None:
+        if self.base.get("entrypoint"):
+            raise BadRequest(
+                "[study] strategy pbt needs built-in jobs for now (it copies weights into a running job); "
+                "an entrypoint job's study searches (strategy search) with any sampler and pruner"
+            )
         if not 0 < self.quantile <= 0.5:
             raise BadRequest(f"[study] quantile must be above 0 and at most 0.5, got {self.quantile}")
         if len(self.perturb) < 1 or not all(

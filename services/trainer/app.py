@@ -16,12 +16,14 @@ from libbus.config import Settings
 from libbus.connect.link import Link
 from libbus.errors import BusError, Forbidden, PeerTimeout
 from libbus.jobs.commands import JobCommand
+from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, Task
 
 from .. import runtime
 from ..sdnotify import Notifier
+from .attempt import EntrypointRun
 from .failures import describe_failure
 from .reports import Reporter
 from .run import LOST, TaskRun
@@ -50,7 +52,7 @@ class TrainerService:
         self.tasks: Counter = Counter()
         #: Seconds the jobs that ended waited for data; the running one's come from its loader.
         self.data_wait_done = 0.0
-        self.run_now: TaskRun | None = None
+        self.run_now: TaskRun | EntrypointRun | None = None
         #: The Prometheus endpoint while running (``metrics_bind`` set), else ``None``.
         self.metrics: MetricsExporter | None = None
         self.link = Link(
@@ -144,9 +146,21 @@ class TrainerService:
         state: JobState | str  # or LOST: the router gave the job to another trainer
         try:
             try:
-                run = TaskRun(
-                    task, self.settings, self.link, self.identity, self.commands, reporter, notifier=self.notifier
-                )
+                run: TaskRun | EntrypointRun
+                if JobSpec.from_dict(task.spec).entrypoint:  # the user's function, in a process of its own
+                    run = EntrypointRun(
+                        task,
+                        self.settings,
+                        self.link,
+                        self.identity,
+                        self.commands,
+                        attempt=task.attempt,
+                        notifier=self.notifier,
+                    )
+                else:
+                    run = TaskRun(
+                        task, self.settings, self.link, self.identity, self.commands, reporter, notifier=self.notifier
+                    )
             except Exception as err:  # noqa: BLE001 - a spec this trainer cannot even set up: the job fails, not us
                 state, result, error = JobState.FAILED, {"retryable": False}, describe_failure(err, None)
                 log.error("job %s failed before it started: %s", task.job, error)

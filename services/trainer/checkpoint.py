@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -80,7 +81,7 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous()
 
 
-def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
     tensors = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
@@ -93,7 +94,7 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
-def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     torch.set_rng_state(tensors["rng.torch"])
     cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
     if cuda and torch.cuda.is_available():
@@ -128,7 +129,7 @@ def save_checkpoint(
                 tensors[f"optim.{param}.{key}"] = _cpu(value)
             else:
                 plain_state.setdefault(str(param), {})[key] = value
-    rng_tensors, rng_meta = _rng_state()
+    rng_tensors, rng_meta = rng_state()
     tensors.update(rng_tensors)
     metadata = {
         "batchbus": FORMAT,
@@ -141,7 +142,7 @@ def save_checkpoint(
     }
     data = save_safetensors(tensors, metadata=metadata)
     path = directory / f"step-{step:09d}{'.e' if epoch_end else ''}.safetensors"
-    digest = _write(path, data)
+    digest = write_file(path, data)
     return {"path": str(path), "sha256": digest, "step": step, "epoch": epoch, "cursor": cursor, "bytes": len(data)}
 
 
@@ -196,7 +197,7 @@ def read_checkpoint(record: dict, root: str) -> bytes:
     return data
 
 
-def _metadata(data: bytes) -> dict:
+def metadata_of(data: bytes) -> dict:
     """A safetensors blob's string metadata (its header is 8 bytes of length, then JSON)."""
     size = int.from_bytes(data[:8], "little")
     return orjson.loads(data[8 : 8 + size]).get("__metadata__") or {}
@@ -215,7 +216,7 @@ def restore_checkpoint(data: bytes, record: dict, model: nn.Module, optimizer: t
         )
     try:
         tensors = load_safetensors(data)
-        meta = _metadata(data)
+        meta = metadata_of(data)
     except (SafetensorError, ValueError, AttributeError) as err:
         raise CheckpointError(f"checkpoint {path} is not a readable safetensors file: {err}") from err
     if meta.get("batchbus") != FORMAT:
@@ -230,7 +231,7 @@ def restore_checkpoint(data: bytes, record: dict, model: nn.Module, optimizer: t
                 _, param, name = key.split(".", 2)
                 opt_state.setdefault(int(param), {})[name] = value
         optimizer.load_state_dict({"state": opt_state, "param_groups": optim["param_groups"]})
-        _set_rng_state(tensors, orjson.loads(meta["rng"]))
+        set_rng_state(tensors, orjson.loads(meta["rng"]))
         return Restored(
             step=int(meta["step"]),
             epoch=int(meta["epoch"]),
@@ -252,14 +253,35 @@ def model_metadata(job: str, spec: JobSpec, step: int) -> dict[str, str]:
     }
 
 
-def save_model(directory: Path, model: nn.Module, metadata: dict[str, str]) -> dict:
-    """Write the final weights as ``model.safetensors``; returns ``{path, sha256, bytes}``."""
-    data = save_safetensors({k: _cpu(v) for k, v in model.state_dict().items()}, metadata=metadata)
+def save_model(directory: Path, model: nn.Module | Mapping[str, torch.Tensor], metadata: dict[str, str]) -> dict:
+    """Write the final weights (a model, or its state dict) as ``model.safetensors``; returns
+    ``{path, sha256, bytes}``. Tensors sharing memory (tied weights) are stored each whole."""
+    state = model.state_dict() if isinstance(model, nn.Module) else model
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"model weights: {key!r} is a {type(value).__name__}, not a tensor")
+        tensors[str(key)] = _cpu(value)
+    data = save_safetensors(_unshared(tensors), metadata=metadata)
     path = directory / "model.safetensors"
-    return {"path": str(path), "sha256": _write(path, data), "bytes": len(data)}
+    return {"path": str(path), "sha256": write_file(path, data), "bytes": len(data)}
 
 
-def _write(path: Path, data: bytes) -> str:
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every one that shares memory with an earlier one (or is a part of a larger
+    storage) copied: safetensors stores whole, unshared tensors only."""
+    seen: set[int] = set()
+    out = {}
+    for key, t in tensors.items():
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or t.nbytes != storage.nbytes():
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[key] = t
+    return out
+
+
+def write_file(path: Path, data: bytes) -> str:
     try:
         return write_atomic(path, data)
     except OSError as err:

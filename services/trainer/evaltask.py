@@ -75,7 +75,7 @@ def run_evaluation(
                 ev = client.request(msg)
             result.update(test_loss=ev.loss, test_accuracy=ev.accuracy, test_n=ev.n)
         else:
-            model = build_model(spec.model, resolved.info, spec.model_kwargs, allowed=settings.user_modules)
+            model = build_model(spec.model, resolved.info, spec.model_kwargs, allowed=settings.job_modules)
             try:
                 model.load_state_dict(load_safetensors(blob))
             except (RuntimeError, ValueError) as err:

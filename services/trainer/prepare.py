@@ -53,7 +53,7 @@ def build(
     spec: JobSpec, info: dict, device: torch.device, allowed: Collection[str]
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The job's model on ``device``, from the spec's seed, and its optimizer. A ``module:factory``
-    model must be in ``allowed`` (this trainer's ``user_modules``)."""
+    model must be in ``allowed`` (this trainer's ``job_modules``)."""
     torch.manual_seed(spec.seed)
     model = build_model(spec.model, info, spec.model_kwargs, allowed=allowed).to(device)
     return model, make_optimizer(spec, model.parameters())

@@ -289,14 +289,14 @@ class TaskRun:
                 watchdog=self.notifier.watchdog,
                 handback=self._checkpoint_quietly,
             )
-        model, optimizer = build(spec, info, device, self.settings.user_modules)
+        model, optimizer = build(spec, info, device, self.settings.job_modules)
         self.model, self.optimizer = model, optimizer
         kind = dataset_kind(info)
         train, val = open_loaders(self.task, spec, s, self.link, self.identity, resolved.providers, device)
         self.train = train
         if self.task.resume and not self._resume(self.task.resume):
             # a checkpoint half loaded must not leak into the fresh start (build seeds anew)
-            model, optimizer = build(spec, info, device, self.settings.user_modules)
+            model, optimizer = build(spec, info, device, self.settings.job_modules)
             self.model, self.optimizer = model, optimizer
         net = model if self.gang is None else DistributedDataParallel(model, device_ids=self.gang.device_ids)
         if s.audit_dir:

@@ -1,0 +1,410 @@
+"""One attempt of an entrypoint job, run by the trainer service in a child process (:mod:`.child`).
+
+The trainer keeps its connection to the router; the child runs the user's function. Here, the
+trainer's side:
+
+- the job's module is checked against ``job_modules`` before any process starts (the child checks
+  again before it imports);
+- the child's requests (progress, checkpoint records, acknowledgements, the dataset's providers)
+  are relayed to the router, and the router's commands to the child;
+- the child's output (stdout and stderr) is kept per attempt, the last ``attempt_log_bytes`` of it,
+  and sent to the router for ``busctl job logs``;
+- a child that ends without a result (a segfault, the out-of-memory killer, ``os._exit``), that
+  stops making progress for ``attempt_silence_s`` (hung), or that has not ended ``stop_grace_s``
+  after a stop or hand-back is killed, and only this attempt fails: its error names how it ended,
+  with the last lines of its output and a hint; the trainer goes on to its next job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+from libbus.config import Settings
+from libbus.connect.client import Identity
+from libbus.connect.link import Link
+from libbus.errors import BusError, PeerTimeout
+from libbus.jobs.commands import JobCommand
+from libbus.jobs.spec import JobSpec
+from libbus.jobs.state import JobState
+from libbus.loader.remote import pick_provider
+from libbus.wire.frames import decode, encode
+from libbus.wire.messages import Checkpointed, Command, CommandAck, JobLog, Message, Progress, Resolve, Task
+from services.sdnotify import Notifier
+from services.usercode import module_allowed
+
+from .channel import Channel, ChannelClosed
+from .failures import describe_failure
+from .prepare import resolve
+
+__all__ = ["AttemptLog", "EntrypointRun"]
+
+log = logging.getLogger(__name__)
+
+#: What a child may ask the router, through its trainer: nothing it could not do as the job's trainer.
+RELAYED: tuple[type[Message], ...] = (Progress, Checkpointed, CommandAck, Resolve)
+#: Requests relayed at once (each waits for the router on a thread of its own).
+MAX_RELAYS = 8
+#: Lines of output quoted in a failed attempt's error.
+TAIL_LINES = 20
+#: Output lines sent to the router in one message, and how often they go.
+LOG_BATCH = 200
+LOG_EVERY_S = 1.0
+#: How long an ended child's channel may stay silent (held open by processes it forked) before
+#: the attempt counts as ended without a result.
+EXIT_QUIET_S = 2.0
+#: Longest output line kept (a progress bar without newlines is cut, not held whole).
+MAX_LINE = 4096
+
+
+class AttemptLog:
+    """The last ``limit`` bytes of an attempt's output, by line, and the lines not yet sent."""
+
+    def __init__(self, limit: int):
+        self.limit = max(1024, limit)
+        self.lines: deque[str] = deque()
+        self.size = 0
+        self.dropped = 0
+        self.unsent: list[str] = []
+        self.lock = threading.Lock()
+
+    def add(self, line: str) -> None:
+        line = line[:MAX_LINE]
+        with self.lock:
+            self.lines.append(line)
+            self.size += len(line) + 1
+            while self.size > self.limit and len(self.lines) > 1:
+                self.size -= len(self.lines.popleft()) + 1
+                self.dropped += 1
+            if len(self.unsent) < LOG_BATCH * 50:  # the router away for long: the newest wait, bounded
+                self.unsent.append(line)
+
+    def take(self) -> list[str]:
+        with self.lock:
+            out, self.unsent = self.unsent[:LOG_BATCH], self.unsent[LOG_BATCH:]
+            return out
+
+    def tail(self, n: int = TAIL_LINES) -> list[str]:
+        with self.lock:
+            return list(self.lines)[-n:]
+
+
+class EntrypointRun:
+    """Runs ``task`` (an entrypoint job) in a child process and returns ``(state, result, error)``
+    to push to the router, like :class:`.run.TaskRun`."""
+
+    def __init__(
+        self,
+        task: Task,
+        settings: Settings,
+        link: Link,
+        identity: Identity,
+        commands: queue.Queue[Command],
+        *,
+        attempt: int = 0,
+        notifier: Notifier | None = None,
+    ):
+        self.task = task
+        self.spec = JobSpec.from_dict(task.spec)
+        self.settings = settings
+        self.link = link
+        self.identity = identity
+        self.commands = commands
+        self.attempt = attempt
+        self.notifier = notifier or Notifier()
+        self.log = AttemptLog(settings.attempt_log_bytes)
+        #: What the trainer's stats read of a built-in run; an entrypoint's loaders are in its child.
+        self.train = None
+        self.unclean = False
+        self.child: subprocess.Popen | None = None
+        self.last_checkpoint: dict | None = None
+        self._result: tuple[str, dict, str] | None = None
+        self._relays = threading.BoundedSemaphore(MAX_RELAYS)
+        self._log_seq = 0
+        self._shipping = threading.Lock()
+
+    # -- the attempt ----------------------------------------------------------------------------
+    def run(self) -> tuple[JobState | str, dict, str]:
+        spec, s = self.spec, self.settings
+        module = spec.entrypoint.partition(":")[0]
+        if not module_allowed(module, s.job_modules):
+            listed = ", ".join(sorted(s.job_modules)) or "none"
+            error = (
+                f"entrypoint {spec.entrypoint!r}: module {module!r} is not in this trainer's job_modules ({listed}); "
+                "only modules its operator lists there (its config file or BATCHBUS_JOB_MODULES) may run, "
+                "nothing was imported"
+            )
+            log.error("job %s refused: %s", self.task.job, error)
+            return JobState.FAILED, {"retryable": False}, error
+        if self.task.world_size > 1:
+            return (
+                JobState.FAILED,
+                {"retryable": False},
+                "an entrypoint job trains on one trainer (world_size = 1) here",
+            )
+        try:
+            resolved = resolve(self.link, spec.dataset, s, self.notifier.watchdog)
+        except BusError as err:
+            retryable = isinstance(err, (PeerTimeout,)) or err.code in ("NOT_FOUND", "UNAVAILABLE", "TIMEOUT")
+            return JobState.FAILED, {"retryable": retryable}, describe_failure(err, spec)
+        provider = pick_provider(resolved.providers, self.identity.host_id)
+        parent_end, child_end = socket.socketpair()
+        channel = Channel(os.dup(parent_end.fileno()))
+        parent_end.close()
+        try:
+            self.child = subprocess.Popen(
+                [sys.executable, "-m", "services.trainer.child", str(child_end.fileno()), str(os.getpid())],
+                pass_fds=(child_end.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        finally:
+            child_end.close()
+        log.info(
+            "job %s: attempt %d runs %s in process %d", self.task.job, self.attempt, spec.entrypoint, self.child.pid
+        )
+        output = threading.Thread(target=self._read_output, name=f"output-{self.task.job}", daemon=True)
+        output.start()
+        done = threading.Event()
+        sender = threading.Thread(target=self._send_logs, args=(done,), name=f"logs-{self.task.job}", daemon=True)
+        sender.start()
+        try:
+            channel.send(
+                "start",
+                settings=s.as_dict(),
+                task={
+                    "job": self.task.job,
+                    "spec": self.task.spec,
+                    "rank": self.task.rank,
+                    "world_size": self.task.world_size,
+                    "resume": self.task.resume,
+                },
+                name=self.identity.name,
+                providers=resolved.providers,
+                provider_name=provider.get("name", ""),
+                attempt=self.attempt,
+            )
+            ended = self._watch(channel)
+        finally:
+            channel.close()
+            self._end_child()
+            output.join(timeout=5.0)
+            done.set()
+            sender.join(timeout=s.request_timeout_s + 1)
+        return ended
+
+    def _watch(self, channel: Channel) -> tuple[JobState | str, dict, str]:
+        """Relay until the child tells how it ended, ends without telling, hangs or outstays a stop."""
+        s = self.settings
+        alive_at = time.monotonic()
+        activity = None
+        stop_by: float | None = None
+        stopping = ""
+        exited_at = 0.0
+        reader_out: queue.Queue[tuple[dict, list[bytes]] | None] = queue.Queue()
+        threading.Thread(target=self._read_channel, args=(channel, reader_out), daemon=True).start()
+        while True:
+            self.notifier.watchdog()
+            try:
+                got = reader_out.get(timeout=0.2)
+            except queue.Empty:
+                got = ()  # type: ignore[assignment]
+            if got is None:  # the channel closed: the child ended (or closed it)
+                return self._ended_without_result(stopping)
+            if got:
+                header, frames = got
+                op = header["op"]
+                if op == "result":
+                    return self._result_of(header)
+                if op == "beat":
+                    if header.get("activity") != activity:
+                        activity, alive_at = header.get("activity"), time.monotonic()
+                elif op == "request":
+                    alive_at = time.monotonic()
+                    self._relay(channel, header, frames)
+            while True:  # the router's commands, on to the child
+                try:
+                    cmd = self.commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd.job != self.task.job:
+                    continue
+                if cmd.command in (JobCommand.STOP, JobCommand.SHUTDOWN) and stop_by is None:
+                    stop_by, stopping = time.monotonic() + s.stop_grace_s, str(cmd.command)
+                try:
+                    channel.send("command", encode(cmd))
+                except ChannelClosed:
+                    pass
+            now = time.monotonic()
+            if stop_by is not None and now > stop_by:
+                log.warning(
+                    "job %s: the attempt did not end %.0f s after %s; killed", self.task.job, s.stop_grace_s, stopping
+                )
+                self._kill()
+                return self._stopped_by_kill(stopping)
+            if now - alive_at > s.attempt_silence_s and stop_by is None:
+                self._kill()
+                return (
+                    JobState.FAILED,
+                    {"retryable": True},
+                    self._failure(
+                        f"hung: no job call, batch or report for {s.attempt_silence_s:.0f} s (attempt_silence_s); killed",
+                        "a deadlock, or a step longer than attempt_silence_s: call job.step() between steps",
+                    ),
+                )
+            if self.child is not None and self.child.poll() is not None and reader_out.empty():
+                # ended without a word; the channel stays open while processes it forked live on
+                exited_at = exited_at or now
+                if now - exited_at > EXIT_QUIET_S:
+                    return self._ended_without_result(stopping)
+
+    def _read_channel(self, channel: Channel, out: queue.Queue) -> None:
+        try:
+            while True:
+                got = channel.recv()
+                if got is not None:
+                    out.put(got)
+        except ChannelClosed:
+            out.put(None)
+
+    def _relay(self, channel: Channel, header: dict, frames: list[bytes]) -> None:
+        """One request of the child to the router, answered on a thread of its own."""
+        rid = header.get("id", 0)
+        try:
+            msg = decode(frames)
+            if not isinstance(msg, RELAYED) or getattr(msg, "job", self.task.job) != self.task.job:
+                raise BusError(f"an attempt may not send {type(msg).__name__} for {getattr(msg, 'job', '')!r}")
+            if isinstance(msg, Resolve) and msg.dataset != self.spec.dataset:
+                raise BusError(f"an attempt of a job on {self.spec.dataset!r} may not resolve {msg.dataset!r}")
+        except BusError as err:
+            self._answer(channel, rid, err)
+            return
+        if isinstance(msg, Checkpointed):
+            self.last_checkpoint = msg.checkpoint
+        timeout_s = min(float(header.get("timeout_s", 10.0)), 600.0)
+
+        def call() -> None:
+            try:
+                self._answer(channel, rid, self._deliver(msg, timeout_s))
+            except BusError as err:
+                self._answer(channel, rid, err)
+            finally:
+                self._relays.release()
+
+        self._relays.acquire()
+        threading.Thread(target=call, daemon=True).start()
+
+    def _deliver(self, msg: Message, timeout_s: float) -> Message:
+        """One relayed request to the router; the output so far goes before a checkpoint record."""
+        if isinstance(msg, Checkpointed):
+            self._ship_logs()
+        return self.link.request(msg, timeout_s=timeout_s)
+
+    def _answer(self, channel: Channel, rid: int, reply: Message | BusError) -> None:
+        try:
+            if isinstance(reply, BusError):
+                code = "PEER_TIMEOUT" if isinstance(reply, PeerTimeout) else reply.code
+                channel.send("reply", id=rid, ok=False, code=code, message=str(reply))
+            else:
+                channel.send("reply", encode(reply), id=rid, ok=True)
+        except ChannelClosed:
+            pass
+
+    # -- how it ended ---------------------------------------------------------------------------
+    def _result_of(self, header: dict) -> tuple[JobState | str, dict, str]:
+        state = str(header.get("state", JobState.FAILED))
+        raw = header.get("result")
+        result: dict = raw if isinstance(raw, dict) else {}
+        error = str(header.get("error", ""))
+        if state == JobState.FAILED and error:
+            error = self._failure(error, "")
+        if state == "lost":
+            return "lost", {}, error
+        return JobState(state), result, error
+
+    def _ended_without_result(self, stopping: str) -> tuple[JobState | str, dict, str]:
+        code = self.child.wait() if self.child is not None else None
+        if stopping:
+            return self._stopped_by_kill(stopping)
+        if code is not None and code < 0:
+            sig = signal.Signals(-code)
+            hints = {
+                signal.SIGSEGV: "a crash in native code (a C extension, a CUDA kernel, a corrupt tensor)",
+                signal.SIGKILL: "killed from outside: most often the kernel's out-of-memory killer "
+                "(see dmesg); lower batch_size or what the function holds",
+                signal.SIGABRT: "aborted by native code (a failed assertion in a library, a CUDA error)",
+                signal.SIGBUS: "a bus error: a shared-memory file shrunk or /dev/shm full",
+            }
+            how = f"the attempt's process was killed by {sig.name}"
+            hint = hints.get(sig, "")
+        else:
+            how = f"the attempt's process exited with status {code} without a result (os._exit in the function?)"
+            hint = "end the function by returning, or raise an exception"
+        return JobState.FAILED, {"retryable": True, "exit": code}, self._failure(how, hint)
+
+    def _stopped_by_kill(self, stopping: str) -> tuple[JobState | str, dict, str]:
+        result = {"checkpoint": self.last_checkpoint}
+        if stopping == JobCommand.SHUTDOWN:
+            return JobState.QUEUED, result, "trainer shutting down (the attempt was killed after stop_grace_s)"
+        return JobState.STOPPED, result, ""
+
+    def _failure(self, how: str, hint: str) -> str:
+        tail = self.log.tail()
+        text = how + (f" (hint: {hint})" if hint else "")
+        if tail:
+            text += "\n--- last lines of its output ---\n" + "\n".join(tail)
+        return text
+
+    def _kill(self) -> None:
+        if self.child is not None and self.child.poll() is None:
+            self.child.kill()
+
+    def _end_child(self) -> None:
+        """The child has sent its result (or is being given up): it exits by itself; kill it if not."""
+        if self.child is None:
+            return
+        try:
+            self.child.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+            self.child.wait()
+
+    # -- output ---------------------------------------------------------------------------------
+    def _read_output(self) -> None:
+        assert self.child is not None and self.child.stdout is not None  # noqa: S101 - set by run before this starts
+        for raw in self.child.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.log.add(line)
+            log.info("job %s | %s", self.task.job, line[:500])
+
+    def _send_logs(self, done: threading.Event) -> None:
+        """The output's new lines to the router every ``LOG_EVERY_S`` and at the end."""
+        while True:
+            finished = done.wait(LOG_EVERY_S)
+            self._ship_logs()
+            if finished:
+                return
+
+    def _ship_logs(self) -> None:
+        """Send the lines not sent yet, in order (also before a checkpoint record is relayed, so the
+        output up to a checkpoint outlives a trainer killed right after it)."""
+        with self._shipping:
+            while lines := self.log.take():
+                try:
+                    self.link.request(
+                        JobLog(job=self.task.job, attempt=self.attempt, seq=self._log_seq, lines=lines),
+                        timeout_s=self.settings.request_timeout_s,
+                    )
+                except BusError as err:
+                    log.debug("job %s: output lines not stored: %s", self.task.job, err)
+                self._log_seq += len(lines)

@@ -1,0 +1,226 @@
+"""``python -m services.trainer.child FD PARENT_PID``: one attempt of an entrypoint job, in a process
+of its own (:mod:`.attempt` starts it and is its only peer).
+
+The child imports the job's function only if the trainer's ``job_modules`` allows it, calls it with
+an :class:`.jobapi.AttemptJob` and tells the parent how it ended. It holds no connection to the
+router: its requests (progress, checkpoint records, acknowledgements, finding the dataset's
+providers) go through the parent over the channel (:class:`ParentLink`), and the parent passes the
+router's commands on. It reads batches from the providers itself, with the trainer's identity.
+
+It dies with its parent (``PR_SET_PDEATHSIG``), ignores SIGINT and SIGTERM (the parent asks it to
+stop, with a checkpoint, and kills it after ``stop_grace_s``), and offers itself first to the kernel's
+out-of-memory killer (``oom_score_adj``), so a job that exhausts memory ends its attempt, not its trainer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from libbus.config import Settings
+from libbus.errors import BusError, PeerTimeout, error_from_code
+from libbus.jobapi import JobEnded
+from libbus.jobs.state import JobState
+from libbus.wire.frames import decode, encode
+from libbus.wire.messages import Command, Message, Resolve, Task
+from services import runtime
+from services.usercode import import_allowed
+
+from .channel import Channel, ChannelClosed
+from .failures import describe_failure
+from .jobapi import AttemptJob
+from .reports import Reporter
+
+__all__ = ["ParentLink", "main"]
+
+log = logging.getLogger("batchbus.job")
+
+#: How often the child tells its parent how far the function has got (see AttemptJob.activity).
+BEAT_S = 1.0
+_PR_SET_PDEATHSIG = 1
+
+
+class ParentLink:
+    """The child's stand-in for :class:`libbus.connect.link.Link`: ``request`` goes through the parent."""
+
+    def __init__(self, channel: Channel):
+        self.channel = channel
+        #: What a Link holds once its router refused it for good; the parent deals with that here.
+        self.fatal: BusError | None = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, Future] = {}
+        self._lock = threading.Lock()
+
+    def request(self, msg: Message, timeout_s: float = 10.0) -> Any:
+        fut: Future = Future()
+        with self._lock:
+            rid = next(self._ids)
+            self._waiting[rid] = fut
+        try:
+            self.channel.send("request", encode(msg), id=rid, timeout_s=timeout_s)
+            try:
+                return fut.result(timeout=timeout_s + 5.0)
+            except TimeoutError:
+                raise PeerTimeout(f"no answer through the trainer within {timeout_s:.0f} s") from None
+        finally:
+            with self._lock:
+                self._waiting.pop(rid, None)
+
+    def answer(self, header: dict, frames: list[bytes]) -> None:
+        with self._lock:
+            fut = self._waiting.get(header.get("id", 0))
+        if fut is None:
+            return
+        if header.get("ok"):
+            fut.set_result(decode(frames))
+        elif header.get("code") == "PEER_TIMEOUT":
+            fut.set_exception(PeerTimeout(str(header.get("message", ""))))
+        else:
+            fut.set_exception(error_from_code(str(header.get("code")), str(header.get("message", ""))))
+
+    def fail_all(self, why: str) -> None:
+        with self._lock:
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(PeerTimeout(why))
+
+
+def _die_with(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the channel's end still ends this process
+        pass
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+    try:  # the out-of-memory killer takes this attempt before the trainer service
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _read_channel(channel: Channel, link: ParentLink, commands: queue.Queue[Command]) -> None:
+    """The parent's answers and the router's commands; the parent gone ends this process."""
+    try:
+        while True:
+            got = channel.recv()
+            if got is None:
+                continue
+            header, frames = got
+            if header["op"] == "reply":
+                link.answer(header, frames)
+            elif header["op"] == "command":
+                msg = decode(frames)
+                if isinstance(msg, Command):
+                    commands.put(msg)
+    except ChannelClosed:
+        link.fail_all("the trainer is gone")
+        os._exit(1)
+
+
+def _beat(channel: Channel, job: AttemptJob, done: threading.Event) -> None:
+    while not done.wait(BEAT_S):
+        try:
+            channel.send("beat", activity=repr(job.activity()))
+        except ChannelClosed:
+            return
+
+
+def run(channel: Channel, start: dict) -> tuple[JobState | str, dict, str]:
+    """Import, set up and call the function; how the attempt ended as the trainer pushes it."""
+    settings = Settings(**start["settings"])
+    task = Task(**start["task"])
+    job_id = task.job
+    link = ParentLink(channel)
+    commands: queue.Queue[Command] = queue.Queue()
+    threading.Thread(target=_read_channel, args=(channel, link, commands), daemon=True).start()
+    reporter = Reporter(link, job_id, settings.request_timeout_s, on_command=commands.put)  # type: ignore[arg-type]  # a Link in all it uses
+    identity = runtime.identity(settings, "trainer", start["name"])
+
+    def resolver(timeout_s: float) -> list[dict]:
+        return link.request(Resolve(dataset=task.spec["dataset"]), timeout_s=timeout_s).providers
+
+    job = AttemptJob(
+        task,
+        settings,
+        identity,
+        reporter,
+        commands,
+        providers=start["providers"],
+        resolver=resolver,
+        attempt=int(start.get("attempt", 0)),
+    )
+    done = threading.Event()
+    threading.Thread(target=_beat, args=(channel, job, done), daemon=True).start()
+    try:
+        function = import_allowed(
+            job.spec.entrypoint, settings.job_modules, f"entrypoint {job.spec.entrypoint!r}", setting="job_modules"
+        )
+        if not callable(function):
+            raise BusError(f"entrypoint {job.spec.entrypoint!r} is a {type(function).__name__}, not a function")
+        log.info("job %s: calling %s (attempt %d)", job_id, job.spec.entrypoint, job.attempt)
+        job._commands()  # a stop or pause sent as the attempt began
+        function(job)
+        result = {**job.progress(), "model": job.model_record, "provider": start.get("provider_name", "")}
+        last = job.history[-1] if job.history else {}
+        result.update({k: v for k, v in last.items() if k.startswith("val_")})
+        return JobState.SUCCEEDED, result, ""
+    except JobEnded as ended:
+        result = {"history": job.history, "checkpoint": job.last_checkpoint}
+        if job.ended == "lost":
+            return "lost", {}, str(reporter.lost or ended)
+        if job.ended == "handback" or ended.handback:
+            return JobState.QUEUED, result, "trainer shutting down"
+        return JobState.STOPPED, result, ""
+    except BaseException as err:  # noqa: BLE001 - SystemExit too: whatever the function does ends this attempt only
+        retryable = isinstance(err, BusError) and err.code in ("TIMEOUT", "UNAVAILABLE", "NOT_FOUND")
+        error = describe_failure(err, job.spec)
+        log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(err, BusError))
+        return JobState.FAILED, {"history": job.history, "retryable": retryable}, error
+    finally:
+        done.set()
+        job.close()
+        if not reporter.flush(settings.request_timeout_s):
+            log.warning("job %s: %d report(s) not delivered", job_id, reporter.pending)
+        reporter.close()
+
+
+def main(argv: list[str]) -> int:
+    fd, parent = int(argv[1]), int(argv[2])
+    _die_with(parent)
+    channel = Channel(fd)
+    got = channel.recv()
+    if got is None or got[0]["op"] != "start":
+        return 2
+    start = got[0]
+    logging.basicConfig(
+        level=start["settings"].get("log_level", "INFO"),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        state, result, error = run(channel, start)
+    except BaseException as err:  # noqa: BLE001 - set-up itself failed: say so, do not leave the parent guessing
+        state, result, error = JobState.FAILED, {"retryable": False}, describe_failure(err, None)
+        log.error("attempt could not start: %s", error)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    channel.send("result", state=str(state), result=result, error=error)
+    return 0
+
+
+if __name__ == "__main__":
+    # os._exit: threads the function left running (a DataLoader's workers, a logger's) must not keep
+    # a finished attempt alive
+    code = main(sys.argv)
+    os._exit(code)

@@ -1,0 +1,414 @@
+"""The :class:`libbus.jobapi.Job` a trainer hands an entrypoint: one attempt's parameters, loaders,
+checkpoints, reports and model, inside the attempt's own process (:mod:`.child`).
+
+Commands (:mod:`.control`) are applied at :meth:`AttemptJob.step`, :meth:`AttemptJob.report`,
+:meth:`AttemptJob.checkpoint` and :meth:`AttemptJob.save_model`, where the function has finished a
+step: the loaders' cursors then equal the samples trained on, so a checkpoint taken there (on
+command, on stop, on the trainer's shutdown) resumes at the exact next sample.
+
+A checkpoint is one safetensors file, ``<checkpoint_dir>/<job>/step-<step>[.e].safetensors``, written
+atomically like the built-in loop's (:mod:`.checkpoint`): tensors ``user.<n>`` (the function's state,
+:func:`libbus.jobapi.encode_state`) and ``rng.*``; JSON metadata ``state`` (the state's skeleton),
+``cursors`` (every loader's, by name), ``cursor`` (the train loader's, for the router's record),
+``step``, ``epoch``, ``rng`` and ``extra`` (the history). Nothing in it is unpickled on restore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import queue
+import time
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import orjson
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from libbus.config import Settings
+from libbus.connect.client import Identity
+from libbus.errors import BadRequest, BusError
+from libbus.jobapi import Job, JobEnded, decode_state, encode_state
+from libbus.jobs.spec import JobSpec
+from libbus.loader.remote import RemoteLoader
+from libbus.wire.messages import Checkpointed, Command, Progress, Task
+
+from .checkpoint import (
+    CheckpointError,
+    job_dir,
+    metadata_of,
+    prune,
+    read_checkpoint,
+    rng_state,
+    save_model,
+    set_rng_state,
+    write_file,
+)
+from .control import Controls, Lost, Stopped
+from .prepare import shard
+from .progress import Meter
+from .reports import Reporter
+
+__all__ = ["JOB_STATE_FORMAT", "AttemptJob"]
+
+log = logging.getLogger(__name__)
+
+JOB_STATE_FORMAT = "batchbus-job-state-1"
+#: What a job's loader may not be told: they are the job's (its dataset, its trainer's identity).
+RESERVED_LOADER_ARGS = ("dataset", "provider", "token", "resolver", "curve", "host_id", "name")
+
+
+class AttemptJob(Job):
+    """One attempt of an entrypoint job (see the module docstring)."""
+
+    def __init__(
+        self,
+        task: Task,
+        settings: Settings,
+        identity: Identity,
+        reporter: Reporter,
+        commands: queue.Queue[Command],
+        *,
+        providers: list[dict],
+        resolver: Callable[[float], list[dict]],
+        attempt: int = 0,
+    ):
+        self.task = task
+        self.spec = JobSpec.from_dict(task.spec)
+        self.settings = settings
+        self.identity = identity
+        self.reporter = reporter
+        self.id = task.job
+        self.rank = task.rank
+        self.world_size = task.world_size
+        self.attempt = attempt
+        self.device = torch.device(self.spec.device)
+        self.step_count = 0
+        self.epochs_reported = 0
+        self.history: list[dict] = []
+        self.lead = task.rank == 0
+        self.directory = job_dir(settings.checkpoint_dir, self.id)
+        if not self.lead:
+            self.directory = self.directory / f"rank-{task.rank}"
+        self.meter = Meter()
+        #: Job calls made: with the loaders' cursors, what tells the trainer this attempt is alive.
+        self.calls = 0
+        self.last_checkpoint: dict | None = None
+        self.resumed_from: dict | None = None
+        self.model_record: dict | None = None
+        #: Why the function was ended at a call (``stopped``, ``handback``, ``lost``), else None.
+        self.ended: str | None = None
+        self._providers = providers
+        self._resolver = resolver
+        self._loaders: dict[str, RemoteLoader] = {}
+        self._cursors: dict[str, dict] = {}
+        self._get_state: Callable[[], Mapping[str, Any]] | None = None
+        self._restored = False
+        self._restore_value: dict | None = None
+        self._checkpointed = (-1, -1)
+        self._last_report = 0.0
+        self.controls = Controls(
+            self.id,
+            commands,
+            reporter,
+            checkpoint=self._checkpoint_on_command,
+            set_hyper=self._set,
+            report=self._maybe_report,
+            before_stop=self._before_stop,
+            evaluate=self._evaluate,
+            model=self._current_model,
+        )
+
+    # -- the API ------------------------------------------------------------------------------------
+    @property
+    def params(self) -> Mapping[str, Any]:
+        return MappingProxyType(self.spec.params)
+
+    def loader(self, split: str = "train", **kwargs: Any) -> RemoteLoader:
+        name = kwargs.pop("name", split)
+        if name in self._loaders:
+            raise BadRequest(f"job.loader: a loader named {name!r} is open already (give name= to open another)")
+        reserved = sorted(set(kwargs) & set(RESERVED_LOADER_ARGS))
+        if reserved:
+            raise BadRequest(f"job.loader: {', '.join(reserved)} are the job's own; leave them out")
+        s, spec = self.settings, self.spec
+        args: dict[str, Any] = {
+            "provider": self._providers,
+            "provider_wait_s": s.provider_wait_s,
+            "resolver": self._resolver,
+            "token": self.identity.token,
+            "batch_size": spec.batch_size,
+            "inflight": s.inflight,
+            "timeout_s": s.request_timeout_s,
+            "retries": s.request_retries,
+            "name": self.identity.name,
+            "device": str(self.device),
+            "shm": s.shm,
+            "shm_slots": s.shm_slots,
+            "host_id": self.identity.host_id,
+            "curve": self.identity.curve,
+        }
+        if split == "train":  # the job's order, this rank's shard
+            args.update(shuffle=spec.shuffle, block_size=spec.block_size, seed=spec.seed, **shard(self.task))
+        else:  # whole, in file order, unless asked otherwise
+            args.update(shuffle=False, rank=0, world_size=1)
+        loader = RemoteLoader(spec.dataset, split=split, **{**args, **kwargs})
+        if name in self._cursors:
+            loader.load_state_dict(self._cursors[name])
+        self._loaders[name] = loader
+        return loader
+
+    def restore(self) -> dict | None:
+        if self._restored:
+            return self._restore_value
+        self._restored = True
+        record = self.task.resume
+        if not record:
+            return None
+        try:
+            self._restore_value = self._read(record)
+        except BusError as err:
+            log.warning("job %s: cannot resume from %s: %s; starting over", self.id, record.get("path"), err)
+            self.resumed_from = {"error": str(err)}
+            return None
+        return self._restore_value
+
+    def checkpoint(self, state: Mapping[str, Any] | None = None) -> dict:
+        record = self._write(state)
+        self._commands()
+        return record
+
+    def on_checkpoint(self, get_state: Callable[[], Mapping[str, Any]]) -> None:
+        if not callable(get_state):
+            raise BadRequest(f"job.on_checkpoint needs a function returning the state, got {type(get_state).__name__}")
+        self._get_state = get_state
+
+    def step(self, **metrics: float) -> None:
+        self.calls += 1
+        self.step_count += 1
+        loss = _number("loss", metrics.get("loss", math.nan))
+        train = self._loaders.get("train")
+        if math.isfinite(loss):
+            self.meter.add(train.batch_size if train is not None else 1, loss)
+        every = self.spec.checkpoint_every
+        if every and self.step_count % every == 0 and self._get_state is not None:
+            self._write(None)
+        self._maybe_report()
+        self._commands()
+
+    def report(self, **metrics: float) -> None:
+        self.calls += 1
+        record: dict[str, Any] = {"epoch": self.epochs_reported + 1}
+        train_loss = self.meter.take_loss()
+        if math.isfinite(train_loss):
+            record["train_loss"] = train_loss
+        for key, value in metrics.items():
+            if not key.isidentifier() or key == "epoch":
+                raise BadRequest(f"job.report: metric names are identifiers other than 'epoch', got {key!r}")
+            record[key] = _number(key, value)
+        self.history.append(record)
+        self.epochs_reported += 1
+        log.info("job %s: epoch %d %s", self.id, self.epochs_reported, _shown(record))
+        if self._get_state is not None:  # a resumed attempt keeps this record and continues after it
+            self._write(None)
+        if self.lead:
+            self._report()
+            # the router judges this epoch now (early stopping, a study's pruner): its verdict applies here
+            self.reporter.flush(self.settings.request_timeout_s)
+        self._commands()
+
+    def save_model(self, state_dict: Mapping[str, torch.Tensor]) -> dict:
+        self.calls += 1
+        meta = {"job": self.id, "entrypoint": self.spec.entrypoint, "step": str(self.step_count)}
+        self.model_record = save_model(self.directory, dict(state_dict), meta)
+        self._commands()
+        return self.model_record
+
+    # -- for the attempt's runner -----------------------------------------------------------------
+    def activity(self) -> tuple:
+        """Changes while the function makes progress: its calls, its loaders' cursors and waits."""
+        return (self.calls, *((ld._epoch, ld._position, ld.wait_s) for ld in self._loaders.values()))
+
+    def progress(self) -> dict:
+        """What this attempt reports (``busctl job watch``, ``top``): the built-in loop's fields."""
+        train = self._loaders.get("train")
+        elapsed = max(1e-9, time.monotonic() - self.meter.started)
+        epochs = self.spec.params.get("epochs", self.spec.epochs)
+        out: dict[str, Any] = {
+            "epoch": train.epoch if train is not None else self.epochs_reported,
+            "epochs": epochs if isinstance(epochs, int) else self.spec.epochs,
+            "step": self.step_count,
+            "steps_per_epoch": len(train) if train is not None else None,
+            "loss": self.meter.loss_sum / self.meter.loss_n if self.meter.loss_n else None,
+            "samples": self.meter.samples * self.world_size,
+            "samples_per_s": self.meter.samples * self.world_size / elapsed,
+            "elapsed_s": elapsed,
+            "state": self.controls.state,
+            "checkpoint_step": self.last_checkpoint["step"] if self.last_checkpoint else None,
+            "resumed_from": self.resumed_from,
+            "history": self.history,
+            "entrypoint": self.spec.entrypoint,
+        }
+        if train is not None:
+            out.update(
+                data_wait_s=train.wait_s,
+                transport=train.transport,
+                data_wait_pct=100.0 * train.wait_s / elapsed,
+            )
+        return out
+
+    def close(self) -> None:
+        for loader in self._loaders.values():
+            loader.close()
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def _write(self, state: Mapping[str, Any] | None) -> dict:
+        """Write a checkpoint of ``state`` (or the registered one's); the last record again if nothing
+        happened since it."""
+        self.calls += 1
+        if not self.lead:  # rank 0 checkpoints for the gang
+            return self.last_checkpoint or {}
+        if state is None:
+            if self._get_state is None:
+                raise BadRequest("job.checkpoint() needs the state to store, or a job.on_checkpoint(...) function")
+            if self.last_checkpoint is not None and self._checkpointed == (self.step_count, self.epochs_reported):
+                return self.last_checkpoint
+            state = self._get_state()
+        tensors, skeleton = encode_state(state)
+        rng_tensors, rng_meta = rng_state()
+        cursors = {name: loader.state_dict() for name, loader in self._loaders.items()}
+        cursor = cursors.get("train", {})
+        epoch = int(cursor.get("epoch", self.epochs_reported)) if isinstance(cursor, dict) else self.epochs_reported
+        metadata = {
+            "batchbus": JOB_STATE_FORMAT,
+            "step": str(self.step_count),
+            "epoch": str(epoch),
+            "cursor": orjson.dumps(cursor).decode(),
+            "cursors": orjson.dumps(cursors).decode(),
+            "state": orjson.dumps(skeleton).decode(),
+            "rng": orjson.dumps(rng_meta).decode(),
+            "extra": orjson.dumps(
+                {"history": self.history, "loss_sum": self.meter.loss_sum, "loss_n": self.meter.loss_n}
+            ).decode(),
+        }
+        data = save_safetensors({**{f"user.{k}": v for k, v in tensors.items()}, **rng_tensors}, metadata=metadata)
+        again = self.last_checkpoint is not None and self.last_checkpoint["step"] == self.step_count
+        path = self.directory / f"step-{self.step_count:09d}{'.e' if again else ''}.safetensors"
+        record = {
+            "path": str(path),
+            "sha256": write_file(path, data),
+            "step": self.step_count,
+            "epoch": epoch,
+            "cursor": cursor,
+            "bytes": len(data),
+        }
+        self.last_checkpoint = record
+        self._checkpointed = (self.step_count, self.epochs_reported)
+        self.reporter.put(Checkpointed(job=self.id, checkpoint=record))
+        prune(self.directory, self.reporter.checkpoint_step)
+        log.info("job %s: checkpoint at step %d in %s", self.id, self.step_count, path)
+        return record
+
+    def _read(self, record: dict) -> dict:
+        """The user state of checkpoint ``record``; sets the step count, history, random generators
+        and every loader's cursor (loaders opened later start at theirs)."""
+        data = read_checkpoint(record, self.settings.checkpoint_dir)
+        if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+            raise CheckpointError(f"checkpoint {record.get('path')} changed since the router recorded it")
+        try:
+            tensors = load_safetensors(data)
+            meta = metadata_of(data)
+            if meta.get("batchbus") != JOB_STATE_FORMAT:
+                raise CheckpointError(f"{record.get('path')} is not a {JOB_STATE_FORMAT} file")
+            user = {k.removeprefix("user."): v for k, v in tensors.items() if k.startswith("user.")}
+            state = decode_state(user, orjson.loads(meta["state"]))
+            cursors = orjson.loads(meta["cursors"])
+            extra = orjson.loads(meta["extra"])
+            rng = orjson.loads(meta["rng"])
+            step = int(meta["step"])
+        except (SafetensorError, ValueError, KeyError, orjson.JSONDecodeError) as err:
+            raise CheckpointError(f"checkpoint {record.get('path')} cannot be read: {err}") from err
+        for name, loader in self._loaders.items():
+            if name in cursors:
+                loader.load_state_dict(cursors[name])
+        self._cursors = cursors
+        set_rng_state({k: v for k, v in tensors.items() if k.startswith("rng.")}, rng)
+        self.step_count = step
+        self.history = list(extra.get("history", []))
+        # the epoch's running train loss goes on where it was (its record is the same as uninterrupted)
+        self.meter.loss_sum, self.meter.loss_n = float(extra.get("loss_sum", 0.0)), int(extra.get("loss_n", 0))
+        self.epochs_reported = len(self.history)
+        self.last_checkpoint = record
+        self._checkpointed = (self.step_count, self.epochs_reported)
+        self.resumed_from = {"step": step, "epoch": int(meta.get("epoch", 0)), "path": record.get("path")}
+        log.info("job %s: resumed from step %d (%s)", self.id, step, record.get("path"))
+        return state if isinstance(state, dict) else {"state": state}
+
+    # -- commands -------------------------------------------------------------------------------------
+    def _commands(self) -> None:
+        """Apply the router's commands now; a stop, a hand-back or a lost job ends the function here."""
+        try:
+            self.controls.check()
+        except Stopped as stop:
+            self.ended = "handback" if stop.handback else "stopped"
+            raise JobEnded(
+                "the trainer is shutting down: handed back" if stop.handback else "stopped", handback=stop.handback
+            ) from None
+        except Lost:
+            self.ended = "lost"
+            raise JobEnded("the router gave this job to another trainer") from None
+
+    def _checkpoint_on_command(self) -> dict:
+        if self._get_state is None:
+            return {"error": "the job's function registered no state (job.on_checkpoint); it checkpoints itself"}
+        return self._write(None)
+
+    def _before_stop(self) -> None:
+        if self._get_state is None or not self.lead:
+            return
+        try:
+            self._write(None)
+        except BusError as err:
+            log.error("job %s: no checkpoint on stop: %s", self.id, err)
+
+    def _set(self, changes: dict) -> dict:
+        self.spec = self.spec.with_hyper(changes)
+        return self.spec.to_dict()
+
+    def _evaluate(self, done: Callable[[dict], None]) -> None:
+        done({"error": "busctl job eval scores built-in models; an entrypoint job reports its own validation"})
+
+    def _current_model(self) -> tuple[dict, bytes]:
+        state = self._get_state() if self._get_state is not None else None
+        model = state.get("model") if isinstance(state, Mapping) else None
+        weights = model.state_dict() if model is not None and hasattr(model, "state_dict") else model
+        if not isinstance(weights, Mapping):
+            return {"error": "the job's state (job.on_checkpoint) has no 'model' entry"}, b""
+        tensors = {str(k): v.detach().cpu().contiguous().clone() for k, v in weights.items()}
+        return {"step": self.step_count}, save_safetensors(tensors, metadata={"job": self.id})
+
+    # -- progress -------------------------------------------------------------------------------------
+    def _report(self) -> None:
+        self._last_report = time.monotonic()
+        self.reporter.put(Progress(job=self.id, progress=self.progress()))
+
+    def _maybe_report(self) -> None:
+        if self.lead and time.monotonic() - self._last_report >= self.settings.progress_interval_s:
+            self._report()
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"job metric {name!r} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _shown(record: dict) -> str:
+    return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items() if k != "epoch")

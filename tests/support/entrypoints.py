@@ -1,0 +1,118 @@
+"""Training functions submitted as entrypoint jobs by the tests (tests/test_entrypoints.py): one with
+its own loss, written as a user would from docs/jobs.md, and ones that crash, exhaust memory, hang
+or exit, each of which must fail only its own attempt."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from libbus.jobapi import Job
+
+
+def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """Label-smoothed cross-entropy, by hand: a loss the built-in loop does not have."""
+    logp = F.log_softmax(logits, dim=1)
+    nll = -logp.gather(1, target[:, None]).squeeze(1)
+    return ((1 - smoothing) * nll - smoothing * logp.mean(dim=1)).mean()
+
+
+def custom_loss(job: Job) -> None:
+    torch.manual_seed(job.params.get("seed", 0))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=job.params["lr"], momentum=0.9)
+    job.on_checkpoint(lambda: {"model": model, "optimizer": optimizer})
+    state = job.restore()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    train, val = job.loader("train"), job.loader("val")
+    print(f"attempt {job.attempt}: epoch {train.epoch} from sample {train.position}", flush=True)
+    for epoch in range(train.epoch, job.params["epochs"]):
+        model.train()
+        for x, y in train:
+            loss = smoothed_cross_entropy(model(x.float() / 255), y.long(), job.params.get("smoothing", 0.1))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            for group in optimizer.param_groups:  # busctl job set lr=... applies from the next step
+                group["lr"] = job.params["lr"]
+            job.step(loss=loss.item())
+        model.eval()
+        total, correct, n = 0.0, 0, 0
+        with torch.no_grad():
+            for x, y in val:
+                logits = model(x.float() / 255)
+                total += F.cross_entropy(logits, y.long(), reduction="sum").item()
+                correct += (logits.argmax(1) == y.long()).sum().item()
+                n += len(y)
+        print(f"epoch {epoch + 1}: val accuracy {correct / n:.3f}", flush=True)
+        job.report(val_loss=total / n, val_accuracy=correct / n)
+    job.save_model(model.state_dict())
+
+
+def segfault(job: Job) -> None:
+    print("about to read address 0", flush=True)
+    ctypes.string_at(0)
+
+
+def hog(job: Job) -> None:
+    """Allocates until the kernel's out-of-memory killer ends it (the test runs it in a memory cgroup)."""
+    print("allocating", flush=True)
+    held = []
+    while True:
+        held.append(torch.ones(16 << 20, dtype=torch.uint8))  # 16 MiB at a time, touched
+
+
+def hang(job: Job) -> None:
+    print("waiting forever", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def exits(job: Job) -> None:
+    sys.exit(3)
+
+
+def stoppable(job: Job) -> None:
+    """Steps forever (slowly) until stopped; checkpoints its step count."""
+    state = job.restore() or {"n": 0}
+    n = state["n"]
+    job.on_checkpoint(lambda: {"n": n})
+    while True:
+        n += 1
+        time.sleep(0.05)
+        job.step()
+
+
+def counter(job: Job) -> None:
+    """Adds ``params["delta"]`` (which ``busctl job set`` may change) once a step, for
+    ``params["steps"]`` steps; its state is the count and the total."""
+    state = job.restore() or {"n": 0, "total": 0.0}
+    n, total = state["n"], state["total"]
+    print(f"counter starts at n={n} total={total}", flush=True)
+    job.on_checkpoint(lambda: {"n": n, "total": total})
+    while n < job.params["steps"]:
+        time.sleep(0.02)
+        n += 1
+        total += job.params["delta"]
+        job.step(loss=float(job.params["delta"]))
+        if n % 50 == 0:
+            job.report(val_loss=1.0 / n)
+    job.save_model({"n": torch.tensor(n), "total": torch.tensor(total)})
+
+
+def parabola(job: Job) -> None:
+    """A function a study tunes: its val_loss falls each epoch towards (x - 0.3)², so trials with x
+    far from 0.3 are worse at every epoch (a pruner can tell early)."""
+    x = job.params["x"]
+    for epoch in range(job.epochs_reported, job.params.get("epochs", 4)):
+        time.sleep(0.02)
+        job.step(loss=x)
+        job.report(val_loss=(x - 0.3) ** 2 + 1.0 / (epoch + 1))
+    job.save_model({"x": torch.tensor(x)})

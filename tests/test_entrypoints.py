@@ -1,0 +1,209 @@
+"""Entrypoint jobs: the user's training function runs as a job, each attempt in a process of its own.
+
+A router, a provider and `busctl start trainer` subprocesses on one SQLite file. A function with its
+own loss (tests/support/entrypoints.py, written from docs/jobs.md) is killed with its trainer at two
+checkpoints mid-epoch and ends with the weights of an uninterrupted run; what it printed is in
+`busctl job logs`. Functions that segfault, hang or exit fail their own attempt only, with how they
+ended and their last lines; the trainer takes the next job. A module the trainer's operator does not
+allow is refused naming the setting, and nothing is imported.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.support.busctl import REPO
+from tests.support.jobs import JobCluster, final_weights
+from tests.support.memcg import memory_cgroup
+
+#: mock://mnist?n=600 has 600 train samples: 38 steps of 16 an epoch; checkpoints every 10 steps and at each report
+JOB = {
+    "dataset": "mnist",
+    "entrypoint": "tests.support.entrypoints:custom_loss",
+    "params": {"lr": 0.05, "epochs": 1, "seed": 3},
+    "batch_size": 16,
+    "shuffle": "full",
+    "seed": 5,
+    "evaluate": False,
+    "checkpoint_every": 10,
+    "max_attempts": 5,
+}
+
+
+class EntryCluster(JobCluster):
+    def __init__(self, state):
+        super().__init__(state)
+        self.env.update(
+            BATCHBUS_LEASE_S="20",
+            BATCHBUS_HEARTBEAT_LIVENESS="24",
+            PYTHONPATH=str(REPO),
+            BATCHBUS_JOB_MODULES="tests.support.entrypoints",
+            BATCHBUS_ATTEMPT_SILENCE_S="6",
+            BATCHBUS_STOP_GRACE_S="10",
+        )
+
+    def start_killed_at(self, name: str, point: str, nth: int = 1) -> subprocess.Popen:
+        with open(self.state / f"{name}.log", "a") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.killpoint", point, str(nth), "--", "start", "trainer", "--name", name],
+                env=self.env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return self.adopt(name, proc)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = EntryCluster(tmp_path_factory.mktemp("entry"))
+    try:
+        cluster.start_router()
+        cluster.start_provider()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def _stop(cluster: EntryCluster, name: str) -> None:
+    cluster.procs[name].send_signal(signal.SIGTERM)
+    cluster.procs[name].wait(30)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster) -> dict:
+    cluster.start_trainer("ref")
+    try:
+        info = cluster.wait_end(cluster.submit_spec(JOB), timeout=180)
+    finally:
+        _stop(cluster, "ref")
+    assert info["state"] == "succeeded", info["error"]
+    return info
+
+
+def test_a_function_with_its_own_loss_killed_twice_mid_epoch_ends_as_if_uninterrupted(cluster, reference):
+    job = cluster.submit_spec(JOB)
+    for name in ("k1", "k2"):  # each dies right after its attempt's first checkpoint reached the router
+        proc = cluster.start_killed_at(name, "entry_checkpoint")
+        assert proc.wait(180) == -signal.SIGKILL, cluster.logs()
+    cluster.start_trainer("t")
+    try:
+        info = cluster.wait_end(job, timeout=180)
+    finally:
+        _stop(cluster, "t")
+    assert info["state"] == "succeeded", info["error"]
+    assert info["result"]["history"] == reference["result"]["history"]
+    ours, theirs = final_weights(info), final_weights(reference)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    # what the function printed, attempt by attempt: the last one resumed at step 20, mid-epoch 1
+    logs = cluster.busctl("job", "logs", job).stdout
+    assert "attempt 2: epoch 0 from sample 320" in logs, logs
+    assert "epoch 1: val accuracy" in logs
+    first = cluster.busctl("job", "logs", job, "--attempt", "0").stdout
+    assert "attempt 0: epoch 0 from sample 0" in first, first
+
+
+def _fails_alone(cluster: EntryCluster, entrypoint: str) -> dict:
+    job = cluster.submit_spec({**JOB, "entrypoint": entrypoint, "max_attempts": 1})
+    return cluster.wait_end(job, timeout=120)
+
+
+def test_attempts_that_crash_hang_or_exit_fail_alone_and_the_trainer_goes_on(cluster):
+    cluster.start_trainer("sturdy")
+    try:
+        crashed = _fails_alone(cluster, "tests.support.entrypoints:segfault")
+        assert crashed["state"] == "failed"
+        assert "killed by SIGSEGV" in crashed["error"] and "native code" in crashed["error"], crashed["error"]
+        assert "about to read address 0" in crashed["error"]  # its last lines
+        hung = _fails_alone(cluster, "tests.support.entrypoints:hang")
+        assert hung["state"] == "failed" and "hung" in hung["error"] and "waiting forever" in hung["error"]
+        exited = _fails_alone(cluster, "tests.support.entrypoints:exits")
+        assert exited["state"] == "failed" and "SystemExit: 3" in exited["error"], exited["error"]
+        # the same trainer, alive, takes the next job and trains it
+        assert cluster.procs["sturdy"].poll() is None
+        ok = cluster.wait_end(cluster.submit_spec({**JOB, "params": {**JOB["params"], "epochs": 1}}), timeout=180)
+        assert ok["state"] == "succeeded", ok["error"]
+        assert [r["epoch"] for r in ok["result"]["history"]] == [1] and 0 <= ok["result"]["val_accuracy"] <= 1
+    finally:
+        _stop(cluster, "sturdy")
+
+
+def test_a_module_the_trainer_does_not_allow_runs_nothing(cluster, tmp_path):
+    marker = tmp_path / "ran"
+    cluster.start_trainer("strict")
+    try:
+        refused = _fails_alone(cluster, "tests.killpoint:raising_model")
+        assert "not in this trainer's job_modules (tests.support.entrypoints)" in refused["error"], refused["error"]
+        assert "BATCHBUS_JOB_MODULES" in refused["error"]
+        piped = cluster.submit_spec(
+            {
+                **JOB,
+                "entrypoint": "",
+                "params": {},
+                "model": "pydoc:pipepager",
+                "model_kwargs": {"cmd": f"id > {marker}"},
+            }
+        )
+        info = cluster.wait_end(piped, timeout=120)
+        assert info["state"] == "failed" and "job_modules" in info["error"], info["error"]
+        time.sleep(0.5)
+        assert not marker.exists()
+    finally:
+        _stop(cluster, "strict")
+
+
+def test_an_attempt_that_exhausts_memory_is_killed_alone(cluster):
+    """The trainer and its attempts in a memory cgroup of 1.5 GiB: the out-of-memory killer takes
+    the attempt (it offers itself first), the trainer says so and takes the next job."""
+    with memory_cgroup(1536 << 20) as group:
+        proc = cluster.start_trainer("bounded")
+        try:
+            (group / "cgroup.procs").write_text(str(proc.pid))
+            info = _fails_alone(cluster, "tests.support.entrypoints:hog")
+            assert info["state"] == "failed" and "killed by SIGKILL" in info["error"], info["error"]
+            assert "out-of-memory killer" in info["error"] and "allocating" in info["error"]
+            assert proc.poll() is None
+            after = _fails_alone(cluster, "tests.support.entrypoints:exits")  # it takes the next job
+            assert "SystemExit: 3" in after["error"]
+        finally:
+            _stop(cluster, "bounded")
+
+
+def test_commands_apply_at_the_functions_calls(cluster):
+    """set, pause, resume, checkpoint and stop on an entrypoint job, then resume from its checkpoint."""
+    spec = {**JOB, "entrypoint": "tests.support.entrypoints:counter", "params": {"steps": 400, "delta": 1}}
+    cluster.start_trainer("ctl")
+    try:
+        job = cluster.submit_spec(spec)
+        cluster.wait(job, lambda i: (i.get("progress") or {}).get("step", 0) >= 5)
+        assert cluster.control(job, "set", delta=2)["spec"]["params"]["delta"] == 2
+        assert cluster.control(job, "pause")["state"] == "paused"
+        paused = cluster.wait(job, lambda i: i["progress"]["state"] == "paused")["progress"]["step"]
+        time.sleep(0.5)
+        assert cluster.job(job)["progress"]["step"] == paused  # no step while paused
+        cluster.control(job, "resume")
+        record = cluster.control(job, "checkpoint")["checkpoint"]
+        assert record["step"] > paused and record["path"].endswith(".safetensors")
+        cluster.control(job, "stop")
+        stopped = cluster.wait_end(job)
+        assert stopped["state"] == "stopped", stopped["error"]
+        at = stopped["checkpoint"]["step"]
+        assert at >= record["step"]
+        cluster.control(job, "resume")  # queued again: the next attempt restores the stopped one's state
+        info = cluster.wait_end(job, timeout=120)
+        assert info["state"] == "succeeded", info["error"]
+        logs = cluster.busctl("job", "logs", job).stdout
+        assert f"counter starts at n={at} " in logs, logs
+        weights = final_weights(info)
+        assert int(weights["n"]) == 400
+        assert float(weights["total"]) > 400  # delta 2 from the set on
+    finally:
+        _stop(cluster, "ctl")

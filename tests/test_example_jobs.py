@@ -1,0 +1,61 @@
+"""examples/jobs/ as jobs (issue 26's recipes): PyTorch's MNIST example, a custom-loss function and a
+Lightning ``Trainer``, each written on the job API, submitted to a real cluster, its trainer killed
+with SIGKILL right after the attempt's first checkpoint (mid-epoch; at the first epoch's end for Lightning), and resumed by another trainer to the end."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.test_entrypoints import EntryCluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = EntryCluster(tmp_path_factory.mktemp("example-jobs"))
+    cluster.env.update(BATCHBUS_JOB_MODULES="examples.jobs.", BATCHBUS_ATTEMPT_SILENCE_S="120")
+    try:
+        cluster.start_router()
+        cluster.start_provider()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "params", "batch", "every", "resumed"),
+    [
+        ("examples.jobs.mnist:train", {"epochs": 1, "lr": 1.0}, 32, 10, "Train Epoch: 0 [352/600]"),
+        ("examples.jobs.custom_loss:train", {"epochs": 1}, 32, 10, "attempt 1 starts at epoch 0, sample 320"),
+        ("examples.jobs.lightning:train", {"epochs": 2}, 64, 0, "attempt 1: Lightning fit from epoch 1"),
+    ],
+)
+def test_a_recipe_job_killed_after_its_first_checkpoint_resumes_to_the_end(
+    cluster, entrypoint, params, batch, every, resumed
+):
+    spec = {
+        "dataset": "mnist",
+        "entrypoint": entrypoint,
+        "params": params,
+        "batch_size": batch,
+        "checkpoint_every": every,
+        "evaluate": False,
+        "max_attempts": 3,
+    }
+    job = cluster.submit_spec(spec)
+    name = entrypoint.split(".")[2].split(":")[0]
+    proc = cluster.start_killed_at(f"{name}-k", "entry_checkpoint")
+    assert proc.wait(240) == -signal.SIGKILL, cluster.logs()
+    cluster.start_trainer(f"{name}-t")
+    try:
+        info = cluster.wait_end(job, timeout=240)
+    finally:
+        cluster.procs[f"{name}-t"].send_signal(signal.SIGTERM)
+        cluster.procs[f"{name}-t"].wait(30)
+    assert info["state"] == "succeeded", info["error"]
+    assert [r["epoch"] for r in info["result"]["history"]] == list(range(1, params["epochs"] + 1))
+    assert all(0 <= r["val_accuracy"] <= 1 for r in info["result"]["history"])
+    logs = cluster.busctl("job", "logs", job).stdout
+    assert resumed in logs, logs
+    assert info["result"]["model"]["bytes"] > 0
