@@ -69,6 +69,13 @@ def submit(
     param: Annotated[
         list[str] | None, typer.Option("--param", help="NAME=VALUE for job.params (a TOML value or text); repeat it.")
     ] = None,
+    model_from: Annotated[
+        str | None,
+        typer.Option(help="Start training from this model: a succeeded job's id, or a FILE.safetensors (uploaded)."),
+    ] = None,
+    train_range: Annotated[
+        str | None, typer.Option(help="START:STOP: train on these records of the train split only.")
+    ] = None,
     evaluator: Annotated[
         str | None,
         typer.Option(
@@ -117,6 +124,13 @@ def submit(
         spec["entrypoint"] = entrypoint
     if param:
         spec["params"] = {**spec.get("params", {}), **_pairs(param)}
+    if model_from is not None:
+        spec["model_from"], frames = _model_source(model_from)
+    if train_range is not None:
+        start, sep, stop = train_range.partition(":")
+        if not sep or not start.strip().isdigit() or not stop.strip().isdigit():
+            fail(f"--train-range is START:STOP, e.g. 0:50000, got {train_range!r}", 2)
+        spec["train_range"] = [int(start), int(stop)]
     if "dataset" not in spec:
         fail('say which dataset to train on: --dataset NAME or a job file with dataset = "NAME"', 2)
     s = settings
@@ -235,6 +249,16 @@ def job_set(
     """Change hyper-parameters of a job, e.g. `busctl job set J lr=0.01 weight_decay=1e-4` (an
     entrypoint job: any of its params, seen by job.params from its next step)."""
     _control(job, JobCommand.SET, _pairs(values), settings, json)
+
+
+def _model_source(ref: str) -> tuple[str, list[bytes]]:
+    """``model_from`` and the frames to send: a job id as it is, a safetensors file uploaded."""
+    if not ref.endswith(".safetensors"):
+        return ref, []
+    try:
+        return "upload", [Path(ref).read_bytes()]
+    except OSError as err:
+        fail(f"cannot read model file {ref}: {err.strerror or err}", 2)
 
 
 def _pairs(pairs: list[str]) -> dict:

@@ -106,6 +106,9 @@ NOT_RUN = {
     ): (
         "the signature, not a call"  # test_the_signature_shown_is_the_loaders checks it
     ),
+    ("docs/jobs.md", "# mylab/train.py, importable on the trainers (an installed package, or on their PYTHONPATH)"): (
+        "a job's function, called by a trainer (tests/test_entrypoints.py runs one like it)"
+    ),
 }
 
 

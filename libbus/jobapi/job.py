@@ -72,6 +72,12 @@ class Job(ABC):
         puts the random generators back, and the loaders at their stored cursors."""
 
     @abstractmethod
+    def initial_model(self) -> dict[str, torch.Tensor] | None:
+        """The weights the job starts from when it names ``model_from`` (a succeeded job's model,
+        or a file uploaded with it: ``busctl submit --model-from``), as a state dict; ``None``
+        without. Load them on a first attempt (``restore()`` returned ``None``)."""
+
+    @abstractmethod
     def checkpoint(self, state: Mapping[str, Any] | None = None) -> dict:
         """Store ``state`` (or what :meth:`on_checkpoint`'s function returns) with every loader's
         cursor, the random generators' state, the step count and the history, in one file written

@@ -84,7 +84,8 @@ class JobSpec:
     min_delta: float = 0.0
     monitor: str = "val_loss"
     #: ``train``, or ``evaluate``: score the stored model ``model_from`` (a succeeded job's id, or
-    #: ``artifact:ID`` of an uploaded file) on ``split`` (``val`` on a trainer, ``test`` on the provider).
+    #: ``upload``: a file sent with the submission) on ``split`` (``val`` on a trainer, ``test`` on
+    #: the provider). A ``train`` job with ``model_from`` starts from that model's weights.
     task: str = "train"
     model_from: str = ""
     split: str = "val"
@@ -95,6 +96,9 @@ class JobSpec:
     #: The entrypoint's own parameters (``job.params``): names to plain values; ``busctl job set``
     #: changes them while it runs, a study samples them (``[space] "params.lr" = ...``).
     params: dict = field(default_factory=dict)
+    #: ``[start, stop]``: train on these records of the train split only (every order, shard and
+    #: resume guarantee kept inside them). Empty: the whole split.
+    train_range: list = field(default_factory=list)
     #: What scores the weights on the provider's test split: "" (the built-in ``model`` is built
     #: there), or ``package.module:function`` that the provider's ``evaluator_modules`` allows, called
     #: with ``evaluator_kwargs`` (services/provider/evaluator.py; docs/python-api.md).
@@ -162,6 +166,12 @@ class JobSpec:
                 f"split val or test, got model_from={spec.model_from!r} split={spec.split!r}"
             )
         _check_entrypoint(spec)
+        if spec.train_range and not (
+            len(spec.train_range) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in spec.train_range)
+            and 0 <= spec.train_range[0] < spec.train_range[1]
+        ):
+            raise BadRequest(f"train_range must be [start, stop] with 0 <= start < stop, got {spec.train_range!r}")
         if spec.lr <= 0:
             raise BadRequest(f"lr must be positive, got {spec.lr}")
         if spec.weight_decay < 0 or spec.momentum < 0:

@@ -47,7 +47,7 @@ from libbus.config import host_id as machine_id
 from libbus.config import script_connection
 from libbus.connect.client import Identity
 from libbus.constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
-from libbus.errors import BadRequest, ConfigError, SplitPrivate
+from libbus.errors import BadRequest, ConfigError, OutOfRange, SplitPrivate
 from libbus.loader.dataloader import DatasetSplit, pending_state, refuse_dataloader_args, refuse_rebatching
 from libbus.loader.delivery import RingDelivery
 from libbus.loader.delivery_api import Delivery
@@ -147,6 +147,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             and ``provider_key`` the provider's when ``provider=`` is one endpoint (with
             ``router=``, and in ``Resolved`` entries, each provider's key comes with it).
         transform: a callable applied to each batch before it is yielded (in this process).
+        samples: a record range ``(start, stop)`` (or a ``range``) of the split: the loader reads
+            these samples only, and its epochs, order, shards, ``len(loader.dataset)`` and cursors
+            are over them (a cursor saved on one range is refused on another).
 
     ``DataLoader`` arguments (``sampler``, ``num_workers``, ``collate_fn``...) are refused with a
     :class:`BadRequest` naming what replaces each (:mod:`libbus.loader.dataloader`).
@@ -191,6 +194,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         router_key: bytes | None = None,
         provider_key: bytes | None = None,
         transform: Callable[[Any], Any] | None = None,
+        samples: tuple[int, int] | range | None = None,
         **dataloader_only: Never,
     ):
         refuse_dataloader_args(dataloader_only)
@@ -237,6 +241,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         if transform is not None and not callable(transform):
             raise BadRequest(f"transform must be a callable taking a batch, got {type(transform).__name__}")
         self.transform = transform
+        #: The record range read, ``(start, stop)``, or ``None`` for the whole split.
+        self.samples = _record_range(samples)
         self._plan: Plan = None  # what is left of the current epoch after an elastic resume
         self._pass: weakref.ref | None = None  # the pass being iterated, if any
         # A pass has begun the cursor's epoch: the next pass takes the next one. Off after a pass
@@ -299,8 +305,15 @@ class RemoteLoader(torch.utils.data.IterableDataset):
                 f"the {split} split of {name!r} never leaves its provider: have the provider score a model on "
                 "it instead (busctl submit --evaluate --split test, docs/operations.md), or have its operator make it readable"
             )
-        #: Samples in the split, on every rank together (``len(loader.dataset)``).
+        #: Samples in the split (or its record range ``samples``), on every rank together (``len(loader.dataset)``).
         self.num_samples = int(info["splits"][split]["num_samples"])
+        if self.samples is not None:
+            start, stop = self.samples
+            if stop > self.num_samples:
+                raise OutOfRange(
+                    f"samples [{start}, {stop}) are past the {split} split of {name!r}: it has {self.num_samples}"
+                )
+            self.num_samples = stop - start
         #: The split served: ``len()`` its samples, ``str()`` and ``.name`` the dataset's name.
         self.dataset = DatasetSplit(name, split, self.num_samples, info)
         rank, world_size = (self.rank, self.world_size) if self.shard else (0, 1)
@@ -451,7 +464,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         The form torchdata's ``StatefulDataLoader`` and ``torch.distributed.checkpoint``'s
         ``Stateful`` protocol take: a dict of plain values, read back by :meth:`load_state_dict`."""
         self._adopt_pending()
-        return elastic.state(self._order, self._epoch, self._position, self._plan)
+        out = elastic.state(self._order, self._epoch, self._position, self._plan)
+        if self.samples is not None:
+            out["first"] = self.samples[0]
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Continue at a saved cursor on the next pass, at this world size or another. ``epoch`` and
@@ -468,6 +484,13 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             BadRequest: a cursor saved with another dataset size, seed or shuffle (naming what
                 differs), of another version, or a list that is not one cursor per old rank.
         """
+        first = self.samples[0] if self.samples is not None else 0
+        for one in [state] if isinstance(state, Mapping) else state:
+            if isinstance(one, Mapping) and int(one.get("first", 0)) != first:
+                raise BadRequest(
+                    f"loader state was saved reading from sample {one.get('first', 0)} of the split, this loader "
+                    f"reads from sample {first}: its position would point at other samples"
+                )
         self._epoch, self._position, self._plan = elastic.restore(self._order, state)
         self._begun = False
 
@@ -515,6 +538,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):
 
     # -- the pipeline ---------------------------------------------------------------------------
     def _request(self, indices: np.ndarray, fields: dict) -> BatchRequest:
+        if self.samples is not None:  # the order is over the range: its positions are offsets into it
+            indices = indices + self.samples[0]
         return BatchRequest.for_indices(indices, dataset=self.dataset.name, split=self.split, **fields)
 
     def _fetch(self, batches: list[np.ndarray], epoch: int) -> Generator[Any, None, None]:
@@ -587,3 +612,22 @@ class RemoteLoader(torch.utils.data.IterableDataset):
                 replica.client.check(reply)
             case Late():
                 pass  # a late reply to a request already sent again
+
+
+def _record_range(samples: tuple[int, int] | range | None) -> tuple[int, int] | None:
+    """``samples`` as ``(start, stop)``, checked; :class:`BadRequest` for anything but a non-empty range."""
+    if samples is None:
+        return None
+    if isinstance(samples, range):
+        if samples.step != 1:
+            raise BadRequest(f"samples must be a contiguous range, got {samples!r}")
+        samples = (samples.start, samples.stop)
+    ok = (
+        isinstance(samples, (tuple, list))
+        and len(samples) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in samples)
+        and 0 <= samples[0] < samples[1]
+    )
+    if not ok:
+        raise BadRequest(f"samples must be (start, stop) with 0 <= start < stop, got {samples!r}")
+    return int(samples[0]), int(samples[1])

@@ -87,11 +87,12 @@ class Decisions:
 
     # -- evaluation tasks ------------------------------------------------------------------------
     def evaluation_spec(self, spec: JobSpec, frames: list) -> JobSpec:
-        """Check an ``evaluate`` task before it is queued: a model uploaded with it, or a succeeded
-        job whose model the router holds (whose architecture the task then takes)."""
-        if spec.task != "evaluate":
+        """Check a job's ``model_from`` before it is queued: a model uploaded with it, or a succeeded
+        job whose model the router holds. An ``evaluate`` task scores it (and takes its architecture);
+        a training job starts from it (``job.initial_model()``; the built-in loop loads it)."""
+        if spec.task != "evaluate" and not spec.model_from:
             if frames:
-                raise BadRequest("only an evaluate task carries a model with its submission")
+                raise BadRequest("a model comes with a submission only with model_from = 'upload'")
             return spec
         if self.artifacts is None:
             raise BadRequest("this router keeps no models (artifact_dir); it cannot run evaluation tasks")
@@ -107,6 +108,8 @@ class Decisions:
                 f"job {spec.model_from} is {source['state']}; an evaluation task scores the model of "
                 "a succeeded job the router holds (busctl job model shows whether it does)"
             )
+        if spec.task != "evaluate":
+            return spec
         trained = source["spec"]
         return JobSpec.from_dict({**spec.to_dict(), "model": trained["model"], "model_kwargs": trained["model_kwargs"]})
 
@@ -123,9 +126,10 @@ class Decisions:
             raise BadRequest(f"the router could not keep the uploaded model: {err}") from err
 
     def attach_model(self, task: Task) -> Task:
-        """An evaluation task carries the model it scores (a training task is returned as it is)."""
+        """An evaluation task carries the model it scores, a training job with ``model_from`` the
+        model it starts from (any other task is returned as it is)."""
         spec = task.spec
-        if spec.get("task") != "evaluate":
+        if spec.get("task") != "evaluate" and not spec.get("model_from"):
             return task
         source = task.job if spec["model_from"] == UPLOAD else spec["model_from"]
         if self.artifacts is None:
@@ -133,6 +137,6 @@ class Decisions:
         try:
             task.frames = [self.artifacts.get(source)]
         except NotFound as err:
-            self.store.finish(task.job, JobState.FAILED, f"the model to evaluate is gone: {err}", error=str(err))
+            self.store.finish(task.job, JobState.FAILED, f"the model it names is gone: {err}", error=str(err))
             raise
         return task

@@ -286,6 +286,8 @@ class RouterHandler(Decisions, Handler):
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
         spec = JobSpec.from_dict(msg.spec)
         session.claims.check_dataset(dataset_name(spec.dataset))
+        if spec.model_from and spec.model_from != "upload":  # another job's weights: within this token's scope
+            self._check_job_scope(session, spec.model_from)
         spec = self.evaluation_spec(spec, msg.frames)  # an evaluate task's model (services/router/decisions.py)
         job = self.store.submit(spec)
         if msg.frames:

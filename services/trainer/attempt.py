@@ -37,7 +37,17 @@ from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.loader.remote import pick_provider
 from libbus.wire.frames import decode, encode
-from libbus.wire.messages import Checkpointed, Command, CommandAck, JobLog, Message, Progress, Resolve, Task
+from libbus.wire.messages import (
+    Checkpointed,
+    Command,
+    CommandAck,
+    JobLog,
+    Message,
+    Progress,
+    Rendezvous,
+    Resolve,
+    Task,
+)
 from services.sdnotify import Notifier
 from services.usercode import module_allowed
 
@@ -50,9 +60,12 @@ __all__ = ["AttemptLog", "EntrypointRun"]
 log = logging.getLogger(__name__)
 
 #: What a child may ask the router, through its trainer: nothing it could not do as the job's trainer.
-RELAYED: tuple[type[Message], ...] = (Progress, Checkpointed, CommandAck, Resolve)
+RELAYED: tuple[type[Message], ...] = (Progress, Checkpointed, CommandAck, Resolve, Rendezvous)
 #: Requests relayed at once (each waits for the router on a thread of its own).
 MAX_RELAYS = 8
+#: Set-up time an attempt has on top of ``attempt_silence_s`` before its function is called: the
+#: interpreter and torch start, the module is imported, a gang meets (RENDEZVOUS_TIMEOUT_S).
+SETUP_GRACE_S = 120.0
 #: Lines of output quoted in a failed attempt's error.
 TAIL_LINES = 20
 #: Output lines sent to the router in one message, and how often they go.
@@ -144,12 +157,6 @@ class EntrypointRun:
             )
             log.error("job %s refused: %s", self.task.job, error)
             return JobState.FAILED, {"retryable": False}, error
-        if self.task.world_size > 1:
-            return (
-                JobState.FAILED,
-                {"retryable": False},
-                "an entrypoint job trains on one trainer (world_size = 1) here",
-            )
         try:
             resolved = resolve(self.link, spec.dataset, s, self.notifier.watchdog)
         except BusError as err:
@@ -181,6 +188,7 @@ class EntrypointRun:
         try:
             channel.send(
                 "start",
+                [bytes(f.buffer if hasattr(f, "buffer") else f) for f in self.task.frames],  # model_from's weights
                 settings=s.as_dict(),
                 task={
                     "job": self.task.job,
@@ -188,6 +196,8 @@ class EntrypointRun:
                     "rank": self.task.rank,
                     "world_size": self.task.world_size,
                     "resume": self.task.resume,
+                    "rendezvous": self.task.rendezvous,
+                    "attempt": self.task.attempt,
                 },
                 name=self.identity.name,
                 providers=resolved.providers,
@@ -211,6 +221,7 @@ class EntrypointRun:
         stop_by: float | None = None
         stopping = ""
         exited_at = 0.0
+        started = False  # set-up (imports, a gang's rendezvous) may take longer than a step
         reader_out: queue.Queue[tuple[dict, list[bytes]] | None] = queue.Queue()
         threading.Thread(target=self._read_channel, args=(channel, reader_out), daemon=True).start()
         while True:
@@ -226,6 +237,8 @@ class EntrypointRun:
                 op = header["op"]
                 if op == "result":
                     return self._result_of(header)
+                if op == "started":
+                    started, alive_at = True, time.monotonic()
                 if op == "beat":
                     if header.get("activity") != activity:
                         activity, alive_at = header.get("activity"), time.monotonic()
@@ -252,7 +265,8 @@ class EntrypointRun:
                 )
                 self._kill()
                 return self._stopped_by_kill(stopping)
-            if now - alive_at > s.attempt_silence_s and stop_by is None:
+            silence = s.attempt_silence_s if started else s.attempt_silence_s + SETUP_GRACE_S
+            if now - alive_at > silence and stop_by is None:
                 self._kill()
                 return (
                     JobState.FAILED,
@@ -398,6 +412,8 @@ class EntrypointRun:
     def _ship_logs(self) -> None:
         """Send the lines not sent yet, in order (also before a checkpoint record is relayed, so the
         output up to a checkpoint outlives a trainer killed right after it)."""
+        if self.task.rank > 0:  # rank 0's output stands for the gang's (the router holds the job by it)
+            return
         with self._shipping:
             while lines := self.log.take():
                 try:

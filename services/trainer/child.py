@@ -25,6 +25,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
 from libbus.config import Settings
 from libbus.errors import BusError, PeerTimeout, error_from_code
 from libbus.jobapi import JobEnded
@@ -36,6 +38,7 @@ from services.usercode import import_allowed
 
 from .channel import Channel, ChannelClosed
 from .failures import describe_failure
+from .gang import Gang, advertised_host
 from .jobapi import AttemptJob
 from .reports import Reporter
 
@@ -136,10 +139,11 @@ def _beat(channel: Channel, job: AttemptJob, done: threading.Event) -> None:
             return
 
 
-def run(channel: Channel, start: dict) -> tuple[JobState | str, dict, str]:
+def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | str, dict, str]:
     """Import, set up and call the function; how the attempt ended as the trainer pushes it."""
     settings = Settings(**start["settings"])
     task = Task(**start["task"])
+    task.frames = frames[:1]  # the weights of model_from, if the job names one
     job_id = task.job
     link = ParentLink(channel)
     commands: queue.Queue[Command] = queue.Queue()
@@ -150,6 +154,11 @@ def run(channel: Channel, start: dict) -> tuple[JobState | str, dict, str]:
     def resolver(timeout_s: float) -> list[dict]:
         return link.request(Resolve(dataset=task.spec["dataset"]), timeout_s=timeout_s).providers
 
+    gang = None
+    if task.world_size > 1:  # every rank's function starts with torch.distributed initialized
+        device = torch.device(task.spec.get("device", "cpu"))
+        host = advertised_host(settings.advertise, settings.router)
+        gang = Gang(task, link, host, device, settings.request_timeout_s)  # type: ignore[arg-type]  # a Link in all it uses
     job = AttemptJob(
         task,
         settings,
@@ -159,6 +168,7 @@ def run(channel: Channel, start: dict) -> tuple[JobState | str, dict, str]:
         providers=start["providers"],
         resolver=resolver,
         attempt=int(start.get("attempt", 0)),
+        gang=gang,
     )
     done = threading.Event()
     threading.Thread(target=_beat, args=(channel, job, done), daemon=True).start()
@@ -169,9 +179,15 @@ def run(channel: Channel, start: dict) -> tuple[JobState | str, dict, str]:
         if not callable(function):
             raise BusError(f"entrypoint {job.spec.entrypoint!r} is a {type(function).__name__}, not a function")
         log.info("job %s: calling %s (attempt %d)", job_id, job.spec.entrypoint, job.attempt)
+        channel.send("started")  # set up (a gang met, the module imported): its silence is watched from here
         job._commands()  # a stop or pause sent as the attempt began
         function(job)
-        result = {**job.progress(), "model": job.model_record, "provider": start.get("provider_name", "")}
+        result = {
+            **job.progress(),
+            "model": job.model_record,
+            "provider": start.get("provider_name", ""),
+            "world_size": task.world_size,
+        }
         last = job.history[-1] if job.history else {}
         result.update({k: v for k, v in last.items() if k.startswith("val_")})
         return JobState.SUCCEEDED, result, ""
@@ -202,14 +218,14 @@ def main(argv: list[str]) -> int:
     got = channel.recv()
     if got is None or got[0]["op"] != "start":
         return 2
-    start = got[0]
+    start, frames = got
     logging.basicConfig(
         level=start["settings"].get("log_level", "INFO"),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        state, result, error = run(channel, start)
+        state, result, error = run(channel, start, frames)
     except BaseException as err:  # noqa: BLE001 - set-up itself failed: say so, do not leave the parent guessing
         state, result, error = JobState.FAILED, {"retryable": False}, describe_failure(err, None)
         log.error("attempt could not start: %s", error)

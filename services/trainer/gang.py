@@ -145,6 +145,15 @@ class Gang:
         values = flags.tolist()
         return Code(int(values[0])), dict(zip(SETTABLE, values[1:]))
 
+    def decide(self, code: Code, version: int) -> tuple[Code, int]:
+        """All ranks' highest :class:`Code` and rank 0's ``version`` (of an entrypoint's params:
+        when it differs from a rank's own, rank 0 shares them next, :meth:`share`)."""
+        mine = [float(code), float(version) if self.rank == 0 else -1.0]
+        flags = torch.tensor(mine, dtype=torch.float64, device=self.device)
+        self._collective(dist.all_reduce, flags, op=dist.ReduceOp.MAX)
+        values = flags.tolist()
+        return Code(int(values[0])), int(values[1])
+
     def share(self, data: bytes | None) -> bytes:
         """Rank 0's ``data`` (a checkpoint's bytes; empty: none) on every rank."""
         size = torch.tensor([len(data or b"")], dtype=torch.int64, device=self.device)

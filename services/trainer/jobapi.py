@@ -34,6 +34,7 @@ from libbus.config import Settings
 from libbus.connect.client import Identity
 from libbus.errors import BadRequest, BusError
 from libbus.jobapi import Job, JobEnded, decode_state, encode_state
+from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JobSpec
 from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import Checkpointed, Command, Progress, Task
@@ -43,16 +44,17 @@ from .checkpoint import (
     job_dir,
     metadata_of,
     prune,
-    read_checkpoint,
     rng_state,
     save_model,
     set_rng_state,
     write_file,
 )
 from .control import Controls, Lost, Stopped
-from .prepare import shard
+from .gang import Code, Gang, GangError
+from .prepare import initial_weights, shard
 from .progress import Meter
 from .reports import Reporter
+from .resume import read_shared
 
 __all__ = ["JOB_STATE_FORMAT", "AttemptJob"]
 
@@ -77,6 +79,7 @@ class AttemptJob(Job):
         providers: list[dict],
         resolver: Callable[[float], list[dict]],
         attempt: int = 0,
+        gang: Gang | None = None,
     ):
         self.task = task
         self.spec = JobSpec.from_dict(task.spec)
@@ -103,6 +106,12 @@ class AttemptJob(Job):
         self.model_record: dict | None = None
         #: Why the function was ended at a call (``stopped``, ``handback``, ``lost``), else None.
         self.ended: str | None = None
+        #: In a gang: the process group every rank's function joined (torch.distributed is initialized).
+        self.gang = gang
+        #: How many times ``set`` changed the params (rank 0's count goes to the other ranks).
+        self._params_version = 0
+        self._shutting_down = False
+        self._seen_version = 0
         self._providers = providers
         self._resolver = resolver
         self._loaders: dict[str, RemoteLoader] = {}
@@ -118,7 +127,7 @@ class AttemptJob(Job):
             reporter,
             checkpoint=self._checkpoint_on_command,
             set_hyper=self._set,
-            report=self._maybe_report,
+            report=self._while_paused,
             before_stop=self._before_stop,
             evaluate=self._evaluate,
             model=self._current_model,
@@ -153,8 +162,10 @@ class AttemptJob(Job):
             "host_id": self.identity.host_id,
             "curve": self.identity.curve,
         }
-        if split == "train":  # the job's order, this rank's shard
+        if split == "train":  # the job's order, this rank's shard, its train_range
             args.update(shuffle=spec.shuffle, block_size=spec.block_size, seed=spec.seed, **shard(self.task))
+            if spec.train_range:
+                args["samples"] = tuple(spec.train_range)
         else:  # whole, in file order, unless asked otherwise
             args.update(shuffle=False, rank=0, world_size=1)
         loader = RemoteLoader(spec.dataset, split=split, **{**args, **kwargs})
@@ -177,6 +188,11 @@ class AttemptJob(Job):
             self.resumed_from = {"error": str(err)}
             return None
         return self._restore_value
+
+    def initial_model(self) -> dict[str, torch.Tensor] | None:
+        if not self.task.frames:
+            return None
+        return initial_weights(self.task.frames[0], self.spec.model_from)
 
     def checkpoint(self, state: Mapping[str, Any] | None = None) -> dict:
         record = self._write(state)
@@ -317,7 +333,7 @@ class AttemptJob(Job):
     def _read(self, record: dict) -> dict:
         """The user state of checkpoint ``record``; sets the step count, history, random generators
         and every loader's cursor (loaders opened later start at theirs)."""
-        data = read_checkpoint(record, self.settings.checkpoint_dir)
+        data = read_shared(record, self.settings.checkpoint_dir, self.gang)  # a gang: rank 0's bytes on every rank
         if hashlib.sha256(data).hexdigest() != record.get("sha256"):
             raise CheckpointError(f"checkpoint {record.get('path')} changed since the router recorded it")
         try:
@@ -351,9 +367,16 @@ class AttemptJob(Job):
 
     # -- commands -------------------------------------------------------------------------------------
     def _commands(self) -> None:
-        """Apply the router's commands now; a stop, a hand-back or a lost job ends the function here."""
+        """Apply the router's commands now; a stop, a hand-back or a lost job ends the function here.
+        In a gang every rank does, at this same call, what rank 0 decided (:meth:`_in_step`)."""
         try:
-            self.controls.check()
+            if self.gang is None:
+                self.controls.check()
+            elif self.lead:
+                self.controls.check()  # a stop has told the gang already (_before_stop)
+                self._follow(Code.RUN)
+            else:
+                self._follow(self._own_code())
         except Stopped as stop:
             self.ended = "handback" if stop.handback else "stopped"
             raise JobEnded(
@@ -363,12 +386,60 @@ class AttemptJob(Job):
             self.ended = "lost"
             raise JobEnded("the router gave this job to another trainer") from None
 
+    def _own_code(self) -> Code:
+        """A rank above 0 hears no commands from the router; only its own trainer's shutdown."""
+        commands = self.controls.commands
+        while not commands.empty():
+            if commands.get_nowait().command == JobCommand.SHUTDOWN:
+                self._shutting_down = True
+        return Code.HANDBACK if self._shutting_down else Code.RUN
+
+    def _follow(self, code: Code) -> None:
+        """Every rank: what the gang decides at this call (rank 0's params, a pause, an end)."""
+        assert self.gang is not None  # noqa: S101 - only called in a gang
+        code = self._decide(code)
+        while code == Code.PAUSE and not self.lead:
+            code = self._decide(self._own_code())
+        if code == Code.RUN or (self.lead and code == Code.PAUSE):
+            return
+        if self.lead:  # another rank's trainer is shutting down: the gang hands the job back
+            log.info("job %s: a rank of the gang is shutting down; handing the job back", self.id)
+            self._checkpoint_quietly()
+        raise Stopped(handback=code == Code.HANDBACK)
+
+    def _decide(self, code: Code) -> Code:
+        assert self.gang is not None  # noqa: S101 - only called in a gang
+        code, version = self.gang.decide(code, self._params_version)
+        if not self.lead and version != self._params_version:
+            params = orjson.loads(self.gang.share(None))
+            self.spec = JobSpec.from_dict({**self.spec.to_dict(), "params": params})
+            self._params_version = version
+        elif self.lead and version != self._seen_version:
+            self.gang.share(orjson.dumps(self.spec.params))
+        self._seen_version = version
+        return code
+
+    def _while_paused(self) -> None:
+        """Rank 0 while paused: reports, and keeps the gang paused."""
+        self._maybe_report()
+        if self.gang is not None:
+            self._follow(Code.PAUSE)
+
     def _checkpoint_on_command(self) -> dict:
         if self._get_state is None:
             return {"error": "the job's function registered no state (job.on_checkpoint); it checkpoints itself"}
         return self._write(None)
 
     def _before_stop(self) -> None:
+        """Rank 0 stops or hands back: the gang's other ranks stop at this same call, after its checkpoint."""
+        self._checkpoint_quietly()
+        if self.gang is not None:
+            try:
+                self._decide(Code.STOP)
+            except GangError as err:  # the others are gone already: the stop stands
+                log.warning("job %s: %s", self.id, err)
+
+    def _checkpoint_quietly(self) -> None:
         if self._get_state is None or not self.lead:
             return
         try:
@@ -378,6 +449,7 @@ class AttemptJob(Job):
 
     def _set(self, changes: dict) -> dict:
         self.spec = self.spec.with_hyper(changes)
+        self._params_version += 1  # in a gang the other ranks take them at this same call
         return self.spec.to_dict()
 
     def _evaluate(self, done: Callable[[dict], None]) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
+from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from libbus.config import Settings
@@ -21,7 +22,7 @@ from services.models import build_model
 
 from .optim import make_optimizer
 
-__all__ = ["build", "job_device", "open_loaders", "resolve", "shard"]
+__all__ = ["build", "initial_weights", "job_device", "load_initial", "open_loaders", "resolve", "shard"]
 
 
 def resolve(link: Link, dataset: str, settings: Settings, watchdog: Callable[[], object]) -> Resolved:
@@ -97,6 +98,7 @@ def open_loaders(
     train = RemoteLoader(
         spec.dataset,
         split="train",
+        samples=tuple(spec.train_range) if spec.train_range else None,  # type: ignore[arg-type]  # checked by JobSpec
         shuffle=spec.shuffle,
         block_size=spec.block_size,
         seed=spec.seed,
@@ -110,3 +112,20 @@ def open_loaders(
         else None
     )
     return train, val
+
+
+def initial_weights(frame: bytes | memoryview, source: str) -> dict[str, torch.Tensor]:
+    """The weights a job starts from (``model_from``: the router sends them with its task), from
+    safetensors bytes only. Raises :class:`BadRequest` for bytes that are not safetensors."""
+    try:
+        return load_safetensors(bytes(frame))
+    except Exception as err:  # noqa: BLE001 - safetensors raises several types for malformed bytes
+        raise BadRequest(f"model_from {source!r}: the weights are not a safetensors file: {err}") from err
+
+
+def load_initial(model: nn.Module, frame: bytes | memoryview, source: str) -> None:
+    """Load the ``model_from`` weights into the built-in ``model`` (strict: they must fit it)."""
+    try:
+        model.load_state_dict(initial_weights(frame, source))
+    except RuntimeError as err:
+        raise BadRequest(f"model_from {source!r} does not fit this job's model: {err}") from err

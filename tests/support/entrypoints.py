@@ -116,3 +116,48 @@ def parabola(job: Job) -> None:
         job.step(loss=x)
         job.report(val_loss=(x - 0.3) ** 2 + 1.0 / (epoch + 1))
     job.save_model({"x": torch.tensor(x)})
+
+
+def ddp(job: Job) -> None:
+    """DistributedDataParallel over the job's gang (torch.distributed is initialized for the function)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 10))
+    net = DistributedDataParallel(model) if job.world_size > 1 else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=job.params["lr"], momentum=0.9)
+    job.on_checkpoint(lambda: {"model": model, "optimizer": optimizer})
+    state = job.restore()  # every rank: rank 0 reads the checkpoint, every rank restores the same
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    train = job.loader("train")
+    for epoch in range(train.epoch, job.params["epochs"]):
+        loss = torch.zeros(())
+        for x, y in train:
+            loss = F.cross_entropy(net(x.float() / 255), y.long())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            time.sleep(job.params.get("sleep", 0.0))
+            job.step(loss=loss.item())
+        print(f"rank {job.rank} of {job.world_size}: epoch {epoch} tag {job.params.get('tag')}", flush=True)
+        job.report(val_loss=loss.item())
+    job.save_model(model.state_dict())
+
+
+def ids_seen(job: Job) -> None:
+    """Saves the ids (first feature) of every train sample it was given, epoch by epoch."""
+    train = job.loader("train", batch_size=7)
+    seen = {}
+    for epoch in range(job.params.get("epochs", 2)):
+        seen[f"epoch{epoch}"] = torch.cat([x[:, 0] for x, _ in train]).to(torch.int64)
+        job.report(val_loss=0.0)
+    job.save_model(seen)
+
+
+def constant(job: Job) -> None:
+    """Its model is ``params["value"]``, or where it starts from (``model_from``) plus one."""
+    start = job.initial_model()
+    w = start["w"] + 1 if start is not None else torch.full((3,), float(job.params.get("value", 0.0)))
+    job.save_model({"w": w})
