@@ -3,6 +3,7 @@ provider's operator allows, what a score may leak, who records it, and the bound
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -13,16 +14,18 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from libbus.connect.client import Identity
+from libbus.connect.client import Client, Identity
 from libbus.constants import EVAL_EPSILON, EVAL_LOSS_CLIP, EVAL_PER_DATASET_DAY
 from libbus.errors import BadRequest, Forbidden, RateLimited, Timeout
 from libbus.jobs.spec import JobSpec
-from libbus.wire.messages import Evaluate, Evaluation, GetJob, GetTask, PushResult, Resolve, SubmitJob, Task
+from libbus.security.auth import ensure_secret, issue_token
+from libbus.wire.messages import Evaluate, Evaluation, GetJob, GetTask, PushResult, Resolve, Stats, SubmitJob, Task
 from services.models import build_model
 from services.provider.release import Release, bits_per_evaluation
 from services.provider.sources import open_source
 from services.trainer.final_eval import score_saved
 from services.usercode import module_allowed
+from tests.support.cluster import Cluster
 from tests.support.evaluators import HOLD
 from tests.support.services import wait_job
 
@@ -246,8 +249,9 @@ def test_a_test_score_is_recorded_only_from_the_provider_that_computed_it(
 def test_a_final_evaluation_is_sent_again_to_a_restarted_provider(
     router, start_provider, client_for, make_token, make_settings
 ):
-    """Issue 30 #16: the provider stops during the final evaluation and comes back (elsewhere): the
-    trainer sends the weights again and gets its score, instead of waiting out 300 s."""
+    """Issue 30 #16: the provider stops (SIGTERM: it answers "send it again") during the final
+    evaluation and comes back on another port: the trainer sends the weights there and gets its
+    score, instead of waiting out 300 s."""
     first = start_provider(f"mnist={MNIST}", evaluator_modules=ALLOWED, name="prov-r")
     link = client_for(router.endpoint, role="trainer", timeout_s=10.0)
     provider = link.request(Resolve(dataset="mnist")).providers[0]
@@ -276,12 +280,77 @@ def test_a_final_evaluation_is_sent_again_to_a_restarted_provider(
     try:
         _until(lambda: first.service.handler.stats()["evaluations_running"] == 1, "the evaluation never started")
         first.shutdown()  # the provider stops mid-evaluation...
+        HOLD.clear()
+        second = start_provider(f"mnist={MNIST}", evaluator_modules=ALLOWED, name="prov-r")  # ...and is back
     finally:
         HOLD.clear()
-    second = start_provider(f"mnist={MNIST}", evaluator_modules=ALLOWED, name="prov-r")  # ...and comes back
     thread.join(120)
     assert isinstance(outcome.get("ok"), Evaluation), outcome
     assert second.service.handler.stats()["datasets"]["mnist"]["evaluations"] == 1
+
+
+def test_a_final_evaluation_is_sent_again_to_a_provider_killed_and_restarted_at_its_endpoint(
+    tmp_path, make_settings, caplog
+):
+    """Issue 30 #16, as the probe did it: the provider is killed (SIGKILL: no reply goes out) during a
+    final evaluation and restarted on the same endpoint; the trainer finds its session forgotten and
+    sends the weights again, instead of waiting out 300 s."""
+    caplog.set_level(logging.WARNING, logger="services.trainer.final_eval")
+    hold = tmp_path / "hold"
+    hold.touch()
+    cluster = Cluster(
+        tmp_path / "cluster",
+        {"BATCHBUS_EVALUATOR_MODULES": "tests.support.evaluators", "BATCHBUS_ASSIGNED_ONLY": "false"},
+    )
+    try:
+        router = cluster.start_router()
+        cluster.start("prov-k", "provider", "--dataset", f"mnist={MNIST}", ready=True)
+        endpoint = cluster.endpoint_of("prov-k")
+        token = issue_token(
+            ensure_secret(cluster.state / "secret"), sub="t", role="trainer", audience="batchbus", ttl_s=600
+        )
+        identity = Identity(role="trainer", name="t", token=token)
+        with (
+            Client(router, identity, timeout_s=10, retries=1) as link,
+            Client(endpoint, identity, timeout_s=10) as peek,
+        ):
+            provider = link.request(Resolve(dataset="mnist")).providers[0]
+            spec = JobSpec(
+                dataset="mnist", evaluator="tests.support.evaluators:held", evaluator_kwargs={"while_exists": str(hold)}
+            )
+            outcome: dict = {}
+
+            def final() -> None:
+                try:
+                    outcome["ok"] = score_saved(
+                        _blob(_linear()),
+                        "j1",
+                        spec,
+                        provider,
+                        link=link,
+                        identity=identity,
+                        settings=make_settings(),
+                        check=lambda: None,
+                    )
+                except Exception as err:  # noqa: BLE001 - the assertion names it
+                    outcome["err"] = err
+
+            thread = threading.Thread(target=final)
+            thread.start()
+            _until(
+                lambda: peek.request(Stats()).services["provider"]["evaluations_running"] == 1,
+                "the evaluation never started",
+            )
+            cluster.procs["prov-k"].kill()  # SIGKILL mid-evaluation: its reply is lost with it
+            cluster.procs["prov-k"].wait(10)
+            hold.unlink()
+            cluster.start("prov-k", "provider", "--dataset", f"mnist={MNIST}", "--bind", endpoint, ready=True)
+            assert cluster.endpoint_of("prov-k") == endpoint
+            thread.join(120)
+        assert isinstance(outcome.get("ok"), Evaluation), outcome
+        assert "restarted and lost the evaluation" in caplog.text  # found by its session probe, not a timeout
+    finally:
+        cluster.close()
 
 
 def _until(condition, what: str, timeout_s: float = 30.0) -> None:
