@@ -12,12 +12,62 @@ from typing import Any, NoReturn
 
 import orjson
 import typer
+from rich.console import Console
+from rich.errors import MarkupError
+from rich.text import Text
 
 from libbus.config import Settings, load_settings
 from libbus.connect.client import Client, Identity
 from libbus.errors import BusError, ConfigError
 
-__all__ = ["settings_from", "admin_client", "fail", "guard", "print_json", "setup_logging"]
+__all__ = [
+    "SafeConsole",
+    "settings_from",
+    "admin_client",
+    "echo",
+    "fail",
+    "guard",
+    "printable",
+    "print_json",
+    "setup_logging",
+]
+
+
+# -- output: what peers wrote reaches the terminal as text, never as commands ----------------------
+#
+# Job names, errors, events, peer names, dataset and stage names come from peers (a trainer, a
+# provider, another admin's spec). A terminal acts on the control characters in them (``\x1b[2J``
+# clears the screen, OSC 52 writes the clipboard, ``\r`` overwrites a line, bidi overrides reorder
+# it), so every line busctl prints goes through :func:`printable`: by :class:`SafeConsole` for rich
+# output (tables, ``job show``, ``watch``, ``top``) and by :func:`echo` / :func:`fail` for plain lines.
+# JSON output needs nothing: orjson writes control characters as ``\u001b``.
+
+
+def printable(text: str, keep: str = "\n\t") -> str:
+    """``text`` with every character that is not printable (``str.isprintable``: control, format
+    such as bidi overrides, separators other than the space) written as its Python escape
+    (``\x1b``, ``\u202e``), except those in ``keep`` (the line breaks and tabs busctl itself prints)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
+class SafeConsole(Console):
+    """A rich console whose every string (printed, in a table cell or title) is made
+    :func:`printable` before rich reads it; a peer string whose brackets rich cannot parse as markup
+    is printed as it is rather than failing the command."""
+
+    def render_str(self, text: str, **kw: Any) -> Text:
+        text = printable(text)
+        try:
+            return super().render_str(text, **kw)
+        except MarkupError:
+            return super().render_str(text, **{**kw, "markup": False})
+
+
+def echo(message: str, err: bool = False) -> None:
+    """``typer.echo`` of :func:`printable` text."""
+    typer.echo(printable(message), err=err)
 
 
 def setup_logging(level: str) -> None:
@@ -69,7 +119,7 @@ def admin_client(settings: Settings) -> Client:
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
+    echo(f"error: {message}", err=True)  # an error's text may quote a peer (a job name, a trainer's error)
     raise typer.Exit(code)
 
 
@@ -98,4 +148,18 @@ def guard(fn: Callable) -> Callable:
 
 
 def print_json(value: Any) -> None:
-    typer.echo(orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode())
+    """``value`` as indented JSON. orjson escapes control characters but writes the rest of Unicode
+    as it is; what a terminal would act on (bidi overrides, other format characters) is written as
+    a JSON escape here, so the text decodes to the same value."""
+    text = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() or c in "\n" else _json_escape(c) for c in text)
+    typer.echo(text)
+
+
+def _json_escape(c: str) -> str:
+    cp = ord(c)
+    if cp < 0x10000:
+        return f"\\u{cp:04x}"
+    cp -= 0x10000  # beyond the BMP: a surrogate pair, as JSON writes it
+    return f"\\u{0xD800 + (cp >> 10):04x}\\u{0xDC00 + (cp & 0x3FF):04x}"

@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from libbus.config import Settings
@@ -22,7 +21,7 @@ from libbus.security.curve import curve_key_of
 from libbus.wire.fields import decode_frames, fields_of_info, is_xy
 from libbus.wire.messages import BatchRequest, BatchResponse, ListPeers, Resolve, frame_buffer
 
-from .common import admin_client, fail, print_json
+from .common import SafeConsole, admin_client, fail, print_json
 
 __all__ = [
     "OUT_SUFFIXES",
@@ -33,8 +32,8 @@ __all__ = [
     "split_pieces",
 ]
 
-#: Dataset names, URIs and class names are printed as they are: no rich markup or :emoji: codes.
-console = Console(markup=False, emoji=False, highlight=False, soft_wrap=True)
+#: Dataset names, URIs and class names are printed as they are (control characters escaped): no rich markup or :emoji: codes.
+console = SafeConsole(markup=False, emoji=False, highlight=False, soft_wrap=True)
 
 #: What ``--out`` can write, by file suffix.
 OUT_SUFFIXES = {".npz": "x, y and indices", ".npy": "the samples x only"}

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from libbus.errors import BusError, PeerTimeout
 from libbus.jobs.state import JobState
-from libbus.security.auth import ensure_secret, private_dir
+from libbus.security.auth import private_dir
 from libbus.wire.messages import ListPeers, SubmitJob
 from services.launch import READY_TIMEOUT_S, ServiceProcs
 
@@ -23,8 +23,9 @@ __all__ = ["run_demo"]
 def run_demo(*, epochs: int, uri: str, model: str, state_dir: str | None) -> None:
     console = Console()
     state = Path(state_dir or tempfile.mkdtemp(prefix="batchbus-demo-"))
-    private_dir(state)
-    ensure_secret(state / "secret")
+    private_dir(state)  # the router makes the cluster's EdDSA key pair here on its first start (one machine:
+    # the provider and trainer beside it mint their own tokens with it; on a cluster they get token.pub
+    # and a token from 'busctl token node' instead, docs/security.md)
     console.print(f"[bold]batchbus demo[/]: router, provider and trainer on localhost; state and logs in {state}")
     procs = ServiceProcs(state)
     try:

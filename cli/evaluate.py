@@ -19,7 +19,7 @@ from libbus.jobs.state import JobState
 from libbus.wire.messages import ControlJob, Ok
 from services.router.jobs import EVAL_ACK_TIMEOUT_S
 
-from .common import admin_client, fail, print_json
+from .common import admin_client, echo, fail, print_json
 
 __all__ = ["describe", "evaluate_job"]
 
@@ -40,7 +40,7 @@ def evaluate_job(settings: Settings, job: str, *, json: bool = False) -> dict:
     if json:
         print_json(detail)
     else:
-        typer.echo(describe(job, detail))
+        echo(describe(job, detail))
     if detail.get("error"):
         raise typer.Exit(1)
     return detail

@@ -16,7 +16,7 @@ from libbus.jobs.state import JobState
 from libbus.wire.messages import ControlJob, GetJob, GetJobLogs, GetModel, ListJobs, Ok, SubmitJob, frame_buffer
 
 from . import tables
-from .common import admin_client, fail, guard, print_json
+from .common import admin_client, echo, fail, guard, print_json, printable
 from .options import Json, admin_options
 from .studies import current_model, evaluation_task, is_model_ref
 from .watch import watch_job
@@ -198,7 +198,7 @@ def _control(job: str, command: JobCommand, args: dict, settings: Settings, json
         line += f"\ncheckpoint step {ckpt['step']} epoch {ckpt['epoch']}: {ckpt['path']} sha256 {ckpt['sha256']}"
     if detail.get("error"):
         line += f"\nrefused by the trainer: {detail['error']}"
-    typer.echo(line)
+    echo(line)  # the trainer's acknowledgement and error: peer text
 
 
 @job_app.command(JobCommand.STOP.value)
@@ -276,12 +276,6 @@ def _pairs(pairs: list[str]) -> dict:
     return out
 
 
-def _printable(line: str) -> str:
-    """A line a job printed, with control characters shown escaped (no escape sequence reaches the
-    terminal of whoever reads the logs)."""
-    return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in line)
-
-
 @job_app.command("logs")
 @guard
 @admin_options
@@ -306,7 +300,7 @@ def job_logs(
                 if after == 0 and reply.dropped:
                     typer.echo(f"[{reply.dropped} earlier line(s) of attempt {reply.attempt} no longer kept]")
                 for line in reply.lines:
-                    typer.echo(_printable(line))
+                    typer.echo(printable(line, keep="\t"))
             attempt, after = reply.attempt, reply.next
             if reply.lines:
                 continue

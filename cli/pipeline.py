@@ -7,18 +7,16 @@ only knows the provider's address. The provider checks the admin token like any 
 
 from __future__ import annotations
 
-from rich.console import Console
-
 from libbus.config import Settings
 from libbus.connect.client import Client
 from libbus.errors import NotFound
 from libbus.wire.messages import ListPeers, StageControl
 
-from .common import admin_client, fail, print_json
+from .common import SafeConsole, admin_client, fail, print_json
 
 __all__ = ["control_command", "parse_args"]
 
-console = Console(markup=False, emoji=False, highlight=False, soft_wrap=True)
+console = SafeConsole(markup=False, emoji=False, highlight=False, soft_wrap=True)
 
 
 def parse_args(pairs: list[str]) -> dict:

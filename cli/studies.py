@@ -18,7 +18,7 @@ from libbus.errors import BadRequest
 from libbus.jobs.commands import JobCommand
 from libbus.wire.messages import ControlJob, GetStudy, ListStudies, Model, StopStudy, SubmitStudy, frame_buffer
 
-from .common import admin_client, fail, guard, print_json
+from .common import admin_client, echo, fail, guard, print_json
 from .options import Json, admin_options
 
 __all__ = ["study_app", "studies", "evaluation_task", "is_model_ref", "current_model"]
@@ -60,7 +60,7 @@ def study_submit(
     raw = load_study(file)
     with admin_client(settings) as client:
         study = client.request(SubmitStudy(spec=raw)).study
-    print_json({"study": study["id"]}) if json else typer.echo(study["id"])
+    print_json({"study": study["id"]}) if json else echo(study["id"])
 
 
 @study_app.command("show")
@@ -73,18 +73,18 @@ def study_show(study: str, *, settings: Settings, json: Json = False) -> None:
     if json:
         print_json(info)
         return
-    typer.echo(
+    echo(
         f"study {info['id']}: {info['state']}{' (' + info['reason'] + ')' if info['reason'] else ''}; "
         f"objective {info['objective']} ({info['direction']}d); epochs trained {info['epochs_trained']:g} "
         f"of {info['epochs_budget']} if every trial ran to the end"
     )
-    typer.echo(f"{'#':>3}  {'job':<12} {'state':<9} {'value':>9} {'epochs':>6}  params")
+    echo(f"{'#':>3}  {'job':<12} {'state':<9} {'value':>9} {'epochs':>6}  params")
     for t in info["trials"]:
         value = f"{t['value']:.4f}" if t["value"] is not None else "-"
         params = " ".join(f"{k}={_short(v)}" for k, v in t["params"].items())
-        typer.echo(f"{t['number']:>3}  {t['job'] or '-':<12} {t['state']:<9} {value:>9} {t['epochs']:>6g}  {params}")
+        echo(f"{t['number']:>3}  {t['job'] or '-':<12} {t['state']:<9} {value:>9} {t['epochs']:>6g}  {params}")
     best = info["best"]
-    typer.echo(
+    echo(
         f"best: trial {best['number']} (job {best['job']}) {info['objective']} {best['value']:.4f}"
         if best
         else "best: none complete yet"
@@ -102,7 +102,7 @@ def study_stop(study: str, *, settings: Settings, json: Json = False) -> None:
     """Stop a study: no new trials; its running trials are stopped (they checkpoint)."""
     with admin_client(settings) as client:
         detail = client.request(StopStudy(study=study)).detail
-    print_json(detail) if json else typer.echo(f"study {study} stopped")
+    print_json(detail) if json else echo(f"study {study} stopped")
 
 
 @guard
@@ -114,13 +114,11 @@ def studies(*, settings: Settings, json: Json = False) -> None:
     if json:
         print_json(rows)
         return
-    typer.echo(f"{'study':<10} {'state':<9} {'trials':<28} {'epochs':>12}  best")
+    echo(f"{'study':<10} {'state':<9} {'trials':<28} {'epochs':>12}  best")
     for s in rows:
         counts = " ".join(f"{n} {k}" for k, n in sorted(s["counts"].items())) or "-"
         best = f"{s['objective']} {s['best']['value']:.4f} (trial {s['best']['number']})" if s["best"] else "-"
-        typer.echo(
-            f"{s['id']:<10} {s['state']:<9} {counts:<28} {s['epochs_trained']:>5g}/{s['epochs_budget']:<6}  {best}"
-        )
+        echo(f"{s['id']:<10} {s['state']:<9} {counts:<28} {s['epochs_trained']:>5g}/{s['epochs_budget']:<6}  {best}")
 
 
 # -- evaluation tasks and current models -----------------------------------------------------------
@@ -181,4 +179,4 @@ def current_model(job: str, out: Path, settings: Settings) -> None:
     if digest != reply.sha256:
         fail(f"model of {job} arrived with sha256 {digest}, expected {reply.sha256}; nothing written")
     write_atomic(out, data)
-    typer.echo(f"{out}: {len(data)} bytes, sha256 {digest}, step {reply.step} (epoch {reply.epoch})")
+    echo(f"{out}: {len(data)} bytes, sha256 {digest}, step {reply.step} (epoch {reply.epoch})")

@@ -1,17 +1,20 @@
-"""Human-readable output of busctl's read commands (rich tables)."""
+"""Human-readable output of busctl's read commands (rich tables), through a :class:`~cli.common.SafeConsole`:
+every string a peer wrote (job names, errors, events, peer and stage names) is printed without its
+control characters."""
 
 from __future__ import annotations
 
 import time
 
-from rich.console import Console
 from rich.table import Table
 
 from libbus.jobs.state import JobState
 
+from .common import SafeConsole
+
 __all__ = ["fmt_result", "job", "jobs", "peers", "queues", "refusals", "segments", "settings", "stage_tables", "stages"]
 
-console = Console()
+console = SafeConsole()
 
 
 def _ago(ts: float | None) -> str:
@@ -142,7 +145,9 @@ def queues(services: dict) -> None:
         counters = s.get("counters", {})
         refused = ", ".join(f"{k} {v}" for k, v in refusals(counters).items()) or "0"
         detail = {
-            k: v for k, v in s.items() if k not in ("counters", "name", "endpoint", "role", "sessions", "pipelines")
+            k: v
+            for k, v in s.items()
+            if k not in ("counters", "name", "endpoint", "role", "sessions", "pipelines", "session")
         }
         table.add_row(
             name,

@@ -18,6 +18,12 @@ from .options import Config, Json, SecretFile, StateDir, admin_options
 
 __all__ = ["token_app", "keys_app"]
 
+#: The roles ``busctl token node`` gives a node (an admin's token is a person's: ``token issue``).
+NODE_ROLES = ("provider", "trainer", "reader")
+#: A node token's default lifetime: 90 days (a service cannot renew its own; revoke one with
+#: ``busctl token revoke``).
+NODE_TTL_S = 90 * 86400.0
+
 token_app = typer.Typer(no_args_is_help=True, help="Mint and inspect tokens; create the cluster secret or signing key.")
 keys_app = typer.Typer(
     no_args_is_help=True, help="CURVE key pairs: encrypted, key-authenticated connections (docs/security.md)."
@@ -49,7 +55,11 @@ def token_issue(
     state_dir: StateDir = None,
 ) -> None:
     """Print a signed token for ROLE: from the cluster secret (HS256) or the signing key (EdDSA)."""
+    from services.router.grants import LONGEST_TOKEN_S
     from services.runtime import mint_token, signing_key
+
+    if ttl > LONGEST_TOKEN_S:  # a revocation lasts at most this long (docs/security.md §5)
+        fail(f"--ttl is at most {LONGEST_TOKEN_S:.0f} s ({LONGEST_TOKEN_S / 86400:.0f} days), got {ttl:g}", 2)
 
     s = settings_from(
         config,
@@ -150,7 +160,10 @@ def token_revoke(
         if not isinstance(jti, str) or not isinstance(exp, (int, float)):
             fail("that token has no jti or exp claim: nothing to revoke", 2)
     else:
-        jti, exp = what, time.time() + (s.token_ttl_s if keep is None else keep)
+        from services.router.grants import LONGEST_TOKEN_S
+
+        # no token busctl mints outlives this (token issue --ttl); the router refuses a longer expiry
+        jti, exp = what, time.time() + min(s.token_ttl_s if keep is None else keep, LONGEST_TOKEN_S)
     with admin_client(s) as client:
         client.request(RevokeToken(jti=jti, exp=float(exp), reason=reason))
     typer.echo(f"revoked {jti} until {time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(exp))}")
@@ -194,22 +207,82 @@ def keys_gen(
 @guard
 def token_keygen(
     path: Annotated[
-        Path,
-        typer.Argument(help="Where to write the Ed25519 signing key (mode 0600); the public key goes to PATH.pub."),
-    ],
+        Path | None,
+        typer.Argument(
+            help="Where to write the Ed25519 signing key (mode 0600); the public key goes to PATH.pub. "
+            "Default: signing_key_file and public_key_file (<state_dir>/token.key, token.pub)."
+        ),
+    ] = None,
+    config: Config = None,
+    state_dir: StateDir = None,
 ) -> None:
-    """Create an EdDSA signing key (keep it on the administrator's machine) and its public key
-    (copy PATH.pub to every node as public_key_file; set token_alg = "EdDSA")."""
+    """Create the cluster's EdDSA signing key (keep it on the administrator's machine) and its public key
+    (every node's public_key_file: 'busctl token node' hands it out with the node's token). The router
+    makes them itself on its first start when neither exists."""
     from libbus.security.auth import generate_signing_key
 
-    key, pub = generate_signing_key(path)
+    if path is None:
+        s = settings_from(config, state_dir=state_dir)
+        key, pub = generate_signing_key(s.signing_key_file, s.public_key_file)
+    else:
+        key, pub = generate_signing_key(path)
     typer.echo(f"signing key {key} (0600, keep it private)\npublic key {pub} (copy to every node)")
+
+
+@token_app.command("node")
+@guard
+def token_node(
+    out: Annotated[Path, typer.Argument(help="Where to write the node's files: token.pub and token (0600).")],
+    role: Annotated[str, typer.Option(help=f"One of {', '.join(NODE_ROLES)}.")],
+    name: Annotated[str, typer.Option(help="The node's subject (its service's name).")],
+    ttl: Annotated[float, typer.Option(help="Lifetime in seconds (renew: run this again).")] = NODE_TTL_S,
+    dataset: Annotated[
+        list[str] | None,
+        typer.Option("--dataset", help="Restrict the token to this dataset (repeatable; default: all)."),
+    ] = None,
+    config: Config = None,
+    state_dir: StateDir = None,
+    signing_key_file: Annotated[
+        str | None, typer.Option("--signing-key-file", help="EdDSA signing key (or BATCHBUS_SIGNING_KEY_FILE).")
+    ] = None,
+) -> None:
+    """On the administrator's machine: what a node needs, and nothing that mints a token. OUT/token.pub
+    (the cluster's public key: it checks tokens) and OUT/token (this node's ROLE token). Copy OUT to the
+    node, and there set state_dir = OUT (or public_key_file = OUT/token.pub) and token_file = OUT/token."""
+    from libbus.security.auth import private_dir, public_key_pem, write_private
+    from services.runtime import mint_token, signing_key
+
+    if role not in NODE_ROLES:
+        fail(f"--role {role!r}: a node is one of {', '.join(NODE_ROLES)}; admins: busctl token issue --role admin", 2)
+    s = settings_from(config, state_dir=state_dir, signing_key_file=signing_key_file)
+    if s.token_alg != "EdDSA":
+        fail(
+            "this cluster runs HS256 (one shared secret, which mints every role: a single trusted machine); "
+            "a node of it needs that secret, not a token. Nodes that cannot mint need an EdDSA cluster: "
+            "docs/security.md",
+            2,
+        )
+    key = signing_key(s)
+    if isinstance(key, bytes):  # token_alg EdDSA: signing_key gives the Ed25519 key
+        fail("token_alg is EdDSA but the signing key is a secret", 2)
+    private_dir(out)
+    (out / "token.pub").write_bytes(public_key_pem(key))
+    token = mint_token(s, key, role=role, sub=name, ttl_s=ttl, datasets=dataset or None)
+    write_private(out / "token", (token + "\n").encode())
+    typer.echo(
+        f"{out}/token.pub  the cluster's public key (checks tokens; mints nothing)\n"
+        f"{out}/token      {role} token for {name!r}, valid {ttl / 86400:g} days (0600)\n"
+        f"copy {out} to the node; there: state_dir = {out} and token_file = {out}/token "
+        "(under systemd: the credentials token.pub and token, systemd/README.md)"
+    )
 
 
 @token_app.command("secret")
 @guard
 def token_secret(path: Annotated[Path, typer.Argument(help="Where to create the secret (mode 0600).")]) -> None:
-    """Create a cluster secret file if it does not exist yet; copy it to every node."""
+    """HS256, for a single trusted machine: create the cluster secret file if it does not exist yet.
+    Anyone who reads it mints tokens of every role (admin included); a node holding it is an HS256 node
+    (token_alg unset). The default set-up is EdDSA (busctl token keygen / token node, docs/security.md)."""
     existed = path.exists()
     ensure_secret(path)
     typer.echo(f"{path} {'already exists' if existed else 'created'}")

@@ -26,7 +26,7 @@ from libbus.errors import BusError
 from libbus.jobs.state import JobState
 from libbus.wire.messages import ListJobs, ListPeers, Stats
 
-from .common import admin_client, print_json
+from .common import SafeConsole, admin_client, print_json, printable
 from .tables import refusals, stage_tables
 
 __all__ = ["collect", "frame", "render", "top_command"]
@@ -68,6 +68,13 @@ def _served(stats: dict) -> dict[str, int]:
     return total
 
 
+def _row(services: dict, peer: dict) -> dict | None:
+    """A peer's Stats row: its session's (the router keys rows by token subject, not by name; a
+    router before that keyed them by name)."""
+    row = next((r for r in services.values() if peer.get("session") and r.get("session") == peer["session"]), None)
+    return row if row is not None else services.get(peer["name"])
+
+
 def frame(snapshot: dict, previous: dict | None) -> dict:
     """The frame model: what one refresh shows, as plain data (``busctl top --once --json``)."""
     services, peers = snapshot["services"], snapshot["peers"]
@@ -76,9 +83,10 @@ def frame(snapshot: dict, previous: dict | None) -> dict:
     router = services.get("router", {})
     providers = []
     for peer in sorted((p for p in peers if p["role"] == "provider"), key=lambda p: p["name"]):
-        stats = services.get(peer["name"], {})
+        stats = _row(services, peer) or {}
         served = _served(stats)
-        earlier = _served(before[peer["name"]])["samples"] if peer["name"] in before else None
+        old = _row(before, peer)
+        earlier = _served(old)["samples"] if old is not None else None
         refused = refusals(stats.get("counters", {}))
         for cause, n in (stats.get("refused") or {}).items():
             refused[cause] = refused.get(cause, 0) + n
@@ -98,7 +106,7 @@ def frame(snapshot: dict, previous: dict | None) -> dict:
     by_trainer = {j["trainer"]: j for j in active if j.get("trainer")}
     trainers = []
     for peer in sorted((p for p in peers if p["role"] == "trainer"), key=lambda p: p["name"]):
-        stats = services.get(peer["name"], {})
+        stats = _row(services, peer) or {}
         job = by_trainer.get(peer["name"])
         p = (job or {}).get("progress") or {}
         trainers.append(
@@ -283,7 +291,7 @@ def top_command(settings: Settings, *, interval: float, once: bool, json: bool, 
     ``interval`` apart, so that rates are real) and return. A router that does not answer at the
     start is an error (one line, from ``guard``); one that stops answering later is shown in the
     frame while top keeps asking."""
-    console = console or Console()
+    console = console or SafeConsole()  # peers' strings without control characters
     with admin_client(settings) as client:
         client.hello()  # a router that is down is one line within seconds (guard), not a frame
         previous = collect(client)
@@ -300,7 +308,8 @@ def top_command(settings: Settings, *, interval: float, once: bool, json: bool, 
                         snapshot = collect(client)
                     except BusError as err:  # the router restarting: keep the last frame, say so, retry
                         live.update(
-                            Group(render(previous), Text(f"router not answering: {err}", style="red")), refresh=True
+                            Group(render(previous), Text(printable(f"router not answering: {err}"), style="red")),
+                            refresh=True,
                         )
                         continue
                     live.update(render(snapshot, previous), refresh=True)

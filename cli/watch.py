@@ -13,6 +13,8 @@ from libbus.jobs.spec import TERMINAL_STATES
 from libbus.jobs.state import JobState
 from libbus.wire.messages import GetJob
 
+from .common import SafeConsole
+
 __all__ = ["watch_job"]
 
 POLL_S = 0.5
@@ -20,7 +22,7 @@ POLL_S = 0.5
 
 def watch_job(client: Client, job: str, console: Console | None = None, timeout_s: float | None = None) -> dict:
     """Poll ``job`` until it ends, drawing progress; returns the final job record."""
-    console = console or Console()
+    console = console or SafeConsole()  # peers' strings without control characters
     shown_epochs = 0
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     columns = (

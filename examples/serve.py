@@ -1,7 +1,9 @@
 """Serve the examples' datasets on this machine: ``make serve-examples`` (or ``python examples/serve.py``).
 
 Starts a router and a provider as real processes (``busctl start router|provider``, logs under the
-state directory) and serves what the scripts in ``examples/`` read:
+state directory) and serves what the scripts in ``examples/`` read. It is an EdDSA cluster: the router
+makes its signing key in the state directory on its first start (a state directory an older version gave
+an HS256 ``secret`` keeps it). The datasets:
 
 - ``ids``: 48 train, 6 val and 5 test samples whose first feature is the sample's index (the recipes
   prove "every sample exactly once" with it), generated as ``.npy`` pairs;
@@ -11,7 +13,8 @@ state directory) and serves what the scripts in ``examples/`` read:
   docs/datasets.md §8's loader block.
 
 Nothing here needs hiding, so every test split is readable (``private_test=false``). It writes
-``connection.json`` (the router's endpoint and a trainer token scoped to these datasets) into the state
+``connection.json`` (the router's endpoint and a reader token scoped to these datasets: it reads them and
+can take no job) into the state
 directory, where ``recipe_support.loader_args`` finds it when ``BATCHBUS_ROUTER`` is not set, and the
 same as settings: ``batchbus.toml`` (``router``, ``token_file``), for any script run with
 ``BATCHBUS_CONFIG`` naming it. It serves until Ctrl-C or SIGTERM and then removes both. The state directory is ``state/examples`` in the checkout, or
@@ -34,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout, as `python examples/serve.py`
 
 from libbus.config import load_settings  # noqa: E402
-from libbus.security.auth import ensure_secret, private_dir  # noqa: E402
+from libbus.security.auth import private_dir  # noqa: E402
 from services import runtime  # noqa: E402
 from services.launch import ServiceProcs  # noqa: E402
 
@@ -42,7 +45,7 @@ IDS = {"train": 48, "val": 6, "test": 5}
 
 
 def state_dir() -> Path:
-    """Where the examples' cluster keeps its secret, logs, data and ``connection.json``."""
+    """Where the examples' cluster keeps its signing key, logs, data and ``connection.json``."""
     return Path(os.environ.get("BATCHBUS_EXAMPLES_DIR") or REPO / "state" / "examples")
 
 
@@ -61,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=5000, help="train samples of mnist and imagenet")
     parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="the router's address (default: a free port)")
     args = parser.parse_args(argv)
-    state = private_dir(state_dir())  # it holds the cluster's secret and a trainer token
-    ensure_secret(state / "secret")
+    # It holds the cluster's signing key (the router makes it on its first start) and a reader token.
+    state = private_dir(state_dir())
     connection, config = state / "connection.json", state / "batchbus.toml"
     connection.unlink(missing_ok=True)
     config.unlink(missing_ok=True)
@@ -82,12 +85,12 @@ def main(argv: list[str] | None = None) -> None:
         provider = procs.start("provider", "--router", router, *served)
         settings, _ = load_settings(env={}, flags={"state_dir": str(state)})
         key = runtime.signing_key(settings)
-        token = runtime.mint_token(settings, key, role="trainer", sub="examples", datasets=sorted(datasets))
+        token = runtime.mint_token(settings, key, role="reader", sub="examples", datasets=sorted(datasets))
         token_file = state / "token"
         token_file.touch(mode=0o600)
         token_file.write_text(token + "\n")
         config.write_text(
-            "# examples/serve.py: the examples' router and a trainer token (BATCHBUS_CONFIG=this file)\n"
+            "# examples/serve.py: the examples' router and a reader token (BATCHBUS_CONFIG=this file)\n"
             f"router = {json.dumps(router)}\ntoken_file = {json.dumps(str(token_file))}\n"
         )
         tmp = connection.with_suffix(".tmp")

@@ -24,7 +24,7 @@ __all__ = ["ScriptConnection", "Settings", "load_settings", "default_state_dir",
 ENV_PREFIX = "BATCHBUS_"
 #: systemd credentials (``LoadCredential=ID:...``) read from ``$CREDENTIALS_DIRECTORY``, by ID: the
 #: setting each one provides. ``token`` is the file's text; a ``NAME.key_secret`` is the CURVE key.
-CREDENTIALS = {"secret": "secret_file", "token": "token"}
+CREDENTIALS = {"secret": "secret_file", "token": "token", "token.pub": "public_key_file"}
 CURVE_KEY_SUFFIX = ".key_secret"
 
 
@@ -67,9 +67,12 @@ class Settings:
     token: str = ""
     #: A file holding the token (read when ``token`` is unset): unlike ``--token`` it never shows in ``ps``.
     token_file: str = ""
-    #: Token algorithm of the cluster: HS256 (shared secret_file) or EdDSA (signing/public key pair).
+    #: Token algorithm of the cluster: EdDSA (the administrator's signing key; nodes hold the public key
+    #: and their own token) or HS256 (one shared secret_file that mints any role: a single trusted
+    #: machine). Unset: EdDSA, unless this node has the HS256 secret_file and no EdDSA key (a cluster set
+    #: up with ``busctl token secret``); ``busctl config show`` says which and why.
     #: Verification accepts only this one.
-    token_alg: str = "HS256"
+    token_alg: str = ""
     #: EdDSA: the public key every node verifies tokens with; default ``<state_dir>/token.pub``.
     public_key_file: str = ""
     #: EdDSA: the signing key (administrator's machine only); default ``<state_dir>/token.key``.
@@ -197,6 +200,8 @@ class Settings:
             out.signing_key_file = os.path.join(out.state_dir, "token.key")
         if not out.token_issuer:
             out.token_issuer = out.cluster
+        if not out.token_alg:
+            out.token_alg = "HS256" if _hs256_chosen(out) else "EdDSA"
         if out.token_file and not out.token:
             try:
                 out.token = Path(out.token_file).read_text().strip()
@@ -232,6 +237,15 @@ class Settings:
         if out.get("token"):
             out["token"] = f"<hidden: {len(out['token'])} characters>"
         return out
+
+
+def _hs256_chosen(settings: Settings) -> bool:
+    """Whether a node whose ``token_alg`` is unset runs HS256: it holds the cluster secret file (made by
+    ``busctl token secret``, the explicit choice of a shared-secret cluster) and no EdDSA key. Else
+    EdDSA, the default set-up: no secret anywhere, so no node but the administrator's can mint."""
+    if not os.path.exists(settings.secret_file):
+        return False
+    return not (os.path.exists(settings.public_key_file) or os.path.exists(settings.signing_key_file))
 
 
 def _credentials(directory: str) -> dict[str, tuple[str, str]]:
@@ -344,7 +358,7 @@ def load_settings(
     if not values.get("state_dir"):
         values["state_dir"] = default_state_dir(env)
     settings = Settings(**values)
-    if settings.token_alg not in ALGORITHMS:
+    if settings.token_alg and settings.token_alg not in ALGORITHMS:
         raise ConfigError(
             f"token_alg ({sources['token_alg']}) must be one of {', '.join(ALGORITHMS)}, got {settings.token_alg!r}"
         )
@@ -359,7 +373,11 @@ def load_settings(
     if settings.request_timeout_s <= 0 or settings.request_retries < 0:
         raise ConfigError("request_timeout_s must be positive and request_retries not negative")
     _check_cache(settings, sources)
-    return settings.resolved(), sources
+    resolved = settings.resolved()
+    if not settings.token_alg:
+        why = f"the secret file {resolved.secret_file} is here" if resolved.token_alg == "HS256" else "no secret file"
+        sources["token_alg"] = f"default ({why})"
+    return resolved, sources
 
 
 def _check_cache(settings: Settings, sources: dict[str, str]) -> None:
@@ -396,6 +414,8 @@ def script_connection(role: str = "trainer", env: Mapping[str, str] | None = Non
     """The connection settings of a script, from the same places as ``busctl``'s: defaults < the TOML
     file ``$BATCHBUS_CONFIG`` < ``BATCHBUS_*`` variables (``BATCHBUS_ROUTER``, ``BATCHBUS_TOKEN``,
     ``BATCHBUS_TOKEN_FILE``...) < systemd credentials. ``role`` names the default CURVE key file.
+    A script's token should be a reader token (``busctl token issue --role reader --dataset NAME``):
+    it reads its datasets and can take no job, report no score and push no weights.
 
     Raises:
         ConfigError: as :func:`load_settings`, naming the file or variable that is wrong.

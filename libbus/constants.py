@@ -29,6 +29,9 @@ STORED_JSON_BYTES = 256 * KiB
 MAX_BATCH_INDICES = 1 << 20
 #: Largest batch a provider will assemble (data + labels); below MAX_MSG_BYTES so a reply always fits.
 MAX_BATCH_BYTES = 128 * MiB
+#: Most samples in a batch of named fields of which one declares no ``max_bytes`` (its size is known
+#: only once read): a bound before the read, as MAX_BATCH_BYTES is for every other batch.
+MAX_UNDECLARED_BATCH = 1 << 16
 
 #: Per session: most requests a service works on at once (a loader keeps ``inflight`` ≤ this).
 SESSION_INFLIGHT = 64

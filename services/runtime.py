@@ -22,6 +22,7 @@ from libbus.security.auth import (
     SigningKey,
     VerifyKey,
     ensure_secret,
+    generate_signing_key,
     issue_token,
     load_secret,
     load_signing_key,
@@ -178,11 +179,21 @@ def secret(settings: Settings, create: bool = False) -> bytes:
 
 
 def verify_key(settings: Settings, create: bool = False) -> VerifyKey:
-    """What this node checks tokens with: the HS256 secret (the router creates it on first start
-    with ``create``), or in EdDSA mode the public key (derived from the signing key where only
-    that is present). Raises :class:`ConfigError` naming the missing file."""
+    """What this node checks tokens with: in EdDSA mode (the default set-up) the public key (derived
+    from the signing key where only that is present; with ``create``, the router's first start, a new
+    key pair when neither exists: the signing key stays on this machine, the public key goes to every
+    node), or the HS256 secret (made with ``create`` if missing). Raises :class:`ConfigError` naming
+    the missing file."""
     if settings.token_alg == "HS256":
         return secret(settings, create)
+    if create and not os.path.exists(settings.public_key_file) and not os.path.exists(settings.signing_key_file):
+        key_path, pub_path = generate_signing_key(settings.signing_key_file, settings.public_key_file)
+        log.warning(
+            "made the cluster's token signing key %s (keep it on this machine: it mints every role) and its "
+            "public key %s (copy it to every node; 'busctl token node' gives a node its key and token)",
+            key_path,
+            pub_path,
+        )
     if not os.path.exists(settings.public_key_file) and os.path.exists(settings.signing_key_file):
         return load_signing_key(settings.signing_key_file).public_key()
     return load_token_public_key(settings.public_key_file)
@@ -195,8 +206,9 @@ def signing_key(settings: Settings) -> SigningKey:
     if not os.path.exists(settings.signing_key_file):
         raise ConfigError(
             f"token_alg is EdDSA and this node has no signing key ({settings.signing_key_file} "
-            "does not exist): pass a token minted on the administrator's machine "
-            "('busctl token issue') with --token or BATCHBUS_TOKEN, or set signing_key_file"
+            "does not exist): give it a token minted on the administrator's machine ('busctl token node' "
+            "or 'busctl token issue') with BATCHBUS_TOKEN_FILE, token_file or --token; only the "
+            "administrator's machine holds the signing key (the router makes it on its first start)"
         )
     return load_signing_key(settings.signing_key_file)
 

@@ -196,6 +196,7 @@ class Ring:
         layout.check()
         segment = Segment.attach(name, shm_dir)
         try:
+            segment.check_size()  # shrunk since it was mapped: reading the header would be SIGBUS
             if segment.size < HEADER.size:
                 raise ShmError(f"{name}: {segment.size} bytes is too small for a ring header")
             magic, version, slots, slot_bytes, label_offset, _, _ = HEADER.unpack_from(segment.mapping(), 0)
@@ -226,10 +227,14 @@ class Ring:
         return self._table[2 * slot + 1]
 
     def _check_slot(self, slot: int) -> None:
+        """Before any access to the ring's memory: open, ``slot`` in range, and (an attacher) the
+        file not shrunk under the mapping (:meth:`Segment.check_size`: the table and the slot would
+        be SIGBUS)."""
         if self._closed:
             raise ShmError(f"ring {self.name} is closed")
         if not 0 <= slot < self.layout.slots:
             raise ShmError(f"slot {slot} outside ring {self.name} of {self.layout.slots} slots")
+        self.segment.check_size()
 
     def _expect(self, slot: int, seq: int | None, *states: SlotState) -> None:
         self._check_slot(slot)
@@ -279,11 +284,11 @@ class Ring:
     # -- data -------------------------------------------------------------------------------------
     def views(self, slot: int, x_shape: tuple, x_dtype, y_shape: tuple, y_dtype) -> tuple[np.ndarray, np.ndarray]:
         """Numpy arrays over ``slot``'s data and label areas. Raises :class:`ShmError` if they do not fit."""
+        self._check_slot(slot)
         key = (slot, x_shape, x_dtype, y_shape, y_dtype)
         cached = self._views.get(key)
         if cached is not None:
             return cached
-        self._check_slot(slot)
         if self.segment.buf is None:
             raise ShmError(f"ring {self.name} is closed")
         x_dtype, y_dtype = np.dtype(x_dtype), np.dtype(y_dtype)

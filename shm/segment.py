@@ -12,6 +12,11 @@ allocates the pages up front (``posix_fallocate``, which also turns a full ``/de
 error here rather than a SIGBUS on some later write) and maps them present (``MAP_POPULATE``), and
 an attacher maps a segment's pages in with :meth:`Segment.populate` once it has checked the segment
 (only pages that exist: it never allocates on behalf of whoever created the file).
+
+A file shrunk under a mapping (``ftruncate`` by anyone who can write it: the trainer's own user) turns
+every access past its new end into SIGBUS, which kills the process. So an attacher keeps the file open
+and :meth:`Segment.check_size` compares its size (``fstat``) with the mapping before the memory is
+touched: the provider calls it before each access to a ring (:mod:`.ring`), and refuses a shrunk one.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ class Segment:
     alive, so :meth:`close` never unmaps memory that a tensor still points into.
     """
 
-    def __init__(self, name: str, path: Path, buf: mmap.mmap, owner: bool, allocated: bool = True):
+    def __init__(
+        self, name: str, path: Path, buf: mmap.mmap, owner: bool, allocated: bool = True, fd: int | None = None
+    ):
         self.name = name
         self.path = path
         self.buf: mmap.mmap | None = buf
@@ -51,6 +58,8 @@ class Segment:
         self.owner = owner
         #: Every page of the file exists (``st_blocks`` covers its size): populating maps, never allocates.
         self.allocated = allocated
+        #: An attacher's open file, for :meth:`check_size` (``None`` for the creator, or once closed).
+        self._fd = fd
 
     @classmethod
     def create(cls, name: str, size: int, shm_dir: Path = SHM_DIR) -> Segment:
@@ -100,9 +109,25 @@ class Segment:
             if st.st_size == 0:
                 raise ShmError(f"{path} is empty")
             buf = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(name, path, buf, owner=False, allocated=st.st_blocks * 512 >= st.st_size)
+            raise
+        return cls(name, path, buf, owner=False, allocated=st.st_blocks * 512 >= st.st_size, fd=fd)
+
+    def check_size(self) -> None:
+        """Raise :class:`ShmError` unless the attached file still covers the whole mapping (a
+        segment its creator or another process of its user shrank: touching the lost part would
+        kill this process with SIGBUS). A no-op for the creator."""
+        if self._fd is None:
+            if self.buf is None:
+                raise ShmError(f"shared memory {self.name} is closed")
+            return
+        size = os.fstat(self._fd).st_size
+        if size < self.size:
+            raise ShmError(
+                f"{self.path} was shrunk to {size} bytes after it was attached ({self.size} mapped); "
+                "nothing more is written into it"
+            )
 
     def mapping(self) -> mmap.mmap:
         """The live mapping. Raises :class:`ShmError` once the segment is closed."""
@@ -126,6 +151,9 @@ class Segment:
     def close(self) -> None:
         """Unmap, unless views are alive: then the mapping goes when the last view does."""
         buf, self.buf = self.buf, None
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
         if buf is None:
             return
         try:

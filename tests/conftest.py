@@ -162,6 +162,24 @@ def trainer(make_settings, router, state_dir):
     assert not thread.is_alive(), "trainer did not stop within 15 s"
 
 
+@pytest.fixture
+def entry_trainer(make_settings, router):
+    """A trainer service (on its own thread) whose operator allows the tests' entrypoints
+    (tests/support/entrypoints.py): each attempt runs in a child process of this test's process."""
+    from services.trainer.app import TrainerService
+
+    service = TrainerService(
+        make_settings(router=router.endpoint, name="trainer-entry", job_modules=["tests.support.entrypoints"])
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
+    thread.start()
+    yield service
+    stop.set()
+    thread.join(30)
+    assert not thread.is_alive(), "trainer did not stop within 30 s"
+
+
 @pytest.fixture(scope="module")
 def train_digests(cluster):
     """The multiset of every train sample's digest, read straight from the provider of the module's

@@ -37,7 +37,7 @@ def test_bad_settings_name_their_source(tmp_path, content, env, words):
 @pytest.mark.parametrize(
     "args, env, words",
     [
-        (["jobs"], {}, "secret file"),
+        (["jobs"], {}, "no signing key"),
         (["submit", "--epochs", "2"], {}, "--dataset"),
         (["start", "provider"], {}, "needs at least one --dataset"),
         (["token", "issue", "--role", "god"], {}, "unknown role"),

@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.support.jobs import final_weights
-from tests.test_entrypoints import EntryCluster
+from tests.support.jobs import EntryCluster, final_weights
 
 GANG = {
     "dataset": "mnist",

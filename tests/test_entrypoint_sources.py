@@ -4,8 +4,6 @@ submitter's scope) as ``job.initial_model()`` — and for a built-in job, its fi
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -28,26 +26,11 @@ def ids(start_provider, tmp_path_factory):
     return start_provider(f"ids=file://{d}", "other=mock://mnist?n=100")
 
 
-@pytest.fixture
-def trainer(make_settings, router):
-    from services.trainer.app import TrainerService
-
-    service = TrainerService(
-        make_settings(router=router.endpoint, name="trainer-src", job_modules=["tests.support.entrypoints"])
-    )
-    stop = threading.Event()
-    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
-    thread.start()
-    yield service
-    stop.set()
-    thread.join(30)
-
-
 def _model(admin, job: str) -> dict[str, torch.Tensor]:
     return load_safetensors(bytes(admin.request(GetModel(job=job)).frames[0]))
 
 
-def test_train_range_reads_its_records_once_per_epoch_and_none_outside(router, ids, trainer, client_for):
+def test_train_range_reads_its_records_once_per_epoch_and_none_outside(router, ids, entry_trainer, client_for):
     admin = client_for(router.endpoint, role="admin")
     spec = {
         "dataset": "ids",
@@ -64,7 +47,7 @@ def test_train_range_reads_its_records_once_per_epoch_and_none_outside(router, i
     assert seen["epoch0"].tolist() != seen["epoch1"].tolist()  # shuffled anew each epoch
 
 
-def test_a_job_starts_from_another_jobs_model_within_its_scope(router, ids, trainer, client_for, make_token):
+def test_a_job_starts_from_another_jobs_model_within_its_scope(router, ids, entry_trainer, client_for, make_token):
     admin = client_for(router.endpoint, role="admin")
     base = {"dataset": "ids", "entrypoint": "tests.support.entrypoints:constant", "evaluate": False}
     first = wait_job(admin, admin.request(SubmitJob(spec={**base, "params": {"value": 2.0}})).job, timeout=120)
@@ -78,7 +61,7 @@ def test_a_job_starts_from_another_jobs_model_within_its_scope(router, ids, trai
         scoped.request(SubmitJob(spec={**base, "dataset": "other", "model_from": first["id"]}))
 
 
-def test_a_built_in_job_starts_from_another_jobs_weights(router, ids, trainer, client_for):
+def test_a_built_in_job_starts_from_another_jobs_weights(router, ids, entry_trainer, client_for):
     admin = client_for(router.endpoint, role="admin")
     base = {
         "dataset": "other",

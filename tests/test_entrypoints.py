@@ -11,15 +11,12 @@ allow is refused naming the setting, and nothing is imported.
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from tests.support.busctl import REPO
-from tests.support.jobs import JobCluster, final_weights
+from tests.support.jobs import EntryCluster, final_weights
 from tests.support.memcg import memory_cgroup
 
 #: mock://mnist?n=600 has 600 train samples: 38 steps of 16 an epoch; checkpoints every 10 steps and at each report
@@ -34,30 +31,6 @@ JOB = {
     "checkpoint_every": 10,
     "max_attempts": 5,
 }
-
-
-class EntryCluster(JobCluster):
-    def __init__(self, state):
-        super().__init__(state)
-        self.env.update(
-            BATCHBUS_LEASE_S="20",
-            BATCHBUS_HEARTBEAT_LIVENESS="24",
-            PYTHONPATH=str(REPO),
-            BATCHBUS_JOB_MODULES="tests.support.entrypoints",
-            BATCHBUS_ATTEMPT_SILENCE_S="6",
-            BATCHBUS_STOP_GRACE_S="10",
-        )
-
-    def start_killed_at(self, name: str, point: str, nth: int = 1) -> subprocess.Popen:
-        with open(self.state / f"{name}.log", "a") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.killpoint", point, str(nth), "--", "start", "trainer", "--name", name],
-                env=self.env,
-                cwd=REPO,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        return self.adopt(name, proc)
 
 
 @pytest.fixture(scope="module")

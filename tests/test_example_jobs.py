@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from tests.test_entrypoints import EntryCluster
+from tests.support.jobs import EntryCluster
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,8 @@ def test_silent_peer_is_dropped_and_its_stats_were_carried(router, make_token):
     assert link.wait_connected(5)
     time.sleep(0.3)
     admin_stats = router.service.handler.on_Stats(None, Stats()).services
-    assert admin_stats["beat"] == {"role": "trainer", "queue": 3}
+    row = admin_stats["test"]  # keyed by the token's subject; Hello.name is a label in the row
+    assert {k: row[k] for k in ("role", "queue", "name")} == {"role": "trainer", "queue": 3, "name": "beat"}
     link.close()
     deadline = time.monotonic() + 5
     while any(p.name == "beat" for p in router.service.handler.peers.values()):

@@ -14,7 +14,7 @@ from libbus.errors import BadRequest
 from libbus.wire.messages import ControlJob, GetJob, GetStudy, ListJobs, Model, StopStudy, SubmitJob, SubmitStudy
 from services.models import build_model, evaluate
 from services.provider.sources import open_source
-from tests.support import Cluster, wait_job
+from tests.support import Cluster, wait_job, wait_study
 
 BASE = {
     "dataset": "mnist",
@@ -25,16 +25,6 @@ BASE = {
     "evaluate": False,
     "optimizer": "sgd",
 }
-
-
-def wait_study(admin, study: str, timeout: float = 90) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = admin.request(GetStudy(study=study)).study
-        if info["state"] != "running" and all(t["state"] not in ("running", "pruning") for t in info["trials"]):
-            return info
-        assert time.monotonic() < deadline, f"study {study} stuck: {info['trials']}"
-        time.sleep(0.2)
 
 
 def test_study_runs_trials_as_jobs_and_names_the_best(router, provider, trainer, client_for):

@@ -175,6 +175,7 @@ def test_secret_is_shared():
     for role in UNITS:
         creds = service(role)["LoadCredential"]
         assert "secret:batchbus.secret" in creds
+        assert "token.pub:batchbus.token.pub" in creds  # the default set-up: nodes verify with the public key
         assert any(
             c.endswith(".key_secret") and c.split(":")[0].removesuffix(".key_secret") in ("router", f"{role}-%i")
             for c in creds

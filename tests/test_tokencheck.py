@@ -36,7 +36,7 @@ def test_a_connection_verifies_its_token_once(router, client_for, make_token):
 
 
 def test_a_kept_token_expires_on_time(secret):
-    """Kept at the handshake (times are Hello's), refused at Hello once past ``exp`` and the leeway."""
+    """Kept at the handshake, refused at Hello and at the handshake once past ``exp`` and the leeway."""
     check = _check(secret)
     token = _raw(secret, exp=int(time.time()) - LEEWAY_S + 1)
     assert check.hello(token).sub == "t"  # within the leeway: accepted, and kept
@@ -49,7 +49,8 @@ def test_a_kept_token_expires_on_time(secret):
         time.sleep(0.1)
     else:
         pytest.fail("a kept token was still accepted after it expired")
-    assert check.handshake(token) == "t"  # membership is still proven: the client renews on AUTH_EXPIRED
+    with pytest.raises(AuthExpired):  # and at the handshake: an expired token proves nothing (issue 30, 13)
+        check.handshake(token)
     assert check.verifications == 1
 
 

@@ -24,6 +24,7 @@ import zmq
 from libbus.constants import HELLO_TIMEOUT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S, VERSION
 from libbus.errors import AuthExpired, AuthInvalid, AuthRequired, BusError, ConfigError, PeerTimeout, error_from_code
 from libbus.security.admission import admit_client
+from libbus.security.auth import LEEWAY_S, inspect_token
 from libbus.security.curve import CurveKeys, secure_client
 from libbus.wire.frames import Request, WrongVersion
 from libbus.wire.messages import Error, Goodbye, Heartbeat, Hello, Message, Welcome, decode, request_id_of
@@ -106,6 +107,7 @@ class Client:
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._socket_token: str | None = None
+        self._presented = ""  # the token of this socket's handshake (to say why it was refused)
         self._next_id = 0
         self._poller = zmq.Poller()
 
@@ -119,7 +121,7 @@ class Client:
             elif self.identity.handshake:
                 try:
                     # minted once for the handshake and the socket's first Hello
-                    self._socket_token = self.identity.current_token()
+                    self._socket_token = self._presented = self.identity.current_token()
                     admit_client(self._sock, self._socket_token)
                 except BaseException:
                     self._sock.close(0)
@@ -156,10 +158,17 @@ class Client:
             self._monitor = None
 
     def _check_refused(self) -> bool:
-        """Raise :class:`AuthInvalid` when the server refused our handshake (returns False otherwise)."""
+        """Raise :class:`AuthExpired` (our token had expired) or :class:`AuthInvalid` when the server
+        refused our handshake (returns False otherwise)."""
         if not self.handshake_refused():
             return False
+        expired = self.handshake_expired()
         self.reset()
+        if expired:
+            raise AuthExpired(
+                f"{self.endpoint} refused this connection at the handshake: its token expired; "
+                "issue a new one with 'busctl token issue'"
+            )
         raise AuthInvalid(
             f"{self.endpoint} refused this connection at the handshake: it does not accept its "
             + ("CURVE key" if self.identity.curve else "token")
@@ -193,7 +202,23 @@ class Client:
         self.close()
 
     def hello(self, timeout_s: float | None = None) -> Welcome:
-        """Open a session; raises the server's auth error, or :class:`PeerTimeout`."""
+        """Open a session; raises the server's auth error, or :class:`PeerTimeout`.
+
+        A socket's handshake carries the token minted when the socket was made, and libzmq presents
+        it again on every reconnection: once it has expired the server refuses it there. An identity
+        that mints its tokens then says Hello once more, on a fresh socket with a fresh token."""
+        try:
+            return self._hello(timeout_s)
+        except AuthExpired:
+            if not callable(self.identity.token):
+                raise
+            return self._hello(timeout_s)
+
+    def handshake_expired(self) -> bool:
+        """Whether this socket's handshake presented a token that has expired (no CURVE)."""
+        return self.identity.curve is None and _expired(self._presented)
+
+    def _hello(self, timeout_s: float | None) -> Welcome:
         timeout_s = HELLO_TIMEOUT_S if timeout_s is None else timeout_s
         _ = self.socket
         token, self._socket_token = self._socket_token, None
@@ -349,6 +374,16 @@ class Client:
                 self.session = None
                 continue
             return answer  # a Request's reply type, by the protocol (the overloads above say so)
+
+
+def _expired(token: str) -> bool:
+    """Whether ``token`` is past its ``exp`` and the servers' leeway (read unverified: only to say
+    why a server refused it; the server decided)."""
+    try:
+        exp = inspect_token(token)[1].get("exp")
+    except AuthInvalid:
+        return False
+    return isinstance(exp, (int, float)) and exp <= time.time() - LEEWAY_S
 
 
 def connect(endpoint: str, identity: Identity, **kw) -> Client:

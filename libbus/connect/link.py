@@ -182,8 +182,14 @@ class Link:
         except PeerTimeout:
             log.warning("router send queue full; %s dropped", msg.type)
 
+    def _renewable(self) -> bool:
+        """The handshake was refused for the token minted with this socket, now expired (libzmq
+        presents it again at every reconnection): a service that mints its tokens starts over on a
+        fresh socket with a fresh one."""
+        return callable(self.client.identity.token) and self.client.handshake_expired()
+
     def _send_hello(self) -> None:
-        if self._hello_sent and self.client.handshake_refused():
+        if self._hello_sent and self.client.handshake_refused() and not self._renewable():
             # The router's handshake refused our token (wrong secret, another cluster, revoked):
             # as fatal as an AUTH_INVALID reply to Hello.
             self.fatal = AuthInvalid(

@@ -210,9 +210,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             if token is None:
                 if not conn.token:
                     raise ConfigError(
-                        "RemoteLoader needs a trainer token: pass token=, or set BATCHBUS_TOKEN_FILE (or "
+                        "RemoteLoader needs a token: pass token=, or set BATCHBUS_TOKEN_FILE (or "
                         "BATCHBUS_TOKEN, or token_file in the config file BATCHBUS_CONFIG names); "
-                        "'busctl token issue --role trainer' makes one"
+                        "'busctl token issue --role reader --dataset NAME' makes one"
                     )
                 token = conn.token
         if router is not None and resolver is not None:
@@ -261,7 +261,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             name=name or f"loader-{socket.gethostname()}-{os.getpid()}",
             token=token,
             host_id=host_id or machine_id(),
-            caps={"loader": True},  # many processes may share a trainer token's loader sessions
+            caps={"loader": True},  # many processes may share a reader (or trainer) token's loader sessions
             curve=curve,
             router_key=router_key,
         )

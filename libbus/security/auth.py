@@ -1,11 +1,12 @@
 """JWT tokens (PyJWT) and the roles and scopes they grant.
 
-Two algorithms, one per cluster: ``HS256`` with a shared secret file (every node can mint), or
-``EdDSA`` (Ed25519) where only the administrator holds the signing key and nodes hold the public
-key. Verification pins the cluster's one algorithm, so ``alg: none``, a token of the other
+Two algorithms, one per cluster: ``EdDSA`` (Ed25519, the default set-up) where only the administrator
+holds the signing key and nodes hold the public key and their own role-limited token, so no node can
+mint a token beyond its role; or ``HS256`` with a shared secret file, with which every node holding it
+mints tokens of any role (for a single trusted machine, chosen explicitly). Verification pins the cluster's one algorithm, so ``alg: none``, a token of the other
 algorithm, and algorithm confusion (HS256 "signed" with the public key as secret) are refused.
 
-Claims: ``sub`` (who), ``role`` (provider | trainer | admin), ``aud`` (the cluster), ``iss`` (the
+Claims: ``sub`` (who), ``role`` (provider | trainer | reader | admin: :data:`ROLES`), ``aud`` (the cluster), ``iss`` (the
 issuer, by default the cluster), ``iat``, ``nbf``, ``exp``, ``jti``; optional scopes ``datasets``
 and ``jobs`` (lists of names/ids). No scope claim means unrestricted; ``[]`` means nothing.
 """
@@ -40,10 +41,15 @@ __all__ = [
     "generate_signing_key",
     "load_signing_key",
     "load_token_public_key",
+    "public_key_pem",
+    "write_private",
     "private_dir",
 ]
 
-ROLES = ("provider", "trainer", "admin")
+#: provider: serves datasets; trainer: a trainer service (takes jobs, reports progress, pushes results,
+#: and reads data for them); reader: a script's loader (reads the train/val data of its datasets and
+#: nothing else: never a job, a report or a result); admin: submits, controls and inspects.
+ROLES = ("provider", "trainer", "reader", "admin")
 #: The algorithms a cluster may choose (``token_alg``); verification accepts exactly one.
 ALGORITHMS = ("HS256", "EdDSA")
 ALGORITHM = "HS256"
@@ -297,23 +303,40 @@ def ensure_secret(path: str | os.PathLike) -> bytes:
 # -- EdDSA keys --------------------------------------------------------------------------------
 
 
-def generate_signing_key(path: str | os.PathLike) -> tuple[Path, Path]:
-    """Write a new Ed25519 signing key (PEM, mode 0600) to ``path`` and its public key to ``path.pub``.
+def generate_signing_key(path: str | os.PathLike, public_path: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """Write a new Ed25519 signing key (PEM, mode 0600) to ``path`` and its public key to
+    ``public_path`` (default ``path.pub``).
 
     Returns both paths. Raises :class:`ConfigError` if ``path`` exists (a key is never overwritten).
     """
     p = Path(path)
-    pub = p.with_name(p.name + ".pub")
+    pub = Path(public_path) if public_path is not None else p.with_name(p.name + ".pub")
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     if not _create_private(p, pem):
         raise ConfigError(
             f"signing key {p} already exists; remove it first to replace it (every token it signed stops working)"
         )
-    pub.write_bytes(
-        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    )
+    private_dir(pub.parent)
+    pub.write_bytes(public_key_pem(key))
     return p, pub
+
+
+def public_key_pem(key: Ed25519PrivateKey) -> bytes:
+    """The PEM of ``key``'s public half: what every node verifies tokens with (``public_key_file``)."""
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def write_private(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` (mode 0600 whatever the umask, its directory made 0700 if missing),
+    replacing what was there whole: a token given to a node, renewed in place."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    if not _create_private(tmp, data):
+        raise ConfigError(f"{tmp} appeared while writing it; is another busctl writing {p}?")
+    os.replace(tmp, p)
+    return p
 
 
 def _read_pem(path: str | os.PathLike, what: str, hint: str) -> bytes:

@@ -5,7 +5,12 @@ in ``Hello`` (times too). Each PyJWT verification costs about 0.1 ms; at a thous
 at once that doubled the router's work per connection. :class:`TokenCheck` keeps the claims of the
 tokens it verified, keyed by the token's exact text, so the second check (and every reconnection
 with the same token) is a look-up plus the checks that depend on the time (``exp``, ``nbf``) and on
-revocation, which run at every call. Only accepted tokens are kept: a forged or altered token is
+revocation, which run at every call.
+
+Expiry is checked at both: a token past its ``exp`` (plus :data:`~libbus.security.auth.LEEWAY_S` of
+clock skew) proves nothing, so the handshake refuses it before libzmq reads a frame from that
+connection. A revoked token leaves the revocation list once it expires (nothing else would bound the
+list), so this is also what keeps a revoked token out after that. Only accepted tokens are kept: a forged or altered token is
 verified (and refused) every time, as before, and cannot reach a kept entry without being that
 exact text. At most :data:`KEEP` tokens are kept, the oldest forgotten first.
 """
@@ -53,8 +58,7 @@ class TokenCheck:
         within its times and not revoked; else :class:`AuthExpired` or :class:`AuthInvalid`."""
         claims = self._claims(token)
         now = time.time()
-        if claims.exp <= now - LEEWAY_S:  # verify_token's rule (PyJWT's) and message
-            raise AuthExpired("token expired; issue a new one with 'busctl token issue'")
+        _check_expiry(claims, now)
         if claims.nbf is not None and claims.nbf > now + LEEWAY_S:
             raise AuthInvalid(
                 f"token is not valid yet (its nbf is {claims.nbf - now:.0f} s ahead of this node's clock); "
@@ -64,10 +68,13 @@ class TokenCheck:
         return claims
 
     def handshake(self, token: str) -> str:
-        """The handshake's check: a token this cluster signed and did not revoke. Its times are
-        left to ``Hello`` (an expired token still proves membership, and its Hello gets the
-        AUTH_EXPIRED a client renews its token on). Returns the subject."""
+        """The handshake's check: a token this cluster signed, not expired (the same
+        :data:`LEEWAY_S` as ``Hello``) and not revoked. ``nbf`` is left to ``Hello`` (a token not
+        yet valid still proves membership, and its Hello says which clock is off). A client
+        renews its token on the ``AUTH_EXPIRED`` of a request or a ``Hello`` over its open
+        connection, which this check never sees again. Returns the subject."""
         claims = self._claims(token)
+        _check_expiry(claims, time.time())
         self._check_revoked(claims)
         return claims.sub
 
@@ -93,3 +100,10 @@ class TokenCheck:
                 del self._verified[next(iter(self._verified))]
             self._verified[token] = claims
         return claims
+
+
+def _check_expiry(claims: Claims, now: float) -> None:
+    """Refuse (:class:`AuthExpired`) a token past ``exp`` + :data:`LEEWAY_S` (verify_token's rule,
+    PyJWT's, and its message)."""
+    if claims.exp <= now - LEEWAY_S:
+        raise AuthExpired("token expired; issue a new one with 'busctl token issue'")

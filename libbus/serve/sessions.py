@@ -110,13 +110,13 @@ class Session:
 
     @property
     def loader(self) -> bool:
-        """A data-plane loader (a trainer token's ``RemoteLoader``, ``Hello.caps.loader``): it only
-        reads data, so the ranks of one script, or several scripts, may hold one subject at once."""
-        return self.claims.role == "trainer" and self.hello.caps.get("loader") is True
+        """A data-plane loader (a reader or trainer token's ``RemoteLoader``, ``Hello.caps.loader``): it
+        only reads data, so the ranks of one script, or several scripts, may hold one subject at once."""
+        return self.claims.role in ("trainer", "reader") and self.hello.caps.get("loader") is True
 
     @property
     def kind(self) -> str:
-        """What the session is for: its role, or ``"loader"`` for a loader's trainer-token session
+        """What the session is for: its role, or ``"loader"`` for a loader's reader- or trainer-token session
         (a trainer *service* is what takes jobs, leases and commands; a loader is not)."""
         return "loader" if self.loader else self.claims.role
 

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from libbus.constants import MAX_BATCH_BYTES
+from libbus.constants import MAX_BATCH_BYTES, MAX_UNDECLARED_BATCH
 from libbus.errors import BadRequest, BusError, ShmError, TooLarge
 from libbus.serve.metrics import LatencyHistogram
 from libbus.wire.fields import Field, FieldBatch, encode_frames, pack_slot
@@ -32,7 +32,46 @@ from shm import Ring
 
 from .sources import Source
 
-__all__ = ["BatchCounters", "Destination", "Frames", "Slot", "write_batch"]
+__all__ = ["BatchCounters", "Destination", "Frames", "Slot", "check_batch_size", "write_batch"]
+
+#: Bytes of a variable field's index per sample beyond its shape dims: its offset (int64).
+_INDEX_BYTES = 8
+
+
+def _sample_bound(fields: list[Field]) -> int:
+    """The most bytes one sample of ``fields`` can take in a batch: a fixed field's exact size, a
+    variable field's declared ``max_bytes`` plus its index (offset and shape), and for a variable
+    field that declares no maximum, its index only (the least it can take)."""
+    total = 0
+    for f in fields:
+        if f.variable:
+            total += f.max_bytes + _INDEX_BYTES * (1 + f.ndim)
+        else:
+            total += f.sample_nbytes
+    return total
+
+
+def check_batch_size(source: Source, fields: list[Field] | None, n: int) -> None:
+    """Refuse (:class:`TooLarge`) a batch of ``n`` samples that would, or could, pass the batch limit,
+    before anything is read: an x/y batch by its exact size, a batch of named fields by the most its
+    fields declare (so the same request is refused or not whatever samples it names). A field that
+    declares no maximum counts by its index alone, and such a batch holds at most
+    :data:`MAX_UNDECLARED_BATCH` samples (its bytes are bounded again once encoded)."""
+    if fields is None:
+        per_sample, what = source.x_nbytes + source.y_nbytes, "bytes"
+    else:
+        per_sample, what = _sample_bound(fields), "bytes at most (the fields' declared maxima)"
+        undeclared = [f.name for f in fields if f.variable and not f.max_bytes]
+        if undeclared and n > MAX_UNDECLARED_BATCH:
+            raise TooLarge(
+                f"{n} samples: field(s) {', '.join(undeclared)} declare no max_bytes, so a batch holds at "
+                f"most {MAX_UNDECLARED_BATCH} samples (the dataset's operator can declare max_bytes)"
+            )
+    if n * per_sample > MAX_BATCH_BYTES:
+        raise TooLarge(
+            f"{n} samples of {per_sample} {what} exceed the {MAX_BATCH_BYTES} byte batch limit; "
+            f"ask for at most {MAX_BATCH_BYTES // max(per_sample, 1)} samples per batch"
+        )
 
 
 class BatchCounters:

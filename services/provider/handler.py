@@ -12,7 +12,7 @@ from functools import partial
 
 import orjson
 
-from libbus.constants import EVAL_TIMEOUT_S, MAX_BATCH_BYTES, MAX_FRAMES
+from libbus.constants import EVAL_TIMEOUT_S, MAX_FRAMES
 from libbus.errors import (
     BadRequest,
     BusError,
@@ -21,7 +21,6 @@ from libbus.errors import (
     NotFound,
     ShmError,
     SplitPrivate,
-    TooLarge,
     Unavailable,
 )
 from libbus.serve.handler import serves
@@ -45,7 +44,7 @@ from libbus.wire.messages import (
 from libbus.wire.sockets import frame_len
 from shm import Ring, RingLayout
 
-from .destination import BatchCounters, Destination, Frames, Slot, write_batch
+from .destination import BatchCounters, Destination, Frames, Slot, check_batch_size, write_batch
 from .evalgate import Bound, EvalGate, check_model_spec
 from .fillers import Fillers
 from .release import EXACT, Release
@@ -88,6 +87,9 @@ def check_servable(dataset: str, source: Source) -> None:
 log = logging.getLogger(__name__)
 
 READERS = ("trainer", "admin")
+#: Who may read batches: a reader token's loader too (a script's token: its datasets, no jobs, no
+#: evaluations; libbus/security/auth.py ROLES).
+BATCH_READERS = ("trainer", "reader", "admin")
 #: How often the provider looks for rings their trainers have removed.
 RING_CHECK_S = 1.0
 #: How long a request from a trainer not (yet) assigned to a job on its dataset waits for the
@@ -231,9 +233,9 @@ class ProviderHandler(Handler):
             )
 
     def entitled(self, session: Session, msg: Message) -> bool:
-        """Whether the router has entitled this peer to what ``msg`` reads: admins always; a trainer
-        when it runs a job on the dataset, or its token names datasets explicitly (the
-        administrator granted them: scripts using RemoteLoader), or ``assigned_only`` is off."""
+        """Whether the router has entitled this peer to what ``msg`` reads: admins and readers always
+        (a reader's grant is its token's ``datasets`` scope, checked before); a trainer when it runs a
+        job on the dataset, or its token names datasets explicitly, or ``assigned_only`` is off."""
         if session.role != "trainer" or not self.assigned_only or "datasets" in session.claims.scopes:
             return True
         sub = session.claims.sub
@@ -294,7 +296,7 @@ class ProviderHandler(Handler):
         """Answer an admitted, entitled request (its :func:`serves` method)."""
         return self.dispatch(session, msg)
 
-    @serves(DatasetInfoRequest, *READERS)
+    @serves(DatasetInfoRequest, *BATCH_READERS)
     def on_DatasetInfoRequest(self, session: Session, msg: DatasetInfoRequest) -> DatasetInfo:
         self.source(msg.dataset)
         return DatasetInfo(
@@ -320,7 +322,7 @@ class ProviderHandler(Handler):
         log.info("%s: %s %s/%s %s", session.name, msg.command, detail["dataset"], msg.stage, msg.args)
         return Ok(detail=detail)
 
-    @serves(AttachRing, *READERS)
+    @serves(AttachRing, *BATCH_READERS)
     def attach_ring(self, session: Session, msg: AttachRing) -> RingAttached:
         """Map the session's trainer's ring, after checking it is this host's, private and sane."""
         if not self.shm:
@@ -359,7 +361,7 @@ class ProviderHandler(Handler):
         )
         return RingAttached(name=msg.name)
 
-    @serves(BatchRequest, *READERS)
+    @serves(BatchRequest, *BATCH_READERS)
     def batch(self, session: Session, msg: BatchRequest) -> BatchResponse | Future:
         """Check ``msg`` and begin its destination (a stale ring slot is refused here, on the loop),
         then write the batch there on the filler its source's read policy names: the reply, or a
@@ -377,12 +379,7 @@ class ProviderHandler(Handler):
             )
         indices = msg.indices(source.num_samples(msg.split))
         fields = None if self.xy[msg.dataset] else self.fields[msg.dataset]
-        if fields is None:  # an x/y batch is bounded before it is read (named fields: once encoded)
-            sample_nbytes = source.x_nbytes + source.y_nbytes  # (Source.sample_nbytes rebuilds its fields)
-            if len(indices) * sample_nbytes > MAX_BATCH_BYTES:
-                raise TooLarge(
-                    f"{len(indices)} samples of {sample_nbytes} bytes exceed the {MAX_BATCH_BYTES} byte batch limit"
-                )
+        check_batch_size(source, fields, len(indices))  # bounded before it is read, on the loop
         dest: Destination
         if msg.slot is None and msg.seq is None:
             dest = Frames(msg, self.counters)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import logging
 
-from libbus.errors import BadRequest, Internal, NotFound
+from libbus.errors import BadRequest, Forbidden, Internal, NotFound
 from libbus.jobs.spec import JobSpec, dataset_name
 from libbus.jobs.state import JobState
+from libbus.security.auth import Claims
 from libbus.serve.handler import serves
 from libbus.serve.server import Session
 from libbus.wire.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo, StudyList, SubmitStudy, Task
@@ -21,6 +22,7 @@ from .early_stop import EarlyStopping
 from .jobs import JobControl
 from .store import JobStore
 from .studies import Studies
+from .study_spec import StudySpec
 
 __all__ = ["Decisions", "UPLOAD"]
 
@@ -67,29 +69,36 @@ class Decisions:
     # -- studies ---------------------------------------------------------------------------------
     @serves(SubmitStudy, "admin")
     def on_SubmitStudy(self, session: Session, msg: SubmitStudy) -> StudyInfo:
-        base = msg.spec.get("base") if isinstance(msg.spec, dict) else None
-        if isinstance(base, dict) and isinstance(base.get("dataset"), str):
-            session.claims.check_dataset(dataset_name(base["dataset"]))
-        study = self.studies.submit(msg.spec, session.name)
+        spec = StudySpec.from_dict(msg.spec)  # checked first: the scope is read from the checked [base]
+        _check_study_scope(session.claims, spec.base)
+        study = self.studies.submit(msg.spec, session.subject)
         return StudyInfo(study=self.studies.show(study))
 
     @serves(ListStudies, "admin")
     def on_ListStudies(self, session: Session, msg: ListStudies) -> StudyList:
-        return StudyList(studies=self.studies.list())
+        # a scoped token sees the studies it could ask about one by one
+        return StudyList(studies=[s for s in self.studies.list() if _allows_study(session.claims, s["dataset"])])
 
     @serves(GetStudy, "admin")
     def on_GetStudy(self, session: Session, msg: GetStudy) -> StudyInfo:
-        return StudyInfo(study=self.studies.show(msg.study))
+        study = self.studies.show(msg.study)
+        _check_study_scope(session.claims, study["spec"]["base"])
+        return StudyInfo(study=study)
 
     @serves(StopStudy, "admin")
     def on_StopStudy(self, session: Session, msg: StopStudy) -> Ok:
-        return Ok(detail=self.studies.stop(msg.study, session.name))
+        _check_study_scope(session.claims, self.studies.show(msg.study)["spec"]["base"])
+        return Ok(detail=self.studies.stop(msg.study, session.subject))
 
     # -- evaluation tasks ------------------------------------------------------------------------
-    def evaluation_spec(self, spec: JobSpec, frames: list) -> JobSpec:
+    def evaluation_spec(self, spec: JobSpec, frames: list, claims: Claims) -> JobSpec:
         """Check a job's ``model_from`` before it is queued: a model uploaded with it, or a succeeded
         job whose model the router holds. An ``evaluate`` task scores it (and takes its architecture);
-        a training job starts from it (``job.initial_model()``; the built-in loop loads it)."""
+        a training job starts from it (``job.initial_model()``; the built-in loop loads it). Either
+        way a trainer receives that job's weights, so ``model_from`` passes the scope check
+        ``GetModel`` makes (``claims``, the submitter's token: its ``jobs`` scope, and its
+        ``datasets`` scope on the job's dataset): a dataset-limited admin cannot have another
+        dataset's model sent out."""
         if spec.task != "evaluate" and not spec.model_from:
             if frames:
                 raise BadRequest("a model comes with a submission only with model_from = 'upload'")
@@ -102,7 +111,9 @@ class Decisions:
             return spec
         if spec.model_from == UPLOAD:
             raise BadRequest("model_from = 'upload' but no model came with the submission")
+        claims.check_job(spec.model_from)
         source = self.store.get(spec.model_from, events=False)
+        claims.check_dataset(dataset_name(source["spec"]["dataset"]))
         if source["state"] != JobState.SUCCEEDED or not (source["result"] or {}).get("model", {}).get("router_path"):
             raise BadRequest(
                 f"job {spec.model_from} is {source['state']}; an evaluation task scores the model of "
@@ -140,3 +151,20 @@ class Decisions:
             self.store.finish(task.job, JobState.FAILED, f"the model it names is gone: {err}", error=str(err))
             raise
         return task
+
+
+def _allows_study(claims: Claims, dataset) -> bool:
+    """Whether a token may see or act on a study whose trials run on ``dataset``: its ``datasets``
+    scope covers it, and it has no ``jobs`` scope (a study's trials are jobs made after the token,
+    which no ``jobs`` scope can name)."""
+    return "jobs" not in claims.scopes and isinstance(dataset, str) and claims.allows_dataset(dataset_name(dataset))
+
+
+def _check_study_scope(claims: Claims, base: dict) -> None:
+    """Raise :class:`Forbidden` unless :func:`_allows_study`, naming the scope that refuses."""
+    if "jobs" in claims.scopes:
+        raise Forbidden(
+            "a token limited to jobs cannot submit or see studies: their trials are new jobs no jobs scope names"
+        )
+    dataset = base.get("dataset")
+    claims.check_dataset(dataset_name(dataset) if isinstance(dataset, str) else "")

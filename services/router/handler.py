@@ -8,6 +8,8 @@ UNAVAILABLE while the first one's session lives (a restarted service gets in onc
 expires). A loader's session (``Hello.caps.loader``, sent by ``RemoteLoader``) holds nothing that
 must have one holder: the ranks of one script, or several scripts, share one trainer token, and
 such a session may only resolve datasets (:data:`LOADER_REQUESTS`), never take jobs or commands.
+A ``reader`` token (what scripts are given) opens nothing but such sessions: it reads its datasets and
+can never act as a trainer service (no task, progress, checkpoint, acknowledgement or result).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
 from libbus.errors import BadRequest, Forbidden, NotFound, Unavailable
 from libbus.jobs.spec import JobSpec, dataset_name
 from libbus.jobs.state import REFUSED
+from libbus.security.auth import Claims
 from libbus.serve.handler import serves
 from libbus.serve.server import Handler, Session
 from libbus.wire.messages import (
@@ -64,10 +67,10 @@ from libbus.wire.schema import check_stored
 from .artifacts import Artifacts
 from .decisions import Decisions
 from .gangs import Gangs, world_size
-from .grants import Revocations, assignments
+from .grants import Revocations, assignments, check_revocable
 from .jobs import JobControl
 from .logs import JobOutput
-from .replies import fit_job, fit_list
+from .replies import fit_job, fit_list, fit_rows
 from .store import JobStore
 
 __all__ = ["RouterHandler"]
@@ -83,6 +86,8 @@ log = logging.getLogger(__name__)
 ADMIN = ("admin",)
 TRAINER = ("trainer",)
 TRAINER_OR_ADMIN = ("trainer", "admin")
+#: Who may resolve a dataset: a reader's loader too (a reader sends nothing else here).
+RESOLVERS = ("trainer", "reader", "admin")
 #: What a loader's session may ask the router (services/router/handler.py docstring).
 LOADER_REQUESTS = frozenset({"Resolve", "Stats"})
 
@@ -142,6 +147,11 @@ class RouterHandler(Decisions, Handler):
 
     # -- sessions -----------------------------------------------------------------------------
     def on_open(self, session: Session) -> None:
+        if session.role == "reader" and not session.loader:
+            raise Forbidden(
+                "a reader token opens loader sessions only (RemoteLoader says Hello with caps.loader); "
+                "a trainer service needs a trainer token (busctl token issue --role trainer)"
+            )
         if session.kind in ("trainer", "provider"):
             self._check_single_holder(session)
         if session.role == "provider":
@@ -252,7 +262,7 @@ class RouterHandler(Decisions, Handler):
         return self.dispatch(session, msg)
 
     # -- requests (each method marked with the message it serves and who may send it) ------------
-    @serves(Resolve, *TRAINER_OR_ADMIN)
+    @serves(Resolve, *RESOLVERS)
     def on_Resolve(self, session: Session, msg: Resolve) -> Resolved:
         name = dataset_name(msg.dataset)
         session.claims.check_dataset(name)
@@ -286,9 +296,8 @@ class RouterHandler(Decisions, Handler):
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
         spec = JobSpec.from_dict(msg.spec)
         session.claims.check_dataset(dataset_name(spec.dataset))
-        if spec.model_from and spec.model_from != "upload":  # another job's weights: within this token's scope
-            self._check_job_scope(session, spec.model_from)
-        spec = self.evaluation_spec(spec, msg.frames)  # an evaluate task's model (services/router/decisions.py)
+        # an evaluate task's model, within the submitter's scopes (services/router/decisions.py)
+        spec = self.evaluation_spec(spec, msg.frames, session.claims)
         job = self.store.submit(spec)
         if msg.frames:
             self.keep_upload(job, msg.frames)
@@ -432,15 +441,24 @@ class RouterHandler(Decisions, Handler):
 
     @serves(RevokeToken, *ADMIN)
     def on_RevokeToken(self, session: Session, msg: RevokeToken) -> Ok:
-        self.revocations.revoke(msg.jti, msg.exp, msg.reason or f"revoked by {session.subject}")
+        admin = session.claims
+        target = next((p.claims for p in self.peers.values() if p.claims.jti == msg.jti), None)
+        check_revocable(admin, target, msg.jti)  # services/router/grants.py: who may revoke what
+        # a scoped admin's revocation lasts as long as the token it saw (the only ones it may revoke)
+        exp = msg.exp if not admin.scopes else (admin if msg.jti == admin.jti else target or admin).exp
+        self.revocations.revoke(
+            msg.jti, exp, msg.reason or f"revoked by {session.subject}", by=session.subject, scoped=bool(admin.scopes)
+        )
         self.apply_revoked(self.revocations.jtis())
-        log.warning("token %s revoked by %s: %s", msg.jti, session.subject, msg.reason or "no reason given")
+        log.warning("token %s revoked by %s: %s", msg.jti, session.subject, msg.reason[:200] or "no reason given")
         self._push_entitlements()  # providers hear of it now, not at the next check
-        return Ok(detail={"jti": msg.jti, "until": msg.exp})
+        return Ok(detail={"jti": msg.jti, "until": exp})
 
     @serves(ListRevoked, *ADMIN)
     def on_ListRevoked(self, session: Session, msg: ListRevoked) -> RevokedList:
-        return RevokedList(revoked=self.revocations.active())
+        # a scoped admin sees the revocations it made; the list is cut to fit one reply, newest first
+        rows = self.revocations.active(by=session.subject if session.claims.scopes else None)
+        return RevokedList(revoked=fit_list(rows)[0])
 
     def entitlements(self) -> Entitlements:
         """Every dataset's assignments (each provider is sent those of its own datasets)."""
@@ -498,12 +516,46 @@ class RouterHandler(Decisions, Handler):
             self.push(provider.sid, Entitlements(revoked=mine[0], assigned=mine[1]))
 
     @serves(Stats, "admin", "trainer")
-    def on_Stats(self, session: Session, msg: Stats) -> StatsReply:
-        services = {"router": {"role": "router", **self.server_stats()}}
+    def on_Stats(self, session: Session | None, msg: Stats) -> StatsReply:
+        """The router's own metrics and those its peers carry on heartbeats, one row per session,
+        keyed by its token subject (``"SUBJECT (KIND)"`` when that key is taken: the router's own
+        row is ``router`` whoever names itself so); each row says its ``name`` and ``session``.
+        An unrestricted admin sees every row; anyone else (a trainer, a scoped admin) the rows of
+        its own subject, of providers serving a dataset in its scope (their per-dataset counters
+        only for those), and (a scoped admin) of trainers holding a job inside its scopes. Rows are
+        cut, with a note, to fit one reply."""
+        services: dict[str, dict] = {"router": {"role": "router", **self.server_stats()}}
+        claims = None if session is None else session.claims
+        everything = claims is None or (claims.role == "admin" and not claims.scopes)
+        holders = set() if everything or claims is None or claims.role != "admin" else self._holders_for(claims)
         for peer in self.peers.values():
-            if peer.heartbeat:
-                services[peer.name] = {"role": peer.role, **peer.stats}
-        return StatsReply(services=services)
+            if not peer.heartbeat:
+                continue
+            stats = peer.stats
+            if not everything and claims is not None and peer.subject != claims.sub:
+                if peer.role == "provider":
+                    served = [d for d in peer.hello.caps["datasets"] if claims.allows_dataset(d)]
+                    if not served:
+                        continue
+                    if isinstance(stats.get("datasets"), dict):
+                        stats = {**stats, "datasets": {d: v for d, v in stats["datasets"].items() if d in served}}
+                elif peer.role != "trainer" or peer.subject not in holders:
+                    continue
+            key = peer.subject
+            for candidate in (key, f"{key} ({peer.kind})", f"{key} ({peer.kind} {peer.sid[:8]})"):
+                if candidate not in services:
+                    key = candidate
+                    break
+            services[key] = {**stats, "role": peer.role, "name": peer.name, "session": peer.sid}  # (ours win)
+        return StatsReply(services=fit_rows(services))
+
+    def _holders_for(self, claims: Claims) -> set[str]:
+        """Subjects of the trainers holding a job inside ``claims``' scopes (a scoped admin's Stats)."""
+        return {
+            job["trainer"]
+            for job in self.store.held_grants_ids()
+            if claims.allows_job(job["id"]) and claims.allows_dataset(dataset_name(job["spec"]["dataset"]))
+        }
 
     # -- timers -------------------------------------------------------------------------------
     def tick(self, now: float) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
@@ -62,6 +63,9 @@ ACK_TIMEOUT_S = 5.0
 EVAL_ACK_TIMEOUT_S = 240.0
 #: How often leases are checked.
 LEASE_CHECK_S = 0.5
+#: Commands remembered for their acknowledgements (a late ``eval`` one still counts): beyond
+#: these, the oldest is forgotten and its acknowledgement refused.
+SENT_KEPT = 4096
 
 
 @dataclass
@@ -114,6 +118,10 @@ class JobControl:
         #: Providers' reports of their evaluations: the only source of a job's test score.
         self.scores = TestScores()
         self.pending: dict[int, _Pending] = {}
+        #: Commands sent, oldest first (the last ``SENT_KEPT``): seq -> (job, trainer, command,
+        #: acknowledged). A late acknowledgement (after its timeout) is still recorded; one this
+        #: router never sent is refused.
+        self.sent: OrderedDict[int, tuple[str, str, str, bool]] = OrderedDict()
         #: trainer -> (key of its last GetTask that got a job, that Task): a resend gets it again.
         self.tasks: dict[str, tuple[str, Task]] = {}
         #: Command ids: this start's router epoch in the high bits, so none repeats an earlier
@@ -169,6 +177,9 @@ class JobControl:
         timeout_s = EVAL_ACK_TIMEOUT_S if command.slow else self.ack_timeout_s
         pending = _Pending(job_id, command, args, trainer, by, time.monotonic(), future, timeout_s)
         self.pending[seq] = pending
+        self.sent[seq] = (job_id, trainer, str(command), False)
+        while len(self.sent) > SENT_KEPT:
+            self.sent.popitem(last=False)
         what = f"{command} {_args(args)}".strip()
         self.store.event(
             job_id, f"{what if command is not JobCommand.ADOPT else command} requested by {by}, sent to {trainer}"
@@ -243,6 +254,10 @@ class JobControl:
         return Ok()
 
     def on_ack(self, trainer: str, msg: CommandAck, sid: str = "") -> Ok:
+        if msg.command not in ADMIN_COMMANDS:
+            raise BadRequest(
+                f"CommandAck.command {msg.command[:64]!r} is not a job command; one of {', '.join(ADMIN_COMMANDS)}"
+            )
         job = self.own(trainer, msg.job)
         pending = self.pending.get(msg.seq)
         if pending is not None and (
@@ -252,6 +267,19 @@ class JobControl:
                 f"command {msg.seq} was sent to job {pending.job} on another session; "
                 f"this acknowledgement (job {msg.job}) does not settle it"
             )
+        sent = self.sent.get(msg.seq)
+        if sent is None or sent[:3] != (msg.job, trainer, msg.command):
+            # only a command this router sent this job's trainer is acknowledged (and logged): a
+            # trainer cannot write events of its own making, nor evict the job's real ones with them.
+            # BAD_REQUEST, not FORBIDDEN: a trainer told FORBIDDEN gives its job up (reports.py), and
+            # a stale acknowledgement (a router restarted since) is no reason to
+            raise BadRequest(
+                f"command {msg.seq} ({msg.command}) was not sent to job {msg.job} on {trainer} by this router; "
+                "nothing to acknowledge"
+            )
+        if sent[3]:
+            return Ok(detail={"duplicate": True})  # resent after a reconnect: already recorded
+        self.sent[msg.seq] = (*sent[:3], True)
         self.pending.pop(msg.seq, None)
         took = f" after {1000 * (time.monotonic() - pending.sent):.0f} ms" if pending else ""
         reason = f"{msg.command} acknowledged by {trainer}{took}" + _evaluation(msg) + _adopted(msg)

@@ -60,12 +60,12 @@ def decide(
 
 
 def explore(params: dict, space: dict[str, Param], factors: list[float], rng: random.Random) -> dict:
-    """``params`` with each hyper-parameter a running job can change (:data:`SETTABLE`) that the
-    study varies multiplied by a factor drawn from ``factors``, clipped to its ``[space]`` range
-    (a ``choice`` moves to a neighbouring choice instead)."""
+    """``params`` with each hyper-parameter a running job can change (:data:`SETTABLE`, or an
+    entrypoint's ``params.NAME``) that the study varies multiplied by a factor drawn from
+    ``factors``, clipped to its ``[space]`` range (a ``choice`` moves to a neighbouring choice instead)."""
     out = {}
     for name, param in space.items():
-        if name not in SETTABLE or name not in params:
+        if (name not in SETTABLE and not name.startswith("params.")) or name not in params:
             continue
         value = params[name]
         if param.kind == "choice":

@@ -9,7 +9,7 @@ import orjson
 
 from libbus.constants import MAX_HEADER_BYTES, KiB
 
-__all__ = ["REPLY_BUDGET", "fit_list", "fit_job"]
+__all__ = ["REPLY_BUDGET", "fit_list", "fit_job", "fit_rows"]
 
 #: Bytes of rows or history one reply may carry; the rest of the header stays well inside the limit.
 REPLY_BUDGET = MAX_HEADER_BYTES - 64 * KiB
@@ -58,3 +58,26 @@ def fit_job(job: dict, budget: int = REPLY_BUDGET) -> tuple[dict, str]:
         cut.append("the stored result (too large for one reply)")
         job["result"] = {"truncated": True}
     return job, "cut to fit one reply: " + ", ".join(cut)
+
+
+def fit_rows(rows: dict, budget: int = REPLY_BUDGET) -> dict:
+    """``rows`` (``Stats``: one per service, each within the stored-JSON bound) within ``budget``
+    bytes: the first rows whole while three quarters of it last; each one after that only as
+    ``{role, name, session, cut}`` (so ``busctl queues`` still lists it and says why it shows
+    nothing); once the budget is spent, one ``…`` row counts the services left out."""
+    used, out, left = 0, {}, 0
+    for key, row in rows.items():
+        size = _size(row) + _size(key) + 2
+        if used + size > budget * 3 // 4:
+            row = {k: row[k] for k in ("role", "name", "session") if k in row} | {
+                "cut": f"{size} bytes of stats left out to fit one reply"
+            }
+            size = _size(row) + _size(key) + 2
+        if used + size > budget - 1024:
+            left += 1
+            continue
+        used += size
+        out[key] = row
+    if left:
+        out["…"] = {"role": "-", "cut": f"{left} more services left out to fit one reply (busctl peers lists them)"}
+    return out

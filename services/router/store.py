@@ -42,6 +42,13 @@ PROGRESS_KEPT = 1000
 EVENTS_KEPT_FIRST = 20
 EVENTS_KEPT = 500
 CHECKPOINTS_KEPT = 50
+#: Bytes of progress history kept per job (the newest reports; a report over ``PROGRESS_SMALL``
+#: bytes trims the older ones to fit): with a report's own bound (256 KiB, libbus/wire/schema.py)
+#: and ``PROGRESS_KEPT``, what a trainer holding one job can make the router store is bounded.
+PROGRESS_BYTES_KEPT = 4 * 1024 * 1024
+PROGRESS_SMALL = 4096
+#: Characters of an event's reason kept (it may quote a peer's error or detail).
+REASON_CHARS = 2000
 #: What ``get`` returns by default: the newest events and checkpoint records (``busctl job show`` pages).
 EVENTS_SHOWN = 200
 _HELD = "SELECT * FROM jobs WHERE state IN (?, ?) AND trainer IS NOT NULL"
@@ -109,7 +116,7 @@ class JobStore:
                 f"UPDATE jobs SET state = ?, updated = ?{', ' + sets if sets else ''} WHERE id = ?",
                 (state, now, *fields.values(), job),
             )
-            self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, now, state, reason))
+            self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, now, state, _cut(reason)))
             self._retain_events(job)  # (checkpoint records are trimmed as they are added)
 
     def _retain(self, job: str) -> None:
@@ -142,7 +149,7 @@ class JobStore:
         """Log ``reason`` (a command, an acknowledgement) without changing the job's state."""
         state = self._row(job)["state"]
         with self.durability.write():
-            self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, time.time(), state, reason))
+            self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, time.time(), state, _cut(reason)))
             self._retain_events(job)
 
     def _retain_events(self, job: str) -> None:
@@ -165,7 +172,9 @@ class JobStore:
             self.db.execute(
                 "UPDATE jobs SET spec = ?, updated = ? WHERE id = ?", (orjson.dumps(spec.to_dict()).decode(), now, job)
             )
-            self.db.execute("INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?", (now, reason, job))
+            self.db.execute(
+                "INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?", (now, _cut(reason), job)
+            )
 
     def claim(self, trainer: str, lease_s: float, accept: Callable[[dict], bool] | None = None) -> dict | None:
         """Hand the best queued job (priority, then age) that ``accept`` takes (given ``{id, spec}``)
@@ -275,12 +284,19 @@ class JobStore:
                 "UPDATE jobs SET progress = ?, updated = ?, lease_expires = ? WHERE id = ?",
                 (orjson.dumps(progress).decode(), now, now + lease_s, job),
             )
-            self.db.execute("INSERT INTO progress VALUES (?, ?, ?)", (job, now, orjson.dumps(slim).decode()))
+            text = orjson.dumps(slim).decode()
+            self.db.execute("INSERT INTO progress VALUES (?, ?, ?)", (job, now, text))
             self.db.execute(
                 "DELETE FROM progress WHERE job = ? AND rowid NOT IN (SELECT rowid FROM progress "
                 "WHERE job = ? ORDER BY at DESC LIMIT ?)",
                 (job, job, PROGRESS_KEPT),
             )
+            if len(text) > PROGRESS_SMALL:  # (small reports alone stay within PROGRESS_KEPT x PROGRESS_SMALL)
+                self.db.execute(
+                    "DELETE FROM progress WHERE rowid IN (SELECT rowid FROM (SELECT rowid, SUM(LENGTH(progress)) "
+                    "OVER (ORDER BY at DESC, rowid DESC) AS kept FROM progress WHERE job = ?) WHERE kept > ?)",
+                    (job, PROGRESS_BYTES_KEPT),
+                )
 
     def add_checkpoint(self, job: str, trainer: str, record: dict) -> dict:
         """Record a checkpoint the trainer wrote; the job resumes from the latest one.
@@ -432,6 +448,12 @@ class JobStore:
             for d, t, m in rows
         ]
 
+    def held_grants_ids(self) -> builtins.list[dict]:
+        """Held jobs as ``{id, spec: {dataset}, trainer}`` (a scoped admin's ``Stats``)."""
+        cols = "id, json_extract(spec, '$.dataset'), trainer"
+        rows = self.db.execute(_HELD.replace("*", cols, 1), HOLDING_STATES).fetchall()
+        return [{"id": i, "spec": {"dataset": d}, "trainer": t} for i, d, t in rows]
+
     def held_watched(self) -> dict[str, float]:
         """Early stopping's read: ``{job: updated}`` of the held jobs whose spec sets ``patience``
         (their rows are read only when they change)."""
@@ -441,3 +463,8 @@ class JobStore:
     def held(self) -> builtins.list[dict]:
         """Jobs a trainer holds now (running or paused, with a trainer)."""
         return [self._as_dict(r) for r in self.db.execute(_HELD, HOLDING_STATES).fetchall()]
+
+
+def _cut(reason: str) -> str:
+    """An event's reason within ``REASON_CHARS`` (the rest is marked cut, not silently lost)."""
+    return reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + f"... ({len(reason)} characters, cut)"

@@ -34,12 +34,18 @@ from .studies_halving import BudgetHalvingPruner
 from .study_spec import StudySpec, trial_spec
 from .study_store import TRIAL_ENDED, StudyState, StudyStore, TrialState
 
-__all__ = ["Studies", "CHECK_S"]
+__all__ = ["Studies", "CHECK_S", "START_PER_STEP"]
 
 log = logging.getLogger(__name__)
 
 #: How often running trials' reports are read.
 CHECK_S = 0.2
+#: The most trials one step of a study starts (at its submission, then at each tick, every
+#: ``CHECK_S``): sampling and queueing a trial costs the router's loop up to a few milliseconds
+#: (TPE's more as trials accumulate), so a population of ``concurrent`` trials is queued in slices.
+START_PER_STEP = 8
+#: The most trials all studies together start at one tick.
+START_PER_TICK = 16
 
 
 @dataclass
@@ -165,7 +171,11 @@ class Studies:
                 counts[t["state"]] = counts.get(t["state"], 0) + 1
             out.append(
                 {k: s[k] for k in ("id", "state", "objective", "best", "epochs_trained", "epochs_budget", "created")}
-                | {"counts": counts, "trials": s["spec"]["study"]["trials"]}
+                | {
+                    "counts": counts,
+                    "trials": s["spec"]["study"]["trials"],
+                    "dataset": s["spec"]["base"].get("dataset"),
+                }
             )
         return out
 
@@ -191,9 +201,10 @@ class Studies:
             "WHERE s.state = ? OR t.state IN (?, ?)",
             (StudyState.RUNNING, TrialState.RUNNING, TrialState.PRUNING),
         ).fetchall()
+        budget = START_PER_TICK  # trials started this tick, all studies together
         for (study,) in rows:
             try:
-                self._step(study)
+                budget -= self._step(study, budget)
             except BusError as err:  # one study's trouble must not stop the others (or the router)
                 log.error("study %s: %s", study, err)
 
@@ -210,24 +221,30 @@ class Studies:
         if TrialState(t["state"]).live:
             self._follow(found[0], self._load(found[0], row), t, row["state"])
 
-    def _step(self, study: str) -> None:
+    def _step(self, study: str, budget: int = START_PER_STEP) -> int:
+        """Follow the study's live trials and start at most ``budget`` (and ``START_PER_STEP``) new
+        ones; returns how many it started."""
         row = self.store.get(study)
         live = self._load(study, row)
         for t in row["trials"]:
             if TrialState(t["state"]).live:
                 self._follow(study, live, t, row["state"])
         if row["state"] != StudyState.RUNNING:
-            return
+            return 0
         trials = self.store.trials(study)
         active = sum(TrialState(t["state"]).live for t in trials)
-        while active < live.spec.concurrent and len(trials) < live.spec.trials:
-            self._start_trial(study, live, len(trials))
-            trials = self.store.trials(study)
+        started = before = len(trials)
+        # a slice per step: the rest start at the next ticks, so no request or tick holds the loop
+        # (and a busy trainer's lease renewal) for a whole population's sampling and queueing
+        for _ in range(min(live.spec.concurrent - active, live.spec.trials - started, START_PER_STEP, budget)):
+            self._start_trial(study, live, started)
+            started += 1
             active += 1
-        if active == 0 and len(trials) >= live.spec.trials:
-            self.store.set_state(study, StudyState.COMPLETE, f"{len(trials)} trials ended")
+        if active == 0 and started >= live.spec.trials:
+            self.store.set_state(study, StudyState.COMPLETE, f"{started} trials ended")
             self._live.pop(study, None)
             log.info("study %s complete", study)
+        return started - before
 
     def _load(self, study: str, row: dict) -> _Live:
         """The study's Optuna state, rebuilt from its rows the first time (a router that restarts)."""
@@ -430,11 +447,13 @@ class Studies:
         if ckpt is None:
             return
         params = pbt.explore({**source["params"]}, spec.space, spec.perturb, rng)
+        adopt = (JobCommand.ADOPT, {"checkpoint": ckpt, "from": source["job"]})
+        steps = [adopt, (JobCommand.SET, params)]
+        if spec.base.get("entrypoint"):  # its attempt ends at the adopt (it resumes from it): set first
+            steps.reverse()
         try:
-            self.control(
-                f"study {study} (pbt)", job["id"], JobCommand.ADOPT, {"checkpoint": ckpt, "from": source["job"]}
-            )
-            self.control(f"study {study} (pbt)", job["id"], JobCommand.SET, params)
+            for command, args in steps:
+                self.control(f"study {study} (pbt)", job["id"], command, args)
         except BusError as err:
             self.jobs.event(job["id"], f"pbt: could not exploit trial {donor}: {err}")
             return

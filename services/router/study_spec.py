@@ -31,7 +31,17 @@ from typing import Any
 from libbus.errors import BadRequest
 from libbus.jobs.spec import SETTABLE, JobSpec
 
-__all__ = ["SAMPLERS", "PRUNERS", "STRATEGIES", "KINDS", "Param", "StudySpec", "trial_spec"]
+__all__ = [
+    "SAMPLERS",
+    "PRUNERS",
+    "STRATEGIES",
+    "KINDS",
+    "MAX_TRIALS",
+    "MAX_CONCURRENT",
+    "Param",
+    "StudySpec",
+    "trial_spec",
+]
 
 
 def trial_spec(base: dict, values: dict) -> dict:
@@ -58,8 +68,12 @@ KINDS = ("log_uniform", "uniform", "int", "choice")
 #: A ``[space]`` entry named ``params.NAME`` varies an entrypoint job's ``params[NAME]``.
 PARAMS = "params."
 FIXED = ("dataset", "name", "world_size", "task", "model_from", "split")
-#: The most trials one study may run.
-MAX_TRIALS = 10000
+#: The most trials one study may run: each is a job row with its events and reports, and TPE
+#: samples each trial in time that grows with the trials before it.
+MAX_TRIALS = 1000
+#: The most trials of one study that run at once (each holds a trainer; a PBT population is this
+#: large at most). They are queued a few at a time (services/router/studies.py ``START_PER_STEP``).
+MAX_CONCURRENT = 64
 #: ``[study]`` keys and their defaults.
 STUDY_KEYS = {
     "trials": 10,
@@ -220,8 +234,8 @@ class StudySpec:
         choose("strategy", STRATEGIES)
         if not 1 <= self.trials <= MAX_TRIALS:
             raise BadRequest(f"[study] trials must be 1 to {MAX_TRIALS}, got {self.trials}")
-        if self.concurrent < 1:
-            raise BadRequest(f"[study] concurrent must be at least 1, got {self.concurrent}")
+        if not 1 <= self.concurrent <= MAX_CONCURRENT:
+            raise BadRequest(f"[study] concurrent must be 1 to {MAX_CONCURRENT}, got {self.concurrent}")
         if not self.objective.startswith("val_"):
             raise BadRequest(
                 f"[study] objective must be a validation metric a trainer reports each epoch "
@@ -247,18 +261,14 @@ class StudySpec:
             self._check_pbt()
 
     def _check_pbt(self) -> None:
-        if self.base.get("entrypoint"):
-            raise BadRequest(
-                "[study] strategy pbt needs built-in jobs for now (it copies weights into a running job); "
-                "an entrypoint job's study searches (strategy search) with any sampler and pruner"
-            )
         if not 0 < self.quantile <= 0.5:
             raise BadRequest(f"[study] quantile must be above 0 and at most 0.5, got {self.quantile}")
         if len(self.perturb) < 1 or not all(
             isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in self.perturb
         ):
             raise BadRequest(f"[study] perturb must list positive factors, e.g. [0.8, 1.25], got {self.perturb!r}")
-        live = [name for name in self.space if name in SETTABLE]
+        entry = bool(self.base.get("entrypoint"))  # an entrypoint's params are all settable
+        live = [name for name in self.space if name in SETTABLE or (entry and name.startswith(PARAMS))]
         if not live:
             raise BadRequest(
                 f"[study] strategy pbt perturbs hyper-parameters a running job can change "

@@ -119,6 +119,7 @@ class AttemptJob(Job):
         self._get_state: Callable[[], Mapping[str, Any]] | None = None
         self._restored = False
         self._restore_value: dict | None = None
+        self._adopted = 0
         self._checkpointed = (-1, -1)
         self._last_report = 0.0
         self.controls = Controls(
@@ -130,8 +131,12 @@ class AttemptJob(Job):
             report=self._while_paused,
             before_stop=self._before_stop,
             evaluate=self._evaluate,
+            adopt=self._adopt,
             model=self._current_model,
         )
+        #: A study's PBT adopted another member's state: this attempt ends at this call, and the
+        #: next (its trainer takes the job again) restores the adopted state.
+        self._restart = False
 
     # -- the API ------------------------------------------------------------------------------------
     @property
@@ -283,9 +288,9 @@ class AttemptJob(Job):
             loader.close()
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def _write(self, state: Mapping[str, Any] | None) -> dict:
+    def _write(self, state: Mapping[str, Any] | None, again: bool = False) -> dict:
         """Write a checkpoint of ``state`` (or the registered one's); the last record again if nothing
-        happened since it."""
+        happened since it (unless ``again``: a state not the function's own, adopted)."""
         self.calls += 1
         if not self.lead:  # rank 0 checkpoints for the gang
             return self.last_checkpoint or {}
@@ -295,6 +300,8 @@ class AttemptJob(Job):
             if self.last_checkpoint is not None and self._checkpointed == (self.step_count, self.epochs_reported):
                 return self.last_checkpoint
             state = self._get_state()
+        elif again and self.last_checkpoint is not None and self.last_checkpoint["step"] == self.step_count:
+            self._adopted += 1  # a file of its own: the record the router holds must name intact bytes
         tensors, skeleton = encode_state(state)
         rng_tensors, rng_meta = rng_state()
         cursors = {name: loader.state_dict() for name, loader in self._loaders.items()}
@@ -313,8 +320,9 @@ class AttemptJob(Job):
             ).decode(),
         }
         data = save_safetensors({**{f"user.{k}": v for k, v in tensors.items()}, **rng_tensors}, metadata=metadata)
-        again = self.last_checkpoint is not None and self.last_checkpoint["step"] == self.step_count
-        path = self.directory / f"step-{self.step_count:09d}{'.e' if again else ''}.safetensors"
+        same_step = self.last_checkpoint is not None and self.last_checkpoint["step"] == self.step_count
+        tag = f".a{self._adopted}" if again and self._adopted else (".e" if same_step else "")
+        path = self.directory / f"step-{self.step_count:09d}{tag}.safetensors"
         record = {
             "path": str(path),
             "sha256": write_file(path, data),
@@ -372,6 +380,8 @@ class AttemptJob(Job):
         try:
             if self.gang is None:
                 self.controls.check()
+                if self._restart:
+                    raise Stopped(handback=True)
             elif self.lead:
                 self.controls.check()  # a stop has told the gang already (_before_stop)
                 self._follow(Code.RUN)
@@ -446,6 +456,31 @@ class AttemptJob(Job):
             self._write(None)
         except BusError as err:
             log.error("job %s: no checkpoint on stop: %s", self.id, err)
+
+    def _adopt(self, args: dict) -> dict:
+        """Population-based training's exploit: another member's state (``args["checkpoint"]``, read
+        on this trainer) with this job's own cursors, step, history and params becomes this job's
+        checkpoint; the attempt then ends at this call and the job resumes from it (a function
+        takes a state only where it restores one)."""
+        if self.gang is not None:
+            raise BadRequest("adopt is not supported for a gang (world_size > 1)")
+        record = args.get("checkpoint") or {}
+        try:
+            data = read_shared(record, self.settings.checkpoint_dir, None)
+            if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+                raise CheckpointError(f"checkpoint {record.get('path')} changed since the router recorded it")
+            tensors = load_safetensors(data)
+            meta = metadata_of(data)
+            if meta.get("batchbus") != JOB_STATE_FORMAT:
+                raise CheckpointError(f"{record.get('path')} is not a {JOB_STATE_FORMAT} file")
+            user = {k.removeprefix("user."): v for k, v in tensors.items() if k.startswith("user.")}
+            state = decode_state(user, orjson.loads(meta["state"]))
+        except (BusError, SafetensorError, ValueError, KeyError, orjson.JSONDecodeError) as err:
+            raise BadRequest(f"cannot adopt {record.get('path')}: {err}") from err
+        mine = self._write(state, again=True)
+        self._restart = True
+        log.info("job %s: adopted the state of %s (step %s); resuming from it", self.id, args.get("from"), meta["step"])
+        return {"from": args.get("from"), "step": int(meta["step"]), "sha256": record.get("sha256"), "as": mine["path"]}
 
     def _set(self, changes: dict) -> dict:
         self.spec = self.spec.with_hyper(changes)

@@ -6,7 +6,7 @@ cluster (:mod:`.jobs`, which imports torch: import it from there)."""
 from .busctl import BUSCTL, REPO, busctl, busctl_in_process
 from .cluster import Cluster, wait_file
 from .metrics import scrape, value
-from .services import CLUSTER, Running, run_service, wait_job
+from .services import CLUSTER, Running, run_service, wait_job, wait_study
 
 __all__ = [
     "BUSCTL",
@@ -21,4 +21,5 @@ __all__ = [
     "value",
     "wait_file",
     "wait_job",
+    "wait_study",
 ]

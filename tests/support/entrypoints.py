@@ -161,3 +161,18 @@ def constant(job: Job) -> None:
     start = job.initial_model()
     w = start["w"] + 1 if start is not None else torch.full((3,), float(job.params.get("value", 0.0)))
     job.save_model({"w": w})
+
+
+def pbt_member(job: Job) -> None:
+    """Its state is one number ``w``, raised by ``params["rate"]`` each epoch; the closer to 20, the
+    better (a member with a small rate is the bottom one, and takes a better member's ``w``)."""
+    state = job.restore() or {"w": torch.zeros(())}
+    w = state["w"]
+    job.on_checkpoint(lambda: {"w": w})
+    print(f"attempt {job.attempt} starts at epoch {job.epochs_reported} with w {float(w):g}", flush=True)
+    for _ in range(job.epochs_reported, job.params["epochs"]):
+        w = w + job.params["rate"]
+        time.sleep(0.05)
+        job.step()
+        job.report(val_loss=float((w - 20) ** 2))
+    job.save_model({"w": w})

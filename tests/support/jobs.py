@@ -4,6 +4,8 @@ notice failures fast, with trainers that audit every sample they train on (servi
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,9 +17,10 @@ from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import Resolve
 from services.trainer.audit import digest
 
+from .busctl import REPO
 from .cluster import Cluster
 
-__all__ = ["SPEC", "JobCluster", "final_weights"]
+__all__ = ["SPEC", "EntryCluster", "JobCluster", "final_weights"]
 
 #: The job the job tests train: an MLP on mock://mnist?n=600, shuffle full, checkpoints every 10 steps.
 SPEC = {
@@ -92,3 +95,30 @@ def final_weights(info: dict) -> dict[str, torch.Tensor]:
     model = info["result"]["model"]
     assert hashlib.sha256(Path(model["path"]).read_bytes()).hexdigest() == model["sha256"]
     return load_file(model["path"])
+
+
+class EntryCluster(JobCluster):
+    """:class:`JobCluster` whose trainers allow the tests' entrypoints (tests/support/entrypoints.py),
+    find hung attempts after 6 s of silence and give a stop 10 s; with kill points like tests/killpoint.py's."""
+
+    def __init__(self, state):
+        super().__init__(state)
+        self.env.update(
+            BATCHBUS_LEASE_S="20",
+            BATCHBUS_HEARTBEAT_LIVENESS="24",
+            PYTHONPATH=str(REPO),
+            BATCHBUS_JOB_MODULES="tests.support.entrypoints",
+            BATCHBUS_ATTEMPT_SILENCE_S="6",
+            BATCHBUS_STOP_GRACE_S="10",
+        )
+
+    def start_killed_at(self, name: str, point: str, nth: int = 1) -> subprocess.Popen:
+        with open(self.state / f"{name}.log", "a") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.killpoint", point, str(nth), "--", "start", "trainer", "--name", name],
+                env=self.env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return self.adopt(name, proc)

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from libbus.config import Settings
 from libbus.jobs.spec import TERMINAL_STATES
-from libbus.wire.messages import GetJob
+from libbus.wire.messages import GetJob, GetStudy
 
-__all__ = ["CLUSTER", "Running", "run_service", "wait_job"]
+__all__ = ["CLUSTER", "Running", "run_service", "wait_job", "wait_study"]
 
 #: The cluster name (token audience) every test service runs under: the default in settings.
 CLUSTER = "batchbus"
@@ -47,4 +47,14 @@ def wait_job(admin, job: str, timeout: float) -> dict:
         if info["state"] in TERMINAL_STATES:
             return info
         assert time.monotonic() < deadline, f"job {job} stuck in {info['state']}"
+        time.sleep(0.2)
+
+
+def wait_study(admin, study: str, timeout: float = 90) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = admin.request(GetStudy(study=study)).study
+        if info["state"] != "running" and all(t["state"] not in ("running", "pruning") for t in info["trials"]):
+            return info
+        assert time.monotonic() < deadline, f"study {study} stuck: {info['trials']}"
         time.sleep(0.2)

@@ -43,8 +43,8 @@ __all__ = ["FileLocation", "open_file_source"]
 
 class FileLocation(Location):
     """A local directory: files read with positional reads, confined to the directory (and what the
-    operator allows with ``?allow_paths=``), derived files in ``?cache=DIR`` (default
-    ``DIR/.batchbus-cache``)."""
+    operator allows with ``?allow_paths=``; hard-linked files only with ``?allow_hardlinks=1``),
+    derived files in ``?cache=DIR`` (default ``DIR/.batchbus-cache``)."""
 
     kind, label, memory = "file", "from local files", "auto"
 
@@ -55,7 +55,9 @@ class FileLocation(Location):
         if not root.is_dir():
             raise DatasetError(f"{req.uri}: {root} {'is not a directory' if root.exists() else 'does not exist'}")
         super().__init__(req, root)
-        self.confinement = Confinement(root, (root, *self.extra))
+        # Files with several links only where the operator says so on the URI (formats/confine.py).
+        hardlinks = req.params.pop("allow_hardlinks", "0").strip().lower() in ("1", "true", "yes")
+        self.confinement = Confinement(root, (root, *self.extra), hardlinks)
         self._cache: Path | None = None
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
@@ -68,7 +70,9 @@ class FileLocation(Location):
 
     def context(self, settings: dict, toml: dict) -> Context:
         cache = self.cache_dir()
-        return Context(self.uri, self.root, cache, settings, toml, (self.root, cache, *self.extra), self)
+        ctx = Context(self.uri, self.root, cache, settings, toml, (self.root, cache, *self.extra), self)
+        ctx.confinement.hardlinks = self.confinement.hardlinks
+        return ctx
 
     read_ahead = 1 << 16
 
