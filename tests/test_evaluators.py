@@ -21,7 +21,7 @@ from libbus.jobs.spec import JobSpec
 from libbus.security.auth import ensure_secret, issue_token
 from libbus.wire.messages import Evaluate, Evaluation, GetJob, GetTask, PushResult, Resolve, Stats, SubmitJob, Task
 from services.models import build_model
-from services.provider.release import Release, bits_per_evaluation
+from services.provider.release import EXACT, Release, bits_per_evaluation
 from services.provider.sources import open_source
 from services.trainer.final_eval import score_saved
 from services.usercode import module_allowed
@@ -383,3 +383,21 @@ def test_a_job_names_the_evaluator_that_scores_its_final_weights(router, start_p
     spec["evaluator"] = "tests.support.user_transforms:jitter"
     info = wait_job(admin, admin.request(SubmitJob(spec={**spec, "max_attempts": 1})).job, timeout=120)
     assert info["state"] == "failed" and "evaluator_modules" in info["error"], info
+
+
+def test_released_scores_carry_noise_of_the_calibrated_scale_on_a_grid():
+    """The mechanism of docs/security.md §9: Laplace noise of scale range / (n * epsilon) per metric
+    (its mean absolute value), values on the 0.001 grid inside their range, NaN at the worst end."""
+    release = Release()
+    release.secret = b"calibration"
+    n, true_loss, true_acc = 10_000, 0.3, 0.9
+    replies = [release(str(i).encode(), true_loss, true_acc, n, {"top2": 0.95}) for i in range(4000)]
+    losses = np.array([r[0] for r in replies])
+    accs = np.array([r[1] for r in replies])
+    assert np.mean(np.abs(accs - true_acc)) == pytest.approx(1 / (n * EVAL_EPSILON), rel=0.1)
+    assert np.mean(np.abs(losses - true_loss)) == pytest.approx(EVAL_LOSS_CLIP / (n * EVAL_EPSILON), rel=0.1)
+    on_grid = np.abs(np.concatenate([losses, accs]) * 1000 - np.round(np.concatenate([losses, accs]) * 1000))
+    assert on_grid.max() < 1e-6 and accs.max() <= 1.0 and all(0 <= r[2]["top2"] <= 1 for r in replies)
+    loss, acc, _ = release(b"nan", float("nan"), float("nan"), n, {})  # a diverged model: finite, in range
+    assert 0.0 <= loss <= EVAL_LOSS_CLIP and 0.0 <= acc <= 1.0
+    assert EXACT(b"nan", float("nan"), float("nan"), n, {})[:2] == (EVAL_LOSS_CLIP, 0.0)
