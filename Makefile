@@ -52,10 +52,12 @@ test: lint tools
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
-# Programs some tests drive: tmux (busctl top on a terminal) and iproute2's ip (hosts in network
-# namespaces). Installed from Debian's packages when missing and we are root; else those tests say what is missing.
+# Programs some tests drive: tmux (busctl top on a terminal), iproute2's ip (hosts in network namespaces),
+# Slurm and munge (a one-node Slurm cluster of the tests' own, tests/support/slurm.py; nothing is left running),
+# shellcheck (the slurm/ recipes). Installed from Debian's packages when missing and we are root; else those
+# tests say what is missing.
 tools:
-	@missing=""; for t in tmux:tmux ip:iproute2; do command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
+	@missing=""; for t in tmux:tmux ip:iproute2 sbatch:slurm-wlm munged:munge shellcheck:shellcheck; do command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		echo "installing$$missing"; apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; fi
 

@@ -70,7 +70,7 @@ def hog(job: Job) -> None:
 
 
 def hang(job: Job) -> None:
-    print("waiting forever", flush=True)
+    print("waiting forever \x1b[2J", flush=True)  # an escape sequence busctl must not pass on to a terminal
     while True:
         time.sleep(3600)
 

@@ -1,0 +1,316 @@
+"""batchbus under Slurm, for real: the recipes in slurm/ submitted with sbatch to a one-node slurmctld + slurmd of
+this module's own (tests/support/slurm.py; skipped only where slurm-wlm and munge cannot be installed).
+
+- the whole cluster in one allocation (slurm/batchbus-cluster.sbatch), its two tasks' trainers one gang, is ended
+  mid-epoch as its time limit would end it, requeues itself and trains the job to a downloaded model;
+- an array of two trainer tasks (slurm/batchbus-trainers.sbatch) joins a router running outside Slurm and drains
+  its queue;
+- `scancel --signal=TERM` of a running trainer task: the trainer checkpoints and hands its job back, the task
+  requeues itself, and its next run resumes the job at the next sample, ending with the weights of an
+  uninterrupted run.
+
+Jobs are tests/support/jobs.py's MLP on mock://mnist?n=600 (2 epochs here), audited sample by sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import stat
+import subprocess
+import time
+import tomllib
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from libbus.connect.client import Client, Identity
+from libbus.jobs.spec import JobSpec
+from services.trainer.audit import effective_epochs
+from tests.support import BUSCTL, REPO, Cluster
+from tests.support.jobs import SPEC, JobCluster, final_weights
+from tests.support.slurm import NODE, SlurmCluster, slurm  # noqa: F401 - the fixture
+
+RECIPES = REPO / "slurm"
+JOB = {**SPEC, "epochs": 2}
+#: What every service started by a recipe runs with here: one torch thread, fast heartbeats (2 cores, shared).
+QUICK = {"BATCHBUS_TORCH_THREADS": "1", "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_PROGRESS_INTERVAL_S": "0.1"}
+
+
+@pytest.fixture(scope="module")
+def cluster(slurm, tmp_path_factory):  # noqa: F811 - the fixture above
+    """A router and a provider running outside Slurm (a head node's services), which trainer tasks join."""
+    bus = JobCluster(tmp_path_factory.mktemp("bus"))
+    try:
+        bus.start_router()
+        bus.start_provider()
+        bus.endpoint_of("provider")
+        yield bus
+    finally:
+        bus.close()
+
+
+def recipe_env(**extra: str) -> dict[str, str]:
+    assert len(BUSCTL) == 1, "the recipes run the venv's busctl"
+    return {**QUICK, "BB_BUSCTL": BUSCTL[0], **extra}
+
+
+@contextlib.contextmanager
+def task_logs(directory: Path) -> Iterator[None]:
+    """A failure inside says what the Slurm tasks wrote (their ``*.out`` files under ``directory``)."""
+    try:
+        yield
+    except AssertionError as err:
+        outs = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}" for p in directory.glob("*.out"))
+        raise AssertionError(f"{err}\n{outs}") from err
+
+
+def assert_private(path: Path) -> None:
+    mode = stat.S_IMODE(path.stat().st_mode)
+    assert mode & 0o077 == 0, f"{path} is mode {mode:o}"
+
+
+def assert_exactly_once(audit: Path, job: str, train_digests: Counter) -> None:
+    epochs = effective_epochs(audit, job)
+    assert sorted(epochs) == list(range(JOB["epochs"]))
+    for epoch, seen in epochs.items():
+        assert seen == train_digests, f"epoch {epoch}: samples missing or repeated"
+
+
+def assert_same_weights(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), f"{name} differs"
+
+
+def attach(inside: Cluster, endpoint: str) -> None:
+    """Make ``inside``'s admin client talk to the router at ``endpoint`` (started by a recipe)."""
+    inside.admin = Client(endpoint, Identity(role="admin", name="test-admin", token=inside.admin_token), timeout_s=10)
+
+
+def detach(inside: Cluster) -> None:
+    if inside.admin is not None:
+        inside.admin.close()
+        inside.admin = None
+
+
+def wait_line(path: Path, line: str, slurm: SlurmCluster, sid: str, timeout: float = 60) -> None:  # noqa: F811
+    """Wait until the Slurm job's output ``path`` has ``line``; fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and line in path.read_text()):
+        fields = slurm.job(sid)
+        assert fields["JobState"] in ("PENDING", "RUNNING"), f"{fields}\n{path.read_text()}"
+        assert time.monotonic() < deadline, f"no {line!r} in {path}:\n{path.read_text()}"
+        time.sleep(0.1)
+
+
+# two start-ups of a whole cluster (router, provider, two trainers) and a gang's training: about 35 s here alone,
+# twice that on this 2-core machine under other suites' load
+@pytest.mark.timeout(240)
+def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
+    slurm,  # noqa: F811
+    cluster,
+    tmp_path,
+    train_digests,
+):
+    job_file = tmp_path / "job.toml"
+    # (json's scalars are TOML's; the one table goes last)
+    gang = {**JOB, "world_size": 2}  # both tasks' trainers train it together, ranks from the allocation
+    scalars = "".join(f"{k} = {json.dumps(v)}\n" for k, v in gang.items() if not isinstance(v, dict))
+    job_file.write_text(scalars + "[model_kwargs]\nhidden = 64\n")
+    state, audit = tmp_path / "state", tmp_path / "audit"
+    env = recipe_env(
+        BB_HOST="127.0.0.1",
+        BB_DATASETS="mnist=mock://mnist?n=600",
+        BB_STATE=str(state),
+        BATCHBUS_AUDIT_DIR=str(audit),
+    )
+    out = tmp_path / "slurm-%j.out"
+    sid = slurm.sbatch(
+        RECIPES / "batchbus-cluster.sbatch",
+        "--ntasks=2",
+        "--cpus-per-task=1",
+        f"--output={out}",
+        args=(str(job_file),),
+        env=env,
+        cwd=tmp_path,
+    )
+    log = Path(str(out).replace("%j", sid))
+    inside = Cluster(state)  # an admin of the cluster in the allocation (its secret is in the state directory)
+    try:
+        with task_logs(tmp_path):
+            wait_line(log, "(restart 0)", slurm, sid)
+            job = (state / "submitted").read_text().strip()
+            attach(inside, (state / "router.ep").read_text().strip())
+            # mid-epoch for sure (paused after a step), the allocation ends: what --signal=B:TERM@180 does
+            inside.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1)
+            inside.control(job, "pause")
+            slurm.run("scancel", "--batch", "--signal=TERM", sid)
+            slurm.wait_job(sid, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1", 60, "requeued")
+            detach(inside)
+            slurm.release(sid)
+            # the next run: the router on the same job database, the job resumed from its checkpoint
+            wait_line(log, "(restart 1)", slurm, sid)
+            attach(inside, (state / "router.ep").read_text().strip())
+            inside.control(job, "resume")  # (handed back while paused, it stayed paused)
+            detach(inside)
+            fields = slurm.wait_job(
+                sid, lambda f: f["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"), 90, "ended"
+            )
+        text = log.read_text()
+        assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{text}"
+        assert f"job {job} succeeded" in text and f"requeueing {sid}" in text, text
+        # the job database outlived both runs: a router started on it afterwards tells the story
+        inside.start_router()
+        info = inside.job(job)
+    finally:
+        inside.close()
+    assert info["state"] == "succeeded" and info["failures"] == 0, info["error"]
+    reasons = [e["reason"] for e in info["events"]]
+    assert any(r.startswith(f"handed back by trainer-{sid}-") for r in reasons), reasons
+    gangs = [r for r in reasons if r.startswith("assigned to a gang of 2")]
+    assert len(gangs) == 2 and all(f"trainer-{sid}-0" in r and f"trainer-{sid}-1" in r for r in gangs), reasons
+    assert any("resumes from step" in r and "resumes from step 0," not in r for r in reasons), reasons
+    assert_exactly_once(audit, job, train_digests)
+    # the model came home, byte for byte what the trainer pushed to the router
+    model = state / "model.safetensors"
+    assert model.read_bytes() == (state / "artifacts" / job / "model.safetensors").read_bytes()
+    weights = load_file(model)
+    assert weights and all(bool(torch.isfinite(t).all()) for t in weights.values())
+    # a provider and two trainers (one per task) joined; all stopped cleanly, both times
+    joined = (state / "router.log").read_text()
+    for name in (f"provider provider-{sid}-{NODE}", f"trainer trainer-{sid}-0", f"trainer trainer-{sid}-1"):
+        assert f"{name} (pid" in joined, joined
+    for line in ("bb-trainer stopped (srun exit 0)", "provider stopped (exit 0)", "router stopped (exit 0)"):
+        assert text.count(line) == 2, text
+    # tokens were files of the allocation's own, gone with it; the state and the secret are private
+    assert not (state / "tokens").exists()
+    assert_private(state)
+    assert_private(state / "secret")
+
+
+def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train_digests):  # noqa: F811
+    jobs = [cluster.submit_spec(JOB) for _ in range(3)]
+    env = recipe_env(
+        **{k: v for k, v in cluster.env.items() if k.startswith("BATCHBUS_")},
+        BB_ROUTER=cluster.endpoint,
+        BB_SECRET_FILE=str(cluster.state / "secret"),
+        BB_STATE=str(tmp_path / "trainers"),
+        BB_IDLE_EXIT_S="3",
+    )
+    out = tmp_path / "task-%A_%a.out"
+    array = slurm.sbatch(
+        RECIPES / "batchbus-trainers.sbatch",
+        "--array=0-1",
+        "--cpus-per-task=1",
+        f"--output={out}",
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        with task_logs(tmp_path):
+            # the first job's trainer holds it, paused, until another task has taken the second: both tasks work
+            # (paused once it trains: a trainer applies commands between batches)
+            first = cluster.wait(
+                jobs[0], lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1, timeout=60
+            )["trainer"]
+            assert cluster.control(jobs[0], "pause")["state"] == "paused"
+            second = cluster.wait(jobs[1], lambda i: i["state"] == "running", timeout=60)["trainer"]
+            assert cluster.control(jobs[0], "resume")["state"] == "running"
+            infos = [cluster.wait_end(j, timeout=90) for j in jobs]
+            # the queue drained, each task stops its trainer and ends by itself, without requeueing
+            tasks = slurm.tasks(array)
+            ended = [
+                slurm.wait_job(jid, lambda f: f["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"), 60, "ended")
+                for jid in tasks
+            ]
+    finally:
+        slurm.run("scancel", array)  # (nothing left to cancel unless the test failed)
+    assert [i["state"] for i in infos] == ["succeeded"] * 3, [i["error"] for i in infos]
+    names = {f"trainer-{jid}-0" for jid in tasks}
+    assert {first, second} == names and {i["trainer"] for i in infos} <= names
+    # the same job three times: the same model, every sample once per epoch
+    reference = final_weights(infos[0])
+    for info in infos[1:]:
+        assert_same_weights(final_weights(info), reference)
+    for job in jobs:
+        assert_exactly_once(cluster.audit, job, train_digests)
+    for fields in ended:
+        assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), fields
+    for out in tmp_path.glob("task-*.out"):
+        text = out.read_text()
+        assert "the queue is drained" in text and "trainers exited (0)" in text and "requeueing" not in text, text
+
+
+def test_sigterm_then_requeue_resumes_exactly(slurm, cluster, tmp_path, train_digests):  # noqa: F811
+    reference = cluster.submit_spec(JOB)
+    victim = cluster.submit_spec(JOB)
+    env = recipe_env(
+        **{k: v for k, v in cluster.env.items() if k.startswith("BATCHBUS_")},
+        BB_ROUTER=cluster.endpoint,
+        BB_SECRET_FILE=str(cluster.state / "secret"),
+        BB_STATE=str(tmp_path / "trainers"),
+    )
+    out = tmp_path / "task-%j.out"
+    sid = slurm.sbatch(
+        RECIPES / "batchbus-trainers.sbatch", "--cpus-per-task=1", f"--output={out}", env=env, cwd=tmp_path
+    )
+    log = Path(str(out).replace("%j", sid))
+    try:
+        with task_logs(tmp_path):
+            # the uninterrupted run first (the queue is first come, first served)
+            ref = cluster.wait_end(reference, timeout=90)
+            assert ref["state"] == "succeeded", ref["error"]
+            # mid-epoch for sure: paused once it has trained a step, then Slurm's SIGTERM
+            running = cluster.wait(
+                victim, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1
+            )
+            trainer = running["trainer"]
+            assert cluster.control(victim, "pause")["state"] == "paused"
+            slurm.run("scancel", "--signal=TERM", sid)
+            cluster.wait(victim, lambda i: any("handed back" in e["reason"] for e in i["events"]), timeout=30)
+            # (a job handed back while paused stays paused until resumed: resumed now, it is queued again)
+            cluster.control(victim, "resume")
+            assert cluster.job(victim)["state"] == "queued"
+            # the task requeued itself; Slurm holds a requeued job back for two minutes (BeginTime): release it
+            slurm.wait_job(
+                sid,
+                lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1",
+                30,
+                "requeued",
+                logs=log.read_text() if log.exists() else "",
+            )
+            slurm.release(sid)
+            info = cluster.wait_end(victim, timeout=90)
+    finally:
+        slurm.run("scancel", sid)
+    assert info["state"] == "succeeded", info["error"]
+    assert info["failures"] == 0 and info["trainer"] == trainer  # the same task's next run: same name, same subject
+    back = next(e for e in info["events"] if "handed back" in e["reason"])
+    assert back["reason"].startswith(f"handed back by {trainer}")
+    # the next run resumed from the checkpoint written as the trainer stopped, not from scratch
+    reasons = [e["reason"] for e in info["events"]]
+    resumed = [int(r.split("resumes from step ")[1].split(",")[0]) for r in reasons if "resumes from step" in r]
+    assert resumed and resumed[-1] > 0 and resumed[-1] in {c["step"] for c in info["checkpoints"]}, reasons
+    assert_same_weights(final_weights(info), final_weights(ref))
+    assert_exactly_once(cluster.audit, victim, train_digests)
+    text = log.read_text()
+    assert "trainers exited (0)" in text and f"requeueing {sid}" in text and "restart 1" in text, text
+
+
+def test_the_first_run_job_file_is_a_valid_job():
+    """slurm/README.md's first run submits slurm/job.toml: it must be a job the router accepts."""
+    spec = JobSpec.from_dict(tomllib.loads((RECIPES / "job.toml").read_text()))
+    assert spec.dataset == "mnist" and spec.checkpoint_every > 0
+
+
+def test_the_recipes_pass_shellcheck():
+    assert shutil.which("shellcheck"), "this test checks slurm/*.sbatch with shellcheck: apt-get install shellcheck"
+    recipes = sorted(str(p) for p in RECIPES.glob("*.sbatch"))
+    out = subprocess.run(["shellcheck", *recipes], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
