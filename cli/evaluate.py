@@ -4,7 +4,9 @@ split, while it trains.
 The router pushes an ``eval`` command; the trainer copies the weights between two batches (the only
 time training waits), the provider scores the copy, and the trainer acknowledges the command with
 the result. So this one request waits for the evaluation: up to the router's
-``EVAL_ACK_TIMEOUT_S``, never resent (a resend would start a second evaluation).
+``EVAL_ACK_TIMEOUT_S``, never resent (a resend would start a second evaluation). The job's
+``evaluator`` (``busctl submit --evaluator``), when it names one, scores the copy; its extra metrics
+are printed after the loss.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ def describe(job: str, d: dict) -> str:
     if d.get("error"):
         return f"{job}: evaluation at step {d.get('step', '?')} failed: {d['error']}"
     paused = " (the job is paused)" if d.get("state") == JobState.PAUSED else ""
+    metrics = "".join(f", {k} {v:.4f}" for k, v in (d.get("test_metrics") or {}).items())
     return (
         f"{job}: step {d['step']} (epoch {d['epoch']}) scored on {d['provider']}: "
-        f"test accuracy {d['test_accuracy']:.4f}, loss {d['test_loss']:.4f} on {d['test_n']} private samples\n"
+        f"test accuracy {d['test_accuracy']:.4f}, loss {d['test_loss']:.4f}{metrics} on {d['test_n']} private samples\n"
         f"training paused {d['copy_ms']:.1f} ms for the copy of the weights; the evaluation took "
         f"{d['eval_s']:.1f} s{paused}"
     )

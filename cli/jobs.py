@@ -76,6 +76,12 @@ def submit(
     train_range: Annotated[
         str | None, typer.Option(help="START:STOP: train on these records of the train split only.")
     ] = None,
+    evaluator: Annotated[
+        str | None,
+        typer.Option(
+            help="module:function that scores the weights on the provider's test split (its evaluator_modules must allow it)."
+        ),
+    ] = None,
     *,
     settings: Settings,
     json: Json = False,
@@ -111,6 +117,7 @@ def submit(
         elastic=elastic,
         min_world_size=min_world_size,
         max_world_size=max_world_size,
+        evaluator=evaluator,
     )
     spec.update({k: v for k, v in flags.items() if v is not None})
     if entrypoint is not None:

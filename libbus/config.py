@@ -151,6 +151,11 @@ class Settings:
     eval_queue: int = C.EVAL_QUEUE
     eval_max_model_bytes: int = C.EVAL_MAX_MODEL_BYTES
     eval_per_minute: float = C.EVAL_PER_MINUTE
+    #: Provider: evaluations per day per dataset, all askers together (0 = unlimited), the longest one
+    #: may run, and the noise of released test scores (docs/security.md, "The private test split").
+    eval_per_dataset_day: int = C.EVAL_PER_DATASET_DAY
+    eval_timeout_s: float = C.EVAL_TIMEOUT_S
+    eval_epsilon: float = C.EVAL_EPSILON
     #: Files a ``file://`` dataset may name outside its directory (its ``dataset.toml`` entries,
     #: symlinks): these paths and what is under them. Empty: none.
     allowed_paths: list = field(default_factory=list)
@@ -164,6 +169,10 @@ class Settings:
     #: Provider: the Python modules (exact names) whose functions pipeline ``user`` stages may run
     #: (services/provider/sources/pipeline/user_stage.py). Empty: none.
     user_modules: list = field(default_factory=list)
+    #: Provider: the modules (exact names, or packages as ``pkg.`` / ``pkg.*``) whose evaluators may score a
+    #: model on its test split (``Evaluate`` with ``model.evaluator``; services/provider/evaluator.py).
+    #: Empty: built-in models only.
+    evaluator_modules: list = field(default_factory=list)
     #: Trainer: the modules whose code jobs may run here, entrypoints and ``module:factory`` models
     #: (exact names, or packages as ``pkg.`` / ``pkg.*``; services/usercode.py). A job never decides
     #: what a node imports. Empty: only the built-in models and entrypoints.

@@ -80,3 +80,14 @@ PROVIDER_RETRY_S = 0.5
 EVAL_QUEUE = 4
 EVAL_MAX_MODEL_BYTES = 128 * MiB
 EVAL_PER_MINUTE = 10.0
+#: ... and how many per day per dataset, whoever asks (docs/security.md: the test split's leakage bound).
+EVAL_PER_DATASET_DAY = 200
+#: Longest one evaluation may run on the provider (the trainer waits EVALUATE_TIMEOUT_S = 300 s).
+EVAL_TIMEOUT_S = 240.0
+#: Scores of a private test split are released rounded to this step, with Laplace noise of scale
+#: sensitivity / (n * EVAL_EPSILON) per metric (0: exact, for a split that needs no hiding).
+EVAL_QUANTUM = 1e-3
+EVAL_EPSILON = 0.1
+#: A prediction's cross-entropy counts at most this much in a released test loss (bounds what one
+#: sample can move it; a diverged model's NaN counts as this).
+EVAL_LOSS_CLIP = 10.0

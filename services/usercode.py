@@ -5,7 +5,7 @@ module it names would run that module's top level on the trainer (``pydoc:pipepa
 ``model_kwargs`` runs a shell command), so what may run on a node is the operator's decision, not the
 job's: a ``package.module:name`` reference is resolved only if ``module`` is allowed by the node's
 setting — ``job_modules`` on a trainer (entrypoints and ``module:factory`` models), ``user_modules`` on a
-provider (pipeline ``user`` stages). An entry allows that module by its exact name; an entry ending in
+provider (pipeline ``user`` stages; ``evaluator_modules`` for its evaluators). An entry allows that module by its exact name; an entry ending in
 ``.`` or ``.*`` (``mylab.`` / ``mylab.*``) allows every module under that package. Nothing is imported
 before that check.
 """

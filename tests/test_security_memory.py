@@ -58,30 +58,37 @@ def test_a_wrong_token_is_refused_at_the_handshake_and_the_service_still_serves(
 
 
 def test_evaluations_are_capped_in_size_and_rate(start_provider, client_for, make_token):
-    import services.provider.evaluator  # noqa: F401 - torch loaded up front: the evaluations below take no time,
-
     # so no token of the 2-per-minute buckets refills during the test
-    provider = start_provider("mnist=mock://mnist?n=600", eval_per_minute=2, eval_max_model_bytes=4096)
+    from safetensors.torch import save as save_safetensors
+
+    import services.provider.evaluator  # noqa: F401 - torch loaded up front: the evaluations below take no time,
+    from services.models import build_model
+
+    provider = start_provider("mnist=mock://mnist?n=600", eval_per_minute=2, eval_max_model_bytes=1 << 20)
+    weights = save_safetensors(build_model("mlp", {"sample_shape": [1, 28, 28], "num_classes": 10}).state_dict())
     alice = client_for(provider.endpoint, token=make_token("trainer", sub="alice"), timeout_s=60)
     model = {"name": "mlp"}
-    with pytest.raises(TooLarge, match="at most 4096"):
-        alice.request(Evaluate(dataset="mnist", model=model, job="j1", frames=[b"\0" * 5000]))
-    outcomes = []
-    for _ in range(3):  # garbage weights: admitted (then refused by the evaluator) until the rate runs out
-        try:
+    with pytest.raises(TooLarge, match=f"at most {1 << 20}"):
+        alice.request(Evaluate(dataset="mnist", model=model, job="j1", frames=[b"\0" * ((1 << 20) + 1)]))
+    # garbage naming a job (issue 30 #9: ten junk requests blocked the victim's evaluation) is refused
+    # on its weights and spends nothing
+    for _ in range(5):
+        with pytest.raises(BadRequest, match="not a valid safetensors"):
             alice.request(Evaluate(dataset="mnist", model=model, job="j1", frames=[b"not safetensors"]))
+    outcomes = []
+    for _ in range(3):  # valid weights: scored until the rate runs out
+        try:
+            outcomes.append(alice.request(Evaluate(dataset="mnist", model=model, job="j1", frames=[weights])).type)
         except RateLimited as err:
             outcomes.append(f"limited: {err}")
-        except Exception as err:  # noqa: BLE001 - the evaluator's verdict on garbage
-            outcomes.append(type(err).__name__)
-    assert outcomes[:2] == ["BadRequest", "BadRequest"] and "per minute for subject 'alice'" in outcomes[2]
-    # another of alice's jobs: her subject's rate is spent too
+    assert outcomes[:2] == ["Evaluation", "Evaluation"] and "per minute for subject 'alice'" in outcomes[2]
+    # another of alice's jobs: her subject's rate is spent too (refused before the weights are read)
     with pytest.raises(RateLimited, match="subject 'alice'"):
         alice.request(Evaluate(dataset="mnist", model=model, job="j2", frames=[b"x"]))
-    # someone else on the same job: the job's rate is spent
-    bob = client_for(provider.endpoint, token=make_token("trainer", sub="bob"))
+    # someone else on the same job: the job's rate is spent (once the weights proved valid)
+    bob = client_for(provider.endpoint, token=make_token("trainer", sub="bob"), timeout_s=60)
     with pytest.raises(RateLimited, match="for job j1"):
-        bob.request(Evaluate(dataset="mnist", model=model, job="j1", frames=[b"x"]))
+        bob.request(Evaluate(dataset="mnist", model=model, job="j1", frames=[weights]))
     refused = provider.service.handler.stats()["refused"]
     assert refused["evaluate_rate"] == 3 and refused["evaluate_too_large"] == 1
 
@@ -90,7 +97,7 @@ def test_the_evaluation_queue_is_bounded(start_provider, client_for, make_token)
     provider = start_provider("mnist=mock://mnist?n=600", eval_queue=1)
     gate = provider.service.handler.evalgate
     c = client_for(provider.endpoint, token=make_token("trainer", sub="carol"), timeout_s=60)
-    gate.admit("someone", "long-job", 1)  # an evaluation holds the only place (as a slow one would)
+    gate.admit("someone", 1)  # an evaluation holds the only place (as a slow one would)
     with pytest.raises(RateLimited, match="1 evaluations are queued or running here; at most 1"):
         c.request(Evaluate(dataset="mnist", model={"name": "mlp"}, job="b", frames=[b"x"]))
     gate.finished()  # it ends: the next one is admitted (and judged on its weights)

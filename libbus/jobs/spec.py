@@ -99,6 +99,11 @@ class JobSpec:
     #: ``[start, stop]``: train on these records of the train split only (every order, shard and
     #: resume guarantee kept inside them). Empty: the whole split.
     train_range: list = field(default_factory=list)
+    #: What scores the weights on the provider's test split: "" (the built-in ``model`` is built
+    #: there), or ``package.module:function`` that the provider's ``evaluator_modules`` allows, called
+    #: with ``evaluator_kwargs`` (services/provider/evaluator.py; docs/python-api.md).
+    evaluator: str = ""
+    evaluator_kwargs: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, raw: dict) -> JobSpec:
@@ -153,6 +158,8 @@ class JobSpec:
             raise BadRequest(f"monitor must be a validation metric (val_loss, val_accuracy), got {spec.monitor!r}")
         if spec.task not in TASKS:
             raise BadRequest(f"task must be one of {', '.join(TASKS)}, got {spec.task!r}")
+        if spec.evaluator and (spec.evaluator.count(":") != 1 or not all(spec.evaluator.split(":"))):
+            raise BadRequest(f"evaluator must be 'package.module:function', got {spec.evaluator!r}")
         if spec.task == "evaluate" and (not spec.model_from or spec.split not in ("val", "test")):
             raise BadRequest(
                 "an evaluate task needs model_from (a succeeded job, or an uploaded file) and "

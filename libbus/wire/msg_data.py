@@ -34,6 +34,7 @@ __all__ = [
     "RingAttached",
     "Evaluate",
     "Evaluation",
+    "EvaluationReport",
     "StageControl",
     "Stats",
     "StatsReply",
@@ -249,7 +250,10 @@ class RingAttached(Message):
 
 @message
 class Evaluate(Request["Evaluation"]):
-    """Weights (safetensors bytes) in one payload frame; the provider scores them on its test split."""
+    """Weights (safetensors bytes) in one payload frame; the provider scores them on its test split.
+
+    ``model`` is ``{"name": built-in, "kwargs": {...}}`` or ``{"evaluator": "module:function",
+    "kwargs": {...}}`` (a module the provider's ``evaluator_modules`` allows)."""
 
     nframes: ClassVar[tuple[int, int]] = (1, 1)
     dataset: str
@@ -260,9 +264,30 @@ class Evaluate(Request["Evaluation"]):
 
 @message
 class Evaluation(Message):
+    """The scores as released (rounded and noised on a private split; always finite), the samples
+    read, an evaluator's extra ``metrics``, and the sha256 of the weights scored."""
+
     loss: float
     accuracy: float
     n: int
+    metrics: dict = field(default_factory=dict)
+    sha256: str = ""
+
+
+@message
+class EvaluationReport(Request[Ok]):
+    """Provider → router: what it released for an ``Evaluate`` naming ``job``, sent by token subject
+    ``subject``. The router records a job's test score from this, never from a trainer's word."""
+
+    job: str
+    dataset: str
+    subject: str
+    split: str
+    loss: float
+    accuracy: float
+    n: int
+    metrics: dict = field(default_factory=dict)
+    sha256: str = ""
 
 
 # -- pipeline control ----------------------------------------------------------------------------

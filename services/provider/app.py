@@ -10,14 +10,15 @@ import zmq
 
 from libbus.config import Settings
 from libbus.connect.link import Link
-from libbus.errors import BusError, ConfigError
+from libbus.errors import BusError, ConfigError, Unavailable
 from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.serve.server import Server
-from libbus.wire.messages import Entitlements, Message
+from libbus.wire.messages import Entitlements, EvaluationReport, Message
 
 from .. import runtime
 from .evalgate import EvalGate
 from .handler import ProviderHandler
+from .release import Release
 from .sources import Source, open_source, parse_dataset_arg
 from .sources.objstore import configure_cache
 
@@ -87,7 +88,9 @@ class ProviderService:
             datasets[name] = open_source(uri, datasets, user_modules=settings.user_modules)
             if not private_test:
                 readable_test.add(name)
-        gate = EvalGate(settings.eval_queue, settings.eval_max_model_bytes, settings.eval_per_minute)
+        gate = EvalGate(
+            settings.eval_queue, settings.eval_max_model_bytes, settings.eval_per_minute, settings.eval_per_dataset_day
+        )
         self.handler = ProviderHandler(
             datasets,
             host_id=settings.host_id,
@@ -95,6 +98,10 @@ class ProviderService:
             assigned_only=settings.assigned_only,
             evalgate=gate,
             readable_test=frozenset(readable_test),
+            evaluator_modules=frozenset(settings.evaluator_modules),
+            eval_timeout_s=settings.eval_timeout_s,
+            release=Release(settings.eval_epsilon),
+            report=self._report,
         )
         for name in datasets:
             log.info("%s", split_notice(name, self.handler.infos[name]))
@@ -145,6 +152,12 @@ class ProviderService:
         self.link.start()
         log.info("provider %s serving %s on %s", self.name, ", ".join(self.handler.datasets), self.endpoint)
         return self.endpoint
+
+    def _report(self, report: EvaluationReport) -> None:
+        """A job's evaluation, told to the router (which records test scores only from providers)."""
+        if self.link is None:
+            raise Unavailable("not linked to the router yet")
+        self.link.request(report, timeout_s=self.settings.request_timeout_s)
 
     def _on_push(self, msg: Message) -> None:
         """The router's word on who may read (link thread): revoked tokens, assigned trainers."""

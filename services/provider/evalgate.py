@@ -1,5 +1,9 @@
-"""What an ``Evaluate`` must pass before it runs: a bounded queue, a size cap on the weights, and a
-rate per job and per token subject.
+"""What an ``Evaluate`` must pass before it runs: a bounded queue, a size cap on the weights, a rate
+per job and per token subject, and a daily budget per dataset, whoever asks.
+
+Admission (:meth:`EvalGate.admit`, on the serving loop) takes a place in the queue; the buckets are
+charged only once the request proved valid (:meth:`EvalGate.charge`, on the worker, after the weights
+loaded and fit): junk naming a victim's job must not spend that job's evaluations.
 
 An evaluation scores weights on the provider's private test split: unthrottled, it is an oracle a
 trainer could query to fit the test set, and each one holds the weights in memory and a worker
@@ -12,14 +16,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass, field
 
-from libbus.constants import EVAL_MAX_MODEL_BYTES, EVAL_PER_MINUTE, EVAL_QUEUE
-from libbus.errors import RateLimited, TooLarge
+from libbus.constants import EVAL_MAX_MODEL_BYTES, EVAL_PER_DATASET_DAY, EVAL_PER_MINUTE, EVAL_QUEUE
+from libbus.errors import BadRequest, Forbidden, RateLimited, Timeout, TooLarge, Unavailable
+from services.usercode import module_allowed
 
-__all__ = ["EvalGate"]
+__all__ = ["Bound", "EvalGate", "check_model_spec"]
 
 #: Buckets idle this long are forgotten (a full bucket needs no memory).
 _FORGET_S = 600.0
+_DAY_S = 86400.0
 
 
 class EvalGate:
@@ -30,23 +38,32 @@ class EvalGate:
         max_model_bytes: largest weights frame; larger gets ``TOO_LARGE``.
         per_minute: evaluations per minute per job and per subject (burst of the same size);
             0 = unlimited.
+        per_dataset_day: evaluations per day per dataset, all subjects together (a bucket of that
+            size refilled over a day); 0 = unlimited.
     """
 
     def __init__(
-        self, queue: int = EVAL_QUEUE, max_model_bytes: int = EVAL_MAX_MODEL_BYTES, per_minute: float = EVAL_PER_MINUTE
+        self,
+        queue: int = EVAL_QUEUE,
+        max_model_bytes: int = EVAL_MAX_MODEL_BYTES,
+        per_minute: float = EVAL_PER_MINUTE,
+        per_dataset_day: int = EVAL_PER_DATASET_DAY,
     ):
         self.queue = queue
         self.max_model_bytes = max_model_bytes
         self.per_minute = per_minute
+        self.per_dataset_day = per_dataset_day
         #: Guards the counters here and whatever the evaluation thread updates for ``stats()``.
         self.lock = threading.Lock()
         self._admitted = 0  # queued or running
         self._running = 0
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, last refill)
+        self._days: dict[str, tuple[float, float]] = {}  # dataset -> (tokens, last refill)
         self.counts: Counter = Counter()
 
-    def admit(self, subject: str, job: str, nbytes: int) -> None:
-        """Take a place for one evaluation, or raise :class:`TooLarge` / :class:`RateLimited`."""
+    def admit(self, subject: str, nbytes: int) -> None:
+        """Take a place for one evaluation, or raise :class:`TooLarge` / :class:`RateLimited` (a full
+        queue, or a subject with no evaluation left this minute: nothing is charged here)."""
         if nbytes > self.max_model_bytes:
             self._count("refused_too_large")
             raise TooLarge(
@@ -61,20 +78,45 @@ class EvalGate:
                     f"{self._admitted} evaluations are queued or running here; at most "
                     f"{self.queue} (eval_queue): try again when one finishes"
                 )
+            self._check_rate([f"sub:{subject}"], subject, "", now)
+            self._admitted += 1
+            self._forget(now)
+
+    def charge(self, subject: str, job: str, dataset: str) -> None:
+        """Spend one evaluation of ``subject``, ``job`` and ``dataset`` (a validated request, about to
+        be scored), or raise :class:`RateLimited` naming the limit that is spent."""
+        now = time.monotonic()
+        with self.lock:
             keys = [f"sub:{subject}"] + ([f"job:{job}"] if job else [])
-            for key in keys:
-                if self._tokens(key, now) < 1.0:
-                    self.counts["refused_rate"] += 1
-                    what = f"subject {subject!r}" if key.startswith("sub:") else f"job {job}"
-                    raise RateLimited(
-                        f"more than {self.per_minute:g} evaluations per minute for {what} "
-                        "(eval_per_minute): the test split is not a training signal"
-                    )
+            self._check_rate(keys, subject, job, now)
+            day = self._day_tokens(dataset, now)
+            if day < 1.0:
+                self.counts["refused_budget"] += 1
+                raise RateLimited(
+                    f"dataset {dataset!r} has spent its {self.per_dataset_day} evaluations of the day "
+                    "(eval_per_dataset_day): every score of its private test split leaks a little of it"
+                )
             for key in keys:
                 tokens, _ = self._buckets[key]
                 self._buckets[key] = (tokens - 1.0, now)
-            self._admitted += 1
-            self._forget(now)
+            self._days[dataset] = (day - 1.0, now)
+
+    def _check_rate(self, keys: list[str], subject: str, job: str, now: float) -> None:
+        for key in keys:
+            if self._tokens(key, now) < 1.0:
+                self.counts["refused_rate"] += 1
+                what = f"subject {subject!r}" if key.startswith("sub:") else f"job {job}"
+                raise RateLimited(
+                    f"more than {self.per_minute:g} evaluations per minute for {what} "
+                    "(eval_per_minute): the test split is not a training signal"
+                )
+
+    def _day_tokens(self, dataset: str, now: float) -> float:
+        if self.per_dataset_day <= 0:
+            return float("inf")
+        cap = float(self.per_dataset_day)
+        tokens, last = self._days.get(dataset, (cap, now))
+        return min(cap, tokens + (now - last) * cap / _DAY_S)
 
     def _tokens(self, key: str, now: float) -> float:
         if self.per_minute <= 0:
@@ -110,3 +152,54 @@ class EvalGate:
     def _count(self, name: str) -> None:
         with self.lock:
             self.counts[name] += 1
+
+
+@dataclass(eq=False)  # one per evaluation, kept in sets: identity is its equality
+class Bound:
+    """When an evaluation must end: ``deadline`` (``time.monotonic()``), ``stop`` (the provider is
+    stopping) or ``cancel`` (its caller went away)."""
+
+    deadline: float
+    timeout_s: float
+    stop: threading.Event | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def check(self) -> None:
+        """Raise :class:`Unavailable` or :class:`Timeout` if the evaluation must end now."""
+        if self.stop is not None and self.stop.is_set():  # a SIGTERM must not wait for a whole split
+            raise Unavailable("the provider is stopping; evaluation abandoned: ask again")
+        if self.cancel.is_set():
+            raise Unavailable("the caller went away; evaluation abandoned")
+        if time.monotonic() > self.deadline:
+            raise Timeout(f"the evaluation ran past its {self.timeout_s:g} s bound (eval_timeout_s) and was stopped")
+
+
+def check_model_spec(model_spec: object, evaluator_modules: Collection[str]) -> None:
+    """The cheap checks of ``Evaluate.model``, before any admission is charged (nothing imported).
+
+    Raises :class:`BadRequest` for a malformed spec, :class:`Forbidden` for an evaluator whose module
+    the provider's ``evaluator_modules`` does not allow.
+    """
+    if not isinstance(model_spec, dict) or not isinstance(model_spec.get("kwargs", {}), dict):
+        raise BadRequest(
+            'Evaluate.model must be {"name": str, "kwargs": {...}} or {"evaluator": "module:function", ...}'
+        )
+    unknown = set(model_spec) - {"name", "evaluator", "kwargs"}
+    if unknown or ("name" in model_spec) == ("evaluator" in model_spec):
+        raise BadRequest(
+            f"Evaluate.model names exactly one of name (a built-in) or evaluator, with kwargs; got {sorted(model_spec)}"
+        )
+    if "name" in model_spec:
+        if not isinstance(model_spec["name"], str):
+            raise BadRequest("Evaluate.model.name must be a string")
+        return  # a built-in's name is checked on the worker (services.models imports torch)
+    ref = model_spec["evaluator"]
+    if not isinstance(ref, str) or ref.count(":") != 1:
+        raise BadRequest(f"Evaluate.model.evaluator must be 'package.module:function', got {ref!r}")
+    if not module_allowed(ref.partition(":")[0], evaluator_modules):
+        listed = ", ".join(sorted(evaluator_modules)) or "none"
+        raise Forbidden(
+            f"evaluator {ref!r}: its module is not in this provider's evaluator_modules ({listed}); only "
+            "modules its operator lists there (config file or BATCHBUS_EVALUATOR_MODULES) may run, "
+            "nothing was imported"
+        )

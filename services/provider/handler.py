@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
-from libbus.constants import MAX_FRAMES
+import orjson
+
+from libbus.constants import EVAL_TIMEOUT_S, MAX_FRAMES
 from libbus.errors import (
     BadRequest,
+    BusError,
     ConfigError,
     Forbidden,
     NotFound,
@@ -28,6 +33,7 @@ from libbus.wire.messages import (
     DatasetInfoRequest,
     Evaluate,
     Evaluation,
+    EvaluationReport,
     Message,
     Ok,
     RingAttached,
@@ -39,8 +45,9 @@ from libbus.wire.sockets import frame_len
 from shm import Ring, RingLayout
 
 from .destination import BatchCounters, Destination, Frames, Slot, check_batch_size, write_batch
-from .evalgate import EvalGate
+from .evalgate import Bound, EvalGate, check_model_spec
 from .fillers import Fillers
+from .release import EXACT, Release
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.objstore import object_store_stats
 from .sources.pipeline import pipeline_stats, stage_control
@@ -110,6 +117,10 @@ class ProviderHandler(Handler):
         evalgate: EvalGate | None = None,
         fill_thread: bool | None = None,
         readable_test: frozenset[str] = frozenset(),
+        evaluator_modules: frozenset[str] = frozenset(),
+        eval_timeout_s: float = EVAL_TIMEOUT_S,
+        release: Release | None = None,
+        report: Callable[[EvaluationReport], object] | None = None,
     ):
         super().__init__()
         self.datasets = datasets
@@ -145,6 +156,15 @@ class ProviderHandler(Handler):
         self._closing = threading.Event()
         #: Evaluation admission (queue, size, rate) and the counters the worker thread writes.
         self.evalgate = evalgate or EvalGate()
+        #: The modules whose evaluators may score models here (the provider's evaluator_modules).
+        self.evaluator_modules = evaluator_modules
+        self.eval_timeout_s = eval_timeout_s
+        #: What a score of a private test split may say (services/provider/release.py).
+        self.release = release or Release()
+        #: Sends a job's evaluation to the router (the service sets it to its link's request).
+        self.report = report
+        #: session id → the bounds of its evaluations, cancelled when it goes away.
+        self._bounds: dict[str, set[Bound]] = {}
         #: Served and refused batches, and batch latency: counted from the loop and the fill threads
         #: alike, under the evaluation counters' lock (stats() reads them under it).
         self.counters = BatchCounters(datasets, self.evalgate.lock)
@@ -183,6 +203,8 @@ class ProviderHandler(Handler):
             self.fillers.rings.close(self.rings.pop(sid))
 
     def on_close(self, session: Session, reason: str) -> None:
+        for bound in self._bounds.pop(session.sid, set()):
+            bound.cancel.set()  # its evaluations stop at their next chunk: nobody waits for them
         ring = self.rings.pop(session.sid, None)
         if ring is not None:
             self.fillers.rings.close(ring)
@@ -367,66 +389,107 @@ class ProviderHandler(Handler):
         return filler.run(write_batch, source, msg, indices, dest, fields, started, ring=dest.ring)
 
     def evaluate(self, msg: Evaluate, session: Session | None = None) -> Future:
+        """Check ``msg`` (cheaply, here on the loop), take a place in the evaluation queue, and score
+        it on the worker (:meth:`_score`): a Future of the :class:`Evaluation`."""
         source = self.source(msg.dataset)
-        if not self.xy[msg.dataset]:
-            raise BadRequest(
-                f"{msg.dataset!r} has named fields ({', '.join(f.name for f in self.fields[msg.dataset])}); "
-                "the built-in models evaluate only x/y datasets"
-            )
         if msg.split not in SPLITS:
             raise BadRequest(f"unknown split {msg.split!r}; expected one of {', '.join(SPLITS)}")
+        check_model_spec(msg.model, self.evaluator_modules)
+        if "name" in msg.model and not self.xy[msg.dataset]:
+            raise BadRequest(
+                f"{msg.dataset!r} has named fields ({', '.join(f.name for f in self.fields[msg.dataset])}); "
+                "the built-in models evaluate only x/y datasets: name an evaluator (model.evaluator)"
+            )
         weights = msg.frames[0]
         gate = self.evalgate
-        gate.admit(session.claims.sub if session else "", msg.job, frame_len(weights))
+        subject = session.claims.sub if session else ""
+        gate.admit(subject, frame_len(weights))
         blob = bytes(weights.buffer if hasattr(weights, "buffer") else weights)
-        started = time.monotonic()
+        bound = Bound(time.monotonic() + self.eval_timeout_s, self.eval_timeout_s, self._closing)
+        sid = session.sid if session else ""
+        self._bounds.setdefault(sid, set()).add(bound)
 
         def run() -> Evaluation:
             gate.started()
             try:
                 # torch is imported here, on the first evaluation: a provider that only serves
                 # batches starts in a fraction of the time.
-                from .evaluator import evaluate_weights
-
-                loss, acc, n = evaluate_weights(
-                    source, msg.split, msg.model, blob, self.infos[msg.dataset], self._closing
-                )
-                log.info(
-                    "evaluated job %s on %s/%s: loss %.4f accuracy %.4f (%d samples, %.1f s)",
-                    msg.job or "-",
-                    msg.dataset,
-                    msg.split,
-                    loss,
-                    acc,
-                    n,
-                    time.monotonic() - started,
-                )
-                with gate.lock:  # stats() reads these on the serving loop
-                    self.served[msg.dataset]["evaluations"] += 1
-                return Evaluation(loss=loss, accuracy=acc, n=n)
+                return self._score(msg, source, blob, subject, bound)
             finally:
                 gate.stopped_running()
+                gate.finished()
+
+        def done(fut: Future) -> None:  # (any thread) the session's list forgets it
+            self._bounds.get(sid, set()).discard(bound)
+            if fut.cancelled():  # cancelled before it ran (the provider stopping)
                 gate.finished()
 
         try:
             fut = self._evaluator.submit(run)
         except RuntimeError:  # shut down: nothing will run it
             gate.finished()
+            self._bounds[sid].discard(bound)
             raise Unavailable("this provider is stopping; evaluate elsewhere or later") from None
-
-        def give_back(done: Future) -> None:  # cancelled before it ran (the provider stopping)
-            if done.cancelled():
-                gate.finished()
-
-        fut.add_done_callback(give_back)
+        fut.add_done_callback(done)
         return fut
+
+    def _score(self, msg: Evaluate, source: Source, blob: bytes, subject: str, bound: Bound) -> Evaluation:
+        """On the worker: load and check the weights, charge the limits, score, release, report."""
+        from .evaluator import prepare, score
+
+        bound.check()  # its caller may have left while it was queued
+        started = time.monotonic()
+        info = self.infos[msg.dataset]
+        prepared = prepare(msg.model, blob, info, self.evaluator_modules)
+        self.evalgate.charge(subject, msg.job, msg.dataset)
+        scores = score(prepared, source, msg.split, info, bound, xy=self.xy[msg.dataset])
+        private = msg.split == PRIVATE_SPLIT and msg.dataset not in self.readable_test
+        release = self.release if private else EXACT
+        digest = hashlib.sha256(blob).hexdigest()
+        question = orjson.dumps([digest, msg.model, msg.dataset, msg.split], option=orjson.OPT_SORT_KEYS)
+        loss, accuracy, metrics = release(question, scores.loss, scores.accuracy, scores.n, scores.metrics)
+        log.info(
+            "evaluated job %s on %s/%s: loss %.4f accuracy %.4f (%d samples, %.1f s)",
+            msg.job or "-",
+            msg.dataset,
+            msg.split,
+            loss,
+            accuracy,
+            scores.n,
+            time.monotonic() - started,
+        )
+        with self.evalgate.lock:  # stats() reads these on the serving loop
+            self.served[msg.dataset]["evaluations"] += 1
+        if msg.job and self.report is not None:
+            self._report(
+                EvaluationReport(
+                    job=msg.job,
+                    dataset=msg.dataset,
+                    subject=subject,
+                    split=msg.split,
+                    loss=loss,
+                    accuracy=accuracy,
+                    n=scores.n,
+                    metrics=metrics,
+                    sha256=digest,
+                )
+            )
+        return Evaluation(loss=loss, accuracy=accuracy, n=scores.n, metrics=metrics, sha256=digest)
+
+    def _report(self, report: EvaluationReport) -> None:
+        """Tell the router what was released for a job (before the reply: the trainer's result comes
+        after it). A router that cannot hear it costs the job its recorded score, not the reply."""
+        try:
+            self.report(report)  # type: ignore[misc]
+        except BusError as err:
+            log.warning("job %s: the router did not take this evaluation's report: %s", report.job, err)
 
     def stats(self) -> dict:
         running, queued, counts = self.evalgate.snapshot()
         with self.counters.lock:  # the evaluation and fill threads count into served and refused
             datasets = {name: dict(c) for name, c in self.served.items()}
             refused = dict(self.refused)
-        for key in ("refused_too_large", "refused_queue_full", "refused_rate"):
+        for key in ("refused_too_large", "refused_queue_full", "refused_rate", "refused_budget"):
             if counts.get(key):
                 refused["evaluate_" + key[len("refused_") :]] = counts[key]
         return {

@@ -31,6 +31,7 @@ from libbus.wire.messages import (
     CommandAck,
     ControlJob,
     Entitlements,
+    EvaluationReport,
     GetJob,
     GetJobLogs,
     GetModel,
@@ -414,6 +415,18 @@ class RouterHandler(Decisions, Handler):
         _stored(msg.result, "PushResult.result")
         _stored(msg.error, "PushResult.error")
         return self.jobs.on_result(session.subject, msg)
+
+    @serves(EvaluationReport, "provider")
+    def on_EvaluationReport(self, session: Session, msg: EvaluationReport) -> Ok:
+        """A provider's word on an evaluation it released for a job (services/router/scores.py)."""
+        if msg.dataset not in session.hello.caps.get("datasets", {}):
+            raise Forbidden(f"provider {session.name} does not serve {msg.dataset!r}; its reports on it are not taken")
+        _stored(msg.metrics, "EvaluationReport.metrics")
+        try:
+            job = self.jobs.store.get(msg.job, events=False)
+        except NotFound:
+            job = None
+        return self.jobs.scores.on_report(session.name, msg, job)
 
     @serves(ListPeers, *ADMIN)
     def on_ListPeers(self, session: Session, msg: ListPeers) -> PeerList:

@@ -49,6 +49,7 @@ from libbus.wire.messages import (
 )
 
 from .artifacts import Artifacts
+from .scores import TestScores
 from .store import JobStore
 
 __all__ = ["EVAL_ACK_TIMEOUT_S", "JobControl"]
@@ -114,6 +115,8 @@ class JobControl:
         self.lease_s = lease_s
         self.ack_timeout_s = ack_timeout_s
         self.stop_requested: set[str] = set()
+        #: Providers' reports of their evaluations: the only source of a job's test score.
+        self.scores = TestScores()
         self.pending: dict[int, _Pending] = {}
         #: Commands sent, oldest first (the last ``SENT_KEPT``): seq -> (job, trainer, command,
         #: acknowledged). A late acknowledgement (after its timeout) is still recorded; one this
@@ -306,13 +309,14 @@ class JobControl:
         if job["state"] == msg.state and job["trainer"] == trainer:
             return Ok(detail={"duplicate": True})  # resent after a reconnect: already stored
         self.own(trainer, msg.job)
+        result = self.scores.result(msg.job, trainer, msg.result)  # test scores: providers' reports only
         self._forget_commands(msg.job, f"job {msg.job} left trainer {trainer} ({msg.state})")
         stop = msg.job in self.stop_requested
         self.stop_requested.discard(msg.job)
         if msg.state == JobState.QUEUED:  # handed back (the trainer is shutting down): not a lost attempt
             why = f"handed back by {trainer}" + (f": {msg.error}" if msg.error else "")
             if stop:
-                self.store.finish(msg.job, JobState.STOPPED, f"stop requested; {why}", result=msg.result)
+                self.store.finish(msg.job, JobState.STOPPED, f"stop requested; {why}", result=result)
             else:
                 self.store.release(msg.job, why, lost=False)
             return Ok()
@@ -321,7 +325,7 @@ class JobControl:
                 msg.job,
                 JobState.STOPPED,
                 f"stop requested; attempt failed on {trainer}: {msg.error}",
-                result=msg.result,
+                result=result,
                 error=msg.error,
             )
             return Ok()
@@ -335,7 +339,6 @@ class JobControl:
             JobState.FAILED: f"failed on {trainer}: {msg.error}",
         }
         reason = reasons.get(msg.state, msg.state)
-        result = msg.result
         if msg.frames and msg.state == JobState.SUCCEEDED and self.artifacts is not None:
             model = result.get("model")
             if not isinstance(model, dict) or not isinstance(model.get("sha256"), str):

@@ -18,26 +18,23 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from libbus.config import Settings
-from libbus.connect.client import Client, Identity
+from libbus.connect.client import Identity
 from libbus.connect.link import Link
 from libbus.errors import BadRequest, BusError
 from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.loader.remote import RemoteLoader, pick_provider
-from libbus.security.curve import curve_key_of
-from libbus.wire.messages import Evaluate, Resolve, Task
+from libbus.wire.messages import Resolve, Task
 from services.models import build_model, dataset_kind, evaluate
 
 from .checkpoint import CheckpointError, model_metadata, read_checkpoint, restore_checkpoint
 from .evaluation import snapshot
+from .final_eval import model_spec, score_saved
 from .optim import apply_hyper
 
 __all__ = ["run_evaluation", "adopt_checkpoint", "current_weights", "evaluate_now"]
 
 log = logging.getLogger(__name__)
-
-#: The provider scores a whole test split: give it as long as a training job's final evaluation.
-EVALUATE_TIMEOUT_S = 300.0
 
 
 def run_evaluation(
@@ -57,21 +54,10 @@ def run_evaluation(
             "model_sha256": hashlib.sha256(blob).hexdigest(),
             "provider": provider["name"],
         }
-        if spec.split == "test":
-            msg = Evaluate(
-                dataset=spec.dataset,
-                job=task.job,
-                model={"name": spec.model, "kwargs": spec.model_kwargs},
-                frames=[blob],
+        if spec.split == "test":  # as a job's final evaluation: rate limits and provider restarts are waited out
+            ev = score_saved(
+                blob, task.job, spec, provider, link=link, identity=identity, settings=settings, check=lambda: None
             )
-            with Client(
-                provider["endpoint"],
-                identity,
-                timeout_s=EVALUATE_TIMEOUT_S,
-                retries=0,
-                server_key=curve_key_of(provider),
-            ) as client:
-                ev = client.request(msg)
             result.update(test_loss=ev.loss, test_accuracy=ev.accuracy, test_n=ev.n)
         else:
             model = build_model(spec.model, resolved.info, spec.model_kwargs, allowed=settings.job_modules)
@@ -147,7 +133,7 @@ def evaluate_now(run, done) -> None:
     in the background (:class:`.evaluation.LiveEvaluations`), calling ``done`` with the result."""
     run.evaluations.start(
         run.model,
-        {"name": run.spec.model, "kwargs": run.spec.model_kwargs},
+        model_spec(run.spec),
         run.spec.dataset,
         run.provider,
         step=run.step,

@@ -141,6 +141,7 @@ class LiveEvaluations:
                 "test_loss": evaluation.loss,
                 "test_accuracy": evaluation.accuracy,
                 "test_n": evaluation.n,
+                **({"test_metrics": evaluation.metrics} if evaluation.metrics else {}),
                 "eval_s": round(eval_s, 3),
             }
         )

@@ -50,7 +50,14 @@ class Cluster:
     def __init__(self, state: Path, env: dict[str, str] | None = None, prefix: list[str] | None = None):
         self.state = state
         self.state.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "BATCHBUS_STATE_DIR": str(state), "BATCHBUS_TORCH_THREADS": "1", **(env or {})}
+        # Exact test scores (no privacy noise) unless a test asks for it, as tests/conftest.py's settings.
+        self.env = {
+            **os.environ,
+            "BATCHBUS_STATE_DIR": str(state),
+            "BATCHBUS_TORCH_THREADS": "1",
+            "BATCHBUS_EVAL_EPSILON": "0",
+            **(env or {}),
+        }
         self.prefix = list(prefix or [])
         #: The latest process started under each name (a restart replaces it).
         self.procs: dict[str, subprocess.Popen] = {}
