@@ -84,3 +84,24 @@ def test_a_built_in_job_starts_from_another_jobs_weights(router, ids, entry_trai
     ours, theirs = _model(admin, second["id"]), _model(admin, first["id"])
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_an_entrypoint_jobs_model_is_scored_by_the_providers_evaluator(
+    router, start_provider, entry_trainer, client_for
+):
+    """Issue 26: the function's own model, scored on the private test split by an evaluator the
+    provider's operator installed; the score the router records is the provider's."""
+    provider = start_provider("mnist=mock://mnist?n=600", evaluator_modules=["tests.support.evaluators"])
+    admin = client_for(router.endpoint, role="admin", timeout_s=10)
+    spec = {
+        "dataset": "mnist",
+        "entrypoint": "tests.support.entrypoints:linear_classifier",
+        "evaluator": "tests.support.evaluators:linear",
+        "batch_size": 32,
+    }
+    info = wait_job(admin, admin.request(SubmitJob(spec=spec)).job, timeout=120)
+    assert info["state"] == "succeeded", info["error"]
+    result = info["result"]
+    assert result["test_provider"] == provider.service.name and result["test_n"] == 120
+    assert result["test_accuracy"] > 0.5 and 0 <= result["test_metrics"]["top2"] <= 1
+    assert provider.service.handler.served["mnist"]["evaluations"] == 1

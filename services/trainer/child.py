@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from services.usercode import import_allowed
 
 from .channel import Channel, ChannelClosed
 from .failures import describe_failure
+from .final_eval import score_saved
 from .gang import Gang, advertised_host
 from .jobapi import AttemptJob
 from .reports import Reporter
@@ -190,6 +192,8 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
         }
         last = job.history[-1] if job.history else {}
         result.update({k: v for k, v in last.items() if k.startswith("val_")})
+        if job.spec.evaluate and job.spec.evaluator and job.model_record and job.lead:
+            result.update(_scored(job, start, link, identity, settings))
         return JobState.SUCCEEDED, result, ""
     except JobEnded as ended:
         result = {"history": job.history, "checkpoint": job.last_checkpoint}
@@ -209,6 +213,27 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
         if not reporter.flush(settings.request_timeout_s):
             log.warning("job %s: %d report(s) not delivered", job_id, reporter.pending)
         reporter.close()
+
+
+def _scored(job: AttemptJob, start: dict, link: ParentLink, identity, settings: Settings) -> dict:
+    """The saved model scored on the provider's private test split by the evaluator the job names
+    (installed there by its operator); the provider reports the score to the router itself."""
+    assert job.model_record is not None  # noqa: S101 - checked by the caller
+    blob = Path(job.model_record["path"]).read_bytes()
+    providers = start["providers"]
+    provider = next((p for p in providers if p.get("name") == start.get("provider_name")), providers[0])
+    evaluation = score_saved(
+        blob,
+        job.id,
+        job.spec,
+        provider,
+        link=link,  # type: ignore[arg-type]  # a Link in all it uses
+        identity=identity,
+        settings=settings,
+        check=job._commands,
+    )
+    log.info("job %s: test %s on %d samples (%s)", job.id, evaluation.accuracy, evaluation.n, job.spec.evaluator)
+    return {"test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy, "test_n": evaluation.n}
 
 
 def main(argv: list[str]) -> int:

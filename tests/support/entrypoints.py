@@ -176,3 +176,20 @@ def pbt_member(job: Job) -> None:
         job.step()
         job.report(val_loss=float((w - 20) ** 2))
     job.save_model({"w": w})
+
+
+def linear_classifier(job: Job) -> None:
+    """Trains a linear classifier (``weight``, ``bias``: a model no built-in names) with its own loop;
+    the provider's operator-installed evaluator (tests/support/evaluators.py:linear) scores it."""
+    torch.manual_seed(0)
+    weight = torch.zeros(10, 784, requires_grad=True)
+    bias = torch.zeros(10, requires_grad=True)
+    optimizer = torch.optim.SGD([weight, bias], lr=0.1)
+    for x, y in job.loader("train"):
+        loss = F.cross_entropy(x.reshape(len(x), -1).float() @ weight.T + bias, y.long())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        job.step(loss=loss.item())
+    job.report(val_loss=loss.item())
+    job.save_model({"weight": weight.detach(), "bias": bias.detach()})
