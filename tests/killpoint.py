@@ -25,6 +25,11 @@ def raising_model(info: dict, **kwargs):
     raise ValueError("this factory always fails")
 
 
+def exiting_model(info: dict, **kwargs):
+    """A factory that calls ``sys.exit`` (issue 30 #7): its job fails, its trainer lives on."""
+    sys.exit(3)
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -147,7 +147,18 @@ def test_thousands_of_revocations_by_a_scoped_admin_leave_assignments_working(
     assert len(listed) == 40 and all(len(r["reason"]) <= 200 for r in listed)
     assert [r["jti"] for r in admin_a.request(ListRevoked()).revoked] == [jti_of(inside)]  # its own only
 
-    # what the flood broke: an assigned trainer still reads its job's dataset
+    # what the flood broke: an assigned trainer still reads its job's dataset; the push that tells the
+    # provider of it carries what changed (the assignment), not the unchanged revocation list again
+    pushes: list = []
+    handler = router.service.handler
+    original_push = handler.push
+
+    def recording(sid, msg):
+        if type(msg).__name__ == "Entitlements":
+            pushes.append(msg)
+        return original_push(sid, msg)
+
+    handler.push = recording
     job = admin.request(SubmitJob(spec={"dataset": "mnist", "epochs": 1})).job
     t1 = make_token("trainer", sub="t1")
     assert trainer_of(client_for, router, make_token, "t1").request(GetTask()).job == job
@@ -156,6 +167,8 @@ def test_thousands_of_revocations_by_a_scoped_admin_leave_assignments_working(
     assert reader.request(BatchRequest(dataset="mnist", split="train", range=[0, 2])).shapes
     with pytest.raises(AuthInvalid, match="refused this connection at the handshake"):  # the provider heard
         client_for(provider.endpoint, token=inside, timeout_s=8.0).request(DatasetInfoRequest(dataset="mnist"))
+    granted = [p for p in pushes if "t1" in p.assigned.get("mnist", [])]
+    assert granted and all(p.revoked is None for p in granted), pushes
 
 
 # -- item 5: studies and the dataset scope ------------------------------------------------------

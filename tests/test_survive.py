@@ -185,6 +185,7 @@ def test_a_bad_job_fails_with_a_hint_and_the_trainer_takes_the_next(cluster, sto
     cluster.start_trainer("solo")
     bad = cluster.submit(**{**JOB, "model_kwargs": {"hidden": -1}, "max_attempts": 5})
     raising = cluster.submit(**{**JOB, "model": "tests.killpoint:raising_model"})
+    exiting = cluster.submit(**{**JOB, "model": "tests.killpoint:exiting_model", "max_attempts": 5})
     # a job may not choose what a trainer imports: pydoc.pipepager(info, cmd) would run a shell command
     marker = cluster.state / "pwned"
     shell = cluster.submit(**{**JOB, "model": "pydoc:pipepager", "model_kwargs": {"cmd": f"touch {marker}"}})
@@ -195,6 +196,8 @@ def test_a_bad_job_fails_with_a_hint_and_the_trainer_takes_the_next(cluster, sto
     info = cluster.wait_end(raising, timeout=60)
     assert info["state"] == "failed" and info["attempts"] == 1
     assert "ValueError: this factory always fails" in info["error"] and "factory" in info["error"]
+    info = cluster.wait_end(exiting, timeout=60)  # sys.exit in a job's code ends that job, not the trainer
+    assert info["state"] == "failed" and info["attempts"] == 1 and "SystemExit: 3" in info["error"], info
     info = cluster.wait_end(shell, timeout=60)
     assert info["state"] == "failed" and "not in this node's job_modules (tests.killpoint)" in info["error"], info
     assert "nothing was imported" in info["error"] and not marker.exists()

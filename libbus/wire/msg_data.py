@@ -355,10 +355,11 @@ class RevokedList(Message):
 @message
 class Entitlements(Message):
     """Router → provider, unsolicited, when the provider connects and whenever either part changes:
-    the revoked ``jti``s still unexpired, and per dataset the token subjects of the trainers
-    assigned to a running job on it (``{dataset: [sub, ...]}``)."""
+    the revoked ``jti``s still unexpired (``None``: unchanged since the last push on this session,
+    so an assignment change does not resend the whole list), and per dataset the token subjects of
+    the trainers assigned to a running job on it (``{dataset: [sub, ...]}``)."""
 
-    revoked: list
+    revoked: list | None
     assigned: dict
 
 

@@ -162,7 +162,8 @@ class ProviderService:
     def _on_push(self, msg: Message) -> None:
         """The router's word on who may read (link thread): revoked tokens, assigned trainers."""
         if isinstance(msg, Entitlements):
-            self.server.set_revoked(msg.revoked)
+            if msg.revoked is not None:  # None: the list is the one the last push on this session carried
+                self.server.set_revoked(msg.revoked)
             self.handler.set_assigned(msg.assigned)
 
     def stats(self) -> dict:

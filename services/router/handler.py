@@ -511,9 +511,12 @@ class RouterHandler(Decisions, Handler):
     def _push_to_provider(self, provider: Session, revoked: list[str], assigned: dict) -> None:
         served = provider.hello.caps["datasets"]
         mine = (revoked, {name: subs for name, subs in assigned.items() if name in served})
-        if self._sent.get(provider.sid) != mine:
+        sent = self._sent.get(provider.sid)
+        if sent != mine:
             self._sent[provider.sid] = mine
-            self.push(provider.sid, Entitlements(revoked=mine[0], assigned=mine[1]))
+            # what changed only: the revoked list (up to MAX_REVOKED ids) goes again only when it changed
+            same = sent is not None and sent[0] == revoked
+            self.push(provider.sid, Entitlements(revoked=None if same else mine[0], assigned=mine[1]))
 
     @serves(Stats, "admin", "trainer")
     def on_Stats(self, session: Session | None, msg: Stats) -> StatsReply:

@@ -140,7 +140,7 @@ class TaskRun:
                 # a collective inside backward() (DDP) breaks when another rank is gone
                 return self._failed(GangError(f"rank {self.task.rank}: the gang broke: {err}"))
             return self._failed(err)
-        except Exception as err:  # noqa: BLE001 - whatever the job's model or data raise, the trainer lives on
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - whatever the job's model or data raise (sys.exit too), the trainer lives on
             return self._failed(err)
         finally:
             if self.audit is not None:
@@ -151,7 +151,7 @@ class TaskRun:
             if self.gang is not None and not self.gang.close():
                 self.unclean = True
 
-    def _failed(self, err: Exception) -> tuple[JobState | str, dict, str]:
+    def _failed(self, err: BaseException) -> tuple[JobState | str, dict, str]:
         """The job ends ``failed`` with the exception's type, message and a hint; only a peer that
         did not answer or is gone (a provider, a rank of the gang) makes it retryable: a model, a
         spec or a device that fails here fails the same way on the next trainer."""
