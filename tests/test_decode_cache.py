@@ -1,6 +1,7 @@
 """The provider's decode cache (services/provider/sources/pipeline/cache.py): samples kept as they leave a
 pipeline's deterministic prefix, shared by jobs, and every job's bytes those of an uncached run."""
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 from libbus.errors import ConfigError
 from services.provider.sources import open_source
 from services.provider.sources.pipeline import Pipeline, pipeline_stats
-from services.provider.sources.pipeline.cache import DecodeCache, Entry
+from services.provider.sources.pipeline.cache import DecodeCache, Entry, file_name
 from tests.support.images import write_imagefolder
 
 TRAIN = """seed = {seed}
@@ -216,9 +217,7 @@ def entries_on_disk(tmp_path: Path) -> tuple[DecodeCache, Path, list[tuple]]:
 def test_a_corrupt_or_truncated_disk_file_is_decoded_again_not_served(tmp_path, damage):
     cache, disk, keys = entries_on_disk(tmp_path)
     files = {p.name: p for p in disk.iterdir()}
-    from services.provider.sources.pipeline.cache import _file_name
-
-    victim = files[_file_name(keys[1])]
+    victim = files[file_name(keys[1])]
     data = victim.read_bytes()
     if damage == "truncate":
         victim.write_bytes(data[: len(data) - 7])
@@ -227,7 +226,7 @@ def test_a_corrupt_or_truncated_disk_file_is_decoded_again_not_served(tmp_path, 
     elif damage == "empty":
         victim.write_bytes(b"")
     else:  # another sample's intact file under this sample's name
-        victim.write_bytes(files[_file_name(keys[2])].read_bytes())
+        victim.write_bytes(files[file_name(keys[2])].read_bytes())
     assert cache.get(keys[1]) is None  # a miss: the pipeline decodes it again
     assert not victim.exists() and cache.stats()["disk"]["corrupt"] == 1
     good = cache.get(keys[0])
@@ -237,11 +236,9 @@ def test_a_corrupt_or_truncated_disk_file_is_decoded_again_not_served(tmp_path, 
 
 def test_the_disk_tier_never_follows_a_symlink_out_of_its_directory(tmp_path):
     cache, disk, keys = entries_on_disk(tmp_path)
-    from services.provider.sources.pipeline.cache import _file_name
-
     outside = tmp_path / "outside"
-    outside.write_bytes((disk / _file_name(keys[0])).read_bytes())  # a valid file, but not in the cache dir
-    target = disk / _file_name(keys[0])
+    outside.write_bytes((disk / file_name(keys[0])).read_bytes())  # a valid file, but not in the cache dir
+    target = disk / file_name(keys[0])
     target.unlink()
     target.symlink_to(outside)
     assert cache.get(keys[0]) is None  # not read through the link
@@ -253,3 +250,60 @@ def test_the_disk_tier_never_follows_a_symlink_out_of_its_directory(tmp_path):
     with pytest.raises(ConfigError, match="not a symlink"):
         DecodeCache(1, disk_bytes=1 << 20, disk_dir=str(link))
     assert not os.listdir(tmp_path / "elsewhere")
+
+
+def test_a_provider_shares_its_cache_and_shows_it_in_busctl_datasets_and_prometheus(
+    tmp_path, images, start_provider, client_for, router, state_dir
+):
+    from libbus.wire.messages import BatchRequest
+    from tests.support import busctl, scrape, value
+
+    path = tmp_path / "train.toml"
+    path.write_text(TRAIN.format(data=images, seed=0))
+    running = start_provider(
+        f"imgs=pipeline://{path}",
+        "plain=mock://mnist?n=60",
+        name="prov-dc",
+        metrics_bind="127.0.0.1:0",
+        decode_cache_bytes=32 << 20,
+        decode_cache_disk_bytes=8 << 20,
+    )
+    for job in range(2):  # two jobs (clients) over the same 12 samples
+        client = client_for(running.endpoint)
+        for start in (0, 6):
+            client.request(BatchRequest(dataset="imgs", split="train", range=[start, start + 6], epoch=job))
+    me = dict(service="provider", name="prov-dc")
+    s = scrape(running.service.metrics.url)
+    assert value(s, "batchbus_decode_cache_hits_total", dataset="imgs", **me) == 12
+    assert value(s, "batchbus_decode_cache_misses_total", dataset="imgs", **me) == 12
+    assert value(s, "batchbus_decode_cache_hit_rate", dataset="imgs", **me) == 0.5
+    assert value(s, "batchbus_decode_cache_entries", **me) == 12
+    assert 0 < value(s, "batchbus_decode_cache_bytes", **me) <= 32 << 20
+    assert value(s, "batchbus_decode_cache_disk_limit_bytes", **me) == 8 << 20
+    disk = Path(running.service.decode_cache.disk.path)
+    assert disk == state_dir / "decode-cache" / "prov-dc"
+
+    args = ("datasets", "--router", router.endpoint, "--state-dir", str(state_dir))
+    env = {"BATCHBUS_REQUEST_TIMEOUT_S": "5", "BATCHBUS_REQUEST_RETRIES": "0"}
+    for _ in range(100):  # the router holds the provider's stats as of its last heartbeat
+        out = busctl(*args, "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        rows = {r["dataset"]: r for r in json.loads(out.stdout)}
+        if rows["imgs"]["decode_cache"].get("prov-dc", {}).get("hits") == 12:
+            break
+    cache = rows["imgs"]["decode_cache"]["prov-dc"]
+    assert cache["misses"] == 12 and cache["entries"] == 12 and cache["limit_bytes"] == 32 << 20
+    assert rows["plain"]["decode_cache"] == {}  # mock://mnist: no pipeline, nothing cached
+    text = busctl(*args, env=env)
+    assert "cache      prov-dc: 12 samples" in text.stdout and "hit rate 50.0%" in text.stdout, text.stdout
+    running.shutdown()
+    assert not any(disk.iterdir())
+
+
+def test_decode_cache_limits_are_checked(tmp_path):
+    from libbus.config import load_settings
+
+    with pytest.raises(ConfigError, match="decode_cache_bytes .*BATCHBUS_DECODE_CACHE_BYTES.* not negative"):
+        load_settings(env={"BATCHBUS_STATE_DIR": str(tmp_path), "BATCHBUS_DECODE_CACHE_BYTES": "-1"})
+    settings, sources = load_settings(env={"BATCHBUS_STATE_DIR": str(tmp_path)})
+    assert settings.decode_cache_bytes == 0 and settings.decode_cache_disk_bytes == 0  # off by default

@@ -42,7 +42,7 @@ import orjson
 
 from libbus.errors import ConfigError
 
-__all__ = ["DecodeCache", "Entry", "PrefixCache", "decode_cache_stats", "prefix_digest"]
+__all__ = ["DecodeCache", "Entry", "PrefixCache", "decode_cache_stats", "file_name", "prefix_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ def _key_text(key: tuple) -> str:
     return "\x1f".join(str(part) for part in key)
 
 
-def _file_name(key: tuple) -> str:
+def file_name(key: tuple) -> str:
+    """The disk-tier file name of ``key`` (a digest: keys hold dataset names and paths)."""
     return hashlib.blake2b(_key_text(key).encode(), digest_size=20).hexdigest() + _SUFFIX
 
 
@@ -187,7 +188,7 @@ class _DiskTier:
             self.bytes = 0
 
     def get(self, key: tuple) -> Entry | None:
-        name = _file_name(key)
+        name = file_name(key)
         with self.lock:
             if name not in self.files:
                 return None
@@ -217,7 +218,7 @@ class _DiskTier:
         data = _encode(key, entry)
         if data is None or len(data) > self.limit:
             return
-        name = _file_name(key)
+        name = file_name(key)
         tmp = f"{name}.{threading.get_ident()}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=self.dir_fd)
@@ -347,6 +348,11 @@ class DecodeCache:
             for k, e in evicted:
                 self.disk.put(k, e)
 
+    def register(self, dataset: str) -> None:
+        """List ``dataset`` in :meth:`stats` before its first read."""
+        with self._lock:
+            self._per.setdefault(dataset, [0, 0, 0, 0])
+
     def _account(self, key: tuple, size: int) -> None:
         """An entry of ``size`` bytes in (positive) or out (negative) of the RAM tier."""
         per = self._per.setdefault(key[0], [0, 0, 0, 0])
@@ -405,6 +411,7 @@ class PrefixCache:
         self.digest = prefix_digest(stages)
         #: What a sample looks like as it leaves the prefix.
         self.spec = stages[-1].spec
+        cache.register(dataset)
 
     def key(self, split: str, index: int) -> tuple:
         return (self.dataset, split, int(index), self.digest)
