@@ -167,7 +167,7 @@ class Settings:
     cache_dir: str = ""
     cache_limit: int = 0
     #: Provider: the decoded-sample cache pipelines share (samples as they leave their stages before the
-    #: first random one; docs/datasets.md §4.3): the most bytes it keeps in RAM, least recently used out,
+    #: first random one; docs/datasets.md §7.7): the most bytes it keeps in RAM, least recently used out,
     #: and of its disk tier under ``<state_dir>/decode-cache/<name>``. 0: off (the default: it pays when
     #: it holds most of a dataset that several jobs read, a size only the operator knows).
     decode_cache_bytes: int = 0

@@ -133,7 +133,7 @@ _CACHE_METRICS: dict[str, tuple[type[Metric], str, str]] = {
     "limit_bytes": (GaugeMetricFamily, "object_cache_limit_bytes", "The most bytes the cache holds."),
 }
 
-#: The provider's decode cache (stats ``decode_cache``; docs/datasets.md §4.3): per dataset, then the
+#: The provider's decode cache (stats ``decode_cache``; docs/datasets.md §7.7): per dataset, then the
 #: whole RAM tier, then its disk tier (``decode_cache.disk``).
 _DECODE_PER_DATASET: dict[str, tuple[type[Metric], str, str]] = {
     "hits": (CounterMetricFamily, "decode_cache_hits", "Samples the decode cache answered, by dataset."),

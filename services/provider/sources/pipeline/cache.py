@@ -6,7 +6,7 @@ A pipeline's stages up to (not including) its first random stage give the same s
 study reading the dataset shares one decode, while the random stages after it still run per request
 from (seed, epoch, index): each job's bytes are those of an uncached run.
 
-One :class:`DecodeCache` per provider, shared by its pipelines (docs/datasets.md §4.3):
+One :class:`DecodeCache` per provider, shared by its pipelines (docs/datasets.md §7.7):
 
 - a RAM tier of at most ``ram_bytes``, least recently used first out;
 - optionally a disk tier of at most ``disk_bytes`` under its own directory, which takes what the RAM
