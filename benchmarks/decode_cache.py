@@ -34,8 +34,10 @@ import threading
 import time
 from pathlib import Path
 
+from libbus.connect.client import Client, Identity
 from libbus.loader.remote import RemoteLoader
 from libbus.security.auth import ensure_secret, issue_token
+from libbus.wire.messages import Stats
 from services.launch import ServiceProcs
 
 from .images import EXAMPLE, make_images
@@ -134,9 +136,31 @@ def run(state: Path, pipeline: Path, jobs: int, cache_bytes: int) -> dict:
         if errors:
             raise errors[0]
         cpu, wall = provider_cpu(pid) - cpu0, time.perf_counter() - started
-        return {"cpu_s": round(cpu, 3), "wall_s": round(wall, 2), "samples": sum(samples), "digests": digests}
+        return {
+            "cpu_s": round(cpu, 3),
+            "wall_s": round(wall, 2),
+            "samples": sum(samples),
+            "decoded": decoded(router, secret),
+            "digests": digests,
+        }
     finally:
         procs.stop()
+
+
+def decoded(router: str, secret: bytes) -> int:
+    """Images the provider's ``decode`` stage decoded, from its stats on the router (a heartbeat late)."""
+    token = issue_token(secret, sub="bench-admin", role="admin", audience="batchbus", ttl_s=600)
+    with Client(router, Identity(role="admin", name="bench-admin", token=token), timeout_s=10) as client:
+        last, deadline = -1, time.monotonic() + 10
+        while time.monotonic() < deadline:
+            rows = [r for r in client.request(Stats()).services.values() if r.get("role") == "provider"]
+            stages = rows[0]["pipelines"]["img"]["stages"] if rows and "pipelines" in rows[0] else []
+            now = next((s["items_in"] for s in stages if s["name"] == "decode"), -1)
+            if now == last and now >= 0:
+                return now
+            last = now
+            time.sleep(1.5)  # the default heartbeat is 1 s: two equal readings span one
+    return last
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -445,6 +445,13 @@ class PrefixCache:
             return
         indices, hits, misses = chunk.cached
         n, spec = len(indices), self.spec
+        if not hits:  # every row read by the prefix, in order: keep its arrays, store copies
+            x, y = chunk.xy()
+            for row in range(n):
+                if row not in chunk.uncacheable:
+                    self.store(chunk.split, int(indices[row]), x[row], y[row])
+            chunk.indices, chunk.cached, chunk.uncacheable = indices, None, frozenset()
+            return
         rows_x: list = [None] * n
         rows_y: list = [None] * n
         for pos, entry in hits.items():
