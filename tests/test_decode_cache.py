@@ -4,6 +4,7 @@ pipeline's deterministic prefix, shared by jobs, and every job's bytes those of 
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 from libbus.errors import ConfigError
 from services.provider.sources import open_source
 from services.provider.sources.pipeline import Pipeline, pipeline_stats
-from services.provider.sources.pipeline.cache import DecodeCache, Entry, file_name
+from services.provider.sources.pipeline.cache import DecodeCache, Entry, PrefixCache, file_name
+from services.provider.sources.pipeline.stages import Chunk
 from tests.support.images import write_imagefolder
 
 TRAIN = """seed = {seed}
@@ -307,3 +309,67 @@ def test_decode_cache_limits_are_checked(tmp_path):
         load_settings(env={"BATCHBUS_STATE_DIR": str(tmp_path), "BATCHBUS_DECODE_CACHE_BYTES": "-1"})
     settings, sources = load_settings(env={"BATCHBUS_STATE_DIR": str(tmp_path)})
     assert settings.decode_cache_bytes == 0 and settings.decode_cache_disk_bytes == 0  # off by default
+
+
+def numeric_prefix(tmp_path: Path) -> tuple[Pipeline, PrefixCache]:
+    path = tmp_path / "n.toml"
+    path.write_text(
+        '[[stages]]\nname = "m"\nsource = { uri = "mock://cifar10?n=64" }\n'
+        '[[stages]]\nname = "norm"\ninput = "m"\nnormalize = { mean = 1.0, std = 2.0 }\n'
+        '[[stages]]\nname = "flip"\ninput = "norm"\nflip = {}\n'
+    )
+    source = open_source(f"pipeline://{path}")
+    assert isinstance(source, Pipeline)
+    return source, PrefixCache(DecodeCache(1 << 20), "n", source.stages[:2])
+
+
+def through_prefix(source: Pipeline, chunk: Chunk) -> None:
+    for stage in source.stages[:2]:
+        stage.apply(chunk)
+
+
+def test_a_sample_being_decoded_is_waited_for_not_decoded_again(tmp_path):
+    source, prefix = numeric_prefix(tmp_path)
+    stop = threading.Event()
+    first = Chunk(None, 0, np.arange(0, 4), "train", 0)
+    prefix.lookup(first, stop, time.monotonic() + 60)  # claims 0..3: its decode is under way
+    assert first.indices.tolist() == [0, 1, 2, 3]
+    second = Chunk(None, 0, np.arange(2, 6), "train", 0)
+    waiter = threading.Thread(target=prefix.lookup, args=(second, stop, time.monotonic() + 60))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # waits for samples 2 and 3 rather than decoding them too
+    through_prefix(source, first)
+    prefix.merge(first)  # stored: the waiter takes them from the cache
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert second.indices.tolist() == [4, 5]  # only what nobody decodes
+    through_prefix(source, second)
+    prefix.merge(second)
+    plain = Chunk(None, 0, np.arange(2, 6), "train", 0)
+    through_prefix(source, plain)
+    assert np.array_equal(second.x, plain.x)
+    assert prefix.cache.stats()["hits"] == 2 and prefix.cache.stats()["misses"] == 6
+    source.close()
+
+
+def test_a_failed_decode_releases_its_claims_and_the_waiter_decodes(tmp_path):
+    source, prefix = numeric_prefix(tmp_path)
+    stop = threading.Event()
+    doomed = Chunk(None, 0, np.arange(10, 12), "train", 0)
+    prefix.lookup(doomed, stop, time.monotonic() + 60)
+    other = Chunk(None, 0, np.arange(10, 13), "train", 0)
+    waiter = threading.Thread(target=prefix.lookup, args=(other, stop, time.monotonic() + 60))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()
+    PrefixCache.abandon(doomed)  # its batch failed: the engine drops the chunk
+    waiter.join(10)
+    assert not waiter.is_alive() and other.indices.tolist() == [10, 11, 12]
+    # and a stopping pipeline ends a wait at once
+    prefix.lookup(held := Chunk(None, 0, np.arange(20, 21), "train", 0), stop, time.monotonic() + 60)
+    stop.set()
+    late = Chunk(None, 0, np.arange(20, 21), "train", 0)
+    prefix.lookup(late, stop, time.monotonic() + 60)
+    assert late.indices.tolist() == [20] and held.indices.tolist() == [20]
+    source.close()

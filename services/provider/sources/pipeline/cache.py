@@ -21,8 +21,9 @@ A key is ``(dataset, split, index, digest of the prefix's stage types and parame
 datasets or splits never share an entry unless they would produce the same sample. :class:`PrefixCache`
 is that binding for one pipeline.
 
-Two requests that miss the same sample at once both decode it and store the same value (the second
-store replaces the first): correct bytes, at worst one extra decode per sample and racing request.
+Requests that miss the same sample at once decode it once: the first claims it, the others wait for
+its store (at most until their batch's deadline, or the pipeline stops) and take it from the cache; a
+claim whose chunk fails or is dropped is released, and a waiter then decodes the sample itself.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,34 +298,64 @@ class DecodeCache:
         self._per: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self.disk = _DiskTier(disk_dir, disk_bytes) if disk_bytes else None
+        #: Keys being decoded now, by the chunk that claimed them: set when stored or given up.
+        self._claims: dict[tuple, threading.Event] = {}
 
     @property
     def enabled(self) -> bool:
         return self.limit > 0 or self.disk is not None
 
-    def get(self, key: tuple) -> Entry | None:
-        """The entry of ``key`` (RAM, then disk, promoting a disk hit), or None; counts a hit or a miss."""
+    def get(self, key: tuple, *, count: bool = True) -> Entry | None:
+        """The entry of ``key`` (RAM, then disk, promoting a disk hit), or None; ``count``: as a hit or a
+        miss (:class:`PrefixCache` counts once per sample served instead)."""
         with self._lock:
             found = self._ram.get(key)
             if found is not None:
                 self._ram.move_to_end(key)
-                self._count(key[0], hit=True)
+                if count:
+                    self.count(key[0], 1, 0)
                 return found[0]
         entry = self.disk.get(key) if self.disk is not None else None
-        with self._lock:
-            self._count(key[0], hit=entry is not None)
+        if count:
+            with self._lock:
+                self.count(key[0], int(entry is not None), int(entry is None))
         if entry is not None:
             self.put(key, entry, spill=False)
         return entry
 
-    def _count(self, dataset: str, *, hit: bool) -> None:
+    def count(self, dataset: str, hits: int, misses: int) -> None:
+        """Count lookups of ``dataset`` (the caller holds the lock, or calls :meth:`add_counts`)."""
         per = self._per.setdefault(dataset, [0, 0, 0, 0])
-        if hit:
-            self.hits += 1
-            per[0] += 1
-        else:
-            self.misses += 1
-            per[1] += 1
+        self.hits += hits
+        self.misses += misses
+        per[0] += hits
+        per[1] += misses
+
+    def add_counts(self, dataset: str, hits: int, misses: int) -> None:
+        with self._lock:
+            self.count(dataset, hits, misses)
+
+    def claim(self, key: tuple) -> threading.Event | None:
+        """None: the caller now decodes ``key`` and must :meth:`release` it. Else the event another
+        decode of it sets when it ends (stored or given up)."""
+        with self._lock:
+            event = self._claims.get(key)
+            if event is None:
+                self._claims[key] = threading.Event()
+            return event
+
+    def claimed(self, key: tuple) -> threading.Event | None:
+        """The event of a decode of ``key`` under way, or None."""
+        with self._lock:
+            return self._claims.get(key)
+
+    def release(self, keys: list[tuple]) -> None:
+        """End the claims on ``keys``: their waiters look again."""
+        with self._lock:
+            events = [self._claims.pop(key, None) for key in keys]
+        for event in events:
+            if event is not None:
+                event.set()
 
     def put(self, key: tuple, entry: Entry, *, spill: bool = True) -> None:
         """Keep ``entry``; what the RAM tier evicts for it goes to the disk tier, and so does ``entry``
@@ -400,6 +432,21 @@ class DecodeCache:
             self.disk = None
 
 
+class CachedRows:
+    """A chunk's answer from the cache (``Chunk.cached``): its whole ``indices``, the ``hits`` by
+    position, the positions of the ``misses`` the prefix reads, and the keys it ``claimed``."""
+
+    def __init__(self, indices: np.ndarray, hits: dict[int, Entry], cache: DecodeCache):
+        self.indices, self.hits, self.cache = indices, hits, cache
+        self.misses = np.empty(0, np.intp)
+        self.claimed: list[tuple] = []
+
+    def release(self) -> None:
+        claimed, self.claimed = self.claimed, []
+        if claimed:
+            self.cache.release(claimed)
+
+
 class PrefixCache:
     """One pipeline's view of the provider's :class:`DecodeCache`: keys of ``dataset`` and the digest
     of its first ``length`` stages (its deterministic prefix)."""
@@ -416,20 +463,52 @@ class PrefixCache:
     def key(self, split: str, index: int) -> tuple:
         return (self.dataset, split, int(index), self.digest)
 
-    def lookup(self, chunk: Any) -> None:
+    def lookup(self, chunk: Any, stop: threading.Event, deadline: float) -> None:
         """Answer what the cache holds of ``chunk`` (a pipeline :class:`~.stages.Chunk`): keep the hits
-        in ``chunk.cached`` and leave the misses in ``chunk.indices``, for the prefix to read."""
+        in ``chunk.cached`` and leave the misses in ``chunk.indices``, for the prefix to read.
+
+        A sample another chunk is decoding now is waited for (until ``deadline``, monotonic, or
+        ``stop``), then taken from the cache, or decoded here if that decode was given up. The samples
+        this chunk decodes are claimed (after any waiting: a chunk that holds claims never waits, so
+        two chunks never wait on each other) until :meth:`merge` stores them or :meth:`abandon`.
+        """
         hits: dict[int, Entry] = {}
-        misses = []
+        todo: list[tuple[int, tuple]] = []
+        waits: list[tuple[int, tuple, threading.Event]] = []
         for pos, index in enumerate(chunk.indices.tolist()):
-            entry = self.cache.get(self.key(chunk.split, index))
+            key = self.key(chunk.split, index)
+            entry = self.cache.get(key, count=False)
+            if entry is not None:
+                hits[pos] = entry
+            elif (event := self.cache.claimed(key)) is not None:
+                waits.append((pos, key, event))
+            else:
+                todo.append((pos, key))
+        for pos, key, event in waits:
+            while not event.wait(0.1) and not stop.is_set() and time.monotonic() < deadline:
+                pass
+            entry = self.cache.get(key, count=False)
             if entry is None:
-                misses.append(pos)
+                todo.append((pos, key))  # given up, evicted already, or out of time: decode it here
             else:
                 hits[pos] = entry
-        positions = np.asarray(misses, np.intp)
-        chunk.cached = (chunk.indices, hits, positions)
-        chunk.indices = chunk.indices[positions]
+        rows = CachedRows(chunk.indices, hits, self.cache)
+        mine: set[tuple] = set()
+        for _, key in todo:
+            # taken meanwhile by another chunk: decoded twice rather than waited for while holding claims
+            if key not in mine and self.cache.claim(key) is None:
+                mine.add(key)
+        rows.claimed = list(mine)
+        rows.misses = np.asarray(sorted(pos for pos, _ in todo), np.intp)
+        self.cache.add_counts(self.dataset, len(hits), len(todo))
+        chunk.cached = rows
+        chunk.indices = chunk.indices[rows.misses]
+
+    @staticmethod
+    def abandon(chunk: Any) -> None:
+        """Release ``chunk``'s claims: it failed or was dropped before :meth:`merge`."""
+        if isinstance(chunk.cached, CachedRows):
+            chunk.cached.release()
 
     def store(self, split: str, index: int, x: Any, y: Any) -> Entry:
         """Keep sample ``index``'s prefix output; returns the stored entry (copies, not views)."""
@@ -441,9 +520,16 @@ class PrefixCache:
     def merge(self, chunk: Any) -> None:
         """After the last prefix stage: store the misses' output, and put the whole chunk back
         together, in request order, for the random stages. A chunk ``lookup`` did not see passes."""
-        if chunk.cached is None:
+        rows = chunk.cached
+        if rows is None:
             return
-        indices, hits, misses = chunk.cached
+        try:
+            self._merge(chunk, rows)
+        finally:
+            rows.release()
+
+    def _merge(self, chunk: Any, rows: CachedRows) -> None:
+        indices, hits, misses = rows.indices, rows.hits, rows.misses
         n, spec = len(indices), self.spec
         if not hits:  # every row read by the prefix, in order: keep its arrays, store copies
             x, y = chunk.xy()

@@ -103,6 +103,7 @@ def _stage_worker(
             continue
         if chunk.job.failed:
             inbox.drops += 1
+            PrefixCache.abandon(chunk)
             continue
         try:
             if not (cached and chunk.cached is not None and not len(chunk.indices)):
@@ -110,9 +111,11 @@ def _stage_worker(
             if after is not None:
                 after(chunk)
         except BusError as err:
+            PrefixCache.abandon(chunk)
             chunk.job.fail(type(err)(f"stage {stage.name!r} ({stage.type}): {err}"))
             continue
         except Exception as err:  # noqa: BLE001 - a bug in a stage fails the batch, not the provider
+            PrefixCache.abandon(chunk)
             log.exception("stage %s (%s) failed", stage.name, stage.type)
             chunk.job.fail(Internal(f"stage {stage.name!r} ({stage.type}): {type(err).__name__}: {err}"))
             continue
@@ -326,11 +329,12 @@ class Pipeline(Source):
         for start in starts:
             chunk = Chunk(job, start, indices[start : start + self.chunk], split, epoch)
             if self.cache is not None:
-                self.cache.lookup(chunk)
+                self.cache.lookup(chunk, self._stop, deadline)
             if self.regroup is not None:  # the stages before it read the inputs these samples are made of
                 chunk.requested = chunk.indices
                 chunk.indices = self.regroup.source_indices(split, chunk.requested)
             if job.failed or not self.requests.put(chunk, self._stop, POLL_S, deadline):
+                PrefixCache.abandon(chunk)
                 break  # the wait below turns a stop or the deadline into the batch's error
         while not job.done.wait(POLL_S):
             if self._stop.is_set():
