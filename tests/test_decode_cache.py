@@ -373,3 +373,19 @@ def test_a_failed_decode_releases_its_claims_and_the_waiter_decodes(tmp_path):
     prefix.lookup(late, stop, time.monotonic() + 60)
     assert late.indices.tolist() == [20] and held.indices.tolist() == [20]
     source.close()
+
+
+def test_a_skipped_bad_image_is_served_on_every_read_with_the_cache(tmp_path, images):
+    bad = sorted((images / "train" / "class1").iterdir())[0]
+    bad.write_bytes(bad.read_bytes()[:50])
+    path = tmp_path / "skip.toml"
+    path.write_text(TRAIN.format(data=images, seed=0).replace('bad = "fail"', 'bad = "skip"'))
+    source = open_source(f"pipeline://{path}")
+    assert isinstance(source, Pipeline) and source.use_cache(DecodeCache(64 << 20), "imgs")
+    files = [p for p, _ in source.source.store.files["train"]]
+    at = files.index(bad)
+    first = read(source, np.arange(24), 0)
+    again = read(source, np.array([at - 1, at, at + 1]), 0)  # its neighbours now hits, it too
+    alone = read(source, np.array([at]), 1)
+    assert np.array_equal(again[1], first[1][at - 1 : at + 2]) and alone[1][0] == first[1][at]
+    source.close()

@@ -534,9 +534,8 @@ class PrefixCache:
         if not hits:  # every row read by the prefix, in order: keep its arrays, store copies
             x, y = chunk.xy()
             for row in range(n):
-                if row not in chunk.uncacheable:
-                    self.store(chunk.split, int(indices[row]), x[row], y[row])
-            chunk.indices, chunk.cached, chunk.uncacheable = indices, None, frozenset()
+                self.store(chunk.split, int(indices[row]), x[row], y[row])
+            chunk.indices, chunk.cached = indices, None
             return
         rows_x: list = [None] * n
         rows_y: list = [None] * n
@@ -545,11 +544,8 @@ class PrefixCache:
         if len(misses):
             x, y = chunk.xy()
             for row, pos in enumerate(misses.tolist()):
-                if row in chunk.uncacheable:  # kept out of the cache, still served
-                    rows_x[pos], rows_y[pos] = x[row], y[row]
-                else:
-                    entry = self.store(chunk.split, int(indices[pos]), x[row], y[row])
-                    rows_x[pos], rows_y[pos] = entry.x, entry.y
+                entry = self.store(chunk.split, int(indices[pos]), x[row], y[row])
+                rows_x[pos], rows_y[pos] = entry.x, entry.y
         if spec.kind in OBJECT_KINDS:  # images of any size, token lists: one object per sample
             out_x = np.empty(n, object)
             for pos, value in enumerate(rows_x):
@@ -562,7 +558,7 @@ class PrefixCache:
         for pos, value in enumerate(rows_y):
             out_y[pos] = value
         chunk.x, chunk.y, chunk.indices = out_x, out_y, indices
-        chunk.cached, chunk.uncacheable = None, frozenset()
+        chunk.cached = None
 
 
 def decode_cache_stats(caches: list[DecodeCache]) -> dict:

@@ -105,7 +105,6 @@ class Decode(_PoolStage):
                 near = int(good[np.argmin(np.abs(good - i))])
                 images[i], y[i] = images[near], y[near]
             chunk.y = y
-            chunk.uncacheable = frozenset(errors)
         x = np.empty(len(images), object)
         x[:] = images
         chunk.x = x

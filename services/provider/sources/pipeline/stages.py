@@ -64,9 +64,6 @@ class Chunk:
     #: With a decode cache (:mod:`.cache`): the whole chunk's indices and the hits found for it, while
     #: ``indices`` are the misses the deterministic prefix reads; None otherwise.
     cached: Any = None
-    #: Rows (positions in ``indices``) whose prefix output must not be cached: ``decode`` with
-    #: ``bad = "skip"`` put a neighbour of the chunk in place of a bad image.
-    uncacheable: frozenset = frozenset()
 
     def xy(self) -> tuple[np.ndarray, np.ndarray]:
         """``(x, y)``, which every stage after the source has (a named-field stage sets its field's)."""
