@@ -19,7 +19,7 @@ import torch
 from tests.support.jobs import EntryCluster, final_weights
 from tests.support.memcg import memory_cgroup
 
-#: mock://mnist?n=600 has 600 train samples: 38 steps of 16 an epoch; checkpoints every 10 steps and at each report
+#: 320 of mock://mnist?n=600's train samples: 20 steps of 16 an epoch; checkpoints every 7 steps and at each report
 JOB = {
     "dataset": "mnist",
     "entrypoint": "tests.support.entrypoints:custom_loss",
@@ -28,7 +28,8 @@ JOB = {
     "shuffle": "full",
     "seed": 5,
     "evaluate": False,
-    "checkpoint_every": 10,
+    "checkpoint_every": 7,
+    "train_range": [0, 320],
     "max_attempts": 5,
 }
 
@@ -62,7 +63,7 @@ def reference(cluster) -> dict:
 
 def test_a_function_with_its_own_loss_killed_twice_mid_epoch_ends_as_if_uninterrupted(cluster, reference):
     job = cluster.submit_spec(JOB)
-    for name in ("k1", "k2"):  # each dies right after its attempt's first checkpoint reached the router
+    for name in ("k1", "k2"):  # each dies right after its attempt's first checkpoint (steps 7, 14) reached the router
         proc = cluster.start_killed_at(name, "entry_checkpoint")
         assert proc.wait(180) == -signal.SIGKILL, cluster.logs()
     cluster.start_trainer("t")
@@ -76,9 +77,9 @@ def test_a_function_with_its_own_loss_killed_twice_mid_epoch_ends_as_if_uninterr
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
-    # what the function printed, attempt by attempt: the last one resumed at step 20, mid-epoch 1
+    # what the function printed, attempt by attempt: the last one resumed at step 14, mid-epoch 1
     logs = cluster.busctl("job", "logs", job).stdout
-    assert "attempt 2: epoch 0 from sample 320" in logs, logs
+    assert "attempt 2: epoch 0 from sample 224" in logs, logs
     assert "epoch 1: val accuracy" in logs
     first = cluster.busctl("job", "logs", job, "--attempt", "0").stdout
     assert "attempt 0: epoch 0 from sample 0" in first, first

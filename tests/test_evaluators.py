@@ -25,6 +25,7 @@ from services.provider.release import EXACT, Release, bits_per_evaluation
 from services.provider.sources import open_source
 from services.trainer.final_eval import score_saved
 from services.usercode import module_allowed
+from tests.support.busctl import REPO
 from tests.support.cluster import Cluster
 from tests.support.evaluators import HOLD
 from tests.support.services import wait_job
@@ -300,7 +301,12 @@ def test_a_final_evaluation_is_sent_again_to_a_provider_killed_and_restarted_at_
     hold.touch()
     cluster = Cluster(
         tmp_path / "cluster",
-        {"BATCHBUS_EVALUATOR_MODULES": "tests.support.evaluators", "BATCHBUS_ASSIGNED_ONLY": "false"},
+        {
+            "BATCHBUS_EVALUATOR_MODULES": "tests.support.evaluators",
+            "BATCHBUS_ASSIGNED_ONLY": "false",
+            # The provider imports the evaluator as an operator's would: from its own PYTHONPATH.
+            "PYTHONPATH": str(REPO),
+        },
     )
     try:
         router = cluster.start_router()

@@ -158,6 +158,30 @@ def test_a_router_link_refused_for_an_expired_token_renews_it(router, secret, ma
         link.close()
 
 
+def test_a_hello_the_socket_cannot_queue_is_tried_again_not_fatal(router, make_token, monkeypatch):
+    """A Hello that a fresh socket does not take ("send queue full", seen right after a renewal in a
+    loaded run) is a lost Hello: the link starts over after the Hello timeout and connects, rather
+    than stopping for good as on a token the router refuses."""
+    import libbus.connect.client as client_module
+
+    real, refused = client_module.send_message, [0]
+
+    def first_hello_not_queued(sock, msg, *args, **kwargs):
+        if type(msg).__name__ == "Hello" and not refused[0]:
+            refused[0] += 1
+            return False
+        return real(sock, msg, *args, **kwargs)
+
+    monkeypatch.setattr(client_module, "send_message", first_hello_not_queued)
+    identity = Identity(role="trainer", name="queued", token=make_token("trainer", sub="queued"))
+    link = Link(router.endpoint, identity, heartbeat_ms=200).start()
+    try:
+        assert link.wait_connected(30), f"the link never connected: {link.fatal}"
+        assert link.fatal is None and refused[0] == 1
+    finally:
+        link.close()
+
+
 def _wait_for(condition, timeout_s: float, why: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -40,18 +39,6 @@ class KillCluster(JobCluster):
             PYTHONPATH=str(REPO),
             BATCHBUS_JOB_MODULES="tests.killpoint",
         )
-
-    def start_killed_at(self, name: str, point: str, nth: int = 1) -> subprocess.Popen:
-        """A trainer that SIGKILLs itself the ``nth`` time it reaches ``point``."""
-        with open(self.state / f"{name}.log", "a") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.killpoint", point, str(nth), "--", "start", "trainer", "--name", name],
-                env=self.env,
-                cwd=REPO,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        return self.adopt(name, proc)
 
 
 @pytest.fixture(scope="module")

@@ -205,6 +205,10 @@ class Link:
         self._hello_sent = time.monotonic()
         try:
             self.client.send(self.client.identity.hello(self._hello_id))
+        except PeerTimeout as err:
+            # not queued (a fresh socket not connected yet, or its queue full): unanswered like a lost
+            # Hello, so the next turn after the Hello timeout starts over on a fresh socket; not fatal
+            log.warning("Hello to router %s not sent (%s); trying again", self.client.endpoint, err)
         except BusError as err:  # e.g. a token callable that cannot mint
             self.fatal = err
 

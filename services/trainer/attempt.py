@@ -242,10 +242,10 @@ class AttemptRun:
             try:
                 got = reader_out.get(timeout=0.2)
             except queue.Empty:
-                got = ()  # type: ignore[assignment]
-            if got is None:  # the channel closed: the child ended (or closed it)
-                return self._ended_without_result(stopping)
-            if got:
+                pass
+            else:
+                if got is None:  # the channel closed: the child ended (or closed it)
+                    return self._ended_without_result(stopping)
                 header, frames = got
                 op = header["op"]
                 if op == "result":

@@ -64,6 +64,18 @@ class JobCluster(Cluster):
         """The provider of ``mnist`` (again, after a stop: same name); :meth:`endpoint_of` waits for it."""
         self.start("provider", "provider", "--bind", bind, "--dataset", "mnist=mock://mnist?n=600", ready=True)
 
+    def start_killed_at(self, name: str, point: str, nth: int = 1) -> subprocess.Popen:
+        """A trainer that SIGKILLs itself the ``nth`` time it reaches ``point`` (tests/killpoint.py)."""
+        with open(self.state / f"{name}.log", "a") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.killpoint", point, str(nth), "--", "start", "trainer", "--name", name],
+                env=self.env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return self.adopt(name, proc)
+
     def submit(self, **changes) -> str:
         """Submit :data:`SPEC` with ``changes``; returns the job's id."""
         return self.submit_spec({**SPEC, **changes})
@@ -99,7 +111,7 @@ def final_weights(info: dict) -> dict[str, torch.Tensor]:
 
 class EntryCluster(JobCluster):
     """:class:`JobCluster` whose trainers allow the tests' entrypoints (tests/support/entrypoints.py),
-    find hung attempts after 6 s of silence and give a stop 10 s; with kill points like tests/killpoint.py's."""
+    find hung attempts after 6 s of silence and give a stop 10 s."""
 
     def __init__(self, state):
         super().__init__(state)
@@ -111,14 +123,3 @@ class EntryCluster(JobCluster):
             BATCHBUS_ATTEMPT_SILENCE_S="6",
             BATCHBUS_STOP_GRACE_S="10",
         )
-
-    def start_killed_at(self, name: str, point: str, nth: int = 1) -> subprocess.Popen:
-        with open(self.state / f"{name}.log", "a") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.killpoint", point, str(nth), "--", "start", "trainer", "--name", name],
-                env=self.env,
-                cwd=REPO,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        return self.adopt(name, proc)

@@ -24,9 +24,9 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import Field
+from ..base import Field, FieldBatch, Source
 
-__all__ = ["PARAMS", "Pick", "Selection", "classes", "fill", "select"]
+__all__ = ["PARAMS", "Pick", "PickedSource", "Selection", "classes", "fill", "select"]
 
 #: The URI parameters :func:`select` reads.
 PARAMS = ("fields", "label", "shape")
@@ -142,3 +142,40 @@ def fill(pick: Pick, values: list, where) -> list | np.ndarray:
             )
         out[i] = a.reshape(shape)
     return out
+
+
+class PickedSource(Source):
+    """The reads every layout whose fields :func:`select` picks shares (TFRecord, MDS and litData,
+    Hugging Face ``save_to_disk``): the layout gives :meth:`_values` (the picked fields of some
+    samples, ``x``/``y`` when the selection makes an ``(x, y)`` dataset), this does the rest."""
+
+    uri: str
+    xy: bool
+    label: str | None
+
+    def _values(self, split: str, indices: np.ndarray) -> FieldBatch:
+        raise NotImplementedError
+
+    def check_labels(self, out: FieldBatch, split: str) -> None:
+        """:class:`DatasetError` when a label of ``out`` is outside ``0..num_classes - 1``."""
+        y = out.get("y")
+        if (
+            self.label is not None
+            and isinstance(y, np.ndarray)
+            and len(y)
+            and (y.min() < 0 or y.max() >= self.num_classes)
+        ):
+            raise DatasetError(f"{self.uri}: a label in {split} is outside 0..{self.num_classes - 1}")
+
+    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
+        return super().read_fields(split, indices, epoch) if self.xy else self._values(split, indices)
+
+    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        """Samples ``indices`` of an ``(x, y)`` dataset into ``x`` and ``y``."""
+        if not self.xy:
+            raise DatasetError(f"{self.uri}: named fields {', '.join(f.name for f in self.fields)}: read_fields")
+        n = len(indices)
+        if x.shape != (n, *self.sample_shape) or y.shape != (n,):
+            raise ValueError(f"read_into needs x {(n, *self.sample_shape)} and y {(n,)}, got {x.shape}, {y.shape}")
+        got = self._values(split, indices)
+        x[...], y[...] = got["x"], got["y"]

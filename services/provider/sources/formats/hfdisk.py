@@ -26,8 +26,8 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import SPLITS, Field, FieldBatch, Source
-from .fieldpick import Pick, classes, fill, select
+from ..base import SPLITS, Field, FieldBatch
+from .fieldpick import Pick, PickedSource, classes, fill, select
 from .location import Format, Location
 
 __all__ = ["EXPECTED", "FORMAT", "HFDiskSource", "arrow_field", "detect", "open_location"]
@@ -105,7 +105,7 @@ def _max_bytes(tables: dict[str, Any], name: str, field: Field) -> int:
     return top
 
 
-class HFDiskSource(Source):
+class HFDiskSource(PickedSource):
     """The rows of a ``save_to_disk`` dataset as named fields in column order, or ``(x, y)``."""
 
     def __init__(self, loc: Location, tables: dict[str, Any], info: dict, params: dict[str, str], val_fraction: float):
@@ -194,22 +194,8 @@ class HFDiskSource(Source):
                 return f"{self.uri}: {split}[{int(idx[i])}]"
 
             out[pick.field.name] = self._column(pick, column, where)
-        if self.label is not None and len(out["y"]) and (out["y"].min() < 0 or out["y"].max() >= self.num_classes):
-            raise DatasetError(f"{self.uri}: a label in {split} is outside 0..{self.num_classes - 1}")
+        self.check_labels(out, split)
         return out
-
-    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
-        return super().read_fields(split, indices, epoch) if self.xy else self._values(split, indices)
-
-    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-        """Rows ``indices`` of an ``(x, y)`` dataset into ``x`` and ``y``."""
-        if not self.xy:
-            raise DatasetError(f"{self.uri}: named fields {', '.join(f.name for f in self.fields)}: read_fields")
-        n = len(indices)
-        if x.shape != (n, *self.sample_shape) or y.shape != (n,):
-            raise ValueError(f"read_into needs x {(n, *self.sample_shape)} and y {(n,)}, got {x.shape}, {y.shape}")
-        got = self._values(split, indices)
-        x[...], y[...] = got["x"], got["y"]
 
     def info(self) -> dict:
         info = super().info()

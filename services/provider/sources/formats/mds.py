@@ -42,8 +42,8 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import SPLITS, Field, FieldBatch, Source
-from .fieldpick import classes, fill, select
+from ..base import SPLITS, Field, FieldBatch
+from .fieldpick import PickedSource, classes, fill, select
 from .location import Format, Location
 
 __all__ = [
@@ -336,7 +336,7 @@ class Columns:
         return _decoder(encoding, field, name)
 
 
-class MDSSource(Source):
+class MDSSource(PickedSource):
     """The samples of MDS shards (or litData chunks: ``kinds``) as named fields in their column order, or
     ``(x, y)`` (see the module doc)."""
 
@@ -477,27 +477,9 @@ class MDSSource(Source):
             out[pick.field.name] = fill(
                 pick, values, lambda i: f"{self.uri}: {self.shards[rows[i][0]].name} sample {rows[i][1]}"
             )
-        if (
-            picks is None
-            and self.label is not None
-            and len(out["y"])
-            and (out["y"].min() < 0 or out["y"].max() >= self.num_classes)
-        ):
-            raise DatasetError(f"{self.uri}: a label in {split} is outside 0..{self.num_classes - 1}")
+        if picks is None:
+            self.check_labels(out, split)
         return out
-
-    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
-        return super().read_fields(split, indices, epoch) if self.xy else self._values(split, indices)
-
-    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-        """Samples ``indices`` of an ``(x, y)`` MDS dataset into ``x`` and ``y``."""
-        if not self.xy:
-            raise DatasetError(f"{self.uri}: named fields {', '.join(f.name for f in self.fields)}: read_fields")
-        n = len(indices)
-        if x.shape != (n, *self.sample_shape) or y.shape != (n,):
-            raise ValueError(f"read_into needs x {(n, *self.sample_shape)} and y {(n,)}, got {x.shape}, {y.shape}")
-        got = self._values(split, indices)
-        x[...], y[...] = got["x"], got["y"]
 
     def info(self) -> dict:
         info = super().info()

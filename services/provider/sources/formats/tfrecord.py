@@ -49,8 +49,8 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import SPLITS, Field, FieldBatch, Source
-from .fieldpick import classes, fill, select
+from ..base import SPLITS, Field, FieldBatch
+from .fieldpick import PickedSource, classes, fill, select
 from .location import Format, Location
 from .tfexample import BYTES, FLOAT, INT64, parse_example
 
@@ -281,7 +281,7 @@ def _shard(loc: Location, path) -> Shard:
 # -- the source ------------------------------------------------------------------------------------
 
 
-class TFRecordSource(Source):
+class TFRecordSource(PickedSource):
     """The records of a set of TFRecord files as named fields, or ``(x, y)`` (see the module doc)."""
 
     def __init__(self, loc: Location, shards: dict[str, list[Shard]], params: dict[str, str], val_fraction: float):
@@ -416,22 +416,8 @@ class TFRecordSource(Source):
             if pick.field.dtype == "bytes":
                 values = [v[0] if v else None for v in values]
             out[pick.field.name] = fill(pick, values, lambda i: f"{self.uri}: {split}[{int(indices[i])}]")
-        if self.label is not None and len(out["y"]) and (out["y"].min() < 0 or out["y"].max() >= self.num_classes):
-            raise DatasetError(f"{self.uri}: a label in {split} is outside 0..{self.num_classes - 1}")
+        self.check_labels(out, split)
         return out
-
-    def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
-        return super().read_fields(split, indices, epoch) if self.xy else self._values(split, indices)
-
-    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
-        """Samples ``indices`` of an ``(x, y)`` TFRecord dataset into ``x`` and ``y``."""
-        if not self.xy:
-            raise DatasetError(f"{self.uri}: named fields {', '.join(f.name for f in self._fields)}: read_fields")
-        n = len(indices)
-        if x.shape != (n, *self.sample_shape) or y.shape != (n,):
-            raise ValueError(f"read_into needs x {(n, *self.sample_shape)} and y {(n,)}, got {x.shape}, {y.shape}")
-        got = self._values(split, indices)
-        x[...], y[...] = got["x"], got["y"]
 
     def info(self) -> dict:
         info = super().info()
