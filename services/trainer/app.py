@@ -22,7 +22,7 @@ from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, 
 
 from .. import runtime
 from ..sdnotify import Notifier
-from .attempt import AttemptRun
+from .attempt import AttemptRun, warm_up
 from .failures import describe_failure
 from .reports import Reporter
 from .run import LOST
@@ -84,6 +84,7 @@ class TrainerService:
         self.link.start()
         router = self.settings.router
         self.notifier.ready(f"waiting for the router at {router}")
+        threading.Thread(target=warm_up, name="fork-server", daemon=True).start()  # attempts fork from it
         # A stop (SIGTERM) also ends a running task: it is put on the command queue.
         watcher = threading.Thread(target=self._watch_stop, args=(stop,), daemon=True)
         watcher.start()

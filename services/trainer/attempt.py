@@ -18,7 +18,9 @@ trainer's side:
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
+import multiprocessing.forkserver
 import queue
 import signal
 import socket
@@ -55,22 +57,33 @@ from .child import child_main
 from .failures import describe_failure
 from .prepare import resolve
 
-__all__ = ["PRELOAD", "AttemptLog", "AttemptRun", "attempt_context"]
+__all__ = ["PRELOAD", "AttemptLog", "AttemptRun", "attempt_context", "warm_up"]
 
 log = logging.getLogger(__name__)
 
 #: Modules imported once into the trainer's fork server (multiprocessing's ``forkserver``): each
 #: attempt is a fork of it that starts in milliseconds, with torch and the trainer's code imported,
 #: instead of a new interpreter importing them again (seconds).
-PRELOAD = ["services.trainer.child"]
+PRELOAD = ["services.trainer.forkserver"]
 
 
 def attempt_context() -> multiprocessing.context.ForkServerContext:
-    """The context attempts start from (the fork server starts with the first attempt)."""
+    """The context attempts start from (the fork server starts with the first attempt, or with
+    :func:`warm_up`)."""
     ctx = multiprocessing.get_context("forkserver")
     assert isinstance(ctx, multiprocessing.context.ForkServerContext)  # noqa: S101 - for the type checker
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def warm_up() -> None:
+    """Start the fork server now (a trainer does, on a thread, once it is up), so that its first
+    attempt does not wait for it; a failure here shows again, and is reported, at that attempt."""
+    attempt_context()
+    try:
+        multiprocessing.forkserver.ensure_running()
+    except Exception as err:  # noqa: BLE001 - the first attempt tries again and fails with the reason
+        log.warning("the fork server attempts start from did not start: %s", err)
 
 
 #: What a child may ask the router, through its trainer: nothing it could not do as the job's trainer.
@@ -90,6 +103,24 @@ LOG_EVERY_S = 1.0
 EXIT_QUIET_S = 2.0
 #: Longest output line kept (a progress bar without newlines is cut, not held whole).
 MAX_LINE = 4096
+#: Longest status line and logger name taken from an attempt.
+MAX_STATUS = 200
+MAX_LOGGER_NAME = 100
+#: Longest wait an attempt may announce (its evaluation's timeout is far below).
+MAX_EXTEND_S = 3600.0
+
+
+def printable(text: str) -> str:
+    """``text`` with each unprintable character (a newline, an escape sequence) as ``?``: a status
+    line or logger name from an attempt is one line of the trainer's own."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _seconds(value: object) -> float:
+    """An announced wait in seconds, bounded; anything else is none."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return 0.0
+    return min(max(float(value), 0.0), MAX_EXTEND_S)
 
 
 class AttemptLog:
@@ -185,7 +216,8 @@ class AttemptRun:
             self.child = attempt_context().Process(
                 target=child_main, args=(child_end, out_write), name=f"attempt-{self.task.job}", daemon=False
             )
-            self.child.start()
+            with self.notifier.extended(SETUP_GRACE_S):  # the first start also starts the fork server (seconds)
+                self.child.start()
         finally:
             child_end.close()
             out_write.close()
@@ -234,6 +266,7 @@ class AttemptRun:
         stop_by: float | None = None
         stopping = ""
         exited_at = 0.0
+        extra_s = 0.0  # a longer wait the attempt announced
         started = False  # set-up (imports, a gang's rendezvous) may take longer than a step
         reader_out: queue.Queue[tuple[dict, list[bytes]] | None] = queue.Queue()
         threading.Thread(target=self._read_channel, args=(channel, reader_out), daemon=True).start()
@@ -258,6 +291,12 @@ class AttemptRun:
                 elif op == "request":
                     alive_at = time.monotonic()
                     self._relay(channel, header, frames)
+                elif op == "log":
+                    self._log_record(header)
+                elif op == "status":
+                    self.notifier.status(printable(str(header.get("text", "")))[:MAX_STATUS])
+                elif op == "extend":  # a wait the attempt announced (an evaluation): no hang meanwhile
+                    extra_s, alive_at = _seconds(header.get("seconds")), time.monotonic()
             while True:  # the router's commands, on to the child
                 try:
                     cmd = self.commands.get_nowait()
@@ -278,7 +317,7 @@ class AttemptRun:
                 )
                 self._kill()
                 return self._stopped_by_kill(stopping)
-            silence = s.attempt_silence_s if started else s.attempt_silence_s + SETUP_GRACE_S
+            silence = extra_s + (s.attempt_silence_s if started else s.attempt_silence_s + SETUP_GRACE_S)
             if now - alive_at > silence and stop_by is None:
                 self._kill()
                 return (
@@ -416,6 +455,18 @@ class AttemptRun:
             line = raw.decode("utf-8", "replace").rstrip("\n")
             self.log.add(line)
             log.info("job %s | %s", self.task.job, line[:500])
+
+    def _log_record(self, header: dict) -> None:
+        """A log record of the attempt: logged here under its logger's name and level (bounded: the
+        attempt is the job's code), and kept with its output."""
+        name, level = header.get("name"), header.get("level")
+        if not isinstance(name, str) or not isinstance(level, int) or isinstance(level, bool):
+            return
+        name, level = printable(name)[:MAX_LOGGER_NAME] or "root", min(max(level, logging.DEBUG), logging.CRITICAL)
+        text = str(header.get("text", ""))[:MAX_LINE]
+        for line in text.splitlines() or [""]:
+            self.log.add(f"{logging.getLevelName(level)} {name}: {line}")
+        logging.getLogger(name).log(level, "job %s: %s", self.task.job, text)
 
     def _send_logs(self, done: threading.Event) -> None:
         """The output's new lines to the router every ``LOG_EVERY_S`` and at the end."""

@@ -14,6 +14,7 @@ out-of-memory killer (``oom_score_adj``), so a job that exhausts memory ends its
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import itertools
@@ -24,7 +25,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from .jobapi import AttemptJob
 from .reports import Reporter
 from .run import TaskRun
 
-__all__ = ["ParentLink", "child_main", "main"]
+__all__ = ["ParentLink", "ParentLogHandler", "ParentNotifier", "child_main", "main"]
 
 log = logging.getLogger("batchbus.job")
 
@@ -102,6 +103,62 @@ class ParentLink:
             for fut in self._waiting.values():
                 if not fut.done():
                     fut.set_exception(PeerTimeout(why))
+
+
+class ParentNotifier(Notifier):
+    """The built-in loop's systemd notifier in an attempt: its status lines go to the trainer, which
+    tells systemd (``STATUS=`` of the trainer's unit), and a wait it announces as longer than usual
+    (an evaluation) widens the trainer's hang check for that long. The trainer feeds the watchdog."""
+
+    def __init__(self, channel: Channel):
+        super().__init__()
+        self.channel = channel
+
+    def status(self, text: str) -> bool:
+        if text == self._last_status:
+            return False
+        self._last_status = text
+        return self._tell("status", text=text)
+
+    def watchdog(self) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def extended(self, seconds: float) -> Iterator[None]:
+        self._tell("extend", seconds=seconds)
+        try:
+            yield
+        finally:
+            self._tell("extend", seconds=0.0)
+
+    def _tell(self, op: str, **fields: Any) -> bool:
+        try:
+            self.channel.send(op, **fields)
+        except ChannelClosed:
+            return False
+        return True
+
+
+class ParentLogHandler(logging.Handler):
+    """Log records of the attempt go to the trainer as records (logger name, level, text), which it
+    logs under the same name and level and keeps with the attempt's output (``busctl job logs``)."""
+
+    def __init__(self, channel: Channel):
+        super().__init__()
+        self.channel = channel
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self._inside = threading.local()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(self._inside, "active", False):  # a record logged while sending one
+            return
+        self._inside.active = True
+        try:
+            self.channel.send("log", name=record.name, level=record.levelno, text=self.format(record))
+        except Exception:  # noqa: BLE001 - a closed channel or an unformattable record: never the attempt's end
+            pass
+        finally:
+            self._inside.active = False
 
 
 def _die_with_parent() -> None:
@@ -160,7 +217,7 @@ def _builtin(
 ) -> tuple[JobState | str, dict, str]:
     """The built-in loop (:class:`.run.TaskRun`) as this attempt: the trainer feeds systemd's watchdog."""
     try:
-        run = TaskRun(task, settings, link, identity, commands, reporter, notifier=Notifier())  # type: ignore[arg-type]  # a Link in all it uses
+        run = TaskRun(task, settings, link, identity, commands, reporter, notifier=ParentNotifier(channel))  # type: ignore[arg-type]  # a Link in all it uses
     except Exception as err:  # noqa: BLE001 - a spec this trainer cannot even set up: the job fails, not the trainer
         return JobState.FAILED, {"retryable": False}, describe_failure(err, None)
 
@@ -303,11 +360,9 @@ def main(fd: int) -> int:
     if got is None or got[0]["op"] != "start":
         return 2
     start, frames = got
-    logging.basicConfig(
-        level=start["settings"].get("log_level", "INFO"),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    root = logging.getLogger()
+    root.handlers[:] = [ParentLogHandler(channel)]
+    root.setLevel(start["settings"].get("log_level", "INFO"))
     try:
         state, result, error = run(channel, start, frames)
     except BaseException as err:  # noqa: BLE001 - set-up itself failed: say so, do not leave the parent guessing
