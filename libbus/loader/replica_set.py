@@ -305,10 +305,11 @@ class ReplicaSet:
             return self.down(replica, f"{reason}, {replica.strikes} times in a row")
         batches = replica.take_pending()
         log.warning(
-            "%s: %s from %s; reconnecting, %d request(s) to send again",
+            "%s: %s from %s%s; reconnecting, %d request(s) to send again",
             self.where,
             reason,
             replica.client.endpoint,
+            f" (flow {replica.flow + 1})" if self.flows > 1 and not replica.local else "",
             len(batches),
         )
         try:
