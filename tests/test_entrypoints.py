@@ -106,6 +106,7 @@ def test_attempts_that_crash_hang_or_exit_fail_alone_and_the_trainer_goes_on(clu
         assert hung["state"] == "failed" and "hung" in hung["error"] and "waiting forever" in hung["error"]
         shown = cluster.busctl("job", "logs", hung["id"]).stdout  # what it printed, escapes shown, not sent
         assert "waiting forever \\x1b[2J" in shown and "\x1b" not in shown, shown
+        assert "WARNING user.job: stuck before step 1" in shown, shown  # the function's log record, as logged
         exited = _fails_alone(cluster, "tests.support.entrypoints:exits")
         assert exited["state"] == "failed" and "SystemExit: 3" in exited["error"], exited["error"]
         # the same trainer, alive, takes the next job and trains it
