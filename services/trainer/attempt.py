@@ -466,7 +466,10 @@ class AttemptRun:
         text = str(header.get("text", ""))[:MAX_LINE]
         for line in text.splitlines() or [""]:
             self.log.add(f"{logging.getLevelName(level)} {name}: {line}")
-        logging.getLogger(name).log(level, "job %s: %s", self.task.job, text)
+        if text.startswith(f"job {self.task.job}"):  # the trainer's own code names its job already
+            logging.getLogger(name).log(level, "%s", text)
+        else:
+            logging.getLogger(name).log(level, "job %s: %s", self.task.job, text)
 
     def _send_logs(self, done: threading.Event) -> None:
         """The output's new lines to the router every ``LOG_EVERY_S`` and at the end."""
