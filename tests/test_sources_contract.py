@@ -141,7 +141,7 @@ SCHEMES += ["file-imagefolder", "http-webdataset"]
 
 
 def test_every_registered_scheme_has_a_contract_case():
-    # https: the http opener over TLS; gs, az: the s3 opener over another backend (no server here)
+    # https: the http opener over TLS; gs, az: the s3 opener over another backend (tests/test_objstore_emulators.py)
     covered = {s.split("-")[0] for s in SCHEMES} | {"https", "gs", "az"}
     assert set(OPENERS) <= covered, f"schemes without a contract case: {sorted(set(OPENERS) - covered)}"
 

@@ -16,8 +16,10 @@ The client is ``obstore`` (the Rust ``object_store`` crate; docs/performance.md 
 come from the standard chains only: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``,
 ``AWS_ENDPOINT_URL``, ``AWS_REGION``, web identity and instance metadata (AWS); ``AWS_PROFILE`` and
 profile files through boto3 when it is installed; ``GOOGLE_APPLICATION_CREDENTIALS`` and the metadata
-server (GCS); ``AZURE_STORAGE_*`` (Azure). A URI that carries a credential is refused; messages name
-the store, the operation and the object, never a key.
+server (GCS), or ``STORAGE_EMULATOR_HOST`` for an emulator (no credentials, as Google's libraries do);
+``AZURE_STORAGE_CONNECTION_STRING`` (the Azure SDKs' variable, ``UseDevelopmentStorage=true`` included)
+or ``AZURE_STORAGE_*`` (Azure). A URI that carries a credential is refused; messages name the store, the
+operation and the object, never a key. gs:// and az:// are tested against fake-gcs-server and Azurite.
 
 URI parameters: what ``file://`` takes (``format``, ``seq_len``, ``token_bytes``, ``vocab_size``,
 ``val_fraction``, ``classes``, ``memory``, default ``stream``; Parquet's ``column``, ``label``,
@@ -92,7 +94,8 @@ def _refuse_credentials(req: OpenRequest) -> None:
         raise DatasetError(
             f"{_redacted(req)}: a dataset URI must not carry credentials (they would show in logs, "
             "DatasetInfo and metrics); give the provider its credentials in the environment "
-            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*)"
+            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS, "
+            "AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_*)"
         )
     if bad := sorted(k for k in req.params if SECRET_PARAMS.match(k)):
         for k in bad:
