@@ -41,7 +41,7 @@ from .formats import objects
 from .formats.blockcache import BlockCache, cache_stats
 from .formats.dataset import Context, FilePath
 from .formats.location import Location
-from .formats.objects import ObjectClient, ObjectFile, ObjectPath, ObjectSettings, ObjectTree
+from .formats.objects import ObjectBackend, ObjectClient, ObjectFile, ObjectPath, ObjectSettings, ObjectTree
 from .formats.reader import Segment
 from .layouts import open_layout
 
@@ -179,10 +179,9 @@ class ObjectLocation(Location):
         _refuse_credentials(req)
         settings, timeout_s = _settings(req)
         cache = _cache(req)
-        backend = _backend(req, timeout_s)
+        backend, prefix = self.open_backend(req, timeout_s)
         self.client = ObjectClient(backend, settings, cache)
         try:
-            prefix = req.parts.path.lstrip("/")
             listing = prefix if not prefix or prefix.endswith("/") else prefix + "/"
             objects = backend.list(listing)
             if not objects:
@@ -191,6 +190,10 @@ class ObjectLocation(Location):
             self.client.close()
             raise
         super().__init__(req, ObjectTree(self.client, listing, objects).root)
+
+    def open_backend(self, req: OpenRequest, timeout_s: float) -> tuple[ObjectBackend, str]:
+        """The store's client and the prefix listed in it (a location over another store overrides it)."""
+        return _backend(req, timeout_s), req.parts.path.lstrip("/")
 
     @property
     def name(self) -> str:
