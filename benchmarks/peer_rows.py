@@ -18,7 +18,17 @@ import torch
 
 from benchmarks.delivery import SAMPLE_SHAPE, SEED, NpyBatches, Services, batch_plan, loader_batches
 
-__all__ = ["BUILDERS", "Make", "batches_of_loader", "close", "on_close", "streaming_without_torchvision", "workers"]
+__all__ = [
+    "BUILDERS",
+    "Make",
+    "batches_of_loader",
+    "close",
+    "on_close",
+    "streaming_without_torchvision",
+    "workers",
+    "write_litdata",
+    "write_mds",
+]
 
 Make = Callable[[], Iterable]
 #: What a row must close when it is done (the batchbus loader, then its services), last first.
@@ -126,15 +136,23 @@ class MosaicSamples(torch.utils.data.IterableDataset):
         return iter(self.dataset)
 
 
-def mosaic(root: Path, work: Path, cfg: dict) -> Make:
-    from streaming import MDSWriter, StreamingDataset  # noqa: PLC0415
-    from streaming.base.util import clean_stale_shared_memory  # noqa: PLC0415
+def write_mds(root: Path, work: Path) -> Path:
+    """The samples as MDS shards, written by Streaming's ``MDSWriter`` into ``work/mds``."""
+    from streaming import MDSWriter  # noqa: PLC0415
 
     x, y = _arrays(root)
     columns = {"x": f"ndarray:float32:{','.join(map(str, SAMPLE_SHAPE))}", "y": "int64"}
     with MDSWriter(out=str(work / "mds"), columns=columns, size_limit="64mb") as writer:
         for i in range(len(y)):
             writer.write({"x": x[i], "y": int(y[i])})
+    return work / "mds"
+
+
+def mosaic(root: Path, work: Path, cfg: dict) -> Make:
+    from streaming import StreamingDataset  # noqa: PLC0415
+    from streaming.base.util import clean_stale_shared_memory  # noqa: PLC0415
+
+    write_mds(root, work)
     clean_stale_shared_memory()
     dataset = StreamingDataset(
         local=str(work / "mds"), shuffle=True, shuffle_seed=SEED, batch_size=cfg["batch"], predownload=None
@@ -156,7 +174,8 @@ def _lit_sample(i: int, root: str) -> dict:
     return {"x": np.array(x[i]), "y": int(y[i])}
 
 
-def litdata(root: Path, work: Path, cfg: dict) -> Make:
+def write_litdata(root: Path, work: Path, cfg: dict) -> Path:
+    """The samples as litData chunks, written by its ``optimize()`` into ``work/lit``."""
     from functools import partial  # noqa: PLC0415
 
     import litdata as ld  # noqa: PLC0415
@@ -169,6 +188,13 @@ def litdata(root: Path, work: Path, cfg: dict) -> Make:
         num_workers=1,
         mode="overwrite",
     )
+    return work / "lit"
+
+
+def litdata(root: Path, work: Path, cfg: dict) -> Make:
+    import litdata as ld  # noqa: PLC0415
+
+    write_litdata(root, work, cfg)
     dataset = ld.StreamingDataset(str(work / "lit"), shuffle=True, seed=SEED, drop_last=True)
     loader = ld.StreamingDataLoader(
         dataset,
