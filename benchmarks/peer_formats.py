@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from benchmarks.delivery import SAMPLE_SHAPE, SEED, Services
-from benchmarks.peer_rows import Make, _arrays, batches_of_loader, on_close, workers, write_litdata, write_mds
+from benchmarks.peer_rows import Make, arrays, batches_of_loader, on_close, workers, write_litdata, write_mds
 
 __all__ = ["BUILDERS", "ROWS"]
 
@@ -52,7 +52,7 @@ def write_tfrecord(root: Path, work: Path) -> Path:
     from tfrecord.tools.tfrecord2idx import create_index  # noqa: PLC0415
     from tfrecord.writer import TFRecordWriter  # noqa: PLC0415
 
-    x, y = _arrays(root)
+    x, y = arrays(root)
     (work / "tfr").mkdir()
     path = work / "tfr" / "train.tfrecord"
     writer = TFRecordWriter(str(path))
@@ -89,7 +89,7 @@ def write_hf_disk(root: Path, work: Path) -> Path:
     """``work/hf``: a ``datasets.Dataset`` of ``x`` (float32, flat) and ``y`` saved with ``save_to_disk``."""
     import datasets  # noqa: PLC0415
 
-    x, y = _arrays(root)
+    x, y = arrays(root)
     features = datasets.Features(
         {
             "x": datasets.Sequence(datasets.Value("float32"), length=int(np.prod(SAMPLE_SHAPE))),

@@ -21,6 +21,7 @@ from benchmarks.delivery import SAMPLE_SHAPE, SEED, NpyBatches, Services, batch_
 __all__ = [
     "BUILDERS",
     "Make",
+    "arrays",
     "batches_of_loader",
     "close",
     "on_close",
@@ -58,7 +59,8 @@ def batches_of_loader(loader, shm: bool) -> Make:
     return lambda: loader_batches(loader, 1)
 
 
-def _arrays(root: Path) -> tuple[np.ndarray, np.ndarray]:
+def arrays(root: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The samples every row reads: ``train_x.npy`` (memory-mapped) and ``train_y.npy`` under ``root``."""
     return np.load(root / "train_x.npy", mmap_mode="r"), np.load(root / "train_y.npy")
 
 
@@ -81,7 +83,7 @@ class NpySamples(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         if self.x is None:
-            self.x, self.y = _arrays(self.root)
+            self.x, self.y = arrays(self.root)
         return torch.from_numpy(np.array(self.x[i])), int(self.y[i])
 
 
@@ -140,7 +142,7 @@ def write_mds(root: Path, work: Path) -> Path:
     """The samples as MDS shards, written by Streaming's ``MDSWriter`` into ``work/mds``."""
     from streaming import MDSWriter  # noqa: PLC0415
 
-    x, y = _arrays(root)
+    x, y = arrays(root)
     columns = {"x": f"ndarray:float32:{','.join(map(str, SAMPLE_SHAPE))}", "y": "int64"}
     with MDSWriter(out=str(work / "mds"), columns=columns, size_limit="64mb") as writer:
         for i in range(len(y)):
@@ -170,7 +172,7 @@ def mosaic(root: Path, work: Path, cfg: dict) -> Make:
 
 
 def _lit_sample(i: int, root: str) -> dict:
-    x, y = _arrays(Path(root))
+    x, y = arrays(Path(root))
     return {"x": np.array(x[i]), "y": int(y[i])}
 
 
@@ -217,7 +219,7 @@ def _npy_bytes(a: np.ndarray) -> bytes:
 def webdataset(root: Path, work: Path, cfg: dict) -> Make:
     import webdataset as wds  # noqa: PLC0415
 
-    x, y = _arrays(root)
+    x, y = arrays(root)
     shards = work / "wds"
     shards.mkdir()
     per_shard = max(cfg["batch"], cfg["samples"] // 16)
@@ -247,7 +249,7 @@ def _gather(job: tuple[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     global _gather_arrays
     root, idx = job
     if _gather_arrays is None:
-        _gather_arrays = _arrays(Path(root))
+        _gather_arrays = arrays(Path(root))
     x, y = _gather_arrays
     return torch.from_numpy(np.take(x, idx, axis=0)), torch.from_numpy(np.take(y, idx))
 
