@@ -159,3 +159,29 @@ def test_a_job_trains_on_a_dataset_read_from_the_emulator(
     assert done["result"]["val_accuracy"] > 0.5  # chance is 0.1: it learned from what it read
     cached = provider.service.handler.stats()["object_store"]["caches"][str(cache.resolve())]
     assert cached["hits"] > cached["misses"] > 0
+
+
+@pytest.mark.parametrize(
+    "scheme, env, host",
+    [
+        ("az", {"AZURE_STORAGE_CONNECTION_STRING": "UseDevelopmentStorage=true"}, "127.0.0.1:10000"),
+        (
+            "az",
+            {
+                "AZURE_STORAGE_CONNECTION_STRING": "DefaultEndpointsProtocol=https;AccountName=acct;"
+                "AccountKey=" + "A" * 86 + "==;EndpointSuffix=core.chinacloudapi.cn"
+            },
+            "acct.blob.core.chinacloudapi.cn",
+        ),
+        ("gs", {"STORAGE_EMULATOR_HOST": "localhost:4443"}, "localhost:4443"),  # no scheme: http, as Google's libraries
+    ],
+)
+def test_each_clouds_variables_name_the_endpoint(scheme, env, host, monkeypatch):
+    """Where requests go, from the variables alone (no request is sent: the client is only configured)."""
+    from services.provider.sources.objstore_obstore import ObstoreBackend
+
+    for k in ("AZURE_STORAGE_CONNECTION_STRING", "STORAGE_EMULATOR_HOST"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert ObstoreBackend(scheme, "bucket", 5.0).host == host
