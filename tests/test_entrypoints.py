@@ -34,6 +34,11 @@ JOB = {
 }
 
 
+#: Each test waits for whole jobs on a cluster of processes, with its own timeouts and the cluster's
+#: logs when one runs out: pytest's own limit (120 s) must not cut that short.
+pytestmark = pytest.mark.timeout(600)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cluster = EntryCluster(tmp_path_factory.mktemp("entry"))
@@ -91,7 +96,7 @@ def _fails_alone(cluster: EntryCluster, entrypoint: str) -> dict:
 
 
 def test_attempts_that_crash_hang_or_exit_fail_alone_and_the_trainer_goes_on(cluster):
-    cluster.start_trainer("sturdy")
+    cluster.start("sturdy", "trainer", env={"BATCHBUS_ATTEMPT_SILENCE_S": "6"})  # the hang is found in 6 s
     try:
         crashed = _fails_alone(cluster, "tests.support.entrypoints:segfault")
         assert crashed["state"] == "failed"
