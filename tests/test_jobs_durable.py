@@ -193,8 +193,11 @@ def test_commands_from_the_cli_are_acknowledged(cluster):
     ):
         assert word in shown, shown
     # a stopped job resumes from the checkpoint its trainer wrote as it stopped
-    assert cluster.control(job, "resume")["resume"]["step"] == info["result"]["checkpoint"]["step"]
-    cluster.wait(job, lambda i: i["state"] == "running")
+    resumed = info["result"]["checkpoint"]["step"]
+    assert cluster.control(job, "resume")["resume"]["step"] == resumed
+    # training again (a batch past the checkpoint): commands apply between batches, not while the
+    # attempt still sets up, so only now is a stop acknowledged at once
+    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) > resumed)
     assert cluster.control(job, "stop")["acked"]
     assert cluster.wait_end(job)["state"] == "stopped"
 

@@ -241,7 +241,7 @@ class AttemptJob(Job):
         if self.lead:
             self._report()
             # the router judges this epoch now (early stopping, a study's pruner): its verdict applies here
-            self.reporter.flush(self.settings.request_timeout_s)
+            self.reporter.await_verdict()
         self._commands()
 
     def save_model(self, state_dict: Mapping[str, torch.Tensor]) -> dict:

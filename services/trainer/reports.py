@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 BUFFER = 1000
 #: Pause between tries while the router does not answer.
 RETRY_S = 0.2
+#: How long an epoch's report waits for the router's verdict on it (early stopping, a study's
+#: pruner), which rides on the reply: long enough for a loaded router and a relayed attempt, so the
+#: verdict applies at that report, not an epoch later; short enough that a router away holds
+#: training up only that long per epoch.
+VERDICT_WAIT_S = 60.0
 
 
 class Reporter:
@@ -74,6 +79,20 @@ class Reporter:
         """Wait until every report is delivered (True), the job is lost, or ``timeout_s`` passes."""
         with self._cond:
             return self._cond.wait_for(lambda: (not self._queue and not self._busy) or self.lost is not None, timeout_s)
+
+    def await_verdict(self) -> bool:
+        """Wait until the reports so far (an epoch's last) are answered, the router's verdict on them
+        with them (handed to ``on_command`` before this returns). False, logged, after
+        :data:`VERDICT_WAIT_S`: training goes on, and the verdict applies when it comes."""
+        if self.flush(VERDICT_WAIT_S):
+            return True
+        log.warning(
+            "job %s: the router has not answered this epoch's report in %.0f s; training goes on, and its "
+            "verdict (early stopping, a study's pruner) applies when it comes",
+            self.job,
+            VERDICT_WAIT_S,
+        )
+        return False
 
     def close(self) -> None:
         with self._cond:

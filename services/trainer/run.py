@@ -368,8 +368,8 @@ class TaskRun:
         )
         self._checkpoint()
         self._report(self._progress(epoch + 1, steps_per_epoch, train))
-        if self.spec.patience:  # the router judges the epoch at this report: its stop applies here, not later
-            self.reporter.flush(self.settings.request_timeout_s)
+        # the router judges the epoch at this report (early stopping, a study's pruner): its stop applies here
+        self.reporter.await_verdict()
         self._check()
 
     def _progress(self, epoch: int, steps_per_epoch: int, loader: RemoteLoader) -> dict:
