@@ -31,6 +31,7 @@ from libbus.errors import (
 from libbus.wire.fields import is_xy
 
 from ..base import SPLITS, Field, FieldBatch, ReadPolicy, Source
+from ..timing import current as current_timing
 from .fields import FieldsPlan
 from .stages import Chunk, Spec, Stage, StageQueue, source_of
 from .text_stages import Pack
@@ -53,6 +54,9 @@ class _Job:
         #: Named fields (no ``x``): each chunk's fields by its first row.
         self.parts: dict[int, dict] = {}
         self.remaining = chunks
+        #: Seconds this read's chunks spent in each stage (by position), when its request asked for
+        #: its timing; each entry is written by its stage's thread alone, read once ``done`` is set.
+        self.times: list[float] | None = None
         self.error: BaseException | None = None
         self.lock = threading.Lock()
         self.done = threading.Event()
@@ -85,7 +89,7 @@ class _Job:
                 self.done.set()
 
 
-def _stage_worker(stage: Stage, inbox: StageQueue, outbox: StageQueue, stop: threading.Event) -> None:
+def _stage_worker(stage: Stage, at: int, inbox: StageQueue, outbox: StageQueue, stop: threading.Event) -> None:
     while not stop.is_set():
         chunk = inbox.get(POLL_S)
         if chunk is None:
@@ -94,7 +98,7 @@ def _stage_worker(stage: Stage, inbox: StageQueue, outbox: StageQueue, stop: thr
             inbox.drops += 1
             continue
         try:
-            stage.run(chunk)
+            seconds = stage.run(chunk)
         except BusError as err:
             chunk.job.fail(type(err)(f"stage {stage.name!r} ({stage.type}): {err}"))
             continue
@@ -102,6 +106,8 @@ def _stage_worker(stage: Stage, inbox: StageQueue, outbox: StageQueue, stop: thr
             log.exception("stage %s (%s) failed", stage.name, stage.type)
             chunk.job.fail(Internal(f"stage {stage.name!r} ({stage.type}): {type(err).__name__}: {err}"))
             continue
+        if chunk.job.times is not None:
+            chunk.job.times[at] += seconds
         outbox.put(chunk, stop, POLL_S)
 
 
@@ -224,11 +230,11 @@ class Pipeline(Source):
             if self._threads or self._stop.is_set():
                 return
             inboxes = [self.requests, *self.queues[:-1]]
-            for stage, inbox, outbox in zip(self.stages, inboxes, self.queues):
+            for at, (stage, inbox, outbox) in enumerate(zip(self.stages, inboxes, self.queues)):
                 self._threads.append(
                     threading.Thread(
                         target=_stage_worker,
-                        args=(stage, inbox, outbox, self._stop),
+                        args=(stage, at, inbox, outbox, self._stop),
                         name=f"stage-{stage.name}",
                         daemon=True,
                     )
@@ -284,6 +290,9 @@ class Pipeline(Source):
         if self._stop.is_set():
             raise DatasetError(f"{self.uri}: pipeline is closed")
         self._ensure_started()
+        timing = current_timing()  # the request asked where its time went: each stage's share
+        if timing is not None:
+            job.times = [0.0] * len(self.stages)
         starts = range(0, len(indices), self.chunk)
         deadline = time.monotonic() + self.timeout_s
         for start in starts:
@@ -305,6 +314,8 @@ class Pipeline(Source):
                 )
         if job.error is not None:
             raise job.error
+        if timing is not None and job.times is not None:
+            timing.add_pipeline(self.stages, job.times)
 
     # -- metrics and control --------------------------------------------------------------------
     def metrics(self) -> dict:
