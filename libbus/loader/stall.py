@@ -93,7 +93,7 @@ def read_timing(raw: Any) -> tuple[float, float, dict[str, float]] | None:
         return None
     stages: dict[str, float] = {}
     raw_stages = raw.get("stages")
-    if isinstance(raw_stages, dict):
+    if raw_stages and isinstance(raw_stages, dict):
         for name, value in islice(raw_stages.items(), MAX_STAGES):
             if isinstance(name, str) and name:
                 key = name[:MAX_NAME]
