@@ -29,7 +29,7 @@ from libbus.wire.messages import ListJobs, ListPeers, Stats
 from .common import SafeConsole, admin_client, print_json, printable
 from .tables import refusals, stage_tables, wait_split
 
-__all__ = ["collect", "frame", "render", "top_command"]
+__all__ = ["collect", "data_wait_cell", "frame", "render", "top_command"]
 
 #: Jobs that hold a trainer, listed with a progress bar.
 ACTIVE_STATES = (JobState.RUNNING, JobState.PAUSED)
@@ -178,7 +178,7 @@ def _job_row(job: dict) -> dict:
     }
 
 
-def _wait(t: dict) -> str:
+def data_wait_cell(t: dict) -> str:
     """The data stall: the share of time spent waiting for batches, the replica waited on most, and
     the largest parts of the waiting (provider queueing, read, a stage, transfer)."""
     if t["data_wait_pct"] is None:
@@ -262,7 +262,7 @@ def draw(f: dict) -> RenderableType:
             _num(t["loss"], ".4f"),
             _num(t["samples"], "d"),
             _num(t["samples_per_s"], ".0f"),
-            _wait(t),
+            data_wait_cell(t),
             t["transport"] or "-",
         )
     jobs = Table(

@@ -250,10 +250,10 @@ def test_busctl_job_show_names_the_slow_stage_of_a_real_job(tmp_path):
 
 def test_top_and_job_show_lead_with_the_largest_part():
     from cli.tables import wait_split
-    from cli.top import _wait
+    from cli.top import data_wait_cell
 
     split = {"wait_s": 10.0, "parts": {"read": 1.0, "stage:augment": 8.0, "transfer": 1.0}, "slowest": "p1"}
     assert wait_split(split) == "stage:augment 80%, read 10%, transfer 10%"
     assert wait_split({"parts": {}}) == "" and wait_split(None) == ""
     row = {"data_wait_pct": 42.0, "data_wait_slowest": "p1", "data_wait_split": split}
-    assert _wait(row) == "42.0% (p1): stage:augment 80%, read 10%"
+    assert data_wait_cell(row) == "42.0% (p1): stage:augment 80%, read 10%"
