@@ -23,6 +23,13 @@ torch's own pinned-memory copy.
 
     python -m benchmarks.delivery --samples 16384 --epochs 3 --wait --json bench.json
     busctl bench --samples 16384 --epochs 3 --wait --json bench.json
+
+``--stall`` measures instead what the stall split (issue 27: providers timing each batch, the loader
+attributing its waits, ``RemoteLoader(stall_breakdown=...)``) costs: the shm row with the split on and
+off, alternately (which goes first swaps every repeat), ``--repeat`` times; the ratio of each pair, and
+their median and minimum::
+
+    busctl bench --stall --repeat 10 --json stall.json
 """
 
 from __future__ import annotations
@@ -286,6 +293,9 @@ def run(args: argparse.Namespace) -> dict:
                 batches = islice(loader_batches(loader, args.epochs + (steps or 0), hold), steps)
                 return measure(name, batches, args.batch, sample_bytes, work_s)
 
+        if args.stall:
+            return stall_overhead(args, loader_row)
+
         def one_repeat() -> list[dict]:
             rows = [
                 measure("memcpy", memcpy_batches(x, y, plan), args.batch, sample_bytes),
@@ -349,6 +359,37 @@ def run(args: argparse.Namespace) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def stall_overhead(args: argparse.Namespace, loader_row: Callable) -> dict:
+    """The shm row with the stall split on and off, ``args.repeat`` pairs (see the module docstring)."""
+    pairs = []
+    for i in range(args.repeat):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        rows = {on: loader_row("shm" if on else "shm-nosplit", "ram", stall_breakdown=on) for on in order}
+        pairs.append(
+            {
+                "split_on": rows[True]["samples_per_s"],
+                "split_off": rows[False]["samples_per_s"],
+                "ratio": rows[True]["samples_per_s"] / rows[False]["samples_per_s"],
+            }
+        )
+    ratios = [p["ratio"] for p in pairs]
+    median = float(np.median(ratios))
+    return {
+        "samples": args.samples,
+        "batch": args.batch,
+        "epochs": args.epochs,
+        "stall": {"pairs": pairs, "median_ratio": median, "min_ratio": min(ratios)},
+        "checks": [
+            {
+                "check": "shm samples/s with the stall split vs without (median of pairs)",
+                "target": ">= 0.99",
+                "value": f"{median:.4f} (min {min(ratios):.4f}, {len(ratios)} pairs)",
+                "ok": median >= 0.99,
+            }
+        ],
+    }
+
+
 def cuda_rows(services: Services, args, sample_bytes: int, loader_row: Callable) -> list[dict]:
     """Host-to-device: batches from the pinned ring to CUDA tensors, and torch's own pinned copy."""
     rows = [loader_row("shm→cuda", "ram", device="cuda:0")]
@@ -400,6 +441,9 @@ def delivery_parser() -> argparse.ArgumentParser:
     """:func:`parser` (shared with ``--peers``) and the options of this benchmark alone."""
     p = parser()
     p.add_argument("--repeat", type=int, default=1, help="measure every row this many times; targets must hold in each")
+    p.add_argument(
+        "--stall", action="store_true", help="only the shm row with the stall split on and off (--repeat pairs)"
+    )
     return p
 
 
@@ -412,7 +456,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.peers:  # busctl bench hands --peers to benchmarks.peers, which imports this module
         delivery_parser().error("--peers: run `busctl bench --peers` or `python -m benchmarks.peers`")
     result = run(args)
-    print_result(result)
+    if args.stall:
+        for pair in result["stall"]["pairs"]:
+            print(
+                f"shm samples/s split on {pair['split_on']:,.0f}  off {pair['split_off']:,.0f}  ratio {pair['ratio']:.4f}"
+            )
+        print(result["checks"][0]["check"], result["checks"][0]["value"])
+    else:
+        print_result(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result

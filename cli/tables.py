@@ -12,7 +12,19 @@ from libbus.jobs.state import JobState
 
 from .common import SafeConsole
 
-__all__ = ["fmt_result", "job", "jobs", "peers", "queues", "refusals", "segments", "settings", "stage_tables", "stages"]
+__all__ = [
+    "fmt_result",
+    "job",
+    "jobs",
+    "peers",
+    "queues",
+    "refusals",
+    "segments",
+    "settings",
+    "stage_tables",
+    "stages",
+    "wait_split",
+]
 
 console = SafeConsole()
 
@@ -36,6 +48,17 @@ def fmt_result(result: dict | None) -> str:
         if isinstance(result.get(key), (int, float)):
             parts.append(f"{label} {result[key]:.4f}")
     return ", ".join(parts) or "-"
+
+
+def wait_split(split: dict | None, parts: int = 5) -> str:
+    """A loader's stall split (``data_wait_split``, :meth:`libbus.loader.stall.StallMeter.breakdown`) as
+    its ``parts`` largest shares, e.g. ``stage:augment 72%, read 10%, transfer 8%``; "" when none."""
+    shares = (split or {}).get("parts") or {}
+    total = sum(v for v in shares.values() if isinstance(v, (int, float)))
+    if total <= 0:
+        return ""
+    top = sorted(((k, v) for k, v in shares.items() if isinstance(v, (int, float))), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in top[:parts])
 
 
 def jobs(rows: list[dict]) -> None:
@@ -79,6 +102,10 @@ def job(info: dict) -> None:
             f"loss {p.get('loss') or 0:.4f} {p.get('samples_per_s', 0):.0f} samples/s "
             f"data wait {p.get('data_wait_pct', 0):.1f}%"
         )
+        split = p.get("data_wait_split") or {}
+        if wait_split(split):  # where the waiting went (issue 27): the part to fix first leads
+            slowest = split.get("slowest") or p.get("data_wait_slowest")
+            console.print(f"data wait split: {wait_split(split)}" + (f"; slowest replica {slowest}" if slowest else ""))
         for h in p.get("history", []):
             console.print(
                 f"  epoch {h['epoch']}: train loss {h['train_loss']:.4f} val loss {h['val_loss']:.4f} "

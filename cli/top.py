@@ -27,9 +27,9 @@ from libbus.jobs.state import JobState
 from libbus.wire.messages import ListJobs, ListPeers, Stats
 
 from .common import SafeConsole, admin_client, print_json, printable
-from .tables import refusals, stage_tables
+from .tables import refusals, stage_tables, wait_split
 
-__all__ = ["collect", "frame", "render", "top_command"]
+__all__ = ["collect", "data_wait_cell", "frame", "render", "top_command"]
 
 #: Jobs that hold a trainer, listed with a progress bar.
 ACTIVE_STATES = (JobState.RUNNING, JobState.PAUSED)
@@ -121,7 +121,8 @@ def frame(snapshot: dict, previous: dict | None) -> dict:
                 "samples": p.get("samples"),
                 "samples_per_s": p.get("samples_per_s"),
                 "data_wait_pct": p.get("data_wait_pct"),
-                "data_wait_slowest": p.get("data_wait_slowest"),
+                "data_wait_slowest": p.get("data_wait_slowest") or (p.get("data_wait_split") or {}).get("slowest"),
+                "data_wait_split": p.get("data_wait_split"),
                 "transport": p.get("transport"),
                 "tasks": stats.get("tasks", {}),
             }
@@ -177,12 +178,19 @@ def _job_row(job: dict) -> dict:
     }
 
 
-def _wait(t: dict) -> str:
-    """The data stall: the share of time spent waiting for batches, and the replica waited on most."""
+def data_wait_cell(t: dict) -> str:
+    """The data stall: the share of time spent waiting for batches, the replica waited on most, and
+    the largest parts of the waiting (provider queueing, read, a stage, transfer)."""
     if t["data_wait_pct"] is None:
         return "-"
     slowest = t.get("data_wait_slowest")
-    return f"{t['data_wait_pct']:.1f}%" + (f" ({slowest})" if slowest and t["data_wait_pct"] >= 1 else "")
+    stalled = t["data_wait_pct"] >= 1
+    split = wait_split(t.get("data_wait_split"), parts=2) if stalled else ""
+    return (
+        f"{t['data_wait_pct']:.1f}%"
+        + (f" ({slowest})" if slowest and stalled else "")
+        + (f": {split}" if split else "")
+    )
 
 
 def _num(value, fmt: str) -> str:
@@ -254,7 +262,7 @@ def draw(f: dict) -> RenderableType:
             _num(t["loss"], ".4f"),
             _num(t["samples"], "d"),
             _num(t["samples_per_s"], ".0f"),
-            _wait(t),
+            data_wait_cell(t),
             t["transport"] or "-",
         )
     jobs = Table(

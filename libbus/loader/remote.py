@@ -155,6 +155,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         samples: a record range ``(start, stop)`` (or a ``range``) of the split: the loader reads
             these samples only, and its epochs, order, shards, ``len(loader.dataset)`` and cursors
             are over them (a cursor saved on one range is refused on another).
+        stall_breakdown: ask the providers where each batch's time went, and split the time this
+            loader waits into queueing, source read, each pipeline stage, transfer
+            (``loader.stall.breakdown()``, :mod:`libbus.loader.stall`). Off: the total and the
+            slowest replica only.
 
     ``DataLoader`` arguments (``sampler``, ``num_workers``, ``collate_fn``...) are refused with a
     :class:`BadRequest` naming what replaces each (:mod:`libbus.loader.dataloader`).
@@ -201,6 +205,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         provider_key: bytes | None = None,
         transform: Callable[[Any], Any] | None = None,
         samples: tuple[int, int] | range | None = None,
+        stall_breakdown: bool = True,
         **dataloader_only: Never,
     ):
         refuse_dataloader_args(dataloader_only)
@@ -261,6 +266,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.wait_s = 0.0
         #: The data-stall signal by replica, a Prometheus collector (:mod:`libbus.loader.stall`).
         self.stall = StallMeter(name_of_dataset, split)
+        self.stall_breakdown = bool(stall_breakdown)
         self.device = torch.device(device)
         role = _role_of(token() if callable(token) else token)
         self._identity = Identity(
@@ -567,27 +573,40 @@ class RemoteLoader(torch.utils.data.IterableDataset):
 
     def _pipeline(self, batches: list[np.ndarray], epoch: int) -> Generator[Any, None, None]:
         # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
-        window = RequestWindow(len(batches), lambda n, fields: self._request(batches[n], {"epoch": epoch, **fields}))
+        asked = {"epoch": epoch, "timing": True} if self.stall_breakdown else {"epoch": epoch}
+        window = RequestWindow(len(batches), lambda n, fields: self._request(batches[n], {**asked, **fields}))
         poller = ReplyPoller()  # per pass: a socket id reused after a reconnect must not alias
         self.links.open_sessions()
         self.links.readmit()
+        # the stall split: each arrived batch's (round trip, provider timing), and the wait owed by
+        # the batch to be yielded next, attributed when it is taken (libbus.loader.stall)
+        arrivals: dict[int, tuple[float, Any]] = {}
+        owed = 0.0
         while not window.finished:
             self.links.top_up()  # flows dropped while their provider kept answering
             window.fill(self.replicas, self.inflight)
             taken = window.take()
             if taken is not None:
                 batch_no, delivery, item = taken
+                trip, timing = arrivals.pop(batch_no, (0.0, None))
+                if owed:
+                    self.stall.attribute(owed, trip, timing)
+                    owed = 0.0
                 yield delivery.hand_out(batch_no, item)
                 window.advance(delivery)  # the consumer is back: the batch it had is let go
                 continue
             waiting_on = window.via.get(window.next_yield)
             wait_start = time.monotonic()
             try:  # waiting for replies and for providers to come back: data wait
-                self._act(window, self._next_outcome(window, poller))
+                outcome = self._next_outcome(window, poller)
+                if self.stall_breakdown and isinstance(outcome, Arrived):
+                    arrivals[outcome.batch_no] = (outcome.replica.round_trip_s, outcome.reply.timing)
+                self._act(window, outcome)
             finally:
                 waited = time.monotonic() - wait_start
                 self.wait_s += waited
                 self.stall.add(waited, waiting_on[0].label if waiting_on else "")
+                owed += waited if self.stall_breakdown else 0.0
 
     def _next_outcome(self, window: RequestWindow, poller: ReplyPoller) -> Outcome:
         """Wait for what happens next to the requests of this pass (see :mod:`libbus.loader.window`)."""

@@ -81,6 +81,8 @@ class Replica:
     sent_at: dict[int, float] = field(default_factory=dict)
     #: Timeouts since the last reply; more than the loader's ``retries`` takes the replica down.
     strikes: int = 0
+    #: Seconds from sending the request last answered to reading its reply (the stall split's ``T``).
+    round_trip_s: float = 0.0
     #: Replies to batch requests that came through this connection.
     received: int = 0
     up: bool = True
@@ -114,7 +116,8 @@ class Replica:
         """The batch a reply answers (``None`` for a late reply to a request sent again)."""
         batch_no = self.pending.pop(request_id, None)
         if batch_no is not None:
-            self.sent_at.pop(batch_no, None)
+            sent = self.sent_at.pop(batch_no, None)
+            self.round_trip_s = time.monotonic() - sent if sent is not None else 0.0
             self.strikes = 0
             self.received += 1
         return batch_no

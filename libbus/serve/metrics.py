@@ -91,6 +91,14 @@ _SERVED = {
     "batches": ("batches_served", "Batches served, by dataset (socket and shared memory)."),
     "shm_batches": ("shm_batches_served", "Batches written into a trainer's shared-memory ring, by dataset."),
     "evaluations": ("evaluations", "Evaluations run on the provider's own test split, by dataset."),
+    "queue_s": (
+        "batch_queue_seconds",
+        "Seconds batch requests waited at the provider before their read began (the loop, a fill thread), by dataset.",
+    ),
+    "fill_s": (
+        "batch_fill_seconds",
+        "Seconds spent reading batches into their reply or ring slot (source I/O and pipeline stages), by dataset.",
+    ),
 }
 
 #: A pipeline stage's stats keys (``queue_*``: its output queue's) with their metric and help text.

@@ -146,7 +146,9 @@ class BatchRequest(Request["BatchResponse"]):
 
     With ``slot`` and ``seq`` (after :class:`AttachRing`) the provider writes the batch into that
     ring slot, if the slot still awaits request ``seq``, instead of sending it back. ``epoch`` seeds
-    a pipeline dataset's random stages, so a resent request gets the same bytes.
+    a pipeline dataset's random stages, so a resent request gets the same bytes. ``timing`` asks the
+    provider where the batch's time went (the reply's ``timing``); a provider that predates it
+    ignores it.
     """
 
     nframes: ClassVar[tuple[int, int]] = (0, 1)
@@ -156,6 +158,7 @@ class BatchRequest(Request["BatchResponse"]):
     slot: int | None = None
     seq: int | None = None
     epoch: int = 0
+    timing: bool = False
 
     # The indices' wire rule, both ways: the loader encodes with for_indices, the provider decodes with indices.
     @classmethod
@@ -212,6 +215,10 @@ class BatchResponse(Message):
     ``dtypes[i]`` describe field ``i``: a fixed field is one frame of its batch array; a variable
     field (``-1`` in its shape for a varying dimension, dtype ``bytes`` or ``str`` for byte strings
     and text) is its values frame, then its index frame (see :mod:`libbus.wire.fields`).
+
+    ``timing``, for a request that asked: seconds the batch spent at the provider, as
+    ``{"queue": s, "read": s, "stages": {name: s}}`` (queueing before its read began, source I/O, each
+    pipeline stage); a peer's figures, which :mod:`libbus.loader.stall` bounds before using.
     """
 
     nframes: ClassVar[tuple[int, int]] = (0, MAX_FRAMES - 2)
@@ -221,6 +228,7 @@ class BatchResponse(Message):
     names: list | None = None
     slot: int | None = None
     seq: int | None = None
+    timing: dict | None = None
 
 
 # -- shared memory ------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from libbus.wire.messages import BatchRequest, BatchResponse
 from shm import Ring
 
 from .sources import Source
+from .sources.timing import BatchTiming, timed
 
 __all__ = ["BatchCounters", "Destination", "Frames", "Slot", "check_batch_size", "write_batch"]
 
@@ -82,6 +83,8 @@ class BatchCounters:
         self.lock = lock
         #: dataset → batches, samples, bytes, shm_batches (and the evaluations the handler counts).
         self.served: dict[str, Counter] = defaultdict(Counter)
+        #: dataset → seconds batches waited before their read began (``queue_s``) and took to read (``fill_s``).
+        self.spent: dict[str, dict[str, float]] = defaultdict(lambda: {"queue_s": 0.0, "fill_s": 0.0})
         #: why → requests refused.
         self.refused: Counter = Counter()
         #: dataset → time to assemble a batch; keyed only by datasets served here (bounded labels).
@@ -91,8 +94,11 @@ class BatchCounters:
         with self.lock:
             self.refused[why] += 1
 
-    def serve(self, msg: BatchRequest, reply: BatchResponse, n: int, started: float) -> BatchResponse:
-        """Count ``reply``, a batch of ``n`` samples asked for at ``started`` (``perf_counter``)."""
+    def serve(
+        self, msg: BatchRequest, reply: BatchResponse, n: int, started: float, queue_s: float = 0.0, fill_s: float = 0.0
+    ) -> BatchResponse:
+        """Count ``reply``, a batch of ``n`` samples asked for at ``started`` (``perf_counter``) that
+        waited ``queue_s`` before its read began and took ``fill_s`` to read."""
         with self.lock:
             counters = self.served[msg.dataset]
             if msg.slot is not None:
@@ -100,6 +106,9 @@ class BatchCounters:
             counters["batches"] += 1
             counters["samples"] += n
             counters["bytes"] += reply.nbytes
+            spent = self.spent[msg.dataset]
+            spent["queue_s"] += queue_s
+            spent["fill_s"] += fill_s
             self.latency[msg.dataset].observe(time.perf_counter() - started)
         return reply
 
@@ -121,9 +130,12 @@ class Destination(ABC):
     def pack(self, fields: list[Field], batch: FieldBatch, n: int) -> tuple[list, list, list, int]:
         """Write a batch of named fields here: ``(frames, shapes, dtypes, nbytes)`` of its reply."""
 
-    def done(self, reply: BatchResponse, n: int, started: float) -> BatchResponse:
-        """The batch of ``reply`` (``n`` samples asked for at ``started``) is written: counted, answered."""
-        return self.counters.serve(self.msg, reply, n, started)
+    def done(
+        self, reply: BatchResponse, n: int, started: float, queue_s: float = 0.0, fill_s: float = 0.0
+    ) -> BatchResponse:
+        """The batch of ``reply`` (``n`` samples asked for at ``started``, queued ``queue_s`` and read in
+        ``fill_s``) is written: counted, answered."""
+        return self.counters.serve(self.msg, reply, n, started, queue_s, fill_s)
 
     @contextmanager
     def _declared(self) -> Iterator[None]:
@@ -186,11 +198,13 @@ class Slot(Destination):
             shapes, dtypes, nbytes = pack_slot(fields, batch, n, buf)
         return [], shapes, dtypes, nbytes
 
-    def done(self, reply: BatchResponse, n: int, started: float) -> BatchResponse:
+    def done(
+        self, reply: BatchResponse, n: int, started: float, queue_s: float = 0.0, fill_s: float = 0.0
+    ) -> BatchResponse:
         with self._fresh():  # the trainer may have moved on while the slot was written
             self.ring.finish_fill(self.slot, self.seq)
         reply.frames = []  # the batch is in the slot
-        return super().done(reply, n, started)
+        return super().done(reply, n, started, queue_s, fill_s)
 
     @contextmanager
     def _fresh(self) -> Iterator[None]:
@@ -214,18 +228,35 @@ def write_batch(
     """Read the samples ``indices`` of ``msg.split`` from ``source`` into ``dest`` and answer them:
     an x/y batch (``fields`` is ``None``) straight into the destination's arrays, a batch of named
     ``fields`` read whole, then encoded or packed. Raises what the source raises, and
-    ``BAD_REQUEST``/``TOO_LARGE`` for a stale slot or a batch that does not fit."""
+    ``BAD_REQUEST``/``TOO_LARGE`` for a stale slot or a batch that does not fit.
+
+    The time from ``started`` (the serving loop took the request) to here is the batch's queueing,
+    from here to the end of the read its fill; a request that asks for its timing gets both in the
+    reply, the fill split by the source (:mod:`.sources.timing`)."""
+    began = time.perf_counter()
     n = len(indices)
-    if fields is None:
-        x, y = dest.arrays(n, source)
-        source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
-        shapes, dtypes, nbytes = [list(x.shape), list(y.shape)], [x.dtype.str, y.dtype.str], x.nbytes + y.nbytes
-        frames, names = [x.data, y.data], None
-    else:
-        batch = source.read_fields(msg.split, indices, msg.epoch)
-        frames, shapes, dtypes, nbytes = dest.pack(fields, batch, n)
-        names = [f.name for f in fields]
+    timing = BatchTiming() if msg.timing else None
+    with timed(timing):
+        if fields is None:
+            x, y = dest.arrays(n, source)
+            source.serve_into(msg.split, indices, x, y, epoch=msg.epoch)
+            filled = time.perf_counter()
+            shapes, dtypes, nbytes = [list(x.shape), list(y.shape)], [x.dtype.str, y.dtype.str], x.nbytes + y.nbytes
+            frames, names = [x.data, y.data], None
+        else:
+            batch = source.read_fields(msg.split, indices, msg.epoch)
+            filled = time.perf_counter()
+            frames, shapes, dtypes, nbytes = dest.pack(fields, batch, n)
+            names = [f.name for f in fields]
+    queue_s, fill_s = began - started, filled - began
     reply = BatchResponse(
-        shapes=shapes, dtypes=dtypes, nbytes=nbytes, names=names, slot=msg.slot, seq=msg.seq, frames=frames
+        shapes=shapes,
+        dtypes=dtypes,
+        nbytes=nbytes,
+        names=names,
+        slot=msg.slot,
+        seq=msg.seq,
+        frames=frames,
+        timing=timing.reply(queue_s, fill_s) if timing is not None else None,
     )
-    return dest.done(reply, n, started)
+    return dest.done(reply, n, started, queue_s, fill_s)

@@ -488,7 +488,7 @@ class ProviderHandler(Handler):
     def stats(self) -> dict:
         running, queued, counts = self.evalgate.snapshot()
         with self.counters.lock:  # the evaluation and fill threads count into served and refused
-            datasets = {name: dict(c) for name, c in self.served.items()}
+            datasets = {name: {**c, **self.counters.spent.get(name, {})} for name, c in self.served.items()}
             refused = dict(self.refused)
         for key in ("refused_too_large", "refused_queue_full", "refused_rate", "refused_budget"):
             if counts.get(key):

@@ -281,6 +281,7 @@ class AttemptJob(Job):
                 data_wait_s=train.wait_s,
                 transport=train.transport,
                 data_wait_pct=100.0 * train.wait_s / elapsed,
+                data_wait_split=train.stall.breakdown(),  # where the waiting went (libbus.loader.stall)
             )
         return out
 

@@ -69,6 +69,8 @@ def progress_report(
         "data_wait_pct": 100.0 * loader.wait_s / elapsed,
         # the replica whose batches were waited for longest: the slow provider, when data is the bottleneck
         "data_wait_slowest": _slowest(loader),
+        # where the waiting went: provider queueing, source read, each stage, transfer (libbus.loader.stall)
+        "data_wait_split": loader.stall.breakdown(),
         "elapsed_s": elapsed,
         "state": state,
         "checkpoint_step": last_checkpoint["step"] if last_checkpoint else None,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-__all__ = ["jitter", "label_plus_one", "to_int16", "not_a_dict"]
+__all__ = ["jitter", "label_plus_one", "to_int16", "not_a_dict", "slow"]
 
 
 def jitter(fields: dict, rng: np.random.Generator) -> dict:
@@ -23,3 +25,13 @@ def to_int16(fields: dict, rng: np.random.Generator) -> dict:
 
 def not_a_dict(fields: dict, rng: np.random.Generator):
     return fields["x"]
+
+
+#: Seconds :func:`slow` sleeps per sample.
+SLOW_S = 0.004
+
+
+def slow(fields: dict, rng: np.random.Generator) -> dict:
+    """A stage that takes its time and changes nothing: a stand-in for a heavy decode or augmentation."""
+    time.sleep(SLOW_S)
+    return {}

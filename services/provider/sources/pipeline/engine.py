@@ -31,6 +31,7 @@ from libbus.errors import (
 from libbus.wire.fields import is_xy
 
 from ..base import SPLITS, Field, FieldBatch, ReadPolicy, Source
+from ..timing import current as current_timing
 from .cache import DecodeCache, PrefixCache, decode_cache_stats
 from .fields import FieldsPlan
 from .stages import Chunk, RandomStage, Spec, Stage, StageQueue, source_of
@@ -54,6 +55,9 @@ class _Job:
         #: Named fields (no ``x``): each chunk's fields by its first row.
         self.parts: dict[int, dict] = {}
         self.remaining = chunks
+        #: Seconds this read's chunks spent in each stage (by position), when its request asked for
+        #: its timing; each entry is written by its stage's thread alone, read once ``done`` is set.
+        self.times: list[float] | None = None
         self.error: BaseException | None = None
         self.lock = threading.Lock()
         self.done = threading.Event()
@@ -88,15 +92,17 @@ class _Job:
 
 def _stage_worker(
     stage: Stage,
+    at: int,
     inbox: StageQueue,
     outbox: StageQueue,
     stop: threading.Event,
     cached: bool = False,
     after: Callable[[Chunk], None] | None = None,
 ) -> None:
-    """Run ``stage`` on every chunk of ``inbox`` into ``outbox``. ``cached``: the stage is in the
-    decode cache's prefix, and a chunk the cache answered whole passes it untouched; ``after`` runs
-    on each chunk once the stage is done (the last prefix stage's: the cache's merge)."""
+    """Run ``stage`` (the pipeline's stage number ``at``) on every chunk of ``inbox`` into ``outbox``.
+    ``cached``: the stage is in the decode cache's prefix, and a chunk the cache answered whole passes
+    it untouched; ``after`` runs on each chunk once the stage is done (the last prefix stage's: the
+    cache's merge). A chunk whose read asked for its timing gets the stage's seconds added."""
     while not stop.is_set():
         chunk = inbox.get(POLL_S)
         if chunk is None:
@@ -106,8 +112,9 @@ def _stage_worker(
             PrefixCache.abandon(chunk)
             continue
         try:
+            seconds = 0.0
             if not (cached and chunk.cached is not None and not len(chunk.indices)):
-                stage.run(chunk)
+                seconds = stage.run(chunk)
             if after is not None:
                 after(chunk)
         except BusError as err:
@@ -119,6 +126,8 @@ def _stage_worker(
             log.exception("stage %s (%s) failed", stage.name, stage.type)
             chunk.job.fail(Internal(f"stage {stage.name!r} ({stage.type}): {type(err).__name__}: {err}"))
             continue
+        if chunk.job.times is not None:
+            chunk.job.times[at] += seconds
         outbox.put(chunk, stop, POLL_S)
 
 
@@ -268,7 +277,7 @@ class Pipeline(Source):
                 self._threads.append(
                     threading.Thread(
                         target=_stage_worker,
-                        args=(stage, inbox, outbox, self._stop, at < prefix, merge if at == prefix - 1 else None),
+                        args=(stage, at, inbox, outbox, self._stop, at < prefix, merge if at == prefix - 1 else None),
                         name=f"stage-{stage.name}",
                         daemon=True,
                     )
@@ -324,6 +333,9 @@ class Pipeline(Source):
         if self._stop.is_set():
             raise DatasetError(f"{self.uri}: pipeline is closed")
         self._ensure_started()
+        timing = current_timing()  # the request asked where its time went: each stage's share
+        if timing is not None:
+            job.times = [0.0] * len(self.stages)
         starts = range(0, len(indices), self.chunk)
         deadline = time.monotonic() + self.timeout_s
         for start in starts:
@@ -348,6 +360,8 @@ class Pipeline(Source):
                 )
         if job.error is not None:
             raise job.error
+        if timing is not None and job.times is not None:
+            timing.add_pipeline(self.stages, job.times)
 
     # -- metrics and control --------------------------------------------------------------------
     def metrics(self) -> dict:

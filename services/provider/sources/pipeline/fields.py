@@ -137,9 +137,10 @@ class FieldStage:
     def __getattr__(self, attr: str):
         return getattr(self.inner, attr)
 
-    def run(self, chunk: Chunk) -> None:
+    def run(self, chunk: Chunk) -> float:
         """The wrapped stage on field ``field`` as ``x``; ``y`` carries row numbers, so that a stage that
-        fills a row from another (a bad image skipped) moves that row's every field with it."""
+        fills a row from another (a bad image skipped) moves that row's every field with it. Returns
+        the seconds the wrapped stage took."""
         fields = chunk.fields
         assert fields is not None
         value = fields[self.field]
@@ -148,7 +149,7 @@ class FieldStage:
             value = self.convert(lambda r: f"{self.where} {chunk.split}[{indices[r]}] field {self.field!r}", value)
         n = len(chunk.indices)
         chunk.x, chunk.y = value, np.arange(n)
-        self.inner.run(chunk)
+        took = self.inner.run(chunk)
         rows = chunk.y
         fields[self.field] = chunk.x
         if rows.shape == (n,) and not np.array_equal(rows, np.arange(n)):
@@ -156,3 +157,4 @@ class FieldStage:
                 if name != self.field:
                     fields[name] = v[rows] if isinstance(v, np.ndarray) else [v[r] for r in rows.tolist()]
         chunk.x = chunk.y = None
+        return took

@@ -162,8 +162,8 @@ class Stage(Generic[InSpec]):
         """Replace ``chunk.x`` / ``chunk.y`` with this stage's output."""
         raise NotImplementedError
 
-    def run(self, chunk: Chunk) -> None:
-        """:meth:`apply` with the stage's counters."""
+    def run(self, chunk: Chunk) -> float:
+        """:meth:`apply` with the stage's counters; returns the seconds it took."""
         n = len(chunk.indices)
         self.items_in += n
         started = time.perf_counter()
@@ -173,8 +173,10 @@ class Stage(Generic[InSpec]):
             self.errors += 1
             raise
         finally:
-            self.busy_s += time.perf_counter() - started
+            took = time.perf_counter() - started
+            self.busy_s += took
         self.items_out += n
+        return took
 
     def metrics(self) -> dict:
         return {
