@@ -10,37 +10,16 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 
 from libbus.config import load_settings
 from libbus.errors import BadRequest, ConfigError
 from libbus.loader.flows import FLOW_BATCH_BYTES, auto_flows, batch_bytes
 from libbus.loader.remote import RemoteLoader
-from services.provider.sources import open_source
+from tests.support.epochs import URI, assert_exact_epoch, read_epoch
 from tests.support.tcpproxy import TcpProxy
 
-URI = "mock://mnist?n=600"
-SOURCE = open_source(URI)
 REMOTE = "another-host"  # a host id that is not this machine's: the provider counts as remote
-
-
-def read_epoch(loader: RemoteLoader, on_batch=None) -> tuple[np.ndarray, np.ndarray]:
-    xs, ys = [], []
-    for i, (x, y) in enumerate(loader):
-        xs.append(x.numpy().copy())
-        ys.append(y.numpy().copy())
-        if on_batch is not None:
-            on_batch(i)
-    return np.concatenate(xs), np.concatenate(ys)
-
-
-def assert_exact_epoch(loader: RemoteLoader, epoch: int, x: np.ndarray, y: np.ndarray) -> None:
-    """Every sample of the split exactly once, in the loader's order for ``epoch``."""
-    order = loader.order(epoch)
-    want_x, want_y = SOURCE.read("train", order)
-    assert len(x) == len(order) == 600
-    assert np.array_equal(y, want_y) and np.array_equal(x, want_x)
 
 
 def live_flows(loader: RemoteLoader) -> list[int]:

@@ -20,7 +20,7 @@ from services.provider.sources.objstore import configure_cache
 from tests.support import wait_job
 from tests.support.contract import check_source_contract
 from tests.support.emulators import Azurite, GcsEmulator, in_env
-from tests.support.formats import build_idx, build_npy, build_tokens_bin, expected_splits, write_idx
+from tests.support.formats import build_idx, build_npy, build_tokens_bin, expected_splits, write_mnist_idx
 from tests.support.images import write_shards
 
 STORES = ["gs", "az"]
@@ -135,14 +135,7 @@ def test_a_job_trains_on_a_dataset_read_from_the_emulator(
     scheme, tmp_path, request, router, start_provider, trainer, client_for, forget_cache
 ):
     server = request.getfixturevalue(scheme)
-    source = open_source("mock://mnist?n=1000&noise=1")
-    data = tmp_path / "mnist"
-    data.mkdir()
-    for split, prefix in (("train", "train"), ("test", "t10k")):
-        x, y = source.read(split, np.arange(source.num_samples(split)))
-        pixels = np.clip(np.rint((x[:, 0] + 4.0) * (255 / 8.0)), 0, 255).astype(np.uint8)
-        write_idx(data / f"{prefix}-images-idx3-ubyte", pixels, 0x08)
-        write_idx(data / f"{prefix}-labels-idx1-ubyte", y.astype(np.uint8), 0x08)
+    data = write_mnist_idx(tmp_path / "mnist")
     server.put_dir("datasets", "mnist", data)
 
     cache = tmp_path / "cache"

@@ -12,11 +12,10 @@ from prometheus_client.registry import CollectorRegistry
 from libbus.errors import Unavailable
 from libbus.serve.metrics import StatsCollector
 from libbus.wire.messages import BatchRequest, DatasetInfoRequest, Stats, SubmitJob
-from services.provider.sources import open_source
 from services.provider.sources.formats.objects import STATS
 from services.provider.sources.objstore import configure_cache
 from tests.support import wait_job
-from tests.support.formats import write_idx
+from tests.support.formats import write_mnist_idx
 from tests.support.s3server import s3_in_env
 
 
@@ -28,14 +27,7 @@ def s3():
 
 
 def test_a_job_trains_on_a_dataset_read_from_s3(s3, tmp_path, router, start_provider, trainer, client_for):
-    source = open_source("mock://mnist?n=1000&noise=1")
-    data = tmp_path / "mnist"
-    data.mkdir()
-    for split, prefix in (("train", "train"), ("test", "t10k")):
-        x, y = source.read(split, np.arange(source.num_samples(split)))
-        pixels = np.clip(np.rint((x[:, 0] + 4.0) * (255 / 8.0)), 0, 255).astype(np.uint8)
-        write_idx(data / f"{prefix}-images-idx3-ubyte", pixels, 0x08)
-        write_idx(data / f"{prefix}-labels-idx1-ubyte", y.astype(np.uint8), 0x08)
+    data = write_mnist_idx(tmp_path / "mnist")
     s3.put_dir("datasets", "mnist", data)
 
     cache = tmp_path / "cache"

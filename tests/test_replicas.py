@@ -27,28 +27,7 @@ from libbus.wire.msg_data import info_mismatch
 from services.provider.sources import open_source
 from services.trainer.audit import digest, effective_epochs
 from tests.support import Cluster, run_service, wait_job
-
-URI = "mock://mnist?n=600"
-SOURCE = open_source(URI)
-
-
-def read_epoch(loader: RemoteLoader, it=None, on_batch=None) -> tuple[np.ndarray, np.ndarray]:
-    """One pass, copied out of the loader (same-host tensors view a ring slot)."""
-    xs, ys = [], []
-    for i, (x, y) in enumerate(it if it is not None else loader):
-        xs.append(x.numpy().copy())
-        ys.append(y.numpy().copy())
-        if on_batch is not None:
-            on_batch(i)
-    return np.concatenate(xs), np.concatenate(ys)
-
-
-def assert_exact_epoch(loader: RemoteLoader, epoch: int, x: np.ndarray, y: np.ndarray) -> None:
-    """Every sample of the split exactly once, in the loader's order for ``epoch``."""
-    order = loader.order(epoch)
-    want_x, want_y = SOURCE.read("train", order)
-    assert len(x) == len(order) == 600
-    assert np.array_equal(y, want_y) and np.array_equal(x, want_x)
+from tests.support.epochs import SOURCE, URI, assert_exact_epoch, read_epoch
 
 
 class Spawner:

@@ -54,6 +54,22 @@ def write_idx(path: Path, a: np.ndarray, code: int) -> None:
         path.write_bytes(data)
 
 
+def write_mnist_idx(directory: Path, n: int = 1000) -> Path:
+    """``mock://mnist?n=N&noise=1`` as MNIST's own idx files (train and t10k) in ``directory``: the
+    object-store jobs upload it to their server and train on it."""
+    from services.provider.sources import open_source
+
+    source = open_source(f"mock://mnist?n={n}&noise=1")
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        x, y = source.read(split, np.arange(source.num_samples(split)))
+        pixels = np.clip(np.rint((x[:, 0] + 4.0) * (255 / 8.0)), 0, 255).astype(np.uint8)
+        write_idx(directory / f"{prefix}-images-idx3-ubyte", pixels, 0x08)
+        write_idx(directory / f"{prefix}-labels-idx1-ubyte", y.astype(np.uint8), 0x08)
+    source.close()
+    return directory
+
+
 def build_idx(d: Path, rng) -> Built:
     x = rng.integers(0, 256, (50, 7, 5), dtype=np.uint8)
     y = rng.integers(0, 10, 50).astype(np.uint8)
