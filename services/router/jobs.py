@@ -35,10 +35,13 @@ from libbus.errors import BadRequest, Forbidden, NotFound, Timeout, Unavailable
 from libbus.jobs.commands import ADMIN_COMMANDS, JobCommand
 from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
+from libbus.order import history
 from libbus.wire.messages import (
     Checkpointed,
     Command,
     CommandAck,
+    GetJobSamples,
+    JobSamples,
     Message,
     Model,
     Ok,
@@ -366,6 +369,31 @@ class JobControl:
         data = self.artifacts.get(job_id)
         return Model(job=job_id, sha256=model["sha256"], nbytes=len(data), frames=[data])
 
+    # -- which samples made a step (libbus/order/history.py) -------------------------------------
+    def samples(self, msg: GetJobSamples, split_size: Callable[[str], int | None]) -> JobSamples:
+        """The sample indices of a step of ``msg.job`` (or of a range of one epoch's order), derived
+        from its spec and segments. ``split_size(dataset)``: the train split's size as a live provider
+        serves it (None: none online), used when no checkpoint cursor of the job records it."""
+        job = self.store.get(msg.job, events=False)
+        spec = job["spec"]
+        segments = self.store.segments(msg.job)
+        n = _order_size(spec, segments, split_size)
+        if msg.epoch >= 0:
+            indices = history.epoch_range(spec, msg.epoch, msg.start, msg.stop, n=n)
+            entry = {"epoch": msg.epoch, "start": msg.start, "stop": msg.stop, "indices": indices}
+            return JobSamples(job=msg.job, samples=[entry], n=n)
+        if msg.step < 1:
+            raise BadRequest(f"give a step (counted from 1) or an epoch and range; got step {msg.step}")
+        rank = None if msg.rank < 0 else msg.rank
+        out = history.step_samples(spec, segments, msg.step, n=n, rank=rank)
+        done = int((job.get("progress") or {}).get("step", 0) or 0)
+        note = (
+            f"step {msg.step} is not trained yet (the job is at step {done}): its planned samples"
+            if msg.step > done
+            else ""
+        )
+        return JobSamples(job=msg.job, samples=out, n=n, note=note)
+
     def remember_task(self, trainer: str, key: str, task: Task) -> Task:
         """Keep ``task`` as the answer to ``trainer``'s ask ``key`` (one per trainer)."""
         if key:
@@ -436,6 +464,24 @@ class JobControl:
             return
         state = self.store.release(job["id"], reason, lost=True)
         log.warning("job %s %s: %s", job["id"], state, reason)
+
+
+def _order_size(spec: dict, segments: list[dict], split_size: Callable[[str], int | None]) -> int:
+    """Samples the job's order is over: as a checkpoint cursor recorded it, else the train split's
+    size (or the job's ``train_range``) as a live provider serves it."""
+    for seg in reversed(segments):
+        cursor = seg.get("cursor")
+        if isinstance(cursor, dict) and isinstance(cursor.get("n"), int):
+            return int(cursor["n"])
+    rng = spec.get("train_range") or []
+    if len(rng) == 2:
+        return int(rng[1]) - int(rng[0])
+    n = split_size(spec["dataset"])
+    if n is None:
+        raise Unavailable(
+            f"no provider of {spec['dataset']!r} is online and job has no checkpoint yet: its split's size is unknown"
+        )
+    return n
 
 
 def _check_adopt(args: dict) -> None:

@@ -1,0 +1,184 @@
+"""Which samples made step k (issue 27): derived from the job's order and the segments of its attempts,
+checked against what the trainers' audits recorded, for a job killed, resumed and resized; refusals of
+malformed queries in one line, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import pytest
+
+from libbus.errors import BadRequest, NotFound
+from libbus.order import Order, elastic, epoch_order, history
+from libbus.wire.messages import GetJobSamples, Stats
+from tests.support.jobs import SPEC, JobCluster
+
+
+# -- the pure function ----------------------------------------------------------------------------
+def test_a_resumed_segment_continues_the_cursor_at_its_world_size():
+    spec = {**SPEC, "epochs": 3}
+    gang = Order(n=600, seed=5, shuffle="full", rank=0, world_size=2, batch_size=16, drop_uneven=True)
+    segments = [
+        {"step": 0, "cursor": None, "world_size": 2, "batch_size": 16},
+        {"step": 10, "cursor": elastic.state(gang, 0, 160, None), "world_size": 1, "batch_size": 16},
+    ]
+    whole = epoch_order(600, epoch=0, seed=5, shuffle="full")
+    # a gang of 2: rank r's step k is the k-th batch of its half of epoch 0
+    first = history.step_samples(spec, segments, 1, n=600)
+    assert [e["indices"] for e in first] == [whole[:16].tolist(), whole[300:316].tolist()]
+    # resumed alone from step 10 (both ranks 160 samples in): what is left of both halves, in order
+    resumed = history.step_samples(spec, segments, 11, n=600)
+    assert resumed == [
+        {
+            "rank": 0,
+            "world_size": 1,
+            "segment_step": 10,
+            "epoch": 0,
+            "position": 0,
+            "indices": whole[160:176].tolist(),
+        }
+    ]
+    # every sample of epoch 0 exactly once over the steps the job takes
+    seen = [i for k in range(1, 11) for e in history.step_samples(spec, segments, k, n=600) for i in e["indices"]]
+    k = 11
+    while (e := history.step_samples(spec, segments, k, n=600)[0])["epoch"] == 0:
+        seen += e["indices"]
+        k += 1
+    assert sorted(seen) == list(range(600))
+    assert e["epoch"] == 1 and e["position"] == 0  # then epoch 1, whole, from its start
+    assert history.step_samples(spec, segments, 10**6, n=600)[0]["indices"] == []  # past the last epoch
+
+
+@pytest.mark.parametrize(
+    ("step", "rank", "error", "match"),
+    [
+        (0, None, BadRequest, "steps count from 1"),
+        (-3, None, BadRequest, "steps count from 1"),
+        (5, 2, BadRequest, "rank 2 is outside the world of 2"),
+    ],
+)
+def test_malformed_step_queries_are_refused(step, rank, error, match):
+    segments = [{"step": 0, "cursor": None, "world_size": 2, "batch_size": 16}]
+    with pytest.raises(error, match=match):
+        history.step_samples(SPEC, segments, step, n=600, rank=rank)
+
+
+def test_a_step_before_any_segment_is_not_found():
+    with pytest.raises(NotFound, match="no recorded attempt"):
+        history.step_samples(SPEC, [], 1, n=600)
+    with pytest.raises(NotFound, match="before the oldest segment kept"):
+        history.step_samples(SPEC, [{"step": 40, "cursor": None, "world_size": 1}], 3, n=600)
+    with pytest.raises(BadRequest, match="at most"):
+        history.epoch_range(SPEC, 0, 0, history.MAX_RANGE + 1, n=10**6)
+    with pytest.raises(BadRequest, match="within 0:600"):
+        history.epoch_range(SPEC, 0, 5, 601, n=600)
+
+
+# -- a real job: killed, resumed at another world size ---------------------------------------------
+def _audited_steps(directory: Path, job: str) -> dict[tuple[int, int], list[str]]:
+    """``(step, rank) -> digests`` the job's final model was trained on: an attempt's steps after
+    the step a later attempt resumed from are cut (as services/trainer/audit.py's effective_epochs)."""
+    attempts = []
+    for path in directory.glob(f"{job}.*.jsonl"):
+        lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+        if lines:
+            head, records = lines[0], lines[1:]
+            ended = max([head["started"], *(b["t"] for b in records)])
+            attempts.append((head["started"], ended, head["rank"], int(head["resumed_from_step"]), records))
+    out = {}
+    for started, ended, rank, _, records in attempts:
+        cut = min((s for t, _, r, s, _ in attempts if t > started and (r == rank or t > ended)), default=None)
+        for b in records:
+            if cut is None or b["step"] <= cut:
+                out[(b["step"], rank)] = b["samples"]
+    return out
+
+
+def _wait_connected(cluster: JobCluster, names: tuple[str, ...], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(n in cluster.admin.request(Stats()).services for n in names):
+        assert time.monotonic() < deadline, f"trainers {names} never connected\n{cluster.logs()}"
+        time.sleep(0.2)
+
+
+def test_samples_of_every_step_are_what_the_audit_recorded_across_a_kill_and_a_resize(tmp_path):
+    cluster = JobCluster(tmp_path)
+    try:
+        cluster.start_router()
+        cluster.start_provider()
+        cluster.start_trainer("s1")
+        cluster.start_trainer("s2")
+        _wait_connected(cluster, ("s1", "s2"))
+        by_digest = _index_of_digest(cluster)
+        spec = {**SPEC, "epochs": 2, "elastic": True, "min_world_size": 1, "max_world_size": 2}
+        job = cluster.submit_spec({**spec, "gather_timeout_s": 5.0})
+        info = cluster.wait(
+            job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("checkpoint_step"), timeout=90
+        )
+        assert len(info["gang"]["members"]) == 2, info["events"]
+        cluster.procs[info["gang"]["members"][1]].kill()  # rank 0's next collective breaks: resumed alone
+        info = cluster.wait_end(job, timeout=120)
+        assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
+        assert info["result"]["world_size"] == 1 and info["progress"]["resumed_from"]["step"] >= 1
+
+        audited = _audited_steps(cluster.audit, job)
+        worlds = Counter()
+        for (step, rank), digests in sorted(audited.items()):
+            reply = cluster.admin.request(GetJobSamples(job=job, step=step, rank=rank))
+            [entry] = reply.samples
+            assert entry["indices"] == [by_digest[d] for d in digests], f"step {step} rank {rank}"
+            worlds[entry["world_size"]] += 1
+        assert worlds[2] >= 2 and worlds[1] >= 2, worlds  # steps of both segments were checked
+
+        # the CLI: one step, every rank, as JSON and as text; an epoch's range
+        step = max(s for s, _ in audited)
+        out = json.loads(cluster.busctl("job", "samples", job, "--step", str(step), "--json").stdout)
+        assert out["samples"][0]["indices"] == [by_digest[d] for d in audited[(step, 0)]]
+        text = cluster.busctl("job", "samples", job, "--step", "1").stdout
+        assert text.count("rank ") == 2 and "/2 (epoch 0 position 0)" in text, text
+        out = json.loads(cluster.busctl("job", "samples", job, "--epoch", "1", "--range", "0:5", "--json").stdout)
+        assert out["samples"][0]["indices"] == epoch_order(600, epoch=1, seed=5, shuffle="full")[:5].tolist()
+
+        # refusals: one line on stderr, no traceback
+        for args, says in [
+            (("--step", "0"), "counted from 1"),
+            (("--step", "3", "--rank", "7"), "rank 7 is outside"),
+            (("--epoch", "0", "--range", "9:2"), "0 <= A < B"),
+            (("--epoch", "0", "--range", "x"), "is not A:B"),
+            (("--epoch", "0", "--range", "0:999"), "within 0:600"),
+            ((), "give --step K"),
+        ]:
+            bad = cluster.busctl("job", "samples", job, *args, check=False)
+            assert bad.returncode != 0 and "Traceback" not in bad.stdout + bad.stderr, bad.stderr
+            assert says in bad.stderr, (args, bad.stderr)
+        bad = cluster.busctl("job", "samples", "jnothere", "--step", "1", check=False)
+        assert bad.returncode != 0 and "no job" in bad.stderr and "Traceback" not in bad.stderr
+    finally:
+        cluster.close()
+
+
+def _index_of_digest(cluster: JobCluster) -> dict[str, int]:
+    """The train split's sample index of each digest (every sample's bytes differ in mock://mnist)."""
+    from libbus.loader.remote import RemoteLoader
+    from libbus.wire.messages import Resolve
+    from services.trainer.audit import digest
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            provider = cluster.admin.request(Resolve(dataset="mnist")).providers[0]["endpoint"]
+            break
+        except NotFound:
+            assert time.monotonic() < deadline, "provider never registered"
+            time.sleep(0.1)
+    with RemoteLoader(
+        "mnist", provider=provider, token=cluster.admin_token, batch_size=1000, shuffle="none", copy=True
+    ) as loader:
+        x, y = next(iter(loader))
+    out = {digest(x[i].numpy().tobytes(), y[i].numpy().tobytes()): i for i in range(len(x))}
+    assert len(out) == 600, "mock://mnist samples are not all distinct"
+    return out
