@@ -12,9 +12,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from libbus.errors import BadRequest, NotFound
+from libbus.errors import BadRequest, Forbidden, NotFound
 from libbus.order import Order, elastic, epoch_order, history
-from libbus.wire.messages import GetJobSamples, Stats
+from libbus.wire.messages import GetJob, GetJobSamples, SkipJob, Stats, SubmitJob
 from tests.support.jobs import SPEC, JobCluster
 
 
@@ -182,3 +182,165 @@ def _index_of_digest(cluster: JobCluster) -> dict[str, int]:
     out = {digest(x[i].numpy().tobytes(), y[i].numpy().tobytes()): i for i in range(len(x))}
     assert len(out) == 600, "mock://mnist samples are not all distinct"
     return out
+
+
+# -- skipping a stretch ----------------------------------------------------------------------------
+def _samples(cluster: JobCluster, job: str, step: int) -> list[dict]:
+    return cluster.admin.request(GetJobSamples(job=job, step=step)).samples
+
+
+def test_a_skipped_stretch_is_never_trained_again_across_a_kill_and_a_resize(tmp_path):
+    cluster = JobCluster(tmp_path)
+    try:
+        cluster.start_router()
+        cluster.start_provider()
+        cluster.start_trainer("k1")
+        cluster.start_trainer("k2")
+        _wait_connected(cluster, ("k1", "k2"))
+        by_digest = _index_of_digest(cluster)
+        spec = {**SPEC, "epochs": 4, "checkpoint_every": 4, "elastic": True, "min_world_size": 1}
+        job = cluster.submit_spec({**spec, "max_world_size": 2, "gather_timeout_s": 5.0})
+        cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 6, 90)
+        cluster.control(job, "pause")  # a fixed place to skip from (the trainer pauses between batches)
+        info = cluster.job(job)
+        assert info["state"] == "paused" and len(info["gang"]["members"]) == 2, info["events"]
+        now, last = info["progress"]["step"], info["checkpoint"]["step"]
+        # steps after the last checkpoint up to the one trained last, within that checkpoint's epoch
+        a = last + 1
+        epoch = _samples(cluster, job, a)[0]["epoch"]
+        b = a + 1
+        while b <= max(now, a + 1) and _samples(cluster, job, b)[0]["epoch"] == epoch:
+            b += 1
+        stretch = {i for k in range(a, b) for e in _samples(cluster, job, k) for i in e["indices"]}
+        assert len(stretch) == 32 * (b - a)
+
+        out = cluster.busctl("job", "skip", job, "--steps", f"{a}:{b}").stdout
+        assert f"skips {len(stretch)} sample(s)" in out and f"rewinds to the checkpoint of step {last}" in out, out
+        shown = cluster.busctl("job", "show", job).stdout
+        assert "skipped: " in shown and "skip=[[" in shown, shown
+        cluster.control(job, "resume")  # paused with no trainer: queued, and the gang gathers again
+        cluster.wait(
+            job,
+            lambda i: (
+                i["state"] == "running"
+                and ((i["progress"] or {}).get("resumed_from") or {}).get("step") == last
+                and (i["progress"] or {}).get("checkpoint_step", 0) > last
+            ),
+            90,
+        )
+        members = cluster.job(job)["gang"]["members"]
+        # SIGKILL: a gang of 2 resumes on the one trainer left; a gang of 1 (the other trainer was
+        # still leaving the abandoned attempt when it gathered: resized already) on the other trainer
+        cluster.procs[members[-1]].kill()
+        info = cluster.wait_end(job, timeout=180)
+        assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
+        assert info["result"]["world_size"] == 1
+
+        from services.trainer.audit import effective_epochs
+
+        everything = Counter(range(600))
+        for e, digests in sorted(effective_epochs(cluster.audit, job).items()):
+            seen = Counter(by_digest[d] for d in digests)
+            want = everything if e < epoch else Counter(set(range(600)) - stretch)
+            assert seen == want, (
+                f"epoch {e}: {sorted((seen - want).elements())[:10]} extra, {sorted((want - seen).elements())[:10]} missing"
+            )
+        assert len(effective_epochs(cluster.audit, job)) == 4
+        # the stretch's steps now name other samples: those the job trained there after the rewind
+        again = {i for e in _samples(cluster, job, a) for i in e["indices"]}
+        assert again and not again & stretch
+
+        # refusals: one line, no traceback
+        for args, says in [
+            (("--steps", "5:2"), "0 <= A < B"),
+            (("--steps", "x"), "is not A:B"),
+            ((), "give --steps"),
+        ]:
+            bad = cluster.busctl("job", "skip", job, *args, check=False)
+            assert bad.returncode != 0 and "Traceback" not in bad.stdout + bad.stderr, bad.stderr
+            assert says in bad.stderr, (args, bad.stderr)
+        bad = cluster.busctl("job", "skip", job, "--steps", "1:2", check=False)
+        assert "already succeeded" in bad.stderr
+    finally:
+        cluster.close()
+
+
+def test_skips_and_sample_queries_that_are_malformed_huge_or_out_of_scope_are_refused(router, client_for, make_token):
+    admin = client_for(router.endpoint, role="admin")
+    job = admin.request(SubmitJob(spec={**SPEC, "train_range": [100, 400]})).job
+    scoped = client_for(router.endpoint, role="admin", token=make_token("admin", sub="ops-cifar", datasets=["cifar10"]))
+    for msg in (SkipJob(job=job, samples=[[100, 110]]), GetJobSamples(job=job, step=1)):
+        with pytest.raises(Forbidden, match="'mnist' is outside this token's datasets scope"):
+            scoped.request(msg)
+    refused = [
+        (SkipJob(job=job), "skip needs steps"),
+        (SkipJob(job=job, samples=[[5, 2]]), "is not \\[a, b\\] with 0 <= a < b"),
+        (SkipJob(job=job, samples=[[0, 10]]), "outside the job's 100:400"),
+        (SkipJob(job=job, samples=[[390, 401]]), "outside the job's 100:400"),
+        (SkipJob(job=job, samples=[["a", 3]]), "is not \\[a, b\\]"),
+        (SkipJob(job=job, steps=[[0, 3]]), "1 <= a < b"),
+        (SkipJob(job=job, steps=[[1, 10**9]]), "at most 10000 at once"),
+        (SkipJob(job=job, samples=[[i, i + 1] for i in range(0, 10000, 2)]), "at most 4096"),
+        (SkipJob(job=job, steps=[[1, 3]]), "no recorded attempt"),  # queued: no step has an order yet
+        (GetJobSamples(job=job, step=0), "counted from 1"),
+        (GetJobSamples(job=job, epoch=0, start=0, stop=301), "within 0:300"),
+    ]
+    for msg, says in refused:
+        with pytest.raises((BadRequest, NotFound), match=says):
+            admin.request(msg)
+    # many skips, each within bounds, until their ranges reach the bound: the next is refused
+    hundred = [[100 + 2 * j, 101 + 2 * j] for j in range(100)]  # 100 ranges
+    for _ in range(40):
+        admin.request(SkipJob(job=job, samples=hundred))
+    with pytest.raises(BadRequest, match="more than 4096 index ranges"):
+        admin.request(SkipJob(job=job, samples=hundred))
+    spec = admin.request(GetJob(job=job)).job["spec"]
+    assert len(spec["skip"]) == 40 and sum(len(s) for s in spec["skip"]) <= 4096
+    # with no provider online and no checkpoint, the train_range gives the order's size; a range of an
+    # epoch's whole order is in the split's indices (the range's first added)
+    reply = admin.request(GetJobSamples(job=job, epoch=0, start=0, stop=5))
+    assert reply.n == 300 and all(100 <= i < 400 for i in reply.samples[0]["indices"])
+
+
+def _one_skip(rnd, n: int) -> tuple[tuple[int, int], ...]:
+    a = rnd.randrange(n)
+    return ((a, min(n, a + rnd.randint(1, 20))),)
+
+
+def test_a_skip_leaves_an_order_exactly_once_across_resumes_at_any_world_size():
+    """Random orders, skips and world sizes: a cursor saved under some skips and restored under one
+    more reads every sample it had not read and is not skipped exactly once, and no skipped one."""
+    import random
+
+    from libbus.order.epochs import skip_ranges
+
+    for seed in range(300):
+        rnd = random.Random(seed)
+        n, w, w2, b = rnd.randint(1, 200), rnd.randint(1, 4), rnd.randint(1, 4), rnd.randint(1, 9)
+        shuffle = rnd.choice(["full", "none", "block"])
+        uneven = w > 1 and rnd.random() < 0.5
+        uneven2 = uneven if w2 == w else w2 > 1 and rnd.random() < 0.5
+
+        before = tuple(_one_skip(rnd, n) for _ in range(rnd.randint(0, 2)))
+        after = (*before, _one_skip(rnd, n))
+        kw = {"n": n, "seed": seed, "shuffle": shuffle, "block_size": 7, "batch_size": b}
+        olds = [Order(**kw, rank=r, world_size=w, drop_uneven=uneven, skip=before) for r in range(w)]
+        k = rnd.randint(0, olds[0].num_batches())
+        read, states = [], []
+        for o in olds:
+            done = o.batches(0)[:k]
+            read += [int(i) for x in done for i in x]
+            states.append(elastic.state(o, 0, sum(len(x) for x in done), None))
+        rest = []
+        for r in range(w2):
+            o = Order(**kw, rank=r, world_size=w2, drop_uneven=uneven2, skip=after)
+            epoch, position, plan = elastic.restore(o, states[0] if rnd.random() < 0.5 else states)
+            if epoch == 0:
+                rest += [int(i) for i in elastic.indices(o, 0, plan)[position:]]
+        skipped = {i for a, z in skip_ranges(after) for i in range(a, z)}
+        assert not set(read) & {i for a, z in skip_ranges(before) for i in range(a, z)}, seed
+        assert not set(rest) & skipped, seed
+        read += rest
+        assert len(read) == len(set(read)), seed
+        if not uneven and not uneven2:
+            assert set(range(n)) - set(read) - skipped == set(), seed

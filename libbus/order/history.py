@@ -13,7 +13,9 @@ so the answer is what the job's model was (or will be) trained on at step ``k``.
 
 A segment is a plain dict (the router keeps them per job, services/router/store.py)::
 
-    {"step": 30, "world_size": 2, "batch_size": 16, "cursor": {...} or None, "attempt": 1}
+    {"step": 30, "world_size": 2, "batch_size": 16, "cursor": {...} or None, "skips": 1}
+
+``skips``: how many of the spec's ``skip`` list the attempt's loaders left out (libbus/order/epochs.py).
 
 Steps count from 1 (step ``k`` is the ``k``-th optimizer step, the audit's ``step``). Indices are
 the split's sample indices (a ``train_range`` job's order is over its range; ``first`` is added).
@@ -28,9 +30,12 @@ import numpy as np
 
 from libbus.errors import BadRequest, NotFound
 from libbus.order import elastic
-from libbus.order.epochs import Order, batches_of, epoch_order
+from libbus.order.epochs import Order, batches_of, check_skips, epoch_order, shift_skips
 
-__all__ = ["MAX_RANGE", "epoch_range", "segment_of", "step_samples"]
+__all__ = ["MAX_RANGE", "MAX_SKIP_STEPS", "as_ranges", "epoch_range", "segment_of", "step_samples"]
+
+#: The most steps one skip may name (each step's samples are looked up).
+MAX_SKIP_STEPS = 10_000
 
 #: The most positions one ``epoch_range`` query returns (a reply stays small).
 MAX_RANGE = 100_000
@@ -55,6 +60,8 @@ def segment_of(segments: Sequence[Mapping[str, Any]], step: int) -> Mapping[str,
 
 def _order(spec: Mapping[str, Any], n: int, seg: Mapping[str, Any], rank: int) -> Order:
     world = int(seg.get("world_size", 1))
+    # the skips the attempt's loader had: the spec's first ``skips`` (skips are only ever added)
+    skips = check_skips(list(spec.get("skip") or [])[: int(seg.get("skips", 0))])
     return Order(
         n=n,
         seed=int(spec.get("seed", 0)),
@@ -64,6 +71,7 @@ def _order(spec: Mapping[str, Any], n: int, seg: Mapping[str, Any], rank: int) -
         world_size=world,
         batch_size=int(seg.get("batch_size") or spec.get("batch_size", 64)),
         drop_uneven=world > 1,  # what a gang's loaders read (services/trainer/prepare.py: shard)
+        skip=shift_skips(skips, int((spec.get("train_range") or [0])[0]), n),
     )
 
 
@@ -151,3 +159,14 @@ def epoch_range(spec: Mapping[str, Any], epoch: int, start: int, stop: int, *, n
     )
     first = int((spec.get("train_range") or [0])[0])
     return (whole[start:stop] + first).tolist()
+
+
+def as_ranges(indices: Sequence[int] | np.ndarray) -> list[list[int]]:
+    """``indices`` as sorted, disjoint ``[start, stop)`` ranges (runs of consecutive indices joined)."""
+    values = np.unique(np.asarray(indices, dtype=np.int64))
+    if not len(values):
+        return []
+    breaks = np.flatnonzero(np.diff(values) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [len(values)]])
+    return [[int(values[a]), int(values[b - 1]) + 1] for a, b in zip(starts, stops, strict=True)]

@@ -58,6 +58,7 @@ from libbus.wire.messages import (
     Resolved,
     RevokedList,
     RevokeToken,
+    SkipJob,
     Stats,
     StatsReply,
     SubmitJob,
@@ -345,6 +346,11 @@ class RouterHandler(Decisions, Handler):
             if isinstance(train.get("num_samples"), int):
                 return int(train["num_samples"])
         return None
+
+    @serves(SkipJob, *ADMIN)
+    def on_SkipJob(self, session: Session, msg: SkipJob) -> Ok:
+        self._check_job_scope(session, msg.job)
+        return self.jobs.skip(session.subject, msg, self._train_size)
 
     @serves(GetModel, *ADMIN)
     def on_GetModel(self, session: Session, msg: GetModel) -> Model:

@@ -349,6 +349,20 @@ class JobStore:
             (job, job, SEGMENTS_KEPT),
         )
 
+    def rewind(self, job: str, spec: JobSpec, checkpoint: dict | None, reason: str) -> None:
+        """Give ``job`` a new spec (its skips) and the checkpoint its next attempt resumes from (None:
+        the start), in one write; the job's event says why (``busctl job skip``)."""
+        now = time.time()
+        text = orjson.dumps(checkpoint).decode() if checkpoint else None
+        with self.durability.write():
+            self.db.execute(
+                "UPDATE jobs SET spec = ?, checkpoint = ?, updated = ? WHERE id = ?",
+                (orjson.dumps(spec.to_dict()).decode(), text, now, job),
+            )
+            self.db.execute(
+                "INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?", (now, _cut(reason), job)
+            )
+
     def segments(self, job: str) -> builtins.list[dict]:
         """The job's segments, oldest first (one per attempt; see :meth:`_segment`)."""
         self._row(job)
