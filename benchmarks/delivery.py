@@ -217,12 +217,14 @@ def loader_batches(loader: RemoteLoader, epochs: int, hold: int = 0) -> Iterator
 class Services:
     """A router and one provider serving the dataset twice (RAM and streamed), as real processes."""
 
-    def __init__(self, root: Path, state: Path):
+    def __init__(self, root: Path, state: Path, extra: dict[str, str] | None = None):
+        """``extra``: more datasets the provider serves, name → URI (a peer's files, benchmarks/peer_formats.py)."""
+        extra = extra or {}
         secret = ensure_secret(state / "secret")
         # A script reading datasets directly holds a token scoped to them (providers serve other
         # trainers only the datasets of their job).
         self.token = issue_token(
-            secret, sub="bench", role="trainer", audience="batchbus", ttl_s=3600, datasets=["ram", "stream"]
+            secret, sub="bench", role="trainer", audience="batchbus", ttl_s=3600, datasets=["ram", "stream", *extra]
         )
         self.procs = ServiceProcs(state)
         router = self.procs.start("router", "--bind", "tcp://127.0.0.1:0", "--log-level", "WARNING")
@@ -236,6 +238,7 @@ class Services:
             f"ram=file://{root}?memory=ram&val_fraction=0",
             "--dataset",
             f"stream=file://{root}?memory=stream&val_fraction=0",
+            *(arg for name, uri in extra.items() for arg in ("--dataset", f"{name}={uri}")),
         )
 
     def loader(self, dataset: str, batch: int, inflight: int, **kw) -> RemoteLoader:

@@ -18,7 +18,18 @@ import torch
 
 from benchmarks.delivery import SAMPLE_SHAPE, SEED, NpyBatches, Services, batch_plan, loader_batches
 
-__all__ = ["BUILDERS", "Make", "batches_of_loader", "close", "on_close", "streaming_without_torchvision", "workers"]
+__all__ = [
+    "BUILDERS",
+    "Make",
+    "arrays",
+    "batches_of_loader",
+    "close",
+    "on_close",
+    "streaming_without_torchvision",
+    "workers",
+    "write_litdata",
+    "write_mds",
+]
 
 Make = Callable[[], Iterable]
 #: What a row must close when it is done (the batchbus loader, then its services), last first.
@@ -48,7 +59,8 @@ def batches_of_loader(loader, shm: bool) -> Make:
     return lambda: loader_batches(loader, 1)
 
 
-def _arrays(root: Path) -> tuple[np.ndarray, np.ndarray]:
+def arrays(root: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The samples every row reads: ``train_x.npy`` (memory-mapped) and ``train_y.npy`` under ``root``."""
     return np.load(root / "train_x.npy", mmap_mode="r"), np.load(root / "train_y.npy")
 
 
@@ -71,7 +83,7 @@ class NpySamples(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         if self.x is None:
-            self.x, self.y = _arrays(self.root)
+            self.x, self.y = arrays(self.root)
         return torch.from_numpy(np.array(self.x[i])), int(self.y[i])
 
 
@@ -126,15 +138,23 @@ class MosaicSamples(torch.utils.data.IterableDataset):
         return iter(self.dataset)
 
 
-def mosaic(root: Path, work: Path, cfg: dict) -> Make:
-    from streaming import MDSWriter, StreamingDataset  # noqa: PLC0415
-    from streaming.base.util import clean_stale_shared_memory  # noqa: PLC0415
+def write_mds(root: Path, work: Path) -> Path:
+    """The samples as MDS shards, written by Streaming's ``MDSWriter`` into ``work/mds``."""
+    from streaming import MDSWriter  # noqa: PLC0415
 
-    x, y = _arrays(root)
+    x, y = arrays(root)
     columns = {"x": f"ndarray:float32:{','.join(map(str, SAMPLE_SHAPE))}", "y": "int64"}
     with MDSWriter(out=str(work / "mds"), columns=columns, size_limit="64mb") as writer:
         for i in range(len(y)):
             writer.write({"x": x[i], "y": int(y[i])})
+    return work / "mds"
+
+
+def mosaic(root: Path, work: Path, cfg: dict) -> Make:
+    from streaming import StreamingDataset  # noqa: PLC0415
+    from streaming.base.util import clean_stale_shared_memory  # noqa: PLC0415
+
+    write_mds(root, work)
     clean_stale_shared_memory()
     dataset = StreamingDataset(
         local=str(work / "mds"), shuffle=True, shuffle_seed=SEED, batch_size=cfg["batch"], predownload=None
@@ -152,11 +172,12 @@ def mosaic(root: Path, work: Path, cfg: dict) -> Make:
 
 
 def _lit_sample(i: int, root: str) -> dict:
-    x, y = _arrays(Path(root))
+    x, y = arrays(Path(root))
     return {"x": np.array(x[i]), "y": int(y[i])}
 
 
-def litdata(root: Path, work: Path, cfg: dict) -> Make:
+def write_litdata(root: Path, work: Path, cfg: dict) -> Path:
+    """The samples as litData chunks, written by its ``optimize()`` into ``work/lit``."""
     from functools import partial  # noqa: PLC0415
 
     import litdata as ld  # noqa: PLC0415
@@ -169,6 +190,13 @@ def litdata(root: Path, work: Path, cfg: dict) -> Make:
         num_workers=1,
         mode="overwrite",
     )
+    return work / "lit"
+
+
+def litdata(root: Path, work: Path, cfg: dict) -> Make:
+    import litdata as ld  # noqa: PLC0415
+
+    write_litdata(root, work, cfg)
     dataset = ld.StreamingDataset(str(work / "lit"), shuffle=True, seed=SEED, drop_last=True)
     loader = ld.StreamingDataLoader(
         dataset,
@@ -191,7 +219,7 @@ def _npy_bytes(a: np.ndarray) -> bytes:
 def webdataset(root: Path, work: Path, cfg: dict) -> Make:
     import webdataset as wds  # noqa: PLC0415
 
-    x, y = _arrays(root)
+    x, y = arrays(root)
     shards = work / "wds"
     shards.mkdir()
     per_shard = max(cfg["batch"], cfg["samples"] // 16)
@@ -221,7 +249,7 @@ def _gather(job: tuple[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     global _gather_arrays
     root, idx = job
     if _gather_arrays is None:
-        _gather_arrays = _arrays(Path(root))
+        _gather_arrays = arrays(Path(root))
     x, y = _gather_arrays
     return torch.from_numpy(np.take(x, idx, axis=0)), torch.from_numpy(np.take(y, idx))
 

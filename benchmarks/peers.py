@@ -13,6 +13,9 @@ webdataset           WebDataset tar shards, shard + buffer shuffle, ``WebLoader`
 torchdata            ``torchdata.nodes``: batch sampler → ``ParallelMapper`` (2 processes) → prefetch
 shm                  batchbus: a provider process writing each batch into the trainer's ring
 socket               batchbus: the same provider, batches over loopback TCP
+tfrecord, hf-disk    the ``tfrecord`` package's and Hugging Face ``datasets``' loaders on their files
+shm-mds, …           batchbus serving the peers' own files as written: ``shm-mds``, ``shm-litdata``,
+                     ``shm-tfrecord``, ``shm-hf-disk`` (benchmarks/peer_formats.py; tensor workload only)
 ===================  ===============================================================================
 
 Peers that read a format of their own write it first, in their row's process (``prepare_s``, not in
@@ -59,7 +62,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks import peer_rows
+from benchmarks import peer_formats, peer_rows
 from benchmarks.delivery import SAMPLE_SHAPE, batch_plan, make_dataset, measure, parser
 
 __all__ = ["ROWS", "WORKLOADS", "main", "run_peers", "print_peers"]
@@ -74,6 +77,7 @@ ROWS: dict[str, str | None] = {
     "torchdata": "torchdata.nodes",
     "shm": None,
     "socket": None,
+    **peer_formats.ROWS,
 }
 
 #: Batches a row reads before its clock starts (see :func:`warmup_batches`).
@@ -169,7 +173,7 @@ def _row_main(name: str, root: str, work_dir: str, cfg: dict, out) -> None:
         multiprocessing.set_start_method(cfg["start_method"], force=True)
         work = Path(work_dir)
         t0 = time.perf_counter()
-        builders = peer_rows.BUILDERS if cfg["workload"] == "tensor" else _image_builders()
+        builders = {**peer_rows.BUILDERS, **peer_formats.BUILDERS} if cfg["workload"] == "tensor" else _image_builders()
         make = builders[name](Path(root), work, cfg)  # writes the peer's format, if any
         prepared = time.perf_counter()
         started: dict = {}
@@ -254,7 +258,11 @@ def best_of(runs: list[dict]) -> dict:
 
 def run_peers(args) -> dict:
     """Every row of ``--rows`` (all by default) on one dataset; ratios to ``dataloader-batched``."""
-    names = args.rows.split(",") if args.rows else list(ROWS)
+    names = (
+        args.rows.split(",")
+        if args.rows
+        else [n for n in ROWS if args.workload == "tensor" or n not in peer_formats.ROWS]
+    )
     root = Path(tempfile.mkdtemp(prefix="batchbus-peers-"))
     try:
         if args.workload == "images":
@@ -380,6 +388,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = [n for n in args.rows.split(",") if n not in ROWS] if args.rows else []
     if unknown:
         p.error(f"unknown row(s) {', '.join(unknown)}; rows are {', '.join(ROWS)}")
+    if args.workload != "tensor" and (tensor_only := [n for n in args.rows.split(",") if n in peer_formats.ROWS]):
+        p.error(f"row(s) {', '.join(tensor_only)} read the tensor workload only")
     if args.workload == "images" and not (8 <= args.image_size <= 1024 and 16 <= args.image_side <= 4096):
         p.error("--image-size must be 8 to 1024 pixels and --image-side 16 to 4096")
     return args

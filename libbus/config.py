@@ -95,6 +95,9 @@ class Settings:
     hwm: int = C.HWM
     #: Trainer: batch requests kept in flight per loader.
     inflight: int = 4
+    #: Trainer: connections per loader to each provider on another host (0: 1 for batches under 4 MiB,
+    #: else 2; at most ``inflight``); a same-host provider keeps one (docs/python-api.md, flows).
+    flows: int = 0
     #: This machine's id; peers with equal ids share memory. Default: /etc/machine-id.
     host_id: str = ""
     #: Trainer: same-host batches through a shared-memory ring instead of the socket.
@@ -372,6 +375,11 @@ def load_settings(
         )
     if settings.request_timeout_s <= 0 or settings.request_retries < 0:
         raise ConfigError("request_timeout_s must be positive and request_retries not negative")
+    if not 0 <= settings.flows <= settings.inflight:
+        raise ConfigError(
+            f"flows ({sources['flows']}) must be 0 (from the batch size) up to inflight ({settings.inflight}), "
+            f"got {settings.flows}"
+        )
     _check_cache(settings, sources)
     resolved = settings.resolved()
     if not settings.token_alg:

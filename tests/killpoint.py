@@ -3,12 +3,13 @@
 ``python -m tests.killpoint POINT N -- start trainer --name t1`` kills this very process with
 SIGKILL the ``N``-th time it reaches ``POINT``:
 
-- ``checkpoint``: right after a checkpoint was written and its record delivered to the router;
+- ``checkpoint`` (or ``entry_checkpoint``): right after a checkpoint's record reached the router;
 - ``validation``: at the start of an epoch's validation (services.models.evaluate);
 - ``test_eval``: at the start of the provider-side test evaluation;
-- ``push_before``: just before the result is sent; ``push_after``: right after the router stored it;
-- ``entry_checkpoint``: right after an entrypoint attempt's checkpoint record reached the router
-  (the trainer dies; its attempt's process dies with it).
+- ``push_before``: just before the result is sent; ``push_after``: right after the router stored it.
+
+The trainer dies; its attempt's process (where the job trains) dies with it. The points inside an
+attempt (validation, test_eval) are planted in the fork server attempts start from.
 
 The process dies as a real trainer killed there would; nothing else is changed. Only the tests use it.
 """
@@ -34,8 +35,14 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+#: Where a kill point's trainer says so to its attempts' fork server (which imports this module).
+ENV = "BATCHBUS_TEST_KILLPOINT"
+#: Points inside an attempt's process (the built-in loop runs there): planted in the fork server.
+IN_ATTEMPT = ("validation", "test_eval")
+
+
 def plant(point: str, nth: int) -> None:
-    from services.trainer import app, run
+    from services.trainer import app, attempt
 
     count = {"n": 0}
 
@@ -43,40 +50,10 @@ def plant(point: str, nth: int) -> None:
         count["n"] += 1
         return count["n"] == nth
 
-    if point == "checkpoint":
-        original = run.TaskRun._checkpoint
-
-        def checkpoint(self):
-            record = original(self)
-            if hit():
-                self.reporter.flush(5.0)
-                _die()
-            return record
-
-        run.TaskRun._checkpoint = checkpoint
-    elif point == "validation":
-        evaluate = run.evaluate
-
-        def validation(*args, **kw):
-            if hit():
-                _die()
-            return evaluate(*args, **kw)
-
-        run.evaluate = validation
-    elif point == "test_eval":
-        original_eval = run.TaskRun._evaluate
-
-        def test_eval(self, *args, **kw):
-            if hit():
-                _die()
-            return original_eval(self, *args, **kw)
-
-        run.TaskRun._evaluate = test_eval
-    elif point == "entry_checkpoint":
+    if point in ("checkpoint", "entry_checkpoint"):
         from libbus.wire.messages import Checkpointed
-        from services.trainer import attempt
 
-        original_deliver = attempt.EntrypointRun._deliver
+        original_deliver = attempt.AttemptRun._deliver
 
         def deliver(self, msg, timeout_s):
             reply = original_deliver(self, msg, timeout_s)
@@ -84,7 +61,10 @@ def plant(point: str, nth: int) -> None:
                 _die()
             return reply
 
-        attempt.EntrypointRun._deliver = deliver
+        attempt.AttemptRun._deliver = deliver
+    elif point in IN_ATTEMPT:  # each attempt is forked from a server that imports this module first
+        os.environ[ENV] = f"{point}:{nth}:{os.getpid()}"
+        attempt.PRELOAD.append("tests.killpoint")
     elif point in ("push_before", "push_after"):
         original_push = app.TrainerService._push_result
 
@@ -98,6 +78,43 @@ def plant(point: str, nth: int) -> None:
         app.TrainerService._push_result = push
     else:
         raise SystemExit(f"unknown kill point {point!r}")
+
+
+def plant_in_attempt(point: str, nth: int, trainer: int) -> None:
+    """In the fork server of ``trainer``'s attempts: its attempt kills the trainer (and so itself,
+    which dies with it) the ``nth`` time it reaches ``point``, as a trainer killed there would be."""
+    from services.trainer import run
+
+    count = {"n": 0}
+
+    def die_here() -> None:
+        count["n"] += 1
+        if count["n"] == nth:
+            os.kill(trainer, signal.SIGKILL)
+            _die()
+
+    if point == "validation":
+        evaluate = run.evaluate
+
+        def validation(*args, **kw):
+            die_here()
+            return evaluate(*args, **kw)
+
+        run.evaluate = validation
+    elif point == "test_eval":
+        original_eval = run.TaskRun._evaluate
+
+        def test_eval(self, *args, **kw):
+            die_here()
+            return original_eval(self, *args, **kw)
+
+        run.TaskRun._evaluate = test_eval
+
+
+_planted = os.environ.get(ENV, "")
+if _planted and __name__ != "__main__":
+    _point, _nth, _trainer = _planted.split(":")
+    plant_in_attempt(_point, int(_nth), int(_trainer))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,11 @@ GANG = {
 }
 
 
+#: Each test waits for whole jobs on a cluster of processes, with its own timeouts and the cluster's
+#: logs when one runs out: pytest's own limit (120 s) must not cut that short.
+pytestmark = pytest.mark.timeout(600)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cluster = EntryCluster(tmp_path_factory.mktemp("entry-gang"))

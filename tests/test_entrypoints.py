@@ -34,6 +34,11 @@ JOB = {
 }
 
 
+#: Each test waits for whole jobs on a cluster of processes, with its own timeouts and the cluster's
+#: logs when one runs out: pytest's own limit (120 s) must not cut that short.
+pytestmark = pytest.mark.timeout(600)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cluster = EntryCluster(tmp_path_factory.mktemp("entry"))
@@ -91,7 +96,7 @@ def _fails_alone(cluster: EntryCluster, entrypoint: str) -> dict:
 
 
 def test_attempts_that_crash_hang_or_exit_fail_alone_and_the_trainer_goes_on(cluster):
-    cluster.start_trainer("sturdy")
+    cluster.start("sturdy", "trainer", env={"BATCHBUS_ATTEMPT_SILENCE_S": "6"})  # the hang is found in 6 s
     try:
         crashed = _fails_alone(cluster, "tests.support.entrypoints:segfault")
         assert crashed["state"] == "failed"
@@ -101,6 +106,7 @@ def test_attempts_that_crash_hang_or_exit_fail_alone_and_the_trainer_goes_on(clu
         assert hung["state"] == "failed" and "hung" in hung["error"] and "waiting forever" in hung["error"]
         shown = cluster.busctl("job", "logs", hung["id"]).stdout  # what it printed, escapes shown, not sent
         assert "waiting forever \\x1b[2J" in shown and "\x1b" not in shown, shown
+        assert "WARNING user.job: stuck before step 1" in shown, shown  # the function's log record, as logged
         exited = _fails_alone(cluster, "tests.support.entrypoints:exits")
         assert exited["state"] == "failed" and "SystemExit: 3" in exited["error"], exited["error"]
         # the same trainer, alive, takes the next job and trains it

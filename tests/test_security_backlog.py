@@ -12,8 +12,9 @@ from benchmarks.unread_replies import run
 from libbus.constants import MiB
 from libbus.loader.remote import RemoteLoader
 from libbus.security.admission import admit_client
+from libbus.serve.backlog import Backlogs
 from libbus.wire.messages import BatchRequest, Goodbye, Hello, Ok, encode
-from libbus.wire.sockets import send_tracked
+from libbus.wire.sockets import SentTracker, send_tracked
 
 #: What a connection that reads nothing may cost a provider under the default settings:
 #: ``session_unsent_bytes`` (64 MiB) plus the one ~1.5 MiB reply that crossed it, plus small untracked
@@ -117,3 +118,18 @@ def test_waiting_requests_of_a_reader_that_leaves_are_dropped(start_provider, ma
     # everyone else is served as before
     other = client_for(provider.endpoint, token=make_token("trainer", sub="other"))
     assert other.request(BatchRequest(dataset="zeros", split="train", range=[0, 8])).nbytes > 0
+
+
+def test_reading_the_stats_never_changes_a_ledger_the_serving_loop_is_settling():
+    """Heartbeats and metric scrapes read a server's stats from threads of their own. A read that
+    settled the ledger (as it once did) raced the serving loop's own settle: both saw a reply left,
+    both popped it, and the loop died of "pop from an empty deque" (a fuzz run found it). A read
+    now leaves the ledger as it is; only the loop settles it."""
+    backlogs = Backlogs(budget=MiB, wait_s=1.0)
+    sent = bytearray(100)
+    tracker = SentTracker(memoryview(sent))  # already released: libzmq kept no reference
+    backlogs.track(b"peer", tracker, 100)
+    assert tracker.done
+    assert backlogs.stats()["unsent_bytes"] == 100  # as the loop last saw it
+    assert backlogs.unsent(b"peer") == 0  # the loop's settle finds the reply gone, once
+    assert backlogs.stats()["unsent_bytes"] == 0

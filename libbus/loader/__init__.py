@@ -1,5 +1,5 @@
 """The training script's side: :class:`RemoteLoader`, its request window, replicas and failover,
-the shm or socket delivery, collation, ranks, the stall meter and DataLoader's habits. Imports torch.
+the shm or socket delivery, flows per provider, collation, ranks, the stall meter and DataLoader's habits. Imports torch.
 
 This face re-exports every submodule's ``__all__``; inside libbus, import the submodule itself."""
 
@@ -9,6 +9,7 @@ from libbus.loader import collate as _collate
 from libbus.loader import dataloader as _dataloader
 from libbus.loader import delivery as _delivery
 from libbus.loader import delivery_api as _delivery_api
+from libbus.loader import flows as _flows
 from libbus.loader import ranks as _ranks
 from libbus.loader import remote as _remote
 from libbus.loader import replica_set as _replica_set
@@ -20,6 +21,7 @@ from libbus.loader.collate import *  # noqa: F403
 from libbus.loader.dataloader import *  # noqa: F403
 from libbus.loader.delivery import *  # noqa: F403
 from libbus.loader.delivery_api import *  # noqa: F403
+from libbus.loader.flows import *  # noqa: F403
 from libbus.loader.ranks import *  # noqa: F403
 from libbus.loader.remote import *  # noqa: F403
 from libbus.loader.replica_set import *  # noqa: F403
@@ -33,6 +35,7 @@ __all__ = [
     *_dataloader.__all__,
     *_delivery.__all__,
     *_delivery_api.__all__,
+    *_flows.__all__,
     *_ranks.__all__,
     *_remote.__all__,
     *_replica_set.__all__,

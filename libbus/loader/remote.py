@@ -51,6 +51,7 @@ from libbus.errors import BadRequest, ConfigError, OutOfRange, SplitPrivate
 from libbus.loader.dataloader import DatasetSplit, pending_state, refuse_dataloader_args, refuse_rebatching
 from libbus.loader.delivery import RingDelivery
 from libbus.loader.delivery_api import Delivery
+from libbus.loader.flows import check_flows
 from libbus.loader.ranks import detect
 from libbus.loader.replica_set import Links, ReplicaSet
 from libbus.loader.replicas import Replica, ReplyPoller, entries_of, recv_any
@@ -133,6 +134,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             ``drop_uneven`` gives every rank the same count (default: on for a sharded ``train``
             split with more than one rank; off elsewhere, so a sharded evaluation reads every sample).
         inflight: batch requests kept outstanding (prefetch depth), over all replicas.
+        flows: connections to each provider on another host, the requests spread over them, each
+            reply still yielded in order and exactly once (:mod:`libbus.loader.flows`): a network that
+            caps each TCP flow carries several. ``None`` or ``0``: 1 for batches under 4 MiB, else 2
+            (never more than ``inflight``). A provider on this host keeps one (the ring or its socket).
         timeout_s, retries: per-request reply timeout, and how many times in a row a replica may
             leave a request unanswered (each time it is reconnected and asked again) before its
             requests go to another replica.
@@ -191,6 +196,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         block_size: int = DEFAULT_BLOCK_SIZE,
         drop_uneven: bool | None = None,
         inflight: int = 4,
+        flows: int | None = None,
         timeout_s: float = REQUEST_TIMEOUT_S,
         retries: int = REQUEST_RETRIES,
         provider_wait_s: float = PROVIDER_WAIT_S,
@@ -234,6 +240,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             raise BadRequest("batch_size and inflight must be at least 1")
         if provider_wait_s < 0:
             raise BadRequest(f"provider_wait_s must not be negative, got {provider_wait_s}")
+        flows = check_flows(flows, inflight)
         slots = shm_slots or inflight + 2
         if slots < 2:
             raise BadRequest(f"shm_slots must be at least 2 (one in use, one in flight), got {slots}")
@@ -297,6 +304,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             slots=slots,
             copy=copy,
             collate=collate,
+            flows=flows,
         )
         entries = None
         if provider is not None:
@@ -375,6 +383,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):
     def inflight(self) -> int:
         """Batch requests kept outstanding now (fewer while ring slots are quarantined)."""
         return self.links.inflight
+
+    @property
+    def flows(self) -> int:
+        """Connections to each provider on another host (one to a same-host provider)."""
+        return self.links.flows
 
     @property
     def provider_wait_s(self) -> float:
@@ -575,6 +588,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.links.open_sessions()
         self.links.readmit()
         while not window.finished:
+            self.links.top_up()  # flows dropped while their provider kept answering
             window.fill(self.replicas, self.inflight)
             taken = window.take()
             if taken is not None:

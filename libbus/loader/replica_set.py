@@ -7,6 +7,11 @@ dataset through the router (or a resolver), connects every replica that serves t
 reconnects it (``retries`` strikes in a row at most), takes it down (its requests go elsewhere),
 quarantines the ring slots a frozen provider may still write, and finds providers again — a
 restarted one on a new port — until ``provider_wait_s`` runs out (:class:`PeerTimeout`).
+
+A provider on another host is reached over ``flows`` connections (:mod:`libbus.loader.flows`), each a
+:class:`~libbus.loader.replicas.Replica` of its own that fails over like any replica; a flow dropped
+while its provider still answers on the others is opened again (at the next pass, or
+:data:`~libbus.loader.flows.FLOW_RETRY_S` later in the middle of one).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from libbus.constants import HELLO_TIMEOUT_S, PROVIDER_RETRY_S
 from libbus.errors import BadRequest, BusError, PeerTimeout, ShmError
 from libbus.loader.delivery import RingDelivery, SocketDelivery, ring_layout
 from libbus.loader.delivery_api import Delivery
+from libbus.loader.flows import FLOW_RETRY_S, auto_flows
 from libbus.loader.replicas import Replica, entries_of, label_of
 from libbus.security.curve import curve_key_of
 from libbus.wire.messages import DatasetInfoRequest, Resolve
@@ -59,6 +65,8 @@ class Links:
     copy: bool = False
     #: How variable-size fields are yielded: "pad" or "list" (:mod:`libbus.loader.collate`).
     collate: str = "pad"
+    #: Connections to each provider on another host; 0: from the batch size (:func:`~libbus.loader.flows.auto_flows`).
+    flows: int = 0
 
 
 def _close_all(owned: list) -> None:
@@ -86,6 +94,9 @@ class ReplicaSet:
         self._finalizer = weakref.finalize(self, _close_all, self._owned)
         self.replicas: list[Replica] = []
         self.info: dict = {}
+        #: Connections to each provider on another host (one to a same-host provider).
+        self.flows = 1
+        self._next_top_up = 0.0  # a dropped flow is opened again mid-pass no sooner than this
         try:
             self.entries = entries if entries is not None else self.resolve(links.timeout_s, links.retries)
             if not self.entries:
@@ -129,6 +140,8 @@ class ReplicaSet:
                 failed.append(err)
         if not self.replicas:
             raise failed[0]
+        self.flows = self.links.flows or auto_flows(self.info, self.links.batch_size, self.inflight_wanted)
+        self._top_up()
 
     def _by_preference(self, entries: list[dict]) -> list[dict]:
         host = self.links.identity.host_id
@@ -246,7 +259,8 @@ class ReplicaSet:
     def open_sessions(self) -> None:
         """Before a pass: drop replicas whose connection was lost meanwhile (while others are up),
         and say Hello again to those whose session was dropped (after a failure, or a pass left
-        early, or a lost connection: it may be back); one that does not answer is down."""
+        early, or a lost connection: it may be back); one that does not answer is down. Then open
+        again the flows dropped from providers that still answer."""
         for replica in self.replicas:
             if not replica.up:
                 continue
@@ -258,6 +272,7 @@ class ReplicaSet:
                     self._rehello(replica)
                 except PeerTimeout as err:
                     self.down(replica, str(err))
+        self._top_up()
 
     def _rehello(self, replica: Replica) -> None:
         replica.unwatch()
@@ -290,10 +305,11 @@ class ReplicaSet:
             return self.down(replica, f"{reason}, {replica.strikes} times in a row")
         batches = replica.take_pending()
         log.warning(
-            "%s: %s from %s; reconnecting, %d request(s) to send again",
+            "%s: %s from %s%s; reconnecting, %d request(s) to send again",
             self.where,
             reason,
             replica.client.endpoint,
+            f" (flow {replica.flow + 1})" if self.flows > 1 and not replica.local else "",
             len(batches),
         )
         try:
@@ -329,11 +345,14 @@ class ReplicaSet:
         batches = [*moving, *replica.take_pending()]
         replica.unwatch()
         replica.client.reset()
-        left = [r.label for r in self.replicas if r.up]
+        # a flow whose provider still answers on the others is opened again, but not at once: when
+        # the provider itself died, its other flows are found lost meanwhile, and none is opened
+        self._next_top_up = time.monotonic() + FLOW_RETRY_S
+        left = [r.connection for r in self.replicas if r.up]
         log.warning(
             "%s: provider %s dropped: %s; %d request(s) go to %s",
             self.where,
-            replica.label,
+            replica.connection,
             reason,
             len(batches),
             ", ".join(left) or f"a provider that comes back within {self.links.provider_wait_s:g} s",
@@ -341,10 +360,71 @@ class ReplicaSet:
         return batches
 
     def _admit(self, replica: Replica) -> None:
-        """Read from ``replica`` from now on; forget the replicas that are down."""
+        """Read from ``replica`` (and its other flows) from now on; forget the replicas that are down."""
         for gone in [r for r in self.replicas if not r.up]:
             gone.close()
         self.replicas = [r for r in self.replicas if r.up] + [replica]
+        self._top_up()
+
+    # -- flows ------------------------------------------------------------------------------------
+    def _short(self) -> dict[str, list[Replica]]:
+        """The providers on another host that answer on fewer than ``flows`` connections: endpoint ->
+        their live flows."""
+        live: dict[str, list[Replica]] = {}
+        for r in self.replicas:
+            if r.up and not r.local and r.delivery is self.socket:
+                live.setdefault(r.endpoint, []).append(r)
+        return {endpoint: flows for endpoint, flows in live.items() if len(flows) < self.flows}
+
+    def top_up(self) -> None:
+        """In the middle of a pass: open again the flows dropped while their provider kept answering
+        on the others, at most every :data:`~libbus.loader.flows.FLOW_RETRY_S` (each try may wait
+        ``min(timeout_s, 5 s)`` for an answer)."""
+        if self.flows > 1 and time.monotonic() >= self._next_top_up:
+            self._top_up()
+
+    def _top_up(self) -> None:
+        """Open the missing flows of every provider that answers on some: each a connection of its
+        own that says Hello and checks the provider still serves the same data. One that fails is
+        tried again later; the loader reads on from the flows it has."""
+        short = self._short()
+        if not short:
+            return
+        self._next_top_up = time.monotonic() + FLOW_RETRY_S
+        quick = min(self.links.timeout_s, HELLO_TIMEOUT_S)
+        for flows in short.values():
+            first = flows[0]
+            have = {r.flow for r in flows}
+            for number in (n for n in range(self.flows) if n not in have):
+                try:
+                    flow = self._open_flow(first, number, quick)
+                except BusError as err:
+                    log.info("%s: flow %d to %s not opened now: %s", self.where, number + 1, first.label, err)
+                    break
+                # the dropped connection this one replaces is forgotten
+                for old in [r for r in self.replicas if not r.up and r.endpoint == first.endpoint and r.flow == number]:
+                    old.close()
+                    self.replicas.remove(old)
+                self.replicas.append(flow)
+            else:
+                log.info("%s: %d flows to %s", self.where, self.flows, first.label)
+
+    def _open_flow(self, first: Replica, number: int, timeout_s: float) -> Replica:
+        """One more connection to ``first``'s provider, with the same identity (its own session)."""
+        client = self._client(first.client.endpoint, first.client.server_key)
+        try:
+            reply = client.request(DatasetInfoRequest(dataset=self.links.dataset), timeout_s=timeout_s, retries=0)
+            why = info_mismatch(self.info, reply.info, "in this loader", f"on {first.name}")
+            if why:
+                raise BadRequest(f"provider {first.label} now serves a different {self.links.dataset!r}: {why}")
+        except BaseException:
+            client.close()
+            raise
+        flow = Replica(
+            name=first.name, endpoint=first.endpoint, client=client, delivery=self.socket, local=False, flow=number
+        )
+        flow.watch()
+        return flow
 
     def readmit(self) -> None:
         """Before a pass, while a replica is down: ask the router (or resolver) for the dataset's

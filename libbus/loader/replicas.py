@@ -7,7 +7,9 @@ refuses a replica whose info differs from the one its sample order was built on.
 A loader talks to each replica through one :class:`Replica` (a connection and the delivery its
 batches come through) and sends each request to the live replica with the fewest requests
 outstanding (:func:`pick`), a same-host replica first when they tie: its batches come through
-shared memory rather than over the network.
+shared memory rather than over the network. A provider on another host may be reached over several
+connections (flows, :mod:`libbus.loader.flows`): each is a :class:`Replica` of its own, numbered by
+``flow``, so requests spread over flows as over replicas.
 """
 
 from __future__ import annotations
@@ -71,12 +73,16 @@ class Replica:
     client: Client
     delivery: Any
     local: bool = False
+    #: Which connection to its provider this is (0 = the first; more with ``flows``).
+    flow: int = 0
     #: request id -> batch number, for requests sent on the current connection.
     pending: dict[int, int] = field(default_factory=dict)
     #: batch number -> when it was last sent here.
     sent_at: dict[int, float] = field(default_factory=dict)
     #: Timeouts since the last reply; more than the loader's ``retries`` takes the replica down.
     strikes: int = 0
+    #: Replies to batch requests that came through this connection.
+    received: int = 0
     up: bool = True
     #: Monitor of the connection's socket: a provider that dies closes its end, and the loader
     #: hears of it at once rather than after a request times out.
@@ -85,7 +91,13 @@ class Replica:
 
     @property
     def label(self) -> str:
+        """The provider's name (every flow of a provider has the same)."""
         return label_of({"name": self.name, "endpoint": self.endpoint})
+
+    @property
+    def connection(self) -> str:
+        """How logs name this connection: the provider, and which flow when it has several."""
+        return self.label if self.flow == 0 else f"{self.label} flow {self.flow + 1}"
 
     def oldest(self) -> float:
         """When the longest-waiting request here was sent (``inf`` when none waits)."""
@@ -104,6 +116,7 @@ class Replica:
         if batch_no is not None:
             self.sent_at.pop(batch_no, None)
             self.strikes = 0
+            self.received += 1
         return batch_no
 
     def send(self, batch_no: int, msg: Message) -> None:

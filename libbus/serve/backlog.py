@@ -93,7 +93,7 @@ class Backlogs:
 
     @property
     def waiting(self) -> int:
-        return sum(len(b.waiting) for b in self._by_routing.values())
+        return sum(len(b.waiting) for b in list(self._by_routing.values()))
 
     def release(self, now: float, serve: Callable[[Session, Message, RateLimited | None], None]) -> None:
         """Serve the waiting requests whose connection is back under the budget (``serve(session,
@@ -138,8 +138,12 @@ class Backlogs:
         return out
 
     def stats(self) -> dict:
+        """The ledgers' figures, read without changing them: heartbeats and metric scrapes call this
+        from threads of their own while the serving loop settles and extends the ledgers (the bytes
+        are those held at the loop's last look, a turn old at most)."""
+        backlogs = list(self._by_routing.values())  # one C-level copy: no loop change in between
         return {
-            "unsent_bytes": sum(b.settle() for b in self._by_routing.values()),
+            "unsent_bytes": sum(b.unsent for b in backlogs),
             "waiting_for_reads": self.waiting,
             "deferred_for_reads": self.deferred,
             "refused_unread": self.refused,

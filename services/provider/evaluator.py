@@ -34,7 +34,7 @@ from torch import nn
 
 from libbus.constants import EVAL_LOSS_CLIP, MAX_BATCH_BYTES
 from libbus.errors import BadRequest, Forbidden, Internal, Timeout, Unavailable
-from services.models import MODELS, build_model, dataset_kind, predictions
+from services.models import MODELS, build_model, dataset_kind, predictions, xy
 from services.usercode import import_allowed
 
 from .evalgate import Bound
@@ -153,7 +153,8 @@ def _builtin(model: nn.Module, batches: _Reader, kind: str) -> tuple[float, floa
     by a bounded amount, a diverged model's NaN reads as the clip) and accuracy, per prediction."""
     model.eval()
     total_loss, correct, predicted = 0.0, 0, 0
-    for x, y in batches:
+    for batch in batches:
+        x, y = xy(batch)
         logits, targets = predictions(model, x, y, kind)
         losses = nn.functional.cross_entropy(logits.float(), targets, reduction="none")
         losses = torch.nan_to_num(losses, nan=EVAL_LOSS_CLIP, posinf=EVAL_LOSS_CLIP).clamp(0.0, EVAL_LOSS_CLIP)
@@ -173,9 +174,7 @@ def score(prepared: Prepared, source: Source, split: str, info: dict, bound: Bou
     """
     reader = _Reader(source, split, info, bound, xy)
     if prepared.model is not None:
-        if not xy:
-            raise BadRequest("the built-in models evaluate only x/y datasets; name an evaluator for named fields")
-        loss, accuracy = _builtin(prepared.model, reader, dataset_kind(info))
+        loss, accuracy = _builtin(prepared.model, reader, dataset_kind(info))  # named fields: image and label
         return Scores(loss, accuracy, reader.n)
     if prepared.evaluator is None:
         raise Internal("an evaluation prepared neither a model nor an evaluator")

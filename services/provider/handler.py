@@ -42,6 +42,7 @@ from libbus.wire.messages import (
     StatsReply,
 )
 from libbus.wire.sockets import frame_len
+from services.models import xy_info
 from shm import Ring, RingLayout
 
 from .destination import BatchCounters, Destination, Frames, Slot, check_batch_size, write_batch
@@ -396,10 +397,10 @@ class ProviderHandler(Handler):
             raise BadRequest(f"unknown split {msg.split!r}; expected one of {', '.join(SPLITS)}")
         check_model_spec(msg.model, self.evaluator_modules)
         if "name" in msg.model and not self.xy[msg.dataset]:
-            raise BadRequest(
-                f"{msg.dataset!r} has named fields ({', '.join(f.name for f in self.fields[msg.dataset])}); "
-                "the built-in models evaluate only x/y datasets: name an evaluator (model.evaluator)"
-            )
+            try:  # a built-in model reads named fields image and label, as it trained on them
+                xy_info(self.infos[msg.dataset])
+            except BadRequest as err:
+                raise BadRequest(f"{msg.dataset!r}: {err.message}; or name an evaluator (model.evaluator)") from err
         weights = msg.frames[0]
         gate = self.evalgate
         subject = session.claims.sub if session else ""

@@ -16,17 +16,16 @@ from libbus.config import Settings
 from libbus.connect.link import Link
 from libbus.errors import BusError, Forbidden, PeerTimeout
 from libbus.jobs.commands import JobCommand
-from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, Task
 
 from .. import runtime
 from ..sdnotify import Notifier
-from .attempt import EntrypointRun
+from .attempt import AttemptRun, warm_up
 from .failures import describe_failure
 from .reports import Reporter
-from .run import LOST, TaskRun
+from .run import LOST
 
 __all__ = ["TrainerService", "run_trainer"]
 
@@ -52,7 +51,7 @@ class TrainerService:
         self.tasks: Counter = Counter()
         #: Seconds the jobs that ended waited for data; the running one's come from its loader.
         self.data_wait_done = 0.0
-        self.run_now: TaskRun | EntrypointRun | None = None
+        self.run_now: AttemptRun | None = None
         #: The Prometheus endpoint while running (``metrics_bind`` set), else ``None``.
         self.metrics: MetricsExporter | None = None
         self.link = Link(
@@ -72,12 +71,12 @@ class TrainerService:
             self.commands.put(msg)
 
     def stats(self) -> dict:
-        train = self.run_now.train if self.run_now is not None else None
+        waited = self.run_now.data_wait_s if self.run_now is not None else 0.0
         return {
             "job": self.current_job,
             "tasks": dict(self.tasks),
             "connected": self.link.connected.is_set(),
-            "data_wait_s": self.data_wait_done + (train.wait_s if train is not None else 0.0),
+            "data_wait_s": self.data_wait_done + waited,
         }
 
     def run(self, stop: threading.Event) -> int:
@@ -85,6 +84,7 @@ class TrainerService:
         self.link.start()
         router = self.settings.router
         self.notifier.ready(f"waiting for the router at {router}")
+        threading.Thread(target=warm_up, name="fork-server", daemon=True).start()  # attempts fork from it
         # A stop (SIGTERM) also ends a running task: it is put on the command queue.
         watcher = threading.Thread(target=self._watch_stop, args=(stop,), daemon=True)
         watcher.start()
@@ -146,21 +146,16 @@ class TrainerService:
         state: JobState | str  # or LOST: the router gave the job to another trainer
         try:
             try:
-                run: TaskRun | EntrypointRun
-                if JobSpec.from_dict(task.spec).entrypoint:  # the user's function, in a process of its own
-                    run = EntrypointRun(
-                        task,
-                        self.settings,
-                        self.link,
-                        self.identity,
-                        self.commands,
-                        attempt=task.attempt,
-                        notifier=self.notifier,
-                    )
-                else:
-                    run = TaskRun(
-                        task, self.settings, self.link, self.identity, self.commands, reporter, notifier=self.notifier
-                    )
+                # every attempt in a process of its own: the built-in loop or the job's entrypoint
+                run = AttemptRun(
+                    task,
+                    self.settings,
+                    self.link,
+                    self.identity,
+                    self.commands,
+                    attempt=task.attempt,
+                    notifier=self.notifier,
+                )
             except Exception as err:  # noqa: BLE001 - a spec this trainer cannot even set up: the job fails, not us
                 state, result, error = JobState.FAILED, {"retryable": False}, describe_failure(err, None)
                 log.error("job %s failed before it started: %s", task.job, error)
@@ -171,8 +166,8 @@ class TrainerService:
             self._flush(reporter, stop)
         finally:
             reporter.close()
-            if self.run_now is not None and self.run_now.train is not None:
-                self.data_wait_done += self.run_now.train.wait_s
+            if self.run_now is not None:
+                self.data_wait_done += self.run_now.data_wait_s
             self.current_job, self.run_now = None, None
         self.tasks[str(state)] += 1  # a plain str key: the stats go out as JSON
         if task.rank > 0:  # rank 0 reports for the gang (services/trainer/gang.py)

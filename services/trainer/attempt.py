@@ -18,15 +18,16 @@ trainer's side:
 from __future__ import annotations
 
 import logging
-import os
+import math
+import multiprocessing
+import multiprocessing.forkserver
 import queue
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
+from typing import BinaryIO
 
 from libbus.config import Settings
 from libbus.connect.client import Identity
@@ -52,12 +53,38 @@ from services.sdnotify import Notifier
 from services.usercode import module_allowed
 
 from .channel import Channel, ChannelClosed
+from .child import child_main
 from .failures import describe_failure
 from .prepare import resolve
 
-__all__ = ["AttemptLog", "EntrypointRun"]
+__all__ = ["PRELOAD", "AttemptLog", "AttemptRun", "attempt_context", "warm_up"]
 
 log = logging.getLogger(__name__)
+
+#: Modules imported once into the trainer's fork server (multiprocessing's ``forkserver``): each
+#: attempt is a fork of it that starts in milliseconds, with torch and the trainer's code imported,
+#: instead of a new interpreter importing them again (seconds).
+PRELOAD = ["services.trainer.forkserver"]
+
+
+def attempt_context() -> multiprocessing.context.ForkServerContext:
+    """The context attempts start from (the fork server starts with the first attempt, or with
+    :func:`warm_up`)."""
+    ctx = multiprocessing.get_context("forkserver")
+    assert isinstance(ctx, multiprocessing.context.ForkServerContext)  # noqa: S101 - for the type checker
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def warm_up() -> None:
+    """Start the fork server now (a trainer does, on a thread, once it is up), so that its first
+    attempt does not wait for it; a failure here shows again, and is reported, at that attempt."""
+    attempt_context()
+    try:
+        multiprocessing.forkserver.ensure_running()
+    except Exception as err:  # noqa: BLE001 - the first attempt tries again and fails with the reason
+        log.warning("the fork server attempts start from did not start: %s", err)
+
 
 #: What a child may ask the router, through its trainer: nothing it could not do as the job's trainer.
 RELAYED: tuple[type[Message], ...] = (Progress, Checkpointed, CommandAck, Resolve, Rendezvous)
@@ -76,6 +103,24 @@ LOG_EVERY_S = 1.0
 EXIT_QUIET_S = 2.0
 #: Longest output line kept (a progress bar without newlines is cut, not held whole).
 MAX_LINE = 4096
+#: Longest status line and logger name taken from an attempt.
+MAX_STATUS = 200
+MAX_LOGGER_NAME = 100
+#: Longest wait an attempt may announce (its evaluation's timeout is far below).
+MAX_EXTEND_S = 3600.0
+
+
+def printable(text: str) -> str:
+    """``text`` with each unprintable character (a newline, an escape sequence) as ``?``: a status
+    line or logger name from an attempt is one line of the trainer's own."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _seconds(value: object) -> float:
+    """An announced wait in seconds, bounded; anything else is none."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return 0.0
+    return min(max(float(value), 0.0), MAX_EXTEND_S)
 
 
 class AttemptLog:
@@ -110,7 +155,7 @@ class AttemptLog:
             return list(self.lines)[-n:]
 
 
-class EntrypointRun:
+class AttemptRun:
     """Runs ``task`` (an entrypoint job) in a child process and returns ``(state, result, error)``
     to push to the router, like :class:`.run.TaskRun`."""
 
@@ -134,10 +179,11 @@ class EntrypointRun:
         self.attempt = attempt
         self.notifier = notifier or Notifier()
         self.log = AttemptLog(settings.attempt_log_bytes)
-        #: What the trainer's stats read of a built-in run; an entrypoint's loaders are in its child.
-        self.train = None
+        #: Seconds the attempt's train loader waited for data (its last progress report says).
+        self.data_wait_s = 0.0
         self.unclean = False
-        self.child: subprocess.Popen | None = None
+        self.child: multiprocessing.process.BaseProcess | None = None
+        self._output: BinaryIO | None = None
         self.last_checkpoint: dict | None = None
         self._result: tuple[str, dict, str] | None = None
         self._relays = threading.BoundedSemaphore(MAX_RELAYS)
@@ -148,7 +194,7 @@ class EntrypointRun:
     def run(self) -> tuple[JobState | str, dict, str]:
         spec, s = self.spec, self.settings
         module = spec.entrypoint.partition(":")[0]
-        if not module_allowed(module, s.job_modules):
+        if spec.entrypoint and not module_allowed(module, s.job_modules):
             listed = ", ".join(sorted(s.job_modules)) or "none"
             error = (
                 f"entrypoint {spec.entrypoint!r}: module {module!r} is not in this trainer's job_modules ({listed}); "
@@ -164,22 +210,21 @@ class EntrypointRun:
             return JobState.FAILED, {"retryable": retryable}, describe_failure(err, spec)
         provider = pick_provider(resolved.providers, self.identity.host_id)
         parent_end, child_end = socket.socketpair()
-        channel = Channel(os.dup(parent_end.fileno()))
-        parent_end.close()
-        try:
-            self.child = subprocess.Popen(
-                [sys.executable, "-m", "services.trainer.child", str(child_end.fileno()), str(os.getpid())],
-                pass_fds=(child_end.fileno(),),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        out_read, out_write = socket.socketpair()
+        channel = Channel(parent_end.detach())
+        try:  # forked from the trainer's fork server, where torch and the trainer's code are imported already
+            self.child = attempt_context().Process(
+                target=child_main, args=(child_end, out_write), name=f"attempt-{self.task.job}", daemon=False
             )
+            with self.notifier.extended(SETUP_GRACE_S):  # the first start also starts the fork server (seconds)
+                self.child.start()
         finally:
             child_end.close()
-        log.info(
-            "job %s: attempt %d runs %s in process %d", self.task.job, self.attempt, spec.entrypoint, self.child.pid
-        )
+            out_write.close()
+        self._output = out_read.makefile("rb")
+        out_read.close()
+        what = spec.entrypoint or f"the built-in loop ({spec.model})"
+        log.info("job %s: attempt %d runs %s in process %d", self.task.job, self.attempt, what, self.child.pid)
         output = threading.Thread(target=self._read_output, name=f"output-{self.task.job}", daemon=True)
         output.start()
         done = threading.Event()
@@ -221,6 +266,7 @@ class EntrypointRun:
         stop_by: float | None = None
         stopping = ""
         exited_at = 0.0
+        extra_s = 0.0  # a longer wait the attempt announced
         started = False  # set-up (imports, a gang's rendezvous) may take longer than a step
         reader_out: queue.Queue[tuple[dict, list[bytes]] | None] = queue.Queue()
         threading.Thread(target=self._read_channel, args=(channel, reader_out), daemon=True).start()
@@ -245,6 +291,12 @@ class EntrypointRun:
                 elif op == "request":
                     alive_at = time.monotonic()
                     self._relay(channel, header, frames)
+                elif op == "log":
+                    self._log_record(header)
+                elif op == "status":
+                    self.notifier.status(printable(str(header.get("text", "")))[:MAX_STATUS])
+                elif op == "extend":  # a wait the attempt announced (an evaluation): no hang meanwhile
+                    extra_s, alive_at = _seconds(header.get("seconds")), time.monotonic()
             while True:  # the router's commands, on to the child
                 try:
                     cmd = self.commands.get_nowait()
@@ -265,7 +317,7 @@ class EntrypointRun:
                 )
                 self._kill()
                 return self._stopped_by_kill(stopping)
-            silence = s.attempt_silence_s if started else s.attempt_silence_s + SETUP_GRACE_S
+            silence = extra_s + (s.attempt_silence_s if started else s.attempt_silence_s + SETUP_GRACE_S)
             if now - alive_at > silence and stop_by is None:
                 self._kill()
                 return (
@@ -276,7 +328,7 @@ class EntrypointRun:
                         "a deadlock, or a step longer than attempt_silence_s: call job.step() between steps",
                     ),
                 )
-            if self.child is not None and self.child.poll() is not None and reader_out.empty():
+            if self.child is not None and self.child.exitcode is not None and reader_out.empty():
                 # ended without a word; the channel stays open while processes it forked live on
                 exited_at = exited_at or now
                 if now - exited_at > EXIT_QUIET_S:
@@ -305,6 +357,8 @@ class EntrypointRun:
             return
         if isinstance(msg, Checkpointed):
             self.last_checkpoint = msg.checkpoint
+        elif isinstance(msg, Progress) and isinstance(msg.progress.get("data_wait_s"), (int, float)):
+            self.data_wait_s = float(msg.progress["data_wait_s"])
         timeout_s = min(float(header.get("timeout_s", 10.0)), 600.0)
 
         def call() -> None:
@@ -347,7 +401,9 @@ class EntrypointRun:
         return JobState(state), result, error
 
     def _ended_without_result(self, stopping: str) -> tuple[JobState | str, dict, str]:
-        code = self.child.wait() if self.child is not None else None
+        if self.child is not None:
+            self.child.join()
+        code = self.child.exitcode if self.child is not None else None
         if stopping:
             return self._stopped_by_kill(stopping)
         if code is not None and code < 0:
@@ -380,26 +436,40 @@ class EntrypointRun:
         return text
 
     def _kill(self) -> None:
-        if self.child is not None and self.child.poll() is None:
+        if self.child is not None and self.child.exitcode is None:
             self.child.kill()
 
     def _end_child(self) -> None:
         """The child has sent its result (or is being given up): it exits by itself; kill it if not."""
         if self.child is None:
             return
-        try:
-            self.child.wait(timeout=10.0)
-        except subprocess.TimeoutExpired:
+        self.child.join(timeout=10.0)
+        if self.child.exitcode is None:
             self.child.kill()
-            self.child.wait()
+            self.child.join()
 
     # -- output ---------------------------------------------------------------------------------
     def _read_output(self) -> None:
-        assert self.child is not None and self.child.stdout is not None  # noqa: S101 - set by run before this starts
-        for raw in self.child.stdout:
+        assert self._output is not None  # noqa: S101 - set by run before this starts
+        for raw in self._output:
             line = raw.decode("utf-8", "replace").rstrip("\n")
             self.log.add(line)
             log.info("job %s | %s", self.task.job, line[:500])
+
+    def _log_record(self, header: dict) -> None:
+        """A log record of the attempt: logged here under its logger's name and level (bounded: the
+        attempt is the job's code), and kept with its output."""
+        name, level = header.get("name"), header.get("level")
+        if not isinstance(name, str) or not isinstance(level, int) or isinstance(level, bool):
+            return
+        name, level = printable(name)[:MAX_LOGGER_NAME] or "root", min(max(level, logging.DEBUG), logging.CRITICAL)
+        text = str(header.get("text", ""))[:MAX_LINE]
+        for line in text.splitlines() or [""]:
+            self.log.add(f"{logging.getLevelName(level)} {name}: {line}")
+        if text.startswith(f"job {self.task.job}"):  # the trainer's own code names its job already
+            logging.getLogger(name).log(level, "%s", text)
+        else:
+            logging.getLogger(name).log(level, "job %s: %s", self.task.job, text)
 
     def _send_logs(self, done: threading.Event) -> None:
         """The output's new lines to the router every ``LOG_EVERY_S`` and at the end."""

@@ -1,5 +1,5 @@
-"""``python -m services.trainer.child FD PARENT_PID``: one attempt of an entrypoint job, in a process
-of its own (:mod:`.attempt` starts it and is its only peer).
+"""One attempt of a job, in a process of its own: forked from the trainer's fork server
+(:mod:`.attempt` starts it and is its only peer).
 
 The child imports the job's function only if the trainer's ``job_modules`` allows it, calls it with
 an :class:`.jobapi.AttemptJob` and tells the parent how it ended. It holds no connection to the
@@ -14,14 +14,18 @@ out-of-memory killer (``oom_score_adj``), so a job that exhausts memory ends its
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import itertools
 import logging
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -29,12 +33,14 @@ from typing import Any
 import torch
 
 from libbus.config import Settings
+from libbus.connect.client import Identity
 from libbus.errors import BusError, PeerTimeout, error_from_code
 from libbus.jobapi import JobEnded
 from libbus.jobs.state import JobState
 from libbus.wire.frames import decode, encode
 from libbus.wire.messages import Command, Message, Resolve, Task
 from services import runtime
+from services.sdnotify import Notifier
 from services.usercode import import_allowed
 
 from .channel import Channel, ChannelClosed
@@ -43,8 +49,9 @@ from .final_eval import score_saved
 from .gang import Gang, advertised_host
 from .jobapi import AttemptJob
 from .reports import Reporter
+from .run import TaskRun
 
-__all__ = ["ParentLink", "main"]
+__all__ = ["ParentLink", "ParentLogHandler", "ParentNotifier", "child_main", "main"]
 
 log = logging.getLogger("batchbus.job")
 
@@ -98,12 +105,69 @@ class ParentLink:
                     fut.set_exception(PeerTimeout(why))
 
 
-def _die_with(parent: int) -> None:
+class ParentNotifier(Notifier):
+    """The built-in loop's systemd notifier in an attempt: its status lines go to the trainer, which
+    tells systemd (``STATUS=`` of the trainer's unit), and a wait it announces as longer than usual
+    (an evaluation) widens the trainer's hang check for that long. The trainer feeds the watchdog."""
+
+    def __init__(self, channel: Channel):
+        super().__init__()
+        self.channel = channel
+
+    def status(self, text: str) -> bool:
+        if text == self._last_status:
+            return False
+        self._last_status = text
+        return self._tell("status", text=text)
+
+    def watchdog(self) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def extended(self, seconds: float) -> Iterator[None]:
+        self._tell("extend", seconds=seconds)
+        try:
+            yield
+        finally:
+            self._tell("extend", seconds=0.0)
+
+    def _tell(self, op: str, **fields: Any) -> bool:
+        try:
+            self.channel.send(op, **fields)
+        except ChannelClosed:
+            return False
+        return True
+
+
+class ParentLogHandler(logging.Handler):
+    """Log records of the attempt go to the trainer as records (logger name, level, text), which it
+    logs under the same name and level and keeps with the attempt's output (``busctl job logs``)."""
+
+    def __init__(self, channel: Channel):
+        super().__init__()
+        self.channel = channel
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self._inside = threading.local()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(self._inside, "active", False):  # a record logged while sending one
+            return
+        self._inside.active = True
+        try:
+            self.channel.send("log", name=record.name, level=record.levelno, text=self.format(record))
+        except Exception:  # noqa: BLE001 - a closed channel or an unformattable record: never the attempt's end
+            pass
+        finally:
+            self._inside.active = False
+
+
+def _die_with_parent() -> None:
+    """Die with the fork server (which ends with its trainer): no attempt outlives its trainer."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the channel's end still ends this process
         pass
-    if os.getppid() != parent:  # the parent died before the line above
+    if os.getppid() == 1:  # the parent died before the line above
         os._exit(1)
     try:  # the out-of-memory killer takes this attempt before the trainer service
         with open("/proc/self/oom_score_adj", "w") as f:
@@ -133,12 +197,44 @@ def _read_channel(channel: Channel, link: ParentLink, commands: queue.Queue[Comm
         os._exit(1)
 
 
-def _beat(channel: Channel, job: AttemptJob, done: threading.Event) -> None:
+def _beat(channel: Channel, activity: Callable[[], tuple], done: threading.Event) -> None:
+    """Tell the parent how far the attempt has got, every :data:`BEAT_S` (it finds hangs by it)."""
     while not done.wait(BEAT_S):
         try:
-            channel.send("beat", activity=repr(job.activity()))
+            channel.send("beat", activity=repr(activity()))
         except ChannelClosed:
             return
+
+
+def _builtin(
+    channel: Channel,
+    task: Task,
+    settings: Settings,
+    link: ParentLink,
+    identity: Identity,
+    commands: queue.Queue[Command],
+    reporter: Reporter,
+) -> tuple[JobState | str, dict, str]:
+    """The built-in loop (:class:`.run.TaskRun`) as this attempt: the trainer feeds systemd's watchdog."""
+    try:
+        run = TaskRun(task, settings, link, identity, commands, reporter, notifier=ParentNotifier(channel))  # type: ignore[arg-type]  # a Link in all it uses
+    except Exception as err:  # noqa: BLE001 - a spec this trainer cannot even set up: the job fails, not the trainer
+        return JobState.FAILED, {"retryable": False}, describe_failure(err, None)
+
+    def activity() -> tuple:
+        train = run.train
+        return (run.step, run.controls.state, train._position if train is not None else 0, train.wait_s if train else 0)
+
+    done = threading.Event()
+    threading.Thread(target=_beat, args=(channel, activity, done), daemon=True).start()
+    channel.send("started")
+    try:
+        return run.run()
+    finally:
+        done.set()
+        if not reporter.flush(settings.request_timeout_s):
+            log.warning("job %s: %d report(s) not delivered", task.job, reporter.pending)
+        reporter.close()
 
 
 def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | str, dict, str]:
@@ -152,6 +248,9 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
     threading.Thread(target=_read_channel, args=(channel, link, commands), daemon=True).start()
     reporter = Reporter(link, job_id, settings.request_timeout_s, on_command=commands.put)  # type: ignore[arg-type]  # a Link in all it uses
     identity = runtime.identity(settings, "trainer", start["name"])
+
+    if not task.spec.get("entrypoint"):  # the built-in loop: the same process, relay and commands
+        return _builtin(channel, task, settings, link, identity, commands, reporter)
 
     def resolver(timeout_s: float) -> list[dict]:
         return link.request(Resolve(dataset=task.spec["dataset"]), timeout_s=timeout_s).providers
@@ -173,7 +272,7 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
         gang=gang,
     )
     done = threading.Event()
-    threading.Thread(target=_beat, args=(channel, job, done), daemon=True).start()
+    threading.Thread(target=_beat, args=(channel, job.activity, done), daemon=True).start()
     try:
         function = import_allowed(
             job.spec.entrypoint, settings.job_modules, f"entrypoint {job.spec.entrypoint!r}", setting="job_modules"
@@ -236,19 +335,34 @@ def _scored(job: AttemptJob, start: dict, link: ParentLink, identity, settings: 
     return {"test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy, "test_n": evaluation.n}
 
 
-def main(argv: list[str]) -> int:
-    fd, parent = int(argv[1]), int(argv[2])
-    _die_with(parent)
+def child_main(channel_end: socket.socket, output: socket.socket) -> None:
+    """An attempt's process, forked from the trainer's fork server (:func:`.attempt.attempt_context`):
+    its stdout and stderr go to ``output``, its channel is ``channel_end``."""
+    os.dup2(output.fileno(), 1)
+    os.dup2(output.fileno(), 2)
+    output.close()
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="replace", line_buffering=True
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="replace", line_buffering=True
+    )
+    code = main(channel_end.detach())
+    # os._exit: threads the function left running (a DataLoader's workers, a logger's) must not keep
+    # a finished attempt alive
+    os._exit(code)
+
+
+def main(fd: int) -> int:
+    _die_with_parent()
     channel = Channel(fd)
     got = channel.recv()
     if got is None or got[0]["op"] != "start":
         return 2
     start, frames = got
-    logging.basicConfig(
-        level=start["settings"].get("log_level", "INFO"),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    root = logging.getLogger()
+    root.handlers[:] = [ParentLogHandler(channel)]
+    root.setLevel(start["settings"].get("log_level", "INFO"))
     try:
         state, result, error = run(channel, start, frames)
     except BaseException as err:  # noqa: BLE001 - set-up itself failed: say so, do not leave the parent guessing
@@ -258,10 +372,3 @@ def main(argv: list[str]) -> int:
     sys.stderr.flush()
     channel.send("result", state=str(state), result=result, error=error)
     return 0
-
-
-if __name__ == "__main__":
-    # os._exit: threads the function left running (a DataLoader's workers, a logger's) must not keep
-    # a finished attempt alive
-    code = main(sys.argv)
-    os._exit(code)

@@ -158,6 +158,7 @@ class AttemptJob(Job):
             "token": self.identity.token,
             "batch_size": spec.batch_size,
             "inflight": s.inflight,
+            "flows": s.flows,
             "timeout_s": s.request_timeout_s,
             "retries": s.request_retries,
             "name": self.identity.name,

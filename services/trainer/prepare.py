@@ -86,6 +86,7 @@ def open_loaders(
         "token": identity.token,
         "batch_size": spec.batch_size,
         "inflight": s.inflight,
+        "flows": s.flows,
         "timeout_s": s.request_timeout_s,
         "retries": s.request_retries,
         "name": identity.name,

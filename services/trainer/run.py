@@ -19,7 +19,7 @@ from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.loader.remote import RemoteLoader, pick_provider
 from libbus.wire.messages import Checkpointed, Command, Evaluation, Progress, Task
-from services.models import batch_loss, dataset_kind, evaluate
+from services.models import batch_loss, dataset_kind, evaluate, xy
 from services.sdnotify import Notifier
 
 from .audit import Audit
@@ -316,7 +316,8 @@ class TaskRun:
                 self.notifier.status(f"running job {self.job} epoch {epoch + 1}/{spec.epochs}")
                 self._check()
                 model.train()
-                for x, y in train:
+                for batch in train:
+                    x, y = xy(batch)  # a named-field dataset's image and label
                     if self.audit is not None:
                         self.audit.record(epoch, self.step + 1, x, y)
                     optimizer.zero_grad(set_to_none=True)

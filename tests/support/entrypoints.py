@@ -5,6 +5,7 @@ or exit, each of which must fail only its own attempt."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
 import time
 
@@ -71,6 +72,7 @@ def hog(job: Job) -> None:
 
 def hang(job: Job) -> None:
     print("waiting forever \x1b[2J", flush=True)  # an escape sequence busctl must not pass on to a terminal
+    logging.getLogger("user.job").warning("stuck before step %d", 1)  # a log record, kept with its level and logger
     while True:
         time.sleep(3600)
 

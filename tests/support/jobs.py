@@ -111,7 +111,8 @@ def final_weights(info: dict) -> dict[str, torch.Tensor]:
 
 class EntryCluster(JobCluster):
     """:class:`JobCluster` whose trainers allow the tests' entrypoints (tests/support/entrypoints.py),
-    find hung attempts after 6 s of silence and give a stop 10 s."""
+    find hung attempts after 60 s of silence (a test of hangs starts its trainer with less: a loaded
+    machine may keep a gang's rank in a collective for seconds, which is no hang) and give a stop 30 s."""
 
     def __init__(self, state):
         super().__init__(state)
@@ -120,6 +121,6 @@ class EntryCluster(JobCluster):
             BATCHBUS_HEARTBEAT_LIVENESS="24",
             PYTHONPATH=str(REPO),
             BATCHBUS_JOB_MODULES="tests.support.entrypoints",
-            BATCHBUS_ATTEMPT_SILENCE_S="6",
-            BATCHBUS_STOP_GRACE_S="10",
+            BATCHBUS_ATTEMPT_SILENCE_S="60",
+            BATCHBUS_STOP_GRACE_S="30",
         )

@@ -16,8 +16,10 @@ The client is ``obstore`` (the Rust ``object_store`` crate; docs/performance.md 
 come from the standard chains only: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``,
 ``AWS_ENDPOINT_URL``, ``AWS_REGION``, web identity and instance metadata (AWS); ``AWS_PROFILE`` and
 profile files through boto3 when it is installed; ``GOOGLE_APPLICATION_CREDENTIALS`` and the metadata
-server (GCS); ``AZURE_STORAGE_*`` (Azure). A URI that carries a credential is refused; messages name
-the store, the operation and the object, never a key.
+server (GCS), or ``STORAGE_EMULATOR_HOST`` for an emulator (no credentials, as Google's libraries do);
+``AZURE_STORAGE_CONNECTION_STRING`` (the Azure SDKs' variable, ``UseDevelopmentStorage=true`` included)
+or ``AZURE_STORAGE_*`` (Azure). A URI that carries a credential is refused; messages name the store, the
+operation and the object, never a key. gs:// and az:// are tested against fake-gcs-server and Azurite.
 
 URI parameters: what ``file://`` takes (``format``, ``seq_len``, ``token_bytes``, ``vocab_size``,
 ``val_fraction``, ``classes``, ``memory``, default ``stream``; Parquet's ``column``, ``label``,
@@ -39,7 +41,7 @@ from .formats import objects
 from .formats.blockcache import BlockCache, cache_stats
 from .formats.dataset import Context, FilePath
 from .formats.location import Location
-from .formats.objects import ObjectClient, ObjectFile, ObjectPath, ObjectSettings, ObjectTree
+from .formats.objects import ObjectBackend, ObjectClient, ObjectFile, ObjectPath, ObjectSettings, ObjectTree
 from .formats.reader import Segment
 from .layouts import open_layout
 
@@ -92,7 +94,8 @@ def _refuse_credentials(req: OpenRequest) -> None:
         raise DatasetError(
             f"{_redacted(req)}: a dataset URI must not carry credentials (they would show in logs, "
             "DatasetInfo and metrics); give the provider its credentials in the environment "
-            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*)"
+            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS, "
+            "AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_*)"
         )
     if bad := sorted(k for k in req.params if SECRET_PARAMS.match(k)):
         for k in bad:
@@ -176,10 +179,9 @@ class ObjectLocation(Location):
         _refuse_credentials(req)
         settings, timeout_s = _settings(req)
         cache = _cache(req)
-        backend = _backend(req, timeout_s)
+        backend, prefix = self.open_backend(req, timeout_s)
         self.client = ObjectClient(backend, settings, cache)
         try:
-            prefix = req.parts.path.lstrip("/")
             listing = prefix if not prefix or prefix.endswith("/") else prefix + "/"
             objects = backend.list(listing)
             if not objects:
@@ -188,6 +190,10 @@ class ObjectLocation(Location):
             self.client.close()
             raise
         super().__init__(req, ObjectTree(self.client, listing, objects).root)
+
+    def open_backend(self, req: OpenRequest, timeout_s: float) -> tuple[ObjectBackend, str]:
+        """The store's client and the prefix listed in it (a location over another store overrides it)."""
+        return _backend(req, timeout_s), req.parts.path.lstrip("/")
 
     @property
     def name(self) -> str:

@@ -26,8 +26,12 @@ CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
 AUTH_HELP = {
     "s3": "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), AWS_PROFILE, or the instance's role",
     "gs": "GOOGLE_APPLICATION_CREDENTIALS or the instance's service account",
-    "az": "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY, a SAS token or a managed identity",
+    "az": "AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY, "
+    "a SAS token or a managed identity",
 }
+#: The account and key every Azure Storage emulator (Azurite) answers to: public, documented by Microsoft.
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 
 def _obstore():
@@ -61,11 +65,13 @@ class ObstoreBackend:
             "connect_timeout": timedelta(seconds=min(timeout_s, 10)),
         }
         kwargs: dict = {}
-        endpoint = _endpoint() if scheme == "s3" else ""
+        endpoint, config = {"s3": _s3, "gs": _gcs, "az": _azure}[scheme](bucket)
         if endpoint.startswith("http://"):
-            options["allow_http"] = True  # the operator named a plain-HTTP endpoint (a local S3 server)
+            options["allow_http"] = True  # the operator named a plain-HTTP endpoint (an emulator on this host)
         if scheme == "s3":
             kwargs.update(_aws_profile())
+        if config:
+            kwargs["config"] = config
         default = {"s3": f"{bucket}.s3", "gs": "storage.googleapis.com", "az": "blob.core.windows.net"}[scheme]
         self.host = urlsplit(endpoint).netloc if endpoint else default
         try:
@@ -121,6 +127,60 @@ class ObstoreBackend:
             return memoryview(self._ob.get(self.store, key, options=options).bytes())
         except Exception as err:  # noqa: BLE001
             raise self._error("GET", f"{key} (bytes {start}-{end - 1})", err) from None
+
+
+def _s3(bucket: str) -> tuple[str, dict]:
+    """S3: obstore reads the ``AWS_*`` variables itself; the endpoint is read here for plain HTTP."""
+    return _endpoint(), {}
+
+
+def _gcs(bucket: str) -> tuple[str, dict]:
+    """GCS: ``STORAGE_EMULATOR_HOST`` (what Google's own client libraries honour) names an emulator,
+    spoken to without credentials as those libraries do; else obstore reads ``GOOGLE_*`` itself
+    (``GOOGLE_APPLICATION_CREDENTIALS``, ``GOOGLE_SERVICE_ACCOUNT``, ``GOOGLE_BASE_URL``)."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "").strip().rstrip("/")
+    if not host:
+        return os.environ.get("GOOGLE_BASE_URL", ""), {}
+    url = host if "://" in host else f"http://{host}"
+    return url, {"base_url": url, "skip_signature": True}
+
+
+def _azure(container: str) -> tuple[str, dict]:
+    """Azure: ``AZURE_STORAGE_CONNECTION_STRING`` (the Azure SDKs' variable: ``AccountName``,
+    ``AccountKey`` or ``SharedAccessSignature``, ``BlobEndpoint`` or ``DefaultEndpointsProtocol`` with
+    ``EndpointSuffix``, or ``UseDevelopmentStorage=true`` for a local Azurite) when set; else obstore
+    reads ``AZURE_STORAGE_*`` itself (account and key, SAS, ``AZURE_STORAGE_ENDPOINT``, managed identity)."""
+    text = os.environ.get("AZURE_STORAGE_CONNECTION_STRING", "").strip()
+    if not text:
+        return os.environ.get("AZURE_STORAGE_ENDPOINT", "") or os.environ.get("AZURE_ENDPOINT", ""), {}
+    parts = {}
+    for item in text.split(";"):
+        key, sep, value = item.strip().partition("=")
+        if sep:
+            parts[key.strip().lower()] = value.strip()
+    if parts.get("usedevelopmentstorage", "").lower() == "true":
+        proxy = parts.get("developmentstorageproxyuri", "http://127.0.0.1").rstrip("/")
+        parts = {
+            "accountname": AZURITE_ACCOUNT,
+            "accountkey": AZURITE_KEY,
+            "blobendpoint": f"{proxy}:10000/{AZURITE_ACCOUNT}",
+        }
+    account = parts.get("accountname", "")
+    if not account:
+        raise DatasetError(
+            f"az://{container}: AZURE_STORAGE_CONNECTION_STRING names no AccountName (expected "
+            "AccountName=...;AccountKey=...;BlobEndpoint=... or UseDevelopmentStorage=true)"
+        )
+    endpoint = parts.get("blobendpoint", "").rstrip("/")
+    if not endpoint:
+        proto = parts.get("defaultendpointsprotocol", "https")
+        endpoint = f"{proto}://{account}.blob.{parts.get('endpointsuffix', 'core.windows.net')}"
+    config = {"account_name": account, "endpoint": endpoint}
+    if parts.get("accountkey"):
+        config["account_key"] = parts["accountkey"]
+    elif parts.get("sharedaccesssignature"):
+        config["sas_key"] = parts["sharedaccesssignature"]
+    return endpoint, config
 
 
 def _aws_profile() -> dict:

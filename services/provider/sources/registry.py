@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from libbus.errors import DatasetError
 
-from . import files, http, mock, objstore, parquet, pipeline, weighted
+from . import files, hfhub, http, mock, objstore, parquet, pipeline, weighted
 from .base import OpenRequest, Source
 
 __all__ = ["OPENERS", "open_source", "parse_dataset_arg"]
@@ -29,6 +29,7 @@ OPENERS: dict[str, Callable[[OpenRequest], Source]] = {
     "weighted": weighted.open_weighted,
     "pipeline": pipeline.open_pipeline,
     **{scheme: objstore.open_object_source for scheme in objstore.SCHEMES},
+    "hf": hfhub.open_hf_source,
 }
 
 
