@@ -344,3 +344,99 @@ def test_a_skip_leaves_an_order_exactly_once_across_resumes_at_any_world_size():
         assert len(read) == len(set(read)), seed
         if not uneven and not uneven2:
             assert set(range(n)) - set(read) - skipped == set(), seed
+
+
+def test_samples_of_an_entrypoint_jobs_steps_are_what_its_function_trained_on_across_a_kill(tmp_path):
+    from tests.support.jobs import EntryCluster
+
+    cluster = EntryCluster(tmp_path)
+    out = tmp_path / "steps"
+    out.mkdir()
+    try:
+        cluster.start_router()
+        cluster.start_provider()
+        by_digest = _index_of_digest(cluster)
+        job = cluster.submit_spec(
+            {
+                "dataset": "mnist",
+                "entrypoint": "tests.support.entrypoints:recorded",
+                "params": {"epochs": 2, "out": str(out)},
+                "batch_size": 16,
+                "shuffle": "block",
+                "block_size": 24,
+                "seed": 9,
+                "evaluate": False,
+                "checkpoint_every": 7,
+                "train_range": [100, 420],  # the order is over 320 records from 100: indices are the split's
+                "max_attempts": 5,
+            }
+        )
+        killed = cluster.start_killed_at("k1", "entry_checkpoint")  # dies once its first checkpoint is in
+        assert killed.wait(180) != 0, cluster.logs()
+        cluster.start_trainer("t")
+        info = cluster.wait_end(job, timeout=180)
+        assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
+
+        attempts = {}
+        for path in sorted(out.glob("*.jsonl")):
+            lines = [json.loads(line) for line in path.read_text().splitlines()]
+            attempts[int(path.stem)] = (lines[0]["resumed_from_step"], lines[1:])
+        assert len(attempts) == 2 and attempts[1][0] == 7, attempts.keys()
+        checked = 0
+        for attempt, (_, steps) in attempts.items():
+            cut = min((s for a, (s, _) in attempts.items() if a > attempt), default=None)
+            for rec in steps:
+                if cut is None or rec["step"] <= cut:
+                    [entry] = cluster.admin.request(GetJobSamples(job=job, step=rec["step"])).samples
+                    assert entry["indices"] == [by_digest[d] for d in rec["samples"]], f"step {rec['step']}"
+                    checked += 1
+        assert checked == 40  # 2 epochs of 20 steps, each checked once
+    finally:
+        cluster.close()
+
+
+# -- a script's loader ----------------------------------------------------------------------------
+@pytest.fixture
+def ids(start_provider, tmp_path_factory):
+    """Train sample i holds i in its first feature (48 of them)."""
+    import numpy as np
+
+    d = tmp_path_factory.mktemp("ids")
+    for split, n in (("train", 48), ("val", 6), ("test", 5)):
+        i = np.arange(n)
+        np.save(d / f"{split}_x.npy", np.stack([i, i % 3], axis=1).astype(np.float32))
+        np.save(d / f"{split}_y.npy", (i % 2).astype(np.int64))
+    return start_provider(f"ids=file://{d}")
+
+
+def test_a_scripts_loader_takes_the_skips_and_resumes_under_one_more(ids, make_token):
+    from libbus import RemoteLoader
+
+    def loader(**kw):
+        return RemoteLoader("ids", provider=ids.endpoint, token=make_token("trainer"), seed=3, batch_size=5, **kw)
+
+    def read(batches):
+        return [int(v) for x, _ in batches for v in x[:, 0]]
+
+    with loader(samples=(8, 40), skip=[[[10, 14]], [[0, 9], [39, 60]]]) as ld:
+        assert len(ld) == 6  # 32 records, 26 of them kept: 6 batches
+        assert sorted(read(ld)) == [*range(9, 10), *range(14, 39)]
+        it = iter(ld)
+        first = read([next(it), next(it)])
+        state = ld.state_dict()
+    assert state["skips"] == 2
+    more = [[[10, 14]], [[0, 9], [39, 60]], [[20, 30]]]
+    rest = set()
+    for rank in (0, 1):  # resumed under one more skip, by two ranks
+        with loader(samples=(8, 40), skip=more, rank=rank, world_size=2, drop_uneven=False) as ld:
+            ld.load_state_dict(state)
+            rest |= set(read(ld))
+    assert not rest & set(first) and not rest & set(range(20, 30))
+    assert set(first) | rest == {9, *range(14, 39)} - (set(range(20, 30)) - set(first))
+    with (
+        pytest.raises(BadRequest, match="not the first of this loader's"),
+        loader(samples=(8, 40), skip=more[1:]) as ld,
+    ):
+        ld.load_state_dict(state)
+    with pytest.raises(BadRequest, match="0 <= start < stop"):
+        loader(skip=[[[5, 5]]])
