@@ -19,7 +19,7 @@ from libbus.connect.client import Client
 from libbus.errors import BusError
 from libbus.security.curve import curve_key_of
 from libbus.wire.fields import decode_frames, fields_of_info, is_xy
-from libbus.wire.messages import BatchRequest, BatchResponse, ListPeers, Resolve, frame_buffer
+from libbus.wire.messages import BatchRequest, BatchResponse, ListPeers, Resolve, Stats, frame_buffer
 
 from .common import SafeConsole, admin_client, fail, print_json
 
@@ -43,10 +43,13 @@ OUT_SUFFIXES = {".npz": "x, y and indices", ".npy": "the samples x only"}
 
 
 def list_datasets(settings: Settings) -> list[dict]:
-    """Every dataset a connected provider serves: ``[{dataset, providers: [{name, endpoint, host_id}], info}]``.
+    """Every dataset a connected provider serves: ``[{dataset, providers: [{name, endpoint, host_id}], info,
+    decode_cache}]``.
 
     ``info`` is the DatasetInfo the router holds from the first provider listing the dataset (every
-    provider of one name is expected to serve the same data). Sorted by name.
+    provider of one name is expected to serve the same data). ``decode_cache``: per provider whose
+    decode cache holds this dataset, its counters for it and the whole cache's size and limit, as of
+    the provider's last heartbeat (``Stats``). Sorted by name.
     """
     with admin_client(settings) as client:
         peers = client.request(ListPeers()).peers
@@ -61,7 +64,45 @@ def list_datasets(settings: Settings) -> list[dict]:
             # Resolve carries the DatasetInfo the provider registered in its Hello
             resolved = client.request(Resolve(dataset=name))
             rows.append({"dataset": name, "providers": resolved.providers or served[name], "info": resolved.info})
+        caches = _decode_caches(client.request(Stats()).services)
+    for row in rows:
+        row["decode_cache"] = {
+            provider: {
+                **cache["datasets"][row["dataset"]],
+                "cache_bytes": cache["bytes"],
+                "limit_bytes": cache["limit_bytes"],
+            }
+            for provider, cache in caches.items()
+            if row["dataset"] in cache.get("datasets", {})
+        }
     return rows
+
+
+def _decode_caches(services: dict) -> dict[str, dict]:
+    """Provider name → its decode cache's stats, for the providers that run one."""
+    return {
+        row.get("name", key): row["decode_cache"]
+        for key, row in services.items()
+        if row.get("role") == "provider" and isinstance(row.get("decode_cache"), dict)
+    }
+
+
+def _decode_cache(caches: dict) -> list[str]:
+    """One line per provider: the dataset's samples in its decode cache and how often they were there."""
+    lines = []
+    for provider, c in sorted(caches.items()):
+        lookups = c.get("hits", 0) + c.get("misses", 0)
+        rate = f"hit rate {c.get('hit_rate', 0):.1%}" if lookups else "no reads yet"
+        lines.append(
+            f"{provider}: {c.get('entries', 0):,} samples, {_mb(c.get('bytes', 0))} "
+            f"(cache {_mb(c.get('cache_bytes', 0))} of {_mb(c.get('limit_bytes', 0))}); "
+            f"hits {c.get('hits', 0):,}, misses {c.get('misses', 0):,}, {rate}"
+        )
+    return lines
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
 
 
 def _splits(info: dict) -> str:
@@ -111,6 +152,8 @@ def print_datasets(rows: list[dict]) -> None:
                 + " -> ".join(f"{s['name']} ({s['type']})" for s in info["stages"][1:])
             )
         console.print(f"  splits     {_splits(info)}")
+        for line in _decode_cache(row.get("decode_cache") or {}):
+            console.print(f"  cache      {line}")
         if info.get("pack"):
             console.print(f"  packing    {_packing(info['pack'])}")
         fields = _fields(info)

@@ -169,6 +169,12 @@ class Settings:
     #: providers may share one) and the most bytes it holds, least recently used evicted. Empty: none.
     cache_dir: str = ""
     cache_limit: int = 0
+    #: Provider: the decoded-sample cache pipelines share (samples as they leave their stages before the
+    #: first random one; docs/datasets.md §7.7): the most bytes it keeps in RAM, least recently used out,
+    #: and of its disk tier under ``<state_dir>/decode-cache/<name>``. 0: off (the default: it pays when
+    #: it holds most of a dataset that several jobs read, a size only the operator knows).
+    decode_cache_bytes: int = 0
+    decode_cache_disk_bytes: int = 0
     #: Provider: the Python modules (exact names) whose functions pipeline ``user`` stages may run
     #: (services/provider/sources/pipeline/user_stage.py). Empty: none.
     user_modules: list = field(default_factory=list)
@@ -381,6 +387,11 @@ def load_settings(
             f"got {settings.flows}"
         )
     _check_cache(settings, sources)
+    for name in ("decode_cache_bytes", "decode_cache_disk_bytes"):
+        if getattr(settings, name) < 0:
+            raise ConfigError(
+                f"{name} ({sources[name]}) must be a number of bytes, not negative, got {getattr(settings, name)}"
+            )
     resolved = settings.resolved()
     if not settings.token_alg:
         why = f"the secret file {resolved.secret_file} is here" if resolved.token_alg == "HS256" else "no secret file"

@@ -133,6 +133,33 @@ _CACHE_METRICS: dict[str, tuple[type[Metric], str, str]] = {
     "limit_bytes": (GaugeMetricFamily, "object_cache_limit_bytes", "The most bytes the cache holds."),
 }
 
+#: The provider's decode cache (stats ``decode_cache``; docs/datasets.md §7.7): per dataset, then the
+#: whole RAM tier, then its disk tier (``decode_cache.disk``).
+_DECODE_PER_DATASET: dict[str, tuple[type[Metric], str, str]] = {
+    "hits": (CounterMetricFamily, "decode_cache_hits", "Samples the decode cache answered, by dataset."),
+    "misses": (CounterMetricFamily, "decode_cache_misses", "Samples not in the decode cache (decoded), by dataset."),
+    "hit_rate": (GaugeMetricFamily, "decode_cache_hit_rate", "Decode cache hits / lookups so far, by dataset."),
+    "entries": (GaugeMetricFamily, "decode_cache_dataset_entries", "Samples in the RAM tier now, by dataset."),
+    "bytes": (GaugeMetricFamily, "decode_cache_dataset_bytes", "Bytes in the RAM tier now, by dataset."),
+}
+_DECODE_CACHE: dict[str, tuple[type[Metric], str, str]] = {
+    "bytes": (GaugeMetricFamily, "decode_cache_bytes", "Bytes the decode cache's RAM tier holds now."),
+    "limit_bytes": (GaugeMetricFamily, "decode_cache_limit_bytes", "The most bytes the RAM tier holds."),
+    "entries": (GaugeMetricFamily, "decode_cache_entries", "Samples the RAM tier holds now."),
+    "evictions": (CounterMetricFamily, "decode_cache_evictions", "Samples evicted from the RAM tier (LRU)."),
+}
+_DECODE_DISK: dict[str, tuple[type[Metric], str, str]] = {
+    "bytes": (GaugeMetricFamily, "decode_cache_disk_bytes", "Bytes the decode cache's disk tier holds now."),
+    "limit_bytes": (GaugeMetricFamily, "decode_cache_disk_limit_bytes", "The most bytes the disk tier holds."),
+    "entries": (GaugeMetricFamily, "decode_cache_disk_entries", "Samples the disk tier holds now."),
+    "hits": (CounterMetricFamily, "decode_cache_disk_hits", "Samples the disk tier gave back to RAM."),
+    "corrupt": (
+        CounterMetricFamily,
+        "decode_cache_disk_corrupt",
+        "Disk-tier files found truncated or corrupt: removed, their samples decoded again.",
+    ),
+}
+
 
 class StatsCollector(Collector):
     """Reads ``stats()`` (the dict a service puts on its heartbeats) at each scrape.
@@ -239,6 +266,9 @@ class StatsCollector(Collector):
         objects = stats.get("object_store")
         if isinstance(objects, dict):
             yield from self._object_store(objects, family)
+        decode = stats.get("decode_cache")
+        if isinstance(decode, dict):
+            yield from self._decode_cache(decode, family)
         if self.latency is not None:
             fam = family(
                 HistogramMetricFamily,
@@ -264,6 +294,22 @@ class StatsCollector(Collector):
                 for where, c in sorted(caches.items()):
                     fam.add_metric([self.service, self.name, where], float(c.get(key, 0)))
                 yield fam
+
+    def _decode_cache(self, cache: dict, family) -> Iterator[Metric]:
+        """The decode cache: per dataset, its RAM tier, its disk tier (when it has one)."""
+        datasets = cache.get("datasets")
+        if isinstance(datasets, dict):
+            for key, (kind, metric, doc) in _DECODE_PER_DATASET.items():
+                fam = family(kind, metric, doc, ("dataset",))
+                for dataset, row in sorted(datasets.items()):
+                    fam.add_metric([self.service, self.name, dataset], float(row.get(key, 0)))
+                yield fam
+        for tier, table in ((cache, _DECODE_CACHE), (cache.get("disk"), _DECODE_DISK)):
+            if isinstance(tier, dict):
+                for key, (kind, metric, doc) in table.items():
+                    fam = family(kind, metric, doc)
+                    fam.add_metric([self.service, self.name], float(tier.get(key, 0)))
+                    yield fam
 
     def _stages(self, pipelines: dict, family) -> Iterator[Metric]:
         """Per stage of each pipeline dataset: its counters, and its output queue's (the pipeline's

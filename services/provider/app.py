@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -21,6 +22,8 @@ from .handler import ProviderHandler
 from .release import Release
 from .sources import Source, open_source, parse_dataset_arg
 from .sources.objstore import configure_cache
+from .sources.pipeline import Pipeline
+from .sources.pipeline.cache import DecodeCache
 
 __all__ = ["ProviderService", "DEFAULT_BIND", "private_test_option", "split_notice"]
 
@@ -88,6 +91,7 @@ class ProviderService:
             datasets[name] = open_source(uri, datasets, user_modules=settings.user_modules)
             if not private_test:
                 readable_test.add(name)
+        self.decode_cache = decode_cache(settings, self.name, datasets)
         gate = EvalGate(
             settings.eval_queue, settings.eval_max_model_bytes, settings.eval_per_minute, settings.eval_per_dataset_day
         )
@@ -181,6 +185,8 @@ class ProviderService:
                 self.metrics.close()
             runtime.remove_local_endpoint(self.handler.local_endpoint)
             self.handler.close()
+            if self.decode_cache is not None:
+                self.decode_cache.close()
             if self.link is not None:
                 self.link.close()
 
@@ -190,3 +196,15 @@ class ProviderService:
             if self.link is not None and self.link.fatal is not None:
                 log.error("router refused provider %s: %s", self.name, self.link.fatal)
                 stop.set()
+
+
+def decode_cache(settings: Settings, name: str, datasets: dict[str, Source]) -> DecodeCache | None:
+    """The decode cache the provider's pipelines share (``decode_cache_bytes``, ``decode_cache_disk_bytes``;
+    its disk tier under ``<state_dir>/decode-cache/<name>``), bound to each pipeline; None when off."""
+    if not settings.decode_cache_bytes and not settings.decode_cache_disk_bytes:
+        return None
+    disk = os.path.join(settings.state_dir, "decode-cache", name) if settings.decode_cache_disk_bytes else ""
+    cache = DecodeCache(settings.decode_cache_bytes, settings.decode_cache_disk_bytes, disk)
+    used = [n for n, s in datasets.items() if isinstance(s, Pipeline) and s.use_cache(cache, n)]
+    log.info("decode cache: %s", ", ".join(used) if used else "no pipeline here has a deterministic stage to cache")
+    return cache

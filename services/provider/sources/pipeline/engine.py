@@ -31,8 +31,9 @@ from libbus.errors import (
 from libbus.wire.fields import is_xy
 
 from ..base import SPLITS, Field, FieldBatch, ReadPolicy, Source
+from .cache import DecodeCache, PrefixCache, decode_cache_stats
 from .fields import FieldsPlan
-from .stages import Chunk, Spec, Stage, StageQueue, source_of
+from .stages import Chunk, RandomStage, Spec, Stage, StageQueue, source_of
 from .text_stages import Pack
 
 __all__ = ["Pipeline", "find_stage", "pipeline_stats", "stage_control"]
@@ -85,20 +86,36 @@ class _Job:
                 self.done.set()
 
 
-def _stage_worker(stage: Stage, inbox: StageQueue, outbox: StageQueue, stop: threading.Event) -> None:
+def _stage_worker(
+    stage: Stage,
+    inbox: StageQueue,
+    outbox: StageQueue,
+    stop: threading.Event,
+    cached: bool = False,
+    after: Callable[[Chunk], None] | None = None,
+) -> None:
+    """Run ``stage`` on every chunk of ``inbox`` into ``outbox``. ``cached``: the stage is in the
+    decode cache's prefix, and a chunk the cache answered whole passes it untouched; ``after`` runs
+    on each chunk once the stage is done (the last prefix stage's: the cache's merge)."""
     while not stop.is_set():
         chunk = inbox.get(POLL_S)
         if chunk is None:
             continue
         if chunk.job.failed:
             inbox.drops += 1
+            PrefixCache.abandon(chunk)
             continue
         try:
-            stage.run(chunk)
+            if not (cached and chunk.cached is not None and not len(chunk.indices)):
+                stage.run(chunk)
+            if after is not None:
+                after(chunk)
         except BusError as err:
+            PrefixCache.abandon(chunk)
             chunk.job.fail(type(err)(f"stage {stage.name!r} ({stage.type}): {err}"))
             continue
         except Exception as err:  # noqa: BLE001 - a bug in a stage fails the batch, not the provider
+            PrefixCache.abandon(chunk)
             log.exception("stage %s (%s) failed", stage.name, stage.type)
             chunk.job.fail(Internal(f"stage {stage.name!r} ({stage.type}): {type(err).__name__}: {err}"))
             continue
@@ -173,6 +190,8 @@ class Pipeline(Source):
         #: threads, and the next batch's chunks then go through the first stages while the last ones
         #: finish the batch before. Not with a regrouping stage, whose look-ups run on the reading thread.
         self.read_policy = ReadPolicy.LOOP if self.regroup is not None else ReadPolicy.OVERLAP
+        #: The provider's decode cache, bound to this pipeline's deterministic prefix (:meth:`use_cache`).
+        self.cache: PrefixCache | None = None
 
     def _open_regroup(self) -> Pack | None:
         """The regrouping stage, its index built now by reading every split through the stages before
@@ -218,17 +237,38 @@ class Pipeline(Source):
             out[self.regroup.type] = self.regroup.join_info()
         return out
 
+    # -- the decode cache -----------------------------------------------------------------------
+    def deterministic_prefix(self) -> int:
+        """How many stages, from the source, come before the first random one (all, if none is)."""
+        return next((i for i, s in enumerate(self.stages) if isinstance(s, RandomStage)), len(self.stages))
+
+    def use_cache(self, cache: DecodeCache, dataset: str) -> bool:
+        """Keep this pipeline's samples in ``cache`` as they leave its deterministic prefix, under
+        ``dataset``'s name. Call before the first read. Returns False (nothing cached) for a cache
+        that is off, a prefix that is only the source (nothing to save), a source of named fields or
+        a regrouping stage (their samples are not one row per index)."""
+        prefix = self.deterministic_prefix()
+        if not cache.enabled or prefix < 2 or self.plan is not None or self.regroup is not None:
+            return False
+        with self._start_lock:
+            if self._threads:
+                raise RuntimeError(f"{self.uri}: use_cache after the pipeline started reading")
+            self.cache = PrefixCache(cache, dataset, self.stages[:prefix])
+        return True
+
     # -- threads --------------------------------------------------------------------------------
     def _ensure_started(self) -> None:
         with self._start_lock:
             if self._threads or self._stop.is_set():
                 return
             inboxes = [self.requests, *self.queues[:-1]]
-            for stage, inbox, outbox in zip(self.stages, inboxes, self.queues):
+            prefix = self.cache.length if self.cache is not None else 0
+            merge = self.cache.merge if self.cache is not None else None  # not self: see __init__
+            for at, (stage, inbox, outbox) in enumerate(zip(self.stages, inboxes, self.queues)):
                 self._threads.append(
                     threading.Thread(
                         target=_stage_worker,
-                        args=(stage, inbox, outbox, self._stop),
+                        args=(stage, inbox, outbox, self._stop, at < prefix, merge if at == prefix - 1 else None),
                         name=f"stage-{stage.name}",
                         daemon=True,
                     )
@@ -288,10 +328,13 @@ class Pipeline(Source):
         deadline = time.monotonic() + self.timeout_s
         for start in starts:
             chunk = Chunk(job, start, indices[start : start + self.chunk], split, epoch)
+            if self.cache is not None:
+                self.cache.lookup(chunk, self._stop, deadline)
             if self.regroup is not None:  # the stages before it read the inputs these samples are made of
                 chunk.requested = chunk.indices
                 chunk.indices = self.regroup.source_indices(split, chunk.requested)
             if job.failed or not self.requests.put(chunk, self._stop, POLL_S, deadline):
+                PrefixCache.abandon(chunk)
                 break  # the wait below turns a stop or the deadline into the batch's error
         while not job.done.wait(POLL_S):
             if self._stop.is_set():
@@ -333,7 +376,8 @@ def pipeline_stats(datasets: dict[str, Source]) -> dict:
             pipelines[name] = s.metrics()
         elif callable(decode_metrics := getattr(s, "decode_metrics", None)):
             pipelines[name] = decode_metrics()
-    return {"pipelines": pipelines} if pipelines else {}
+    caches = [s.cache.cache for s in datasets.values() if isinstance(s, Pipeline) and s.cache is not None]
+    return ({"pipelines": pipelines} if pipelines else {}) | decode_cache_stats(caches)
 
 
 def find_stage(datasets: dict[str, Source], dataset: str, stage: str) -> tuple[str, Stage]:
