@@ -1,4 +1,4 @@
-"""``busctl submit``, ``busctl jobs`` and ``busctl job show|watch|logs|pause|resume|checkpoint|stop|set|model|eval``:
+"""``busctl submit``, ``busctl jobs`` and ``busctl job show|watch|logs|pause|resume|checkpoint|stop|set|model|eval|samples|skip``:
 queue jobs, list them, inspect and control one."""
 
 from __future__ import annotations
@@ -13,7 +13,18 @@ from libbus.config import Settings
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JOB_STATES, SETTABLE
 from libbus.jobs.state import JobState
-from libbus.wire.messages import ControlJob, GetJob, GetJobLogs, GetModel, ListJobs, Ok, SubmitJob, frame_buffer
+from libbus.wire.messages import (
+    ControlJob,
+    GetJob,
+    GetJobLogs,
+    GetJobSamples,
+    GetModel,
+    ListJobs,
+    Ok,
+    SkipJob,
+    SubmitJob,
+    frame_buffer,
+)
 
 from . import tables
 from .common import admin_client, echo, fail, guard, print_json, printable
@@ -364,3 +375,105 @@ def job_watch(job: str, *, settings: Settings) -> None:
         final = watch_job(client, job)
     if final["state"] != JobState.SUCCEEDED:
         raise typer.Exit(1)
+
+
+def parse_ranges(text: str, what: str) -> list[list[int]]:
+    """``A:B[,C:D...]`` (or ``K``, meaning ``K:K+1``) as ``[[A, B], ...]``, each ``0 <= A < B``.
+
+    Raises:
+        typer.BadParameter: a malformed range, naming it and the form expected.
+    """
+    out = []
+    for part in text.split(","):
+        bits = part.strip().split(":")
+        try:
+            if len(bits) == 1:
+                a = int(bits[0])
+                b = a + 1
+            elif len(bits) == 2:
+                a, b = int(bits[0]), int(bits[1])
+            else:
+                raise ValueError
+        except ValueError:
+            raise typer.BadParameter(f"{what} {part.strip()!r} is not A:B (or one number K); e.g. 40:60") from None
+        if not 0 <= a < b:
+            raise typer.BadParameter(f"{what} {part.strip()!r} needs 0 <= A < B (A:B is A..B-1)")
+        out.append([a, b])
+    return out
+
+
+@job_app.command("samples")
+@guard
+@admin_options
+def job_samples(
+    job: str,
+    step: Annotated[int | None, typer.Option(help="The step (counted from 1) whose samples to list.")] = None,
+    rank: Annotated[int | None, typer.Option(help="Only this rank's batch (default: every rank's).")] = None,
+    epoch: Annotated[int | None, typer.Option(help="With --range: positions of this epoch's whole order.")] = None,
+    range_: Annotated[str | None, typer.Option("--range", help="A:B, positions A..B-1 of --epoch's order.")] = None,
+    *,
+    settings: Settings,
+    json: Json = False,
+) -> None:
+    """Which samples made step K (every rank's batch), or positions A:B of an epoch's order: derived
+    from the job's order and the segments of its attempts, not logged (docs/jobs.md)."""
+    if (step is None) == (epoch is None):
+        fail("give --step K, or --epoch E with --range A:B")
+    if epoch is not None and range_ is None:
+        fail("--epoch needs --range A:B (positions of that epoch's order)")
+    if step is not None and range_ is not None:
+        fail("--range goes with --epoch, not --step")
+    msg = GetJobSamples(job=job, rank=-1 if rank is None else rank)
+    if step is not None:
+        msg.step = step
+    else:
+        ranges = parse_ranges(range_ or "", "range")
+        if len(ranges) != 1:
+            fail("--range takes one A:B")
+        msg.epoch, msg.start, msg.stop = epoch or 0, ranges[0][0], ranges[0][1]
+    with admin_client(settings) as client:
+        reply = client.request(msg)
+    if json:
+        print_json({"job": reply.job, "n": reply.n, "samples": reply.samples, "note": reply.note})
+    else:
+        for entry in reply.samples:
+            if "rank" in entry:
+                head = f"step {step} rank {entry['rank']}/{entry['world_size']}"
+                where = f"epoch {entry['epoch']} position {entry['position']}" if entry["indices"] else "no batch"
+            else:
+                head, where = f"epoch {entry['epoch']}", f"positions {entry['start']}:{entry['stop']}"
+            typer.echo(f"{head} ({where}): {' '.join(map(str, entry['indices']))}")
+    if reply.note:
+        typer.echo(f"note: {reply.note}", err=True)
+
+
+@job_app.command("skip")
+@guard
+@admin_options
+def job_skip(
+    job: str,
+    steps: Annotated[str | None, typer.Option(help="A:B[,C:D]: the samples of steps A..B-1 (counted from 1).")] = None,
+    samples: Annotated[str | None, typer.Option(help="A:B[,C:D]: sample indices A..B-1 of the split.")] = None,
+    *,
+    settings: Settings,
+    json: Json = False,
+) -> None:
+    """Never train on these samples again: the job rewinds to its last checkpoint before the first
+    skipped step and goes on without them, every other sample of the epoch still once (docs/jobs.md)."""
+    if steps is None and samples is None:
+        fail("give --steps A:B and/or --samples A:B")
+    msg = SkipJob(
+        job=job,
+        steps=parse_ranges(steps, "step range") if steps else [],
+        samples=parse_ranges(samples, "sample range") if samples else [],
+    )
+    with admin_client(settings) as client:
+        reply = client.request(msg)
+    detail = reply.detail if isinstance(reply, Ok) else {}
+    if json:
+        print_json(detail)
+        return
+    typer.echo(
+        f"{job}: skips {detail.get('skipped', 0)} sample(s) from now on ({detail.get('ranges', 0)} range(s)); "
+        f"{detail.get('rewind', '')}".rstrip("; ")
+    )

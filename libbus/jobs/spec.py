@@ -11,7 +11,7 @@ import orjson
 
 from libbus.errors import BadRequest
 from libbus.jobs.state import JobState
-from libbus.order.epochs import DEFAULT_BLOCK_SIZE, Shuffle
+from libbus.order.epochs import DEFAULT_BLOCK_SIZE, Shuffle, check_skips
 from libbus.wire.schema import too_deep
 
 __all__ = ["JOB_STATES", "MAX_ATTEMPTS", "TERMINAL_STATES", "SETTABLE", "JobSpec", "dataset_name"]
@@ -99,6 +99,9 @@ class JobSpec:
     #: ``[start, stop]``: train on these records of the train split only (every order, shard and
     #: resume guarantee kept inside them). Empty: the whole split.
     train_range: list = field(default_factory=list)
+    #: Samples never to train on again (``busctl job skip``, docs/jobs.md): skips, oldest first, each a
+    #: list of ``[start, stop]`` index ranges of the train split. Only ever added to, by the router.
+    skip: list = field(default_factory=list)
     #: What scores the weights on the provider's test split: "" (the built-in ``model`` is built
     #: there), or ``package.module:function`` that the provider's ``evaluator_modules`` allows, called
     #: with ``evaluator_kwargs`` (services/provider/evaluator.py; docs/python-api.md).
@@ -166,6 +169,7 @@ class JobSpec:
                 f"split val or test, got model_from={spec.model_from!r} split={spec.split!r}"
             )
         _check_entrypoint(spec)
+        check_skips(spec.skip)
         if spec.train_range and not (
             len(spec.train_range) == 2
             and all(isinstance(v, int) and not isinstance(v, bool) for v in spec.train_range)

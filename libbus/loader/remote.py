@@ -71,7 +71,15 @@ from libbus.loader.window import (
 )
 from libbus.order import elastic
 from libbus.order.elastic import Plan
-from libbus.order.epochs import DEFAULT_BLOCK_SIZE, Order, Shuffle, batches_of, shard_bounds
+from libbus.order.epochs import (
+    DEFAULT_BLOCK_SIZE,
+    Order,
+    Shuffle,
+    batches_of,
+    check_skips,
+    shard_bounds,
+    shift_skips,
+)
 from libbus.security.curve import CurveKeys, load_keys, load_public_key
 from libbus.wire.messages import BatchRequest
 
@@ -159,6 +167,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             loader waits into queueing, source read, each pipeline stage, transfer
             (``loader.stall.breakdown()``, :mod:`libbus.loader.stall`). Off: the total and the
             slowest replica only.
+        skip: samples never to read: a list of skips, each a list of ``[start, stop)`` index ranges of
+            the split, oldest first (a job's ``skip``, docs/jobs.md). They leave every epoch's order
+            before it is cut into shards; a cursor saved under fewer skips resumes under these, the
+            rest of its epoch otherwise unchanged (:mod:`libbus.order.elastic`).
 
     ``DataLoader`` arguments (``sampler``, ``num_workers``, ``collate_fn``...) are refused with a
     :class:`BadRequest` naming what replaces each (:mod:`libbus.loader.dataloader`).
@@ -206,6 +218,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         transform: Callable[[Any], Any] | None = None,
         samples: tuple[int, int] | range | None = None,
         stall_breakdown: bool = True,
+        skip: Sequence[Sequence[Sequence[int]]] = (),
         **dataloader_only: Never,
     ):
         refuse_dataloader_args(dataloader_only)
@@ -255,6 +268,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.transform = transform
         #: The record range read, ``(start, stop)``, or ``None`` for the whole split.
         self.samples = _record_range(samples)
+        #: The skips, in the split's indices (:func:`libbus.order.epochs.check_skips`).
+        self.skip = check_skips(skip)
         self._plan: Plan = None  # what is left of the current epoch after an elastic resume
         self._pass: weakref.ref | None = None  # the pass being iterated, if any
         # A pass has begun the cursor's epoch: the next pass takes the next one. Off after a pass
@@ -341,6 +356,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             batch_size=self.batch_size,
             drop_last=self.drop_last,
             drop_uneven=self._drop_uneven,
+            skip=shift_skips(self.skip, self.samples[0] if self.samples else 0, self.num_samples),
         )
         lo, hi = shard_bounds(self.num_samples, rank=rank, world_size=world_size, drop_uneven=self._drop_uneven)
         log.info(

@@ -18,6 +18,13 @@ equal batch counts; a rank whose slice is one sample shorter stops at its end).
 
 With ``drop_uneven``, each split of a plan leaves out its last ``len(plan) % W′`` positions, as a
 whole epoch does: every sample at most once, and the same batch count on every rank.
+
+Skips (``Order.skip``): the plan's positions whose samples are skipped are left out before the plan is
+cut into slices, so the slices stay disjoint and equal. A cursor records how many skips it was saved
+under (and their digest); resumed under more (a job told to skip a stretch), it is merged under its own
+skips into the plan of what no rank consumed — positions of the epoch's order, which do not move when
+samples are skipped — and that plan is read under all of them: the epoch otherwise unchanged, every
+other sample once.
 """
 
 from __future__ import annotations
@@ -28,7 +35,16 @@ from typing import Any
 import numpy as np
 
 from libbus.errors import BadRequest
-from libbus.order.epochs import Order, Shuffle, batches_of, epoch_order, shard_bounds
+from libbus.order.epochs import (
+    Order,
+    Shuffle,
+    batches_of,
+    epoch_order,
+    kept_mask,
+    shard_bounds,
+    skip_ranges,
+    skips_digest,
+)
 
 __all__ = ["Plan", "indices", "merge", "merge_cursors", "num_batches", "restore", "state"]
 
@@ -62,23 +78,50 @@ def _slice(plan: Plan, n: int, lo: int, hi: int) -> list[list[int]]:
     return out
 
 
-def _bounds(order: Order, plan: Plan, rank: int, world_size: int, drop_uneven: bool | None = None) -> tuple[int, int]:
+def _whole(order: Order, epoch: int) -> np.ndarray:
+    return epoch_order(order.n, epoch=epoch, seed=order.seed, shuffle=order.shuffle, block_size=order.block_size)
+
+
+def _read(order: Order, epoch: int, plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Under skips: the epoch's whole order, the plan's positions, and where along them the kept ones are."""
+    whole = _whole(order, epoch)
+    positions = _positions(plan, order.n)
+    along = np.flatnonzero(kept_mask(whole[positions], skip_ranges(order.skip)))
+    return whole, positions, along
+
+
+def _length_read(order: Order, plan: Plan, epoch: int) -> int:
+    """Samples the plan yields to all ranks together (its skipped ones left out)."""
+    if not order.skip:
+        return _length(plan, order.n)
+    if plan is None:
+        return order.kept
+    return len(_read(order, epoch, plan)[2])
+
+
+def _bounds(
+    order: Order, plan: Plan, rank: int, world_size: int, drop_uneven: bool | None = None, epoch: int = 0
+) -> tuple[int, int]:
     uneven = order.drop_uneven if drop_uneven is None else drop_uneven
-    return shard_bounds(_length(plan, order.n), rank=rank, world_size=world_size, drop_uneven=uneven)
+    return shard_bounds(_length_read(order, plan, epoch), rank=rank, world_size=world_size, drop_uneven=uneven)
 
 
 def indices(order: Order, epoch: int, plan: Plan) -> np.ndarray:
     """The sample indices ``order``'s rank reads in ``epoch`` under ``plan``."""
     if plan is None:
         return order.indices(epoch)
-    whole = epoch_order(order.n, epoch=epoch, seed=order.seed, shuffle=order.shuffle, block_size=order.block_size)
+    if order.skip:
+        whole, positions, along = _read(order, epoch, plan)
+        lo, hi = shard_bounds(len(along), rank=order.rank, world_size=order.world_size, drop_uneven=order.drop_uneven)
+        return whole[positions[along[lo:hi]]]
+    whole = _whole(order, epoch)
     lo, hi = _bounds(order, plan, order.rank, order.world_size)
     return whole[_positions(plan, order.n)[lo:hi]]
 
 
-def num_batches(order: Order, plan: Plan, start: int = 0) -> int:
-    """Batches ``order``'s rank yields under ``plan`` after its first ``start`` samples."""
-    lo, hi = _bounds(order, plan, order.rank, order.world_size)
+def num_batches(order: Order, plan: Plan, start: int = 0, epoch: int = 0) -> int:
+    """Batches ``order``'s rank yields under ``plan`` in ``epoch`` after its first ``start`` samples."""
+    lo, hi = _bounds(order, plan, order.rank, order.world_size, epoch=epoch)
     return len(batches_of(np.empty(hi - lo), order.batch_size, order.drop_last, start=min(start, hi - lo)))
 
 
@@ -110,6 +153,17 @@ def _check(order: Order, saved: Any) -> Mapping[str, Any]:
         raise BadRequest(
             f"loader state was saved under other settings, so its position would point at other samples: "
             f"{'; '.join(differ)}"
+        )
+    saved_skips = saved.get("skips", 0)
+    if (
+        isinstance(saved_skips, bool)
+        or not isinstance(saved_skips, int)
+        or not 0 <= saved_skips <= len(order.skip)
+        or (saved_skips and saved.get("skips_digest") != skips_digest(order.skip[:saved_skips]))
+    ):
+        raise BadRequest(
+            f"loader state was saved under skips ({saved_skips!r} of them) that are not the first of this "
+            f"loader's {len(order.skip)}: skips are only ever added, in the same order"
         )
     plan = saved.get("plan")
     if plan is not None:
@@ -146,11 +200,24 @@ def merge(order: Order, states: Sequence[Mapping[str, Any]] | Mapping[str, Any])
     if ranks != list(range(world)):
         raise BadRequest(f"merging needs one loader state per rank 0..{world - 1}, got ranks {ranks}")
     plan = first.get("plan")
-    left: list[list[int]] = []
-    for s in sorted(states, key=lambda s: int(s["rank"])):
-        lo, hi = _bounds(order, plan, int(s["rank"]), world, bool(s["drop_uneven"]))
-        left += _slice(plan, order.n, min(hi, lo + int(s["position"])), hi)
     epoch = int(first["epoch"])
+    left: list[list[int]] = []
+    if any(int(s.get("skips", 0)) != int(first.get("skips", 0)) for s in states):
+        raise BadRequest("loader states to merge were saved under different skips")
+    # the positions consumed are counted under the skips the cursors were saved under
+    old = Order(**{**_order_fields(order), "skip": order.skip[: int(first.get("skips", 0))]})
+    if old.skip:
+        _, _, along = _read(old, epoch, plan)
+        end = _length(plan, order.n)
+        for s in sorted(states, key=lambda s: int(s["rank"])):
+            lo, hi = shard_bounds(len(along), rank=int(s["rank"]), world_size=world, drop_uneven=bool(s["drop_uneven"]))
+            stop = end if hi == len(along) else int(along[hi]) if hi < len(along) else end
+            at = lo + int(s["position"])
+            left += _slice(plan, order.n, int(along[at]) if at < hi else stop, stop)
+    else:
+        for s in sorted(states, key=lambda s: int(s["rank"])):
+            lo, hi = _bounds(old, plan, int(s["rank"]), world, bool(s["drop_uneven"]))
+            left += _slice(plan, order.n, min(hi, lo + int(s["position"])), hi)
     single = Order(**{**_order_fields(order), "rank": 0, "world_size": 1, "drop_uneven": False})
     if not left and any(int(s["position"]) for s in states):  # the epoch is over: the next one, whole
         return state(single, epoch + 1, 0, None)
@@ -170,7 +237,8 @@ def _finished_as_ends(order: Order, states: list[Mapping[str, Any]]) -> list[Map
         if int(s["epoch"]) == min(epochs):
             out.append(s)
         elif int(s["position"]) == 0:
-            lo, hi = _bounds(order, plan, int(s["rank"]), world, bool(s["drop_uneven"]))
+            old = Order(**{**_order_fields(order), "skip": order.skip[: int(s.get("skips", 0))]})
+            lo, hi = _bounds(old, plan, int(s["rank"]), world, bool(s["drop_uneven"]), epoch=min(epochs))
             out.append({**s, "epoch": min(epochs), "position": hi - lo, "plan": plan})
         else:
             raise BadRequest(
@@ -190,6 +258,7 @@ def _order_fields(order: Order) -> dict[str, Any]:
         "batch_size": order.batch_size,
         "drop_last": order.drop_last,
         "drop_uneven": order.drop_uneven,
+        "skip": order.skip,
     }
 
 
@@ -202,21 +271,26 @@ def restore(order: Order, saved: Any) -> tuple[int, int, Plan]:
     """
     if isinstance(saved, Mapping):
         one = _check(order, saved)
-        if int(one["world_size"]) == order.world_size:
+        if int(one["world_size"]) == order.world_size and int(one.get("skips", 0)) == len(order.skip):
             plan = one.get("plan")
             epoch, position = int(one["epoch"]), int(one["position"])
-            lo, hi = _bounds(order, plan, order.rank, order.world_size)
-            longest = _bounds(order, plan, 0, order.world_size)
+            lo, hi = _bounds(order, plan, order.rank, order.world_size, epoch=epoch)
+            longest = _bounds(order, plan, 0, order.world_size, epoch=epoch)
             if epoch < 0 or position < 0 or position > longest[1] - longest[0]:
                 raise BadRequest(f"position {position} is past the end of this rank's {hi - lo} samples")
-            if position > 0 and num_batches(order, plan, position) == 0:
+            if position > 0 and num_batches(order, plan, position, epoch) == 0:
                 return epoch + 1, 0, None  # a finished epoch is the start of the next
             return epoch, position, plan
     elif not isinstance(saved, Sequence) or isinstance(saved, (str, bytes)):
         raise BadRequest(f"loader state must be a mapping or a list of one per rank, got {type(saved).__name__}")
     else:
         mine = [s for s in saved if isinstance(s, Mapping) and s.get("rank") == order.rank]
-        if len(saved) == order.world_size and len(mine) == 1 and mine[0].get("world_size") == order.world_size:
+        if (
+            len(saved) == order.world_size
+            and len(mine) == 1
+            and mine[0].get("world_size") == order.world_size
+            and int(mine[0].get("skips", 0)) == len(order.skip)
+        ):
             merge(order, saved)  # checks the list is one consistent world
             return restore(order, mine[0])  # the same world: each rank at its own position
     merged = merge(order, saved)
@@ -234,6 +308,8 @@ def merge_cursors(states: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> di
     first = states if isinstance(states, Mapping) else (states[0] if states else None)
     if not isinstance(first, Mapping) or any(k not in first for k in ("world_size", *_SETTINGS)):
         raise BadRequest("merge_cursors needs the loader states (state_dict()) of every rank")
+    if first.get("skips"):
+        raise BadRequest("cursors saved under skips are merged by a loader given the same skips: load_state_dict")
     try:
         order = Order(
             n=first["n"],

@@ -48,13 +48,18 @@ from libbus.errors import BadRequest
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "MAX_SKIP_RANGES",
     "STATE_VERSION",
     "Cursor",
     "Order",
     "Shuffle",
     "batches_of",
+    "check_skips",
     "epoch_order",
+    "kept_mask",
     "shard_bounds",
+    "shift_skips",
+    "skip_ranges",
 ]
 
 #: Block length of ``block`` mode when none is given: long enough for sequential reads to pay off
@@ -63,6 +68,14 @@ DEFAULT_BLOCK_SIZE = 1024
 
 #: Version of the dict :meth:`Order.state` writes; bumped if its meaning ever changes.
 STATE_VERSION = 1
+
+#: The most index ranges a job's skips hold in all (they ride in its spec and every cursor's digest).
+MAX_SKIP_RANGES = 4096
+#: The most skips (each a list of ranges) one order takes.
+MAX_SKIPS = 256
+
+#: Skips: each a tuple of ``(start, stop)`` index ranges, in the order they were made.
+Skips = tuple[tuple[tuple[int, int], ...], ...]
 
 
 class Shuffle(enum.StrEnum):
@@ -114,6 +127,78 @@ def _check_shard(rank: Any, world_size: Any) -> tuple[int, int]:
     if rank >= world_size:
         raise BadRequest(f"rank {rank} outside a world of {world_size} (ranks are 0..{world_size - 1})")
     return rank, world_size
+
+
+# -- skips ----------------------------------------------------------------------------------------
+def check_skips(skips: Any, n: int | None = None) -> Skips:
+    """``skips`` (a list of skips, each a list of ``[start, stop)`` index ranges) checked and as tuples.
+
+    Raises:
+        BadRequest: not such a list, a range with ``start >= stop`` or negative, past ``n`` (when
+            given), or more than :data:`MAX_SKIPS` skips or :data:`MAX_SKIP_RANGES` ranges in all.
+    """
+    if not isinstance(skips, (list, tuple)):
+        raise BadRequest(f"skips must be a list of skips, each a list of [start, stop] ranges; got {skips!r:.80}")
+    if len(skips) > MAX_SKIPS:
+        raise BadRequest(f"{len(skips)} skips; at most {MAX_SKIPS}")
+    out, total = [], 0
+    for one in skips:
+        if not isinstance(one, (list, tuple)):
+            raise BadRequest(f"a skip is a list of [start, stop] ranges, got {one!r:.80}")
+        total += len(one)
+        if total > MAX_SKIP_RANGES:
+            raise BadRequest(
+                f"skips hold more than {MAX_SKIP_RANGES} index ranges in all; skip fewer or longer stretches"
+            )
+        ranges = []
+        for r in one:
+            ok = (
+                isinstance(r, (list, tuple))
+                and len(r) == 2
+                and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in r)
+                and 0 <= r[0] < r[1]
+            )
+            if not ok:
+                raise BadRequest(f"a skipped range is [start, stop] with 0 <= start < stop, got {r!r:.80}")
+            if n is not None and r[1] > n:
+                raise BadRequest(f"skipped range [{r[0]}, {r[1]}) is past the {n} samples of the order")
+            ranges.append((int(r[0]), int(r[1])))
+        out.append(tuple(ranges))
+    return tuple(out)
+
+
+def shift_skips(skips: Skips, first: int, n: int) -> Skips:
+    """``skips`` of a split's indices as the indices of an order over its records ``first..first+n-1``
+    (a loader's ``samples`` range): shifted, cut to the range; each skip kept, even if empty there."""
+    return tuple(
+        tuple((max(a - first, 0), min(b - first, n)) for a, b in one if min(b - first, n) > max(a - first, 0))
+        for one in skips
+    )
+
+
+def skip_ranges(skips: Skips) -> np.ndarray:
+    """The union of ``skips`` as sorted, disjoint ``(start, stop)`` rows of an int64 array."""
+    rows = sorted(r for one in skips for r in one)
+    merged: list[list[int]] = []
+    for a, b in rows:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return np.array(merged, dtype=np.int64).reshape(-1, 2)
+
+
+def kept_mask(indices: np.ndarray, ranges: np.ndarray) -> np.ndarray:
+    """A mask of ``indices`` that no row of ``ranges`` (see :func:`skip_ranges`) covers."""
+    if not len(ranges):
+        return np.ones(len(indices), dtype=bool)
+    at = np.searchsorted(ranges[:, 0], indices, side="right") - 1
+    return ~((at >= 0) & (indices < ranges[np.maximum(at, 0), 1]))
+
+
+def _skipped_below(ranges: np.ndarray, n: int) -> int:
+    """How many of ``0..n-1`` the ranges cover."""
+    return int(np.clip(ranges[:, 1], 0, n).sum() - np.clip(ranges[:, 0], 0, n).sum()) if len(ranges) else 0
 
 
 # -- the pure functions ----------------------------------------------------------------------------
@@ -240,6 +325,10 @@ class Order:
         rank, world_size: this rank's shard of ``world_size``.
         batch_size, drop_last: as in ``torch.utils.data.DataLoader``.
         drop_uneven: equal shards, leaving out the epoch's last ``n % world_size`` samples.
+        skip: skips (each a tuple of ``(start, stop)`` index ranges, oldest first): those indices are
+            left out of every epoch's order *before* it is cut into shards, so the shards stay disjoint
+            and equal and every other sample is read once (libbus/order/elastic.py resumes a cursor
+            saved under fewer skips).
 
     Raises:
         BadRequest: an unknown mode or an argument out of range, named in the message.
@@ -254,6 +343,7 @@ class Order:
     batch_size: int = 1
     drop_last: bool = False
     drop_uneven: bool = False
+    skip: Skips = ()
 
     def __post_init__(self) -> None:
         # Normalise once here, so every method (and the saved state) sees plain ints and a Shuffle.
@@ -268,18 +358,29 @@ class Order:
             "batch_size": _int("batch_size", self.batch_size, 1),
             "drop_last": bool(self.drop_last),
             "drop_uneven": bool(self.drop_uneven),
+            "skip": check_skips(self.skip),
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
     @property
+    def kept(self) -> int:
+        """Samples of an epoch's order once the skipped ones are left out (``n`` without skips)."""
+        return self.n - _skipped_below(skip_ranges(self.skip), self.n) if self.skip else self.n
+
+    @property
     def shard_size(self) -> int:
         """Samples this rank reads per epoch (the same every epoch)."""
-        lo, hi = shard_bounds(self.n, rank=self.rank, world_size=self.world_size, drop_uneven=self.drop_uneven)
+        lo, hi = shard_bounds(self.kept, rank=self.rank, world_size=self.world_size, drop_uneven=self.drop_uneven)
         return hi - lo
 
     def indices(self, epoch: int) -> np.ndarray:
         """This rank's int64 sample indices for ``epoch``, in reading order (see :func:`epoch_order`)."""
+        if self.skip:
+            whole = epoch_order(self.n, epoch=epoch, seed=self.seed, shuffle=self.shuffle, block_size=self.block_size)
+            whole = whole[kept_mask(whole, skip_ranges(self.skip))]
+            lo, hi = shard_bounds(len(whole), rank=self.rank, world_size=self.world_size, drop_uneven=self.drop_uneven)
+            return whole[lo:hi].copy()
         return epoch_order(
             self.n,
             epoch=epoch,
@@ -331,7 +432,8 @@ class Order:
 
     def _check_position(self, epoch: int, position: int) -> tuple[int, int]:
         epoch, position = _int("epoch", epoch, 0), _int("position", position, 0)
-        longest = self.n // self.world_size if self.drop_uneven else -(-self.n // self.world_size)
+        kept = self.kept
+        longest = kept // self.world_size if self.drop_uneven else -(-kept // self.world_size)
         if position > longest:
             raise BadRequest(
                 f"position {position} is past the end of an epoch of {self.shard_size} samples "
@@ -364,6 +466,7 @@ class Order:
             "world_size": self.world_size,
             "drop_uneven": self.drop_uneven,
             "rank": self.rank,
+            **skip_state(self.skip),
         }
 
     def restore(self, state: Mapping[str, Any]) -> Cursor:
@@ -401,3 +504,18 @@ class Order:
                 f"point at other samples: {'; '.join(differ)}"
             )
         return self.cursor(state["epoch"], state["position"])
+
+
+def skip_state(skips: Skips) -> dict[str, Any]:
+    """What a cursor records of the skips it was saved under: their number and a digest (none
+    without skips, so a cursor without any reads as before)."""
+    if not skips:
+        return {}
+    return {"skips": len(skips), "skips_digest": skips_digest(skips)}
+
+
+def skips_digest(skips: Skips) -> str:
+    """A short digest of ``skips``: a cursor saved under some skips resumes only under them and more."""
+    import hashlib
+
+    return hashlib.blake2b(repr(skips).encode(), digest_size=8).hexdigest()

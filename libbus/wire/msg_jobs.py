@@ -39,6 +39,9 @@ __all__ = [
     "StopStudy",
     "StudyInfo",
     "StudyList",
+    "GetJobSamples",
+    "JobSamples",
+    "SkipJob",
 ]
 
 
@@ -289,3 +292,41 @@ class StudyInfo(Message):
 @message
 class StudyList(Message):
     studies: list
+
+
+# -- which samples made a step, and skipping a stretch (libbus/order/history.py; docs/jobs.md) ----
+
+
+@message
+class GetJobSamples(Request["JobSamples"]):
+    """Admin → router: the sample indices of ``step`` (of every rank, or of ``rank`` >= 0), or, with
+    ``epoch`` >= 0, of positions ``start..stop`` of that epoch's whole order."""
+
+    job: str
+    step: int = 0
+    rank: int = -1
+    epoch: int = -1
+    start: int = 0
+    stop: int = 0
+
+
+@message
+class JobSamples(Message):
+    """``samples``: ``[{rank, world_size, epoch, position, indices}]`` for a step, or one entry
+    ``{epoch, start, stop, indices}`` for a range; ``n``: the samples the job's order is over."""
+
+    job: str
+    samples: list
+    n: int = 0
+    note: str = ""
+
+
+@message
+class SkipJob(Request[Ok]):
+    """Admin → router: never train ``job`` on these samples again: the samples of ``steps``
+    (``[[a, b], ...]``, steps ``a <= k < b``) and ``samples`` (index ranges ``[a, b)``). The job
+    rewinds to its last checkpoint before the first skipped step. Reply: ``Ok`` with what was skipped."""
+
+    job: str
+    steps: list = field(default_factory=list)
+    samples: list = field(default_factory=list)

@@ -34,12 +34,14 @@ from libbus.wire.messages import (
     EvaluationReport,
     GetJob,
     GetJobLogs,
+    GetJobSamples,
     GetModel,
     GetTask,
     JobInfo,
     JobList,
     JobLog,
     JobLogs,
+    JobSamples,
     JobSubmitted,
     ListJobs,
     ListPeers,
@@ -56,6 +58,7 @@ from libbus.wire.messages import (
     Resolved,
     RevokedList,
     RevokeToken,
+    SkipJob,
     Stats,
     StatsReply,
     SubmitJob,
@@ -329,6 +332,25 @@ class RouterHandler(Decisions, Handler):
     def on_ControlJob(self, session: Session, msg: ControlJob) -> Ok | Future:
         self._check_job_scope(session, msg.job)
         return self.jobs.control(session.subject, msg.job, msg.command, msg.args)
+
+    @serves(GetJobSamples, *ADMIN)
+    def on_GetJobSamples(self, session: Session, msg: GetJobSamples) -> JobSamples:
+        self._check_job_scope(session, msg.job)
+        return self.jobs.samples(msg, self._train_size)
+
+    def _train_size(self, dataset: str) -> int | None:
+        """The train split's size as a live provider of ``dataset`` registered it (None: none online)."""
+        for peer in self._serving.get(dataset_name(dataset), {}).values():
+            info = peer.hello.caps["datasets"].get(dataset_name(dataset)) or {}
+            train = (info.get("splits") or {}).get("train") or {}
+            if isinstance(train.get("num_samples"), int):
+                return int(train["num_samples"])
+        return None
+
+    @serves(SkipJob, *ADMIN)
+    def on_SkipJob(self, session: Session, msg: SkipJob) -> Ok:
+        self._check_job_scope(session, msg.job)
+        return self.jobs.skip(session.subject, msg, self._train_size)
 
     @serves(GetModel, *ADMIN)
     def on_GetModel(self, session: Session, msg: GetModel) -> Model:

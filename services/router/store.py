@@ -42,6 +42,9 @@ PROGRESS_KEPT = 1000
 EVENTS_KEPT_FIRST = 20
 EVENTS_KEPT = 500
 CHECKPOINTS_KEPT = 50
+#: Segments kept per job (one per attempt: where it resumed, at what world size; libbus/order/history.py):
+#: the steps of older ones are no longer explained.
+SEGMENTS_KEPT = 1000
 #: Bytes of progress history kept per job (the newest reports; a report over ``PROGRESS_SMALL``
 #: bytes trims the older ones to fit): with a report's own bound (256 KiB, libbus/wire/schema.py)
 #: and ``PROGRESS_KEPT``, what a trainer holding one job can make the router store is bounded.
@@ -203,6 +206,7 @@ class JobStore:
             self.db.execute(
                 "INSERT INTO events VALUES (?, ?, ?, ?)", (row["id"], now, _RUNNING, f"assigned to {trainer}{resumed}")
             )
+            self._segment(row["id"], now, row["spec"], row["checkpoint"], 1)
         return self.get(row["id"], events=False)
 
     def first_queued(self, accept: Callable[[dict], bool] | None = None) -> dict | None:
@@ -237,6 +241,8 @@ class JobStore:
                 "INSERT INTO events VALUES (?, ?, ?, ?)",
                 (job, now, _RUNNING, f"assigned to a gang of {len(members)} (rank {ranks}){resumed}"),
             )
+            spec = self.db.execute("SELECT spec FROM jobs WHERE id = ?", (job,)).fetchone()["spec"]
+            self._segment(job, now, spec, row["checkpoint"], len(members))
 
     def update_gang(self, job: str, reason: str = "", **changes) -> dict:
         """Change fields of a running job's gang (its ``rendezvous``, ranks ``delivered``); returns it."""
@@ -322,6 +328,46 @@ class JobStore:
                 (job, job, CHECKPOINTS_KEPT),
             )
         return record
+
+    def _segment(self, job: str, now: float, spec_text: str, checkpoint: str | None, world_size: int) -> None:
+        """Record the segment an attempt starts (inside the assignment's transaction): the step and
+        cursor of the checkpoint it resumes, its world size and batch size (libbus/order/history.py)."""
+        ckpt = orjson.loads(checkpoint) if checkpoint else {}
+        spec = orjson.loads(spec_text)
+        segment = {
+            "step": int(ckpt.get("step", 0)),
+            "cursor": ckpt.get("cursor") or None,
+            "world_size": world_size,
+            "batch_size": spec.get("batch_size"),
+            "skips": len(spec.get("skip") or []),
+            "at": now,
+        }
+        self.db.execute("INSERT INTO segments VALUES (?, ?, ?)", (job, now, orjson.dumps(segment).decode()))
+        self.db.execute(
+            "DELETE FROM segments WHERE job = ? AND rowid NOT IN (SELECT rowid FROM segments "
+            "WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)",
+            (job, job, SEGMENTS_KEPT),
+        )
+
+    def rewind(self, job: str, spec: JobSpec, checkpoint: dict | None, reason: str) -> None:
+        """Give ``job`` a new spec (its skips) and the checkpoint its next attempt resumes from (None:
+        the start), in one write; the job's event says why (``busctl job skip``)."""
+        now = time.time()
+        text = orjson.dumps(checkpoint).decode() if checkpoint else None
+        with self.durability.write():
+            self.db.execute(
+                "UPDATE jobs SET spec = ?, checkpoint = ?, updated = ? WHERE id = ?",
+                (orjson.dumps(spec.to_dict()).decode(), text, now, job),
+            )
+            self.db.execute(
+                "INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?", (now, _cut(reason), job)
+            )
+
+    def segments(self, job: str) -> builtins.list[dict]:
+        """The job's segments, oldest first (one per attempt; see :meth:`_segment`)."""
+        self._row(job)
+        rows = self.db.execute("SELECT record FROM segments WHERE job = ? ORDER BY at, rowid", (job,)).fetchall()
+        return [orjson.loads(r[0]) for r in rows]
 
     def finish(self, job: str, state: str, reason: str, result: dict | None = None, error: str = "") -> None:
         if state not in TERMINAL_STATES:

@@ -65,6 +65,12 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     record  TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS checkpoints_job ON checkpoints (job, step);
+CREATE TABLE IF NOT EXISTS segments (
+    job    TEXT NOT NULL,
+    at     REAL NOT NULL,
+    record TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS segments_job ON segments (job, at);
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
     value INTEGER NOT NULL

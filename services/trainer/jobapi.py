@@ -169,7 +169,9 @@ class AttemptJob(Job):
             "curve": self.identity.curve,
         }
         if split == "train":  # the job's order, this rank's shard, its train_range
-            args.update(shuffle=spec.shuffle, block_size=spec.block_size, seed=spec.seed, **shard(self.task))
+            args.update(
+                shuffle=spec.shuffle, block_size=spec.block_size, seed=spec.seed, skip=spec.skip, **shard(self.task)
+            )
             if spec.train_range:
                 args["samples"] = tuple(spec.train_range)
         else:  # whole, in file order, unless asked otherwise

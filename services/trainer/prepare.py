@@ -103,6 +103,7 @@ def open_loaders(
         shuffle=spec.shuffle,
         block_size=spec.block_size,
         seed=spec.seed,
+        skip=spec.skip,
         **shard(task),
         **common,
     )

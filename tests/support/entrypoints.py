@@ -195,3 +195,48 @@ def linear_classifier(job: Job) -> None:
         job.step(loss=loss.item())
     job.report(val_loss=loss.item())
     job.save_model({"weight": weight.detach(), "bias": bias.detach()})
+
+
+def recorded(job: Job) -> None:
+    """Trains as :func:`custom_loss` does (one ``job.step()`` per train batch) and appends the digest
+    of every sample of each step to ``params["out"]/<attempt>.jsonl`` (first line: the step it
+    resumed from), for tests/test_samples27.py to compare with ``busctl job samples``."""
+    import json
+    from pathlib import Path
+
+    from services.trainer.audit import digest
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    done = {"steps": 0}
+    job.on_checkpoint(lambda: {"model": model, "optimizer": optimizer, "steps": done["steps"]})
+    state = job.restore()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        done["steps"] = int(state["steps"])
+    train = job.loader("train")
+    with open(Path(job.params["out"]) / f"{job.attempt}.jsonl", "a") as out:
+        out.write(json.dumps({"resumed_from_step": done["steps"]}) + "\n")
+        for _ in range(train.epoch, job.params["epochs"]):
+            for x, y in train:
+                loss = F.cross_entropy(model(x.float() / 255), y.long())
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                done["steps"] += 1
+                xs, ys = x.numpy(), y.numpy()
+                out.write(
+                    json.dumps(
+                        {
+                            "step": done["steps"],
+                            "samples": [digest(xs[i].tobytes(), ys[i].tobytes()) for i in range(len(xs))],
+                        }
+                    )
+                    + "\n"
+                )
+                out.flush()
+                job.step(loss=loss.item())
+            job.report(val_loss=1.0)
+    job.save_model(model.state_dict())

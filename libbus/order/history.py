@@ -1,0 +1,172 @@
+"""Which samples made step k: derived from a job's order and its segments, never logged per sample.
+
+A job's steps run in **segments**: each attempt starts one, at the step of the checkpoint it resumes
+(0 on a first attempt), from that checkpoint's loader cursor (``None``: the start of epoch 0), under
+the attempt's world size and batch size. Within a segment every rank takes one batch per step from
+its loader, so step ``k`` of rank ``r`` is the ``(k - start)``-th batch that rank reads after the
+segment's cursor: the batches left of the cursor's epoch (its plan re-split over the world, as the
+loader does on resume, :func:`libbus.order.elastic.restore`), then whole epochs.
+
+Step ``k`` belongs to the segment recorded last among those starting before it: a later attempt
+resumed from step ``S`` replaces what earlier ones trained after ``S`` (that model state was lost),
+so the answer is what the job's model was (or will be) trained on at step ``k``.
+
+A segment is a plain dict (the router keeps them per job, services/router/store.py)::
+
+    {"step": 30, "world_size": 2, "batch_size": 16, "cursor": {...} or None, "skips": 1}
+
+``skips``: how many of the spec's ``skip`` list the attempt's loaders left out (libbus/order/epochs.py).
+
+Steps count from 1 (step ``k`` is the ``k``-th optimizer step, the audit's ``step``). Indices are
+the split's sample indices (a ``train_range`` job's order is over its range; ``first`` is added).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from libbus.errors import BadRequest, NotFound
+from libbus.order import elastic
+from libbus.order.epochs import Order, batches_of, check_skips, epoch_order, shift_skips
+
+__all__ = ["MAX_RANGE", "MAX_SKIP_STEPS", "as_ranges", "epoch_range", "segment_of", "step_samples"]
+
+#: The most steps one skip may name (each step's samples are looked up).
+MAX_SKIP_STEPS = 10_000
+
+#: The most positions one ``epoch_range`` query returns (a reply stays small).
+MAX_RANGE = 100_000
+
+
+def segment_of(segments: Sequence[Mapping[str, Any]], step: int) -> Mapping[str, Any]:
+    """The segment that trained ``step``: the last recorded one that starts before it.
+
+    Raises:
+        BadRequest: ``step`` below 1.
+        NotFound: no segment starts before ``step`` (none recorded, or the oldest were dropped).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise BadRequest(f"steps count from 1, got {step!r}")
+    for seg in reversed(segments):
+        if int(seg.get("step", 0)) < step:
+            return seg
+    if not segments:
+        raise NotFound("the job has no recorded attempt yet: no step has an order")
+    raise NotFound(f"step {step} is before the oldest segment kept (step {segments[0].get('step')})")
+
+
+def _order(spec: Mapping[str, Any], n: int, seg: Mapping[str, Any], rank: int) -> Order:
+    world = int(seg.get("world_size", 1))
+    # the skips the attempt's loader had: the spec's first ``skips`` (skips are only ever added)
+    skips = check_skips(list(spec.get("skip") or [])[: int(seg.get("skips", 0))])
+    return Order(
+        n=n,
+        seed=int(spec.get("seed", 0)),
+        shuffle=spec.get("shuffle", "full"),
+        block_size=int(spec.get("block_size", 1024)),
+        rank=rank,
+        world_size=world,
+        batch_size=int(seg.get("batch_size") or spec.get("batch_size", 64)),
+        drop_uneven=world > 1,  # what a gang's loaders read (services/trainer/prepare.py: shard)
+        skip=shift_skips(skips, int((spec.get("train_range") or [0])[0]), n),
+    )
+
+
+def step_samples(
+    spec: Mapping[str, Any],
+    segments: Sequence[Mapping[str, Any]],
+    step: int,
+    *,
+    n: int,
+    rank: int | None = None,
+) -> list[dict[str, Any]]:
+    """The samples of ``step``: one entry per rank (or only ``rank``), each
+    ``{"rank", "epoch", "position", "indices": [...]}`` (``position``: the first sample's place in the
+    rank's share of the epoch), or ``indices`` empty where that rank's epochs ran out first.
+
+    Args:
+        spec: the job's spec (``seed``, ``shuffle``, ``block_size``, ``batch_size``, ``train_range``).
+        segments: the job's segments, oldest first (see the module docstring).
+        n: samples the job's order is over (its train split, or its ``train_range``).
+
+    Raises:
+        BadRequest: ``step`` below 1, ``rank`` outside the segment's world.
+        NotFound: no segment covers ``step``.
+    """
+    seg = segment_of(segments, step)
+    world = int(seg.get("world_size", 1))
+    if rank is not None and not 0 <= rank < world:
+        raise BadRequest(f"rank {rank} is outside the world of {world} that trained step {step}")
+    first = int((spec.get("train_range") or [0])[0])
+    epochs = int(spec.get("epochs", 0)) or None
+    out = []
+    for r in range(world) if rank is None else [rank]:
+        order = _order(spec, n, seg, r)
+        cursor = seg.get("cursor")
+        epoch, position, plan = elastic.restore(order, cursor) if cursor else (0, 0, None)
+        left = step - int(seg.get("step", 0)) - 1  # batches to pass over after the cursor
+        batch, at = _nth_batch(order, epoch, position, plan, left, epochs)
+        entry: dict[str, Any] = {"rank": r, "world_size": world, "segment_step": int(seg.get("step", 0))}
+        if batch is None:
+            entry.update(epoch=None, position=None, indices=[])
+        else:
+            entry.update(epoch=at[0], position=at[1], indices=(batch + first).tolist())
+        out.append(entry)
+    return out
+
+
+def _nth_batch(
+    order: Order, epoch: int, position: int, plan: elastic.Plan, left: int, epochs: int | None
+) -> tuple[np.ndarray | None, tuple[int, int]]:
+    """The ``left``-th batch (from 0) after ``(epoch, position, plan)``, with its ``(epoch, position)``."""
+    indices = elastic.indices(order, epoch, plan)
+    batches = batches_of(indices, order.batch_size, order.drop_last, start=position)
+    if left < len(batches):
+        return batches[left], (epoch, position + left * order.batch_size)
+    left -= len(batches)
+    whole = order.num_batches()
+    if whole == 0:
+        return None, (epoch, 0)
+    epoch += 1 + left // whole
+    left %= whole
+    if epochs is not None and epoch >= epochs:
+        return None, (epoch, 0)
+    return order.batches(epoch)[left], (epoch, left * order.batch_size)
+
+
+def epoch_range(spec: Mapping[str, Any], epoch: int, start: int, stop: int, *, n: int) -> list[int]:
+    """Positions ``start..stop`` of ``epoch``'s whole order (all ranks together, before any resume
+    re-split it): the split's indices there.
+
+    Raises:
+        BadRequest: a malformed or over-long range (at most :data:`MAX_RANGE` positions).
+    """
+    if not (0 <= start <= stop <= n):
+        raise BadRequest(f"range {start}:{stop} must lie within 0:{n} (the epoch's {n} positions)")
+    if stop - start > MAX_RANGE:
+        raise BadRequest(f"range {start}:{stop} has {stop - start} positions; ask for at most {MAX_RANGE} at once")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise BadRequest(f"epoch must be 0 or more, got {epoch!r}")
+    whole = epoch_order(
+        n,
+        epoch=epoch,
+        seed=int(spec.get("seed", 0)),
+        shuffle=spec.get("shuffle", "full"),
+        block_size=int(spec.get("block_size", 1024)),
+    )
+    first = int((spec.get("train_range") or [0])[0])
+    return (whole[start:stop] + first).tolist()
+
+
+def as_ranges(indices: Sequence[int] | np.ndarray) -> list[list[int]]:
+    """``indices`` as sorted, disjoint ``[start, stop)`` ranges (runs of consecutive indices joined)."""
+    values = np.unique(np.asarray(indices, dtype=np.int64))
+    if not len(values):
+        return []
+    breaks = np.flatnonzero(np.diff(values) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [len(values)]])
+    return [[int(values[a]), int(values[b - 1]) + 1] for a, b in zip(starts, stops, strict=True)]
