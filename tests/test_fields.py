@@ -191,7 +191,10 @@ def test_headers_that_do_not_match_the_frames_are_refused(shapes, dtypes, words)
 def test_evaluating_a_multi_field_dataset_is_refused_clearly(fields_provider, make_token):
     identity = Identity(role="trainer", name="t", token=make_token())
     with Client(fields_provider.endpoint, identity) as client:
-        with pytest.raises(BadRequest, match="'multi' has named fields .*evaluate only x/y datasets"):
+        with pytest.raises(
+            BadRequest,
+            match=r"'multi': field 'image' is uint8 of shape \[None, None, 3\]: the built-in models need .*resize.*or name an evaluator",
+        ):
             client.request(Evaluate(dataset="multi", model={"name": "mlp"}, frames=[b"\0" * 8]))
 
 

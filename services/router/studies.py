@@ -322,6 +322,9 @@ class Studies:
                 return ""
         job = row[0] if row else self.jobs.submit(spec)
         self.store.update_trial(study, number, job=job)
+        # known as a trial from now on: its first report is judged when it comes (on_report), not at
+        # the next tick, by when a fast trial may have reported every epoch and be judged at its last
+        self._trial_jobs.setdefault(job, 0)
         log.info("study %s: trial %d is job %s with %s", study, number, job, params)
         return job
 
