@@ -28,10 +28,9 @@ log = logging.getLogger(__name__)
 BUFFER = 1000
 #: Pause between tries while the router does not answer.
 RETRY_S = 0.2
-#: How long an epoch's report waits for the router's verdict on it (early stopping, a study's
-#: pruner), which rides on the reply: long enough for a loaded router and a relayed attempt, so the
-#: verdict applies at that report, not an epoch later; short enough that a router away holds
-#: training up only that long per epoch.
+#: The longest an epoch's report waits for the router's verdict on it (early stopping, a study's
+#: pruner), which rides on the reply, so that the verdict applies at that report, not an epoch
+#: later. A router away does not hold training up that long: one unanswered try ends the wait.
 VERDICT_WAIT_S = 60.0
 
 
@@ -57,6 +56,8 @@ class Reporter:
         self._cond = threading.Condition()
         self._closed = False
         self._busy = False
+        #: Tries to deliver a report that went unanswered (the router away or slow), ever.
+        self._unanswered = 0
         self._thread = threading.Thread(target=self._run, name=f"reports-{job}", daemon=True)
         self._thread.start()
 
@@ -82,15 +83,23 @@ class Reporter:
 
     def await_verdict(self) -> bool:
         """Wait until the reports so far (an epoch's last) are answered, the router's verdict on them
-        with them (handed to ``on_command`` before this returns). False, logged, after
+        with them (handed to ``on_command`` before this returns). False, logged, when a try to deliver
+        them goes unanswered (the router is away: training does not wait for it) or after
         :data:`VERDICT_WAIT_S`: training goes on, and the verdict applies when it comes."""
-        if self.flush(VERDICT_WAIT_S):
-            return True
+        with self._cond:
+            failed_before = self._unanswered
+            answered = self._cond.wait_for(
+                lambda: (
+                    (not self._queue and not self._busy) or self.lost is not None or self._unanswered > failed_before
+                ),
+                VERDICT_WAIT_S,
+            )
+            if answered and self._unanswered == failed_before:
+                return True
         log.warning(
-            "job %s: the router has not answered this epoch's report in %.0f s; training goes on, and its "
-            "verdict (early stopping, a study's pruner) applies when it comes",
+            "job %s: the router has not answered this epoch's report; training goes on, and its verdict "
+            "(early stopping, a study's pruner) applies when it comes",
             self.job,
-            VERDICT_WAIT_S,
         )
         return False
 
@@ -125,6 +134,9 @@ class Reporter:
                 if self._closed and not delivered:
                     return  # closing with the router away: what is left is given up
             if not delivered:
+                with self._cond:
+                    self._unanswered += 1
+                    self._cond.notify_all()
                 threading.Event().wait(RETRY_S)
 
     def _send(self, msg: Message) -> bool:
