@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 import tarfile
 from pathlib import Path
 
@@ -145,3 +146,41 @@ def test_busctl_job_samples_where_names_each_samples_bytes(tmp_path):
         assert " ".join(map(str, entry["indices"])) in plain and "@" not in plain
     finally:
         cluster.close()
+
+
+def test_parquet_locations_name_the_file_and_row(tmp_path, start_provider, client_for):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "pq" / "data"
+    data.mkdir(parents=True)
+    for f in range(2):  # ids 0..9 in the first file, 10..19 in the second; row groups of 3
+        ids = list(range(f * 10, f * 10 + 10))
+        table = pa.table({"x": pa.array([[float(i)] * 3 for i in ids]), "label": pa.array([i % 3 for i in ids])})
+        pq.write_table(table, data / f"train-{f:05d}-of-00002.parquet", row_group_size=3)
+    provider = start_provider(f"pq=file://{tmp_path / 'pq'}?val_fraction=0")
+    client = client_for(provider.endpoint)
+    indices = [0, 4, 11, 19]
+    reply = client.request(BatchRequest.for_indices(np.array(indices), dataset="pq", split="train"))
+    served = np.frombuffer(frame_buffer(reply.frames[0]), np.dtype(reply.dtypes[0])).reshape(reply.shapes[0])
+    for where, sample in zip(_locate(client, "pq", "train", indices), served):
+        m = re.match(r"^(?P<file>data/train-\d{5}-of-00002\.parquet) row (?P<row>\d+)$", where)
+        assert m, where
+        row = pq.read_table(tmp_path / "pq" / m["file"]).slice(int(m["row"]), 1).to_pylist()[0]
+        assert row["x"] == sample.tolist()
+
+
+def test_tfrecord_locations_name_each_records_frame(tmp_path, start_provider, client_for):
+    from tests.support.peers import write_tfrecords
+
+    root = tmp_path / "tfr"
+    want = write_tfrecords(root, np.random.default_rng(3))
+    provider = start_provider(f"tfr=file://{root}?fields=pixels,label&val_fraction=0")
+    client = client_for(provider.endpoint)
+    indices = [0, 14, 15, 29]  # the first and last records of both train files
+    for i, where in zip(indices, _locate(client, "tfr", "train", indices)):
+        frame = _bytes_at(root, where)
+        assert where.startswith(f"train-{i // 15:04d}-of-0002.tfrecord@"), where
+        (length,) = struct.unpack_from("<Q", frame)
+        assert len(frame) == 8 + 4 + length + 4  # length, its CRC, the Example, its CRC
+        assert want["train"]["pixels"][i].tobytes() in frame[12 : 12 + length]
