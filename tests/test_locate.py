@@ -5,10 +5,12 @@ on a real job."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import struct
 import tarfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 from libbus.constants import MAX_LOCATE_INDICES
 from libbus.errors import BadRequest, Forbidden, OutOfRange, SplitPrivate
 from libbus.wire.messages import BatchRequest, GetJobSamples, LocateSamples, frame_buffer
+from tests.support.formats import BUILDERS, expected_splits
 from tests.support.images import write_imagefolder, write_shards
 from tests.support.jobs import SPEC, JobCluster
 
@@ -184,3 +187,37 @@ def test_tfrecord_locations_name_each_records_frame(tmp_path, start_provider, cl
         (length,) = struct.unpack_from("<Q", frame)
         assert len(frame) == 8 + 4 + length + 4  # length, its CRC, the Example, its CRC
         assert want["train"]["pixels"][i].tobytes() in frame[12 : 12 + length]
+
+
+@pytest.mark.parametrize("name", ["idx", "idx-gz-float", "cifar10", "tokens-bin", "npz", "npz-compressed"])
+def test_every_array_layout_names_the_bytes_of_each_sample(tmp_path, start_provider, client_for, name):
+    built = BUILDERS[name](tmp_path, np.random.default_rng(9))
+    provider = start_provider(f"d=file://{tmp_path}{'?' + built.query if built.query else ''}")
+    client = client_for(provider.endpoint)
+    x = expected_splits(built)["train"][0]
+    stored = np.dtype(built.info["dtype"]).newbyteorder(">" if name.startswith("idx") else "<")
+    indices = [0, len(x) // 2, len(x) - 1]
+    for i, where in zip(indices, _locate(client, "d", "train", indices)):
+        packed = where.endswith(" (decompressed)")
+        m = re.match(
+            r"^(?P<file>[^\[@]+)(\[(?P<member>[^\]]+)\])?@(?P<offset>\d+)\+(?P<length>\d+)$",
+            where.removesuffix(" (decompressed)"),
+        )
+        assert m, where
+        if packed:  # offsets of the decompressed bytes: of a gzip file, or of a compressed npz member
+            path = tmp_path / m["file"]
+            if m["member"]:
+                with zipfile.ZipFile(path) as z:
+                    data = z.read(m["member"])
+            else:
+                data = gzip.decompress(path.read_bytes())
+            got = data[int(m["offset"]) : int(m["offset"]) + int(m["length"])]
+        elif m["member"]:  # a stored npz member: offsets in the .npz file itself
+            got = _bytes_at(tmp_path, f"{m['file']}@{m['offset']}+{m['length']}")
+        else:
+            got = _bytes_at(tmp_path, where)
+        assert got == np.ascontiguousarray(x[i]).astype(stored).tobytes(), (name, i, where)
+    if name == "cifar10":  # the run of samples spans two files: the last sample is in the second
+        assert where.startswith(f"data_batch_2.bin@{(len(x) - 1 - 10) * 3073 + 1}+3072"), where
+    if name == "idx-gz-float":
+        assert where.endswith(" (decompressed)")

@@ -306,7 +306,9 @@ class FileSource(Source):
             pos = records.base + (row + start) * records.record + at
             i = bisect.bisect_right(space.starts, pos) - 1
             seg = space.segments[i]
-            out.append(f"{relative_name(seg.name, self.root)}@{seg.offset + pos - space.starts[i]}+{nbytes}")
+            # a gzip file, a compressed npz member: offsets of the decompressed bytes, as read
+            note = " (decompressed)" if " (decompressed to " in seg.name or " (extracted to " in seg.name else ""
+            out.append(f"{relative_name(seg.name, self.root)}@{seg.offset + pos - space.starts[i]}+{nbytes}{note}")
         return out
 
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:

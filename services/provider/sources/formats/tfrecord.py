@@ -357,7 +357,8 @@ class TFRecordSource(PickedSource):
         for shard, record in self.rows[split][np.asarray(indices, np.int64).reshape(-1)].tolist():
             s = self.shards[shard]
             off, length = (int(v) for v in s.frames[record])
-            out.append(f"{relative_name(s.name, self.root)}@{off}+{HEADER + length + FOOTER}")
+            note = " (decompressed)" if s.local is not None else ""
+            out.append(f"{relative_name(s.name, self.root)}@{off}+{HEADER + length + FOOTER}{note}")
         return out
 
     def _records(self, split: str, indices: np.ndarray) -> list[dict]:
