@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from libbus.constants import MAX_LOCATE_INDICES
-from libbus.errors import BadRequest, Forbidden, OutOfRange, SplitPrivate
+from libbus.errors import BadRequest, Forbidden, OutOfRange, SplitPrivate, TooLarge
 from libbus.wire.messages import BatchRequest, GetJobSamples, LocateSamples, frame_buffer
 from tests.support.formats import BUILDERS, expected_splits
 from tests.support.images import write_imagefolder, write_shards
@@ -106,7 +106,7 @@ def test_bad_requests_are_refused(tmp_path, start_provider, client_for, make_tok
     _npy_dataset(root)
     provider = start_provider(f"arr=file://{root}", "mnist=mock://mnist?n=600")
     client = client_for(provider.endpoint)
-    with pytest.raises(BadRequest, match=f"at most {MAX_LOCATE_INDICES}"):
+    with pytest.raises(TooLarge, match=f"at most {MAX_LOCATE_INDICES}"):
         _locate(client, "arr", "train", [0] * (MAX_LOCATE_INDICES + 1))
     with pytest.raises(OutOfRange, match=r"index 45 is outside arr/train \(0\.\.44\)"):
         _locate(client, "arr", "train", [1, 45])

@@ -23,6 +23,7 @@ from libbus.errors import (
     OutOfRange,
     ShmError,
     SplitPrivate,
+    TooLarge,
     Unavailable,
 )
 from libbus.serve.handler import serves
@@ -395,7 +396,7 @@ class ProviderHandler(Handler):
         if not isinstance(indices, list) or not all(type(i) is int for i in indices):
             raise BadRequest("LocateSamples: indices must be a list of integers")
         if len(indices) > MAX_LOCATE_INDICES:
-            raise BadRequest(
+            raise TooLarge(
                 f"LocateSamples asks for {len(indices)} indices; at most {MAX_LOCATE_INDICES} a request "
                 "(split the list)"
             )
@@ -405,7 +406,7 @@ class ProviderHandler(Handler):
             raise OutOfRange(f"index {bad} is outside {msg.dataset}/{msg.split} (0..{n - 1})")
         locations = source.locate(msg.split, np.asarray(indices, dtype=np.int64))
         if sum(len(s) + 4 for s in locations) > MAX_HEADER_BYTES // 2:
-            raise BadRequest(f"the locations of {len(indices)} samples do not fit one reply; ask for fewer")
+            raise TooLarge(f"the locations of {len(indices)} samples do not fit one reply; ask for fewer")
         return SampleLocations(locations=locations)
 
     def _check_split(self, dataset: str, split: str) -> None:
