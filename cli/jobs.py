@@ -10,9 +10,12 @@ from typing import Annotated
 import typer
 
 from libbus.config import Settings
+from libbus.connect.client import Client
+from libbus.constants import MAX_LOCATE_INDICES
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JOB_STATES, SETTABLE
 from libbus.jobs.state import JobState
+from libbus.security.curve import curve_key_of
 from libbus.wire.messages import (
     ControlJob,
     GetJob,
@@ -20,7 +23,9 @@ from libbus.wire.messages import (
     GetJobSamples,
     GetModel,
     ListJobs,
+    LocateSamples,
     Ok,
+    Resolve,
     SkipJob,
     SubmitJob,
     frame_buffer,
@@ -411,12 +416,16 @@ def job_samples(
     rank: Annotated[int | None, typer.Option(help="Only this rank's batch (default: every rank's).")] = None,
     epoch: Annotated[int | None, typer.Option(help="With --range: positions of this epoch's whole order.")] = None,
     range_: Annotated[str | None, typer.Option("--range", help="A:B, positions A..B-1 of --epoch's order.")] = None,
+    where: Annotated[
+        bool, typer.Option("--where", help="Also where each sample lives (file and offset, shard member, row).")
+    ] = False,
     *,
     settings: Settings,
     json: Json = False,
 ) -> None:
     """Which samples made step K (every rank's batch), or positions A:B of an epoch's order: derived
-    from the job's order and the segments of its attempts, not logged (docs/jobs.md)."""
+    from the job's order and the segments of its attempts, not logged (docs/jobs.md). ``--where`` asks
+    a provider of the job's dataset where each of them lives."""
     if (step is None) == (epoch is None):
         fail("give --step K, or --epoch E with --range A:B")
     if epoch is not None and range_ is None:
@@ -433,18 +442,51 @@ def job_samples(
         msg.epoch, msg.start, msg.stop = epoch or 0, ranges[0][0], ranges[0][1]
     with admin_client(settings) as client:
         reply = client.request(msg)
+        if where:
+            dataset = client.request(GetJob(job=job, events=0)).job["spec"]["dataset"]
+            wanted = sorted({i for entry in reply.samples for i in entry["indices"]})
+            places = locate_samples(settings, client, dataset, "train", wanted)
+            for entry in reply.samples:
+                entry["locations"] = [places[i] for i in entry["indices"]]
     if json:
         print_json({"job": reply.job, "n": reply.n, "samples": reply.samples, "note": reply.note})
     else:
         for entry in reply.samples:
             if "rank" in entry:
                 head = f"step {step} rank {entry['rank']}/{entry['world_size']}"
-                where = f"epoch {entry['epoch']} position {entry['position']}" if entry["indices"] else "no batch"
+                at = f"epoch {entry['epoch']} position {entry['position']}" if entry["indices"] else "no batch"
             else:
-                head, where = f"epoch {entry['epoch']}", f"positions {entry['start']}:{entry['stop']}"
-            typer.echo(f"{head} ({where}): {' '.join(map(str, entry['indices']))}")
+                head, at = f"epoch {entry['epoch']}", f"positions {entry['start']}:{entry['stop']}"
+            if where:
+                typer.echo(f"{head} ({at}):")
+                for index, place in zip(entry["indices"], entry["locations"]):
+                    typer.echo(f"  {index}  {printable(place) or '(the source does not say)'}")
+            else:
+                typer.echo(f"{head} ({at}): {' '.join(map(str, entry['indices']))}")
     if reply.note:
         typer.echo(f"note: {reply.note}", err=True)
+
+
+def locate_samples(settings: Settings, router: Client, dataset: str, split: str, indices: list[int]) -> dict[int, str]:
+    """Index → where it lives, asked of the first provider of ``dataset`` (Resolve; every provider of a
+    name serves the same data) in requests of at most MAX_LOCATE_INDICES. Provider errors are raised."""
+    resolved = router.request(Resolve(dataset=dataset))
+    if not resolved.providers:
+        fail(f"no provider serves {dataset!r} now: cannot say where its samples live")
+    provider = resolved.providers[0]
+    out: dict[int, str] = {}
+    with Client(
+        provider["endpoint"],
+        router.identity,
+        timeout_s=settings.request_timeout_s,
+        retries=settings.request_retries,
+        server_key=curve_key_of(provider),
+    ) as client:
+        for a in range(0, len(indices), MAX_LOCATE_INDICES):
+            part = indices[a : a + MAX_LOCATE_INDICES]
+            found = client.request(LocateSamples(dataset=resolved.dataset, split=split, indices=part))
+            out.update(zip(part, found.locations))
+    return out
 
 
 @job_app.command("skip")

@@ -27,6 +27,8 @@ STORED_JSON_DEPTH = 12
 STORED_JSON_BYTES = 256 * KiB
 #: Most indices in one BatchRequest.
 MAX_BATCH_INDICES = 1 << 20
+#: Most indices in one LocateSamples (its reply is one header of a short string per index).
+MAX_LOCATE_INDICES = 10_000
 #: Largest batch a provider will assemble (data + labels); below MAX_MSG_BYTES so a reply always fits.
 MAX_BATCH_BYTES = 128 * MiB
 #: Most samples in a batch of named fields of which one declares no ``max_bytes`` (its size is known

@@ -45,6 +45,8 @@ __all__ = [
     "RevokedList",
     "Entitlements",
     "Goodbye",
+    "LocateSamples",
+    "SampleLocations",
 ]
 
 
@@ -415,3 +417,26 @@ def info_mismatch(ours: dict, theirs: dict, here: str = "here", there: str = "th
         if a != b:
             return f"{name} is {a!r} {here}, {b!r} {there}"
     return None
+
+
+# -- where samples live --------------------------------------------------------------------------
+
+
+@message
+class LocateSamples(Request["SampleLocations"]):
+    """Where samples ``indices`` of ``split`` of ``dataset`` live (at most
+    :data:`~libbus.constants.MAX_LOCATE_INDICES`): a provider answers with one short string per index,
+    a path relative to the dataset's root and a byte offset, row or member (``""`` where its source
+    does not know). Scoped and refused as a :class:`BatchRequest` is (the private test split too)."""
+
+    dataset: str
+    split: str
+    indices: list
+
+
+@message
+class SampleLocations(Message):
+    """``locations[i]``: where ``indices[i]`` of the request lives, e.g. ``train.npy@128+784`` (file, byte
+    offset and length), ``shard-000012.tar:000345.jpg@5632+1201``, ``data/train-0.parquet row 812``."""
+
+    locations: list

@@ -10,17 +10,20 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
+import numpy as np
 import orjson
 
-from libbus.constants import EVAL_TIMEOUT_S, MAX_FRAMES
+from libbus.constants import EVAL_TIMEOUT_S, MAX_FRAMES, MAX_HEADER_BYTES, MAX_LOCATE_INDICES
 from libbus.errors import (
     BadRequest,
     BusError,
     ConfigError,
     Forbidden,
     NotFound,
+    OutOfRange,
     ShmError,
     SplitPrivate,
+    TooLarge,
     Unavailable,
 )
 from libbus.serve.handler import serves
@@ -34,9 +37,11 @@ from libbus.wire.messages import (
     Evaluate,
     Evaluation,
     EvaluationReport,
+    LocateSamples,
     Message,
     Ok,
     RingAttached,
+    SampleLocations,
     StageControl,
     Stats,
     StatsReply,
@@ -223,7 +228,7 @@ class ProviderHandler(Handler):
         """Refuse (FORBIDDEN) a request for a dataset or job outside the token's scopes. A ring
         carries no dataset: it is refused only to a token that may read nothing served here."""
         claims = session.claims
-        if isinstance(msg, (BatchRequest, DatasetInfoRequest, Evaluate)):
+        if isinstance(msg, (BatchRequest, DatasetInfoRequest, Evaluate, LocateSamples)):
             claims.check_dataset(msg.dataset)
         if isinstance(msg, Evaluate) and msg.job:
             claims.check_job(msg.job)
@@ -240,7 +245,7 @@ class ProviderHandler(Handler):
         if session.role != "trainer" or not self.assigned_only or "datasets" in session.claims.scopes:
             return True
         sub = session.claims.sub
-        if isinstance(msg, (BatchRequest, DatasetInfoRequest, Evaluate)):
+        if isinstance(msg, (BatchRequest, DatasetInfoRequest, Evaluate, LocateSamples)):
             return sub in self.assigned.get(msg.dataset, ())
         if isinstance(msg, AttachRing):
             return any(sub in self.assigned.get(name, ()) for name in self.datasets)
@@ -369,15 +374,7 @@ class ProviderHandler(Handler):
         Future of it that the server sends when it completes."""
         started = time.perf_counter()
         source = self.source(msg.dataset)
-        if msg.split not in SPLITS:
-            raise BadRequest(f"unknown split {msg.split!r}; expected one of {', '.join(SPLITS)}")
-        if msg.split == PRIVATE_SPLIT and msg.dataset not in self.readable_test:
-            self.counters.refuse("split_private")
-            raise SplitPrivate(
-                f"the {PRIVATE_SPLIT} split of {msg.dataset!r} never leaves its "
-                "provider; ask for an evaluation instead (Evaluate), or, where nothing needs hiding, "
-                "have its operator serve it with private_test=false"
-            )
+        self._check_split(msg.dataset, msg.split)
         indices = msg.indices(source.num_samples(msg.split))
         fields = None if self.xy[msg.dataset] else self.fields[msg.dataset]
         check_batch_size(source, fields, len(indices))  # bounded before it is read, on the loop
@@ -388,6 +385,40 @@ class ProviderHandler(Handler):
             dest = Slot.begin(msg, self.counters, self.rings.get(session.sid))
         filler = self.fillers.for_batch(source.read_policy, dest.ring)
         return filler.run(write_batch, source, msg, indices, dest, fields, started, ring=dest.ring)
+
+    @serves(LocateSamples, *BATCH_READERS)
+    def locate(self, session: Session, msg: LocateSamples) -> SampleLocations:
+        """Where samples ``msg.indices`` of ``msg.split`` live (:meth:`Source.locate`: paths relative to
+        the dataset's root, never the provider's own), refused as a batch of them would be."""
+        source = self.source(msg.dataset)
+        self._check_split(msg.dataset, msg.split)
+        indices = msg.indices
+        if not isinstance(indices, list) or not all(type(i) is int for i in indices):
+            raise BadRequest("LocateSamples: indices must be a list of integers")
+        if len(indices) > MAX_LOCATE_INDICES:
+            raise TooLarge(
+                f"LocateSamples asks for {len(indices)} indices; at most {MAX_LOCATE_INDICES} a request "
+                "(split the list)"
+            )
+        n = source.num_samples(msg.split)
+        bad = next((i for i in indices if not 0 <= i < n), None)
+        if bad is not None:
+            raise OutOfRange(f"index {bad} is outside {msg.dataset}/{msg.split} (0..{n - 1})")
+        locations = source.locate(msg.split, np.asarray(indices, dtype=np.int64))
+        if sum(len(s) + 4 for s in locations) > MAX_HEADER_BYTES // 2:
+            raise TooLarge(f"the locations of {len(indices)} samples do not fit one reply; ask for fewer")
+        return SampleLocations(locations=locations)
+
+    def _check_split(self, dataset: str, split: str) -> None:
+        if split not in SPLITS:
+            raise BadRequest(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+        if split == PRIVATE_SPLIT and dataset not in self.readable_test:
+            self.counters.refuse("split_private")
+            raise SplitPrivate(
+                f"the {PRIVATE_SPLIT} split of {dataset!r} never leaves its "
+                "provider; ask for an evaluation instead (Evaluate), or, where nothing needs hiding, "
+                "have its operator serve it with private_test=false"
+            )
 
     def evaluate(self, msg: Evaluate, session: Session | None = None) -> Future:
         """Check ``msg`` (cheaply, here on the loop), take a place in the evaluation queue, and score

@@ -37,6 +37,7 @@ __all__ = [
     "ReadPolicy",
     "Source",
     "local_path",
+    "relative_name",
     "stable_seed",
 ]
 
@@ -127,6 +128,13 @@ class Source(ABC):
         self.serve_into(split, indices, x, y, epoch=epoch)
         return {"x": x, "y": y}
 
+    def locate(self, split: str, indices: np.ndarray) -> list[str]:
+        """Where each sample of ``indices`` (already checked to be in range) lives, one short string
+        each: a path relative to the dataset's root with a byte offset and length, a shard member, a
+        row (``train.npy@128+784``, ``shard-000001.tar:000345.jpg@5632+1201``, ``data/a.parquet row 812``).
+        Never an absolute path of the provider's host. This default: ``""`` each (the source does not know)."""
+        return [""] * len(indices)
+
     def close(self) -> None:
         """Release what the source holds (threads, files); the provider calls it when it stops."""
 
@@ -211,3 +219,15 @@ class OpenRequest:
             return int(self.params.pop(key))
         except ValueError as err:
             raise DatasetError(f"{self.uri}: '{key}' must be an integer") from err
+
+
+def relative_name(name: str, root: object) -> str:
+    """``name`` (a file's path or URL, as a :class:`~.formats.reader.Segment` or a store names it) as
+    a path under the dataset's ``root``: what :meth:`Source.locate` may say without telling where the
+    provider keeps the dataset. A name outside ``root`` is cut to its last part. A segment's name may
+    carry a note (``"PATH (decompressed to COPY)"``): the note, which names a cache path, is dropped."""
+    name = str(name).split(" (", 1)[0]
+    base = str(root).rstrip("/") + "/"
+    if name.startswith(base):
+        return name[len(base) :]
+    return name.rstrip("/").rsplit("/", 1)[-1]

@@ -63,6 +63,13 @@ POOLS = ("thread", "process")
 RRC_SCALE, RRC_RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)
 
 
+def store_locate(store, split: str, indices: np.ndarray) -> list[str]:
+    """Where ``store`` (an ImageFolder tree, WebDataset shards, text lines) keeps each sample: its
+    ``locate``, or ``""`` each for a store that does not say."""
+    locate = getattr(store, "locate", None)
+    return locate(split, indices) if locate is not None else [""] * len(indices)
+
+
 def carve_info(store: Carving) -> dict:
     """DatasetInfo's ``val_fraction`` and ``val_carved`` when ``store`` carved val out of train (its files
     hold no val split), so the provider's start-up line and ``busctl datasets`` say so; else nothing."""
@@ -170,6 +177,9 @@ class ImageSource(Source):
 
     def num_samples(self, split: str) -> int:
         return self.store.num_samples(split)
+
+    def locate(self, split: str, indices: np.ndarray) -> list[str]:
+        return store_locate(self.store, split, indices)
 
     def info(self) -> dict:
         return {
@@ -314,6 +324,9 @@ class EncodedImages(Source):
     def num_samples(self, split: str) -> int:
         return self.store.num_samples(split)
 
+    def locate(self, split: str, indices: np.ndarray) -> list[str]:
+        return store_locate(self.store, split, indices)
+
     def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         samples = self.store.fetch(split, indices)
         x = np.empty(len(samples), object)
@@ -385,6 +398,9 @@ class DecodedImages(Source):
 
     def num_samples(self, split: str) -> int:
         return self.store.num_samples(split)
+
+    def locate(self, split: str, indices: np.ndarray) -> list[str]:
+        return store_locate(self.store, split, indices)
 
     def info(self) -> dict:
         return {**super().info(), "format": self.format, "workers": self.workers}

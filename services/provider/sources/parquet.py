@@ -53,7 +53,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, local_path
+from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, local_path, relative_name
 from .formats.imagefolder import Encoded
 from .formats.location import Format, Location
 
@@ -395,6 +395,19 @@ class ParquetSource(Source):
             while len(self._cache) > 1 and sum(t.nbytes for t in self._cache.values()) > self.cache_bytes:
                 self._cache.popitem(last=False)
         return table
+
+    def locate(self, split: str, indices: np.ndarray) -> list[str]:
+        """``FILE row R`` per index: the Parquet file (relative to the dataset's root) and the row in it."""
+        groups, starts, first, _ = self._layouts[split]
+        rows = np.asarray(indices, np.int64).reshape(-1) + first
+        where = np.searchsorted(starts, rows, side="right") - 1
+        out = []
+        for row, g in zip(rows.tolist(), where.tolist()):
+            file, group, _ = groups[g]
+            path, pf = self.files[file]
+            before = sum(pf.metadata.row_group(k).num_rows for k in range(group))
+            out.append(f"{relative_name(str(path), self.root)} row {before + row - int(starts[g])}")
+        return out
 
     def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         with self._batch():  # texts for a pipeline (?encoded=1): the same per-batch scope

@@ -8,6 +8,7 @@ splits contiguous on disk, costs no memory, and is the same on every open of the
 
 from __future__ import annotations
 
+import bisect
 import os
 import stat
 import threading
@@ -22,7 +23,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import ReadPolicy, Source
+from ..base import ReadPolicy, Source, relative_name
 from .confine import Confinement
 from .reader import ByteSpace, Records, Segment
 
@@ -287,6 +288,28 @@ class FileSource(Source):
             info["val_fraction"] = self.val_fraction
             info["val_carved"] = "the tail of train, in file order"
         return info
+
+    def locate(self, split: str, indices: np.ndarray) -> list[str]:
+        """``FILE@OFFSET+LENGTH`` per index: the file (relative to the dataset's root) and the byte range
+        of the sample's ``x`` as stored (a sample that runs on into the next file names where it starts)."""
+        table, start, _ = self._splits[split]
+        if table is None:
+            return [""] * len(indices)
+        part = next(((r, feeds.index("x")) for r, feeds in table.parts if "x" in feeds), None)
+        if part is None:
+            return [""] * len(indices)
+        records, f = part
+        at, nbytes = records.fields[f]
+        space = records.space
+        out = []
+        for row in np.asarray(indices, dtype=np.int64).tolist():
+            pos = records.base + (row + start) * records.record + at
+            i = bisect.bisect_right(space.starts, pos) - 1
+            seg = space.segments[i]
+            # a gzip file, a compressed npz member: offsets of the decompressed bytes, as read
+            note = " (decompressed)" if " (decompressed to " in seg.name or " (extracted to " in seg.name else ""
+            out.append(f"{relative_name(seg.name, self.root)}@{seg.offset + pos - space.starts[i]}+{nbytes}{note}")
+        return out
 
     def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         """Write samples ``indices`` of ``split`` into ``x`` and ``y`` (see :meth:`Source.read_into`).

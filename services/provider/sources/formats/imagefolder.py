@@ -22,6 +22,7 @@ from pathlib import Path
 
 from libbus.errors import DatasetError
 
+from ..base import relative_name
 from .confine import Confinement
 from .imageops import IMAGE_EXTS
 from .location import Format, Location
@@ -148,6 +149,10 @@ class ImageFolder:
         # file is opened through the confinement, a file that cannot be read named by the location
         data = self.location.read_files([path for path, _ in rows])
         return [Encoded(d, label, str(path)) for d, (path, label) in zip(data, rows)]
+
+    def locate(self, split: str, indices) -> list[str]:
+        """Each sample's image file, relative to the tree's root (``train/cat/0001.jpg``)."""
+        return [relative_name(str(self.files[split][int(i)][0]), self.root) for i in indices]
 
     def close(self) -> None:
         self.location.close()

@@ -49,7 +49,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import SPLITS, Field, FieldBatch
+from ..base import SPLITS, Field, FieldBatch, relative_name
 from .fieldpick import PickedSource, classes, fill, select
 from .location import Format, Location
 from .tfexample import BYTES, FLOAT, INT64, parse_example
@@ -349,6 +349,17 @@ class TFRecordSource(PickedSource):
 
     def num_samples(self, split: str) -> int:
         return len(self.rows[split])
+
+    def locate(self, split: str, indices: np.ndarray) -> list[str]:
+        """``FILE@OFFSET+LENGTH`` per index: the file (relative to the dataset's root) and its record's
+        frame (length, CRCs and the Example) as its index has it (a gzip file: in the decompressed bytes)."""
+        out = []
+        for shard, record in self.rows[split][np.asarray(indices, np.int64).reshape(-1)].tolist():
+            s = self.shards[shard]
+            off, length = (int(v) for v in s.frames[record])
+            note = " (decompressed)" if s.local is not None else ""
+            out.append(f"{relative_name(s.name, self.root)}@{off}+{HEADER + length + FOOTER}{note}")
+        return out
 
     def _records(self, split: str, indices: np.ndarray) -> list[dict]:
         """The wanted features of records ``indices`` of ``split``: each file's records in offset

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from libbus.errors import DatasetError
 
+from ..base import relative_name
 from .imagefolder import Encoded
 from .imageops import IMAGE_EXTS
 from .location import Format, Location
@@ -127,6 +128,22 @@ class ShardStore:
             text = got["txt"].decode("utf-8", "replace") if "txt" in got else None
             label = index.labels[i]
             out.append(Encoded(image, -1 if label is None else label, self._key((shard, i)), text))
+        return out
+
+    def locate(self, split: str, indices) -> list[str]:
+        """``SHARD:KEY.EXT@OFFSET+SIZE`` per sample: the shard (relative to the dataset's root), the tar
+        member of its image (or its first member) and that member's bytes in the shard."""
+        out = []
+        for i in indices:
+            shard, n = self.rows[split][int(i)]
+            members = self.indexes[shard].members[n]
+            ext = next((e for e in IMAGE_MEMBERS if e in members), next(iter(members), None))
+            where = relative_name(str(self.paths[shard]), self.location.root)
+            if ext is None:
+                out.append(f"{where}:{self.indexes[shard].keys[n]}")
+            else:
+                off, size = members[ext]
+                out.append(f"{where}:{self.indexes[shard].keys[n]}.{ext}@{off}+{size}")
         return out
 
     def read_many(self, runs: list[tuple[int, int, int]]) -> list[bytes]:
