@@ -1,10 +1,13 @@
-"""One attempt of an entrypoint job, run by the trainer service in a child process (:mod:`.child`).
+"""One attempt of a job, run by the trainer service in a child process (:mod:`.child`) forked from
+the trainer's fork server (:mod:`.forkserver`).
 
-The trainer keeps its connection to the router; the child runs the user's function. Here, the
-trainer's side:
+The trainer keeps its connection to the router; the child runs the user's function (an entrypoint
+job) or the built-in loop (:mod:`.run`). Here, the trainer's side:
 
-- the job's module is checked against ``job_modules`` before any process starts (the child checks
-  again before it imports);
+- an entrypoint's module is checked against ``job_modules`` before any process starts (the child
+  checks again before it imports);
+- the child's log records are logged here under their own logger and level, its status line and
+  announced long waits go to systemd and the hang check;
 - the child's requests (progress, checkpoint records, acknowledgements, the dataset's providers)
   are relayed to the router, and the router's commands to the child;
 - the child's output (stdout and stderr) is kept per attempt, the last ``attempt_log_bytes`` of it,
@@ -156,8 +159,8 @@ class AttemptLog:
 
 
 class AttemptRun:
-    """Runs ``task`` (an entrypoint job) in a child process and returns ``(state, result, error)``
-    to push to the router, like :class:`.run.TaskRun`."""
+    """Runs ``task`` (an entrypoint job or the built-in loop) in a child process and returns
+    ``(state, result, error)`` to push to the router."""
 
     def __init__(
         self,

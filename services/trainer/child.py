@@ -1,8 +1,10 @@
 """One attempt of a job, in a process of its own: forked from the trainer's fork server
 (:mod:`.attempt` starts it and is its only peer).
 
-The child imports the job's function only if the trainer's ``job_modules`` allows it, calls it with
-an :class:`.jobapi.AttemptJob` and tells the parent how it ended. It holds no connection to the
+The child runs the built-in loop (:class:`.run.TaskRun`), or imports the job's function only if the
+trainer's ``job_modules`` allows it and calls it with an :class:`.jobapi.AttemptJob`; then it tells
+the parent how it ended. Its log records go to the parent as records (:class:`ParentLogHandler`),
+the built-in loop's systemd status through it (:class:`ParentNotifier`). It holds no connection to the
 router: its requests (progress, checkpoint records, acknowledgements, finding the dataset's
 providers) go through the parent over the channel (:class:`ParentLink`), and the parent passes the
 router's commands on. It reads batches from the providers itself, with the trainer's identity.
