@@ -98,3 +98,34 @@ def test_hf_datasets_through_a_provider_on_both_deliveries(written, start_provid
         xs, ys = zip(*[(x.numpy(), y.numpy()) for x, y in xy])
         assert np.concatenate(xs).tobytes() == np.stack(ref["train"]["vec"]).tobytes()
         assert np.concatenate(ys).tolist() == ref["train"]["label"]
+
+
+def test_rows_read_in_any_order_across_the_files_record_batches(tmp_path):
+    """save_to_disk writes its Arrow file in record batches of 1,000 rows; a batch of indices spread
+    over several of them (repeats too, and none) comes back as written, in the order asked. The reader
+    takes rows chunk by chunk (copying only those) instead of concatenating the whole column per batch."""
+    import datasets
+
+    n = 2500
+    x = np.random.default_rng(3).standard_normal((n, 6)).astype(np.float32)
+    y = np.arange(n) % 7
+    features = datasets.Features(
+        {"x": datasets.Sequence(datasets.Value("float32"), length=6), "label": datasets.Value("int64")}
+    )
+    datasets.Dataset.from_dict({"x": list(x), "label": y.tolist()}, features=features).save_to_disk(
+        str(tmp_path / "hf"), max_shard_size="10MB"
+    )
+    source = open_source(f"file://{tmp_path / 'hf'}?fields=x&label=label&shape=2,3")
+    try:
+        table = source.tables["train"]
+        assert table.column("x").num_chunks > 1  # several record batches: the path under test
+        n_train = source.num_samples("train")
+        for idx in (
+            np.random.default_rng(4).permutation(n_train)[:300],
+            np.array([n_train - 1, 0, 1500, 0, 999, 1000]),
+            np.array([], np.int64),
+        ):
+            got_x, got_y = source.read("train", idx)
+            assert np.array_equal(got_x, x[idx].reshape(-1, 2, 3)) and np.array_equal(got_y, y[idx])
+    finally:
+        source.close()

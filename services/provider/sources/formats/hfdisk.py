@@ -165,6 +165,8 @@ class HFDiskSource(PickedSource):
 
     def _column(self, pick: Pick, column, where) -> list | np.ndarray:
         pa, f = self._pa, pick.field
+        if not len(column):  # no rows asked: an empty batch of the field
+            return fill(pick, [], where)
         if pa.types.is_struct(column.type):
             values = column.field("bytes").to_pylist()
             if any(v is None for v in values):
@@ -180,6 +182,28 @@ class HFDiskSource(PickedSource):
         values = flat.to_numpy(zero_copy_only=False)
         return fill(pick, list(values.reshape(len(column), -1)), where)
 
+    def _take(self, chunked, idx: np.ndarray):
+        """Rows ``idx`` of a column, in that order, as one array. ``ChunkedArray.take`` concatenates
+        every chunk first (a copy of the whole column per batch: a save_to_disk file holds a chunk per
+        1,000 rows); this takes the rows chunk by chunk and copies only those."""
+        pa = self._pa
+        if chunked.num_chunks == 1:
+            return chunked.chunk(0).take(pa.array(idx))
+        lengths = np.fromiter((len(c) for c in chunked.chunks), np.int64, chunked.num_chunks)
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        if not len(idx):
+            return pa.array([], type=chunked.type)
+        which = np.searchsorted(starts, idx, side="right") - 1
+        order = np.argsort(which, kind="stable")  # rows grouped by chunk, request order kept within one
+        grouped_which, grouped_idx = which[order], idx[order]
+        chunks, first = np.unique(grouped_which, return_index=True)
+        ends = np.append(first[1:], len(idx))
+        pieces = [
+            chunked.chunk(int(c)).take(pa.array(grouped_idx[a:b] - starts[c]))
+            for c, a, b in zip(chunks, first, ends, strict=True)
+        ]
+        return pa.concat_arrays(pieces).take(pa.array(np.argsort(order)))  # back to request order
+
     def _values(self, split: str, indices: np.ndarray) -> FieldBatch:
         idx = np.asarray(indices, np.int64).reshape(-1)
         n = self.num_samples(split)
@@ -188,7 +212,7 @@ class HFDiskSource(PickedSource):
         table = self.tables[split]
         out: FieldBatch = {}
         for pick in self.selection.picks:
-            column = table.column(pick.column).take(self._pa.array(idx)).combine_chunks()
+            column = self._take(table.column(pick.column), idx)
 
             def where(i: int, split=split) -> str:
                 return f"{self.uri}: {split}[{int(idx[i])}]"
