@@ -12,7 +12,7 @@ import pytest
 
 from libbus.errors import BadRequest
 from libbus.jobs.spec import MAX_WORLD_SIZE, JobSpec
-from libbus.wire.messages import NoTask, Stats, Task
+from libbus.wire.messages import NoTask, Task
 from services.router.gangs import Gangs
 from services.router.store import JobStore
 from services.trainer.audit import effective_epochs
@@ -90,14 +90,6 @@ def test_the_router_starts_an_elastic_gang_at_its_maximum_or_after_the_wait_with
     assert "its gang of 2 to 3 did not gather within 5 s" in info["events"][-1]["reason"]
 
 
-def _wait_connected(cluster: JobCluster, names: tuple[str, ...], timeout: float = 60) -> None:
-    """Until the router has heard from every trainer in ``names`` (so a gang gathers them all)."""
-    deadline = time.monotonic() + timeout
-    while not all(n in cluster.admin.request(Stats()).services for n in names):
-        assert time.monotonic() < deadline, f"trainers {names} never connected\n{cluster.logs()}"
-        time.sleep(0.2)
-
-
 def _submit_elastic(cluster: JobCluster, path) -> str:
     """:data:`SPEC` as a job file, made elastic (1 to 2) by ``busctl submit``'s flags; a careless
     range on the same command line is refused in one line."""
@@ -121,7 +113,7 @@ def test_an_elastic_gang_that_loses_a_trainer_resumes_on_the_one_left(tmp_path):
         cluster.start_provider()
         cluster.start_trainer("e1")
         cluster.start_trainer("e2")
-        _wait_connected(cluster, ("e1", "e2"))
+        cluster.wait_connected(("e1", "e2"))
         digests = cluster.train_digests()
         job = _submit_elastic(cluster, tmp_path / "job.toml")
         info = cluster.wait(

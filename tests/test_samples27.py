@@ -5,7 +5,6 @@ malformed queries in one line, never a traceback."""
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from libbus.errors import BadRequest, Forbidden, NotFound
 from libbus.order import Order, elastic, epoch_order, history
-from libbus.wire.messages import GetJob, GetJobSamples, SkipJob, Stats, SubmitJob
+from libbus.wire.messages import GetJob, GetJobSamples, SkipJob, SubmitJob
 from tests.support.jobs import SPEC, JobCluster
 
 
@@ -98,13 +97,6 @@ def _audited_steps(directory: Path, job: str) -> dict[tuple[int, int], list[str]
     return out
 
 
-def _wait_connected(cluster: JobCluster, names: tuple[str, ...], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(n in cluster.admin.request(Stats()).services for n in names):
-        assert time.monotonic() < deadline, f"trainers {names} never connected\n{cluster.logs()}"
-        time.sleep(0.2)
-
-
 def test_samples_of_every_step_are_what_the_audit_recorded_across_a_kill_and_a_resize(tmp_path):
     cluster = JobCluster(tmp_path)
     try:
@@ -112,8 +104,8 @@ def test_samples_of_every_step_are_what_the_audit_recorded_across_a_kill_and_a_r
         cluster.start_provider()
         cluster.start_trainer("s1")
         cluster.start_trainer("s2")
-        _wait_connected(cluster, ("s1", "s2"))
-        by_digest = _index_of_digest(cluster)
+        cluster.wait_connected(("s1", "s2"))
+        by_digest = cluster.index_of_digest()
         spec = {**SPEC, "epochs": 2, "elastic": True, "min_world_size": 1, "max_world_size": 2}
         job = cluster.submit_spec({**spec, "gather_timeout_s": 5.0})
         info = cluster.wait(
@@ -161,29 +153,6 @@ def test_samples_of_every_step_are_what_the_audit_recorded_across_a_kill_and_a_r
         cluster.close()
 
 
-def _index_of_digest(cluster: JobCluster) -> dict[str, int]:
-    """The train split's sample index of each digest (every sample's bytes differ in mock://mnist)."""
-    from libbus.loader.remote import RemoteLoader
-    from libbus.wire.messages import Resolve
-    from services.trainer.audit import digest
-
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            provider = cluster.admin.request(Resolve(dataset="mnist")).providers[0]["endpoint"]
-            break
-        except NotFound:
-            assert time.monotonic() < deadline, "provider never registered"
-            time.sleep(0.1)
-    with RemoteLoader(
-        "mnist", provider=provider, token=cluster.admin_token, batch_size=1000, shuffle="none", copy=True
-    ) as loader:
-        x, y = next(iter(loader))
-    out = {digest(x[i].numpy().tobytes(), y[i].numpy().tobytes()): i for i in range(len(x))}
-    assert len(out) == 600, "mock://mnist samples are not all distinct"
-    return out
-
-
 # -- skipping a stretch ----------------------------------------------------------------------------
 def _samples(cluster: JobCluster, job: str, step: int) -> list[dict]:
     return cluster.admin.request(GetJobSamples(job=job, step=step)).samples
@@ -196,8 +165,8 @@ def test_a_skipped_stretch_is_never_trained_again_across_a_kill_and_a_resize(tmp
         cluster.start_provider()
         cluster.start_trainer("k1")
         cluster.start_trainer("k2")
-        _wait_connected(cluster, ("k1", "k2"))
-        by_digest = _index_of_digest(cluster)
+        cluster.wait_connected(("k1", "k2"))
+        by_digest = cluster.index_of_digest()
         spec = {**SPEC, "epochs": 4, "checkpoint_every": 4, "elastic": True, "min_world_size": 1}
         job = cluster.submit_spec({**spec, "max_world_size": 2, "gather_timeout_s": 5.0})
         cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 6, 90)
@@ -355,7 +324,7 @@ def test_samples_of_an_entrypoint_jobs_steps_are_what_its_function_trained_on_ac
     try:
         cluster.start_router()
         cluster.start_provider()
-        by_digest = _index_of_digest(cluster)
+        by_digest = cluster.index_of_digest()
         job = cluster.submit_spec(
             {
                 "dataset": "mnist",

@@ -10,11 +10,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
 from libbus.loader.remote import RemoteLoader
-from libbus.wire.messages import Resolve
+from libbus.wire.messages import Resolve, Stats
 from services.trainer.audit import digest
 
 from .busctl import REPO
@@ -84,8 +85,8 @@ class JobCluster(Cluster):
         """Batches ``trainer`` has trained on for ``job`` so far (from its audit file)."""
         return sum(len(p.read_bytes().splitlines()) - 1 for p in self.audit.glob(f"{job}.{trainer}.*.jsonl"))
 
-    def train_digests(self) -> Counter:
-        """The multiset of every train sample's digest, read straight from the provider."""
+    def train_split(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every train sample and label, in index order, read straight from the provider."""
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -98,8 +99,26 @@ class JobCluster(Cluster):
             "mnist", provider=provider, token=self.admin_token, batch_size=1000, shuffle="none", copy=True
         ) as loader:
             x, y = next(iter(loader))
-        xs, ys = x.numpy(), y.numpy()
+        return x.numpy(), y.numpy()
+
+    def train_digests(self) -> Counter:
+        """The multiset of every train sample's digest (services/trainer/audit.py)."""
+        xs, ys = self.train_split()
         return Counter(digest(xs[i].tobytes(), ys[i].tobytes()) for i in range(len(xs)))
+
+    def index_of_digest(self) -> dict[str, int]:
+        """The train split's sample index of each digest (every sample's bytes differ in mock://mnist)."""
+        xs, ys = self.train_split()
+        out = {digest(xs[i].tobytes(), ys[i].tobytes()): i for i in range(len(xs))}
+        assert len(out) == len(xs), "the train samples are not all distinct"
+        return out
+
+    def wait_connected(self, names: tuple[str, ...], timeout: float = 60) -> None:
+        """Until the router has heard from every trainer in ``names`` (so a gang gathers them all)."""
+        deadline = time.monotonic() + timeout
+        while not all(n in self.admin.request(Stats()).services for n in names):
+            assert time.monotonic() < deadline, f"trainers {names} never connected\n{self.logs()}"
+            time.sleep(0.2)
 
 
 def final_weights(info: dict) -> dict[str, torch.Tensor]:
