@@ -33,13 +33,15 @@ def ids_provider(start_provider, tmp_path_factory):
 
 def run(script: str, ckpt: Path, env: dict, die_at: int = 0, launcher: list[str] | None = None) -> str:
     """Run a recipe to its end, or (``die_at``) until it kills itself with SIGKILL; its output."""
-    env = {**env, "RECIPE_DIE_AT": str(die_at)}
+    # PYTHONFAULTHANDLER: a rank that dies in native code (one 3-rank resume under load ended with
+    # "terminate called without an active exception", SIGABRT, no traceback) prints every thread's stack
+    env = {**env, "RECIPE_DIE_AT": str(die_at), "PYTHONFAULTHANDLER": "1"}
     cmd = [*(launcher or [sys.executable]), str(EXAMPLES / script), str(ckpt)]
     done = subprocess.run(cmd, env=env, cwd=EXAMPLES, capture_output=True, text=True, timeout=180)
     output = done.stdout[-3000:] + done.stderr[-3000:]
     if die_at == 0:
         # a rank's own traceback comes before torchrun's report of it: show its start too, not only the tail
-        assert done.returncode == 0, done.stderr[:4000] + "\n[...]\n" + output
+        assert done.returncode == 0, done.stderr[:8000] + "\n[...]\n" + output
     else:  # killed, by itself: python's own -9, or torchrun's report of a rank's
         assert done.returncode == -9 or "Signal 9 (SIGKILL)" in output or "exitcode  : -9" in output, output
     return output
