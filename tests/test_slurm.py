@@ -34,7 +34,15 @@ from libbus.jobs.spec import JobSpec
 from services.trainer.audit import effective_epochs
 from tests.support import BUSCTL, REPO, Cluster
 from tests.support.jobs import SPEC, JobCluster, final_weights
-from tests.support.slurm import NODE, SlurmCluster, slurm  # noqa: F401 - the fixture
+from tests.support.slurm import (  # noqa: F401 - slurm: the fixture
+    NODE,
+    SignedAdmin,
+    SlurmCluster,
+    assert_no_token_on_a_command_line,
+    assert_nothing_mints,
+    service_processes,
+    slurm,
+)
 
 RECIPES = REPO / "slurm"
 JOB = {**SPEC, "epochs": 2}
@@ -42,10 +50,20 @@ JOB = {**SPEC, "epochs": 2}
 QUICK = {"BATCHBUS_TORCH_THREADS": "1", "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_PROGRESS_INTERVAL_S": "0.1"}
 
 
+class HeadCluster(SignedAdmin, JobCluster):
+    """The job tests' cluster on the default set-up (EdDSA): its state directory is the administrator's machine,
+    the only one holding the signing key."""
+
+
+class InsideCluster(SignedAdmin, Cluster):
+    """An admin of the cluster a recipe runs inside its allocation (with the token the recipe minted for itself)."""
+
+
 @pytest.fixture(scope="module")
 def cluster(slurm, tmp_path_factory):  # noqa: F811 - the fixture above
     """A router and a provider running outside Slurm (a head node's services), which trainer tasks join."""
-    bus = JobCluster(tmp_path_factory.mktemp("bus"))
+    bus = HeadCluster(tmp_path_factory.mktemp("bus"))
+    bus.keygen(bus.state / "token.key")
     try:
         bus.start_router()
         bus.start_provider()
@@ -88,6 +106,21 @@ def assert_same_weights(ours: dict[str, torch.Tensor], theirs: dict[str, torch.T
         assert torch.equal(ours[name], theirs[name]), f"{name} differs"
 
 
+def trainer_tokens(head: Cluster, root: Path, *names: str) -> Path:
+    """What the operator gives trainer tasks (slurm/README.md): ROOT/N, one ``busctl token node`` directory per
+    trainer (the public key and its own token), made on the administrator's machine (``head``)."""
+    for i, name in enumerate(names):
+        head.busctl("token", "node", str(root / str(i)), "--role", "trainer", "--name", name, "--ttl", "3600")
+    return root
+
+
+def joining_env(head: Cluster, **extra: str) -> dict[str, str]:
+    """The environment trainer tasks joining ``head``'s router are submitted with: its short heartbeats and
+    audit directory, not its state directory (the administrator's, with the signing key)."""
+    settings = {k: v for k, v in head.env.items() if k.startswith("BATCHBUS_") and k != "BATCHBUS_STATE_DIR"}
+    return recipe_env(**settings, BB_ROUTER=head.endpoint, **extra)
+
+
 def attach(inside: Cluster, endpoint: str) -> None:
     """Make ``inside``'s admin client talk to the router at ``endpoint`` (started by a recipe)."""
     inside.admin = Client(endpoint, Identity(role="admin", name="test-admin", token=inside.admin_token), timeout_s=10)
@@ -116,6 +149,7 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
     slurm,  # noqa: F811
     cluster,
     tmp_path,
+    tmp_path_factory,
     train_digests,
 ):
     job_file = tmp_path / "job.toml"
@@ -124,10 +158,14 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
     scalars = "".join(f"{k} = {json.dumps(v)}\n" for k, v in gang.items() if not isinstance(v, dict))
     job_file.write_text(scalars + "[model_kwargs]\nhidden = 64\n")
     state, audit = tmp_path / "state", tmp_path / "audit"
+    # the batch script's private directory (a node-local mktemp by default; here, where the test reads its admin
+    # token from, outside the directory jobs are submitted from)
+    keys = tmp_path_factory.mktemp("keys")
     env = recipe_env(
         BB_HOST="127.0.0.1",
         BB_DATASETS="mnist=mock://mnist?n=600",
         BB_STATE=str(state),
+        BB_KEYS=str(keys),
         BATCHBUS_AUDIT_DIR=str(audit),
     )
     out = tmp_path / "slurm-%j.out"
@@ -141,14 +179,29 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
         cwd=tmp_path,
     )
     log = Path(str(out).replace("%j", sid))
-    inside = Cluster(state)  # an admin of the cluster in the allocation (its secret is in the state directory)
+    inside = InsideCluster(state)
+    inside.admin_token_file = keys / "admin.token"
     try:
         with task_logs(tmp_path):
             wait_line(log, "(restart 0)", slurm, sid)
             job = (state / "submitted").read_text().strip()
             attach(inside, (state / "router.ep").read_text().strip())
-            # mid-epoch for sure (paused after a step), the allocation ends: what --signal=B:TERM@180 does
             inside.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1)
+            # while it trains: the signing key is gone (every token minted), the admin's token is the batch
+            # script's alone, and no provider or trainer holds or reaches either; no token is on a command line
+            assert sorted(p.name for p in keys.iterdir()) == ["admin.token"]
+            assert (keys / "admin.token").stat().st_mode & 0o077 == 0
+            nodes = sorted((state / "nodes").iterdir())
+            assert [n.name for n in nodes] == [f"provider-{sid}-{NODE}", f"trainer-{sid}-0", f"trainer-{sid}-1"]
+            for node in nodes:
+                assert sorted(p.name for p in node.iterdir()) == ["token", "token.pub"], node
+                assert_private(node / "token")
+            services = service_processes(state / "nodes")
+            assert {env.get("BATCHBUS_STATE_DIR") for _, env in services.values()} == {str(n) for n in nodes}
+            admin_token = inside.admin_token
+            assert_nothing_mints(services, private=[keys], admin=[admin_token])
+            assert_no_token_on_a_command_line([admin_token] + [(n / "token").read_text().strip() for n in nodes])
+            # mid-epoch for sure (paused after a step), the allocation ends: what --signal=B:TERM@180 does
             inside.control(job, "pause")
             slurm.run("scancel", "--batch", "--signal=TERM", sid)
             slurm.wait_job(sid, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1", 60, "requeued")
@@ -165,7 +218,12 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
         text = log.read_text()
         assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{text}"
         assert f"job {job} succeeded" in text and f"requeueing {sid}" in text, text
-        # the job database outlived both runs: a router started on it afterwards tells the story
+        # every token died with its run: the node directories and the admin's are gone, and so is the key
+        assert not (state / "nodes").exists() and not list(keys.iterdir())
+        assert not (state / "secret").exists() and not list(state.rglob("token.key"))
+        # the job database outlived both runs: a router started on it afterwards tells the story (checking
+        # tokens with a key pair of the test's own)
+        inside.keygen(tmp_path / "inspect.key")
         inside.start_router()
         info = inside.job(job)
     finally:
@@ -188,18 +246,14 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
         assert f"{name} (pid" in joined, joined
     for line in ("bb-trainer stopped (srun exit 0)", "provider stopped (exit 0)", "router stopped (exit 0)"):
         assert text.count(line) == 2, text
-    # tokens were files of the allocation's own, gone with it; the state and the secret are private
-    assert not (state / "tokens").exists()
     assert_private(state)
-    assert_private(state / "secret")
 
 
 def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train_digests):  # noqa: F811
     jobs = [cluster.submit_spec(JOB) for _ in range(3)]
-    env = recipe_env(
-        **{k: v for k, v in cluster.env.items() if k.startswith("BATCHBUS_")},
-        BB_ROUTER=cluster.endpoint,
-        BB_SECRET_FILE=str(cluster.state / "secret"),
+    env = joining_env(
+        cluster,
+        BB_TOKENS=str(trainer_tokens(cluster, tmp_path / "tokens", "drain-0", "drain-1")),
         BB_STATE=str(tmp_path / "trainers"),
         BB_IDLE_EXIT_S="3",
     )
@@ -232,8 +286,8 @@ def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train
     finally:
         slurm.run("scancel", array)  # (nothing left to cancel unless the test failed)
     assert [i["state"] for i in infos] == ["succeeded"] * 3, [i["error"] for i in infos]
-    names = {f"trainer-{jid}-0" for jid in tasks}
-    assert {first, second} == names and {i["trainer"] for i in infos} <= names
+    names = {"drain-0", "drain-1"}  # the subjects of the tokens the operator made (array task N: BB_TOKENS/N)
+    assert len(tasks) == 2 and {first, second} == names and {i["trainer"] for i in infos} <= names
     # the same job three times: the same model, every sample once per epoch
     reference = final_weights(infos[0])
     for info in infos[1:]:
@@ -247,15 +301,27 @@ def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train
         assert "the queue is drained" in text and "trainers exited (0)" in text and "requeueing" not in text, text
 
 
-def test_sigterm_then_requeue_resumes_exactly(slurm, cluster, tmp_path, train_digests):  # noqa: F811
-    reference = cluster.submit_spec(JOB)
-    victim = cluster.submit_spec(JOB)
-    env = recipe_env(
-        **{k: v for k, v in cluster.env.items() if k.startswith("BATCHBUS_")},
-        BB_ROUTER=cluster.endpoint,
-        BB_SECRET_FILE=str(cluster.state / "secret"),
-        BB_STATE=str(tmp_path / "trainers"),
-    )
+#: The SIGTERM test's job: more, shorter steps than JOB's, so that a signal sent while it trains lands long
+#: before its end (about 270 steps).
+LONG = {**JOB, "batch_size": 4}
+
+
+def steps(info: dict) -> int:
+    return (info["progress"] or {}).get("step", 0) if info["state"] == "running" else 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("when", ["training", "paused"])
+def test_sigterm_then_requeue_resumes_exactly(slurm, cluster, tmp_path, train_digests, when):  # noqa: F811
+    """Slurm's SIGTERM (``scancel --signal=TERM``, as before a time limit) reaches a trainer task whose job is
+    training, batches flowing; the trainer checkpoints and hands the job back, the task requeues, and its next
+    run ends the job with the weights of an uninterrupted run, every sample once per epoch. (``paused``: the
+    same with the job paused when the signal comes, which must stay paused through the hand-back.)"""
+    reference = cluster.submit_spec(LONG)
+    victim = cluster.submit_spec(LONG)
+    name = f"term-{when}"
+    tokens = trainer_tokens(cluster, tmp_path / "tokens", name)
+    env = joining_env(cluster, BB_TOKENS=str(tokens), BB_STATE=str(tmp_path / "trainers"))
     out = tmp_path / "task-%j.out"
     sid = slurm.sbatch(
         RECIPES / "batchbus-trainers.sbatch", "--cpus-per-task=1", f"--output={out}", env=env, cwd=tmp_path
@@ -264,19 +330,27 @@ def test_sigterm_then_requeue_resumes_exactly(slurm, cluster, tmp_path, train_di
     try:
         with task_logs(tmp_path):
             # the uninterrupted run first (the queue is first come, first served)
-            ref = cluster.wait_end(reference, timeout=90)
+            ref = cluster.wait_end(reference, timeout=150)
             assert ref["state"] == "succeeded", ref["error"]
-            # mid-epoch for sure: paused once it has trained a step, then Slurm's SIGTERM
-            running = cluster.wait(
-                victim, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1
+            first = cluster.wait(victim, lambda i: steps(i) >= 1, timeout=60)
+            trainer = first["trainer"]
+            assert trainer == name
+            # what the trainer holds: its public key and token, nothing that mints or acts as an admin, and no
+            # token on a command line
+            assert_nothing_mints(
+                service_processes(tmp_path / "trainers"), private=[cluster.state / "token.key"], admin=[]
             )
-            trainer = running["trainer"]
-            assert cluster.control(victim, "pause")["state"] == "paused"
+            assert_no_token_on_a_command_line([(tokens / "0" / "token").read_text().strip()])
+            if when == "paused":
+                assert cluster.control(victim, "pause")["state"] == "paused"
+            else:  # steps advancing (batches flowing) since the look above: the signal goes at once
+                cluster.wait(victim, lambda i: steps(i) > steps(first), timeout=30)
             slurm.run("scancel", "--signal=TERM", sid)
-            cluster.wait(victim, lambda i: any("handed back" in e["reason"] for e in i["events"]), timeout=30)
-            # (a job handed back while paused stays paused until resumed: resumed now, it is queued again)
-            cluster.control(victim, "resume")
-            assert cluster.job(victim)["state"] == "queued"
+            back = cluster.wait(victim, lambda i: any("handed back" in e["reason"] for e in i["events"]), timeout=60)
+            if when == "paused":  # (a job handed back while paused stays paused until resumed)
+                cluster.control(victim, "resume")
+            else:
+                assert back["state"] in ("queued", "running"), back  # (not paused, not ended)
             # the task requeued itself; Slurm holds a requeued job back for two minutes (BeginTime): release it
             slurm.wait_job(
                 sid,
@@ -285,15 +359,16 @@ def test_sigterm_then_requeue_resumes_exactly(slurm, cluster, tmp_path, train_di
                 "requeued",
                 logs=log.read_text() if log.exists() else "",
             )
+            assert cluster.job(victim)["state"] == "queued"
             slurm.release(sid)
-            info = cluster.wait_end(victim, timeout=90)
+            info = cluster.wait_end(victim, timeout=150)
     finally:
         slurm.run("scancel", sid)
     assert info["state"] == "succeeded", info["error"]
-    assert info["failures"] == 0 and info["trainer"] == trainer  # the same task's next run: same name, same subject
+    assert info["failures"] == 0 and info["trainer"] == trainer  # the same task's next run: same subject
     back = next(e for e in info["events"] if "handed back" in e["reason"])
     assert back["reason"].startswith(f"handed back by {trainer}")
-    # the next run resumed from the checkpoint written as the trainer stopped, not from scratch
+    # the next run resumed from the checkpoint written as the trainer stopped, mid-training, not from scratch
     reasons = [e["reason"] for e in info["events"]]
     resumed = [int(r.split("resumes from step ")[1].split(",")[0]) for r in reasons if "resumes from step" in r]
     assert resumed and resumed[-1] > 0 and resumed[-1] in {c["step"] for c in info["checkpoints"]}, reasons

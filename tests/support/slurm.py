@@ -7,6 +7,10 @@ every job, then stops slurmd, slurmctld and munged (the processes this module st
 
 Commands reach this cluster through :attr:`SlurmCluster.env` (``SLURM_CONF``); the ``slurm`` fixture skips, with
 the reason, only where the packages cannot be had.
+
+Also here: :class:`SignedAdmin`, batchbus's default set-up (EdDSA) for a :class:`tests.support.Cluster` whose
+services the recipes run or join, and :func:`assert_nothing_mints`, which reads the environment and command line
+of running services (``/proc``) for anything that mints a token or acts as an admin.
 """
 
 from __future__ import annotations
@@ -23,7 +27,18 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["NODE", "SlurmCluster", "slurm", "slurm_missing"]
+from libbus.security.auth import generate_signing_key, issue_token, load_signing_key
+
+__all__ = [
+    "NODE",
+    "SignedAdmin",
+    "SlurmCluster",
+    "assert_nothing_mints",
+    "assert_no_token_on_a_command_line",
+    "service_processes",
+    "slurm",
+    "slurm_missing",
+]
 
 #: The one node's name (its address is 127.0.0.1, whatever this host is called).
 NODE = "bbnode1"
@@ -277,3 +292,102 @@ def slurm(tmp_path_factory) -> Iterator[SlurmCluster]:
         yield cluster.start()
     finally:
         cluster.close()
+
+
+# -- the default set-up (EdDSA) and what processes hold -------------------------------------------------
+
+
+class SignedAdmin:
+    """Mixed in before :class:`tests.support.Cluster`: the default set-up (EdDSA). The admin's token is read
+    from :attr:`admin_token_file` when set (one a recipe minted), else signed with :attr:`signing_key`;
+    starting a service makes no HS256 secret (``Cluster.start`` would)."""
+
+    signing_key: Path | None = None
+    admin_token_file: Path | None = None
+
+    def keygen(self, key: Path) -> None:
+        """A new key pair: ``key`` signs this test's admin tokens; its public key becomes STATE/token.pub,
+        what a router started on STATE checks tokens with."""
+        (self.state / "token.pub").unlink(missing_ok=True)
+        generate_signing_key(key, self.state / "token.pub")
+        self.signing_key, self.admin_token_file = key, None
+
+    @property
+    def admin_token(self) -> str:
+        if self.admin_token_file is not None:
+            return self.admin_token_file.read_text().strip()
+        assert self.signing_key is not None, "no signing key: keygen() first"
+        return issue_token(
+            load_signing_key(self.signing_key), sub="test-admin", role="admin", audience="batchbus", algorithm="EdDSA"
+        )
+
+    def start(self, name, role, *args, ready=False, named=True, env=None):
+        extra = ["--name", name] if named else []
+        if ready:
+            self.ready_file(name).unlink(missing_ok=True)
+            extra += ["--ready-file", str(self.ready_file(name))]
+        return self.spawn(name, "start", role, *extra, *args, env=env)
+
+
+def _proc(pid: str, what: str) -> bytes:
+    try:
+        return (Path("/proc") / pid / what).read_bytes()
+    except OSError:  # gone, or not ours
+        return b""
+
+
+def service_processes(root: Path) -> dict[int, tuple[str, dict[str, str]]]:
+    """The running processes whose ``BATCHBUS_STATE_DIR`` lies under ``root`` (services, their attempts):
+    ``{pid: (command line, environment)}``, read from ``/proc``."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        env = dict(
+            kv.split("=", 1) for kv in _proc(entry.name, "environ").decode(errors="replace").split("\0") if "=" in kv
+        )
+        state = env.get("BATCHBUS_STATE_DIR", "")
+        if state and Path(state).is_relative_to(root):
+            out[int(entry.name)] = (_proc(entry.name, "cmdline").decode(errors="replace").replace("\0", " "), env)
+    return out
+
+
+def _handed(env: dict[str, str]) -> list[Path]:
+    """The paths a process's environment hands it: batchbus's and the recipes' settings, its directories."""
+    names = [k for k in env if k.startswith(("BATCHBUS_", "BB_"))] + ["PWD", "SLURM_SUBMIT_DIR"]
+    return [Path(env[k]) for k in names if env.get(k, "").startswith("/") and Path(env[k]).exists()]
+
+
+def assert_nothing_mints(procs: dict[int, tuple[str, dict[str, str]]], private: list[Path], admin: list[str]) -> None:
+    """No process of ``procs`` holds what mints a token or acts as an admin: no secret or signing key named in
+    its environment or command line; no path there leads to the ``private`` paths (where the signing key and
+    the admin's token are); no file under those paths is a private key or holds one of the ``admin`` tokens."""
+    assert procs, "no service process found"
+    for pid, (cmdline, env) in procs.items():
+        assert "BATCHBUS_SECRET_FILE" not in env and "BATCHBUS_SIGNING_KEY_FILE" not in env, (pid, cmdline)
+        text = cmdline + "\n".join(f"{k}={v}" for k, v in env.items())
+        assert "PRIVATE KEY" not in text, (pid, cmdline)
+        for secret in [*map(str, private), *admin]:
+            assert secret not in text, f"process {pid} ({cmdline}) names {secret[:40]}"
+        for path in _handed(env):
+            for where in private:
+                assert not where.is_relative_to(path) and not path.is_relative_to(where), (pid, path, where)
+            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+            for file in files:
+                try:
+                    data = file.read_bytes()
+                except FileNotFoundError:  # (replaced while we looked: a checkpoint written anew)
+                    continue
+                assert b"PRIVATE KEY" not in data, f"{file} (reached by process {pid} through {path})"
+                for token in admin:
+                    assert token.encode() not in data, f"{file} holds the admin token (process {pid})"
+
+
+def assert_no_token_on_a_command_line(tokens: list[str]) -> None:
+    """No process on this machine, whoever runs it, shows one of ``tokens`` on its command line (``ps``)."""
+    assert tokens and all(tokens)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            cmdline = _proc(entry.name, "cmdline").decode(errors="replace")
+            for token in tokens:
+                assert token not in cmdline, f"process {entry.name} has a token on its command line: {cmdline[:200]}"
