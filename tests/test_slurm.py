@@ -46,6 +46,9 @@ from tests.support.slurm import (  # noqa: F401 - slurm: the fixture
 
 RECIPES = REPO / "slurm"
 JOB = {**SPEC, "epochs": 2}
+#: The SIGTERM test's job: more, shorter steps than JOB's (300), so that a signal sent while it trains lands long
+#: before its end.
+LONG = {**JOB, "batch_size": 4}
 #: What every service started by a recipe runs with here: one torch thread, fast heartbeats (2 cores, shared).
 QUICK = {"BATCHBUS_TORCH_THREADS": "1", "BATCHBUS_HEARTBEAT_MS": "250", "BATCHBUS_PROGRESS_INTERVAL_S": "0.1"}
 
@@ -249,6 +252,62 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
     assert_private(state)
 
 
+@pytest.mark.timeout(180)
+def test_whole_cluster_with_hs256_chosen_for_one_machine(slurm, tmp_path, tmp_path_factory):  # noqa: F811
+    """BB_TOKEN_ALG=HS256, the explicit choice for a single trusted machine: the secret sits in the batch script's
+    private directory, read by the router and the provider only; the trainer gets its token and trains the job
+    to a model."""
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(
+        "".join(f"{k} = {json.dumps(v)}\n" for k, v in {**LONG, "epochs": 1}.items() if k != "model_kwargs")
+    )
+    state, keys = tmp_path / "state", tmp_path_factory.mktemp("keys")
+    env = recipe_env(
+        BB_HOST="127.0.0.1",
+        BB_DATASETS="mnist=mock://mnist?n=600",
+        BB_STATE=str(state),
+        BB_KEYS=str(keys),
+        BB_TOKEN_ALG="HS256",
+    )
+    out = tmp_path / "slurm-%j.out"
+    sid = slurm.sbatch(
+        RECIPES / "batchbus-cluster.sbatch",
+        "--ntasks=1",
+        f"--output={out}",
+        args=(str(job_file),),
+        env=env,
+        cwd=tmp_path,
+    )
+    log = Path(str(out).replace("%j", sid))
+    inside = InsideCluster(state)
+    inside.admin_token_file = keys / "admin.token"
+    with task_logs(tmp_path):
+        wait_line(log, "(restart 0)", slurm, sid)
+        attach(inside, (state / "router.ep").read_text().strip())
+        try:
+            inside.wait((state / "submitted").read_text().strip(), lambda i: i["state"] == "running")
+        finally:
+            detach(inside)
+        assert sorted(p.name for p in keys.iterdir()) == ["admin.token", "secret"]
+        assert_private(keys / "secret")
+        services = service_processes(state / "nodes")
+        # (a trainer's processes: the service, its attempt and fork server; they share its state directory)
+        trainers = [
+            pid for pid, (_, env) in services.items() if Path(env["BATCHBUS_STATE_DIR"]).name.startswith("trainer-")
+        ]
+        assert trainers and len(services) > len(trainers)  # (and the provider)
+        for pid, (cmdline, env) in services.items():
+            # the secret is the provider's (it checks trainers' tokens with it), never a trainer's
+            assert (env.get("BATCHBUS_SECRET_FILE") == str(keys / "secret")) == (pid not in trainers), cmdline
+        admin_token = (keys / "admin.token").read_text().strip()
+        assert_nothing_mints({pid: services[pid] for pid in trainers}, private=[keys], admin=[admin_token])
+        fields = slurm.wait_job(sid, lambda f: f["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"), 120, "ended")
+    text = log.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{text}"
+    assert load_file(state / "model.safetensors")
+    assert not list(keys.iterdir()) and not (state / "nodes").exists() and not (state / "secret").exists()
+
+
 def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train_digests):  # noqa: F811
     jobs = [cluster.submit_spec(JOB) for _ in range(3)]
     env = joining_env(
@@ -299,11 +358,6 @@ def test_array_of_trainer_tasks_drains_the_queue(slurm, cluster, tmp_path, train
     for out in tmp_path.glob("task-*.out"):
         text = out.read_text()
         assert "the queue is drained" in text and "trainers exited (0)" in text and "requeueing" not in text, text
-
-
-#: The SIGTERM test's job: more, shorter steps than JOB's, so that a signal sent while it trains lands long
-#: before its end (about 270 steps).
-LONG = {**JOB, "batch_size": 4}
 
 
 def steps(info: dict) -> int:
