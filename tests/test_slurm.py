@@ -5,9 +5,14 @@ this module's own (tests/support/slurm.py; skipped only where slurm-wlm and mung
   mid-epoch as its time limit would end it, requeues itself and trains the job to a downloaded model;
 - an array of two trainer tasks (slurm/batchbus-trainers.sbatch) joins a router running outside Slurm and drains
   its queue;
-- `scancel --signal=TERM` of a running trainer task: the trainer checkpoints and hands its job back, the task
-  requeues itself, and its next run resumes the job at the next sample, ending with the weights of an
-  uninterrupted run.
+- `scancel --signal=TERM` of a trainer task while its job trains (and while it is paused): the trainer
+  checkpoints and hands its job back, the task requeues itself, and its next run resumes the job at the next
+  sample, ending with the weights of an uninterrupted run;
+- the cluster recipe with HS256, chosen for one machine.
+
+Tokens are EdDSA, the default set-up, everywhere but the last: while the services run, their environment and
+command line (``/proc``) show that no provider or trainer holds or reaches what mints a token or acts as an
+admin, and that no process has a token on its command line.
 
 Jobs are tests/support/jobs.py's MLP on mock://mnist?n=600 (2 epochs here), audited sample by sample.
 """
