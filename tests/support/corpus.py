@@ -12,16 +12,13 @@ import time
 
 import jwt
 import orjson
-import torch
 import zmq
 import zmq.utils.monitor
-from safetensors.torch import save as save_safetensors
 
 from libbus import PROTOCOL
 from libbus.security.admission import admit_client
 from libbus.security.auth import inspect_token
 from libbus.wire.messages import RevokeToken
-from services.models import build_model
 from tests.support.fuzz import REPLY_TIMEOUT_S, Peer, World, head
 from tests.support.services import CLUSTER
 
@@ -62,9 +59,10 @@ def session_token(world: World, secret: bytes, kind: str) -> tuple[str, str, dic
     if scoped:
         role, datasets = scoped[1], [d for d in scoped[2].split(",") if d]
         token = world.make_token(role, sub=f"corpus-{role}", datasets=datasets)
-        # a reader's token opens loader sessions only: RemoteLoader says Hello with caps.loader
-        return role, token, {"loader": True} if role == "reader" else {}
-    return kind, world.token(kind), {}
+    else:
+        role, token = kind, world.token(kind)
+    # a reader's token opens loader sessions only: RemoteLoader says Hello with caps.loader
+    return role, token, {"loader": True} if role == "reader" else {}
 
 
 def say_hello(world: World, peer: Peer, role: str, token: str, caps: dict) -> dict:
@@ -94,6 +92,11 @@ def assert_reply(reply: dict, expect: str, says: str = "") -> None:
 def weights(world: World, spec: list) -> bytes:
     """``["mlp", {"hidden": 4}, "nan"]``: safetensors weights of that built-in model for the world's
     mnist, every value ``nan`` or ``zeros``."""
+    import torch  # only the lines that send weights pay for it
+    from safetensors.torch import save as save_safetensors
+
+    from services.models import build_model
+
     name, kwargs, fill = spec
     value = {"nan": float("nan"), "zeros": 0.0}[fill]
     model = build_model(name, world.mnist.info(), kwargs)
