@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from libbus import PROTOCOL
 from libbus.constants import MAX_BATCH_INDICES
 from libbus.errors import BusError
-from libbus.wire.messages import ListPeers, Resolve, Stats
+from libbus.wire.messages import GetJob, ListPeers, Resolve, Stats
+from tests.support.corpus import assert_reply, expect_handshake_refused, say_hello, session_token, weights
 from tests.support.fuzz import (
     FUZZ,
     fire,
@@ -99,14 +100,15 @@ def corpus_cases() -> list:
     return cases
 
 
-def corpus_frames(case: dict) -> list[bytes]:
-    """A corpus message: ``hex`` frames, or ``json`` headers, or ``nest`` (deeply nested field)."""
+def corpus_frames(case: dict, world=None) -> list[bytes]:
+    """A corpus message: ``hex``, ``text`` or ``json`` frames (``%JOB%`` in json: the world's job),
+    ``nest`` (deeply nested field), ``repeat``, or ``weights`` of a built-in model."""
     frames = []
     for f in case["frames"]:
         if "hex" in f:
             frames.append(bytes.fromhex(f["hex"]))
         elif "json" in f:
-            frames.append(orjson.dumps(f["json"]))
+            frames.append(orjson.dumps(f["json"]).replace(b"%JOB%", world.job.encode() if world else b""))
         elif "text" in f:
             frames.append(f["text"].encode())
         elif "nest" in f:  # {"nest": [depth, kind], "into": header, "at": field}
@@ -115,26 +117,54 @@ def corpus_frames(case: dict) -> list[bytes]:
             frames.append(body)
         elif "repeat" in f:
             frames.append(bytes.fromhex(f["repeat"][0]) * f["repeat"][1])
+        elif "weights" in f:  # ["mlp", {kwargs}, "nan" | "zeros"]
+            frames.append(weights(world, f["weights"]))
     return frames
 
 
+@pytest.fixture
+def provider(start_provider):
+    """The conftest's provider, and a dataset of named fields (the batch bound of issue 30 #15)."""
+    return start_provider(
+        "mnist=mock://mnist?n=600", "zeros=dummy://?shape=2,3&n=100&classes=4", "fields=mock://fields?n=64"
+    )
+
+
 @pytest.mark.parametrize("case", corpus_cases())
-def test_seed_corpus(world, case):
-    """Each line: which service, which session (none/trainer/admin/provider, heartbeat caps), the
-    messages to send, then a well-formed request that must still be answered."""
-    peer = world.peer(case["service"])
+def test_seed_corpus(world, secret, case):
+    """Each line: which service, which session (none, a role, a scoped, reader, expired or revoked
+    token; heartbeat caps), the messages to send and the reply each must get, then a well-formed
+    request that must still be answered."""
+    server = world.rserver if case["service"] == "router" else world.pserver
     if case.get("session"):
-        role = case["session"]
-        caps = case.get("caps", {})
+        role, token, caps = session_token(world, secret, case["session"])
+        caps = case.get("caps", caps)
         if role == "provider":
             caps = {"endpoint": "tcp://127.0.0.1:1", "datasets": {}, **caps}
-        peer.hello(world.token(role), role, host_id=world.host_id, caps=caps)
+        if case.get("at") == "handshake":  # the token rides in the connection handshake too
+            frames = [corpus_frames(msg, world) for msg in case["messages"]]
+            expect_handshake_refused(world, case["service"], token, frames)
+            world.check()
+            return
+        peer = world.peer(case["service"])
+        assert_reply(say_hello(world, peer, role, token, caps), case.get("hello_expect", "Welcome"))
+    else:
+        peer = world.peer(case["service"])
     if case.get("hello_text"):  # a Hello written out by hand; %TOKEN% is a valid token of its role
         hello = orjson.loads(case["hello_text"].replace("%TOKEN%", "x"))
         peer.send([PROTOCOL, case["hello_text"].replace("%TOKEN%", world.token(hello["role"])).encode()])
         assert peer.drain()[-1]["type"] == case.get("hello_expect", "Welcome")
-    server = world.rserver if case["service"] == "router" else world.pserver
-    fire(world, peer, server, [corpus_frames(msg) for msg in case["messages"]])
+    if any("expect" in msg for msg in case["messages"]):  # one at a time, each reply checked
+        for msg in case["messages"]:
+            frames = corpus_frames(msg, world)
+            replies = fire(world, peer, server, [frames])
+            if "expect" in msg:
+                sent = orjson.loads(frames[1])["id"]
+                mine = [r for r in replies if r.get("id") == sent and r["type"] != "Heartbeat"]
+                assert len(mine) == 1, f"{len(mine)} replies to message {sent}: {replies[-3:]}"
+                assert_reply(mine[0], msg["expect"], msg.get("says", ""))
+    else:
+        fire(world, peer, server, [corpus_frames(msg, world) for msg in case["messages"]])
     time.sleep(case.get("settle_s", 0))
     for name in case.get("then", []):  # follow-up requests a legitimate peer makes
         other = world.trainer if name == "Stats@provider" else world.admin
@@ -148,5 +178,7 @@ def test_seed_corpus(world, case):
             other.request(msg)
         except BusError:  # a refusal is an answer; a dead loop is not (world.check finds it)
             pass
+    if case.get("job_state"):  # what the line tried must not have moved the world's job
+        assert world.admin.request(GetJob(job=world.job)).job["state"] == case["job_state"]
     world.check()
     assert server.counters["internal"] == 0
