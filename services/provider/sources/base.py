@@ -19,9 +19,9 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import overload
-from urllib.parse import SplitResult, unquote
+from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from libbus.errors import DatasetError
 from libbus.wire.fields import Field, FieldBatch, is_xy
 
 __all__ = [
+    "MAX_LOCATION_CHARS",
     "PRIVATE_SPLIT",
     "SPLITS",
     "Field",
@@ -36,6 +37,7 @@ __all__ = [
     "OpenRequest",
     "ReadPolicy",
     "Source",
+    "joined_locations",
     "local_path",
     "relative_name",
     "stable_seed",
@@ -44,6 +46,9 @@ __all__ = [
 SPLITS = ("train", "val", "test")
 #: The split that never leaves the provider: only its local evaluator reads it.
 PRIVATE_SPLIT = "test"
+#: Characters a location made of several (a packed sample's lines) may take: the first place is always
+#: whole, then as many as fit, then how many more there were. A step's locations stay one small reply.
+MAX_LOCATION_CHARS = 240
 
 
 class ReadPolicy(enum.Enum):
@@ -225,9 +230,37 @@ def relative_name(name: str, root: object) -> str:
     """``name`` (a file's path or URL, as a :class:`~.formats.reader.Segment` or a store names it) as
     a path under the dataset's ``root``: what :meth:`Source.locate` may say without telling where the
     provider keeps the dataset. A name outside ``root`` is cut to its last part. A segment's name may
-    carry a note (``"PATH (decompressed to COPY)"``): the note, which names a cache path, is dropped."""
+    carry a note (``"PATH (decompressed to COPY)"``): the note, which names a cache path, is dropped.
+    Under a remote root (an object-store prefix, an HTTP listing) the name is the object's whole
+    address (``s3://bucket/prefix/shard-0001.bin``, without userinfo, query or fragment): what a
+    reader fetches by range to check it."""
     name = str(name).split(" (", 1)[0]
     base = str(root).rstrip("/") + "/"
+    if not isinstance(root, PurePath) and "://" in name:
+        # an object or URL (s3://bucket/key, https://host/shard.tar): named whole, as a store names it,
+        # but never its userinfo, query or fragment (a credential or a signature could ride there)
+        parts = urlsplit(name)
+        host = parts.netloc.rsplit("@", 1)[-1]
+        return urlunsplit((parts.scheme, host, parts.path, "", ""))
     if name.startswith(base):
         return name[len(base) :]
     return name.rstrip("/").rsplit("/", 1)[-1]
+
+
+def joined_locations(parts: list[str], total: int | None = None, limit: int = MAX_LOCATION_CHARS) -> str:
+    """Places joined with ``"; "`` (a packed sample's lines): the first always whole, then as many
+    whole ones as keep the result within ``limit`` characters, then ``"; … and K more"`` for those
+    left out (of ``total`` places, when ``parts`` lists only the first of them)."""
+    total = len(parts) if total is None else total
+    if not parts:
+        return ""
+    out, used = [parts[0]], len(parts[0])
+    for i, part in enumerate(parts[1:], 1):
+        rest = total - i - 1
+        tail = len(f"; … and {rest} more") if rest else 0
+        if used + 2 + len(part) + tail > limit:
+            break
+        out.append(part)
+        used += 2 + len(part)
+    left = total - len(out)
+    return "; ".join(out) + (f"; … and {left} more" if left else "")

@@ -171,8 +171,13 @@ class Mix(Source):
     """Several sources with the same sample shape and dtype (or the same named fields), mixed by a
     :class:`Schedule` per split."""
 
-    def __init__(self, uri: str, names: list[str], sources: list[Source], weights: list | None):
+    def __init__(
+        self, uri: str, names: list[str], sources: list[Source], weights: list | None, labels: list[str] | None = None
+    ):
         self.uri, self.names, self.sources = uri, names, sources
+        #: How a location names each member: the dataset it serves under, else ``source N`` (its place
+        #: in the TOML, from 1): never the TOML's path or a member URI's (a provider's own paths).
+        self.labels = labels or [f"source {i + 1}" for i in range(len(sources))]
         first = sources[0]
         #: The named fields every source serves (:func:`mix_fields`); None for x/y sources.
         self._fields = mix_fields(uri, names, sources)
@@ -236,6 +241,10 @@ class Mix(Source):
 
     def _located(self, split: str, indices: np.ndarray) -> list[tuple[Source, np.ndarray, np.ndarray]]:
         """``(source, its local indices, the batch rows they fill)`` per source the batch touches."""
+        return [(self.sources[m], local, rows) for m, local, rows in self._by_member(split, indices)]
+
+    def _by_member(self, split: str, indices: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """As :meth:`_located`, each source named by its place in the mix."""
         n, members, schedule = self._splits[split]
         idx = np.asarray(indices, np.int64).reshape(-1)
         if not len(idx):
@@ -248,7 +257,18 @@ class Mix(Source):
         for j in np.unique(which).tolist():
             src = self.sources[members[j]]
             rows = np.flatnonzero(which == j)
-            out.append((src, k[rows] % src.num_samples(split), rows))
+            out.append((members[j], k[rows] % src.num_samples(split), rows))
+        return out
+
+    def locate(self, split: str, indices: np.ndarray) -> list[str]:
+        """``MEMBER: LOCATION`` per sample: the member it is drawn from (:attr:`labels`) and where that
+        member says its sample lives (``MEMBER: sample K``, its own index, when the member does not
+        know). One ``locate`` per member the indices touch."""
+        out = [""] * len(indices)
+        for member, local, rows in self._by_member(split, indices):
+            label, found = self.labels[member], self.sources[member].locate(split, local)
+            for r, k, where in zip(rows.tolist(), local.tolist(), found):
+                out[r] = f"{label}: {where or f'sample {k}'}"
         return out
 
     def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> FieldBatch:
@@ -413,4 +433,7 @@ def open_weighted(req: OpenRequest) -> Mix:
     weights = [w for _, _, w in opened]
     if any(w is None for w in weights) and any(w is not None for w in weights):
         raise DatasetError(f"{path}: give every source a weight, or none (then each weighs its length)")
-    return Mix(uri, [n for n, _, _ in opened], [s for _, s, _ in opened], None if weights[0] is None else weights)
+    labels = [e["dataset"] if "dataset" in e else f"source {i + 1}" for i, e in enumerate(entries)]
+    return Mix(
+        uri, [n for n, _, _ in opened], [s for _, s, _ in opened], None if weights[0] is None else weights, labels
+    )

@@ -17,6 +17,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
+from ..base import relative_name
 from ..splitmix import GAMMA, MUL1, MUL2
 from .confine import Confinement
 from .imagefolder import Encoded
@@ -32,17 +33,18 @@ def detect(root: Path) -> bool:
 
 
 def _lines(fd: int) -> np.ndarray:
-    """``(n, 2)`` start and end byte offsets of the non-empty lines of the open file ``fd``."""
+    """``(n, 3)``: start and end byte offsets and the line number (from 1, empty lines counted) of the
+    non-empty lines of the open file ``fd``."""
     size = os.fstat(fd).st_size
     if size == 0:
-        return np.empty((0, 2), np.int64)
+        return np.empty((0, 3), np.int64)
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
         ends = np.flatnonzero(np.frombuffer(m, np.uint8) == 10).astype(np.int64)
     if not len(ends) or ends[-1] != size - 1:
         ends = np.append(ends, size)  # a last line without a newline
     starts = np.concatenate([[0], ends[:-1] + 1])
     keep = ends > starts
-    return np.stack([starts[keep], ends[keep]], 1)
+    return np.stack([starts[keep], ends[keep], np.flatnonzero(keep) + 1], 1)
 
 
 class TextLines:
@@ -51,7 +53,7 @@ class TextLines:
     class_names: list[str] = []
 
     def __init__(self, uri: str, root: Path, val_fraction: float, confinement: Confinement | None = None):
-        self.uri = uri
+        self.uri, self.root = uri, root
         self.paths: dict[str, Path | None] = {}
         self.rows: dict[str, np.ndarray] = {}
         self._fds: dict[str, int] = {}
@@ -69,7 +71,7 @@ class TextLines:
                 self.paths[split], self._fds[split] = path, confinement.open(path)
                 self.rows[split] = _lines(self._fds[split])
             else:
-                self.paths[split], self.rows[split] = None, np.empty((0, 2), np.int64)
+                self.paths[split], self.rows[split] = None, np.empty((0, 3), np.int64)
         if not len(self.rows["train"]):
             raise DatasetError(f"{uri}: {root / 'train.txt'} has no text; expected {EXPECTED}")
         #: Where val came from, for DatasetInfo (``val_fraction``, ``val_carved``): None when a file holds it.
@@ -92,12 +94,23 @@ class TextLines:
         out = []
         fd, path = self._fds[split], self.paths[split]
         for i in indices:
-            start, end = (int(v) for v in self.rows[split][int(i)])
+            start, end, _ = (int(v) for v in self.rows[split][int(i)])
             data = os.pread(fd, end - start, start)
             if len(data) != end - start:
                 raise DatasetError(f"{self.uri}: {path} changed while served (line at byte {start} cut short)")
             out.append(Encoded(None, -1, f"{path}:{start}", data.decode("utf-8", "replace").rstrip("\r")))
         return out
+
+    def locate(self, split: str, indices) -> list[str]:
+        """``FILE line N @OFFSET+LENGTH`` per sample: the split's file (relative to the dataset's root),
+        the line's number (from 1, empty lines counted, as an editor shows it) and its bytes (without
+        the newline)."""
+        path = self.paths[split]
+        if path is None:
+            return [""] * len(indices)
+        name = relative_name(str(path), self.root)
+        rows = self.rows[split][np.asarray(indices, np.int64)]
+        return [f"{name} line {n} @{a}+{b - a}" for a, b, n in rows.tolist()]
 
     def close(self) -> None:
         for fd in set(self._fds.values()):

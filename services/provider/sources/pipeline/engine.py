@@ -30,7 +30,7 @@ from libbus.errors import (
 )
 from libbus.wire.fields import is_xy
 
-from ..base import SPLITS, Field, FieldBatch, ReadPolicy, Source
+from ..base import MAX_LOCATION_CHARS, SPLITS, Field, FieldBatch, ReadPolicy, Source, joined_locations
 from ..timing import current as current_timing
 from .cache import DecodeCache, PrefixCache, decode_cache_stats
 from .fields import FieldsPlan
@@ -244,6 +244,25 @@ class Pipeline(Source):
         out["stages"] = [{"name": s.name, "type": s.type} for s in self.stages]
         if self.regroup is not None:
             out[self.regroup.type] = self.regroup.join_info()
+        return out
+
+    def locate(self, split: str, indices: np.ndarray) -> list[str]:
+        """Where the source keeps each sample: its location of the same index, the stages changing
+        the bytes but not where they come from. Behind a joining ``pack`` (a sample cut from a run of
+        documents), each document's location in order, joined with ``"; "`` and bounded
+        (:func:`~..base.joined_locations`); one ``locate`` of the source for all the documents."""
+        if self.regroup is None:
+            return self.source.locate(split, indices)
+        index = self.regroup.indexes[split]
+        first, stop = index.spans(np.asarray(indices, np.int64))
+        spans = list(zip(first.tolist(), stop.tolist()))
+        # only the documents a location can show: a huge join names its first ones and counts the rest
+        shown = [range(a, min(b, a + MAX_LOCATION_CHARS // 4)) for a, b in spans]
+        documents = np.unique(np.fromiter((d for r in shown for d in r), np.int64))
+        where = dict(zip(documents.tolist(), self.source.locate(split, documents)))
+        out = []
+        for (a, b), r in zip(spans, shown):
+            out.append(joined_locations([where[d] or f"document {d}" for d in r], b - a))
         return out
 
     # -- the decode cache -----------------------------------------------------------------------
