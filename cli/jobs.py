@@ -12,6 +12,7 @@ import typer
 from libbus.config import Settings
 from libbus.connect.client import Client
 from libbus.constants import MAX_LOCATE_INDICES
+from libbus.errors import TooLarge
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JOB_STATES, SETTABLE
 from libbus.jobs.state import JobState
@@ -482,9 +483,17 @@ def locate_samples(settings: Settings, router: Client, dataset: str, split: str,
         retries=settings.request_retries,
         server_key=curve_key_of(provider),
     ) as client:
-        for a in range(0, len(indices), MAX_LOCATE_INDICES):
-            part = indices[a : a + MAX_LOCATE_INDICES]
-            found = client.request(LocateSamples(dataset=resolved.dataset, split=split, indices=part))
+        parts = [indices[a : a + MAX_LOCATE_INDICES] for a in range(0, len(indices), MAX_LOCATE_INDICES)]
+        while parts:
+            part = parts.pop()
+            try:
+                found = client.request(LocateSamples(dataset=resolved.dataset, split=split, indices=part))
+            except TooLarge:
+                if len(part) == 1:
+                    raise
+                # long locations (a packed window's lines) that do not fit one reply: ask in halves
+                parts += [part[len(part) // 2 :], part[: len(part) // 2]]
+                continue
             out.update(zip(part, found.locations))
     return out
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from libbus.errors import TooLarge
 from libbus.wire.messages import BatchRequest, DatasetInfoRequest, LocateSamples, frame_buffer
 from services.provider.sources import open_source
 from services.provider.sources.base import MAX_LOCATION_CHARS
@@ -238,3 +239,23 @@ def test_http_locations_name_the_url_and_its_range(tmp_path, start_provider, cli
                 assert reply.read() == x[i].tobytes()
     finally:
         server.close()
+
+
+def test_busctl_asks_in_parts_when_long_locations_do_not_fit_one_reply(
+    tmp_path, start_provider, client_for, make_settings, router
+):
+    from cli.jobs import locate_samples
+
+    root = write_text(tmp_path / "text", train=200)
+    tok_path = write_tokenizer(tmp_path / "tokenizer.json")
+    uri = text_pipeline(tmp_path / "p.toml", f"file://{root}?encoded=1&val_fraction=0", tok_path, 400, join=True)
+    provider = start_provider(f"packed={uri}")
+    reader = client_for(provider.endpoint)
+    n = reader.request(DatasetInfoRequest(dataset="packed")).info["splits"]["train"]["num_samples"]
+    one = _locate(reader, "packed", "train", list(range(n)))
+    assert min(map(len, one)) > 200  # windows of 401 tokens over lines of 7..41: long, bounded locations
+    indices = [k % n for k in range(3000)]  # a step of 3000 such windows: more than one reply carries
+    with pytest.raises(TooLarge, match="do not fit one reply"):
+        _locate(reader, "packed", "train", indices)
+    admin = client_for(router.endpoint, "admin")
+    assert locate_samples(make_settings(), admin, "packed", "train", indices) == {k: one[k] for k in range(n)}
