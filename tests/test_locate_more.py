@@ -20,7 +20,7 @@ from libbus.wire.messages import BatchRequest, DatasetInfoRequest, LocateSamples
 from services.provider.sources import open_source
 from services.provider.sources.base import MAX_LOCATION_CHARS
 from tests.support.httpd import RangeServer
-from tests.support.images import write_shards
+from tests.support.images import tar_bytes, write_shards
 from tests.support.s3server import s3_in_env
 from tests.support.text import WORDS, document, text_pipeline, write_text, write_tokenizer
 
@@ -192,13 +192,22 @@ def s3():
 
 
 def test_object_store_locations_name_the_object_and_its_range(s3, tmp_path, start_provider, client_for):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     x = _npy(tmp_path / "arrays", 40)
     s3.put_dir("locs", "arrays/v1", tmp_path / "arrays")
     write_shards(tmp_path / "shards", "train", shards=2, per_shard=5)
     s3.put_dir("locs", "shards", tmp_path / "shards")
-    fast = "retries=3&backoff=0.01&deadline=20&cache=off"
+    (tmp_path / "pq" / "data").mkdir(parents=True)
+    for f in range(2):  # ids 0..9 in the first file, 10..19 in the second; row groups of 3
+        ids = list(range(f * 10, f * 10 + 10))
+        table = pa.table({"x": pa.array([[float(i)] * 3 for i in ids]), "label": pa.array([i % 3 for i in ids])})
+        pq.write_table(table, tmp_path / "pq" / "data" / f"train-{f:05d}-of-00002.parquet", row_group_size=3)
+    s3.put_dir("locs", "pq", tmp_path / "pq")
+    fast = "val_fraction=0&retries=3&backoff=0.01&deadline=20&cache=off"
     provider = start_provider(
-        f"arr=s3://locs/arrays/v1?val_fraction=0&{fast}", f"wds=s3://locs/shards?size=8&val_fraction=0&{fast}"
+        f"arr=s3://locs/arrays/v1?{fast}", f"wds=s3://locs/shards?size=8&{fast}", f"pq=s3://locs/pq?{fast}"
     )
     client = client_for(provider.endpoint)
 
@@ -219,9 +228,18 @@ def test_object_store_locations_name_the_object_and_its_range(s3, tmp_path, star
         with tarfile.open(tmp_path / "shards" / m["shard"].rsplit("/", 1)[-1]) as tar:
             expected = tar.extractfile(m["member"]).read()  # type: ignore[union-attr]
         assert fetch(m["shard"] + m["range"]) == expected
+    indices = [0, 4, 11, 19]
+    for where, sample in zip(_locate(client, "pq", "train", indices), _served(client, "pq", "train", indices)):
+        m = re.match(r"^s3://locs/(?P<key>pq/data/train-\d{5}-of-00002\.parquet) row (?P<row>\d+)$", where)
+        assert m, where  # Parquet: the object and the row
+        body = s3.s3.get_object(Bucket="locs", Key=m["key"])["Body"].read()
+        row = pq.read_table(pa.BufferReader(body)).slice(int(m["row"]), 1).to_pylist()[0]
+        assert row["x"] == sample.tolist()
     # no endpoint, no credential: what a location says is the object's address and no more
-    for where in _locate(client, "arr", "train", list(range(40))) + _locate(client, "wds", "train", list(range(10))):
-        assert "127.0.0.1" not in where and s3.access_key not in where and s3.secret_key not in where
+    found = [
+        w for name, n in (("arr", 40), ("wds", 10), ("pq", 20)) for w in _locate(client, name, "train", list(range(n)))
+    ]
+    assert all("127.0.0.1" not in w and s3.access_key not in w and s3.secret_key not in w for w in found)
 
 
 def test_http_locations_name_the_url_and_its_range(tmp_path, start_provider, client_for):
@@ -259,3 +277,24 @@ def test_busctl_asks_in_parts_when_long_locations_do_not_fit_one_reply(
         _locate(reader, "packed", "train", indices)
     admin = client_for(router.endpoint, "admin")
     assert locate_samples(make_settings(), admin, "packed", "train", indices) == {k: one[k] for k in range(n)}
+
+
+def test_text_in_webdataset_shards_names_each_txt_member(tmp_path, start_provider, client_for):
+    root = tmp_path / "w"
+    root.mkdir()
+    members = [
+        (f"train/s{n:06d}.{ext}", data)
+        for n in range(12)
+        for ext, data in (("cls", b"0"), ("txt", document(n).encode()))
+    ]
+    (root / "train-0000.tar").write_bytes(tar_bytes(members))
+    tok_path = write_tokenizer(tmp_path / "tokenizer.json")
+    uri = text_pipeline(tmp_path / "p.toml", f"file://{root}?encoded=1&val_fraction=0", tok_path, 20, join=True)
+    provider = start_provider(f"wtext={uri}")
+    client = client_for(provider.endpoint)
+    data = (root / "train-0000.tar").read_bytes()
+    for where in _locate(client, "wtext", "train", [0, 4]):
+        for part in where.split("; "):
+            m = re.match(r"^train-0000\.tar:train/s(?P<n>\d{6})\.txt@(?P<offset>\d+)\+(?P<length>\d+)$", part)
+            assert m, where  # the text member, not the class id beside it
+            assert data[int(m["offset"]) : int(m["offset"]) + int(m["length"])] == document(int(m["n"])).encode()

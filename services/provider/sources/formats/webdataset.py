@@ -132,12 +132,12 @@ class ShardStore:
 
     def locate(self, split: str, indices) -> list[str]:
         """``SHARD:KEY.EXT@OFFSET+SIZE`` per sample: the shard (relative to the dataset's root), the tar
-        member of its image (or its first member) and that member's bytes in the shard."""
+        member of its image (else of its text, else its first member) and that member's bytes in the shard."""
         out = []
         for i in indices:
             shard, n = self.rows[split][int(i)]
             members = self.indexes[shard].members[n]
-            ext = next((e for e in IMAGE_MEMBERS if e in members), next(iter(members), None))
+            ext = next((e for e in (*IMAGE_MEMBERS, "txt") if e in members), next(iter(members), None))
             where = relative_name(str(self.paths[shard]), self.location.root)
             if ext is None:
                 out.append(f"{where}:{self.indexes[shard].keys[n]}")
