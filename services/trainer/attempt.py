@@ -377,8 +377,9 @@ class AttemptRun:
         threading.Thread(target=call, daemon=True).start()
 
     def _deliver(self, msg: Message, timeout_s: float) -> Message:
-        """One relayed request to the router; the output so far goes before a checkpoint record."""
-        if isinstance(msg, Checkpointed):
+        """One relayed request to the router; the output so far goes before a checkpoint record and
+        before a spike's skip (after which the router takes no more output from this attempt)."""
+        if isinstance(msg, (Checkpointed, SkipJob)):
             self._ship_logs()
         return self.link.request(msg, timeout_s=timeout_s)
 
