@@ -212,3 +212,29 @@ def test_an_entrypoint_job_s_spike_is_skipped_at_its_step_call(tmp_path):
         assert "spike: step 13" in logs, logs
     finally:
         cluster.close()
+
+
+def test_a_gang_judges_the_largest_loss_of_its_ranks_and_skips_a_stretch_of_rank_1_s_shard(tmp_path):
+    # two ranks, shards 0..239 and 240..479 in file order: rank 1's step 8 reads 352..367
+    cluster = _cluster(tmp_path, bad_batches=(22,))
+    try:
+        cluster.start_trainer("t2")
+        cluster.wait_connected(("t1", "t2"))
+        by_digest = cluster.index_of_digest()
+        job = cluster.submit_spec({**SPIKY, "world_size": 2})
+        info = cluster.wait_end(job, timeout=90)
+        assert info["state"] == "succeeded", f"{info['error']}\n{_events(info)}\n{cluster.logs()}"
+        [spike] = info["spec"]["spikes"]
+        assert spike["step"] == 8 and spike["steps"] == [6, 9], spike
+        # steps 6..8 of both ranks, from the checkpoint of step 5
+        stretch = set(range(80, 128)) | set(range(320, 368))
+        assert info["spec"]["skip"] == [[[80, 128], [320, 368]]]
+        assert "rewinds to the checkpoint of step 5" in _events(info)
+        for e, digests in effective_epochs(cluster.audit, job).items():
+            seen = Counter(by_digest[d] for d in digests)
+            want = Counter(set(range(N)) - stretch)
+            assert seen == want, (
+                f"epoch {e}: {sorted((seen - want).elements())[:10]} extra, {sorted((want - seen).elements())[:10]} missing"
+            )
+    finally:
+        cluster.close()

@@ -138,8 +138,9 @@ class AttemptJob(Job):
         #: A study's PBT adopted another member's state: this attempt ends at this call, and the
         #: next (its trainer takes the job again) restores the adopted state.
         self._restart = False
-        #: The job's loss-spike rule (its ``spike`` option), fed by ``step(loss=...)``; rank 0 decides.
-        self._spikes = detector_for(self.spec) if self.lead else None
+        #: The job's loss-spike rule (its ``spike`` option), fed by ``step(loss=...)``: rank 0 judges,
+        #: in a gang the largest loss of the ranks (every rank takes part in finding it).
+        self._spikes = detector_for(self.spec)
 
     # -- the API ------------------------------------------------------------------------------------
     @property
@@ -222,8 +223,10 @@ class AttemptJob(Job):
         train = self._loaders.get("train")
         if math.isfinite(loss):
             self.meter.add(train.batch_size if train is not None else 1, loss)
-        if self._spikes is not None and "loss" in metrics and (spike := self._spikes.observe(self.step_count, loss)):
-            self._on_spike(spike)
+        if self._spikes is not None and "loss" in metrics:
+            judged = self.gang.largest(loss) if self.gang is not None else loss
+            if self.lead and (spike := self._spikes.observe(self.step_count, judged)):
+                self._on_spike(spike)
         every = self.spec.checkpoint_every
         if every and self.step_count % every == 0 and self._get_state is not None:
             self._write(None)
