@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -14,7 +15,7 @@ from libbus.jobs.state import JobState
 from libbus.order.epochs import DEFAULT_BLOCK_SIZE, Shuffle, check_skips
 from libbus.wire.schema import too_deep
 
-__all__ = ["JOB_STATES", "MAX_ATTEMPTS", "TERMINAL_STATES", "SETTABLE", "JobSpec", "dataset_name"]
+__all__ = ["JOB_STATES", "MAX_ATTEMPTS", "TERMINAL_STATES", "SETTABLE", "JobSpec", "SpikeSpec", "dataset_name"]
 
 JOB_STATES = tuple(s.value for s in JobState)
 TERMINAL_STATES = tuple(s.value for s in JobState if s.terminal)
@@ -102,6 +103,12 @@ class JobSpec:
     #: Samples never to train on again (``busctl job skip``, docs/jobs.md): skips, oldest first, each a
     #: list of ``[start, stop]`` index ranges of the train split. Only ever added to, by the router.
     skip: list = field(default_factory=list)
+    #: Skip a loss spike's stretch by itself (:class:`SpikeSpec`; docs/jobs.md "Loss spikes"): empty,
+    #: off; a table given (``{}`` too) is stored whole, its missing keys at their defaults.
+    spike: dict = field(default_factory=dict)
+    #: The spikes skipped so far, oldest first (``{step, loss, median, steps}``): only ever added to, by
+    #: the router, when a trainer asks it to skip a spike's stretch; ``spike.max_skips`` bounds them.
+    spikes: list = field(default_factory=list)
     #: What scores the weights on the provider's test split: "" (the built-in ``model`` is built
     #: there), or ``package.module:function`` that the provider's ``evaluator_modules`` allows, called
     #: with ``evaluator_kwargs`` (services/provider/evaluator.py; docs/python-api.md).
@@ -170,6 +177,9 @@ class JobSpec:
             )
         _check_entrypoint(spec)
         check_skips(spec.skip)
+        if "spike" in raw:
+            spec.spike = SpikeSpec.parse(spec.spike).to_dict()
+        _check_spikes(spec.spikes)
         if spec.train_range and not (
             len(spec.train_range) == 2
             and all(isinstance(v, int) and not isinstance(v, bool) for v in spec.train_range)
@@ -197,6 +207,65 @@ class JobSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SpikeSpec:
+    """When a step's loss is a spike, and what is done about it (docs/jobs.md "Loss spikes").
+
+    A step's loss is a spike when it is not finite, or when at least ``warmup`` steps of the attempt
+    came before it and it is above ``factor`` times the median of the last ``window`` losses that
+    were not spikes. On a spike at step ``k`` the job skips steps ``k - skip_before .. k`` (as
+    ``busctl job skip --steps``); past ``max_skips`` such skips it fails instead (0: fail at the first).
+    """
+
+    factor: float = 3.0
+    window: int = 50
+    warmup: int = 20
+    skip_before: int = 2
+    max_skips: int = 3
+
+    #: ``name: (lowest, highest)`` accepted for each field.
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
+        "factor": (1.0, 1e6),
+        "window": (1, 10_000),
+        "warmup": (0, 1_000_000),
+        "skip_before": (0, 1_000),
+        "max_skips": (0, 100),
+    }
+
+    @classmethod
+    def parse(cls, raw: Any) -> SpikeSpec:
+        """``raw`` (the job's ``spike`` table) checked; raises :class:`BadRequest` naming the key."""
+        if not isinstance(raw, dict):
+            raise BadRequest(f"spike must be a table (factor, window, warmup, skip_before, max_skips), got {raw!r:.80}")
+        unknown = sorted(set(raw) - set(cls.BOUNDS))
+        if unknown:
+            raise BadRequest(f"unknown spike key(s) {', '.join(unknown)}; known: {', '.join(cls.BOUNDS)}")
+        values: dict[str, Any] = {}
+        for name, value in raw.items():
+            low, high = cls.BOUNDS[name]
+            want = float if name == "factor" else int
+            ok = isinstance(value, (int, float) if want is float else int) and not isinstance(value, bool)
+            if not ok or not low <= value <= high or (want is float and not math.isfinite(value)):
+                kind = "a number" if want is float else "an integer"
+                raise BadRequest(f"spike.{name} must be {kind} in [{low:g}, {high:g}], got {value!r}")
+            values[name] = want(value)
+        if values.get("factor", cls.factor) <= 1.0:
+            raise BadRequest(
+                f"spike.factor must be above 1 (a spike is a loss above factor x the median: 1 flags "
+                f"half of all steps), got {values['factor']}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.BOUNDS}
+
+
+def _check_spikes(spikes: Any) -> None:
+    """``spikes`` is the router's record: a bounded list of small tables."""
+    if len(spikes) > SpikeSpec.BOUNDS["max_skips"][1] or not all(isinstance(s, dict) and len(s) <= 8 for s in spikes):
+        raise BadRequest(f"spikes is the router's record of skipped loss spikes (a list of tables), got {spikes!r:.80}")
 
 
 def _check_elastic(spec: JobSpec, raw: dict) -> None:

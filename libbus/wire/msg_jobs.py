@@ -325,8 +325,11 @@ class JobSamples(Message):
 class SkipJob(Request[Ok]):
     """Admin → router: never train ``job`` on these samples again: the samples of ``steps``
     (``[[a, b], ...]``, steps ``a <= k < b``) and ``samples`` (index ranges ``[a, b)``). The job
-    rewinds to its last checkpoint before the first skipped step. Reply: ``Ok`` with what was skipped."""
+    rewinds to its last checkpoint before the first skipped step. Reply: ``Ok`` with what was skipped.
+    Trainer → router, with ``spike`` (``{step, loss, median, window}``): the job's trainer skips the
+    stretch of a loss spike (the job's ``spike`` option), recorded in its spec's ``spikes``."""
 
     job: str
     steps: list = field(default_factory=list)
     samples: list = field(default_factory=list)
+    spike: dict = field(default_factory=dict)

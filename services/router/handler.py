@@ -347,9 +347,15 @@ class RouterHandler(Decisions, Handler):
                 return int(train["num_samples"])
         return None
 
-    @serves(SkipJob, *ADMIN)
+    @serves(SkipJob, *TRAINER_OR_ADMIN)
     def on_SkipJob(self, session: Session, msg: SkipJob) -> Ok:
-        self._check_job_scope(session, msg.job)
+        if session.role == "trainer":  # a loss spike's stretch, asked by the trainer holding the job
+            session.claims.check_job(msg.job)
+            if not msg.spike:
+                raise Forbidden("a trainer skips only a loss spike's stretch (SkipJob.spike) of the job it holds")
+            self.jobs.own(session.subject, msg.job)
+        else:
+            self._check_job_scope(session, msg.job)
         return self.jobs.skip(session.subject, msg, self._train_size)
 
     @serves(GetModel, *ADMIN)

@@ -431,7 +431,10 @@ class JobControl:
         ranges = history.as_ranges(indices + [i for a, b in samples for i in range(a, b)])
         if not ranges:
             raise BadRequest(f"steps {_shown_ranges(steps)} of job {msg.job} have no samples (past its last epoch)")
-        new = JobSpec.from_dict({**spec, "skip": [*(spec.get("skip") or []), ranges]})
+        changes: dict = {"skip": [*(spec.get("skip") or []), ranges]}
+        if msg.spike:  # a trainer's automatic skip of a loss spike: recorded, and bounded by spike.max_skips
+            changes["spikes"] = [*(spec.get("spikes") or []), {**_spike_record(msg.spike), "steps": steps[0]}]
+        new = JobSpec.from_dict({**spec, **changes})
         target = job["checkpoint"]
         if steps:
             before = [c for c in job.get("checkpoints", []) if int(c["step"]) < steps[0][0]]
@@ -441,6 +444,8 @@ class JobControl:
         what += (" and " if what else "") + (f"samples {_shown_ranges(samples)}" if samples else "")
         skipped = sum(b - a for a, b in ranges)
         reason = f"skipped: {skipped} sample(s) of {what} never trained again, by {by}; the job {where}"
+        if msg.spike:
+            reason = f"{_spike_event(msg.spike, new)}; {reason}"
         self.store.rewind(msg.job, new, target, reason)
         if state.holding and job["trainer"]:
             self._forget_commands(msg.job, f"job {msg.job} rewound by a skip")
@@ -521,6 +526,32 @@ class JobControl:
             return
         state = self.store.release(job["id"], reason, lost=True)
         log.warning("job %s %s: %s", job["id"], state, reason)
+
+
+def _spike_record(spike: dict) -> dict:
+    """A trainer's ``SkipJob.spike`` checked: ``{step, loss, median, window}``, numbers (or nan/inf names)."""
+
+    def number(v: object) -> bool:
+        return (isinstance(v, (int, float)) and not isinstance(v, bool)) or v in ("nan", "inf", "-inf")
+
+    out = {k: spike.get(k) for k in ("step", "loss", "median", "window")}
+    if not (isinstance(out["step"], int) and isinstance(out["window"], int) and number(out["loss"])):
+        raise BadRequest(f"spike must be {{step, loss, median, window}}, got {str(spike)[:120]}")
+    if not number(out["median"]):
+        raise BadRequest(f"spike must be {{step, loss, median, window}}, got {str(spike)[:120]}")
+    return out
+
+
+def _spike_event(spike: dict, spec: JobSpec) -> str:
+    """``spike: step K loss L, median M of the last W steps (n of at most N skipped)``."""
+    loss, median = spike.get("loss"), spike.get("median")
+    shown = f"{loss:.4g}" if isinstance(loss, float) else str(loss)
+    med = f"{median:.4g}" if isinstance(median, float) else str(median)
+    limit = spec.spike.get("max_skips", "?")
+    return (
+        f"spike: step {spike.get('step')} loss {shown}, median {med} of the last {spike.get('window')} "
+        f"step(s) ({len(spec.spikes)} of at most {limit} spikes skipped)"
+    )
 
 
 def _ranges(value: list, what: str, low: int = 0) -> list[list[int]]:

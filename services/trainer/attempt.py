@@ -50,6 +50,7 @@ from libbus.wire.messages import (
     Progress,
     Rendezvous,
     Resolve,
+    SkipJob,
     Task,
 )
 from services.sdnotify import Notifier
@@ -90,7 +91,7 @@ def warm_up() -> None:
 
 
 #: What a child may ask the router, through its trainer: nothing it could not do as the job's trainer.
-RELAYED: tuple[type[Message], ...] = (Progress, Checkpointed, CommandAck, Resolve, Rendezvous)
+RELAYED: tuple[type[Message], ...] = (Progress, Checkpointed, CommandAck, Resolve, Rendezvous, SkipJob)
 #: Requests relayed at once (each waits for the router on a thread of its own).
 MAX_RELAYS = 8
 #: Set-up time an attempt has on top of ``attempt_silence_s`` before its function is called: the
@@ -376,8 +377,9 @@ class AttemptRun:
         threading.Thread(target=call, daemon=True).start()
 
     def _deliver(self, msg: Message, timeout_s: float) -> Message:
-        """One relayed request to the router; the output so far goes before a checkpoint record."""
-        if isinstance(msg, Checkpointed):
+        """One relayed request to the router; the output so far goes before a checkpoint record and
+        before a spike's skip (after which the router takes no more output from this attempt)."""
+        if isinstance(msg, (Checkpointed, SkipJob)):
             self._ship_logs()
         return self.link.request(msg, timeout_s=timeout_s)
 

@@ -22,6 +22,7 @@ a trusted network (docs/security.md).
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 from datetime import timedelta
@@ -153,6 +154,13 @@ class Gang:
         self._collective(dist.all_reduce, flags, op=dist.ReduceOp.MAX)
         values = flags.tolist()
         return Code(int(values[0])), int(values[1])
+
+    def largest(self, value: float) -> float:
+        """The largest of every rank's ``value`` (a loss), on every rank; inf where any is not finite."""
+        mine = value if math.isfinite(value) else math.inf
+        t = torch.tensor([mine], dtype=torch.float64, device=self.device)
+        self._collective(dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        return float(t.item())
 
     def share(self, data: bytes | None) -> bytes:
         """Rank 0's ``data`` (a checkpoint's bytes; empty: none) on every rank."""

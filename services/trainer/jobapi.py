@@ -55,6 +55,7 @@ from .prepare import initial_weights, shard
 from .progress import Meter
 from .reports import Reporter
 from .resume import read_shared
+from .spike import Spike, detector_for, skip_spike
 
 __all__ = ["JOB_STATE_FORMAT", "AttemptJob"]
 
@@ -137,6 +138,9 @@ class AttemptJob(Job):
         #: A study's PBT adopted another member's state: this attempt ends at this call, and the
         #: next (its trainer takes the job again) restores the adopted state.
         self._restart = False
+        #: The job's loss-spike rule (its ``spike`` option), fed by ``step(loss=...)``: rank 0 judges,
+        #: in a gang the largest loss of the ranks (every rank takes part in finding it).
+        self._spikes = detector_for(self.spec)
 
     # -- the API ------------------------------------------------------------------------------------
     @property
@@ -219,6 +223,10 @@ class AttemptJob(Job):
         train = self._loaders.get("train")
         if math.isfinite(loss):
             self.meter.add(train.batch_size if train is not None else 1, loss)
+        if self._spikes is not None and "loss" in metrics:
+            judged = self.gang.largest(loss) if self.gang is not None else loss
+            if self.lead and (spike := self._spikes.observe(self.step_count, judged)):
+                self._on_spike(spike)
         every = self.spec.checkpoint_every
         if every and self.step_count % every == 0 and self._get_state is not None:
             self._write(None)
@@ -399,6 +407,19 @@ class AttemptJob(Job):
         except Lost:
             self.ended = "lost"
             raise JobEnded("the router gave this job to another trainer") from None
+
+    def _on_spike(self, spike: Spike) -> None:
+        """Rank 0 saw a loss spike at this step: the gang's other ranks stop at this same call, the
+        router skips the stretch before it and takes the job back (the function ends here, to be
+        resumed without those samples); past ``spike.max_skips`` the function gets
+        :class:`.spike.TooManySpikes` and the job fails."""
+        if self.gang is not None:
+            self._decide(Code.STOP)
+        try:
+            skip_spike(spike, self.spec, self.id, self.reporter, self.settings.request_timeout_s)
+        except Lost as lost:
+            self.ended = "lost"
+            raise JobEnded(str(lost)) from None
 
     def _own_code(self) -> Code:
         """A rank above 0 hears no commands from the router; only its own trainer's shutdown."""

@@ -37,6 +37,7 @@ from .prepare import build, job_device, load_initial, open_loaders, resolve
 from .progress import Meter, epoch_record, final_result, progress_report
 from .reports import Reporter
 from .resume import restore, save
+from .spike import Spike, detector_for, skip_spike
 
 __all__ = ["LOST", "TaskRun"]
 
@@ -99,6 +100,9 @@ class TaskRun:
         self.train: RemoteLoader | None = None
         self.meter = Meter()
         self.audit: Audit | None = None
+        #: The job's loss-spike rule (its ``spike`` option), else None: rank 0 judges, in a gang the
+        #: largest loss of the ranks (every rank takes part in finding it).
+        self.spikes = detector_for(self.spec)
         self._last_report = 0.0
         #: The provider the task reads from (and ``busctl job eval`` scores on), once resolved.
         self.provider: dict | None = None
@@ -325,7 +329,10 @@ class TaskRun:
                     loss.backward()
                     optimizer.step()
                     self.step += 1
-                    meter.add(len(x), loss.item())
+                    value = loss.item()
+                    meter.add(len(x), value)
+                    if self.spikes is not None:
+                        self._judge(value)
                     if self.lead and spec.checkpoint_every and self.step % spec.checkpoint_every == 0:
                         self._checkpoint()
                     self._maybe_report()
@@ -353,6 +360,22 @@ class TaskRun:
         result = final_result(progress, self.history, provider["name"], self.task.world_size, kind, evaluation)
         result["model"] = save_model(self.directory, model, model_metadata(self.job, spec, self.step))
         return result
+
+    def _judge(self, loss: float) -> None:
+        """The spike rule on this step's loss (in a gang: the largest of the ranks', so a bad stretch
+        in any rank's shard is seen); rank 0 acts on a spike, the others follow at :meth:`_check`."""
+        if self.gang is not None:
+            loss = self.gang.largest(loss)
+        if self.lead and self.spikes is not None and (spike := self.spikes.observe(self.step, loss)):
+            self._on_spike(spike)
+
+    def _on_spike(self, spike: Spike) -> None:
+        """Rank 0 saw a loss spike at this step: the gang's other ranks stop here, and the router is
+        asked to skip the stretch before it (:func:`.spike.skip_spike`: raises :class:`Lost` once it
+        has, :class:`.spike.TooManySpikes` past ``spike.max_skips``)."""
+        if self.lockstep is not None:
+            self.lockstep.stop()
+        skip_spike(spike, self.spec, self.job, self.reporter, self.settings.request_timeout_s)
 
     def _end_epoch(self, epoch: int, val: RemoteLoader | None, kind: str, steps_per_epoch: int) -> None:
         """After ``epoch``'s last step: rank 0 validates, records the epoch, checkpoints at cursor
