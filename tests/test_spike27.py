@@ -12,7 +12,7 @@ import pytest
 
 from libbus.errors import BadRequest, Forbidden
 from libbus.jobs.spec import JobSpec, SpikeSpec
-from libbus.wire.messages import GetJob, SkipJob, SubmitJob
+from libbus.wire.messages import GetJob, GetTask, SkipJob, SubmitJob
 from services.trainer.audit import effective_epochs
 from services.trainer.spike import SpikeDetector
 from tests.support.jobs import SPEC, EntryCluster, JobCluster
@@ -103,6 +103,29 @@ def test_a_trainer_may_skip_only_a_spike_of_a_job_it_holds(router, client_for):
     with pytest.raises(Forbidden, match="is not running on"):
         trainer.request(SkipJob(job=job, steps=[[1, 3]], spike={"step": 2, "loss": "nan", "median": 1.0, "window": 1}))
     assert admin.request(GetJob(job=job)).job["spec"]["spikes"] == []
+
+
+def test_a_trainer_holding_the_job_skips_no_more_than_the_spike_option_allows(router, provider, client_for, make_token):
+    """A trainer token is not an admin: what it may skip is bounded by the router, not by the trainer's code."""
+    admin = client_for(router.endpoint, role="admin")
+    spike = {"step": 4, "loss": "nan", "median": 1.0, "window": 3}
+    rule = {"factor": 3.0, "window": 3, "warmup": 0, "skip_before": 2, "max_skips": 1}
+    plain = admin.request(SubmitJob(spec=SPEC)).job
+    holder = client_for(router.endpoint, role="trainer", token=make_token("trainer", sub="holder-a"))
+    assert holder.request(GetTask(key="k1")).job == plain
+    with pytest.raises(Forbidden, match="no spike option"):
+        holder.request(SkipJob(job=plain, steps=[[2, 5]], spike=spike))
+    job = admin.request(SubmitJob(spec={**SPEC, "spike": rule})).job
+    trainer = client_for(router.endpoint, role="trainer", token=make_token("trainer", sub="holder-b"))
+    assert trainer.request(GetTask(key="k2")).job == job
+    for steps, samples in (([[1, 5]], []), ([[2, 3], [4, 5]], []), ([[2, 5]], [[0, 8]])):
+        with pytest.raises(BadRequest, match="one stretch of at most skip_before"):
+            trainer.request(SkipJob(job=job, steps=steps, samples=samples, spike=spike))
+    trainer.request(SkipJob(job=job, steps=[[2, 5]], spike=spike))
+    assert len(admin.request(GetJob(job=job)).job["spec"]["spikes"]) == 1
+    assert trainer.request(GetTask(key="k3")).job == job
+    with pytest.raises(Forbidden, match="max_skips"):
+        trainer.request(SkipJob(job=job, steps=[[6, 7]], spike={**spike, "step": 6}))
 
 
 # -- real jobs ------------------------------------------------------------------------------------

@@ -413,6 +413,8 @@ class JobControl:
             raise BadRequest(f"job {msg.job} is an evaluation task: it trains on no samples")
         steps = _ranges(msg.steps, "steps", low=1)
         samples = _ranges(msg.samples, "samples")
+        if msg.spike:
+            _check_spike_skip(spec, steps, samples)
         if not steps and not samples:
             raise BadRequest("skip needs steps [[a, b], ...] (steps a..b-1) or samples [[a, b], ...] (indices a..b-1)")
         count = sum(b - a for a, b in steps)
@@ -526,6 +528,20 @@ class JobControl:
             return
         state = self.store.release(job["id"], reason, lost=True)
         log.warning("job %s %s: %s", job["id"], state, reason)
+
+
+def _check_spike_skip(spec: dict, steps: list[list[int]], samples: list[list[int]]) -> None:
+    """A trainer's spike skip stays inside what the job's ``spike`` option allows: the option is on,
+    ``max_skips`` is not spent, and the stretch is one run of at most ``skip_before + 1`` steps ending at
+    the spike, never samples. A trainer token asks this, so it is bounded here, not only in the trainer."""
+    option = spec.get("spike")
+    if not option:
+        raise Forbidden("this job has no spike option: a trainer may not skip its steps")
+    if len(spec.get("spikes") or []) >= int(option.get("max_skips", 0)):
+        raise Forbidden(f"the job's spike.max_skips ({option.get('max_skips')}) is spent")
+    most = int(option.get("skip_before", 0)) + 1
+    if samples or len(steps) != 1 or steps[0][1] - steps[0][0] > most:
+        raise BadRequest(f"a spike skips one stretch of at most skip_before + 1 = {most} steps, and no samples")
 
 
 def _spike_record(spike: dict) -> dict:
