@@ -265,6 +265,7 @@ def test_skips_and_sample_queries_that_are_malformed_huge_or_out_of_scope_are_re
         admin.request(SkipJob(job=job, samples=hundred))
     spec = admin.request(GetJob(job=job)).job["spec"]
     assert len(spec["skip"]) == 40 and sum(len(s) for s in spec["skip"]) <= 4096
+    assert not spec.get("spike")  # an admin's skips leave the job's own spike skipping off
     # with no provider online and no checkpoint, the train_range gives the order's size; a range of an
     # epoch's whole order is in the split's indices (the range's first added)
     reply = admin.request(GetJobSamples(job=job, epoch=0, start=0, stop=5))

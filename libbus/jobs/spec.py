@@ -206,7 +206,13 @@ class JobSpec:
         return JobSpec.from_dict({**self.to_dict(), **changes})
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The spec as :meth:`from_dict` takes it back to this same spec (the router stores it, a
+        trainer's task carries it). ``spike`` is left out when off: a ``spike`` given, ``{}`` too,
+        turns the option on, so an off one written as ``{}`` would come back on."""
+        out = dataclasses.asdict(self)
+        if not self.spike:
+            del out["spike"]
+        return out
 
 
 @dataclass(frozen=True)
