@@ -1,9 +1,16 @@
 """DDP under torchrun, with no rank arguments: ``torchrun --nproc_per_node 2 examples/ddp_torchrun.py CKPT_DIR``.
 
 The loader finds its rank in the process group, reads its own shard, and gives every rank the same
-number of batches (DDP's collectives stay in step). A checkpoint holds every rank's cursor
-(gathered), so the job resumes exactly — after a ``kill -9`` — at this world size or another
-(``torchrun --nproc_per_node 3`` on the same checkpoint re-splits what is left of the epoch).
+number of batches (DDP's collectives stay in step). So the ranks are in lock-step, and rank 0's
+cursor stands for every rank's: rank 0 saves it with the model, nothing is gathered, and the job
+resumes exactly — after a ``kill -9`` — at this world size or another (``torchrun --nproc_per_node 3``
+on the same checkpoint re-splits what is left of the epoch).
+
+Why not ``dist.all_gather_object`` of every rank's cursor: it is not needed here, and with torch
+2.13 on Python 3.11 a gather of Python objects shortly before the ranks exit can abort one of them
+("terminate called without an active exception", SIGABRT): a DDP model keeps the gloo process group
+alive past ``destroy_process_group()``, and a gloo worker thread still releasing the gather's
+Python-made tensors when the interpreter finalizes cannot take the GIL (pytorch/pytorch#179291).
 """
 
 from __future__ import annotations
@@ -31,16 +38,16 @@ def main(ckpt_dir: str) -> None:
     loader = RemoteLoader(dataset(), batch_size=4, seed=1, **loader_args())  # rank and world: found
     ckpt = Path(ckpt_dir) / "ckpt.pt"
     ledger = Ledger(Path(ckpt_dir) / f"ledger-w{world}-r{rank}.txt")
-    step, kept = 0, {}  # kept: every ledger's length at the checkpoint (earlier world sizes' too)
+    step = 0
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loaders"])  # every old rank's cursor: any world size resumes
-        step, kept = state["step"], state["ledgers"]
+        loader.load_state_dict(state["loader"])  # rank 0's cursor, for every rank: any world size resumes
+        step = state["step"]
         if rank == 0:  # what was trained on after the checkpoint never happened
             for path in Path(ckpt_dir).glob("ledger-*.txt"):
-                Ledger(path).cut(state["ledgers"].get(path.name, 0))
+                Ledger(path).cut_at(step)
         dist.barrier()
         ledger = Ledger(ledger.path)
     killer = Killer()
@@ -54,12 +61,11 @@ def main(ckpt_dir: str) -> None:
             ledger.add(epoch, x)
             step += 1
             if step % EVERY == 0:
-                loaders, counts = [None] * world, [None] * world
-                dist.all_gather_object(loaders, loader.state_dict())
-                dist.all_gather_object(counts, (ledger.path.name, ledger.count))
+                ledger.mark(step)
+                dist.barrier()  # every rank's ledger marked before the checkpoint that counts on it
                 if rank == 0:
                     state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-                    save_atomically({**state, "loaders": loaders, "ledgers": {**kept, **dict(counts)}}, ckpt)
+                    save_atomically({**state, "loader": loader.state_dict()}, ckpt)
                 dist.barrier()  # no rank runs ahead of a checkpoint being written
             killer.step()
     loader.close()

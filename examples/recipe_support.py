@@ -67,6 +67,28 @@ class Ledger:
         self.path.write_text("".join(f"{line}\n" for line in lines))
         self.count = len(lines)
 
+    @property
+    def marks(self) -> Path:
+        return self.path.with_name(f"{self.path.name}.marks")
+
+    def mark(self, step: int) -> None:
+        """Note this ledger's length at global ``step`` (a line ``step count``), for :meth:`cut_at`:
+        how a rank keeps its own count of a checkpoint without gathering it to the rank that saves."""
+        with self.marks.open("a") as f:
+            f.write(f"{step} {self.count}\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def cut_at(self, step: int) -> None:
+        """Cut back to this ledger's length at the checkpoint of global ``step``: its last mark at or
+        before that step (none: everything in it came after the checkpoint)."""
+        marks = (
+            [tuple(map(int, line.split())) for line in self.marks.read_text().splitlines()]
+            if self.marks.exists()
+            else []
+        )
+        self.cut(max((count for at, count in marks if at <= step), default=0))
+
 
 class Killer:
     """``RECIPE_DIE_AT=N``: SIGKILL this process after its N-th step (a crash, not an exit)."""
