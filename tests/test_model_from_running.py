@@ -176,3 +176,17 @@ def test_a_job_without_a_checkpoint_is_no_source_yet(router, client_for):
     # an evaluation scores a finished model only
     with pytest.raises(BadRequest, match="succeeded job"):
         admin.request(SubmitJob(spec={"task": "evaluate", "dataset": "other", "model_from": queued, "split": "val"}))
+
+
+def test_a_state_without_model_weights_is_no_source(router, start_provider, entry_trainer, client_for):
+    start_provider("other=mock://mnist?n=64")
+    admin = client_for(router.endpoint, role="admin")
+    spec = {"dataset": "other", "entrypoint": f"{ENTRY}:pbt_member", "evaluate": False}
+    source = admin.request(SubmitJob(spec={**spec, "params": {"epochs": 10000, "rate": 1.0}})).job
+    _until(admin, source, lambda j: j["checkpoint"] is not None, "checkpointed")  # at each report
+    admin.request(ControlJob(job=source, command="stop"))
+    assert wait_job(admin, source, timeout=30)["state"] == "stopped"
+    start = {"dataset": "other", "entrypoint": f"{ENTRY}:constant", "evaluate": False, "model_from": source}
+    info = wait_job(admin, admin.request(SubmitJob(spec=start)).job, timeout=60)
+    assert info["state"] == "failed" and "'model' entry" in info["error"], info["error"]
+    assert info["attempts"] == 1  # not retried: the next attempt would read the same file

@@ -86,7 +86,8 @@ class JobSpec:
     monitor: str = "val_loss"
     #: ``train``, or ``evaluate``: score the stored model ``model_from`` (a succeeded job's id, or
     #: ``upload``: a file sent with the submission) on ``split`` (``val`` on a trainer, ``test`` on
-    #: the provider). A ``train`` job with ``model_from`` starts from that model's weights.
+    #: the provider). A ``train`` job with ``model_from`` starts from that model's weights, or (a job
+    #: that has not succeeded) from its latest checkpoint's (docs/jobs.md).
     task: str = "train"
     model_from: str = ""
     split: str = "val"
