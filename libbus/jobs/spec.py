@@ -207,7 +207,10 @@ class JobSpec:
         return JobSpec.from_dict({**self.to_dict(), **changes})
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if not out["spike"]:  # off is absent: from_dict reads any ``spike`` given, {} too, as on
+            del out["spike"]
+        return out
 
 
 @dataclass(frozen=True)
