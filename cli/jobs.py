@@ -88,7 +88,10 @@ def submit(
     ] = None,
     model_from: Annotated[
         str | None,
-        typer.Option(help="Start training from this model: a succeeded job's id, or a FILE.safetensors (uploaded)."),
+        typer.Option(
+            help="Start training from this model: a job's id (its final model, or while it has not succeeded "
+            "its latest checkpoint's weights), or a FILE.safetensors (uploaded)."
+        ),
     ] = None,
     train_range: Annotated[
         str | None, typer.Option(help="START:STOP: train on these records of the train split only.")

@@ -74,8 +74,9 @@ class Job(ABC):
     @abstractmethod
     def initial_model(self) -> dict[str, torch.Tensor] | None:
         """The weights the job starts from when it names ``model_from`` (a succeeded job's model,
-        or a file uploaded with it: ``busctl submit --model-from``), as a state dict; ``None``
-        without. Load them on a first attempt (``restore()`` returned ``None``)."""
+        the model weights of the latest checkpoint of a job that has not succeeded, or a file
+        uploaded with it: ``busctl submit --model-from``), as a state dict; ``None`` without. Load
+        them on a first attempt (``restore()`` returned ``None``)."""
 
     @abstractmethod
     def checkpoint(self, state: Mapping[str, Any] | None = None) -> dict:

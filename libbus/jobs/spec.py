@@ -86,7 +86,8 @@ class JobSpec:
     monitor: str = "val_loss"
     #: ``train``, or ``evaluate``: score the stored model ``model_from`` (a succeeded job's id, or
     #: ``upload``: a file sent with the submission) on ``split`` (``val`` on a trainer, ``test`` on
-    #: the provider). A ``train`` job with ``model_from`` starts from that model's weights.
+    #: the provider). A ``train`` job with ``model_from`` starts from that model's weights, or (a job
+    #: that has not succeeded) from its latest checkpoint's (docs/jobs.md).
     task: str = "train"
     model_from: str = ""
     split: str = "val"
@@ -206,11 +207,8 @@ class JobSpec:
         return JobSpec.from_dict({**self.to_dict(), **changes})
 
     def to_dict(self) -> dict:
-        """The spec as :meth:`from_dict` takes it back to this same spec (the router stores it, a
-        trainer's task carries it). ``spike`` is left out when off: a ``spike`` given, ``{}`` too,
-        turns the option on, so an off one written as ``{}`` would come back on."""
         out = dataclasses.asdict(self)
-        if not self.spike:
+        if not out["spike"]:  # off is absent: from_dict reads any ``spike`` given, {} too, as on
             del out["spike"]
         return out
 

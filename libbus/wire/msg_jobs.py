@@ -131,6 +131,10 @@ class Task(Message):
     rendezvous: str = ""
     #: Attempts of this job begun before this one (0 on its first).
     attempt: int = 0
+    #: A training job whose ``model_from`` names a job that has not succeeded: that job's latest
+    #: checkpoint record (``{path, sha256, step, ...}``) when this task was handed out; a first
+    #: attempt starts from the model weights in that file (read from the shared ``checkpoint_dir``).
+    initial: dict | None = None
 
 
 @message

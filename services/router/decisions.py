@@ -92,37 +92,60 @@ class Decisions:
 
     # -- evaluation tasks ------------------------------------------------------------------------
     def evaluation_spec(self, spec: JobSpec, frames: list, claims: Claims) -> JobSpec:
-        """Check a job's ``model_from`` before it is queued: a model uploaded with it, or a succeeded
-        job whose model the router holds. An ``evaluate`` task scores it (and takes its architecture);
-        a training job starts from it (``job.initial_model()``; the built-in loop loads it). Either
-        way a trainer receives that job's weights, so ``model_from`` passes the scope check
-        ``GetModel`` makes (``claims``, the submitter's token: its ``jobs`` scope, and its
-        ``datasets`` scope on the job's dataset): a dataset-limited admin cannot have another
+        """Check a job's ``model_from`` before it is queued: a model uploaded with it, a succeeded
+        job whose model the router holds, or (a training job only) a job that has not succeeded
+        but has a checkpoint: its current weights (:meth:`attach_model` takes its latest checkpoint
+        when the job is handed out). An ``evaluate`` task scores a model (and takes its
+        architecture); a training job starts from it (``job.initial_model()``; the built-in loop
+        loads it). Either way a trainer receives that job's weights, so ``model_from`` passes the
+        scope check ``GetModel`` makes (``claims``, the submitter's token: its ``jobs`` scope, and
+        its ``datasets`` scope on the job's dataset): a dataset-limited admin cannot have another
         dataset's model sent out."""
         if spec.task != "evaluate" and not spec.model_from:
             if frames:
                 raise BadRequest("a model comes with a submission only with model_from = 'upload'")
             return spec
-        if self.artifacts is None:
-            raise BadRequest("this router keeps no models (artifact_dir); it cannot run evaluation tasks")
-        if frames:
+        if spec.task != "evaluate" and spec.world_size > 1:
+            raise BadRequest(
+                "model_from is not supported for a gang (world_size > 1) yet: its ranks would not receive "
+                "the weights; start it from them with world_size = 1"
+            )
+        if frames or spec.model_from == UPLOAD:
+            if self.artifacts is None:
+                raise BadRequest("this router keeps no models (artifact_dir); it cannot take an uploaded model")
             if spec.model_from != UPLOAD:
                 raise BadRequest(f"a model sent with the task needs model_from = {UPLOAD!r}")
+            if not frames:
+                raise BadRequest("model_from = 'upload' but no model came with the submission")
             return spec
-        if spec.model_from == UPLOAD:
-            raise BadRequest("model_from = 'upload' but no model came with the submission")
+        if spec.task == "evaluate" and self.artifacts is None:
+            raise BadRequest("this router keeps no models (artifact_dir); it cannot run evaluation tasks")
         claims.check_job(spec.model_from)
         source = self.store.get(spec.model_from, events=False)
         claims.check_dataset(dataset_name(source["spec"]["dataset"]))
-        if source["state"] != JobState.SUCCEEDED or not (source["result"] or {}).get("model", {}).get("router_path"):
+        if _holds_model(source) and self.artifacts is not None:
+            if spec.task != "evaluate":
+                return spec
+            trained = source["spec"]
+            return JobSpec.from_dict(
+                {**spec.to_dict(), "model": trained["model"], "model_kwargs": trained["model_kwargs"]}
+            )
+        if spec.task == "evaluate":
             raise BadRequest(
                 f"job {spec.model_from} is {source['state']}; an evaluation task scores the model of "
                 "a succeeded job the router holds (busctl job model shows whether it does)"
             )
-        if spec.task != "evaluate":
+        if source["checkpoint"]:  # its current weights: its latest checkpoint when this job is handed out
             return spec
-        trained = source["spec"]
-        return JobSpec.from_dict({**spec.to_dict(), "model": trained["model"], "model_kwargs": trained["model_kwargs"]})
+        if source["state"] == JobState.SUCCEEDED:
+            raise BadRequest(
+                f"job {spec.model_from} succeeded, but the router holds neither its model nor a checkpoint"
+            )
+        raise BadRequest(
+            f"job {spec.model_from} is {source['state']} and has no checkpoint yet: a job starts from another "
+            "job's final model or, before it has one, from its latest checkpoint. Wait for its first "
+            f"checkpoint, or ask for one: busctl job checkpoint {spec.model_from}"
+        )
 
     def keep_upload(self, job: str, frames: list) -> None:
         """Keep the model uploaded with evaluation task ``job`` as that job's artifact."""
@@ -138,11 +161,22 @@ class Decisions:
 
     def attach_model(self, task: Task) -> Task:
         """An evaluation task carries the model it scores, a training job with ``model_from`` the
-        model it starts from (any other task is returned as it is)."""
+        model it starts from: a succeeded job's final model (its bytes, a payload frame), or the
+        latest checkpoint record of a job that has not succeeded (``Task.initial``, taken now, at
+        the moment the task is handed out, so it is the freshest). Any other task is returned as
+        it is."""
         spec = task.spec
         if spec.get("task") != "evaluate" and not spec.get("model_from"):
             return task
         source = task.job if spec["model_from"] == UPLOAD else spec["model_from"]
+        if source != task.job and spec.get("task") != "evaluate":
+            try:
+                job = self.store.get(source, events=False)
+            except NotFound as err:
+                self.store.finish(task.job, JobState.FAILED, f"the job it starts from is gone: {err}", error=str(err))
+                raise
+            if not (_holds_model(job) and self.artifacts is not None):
+                return self._attach_checkpoint(task, job)
         if self.artifacts is None:
             raise Internal("this router keeps no models (no artifacts directory)")
         try:
@@ -151,6 +185,27 @@ class Decisions:
             self.store.finish(task.job, JobState.FAILED, f"the model it names is gone: {err}", error=str(err))
             raise
         return task
+
+    def _attach_checkpoint(self, task: Task, source: dict) -> Task:
+        """``task`` starts from ``source``'s latest checkpoint (its model weights only)."""
+        record = source["checkpoint"]
+        if not record:
+            why = f"job {source['id']} ({source['state']}) has no checkpoint any more to start from"
+            self.store.finish(task.job, JobState.FAILED, why, error=why)
+            raise NotFound(why)
+        task.initial = record
+        if task.resume is None:  # a fresh start: the weights it begins with (a resumed attempt has its own)
+            self.store.event(
+                task.job,
+                f"starts from the weights of job {source['id']} ({source['state']}): its checkpoint at "
+                f"step {record['step']} (sha256 {str(record['sha256'])[:12]}…)",
+            )
+        return task
+
+
+def _holds_model(job: dict) -> bool:
+    """Whether ``job`` succeeded and the router holds its final model."""
+    return job["state"] == JobState.SUCCEEDED and bool((job["result"] or {}).get("model", {}).get("router_path"))
 
 
 def _allows_study(claims: Claims, dataset) -> bool:

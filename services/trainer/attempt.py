@@ -247,6 +247,7 @@ class AttemptRun:
                     "resume": self.task.resume,
                     "rendezvous": self.task.rendezvous,
                     "attempt": self.task.attempt,
+                    "initial": self.task.initial,
                 },
                 name=self.identity.name,
                 providers=resolved.providers,

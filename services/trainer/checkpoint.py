@@ -14,6 +14,10 @@ checkpoint or the new one, never half of one. Its sha256 goes to the router with
 checked before the file is trusted again. The trainer keeps the last :data:`KEEP` per job, and
 the last one the router has recorded.
 
+An entrypoint job's checkpoints (:mod:`.jobapi`) are files of the same kind in format
+:data:`JOB_STATE_FORMAT`. :func:`checkpoint_model` takes the model weights alone out of either (a job
+that starts from another job's current weights, ``model_from``).
+
 The final model is ``<checkpoint_dir>/<job>/model.safetensors``: the plain state dict, loadable with
 ``safetensors.torch.load_file`` into the model the job names.
 """
@@ -36,14 +40,17 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from libbus.errors import BusError
+from libbus.jobapi import StateError, decode_state
 from libbus.jobs.spec import JobSpec
 from services.atomic import write_atomic
 
 __all__ = [
     "FORMAT",
+    "JOB_STATE_FORMAT",
     "KEEP",
     "CheckpointError",
     "Restored",
+    "checkpoint_model",
     "job_dir",
     "load_checkpoint",
     "model_metadata",
@@ -55,6 +62,8 @@ __all__ = [
 ]
 
 FORMAT = "batchbus-checkpoint-1"
+#: The format of an entrypoint job's checkpoint (written by :mod:`.jobapi`).
+JOB_STATE_FORMAT = "batchbus-job-state-1"
 #: Checkpoints a trainer keeps per job (older ones are removed once a newer one is on disk).
 KEEP = 2
 
@@ -240,6 +249,45 @@ def restore_checkpoint(data: bytes, record: dict, model: nn.Module, optimizer: t
         )
     except (KeyError, ValueError, RuntimeError, orjson.JSONDecodeError) as err:
         raise CheckpointError(f"checkpoint {path} does not fit this job's model and optimizer: {err}") from err
+
+
+def checkpoint_model(data: bytes, record: dict) -> dict[str, torch.Tensor]:
+    """The model weights alone in checkpoint bytes ``data`` (another job's, named by ``record``),
+    checked against ``record``'s sha256 first: a built-in job's model tensors (:data:`FORMAT`), or
+    the ``model`` entry of an entrypoint job's state (:data:`JOB_STATE_FORMAT`: a module's or a
+    plain state dict, as ``job.checkpoint`` stored it). Its optimizer, cursors, step and random
+    state are left out.
+
+    Raises:
+        CheckpointError: the bytes changed since the router recorded them, are not a batchbus
+            checkpoint, or hold no model weights.
+    """
+    path = record.get("path")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != record.get("sha256"):
+        raise CheckpointError(
+            f"checkpoint {path} has sha256 {digest[:12]}…, the router recorded "
+            f"{str(record.get('sha256'))[:12]}…: changed or truncated since it was written"
+        )
+    try:
+        tensors = load_safetensors(data)
+        meta = metadata_of(data)
+        kind = meta.get("batchbus")
+        if kind == FORMAT:
+            return {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+        if kind != JOB_STATE_FORMAT:
+            raise CheckpointError(f"{path} is not a batchbus checkpoint (format {kind!r})")
+        user = {k.removeprefix("user."): v for k, v in tensors.items() if k.startswith("user.")}
+        state = decode_state(user, orjson.loads(meta["state"]))
+    except (SafetensorError, StateError, ValueError, KeyError, AttributeError, orjson.JSONDecodeError) as err:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {err}") from err
+    model = state.get("model") if isinstance(state, Mapping) else None
+    if not isinstance(model, Mapping) or not model or not all(isinstance(v, torch.Tensor) for v in model.values()):
+        raise CheckpointError(
+            f"checkpoint {path} holds no model weights: its job's state (job.checkpoint / job.on_checkpoint) "
+            "needs a 'model' entry, a module or a state dict of tensors"
+        )
+    return {str(k): v for k, v in model.items()}
 
 
 def model_metadata(job: str, spec: JobSpec, step: int) -> dict[str, str]:

@@ -40,6 +40,7 @@ from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import Checkpointed, Command, Progress, Task
 
 from .checkpoint import (
+    JOB_STATE_FORMAT,
     CheckpointError,
     job_dir,
     metadata_of,
@@ -51,7 +52,7 @@ from .checkpoint import (
 )
 from .control import Controls, Lost, Stopped
 from .gang import Code, Gang, GangError
-from .prepare import initial_weights, shard
+from .prepare import shard, starting_weights
 from .progress import Meter
 from .reports import Reporter
 from .resume import read_shared
@@ -61,7 +62,6 @@ __all__ = ["JOB_STATE_FORMAT", "AttemptJob"]
 
 log = logging.getLogger(__name__)
 
-JOB_STATE_FORMAT = "batchbus-job-state-1"
 #: What a job's loader may not be told: they are the job's (its dataset, its trainer's identity).
 RESERVED_LOADER_ARGS = ("dataset", "provider", "token", "resolver", "curve", "host_id", "name")
 
@@ -202,9 +202,7 @@ class AttemptJob(Job):
         return self._restore_value
 
     def initial_model(self) -> dict[str, torch.Tensor] | None:
-        if not self.task.frames:
-            return None
-        return initial_weights(self.task.frames[0], self.spec.model_from)
+        return starting_weights(self.task, self.settings.checkpoint_dir, self.gang)
 
     def checkpoint(self, state: Mapping[str, Any] | None = None) -> dict:
         record = self._write(state)

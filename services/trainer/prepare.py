@@ -14,15 +14,27 @@ from torch import nn
 from libbus.config import Settings
 from libbus.connect.client import Identity
 from libbus.connect.link import Link
-from libbus.errors import BadRequest, NotFound
+from libbus.errors import BadRequest, NotFound, Unavailable
 from libbus.jobs.spec import JobSpec
 from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import Resolve, Resolved, Task
 from services.models import build_model
 
+from .checkpoint import CheckpointError, checkpoint_model
+from .gang import Gang
 from .optim import make_optimizer
+from .resume import read_shared
 
-__all__ = ["build", "initial_weights", "job_device", "load_initial", "open_loaders", "resolve", "shard"]
+__all__ = [
+    "build",
+    "initial_weights",
+    "job_device",
+    "load_initial",
+    "open_loaders",
+    "resolve",
+    "shard",
+    "starting_weights",
+]
 
 
 def resolve(link: Link, dataset: str, settings: Settings, watchdog: Callable[[], object]) -> Resolved:
@@ -117,17 +129,51 @@ def open_loaders(
 
 
 def initial_weights(frame: bytes | memoryview, source: str) -> dict[str, torch.Tensor]:
-    """The weights a job starts from (``model_from``: the router sends them with its task), from
-    safetensors bytes only. Raises :class:`BadRequest` for bytes that are not safetensors."""
+    """The weights a job starts from when ``model_from`` names a model the router sends with its
+    task (a succeeded job's, or an upload), from safetensors bytes only. Raises
+    :class:`BadRequest` for bytes that are not safetensors."""
     try:
         return load_safetensors(bytes(frame))
     except Exception as err:  # noqa: BLE001 - safetensors raises several types for malformed bytes
         raise BadRequest(f"model_from {source!r}: the weights are not a safetensors file: {err}") from err
 
 
-def load_initial(model: nn.Module, frame: bytes | memoryview, source: str) -> None:
-    """Load the ``model_from`` weights into the built-in ``model`` (strict: they must fit it)."""
+def starting_weights(task: Task, root: str, gang: Gang | None = None) -> dict[str, torch.Tensor] | None:
+    """The weights ``task``'s job starts from (``model_from``), or None when it names none: the model
+    the router sent with the task, or the model weights of another job's checkpoint (``task.initial``,
+    that job's latest when the task was handed out), read from ``root`` (``checkpoint_dir``; in a gang
+    rank 0 reads it for every rank). Only the weights are taken: its optimizer and data position stay
+    that job's.
+
+    Raises:
+        Unavailable: the checkpoint cannot be read on this trainer (the attempt is retried, and its
+            next task names that job's latest checkpoint then).
+        BadRequest: the bytes are not a model: changed since the router recorded them (sha256), or no
+            model weights in them (not retried).
+    """
+    source = str(task.spec.get("model_from", ""))
+    if task.frames:
+        return initial_weights(task.frames[0], source)
+    if not task.initial:
+        return None
     try:
-        model.load_state_dict(initial_weights(frame, source))
+        data = read_shared(task.initial, root, gang)
+    except CheckpointError as err:
+        raise Unavailable(
+            f"model_from {source!r}: {err}. A job starts from another job's checkpoint on a trainer that can "
+            "read it: that job's own trainer, or trainers sharing one checkpoint_dir (as population-based "
+            "training needs)"
+        ) from err
+    try:
+        return checkpoint_model(data, task.initial)
+    except CheckpointError as err:
+        raise BadRequest(f"model_from {source!r}: {err}") from err
+
+
+def load_initial(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Load the ``model_from`` weights (:func:`starting_weights`) into the built-in ``model``
+    (strict: their names and shapes must fit it)."""
+    try:
+        model.load_state_dict(weights)
     except RuntimeError as err:
         raise BadRequest(f"model_from {source!r} does not fit this job's model: {err}") from err

@@ -33,7 +33,7 @@ from .final_eval import EVALUATE_TIMEOUT_S, score_final
 from .gang import Gang, GangError, advertised_host
 from .lockstep import Lockstep
 from .optim import apply_hyper
-from .prepare import build, job_device, load_initial, open_loaders, resolve
+from .prepare import build, job_device, load_initial, open_loaders, resolve, starting_weights
 from .progress import Meter, epoch_record, final_result, progress_report
 from .reports import Reporter
 from .resume import restore, save
@@ -302,8 +302,8 @@ class TaskRun:
             # a checkpoint half loaded must not leak into the fresh start (build seeds anew)
             model, optimizer = build(spec, info, device, self.settings.job_modules)
             self.model, self.optimizer = model, optimizer
-        if self.task.frames and self.step == 0:  # model_from: a first attempt starts from those weights
-            load_initial(model, self.task.frames[0], spec.model_from)
+        if self.step == 0 and (initial := starting_weights(self.task, s.checkpoint_dir, self.gang)) is not None:
+            load_initial(model, initial, spec.model_from)  # model_from: a first attempt starts from those weights
         net = model if self.gang is None else DistributedDataParallel(model, device_ids=self.gang.device_ids)
         if s.audit_dir:
             self.audit = Audit(s.audit_dir, self.job, self.identity.name, self.step, rank=self.task.rank)

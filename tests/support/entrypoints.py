@@ -165,6 +165,29 @@ def constant(job: Job) -> None:
     job.save_model({"w": w})
 
 
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+
+
+def counting(job: Job) -> None:
+    """Its model (a module with one weight ``w``) counts its steps: ``w`` is the step count at each
+    checkpoint (taken when asked: ``busctl job checkpoint``); ``params["steps"]`` steps of
+    ``params["sleep"]`` s. A job starting from it (``constant``) ends with ``w`` + 1."""
+    model = _Counter()
+    state = job.restore()
+    if state is not None:
+        model.load_state_dict(state["model"])
+    job.on_checkpoint(lambda: {"model": model})
+    for _ in range(int(model.w[0]), job.params.get("steps", 1000)):
+        with torch.no_grad():
+            model.w += 1
+        time.sleep(job.params.get("sleep", 0.05))
+        job.step()
+    job.save_model(model.state_dict())
+
+
 def pbt_member(job: Job) -> None:
     """Its state is one number ``w``, raised by ``params["rate"]`` each epoch; the closer to 20, the
     better (a member with a small rate is the bottom one, and takes a better member's ``w``)."""
