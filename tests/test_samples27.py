@@ -97,6 +97,7 @@ def _audited_steps(directory: Path, job: str) -> dict[tuple[int, int], list[str]
     return out
 
 
+@pytest.mark.timeout(300)  # its own waits allow more than the suite's default 120 s
 def test_samples_of_every_step_are_what_the_audit_recorded_across_a_kill_and_a_resize(tmp_path):
     cluster = JobCluster(tmp_path)
     try:
@@ -319,6 +320,7 @@ def test_a_skip_leaves_an_order_exactly_once_across_resumes_at_any_world_size():
             assert set(range(n)) - set(read) - skipped == set(), seed
 
 
+@pytest.mark.timeout(300)  # its own waits allow more than the suite's default 120 s
 def test_samples_of_an_entrypoint_jobs_steps_are_what_its_function_trained_on_across_a_kill(tmp_path):
     from tests.support.jobs import EntryCluster
 
