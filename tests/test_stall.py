@@ -8,6 +8,7 @@ server's delay), so they stay slow whatever else the machine is doing."""
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 
 import numpy as np
@@ -23,6 +24,7 @@ from libbus.wire.messages import BatchResponse
 from tests.support import Cluster
 from tests.support.busctl import REPO
 from tests.support.httpd import RangeServer
+from tests.support.metrics import scrape
 
 ALLOWED = ["tests.support.user_transforms"]
 
@@ -236,7 +238,7 @@ def test_busctl_job_show_names_the_slow_stage_of_a_real_job(tmp_path):
         cluster.start_router()
         cluster.start("prov", "provider", "--dataset", f"aug={slow_stage_pipeline(tmp_path)}", ready=True)
         cluster.endpoint_of("prov")
-        cluster.start_trainer("trainer-1")
+        cluster.start_trainer("trainer-1", "--metrics-bind", "127.0.0.1:0")
         job = cluster.submit_spec({"dataset": "aug", "model": "mlp", "epochs": 1, "batch_size": 8})
         info = cluster.wait_end(job, timeout=180)
         assert info["state"] == "succeeded", f"{info.get('error')}\n{cluster.logs()}"
@@ -244,6 +246,15 @@ def test_busctl_job_show_names_the_slow_stage_of_a_real_job(tmp_path):
         assert split["largest"] == "stage:augment", split
         shown = cluster.busctl("job", "show", job).stdout
         assert "data wait split: stage:augment" in shown, shown
+        # and on the trainer's own Prometheus endpoint, the ended job's split by part
+        url = re.search(r"metrics on (http://\S+)", (cluster.state / "trainer-1.log").read_text()).group(1)
+        parts = {
+            dict(labels)["part"]: v
+            for (name, labels), v in scrape(url).items()
+            if name == "batchbus_trainer_data_wait_part_seconds_total"
+        }
+        assert max(parts, key=parts.__getitem__) == "stage:augment", parts
+        assert parts["stage:augment"] == pytest.approx(split["parts"]["stage:augment"], rel=1e-6)
     finally:
         cluster.close()
 
@@ -257,3 +268,23 @@ def test_top_and_job_show_lead_with_the_largest_part():
     assert wait_split({"parts": {}}) == "" and wait_split(None) == ""
     row = {"data_wait_pct": 42.0, "data_wait_slowest": "p1", "data_wait_split": split}
     assert data_wait_cell(row) == "42.0% (p1): stage:augment 80%, read 10%"
+
+
+def test_the_trainer_exports_a_bounded_split_whatever_an_attempt_reports():
+    """An attempt's progress comes from the process that runs the job's code: its split reaches the
+    trainer's Prometheus labels only as finite, non-negative seconds under few, plain part names."""
+    from services.trainer.app import add_parts
+    from services.trainer.attempt import MAX_WAIT_PARTS, wait_parts
+
+    hostile = {f"stage:s{i}": 1.0 for i in range(5000)}
+    hostile.update({"read": math.nan, "queue": -3.0, "transfer": math.inf, 'x"}\n': 1.0, "ok": True, "q" * 500: 1.0})
+    parts = wait_parts({"parts": hostile})
+    assert len(parts) == MAX_WAIT_PARTS and all(name.startswith("stage:s") for name in parts)
+    assert wait_parts({"parts": {"read": 2, "queue": 0.5}}) == {"read": 2.0, "queue": 0.5}
+    for junk in (None, [], "parts", {"parts": [1, 2]}):
+        assert wait_parts(junk) == {}
+    total: dict[str, float] = {}
+    for attempt in range(3):  # attempt after attempt of new names: the labels stay bounded, the seconds kept
+        add_parts(total, {f"stage:a{attempt}-{i}": 1.0 for i in range(MAX_WAIT_PARTS)})
+    assert len(total) == MAX_WAIT_PARTS + 1 and total["other"] == 2 * MAX_WAIT_PARTS
+    assert sum(total.values()) == 3 * MAX_WAIT_PARTS

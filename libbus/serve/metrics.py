@@ -360,6 +360,18 @@ class StatsCollector(Collector):
         wait = stats.get("data_wait_s")
         if isinstance(wait, (int, float)):  # the data-stall signal: the model idle, waiting for batches
             yield one(CounterMetricFamily, "trainer_data_wait_seconds", "Seconds training waited for data.", wait)
+        parts = stats.get("data_wait_parts")
+        if isinstance(parts, dict) and parts:  # where that wait went (libbus.loader.stall's split)
+            fam = family(
+                CounterMetricFamily,
+                "trainer_data_wait_part_seconds",
+                "Seconds training waited for data, by part: provider queue, source read, each pipeline stage "
+                "(stage:NAME), transfer, other.",
+                ("part",),
+            )
+            for part, seconds in sorted(parts.items()):
+                fam.add_metric([self.service, self.name, str(part)], float(seconds))
+            yield fam
         tasks = stats.get("tasks")
         if isinstance(tasks, dict):
             fam = family(CounterMetricFamily, "tasks", "Jobs this trainer ran to an end, by final state.", ("state",))

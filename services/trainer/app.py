@@ -22,7 +22,7 @@ from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, 
 
 from .. import runtime
 from ..sdnotify import Notifier
-from .attempt import AttemptRun, warm_up
+from .attempt import MAX_WAIT_PARTS, AttemptRun, warm_up
 from .failures import describe_failure
 from .reports import Reporter
 from .run import LOST
@@ -33,6 +33,15 @@ log = logging.getLogger(__name__)
 
 #: How long a finished task's result may wait for an absent router before it is given up.
 PUSH_RESULT_PATIENCE_S = 600.0
+
+
+def add_parts(into: dict[str, float], parts: dict[str, float]) -> None:
+    """Add an attempt's data wait by part to ``into``; a part name past ``MAX_WAIT_PARTS`` kinds
+    counts as ``other`` (each name is a Prometheus label value: their number stays bounded)."""
+    for name, seconds in parts.items():
+        known = name in into or len(into) < MAX_WAIT_PARTS
+        key = name if known else "other"
+        into[key] = into.get(key, 0.0) + seconds
 
 
 class TrainerService:
@@ -51,6 +60,8 @@ class TrainerService:
         self.tasks: Counter = Counter()
         #: Seconds the jobs that ended waited for data; the running one's come from its loader.
         self.data_wait_done = 0.0
+        #: The ended attempts' data wait by part (the running one's is added when read).
+        self.data_wait_parts_done: dict[str, float] = {}
         self.run_now: AttemptRun | None = None
         #: The Prometheus endpoint while running (``metrics_bind`` set), else ``None``.
         self.metrics: MetricsExporter | None = None
@@ -71,12 +82,16 @@ class TrainerService:
             self.commands.put(msg)
 
     def stats(self) -> dict:
-        waited = self.run_now.data_wait_s if self.run_now is not None else 0.0
+        run = self.run_now
+        waited = run.data_wait_s if run is not None else 0.0
+        parts = dict(self.data_wait_parts_done)
+        add_parts(parts, run.data_wait_parts if run is not None else {})
         return {
             "job": self.current_job,
             "tasks": dict(self.tasks),
             "connected": self.link.connected.is_set(),
             "data_wait_s": self.data_wait_done + waited,
+            "data_wait_parts": parts,
         }
 
     def run(self, stop: threading.Event) -> int:
@@ -168,6 +183,7 @@ class TrainerService:
             reporter.close()
             if self.run_now is not None:
                 self.data_wait_done += self.run_now.data_wait_s
+                add_parts(self.data_wait_parts_done, self.run_now.data_wait_parts)
             self.current_job, self.run_now = None, None
         self.tasks[str(state)] += 1  # a plain str key: the stats go out as JSON
         if task.rank > 0:  # rank 0 reports for the gang (services/trainer/gang.py)

@@ -25,6 +25,7 @@ import math
 import multiprocessing
 import multiprocessing.forkserver
 import queue
+import re
 import signal
 import socket
 import threading
@@ -88,6 +89,35 @@ def warm_up() -> None:
         multiprocessing.forkserver.ensure_running()
     except Exception as err:  # noqa: BLE001 - the first attempt tries again and fails with the reason
         log.warning("the fork server attempts start from did not start: %s", err)
+
+
+#: Most parts of a data-wait split kept per attempt (each a Prometheus label value), and their name's length.
+MAX_WAIT_PARTS, MAX_PART_NAME = 32, 64
+_PART_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
+
+
+def wait_parts(split: object) -> dict[str, float]:
+    """The ``parts`` of a progress report's ``data_wait_split`` (``libbus.loader.stall``), as the
+    trainer exports them: finite, non-negative seconds under at most ``MAX_WAIT_PARTS`` plain names.
+    The report comes from the attempt's process, which runs the job's code: anything else is dropped."""
+    parts = split.get("parts") if isinstance(split, dict) else None
+    if not isinstance(parts, dict):
+        return {}
+    out: dict[str, float] = {}
+    for name, seconds in parts.items():
+        if len(out) == MAX_WAIT_PARTS:
+            break
+        if (
+            isinstance(name, str)
+            and len(name) <= MAX_PART_NAME
+            and _PART_NAME.fullmatch(name)
+            and isinstance(seconds, (int, float))
+            and not isinstance(seconds, bool)
+            and math.isfinite(seconds)
+            and seconds >= 0
+        ):
+            out[name] = float(seconds)
+    return out
 
 
 #: What a child may ask the router, through its trainer: nothing it could not do as the job's trainer.
@@ -185,6 +215,8 @@ class AttemptRun:
         self.log = AttemptLog(settings.attempt_log_bytes)
         #: Seconds the attempt's train loader waited for data (its last progress report says).
         self.data_wait_s = 0.0
+        #: The same split by part (``stage:NAME``, ``read``, ``transfer``, ``queue``, ``other``), bounded.
+        self.data_wait_parts: dict[str, float] = {}
         self.unclean = False
         self.child: multiprocessing.process.BaseProcess | None = None
         self._output: BinaryIO | None = None
@@ -364,6 +396,7 @@ class AttemptRun:
             self.last_checkpoint = msg.checkpoint
         elif isinstance(msg, Progress) and isinstance(msg.progress.get("data_wait_s"), (int, float)):
             self.data_wait_s = float(msg.progress["data_wait_s"])
+            self.data_wait_parts = wait_parts(msg.progress.get("data_wait_split"))
         timeout_s = min(float(header.get("timeout_s", 10.0)), 600.0)
 
         def call() -> None:
