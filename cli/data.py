@@ -97,6 +97,11 @@ def _decode_cache(caches: dict) -> list[str]:
             f"{provider}: {c.get('entries', 0):,} samples, {_mb(c.get('bytes', 0))} "
             f"(cache {_mb(c.get('cache_bytes', 0))} of {_mb(c.get('limit_bytes', 0))}); "
             f"hits {c.get('hits', 0):,}, misses {c.get('misses', 0):,}, {rate}"
+            + (
+                f"; final outputs: hits {c['final_hits']:,}, misses {c['final_misses']:,}"
+                if c.get("final_hits", 0) + c.get("final_misses", 0)
+                else ""
+            )
         )
     return lines
 

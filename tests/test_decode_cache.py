@@ -72,27 +72,123 @@ def jobs(n: int, seed: int) -> list[tuple[int, np.ndarray]]:
     return out
 
 
-def test_jobs_with_different_seeds_get_the_bytes_of_an_uncached_run_and_share_the_decode(tmp_path, images):
+def test_jobs_get_the_bytes_of_an_uncached_run_and_share_the_decode_and_the_final_outputs(tmp_path, images):
     plain = pipeline(tmp_path, images, name="plain.toml")
     cached = pipeline(tmp_path, images, name="cached.toml")
     cache = DecodeCache(64 << 20)
-    assert cached.use_cache(cache, "imgs")
+    assert cached.use_cache(cache, "imgs") and cached.final is not None
     n = plain.num_samples("train")
-    for seed in (1, 2, 3):  # three jobs, each its own order, one after another over one cache
+    # three jobs (a study's trials: the pipeline's seed, each its own order), one after another
+    for seed in (1, 2, 3):
         for epoch, idx in jobs(n, seed):
             want, got = read(plain, idx, epoch), read(cached, idx, epoch)
             assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])
     decode = next(s for s in cached.metrics()["stages"] if s["name"] == "decode")
     assert decode["items_in"] == n  # each image decoded once, for six epochs of three jobs
     stats = cache.stats()
-    assert stats["misses"] == n and stats["hits"] == 6 * n - n and stats["entries"] == n
-    assert stats["datasets"]["imgs"]["hit_rate"] == round(5 / 6, 4)
-    # the random stages still ran on every sample of every request
+    # the first job computed epochs 0 and 1 (decoding in epoch 0); the others were served whole
+    assert stats["final"]["misses"] == 2 * n and stats["final"]["hits"] == 4 * n
+    assert stats["misses"] == n and stats["hits"] == n
+    assert stats["final"]["entries"] == 2 * n and stats["entries"] == 3 * n
+    per = stats["datasets"]["imgs"]
+    assert per["hit_rate"] == 0.5 and per["final_hit_rate"] == round(4 / 6, 4)
+    # the random stages ran once per sample and epoch: for the first job only
     crop = next(s for s in cached.metrics()["stages"] if s["name"] == "crop")
-    assert crop["items_in"] == 6 * n
-    assert pipeline_stats({"imgs": cached})["decode_cache"]["hits"] == stats["hits"]
+    assert crop["items_in"] == 2 * n
+    assert pipeline_stats({"imgs": cached})["decode_cache"]["final"]["hits"] == 4 * n
     plain.close()
     cached.close()
+
+
+def test_a_final_output_is_never_served_under_another_seed_or_epoch(tmp_path, images):
+    cache = DecodeCache(64 << 20)
+    # two pipelines under one dataset name, the same stages but the file's seed: one final digest
+    p0, p7 = pipeline(tmp_path, images, seed=0, name="p0.toml"), pipeline(tmp_path, images, seed=7, name="p7.toml")
+    assert p0.use_cache(cache, "imgs") and p7.use_cache(cache, "imgs")
+    plain0, plain7 = (
+        pipeline(tmp_path, images, seed=0, name="q0.toml"),
+        pipeline(tmp_path, images, seed=7, name="q7.toml"),
+    )
+    idx = np.arange(16)
+    want0, want7 = read(plain0, idx, 0)[0], read(plain7, idx, 0)[0]
+    assert not np.array_equal(want0, want7)
+    assert np.array_equal(read(p0, idx, 0)[0], want0)
+    assert np.array_equal(read(p7, idx, 0)[0], want7)  # its own seed: not p0's final outputs
+    assert cache.stats()["final"]["hits"] == 0
+    assert np.array_equal(read(p0, idx, 1)[0], read(plain0, idx, 1)[0])  # another epoch: other crops
+    assert cache.stats()["final"]["hits"] == 0
+    assert np.array_equal(read(p0, idx, 0)[0], want0) and cache.stats()["final"]["hits"] == 16
+    # a control command changes what the random stages draw from: the key follows
+    for stage in ("crop", "flip"):
+        p0.stage(stage).control("set", {"seed": 7})
+    assert np.array_equal(read(p0, idx, 0)[0], want7)
+    for stage in ("crop", "flip"):
+        p0.stage(stage).control("set", {"epoch": 1})  # pinned: epoch 1's crops whatever is asked
+    assert np.array_equal(read(p0, idx, 0)[0], read(plain7, idx, 1)[0])
+    for p in (p0, p7, plain0, plain7):
+        p.close()
+
+
+def test_final_outputs_never_evict_decoded_samples(tmp_path):
+    cache = DecodeCache(1000)
+    decoded = [("d", "train", i, "prefix") for i in range(4)]
+    final = [("d", "train", i, "all", "0:0") for i in range(4)]
+
+    def entry(size: int) -> Entry:
+        return Entry(np.zeros(size - 8, np.uint8), np.zeros((), np.int64))
+
+    for key in decoded[:4]:
+        cache.put(key, entry(200))  # 800 of 1000 bytes
+    cache.put(final[0], entry(300))  # only 200 free, and decoded samples come first: not kept
+    assert cache.get(final[0]) is None and cache.stats()["entries"] == 4
+    cache.put(final[1], entry(150))
+    cache.put(final[2], entry(50))
+    assert cache.stats()["final"]["entries"] == 2 and cache.stats()["bytes"] == 1000
+    cache.put(final[3], entry(100))  # evicts the older final output, not a decoded sample
+    assert cache.get(final[1]) is None and cache.get(final[3]) is not None
+    cache.put(("d", "train", 9, "prefix"), entry(150))  # a decoded sample evicts final outputs first
+    stats = cache.stats()
+    assert stats["final"]["entries"] == 0 and stats["entries"] == 5 and stats["bytes"] <= 1000
+    assert all(cache.get(key) is not None for key in decoded)
+    # the same order of priority on the disk tier
+    probe = DecodeCache(1, disk_bytes=1 << 20, disk_dir=str(tmp_path / "probe"))
+    probe.put(final[1], entry(500))
+    size = probe.stats()["disk"]["bytes"]  # a file: the entry, its key, a header (decoded ones a little less)
+    probe.close()
+    limit = 5 * size + size // 2
+    disk = DecodeCache(1, disk_bytes=limit, disk_dir=str(tmp_path / "dc"))
+    for i in range(4):
+        disk.put(("d", "train", i, "prefix"), entry(500))
+    disk.put(final[0], entry(500 + 2 * size))  # would need a decoded sample's room: not written
+    assert disk.get(final[0]) is None and disk.stats()["disk"]["entries"] == 4
+    disk.put(final[1], entry(500))
+    assert disk.stats()["disk"]["final_entries"] == 1
+    disk.put(("d", "train", 5, "prefix"), entry(500))  # evicts the final file first
+    d = disk.stats()["disk"]
+    assert d["final_entries"] == 0 and d["entries"] == 5 and d["bytes"] <= limit
+    assert all(disk.get(("d", "train", i, "prefix")) is not None for i in (0, 1, 2, 3, 5))
+    disk.close()
+
+
+def test_a_corrupt_final_output_on_disk_is_computed_again_not_served(tmp_path, images):
+    disk = tmp_path / "dc"
+    cache = DecodeCache(1, disk_bytes=64 << 20, disk_dir=str(disk))  # RAM of one byte: all goes to disk
+    cached, plain = pipeline(tmp_path, images, name="c.toml"), pipeline(tmp_path, images, name="p.toml")
+    cached.use_cache(cache, "imgs")
+    idx = np.arange(8)
+    want = read(plain, idx, 0)
+    read(cached, idx, 0)
+    assert cache.stats()["disk"]["final_entries"] == 8
+    for f in disk.iterdir():  # every file, decoded and final: one byte flipped
+        data = f.read_bytes()
+        f.write_bytes(data[:-3] + bytes([data[-3] ^ 1]) + data[-2:])
+    got = read(cached, idx, 0)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    stats = cache.stats()
+    assert stats["final"]["hits"] == 0 and stats["disk"]["corrupt"] == 16  # 8 final outputs, then 8 decoded
+    cached.close()
+    plain.close()
+    cache.close()
 
 
 def test_concurrent_jobs_read_correct_bytes_from_one_cache(tmp_path, images):
@@ -133,7 +229,8 @@ def test_pipelines_and_splits_never_share_an_entry(tmp_path, images):
     assert np.array_equal(read(b, idx, 0)[0], read(plain_b, idx, 0)[0])  # b: its own seed, its own entries
     assert np.array_equal(read(b, idx, 0, "val")[0], read(plain_b, idx, 0, "val")[0])
     per = cache.stats()["datasets"]
-    assert per["a"]["entries"] == per["b"]["entries"] == 20 and per["b"]["hits"] == 0
+    # 20 decoded samples and 20 final outputs each
+    assert per["a"]["entries"] == per["b"]["entries"] == 40 and per["b"]["hits"] == per["b"]["final_hits"] == 0
     # another prefix (resize before the crop) over the same files and dataset name: another digest
     other = (tmp_path / "a.toml").read_text().replace(
         'input = "decode"\nrandom', 'input = "resize"\nrandom'
@@ -270,16 +367,19 @@ def test_a_provider_shares_its_cache_and_shows_it_in_busctl_datasets_and_prometh
         decode_cache_bytes=32 << 20,
         decode_cache_disk_bytes=8 << 20,
     )
-    for job in range(2):  # two jobs (clients) over the same 12 samples
+    # three jobs (clients) over the same 12 samples: in epochs 0, 1 and 1 again
+    for epoch in (0, 1, 1):
         client = client_for(running.endpoint)
         for start in (0, 6):
-            client.request(BatchRequest(dataset="imgs", split="train", range=[start, start + 6], epoch=job))
+            client.request(BatchRequest(dataset="imgs", split="train", range=[start, start + 6], epoch=epoch))
     me = dict(service="provider", name="prov-dc")
     s = scrape(running.service.metrics.url)
     assert value(s, "batchbus_decode_cache_hits_total", dataset="imgs", **me) == 12
     assert value(s, "batchbus_decode_cache_misses_total", dataset="imgs", **me) == 12
     assert value(s, "batchbus_decode_cache_hit_rate", dataset="imgs", **me) == 0.5
-    assert value(s, "batchbus_decode_cache_entries", **me) == 12
+    assert value(s, "batchbus_decode_cache_final_hits_total", dataset="imgs", **me) == 12
+    assert value(s, "batchbus_decode_cache_final_misses_total", dataset="imgs", **me) == 24
+    assert value(s, "batchbus_decode_cache_entries", **me) == 12 + 24  # decoded, and final for epochs 0 and 1
     assert 0 < value(s, "batchbus_decode_cache_bytes", **me) <= 32 << 20
     assert value(s, "batchbus_decode_cache_disk_limit_bytes", **me) == 8 << 20
     disk = Path(running.service.decode_cache.disk.path)
@@ -294,10 +394,12 @@ def test_a_provider_shares_its_cache_and_shows_it_in_busctl_datasets_and_prometh
         if rows["imgs"]["decode_cache"].get("prov-dc", {}).get("hits") == 12:
             break
     cache = rows["imgs"]["decode_cache"]["prov-dc"]
-    assert cache["misses"] == 12 and cache["entries"] == 12 and cache["limit_bytes"] == 32 << 20
+    assert cache["misses"] == 12 and cache["entries"] == 36 and cache["limit_bytes"] == 32 << 20
+    assert cache["final_hits"] == 12 and cache["final_misses"] == 24
     assert rows["plain"]["decode_cache"] == {}  # mock://mnist: no pipeline, nothing cached
     text = busctl(*args, env=env)
-    assert "cache      prov-dc: 12 samples" in text.stdout and "hit rate 50.0%" in text.stdout, text.stdout
+    assert "cache      prov-dc: 36 samples" in text.stdout and "hit rate 50.0%" in text.stdout, text.stdout
+    assert "final outputs: hits 12, misses 24" in text.stdout, text.stdout
     running.shutdown()
     assert not any(disk.iterdir())
 
@@ -351,6 +453,33 @@ def test_a_sample_being_decoded_is_waited_for_not_decoded_again(tmp_path):
     assert np.array_equal(second.x, plain.x)
     assert prefix.cache.stats()["hits"] == 2 and prefix.cache.stats()["misses"] == 6
     source.close()
+
+
+def test_a_final_output_being_computed_is_waited_for_not_computed_again(tmp_path, images):
+    cached, plain = pipeline(tmp_path, images, name="c.toml"), pipeline(tmp_path, images, name="p.toml")
+    cached.use_cache(DecodeCache(64 << 20), "imgs")
+    assert cached.final is not None
+    stop = threading.Event()
+    first = np.arange(0, 4)
+    rows = cached.final.lookup("train", first, 0, stop, time.monotonic() + 60)  # another job computes 0..3
+    assert rows.misses.tolist() == [0, 1, 2, 3]
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(read(cached, np.arange(2, 6), 0)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # waits for samples 2 and 3 rather than computing them too
+    x, y = read(plain, first, 0)
+    cached.final.store(rows, "train", first, x, y, 0)
+    rows.release()
+    waiter.join(30)
+    assert not waiter.is_alive()
+    want = read(plain, np.arange(2, 6), 0)
+    assert np.array_equal(got[0][0], want[0]) and np.array_equal(got[0][1], want[1])
+    crop = next(s for s in cached.metrics()["stages"] if s["name"] == "crop")
+    assert crop["items_in"] == 2  # only 4 and 5 went through the stages
+    assert cached.final.cache.stats()["final"]["hits"] == 2
+    cached.close()
+    plain.close()
 
 
 def test_a_failed_decode_releases_its_claims_and_the_waiter_decodes(tmp_path):

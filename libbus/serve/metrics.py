@@ -149,6 +149,12 @@ _DECODE_PER_DATASET: dict[str, tuple[type[Metric], str, str]] = {
     "hit_rate": (GaugeMetricFamily, "decode_cache_hit_rate", "Decode cache hits / lookups so far, by dataset."),
     "entries": (GaugeMetricFamily, "decode_cache_dataset_entries", "Samples in the RAM tier now, by dataset."),
     "bytes": (GaugeMetricFamily, "decode_cache_dataset_bytes", "Bytes in the RAM tier now, by dataset."),
+    "final_hits": (
+        CounterMetricFamily,
+        "decode_cache_final_hits",
+        "Samples served whole from the cache (final outputs).",
+    ),
+    "final_misses": (CounterMetricFamily, "decode_cache_final_misses", "Samples whose final output was not cached."),
 }
 _DECODE_CACHE: dict[str, tuple[type[Metric], str, str]] = {
     "bytes": (GaugeMetricFamily, "decode_cache_bytes", "Bytes the decode cache's RAM tier holds now."),

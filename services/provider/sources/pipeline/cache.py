@@ -24,6 +24,16 @@ is that binding for one pipeline.
 Requests that miss the same sample at once decode it once: the first claims it, the others wait for
 its store (at most until their batch's deadline, or the pipeline stops) and take it from the cache; a
 claim whose chunk fails or is dropped is released, and a waiter then decodes the sample itself.
+
+**Final outputs.** A pipeline's random stages draw from ``(seed, epoch, split, stage, index)`` alone
+(:class:`~.stages.RandomStage`: the stage's seed from the pipeline file or a control command, the
+request's epoch unless one is pinned), never from the job that asks. So the whole pipeline's output
+for a sample is a function of the key ``(dataset, split, index, digest of every stage, the random
+stages' seeds and epochs)``, and :class:`FinalCache` keeps it in the same cache: every job reading an
+epoch of the dataset after the first gets its samples without running any stage, byte for byte. Final
+entries are second in line for the byte budget (both tiers): a decoded entry evicts final entries
+before any decoded one, and a final entry evicts only final entries (it is not kept when the decoded
+ones leave no room), since a final entry serves one epoch while a decoded one serves every epoch.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import orjson
 
 from libbus.errors import ConfigError
 
-__all__ = ["DecodeCache", "Entry", "PrefixCache", "decode_cache_stats", "file_name", "prefix_digest"]
+__all__ = ["DecodeCache", "Entry", "FinalCache", "PrefixCache", "decode_cache_stats", "file_name", "prefix_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,29 @@ _SUFFIX = ".dc"
 OBJECT_KINDS = ("encoded", "decoded", "token_lists")
 #: Stage parameters that change how a stage runs, not what it produces: left out of the digest.
 _NOT_OUTPUT = frozenset({"workers"})
+#: A final-output key is ``(dataset, split, index, digest, random state)``; a decoded one has no state.
+_FINAL_KEY_LEN = 5
+
+
+def is_final(key: tuple) -> bool:
+    """Whether ``key`` names a pipeline's final output (:class:`FinalCache`), not a decoded sample."""
+    return len(key) == _FINAL_KEY_LEN
+
+
+def _room(decoded: OrderedDict, final: OrderedDict, used: int, final_used: int, limit: int, size: int, is_fin: bool):
+    """Which entries to evict (least recent first) so that ``size`` more bytes fit under ``limit``, the
+    final entries before any decoded one, and a final entry evicting only final ones: ``(fits, victims)``,
+    each victim ``(key, the dict's value, whether final)``, popped from its dict; nothing popped when it
+    does not fit. The dicts' values are sizes, or ``(entry, size)``."""
+    if size > limit or (is_fin and size > limit - used + final_used):
+        return False, []
+    victims = []
+    for tier in (final, decoded):
+        while used + size > limit and tier:
+            key, value = tier.popitem(last=False)
+            victims.append((key, value, tier is final))
+            used -= value if isinstance(value, int) else value[1]
+    return True, victims
 
 
 @dataclass(frozen=True)
@@ -170,8 +203,10 @@ class _DiskTier:
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
             raise ConfigError(f"decode cache directory {self.path} must be a directory, not a symlink")
         self.dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        self.files: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recent first
-        self.bytes = 0
+        # file name -> bytes, least recent first: decoded samples, and final outputs (evicted first)
+        self.files: OrderedDict[str, int] = OrderedDict()
+        self.finals: OrderedDict[str, int] = OrderedDict()
+        self.bytes = self.final_bytes = 0
         self.hits = self.writes = self.corrupt = self.evictions = 0
         self.lock = threading.Lock()
         self.clear()
@@ -187,18 +222,20 @@ class _DiskTier:
                     except FileNotFoundError:
                         pass
             self.files.clear()
-            self.bytes = 0
+            self.finals.clear()
+            self.bytes = self.final_bytes = 0
 
     def get(self, key: tuple) -> Entry | None:
         name = file_name(key)
+        files = self.finals if is_final(key) else self.files
         with self.lock:
-            if name not in self.files:
+            if name not in files:
                 return None
-            self.files.move_to_end(name)
+            files.move_to_end(name)
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self.dir_fd)
         except OSError:  # gone, or a symlink put in its place (ELOOP)
-            self._forget(name, unlink=False)
+            self._forget(name, files, unlink=False)
             return None
         try:
             with os.fdopen(fd, "rb") as fh:
@@ -210,7 +247,7 @@ class _DiskTier:
             log.warning("decode cache: %s/%s is unusable (%s); decoding that sample again", self.path, name, err)
             with self.lock:
                 self.corrupt += 1
-            self._forget(name, unlink=True)
+            self._forget(name, files, unlink=True)
             return None
         with self.lock:
             self.hits += 1
@@ -221,6 +258,14 @@ class _DiskTier:
         if data is None or len(data) > self.limit:
             return
         name = file_name(key)
+        final = is_final(key)
+        with self.lock:  # room first: a final file that would evict a decoded one is not written
+            self._forget_locked(name, self.finals if final else self.files)
+            fits, evicted = _room(self.files, self.finals, self.bytes, self.final_bytes, self.limit, len(data), final)
+            victims = self._evicted(evicted)
+        self._unlink(victims)
+        if not fits:
+            return
         tmp = f"{name}.{threading.get_ident()}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=self.dir_fd)
@@ -234,30 +279,46 @@ class _DiskTier:
             except OSError:
                 pass
             return
-        victims = []
         with self.lock:
-            self.bytes += len(data) - self.files.pop(name, 0)
-            self.files[name] = len(data)
-            self.writes += 1
-            while self.bytes > self.limit and self.files:
-                old, size = self.files.popitem(last=False)
-                self.bytes -= size
-                self.evictions += 1
-                victims.append(old)
-        for old in victims:
+            # another thread may have made room meanwhile: evict again until this file fits
+            self._forget_locked(name, self.finals if final else self.files)
+            fits, evicted = _room(self.files, self.finals, self.bytes, self.final_bytes, self.limit, len(data), final)
+            victims = self._evicted(evicted)
+            if fits:
+                (self.finals if final else self.files)[name] = len(data)
+                self.bytes += len(data)
+                self.final_bytes += len(data) if final else 0
+                self.writes += 1
+            else:
+                victims.append(name)
+        self._unlink(victims)
+
+    def _evicted(self, evicted: list) -> list[str]:
+        """Account for ``evicted`` (``_room``'s victims, already out of their dicts); their names."""
+        for _, size, final in evicted:
+            self.bytes -= size
+            self.final_bytes -= size if final else 0
+            self.evictions += 1
+        return [old for old, _, _ in evicted]
+
+    def _unlink(self, names: list[str]) -> None:
+        for old in names:
             try:
                 os.unlink(old, dir_fd=self.dir_fd)
             except OSError:
                 pass
 
-    def _forget(self, name: str, *, unlink: bool) -> None:
+    def _forget_locked(self, name: str, files: OrderedDict) -> None:
+        size = files.pop(name, 0)
+        self.bytes -= size
+        if files is self.finals:
+            self.final_bytes -= size
+
+    def _forget(self, name: str, files: OrderedDict, *, unlink: bool) -> None:
         with self.lock:
-            self.bytes -= self.files.pop(name, 0)
+            self._forget_locked(name, files)
         if unlink:
-            try:
-                os.unlink(name, dir_fd=self.dir_fd)
-            except OSError:
-                pass
+            self._unlink([name])
 
     def stats(self) -> dict:
         with self.lock:
@@ -265,7 +326,9 @@ class _DiskTier:
                 "dir": str(self.path),
                 "limit_bytes": self.limit,
                 "bytes": self.bytes,
-                "entries": len(self.files),
+                "entries": len(self.files) + len(self.finals),
+                "final_entries": len(self.finals),
+                "final_bytes": self.final_bytes,
                 "hits": self.hits,
                 "writes": self.writes,
                 "corrupt": self.corrupt,
@@ -278,9 +341,9 @@ class _DiskTier:
 
 
 class DecodeCache:
-    """The provider's cache of decoded samples: a RAM tier of ``ram_bytes`` and, with ``disk_bytes``
-    and ``disk_dir``, a disk tier (see the module's docstring). Thread-safe: the pipelines' reading
-    threads look up and store at once.
+    """The provider's cache of decoded samples (and of pipelines' final outputs, :class:`FinalCache`): a
+    RAM tier of ``ram_bytes`` and, with ``disk_bytes`` and ``disk_dir``, a disk tier (see the module's
+    docstring). Thread-safe: the pipelines' reading threads look up and store at once.
 
     Raises :class:`ConfigError` for a negative limit, or a disk directory that is a symlink.
     """
@@ -291,10 +354,14 @@ class DecodeCache:
         if disk_bytes and not disk_dir:
             raise ConfigError("a decode cache disk tier needs a directory")
         self.limit = ram_bytes
+        #: Decoded samples and final outputs, each least recent first; one byte budget for both.
         self._ram: OrderedDict[tuple, tuple[Entry, int]] = OrderedDict()
-        self.bytes = 0
+        self._final: OrderedDict[tuple, tuple[Entry, int]] = OrderedDict()
+        self.bytes = self.final_bytes = 0
         self.hits = self.misses = self.evictions = 0
-        #: Per dataset: ``[hits, misses, entries, bytes]`` (the last two in the RAM tier).
+        self.final_hits = self.final_misses = self.final_evictions = 0
+        #: Per dataset: ``[hits, misses, entries, bytes, final hits, final misses]`` (entries and bytes:
+        #: both kinds, in the RAM tier).
         self._per: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self.disk = _DiskTier(disk_dir, disk_bytes) if disk_bytes else None
@@ -308,32 +375,41 @@ class DecodeCache:
     def get(self, key: tuple, *, count: bool = True) -> Entry | None:
         """The entry of ``key`` (RAM, then disk, promoting a disk hit), or None; ``count``: as a hit or a
         miss (:class:`PrefixCache` counts once per sample served instead)."""
+        final = is_final(key)
+        ram = self._final if final else self._ram
         with self._lock:
-            found = self._ram.get(key)
+            found = ram.get(key)
             if found is not None:
-                self._ram.move_to_end(key)
+                ram.move_to_end(key)
                 if count:
-                    self.count(key[0], 1, 0)
+                    self.count(key[0], 1, 0, final=final)
                 return found[0]
         entry = self.disk.get(key) if self.disk is not None else None
         if count:
             with self._lock:
-                self.count(key[0], int(entry is not None), int(entry is None))
+                self.count(key[0], int(entry is not None), int(entry is None), final=final)
         if entry is not None:
             self.put(key, entry, spill=False)
         return entry
 
-    def count(self, dataset: str, hits: int, misses: int) -> None:
-        """Count lookups of ``dataset`` (the caller holds the lock, or calls :meth:`add_counts`)."""
-        per = self._per.setdefault(dataset, [0, 0, 0, 0])
-        self.hits += hits
-        self.misses += misses
-        per[0] += hits
-        per[1] += misses
+    def count(self, dataset: str, hits: int, misses: int, *, final: bool = False) -> None:
+        """Count lookups of ``dataset`` (the caller holds the lock, or calls :meth:`add_counts`);
+        ``final``: of final outputs, else of decoded samples."""
+        per = self._per.setdefault(dataset, [0] * 6)
+        if final:
+            self.final_hits += hits
+            self.final_misses += misses
+            per[4] += hits
+            per[5] += misses
+        else:
+            self.hits += hits
+            self.misses += misses
+            per[0] += hits
+            per[1] += misses
 
-    def add_counts(self, dataset: str, hits: int, misses: int) -> None:
+    def add_counts(self, dataset: str, hits: int, misses: int, *, final: bool = False) -> None:
         with self._lock:
-            self.count(dataset, hits, misses)
+            self.count(dataset, hits, misses, final=final)
 
     def claim(self, key: tuple) -> threading.Event | None:
         """None: the caller now decodes ``key`` and must :meth:`release` it. Else the event another
@@ -359,23 +435,29 @@ class DecodeCache:
 
     def put(self, key: tuple, entry: Entry, *, spill: bool = True) -> None:
         """Keep ``entry``; what the RAM tier evicts for it goes to the disk tier, and so does ``entry``
-        itself if it does not fit in RAM (``spill``: False for an entry the disk tier gave back)."""
+        itself if it does not fit in RAM (``spill``: False for an entry the disk tier gave back).
+        Final entries are evicted before decoded ones, and a final entry never evicts a decoded one."""
         size = entry.nbytes
+        final = is_final(key)
+        ram = self._final if final else self._ram
         evicted: list[tuple[tuple, Entry]] = []
         with self._lock:
-            old = self._ram.pop(key, None)
+            old = ram.pop(key, None)
             if old is not None:
                 self._account(key, -old[1])
-            if size <= self.limit:
-                self._ram[key] = (entry, size)
-                self._account(key, size)
-            while self.bytes > self.limit and self._ram:
-                k, (e, s) = self._ram.popitem(last=False)
+            fits, victims = _room(self._ram, self._final, self.bytes, self.final_bytes, self.limit, size, final)
+            for k, (e, s), was_final in victims:
                 self._account(k, -s)
-                self.evictions += 1
+                if was_final:
+                    self.final_evictions += 1
+                else:
+                    self.evictions += 1
                 evicted.append((k, e))
+            if fits:
+                ram[key] = (entry, size)
+                self._account(key, size)
         if self.disk is not None:
-            if size > self.limit and spill:
+            if not fits and spill:
                 evicted.append((key, entry))
             for k, e in evicted:
                 self.disk.put(k, e)
@@ -383,37 +465,53 @@ class DecodeCache:
     def register(self, dataset: str) -> None:
         """List ``dataset`` in :meth:`stats` before its first read."""
         with self._lock:
-            self._per.setdefault(dataset, [0, 0, 0, 0])
+            self._per.setdefault(dataset, [0] * 6)
 
     def _account(self, key: tuple, size: int) -> None:
         """An entry of ``size`` bytes in (positive) or out (negative) of the RAM tier."""
-        per = self._per.setdefault(key[0], [0, 0, 0, 0])
+        per = self._per.setdefault(key[0], [0] * 6)
         per[2] += 1 if size > 0 else -1
         per[3] += size
         self.bytes += size
+        if is_final(key):
+            self.final_bytes += size
 
     def stats(self) -> dict:
-        """Sizes, limits and counters, overall and per dataset (``hit_rate``: hits / lookups)."""
+        """Sizes, limits and counters, overall and per dataset (``hit_rate``: hits / lookups).
+        ``hits``, ``misses`` count decoded samples, ``final_hits``, ``final_misses`` final outputs;
+        ``bytes``, ``entries`` hold both kinds (``final``: the final outputs' share)."""
         with self._lock:
             lookups = self.hits + self.misses
+            final_lookups = self.final_hits + self.final_misses
             datasets: dict[str, dict] = {
                 name: {
                     "hits": h,
                     "misses": m,
-                    "hit_rate": round(h / (h + m), 4) if h + m else 0.0,
+                    "hit_rate": _rate(h, h + m),
                     "entries": entries,
                     "bytes": size,
+                    "final_hits": fh,
+                    "final_misses": fm,
+                    "final_hit_rate": _rate(fh, fh + fm),
                 }
-                for name, (h, m, entries, size) in sorted(self._per.items())
+                for name, (h, m, entries, size, fh, fm) in sorted(self._per.items())
             }
             out: dict[str, Any] = {
                 "limit_bytes": self.limit,
                 "bytes": self.bytes,
-                "entries": len(self._ram),
+                "entries": len(self._ram) + len(self._final),
                 "hits": self.hits,
                 "misses": self.misses,
-                "hit_rate": round(self.hits / lookups, 4) if lookups else 0.0,
+                "hit_rate": _rate(self.hits, lookups),
                 "evictions": self.evictions,
+                "final": {
+                    "bytes": self.final_bytes,
+                    "entries": len(self._final),
+                    "hits": self.final_hits,
+                    "misses": self.final_misses,
+                    "hit_rate": _rate(self.final_hits, final_lookups),
+                    "evictions": self.final_evictions,
+                },
                 "datasets": datasets,
             }
         if self.disk is not None:
@@ -424,12 +522,17 @@ class DecodeCache:
         """Drop every entry; empty the disk tier's directory."""
         with self._lock:
             self._ram.clear()
-            self.bytes = 0
+            self._final.clear()
+            self.bytes = self.final_bytes = 0
             for per in self._per.values():
                 per[2] = per[3] = 0
         if self.disk is not None:
             self.disk.close()
             self.disk = None
+
+
+def _rate(hits: int, lookups: int) -> float:
+    return round(hits / lookups, 4) if lookups else 0.0
 
 
 class CachedRows:
@@ -559,6 +662,88 @@ class PrefixCache:
             out_y[pos] = value
         chunk.x, chunk.y, chunk.indices = out_x, out_y, indices
         chunk.cached = None
+
+
+class FinalRows:
+    """A batch's answer from the final cache (:meth:`FinalCache.lookup`): the ``hits`` by position, the
+    positions of the ``misses`` the pipeline runs, the keys claimed, and the random ``state`` looked up."""
+
+    def __init__(self, cache: DecodeCache, state: str):
+        self.cache, self.state = cache, state
+        self.hits: dict[int, Entry] = {}
+        self.misses = np.empty(0, np.intp)
+        self.claimed: list[tuple] = []
+
+    def fill(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Write the hits into their rows of ``x`` and ``y``."""
+        for pos, entry in self.hits.items():
+            x[pos], y[pos] = entry.x, entry.y
+
+    def release(self) -> None:
+        claimed, self.claimed = self.claimed, []
+        if claimed:
+            self.cache.release(claimed)
+
+
+class FinalCache:
+    """One pipeline's final outputs in the provider's :class:`DecodeCache`: keys of ``dataset``, the digest
+    of all its ``stages`` and the state (seed, epoch) its ``random`` stages draw from for a request."""
+
+    def __init__(self, cache: DecodeCache, dataset: str, stages: list, random: list):
+        self.cache = cache
+        self.dataset = dataset
+        self.digest = prefix_digest(stages)
+        self.random = random
+        cache.register(dataset)
+
+    def state(self, epoch: int) -> str:
+        """What the random stages draw from for a request of ``epoch``: each one's seed and epoch (a
+        pinned one, or the request's), as they are now (control commands change them)."""
+        return ";".join(f"{s.seed}:{epoch if s.epoch is None else s.epoch}" for s in self.random)
+
+    def key(self, split: str, index: int, state: str) -> tuple:
+        return (self.dataset, split, int(index), self.digest, state)
+
+    def lookup(self, split: str, indices: np.ndarray, epoch: int, stop: threading.Event, deadline: float) -> FinalRows:
+        """The final outputs the cache holds of ``indices`` (epoch ``epoch``), and the misses, claimed: a
+        sample another request is computing now is waited for (until ``deadline``, monotonic, or
+        ``stop``) before anything is claimed, as :meth:`PrefixCache.lookup` does."""
+        rows = FinalRows(self.cache, self.state(epoch))
+        todo: list[tuple[int, tuple]] = []
+        waits: list[tuple[int, tuple, threading.Event]] = []
+        for pos, index in enumerate(indices.tolist()):
+            key = self.key(split, index, rows.state)
+            entry = self.cache.get(key, count=False)
+            if entry is not None:
+                rows.hits[pos] = entry
+            elif (event := self.cache.claimed(key)) is not None:
+                waits.append((pos, key, event))
+            else:
+                todo.append((pos, key))
+        for pos, key, event in waits:
+            while not event.wait(0.1) and not stop.is_set() and time.monotonic() < deadline:
+                pass
+            entry = self.cache.get(key, count=False)
+            if entry is None:
+                todo.append((pos, key))
+            else:
+                rows.hits[pos] = entry
+        mine: set[tuple] = set()
+        for _, key in todo:
+            if key not in mine and self.cache.claim(key) is None:
+                mine.add(key)
+        rows.claimed = list(mine)
+        rows.misses = np.asarray(sorted(pos for pos, _ in todo), np.intp)
+        self.cache.add_counts(self.dataset, len(rows.hits), len(todo), final=True)
+        return rows
+
+    def store(self, rows: FinalRows, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, epoch: int) -> None:
+        """Keep the outputs ``x``, ``y`` of ``indices`` (copies), unless a control command changed a random
+        stage's seed or epoch since :meth:`lookup` (they may be of either state: kept under neither)."""
+        if self.state(epoch) != rows.state:
+            return
+        for row, index in enumerate(indices.tolist()):
+            self.cache.put(self.key(split, index, rows.state), Entry(np.array(x[row]), np.array(y[row])))
 
 
 def decode_cache_stats(caches: list[DecodeCache]) -> dict:

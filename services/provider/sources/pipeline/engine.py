@@ -32,7 +32,7 @@ from libbus.wire.fields import is_xy
 
 from ..base import MAX_LOCATION_CHARS, SPLITS, Field, FieldBatch, ReadPolicy, Source, joined_locations
 from ..timing import current as current_timing
-from .cache import DecodeCache, PrefixCache, decode_cache_stats
+from .cache import OBJECT_KINDS, DecodeCache, FinalCache, PrefixCache, decode_cache_stats
 from .fields import FieldsPlan
 from .stages import Chunk, RandomStage, Spec, Stage, StageQueue, source_of
 from .text_stages import Pack
@@ -201,6 +201,8 @@ class Pipeline(Source):
         self.read_policy = ReadPolicy.LOOP if self.regroup is not None else ReadPolicy.OVERLAP
         #: The provider's decode cache, bound to this pipeline's deterministic prefix (:meth:`use_cache`).
         self.cache: PrefixCache | None = None
+        #: The same cache for the pipeline's final outputs, when it has random stages (:meth:`use_cache`).
+        self.final: FinalCache | None = None
 
     def _open_regroup(self) -> Pack | None:
         """The regrouping stage, its index built now by reading every split through the stages before
@@ -274,7 +276,8 @@ class Pipeline(Source):
         """Keep this pipeline's samples in ``cache`` as they leave its deterministic prefix, under
         ``dataset``'s name. Call before the first read. Returns False (nothing cached) for a cache
         that is off, a prefix that is only the source (nothing to save), a source of named fields or
-        a regrouping stage (their samples are not one row per index)."""
+        a regrouping stage (their samples are not one row per index). With random stages after the
+        prefix, the final outputs are kept too, keyed by what those stages draw from (:class:`FinalCache`)."""
         prefix = self.deterministic_prefix()
         if not cache.enabled or prefix < 2 or self.plan is not None or self.regroup is not None:
             return False
@@ -282,6 +285,9 @@ class Pipeline(Source):
             if self._threads:
                 raise RuntimeError(f"{self.uri}: use_cache after the pipeline started reading")
             self.cache = PrefixCache(cache, dataset, self.stages[:prefix])
+            random = [s for s in self.stages[prefix:] if isinstance(s, RandomStage)]
+            if random and self.stages[-1].spec.kind not in OBJECT_KINDS:
+                self.final = FinalCache(cache, dataset, self.stages, random)
         return True
 
     # -- threads --------------------------------------------------------------------------------
@@ -348,15 +354,37 @@ class Pipeline(Source):
         return self.plan.finish(self._fields, [job.parts[start] for start in sorted(job.parts)])
 
     def _run(self, job: _Job, split: str, indices: np.ndarray, epoch: int) -> None:
-        """Send ``indices`` through the stages in chunks; wait until ``job`` has them all."""
+        """``indices`` into ``job``: the final outputs the cache holds, the rest through the stages."""
         if self._stop.is_set():
             raise DatasetError(f"{self.uri}: pipeline is closed")
+        deadline = time.monotonic() + self.timeout_s
+        final, x, y = self.final, job.x, job.y
+        if final is None or x is None or y is None:
+            self._run_chunks(job, split, indices, epoch, deadline)
+            return
+        rows = final.lookup(split, indices, epoch, self._stop, deadline)
+        try:
+            misses = rows.misses
+            if len(misses) == len(indices):  # nothing held: straight into the destination, as uncached
+                self._run_chunks(job, split, indices, epoch, deadline)
+                final.store(rows, split, indices, x, y, epoch)
+                return
+            if len(misses):
+                xm, ym = np.empty((len(misses), *x.shape[1:]), x.dtype), np.empty((len(misses), *y.shape[1:]), y.dtype)
+                self._run_chunks(_Job(xm, ym, -(-len(misses) // self.chunk)), split, indices[misses], epoch, deadline)
+                x[misses], y[misses] = xm, ym
+                final.store(rows, split, indices[misses], xm, ym, epoch)
+            rows.fill(x, y)
+        finally:
+            rows.release()
+
+    def _run_chunks(self, job: _Job, split: str, indices: np.ndarray, epoch: int, deadline: float) -> None:
+        """Send ``indices`` through the stages in chunks; wait until ``job`` has them all."""
         self._ensure_started()
         timing = current_timing()  # the request asked where its time went: each stage's share
         if timing is not None:
             job.times = [0.0] * len(self.stages)
         starts = range(0, len(indices), self.chunk)
-        deadline = time.monotonic() + self.timeout_s
         for start in starts:
             chunk = Chunk(job, start, indices[start : start + self.chunk], split, epoch)
             if self.cache is not None:
