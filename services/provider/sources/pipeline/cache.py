@@ -254,13 +254,17 @@ class _DiskTier:
         return entry
 
     def put(self, key: tuple, entry: Entry) -> None:
+        name = file_name(key)
+        final = is_final(key)
+        files = self.finals if final else self.files
+        with self.lock:  # a key's bytes are a function of the key: a file of it already here is kept
+            if name in files:
+                files.move_to_end(name)
+                return
         data = _encode(key, entry)
         if data is None or len(data) > self.limit:
             return
-        name = file_name(key)
-        final = is_final(key)
         with self.lock:  # room first: a final file that would evict a decoded one is not written
-            self._forget_locked(name, self.finals if final else self.files)
             fits, evicted = _room(self.files, self.finals, self.bytes, self.final_bytes, self.limit, len(data), final)
             victims = self._evicted(evicted)
         self._unlink(victims)
