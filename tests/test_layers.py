@@ -9,6 +9,8 @@ is still the cycle.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -191,6 +193,16 @@ def test_the_router_never_imports_the_loader():
                 reach.add(target)
                 todo.append(target)
     assert not sorted(n for n in reach if n.startswith("libbus.loader"))
+
+
+def test_a_provider_starts_without_torch():
+    """A provider imports torch only when it evaluates a model (lazily, services/provider/evaluator.py):
+    a data node starts in a fraction of a second and without torch's few hundred MB (seen: 1.7 s and
+    300 MB when the batch path's check of a built-in job's fields pulled in services.models)."""
+    probe = "import sys, services.provider.app, services.runtime; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", "the provider's start-up imports torch"
 
 
 def test_no_module_imports_another_modules_private_name():

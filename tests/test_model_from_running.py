@@ -26,12 +26,12 @@ ENTRY = "tests.support.entrypoints"
 
 
 @contextmanager
-def second_trainer(make_settings, router, **flags) -> Iterator[None]:
+def second_trainer(make_settings, router, name: str = "trainer-2", **flags) -> Iterator[None]:
     """Another trainer (sharing the test's ``checkpoint_dir`` unless ``flags`` say otherwise), for
     the job that starts from one the first trainer holds."""
     from services.trainer.app import TrainerService
 
-    service = TrainerService(make_settings(router=router.endpoint, name="trainer-2", job_modules=[ENTRY], **flags))
+    service = TrainerService(make_settings(router=router.endpoint, name=name, job_modules=[ENTRY], **flags))
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
     thread.start()
@@ -170,9 +170,6 @@ def test_a_job_without_a_checkpoint_is_no_source_yet(router, client_for):
     queued = admin.request(SubmitJob(spec={"dataset": "other", "model": "mlp"})).job  # no trainer: stays queued
     with pytest.raises(BadRequest, match=f"no checkpoint yet.*busctl job checkpoint {queued}"):
         admin.request(SubmitJob(spec={"dataset": "other", "model": "mlp", "model_from": queued}))
-    # a gang's ranks would not receive the weights: refused rather than ignored
-    with pytest.raises(BadRequest, match="gang"):
-        admin.request(SubmitJob(spec={"dataset": "other", "model": "mlp", "world_size": 2, "model_from": queued}))
     # an evaluation scores a finished model only
     with pytest.raises(BadRequest, match="succeeded job"):
         admin.request(SubmitJob(spec={"task": "evaluate", "dataset": "other", "model_from": queued, "split": "val"}))
@@ -190,3 +187,28 @@ def test_a_state_without_model_weights_is_no_source(router, start_provider, entr
     info = wait_job(admin, admin.request(SubmitJob(spec=start)).job, timeout=60)
     assert info["state"] == "failed" and "'model' entry" in info["error"], info["error"]
     assert info["attempts"] == 1  # not retried: the next attempt would read the same file
+
+
+def test_every_rank_of_a_gang_starts_from_one_snapshot_of_a_paused_job(
+    router, start_provider, entry_trainer, make_settings, client_for
+):
+    start_provider("other=mock://mnist?n=96")
+    admin = client_for(router.endpoint, role="admin")
+    base = {"dataset": "other", "model": "mlp", "model_kwargs": {"hidden": 8}, "evaluate": False, "batch_size": 16}
+    source = admin.request(SubmitJob(spec={**base, "seed": 1, "epochs": 10000, "optimizer": "sgd"})).job
+    _until(admin, source, _stepped, "trained a step")
+    admin.request(ControlJob(job=source, command="pause"))
+    record = _checkpointed(admin, source)
+    saved = load_file(record["path"])
+    weights = {k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}
+    with second_trainer(make_settings, router, "trainer-2"), second_trainer(make_settings, router, "trainer-3"):
+        # a gang of two, another seed, an lr that moves nothing: both ranks end where the snapshot began
+        spec = {**base, "seed": 9, "epochs": 1, "lr": 1e-30, "optimizer": "sgd", "world_size": 2}
+        gang = admin.request(SubmitJob(spec={**spec, "model_from": source})).job
+        info = wait_job(admin, gang, timeout=120)
+        assert info["state"] == "succeeded", info["error"]
+        assert _started_from(info) == record["step"]  # one snapshot taken, for the first rank handed its task
+        ours = _model(admin, gang)
+        assert sorted(ours) == sorted(weights)
+        for name, tensor in weights.items():
+            assert torch.equal(ours[name], tensor), name

@@ -129,6 +129,24 @@ def joining_env(head: Cluster, **extra: str) -> dict[str, str]:
     return recipe_env(**settings, BB_ROUTER=head.endpoint, **extra)
 
 
+def submit_cluster(
+    slurm: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+    job_file: Path,
+    env: dict,
+    *sbatch: str,
+) -> tuple[str, Path, InsideCluster]:
+    """sbatch the cluster recipe on ``job_file``: its Slurm job id, its output file, and an admin of the
+    cluster it starts (with the token the recipe mints for its own busctl steps, in ``BB_KEYS``)."""
+    out = tmp_path / "slurm-%j.out"
+    sid = slurm.sbatch(
+        RECIPES / "batchbus-cluster.sbatch", *sbatch, f"--output={out}", args=(str(job_file),), env=env, cwd=tmp_path
+    )
+    inside = InsideCluster(Path(env["BB_STATE"]))
+    inside.admin_token_file = Path(env["BB_KEYS"]) / "admin.token"
+    return sid, Path(str(out).replace("%j", sid)), inside
+
+
 def attach(inside: Cluster, endpoint: str) -> None:
     """Make ``inside``'s admin client talk to the router at ``endpoint`` (started by a recipe)."""
     inside.admin = Client(endpoint, Identity(role="admin", name="test-admin", token=inside.admin_token), timeout_s=10)
@@ -176,19 +194,7 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
         BB_KEYS=str(keys),
         BATCHBUS_AUDIT_DIR=str(audit),
     )
-    out = tmp_path / "slurm-%j.out"
-    sid = slurm.sbatch(
-        RECIPES / "batchbus-cluster.sbatch",
-        "--ntasks=2",
-        "--cpus-per-task=1",
-        f"--output={out}",
-        args=(str(job_file),),
-        env=env,
-        cwd=tmp_path,
-    )
-    log = Path(str(out).replace("%j", sid))
-    inside = InsideCluster(state)
-    inside.admin_token_file = keys / "admin.token"
+    sid, log, inside = submit_cluster(slurm, tmp_path, job_file, env, "--ntasks=2", "--cpus-per-task=1")
     try:
         with task_logs(tmp_path):
             wait_line(log, "(restart 0)", slurm, sid)
@@ -274,18 +280,7 @@ def test_whole_cluster_with_hs256_chosen_for_one_machine(slurm, tmp_path, tmp_pa
         BB_KEYS=str(keys),
         BB_TOKEN_ALG="HS256",
     )
-    out = tmp_path / "slurm-%j.out"
-    sid = slurm.sbatch(
-        RECIPES / "batchbus-cluster.sbatch",
-        "--ntasks=1",
-        f"--output={out}",
-        args=(str(job_file),),
-        env=env,
-        cwd=tmp_path,
-    )
-    log = Path(str(out).replace("%j", sid))
-    inside = InsideCluster(state)
-    inside.admin_token_file = keys / "admin.token"
+    sid, log, inside = submit_cluster(slurm, tmp_path, job_file, env, "--ntasks=1")
     with task_logs(tmp_path):
         wait_line(log, "(restart 0)", slurm, sid)
         attach(inside, (state / "router.ep").read_text().strip())

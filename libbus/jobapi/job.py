@@ -76,7 +76,8 @@ class Job(ABC):
         """The weights the job starts from when it names ``model_from`` (a succeeded job's model,
         the model weights of the latest checkpoint of a job that has not succeeded, or a file
         uploaded with it: ``busctl submit --model-from``), as a state dict; ``None`` without. Load
-        them on a first attempt (``restore()`` returned ``None``)."""
+        them on a first attempt (``restore()`` returned ``None``). In a gang, call it on every rank:
+        rank 0 reads a checkpoint and shares it, so every rank gets the same snapshot."""
 
     @abstractmethod
     def checkpoint(self, state: Mapping[str, Any] | None = None) -> dict:

@@ -47,7 +47,7 @@ from libbus.wire.messages import (
     StatsReply,
 )
 from libbus.wire.sockets import frame_len
-from services.models import xy_info
+from services.model_data import xy_info
 from shm import Ring, RingLayout
 
 from .destination import BatchCounters, Destination, Frames, Slot, check_batch_size, write_batch

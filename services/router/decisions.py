@@ -105,11 +105,6 @@ class Decisions:
             if frames:
                 raise BadRequest("a model comes with a submission only with model_from = 'upload'")
             return spec
-        if spec.task != "evaluate" and spec.world_size > 1:
-            raise BadRequest(
-                "model_from is not supported for a gang (world_size > 1) yet: its ranks would not receive "
-                "the weights; start it from them with world_size = 1"
-            )
         if frames or spec.model_from == UPLOAD:
             if self.artifacts is None:
                 raise BadRequest("this router keeps no models (artifact_dir); it cannot take an uploaded model")
@@ -184,6 +179,23 @@ class Decisions:
         except NotFound as err:
             self.store.finish(task.job, JobState.FAILED, f"the model it names is gone: {err}", error=str(err))
             raise
+        return task
+
+    def attach_gang_model(self, task: Task) -> Task:
+        """:meth:`attach_model` for a rank of a gang: every rank of one gang starts from the same
+        snapshot. The first rank handed its task takes it (the source's latest checkpoint then) and
+        the gang keeps it; the other ranks get that one, whatever the source has written since. A
+        gang formed again (a new attempt) takes a fresh one, as a single trainer's attempt does."""
+        spec = task.spec
+        if spec.get("task") == "evaluate" or not spec.get("model_from"):
+            return task
+        gang = self.store.get(task.job, events=False)["gang"] or {}
+        if gang.get("initial"):
+            task.initial = gang["initial"]
+            return task
+        task = self.attach_model(task)
+        if task.initial:
+            self.store.update_gang(task.job, initial=task.initial)
         return task
 
     def _attach_checkpoint(self, task: Task, source: dict) -> Task:

@@ -367,6 +367,8 @@ class RouterHandler(Decisions, Handler):
     def on_GetTask(self, session: Session, msg: GetTask) -> Task | NoTask:
         who = session.subject
         gang_task = self.gangs.task_for(who)  # services/router/gangs.py
+        if isinstance(gang_task, Task):
+            return self.attach_gang_model(gang_task)
         if gang_task is not None:
             return gang_task
         again = self.jobs.assigned_again(who, msg.key)

@@ -212,17 +212,27 @@ def metadata_of(data: bytes) -> dict:
     return orjson.loads(data[8 : 8 + size]).get("__metadata__") or {}
 
 
-def restore_checkpoint(data: bytes, record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
-    """Restore model, optimizer and random generators from checkpoint bytes ``data`` (read here, or
-    received from a gang's rank 0), checked against ``record``'s sha256 first. Raises
-    :class:`CheckpointError` as :func:`load_checkpoint` does."""
-    path = record.get("path")
+def check_digest(data: bytes, record: dict) -> str:
+    """``record``'s path, once ``data`` is checked against the sha256 the router recorded for it.
+
+    Raises:
+        CheckpointError: the bytes differ (changed or truncated since they were written).
+    """
+    path = str(record.get("path"))
     digest = hashlib.sha256(data).hexdigest()
     if digest != record.get("sha256"):
         raise CheckpointError(
             f"checkpoint {path} has sha256 {digest[:12]}…, the router recorded "
-            f"{str(record.get('sha256'))[:12]}…: changed or truncated"
+            f"{str(record.get('sha256'))[:12]}…: changed or truncated since it was written"
         )
+    return path
+
+
+def restore_checkpoint(data: bytes, record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
+    """Restore model, optimizer and random generators from checkpoint bytes ``data`` (read here, or
+    received from a gang's rank 0), checked against ``record``'s sha256 first. Raises
+    :class:`CheckpointError` as :func:`load_checkpoint` does."""
+    path = check_digest(data, record)
     try:
         tensors = load_safetensors(data)
         meta = metadata_of(data)
@@ -262,13 +272,7 @@ def checkpoint_model(data: bytes, record: dict) -> dict[str, torch.Tensor]:
         CheckpointError: the bytes changed since the router recorded them, are not a batchbus
             checkpoint, or hold no model weights.
     """
-    path = record.get("path")
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != record.get("sha256"):
-        raise CheckpointError(
-            f"checkpoint {path} has sha256 {digest[:12]}…, the router recorded "
-            f"{str(record.get('sha256'))[:12]}…: changed or truncated since it was written"
-        )
+    path = check_digest(data, record)
     try:
         tensors = load_safetensors(data)
         meta = metadata_of(data)
