@@ -424,6 +424,39 @@ class DecodeCache:
                 self._claims[key] = threading.Event()
             return event
 
+    def take(
+        self, keys: list[tuple], stop: threading.Event, deadline: float
+    ) -> tuple[dict[int, Entry], np.ndarray, list[tuple]]:
+        """The entries held of ``keys`` (by position), the positions missed, and the missed keys
+        claimed for the caller to compute. A key another request is computing now is waited for (until
+        ``deadline``, monotonic, or ``stop``), then taken, or computed here if that was given up. The
+        claims come after any waiting: a caller that holds claims never waits, so two never wait on
+        each other; a key claimed meanwhile by another is computed twice rather than waited for."""
+        hits: dict[int, Entry] = {}
+        todo: list[tuple[int, tuple]] = []
+        waits: list[tuple[int, tuple, threading.Event]] = []
+        for pos, key in enumerate(keys):
+            entry = self.get(key, count=False)
+            if entry is not None:
+                hits[pos] = entry
+            elif (event := self.claimed(key)) is not None:
+                waits.append((pos, key, event))
+            else:
+                todo.append((pos, key))
+        for pos, key, event in waits:
+            while not event.wait(0.1) and not stop.is_set() and time.monotonic() < deadline:
+                pass
+            entry = self.get(key, count=False)
+            if entry is None:
+                todo.append((pos, key))  # given up, evicted already, or out of time: computed here
+            else:
+                hits[pos] = entry
+        mine: set[tuple] = set()
+        for _, key in todo:
+            if key not in mine and self.claim(key) is None:
+                mine.add(key)
+        return hits, np.asarray(sorted(pos for pos, _ in todo), np.intp), list(mine)
+
     def claimed(self, key: tuple) -> threading.Event | None:
         """The event of a decode of ``key`` under way, or None."""
         with self._lock:
@@ -579,35 +612,11 @@ class PrefixCache:
         this chunk decodes are claimed (after any waiting: a chunk that holds claims never waits, so
         two chunks never wait on each other) until :meth:`merge` stores them or :meth:`abandon`.
         """
-        hits: dict[int, Entry] = {}
-        todo: list[tuple[int, tuple]] = []
-        waits: list[tuple[int, tuple, threading.Event]] = []
-        for pos, index in enumerate(chunk.indices.tolist()):
-            key = self.key(chunk.split, index)
-            entry = self.cache.get(key, count=False)
-            if entry is not None:
-                hits[pos] = entry
-            elif (event := self.cache.claimed(key)) is not None:
-                waits.append((pos, key, event))
-            else:
-                todo.append((pos, key))
-        for pos, key, event in waits:
-            while not event.wait(0.1) and not stop.is_set() and time.monotonic() < deadline:
-                pass
-            entry = self.cache.get(key, count=False)
-            if entry is None:
-                todo.append((pos, key))  # given up, evicted already, or out of time: decode it here
-            else:
-                hits[pos] = entry
+        keys = [self.key(chunk.split, index) for index in chunk.indices.tolist()]
+        hits, misses, claimed = self.cache.take(keys, stop, deadline)
         rows = CachedRows(chunk.indices, hits, self.cache)
-        mine: set[tuple] = set()
-        for _, key in todo:
-            # taken meanwhile by another chunk: decoded twice rather than waited for while holding claims
-            if key not in mine and self.cache.claim(key) is None:
-                mine.add(key)
-        rows.claimed = list(mine)
-        rows.misses = np.asarray(sorted(pos for pos, _ in todo), np.intp)
-        self.cache.add_counts(self.dataset, len(hits), len(todo))
+        rows.claimed, rows.misses = claimed, misses
+        self.cache.add_counts(self.dataset, len(hits), len(misses))
         chunk.cached = rows
         chunk.indices = chunk.indices[rows.misses]
 
@@ -713,32 +722,9 @@ class FinalCache:
         sample another request is computing now is waited for (until ``deadline``, monotonic, or
         ``stop``) before anything is claimed, as :meth:`PrefixCache.lookup` does."""
         rows = FinalRows(self.cache, self.state(epoch))
-        todo: list[tuple[int, tuple]] = []
-        waits: list[tuple[int, tuple, threading.Event]] = []
-        for pos, index in enumerate(indices.tolist()):
-            key = self.key(split, index, rows.state)
-            entry = self.cache.get(key, count=False)
-            if entry is not None:
-                rows.hits[pos] = entry
-            elif (event := self.cache.claimed(key)) is not None:
-                waits.append((pos, key, event))
-            else:
-                todo.append((pos, key))
-        for pos, key, event in waits:
-            while not event.wait(0.1) and not stop.is_set() and time.monotonic() < deadline:
-                pass
-            entry = self.cache.get(key, count=False)
-            if entry is None:
-                todo.append((pos, key))
-            else:
-                rows.hits[pos] = entry
-        mine: set[tuple] = set()
-        for _, key in todo:
-            if key not in mine and self.cache.claim(key) is None:
-                mine.add(key)
-        rows.claimed = list(mine)
-        rows.misses = np.asarray(sorted(pos for pos, _ in todo), np.intp)
-        self.cache.add_counts(self.dataset, len(rows.hits), len(todo), final=True)
+        keys = [self.key(split, index, rows.state) for index in indices.tolist()]
+        rows.hits, rows.misses, rows.claimed = self.cache.take(keys, stop, deadline)
+        self.cache.add_counts(self.dataset, len(rows.hits), len(rows.misses), final=True)
         return rows
 
     def store(self, rows: FinalRows, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, epoch: int) -> None:
