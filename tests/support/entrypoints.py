@@ -313,3 +313,9 @@ def misuse(job: Job) -> None:
         raise AssertionError(f"a refused call counted: {job.step_count} steps, {job.history}")
     job.step(loss=1.0, samples=3)
     job.save_model({"w": torch.zeros(1)})
+
+
+def threads(job: Job) -> None:
+    """Prints the torch threads its attempt runs with (the trainer's ``torch_threads``)."""
+    print(f"torch threads {torch.get_num_threads()}", flush=True)
+    job.save_model({"w": torch.zeros(1)})
