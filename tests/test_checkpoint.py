@@ -132,8 +132,8 @@ def test_only_the_last_checkpoints_are_kept_and_the_model_is_plain_safetensors(t
     for step in (10, 20, 30, 40):
         _save(tmp_path, step, model, optimizer)
     # the router last heard of step 20 (later records still wait for it): 20 stays
-    assert [p.name for p in prune(tmp_path, delivered_step=20)] == ["step-000000010.safetensors"]
-    assert [p.name for p in prune(tmp_path, delivered_step=40)] == ["step-000000020.safetensors"]
+    assert [p.name for p in prune(tmp_path, {20})] == ["step-000000010.safetensors"]
+    assert [p.name for p in prune(tmp_path, {40})] == ["step-000000020.safetensors"]
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [
         "step-000000030.safetensors",
         "step-000000040.safetensors",

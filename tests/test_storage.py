@@ -70,7 +70,7 @@ def test_checkpoint_files_stay_bounded_while_the_router_is_away(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(1, 21):  # the router heard of step 3 only; the rest wait for it
         save_state(tmp_path, step=step, epoch=0, state={"model": model, "optimizer": optimizer}, cursors={}, extra={})
-        prune(tmp_path, delivered_step=3)
+        prune(tmp_path, {3})
     names = sorted(p.name for p in tmp_path.glob("step-*"))
     assert names == ["step-000000003.safetensors", "step-000000019.safetensors", "step-000000020.safetensors"]
     assert len(names) == KEEP + 1

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -166,17 +166,20 @@ def _step_of(path: Path) -> tuple[int, bool]:
     return int(step), tag == "e"
 
 
-def prune(directory: Path, delivered_step: int | None) -> list[Path]:
-    """Remove all but the last :data:`KEEP` checkpoints and those of the step the router last
-    heard of (``delivered_step``): while reports wait for an absent router the job would resume
-    from that one if this trainer died, and the newer ones it has not heard of are of no use past
-    the last ``KEEP``. So a trainer holds at most ``KEEP + 2`` files per job, however long the
-    router is away. Returns what was removed."""
+def prune(directory: Path, held: Collection[int | None]) -> list[Path]:
+    """Remove all but the last :data:`KEEP` checkpoints and those of the steps the router may hold
+    (``held``, :meth:`.reports.Reporter.held_steps`): the last record it acknowledged, and the one
+    sent to it and not answered yet. The job resumes from one of those if this trainer dies now:
+    while reports wait for an absent router, or when the trainer dies between the router's record
+    and its answer (its attempt may still write a checkpoint or two before it dies with it). The
+    newer ones the router has not heard of are of no use past the last ``KEEP``. So a trainer holds
+    at most ``KEEP + 2`` steps' files per job, however long the router is away. Returns what was
+    removed."""
     files = sorted(directory.glob("step-*.safetensors"), key=_step_of)
     removed = []
     for path in files[:-KEEP]:
         step, _ = _step_of(path)
-        if step == delivered_step:
+        if step in held:
             continue
         path.unlink(missing_ok=True)
         removed.append(path)

@@ -371,7 +371,7 @@ class AttemptJob(Job):
         self.last_checkpoint = record
         self._checkpointed = (self.step_count, self.epochs_reported)
         self.reporter.put(Checkpointed(job=self.id, checkpoint=record))
-        prune(self.directory, self.reporter.checkpoint_step)
+        prune(self.directory, self.reporter.held_steps())
         log.info("job %s: checkpoint at step %d in %s", self.id, self.step_count, record["path"])
         return record
 

@@ -49,6 +49,8 @@ class Reporter:
         self.lost: BusError | None = None
         #: Step of the last checkpoint record the router took (None before the first).
         self.checkpoint_step: int | None = None
+        #: The report being delivered (sent, perhaps taken, not answered yet): reports go one at a time.
+        self._trying: Message | None = None
         #: Reports delivered and reports dropped from a full buffer.
         self.sent = 0
         self.dropped = 0
@@ -70,6 +72,17 @@ class Reporter:
                     self.dropped += 1
             self._queue.append(msg)
             self._cond.notify_all()
+
+    def held_steps(self) -> set[int | None]:
+        """The steps of the checkpoint records the router may hold: the last it acknowledged, and
+        the one being delivered (the router may have stored it and its answer not come back: a
+        trainer killed in between). No later record has been sent."""
+        with self._cond:
+            trying = self._trying
+            held = {self.checkpoint_step}
+            if isinstance(trying, Checkpointed):
+                held.add(trying.checkpoint["step"])
+            return held
 
     @property
     def pending(self) -> int:
@@ -122,6 +135,7 @@ class Reporter:
                     continue
                 msg = self._queue[0]
                 self._busy = True
+                self._trying = msg  # from here the router may hold it, until it answers
             delivered = self._send(msg)
             with self._cond:
                 if delivered and self._queue and self._queue[0] is msg:
@@ -129,6 +143,8 @@ class Reporter:
                     self.sent += 1
                     if isinstance(msg, Checkpointed) and self.lost is None:
                         self.checkpoint_step = msg.checkpoint["step"]
+                if delivered:
+                    self._trying = None
                 self._busy = False
                 self._cond.notify_all()
                 if self._closed and not delivered:
