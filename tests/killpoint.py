@@ -83,7 +83,7 @@ def plant(point: str, nth: int) -> None:
 def plant_in_attempt(point: str, nth: int, trainer: int) -> None:
     """In the fork server of ``trainer``'s attempts: its attempt kills the trainer (and so itself,
     which dies with it) the ``nth`` time it reaches ``point``, as a trainer killed there would be."""
-    from services.trainer import run
+    from services.trainer import builtin, child
 
     count = {"n": 0}
 
@@ -94,21 +94,21 @@ def plant_in_attempt(point: str, nth: int, trainer: int) -> None:
             _die()
 
     if point == "validation":
-        evaluate = run.evaluate
+        evaluate = builtin.evaluate
 
         def validation(*args, **kw):
             die_here()
             return evaluate(*args, **kw)
 
-        run.evaluate = validation
+        builtin.evaluate = validation
     elif point == "test_eval":
-        original_eval = run.TaskRun._evaluate
+        scored = child._scored
 
-        def test_eval(self, *args, **kw):
+        def test_eval(*args, **kw):
             die_here()
-            return original_eval(self, *args, **kw)
+            return scored(*args, **kw)
 
-        run.TaskRun._evaluate = test_eval
+        child._scored = test_eval
 
 
 _planted = os.environ.get(ENV, "")

@@ -1,18 +1,32 @@
 """Checkpoints on disk (services/trainer/checkpoint.py) and the job store's leases and retries."""
 
+import hashlib
 import random
 import sqlite3
 import time
 
 import numpy as np
+import orjson
 import pytest
 import torch
+from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from libbus.errors import BadRequest
 from libbus.jobs.spec import JobSpec
 from services.router.store import JobStore
-from services.trainer.checkpoint import CheckpointError, load_checkpoint, prune, save_checkpoint, save_model
+from services.trainer.builtin import restore_into
+from services.trainer.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    checkpoint_model,
+    load_state,
+    prune,
+    rng_state,
+    save_model,
+    save_state,
+    set_rng_state,
+)
 
 
 def _model_and_optimizer(seed: int):
@@ -28,20 +42,24 @@ def _step(model, optimizer) -> None:
     optimizer.step()
 
 
+def _save(directory, step: int, model, optimizer, cursor: dict | None = None, extra: dict | None = None) -> dict:
+    """A checkpoint as the built-in loop's job API writes it: its state is the model and optimizer."""
+    return save_state(
+        directory,
+        step=step,
+        epoch=(cursor or {}).get("epoch", 0),
+        state={"model": model, "optimizer": optimizer},
+        cursors={"train": cursor or {}},
+        extra=extra or {},
+    )
+
+
 def test_a_checkpoint_restores_training_exactly(tmp_path):
     model, optimizer = _model_and_optimizer(1)
     for _ in range(3):
         _step(model, optimizer)
     cursor = {"epoch": 1, "position": 40, "n": 100}
-    record = save_checkpoint(
-        tmp_path,
-        step=3,
-        epoch=1,
-        cursor=cursor,
-        model=model,
-        optimizer=optimizer,
-        extra={"history": [{"epoch": 1, "val_loss": 0.5}]},
-    )
+    record = _save(tmp_path, 3, model, optimizer, cursor, {"history": [{"epoch": 1, "val_loss": 0.5}]})
     assert record["step"] == 3 and record["cursor"] == cursor and not list(tmp_path.glob(".*.tmp"))
     # the uninterrupted run goes on; random draws included (dropout, numpy, python)
     for _ in range(2):
@@ -49,8 +67,11 @@ def test_a_checkpoint_restores_training_exactly(tmp_path):
     expected = ({k: v.clone() for k, v in model.state_dict().items()}, np.random.rand(), random.random())
 
     other, other_opt = _model_and_optimizer(99)  # another process, another init
-    restored = load_checkpoint(record, other, other_opt, str(tmp_path))
-    assert (restored.step, restored.epoch, restored.cursor) == (3, 1, cursor)
+    restored = load_state(record, str(tmp_path))
+    other.load_state_dict(restored.state["model"])
+    other_opt.load_state_dict(restored.state["optimizer"])
+    set_rng_state(*restored.rng)
+    assert (restored.step, restored.epoch, restored.cursors) == (3, 1, {"train": cursor})
     assert restored.extra["history"] == [{"epoch": 1, "val_loss": 0.5}]
     for _ in range(2):
         _step(other, other_opt)
@@ -59,12 +80,57 @@ def test_a_checkpoint_restores_training_exactly(tmp_path):
     assert (np.random.rand(), random.random()) == expected[1:]
 
 
+def test_a_checkpoint_the_built_in_loop_wrote_before_the_job_api_resumes_the_same(tmp_path):
+    """A trainer upgraded while a built-in job waits on an old checkpoint (format batchbus-checkpoint-1,
+    its model as ``model.*`` tensors, its optimizer as ``optim.*`` and JSON) resumes it exactly."""
+    model, optimizer = _model_and_optimizer(4)
+    for _ in range(3):
+        _step(model, optimizer)
+    optim = optimizer.state_dict()
+    tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    plain: dict = {}
+    for param, entries in optim["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{param}.{key}"] = value.contiguous()
+            else:
+                plain.setdefault(str(param), {})[key] = value
+    rng_tensors, rng_meta = rng_state()
+    cursor = {"epoch": 0, "position": 24}
+    meta = {
+        "batchbus": FORMAT,
+        "step": "3",
+        "epoch": "0",
+        "cursor": orjson.dumps(cursor).decode(),
+        "optim": orjson.dumps({"param_groups": optim["param_groups"], "state": plain}).decode(),
+        "rng": orjson.dumps(rng_meta).decode(),
+        "extra": orjson.dumps({"history": []}).decode(),
+    }
+    data = save_safetensors({**tensors, **rng_tensors}, metadata=meta)
+    path = tmp_path / "step-000000003.safetensors"
+    path.write_bytes(data)
+    record = {"path": str(path), "sha256": hashlib.sha256(data).hexdigest(), "step": 3}
+    _step(model, optimizer)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    restored = load_state(record, str(tmp_path))
+    assert restored.cursors == {"train": cursor} and restored.step == 3
+    other, other_opt = _model_and_optimizer(98)
+    other.load_state_dict(restored.state["model"])
+    other_opt.load_state_dict(restored.state["optimizer"])
+    set_rng_state(*restored.rng)
+    _step(other, other_opt)
+    for name, value in expected.items():
+        torch.testing.assert_close(other.state_dict()[name], value, rtol=0, atol=0)
+    assert checkpoint_model(data, record).keys() == model.state_dict().keys()
+
+
 def test_only_the_last_checkpoints_are_kept_and_the_model_is_plain_safetensors(tmp_path):
     from safetensors.torch import load_file
 
     model, optimizer = _model_and_optimizer(2)
     for step in (10, 20, 30, 40):
-        save_checkpoint(tmp_path, step=step, epoch=0, cursor={}, model=model, optimizer=optimizer, extra={})
+        _save(tmp_path, step, model, optimizer)
     # the router last heard of step 20 (later records still wait for it): 20 stays
     assert [p.name for p in prune(tmp_path, delivered_step=20)] == ["step-000000010.safetensors"]
     assert [p.name for p in prune(tmp_path, delivered_step=40)] == ["step-000000020.safetensors"]
@@ -78,24 +144,28 @@ def test_only_the_last_checkpoints_are_kept_and_the_model_is_plain_safetensors(t
 
 def test_a_changed_missing_or_foreign_checkpoint_is_refused(tmp_path):
     model, optimizer = _model_and_optimizer(3)
-    record = save_checkpoint(tmp_path, step=1, epoch=0, cursor={}, model=model, optimizer=optimizer, extra={})
+    record = _save(tmp_path, 1, model, optimizer)
     path = tmp_path / "step-000000001.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[:-10])
     with pytest.raises(CheckpointError, match="sha256"):
-        load_checkpoint(record, model, optimizer, str(tmp_path))
+        load_state(record, str(tmp_path))
     path.unlink()
     with pytest.raises(CheckpointError, match="cannot be read here"):
-        load_checkpoint(record, model, optimizer, str(tmp_path))
+        load_state(record, str(tmp_path))
+    # safetensors, but not a batchbus checkpoint (a model file handed over as one)
+    foreign = save_safetensors({"w": torch.zeros(2)}, metadata={"batchbus": "something-else"})
+    path.write_bytes(foreign)
+    with pytest.raises(CheckpointError, match="not a batchbus checkpoint"):
+        load_state({**record, "sha256": hashlib.sha256(foreign).hexdigest()}, str(tmp_path))
     path.write_bytes(data)
+    # the built-in loop refuses a state that does not fit its model, naming it
     bigger = nn.Sequential(nn.Linear(6, 7))
-    with pytest.raises(CheckpointError, match="does not fit"):
-        load_checkpoint(record, bigger, torch.optim.Adam(bigger.parameters()), str(tmp_path))
+    with pytest.raises(BadRequest, match="does not fit"):
+        restore_into(bigger, torch.optim.Adam(bigger.parameters()), load_state(record, str(tmp_path)).state)
     # a record (it comes over the wire) naming a file outside this trainer's checkpoint_dir
     with pytest.raises(CheckpointError, match="not under this trainer's checkpoint_dir"):
-        load_checkpoint(
-            {**record, "path": str(tmp_path / ".." / "elsewhere.safetensors")}, model, optimizer, str(tmp_path)
-        )
+        load_state({**record, "path": str(tmp_path / ".." / "elsewhere.safetensors")}, str(tmp_path))
 
 
 def test_leases_lapse_into_the_queue_until_max_attempts_fails_the_job(tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from libbus.connect.client import Client, Identity
@@ -19,7 +20,18 @@ from libbus.constants import EVAL_EPSILON, EVAL_LOSS_CLIP, EVAL_PER_DATASET_DAY
 from libbus.errors import BadRequest, Forbidden, RateLimited, Timeout
 from libbus.jobs.spec import JobSpec
 from libbus.security.auth import ensure_secret, issue_token
-from libbus.wire.messages import Evaluate, Evaluation, GetJob, GetTask, PushResult, Resolve, Stats, SubmitJob, Task
+from libbus.wire.messages import (
+    ControlJob,
+    Evaluate,
+    Evaluation,
+    GetJob,
+    GetTask,
+    PushResult,
+    Resolve,
+    Stats,
+    SubmitJob,
+    Task,
+)
 from services.models import build_model
 from services.provider.release import EXACT, Release, bits_per_evaluation
 from services.provider.sources import open_source
@@ -389,6 +401,36 @@ def test_a_job_names_the_evaluator_that_scores_its_final_weights(router, start_p
     spec["evaluator"] = "tests.support.user_transforms:jitter"
     info = wait_job(admin, admin.request(SubmitJob(spec={**spec, "max_attempts": 1})).job, timeout=120)
     assert info["state"] == "failed" and "evaluator_modules" in info["error"], info
+
+
+def test_a_running_entrypoint_job_is_scored_live_by_the_evaluator_it_names(
+    router, start_provider, entry_trainer, client_for
+):
+    """``busctl job eval`` and ``job model --current`` on an entrypoint job: the ``model`` entry of the
+    state its function registered, copied between two steps, scored by the evaluator the job names;
+    an entrypoint job naming none is told so, and trains on."""
+    start_provider(f"mnist={MNIST}", evaluator_modules=ALLOWED)
+    admin = client_for(router.endpoint, role="admin", timeout_s=10)
+    base = {"dataset": "mnist", "entrypoint": "tests.support.entrypoints:linear_until_stopped", "batch_size": 50}
+    job = admin.request(SubmitJob(spec={**base, "evaluator": "tests.support.evaluators:linear"})).job
+    _until(lambda: (admin.request(GetJob(job=job)).job.get("progress") or {}).get("step", 0) >= 3, "3 steps")
+    admin.request(ControlJob(job=job, command="pause"))
+    scored = admin.request(ControlJob(job=job, command="eval"), timeout_s=120).detail
+    assert "error" not in scored, scored
+    assert scored["test_n"] == 120 and 0.0 <= scored["test_accuracy"] <= 1.0 and scored["step"] >= 3
+    current = admin.request(ControlJob(job=job, command="model"), timeout_s=30)
+    weights = load_safetensors(bytes(current.frames[0]))
+    assert sorted(weights) == ["bias", "weight"] and current.step == scored["step"]  # paused: the same step
+    assert weights["weight"].abs().sum() > 0  # the trained weights (they start at zero), not a fresh model
+    admin.request(ControlJob(job=job, command="stop"))
+    assert wait_job(admin, job, timeout=60)["state"] == "stopped"
+
+    plain = admin.request(SubmitJob(spec=base)).job  # no evaluator: nothing can score its model
+    _until(lambda: (admin.request(GetJob(job=plain)).job.get("progress") or {}).get("step", 0) >= 1, "a step")
+    refused = admin.request(ControlJob(job=plain, command="eval"), timeout_s=60).detail
+    assert "evaluator" in refused["error"], refused
+    admin.request(ControlJob(job=plain, command="stop"))
+    assert wait_job(admin, plain, timeout=60)["state"] == "stopped"
 
 
 def test_released_scores_carry_noise_of_the_calibrated_scale_on_a_grid():

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from libbus.errors import BadRequest
 from services.trainer.audit import effective_epochs
+from services.trainer.checkpoint import load_state
 from tests.support import busctl
 from tests.support.jobs import SPEC, JobCluster, final_weights
 
@@ -58,14 +58,14 @@ def pause_then_resume(cluster: JobCluster, job: str, trainer: str) -> dict:
     checkpoint's record."""
     cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1)
     detail = cluster.control(job, "pause")
-    assert detail["state"] == "paused" and detail["trainer"] == trainer and detail["ack_ms"] < 1000
+    assert detail["state"] == "paused" and detail["trainer"] == trainer
     assert cluster.job(job)["state"] == "paused"
     before = cluster.trained_batches(job, trainer)
     ckpt = cluster.control(job, "checkpoint")["checkpoint"]
     time.sleep(0.3)
     assert cluster.trained_batches(job, trainer) == before == ckpt["step"], "a paused trainer kept training"
     detail = cluster.control(job, "resume")
-    assert detail["state"] == "running" and detail["ack_ms"] < 1000
+    assert detail["state"] == "running"
     return ckpt
 
 
@@ -170,13 +170,12 @@ def test_commands_from_the_cli_are_acknowledged(cluster):
     detail = json.loads(
         busctl("job", "set", job, "lr=0.0005", "weight_decay=0.01", "--json", env=env, check=True).stdout
     )
-    assert detail["acked"] and detail["spec"]["lr"] == 0.0005 and detail["ack_ms"] < 1000
+    assert detail["acked"] and detail["spec"]["lr"] == 0.0005
     assert cluster.control(job, "resume")["state"] == "running"
     cluster.wait(job, lambda i: (i["progress"] or {}).get("step", 0) > ckpt["step"] + 2)
     cluster.control(job, "pause")  # (a running trainer prunes old checkpoints)
     after = cluster.control(job, "checkpoint")["checkpoint"]
-    with safe_open(after["path"], "pt") as fh:
-        groups = json.loads(fh.metadata()["optim"])["param_groups"]
+    groups = load_state(after, str(Path(after["path"]).parent)).state["optimizer"]["param_groups"]
     assert {(g["lr"], g["weight_decay"]) for g in groups} == {(0.0005, 0.01)}  # the optimizer has it
     assert "stopping" in busctl("job", "stop", job, env=env, check=True).stdout
     info = cluster.wait_end(job)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import load_file
 
 from libbus.errors import BadRequest, Forbidden
 from libbus.wire.messages import ControlJob, GetJob, GetModel, SubmitJob
+from services.trainer.checkpoint import checkpoint_model
 from tests.support import wait_job
 
 ENTRY = "tests.support.entrypoints"
@@ -94,8 +94,7 @@ def test_a_built_in_job_starts_from_a_paused_jobs_checkpointed_weights(
     admin.request(ControlJob(job=source, command="pause"))
     record = _checkpointed(admin, source)  # paused: its latest checkpoint stays this one
     assert admin.request(GetJob(job=source)).job["state"] == "paused"
-    saved = load_file(record["path"])
-    weights = {k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}
+    weights = checkpoint_model(Path(record["path"]).read_bytes(), record)  # the model in the job's state
 
     with second_trainer(make_settings, router):
         # another seed (other initial weights), an lr that moves nothing: it ends where it started
@@ -199,8 +198,7 @@ def test_every_rank_of_a_gang_starts_from_one_snapshot_of_a_paused_job(
     _until(admin, source, _stepped, "trained a step")
     admin.request(ControlJob(job=source, command="pause"))
     record = _checkpointed(admin, source)
-    saved = load_file(record["path"])
-    weights = {k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}
+    weights = checkpoint_model(Path(record["path"]).read_bytes(), record)  # the model in the job's state
     with second_trainer(make_settings, router, "trainer-2"), second_trainer(make_settings, router, "trainer-3"):
         # a gang of two, another seed, an lr that moves nothing: both ranks end where the snapshot began
         spec = {**base, "seed": 9, "epochs": 1, "lr": 1e-30, "optimizer": "sgd", "world_size": 2}

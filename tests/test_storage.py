@@ -10,7 +10,7 @@ from libbus.jobs.spec import JobSpec
 from libbus.wire.messages import GetJob, ListJobs, SubmitJob
 from services.router import store as store_module
 from services.router.store import JobStore
-from services.trainer.checkpoint import KEEP, prune, save_checkpoint
+from services.trainer.checkpoint import KEEP, prune, save_state
 
 
 def _record(step: int) -> dict:
@@ -69,7 +69,7 @@ def test_checkpoint_files_stay_bounded_while_the_router_is_away(tmp_path):
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(1, 21):  # the router heard of step 3 only; the rest wait for it
-        save_checkpoint(tmp_path, step=step, epoch=0, cursor={}, model=model, optimizer=optimizer, extra={})
+        save_state(tmp_path, step=step, epoch=0, state={"model": model, "optimizer": optimizer}, cursors={}, extra={})
         prune(tmp_path, delivered_step=3)
     names = sorted(p.name for p in tmp_path.glob("step-*"))
     assert names == ["step-000000003.safetensors", "step-000000019.safetensors", "step-000000020.safetensors"]

@@ -18,11 +18,11 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import zmq
 from rich.console import Console
-from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
 from cli.top import render
@@ -31,6 +31,7 @@ from libbus.security.auth import issue_token
 from libbus.wire.messages import ControlJob, GetJob, Stats, SubmitJob
 from services.provider.evaluator import evaluate_weights
 from services.provider.sources import open_source
+from services.trainer.checkpoint import checkpoint_model
 from tests.support import BUSCTL, REPO, busctl, wait_job
 
 DATASET = "mock://mnist?n=2000"
@@ -173,8 +174,8 @@ def test_eval_and_top_on_a_running_job(cluster, tmp_path):
     paused = admin.request(ControlJob(job=job, command="eval"), timeout_s=120).detail
     ckpt = admin.request(ControlJob(job=job, command="checkpoint")).detail["checkpoint"]
     assert paused["state"] == "paused" and paused["step"] == ckpt["step"]
-    with safe_open(ckpt["path"], "pt") as f:  # the weights of that step, scored here on the test split
-        weights = {k.removeprefix("model."): f.get_tensor(k) for k in f.keys() if k.startswith("model.")}
+    # the weights of that step (the model in the job's checkpointed state), scored here on the test split
+    weights = checkpoint_model(Path(ckpt["path"]).read_bytes(), ckpt)
     loss, acc, n = evaluate_weights(
         source, "test", {"name": "mlp", "kwargs": SPEC["model_kwargs"]}, save_safetensors(weights), info
     )

@@ -93,9 +93,11 @@ class Job(ABC):
         last :meth:`checkpoint`)."""
 
     @abstractmethod
-    def step(self, **metrics: float) -> None:
-        """One training step is done (``loss=`` is averaged into the progress the router shows).
-        Commands apply here: a pause waits here, a stop ends the function here (:class:`JobEnded`)."""
+    def step(self, samples: int | None = None, **metrics: float) -> None:
+        """One training step is done (``loss=`` is averaged into the progress the router shows,
+        weighted by ``samples``: the step's batch size, the train loader's unless given, e.g. for a
+        smaller last batch). Commands apply here: a pause waits here, a stop ends the function here
+        (:class:`JobEnded`)."""
 
     @abstractmethod
     def report(self, **metrics: float) -> None:

@@ -206,6 +206,17 @@ class JobSpec:
             raise BadRequest(f"cannot set {', '.join(other)} on a running job; settable: {', '.join(SETTABLE)}")
         return JobSpec.from_dict({**self.to_dict(), **changes})
 
+    def builtin_params(self) -> dict:
+        """What the built-in loop (services/trainer/builtin.py) reads as ``job.params``: a built-in
+        job is that entrypoint with its typed fields as parameters (``set`` changes :data:`SETTABLE`)."""
+        keys = ("model", "model_kwargs", "optimizer", *SETTABLE, "epochs", "seed", "model_from")
+        return {k: getattr(self, k) for k in keys}
+
+    def settable(self) -> dict:
+        """What ``busctl job set`` may change now, with its values: an entrypoint's ``params``, or a
+        built-in job's :data:`SETTABLE` hyper-parameters (a gang's rank 0 sends them to the others)."""
+        return dict(self.params) if self.entrypoint else {k: getattr(self, k) for k in SETTABLE}
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         if not out["spike"]:  # off is absent: from_dict reads any ``spike`` given, {} too, as on

@@ -23,9 +23,9 @@ from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, 
 from .. import runtime
 from ..sdnotify import Notifier
 from .attempt import MAX_WAIT_PARTS, AttemptRun, warm_up
+from .control import LOST
 from .failures import describe_failure
 from .reports import Reporter
-from .run import LOST
 
 __all__ = ["TrainerService", "run_trainer"]
 

@@ -59,6 +59,7 @@ from services.usercode import module_allowed
 
 from .channel import Channel, ChannelClosed
 from .child import child_main
+from .control import LOST
 from .failures import describe_failure
 from .prepare import resolve
 
@@ -220,6 +221,8 @@ class AttemptRun:
         self.unclean = False
         self.child: multiprocessing.process.BaseProcess | None = None
         self._output: BinaryIO | None = None
+        #: Reads the child's output into :attr:`log` until the child (and what it forked) closes it.
+        self._output_reader: threading.Thread | None = None
         self.last_checkpoint: dict | None = None
         self._result: tuple[str, dict, str] | None = None
         self._relays = threading.BoundedSemaphore(MAX_RELAYS)
@@ -261,7 +264,9 @@ class AttemptRun:
         out_read.close()
         what = spec.entrypoint or f"the built-in loop ({spec.model})"
         log.info("job %s: attempt %d runs %s in process %d", self.task.job, self.attempt, what, self.child.pid)
-        output = threading.Thread(target=self._read_output, name=f"output-{self.task.job}", daemon=True)
+        output = self._output_reader = threading.Thread(
+            target=self._read_output, name=f"output-{self.task.job}", daemon=True
+        )
         output.start()
         done = threading.Event()
         sender = threading.Thread(target=self._send_logs, args=(done,), name=f"logs-{self.task.job}", daemon=True)
@@ -435,13 +440,15 @@ class AttemptRun:
         error = str(header.get("error", ""))
         if state == JobState.FAILED and error:
             error = self._failure(error, "")
-        if state == "lost":
-            return "lost", {}, error
+        if state == LOST:
+            return LOST, {}, error
         return JobState(state), result, error
 
     def _ended_without_result(self, stopping: str) -> tuple[JobState | str, dict, str]:
         if self.child is not None:
             self.child.join()
+        if self._output_reader is not None:  # its last lines (what it printed before dying) go in the error
+            self._output_reader.join(EXIT_QUIET_S)
         code = self.child.exitcode if self.child is not None else None
         if stopping:
             return self._stopped_by_kill(stopping)

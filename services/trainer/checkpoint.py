@@ -1,21 +1,24 @@
 """Checkpoints and final models on the trainer's disk: safetensors only, written atomically.
 
-A checkpoint is ONE safetensors file, ``<checkpoint_dir>/<job>/step-<step>.safetensors``:
+A checkpoint is ONE safetensors file, ``<checkpoint_dir>/<job>/step-<step>[.<tag>].safetensors``, of
+format :data:`JOB_STATE_FORMAT`, written by :func:`save_state` for every job (an entrypoint's
+function and the built-in loop both checkpoint through the job API, :mod:`.jobapi`):
 
-- tensors ``model.<name>`` (the model's state dict), ``optim.<param>.<key>`` (the optimizer's tensor
-  state), ``rng.torch``, ``rng.cuda.<i>`` and ``rng.numpy`` (the random generators' states);
-- string metadata ``batchbus`` (the format), ``step``, ``epoch``, ``cursor`` (the train loader's
-  position, :meth:`libbus.loader.remote.RemoteLoader.state_dict`), ``optim`` (param groups and non-tensor
-  state), ``rng`` (python's and numpy's non-array parts) and ``extra`` (history, running loss), all JSON.
+- tensors ``user.<n>`` (the tensors of the job's state, :func:`libbus.jobapi.encode_state`: the
+  built-in loop's is ``{"model": ..., "optimizer": ...}``), ``rng.torch``, ``rng.cuda.<i>`` and
+  ``rng.numpy`` (the random generators' states);
+- string metadata, all JSON: ``batchbus`` (the format), ``step``, ``epoch``, ``state`` (the state's
+  skeleton: where each tensor sits), ``cursors`` (every loader's position by name,
+  :meth:`libbus.loader.remote.RemoteLoader.state_dict`), ``cursor`` (the train loader's, for the
+  router's record), ``rng`` (python's and numpy's non-array parts) and ``extra`` (history, running
+  loss).
 
 Nothing is pickled, so loading a checkpoint cannot run code. A file is written to a temporary name
 in the same directory, fsynced, renamed into place and the directory fsynced: a crash leaves the old
 checkpoint or the new one, never half of one. Its sha256 goes to the router with the record, and is
-checked before the file is trusted again. The trainer keeps the last :data:`KEEP` per job, and
-the last one the router has recorded.
-
-An entrypoint job's checkpoints (:mod:`.jobapi`) are files of the same kind in format
-:data:`JOB_STATE_FORMAT`. :func:`checkpoint_model` takes the model weights alone out of either (a job
+checked before the file is trusted again (:func:`read_state`, which also reads the built-in loop's
+files of before, :data:`FORMAT`). The trainer keeps the last :data:`KEEP` per job, and the last one
+the router has recorded. :func:`checkpoint_model` takes the model weights alone out of one (a job
 that starts from another job's current weights, ``model_from``).
 
 The final model is ``<checkpoint_dir>/<job>/model.safetensors``: the plain state dict, loadable with
@@ -29,7 +32,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import orjson
@@ -40,7 +43,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from libbus.errors import BusError
-from libbus.jobapi import StateError, decode_state
+from libbus.jobapi import StateError, decode_state, encode_state
 from libbus.jobs.spec import JobSpec
 from services.atomic import write_atomic
 
@@ -52,17 +55,19 @@ __all__ = [
     "Restored",
     "checkpoint_model",
     "job_dir",
-    "load_checkpoint",
+    "load_state",
     "model_metadata",
     "prune",
     "read_checkpoint",
-    "restore_checkpoint",
-    "save_checkpoint",
+    "read_state",
     "save_model",
+    "save_state",
+    "set_rng_state",
 ]
 
+#: The format the built-in loop wrote before it ran on the job API (read, never written).
 FORMAT = "batchbus-checkpoint-1"
-#: The format of an entrypoint job's checkpoint (written by :mod:`.jobapi`).
+#: The format of every job's checkpoint (:func:`save_state`).
 JOB_STATE_FORMAT = "batchbus-job-state-1"
 #: Checkpoints a trainer keeps per job (older ones are removed once a newer one is on disk).
 KEEP = 2
@@ -74,12 +79,18 @@ class CheckpointError(BusError):
 
 @dataclass
 class Restored:
-    """What a checkpoint gives back besides the model's and optimizer's state (restored in place)."""
+    """What a checkpoint holds (:func:`read_state`)."""
 
+    #: The job's state, as given to ``job.checkpoint`` (objects with a ``state_dict()`` as that dict).
+    state: Any
     step: int
     epoch: int
-    cursor: dict
+    #: Every loader's cursor, by loader name (``train``: the job's train loader).
+    cursors: dict
+    #: The history and running train loss the job resumes with.
     extra: dict
+    #: The random generators' state (:func:`set_rng_state` puts it back).
+    rng: tuple[dict[str, torch.Tensor], dict]
 
 
 def job_dir(checkpoint_dir: str, job: str) -> Path:
@@ -114,43 +125,38 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
     np.random.set_state((name, tensors["rng.numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def save_checkpoint(
+def save_state(
     directory: Path,
     *,
     step: int,
     epoch: int,
-    cursor: dict,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    state: Any,
+    cursors: Mapping[str, dict],
     extra: dict,
-    epoch_end: bool = False,
+    tag: str = "",
 ) -> dict:
-    """Write a checkpoint of the training state; returns its record (path, sha256, step, epoch,
-    cursor, bytes) for the router. Old ones are removed by :func:`prune`. ``epoch_end``: the one
-    taken after an epoch's validation, at the same step as one taken after its last batch; it
-    gets a file of its own (``step-N.e``), so the record the router holds always names intact bytes."""
-    tensors = {f"model.{k}": _cpu(v) for k, v in model.state_dict().items()}
-    optim = optimizer.state_dict()
-    plain_state: dict = {}
-    for param, entries in optim["state"].items():
-        for key, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optim.{param}.{key}"] = _cpu(value)
-            else:
-                plain_state.setdefault(str(param), {})[key] = value
+    """Write a job's checkpoint (format :data:`JOB_STATE_FORMAT`, the module docstring): its
+    ``state`` (:func:`libbus.jobapi.encode_state`: tensors and plain data), every loader's cursor by
+    name, the random generators, ``step``, ``epoch`` and ``extra`` (history, running loss). Returns
+    its record for the router (path, sha256, step, epoch, the train loader's cursor, bytes).
+
+    ``tag`` tells apart files of one step (``e``: the one after an epoch's validation, taken at the
+    same step as one after its last batch): the record the router holds always names intact bytes."""
+    tensors, skeleton = encode_state(state)
     rng_tensors, rng_meta = rng_state()
-    tensors.update(rng_tensors)
+    cursor = dict(cursors.get("train", {}))
     metadata = {
-        "batchbus": FORMAT,
+        "batchbus": JOB_STATE_FORMAT,
         "step": str(step),
         "epoch": str(epoch),
         "cursor": orjson.dumps(cursor).decode(),
-        "optim": orjson.dumps({"param_groups": optim["param_groups"], "state": plain_state}).decode(),
+        "cursors": orjson.dumps(dict(cursors)).decode(),
+        "state": orjson.dumps(skeleton).decode(),
         "rng": orjson.dumps(rng_meta).decode(),
         "extra": orjson.dumps(extra).decode(),
     }
-    data = save_safetensors(tensors, metadata=metadata)
-    path = directory / f"step-{step:09d}{'.e' if epoch_end else ''}.safetensors"
+    data = save_safetensors({**{f"user.{k}": v for k, v in tensors.items()}, **rng_tensors}, metadata=metadata)
+    path = directory / f"step-{step:09d}{'.' + tag if tag else ''}.safetensors"
     digest = write_file(path, data)
     return {"path": str(path), "sha256": digest, "step": step, "epoch": epoch, "cursor": cursor, "bytes": len(data)}
 
@@ -177,18 +183,10 @@ def prune(directory: Path, delivered_step: int | None) -> list[Path]:
     return removed
 
 
-def load_checkpoint(record: dict, model: nn.Module, optimizer: torch.optim.Optimizer, root: str) -> Restored:
-    """Restore model, optimizer and random generators from the checkpoint ``record`` names.
-
-    Args:
-        root: this trainer's ``checkpoint_dir``; a record naming a file elsewhere is refused (the
-            path comes over the wire, from whichever trainer reported it).
-
-    Raises:
-        CheckpointError: the file is outside ``root``, missing, its sha256 differs from the
-            record's, or it is not a batchbus checkpoint of this model.
-    """
-    return restore_checkpoint(read_checkpoint(record, root), record, model, optimizer)
+def load_state(record: dict, root: str) -> Restored:
+    """The checkpoint ``record`` names, read from under ``root`` (:func:`read_checkpoint`) and
+    checked (:func:`read_state`)."""
+    return read_state(read_checkpoint(record, root), record)
 
 
 def read_checkpoint(record: dict, root: str) -> bytes:
@@ -228,63 +226,66 @@ def check_digest(data: bytes, record: dict) -> str:
     return path
 
 
-def restore_checkpoint(data: bytes, record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
-    """Restore model, optimizer and random generators from checkpoint bytes ``data`` (read here, or
-    received from a gang's rank 0), checked against ``record``'s sha256 first. Raises
-    :class:`CheckpointError` as :func:`load_checkpoint` does."""
-    path = check_digest(data, record)
-    try:
-        tensors = load_safetensors(data)
-        meta = metadata_of(data)
-    except (SafetensorError, ValueError, AttributeError) as err:
-        raise CheckpointError(f"checkpoint {path} is not a readable safetensors file: {err}") from err
-    if meta.get("batchbus") != FORMAT:
-        raise CheckpointError(f"{path} is not a {FORMAT} file (format {meta.get('batchbus')!r})")
-    try:
-        state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-        model.load_state_dict(state)
-        optim = orjson.loads(meta["optim"])
-        opt_state: dict = {int(p): dict(v) for p, v in optim["state"].items()}
-        for key, value in tensors.items():
-            if key.startswith("optim."):
-                _, param, name = key.split(".", 2)
-                opt_state.setdefault(int(param), {})[name] = value
-        optimizer.load_state_dict({"state": opt_state, "param_groups": optim["param_groups"]})
-        set_rng_state(tensors, orjson.loads(meta["rng"]))
-        return Restored(
-            step=int(meta["step"]),
-            epoch=int(meta["epoch"]),
-            cursor=orjson.loads(meta["cursor"]),
-            extra=orjson.loads(meta["extra"]),
-        )
-    except (KeyError, ValueError, RuntimeError, orjson.JSONDecodeError) as err:
-        raise CheckpointError(f"checkpoint {path} does not fit this job's model and optimizer: {err}") from err
-
-
-def checkpoint_model(data: bytes, record: dict) -> dict[str, torch.Tensor]:
-    """The model weights alone in checkpoint bytes ``data`` (another job's, named by ``record``),
-    checked against ``record``'s sha256 first: a built-in job's model tensors (:data:`FORMAT`), or
-    the ``model`` entry of an entrypoint job's state (:data:`JOB_STATE_FORMAT`: a module's or a
-    plain state dict, as ``job.checkpoint`` stored it). Its optimizer, cursors, step and random
-    state are left out.
+def read_state(data: bytes, record: dict) -> Restored:
+    """What checkpoint bytes ``data`` (read here, or received from a gang's rank 0) hold, once
+    checked against ``record``'s sha256: a job's state (:data:`JOB_STATE_FORMAT`), or a checkpoint
+    the built-in loop wrote before it ran on the job API (:data:`FORMAT`: its model and optimizer
+    become the state ``{"model", "optimizer"}`` the built-in loop restores, its cursor the train
+    loader's), so a job resumes exactly across that upgrade. Nothing in it is unpickled.
 
     Raises:
         CheckpointError: the bytes changed since the router recorded them, are not a batchbus
-            checkpoint, or hold no model weights.
+            checkpoint, or do not decode.
     """
     path = check_digest(data, record)
     try:
         tensors = load_safetensors(data)
         meta = metadata_of(data)
         kind = meta.get("batchbus")
-        if kind == FORMAT:
-            return {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-        if kind != JOB_STATE_FORMAT:
+        if kind == JOB_STATE_FORMAT:
+            user = {k.removeprefix("user."): v for k, v in tensors.items() if k.startswith("user.")}
+            state = decode_state(user, orjson.loads(meta["state"]))
+            cursors = orjson.loads(meta["cursors"])
+        elif kind == FORMAT:
+            state, cursors = _built_in_state(tensors, meta), {"train": orjson.loads(meta["cursor"])}
+        else:
             raise CheckpointError(f"{path} is not a batchbus checkpoint (format {kind!r})")
-        user = {k.removeprefix("user."): v for k, v in tensors.items() if k.startswith("user.")}
-        state = decode_state(user, orjson.loads(meta["state"]))
+        return Restored(
+            state=state,
+            step=int(meta["step"]),
+            epoch=int(meta.get("epoch", 0)),
+            cursors=cursors if isinstance(cursors, dict) else {},
+            extra=orjson.loads(meta["extra"]),
+            rng=({k: v for k, v in tensors.items() if k.startswith("rng.")}, orjson.loads(meta["rng"])),
+        )
     except (SafetensorError, StateError, ValueError, KeyError, AttributeError, orjson.JSONDecodeError) as err:
         raise CheckpointError(f"checkpoint {path} cannot be read: {err}") from err
+
+
+def _built_in_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    """A :data:`FORMAT` checkpoint's model and optimizer as state dicts."""
+    optim = orjson.loads(meta["optim"])
+    opt_state: dict = {int(p): dict(v) for p, v in optim["state"].items()}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, param, name = key.split(".", 2)
+            opt_state.setdefault(int(param), {})[name] = value
+    model = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    return {"model": model, "optimizer": {"state": opt_state, "param_groups": optim["param_groups"]}}
+
+
+def checkpoint_model(data: bytes, record: dict) -> dict[str, torch.Tensor]:
+    """The model weights alone in checkpoint bytes ``data`` (another job's, named by ``record``),
+    checked against ``record``'s sha256 first (:func:`read_state`): the ``model`` entry of the job's
+    state (a module's or a plain state dict, as ``job.checkpoint`` stored it; the built-in loop's
+    model). Its optimizer, cursors, step and random state are left out.
+
+    Raises:
+        CheckpointError: the bytes changed since the router recorded them, are not a batchbus
+            checkpoint, or hold no model weights.
+    """
+    path = str(record.get("path"))
+    state = read_state(data, record).state
     model = state.get("model") if isinstance(state, Mapping) else None
     if not isinstance(model, Mapping) or not model or not all(isinstance(v, torch.Tensor) for v in model.values()):
         raise CheckpointError(

@@ -1,10 +1,11 @@
 """One attempt of a job, in a process of its own: forked from the trainer's fork server
 (:mod:`.attempt` starts it and is its only peer).
 
-The child runs the built-in loop (:class:`.run.TaskRun`), or imports the job's function only if the
-trainer's ``job_modules`` allows it and calls it with an :class:`.jobapi.AttemptJob`; then it tells
-the parent how it ended. Its log records go to the parent as records (:class:`ParentLogHandler`),
-the built-in loop's systemd status through it (:class:`ParentNotifier`). It holds no connection to the
+The child calls the job's function with an :class:`.jobapi.AttemptJob`: the built-in loop
+(:func:`.builtin.train`) for a job that names a ``model``, or the job's ``entrypoint``, imported only
+if the trainer's ``job_modules`` allows it; then it tells the parent how it ended. (An evaluation
+task, :func:`.evaltask.run_evaluation`, trains nothing.) Its log records go to the parent as records
+(:class:`ParentLogHandler`), its systemd status line through it (:class:`ParentNotifier`). It holds no connection to the
 router: its requests (progress, checkpoint records, acknowledgements, finding the dataset's
 providers) go through the parent over the channel (:class:`ParentLink`), and the parent passes the
 router's commands on. It reads batches from the providers itself, with the trainer's identity.
@@ -35,9 +36,9 @@ from typing import Any
 import torch
 
 from libbus.config import Settings
-from libbus.connect.client import Identity
 from libbus.errors import BusError, PeerTimeout, error_from_code
 from libbus.jobapi import JobEnded
+from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.wire.frames import decode, encode
 from libbus.wire.messages import Command, Message, Resolve, Task
@@ -45,13 +46,16 @@ from services import runtime
 from services.sdnotify import Notifier
 from services.usercode import import_allowed
 
+from . import builtin
 from .channel import Channel, ChannelClosed
-from .failures import describe_failure
-from .final_eval import score_saved
-from .gang import Gang, advertised_host
+from .control import LOST
+from .evaltask import run_evaluation
+from .failures import describe_failure, deterministic
+from .final_eval import EVALUATE_TIMEOUT_S, score_saved
+from .gang import Gang, GangError, advertised_host
 from .jobapi import AttemptJob
+from .progress import perplexity
 from .reports import Reporter
-from .run import TaskRun
 
 __all__ = ["ParentLink", "ParentLogHandler", "ParentNotifier", "child_main", "main"]
 
@@ -108,7 +112,7 @@ class ParentLink:
 
 
 class ParentNotifier(Notifier):
-    """The built-in loop's systemd notifier in an attempt: its status lines go to the trainer, which
+    """An attempt's systemd notifier: its status lines go to the trainer, which
     tells systemd (``STATUS=`` of the trainer's unit), and a wait it announces as longer than usual
     (an evaluation) widens the trainer's hang check for that long. The trainer feeds the watchdog."""
 
@@ -208,37 +212,6 @@ def _beat(channel: Channel, activity: Callable[[], tuple], done: threading.Event
             return
 
 
-def _builtin(
-    channel: Channel,
-    task: Task,
-    settings: Settings,
-    link: ParentLink,
-    identity: Identity,
-    commands: queue.Queue[Command],
-    reporter: Reporter,
-) -> tuple[JobState | str, dict, str]:
-    """The built-in loop (:class:`.run.TaskRun`) as this attempt: the trainer feeds systemd's watchdog."""
-    try:
-        run = TaskRun(task, settings, link, identity, commands, reporter, notifier=ParentNotifier(channel))  # type: ignore[arg-type]  # a Link in all it uses
-    except Exception as err:  # noqa: BLE001 - a spec this trainer cannot even set up: the job fails, not the trainer
-        return JobState.FAILED, {"retryable": False}, describe_failure(err, None)
-
-    def activity() -> tuple:
-        train = run.train
-        return (run.step, run.controls.state, train._position if train is not None else 0, train.wait_s if train else 0)
-
-    done = threading.Event()
-    threading.Thread(target=_beat, args=(channel, activity, done), daemon=True).start()
-    channel.send("started")
-    try:
-        return run.run()
-    finally:
-        done.set()
-        if not reporter.flush(settings.request_timeout_s):
-            log.warning("job %s: %d report(s) not delivered", task.job, reporter.pending)
-        reporter.close()
-
-
 def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | str, dict, str]:
     """Import, set up and call the function; how the attempt ended as the trainer pushes it."""
     settings = Settings(**start["settings"])
@@ -250,9 +223,15 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
     threading.Thread(target=_read_channel, args=(channel, link, commands), daemon=True).start()
     reporter = Reporter(link, job_id, settings.request_timeout_s, on_command=commands.put)  # type: ignore[arg-type]  # a Link in all it uses
     identity = runtime.identity(settings, "trainer", start["name"])
+    notifier = ParentNotifier(channel)
 
-    if not task.spec.get("entrypoint"):  # the built-in loop: the same process, relay and commands
-        return _builtin(channel, task, settings, link, identity, commands, reporter)
+    if task.spec.get("task") == "evaluate":  # score a stored model, no training (.evaltask)
+        channel.send("started")
+        try:
+            with notifier.extended(EVALUATE_TIMEOUT_S):
+                return run_evaluation(task, JobSpec.from_dict(task.spec), settings, link, identity)  # type: ignore[arg-type]  # a Link in all it uses
+        finally:
+            reporter.close()
 
     def resolver(timeout_s: float) -> list[dict]:
         return link.request(Resolve(dataset=task.spec["dataset"]), timeout_s=timeout_s).providers
@@ -262,26 +241,33 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
         device = torch.device(task.spec.get("device", "cpu"))
         host = advertised_host(settings.advertise, settings.router)
         gang = Gang(task, link, host, device, settings.request_timeout_s)  # type: ignore[arg-type]  # a Link in all it uses
+    providers = start["providers"]
     job = AttemptJob(
         task,
         settings,
         identity,
         reporter,
         commands,
-        providers=start["providers"],
+        providers=providers,
         resolver=resolver,
         attempt=int(start.get("attempt", 0)),
         gang=gang,
+        provider=next((p for p in providers if p.get("name") == start.get("provider_name")), None),
+        notifier=notifier,
     )
     done = threading.Event()
     threading.Thread(target=_beat, args=(channel, job.activity, done), daemon=True).start()
+    evaluation_wait_s = EVALUATE_TIMEOUT_S  # a live evaluation's acknowledgement goes before the result
     try:
-        function = import_allowed(
-            job.spec.entrypoint, settings.job_modules, f"entrypoint {job.spec.entrypoint!r}", setting="job_modules"
-        )
-        if not callable(function):
-            raise BusError(f"entrypoint {job.spec.entrypoint!r} is a {type(function).__name__}, not a function")
-        log.info("job %s: calling %s (attempt %d)", job_id, job.spec.entrypoint, job.attempt)
+        if job.spec.entrypoint:
+            function = import_allowed(
+                job.spec.entrypoint, settings.job_modules, f"entrypoint {job.spec.entrypoint!r}", setting="job_modules"
+            )
+            if not callable(function):
+                raise BusError(f"entrypoint {job.spec.entrypoint!r} is a {type(function).__name__}, not a function")
+        else:  # the built-in loop, on the same job API
+            function = builtin.train
+        log.info("job %s: calling %s (attempt %d)", job_id, job.spec.entrypoint or "the built-in loop", job.attempt)
         channel.send("started")  # set up (a gang met, the module imported): its silence is watched from here
         job._commands()  # a stop or pause sent as the attempt began
         function(job)
@@ -293,17 +279,25 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
         }
         last = job.history[-1] if job.history else {}
         result.update({k: v for k, v in last.items() if k.startswith("val_")})
-        if job.spec.evaluate and job.spec.evaluator and job.model_record and job.lead:
-            result.update(_scored(job, start, link, identity, settings))
+        # scored by the job's evaluator, or (a built-in job) by its model built on the provider
+        scored = job.spec.evaluator or not job.spec.entrypoint
+        if job.spec.evaluate and scored and job.model_record and job.lead:
+            with notifier.extended(EVALUATE_TIMEOUT_S):
+                result.update(_scored(job, start, link, identity, settings))
         return JobState.SUCCEEDED, result, ""
     except JobEnded as ended:
         result = {"history": job.history, "checkpoint": job.last_checkpoint}
         if job.ended == "lost":
-            return "lost", {}, str(reporter.lost or ended)
+            evaluation_wait_s = 0.0  # the router takes nothing more of this job from here
+            return LOST, {}, str(reporter.lost or ended)
         if job.ended == "handback" or ended.handback:
+            evaluation_wait_s = settings.request_timeout_s  # a trainer shutting down waits less
             return JobState.QUEUED, result, "trainer shutting down"
         return JobState.STOPPED, result, ""
     except BaseException as err:  # noqa: BLE001 - SystemExit too: whatever the function does ends this attempt only
+        if gang is not None and isinstance(err, RuntimeError) and not deterministic(err):
+            # a collective inside backward() (DDP) breaks when another rank is gone: retried
+            err = GangError(f"rank {task.rank}: the gang broke: {err}")
         retryable = isinstance(err, BusError) and err.code in ("TIMEOUT", "UNAVAILABLE", "NOT_FOUND")
         error = describe_failure(err, job.spec)
         log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(err, BusError))
@@ -311,6 +305,9 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
     finally:
         done.set()
         job.close()
+        if job.evaluations.running:
+            with notifier.extended(evaluation_wait_s):
+                job.evaluations.join(evaluation_wait_s)
         if not reporter.flush(settings.request_timeout_s):
             log.warning("job %s: %d report(s) not delivered", job_id, reporter.pending)
         reporter.close()
@@ -333,8 +330,17 @@ def _scored(job: AttemptJob, start: dict, link: ParentLink, identity, settings: 
         settings=settings,
         check=job._commands,
     )
-    log.info("job %s: test %s on %d samples (%s)", job.id, evaluation.accuracy, evaluation.n, job.spec.evaluator)
-    return {"test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy, "test_n": evaluation.n}
+    log.info(
+        "job %s: provider-side test accuracy %.4f on %d samples (%s)",
+        job.id,
+        evaluation.accuracy,
+        evaluation.n,
+        job.spec.evaluator or job.spec.model,
+    )
+    scores = {"test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy, "test_n": evaluation.n}
+    if job.history and "val_perplexity" in job.history[-1]:  # a language model's: compared by perplexity
+        scores["test_perplexity"] = perplexity(evaluation.loss)
+    return scores
 
 
 def child_main(channel_end: socket.socket, output: socket.socket) -> None:

@@ -1,12 +1,8 @@
-"""What a trainer does for the router's decisions beyond training (services/router/decisions.py):
-
-- :func:`run_evaluation`: an evaluation task (``task = "evaluate"``) scores the model that came with
-  it: on ``val`` here, streamed like a training job's validation; on ``test`` by sending the weights
-  to the provider, whose private test split never leaves it. Its result is stored like a job's.
-- :func:`adopt_checkpoint`: population-based training's exploit step: load another job's
-  checkpoint (weights and optimizer state) into a running task.
-- :func:`current_weights`: ``busctl job model --current``: the weights now, between two steps.
-- :func:`evaluate_now`: ``busctl job eval``: the weights now, scored in the background.
+"""An evaluation task (``task = "evaluate"``, services/router/decisions.py): :func:`run_evaluation`
+scores the model that came with it: on ``val`` here, streamed like a training job's validation; on
+``test`` by sending the weights to the provider, whose private test split never leaves it. Its result
+is stored like a job's. (A running job's own ``busctl job eval``, ``job model --current`` and PBT's
+``adopt`` are applied by its attempt, :mod:`.jobapi`.)
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ import hashlib
 import logging
 
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from libbus.config import Settings
 from libbus.connect.client import Identity
@@ -27,12 +22,9 @@ from libbus.loader.remote import RemoteLoader, pick_provider
 from libbus.wire.messages import Resolve, Task
 from services.models import build_model, dataset_kind, evaluate
 
-from .checkpoint import CheckpointError, model_metadata, read_checkpoint, restore_checkpoint
-from .evaluation import snapshot
-from .final_eval import model_spec, score_saved
-from .optim import apply_hyper
+from .final_eval import score_saved
 
-__all__ = ["run_evaluation", "adopt_checkpoint", "current_weights", "evaluate_now"]
+__all__ = ["run_evaluation"]
 
 log = logging.getLogger(__name__)
 
@@ -92,51 +84,3 @@ def run_evaluation(
         return JobState.FAILED, {"retryable": False}, f"{type(err).__name__}: {err}"
     log.info("evaluation task %s: %s", task.job, result)
     return JobState.SUCCEEDED, result, ""
-
-
-def adopt_checkpoint(run, args: dict) -> dict:
-    """Load the checkpoint ``args["checkpoint"]`` (another job's) into ``run`` (a TaskRun): its model
-    and optimizer state, then this job's hyper-parameters again. The data position stays this
-    job's. Raises :class:`BadRequest` when it cannot be read here or does not fit."""
-    if run.gang is not None:
-        raise BadRequest("adopt is not supported for a gang (world_size > 1)")
-    record = args.get("checkpoint") or {}
-    try:
-        data = read_checkpoint(record, run.settings.checkpoint_dir)
-        restored = restore_checkpoint(data, record, run.model, run.optimizer)
-    except CheckpointError as err:
-        raise BadRequest(f"cannot adopt {record.get('path')}: {err}") from err
-    apply_hyper(run.optimizer, run.spec)
-    log.info("job %s: adopted the checkpoint of %s at step %d", run.job, args.get("from"), restored.step)
-    return {"from": args.get("from"), "step": restored.step, "sha256": record.get("sha256")}
-
-
-def current_weights(run) -> tuple[dict, bytes]:
-    """The task's weights now (a copy taken between two steps) as safetensors bytes, with their
-    sha256, step and epoch."""
-    state, copy_ms = snapshot(run.model)
-    data = save_safetensors(
-        {k: v.contiguous() for k, v in state.items()}, metadata=model_metadata(run.job, run.spec, run.step)
-    )
-    detail = {
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "step": run.step,
-        "epoch": run.train.epoch + 1,
-        "copy_ms": round(copy_ms, 3),
-        "bytes": len(data),
-    }
-    return detail, data
-
-
-def evaluate_now(run, done) -> None:
-    """``busctl job eval``: copy the weights of ``run`` (a TaskRun) here, between batches; score them
-    in the background (:class:`.evaluation.LiveEvaluations`), calling ``done`` with the result."""
-    run.evaluations.start(
-        run.model,
-        model_spec(run.spec),
-        run.spec.dataset,
-        run.provider,
-        step=run.step,
-        epoch=run.train.epoch + 1,
-        done=done,
-    )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from safetensors.torch import save as save_safetensors
@@ -28,11 +28,12 @@ __all__ = ["LiveEvaluations", "snapshot"]
 log = logging.getLogger(__name__)
 
 
-def snapshot(model: nn.Module) -> tuple[dict[str, torch.Tensor], float]:
-    """A CPU copy of ``model``'s state dict (never a view: training goes on changing the weights)
-    and how long the copy took, in milliseconds."""
+def snapshot(model: nn.Module | Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    """A CPU copy of ``model``'s state dict (or of a state dict; never a view: training goes on
+    changing the weights) and how long the copy took, in milliseconds."""
     started = time.perf_counter()
-    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    weights = model.state_dict() if isinstance(model, nn.Module) else model
+    state = {str(k): v.detach().to("cpu", copy=True) for k, v in weights.items()}
     return state, 1000 * (time.perf_counter() - started)
 
 
@@ -55,7 +56,7 @@ class LiveEvaluations:
 
     def start(
         self,
-        model: nn.Module,
+        model: nn.Module | Mapping[str, torch.Tensor],
         model_spec: dict,
         dataset: str,
         provider: dict,

@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from libbus.connect.link import Link
 from libbus.errors import BadRequest, Unavailable
-from libbus.jobs.spec import SETTABLE
 from libbus.wire.messages import Rendezvous, Task
 
 __all__ = ["Code", "Gang", "GangError", "GANG_TIMEOUT_S", "RENDEZVOUS_TIMEOUT_S", "advertised_host"]
@@ -134,20 +133,8 @@ class Gang:
             "job %s: rank %d of %d joined its gang at %s (%s)", task.job, self.rank, self.world_size, address, backend
         )
 
-    def sync(self, code: Code, hyper: dict) -> tuple[Code, dict]:
-        """All ranks' highest :class:`Code` and rank 0's ``hyper`` (:data:`SETTABLE` values).
-
-        Raises:
-            GangError: another rank is gone (its connection closed, or the collective timed out).
-        """
-        mine = [float(code)] + [float(hyper[k]) if self.rank == 0 else float("-inf") for k in SETTABLE]
-        flags = torch.tensor(mine, dtype=torch.float64, device=self.device)
-        self._collective(dist.all_reduce, flags, op=dist.ReduceOp.MAX)
-        values = flags.tolist()
-        return Code(int(values[0])), dict(zip(SETTABLE, values[1:]))
-
     def decide(self, code: Code, version: int) -> tuple[Code, int]:
-        """All ranks' highest :class:`Code` and rank 0's ``version`` (of an entrypoint's params:
+        """All ranks' highest :class:`Code` and rank 0's ``version`` (of the job's settable params:
         when it differs from a rank's own, rank 0 shares them next, :meth:`share`)."""
         mine = [float(code), float(version) if self.rank == 0 else -1.0]
         flags = torch.tensor(mine, dtype=torch.float64, device=self.device)

@@ -26,34 +26,36 @@ from typing import Any
 
 import orjson
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from libbus.config import Settings
 from libbus.connect.client import Identity
 from libbus.errors import BadRequest, BusError
-from libbus.jobapi import Job, JobEnded, decode_state, encode_state
+from libbus.jobapi import Job, JobEnded
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JobSpec
 from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import Checkpointed, Command, Progress, Task
+from services.sdnotify import Notifier
 
+from .audit import Audit
 from .checkpoint import (
     JOB_STATE_FORMAT,
-    CheckpointError,
     job_dir,
-    metadata_of,
+    load_state,
+    model_metadata,
     prune,
-    rng_state,
+    read_state,
     save_model,
+    save_state,
     set_rng_state,
-    write_file,
 )
 from .control import Controls, Lost, Stopped
+from .evaluation import LiveEvaluations, snapshot
+from .final_eval import EVALUATE_TIMEOUT_S, model_spec
 from .gang import Code, Gang, GangError
-from .prepare import shard, starting_weights
-from .progress import Meter
+from .prepare import job_device, shard, starting_weights
+from .progress import Meter, slowest
 from .reports import Reporter
 from .resume import read_shared
 from .spike import Spike, detector_for, skip_spike
@@ -81,6 +83,8 @@ class AttemptJob(Job):
         resolver: Callable[[float], list[dict]],
         attempt: int = 0,
         gang: Gang | None = None,
+        provider: dict | None = None,
+        notifier: Notifier | None = None,
     ):
         self.task = task
         self.spec = JobSpec.from_dict(task.spec)
@@ -91,7 +95,7 @@ class AttemptJob(Job):
         self.rank = task.rank
         self.world_size = task.world_size
         self.attempt = attempt
-        self.device = torch.device(self.spec.device)
+        self.device = job_device(self.spec)
         self.step_count = 0
         self.epochs_reported = 0
         self.history: list[dict] = []
@@ -114,6 +118,13 @@ class AttemptJob(Job):
         self._shutting_down = False
         self._seen_version = 0
         self._providers = providers
+        #: The provider the job reads from (and ``busctl job eval`` scores on).
+        self.provider = provider or (providers[0] if providers else {})
+        #: systemd's status line of the trainer (``running job J epoch E/N``), told at each step.
+        self.notifier = notifier or Notifier()
+        #: ``busctl job eval``: the weights now, scored on the provider's test split in the background.
+        self.evaluations = LiveEvaluations(self.id, identity, EVALUATE_TIMEOUT_S)
+        self._audit: Audit | None = None
         self._resolver = resolver
         self._loaders: dict[str, RemoteLoader] = {}
         self._cursors: dict[str, dict] = {}
@@ -145,6 +156,8 @@ class AttemptJob(Job):
     # -- the API ------------------------------------------------------------------------------------
     @property
     def params(self) -> Mapping[str, Any]:
+        if not self.spec.entrypoint:  # the built-in loop's (services/trainer/builtin.py)
+            return MappingProxyType(self.spec.builtin_params())
         return MappingProxyType(self.spec.params)
 
     def loader(self, split: str = "train", **kwargs: Any) -> RemoteLoader:
@@ -198,6 +211,9 @@ class AttemptJob(Job):
         except BusError as err:
             log.warning("job %s: cannot resume from %s: %s; starting over", self.id, record.get("path"), err)
             self.resumed_from = {"error": str(err)}
+            self._cursors = {}
+            for loader in self._loaders.values():  # a cursor it may have set goes (an elastic plan too)
+                loader.rewind()
             return None
         return self._restore_value
 
@@ -214,13 +230,21 @@ class AttemptJob(Job):
             raise BadRequest(f"job.on_checkpoint needs a function returning the state, got {type(get_state).__name__}")
         self._get_state = get_state
 
-    def step(self, **metrics: float) -> None:
+    def step(self, samples: int | None = None, **metrics: float) -> None:
         self.calls += 1
         self.step_count += 1
         loss = _number("loss", metrics.get("loss", math.nan))
         train = self._loaders.get("train")
+        if samples is None:
+            samples = train.batch_size if train is not None else 1
+        elif isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise BadRequest(f"job.step: samples is the step's batch size, a count; got {samples!r}")
         if math.isfinite(loss):
-            self.meter.add(train.batch_size if train is not None else 1, loss)
+            self.meter.add(samples, loss)
+        else:
+            self.meter.samples += samples
+        if train is not None:
+            self.notifier.status(f"running job {self.id} epoch {min(train.epoch + 1, self._epochs())}/{self._epochs()}")
         if self._spikes is not None and "loss" in metrics:
             judged = self.gang.largest(loss) if self.gang is not None else loss
             if self.lead and (spike := self._spikes.observe(self.step_count, judged)):
@@ -254,10 +278,19 @@ class AttemptJob(Job):
 
     def save_model(self, state_dict: Mapping[str, torch.Tensor]) -> dict:
         self.calls += 1
-        meta = {"job": self.id, "entrypoint": self.spec.entrypoint, "step": str(self.step_count)}
-        self.model_record = save_model(self.directory, dict(state_dict), meta)
+        self.model_record = save_model(self.directory, dict(state_dict), self._model_meta())
         self._commands()
         return self.model_record
+
+    # -- for the trainer's own code (the built-in loop) ----------------------------------------------
+    def record_batch(self, epoch: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The audit of what the job trained on (the trainer's ``audit_dir``; :mod:`.audit`): the
+        batch about to make step ``step_count + 1``. Nothing without an ``audit_dir``."""
+        if not self.settings.audit_dir:
+            return
+        if self._audit is None:  # after restore(): the attempt's first line says where it resumed
+            self._audit = Audit(self.settings.audit_dir, self.id, self.identity.name, self.step_count, rank=self.rank)
+        self._audit.record(epoch, self.step_count + 1, x, y)
 
     # -- for the attempt's runner -----------------------------------------------------------------
     def activity(self) -> tuple:
@@ -268,10 +301,9 @@ class AttemptJob(Job):
         """What this attempt reports (``busctl job watch``, ``top``): the built-in loop's fields."""
         train = self._loaders.get("train")
         elapsed = max(1e-9, time.monotonic() - self.meter.started)
-        epochs = self.spec.params.get("epochs", self.spec.epochs)
         out: dict[str, Any] = {
             "epoch": train.epoch if train is not None else self.epochs_reported,
-            "epochs": epochs if isinstance(epochs, int) else self.spec.epochs,
+            "epochs": self._epochs(),
             "step": self.step_count,
             "steps_per_epoch": len(train) if train is not None else None,
             "loss": self.meter.loss_sum / self.meter.loss_n if self.meter.loss_n else None,
@@ -289,6 +321,8 @@ class AttemptJob(Job):
                 data_wait_s=train.wait_s,
                 transport=train.transport,
                 data_wait_pct=100.0 * train.wait_s / elapsed,
+                # the replica whose batches were waited for longest: the slow provider, if data is the bottleneck
+                data_wait_slowest=slowest(train),
                 data_wait_split=train.stall.breakdown(),  # where the waiting went (libbus.loader.stall)
             )
         return out
@@ -296,6 +330,13 @@ class AttemptJob(Job):
     def close(self) -> None:
         for loader in self._loaders.values():
             loader.close()
+        if self._audit is not None:
+            self._audit.close()
+
+    def _epochs(self) -> int:
+        """The epochs the job trains: its ``epochs`` param when it has one, else the spec's."""
+        epochs = self.spec.params.get("epochs", self.spec.epochs)
+        return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) else self.spec.epochs
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _write(self, state: Mapping[str, Any] | None, again: bool = False) -> dict:
@@ -312,75 +353,48 @@ class AttemptJob(Job):
             state = self._get_state()
         elif again and self.last_checkpoint is not None and self.last_checkpoint["step"] == self.step_count:
             self._adopted += 1  # a file of its own: the record the router holds must name intact bytes
-        tensors, skeleton = encode_state(state)
-        rng_tensors, rng_meta = rng_state()
         cursors = {name: loader.state_dict() for name, loader in self._loaders.items()}
         cursor = cursors.get("train", {})
         epoch = int(cursor.get("epoch", self.epochs_reported)) if isinstance(cursor, dict) else self.epochs_reported
-        metadata = {
-            "batchbus": JOB_STATE_FORMAT,
-            "step": str(self.step_count),
-            "epoch": str(epoch),
-            "cursor": orjson.dumps(cursor).decode(),
-            "cursors": orjson.dumps(cursors).decode(),
-            "state": orjson.dumps(skeleton).decode(),
-            "rng": orjson.dumps(rng_meta).decode(),
-            "extra": orjson.dumps(
-                {"history": self.history, "loss_sum": self.meter.loss_sum, "loss_n": self.meter.loss_n}
-            ).decode(),
-        }
-        data = save_safetensors({**{f"user.{k}": v for k, v in tensors.items()}, **rng_tensors}, metadata=metadata)
         same_step = self.last_checkpoint is not None and self.last_checkpoint["step"] == self.step_count
-        tag = f".a{self._adopted}" if again and self._adopted else (".e" if same_step else "")
-        path = self.directory / f"step-{self.step_count:09d}{tag}.safetensors"
-        record = {
-            "path": str(path),
-            "sha256": write_file(path, data),
-            "step": self.step_count,
-            "epoch": epoch,
-            "cursor": cursor,
-            "bytes": len(data),
-        }
+        record = save_state(
+            self.directory,
+            step=self.step_count,
+            epoch=epoch,
+            state=state,
+            cursors=cursors,
+            extra={"history": self.history, "loss_sum": self.meter.loss_sum, "loss_n": self.meter.loss_n},
+            tag=f"a{self._adopted}" if again and self._adopted else ("e" if same_step else ""),
+        )
         self.last_checkpoint = record
         self._checkpointed = (self.step_count, self.epochs_reported)
         self.reporter.put(Checkpointed(job=self.id, checkpoint=record))
         prune(self.directory, self.reporter.checkpoint_step)
-        log.info("job %s: checkpoint at step %d in %s", self.id, self.step_count, path)
+        log.info("job %s: checkpoint at step %d in %s", self.id, self.step_count, record["path"])
         return record
 
     def _read(self, record: dict) -> dict:
         """The user state of checkpoint ``record``; sets the step count, history, random generators
         and every loader's cursor (loaders opened later start at theirs)."""
         data = read_shared(record, self.settings.checkpoint_dir, self.gang)  # a gang: rank 0's bytes on every rank
-        if hashlib.sha256(data).hexdigest() != record.get("sha256"):
-            raise CheckpointError(f"checkpoint {record.get('path')} changed since the router recorded it")
-        try:
-            tensors = load_safetensors(data)
-            meta = metadata_of(data)
-            if meta.get("batchbus") != JOB_STATE_FORMAT:
-                raise CheckpointError(f"{record.get('path')} is not a {JOB_STATE_FORMAT} file")
-            user = {k.removeprefix("user."): v for k, v in tensors.items() if k.startswith("user.")}
-            state = decode_state(user, orjson.loads(meta["state"]))
-            cursors = orjson.loads(meta["cursors"])
-            extra = orjson.loads(meta["extra"])
-            rng = orjson.loads(meta["rng"])
-            step = int(meta["step"])
-        except (SafetensorError, ValueError, KeyError, orjson.JSONDecodeError) as err:
-            raise CheckpointError(f"checkpoint {record.get('path')} cannot be read: {err}") from err
+        restored = read_state(data, record)
+        cursors = restored.cursors
         for name, loader in self._loaders.items():
             if name in cursors:
                 loader.load_state_dict(cursors[name])
         self._cursors = cursors
-        set_rng_state({k: v for k, v in tensors.items() if k.startswith("rng.")}, rng)
-        self.step_count = step
+        set_rng_state(*restored.rng)
+        self.step_count = step = restored.step
+        extra = restored.extra
         self.history = list(extra.get("history", []))
         # the epoch's running train loss goes on where it was (its record is the same as uninterrupted)
         self.meter.loss_sum, self.meter.loss_n = float(extra.get("loss_sum", 0.0)), int(extra.get("loss_n", 0))
         self.epochs_reported = len(self.history)
         self.last_checkpoint = record
         self._checkpointed = (self.step_count, self.epochs_reported)
-        self.resumed_from = {"step": step, "epoch": int(meta.get("epoch", 0)), "path": record.get("path")}
+        self.resumed_from = {"step": step, "epoch": restored.epoch, "path": record.get("path")}
         log.info("job %s: resumed from step %d (%s)", self.id, step, record.get("path"))
+        state = restored.state
         return state if isinstance(state, dict) else {"state": state}
 
     # -- commands -------------------------------------------------------------------------------------
@@ -444,11 +458,12 @@ class AttemptJob(Job):
         assert self.gang is not None  # noqa: S101 - only called in a gang
         code, version = self.gang.decide(code, self._params_version)
         if not self.lead and version != self._params_version:
-            params = orjson.loads(self.gang.share(None))
-            self.spec = JobSpec.from_dict({**self.spec.to_dict(), "params": params})
+            settable = orjson.loads(self.gang.share(None))  # rank 0's params (a built-in job's lr, ...)
+            if settable:
+                self.spec = self.spec.with_hyper(settable)
             self._params_version = version
         elif self.lead and version != self._seen_version:
-            self.gang.share(orjson.dumps(self.spec.params))
+            self.gang.share(orjson.dumps(self.spec.settable()))
         self._seen_version = version
         return code
 
@@ -489,38 +504,79 @@ class AttemptJob(Job):
             raise BadRequest("adopt is not supported for a gang (world_size > 1)")
         record = args.get("checkpoint") or {}
         try:
-            data = read_shared(record, self.settings.checkpoint_dir, None)
-            if hashlib.sha256(data).hexdigest() != record.get("sha256"):
-                raise CheckpointError(f"checkpoint {record.get('path')} changed since the router recorded it")
-            tensors = load_safetensors(data)
-            meta = metadata_of(data)
-            if meta.get("batchbus") != JOB_STATE_FORMAT:
-                raise CheckpointError(f"{record.get('path')} is not a {JOB_STATE_FORMAT} file")
-            user = {k.removeprefix("user."): v for k, v in tensors.items() if k.startswith("user.")}
-            state = decode_state(user, orjson.loads(meta["state"]))
-        except (BusError, SafetensorError, ValueError, KeyError, orjson.JSONDecodeError) as err:
+            adopted = load_state(record, self.settings.checkpoint_dir)
+        except BusError as err:
             raise BadRequest(f"cannot adopt {record.get('path')}: {err}") from err
+        state = adopted.state
         mine = self._write(state, again=True)
         self._restart = True
-        log.info("job %s: adopted the state of %s (step %s); resuming from it", self.id, args.get("from"), meta["step"])
-        return {"from": args.get("from"), "step": int(meta["step"]), "sha256": record.get("sha256"), "as": mine["path"]}
+        log.info("job %s: adopted the state of %s (step %d); resuming from it", self.id, args.get("from"), adopted.step)
+        return {"from": args.get("from"), "step": adopted.step, "sha256": record.get("sha256"), "as": mine["path"]}
 
     def _set(self, changes: dict) -> dict:
         self.spec = self.spec.with_hyper(changes)
         self._params_version += 1  # in a gang the other ranks take them at this same call
         return self.spec.to_dict()
 
-    def _evaluate(self, done: Callable[[dict], None]) -> None:
-        done({"error": "busctl job eval scores built-in models; an entrypoint job reports its own validation"})
-
-    def _current_model(self) -> tuple[dict, bytes]:
+    def _weights(self) -> Mapping[str, torch.Tensor] | None:
+        """The model weights of the job's registered state now (its ``model`` entry), else None."""
         state = self._get_state() if self._get_state is not None else None
         model = state.get("model") if isinstance(state, Mapping) else None
         weights = model.state_dict() if model is not None and hasattr(model, "state_dict") else model
-        if not isinstance(weights, Mapping):
+        if not isinstance(weights, Mapping) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+            return None
+        return weights
+
+    def _model_meta(self) -> dict[str, str]:
+        """The metadata of the job's model file: what built it (a built-in's name and kwargs, which
+        an evaluate task builds again, or the entrypoint) and its step."""
+        if self.spec.entrypoint:
+            return {"job": self.id, "entrypoint": self.spec.entrypoint, "step": str(self.step_count)}
+        return model_metadata(self.id, self.spec, self.step_count)
+
+    def _shown_epoch(self) -> int:
+        """The epoch under way, counted from 1."""
+        train = self._loaders.get("train")
+        return (train.epoch if train is not None else self.epochs_reported) + 1
+
+    def _evaluate(self, done: Callable[[dict], None]) -> None:
+        """``busctl job eval``: the weights now (copied here, between two steps), scored on the
+        provider's private test split in the background by the built-in model or the job's evaluator."""
+        if self.spec.entrypoint and not self.spec.evaluator:
+            done(
+                {"error": "busctl job eval scores a built-in model, or an entrypoint job's with the evaluator it names"}
+            )
+            return
+        weights = self._weights()
+        if weights is None:
+            done({"error": "the job's state (job.on_checkpoint) has no 'model' entry to score"})
+            return
+        self.evaluations.start(
+            weights,
+            model_spec(self.spec),
+            self.spec.dataset,
+            self.provider,
+            step=self.step_count,
+            epoch=self._shown_epoch(),
+            done=done,
+        )
+
+    def _current_model(self) -> tuple[dict, bytes]:
+        """``busctl job model --current``: the weights now, as safetensors bytes, with their sha256,
+        step and epoch."""
+        weights = self._weights()
+        if weights is None:
             return {"error": "the job's state (job.on_checkpoint) has no 'model' entry"}, b""
-        tensors = {str(k): v.detach().cpu().contiguous().clone() for k, v in weights.items()}
-        return {"step": self.step_count}, save_safetensors(tensors, metadata={"job": self.id})
+        tensors, copy_ms = snapshot(weights)
+        data = save_safetensors({k: v.contiguous() for k, v in tensors.items()}, metadata=self._model_meta())
+        detail = {
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "step": self.step_count,
+            "epoch": self._shown_epoch(),
+            "copy_ms": round(copy_ms, 3),
+            "bytes": len(data),
+        }
+        return detail, data
 
     # -- progress -------------------------------------------------------------------------------------
     def _report(self) -> None:

@@ -3,6 +3,9 @@ a study's PBT explore step) applied to it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from libbus.jobs.spec import JobSpec
@@ -17,10 +20,11 @@ def make_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
 
 
-def apply_hyper(optimizer: torch.optim.Optimizer, spec: JobSpec) -> None:
-    """Set the spec's settable hyper-parameters (``busctl job set``) on every param group."""
+def apply_hyper(optimizer: torch.optim.Optimizer, values: Mapping[str, Any]) -> None:
+    """Set the settable hyper-parameters ``values`` (``lr``, ``weight_decay``, ``momentum``: what
+    ``busctl job set`` changes) on every param group."""
     for group in optimizer.param_groups:
-        group["lr"] = spec.lr
-        group["weight_decay"] = spec.weight_decay
+        group["lr"] = values["lr"]
+        group["weight_decay"] = values["weight_decay"]
         if "momentum" in group:
-            group["momentum"] = spec.momentum
+            group["momentum"] = values["momentum"]

@@ -1,36 +1,29 @@
-"""What a training task sets up before its first step: the dataset's providers, the device, the model
-with its optimizer, and the train and val loaders (a gang's rank reading its own shard)."""
+"""What an attempt sets up before its function's first step: the dataset's providers, the device, a
+gang rank's shard of ``train``, and the weights a job starts from (``model_from``)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from libbus.config import Settings
-from libbus.connect.client import Identity
 from libbus.connect.link import Link
 from libbus.errors import BadRequest, NotFound, Unavailable
 from libbus.jobs.spec import JobSpec
-from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import Resolve, Resolved, Task
-from services.models import build_model
 
 from .checkpoint import CheckpointError, checkpoint_model
 from .gang import Gang
-from .optim import make_optimizer
 from .resume import read_shared
 
 __all__ = [
-    "build",
     "initial_weights",
     "job_device",
     "load_initial",
-    "open_loaders",
     "resolve",
     "shard",
     "starting_weights",
@@ -62,70 +55,11 @@ def job_device(spec: JobSpec) -> torch.device:
     return device
 
 
-def build(
-    spec: JobSpec, info: dict, device: torch.device, allowed: Collection[str]
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The job's model on ``device``, from the spec's seed, and its optimizer. A ``module:factory``
-    model must be in ``allowed`` (this trainer's ``job_modules``)."""
-    torch.manual_seed(spec.seed)
-    model = build_model(spec.model, info, spec.model_kwargs, allowed=allowed).to(device)
-    return model, make_optimizer(spec, model.parameters())
-
-
 def shard(task: Task) -> dict:
     """A gang's rank reads its own shard of ``train``; all as many batches (DDP steps together)."""
     if task.world_size == 1:  # said outright: a loader left to itself would look for a process group
         return {"rank": 0, "world_size": 1}
     return {"rank": task.rank, "world_size": task.world_size, "drop_uneven": True}
-
-
-def open_loaders(
-    task: Task,
-    spec: JobSpec,
-    settings: Settings,
-    link: Link,
-    identity: Identity,
-    providers: list[dict],
-    device: torch.device,
-) -> tuple[RemoteLoader, RemoteLoader | None]:
-    """The ``train`` loader (this rank's shard) and, on rank 0 only, the ``val`` loader."""
-    s = settings
-    # Every replica: requests spread over them, and the loaders ask again when none answers.
-    common: dict[str, Any] = {
-        "provider": providers,
-        "provider_wait_s": s.provider_wait_s,
-        "resolver": lambda timeout_s: link.request(Resolve(dataset=spec.dataset), timeout_s=timeout_s).providers,
-        "token": identity.token,
-        "batch_size": spec.batch_size,
-        "inflight": s.inflight,
-        "flows": s.flows,
-        "timeout_s": s.request_timeout_s,
-        "retries": s.request_retries,
-        "name": identity.name,
-        "device": str(device),
-        "shm": s.shm,
-        "shm_slots": s.shm_slots,
-        "host_id": identity.host_id,
-        "curve": identity.curve,
-    }
-    train = RemoteLoader(
-        spec.dataset,
-        split="train",
-        samples=tuple(spec.train_range) if spec.train_range else None,  # type: ignore[arg-type]  # checked by JobSpec
-        shuffle=spec.shuffle,
-        block_size=spec.block_size,
-        seed=spec.seed,
-        skip=spec.skip,
-        **shard(task),
-        **common,
-    )
-    # rank 0 scores the whole val split, whatever gang it is in
-    val = (
-        RemoteLoader(spec.dataset, split="val", shuffle=False, rank=0, world_size=1, **common)
-        if task.rank == 0
-        else None
-    )
-    return train, val
 
 
 def initial_weights(frame: bytes | memoryview, source: str) -> dict[str, torch.Tensor]:

@@ -263,3 +263,22 @@ def recorded(job: Job) -> None:
                 job.step(loss=loss.item())
             job.report(val_loss=1.0)
     job.save_model(model.state_dict())
+
+
+def linear_until_stopped(job: Job) -> None:
+    """:func:`linear_classifier`, with its state registered (``model``: the weight and bias) and
+    epochs until it is stopped: a running entrypoint job for ``busctl job eval`` and ``job model
+    --current``, scored by tests/support/evaluators.py:linear."""
+    torch.manual_seed(0)
+    weight = torch.zeros(10, 784, requires_grad=True)
+    bias = torch.zeros(10, requires_grad=True)
+    optimizer = torch.optim.SGD([weight, bias], lr=0.1)
+    job.on_checkpoint(lambda: {"model": {"weight": weight, "bias": bias}, "optimizer": optimizer})
+    train = job.loader("train")
+    for _ in range(job.params.get("epochs", 10**6)):
+        for x, y in train:
+            loss = F.cross_entropy(x.reshape(len(x), -1).float() / 255 @ weight.T + bias, y.long())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            job.step(loss=loss.item())
