@@ -21,6 +21,7 @@ __all__ = ["LONGEST_FIRST", "longest_first"]
 
 #: Test files (under tests/), the longest first; every other file follows in collection order.
 LONGEST_FIRST = [
+    "test_slurm_requeue.py",
     "test_slurm.py",
     "test_entrypoints.py",
     "test_survive.py",
