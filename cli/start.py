@@ -147,7 +147,9 @@ def start_trainer(
     token: Token = None,
     name: Name = None,
     log_level: LogLevel = None,
-    torch_threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
+    torch_threads: Annotated[
+        int | None, typer.Option(help="torch intra-op threads of each job's attempt (0: torch's default).")
+    ] = None,
     heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
     metrics_bind: MetricsBind = None,
 ) -> None:

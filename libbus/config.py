@@ -119,7 +119,7 @@ class Settings:
     provider_wait_s: float = C.PROVIDER_WAIT_S
     #: Trainer: seconds between progress reports.
     progress_interval_s: float = C.PROGRESS_INTERVAL_S
-    #: Trainer: torch intra-op threads (0 = torch's default).
+    #: Trainer: torch intra-op threads of its jobs' attempts (0 = torch's default, one per core).
     torch_threads: int = 0
     #: Prometheus ``/metrics`` endpoint as HOST:PORT (port 0: any free port); empty = no metrics.
     metrics_bind: str = ""

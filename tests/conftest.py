@@ -67,6 +67,8 @@ def make_settings(state_dir: Path):
         # scores is large (docs/security.md): tests of learning read exact scores; the tests of the
         # release (tests/test_evaluators.py) run providers at the product's defaults.
         flags.setdefault("eval_epsilon", 0.0)
+        # One torch thread per attempt, as tests/support/cluster.py gives its processes: many run at once here.
+        flags.setdefault("torch_threads", 1)
         settings, _ = load_settings(env={}, flags={"state_dir": str(state_dir), **flags})
         return settings
 

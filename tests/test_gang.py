@@ -132,6 +132,24 @@ def test_gang_pauses_together_stops_and_resumes_exactly_from_its_checkpoint(clus
     assert all(torch.equal(ours[k], v) for k, v in rank1_weights(cluster, job).items())
 
 
+def test_a_set_on_a_gang_reaches_every_rank_at_the_same_step(cluster):
+    """``busctl job set lr=...`` is applied by rank 0 and sent to the other ranks at the same step:
+    the ranks' weights stay identical (DDP averages the gradients; a rank still on the old lr would
+    step differently), and the final model is not the one the old lr trains."""
+    job = submit(cluster, epochs=3)  # first: it holds both trainers while the reference waits
+    reference = submit(cluster, epochs=3)
+    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 2, timeout=90)
+    assert cluster.control(job, "pause")["state"] == "paused"
+    assert cluster.control(job, "set", lr=GANG["lr"] * 10)["spec"]["lr"] == GANG["lr"] * 10
+    assert cluster.control(job, "resume")["state"] == "running"
+    info = cluster.wait_end(job, timeout=120)
+    assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
+    ours = final_weights(info)
+    assert all(torch.equal(ours[k], v) for k, v in rank1_weights(cluster, job).items()), "the ranks diverged"
+    ref = cluster.wait_end(reference, timeout=120)
+    assert any(not torch.equal(ours[k], v) for k, v in final_weights(ref).items()), "the new lr changed nothing"
+
+
 def rank_epochs_batches(cluster: JobCluster, job: str) -> dict[int, int]:
     """Batches each rank has trained on for ``job`` so far, over all its attempts."""
     out: dict[int, int] = {}

@@ -30,7 +30,7 @@ from libbus.wire.frames import Request, WrongVersion
 from libbus.wire.messages import Error, Goodbye, Heartbeat, Hello, Message, Welcome, decode, request_id_of
 from libbus.wire.sockets import SocketLimits, drain_monitor, make_socket, send_message
 
-__all__ = ["Identity", "Client", "connect"]
+__all__ = ["Identity", "Client", "connect", "pick_provider"]
 
 log = logging.getLogger(__name__)
 
@@ -395,3 +395,11 @@ def connect(endpoint: str, identity: Identity, **kw) -> Client:
         client.close()
         raise
     return client
+
+
+def pick_provider(providers: list[dict], local_host: str) -> dict:
+    """Prefer a provider on this host (its batches need not cross the network), else the first."""
+    for p in providers:
+        if p.get("host_id") == local_host:
+            return p
+    return providers[0]

@@ -45,7 +45,7 @@ import zmq
 
 from libbus.config import host_id as machine_id
 from libbus.config import script_connection
-from libbus.connect.client import Identity
+from libbus.connect.client import Identity, pick_provider
 from libbus.constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from libbus.errors import BadRequest, ConfigError, OutOfRange, SplitPrivate
 from libbus.loader.dataloader import DatasetSplit, pending_state, refuse_dataloader_args, refuse_rebatching
@@ -94,14 +94,6 @@ def _role_of(token: str) -> str:
         return str(jwt.decode(token, options={"verify_signature": False}).get("role", "trainer"))
     except jwt.InvalidTokenError:
         return "trainer"
-
-
-def pick_provider(providers: list[dict], local_host: str) -> dict:
-    """Prefer a provider on this host (its batches need not cross the network), else the first."""
-    for p in providers:
-        if p.get("host_id") == local_host:
-            return p
-    return providers[0]
 
 
 class RemoteLoader(torch.utils.data.IterableDataset):

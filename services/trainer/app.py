@@ -10,8 +10,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 from libbus.config import Settings
 from libbus.connect.link import Link
 from libbus.errors import BusError, Forbidden, PeerTimeout
@@ -74,8 +72,6 @@ class TrainerService:
             stats=self.stats,
             limits=runtime.limits(settings),
         )
-        if settings.torch_threads > 0:
-            torch.set_num_threads(settings.torch_threads)
 
     def _on_push(self, msg: Message) -> None:
         if isinstance(msg, Command):

@@ -31,16 +31,16 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import BinaryIO
 
 from libbus.config import Settings
-from libbus.connect.client import Identity
+from libbus.connect.client import Identity, pick_provider
 from libbus.connect.link import Link
-from libbus.errors import BusError, PeerTimeout
+from libbus.errors import BusError, NotFound, PeerTimeout
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
-from libbus.loader.remote import pick_provider
 from libbus.wire.frames import decode, encode
 from libbus.wire.messages import (
     Checkpointed,
@@ -51,6 +51,7 @@ from libbus.wire.messages import (
     Progress,
     Rendezvous,
     Resolve,
+    Resolved,
     SkipJob,
     Task,
 )
@@ -58,10 +59,8 @@ from services.sdnotify import Notifier
 from services.usercode import module_allowed
 
 from .channel import Channel, ChannelClosed
-from .child import child_main
 from .control import LOST
 from .failures import describe_failure
-from .prepare import resolve
 
 __all__ = ["PRELOAD", "AttemptLog", "AttemptRun", "attempt_context", "warm_up"]
 
@@ -90,6 +89,28 @@ def warm_up() -> None:
         multiprocessing.forkserver.ensure_running()
     except Exception as err:  # noqa: BLE001 - the first attempt tries again and fails with the reason
         log.warning("the fork server attempts start from did not start: %s", err)
+
+
+def run_child(channel_end: socket.socket, output: socket.socket) -> None:
+    """An attempt's process (the target the fork server runs): :func:`.child.child_main`, imported
+    there already (:data:`PRELOAD`). The trainer never imports it, nor torch: it only relays."""
+    from .child import child_main
+
+    child_main(channel_end, output)
+
+
+def resolve(link: Link, dataset: str, settings: Settings, watchdog: Callable[[], object]) -> Resolved:
+    """The dataset's providers. None online is waited out for ``provider_wait_s`` (a provider
+    restarting), as a loader waits for its lost providers, before the attempt fails."""
+    deadline = time.monotonic() + settings.provider_wait_s
+    while True:
+        try:
+            return link.request(Resolve(dataset=dataset), timeout_s=settings.request_timeout_s)
+        except NotFound:
+            if time.monotonic() >= deadline:
+                raise
+        watchdog()
+        time.sleep(0.25)
 
 
 #: Most parts of a data-wait split kept per attempt (each a Prometheus label value), and their name's length.
@@ -253,7 +274,7 @@ class AttemptRun:
         channel = Channel(parent_end.detach())
         try:  # forked from the trainer's fork server, where torch and the trainer's code are imported already
             self.child = attempt_context().Process(
-                target=child_main, args=(child_end, out_write), name=f"attempt-{self.task.job}", daemon=False
+                target=run_child, args=(child_end, out_write), name=f"attempt-{self.task.job}", daemon=False
             )
             with self.notifier.extended(SETUP_GRACE_S):  # the first start also starts the fork server (seconds)
                 self.child.start()

@@ -371,6 +371,9 @@ def main(fd: int) -> int:
     root = logging.getLogger()
     root.handlers[:] = [ParentLogHandler(channel)]
     root.setLevel(start["settings"].get("log_level", "INFO"))
+    threads = start["settings"].get("torch_threads", 0)
+    if isinstance(threads, int) and threads > 0:  # the trainer's torch_threads: its attempts' torch
+        torch.set_num_threads(threads)
     try:
         state, result, error = run(channel, start, frames)
     except BaseException as err:  # noqa: BLE001 - set-up itself failed: say so, do not leave the parent guessing

@@ -13,12 +13,12 @@ import logging
 from safetensors.torch import load as load_safetensors
 
 from libbus.config import Settings
-from libbus.connect.client import Identity
+from libbus.connect.client import Identity, pick_provider
 from libbus.connect.link import Link
 from libbus.errors import BadRequest, BusError
 from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
-from libbus.loader.remote import RemoteLoader, pick_provider
+from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import Resolve, Task
 from services.models import build_model, dataset_kind, evaluate
 

@@ -25,11 +25,10 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from libbus.config import Settings
-from libbus.connect.client import Client, Identity
+from libbus.connect.client import Client, Identity, pick_provider
 from libbus.connect.link import Link
 from libbus.errors import AuthRequired, BusError, NotFound, PeerTimeout, RateLimited, Unavailable
 from libbus.jobs.spec import JobSpec
-from libbus.loader.remote import pick_provider
 from libbus.security.curve import curve_key_of
 from libbus.wire.messages import DatasetInfoRequest, Error, Evaluate, Evaluation, Resolve
 

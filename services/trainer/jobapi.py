@@ -231,14 +231,14 @@ class AttemptJob(Job):
         self._get_state = get_state
 
     def step(self, samples: int | None = None, **metrics: float) -> None:
-        self.calls += 1
-        self.step_count += 1
-        loss = _number("loss", metrics.get("loss", math.nan))
+        loss = _number("loss", metrics.get("loss", math.nan))  # a wrong call is refused before it counts
         train = self._loaders.get("train")
         if samples is None:
             samples = train.batch_size if train is not None else 1
         elif isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise BadRequest(f"job.step: samples is the step's batch size, a count; got {samples!r}")
+        self.calls += 1
+        self.step_count += 1
         if math.isfinite(loss):
             self.meter.add(samples, loss)
         else:
@@ -256,15 +256,17 @@ class AttemptJob(Job):
         self._commands()
 
     def report(self, **metrics: float) -> None:
+        values: dict[str, float] = {}
+        for key, value in metrics.items():  # a wrong call is refused before it counts
+            if not key.isidentifier() or key == "epoch":
+                raise BadRequest(f"job.report: metric names are identifiers other than 'epoch', got {key!r}")
+            values[key] = _number(key, value)
         self.calls += 1
         record: dict[str, Any] = {"epoch": self.epochs_reported + 1}
         train_loss = self.meter.take_loss()
         if math.isfinite(train_loss):
             record["train_loss"] = train_loss
-        for key, value in metrics.items():
-            if not key.isidentifier() or key == "epoch":
-                raise BadRequest(f"job.report: metric names are identifiers other than 'epoch', got {key!r}")
-            record[key] = _number(key, value)
+        record.update(values)
         self.history.append(record)
         self.epochs_reported += 1
         log.info("job %s: epoch %d %s", self.id, self.epochs_reported, _shown(record))

@@ -1,47 +1,21 @@
-"""What an attempt sets up before its function's first step: the dataset's providers, the device, a
-gang rank's shard of ``train``, and the weights a job starts from (``model_from``)."""
+"""What an attempt sets up before its function's first step: the device, a gang rank's shard of
+``train``, and the weights a job starts from (``model_from``)."""
 
 from __future__ import annotations
-
-import time
-from collections.abc import Callable
 
 import torch
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from libbus.config import Settings
-from libbus.connect.link import Link
-from libbus.errors import BadRequest, NotFound, Unavailable
+from libbus.errors import BadRequest, Unavailable
 from libbus.jobs.spec import JobSpec
-from libbus.wire.messages import Resolve, Resolved, Task
+from libbus.wire.messages import Task
 
 from .checkpoint import CheckpointError, checkpoint_model
 from .gang import Gang
 from .resume import read_shared
 
-__all__ = [
-    "initial_weights",
-    "job_device",
-    "load_initial",
-    "resolve",
-    "shard",
-    "starting_weights",
-]
-
-
-def resolve(link: Link, dataset: str, settings: Settings, watchdog: Callable[[], object]) -> Resolved:
-    """The dataset's providers. None online is waited out for ``provider_wait_s`` (a provider
-    restarting), as a loader waits for its lost providers, before the attempt fails."""
-    deadline = time.monotonic() + settings.provider_wait_s
-    while True:
-        try:
-            return link.request(Resolve(dataset=dataset), timeout_s=settings.request_timeout_s)
-        except NotFound:
-            if time.monotonic() >= deadline:
-                raise
-        watchdog()
-        time.sleep(0.25)
+__all__ = ["initial_weights", "job_device", "load_initial", "shard", "starting_weights"]
 
 
 def job_device(spec: JobSpec) -> torch.device:

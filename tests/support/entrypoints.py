@@ -282,3 +282,40 @@ def linear_until_stopped(job: Job) -> None:
             loss.backward()
             optimizer.step()
             job.step(loss=loss.item())
+
+
+def misuse(job: Job) -> None:
+    """Makes each wrong call a user could make of the job API and checks it is refused with a
+    ``BadRequest`` saying what is wrong, and counts nothing; prints each refusal; then trains one step."""
+    from libbus.errors import BadRequest
+
+    checks = [
+        (lambda: job.step(samples=-1), "samples is the step's batch size"),
+        (lambda: job.step(samples="64"), "samples is the step's batch size"),  # type: ignore[arg-type]
+        (lambda: job.step(loss="low"), "'loss' must be a number"),  # type: ignore[arg-type]
+        (lambda: job.report(epoch=3), "metric names are identifiers other than 'epoch'"),
+        (lambda: job.report(val_loss=[1.0]), "'val_loss' must be a number"),  # type: ignore[arg-type]
+        (lambda: job.loader("train", dataset="other"), "dataset are the job's own"),
+        (lambda: job.checkpoint(), "needs the state to store"),
+        (lambda: job.on_checkpoint(42), "needs a function"),  # type: ignore[arg-type]
+        (lambda: job.checkpoint({"handle": object()}), "state at state['handle'] is a object"),
+    ]
+    for call, says in checks:
+        try:
+            call()
+        except BadRequest as err:
+            if says not in str(err):
+                raise AssertionError(f"refused, but {str(err)!r} does not say {says!r}") from err
+            print(f"refused: {err}", flush=True)
+        else:
+            raise AssertionError(f"accepted a call that should say {says!r}")
+    if (job.step_count, job.epochs_reported, job.history) != (0, 0, []):
+        raise AssertionError(f"a refused call counted: {job.step_count} steps, {job.history}")
+    job.step(loss=1.0, samples=3)
+    job.save_model({"w": torch.zeros(1)})
+
+
+def threads(job: Job) -> None:
+    """Prints the torch threads its attempt runs with (the trainer's ``torch_threads``)."""
+    print(f"torch threads {torch.get_num_threads()}", flush=True)
+    job.save_model({"w": torch.zeros(1)})
