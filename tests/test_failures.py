@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from libbus.errors import PeerTimeout
+from libbus.errors import BadRequest, NotFound, PeerTimeout
 from libbus.jobs.spec import JobSpec
-from services.trainer.failures import describe_failure, deterministic
+from services.trainer.failures import describe_failure, deterministic, failed
+from services.trainer.gang import GangError
 
 
 def test_hints_name_the_field_to_change():
@@ -31,3 +32,18 @@ def test_hints_name_the_field_to_change():
         describe_failure(PeerTimeout("provider p1 did not answer"), spec) == "PeerTimeout: provider p1 did not answer"
     )
     assert not deterministic(RuntimeError("Connection closed by peer [127.0.0.1]:29500"))
+
+
+def test_only_a_peer_that_is_gone_makes_an_attempt_retryable():
+    """A gang whose ranks never met (its rendezvous timed out: the other trainer died), a provider that
+    did not answer, a dataset no provider serves now: retried. A spec, a model or the function's own
+    error: failed for good (it fails the same on the next trainer)."""
+    gone = [
+        GangError("rank 0 of 2 of job j1 could not meet its gang: timeout"),
+        PeerTimeout("no answer"),
+        NotFound("x"),
+    ]
+    assert all(failed(err, None)[1]["retryable"] for err in gone)
+    for err in (BadRequest("lr must be positive"), ValueError("boom"), RuntimeError("shapes cannot be multiplied")):
+        state, result, error = failed(err, None)
+        assert state == "failed" and not result["retryable"] and error.startswith(type(err).__name__)

@@ -60,7 +60,7 @@ from services.usercode import module_allowed
 
 from .channel import Channel, ChannelClosed
 from .control import LOST
-from .failures import describe_failure
+from .failures import failed
 
 __all__ = ["PRELOAD", "AttemptLog", "AttemptRun", "attempt_context", "warm_up"]
 
@@ -265,9 +265,8 @@ class AttemptRun:
             return JobState.FAILED, {"retryable": False}, error
         try:
             resolved = resolve(self.link, spec.dataset, s, self.notifier.watchdog)
-        except BusError as err:
-            retryable = isinstance(err, (PeerTimeout,)) or err.code in ("NOT_FOUND", "UNAVAILABLE", "TIMEOUT")
-            return JobState.FAILED, {"retryable": retryable}, describe_failure(err, spec)
+        except BusError as err:  # no provider online for provider_wait_s, the router away: retried
+            return failed(err, spec)
         provider = pick_provider(resolved.providers, self.identity.host_id)
         parent_end, child_end = socket.socketpair()
         out_read, out_write = socket.socketpair()

@@ -50,7 +50,7 @@ from . import builtin
 from .channel import Channel, ChannelClosed
 from .control import LOST
 from .evaltask import run_evaluation
-from .failures import describe_failure, deterministic
+from .failures import deterministic, failed
 from .final_eval import EVALUATE_TIMEOUT_S, score_saved
 from .gang import Gang, GangError, advertised_host
 from .jobapi import AttemptJob
@@ -298,10 +298,9 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
         if gang is not None and isinstance(err, RuntimeError) and not deterministic(err):
             # a collective inside backward() (DDP) breaks when another rank is gone: retried
             err = GangError(f"rank {task.rank}: the gang broke: {err}")
-        retryable = isinstance(err, BusError) and err.code in ("TIMEOUT", "UNAVAILABLE", "NOT_FOUND")
-        error = describe_failure(err, job.spec)
+        state, result, error = failed(err, job.spec)
         log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(err, BusError))
-        return JobState.FAILED, {"history": job.history, "retryable": retryable}, error
+        return state, {"history": job.history, **result}, error
     finally:
         done.set()
         job.close()
@@ -377,7 +376,8 @@ def main(fd: int) -> int:
     try:
         state, result, error = run(channel, start, frames)
     except BaseException as err:  # noqa: BLE001 - set-up itself failed: say so, do not leave the parent guessing
-        state, result, error = JobState.FAILED, {"retryable": False}, describe_failure(err, None)
+        # (a gang whose ranks did not meet is retried, as a gang that broke later is)
+        state, result, error = failed(err, None)
         log.error("attempt could not start: %s", error)
     sys.stdout.flush()
     sys.stderr.flush()

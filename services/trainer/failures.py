@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from libbus.errors import BusError
 from libbus.jobs.spec import JobSpec
+from libbus.jobs.state import JobState
 
-__all__ = ["describe_failure", "deterministic"]
+__all__ = ["describe_failure", "deterministic", "failed"]
+
+#: The errors of a peer that did not answer or is gone: the attempt is retried (elsewhere).
+RETRYABLE_CODES = ("TIMEOUT", "UNAVAILABLE", "NOT_FOUND")
 
 
 def deterministic(err: BaseException) -> bool:
@@ -40,3 +44,11 @@ def describe_failure(err: BaseException, spec: JobSpec | None) -> str:
         hint = f"the model factory {spec.model} raised"
     out = f"{type(err).__name__}: {text[:2000]}"
     return f"{out} (hint: {hint})" if hint else out
+
+
+def failed(err: BaseException, spec: JobSpec | None) -> tuple[JobState, dict, str]:
+    """How an attempt that raised ``err`` ends: failed, with the error and a hint; retryable only
+    when a peer did not answer or is gone (a provider, the router, a rank of the gang that never
+    came or left), since a model, a spec or a device that fails here fails on the next trainer too."""
+    retryable = isinstance(err, BusError) and err.code in RETRYABLE_CODES
+    return JobState.FAILED, {"retryable": retryable}, describe_failure(err, spec)
