@@ -50,10 +50,11 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # The tests start real processes that mostly wait on sockets, so they run in parallel (pytest-xdist,
-# one test file per worker at a time); the few that watch machine-wide state run alone afterwards.
+# one test file per worker at a time, the longest files first: tests/support/schedule.py); the few that
+# watch machine-wide state run alone afterwards.
 TEST_WORKERS ?= 3
 test: lint tools
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
 # Programs some tests drive: Azurite from npm (az:// against the emulator; the venv keeps it, nothing is installed

@@ -13,6 +13,12 @@ from libbus.connect.client import Client, Identity
 from libbus.security.admission import admit_client
 from libbus.security.auth import ensure_secret, issue_token
 from tests.support import CLUSTER, Running, run_service
+from tests.support.schedule import longest_first
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # the longest files start first (tests/support/schedule.py; the Makefile keeps this order under xdist)
+    items[:] = longest_first(items)
 
 
 @pytest.fixture

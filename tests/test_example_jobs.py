@@ -1,6 +1,8 @@
 """examples/jobs/ as jobs (issue 26's recipes): PyTorch's MNIST example, a custom-loss function and a
 Lightning ``Trainer``, each written on the job API, submitted to a real cluster, its trainer killed
-with SIGKILL right after the attempt's first checkpoint (mid-epoch; at the first epoch's end for Lightning), and resumed by another trainer to the end."""
+with SIGKILL right after the attempt's first checkpoint (mid-epoch; at the first epoch's end for Lightning), and
+resumed to the end by the trainer restarted under its name, as systemd restarts it (the router gives the job back at
+once, not after the 20 s lease; a lapsed lease and another trainer: tests/test_jobs_durable.py)."""
 
 from __future__ import annotations
 
@@ -46,14 +48,14 @@ def test_a_recipe_job_killed_after_its_first_checkpoint_resumes_to_the_end(
     }
     job = cluster.submit_spec(spec)
     name = entrypoint.split(".")[2].split(":")[0]
-    proc = cluster.start_killed_at(f"{name}-k", "entry_checkpoint")
+    proc = cluster.start_killed_at(name, "entry_checkpoint")
     assert proc.wait(240) == -signal.SIGKILL, cluster.logs()
-    cluster.start_trainer(f"{name}-t")
+    cluster.start_trainer(name)  # restarted under its name: the job is given back at once
     try:
         info = cluster.wait_end(job, timeout=240)
     finally:
-        cluster.procs[f"{name}-t"].send_signal(signal.SIGTERM)
-        cluster.procs[f"{name}-t"].wait(30)
+        cluster.procs[name].send_signal(signal.SIGTERM)
+        cluster.procs[name].wait(30)
     assert info["state"] == "succeeded", info["error"]
     assert [r["epoch"] for r in info["result"]["history"]] == list(range(1, params["epochs"] + 1))
     assert all(0 <= r["val_accuracy"] <= 1 for r in info["result"]["history"])

@@ -348,7 +348,7 @@ def test_samples_of_an_entrypoint_jobs_steps_are_what_its_function_trained_on_ac
         )
         killed = cluster.start_killed_at("k1", "entry_checkpoint")  # dies once its first checkpoint is in
         assert killed.wait(180) != 0, cluster.logs()
-        cluster.start_trainer("t")
+        cluster.start_trainer("k1")  # restarted under its name: the job is given back at once, not after its lease
         info = cluster.wait_end(job, timeout=180)
         assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
 

@@ -15,7 +15,7 @@ from libbus.jobs.spec import JobSpec, SpikeSpec
 from libbus.wire.messages import GetJob, GetTask, SkipJob, SubmitJob
 from services.trainer.audit import effective_epochs
 from services.trainer.spike import SpikeDetector
-from tests.support.jobs import SPEC, EntryCluster, JobCluster
+from tests.support.jobs import SPEC, EntryCluster
 
 #: Train samples of the test dataset, and the batches (of 16, in file order) whose samples are x 1e5.
 N = 480
@@ -147,17 +147,30 @@ def _dataset(directory: Path, bad_batches: tuple[int, ...]) -> None:
         np.save(directory / f"{split}_y.npy", y)
 
 
-def _cluster(tmp_path: Path, bad_batches: tuple[int, ...], cls=JobCluster) -> JobCluster:
-    data = tmp_path / "data"
-    data.mkdir()
-    _dataset(data, bad_batches)
-    cluster = cls(tmp_path)
-    cluster.start_router()
-    cluster.start(
-        "provider", "provider", "--bind", "tcp://127.0.0.1:0", "--dataset", f"mnist=file://{data}", ready=True
-    )
-    cluster.start_trainer("t1")
-    return cluster
+#: The datasets of the real jobs, by the batches (of 16, in file order) whose samples are x 1e5.
+BAD = {"spike12": (12,), "spike12_20": (12, 20), "spike22": (22,)}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One router, one provider of every :data:`BAD` dataset and two trainers (t1, t2) for the real jobs: they
+    stop nothing and kill nothing, so one cluster serves them all; its trainers allow the tests' entrypoints."""
+    root = tmp_path_factory.mktemp("spike")
+    flags = []
+    for name, bad_batches in BAD.items():
+        (root / name).mkdir()
+        _dataset(root / name, bad_batches)
+        flags += ["--dataset", f"{name}=file://{root / name}"]
+    cluster = EntryCluster(root / "bus")
+    try:
+        cluster.start_router()
+        cluster.start("provider", "provider", "--bind", "tcp://127.0.0.1:0", *flags, ready=True)
+        cluster.endpoint_of("provider")
+        cluster.start_trainer("t1")
+        cluster.start_trainer("t2")
+        yield cluster
+    finally:
+        cluster.close()
 
 
 #: Sequential order, a checkpoint every 5 steps; a spike is a loss 10 x the median of the last 10.
@@ -174,93 +187,79 @@ def _events(info: dict) -> str:
     return "\n".join(str(e) for e in info["events"])
 
 
-def test_a_spike_is_skipped_by_itself_and_the_job_trains_on_without_its_stretch(tmp_path):
-    cluster = _cluster(tmp_path, bad_batches=(12,))  # step 13: samples 192..207
-    try:
-        by_digest = cluster.index_of_digest()
-        job = cluster.submit_spec(SPIKY)
-        info = cluster.wait_end(job, timeout=60)
-        assert info["state"] == "succeeded", f"{info['error']}\n{_events(info)}\n{cluster.logs()}"
-        # steps 11..13 (skip_before 2): samples 160..207, skipped from the checkpoint of step 10 on
-        [spike] = info["spec"]["spikes"]
-        assert spike["step"] == 13 and spike["steps"] == [11, 14] and spike["loss"] > 10 * spike["median"]
-        assert info["spec"]["skip"] == [[[160, 208]]]
-        events = _events(info)
-        assert "spike: step 13 loss" in events and "(1 of at most 3 spikes skipped)" in events, events
-        assert "rewinds to the checkpoint of step 10" in events, events
-        stretch = set(range(160, 208))
-        epochs = effective_epochs(cluster.audit, job)
-        assert sorted(epochs) == [0, 1]
-        for e, digests in epochs.items():  # every other sample of each epoch once, none of the stretch
-            seen = Counter(by_digest[d] for d in digests)
-            want = Counter(set(range(N)) - stretch)
-            assert seen == want, (
-                f"epoch {e}: {sorted((seen - want).elements())[:10]} extra, {sorted((want - seen).elements())[:10]} missing"
-            )
-        shown = cluster.busctl("job", "show", job).stdout
-        assert "spike: step 13" in shown, shown
-        logs = cluster.busctl("job", "logs", job, "--attempt", "0").stdout
-        assert "spike: step 13: loss" in logs and "asking the router to skip steps 11:14" in logs, logs
-    finally:
-        cluster.close()
+def test_a_spike_is_skipped_by_itself_and_the_job_trains_on_without_its_stretch(cluster):
+    # spike12: step 13 is samples 192..207
+    by_digest = cluster.index_of_digest("spike12")
+    job = cluster.submit_spec({**SPIKY, "dataset": "spike12"})
+    info = cluster.wait_end(job, timeout=60)
+    assert info["state"] == "succeeded", f"{info['error']}\n{_events(info)}\n{cluster.logs()}"
+    # steps 11..13 (skip_before 2): samples 160..207, skipped from the checkpoint of step 10 on
+    [spike] = info["spec"]["spikes"]
+    assert spike["step"] == 13 and spike["steps"] == [11, 14] and spike["loss"] > 10 * spike["median"]
+    assert info["spec"]["skip"] == [[[160, 208]]]
+    events = _events(info)
+    assert "spike: step 13 loss" in events and "(1 of at most 3 spikes skipped)" in events, events
+    assert "rewinds to the checkpoint of step 10" in events, events
+    stretch = set(range(160, 208))
+    epochs = effective_epochs(cluster.audit, job)
+    assert sorted(epochs) == [0, 1]
+    for e, digests in epochs.items():  # every other sample of each epoch once, none of the stretch
+        seen = Counter(by_digest[d] for d in digests)
+        want = Counter(set(range(N)) - stretch)
+        assert seen == want, (
+            f"epoch {e}: {sorted((seen - want).elements())[:10]} extra, {sorted((want - seen).elements())[:10]} missing"
+        )
+    shown = cluster.busctl("job", "show", job).stdout
+    assert "spike: step 13" in shown, shown
+    logs = cluster.busctl("job", "logs", job, "--attempt", "0").stdout
+    assert "spike: step 13: loss" in logs and "asking the router to skip steps 11:14" in logs, logs
 
 
-def test_a_spike_past_max_skips_fails_the_job_saying_so(tmp_path):
+def test_a_spike_past_max_skips_fails_the_job_saying_so(cluster):
     # step 13 (192..207) is skipped with steps 11..13; then 320..335 is at step 18 of the order without them
-    cluster = _cluster(tmp_path, bad_batches=(12, 20))
-    try:
-        job = cluster.submit_spec({**SPIKY, "epochs": 1, "spike": {**SPIKY["spike"], "max_skips": 1}})
-        info = cluster.wait_end(job, timeout=60)
-        assert info["state"] == "failed", f"{info['state']}\n{_events(info)}"
-        assert "TooManySpikes: loss spike at step 18" in info["error"], info["error"]
-        assert "spike.max_skips = 1" in info["error"] and f"busctl job skip {job} --steps 16:19" in info["error"]
-        assert [s["step"] for s in info["spec"]["spikes"]] == [13]
-        assert "spike: step 13" in _events(info)
-    finally:
-        cluster.close()
+    spike = {**SPIKY["spike"], "max_skips": 1}
+    job = cluster.submit_spec({**SPIKY, "dataset": "spike12_20", "epochs": 1, "spike": spike})
+    info = cluster.wait_end(job, timeout=60)
+    assert info["state"] == "failed", f"{info['state']}\n{_events(info)}"
+    assert "TooManySpikes: loss spike at step 18" in info["error"], info["error"]
+    assert "spike.max_skips = 1" in info["error"] and f"busctl job skip {job} --steps 16:19" in info["error"]
+    assert [s["step"] for s in info["spec"]["spikes"]] == [13]
+    assert "spike: step 13" in _events(info)
 
 
-def test_an_entrypoint_job_s_spike_is_skipped_at_its_step_call(tmp_path):
-    cluster = _cluster(tmp_path, bad_batches=(12,), cls=EntryCluster)
-    try:
-        spec = {
-            **{k: v for k, v in SPIKY.items() if k not in ("model", "model_kwargs", "optimizer", "lr")},
-            "entrypoint": "tests.support.entrypoints:custom_loss",
-            "params": {"lr": 0.05, "epochs": 1},
-        }
-        job = cluster.submit_spec(spec)
-        info = cluster.wait_end(job, timeout=60)
-        assert info["state"] == "succeeded", f"{info['error']}\n{_events(info)}\n{cluster.logs()}"
-        [spike] = info["spec"]["spikes"]
-        assert spike["step"] == 13 and info["spec"]["skip"] == [[[160, 208]]]
-        assert "spike: step 13" in _events(info)
-        logs = cluster.busctl("job", "logs", job, "--attempt", "0").stdout
-        assert "spike: step 13" in logs, logs
-    finally:
-        cluster.close()
+def test_an_entrypoint_job_s_spike_is_skipped_at_its_step_call(cluster):
+    spec = {
+        **{k: v for k, v in SPIKY.items() if k not in ("model", "model_kwargs", "optimizer", "lr")},
+        "dataset": "spike12",
+        "entrypoint": "tests.support.entrypoints:custom_loss",
+        "params": {"lr": 0.05, "epochs": 1},
+    }
+    job = cluster.submit_spec(spec)
+    info = cluster.wait_end(job, timeout=60)
+    assert info["state"] == "succeeded", f"{info['error']}\n{_events(info)}\n{cluster.logs()}"
+    [spike] = info["spec"]["spikes"]
+    assert spike["step"] == 13 and info["spec"]["skip"] == [[[160, 208]]]
+    assert "spike: step 13" in _events(info)
+    logs = cluster.busctl("job", "logs", job, "--attempt", "0").stdout
+    assert "spike: step 13" in logs, logs
 
 
-def test_a_gang_judges_the_largest_loss_of_its_ranks_and_skips_a_stretch_of_rank_1_s_shard(tmp_path):
-    # two ranks, shards 0..239 and 240..479 in file order: rank 1's step 8 reads 352..367
-    cluster = _cluster(tmp_path, bad_batches=(22,))
-    try:
-        cluster.start_trainer("t2")
-        cluster.wait_connected(("t1", "t2"))
-        by_digest = cluster.index_of_digest()
-        job = cluster.submit_spec({**SPIKY, "world_size": 2})
-        info = cluster.wait_end(job, timeout=90)
-        assert info["state"] == "succeeded", f"{info['error']}\n{_events(info)}\n{cluster.logs()}"
-        [spike] = info["spec"]["spikes"]
-        assert spike["step"] == 8 and spike["steps"] == [6, 9], spike
-        # steps 6..8 of both ranks, from the checkpoint of step 5
-        stretch = set(range(80, 128)) | set(range(320, 368))
-        assert info["spec"]["skip"] == [[[80, 128], [320, 368]]]
-        assert "rewinds to the checkpoint of step 5" in _events(info)
-        for e, digests in effective_epochs(cluster.audit, job).items():
-            seen = Counter(by_digest[d] for d in digests)
-            want = Counter(set(range(N)) - stretch)
-            assert seen == want, (
-                f"epoch {e}: {sorted((seen - want).elements())[:10]} extra, {sorted((want - seen).elements())[:10]} missing"
-            )
-    finally:
-        cluster.close()
+def test_a_gang_judges_the_largest_loss_of_its_ranks_and_skips_a_stretch_of_rank_1_s_shard(cluster):
+    # two ranks, shards 0..239 and 240..479 in file order: rank 1's step 8 reads 352..367 (spike22)
+    cluster.wait_connected(("t1", "t2"))
+    by_digest = cluster.index_of_digest("spike22")
+    job = cluster.submit_spec({**SPIKY, "dataset": "spike22", "world_size": 2})
+    info = cluster.wait_end(job, timeout=90)
+    assert info["state"] == "succeeded", f"{info['error']}\n{_events(info)}\n{cluster.logs()}"
+    [spike] = info["spec"]["spikes"]
+    assert spike["step"] == 8 and spike["steps"] == [6, 9], spike
+    # steps 6..8 of both ranks, from the checkpoint of step 5
+    stretch = set(range(80, 128)) | set(range(320, 368))
+    assert info["spec"]["skip"] == [[[80, 128], [320, 368]]]
+    assert "rewinds to the checkpoint of step 5" in _events(info)
+    for e, digests in effective_epochs(cluster.audit, job).items():
+        seen = Counter(by_digest[d] for d in digests)
+        want = Counter(set(range(N)) - stretch)
+        assert seen == want, (
+            f"epoch {e}: {sorted((seen - want).elements())[:10]} extra, {sorted((want - seen).elements())[:10]} missing"
+        )

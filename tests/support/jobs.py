@@ -85,18 +85,18 @@ class JobCluster(Cluster):
         """Batches ``trainer`` has trained on for ``job`` so far (from its audit file)."""
         return sum(len(p.read_bytes().splitlines()) - 1 for p in self.audit.glob(f"{job}.{trainer}.*.jsonl"))
 
-    def train_split(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every train sample and label, in index order, read straight from the provider."""
+    def train_split(self, dataset: str = "mnist") -> tuple[np.ndarray, np.ndarray]:
+        """Every train sample and label of ``dataset``, in index order, read straight from its provider."""
         deadline = time.monotonic() + 30
         while True:
             try:
-                provider = self.admin.request(Resolve(dataset="mnist")).providers[0]["endpoint"]
+                provider = self.admin.request(Resolve(dataset=dataset)).providers[0]["endpoint"]
                 break
             except Exception:  # noqa: BLE001 - the provider is still registering
                 assert time.monotonic() < deadline, "provider never registered"
                 time.sleep(0.1)
         with RemoteLoader(
-            "mnist", provider=provider, token=self.admin_token, batch_size=1000, shuffle="none", copy=True
+            dataset, provider=provider, token=self.admin_token, batch_size=1000, shuffle="none", copy=True
         ) as loader:
             x, y = next(iter(loader))
         return x.numpy(), y.numpy()
@@ -106,9 +106,9 @@ class JobCluster(Cluster):
         xs, ys = self.train_split()
         return Counter(digest(xs[i].tobytes(), ys[i].tobytes()) for i in range(len(xs)))
 
-    def index_of_digest(self) -> dict[str, int]:
+    def index_of_digest(self, dataset: str = "mnist") -> dict[str, int]:
         """The train split's sample index of each digest (every sample's bytes differ in mock://mnist)."""
-        xs, ys = self.train_split()
+        xs, ys = self.train_split(dataset)
         out = {digest(xs[i].tobytes(), ys[i].tobytes()): i for i in range(len(xs))}
         assert len(out) == len(xs), "the train samples are not all distinct"
         return out

@@ -1,0 +1,64 @@
+"""The order test files start in: the longest first.
+
+``make test`` runs files in parallel, one file per pytest-xdist worker at a time (``--dist loadfile``), and a
+file's tests stay on one worker; the run ends when its last file does. Started last, a file of several minutes
+(test_slurm's cluster recipes) ran alone on a worker after every other file had ended; started first, it runs
+beside the short ones. ``--no-loadscope-reorder`` (the Makefile) keeps this order: pytest-xdist otherwise starts
+the files with the most tests first, whatever their length.
+
+:data:`LONGEST_FIRST` is measured, not derived: the files whose tests took the most seconds together in a full
+run (``pytest --durations``), longest first. A file missing from it only starts later; a stale entry costs
+nothing but order. Re-measure when a file's tests change much.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+__all__ = ["LONGEST_FIRST", "longest_first"]
+
+#: Test files (under tests/), the longest first; every other file follows in collection order.
+LONGEST_FIRST = [
+    "test_survive.py",
+    "test_gang.py",
+    "test_slurm.py",
+    "test_samples27.py",
+    "test_entrypoints.py",
+    "test_jobs_durable.py",
+    "test_slurm_requeue.py",
+    "test_example_jobs.py",
+    "test_examples.py",
+    "test_spike27.py",
+    "test_recipes.py",
+    "test_e2e.py",
+    "test_chaos_short.py",
+    "test_bench_peer_formats.py",
+    "test_studies_e2e.py",
+    "test_multihost.py",
+    "test_replicas.py",
+    "test_entrypoint_gang.py",
+    "test_gang_elastic.py",
+    "test_ddp_token.py",
+    "test_bench_peers_images.py",
+    "test_studies_cli.py",
+    "test_sdnotify.py",
+    "test_evaluators.py",
+    "test_peer_formats_job.py",
+    "test_model_from_running.py",
+    "test_roles.py",
+    "test_scale.py",
+    "test_objstore_job.py",
+    "test_text_stages.py",
+    "test_idx_job.py",
+    "test_images_job.py",
+    "test_flows_netns.py",
+]
+
+
+def longest_first(items: Sequence[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with the files of :data:`LONGEST_FIRST` first, in its order; within a file, and among the
+    files it does not name, the order stays as collected."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    return sorted(items, key=lambda item: rank.get(item.path.name, len(rank)))
