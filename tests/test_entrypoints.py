@@ -93,6 +93,29 @@ def test_a_function_with_its_own_loss_killed_twice_mid_epoch_ends_as_if_uninterr
     assert "attempt 0: epoch 0 from sample 0" in first, first
 
 
+def test_a_trainer_killed_right_after_the_router_took_a_checkpoint_resumes_from_it(cluster):
+    """The trainer dies after the router stored checkpoint 1 but before its answer reached the attempt;
+    the attempt dies with it, but not at once, and meanwhile writes more. None of them may delete the
+    one the router holds (the record in flight counts as held): the next attempt resumes from it
+    instead of starting over."""
+    job = cluster.submit_spec(
+        {**JOB, "entrypoint": "tests.support.entrypoints:checkpoints_fast", "params": {"steps": 300}}
+    )
+    proc = cluster.start_killed_at("quick", "entry_checkpoint")  # dies as checkpoint 1 reaches the router
+    assert proc.wait(180) == -signal.SIGKILL, cluster.logs()
+    held = cluster.job(job)["checkpoints"][-1]
+    assert held["step"] == 1, held
+    cluster.start_trainer("quick")  # restarted under its name: the job is given back at once
+    try:
+        info = cluster.wait_end(job, timeout=180)
+    finally:
+        _stop(cluster, "quick")
+    assert info["state"] == "succeeded", info["error"]
+    logs = cluster.busctl("job", "logs", job).stdout
+    assert "cannot resume" not in logs and "attempt 1 starts at n=1 step 1" in logs, logs
+    assert info["progress"]["resumed_from"]["step"] == 1
+
+
 def _fails_alone(cluster: EntryCluster, entrypoint: str) -> dict:
     job = cluster.submit_spec({**JOB, "entrypoint": entrypoint, "max_attempts": 1})
     return cluster.wait_end(job, timeout=120)

@@ -319,3 +319,18 @@ def threads(job: Job) -> None:
     """Prints the torch threads its attempt runs with (the trainer's ``torch_threads``)."""
     print(f"torch threads {torch.get_num_threads()}", flush=True)
     job.save_model({"w": torch.zeros(1)})
+
+
+def checkpoints_fast(job: Job) -> None:
+    """A checkpoint at every step, a few ms apart, for ``params["steps"]`` steps: an attempt that
+    outlives its killed trainer for even tens of ms writes several more after the one the router
+    took. Prints where each attempt starts."""
+    state = job.restore() or {"n": 0}
+    print(f"attempt {job.attempt} starts at n={state['n']} step {job.step_count}", flush=True)
+    n = int(state["n"])
+    while n < job.params["steps"]:
+        n += 1
+        job.step()
+        job.checkpoint({"n": n})
+        time.sleep(0.002)
+    job.save_model({"n": torch.tensor([float(n)])})
