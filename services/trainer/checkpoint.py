@@ -17,8 +17,8 @@ Nothing is pickled, so loading a checkpoint cannot run code. A file is written t
 in the same directory, fsynced, renamed into place and the directory fsynced: a crash leaves the old
 checkpoint or the new one, never half of one. Its sha256 goes to the router with the record, and is
 checked before the file is trusted again (:func:`read_state`, which also reads the built-in loop's
-files of before, :data:`FORMAT`). The trainer keeps the last :data:`KEEP` per job, and the last one
-the router has recorded. :func:`checkpoint_model` takes the model weights alone out of one (a job
+files of before, :data:`FORMAT`). The trainer keeps the last :data:`KEEP` per job, and those the
+router may hold (:func:`prune`). :func:`checkpoint_model` takes the model weights alone out of one (a job
 that starts from another job's current weights, ``model_from``).
 
 The final model is ``<checkpoint_dir>/<job>/model.safetensors``: the plain state dict, loadable with
