@@ -6,7 +6,7 @@ import torch
 
 from libbus.errors import BadRequest, NotFound, PeerTimeout
 from libbus.jobs.spec import JobSpec
-from services.trainer.failures import describe_failure, deterministic, failed
+from services.trainer.failures import describe_failure, deterministic, failed_attempt
 from services.trainer.gang import GangError
 
 
@@ -43,7 +43,7 @@ def test_only_a_peer_that_is_gone_makes_an_attempt_retryable():
         PeerTimeout("no answer"),
         NotFound("x"),
     ]
-    assert all(failed(err, None)[1]["retryable"] for err in gone)
+    assert all(failed_attempt(err, None)[1]["retryable"] for err in gone)
     for err in (BadRequest("lr must be positive"), ValueError("boom"), RuntimeError("shapes cannot be multiplied")):
-        state, result, error = failed(err, None)
+        state, result, error = failed_attempt(err, None)
         assert state == "failed" and not result["retryable"] and error.startswith(type(err).__name__)

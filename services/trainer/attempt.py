@@ -60,7 +60,7 @@ from services.usercode import module_allowed
 
 from .channel import Channel, ChannelClosed
 from .control import LOST
-from .failures import failed
+from .failures import failed_attempt
 
 __all__ = ["PRELOAD", "AttemptLog", "AttemptRun", "attempt_context", "warm_up"]
 
@@ -266,7 +266,7 @@ class AttemptRun:
         try:
             resolved = resolve(self.link, spec.dataset, s, self.notifier.watchdog)
         except BusError as err:  # no provider online for provider_wait_s, the router away: retried
-            return failed(err, spec)
+            return failed_attempt(err, spec)
         provider = pick_provider(resolved.providers, self.identity.host_id)
         parent_end, child_end = socket.socketpair()
         out_read, out_write = socket.socketpair()

@@ -50,7 +50,7 @@ from . import builtin
 from .channel import Channel, ChannelClosed
 from .control import LOST
 from .evaltask import run_evaluation
-from .failures import deterministic, failed
+from .failures import deterministic, failed_attempt
 from .final_eval import EVALUATE_TIMEOUT_S, score_saved
 from .gang import Gang, GangError, advertised_host
 from .jobapi import AttemptJob
@@ -298,7 +298,7 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
         if gang is not None and isinstance(err, RuntimeError) and not deterministic(err):
             # a collective inside backward() (DDP) breaks when another rank is gone: retried
             err = GangError(f"rank {task.rank}: the gang broke: {err}")
-        state, result, error = failed(err, job.spec)
+        state, result, error = failed_attempt(err, job.spec)
         log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(err, BusError))
         return state, {"history": job.history, **result}, error
     finally:
@@ -377,7 +377,7 @@ def main(fd: int) -> int:
         state, result, error = run(channel, start, frames)
     except BaseException as err:  # noqa: BLE001 - set-up itself failed: say so, do not leave the parent guessing
         # (a gang whose ranks did not meet is retried, as a gang that broke later is)
-        state, result, error = failed(err, None)
+        state, result, error = failed_attempt(err, None)
         log.error("attempt could not start: %s", error)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -7,7 +7,7 @@ from libbus.errors import BusError
 from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 
-__all__ = ["describe_failure", "deterministic", "failed"]
+__all__ = ["describe_failure", "deterministic", "failed_attempt"]
 
 #: The errors of a peer that did not answer or is gone: the attempt is retried (elsewhere).
 RETRYABLE_CODES = ("TIMEOUT", "UNAVAILABLE", "NOT_FOUND")
@@ -46,7 +46,7 @@ def describe_failure(err: BaseException, spec: JobSpec | None) -> str:
     return f"{out} (hint: {hint})" if hint else out
 
 
-def failed(err: BaseException, spec: JobSpec | None) -> tuple[JobState, dict, str]:
+def failed_attempt(err: BaseException, spec: JobSpec | None) -> tuple[JobState, dict, str]:
     """How an attempt that raised ``err`` ends: failed, with the error and a hint; retryable only
     when a peer did not answer or is gone (a provider, the router, a rank of the gang that never
     came or left), since a model, a spec or a device that fails here fails on the next trainer too."""
