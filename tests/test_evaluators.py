@@ -428,7 +428,7 @@ def test_a_running_entrypoint_job_is_scored_live_by_the_evaluator_it_names(
     plain = admin.request(SubmitJob(spec=base)).job  # no evaluator: nothing can score its model
     _until(lambda: (admin.request(GetJob(job=plain)).job.get("progress") or {}).get("step", 0) >= 1, "a step")
     refused = admin.request(ControlJob(job=plain, command="eval"), timeout_s=60).detail
-    assert "evaluator" in refused["error"], refused
+    assert "evaluator = " in refused["error"] and "evaluator_modules" in refused["error"], refused
     admin.request(ControlJob(job=plain, command="stop"))
     assert wait_job(admin, plain, timeout=60)["state"] == "stopped"
 

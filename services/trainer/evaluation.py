@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping
 
 import torch
 from safetensors.torch import save as save_safetensors
-from torch import nn
 
 from libbus.connect.client import Client, Identity
 from libbus.errors import BusError
@@ -28,11 +27,10 @@ __all__ = ["LiveEvaluations", "snapshot"]
 log = logging.getLogger(__name__)
 
 
-def snapshot(model: nn.Module | Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
-    """A CPU copy of ``model``'s state dict (or of a state dict; never a view: training goes on
-    changing the weights) and how long the copy took, in milliseconds."""
+def snapshot(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    """A CPU copy of a model's state dict ``weights`` (never a view: training goes on changing
+    them) and how long the copy took, in milliseconds."""
     started = time.perf_counter()
-    weights = model.state_dict() if isinstance(model, nn.Module) else model
     state = {str(k): v.detach().to("cpu", copy=True) for k, v in weights.items()}
     return state, 1000 * (time.perf_counter() - started)
 
@@ -56,7 +54,7 @@ class LiveEvaluations:
 
     def start(
         self,
-        model: nn.Module | Mapping[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
         model_spec: dict,
         dataset: str,
         provider: dict,
@@ -65,7 +63,7 @@ class LiveEvaluations:
         epoch: int,
         done: Callable[[dict], None],
     ) -> None:
-        """Copy ``model``'s weights now and score them in the background; ``done(detail)`` gets the
+        """Copy ``weights`` (a state dict) now and score them in the background; ``done(detail)`` gets the
         result, or ``{"error": ...}``, with the ``step`` and (1-based) ``epoch`` the weights are from.
         A second call while an evaluation runs calls ``done`` at once with an error."""
         if self.running:
@@ -76,7 +74,7 @@ class LiveEvaluations:
                 }
             )
             return
-        state, copy_ms = snapshot(model)
+        state, copy_ms = snapshot(weights)
         where = {"step": step, "epoch": epoch, "copy_ms": round(copy_ms, 3), "provider": provider["name"]}
         self._running_step = step
         self._thread = threading.Thread(

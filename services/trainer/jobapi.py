@@ -1,16 +1,15 @@
-"""The :class:`libbus.jobapi.Job` a trainer hands an entrypoint: one attempt's parameters, loaders,
-checkpoints, reports and model, inside the attempt's own process (:mod:`.child`).
+"""The :class:`libbus.jobapi.Job` a trainer hands a job's function (an entrypoint, or the built-in
+loop, :mod:`.builtin`): one attempt's parameters, loaders, checkpoints, reports and model, inside the
+attempt's own process (:mod:`.child`).
 
 Commands (:mod:`.control`) are applied at :meth:`AttemptJob.step`, :meth:`AttemptJob.report`,
 :meth:`AttemptJob.checkpoint` and :meth:`AttemptJob.save_model`, where the function has finished a
 step: the loaders' cursors then equal the samples trained on, so a checkpoint taken there (on
 command, on stop, on the trainer's shutdown) resumes at the exact next sample.
 
-A checkpoint is one safetensors file, ``<checkpoint_dir>/<job>/step-<step>[.e].safetensors``, written
-atomically like the built-in loop's (:mod:`.checkpoint`): tensors ``user.<n>`` (the function's state,
-:func:`libbus.jobapi.encode_state`) and ``rng.*``; JSON metadata ``state`` (the state's skeleton),
-``cursors`` (every loader's, by name), ``cursor`` (the train loader's, for the router's record),
-``step``, ``epoch``, ``rng`` and ``extra`` (the history). Nothing in it is unpickled on restore.
+A checkpoint is one safetensors file holding the function's state with every loader's cursor, the
+random generators, the step and the history, written atomically; its format is :mod:`.checkpoint`'s
+(:func:`.checkpoint.save_state`, :func:`.checkpoint.read_state`). Nothing in it is unpickled on restore.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ from services.sdnotify import Notifier
 
 from .audit import Audit
 from .checkpoint import (
-    JOB_STATE_FORMAT,
     job_dir,
     load_state,
     model_metadata,
@@ -60,7 +58,7 @@ from .reports import Reporter
 from .resume import read_shared
 from .spike import Spike, detector_for, skip_spike
 
-__all__ = ["JOB_STATE_FORMAT", "AttemptJob"]
+__all__ = ["AttemptJob"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +123,7 @@ class AttemptJob(Job):
         #: ``busctl job eval``: the weights now, scored on the provider's test split in the background.
         self.evaluations = LiveEvaluations(self.id, identity, EVALUATE_TIMEOUT_S)
         self._audit: Audit | None = None
+        self._status_epoch = -1
         self._resolver = resolver
         self._loaders: dict[str, RemoteLoader] = {}
         self._cursors: dict[str, dict] = {}
@@ -243,7 +242,8 @@ class AttemptJob(Job):
             self.meter.add(samples, loss)
         else:
             self.meter.samples += samples
-        if train is not None:
+        if train is not None and train.epoch != self._status_epoch:  # told once an epoch, not every step
+            self._status_epoch = train.epoch
             self.notifier.status(f"running job {self.id} epoch {min(train.epoch + 1, self._epochs())}/{self._epochs()}")
         if self._spikes is not None and "loss" in metrics:
             judged = self.gang.largest(loss) if self.gang is not None else loss
@@ -546,7 +546,10 @@ class AttemptJob(Job):
         provider's private test split in the background by the built-in model or the job's evaluator."""
         if self.spec.entrypoint and not self.spec.evaluator:
             done(
-                {"error": "busctl job eval scores a built-in model, or an entrypoint job's with the evaluator it names"}
+                {
+                    "error": "an entrypoint job's model is scored by the evaluator it names: submit it with "
+                    "evaluator = 'package.module:function' (one its provider's operator lists in evaluator_modules)"
+                }
             )
             return
         weights = self._weights()
