@@ -8,6 +8,7 @@ import time
 
 from rich.table import Table
 
+from libbus.jobs.spec import BUILTIN_PARAMS
 from libbus.jobs.state import JobState
 
 from .common import SafeConsole
@@ -85,6 +86,21 @@ def _trainers(job: dict) -> str:
     return f"{members[0]} +{len(members) - 1}" if members else job.get("trainer") or "-"
 
 
+#: How an epoch record's usual metrics are shown; any other a job reports is shown by its own name.
+_LABELS = {"train_loss": "train loss", "val_loss": "val loss", "val_accuracy": "val accuracy"}
+
+
+def epoch_line(record: dict, sep: str = " ") -> str:
+    """``epoch N: train loss L val loss V val accuracy A``: every number of an epoch's record, in its
+    order (an entrypoint job reports the metrics it chooses, by its own names, or none)."""
+    parts = [
+        f"{_LABELS.get(k, k)} {v:.4f}"
+        for k, v in record.items()
+        if k != "epoch" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
+    return f"epoch {record.get('epoch', '?')}: " + (sep.join(parts) or "(no metrics)")
+
+
 def job(info: dict) -> None:
     console.print(
         f"[bold]{info['id']}[/] {info['state']}  trainer {info.get('trainer') or '-'}  attempts {info['attempts']}"
@@ -94,7 +110,10 @@ def job(info: dict) -> None:
         ranks = ", ".join(f"{rank}: {name}" for rank, name in enumerate(gang["members"]))
         console.print(f"gang: rank {ranks}; rendezvous {gang['rendezvous'] or '(rank 0 not there yet)'}")
     spec = info["spec"]
-    console.print("spec: " + ", ".join(f"{k}={v}" for k, v in spec.items() if v not in ("", {}, None)))
+    # an entrypoint job's spec holds the built-in loop's fields at their defaults: they mean nothing to it
+    unused = {k for k in BUILTIN_PARAMS if k != "model_from"} if spec.get("entrypoint") else set()
+    shown = (f"{k}={v}" for k, v in spec.items() if v not in ("", {}, None) and k not in unused)
+    console.print("spec: " + ", ".join(shown))
     p = info.get("progress") or {}
     if p:
         console.print(
@@ -107,10 +126,7 @@ def job(info: dict) -> None:
             slowest = split.get("slowest") or p.get("data_wait_slowest")
             console.print(f"data wait split: {wait_split(split)}" + (f"; slowest replica {slowest}" if slowest else ""))
         for h in p.get("history", []):
-            console.print(
-                f"  epoch {h['epoch']}: train loss {h['train_loss']:.4f} val loss {h['val_loss']:.4f} "
-                f"val acc {h['val_accuracy']:.4f}"
-            )
+            console.print("  " + epoch_line(h))
     r = info.get("result") or {}
     if r:
         console.print(

@@ -14,6 +14,7 @@ from libbus.jobs.state import JobState
 from libbus.wire.messages import GetJob
 
 from .common import SafeConsole
+from .tables import epoch_line
 
 __all__ = ["watch_job"]
 
@@ -48,7 +49,7 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
             done: dict[str, Any] = {"completed": total, "step": int(total * (bar_epoch + 1))}
             if rate is not None:
                 done["rate"] = f"{rate:.0f}"
-            if bar_epoch < len(history):
+            if bar_epoch < len(history) and isinstance(history[bar_epoch].get("train_loss"), (int, float)):
                 done["loss"] = f"{history[bar_epoch]['train_loss']:.4f}"
             bars.update(bar, **done)
 
@@ -59,7 +60,9 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
             if p and JobState(info["state"]).holding:
                 # after the last epoch (validation, provider-side test) the last bar stays full
                 current = min(p["epoch"], p["epochs"] - 1)
-                within = p["step"] - current * p["steps_per_epoch"]
+                # a function that opened no train loader reports no steps per epoch: a bar of its steps
+                per_epoch = p.get("steps_per_epoch") or max(1, p["step"])
+                within = p["step"] - current * per_epoch
                 fields = dict(
                     epoch=f"{current + 1}/{p['epochs']}",
                     step=p["step"],
@@ -71,13 +74,10 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
                 if bar is None or current != bar_epoch:
                     if bar is not None:
                         close(history, p.get("samples_per_s"))
-                    bar, bar_epoch = bars.add_task("", total=p["steps_per_epoch"], **fields), current
-                bars.update(bar, completed=max(0, min(within, p["steps_per_epoch"])), **fields)
+                    bar, bar_epoch = bars.add_task("", total=per_epoch, **fields), current
+                bars.update(bar, completed=max(0, min(within, per_epoch)), **fields)
             for h in history[shown_epochs:]:
-                bars.console.print(
-                    f"epoch {h['epoch']}: train loss {h['train_loss']:.4f}  "
-                    f"val loss {h['val_loss']:.4f}  val accuracy {h['val_accuracy']:.4f}"
-                )
+                bars.console.print(epoch_line(h, sep="  "))
             shown_epochs = max(shown_epochs, len(history))
             if info["state"] in TERMINAL_STATES:
                 if bar is not None and info["state"] == JobState.SUCCEEDED:

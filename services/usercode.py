@@ -17,7 +17,7 @@ from collections.abc import Collection
 
 from libbus.errors import BadRequest
 
-__all__ = ["import_allowed", "module_allowed"]
+__all__ = ["import_allowed", "module_allowed", "not_allowed"]
 
 
 def module_allowed(module_name: str, allowed: Collection[str]) -> bool:
@@ -27,6 +27,19 @@ def module_allowed(module_name: str, allowed: Collection[str]) -> bool:
         if entry == module_name or (prefix.endswith(".") and module_name.startswith(prefix)):
             return True
     return False
+
+
+def not_allowed(what: str, module_name: str, allowed: Collection[str], setting: str, node: str = "node") -> str:
+    """The refusal of ``module_name`` (not in ``allowed``, the node's ``setting``), saying what its
+    operator would list to allow it: the module itself, or its package with a trailing ``.``."""
+    listed = ", ".join(sorted(allowed)) or "none"
+    package = module_name.rpartition(".")[0]
+    entry = f"{module_name!r}" + (f", or {package + '.'!r} for every module of its package" if package else "")
+    return (
+        f"{what}: module {module_name!r} is not in this {node}'s {setting} ({listed}); only modules its operator "
+        f"lists there (its config file or BATCHBUS_{setting.upper()}) may run, nothing was imported. "
+        f"To allow it, the operator lists {entry}"
+    )
 
 
 def import_allowed(ref: str, allowed: Collection[str], what: str, setting: str = "user_modules") -> object:
@@ -43,11 +56,7 @@ def import_allowed(ref: str, allowed: Collection[str], what: str, setting: str =
     if not sep or not module_name or not attr.isidentifier() or attr.startswith("_"):
         raise BadRequest(f"{what}: give package.module:name (a public name), got {ref!r}")
     if not module_allowed(module_name, allowed):
-        listed = ", ".join(sorted(allowed)) or "none"
-        raise BadRequest(
-            f"{what}: module {module_name!r} is not in this node's {setting} ({listed}); only modules its "
-            f"operator lists there (its config file or BATCHBUS_{setting.upper()}) may run, nothing was imported"
-        )
+        raise BadRequest(not_allowed(what, module_name, allowed, setting))
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

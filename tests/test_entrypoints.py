@@ -151,6 +151,8 @@ def test_a_module_the_trainer_does_not_allow_runs_nothing(cluster, tmp_path):
         refused = _fails_alone(cluster, "tests.killpoint:raising_model")
         assert "not in this trainer's job_modules (tests.support.entrypoints)" in refused["error"], refused["error"]
         assert "BATCHBUS_JOB_MODULES" in refused["error"]
+        # what to list: a new user who lists the package's name alone learns it takes a trailing "."
+        assert "the operator lists 'tests.killpoint', or 'tests.' for every module" in refused["error"]
         piped = cluster.submit_spec(
             {
                 **JOB,

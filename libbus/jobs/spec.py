@@ -15,7 +15,16 @@ from libbus.jobs.state import JobState
 from libbus.order.epochs import DEFAULT_BLOCK_SIZE, Shuffle, check_skips
 from libbus.wire.schema import too_deep
 
-__all__ = ["JOB_STATES", "MAX_ATTEMPTS", "TERMINAL_STATES", "SETTABLE", "JobSpec", "SpikeSpec", "dataset_name"]
+__all__ = [
+    "BUILTIN_PARAMS",
+    "JOB_STATES",
+    "MAX_ATTEMPTS",
+    "TERMINAL_STATES",
+    "SETTABLE",
+    "JobSpec",
+    "SpikeSpec",
+    "dataset_name",
+]
 
 JOB_STATES = tuple(s.value for s in JobState)
 TERMINAL_STATES = tuple(s.value for s in JobState if s.terminal)
@@ -24,6 +33,9 @@ GATHER_POLICIES = ("wait", "fail")
 TASKS = ("train", "evaluate")
 #: Hyper-parameters ``busctl job set`` may change while a job runs.
 SETTABLE = ("lr", "weight_decay", "momentum")
+#: The fields a built-in job's loop reads as its ``job.params`` (services/trainer/builtin.py); an
+#: entrypoint job has ``params`` of its own instead, and these mean nothing to it but ``model_from``.
+BUILTIN_PARAMS = ("model", "model_kwargs", "optimizer", *SETTABLE, "epochs", "seed", "model_from")
 #: The most trainers one job may gather.
 MAX_WORLD_SIZE = 256
 #: The most attempts a job may lose (each may have cost a trainer): past this it is poisoned.
@@ -209,8 +221,7 @@ class JobSpec:
     def builtin_params(self) -> dict:
         """What the built-in loop (services/trainer/builtin.py) reads as ``job.params``: a built-in
         job is that entrypoint with its typed fields as parameters (``set`` changes :data:`SETTABLE`)."""
-        keys = ("model", "model_kwargs", "optimizer", *SETTABLE, "epochs", "seed", "model_from")
-        return {k: getattr(self, k) for k in keys}
+        return {k: getattr(self, k) for k in BUILTIN_PARAMS}
 
     def settable(self) -> dict:
         """What ``busctl job set`` may change now, with its values: an entrypoint's ``params``, or a

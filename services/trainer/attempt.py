@@ -56,7 +56,7 @@ from libbus.wire.messages import (
     Task,
 )
 from services.sdnotify import Notifier
-from services.usercode import module_allowed
+from services.usercode import module_allowed, not_allowed
 
 from .channel import Channel, ChannelClosed
 from .control import LOST
@@ -255,12 +255,7 @@ class AttemptRun:
         spec, s = self.spec, self.settings
         module = spec.entrypoint.partition(":")[0]
         if spec.entrypoint and not module_allowed(module, s.job_modules):
-            listed = ", ".join(sorted(s.job_modules)) or "none"
-            error = (
-                f"entrypoint {spec.entrypoint!r}: module {module!r} is not in this trainer's job_modules ({listed}); "
-                "only modules its operator lists there (its config file or BATCHBUS_JOB_MODULES) may run, "
-                "nothing was imported"
-            )
+            error = not_allowed(f"entrypoint {spec.entrypoint!r}", module, s.job_modules, "job_modules", "trainer")
             log.error("job %s refused: %s", self.task.job, error)
             return JobState.FAILED, {"retryable": False}, error
         try:

@@ -548,13 +548,16 @@ class AttemptJob(Job):
             done(
                 {
                     "error": "an entrypoint job's model is scored by the evaluator it names: submit it with "
-                    "evaluator = 'package.module:function' (one its provider's operator lists in evaluator_modules)"
+                    "evaluator = 'package.module:function' (one its provider's operator lists in evaluator_modules)",
+                    "step": self.step_count,
                 }
             )
             return
         weights = self._weights()
         if weights is None:
-            done({"error": "the job's state (job.on_checkpoint) has no 'model' entry to score"})
+            done(
+                {"error": "the job's state (job.on_checkpoint) has no 'model' entry to score", "step": self.step_count}
+            )
             return
         self.evaluations.start(
             weights,
