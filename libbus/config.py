@@ -169,6 +169,12 @@ class Settings:
     #: providers may share one) and the most bytes it holds, least recently used evicted. Empty: none.
     cache_dir: str = ""
     cache_limit: int = 0
+    #: Provider: threads per dataset that fill same-host ring slots of local data (0: one per core), where
+    #: the machine has four cores or more (on fewer, those fills stay on the serving loop: cheaper there).
+    fill_threads: int = 0
+    #: Provider: batches of one remote dataset (``http(s)://``, an object store) read at once, off the
+    #: serving loop on the dataset's own threads, so a slow store delays no other dataset.
+    remote_reads: int = C.REMOTE_READS
     #: Provider: the decoded-sample cache pipelines share (samples as they leave their stages before the
     #: first random one; docs/datasets.md §7.7): the most bytes it keeps in RAM, least recently used out,
     #: and of its disk tier under ``<state_dir>/decode-cache/<name>``. 0: off (the default: it pays when
@@ -387,6 +393,11 @@ def load_settings(
             f"got {settings.flows}"
         )
     _check_cache(settings, sources)
+    if settings.fill_threads < 0 or settings.remote_reads < 1:
+        raise ConfigError(
+            f"fill_threads ({sources['fill_threads']}) must be 0 (one per core) or more, and remote_reads "
+            f"({sources['remote_reads']}) at least 1; got {settings.fill_threads} and {settings.remote_reads}"
+        )
     for name in ("decode_cache_bytes", "decode_cache_disk_bytes"):
         if getattr(settings, name) < 0:
             raise ConfigError(

@@ -72,14 +72,20 @@ def test_token_shards_by_range_read_as_file_does(tmp_path, server):
     remote.read("train", np.arange(0, 6))  # 96 tokens inside shard 00: one run, one request
     assert server.gets()[before:] == [("/tok/shard-00.bin", "bytes=0-191")]
     before = len(server.gets())
-    remote.read("train", np.array([0, 1, 4, 2]))  # runs 0-2 and 4
+    x = remote.read("train", np.array([0, 1, 4, 2]))[0]  # runs 0-2 and 4, 32 bytes apart: coalesced
+    assert server.gets()[before:] == [("/tok/shard-00.bin", "bytes=0-159")]
+    assert np.array_equal(x, local.read("train", np.array([0, 1, 4, 2]))[0])
+    apart = open_source(uri + "&coalesce=0")  # no gap is small enough: one request per run
+    before = len(server.gets())
+    assert np.array_equal(apart.read("train", np.array([0, 1, 4, 2]))[0], x)
     assert sorted(server.gets()[before:]) == [
         ("/tok/shard-00.bin", "bytes=0-95"),
         ("/tok/shard-00.bin", "bytes=128-159"),
     ]
+    apart.close()
     # sizes learned once, at open: no HEAD after it; requests reuse their thread's keep-alive connection
     heads = [r for r in server.requests if r[0] == "HEAD"]
-    assert len(heads) == 4
+    assert len(heads) == 8  # 4 shards, each opened twice (remote, apart)
     connections, before = server.connections, len(server.requests)
     for i in range(20):
         remote.read("train", np.array([i % 6]))  # one run in shard 00: read on the calling thread
@@ -98,7 +104,7 @@ def test_a_range_in_a_folder_name_keeps_every_file(tmp_path, server):
 
 def test_runs_are_fetched_concurrently_within_the_bound(tmp_path, server):
     write_shards(tmp_path / "tok", np.random.default_rng(2), sizes=(2000,))
-    src = open_source(f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&concurrency=3&{FAST}")
+    src = open_source(f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&concurrency=3&coalesce=0&{FAST}")
     server.delay_s = 0.3
     idx = np.arange(0, 160, 10)  # 16 separate runs
     x, _ = src.read("train", idx)
@@ -332,8 +338,8 @@ def test_https_with_a_ca_file_and_an_untrusted_certificate(tmp_path):
 def test_a_closed_http_source_leaves_no_request_thread_behind(tmp_path, server):
     """A dataset behind HTTP releases its range client (the threads that fetch a batch's runs) when closed."""
     write_shards(tmp_path / "tok", np.random.default_rng(11))
-    source = open_source(f"{server.url}/tok/shard-{{00..03}}.bin?seq_len=9&token_bytes=2&{FAST}")
-    source.read("train", np.array([0, 2, 4, 6]))  # four runs: fetched on the client's threads
+    source = open_source(f"{server.url}/tok/shard-{{00..03}}.bin?seq_len=9&token_bytes=2&coalesce=0&{FAST}")
+    source.read("train", np.array([0, 2, 4, 6]))  # four runs (not coalesced): fetched on the client's threads
     busy = [t for t in threading.enumerate() if t.name.startswith("http-range")]
     assert busy, "no request thread ran: this test no longer tests their release"
     source.close()

@@ -220,7 +220,7 @@ def test_an_object_rewritten_while_served_fails_its_batch(s3, tmp_path):
 
 def test_requests_in_flight_are_bounded_per_dataset_and_per_host(s3, tmp_path, monkeypatch):
     ref = _tokens(s3, tmp_path, "hosts", n_seq=64, seq=16, shards=1)
-    src = open_source(f"s3://data/hosts/?seq_len=15&token_bytes=2&val_fraction=0&concurrency=8&{FAST}")
+    src = open_source(f"s3://data/hosts/?seq_len=15&token_bytes=2&val_fraction=0&concurrency=8&coalesce=0&{FAST}")
     idx = np.arange(0, 64, 4)  # 16 runs: 16 requests
     s3.delay_s, s3.max_inflight = 0.1, 0
     try:
@@ -228,7 +228,7 @@ def test_requests_in_flight_are_bounded_per_dataset_and_per_host(s3, tmp_path, m
         assert s3.max_inflight == 8  # the dataset's concurrency
         # two datasets on one host (named anew, so that its limit is theirs): 3 requests at once in all
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3.url.replace("127.0.0.1", "localhost"))
-        query = f"seq_len=15&token_bytes=2&val_fraction=0&concurrency=8&host_concurrency=3&{FAST}"
+        query = f"seq_len=15&token_bytes=2&val_fraction=0&concurrency=8&host_concurrency=3&coalesce=0&{FAST}"
         pair = [open_source(f"s3://data/hosts/?{query}") for _ in range(2)]
         s3.max_inflight = 0
         threads = [threading.Thread(target=p.read, args=("train", idx)) for p in pair]

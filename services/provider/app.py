@@ -105,6 +105,8 @@ class ProviderService:
             evaluator_modules=frozenset(settings.evaluator_modules),
             eval_timeout_s=settings.eval_timeout_s,
             release=Release(settings.eval_epsilon),
+            fill_threads=settings.fill_threads,
+            remote_reads=settings.remote_reads,
             report=self._report,
         )
         for name in datasets:

@@ -1,16 +1,28 @@
-"""Where the provider reads a batch: on the serving loop's thread, on its fill thread, or on its
-overlap threads. The source's :class:`~.sources.base.ReadPolicy` and the destination pick one
-(:meth:`Fillers.for_batch`); each is a :class:`Filler`.
+"""Where the provider reads a batch: on the serving loop's thread, or on threads of the batch's own
+dataset. The source's :class:`~.sources.base.ReadPolicy`, whether its bytes are remote, and the
+destination pick one (:meth:`Fillers.for_batch`); each is a :class:`Filler`.
 
-A ring slot filled on the serving loop's thread holds up every other request for the gather's
-time: about two thirds of the provider's CPU per 3 MB batch. With a core to spare, a fill thread
-does the gather (numpy copies without the GIL) while the loop receives, checks and answers the next
-request; the handler returns a :class:`~concurrent.futures.Future` that the server answers when it
-completes (:mod:`libbus.serve.server`, woken by :mod:`libbus.serve.wakeup`).
+**Each dataset has its own lanes.** Threads are never shared between datasets, so a slow store (a
+remote dataset whose every GET takes 100 ms, or one that is failing and retrying) delays only its own
+batches: another dataset's requests, and ``Hello``, ``Resolve`` and ``DatasetInfo``, are answered by
+the loop meanwhile. Within a lane, batches are read in the order they arrived.
 
-A source whose reads mostly wait on threads of its own (a pipeline: its stages) is read off the
-loop on several threads, whatever the cores: while one batch's last chunk goes through the last
-stages, the next batch's chunks are already in the first ones, and the loop answers meanwhile.
+- **remote** (a source whose bytes come over the network: ``http(s)://``, an object store): always off
+  the loop, :data:`REMOTE_READS` batches of the dataset at once (one at a time where its reads share
+  state), so the GETs of every batch in flight overlap instead of one batch's after another's, and
+  the loop never waits on the network.
+- **overlap** (:attr:`ReadPolicy.OVERLAP`: a pipeline, whose reads mostly wait on its stages'
+  threads): off the loop, :data:`OVERLAP_READS` batches at once: while one batch's last chunk goes
+  through the last stages, the next batch's chunks are already in the first ones.
+- **fill** (local data into a ring slot, :attr:`ReadPolicy.CONCURRENT`): ``fill_threads`` threads of
+  the dataset's (default: one per core where the machine has four or more), so a node with 8 GPUs is
+  fed by one provider: numpy gathers and ``preadv`` release the GIL. The handler returns a
+  :class:`~concurrent.futures.Future` that the server answers when it completes
+  (:mod:`libbus.serve.server`, woken by :mod:`libbus.serve.wakeup`).
+- **loop**: everything else, on the serving loop's own thread. On fewer than four cores a local gather
+  stays here: the loop, a fill thread and a same-host trainer would contend for the same two cores,
+  and the hand-off (a futex wake-up, a GIL switch, the loop's wake-up per reply) costs more than the
+  overlap gives (docs/performance.md, "What bounds the shm row").
 """
 
 from __future__ import annotations
@@ -20,22 +32,24 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from libbus.constants import REMOTE_READS
 from shm import Ring
 
-from .sources.base import ReadPolicy
+from .sources.base import ReadPolicy, Source
 from .sources.formats.dataset import usable_cores
 
-__all__ = ["FILL_THREAD", "OVERLAP_READS", "Filler", "Fillers", "RingUse"]
+__all__ = ["FILL_THREAD", "OVERLAP_READS", "REMOTE_READS", "Filler", "Fillers", "RingUse"]
 
-#: Fill ring slots on a thread of their own by default only with four cores or more. On two, the
-#: serving loop, the fill thread and a same-host trainer contend for the same two cores, and the
-#: hand-off (a futex wake-up, a GIL switch, the loop's wake-up per reply) costs more than the
-#: overlap gives (docs/performance.md, "What bounds the shm row").
+#: Fill ring slots on threads of their own by default only with four cores or more (see the module doc).
 FILL_THREAD = usable_cores() >= 4
 
-#: Batches of a source with :attr:`ReadPolicy.OVERLAP` (a pipeline) read at once: the next batch's chunks
-#: enter its first stages while the last stages finish the one before.
+#: Batches of a source with :attr:`ReadPolicy.OVERLAP` (a pipeline) read at once.
 OVERLAP_READS = 2
+
+# REMOTE_READS (the ``remote_reads`` setting's default): batches of one remote dataset read at once.
+# Each batch's own requests run concurrently too, within the dataset's and the host's caps
+# (:mod:`.sources.formats.httprange`, :mod:`.sources.formats.objects`), so it only needs to cover the
+# batches a few loaders keep in flight.
 
 
 class RingUse:
@@ -106,28 +120,61 @@ class Filler:
 
 
 class Fillers:
-    """The provider's three fillers, over one :class:`RingUse`: the loop's thread, the fill thread
-    (``fill_thread``; default :data:`FILL_THREAD`) and the overlap threads."""
+    """The provider's fillers, over one :class:`RingUse`: the loop's thread, and each dataset's lanes
+    (see the module doc), started on the dataset's first batch of that lane.
 
-    def __init__(self, fill_thread: bool | None = None):
+    ``fill_thread``: whether local ring fills leave the loop (default :data:`FILL_THREAD`);
+    ``fill_threads``: their threads per dataset (0: one per core); ``remote_reads``: batches of one
+    remote dataset read at once."""
+
+    def __init__(self, fill_thread: bool | None = None, fill_threads: int = 0, remote_reads: int = REMOTE_READS):
         #: Rings are unmapped through this, once no fill writes into them.
         self.rings = RingUse()
         self.loop = Filler(self.rings, False, name="loop")
-        self.fill = Filler(self.rings, fill_thread)
-        self.overlap = Filler(self.rings, True, OVERLAP_READS, "overlap")
+        self.fill_thread = FILL_THREAD if fill_thread is None else fill_thread
+        self.fill_threads = fill_threads or usable_cores()
+        self.remote_reads = max(1, remote_reads)
+        self._lanes: dict[tuple[str, str], Filler] = {}
+        self._lock = threading.Lock()
+        self._closed = False
 
-    def for_batch(self, policy: ReadPolicy, ring: Ring | None) -> Filler:
-        """Where a batch of a source with ``policy`` is read, into ``ring``'s slot or (``None``) the
-        reply's frames: a source that may be read from one thread only, on the loop; one whose reads
-        may run side by side fills ring slots on the fill thread (the socket's batches stay on the
-        loop); one whose reads wait on threads of its own, on the overlap threads, always."""
+    def lane(self, source: Source, ring: Ring | None) -> tuple[str, int] | None:
+        """The lane a batch of ``source`` into ``ring`` (``None``: the reply's frames) is read on, as
+        ``(name, threads)``, or ``None`` for the loop's thread (see the module doc)."""
+        policy = source.read_policy
+        if source.remote:
+            return "remote", self.remote_reads if policy is not ReadPolicy.LOOP else 1
         if policy is ReadPolicy.OVERLAP:
-            return self.overlap
-        if policy is ReadPolicy.CONCURRENT and ring is not None:
-            return self.fill
-        return self.loop
+            return "overlap", OVERLAP_READS
+        if policy is ReadPolicy.CONCURRENT and ring is not None and self.fill_thread:
+            return "fill", self.fill_threads
+        return None
+
+    def for_batch(self, dataset: str, source: Source, ring: Ring | None) -> Filler:
+        """The filler a batch of ``dataset`` (served by ``source``) into ``ring`` is read on."""
+        lane = self.lane(source, ring)
+        if lane is None:
+            return self.loop
+        name, threads = lane
+        with self._lock:
+            filler = self._lanes.get((dataset, name))
+            if filler is None:
+                filler = Filler(self.rings, not self._closed, threads, f"{name}-{dataset}"[:15])
+                self._lanes[(dataset, name)] = filler
+            return filler
+
+    def lanes(self) -> dict[str, dict[str, int]]:
+        """``{dataset: {lane: threads}}`` of the lanes started so far (the provider's stats)."""
+        out: dict[str, dict[str, int]] = {}
+        with self._lock:
+            for (dataset, name), filler in self._lanes.items():
+                out.setdefault(dataset, {})[name] = filler.threads
+        return out
 
     def close(self) -> None:
-        """Stop the threads after the reads under way (the fills under way finish first)."""
-        self.overlap.close()
-        self.fill.close()
+        """Stop every lane's threads after the reads under way (the fills under way finish first)."""
+        with self._lock:
+            self._closed = True
+            lanes = list(self._lanes.values())
+        for filler in lanes:
+            filler.close()

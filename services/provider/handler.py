@@ -52,7 +52,7 @@ from shm import Ring, RingLayout
 
 from .destination import BatchCounters, Destination, Frames, Slot, check_batch_size, write_batch
 from .evalgate import Bound, EvalGate, check_model_spec
-from .fillers import Fillers
+from .fillers import REMOTE_READS, Fillers
 from .release import EXACT, Release
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.objstore import object_store_stats
@@ -122,6 +122,8 @@ class ProviderHandler(Handler):
         assigned_only: bool = True,
         evalgate: EvalGate | None = None,
         fill_thread: bool | None = None,
+        fill_threads: int = 0,
+        remote_reads: int = REMOTE_READS,
         readable_test: frozenset[str] = frozenset(),
         evaluator_modules: frozenset[str] = frozenset(),
         eval_timeout_s: float = EVAL_TIMEOUT_S,
@@ -175,9 +177,9 @@ class ProviderHandler(Handler):
         #: alike, under the evaluation counters' lock (stats() reads them under it).
         self.counters = BatchCounters(datasets, self.evalgate.lock)
         self.served, self.refused, self.latency = self.counters.served, self.counters.refused, self.counters.latency
-        #: Where batches are read (the loop, the fill thread, the overlap threads: :mod:`.fillers`),
-        #: and through which rings are unmapped once no fill writes into them.
-        self.fillers = Fillers(fill_thread)
+        #: Where batches are read (the loop, or each dataset's own lanes: :mod:`.fillers`), and
+        #: through which rings are unmapped once no fill writes into them.
+        self.fillers = Fillers(fill_thread, fill_threads, remote_reads)
 
     def close(self) -> None:
         self._closing.set()
@@ -383,7 +385,7 @@ class ProviderHandler(Handler):
             dest = Frames(msg, self.counters)
         else:
             dest = Slot.begin(msg, self.counters, self.rings.get(session.sid))
-        filler = self.fillers.for_batch(source.read_policy, dest.ring)
+        filler = self.fillers.for_batch(msg.dataset, source, dest.ring)
         return filler.run(write_batch, source, msg, indices, dest, fields, started, ring=dest.ring)
 
     @serves(LocateSamples, *BATCH_READERS)

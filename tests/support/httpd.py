@@ -49,6 +49,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:  # in flight until its delay ends, before any byte of the answer goes (see s3server._forward)
             if owner.delay_s:
                 time.sleep(owner.delay_s)
+            if rng is not None and not owner.held.wait(HOLD_LIMIT_S):
+                return  # never released: hang up (a test that forgot to release ends anyway)
         finally:
             with self.server.lock:
                 owner.inflight -= 1
@@ -106,6 +108,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
 
+#: The longest a held GET waits for :meth:`RangeServer.release` before the server hangs up on it.
+HOLD_LIMIT_S = 60.0
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     owner: RangeServer
@@ -118,7 +124,8 @@ class RangeServer:
 
     Faults, settable while it runs: ``drops`` (hang up on the next N range requests),
     ``short_body``, ``no_head`` (HEAD answers 405), ``no_ranges`` (GET ignores Range), ``delay_s``,
-    ``redirects`` (path prefix → replacement, answered with 302).
+    ``redirects`` (path prefix → replacement, answered with 302), and ``held``: range GETs wait until it
+    is set (:meth:`hold`, :meth:`release`; a store whose answer is outstanding for as long as a test needs).
     """
 
     def __init__(self, root: Path, tls: tuple[Path, Path] | None = None):
@@ -127,6 +134,8 @@ class RangeServer:
         self.connections = self.inflight = self.max_inflight = 0
         self.drops, self.short_body, self.no_head, self.no_ranges, self.delay_s = 0, False, False, False, 0.0
         self.redirects: dict[str, str] = {}  # path prefix → where to send it (302)
+        self.held = threading.Event()
+        self.held.set()
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner, self._server.lock = self, threading.Lock()
         if tls is not None:  # (certificate, key): serve https
@@ -137,11 +146,19 @@ class RangeServer:
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
 
+    def hold(self) -> None:
+        """Range GETs from now on wait (in flight, no byte answered) until :meth:`release`."""
+        self.held.clear()
+
+    def release(self) -> None:
+        self.held.set()
+
     def gets(self) -> list[tuple[str, str | None]]:
         """(path, Range) of each GET with a Range header so far."""
         return [(p, r) for m, p, r in self.requests if m == "GET" and r is not None]
 
     def close(self) -> None:
+        self.held.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(10)

@@ -78,6 +78,9 @@ class Source(ABC):
     kind: str = "image"
     #: Where the provider may read this source's batches.
     read_policy: ReadPolicy = ReadPolicy.LOOP
+    #: Whether its reads wait on the network (``http(s)://``, an object store): read off the serving
+    #: loop, on the dataset's own threads, several batches at once (:mod:`services.provider.fillers`).
+    remote: bool = False
 
     @abstractmethod
     def num_samples(self, split: str) -> int:

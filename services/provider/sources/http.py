@@ -178,6 +178,7 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
         ("retries", "retries", int),
         ("backoff", "backoff_s", float),
         ("concurrency", "concurrency", int),
+        ("coalesce", "coalesce_bytes", int),
     ):
         if key not in params:
             continue
@@ -197,7 +198,10 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
     ca_file = params.pop("ca", None)
     if ca_file is not None and not Path(ca_file).is_file():
         raise DatasetError(f"{uri}: ca {ca_file!r} is not a file (a PEM bundle of CA certificates)")
-    numbers = {f: out.get(f, getattr(defaults, f)) for f in ("timeout_s", "retries", "backoff_s", "concurrency")}
+    numbers = {
+        f: out.get(f, getattr(defaults, f))
+        for f in ("timeout_s", "retries", "backoff_s", "concurrency", "coalesce_bytes")
+    }
     return HttpSettings(**numbers, ca_file=ca_file, origins=origins)
 
 

@@ -128,6 +128,7 @@ def _settings(req: OpenRequest) -> tuple[ObjectSettings, float]:
         backoff_s=_number(req, "backoff", float, d.backoff_s, 0),
         deadline_s=_number(req, "deadline", float, d.deadline_s, 0.001),
         block_bytes=_number(req, "block", int, d.block_bytes, 4096),
+        coalesce_bytes=_number(req, "coalesce", int, d.coalesce_bytes, 0),
     )
     return s, _number(req, "timeout", float, 5.0, 0.001)
 

@@ -220,6 +220,7 @@ class ParquetSource(Source):
         #: Where the files are (:class:`~.formats.location.Location`): each batch's reads run under its
         #: ``batch()`` (an object store's deadline); ``None``: local files.
         self.location = location
+        self.remote = location is not None and location.kind != "file"
         self._lock, self._read_lock = threading.Lock(), threading.Lock()
         self._cache: OrderedDict[tuple[int, int], ArrowTable] = OrderedDict()
         self.cache_bytes = int(cache_mb * (1 << 20))

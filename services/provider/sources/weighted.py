@@ -175,6 +175,7 @@ class Mix(Source):
         self, uri: str, names: list[str], sources: list[Source], weights: list | None, labels: list[str] | None = None
     ):
         self.uri, self.names, self.sources = uri, names, sources
+        self.remote = any(s.remote for s in sources)  # a batch waits on its slowest member's reads
         #: How a location names each member: the dataset it serves under, else ``source N`` (its place
         #: in the TOML, from 1): never the TOML's path or a member URI's (a provider's own paths).
         self.labels = labels or [f"source {i + 1}" for i in range(len(sources))]

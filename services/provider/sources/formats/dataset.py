@@ -25,7 +25,7 @@ from libbus.errors import DatasetError
 
 from ..base import ReadPolicy, Source, relative_name
 from .confine import Confinement
-from .reader import ByteSpace, Records, Segment
+from .reader import ByteSpace, Records, Segment, read_spaces
 
 __all__ = ["MEMORY_MODES", "Context", "FilePath", "FileSource", "Gatherer", "Layout", "Table", "usable_cores"]
 
@@ -109,10 +109,14 @@ class Table:
         return Records(ByteSpace([segment]), 0, nbytes, count, [(0, nbytes)]), [column]
 
     def read(self, rows: np.ndarray, xbytes: memoryview | None, ybytes: memoryview | None) -> None:
+        """Rows ``rows`` into ``xbytes`` and ``ybytes`` (flat; ``None``: not wanted), every part's reads
+        together (:func:`~.reader.read_spaces`: a remote ``x`` and ``y`` are fetched side by side)."""
+        reads = []
         for records, feeds in self.parts:
             dests = [xbytes if c == "x" else ybytes if c == "y" else None for c in feeds]
             if any(d is not None for d in dests):
-                records.gather(rows, dests)
+                reads.append((records.space, records.runs(rows, dests)))
+        read_spaces(reads)
 
 
 @dataclass
@@ -218,6 +222,7 @@ class FileSource(Source):
         self.uri, self.root, self.layout = uri, root, layout
         #: Where the files are (each batch's reads run under its :meth:`~.location.Location.batch`).
         self.location = ctx.location
+        self.remote = self.location is not None and self.location.kind != "file"
         self.sample_shape = layout.sample_shape
         self.dtype = layout.x_dtype.newbyteorder("=")
         y = layout.y_dtype

@@ -29,6 +29,8 @@ from urllib.parse import urljoin, urlsplit
 
 from libbus.errors import DatasetError
 
+from .reader import COALESCE_BYTES, coalesce
+
 __all__ = ["HttpError", "HttpSettings", "RangeClient", "RemoteFile", "origin_of"]
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class HttpSettings:
     retries: int = 3  # further tries after the first
     backoff_s: float = 0.2  # before retry k: backoff_s * 2**k
     concurrency: int = 8  # requests in flight at most
+    coalesce_bytes: int = COALESCE_BYTES  # runs of a file at most this far apart: one request
     ca_file: str | None = None  # PEM bundle of the CAs to trust for https (default: the system's)
     #: Origins (``scheme://host:port``) requests may go to, redirects and manifest entries included;
     #: empty: any (the source sets the dataset's own origin plus the operator's ``allow_origins``).
@@ -269,8 +272,10 @@ class RangeClient:
             raise HttpError(f"{where}: body longer than the {nbytes} bytes asked for", retryable=False)
 
     def read_runs(self, runs: list[tuple[RemoteFile, int, list[memoryview]]]) -> None:
-        """Each run, one request each, ``concurrency`` at a time. Waits for every request before
-        returning or raising, so no request writes into a buffer after the batch has failed."""
+        """Each run, one request each (runs of a file at most ``coalesce_bytes`` apart as one), side by
+        side. Waits for every request before returning or raising, so no request writes into a buffer
+        after the batch has failed."""
+        runs = coalesce(runs, self.settings.coalesce_bytes)
         if len(runs) == 1:
             f, offset, buffers = runs[0]
             self.read_into(f.url, offset, buffers)

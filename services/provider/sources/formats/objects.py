@@ -43,6 +43,7 @@ from typing import Protocol
 from libbus.errors import DatasetError
 
 from .blockcache import BlockCache
+from .reader import COALESCE_BYTES, coalesce
 
 __all__ = ["ObjectBackend", "ObjectClient", "ObjectError", "ObjectMeta", "ObjectPath", "ObjectSettings", "ObjectTree"]
 
@@ -102,6 +103,7 @@ class ObjectSettings:
     deadline_s: float = 8.0  # a batch's reads, retries included, finish within this or fail (under the
     # trainer's 10 s request timeout, so the trainer hears UNAVAILABLE rather than a timeout)
     block_bytes: int = 4 << 20  # the cache's unit (without a cache: unused)
+    coalesce_bytes: int = COALESCE_BYTES  # without a cache: runs of an object at most this far apart, one request
 
 
 _HOSTS: dict[str, threading.BoundedSemaphore] = {}
@@ -212,7 +214,8 @@ class ObjectClient:
         deadline = self._deadline()
         tasks: list[Callable[[], None]]
         if self.cache is None:
-            tasks = [partial(self._read_run, f, o, b, deadline) for f, o, b in runs]
+            pieces = coalesce(runs, self.settings.coalesce_bytes)
+            tasks = [partial(self._read_run, f, o, b, deadline) for f, o, b in pieces]
         else:
             blocks = _by_block(runs, self.settings.block_bytes)
             tasks = [partial(self._serve_block, self.cache, k[0], k[1], p, deadline) for k, p in blocks.items()]

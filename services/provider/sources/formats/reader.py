@@ -25,10 +25,25 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-__all__ = ["ByteSpace", "Records", "Remote", "RemoteClient", "Segment", "read_at"]
+__all__ = [
+    "COALESCE_BYTES",
+    "ByteSpace",
+    "Records",
+    "Remote",
+    "RemoteClient",
+    "Segment",
+    "coalesce",
+    "read_at",
+    "read_spaces",
+]
 
 #: Most buffers one ``preadv`` call takes (Linux: 1024).
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+
+#: Runs of one remote file at most this many bytes apart are fetched as one request, the bytes between
+#: them read into scratch and dropped: a store's first byte costs a round trip (10-100 ms), in which a
+#: link moves far more than this, and a request saved is a slot of the dataset's concurrency freed.
+COALESCE_BYTES = 64 << 10
 
 
 class RemoteClient(Protocol):
@@ -91,9 +106,11 @@ class ByteSpace:
         self.read_runs([(offset, buffers)])
 
     def read_runs(self, runs: list[tuple[int, list[memoryview]]]) -> None:
-        """:meth:`readv` for each ``(offset, buffers)`` run. Local files are read in turn; the
-        pieces of remote files are handed to their remote together, to be fetched concurrently."""
-        remote: dict[int, list] = {}
+        """:meth:`readv` for each ``(offset, buffers)`` run (:func:`read_spaces` of this space alone)."""
+        read_spaces([(self, runs)])
+
+    def remote_pieces(self, runs: list[tuple[int, list[memoryview]]], remote: dict[int, list]) -> None:
+        """Read the runs' pieces in local files now; add those of remote files to ``remote`` (by client)."""
         for offset, buffers in runs:
             for i, at, piece in self._pieces(offset, buffers):
                 seg = self.segments[i]
@@ -103,8 +120,6 @@ class ByteSpace:
                     remote.setdefault(id(seg.remote.client), []).append(
                         (seg.remote, seg.offset + at - self.starts[i], piece)
                     )
-        for pieces in remote.values():
-            pieces[0][0].client.read_runs(pieces)
 
     def _pieces(self, offset: int, buffers: list[memoryview]):
         """``(segment number, offset in the space, buffers)`` per stretch of one segment (local
@@ -134,6 +149,43 @@ class ByteSpace:
                     batch, batch_at = [], pos
         if batch:
             yield i, batch_at, batch
+
+
+def read_spaces(reads: list[tuple[ByteSpace, list[tuple[int, list[memoryview]]]]]) -> None:
+    """Each ``(space, runs)``'s runs, as :meth:`ByteSpace.readv` reads one: local files in turn, and the
+    pieces of remote files of every space handed to their client together, so that one batch's ``x``
+    and ``y`` files (or all of a record's field files) are fetched side by side, not one after the other."""
+    remote: dict[int, list] = {}
+    for space, runs in reads:
+        space.remote_pieces(runs, remote)
+    for pieces in remote.values():
+        pieces[0][0].client.read_runs(pieces)
+
+
+def coalesce(pieces: list[tuple[Any, int, list[memoryview]]], gap: int = COALESCE_BYTES) -> list:
+    """``(remote file, offset, buffers)`` pieces, those of one file at most ``gap`` bytes apart merged
+    into one piece (the bytes between them land in a scratch buffer), by file (in the order they first
+    appear) and offset. Pieces
+    that overlap (a batch naming a sample twice) stay apart."""
+    out: list[tuple[Any, int, list[memoryview]]] = []
+    first: dict[int, int] = {}  # files in the order they first appear: the same request order every time
+    for p in pieces:
+        first.setdefault(id(p[0]), len(first))
+    ordered = sorted(pieces, key=lambda p: (first[id(p[0])], p[1]))
+    file, start, end, buffers = None, 0, 0, []
+    for f, offset, bufs in ordered:
+        if f is file and 0 <= offset - end <= gap:
+            if offset > end:
+                buffers.append(memoryview(bytearray(offset - end)))
+        else:
+            if file is not None:
+                out.append((file, start, buffers))
+            file, start, end, buffers = f, offset, offset, []
+        buffers.extend(bufs)
+        end = offset + sum(len(b) for b in bufs)
+    if file is not None:
+        out.append((file, start, buffers))
+    return out
 
 
 def _pread(seg: Segment, offset: int, buffers: list[memoryview]) -> None:
@@ -176,7 +228,13 @@ class Records:
         self.whole = len(fields) == 1 and fields[0] == (0, record)
 
     def gather(self, indices: np.ndarray, dests: list[memoryview | None]) -> None:
-        """Row ``r`` of field ``f`` in ``dests[f]`` (flat bytes) gets field ``f`` of record ``indices[r]``.
+        """Row ``r`` of field ``f`` in ``dests[f]`` (flat bytes) gets field ``f`` of record ``indices[r]``
+        (the reads of :meth:`runs`)."""
+        self.space.read_runs(self.runs(indices, dests))
+
+    def runs(self, indices: np.ndarray, dests: list[memoryview | None]) -> list[tuple[int, list[memoryview]]]:
+        """The ``(offset in the space, buffers)`` reads that put field ``f`` of record ``indices[r]`` in
+        row ``r`` of ``dests[f]`` (flat bytes).
 
         Indices are visited in file order; each run of consecutive records is one ``preadv`` (or
         one HTTP Range request) that scatters straight into the destination rows, wherever they are (argsort maps them back), so
@@ -184,7 +242,7 @@ class Records:
         """
         n = len(indices)
         if n == 0:
-            return
+            return []
         order = np.argsort(indices, kind="stable")
         ordered = indices[order]
         new_run = np.diff(ordered) != 1  # the next sample is not adjacent on disk
@@ -204,8 +262,7 @@ class Records:
                     buffers = []
                     runs.append((self.base + int(ordered[a]) * w, buffers))
                 buffers.append(dest[row * w : (row + b - a) * w])
-            self.space.read_runs(runs)
-            return
+            return runs
         rows_all = order.tolist()
         ends = run_ends.tolist()
         runs = []
@@ -216,4 +273,4 @@ class Records:
                     into = dests[f] if f is not None else None
                     buffers.append(self.scratch[:nbytes] if into is None else into[r * nbytes : (r + 1) * nbytes])
             runs.append((self.base + int(ordered[a]) * self.record, buffers))
-        self.space.read_runs(runs)
+        return runs

@@ -1,0 +1,129 @@
+"""A provider reads each dataset on lanes of its own (services/provider/fillers.py): a remote store
+whose answers are outstanding holds up no other dataset and no other request, the GETs of a batch's
+``x`` and ``y`` files go out side by side, and several batches of one remote dataset are read at once.
+
+The store here is the suite's range server with its answers *held* (no byte sent until the test
+releases them), so every check is an order of events, never a timing: what must be answered while
+the store is silent is answered while it is silent, and what must go out together is in flight at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from libbus.errors import Unavailable
+from libbus.wire.messages import BatchRequest, BatchResponse, DatasetInfo, DatasetInfoRequest
+from services.provider import fillers
+from tests.support.httpd import RangeServer
+
+#: A held GET must not time out on the provider's side while the test looks (the server hangs up after 60 s).
+SLOW = "retries=0&timeout=120&val_fraction=0"
+#: How long the test waits for the provider to have sent what it must send (a bound, not a measure).
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = RangeServer(tmp_path)
+    yield srv
+    srv.close()
+
+
+def arrays(d, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    d.mkdir()
+    rng = np.random.default_rng(seed)
+    x, y = rng.standard_normal((n, 3, 4, 4)).astype(np.float32), rng.integers(0, 10, n)
+    np.save(d / "train_x.npy", x)
+    np.save(d / "train_y.npy", y)
+    return x, y
+
+
+def in_flight(server: RangeServer, n: int) -> None:
+    """Wait until ``n`` range GETs are outstanding at the (held) store."""
+    deadline = time.monotonic() + WAIT_S
+    while server.inflight < n:
+        assert time.monotonic() < deadline, f"{server.inflight} GETs outstanding, never {n}: {server.gets()}"
+        time.sleep(0.01)
+
+
+def batch(reply, n: int) -> tuple[np.ndarray, np.ndarray]:
+    assert isinstance(reply, BatchResponse), reply
+    x = np.frombuffer(reply.frames[0].buffer, reply.dtypes[0]).reshape(reply.shapes[0])
+    y = np.frombuffer(reply.frames[1].buffer, reply.dtypes[1]).reshape(reply.shapes[1])
+    assert len(x) == len(y) == n
+    return x, y
+
+
+def test_a_silent_store_holds_up_no_other_dataset_and_its_batches_overlap(tmp_path, server, start_provider, client_for):
+    remote_x, remote_y = arrays(tmp_path / "remote", 64, 1)
+    local_x, local_y = arrays(tmp_path / "local", 32, 2)
+    provider = start_provider(
+        f"web={server.url}/remote/?{SLOW}", f"disk=file://{tmp_path / 'local'}?memory=ram&val_fraction=0"
+    )
+    slow, fast = client_for(provider.endpoint, timeout_s=WAIT_S), client_for(provider.endpoint, timeout_s=WAIT_S)
+    slow.hello(), fast.hello()
+
+    server.hold()
+    opened = len(server.gets())  # the headers read when the dataset opened
+    first, second = np.array([5, 1, 2], "<i8"), np.array([60, 40], "<i8")
+    asked = [slow.send(BatchRequest(dataset="web", split="train", frames=[first.tobytes()]))]
+    in_flight(server, 2)  # one batch: its x and its y requested together, neither answered yet
+    assert sorted(p for p, _ in server.gets()[opened:]) == ["/remote/train_x.npy", "/remote/train_y.npy"]
+    asked.append(slow.send(BatchRequest(dataset="web", split="train", frames=[second.tobytes()])))
+    in_flight(server, 4)  # the next batch of the same dataset is read beside it, not after it
+
+    # the store is silent; the provider answers everything else meanwhile
+    info = fast.request(DatasetInfoRequest(dataset="web"))
+    assert isinstance(info, DatasetInfo) and info.info["splits"]["train"]["num_samples"] == 64
+    idx = np.array([31, 0, 7], "<i8")
+    x, y = batch(fast.request(BatchRequest(dataset="disk", split="train", frames=[idx.tobytes()])), 3)
+    assert np.array_equal(x, local_x[idx]) and np.array_equal(y, local_y[idx])
+    assert slow.recv(0) is None, "a remote batch was answered while its store had answered nothing"
+
+    server.release()
+    for rid, idx in zip(asked, (first, second)):
+        x, y = batch(slow.wait_for(rid, WAIT_S), len(idx))
+        assert np.array_equal(x, remote_x[idx]) and np.array_equal(y, remote_y[idx])
+
+
+def test_a_batch_that_fails_at_the_store_fails_alone(tmp_path, server, start_provider, client_for):
+    """A GET that dies fails its own batch (UNAVAILABLE, naming the file); the next batch of the same
+    dataset, and the lane it is read on, are unharmed."""
+    remote_x, _ = arrays(tmp_path / "remote", 64, 3)
+    provider = start_provider(f"web={server.url}/remote/?{SLOW}")
+    client = client_for(provider.endpoint, timeout_s=WAIT_S)
+    server.drops = 1  # the next range GET is hung up on
+    with pytest.raises(Unavailable, match="remote/train_[xy].npy"):
+        client.request(BatchRequest(dataset="web", split="train", frames=[np.array([3], "<i8").tobytes()]))
+    x, _ = batch(client.request(BatchRequest(dataset="web", split="train", frames=[np.array([9], "<i8").tobytes()])), 1)
+    assert np.array_equal(x, remote_x[[9]])
+
+
+def test_each_dataset_reads_on_lanes_of_its_own(tmp_path, server):
+    """Which lane a batch is read on: remote datasets off the loop, on threads of their own dataset;
+    local data on the loop unless ring fills have threads."""
+    from services.provider.sources import open_source
+
+    arrays(tmp_path / "a", 8, 4)
+    arrays(tmp_path / "b", 8, 5)
+    a, b = open_source(f"{server.url}/a/?{SLOW}"), open_source(f"{server.url}/b/?{SLOW}")
+    local = open_source(f"file://{tmp_path / 'a'}?memory=ram&val_fraction=0")
+    lanes = fillers.Fillers(fill_thread=False, remote_reads=3)
+    try:
+        assert a.remote and b.remote and not local.remote
+        assert lanes.for_batch("a", a, None) is lanes.for_batch("a", a, None) is not lanes.for_batch("b", b, None)
+        assert lanes.for_batch("disk", local, None) is lanes.loop
+        assert lanes.lanes() == {"a": {"remote": 3}, "b": {"remote": 3}}
+        threaded = fillers.Fillers(fill_thread=True, fill_threads=2)
+        ring = object()  # a ring slot's destination: only whether there is one matters here
+        assert threaded.for_batch("disk", local, ring) is not threaded.loop  # type: ignore[arg-type]
+        assert threaded.for_batch("disk", local, None) is threaded.loop
+        assert threaded.lanes() == {"disk": {"fill": 2}}
+        threaded.close()
+    finally:
+        lanes.close()
+        for s in (a, b, local):
+            s.close()
