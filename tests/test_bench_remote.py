@@ -1,0 +1,56 @@
+"""The remote-data benchmark (:mod:`benchmarks.remote`) runs end to end in its quickest form: every row
+measured (samples checked by content inside it), the head-of-line part and its probes reported.
+Correctness only: timings are the benchmark's business, not this test's."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.busctl import REPO
+
+MOSAIC = importlib.util.find_spec("streaming") is not None
+
+
+def test_remote_bench_measures_every_row_and_writes_json(tmp_path):
+    out = tmp_path / "remote.json"
+    args = ["--quick", "--latency-ms", "0,10", "--shuffles", "block", "--seconds", "1", "--samples", "2048"]
+    args += ["--hol-latency-ms", "10", "--json", str(out)]
+    if not MOSAIC:
+        args.append("--no-mosaic")
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.remote", *args], cwd=REPO, capture_output=True, text=True, timeout=280
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {(r["path"], r.get("latency_ms")): r for r in result["rows"]}
+    want = {("file", None)} | {(path, ms) for path in ("http", "mosaic", "s3-mds") for ms in (0.0, 10.0)}
+    if not MOSAIC:
+        want = {(path, ms) for path, ms in want if path not in ("mosaic", "s3-mds")}
+    assert set(rows) == want
+    for key, row in rows.items():
+        assert "error" not in row, (key, row)
+        assert row["batches"] >= 1 and row["samples_per_s"] > 0 and row["mb_per_s"] > 0, (key, row)
+        assert row["p99_ms"] >= row["p50_ms"] >= 0, (key, row)
+        if key[0] != "mosaic":  # the same shuffle as a file row: its ratio to it
+            assert row["x_file"] > 0, (key, row)
+        if key[0] != "file":  # read from the store: it answered GETs (the file row asked it nothing)
+            assert row["gets_per_batch"] > 0, (key, row)
+    if MOSAIC:
+        assert rows[("s3-mds", 10.0)]["x_mosaic"] > 0
+    hol = result["head_of_line"]
+    for part in ("alone", "beside"):
+        assert hol[part]["samples_per_s"] > 0 and hol[part]["p99_ms"] > 0
+    assert "error" not in hol["slow_loader"] and hol["slow_loader"]["batches"] >= 1, hol["slow_loader"]
+    assert hol["probes"] >= 1 and hol["hello_busy_max_ms"] > 0 and hol["info_busy_max_ms"] > 0
+    assert "samples/s" in run.stdout and "head-of-line" in run.stdout
+
+
+@pytest.mark.parametrize("bad", [["--latency-ms", "10,x"], ["--shuffles", "none"], ["--samples", "100"]])
+def test_remote_bench_refuses_bad_options(bad):
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.remote", *bad], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 2 and "error:" in run.stderr
