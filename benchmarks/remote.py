@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -68,7 +69,8 @@ ROW_GRACE_S = 60.0
 PROBE_EVERY_S, PROBE_TIMEOUT_S = 0.25, 10.0
 
 #: The store process: a range server over ``argv[1]`` and, when ``argv[2]`` names an MDS folder, an
-#: S3 server holding it at ``s3://bench/mds/``; prints their addresses as one JSON line, then answers
+#: S3 server holding it at ``s3://bench/mds/``; with ``argv[3]``, an address the range server is
+#: reached at too (through a forwarder: it listens on 127.0.0.1 only); prints their addresses as one JSON line, then answers
 #: each line of stdin (``delay MS``: set both servers' delay; ``count``) with the GETs both have
 #: answered so far, until EOF.
 STORE = """
@@ -78,6 +80,35 @@ from tests.support.httpd import RangeServer
 http = RangeServer(Path(sys.argv[1]))
 s3 = None
 out = {"http": http.url}
+if len(sys.argv) > 3:  # in a namespace of its own: reachable at this address, forwarded to the server
+    import socket, threading
+    listener = socket.create_server((sys.argv[3], 0))
+    upstream = int(http.url.rsplit(":", 1)[1])
+
+    def pipe(a, b):
+        try:
+            while data := a.recv(1 << 20):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def accept():
+        while True:
+            client, _ = listener.accept()
+            server = socket.create_connection(("127.0.0.1", upstream))
+            for s in (client, server):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=pipe, args=(client, server), daemon=True).start()
+            threading.Thread(target=pipe, args=(server, client), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    out["http"] = f"http://{sys.argv[3]}:{listener.getsockname()[1]}"
 if sys.argv[2]:
     from tests.support.s3server import S3Server
     s3 = S3Server()
@@ -188,9 +219,10 @@ def drain(
 class Store:
     """The store process (:data:`STORE`); :meth:`delay` sets its latency. Ends with its stdin."""
 
-    def __init__(self, root: Path, mds: Path | None, prefix: list[str] | None = None):
+    def __init__(self, root: Path, mds: Path | None, prefix: tuple[str, ...] = (), address: str = ""):
+        """``prefix``: a command the store runs under (``ip netns exec NS``); ``address``: where it is reached."""
         self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-c", STORE, str(root), str(mds or "")],
+            [*prefix, sys.executable, "-c", STORE, str(root), str(mds or ""), *([address] if address else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -238,43 +270,52 @@ class Store:
             self.proc.wait()
 
 
-@contextlib.contextmanager
-def _environ(changes: dict[str, str]) -> Iterator[None]:
-    """``changes`` in this process's environment while the block runs (a provider started in it
-    inherits them: the S3 endpoint and key), then as they were."""
-    old = {k: os.environ.get(k) for k in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class Cluster:
-    """A router and one provider (``busctl start`` processes) serving ``datasets`` (name → URI);
-    a trainer token scoped to them."""
+    """A router and one provider (``busctl start`` processes, under ``prefix``: ``ip netns exec NS``)
+    serving ``datasets`` (name → URI), the provider with ``env`` in its environment; a trainer token
+    scoped to those datasets."""
 
-    def __init__(self, state: Path, datasets: dict[str, str], env: dict[str, str]):
+    def __init__(self, state: Path, datasets: dict[str, str], env: dict[str, str], prefix: tuple[str, ...] = ()):
         from libbus.security.auth import ensure_secret, issue_token  # noqa: PLC0415
-        from services.launch import ServiceProcs  # noqa: PLC0415
 
+        state.mkdir(parents=True, exist_ok=True)
+        self.state, self.prefix = state, prefix
         secret = ensure_secret(state / "secret")
         self.token = issue_token(
             secret, sub="bench", role="trainer", audience="batchbus", ttl_s=3600, datasets=list(datasets)
         )
-        self.procs = ServiceProcs(state)
+        self.procs: list[subprocess.Popen] = []
         try:
-            router = self.procs.start("router", "--bind", "tcp://127.0.0.1:0", "--log-level", "WARNING")
+            router = self._start("router", ["--bind", "tcp://127.0.0.1:0"], {})
             flags = [a for name, uri in datasets.items() for a in ("--dataset", f"{name}={uri}")]
-            with _environ(env):
-                self.endpoint = self.procs.start("provider", "--router", router, "--log-level", "WARNING", *flags)
+            self.endpoint = self._start("provider", ["--router", router, *flags], env)
         except BaseException:
-            self.procs.stop()
+            self.stop()
             raise
+
+    def _start(self, role: str, args: list[str], env: dict[str, str]) -> str:
+        from services.launch import READY_TIMEOUT_S  # noqa: PLC0415
+
+        ready = self.state / f"{role}.endpoint"
+        cmd = [*self.prefix, sys.executable, "-m", "cli", "start", role, "--state-dir", str(self.state)]
+        cmd += ["--log-level", "WARNING", "--ready-file", str(ready), *args]
+        with open(self.state / f"{role}.log", "ab") as log:
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                    env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                )
+            )
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.exists():
+            if self.procs[-1].poll() is not None or time.monotonic() > deadline:
+                log_tail = (self.state / f"{role}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the {role} did not start; its log ends:\n{log_tail}")
+            time.sleep(0.05)
+        return ready.read_text().strip()
 
     def loader(self, dataset: str, shuffle: str, batch: int, **kw: Any):
         from libbus.loader.remote import RemoteLoader  # noqa: PLC0415
@@ -291,7 +332,16 @@ class Cluster:
         )
 
     def stop(self) -> None:
-        self.procs.stop()
+        """SIGTERM each service (provider first), then wait; one that will not end is killed."""
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def loader_row(cluster: Cluster, dataset: str, shuffle: str, args: argparse.Namespace, fp: Fingerprints, **kw) -> dict:
@@ -518,6 +568,8 @@ def run(args: argparse.Namespace) -> dict:
         add_ratios(rows)
         if args.hol:
             result["head_of_line"] = head_of_line(cluster, store, args, fp)
+        if args.htb:
+            result["htb"] = htb_row(root, work, args)
         result["load_after"] = os.getloadavg()
     finally:
         if cluster is not None:
@@ -525,8 +577,6 @@ def run(args: argparse.Namespace) -> dict:
         if store is not None:
             store.close()
         shutil.rmtree(work, ignore_errors=True)
-    if args.htb:
-        result["htb"] = htb_row(args)
     return result
 
 
@@ -547,14 +597,137 @@ def add_ratios(rows: list[dict]) -> None:
 # -- a capped link (htb) ---------------------------------------------------------------------------------------
 
 
-def htb_row(args: argparse.Namespace) -> dict:
-    """Block shuffle from the store behind a veth capped by ``htb`` (see :class:`CappedStore`)."""
+#: The store's and the provider's ends of the capped veth.
+STORE_ADDR, PROVIDER_ADDR = "10.215.0.1", "10.215.0.2"
+
+
+def _sh(*cmd: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip() or done.stdout.strip()}")
+
+
+class CappedLink:
+    """Namespaces ``<tag>-s`` (the store) and ``<tag>-p`` (router, provider, loader) joined by a veth
+    whose store end sends at most ``mbit`` (one ``htb`` class for all its traffic: the cap is the
+    link's, not a flow's). Deleted by :meth:`close`, which the caller always calls."""
+
+    def __init__(self, mbit: int):
+        tag = f"bbr{os.getpid() % 100000}"
+        self.store, self.provider = f"{tag}-s", f"{tag}-p"
+        self.made: list[str] = []
+        try:
+            for ns in (self.store, self.provider):
+                _sh("ip", "netns", "add", ns)
+                self.made.append(ns)
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh(
+                "ip",
+                "link",
+                "add",
+                "vs",
+                "netns",
+                self.store,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "vp",
+                "netns",
+                self.provider,
+            )
+            for ns, dev, addr in ((self.store, "vs", STORE_ADDR), (self.provider, "vp", PROVIDER_ADDR)):
+                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("tc", "-n", self.store, "qdisc", "add", "dev", "vs", "root", "handle", "1:", "htb", "default", "10")
+            _sh("tc", "-n", self.store, "class", "add", "dev", "vs", "parent", "1:", "classid", "1:10", "htb",
+                "rate", f"{mbit}mbit", "ceil", f"{mbit}mbit", "quantum", "60000")  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    def sent_bytes(self) -> int:
+        """Bytes the capped class has sent so far (store → provider)."""
+        out = subprocess.run(
+            ["tc", "-n", self.store, "-s", "class", "show", "dev", "vs"], capture_output=True, text=True, timeout=30
+        ).stdout
+        found = re.search(r"class htb 1:10 .*\n Sent (\d+) bytes", out)
+        return int(found.group(1)) if found else 0
+
+    def exec(self, ns: str) -> tuple[str, ...]:
+        return ("ip", "netns", "exec", ns)
+
+    def close(self) -> None:
+        for ns in reversed(self.made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self.made.clear()
+
+
+def htb_child(cfg_json: str) -> None:
+    """In the provider's namespace: read ``http`` with block shuffle for ``seconds``; print one JSON line."""
+    from libbus.loader.remote import RemoteLoader  # noqa: PLC0415
+
+    cfg = json.loads(cfg_json)
+    root = Path(cfg["root"])
+    fp = Fingerprints(np.load(root / "train_x.npy"), np.load(root / "train_y.npy"))
+    with RemoteLoader(
+        "http",
+        provider=cfg["endpoint"],
+        token=cfg["token"],
+        batch_size=cfg["batch"],
+        shuffle="block",
+        seed=SEED,
+        drop_last=True,
+    ) as loader:
+        row = drain(loader, cfg["seconds"], "http behind htb", fp)
+    print(json.dumps(row), flush=True)
+
+
+def htb_row(root: Path, work: Path, args: argparse.Namespace) -> dict:
+    """Block shuffle from the store behind a veth capped by ``htb`` (:class:`CappedLink`) at
+    ``args.htb_latency_ms`` per request: payload MB/s as a fraction of the cap."""
     from benchmarks.flows import netns_unavailable  # noqa: PLC0415
 
     why = netns_unavailable()
     if why:
         return {"error": why}
-    return {"error": "not measured"}
+    out: dict[str, Any] = {"mbit": args.htb_mbit, "latency_ms": args.htb_latency_ms}
+    link = CappedLink(args.htb_mbit)
+    store = cluster = None
+    try:
+        store = Store(root.parent, None, link.exec(link.store), STORE_ADDR)
+        store.delay(args.htb_latency_ms)
+        datasets = {"http": f"{store.urls['http']}/{root.name}/?val_fraction=0"}
+        cluster = Cluster(work / "htb-state", datasets, {}, link.exec(link.provider))
+        cfg = {"root": str(root), "endpoint": cluster.endpoint, "token": cluster.token}
+        cfg.update(batch=args.batch, seconds=args.seconds)
+        code = "import sys; from benchmarks.remote import htb_child; htb_child(sys.argv[1])"
+        sent = link.sent_bytes()
+        t = time.perf_counter()
+        done = subprocess.run(
+            [*link.exec(link.provider), sys.executable, "-c", code, json.dumps(cfg)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=args.seconds + ROW_GRACE_S + 60,
+        )
+        elapsed = time.perf_counter() - t
+        if done.returncode != 0:
+            return {**out, "error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"[:300]}
+        out.update(json.loads(done.stdout.strip().splitlines()[-1]))
+        out["fraction_of_cap"] = out["mb_per_s"] / (args.htb_mbit / 8)
+        # what crossed the link over the child's whole life (its start-up too): headers and all
+        out["link_mb_per_s"] = (link.sent_bytes() - sent) / elapsed / 1e6
+        return out
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        return {**out, "error": f"{type(err).__name__}: {err}"[:300]}
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        if store is not None:
+            store.close()
+        link.close()
 
 
 # -- the command -------------------------------------------------------------------------------------------------
@@ -672,6 +845,11 @@ def print_result(result: dict) -> None:
             )
 
 
+def _ended(signum: int, frame: object) -> None:
+    """SIGTERM ends a run through its ``finally`` blocks: services, store and namespaces go with it."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -683,7 +861,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--samples must be at least 4 batches ({4 * args.batch})")
     if args.seconds <= 0 or args.workers < 0 or args.step_ms < 0:
         p.error("--seconds must be positive, --workers and --step-ms not negative")
-    result = run(args)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _ended) if main_thread else None
+    try:
+        result = run(args)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
     print_result(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
