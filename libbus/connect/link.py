@@ -3,7 +3,8 @@
 The thread owns the DEALER socket: it says ``Hello``, sends ``Heartbeat{stats}`` every interval,
 notices a silent router (``heartbeat_liveness`` intervals) and reconnects, and hands pushed messages
 (``Command``) to a callback. Other threads call :meth:`Link.request`, which is thread-safe: the
-request is queued, the I/O thread is woken through a pipe, and the caller waits on a future.
+request is queued, the I/O thread is woken through a pipe, and the caller waits on a future. A request
+that cannot be encoded (a header past the 1 MiB a peer accepts) fails with its error; the thread goes on.
 
 While the router is away, requests wait (up to their timeout) and are sent once it is back, so a
 trainer keeps training through a router restart.
@@ -159,7 +160,7 @@ class Link:
                 now = time.monotonic()
                 if self.connected.is_set() and now - last_beat >= self.heartbeat_s:
                     last_beat = now
-                    self._send(Heartbeat(id=0, stats=self._safe_stats()))
+                    self._beat()
                 if self.connected.is_set() and now - client.last_recv > self.heartbeat_s * self.liveness:
                     log.warning("router %s silent for %.1f s; reconnecting", client.endpoint, now - client.last_recv)
                     self._reconnect()
@@ -262,12 +263,23 @@ class Link:
             else:
                 log.warning("router refused Hello (%s); retrying", err)
 
+    def _beat(self) -> None:
+        try:
+            self._send(Heartbeat(id=0, stats=self._safe_stats()))
+        except BusError as err:  # stats that cannot be encoded: the beat goes without them
+            log.error("heartbeat stats not sent: %s", err)
+            self._send(Heartbeat(id=0, stats={}))
+
     def _send_queued(self) -> None:
         while not self._outgoing.empty():
             msg, fut, deadline = self._outgoing.get_nowait()
             msg.id = self.client.next_id()
             self._pending[msg.id] = (msg, fut, deadline)
-            self._send(msg)
+            try:
+                self._send(msg)
+            except BusError as err:  # it cannot be encoded (too large, not JSON): that request fails, not us
+                del self._pending[msg.id]
+                fut.set_exception(err)
 
     def _expire(self, now: float) -> None:
         for rid, (msg, fut, deadline) in list(self._pending.items()):

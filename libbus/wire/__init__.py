@@ -1,5 +1,5 @@
 """The wire: frames and their protocol tag, the header schema, every message type (session, data, jobs),
-socket options, and the named-field batch layout both ends share.
+socket options, the named-field batch layout both ends share, and text bounded by its encoded bytes.
 
 This face re-exports every submodule's ``__all__`` (:mod:`libbus.wire.messages`, the messages' own face,
 is the families' and the frames' together); inside libbus, import the submodule itself."""
@@ -12,12 +12,14 @@ from libbus.wire import msg_data as _msg_data
 from libbus.wire import msg_jobs as _msg_jobs
 from libbus.wire import schema as _schema
 from libbus.wire import sockets as _sockets
+from libbus.wire import text as _text
 from libbus.wire.fields import *  # noqa: F403
 from libbus.wire.frames import *  # noqa: F403
 from libbus.wire.msg_data import *  # noqa: F403
 from libbus.wire.msg_jobs import *  # noqa: F403
 from libbus.wire.schema import *  # noqa: F403
 from libbus.wire.sockets import *  # noqa: F403
+from libbus.wire.text import *  # noqa: F403
 
 __all__ = [
     *_fields.__all__,
@@ -26,4 +28,5 @@ __all__ = [
     *_msg_jobs.__all__,
     *_schema.__all__,
     *_sockets.__all__,
+    *_text.__all__,
 ]

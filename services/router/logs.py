@@ -3,7 +3,9 @@
 Kept in the router's database, in a table of its own, bounded: per attempt the last
 :data:`ATTEMPT_BYTES` of output (earlier lines are dropped and counted), per job the last
 :data:`ATTEMPTS_KEPT` attempts. Only the trainer holding a job adds to its output (the handler checks
-that, as for progress reports); lines are stored as text, at most :data:`MAX_LINE` characters each.
+that, as for progress reports); lines are stored as text, at most :data:`MAX_LINE_BYTES` bytes of
+UTF-8 each. Sizes are bytes, not characters: a reply's lines are bounded by the JSON bytes they take
+(a control character takes 6), so every reply fits in a message.
 """
 
 from __future__ import annotations
@@ -11,16 +13,17 @@ from __future__ import annotations
 import sqlite3
 
 from libbus.errors import BadRequest
+from libbus.wire.text import cut_utf8, json_size
 
 from .store_db import savepoint
 
 __all__ = ["ATTEMPTS_KEPT", "ATTEMPT_BYTES", "JobOutput"]
 
-#: Output bytes kept per attempt (the last ones), attempts kept per job, characters per line.
+#: Output bytes kept per attempt (the last ones), attempts kept per job, bytes of UTF-8 per line.
 ATTEMPT_BYTES = 256 << 10
 ATTEMPTS_KEPT = 5
-MAX_LINE = 4096
-#: The most output one reply carries (a message is at most 1 MiB; the rest comes on the next ask).
+MAX_LINE_BYTES = 4096
+#: The most JSON bytes of output one reply carries (a message is at most 1 MiB; the rest comes on the next ask).
 REPLY_BYTES = 512 << 10
 #: Lines one JobLog may carry.
 MAX_LINES = 1000
@@ -54,10 +57,10 @@ class JobOutput:
             raise BadRequest(f"JobLog.lines must be a list of at most {MAX_LINES} strings")
         if attempt < 0 or seq < 0:
             raise BadRequest("JobLog attempt and seq must not be negative")
-        rows = [(job, attempt, seq + i, line[:MAX_LINE]) for i, line in enumerate(lines)]
+        rows = [(job, attempt, seq + i, cut_utf8(line, MAX_LINE_BYTES)) for i, line in enumerate(lines)]
         with savepoint(self.db):
             self.db.executemany("INSERT OR IGNORE INTO job_output VALUES (?, ?, ?, ?)", rows)
-            added = sum(len(r[3]) + 1 for r in rows)
+            added = sum(len(r[3].encode("utf-8", "replace")) + 1 for r in rows)
             self.db.execute(
                 "INSERT INTO job_output_dropped VALUES (?, ?, 0, ?) "
                 "ON CONFLICT (job, attempt) DO UPDATE SET bytes = bytes + excluded.bytes",
@@ -72,7 +75,7 @@ class JobOutput:
         if size > ATTEMPT_BYTES:  # drop the oldest lines down to 3/4 of the bound (not a line at a time)
             dropped, freed = 0, 0
             for seq, length in self.db.execute(
-                "SELECT seq, length(line) FROM job_output WHERE job = ? AND attempt = ? ORDER BY seq",
+                "SELECT seq, length(CAST(line AS BLOB)) FROM job_output WHERE job = ? AND attempt = ? ORDER BY seq",
                 (job, attempt),
             ):
                 if size - freed <= ATTEMPT_BYTES * 3 // 4:
@@ -113,7 +116,7 @@ class JobOutput:
             "SELECT seq, line FROM job_output WHERE job = ? AND attempt = ? AND seq >= ? ORDER BY seq LIMIT ?",
             (job, attempt, max(0, after), limit),
         ):
-            size += len(row[1]) + 16
+            size += json_size(row[1]) + 1
             if rows and size > REPLY_BYTES:  # the rest on the next ask
                 break
             rows.append(row)

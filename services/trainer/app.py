@@ -12,15 +12,16 @@ from pathlib import Path
 
 from libbus.config import Settings
 from libbus.connect.link import Link
-from libbus.errors import BusError, Forbidden, PeerTimeout
+from libbus.errors import BusError, Forbidden, PeerTimeout, TooLarge
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.state import JobState
 from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, Task
+from libbus.wire.text import cut_json
 
 from .. import runtime
 from ..sdnotify import Notifier
-from .attempt import MAX_WAIT_PARTS, AttemptRun, warm_up
+from .attempt import ERROR_BYTES, MAX_WAIT_PARTS, AttemptRun, warm_up
 from .control import LOST
 from .failures import describe_failure
 from .reports import Reporter
@@ -235,7 +236,7 @@ class TrainerService:
 
     def _push_result(self, msg: PushResult, stop: threading.Event) -> None:
         """Deliver the result, waiting out a router restart (bounded)."""
-        waited = 0.0
+        waited, replaced = 0.0, False
         while waited < PUSH_RESULT_PATIENCE_S:
             self.notifier.watchdog()  # each try is bounded by request_timeout_s; the patience is not
             try:
@@ -249,6 +250,19 @@ class TrainerService:
                 waited += self.settings.request_timeout_s
                 if stop.is_set():
                     break
+                continue
+            except TooLarge as err:
+                if not msg.frames and not replaced:
+                    # a result the job's code made too large to send or store: the attempt fails saying so
+                    log.error("job %s: its result cannot be sent: %s", msg.job, err)
+                    why = cut_json(f"the attempt's result could not be sent to the router: {err}", ERROR_BYTES)
+                    msg, replaced = PushResult(job=msg.job, state=JobState.FAILED, result={}, error=why), True
+                    continue
+                if not msg.frames:
+                    log.error("job %s: result refused: %s", msg.job, err)
+                    return
+                log.warning("job %s: router refused the final model (%s); sending the result without it", msg.job, err)
+                msg.frames = []
                 continue
             except BusError as err:
                 if not msg.frames:

@@ -20,6 +20,7 @@ job) or the built-in loop (:mod:`.run`). Here, the trainer's side:
 
 from __future__ import annotations
 
+import codecs
 import logging
 import math
 import multiprocessing
@@ -55,6 +56,7 @@ from libbus.wire.messages import (
     SkipJob,
     Task,
 )
+from libbus.wire.text import cut_json, cut_utf8, json_size
 from services.sdnotify import Notifier
 from services.usercode import module_allowed, not_allowed
 
@@ -62,7 +64,7 @@ from .channel import Channel, ChannelClosed
 from .control import LOST
 from .failures import failed_attempt
 
-__all__ = ["PRELOAD", "AttemptLog", "AttemptRun", "attempt_context", "warm_up"]
+__all__ = ["PRELOAD", "AttemptLog", "AttemptRun", "attempt_context", "read_lines", "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -149,16 +151,24 @@ MAX_RELAYS = 8
 #: Set-up time an attempt has on top of ``attempt_silence_s`` before its function is called: the
 #: interpreter and torch start, the module is imported, a gang meets (RENDEZVOUS_TIMEOUT_S).
 SETUP_GRACE_S = 120.0
-#: Lines of output quoted in a failed attempt's error.
+#: Lines of output quoted in a failed attempt's error, and the most JSON bytes they take there.
 TAIL_LINES = 20
-#: Output lines sent to the router in one message, and how often they go.
+TAIL_BYTES = 16 << 10
+#: Output lines sent to the router in one message, the most JSON bytes they take (a message is at
+#: most 1 MiB: a line of control characters takes 6 bytes a character), and how often they go.
 LOG_BATCH = 200
+LOG_BATCH_BYTES = 256 << 10
 LOG_EVERY_S = 1.0
+#: Output kept for the router while it is away (the oldest lines wait; later ones are not sent).
+UNSENT_BYTES = 4 << 20
+#: The most JSON bytes of a failed attempt's error (its function's exception text is the job's own).
+ERROR_BYTES = 64 << 10
 #: How long an ended child's channel may stay silent (held open by processes it forked) before
 #: the attempt counts as ended without a result.
 EXIT_QUIET_S = 2.0
-#: Longest output line kept (a progress bar without newlines is cut, not held whole).
-MAX_LINE = 4096
+#: Longest output line kept, in bytes of UTF-8: longer ones (a progress bar without newlines, a
+#: burst with none) are cut into lines of this size while read, never held whole.
+MAX_LINE_BYTES = 4096
 #: Longest status line and logger name taken from an attempt.
 MAX_STATUS = 200
 MAX_LOGGER_NAME = 100
@@ -179,36 +189,68 @@ def _seconds(value: object) -> float:
     return min(max(float(value), 0.0), MAX_EXTEND_S)
 
 
+def read_lines(stream: BinaryIO, on_line: Callable[[str], None]) -> None:
+    """Each line of ``stream`` (UTF-8, newline dropped) to ``on_line`` until it ends; a line longer
+    than :data:`MAX_LINE_BYTES` goes as pieces of at most that many bytes, cut as it is read, never
+    held whole (a character split by a cut goes whole into the next piece)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    while raw := stream.readline(MAX_LINE_BYTES - 3):  # the decoder may hold back 3 bytes of a character
+        text = decoder.decode(raw)
+        on_line(text[:-1] if text.endswith("\n") else text)
+    if rest := decoder.decode(b"", final=True):
+        on_line(rest)
+
+
 class AttemptLog:
-    """The last ``limit`` bytes of an attempt's output, by line, and the lines not yet sent."""
+    """The last ``limit`` bytes of an attempt's output, by line, and the lines not yet sent.
+
+    Sizes are the lines' JSON bytes (what they take in a ``JobLog``), not their characters."""
 
     def __init__(self, limit: int):
         self.limit = max(1024, limit)
-        self.lines: deque[str] = deque()
+        self.lines: deque[tuple[str, int]] = deque()
         self.size = 0
         self.dropped = 0
-        self.unsent: list[str] = []
+        self.unsent: deque[tuple[str, int]] = deque()
+        self.unsent_size = 0
         self.lock = threading.Lock()
 
     def add(self, line: str) -> None:
-        line = line[:MAX_LINE]
+        line = cut_utf8(line, MAX_LINE_BYTES)
+        size = json_size(line) + 1  # and its comma
         with self.lock:
-            self.lines.append(line)
-            self.size += len(line) + 1
+            self.lines.append((line, size))
+            self.size += size
             while self.size > self.limit and len(self.lines) > 1:
-                self.size -= len(self.lines.popleft()) + 1
+                self.size -= self.lines.popleft()[1]
                 self.dropped += 1
-            if len(self.unsent) < LOG_BATCH * 50:  # the router away for long: the newest wait, bounded
-                self.unsent.append(line)
+            if self.unsent_size + size <= UNSENT_BYTES:  # the router away for long: bounded
+                self.unsent.append((line, size))
+                self.unsent_size += size
 
     def take(self) -> list[str]:
+        """The next lines to send: at most :data:`LOG_BATCH` of them, :data:`LOG_BATCH_BYTES` of JSON."""
+        out: list[str] = []
+        size = 0
         with self.lock:
-            out, self.unsent = self.unsent[:LOG_BATCH], self.unsent[LOG_BATCH:]
-            return out
+            while self.unsent and len(out) < LOG_BATCH and size + self.unsent[0][1] <= LOG_BATCH_BYTES:
+                line, n = self.unsent.popleft()
+                out.append(line)
+                size += n
+            self.unsent_size -= size
+        return out
 
-    def tail(self, n: int = TAIL_LINES) -> list[str]:
+    def tail(self, n: int = TAIL_LINES, max_bytes: int = TAIL_BYTES) -> list[str]:
+        """The last ``n`` lines, fewer where they would take more than ``max_bytes`` of JSON."""
+        out: list[str] = []
+        size = 0
         with self.lock:
-            return list(self.lines)[-n:]
+            for line, k in reversed(self.lines):
+                if len(out) == n or size + k > max_bytes:
+                    break
+                out.append(line)
+                size += k
+        return out[::-1]
 
 
 class AttemptRun:
@@ -452,7 +494,7 @@ class AttemptRun:
         state = str(header.get("state", JobState.FAILED))
         raw = header.get("result")
         result: dict = raw if isinstance(raw, dict) else {}
-        error = str(header.get("error", ""))
+        error = cut_json(str(header.get("error", "")), ERROR_BYTES)
         if state == JobState.FAILED and error:
             error = self._failure(error, "")
         if state == LOST:
@@ -512,10 +554,11 @@ class AttemptRun:
     # -- output ---------------------------------------------------------------------------------
     def _read_output(self) -> None:
         assert self._output is not None  # noqa: S101 - set by run before this starts
-        for raw in self._output:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            self.log.add(line)
-            log.info("job %s | %s", self.task.job, line[:500])
+        read_lines(self._output, self._output_line)
+
+    def _output_line(self, line: str) -> None:
+        self.log.add(line)
+        log.info("job %s | %s", self.task.job, line[:500])
 
     def _log_record(self, header: dict) -> None:
         """A log record of the attempt: logged here under its logger's name and level (bounded: the
@@ -524,7 +567,7 @@ class AttemptRun:
         if not isinstance(name, str) or not isinstance(level, int) or isinstance(level, bool):
             return
         name, level = printable(name)[:MAX_LOGGER_NAME] or "root", min(max(level, logging.DEBUG), logging.CRITICAL)
-        text = str(header.get("text", ""))[:MAX_LINE]
+        text = cut_utf8(str(header.get("text", "")), MAX_LINE_BYTES)
         for line in text.splitlines() or [""]:
             self.log.add(f"{logging.getLevelName(level)} {name}: {line}")
         if text.startswith(f"job {self.task.job}"):  # the trainer's own code names its job already

@@ -334,3 +334,14 @@ def checkpoints_fast(job: Job) -> None:
         job.checkpoint({"n": n})
         time.sleep(0.002)
     job.save_model({"n": torch.tensor([float(n)])})
+
+
+def loud(job: Job) -> None:
+    """Prints, in one burst, a line of 300,000 Cyrillic characters, 1.1 MB of Cyrillic (250 lines of
+    3,000 characters, 2 bytes each in a message), and 100 lines of 3,000 control characters (6 bytes
+    each in a message, and in no newline at the end); then ends well. Its output must cost no service anything."""
+    sys.stdout.write("Я" * 300_000 + "\n")
+    sys.stdout.write(("Ж" * 3000 + "\n") * 250)
+    sys.stdout.write("\n".join(["\x01" * 3000] * 100))
+    sys.stdout.flush()
+    job.save_model({"w": torch.zeros(1)})
