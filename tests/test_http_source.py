@@ -24,6 +24,7 @@ from libbus.loader.remote import RemoteLoader
 from libbus.order.epochs import epoch_order
 from libbus.wire.messages import BatchRequest, DatasetInfoRequest
 from services.provider.sources import open_source
+from services.provider.sources.formats.inflight import InflightLimit
 from services.provider.sources.http import expand_template
 from tests.support.httpd import RangeServer
 
@@ -111,6 +112,37 @@ def test_runs_are_fetched_concurrently_within_the_bound(tmp_path, server):
     assert 2 <= server.max_inflight <= 3
     tokens = np.frombuffer((tmp_path / "tok" / "shard-00.bin").read_bytes(), "<u2")
     assert np.array_equal(x, tokens[:1600].reshape(160, 10)[idx])
+
+
+def test_requests_in_flight_climb_while_throughput_does_within_the_cap(tmp_path, server):
+    """Without an operator's fixed ``concurrency``, a dataset starts at ``concurrency`` requests in flight
+    and climbs while the bytes per second climb (a store that takes 100 ms per GET delivers twice as
+    much with twice as many in flight), never past ``max_concurrency``; a store that answers 503
+    (throttled) halves it."""
+    write_shards(tmp_path / "tok", np.random.default_rng(2), sizes=(8000,))
+    tokens = np.frombuffer((tmp_path / "tok" / "shard-00.bin").read_bytes(), "<u2")
+    src = open_source(
+        f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&val_fraction=0&concurrency=2&max_concurrency=6&coalesce=0&{FAST}"
+    )
+    limit = src.location.client.inflight  # the dataset's InflightLimit
+    server.delay_s = 0.1
+    idx = np.arange(0, 800, 4)  # 200 separate runs of one sample (coalesce=0 keeps them apart)
+    for _ in range(2):
+        x, _ = src.read("train", idx)
+        assert np.array_equal(x, tokens.reshape(800, 10)[idx])
+    assert 2 < server.max_inflight <= 6 and limit.limit > 2
+    src.close()
+
+
+def test_an_inflight_limit_bounds_waits_and_halves_when_throttled():
+    limit = InflightLimit(start=4, cap=16)
+    assert all(limit.acquire(0) for _ in range(4)) and limit.inflight == 4
+    assert not limit.acquire(0.01)  # full: a request waits, bounded
+    limit.release(1024, throttled=True)  # a 429 or 503: the store asks for less
+    assert limit.limit == 2 and limit.inflight == 3
+    assert not limit.acquire(0.01)  # three in flight, two allowed: none more until two end
+    limit.release(1024), limit.release(1024)
+    assert limit.acquire(0.01) and limit.inflight == 2
 
 
 def test_npy_pairs_are_found_by_probing_a_directory(tmp_path, server):

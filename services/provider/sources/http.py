@@ -18,7 +18,9 @@ The format is ``?format=``, or ``dataset.toml``'s, or detected as for ``file://`
 ``vocab_size``, ``val_fraction``, ``classes`` and ``memory`` (default ``stream``) mean what they
 mean for ``file://``. HTTP settings: ``timeout`` (seconds per request, default 10), ``retries``
 (default 3), ``backoff`` (seconds before the first retry, doubling; default 0.2), ``concurrency``
-(requests in flight per dataset, default 8), ``ca`` (a PEM file of CAs to trust for https instead
+(requests in flight per dataset at first, default 8; more while more pays, up to ``max_concurrency``,
+default 128, and ``host_concurrency`` per host; a ``concurrency`` alone is held), ``coalesce`` (runs of
+a file this many bytes apart are one request; default 65536), ``ca`` (a PEM file of CAs to trust for https instead
 of the system's). File sizes are learned once at start-up.
 
 URIs naming ``.tar`` files (``https://host/shards/train-{0000..0099}.tar``) are WebDataset shards,
@@ -178,6 +180,8 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
         ("retries", "retries", int),
         ("backoff", "backoff_s", float),
         ("concurrency", "concurrency", int),
+        ("max_concurrency", "max_concurrency", int),
+        ("host_concurrency", "host_concurrency", int),
         ("coalesce", "coalesce_bytes", int),
     ):
         if key not in params:
@@ -189,10 +193,9 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
             raise DatasetError(
                 f"{uri}: {key} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
             ) from None
-        if out[field] < (1 if key == "concurrency" else 0) or (key == "timeout" and out[field] == 0):
-            raise DatasetError(
-                f"{uri}: {key} must be {'at least 1' if key == 'concurrency' else 'positive'}, got {value!r}"
-            )
+        counted = key.endswith("concurrency")
+        if out[field] < (1 if counted else 0) or (key == "timeout" and out[field] == 0):
+            raise DatasetError(f"{uri}: {key} must be {'at least 1' if counted else 'positive'}, got {value!r}")
     allowed = [o.strip() for o in params.pop("allow_origins", "").split(",") if o.strip()]
     origins = (origin_of(uri), *(origin_of(o) for o in allowed))
     ca_file = params.pop("ca", None)
@@ -200,8 +203,12 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
         raise DatasetError(f"{uri}: ca {ca_file!r} is not a file (a PEM bundle of CA certificates)")
     numbers = {
         f: out.get(f, getattr(defaults, f))
-        for f in ("timeout_s", "retries", "backoff_s", "concurrency", "coalesce_bytes")
+        for f in ("timeout_s", "retries", "backoff_s", "concurrency", "max_concurrency", "host_concurrency")
+        + ("coalesce_bytes",)
     }
+    if "concurrency" in out and "max_concurrency" not in out:  # the operator's own number: held, not climbed
+        numbers["max_concurrency"] = out["concurrency"]
+    numbers["max_concurrency"] = max(numbers["max_concurrency"], numbers["concurrency"])
     return HttpSettings(**numbers, ca_file=ca_file, origins=origins)
 
 

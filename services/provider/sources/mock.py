@@ -21,7 +21,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from libbus.errors import DatasetError
 
-from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, stable_seed
+from .base import SPLITS, Field, FieldBatch, OpenRequest, ReadPolicy, Source, stable_seed
 from .mock_tokens import open_mock_tokens
 from .splitmix import GAMMA, mix
 
@@ -48,6 +48,8 @@ class MockImages(Source):
     SHIFT = 2
     #: Windows of the noise bank a sample's noise is drawn from (the bank holds these plus one sample).
     NOISE_BANK = 1 << 20
+    #: A read is a pure function of read-only arrays: two may run at once (a ring slot filled off the loop).
+    read_policy = ReadPolicy.CONCURRENT
 
     def __init__(self, uri: str, name: str, n: int | None = None, seed: int = 0, noise: float = 2.0):
         if name not in self.SHAPES:

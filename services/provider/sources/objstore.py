@@ -121,8 +121,13 @@ def _number(req: OpenRequest, key: str, kind, default, minimum):
 
 def _settings(req: OpenRequest) -> tuple[ObjectSettings, float]:
     d = ObjectSettings()
+    fixed = "concurrency" in req.params and "max_concurrency" not in req.params  # the operator's own number
+    concurrency = _number(req, "concurrency", int, d.concurrency, 1)
     s = ObjectSettings(
-        concurrency=_number(req, "concurrency", int, d.concurrency, 1),
+        concurrency=concurrency,
+        max_concurrency=concurrency
+        if fixed
+        else max(concurrency, _number(req, "max_concurrency", int, d.max_concurrency, 1)),
         host_concurrency=_number(req, "host_concurrency", int, d.host_concurrency, 1),
         retries=_number(req, "retries", int, d.retries, 0),
         backoff_s=_number(req, "backoff", float, d.backoff_s, 0),

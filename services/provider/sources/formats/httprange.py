@@ -1,8 +1,9 @@
 """Files behind HTTP(S), read by byte range: the :class:`~.reader.Remote` of ``http(s)://`` sources.
 
 A :class:`RangeClient` serves one dataset: each worker thread keeps one keep-alive connection per
-host (``http.client``), and at most ``concurrency`` requests are in flight (its thread pool is the
-semaphore), so a batch's runs are fetched side by side without flooding the endpoint. Every request
+host (``http.client``); ``concurrency`` requests are in flight at first, more while more pays
+(:mod:`.inflight`: up to ``max_concurrency`` for the dataset, ``host_concurrency`` for the host), so
+the runs of every batch in flight are fetched side by side without flooding the endpoint. Every request
 has a timeout and is retried a bounded number of times with exponential backoff when the connection
 drops, times out, comes back short, or the server answers 408, 429 or 5xx; other statuses fail at
 once. Redirects are followed, at most :data:`MAX_REDIRECTS` per request. A body is read straight
@@ -29,6 +30,7 @@ from urllib.parse import urljoin, urlsplit
 
 from libbus.errors import DatasetError
 
+from .inflight import InflightLimit, host_slots
 from .reader import COALESCE_BYTES, coalesce
 
 __all__ = ["HttpError", "HttpSettings", "RangeClient", "RemoteFile", "origin_of"]
@@ -52,7 +54,9 @@ class HttpSettings:
     timeout_s: float = 10.0  # per request: connect, and each wait for bytes
     retries: int = 3  # further tries after the first
     backoff_s: float = 0.2  # before retry k: backoff_s * 2**k
-    concurrency: int = 8  # requests in flight at most
+    concurrency: int = 8  # requests in flight at first (inflight.py: more while more pays) ...
+    max_concurrency: int = 128  # ... up to this per dataset
+    host_concurrency: int = 128  # requests in flight per host, all the provider's datasets together
     coalesce_bytes: int = COALESCE_BYTES  # runs of a file at most this far apart: one request
     ca_file: str | None = None  # PEM bundle of the CAs to trust for https (default: the system's)
     #: Origins (``scheme://host:port``) requests may go to, redirects and manifest entries included;
@@ -82,7 +86,10 @@ class RangeClient:
         self.settings = settings
         self._local = threading.local()
         self._tls: ssl.SSLContext | None = None  # made on the first https connection
-        self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="http-range")
+        #: Requests of this dataset in flight: from ``concurrency`` up to ``max_concurrency`` as throughput grows.
+        self.inflight = InflightLimit(settings.concurrency, settings.max_concurrency)
+        self._hosts: dict[str, threading.BoundedSemaphore] = {}
+        self._pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="http-range")
         weakref.finalize(self, self._pool.shutdown, wait=False)
 
     def close(self) -> None:
@@ -235,7 +242,25 @@ class RangeClient:
         """Fill ``buffers`` with the bytes of ``url`` from ``offset``: one Range request, retried."""
         nbytes = sum(len(b) for b in buffers)
         if nbytes:
-            self._retrying(lambda: self._read_once(url, offset, nbytes, buffers))
+            self._retrying(lambda: self._limited(url, offset, nbytes, buffers))
+
+    def _limited(self, url: str, offset: int, nbytes: int, buffers: list[memoryview]) -> None:
+        """:meth:`_read_once` within the dataset's limit and the host's (:mod:`.inflight`)."""
+        origin = origin_of(url)
+        host = self._hosts.get(origin) or self._hosts.setdefault(
+            origin, host_slots(origin, self.settings.host_concurrency)
+        )
+        self.inflight.acquire()
+        got, throttled = 0, False
+        try:
+            with host:
+                self._read_once(url, offset, nbytes, buffers)
+            got = nbytes
+        except HttpError as err:
+            throttled = err.status in (429, 503)
+            raise
+        finally:
+            self.inflight.release(got, throttled)
 
     def _read_once(self, url: str, offset: int, nbytes: int, buffers: list[memoryview]) -> None:
         headers = {"Range": f"bytes={offset}-{offset + nbytes - 1}"}

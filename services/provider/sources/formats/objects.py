@@ -10,7 +10,8 @@ a dataset needs on top of that lives here, independent of the library:
   token shards, npy pairs, raw arrays, CIFAR and IDX batches and Parquet files open unchanged; a
   new file-backed format (WebDataset tars, image folders) takes an ``ObjectPath`` the same way;
 - :class:`ObjectClient`: the :class:`~.reader.RemoteClient` of those files. A batch's contiguous
-  runs are read one request each, ``concurrency`` at a time per dataset and at most
+  runs are read one request each (runs close together as one), ``concurrency`` at a time per dataset at
+  first, more as long as more pays (:mod:`.inflight`, up to ``max_concurrency``), and at most
   ``host_concurrency`` per host across the provider, each copied into its destination (a ring
   slot) as it arrives. A throttled or failed request (429, 503 ``SlowDown``, 5xx, a dropped
   connection) is retried with exponential backoff and full jitter, within the batch's deadline;
@@ -43,6 +44,7 @@ from typing import Protocol
 from libbus.errors import DatasetError
 
 from .blockcache import BlockCache
+from .inflight import InflightLimit, host_slots
 from .reader import COALESCE_BYTES, coalesce
 
 __all__ = ["ObjectBackend", "ObjectClient", "ObjectError", "ObjectMeta", "ObjectPath", "ObjectSettings", "ObjectTree"]
@@ -95,7 +97,8 @@ class ObjectBackend(Protocol):
 class ObjectSettings:
     """How an :class:`ObjectClient` treats its store (set from the URI query)."""
 
-    concurrency: int = 16  # requests in flight per dataset
+    concurrency: int = 16  # requests in flight per dataset at first (inflight.py: it grows with throughput)
+    max_concurrency: int = 128  # ... up to this
     host_concurrency: int = 64  # requests in flight per host, all datasets of the provider together
     retries: int = 5  # further tries of a request after the first
     backoff_s: float = 0.1  # retry k waits uniform(0, min(max_backoff_s, backoff_s * 2**k)): full jitter
@@ -105,9 +108,6 @@ class ObjectSettings:
     block_bytes: int = 4 << 20  # the cache's unit (without a cache: unused)
     coalesce_bytes: int = COALESCE_BYTES  # without a cache: runs of an object at most this far apart, one request
 
-
-_HOSTS: dict[str, threading.BoundedSemaphore] = {}
-_HOSTS_LOCK = threading.Lock()
 
 #: Process-wide request counters (metrics, ``busctl queues``): requests, retries, failures, bytes.
 STATS = {"requests": 0, "retries": 0, "failures": 0, "bytes_fetched": 0}
@@ -120,20 +120,15 @@ def _count(**deltas: int) -> None:
             STATS[k] += v
 
 
-def _host_slots(host: str, limit: int) -> threading.BoundedSemaphore:
-    with _HOSTS_LOCK:
-        if host not in _HOSTS:
-            _HOSTS[host] = threading.BoundedSemaphore(limit)
-        return _HOSTS[host]
-
-
 class ObjectClient:
     """Ranged reads of one store's objects for one dataset (see the module doc)."""
 
     def __init__(self, backend: ObjectBackend, settings: ObjectSettings, cache: BlockCache | None = None):
         self.backend, self.settings, self.cache = backend, settings, cache
-        self._host = _host_slots(backend.host, settings.host_concurrency)
-        self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="objstore")
+        self._host = host_slots(backend.host, settings.host_concurrency)
+        #: Requests of this dataset in flight: from ``concurrency`` up to ``max_concurrency`` as throughput grows.
+        self.inflight = InflightLimit(settings.concurrency, settings.max_concurrency)
+        self._pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="objstore")
         self._local = threading.local()
         weakref.finalize(self, self._pool.shutdown, wait=False)
 
@@ -162,16 +157,7 @@ class ObjectClient:
         s, where = self.settings, f"{self.backend.name}/{obj.key} (bytes {start}-{start + length - 1})"
         for attempt in range(s.retries + 1):
             try:
-                if not self._host.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                    raise ObjectError(
-                        f"GET {where}: no request slot free for {self.backend.host} within the batch's "
-                        f"{s.deadline_s:g} s deadline ({s.host_concurrency} in flight from this provider)"
-                    )
-                try:
-                    _count(requests=1)
-                    data = self.backend.get_range(obj.key, start, start + length, obj.etag)
-                finally:
-                    self._host.release()
+                data = self._get(obj, start, length, deadline, where)
                 if len(data) != length:
                     raise ObjectError(f"GET {where}: got {len(data)} bytes; the object is shorter than when opened")
                 _count(bytes_fetched=length)
@@ -192,6 +178,34 @@ class ObjectClient:
                 log.warning("%s; retrying in %.2f s", err, wait_s)
                 time.sleep(wait_s)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _get(self, obj: ObjectMeta, start: int, length: int, deadline: float, where: str) -> memoryview:
+        """One request, within the dataset's limit and the host's."""
+        s = self.settings
+        if not self.inflight.acquire(max(0.0, deadline - time.monotonic())):
+            raise ObjectError(
+                f"GET {where}: no request slot free within the batch's {s.deadline_s:g} s deadline "
+                f"({self.inflight.limit} of this dataset in flight)"
+            )
+        got, throttled = 0, False
+        try:
+            if not self._host.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise ObjectError(
+                    f"GET {where}: no request slot free for {self.backend.host} within the batch's "
+                    f"{s.deadline_s:g} s deadline ({s.host_concurrency} in flight from this provider)"
+                )
+            try:
+                _count(requests=1)
+                data = self.backend.get_range(obj.key, start, start + length, obj.etag)
+                got = len(data)
+                return data
+            finally:
+                self._host.release()
+        except ObjectError as err:
+            throttled = err.status in (429, 503) or err.s3_code in ("SlowDown", "Throttling")
+            raise
+        finally:
+            self.inflight.release(got, throttled)
 
     def get_small(self, obj: ObjectMeta) -> bytes:
         """A whole small object (a ``dataset.toml``)."""

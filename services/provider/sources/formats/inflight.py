@@ -1,0 +1,134 @@
+"""How many requests one remote dataset keeps in flight: a limit that follows the bandwidth-delay product.
+
+A store 30 ms away that answers a 12 KiB range per request delivers, with ``k`` requests in flight, at
+most ``k × 12 KiB / 30 ms``: the link is full only when the bytes in flight reach bandwidth × round
+trip. Neither is known in advance (a store's first byte takes 10 to 100 ms, a link is 1 to 100 Gbit/s,
+and other datasets share both), so an :class:`InflightLimit` finds the limit by climbing: it starts at
+``start`` and, over windows of completed requests during which the limit was reached (the dataset
+wanted more), multiplies it by :data:`GROW` while the bytes per second keep rising by at least
+:data:`GAIN`; a step up that did not pay is taken back; a rate that falls at the same limit (the link
+or the store is busier) steps it down by :data:`SHRINK`, never below ``start``; after :data:`PROBE_WINDOWS` steady windows
+it tries one step up again. A throttled request (HTTP 429 or
+503, S3's ``SlowDown``) halves it at once. It never leaves ``[1, cap]``; the host's own cap (all the
+provider's datasets on that host together) is a :func:`host_slots` semaphore held beside it.
+
+The limit is per dataset, shared by all its batches in flight: the provider reads several batches of a
+remote dataset at once (:mod:`services.provider.fillers`), and their requests queue here together.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["GAIN", "GROW", "SHRINK", "InflightLimit", "host_slots"]
+
+#: The limit's step up while throughput rises, and down once it stops.
+GROW, SHRINK = 1.5, 0.8
+#: A rise in bytes per second that counts as one (below it, noise).
+GAIN = 1.1
+#: A window closes after at least this long and at least ``limit`` completed requests.
+WINDOW_S = 0.25
+#: Windows of steady throughput after which the limit tries one step up again (the link may have freed).
+PROBE_WINDOWS = 8
+
+_HOSTS: dict[str, threading.BoundedSemaphore] = {}
+_HOSTS_LOCK = threading.Lock()
+
+
+def host_slots(host: str, limit: int) -> threading.BoundedSemaphore:
+    """The provider-wide semaphore of requests in flight to ``host`` (the first caller sets its size)."""
+    with _HOSTS_LOCK:
+        if host not in _HOSTS:
+            _HOSTS[host] = threading.BoundedSemaphore(limit)
+        return _HOSTS[host]
+
+
+class InflightLimit:
+    """At most :attr:`limit` requests at once, the limit climbing with throughput (see the module doc)."""
+
+    def __init__(self, start: int, cap: int):
+        self.cap = max(1, cap)
+        self.start = min(max(1, start), self.cap)
+        #: Requests allowed in flight now.
+        self.limit = self.start
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._window = (time.monotonic(), 0, 0)  # (started, requests done, bytes done)
+        self._full = False  # the limit was reached during this window
+        self._last_rate = 0.0  # bytes/s of the last window that counted
+        self._before: int | None = None  # the limit before the last step up, until that step proves itself
+        self._flat = 0  # windows in a row with the rate steady
+        self._waiting = 0  # requests waiting for a place now
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def acquire(self, timeout_s: float | None = None) -> bool:
+        """Take a place; False when none came within ``timeout_s`` (``None``: wait as long as it takes)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._inflight >= self.limit:
+                self._full = True
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._waiting += 1
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
+            self._inflight += 1
+            if self._inflight >= self.limit:
+                self._full = True
+            return True
+
+    def release(self, nbytes: int = 0, throttled: bool = False) -> None:
+        """Give the place back, counting ``nbytes`` delivered; ``throttled``: the store asked us to slow down."""
+        with self._cond:
+            self._inflight -= 1
+            if throttled:
+                self.limit, self._before = max(1, self.limit // 2), None
+                self._window, self._full = (time.monotonic(), 0, 0), False
+            else:
+                self._count(nbytes)
+            self._cond.notify_all()
+
+    @contextmanager
+    def slot(self) -> Iterator[list[int]]:
+        """A place for one request: ``with limit.slot() as done: ...; done.append(nbytes)``."""
+        self.acquire()
+        done: list[int] = []
+        try:
+            yield done
+        finally:
+            self.release(sum(done))
+
+    def _count(self, nbytes: int) -> None:
+        started, requests, total = self._window
+        requests, total = requests + 1, total + nbytes
+        now = time.monotonic()
+        if now - started < WINDOW_S or requests < self.limit:
+            self._window = (started, requests, total)
+            return
+        if self._full and self._waiting:  # the limit held the dataset back all along: its rate is the limit's
+            self._step(total / (now - started))
+        self._window, self._full = (now, 0, 0), False
+
+    def _step(self, rate: float) -> None:
+        """One window's verdict (caller holds the lock)."""
+        if rate >= self._last_rate * GAIN and self.limit < self.cap:  # the last step paid (or the link grew)
+            self._before, self.limit = self.limit, min(self.cap, math.ceil(self.limit * GROW))
+        elif self._before is not None and rate < self._last_rate * GAIN:  # a step up that did not pay
+            self.limit, self._before = self._before, None
+        elif rate < self._last_rate / GAIN:  # worse at the same limit: congestion elsewhere
+            self.limit = max(self.start, math.floor(self.limit * SHRINK))
+        else:
+            self._flat += 1
+            if self._flat >= PROBE_WINDOWS and self.limit < self.cap:  # steady a while: see if more pays now
+                self._before, self.limit, self._flat = self.limit, min(self.cap, math.ceil(self.limit * GROW)), 0
+        self._last_rate = rate
