@@ -29,7 +29,9 @@ htb (``--htb``)    the store in a network namespace of its own behind a veth cap
 ``samples/s`` counts from a row's first batch to its last (start-up apart: ``first_s`` is the
 time to the first batch); ``MB/s`` is samples/s × 12,296 B; ``× file`` is the ratio to the
 ``file`` row of the same shuffle, ``× mosaic`` an ``s3-mds`` row's ratio to ``mosaic`` at the same
-latency. A row whose loader failed says why in place of its figures. ::
+latency. A row's loader gives up at its first request unanswered within 10 s (:data:`FAIL_FAST`):
+the row then says why in place of its figures, and the next row waits until the provider and the store
+are idle again. ::
 
     python -m benchmarks.remote --latency-ms 0,10,30,100 --seconds 5 --json remote.json
     python -m benchmarks.remote --quick
@@ -65,6 +67,10 @@ SEED = 7
 SAMPLE_BYTES = 3 * 32 * 32 * 4 + 8
 #: A row whose loader gets no batch for this long has failed (its loader's own timeouts come first).
 ROW_GRACE_S = 60.0
+#: The measured loaders give up at their first request unanswered within the default 10 s (no resend,
+#: no wait for the provider to come back): that bounds a row, and a loader that would drop its provider
+#: is a row's ``error``, not minutes of retries.
+FAIL_FAST = {"retries": 0, "provider_wait_s": 0.0}
 #: How often the head-of-line probe opens a new client, and how long it waits for each answer.
 PROBE_EVERY_S, PROBE_TIMEOUT_S = 0.25, 10.0
 
@@ -328,7 +334,7 @@ class Cluster:
             shuffle=shuffle,
             seed=SEED,
             drop_last=True,
-            **kw,
+            **{**FAIL_FAST, **kw},
         )
 
     def stop(self) -> None:
@@ -351,6 +357,20 @@ def loader_row(cluster: Cluster, dataset: str, shuffle: str, args: argparse.Name
             return drain(loader, args.seconds, f"{dataset} ({shuffle})", fp)
     except (BusError, RuntimeError) as err:  # the row says what went wrong; the benchmark goes on
         return {"error": f"{type(err).__name__}: {err}"[:300]}
+
+
+def settle(cluster: Cluster, store: Store) -> float:
+    """Wait (at most :data:`ROW_GRACE_S`) until the provider answers a new client at once and the store
+    has had no request for a second: a failed row's reads are over. Returns the seconds waited."""
+    start = time.monotonic()
+    gets = store.gets()
+    while time.monotonic() - start < ROW_GRACE_S:
+        time.sleep(1.0)
+        now = store.gets()
+        if now == gets and sum(probe_once(cluster)) < 0.5:
+            break
+        gets = now
+    return time.monotonic() - start
 
 
 # -- MosaicML Streaming ----------------------------------------------------------------------------------------
@@ -535,6 +555,8 @@ def run(args: argparse.Namespace) -> dict:
             row = {**what, **measure()}
             if "batches" in row:  # the batches read past the window (prefetched) count too: a few
                 row["gets_per_batch"] = (store.gets() - gets) / row["batches"]
+            else:  # failed: what it left the provider reading ends before the next row starts
+                row["settled_s"] = settle(cluster, store)
             rows.append(row)
             shown = row.get("error") or f"{row['samples_per_s']:,.0f} samples/s, {row['mb_per_s']:.1f} MB/s"
             print(f"  {row['path']:8s} {row['shuffle']:5s} {row.get('latency_ms', '-')!s:>5} ms: {shown}", flush=True)
