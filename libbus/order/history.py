@@ -30,12 +30,23 @@ import numpy as np
 
 from libbus.errors import BadRequest, NotFound
 from libbus.order import elastic
-from libbus.order.epochs import Order, batches_of, check_skips, epoch_order, shift_skips
+from libbus.order.epochs import Order, batches_of, check_skips, epoch_order, shift_skips, skip_ranges
 
-__all__ = ["MAX_RANGE", "MAX_SKIP_STEPS", "as_ranges", "epoch_range", "segment_of", "step_samples"]
+__all__ = [
+    "MAX_RANGE",
+    "MAX_SKIP_STEPS",
+    "MAX_STEP_SAMPLES",
+    "as_ranges",
+    "epoch_range",
+    "segment_of",
+    "step_samples",
+    "union_ranges",
+]
 
-#: The most steps one skip may name (each step's samples are looked up).
+#: The most steps one skip may name (each step's samples are looked up), and the most samples
+#: they may hold in all (every rank's batch of every step: looked up index by index).
 MAX_SKIP_STEPS = 10_000
+MAX_STEP_SAMPLES = 1 << 20
 
 #: The most positions one ``epoch_range`` query returns (a reply stays small).
 MAX_RANGE = 100_000
@@ -82,6 +93,7 @@ def step_samples(
     *,
     n: int,
     rank: int | None = None,
+    memo: dict | None = None,
 ) -> list[dict[str, Any]]:
     """The samples of ``step``: one entry per rank (or only ``rank``), each
     ``{"rank", "epoch", "position", "indices": [...]}`` (``position``: the first sample's place in the
@@ -91,6 +103,9 @@ def step_samples(
         spec: the job's spec (``seed``, ``shuffle``, ``block_size``, ``batch_size``, ``train_range``).
         segments: the job's segments, oldest first (see the module docstring).
         n: samples the job's order is over (its train split, or its ``train_range``).
+        memo: a dict shared by the calls for one request's steps (ascending, of the same
+            ``segments``): each rank's order and each epoch's batches are then computed once, not
+            once a step (an epoch's order is the whole split's).
 
     Raises:
         BadRequest: ``step`` below 1, ``rank`` outside the segment's world.
@@ -102,13 +117,17 @@ def step_samples(
         raise BadRequest(f"rank {rank} is outside the world of {world} that trained step {step}")
     first = int((spec.get("train_range") or [0])[0])
     epochs = int(spec.get("epochs", 0)) or None
+    memo = {} if memo is None else memo
     out = []
     for r in range(world) if rank is None else [rank]:
-        order = _order(spec, n, seg, r)
-        cursor = seg.get("cursor")
-        epoch, position, plan = elastic.restore(order, cursor) if cursor else (0, 0, None)
+        key = (id(seg), r)
+        if key not in memo:  # the rank's order and where the segment's cursor left it
+            order = _order(spec, n, seg, r)
+            cursor = seg.get("cursor")
+            memo[key] = (order, *(elastic.restore(order, cursor) if cursor else (0, 0, None)))
+        order, epoch, position, plan = memo[key]
         left = step - int(seg.get("step", 0)) - 1  # batches to pass over after the cursor
-        batch, at = _nth_batch(order, epoch, position, plan, left, epochs)
+        batch, at = _nth_batch(order, epoch, position, plan, left, epochs, memo, key)
         entry: dict[str, Any] = {"rank": r, "world_size": world, "segment_step": int(seg.get("step", 0))}
         if batch is None:
             entry.update(epoch=None, position=None, indices=[])
@@ -119,11 +138,21 @@ def step_samples(
 
 
 def _nth_batch(
-    order: Order, epoch: int, position: int, plan: elastic.Plan, left: int, epochs: int | None
+    order: Order,
+    epoch: int,
+    position: int,
+    plan: elastic.Plan,
+    left: int,
+    epochs: int | None,
+    memo: dict,
+    key: tuple,
 ) -> tuple[np.ndarray | None, tuple[int, int]]:
-    """The ``left``-th batch (from 0) after ``(epoch, position, plan)``, with its ``(epoch, position)``."""
-    indices = elastic.indices(order, epoch, plan)
-    batches = batches_of(indices, order.batch_size, order.drop_last, start=position)
+    """The ``left``-th batch (from 0) after ``(epoch, position, plan)``, with its ``(epoch, position)``;
+    ``memo`` keeps the cursor's epoch's batches and the latest whole epoch's under ``key``."""
+    if (key, "first") not in memo:
+        indices = elastic.indices(order, epoch, plan)
+        memo[key, "first"] = batches_of(indices, order.batch_size, order.drop_last, start=position)
+    batches = memo[key, "first"]
     if left < len(batches):
         return batches[left], (epoch, position + left * order.batch_size)
     left -= len(batches)
@@ -134,7 +163,10 @@ def _nth_batch(
     left %= whole
     if epochs is not None and epoch >= epochs:
         return None, (epoch, 0)
-    return order.batches(epoch)[left], (epoch, left * order.batch_size)
+    held = memo.get((key, "epoch"))
+    if held is None or held[0] != epoch:  # one whole epoch held at a time: steps come in order
+        held = memo[key, "epoch"] = (epoch, order.batches(epoch))
+    return held[1][left], (epoch, left * order.batch_size)
 
 
 def epoch_range(spec: Mapping[str, Any], epoch: int, start: int, stop: int, *, n: int) -> list[int]:
@@ -159,6 +191,13 @@ def epoch_range(spec: Mapping[str, Any], epoch: int, start: int, stop: int, *, n
     )
     first = int((spec.get("train_range") or [0])[0])
     return (whole[start:stop] + first).tolist()
+
+
+def union_ranges(*ranges: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The union of lists of ``[start, stop)`` ranges as sorted, disjoint ranges (touching ones
+    joined), by their bounds alone: a range of millions of indices costs what a range of one does."""
+    merged = skip_ranges(tuple(tuple((int(a), int(b)) for a, b in one) for one in ranges))
+    return merged.tolist()
 
 
 def as_ranges(indices: Sequence[int] | np.ndarray) -> list[list[int]]:

@@ -426,13 +426,15 @@ class JobControl:
         for a, b in samples:
             if a < first or b > first + n:
                 raise BadRequest(f"samples {a}:{b} are outside the job's {first}:{first + n} of its train split")
-        indices: list[int] = []
-        for a, b in steps:
-            for k in range(a, b):
-                indices += [i for e in history.step_samples(spec, segments, k, n=n) for i in e["indices"]]
-        ranges = history.as_ranges(indices + [i for a, b in samples for i in range(a, b)])
+        ranges = history.union_ranges(_steps_ranges(spec, segments, steps, n), samples)  # by bounds: no index expanded
         if not ranges:
             raise BadRequest(f"steps {_shown_ranges(steps)} of job {msg.job} have no samples (past its last epoch)")
+        held = sum(len(one) for one in spec.get("skip") or [])
+        if held + len(ranges) > MAX_SKIP_RANGES:
+            raise BadRequest(
+                f"skips would hold more than {MAX_SKIP_RANGES} index ranges in all (this skip is {len(ranges)}, "
+                f"job {msg.job}'s skips hold {held}): skip fewer or longer stretches (samples a:b is one range)"
+            )
         changes: dict = {"skip": [*(spec.get("skip") or []), ranges]}
         if msg.spike:  # a trainer's automatic skip of a loss spike: recorded, and bounded by spike.max_skips
             changes["spikes"] = [*(spec.get("spikes") or []), {**_spike_record(msg.spike), "steps": steps[0]}]
@@ -568,6 +570,25 @@ def _spike_event(spike: dict, spec: JobSpec) -> str:
         f"spike: step {spike.get('step')} loss {shown}, median {med} of the last {spike.get('window')} "
         f"step(s) ({len(spec.spikes)} of at most {limit} spikes skipped)"
     )
+
+
+def _steps_ranges(spec: dict, segments: list[dict], steps: list[list[int]], n: int) -> list[list[int]]:
+    """The samples every rank trained at ``steps`` (checked: at most ``MAX_SKIP_STEPS``), as ranges;
+    refused once they pass ``history.MAX_STEP_SAMPLES`` (a job of large batches), before more are looked up."""
+    memo: dict = {}  # each rank's order and epoch computed once for all the steps
+    parts: list[list[int]] = []
+    total = 0
+    for a, b in steps:
+        for k in range(a, b):
+            for entry in history.step_samples(spec, segments, k, n=n, memo=memo):
+                parts.append(entry["indices"])
+                total += len(entry["indices"])
+            if total > history.MAX_STEP_SAMPLES:
+                raise BadRequest(
+                    f"steps {_shown_ranges(steps)} hold more than {history.MAX_STEP_SAMPLES} samples; "
+                    "skip fewer steps at once, or name the samples (--samples a:b)"
+                )
+    return history.as_ranges([i for part in parts for i in part])
 
 
 def _ranges(value: list, what: str, low: int = 0) -> list[list[int]]:
