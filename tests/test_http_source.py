@@ -11,6 +11,7 @@ import datetime
 import ipaddress
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -131,6 +132,61 @@ def test_requests_in_flight_climb_while_throughput_does_within_the_cap(tmp_path,
         x, _ = src.read("train", idx)
         assert np.array_equal(x, tokens.reshape(800, 10)[idx])
     assert 2 < server.max_inflight <= 6 and limit.limit > 2
+    src.close()
+
+
+def test_a_ram_cache_reads_whole_blocks_once_and_serves_a_full_shuffle_from_them(tmp_path, server):
+    """``ram_cache``: samples come from whole blocks fetched once; a second full-shuffle pass asks the
+    store for nothing; a smaller cache never holds more than its limit and still reads right."""
+    tokens = write_shards(tmp_path / "tok", np.random.default_rng(21), sizes=(5000,))  # 10,000 bytes
+    query = f"seq_len=9&token_bytes=2&val_fraction=0&block=1024&{FAST}"
+    src = open_source(f"{server.url}/tok/shard-00.bin?{query}&ram_cache=16384")
+    want = tokens.reshape(500, 10)
+    before = len(server.gets())
+    for epoch in range(2):
+        order = np.random.default_rng(epoch).permutation(500)
+        for idx in np.array_split(order, 10):
+            assert np.array_equal(src.read("train", idx)[0], want[idx])
+        if epoch == 0:  # every block of the file, each fetched whole, once
+            gets = sorted(r for _, r in server.gets()[before:])
+            assert gets == sorted(f"bytes={b * 1024}-{min(b * 1024 + 1023, 9999)}" for b in range(10))
+            before = len(server.gets())
+    assert len(server.gets()) == before, "the second pass went to the store"
+    memory = src.location.client.memory
+    assert memory.held == 10000 and memory.stats()["ram_cache_fetches"] == 10
+    small = open_source(f"{server.url}/tok/shard-00.bin?{query}&ram_cache=3072")
+    for idx in np.array_split(np.random.default_rng(5).permutation(500), 25):
+        assert np.array_equal(small.read("train", idx)[0], want[idx])
+        assert small.location.client.memory.held <= 3072
+    assert small.location.client.memory.evictions > 0
+    src.close(), small.close()
+
+
+def test_a_block_asked_for_while_it_is_fetched_is_fetched_once(tmp_path, server):
+    tokens = write_shards(tmp_path / "tok", np.random.default_rng(22), sizes=(5000,))
+    src = open_source(
+        f"{server.url}/tok/shard-00.bin?seq_len=9&token_bytes=2&val_fraction=0&block=4096&ram_cache=65536&timeout=60"
+    )
+    server.hold()
+    before = len(server.gets())
+    got: dict[int, np.ndarray] = {}
+    readers = [
+        threading.Thread(target=lambda i=i: got.setdefault(i, src.read("train", np.array([i]))[0])) for i in (3, 7)
+    ]
+    deadline = time.monotonic() + 30
+    readers[0].start()
+    while server.inflight < 1:
+        assert time.monotonic() < deadline, "the first read never reached the store"
+        time.sleep(0.01)
+    readers[1].start()  # sample 7 lies in the block being fetched for sample 3: it waits for that fetch
+    while src.location.client.memory.joined < 1:
+        assert time.monotonic() < deadline, f"the second read did not wait for the fetch: {server.gets()[before:]}"
+        time.sleep(0.01)
+    server.release()
+    for t in readers:
+        t.join(30)
+    assert len(server.gets()) - before == 1
+    assert np.array_equal(got[3], tokens.reshape(500, 10)[[3]]) and np.array_equal(got[7], tokens.reshape(500, 10)[[7]])
     src.close()
 
 

@@ -29,6 +29,7 @@ decoded on the provider as under ``file://`` (:mod:`.images`: ``size``, ``augmen
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from fnmatch import fnmatch
@@ -46,6 +47,8 @@ from .formats.reader import Segment
 from .layouts import open_layout
 
 __all__ = ["MAX_FILES", "HttpLocation", "RemoteDir", "expand_template", "open_http_source"]
+
+log = logging.getLogger(__name__)
 
 #: Most files one URI may name (a typo in a range should not start a million HEAD requests).
 MAX_FILES = 100_000
@@ -183,6 +186,8 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
         ("max_concurrency", "max_concurrency", int),
         ("host_concurrency", "host_concurrency", int),
         ("coalesce", "coalesce_bytes", int),
+        ("ram_cache", "ram_cache", int),
+        ("block", "block_bytes", int),
     ):
         if key not in params:
             continue
@@ -193,7 +198,7 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
             raise DatasetError(
                 f"{uri}: {key} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
             ) from None
-        counted = key.endswith("concurrency")
+        counted = key.endswith("concurrency") or key == "block"
         if out[field] < (1 if counted else 0) or (key == "timeout" and out[field] == 0):
             raise DatasetError(f"{uri}: {key} must be {'at least 1' if counted else 'positive'}, got {value!r}")
     allowed = [o.strip() for o in params.pop("allow_origins", "").split(",") if o.strip()]
@@ -204,7 +209,7 @@ def _http_settings(uri: str, params: dict) -> HttpSettings:
     numbers = {
         f: out.get(f, getattr(defaults, f))
         for f in ("timeout_s", "retries", "backoff_s", "concurrency", "max_concurrency", "host_concurrency")
-        + ("coalesce_bytes",)
+        + ("coalesce_bytes", "ram_cache", "block_bytes")
     }
     if "concurrency" in out and "max_concurrency" not in out:  # the operator's own number: held, not climbed
         numbers["max_concurrency"] = out["concurrency"]
@@ -314,4 +319,15 @@ def open_http_source(req: OpenRequest) -> Source:
     Raises :class:`DatasetError` naming the URL and the HTTP status or network error when a file
     cannot be reached, and as ``file://`` does for a bad layout or parameter.
     """
-    return open_layout(HttpLocation(req))
+    location = HttpLocation(req)
+    source = open_layout(location)
+    memory, total = location.client.memory, sum(location.files.sizes.values())
+    if memory is not None and total > memory.limit:
+        log.warning(
+            "%s: ram_cache holds %d of its %d bytes: a full shuffle evicts blocks before their other samples "
+            "are read (each sample then costs a block); size it to the files, or use shuffle='block'",
+            req.uri,
+            memory.limit,
+            total,
+        )
+    return source

@@ -30,6 +30,7 @@ from urllib.parse import urljoin, urlsplit
 
 from libbus.errors import DatasetError
 
+from .blockmemory import BLOCK_BYTES, BlockMemory
 from .inflight import InflightLimit, host_slots
 from .reader import COALESCE_BYTES, coalesce
 
@@ -58,6 +59,8 @@ class HttpSettings:
     max_concurrency: int = 128  # ... up to this per dataset
     host_concurrency: int = 128  # requests in flight per host, all the provider's datasets together
     coalesce_bytes: int = COALESCE_BYTES  # runs of a file at most this far apart: one request
+    ram_cache: int = 0  # bytes of whole blocks kept in RAM (blockmemory.py); 0: none, runs read as asked
+    block_bytes: int = BLOCK_BYTES  # the RAM cache's unit
     ca_file: str | None = None  # PEM bundle of the CAs to trust for https (default: the system's)
     #: Origins (``scheme://host:port``) requests may go to, redirects and manifest entries included;
     #: empty: any (the source sets the dataset's own origin plus the operator's ``allow_origins``).
@@ -90,6 +93,8 @@ class RangeClient:
         self.inflight = InflightLimit(settings.concurrency, settings.max_concurrency)
         self._hosts: dict[str, threading.BoundedSemaphore] = {}
         self._pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="http-range")
+        #: Whole blocks of the dataset's files in RAM (``ram_cache``), or None.
+        self.memory = BlockMemory(settings.ram_cache, settings.block_bytes) if settings.ram_cache else None
         weakref.finalize(self, self._pool.shutdown, wait=False)
 
     def close(self) -> None:
@@ -300,6 +305,9 @@ class RangeClient:
         """Each run, one request each (runs of a file at most ``coalesce_bytes`` apart as one), side by
         side. Waits for every request before returning or raising, so no request writes into a buffer
         after the batch has failed."""
+        if self.memory is not None:
+            self.memory.read(runs, lambda f: (f.url, f.size), lambda f: f.size, self._block, self._pool)
+            return
         runs = coalesce(runs, self.settings.coalesce_bytes)
         if len(runs) == 1:
             f, offset, buffers = runs[0]
@@ -310,6 +318,12 @@ class RangeClient:
         for fut in futures:
             if (err := fut.exception()) is not None:
                 raise err
+
+    def _block(self, f: RemoteFile, start: int, length: int) -> bytearray:
+        """One block of ``f`` for the RAM cache: one Range request, retried."""
+        buf = bytearray(length)
+        self.read_into(f.url, start, [memoryview(buf)])
+        return buf
 
 
 @dataclass(frozen=True, eq=False)

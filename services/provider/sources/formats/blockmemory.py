@@ -1,0 +1,138 @@
+"""Blocks of remote files kept in the provider's RAM: a full shuffle read from a store at block speed.
+
+A full-shuffle batch of 256 samples from a store is 256 requests per file (its samples lie anywhere),
+each paying the store's first-byte time; a block shuffle's is one or a few. With ``ram_cache=BYTES`` on
+a remote dataset, its reads go by fixed-size blocks (``block``, default :data:`BLOCK_BYTES`) of each
+file through a :class:`BlockMemory`: a block is fetched whole the first time any sample in it is
+asked for, and every later read of it, by any batch or loader, is a copy from RAM. When the cache holds
+the span the shuffle draws from (for a full shuffle, the dataset; sized by the operator), every block is
+fetched once per epoch, or once for good, and the shuffle costs what a sequential read does.
+
+Least recently used blocks go once the bytes held pass the limit. A block asked for while it is being
+fetched is waited for, never fetched twice. A failed fetch fails the batches that wanted it and is
+not kept: the next read asks again. Bytes are copied out under no lock (a block is immutable once in).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import Executor, Future, wait
+from typing import Any
+
+__all__ = ["BLOCK_BYTES", "BlockMemory", "by_block"]
+
+#: The default block: large enough that one request carries many samples, small enough that a cache of
+#: a few hundred MiB holds hundreds of them.
+BLOCK_BYTES = 1 << 20
+
+#: ``(file, offset, buffers)``: a run of a file to read into buffers (:class:`~.reader.RemoteClient`).
+Run = tuple[Any, int, list[memoryview]]
+
+
+def by_block(runs: list[Run], block: int) -> dict[tuple[Any, int], list[tuple[int, memoryview]]]:
+    """The runs' buffers cut at block boundaries: (file, block number) → (offset in block, piece)."""
+    out: dict[tuple[Any, int], list[tuple[int, memoryview]]] = {}
+    for f, offset, buffers in runs:
+        pos = offset
+        for buf in buffers:
+            view = buf.cast("B") if buf.format != "B" else buf
+            while len(view):
+                b = pos // block
+                n = min(len(view), (b + 1) * block - pos)
+                out.setdefault((f, b), []).append((pos - b * block, view[:n]))
+                view, pos = view[n:], pos + n
+    return out
+
+
+class BlockMemory:
+    """At most ``limit`` bytes of ``block``-byte blocks, least recently used out (see the module doc)."""
+
+    def __init__(self, limit: int, block: int = BLOCK_BYTES):
+        self.limit, self.block = limit, block
+        self._blocks: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._fetching: dict[Hashable, Future] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+        #: Blocks read from RAM, fetched, joined (asked for while being fetched), evicted.
+        self.hits = self.fetches = self.joined = self.evictions = 0
+
+    @property
+    def held(self) -> int:
+        """Bytes of blocks held now."""
+        return self._held
+
+    def read(
+        self,
+        runs: list[Run],
+        key: Callable[[Any], Hashable],
+        size: Callable[[Any], int],
+        fetch: Callable[[Any, int, int], bytes | bytearray | memoryview],
+        pool: Executor,
+    ) -> None:
+        """Fill every run's buffers through the cache: ``key(file)`` names a file's blocks (its version
+        included), ``size(file)`` is its length, and ``fetch(file, start, length)`` reads a block, run on
+        ``pool`` for the blocks missing. Waits for every fetch before returning or raising, so nothing
+        writes into a buffer after the batch has failed."""
+        wanted = by_block(runs, self.block)
+        found: dict[tuple[Any, int], bytes] = {}
+        waiting: dict[tuple[Any, int], Future] = {}
+        mine: list[tuple[Hashable, Future]] = []
+        with self._lock:
+            for f, b in wanted:
+                name = (key(f), b)
+                data = self._blocks.get(name)
+                if data is not None:
+                    self._blocks.move_to_end(name)
+                    self.hits += 1
+                    found[(f, b)] = data
+                    continue
+                fut = self._fetching.get(name)
+                if fut is not None:
+                    self.joined += 1
+                else:
+                    fut = self._fetching[name] = Future()
+                    mine.append((name, fut))
+                    self.fetches += 1
+                    start = b * self.block
+                    pool.submit(self._fetch, name, fut, fetch, f, start, min(self.block, size(f) - start))
+                waiting[(f, b)] = fut
+        wait(waiting.values())
+        for where, fut in waiting.items():
+            if (err := fut.exception()) is not None:
+                raise err
+            found[where] = fut.result()
+        for where, pieces in wanted.items():
+            data = found[where]
+            for at, view in pieces:
+                view[:] = data[at : at + len(view)]
+
+    def _fetch(self, name: Hashable, fut: Future, fetch, f, start: int, length: int) -> None:
+        try:
+            data = bytes(fetch(f, start, length))
+        except BaseException as err:  # noqa: BLE001 - every waiter hears it; the block is not kept
+            with self._lock:
+                self._fetching.pop(name, None)
+            fut.set_exception(err)
+            return
+        with self._lock:
+            self._fetching.pop(name, None)
+            if len(data) <= self.limit:
+                self._blocks[name] = data
+                self._held += len(data)
+                while self._held > self.limit:
+                    _, old = self._blocks.popitem(last=False)
+                    self._held -= len(old)
+                    self.evictions += 1
+        fut.set_result(data)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "ram_cache_bytes": self._held,
+                "ram_cache_hits": self.hits,
+                "ram_cache_fetches": self.fetches,
+                "ram_cache_joined": self.joined,
+                "ram_cache_evictions": self.evictions,
+            }
