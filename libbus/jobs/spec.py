@@ -188,6 +188,7 @@ class JobSpec:
                 "an evaluate task needs model_from (a succeeded job, or an uploaded file) and "
                 f"split val or test, got model_from={spec.model_from!r} split={spec.split!r}"
             )
+        _check_model(spec)
         _check_entrypoint(spec)
         check_skips(spec.skip)
         if "spike" in raw:
@@ -320,6 +321,24 @@ def _check_elastic(spec: JobSpec, raw: dict) -> None:
 MAX_PARAMS_BYTES = 64 << 10
 MAX_PARAMS_DEPTH = 4
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z][A-Za-z0-9_]*$")
+
+
+#: A built-in model's name (the trainer knows which: services/models.py).
+_BUILTIN_MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+
+
+def _check_model(spec: JobSpec) -> None:
+    """``model`` names a built-in (``mlp``) or ``package.module:factory`` (a public name), checked as
+    ``entrypoint`` is: a trainer imports the module only where its ``job_modules`` allows it."""
+    if ":" in spec.model:
+        if not _ENTRYPOINT.match(spec.model):
+            raise BadRequest(
+                f"model must be a built-in name or package.module:factory (a public name), got {spec.model!r:.120}"
+            )
+    elif not _BUILTIN_MODEL.match(spec.model):
+        raise BadRequest(
+            f"model must be a built-in name (mlp, cnn, ...) or package.module:factory, got {spec.model!r:.120}"
+        )
 
 
 def _check_entrypoint(spec: JobSpec) -> None:
