@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -229,6 +230,17 @@ def token_keygen(
     typer.echo(f"signing key {key} (0600, keep it private)\npublic key {pub} (copy to every node)")
 
 
+def _write_unfollowed(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (mode 0644) through a new file renamed over it: a link planted at
+    ``path`` is replaced, never followed to write where it points."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 @token_app.command("node")
 @guard
 def token_node(
@@ -266,7 +278,14 @@ def token_node(
     if isinstance(key, bytes):  # token_alg EdDSA: signing_key gives the Ed25519 key
         fail("token_alg is EdDSA but the signing key is a secret", 2)
     private_dir(out)
-    (out / "token.pub").write_bytes(public_key_pem(key))
+    mode = out.stat().st_mode
+    if mode & 0o022:  # another user could swap token.pub (whose key the node believes) or plant links
+        fail(
+            f"{out} is writable by its group or by everyone (mode {mode & 0o777:o}): another user there "
+            f"could replace the node's public key or token. Use a folder only you can write (chmod go-w {out})",
+            2,
+        )
+    _write_unfollowed(out / "token.pub", public_key_pem(key))
     token = mint_token(s, key, role=role, sub=name, ttl_s=ttl, datasets=dataset or None)
     write_private(out / "token", (token + "\n").encode())
     typer.echo(
