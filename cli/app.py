@@ -70,16 +70,24 @@ def bench(ctx: typer.Context) -> None:
     ``--peers``: the same samples and batches through torch's DataLoader, MosaicML Streaming,
     Lightning litData, WebDataset and torchdata.nodes beside batchbus (``make install-bench``);
     ``--workload images`` decodes and augments JPEGs in every row (``--image-size``, ``--image-side``).
+    ``--remote``: data behind a network: a loopback store answering each request after 0-100 ms, read
+    by a provider as ``http://`` and ``s3://`` beside MosaicML Streaming (``--htb``: a capped link).
 
     Options are the benchmark's own (``busctl bench -h`` lists them); ``--json FILE``
     writes the results.
     """
-    if "--peers" in ctx.args:  # the same samples through MosaicML Streaming, litData, WebDataset, torchdata
+    args = list(ctx.args)
+    if "--remote" in args:  # data behind a network: a store with per-request latency, a capped link
+        from benchmarks import remote
+
+        args.remove("--remote")
+        raise typer.Exit(remote.main(args))
+    if "--peers" in args:  # the same samples through MosaicML Streaming, litData, WebDataset, torchdata
         from benchmarks.peers import main as bench_main
     else:
         from benchmarks.delivery import main as bench_main
 
-    bench_main(ctx.args)
+    bench_main(args)
 
 
 # -- jobs (cli/jobs.py) --------------------------------------------------------------------------

@@ -104,19 +104,25 @@ def test_a_batch_that_fails_at_the_store_fails_alone(tmp_path, server, start_pro
 
 def test_each_dataset_reads_on_lanes_of_its_own(tmp_path, server):
     """Which lane a batch is read on: remote datasets off the loop, on threads of their own dataset;
-    local data on the loop unless ring fills have threads."""
+    sources whose reads share state on one serial lane for all of them; generated data on its dataset's
+    fill lane; local gathers on the loop unless ring fills have threads."""
     from services.provider.sources import open_source
 
     arrays(tmp_path / "a", 8, 4)
     arrays(tmp_path / "b", 8, 5)
     a, b = open_source(f"{server.url}/a/?{SLOW}"), open_source(f"{server.url}/b/?{SLOW}")
     local = open_source(f"file://{tmp_path / 'a'}?memory=ram&val_fraction=0")
-    lanes = fillers.Fillers(fill_thread=False, remote_reads=3)
+    lanes = fillers.Fillers(fill_thread=False, fill_threads=2, remote_reads=3)
     try:
         assert a.remote and b.remote and not local.remote
         assert lanes.for_batch("a", a, None) is lanes.for_batch("a", a, None) is not lanes.for_batch("b", b, None)
         assert lanes.for_batch("disk", local, None) is lanes.loop
         assert lanes.lanes() == {"a": {"remote": 3}, "b": {"remote": 3}}
+        shared_a, shared_b = open_source("dummy://?shape=2&n=8"), open_source("dummy://?shape=3&n=8")
+        assert lanes.for_batch("z1", shared_a, None) is lanes.for_batch("z2", shared_b, None) is not lanes.loop
+        mock = open_source("mock://mnist?n=64")  # generated: off the loop, socket or ring alike
+        assert lanes.for_batch("m", mock, None) is not lanes.loop
+        assert lanes.lanes() == {"a": {"remote": 3}, "b": {"remote": 3}, "*": {"serial": 1}, "m": {"fill": 2}}
         threaded = fillers.Fillers(fill_thread=True, fill_threads=2)
         ring = object()  # a ring slot's destination: only whether there is one matters here
         assert threaded.for_batch("disk", local, ring) is not threaded.loop  # type: ignore[arg-type]

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from libbus.loader.remote import RemoteLoader
-from services.provider.fillers import FILL_THREAD
 from tests.support.httpd import RangeServer
 from tests.support.images import image_bytes
 from tests.support.s3server import s3_in_env
@@ -109,20 +108,11 @@ KINDS: dict[str, Callable[[Path], contextmanager]] = {
 }
 
 
-#: Why a case cannot pass yet: its batches are read on the provider's serving loop, so the requests behind
-#: one wait in the socket, where no clock runs, and reach the loader as ``transfer`` (checked: read off the
-#: loop, on a lane of the dataset's, these cases name ``read``). Strict: they fail once they pass.
-ON_THE_LOOP = "read on the provider's serving loop: the requests queued behind it wait unmeasured (fillers)"
 CASES = [
     # generating is the slow part only against a ring's small reply: over a socket the batch's bytes
     # cost about what generating them does
-    pytest.param(
-        "mock", True, id="mock-ring", marks=pytest.mark.xfail(not FILL_THREAD, reason=ON_THE_LOOP, strict=True)
-    ),
-    *(
-        pytest.param("file", shm, id=f"file-{way}", marks=pytest.mark.xfail(reason=ON_THE_LOOP, strict=True))
-        for shm, way in ((True, "ring"), (False, "socket"))
-    ),
+    pytest.param("mock", True, id="mock-ring"),
+    *(pytest.param("file", shm, id=f"file-{way}") for shm, way in ((True, "ring"), (False, "socket"))),
     *(
         pytest.param(kind, shm, id=f"{kind}-{way}")
         for kind in ("http", "object-store", "pipeline")

@@ -32,11 +32,12 @@ whatever is left (``w > T``) is ``other``. Provider parts that add up to more th
 unless a provider is wrong) are scaled down to ``T``, leaving no transfer. The parts always add up to
 the wait.
 
-A provider's ``queue`` starts when its serving loop takes the request. A batch read *on* that loop (a
-local source on a machine of few cores) keeps the requests behind it in the socket, where no clock runs:
-that wait reaches the loader as ``transfer``, and a provider bound by such reads is named ``transfer``.
-Reads on a dataset's own threads (remote sources, pipelines, ring fills on four cores or more) are
-measured whole; ``tests/test_stall_sources.py`` runs one slow part per source kind through both.
+A provider's ``queue`` starts when its serving loop takes the request. Every read that takes time
+(a store's, a decode, a generator, a stage) runs on a lane off that loop, so the loop takes each
+request as it arrives and the wait for its read is measured as ``queue``. Only a local file's
+memory-speed gathers stay on the loop on a machine of few cores (services/provider/fillers.py), where
+the requests behind one (a millisecond each) wait in the socket unmeasured and reach the loader as
+``transfer``. ``tests/test_stall_sources.py`` runs one slow part per source kind through both deliveries.
 
 Why backwards rather than in proportion: with several requests in flight, a provider whose one
 stage is the bottleneck keeps the requests behind the one being worked on queued, so most of each

@@ -1,28 +1,35 @@
-"""Where the provider reads a batch: on the serving loop's thread, or on threads of the batch's own
-dataset. The source's :class:`~.sources.base.ReadPolicy`, whether its bytes are remote, and the
-destination pick one (:meth:`Fillers.for_batch`); each is a :class:`Filler`.
+"""Where the provider reads a batch: on the serving loop's thread, or on a lane of threads off it.
+The source's :class:`~.sources.base.ReadPolicy`, whether its bytes are remote, whether its reads are
+memory-speed gathers, and the destination pick one (:meth:`Fillers.for_batch`); each is a :class:`Filler`.
 
-**Each dataset has its own lanes.** Threads are never shared between datasets, so a slow store (a
-remote dataset whose every GET takes 100 ms, or one that is failing and retrying) delays only its own
-batches: another dataset's requests, and ``Hello``, ``Resolve`` and ``DatasetInfo``, are answered by
-the loop meanwhile. Within a lane, batches are read in the order they arrived.
+**The loop reads nothing slow.** It receives, checks and answers; a batch whose read takes time (a
+store's round trips, a decode, a generator, a Parquet page) is read on a lane, and the handler returns
+a :class:`~concurrent.futures.Future` that the server answers when it completes (:mod:`libbus.serve.server`,
+woken by :mod:`libbus.serve.wakeup`). So ``Hello``, ``Resolve`` and ``DatasetInfo`` are answered at once
+whatever the sources are doing, and the time a batch waits for its read is measured as its ``queue``
+(its read began later than the loop took it), not lost in the socket where the loader's stall split
+would call it ``transfer``.
 
-- **remote** (a source whose bytes come over the network: ``http(s)://``, an object store): always off
-  the loop, :data:`REMOTE_READS` batches of the dataset at once (one at a time where its reads share
-  state), so the GETs of every batch in flight overlap instead of one batch's after another's, and
-  the loop never waits on the network.
-- **overlap** (:attr:`ReadPolicy.OVERLAP`: a pipeline, whose reads mostly wait on its stages'
-  threads): off the loop, :data:`OVERLAP_READS` batches at once: while one batch's last chunk goes
-  through the last stages, the next batch's chunks are already in the first ones.
-- **fill** (local data into a ring slot, :attr:`ReadPolicy.CONCURRENT`): ``fill_threads`` threads of
-  the dataset's (default: one per core where the machine has four or more), so a node with 8 GPUs is
-  fed by one provider: numpy gathers and ``preadv`` release the GIL. The handler returns a
-  :class:`~concurrent.futures.Future` that the server answers when it completes
-  (:mod:`libbus.serve.server`, woken by :mod:`libbus.serve.wakeup`).
-- **loop**: everything else, on the serving loop's own thread. On fewer than four cores a local gather
-  stays here: the loop, a fill thread and a same-host trainer would contend for the same two cores,
-  and the hand-off (a futex wake-up, a GIL switch, the loop's wake-up per reply) costs more than the
-  overlap gives (docs/performance.md, "What bounds the shm row").
+**Each dataset has its own lanes.** Threads are not shared between datasets (but for the serial lane,
+below), so a slow store (a remote dataset whose every GET takes 100 ms, or one that is failing and
+retrying) delays only its own batches. Within a lane, batches are read in the order they arrived.
+
+- **remote** (a source whose bytes come over the network: ``http(s)://``, an object store): ``remote_reads``
+  (:data:`~libbus.constants.REMOTE_READS`) batches of the dataset at once, so the GETs of every batch in
+  flight overlap instead of one batch's after another's.
+- **overlap** (:attr:`ReadPolicy.OVERLAP`: a pipeline, whose reads mostly wait on its stages' threads):
+  :data:`OVERLAP_READS` batches at once: while one batch's last chunk goes through the last stages, the
+  next batch's chunks are already in the first ones.
+- **fill** (:attr:`ReadPolicy.CONCURRENT`: reads that share no state): ``fill_threads`` threads of the
+  dataset's (default: one per core), so a node with 8 GPUs is fed by one provider: numpy gathers,
+  generators and ``preadv`` release the GIL.
+- **serial** (:attr:`ReadPolicy.LOOP`: reads that share state): one thread for all such datasets together,
+  as on the loop before (a mix and its member, served under two names, are one object), but off the loop.
+- **loop**: a local file source's memory-speed gathers (:attr:`~.sources.base.Source.gather`: RAM or the
+  page cache) into the reply's frames, and on fewer than four cores into ring slots too. A gather of a
+  3 MB batch takes about a millisecond; on two cores the loop, a fill thread and a same-host trainer
+  would contend for the same cores, and the hand-off (a futex wake-up, a GIL switch, the loop's wake-up
+  per reply) costs more than the overlap gives (docs/performance.md, "What bounds the shm row").
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ __all__ = ["FILL_THREAD", "OVERLAP_READS", "REMOTE_READS", "Filler", "Fillers", 
 
 #: Fill ring slots on threads of their own by default only with four cores or more (see the module doc).
 FILL_THREAD = usable_cores() >= 4
+
+#: The one lane of every source whose reads share state (:attr:`ReadPolicy.LOOP`), all datasets together:
+#: serialised as on the loop (a mix and its member, served under two names, are one object), but off it.
+SERIAL = ("serial", 1)
 
 #: Batches of a source with :attr:`ReadPolicy.OVERLAP` (a pipeline) read at once.
 OVERLAP_READS = 2
@@ -142,13 +153,15 @@ class Fillers:
         """The lane a batch of ``source`` into ``ring`` (``None``: the reply's frames) is read on, as
         ``(name, threads)``, or ``None`` for the loop's thread (see the module doc)."""
         policy = source.read_policy
+        if policy is ReadPolicy.LOOP:  # reads share state, maybe with another dataset's (a mix's member)
+            return SERIAL
         if source.remote:
-            return "remote", self.remote_reads if policy is not ReadPolicy.LOOP else 1
+            return "remote", self.remote_reads
         if policy is ReadPolicy.OVERLAP:
             return "overlap", OVERLAP_READS
-        if policy is ReadPolicy.CONCURRENT and ring is not None and self.fill_thread:
-            return "fill", self.fill_threads
-        return None
+        if source.gather and (ring is None or not self.fill_thread):
+            return None
+        return "fill", self.fill_threads
 
     def for_batch(self, dataset: str, source: Source, ring: Ring | None) -> Filler:
         """The filler a batch of ``dataset`` (served by ``source``) into ``ring`` is read on."""
@@ -156,11 +169,12 @@ class Fillers:
         if lane is None:
             return self.loop
         name, threads = lane
+        key = ("", name) if lane is SERIAL else (dataset, name)
         with self._lock:
-            filler = self._lanes.get((dataset, name))
+            filler = self._lanes.get(key)
             if filler is None:
-                filler = Filler(self.rings, not self._closed, threads, f"{name}-{dataset}"[:15])
-                self._lanes[(dataset, name)] = filler
+                filler = Filler(self.rings, not self._closed, threads, "-".join(filter(None, (name, key[0])))[:15])
+                self._lanes[key] = filler
             return filler
 
     def lanes(self) -> dict[str, dict[str, int]]:
@@ -168,7 +182,7 @@ class Fillers:
         out: dict[str, dict[str, int]] = {}
         with self._lock:
             for (dataset, name), filler in self._lanes.items():
-                out.setdefault(dataset, {})[name] = filler.threads
+                out.setdefault(dataset or "*", {})[name] = filler.threads
         return out
 
     def close(self) -> None:

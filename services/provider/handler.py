@@ -506,9 +506,12 @@ class ProviderHandler(Handler):
                     n=scores.n,
                     metrics=metrics,
                     sha256=digest,
+                    epsilon=release.epsilon,
                 )
             )
-        return Evaluation(loss=loss, accuracy=accuracy, n=scores.n, metrics=metrics, sha256=digest)
+        return Evaluation(
+            loss=loss, accuracy=accuracy, n=scores.n, metrics=metrics, sha256=digest, epsilon=release.epsilon
+        )
 
     def _report(self, report: EvaluationReport) -> None:
         """Tell the router what was released for a job (before the reply: the trainer's result comes

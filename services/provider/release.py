@@ -31,7 +31,7 @@ import numpy as np
 
 from libbus.constants import EVAL_EPSILON, EVAL_LOSS_CLIP, EVAL_QUANTUM
 
-__all__ = ["EXACT", "Release", "bits_per_evaluation"]
+__all__ = ["EXACT", "Release", "bits_per_evaluation", "margin"]
 
 
 def _range(name: str) -> float:
@@ -44,6 +44,20 @@ def bits_per_evaluation(extra_metrics: int = 0, quantum: float = EVAL_QUANTUM) -
     grid of ``quantum``; ``n`` is the split's size, public in its DatasetInfo)."""
     values = [EVAL_LOSS_CLIP, 1.0] + [1.0] * extra_metrics
     return sum(math.log2(round(r / quantum) + 1) for r in values)
+
+
+def _scale(name: str, n: int, epsilon: float) -> float:
+    """The Laplace scale of ``name``'s noise on a mean over ``n`` samples: its sensitivity / epsilon."""
+    return _range(name) / (max(1, n) * epsilon)
+
+
+def margin(name: str, n: int, epsilon: float, quantum: float = EVAL_QUANTUM, level: float = 0.95) -> float:
+    """How far a released ``name`` (a mean over ``n`` samples, released at ``epsilon``) lies from the
+    exact value with probability ``level``: the Laplace noise's quantile, ``scale * ln(1 / (1 - level))``
+    (about 3 scales at 95%), plus half a rounding step. 0 for an exact release (``epsilon`` 0)."""
+    if epsilon <= 0:
+        return 0.0
+    return _scale(name, n, epsilon) * math.log(1.0 / (1.0 - level)) + quantum / 2
 
 
 class Release:
@@ -68,7 +82,7 @@ class Release:
         if not math.isfinite(value):
             value = high if name == "loss" else 0.0
         if self.epsilon > 0 and rng is not None:
-            value += float(rng.laplace(0.0, high / (max(1, n) * self.epsilon)))
+            value += float(rng.laplace(0.0, _scale(name, n, self.epsilon)))
         if self.quantum > 0:
             value = round(round(value / self.quantum) * self.quantum, 12)
         return min(high, max(0.0, value))

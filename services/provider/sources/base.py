@@ -81,6 +81,9 @@ class Source(ABC):
     #: Whether its reads wait on the network (``http(s)://``, an object store): read off the serving
     #: loop, on the dataset's own threads, several batches at once (:mod:`services.provider.fillers`).
     remote: bool = False
+    #: Whether its reads are memory-speed gathers (local files, from RAM or the page cache): cheaper on the
+    #: serving loop's thread than handed to another on a machine of few cores (:mod:`services.provider.fillers`).
+    gather: bool = False
 
     @abstractmethod
     def num_samples(self, split: str) -> int:

@@ -223,6 +223,7 @@ class FileSource(Source):
         #: Where the files are (each batch's reads run under its :meth:`~.location.Location.batch`).
         self.location = ctx.location
         self.remote = self.location is not None and self.location.kind != "file"
+        self.gather = not self.remote
         self.sample_shape = layout.sample_shape
         self.dtype = layout.x_dtype.newbyteorder("=")
         y = layout.y_dtype
