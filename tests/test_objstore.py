@@ -184,6 +184,22 @@ READER = textwrap.dedent(
 )
 
 
+def test_a_ram_cache_serves_a_full_shuffle_from_whole_blocks_fetched_once(s3, tmp_path):
+    ref = _tokens(s3, tmp_path, "ram", n_seq=512, seq=64, shards=4)  # 64 KiB of tokens, 4 objects
+    uri = f"s3://data/ram/?seq_len=63&token_bytes=2&val_fraction=0&block=4096&cache=off&ram_cache=65536&{FAST}"
+    src = open_source(uri)
+    before = len(s3.gets())
+    rng = np.random.default_rng(4)
+    for batch in np.array_split(rng.permutation(512), 16):
+        assert np.array_equal(src.read("train", batch)[0], ref[batch])
+    assert len(s3.gets()) - before == 16  # 64 KiB in blocks of 4 KiB: each fetched once, whole
+    before = len(s3.gets())
+    for batch in np.array_split(rng.permutation(512), 16):
+        assert np.array_equal(src.read("train", batch)[0], ref[batch])
+    assert len(s3.gets()) == before, "a second pass went to the store"
+    src.close()
+
+
 def test_two_providers_share_one_cache_directory(s3, tmp_path):
     ref = _tokens(s3, tmp_path, "shared", n_seq=512, seq=64, shards=4)
     np.save(tmp_path / "ref.npy", ref)

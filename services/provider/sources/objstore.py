@@ -25,7 +25,8 @@ URI parameters: what ``file://`` takes (``format``, ``seq_len``, ``token_bytes``
 ``val_fraction``, ``classes``, ``memory``, default ``stream``; Parquet's ``column``, ``label``,
 ``subset``, ``cache_mb``), and ``concurrency``, ``host_concurrency``, ``retries``, ``backoff``,
 ``deadline`` (seconds per batch), ``timeout`` (seconds per request), ``block`` (cache block bytes),
-``cache_dir``, ``cache_limit`` (bytes; override the provider's ``cache_dir``/``cache_limit``), ``cache=off``.
+``cache_dir``, ``cache_limit`` (bytes; override the provider's ``cache_dir``/``cache_limit``), ``cache=off``;
+``ram_cache`` (bytes of whole ``block``-sized blocks kept in RAM, before the disk cache).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def _settings(req: OpenRequest) -> tuple[ObjectSettings, float]:
         deadline_s=_number(req, "deadline", float, d.deadline_s, 0.001),
         block_bytes=_number(req, "block", int, d.block_bytes, 4096),
         coalesce_bytes=_number(req, "coalesce", int, d.coalesce_bytes, 0),
+        ram_cache=_number(req, "ram_cache", int, d.ram_cache, 0),
     )
     return s, _number(req, "timeout", float, 5.0, 0.001)
 

@@ -16,6 +16,8 @@ a dataset needs on top of that lives here, independent of the library:
   slot) as it arrives. A throttled or failed request (429, 503 ``SlowDown``, 5xx, a dropped
   connection) is retried with exponential backoff and full jitter, within the batch's deadline;
   when the deadline or the retries run out the batch fails ``UNAVAILABLE`` naming the object;
+- with ``ram_cache``, reads go by whole blocks kept in the provider's RAM (:mod:`.blockmemory`: a full
+  shuffle at block speed when it holds the objects), ahead of any disk cache;
 - with a :class:`~.blockcache.BlockCache`, reads go by fixed-size blocks of each object through a
   bounded disk cache shared with other providers (see that module).
 
@@ -44,6 +46,7 @@ from typing import Protocol
 from libbus.errors import DatasetError
 
 from .blockcache import BlockCache
+from .blockmemory import BlockMemory
 from .inflight import InflightLimit, host_slots
 from .reader import COALESCE_BYTES, coalesce
 
@@ -107,6 +110,7 @@ class ObjectSettings:
     # trainer's 10 s request timeout, so the trainer hears UNAVAILABLE rather than a timeout)
     block_bytes: int = 4 << 20  # the cache's unit (without a cache: unused)
     coalesce_bytes: int = COALESCE_BYTES  # without a cache: runs of an object at most this far apart, one request
+    ram_cache: int = 0  # bytes of whole blocks (block_bytes) kept in RAM (blockmemory.py); 0: none
 
 
 #: Process-wide request counters (metrics, ``busctl queues``): requests, retries, failures, bytes.
@@ -129,6 +133,8 @@ class ObjectClient:
         #: Requests of this dataset in flight: from ``concurrency`` up to ``max_concurrency`` as throughput grows.
         self.inflight = InflightLimit(settings.concurrency, settings.max_concurrency)
         self._pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="objstore")
+        #: Whole blocks of the dataset's objects in RAM (``ram_cache``; before the disk cache), or None.
+        self.memory = BlockMemory(settings.ram_cache, settings.block_bytes) if settings.ram_cache else None
         self._local = threading.local()
         weakref.finalize(self, self._pool.shutdown, wait=False)
 
@@ -227,6 +233,15 @@ class ObjectClient:
         request before returning or raising, so nothing writes into a buffer after a failed batch."""
         deadline = self._deadline()
         tasks: list[Callable[[], None]]
+        if self.memory is not None:
+            self.memory.read(
+                runs,
+                lambda f: (f.meta.key, f.meta.etag, f.meta.size),
+                lambda f: f.meta.size,
+                lambda f, start, length: self.fetch(f.meta, start, length, deadline),
+                self._pool,
+            )
+            return
         if self.cache is None:
             pieces = coalesce(runs, self.settings.coalesce_bytes)
             tasks = [partial(self._read_run, f, o, b, deadline) for f, o, b in pieces]
