@@ -122,10 +122,18 @@ def print_result(result: dict) -> None:
             "path",
             "samples/s",
             "waiting for data",
+            "next() µs/batch",
+            "of it CPU µs",
             title=f"trainer loop: {result['wait']['work_ms']:.0f} ms of CPU work per step",
         )
         for r in result["wait"]["rows"]:
-            wait.add_row(r["path"], f"{r['samples_per_s']:,.0f}", f"{r['wait_fraction']:.2%}")
+            wait.add_row(
+                r["path"],
+                f"{r['samples_per_s']:,.0f}",
+                f"{r['wait_fraction']:.2%}",
+                f"{r['next_us']:.0f}",
+                f"{r['next_cpu_us']:.0f}",
+            )
         console.print(wait)
     for c in result["checks"]:
         mark = "[green]ok[/]" if c["ok"] else "[red]missed[/]"

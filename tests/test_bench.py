@@ -53,6 +53,9 @@ def test_bench_measures_every_path_and_writes_json(tmp_path):
         "socket vs raw pyzmq (GB/s)",
     }
     assert [r["path"] for r in result["wait"]["rows"]] == ["shm", "socket", "dataloader"]
+    for row in result["wait"]["rows"]:  # next()'s cost per batch, the row that tracks the loop's side
+        assert row["next_us"] > 0 and 0 < row["next_cpu_us"]
+    assert "next() µs/batch" in run.stdout
     assert "× DataLoader" in run.stdout
 
 

@@ -6,6 +6,7 @@ This face re-exports every submodule's ``__all__``; inside libbus, import the su
 from __future__ import annotations
 
 from libbus.loader import collate as _collate
+from libbus.loader import context as _context
 from libbus.loader import dataloader as _dataloader
 from libbus.loader import delivery as _delivery
 from libbus.loader import delivery_api as _delivery_api
@@ -18,6 +19,7 @@ from libbus.loader import stall as _stall
 from libbus.loader import tensors as _tensors
 from libbus.loader import window as _window
 from libbus.loader.collate import *  # noqa: F403
+from libbus.loader.context import *  # noqa: F403
 from libbus.loader.dataloader import *  # noqa: F403
 from libbus.loader.delivery import *  # noqa: F403
 from libbus.loader.delivery_api import *  # noqa: F403
@@ -32,6 +34,7 @@ from libbus.loader.window import *  # noqa: F403
 
 __all__ = [
     *_collate.__all__,
+    *_context.__all__,
     *_dataloader.__all__,
     *_delivery.__all__,
     *_delivery_api.__all__,

@@ -48,6 +48,7 @@ from libbus.config import script_connection
 from libbus.connect.client import Identity, pick_provider
 from libbus.constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from libbus.errors import BadRequest, ConfigError, OutOfRange, SplitPrivate
+from libbus.loader.context import loader_context
 from libbus.loader.dataloader import DatasetSplit, pending_state, refuse_dataloader_args, refuse_rebatching
 from libbus.loader.delivery import RingDelivery
 from libbus.loader.delivery_api import Delivery
@@ -147,6 +148,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         collate: a dataset of named fields yields a dict, its variable-size fields ``"pad"``-ded (plus
             ``<name>_lengths``) or as a ``"list"`` (:mod:`libbus.loader.collate`); one of ``x``, ``y``: ``(x, y)``.
         host_id: this machine's id (default: /etc/machine-id), compared with the provider's.
+        ctx: the ZeroMQ context of its sockets. Default: the loaders' own, whose I/O threads never
+            preempt the training loop (:func:`libbus.loader.context.loader_context`).
         curve: this client's CURVE key pair (:func:`libbus.security.curve.load_keys`) on a CURVE cluster;
             its name must be the token's subject. ``router_key`` is then the router's public key,
             and ``provider_key`` the provider's when ``provider=`` is one endpoint (with
@@ -297,7 +300,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             router=router,
             router_key=router_key,
             resolver=resolver,
-            ctx=ctx,
+            ctx=ctx or loader_context(),
             shm=shm,
             slots=slots,
             copy=copy,
