@@ -17,6 +17,7 @@ import pytest
 from libbus.errors import Unavailable
 from libbus.wire.messages import BatchRequest, BatchResponse, DatasetInfo, DatasetInfoRequest
 from services.provider import fillers
+from tests.support import scrape, value
 from tests.support.httpd import RangeServer
 
 #: A held GET must not time out on the provider's side while the test looks (the server hangs up after 60 s).
@@ -93,13 +94,28 @@ def test_a_batch_that_fails_at_the_store_fails_alone(tmp_path, server, start_pro
     """A GET that dies fails its own batch (UNAVAILABLE, naming the file); the next batch of the same
     dataset, and the lane it is read on, are unharmed."""
     remote_x, _ = arrays(tmp_path / "remote", 64, 3)
-    provider = start_provider(f"web={server.url}/remote/?{SLOW}")
+    provider = start_provider(
+        f"web={server.url}/remote/?{SLOW}&ram_cache=65536&block=512", metrics_bind="127.0.0.1:0", name="prov-r"
+    )
     client = client_for(provider.endpoint, timeout_s=WAIT_S)
     server.drops = 1  # the next range GET is hung up on
     with pytest.raises(Unavailable, match="remote/train_[xy].npy"):
         client.request(BatchRequest(dataset="web", split="train", frames=[np.array([3], "<i8").tobytes()]))
     x, _ = batch(client.request(BatchRequest(dataset="web", split="train", frames=[np.array([9], "<i8").tobytes()])), 1)
     assert np.array_equal(x, remote_x[[9]])
+    fetched = provider.service.handler.stats()["remote_reads"]["web"]
+    again, _ = batch(
+        client.request(BatchRequest(dataset="web", split="train", frames=[np.array([9], "<i8").tobytes()])), 1
+    )
+    assert np.array_equal(again, x)
+    # what an operator sees of it: the requests' limit, and the RAM cache's blocks: sample 9's x and y
+    # blocks, fetched for the first read, come from RAM for the second
+    me = dict(service="provider", name="prov-r", dataset="web")
+    s = scrape(provider.service.metrics.url)
+    assert value(s, "batchbus_remote_requests_limit", **me) >= 1
+    assert value(s, "batchbus_ram_cache_fetches_total", **me) == fetched["ram_cache_fetches"]
+    assert value(s, "batchbus_ram_cache_hits_total", **me) == fetched["ram_cache_hits"] + 2
+    assert value(s, "batchbus_ram_cache_bytes", **me) == fetched["ram_cache_bytes"] > 0
 
 
 def test_each_dataset_reads_on_lanes_of_its_own(tmp_path, server):

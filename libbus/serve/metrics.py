@@ -93,7 +93,7 @@ _SERVED = {
     "evaluations": ("evaluations", "Evaluations run on the provider's own test split, by dataset."),
     "queue_s": (
         "batch_queue_seconds",
-        "Seconds batch requests waited at the provider before their read began (the loop, a fill thread), by dataset.",
+        "Seconds batch requests waited at the provider before their read began (behind its dataset's other batches), by dataset.",
     ),
     "fill_s": (
         "batch_fill_seconds",
@@ -119,6 +119,20 @@ _STAGE_METRICS: dict[str, tuple[type[Metric], str, str]] = {
     ),
 }
 
+
+#: A remote dataset's reads (provider stats ``remote_reads``, per dataset).
+_REMOTE_READS: dict[str, tuple[type[Metric], str, str]] = {
+    "inflight": (GaugeMetricFamily, "remote_requests_inflight", "Requests of a remote dataset in flight now."),
+    "inflight_limit": (
+        GaugeMetricFamily,
+        "remote_requests_limit",
+        "Requests a remote dataset may have in flight now (it climbs with throughput: the bandwidth-delay product).",
+    ),
+    "ram_cache_bytes": (GaugeMetricFamily, "ram_cache_bytes", "Bytes of whole blocks a dataset's RAM cache holds."),
+    "ram_cache_hits": (CounterMetricFamily, "ram_cache_hits", "Blocks read from a dataset's RAM cache."),
+    "ram_cache_fetches": (CounterMetricFamily, "ram_cache_fetches", "Blocks fetched whole into a dataset's RAM cache."),
+    "ram_cache_evictions": (CounterMetricFamily, "ram_cache_evictions", "Blocks evicted from a dataset's RAM cache."),
+}
 
 #: Object-store reads (provider stats ``object_store``) and its disk caches' (``object_store.caches``).
 _OBJECT_METRICS: dict[str, tuple[type[Metric], str, str]] = {
@@ -280,6 +294,14 @@ class StatsCollector(Collector):
         objects = stats.get("object_store")
         if isinstance(objects, dict):
             yield from self._object_store(objects, family)
+        remote = stats.get("remote_reads")
+        if isinstance(remote, dict) and remote:
+            for key, (kind, metric, doc) in _REMOTE_READS.items():
+                fam = family(kind, metric, doc, ("dataset",))
+                for dataset, row in sorted(remote.items()):
+                    if key in row:
+                        fam.add_metric([self.service, self.name, dataset], float(row[key]))
+                yield fam
         decode = stats.get("decode_cache")
         if isinstance(decode, dict):
             yield from self._decode_cache(decode, family)

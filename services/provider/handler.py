@@ -70,6 +70,17 @@ def _chain(done: Future, into: Future) -> None:
         into.set_exception(err)
 
 
+def remote_read_stats(datasets: dict[str, Source]) -> dict[str, dict]:
+    """Per remote dataset read from files (``http(s)://``, an object store): its requests in flight and
+    their limit now, and its RAM cache's counters (``busctl queues --json``, the metrics)."""
+    out = {}
+    for name, source in datasets.items():
+        location = getattr(source, "location", None)
+        if source.remote and location is not None:
+            out[name] = location.stats()
+    return out
+
+
 def check_servable(dataset: str, source: Source) -> None:
     """Refuse (at start-up) a dataset that no batch could be served of: encoded images or text, alone
     or mixed (they have no fixed shape and feed a pipeline's ``decode`` or ``tokenize`` stage), or
@@ -94,8 +105,10 @@ log = logging.getLogger(__name__)
 
 READERS = ("trainer", "admin")
 #: Who may read batches: a reader token's loader too (a script's token: its datasets, no jobs, no
-#: evaluations; libbus/security/auth.py ROLES).
-BATCH_READERS = ("trainer", "reader", "admin")
+#: evaluations; libbus/security/auth.py ROLES), and an attempt's grant (its job's dataset).
+BATCH_READERS = ("trainer", "reader", "admin", "attempt")
+#: Who may have a model scored: an attempt's grant too, for its own job only.
+EVALUATORS = ("trainer", "admin", "attempt")
 #: How often the provider looks for rings their trainers have removed.
 RING_CHECK_S = 1.0
 #: How long a request from a trainer not (yet) assigned to a job on its dataset waits for the
@@ -234,6 +247,8 @@ class ProviderHandler(Handler):
             claims.check_dataset(msg.dataset)
         if isinstance(msg, Evaluate) and msg.job:
             claims.check_job(msg.job)
+        if isinstance(msg, Evaluate) and not msg.job and session.role == "attempt":
+            raise Forbidden("an attempt's grant scores models for its own job only: Evaluate must name it")
         if isinstance(msg, AttachRing) and not any(claims.allows_dataset(d) for d in self.datasets):
             raise Forbidden(
                 f"this token's datasets scope [{', '.join(claims.scopes['datasets'])}] "
@@ -243,8 +258,11 @@ class ProviderHandler(Handler):
     def entitled(self, session: Session, msg: Message) -> bool:
         """Whether the router has entitled this peer to what ``msg`` reads: admins and readers always
         (a reader's grant is its token's ``datasets`` scope, checked before); a trainer when it runs a
-        job on the dataset, or its token names datasets explicitly, or ``assigned_only`` is off."""
-        if session.role != "trainer" or not self.assigned_only or "datasets" in session.claims.scopes:
+        job on the dataset, or its token names datasets explicitly, or ``assigned_only`` is off; an
+        attempt's grant (scoped by the router to its job's dataset) while its trainer runs a job there."""
+        if session.role not in ("trainer", "attempt") or not self.assigned_only:
+            return True
+        if session.role == "trainer" and "datasets" in session.claims.scopes:
             return True
         sub = session.claims.sub
         if isinstance(msg, (BatchRequest, DatasetInfoRequest, Evaluate, LocateSamples)):
@@ -314,7 +332,7 @@ class ProviderHandler(Handler):
             local_endpoint=self.local_endpoint,
         )
 
-    @serves(Evaluate, *READERS)
+    @serves(Evaluate, *EVALUATORS)
     def on_Evaluate(self, session: Session, msg: Evaluate) -> Future:
         return self.evaluate(msg, session)
 
@@ -534,6 +552,7 @@ class ProviderHandler(Handler):
             "waiting_assignment": len(self._waiting),
             "refused": refused,
             "evaluations_running": running,
+            "remote_reads": remote_read_stats(self.datasets),
             "evaluations_queued": queued,
             **pipeline_stats(self.datasets),
             **object_store_stats(self.datasets),

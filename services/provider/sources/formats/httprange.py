@@ -100,6 +100,11 @@ class RangeClient:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
+    def read_stats(self) -> dict:
+        """Requests in flight and their limit now, and the RAM cache's counters (when it has one)."""
+        out = {"inflight": self.inflight.inflight, "inflight_limit": self.inflight.limit}
+        return {**out, **(self.memory.stats() if self.memory is not None else {})}
+
     # -- requests ------------------------------------------------------------------------------
 
     def _connection(self, url: str) -> tuple[http.client.HTTPConnection, str]:

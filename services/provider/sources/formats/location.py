@@ -126,6 +126,11 @@ class Location:
         """DatasetInfo keys this place adds (an object store: ``store``)."""
         return {}
 
+    def stats(self) -> dict:
+        """How its reads go now (a remote location: requests in flight and their limit, its RAM cache); ``{}``."""
+        client = getattr(self, "client", None)
+        return client.read_stats() if client is not None and hasattr(client, "read_stats") else {}
+
     def close(self) -> None:
         """Release the client (threads, connections); the source calls it when it closes."""
 

@@ -141,6 +141,11 @@ class ObjectClient:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
+    def read_stats(self) -> dict:
+        """Requests in flight and their limit now, and the RAM cache's counters (when it has one)."""
+        out = {"inflight": self.inflight.inflight, "inflight_limit": self.inflight.limit}
+        return {**out, **(self.memory.stats() if self.memory is not None else {})}
+
     # -- the batch's deadline ----------------------------------------------------------------
 
     @contextmanager
