@@ -41,6 +41,11 @@ def _serve(service, ready_file: Path | None, ready: Callable[[str], str]) -> Non
         runtime.finish(notify)
 
 
+def _modules(values: list[str] | None) -> str | None:
+    """Repeated ``--job-modules A --job-modules B,C`` as the setting's comma-separated form."""
+    return ",".join(values) if values else None
+
+
 # -- services ------------------------------------------------------------------------------------
 
 
@@ -110,6 +115,23 @@ def start_provider(
         str | None,
         typer.Option(help="Most bytes the cache holds, least recently used evicted (or BATCHBUS_CACHE_LIMIT)."),
     ] = None,
+    evaluator_modules: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--evaluator-modules",
+            metavar="MODULE[,MODULE]",
+            help="Modules whose evaluators may score models on the test split: exact names, or a package as "
+            "'mylab.' (repeatable or comma-separated; evaluator_modules, BATCHBUS_EVALUATOR_MODULES). "
+            "Default: built-in models only.",
+        ),
+    ] = None,
+    eval_epsilon: Annotated[
+        float | None,
+        typer.Option(
+            help="Privacy noise of released test scores (docs/security.md §9; default 0.1). 0: exact scores, "
+            "only where every asker may see the test split."
+        ),
+    ] = None,
 ) -> None:
     """Serve datasets on a data socket and register them with the router."""
     from services.provider.app import ProviderService
@@ -129,6 +151,8 @@ def start_provider(
         metrics_bind=metrics_bind,
         cache_dir=cache_dir,
         cache_limit=cache_limit,
+        evaluator_modules=_modules(evaluator_modules),
+        eval_epsilon=eval_epsilon,
     )
     setup_logging(s.log_level)
     service = ProviderService(s)
@@ -152,6 +176,16 @@ def start_trainer(
     ] = None,
     heartbeat_ms: Annotated[int | None, typer.Option(help="Heartbeat interval.")] = None,
     metrics_bind: MetricsBind = None,
+    job_modules: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--job-modules",
+            metavar="MODULE[,MODULE]",
+            help="Modules whose code jobs may run here (entrypoints, module:factory models): exact names, or a "
+            "package as 'mylab.' (repeatable or comma-separated; job_modules, BATCHBUS_JOB_MODULES). "
+            "Default: built-in models only.",
+        ),
+    ] = None,
 ) -> None:
     """Take jobs from the router and train them on batches pulled from providers."""
     from services.trainer.app import run_trainer
@@ -167,6 +201,7 @@ def start_trainer(
         torch_threads=torch_threads,
         heartbeat_ms=heartbeat_ms,
         metrics_bind=metrics_bind,
+        job_modules=_modules(job_modules),
     )
     setup_logging(s.log_level)
     code = run_trainer(s)

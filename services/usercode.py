@@ -12,12 +12,13 @@ before that check.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Collection
 
 from libbus.errors import BadRequest
 
-__all__ = ["import_allowed", "module_allowed", "not_allowed"]
+__all__ = ["closest_allowed", "import_allowed", "module_allowed", "not_allowed"]
 
 
 def module_allowed(module_name: str, allowed: Collection[str]) -> bool:
@@ -30,16 +31,37 @@ def module_allowed(module_name: str, allowed: Collection[str]) -> bool:
 
 
 def not_allowed(what: str, module_name: str, allowed: Collection[str], setting: str, node: str = "node") -> str:
-    """The refusal of ``module_name`` (not in ``allowed``, the node's ``setting``), saying what its
-    operator would list to allow it: the module itself, or its package with a trailing ``.``."""
+    """The refusal of ``module_name`` (not in ``allowed``, the node's ``setting``): first the allowed
+    module it is a likely typo of ("did you mean"), then what its operator would list to allow it:
+    the module itself, or its package with a trailing ``.``."""
     listed = ", ".join(sorted(allowed)) or "none"
     package = module_name.rpartition(".")[0]
     entry = f"{module_name!r}" + (f", or {package + '.'!r} for every module of its package" if package else "")
+    meant = closest_allowed(module_name, allowed)
+    typo = f"Did you mean {meant!r}? (then fix the name where the job gives it and submit it again) " if meant else ""
     return (
         f"{what}: module {module_name!r} is not in this {node}'s {setting} ({listed}); only modules its operator "
         f"lists there (its config file or BATCHBUS_{setting.upper()}) may run, nothing was imported. "
-        f"To allow it, the operator lists {entry}"
+        f"{typo}To allow {'it as it is' if meant else 'it'}, the operator lists {entry}"
     )
+
+
+def closest_allowed(module_name: str, allowed: Collection[str]) -> str | None:
+    """The module ``allowed`` permits that ``module_name`` most likely misspells: an exact entry, or
+    ``module_name`` with its package part corrected to a package entry's (``mylba.train`` for
+    ``mylab.``); None when nothing is close."""
+    candidates = set()
+    for entry in allowed:
+        prefix = entry.removesuffix("*")
+        if prefix.endswith("."):  # the package's components in place of as many of the name's, the rest as given
+            parts, depth = module_name.split("."), prefix.count(".")
+            if len(parts) > depth:
+                candidates.add(prefix + ".".join(parts[depth:]))
+        else:
+            candidates.add(entry)
+    candidates.discard(module_name)
+    found = difflib.get_close_matches(module_name, sorted(candidates), n=1, cutoff=0.8)
+    return found[0] if found else None
 
 
 def import_allowed(ref: str, allowed: Collection[str], what: str, setting: str = "user_modules") -> object:
