@@ -19,6 +19,7 @@ from libbus.jobs.state import JobState
 from libbus.wire.messages import ControlJob, Ok
 from services.router.jobs import EVAL_ACK_TIMEOUT_S
 
+from . import scores
 from .common import admin_client, echo, fail, print_json
 
 __all__ = ["describe", "evaluate_job"]
@@ -51,10 +52,13 @@ def describe(job: str, d: dict) -> str:
     if d.get("error"):
         return f"{job}: evaluation at step {d.get('step', '?')} failed: {d['error']}"
     paused = " (the job is paused)" if d.get("state") == JobState.PAUSED else ""
-    metrics = "".join(f", {k} {v:.4f}" for k, v in (d.get("test_metrics") or {}).items())
+    metrics = "".join(f", {k} {scores.score(d, k)}" for k in (d.get("test_metrics") or {}))
+    note = scores.noise_note(d)
     return (
         f"{job}: step {d['step']} (epoch {d['epoch']}) scored on {d['provider']}: "
-        f"test accuracy {d['test_accuracy']:.4f}, loss {d['test_loss']:.4f}{metrics} on {d['test_n']} private samples\n"
-        f"training paused {d['copy_ms']:.1f} ms for the copy of the weights; the evaluation took "
+        f"test accuracy {scores.score(d, 'accuracy')}, loss {scores.score(d, 'loss')}{metrics} "
+        f"on {d['test_n']} private samples\n"
+        + (f"{note}\n" if note else "")
+        + f"training paused {d['copy_ms']:.1f} ms for the copy of the weights; the evaluation took "
         f"{d['eval_s']:.1f} s{paused}"
     )

@@ -35,7 +35,7 @@ from libbus.wire.messages import (
 from . import tables
 from .common import admin_client, echo, fail, guard, print_json, printable
 from .options import Json, admin_options
-from .studies import current_model, evaluation_task, is_model_ref
+from .studies import current_model, evaluation_task, is_model_ref, looks_like_model_ref, weights_line
 from .watch import watch_job
 
 __all__ = ["job_app", "submit", "jobs"]
@@ -73,11 +73,17 @@ def submit(
     ] = None,
     max_world_size: Annotated[int | None, typer.Option(help="With --elastic: the most trainers it gathers.")] = None,
     split: Annotated[
-        str,
-        typer.Option(help="With --evaluate --model JOB|FILE: val (a trainer scores it) or test (the provider does)."),
-    ] = "val",
+        str | None,
+        typer.Option(
+            help="With --evaluate --model JOB|FILE: val (a trainer scores it; the default) or test (the provider "
+            "does; the default with --evaluator)."
+        ),
+    ] = None,
     arch: Annotated[
-        str | None, typer.Option(help="With --evaluate --model FILE: its model, when the file does not say.")
+        str | None,
+        typer.Option(
+            help="With --evaluate --model FILE: its model, when the file does not say (not with --evaluator)."
+        ),
     ] = None,
     entrypoint: Annotated[
         str | None,
@@ -109,11 +115,20 @@ def submit(
     """Queue a training job (or, with --evaluate --model JOB|FILE, an evaluation task); prints its id."""
     spec: dict = {}
     frames: list[bytes] = []
-    if evaluate and is_model_ref(model):
+    if evaluate and model and (is_model_ref(model) or looks_like_model_ref(model) or split or arch):
+        # scoring a stored model (an evaluation task), not training one and scoring it at the end
+        if not is_model_ref(model):
+            fail(
+                f"--evaluate --model {model!r}: not a job id (j and 10 hex digits) nor a readable file; an "
+                "evaluation task scores a succeeded job's model or a .safetensors file (busctl job model -o FILE)",
+                2,
+            )
         if not dataset:
             fail("an evaluation task needs --dataset NAME", 2)
-        spec, frames = evaluation_task(model, dataset, split, arch)
+        spec, frames = evaluation_task(model, dataset, split, arch, evaluator)
         model = dataset = evaluate = None
+    elif split or arch:
+        fail("--split and --arch go with --evaluate --model JOB|FILE (an evaluation task)", 2)
     if job_file is not None:
         try:
             spec = tomllib.loads(job_file.read_text())
@@ -372,6 +387,7 @@ def job_model(
         fail(f"model of {job} arrived with sha256 {digest}, expected {reply.sha256}; nothing written")
     write_atomic(out, data)
     typer.echo(f"{out}: {len(data)} bytes, sha256 {digest}")
+    typer.echo(weights_line(data))
 
 
 @job_app.command("watch")

@@ -21,7 +21,15 @@ from libbus.wire.messages import ControlJob, GetStudy, ListStudies, Model, StopS
 from .common import admin_client, echo, fail, guard, print_json
 from .options import Json, admin_options
 
-__all__ = ["study_app", "studies", "evaluation_task", "is_model_ref", "current_model"]
+__all__ = [
+    "study_app",
+    "studies",
+    "evaluation_task",
+    "is_model_ref",
+    "looks_like_model_ref",
+    "current_model",
+    "weights_line",
+]
 
 study_app = typer.Typer(
     no_args_is_help=True, help="Hyper-parameter studies the router runs (docs/operations.md §Studies)."
@@ -125,15 +133,29 @@ def studies(*, settings: Settings, json: Json = False) -> None:
 
 
 def is_model_ref(model: str | None) -> TypeGuard[str]:
-    """Whether ``busctl submit --model`` names a stored model (a job id or a .safetensors file)."""
-    return bool(model and (_JOB_ID.match(model) or model.endswith(".safetensors")))
+    """Whether ``busctl submit --evaluate --model`` names a stored model: a job id, a .safetensors
+    file, or any file there is (``busctl job model -o`` writes whatever name it is given)."""
+    return bool(model and (_JOB_ID.match(model) or model.endswith(".safetensors") or Path(model).is_file()))
 
 
-def evaluation_task(model: str, dataset: str, split: str, arch: str | None) -> tuple[dict, list[bytes]]:
-    """The spec (and the uploaded weights, for a file) of an evaluation task of ``model``."""
+def looks_like_model_ref(model: str) -> bool:
+    """Whether ``model``, not a stored model (:func:`is_model_ref`), was meant as one: a path, or a
+    job id mistyped. A built-in's name or ``package.module:factory`` is a model to train."""
+    return "/" in model or "\\" in model or bool(re.match(r"^j[0-9a-f]{4,}$", model))
+
+
+def evaluation_task(
+    model: str, dataset: str, split: str | None, arch: str | None, evaluator: str | None = None
+) -> tuple[dict, list[bytes]]:
+    """The spec (and the uploaded weights, for a file) of an evaluation task of ``model``: a job id,
+    or a safetensors file. With ``evaluator`` the provider's evaluator scores it on the test split, so
+    the file need not say which model it holds."""
+    split = split or ("test" if evaluator else "val")
     if split not in ("val", "test"):
         fail(f"--split must be val (scored on a trainer) or test (on the provider), got {split!r}", 2)
-    from safetensors import safe_open  # noqa: PLC0415 - keeps busctl start-up light
+    if evaluator and split != "test":
+        fail("an evaluator scores on the provider's test split: --split test (or leave --split out)", 2)
+    from libbus.jobs.weights import weights_digest  # noqa: PLC0415 - keeps busctl start-up light
 
     spec = {"task": "evaluate", "dataset": dataset, "split": split, "evaluate": False}
     if _JOB_ID.match(model):
@@ -141,25 +163,39 @@ def evaluation_task(model: str, dataset: str, split: str, arch: str | None) -> t
     path = Path(model)
     try:
         data = path.read_bytes()
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
     except FileNotFoundError:
-        fail(f"model file {path} does not exist", 2)
-    except Exception as err:  # noqa: BLE001 - safetensors raises its own types
-        fail(f"{path} is not a safetensors file: {err}", 2)
+        fail(f"model file {path} does not exist (--model takes a job id or a .safetensors file)", 2)
+    except OSError as err:
+        fail(f"cannot read model file {path}: {err.strerror or err}", 2)
+    try:
+        weights_digest(data)
+        meta = _metadata(data)
+    except ValueError as err:
+        fail(f"{path}: {err}; --model takes a job id or a .safetensors file", 2)
+    upload = {**spec, "model_from": "upload"}
+    if evaluator and not arch:  # the evaluator builds what it scores: no architecture to name
+        return upload, [data]
     name = arch or meta.get("model")
     if not name:
-        fail(f"{path} does not say which model it holds; name it with --arch (mlp, cnn, tiny-lm, module:factory)", 2)
+        made_by = f" of entrypoint {meta['entrypoint']}" if meta.get("entrypoint") else ""
+        fail(
+            f"{path} holds weights{made_by} but does not say which model builds them: score them with "
+            "--evaluator package.module:function (on the provider's test split), or name the model with "
+            "--arch (mlp, cnn, tiny-lm, package.module:factory)",
+            2,
+        )
     try:  # written by trainers since studies came; an older file's model is built with default arguments
         kwargs = orjson.loads(meta.get("model_kwargs") or "{}") if not arch else {}
     except orjson.JSONDecodeError:
         kwargs = {}
-    return {
-        **spec,
-        "model_from": "upload",
-        "model": name,
-        "model_kwargs": kwargs if isinstance(kwargs, dict) else {},
-    }, [data]
+    return {**upload, "model": name, "model_kwargs": kwargs if isinstance(kwargs, dict) else {}}, [data]
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """A safetensors blob's string metadata (checked to be one by :func:`weights_digest` first)."""
+    size = int.from_bytes(data[:8], "little")
+    meta = orjson.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
 
 
 def current_model(job: str, out: Path, settings: Settings) -> None:
@@ -180,3 +216,14 @@ def current_model(job: str, out: Path, settings: Settings) -> None:
         fail(f"model of {job} arrived with sha256 {digest}, expected {reply.sha256}; nothing written")
     write_atomic(out, data)
     echo(f"{out}: {len(data)} bytes, sha256 {digest}, step {reply.step} (epoch {reply.epoch})")
+    echo(weights_line(data))
+
+
+def weights_line(data: bytes) -> str:
+    """The weights digest of a downloaded model, and what it is for."""
+    from libbus.jobs.weights import weights_digest  # noqa: PLC0415 - keeps busctl start-up light
+
+    try:
+        return f"weights digest {weights_digest(data)} (equal for equal tensors, whatever the file's metadata)"
+    except ValueError as err:
+        return f"weights digest: none ({err})"

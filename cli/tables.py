@@ -11,15 +11,19 @@ from rich.table import Table
 from libbus.jobs.spec import BUILTIN_PARAMS
 from libbus.jobs.state import JobState
 
+from . import scores
 from .common import SafeConsole
 
 __all__ = [
+    "epoch_of",
     "fmt_result",
     "job",
     "jobs",
     "peers",
     "queues",
     "refusals",
+    "result_lines",
+    "runs",
     "segments",
     "settings",
     "stage_tables",
@@ -42,13 +46,82 @@ def _pct(v) -> str:
 
 
 def fmt_result(result: dict | None) -> str:
+    """A result in a table cell: its accuracies (a test one with its noise's margin), ``-`` for none."""
     if not result:
         return "-"
     parts = []
-    for key, label in (("val_accuracy", "val acc"), ("test_accuracy", "test acc")):
-        if isinstance(result.get(key), (int, float)):
-            parts.append(f"{label} {result[key]:.4f}")
+    if isinstance(result.get("val_accuracy"), (int, float)):
+        parts.append(f"val acc {result['val_accuracy']:.4f}")
+    if isinstance(result.get("test_accuracy"), (int, float)):
+        parts.append(f"test acc {scores.score(result, 'accuracy', short=True)}")
     return ", ".join(parts) or "-"
+
+
+def result_lines(r: dict) -> list[str]:
+    """What a result holds, each score once and only those there are (an evaluation task on ``test``
+    has no validation score); test scores with their noise's margin and, where noised, how to get
+    exact ones."""
+    parts = []
+    val = [f"{k} {r[f'val_{k}']:.4f}" for k in ("accuracy", "loss") if isinstance(r.get(f"val_{k}"), (int, float))]
+    if val:
+        n = f" on {r['val_n']} samples" if isinstance(r.get("val_n"), int) else ""
+        parts.append("val " + ", ".join(val) + n)
+    if isinstance(r.get("test_accuracy"), (int, float)) or isinstance(r.get("test_loss"), (int, float)):
+        extra = "".join(f", {k} {scores.score(r, k)}" for k in (r.get("test_metrics") or {}))
+        by = f" (provider {r['test_provider']})" if r.get("test_provider") else ""
+        parts.append(
+            f"test accuracy {scores.score(r, 'accuracy')}, loss {scores.score(r, 'loss')}{extra} "
+            f"on {r.get('test_n', '?')} private samples{by}"
+        )
+    if isinstance(r.get("samples_per_s"), (int, float)) and r["samples_per_s"] > 0:
+        parts.append(f"{r['samples_per_s']:.0f} samples/s")
+    lines = ["; ".join(parts)] if parts else []
+    if scores.noise_note(r):
+        lines.append(scores.noise_note(r))
+    return lines
+
+
+def epoch_of(p: dict) -> str:
+    """A progress report's epoch as ``N/M``, counted from 1 as ``busctl job watch`` draws it: the epoch
+    under way, the last one once every epoch has run (a report counts the epochs done, from 0)."""
+    epoch, epochs = p.get("epoch"), p.get("epochs")
+    if not isinstance(epoch, int):
+        return f"?/{epochs or '?'}"
+    shown = min(epoch, epochs - 1) + 1 if isinstance(epochs, int) and epochs > 0 else epoch + 1
+    return f"{shown}/{epochs or '?'}"
+
+
+def _loss(p: dict) -> str:
+    """A progress report's running train loss; ``-`` where there is none (no step metered yet, or the
+    job over: the loss is of the steps since the attempt started, not a score)."""
+    return f"{p['loss']:.4f}" if isinstance(p.get("loss"), (int, float)) else "-"
+
+
+def runs(spec: dict) -> str:
+    """What a job runs, for a table: an entrypoint's function, an evaluation task's model source, or
+    the built-in model."""
+    if spec.get("entrypoint"):
+        return spec["entrypoint"]
+    if spec.get("task") == "evaluate":
+        source = "uploaded file" if spec.get("model_from") == "upload" else spec.get("model_from", "?")
+        return f"evaluate {source}" + (f" ({spec['evaluator']})" if spec.get("evaluator") else "")
+    return spec.get("model", "-")
+
+
+def shown_spec(spec: dict) -> dict:
+    """The fields of ``spec`` that mean something to the job: an entrypoint job's built-in loop fields
+    (at their defaults) do not; an evaluation task uses only what names the model and what it scores."""
+    if spec.get("task") == "evaluate":
+        keep = ["task", "dataset", "split", "model_from"]
+        if spec.get("evaluator"):
+            keep += ["evaluator", "evaluator_kwargs"]
+        else:
+            keep += ["model", "model_kwargs"] + (["batch_size"] if spec.get("split") == "val" else [])
+        keep += ["priority", "name"]
+        return {k: spec[k] for k in keep if spec.get(k) not in ("", {}, None)}
+    # an entrypoint job's spec holds the built-in loop's fields at their defaults: they mean nothing to it
+    unused = {k for k in BUILTIN_PARAMS if k != "model_from"} if spec.get("entrypoint") else set()
+    return {k: v for k, v in spec.items() if v not in ("", {}, None) and k not in unused}
 
 
 def wait_split(split: dict | None, parts: int = 5) -> str:
@@ -63,15 +136,15 @@ def wait_split(split: dict | None, parts: int = 5) -> str:
 
 
 def jobs(rows: list[dict]) -> None:
-    table = Table("job", "state", "dataset", "model", "trainer", "progress", "result", "updated")
+    table = Table("job", "state", "dataset", "runs", "trainer", "progress", "result", "updated")
     for r in rows:
         p = r.get("progress") or {}
-        progress = f"epoch {p.get('epoch', 0)}/{p.get('epochs', '?')}" if p else "-"
+        progress = f"epoch {epoch_of(p)}" if p else "-"
         table.add_row(
             r["id"],
             r["state"],
             r["spec"]["dataset"],
-            r["spec"]["model"],
+            runs(r["spec"]),
             _trainers(r),
             progress,
             fmt_result(r.get("result")),
@@ -109,16 +182,12 @@ def job(info: dict) -> None:
     if gang and JobState(info["state"]).holding:
         ranks = ", ".join(f"{rank}: {name}" for rank, name in enumerate(gang["members"]))
         console.print(f"gang: rank {ranks}; rendezvous {gang['rendezvous'] or '(rank 0 not there yet)'}")
-    spec = info["spec"]
-    # an entrypoint job's spec holds the built-in loop's fields at their defaults: they mean nothing to it
-    unused = {k for k in BUILTIN_PARAMS if k != "model_from"} if spec.get("entrypoint") else set()
-    shown = (f"{k}={v}" for k, v in spec.items() if v not in ("", {}, None) and k not in unused)
-    console.print("spec: " + ", ".join(shown))
+    console.print("spec: " + ", ".join(f"{k}={v}" for k, v in shown_spec(info["spec"]).items()))
     p = info.get("progress") or {}
     if p:
         console.print(
-            f"progress: epoch {p.get('epoch')}/{p.get('epochs')} step {p.get('step')} "
-            f"loss {p.get('loss') or 0:.4f} {p.get('samples_per_s', 0):.0f} samples/s "
+            f"progress: epoch {epoch_of(p)} step {p.get('step')} "
+            f"loss {_loss(p)} {p.get('samples_per_s', 0):.0f} samples/s "
             f"data wait {p.get('data_wait_pct', 0):.1f}%"
         )
         split = p.get("data_wait_split") or {}
@@ -128,14 +197,17 @@ def job(info: dict) -> None:
         for h in p.get("history", []):
             console.print("  " + epoch_line(h))
     r = info.get("result") or {}
-    if r:
-        console.print(
-            f"result: val acc {_pct(r.get('val_accuracy'))}, test acc {_pct(r.get('test_accuracy'))}"
-            f" (loss {_pct(r.get('test_loss'))}, n={r.get('test_n', '-')}), "
-            f"{r.get('samples_per_s', 0):.0f} samples/s"
-        )
+    lines = result_lines(r)
+    if lines:
+        console.print("result: " + lines[0])
+        for line in lines[1:]:
+            console.print("  " + line)
+    if r.get("model_sha256"):  # an evaluation task: the weights it scored
+        console.print(f"scored weights: sha256 {r['model_sha256']}")
     if r.get("model"):
         console.print(f"model: {r['model']['path']} sha256 {r['model']['sha256']}")
+        if r["model"].get("weights_digest"):  # the tensors alone: equal for equal weights, whatever the file says
+            console.print(f"  weights digest {r['model']['weights_digest']} (equal for equal tensors)")
     if info.get("error"):
         console.print(f"[red]error:[/] {info['error']}")
     ckpts = info.get("checkpoints") or []
@@ -148,7 +220,7 @@ def job(info: dict) -> None:
     for p in info.get("progress_history", []):
         console.print(
             f"  {time.strftime('%H:%M:%S', time.localtime(p['at']))} {p.get('state', JobState.RUNNING):<8} "
-            f"epoch {p.get('epoch')}/{p.get('epochs')} step {p.get('step')} loss {p.get('loss') or 0:.4f} "
+            f"epoch {epoch_of(p)} step {p.get('step')} loss {_loss(p)} "
             f"{p.get('samples_per_s', 0):.0f} samples/s data wait {p.get('data_wait_pct', 0):.0f}%"
         )
     shown, total = info.get("events", []), info.get("events_total", 0)

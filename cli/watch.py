@@ -14,7 +14,7 @@ from libbus.jobs.state import JobState
 from libbus.wire.messages import GetJob
 
 from .common import SafeConsole
-from .tables import epoch_line
+from .tables import epoch_line, result_lines
 
 __all__ = ["watch_job"]
 
@@ -88,12 +88,10 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
             time.sleep(POLL_S)
     result = info.get("result") or {}
     if info["state"] == JobState.SUCCEEDED:
-        line = f"job {job} succeeded: val accuracy {result.get('val_accuracy', 0):.4f}"
-        if "test_accuracy" in result:
-            line += (
-                f", provider-side test accuracy {result['test_accuracy']:.4f} on {result.get('test_n')} private samples"
-            )
-        console.print(line)
+        lines = result_lines(result)  # only the scores it has: an evaluation task on test has no val score
+        console.print(f"job {job} succeeded" + (f": {lines[0]}" if lines else ""))
+        for line in lines[1:]:
+            console.print("  " + line)
     else:
         console.print(f"job {job} {info['state']}" + (f": {info['error']}" if info.get("error") else ""))
     return info

@@ -275,19 +275,23 @@ class Evaluate(Request["Evaluation"]):
 @message
 class Evaluation(Message):
     """The scores as released (rounded and noised on a private split; always finite), the samples
-    read, an evaluator's extra ``metrics``, and the sha256 of the weights scored."""
+    read, an evaluator's extra ``metrics``, and the sha256 of the weights scored. ``epsilon``: the
+    privacy parameter they were released at (0: exact; None: the provider did not say), from which
+    ``services.provider.release.margin`` gives each score's noise."""
 
     loss: float
     accuracy: float
     n: int
     metrics: dict = field(default_factory=dict)
     sha256: str = ""
+    epsilon: float | None = None
 
 
 @message
 class EvaluationReport(Request[Ok]):
     """Provider → router: what it released for an ``Evaluate`` naming ``job``, sent by token subject
-    ``subject``. The router records a job's test score from this, never from a trainer's word."""
+    ``subject``. The router records a job's test score from this, never from a trainer's word.
+    ``epsilon`` as in :class:`Evaluation`."""
 
     job: str
     dataset: str
@@ -298,6 +302,7 @@ class EvaluationReport(Request[Ok]):
     n: int
     metrics: dict = field(default_factory=dict)
     sha256: str = ""
+    epsilon: float | None = None
 
 
 # -- pipeline control ----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from libbus.errors import BadRequest, Forbidden, NotFound, Timeout, Unavailable
 from libbus.jobs.commands import ADMIN_COMMANDS, JobCommand
 from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
+from libbus.jobs.weights import weights_digest
 from libbus.order import history
 from libbus.order.epochs import MAX_SKIP_RANGES
 from libbus.wire.messages import (
@@ -352,7 +353,13 @@ class JobControl:
                 raise BadRequest("weights sent without result.model.sha256")
             frame = msg.frames[0]
             stored = self.artifacts.put(msg.job, frame_buffer(frame), model["sha256"])
-            result = {**result, "model": {**model, "router_path": stored}}
+            # the tensors' own digest: equal for equal weights, whatever job id the file's metadata names
+            try:
+                digest = {"weights_digest": weights_digest(frame_buffer(frame))}
+            except ValueError as err:
+                log.warning("job %s: no weights digest of its model: %s", msg.job, err)
+                digest = {}
+            result = {**result, "model": {**model, "router_path": stored, **digest}}
         self.store.finish(msg.job, msg.state, reason, result=result, error=msg.error)
         log.info("job %s %s: %s", msg.job, msg.state, result or msg.error)
         return Ok()

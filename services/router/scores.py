@@ -5,7 +5,8 @@ A trainer's ``PushResult`` may say anything: a token that can take jobs could re
 provider reports each evaluation it released for a job (``EvaluationReport``, over its own link,
 before it replies to the trainer). When the job's trainer then pushes a result that says it was
 scored, the router records the score the provider reported for that trainer and job — the last one,
-which is the final evaluation's — and with it the provider's name and the sha256 of the weights scored.
+which is the final evaluation's — and with it the provider's name, the sha256 of the weights scored and
+the privacy parameter the scores were released at (``test_epsilon``, 0 when exact).
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ __all__ = ["TEST_KEYS", "TestScores"]
 log = logging.getLogger(__name__)
 
 #: Result keys only a provider's report may set.
-TEST_KEYS = ("test_loss", "test_accuracy", "test_n", "test_perplexity", "test_metrics", "test_provider", "test_sha256")
+TEST_KEYS = (
+    "test_loss",
+    "test_accuracy",
+    "test_n",
+    "test_perplexity",
+    "test_metrics",
+    "test_provider",
+    "test_sha256",
+    "test_epsilon",
+)
 #: Reports kept for jobs whose result has not arrived yet (oldest forgotten first).
 MAX_PENDING = 4096
 
@@ -70,4 +80,6 @@ class TestScores:
             kept["test_perplexity"] = math.exp(min(report.loss, 50.0))
         if report.metrics:
             kept["test_metrics"] = report.metrics
+        if report.epsilon is not None:  # the privacy noise's parameter: busctl shows each score's margin
+            kept["test_epsilon"] = report.epsilon
         return kept

@@ -141,6 +141,8 @@ class LiveEvaluations:
                 "test_accuracy": evaluation.accuracy,
                 "test_n": evaluation.n,
                 **({"test_metrics": evaluation.metrics} if evaluation.metrics else {}),
+                # the privacy noise's parameter (busctl prints each score's margin from it)
+                **({"test_epsilon": evaluation.epsilon} if evaluation.epsilon is not None else {}),
                 "eval_s": round(eval_s, 3),
             }
         )
