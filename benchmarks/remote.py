@@ -13,10 +13,10 @@ each batch's samples checked against the dataset by content:
 =================  ==================================================================================
 file               ``file://`` on the provider's disk: the local baseline (``block`` and ``full`` shuffle)
 http               the ``.npy`` pair as ``http://`` from the range server, per latency and shuffle
-s3-mds             the samples as MDS shards (Streaming's ``MDSWriter``, 64 MB shards) at ``s3://``
-mosaic             MosaicML Streaming's ``StreamingDataset`` (``shuffle=True``) + DataLoader reading the
-                   same MDS from the same store (a fresh local cache each row: a cold read), in a
-                   process of its own
+s3-mds             the samples as MDS shards (Streaming's ``MDSWriter``, ``--mds-shard-mb``) at ``s3://``
+mosaic             MosaicML Streaming's ``StreamingDataset`` (``shuffle=True``) + DataLoader
+                   (``--workers``) reading the same MDS from the same store (a fresh local cache each
+                   row: a cold read), in a process of its own
 head-of-line       the ``file`` dataset's wait per batch, a loop of ``--step-ms`` per step, alone and
                    while another loader reads ``http`` (full shuffle, ``--hol-latency-ms``) from the
                    same provider; meanwhile a new client's ``Hello`` and ``DatasetInfo`` timed
@@ -376,6 +376,20 @@ def settle(cluster: Cluster, store: Store) -> float:
 # -- MosaicML Streaming ----------------------------------------------------------------------------------------
 
 
+def write_mds(x: np.ndarray, y: np.ndarray, out: Path, shard_mb: int) -> Path:
+    """The samples as MDS shards of ``shard_mb`` MB at most, written by Streaming's ``MDSWriter``."""
+    from benchmarks.peer_rows import streaming_without_torchvision  # noqa: PLC0415
+
+    streaming_without_torchvision()  # before Streaming's import (importing peer_rows did it: said here)
+    from streaming import MDSWriter  # noqa: PLC0415
+
+    columns = {"x": f"ndarray:float32:{','.join(map(str, x.shape[1:]))}", "y": "int64"}
+    with MDSWriter(out=str(out), columns=columns, size_limit=f"{shard_mb}mb") as writer:
+        for i in range(len(y)):
+            writer.write({"x": x[i], "y": int(y[i])})
+    return out
+
+
 def mosaic_child(cfg_json: str) -> None:
     """In a process of its own (Streaming starts shared memory and worker processes): read the MDS at
     ``s3://bench/mds`` with ``StreamingDataset`` + DataLoader for ``seconds``; print one JSON line."""
@@ -537,9 +551,7 @@ def run(args: argparse.Namespace) -> dict:
         fp = Fingerprints(x, y)
         mds = None
         if args.mosaic:
-            from benchmarks.peer_rows import write_mds  # noqa: PLC0415 - imports Streaming's writer
-
-            mds = write_mds(root, work)
+            mds = write_mds(x, y, work / "mds", args.mds_shard_mb)
         store = Store(work, mds)
         datasets = {
             "file": f"file://{root}?memory=stream&val_fraction=0",
@@ -589,6 +601,7 @@ def run(args: argparse.Namespace) -> dict:
         }
         add_ratios(rows)
         if args.hol:
+            settle(cluster, store)  # the last row's reads (prefetched, or abandoned) are over: a quiet start
             result["head_of_line"] = head_of_line(cluster, store, args, fp)
         if args.htb:
             result["htb"] = htb_row(root, work, args)
@@ -780,9 +793,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, help="dataset size (default 16384: 192 MiB)")
     p.add_argument("--seconds", type=float, help="each row's window (default 5)")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--workers", type=int, default=2, help="the mosaic row's DataLoader workers")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="the mosaic row's DataLoader workers (default 0: see docs/performance.md)",
+    )
     p.add_argument("--hol-latency-ms", type=float, default=30.0, help="the slow dataset's delay, head-of-line part")
     p.add_argument("--step-ms", type=float, default=10.0, help="the local loader's step, head-of-line part")
+    p.add_argument("--mds-shard-mb", type=int, default=16, help="MDS shard size (default 16 MB)")
     p.add_argument("--no-mosaic", dest="mosaic", action="store_false", help="no MDS rows (no S3 server)")
     p.add_argument("--no-hol", dest="hol", action="store_false", help="no head-of-line part")
     p.add_argument("--htb", action="store_true", help="also the capped-link row (root: namespaces, htb)")
