@@ -6,7 +6,7 @@ mint a token beyond its role; or ``HS256`` with a shared secret file, with which
 mints tokens of any role (for a single trusted machine, chosen explicitly). Verification pins the cluster's one algorithm, so ``alg: none``, a token of the other
 algorithm, and algorithm confusion (HS256 "signed" with the public key as secret) are refused.
 
-Claims: ``sub`` (who), ``role`` (provider | trainer | reader | admin: :data:`ROLES`), ``aud`` (the cluster), ``iss`` (the
+Claims: ``sub`` (who), ``role`` (provider | trainer | reader | admin | attempt: :data:`ROLES`), ``aud`` (the cluster), ``iss`` (the
 issuer, by default the cluster), ``iat``, ``nbf``, ``exp``, ``jti``; optional scopes ``datasets``
 and ``jobs`` (lists of names/ids). No scope claim means unrestricted; ``[]`` means nothing.
 """
@@ -32,6 +32,7 @@ __all__ = [
     "ALGORITHMS",
     "SCOPES",
     "LEEWAY_S",
+    "ATTEMPT_GRANT_S",
     "Claims",
     "issue_token",
     "verify_token",
@@ -48,8 +49,14 @@ __all__ = [
 
 #: provider: serves datasets; trainer: a trainer service (takes jobs, reports progress, pushes results,
 #: and reads data for them); reader: a script's loader (reads the train/val data of its datasets and
-#: nothing else: never a job, a report or a result); admin: submits, controls and inspects.
-ROLES = ("provider", "trainer", "reader", "admin")
+#: nothing else: never a job, a report or a result); admin: submits, controls and inspects; attempt:
+#: one attempt of one job, as the router grants it with the task (scoped to that job and its dataset:
+#: its batches and its evaluations at providers; the router takes nothing from it, its reports go
+#: through its trainer), never minted by hand.
+ROLES = ("provider", "trainer", "reader", "admin", "attempt")
+#: Lifetime of an attempt's grant (the router mints it with each task; the attempt renews it through
+#: its trainer, which must still hold the job, when half of it is spent).
+ATTEMPT_GRANT_S = 3600.0
 #: The algorithms a cluster may choose (``token_alg``); verification accepts exactly one.
 ALGORITHMS = ("HS256", "EdDSA")
 ALGORITHM = "HS256"

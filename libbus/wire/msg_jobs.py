@@ -21,6 +21,8 @@ __all__ = [
     "ControlJob",
     "GetTask",
     "Task",
+    "RenewGrant",
+    "Grant",
     "Rendezvous",
     "NoTask",
     "Progress",
@@ -135,6 +137,25 @@ class Task(Message):
     #: checkpoint record (``{path, sha256, step, ...}``) when this task was handed out; a first
     #: attempt starts from the model weights in that file (read from the shared ``checkpoint_dir``).
     initial: dict | None = None
+    #: The attempt's grant: a short-lived ``attempt`` token scoped to this job and its dataset, which
+    #: the attempt's process reads and evaluates with instead of its trainer's token ("" from a router
+    #: that cannot mint: it holds no signing key).
+    grant: str = ""
+
+
+@message
+class RenewGrant(Request["Grant"]):
+    """Trainer → router, for the attempt it runs: a fresh grant for ``job``, which this trainer
+    must still hold (answered with :class:`Grant`)."""
+
+    job: str
+
+
+@message
+class Grant(Message):
+    """A fresh ``attempt`` token for the job a :class:`RenewGrant` named."""
+
+    token: str
 
 
 @message

@@ -10,6 +10,8 @@ from collections.abc import Callable
 import zmq
 
 from libbus.config import Settings
+from libbus.errors import ConfigError
+from libbus.security.auth import ATTEMPT_GRANT_S
 from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.serve.server import Server
 
@@ -18,7 +20,7 @@ from .artifacts import Artifacts
 from .handler import RouterHandler
 from .store import JobStore
 
-__all__ = ["RouterService", "raise_open_files"]
+__all__ = ["RouterService", "grant_minter", "raise_open_files"]
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +42,40 @@ def raise_open_files(want: int = WANT_OPEN_FILES) -> int:
     return soft
 
 
+def grant_minter(settings: Settings) -> Callable[[str, str, str], str] | None:
+    """What mints each attempt's grant (services/router/handler.py): an ``attempt`` token of the
+    trainer's subject, scoped to one job and its dataset, for :data:`ATTEMPT_GRANT_S`. None (with a
+    warning) where this router holds no signing key: its tasks then carry no grant."""
+    try:
+        key = runtime.signing_key(settings)
+    except ConfigError as err:
+        log.warning(
+            "this router cannot mint attempts' grants (%s); attempts of its jobs will read nothing: keep the "
+            "cluster's signing key on the router's machine",
+            err,
+        )
+        return None
+
+    def mint(trainer: str, job: str, dataset: str) -> str:
+        return runtime.mint_token(
+            settings, key, role="attempt", sub=trainer, ttl_s=ATTEMPT_GRANT_S, datasets=[dataset], jobs=[job]
+        )
+
+    return mint
+
+
 class RouterService:
     def __init__(self, settings: Settings, ctx: zmq.Context | None = None):
         self.settings = settings
         self.name = runtime.service_name(settings, "router")
         key = runtime.verify_key(settings, create=True)
         self.store = JobStore(settings.db)
-        self.handler = RouterHandler(self.store, lease_s=settings.lease_s, artifacts=Artifacts(settings.artifact_dir))
+        self.handler = RouterHandler(
+            self.store,
+            lease_s=settings.lease_s,
+            artifacts=Artifacts(settings.artifact_dir),
+            mint_grant=grant_minter(settings),
+        )
         # group commit: the server calls the handler's flush (one fsync) before a turn's replies go out
         self.store.durability.group()
         bind = settings.bind or settings.router

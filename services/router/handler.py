@@ -10,6 +10,12 @@ must have one holder: the ranks of one script, or several scripts, share one tra
 such a session may only resolve datasets (:data:`LOADER_REQUESTS`), never take jobs or commands.
 A ``reader`` token (what scripts are given) opens nothing but such sessions: it reads its datasets and
 can never act as a trainer service (no task, progress, checkpoint, acknowledgement or result).
+
+Each ``Task`` carries its attempt's grant (``Task.grant``): an ``attempt`` token, minted here with the
+cluster's signing key, scoped to that job and its dataset (:meth:`RouterHandler.grant_for`). The
+attempt's process (a tenant's code) holds that and not its trainer's token; the router opens no
+session for it at all (its reports reach the router through its trainer), so it can neither take a
+job nor act as its trainer here. A trainer renews the grant of a job it still holds (``RenewGrant``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from concurrent.futures import Future
 from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
 from libbus.errors import BadRequest, Forbidden, NotFound, Unavailable
 from libbus.jobs.spec import JobSpec, dataset_name
-from libbus.jobs.state import REFUSED
+from libbus.jobs.state import REFUSED, JobState
 from libbus.security.auth import Claims
 from libbus.serve.handler import serves
 from libbus.serve.server import Handler, Session
@@ -37,6 +43,7 @@ from libbus.wire.messages import (
     GetJobSamples,
     GetModel,
     GetTask,
+    Grant,
     JobInfo,
     JobList,
     JobLog,
@@ -54,6 +61,7 @@ from libbus.wire.messages import (
     Progress,
     PushResult,
     Rendezvous,
+    RenewGrant,
     Resolve,
     Resolved,
     RevokedList,
@@ -103,6 +111,8 @@ class RouterHandler(Decisions, Handler):
         lease_s: how long a trainer holds a job without being heard from (services/router/jobs.py).
         artifacts: where the final models trainers send with their results are kept.
         task_retry_ms: what ``NoTask`` tells an idle trainer to wait before asking again.
+        mint_grant: ``(trainer subject, job, dataset) -> token``: an attempt's grant (None: this router
+            holds no signing key, and its tasks carry none; their attempts then read nothing).
     """
 
     #: Replies wait for :meth:`flush`: a transition is acknowledged once it is on disk.
@@ -118,9 +128,11 @@ class RouterHandler(Decisions, Handler):
         task_retry_ms: int = 1000,
         server_stats: Callable[[], dict] = dict,
         artifacts: Artifacts | None = None,
+        mint_grant: Callable[[str, str, str], str] | None = None,
     ):
         super().__init__()
         self.store = store
+        self.mint_grant = mint_grant
         self.artifacts = artifacts
         self.task_retry_ms = task_retry_ms
         self.server_stats = server_stats
@@ -150,6 +162,11 @@ class RouterHandler(Decisions, Handler):
 
     # -- sessions -----------------------------------------------------------------------------
     def on_open(self, session: Session) -> None:
+        if session.role == "attempt":
+            raise Forbidden(
+                "an attempt's grant reads its job's data and scores its models at providers; the router "
+                "takes nothing from it (an attempt reports through its trainer)"
+            )
         if session.role == "reader" and not session.loader:
             raise Forbidden(
                 "a reader token opens loader sessions only (RemoteLoader says Hello with caps.loader); "
@@ -368,7 +385,7 @@ class RouterHandler(Decisions, Handler):
         who = session.subject
         gang_task = self.gangs.task_for(who)  # services/router/gangs.py
         if isinstance(gang_task, Task):
-            return self.attach_gang_model(gang_task)
+            return self.attach_gang_model(self.granted(who, gang_task))
         if gang_task is not None:
             return gang_task
         again = self.jobs.assigned_again(who, msg.key)
@@ -388,7 +405,7 @@ class RouterHandler(Decisions, Handler):
         if world_size(job["spec"]) > 1:
             reply = self.gangs.join(who, job)
             self._push_entitlements()  # a formed gang's providers hear of it before its ranks ask them
-            return reply
+            return self.granted(who, reply) if isinstance(reply, Task) else reply
         queued = job["id"]
         job = self.store.claim(who, self.jobs.lease_s, accept=lambda j: j["id"] == queued)
         if job is None:  # not on this loop: it was queued a moment ago
@@ -398,7 +415,35 @@ class RouterHandler(Decisions, Handler):
         task = self.attach_model(
             Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"], attempt=max(0, job.get("attempts", 1) - 1))
         )
-        return self.jobs.remember_task(who, msg.key, task)
+        return self.jobs.remember_task(who, msg.key, self.granted(who, task))
+
+    def granted(self, trainer: str, task: Task) -> Task:
+        """``task`` with its attempt's grant (services/router/handler.py docstring)."""
+        task.grant = self.grant_for(trainer, task.job, task.spec)
+        return task
+
+    def grant_for(self, trainer: str, job: str, spec: dict) -> str:
+        """An ``attempt`` token for ``trainer``'s attempt of ``job``: its subject the trainer's (the
+        providers' assignments and CURVE keys name it), scoped to the job and its dataset; "" where
+        this router cannot mint."""
+        if self.mint_grant is None:
+            return ""
+        return self.mint_grant(trainer, job, dataset_name(spec["dataset"]))
+
+    @serves(RenewGrant, *TRAINER)
+    def on_RenewGrant(self, session: Session, msg: RenewGrant) -> Grant:
+        session.claims.check_job(msg.job)
+        job = self.store.get(msg.job, events=False)
+        members = (job.get("gang") or {}).get("members") or [job["trainer"]]
+        if not JobState(job["state"]).holding or session.subject not in members:
+            raise Forbidden(
+                f"job {msg.job} is not running on {session.subject} (state {job['state']}); its attempt's grant "
+                "is renewed only for the trainer holding it"
+            )
+        token = self.grant_for(session.subject, msg.job, job["spec"])
+        if not token:
+            raise Unavailable("this router holds no signing key: it mints no attempt grants")
+        return Grant(token=token)
 
     @serves(Rendezvous, *TRAINER)
     def on_Rendezvous(self, session: Session, msg: Rendezvous) -> Ok:

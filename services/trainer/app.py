@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -24,6 +25,7 @@ from ..sdnotify import Notifier
 from .attempt import ERROR_BYTES, MAX_WAIT_PARTS, AttemptRun, warm_up
 from .control import LOST
 from .failures import describe_failure
+from .grant import not_dumpable, withhold_environment
 from .reports import Reporter
 
 __all__ = ["TrainerService", "run_trainer"]
@@ -275,6 +277,11 @@ class TrainerService:
 
 
 def run_trainer(settings: Settings) -> int:
+    # Attempts fork from a fork server this process starts: it must not hand them, in its environment,
+    # what names or holds this trainer's credentials (read into ``settings`` already). Nor may they
+    # read this process's memory or environment through /proc (same uid): not dumpable.
+    withhold_environment(os.environ)
+    not_dumpable()
     stop, notify = threading.Event(), runtime.notifier()
     runtime.install_signal_handlers(stop, notify)
     runtime.clean_shm()

@@ -51,6 +51,7 @@ from libbus.wire.messages import (
     Message,
     Progress,
     Rendezvous,
+    RenewGrant,
     Resolve,
     Resolved,
     SkipJob,
@@ -63,6 +64,7 @@ from services.usercode import module_allowed, not_allowed
 from .channel import Channel, ChannelClosed
 from .control import LOST
 from .failures import failed_attempt
+from .grant import attempt_settings
 
 __all__ = ["PRELOAD", "AttemptLog", "AttemptRun", "attempt_context", "read_lines", "warm_up"]
 
@@ -145,7 +147,7 @@ def wait_parts(split: object) -> dict[str, float]:
 
 
 #: What a child may ask the router, through its trainer: nothing it could not do as the job's trainer.
-RELAYED: tuple[type[Message], ...] = (Progress, Checkpointed, CommandAck, Resolve, Rendezvous, SkipJob)
+RELAYED: tuple[type[Message], ...] = (Progress, Checkpointed, CommandAck, Resolve, Rendezvous, SkipJob, RenewGrant)
 #: Requests relayed at once (each waits for the router on a thread of its own).
 MAX_RELAYS = 8
 #: Set-up time an attempt has on top of ``attempt_silence_s`` before its function is called: the
@@ -332,7 +334,8 @@ class AttemptRun:
             channel.send(
                 "start",
                 [bytes(f.buffer if hasattr(f, "buffer") else f) for f in self.task.frames],  # model_from's weights
-                settings=s.as_dict(),
+                settings=attempt_settings(s),  # its trainer's credentials withheld (.grant)
+                grant=self.task.grant,
                 task={
                     "job": self.task.job,
                     "spec": self.task.spec,

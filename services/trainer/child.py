@@ -8,7 +8,9 @@ task, :func:`.evaltask.run_evaluation`, trains nothing.) Its log records go to t
 (:class:`ParentLogHandler`), its systemd status line through it (:class:`ParentNotifier`). It holds no connection to the
 router: its requests (progress, checkpoint records, acknowledgements, finding the dataset's
 providers) go through the parent over the channel (:class:`ParentLink`), and the parent passes the
-router's commands on. It reads batches from the providers itself, with the trainer's identity.
+router's commands on. It reads batches from the providers itself, and has its models scored there,
+with its job's grant (:mod:`.grant`): an ``attempt`` token of its trainer's subject scoped to the job
+and its dataset. Its settings and environment hold none of its trainer's credentials.
 
 It dies with its parent (``PR_SET_PDEATHSIG``), ignores SIGINT and SIGTERM (the parent asks it to
 stop, with a checkpoint, and kills it after ``stop_grace_s``), and offers itself first to the kernel's
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 
 from libbus.config import Settings
+from libbus.connect.client import Identity
 from libbus.errors import BusError, PeerTimeout, error_from_code
 from libbus.jobapi import JobEnded
 from libbus.jobs.spec import JobSpec
@@ -53,6 +56,7 @@ from .evaltask import run_evaluation
 from .failures import deterministic, failed_attempt
 from .final_eval import EVALUATE_TIMEOUT_S, score_saved
 from .gang import Gang, GangError, advertised_host
+from .grant import GrantSource, withhold_environment
 from .jobapi import AttemptJob
 from .progress import perplexity
 from .reports import Reporter
@@ -222,7 +226,7 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
     commands: queue.Queue[Command] = queue.Queue()
     threading.Thread(target=_read_channel, args=(channel, link, commands), daemon=True).start()
     reporter = Reporter(link, job_id, settings.request_timeout_s, on_command=commands.put)  # type: ignore[arg-type]  # a Link in all it uses
-    identity = runtime.identity(settings, "trainer", start["name"])
+    identity = attempt_identity(settings, start["name"], job_id, str(start.get("grant", "")), link)
     notifier = ParentNotifier(channel)
 
     if task.spec.get("task") == "evaluate":  # score a stored model, no training (.evaltask)
@@ -312,6 +316,20 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
         reporter.close()
 
 
+def attempt_identity(settings: Settings, name: str, job: str, grant: str, link: ParentLink) -> Identity:
+    """Who the attempt is at providers: its job's grant (renewed through the trainer), its trainer's
+    name, host id and CURVE key pair (the key's name is the grant's subject)."""
+    return Identity(
+        role="attempt",
+        name=name,
+        token=GrantSource(job, grant, lambda msg: link.request(msg, timeout_s=settings.request_timeout_s)),
+        host_id=settings.host_id,
+        curve=runtime.curve_keys(settings, "trainer"),
+        router_key=runtime.router_key(settings),
+        handshake=settings.handshake_auth,
+    )
+
+
 def _scored(job: AttemptJob, start: dict, link: ParentLink, identity, settings: Settings) -> dict:
     """The saved model scored on the provider's private test split by the evaluator the job names
     (installed there by its operator); the provider reports the score to the router itself."""
@@ -362,6 +380,7 @@ def child_main(channel_end: socket.socket, output: socket.socket) -> None:
 
 def main(fd: int) -> int:
     _die_with_parent()
+    withhold_environment(os.environ)  # (the fork server's was cleaned as the trainer started: this again)
     channel = Channel(fd)
     got = channel.recv()
     if got is None or got[0]["op"] != "start":

@@ -345,3 +345,120 @@ def loud(job: Job) -> None:
     sys.stdout.write("\n".join(["\x01" * 3000] * 100))
     sys.stdout.flush()
     job.save_model({"w": torch.zeros(1)})
+
+
+def _proc_environ(pid: int | str) -> dict[str, str]:
+    """Another process's environment as /proc shows it ({} where it may not be read)."""
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read()  # noqa: SIM115 - one read
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw.split(b"\0") if item)
+
+
+def _parent_of(pid: int) -> int:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1])  # noqa: SIM115 - one read
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def hostile(job: Job) -> None:
+    """A tenant's function that tries to act as its trainer (tests/test_attempt_grant.py): it looks for
+    a credential of its trainer in its settings, its environment and its parents' (and in every file
+    those name), says Hello to the router as a trainer with each token it holds and asks for a task
+    (with its trainer's pid and host id, as the one-process-per-subject rule takes them), reads
+    ``params["victim"]`` (another tenant's dataset) from its provider, then reads its own train split.
+    It writes what it got to ``params["out"]`` (JSON) once ``params["go"]`` exists."""
+    import json
+    import os
+    import re
+    from pathlib import Path
+
+    from libbus.connect.client import Client, Identity
+    from libbus.loader.remote import RemoteLoader
+    from libbus.security.auth import inspect_token
+    from libbus.wire.messages import GetTask
+
+    deadline = time.monotonic() + 50
+    while not Path(job.params["go"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out: dict = {"credentials": [], "router": [], "victim": "", "own_batches": 0}
+    settings = getattr(job, "settings", None)
+    grant = job.identity.current_token()  # type: ignore[attr-defined]  # AttemptJob's
+    grant_role = inspect_token(grant)[1].get("role", "")
+    trainer_pid = _parent_of(_parent_of(os.getpid()) or os.getppid())
+    texts: list[tuple[str, str]] = []
+    values = {
+        f: str(getattr(settings, f, "") or "") for f in ("token", "token_file", "secret_file", "signing_key_file")
+    }
+    envs = {"self": dict(os.environ)}
+    for who, pid in (("/proc/self", "self"), ("parent", os.getppid()), ("trainer", trainer_pid)):
+        envs[who] = _proc_environ(pid)
+    texts += [(f"settings.{k}", v) for k, v in values.items()]
+    texts += [(f"{who} env {k}", v) for who, env in envs.items() for k, v in env.items()]
+    for where, value in list(texts):
+        if value.startswith("/") and len(value) < 4096:  # a file a setting or variable names
+            try:
+                path = Path(value)
+                files = [p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]
+                texts += [(f"{where} -> {p}", p.read_text(errors="replace")[:100_000]) for p in files]
+            except OSError:
+                pass
+    tokens = {}
+    for where, text in texts:
+        for tok in re.findall(r"eyJ[\w-]+\.eyJ[\w-]+\.[\w-]+", text):
+            try:
+                claims = inspect_token(tok)[1]
+            except Exception:  # noqa: BLE001 - not a token
+                continue
+            if claims.get("role") != "attempt":  # its own grant aside: anything else is its trainer's
+                tokens[tok] = claims.get("role", "")
+                out["credentials"].append(f"{where}: a {claims.get('role')} token of {claims.get('sub')!r}")
+        if "-> " in where and ("secret" in where or "BEGIN PRIVATE KEY" in text):
+            out["credentials"].append(f"{where}: {len(text)} bytes of key material")
+
+    class Spoofed(Identity):
+        def hello(self, request_id, token=None):  # the trainer's pid, as the audit's probe said it
+            msg = super().hello(request_id, token)
+            msg.pid = trainer_pid
+            return msg
+
+    router = str(getattr(settings, "router", ""))
+    for tok, role in [(grant, grant_role), (grant, "trainer"), *tokens.items()]:
+        client = Client(
+            router,
+            Spoofed(role=role, name=job.identity.name, token=tok, host_id=job.identity.host_id),  # type: ignore[attr-defined]
+            timeout_s=5,
+            retries=0,
+        )
+        try:
+            reply = client.request(GetTask(key="hostile"))
+            out["router"].append(f"{role}: {type(reply).__name__} {getattr(reply, 'job', '')}")
+        except Exception as err:  # noqa: BLE001 - what the router said
+            out["router"].append(f"{role}: refused {type(err).__name__}: {err}")
+        finally:
+            client.close()
+    provider = job.provider  # type: ignore[attr-defined]  # AttemptJob's
+    try:
+        victim = RemoteLoader(
+            job.params["victim"],
+            provider=[provider],
+            token=grant,
+            batch_size=8,
+            retries=0,
+            timeout_s=5,
+            provider_wait_s=0,
+            shm=False,
+        )
+        x, _ = next(iter(victim))
+        out["victim"] = f"read {len(x)} samples"
+        victim.close()
+    except Exception as err:  # noqa: BLE001 - what the provider said
+        out["victim"] = f"refused {type(err).__name__}: {err}"
+    for _ in job.loader("train"):
+        out["own_batches"] += 1
+        job.step()
+        if out["own_batches"] == 3:
+            break
+    Path(job.params["out"]).write_text(json.dumps(out))
