@@ -15,9 +15,12 @@ take (:func:`bits_per_evaluation`): the bits an attacker can learn a day follow 
 budget (:class:`.evalgate.EvalGate`), whatever the weights sent.
 
 The noise of a reply is drawn from a generator seeded by a keyed hash (HMAC-SHA256 under a secret the
-provider draws from the OS when it starts) of what was asked: the weights' sha256, the model spec, the
-dataset and the split. The same question asked again gets the same answer, so repeating it and
-averaging the answers learns nothing more; a new question costs an evaluation of the budget.
+provider draws from the OS when it starts) of what was asked: the weights' digest (their tensors' names,
+dtypes, shapes and bytes: libbus/jobs/weights.py, so the same weights under other file metadata are the
+same question), the model spec, the dataset and the split. The same question asked again of this
+provider process gets the same answer, so repeating it and averaging the answers learns nothing more;
+a new question costs an evaluation of the budget. (The key and the budget are this process's: another
+replica or a restart draws its own; docs/security.md §9.)
 """
 
 from __future__ import annotations
