@@ -54,6 +54,7 @@ from libbus.loader.delivery import RingDelivery
 from libbus.loader.delivery_api import Delivery
 from libbus.loader.flows import check_flows
 from libbus.loader.ranks import detect
+from libbus.loader.readahead import READ_AHEAD, ReadAheadPlan
 from libbus.loader.replica_set import Links, ReplicaSet
 from libbus.loader.replicas import Replica, ReplyPoller, entries_of, recv_any
 from libbus.loader.stall import StallMeter
@@ -82,7 +83,7 @@ from libbus.order.epochs import (
     shift_skips,
 )
 from libbus.security.curve import CurveKeys, load_keys, load_public_key
-from libbus.wire.messages import BatchRequest
+from libbus.wire.messages import BatchRequest, ReadAhead
 
 __all__ = ["RemoteLoader", "pick_provider"]
 
@@ -127,6 +128,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             ``drop_uneven`` gives every rank the same count (default: on for a sharded ``train``
             split with more than one rank; off elsewhere, so a sharded evaluation reads every sample).
         inflight: batch requests kept outstanding (prefetch depth), over all replicas.
+        read_ahead: where the provider can use it (a remote store's dataset with a RAM cache), tell it
+            the samples of this many batches after those in flight, so that it fetches their blocks
+            before they are asked for (:mod:`libbus.loader.readahead`); 0: never.
         flows: connections to each provider on another host, the requests spread over them, each
             reply still yielded in order and exactly once (:mod:`libbus.loader.flows`): a network that
             caps each TCP flow carries several. ``None`` or ``0``: 1 for batches under 4 MiB, else 2
@@ -195,6 +199,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         block_size: int = DEFAULT_BLOCK_SIZE,
         drop_uneven: bool | None = None,
         inflight: int = 4,
+        read_ahead: int = READ_AHEAD,
         flows: int | None = None,
         timeout_s: float = REQUEST_TIMEOUT_S,
         retries: int = REQUEST_RETRIES,
@@ -238,6 +243,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             raise BadRequest("RemoteLoader resolves through router= itself; resolver= goes with provider=")
         if batch_size < 1 or inflight < 1:
             raise BadRequest("batch_size and inflight must be at least 1")
+        if read_ahead < 0:
+            raise BadRequest(f"read_ahead must be 0 (off) or more batches, got {read_ahead}")
+        self.read_ahead = read_ahead
         if provider_wait_s < 0:
             raise BadRequest(f"provider_wait_s must not be negative, got {provider_wait_s}")
         flows = check_flows(flows, inflight)
@@ -593,9 +601,12 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         # the batch to be yielded next, attributed when it is taken (libbus.loader.stall)
         arrivals: dict[int, tuple[float, Any]] = {}
         owed = 0.0
+        plan = self._read_ahead_plan(batches)
         while not window.finished:
             self.links.top_up()  # flows dropped while their provider kept answering
             window.fill(self.replicas, self.inflight)
+            if plan is not None:
+                plan.at(window.next_yield)
             taken = window.take()
             if taken is not None:
                 batch_no, delivery, item = taken
@@ -618,6 +629,21 @@ class RemoteLoader(torch.utils.data.IterableDataset):
                 self.wait_s += waited
                 self.stall.add(waited, waiting_on[0].label if waiting_on else "")
                 owed += waited if self.stall_breakdown else 0.0
+
+    def _read_ahead_plan(self, batches: list[np.ndarray]) -> ReadAheadPlan | None:
+        """This pass's :class:`ReadAheadPlan`, where the provider can use one and there is one provider."""
+        if not self.read_ahead or not self.info.get("read_ahead"):
+            return None
+        offset = self.samples[0] if self.samples is not None else 0
+
+        def send(indices: np.ndarray) -> None:
+            live = self.links.live
+            if len({r.endpoint for r in live}) != 1:  # none, or several replicas: whoever reads is not known
+                return
+            frame = (indices + offset if offset else indices).astype("<i8", copy=False)
+            live[0].client.send(ReadAhead(dataset=self.dataset.name, split=self.split, frames=[frame.data]))
+
+        return ReadAheadPlan(batches, self.inflight, self.read_ahead, send)
 
     def _next_outcome(self, window: RequestWindow, poller: ReplyPoller) -> Outcome:
         """Wait for what happens next to the requests of this pass (see :mod:`libbus.loader.window`)."""

@@ -30,6 +30,7 @@ __all__ = [
     "DatasetInfo",
     "BatchRequest",
     "BatchResponse",
+    "ReadAhead",
     "AttachRing",
     "RingAttached",
     "Evaluate",
@@ -193,19 +194,39 @@ class BatchRequest(Request["BatchResponse"]):
             return np.arange(start, end, dtype=np.int64)
         if not self.frames:
             raise BadRequest("BatchRequest needs a range or an int64 indices frame")
-        buf = frame_buffer(self.frames[0])
-        size = memoryview(buf).nbytes
-        if size % 8:
-            raise BadRequest(f"indices frame is {size} bytes; expected a multiple of 8 (int64)")
-        if size // 8 > MAX_BATCH_INDICES:
-            raise TooLarge(f"{size // 8} indices; at most {MAX_BATCH_INDICES} per request")
-        indices = np.frombuffer(buf, dtype="<i8")
-        if len(indices):
-            lo, hi = int(indices.min()), int(indices.max())
-            if lo < 0 or hi >= num_samples:
-                bad = lo if lo < 0 else hi
-                raise OutOfRange(f"index {bad} is outside {self.split} (0..{num_samples - 1})")
-        return indices
+        return indices_frame(self.frames[0], self.split, num_samples)
+
+
+def indices_frame(frame: Any, split: str, num_samples: int) -> np.ndarray:
+    """One int64 little-endian frame of sample indices of ``split``, checked: :class:`BadRequest` (not
+    whole int64s), :class:`TooLarge` (over ``MAX_BATCH_INDICES``), :class:`OutOfRange` (the first bad one)."""
+    buf = frame_buffer(frame)
+    size = memoryview(buf).nbytes
+    if size % 8:
+        raise BadRequest(f"indices frame is {size} bytes; expected a multiple of 8 (int64)")
+    if size // 8 > MAX_BATCH_INDICES:
+        raise TooLarge(f"{size // 8} indices; at most {MAX_BATCH_INDICES} per request")
+    indices = np.frombuffer(buf, dtype="<i8")
+    if len(indices):
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= num_samples:
+            bad = lo if lo < 0 else hi
+            raise OutOfRange(f"index {bad} is outside {split} (0..{num_samples - 1})")
+    return indices
+
+
+@message
+class ReadAhead(Request[Ok]):
+    """The samples of ``split`` a loader will ask for next, in the order it will ask (one int64 frame, at
+    most ``MAX_BATCH_INDICES``): a provider whose dataset keeps a RAM cache of a remote store's blocks
+    (DatasetInfo ``read_ahead``) fetches the blocks they lie in before they are asked for. Each replaces
+    the session's last for that dataset (a new pass, a seek: a new plan); an empty frame cancels it, as
+    the session's end does. Best effort: answered ``Ok`` whatever the provider does with it; refused as a
+    :class:`BatchRequest` of those samples would be (scope, assignment, the private test split)."""
+
+    nframes: ClassVar[tuple[int, int]] = (1, 1)
+    dataset: str
+    split: str
 
 
 @message

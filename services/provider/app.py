@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 
@@ -30,6 +31,8 @@ __all__ = ["ProviderService", "DEFAULT_BIND", "private_test_option", "split_noti
 log = logging.getLogger(__name__)
 
 DEFAULT_BIND = "tcp://127.0.0.1:0"
+#: The provider process's GIL switch interval (CPython's default: 5 ms); see ProviderService.start.
+SWITCH_INTERVAL_S = 0.0005
 
 _FALSE, _TRUE = ("false", "0", "no", "off"), ("true", "1", "yes", "on")
 
@@ -122,6 +125,11 @@ class ProviderService:
     def start(self) -> str:
         """Bind the data socket and start registering with the router. Returns the data endpoint."""
         runtime.clean_shm()
+        # The serving loop shares the GIL with the threads reading remote stores (a hundred, parsing
+        # replies): at CPython's 5 ms switch interval each of its turns could wait that long per thread
+        # ahead of it. 0.5 ms bounds a local dataset's batches beside a busy remote one (with the readers'
+        # lower priority, sources/formats/inflight.py; docs/performance.md, "Data behind a network").
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.metrics = start_exporter(
             self.settings.metrics_bind, "provider", self.name, self.stats, latency=lambda: self.handler.latency
         )

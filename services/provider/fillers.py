@@ -44,6 +44,7 @@ from shm import Ring
 
 from .sources.base import ReadPolicy, Source
 from .sources.formats.dataset import usable_cores
+from .sources.formats.inflight import lower_priority
 
 __all__ = ["FILL_THREAD", "OVERLAP_READS", "REMOTE_READS", "Filler", "Fillers", "RingUse"]
 
@@ -100,8 +101,12 @@ class Filler:
     default :data:`FILL_THREAD`), started on the first and stopped by :meth:`close`, or on the
     caller's thread. A fill names its ring, held in ``rings`` until the fill ends."""
 
-    def __init__(self, rings: RingUse, threaded: bool | None = None, threads: int = 1, name: str = "fill"):
+    def __init__(
+        self, rings: RingUse, threaded: bool | None = None, threads: int = 1, name: str = "fill", lowered: bool = False
+    ):
         self.rings = rings
+        #: Its threads run below the serving loop's priority (a remote dataset's: :func:`lower_priority`).
+        self.lowered = lowered
         self.threaded = FILL_THREAD if threaded is None else threaded
         self.threads, self.name = threads, name
         self._pool: ThreadPoolExecutor | None = None
@@ -112,7 +117,9 @@ class Filler:
         with self._lock:
             pool = self._pool
             if self.threaded and pool is None:
-                pool = self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
+                pool = self._pool = ThreadPoolExecutor(
+                    self.threads, thread_name_prefix=self.name, initializer=lower_priority if self.lowered else None
+                )
             if pool is not None and ring is not None:
                 self.rings.hold(ring)
             future = pool.submit(fill, *args) if pool is not None else None
@@ -173,7 +180,8 @@ class Fillers:
         with self._lock:
             filler = self._lanes.get(key)
             if filler is None:
-                filler = Filler(self.rings, not self._closed, threads, "-".join(filter(None, (name, key[0])))[:15])
+                label = "-".join(filter(None, (name, key[0])))[:15]
+                filler = Filler(self.rings, not self._closed, threads, label, lowered=name == "remote")
                 self._lanes[key] = filler
             return filler
 

@@ -41,12 +41,14 @@ from libbus.wire.messages import (
     LocateSamples,
     Message,
     Ok,
+    ReadAhead,
     RingAttached,
     SampleLocations,
     StageControl,
     Stats,
     StatsReply,
 )
+from libbus.wire.msg_data import indices_frame
 from libbus.wire.sockets import frame_len
 from services.model_data import xy_info
 from shm import Ring, RingLayout
@@ -185,6 +187,8 @@ class ProviderHandler(Handler):
         self.release = release or Release()
         #: Sends a job's evaluation to the router (the service sets it to its link's request).
         self.report = report
+        #: session id → the datasets it sent a ReadAhead for (their plans end with the session).
+        self._read_ahead: dict[str, set[str]] = {}
         #: session id → the bounds of its evaluations, cancelled when it goes away.
         self._bounds: dict[str, set[Bound]] = {}
         #: Served and refused batches, and batch latency: counted from the loop and the fill threads
@@ -225,6 +229,8 @@ class ProviderHandler(Handler):
             self.fillers.rings.close(self.rings.pop(sid))
 
     def on_close(self, session: Session, reason: str) -> None:
+        for name in self._read_ahead.pop(session.sid, ()):  # its loaders are gone: their plans too
+            self.datasets[name].read_ahead("train", np.empty(0, np.int64), (session.sid, name))
         for bound in self._bounds.pop(session.sid, set()):
             bound.cancel.set()  # its evaluations stop at their next chunk: nobody waits for them
         ring = self.rings.pop(session.sid, None)
@@ -244,7 +250,7 @@ class ProviderHandler(Handler):
         """Refuse (FORBIDDEN) a request for a dataset or job outside the token's scopes. A ring
         carries no dataset: it is refused only to a token that may read nothing served here."""
         claims = session.claims
-        if isinstance(msg, (BatchRequest, DatasetInfoRequest, Evaluate, LocateSamples)):
+        if isinstance(msg, (BatchRequest, DatasetInfoRequest, Evaluate, LocateSamples, ReadAhead)):
             claims.check_dataset(msg.dataset)
         if isinstance(msg, Evaluate) and msg.job:
             claims.check_job(msg.job)
@@ -266,7 +272,7 @@ class ProviderHandler(Handler):
         if session.role == "trainer" and "datasets" in session.claims.scopes:
             return True
         sub = session.claims.sub
-        if isinstance(msg, (BatchRequest, DatasetInfoRequest, Evaluate, LocateSamples)):
+        if isinstance(msg, (BatchRequest, DatasetInfoRequest, Evaluate, LocateSamples, ReadAhead)):
             return sub in self.assigned.get(msg.dataset, ())
         if isinstance(msg, AttachRing):
             return any(sub in self.assigned.get(name, ()) for name in self.datasets)
@@ -406,6 +412,18 @@ class ProviderHandler(Handler):
             dest = Slot.begin(msg, self.counters, self.rings.get(session.sid))
         filler = self.fillers.for_batch(msg.dataset, source, dest.ring)
         return filler.run(write_batch, source, msg, indices, dest, fields, started, ring=dest.ring)
+
+    @serves(ReadAhead, *BATCH_READERS)
+    def read_ahead(self, session: Session, msg: ReadAhead) -> Ok:
+        """Plan the blocks a loader's next samples lie in (its dataset's RAM cache fetches them ahead),
+        refused as a batch of them would be; the plan replaces the session's last one for the dataset."""
+        source = self.source(msg.dataset)
+        self._check_split(msg.dataset, msg.split)
+        indices = indices_frame(msg.frames[0], msg.split, source.num_samples(msg.split))
+        planned = source.read_ahead(msg.split, indices, (session.sid, msg.dataset))
+        if planned or len(indices) == 0:
+            self._read_ahead.setdefault(session.sid, set()).add(msg.dataset)
+        return Ok(detail={"blocks": planned})
 
     @serves(LocateSamples, *BATCH_READERS)
     def locate(self, session: Session, msg: LocateSamples) -> SampleLocations:

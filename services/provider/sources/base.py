@@ -139,6 +139,12 @@ class Source(ABC):
         self.serve_into(split, indices, x, y, epoch=epoch)
         return {"x": x, "y": y}
 
+    def read_ahead(self, split: str, indices: np.ndarray, owner: object) -> int:
+        """Fetch ahead what samples ``indices`` of ``split`` will need (a loader's
+        :class:`~libbus.wire.messages.ReadAhead`), replacing ``owner``'s last plan; empty ``indices``
+        cancel it. Returns how many blocks were planned; a source with nothing to fetch ahead: 0."""
+        return 0
+
     def locate(self, split: str, indices: np.ndarray) -> list[str]:
         """Where each sample of ``indices`` (already checked to be in range) lives, one short string
         each: a path relative to the dataset's root with a byte offset and length, a shard member, a

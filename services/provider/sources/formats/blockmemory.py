@@ -8,6 +8,13 @@ asked for, and every later read of it, by any batch or loader, is a copy from RA
 the span the shuffle draws from (for a full shuffle, the dataset; sized by the operator), every block is
 fetched once per epoch, or once for good, and the shuffle costs what a sequential read does.
 
+**Read-ahead.** A loader knows the samples it will ask for next (its order is a function of seed,
+epoch, cursor and skips) and may say so (:class:`~libbus.wire.messages.ReadAhead`): :meth:`BlockMemory.prefetch`
+then fetches the blocks those samples lie in, in the order they will be needed, ``depth`` at a time (the
+dataset's requests in flight, which the batches' own requests share), at most half the cache's worth, so
+a plan never evicts the blocks it fetched before they are read. Each plan replaces its owner's last one (a loader's new
+pass, a seek): blocks not yet started are dropped; an empty plan cancels.
+
 Least recently used blocks go once the bytes held pass the limit. A block asked for while it is being
 fetched is waited for, never fetched twice. A failed fetch fails the batches that wanted it and is
 not kept: the next read asks again. Bytes are copied out under no lock (a block is immutable once in).
@@ -16,9 +23,10 @@ not kept: the next read asks again. Bytes are copied out under no lock (a block 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future, wait
+from functools import partial
 from typing import Any
 
 __all__ = ["BLOCK_BYTES", "BlockMemory", "by_block"]
@@ -55,8 +63,11 @@ class BlockMemory:
         self._fetching: dict[Hashable, Future] = {}
         self._held = 0
         self._lock = threading.Lock()
-        #: Blocks read from RAM, fetched, joined (asked for while being fetched), evicted.
-        self.hits = self.fetches = self.joined = self.evictions = 0
+        #: Blocks read from RAM, fetched, joined (asked for while being fetched), evicted, fetched ahead.
+        self.hits = self.fetches = self.joined = self.evictions = self.prefetched = 0
+        #: owner → its read-ahead plan: the blocks still to start, and how to fetch them.
+        self._plans: dict[Hashable, tuple[deque, Callable, Callable, Callable, Executor, int]] = {}
+        self._ahead = 0  # read-ahead fetches running now
 
     @property
     def held(self) -> int:
@@ -108,6 +119,81 @@ class BlockMemory:
             for at, view in pieces:
                 view[:] = data[at : at + len(view)]
 
+    def prefetch(
+        self,
+        owner: Hashable,
+        blocks: list[tuple[Any, int]],
+        key: Callable[[Any], Hashable],
+        size: Callable[[Any], int],
+        fetch: Callable[[Any, int, int], bytes | bytearray | memoryview],
+        pool: Executor,
+        depth: int,
+    ) -> int:
+        """Replace ``owner``'s read-ahead plan by ``blocks`` (``(file, block number)``, in the order they
+        will be needed; see the module doc), fetched ``depth`` at a time across every owner. Returns how
+        many blocks the plan holds (what is held or being fetched already is left out)."""
+        budget = max(1, self.limit // self.block // 2)
+        with self._lock:
+            plan: deque = deque()
+            for f, b in blocks:
+                if len(plan) >= budget:
+                    break
+                name = (key(f), b)
+                if name not in self._blocks and name not in self._fetching:
+                    plan.append((f, b))
+            if plan:
+                self._plans[owner] = (plan, key, size, fetch, pool, max(1, depth))
+            else:
+                self._plans.pop(owner, None)
+            starts = self._next_ahead()
+        for task in starts:
+            task()
+        return len(plan)
+
+    def cancel(self, owner: Hashable) -> None:
+        """Drop ``owner``'s plan: the blocks not yet started are not fetched."""
+        with self._lock:
+            self._plans.pop(owner, None)
+
+    def _next_ahead(self) -> list[Callable[[], object]]:
+        """(Under the lock.) Read-ahead fetches to start now: the plans' next blocks, taken in turn."""
+        starts: list[Callable[[], object]] = []
+        while self._plans:
+            progressed = False
+            for owner in list(self._plans):
+                plan, key, size, fetch, pool, depth = self._plans[owner]
+                if self._ahead >= depth:
+                    return starts
+                while plan:
+                    f, b = plan.popleft()
+                    name = (key(f), b)
+                    if name in self._blocks or name in self._fetching:
+                        continue
+                    fut: Future = Future()
+                    self._fetching[name] = fut
+                    self._ahead += 1
+                    self.prefetched += 1
+                    start = b * self.block
+                    length = min(self.block, size(f) - start)
+                    starts.append(partial(pool.submit, self._fetch_ahead, name, fut, fetch, f, start, length))
+                    progressed = True
+                    break
+                if not plan:
+                    self._plans.pop(owner, None)
+            if not progressed:
+                break
+        return starts
+
+    def _fetch_ahead(self, name: Hashable, fut: Future, fetch, f, start: int, length: int) -> None:
+        try:
+            self._fetch(name, fut, fetch, f, start, length)
+        finally:
+            with self._lock:
+                self._ahead -= 1
+                starts = self._next_ahead()
+            for task in starts:
+                task()
+
     def _fetch(self, name: Hashable, fut: Future, fetch, f, start: int, length: int) -> None:
         try:
             data = bytes(fetch(f, start, length))
@@ -134,5 +220,7 @@ class BlockMemory:
                 "ram_cache_hits": self.hits,
                 "ram_cache_fetches": self.fetches,
                 "ram_cache_joined": self.joined,
+                "ram_cache_prefetched": self.prefetched,
+                "ram_cache_ahead": self._ahead + sum(len(plan[0]) for plan in self._plans.values()),
                 "ram_cache_evictions": self.evictions,
             }

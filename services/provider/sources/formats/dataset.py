@@ -290,6 +290,8 @@ class FileSource(Source):
         info.update(format=self.layout.format, memory=self.memory, path=str(self.root), **self.layout.extra)
         if self.location is not None:
             info.update(self.location.info())
+            if getattr(getattr(self.location, "client", None), "memory", None) is not None:
+                info["read_ahead"] = True  # loaders may send ReadAhead: its RAM cache fetches blocks ahead
         if self.val_fraction is not None:
             info["val_fraction"] = self.val_fraction
             info["val_carved"] = "the tail of train, in file order"
@@ -351,6 +353,25 @@ class FileSource(Source):
         else:
             self._stream(table, rows, x, y)
         self._check(table, x, y)
+
+    def read_ahead(self, split: str, indices: np.ndarray, owner: object) -> int:
+        """Have the remote client fetch ahead the blocks that samples ``indices`` of ``split`` lie in (see
+        :class:`~libbus.wire.messages.ReadAhead`); empty ``indices`` cancel ``owner``'s plan. Returns the
+        blocks planned: 0 where the dataset keeps no RAM cache of a remote store."""
+        client = getattr(self.location, "client", None)
+        memory = getattr(client, "memory", None)
+        if client is None or memory is None:
+            return 0
+        table, start, count = self._splits[split]
+        if table is None or not len(indices):
+            memory.cancel(owner)
+            return 0
+        rows = np.asarray(indices, dtype=np.int64) + start
+        blocks = []
+        for records, feeds in table.parts:
+            if any(c is not None for c in feeds):
+                blocks.extend(records.space.blocks(records.base + rows * records.record, records.record, memory.block))
+        return client.read_ahead(owner, blocks)
 
     def _stream(self, table: Table, rows: np.ndarray, x: np.ndarray | None, y: np.ndarray | None) -> None:
         n = len(rows)

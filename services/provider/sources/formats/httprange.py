@@ -31,7 +31,7 @@ from urllib.parse import urljoin, urlsplit
 from libbus.errors import DatasetError
 
 from .blockmemory import BLOCK_BYTES, BlockMemory
-from .inflight import InflightLimit, host_slots
+from .inflight import InflightLimit, host_slots, lower_priority
 from .reader import COALESCE_BYTES, coalesce
 
 __all__ = ["HttpError", "HttpSettings", "RangeClient", "RemoteFile", "origin_of"]
@@ -92,7 +92,9 @@ class RangeClient:
         #: Requests of this dataset in flight: from ``concurrency`` up to ``max_concurrency`` as throughput grows.
         self.inflight = InflightLimit(settings.concurrency, settings.max_concurrency)
         self._hosts: dict[str, threading.BoundedSemaphore] = {}
-        self._pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="http-range")
+        self._pool = ThreadPoolExecutor(
+            settings.max_concurrency, thread_name_prefix="http-range", initializer=lower_priority
+        )
         #: Whole blocks of the dataset's files in RAM (``ram_cache``), or None.
         self.memory = BlockMemory(settings.ram_cache, settings.block_bytes) if settings.ram_cache else None
         weakref.finalize(self, self._pool.shutdown, wait=False)
@@ -323,6 +325,17 @@ class RangeClient:
         for fut in futures:
             if (err := fut.exception()) is not None:
                 raise err
+
+    def read_ahead(self, owner: object, blocks: list[tuple[RemoteFile, int]]) -> int:
+        """Fetch ``blocks`` into the RAM cache ahead of their reads, replacing ``owner``'s last plan
+        (:meth:`~.blockmemory.BlockMemory.prefetch`; as many at once as the dataset's requests in flight,
+        which they share with the batches' own: the limit climbs while that pays)."""
+        if self.memory is None:
+            return 0
+        depth = max(1, self.inflight.limit)
+        return self.memory.prefetch(
+            owner, blocks, lambda f: (f.url, f.size), lambda f: f.size, self._block, self._pool, depth
+        )
 
     def _block(self, f: RemoteFile, start: int, length: int) -> bytearray:
         """One block of ``f`` for the RAM cache: one Range request, retried."""

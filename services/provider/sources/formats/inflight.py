@@ -19,12 +19,13 @@ remote dataset at once (:mod:`services.provider.fillers`), and their requests qu
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["GAIN", "GROW", "SHRINK", "InflightLimit", "host_slots"]
+__all__ = ["GAIN", "GROW", "SHRINK", "READER_NICE", "InflightLimit", "host_slots", "lower_priority"]
 
 #: The limit's step up while throughput rises, and down once it stops.
 GROW, SHRINK = 1.5, 0.8
@@ -35,8 +36,23 @@ WINDOW_S = 0.25
 #: Windows of steady throughput after which the limit tries one step up again (the link may have freed).
 PROBE_WINDOWS = 8
 
+#: The niceness of the threads that read from a store (Linux: per thread). A remote dataset read at full
+#: speed keeps a hundred of them busy parsing replies; at the serving loop's priority they take the cores
+#: (and the GIL) from it, and a local dataset's p99 wait beside one went from 4 ms to 210-280 ms on two
+#: cores; at 10 it stayed at 13-37 ms (docs/performance.md, "Data behind a network").
+READER_NICE = 10
+
 _HOSTS: dict[str, threading.BoundedSemaphore] = {}
 _HOSTS_LOCK = threading.Lock()
+
+
+def lower_priority() -> None:
+    """Run the calling thread at :data:`READER_NICE` (a thread pool's ``initializer``); where the system
+    refuses, at the priority it has."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READER_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def host_slots(host: str, limit: int) -> threading.BoundedSemaphore:

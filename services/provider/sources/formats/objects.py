@@ -47,7 +47,7 @@ from libbus.errors import DatasetError
 
 from .blockcache import BlockCache
 from .blockmemory import BlockMemory
-from .inflight import InflightLimit, host_slots
+from .inflight import InflightLimit, host_slots, lower_priority
 from .reader import COALESCE_BYTES, coalesce
 
 __all__ = ["ObjectBackend", "ObjectClient", "ObjectError", "ObjectMeta", "ObjectPath", "ObjectSettings", "ObjectTree"]
@@ -132,7 +132,9 @@ class ObjectClient:
         self._host = host_slots(backend.host, settings.host_concurrency)
         #: Requests of this dataset in flight: from ``concurrency`` up to ``max_concurrency`` as throughput grows.
         self.inflight = InflightLimit(settings.concurrency, settings.max_concurrency)
-        self._pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="objstore")
+        self._pool = ThreadPoolExecutor(
+            settings.max_concurrency, thread_name_prefix="objstore", initializer=lower_priority
+        )
         #: Whole blocks of the dataset's objects in RAM (``ram_cache``; before the disk cache), or None.
         self.memory = BlockMemory(settings.ram_cache, settings.block_bytes) if settings.ram_cache else None
         self._local = threading.local()
@@ -261,6 +263,22 @@ class ObjectClient:
         for fut in futures:
             if (err := fut.exception()) is not None:
                 raise err
+
+    def read_ahead(self, owner: object, blocks: list[tuple[ObjectFile, int]]) -> int:
+        """Fetch ``blocks`` into the RAM cache ahead of their reads, replacing ``owner``'s last plan
+        (:meth:`~.blockmemory.BlockMemory.prefetch`; as many at once as the dataset's requests in flight), each
+        fetch under a deadline of its own."""
+        if self.memory is None:
+            return 0
+        return self.memory.prefetch(
+            owner,
+            blocks,
+            lambda f: (f.meta.key, f.meta.etag, f.meta.size),
+            lambda f: f.meta.size,
+            lambda f, start, length: self.fetch(f.meta, start, length, time.monotonic() + self.settings.deadline_s),
+            self._pool,
+            max(1, self.inflight.limit),
+        )
 
     def _read_run(self, f: ObjectFile, offset: int, buffers: list[memoryview], deadline: float) -> None:
         nbytes = sum(len(b) for b in buffers)

@@ -109,6 +109,24 @@ class ByteSpace:
         """:meth:`readv` for each ``(offset, buffers)`` run (:func:`read_spaces` of this space alone)."""
         read_spaces([(self, runs)])
 
+    def blocks(self, offsets: np.ndarray, length: int, block: int) -> list[tuple[Any, int]]:
+        """The ``(remote file, block number)`` pairs that ``length`` bytes from each of ``offsets`` (in the
+        space) lie in, blocks of ``block`` bytes of each file, each once, in the order first needed. Local
+        files have none."""
+        out: dict[tuple[int, int], tuple[Any, int]] = {}
+        first = np.searchsorted(self.starts, offsets, side="right") - 1
+        last = np.searchsorted(self.starts, offsets + max(length, 1) - 1, side="right") - 1
+        for at, i, j in zip(np.asarray(offsets).tolist(), first.tolist(), last.tolist()):
+            for k in range(max(i, 0), j + 1):
+                seg, seg_at = self.segments[k], self.starts[k]
+                if seg.remote is None:
+                    continue
+                a = max(at, seg_at) - seg_at + seg.offset
+                b = min(at + length, seg_at + seg.length) - seg_at + seg.offset
+                for n in range(a // block, (b - 1) // block + 1):
+                    out.setdefault((id(seg.remote), n), (seg.remote, n))
+        return list(out.values())
+
     def remote_pieces(self, runs: list[tuple[int, list[memoryview]]], remote: dict[int, list]) -> None:
         """Read the runs' pieces in local files now; add those of remote files to ``remote`` (by client)."""
         for offset, buffers in runs:
