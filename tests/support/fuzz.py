@@ -366,16 +366,23 @@ def world_fixture(router, provider, raw_dealer, make_token, client_for):
     w.close()
 
 
+def drain_all(peer: Peer, server) -> list[dict]:
+    """Every reply to what ``peer`` sent, deferred ones too (work on a lane off the serving loop, a batch
+    read or an evaluation, is answered after the loop's own replies, a sentinel's included): drain, wait
+    until ``server`` holds no deferred reply, drain again (two sentinels)."""
+    replies = peer.drain()
+    deadline = time.monotonic() + REPLY_TIMEOUT_S
+    while server._pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return replies + peer.drain()
+
+
 def fire(world: World, peer: Peer, server, messages: list[list[bytes]]) -> list[dict]:
     """Send, drain, and check that every Error that came back was counted by the server."""
     before, dropped_before = refusals(server), server.counters["send_dropped"]
     for frames in messages:
         peer.send(frames)
-    replies = peer.drain()
-    deadline = time.monotonic() + REPLY_TIMEOUT_S
-    while server._pending and time.monotonic() < deadline:  # deferred work (Evaluate) finishes
-        time.sleep(0.01)
-    replies += peer.drain()
+    replies = drain_all(peer, server)
     errors = sum(1 for r in replies if r["type"] == "Error") + 2  # + the two sentinels
     # every Error received was counted; one counted but not received is one the server could not hand
     # to a peer whose queue was full (it counts those as send_dropped, and never blocks on them)

@@ -42,7 +42,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import SPLITS, Field, FieldBatch
+from ..base import SPLITS, Field, FieldBatch, ReadPolicy
 from .fieldpick import PickedSource, classes, fill, select
 from .location import Format, Location
 
@@ -349,6 +349,10 @@ class MDSSource(PickedSource):
         kinds: Columns | None = None,
     ):
         self.uri, self.location, self.root = loc.uri, loc, loc.root
+        #: Reads share no state (file descriptors under a lock; a store's client is thread-safe): batches
+        #: of a remote dataset are read several at once, a local one's on its fill lane (fillers.py).
+        self.read_policy = ReadPolicy.CONCURRENT
+        self.remote = loc.kind != "file"
         self.kinds = kinds = kinds or Columns()
         self.shards = [s for split in SPLITS for s in shards.get(split, [])]
         first = self.shards[0]
