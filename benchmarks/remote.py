@@ -557,8 +557,15 @@ def run(args: argparse.Namespace) -> dict:
             "file": f"file://{root}?memory=stream&val_fraction=0",
             "http": f"{store.urls['http']}/data/?val_fraction=0",
         }
+        # full shuffle with a RAM cache that holds the window (for a full shuffle, the files): one dataset
+        # per latency, so that each row starts cold; its loader reads ahead (RemoteLoader's read_ahead)
+        cache = int((root / "train_x.npy").stat().st_size * 1.2) + (8 << 20)
+        for ms in args.latencies:
+            datasets[f"hc{ms:g}"] = f"{store.urls['http']}/data/?val_fraction=0&ram_cache={cache}"
         if mds is not None:
             datasets["mds"] = "s3://bench/mds/?fields=x&label=y&val_fraction=0"
+            for ms in args.latencies:
+                datasets[f"mc{ms:g}"] = f"{datasets['mds']}&cache=off&ram_cache={cache}"
         cluster = Cluster(work / "state", datasets, store.urls.get("s3", {}))
         rows: list[dict] = []
 
@@ -571,7 +578,7 @@ def run(args: argparse.Namespace) -> dict:
                 row["settled_s"] = settle(cluster, store)
             rows.append(row)
             shown = row.get("error") or f"{row['samples_per_s']:,.0f} samples/s, {row['mb_per_s']:.1f} MB/s"
-            print(f"  {row['path']:8s} {row['shuffle']:5s} {row.get('latency_ms', '-')!s:>5} ms: {shown}", flush=True)
+            print(f"  {row['path']:12s} {row['shuffle']:5s} {row.get('latency_ms', '-')!s:>5} ms: {shown}", flush=True)
 
         for shuffle in args.shuffles:
             add(partial(loader_row, cluster, "file", shuffle, args, fp), path="file", shuffle=shuffle)
@@ -581,6 +588,9 @@ def run(args: argparse.Namespace) -> dict:
                 add(
                     partial(loader_row, cluster, "http", shuffle, args, fp), path="http", shuffle=shuffle, latency_ms=ms
                 )
+            if "full" in args.shuffles:
+                cached = partial(loader_row, cluster, f"hc{ms:g}", "full", args, fp)
+                add(cached, path="http+cache", shuffle="full", latency_ms=ms)
             if mds is not None:
                 add(partial(mosaic_row, store, root, work, args), path="mosaic", shuffle="py1e", latency_ms=ms)
                 for shuffle in args.shuffles:
@@ -590,6 +600,9 @@ def run(args: argparse.Namespace) -> dict:
                         shuffle=shuffle,
                         latency_ms=ms,
                     )
+                if "full" in args.shuffles:
+                    cached = partial(loader_row, cluster, f"mc{ms:g}", "full", args, fp)
+                    add(cached, path="s3-mds+cache", shuffle="full", latency_ms=ms)
         result: dict[str, Any] = {
             "samples": args.samples,
             "batch": args.batch,
@@ -625,7 +638,7 @@ def add_ratios(rows: list[dict]) -> None:
             continue
         if r["shuffle"] in file:
             r["x_file"] = r["samples_per_s"] / file[r["shuffle"]]["samples_per_s"]
-        if r["path"] == "s3-mds" and r["latency_ms"] in mosaic:
+        if r["path"] in ("s3-mds", "s3-mds+cache") and r["latency_ms"] in mosaic:
             r["x_mosaic"] = r["samples_per_s"] / mosaic[r["latency_ms"]]["samples_per_s"]
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from libbus.errors import Unavailable
-from libbus.wire.messages import BatchRequest, BatchResponse, DatasetInfo, DatasetInfoRequest
+from libbus.wire.messages import BatchRequest, BatchResponse, DatasetInfo, DatasetInfoRequest, Goodbye
 from services.provider import fillers
 from tests.support import scrape, value
 from tests.support.httpd import RangeServer
@@ -24,6 +24,9 @@ from tests.support.httpd import RangeServer
 SLOW = "retries=0&timeout=120&val_fraction=0"
 #: How long the test waits for the provider to have sent what it must send (a bound, not a measure).
 WAIT_S = 30.0
+#: Heartbeats a provider lets a session miss (at the tests' 100 ms): a client waiting on a held store
+#: sends nothing, and at the tests' default of 10 its session could end before the store is released.
+LIVENESS = 600
 
 
 @pytest.fixture
@@ -62,7 +65,9 @@ def test_a_silent_store_holds_up_no_other_dataset_and_its_batches_overlap(tmp_pa
     remote_x, remote_y = arrays(tmp_path / "remote", 64, 1)
     local_x, local_y = arrays(tmp_path / "local", 32, 2)
     provider = start_provider(
-        f"web={server.url}/remote/?{SLOW}", f"disk=file://{tmp_path / 'local'}?memory=ram&val_fraction=0"
+        f"web={server.url}/remote/?{SLOW}",
+        f"disk=file://{tmp_path / 'local'}?memory=ram&val_fraction=0",
+        heartbeat_liveness=LIVENESS,
     )
     slow, fast = client_for(provider.endpoint, timeout_s=WAIT_S), client_for(provider.endpoint, timeout_s=WAIT_S)
     slow.hello(), fast.hello()
@@ -85,8 +90,13 @@ def test_a_silent_store_holds_up_no_other_dataset_and_its_batches_overlap(tmp_pa
     assert slow.recv(0) is None, "a remote batch was answered while its store had answered nothing"
 
     server.release()
+    replies = {}  # read side by side, the two batches may be answered in either order
+    while len(replies) < 2:
+        reply = slow.recv(WAIT_S)
+        assert reply is not None, f"only {sorted(replies)} of {asked} answered"
+        replies[reply.id] = reply
     for rid, idx in zip(asked, (first, second)):
-        x, y = batch(slow.wait_for(rid, WAIT_S), len(idx))
+        x, y = batch(replies[rid], len(idx))
         assert np.array_equal(x, remote_x[idx]) and np.array_equal(y, remote_y[idx])
 
 
@@ -116,6 +126,30 @@ def test_a_batch_that_fails_at_the_store_fails_alone(tmp_path, server, start_pro
     assert value(s, "batchbus_ram_cache_fetches_total", **me) == fetched["ram_cache_fetches"]
     assert value(s, "batchbus_ram_cache_hits_total", **me) == fetched["ram_cache_hits"] + 2
     assert value(s, "batchbus_ram_cache_bytes", **me) == fetched["ram_cache_bytes"] > 0
+
+
+def test_the_waiting_batches_of_a_session_that_ended_are_not_read(tmp_path, server, start_provider, client_for):
+    """A loader that closes with batches still waiting in its dataset's lane costs the store nothing more:
+    the batch being read finishes, the ones behind it are dropped (nobody would take them)."""
+    arrays(tmp_path / "remote", 64, 6)
+    provider = start_provider(f"web={server.url}/remote/?{SLOW}", remote_reads=1, heartbeat_liveness=LIVENESS)
+    client = client_for(provider.endpoint, timeout_s=WAIT_S)
+    client.hello()
+    server.hold()
+    opened = len(server.gets())
+    for idx in ([1, 2], [30, 31], [50, 51]):
+        client.send(BatchRequest(dataset="web", split="train", frames=[np.array(idx, "<i8").tobytes()]))
+    in_flight(server, 2)  # the first batch's x and y; the other two wait in the lane
+    client.send(Goodbye())
+    deadline = time.monotonic() + WAIT_S
+    while provider.service.server.stats()["sessions"]:
+        assert time.monotonic() < deadline, "the session never ended"
+        time.sleep(0.01)
+    server.release()
+    while provider.service.server._pending:  # the three batches, answered (to nobody) or dropped
+        assert time.monotonic() < deadline, "the lane never emptied"
+        time.sleep(0.01)
+    assert len(server.gets()) - opened == 2, server.gets()[opened:]
 
 
 def test_each_dataset_reads_on_lanes_of_its_own(tmp_path, server):

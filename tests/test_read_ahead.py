@@ -52,7 +52,8 @@ def test_a_plan_is_fetched_before_it_is_asked_for_and_a_new_one_replaces_it(
     x, y = arrays(tmp_path / "remote", 200, 1)
     # one request in flight for the dataset (held: not climbed), so read-ahead takes one block at a time
     query = "val_fraction=0&concurrency=1&block=512&ram_cache=1000000&retries=0&timeout=120"
-    provider = start_provider(f"web={server.url}/remote/?{query}")
+    # a silent client's session lasts while the store is held (the tests' default: 1 s of silence)
+    provider = start_provider(f"web={server.url}/remote/?{query}", heartbeat_liveness=600)
     memory = provider.service.handler.datasets["web"].location.client.memory
     client = client_for(provider.endpoint, timeout_s=WAIT_S)
     client.hello()

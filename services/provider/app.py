@@ -127,9 +127,13 @@ class ProviderService:
         runtime.clean_shm()
         # The serving loop shares the GIL with the threads reading remote stores (a hundred, parsing
         # replies): at CPython's 5 ms switch interval each of its turns could wait that long per thread
-        # ahead of it. 0.5 ms bounds a local dataset's batches beside a busy remote one (with the readers'
-        # lower priority, sources/formats/inflight.py; docs/performance.md, "Data behind a network").
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        # ahead of it. 0.5 ms bounds another dataset's batches beside a busy remote one (with the readers'
+        # lower priority, sources/formats/inflight.py), at a cost to that remote dataset's full shuffle
+        # without a cache (more switches): paid only where there is another dataset to be fair to
+        # (docs/performance.md, "Data behind a network").
+        sources = self.handler.datasets.values()
+        if len(sources) > 1 and any(s.remote for s in sources):
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.metrics = start_exporter(
             self.settings.metrics_bind, "provider", self.name, self.stats, latency=lambda: self.handler.latency
         )

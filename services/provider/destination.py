@@ -18,13 +18,13 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
 
 from libbus.constants import MAX_BATCH_BYTES, MAX_UNDECLARED_BATCH
-from libbus.errors import BadRequest, BusError, ShmError, TooLarge
+from libbus.errors import BadRequest, BusError, ShmError, TooLarge, Unavailable
 from libbus.serve.metrics import LatencyHistogram
 from libbus.wire.fields import Field, FieldBatch, encode_frames, pack_slot
 from libbus.wire.messages import BatchRequest, BatchResponse
@@ -224,6 +224,7 @@ def write_batch(
     dest: Destination,
     fields: list[Field] | None,
     started: float,
+    ended: Callable[[], bool] | None = None,
 ) -> BatchResponse:
     """Read the samples ``indices`` of ``msg.split`` from ``source`` into ``dest`` and answer them:
     an x/y batch (``fields`` is ``None``) straight into the destination's arrays, a batch of named
@@ -232,7 +233,10 @@ def write_batch(
 
     The time from ``started`` (the serving loop took the request) to here is the batch's queueing,
     from here to the end of the read its fill; a request that asks for its timing gets both in the
-    reply, the fill split by the source (:mod:`.sources.timing`)."""
+    reply, the fill split by the source (:mod:`.sources.timing`). ``ended()`` true: the session that
+    asked has ended while the batch waited, and it is not read (``UNAVAILABLE``)."""
+    if ended is not None and ended():
+        raise Unavailable("the session that asked for this batch has ended; it was not read")
     began = time.perf_counter()
     n = len(indices)
     timing = BatchTiming() if msg.timing else None

@@ -6,6 +6,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -112,6 +113,9 @@ READERS = ("trainer", "admin")
 BATCH_READERS = ("trainer", "reader", "admin", "attempt")
 #: Who may have a model scored: an attempt's grant too, for its own job only.
 EVALUATORS = ("trainer", "admin", "attempt")
+#: Ended sessions remembered so that their batches still waiting in a lane are dropped (a lane's wait is
+#: seconds; sessions end far more slowly than that).
+ENDED_KEPT = 4096
 #: How often the provider looks for rings their trainers have removed.
 RING_CHECK_S = 1.0
 #: How long a request from a trainer not (yet) assigned to a job on its dataset waits for the
@@ -187,6 +191,8 @@ class ProviderHandler(Handler):
         self.release = release or Release()
         #: Sends a job's evaluation to the router (the service sets it to its link's request).
         self.report = report
+        #: The latest sessions ended (bounded, oldest out): batches of theirs still waiting are not read.
+        self._ended: OrderedDict[str, None] = OrderedDict()
         #: session id → the datasets it sent a ReadAhead for (their plans end with the session).
         self._read_ahead: dict[str, set[str]] = {}
         #: session id → the bounds of its evaluations, cancelled when it goes away.
@@ -229,6 +235,9 @@ class ProviderHandler(Handler):
             self.fillers.rings.close(self.rings.pop(sid))
 
     def on_close(self, session: Session, reason: str) -> None:
+        self._ended[session.sid] = None  # its batches still waiting in a lane are not read
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
         for name in self._read_ahead.pop(session.sid, ()):  # its loaders are gone: their plans too
             self.datasets[name].read_ahead("train", np.empty(0, np.int64), (session.sid, name))
         for bound in self._bounds.pop(session.sid, set()):
@@ -411,7 +420,10 @@ class ProviderHandler(Handler):
         else:
             dest = Slot.begin(msg, self.counters, self.rings.get(session.sid))
         filler = self.fillers.for_batch(msg.dataset, source, dest.ring)
-        return filler.run(write_batch, source, msg, indices, dest, fields, started, ring=dest.ring)
+        # a batch still waiting in its lane when its session ends (a loader closed, or gone) is not read:
+        # nobody would take it, and a remote store's reads cost the other datasets
+        ended = partial(self._ended.__contains__, session.sid)
+        return filler.run(write_batch, source, msg, indices, dest, fields, started, ended, ring=dest.ring)
 
     @serves(ReadAhead, *BATCH_READERS)
     def read_ahead(self, session: Session, msg: ReadAhead) -> Ok:
