@@ -18,39 +18,20 @@ from libbus.errors import Unavailable
 from libbus.wire.messages import BatchRequest, BatchResponse, DatasetInfo, DatasetInfoRequest, Goodbye
 from services.provider import fillers
 from tests.support import scrape, value
+from tests.support.held_store import (  # noqa: F401 - server_fixture: the `server` fixture
+    LIVENESS,
+    SLOW,
+    WAIT_S,
+    npy_pair,
+    server_fixture,
+    wait_until,
+)
 from tests.support.httpd import RangeServer
-
-#: A held GET must not time out on the provider's side while the test looks (the server hangs up after 60 s).
-SLOW = "retries=0&timeout=120&val_fraction=0"
-#: How long the test waits for the provider to have sent what it must send (a bound, not a measure).
-WAIT_S = 30.0
-#: Heartbeats a provider lets a session miss (at the tests' 100 ms): a client waiting on a held store
-#: sends nothing, and at the tests' default of 10 its session could end before the store is released.
-LIVENESS = 600
-
-
-@pytest.fixture
-def server(tmp_path):
-    srv = RangeServer(tmp_path)
-    yield srv
-    srv.close()
-
-
-def arrays(d, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    d.mkdir()
-    rng = np.random.default_rng(seed)
-    x, y = rng.standard_normal((n, 3, 4, 4)).astype(np.float32), rng.integers(0, 10, n)
-    np.save(d / "train_x.npy", x)
-    np.save(d / "train_y.npy", y)
-    return x, y
 
 
 def in_flight(server: RangeServer, n: int) -> None:
     """Wait until ``n`` range GETs are outstanding at the (held) store."""
-    deadline = time.monotonic() + WAIT_S
-    while server.inflight < n:
-        assert time.monotonic() < deadline, f"{server.inflight} GETs outstanding, never {n}: {server.gets()}"
-        time.sleep(0.01)
+    wait_until(lambda: server.inflight >= n, lambda: f"{server.inflight} GETs outstanding, never {n}: {server.gets()}")
 
 
 def batch(reply, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -62,8 +43,8 @@ def batch(reply, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_a_silent_store_holds_up_no_other_dataset_and_its_batches_overlap(tmp_path, server, start_provider, client_for):
-    remote_x, remote_y = arrays(tmp_path / "remote", 64, 1)
-    local_x, local_y = arrays(tmp_path / "local", 32, 2)
+    remote_x, remote_y = npy_pair(tmp_path / "remote", 64, 1)
+    local_x, local_y = npy_pair(tmp_path / "local", 32, 2)
     provider = start_provider(
         f"web={server.url}/remote/?{SLOW}",
         f"disk=file://{tmp_path / 'local'}?memory=ram&val_fraction=0",
@@ -103,7 +84,7 @@ def test_a_silent_store_holds_up_no_other_dataset_and_its_batches_overlap(tmp_pa
 def test_a_batch_that_fails_at_the_store_fails_alone(tmp_path, server, start_provider, client_for):
     """A GET that dies fails its own batch (UNAVAILABLE, naming the file); the next batch of the same
     dataset, and the lane it is read on, are unharmed."""
-    remote_x, _ = arrays(tmp_path / "remote", 64, 3)
+    remote_x, _ = npy_pair(tmp_path / "remote", 64, 3)
     provider = start_provider(
         f"web={server.url}/remote/?{SLOW}&ram_cache=65536&block=512", metrics_bind="127.0.0.1:0", name="prov-r"
     )
@@ -131,7 +112,7 @@ def test_a_batch_that_fails_at_the_store_fails_alone(tmp_path, server, start_pro
 def test_the_waiting_batches_of_a_session_that_ended_are_not_read(tmp_path, server, start_provider, client_for):
     """A loader that closes with batches still waiting in its dataset's lane costs the store nothing more:
     the batch being read finishes, the ones behind it are dropped (nobody would take them)."""
-    arrays(tmp_path / "remote", 64, 6)
+    npy_pair(tmp_path / "remote", 64, 6)
     provider = start_provider(f"web={server.url}/remote/?{SLOW}", remote_reads=1, heartbeat_liveness=LIVENESS)
     client = client_for(provider.endpoint, timeout_s=WAIT_S)
     client.hello()
@@ -158,8 +139,8 @@ def test_each_dataset_reads_on_lanes_of_its_own(tmp_path, server):
     fill lane; local gathers on the loop unless ring fills have threads."""
     from services.provider.sources import open_source
 
-    arrays(tmp_path / "a", 8, 4)
-    arrays(tmp_path / "b", 8, 5)
+    npy_pair(tmp_path / "a", 8, 4)
+    npy_pair(tmp_path / "b", 8, 5)
     a, b = open_source(f"{server.url}/a/?{SLOW}"), open_source(f"{server.url}/b/?{SLOW}")
     local = open_source(f"file://{tmp_path / 'a'}?memory=ram&val_fraction=0")
     lanes = fillers.Fillers(fill_thread=False, fill_threads=2, remote_reads=3)

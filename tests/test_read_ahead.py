@@ -6,40 +6,20 @@ check is a timing."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 from libbus.errors import SplitPrivate
 from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import BatchRequest, ReadAhead
-from tests.support.httpd import RangeServer
-
-WAIT_S = 30.0
-
-
-@pytest.fixture
-def server(tmp_path):
-    srv = RangeServer(tmp_path)
-    yield srv
-    srv.close()
-
-
-def arrays(d, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    d.mkdir()
-    rng = np.random.default_rng(seed)
-    x, y = rng.standard_normal((n, 3, 4, 4)).astype(np.float32), rng.integers(0, 10, n)
-    np.save(d / "train_x.npy", x)
-    np.save(d / "train_y.npy", y)
-    return x, y
-
-
-def until(check, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+from tests.support.held_store import (  # noqa: F401 - server_fixture: the `server` fixture
+    LIVENESS,
+    SLOW,
+    WAIT_S,
+    npy_pair,
+    server_fixture,
+    wait_until,
+)
 
 
 def ahead(dataset: str, indices, split: str = "train") -> ReadAhead:
@@ -49,11 +29,11 @@ def ahead(dataset: str, indices, split: str = "train") -> ReadAhead:
 def test_a_plan_is_fetched_before_it_is_asked_for_and_a_new_one_replaces_it(
     tmp_path, server, start_provider, client_for
 ):
-    x, y = arrays(tmp_path / "remote", 200, 1)
+    x, y = npy_pair(tmp_path / "remote", 200, 1)
     # one request in flight for the dataset (held: not climbed), so read-ahead takes one block at a time
     query = "val_fraction=0&concurrency=1&block=512&ram_cache=1000000&retries=0&timeout=120"
     # a silent client's session lasts while the store is held (the tests' default: 1 s of silence)
-    provider = start_provider(f"web={server.url}/remote/?{query}", heartbeat_liveness=600)
+    provider = start_provider(f"web={server.url}/remote/?{query}", heartbeat_liveness=LIVENESS)
     memory = provider.service.handler.datasets["web"].location.client.memory
     client = client_for(provider.endpoint, timeout_s=WAIT_S)
     client.hello()
@@ -62,11 +42,11 @@ def test_a_plan_is_fetched_before_it_is_asked_for_and_a_new_one_replaces_it(
     opened = len(server.gets())
     first = client.request(ahead("web", range(0, 60)))
     assert first.detail["blocks"] > 2
-    until(lambda: server.inflight == 1, "the plan's first block was never asked for")
+    wait_until(lambda: server.inflight == 1, "the plan's first block was never asked for")
     second = client.request(ahead("web", range(150, 170)))  # a seek: this plan replaces the first
     planned = second.detail["blocks"]
     server.release()
-    until(lambda: memory.stats()["ram_cache_ahead"] == 0, "the plan was never fetched")
+    wait_until(lambda: memory.stats()["ram_cache_ahead"] == 0, "the plan was never fetched")
     fetched = server.gets()[opened:]
     assert len(fetched) == 1 + planned, fetched  # the first plan's block under way, then the second plan's
 
@@ -85,7 +65,7 @@ def test_a_plan_is_fetched_before_it_is_asked_for_and_a_new_one_replaces_it(
 
 
 def test_a_loader_sends_its_order_ahead_and_reads_it_from_ram(tmp_path, server, start_provider, make_token):
-    x, _ = arrays(tmp_path / "remote", 512, 2)
+    x, _ = npy_pair(tmp_path / "remote", 512, 2)
     provider = start_provider(f"web={server.url}/remote/?val_fraction=0&block=4096&ram_cache=10000000")
     memory = provider.service.handler.datasets["web"].location.client.memory
     with RemoteLoader(
