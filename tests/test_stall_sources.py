@@ -9,6 +9,7 @@ the provider) and the split must name that part as the largest share. No duratio
 from __future__ import annotations
 
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +35,22 @@ class Case:
     uri: str
     slow: str
     batch_size: int = 8
+    #: Seconds the source's own read sleeps per batch (a generator slow by construction), or 0.
+    read_s: float = 0.0
+
+
+class SlowReads:
+    """A provider's source whose every batch read takes ``seconds`` more, inside the read."""
+
+    def __init__(self, source, seconds: float):
+        self.source, self.seconds = source, seconds
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def serve_into(self, split, indices, x, y, *, epoch=0):
+        time.sleep(self.seconds)
+        self.source.serve_into(split, indices, x, y, epoch=epoch)
 
 
 def _tokens(folder: Path) -> None:
@@ -45,9 +62,10 @@ def _tokens(folder: Path) -> None:
 
 @contextmanager
 def mock_case(tmp_path: Path) -> Iterator[Case]:
-    # 1024 CIFAR-shaped samples of 12 KiB a batch: generating one (12.5 MB) is the slow part, against a
-    # reply of a few hundred bytes through the ring
-    yield Case("mock://cifar10?n=8192", "read", batch_size=1024)
+    # generating is the slow part, against a reply of a few hundred bytes through the ring: 256 CIFAR-shaped
+    # samples a batch, each batch's generation made 50 ms longer (generating alone, a millisecond or two,
+    # is not longer than a loaded machine's hand-offs)
+    yield Case("mock://cifar10?n=4096", "read", batch_size=256, read_s=DELAY_S)
 
 
 @contextmanager
@@ -125,6 +143,9 @@ CASES = [
 def test_the_slow_part_of_every_source_kind_is_the_largest_share(kind, shm, tmp_path, start_provider, make_token):
     with KINDS[kind](tmp_path) as case:
         provider = start_provider(f"d={case.uri}", user_modules=ALLOWED)
+        if case.read_s:
+            handler = provider.service.handler
+            handler.datasets["d"] = SlowReads(handler.datasets["d"], case.read_s)
         with RemoteLoader(
             "d", provider=provider.endpoint, token=make_token(), batch_size=case.batch_size, shm=shm, shuffle=False
         ) as loader:

@@ -9,6 +9,10 @@ the kernel, frames in order (a peer that does not read fills its TCP window, and
 more is written). So per connection the server knows, exactly and without the peer's word, how many
 bytes of replies it still holds.
 
+Replies being worked on off the serving loop (a provider reads batches on lanes) count before they
+exist, by the size their handler expects (``Future.expected_bytes``): otherwise a peer's requests would
+all go to work at once and their replies be held together, past the budget.
+
 When that is over the budget (``session_unsent_bytes``), the connection's next requests wait (in
 order, counted against ``session_inflight``) and are served as soon as the backlog drains under
 the budget; one that waits longer than ``unsent_wait_s`` is refused RATE_LIMITED with the figures.
@@ -46,6 +50,12 @@ class Backlog:
     unsent: int = 0
     #: ``(deadline, session, request)`` waiting for the backlog to drain, in arrival order.
     waiting: deque = field(default_factory=deque)
+    #: Bytes the replies being worked on off the serving loop will add (as their handler expects).
+    working: int = 0
+
+    def expected(self) -> int:
+        """The bytes held, plus those the requests being worked on will add."""
+        return self.settle() + self.working
 
     def settle(self) -> int:
         """Forget the replies that have left; returns the bytes still held."""
@@ -75,6 +85,21 @@ class Backlogs:
         backlog.held.append((tracker, nbytes))
         backlog.unsent += nbytes
 
+    def started(self, routing_id: bytes, nbytes: int) -> None:
+        """A request of ``routing_id`` went to work off the loop; its reply will be about ``nbytes``."""
+        if self.budget <= 0 or nbytes <= 0:
+            return
+        backlog = self._by_routing.get(routing_id)
+        if backlog is None:
+            backlog = self._by_routing[routing_id] = Backlog()
+        backlog.working += nbytes
+
+    def finished(self, routing_id: bytes, nbytes: int) -> None:
+        """That work ended (its reply is being sent, or it failed)."""
+        backlog = self._by_routing.get(routing_id)
+        if backlog is not None and nbytes > 0:
+            backlog.working = max(0, backlog.working - nbytes)
+
     def unsent(self, routing_id: bytes) -> int:
         backlog = self._by_routing.get(routing_id)
         return 0 if backlog is None else backlog.settle()
@@ -85,7 +110,7 @@ class Backlogs:
         backlog = self._by_routing.get(routing_id)
         if backlog is None:
             return False
-        return bool(backlog.waiting) or backlog.settle() > self.budget
+        return bool(backlog.waiting) or backlog.expected() > self.budget
 
     def defer(self, routing_id: bytes, session: Session, msg: Message, now: float) -> None:
         self._by_routing[routing_id].waiting.append((now + self.wait_s, session, msg))
@@ -102,7 +127,7 @@ class Backlogs:
         for routing_id, backlog in list(self._by_routing.items()):
             while backlog.waiting:
                 deadline, session, msg = backlog.waiting[0]
-                if backlog.settle() <= self.budget:
+                if backlog.expected() <= self.budget:
                     backlog.waiting.popleft()
                     serve(session, msg, None)  # its reply may put the connection over again
                 elif now > deadline:
@@ -111,7 +136,7 @@ class Backlogs:
                     serve(session, msg, self.refusal(backlog.unsent))
                 else:
                     break
-            if not backlog.waiting and not backlog.settle():
+            if not backlog.waiting and not backlog.settle() and not backlog.working:
                 del self._by_routing[routing_id]
 
     def refusal(self, unsent: int) -> RateLimited:

@@ -335,6 +335,7 @@ class Server:
             return
         if isinstance(reply, Future):
             session.inflight += 1
+            self.backlog.started(routing_id, getattr(reply, "expected_bytes", 0))
             self._pending.append((session, msg.id, reply))
             reply.add_done_callback(self._wake.set)
         elif reply is not None:
@@ -424,6 +425,7 @@ class Server:
                 still.append((session, request_id, fut))
                 continue
             session.inflight -= 1
+            self.backlog.finished(session.routing_id, getattr(fut, "expected_bytes", 0))
             err = fut.exception()
             if err is None:
                 reply = fut.result()

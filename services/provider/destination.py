@@ -33,7 +33,7 @@ from shm import Ring
 from .sources import Source
 from .sources.timing import BatchTiming, timed
 
-__all__ = ["BatchCounters", "Destination", "Frames", "Slot", "check_batch_size", "write_batch"]
+__all__ = ["BatchCounters", "Destination", "Frames", "Slot", "batch_bytes", "check_batch_size", "write_batch"]
 
 #: Bytes of a variable field's index per sample beyond its shape dims: its offset (int64).
 _INDEX_BYTES = 8
@@ -50,6 +50,13 @@ def _sample_bound(fields: list[Field]) -> int:
         else:
             total += f.sample_nbytes
     return total
+
+
+def batch_bytes(source: Source, fields: list[Field] | None, n: int) -> int:
+    """The bytes a batch of ``n`` samples sent as frames holds: an x/y batch exactly, named fields at most
+    (their declared maxima), never more than the batch limit."""
+    per_sample = source.x_nbytes + source.y_nbytes if fields is None else _sample_bound(fields)
+    return min(n * per_sample, MAX_BATCH_BYTES)
 
 
 def check_batch_size(source: Source, fields: list[Field] | None, n: int) -> None:

@@ -54,7 +54,7 @@ from libbus.wire.sockets import frame_len
 from services.model_data import xy_info
 from shm import Ring, RingLayout
 
-from .destination import BatchCounters, Destination, Frames, Slot, check_batch_size, write_batch
+from .destination import BatchCounters, Destination, Frames, Slot, batch_bytes, check_batch_size, write_batch
 from .evalgate import Bound, EvalGate, check_model_spec
 from .fillers import REMOTE_READS, Fillers
 from .release import EXACT, Release
@@ -422,8 +422,12 @@ class ProviderHandler(Handler):
         filler = self.fillers.for_batch(msg.dataset, source, dest.ring)
         # a batch still waiting in its lane when its session ends (a loader closed, or gone) is not read:
         # nobody would take it, and a remote store's reads cost the other datasets
-        ended = partial(self._ended.__contains__, session.sid)
-        return filler.run(write_batch, source, msg, indices, dest, fields, started, ended, ring=dest.ring)
+        ended = partial(self._ended.__contains__, session.sid) if session is not None else None
+        reply = filler.run(write_batch, source, msg, indices, dest, fields, started, ended, ring=dest.ring)
+        if isinstance(reply, Future) and dest.ring is None:
+            # what its reply will hold, for the connection's budget of unread replies (libbus/serve/backlog.py)
+            reply.expected_bytes = batch_bytes(source, fields, len(indices))  # type: ignore[attr-defined]
+        return reply
 
     @serves(ReadAhead, *BATCH_READERS)
     def read_ahead(self, session: Session, msg: ReadAhead) -> Ok:

@@ -64,7 +64,7 @@ from services.usercode import module_allowed, not_allowed
 from .channel import Channel, ChannelClosed
 from .control import LOST
 from .failures import failed_attempt
-from .grant import attempt_settings
+from .grant import attempt_settings, ungranted_settings
 
 __all__ = ["PRELOAD", "AttemptLog", "AttemptRun", "attempt_context", "read_lines", "warm_up"]
 
@@ -334,7 +334,7 @@ class AttemptRun:
             channel.send(
                 "start",
                 [bytes(f.buffer if hasattr(f, "buffer") else f) for f in self.task.frames],  # model_from's weights
-                settings=attempt_settings(s),  # its trainer's credentials withheld (.grant)
+                settings=attempt_settings(s) if self.task.grant else ungranted_settings(s, self.task.job),
                 grant=self.task.grant,
                 task={
                     "job": self.task.job,

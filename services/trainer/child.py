@@ -318,7 +318,11 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
 
 def attempt_identity(settings: Settings, name: str, job: str, grant: str, link: ParentLink) -> Identity:
     """Who the attempt is at providers: its job's grant (renewed through the trainer), its trainer's
-    name, host id and CURVE key pair (the key's name is the grant's subject)."""
+    name, host id and CURVE key pair (the key's name is the grant's subject). A task without a grant
+    (its router holds no signing key) came with its trainer's token: the attempt is its trainer
+    (:func:`.grant.ungranted_settings`)."""
+    if not grant:
+        return runtime.identity(settings, "trainer", name)
     return Identity(
         role="attempt",
         name=name,

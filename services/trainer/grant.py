@@ -33,6 +33,8 @@ from libbus.errors import AuthInvalid, BusError, ConfigError
 from libbus.security.auth import inspect_token
 from libbus.wire.messages import Grant, RenewGrant
 
+from .. import runtime
+
 __all__ = [
     "CREDENTIAL_VARIABLES",
     "WITHHELD",
@@ -62,6 +64,20 @@ _PR_SET_DUMPABLE = 4
 def attempt_settings(settings: Settings) -> dict:
     """``settings`` as the attempt's process is given them: its trainer's credentials withheld."""
     return {**settings.as_dict(), **WITHHELD_SETTINGS}
+
+
+def ungranted_settings(settings: Settings, job: str) -> dict:
+    """``settings`` as an attempt is given them when its task carries no grant (the router holds no signing
+    key, as on a cluster whose nodes hold only the public key): its trainer's own token, as before grants
+    existed, said loudly, since the job's code can then act as its trainer (docs/security.md §4.1)."""
+    log.warning(
+        "job %s: the router sent no grant with this task (it holds no signing key to mint one); its attempt "
+        "reads with this trainer's own token, so its code can act as this trainer: keep the cluster's signing "
+        "key on the router's machine to give each attempt only its job's grant",
+        job,
+    )
+    token = runtime.token_source(settings, "trainer", runtime.service_name(settings, "trainer"))
+    return {**settings.as_dict(), "token": token() if callable(token) else token}
 
 
 def withhold_environment(env: MutableMapping[str, str]) -> list[str]:
