@@ -115,6 +115,7 @@ class Gangs:
                 world_size=len(gang["members"]),
                 resume=job["checkpoint"],
                 rendezvous=gang["rendezvous"],
+                attempt=max(0, job.get("attempts", 1) - 1),  # one number for every rank of this assignment
             )
         if any(trainer in members for members in self.gathering.values()):
             return NoTask(retry_ms=self.retry_ms)

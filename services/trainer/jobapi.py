@@ -291,7 +291,14 @@ class AttemptJob(Job):
         if not self.settings.audit_dir:
             return
         if self._audit is None:  # after restore(): the attempt's first line says where it resumed
-            self._audit = Audit(self.settings.audit_dir, self.id, self.identity.name, self.step_count, rank=self.rank)
+            self._audit = Audit(
+                self.settings.audit_dir,
+                self.id,
+                self.identity.name,
+                self.step_count,
+                rank=self.rank,
+                attempt=self.attempt,
+            )
         self._audit.record(epoch, self.step_count + 1, x, y)
 
     # -- for the attempt's runner -----------------------------------------------------------------
