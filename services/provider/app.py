@@ -20,6 +20,7 @@ from libbus.wire.messages import Entitlements, EvaluationReport, Message
 from .. import runtime
 from .evalgate import EvalGate
 from .handler import ProviderHandler
+from .metrics import provider_metrics
 from .release import Release
 from .sources import Source, open_source, parse_dataset_arg
 from .sources.objstore import configure_cache
@@ -135,7 +136,11 @@ class ProviderService:
         if len(sources) > 1 and any(s.remote for s in sources):
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.metrics = start_exporter(
-            self.settings.metrics_bind, "provider", self.name, self.stats, latency=lambda: self.handler.latency
+            self.settings.metrics_bind,
+            "provider",
+            self.name,
+            self.stats,
+            provider_metrics(lambda: self.handler.latency),
         )
         try:
             return self._start()

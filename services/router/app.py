@@ -18,6 +18,7 @@ from libbus.serve.server import Server
 from .. import runtime
 from .artifacts import Artifacts
 from .handler import RouterHandler
+from .metrics import router_metrics
 from .store import JobStore
 
 __all__ = ["RouterService", "grant_minter", "raise_open_files"]
@@ -88,7 +89,9 @@ class RouterService:
 
     def start(self) -> str:
         raise_open_files()
-        self.metrics = start_exporter(self.settings.metrics_bind, "router", self.name, self.server.stats)
+        self.metrics = start_exporter(
+            self.settings.metrics_bind, "router", self.name, self.server.stats, router_metrics
+        )
         try:
             endpoint = self.server.bind()
         except BaseException:

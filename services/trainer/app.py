@@ -26,6 +26,7 @@ from .attempt import ERROR_BYTES, MAX_WAIT_PARTS, AttemptRun, warm_up
 from .control import LOST
 from .failures import describe_failure
 from .grant import not_dumpable, withhold_environment
+from .metrics import trainer_metrics
 from .reports import Reporter
 
 __all__ = ["TrainerService", "run_trainer"]
@@ -94,7 +95,7 @@ class TrainerService:
         }
 
     def run(self, stop: threading.Event) -> int:
-        self.metrics = start_exporter(self.settings.metrics_bind, "trainer", self.name, self.stats)
+        self.metrics = start_exporter(self.settings.metrics_bind, "trainer", self.name, self.stats, trainer_metrics)
         self.link.start()
         router = self.settings.router
         self.notifier.ready(f"waiting for the router at {router}")

@@ -1,0 +1,21 @@
+"""The router's own Prometheus metrics: jobs by state, peers by role (the metrics every service has are
+:mod:`libbus.serve.metrics`'s)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from libbus.serve.metrics import Families
+
+__all__ = ["router_metrics"]
+
+
+def router_metrics(stats: dict, fams: Families) -> Iterator[Metric]:
+    jobs = stats.get("jobs")
+    if isinstance(jobs, dict):
+        yield fams.by(GaugeMetricFamily, "jobs", "Jobs in the router's queue, by state.", "state", jobs)
+    peers = stats.get("peers")
+    if isinstance(peers, dict):
+        yield fams.by(GaugeMetricFamily, "peers", "Peers connected to the router, by role.", "role", peers)
