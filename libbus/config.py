@@ -115,6 +115,9 @@ class Settings:
     #: Trainer: write, per job, the digest of every sample trained on to ``<audit_dir>/<job>.*.jsonl``
     #: (for tests and audits of exactly-once delivery); empty = off.
     audit_dir: str = ""
+    #: Trainer: write each job's metrics (per-step loss, progress reports, stall split, epoch records) as
+    #: TensorBoard event files under ``<tensorboard_dir>/<job>`` (a study's trial ``<STUDY>/trial-N``); empty = off.
+    tensorboard_dir: str = ""
     #: Trainer: with no provider of the dataset answering, seconds to wait for one to come back.
     provider_wait_s: float = C.PROVIDER_WAIT_S
     #: Trainer: seconds between progress reports.
