@@ -1,8 +1,9 @@
-"""``busctl submit``, ``busctl jobs`` and ``busctl job show|watch|logs|pause|resume|checkpoint|stop|set|model|eval|samples|skip``:
+"""``busctl submit``, ``busctl jobs`` and ``busctl job show|watch|metrics|logs|pause|resume|checkpoint|stop|set|model|eval|samples|skip``:
 queue jobs, list them, inspect and control one."""
 
 from __future__ import annotations
 
+import time
 import tomllib
 from pathlib import Path
 from typing import Annotated
@@ -388,6 +389,73 @@ def job_model(
     write_atomic(out, data)
     typer.echo(f"{out}: {len(data)} bytes, sha256 {digest}")
     typer.echo(weights_line(data))
+
+
+@job_app.command("metrics")
+@guard
+@admin_options
+def job_metrics(
+    job: str,
+    tensorboard: Annotated[
+        Path | None,
+        typer.Option(
+            "--tensorboard",
+            help="Also write them as TensorBoard event files under DIR/JOB (a study's trial: DIR/STUDY/trial-N).",
+        ),
+    ] = None,
+    reports: Annotated[int, typer.Option(min=1, max=1000, help="The newest N progress reports.")] = 1000,
+    *,
+    settings: Settings,
+    json: Json = False,
+) -> None:
+    """A job's metrics as the router keeps them: its epoch records and its progress reports (step, running
+    loss, samples/s, data wait and its split by cause); with --tensorboard DIR, as event files too."""
+    with admin_client(settings) as client:
+        reply = client.request(GetJob(job=job, progress=reports, events=0))
+    info = reply.job
+    history = _epoch_records(info)
+    kept = info.get("progress_history") or []
+    run = None
+    if tensorboard is not None:
+        from libbus.jobs.tensorboard_events import export_job  # noqa: PLC0415 - tensorboardX imports torch
+
+        try:
+            run = export_job(tensorboard, {**info, "progress": {"history": history}}, kept)
+        except (OSError, ValueError) as err:
+            fail(f"no TensorBoard events written: {err}", 2 if isinstance(err, FileExistsError) else 1)
+    if json:
+        print_json({"job": job, "history": history, "reports": kept, "note": reply.note})
+    else:
+        _print_metrics(info, history, kept)
+        if run is not None:
+            echo(f"TensorBoard events: {run} ({len(kept)} progress report(s), {len(history)} epoch record(s))")
+    if reply.note:  # the router cut the reports to fit one reply
+        typer.echo(f"note: {reply.note}", err=True)
+
+
+def _print_metrics(info: dict, history: list[dict], kept: list[dict]) -> None:
+    echo(f"{info['id']} {info['state']}: {len(history)} epoch record(s), {len(kept)} progress report(s) kept")
+    for record in history:
+        echo("  " + tables.epoch_line(record))
+    if kept:
+        echo(f"  {'time':<8} {'step':>7} {'epoch':>6} {'loss':>8} {'samples/s':>9} {'wait %':>6}  data wait split")
+    for p in kept:
+        loss = f"{p['loss']:.4f}" if isinstance(p.get("loss"), (int, float)) else "-"
+        rate, wait = p.get("samples_per_s"), p.get("data_wait_pct")
+        echo(
+            f"  {time.strftime('%H:%M:%S', time.localtime(p.get('at', 0)))} {p.get('step', '-'):>7} "
+            f"{tables.epoch_of(p):>6} {loss:>8} {f'{rate:.0f}' if isinstance(rate, (int, float)) else '-':>9} "
+            f"{f'{wait:.1f}' if isinstance(wait, (int, float)) else '-':>6}  {tables.wait_split(p.get('data_wait_split'))}"
+        )
+
+
+def _epoch_records(info: dict) -> list[dict]:
+    """The job's epoch records: its latest progress report's history, or its result's once it ended."""
+    for holder in (info.get("progress"), info.get("result")):
+        history = (holder or {}).get("history")
+        if isinstance(history, list) and history:
+            return [r for r in history if isinstance(r, dict)]
+    return []
 
 
 @job_app.command("watch")

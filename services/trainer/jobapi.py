@@ -33,6 +33,7 @@ from libbus.errors import BadRequest, BusError
 from libbus.jobapi import Job, JobEnded
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JobSpec
+from libbus.jobs.tensorboard_events import JobEvents, run_dir
 from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import Checkpointed, Command, Progress, Task
 from services.sdnotify import Notifier
@@ -133,6 +134,8 @@ class AttemptJob(Job):
         self._adopted = 0
         self._checkpointed = (-1, -1)
         self._last_report = 0.0
+        #: The job's TensorBoard run (the trainer's ``tensorboard_dir``), written by rank 0 only.
+        self._events = self._open_events()
         self.controls = Controls(
             self.id,
             commands,
@@ -240,6 +243,8 @@ class AttemptJob(Job):
         self.step_count += 1
         if math.isfinite(loss):
             self.meter.add(samples, loss)
+            if self._events is not None:
+                self._events.step(self.step_count, loss)
         else:
             self.meter.samples += samples
         if train is not None and train.epoch != self._status_epoch:  # told once an epoch, not every step
@@ -269,6 +274,8 @@ class AttemptJob(Job):
         record.update(values)
         self.history.append(record)
         self.epochs_reported += 1
+        if self._events is not None:
+            self._events.epoch(record)
         log.info("job %s: epoch %d %s", self.id, self.epochs_reported, _shown(record))
         if self._get_state is not None:  # a resumed attempt keeps this record and continues after it
             self._write(None)
@@ -341,6 +348,9 @@ class AttemptJob(Job):
             loader.close()
         if self._audit is not None:
             self._audit.close()
+        if self._events is not None:
+            self._events.progress(self.progress())  # the attempt's last figures, between two reports
+            self._events.close()
 
     def _epochs(self) -> int:
         """The epochs the job trains: its ``epochs`` param when it has one, else the spec's."""
@@ -596,7 +606,22 @@ class AttemptJob(Job):
     # -- progress -------------------------------------------------------------------------------------
     def _report(self) -> None:
         self._last_report = time.monotonic()
-        self.reporter.put(Progress(job=self.id, progress=self.progress()))
+        progress = self.progress()
+        if self._events is not None:
+            self._events.progress(progress)
+        self.reporter.put(Progress(job=self.id, progress=progress))
+
+    def _open_events(self) -> JobEvents | None:
+        """The job's TensorBoard run under ``tensorboard_dir`` (rank 0's figures are the job's); none
+        where it is not set, or cannot be written (said once: the job trains all the same)."""
+        root = self.settings.tensorboard_dir
+        if not root or not self.lead:
+            return None
+        try:
+            return JobEvents(run_dir(root, self.id, self.spec.name), flush_s=self.settings.progress_interval_s)
+        except (OSError, ImportError) as err:
+            log.warning("job %s: no TensorBoard events under tensorboard_dir %s: %s", self.id, root, err)
+            return None
 
     def _maybe_report(self) -> None:
         if self.lead and time.monotonic() - self._last_report >= self.settings.progress_interval_s:

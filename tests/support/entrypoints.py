@@ -462,3 +462,17 @@ def hostile(job: Job) -> None:
         if out["own_batches"] == 3:
             break
     Path(job.params["out"]).write_text(json.dumps(out))
+
+
+def known_losses(job: Job) -> None:
+    """Two epochs of its train loader with loss ``1 / n`` at its ``n``-th step and ``val_loss`` ``0.5 / E``
+    at epoch ``E``: figures a reader of its metrics can check at their steps. No ``epochs`` param:
+    its displays know only the epochs it reports."""
+    train, n = job.loader("train"), 0
+    for epoch in range(2):
+        for _ in train:
+            n += 1
+            time.sleep(0.03)  # several progress reports an epoch (the cluster's progress_interval_s is 0.1)
+            job.step(loss=1.0 / n)
+        job.report(val_loss=0.5 / (epoch + 1))
+    job.save_model({"n": torch.tensor(n)})
