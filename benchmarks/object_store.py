@@ -38,7 +38,7 @@ SERVER = (
 
 def _batches(source, local, rng) -> tuple[float, float]:
     """samples/s and requests per batch over :data:`BATCHES` random batches, each checked against ``local``."""
-    from services.provider.sources.formats.objects import STATS
+    from services.provider.sources.storage.objects import STATS
 
     n = source.num_samples("train")
     batches = [rng.integers(0, n, BATCH) for _ in range(BATCHES)]

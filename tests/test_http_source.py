@@ -25,8 +25,8 @@ from libbus.loader.remote import RemoteLoader
 from libbus.order.epochs import epoch_order
 from libbus.wire.messages import BatchRequest, DatasetInfoRequest
 from services.provider.sources import open_source
-from services.provider.sources.formats.inflight import InflightLimit
 from services.provider.sources.http import expand_template
+from services.provider.sources.storage.inflight import InflightLimit
 from tests.support.httpd import RangeServer
 
 FAST = "retries=2&backoff=0.01&timeout=5"

@@ -195,6 +195,33 @@ def test_the_router_never_imports_the_loader():
     assert not sorted(n for n in reach if n.startswith("libbus.loader"))
 
 
+STORAGE = "services.provider.sources.storage"
+FORMATS = "services.provider.sources.formats"
+
+
+def test_storage_reads_bytes_for_any_layout_and_imports_none():
+    """``sources/storage/`` (where bytes live: files, HTTP ranges, object stores, caches, confinement) is
+    below ``sources/formats/`` (how they are laid out): a layout reads through storage, and nothing in
+    storage imports a layout or a scheme's source (it would tie a backend to one format)."""
+    modules = _modules()
+    storage = [n for n in modules if n == STORAGE or n.startswith(STORAGE + ".")]
+    assert f"{STORAGE}.objects" in storage and f"{STORAGE}.httprange" in storage
+    above = {
+        (name, target)
+        for name in storage
+        for target in _edges()[name]
+        if target.startswith("services.provider") and not (target == STORAGE or target.startswith(STORAGE + "."))
+    }
+    assert not above, f"storage modules importing layouts or sources: {sorted(above)}"
+    # every layout lives in formats/ (Parquet included), and formats/ holds no storage module
+    assert f"{FORMATS}.parquet" in modules and "services.provider.sources.parquet" not in modules
+    misplaced = [n for n in modules if n.startswith(FORMATS + ".") and n.rpartition(".")[2] in _STORAGE_NAMES]
+    assert not misplaced, misplaced
+
+
+_STORAGE_NAMES = {"objects", "httprange", "blockcache", "blockmemory", "cache", "confine", "inflight", "reader"}
+
+
 def test_a_provider_starts_without_torch():
     """A provider imports torch only when it evaluates a model (lazily, services/provider/evaluator.py):
     a data node starts in a fraction of a second and without torch's few hundred MB (seen: 1.7 s and

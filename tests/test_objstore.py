@@ -18,7 +18,7 @@ import pytest
 
 from libbus.errors import DatasetError
 from services.provider.sources import open_source
-from services.provider.sources.formats.blockcache import cache_stats
+from services.provider.sources.storage.blockcache import cache_stats
 from tests.support.busctl import REPO
 from tests.support.formats import BUILDERS, some_indices
 from tests.support.s3server import s3_in_env

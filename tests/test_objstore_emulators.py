@@ -171,7 +171,7 @@ def test_a_job_trains_on_a_dataset_read_from_the_emulator(
 )
 def test_each_clouds_variables_name_the_endpoint(scheme, env, host, monkeypatch):
     """Where requests go, from the variables alone (no request is sent: the client is only configured)."""
-    from services.provider.sources.objstore_obstore import ObstoreBackend
+    from services.provider.sources.storage.obstore_backend import ObstoreBackend
 
     for k in ("AZURE_STORAGE_CONNECTION_STRING", "STORAGE_EMULATOR_HOST"):
         monkeypatch.delenv(k, raising=False)

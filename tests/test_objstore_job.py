@@ -12,8 +12,8 @@ from prometheus_client.registry import CollectorRegistry
 from libbus.errors import Unavailable
 from libbus.serve.metrics import StatsCollector
 from libbus.wire.messages import BatchRequest, DatasetInfoRequest, Stats, SubmitJob
-from services.provider.sources.formats.objects import STATS
 from services.provider.sources.objstore import configure_cache
+from services.provider.sources.storage.objects import STATS
 from tests.support import wait_job
 from tests.support.formats import write_mnist_idx
 from tests.support.s3server import s3_in_env

@@ -240,7 +240,7 @@ def test_a_hard_link_in_a_file_dataset_is_refused(tmp_path):
 def test_a_hard_link_made_after_the_check_is_refused_as_the_file_is_opened(tmp_path):
     """The check is on the file as opened (``fstat``), so a link made after a path was checked is
     caught when the provider opens it to read."""
-    from services.provider.sources.formats.confine import Confinement
+    from services.provider.sources.storage.confine import Confinement
 
     data = _npy_dataset(tmp_path / "data")
     confinement = Confinement(data, (data,))

@@ -129,7 +129,7 @@ class ProviderService:
         # The serving loop shares the GIL with the threads reading remote stores (a hundred, parsing
         # replies): at CPython's 5 ms switch interval each of its turns could wait that long per thread
         # ahead of it. 0.5 ms bounds another dataset's batches beside a busy remote one (with the readers'
-        # lower priority, sources/formats/inflight.py), at a cost to that remote dataset's full shuffle
+        # lower priority, sources/storage/inflight.py), at a cost to that remote dataset's full shuffle
         # without a cache (more switches): paid only where there is another dataset to be fair to
         # (docs/performance.md, "Data behind a network").
         sources = self.handler.datasets.values()

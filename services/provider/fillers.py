@@ -44,7 +44,7 @@ from shm import Ring
 
 from .sources.base import ReadPolicy, Source
 from .sources.formats.dataset import usable_cores
-from .sources.formats.inflight import lower_priority
+from .sources.storage.inflight import lower_priority
 
 __all__ = ["FILL_THREAD", "OVERLAP_READS", "REMOTE_READS", "Filler", "Fillers", "RingUse"]
 
@@ -60,7 +60,7 @@ OVERLAP_READS = 2
 
 # REMOTE_READS (the ``remote_reads`` setting's default): batches of one remote dataset read at once.
 # Each batch's own requests run concurrently too, within the dataset's and the host's caps
-# (:mod:`.sources.formats.httprange`, :mod:`.sources.formats.objects`), so it only needs to cover the
+# (:mod:`.sources.storage.httprange`, :mod:`.sources.storage.objects`), so it only needs to cover the
 # batches a few loaders keep in flight.
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from libbus.errors import DatasetError
 from services.provider.sources.formats.dataset import Context, Layout, Table
 from services.provider.sources.formats.location import Format
-from services.provider.sources.formats.reader import ByteSpace, Records, Segment, read_at
+from services.provider.sources.storage.reader import ByteSpace, Records, Segment, read_at
 
 __all__ = ["FORMAT", "write_rows"]
 

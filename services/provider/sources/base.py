@@ -239,7 +239,7 @@ class OpenRequest:
 
 
 def relative_name(name: str, root: object) -> str:
-    """``name`` (a file's path or URL, as a :class:`~.formats.reader.Segment` or a store names it) as
+    """``name`` (a file's path or URL, as a :class:`~.storage.reader.Segment` or a store names it) as
     a path under the dataset's ``root``: what :meth:`Source.locate` may say without telling where the
     provider keeps the dataset. A name outside ``root`` is cut to its last part. A segment's name may
     carry a note (``"PATH (decompressed to COPY)"``): the note, which names a cache path, is dropped.

@@ -33,10 +33,10 @@ from pathlib import Path
 from libbus.errors import DatasetError
 
 from .base import OpenRequest, Source, local_path
-from .formats.confine import Confinement
 from .formats.dataset import Context
 from .formats.location import Location
 from .layouts import open_layout
+from .storage.confine import Confinement
 
 __all__ = ["FileLocation", "open_file_source"]
 
@@ -55,7 +55,7 @@ class FileLocation(Location):
         if not root.is_dir():
             raise DatasetError(f"{req.uri}: {root} {'is not a directory' if root.exists() else 'does not exist'}")
         super().__init__(req, root)
-        # Files with several links only where the operator says so on the URI (formats/confine.py).
+        # Files with several links only where the operator says so on the URI (storage/confine.py).
         hardlinks = req.params.pop("allow_hardlinks", "0").strip().lower() in ("1", "true", "yes")
         self.confinement = Confinement(root, (root, *self.extra), hardlinks)
         self._cache: Path | None = None

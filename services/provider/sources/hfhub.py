@@ -12,7 +12,7 @@ serves is served from a repository too.
 
 The client is ``huggingface_hub`` (the maintained one): ``HfFileSystem`` lists the repository and
 ``HfApi`` resolves the revision; a batch's ranged reads are the ``GET``s ``HfFileSystem``'s files make
-(``hf_hub_url``, the library's session and headers), sent once each because :class:`~.formats.objects.ObjectClient`
+(``hf_hub_url``, the library's session and headers), sent once each because :class:`~.storage.objects.ObjectClient`
 retries with the batch's deadline in view. Credentials from the standard places only: ``HF_TOKEN``, else
 the token file ``hf auth login`` writes (``HF_TOKEN_PATH``, ``$HF_HOME/token``); the endpoint from
 ``HF_ENDPOINT`` (a mirror, or the tests' loopback server). A revision with a ``/`` in it is written quoted,
@@ -31,9 +31,9 @@ from urllib.parse import unquote, urlsplit
 from libbus.errors import DatasetError
 
 from .base import OpenRequest, Source
-from .formats.objects import RETRY_STATUSES, ObjectError, ObjectMeta
 from .layouts import open_layout
 from .objstore import ObjectLocation
+from .storage.objects import RETRY_STATUSES, ObjectError, ObjectMeta
 
 __all__ = ["HfBackend", "HfLocation", "open_hf_source", "parse_hf_uri"]
 
@@ -71,7 +71,7 @@ def parse_hf_uri(req: OpenRequest) -> tuple[str, str, str]:
 
 
 class HfBackend:
-    """One dataset repository at one commit, through ``huggingface_hub``; an :class:`~.formats.objects.ObjectBackend`."""
+    """One dataset repository at one commit, through ``huggingface_hub``; an :class:`~.storage.objects.ObjectBackend`."""
 
     def __init__(self, repo_id: str, revision: str, timeout_s: float):
         hub = _hub()

@@ -41,10 +41,10 @@ from libbus.errors import DatasetError
 from .base import OpenRequest, Source
 from .formats.dataset import Context, FilePath
 from .formats.dataset_toml import TOML
-from .formats.httprange import HttpError, HttpSettings, RangeClient, RemoteFile, origin_of
 from .formats.location import Location
-from .formats.reader import Segment
 from .layouts import open_layout
+from .storage.httprange import HttpError, HttpSettings, RangeClient, RemoteFile, origin_of
+from .storage.reader import Segment
 
 __all__ = ["MAX_FILES", "HttpLocation", "RemoteDir", "expand_template", "open_http_source"]
 
@@ -265,7 +265,7 @@ def _manifest(murl: str, data: bytes) -> dict:
 
 class HttpLocation(Location):
     """The files an HTTP(S) URI names (see the module doc): sizes learned once, files read by range
-    through one :class:`~.formats.httprange.RangeClient` per dataset."""
+    through one :class:`~.storage.httprange.RangeClient` per dataset."""
 
     kind, label, memory = "http", "over HTTP", "stream"
 

@@ -19,9 +19,23 @@ from __future__ import annotations
 
 from libbus.errors import DatasetError
 
-from . import images, parquet
+from . import images
 from .base import Source
-from .formats import cifar, hfdisk, idx, imagefolder, litdata, mds, npy, raw, textlines, tfrecord, tokens, webdataset
+from .formats import (
+    cifar,
+    hfdisk,
+    idx,
+    imagefolder,
+    litdata,
+    mds,
+    npy,
+    parquet,
+    raw,
+    textlines,
+    tfrecord,
+    tokens,
+    webdataset,
+)
 from .formats.dataset import MEMORY_MODES, FileSource
 from .formats.dataset_toml import parse_settings
 from .formats.location import Format, Location

@@ -8,9 +8,9 @@ object store. A shard's index is cached in the cache directory (``cache_dir``/we
 
 The prefix is listed once at open; the format is ``?format=``, ``dataset.toml``'s, or detected as for
 ``file://``.
-Reads go through :mod:`.formats.objects` (one request per contiguous run, bounded concurrency per
+Reads go through :mod:`.storage.objects` (one request per contiguous run, bounded concurrency per
 dataset and per host, retries with jittered backoff, a deadline per batch) and, when the provider
-has a ``cache_dir``, a bounded disk cache of blocks (:mod:`.formats.blockcache`).
+has a ``cache_dir``, a bounded disk cache of blocks (:mod:`.storage.blockcache`).
 
 The client is ``obstore`` (the Rust ``object_store`` crate; docs/performance.md says why). Credentials
 come from the standard chains only: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``,
@@ -38,13 +38,13 @@ from pathlib import Path
 from libbus.errors import DatasetError
 
 from .base import OpenRequest, Source
-from .formats import objects
-from .formats.blockcache import BlockCache, cache_stats
+from .storage import objects
 from .formats.dataset import Context, FilePath
 from .formats.location import Location
-from .formats.objects import ObjectBackend, ObjectClient, ObjectFile, ObjectPath, ObjectSettings, ObjectTree
-from .formats.reader import Segment
 from .layouts import open_layout
+from .storage.blockcache import BlockCache, cache_stats
+from .storage.objects import ObjectBackend, ObjectClient, ObjectFile, ObjectPath, ObjectSettings, ObjectTree
+from .storage.reader import Segment
 
 __all__ = ["CACHE", "SCHEMES", "ObjectLocation", "configure_cache", "object_store_stats", "open_object_source"]
 
@@ -154,7 +154,7 @@ def _cache(req: OpenRequest) -> BlockCache | None:
 
 
 def _backend(req: OpenRequest, timeout_s: float):
-    from .objstore_obstore import ObstoreBackend  # the client library, imported when used
+    from .storage.obstore_backend import ObstoreBackend  # the client library, imported when used
 
     return ObstoreBackend(req.parts.scheme, req.parts.hostname or "", timeout_s)
 
@@ -176,8 +176,8 @@ class ObjectContext(Context):
 
 
 class ObjectLocation(Location):
-    """The objects under a prefix, listed once at open (an :class:`~.formats.objects.ObjectPath` root),
-    read by range through one :class:`~.formats.objects.ObjectClient` per dataset: bounded, retried,
+    """The objects under a prefix, listed once at open (an :class:`~.storage.objects.ObjectPath` root),
+    read by range through one :class:`~.storage.objects.ObjectClient` per dataset: bounded, retried,
     through the disk cache, each batch's reads under one deadline. Pops the object-store parameters
     (client, cache); refuses a URI carrying credentials."""
 

@@ -12,8 +12,9 @@ from urllib.parse import parse_qs, urlsplit
 
 from libbus.errors import DatasetError
 
-from . import files, hfhub, http, mock, objstore, parquet, pipeline, weighted
+from . import files, hfhub, http, mock, objstore, pipeline, weighted
 from .base import OpenRequest, Source
+from .formats import parquet
 
 __all__ = ["OPENERS", "open_source", "parse_dataset_arg"]
 

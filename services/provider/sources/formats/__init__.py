@@ -1,11 +1,11 @@
-"""How dataset files are laid out, one module per layout (idx, cifar, npy, tokens, raw; imagefolder,
-webdataset + tarshards, textlines), each ending in its registry line (``FORMAT``, listed by
-:mod:`..layouts`), over a shared core: :mod:`.location` (where bytes live: the interface a directory, an
-HTTP listing or an object-store prefix offers, and the :class:`~.location.Format` record), :mod:`.reader`
-(positional, coalescing reads), :mod:`.cache` (decompress once), :mod:`.confine` (files stay in their
-directory) and :mod:`.dataset` (the :class:`~.dataset.FileSource` that serves an array layout's tables);
-:mod:`.dataset_toml` parses ``dataset.toml`` for all of them. The remote reads behind the locations:
-:mod:`.httprange` (HTTP ranges), :mod:`.objects` (object stores, through the disk cache :mod:`.blockcache`)."""
+"""How dataset files are laid out: one module per layout (idx, cifar, npy, tokens, raw; imagefolder,
+webdataset + tarshards, textlines, tfrecord, mds, litdata, hfdisk, parquet), each ending in its registry
+line (``FORMAT``, listed by :mod:`..layouts`). Their shared core: :mod:`.location` (the interface a
+directory, an HTTP listing or an object-store prefix offers a layout, and the :class:`~.location.Format`
+record), :mod:`.dataset` (the :class:`~.dataset.FileSource` that serves an array layout's tables) and
+:mod:`.dataset_toml` (``dataset.toml``). Where the bytes live and how they are fetched (positional and
+ranged reads, caches, confinement) is :mod:`services.provider.sources.storage`'s; a layout imports it,
+never the other way round (``tests/test_layers.py``)."""
 
 from .dataset import FileSource, Layout, Table
 

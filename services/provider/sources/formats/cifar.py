@@ -14,9 +14,9 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
+from ..storage.reader import ByteSpace, Records
 from .dataset import Context, Layout, Table
 from .location import Format
-from .reader import ByteSpace, Records
 
 __all__ = ["FORMAT", "data_dir", "detect", "open_cifar"]
 

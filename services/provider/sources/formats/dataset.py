@@ -24,8 +24,8 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from ..base import ReadPolicy, Source, relative_name
-from .confine import Confinement
-from .reader import ByteSpace, Records, Segment, read_spaces
+from ..storage.confine import Confinement
+from ..storage.reader import ByteSpace, Records, Segment, read_spaces
 
 __all__ = ["MEMORY_MODES", "Context", "FilePath", "FileSource", "Gatherer", "Layout", "Table", "usable_cores"]
 
@@ -110,7 +110,7 @@ class Table:
 
     def read(self, rows: np.ndarray, xbytes: memoryview | None, ybytes: memoryview | None) -> None:
         """Rows ``rows`` into ``xbytes`` and ``ybytes`` (flat; ``None``: not wanted), every part's reads
-        together (:func:`~.reader.read_spaces`: a remote ``x`` and ``y`` are fetched side by side)."""
+        together (:func:`~services.provider.sources.storage.reader.read_spaces`: a remote ``x`` and ``y`` are fetched side by side)."""
         reads = []
         for records, feeds in self.parts:
             dests = [xbytes if c == "x" else ybytes if c == "y" else None for c in feeds]

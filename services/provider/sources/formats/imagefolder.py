@@ -4,11 +4,11 @@
 Class names are the folder names under ``train/``, sorted (class id = position); files are listed
 recursively under each class folder and ordered by (class, path), so the same tree always gives the
 same indices. The tree may be a local directory or an object-store prefix (an
-:class:`~.objects.ObjectPath`, ``s3://BUCKET/PREFIX``): the same tree gives the same samples, and a
+:class:`~services.provider.sources.storage.objects.ObjectPath`, ``s3://BUCKET/PREFIX``): the same tree gives the same samples, and a
 batch's images are then fetched together through the store's client. Where ``val/`` is missing, val
 is carved from train per class: the files whose path hashes lowest, ``val_fraction`` of each class — deterministic, stratified, and stable when files are added.
 
-Confined (:mod:`.confine`): a split or class folder, or an image, that is a symlink to somewhere outside
+Confined (:mod:`~services.provider.sources.storage.confine`): a split or class folder, or an image, that is a symlink to somewhere outside
 the dataset's directory is refused at open, and each image is checked again as it is opened for a batch.
 Symlinked folders deeper in a class folder are not followed.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 from libbus.errors import DatasetError
 
 from ..base import relative_name
-from .confine import Confinement
+from ..storage.confine import Confinement
 from .imageops import IMAGE_EXTS
 from .location import Format, Location
 

@@ -24,10 +24,10 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .cache import cached
+from ..storage.cache import cached
+from ..storage.reader import Segment, read_at
 from .dataset import Context, Layout, Table
 from .location import Format
-from .reader import Segment, read_at
 
 __all__ = ["FORMAT", "detect", "npy_header", "npz_members", "open_npy"]
 

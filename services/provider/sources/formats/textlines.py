@@ -4,7 +4,7 @@ The raw text a tokenizer reads on the provider (a pipeline's ``tokenize`` and ``
 starts are found once, at open, with one vectorised scan of the memory-mapped file; a sample is a
 line (empty lines are skipped), read with one positional read. Where ``val.txt`` is missing, val is
 carved from train: the lines whose number hashes lowest, ``val_fraction`` of them. A split file that is
-really (symlinks resolved, as opened) outside the dataset's directory is refused (:mod:`.confine`).
+really (symlinks resolved, as opened) outside the dataset's directory is refused (:mod:`~services.provider.sources.storage.confine`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from libbus.errors import DatasetError
 
 from ..base import relative_name
 from ..splitmix import GAMMA, MUL1, MUL2
-from .confine import Confinement
+from ..storage.confine import Confinement
 from .imagefolder import Encoded
 from .location import Format, Location
 

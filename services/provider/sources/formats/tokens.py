@@ -17,10 +17,10 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
+from ..storage.reader import ByteSpace, Records
 from .dataset import Context, Layout, Table
 from .location import Format
 from .npy import npy_header
-from .reader import ByteSpace, Records
 
 __all__ = ["FORMAT", "detect", "open_tokens", "shards"]
 

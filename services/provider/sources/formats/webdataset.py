@@ -7,7 +7,7 @@ ImageFolder trees (the samples whose key hashes lowest). Labels come from ``.cls
 names from ``classes.txt`` beside the shards (one per line), else ``0``, ``1``, ….
 
 A batch's members are read shard by shard in offset order, neighbours (gaps under
-:data:`COALESCE_GAP`) in one read. Local shards and ``classes.txt`` are confined (:mod:`.confine`): one
+:data:`COALESCE_GAP`) in one read. Local shards and ``classes.txt`` are confined (:mod:`~services.provider.sources.storage.confine`): one
 that is a symlink to somewhere outside the dataset's directory is refused at open, and checked again as
 opened for reading.
 """

@@ -1,8 +1,8 @@
-"""The :class:`~.formats.objects.ObjectBackend` of ``s3://``, ``gs://`` and ``az://`` datasets, on
+"""The :class:`~.objects.ObjectBackend` of ``s3://``, ``gs://`` and ``az://`` datasets, on
 ``obstore`` (Python bindings of the Rust ``object_store`` crate).
 
 obstore signs requests and finds credentials (environment, web identity, instance metadata; GCS and
-Azure likewise); its own retries are off (``max_retries`` 0) because :class:`~.formats.objects.ObjectClient`
+Azure likewise); its own retries are off (``max_retries`` 0) because :class:`~.objects.ObjectClient`
 retries with the batch's deadline in view. Its errors are turned into :class:`ObjectError` from the
 HTTP status and the S3 error code alone: the text the store sent back is never passed on (an S3 error
 body can echo the access key id).
@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from libbus.errors import DatasetError
 
-from .formats.objects import RETRY_CODES, RETRY_STATUSES, ObjectError, ObjectMeta
+from .objects import RETRY_CODES, RETRY_STATUSES, ObjectError, ObjectMeta
 
 __all__ = ["ObstoreBackend"]
 

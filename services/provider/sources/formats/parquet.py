@@ -53,9 +53,9 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, local_path, relative_name
-from .formats.imagefolder import Encoded
-from .formats.location import Format, Location
+from ..base import SPLITS, Field, FieldBatch, OpenRequest, Source, local_path, relative_name
+from .imagefolder import Encoded
+from .location import Format, Location
 
 if TYPE_CHECKING:  # optional at run time: imported when used (_pyarrow)
     from pyarrow import Table as ArrowTable
