@@ -1,4 +1,4 @@
-"""The provider's decode cache (services/provider/sources/pipeline/cache.py): samples kept as they leave a
+"""The provider's decode cache (services/provider/sources/pipeline/decode_cache.py): samples kept as they leave a
 pipeline's deterministic prefix, shared by jobs, and every job's bytes those of an uncached run."""
 
 import json
@@ -13,7 +13,7 @@ import pytest
 from libbus.errors import ConfigError
 from services.provider.sources import open_source
 from services.provider.sources.pipeline import Pipeline, pipeline_stats
-from services.provider.sources.pipeline.cache import DecodeCache, Entry, PrefixCache, file_name
+from services.provider.sources.pipeline.decode_cache import DecodeCache, Entry, PrefixCache, file_name
 from services.provider.sources.pipeline.stages import Chunk
 from tests.support.images import write_imagefolder
 

@@ -19,9 +19,9 @@ import torch
 
 from libbus.connect.client import Client, Identity
 from libbus.errors import BadRequest, NotFound, PeerTimeout
-from libbus.loader.delivery import SocketDelivery
+from libbus.loader.deliveries import SocketDelivery
 from libbus.loader.remote import RemoteLoader
-from libbus.loader.replicas import Replica, pick
+from libbus.loader.replica import Replica, pick
 from libbus.wire.messages import Resolve, Stats, SubmitJob
 from libbus.wire.msg_data import info_mismatch
 from services.provider.sources import open_source

@@ -27,7 +27,7 @@ from libbus.config import host_id
 from libbus.connect.client import Client, Identity
 from libbus.connect.link import Link
 from libbus.errors import AuthExpired, BadRequest, DatasetError, TooLarge
-from libbus.loader.delivery import ring_layout
+from libbus.loader.deliveries import ring_layout
 from libbus.security.admission import admit_client
 from libbus.security.auth import LEEWAY_S, ensure_secret, issue_token
 from libbus.wire.messages import AttachRing, BatchRequest, DatasetInfoRequest, GetTask, ListPeers, PushResult

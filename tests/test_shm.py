@@ -20,7 +20,7 @@ import torch
 from libbus.config import host_id
 from libbus.connect.client import Client
 from libbus.errors import BadRequest, Forbidden, Unavailable
-from libbus.loader.delivery import ring_layout
+from libbus.loader.deliveries import ring_layout
 from libbus.loader.remote import RemoteLoader
 from libbus.order.epochs import epoch_order
 from libbus.wire.messages import AttachRing, BatchRequest, DatasetInfoRequest

@@ -15,7 +15,7 @@ import torch
 
 from libbus.config import host_id
 from libbus.errors import BadRequest, DatasetError
-from libbus.loader.delivery import ring_layout
+from libbus.loader.deliveries import ring_layout
 from libbus.loader.remote import RemoteLoader
 from libbus.order.epochs import epoch_order
 from libbus.serve.wakeup import Wakeup

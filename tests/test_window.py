@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from libbus.errors import AuthRequired, BusError, NotFound, Unavailable
-from libbus.loader.delivery import RingDelivery, SocketDelivery
-from libbus.loader.delivery_api import Delivery
+from libbus.loader.deliveries import RingDelivery, SocketDelivery
+from libbus.loader.delivery_protocol import Delivery
 from libbus.loader.window import (
     Arrived,
     ConnectionLost,

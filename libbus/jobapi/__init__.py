@@ -23,7 +23,7 @@ A job names ``entrypoint = "package.module:function"``; a trainer whose operator
 
 from __future__ import annotations
 
+from .checkpoint_state import StateError, decode_state, encode_state
 from .job import Job, JobEnded
-from .state import StateError, decode_state, encode_state
 
 __all__ = ["Job", "JobEnded", "StateError", "decode_state", "encode_state"]

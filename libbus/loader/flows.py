@@ -3,7 +3,7 @@
 Cloud networks cap one TCP connection at 5–10 Gbit/s (25 with ENA Express), while a node of 8 GPUs
 training on decoded 224² images needs about 20 Gbit/s: one connection per provider cannot feed it.
 A loader may therefore spread its requests to one provider over ``flows`` connections. Each flow
-is one :class:`~libbus.loader.replicas.Replica` of its own — its own DEALER socket and TCP connection,
+is one :class:`~libbus.loader.replica.Replica` of its own — its own DEALER socket and TCP connection,
 the same identity and token, its own session — so the request window spreads batches over flows as
 it does over replicas (fewest outstanding first), yields them in batch order, and a flow that fails
 is reconnected or dropped, and its requests sent again on the others, by the same failover code.

@@ -1,8 +1,8 @@
 """``RemoteLoader``: iterate ``(x, y)`` torch tensors of a remote dataset, like a DataLoader.
 
 Batches are pulled by sample index straight from the providers' data sockets, ``inflight`` requests
-at a time, each to the replica with the fewest outstanding (:mod:`libbus.loader.replicas`); from a provider
-on this host, through a shared-memory ring (:mod:`libbus.loader.delivery`). The order is a seeded shuffle,
+at a time, each to the replica with the fewest outstanding (:mod:`libbus.loader.replica`); from a provider
+on this host, through a shared-memory ring (:mod:`libbus.loader.deliveries`). The order is a seeded shuffle,
 new each epoch and reproducible, and batches are yielded in it whichever replica served them.
 
 The loader is thin: :class:`~libbus.loader.window.RequestWindow` (no sockets) decides which batch is
@@ -50,13 +50,13 @@ from libbus.constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from libbus.errors import BadRequest, ConfigError, OutOfRange, SplitPrivate
 from libbus.loader.context import loader_context
 from libbus.loader.dataloader import DatasetSplit, pending_state, refuse_dataloader_args, refuse_rebatching
-from libbus.loader.delivery import RingDelivery
-from libbus.loader.delivery_api import Delivery
+from libbus.loader.deliveries import RingDelivery
+from libbus.loader.delivery_protocol import Delivery
 from libbus.loader.flows import check_flows
 from libbus.loader.ranks import detect
 from libbus.loader.readahead import READ_AHEAD, ReadAheadPlan
+from libbus.loader.replica import Replica, ReplyPoller, entries_of, recv_any
 from libbus.loader.replica_set import Links, ReplicaSet
-from libbus.loader.replicas import Replica, ReplyPoller, entries_of, recv_any
 from libbus.loader.stall import StallMeter
 from libbus.loader.window import (
     Arrived,

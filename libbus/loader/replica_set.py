@@ -9,7 +9,7 @@ quarantines the ring slots a frozen provider may still write, and finds provider
 restarted one on a new port — until ``provider_wait_s`` runs out (:class:`PeerTimeout`).
 
 A provider on another host is reached over ``flows`` connections (:mod:`libbus.loader.flows`), each a
-:class:`~libbus.loader.replicas.Replica` of its own that fails over like any replica; a flow dropped
+:class:`~libbus.loader.replica.Replica` of its own that fails over like any replica; a flow dropped
 while its provider still answers on the others is opened again (at the next pass, or
 :data:`~libbus.loader.flows.FLOW_RETRY_S` later in the middle of one).
 """
@@ -29,10 +29,10 @@ import zmq
 from libbus.connect.client import Client, Identity
 from libbus.constants import HELLO_TIMEOUT_S, PROVIDER_RETRY_S
 from libbus.errors import BadRequest, BusError, PeerTimeout, ShmError
-from libbus.loader.delivery import RingDelivery, SocketDelivery, ring_layout
-from libbus.loader.delivery_api import Delivery
+from libbus.loader.deliveries import RingDelivery, SocketDelivery, ring_layout
+from libbus.loader.delivery_protocol import Delivery
 from libbus.loader.flows import FLOW_RETRY_S, auto_flows
-from libbus.loader.replicas import Replica, entries_of, label_of
+from libbus.loader.replica import Replica, entries_of, label_of
 from libbus.security.curve import curve_key_of
 from libbus.wire.messages import DatasetInfoRequest, Resolve
 from libbus.wire.msg_data import info_mismatch

@@ -2,10 +2,10 @@
 
 A pass over an epoch is a list of batches (sample indices). :class:`RequestWindow` keeps up to
 ``inflight`` of them requested ahead of the one being yielded, sends each to the replica
-:func:`~libbus.loader.replicas.pick` chooses (fewest outstanding, same host first, one whose delivery can
+:func:`~libbus.loader.replica.pick` chooses (fewest outstanding, same host first, one whose delivery can
 take it), keeps the replies that arrive out of order until their turn, and puts the batches of a
 failed replica back in line to be sent again. It owns no socket: a replica is anything with
-``up``, ``local``, ``pending``, ``delivery`` (a :class:`~libbus.loader.delivery_api.Delivery`),
+``up``, ``local``, ``pending``, ``delivery`` (a :class:`~libbus.loader.delivery_protocol.Delivery`),
 ``send(batch_no, message)`` and ``answered(request_id)``, so the window is tested with in-memory
 replicas; :class:`~libbus.loader.remote.RemoteLoader` drives it with real connections.
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libbus.errors import AuthRequired, Unavailable
-from libbus.loader.delivery_api import Delivery
-from libbus.loader.replicas import pick
+from libbus.loader.delivery_protocol import Delivery
+from libbus.loader.replica import pick
 from libbus.wire.messages import Error
 
 __all__ = [

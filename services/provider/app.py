@@ -25,7 +25,7 @@ from .release import Release
 from .sources import Source, open_source, parse_dataset_arg
 from .sources.objstore import configure_cache
 from .sources.pipeline import Pipeline
-from .sources.pipeline.cache import DecodeCache
+from .sources.pipeline.decode_cache import DecodeCache
 
 __all__ = ["ProviderService", "DEFAULT_BIND", "private_test_option", "split_notice"]
 

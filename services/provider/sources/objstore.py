@@ -38,10 +38,10 @@ from pathlib import Path
 from libbus.errors import DatasetError
 
 from .base import OpenRequest, Source
-from .storage import objects
 from .formats.dataset import Context, FilePath
 from .formats.location import Location
 from .layouts import open_layout
+from .storage import objects
 from .storage.blockcache import BlockCache, cache_stats
 from .storage.objects import ObjectBackend, ObjectClient, ObjectFile, ObjectPath, ObjectSettings, ObjectTree
 from .storage.reader import Segment

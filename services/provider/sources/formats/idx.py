@@ -4,7 +4,7 @@ EMNIST's ``emnist-<set>-train-…`` prefixes, name theirs the same way).
 An IDX file is ``0 0 <type> <ndim>``, ``ndim`` big-endian uint32 dimensions, then the values in
 big-endian order. Any type and dimensions are read; samples are served in native order. Images of
 shape ``(N, H, W)`` are served as ``(1, H, W)``, the channel-first shape image models take. A
-``.gz`` file is decompressed once into the cache directory (see :mod:`~services.provider.sources.storage.cache`).
+``.gz`` file is decompressed once into the cache directory (see :mod:`~services.provider.sources.storage.decompress`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..storage.cache import cached
+from ..storage.decompress import cached
 from ..storage.reader import Segment, read_at
 from .dataset import Context, Layout, Table
 from .location import Format

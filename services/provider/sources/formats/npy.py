@@ -24,7 +24,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..storage.cache import cached
+from ..storage.decompress import cached
 from ..storage.reader import Segment, read_at
 from .dataset import Context, Layout, Table
 from .location import Format

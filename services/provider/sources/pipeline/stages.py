@@ -61,7 +61,7 @@ class Chunk:
     #: A stage that makes samples from runs of its input's (``pack`` with ``join``): the requested sample
     #: indices, while ``indices`` are those the stages before it read; None otherwise.
     requested: np.ndarray | None = None
-    #: With a decode cache (:mod:`.cache`): the whole chunk's indices and the hits found for it, while
+    #: With a decode cache (:mod:`.decode_cache`): the whole chunk's indices and the hits found for it, while
     #: ``indices`` are the misses the deterministic prefix reads; None otherwise.
     cached: Any = None
 

@@ -4,8 +4,8 @@
 each request it sends it asks the delivery for the request's extra ``fields`` (a ring slot and its
 sequence number), it passes each reply to ``receive``, and it calls ``hand_out`` when the batch is
 yielded and ``done`` when the consumer comes back for the next one. Two transports implement it —
-:class:`~libbus.loader.delivery.SocketDelivery` (the batch's bytes are the reply's frames) and
-:class:`~libbus.loader.delivery.RingDelivery` (the provider wrote the batch into a shared-memory slot) —
+:class:`~libbus.loader.deliveries.SocketDelivery` (the batch's bytes are the reply's frames) and
+:class:`~libbus.loader.deliveries.RingDelivery` (the provider wrote the batch into a shared-memory slot) —
 and mypy checks both against this declaration (the assignments at the end of this module), so a
 third transport, or a change to one of them, cannot drift from what the window relies on.
 
@@ -70,7 +70,7 @@ class Delivery(Protocol):
 
 
 if TYPE_CHECKING:  # mypy checks both transports against the protocol; nothing runs here
-    from libbus.loader.delivery import RingDelivery, SocketDelivery
+    from libbus.loader.deliveries import RingDelivery, SocketDelivery
 
     _socket: type[Delivery] = SocketDelivery
     _ring: type[Delivery] = RingDelivery
