@@ -135,6 +135,10 @@ def test_attempts_that_crash_hang_or_exit_fail_alone_and_the_trainer_goes_on(clu
         assert "WARNING user.job: stuck before step 1" in shown, shown  # the function's log record, as logged
         exited = _fails_alone(cluster, "tests.support.entrypoints:exits")
         assert exited["state"] == "failed" and "SystemExit: 3" in exited["error"], exited["error"]
+        # a failure in the job's own code names the step and the user's own line, and says what to do next
+        assert "raised by the job's own code at step 0, tests/support/entrypoints.py:" in exited["error"], exited
+        assert "in exits: sys.exit(3)" in exited["error"] and "no checkpoint yet" in exited["error"], exited["error"]
+        assert f"busctl job logs {exited['id']}" in exited["error"] and "busctl job resume" in exited["error"]
         # the same trainer, alive, takes the next job and trains it
         assert cluster.procs["sturdy"].poll() is None
         ok = cluster.wait_end(cluster.submit_spec({**JOB, "params": {**JOB["params"], "epochs": 1}}), timeout=180)

@@ -53,7 +53,7 @@ from . import builtin
 from .channel import Channel, ChannelClosed
 from .control import LOST
 from .evaltask import run_evaluation
-from .failures import deterministic, failed_attempt
+from .failures import deterministic, failed_attempt, own_code_failure
 from .final_eval import EVALUATE_TIMEOUT_S, score_saved
 from .gang import Gang, GangError, advertised_host
 from .grant import GrantSource, withhold_environment
@@ -303,6 +303,10 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
             # a collective inside backward() (DDP) breaks when another rank is gone: retried
             err = GangError(f"rank {task.rank}: the gang broke: {err}")
         state, result, error = failed_attempt(err, job.spec)
+        if job.spec.entrypoint and not isinstance(err, BusError):
+            checkpoint = job.last_checkpoint["step"] if job.last_checkpoint else None
+            where = own_code_failure(err, job.spec.entrypoint, job_id, job.step_count, checkpoint)
+            error = f"{error} ({where})" if where else error
         log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(err, BusError))
         return state, {"history": job.history, **result}, error
     finally:
