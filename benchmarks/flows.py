@@ -32,6 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.netns import VethHosts
+from benchmarks.netns import run as _run
+
 __all__ = ["CappedLink", "Services", "main", "measure", "netns_unavailable", "run"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,13 +42,6 @@ REPO = Path(__file__).resolve().parents[1]
 PORTS = range(42000, 42064)
 PROVIDER_ADDR, LOADER_ADDR = "10.214.0.1", "10.214.0.2"
 READY_TIMEOUT_S = 90.0
-
-
-def _run(*cmd: str, timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if check and out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip() or out.stdout.strip()}")
-    return out
 
 
 def netns_unavailable() -> str:
@@ -69,38 +65,15 @@ def netns_unavailable() -> str:
     return ""
 
 
-class CappedLink:
+class CappedLink(VethHosts):
     """Namespaces ``<tag>-p`` (provider) and ``<tag>-l`` (loader) joined by veth ``vp``—``vl``; every
     connection from the loader's ports :data:`PORTS` shaped on ``vp`` (provider → loader) to
     ``rate_mbit`` by a class of its own."""
 
     def __init__(self, rate_mbit: int):
-        tag = f"bbf{secrets.token_hex(2)}"
-        self.provider, self.loader = f"{tag}-p", f"{tag}-l"
-        self.made: list[str] = []
+        super().__init__(f"bbf{secrets.token_hex(2)}", (("p", "vp", PROVIDER_ADDR), ("l", "vl", LOADER_ADDR)))
+        self.provider, self.loader = self.a, self.b
         try:
-            for ns in (self.provider, self.loader):
-                _run("ip", "netns", "add", ns)
-                self.made.append(ns)
-                _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run(
-                "ip",
-                "link",
-                "add",
-                "vp",
-                "netns",
-                self.provider,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "vl",
-                "netns",
-                self.loader,
-            )
-            for ns, dev, addr in ((self.provider, "vp", PROVIDER_ADDR), (self.loader, "vl", LOADER_ADDR)):
-                _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                _run("ip", "-n", ns, "link", "set", dev, "up")
             # the loader's connections leave from these ports only: each has its class below
             _run("ip", "netns", "exec", self.loader, "sysctl", "-q", "-w",
                  f"net.ipv4.ip_local_port_range={PORTS.start} {PORTS.stop - 1}")  # fmt: skip
@@ -125,14 +98,6 @@ class CappedLink:
         out = _run("tc", "-n", self.provider, "-s", "class", "show", "dev", "vp").stdout
         found = re.findall(r"^class htb (\S+) .*\n Sent (\d+) bytes", out, flags=re.MULTILINE)
         return {handle: int(sent) for handle, sent in found if handle != "1:999"}
-
-    def exec(self, ns: str) -> list[str]:
-        return ["ip", "netns", "exec", ns]
-
-    def close(self) -> None:
-        for ns in reversed(self.made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        self.made.clear()
 
 
 class Services:

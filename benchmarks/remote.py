@@ -58,6 +58,8 @@ from typing import IO, Any, cast
 
 import numpy as np
 
+from benchmarks.netns import VethHosts
+from benchmarks.netns import run as sh
 from libbus.errors import BusError
 
 __all__ = ["main", "run"]
@@ -649,46 +651,17 @@ def add_ratios(rows: list[dict]) -> None:
 STORE_ADDR, PROVIDER_ADDR = "10.215.0.1", "10.215.0.2"
 
 
-def _sh(*cmd: str) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip() or done.stdout.strip()}")
-
-
-class CappedLink:
+class CappedLink(VethHosts):
     """Namespaces ``<tag>-s`` (the store) and ``<tag>-p`` (router, provider, loader) joined by a veth
     whose store end sends at most ``mbit`` (one ``htb`` class for all its traffic: the cap is the
     link's, not a flow's). Deleted by :meth:`close`, which the caller always calls."""
 
     def __init__(self, mbit: int):
-        tag = f"bbr{os.getpid() % 100000}"
-        self.store, self.provider = f"{tag}-s", f"{tag}-p"
-        self.made: list[str] = []
+        super().__init__(f"bbr{os.getpid() % 100000}", (("s", "vs", STORE_ADDR), ("p", "vp", PROVIDER_ADDR)))
+        self.store, self.provider = self.a, self.b
         try:
-            for ns in (self.store, self.provider):
-                _sh("ip", "netns", "add", ns)
-                self.made.append(ns)
-                _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh(
-                "ip",
-                "link",
-                "add",
-                "vs",
-                "netns",
-                self.store,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "vp",
-                "netns",
-                self.provider,
-            )
-            for ns, dev, addr in ((self.store, "vs", STORE_ADDR), (self.provider, "vp", PROVIDER_ADDR)):
-                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                _sh("ip", "-n", ns, "link", "set", dev, "up")
-            _sh("tc", "-n", self.store, "qdisc", "add", "dev", "vs", "root", "handle", "1:", "htb", "default", "10")
-            _sh("tc", "-n", self.store, "class", "add", "dev", "vs", "parent", "1:", "classid", "1:10", "htb",
+            sh("tc", "-n", self.store, "qdisc", "add", "dev", "vs", "root", "handle", "1:", "htb", "default", "10")
+            sh("tc", "-n", self.store, "class", "add", "dev", "vs", "parent", "1:", "classid", "1:10", "htb",
                 "rate", f"{mbit}mbit", "ceil", f"{mbit}mbit", "quantum", "60000")  # fmt: skip
         except BaseException:
             self.close()
@@ -701,14 +674,6 @@ class CappedLink:
         ).stdout
         found = re.search(r"class htb 1:10 .*\n Sent (\d+) bytes", out)
         return int(found.group(1)) if found else 0
-
-    def exec(self, ns: str) -> tuple[str, ...]:
-        return ("ip", "netns", "exec", ns)
-
-    def close(self) -> None:
-        for ns in reversed(self.made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        self.made.clear()
 
 
 def htb_child(cfg_json: str) -> None:
