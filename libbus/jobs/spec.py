@@ -213,10 +213,14 @@ class JobSpec:
             raise BadRequest(f"set needs at least one of {', '.join(SETTABLE)} (e.g. lr=0.01)")
         if self.entrypoint:  # NAME or params.NAME (a study's name for it)
             changes = {str(k).removeprefix("params."): v for k, v in changes.items()}
-            return JobSpec.from_dict({**self.to_dict(), "params": {**self.params, **changes}})
+            return self.updated(params={**self.params, **changes})
         other = sorted(set(changes) - set(SETTABLE))
         if other:
             raise BadRequest(f"cannot set {', '.join(other)} on a running job; settable: {', '.join(SETTABLE)}")
+        return self.updated(**changes)
+
+    def updated(self, **changes: Any) -> JobSpec:
+        """A copy with ``changes``, checked as a submitted spec is (:class:`BadRequest` naming the field)."""
         return JobSpec.from_dict({**self.to_dict(), **changes})
 
     def builtin_params(self) -> dict:

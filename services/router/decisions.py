@@ -122,9 +122,7 @@ class Decisions:
             if spec.task != "evaluate":
                 return spec
             trained = source["spec"]
-            return JobSpec.from_dict(
-                {**spec.to_dict(), "model": trained["model"], "model_kwargs": trained["model_kwargs"]}
-            )
+            return spec.updated(model=trained["model"], model_kwargs=trained["model_kwargs"])
         if spec.task == "evaluate":
             raise BadRequest(
                 f"job {spec.model_from} is {source['state']}; an evaluation task scores the model of "

@@ -56,7 +56,7 @@ from libbus.wire.messages import (
 
 from .artifacts import Artifacts
 from .scores import TestScores
-from .store import JobStore
+from .store import JobStore, stored_spec
 
 __all__ = ["EVAL_ACK_TIMEOUT_S", "JobControl"]
 
@@ -152,7 +152,7 @@ class JobControl:
         state, trainer = JobState(job["state"]), job["trainer"]
         spec = None
         if cmd is JobCommand.SET:
-            spec = JobSpec.from_dict(job["spec"]).with_hyper(args)
+            spec = stored_spec(job).with_hyper(args)
         elif cmd is JobCommand.ADOPT:
             _check_adopt(args)
         elif args:
@@ -294,7 +294,7 @@ class JobControl:
         applied = msg.detail.get("set")
         if msg.command == JobCommand.SET and isinstance(applied, dict) and applied:
             # what the trainer applied, checked like an admin's `set`: a trainer changes nothing else
-            self.store.set_spec(msg.job, JobSpec.from_dict(job["spec"]).with_hyper(applied), reason)
+            self.store.set_spec(msg.job, stored_spec(job).with_hyper(applied), reason)
         elif msg.state in (JobState.RUNNING, JobState.PAUSED) and msg.state != job["state"]:
             self.store.set_state(msg.job, msg.state, reason)
         else:
@@ -445,7 +445,7 @@ class JobControl:
         changes: dict = {"skip": [*(spec.get("skip") or []), ranges]}
         if msg.spike:  # a trainer's automatic skip of a loss spike: recorded, and bounded by spike.max_skips
             changes["spikes"] = [*(spec.get("spikes") or []), {**_spike_record(msg.spike), "steps": steps[0]}]
-        new = JobSpec.from_dict({**spec, **changes})
+        new = stored_spec(job).updated(**changes)
         target = job["checkpoint"]
         if steps:
             before = [c for c in job.get("checkpoints", []) if int(c["step"]) < steps[0][0]]

@@ -511,6 +511,12 @@ class JobStore:
         return [self._as_dict(r) for r in self.db.execute(_HELD, HOLDING_STATES).fetchall()]
 
 
+def stored_spec(job: dict) -> JobSpec:
+    """A stored job's spec, typed: the one place the router parses a spec it wrote (every spec was
+    checked with :meth:`JobSpec.from_dict` where it entered, at submit or when a study made a trial)."""
+    return JobSpec.from_dict(job["spec"])
+
+
 def _cut(reason: str) -> str:
     """An event's reason within ``REASON_CHARS`` (the rest is marked cut, not silently lost)."""
     return reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + f"... ({len(reason)} characters, cut)"
