@@ -99,7 +99,9 @@ def run_child(channel_end: socket.socket, output: socket.socket) -> None:
     """An attempt's process (the target the fork server runs): :func:`.child.child_main`, imported
     there already (:data:`PRELOAD`). The trainer never imports it, nor torch: it only relays."""
     from .child import child_main
+    from .forkserver import leave_alive_pipe
 
+    leave_alive_pipe()  # the fork server then ends with the trainer, taking this attempt with it
     child_main(channel_end, output)
 
 

@@ -476,3 +476,13 @@ def known_losses(job: Job) -> None:
             job.step(loss=1.0 / n)
         job.report(val_loss=0.5 / (epoch + 1))
     job.save_model({"n": torch.tensor(n)})
+
+
+def stuck_in_c(job: Job) -> None:
+    """Three steps, then a C call that holds the GIL for an hour: no thread of its process runs, so it
+    does not notice its trainer's end (a stuck collective or driver call looks like this)."""
+    for _ in range(3):
+        time.sleep(0.15)  # each step reported (the test cluster's progress_interval_s is 0.1)
+        job.step()
+    print("entering the C call", flush=True)
+    ctypes.PyDLL(None).sleep(3600)
