@@ -41,7 +41,7 @@ def leave_alive_pipe() -> None:
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is None:
         return
-    server._forkserver_alive_fd = None
+    server._forkserver_alive_fd = None  # type: ignore[attr-defined]  # multiprocessing's own, not in typeshed
     try:
         os.close(fd)
     except OSError:  # closed already: nothing holds it here
