@@ -1,4 +1,4 @@
-"""``busctl study submit|show|stop`` and ``busctl studies``: hyper-parameter studies the router runs
+"""``busctl study submit|show|watch|stop`` and ``busctl studies``: hyper-parameter studies the router runs
 (services/router/studies.py), and the evaluation tasks and current models of ``busctl submit
 --evaluate --model JOB|FILE`` and ``busctl job model --current``."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 import tomllib
 from pathlib import Path
 from typing import Annotated, TypeGuard
@@ -23,6 +24,7 @@ from .options import Json, admin_options
 
 __all__ = [
     "study_app",
+    "trial_value",
     "studies",
     "evaluation_task",
     "is_model_ref",
@@ -81,26 +83,104 @@ def study_show(study: str, *, settings: Settings, json: Json = False) -> None:
     if json:
         print_json(info)
         return
+    _print_study(info)
+
+
+def _print_study(info: dict) -> None:
+    """The study's line, a row per trial, the note on values not final, and its best trial."""
     echo(
         f"study {info['id']}: {info['state']}{' (' + info['reason'] + ')' if info['reason'] else ''}; "
         f"objective {info['objective']} ({info['direction']}d); epochs trained {info['epochs_trained']:g} "
         f"of {info['epochs_budget']} if every trial ran to the end"
     )
-    echo(f"{'#':>3}  {'job':<12} {'state':<9} {'value':>9} {'epochs':>6}  params")
+    echo(f"{'#':>3}  {'job':<12} {'state':<9} {'value':>10} {'epochs':>6}  params")
     for t in info["trials"]:
-        value = f"{t['value']:.4f}" if t["value"] is not None else "-"
-        params = " ".join(f"{k}={_short(v)}" for k, v in t["params"].items())
-        echo(f"{t['number']:>3}  {t['job'] or '-':<12} {t['state']:<9} {value:>9} {t['epochs']:>6g}  {params}")
+        echo(f"{t['number']:>3}  {t['job'] or '-':<12} {t['state']:<9} {_value(t):>10} {t['epochs']:>6g}  {_params(t)}")
+    if any(trial_value(t)[1] is not None for t in info["trials"]):
+        echo("* its last reported value, at that epoch: the trial has not run to the end (running, pruned, stopped)")
+    echo(_best(info))
+
+
+def trial_value(trial: dict) -> tuple[float | None, int | None]:
+    """A trial's value: its objective's final value, with ``None``; else, for a trial that has not run to
+    the end (running, pruned, stopped), its last reported value and the epoch it was reported at; else
+    ``(None, None)``."""
+    if isinstance(trial.get("value"), (int, float)):
+        return float(trial["value"]), None
+    reports = trial.get("reports") or {}
+    numbered = [(int(e), v) for e, v in reports.items() if str(e).isdigit() and isinstance(v, (int, float))]
+    if not numbered:
+        return None, None
+    epoch, value = max(numbered)
+    return float(value), epoch
+
+
+def _value(trial: dict) -> str:
+    value, epoch = trial_value(trial)
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if epoch is None else f"{value:.4f}*"
+
+
+def _params(trial: dict) -> str:
+    return " ".join(f"{k}={_short(v)}" for k, v in trial["params"].items())
+
+
+def _best(info: dict) -> str:
     best = info["best"]
-    echo(
-        f"best: trial {best['number']} (job {best['job']}) {info['objective']} {best['value']:.4f}"
-        if best
-        else "best: none complete yet"
-    )
+    if not best:
+        return "best: none complete yet"
+    return f"best: trial {best['number']} (job {best['job']}) {info['objective']} {best['value']:.4f}"
 
 
 def _short(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+#: Seconds between two looks at a watched study.
+WATCH_POLL_S = 1.0
+
+
+@study_app.command("watch")
+@guard
+@admin_options
+def study_watch(study: str, *, settings: Settings) -> None:
+    """Follow a study's trials until it ends (or Ctrl-C): a line each time a trial starts, reports or
+    ends (state, params, last value, best so far), then the study as `study show` prints it. Exits 0
+    when the study completed, 1 when it was stopped."""
+    shown: dict[int, tuple] = {}
+    try:
+        with admin_client(settings) as client:
+            while True:
+                info = client.request(GetStudy(study=study)).study
+                for t in info["trials"]:
+                    seen = (t["state"], t["job"], trial_value(t))
+                    if shown.get(t["number"]) != seen:
+                        shown[t["number"]] = seen
+                        echo(_trial_line(t, info))
+                if info["state"] != "running":
+                    break
+                time.sleep(WATCH_POLL_S)
+    except KeyboardInterrupt:
+        echo(f"stopped watching: study {study} goes on (busctl study show {study})", err=True)
+        raise typer.Exit(130) from None
+    echo("")
+    _print_study(info)
+    if info["state"] != "complete":
+        raise typer.Exit(1)
+
+
+def _trial_line(trial: dict, info: dict) -> str:
+    """``HH:MM:SS trial N (JOB) STATE OBJECTIVE VALUE[ at epoch E] PARAMS | best: ...``."""
+    value, epoch = trial_value(trial)
+    if value is None:
+        said = "no value yet"
+    else:
+        said = f"{info['objective']} {value:.4f}" + (f" at epoch {epoch}" if epoch is not None else "")
+    return (
+        f"{time.strftime('%H:%M:%S')} trial {trial['number']} ({trial['job'] or 'no job'}) {trial['state']}: "
+        f"{said}; {_params(trial)} | {_best(info)}"
+    )
 
 
 @study_app.command("stop")
