@@ -27,7 +27,7 @@ from libbus.jobs.state import JobState
 from libbus.wire.messages import ListJobs, ListPeers, Stats
 
 from .common import SafeConsole, admin_client, print_json, printable
-from .tables import refusals, stage_tables, wait_split
+from .tables import epoch_index, refusals, stage_tables, wait_split
 
 __all__ = ["collect", "data_wait_cell", "frame", "render", "top_command"]
 
@@ -154,10 +154,15 @@ def frame(snapshot: dict, previous: dict | None) -> dict:
 
 
 def _epoch(p: dict) -> int | None:
-    """The 1-based epoch being trained (a finished last epoch stays the last)."""
-    if "epoch" not in p or "epochs" not in p:
-        return None
-    return min(p["epoch"], p["epochs"] - 1) + 1
+    """The 1-based epoch being trained (a finished last epoch stays the last; :func:`.tables.epoch_index`)."""
+    index = epoch_index(p)
+    return None if index is None else index + 1
+
+
+def _epoch_cell(epoch: int | None, epochs: int | None) -> str:
+    """``N/M``, ``N`` where the job names no total (an entrypoint without an epochs param); ``-`` for N not begun."""
+    shown = "-" if epoch is None else str(epoch)
+    return f"{shown}/{epochs}" if epochs else shown
 
 
 def _job_row(job: dict) -> dict:
@@ -170,7 +175,8 @@ def _job_row(job: dict) -> dict:
         "dataset": job["spec"]["dataset"],
         "model": job["spec"]["model"],
         "epoch": _epoch(p),
-        "epochs": job["spec"]["epochs"],
+        # the report's total (none for an entrypoint that names none); the spec's for a built-in job not begun
+        "epochs": p.get("epochs") if p else None if job["spec"].get("entrypoint") else job["spec"]["epochs"],
         "step": p.get("step", 0),
         "total_steps": total or None,
         "loss": p.get("loss"),
@@ -257,7 +263,7 @@ def draw(f: dict) -> RenderableType:
             t["name"],
             t["job"] or "-",
             state,
-            f"{t['epoch']}/{t['epochs']}" if t["epoch"] is not None else "-",
+            _epoch_cell(t["epoch"], t["epochs"]),
             _num(t["step"], "d"),
             _num(t["loss"], ".4f"),
             _num(t["samples"], "d"),
@@ -277,7 +283,7 @@ def draw(f: dict) -> RenderableType:
             j["trainer"] or "-",
             j["dataset"],
             j["model"],
-            f"{j['epoch']}/{j['epochs']}" if j["epoch"] is not None else f"-/{j['epochs']}",
+            _epoch_cell(j["epoch"], j["epochs"]),
             bar,
             f"{j['step']}/{j['total_steps'] or '?'}",
             _num(j["loss"], ".4f"),

@@ -14,7 +14,7 @@ from libbus.jobs.state import JobState
 from libbus.wire.messages import GetJob
 
 from .common import SafeConsole
-from .tables import epoch_line, result_lines
+from .tables import epoch_index, epoch_line, epoch_of, result_lines
 
 __all__ = ["watch_job"]
 
@@ -58,13 +58,14 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
             p = info.get("progress") or {}
             history = p.get("history", [])
             if p and JobState(info["state"]).holding:
-                # after the last epoch (validation, provider-side test) the last bar stays full
-                current = min(p["epoch"], p["epochs"] - 1)
+                # after the last epoch (validation, provider-side test) the last bar stays full; a job that
+                # says no total (an entrypoint without an epochs param) shows none (tables.epoch_index)
+                current = epoch_index(p) or 0
                 # a function that opened no train loader reports no steps per epoch: a bar of its steps
                 per_epoch = p.get("steps_per_epoch") or max(1, p["step"])
                 within = p["step"] - current * per_epoch
                 fields = dict(
-                    epoch=f"{current + 1}/{p['epochs']}",
+                    epoch=epoch_of(p),
                     step=p["step"],
                     loss=f"{p['loss']:.4f}" if p.get("loss") is not None else "-",
                     rate=f"{p.get('samples_per_s', 0):.0f}",

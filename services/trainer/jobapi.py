@@ -249,7 +249,9 @@ class AttemptJob(Job):
             self.meter.samples += samples
         if train is not None and train.epoch != self._status_epoch:  # told once an epoch, not every step
             self._status_epoch = train.epoch
-            self.notifier.status(f"running job {self.id} epoch {min(train.epoch + 1, self._epochs())}/{self._epochs()}")
+            total = self._epochs()
+            shown = f"{min(train.epoch + 1, total)}/{total}" if total else f"{train.epoch + 1}"
+            self.notifier.status(f"running job {self.id} epoch {shown}")
         if self._spikes is not None and "loss" in metrics:
             judged = self.gang.largest(loss) if self.gang is not None else loss
             if self.lead and (spike := self._spikes.observe(self.step_count, judged)):
@@ -352,10 +354,11 @@ class AttemptJob(Job):
             self._events.progress(self.progress())  # the attempt's last figures, between two reports
             self._events.close()
 
-    def _epochs(self) -> int:
-        """The epochs the job trains: its ``epochs`` param when it has one, else the spec's."""
-        epochs = self.spec.params.get("epochs", self.spec.epochs)
-        return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) else self.spec.epochs
+    def _epochs(self) -> int | None:
+        """The epochs the job trains, where it says: its ``epochs`` param, else the spec's for the built-in
+        loop; None for an entrypoint job without one (its function decides: the spec's default is not it)."""
+        epochs = self.spec.params.get("epochs", None if self.spec.entrypoint else self.spec.epochs)
+        return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) and epochs > 0 else None
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _write(self, state: Mapping[str, Any] | None, again: bool = False) -> dict:
