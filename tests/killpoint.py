@@ -27,7 +27,7 @@ def raising_model(info: dict, **kwargs):
 
 
 def exiting_model(info: dict, **kwargs):
-    """A factory that calls ``sys.exit`` (issue 30 #7): its job fails, its trainer lives on."""
+    """A factory that calls ``sys.exit``: its job fails, its trainer lives on."""
     sys.exit(3)
 
 

@@ -1,5 +1,4 @@
-"""``-h`` is help on every busctl command and subcommand (issue 25: ``busctl start provider -h`` said
-``No such option: -h``). The test walks the whole command tree the app builds, so a command added
+"""``-h`` is help on every busctl command and subcommand. The test walks the whole command tree the app builds, so a command added
 later is covered without a line here."""
 
 from __future__ import annotations

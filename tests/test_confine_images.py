@@ -1,4 +1,4 @@
-"""Confinement of image and text layouts (issue 12's rule, docs/security.md §8): a class folder, an image, a
+"""Confinement of image and text layouts (docs/security.md §8): a class folder, an image, a
 WebDataset shard, ``classes.txt`` or a text file that is a symlink out of the dataset's directory is refused,
 naming it, unless the provider's operator allows the place (``?allow_paths=``)."""
 

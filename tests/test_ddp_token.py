@@ -1,4 +1,4 @@
-"""One trainer token on every rank (issue 25): the README's DDP pattern — ``router=`` and one token
+"""One trainer token on every rank: the README's DDP pattern — ``router=`` and one token
 under ``torchrun`` — connects every time, launch after launch, and every launch reads one exact epoch
 (disjoint shards that together hold every sample once). What must have one holder still has one: a
 second trainer *service* under the same subject is refused, and a loader's session can neither take

@@ -1,4 +1,4 @@
-"""Every ```python block of README.md and docs/*.md runs as a user would run it (issue 25): saved as a
+"""Every ```python block of README.md and docs/*.md runs as a user would run it: saved as a
 file in a fresh directory and run with this venv's python, against the examples' cluster that
 ``make serve-examples`` serves (``examples/serve.py``), the settings it writes named by
 ``BATCHBUS_CONFIG`` — nothing else set.

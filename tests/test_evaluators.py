@@ -1,4 +1,4 @@
-"""Scoring a model on the private test split (issue 26; issue 30 items 1, 6, 9, 16, 17): evaluators the
+"""Scoring a model on the private test split: evaluators the
 provider's operator allows, what a score may leak, who records it, and the bounds of an evaluation."""
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def test_evaluator_code_runs_only_where_the_providers_operator_allows_it(start_p
     client = client_for(provider.endpoint, timeout_s=30)
     marker = tmp_path / "ran"
     blob = _blob(_linear())
-    # the job of issue 26, as an evaluator: refused naming the setting, and nothing is imported or run
+    # such a job, as an evaluator: refused naming the setting, and nothing is imported or run
     for ref in ("pydoc:pipepager", "tests.support.user_transforms:jitter", "tests.support:evaluators"):
         with pytest.raises(Forbidden, match=r"not in this provider's evaluator_modules \(tests.support.evaluators\)"):
             client.request(

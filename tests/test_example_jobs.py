@@ -1,4 +1,4 @@
-"""examples/jobs/ as jobs (issue 26's recipes): PyTorch's MNIST example, a custom-loss function and a
+"""examples/jobs/ as jobs (the job recipes): PyTorch's MNIST example, a custom-loss function and a
 Lightning ``Trainer``, each written on the job API, submitted to a real cluster, its trainer killed
 with SIGKILL right after the attempt's first checkpoint (mid-epoch; at the first epoch's end for Lightning), and
 resumed to the end by the trainer restarted under its name, as systemd restarts it (the router gives the job back at

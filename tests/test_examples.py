@@ -1,4 +1,4 @@
-"""examples/ run as written (issue 25): ``examples/serve.py`` (what ``make serve-examples`` runs) serves
+"""examples/ run as written: ``examples/serve.py`` (what ``make serve-examples`` runs) serves
 the data, and every command of examples/README.md's run block runs as shown — no environment variable
 set, the scripts find the cluster where the make target wrote it — and does what it claims: the
 recipes train on every sample exactly once per epoch, the MNIST and ImageNet scripts under torchrun

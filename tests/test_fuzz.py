@@ -125,7 +125,7 @@ def corpus_frames(case: dict, world=None) -> list[bytes]:
 
 @pytest.fixture
 def provider(start_provider):
-    """The conftest's provider, and a dataset of named fields (the batch bound of issue 30 #15)."""
+    """The conftest's provider, and a dataset of named fields (its batch bound in bytes)."""
     return start_provider(
         "mnist=mock://mnist?n=600", "zeros=dummy://?shape=2,3&n=100&classes=4", "fields=mock://fields?n=64"
     )

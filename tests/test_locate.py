@@ -1,4 +1,4 @@
-"""Where each sample lives (issue 27): ``LocateSamples`` to a real provider over real files, each
+"""Where each sample lives: ``LocateSamples`` to a real provider over real files, each
 location checked by reading the bytes it names and comparing them with the sample; refusals (too many
 indices, out of range, another dataset's token, the private test split); ``busctl job samples --where``
 on a real job."""

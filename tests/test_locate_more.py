@@ -1,4 +1,4 @@
-"""Where each sample lives (issue 27), for the sources tests/test_locate.py leaves out: files of text lines,
+"""Where each sample lives, for the sources tests/test_locate.py leaves out: files of text lines,
 pipelines (the source's place of the same index, or of every line a packed token window was cut from),
 ``weighted://`` mixes (the member and its own place), and the same layouts in an object store or behind
 HTTP (the object's address, read back by range). Each location is checked by fetching the bytes it

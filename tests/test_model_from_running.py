@@ -1,4 +1,4 @@
-"""``model_from`` naming a job that has not succeeded (issue 26: "a running job's current weights"):
+"""``model_from`` naming a job that has not succeeded ("a running job's current weights"):
 the new job starts from the model weights of that job's latest checkpoint, taken when the new job is
 handed out; only the weights (not its optimizer or data position). Refused at submission while the
 job has no checkpoint, and outside the submitter's scope; a checkpoint changed since it was recorded,

@@ -151,7 +151,7 @@ def test_a_failed_read_reaches_the_loader_and_the_provider_serves_on(provider, m
             for _ in loader:
                 pass
         # the provider serves on, and the next pass is a whole one, as with DataLoader: a pass that ended in an
-        # error leaves no trace (issue 25): the next iter() is the next epoch, all 8 of its batches
+        # error leaves no trace: the next iter() is the next epoch, all 8 of its batches
         assert sum(1 for _ in loader) == 8 and loader.epoch == 2  # epochs 0 (failed) and 1 (whole) are done
 
 

@@ -210,7 +210,7 @@ def test_evaluate_refuses_pickles_and_mismatched_weights(provider, client_for):
 
 
 def test_evaluate_sizes_the_model_from_the_weights_not_from_the_peers_kwargs(provider, client_for):
-    """68 bytes of kwargs must not make the provider build a 31 GB model (issue 30 #10): the model's shape is
+    """68 bytes of kwargs must not make the provider build a 31 GB model: the model's shape is
     built on the meta device and refused when the weights sent cannot fill it; the provider goes on serving."""
     client = client_for(provider.endpoint, timeout_s=30)
     small = _weights(build_model("mlp", {"sample_shape": [1, 28, 28], "num_classes": 10}))

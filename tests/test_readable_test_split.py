@@ -1,4 +1,4 @@
-"""A real held-out set (issue 25): an operator marks a dataset's test split readable with
+"""A real held-out set: an operator marks a dataset's test split readable with
 ``private_test=false`` on its URI, where nothing needs hiding; without it the split stays private.
 A provider that carves val out of train says so at start and in ``busctl datasets``."""
 

@@ -1,5 +1,5 @@
-"""Who may do what: a reader token reads its datasets and nothing else (issue 30, item 6); on the default
-set-up no trainer node holds anything that mints a token (issue 30, item 3)."""
+"""Who may do what: a reader token reads its datasets and nothing else; on the default
+set-up no trainer node holds anything that mints a token."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_busctl_issues_reader_tokens(state_dir):
     assert claims.role == "reader" and claims.scopes["datasets"] == ["mnist"]
 
 
-# -- item 3: on the default set-up no trainer holds what makes an admin ----------------------------------
+# -- on the default set-up no trainer holds what makes an admin ----------------------------------
 
 
 def _b64(data: bytes) -> str:

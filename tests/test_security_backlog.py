@@ -1,5 +1,4 @@
-"""Replies a peer does not read are bounded in bytes per connection (issue 12, finding 4; libbus/
-backlog.py). Real provider processes and sockets; resident memory is sampled from /proc."""
+"""Replies a peer does not read are bounded in bytes per connection. Real provider processes and sockets; resident memory is sampled from /proc."""
 
 from __future__ import annotations
 

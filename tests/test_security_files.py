@@ -1,4 +1,4 @@
-"""Confinement of what a dataset names, and secrets kept secret (issue 12, findings 7 and 10)."""
+"""Confinement of what a dataset names, and secrets kept secret."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Nobody acts in another's name: the router keys every trainer on its token's subject (issue 12,
-findings 1, 2 and 6). Each test does what the attacker or the careless operator did, against a real
+"""Nobody acts in another's name: the router keys every trainer on its token's subject. Each test does what the attacker or the careless operator did, against a real
 router on a real socket, and shows the refusal."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""No peer exhausts a service (issue 12, findings 3, 4 and 5): memory before authentication, the
+"""No peer exhausts a service: memory before authentication, the
 evaluation oracle, and a flooding server against a client's deadline. Real processes and sockets;
 resident memory is sampled from /proc."""
 
@@ -21,7 +21,7 @@ from services.provider.sources import open_source
 
 INFO = open_source("mock://mnist?n=600").info()
 
-#: The bound issue 12 sets: resident memory of the router and of a provider while a peer with no
+#: The bound: resident memory of the router and of a provider while a peer with no
 #: token streams an endless multipart message (the 60 s run: python -m benchmarks.preauth_flood).
 PREAUTH_BOUND_MIB = 64
 
@@ -70,7 +70,7 @@ def test_evaluations_are_capped_in_size_and_rate(start_provider, client_for, mak
     model = {"name": "mlp"}
     with pytest.raises(TooLarge, match=f"at most {1 << 20}"):
         alice.request(Evaluate(dataset="mnist", model=model, job="j1", frames=[b"\0" * ((1 << 20) + 1)]))
-    # garbage naming a job (issue 30 #9: ten junk requests blocked the victim's evaluation) is refused
+    # garbage naming a job is refused
     # on its weights and spends nothing
     for _ in range(5):
         with pytest.raises(BadRequest, match="not a valid safetensors"):

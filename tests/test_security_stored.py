@@ -1,5 +1,4 @@
-"""What peers store is bounded, admin replies always arrive, sessions do not pile up (issue 12,
-findings 8 and 9). Real router, real sockets, real busctl processes."""
+"""What peers store is bounded, admin replies always arrive, sessions do not pile up. Real router, real sockets, real busctl processes."""
 
 from __future__ import annotations
 

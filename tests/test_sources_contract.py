@@ -126,7 +126,7 @@ def case(scheme: str, tmp_path: Path, server: RangeServer, request=None) -> tupl
             """)
         )
         return f"pipeline://{tmp_path / 'p.toml'}", None
-    if scheme == "file-imagefolder":  # images decoded on the provider (issue 15)
+    if scheme == "file-imagefolder":  # images decoded on the provider
         write_imagefolder(tmp_path / "if", per_class=6, classes=2, splits=("train", "test"))
         return f"file://{tmp_path / 'if'}?size=8&augment=1&workers=2", None
     if scheme == "http-webdataset":
@@ -136,7 +136,7 @@ def case(scheme: str, tmp_path: Path, server: RangeServer, request=None) -> tupl
 
 
 SCHEMES = ["mock", "mock-tokens", "dummy", "file", "file-stream", "http", "s3", "parquet", "weighted", "pipeline"]
-SCHEMES += ["mock-fields"]  # samples with named fields (issue 15)
+SCHEMES += ["mock-fields"]  # samples with named fields
 SCHEMES += ["file-imagefolder", "http-webdataset"]
 
 

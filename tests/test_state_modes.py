@@ -1,4 +1,4 @@
-"""A fresh state directory is private outside systemd too (issue 30 #19): the secret, keys, tokens and the job
+"""A fresh state directory is private outside systemd too: the secret, keys, tokens and the job
 database are made under mode 0700 directories and 0600 files whatever the umask, by the real CLI and a real
 SQLite file. An existing directory keeps the mode its operator gave it."""
 

@@ -49,7 +49,7 @@ def test_a_kept_token_expires_on_time(secret):
         time.sleep(0.1)
     else:
         pytest.fail("a kept token was still accepted after it expired")
-    with pytest.raises(AuthExpired):  # and at the handshake: an expired token proves nothing (issue 30, 13)
+    with pytest.raises(AuthExpired):  # and at the handshake: an expired token proves nothing
         check.handshake(token)
     assert check.verifications == 1
 

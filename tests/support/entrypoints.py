@@ -223,7 +223,7 @@ def linear_classifier(job: Job) -> None:
 def recorded(job: Job) -> None:
     """Trains as :func:`custom_loss` does (one ``job.step()`` per train batch) and appends the digest
     of every sample of each step to ``params["out"]/<attempt>.jsonl`` (first line: the step it
-    resumed from), for tests/test_samples27.py to compare with ``busctl job samples``."""
+    resumed from), for tests/test_samples_of_each_step.py to compare with ``busctl job samples``."""
     import json
     from pathlib import Path
 

@@ -1,11 +1,11 @@
-"""Issue 30, items 13, 14, 15, 18 and 20: each test does what the audit's probe did, against real
-services, sockets, shared memory and files, and shows the refusal.
+"""Edges a security audit probed: each test does what the probe did, against real services, sockets,
+shared memory and files, and shows the refusal.
 
-- 13: a token that has expired is refused at the connection handshake (before a frame is read);
-- 14: a loader that shrinks its ring after attaching it is refused, and the provider lives on;
-- 15: a batch of named fields beyond the byte limit is refused before it is read;
-- 18: peer strings reach an admin's terminal without their control characters;
-- 20: a hard link inside a ``file://`` dataset is refused.
+- a token that has expired is refused at the connection handshake (before a frame is read);
+- a loader that shrinks its ring after attaching it is refused, and the provider lives on;
+- a batch of named fields beyond the byte limit is refused before it is read;
+- peer strings reach an admin's terminal without their control characters;
+- a hard link inside a ``file://`` dataset is refused.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which samples made step k (issue 27): derived from the job's order and the segments of its attempts,
+"""Which samples made step k: derived from the job's order and the segments of its attempts,
 checked against what the trainers' audits recorded, for a job killed, resumed and resized; refusals of
 malformed queries in one line, never a traceback."""
 

@@ -1,4 +1,4 @@
-"""Nobody reaches past their grant on the router (issue 30, items 2, 4, 5, 8, 11, 12): what each
+"""Nobody reaches past their grant on the router: what each audit
 probe did, done again on a real router, provider and trainers over loopback, with scoped tokens
 ("admin[mnist]": an admin token limited to dataset mnist), showing the refusal or the bound."""
 
@@ -73,7 +73,7 @@ def jti_of(token: str) -> str:
     return inspect_token(token)[1]["jti"]
 
 
-# -- item 2: an evaluate task's model_from ------------------------------------------------------
+# -- an evaluate task's model_from ------------------------------------------------------
 
 
 def test_an_evaluate_task_may_name_only_a_model_its_submitter_may_read(router, client_for, make_token):
@@ -99,7 +99,7 @@ def test_an_evaluate_task_may_name_only_a_model_its_submitter_may_read(router, c
     assert task.job == job and bytes(task.frames[0].buffer) == weights
 
 
-# -- item 4: revocations ------------------------------------------------------------------------
+# -- revocations ------------------------------------------------------------------------
 
 
 def test_thousands_of_revocations_by_a_scoped_admin_leave_assignments_working(
@@ -171,7 +171,7 @@ def test_thousands_of_revocations_by_a_scoped_admin_leave_assignments_working(
     assert granted and all(p.revoked is None for p in granted), pushes
 
 
-# -- item 5: studies and the dataset scope ------------------------------------------------------
+# -- studies and the dataset scope ------------------------------------------------------
 
 
 def study(dataset: str, **settings) -> dict:
@@ -208,7 +208,7 @@ def test_studies_keep_to_the_dataset_scope_and_audits_name_the_subject(router, c
     assert any("stopped by a-mnist" in r for r in reasons) and not any("root" in r for r in reasons), reasons
 
 
-# -- item 8: a study's size and the loop ----------------------------------------------------------
+# -- a study's size and the loop ----------------------------------------------------------
 
 
 def test_a_huge_study_is_refused_or_queued_in_slices_while_a_busy_trainer_keeps_its_lease(
@@ -247,7 +247,7 @@ def test_a_huge_study_is_refused_or_queued_in_slices_while_a_busy_trainer_keeps_
         busy.close()
 
 
-# -- item 11: what a trainer can make the router store -----------------------------------------
+# -- what a trainer can make the router store -----------------------------------------
 
 
 def db_bytes(path: str) -> int:
@@ -301,7 +301,7 @@ def test_a_trainer_cannot_grow_the_database_or_evict_its_jobs_events(router, cli
     assert reasons[0] == "submitted" and any("checkpoint acknowledged by t-noisy" in r for r in reasons)
 
 
-# -- item 12: Stats ------------------------------------------------------------------------------
+# -- Stats ------------------------------------------------------------------------------
 
 
 def beating(router, make_token, sub: str, name: str, stats: dict) -> Link:

@@ -1,4 +1,4 @@
-"""Loss spikes skipped by the trainer itself (issue 27, the job's ``spike`` option): the detector's rule,
+"""Loss spikes skipped by the trainer itself (the job's ``spike`` option): the detector's rule,
 the option's refusals, and real jobs on a dataset whose known stretch of samples yields a huge loss."""
 
 from __future__ import annotations
