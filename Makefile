@@ -52,10 +52,15 @@ lint: $(STAMP)
 # The tests start real processes that mostly wait on sockets, so they run in parallel (pytest-xdist,
 # one test file per worker at a time, the longest files first: tests/support/schedule.py); the few that
 # watch machine-wide state run alone afterwards.
+# Both parts write a JUnit report; the run ends with its ten slowest tests and its totals
+# (tests/support/slowest.py), so a test that grows is seen when it does.
 TEST_WORKERS ?= 3
+TEST_REPORTS ?= .pytest_cache/reports
 test: lint tools
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"
-	$(BIN)/python -m pytest -q -m serial
+	@mkdir -p $(TEST_REPORTS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --junitxml=$(TEST_REPORTS)/parallel.xml
+	$(BIN)/python -m pytest -q -m serial --junitxml=$(TEST_REPORTS)/serial.xml
+	@$(BIN)/python -m tests.support.slowest $(TEST_REPORTS)/parallel.xml $(TEST_REPORTS)/serial.xml
 
 # Programs some tests drive: Azurite from npm (az:// against the emulator; the venv keeps it, nothing is installed
 # when the pinned version is there), tmux (busctl top on a terminal), iproute2's ip (hosts in network namespaces),
