@@ -6,8 +6,8 @@ file's tests stay on one worker; the run ends when its last file does. Started l
 beside the short ones. ``--no-loadscope-reorder`` (the Makefile) keeps this order: pytest-xdist otherwise starts
 the files with the most tests first, whatever their length.
 
-:data:`LONGEST_FIRST` is measured, not derived: the files whose tests took the most seconds together in a full
-run (``pytest --durations``), longest first. A file missing from it only starts later; a stale entry costs
+:data:`LONGEST_FIRST` is measured, not derived: the files whose tests took 15 s or more together in a full
+run (the JUnit reports ``make test`` leaves in ``.pytest_cache/reports/``), longest first. A file missing from it only starts later; a stale entry costs
 nothing but order. Re-measure when a file's tests change much.
 """
 
@@ -24,36 +24,45 @@ LONGEST_FIRST = [
     "test_survive.py",
     "test_gang.py",
     "test_slurm.py",
-    "test_samples_of_each_step.py",
     "test_entrypoints.py",
-    "test_jobs_durable.py",
-    "test_slurm_requeue.py",
-    "test_example_jobs.py",
+    "test_samples_of_each_step.py",
     "test_examples.py",
-    "test_loss_spikes.py",
+    "test_example_jobs.py",
     "test_recipes.py",
+    "test_jobs_durable.py",
+    "test_doc_blocks.py",
+    "test_sources_contract.py",
+    "test_loss_spikes.py",
+    "test_studies_e2e.py",
+    "test_bench_peer_formats.py",
+    "test_replicas.py",
+    "test_bench.py",
+    "test_attempt_grant.py",
     "test_e2e.py",
     "test_chaos_short.py",
-    "test_bench_peer_formats.py",
-    "test_studies_e2e.py",
-    "test_multihost.py",
-    "test_replicas.py",
-    "test_entrypoint_gang.py",
-    "test_gang_elastic.py",
-    "test_ddp_token.py",
-    "test_bench_peers_images.py",
-    "test_studies_cli.py",
-    "test_sdnotify.py",
+    "test_slurm_requeue.py",
+    "test_bench_remote.py",
     "test_evaluators.py",
+    "test_ddp_token.py",
+    "test_fuzz.py",
     "test_peer_formats_job.py",
+    "test_security.py",
     "test_model_from_running.py",
-    "test_roles.py",
+    "test_top_eval.py",
+    "test_bench_peers_images.py",
+    "test_security_edges.py",
+    "test_multihost.py",
+    "test_datasets_cli.py",
     "test_scale.py",
-    "test_objstore_job.py",
-    "test_text_stages.py",
-    "test_idx_job.py",
-    "test_images_job.py",
-    "test_flows_netns.py",
+    "test_entrypoint_gang.py",
+    "test_sdnotify.py",
+    "test_gang_elastic.py",
+    "test_studies_cli.py",
+    "test_stall_sources.py",
+    "test_loader_habits.py",
+    "test_roles.py",
+    "test_stall.py",
+    "test_security_memory.py",
 ]
 
 
