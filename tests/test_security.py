@@ -278,8 +278,9 @@ def test_without_a_zap_handler_a_curve_server_admits_nobody(tmp_path):
         for s in (client, server):
             s.close(0)
         if auth:
-            auth.stop()
-        ctx.term()
+            auth.terminate()  # terminates ctx, the handler answering until its last connection is gone
+        else:
+            ctx.term()
         return user
 
     assert reaches(with_handler=False) is None  # ZAP domain + ZAP_ENFORCE_DOMAIN: refused

@@ -111,10 +111,9 @@ def _flooding_server(stop: threading.Event, sent: list[int]) -> tuple[str, threa
     """A misbehaving service: admits any token, welcomes, answers DatasetInfo, then floods heartbeats
     and stale replies, never answering anything else. ``sent[0]`` counts the flood's messages.
 
-    Its thread tears its context down once ``stop`` is set; a test closes its own client first (no
-    handshake in flight while the ZAP handler stops) and joins the thread before it returns, so one
-    test's teardown never overlaps the next test's start-up (a worker aborted once inside libzmq
-    while they overlapped under load)."""
+    Its thread tears its context down once ``stop`` is set, its ZAP handler answering until the last
+    connection is gone (libbus/security/zap.py: libzmq aborted a worker twice when the handler stopped
+    first), and a test joins the thread before it returns."""
     ctx = zmq.Context()  # its own: a ZAP handler serves one context
     auth = TokenAuthenticator(ctx, lambda token: "anyone")
     auth.start()
@@ -145,8 +144,7 @@ def _flooding_server(stop: threading.Event, sent: list[int]) -> tuple[str, threa
                             break
         finally:
             sock.close(0)
-            auth.stop()
-            ctx.term()
+            auth.terminate()  # terminates ctx, the handler answering until its last connection is gone
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()

@@ -48,8 +48,7 @@ class OldService:
         self.stop.set()
         self.thread.join(2)
         self.sock.close()
-        self.auth.stop()
-        self.ctx.term()
+        self.auth.terminate()  # terminates ctx, the handler answering until its last connection is gone
 
 
 @pytest.fixture

@@ -20,10 +20,10 @@ import logging
 from collections.abc import Callable
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from libbus.errors import BusError, ConfigError
 from libbus.security.curve import ZAP_DOMAIN
+from libbus.security.zap import ZapThreadAuthenticator
 
 __all__ = ["TokenAuthenticator", "MAX_HANDSHAKE_TOKEN", "admit_server", "admit_client"]
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 MAX_HANDSHAKE_TOKEN = 510
 
 
-class TokenAuthenticator(ThreadAuthenticator):
+class TokenAuthenticator(ZapThreadAuthenticator):
     """A ZAP handler thread that admits PLAIN connections presenting a valid token.
 
     Args:

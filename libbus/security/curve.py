@@ -28,11 +28,11 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from libbus.errors import ConfigError
 from libbus.security.auth import private_dir
+from libbus.security.zap import ZapThreadAuthenticator
 
 __all__ = [
     "ZAP_DOMAIN",
@@ -158,7 +158,7 @@ def authorized_keys(directory: str | os.PathLike) -> dict[bytes, str]:
     return keys
 
 
-class KeyAuthenticator(ThreadAuthenticator):
+class KeyAuthenticator(ZapThreadAuthenticator):
     """pyzmq's ZAP handler thread, admitting the keys of one directory and naming each connection
     (its ``User-Id``) after the key file. The directory is read again when it changes, so an
     operator adds or removes a node's key without restarting the service."""

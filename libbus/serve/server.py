@@ -178,9 +178,14 @@ class Server:
             # Replies the drain sent get ``drain_linger_s`` to leave; nothing else is waited for.
             sock.close(int(self.config.drain_linger_s * 1000))
             self._sock = None
-            self._stop_auth()
-            if self._own_ctx:
-                self.ctx.term()
+            if self._own_ctx and self._auth is not None:
+                # the handler answers until the context's last connection is gone (libbus/security/zap.py)
+                self._auth.terminate()
+                self._auth = None
+            else:
+                self._stop_auth()
+                if self._own_ctx:
+                    self.ctx.term()
 
     def _receive(self, sock: zmq.Socket) -> None:
         self._held = [] if self.handler.group_commit else None  # (others send each reply at once)
