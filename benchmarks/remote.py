@@ -35,6 +35,7 @@ are idle again. ::
 
     python -m benchmarks.remote --latency-ms 0,10,30,100 --seconds 5 --json remote.json
     python -m benchmarks.remote --quick
+    python -m benchmarks.remote --quick --hol-only   # the head-of-line part alone
 """
 
 from __future__ import annotations
@@ -562,7 +563,7 @@ def run(args: argparse.Namespace) -> dict:
         # full shuffle with a RAM cache that holds the window (for a full shuffle, the files): one dataset
         # per latency, so that each row starts cold; its loader reads ahead (RemoteLoader's read_ahead)
         cache = int((root / "train_x.npy").stat().st_size * 1.2) + (8 << 20)
-        for ms in args.latencies:
+        for ms in [] if args.hol_only else args.latencies:
             datasets[f"hc{ms:g}"] = f"{store.urls['http']}/data/?val_fraction=0&ram_cache={cache}"
         if mds is not None:
             datasets["mds"] = "s3://bench/mds/?fields=x&label=y&val_fraction=0"
@@ -582,9 +583,9 @@ def run(args: argparse.Namespace) -> dict:
             shown = row.get("error") or f"{row['samples_per_s']:,.0f} samples/s, {row['mb_per_s']:.1f} MB/s"
             print(f"  {row['path']:12s} {row['shuffle']:5s} {row.get('latency_ms', '-')!s:>5} ms: {shown}", flush=True)
 
-        for shuffle in args.shuffles:
+        for shuffle in args.shuffles:  # none with --hol-only
             add(partial(loader_row, cluster, "file", shuffle, args, fp), path="file", shuffle=shuffle)
-        for ms in args.latencies:
+        for ms in [] if args.hol_only else args.latencies:
             store.delay(ms)
             for shuffle in args.shuffles:
                 add(
@@ -782,6 +783,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mds-shard-mb", type=int, default=16, help="MDS shard size (default 16 MB)")
     p.add_argument("--no-mosaic", dest="mosaic", action="store_false", help="no MDS rows (no S3 server)")
     p.add_argument("--no-hol", dest="hol", action="store_false", help="no head-of-line part")
+    p.add_argument(
+        "--hol-only",
+        action="store_true",
+        help="only the head-of-line part (no rows, no MDS, no S3 server): to iterate on it",
+    )
     p.add_argument("--htb", action="store_true", help="also the capped-link row (root: namespaces, htb)")
     p.add_argument("--htb-mbit", type=int, default=1000)
     p.add_argument("--htb-latency-ms", type=float, default=30.0)
@@ -824,7 +830,8 @@ def print_result(result: dict) -> None:
             f"{r['x_file']:.2f}" if "x_file" in r else "",
             f"{r['x_mosaic']:.2f}" if "x_mosaic" in r else "",
         )
-    console.print(table)
+    if result["rows"]:  # none with --hol-only
+        console.print(table)
     hol = result.get("head_of_line")
     if hol:
         hol_table = Table(
@@ -873,6 +880,10 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     quick = args.quick
+    if args.hol_only:
+        if not args.hol:
+            p.error("--hol-only and --no-hol leave nothing to run")
+        args.mosaic, args.shuffles, args.latencies = False, [], [args.hol_latency_ms]
     args.latencies = args.latencies or ([0.0, 10.0] if quick else [0.0, 10.0, 30.0, 100.0])
     args.samples = args.samples or (4096 if quick else 16384)
     args.seconds = args.seconds or (2.0 if quick else 5.0)

@@ -48,7 +48,29 @@ def test_remote_bench_measures_every_row_and_writes_json(tmp_path):
     assert "samples/s" in run.stdout and "head-of-line" in run.stdout
 
 
-@pytest.mark.parametrize("bad", [["--latency-ms", "10,x"], ["--shuffles", "none"], ["--samples", "100"]])
+def test_remote_bench_hol_only_measures_the_head_of_line_part_alone(tmp_path):
+    out = tmp_path / "remote.json"
+    args = ["--quick", "--hol-only", "--seconds", "1", "--samples", "2048", "--hol-latency-ms", "10"]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.remote", *args, "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rows"] == []  # no throughput row, no MDS
+    hol = result["head_of_line"]
+    assert hol["alone"]["batches"] >= 1 and hol["beside"]["batches"] >= 1 and hol["probes"] >= 1
+    assert "error" not in hol["slow_loader"] and hol["slow_loader"]["batches"] >= 1, hol["slow_loader"]
+    assert "head-of-line" in run.stdout and "GETs/batch" not in run.stdout
+
+
+BAD_OPTIONS = [["--latency-ms", "10,x"], ["--shuffles", "none"], ["--samples", "100"], ["--hol-only", "--no-hol"]]
+
+
+@pytest.mark.parametrize("bad", BAD_OPTIONS)
 def test_remote_bench_refuses_bad_options(bad):
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.remote", *bad], cwd=REPO, capture_output=True, text=True, timeout=60

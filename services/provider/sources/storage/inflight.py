@@ -112,7 +112,10 @@ class InflightLimit:
                 self._window, self._full = (time.monotonic(), 0, 0), False
             else:
                 self._count(nbytes)
-            self._cond.notify_all()
+            # wake only as many waiters as there are places: waking all of them (a hundred reader
+            # threads of a busy dataset) to find the one place taken costs each a GIL turn, taken from
+            # the serving loop, per request completed
+            self._cond.notify(max(0, self.limit - self._inflight))
 
     @contextmanager
     def slot(self) -> Iterator[list[int]]:
