@@ -10,6 +10,7 @@ from libbus.wire import fields as _fields
 from libbus.wire import frames as _frames
 from libbus.wire import msg_data as _msg_data
 from libbus.wire import msg_jobs as _msg_jobs
+from libbus.wire import msg_session as _msg_session
 from libbus.wire import schema as _schema
 from libbus.wire import sockets as _sockets
 from libbus.wire import text as _text
@@ -17,6 +18,7 @@ from libbus.wire.fields import *  # noqa: F403
 from libbus.wire.frames import *  # noqa: F403
 from libbus.wire.msg_data import *  # noqa: F403
 from libbus.wire.msg_jobs import *  # noqa: F403
+from libbus.wire.msg_session import *  # noqa: F403
 from libbus.wire.schema import *  # noqa: F403
 from libbus.wire.sockets import *  # noqa: F403
 from libbus.wire.text import *  # noqa: F403
@@ -26,6 +28,7 @@ __all__ = [
     *_frames.__all__,
     *_msg_data.__all__,
     *_msg_jobs.__all__,
+    *_msg_session.__all__,
     *_schema.__all__,
     *_sockets.__all__,
     *_text.__all__,

@@ -9,7 +9,7 @@ from dataclasses import field
 from typing import ClassVar
 
 from libbus.wire.frames import Message, Request, message
-from libbus.wire.msg_data import Ok
+from libbus.wire.msg_session import Ok
 
 __all__ = [
     "SubmitJob",
