@@ -55,7 +55,9 @@ def submit(
             help="mlp, cnn, tiny-lm or module:factory; with --evaluate a stored model to score: a job id or FILE.safetensors."
         ),
     ] = None,
-    epochs: Annotated[int | None, typer.Option()] = None,
+    epochs: Annotated[
+        int | None, typer.Option(help="Epochs to train (an entrypoint job: its params.epochs, as job.params reads it).")
+    ] = None,
     batch_size: Annotated[int | None, typer.Option()] = None,
     lr: Annotated[float | None, typer.Option()] = None,
     optimizer: Annotated[str | None, typer.Option(help="sgd or adam.")] = None,
@@ -160,6 +162,12 @@ def submit(
         spec["entrypoint"] = entrypoint
     if param:
         spec["params"] = {**spec.get("params", {}), **_pairs(param)}
+    if spec.get("entrypoint") and epochs is not None:
+        # a function reads its epochs from job.params (docs/jobs.md): --epochs is that param
+        if "epochs" in spec.get("params", {}) and spec["params"]["epochs"] != epochs:
+            fail(f"--epochs {epochs} and params.epochs {spec['params']['epochs']} disagree: give one", 2)
+        spec["params"] = {**spec.get("params", {}), "epochs": epochs}
+        del spec["epochs"]
     if model_from is not None:
         spec["model_from"], frames = _model_source(model_from)
     if train_range is not None:

@@ -91,7 +91,11 @@ def _print_study(info: dict) -> None:
     echo(
         f"study {info['id']}: {info['state']}{' (' + info['reason'] + ')' if info['reason'] else ''}; "
         f"objective {info['objective']} ({info['direction']}d); epochs trained {info['epochs_trained']:g} "
-        f"of {info['epochs_budget']} if every trial ran to the end"
+        + (
+            f"of {info['epochs_budget']} if every trial ran to the end"
+            if info["epochs_budget"] is not None
+            else "(its trials' params name no epochs: no budget to show)"
+        )
     )
     echo(f"{'#':>3}  {'job':<12} {'state':<9} {'value':>10} {'epochs':>6}  params")
     for t in info["trials"]:
@@ -206,7 +210,9 @@ def studies(*, settings: Settings, json: Json = False) -> None:
     for s in rows:
         counts = " ".join(f"{n} {k}" for k, n in sorted(s["counts"].items())) or "-"
         best = f"{s['objective']} {s['best']['value']:.4f} (trial {s['best']['number']})" if s["best"] else "-"
-        echo(f"{s['id']:<10} {s['state']:<9} {counts:<28} {s['epochs_trained']:>5g}/{s['epochs_budget']:<6}  {best}")
+        echo(
+            f"{s['id']:<10} {s['state']:<9} {counts:<28} {s['epochs_trained']:>5g}/{s['epochs_budget'] if s['epochs_budget'] is not None else '-':<6}  {best}"
+        )
 
 
 # -- evaluation tasks and current models -----------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import pkgutil
 from collections.abc import Collection
 
 from libbus.errors import BadRequest
@@ -82,8 +83,32 @@ def import_allowed(ref: str, allowed: Collection[str], what: str, setting: str =
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise BadRequest(f"{what}: cannot import {module_name!r}: {err}") from err
+        meant = _closest_module(module_name) if isinstance(err, ModuleNotFoundError) else None
+        hint = f"; did you mean {meant!r}? (fix the name where the job gives it and submit it again)" if meant else ""
+        raise BadRequest(f"{what}: cannot import {module_name!r}: {err}{hint}") from err
     try:
         return getattr(module, attr)
     except AttributeError as err:
-        raise BadRequest(f"{what}: {module_name} has no {attr!r}") from err
+        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+        found = difflib.get_close_matches(attr, names, n=1, cutoff=0.6)
+        hint = f"; did you mean {module_name}:{found[0]}?" if found else ""
+        raise BadRequest(f"{what}: {module_name} has no {attr!r}{hint}") from err
+
+
+def _closest_module(module_name: str) -> str | None:
+    """The module ``module_name`` most likely misspells, among its nearest importable package's
+    modules (``mylab.train`` for ``mylab.trian``); None when the package itself is not there or
+    nothing is close. Lists the package's folder: imports nothing more."""
+    package, _, leaf = module_name.rpartition(".")
+    if not package:
+        return None
+    try:
+        parent = importlib.import_module(package)
+    except ImportError:
+        return None
+    paths = getattr(parent, "__path__", None)
+    if paths is None:
+        return None
+    names = [info.name for info in pkgutil.iter_modules(paths)]
+    found = difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)
+    return f"{package}.{found[0]}" if found else None

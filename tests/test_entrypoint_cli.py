@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from libbus.wire.messages import SubmitJob
+from libbus.wire.messages import GetJob, SubmitJob
 from tests.support import wait_job
 from tests.support.busctl import REPO, busctl
 
@@ -36,3 +36,19 @@ def test_show_and_watch_an_entrypoint_job_that_reports_its_own_metrics(
     watched = busctl("job", "watch", info["id"], env={**env, "COLUMNS": "200"}, check=False)
     assert watched.returncode == 0 and "a bug" not in watched.stderr, watched.stderr
     assert "epoch 2: train loss 0.5000  val loss 0.5400" in watched.stdout, watched.stdout
+
+
+def test_submit_epochs_of_an_entrypoint_job_is_its_params_epochs(router, client_for, state_dir):
+    # the README's one-machine line: `--epochs 1` reaches the function as job.params["epochs"]
+    env = {
+        **os.environ,
+        "BATCHBUS_STATE_DIR": str(state_dir),
+        "BATCHBUS_ROUTER": router.endpoint,
+        "PYTHONPATH": str(REPO),
+    }
+    entry = ["--dataset", "mnist", "--entrypoint", "tests.support.entrypoints:parabola"]
+    job = busctl("submit", *entry, "--epochs", "1", env=env).stdout.strip()
+    spec = client_for(router.endpoint, role="admin").request(GetJob(job=job)).job["spec"]
+    assert spec["params"] == {"epochs": 1}, spec
+    clash = busctl("submit", *entry, "--epochs", "1", "--param", "epochs=3", env=env, check=False)
+    assert clash.returncode == 2 and "disagree" in clash.stderr and "Traceback" not in clash.stderr, clash.stderr

@@ -12,15 +12,17 @@ import os
 import re
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from cli.evaluate import describe
+from libbus.errors import BadRequest
 from libbus.jobs.weights import weights_digest
 from libbus.wire.messages import SubmitJob
 from services.provider.release import Release, margin
-from services.usercode import closest_allowed, not_allowed
+from services.usercode import closest_allowed, import_allowed, not_allowed
 from tests.support import wait_job
 from tests.support.busctl import REPO, busctl
 
@@ -79,6 +81,17 @@ def test_a_module_typo_is_answered_with_did_you_mean():
     assert closest_allowed("os", ["mylab."]) is None
     said = not_allowed("entrypoint 'mylba.train:main'", "mylba.train", ["mylab."], "job_modules", "trainer")
     assert "Did you mean 'mylab.train'?" in said and "To allow it as it is" in said
+
+
+def test_a_typo_inside_an_allowed_package_is_answered_with_did_you_mean():
+    # the module's name, and the function's, misspelt under a package the trainer allows ("mylab.")
+    with pytest.raises(BadRequest, match=r"did you mean 'tests.support.entrypoints'\?"):
+        import_allowed("tests.support.entrypionts:counter", ["tests."], "entrypoint", "job_modules")
+    with pytest.raises(BadRequest, match=r"has no 'countr'; did you mean tests.support.entrypoints:counter\?"):
+        import_allowed("tests.support.entrypoints:countr", ["tests."], "entrypoint", "job_modules")
+    with pytest.raises(BadRequest) as far:  # nothing close: no guess
+        import_allowed("tests.support.zzzzzzzz:counter", ["tests."], "entrypoint", "job_modules")
+    assert "did you mean" not in str(far.value)
 
 
 def test_module_flags_are_in_start_help():

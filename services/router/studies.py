@@ -159,7 +159,7 @@ class Studies:
             "trials": trials,
             "best": best,
             "epochs_trained": round(epochs, 2),
-            "epochs_budget": spec.trials * int(spec.base.get("epochs", JobSpec.epochs)),
+            "epochs_budget": _epochs_budget(spec.trials, spec.base),
         }
 
     def list(self) -> list[dict]:
@@ -482,6 +482,15 @@ def _attrs(live: _Live, trial) -> dict:
     """Optuna's system attributes of a running trial, but the parameters an enqueued trial was given."""
     attrs = live.study._storage.get_trial_system_attrs(trial._trial_id)
     return {k: v for k, v in attrs.items() if k != "fixed_params"}
+
+
+def _epochs_budget(trials: int, base: dict) -> int | None:
+    """Epochs the study trains if every trial runs to its end: a built-in job's ``epochs``, an
+    entrypoint's ``params.epochs`` (what its function reads); ``None`` when an entrypoint names none."""
+    if base.get("entrypoint"):
+        epochs = (base.get("params") or {}).get("epochs")
+        return trials * epochs if isinstance(epochs, int) and not isinstance(epochs, bool) else None
+    return trials * int(base.get("epochs", JobSpec.epochs))
 
 
 def _epochs_trained(job: dict, reported: int) -> float:
