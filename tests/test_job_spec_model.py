@@ -34,3 +34,17 @@ def test_built_in_names_and_module_factories_are_taken(model):
 def test_anything_else_is_refused_naming_the_field(model):
     with pytest.raises(BadRequest, match="model must be a built-in name"):
         JobSpec.from_dict({"dataset": "mnist", "model": model})
+
+
+def test_a_model_name_no_trainer_builds_is_refused_at_submit_with_did_you_mean():
+    with pytest.raises(BadRequest, match="model must be a built-in name.*got 'banana'$"):
+        JobSpec.from_dict({"dataset": "mnist", "model": "banana"})
+    with pytest.raises(BadRequest, match="did you mean 'resnet18'"):
+        JobSpec.from_dict({"dataset": "mnist", "model": "resnet-18"})
+
+
+def test_the_built_in_names_are_the_models_a_trainer_builds():
+    from libbus.jobs.spec import BUILTIN_MODELS
+    from services.models import MODELS
+
+    assert set(BUILTIN_MODELS) == set(MODELS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from libbus.order.epochs import DEFAULT_BLOCK_SIZE, Shuffle, check_skips
 from libbus.wire.schema import too_deep
 
 __all__ = [
+    "BUILTIN_MODELS",
     "BUILTIN_PARAMS",
     "JOB_STATES",
     "MAX_ATTEMPTS",
@@ -327,8 +329,8 @@ MAX_PARAMS_DEPTH = 4
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z][A-Za-z0-9_]*$")
 
 
-#: A built-in model's name (the trainer knows which: services/models.py).
-_BUILTIN_MODEL = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+#: The built-in models' names (what services/models.py builds; tests/test_job_spec_model.py holds them equal).
+BUILTIN_MODELS = ("mlp", "cnn", "resnet18", "tiny-lm")
 
 
 def _check_model(spec: JobSpec) -> None:
@@ -339,9 +341,12 @@ def _check_model(spec: JobSpec) -> None:
             raise BadRequest(
                 f"model must be a built-in name or package.module:factory (a public name), got {spec.model!r:.120}"
             )
-    elif not _BUILTIN_MODEL.match(spec.model):
+    elif spec.model not in BUILTIN_MODELS:
+        meant = difflib.get_close_matches(spec.model, BUILTIN_MODELS, n=1, cutoff=0.6)
+        hint = f"; did you mean {meant[0]!r}?" if meant else ""
         raise BadRequest(
-            f"model must be a built-in name (mlp, cnn, ...) or package.module:factory, got {spec.model!r:.120}"
+            f"model must be a built-in name ({', '.join(BUILTIN_MODELS)}) or package.module:factory, "
+            f"got {spec.model!r:.120}{hint}"
         )
 
 
