@@ -481,6 +481,41 @@ def probe_once(cluster: Cluster) -> tuple[float, float]:
         client.close()
 
 
+def slow_child(config: str) -> None:
+    """The head-of-line part's slow loader, in a process of its own: ``http`` with full shuffle until
+    SIGTERM; prints ``reading`` at its first batch, then (at the end) ``{"batches": n}`` or ``{"error": ...}``
+    as its last line."""
+    cfg = json.loads(config)
+    from libbus.loader.remote import RemoteLoader  # noqa: PLC0415
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    got: dict[str, Any] = {"batches": 0}
+    try:
+        with RemoteLoader(
+            "http",
+            provider=cfg["endpoint"],
+            token=cfg["token"],
+            batch_size=cfg["batch"],
+            shuffle="full",
+            seed=SEED,
+            drop_last=True,
+            **FAIL_FAST,
+        ) as loader:
+            while not stop.is_set():
+                for _ in loader:
+                    got["batches"] += 1
+                    if got["batches"] == 1:
+                        print("reading", flush=True)
+                    if stop.is_set():
+                        break
+    except (BusError, RuntimeError) as err:
+        got["error"] = f"{type(err).__name__}: {err}"[:300]
+        if not got["batches"]:
+            print("failed", flush=True)
+    print(json.dumps(got), flush=True)
+
+
 def head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: Fingerprints) -> dict:
     """The local dataset's waits alone and beside a loader reading the slow remote dataset; new
     clients' Hello and DatasetInfo times meanwhile (and alone, before)."""
@@ -490,23 +525,19 @@ def head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: F
     with cluster.loader("file", "full", args.batch) as loader:
         out["alone"] = drain(loader, args.seconds, "file alone", fp, step)
     store.delay(args.hol_latency_ms)
-    stop, reading = threading.Event(), threading.Event()
-    slow: dict[str, Any] = {"batches": 0}
-
-    def read_slow() -> None:
-        try:
-            with cluster.loader("http", "full", args.batch) as loader:
-                while not stop.is_set():
-                    for _ in loader:
-                        slow["batches"] += 1
-                        reading.set()
-                        if stop.is_set():
-                            break
-        except (BusError, RuntimeError) as err:
-            slow["error"] = f"{type(err).__name__}: {err}"[:300]
-        finally:
-            reading.set()
-
+    stop = threading.Event()
+    # the slow loader in a process of its own, as another trainer is: the measured loader's waits are
+    # then the provider's, not this process's GIL shared with the other loader's decoding
+    cfg = {"endpoint": cluster.endpoint, "token": cluster.token, "batch": args.batch}
+    code = "import sys; from benchmarks.remote import slow_child; slow_child(sys.argv[1])"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     probes: list[tuple[float, float]] = []
 
     def probe() -> None:
@@ -514,19 +545,33 @@ def head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: F
             probes.append(probe_once(cluster))
             stop.wait(PROBE_EVERY_S)
 
-    slow_thread = threading.Thread(target=read_slow, daemon=True)
     probe_thread = threading.Thread(target=probe, daemon=True)
-    slow_thread.start()
+    slow: dict[str, Any] = {"batches": 0}
     try:
-        reading.wait(ROW_GRACE_S)  # its first batch: the provider is busy with it
-        probe_thread.start()
-        with cluster.loader("file", "full", args.batch) as loader:
-            out["beside"] = drain(loader, args.seconds, "file beside http", fp, step)
+        assert child.stdout is not None
+        first = child.stdout.readline()  # its first batch: the provider is busy with it (or it failed)
+        if first.strip() == "reading":
+            probe_thread.start()
+            with cluster.loader("file", "full", args.batch) as loader:
+                out["beside"] = drain(loader, args.seconds, "file beside http", fp, step)
     finally:
         stop.set()
         if probe_thread.ident is not None:
             probe_thread.join(PROBE_TIMEOUT_S * 2 + 5)
-        slow_thread.join(ROW_GRACE_S)
+        child.send_signal(signal.SIGTERM)
+        try:
+            rest, err = child.communicate(timeout=ROW_GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            rest, err = child.communicate()
+    lines = rest.strip().splitlines()
+    try:
+        slow = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        slow["error"] = f"exit {child.returncode}: {err.strip().splitlines()[-1:] or ['(no output)']}"[:300]
+    if "beside" not in out:  # the slow loader failed before its first batch: nothing to measure beside
+        out["slow_loader"], out["error"] = slow, f"the http loader read no batch: {slow.get('error', '?')}"
+        return out
     out["slow_loader"] = slow
     out["p99_ratio"] = out["beside"]["p99_ms"] / max(out["alone"]["p99_ms"], 1e-3)
     for name, got in (("quiet", quiet), ("busy", probes)):
@@ -833,7 +878,9 @@ def print_result(result: dict) -> None:
     if result["rows"]:  # none with --hol-only
         console.print(table)
     hol = result.get("head_of_line")
-    if hol:
+    if hol and "error" in hol:
+        console.print(f"[red]head-of-line: {hol['error']}[/]")
+    elif hol:
         hol_table = Table(
             "file loader (full)",
             "p50 ms",

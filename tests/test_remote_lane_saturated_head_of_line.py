@@ -1,7 +1,8 @@
 """A remote dataset whose lane is saturated (its requests in flight at their limit, more of them waiting
 for a place, the store answering none) holds up no one else on its provider: a new client's ``Hello``,
 ``DatasetInfo`` of either dataset and a local dataset's batch are answered meanwhile; and once the
-store answers, every waiting request gets its place in turn, so each remote batch arrives whole.
+store answers, every waiting request gets its place in turn, so each remote batch arrives whole. A
+request waiting for its store's reply takes none of the few turns the readers have at the GIL.
 
 The store's answers are held (tests/support/held_store.py), so each check is an order of events,
 never a timing.
@@ -14,6 +15,7 @@ import threading
 import numpy as np
 
 from libbus.wire.messages import BatchRequest, DatasetInfo, DatasetInfoRequest
+from services.provider.sources.storage.httprange import PYTHON_TURNS, HttpSettings, RangeClient
 from services.provider.sources.storage.inflight import InflightLimit
 from tests.support.held_store import (  # noqa: F401 - server_fixture: the `server` fixture
     LIVENESS,
@@ -23,6 +25,7 @@ from tests.support.held_store import (  # noqa: F401 - server_fixture: the `serv
     server_fixture,
     wait_until,
 )
+from tests.support.httpd import RangeServer
 from tests.test_provider_lanes import batch, in_flight
 
 #: Two requests in flight at most for the remote dataset, and one GET per sample (``coalesce=0`` with
@@ -99,3 +102,46 @@ def test_every_request_waiting_for_a_place_gets_one_and_no_more_than_the_limit_r
         t.join(WAIT_S)
     assert sorted(done) == list(range(40)), "a request waiting for a place was never woken"
     assert most[0] == 3 and limit.inflight == 0 and limit.limit >= 1
+
+
+def test_requests_waiting_on_a_silent_store_leave_other_readers_their_python_turns(tmp_path):
+    """More requests outstanding at a silent store than there are Python turns
+    (:data:`~services.provider.sources.storage.httprange.PYTHON_TURNS`): another dataset's reads from
+    another store are answered meanwhile, and the silent store's all arrive whole once it answers."""
+    npy_pair(tmp_path / "silent", 64, 3)
+    npy_pair(tmp_path / "other", 64, 4)
+    silent, other = RangeServer(tmp_path), RangeServer(tmp_path)
+    settings = HttpSettings(timeout_s=WAIT_S * 2, retries=0, concurrency=8, max_concurrency=8)
+    slow_reads, fast_reads = RangeClient(settings), RangeClient(settings)
+    try:
+        silent.hold()
+        n = PYTHON_TURNS * 3
+        got = [bytearray(16) for _ in range(n)]
+        errors: list[BaseException] = []
+
+        def read(i: int) -> None:
+            try:
+                slow_reads.read_into(f"{silent.url}/silent/train_x.npy", 128 + 64 * i, [memoryview(got[i])])
+            except BaseException as err:  # noqa: BLE001 - reported by the test below
+                errors.append(err)
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: silent.inflight >= n, lambda: f"{silent.inflight} of {n} GETs outstanding")
+
+        mine = bytearray(64)
+        fast_reads.read_into(f"{other.url}/other/train_x.npy", 128, [memoryview(mine)])
+        assert bytes(mine) == (tmp_path / "other" / "train_x.npy").read_bytes()[128:192]
+        assert silent.inflight >= n, "the silent store answered before it was released"
+
+        silent.release()
+        for t in threads:
+            t.join(WAIT_S)
+        assert not errors, errors
+        raw = (tmp_path / "silent" / "train_x.npy").read_bytes()
+        assert [bytes(b) for b in got] == [raw[128 + 64 * i : 144 + 64 * i] for i in range(n)]
+    finally:
+        silent.release()
+        slow_reads.close(), fast_reads.close()
+        silent.close(), other.close()
