@@ -500,7 +500,7 @@ def slow_child(config: str) -> None:
             shuffle="full",
             seed=SEED,
             drop_last=True,
-            **FAIL_FAST,
+            **cast(dict[str, Any], FAIL_FAST),
         ) as loader:
             while not stop.is_set():
                 for _ in loader:
