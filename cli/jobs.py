@@ -17,6 +17,7 @@ from libbus.errors import TooLarge
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JOB_STATES, SETTABLE
 from libbus.jobs.state import JobState
+from libbus.order.epochs import Cursor
 from libbus.security.curve import curve_key_of
 from libbus.wire.messages import (
     ControlJob,
@@ -239,7 +240,7 @@ def _control(job: str, command: JobCommand, args: dict, settings: Settings, json
         line += f" (acknowledged by {detail.get('trainer')} in {detail.get('ack_ms', 0):.0f} ms)"
     ckpt = detail.get("checkpoint")
     if ckpt:
-        line += f"\ncheckpoint step {ckpt['step']} epoch {ckpt['epoch']}: {ckpt['path']} sha256 {ckpt['sha256']}"
+        line += f"\ncheckpoint step {ckpt['step']} ({Cursor.of_checkpoint(ckpt).shown()}): {ckpt['path']} sha256 {ckpt['sha256']}"
     if detail.get("error"):
         line += f"\nrefused by the trainer: {detail['error']}"
     echo(line)  # the trainer's acknowledgement and error: peer text

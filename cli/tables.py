@@ -10,6 +10,7 @@ from rich.table import Table
 
 from libbus.jobs.spec import BUILTIN_PARAMS
 from libbus.jobs.state import JobState
+from libbus.order.epochs import Cursor
 
 from . import scores
 from .common import SafeConsole
@@ -230,7 +231,7 @@ def job(info: dict) -> None:
     if ckpts:
         last = ckpts[-1]
         console.print(
-            f"checkpoints: {len(ckpts)}, last at step {last['step']} epoch {last['epoch']} "
+            f"checkpoints: {len(ckpts)}, last at step {last['step']} ({Cursor.of_checkpoint(last).shown()}) "
             f"on {last.get('trainer', '-')}: {last['path']}"
         )
     for p in info.get("progress_history", []):

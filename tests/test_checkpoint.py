@@ -14,6 +14,7 @@ from torch import nn
 
 from libbus.errors import BadRequest
 from libbus.jobs.spec import JobSpec
+from libbus.order.epochs import Cursor
 from services.router.store import JobStore
 from services.trainer.builtin import restore_into
 from services.trainer.checkpoint import (
@@ -180,7 +181,8 @@ def test_leases_lapse_into_the_queue_until_max_attempts_fails_the_job(tmp_path):
     assert store.release(job, "lease lapsed", lost=True) == "queued"
     again = store.claim("t2", lease_s=5)
     assert again["checkpoint"]["step"] == 7 and again["failures"] == 1  # resumes from it
-    assert store.get(job)["events"][-1]["reason"] == "assigned to t2 (resumes from step 7, epoch 0)"
+    assert store.get(job)["events"][-1]["reason"] == "assigned to t2 (resumes from step 7, in epoch 1)"  # from 1
+    assert Cursor.of_checkpoint({"epoch": 2, "cursor": {"position": 0}}).shown() == "after epoch 2"  # a boundary
     assert store.release(job, "handed back", lost=False) == "queued"  # a hand-back is free
     store.claim("t3", lease_s=5)
     assert store.release(job, "lease lapsed again", lost=True) == "failed"

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from libbus.errors import BadRequest
+from libbus.order.epochs import Cursor
 from services.trainer.audit import effective_epochs
 from services.trainer.checkpoint import load_state
 from tests.support import busctl
@@ -161,7 +162,8 @@ def test_commands_from_the_cli_are_acknowledged(cluster):
     before = cluster.trained_batches(job, trainer)
     out = busctl("job", "checkpoint", job, env=env, check=True).stdout
     ckpt = cluster.job(job)["checkpoint"]
-    assert f"checkpoint step {ckpt['step']} epoch {ckpt['epoch']}: {ckpt['path']} sha256 {ckpt['sha256']}" in out
+    shown = Cursor.of_checkpoint(ckpt).shown()  # epochs counted from 1, as every display counts them
+    assert f"checkpoint step {ckpt['step']} ({shown}): {ckpt['path']} sha256 {ckpt['sha256']}" in out
     assert cluster.trained_batches(job, trainer) == before
     assert hashlib.sha256(Path(ckpt["path"]).read_bytes()).hexdigest() == ckpt["sha256"]
     assert ckpt["step"] == before  # taken exactly where training paused

@@ -110,6 +110,19 @@ class Cursor(NamedTuple):
     epoch: int
     position: int
 
+    def shown(self) -> str:
+        """The place as every display says it, epochs counted from 1: ``"in epoch 2"`` within one,
+        ``"after epoch 1"`` at a boundary (a cursor past an epoch's last sample is at the next one's
+        start, position 0)."""
+        return f"after epoch {self.epoch}" if self.position == 0 and self.epoch > 0 else f"in epoch {self.epoch + 1}"
+
+    @classmethod
+    def of_checkpoint(cls, record: dict) -> Cursor:
+        """A checkpoint record's train cursor (``epoch``, and ``cursor.position`` where it has one)."""
+        cursor = record.get("cursor")
+        position = cursor.get("position", 1) if isinstance(cursor, dict) else 1
+        return cls(int(record.get("epoch", 0)), int(position) if isinstance(position, int) else 1)
+
 
 # -- checks ----------------------------------------------------------------------------------------
 def _int(name: str, value: Any, low: int) -> int:

@@ -25,6 +25,7 @@ import orjson
 from libbus.errors import BadRequest, ConfigError, NotFound
 from libbus.jobs.spec import JOB_STATES, MAX_ATTEMPTS, TERMINAL_STATES, JobSpec
 from libbus.jobs.state import JobState, check_transition
+from libbus.order.epochs import Cursor
 from libbus.security.auth import private_dir
 
 from .store_db import ADDED_COLUMNS, INDEXES, SCHEMA, Durability
@@ -202,7 +203,7 @@ class JobStore:
             resumed = ""
             if row["checkpoint"]:
                 ckpt = orjson.loads(row["checkpoint"])
-                resumed = f" (resumes from step {ckpt['step']}, epoch {ckpt['epoch']})"
+                resumed = f" (resumes from step {ckpt['step']}, {Cursor.of_checkpoint(ckpt).shown()})"
             self.db.execute(
                 "INSERT INTO events VALUES (?, ?, ?, ?)", (row["id"], now, _RUNNING, f"assigned to {trainer}{resumed}")
             )
@@ -235,7 +236,7 @@ class JobStore:
             resumed = ""
             if row["checkpoint"]:
                 ckpt = orjson.loads(row["checkpoint"])
-                resumed = f" (resumes from step {ckpt['step']}, epoch {ckpt['epoch']})"
+                resumed = f" (resumes from step {ckpt['step']}, {Cursor.of_checkpoint(ckpt).shown()})"
             ranks = ", ".join(f"{rank}: {name}" for rank, name in enumerate(members))
             self.db.execute(
                 "INSERT INTO events VALUES (?, ?, ?, ?)",
