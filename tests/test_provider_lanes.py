@@ -15,31 +15,19 @@ import numpy as np
 import pytest
 
 from libbus.errors import Unavailable
-from libbus.wire.messages import BatchRequest, BatchResponse, DatasetInfo, DatasetInfoRequest, Goodbye
+from libbus.wire.messages import BatchRequest, DatasetInfo, DatasetInfoRequest, Goodbye
 from services.provider import fillers
 from tests.support import scrape, value
 from tests.support.held_store import (  # noqa: F401 - server_fixture: the `server` fixture
     LIVENESS,
     SLOW,
     WAIT_S,
+    batch,
+    in_flight,
     npy_pair,
     server_fixture,
     wait_until,
 )
-from tests.support.httpd import RangeServer
-
-
-def in_flight(server: RangeServer, n: int) -> None:
-    """Wait until ``n`` range GETs are outstanding at the (held) store."""
-    wait_until(lambda: server.inflight >= n, lambda: f"{server.inflight} GETs outstanding, never {n}: {server.gets()}")
-
-
-def batch(reply, n: int) -> tuple[np.ndarray, np.ndarray]:
-    assert isinstance(reply, BatchResponse), reply
-    x = np.frombuffer(reply.frames[0].buffer, reply.dtypes[0]).reshape(reply.shapes[0])
-    y = np.frombuffer(reply.frames[1].buffer, reply.dtypes[1]).reshape(reply.shapes[1])
-    assert len(x) == len(y) == n
-    return x, y
 
 
 def test_a_silent_store_holds_up_no_other_dataset_and_its_batches_overlap(tmp_path, server, start_provider, client_for):

@@ -21,12 +21,13 @@ from tests.support.held_store import (  # noqa: F401 - server_fixture: the `serv
     LIVENESS,
     SLOW,
     WAIT_S,
+    batch,
+    in_flight,
     npy_pair,
     server_fixture,
     wait_until,
 )
 from tests.support.httpd import RangeServer
-from tests.test_provider_lanes import batch, in_flight
 
 #: Two requests in flight at most for the remote dataset, and one GET per sample (``coalesce=0`` with
 #: indices never adjacent): a batch of six samples is twelve GETs, ten of them waiting for a place.

@@ -355,10 +355,16 @@ def _scored(job: AttemptJob, start: dict, link: ParentLink, identity, settings: 
         settings=settings,
         check=job._commands,
     )
+    noise = ""
+    if evaluation.epsilon:  # released noised (docs/security.md §9): say how far from exact it may lie
+        from services.provider.release import margin  # noqa: PLC0415 - the release's own rule
+
+        noise = f" ± {margin('accuracy', evaluation.n, evaluation.epsilon):.4f} at 95% (noise of the release)"
     log.info(
-        "job %s: provider-side test accuracy %.4f on %d samples (%s)",
+        "job %s: provider-side test accuracy %.4f%s on %d samples (%s)",
         job.id,
         evaluation.accuracy,
+        noise,
         evaluation.n,
         job.spec.evaluator or job.spec.model,
     )

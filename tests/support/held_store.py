@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.httpd import RangeServer
 
-__all__ = ["LIVENESS", "SLOW", "WAIT_S", "npy_pair", "server_fixture", "wait_until"]
+__all__ = ["LIVENESS", "SLOW", "WAIT_S", "batch", "in_flight", "npy_pair", "server_fixture", "wait_until"]
 
 #: A held GET must not time out on the provider's side while the test looks (the server hangs up after 60 s).
 SLOW = "retries=0&timeout=120&val_fraction=0"
@@ -48,3 +48,19 @@ def wait_until(check: Callable[[], bool], what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.01)
+
+
+def in_flight(server: RangeServer, n: int) -> None:
+    """Wait until ``n`` range GETs are outstanding at the (held) store."""
+    wait_until(lambda: server.inflight >= n, lambda: f"{server.inflight} GETs outstanding, never {n}: {server.gets()}")
+
+
+def batch(reply, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A socket batch reply's ``x`` and ``y`` (``n`` samples each), checked to be a batch."""
+    from libbus.wire.messages import BatchResponse  # noqa: PLC0415
+
+    assert isinstance(reply, BatchResponse), reply
+    x = np.frombuffer(reply.frames[0].buffer, reply.dtypes[0]).reshape(reply.shapes[0])
+    y = np.frombuffer(reply.frames[1].buffer, reply.dtypes[1]).reshape(reply.shapes[1])
+    assert len(x) == len(y) == n
+    return x, y
