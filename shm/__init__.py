@@ -1,4 +1,4 @@
-"""Same-host delivery through POSIX shared-memory rings (DESIGN §4).
+"""Same-host delivery through POSIX shared-memory rings (docs/protocol.md §4.3).
 
 Segment (a mapped ``/dev/shm`` file) → Ring (slots and their protocol) → typed numpy views; names
 and owners in :mod:`shm.names`, clean-up in :mod:`shm.gc`, CUDA pinning in :mod:`shm.cuda` (which

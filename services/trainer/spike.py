@@ -1,6 +1,6 @@
 """Loss spikes, found and skipped by the trainer itself (the job's ``spike`` option, docs/jobs.md).
 
-:class:`SpikeDetector` is the rule, given one loss per step: the built-in loop (:mod:`.run`) and an
+:class:`SpikeDetector` is the rule, given one loss per step: the built-in loop (:mod:`.builtin`) and an
 entrypoint's ``job.step(loss=...)`` (:mod:`.jobapi`) feed it alike. :func:`skip_spike` is what is done
 about a spike: the router is asked to skip the stretch of steps that led to it, by the path of
 ``busctl job skip --steps`` (the job rewinds to its last checkpoint before the stretch and never

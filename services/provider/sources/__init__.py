@@ -4,7 +4,7 @@
 - :mod:`.formats`: how bytes are laid out (IDX, CIFAR, npy, token shards, raw + ``dataset.toml``, ImageFolder,
   WebDataset, text lines: one module each) over positional, coalescing reads, and the
   :class:`~.formats.location.Location` interface that says where they live;
-- :mod:`.parquet` and :mod:`.images`: the Parquet layout (a source of its own) and encoded samples decoded
+- :mod:`.formats.parquet` and :mod:`.images`: the Parquet layout (a source of its own) and encoded samples decoded
   on the provider;
 - :mod:`.layouts`: the only module that lists layouts, and the one routine that opens one at any location;
 - one module per kind: :mod:`.mock` (``mock://``, ``dummy://``), and the locations :mod:`.files` (``file://``),

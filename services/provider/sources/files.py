@@ -9,7 +9,7 @@ named by ``format`` (the URI's, else ``dataset.toml``'s) or detected in ``DIR`` 
 - ``npy``: ``train_x.npy`` + ``train_y.npy`` (``val_…``, ``test_…``), or an ``.npz`` holding them;
 - ``tokens``: ``.bin``/``.ds``/``.npy`` shards of 2- or 4-byte tokens, sequences of ``seq_len + 1``;
 - ``raw``: little-endian arrays that a ``dataset.toml`` describes;
-- ``parquet``: Parquet files as dataset hubs lay them out (:mod:`.parquet`, its own parameters);
+- ``parquet``: Parquet files as dataset hubs lay them out (:mod:`.formats.parquet`, its own parameters);
 - ``imagefolder``: ``train/CLASS/*.jpg|png|webp`` trees, and ``webdataset``: ``*.tar`` shards, both
   decoded on the provider (:mod:`.images`: ``size``, ``augment``, ``bad``, ``workers``, ``encoded``);
 - ``text``: ``train.txt`` (``val.txt``, ``test.txt``), a document per line, for a pipeline's

@@ -680,5 +680,5 @@ def open_location(loc: Location) -> ParquetSource:
     return open_parquet_dir(loc.uri, loc.root, loc.params, loc)
 
 
-#: This layout's line in the registry (:mod:`.layouts`).
+#: This layout's line in the registry (:mod:`..layouts`).
 FORMAT = Format("parquet", lambda loc: detect(loc.root), open_location, EXPECTED, "source", ("file", "object"))

@@ -9,7 +9,7 @@ is refused when the provider starts, never on a trainer's batch. :meth:`Stage.ap
 Random stages draw every sample's numbers as a hash of ``(seed, epoch, split, stage, index)``: the
 same request gives the same bytes, whatever the chunking or the threads.
 
-Stages run on their own threads (see :mod:`.pipeline`); the counters a stage and a queue keep are
+Stages run on their own threads (see :mod:`.engine`); the counters a stage and a queue keep are
 each written by one thread and read by any, so a reader may see a value one chunk behind.
 """
 
