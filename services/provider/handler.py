@@ -30,6 +30,7 @@ from libbus.errors import (
 from libbus.jobs.weights import weights_digest
 from libbus.serve.handler import serves
 from libbus.serve.server import Handler, Session
+from libbus.serve.sessions import reader_info
 from libbus.wire.messages import (
     AttachRing,
     BatchRequest,
@@ -343,7 +344,7 @@ class ProviderHandler(Handler):
         self.source(msg.dataset)
         return DatasetInfo(
             dataset=msg.dataset,
-            info=self.infos[msg.dataset],
+            info=reader_info(self.infos[msg.dataset], session.claims),
             host_id=self.host_id,
             local_endpoint=self.local_endpoint,
         )

@@ -32,6 +32,7 @@ from libbus.jobs.state import REFUSED, JobState
 from libbus.security.auth import Claims
 from libbus.serve.handler import serves
 from libbus.serve.server import Handler, Session
+from libbus.serve.sessions import reader_info
 from libbus.wire.messages import (
     Checkpointed,
     CommandAck,
@@ -310,7 +311,7 @@ class RouterHandler(Decisions, Handler):
                 f"dataset {name!r} is not served by any provider; online: {', '.join(online) or 'no providers'}"
             )
         info = next(iter(latest.values())).hello.caps["datasets"][name]  # the first registered's
-        return Resolved(dataset=name, info=info, providers=providers)
+        return Resolved(dataset=name, info=reader_info(info, session.claims), providers=providers)
 
     @serves(SubmitJob, *ADMIN)
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:

@@ -230,9 +230,11 @@ class Mix(Source):
         _, members, schedule = self._splits["train"]
         shares = {i: w / schedule.period for i, w in zip(members, schedule.weights)} if schedule else {}
         info["format"] = "weighted"
+        # each member by its label (the dataset it serves under, else ``source N``): its name in
+        # errors holds the mix file's path, which only the operator's ``uri`` may show
         info["sources"] = [
-            {"name": name, "uri": src.uri, "train_share": shares.get(i, 0.0)}
-            for i, (name, src) in enumerate(zip(self.names, self.sources))
+            {"name": label, "uri": src.uri, "train_share": shares.get(i, 0.0)}
+            for i, (label, src) in enumerate(zip(self.labels, self.sources))
         ]
         return info
 
