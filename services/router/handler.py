@@ -506,12 +506,21 @@ class RouterHandler(Decisions, Handler):
 
     @serves(ListPeers, *ADMIN)
     def on_ListPeers(self, session: Session, msg: ListPeers) -> PeerList:
-        peers = []
+        # A scoped admin sees what lies inside its scopes: providers by the datasets it may see
+        # (only those), other sessions whose own scopes lie inside its own (as it may revoke them).
+        admin, peers = session.claims, []
         for peer in self.peers.values():
             entry = peer.describe()
             if peer.role == "provider":
+                datasets = sorted(d for d in peer.hello.caps["datasets"] if admin.allows_dataset(d))
+                if admin.scopes and not datasets:
+                    continue
                 entry["endpoint"] = peer.hello.caps["endpoint"]
-                entry["datasets"] = sorted(peer.hello.caps["datasets"])
+                entry["datasets"] = datasets
+            elif peer.claims.jti != admin.jti and not all(
+                set(peer.claims.scopes.get(name) or [None]) <= set(mine) for name, mine in admin.scopes.items()
+            ):
+                continue
             peers.append(entry)
         return PeerList(peers=peers)
 
