@@ -39,6 +39,15 @@ GOODBYE_LINGER_MS = 200
 
 R = TypeVar("R", bound=Message)
 
+#: The router's Welcome nonce per (endpoint, role, name): this process's proof, in its next Hello,
+#: that it is the one holding the identity's live session (a restarted process has none).
+_NONCES: dict[tuple[str, str, str], str] = {}
+
+
+def remember_nonce(endpoint: str, identity: Identity, nonce: str) -> None:
+    if nonce:
+        _NONCES[(endpoint, identity.role, identity.name)] = nonce
+
 
 @dataclass
 class Identity:
@@ -61,7 +70,7 @@ class Identity:
     def current_token(self) -> str:
         return self.token() if callable(self.token) else self.token
 
-    def hello(self, request_id: int, token: str | None = None) -> Hello:
+    def hello(self, request_id: int, token: str | None = None, endpoint: str = "") -> Hello:
         token = token or self.current_token()
         return Hello(
             id=request_id,
@@ -72,6 +81,7 @@ class Identity:
             pid=os.getpid(),
             version=VERSION,
             caps=dict(self.caps),
+            nonce=_NONCES.get((endpoint, self.role, self.name), ""),
         )
 
 
@@ -222,7 +232,7 @@ class Client:
         timeout_s = HELLO_TIMEOUT_S if timeout_s is None else timeout_s
         _ = self.socket
         token, self._socket_token = self._socket_token, None
-        hello = self.identity.hello(self.next_id(), token)
+        hello = self.identity.hello(self.next_id(), token, self.endpoint)
         deadline = time.monotonic() + timeout_s
         reply = None
         try:
@@ -246,6 +256,7 @@ class Client:
             raise BusError(f"{self.endpoint} answered Hello with {welcome.type}")
         self.session = welcome.session
         self.heartbeat_ms = welcome.heartbeat_ms
+        remember_nonce(self.endpoint, self.identity, welcome.nonce)
         return welcome
 
     # -- low level: for pipelining callers ------------------------------------------------------

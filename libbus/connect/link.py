@@ -24,7 +24,7 @@ from typing import TypeVar, overload
 
 import zmq
 
-from libbus.connect.client import Client, Identity
+from libbus.connect.client import Client, Identity, remember_nonce
 from libbus.errors import AuthExpired, AuthInvalid, BusError, Forbidden, PeerTimeout, error_from_code
 from libbus.wire.messages import Error, Heartbeat, Message, Request, Welcome
 from libbus.wire.sockets import SocketLimits
@@ -205,7 +205,7 @@ class Link:
         self._hello_id = self.client.next_id()
         self._hello_sent = time.monotonic()
         try:
-            self.client.send(self.client.identity.hello(self._hello_id))
+            self.client.send(self.client.identity.hello(self._hello_id, endpoint=self.client.endpoint))
         except PeerTimeout as err:
             # not queued (a fresh socket not connected yet, or its queue full): unanswered like a lost
             # Hello, so the next turn after the Hello timeout starts over on a fresh socket; not fatal
@@ -252,6 +252,7 @@ class Link:
     def _on_hello_reply(self, msg: Message) -> None:
         if isinstance(msg, Welcome):
             self.client.session = msg.session
+            remember_nonce(self.client.endpoint, self.client.identity, msg.nonce)
             self.connected.set()
             log.info("connected to router %s (session %s)", self.client.endpoint, msg.session)
         elif isinstance(msg, Error):

@@ -392,7 +392,10 @@ class Server:
         self.table.add(session)
         self.counters["sessions_opened"] += 1
         log.info("session %s: %s %s (pid %s)", session.sid, hello.role, hello.name, hello.pid)
-        self._reply(routing_id, Welcome(id=hello.id, session=session.sid, heartbeat_ms=self.config.heartbeat_ms))
+        self._reply(
+            routing_id,
+            Welcome(id=hello.id, session=session.sid, heartbeat_ms=self.config.heartbeat_ms, nonce=session.nonce),
+        )
 
     # -- sending and timers -------------------------------------------------------------------
     def _reply(self, routing_id: bytes, msg: Message) -> None:

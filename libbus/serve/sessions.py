@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -74,6 +75,9 @@ class Session:
     inflight: int = 0
     #: When the server last sent this session anything (monotonic): a heartbeat is then not needed.
     last_sent: float = 0.0
+    #: Sent in the Welcome; a handler may set it to a live session's of the same identity (the
+    #: router: the nonce a trainer's or provider's process must present to open another session).
+    nonce: str = field(default_factory=lambda: secrets.token_hex(16))
     _tokens: float = 0.0
     _refilled: float = 0.0
 

@@ -44,12 +44,17 @@ class Hello(Request["Welcome"]):
     pid: int = 0
     version: str = ""
     caps: dict = field(default_factory=dict)
+    #: The ``nonce`` of a Welcome this process was given before: proves that a second session of a
+    #: trainer's or provider's subject is the process holding the first (host_id and pid only say so).
+    nonce: str = ""
 
 
 @message
 class Welcome(Message):
     session: str
     heartbeat_ms: int
+    #: A secret of the identity's live sessions: the process presents it in its next Hello.
+    nonce: str = ""
 
 
 @message

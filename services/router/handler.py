@@ -21,6 +21,7 @@ job nor act as its trainer here. A trainer renews the grant of a job it still ho
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
@@ -200,15 +201,24 @@ class RouterHandler(Decisions, Handler):
     def _check_single_holder(self, session: Session) -> None:
         """Refuse a trainer or provider session whose subject a live session of another process
         holds: two trainers of one identity would own, abandon and train each other's jobs. (A
-        loader's session is indexed apart, under ``"loader"``: it never meets this rule.)"""
+        loader's session is indexed apart, under ``"loader"``: it never meets this rule.) Host id
+        and pid are the peer's word, so the same process proves itself with the nonce its live
+        session's Welcome gave it; a restarted process waits for the old session to expire."""
         for peer in self._by_subject.get(session.kind, {}).get(session.subject, {}).values():
-            if peer.process != session.process:
-                raise Unavailable(
-                    f"{session.role} {session.subject!r} is already connected from host "
-                    f"{peer.hello.host_id or '?'} pid {peer.hello.pid} (as {peer.name!r}); one process holds an "
-                    f"identity at a time: give this {session.role} its own token (busctl token issue --name), "
-                    "or stop the other one (its session expires after a few silent heartbeats)"
-                )
+            if peer.process == session.process and secrets.compare_digest(peer.nonce, session.hello.nonce):
+                session.nonce = peer.nonce  # one secret for all of the process's sessions
+                continue
+            same = (
+                "claims to be that process but does not present its session nonce; "
+                if (peer.process == session.process)
+                else ""
+            )
+            raise Unavailable(
+                f"{session.role} {session.subject!r} is already connected from host "
+                f"{peer.hello.host_id or '?'} pid {peer.hello.pid} (as {peer.name!r}); this Hello {same}one process "
+                f"holds an identity at a time: give this {session.role} its own token (busctl token issue --name), "
+                "or stop the other one (its session expires after a few silent heartbeats)"
+            )
 
     def _check_replicas(self, session: Session, datasets: dict) -> None:
         """Refuse a provider whose DatasetInfo for a name differs from a live replica's (another
