@@ -31,13 +31,12 @@ from libbus.errors import DatasetError
 
 from ..base import Field
 from .location import Format, Location
-from .mds import Columns, MDSSource, Shard, pil, read_offsets
+from .mds import Columns, MDSSource, Shard, index_paths, pil, read_index, read_offsets
 
 __all__ = ["EXPECTED", "FORMAT", "detect", "leaf_names", "open_location"]
 
 EXPECTED = "litData optimize() output: index.json (config, chunks) and its chunk-*.bin files"
 PARAMS = ("fields", "label", "shape", "classes", "val_fraction")
-SPLIT_DIRS = {"train": ("train",), "val": ("val", "validation", "valid"), "test": ("test",)}
 #: litData's dtype tables (litdata/constants.py: "DON'T CHANGE ORDER"), as numpy dtype names; None: no
 #: batchbus dtype (complex, bfloat16, object).
 NUMPY: list[str | None] = [
@@ -73,36 +72,16 @@ _SCALARS = {"int": "int64", "float": "float64", "bool": "bool"}
 _WHY = {"pickle": "is pickled (data_format 'pickle'), and batchbus never unpickles what it serves"}
 
 
-def _index_paths(root) -> dict[str, str]:
-    found = {}
-    for split, names in SPLIT_DIRS.items():
-        for name in names:
-            if (root / f"{name}/index.json").is_file():
-                found[split] = f"{name}/"
-                break
-    if not found and (root / "index.json").is_file():
-        found["train"] = ""
-    return found
-
-
-def _read(loc: Location, path) -> dict:
-    try:
-        index = json.loads(loc.read(path))
-    except ValueError as err:
-        raise DatasetError(f"{path}: not JSON: {err}") from None
-    return index if isinstance(index, dict) else {}
-
-
 def _is_litdata(loc: Location, path) -> bool:
     try:
-        index = _read(loc, path)
+        index = read_index(loc, path)
     except DatasetError:
         return False
     return isinstance(index.get("chunks"), list) and isinstance(index.get("config"), dict)
 
 
 def detect(loc: Location) -> bool:
-    return any(_is_litdata(loc, loc.root / f"{p}index.json") for p in _index_paths(loc.root).values())
+    return any(_is_litdata(loc, loc.root / f"{p}index.json") for p in index_paths(loc.root).values())
 
 
 def leaf_names(spec_text: str, where: str) -> list[str]:
@@ -238,13 +217,13 @@ def open_location(loc: Location) -> MDSSource:
         raise DatasetError(f"{loc.uri}: val_fraction must be a number") from None
     if not 0 <= fraction < 1:
         raise DatasetError(f"{loc.uri}: val_fraction must be in [0, 1), got {fraction}")
-    indexes = _index_paths(loc.root)
+    indexes = index_paths(loc.root)
     if "train" not in indexes:
         raise DatasetError(f"{loc.uri}: no litData index.json in {loc.root} or {loc.root}/train; expected {EXPECTED}")
     shards = {}
     for split, prefix in indexes.items():
         path = loc.root / f"{prefix}index.json"
-        index = _read(loc, path)
+        index = read_index(loc, path)
         if not isinstance(index.get("chunks"), list) or not isinstance(index.get("config"), dict):
             raise DatasetError(f"{path}: not a litData index (no 'config' and 'chunks')")
         shards[split] = _chunks(loc, prefix, index, str(path))

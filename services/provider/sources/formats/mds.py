@@ -54,8 +54,10 @@ __all__ = [
     "Shard",
     "column_field",
     "detect",
+    "index_paths",
     "open_location",
     "pil",
+    "read_index",
     "read_offsets",
 ]
 
@@ -76,7 +78,7 @@ _WHY = {
 }
 
 
-def _index_paths(root) -> dict[str, str]:
+def index_paths(root) -> dict[str, str]:
     """split → the folder of its shards under ``root``, as a prefix (``train/``; ``""``: the root itself,
     whose ``index.json`` lists them). A prefix, not a folder: HTTP locations name files, not folders."""
     found = {}
@@ -90,7 +92,7 @@ def _index_paths(root) -> dict[str, str]:
     return found
 
 
-def _read_index(loc: Location, path) -> dict:
+def read_index(loc: Location, path) -> dict:
     try:
         index = json.loads(loc.read(path))
     except ValueError as err:
@@ -100,7 +102,7 @@ def _read_index(loc: Location, path) -> dict:
 
 def _is_mds(loc: Location, path) -> bool:
     try:
-        index = _read_index(loc, path)
+        index = read_index(loc, path)
     except DatasetError:
         return False
     shards = index.get("shards")
@@ -108,7 +110,7 @@ def _is_mds(loc: Location, path) -> bool:
 
 
 def detect(loc: Location) -> bool:
-    return any(_is_mds(loc, loc.root / f"{p}index.json") for p in _index_paths(loc.root).values())
+    return any(_is_mds(loc, loc.root / f"{p}index.json") for p in index_paths(loc.root).values())
 
 
 # -- columns -------------------------------------------------------------------------------------------
@@ -513,13 +515,13 @@ def open_location(loc: Location) -> MDSSource:
         raise DatasetError(f"{loc.uri}: val_fraction must be a number") from None
     if not 0 <= fraction < 1:
         raise DatasetError(f"{loc.uri}: val_fraction must be in [0, 1), got {fraction}")
-    indexes = _index_paths(loc.root)
+    indexes = index_paths(loc.root)
     if "train" not in indexes:
         raise DatasetError(f"{loc.uri}: no MDS index.json in {loc.root} or {loc.root}/train; expected {EXPECTED}")
     shards: dict[str, list[Shard]] = {}
     for split, prefix in indexes.items():
         path = loc.root / f"{prefix}index.json"
-        entries = _read_index(loc, path).get("shards")
+        entries = read_index(loc, path).get("shards")
         if not isinstance(entries, list):
             raise DatasetError(f"{path}: not an MDS index (no 'shards' list)")
         shards[split] = [_shard(loc, prefix, e, f"{path} shard {i}") for i, e in enumerate(entries)]
