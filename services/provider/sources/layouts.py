@@ -38,7 +38,7 @@ from .formats import (
 )
 from .formats.dataset import MEMORY_MODES, FileSource
 from .formats.dataset_toml import parse_settings
-from .formats.location import Format, Location
+from .formats.location import Format, Location, val_fraction
 
 __all__ = ["FORMATS", "choose", "open_layout", "readable_at"]
 
@@ -117,13 +117,7 @@ def choose(loc: Location) -> Format:
 
 
 def _val_fraction(loc: Location) -> float:
-    try:
-        val_fraction = float(loc.params.pop("val_fraction", "0.1"))
-    except ValueError:
-        raise DatasetError(f"{loc.name}: val_fraction must be a number") from None
-    if not 0 <= val_fraction < 1:
-        raise DatasetError(f"{loc.name}: val_fraction must be in [0, 1), got {val_fraction}")
-    return val_fraction
+    return val_fraction(loc.name, loc.params.pop("val_fraction", "0.1"))
 
 
 def _open_tables(loc: Location, fmt: Format) -> FileSource:

@@ -28,7 +28,7 @@ from libbus.errors import DatasetError
 
 from ..base import SPLITS, Field, FieldBatch
 from .fieldpick import Pick, PickedSource, classes, fill, select
-from .location import Format, Location
+from .location import Format, Location, val_fraction
 
 __all__ = ["EXPECTED", "FORMAT", "HFDiskSource", "arrow_field", "detect", "open_location"]
 
@@ -260,12 +260,7 @@ def _split_table(loc: Location, folder) -> tuple[Any, dict]:
 def open_location(loc: Location) -> HFDiskSource:
     """The ``save_to_disk`` dataset in the local directory ``loc`` (see the module doc)."""
     params = {k: loc.params.pop(k) for k in PARAMS if k in loc.params}
-    try:
-        fraction = float(params.get("val_fraction", "0.1"))
-    except ValueError:
-        raise DatasetError(f"{loc.uri}: val_fraction must be a number") from None
-    if not 0 <= fraction < 1:
-        raise DatasetError(f"{loc.uri}: val_fraction must be in [0, 1), got {fraction}")
+    fraction = val_fraction(loc.uri, params.get("val_fraction", "0.1"))
     root = loc.root
     if (root / "dataset_dict.json").is_file():
         names = _json(root / "dataset_dict.json").get("splits", [])

@@ -30,7 +30,7 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from ..base import Field
-from .location import Format, Location
+from .location import Format, Location, val_fraction
 from .mds import Columns, MDSSource, Shard, index_paths, pil, read_index, read_offsets
 
 __all__ = ["EXPECTED", "FORMAT", "detect", "leaf_names", "open_location"]
@@ -211,12 +211,7 @@ def open_location(loc: Location) -> MDSSource:
     """The litData dataset at ``loc`` (local files, HTTP, an object store), popping the parameters this
     layout knows (see the module doc). Raises :class:`DatasetError`."""
     params = {k: loc.params.pop(k) for k in PARAMS if k in loc.params}
-    try:
-        fraction = float(params.get("val_fraction", "0.1"))
-    except ValueError:
-        raise DatasetError(f"{loc.uri}: val_fraction must be a number") from None
-    if not 0 <= fraction < 1:
-        raise DatasetError(f"{loc.uri}: val_fraction must be in [0, 1), got {fraction}")
+    fraction = val_fraction(loc.uri, params.get("val_fraction", "0.1"))
     indexes = index_paths(loc.root)
     if "train" not in indexes:
         raise DatasetError(f"{loc.uri}: no litData index.json in {loc.root} or {loc.root}/train; expected {EXPECTED}")

@@ -30,16 +30,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from libbus.errors import DatasetError
+
 from ..base import OpenRequest
 from .dataset import Context
 from .dataset_toml import TOML, parse_dataset_toml
 
-__all__ = ["KINDS", "SERVES", "Format", "Location"]
+__all__ = ["KINDS", "SERVES", "Format", "Location", "val_fraction"]
 
 #: The kinds of location: local files, files behind HTTP, objects in a store.
 KINDS = ("file", "http", "object")
 #: What a format's ``open`` returns (see :class:`Format`).
 SERVES = ("tables", "samples", "source")
+
+
+def val_fraction(where: str, value: str = "0.1") -> float:
+    """The ``val_fraction`` parameter ``value`` as a number in [0, 1): the share of train carved off as
+    val where the files hold no val split. Raises :class:`DatasetError` naming ``where`` otherwise."""
+    try:
+        fraction = float(value)
+    except ValueError:
+        raise DatasetError(f"{where}: val_fraction must be a number") from None
+    if not 0 <= fraction < 1:
+        raise DatasetError(f"{where}: val_fraction must be in [0, 1), got {fraction}")
+    return fraction
 
 
 class Location:

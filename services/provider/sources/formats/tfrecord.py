@@ -51,7 +51,7 @@ from libbus.errors import DatasetError
 
 from ..base import SPLITS, Field, FieldBatch, relative_name
 from .fieldpick import PickedSource, classes, fill, select
-from .location import Format, Location
+from .location import Format, Location, val_fraction
 from .tfexample import BYTES, FLOAT, INT64, parse_example
 
 __all__ = ["EXPECTED", "FORMAT", "TFRecordSource", "detect", "masked_crc", "open_location", "split_of"]
@@ -478,12 +478,7 @@ def open_location(loc: Location) -> TFRecordSource:
     """The TFRecord files at ``loc`` (local files, HTTP, an object store), popping the parameters this
     layout knows (see the module doc). Raises :class:`DatasetError`."""
     params = {k: loc.params.pop(k) for k in PARAMS if k in loc.params}
-    try:
-        fraction = float(params.get("val_fraction", "0.1"))
-    except ValueError:
-        raise DatasetError(f"{loc.uri}: val_fraction must be a number") from None
-    if not 0 <= fraction < 1:
-        raise DatasetError(f"{loc.uri}: val_fraction must be in [0, 1), got {fraction}")
+    fraction = val_fraction(loc.uri, params.get("val_fraction", "0.1"))
     paths = sorted((p for p in loc.root.iterdir() if is_tfrecord(p.name) and p.is_file()), key=lambda p: p.name)
     if not paths:
         raise DatasetError(f"{loc.uri}: no TFRecord files in {loc.root}; expected {EXPECTED}")
