@@ -1,4 +1,4 @@
-"""Issue 26: the built-in image models train on a dataset of named fields by its ``image`` and ``label``
+"""The built-in image models train on a dataset of named fields by its ``image`` and ``label``
 fields (an image folder with ``?size=…&fields=image,label``), are scored on the provider's test split
 the same way, and a dataset of named fields without a fixed-shape image is refused saying what to do.
 

@@ -89,7 +89,7 @@ def test_a_built_in_job_starts_from_another_jobs_weights(router, ids, entry_trai
 def test_an_entrypoint_jobs_model_is_scored_by_the_providers_evaluator(
     router, start_provider, entry_trainer, client_for
 ):
-    """Issue 26: the function's own model, scored on the private test split by an evaluator the
+    """The function's own model, scored on the private test split by an evaluator the
     provider's operator installed; the score the router records is the provider's."""
     provider = start_provider("mnist=mock://mnist?n=600", evaluator_modules=["tests.support.evaluators"])
     admin = client_for(router.endpoint, role="admin", timeout_s=10)

@@ -117,7 +117,7 @@ def test_evaluator_code_runs_only_where_the_providers_operator_allows_it(start_p
 
 
 def test_an_evaluation_ends_at_its_deadline_and_when_its_caller_leaves(start_provider, client_for):
-    """Issue 30 #9: an evaluation has a bound, and stops when nobody waits for it any more."""
+    """An evaluation has a bound, and stops when nobody waits for it any more."""
     provider = start_provider(f"mnist={MNIST}", evaluator_modules=ALLOWED, eval_timeout_s=1.0)
     forever = {"evaluator": "tests.support.evaluators:forever"}
     with pytest.raises(Timeout, match=r"ran past its 1 s bound \(eval_timeout_s\)"):
@@ -141,7 +141,7 @@ def test_an_evaluation_ends_at_its_deadline_and_when_its_caller_leaves(start_pro
 
 
 def test_a_diverged_model_is_scored_not_lost(start_provider, client_for):
-    """Issue 30 #17: NaN weights give a reply that encodes (the loss at its clip), not a timeout."""
+    """NaN weights give a reply that encodes (the loss at its clip), not a timeout."""
     provider = start_provider(f"mnist={MNIST}")
     model = build_model("mlp", INFO, {"hidden": 8})
     blob = _blob({k: torch.full_like(v, float("nan")) for k, v in model.state_dict().items()})
@@ -152,7 +152,7 @@ def test_a_diverged_model_is_scored_not_lost(start_provider, client_for):
 
 
 def _probe(target: np.ndarray, others: np.ndarray, label: int) -> bytes:
-    """Issue 30 #1's probe: mlp weights whose logit ``label`` jumps on ``target`` alone (every other
+    """An audit's probe: mlp weights whose logit ``label`` jumps on ``target`` alone (every other
     test sample gets uniform logits); its loss then says whether ``label`` is the target's."""
     dots = others @ target
     top = float(target @ target)
@@ -167,7 +167,7 @@ def _probe(target: np.ndarray, others: np.ndarray, label: int) -> bytes:
 
 
 def test_the_probe_reads_no_label_reliably_from_released_scores(start_provider, client_for):
-    """Issue 30 #1. Exact scores give the probe every label; released ones (the defaults: noise of
+    """Exact scores give the probe every label; released ones (the defaults: noise of
     epsilon 0.1 per metric, loss clipped, rounded) keep it near chance: ten candidate labels cost
     ten evaluations of epsilon 0.2 each on the target sample, so no decision does better than
     e^2 / (e^2 + 9) = 45 % on average (docs/security.md); chance is 10 %."""
@@ -232,7 +232,7 @@ def test_a_datasets_evaluations_of_the_day_are_bounded_and_the_docs_say_how_many
 def test_a_test_score_is_recorded_only_from_the_provider_that_computed_it(
     router, start_provider, client_for, make_token
 ):
-    """Issue 30 #6: a trainer token pushing test accuracy 1.0 gets no score; a provider's report is
+    """A trainer token pushing test accuracy 1.0 gets no score; a provider's report is
     what the router records."""
     provider = start_provider(f"mnist={MNIST}")
     admin = client_for(router.endpoint, role="admin", timeout_s=10)
@@ -262,7 +262,7 @@ def test_a_test_score_is_recorded_only_from_the_provider_that_computed_it(
 def test_a_final_evaluation_is_sent_again_to_a_restarted_provider(
     router, start_provider, client_for, make_token, make_settings
 ):
-    """Issue 30 #16: the provider stops (SIGTERM: it answers "send it again") during the final
+    """The provider stops (SIGTERM: it answers "send it again") during the final
     evaluation and comes back on another port: the trainer sends the weights there and gets its
     score, instead of waiting out 300 s."""
     first = start_provider(f"mnist={MNIST}", evaluator_modules=ALLOWED, name="prov-r")
@@ -305,7 +305,7 @@ def test_a_final_evaluation_is_sent_again_to_a_restarted_provider(
 def test_a_final_evaluation_is_sent_again_to_a_provider_killed_and_restarted_at_its_endpoint(
     tmp_path, make_settings, caplog
 ):
-    """Issue 30 #16, as the probe did it: the provider is killed (SIGKILL: no reply goes out) during a
+    """As an audit's probe did it: the provider is killed (SIGKILL: no reply goes out) during a
     final evaluation and restarted on the same endpoint; the trainer finds its session forgotten and
     sends the weights again, instead of waiting out 300 s."""
     caplog.set_level(logging.WARNING, logger="services.trainer.final_eval")
@@ -379,7 +379,7 @@ def _until(condition, what: str, timeout_s: float = 30.0) -> None:
 
 
 def test_a_job_names_the_evaluator_that_scores_its_final_weights(router, start_provider, trainer, client_for):
-    """Issue 26: a job's model scored on the provider's private test split by an operator-installed
+    """A job's model scored on the provider's private test split by an operator-installed
     evaluator; the score the router records is the provider's."""
     provider = start_provider(f"mnist={MNIST}", evaluator_modules=ALLOWED, assigned_only=True)
     admin = client_for(router.endpoint, role="admin", timeout_s=10)

@@ -1,4 +1,4 @@
-"""Issue 4's done-when for files: a job trains the ``mlp`` on MNIST-layout IDX files (uint8 images, the
+"""A job trains the ``mlp`` on MNIST-layout IDX files (uint8 images, the
 real byte layout) through router, provider and trainer, to the accuracy such data allows."""
 
 import struct

@@ -1,4 +1,4 @@
-"""Issue 15's done-when for images: a job trains the CNN through router, provider and trainer on generated
+"""A job trains the CNN through router, provider and trainer on generated
 images of varying sizes and colour modes, decoded on the provider — from an ImageFolder tree and from
 WebDataset shards — to the accuracy the data allows (classes differ by colour: any classifier separates
 them, so the bar is near 1)."""

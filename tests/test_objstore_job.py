@@ -1,4 +1,4 @@
-"""Issue 17's done-when for a job: an mlp trains through router, provider and trainer on IDX files in a
+"""An mlp trains through router, provider and trainer on IDX files in a
 bucket of a loopback S3 server, the provider's credentials and endpoint taken from ``AWS_*`` variables,
 its reads going through its disk cache; the cache and request counters show in its stats and metrics."""
 

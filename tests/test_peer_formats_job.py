@@ -1,4 +1,4 @@
-"""Issue 28's done-when for a job: the same samples, written by each peer loader's own writer (TFRecord,
+"""The same samples, written by each peer loader's own writer (TFRecord,
 MosaicML Streaming's MDS, litData's optimize(), Hugging Face's save_to_disk), are served by a provider as
 written and train a job through router, provider and trainer to the accuracy the same data in ``.npy``
 trains to."""

@@ -1,4 +1,4 @@
-"""Issue 27, "where a stall comes from": the time a loader waits for data, split into provider queueing,
+"""Where a stall comes from: the time a loader waits for data, split into provider queueing,
 source read, each pipeline stage by name, transfer, and the slowest replica; from a script's
 RemoteLoader (``loader.stall.breakdown()``, Prometheus) and in ``busctl job show`` of a real job.
 

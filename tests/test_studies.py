@@ -214,7 +214,7 @@ def _curve(spec: dict, epoch: int) -> float:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_asha_trains_at_most_half_the_epochs_and_finds_a_top_trial(tmp_path, seed):
-    """Issue 18's target: a 12-trial TPE + ASHA study on two trainers trains at most half the epochs
+    """The target: a 12-trial TPE + ASHA study on two trainers trains at most half the epochs
     of running every trial to the end (Optuna's own asynchronous halving trained up to 72% here), and
     its best trial is among the three best of the twelve configurations it tried."""
     store = JobStore(str(tmp_path / "jobs.db"))
