@@ -18,6 +18,7 @@ from libbus.config import Settings
 from libbus.errors import BadRequest
 from libbus.jobs.commands import JobCommand
 from libbus.wire.messages import ControlJob, GetStudy, ListStudies, Model, StopStudy, SubmitStudy, frame_buffer
+from services.router.study_store import StudyState
 
 from .common import admin_client, echo, fail, guard, print_json
 from .options import Json, admin_options
@@ -162,7 +163,7 @@ def study_watch(study: str, *, settings: Settings) -> None:
                     if shown.get(t["number"]) != seen:
                         shown[t["number"]] = seen
                         echo(_trial_line(t, info))
-                if info["state"] != "running":
+                if info["state"] != StudyState.RUNNING:
                     break
                 time.sleep(WATCH_POLL_S)
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ from prometheus_client.registry import CollectorRegistry
 from libbus.errors import Unavailable
 from libbus.serve.metrics import StatsCollector
 from libbus.wire.messages import BatchRequest, DatasetInfoRequest, Stats, SubmitJob
+from services.provider.metrics import provider_metrics
 from services.provider.sources.objstore import configure_cache
 from services.provider.sources.storage.objects import STATS
 from tests.support import wait_job
@@ -54,7 +55,7 @@ def test_a_job_trains_on_a_dataset_read_from_s3(s3, tmp_path, router, start_prov
         assert time.monotonic() < deadline, "no object_store stats reached the router"
         time.sleep(0.1)
     registry = CollectorRegistry()
-    registry.register(StatsCollector("provider", "p", provider.service.handler.stats))
+    registry.register(StatsCollector("provider", "p", provider.service.handler.stats, provider_metrics()))
     text = generate_latest(registry).decode()
     assert "batchbus_object_cache_hits_total" in text and "batchbus_object_requests_total" in text
     assert s3.secret_key not in text and s3.access_key not in text

@@ -27,7 +27,16 @@ from libbus.security.auth import Claims
 from libbus.wire.messages import Hello
 from libbus.wire.schema import check_stored
 
-__all__ = ["Session", "SessionTable", "is_local_peer", "frame_property", "check_labels", "MAX_LABEL", "reader_info"]
+__all__ = [
+    "Session",
+    "SessionTable",
+    "is_local_peer",
+    "frame_property",
+    "check_labels",
+    "MAX_LABEL",
+    "reader_info",
+    "without_host_keys",
+]
 
 #: DatasetInfo keys that say where the provider's operator keeps the data (a filesystem path, a
 #: source URI holding one): only an admin session is shown them, a reader sees the rest.
@@ -37,16 +46,16 @@ HOST_INFO_KEYS = ("uri", "path", "source_uri")
 def reader_info(info: dict, claims: Claims) -> dict:
     """A dataset's ``info`` as ``claims`` may see it: an admin's whole; anyone else's without
     :data:`HOST_INFO_KEYS`, at any depth (the name, shapes, dtypes, counts and layout are what a reader needs)."""
-    return info if claims.role == "admin" else _without_host_keys(info)
+    return info if claims.role == "admin" else without_host_keys(info)
 
 
-def _without_host_keys(value):
+def without_host_keys(value):
     """``value`` with :data:`HOST_INFO_KEYS` dropped at any depth (a weighted dataset's ``sources``
     name each member's URI)."""
     if isinstance(value, dict):
-        return {k: _without_host_keys(v) for k, v in value.items() if k not in HOST_INFO_KEYS}
+        return {k: without_host_keys(v) for k, v in value.items() if k not in HOST_INFO_KEYS}
     if isinstance(value, list):
-        return [_without_host_keys(v) for v in value]
+        return [without_host_keys(v) for v in value]
     return value
 
 
