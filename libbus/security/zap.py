@@ -3,9 +3,11 @@
 libzmq asks the ZAP handler about every handshake (PLAIN's token, CURVE's key) from its I/O thread, and
 aborts the whole process if the handler is gone when it asks (``errno_assert`` in ``zap_client.cpp``:
 the request has nowhere to go). A server socket's connections outlive ``close()`` for a moment (libzmq
-reaps them in the background), so stopping the handler right after closing the socket aborted a test
-worker under load: a peer's handshake arrived in between. Only ``zmq_ctx_term`` knows when every
-connection is gone, and it waits for every socket, the handler's own too.
+reaps them in the background), so a handler stopped right after the socket's close can meet a handshake
+still in flight. Only ``zmq_ctx_term`` knows when every connection is gone, and it waits for every
+socket, the handler's own too. (A test worker that aborted in libzmq during a flooded server's teardown
+did so again with this order in place: that abort has a cause of its own, see
+tests/test_security_memory.py.)
 
 So :class:`ZapThreadAuthenticator` keeps answering until the context terminates: its thread closes the
 handler's sockets when termination reaches them (``ETERM``), and :meth:`~ZapThreadAuthenticator.terminate`
