@@ -65,15 +65,15 @@ test: lint tools
 # Programs some tests drive: Azurite from npm (az:// against the emulator; the venv keeps it, nothing is installed
 # when the pinned version is there), tmux (busctl top on a terminal), iproute2's ip (hosts in network namespaces),
 # Slurm and munge (a one-node Slurm cluster of the tests' own, tests/support/slurm.py; nothing is left running),
-# shellcheck (the slurm/ recipes). Installed from Debian's packages when missing and we are root; else those
-# tests say what is missing.
+# shellcheck (the slurm/ recipes), chromium (busctl web in a real browser, driven by Playwright). Installed from
+# Debian's packages when missing and we are root; else those tests say what is missing.
 AZURITE_VERSION ?= 3.35.0
 tools:
 	@# Azurite (the Azure Storage emulator the az:// tests start; tests/support/emulators.py), pinned, kept in the venv
 	@if command -v npm >/dev/null && [ "$$($(VENV)/azurite/node_modules/.bin/azurite-blob --version 2>/dev/null)" != "$(AZURITE_VERSION)" ]; then \
 		echo "installing azurite@$(AZURITE_VERSION)"; npm install -s --no-audit --no-fund --prefix $(VENV)/azurite azurite@$(AZURITE_VERSION) >/dev/null \
 		|| echo "azurite not installed: the az:// tests will be skipped"; fi
-	@missing=""; for t in tmux:tmux ip:iproute2 sbatch:slurm-wlm munged:munge shellcheck:shellcheck; do command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
+	@missing=""; for t in tmux:tmux ip:iproute2 sbatch:slurm-wlm munged:munge shellcheck:shellcheck chromium:chromium; do command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		echo "installing$$missing"; apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; fi
 
