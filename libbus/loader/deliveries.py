@@ -78,6 +78,10 @@ class SocketDelivery:
         self.device = device
         self.collate = check_collate(collate)
 
+    @property
+    def hand_out_in_consumer(self) -> bool:
+        return False
+
     def can_send(self) -> bool:
         return True
 
@@ -210,6 +214,10 @@ class RingDelivery:
             self._release(slot)
         except ShmError:  # the loader closed meanwhile
             pass
+
+    @property
+    def hand_out_in_consumer(self) -> bool:
+        return self.stager is not None  # hand_over orders the consumer's CUDA stream after the copy
 
     def can_send(self) -> bool:
         self._reap()

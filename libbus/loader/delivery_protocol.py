@@ -3,7 +3,7 @@
 :class:`~libbus.loader.window.RequestWindow` (ordering, retries, replica choice) never touches bytes: for
 each request it sends it asks the delivery for the request's extra ``fields`` (a ring slot and its
 sequence number), it passes each reply to ``receive``, and it calls ``hand_out`` when the batch is
-yielded and ``done`` when the consumer comes back for the next one. Two transports implement it —
+made ready for the consumer and ``done`` when the consumer comes back for the next one. Two transports implement it —
 :class:`~libbus.loader.deliveries.SocketDelivery` (the batch's bytes are the reply's frames) and
 :class:`~libbus.loader.deliveries.RingDelivery` (the provider wrote the batch into a shared-memory slot) —
 and mypy checks both against this declaration (the assignments at the end of this module), so a
@@ -26,6 +26,12 @@ class Delivery(Protocol):
 
     #: ``"socket"`` or ``"shm"``: how the batches come (shown in logs and progress reports).
     transport: str
+
+    @property
+    def hand_out_in_consumer(self) -> bool:
+        """Whether :meth:`hand_out` must run on the thread that uses the batch (a CUDA copy orders
+        that thread's current stream after it); else the pass's own thread hands batches out ahead."""
+        ...
 
     def can_send(self) -> bool:
         """Whether a new request can be sent now (a ring needs a free slot)."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -53,6 +54,7 @@ from libbus.loader.dataloader import DatasetSplit, pending_state, refuse_dataloa
 from libbus.loader.deliveries import RingDelivery
 from libbus.loader.delivery_protocol import Delivery
 from libbus.loader.flows import check_flows
+from libbus.loader.handoff import Ended, Handoff, Raised, Ready
 from libbus.loader.ranks import detect
 from libbus.loader.readahead import READ_AHEAD, ReadAheadPlan
 from libbus.loader.replica import Replica, ReplyPoller, entries_of, recv_any
@@ -88,6 +90,9 @@ from libbus.wire.messages import BatchRequest, ReadAhead
 __all__ = ["RemoteLoader", "pick_provider"]
 
 log = logging.getLogger(__name__)
+
+#: How often, at most, a pass thread waiting for replies checks whether its pass was closed (seconds).
+STOP_CHECK_S = 0.1
 
 
 def _role_of(token: str) -> str:
@@ -275,6 +280,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.skip = check_skips(skip)
         self._plan: Plan = None  # what is left of the current epoch after an elastic resume
         self._pass: weakref.ref | None = None  # the pass being iterated, if any
+        self._running: tuple[Handoff, threading.Thread] | None = None  # its thread (libbus.loader.handoff)
+        self._stopping = threading.RLock()  # a signal handler's close() may come in on the consumer's thread
         # A pass has begun the cursor's epoch: the next pass takes the next one. Off after a pass
         # ends, and after set_epoch, rewind and load_state_dict (the next pass starts at the cursor).
         self._begun = False
@@ -461,6 +468,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
                 self.load_state_dict(state)
 
     def close(self) -> None:
+        self._stop_pass()  # a pass still running owns the sockets until it ends
         self.links.close()
 
     def __enter__(self) -> RemoteLoader:
@@ -581,54 +589,112 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         return BatchRequest.for_indices(indices, dataset=self.dataset.name, split=self.split, **fields)
 
     def _fetch(self, batches: list[np.ndarray], epoch: int) -> Generator[Any, None, None]:
+        """The pass's batches, made ready on a thread of the pass's own (:mod:`libbus.loader.handoff`);
+        what this generator does itself is take each one, and count the time it had to wait."""
+        handoff = Handoff()
+        thread = threading.Thread(
+            target=self._run_pass,
+            args=(batches, epoch, handoff),
+            name=f"batchbus-pass-{self.dataset.name}",
+            daemon=True,
+        )
+        self._running = handoff, thread
+        thread.start()
         try:
-            yield from self._pipeline(batches, epoch)
+            while True:
+                start = time.monotonic()
+                got, blocked = handoff.ask()
+                if isinstance(got, Raised):
+                    raise got.error
+                if isinstance(got, Ended):
+                    return
+                if blocked:  # waited for the data itself, not only for the hand-off
+                    waited = time.monotonic() - start
+                    self.wait_s += waited
+                    self.stall.add(waited, got.replica)
+                    if self.stall_breakdown:
+                        self.stall.attribute(waited, got.round_trip_s, got.timing)
+                yield got.item if got.handed else got.delivery.hand_out(got.batch_no, got.item)
         finally:
-            # A pass left early: its slots are free again, and late replies are dropped.
+            self._stop_pass(handoff)
+
+    def _stop_pass(self, only: Handoff | None = None) -> None:
+        """Stop the pass thread, if one runs (``only``: if it is that pass's), and wait for it (it
+        owns the sockets until it ends); then a pass left early has its slots free again, and late
+        replies are dropped. Whichever thread comes first does it: the consumer leaving the pass, or
+        :meth:`close` on any thread."""
+        with self._stopping:
+            running = self._running
+            if running is None or (only is not None and running[0] is not only):
+                return  # none runs, or another pass's (this one was stopped already)
+            self._running = None
+            handoff, thread = running
+            handoff.stop()
+            if thread is not threading.current_thread():
+                thread.join()
             for delivery in self.links.deliveries():
                 delivery.reset()
             for replica in self.replicas:
                 replica.take_pending()
 
-    def _pipeline(self, batches: list[np.ndarray], epoch: int) -> Generator[Any, None, None]:
+    def _run_pass(self, batches: list[np.ndarray], epoch: int, handoff: Handoff) -> None:
+        try:
+            self._pipeline(batches, epoch, handoff)
+        except BaseException as err:  # noqa: BLE001 (the consumer raises it where the pass met it)
+            handoff.put(Raised(err))
+
+    def _pipeline(self, batches: list[np.ndarray], epoch: int, handoff: Handoff) -> None:
+        """The pass, on its own thread: keep ``inflight`` requests out, act on what comes back, and
+        make ready the batch the consumer asked for and the one after it (:mod:`libbus.loader.handoff`)."""
         # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
-        asked = {"epoch": epoch, "timing": True} if self.stall_breakdown else {"epoch": epoch}
-        window = RequestWindow(len(batches), lambda n, fields: self._request(batches[n], {**asked, **fields}))
+        asked_for = {"epoch": epoch, "timing": True} if self.stall_breakdown else {"epoch": epoch}
+        window = RequestWindow(len(batches), lambda n, fields: self._request(batches[n], {**asked_for, **fields}))
         poller = ReplyPoller()  # per pass: a socket id reused after a reconnect must not alias
         self.links.open_sessions()
         self.links.readmit()
-        # the stall split: each arrived batch's (round trip, provider timing), and the wait owed by
-        # the batch to be yielded next, attributed when it is taken (libbus.loader.stall)
+        # the stall split: each arrived batch's (round trip, provider timing), handed on with it
         arrivals: dict[int, tuple[float, Any]] = {}
-        owed = 0.0
+        taken: dict[int, Delivery] = {}  # batches handed to the consumer and not yet let go
         plan = self._read_ahead_plan(batches)
-        while not window.finished:
+        while not handoff.stopped:
+            asked = handoff.asked
+            while window.next_yield < min(asked - 1, window.next_take):  # the consumer let these go
+                window.advance(taken.pop(window.next_yield))
+            if window.finished:
+                handoff.put(Ended())
+                return
             self.links.top_up()  # flows dropped while their provider kept answering
             window.fill(self.replicas, self.inflight)
             if plan is not None:
                 plan.at(window.next_yield)
-            taken = window.take()
-            if taken is not None:
-                batch_no, delivery, item = taken
-                trip, timing = arrivals.pop(batch_no, (0.0, None))
-                if owed:
-                    self.stall.attribute(owed, trip, timing)
-                    owed = 0.0
-                yield delivery.hand_out(batch_no, item)
-                window.advance(delivery)  # the consumer is back: the batch it had is let go
+            if window.next_take >= window.count or window.next_take > asked:
+                # the consumer has the newest batch and the next one is ready: act on the replies
+                # already here, then wait for the consumer to ask again
+                self._take_replies(window, poller, arrivals)
+                handoff.wait_asked(asked)
                 continue
-            waiting_on = window.via.get(window.next_yield)
-            wait_start = time.monotonic()
-            try:  # waiting for replies and for providers to come back: data wait
-                outcome = self._next_outcome(window, poller)
-                if self.stall_breakdown and isinstance(outcome, Arrived):
-                    arrivals[outcome.batch_no] = (outcome.replica.round_trip_s, outcome.reply.timing)
-                self._act(window, outcome)
-            finally:
-                waited = time.monotonic() - wait_start
-                self.wait_s += waited
-                self.stall.add(waited, waiting_on[0].label if waiting_on else "")
-                owed += waited if self.stall_breakdown else 0.0
+            via = window.via.get(window.next_take)
+            got = window.take()
+            if got is not None:
+                batch_no, delivery, item = got
+                taken[batch_no] = delivery
+                trip, timing = arrivals.pop(batch_no, (0.0, None))
+                replica = via[0].label if via is not None else ""
+                handed = not delivery.hand_out_in_consumer
+                if handed:
+                    item = delivery.hand_out(batch_no, item)
+                handoff.put(Ready(batch_no, delivery, item, handed, replica, trip, timing))
+                continue
+            outcome = self._next_outcome(window, poller, STOP_CHECK_S)
+            self._act(window, outcome, arrivals, handoff)
+
+    def _take_replies(self, window: RequestWindow, poller: ReplyPoller, arrivals: dict) -> None:
+        """Act on the replies that are here already, without waiting for more."""
+        while any(r.pending for r in self.links.live):
+            outcome = self._next_outcome(window, poller, 0.0)
+            if isinstance(outcome, TimedOut) and not outcome.overdue:
+                return  # nothing more is here yet
+            self._act(window, outcome, arrivals)
 
     def _read_ahead_plan(self, batches: list[np.ndarray]) -> ReadAheadPlan | None:
         """This pass's :class:`ReadAheadPlan`, where the provider can use one and there is one provider."""
@@ -645,28 +711,33 @@ class RemoteLoader(torch.utils.data.IterableDataset):
 
         return ReadAheadPlan(batches, self.inflight, self.read_ahead, send)
 
-    def _next_outcome(self, window: RequestWindow, poller: ReplyPoller) -> Outcome:
-        """Wait for what happens next to the requests of this pass (see :mod:`libbus.loader.window`)."""
+    def _next_outcome(self, window: RequestWindow, poller: ReplyPoller, most_s: float) -> Outcome:
+        """Wait, ``most_s`` at most, for what happens next to the requests of this pass (see
+        :mod:`libbus.loader.window`); a wait that ends with nothing overdue is ``TimedOut(())``."""
         live = self.links.live
         if not live:
             return NoReplica()
         if not any(r.pending for r in live):
             return NothingPending()
         oldest = min(r.oldest() for r in live)
-        replica, reply = recv_any(live, max(0.0, oldest + self.timeout_s - time.monotonic()), poller)
+        wait_s = min(most_s, max(0.0, oldest + self.timeout_s - time.monotonic()))
+        replica, reply = recv_any(live, wait_s, poller)
         now = time.monotonic()
         overdue = [r for r in live if r.oldest() + self.timeout_s <= now] if replica is None else []
         return window.classify(replica, reply, overdue)
 
-    def _act(self, window: RequestWindow, outcome: Outcome) -> None:
+    def _act(self, window: RequestWindow, outcome: Outcome, arrivals: dict, handoff: Handoff | None = None) -> None:
         """Do what ``outcome`` calls for; raises the typed error of an ``Error`` reply, and
-        :class:`PeerTimeout` when no provider comes back within ``provider_wait_s``."""
+        :class:`PeerTimeout` when no provider comes back within ``provider_wait_s`` (the wait for
+        one ends early once ``handoff`` is stopped)."""
         links = self.links
         match outcome:
-            case Arrived(batch_no=batch_no, reply=reply):
+            case Arrived(batch_no=batch_no, reply=reply, replica=replica):
+                if self.stall_breakdown:
+                    arrivals[batch_no] = (replica.round_trip_s, reply.timing)
                 window.arrived(batch_no, reply)
             case NoReplica():
-                links.await_replica()
+                links.await_replica(stopped=(lambda: handoff.stopped) if handoff is not None else None)
             case NothingPending():
                 self._delivery.wait_free()  # slots held by copies to the GPU still running
             case ConnectionLost(replica=replica):

@@ -450,13 +450,14 @@ class ReplicaSet:
             self._admit(replica)
             log.warning("%s: provider %s is back; reading from it too", self.where, replica.label)
 
-    def await_replica(self) -> None:
+    def await_replica(self, stopped: Callable[[], bool] | None = None) -> None:
         """No replica is left: look for one (asking the router again, when there is one) until
-        ``provider_wait_s`` runs out, then raise :class:`PeerTimeout`."""
+        ``provider_wait_s`` runs out, then raise :class:`PeerTimeout`; return early, with none,
+        once ``stopped()`` says the pass waiting for one was closed."""
         links = self.links
         deadline = time.monotonic() + links.provider_wait_s
         last = "none answered"
-        while True:
+        while stopped is None or not stopped():
             left = deadline - time.monotonic()
             try:
                 self.entries = self.resolve(max(0.1, min(links.timeout_s, left)), 0) or self.entries
@@ -480,4 +481,7 @@ class ReplicaSet:
                     f"no provider of {self.where} answered for "
                     f"{links.provider_wait_s:g} s (provider_wait_s); last: {last}"
                 )
-            time.sleep(min(PROVIDER_RETRY_S, left))
+            pause = min(PROVIDER_RETRY_S, left)
+            while pause > 0 and (stopped is None or not stopped()):  # in short steps: a closed pass ends it
+                time.sleep(min(pause, 0.1))
+                pause -= 0.1

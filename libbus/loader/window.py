@@ -129,6 +129,9 @@ class RequestWindow:
     #: batches resent after a provider forgot our session (once each)
     reauthed: set[int] = field(default_factory=set)
     next_send: int = 0
+    #: the next batch to hand out (taken by :meth:`take`)
+    next_take: int = 0
+    #: the first batch the consumer still holds or is yet to get (let go below it by :meth:`advance`)
     next_yield: int = 0
 
     @property
@@ -172,16 +175,17 @@ class RequestWindow:
 
     def take(self) -> tuple[int, Delivery, Any] | None:
         """The next batch in order, if its reply is here: ``(batch_no, delivery, item)``, to hand
-        out with ``delivery.hand_out(batch_no, item)``; call :meth:`advance` once the consumer is
-        back. ``None`` while it is still in flight."""
-        batch_no = self.next_yield
+        out with ``delivery.hand_out(batch_no, item)``; call :meth:`advance` with that delivery once
+        the consumer lets it go. ``None`` while it is still in flight."""
+        batch_no = self.next_take
         if batch_no not in self.ready:
             return None
         delivery = self.via.pop(batch_no)[1]
+        self.next_take += 1
         return batch_no, delivery, self.ready.pop(batch_no)
 
     def advance(self, delivery: Delivery) -> None:
-        """The consumer came back for the next batch: the one it had is let go."""
+        """The consumer came back for the batch after ``next_yield``: that one is let go."""
         delivery.done(self.next_yield)
         self.next_yield += 1
 

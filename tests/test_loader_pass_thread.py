@@ -1,0 +1,94 @@
+"""A pass's requests and replies run on a thread of the pass's own (libbus.loader.handoff): the
+training loop only takes batches. What a user relies on stays as it was: batches held stay what they
+were, a pass left early or closed leaves no thread behind, and a pass waiting for a provider that is
+gone ends when the loader is closed. (An error the pass thread meets is raised by ``next()``:
+tests/test_loader.py's killed provider.)"""
+
+import signal
+import threading
+
+import numpy as np
+
+from libbus.errors import BusError
+from libbus.loader.remote import RemoteLoader
+from libbus.order.epochs import epoch_order
+from services.provider.sources import open_source
+from tests.support import Cluster
+
+#: A liveness bound, not a timing: far above anything the checks below take on a loaded machine.
+STUCK_S = 120
+
+
+def pass_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("batchbus-pass-")]
+
+
+def test_every_batch_of_a_pass_held_at_once_stays_what_was_read(provider, make_token):
+    """The pass thread hands batches out ahead of the loop: none may land in a slot a held batch views."""
+    with RemoteLoader(
+        "mnist", provider=provider.endpoint, token=make_token(), batch_size=50, seed=3, inflight=4
+    ) as loader:
+        assert loader.transport == "shm"
+        held = list(loader)  # no copies: every batch's tensors still view (or own) its data
+        order = epoch_order(600, epoch=0, seed=3, shuffle=True)
+    want_x, want_y = open_source("mock://mnist?n=600").read("train", order)
+    assert np.array_equal(np.concatenate([x.numpy() for x, _ in held]), want_x)
+    assert np.array_equal(np.concatenate([y.numpy() for _, y in held]), want_y)
+
+
+def test_a_pass_left_early_or_run_to_its_end_leaves_no_thread(provider, make_token):
+    before = set(pass_threads())
+    with RemoteLoader("mnist", provider=provider.endpoint, token=make_token(), batch_size=50) as loader:
+        it = iter(loader)
+        next(it)
+        assert [t for t in pass_threads() if t not in before], "the pass runs on a thread of its own"
+        it.close()  # what a `break` out of the loop does once the iterator is dropped
+        assert set(pass_threads()) <= before
+        assert sum(1 for _ in loader) == len(loader)  # the next pass is whole
+        assert set(pass_threads()) <= before
+        next(iter(loader))
+    assert set(pass_threads()) <= before  # close() ends a pass still open
+
+
+def test_closing_the_loader_ends_a_pass_that_waits_for_a_provider_gone_for_good(router, make_token, state_dir):
+    before = set(pass_threads())
+    cluster = Cluster(state_dir)
+    proc = cluster.start(
+        "provider", "provider", "--router", router.endpoint, "--dataset", "gone=mock://mnist", ready=True, named=False
+    )
+    try:
+        loader = RemoteLoader(
+            "gone",
+            provider=cluster.endpoint_of("provider"),
+            token=make_token(datasets=["gone"]),
+            batch_size=50,
+            inflight=2,
+            timeout_s=1.0,
+            retries=1,
+            provider_wait_s=3600,  # the pass would wait an hour for the provider to come back
+        )
+        it = iter(loader)
+        next(it)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        raised: list[BaseException] = []
+
+        def train() -> None:
+            try:
+                for _ in it:
+                    pass
+            except BaseException as err:  # noqa: BLE001 (checked below)
+                raised.append(err)
+
+        trainer = threading.Thread(target=train)
+        trainer.start()
+        closer = threading.Thread(target=loader.close)  # e.g. a signal handler's shutdown
+        closer.start()
+        closer.join(STUCK_S)
+        trainer.join(STUCK_S)
+        assert not closer.is_alive() and not trainer.is_alive(), "close() left the pass waiting"
+        assert len(raised) == 1 and isinstance(raised[0], BusError)
+        assert "closed during the pass" in str(raised[0])
+        assert set(pass_threads()) <= before
+    finally:
+        cluster.close(sig=signal.SIGKILL)
