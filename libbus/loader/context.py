@@ -22,7 +22,7 @@ import threading
 
 import zmq
 
-__all__ = ["loader_context"]
+__all__ = ["loader_context", "yield_to_the_loop"]
 
 log = logging.getLogger(__name__)
 
@@ -64,3 +64,13 @@ def _batch_policy_allowed() -> bool:
     thread.start()
     thread.join()
     return bool(allowed)
+
+
+def yield_to_the_loop() -> None:
+    """Move the calling thread (a pass's own, :mod:`libbus.loader.handoff`) to ``SCHED_BATCH`` where
+    this process may: woken by the loop's ``next()``, it then runs on a free core or when the loop's
+    time slice ends, never preempting the loop, as the I/O threads above. Else it keeps its policy."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError) as err:
+        log.debug("a loader's pass thread keeps the default scheduling policy: %s", err)

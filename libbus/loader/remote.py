@@ -49,7 +49,7 @@ from libbus.config import script_connection
 from libbus.connect.client import Identity, pick_provider
 from libbus.constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from libbus.errors import BadRequest, ConfigError, OutOfRange, SplitPrivate
-from libbus.loader.context import loader_context
+from libbus.loader.context import loader_context, yield_to_the_loop
 from libbus.loader.dataloader import DatasetSplit, pending_state, refuse_dataloader_args, refuse_rebatching
 from libbus.loader.deliveries import RingDelivery
 from libbus.loader.delivery_protocol import Delivery
@@ -638,6 +638,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
                 replica.take_pending()
 
     def _run_pass(self, batches: list[np.ndarray], epoch: int, handoff: Handoff) -> None:
+        yield_to_the_loop()
         try:
             self._pipeline(batches, epoch, handoff)
         except BaseException as err:  # noqa: BLE001 (the consumer raises it where the pass met it)
