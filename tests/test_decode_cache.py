@@ -1,4 +1,4 @@
-"""The provider's decode cache (services/provider/sources/pipeline/decode_cache.py): samples kept as they leave a
+"""The provider's decode cache (services/provider/sources/pipeline/decode_cache/): samples kept as they leave a
 pipeline's deterministic prefix, shared by jobs, and every job's bytes those of an uncached run."""
 
 import json

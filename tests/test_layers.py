@@ -222,6 +222,27 @@ def test_storage_reads_bytes_for_any_layout_and_imports_none():
 _STORAGE_NAMES = {"objects", "httprange", "blockcache", "blockmemory", "cache", "confine", "inflight", "reader"}
 
 
+DECODE_CACHE = "services.provider.sources.pipeline.decode_cache"
+#: The decode cache's parts, lowest first: keys and entries, the disk tier, the store, a pipeline's bindings.
+DECODE_CACHE_PARTS = ["entries", "disk_tier", "store", "pipeline_bindings"]
+
+
+def test_the_decode_cache_imports_only_its_lower_parts_and_no_pipeline():
+    """Each part of ``pipeline/decode_cache/`` imports only the parts before it, nothing imports the package's
+    face from inside, and no part imports the pipeline or the provider: the engine uses the cache, never the
+    reverse, so a cache tier can be tested and changed without a pipeline."""
+    modules = _modules()
+    found = {n.rpartition(".")[2] for n in modules if n.startswith(DECODE_CACHE + ".")}
+    assert found == set(DECODE_CACHE_PARTS), f"a decode cache module without its place in DECODE_CACHE_PARTS: {found}"
+    wrong = []
+    for rank, part in enumerate(DECODE_CACHE_PARTS):
+        allowed = {f"{DECODE_CACHE}.{p}" for p in DECODE_CACHE_PARTS[:rank]}
+        for target, _, line in _imports(f"{DECODE_CACHE}.{part}"):
+            if target.startswith("services.") and target not in allowed:
+                wrong.append(f"{part}.py:{line} imports {target}")
+    assert not wrong, "the decode cache reaches above its floor:\n" + "\n".join(wrong)
+
+
 def test_a_provider_starts_without_torch():
     """A provider imports torch only when it evaluates a model (lazily, services/provider/evaluator.py):
     a data node starts in a fraction of a second and without torch's few hundred MB (seen: 1.7 s and

@@ -32,7 +32,9 @@ from libbus.wire.fields import is_xy
 
 from ..base import MAX_LOCATION_CHARS, SPLITS, Field, FieldBatch, ReadPolicy, Source, joined_locations
 from ..timing import current as current_timing
-from .decode_cache import OBJECT_KINDS, DecodeCache, FinalCache, PrefixCache, decode_cache_stats
+from .decode_cache.entries import OBJECT_KINDS
+from .decode_cache.pipeline_bindings import FinalCache, PrefixCache
+from .decode_cache.store import DecodeCache, decode_cache_stats
 from .fields import FieldsPlan
 from .stages import Chunk, RandomStage, Spec, Stage, StageQueue, source_of
 from .text_stages import Pack
