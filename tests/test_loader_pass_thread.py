@@ -13,6 +13,8 @@ from libbus.errors import BusError
 from libbus.loader.remote import RemoteLoader
 from libbus.order.epochs import epoch_order
 from services.provider.sources import open_source
+from services.provider.sources.mock import MockImages
+from services.provider.sources.registry import OPENERS
 from tests.support import Cluster
 
 #: A liveness bound, not a timing: far above anything the checks below take on a loaded machine.
@@ -92,3 +94,48 @@ def test_closing_the_loader_ends_a_pass_that_waits_for_a_provider_gone_for_good(
         assert set(pass_threads()) <= before
     finally:
         cluster.close(sig=signal.SIGKILL)
+
+
+class GatedImages(MockImages):
+    """Mock mnist whose first read of a sample in ``hold`` waits at ``gate`` before it writes: a
+    provider's fill thread that checked its ring slot and then took its time (a slow page, a busy core)."""
+
+    gate = threading.Event()
+    hold: set[int] = set()
+    waiting = threading.Event()
+    wrote = threading.Event()
+
+    def read_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        held = split == "train" and bool(self.hold & set(indices.tolist()))
+        if held:
+            GatedImages.hold = set()  # one read waits; the samples' later reads do not
+            GatedImages.waiting.set()
+            self.gate.wait(STUCK_S)
+        super().read_into(split, indices, x, y)
+        if held:
+            GatedImages.wrote.set()
+
+
+def test_a_pass_left_with_a_fill_in_flight_lends_its_slot_to_no_other_batch(start_provider, make_token, monkeypatch):
+    """Leaving a pass while a provider thread still fills one of its ring slots: the slot may carry no
+    batch of the next pass, or that thread's late write lands in a batch the loop holds."""
+    monkeypatch.setitem(OPENERS, "gated", lambda req: GatedImages(req.uri, "mnist", n=400))
+    monkeypatch.setattr(GatedImages, "gate", threading.Event())
+    for flag in ("waiting", "wrote"):
+        monkeypatch.setattr(GatedImages, flag, threading.Event())
+    provider = start_provider("gated=gated://mnist", fill_threads=2)
+    with RemoteLoader(
+        "gated", provider=provider.endpoint, token=make_token(), batch_size=50, seed=5, inflight=4, timeout_s=1.0
+    ) as loader:
+        assert loader.transport == "shm"
+        monkeypatch.setattr(GatedImages, "hold", {int(loader.order(0)[100])})  # the first sample of batch 2
+        it = iter(loader)
+        next(it), next(it)
+        assert GatedImages.waiting.wait(STUCK_S), "batch 2's read never began"
+        it.close()  # batch 2's read is under way, into its slot
+        held = list(loader)  # epoch 1, every batch held as it was handed out
+        GatedImages.gate.set()
+        assert GatedImages.wrote.wait(STUCK_S)
+        want_x, want_y = MockImages("mock://mnist", "mnist", n=400).read("train", loader.order(1))
+    assert np.array_equal(np.concatenate([y.numpy() for _, y in held]), want_y)
+    assert np.array_equal(np.concatenate([x.numpy() for x, _ in held]), want_x), "a late write landed in a held batch"

@@ -632,10 +632,37 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             handoff.stop()
             if thread is not threading.current_thread():
                 thread.join()
+            self._settle_ring_requests()
             for delivery in self.links.deliveries():
                 delivery.reset()
             for replica in self.replicas:
                 replica.take_pending()
+
+    def _settle_ring_requests(self) -> None:
+        """A pass that ends with ring requests in flight (left early, or failed) waits for their
+        replies, ``timeout_s`` at most, before their slots carry other batches: a provider's fill
+        thread may be writing one of them now (it checked the request before the pass ended), and
+        would write into whatever batch the slot holds next. The slots of requests still unanswered
+        then go out of use, as a provider's that stopped answering."""
+        ring = self.links.ring
+        waiting = [r for r in self.links.live if r.delivery is ring and r.pending]
+        if ring is None or not waiting:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        poller = ReplyPoller()
+        unanswered: list[int] = []
+        while waiting:
+            replica, reply = recv_any(waiting, max(0.0, deadline - time.monotonic()), poller)
+            if replica is None:  # past timeout_s
+                break
+            if reply is None:  # its connection was lost: whatever it was writing is not known
+                unanswered += replica.take_pending()
+            else:
+                replica.answered(reply.id)
+            waiting = [r for r in waiting if r.pending]
+        unanswered += [batch_no for r in waiting for batch_no in r.take_pending()]
+        if unanswered:
+            self.links.quarantine(ring, unanswered)
 
     def _run_pass(self, batches: list[np.ndarray], epoch: int, handoff: Handoff) -> None:
         yield_to_the_loop()

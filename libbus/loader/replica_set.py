@@ -294,7 +294,7 @@ class ReplicaSet:
         ring = replica.delivery if replica.delivery is self.ring else None
         batches = self.strike(replica, f"no reply within {self.links.timeout_s:.1f} s")
         if ring is not None:
-            self._quarantine(ring, batches)
+            self.quarantine(ring, batches)
         return batches
 
     def strike(self, replica: Replica, reason: str, count: bool = True) -> list[int]:
@@ -318,7 +318,7 @@ class ReplicaSet:
             return self.down(replica, f"{reason}; reconnecting failed: {err}", moving=batches)
         return batches
 
-    def _quarantine(self, ring: RingDelivery, batches: list[int]) -> None:
+    def quarantine(self, ring: RingDelivery, batches: list[int]) -> None:
         """A same-host provider left ``batches`` unanswered: their slots go out of use (it may be
         frozen mid-write). Fewer slots mean fewer requests in flight; with fewer than two left,
         same-host replicas send their batches over the socket from now on."""
