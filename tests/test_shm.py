@@ -283,7 +283,9 @@ def test_slow_consumer_fast_producer_never_sees_its_batch_change(ring_provider, 
             snapshot = x.clone()
             time.sleep(0.05)  # the producer has filled every free slot by now
             states = [ring.state(s) for s in range(ring.layout.slots)]
-            assert states.count(SlotState.IN_USE) == 1  # the previous batch went with its tensors
+            # the batch held, and the next one the pass's thread made ready: the previous batch went
+            # with its tensors (a slot kept past its tensors would make it 3, then more)
+            assert 1 <= states.count(SlotState.IN_USE) <= 2
             assert all(
                 s in (SlotState.FILLED, SlotState.REQUESTED, SlotState.FREE)
                 for s in states
