@@ -203,6 +203,10 @@ class Settings:
     #: Trainer: the most bytes of an attempt's output (stdout and stderr) kept for ``busctl job logs``
     #: (the last ones; earlier lines are dropped with a marker).
     attempt_log_bytes: int = 256 << 10
+    #: Trainer run as root: the user its attempts run as (its uid and group, no supplementary groups), out
+    #: of reach of the trainer's token, other jobs' checkpoint folders and co-located services' files
+    #: (services/trainer/attempt_user.py). Empty: attempts run as the trainer's own user.
+    attempt_user: str = ""
     log_level: str = "INFO"
 
     def resolved(self) -> Settings:

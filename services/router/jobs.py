@@ -22,6 +22,7 @@ job lives by read in one place:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -317,7 +318,8 @@ class JobControl:
         if job["state"] == msg.state and job["trainer"] == trainer:
             return Ok(detail={"duplicate": True})  # resent after a reconnect: already stored
         self.own(trainer, msg.job)
-        result = self.scores.result(msg.job, trainer, msg.result)  # test scores: providers' reports only
+        # test scores: providers' reports only, of the weights the router keeps for the job
+        result = self.scores.result(msg.job, trainer, msg.result, self._kept_weights(job, msg.result))
         self._forget_commands(msg.job, f"job {msg.job} left trainer {trainer} ({msg.state})")
         stop = msg.job in self.stop_requested
         self.stop_requested.discard(msg.job)
@@ -363,6 +365,24 @@ class JobControl:
         self.store.finish(msg.job, msg.state, reason, result=result, error=msg.error)
         log.info("job %s %s: %s", msg.job, msg.state, result or msg.error)
         return Ok()
+
+    def _kept_weights(self, job: dict, result: dict) -> str:
+        """The sha256 of the weights a test score in ``result`` must be of: the final model the trainer
+        sends with it (the router checks its bytes against this sha256 as it keeps them), or, for an
+        evaluation task, the model the router handed it; "" when there is none."""
+        spec = job["spec"]
+        if spec.get("task") == "evaluate":
+            from .decisions import UPLOAD  # noqa: PLC0415 - decisions builds on this module
+
+            source = job["id"] if spec.get("model_from") == UPLOAD else str(spec.get("model_from", ""))
+            if self.artifacts is None:
+                return ""
+            try:
+                return hashlib.sha256(self.artifacts.get(source)).hexdigest()
+            except (NotFound, OSError):
+                return ""
+        model = result.get("model")
+        return model["sha256"] if isinstance(model, dict) and isinstance(model.get("sha256"), str) else ""
 
     def model(self, job_id: str) -> Model:
         """The final weights of a succeeded job, as the router keeps them."""

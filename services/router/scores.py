@@ -7,6 +7,11 @@ before it replies to the trainer). When the job's trainer then pushes a result t
 scored, the router records the score the provider reported for that trainer and job — the last one,
 which is the final evaluation's — and with it the provider's name, the sha256 of the weights scored and
 the privacy parameter the scores were released at (``test_epsilon``, 0 when exact).
+
+A score is recorded only for the weights the router keeps for the job: the final model its trainer sent
+(for an evaluation task, the model it was handed). A job's code runs in its attempt and could have other
+weights scored than those it hands back (swap the file between the save and the scoring, or send other
+bytes); a report whose sha256 is not the kept model's is not recorded, and ``test_unrecorded`` says why.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ TEST_KEYS = (
     "test_provider",
     "test_sha256",
     "test_epsilon",
+    "test_unrecorded",
 )
 #: Reports kept for jobs whose result has not arrived yet (oldest forgotten first).
 MAX_PENDING = 4096
@@ -57,9 +63,10 @@ class TestScores:
             self._pending.popitem(last=False)
         return Ok(detail={"recorded": True})
 
-    def result(self, job: str, trainer: str, result: dict) -> dict:
+    def result(self, job: str, trainer: str, result: dict, weights: str) -> dict:
         """``result`` with its ``test_*`` keys replaced by what a provider reported for ``job`` from
-        ``trainer`` (when the trainer says it was scored), or dropped."""
+        ``trainer`` (when the trainer says it was scored) of the weights whose sha256 is ``weights``
+        (the model the router keeps for the job), or dropped (``test_unrecorded`` then says why)."""
         claimed = "test_accuracy" in result or "test_loss" in result
         kept = {k: v for k, v in result.items() if k not in TEST_KEYS}
         held = self._pending.pop(job, None)
@@ -69,6 +76,14 @@ class TestScores:
             log.warning("job %s: %s claims a test score no provider reported; not recorded", job, trainer)
             return kept
         _, provider, report = held
+        if report.sha256 != weights:
+            why = (
+                f"the weights scored (sha256 {report.sha256[:12]}…) are not the model kept for the job "
+                f"(sha256 {weights[:12] or 'none'}…)"
+            )
+            log.warning("job %s: test score not recorded: %s", job, why)
+            kept["test_unrecorded"] = why
+            return kept
         kept.update(
             test_loss=report.loss,
             test_accuracy=report.accuracy,

@@ -9,7 +9,6 @@ import secrets
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 from libbus.config import Settings
 from libbus.connect.link import Link
@@ -22,7 +21,8 @@ from libbus.wire.text import cut_json
 
 from .. import runtime
 from ..sdnotify import Notifier
-from .attempt import ERROR_BYTES, MAX_WAIT_PARTS, AttemptRun, warm_up
+from . import attempt_user
+from .attempt import ERROR_BYTES, MAX_WAIT_PARTS, MODEL_HEADROOM, AttemptRun, warm_up
 from .control import LOST
 from .failures import describe_failure
 from .grant import not_dumpable, withhold_environment
@@ -53,6 +53,8 @@ class TrainerService:
 
     def __init__(self, settings: Settings, notifier: Notifier | None = None):
         self.settings = settings
+        #: The user its attempts run as (``attempt_user``, checked here as it starts), or None: its own.
+        self.attempt_user = attempt_user.resolve(settings)
         self.notifier = notifier or Notifier()
         self.name = runtime.service_name(settings, "trainer")
         self.identity = runtime.identity(settings, "trainer", self.name)
@@ -158,6 +160,7 @@ class TrainerService:
         log.info("running job %s%s", task.job, f" from checkpoint step {task.resume['step']}" if task.resume else "")
         reporter = Reporter(self.link, task.job, self.settings.request_timeout_s, on_command=self.commands.put)
         clean = True
+        final_model: bytes | None = None  # as the attempt had it scored
         state: JobState | str  # or LOST: the router gave the job to another trainer
         try:
             try:
@@ -170,6 +173,7 @@ class TrainerService:
                     self.commands,
                     attempt=task.attempt,
                     notifier=self.notifier,
+                    attempt_user=self.attempt_user,
                 )
             except Exception as err:  # noqa: BLE001 - a spec this trainer cannot even set up: the job fails, not us
                 state, result, error = JobState.FAILED, {"retryable": False}, describe_failure(err, None)
@@ -177,7 +181,7 @@ class TrainerService:
             else:
                 self.run_now = run
                 state, result, error = run.run()
-                clean = not run.unclean
+                clean, final_model = not run.unclean, run.final_model
             self._flush(reporter, stop)
         finally:
             reporter.close()
@@ -196,28 +200,25 @@ class TrainerService:
             log.info("job %s handed back to the router (shutting down)", task.job)
         msg = PushResult(job=task.job, state=state, result=result, error=error)
         if state == JobState.SUCCEEDED:
-            msg.frames = self._final_weights(result)
+            msg.frames = self._final_weights(result, final_model)
         self._push_result(msg, stop)
         return clean
 
-    def _final_weights(self, result: dict) -> list[bytes]:
-        """The final model's bytes, sent with the result for the router to keep (``busctl job model``),
-        unless they would not fit in one message."""
-        model = result.get("model") or {}
-        limit = self.settings.max_msg_bytes - (1 << 20)
-        if not model.get("path") or model.get("bytes", limit + 1) > limit:
-            log.info(
-                "final model %s stays on this trainer only (%s bytes; messages carry at most %d)",
-                model.get("path"),
-                model.get("bytes"),
-                limit,
-            )
+    def _final_weights(self, result: dict, blob: bytes | None) -> list[bytes]:
+        """The final model's bytes as the attempt read them once and had them scored (``blob``; never
+        the file again, which the job's code may have changed since), sent with the result for the
+        router to keep (``busctl job model``); none when they would not fit in one message."""
+        if blob is None:
+            model = result.get("model") or {}
+            if model.get("path"):
+                log.info(
+                    "final model %s stays on this trainer only (%s bytes; messages carry at most %d)",
+                    model.get("path"),
+                    model.get("bytes"),
+                    self.settings.max_msg_bytes - MODEL_HEADROOM,
+                )
             return []
-        try:
-            return [Path(model["path"]).read_bytes()]
-        except OSError as err:
-            log.warning("cannot read final model %s: %s", model["path"], err)
-            return []
+        return [blob]
 
     def _flush(self, reporter: Reporter, stop: threading.Event) -> None:
         """Progress, checkpoint records and acknowledgements go before the result: wait for them

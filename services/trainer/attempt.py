@@ -10,6 +10,10 @@ job) or the built-in loop (:mod:`.run`). Here, the trainer's side:
   announced long waits go to systemd and the hang check;
 - the child's requests (progress, checkpoint records, acknowledgements, the dataset's providers)
   are relayed to the router, and the router's commands to the child;
+- under a root trainer with ``attempt_user``, the job's own checkpoint folder is lent to that user
+  while the attempt runs, what the attempt left running is ended after it, and the folder taken back
+  (:mod:`.attempt_user`);
+- the final model's bytes come from the child as it had them scored, never read from its file again;
 - the child's output (stdout and stderr) is kept per attempt, the last ``attempt_log_bytes`` of it,
   and sent to the router for ``busctl job logs``;
 - a child that ends without a result (a segfault, the out-of-memory killer, ``os._exit``), that
@@ -21,6 +25,7 @@ job) or the built-in loop (:mod:`.run`). Here, the trainer's side:
 from __future__ import annotations
 
 import codecs
+import hashlib
 import logging
 import math
 import multiprocessing
@@ -61,6 +66,7 @@ from libbus.wire.text import cut_json, cut_utf8, json_size
 from services.sdnotify import Notifier
 from services.usercode import module_allowed, not_allowed
 
+from .attempt_user import AttemptUser, end_leftovers, job_folder, lend_folder, take_back_folder
 from .channel import Channel, ChannelClosed
 from .control import LOST
 from .failures import failed_attempt
@@ -158,6 +164,8 @@ SETUP_GRACE_S = 120.0
 #: Lines of output quoted in a failed attempt's error, and the most JSON bytes they take there.
 TAIL_LINES = 20
 TAIL_BYTES = 16 << 10
+#: Room left in a message for the result beside the final model's bytes (as the attempt reckons it).
+MODEL_HEADROOM = 1 << 20
 #: Output lines sent to the router in one message, the most JSON bytes they take (a message is at
 #: most 1 MiB: a line of control characters takes 6 bytes a character), and how often they go.
 LOG_BATCH = 200
@@ -271,8 +279,11 @@ class AttemptRun:
         *,
         attempt: int = 0,
         notifier: Notifier | None = None,
+        attempt_user: AttemptUser | None = None,
     ):
         self.task = task
+        #: The user the attempt's process runs as (the trainer's ``attempt_user``), or None: the trainer's.
+        self.attempt_user = attempt_user
         self.spec = JobSpec.from_dict(task.spec)
         self.settings = settings
         self.link = link
@@ -291,6 +302,8 @@ class AttemptRun:
         #: Reads the child's output into :attr:`log` until the child (and what it forked) closes it.
         self._output_reader: threading.Thread | None = None
         self.last_checkpoint: dict | None = None
+        #: The final model's bytes of a succeeded attempt, as it had them scored (None: it sent none).
+        self.final_model: bytes | None = None
         self._result: tuple[str, dict, str] | None = None
         self._relays = threading.BoundedSemaphore(MAX_RELAYS)
         self._log_seq = 0
@@ -309,6 +322,22 @@ class AttemptRun:
         except BusError as err:  # no provider online for provider_wait_s, the router away: retried
             return failed_attempt(err, spec)
         provider = pick_provider(resolved.providers, self.identity.host_id)
+        folder = job_folder(s.checkpoint_dir, self.task.job)
+        if self.attempt_user is not None:
+            try:  # its own job's folder, and no other, is the attempt's while it runs
+                lend_folder(folder, self.attempt_user)
+            except OSError as err:
+                why = f"its checkpoint folder {folder} could not be handed to {self.attempt_user.name}: {err}"
+                log.error("job %s: %s", self.task.job, why)
+                return JobState.FAILED, {"retryable": True}, why
+        try:
+            return self._run_child(resolved, provider)
+        finally:
+            if self.attempt_user is not None:  # the attempt and what it left running ended: the trainer's again
+                take_back_folder(folder)
+
+    def _run_child(self, resolved: Resolved, provider: dict) -> tuple[JobState | str, dict, str]:
+        spec, s = self.spec, self.settings
         parent_end, child_end = socket.socketpair()
         out_read, out_write = socket.socketpair()
         channel = Channel(parent_end.detach())
@@ -352,11 +381,14 @@ class AttemptRun:
                 providers=resolved.providers,
                 provider_name=provider.get("name", ""),
                 attempt=self.attempt,
+                attempt_user=self.attempt_user.as_dict() if self.attempt_user is not None else None,
             )
             ended = self._watch(channel)
         finally:
             channel.close()
             self._end_child()
+            if self.attempt_user is not None:  # what the attempt forked and left behind (it holds its output)
+                end_leftovers(self.attempt_user)
             output.join(timeout=5.0)
             done.set()
             sender.join(timeout=s.request_timeout_s + 1)
@@ -386,7 +418,7 @@ class AttemptRun:
                 header, frames = got
                 op = header["op"]
                 if op == "result":
-                    return self._result_of(header)
+                    return self._result_of(header, frames)
                 if op == "started":
                     started, alive_at = True, time.monotonic()
                 if op == "beat":
@@ -495,7 +527,7 @@ class AttemptRun:
             pass
 
     # -- how it ended ---------------------------------------------------------------------------
-    def _result_of(self, header: dict) -> tuple[JobState | str, dict, str]:
+    def _result_of(self, header: dict, frames: list[bytes]) -> tuple[JobState | str, dict, str]:
         state = str(header.get("state", JobState.FAILED))
         raw = header.get("result")
         result: dict = raw if isinstance(raw, dict) else {}
@@ -504,7 +536,22 @@ class AttemptRun:
             error = self._failure(error, "")
         if state == LOST:
             return LOST, {}, error
+        if state == JobState.SUCCEEDED and frames:
+            self.final_model = self._model_of(result, frames[0])
         return JobState(state), result, error
+
+    def _model_of(self, result: dict, blob: bytes) -> bytes | None:
+        """The final model's bytes the attempt sent (the bytes it had scored), if they are what its
+        result names (``model.sha256``) and fit in a message; else None (the router is sent none)."""
+        model = result.get("model")
+        named = model.get("sha256") if isinstance(model, dict) else None
+        if len(blob) > self.settings.max_msg_bytes - MODEL_HEADROOM:
+            log.warning("job %s: its final model (%d bytes) does not fit in a message", self.task.job, len(blob))
+            return None
+        if hashlib.sha256(blob).hexdigest() != named:
+            log.warning("job %s: the final model it sent is not the one its result names; not sent", self.task.job)
+            return None
+        return blob
 
     def _ended_without_result(self, stopping: str) -> tuple[JobState | str, dict, str]:
         if self.child is not None:

@@ -47,6 +47,8 @@ from libbus.jobapi import StateError, decode_state, encode_state
 from libbus.jobs.spec import JobSpec
 from services.atomic import write_atomic
 
+from .attempt_user import job_folder
+
 __all__ = [
     "FORMAT",
     "JOB_STATE_FORMAT",
@@ -93,8 +95,8 @@ class Restored:
     rng: tuple[dict[str, torch.Tensor], dict]
 
 
-def job_dir(checkpoint_dir: str, job: str) -> Path:
-    return Path(checkpoint_dir) / job
+#: Where a job's checkpoints and final model are written (lent to ``attempt_user`` while its attempt runs).
+job_dir = job_folder
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,10 @@ router: its requests (progress, checkpoint records, acknowledgements, finding th
 providers) go through the parent over the channel (:class:`ParentLink`), and the parent passes the
 router's commands on. It reads batches from the providers itself, and has its models scored there,
 with its job's grant (:mod:`.grant`): an ``attempt`` token of its trainer's subject scoped to the job
-and its dataset. Its settings and environment hold none of its trainer's credentials.
+and its dataset. Its settings and environment hold none of its trainer's credentials; under a root
+trainer with ``attempt_user`` it runs as that user (:mod:`.attempt_user`) before anything of the job's
+runs. Its final model is read once (:func:`final_model`): the bytes it has scored are the bytes it hands
+its trainer for the router to keep.
 
 It dies with its parent (``PR_SET_PDEATHSIG``), ignores SIGINT and SIGTERM (the parent asks it to
 stop, with a checkpoint, and kills it after ``stop_grace_s``), and offers itself first to the kernel's
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import io
 import itertools
 import logging
@@ -39,7 +43,7 @@ import torch
 
 from libbus.config import Settings
 from libbus.connect.client import Identity
-from libbus.errors import BusError, PeerTimeout, error_from_code
+from libbus.errors import BadRequest, BusError, PeerTimeout, error_from_code
 from libbus.jobapi import JobEnded
 from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
@@ -50,6 +54,7 @@ from services.sdnotify import Notifier
 from services.usercode import import_allowed
 
 from . import builtin
+from .attempt_user import AttemptUser, become, job_folder
 from .channel import Channel, ChannelClosed
 from .control import LOST
 from .evaltask import run_evaluation
@@ -67,6 +72,9 @@ log = logging.getLogger("batchbus.job")
 
 #: How often the child tells its parent how far the function has got (see AttemptJob.activity).
 BEAT_S = 1.0
+#: Room left in a message for the result beside the final model's bytes: a model larger than
+#: ``max_msg_bytes`` less this stays on the trainer (the router keeps none of it).
+MODEL_HEADROOM = 1 << 20
 _PR_SET_PDEATHSIG = 1
 
 
@@ -216,7 +224,12 @@ def _beat(channel: Channel, activity: Callable[[], tuple], done: threading.Event
             return
 
 
-def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | str, dict, str]:
+#: How an attempt ended, as its trainer pushes it: state, result, error, and the final model's bytes
+#: (read once: the bytes scored are the bytes the trainer sends to the router), if it sends them.
+Ended = tuple[JobState | str, dict, str, list[bytes]]
+
+
+def run(channel: Channel, start: dict, frames: list[bytes]) -> Ended:
     """Import, set up and call the function; how the attempt ended as the trainer pushes it."""
     settings = Settings(**start["settings"])
     task = Task(**start["task"])
@@ -227,13 +240,15 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
     threading.Thread(target=_read_channel, args=(channel, link, commands), daemon=True).start()
     reporter = Reporter(link, job_id, settings.request_timeout_s, on_command=commands.put)  # type: ignore[arg-type]  # a Link in all it uses
     identity = attempt_identity(settings, start["name"], job_id, str(start.get("grant", "")), link)
+    if start.get("attempt_user"):  # the trainer runs as root: nothing of the job's runs as root
+        become(AttemptUser.from_dict(start["attempt_user"]), job_folder(settings.checkpoint_dir, job_id))
     notifier = ParentNotifier(channel)
 
     if task.spec.get("task") == "evaluate":  # score a stored model, no training (.evaltask)
         channel.send("started")
         try:
             with notifier.extended(EVALUATE_TIMEOUT_S):
-                return run_evaluation(task, JobSpec.from_dict(task.spec), settings, link, identity)  # type: ignore[arg-type]  # a Link in all it uses
+                return (*run_evaluation(task, JobSpec.from_dict(task.spec), settings, link, identity), [])  # type: ignore[arg-type]  # a Link in all it uses
         finally:
             reporter.close()
 
@@ -283,21 +298,23 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
         }
         last = job.history[-1] if job.history else {}
         result.update({k: v for k, v in last.items() if k.startswith("val_")})
+        blob = final_model(job.model_record) if job.model_record and job.lead else None
         # scored by the job's evaluator, or (a built-in job) by its model built on the provider
         scored = job.spec.evaluator or not job.spec.entrypoint
-        if job.spec.evaluate and scored and job.model_record and job.lead:
+        if job.spec.evaluate and scored and blob is not None:
             with notifier.extended(EVALUATE_TIMEOUT_S):
-                result.update(_scored(job, start, link, identity, settings))
-        return JobState.SUCCEEDED, result, ""
+                result.update(_scored(job, blob, start, link, identity, settings))
+        sent = blob is not None and len(blob) <= settings.max_msg_bytes - MODEL_HEADROOM
+        return JobState.SUCCEEDED, result, "", [blob] if sent and blob is not None else []
     except JobEnded as ended:
         result = {"history": job.history, "checkpoint": job.last_checkpoint}
         if job.ended == "lost":
             evaluation_wait_s = 0.0  # the router takes nothing more of this job from here
-            return LOST, {}, str(reporter.lost or ended)
+            return LOST, {}, str(reporter.lost or ended), []
         if job.ended == "handback" or ended.handback:
             evaluation_wait_s = settings.request_timeout_s  # a trainer shutting down waits less
-            return JobState.QUEUED, result, "trainer shutting down"
-        return JobState.STOPPED, result, ""
+            return JobState.QUEUED, result, "trainer shutting down", []
+        return JobState.STOPPED, result, "", []
     except BaseException as err:  # noqa: BLE001 - SystemExit too: whatever the function does ends this attempt only
         if gang is not None and isinstance(err, RuntimeError) and not deterministic(err):
             # a collective inside backward() (DDP) breaks when another rank is gone: retried
@@ -308,7 +325,7 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> tuple[JobState | 
             where = own_code_failure(err, job.spec.entrypoint, job_id, job.step_count, checkpoint)
             error = f"{error} ({where})" if where else error
         log.error("job %s failed: %s", job_id, error, exc_info=not isinstance(err, BusError))
-        return state, {"history": job.history, **result}, error
+        return state, {"history": job.history, **result}, error, []
     finally:
         done.set()
         job.close()
@@ -338,11 +355,33 @@ def attempt_identity(settings: Settings, name: str, job: str, grant: str, link: 
     )
 
 
-def _scored(job: AttemptJob, start: dict, link: ParentLink, identity, settings: Settings) -> dict:
-    """The saved model scored on the provider's private test split by the evaluator the job names
-    (installed there by its operator); the provider reports the score to the router itself."""
-    assert job.model_record is not None  # noqa: S101 - checked by the caller
-    blob = Path(job.model_record["path"]).read_bytes()
+def final_model(record: dict) -> bytes:
+    """The final model's bytes, read once from the file ``job.save_model`` wrote (``record``): the
+    bytes scored are the bytes sent to the router, whatever happens to the file after.
+
+    Raises:
+        BadRequest: the file cannot be read, or is not what ``job.save_model`` wrote (its sha256):
+            the job changed it after saving, and the attempt fails rather than score or keep it.
+    """
+    path = str(record.get("path", ""))
+    try:
+        blob = Path(path).read_bytes()
+    except OSError as err:
+        raise BadRequest(f"the final model {path} cannot be read: {err.strerror or err}") from err
+    digest = hashlib.sha256(blob).hexdigest()
+    if digest != record.get("sha256"):
+        raise BadRequest(
+            f"the final model {path} changed after job.save_model wrote it (sha256 {digest[:12]}…, "
+            f"written {str(record.get('sha256'))[:12]}…): it is neither scored nor kept; save the final "
+            "model once, with job.save_model, after training"
+        )
+    return blob
+
+
+def _scored(job: AttemptJob, blob: bytes, start: dict, link: ParentLink, identity, settings: Settings) -> dict:
+    """The saved model's bytes (``blob``, read once: :func:`final_model`) scored on the provider's
+    private test split by the evaluator the job names (installed there by its operator); the
+    provider reports the score, with the bytes' sha256, to the router itself."""
     providers = start["providers"]
     provider = next((p for p in providers if p.get("name") == start.get("provider_name")), providers[0])
     evaluation = score_saved(
@@ -406,13 +445,14 @@ def main(fd: int) -> int:
     threads = start["settings"].get("torch_threads", 0)
     if isinstance(threads, int) and threads > 0:  # the trainer's torch_threads: its attempts' torch
         torch.set_num_threads(threads)
+    model: list[bytes] = []
     try:
-        state, result, error = run(channel, start, frames)
+        state, result, error, model = run(channel, start, frames)
     except BaseException as err:  # noqa: BLE001 - set-up itself failed: say so, do not leave the parent guessing
         # (a gang whose ranks did not meet is retried, as a gang that broke later is)
         state, result, error = failed_attempt(err, None)
         log.error("attempt could not start: %s", error)
     sys.stdout.flush()
     sys.stderr.flush()
-    channel.send("result", state=str(state), result=result, error=error)
+    channel.send("result", model, state=str(state), result=result, error=error)
     return 0

@@ -486,3 +486,61 @@ def stuck_in_c(job: Job) -> None:
         job.step()
     print("entering the C call", flush=True)
     ctypes.PyDLL(None).sleep(3600)
+
+
+def _linear_weights(fill: float) -> dict[str, torch.Tensor]:
+    """Weights for tests/support/evaluators.py:linear (no training: the tests score who sent what)."""
+    return {"weight": torch.full((10, 784), fill), "bias": torch.zeros(10)}
+
+
+def swaps_model_after_save(job: Job) -> None:
+    """Saves its final model, then writes other weights over the file before it returns (before the
+    final scoring): the weights scored would not be those it saved."""
+    from safetensors.torch import save_file
+
+    record = job.save_model(_linear_weights(0.0))
+    save_file(_linear_weights(0.01), record["path"])
+
+
+def scores_other_weights(job: Job) -> None:
+    """Saves one model and has other weights scored: its code runs in the attempt's process, so it
+    replaces the attempt's scoring with one that sends the provider other bytes than it hands back."""
+    from safetensors.torch import save
+
+    child = sys.modules["services.trainer.child"]
+    real, other = child._scored, save(_linear_weights(0.01))
+    child._scored = lambda attempt, blob, *rest: real(attempt, other, *rest)
+    job.save_model(_linear_weights(0.0))
+
+
+def probes_files(job: Job) -> None:
+    """Tries to read each file of ``params["probe"]`` (name -> path) and to list ``params["list"]``,
+    leaves a process running behind it, trains three steps with a checkpoint, saves its model, and
+    writes what it found (its uid and groups, each probe's outcome, the leftover's pid) to ``params["out"]``."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    found: dict = {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(), "probes": {}}
+    for name, path in {**job.params["probe"], "listing": job.params["list"]}.items():
+        try:
+            if name == "listing":
+                os.listdir(path)
+            else:
+                with open(path, "rb") as f:
+                    f.read(1)
+            found["probes"][name] = "read"
+        except OSError as err:
+            found["probes"][name] = type(err).__name__
+    leftover = subprocess.Popen(["sleep", "600"], start_new_session=True, stdin=subprocess.DEVNULL)
+    found["leftover"] = leftover.pid
+    model = nn.Linear(784, 10)
+    for n, (x, y) in enumerate(job.loader("train"), 1):
+        F.cross_entropy(model(x.reshape(len(x), -1).float()), y.long()).backward()
+        job.step()
+        if n == 3:
+            break
+    found["checkpoint"] = job.checkpoint({"model": model.state_dict()})["path"]
+    found["model"] = job.save_model(model.state_dict())["path"]
+    Path(job.params["out"]).write_text(json.dumps(found))
