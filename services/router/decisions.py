@@ -19,7 +19,7 @@ from libbus.wire.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo
 
 from .artifacts import Artifacts
 from .early_stop import EarlyStopping
-from .jobs import JobControl
+from .jobs import UPLOAD, JobControl
 from .store import JobStore
 from .studies import Studies
 from .study_spec import StudySpec
@@ -27,9 +27,6 @@ from .study_spec import StudySpec
 __all__ = ["Decisions", "UPLOAD"]
 
 log = logging.getLogger(__name__)
-
-#: ``model_from`` of an evaluation task whose model came with it (kept as the task's own artifact).
-UPLOAD = "upload"
 
 
 class Decisions:

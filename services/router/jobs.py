@@ -59,9 +59,12 @@ from .artifacts import Artifacts
 from .scores import TestScores
 from .store import JobStore, stored_spec
 
-__all__ = ["EVAL_ACK_TIMEOUT_S", "JobControl"]
+__all__ = ["EVAL_ACK_TIMEOUT_S", "UPLOAD", "JobControl"]
 
 log = logging.getLogger(__name__)
+
+#: ``model_from`` of an evaluation task whose model came with it (kept as the task's own artifact).
+UPLOAD = "upload"
 
 #: How long an admin's command waits for the trainer's acknowledgement.
 ACK_TIMEOUT_S = 5.0
@@ -372,8 +375,6 @@ class JobControl:
         evaluation task, the model the router handed it; "" when there is none."""
         spec = job["spec"]
         if spec.get("task") == "evaluate":
-            from .decisions import UPLOAD  # noqa: PLC0415 - decisions builds on this module
-
             source = job["id"] if spec.get("model_from") == UPLOAD else str(spec.get("model_from", ""))
             if self.artifacts is None:
                 return ""

@@ -388,7 +388,7 @@ class AttemptRun:
             channel.close()
             self._end_child()
             if self.attempt_user is not None:  # what the attempt forked and left behind (it holds its output)
-                end_leftovers(self.attempt_user)
+                end_leftovers(self.attempt_user, attempt_context())
             output.join(timeout=5.0)
             done.set()
             sender.join(timeout=s.request_timeout_s + 1)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing.context
 import os
 import pwd
 import signal
@@ -174,14 +175,13 @@ def _chown_tree(folder: Path, uid: int, gid: int, *, lend: bool) -> None:
         os.close(top)
 
 
-def end_leftovers(user: AttemptUser) -> None:
+def end_leftovers(user: AttemptUser, context: multiprocessing.context.ForkServerContext) -> None:
     """Kill every process running as the user (what an attempt forked and left behind): a process
-    forked from the fork server, run as the user, signals them all (``kill(-1)`` reaches exactly the
-    processes of its uid, itself left out). Nothing is executed: the user may run no file of root's."""
-    from .attempt import attempt_context  # noqa: PLC0415 - the attempts' own fork server
-
+    started from ``context`` (the attempts' fork server), run as the user, signals them all
+    (``kill(-1)`` reaches exactly the processes of its uid, itself left out). Nothing is executed: the
+    user may run no file of root's."""
     try:
-        ender = attempt_context().Process(target=_kill_all, args=(user.as_dict(),), name=f"end-{user.name}")
+        ender = context.Process(target=_kill_all, args=(user.as_dict(),), name=f"end-{user.name}")
         ender.start()
         ender.join(END_LEFTOVERS_S)
     except OSError as err:
