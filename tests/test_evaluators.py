@@ -197,8 +197,7 @@ def test_the_probe_reads_no_label_reliably_from_released_scores(start_provider, 
 
     handler.release = Release(epsilon=0.0)  # what main released before: full precision
     assert read_labels() == len(targets)
-    handler.release = Release()  # the defaults, with a fixed key: this run replays
-    handler.release.secret = b"tests/test_evaluators.py"
+    handler.release = Release()  # the defaults, under the dataset's key from the router
     right = read_labels()
     print(f"the probe read {right} of {len(targets)} labels through released scores (chance: {len(targets) / 10:g})")
     assert right <= len(targets) // 2, f"the probe read {right} of {len(targets)} labels through the noise"
@@ -219,8 +218,8 @@ def test_a_datasets_evaluations_of_the_day_are_bounded_and_the_docs_say_how_many
             Evaluate(dataset="mnist", model=model, job="j-d", frames=[blob])
         )
     # the same weights asked again get the same released answer: averaging repeats learns nothing
-    release = Release()
-    assert release(b"q", 0.5, 0.5, 100, {}) == release(b"q", 0.5, 0.5, 100, {})
+    release, key = Release(), b"k" * 32
+    assert release(b"q", 0.5, 0.5, 100, {}, key) == release(b"q", 0.5, 0.5, 100, {}, key)
     # what docs/security.md states is what the code allows at the defaults
     doc = " ".join((Path(__file__).parent.parent / "docs" / "security.md").read_text().replace("**", "").split())
     builtin, extra = bits_per_evaluation(0), bits_per_evaluation(4)
@@ -437,16 +436,15 @@ def test_a_running_entrypoint_job_is_scored_live_by_the_evaluator_it_names(
 def test_released_scores_carry_noise_of_the_calibrated_scale_on_a_grid():
     """The mechanism of docs/security.md §9: Laplace noise of scale range / (n * epsilon) per metric
     (its mean absolute value), values on the 0.001 grid inside their range, NaN at the worst end."""
-    release = Release()
-    release.secret = b"calibration"
+    release, key = Release(), b"calibration" * 2
     n, true_loss, true_acc = 10_000, 0.3, 0.9
-    replies = [release(str(i).encode(), true_loss, true_acc, n, {"top2": 0.95}) for i in range(4000)]
+    replies = [release(str(i).encode(), true_loss, true_acc, n, {"top2": 0.95}, key) for i in range(4000)]
     losses = np.array([r[0] for r in replies])
     accs = np.array([r[1] for r in replies])
     assert np.mean(np.abs(accs - true_acc)) == pytest.approx(1 / (n * EVAL_EPSILON), rel=0.1)
     assert np.mean(np.abs(losses - true_loss)) == pytest.approx(EVAL_LOSS_CLIP / (n * EVAL_EPSILON), rel=0.1)
     on_grid = np.abs(np.concatenate([losses, accs]) * 1000 - np.round(np.concatenate([losses, accs]) * 1000))
     assert on_grid.max() < 1e-6 and accs.max() <= 1.0 and all(0 <= r[2]["top2"] <= 1 for r in replies)
-    loss, acc, _ = release(b"nan", float("nan"), float("nan"), n, {})  # a diverged model: finite, in range
+    loss, acc, _ = release(b"nan", float("nan"), float("nan"), n, {}, key)  # a diverged model: finite, in range
     assert 0.0 <= loss <= EVAL_LOSS_CLIP and 0.0 <= acc <= 1.0
     assert EXACT(b"nan", float("nan"), float("nan"), n, {})[:2] == (EVAL_LOSS_CLIP, 0.0)

@@ -56,9 +56,8 @@ def test_the_noise_margin_holds_95_percent_of_released_scores():
     """margin() is the released value's distance from the exact one at 95%: checked against the
     release's own noise, over many questions (each seeded by its question)."""
     release = Release(epsilon=0.1)
-    release.secret = b"k" * 32
     exact, n = 0.5, 1000
-    off = [abs(release(str(i).encode(), 1.0, exact, n, {})[1] - exact) for i in range(4000)]
+    off = [abs(release(str(i).encode(), 1.0, exact, n, {}, b"k" * 32)[1] - exact) for i in range(4000)]
     within = float(np.mean(np.array(off) <= margin("accuracy", n, 0.1)))
     assert 0.93 <= within <= 0.97, within
     assert math.isclose(margin("accuracy", n, 0.1), math.log(20) / (n * 0.1) + 0.0005)

@@ -27,3 +27,12 @@ def test_a_scoped_admin_sees_only_its_tenants_peers(router, start_provider, clie
     subjects = {p["subject"] for p in everyone.peers}
     assert {"tenant-a", "tenant-b"} <= subjects
     assert {ours.endpoint, theirs.endpoint} <= {p.get("endpoint") for p in everyone.peers}
+
+
+def test_an_admin_scoped_to_jobs_alone_sees_no_provider(router, start_provider, client_for, make_token):
+    """A jobs scope names no dataset: such an admin is shown no provider, its endpoint or datasets."""
+    provider = start_provider("a=mock://mnist?n=60")
+    jobs_only = client_for(router.endpoint, role="admin", token=make_token("admin", sub="admin-j", jobs=["j1"]))
+    peers = jobs_only.request(ListPeers()).peers
+    assert not [p for p in peers if p["role"] == "provider"] and provider.endpoint not in repr(peers), peers
+    assert {p["subject"] for p in peers} == {"admin-j"}  # itself: its own session is inside its scopes

@@ -22,7 +22,9 @@ from libbus.loader.remote import RemoteLoader
 from libbus.serve.server import Handler, Server, ServerConfig
 from libbus.wire.messages import DatasetInfo, DatasetInfoRequest, Evaluate, SubmitJob
 from services.models import build_model
+from services.provider.evalgate import EvalGate
 from services.provider.handler import ProviderHandler
+from services.provider.release import EXACT
 from services.provider.sources import open_source
 from services.sdnotify import Notifier
 from tests.support import REPO, Cluster
@@ -320,7 +322,10 @@ def test_trainer_reports_its_job_feeds_the_watchdog_between_steps_and_stops_on_s
 
 def test_stopping_a_provider_abandons_a_running_evaluation_instead_of_waiting_for_it():
     source = open_source("mock://cifar10?n=60000")  # a 12,000-sample test split
-    handler = ProviderHandler({"cifar": source}, assigned_only=False)
+    # no router here: exact scores and no daily budget (nothing to charge there before scoring)
+    handler = ProviderHandler(
+        {"cifar": source}, assigned_only=False, evalgate=EvalGate(per_dataset_day=0), release=EXACT
+    )
     info = handler.infos["cifar"]
     weights = save_safetensors(build_model("cnn", info).state_dict())
     future = handler.evaluate(Evaluate(dataset="cifar", job="j", model={"name": "cnn", "kwargs": {}}, frames=[weights]))

@@ -32,6 +32,8 @@ __all__ = [
     "Evaluate",
     "Evaluation",
     "EvaluationReport",
+    "ChargeEvaluation",
+    "EvaluationCharged",
     "StageControl",
     "LocateSamples",
     "SampleLocations",
@@ -254,6 +256,28 @@ class EvaluationReport(Request[Ok]):
     metrics: dict = field(default_factory=dict)
     sha256: str = ""
     epsilon: float | None = None
+
+
+@message
+class ChargeEvaluation(Request["EvaluationCharged"]):
+    """Provider → router, before it releases a score of ``dataset``'s private test split: spend one
+    evaluation of the dataset's daily budget, kept at the router for every replica and restart
+    (``per_day``: the provider's ``eval_per_dataset_day``; 0 = unlimited). Refused ``RATE_LIMITED``
+    when the day's evaluations are spent; only a provider serving ``dataset`` may ask."""
+
+    dataset: str
+    per_day: int
+
+
+@message
+class EvaluationCharged(Message):
+    """The router's answer to :class:`ChargeEvaluation`: the evaluations ``left`` today and the
+    dataset's noise ``key`` (64 hex digits, the same for every replica and across restarts), under
+    which the provider draws the released score's noise. ``left`` is None for an unlimited budget."""
+
+    dataset: str
+    key: str
+    left: float | None = None
 
 
 # -- pipeline control ----------------------------------------------------------------------------

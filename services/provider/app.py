@@ -15,7 +15,7 @@ from libbus.connect.link import Link
 from libbus.errors import BusError, ConfigError, Unavailable
 from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.serve.server import Server
-from libbus.wire.messages import Entitlements, EvaluationReport, Message
+from libbus.wire.messages import ChargeEvaluation, Entitlements, EvaluationCharged, EvaluationReport, Message
 
 from .. import runtime
 from .evalgate import EvalGate
@@ -112,6 +112,7 @@ class ProviderService:
             fill_threads=settings.fill_threads,
             remote_reads=settings.remote_reads,
             report=self._report,
+            charge=self._charge,
         )
         for name in datasets:
             log.info("%s", split_notice(name, self.handler.infos[name]))
@@ -181,6 +182,13 @@ class ProviderService:
         if self.link is None:
             raise Unavailable("not linked to the router yet")
         self.link.request(report, timeout_s=self.settings.request_timeout_s)
+
+    def _charge(self, msg: ChargeEvaluation) -> EvaluationCharged:
+        """One evaluation of a dataset's private test split, charged at the router (its budget and
+        noise key are kept there for every replica and restart: services/router/eval_budget.py)."""
+        if self.link is None:
+            raise Unavailable("not linked to the router yet")
+        return self.link.request(msg, timeout_s=self.settings.request_timeout_s)
 
     def _on_push(self, msg: Message) -> None:
         """The router's word on who may read (link thread): revoked tokens, assigned trainers."""

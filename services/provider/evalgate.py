@@ -1,5 +1,7 @@
-"""What an ``Evaluate`` must pass before it runs: a bounded queue, a size cap on the weights, a rate
-per job and per token subject, and a daily budget per dataset, whoever asks.
+"""What an ``Evaluate`` must pass before it runs: a bounded queue, a size cap on the weights and a rate
+per job and per token subject. (A private test split's daily budget per dataset, whoever asks, is
+kept at the router for every replica and restart: services/router/eval_budget.py; the provider
+charges it there before it scores, with its ``per_dataset_day``.)
 
 Admission (:meth:`EvalGate.admit`, on the serving loop) takes a place in the queue; the buckets are
 charged only once the request proved valid (:meth:`EvalGate.charge`, on the worker, after the weights
@@ -27,7 +29,6 @@ __all__ = ["Bound", "EvalGate", "check_model_spec"]
 
 #: Buckets idle this long are forgotten (a full bucket needs no memory).
 _FORGET_S = 600.0
-_DAY_S = 86400.0
 
 
 class EvalGate:
@@ -38,8 +39,9 @@ class EvalGate:
         max_model_bytes: largest weights frame; larger gets ``TOO_LARGE``.
         per_minute: evaluations per minute per job and per subject (burst of the same size);
             0 = unlimited.
-        per_dataset_day: evaluations per day per dataset, all subjects together (a bucket of that
-            size refilled over a day); 0 = unlimited.
+        per_dataset_day: evaluations of a private test split per day per dataset, all subjects and
+            replicas together: what this provider asks the router to count against (the bucket is
+            the router's); 0 = unlimited.
     """
 
     def __init__(
@@ -58,14 +60,13 @@ class EvalGate:
         self._admitted = 0  # queued or running
         self._running = 0
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, last refill)
-        self._days: dict[str, tuple[float, float]] = {}  # dataset -> (tokens, last refill)
         self.counts: Counter = Counter()
 
     def admit(self, subject: str, nbytes: int) -> None:
         """Take a place for one evaluation, or raise :class:`TooLarge` / :class:`RateLimited` (a full
         queue, or a subject with no evaluation left this minute: nothing is charged here)."""
         if nbytes > self.max_model_bytes:
-            self._count("refused_too_large")
+            self.count("refused_too_large")
             raise TooLarge(
                 f"model weights of {nbytes} bytes; this provider evaluates at most "
                 f"{self.max_model_bytes} (eval_max_model_bytes)"
@@ -82,24 +83,16 @@ class EvalGate:
             self._admitted += 1
             self._forget(now)
 
-    def charge(self, subject: str, job: str, dataset: str) -> None:
-        """Spend one evaluation of ``subject``, ``job`` and ``dataset`` (a validated request, about to
-        be scored), or raise :class:`RateLimited` naming the limit that is spent."""
+    def charge(self, subject: str, job: str) -> None:
+        """Spend one evaluation of ``subject`` and ``job`` (a validated request, about to be scored),
+        or raise :class:`RateLimited` naming the limit that is spent."""
         now = time.monotonic()
         with self.lock:
             keys = [f"sub:{subject}"] + ([f"job:{job}"] if job else [])
             self._check_rate(keys, subject, job, now)
-            day = self._day_tokens(dataset, now)
-            if day < 1.0:
-                self.counts["refused_budget"] += 1
-                raise RateLimited(
-                    f"dataset {dataset!r} has spent its {self.per_dataset_day} evaluations of the day "
-                    "(eval_per_dataset_day): every score of its private test split leaks a little of it"
-                )
             for key in keys:
                 tokens, _ = self._buckets[key]
                 self._buckets[key] = (tokens - 1.0, now)
-            self._days[dataset] = (day - 1.0, now)
 
     def _check_rate(self, keys: list[str], subject: str, job: str, now: float) -> None:
         for key in keys:
@@ -110,13 +103,6 @@ class EvalGate:
                     f"more than {self.per_minute:g} evaluations per minute for {what} "
                     "(eval_per_minute): the test split is not a training signal"
                 )
-
-    def _day_tokens(self, dataset: str, now: float) -> float:
-        if self.per_dataset_day <= 0:
-            return float("inf")
-        cap = float(self.per_dataset_day)
-        tokens, last = self._days.get(dataset, (cap, now))
-        return min(cap, tokens + (now - last) * cap / _DAY_S)
 
     def _tokens(self, key: str, now: float) -> float:
         if self.per_minute <= 0:
@@ -149,7 +135,8 @@ class EvalGate:
         with self.lock:
             return self._running, self._admitted - self._running, dict(self.counts)
 
-    def _count(self, name: str) -> None:
+    def count(self, name: str) -> None:
+        """Count a refusal (the router's budget refusals too: ``refused_budget``)."""
         with self.lock:
             self.counts[name] += 1
 

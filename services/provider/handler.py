@@ -22,6 +22,7 @@ from libbus.errors import (
     Forbidden,
     NotFound,
     OutOfRange,
+    RateLimited,
     ShmError,
     SplitPrivate,
     TooLarge,
@@ -35,10 +36,12 @@ from libbus.wire.messages import (
     AttachRing,
     BatchRequest,
     BatchResponse,
+    ChargeEvaluation,
     DatasetInfo,
     DatasetInfoRequest,
     Evaluate,
     Evaluation,
+    EvaluationCharged,
     EvaluationReport,
     LocateSamples,
     Message,
@@ -150,6 +153,7 @@ class ProviderHandler(Handler):
         eval_timeout_s: float = EVAL_TIMEOUT_S,
         release: Release | None = None,
         report: Callable[[EvaluationReport], object] | None = None,
+        charge: Callable[[ChargeEvaluation], EvaluationCharged] | None = None,
     ):
         super().__init__()
         self.datasets = datasets
@@ -192,6 +196,9 @@ class ProviderHandler(Handler):
         self.release = release or Release()
         #: Sends a job's evaluation to the router (the service sets it to its link's request).
         self.report = report
+        #: Spends one of a dataset's evaluations at the router and returns its noise key (the
+        #: service sets it to its link's request; None: no router, and no private score is released).
+        self.charge = charge
         #: The latest sessions ended (bounded, oldest out): batches of theirs still waiting are not read.
         self._ended: OrderedDict[str, None] = OrderedDict()
         #: session id → the datasets it sent a ReadAhead for (their plans end with the session).
@@ -529,15 +536,16 @@ class ProviderHandler(Handler):
         started = time.monotonic()
         info = self.infos[msg.dataset]
         prepared = prepare(msg.model, blob, info, self.evaluator_modules)
-        self.evalgate.charge(subject, msg.job, msg.dataset)
-        scores = score(prepared, source, msg.split, info, bound, xy=self.xy[msg.dataset])
+        self.evalgate.charge(subject, msg.job)
         private = msg.split == PRIVATE_SPLIT and msg.dataset not in self.readable_test
         release = self.release if private else EXACT
+        key = self._charge_budget(msg.dataset) if private else b""
+        scores = score(prepared, source, msg.split, info, bound, xy=self.xy[msg.dataset])
         digest = hashlib.sha256(blob).hexdigest()
         # the noise is keyed by the tensors (names, dtypes, shapes, bytes), not the file: the same
         # weights under other metadata are the same question, and get the same answer
         question = orjson.dumps([weights_digest(blob), msg.model, msg.dataset, msg.split], option=orjson.OPT_SORT_KEYS)
-        loss, accuracy, metrics = release(question, scores.loss, scores.accuracy, scores.n, scores.metrics)
+        loss, accuracy, metrics = release(question, scores.loss, scores.accuracy, scores.n, scores.metrics, key)
         log.info(
             "evaluated job %s on %s/%s: loss %.4f accuracy %.4f (%d samples, %.1f s)",
             msg.job or "-",
@@ -568,6 +576,35 @@ class ProviderHandler(Handler):
         return Evaluation(
             loss=loss, accuracy=accuracy, n=scores.n, metrics=metrics, sha256=digest, epsilon=release.epsilon
         )
+
+    def _charge_budget(self, dataset: str) -> bytes:
+        """Spend one of ``dataset``'s evaluations of its private test split at the router, which keeps
+        the dataset's daily budget for all its replicas and restarts, and return the dataset's noise
+        key (b"" where there is nothing to count or hide: no budget and exact scores). Fails closed:
+        raises :class:`RateLimited` when the day's evaluations are spent and :class:`Unavailable`
+        when the router cannot say; nothing is scored or released then."""
+        per_day = self.evalgate.per_dataset_day
+        if per_day <= 0 and self.release.epsilon <= 0:
+            return b""
+        if self.charge is None:
+            raise Unavailable(
+                f"{dataset!r}: this provider has no router to charge the evaluation to (the router keeps each "
+                "dataset's evaluation budget and noise key); no score of its private test split is released"
+            )
+        try:
+            reply = self.charge(ChargeEvaluation(dataset=dataset, per_day=per_day))
+            key = bytes.fromhex(reply.key)
+        except RateLimited:
+            self.evalgate.count("refused_budget")
+            raise
+        except (BusError, ValueError) as err:
+            raise Unavailable(
+                f"the router, which keeps {dataset!r}'s evaluation budget and noise key, did not grant this "
+                f"evaluation ({err}); no score was released: ask again once the router answers"
+            ) from err
+        if len(key) < 16:
+            raise Unavailable(f"the router gave {dataset!r} a noise key of {len(key)} bytes; no score was released")
+        return key
 
     def _report(self, report: EvaluationReport) -> None:
         """Tell the router what was released for a job (before the reply: the trainer's result comes

@@ -12,15 +12,16 @@ Algorithmic Foundations of Differential Privacy", §3.3; the reusable holdout of
 Science 2015, builds on the same mechanism); rounding to ``quantum`` and clamping to the range are
 post-processing, which keeps that guarantee and also bounds how many distinct answers a reply can
 take (:func:`bits_per_evaluation`): the bits an attacker can learn a day follow from the per-dataset
-budget (:class:`.evalgate.EvalGate`), whatever the weights sent.
+budget (kept at the router: services/router/eval_budget.py), whatever the weights sent.
 
-The noise of a reply is drawn from a generator seeded by a keyed hash (HMAC-SHA256 under a secret the
-provider draws from the OS when it starts) of what was asked: the weights' digest (their tensors' names,
-dtypes, shapes and bytes: libbus/jobs/weights.py, so the same weights under other file metadata are the
-same question), the model spec, the dataset and the split. The same question asked again of this
-provider process gets the same answer, so repeating it and averaging the answers learns nothing more;
-a new question costs an evaluation of the budget. (The key and the budget are this process's: another
-replica or a restart draws its own; docs/security.md §9.)
+The noise of a reply is drawn from a generator seeded by a keyed hash (HMAC-SHA256) of what was
+asked: the weights' digest (their tensors' names, dtypes, shapes and bytes: libbus/jobs/weights.py, so
+the same weights under other file metadata are the same question), the model spec, the dataset, the
+split and the release's epsilon. The key is the dataset's, kept by the router and handed to the
+provider with each charge of the dataset's budget (services/router/eval_budget.py): every replica
+and every restart of the dataset's providers draws the same noise for the same question, so
+repeating it and averaging the answers learns nothing more; a new question costs an evaluation of
+the budget. A noised release without a key is refused: noise anyone could recompute hides nothing.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import secrets
 
 import numpy as np
 
 from libbus.constants import EVAL_EPSILON, EVAL_LOSS_CLIP, EVAL_QUANTUM
+from libbus.errors import Internal
 
 __all__ = ["EXACT", "Release", "bits_per_evaluation", "margin"]
 
@@ -75,8 +76,6 @@ class Release:
     def __init__(self, epsilon: float = EVAL_EPSILON, quantum: float = EVAL_QUANTUM):
         self.epsilon = max(0.0, epsilon)
         self.quantum = quantum if self.epsilon > 0 else 0.0
-        #: The key of the noise's seed (tests set a fixed one to replay a run).
-        self.secret = secrets.token_bytes(32)
 
     def metric(self, name: str, value: float, n: int, rng: np.random.Generator | None = None) -> float:
         """``value`` (a mean over ``n`` samples) as released: noised, rounded, clamped to its range.
@@ -91,12 +90,20 @@ class Release:
         return min(high, max(0.0, value))
 
     def __call__(
-        self, question: bytes, loss: float, accuracy: float, n: int, metrics: dict[str, float]
+        self, question: bytes, loss: float, accuracy: float, n: int, metrics: dict[str, float], key: bytes = b""
     ) -> tuple[float, float, dict]:
         """``(loss, accuracy, metrics)`` as released for ``question`` (bytes naming what was asked:
-        the same question gets the same noise)."""
-        seed = hmac.new(self.secret, question, hashlib.sha256).digest()
-        rng = np.random.default_rng(int.from_bytes(seed, "big"))
+        the same question under the same ``key``, the dataset's, gets the same noise).
+
+        Raises :class:`Internal` for a noised release whose ``key`` is shorter than 16 bytes."""
+        if self.epsilon <= 0:
+            rng = None
+        elif len(key) < 16:
+            raise Internal("a noised score needs its dataset's noise key (from the router); none was given")
+        else:
+            # epsilon is part of the question: two releases at two scales of one draw would cancel it
+            seed = hmac.new(key, b"%r\0%s" % (self.epsilon, question), hashlib.sha256).digest()
+            rng = np.random.default_rng(int.from_bytes(seed, "big"))
         return (
             self.metric("loss", loss, n, rng),
             self.metric("accuracy", accuracy, n, rng),

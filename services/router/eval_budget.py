@@ -1,18 +1,22 @@
 """Each dataset's evaluation budget and noise key, kept in the router's job database.
 
 A private test split's scores are released against a daily budget and with noise keyed by a secret
-(services/provider/evalgate.py, services/provider/release.py). Kept in a provider process, both are
-that process's: two replicas of a dataset each spend a full budget, and a restarted provider starts
-a fresh budget and a fresh key. Kept here, in the router's SQLite file, per dataset (its canonical
-name), they are one for every replica and every restart of the providers, and they survive a
-router restart.
+(services/provider/release.py). Kept in a provider process, both would be that process's: two
+replicas of a dataset would each spend a full budget, and a restarted provider would start a fresh
+budget and a fresh key. Kept here, in the router's SQLite file, per dataset (its canonical name),
+they are one for every replica and every restart of the providers, and they survive a router
+restart. A provider charges one evaluation here before it scores (``ChargeEvaluation``) and fails
+closed when the router cannot say.
 
 The budget is a bucket of ``per_day`` evaluations refilled over a day of wall-clock time (the
 router's clock; a restart must not refill it). The key is 32 random bytes drawn once per dataset
 and never shown to anyone but the dataset's providers.
 
 Used by the router's single loop thread, on the job store's connection and its ``Durability``
-(every charge is written before the router replies).
+(every charge is written before the router replies), for a provider's ``ChargeEvaluation``
+(services/router/handler.py), which states its ``eval_per_dataset_day`` as ``per_day``: replicas
+given the same setting share one bucket of that size; replicas given different ones each charge the
+one bucket against their own size, so a day holds at most the largest.
 """
 
 from __future__ import annotations
@@ -69,9 +73,9 @@ class EvalBudget:
         tokens = self.left(dataset, per_day, now)
         if tokens < 1.0:
             raise RateLimited(
-                f"dataset {dataset!r} has spent its {per_day} evaluations of the day (eval_per_dataset_day, "
-                "counted at the router for all its providers): every score of its private test split "
-                "leaks a little of it"
+                f"dataset {dataset!r} has spent its {per_day} evaluations of the day (eval_per_dataset_day): "
+                "every score of its private test split leaks a little of it (counted at the router, for "
+                "all of the dataset's providers together)"
             )
         if per_day <= 0:
             return tokens

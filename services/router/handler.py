@@ -35,10 +35,12 @@ from libbus.serve.handler import serves
 from libbus.serve.server import Handler, Session
 from libbus.serve.sessions import reader_info
 from libbus.wire.messages import (
+    ChargeEvaluation,
     Checkpointed,
     CommandAck,
     ControlJob,
     Entitlements,
+    EvaluationCharged,
     EvaluationReport,
     GetJob,
     GetJobLogs,
@@ -79,6 +81,7 @@ from libbus.wire.schema import check_stored
 
 from .artifacts import Artifacts
 from .decisions import Decisions
+from .eval_budget import EvalBudget
 from .gangs import Gangs, world_size
 from .grants import Revocations, assignments, check_revocable
 from .jobs import JobControl
@@ -153,6 +156,8 @@ class RouterHandler(Decisions, Handler):
         self.gangs = Gangs(store, lease_s)
         self.revocations = Revocations(store.db)
         self.output = JobOutput(store.db)
+        #: Each dataset's evaluation budget and noise key, one for all its providers (services/router/eval_budget.py).
+        self.eval_budget = EvalBudget(store.db, store.durability)
         #: Set by the service: applies the revoked token ids to the router's own server.
         self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
         self._granted: tuple[list[str], dict] | None = None
@@ -514,15 +519,36 @@ class RouterHandler(Decisions, Handler):
             job = None
         return self.jobs.scores.on_report(session.name, msg, job)
 
+    @serves(ChargeEvaluation, "provider")
+    def on_ChargeEvaluation(self, session: Session, msg: ChargeEvaluation) -> EvaluationCharged:
+        """A provider about to release a score of ``msg.dataset``'s private test split spends one of
+        the dataset's evaluations here, where every replica and restart shares them, and learns the
+        dataset's noise key (services/router/eval_budget.py)."""
+        if msg.per_day < 0:
+            raise BadRequest(f"ChargeEvaluation.per_day is {msg.per_day}: 0 (unlimited) or more evaluations a day")
+        served = session.hello.caps.get("datasets", {})
+        if msg.dataset not in served:
+            raise Forbidden(
+                f"provider {session.name} did not register {msg.dataset!r} (its Hello serves "
+                f"{', '.join(sorted(served)) or 'nothing'}); only a dataset's providers spend its "
+                "evaluations and learn its noise key"
+            )
+        left = self.eval_budget.charge(msg.dataset, msg.per_day)
+        key = self.eval_budget.key(msg.dataset)
+        return EvaluationCharged(dataset=msg.dataset, key=key.hex(), left=None if msg.per_day <= 0 else left)
+
     @serves(ListPeers, *ADMIN)
     def on_ListPeers(self, session: Session, msg: ListPeers) -> PeerList:
-        # A scoped admin sees what lies inside its scopes: providers by the datasets it may see
-        # (only those), other sessions whose own scopes lie inside its own (as it may revoke them).
+        # A scoped admin sees what lies inside its scopes: providers by the datasets its datasets
+        # scope names (only those; a scope of jobs alone names none, so it sees no provider), other
+        # sessions whose own scopes lie inside its own (as it may revoke them).
         admin, peers = session.claims, []
+        named = admin.scopes.get("datasets") if admin.scopes else None
         for peer in self.peers.values():
             entry = peer.describe()
             if peer.role == "provider":
-                datasets = sorted(d for d in peer.hello.caps["datasets"] if admin.allows_dataset(d))
+                served = peer.hello.caps["datasets"]
+                datasets = sorted(served if not admin.scopes else (d for d in served if d in (named or ())))
                 if admin.scopes and not datasets:
                     continue
                 entry["endpoint"] = peer.hello.caps["endpoint"]
