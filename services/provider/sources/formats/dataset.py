@@ -26,6 +26,7 @@ from libbus.errors import DatasetError
 from ..base import ReadPolicy, Source, relative_name
 from ..storage.confine import Confinement
 from ..storage.reader import ByteSpace, Records, Segment, read_spaces
+from . import val_carve
 
 __all__ = ["MEMORY_MODES", "Context", "FilePath", "FileSource", "Gatherer", "Layout", "Table", "usable_cores"]
 
@@ -264,13 +265,9 @@ class FileSource(Source):
         train = tables["train"]
         out: dict[str, tuple[Table | None, int, int]] = {s: (t, 0, t.count) for s, t in tables.items()}
         if "val" not in tables:
-            val = round(train.count * fraction)
-            if train.count - val < 1:
-                raise DatasetError(
-                    f"{self.uri}: val_fraction {fraction} of {train.count} train samples leaves none to train on"
-                )
-            out["train"] = (train, 0, train.count - val)
-            out["val"] = (train, train.count - val, val)
+            keep = val_carve.tail(self.uri, train.count, fraction)
+            out["train"] = (train, 0, keep)
+            out["val"] = (train, keep, train.count - keep)
         out.setdefault("test", (None, 0, 0))
         return out
 

@@ -27,6 +27,7 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from ..base import SPLITS, Field, FieldBatch
+from . import val_carve
 from .fieldpick import Pick, PickedSource, classes, fill, select
 from .location import Format, Location, val_fraction
 
@@ -114,10 +115,8 @@ class HFDiskSource(PickedSource):
         self.val_fraction: float | None = None
         if "val" not in tables:
             train = tables["train"]
-            val = round(train.num_rows * val_fraction)
-            if train.num_rows - val < 1:
-                raise DatasetError(f"{self.uri}: val_fraction {val_fraction} of {train.num_rows} rows leaves none")
-            tables["train"], tables["val"] = train.slice(0, train.num_rows - val), train.slice(train.num_rows - val)
+            keep = val_carve.tail(self.uri, train.num_rows, val_fraction, "rows")
+            tables["train"], tables["val"] = train.slice(0, keep), train.slice(keep)
             self.val_fraction = val_fraction
         self.tables: dict[str, Any] = {s: tables.get(s) for s in SPLITS}
         schema = tables["train"].schema

@@ -15,7 +15,6 @@ Symlinked folders deeper in a class folder are not followed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from libbus.errors import DatasetError
 
 from ..base import relative_name
 from ..storage.confine import Confinement
+from . import val_carve
 from .imageops import IMAGE_EXTS
 from .location import Format, Location
 
@@ -87,10 +87,6 @@ def _first_image(folder: Path) -> bool:
     return False
 
 
-def _hash(path: str) -> bytes:
-    return hashlib.blake2b(path.encode(), digest_size=8).digest()
-
-
 class ImageFolder:
     """The files of an ImageFolder tree, by split: ``(path, class id)`` in index order."""
 
@@ -128,15 +124,9 @@ class ImageFolder:
             self.val_fraction = val_fraction
 
     def _carve(self, rows: list[tuple[Path, int]], fraction: float) -> tuple[list, list]:
-        by_class: dict[int, list[tuple[Path, int]]] = {}
-        for row in rows:
-            by_class.setdefault(row[1], []).append(row)
-        val: set[Path] = set()
-        for members in by_class.values():
-            count = int(round(len(members) * fraction))
-            ranked = sorted(members, key=lambda r: _hash(str(r[0].relative_to(self.root))))
-            val.update(p for p, _ in ranked[:count])
-        return [r for r in rows if r[0] not in val], [r for r in rows if r[0] in val]
+        return val_carve.lowest_hashes_per_class(
+            rows, fraction, label=lambda r: r[1], name=lambda r: str(r[0].relative_to(self.root))
+        )
 
     def num_samples(self, split: str) -> int:
         return len(self.files[split])

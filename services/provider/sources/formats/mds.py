@@ -43,6 +43,7 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from ..base import SPLITS, Field, FieldBatch, ReadPolicy
+from . import val_carve
 from .fieldpick import PickedSource, classes, fill, select
 from .location import Format, Location, val_fraction
 
@@ -376,10 +377,8 @@ class MDSSource(PickedSource):
         self.val_fraction: float | None = None
         if not len(self.rows["val"]):
             train = self.rows["train"]
-            val = round(len(train) * val_fraction)
-            if len(train) - val < 1:
-                raise DatasetError(f"{self.uri}: val_fraction {val_fraction} of {len(train)} samples leaves none")
-            self.rows["train"], self.rows["val"] = train[: len(train) - val], train[len(train) - val :]
+            keep = val_carve.tail(self.uri, len(train), val_fraction, "samples")
+            self.rows["train"], self.rows["val"] = train[:keep], train[keep:]
             self.val_fraction = val_fraction
         largest = max(int(np.diff(s.offsets).max(initial=0)) for s in self.shards)
         sample0 = {}

@@ -54,6 +54,7 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from ..base import SPLITS, Field, FieldBatch, OpenRequest, Source, local_path, relative_name
+from . import val_carve
 from .imagefolder import Encoded
 from .location import Format, Location
 
@@ -340,10 +341,8 @@ class ParquetSource(Source):
         out = {s: (g, starts, 0, int(starts[-1])) for s, (g, starts) in tables.items()}
         if "val" not in out:
             g, starts, _, n = out["train"]
-            val = round(n * fraction)
-            if n - val < 1:
-                raise DatasetError(f"{self.uri}: val_fraction {fraction} of {n} train rows leaves none to train on")
-            out["train"], out["val"] = (g, starts, 0, n - val), (g, starts, n - val, val)
+            keep = val_carve.tail(self.uri, n, fraction, "train rows")
+            out["train"], out["val"] = (g, starts, 0, keep), (g, starts, keep, n - keep)
             self.val_fraction: float | None = fraction
         else:
             self.val_fraction = None

@@ -18,8 +18,8 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from ..base import relative_name
-from ..splitmix import GAMMA, MUL1, MUL2
 from ..storage.confine import Confinement
+from . import val_carve
 from .imagefolder import Encoded
 from .location import Format, Location
 
@@ -80,9 +80,7 @@ class TextLines:
         if self.paths["val"] is None and val_fraction > 0:
             self.val_fraction = val_fraction
             rows = self.rows["train"]
-            rank = np.argsort(_hash(np.arange(len(rows), dtype=np.uint64)), kind="stable")
-            val = np.zeros(len(rows), bool)
-            val[rank[: int(round(len(rows) * val_fraction))]] = True
+            val = val_carve.lowest_hashed_lines(len(rows), val_fraction)
             self.rows["train"], self.rows["val"] = rows[~val], rows[val]
             self.paths["val"] = self.paths["train"]
             self._fds["val"] = self._fds["train"]
@@ -116,15 +114,6 @@ class TextLines:
         for fd in set(self._fds.values()):
             os.close(fd)
         self._fds = {}
-
-
-def _hash(z: np.ndarray) -> np.ndarray:
-    """A fixed, well-mixed order of line numbers, from SplitMix64's constants (not SplitMix64 itself,
-    :mod:`..splitmix`: kept, so the order stays)."""
-    with np.errstate(over="ignore"):
-        z = (z + GAMMA) * MUL1
-        z = (z ^ (z >> np.uint64(27))) * MUL2
-    return z ^ (z >> np.uint64(31))
 
 
 def open_store(loc: Location, val_fraction: float) -> TextLines:

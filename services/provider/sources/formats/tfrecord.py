@@ -50,6 +50,7 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from ..base import SPLITS, Field, FieldBatch, relative_name
+from . import val_carve
 from .fieldpick import PickedSource, classes, fill, select
 from .location import Format, Location, val_fraction
 from .tfexample import BYTES, FLOAT, INT64, parse_example
@@ -303,10 +304,8 @@ class TFRecordSource(PickedSource):
         self.val_fraction: float | None = None
         if not len(self.rows["val"]):
             train = self.rows["train"]
-            val = round(len(train) * val_fraction)
-            if len(train) - val < 1:
-                raise DatasetError(f"{self.uri}: val_fraction {val_fraction} of {len(train)} records leaves none")
-            self.rows["train"], self.rows["val"] = train[: len(train) - val], train[len(train) - val :]
+            keep = val_carve.tail(self.uri, len(train), val_fraction, "records")
+            self.rows["train"], self.rows["val"] = train[:keep], train[keep:]
             self.val_fraction = val_fraction
         self.features = _merged([s.features for s in self.shards])
         self._pick(params)

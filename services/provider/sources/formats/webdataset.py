@@ -14,13 +14,13 @@ opened for reading.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
 from libbus.errors import DatasetError
 
 from ..base import relative_name
+from . import val_carve
 from .imagefolder import Encoded
 from .imageops import IMAGE_EXTS
 from .location import Format, Location
@@ -87,15 +87,9 @@ class ShardStore:
             raise DatasetError(f"{uri}: a .cls holds {max(labels)} but classes.txt names {len(self.class_names)}")
 
     def _carve(self, fraction: float) -> None:
-        by_class: dict[int | None, list[tuple[int, int]]] = {}
-        for shard, i in self.rows["train"]:
-            by_class.setdefault(self.indexes[shard].labels[i], []).append((shard, i))
-        val = set()
-        for members in by_class.values():
-            ranked = sorted(members, key=lambda r: hashlib.blake2b(self._key(r).encode(), digest_size=8).digest())
-            val.update(ranked[: int(round(len(members) * fraction))])
-        self.rows["val"] = [r for r in self.rows["train"] if r in val]
-        self.rows["train"] = [r for r in self.rows["train"] if r not in val]
+        self.rows["train"], self.rows["val"] = val_carve.lowest_hashes_per_class(
+            self.rows["train"], fraction, label=lambda r: self.indexes[r[0]].labels[r[1]], name=self._key
+        )
 
     def _key(self, row: tuple[int, int]) -> str:
         return f"{self.names[row[0]]}:{self.indexes[row[0]].keys[row[1]]}"
