@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cli.tables import result_lines
 from libbus.wire.messages import EvaluationReport, GetJob, GetTask, PushResult, SubmitJob, Task
 from services.router import scores as router_scores
 from tests.support import wait_job
@@ -78,6 +79,7 @@ def test_a_report_of_other_weights_is_not_recorded_for_a_trainers_result(router,
     # no model in the result: a score is of no kept weights
     assert scores.on_report("prov", report, row).detail["recorded"]
     assert "test_accuracy" not in scores.result(job, "mallory", {"test_accuracy": 0.99}, "")
+    assert "test score not recorded: the weights scored" in "\n".join(result_lines(kept))  # busctl job show
     # a trainer cannot set the router's note itself
     mallory.request(PushResult(job=job, state="succeeded", result={"test_unrecorded": "", "val_accuracy": 0.5}))
     assert "test_unrecorded" not in admin.request(GetJob(job=job)).job["result"]
