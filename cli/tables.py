@@ -85,11 +85,26 @@ def result_lines(r: dict) -> list[str]:
     return lines
 
 
-def epoch_of(p: dict, succeeded: bool = False, ended: bool = False) -> str:
-    """A progress report's epoch counted from 1, as ``busctl job watch`` draws it (:func:`epoch_index`; a job
-    that ``ended`` at an epoch's end shows that epoch): ``N/M`` where the job says how many it trains, ``N``
-    where it does not (no total is made up)."""
-    index, epochs = epoch_index(p, succeeded, ended), p.get("epochs")
+def epoch_index(p: dict, succeeded: bool = False) -> int | None:
+    """The epoch a progress report is in, from 0 (``busctl job watch`` draws its bar): the epoch under way,
+    the last one once every epoch has run. A report counts the epochs done, from 0 (``epoch``: its train
+    loader's epoch, or without one the epochs it reported). Without a total (an entrypoint job that names
+    no ``epochs``) an epoch is over where the report says so: its step is that epoch's last, or, for a
+    job with no train loader, the job ``succeeded`` (its function returned after its last report)."""
+    epoch, epochs = p.get("epoch"), p.get("epochs")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        return None
+    if isinstance(epochs, int) and epochs > 0:
+        return min(epoch, epochs - 1)
+    per, step = p.get("steps_per_epoch"), p.get("step")
+    at_end = isinstance(per, int) and per > 0 and isinstance(step, int) and epoch >= 1 and step == epoch * per
+    return max(0, epoch - 1) if at_end or (succeeded and per is None) else epoch
+
+
+def epoch_of(p: dict, succeeded: bool = False) -> str:
+    """A progress report's epoch counted from 1, as ``busctl job watch`` draws it (:func:`epoch_index`):
+    ``N/M`` where the job says how many it trains, ``N`` where it does not (no total is made up)."""
+    index, epochs = epoch_index(p, succeeded), p.get("epochs")
     known = isinstance(epochs, int) and not isinstance(epochs, bool) and epochs > 0
     shown = "?" if index is None else str(index + 1)
     return f"{shown}/{epochs}" if known else shown
