@@ -5,7 +5,9 @@ trainers; an unrestricted admin still sees everyone."""
 
 from __future__ import annotations
 
-from libbus.wire.messages import ListPeers, Resolve
+import time
+
+from libbus.wire.messages import ListPeers, Resolve, Stats
 
 
 def test_a_scoped_admin_sees_only_its_tenants_peers(router, start_provider, client_for, make_token):
@@ -29,10 +31,21 @@ def test_a_scoped_admin_sees_only_its_tenants_peers(router, start_provider, clie
     assert {ours.endpoint, theirs.endpoint} <= {p.get("endpoint") for p in everyone.peers}
 
 
-def test_an_admin_scoped_to_jobs_alone_sees_no_provider(router, start_provider, client_for, make_token):
-    """A jobs scope names no dataset: such an admin is shown no provider, its endpoint or datasets."""
+def test_an_admin_scoped_to_jobs_alone_sees_no_provider_in_peers_or_stats(
+    router, start_provider, client_for, make_token
+):
+    """A jobs scope names no dataset: such an admin is shown no provider, its endpoint, datasets or
+    counters."""
     provider = start_provider("a=mock://mnist?n=60")
     jobs_only = client_for(router.endpoint, role="admin", token=make_token("admin", sub="admin-j", jobs=["j1"]))
     peers = jobs_only.request(ListPeers()).peers
     assert not [p for p in peers if p["role"] == "provider"] and provider.endpoint not in repr(peers), peers
     assert {p["subject"] for p in peers} == {"admin-j"}  # itself: its own session is inside its scopes
+    # nor in Stats, once the provider's heartbeat row is there for an unrestricted admin to see
+    root = client_for(router.endpoint, role="admin", token=make_token("admin", sub="root"))
+    deadline = time.monotonic() + 30
+    while not any(row.get("role") == "provider" for row in root.request(Stats()).services.values()):
+        assert time.monotonic() < deadline, "the provider's heartbeat never reached the router"
+        time.sleep(0.1)
+    rows = jobs_only.request(Stats()).services
+    assert not [r for r in rows.values() if r.get("role") == "provider"], rows

@@ -646,7 +646,8 @@ class RouterHandler(Decisions, Handler):
         row is ``router`` whoever names itself so); each row says its ``name`` and ``session``.
         An unrestricted admin sees every row; anyone else (a trainer, a scoped admin) the rows of
         its own subject, of providers serving a dataset in its scope (their per-dataset counters
-        only for those), and (a scoped admin) of trainers holding a job inside its scopes. Rows are
+        only for those; a scoped admin's ``datasets`` scope must name it: a ``jobs`` scope alone
+        shows no provider), and (a scoped admin) of trainers holding a job inside its scopes. Rows are
         cut, with a note, to fit one reply."""
         services: dict[str, dict] = {"router": {"role": "router", **self.server_stats()}}
         claims = None if session is None else session.claims
@@ -658,7 +659,9 @@ class RouterHandler(Decisions, Handler):
             stats = peer.stats
             if not everything and claims is not None and peer.subject != claims.sub:
                 if peer.role == "provider":
-                    served = [d for d in peer.hello.caps["datasets"] if claims.allows_dataset(d)]
+                    # a scoped admin's datasets scope names the providers it sees (a jobs scope alone: none)
+                    named = claims.role != "admin" or "datasets" in claims.scopes
+                    served = [d for d in peer.hello.caps["datasets"] if named and claims.allows_dataset(d)]
                     if not served:
                         continue
                     if isinstance(stats.get("datasets"), dict):
