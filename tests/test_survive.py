@@ -31,10 +31,11 @@ class KillCluster(JobCluster):
     def __init__(self, state):
         super().__init__(state)
         # a loaded machine must not lapse a live trainer's lease: only the kills end attempts here
-        # (a trainer restarted under its name abandons its job at once)
+        # (a trainer restarted under its name abandons its job at once). The heartbeats stay the job
+        # cluster's (10 silent ones of 250 ms): the router admits a trainer restarted under its name only
+        # once the killed one's session has expired, and every kill here waits for that.
         self.env.update(
             BATCHBUS_LEASE_S="20",
-            BATCHBUS_HEARTBEAT_LIVENESS="24",
             # a job's model may be tests.killpoint:raising_model: importable, and allowed by the trainers' operator
             PYTHONPATH=str(REPO),
             BATCHBUS_JOB_MODULES="tests.killpoint",
