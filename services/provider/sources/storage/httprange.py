@@ -1,18 +1,21 @@
 """Files behind HTTP(S), read by byte range: the :class:`~.reader.Remote` of ``http(s)://`` sources.
 
-A :class:`RangeClient` serves one dataset: each worker thread keeps one keep-alive connection per
-host (``http.client``); ``concurrency`` requests are in flight at first, more while more pays
-(:mod:`.inflight`: up to ``max_concurrency`` for the dataset, ``host_concurrency`` for the host), so
-the runs of every batch in flight are fetched side by side without flooding the endpoint. Every request
-has a timeout and is retried a bounded number of times with exponential backoff when the connection
-drops, times out, comes back short, or the server answers 408, 429 or 5xx; other statuses fail at
-once. Redirects are followed, at most :data:`MAX_REDIRECTS` per request. A body is read straight
-into the batch's buffers; a request that does not deliver exactly the bytes asked for fails the
-whole batch, so a batch is served whole or not at all.
+A :class:`RangeClient` serves one dataset. Its range reads go through obstore, off the GIL
+(:mod:`.httpstore`: one ``HTTPStore`` per origin, hosts outside the dataset's origins unreachable);
+``concurrency`` requests are in flight at first, more while more pays (:mod:`.inflight`: up to
+``max_concurrency`` for the dataset, ``host_concurrency`` for the host), so the runs of every batch in
+flight are fetched side by side without flooding the endpoint. Every request has a timeout and is retried a
+bounded number of times with exponential backoff when the connection drops, times out, comes back short,
+or the server answers 408, 429 or 5xx; other statuses fail at once. A request that does not deliver
+exactly the bytes asked for fails the whole batch, so a batch is served whole or not at all.
 
-Why ``http.client`` and not urllib3: it is in the standard library (no new dependency), and its
-``readinto`` fills the destination buffer (a shared-memory slot) directly, where urllib3 copies
-through a temporary; the retry and pooling logic it would bring is the small part written here.
+``http.client`` (one keep-alive connection per host and thread, bodies read straight into the batch's
+buffers) stays for what obstore cannot do as this module must: the requests made when the dataset opens
+(HEAD for sizes and versions, with a one-byte GET where HEAD is refused; a manifest or ``dataset.toml``),
+which follow each redirect hop by hop, at most :data:`MAX_REDIRECTS`, checking every hop against the
+dataset's origins; range reads of URLs obstore would not request as written (a query string, as a
+pre-signed URL has, or percent-encoding); every read of an ``https://`` dataset given its own CA file
+(``ca``: it replaces the system's CAs, as OpenSSL reads it); and every read when obstore is not installed.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from urllib.parse import urljoin, urlsplit
 from libbus.errors import DatasetError
 
 from .blockmemory import BLOCK_BYTES, BlockMemory
+from .httpstore import ObstoreRanges, RangeFailure
 from .inflight import InflightLimit, host_slots, lower_priority
 from .reader import COALESCE_BYTES, coalesce
 
@@ -48,7 +52,8 @@ MAX_REDIRECTS = 5
 MAX_SMALL_FILE = 16 << 20
 CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
-#: Reader threads that run ``http.client``'s Python at once (writing a request, parsing a reply's status
+#: Reader threads that run ``http.client``'s Python at once (its reads only: obstore's hold the GIL for a call
+#: and a copy) (writing a request, parsing a reply's status
 #: and headers), the provider's datasets together. A busy remote dataset has a hundred requests in flight;
 #: their replies come back together, and each thread that wakes wants the GIL: the serving loop, one more
 #: thread asking, got its turn after all of them (a local dataset's p99 wait beside one: 6-10× its wait
@@ -109,6 +114,17 @@ class RangeClient:
         )
         #: Whole blocks of the dataset's files in RAM (``ram_cache``), or None.
         self.memory = BlockMemory(settings.ram_cache, settings.block_bytes) if settings.ram_cache else None
+        #: Range reads off the GIL (:mod:`.httpstore`), or None (obstore not installed, or a CA file of the dataset's).
+        # (not with a CA file: it replaces the system's CAs, as OpenSSL reads it; rustls, under obstore, would
+        # add it to them and refuses a CA certificate used as the server's own, as a self-signed server's often is)
+        self.ranges = None if settings.ca_file else ObstoreRanges.make(settings.timeout_s, settings.origins)
+        if self.ranges is None and not settings.ca_file:
+            log.warning(
+                "obstore is not installed: ranges are read through http.client, holding the GIL "
+                "(pip install 'batchbus[s3]')"
+            )
+        #: Sizes learned when the dataset opened: every range read's answer must be for a file of that size.
+        self._sizes: dict[str, int] = {}
         weakref.finalize(self, self._pool.shutdown, wait=False)
 
     def close(self) -> None:
@@ -205,6 +221,10 @@ class RangeClient:
                 time.sleep(s.backoff_s * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def note_size(self, url: str, size: int) -> None:
+        """``url`` is ``size`` bytes (a manifest said so): range reads check their answers against it."""
+        self._sizes.setdefault(url, size)
+
     def size(self, url: str) -> int:
         """The size of the file at ``url`` in bytes (HEAD; a 1-byte GET where HEAD is refused)."""
 
@@ -220,7 +240,9 @@ class RangeClient:
             if err.status not in (405, 501):  # HEAD not allowed: ask for one byte instead
                 raise
             size = None
-        return size if size is not None else self._retrying(lambda: self._total_from_get(url))
+        size = size if size is not None else self._retrying(lambda: self._total_from_get(url))
+        self._sizes[url] = size
+        return size
 
     def version(self, url: str) -> tuple[int, str]:
         """(size, version) of the file at ``url``: the version is its ETag, else its Last-Modified,
@@ -234,7 +256,10 @@ class RangeClient:
             return (int(length) if length is not None and length.isdigit() else None), stamp
 
         size, stamp = self._retrying(head)
-        return (size if size is not None else self.size(url)), stamp
+        if size is None:
+            return self.size(url), stamp
+        self._sizes[url] = size
+        return size, stamp
 
     def _total_from_get(self, url: str) -> int:
         headers = {"Range": "bytes=0-0"}
@@ -290,6 +315,40 @@ class RangeClient:
             self.inflight.release(got, throttled)
 
     def _read_once(self, url: str, offset: int, nbytes: int, buffers: list[memoryview]) -> None:
+        if self.ranges is not None and (target := self.ranges.path_of(url)) is not None:
+            self._read_obstore(self.ranges, url, target, offset, nbytes, buffers)
+        else:
+            self._read_http_client(url, offset, nbytes, buffers)
+
+    def _read_obstore(
+        self,
+        ranges: ObstoreRanges,
+        url: str,
+        target: tuple[str, str],
+        offset: int,
+        nbytes: int,
+        buffers: list[memoryview],
+    ) -> None:
+        """One range through obstore (:mod:`.httpstore`), copied into ``buffers``."""
+        if self.settings.origins and target[0] not in self.settings.origins:
+            raise HttpError(
+                f"{url}: outside the dataset's origin {self.settings.origins[0]}; the provider reads nothing "
+                "else unless allowed (?allow_origins=scheme://host:port)",
+                retryable=False,
+            )
+        try:
+            data = ranges.read(*target, offset, offset + nbytes, self._sizes.get(url))
+        except RangeFailure as err:
+            raise HttpError(
+                f"GET {url} (bytes={offset}-{offset + nbytes - 1}): {err}", err.retryable, err.status
+            ) from None
+        at = 0
+        for buf in buffers:
+            view = buf.cast("B") if buf.format != "B" else buf
+            view[:] = data[at : at + len(view)]
+            at += len(view)
+
+    def _read_http_client(self, url: str, offset: int, nbytes: int, buffers: list[memoryview]) -> None:
         headers = {"Range": f"bytes={offset}-{offset + nbytes - 1}"}
         resp = self._attempt("GET", url, headers)
         where = f"GET {url}{_range_text(headers)}"
@@ -366,6 +425,9 @@ class RemoteFile:
     client: RangeClient
     url: str
     size: int
+
+    def __post_init__(self) -> None:
+        self.client.note_size(self.url, self.size)
 
 
 def _via(first: str, last: str) -> str:
