@@ -131,13 +131,16 @@ def final_weights(info: dict) -> dict[str, torch.Tensor]:
 class EntryCluster(JobCluster):
     """:class:`JobCluster` whose trainers allow the tests' entrypoints (tests/support/entrypoints.py),
     find hung attempts after 60 s of silence (a test of hangs starts its trainer with less: a loaded
-    machine may keep a gang's rank in a collective for seconds, which is no hang) and give a stop 30 s."""
+    machine may keep a gang's rank in a collective for seconds, which is no hang) and give a stop 30 s.
+
+    Leases are long (20 s) and the heartbeats :class:`JobCluster`'s: a trainer killed and restarted under
+    its name is admitted once the killed one's session has expired (10 silent heartbeats, 2.5 s), and
+    its job is given back at once then."""
 
     def __init__(self, state):
         super().__init__(state)
         self.env.update(
             BATCHBUS_LEASE_S="20",
-            BATCHBUS_HEARTBEAT_LIVENESS="24",
             PYTHONPATH=str(REPO),
             BATCHBUS_JOB_MODULES="tests.support.entrypoints",
             BATCHBUS_ATTEMPT_SILENCE_S="60",
