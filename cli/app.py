@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from libbus.config import Settings, load_settings
-from libbus.wire.messages import ListPeers, Stats
+from services import views
 
 from . import tables
 from .common import admin_client, fail, guard, print_json
@@ -21,6 +21,7 @@ from .start import start_app
 from .studies import studies, study_app
 from .tokens import keys_app, token_app
 from .units import install_units
+from .web import web
 
 app = typer.Typer(
     name="busctl",
@@ -43,6 +44,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(study_app, name="study")
 app.command("studies")(studies)
 app.command("install-units")(guard(install_units))
+app.command("web")(web)
 
 
 @app.command()
@@ -106,7 +108,7 @@ def queues(*, settings: Settings, json: Json = False) -> None:
     """Every service's queue and traffic metrics, as carried on heartbeats."""
     s = settings
     with admin_client(s) as client:
-        services = client.request(Stats()).services
+        services = views.stats(client)
     print_json(services) if json else tables.queues(services)
 
 
@@ -156,7 +158,7 @@ def peers(*, settings: Settings, json: Json = False) -> None:
     """Providers, trainers and admins connected to the router."""
     s = settings
     with admin_client(s) as client:
-        rows = client.request(ListPeers()).peers
+        rows = views.peers(client)
     print_json(rows) if json else tables.peers(rows)
 
 

@@ -19,7 +19,8 @@ from libbus.connect.client import Client
 from libbus.errors import BusError
 from libbus.security.curve import curve_key_of
 from libbus.wire.fields import decode_frames, fields_of_info, is_xy
-from libbus.wire.messages import BatchRequest, BatchResponse, ListPeers, Resolve, Stats, frame_buffer
+from libbus.wire.messages import BatchRequest, BatchResponse, Resolve, frame_buffer
+from services import views
 
 from .common import SafeConsole, admin_client, fail, print_json
 
@@ -43,48 +44,9 @@ OUT_SUFFIXES = {".npz": "x, y and indices", ".npy": "the samples x only"}
 
 
 def list_datasets(settings: Settings) -> list[dict]:
-    """Every dataset a connected provider serves: ``[{dataset, providers: [{name, endpoint, host_id}], info,
-    decode_cache}]``.
-
-    ``info`` is the DatasetInfo the router holds from the first provider listing the dataset (every
-    provider of one name is expected to serve the same data). ``decode_cache``: per provider whose
-    decode cache holds this dataset, its counters for it and the whole cache's size and limit, as of
-    the provider's last heartbeat (``Stats``). Sorted by name.
-    """
+    """Every dataset a connected provider serves (:func:`services.views.datasets`)."""
     with admin_client(settings) as client:
-        peers = client.request(ListPeers()).peers
-        served: dict[str, list[dict]] = {}
-        for peer in sorted((p for p in peers if p["role"] == "provider"), key=lambda p: p["name"]):
-            for name in peer.get("datasets", []):
-                served.setdefault(name, []).append(
-                    {"name": peer["name"], "endpoint": peer.get("endpoint", ""), "host_id": peer.get("host_id", "")}
-                )
-        rows = []
-        for name in sorted(served):
-            # Resolve carries the DatasetInfo the provider registered in its Hello
-            resolved = client.request(Resolve(dataset=name))
-            rows.append({"dataset": name, "providers": resolved.providers or served[name], "info": resolved.info})
-        caches = _decode_caches(client.request(Stats()).services)
-    for row in rows:
-        row["decode_cache"] = {
-            provider: {
-                **cache["datasets"][row["dataset"]],
-                "cache_bytes": cache["bytes"],
-                "limit_bytes": cache["limit_bytes"],
-            }
-            for provider, cache in caches.items()
-            if row["dataset"] in cache.get("datasets", {})
-        }
-    return rows
-
-
-def _decode_caches(services: dict) -> dict[str, dict]:
-    """Provider name → its decode cache's stats, for the providers that run one."""
-    return {
-        row.get("name", key): row["decode_cache"]
-        for key, row in services.items()
-        if row.get("role") == "provider" and isinstance(row.get("decode_cache"), dict)
-    }
+        return views.datasets(client)
 
 
 def _decode_cache(caches: dict) -> list[str]:

@@ -22,10 +22,8 @@ from libbus.security.curve import curve_key_of
 from libbus.wire.messages import (
     ControlJob,
     GetJob,
-    GetJobLogs,
     GetJobSamples,
     GetModel,
-    ListJobs,
     LocateSamples,
     Ok,
     Resolve,
@@ -33,6 +31,7 @@ from libbus.wire.messages import (
     SubmitJob,
     frame_buffer,
 )
+from services import views
 
 from . import tables
 from .common import admin_client, echo, fail, guard, print_json, printable
@@ -196,11 +195,10 @@ def jobs(
 ) -> None:
     """List jobs, newest first, a page at a time (--limit, --offset)."""
     with admin_client(settings) as client:
-        reply = client.request(ListJobs(state=state, limit=limit, offset=offset))
-    rows = reply.jobs
+        rows, note = views.jobs(client, state, limit, offset)
     print_json(rows) if json else tables.jobs(rows)
-    if reply.note:  # the router cut the list to fit one reply
-        typer.echo(f"note: {reply.note}", err=True)
+    if note:  # the router cut the list to fit one reply
+        typer.echo(f"note: {note}", err=True)
 
 
 @job_app.command("show")
@@ -217,11 +215,10 @@ def job_show(
 ) -> None:
     """State, spec, progress, checkpoints, events and result of one job (events a page at a time)."""
     with admin_client(settings) as client:
-        reply = client.request(GetJob(job=job, progress=max(0, progress), events=events, offset=offset))
-    info = reply.job
+        info, note = views.job(client, job, progress, events, offset)
     print_json(info) if json else tables.job(info)
-    if reply.note:  # the router cut the history to fit one reply
-        typer.echo(f"note: {reply.note}", err=True)
+    if note:  # the router cut the history to fit one reply
+        typer.echo(f"note: {note}", err=True)
 
 
 def _control(job: str, command: JobCommand, args: dict, settings: Settings, json: bool) -> None:
@@ -338,16 +335,16 @@ def job_logs(
     after = 0
     with admin_client(settings) as client:
         while True:
-            reply = client.request(GetJobLogs(job=job, attempt=attempt, after=after))
+            reply = views.job_logs(client, job, attempt, after)
             if json:
-                print_json(reply.header())
+                print_json(reply)
             else:
-                if after == 0 and reply.dropped:
-                    typer.echo(f"[{reply.dropped} earlier line(s) of attempt {reply.attempt} no longer kept]")
-                for line in reply.lines:
+                if after == 0 and reply["dropped"]:
+                    typer.echo(f"[{reply['dropped']} earlier line(s) of attempt {reply['attempt']} no longer kept]")
+                for line in reply["lines"]:
                     typer.echo(printable(line, keep="\t"))
-            attempt, after = reply.attempt, reply.next
-            if reply.lines:
+            attempt, after = reply["attempt"], reply["next"]
+            if reply["lines"]:
                 continue
             if not follow:
                 return
@@ -420,10 +417,8 @@ def job_metrics(
     """A job's metrics as the router keeps them: its epoch records and its progress reports (step, running
     loss, samples/s, data wait and its split by cause); with --tensorboard DIR, as event files too."""
     with admin_client(settings) as client:
-        reply = client.request(GetJob(job=job, progress=reports, events=0))
-    info = reply.job
-    history = _epoch_records(info)
-    kept = info.get("progress_history") or []
+        metrics, info = views.job_metrics(client, job, reports)
+    history, kept = metrics["history"], metrics["reports"]
     run = None
     if tensorboard is not None:
         from libbus.jobs.tensorboard_events import export_job  # noqa: PLC0415 - tensorboardX imports torch
@@ -433,13 +428,13 @@ def job_metrics(
         except (OSError, ValueError) as err:
             fail(f"no TensorBoard events written: {err}", 2 if isinstance(err, FileExistsError) else 1)
     if json:
-        print_json({"job": job, "history": history, "reports": kept, "note": reply.note})
+        print_json(metrics)
     else:
         _print_metrics(info, history, kept)
         if run is not None:
             echo(f"TensorBoard events: {run} ({len(kept)} progress report(s), {len(history)} epoch record(s))")
-    if reply.note:  # the router cut the reports to fit one reply
-        typer.echo(f"note: {reply.note}", err=True)
+    if metrics["note"]:  # the router cut the reports to fit one reply
+        typer.echo(f"note: {metrics['note']}", err=True)
 
 
 def _print_metrics(info: dict, history: list[dict], kept: list[dict]) -> None:
@@ -456,15 +451,6 @@ def _print_metrics(info: dict, history: list[dict], kept: list[dict]) -> None:
             f"{tables.epoch_of(p):>6} {loss:>8} {f'{rate:.0f}' if isinstance(rate, (int, float)) else '-':>9} "
             f"{f'{wait:.1f}' if isinstance(wait, (int, float)) else '-':>6}  {tables.wait_split(p.get('data_wait_split'))}"
         )
-
-
-def _epoch_records(info: dict) -> list[dict]:
-    """The job's epoch records: its latest progress report's history, or its result's once it ended."""
-    for holder in (info.get("progress"), info.get("result")):
-        history = (holder or {}).get("history")
-        if isinstance(history, list) and history:
-            return [r for r in history if isinstance(r, dict)]
-    return []
 
 
 @job_app.command("watch")

@@ -17,7 +17,8 @@ import typer
 from libbus.config import Settings
 from libbus.errors import BadRequest
 from libbus.jobs.commands import JobCommand
-from libbus.wire.messages import ControlJob, GetStudy, ListStudies, Model, StopStudy, SubmitStudy, frame_buffer
+from libbus.wire.messages import ControlJob, GetStudy, Model, StopStudy, SubmitStudy, frame_buffer
+from services import views
 from services.router.study_store import StudyState
 
 from .common import admin_client, echo, fail, guard, print_json
@@ -80,7 +81,7 @@ def study_submit(
 def study_show(study: str, *, settings: Settings, json: Json = False) -> None:
     """A study's trials (job, params, state, objective value, epochs trained) and its best trial."""
     with admin_client(settings) as client:
-        info = client.request(GetStudy(study=study)).study
+        info = views.study(client, study)
     if json:
         print_json(info)
         return
@@ -203,7 +204,7 @@ def study_stop(study: str, *, settings: Settings, json: Json = False) -> None:
 def studies(*, settings: Settings, json: Json = False) -> None:
     """List studies, newest first."""
     with admin_client(settings) as client:
-        rows = client.request(ListStudies()).studies
+        rows = views.studies(client)
     if json:
         print_json(rows)
         return

@@ -11,6 +11,7 @@ from rich.table import Table
 from libbus.jobs.spec import BUILTIN_PARAMS
 from libbus.jobs.state import JobState
 from libbus.order.epochs import Cursor
+from services.views import epoch_index, refusals
 
 from . import scores
 from .common import SafeConsole
@@ -85,26 +86,11 @@ def result_lines(r: dict) -> list[str]:
     return lines
 
 
-def epoch_index(p: dict, succeeded: bool = False) -> int | None:
-    """The epoch a progress report is in, from 0 (``busctl job watch`` draws its bar): the epoch under way,
-    the last one once every epoch has run. A report counts the epochs done, from 0 (``epoch``: its train
-    loader's epoch, or without one the epochs it reported). Without a total (an entrypoint job that names
-    no ``epochs``) an epoch is over where the report says so: its step is that epoch's last, or, for a
-    job with no train loader, the job ``succeeded`` (its function returned after its last report)."""
-    epoch, epochs = p.get("epoch"), p.get("epochs")
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-        return None
-    if isinstance(epochs, int) and epochs > 0:
-        return min(epoch, epochs - 1)
-    per, step = p.get("steps_per_epoch"), p.get("step")
-    at_end = isinstance(per, int) and per > 0 and isinstance(step, int) and epoch >= 1 and step == epoch * per
-    return max(0, epoch - 1) if at_end or (succeeded and per is None) else epoch
-
-
-def epoch_of(p: dict, succeeded: bool = False) -> str:
-    """A progress report's epoch counted from 1, as ``busctl job watch`` draws it (:func:`epoch_index`):
-    ``N/M`` where the job says how many it trains, ``N`` where it does not (no total is made up)."""
-    index, epochs = epoch_index(p, succeeded), p.get("epochs")
+def epoch_of(p: dict, succeeded: bool = False, ended: bool = False) -> str:
+    """A progress report's epoch counted from 1, as ``busctl job watch`` draws it (:func:`epoch_index`; a job
+    that ``ended`` at an epoch's end shows that epoch): ``N/M`` where the job says how many it trains, ``N``
+    where it does not (no total is made up)."""
+    index, epochs = epoch_index(p, succeeded, ended), p.get("epochs")
     known = isinstance(epochs, int) and not isinstance(epochs, bool) and epochs > 0
     shown = "?" if index is None else str(index + 1)
     return f"{shown}/{epochs}" if known else shown
@@ -158,7 +144,8 @@ def jobs(rows: list[dict]) -> None:
     table = Table("job", "state", "dataset", "runs", "trainer", "progress", "result", "updated")
     for r in rows:
         p = r.get("progress") or {}
-        progress = f"epoch {epoch_of(p, succeeded=r['state'] == JobState.SUCCEEDED)}" if p else "-"
+        state = JobState(r["state"])
+        progress = f"epoch {epoch_of(p, state is JobState.SUCCEEDED, state.terminal)}" if p else "-"
         table.add_row(
             r["id"],
             r["state"],
@@ -205,7 +192,7 @@ def job(info: dict) -> None:
     p = info.get("progress") or {}
     if p:
         console.print(
-            f"progress: epoch {epoch_of(p, succeeded=info['state'] == JobState.SUCCEEDED)} step {p.get('step')} "
+            f"progress: epoch {epoch_of(p, info['state'] == JobState.SUCCEEDED, JobState(info['state']).terminal)} step {p.get('step')} "
             f"loss {_loss(p)} {p.get('samples_per_s', 0):.0f} samples/s "
             f"data wait {p.get('data_wait_pct', 0):.1f}%"
         )
@@ -263,14 +250,6 @@ def peers(rows: list[dict]) -> None:
             _ago(r.get("since")),
         )
     console.print(table)
-
-
-def refusals(counters: dict) -> dict[str, int]:
-    """A service's refusals by cause: each error code it answered with, and malformed messages."""
-    out = {k.removeprefix("error_"): v for k, v in counters.items() if k.startswith("error_") and v}
-    if counters.get("malformed"):
-        out["malformed"] = counters["malformed"]
-    return dict(sorted(out.items()))
 
 
 def queues(services: dict) -> None:

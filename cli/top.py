@@ -10,7 +10,6 @@ rich; it is pure, so a test reads what a terminal would show without one.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -21,167 +20,21 @@ from rich.table import Table
 from rich.text import Text
 
 from libbus.config import Settings
-from libbus.connect.client import Client
 from libbus.errors import BusError
 from libbus.jobs.state import JobState
-from libbus.wire.messages import ListJobs, ListPeers, Stats
+from services.views import frame
+from services.views import snapshot as collect
 
 from .common import SafeConsole, admin_client, print_json, printable
-from .tables import epoch_index, refusals, stage_tables, wait_split
+from .tables import stage_tables, wait_split
 
 __all__ = ["collect", "data_wait_cell", "frame", "render", "top_command"]
-
-#: Jobs that hold a trainer, listed with a progress bar.
-ACTIVE_STATES = (JobState.RUNNING, JobState.PAUSED)
-#: Queued jobs listed (the rest are counted).
-QUEUED_SHOWN = 5
-
-
-def collect(client: Client) -> dict:
-    """One snapshot: every service's Stats, the peers, the active and the first queued jobs."""
-    snapshot: dict[str, Any] = {
-        "at": time.time(),
-        "endpoint": client.endpoint,
-        "services": client.request(Stats(), retries=0).services,
-        "peers": client.request(ListPeers(), retries=0).peers,
-        "jobs": [],
-    }
-    for state in (*ACTIVE_STATES, JobState.QUEUED):
-        limit = QUEUED_SHOWN if state is JobState.QUEUED else 1000
-        snapshot["jobs"] += client.request(ListJobs(state=state, limit=limit), retries=0).jobs
-    return snapshot
-
-
-def _rate(now: float, before: float | None, dt: float | None) -> float | None:
-    """Per second between two counter readings; None without a previous one (or after a restart)."""
-    if before is None or not dt or dt <= 0 or now < before:
-        return None
-    return (now - before) / dt
-
-
-def _served(stats: dict) -> dict[str, int]:
-    """A provider's totals over its datasets: samples, batches, bytes, evaluations."""
-    total = {"samples": 0, "batches": 0, "bytes": 0, "evaluations": 0}
-    for counters in (stats.get("datasets") or {}).values():
-        for key in total:
-            total[key] += int(counters.get(key, 0))
-    return total
-
-
-def _row(services: dict, peer: dict) -> dict | None:
-    """A peer's Stats row: its session's (the router keys rows by token subject, not by name; a
-    router before that keyed them by name)."""
-    row = next((r for r in services.values() if peer.get("session") and r.get("session") == peer["session"]), None)
-    return row if row is not None else services.get(peer["name"])
-
-
-def frame(snapshot: dict, previous: dict | None) -> dict:
-    """The frame model: what one refresh shows, as plain data (``busctl top --once --json``)."""
-    services, peers = snapshot["services"], snapshot["peers"]
-    before = (previous or {}).get("services", {})
-    dt = snapshot["at"] - previous["at"] if previous else None
-    router = services.get("router", {})
-    providers = []
-    for peer in sorted((p for p in peers if p["role"] == "provider"), key=lambda p: p["name"]):
-        stats = _row(services, peer) or {}
-        served = _served(stats)
-        old = _row(before, peer)
-        earlier = _served(old)["samples"] if old is not None else None
-        refused = refusals(stats.get("counters", {}))
-        for cause, n in (stats.get("refused") or {}).items():
-            refused[cause] = refused.get(cause, 0) + n
-        providers.append(
-            {
-                "name": peer["name"],
-                "endpoint": peer.get("endpoint"),
-                "datasets": peer.get("datasets", []),
-                **served,
-                "samples_per_s": _rate(served["samples"], earlier, dt),
-                "sessions": stats.get("sessions"),
-                "refused": refused,
-                "evaluations_running": stats.get("evaluations_running", 0),
-            }
-        )
-    active = [j for j in snapshot["jobs"] if j["state"] in ACTIVE_STATES]
-    by_trainer = {j["trainer"]: j for j in active if j.get("trainer")}
-    trainers = []
-    for peer in sorted((p for p in peers if p["role"] == "trainer"), key=lambda p: p["name"]):
-        stats = _row(services, peer) or {}
-        job = by_trainer.get(peer["name"])
-        p = (job or {}).get("progress") or {}
-        trainers.append(
-            {
-                "name": peer["name"],
-                "job": job["id"] if job else stats.get("job"),
-                "state": job["state"] if job else "idle",
-                "epoch": _epoch(p),
-                "epochs": p.get("epochs"),
-                "step": p.get("step"),
-                "loss": p.get("loss"),
-                "samples": p.get("samples"),
-                "samples_per_s": p.get("samples_per_s"),
-                "data_wait_pct": p.get("data_wait_pct"),
-                "data_wait_slowest": p.get("data_wait_slowest") or (p.get("data_wait_split") or {}).get("slowest"),
-                "data_wait_split": p.get("data_wait_split"),
-                "transport": p.get("transport"),
-                "tasks": stats.get("tasks", {}),
-            }
-        )
-    jobs = [_job_row(j) for j in active]
-    return {
-        "at": snapshot["at"],
-        "router": {
-            "endpoint": snapshot.get("endpoint"),
-            "peers": router.get("peers", {}),
-            "sessions": router.get("sessions"),
-        },
-        "job_counts": router.get("jobs", {}),
-        "providers": providers,
-        "trainers": trainers,
-        "jobs": jobs,
-        "queued": [
-            {
-                "id": j["id"],
-                "dataset": j["spec"]["dataset"],
-                "model": j["spec"]["model"],
-                "priority": j.get("priority", 0),
-            }
-            for j in snapshot["jobs"]
-            if j["state"] == JobState.QUEUED
-        ],
-        "pipelines": {name: s["pipelines"] for name, s in services.items() if s.get("pipelines")},
-    }
-
-
-def _epoch(p: dict) -> int | None:
-    """The 1-based epoch being trained (a finished last epoch stays the last; :func:`.tables.epoch_index`)."""
-    index = epoch_index(p)
-    return None if index is None else index + 1
 
 
 def _epoch_cell(epoch: int | None, epochs: int | None) -> str:
     """``N/M``, ``N`` where the job names no total (an entrypoint without an epochs param); ``-`` for N not begun."""
     shown = "-" if epoch is None else str(epoch)
     return f"{shown}/{epochs}" if epochs else shown
-
-
-def _job_row(job: dict) -> dict:
-    p = job.get("progress") or {}
-    total = (p.get("epochs") or 0) * (p.get("steps_per_epoch") or 0)
-    return {
-        "id": job["id"],
-        "state": job["state"],
-        "trainer": job.get("trainer"),
-        "dataset": job["spec"]["dataset"],
-        "model": job["spec"]["model"],
-        "epoch": _epoch(p),
-        # the report's total (none for an entrypoint that names none); the spec's for a built-in job not begun
-        "epochs": p.get("epochs") if p else None if job["spec"].get("entrypoint") else job["spec"]["epochs"],
-        "step": p.get("step", 0),
-        "total_steps": total or None,
-        "loss": p.get("loss"),
-        "fraction": min(1.0, p.get("step", 0) / total) if total else 0.0,
-    }
 
 
 def data_wait_cell(t: dict) -> str:

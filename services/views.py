@@ -1,0 +1,355 @@
+"""What an administrator's read requests show, as plain data: one code path for ``busctl``'s ``--json``
+output and ``busctl web``'s JSON endpoints, so the two never disagree.
+
+Each function takes a connected :class:`~libbus.connect.client.Client` (an admin session: the router
+cuts every answer to the token's scopes) and returns dicts and lists of JSON values. Nothing here
+prints or formats for a terminal; ``cli/`` draws tables from these, ``services/web`` serves them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from libbus.connect.client import Client
+from libbus.jobs.state import JobState
+from libbus.wire.messages import GetJob, GetJobLogs, GetStudy, ListJobs, ListPeers, ListStudies, Resolve, Stats
+
+__all__ = [
+    "ACTIVE_STATES",
+    "QUEUED_SHOWN",
+    "datasets",
+    "epoch_index",
+    "epoch_records",
+    "frame",
+    "job",
+    "job_logs",
+    "job_metrics",
+    "jobs",
+    "peers",
+    "refusals",
+    "snapshot",
+    "stats",
+    "studies",
+    "study",
+    "test_scores",
+]
+
+#: Jobs that hold a trainer (``busctl top`` lists them with a progress bar).
+ACTIVE_STATES = (JobState.RUNNING, JobState.PAUSED)
+#: Queued jobs a snapshot lists (the rest are counted).
+QUEUED_SHOWN = 5
+
+
+# -- jobs ------------------------------------------------------------------------------------------
+
+
+def jobs(client: Client, state: str | None = None, limit: int = 50, offset: int = 0) -> tuple[list[dict], str]:
+    """Jobs newest first, ``limit`` after the ``offset`` newest (``busctl jobs --json``), and the router's
+    note when it cut the list to fit one reply ("" otherwise)."""
+    reply = client.request(ListJobs(state=state, limit=limit, offset=offset))
+    return reply.jobs, reply.note
+
+
+def job(client: Client, job_id: str, progress: int = 0, events: int = 200, offset: int = 0) -> tuple[dict, str]:
+    """One job's record (``busctl job show --json``): with ``progress`` > 0 its last progress reports
+    (``progress_history``), its newest ``events`` events after ``offset``; and the router's note."""
+    reply = client.request(GetJob(job=job_id, progress=max(0, progress), events=events, offset=offset))
+    return reply.job, reply.note
+
+
+def job_logs(client: Client, job_id: str, attempt: int = -1, after: int = 0) -> dict:
+    """Output lines of one attempt from line ``after`` on (``busctl job logs --json``): ``lines``, ``next``
+    (the ``after`` of the lines that follow), ``dropped``, ``attempt``, ``attempts``."""
+    reply = client.request(GetJobLogs(job=job_id, attempt=attempt, after=after)).header()
+    reply.pop("id", None)  # the request's number on this connection: nothing of the job's
+    return reply
+
+
+def epoch_records(info: dict) -> list[dict]:
+    """The job's epoch records: its latest progress report's history, or its result's once it ended."""
+    for holder in (info.get("progress"), info.get("result")):
+        history = (holder or {}).get("history")
+        if isinstance(history, list) and history:
+            return [r for r in history if isinstance(r, dict)]
+    return []
+
+
+def job_metrics(client: Client, job_id: str, reports: int = 1000) -> tuple[dict, dict]:
+    """A job's metrics (``busctl job metrics --json``): ``{job, history, reports, note}``, its epoch
+    records and its newest ``reports`` progress reports; and the job's record they came with."""
+    info, note = job(client, job_id, progress=reports, events=0)
+    metrics = {
+        "job": job_id,
+        "history": epoch_records(info),
+        "reports": info.get("progress_history") or [],
+        "note": note,
+    }
+    return metrics, info
+
+
+def test_scores(result: dict | None) -> dict[str, dict]:
+    """A result's private-test scores with their noise's margin at 95% (``busctl job show`` prints them so):
+    metric → ``{value, margin}``; ``margin`` 0 for an exact score, None where the provider did not
+    report its noise."""
+    r = result or {}
+    metrics = ["accuracy", "loss", *(r.get("test_metrics") or {})]
+    epsilon, n = r.get("test_epsilon"), r.get("test_n")
+    out = {}
+    for metric in metrics:
+        value = r.get(f"test_{metric}", (r.get("test_metrics") or {}).get(metric))
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        margin: float | None = None
+        if isinstance(epsilon, (int, float)) and isinstance(n, int):
+            from services.provider.release import margin as noise_margin  # noqa: PLC0415 - numpy, only when shown
+
+            margin = 0.0 if epsilon <= 0 else noise_margin(metric, n, float(epsilon))
+        out[metric] = {"value": value, "margin": margin}
+    return out
+
+
+def epoch_index(p: dict, succeeded: bool = False, ended: bool = False) -> int | None:
+    """The epoch a progress report is in, from 0 (``busctl job watch`` draws its bar): the epoch under way,
+    the last one once every epoch has run. A report counts the epochs done, from 0 (``epoch``: its train
+    loader's epoch, or without one the epochs it reported). Without a total (an entrypoint job that names
+    no ``epochs``) an epoch is over where the report says so: its step is that epoch's last, or, for a
+    job with no train loader, the job ``succeeded`` (its function returned after its last report).
+
+    A job that ``ended`` (stopped, pruned, failed or succeeded) at an epoch's end is in no later epoch: a
+    trial pruned at its first epoch's report trained 1 epoch of 3, not 2. Its end is an epoch's where its
+    step is that epoch's last, or, with no train loader, where it had reported every epoch it counts."""
+    epoch, epochs = p.get("epoch"), p.get("epochs")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        return None
+    total = epochs if isinstance(epochs, int) and not isinstance(epochs, bool) and epochs > 0 else None
+    per, step, history = p.get("steps_per_epoch"), p.get("step"), p.get("history")
+    at_end = isinstance(per, int) and per > 0 and isinstance(step, int) and epoch >= 1 and step == epoch * per
+    if (ended or succeeded) and epoch >= 1:
+        reported_all = per is None and isinstance(history, list) and len(history) >= epoch
+        if at_end or reported_all or (succeeded and per is None):
+            return min(epoch, total) - 1 if total is not None else epoch - 1
+    if total is not None:
+        return min(epoch, total - 1)
+    return max(0, epoch - 1) if at_end or (succeeded and per is None) else epoch
+
+
+# -- studies ---------------------------------------------------------------------------------------
+
+
+def studies(client: Client) -> list[dict]:
+    """Studies, newest first (``busctl studies --json``)."""
+    return client.request(ListStudies()).studies
+
+
+def study(client: Client, study_id: str) -> dict:
+    """A study: its trials, their params, states, values and reports, and its best (``busctl study show --json``)."""
+    return client.request(GetStudy(study=study_id)).study
+
+
+# -- the cluster -----------------------------------------------------------------------------------
+
+
+def peers(client: Client) -> list[dict]:
+    """Providers, trainers and admins connected to the router (``busctl peers --json``)."""
+    return client.request(ListPeers()).peers
+
+
+def stats(client: Client) -> dict:
+    """Every service's queue and traffic metrics, as carried on heartbeats (``busctl queues --json``)."""
+    return client.request(Stats()).services
+
+
+def datasets(client: Client) -> list[dict]:
+    """Every dataset a connected provider serves (``busctl datasets --json``): ``[{dataset, providers:
+    [{name, endpoint, host_id}], info, decode_cache}]``, sorted by name.
+
+    ``info`` is the DatasetInfo the router holds from the first provider listing the dataset (every
+    provider of one name is expected to serve the same data). ``decode_cache``: per provider whose
+    decode cache holds this dataset, its counters for it and the whole cache's size and limit, as of
+    the provider's last heartbeat (``Stats``).
+    """
+    served: dict[str, list[dict]] = {}
+    for peer in sorted((p for p in peers(client) if p["role"] == "provider"), key=lambda p: p["name"]):
+        for name in peer.get("datasets", []):
+            served.setdefault(name, []).append(
+                {"name": peer["name"], "endpoint": peer.get("endpoint", ""), "host_id": peer.get("host_id", "")}
+            )
+    rows = []
+    for name in sorted(served):
+        # Resolve carries the DatasetInfo the provider registered in its Hello
+        resolved = client.request(Resolve(dataset=name))
+        rows.append({"dataset": name, "providers": resolved.providers or served[name], "info": resolved.info})
+    caches = _decode_caches(stats(client))
+    for row in rows:
+        row["decode_cache"] = {
+            provider: {
+                **cache["datasets"][row["dataset"]],
+                "cache_bytes": cache["bytes"],
+                "limit_bytes": cache["limit_bytes"],
+            }
+            for provider, cache in caches.items()
+            if row["dataset"] in cache.get("datasets", {})
+        }
+    return rows
+
+
+def _decode_caches(services: dict) -> dict[str, dict]:
+    """Provider name → its decode cache's stats, for the providers that run one."""
+    return {
+        row.get("name", key): row["decode_cache"]
+        for key, row in services.items()
+        if row.get("role") == "provider" and isinstance(row.get("decode_cache"), dict)
+    }
+
+
+def refusals(counters: dict) -> dict[str, int]:
+    """A service's refusals by cause: each error code it answered with, and malformed messages."""
+    out = {k.removeprefix("error_"): v for k, v in counters.items() if k.startswith("error_") and v}
+    if counters.get("malformed"):
+        out["malformed"] = counters["malformed"]
+    return dict(sorted(out.items()))
+
+
+# -- a snapshot of everything, and the frame of busctl top -----------------------------------------
+
+
+def snapshot(client: Client) -> dict:
+    """One snapshot: every service's Stats, the peers, the active and the first queued jobs."""
+    taken: dict[str, Any] = {
+        "at": time.time(),
+        "endpoint": client.endpoint,
+        "services": client.request(Stats(), retries=0).services,
+        "peers": client.request(ListPeers(), retries=0).peers,
+        "jobs": [],
+    }
+    for state in (*ACTIVE_STATES, JobState.QUEUED):
+        limit = QUEUED_SHOWN if state is JobState.QUEUED else 1000
+        taken["jobs"] += client.request(ListJobs(state=state, limit=limit), retries=0).jobs
+    return taken
+
+
+def _rate(now: float, before: float | None, dt: float | None) -> float | None:
+    """Per second between two counter readings; None without a previous one (or after a restart)."""
+    if before is None or not dt or dt <= 0 or now < before:
+        return None
+    return (now - before) / dt
+
+
+def _served(stats: dict) -> dict[str, int]:
+    """A provider's totals over its datasets: samples, batches, bytes, evaluations."""
+    total = {"samples": 0, "batches": 0, "bytes": 0, "evaluations": 0}
+    for counters in (stats.get("datasets") or {}).values():
+        for key in total:
+            total[key] += int(counters.get(key, 0))
+    return total
+
+
+def _row(services: dict, peer: dict) -> dict | None:
+    """A peer's Stats row: its session's (the router keys rows by token subject, not by name; a
+    router before that keyed them by name)."""
+    row = next((r for r in services.values() if peer.get("session") and r.get("session") == peer["session"]), None)
+    return row if row is not None else services.get(peer["name"])
+
+
+def frame(taken: dict, previous: dict | None) -> dict:
+    """The frame model of a snapshot, rates against ``previous`` (``busctl top --once --json``):
+    the router, job counts, providers (with samples/s), trainers, active and queued jobs, pipelines."""
+    services, peer_rows = taken["services"], taken["peers"]
+    before = (previous or {}).get("services", {})
+    dt = taken["at"] - previous["at"] if previous else None
+    router = services.get("router", {})
+    providers = []
+    for peer in sorted((p for p in peer_rows if p["role"] == "provider"), key=lambda p: p["name"]):
+        row = _row(services, peer) or {}
+        served = _served(row)
+        old = _row(before, peer)
+        earlier = _served(old)["samples"] if old is not None else None
+        refused = refusals(row.get("counters", {}))
+        for cause, n in (row.get("refused") or {}).items():
+            refused[cause] = refused.get(cause, 0) + n
+        providers.append(
+            {
+                "name": peer["name"],
+                "endpoint": peer.get("endpoint"),
+                "datasets": peer.get("datasets", []),
+                **served,
+                "samples_per_s": _rate(served["samples"], earlier, dt),
+                "sessions": row.get("sessions"),
+                "refused": refused,
+                "evaluations_running": row.get("evaluations_running", 0),
+            }
+        )
+    active = [j for j in taken["jobs"] if j["state"] in ACTIVE_STATES]
+    by_trainer = {j["trainer"]: j for j in active if j.get("trainer")}
+    trainers = []
+    for peer in sorted((p for p in peer_rows if p["role"] == "trainer"), key=lambda p: p["name"]):
+        row = _row(services, peer) or {}
+        held = by_trainer.get(peer["name"])
+        p = (held or {}).get("progress") or {}
+        trainers.append(
+            {
+                "name": peer["name"],
+                "job": held["id"] if held else row.get("job"),
+                "state": held["state"] if held else "idle",
+                "epoch": _epoch(p),
+                "epochs": p.get("epochs"),
+                "step": p.get("step"),
+                "loss": p.get("loss"),
+                "samples": p.get("samples"),
+                "samples_per_s": p.get("samples_per_s"),
+                "data_wait_pct": p.get("data_wait_pct"),
+                "data_wait_slowest": p.get("data_wait_slowest") or (p.get("data_wait_split") or {}).get("slowest"),
+                "data_wait_split": p.get("data_wait_split"),
+                "transport": p.get("transport"),
+                "tasks": row.get("tasks", {}),
+            }
+        )
+    return {
+        "at": taken["at"],
+        "router": {
+            "endpoint": taken.get("endpoint"),
+            "peers": router.get("peers", {}),
+            "sessions": router.get("sessions"),
+        },
+        "job_counts": router.get("jobs", {}),
+        "providers": providers,
+        "trainers": trainers,
+        "jobs": [_job_row(j) for j in active],
+        "queued": [
+            {
+                "id": j["id"],
+                "dataset": j["spec"]["dataset"],
+                "model": j["spec"]["model"],
+                "priority": j.get("priority", 0),
+            }
+            for j in taken["jobs"]
+            if j["state"] == JobState.QUEUED
+        ],
+        "pipelines": {name: s["pipelines"] for name, s in services.items() if s.get("pipelines")},
+    }
+
+
+def _epoch(p: dict) -> int | None:
+    """The 1-based epoch being trained (a finished last epoch stays the last; :func:`epoch_index`)."""
+    index = epoch_index(p)
+    return None if index is None else index + 1
+
+
+def _job_row(row: dict) -> dict:
+    p = row.get("progress") or {}
+    total = (p.get("epochs") or 0) * (p.get("steps_per_epoch") or 0)
+    return {
+        "id": row["id"],
+        "state": row["state"],
+        "trainer": row.get("trainer"),
+        "dataset": row["spec"]["dataset"],
+        "model": row["spec"]["model"],
+        "epoch": _epoch(p),
+        # the report's total (none for an entrypoint that names none); the spec's for a built-in job not begun
+        "epochs": p.get("epochs") if p else None if row["spec"].get("entrypoint") else row["spec"]["epochs"],
+        "step": p.get("step", 0),
+        "total_steps": total or None,
+        "loss": p.get("loss"),
+        "fraction": min(1.0, p.get("step", 0) / total) if total else 0.0,
+    }
