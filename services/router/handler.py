@@ -529,7 +529,7 @@ class RouterHandler(Decisions, Handler):
         served = session.hello.caps.get("datasets", {})
         if msg.dataset not in served:
             raise Forbidden(
-                f"provider {session.name} did not register {msg.dataset!r} (its Hello serves "
+                f"provider {session.name} did not register {msg.dataset[:128]!r} (its Hello serves "
                 f"{', '.join(sorted(served)) or 'nothing'}); only a dataset's providers spend its "
                 "evaluations and learn its noise key"
             )
