@@ -34,7 +34,7 @@ from libbus.jobs.state import JobState
 from libbus.loader.remote import RemoteLoader
 from libbus.security.auth import ensure_secret, issue_token
 from libbus.wire.messages import GetJob, Resolve, SubmitJob
-from services.trainer.audit import digest, effective_epochs
+from services.trainer.attempt.audit import digest, effective_epochs
 from shm.names import SHM_DIR, parse_name
 
 REPO = Path(__file__).resolve().parents[1]

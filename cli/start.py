@@ -188,7 +188,7 @@ def start_trainer(
     ] = None,
 ) -> None:
     """Take jobs from the router and train them on batches pulled from providers."""
-    from services.trainer.app import run_trainer
+    from services.trainer.service.app import run_trainer
 
     s = settings_from(
         config,

@@ -155,7 +155,7 @@ def raw_dealer(make_token):
 @pytest.fixture
 def trainer(make_settings, router, state_dir):
     """A trainer service on its own thread, registered with the router, stopped after the test."""
-    from services.trainer.app import TrainerService
+    from services.trainer.service.app import TrainerService
 
     # audit_dir: every sample it trains on is logged, so a test can check each epoch saw the dataset once
     service = TrainerService(
@@ -174,7 +174,7 @@ def trainer(make_settings, router, state_dir):
 def entry_trainer(make_settings, router):
     """A trainer service (on its own thread) whose operator allows the tests' entrypoints
     (tests/support/entrypoints.py): each attempt runs in a child process of this test's process."""
-    from services.trainer.app import TrainerService
+    from services.trainer.service.app import TrainerService
 
     service = TrainerService(
         make_settings(router=router.endpoint, name="trainer-entry", job_modules=["tests.support.entrypoints"])

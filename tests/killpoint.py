@@ -42,7 +42,8 @@ IN_ATTEMPT = ("validation", "test_eval")
 
 
 def plant(point: str, nth: int) -> None:
-    from services.trainer import app, attempt
+    from services.trainer.service import app
+    from services.trainer.service import attempt_run as attempt
 
     count = {"n": 0}
 
@@ -83,7 +84,7 @@ def plant(point: str, nth: int) -> None:
 def plant_in_attempt(point: str, nth: int, trainer: int) -> None:
     """In the fork server of ``trainer``'s attempts: its attempt kills the trainer (and so itself,
     which dies with it) the ``nth`` time it reaches ``point``, as a trainer killed there would be."""
-    from services.trainer import builtin, child
+    from services.trainer.attempt import builtin, child
 
     count = {"n": 0}
 

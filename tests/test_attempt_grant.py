@@ -21,13 +21,8 @@ from libbus.connect.client import Client, Identity
 from libbus.errors import AuthInvalid, ConfigError, Forbidden
 from libbus.security.auth import issue_token, load_secret, verify_token
 from libbus.wire.messages import DatasetInfoRequest, Evaluate, GetTask, Grant, RenewGrant, SubmitJob, Task
-from services.trainer.grant import (
-    CREDENTIAL_VARIABLES,
-    WITHHELD,
-    GrantSource,
-    attempt_settings,
-    withhold_environment,
-)
+from services.trainer.grant import CREDENTIAL_VARIABLES, WITHHELD, GrantSource, withhold_environment
+from services.trainer.service.attempt_settings import attempt_settings
 from tests.support.jobs import EntryCluster
 
 CLUSTER = "batchbus"

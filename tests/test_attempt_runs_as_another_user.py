@@ -98,7 +98,7 @@ def test_an_attempt_run_as_another_user_reads_none_of_the_trainers_files_and_tra
     out.mkdir()
     out.chmod(0o777)
 
-    from services.trainer.app import TrainerService
+    from services.trainer.service.app import TrainerService
 
     trainer = TrainerService(
         make_settings(

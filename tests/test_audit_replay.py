@@ -1,4 +1,4 @@
-"""The audit's replay (services/trainer/audit.py ``effective_epochs``): what the final model trained on,
+"""The audit's replay (services/trainer/attempt/audit.py ``effective_epochs``): what the final model trained on,
 told from the attempts' own files, whatever their timing.
 
 The suite's exactly-once checks rest on it; a replay that drops a rank's batch calls a correct run wrong,
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import orjson
 
-from services.trainer.audit import effective_epochs
+from services.trainer.attempt.audit import effective_epochs
 
 JOB = "j1"
 

@@ -1,4 +1,4 @@
-"""Checkpoints on disk (services/trainer/checkpoint.py) and the job store's leases and retries."""
+"""Checkpoints on disk (services/trainer/attempt/checkpoint.py) and the job store's leases and retries."""
 
 import hashlib
 import random
@@ -16,8 +16,8 @@ from libbus.errors import BadRequest
 from libbus.jobs.spec import JobSpec
 from libbus.order.epochs import Cursor
 from services.router.store import JobStore
-from services.trainer.builtin import restore_into
-from services.trainer.checkpoint import (
+from services.trainer.attempt.builtin import restore_into
+from services.trainer.attempt.checkpoint import (
     FORMAT,
     CheckpointError,
     checkpoint_model,

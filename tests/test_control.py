@@ -1,4 +1,4 @@
-"""The trainer's command handling (services/trainer/control.py) against the one list of job commands
+"""The trainer's command handling (services/trainer/attempt/control.py) against the one list of job commands
 (libbus/jobs/commands.py): every command the router accepts from an admin is applied and acknowledged,
 each ``seq`` once, and a name the trainer does not know is logged and ignored, never half-applied."""
 
@@ -14,7 +14,7 @@ from libbus.errors import BadRequest
 from libbus.jobs.commands import ADMIN_COMMANDS, JobCommand
 from libbus.jobs.state import JobState
 from libbus.wire.messages import Command, CommandAck
-from services.trainer.control import Controls, Stopped
+from services.trainer.attempt.control import Controls, Stopped
 
 
 class _Outbox:
@@ -100,6 +100,6 @@ def test_a_command_the_trainer_does_not_know_is_logged_and_ignored(caplog):
     outbox, commands = _Outbox(), queue.Queue()
     controls = _controls(outbox, commands)
     commands.put(Command(job="j1", command="explode", seq=1))
-    with caplog.at_level(logging.WARNING, logger="services.trainer.control"):
+    with caplog.at_level(logging.WARNING, logger="services.trainer.attempt.control"):
         controls.check()
     assert outbox.sent == [] and "unknown command 'explode' ignored" in caplog.text

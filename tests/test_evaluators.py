@@ -35,7 +35,7 @@ from libbus.wire.messages import (
 from services.models import build_model
 from services.provider.release import EXACT, Release, bits_per_evaluation
 from services.provider.sources import open_source
-from services.trainer.final_eval import score_saved
+from services.trainer.attempt.final_eval import score_saved
 from services.usercode import module_allowed
 from tests.support.busctl import REPO
 from tests.support.cluster import Cluster
@@ -308,7 +308,7 @@ def test_a_final_evaluation_is_sent_again_to_a_provider_killed_and_restarted_at_
     """As an audit's probe did it: the provider is killed (SIGKILL: no reply goes out) during a
     final evaluation and restarted on the same endpoint; the trainer finds its session forgotten and
     sends the weights again, instead of waiting out 300 s."""
-    caplog.set_level(logging.WARNING, logger="services.trainer.final_eval")
+    caplog.set_level(logging.WARNING, logger="services.trainer.attempt.final_eval")
     hold = tmp_path / "hold"
     hold.touch()
     cluster = Cluster(

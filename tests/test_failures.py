@@ -6,8 +6,8 @@ import torch
 
 from libbus.errors import BadRequest, NotFound, PeerTimeout
 from libbus.jobs.spec import JobSpec
+from services.trainer.attempt.gang import GangError
 from services.trainer.failures import describe_failure, deterministic, failed_attempt
-from services.trainer.gang import GangError
 
 
 def test_hints_name_the_field_to_change():

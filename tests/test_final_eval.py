@@ -10,7 +10,7 @@ from libbus.connect.client import Identity
 from libbus.jobs.spec import JobSpec
 from libbus.wire.messages import Resolve
 from services.models import build_model
-from services.trainer.final_eval import score_final
+from services.trainer.attempt.final_eval import score_final
 
 
 def test_final_evaluations_beyond_the_providers_queue_wait_their_turn(

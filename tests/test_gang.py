@@ -2,7 +2,7 @@
 serves trainers only the datasets of their jobs, and two `busctl start trainer` subprocesses that
 train together through torch.distributed (gloo, CPU).
 
-The trainers audit every batch they train on (services/trainer/audit.py): per epoch, rank 0 and
+The trainers audit every batch they train on (services/trainer/attempt/audit.py): per epoch, rank 0 and
 rank 1 must have read disjoint shards whose union is the train split. Rank 1 keeps its final
 weights in its own checkpoint directory; they must equal rank 0's, which the job's result names.
 Then a gang is paused, checkpointed, stopped and resumed (its final weights equal an uninterrupted
@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.trainer.audit import effective_epochs
+from services.trainer.attempt.audit import effective_epochs
 from tests.support.jobs import SPEC, JobCluster, final_weights
 
 GANG = {**SPEC, "epochs": 2, "world_size": 2}

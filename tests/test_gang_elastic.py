@@ -15,7 +15,7 @@ from libbus.jobs.spec import MAX_WORLD_SIZE, JobSpec
 from libbus.wire.messages import NoTask, Task
 from services.router.gangs import Gangs
 from services.router.store import JobStore
-from services.trainer.audit import effective_epochs
+from services.trainer.attempt.audit import effective_epochs
 from tests.support.jobs import SPEC, JobCluster
 
 ELASTIC = {"dataset": "mnist", "elastic": True, "min_world_size": 1, "max_world_size": 2}

@@ -22,7 +22,7 @@ from libbus.constants import MAX_HEADER_BYTES
 from libbus.errors import TooLarge
 from libbus.wire.messages import JobLog, JobLogs, Stats, encode
 from services.router.logs import JobOutput
-from services.trainer.attempt import MAX_LINE_BYTES, AttemptLog, read_lines
+from services.trainer.service.attempt_run import MAX_LINE_BYTES, AttemptLog, read_lines
 from tests.support.jobs import EntryCluster
 
 CYRILLIC = "Ж" * 3000

@@ -1,4 +1,4 @@
-"""The job API refuses a wrong call (services/trainer/jobapi.py) with a ``BadRequest`` that says what is
+"""The job API refuses a wrong call (services/trainer/attempt/jobapi.py) with a ``BadRequest`` that says what is
 wrong, before it counts a step, a report or a checkpoint; the function may catch it and go on.
 Run as a real entrypoint job (tests/support/entrypoints.py:misuse) on a real trainer."""
 

@@ -5,7 +5,7 @@ subprocesses on one SQLite file, killed with SIGKILL (trainer, router, provider)
 Every job here trains an MLP on mock://mnist?n=600 (shuffle full). Trainers run with an audit
 directory: each batch they train on is logged as per-sample digests of the bytes they received, so
 a test can check that the final model saw every training sample exactly once per epoch, whatever
-died on the way (services/trainer/audit.py replays resumed attempts).
+died on the way (services/trainer/attempt/audit.py replays resumed attempts).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 
 from libbus.errors import BadRequest
 from libbus.order.epochs import Cursor
-from services.trainer.audit import effective_epochs
-from services.trainer.checkpoint import load_state
+from services.trainer.attempt.audit import effective_epochs
+from services.trainer.attempt.checkpoint import load_state
 from tests.support import busctl
 from tests.support.jobs import SPEC, JobCluster, final_weights
 

@@ -243,6 +243,44 @@ def test_the_decode_cache_imports_only_its_lower_parts_and_no_pipeline():
     assert not wrong, "the decode cache reaches above its floor:\n" + "\n".join(wrong)
 
 
+TRAINER = "services.trainer"
+SERVICE, ATTEMPT = f"{TRAINER}.service", f"{TRAINER}.attempt"
+#: The one module of the attempt's folder the service names: the child's target, importing the rest only in the child.
+ATTEMPT_ENTRY = f"{ATTEMPT}.entry"
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_the_trainers_two_processes_are_two_folders():
+    """``trainer/service/`` (the trainer service: its router link and credentials) and ``trainer/attempt/``
+    (the child process that runs the job's code) meet only at ``attempt/entry.py``: nothing the attempt
+    imports, however indirectly, is the service's, and what both use (``trainer/*.py``) imports neither."""
+    modules = _modules()
+    trainer = [n for n in modules if _under(n, TRAINER)]
+    assert f"{SERVICE}.app" in modules and f"{ATTEMPT}.child" in modules and ATTEMPT_ENTRY in modules
+    shared = [n for n in trainer if n != TRAINER and not (_under(n, SERVICE) or _under(n, ATTEMPT))]
+    wrong = []
+    for name in trainer:
+        for target, _, line in _imports(name):
+            where = f"{modules[name].relative_to(REPO)}:{line} imports {target}"
+            if _under(name, ATTEMPT) and _under(target, SERVICE):
+                wrong.append(where)
+            elif _under(name, SERVICE) and _under(target, ATTEMPT) and target not in (ATTEMPT, ATTEMPT_ENTRY):
+                wrong.append(where)
+            elif name in shared and (_under(target, SERVICE) or _under(target, ATTEMPT)):
+                wrong.append(where)
+    assert not wrong, "the trainer's process boundary is crossed:\n" + "\n".join(wrong)
+    reach, todo = set(), [n for n in trainer if _under(n, ATTEMPT)]
+    while todo:
+        for target in _edges()[todo.pop()]:
+            if target not in reach:
+                reach.add(target)
+                todo.append(target)
+    assert not sorted(n for n in reach if _under(n, SERVICE)), "an attempt reaches the trainer service's modules"
+
+
 def test_a_provider_starts_without_torch():
     """A provider imports torch only when it evaluates a model (lazily, services/provider/evaluator.py):
     a data node starts in a fraction of a second and without torch's few hundred MB (seen: 1.7 s and

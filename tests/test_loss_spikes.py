@@ -13,8 +13,8 @@ import pytest
 from libbus.errors import BadRequest, Forbidden
 from libbus.jobs.spec import JobSpec, SpikeSpec
 from libbus.wire.messages import GetJob, GetTask, SkipJob, SubmitJob
-from services.trainer.audit import effective_epochs
-from services.trainer.spike import SpikeDetector
+from services.trainer.attempt.audit import effective_epochs
+from services.trainer.attempt.spike import SpikeDetector
 from tests.support.jobs import SPEC, EntryCluster
 
 #: Train samples of the test dataset, and the batches (of 16, in file order) whose samples are x 1e5.

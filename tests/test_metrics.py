@@ -123,7 +123,7 @@ def test_busctl_start_takes_metrics_bind(tmp_path):
 
 
 def test_trainer_exports_its_link_and_jobs(router, make_settings):
-    from services.trainer.app import TrainerService
+    from services.trainer.service.app import TrainerService
 
     service = TrainerService(make_settings(router=router.endpoint, name="trainer-m", metrics_bind="127.0.0.1:0"))
     stop = threading.Event()

@@ -19,7 +19,7 @@ from safetensors.torch import load as load_safetensors
 
 from libbus.errors import BadRequest, Forbidden
 from libbus.wire.messages import ControlJob, GetJob, GetModel, SubmitJob
-from services.trainer.checkpoint import checkpoint_model
+from services.trainer.attempt.checkpoint import checkpoint_model
 from tests.support import wait_job
 
 ENTRY = "tests.support.entrypoints"
@@ -29,7 +29,7 @@ ENTRY = "tests.support.entrypoints"
 def second_trainer(make_settings, router, name: str = "trainer-2", **flags) -> Iterator[None]:
     """Another trainer (sharing the test's ``checkpoint_dir`` unless ``flags`` say otherwise), for
     the job that starts from one the first trainer holds."""
-    from services.trainer.app import TrainerService
+    from services.trainer.service.app import TrainerService
 
     service = TrainerService(make_settings(router=router.endpoint, name=name, job_modules=[ENTRY], **flags))
     stop = threading.Event()

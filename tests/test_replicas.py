@@ -25,7 +25,7 @@ from libbus.loader.replica import Replica, pick
 from libbus.wire.messages import Resolve, Stats, SubmitJob
 from libbus.wire.msg_data import info_mismatch
 from services.provider.sources import open_source
-from services.trainer.audit import digest, effective_epochs
+from services.trainer.attempt.audit import digest, effective_epochs
 from tests.support import Cluster, run_service, wait_job
 from tests.support.epochs import SOURCE, URI, assert_exact_epoch, read_epoch
 

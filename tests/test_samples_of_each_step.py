@@ -80,7 +80,7 @@ def test_a_step_before_any_segment_is_not_found():
 # -- a real job: killed, resumed at another world size ---------------------------------------------
 def _audited_steps(directory: Path, job: str) -> dict[tuple[int, int], list[str]]:
     """``(step, rank) -> digests`` the job's final model was trained on: an attempt's steps after
-    the step a later attempt resumed from are cut (as services/trainer/audit.py's effective_epochs)."""
+    the step a later attempt resumed from are cut (as services/trainer/attempt/audit.py's effective_epochs)."""
     attempts = []
     for path in directory.glob(f"{job}.*.jsonl"):
         lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
@@ -209,7 +209,7 @@ def test_a_skipped_stretch_is_never_trained_again_across_a_kill_and_a_resize(tmp
         assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
         assert info["result"]["world_size"] == 1
 
-        from services.trainer.audit import effective_epochs
+        from services.trainer.attempt.audit import effective_epochs
 
         everything = Counter(range(600))
         for e, digests in sorted(effective_epochs(cluster.audit, job).items()):

@@ -273,8 +273,8 @@ def test_top_and_job_show_lead_with_the_largest_part():
 def test_the_trainer_exports_a_bounded_split_whatever_an_attempt_reports():
     """An attempt's progress comes from the process that runs the job's code: its split reaches the
     trainer's Prometheus labels only as finite, non-negative seconds under few, plain part names."""
-    from services.trainer.app import add_parts
-    from services.trainer.attempt import MAX_WAIT_PARTS, wait_parts
+    from services.trainer.service.app import add_parts
+    from services.trainer.service.attempt_run import MAX_WAIT_PARTS, wait_parts
 
     hostile = {f"stage:s{i}": 1.0 for i in range(5000)}
     hostile.update({"read": math.nan, "queue": -3.0, "transfer": math.inf, 'x"}\n': 1.0, "ok": True, "q" * 500: 1.0})

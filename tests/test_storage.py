@@ -10,7 +10,7 @@ from libbus.jobs.spec import JobSpec
 from libbus.wire.messages import GetJob, ListJobs, SubmitJob
 from services.router import store as store_module
 from services.router.store import JobStore
-from services.trainer.checkpoint import KEEP, prune, save_state
+from services.trainer.attempt.checkpoint import KEEP, prune, save_state
 
 
 def _record(step: int) -> dict:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from libbus.errors import BadRequest, Unavailable
-from services.trainer.audit import effective_epochs
+from services.trainer.attempt.audit import effective_epochs
 from tests.support.busctl import REPO
 from tests.support.jobs import SPEC, JobCluster, final_weights
 

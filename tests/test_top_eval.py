@@ -31,7 +31,7 @@ from libbus.security.auth import issue_token
 from libbus.wire.messages import ControlJob, GetJob, Stats, SubmitJob
 from services.provider.evaluator import evaluate_weights
 from services.provider.sources import open_source
-from services.trainer.checkpoint import checkpoint_model
+from services.trainer.attempt.checkpoint import checkpoint_model
 from tests.support import BUSCTL, REPO, busctl, wait_job
 
 DATASET = "mock://mnist?n=2000"
@@ -51,7 +51,7 @@ SPEC = {
 @pytest.fixture
 def cluster(router, start_provider, make_settings, state_dir, secret):
     """Provider ``prov-top`` and trainer ``trainer-top`` on the router; an admin client; busctl's env."""
-    from services.trainer.app import TrainerService
+    from services.trainer.service.app import TrainerService
 
     start_provider(f"mnist={DATASET}", name="prov-top", assigned_only=True)
     trainer = TrainerService(

@@ -1,4 +1,4 @@
-"""The trainer service's own process and its attempts' (services/trainer/app.py, attempt.py, child.py):
+"""The trainer service's own process and its attempts' (services/trainer/service/app.py, attempt.py, child.py):
 the trainer only relays, so it starts without torch; an attempt, forked from the fork server, runs
 with the trainer's ``torch_threads``."""
 
@@ -16,7 +16,7 @@ def test_a_trainer_starts_without_torch():
     """Torch is imported where jobs run (the fork server, each attempt), never in the trainer that
     relays for them: its start-up is a fraction of a second and it holds no torch in memory (seen:
     1.0 s of import and its few hundred MB, before the trainer's one torch call moved to the attempt)."""
-    probe = "import sys, cli.app, services.trainer.app, services.runtime; print('torch' in sys.modules)"
+    probe = "import sys, cli.app, services.trainer.service.app, services.runtime; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False", "the trainer's start-up imports torch"
@@ -27,7 +27,7 @@ def test_an_attempt_runs_with_the_trainers_torch_threads(router, start_provider,
     applied in the trainer's own process, which trains nothing, so attempts ran with torch's default."""
     import threading
 
-    from services.trainer.app import TrainerService
+    from services.trainer.service.app import TrainerService
 
     start_provider("mnist=mock://mnist?n=96")
     service = TrainerService(

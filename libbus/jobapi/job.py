@@ -1,5 +1,5 @@
 """The object a job's training function is handed: its parameters, its loaders, its checkpoints,
-its reports, its model. The trainer provides it (``services/trainer/jobapi.py``); this is its
+its reports, its model. The trainer provides it (``services/trainer/attempt/jobapi.py``); this is its
 contract. Commands (pause, resume, checkpoint, set, stop) are applied at the calls below, where the
 function has finished a step, so a checkpoint taken there resumes at the exact next sample.
 """

@@ -35,7 +35,7 @@ GATHER_POLICIES = ("wait", "fail")
 TASKS = ("train", "evaluate")
 #: Hyper-parameters ``busctl job set`` may change while a job runs.
 SETTABLE = ("lr", "weight_decay", "momentum")
-#: The fields a built-in job's loop reads as its ``job.params`` (services/trainer/builtin.py); an
+#: The fields a built-in job's loop reads as its ``job.params`` (services/trainer/attempt/builtin.py); an
 #: entrypoint job has ``params`` of its own instead, and these mean nothing to it but ``model_from``.
 BUILTIN_PARAMS = ("model", "model_kwargs", "optimizer", *SETTABLE, "epochs", "seed", "model_from")
 #: The most trainers one job may gather.
@@ -226,7 +226,7 @@ class JobSpec:
         return JobSpec.from_dict({**self.to_dict(), **changes})
 
     def builtin_params(self) -> dict:
-        """What the built-in loop (services/trainer/builtin.py) reads as ``job.params``: a built-in
+        """What the built-in loop (services/trainer/attempt/builtin.py) reads as ``job.params``: a built-in
         job is that entrypoint with its typed fields as parameters (``set`` changes :data:`SETTABLE`)."""
         return {k: getattr(self, k) for k in BUILTIN_PARAMS}
 

@@ -81,7 +81,7 @@ def _order(spec: Mapping[str, Any], n: int, seg: Mapping[str, Any], rank: int) -
         rank=rank,
         world_size=world,
         batch_size=int(seg.get("batch_size") or spec.get("batch_size", 64)),
-        drop_uneven=world > 1,  # what a gang's loaders read (services/trainer/prepare.py: shard)
+        drop_uneven=world > 1,  # what a gang's loaders read (services/trainer/attempt/prepare.py: shard)
         skip=shift_skips(skips, int((spec.get("train_range") or [0])[0]), n),
     )
 

@@ -15,7 +15,7 @@ The rules, in one place:
   next ``GetTask``.
 - **One voice.** Rank 0 alone reports progress, checkpoints, command acknowledgements and the
   result; commands go to rank 0, which relays them to the other ranks at the next step
-  (services/trainer/gang.py). The other ranks' liveness is watched by the gang itself: a rank that
+  (services/trainer/attempt/gang.py). The other ranks' liveness is watched by the gang itself: a rank that
   dies breaks rank 0's next collective, and rank 0 fails the attempt as retryable (counted against
   ``max_attempts``). Rank 0's own lease works as for any job: when it lapses the whole attempt is
   released and the job requeued from its last checkpoint, to be gathered again.

@@ -1,4 +1,4 @@
-"""What entrypoint jobs' attempts printed, for ``busctl job logs`` (services/trainer/attempt.py sends it).
+"""What entrypoint jobs' attempts printed, for ``busctl job logs`` (services/trainer/service/attempt_run.py sends it).
 
 Kept in the router's database, in a table of its own, bounded: per attempt the last
 :data:`ATTEMPT_BYTES` of output (earlier lines are dropped and counted), per job the last

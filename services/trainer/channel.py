@@ -15,8 +15,11 @@ from typing import Any
 
 import orjson
 
-__all__ = ["Channel", "ChannelClosed"]
+__all__ = ["LOST", "Channel", "ChannelClosed"]
 
+#: How an attempt ends when the router gave its job to another trainer (its ``result``'s state, beside
+#: the job states): no job state, nothing is pushed.
+LOST = "lost"
 #: The most frames one channel message carries (a relayed wire message has a few).
 MAX_FRAMES = 16
 #: The largest header the other side may send (frames are bounded by the wire's own limits).

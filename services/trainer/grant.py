@@ -5,11 +5,11 @@ An attempt runs the job's code (a tenant's ``entrypoint``). The router mints, wi
 has its models scored with it, and the router opens no session for it (its reports go through its
 trainer, which relays only its own job's). Its trainer withholds the rest:
 
-- :func:`attempt_settings`: the settings the attempt is given, without ``token``, ``token_file``, the
-  HS256 ``secret_file`` or the EdDSA ``signing_key_file`` (those two point at :data:`WITHHELD`, a path
-  that cannot exist);
-- :func:`not_dumpable`: the trainer's memory and environment are not readable through ``/proc`` by a
-  process of its uid;
+- :func:`~.service.attempt_settings.attempt_settings`: the settings the attempt is given, without
+  ``token``, ``token_file``, the HS256 ``secret_file`` or the EdDSA ``signing_key_file`` (those two point
+  at :data:`WITHHELD`, a path that cannot exist), and :func:`~.service.attempt_settings.not_dumpable`:
+  the trainer's memory and environment are not readable through ``/proc`` by a process of its uid (both
+  the service's: this module is what both processes share);
 - :func:`withhold_environment`: the trainer drops the variables that name or hold a credential
   (:data:`CREDENTIAL_VARIABLES`) from its own environment before its fork server starts (an attempt is
   a fork of it, and reads ``/proc/self/environ`` and its parent's), and the attempt again from its own;
@@ -28,21 +28,12 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping
 
-from libbus.config import ENV_PREFIX, Settings
+from libbus.config import ENV_PREFIX
 from libbus.errors import AuthInvalid, BusError, ConfigError
 from libbus.security.auth import inspect_token
 from libbus.wire.messages import Grant, RenewGrant
 
-from .. import runtime
-
-__all__ = [
-    "CREDENTIAL_VARIABLES",
-    "WITHHELD",
-    "GrantSource",
-    "attempt_settings",
-    "not_dumpable",
-    "withhold_environment",
-]
+__all__ = ["CREDENTIAL_VARIABLES", "WITHHELD", "WITHHELD_SETTINGS", "GrantSource", "withhold_environment"]
 
 log = logging.getLogger(__name__)
 
@@ -58,26 +49,6 @@ CREDENTIAL_VARIABLES = (
     ENV_PREFIX + "CONFIG",
     "CREDENTIALS_DIRECTORY",
 )
-_PR_SET_DUMPABLE = 4
-
-
-def attempt_settings(settings: Settings) -> dict:
-    """``settings`` as the attempt's process is given them: its trainer's credentials withheld."""
-    return {**settings.as_dict(), **WITHHELD_SETTINGS}
-
-
-def ungranted_settings(settings: Settings, job: str) -> dict:
-    """``settings`` as an attempt is given them when its task carries no grant (the router holds no signing
-    key, as on a cluster whose nodes hold only the public key): its trainer's own token, as before grants
-    existed, said loudly, since the job's code can then act as its trainer (docs/security.md §4.1)."""
-    log.warning(
-        "job %s: the router sent no grant with this task (it holds no signing key to mint one); its attempt "
-        "reads with this trainer's own token, so its code can act as this trainer: keep the cluster's signing "
-        "key on the router's machine to give each attempt only its job's grant",
-        job,
-    )
-    token = runtime.token_source(settings, "trainer", runtime.service_name(settings, "trainer"))
-    return {**settings.as_dict(), "token": token() if callable(token) else token}
 
 
 def withhold_environment(env: MutableMapping[str, str]) -> list[str]:
@@ -108,17 +79,6 @@ def _wipe_initial_environment(names: list[str]) -> None:
         if entry.startswith(prefixes):
             ctypes.memset(address, 0, len(entry))  # the kernel's view ends at the first NUL of each entry
         i += 1
-
-
-def not_dumpable() -> bool:
-    """Make this process not dumpable (``PR_SET_DUMPABLE`` 0): a process of the same uid that is not
-    privileged (an attempt) can then read neither its memory nor its environment in ``/proc``, nor
-    trace it. (No core dumps of it; a debugger must run as root.) False where that is not Linux."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 class GrantSource:

@@ -227,7 +227,7 @@ def recorded(job: Job) -> None:
     import json
     from pathlib import Path
 
-    from services.trainer.audit import digest
+    from services.trainer.attempt.audit import digest
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
@@ -507,7 +507,7 @@ def scores_other_weights(job: Job) -> None:
     replaces the attempt's scoring with one that sends the provider other bytes than it hands back."""
     from safetensors.torch import save
 
-    child = sys.modules["services.trainer.child"]
+    child = sys.modules["services.trainer.attempt.child"]
     real, other = child._scored, save(_linear_weights(0.01))
     child._scored = lambda attempt, blob, *rest: real(attempt, other, *rest)
     job.save_model(_linear_weights(0.0))

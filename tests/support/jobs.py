@@ -1,5 +1,5 @@
 """A cluster for job tests: a router, a provider of ``mock://mnist?n=600`` and trainers as processes, tuned to
-notice failures fast, with trainers that audit every sample they train on (services/trainer/audit.py)."""
+notice failures fast, with trainers that audit every sample they train on (services/trainer/attempt/audit.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import Resolve, Stats
-from services.trainer.audit import digest
+from services.trainer.attempt.audit import digest
 
 from .busctl import REPO
 from .cluster import Cluster
@@ -102,7 +102,7 @@ class JobCluster(Cluster):
         return x.numpy(), y.numpy()
 
     def train_digests(self) -> Counter:
-        """The multiset of every train sample's digest (services/trainer/audit.py)."""
+        """The multiset of every train sample's digest (services/trainer/attempt/audit.py)."""
         xs, ys = self.train_split()
         return Counter(digest(xs[i].tobytes(), ys[i].tobytes()) for i in range(len(xs)))
 

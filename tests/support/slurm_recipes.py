@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.audit import effective_epochs
+from services.trainer.attempt.audit import effective_epochs
 
 from .busctl import BUSCTL, REPO
 from .cluster import Cluster

@@ -53,18 +53,17 @@ from services import runtime
 from services.sdnotify import Notifier
 from services.usercode import import_allowed
 
+from ..attempt_user import AttemptUser, become, job_folder
+from ..channel import LOST, Channel, ChannelClosed
+from ..failures import deterministic, failed_attempt, own_code_failure
+from ..grant import GrantSource, withhold_environment
+from ..reports import Reporter
 from . import builtin
-from .attempt_user import AttemptUser, become, job_folder
-from .channel import Channel, ChannelClosed
-from .control import LOST
 from .evaltask import run_evaluation
-from .failures import deterministic, failed_attempt, own_code_failure
 from .final_eval import EVALUATE_TIMEOUT_S, score_saved
 from .gang import Gang, GangError, advertised_host
-from .grant import GrantSource, withhold_environment
 from .jobapi import AttemptJob
 from .progress import perplexity
-from .reports import Reporter
 
 __all__ = ["ParentLink", "ParentLogHandler", "ParentNotifier", "child_main", "main"]
 

@@ -20,9 +20,9 @@ from libbus.jobs.commands import JobCommand
 from libbus.jobs.state import JobState
 from libbus.wire.messages import Command, CommandAck
 
-from .reports import Reporter
+from ..reports import Reporter
 
-__all__ = ["LOST", "Controls", "Lost", "Stopped"]
+__all__ = ["Controls", "Lost", "Stopped"]
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +37,6 @@ class Stopped(Exception):
     def __init__(self, handback: bool = False):
         super().__init__("handed back" if handback else "stopped")
         self.handback = handback
-
-
-#: How an attempt ends when the router gave its job to another trainer: no job state (nothing is pushed).
-LOST = "lost"
 
 
 class Lost(Exception):

@@ -1,5 +1,5 @@
-"""One attempt of a job, run by the trainer service in a child process (:mod:`.child`) forked from
-the trainer's fork server (:mod:`.forkserver`).
+"""One attempt of a job, run by the trainer service in a child process (:mod:`..attempt.child`) forked
+from the trainer's fork server (:mod:`..attempt.forkserver`).
 
 The trainer keeps its connection to the router; the child runs the user's function (an entrypoint
 job) or the built-in loop (:mod:`.run`). Here, the trainer's side:
@@ -66,20 +66,15 @@ from libbus.wire.text import cut_json, cut_utf8, json_size
 from services.sdnotify import Notifier
 from services.usercode import module_allowed, not_allowed
 
-from .attempt_user import AttemptUser, end_leftovers, job_folder, lend_folder, take_back_folder
-from .channel import Channel, ChannelClosed
-from .control import LOST
-from .failures import failed_attempt
-from .grant import attempt_settings, ungranted_settings
+from ..attempt.entry import PRELOAD, run_child
+from ..attempt_user import AttemptUser, end_leftovers, job_folder, lend_folder, take_back_folder
+from ..channel import LOST, Channel, ChannelClosed
+from ..failures import failed_attempt
+from .attempt_settings import attempt_settings, ungranted_settings
 
-__all__ = ["PRELOAD", "AttemptLog", "AttemptRun", "attempt_context", "read_lines", "warm_up"]
+__all__ = ["AttemptLog", "AttemptRun", "attempt_context", "read_lines", "warm_up"]
 
 log = logging.getLogger(__name__)
-
-#: Modules imported once into the trainer's fork server (multiprocessing's ``forkserver``): each
-#: attempt is a fork of it that starts in milliseconds, with torch and the trainer's code imported,
-#: instead of a new interpreter importing them again (seconds).
-PRELOAD = ["services.trainer.forkserver"]
 
 
 def attempt_context() -> multiprocessing.context.ForkServerContext:
@@ -99,16 +94,6 @@ def warm_up() -> None:
         multiprocessing.forkserver.ensure_running()
     except Exception as err:  # noqa: BLE001 - the first attempt tries again and fails with the reason
         log.warning("the fork server attempts start from did not start: %s", err)
-
-
-def run_child(channel_end: socket.socket, output: socket.socket) -> None:
-    """An attempt's process (the target the fork server runs): :func:`.child.child_main`, imported
-    there already (:data:`PRELOAD`). The trainer never imports it, nor torch: it only relays."""
-    from .child import child_main
-    from .forkserver import leave_alive_pipe
-
-    leave_alive_pipe()  # the fork server then ends with the trainer, taking this attempt with it
-    child_main(channel_end, output)
 
 
 def resolve(link: Link, dataset: str, settings: Settings, watchdog: Callable[[], object]) -> Resolved:

@@ -47,7 +47,7 @@ from libbus.jobapi import StateError, decode_state, encode_state
 from libbus.jobs.spec import JobSpec
 from services.atomic import write_atomic
 
-from .attempt_user import job_folder
+from ..attempt_user import job_folder
 
 __all__ = [
     "FORMAT",

@@ -19,15 +19,16 @@ from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, Task
 from libbus.wire.text import cut_json
 
-from .. import runtime
-from ..sdnotify import Notifier
-from . import attempt_user
-from .attempt import ERROR_BYTES, MAX_WAIT_PARTS, MODEL_HEADROOM, AttemptRun, warm_up
-from .control import LOST
-from .failures import describe_failure
-from .grant import not_dumpable, withhold_environment
+from ... import runtime
+from ...sdnotify import Notifier
+from .. import attempt_user
+from ..channel import LOST
+from ..failures import describe_failure
+from ..grant import withhold_environment
+from ..reports import Reporter
+from .attempt_run import ERROR_BYTES, MAX_WAIT_PARTS, MODEL_HEADROOM, AttemptRun, warm_up
+from .attempt_settings import not_dumpable
 from .metrics import trainer_metrics
-from .reports import Reporter
 
 __all__ = ["TrainerService", "run_trainer"]
 
@@ -190,7 +191,7 @@ class TrainerService:
                 add_parts(self.data_wait_parts_done, self.run_now.data_wait_parts)
             self.current_job, self.run_now = None, None
         self.tasks[str(state)] += 1  # a plain str key: the stats go out as JSON
-        if task.rank > 0:  # rank 0 reports for the gang (services/trainer/gang.py)
+        if task.rank > 0:  # rank 0 reports for the gang (services/trainer/attempt/gang.py)
             log.info("job %s: rank %d of %d ended %s %s", task.job, task.rank, task.world_size, state, error)
             return clean
         if state == LOST:

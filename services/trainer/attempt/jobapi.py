@@ -38,6 +38,7 @@ from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import Checkpointed, Command, Progress, Task
 from services.sdnotify import Notifier
 
+from ..reports import Reporter
 from .audit import Audit
 from .checkpoint import (
     job_dir,
@@ -55,7 +56,6 @@ from .final_eval import EVALUATE_TIMEOUT_S, model_spec
 from .gang import Code, Gang, GangError
 from .prepare import job_device, shard, starting_weights
 from .progress import Meter, slowest
-from .reports import Reporter
 from .resume import read_shared
 from .spike import Spike, detector_for, skip_spike
 
@@ -158,7 +158,7 @@ class AttemptJob(Job):
     # -- the API ------------------------------------------------------------------------------------
     @property
     def params(self) -> Mapping[str, Any]:
-        if not self.spec.entrypoint:  # the built-in loop's (services/trainer/builtin.py)
+        if not self.spec.entrypoint:  # the built-in loop's (services/trainer/attempt/builtin.py)
             return MappingProxyType(self.spec.builtin_params())
         return MappingProxyType(self.spec.params)
 

@@ -22,8 +22,8 @@ from libbus.errors import BusError, PeerTimeout
 from libbus.jobs.spec import JobSpec, SpikeSpec
 from libbus.wire.messages import SkipJob
 
+from ..reports import Reporter
 from .control import Lost
-from .reports import Reporter
 
 __all__ = ["Spike", "SpikeDetector", "TooManySpikes", "skip_spike"]
 
