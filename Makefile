@@ -16,21 +16,27 @@ TEST_NODEPS ?= mosaicml-streaming==0.13.0 litdata==0.2.76
 
 .PHONY: install install-bench install-units demo serve-examples lint test tools clean
 
+# --no-compile: pip would byte-compile every module of every package (torch's alone took 45 of the 60 s of
+# its install); Python compiles what is imported, once, when it first imports it (below: bytecode is written).
+PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
+# Where the environment says not to write bytecode, every process would compile torch again on each import.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) $(TORCH_SPEC)
 	# recipes: Lightning, Accelerate, torchdata for examples/; they accept the torch installed above (pip
 	# upgrades a dependency only when it must), so no other torch build is pulled in
-	$(BIN)/python -m pip install -q -e '.[test,recipes]'
-	$(BIN)/python -m pip install -q --no-deps $(TEST_NODEPS)
+	$(PIP_INSTALL) -e '.[test,recipes]'
+	$(PIP_INSTALL) --no-deps $(TEST_NODEPS)
 	touch $(STAMP)
 
 install: $(STAMP)
 
 install-bench: $(STAMP)
-	$(BIN)/python -m pip install -q $(TORCH_SPEC) -e '.[bench]'
-	$(BIN)/python -m pip install -q --no-deps $(BENCH_NODEPS)
+	$(PIP_INSTALL) $(TORCH_SPEC) -e '.[bench]'
+	$(PIP_INSTALL) --no-deps $(BENCH_NODEPS)
 
 demo: $(STAMP)
 	$(BIN)/busctl demo
@@ -54,11 +60,17 @@ lint: $(STAMP)
 # watch machine-wide state run alone afterwards.
 # Both parts write a JUnit report; the run ends with its ten slowest tests and its totals
 # (tests/support/slowest.py), so a test that grows is seen when it does.
+# The lint's type check (mypy, the better part of a minute on a fresh clone) runs beside the parallel
+# part, whose tests mostly wait on sockets; its report follows the tests', and either failing fails the run.
 TEST_WORKERS ?= 3
 TEST_REPORTS ?= .pytest_cache/reports
-test: lint tools
+test: $(STAMP) tools
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	@mkdir -p $(TEST_REPORTS)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --junitxml=$(TEST_REPORTS)/parallel.xml
+	@$(BIN)/mypy > $(TEST_REPORTS)/mypy.txt 2>&1 & types=$$!; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --junitxml=$(TEST_REPORTS)/parallel.xml; \
+	tests=$$?; wait $$types; typed=$$?; echo "mypy:"; cat $(TEST_REPORTS)/mypy.txt; [ $$tests = 0 ] && [ $$typed = 0 ]
 	$(BIN)/python -m pytest -q -m serial --junitxml=$(TEST_REPORTS)/serial.xml
 	@$(BIN)/python -m tests.support.slowest $(TEST_REPORTS)/parallel.xml $(TEST_REPORTS)/serial.xml
 
