@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
 import threading
 import time
 import urllib.error
@@ -26,7 +29,7 @@ from libbus.config import Settings, load_settings
 from libbus.connect.client import Client, Identity
 from libbus.security.auth import ensure_secret, issue_token
 from libbus.wire.messages import GetJob, GetStudy, SubmitJob, SubmitStudy
-from tests.support import CLUSTER, REPO, busctl, busctl_in_process, run_service, wait_job, wait_study
+from tests.support import BUSCTL, CLUSTER, REPO, busctl_in_process, run_service, wait_file, wait_job, wait_study
 
 CHROMIUM = Path("/usr/bin/chromium")
 #: A job name a tenant chose: markup that must reach the page as text.
@@ -307,11 +310,37 @@ def test_hostile_requests_are_answered_and_the_server_goes_on(world):
 
 
 def test_busctl_web_refuses_to_serve_beyond_loopback_without_being_told(tmp_path):
-    out = busctl("web", "--bind", "0.0.0.0:0", "--state-dir", str(tmp_path))
-    assert out.returncode == 2 and "not a loopback address" in out.stderr and "--allow-remote" in out.stderr
-    assert "Traceback" not in out.stderr
-    out = busctl("web", "--bind", "nowhere", "--state-dir", str(tmp_path))
-    assert out.returncode == 2 and "HOST:PORT" in out.stderr and "Traceback" not in out.stderr
+    env = {"BATCHBUS_STATE_DIR": str(tmp_path)}
+    code, _, err = busctl_in_process("web", "--bind", "0.0.0.0:0", env=env)
+    assert code == 2 and "not a loopback address" in err and "--allow-remote" in err, err
+    code, _, err = busctl_in_process("web", "--bind", "nowhere", env=env)
+    assert code == 2 and "HOST:PORT" in err, err
+    with socket.socket() as taken:  # a port another program holds
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, _, err = busctl_in_process("web", "--bind", f"127.0.0.1:{taken.getsockname()[1]}", env=env)
+    assert code == 1 and "cannot serve on" in err and "Traceback" not in err, err
+
+
+def test_busctl_web_serves_until_sigterm_and_exits_0(world, tmp_path):
+    ready = tmp_path / "url"
+    proc = subprocess.Popen(
+        [*BUSCTL, "web", "--bind", "127.0.0.1:0", "--ready-file", str(ready)],
+        env={**os.environ, **world.env()},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = wait_file(ready, [proc])
+        b = Browser(url)
+        assert b.get("/")[0] == 401
+        assert b.sign_in(world.token())[0] == 303 and b.api("jobs")[0] == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert f"busctl web: {url}" in out and "Traceback" not in err
 
 
 def _cookie(name: str, value: str, url: str):

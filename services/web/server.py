@@ -178,6 +178,8 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     server_version = "batchbus-web"
     protocol_version = "HTTP/1.1"
+    #: A connection silent this long is closed (its thread ends): no client holds one open for nothing.
+    timeout = 30
 
     # -- plumbing ---------------------------------------------------------------------------------
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
@@ -276,6 +278,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
 
     def _post(self, path: str, query: dict[str, list[str]]) -> None:
+        # the body is read whatever the answer, so the next request on this connection starts where it should
+        length = self.headers.get("Content-Length", "0")
+        if not length.isdigit() or int(length) > MAX_TOKEN_CHARS + 64:
+            self.close_connection = True
+            return self._login_page(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "that is longer than any batchbus token")
+        body = self.rfile.read(int(length))
         if not self._same_origin():
             return self._send(HTTPStatus.FORBIDDEN, b"cross-origin form refused\n", "text/plain; charset=utf-8")
         if path == "/logout":
@@ -283,11 +291,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._redirect("/login", {"Set-Cookie": _cookie("", max_age=0)})
         if path != "/login":
             return self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
-        length = self.headers.get("Content-Length", "")
-        if not length.isdigit() or int(length) > MAX_TOKEN_CHARS + 64:
-            self.close_connection = True
-            return self._login_page(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "that is longer than any batchbus token")
-        form = parse_qs(self.rfile.read(int(length)).decode("ascii", "replace"), max_num_fields=4)
+        form = parse_qs(body.decode("ascii", "replace"), max_num_fields=4)
         token = (form.get("token") or [""])[0]
         try:
             sid = self.web.logins.sign_in(token)
