@@ -1,5 +1,5 @@
 """The channel between a trainer service and the child process running one attempt of an
-entrypoint job (:mod:`.attempt` is the parent's side, :mod:`.child` the child's).
+entrypoint job (:mod:`.service.attempt_run` is the parent's side, :mod:`.attempt.child` the child's).
 
 One Unix socket pair, framed by :class:`multiprocessing.connection.Connection` (raw bytes only:
 nothing on it is pickled). A message is a JSON header (``op`` and its fields) followed by

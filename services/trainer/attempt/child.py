@@ -1,5 +1,5 @@
 """One attempt of a job, in a process of its own: forked from the trainer's fork server
-(:mod:`.attempt` starts it and is its only peer).
+(:mod:`services.trainer.service.attempt_run` starts it and is its only peer).
 
 The child calls the job's function with an :class:`.jobapi.AttemptJob`: the built-in loop
 (:func:`.builtin.train`) for a job that names a ``model``, or the job's ``entrypoint``, imported only
@@ -9,9 +9,9 @@ task, :func:`.evaltask.run_evaluation`, trains nothing.) Its log records go to t
 router: its requests (progress, checkpoint records, acknowledgements, finding the dataset's
 providers) go through the parent over the channel (:class:`ParentLink`), and the parent passes the
 router's commands on. It reads batches from the providers itself, and has its models scored there,
-with its job's grant (:mod:`.grant`): an ``attempt`` token of its trainer's subject scoped to the job
+with its job's grant (:mod:`..grant`): an ``attempt`` token of its trainer's subject scoped to the job
 and its dataset. Its settings and environment hold none of its trainer's credentials; under a root
-trainer with ``attempt_user`` it runs as that user (:mod:`.attempt_user`) before anything of the job's
+trainer with ``attempt_user`` it runs as that user (:mod:`..attempt_user`) before anything of the job's
 runs. Its final model is read once (:func:`final_model`): the bytes it has scored are the bytes it hands
 its trainer for the router to keep.
 
@@ -340,7 +340,7 @@ def attempt_identity(settings: Settings, name: str, job: str, grant: str, link: 
     """Who the attempt is at providers: its job's grant (renewed through the trainer), its trainer's
     name, host id and CURVE key pair (the key's name is the grant's subject). A task without a grant
     (its router holds no signing key) came with its trainer's token: the attempt is its trainer
-    (:func:`.grant.ungranted_settings`)."""
+    (:func:`services.trainer.service.attempt_settings.ungranted_settings`)."""
     if not grant:
         return runtime.identity(settings, "trainer", name)
     return Identity(
@@ -413,7 +413,7 @@ def _scored(job: AttemptJob, blob: bytes, start: dict, link: ParentLink, identit
 
 
 def child_main(channel_end: socket.socket, output: socket.socket) -> None:
-    """An attempt's process, forked from the trainer's fork server (:func:`.attempt.attempt_context`):
+    """An attempt's process, forked from the trainer's fork server (:func:`services.trainer.service.attempt_run.attempt_context`):
     its stdout and stderr go to ``output``, its channel is ``channel_end``."""
     os.dup2(output.fileno(), 1)
     os.dup2(output.fileno(), 2)

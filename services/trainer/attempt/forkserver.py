@@ -1,4 +1,4 @@
-"""Imported by the trainer's fork server only (:data:`.attempt.PRELOAD`), never by the trainer.
+"""Imported by the trainer's fork server only (:data:`.entry.PRELOAD`), never by the trainer.
 
 The fork server is the process every attempt is forked from (multiprocessing's ``forkserver``): it
 imports the trainer's code and torch once, so an attempt starts in milliseconds. It must outlive a

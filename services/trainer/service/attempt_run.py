@@ -2,7 +2,7 @@
 from the trainer's fork server (:mod:`..attempt.forkserver`).
 
 The trainer keeps its connection to the router; the child runs the user's function (an entrypoint
-job) or the built-in loop (:mod:`.run`). Here, the trainer's side:
+job) or the built-in loop (:mod:`..attempt.builtin`). Here, the trainer's side:
 
 - an entrypoint's module is checked against ``job_modules`` before any process starts (the child
   checks again before it imports);
@@ -12,7 +12,7 @@ job) or the built-in loop (:mod:`.run`). Here, the trainer's side:
   are relayed to the router, and the router's commands to the child;
 - under a root trainer with ``attempt_user``, the job's own checkpoint folder is lent to that user
   while the attempt runs, what the attempt left running is ended after it, and the folder taken back
-  (:mod:`.attempt_user`);
+  (:mod:`..attempt_user`);
 - the final model's bytes come from the child as it had them scored, never read from its file again;
 - the child's output (stdout and stderr) is kept per attempt, the last ``attempt_log_bytes`` of it,
   and sent to the router for ``busctl job logs``;
