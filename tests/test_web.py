@@ -373,7 +373,7 @@ def test_the_pages_in_headless_chromium(world):
             ],
         )
         try:
-            page = browser.new_page(viewport={"width": 1200, "height": 820}, device_scale_factor=1)
+            page = browser.new_page(viewport={"width": 1440, "height": 860}, device_scale_factor=1)
             dialogs: list[str] = []
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
             errors: list[str] = []

@@ -64,6 +64,19 @@ function ago(ts) {
   return s < 120 ? `${s.toFixed(0)}s ago` : s < 7200 ? `${(s / 60).toFixed(0)}m ago` : `${(s / 3600).toFixed(0)}h ago`;
 }
 const clock = (ts) => new Date(ts * 1000).toLocaleTimeString();
+// A time as a list shows it: the clock today, the date and clock before.
+function when(ts) {
+  const d = new Date(ts * 1000);
+  return d.toDateString() === new Date().toDateString() ? d.toLocaleTimeString() : d.toLocaleString();
+}
+// How long a job has taken: from submission to its last change once it ended, to now while it runs.
+function took(j) {
+  if (!j.created) return "-";
+  const end = TERMINAL.has(j.state) ? j.updated : Date.now() / 1000;
+  const s = Math.max(0, end - j.created);
+  return s < 120 ? `${s.toFixed(0)}s` : s < 7200 ? `${(s / 60).toFixed(0)}m` : `${(s / 3600).toFixed(1)}h`;
+}
+const firstLine = (text) => String(text).split("\n")[0].slice(0, 160);
 
 // The epoch a report is in, from 0, as busctl counts it (services/views.py epoch_index): a job that
 // ended at an epoch's end shows that epoch.
@@ -121,6 +134,14 @@ function resultCell(r) {
   const parts = [];
   if (isNum(r.val_accuracy)) parts.push(`val acc ${fmt(r.val_accuracy)}`);
   if (isNum(r.test_accuracy)) parts.push(`test acc ${fmt(r.test_accuracy)}` + (r.test_epsilon > 0 ? " (noised)" : ""));
+  if (!parts.length) {
+    // a function that reports its own metrics: its last epoch record's, but the train loss
+    const history = Array.isArray(r.history) ? r.history : [];
+    const lastRecord = history[history.length - 1] || {};
+    for (const [k, v] of Object.entries(lastRecord)) {
+      if (k !== "epoch" && k !== "train_loss" && isNum(v) && parts.length < 2) parts.push(`${k} ${fmt(v)}`);
+    }
+  }
   return parts.join(", ") || "-";
 }
 
@@ -166,7 +187,7 @@ function show(...nodes) {
 }
 
 // -- charts (SVG, no library) -----------------------------------------------------------------------
-const W = 640, H = 220, PAD = { l: 52, r: 12, t: 12, b: 28 };
+const W = 640, H = 220, PAD = { l: 52, r: 12, t: 26, b: 28 };
 const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d"];
 
 function scale(lo, hi, a, b) {
@@ -206,8 +227,8 @@ function legend_(items) {
   const g = svg("g", { class: "legend" });
   let x = PAD.l + 8;
   for (const [name, color] of items) {
-    g.append(svg("rect", { x, y: PAD.t, width: 10, height: 10, fill: color }));
-    g.append(svg("text", { x: x + 14, y: PAD.t + 9 }, name));
+    g.append(svg("rect", { x, y: 6, width: 10, height: 10, fill: color }));
+    g.append(svg("text", { x: x + 14, y: 15 }, name));
     x += 30 + 6.2 * String(name).length;
   }
   return g;
@@ -346,12 +367,17 @@ async function jobsPage() {
         j.trainer || "-",
         j.progress ? el("span", {}, `epoch ${epochOf(p, j.state)}`, f === null ? "" : bar(j.state === "succeeded" ? 1 : f)) : "-",
         fmt(p.loss),
-        resultCell(j.result),
+        j.state === "failed" && j.error ? el("span", { class: "error", title: j.error }, firstLine(j.error)) : resultCell(j.result),
+        j.created ? `${when(j.created)}` : "-",
+        took(j),
         ago(j.updated),
       ];
     });
+    const counts = {};
+    for (const j of rows) counts[j.state] = (counts[j.state] || 0) + 1;
     holder.replaceChildren(
-      table("jobs", ["job", "name", "state", "dataset", "runs", "trainer", "progress", "loss", "result", "updated"], body),
+      el("p", { id: "counts" }, Object.entries(counts).map(([k, n]) => [badge(k), ` ${n}  `])),
+      table("jobs", ["job", "name", "state", "dataset", "runs", "trainer", "progress", "loss", "result", "submitted", "took", "updated"], body),
       el("p", { class: "note" }, `${rows.length} of ${last.jobs.length} shown` + (last.note ? `; ${last.note}` : "")),
     );
     for (const fill of holder.querySelectorAll(".fill[data-f]")) fill.style.width = `${(100 * Number(fill.dataset.f)).toFixed(1)}%`;
