@@ -69,9 +69,16 @@ def submit(cluster: JobCluster, **changes) -> str:
     return cluster.submit(**{**GANG, **changes})
 
 
-def test_two_trainers_train_one_job_on_disjoint_shards_and_report_once(cluster, train_digests):
-    job = submit(cluster)
-    info = cluster.wait_end(job, timeout=120)
+@pytest.fixture(scope="module")
+def uninterrupted(cluster) -> dict:
+    """:data:`GANG` trained to its end by the module's two trainers, untouched: the job the first test
+    checks, and the run a paused, stopped and resumed gang must end equal to (one gang's run, not two)."""
+    return cluster.wait_end(submit(cluster), timeout=120)
+
+
+def test_two_trainers_train_one_job_on_disjoint_shards_and_report_once(cluster, uninterrupted, train_digests):
+    info = uninterrupted
+    job = info["id"]
     assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
     events = [e["reason"] for e in cluster.job(job)["events"]]
     assert any("assigned to a gang of 2" in e for e in events), events
@@ -98,9 +105,8 @@ def test_two_trainers_train_one_job_on_disjoint_shards_and_report_once(cluster, 
     assert f"{rank0} +1" in listed, listed
 
 
-def test_gang_pauses_together_stops_and_resumes_exactly_from_its_checkpoint(cluster, train_digests):
-    reference = submit(cluster)
-    ref = cluster.wait_end(reference, timeout=120)
+def test_gang_pauses_together_stops_and_resumes_exactly_from_its_checkpoint(cluster, uninterrupted, train_digests):
+    ref = uninterrupted
     assert ref["state"] == "succeeded"
 
     job = submit(cluster)
