@@ -31,6 +31,7 @@ from libbus.wire.messages import GetJob, SubmitJob
 from services.trainer import attempt_user
 from tests.support import wait_job
 from tests.support.busctl import busctl_in_process
+from tests.support.formats import write_mnist_idx
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="attempts run as another user only under a root trainer")
 
@@ -79,7 +80,12 @@ def _gone(pid: int) -> bool:
 def test_an_attempt_run_as_another_user_reads_none_of_the_trainers_files_and_trains(
     router, start_provider, make_settings, make_token, client_for, user, place
 ):
-    start_provider("mnist=mock://mnist?n=300")
+    provider_files = place / "provider"  # a co-located provider's dataset, its private test labels among its files
+    labels = write_mnist_idx(provider_files, n=200) / "t10k-labels-idx1-ubyte"
+    for path in provider_files.iterdir():
+        path.chmod(0o600)
+    provider_files.chmod(0o755)
+    start_provider("mnist=mock://mnist?n=300", f"private=file://{provider_files}")
     checkpoints = place / "checkpoints"
     other = checkpoints / "j-other-tenant"  # another job's folder, as an earlier attempt left it
     other.mkdir(parents=True)
@@ -90,10 +96,6 @@ def test_an_attempt_run_as_another_user_reads_none_of_the_trainers_files_and_tra
     token_file = creds / "token"
     token_file.write_text(make_token("trainer", sub="trainer-as-root"))
     token_file.chmod(0o600)
-    provider_files = place / "provider"  # what a co-located provider keeps: its private test labels
-    provider_files.mkdir(mode=0o755)
-    (provider_files / "test-labels.npy").write_bytes(b"labels")
-    (provider_files / "test-labels.npy").chmod(0o600)
     out = place / "out"
     out.mkdir()
     out.chmod(0o777)
@@ -120,7 +122,7 @@ def test_an_attempt_run_as_another_user_reads_none_of_the_trainers_files_and_tra
         probe = {
             "token": str(token_file),
             "other_job": str(other / "model.safetensors"),
-            "provider": str(provider_files / "test-labels.npy"),
+            "provider": str(labels),
         }
         params = {"probe": probe, "list": str(checkpoints), "out": str(out / "found.json")}
         spec = {"dataset": "mnist", "entrypoint": "tests.support.entrypoints:probes_files", "params": params}
