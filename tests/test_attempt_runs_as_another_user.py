@@ -193,3 +193,32 @@ def _start_trainer_as(uid: int, gid: int, state: str, reply: Connection) -> None
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
     reply.send(busctl_in_process(*args, env={"BATCHBUS_ATTEMPT_USER": USER}))
+
+
+def test_a_job_folder_lent_to_the_attempt_user_gives_it_nothing_a_link_points_at(make_settings, user, place):
+    """What an attempt (or a process it left) plants in its folder: a link to a root file, a link in place
+    of a sub-folder, a hard link to a root file. Lending the folder again changes none of their targets."""
+    secret = place / "secret"  # root's, outside the job's folder
+    secret.write_text("root only")
+    secret.chmod(0o600)
+    elsewhere = place / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "inside").write_text("root only")
+    checkpoints = place / "checkpoints"
+    folder = attempt_user.job_folder(str(checkpoints), "j-planted")
+    folder.mkdir(parents=True)
+    (folder / "step-1.ckpt").write_bytes(b"weights")
+    (folder / "to-secret").symlink_to(secret)
+    (folder / "sub").symlink_to(elsewhere, target_is_directory=True)
+    os.link(secret, folder / "hard")
+    lent = attempt_user.AttemptUser(name=USER, uid=user.pw_uid, gid=user.pw_gid, home="/nonexistent")
+    attempt_user.lend_folder(folder, lent)
+    assert (folder.stat().st_uid, (folder / "step-1.ckpt").stat().st_uid) == (user.pw_uid, user.pw_uid)
+    for target in (secret, elsewhere, elsewhere / "inside"):
+        assert target.stat().st_uid == 0, f"{target} was handed to the attempt user"
+    attempt_user.take_back_folder(folder)
+    assert {p.lstat().st_uid for p in [folder, *folder.iterdir()]} == {0}
+    # a checkpoint_dir that is not the trainer's (the attempt user's own) is refused as the trainer starts
+    os.chown(checkpoints, user.pw_uid, user.pw_gid)
+    with pytest.raises(ConfigError, match=f"must be a folder of this trainer's .* owned by uid {user.pw_uid}"):
+        attempt_user.resolve(make_settings(attempt_user=USER, checkpoint_dir=str(checkpoints)))
