@@ -273,6 +273,42 @@ def test_a_tenant_sees_only_what_its_token_grants(world):
     assert [d["dataset"] for d in services["datasets"]] == ["other"] and "mnist" not in repr(services["frame"])
 
 
+def test_a_token_that_expires_while_signed_in_signs_the_browser_out_saying_so(world):
+    now = int(time.time())
+    claims = jwt.decode(world.token(), options={"verify_signature": False})
+    # expired a moment ago: still within the router's clock-skew leeway at sign-in, past it moments later
+    token = jwt.encode({**claims, "iat": now - 600, "nbf": now - 600, "exp": now - 3}, world.secret, "HS256")
+    b = signed_in(world, token)
+    deadline = time.monotonic() + 30
+    while (status := b.api("jobs")[0]) == 200:
+        assert time.monotonic() < deadline, "the router never refused the expired token"
+        time.sleep(0.2)
+    assert status == 401
+    status, _, page = b.get("/")
+    assert status == 401 and b'name="token"' in page and b"expired" in page, page
+
+
+def test_the_longest_idle_browser_is_signed_out_past_the_limit(world):
+    from services.web import Logins, NotSignedIn
+
+    clients: list[Client] = []
+
+    def connect(token: str) -> Client:
+        clients.append(Client(world.router, Identity(role="admin", name="web-test", token=token), timeout_s=5.0))
+        return clients[-1]
+
+    logins = Logins(connect, max_sessions=2)
+    try:
+        first, second = logins.sign_in(world.token()), logins.sign_in(world.token())
+        logins.get(first)  # used: now the second is the longest idle
+        logins.sign_in(world.token())
+        with pytest.raises(NotSignedIn, match="more than 2 browsers"):
+            logins.get(second)
+        assert logins.get(first) and len(logins) == 2 and clients[1].session is None  # its router session closed
+    finally:
+        logins.close()
+
+
 @pytest.mark.parametrize("case", ["expired", "other key", "trainer role", "not a token", "empty"])
 def test_a_refused_token_gets_the_sign_in_page_with_the_reason(world, case):
     token = {

@@ -34,7 +34,8 @@ T = TypeVar("T")
 
 
 class NotSignedIn(Exception):
-    """The browser has no session here (none, unknown, idle too long, or its token no longer accepted)."""
+    """The browser has no session here (none, unknown, idle too long, or its token no longer accepted);
+    its text says which, for the sign-in page."""
 
 
 def token_claims(token: str) -> dict[str, Any]:
@@ -94,6 +95,8 @@ class Logins:
         self._idle_s = idle_s
         self._lock = threading.Lock()
         self._by_id: OrderedDict[str, Login] = OrderedDict()
+        #: Why recently ended sessions ended (the sign-in page says it), the newest MAX_SESSIONS.
+        self._ended: OrderedDict[str, str] = OrderedDict()
 
     def sign_in(self, token: str) -> str:
         """Open a router session with ``token`` and return a new session id for the browser.
@@ -116,34 +119,40 @@ class Logins:
         with self._lock:
             self._by_id[sid] = login
             while len(self._by_id) > self._max:
-                evicted.append(self._by_id.popitem(last=False)[1])
+                old_sid, old = self._by_id.popitem(last=False)
+                self._ended_because(old_sid, f"signed out: more than {self._max} browsers signed in here")
+                evicted.append(old)
         for old in evicted:
             old.close()
         return sid
 
     def get(self, sid: str | None) -> Login:
-        """The browser's login. Raises :class:`NotSignedIn`."""
+        """The browser's login. Raises :class:`NotSignedIn` saying why there is none."""
         with self._lock:
             login = self._by_id.get(sid or "")
             if login is None:
-                raise NotSignedIn("not signed in")
-            exp = login.claims.get("exp")
-            idle = time.monotonic() - login.last_used > self._idle_s
-            expired = isinstance(exp, (int, float)) and exp <= time.time()
-            if idle or expired:
-                del self._by_id[sid or ""]
-            else:
+                raise NotSignedIn(self._ended.get(sid or "", "not signed in"))
+            if time.monotonic() - login.last_used <= self._idle_s:
                 self._by_id.move_to_end(sid or "")
-        if idle or expired:
-            login.close()
-            raise NotSignedIn("your token has expired: sign in with a new one" if expired else "signed out (idle)")
-        return login
+                return login
+            del self._by_id[sid or ""]
+            self._ended_because(sid or "", f"signed out after {self._idle_s / 3600:g} h idle")
+        login.close()
+        raise NotSignedIn(self._ended[sid or ""])
 
-    def sign_out(self, sid: str | None) -> None:
+    def sign_out(self, sid: str | None, reason: str = "signed out") -> None:
+        """End the browser's session (its router session says Goodbye); ``reason`` is what its next page says."""
         with self._lock:
             login = self._by_id.pop(sid or "", None)
+            if login is not None:
+                self._ended_because(sid or "", reason)
         if login is not None:
             login.close()
+
+    def _ended_because(self, sid: str, reason: str) -> None:
+        self._ended[sid] = reason
+        while len(self._ended) > self._max:
+            self._ended.popitem(last=False)
 
     def close(self) -> None:
         """Sign everyone out (the server stops): each router session says Goodbye."""

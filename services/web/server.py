@@ -315,11 +315,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(HTTPStatus.NOT_FOUND, {"error": f"no such page: /api/{'/'.join(parts)}"})
         except BadRequest as err:
             return self._json(HTTPStatus.BAD_REQUEST, {"error": str(err)})
-        except (AuthInvalid, AuthExpired, AuthRequired) as err:
-            self.web.logins.sign_out(self._sid())
-            return self._json(
-                HTTPStatus.UNAUTHORIZED, {"error": f"the router refused the token: {err}", "login": "/login"}
-            )
+        except (AuthInvalid, AuthExpired, AuthRequired) as err:  # expired or revoked since signing in
+            reason = f"the router no longer accepts this token: {err}"
+            self.web.logins.sign_out(self._sid(), reason)
+            return self._json(HTTPStatus.UNAUTHORIZED, {"error": reason, "login": "/login"})
         except Forbidden as err:
             return self._json(HTTPStatus.FORBIDDEN, {"error": str(err)})
         except NotFound as err:
