@@ -186,6 +186,14 @@ def start_trainer(
             "Default: built-in models only.",
         ),
     ] = None,
+    attempt_user: Annotated[
+        str | None,
+        typer.Option(
+            help="A trainer run as root: the user its jobs' attempts run as, out of reach of its token file, "
+            "other jobs' checkpoints and co-located services' files (attempt_user, BATCHBUS_ATTEMPT_USER; "
+            "docs/security.md §4.1). Default: the trainer's own user.",
+        ),
+    ] = None,
 ) -> None:
     """Take jobs from the router and train them on batches pulled from providers."""
     from services.trainer.service.app import run_trainer
@@ -202,6 +210,7 @@ def start_trainer(
         heartbeat_ms=heartbeat_ms,
         metrics_bind=metrics_bind,
         job_modules=_modules(job_modules),
+        attempt_user=attempt_user,
     )
     setup_logging(s.log_level)
     code = run_trainer(s)

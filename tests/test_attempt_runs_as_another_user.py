@@ -180,7 +180,7 @@ def test_a_trainer_refuses_an_attempt_user_it_cannot_run_as(make_settings, user,
 
 
 def _start_trainer_as(uid: int, gid: int, state: str, reply: Connection) -> None:
-    """``busctl start trainer`` with ``attempt_user`` set, in a process of uid ``uid`` (not root); its
+    """``busctl start trainer --attempt-user``, in a process of uid ``uid`` (not root); its
     exit code and output go to ``reply``. The same command runs first as root, naming no user that exists
     (refused as well): what it imports is imported before this process stops being root, since the
     interpreter's own library may lie where only root reads it (as under /root/.pyenv)."""
@@ -192,7 +192,7 @@ def _start_trainer_as(uid: int, gid: int, state: str, reply: Connection) -> None
     os.setgroups([])
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
-    reply.send(busctl_in_process(*args, env={"BATCHBUS_ATTEMPT_USER": USER}))
+    reply.send(busctl_in_process(*args, "--attempt-user", USER))
 
 
 def test_a_job_folder_lent_to_the_attempt_user_gives_it_nothing_a_link_points_at(make_settings, user, place):
