@@ -28,15 +28,17 @@ import ssl
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from urllib.parse import urljoin, urlsplit
 
 from libbus.errors import DatasetError
 
 from .blockmemory import BLOCK_BYTES, BlockMemory
-from .httpstore import ObstoreRanges, RangeFailure
-from .inflight import InflightLimit, host_slots, lower_priority
+from .httpstore import PARALLEL, ObstoreRanges, RangeFailure
+from .inflight import InflightLimit, Slots, host_slots, lower_priority
 from .reader import COALESCE_BYTES, coalesce
 
 __all__ = ["HttpError", "HttpSettings", "RangeClient", "RemoteFile", "origin_of"]
@@ -108,7 +110,8 @@ class RangeClient:
         self._tls: ssl.SSLContext | None = None  # made on the first https connection
         #: Requests of this dataset in flight: from ``concurrency`` up to ``max_concurrency`` as throughput grows.
         self.inflight = InflightLimit(settings.concurrency, settings.max_concurrency)
-        self._hosts: dict[str, threading.BoundedSemaphore] = {}
+        self._hosts: dict[str, Slots] = {}
+        self._targets: dict[str, tuple[str, str] | None] = {}  # URL → where obstore reads it (None: it does not)
         self._pool = ThreadPoolExecutor(
             settings.max_concurrency, thread_name_prefix="http-range", initializer=lower_priority
         )
@@ -298,10 +301,7 @@ class RangeClient:
 
     def _limited(self, url: str, offset: int, nbytes: int, buffers: list[memoryview]) -> None:
         """:meth:`_read_once` within the dataset's limit and the host's (:mod:`.inflight`)."""
-        origin = origin_of(url)
-        host = self._hosts.get(origin) or self._hosts.setdefault(
-            origin, host_slots(origin, self.settings.host_concurrency)
-        )
+        host = self._host(origin_of(url))
         self.inflight.acquire()
         got, throttled = 0, False
         try:
@@ -314,8 +314,23 @@ class RangeClient:
         finally:
             self.inflight.release(got, throttled)
 
+    def _host(self, origin: str) -> Slots:
+        """The provider-wide places for requests to ``origin`` (:func:`~.inflight.host_slots`)."""
+        return self._hosts.get(origin) or self._hosts.setdefault(
+            origin, host_slots(origin, self.settings.host_concurrency)
+        )
+
+    def _confined(self, url: str, origin: str) -> None:
+        """Raise :class:`HttpError` when ``origin`` (``url``'s) is not among the dataset's."""
+        if self.settings.origins and origin not in self.settings.origins:
+            raise HttpError(
+                f"{url}: outside the dataset's origin {self.settings.origins[0]}; the provider reads nothing "
+                "else unless allowed (?allow_origins=scheme://host:port)",
+                retryable=False,
+            )
+
     def _read_once(self, url: str, offset: int, nbytes: int, buffers: list[memoryview]) -> None:
-        if self.ranges is not None and (target := self.ranges.path_of(url)) is not None:
+        if self.ranges is not None and (target := self._target(url)) is not None:
             self._read_obstore(self.ranges, url, target, offset, nbytes, buffers)
         else:
             self._read_http_client(url, offset, nbytes, buffers)
@@ -330,23 +345,14 @@ class RangeClient:
         buffers: list[memoryview],
     ) -> None:
         """One range through obstore (:mod:`.httpstore`), copied into ``buffers``."""
-        if self.settings.origins and target[0] not in self.settings.origins:
-            raise HttpError(
-                f"{url}: outside the dataset's origin {self.settings.origins[0]}; the provider reads nothing "
-                "else unless allowed (?allow_origins=scheme://host:port)",
-                retryable=False,
-            )
+        self._confined(url, target[0])
         try:
             data = ranges.read(*target, offset, offset + nbytes, self._sizes.get(url))
         except RangeFailure as err:
             raise HttpError(
                 f"GET {url} (bytes={offset}-{offset + nbytes - 1}): {err}", err.retryable, err.status
             ) from None
-        at = 0
-        for buf in buffers:
-            view = buf.cast("B") if buf.format != "B" else buf
-            view[:] = data[at : at + len(view)]
-            at += len(view)
+        _copy(data, buffers)
 
     def _read_http_client(self, url: str, offset: int, nbytes: int, buffers: list[memoryview]) -> None:
         headers = {"Range": f"bytes={offset}-{offset + nbytes - 1}"}
@@ -389,16 +395,70 @@ class RangeClient:
         if self.memory is not None:
             self.memory.read(runs, lambda f: (f.url, f.size), lambda f: f.size, self._block, self._pool)
             return
-        runs = coalesce(runs, self.settings.coalesce_bytes)
-        if len(runs) == 1:
-            f, offset, buffers = runs[0]
-            self.read_into(f.url, offset, buffers)
+        tasks = self._tasks(coalesce(runs, self.settings.coalesce_bytes))
+        if len(tasks) == 1:
+            tasks[0]()
             return
-        futures = [self._pool.submit(self.read_into, f.url, offset, buffers) for f, offset, buffers in runs]
+        futures = [self._pool.submit(task) for task in tasks]
         wait(futures)
         for fut in futures:
             if (err := fut.exception()) is not None:
                 raise err
+
+    def _tasks(self, runs: list[tuple[RemoteFile, int, list[memoryview]]]) -> list[Callable[[], None]]:
+        """What reads ``runs``: through obstore, a file's runs in bundles of up to :data:`~.httpstore.PARALLEL`
+        (no more than half the dataset's limit now), one call each, so a full-shuffle batch of 500 runs costs
+        its threads 50 turns at the GIL, not 500; through ``http.client``, one request per run."""
+        tasks: list[Callable[[], None]] = []
+        bundles: dict[str, list[tuple[int, list[memoryview]]]] = {}
+        for f, offset, buffers in runs:
+            if self._target(f.url) is None:
+                tasks.append(partial(self.read_into, f.url, offset, buffers))
+            elif any(len(b) for b in buffers):
+                bundles.setdefault(f.url, []).append((offset, buffers))
+        # at most half the limit a bundle: bundles of a batch then fit side by side, and when the limit
+        # climbs (by half, inflight.py) one more fits, so the climb can show that it pays
+        size = max(1, min(PARALLEL, self.inflight.limit // 2))
+        for url, pieces in bundles.items():
+            tasks += [partial(self._read_bundle, url, pieces[i : i + size]) for i in range(0, len(pieces), size)]
+        return tasks
+
+    def _target(self, url: str) -> tuple[str, str] | None:
+        """Where obstore reads ``url`` (:meth:`~.httpstore.ObstoreRanges.path_of`, once per URL), or None."""
+        if self.ranges is None:
+            return None
+        if url not in self._targets:
+            self._targets[url] = self.ranges.path_of(url)
+        return self._targets[url]
+
+    def _read_bundle(self, url: str, pieces: list[tuple[int, list[memoryview]]]) -> None:
+        """Fill each piece's buffers from ``url``: one obstore call for them all, retried as a whole."""
+        spans = [(at, at + sum(len(b) for b in buffers)) for at, buffers in pieces]
+        self._retrying(lambda: self._bundle_once(url, pieces, spans))
+
+    def _bundle_once(self, url: str, pieces: list[tuple[int, list[memoryview]]], spans: list[tuple[int, int]]) -> None:
+        target, ranges = self._target(url), self.ranges
+        if target is None or ranges is None:
+            raise AssertionError("a bundle of a URL obstore does not read")  # pragma: no cover - _tasks
+        self._confined(url, target[0])
+        n, host = len(spans), self._host(target[0])
+        self.inflight.acquire(n=n)
+        got, throttled = 0, False
+        try:
+            host.acquire(n)
+            try:
+                datas = ranges.read_many(*target, spans)
+            except RangeFailure as err:
+                throttled = err.status in (429, 503)
+                where = f"bytes={spans[0][0]}-{spans[0][1] - 1}" + (f" and {n - 1} more ranges" if n > 1 else "")
+                raise HttpError(f"GET {url} ({where}): {err}", err.retryable, err.status) from None
+            finally:
+                host.release(n)
+            for (_, buffers), data in zip(pieces, datas):
+                _copy(data, buffers)
+            got = sum(b - a for a, b in spans)
+        finally:
+            self.inflight.release(got, throttled, n)
 
     def read_ahead(self, owner: object, blocks: list[tuple[RemoteFile, int]]) -> int:
         """Fetch ``blocks`` into the RAM cache ahead of their reads, replacing ``owner``'s last plan
@@ -428,6 +488,15 @@ class RemoteFile:
 
     def __post_init__(self) -> None:
         self.client.note_size(self.url, self.size)
+
+
+def _copy(data: memoryview, buffers: list[memoryview]) -> None:
+    """``data`` laid into ``buffers`` in turn (as many bytes as they hold together)."""
+    at = 0
+    for buf in buffers:
+        view = buf.cast("B") if buf.format != "B" else buf
+        view[:] = data[at : at + len(view)]
+        at += len(view)
 
 
 def _via(first: str, last: str) -> str:

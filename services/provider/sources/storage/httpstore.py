@@ -12,9 +12,11 @@ What ``http.client`` did that obstore does not, kept here:
 - **Confinement.** reqwest follows redirects itself (up to 10 hops) and cannot be asked to stop at each
   hop, so the store is told that every host outside the dataset's origins lies behind a proxy that does
   not exist (:data:`NOWHERE`: a connection to port 0 is refused): a redirect to another host is never
-  sent, and fails the read naming the URL. A redirect to another port of an origin's host (or to a name
-  under it) is not told apart by host, so every answer must also be for a file of the size seen when the
-  dataset opened (the ``Content-Range`` total), or the batch fails.
+  sent, and fails the read naming the URL. The proxy's exceptions name hosts, not ports: a redirect to
+  another port of an origin's host (or to a name under an origin's host name) is followed. A single read
+  (:meth:`ObstoreRanges.read`: a RAM cache's block, a header) also checks that the answer is for a file of
+  the size seen when the dataset opened (the ``Content-Range`` total); a bundle (:meth:`~ObstoreRanges.read_many`)
+  cannot (obstore does not return it).
 - **Errors that name the URL, the range and the status**, worded as the ``http.client`` path words them
   (:class:`RangeFailure`; :class:`~.httprange.RangeClient` prefixes the request); retries stay with the
   caller (obstore's are off), which knows the dataset's settings.
@@ -35,10 +37,12 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["NOWHERE", "ObstoreRanges", "RangeFailure"]
+__all__ = ["NOWHERE", "PARALLEL", "ObstoreRanges", "RangeFailure"]
 
 #: The proxy every host outside the dataset's origins is sent to: nothing listens on port 0.
 NOWHERE = "127.0.0.1:0"
+#: Ranges one ``get_ranges`` call requests at once (object_store's own bound): the size of a call's bundle.
+PARALLEL = 10
 #: A whole request (connect to last byte) may take this many times the dataset's ``timeout``.
 WHOLE_REQUEST_FACTOR = 6
 #: Paths obstore sends as written: RFC 3986 path characters apart from ``%`` (it would encode it again).
@@ -130,6 +134,22 @@ class ObstoreRanges:
         if len(data) != end - start:
             raise RangeFailure(f"body of {len(data)} bytes, not the {end - start} asked for", retryable=False)
         return data
+
+    def read_many(self, origin: str, path: str, spans: list[tuple[int, int]]) -> list[memoryview]:
+        """Bytes ``start`` to ``end`` of each of ``spans`` of one file, requested side by side by one call
+        (obstore's ``get_ranges``: up to :data:`PARALLEL` at once, none merged): the calling thread takes the
+        GIL once for them all. Raises :class:`RangeFailure` (naming no span: the caller names them)."""
+        try:
+            got = self._ob.get_ranges(
+                self._store(origin), path, starts=[a for a, _ in spans], ends=[b for _, b in spans], coalesce=0
+            )
+        except Exception as err:  # noqa: BLE001 - as in read
+            raise _failure(err, sum(b - a for a, b in spans)) from None
+        out = [memoryview(g) for g in got]
+        for (a, b), data in zip(spans, out):
+            if len(data) != b - a:
+                raise RangeFailure(f"body of {len(data)} bytes, not the {b - a} asked for", retryable=False)
+        return out
 
 
 def _failure(err: BaseException, nbytes: int) -> RangeFailure:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["GAIN", "GROW", "SHRINK", "READER_NICE", "InflightLimit", "host_slots", "lower_priority"]
+__all__ = ["GAIN", "GROW", "SHRINK", "READER_NICE", "InflightLimit", "Slots", "host_slots", "lower_priority"]
 
 #: The limit's step up while throughput rises, and down once it stops.
 GROW, SHRINK = 1.5, 0.8
@@ -42,7 +42,6 @@ PROBE_WINDOWS = 8
 #: cores; at 10 it stayed at 13-37 ms (docs/performance.md, "Data behind a network").
 READER_NICE = 10
 
-_HOSTS: dict[str, threading.BoundedSemaphore] = {}
 _HOSTS_LOCK = threading.Lock()
 
 
@@ -55,11 +54,48 @@ def lower_priority() -> None:
         pass
 
 
-def host_slots(host: str, limit: int) -> threading.BoundedSemaphore:
-    """The provider-wide semaphore of requests in flight to ``host`` (the first caller sets its size)."""
+class Slots:
+    """At most ``limit`` requests at once, a caller taking one or several places together (the ranges of one
+    call that sends them side by side), all or none; one asking for more than ``limit`` runs alone."""
+
+    def __init__(self, limit: int):
+        self.limit = max(1, limit)
+        self._held = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int = 1, timeout: float | None = None) -> bool:
+        """Take ``n`` places; False when they were not free within ``timeout`` (``None``: no bound)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._held and self._held + n > self.limit:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            self._held += n
+            return True
+
+    def release(self, n: int = 1) -> None:
+        with self._cond:
+            self._held -= n
+            self._cond.notify_all()  # waiters ask for different numbers of places: each looks
+
+    def __enter__(self) -> Slots:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+_HOSTS: dict[str, Slots] = {}
+
+
+def host_slots(host: str, limit: int) -> Slots:
+    """The provider-wide :class:`Slots` of requests in flight to ``host`` (the first caller sets its size)."""
     with _HOSTS_LOCK:
         if host not in _HOSTS:
-            _HOSTS[host] = threading.BoundedSemaphore(limit)
+            _HOSTS[host] = Slots(limit)
         return _HOSTS[host]
 
 
@@ -84,11 +120,12 @@ class InflightLimit:
     def inflight(self) -> int:
         return self._inflight
 
-    def acquire(self, timeout_s: float | None = None) -> bool:
-        """Take a place; False when none came within ``timeout_s`` (``None``: wait as long as it takes)."""
+    def acquire(self, timeout_s: float | None = None, n: int = 1) -> bool:
+        """Take a place (``n`` places, all or none: requests sent together; more than the limit only when
+        none is taken); False when they did not come within ``timeout_s`` (``None``: wait as long as it takes)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self._inflight >= self.limit:
+            while self._inflight and self._inflight + n > self.limit:
                 self._full = True
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -98,20 +135,21 @@ class InflightLimit:
                     self._cond.wait(left)
                 finally:
                     self._waiting -= 1
-            self._inflight += 1
+            self._inflight += n
             if self._inflight >= self.limit:
                 self._full = True
             return True
 
-    def release(self, nbytes: int = 0, throttled: bool = False) -> None:
-        """Give the place back, counting ``nbytes`` delivered; ``throttled``: the store asked us to slow down."""
+    def release(self, nbytes: int = 0, throttled: bool = False, n: int = 1) -> None:
+        """Give the place (``n`` places) back, counting ``nbytes`` delivered by its ``n`` requests;
+        ``throttled``: the store asked us to slow down."""
         with self._cond:
-            self._inflight -= 1
+            self._inflight -= n
             if throttled:
                 self.limit, self._before = max(1, self.limit // 2), None
                 self._window, self._full = (time.monotonic(), 0, 0), False
             else:
-                self._count(nbytes)
+                self._count(nbytes, n)
             # wake only as many waiters as there are places: waking all of them (a hundred reader
             # threads of a busy dataset) to find the one place taken costs each a GIL turn, taken from
             # the serving loop, per request completed
@@ -127,9 +165,9 @@ class InflightLimit:
         finally:
             self.release(sum(done))
 
-    def _count(self, nbytes: int) -> None:
+    def _count(self, nbytes: int, n: int = 1) -> None:
         started, requests, total = self._window
-        requests, total = requests + 1, total + nbytes
+        requests, total = requests + n, total + nbytes
         now = time.monotonic()
         if now - started < WINDOW_S or requests < self.limit:
             self._window = (started, requests, total)
