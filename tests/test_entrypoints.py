@@ -55,18 +55,91 @@ def _stop(cluster: EntryCluster, name: str) -> None:
     cluster.procs[name].wait(30)
 
 
+#: The plain trainer tests share (a trainer's start-up, its fork server's torch import, is much of a short test).
+PLAIN = "plain"
+
+
+def _plain_trainer(cluster: EntryCluster) -> str:
+    """:data:`PLAIN`, started unless it runs already: the tests that need any trainer take turns on it."""
+    proc = cluster.procs.get(PLAIN)
+    if proc is None or proc.poll() is not None:
+        cluster.start_trainer(PLAIN)
+    return PLAIN
+
+
+@pytest.fixture
+def plain(cluster) -> str:
+    return _plain_trainer(cluster)
+
+
+@pytest.fixture
+def alone(cluster) -> None:
+    """This test's jobs go to the trainers it starts: the shared plain trainer is stopped first (the next
+    test that asks for it starts it again)."""
+    proc = cluster.procs.get(PLAIN)
+    if proc is not None and proc.poll() is None:
+        _stop(cluster, PLAIN)
+
+
 @pytest.fixture(scope="module")
 def reference(cluster) -> dict:
-    cluster.start_trainer("ref")
-    try:
-        info = cluster.wait_end(cluster.submit_spec(JOB), timeout=180)
-    finally:
-        _stop(cluster, "ref")
+    _plain_trainer(cluster)
+    info = cluster.wait_end(cluster.submit_spec(JOB), timeout=180)
     assert info["state"] == "succeeded", info["error"]
     return info
 
 
-def test_a_function_with_its_own_loss_killed_twice_mid_epoch_ends_as_if_uninterrupted(cluster, reference):
+def test_a_module_the_trainer_does_not_allow_runs_nothing(cluster, plain, tmp_path):
+    marker = tmp_path / "ran"
+    refused = _fails_alone(cluster, "tests.killpoint:raising_model")
+    assert "not in this trainer's job_modules (tests.support.entrypoints)" in refused["error"], refused["error"]
+    assert "BATCHBUS_JOB_MODULES" in refused["error"]
+    # what to list: a new user who lists the package's name alone learns it takes a trailing "."
+    assert "the operator lists 'tests.killpoint', or 'tests.' for every module" in refused["error"]
+    piped = cluster.submit_spec(
+        {
+            **JOB,
+            "entrypoint": "",
+            "params": {},
+            "model": "pydoc:pipepager",
+            "model_kwargs": {"cmd": f"id > {marker}"},
+        }
+    )
+    info = cluster.wait_end(piped, timeout=120)
+    assert info["state"] == "failed" and "job_modules" in info["error"], info["error"]
+    time.sleep(0.5)
+    assert not marker.exists()
+
+
+def test_commands_apply_at_the_functions_calls(cluster, plain):
+    """set, pause, resume, checkpoint and stop on an entrypoint job, then resume from its checkpoint."""
+    spec = {**JOB, "entrypoint": "tests.support.entrypoints:counter", "params": {"steps": 400, "delta": 1}}
+    job = cluster.submit_spec(spec)
+    cluster.wait(job, lambda i: (i.get("progress") or {}).get("step", 0) >= 5)
+    assert cluster.control(job, "set", delta=2)["spec"]["params"]["delta"] == 2
+    assert cluster.control(job, "pause")["state"] == "paused"
+    paused = cluster.wait(job, lambda i: i["progress"]["state"] == "paused")["progress"]["step"]
+    time.sleep(0.5)
+    assert cluster.job(job)["progress"]["step"] == paused  # no step while paused
+    cluster.control(job, "resume")
+    record = cluster.control(job, "checkpoint")["checkpoint"]
+    assert record["step"] > paused and record["path"].endswith(".safetensors")
+    cluster.control(job, "stop")
+    stopped = cluster.wait_end(job)
+    assert stopped["state"] == "stopped", stopped["error"]
+    at = stopped["checkpoint"]["step"]
+    assert at >= record["step"]
+    cluster.control(job, "resume")  # queued again: the next attempt restores the stopped one's state
+    info = cluster.wait_end(job, timeout=120)
+    assert info["state"] == "succeeded", info["error"]
+    logs = cluster.busctl("job", "logs", job).stdout
+    assert f"counter starts at n={at} " in logs, logs
+    weights = final_weights(info)
+    assert int(weights["n"]) == 400
+    assert float(weights["total"]) > 400  # delta 2 from the set on
+
+
+def test_a_function_with_its_own_loss_killed_twice_mid_epoch_ends_as_if_uninterrupted(cluster, reference, alone):
     job = cluster.submit_spec(JOB)
     # the trainer dies right after its attempt's first checkpoint (steps 7, 14) reached the router, twice; each
     # time it is restarted under its name, as systemd restarts it: the router gives the job back at once (not
@@ -93,7 +166,7 @@ def test_a_function_with_its_own_loss_killed_twice_mid_epoch_ends_as_if_uninterr
     assert "attempt 0: epoch 0 from sample 0" in first, first
 
 
-def test_a_trainer_killed_right_after_the_router_took_a_checkpoint_resumes_from_it(cluster):
+def test_a_trainer_killed_right_after_the_router_took_a_checkpoint_resumes_from_it(cluster, alone):
     """The trainer dies after the router stored checkpoint 1 but before its answer reached the attempt;
     the attempt dies with it, but not at once, and meanwhile writes more. None of them may delete the
     one the router holds (the record in flight counts as held): the next attempt resumes from it
@@ -121,7 +194,7 @@ def _fails_alone(cluster: EntryCluster, entrypoint: str) -> dict:
     return cluster.wait_end(job, timeout=120)
 
 
-def test_attempts_that_crash_hang_or_exit_fail_alone_and_the_trainer_goes_on(cluster):
+def test_attempts_that_crash_hang_or_exit_fail_alone_and_the_trainer_goes_on(cluster, alone):
     cluster.start("sturdy", "trainer", env={"BATCHBUS_ATTEMPT_SILENCE_S": "6"})  # the hang is found in 6 s
     try:
         crashed = _fails_alone(cluster, "tests.support.entrypoints:segfault")
@@ -148,33 +221,7 @@ def test_attempts_that_crash_hang_or_exit_fail_alone_and_the_trainer_goes_on(clu
         _stop(cluster, "sturdy")
 
 
-def test_a_module_the_trainer_does_not_allow_runs_nothing(cluster, tmp_path):
-    marker = tmp_path / "ran"
-    cluster.start_trainer("strict")
-    try:
-        refused = _fails_alone(cluster, "tests.killpoint:raising_model")
-        assert "not in this trainer's job_modules (tests.support.entrypoints)" in refused["error"], refused["error"]
-        assert "BATCHBUS_JOB_MODULES" in refused["error"]
-        # what to list: a new user who lists the package's name alone learns it takes a trailing "."
-        assert "the operator lists 'tests.killpoint', or 'tests.' for every module" in refused["error"]
-        piped = cluster.submit_spec(
-            {
-                **JOB,
-                "entrypoint": "",
-                "params": {},
-                "model": "pydoc:pipepager",
-                "model_kwargs": {"cmd": f"id > {marker}"},
-            }
-        )
-        info = cluster.wait_end(piped, timeout=120)
-        assert info["state"] == "failed" and "job_modules" in info["error"], info["error"]
-        time.sleep(0.5)
-        assert not marker.exists()
-    finally:
-        _stop(cluster, "strict")
-
-
-def test_an_attempt_that_exhausts_memory_is_killed_alone(cluster):
+def test_an_attempt_that_exhausts_memory_is_killed_alone(cluster, alone):
     """The trainer and its attempts in a memory cgroup of 1.5 GiB: the out-of-memory killer takes
     the attempt (it offers itself first), the trainer says so and takes the next job."""
     with memory_cgroup(1536 << 20) as group:
@@ -189,35 +236,3 @@ def test_an_attempt_that_exhausts_memory_is_killed_alone(cluster):
             assert "SystemExit: 3" in after["error"]
         finally:
             _stop(cluster, "bounded")
-
-
-def test_commands_apply_at_the_functions_calls(cluster):
-    """set, pause, resume, checkpoint and stop on an entrypoint job, then resume from its checkpoint."""
-    spec = {**JOB, "entrypoint": "tests.support.entrypoints:counter", "params": {"steps": 400, "delta": 1}}
-    cluster.start_trainer("ctl")
-    try:
-        job = cluster.submit_spec(spec)
-        cluster.wait(job, lambda i: (i.get("progress") or {}).get("step", 0) >= 5)
-        assert cluster.control(job, "set", delta=2)["spec"]["params"]["delta"] == 2
-        assert cluster.control(job, "pause")["state"] == "paused"
-        paused = cluster.wait(job, lambda i: i["progress"]["state"] == "paused")["progress"]["step"]
-        time.sleep(0.5)
-        assert cluster.job(job)["progress"]["step"] == paused  # no step while paused
-        cluster.control(job, "resume")
-        record = cluster.control(job, "checkpoint")["checkpoint"]
-        assert record["step"] > paused and record["path"].endswith(".safetensors")
-        cluster.control(job, "stop")
-        stopped = cluster.wait_end(job)
-        assert stopped["state"] == "stopped", stopped["error"]
-        at = stopped["checkpoint"]["step"]
-        assert at >= record["step"]
-        cluster.control(job, "resume")  # queued again: the next attempt restores the stopped one's state
-        info = cluster.wait_end(job, timeout=120)
-        assert info["state"] == "succeeded", info["error"]
-        logs = cluster.busctl("job", "logs", job).stdout
-        assert f"counter starts at n={at} " in logs, logs
-        weights = final_weights(info)
-        assert int(weights["n"]) == 400
-        assert float(weights["total"]) > 400  # delta 2 from the set on
-    finally:
-        _stop(cluster, "ctl")
