@@ -392,8 +392,8 @@ async function jobsPage() {
   poll(load);
 }
 
-async function jobPage(id) {
-  let after = 0, attempt = -1;
+async function jobPage(id, chosen) {
+  let after = 0, attempt = Number.isInteger(chosen) ? chosen : -1, attempts = [];
   const logLines = [];
   poll(async () => {
     const [{ job, note, test_scores: scores }, metrics] = await Promise.all([api(`jobs/${encodeURIComponent(id)}`), api(`jobs/${encodeURIComponent(id)}/metrics`)]);
@@ -401,6 +401,7 @@ async function jobPage(id) {
     if (logs) {
       if (logs.attempt !== attempt && attempt !== -1) logLines.length = 0;
       attempt = logs.attempt;
+      attempts = Array.isArray(logs.attempts) ? logs.attempts : [];
       after = logs.next;
       logLines.push(...logs.lines);
       logLines.splice(0, Math.max(0, logLines.length - 500));
@@ -448,7 +449,10 @@ async function jobPage(id) {
       section(`Checkpoints (${ckpts.length})`, ckpts.length ? table("checkpoints", ["step", "where", "trainer", "path", "sha256"],
         ckpts.slice(-20).reverse().map((c) => [String(c.step), cursorShown(c), c.trainer || "-", c.path, c.sha256 || "-"])) : el("p", {}, "none yet")),
       section("Events", table("events", ["time", "state", "reason"], (job.events || []).map((e) => [clock(e.at), e.state, e.reason]))),
-      section(`Log (attempt ${attempt < 0 ? "-" : attempt}, last ${logLines.length} lines)`, el("pre", { id: "logs" }, logLines.join("\n") || "(no output)")),
+      section(`Log (attempt ${attempt < 0 ? "-" : attempt}, last ${logLines.length} lines)`,
+        attempts.length > 1 ? el("p", { class: "attempts" }, "attempts: ", attempts.map((a) =>
+          [a === attempt ? el("strong", {}, String(a)) : link(`#/job/${encodeURIComponent(id)}?attempt=${a}`, String(a)), " "])) : "",
+        el("pre", { id: "logs" }, logLines.join("\n") || "(no output)")),
       el("details", {}, el("summary", {}, "spec"), el("pre", { id: "spec" }, JSON.stringify(spec, null, 2))),
       note ? el("p", { class: "note" }, note) : "",
     );
@@ -560,10 +564,13 @@ async function servicesPage() {
 
 // -- routing ----------------------------------------------------------------------------------------
 function route() {
-  const [path] = (location.hash || "#/jobs").slice(1).split("?");
+  const [path, query] = (location.hash || "#/jobs").slice(1).split("?");
   const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
   for (const a of document.querySelectorAll("nav a")) a.classList.toggle("here", a.id === `nav-${parts[0] === "job" ? "jobs" : parts[0] === "study" ? "studies" : parts[0]}`);
-  if (parts[0] === "job" && parts[1]) return jobPage(parts[1]);
+  if (parts[0] === "job" && parts[1]) {
+    const chosen = new URLSearchParams(query || "").get("attempt");
+    return jobPage(parts[1], chosen !== null && /^\d+$/.test(chosen) ? Number(chosen) : null);
+  }
   if (parts[0] === "studies") return studiesPage();
   if (parts[0] === "study" && parts[1]) return studyPage(parts[1]);
   if (parts[0] === "services") return servicesPage();
