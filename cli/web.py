@@ -36,8 +36,7 @@ def web(
 ) -> None:
     """A read-only web view of jobs (curves, stalls, events, logs), studies and services, until Ctrl-C.
 
-    Open the URL it prints and sign in with your batchbus token: the page shows what that token
-    grants, as busctl does with it (docs/web.md)."""
+    Open the URL it prints and sign in with your token: the page shows what it grants, as busctl does (docs/web.md)."""
     from services.atomic import write_atomic  # noqa: PLC0415 - keeps busctl start-up light
     from services.web import WebServer, is_loopback, parse_bind  # noqa: PLC0415
 
