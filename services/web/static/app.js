@@ -531,7 +531,7 @@ async function servicesPage() {
     const providers = frame.providers.map((p) => [
       p.name, p.endpoint || "-", (p.datasets || []).join(", ") || "-",
       isNum(p.samples_per_s) ? p.samples_per_s.toFixed(0) : "…", String(p.samples), String(p.batches),
-      `${(p.bytes / 1e6).toFixed(1)} MB`, String(p.sessions ?? "-"), String(p.evaluations_running || 0),
+      `${(p.bytes / 1e6).toFixed(1)} MB`, String(p.sessions ?? "-"), `${p.evaluations_running || 0} (${p.evaluations || 0} done)`,
       Object.entries(p.refused || {}).map(([k, n]) => `${k} ${n}`).join(", ") || "0",
     ]);
     const trainers = frame.trainers.map((t) => [
