@@ -342,6 +342,9 @@ def test_hostile_requests_are_answered_and_the_server_goes_on(world):
     assert b.post("/login", b"token=x", {"Origin": "http://evil.example"})[0] == 403
     assert b.get("/", {"Host": "evil.example:80"})[0] == 421
     assert b.post("/login", b"token=" + b"a" * 20000)[0] == 413
+    assert b.get("/api/jobs?" + "&".join(f"f{i}=1" for i in range(50)))[0] == 400
+    status, _, page = b.post("/login", b"&".join(b"f%d=1" % i for i in range(50)))
+    assert status == 401 and b"not a batchbus token" in page
     assert b.api("jobs")[0] == 200
 
 

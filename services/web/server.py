@@ -251,7 +251,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.MISDIRECTED_REQUEST, b"unknown Host\n", "text/plain; charset=utf-8")
                 return
             parts = urlsplit(self.path)
-            route(parts.path, parse_qs(parts.query, max_num_fields=20))
+            try:
+                query = parse_qs(parts.query, max_num_fields=20)
+            except ValueError:  # more fields than any page here asks with
+                self.close_connection = True
+                self._send(HTTPStatus.BAD_REQUEST, b"too many query fields\n", "text/plain; charset=utf-8")
+                return
+            route(parts.path, query)
         except (BrokenPipeError, ConnectionResetError):
             pass
         except Exception:  # noqa: BLE001 - a bug: logged with its traceback, one line to the browser
@@ -291,7 +297,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._redirect("/login", {"Set-Cookie": _cookie("", max_age=0)})
         if path != "/login":
             return self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
-        form = parse_qs(body.decode("ascii", "replace"), max_num_fields=4)
+        try:
+            form = parse_qs(body.decode("ascii", "replace"), max_num_fields=4)
+        except ValueError:
+            form = {}
         token = (form.get("token") or [""])[0]
         try:
             sid = self.web.logins.sign_in(token)
