@@ -139,3 +139,33 @@ def test_a_pass_left_with_a_fill_in_flight_lends_its_slot_to_no_other_batch(star
         want_x, want_y = MockImages("mock://mnist", "mnist", n=400).read("train", loader.order(1))
     assert np.array_equal(np.concatenate([y.numpy() for _, y in held]), want_y)
     assert np.array_equal(np.concatenate([x.numpy() for x, _ in held]), want_x), "a late write landed in a held batch"
+
+
+def test_the_training_loops_thread_sends_receives_and_hands_out_nothing_during_a_pass(
+    provider, make_token, monkeypatch
+):
+    """What keeps the loop's next() cheap: every request, reply and hand-out of a pass happens on the
+    pass's thread (a regression that moves one back shows here, not only in `busctl bench --wait`)."""
+    from libbus.loader import deliveries, remote, replica  # noqa: PLC0415
+
+    seen: dict[str, set[str]] = {}
+
+    def spy(owner, name):
+        real = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            seen.setdefault(name, set()).add(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, call)
+
+    spy(replica.Replica, "send")
+    spy(remote, "recv_any")
+    spy(deliveries.RingDelivery, "receive")
+    spy(deliveries.RingDelivery, "hand_out")
+    with RemoteLoader("mnist", provider=provider.endpoint, token=make_token(), batch_size=50) as loader:
+        assert loader.transport == "shm"
+        for _ in range(2):  # two whole passes
+            assert sum(1 for _ in loader) == len(loader)
+    assert set(seen) == {"send", "recv_any", "receive", "hand_out"}
+    assert all(name.startswith("batchbus-pass-") for names in seen.values() for name in names), seen
