@@ -54,13 +54,38 @@ def cluster(tmp_path_factory):
         cluster.close()
 
 
+#: The plain trainer tests share (a trainer's start-up, its fork server's torch import, is much of a short test).
+PLAIN = "plain"
+
+
+def _plain_trainer(cluster: KillCluster) -> str:
+    """:data:`PLAIN`, started unless it runs already: the tests that need any trainer take turns on it."""
+    proc = cluster.procs.get(PLAIN)
+    if proc is None or proc.poll() is not None:
+        cluster.start_trainer(PLAIN)
+    return PLAIN
+
+
+@pytest.fixture
+def plain(cluster) -> str:
+    return _plain_trainer(cluster)
+
+
+@pytest.fixture
+def alone(cluster) -> None:
+    """This test's jobs go to the trainers it starts (each dies at its point on the job it takes): the shared
+    plain trainer is stopped first (the next test that asks for it starts it again)."""
+    proc = cluster.procs.get(PLAIN)
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
 @pytest.fixture(scope="module")
 def reference(cluster) -> dict:
     """The uninterrupted run every interrupted one must equal."""
-    cluster.start_trainer("ref")
+    _plain_trainer(cluster)
     info = cluster.wait_end(cluster.submit(**JOB), timeout=120)
-    cluster.procs["ref"].send_signal(signal.SIGTERM)
-    cluster.procs["ref"].wait(30)
     assert info["state"] == "succeeded", info["error"]
     assert len(info["result"]["history"]) == 2
     return info
@@ -112,9 +137,58 @@ def wait_killed(proc: subprocess.Popen, timeout: float = 120) -> None:
     assert proc.returncode == -signal.SIGKILL, f"expected a SIGKILL, exited {proc.returncode}"
 
 
+def test_a_bad_job_fails_with_a_hint_and_the_trainer_takes_the_next(cluster, plain):
+    bad = cluster.submit(**{**JOB, "model_kwargs": {"hidden": -1}, "max_attempts": 5})
+    raising = cluster.submit(**{**JOB, "model": "tests.killpoint:raising_model"})
+    exiting = cluster.submit(**{**JOB, "model": "tests.killpoint:exiting_model", "max_attempts": 5})
+    # a job may not choose what a trainer imports: pydoc.pipepager(info, cmd) would run a shell command
+    marker = cluster.state / "pwned"
+    shell = cluster.submit(**{**JOB, "model": "pydoc:pipepager", "model_kwargs": {"cmd": f"touch {marker}"}})
+    good = cluster.submit(**{**JOB, "epochs": 1, "evaluate": False})
+    info = cluster.wait_end(bad, timeout=60)
+    assert info["state"] == "failed" and info["attempts"] == 1, info
+    assert "RuntimeError" in info["error"] and "model_kwargs.hidden must be positive" in info["error"], info["error"]
+    info = cluster.wait_end(raising, timeout=60)
+    assert info["state"] == "failed" and info["attempts"] == 1
+    assert "ValueError: this factory always fails" in info["error"] and "factory" in info["error"]
+    info = cluster.wait_end(exiting, timeout=60)  # sys.exit in a job's code ends that job, not the trainer
+    assert info["state"] == "failed" and info["attempts"] == 1 and "SystemExit: 3" in info["error"], info
+    info = cluster.wait_end(shell, timeout=60)
+    assert info["state"] == "failed" and "not in this node's job_modules (tests.killpoint)" in info["error"], info
+    assert "nothing was imported" in info["error"] and not marker.exists()
+    assert cluster.wait_end(good, timeout=120)["state"] == "succeeded"
+    assert cluster.procs[plain].poll() is None, "the trainer died of a bad job"
+    with pytest.raises(BadRequest, match="max_attempts must be at most 10"):
+        cluster.submit(**{**JOB, "max_attempts": 1000})
+
+
+def test_commands_are_applied_after_a_router_restart(cluster, plain):
+    """Command ids carry the router's epoch: the restarted router's first command is not taken
+    for one the trainer already applied (it used to time out, silently ignored)."""
+    job = cluster.submit(**{**JOB, "epochs": 200, "evaluate": False})
+    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1, timeout=120)
+    assert cluster.control(job, "pause")["acked"]
+    router = cluster.procs["router"]
+    router.send_signal(signal.SIGKILL)
+    router.wait(10)
+    cluster.start_router(bind=cluster.endpoint)
+    deadline = time.monotonic() + 30
+    while True:  # the trainer says Hello again within a heartbeat or two
+        try:
+            detail = cluster.control(job, "resume")
+            break
+        except Unavailable:
+            assert time.monotonic() < deadline, "the trainer never came back to the restarted router"
+            time.sleep(0.2)
+    assert detail["acked"] and detail["state"] == "running"
+    assert cluster.control(job, "checkpoint")["acked"]
+    cluster.control(job, "stop")
+    assert cluster.wait_end(job, timeout=60)["state"] == "stopped"
+
+
 @pytest.mark.timeout(300)
 def test_killed_mid_epoch_after_the_last_step_and_after_validation_in_a_row(
-    cluster, reference, train_digests, stop_after
+    cluster, reference, alone, train_digests, stop_after
 ):
     """Three kills of one job, each at the first checkpoint of its new attempt: step 19 (mid-epoch),
     step 38 (the epoch's last step, before its validation: the next attempt validates it) and the
@@ -137,7 +211,9 @@ POINTS = [("validation", 1), ("validation", 2), ("test_eval", 1), ("push_before"
 
 
 @pytest.mark.timeout(300)
-def test_killed_at_each_boundary_every_job_ends_as_if_uninterrupted(cluster, reference, train_digests, stop_after):
+def test_killed_at_each_boundary_every_job_ends_as_if_uninterrupted(
+    cluster, reference, alone, train_digests, stop_after
+):
     """One job per kill point, all at once (each trainer dies on its first job, at its point):
     at the start of epoch 1's and epoch 2's validation (the last checkpoint was at the epoch's
     last step), during the provider-side test evaluation, before and after PushResult."""
@@ -158,7 +234,7 @@ def test_killed_at_each_boundary_every_job_ends_as_if_uninterrupted(cluster, ref
     assert sorted(i["attempts"] for i in infos) == [1, 2, 2, 2, 2]
 
 
-def test_a_one_epoch_job_checkpointed_at_its_last_step_resumes_to_success(cluster, stop_after):
+def test_a_one_epoch_job_checkpointed_at_its_last_step_resumes_to_success(cluster, alone, stop_after):
     stop_after.append("one")
     job = cluster.submit(**{**JOB, "epochs": 1, "checkpoint_every": 38, "evaluate": False})
     wait_killed(cluster.start_killed_at("one", "checkpoint"))
@@ -166,56 +242,3 @@ def test_a_one_epoch_job_checkpointed_at_its_last_step_resumes_to_success(cluste
     info = cluster.wait_end(job, timeout=120)
     assert info["state"] == "succeeded", info["error"]
     assert [h["epoch"] for h in info["result"]["history"]] == [1]
-
-
-def test_a_bad_job_fails_with_a_hint_and_the_trainer_takes_the_next(cluster, stop_after):
-    stop_after.append("solo")
-    cluster.start_trainer("solo")
-    bad = cluster.submit(**{**JOB, "model_kwargs": {"hidden": -1}, "max_attempts": 5})
-    raising = cluster.submit(**{**JOB, "model": "tests.killpoint:raising_model"})
-    exiting = cluster.submit(**{**JOB, "model": "tests.killpoint:exiting_model", "max_attempts": 5})
-    # a job may not choose what a trainer imports: pydoc.pipepager(info, cmd) would run a shell command
-    marker = cluster.state / "pwned"
-    shell = cluster.submit(**{**JOB, "model": "pydoc:pipepager", "model_kwargs": {"cmd": f"touch {marker}"}})
-    good = cluster.submit(**{**JOB, "epochs": 1, "evaluate": False})
-    info = cluster.wait_end(bad, timeout=60)
-    assert info["state"] == "failed" and info["attempts"] == 1, info
-    assert "RuntimeError" in info["error"] and "model_kwargs.hidden must be positive" in info["error"], info["error"]
-    info = cluster.wait_end(raising, timeout=60)
-    assert info["state"] == "failed" and info["attempts"] == 1
-    assert "ValueError: this factory always fails" in info["error"] and "factory" in info["error"]
-    info = cluster.wait_end(exiting, timeout=60)  # sys.exit in a job's code ends that job, not the trainer
-    assert info["state"] == "failed" and info["attempts"] == 1 and "SystemExit: 3" in info["error"], info
-    info = cluster.wait_end(shell, timeout=60)
-    assert info["state"] == "failed" and "not in this node's job_modules (tests.killpoint)" in info["error"], info
-    assert "nothing was imported" in info["error"] and not marker.exists()
-    assert cluster.wait_end(good, timeout=120)["state"] == "succeeded"
-    assert cluster.procs["solo"].poll() is None, "the trainer died of a bad job"
-    with pytest.raises(BadRequest, match="max_attempts must be at most 10"):
-        cluster.submit(**{**JOB, "max_attempts": 1000})
-
-
-def test_commands_are_applied_after_a_router_restart(cluster, stop_after):
-    """Command ids carry the router's epoch: the restarted router's first command is not taken
-    for one the trainer already applied (it used to time out, silently ignored)."""
-    stop_after.append("cmd")
-    cluster.start_trainer("cmd")
-    job = cluster.submit(**{**JOB, "epochs": 200, "evaluate": False})
-    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1, timeout=120)
-    assert cluster.control(job, "pause")["acked"]
-    router = cluster.procs["router"]
-    router.send_signal(signal.SIGKILL)
-    router.wait(10)
-    cluster.start_router(bind=cluster.endpoint)
-    deadline = time.monotonic() + 30
-    while True:  # the trainer says Hello again within a heartbeat or two
-        try:
-            detail = cluster.control(job, "resume")
-            break
-        except Unavailable:
-            assert time.monotonic() < deadline, "the trainer never came back to the restarted router"
-            time.sleep(0.2)
-    assert detail["acked"] and detail["state"] == "running"
-    assert cluster.control(job, "checkpoint")["acked"]
-    cluster.control(job, "stop")
-    assert cluster.wait_end(job, timeout=60)["state"] == "stopped"
