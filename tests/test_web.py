@@ -375,6 +375,11 @@ def test_busctl_web_serves_until_sigterm_and_exits_0(world, tmp_path):
         b = Browser(url)
         assert b.get("/")[0] == 401
         assert b.sign_in(world.token())[0] == 303 and b.api("jobs")[0] == 200
+        host, port = url.split("//")[1].rstrip("/").split(":")
+        for junk in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n"):
+            with socket.create_connection((host, int(port))) as rude:  # says nonsense and hangs up
+                rude.sendall(junk)
+        assert b.api("jobs")[0] == 200
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)

@@ -93,6 +93,10 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     web: WebServer
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a client gone mid-reply (the base class prints a traceback to stderr): a line in the debug log
+        log.debug("busctl web: connection from %s ended early", client_address, exc_info=True)
+
 
 class _V6Server(_Server):
     address_family = socket.AF_INET6
