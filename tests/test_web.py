@@ -473,6 +473,10 @@ def test_the_pages_in_headless_chromium(world):
             assert int(page.get_attribute("#history-chart", "data-points") or 0) >= rows
             assert int(page.get_attribute("#parallel-chart", "data-lines") or 0) == rows
             page.screenshot(path=str(shots / "web-study.png"), full_page=True)
+            # a trial's job page leads back to its study
+            page.click(f"#trials a:has-text('{trials[0]['job']}')")
+            page.click(f"a[href='#/study/{world.study}']")
+            page.wait_for_selector("#trials tbody tr")
 
             page.click("#nav-services")
             page.wait_for_selector("#providers tbody tr")

@@ -349,7 +349,7 @@ async function jobsPage() {
     if (state.value) q.set("state", state.value);
     history.replaceState(null, "", `#/jobs${q.toString() ? "?" + q : ""}`);
   };
-  let last = null;
+  let last = null, limit = 200;
   const draw = () => {
     if (!last) return;
     const needle = filter.value.trim().toLowerCase();
@@ -378,15 +378,18 @@ async function jobsPage() {
     holder.replaceChildren(
       el("p", { id: "counts" }, Object.entries(counts).map(([k, n]) => [badge(k), ` ${n}  `])),
       table("jobs", ["job", "name", "state", "dataset", "runs", "trainer", "progress", "loss", "result", "submitted", "took", "updated"], body),
-      el("p", { class: "note" }, `${rows.length} of ${last.jobs.length} shown` + (last.note ? `; ${last.note}` : "")),
+      el("p", { class: "note" }, `${rows.length} of the ${last.jobs.length} newest shown` + (last.note ? `; ${last.note}` : ""),
+        last.jobs.length >= limit && limit < 1000 ? el("button", { id: "more", type: "button" }, "older jobs") : ""),
     );
     for (const fill of holder.querySelectorAll(".fill[data-f]")) fill.style.width = `${(100 * Number(fill.dataset.f)).toFixed(1)}%`;
+    const more = document.getElementById("more");
+    if (more) more.addEventListener("click", () => { limit = Math.min(1000, limit + 200); poll(load); });
   };
   filter.addEventListener("input", () => { redo(); draw(); });
   state.addEventListener("change", () => { redo(); last = null; poll(load); });
   show(el("h2", {}, "Jobs"), el("div", { class: "controls" }, filter, state), holder);
   const load = async () => {
-    last = await api(`jobs?limit=200${state.value ? "&state=" + encodeURIComponent(state.value) : ""}`);
+    last = await api(`jobs?limit=${limit}${state.value ? "&state=" + encodeURIComponent(state.value) : ""}`);
     draw();
   };
   poll(load);
@@ -438,8 +441,10 @@ async function jobPage(id, chosen) {
     }
     if (r.model_sha256) resultRows.push(["scored weights sha256", r.model_sha256]);
     const ckpts = job.checkpoints || [];
+    const trial = /^(s[0-9a-f]{4,32})\/(\d+)$/.exec(spec.name || ""); // a study names its trials STUDY/N
     show(
       el("h2", {}, el("a", { href: "#/jobs" }, "Jobs"), " / ", el("span", { id: "job-id" }, job.id), spec.name ? el("span", { class: "name" }, ` ${spec.name}`) : ""),
+      trial ? el("p", {}, `trial ${trial[2]} of study `, link(`#/study/${encodeURIComponent(trial[1])}`, trial[1])) : "",
       el("dl", { class: "summary" }, summary.map(([k, v]) => [el("dt", {}, k), el("dd", {}, v)])),
       job.error ? el("p", { class: "error", id: "job-error" }, job.error) : "",
       section("Loss", lineChart("loss-chart", [{ name: "train loss", points: lossPts, dots: lossPts.length < 60 }], "step")),
