@@ -16,7 +16,7 @@ MOSAIC = importlib.util.find_spec("streaming") is not None
 
 def test_remote_bench_measures_every_row_and_writes_json(tmp_path):
     out = tmp_path / "remote.json"
-    args = ["--quick", "--latency-ms", "0,10", "--shuffles", "block", "--seconds", "1", "--samples", "2048"]
+    args = ["--quick", "--latency-ms", "0,10", "--shuffles", "block", "--seconds", "0.3", "--samples", "1024"]
     args += ["--hol-latency-ms", "10", "--json", str(out)]
     if not MOSAIC:
         args.append("--no-mosaic")
@@ -50,7 +50,7 @@ def test_remote_bench_measures_every_row_and_writes_json(tmp_path):
 
 def test_remote_bench_hol_only_measures_the_head_of_line_part_alone(tmp_path):
     out = tmp_path / "remote.json"
-    args = ["--quick", "--hol-only", "--seconds", "1", "--samples", "2048", "--hol-latency-ms", "10"]
+    args = ["--quick", "--hol-only", "--seconds", "0.3", "--samples", "1024", "--hol-latency-ms", "10"]
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.remote", *args, "--json", str(out)],
         cwd=REPO,
