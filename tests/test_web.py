@@ -484,6 +484,7 @@ def test_the_pages_in_headless_chromium(world):
             page.wait_for_selector("#trainers tr:has-text('trainer-web')")
             page.screenshot(path=str(shots / "web-services.png"), full_page=True)
 
+            assert page.inner_text("#status") == ""  # no request of any page went wrong on the way
             # signing out: the next page is the sign-in page
             page.click("#logout")
             page.wait_for_selector("#token")

@@ -146,13 +146,19 @@ function resultCell(r) {
 }
 
 // -- fetching ---------------------------------------------------------------------------------------
-async function api(path) {
+// Thrown by api() when the page moved on while a request was out: its answer is drawn nowhere.
+const STALE = new Error("stale");
+
+async function api(path, page = true) {
+  const asked = generation; // (page false: not drawn by a page, never stale)
   const reply = await fetch(`/api/${path}`, { credentials: "same-origin", cache: "no-store" });
+  if (page && asked !== generation) throw STALE;
   if (reply.status === 401) {
     location.assign("/"); // the sign-in page, saying why
     throw new Error("signed out");
   }
   const body = await reply.json();
+  if (page && asked !== generation) throw STALE;
   if (!reply.ok) throw new Error(body.error || `HTTP ${reply.status}`);
   return body;
 }
@@ -167,6 +173,7 @@ function poll(fn) {
       if (!document.hidden) again = (await fn()) !== false;
       setStatus("");
     } catch (err) {
+      if (err === STALE) return;
       setStatus(String(err.message || err));
     }
     if (again && mine === generation) setTimeout(tick, POLL_MS);
@@ -400,7 +407,7 @@ async function jobPage(id, chosen) {
   const logLines = [];
   poll(async () => {
     const [{ job, note, test_scores: scores }, metrics] = await Promise.all([api(`jobs/${encodeURIComponent(id)}`), api(`jobs/${encodeURIComponent(id)}/metrics`)]);
-    const logs = await api(`jobs/${encodeURIComponent(id)}/logs?after=${after}&attempt=${attempt}`).catch(() => null);
+    const logs = await api(`jobs/${encodeURIComponent(id)}/logs?after=${after}&attempt=${attempt}`).catch((err) => { if (err === STALE) throw err; return null; });
     if (logs) {
       if (logs.attempt !== attempt && attempt !== -1) logLines.length = 0;
       attempt = logs.attempt;
@@ -584,7 +591,7 @@ function route() {
 
 async function who() {
   try {
-    const me = await api("me");
+    const me = await api("me", false);
     const scopes = [me.datasets ? `datasets ${me.datasets.join(", ")}` : "", me.jobs ? `jobs ${me.jobs.join(", ")}` : ""].filter(Boolean).join("; ");
     document.getElementById("who").textContent = `${me.sub || "?"} (${me.role || "?"}${scopes ? "; " + scopes : ""})`;
   } catch (err) {
