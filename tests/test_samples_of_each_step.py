@@ -5,6 +5,8 @@ malformed queries in one line, never a traceback."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -78,6 +80,42 @@ def test_a_step_before_any_segment_is_not_found():
 
 
 # -- a real job: killed, resumed at another world size ---------------------------------------------
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """A router and a provider of mock://mnist?n=600 that the kill-and-resize tests share: each starts
+    trainers of its own (:func:`own_trainers` stops them when it ends: none joins the next test's gang)."""
+    cluster = JobCluster(tmp_path_factory.mktemp("steps"))
+    try:
+        cluster.start_router()
+        cluster.start_provider()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def by_digest(jobs) -> dict[str, int]:
+    """The train split's sample index of each digest (what the audits record)."""
+    return jobs.index_of_digest()
+
+
+@pytest.fixture
+def own_trainers(jobs):
+    """Names of the trainers a test starts on :func:`jobs`: stopped (SIGTERM) when it ends, pass or fail."""
+    names: list[str] = []
+    yield names
+    procs = [jobs.procs[n] for n in names if n in jobs.procs]
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _audited_steps(directory: Path, job: str) -> dict[tuple[int, int], list[str]]:
     """``(step, rank) -> digests`` the job's final model was trained on: an attempt's steps after
     the step a later attempt resumed from are cut (as services/trainer/attempt/audit.py's effective_epochs)."""
@@ -98,60 +136,55 @@ def _audited_steps(directory: Path, job: str) -> dict[tuple[int, int], list[str]
 
 
 @pytest.mark.timeout(300)  # its own waits allow more than the suite's default 120 s
-def test_samples_of_every_step_are_what_the_audit_recorded_across_a_kill_and_a_resize(tmp_path):
-    cluster = JobCluster(tmp_path)
-    try:
-        cluster.start_router()
-        cluster.start_provider()
-        cluster.start_trainer("s1")
-        cluster.start_trainer("s2")
-        cluster.wait_connected(("s1", "s2"))
-        by_digest = cluster.index_of_digest()
-        spec = {**SPEC, "epochs": 2, "elastic": True, "min_world_size": 1, "max_world_size": 2}
-        job = cluster.submit_spec({**spec, "gather_timeout_s": 5.0})
-        info = cluster.wait(
-            job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("checkpoint_step"), timeout=90
-        )
-        assert len(info["gang"]["members"]) == 2, info["events"]
-        cluster.procs[info["gang"]["members"][1]].kill()  # rank 0's next collective breaks: resumed alone
-        info = cluster.wait_end(job, timeout=120)
-        assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
-        assert info["result"]["world_size"] == 1 and info["progress"]["resumed_from"]["step"] >= 1
+def test_samples_of_every_step_are_what_the_audit_recorded_across_a_kill_and_a_resize(jobs, by_digest, own_trainers):
+    cluster = jobs
+    own_trainers += ["s1", "s2"]
+    for name in own_trainers:
+        cluster.start_trainer(name)
+    cluster.wait_connected(("s1", "s2"))
+    spec = {**SPEC, "epochs": 2, "elastic": True, "min_world_size": 1, "max_world_size": 2}
+    job = cluster.submit_spec({**spec, "gather_timeout_s": 5.0})
+    info = cluster.wait(
+        job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("checkpoint_step"), timeout=90
+    )
+    assert len(info["gang"]["members"]) == 2, info["events"]
+    cluster.procs[info["gang"]["members"][1]].kill()  # rank 0's next collective breaks: resumed alone
+    info = cluster.wait_end(job, timeout=120)
+    assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
+    assert info["result"]["world_size"] == 1 and info["progress"]["resumed_from"]["step"] >= 1
 
-        audited = _audited_steps(cluster.audit, job)
-        worlds = Counter()
-        for (step, rank), digests in sorted(audited.items()):
-            reply = cluster.admin.request(GetJobSamples(job=job, step=step, rank=rank))
-            [entry] = reply.samples
-            assert entry["indices"] == [by_digest[d] for d in digests], f"step {step} rank {rank}"
-            worlds[entry["world_size"]] += 1
-        assert worlds[2] >= 2 and worlds[1] >= 2, worlds  # steps of both segments were checked
+    audited = _audited_steps(cluster.audit, job)
+    worlds = Counter()
+    for (step, rank), digests in sorted(audited.items()):
+        reply = cluster.admin.request(GetJobSamples(job=job, step=step, rank=rank))
+        [entry] = reply.samples
+        assert entry["indices"] == [by_digest[d] for d in digests], f"step {step} rank {rank}"
+        worlds[entry["world_size"]] += 1
+    assert worlds[2] >= 2 and worlds[1] >= 2, worlds  # steps of both segments were checked
 
-        # the CLI: one step, every rank, as JSON and as text; an epoch's range
-        step = max(s for s, _ in audited)
-        out = json.loads(cluster.busctl("job", "samples", job, "--step", str(step), "--json").stdout)
-        assert out["samples"][0]["indices"] == [by_digest[d] for d in audited[(step, 0)]]
-        text = cluster.busctl("job", "samples", job, "--step", "1").stdout
-        assert text.count("rank ") == 2 and "/2 (epoch 0 position 0)" in text, text
-        out = json.loads(cluster.busctl("job", "samples", job, "--epoch", "1", "--range", "0:5", "--json").stdout)
-        assert out["samples"][0]["indices"] == epoch_order(600, epoch=1, seed=5, shuffle="full")[:5].tolist()
+    # the CLI: one step, every rank, as JSON and as text; an epoch's range
+    step = max(s for s, _ in audited)
+    out = json.loads(cluster.busctl("job", "samples", job, "--step", str(step), "--json").stdout)
+    assert out["samples"][0]["indices"] == [by_digest[d] for d in audited[(step, 0)]]
+    text = cluster.busctl("job", "samples", job, "--step", "1").stdout
+    assert text.count("rank ") == 2 and "/2 (epoch 0 position 0)" in text, text
+    out = json.loads(cluster.busctl("job", "samples", job, "--epoch", "1", "--range", "0:5", "--json").stdout)
+    assert out["samples"][0]["indices"] == epoch_order(600, epoch=1, seed=5, shuffle="full")[:5].tolist()
 
-        # refusals: one line on stderr, no traceback
-        for args, says in [
-            (("--step", "0"), "counted from 1"),
-            (("--step", "3", "--rank", "7"), "rank 7 is outside"),
-            (("--epoch", "0", "--range", "9:2"), "0 <= A < B"),
-            (("--epoch", "0", "--range", "x"), "is not A:B"),
-            (("--epoch", "0", "--range", "0:999"), "within 0:600"),
-            ((), "give --step K"),
-        ]:
-            bad = cluster.busctl("job", "samples", job, *args, check=False)
-            assert bad.returncode != 0 and "Traceback" not in bad.stdout + bad.stderr, bad.stderr
-            assert says in bad.stderr, (args, bad.stderr)
-        bad = cluster.busctl("job", "samples", "jnothere", "--step", "1", check=False)
-        assert bad.returncode != 0 and "no job" in bad.stderr and "Traceback" not in bad.stderr
-    finally:
-        cluster.close()
+    # refusals: one line on stderr, no traceback
+    for args, says in [
+        (("--step", "0"), "counted from 1"),
+        (("--step", "3", "--rank", "7"), "rank 7 is outside"),
+        (("--epoch", "0", "--range", "9:2"), "0 <= A < B"),
+        (("--epoch", "0", "--range", "x"), "is not A:B"),
+        (("--epoch", "0", "--range", "0:999"), "within 0:600"),
+        ((), "give --step K"),
+    ]:
+        bad = cluster.busctl("job", "samples", job, *args, check=False)
+        assert bad.returncode != 0 and "Traceback" not in bad.stdout + bad.stderr, bad.stderr
+        assert says in bad.stderr, (args, bad.stderr)
+    bad = cluster.busctl("job", "samples", "jnothere", "--step", "1", check=False)
+    assert bad.returncode != 0 and "no job" in bad.stderr and "Traceback" not in bad.stderr
 
 
 # -- skipping a stretch ----------------------------------------------------------------------------
@@ -162,80 +195,75 @@ def _samples(cluster: JobCluster, job: str, step: int) -> list[dict]:
 # four epochs, a pause, a skip, a kill and six busctl processes: minutes on a loaded machine (its own
 # waits bound each stage; the suite's 120 s would cut it in its last busctl calls)
 @pytest.mark.timeout(300)
-def test_a_skipped_stretch_is_never_trained_again_across_a_kill_and_a_resize(tmp_path):
-    cluster = JobCluster(tmp_path)
-    try:
-        cluster.start_router()
-        cluster.start_provider()
-        cluster.start_trainer("k1")
-        cluster.start_trainer("k2")
-        cluster.wait_connected(("k1", "k2"))
-        by_digest = cluster.index_of_digest()
-        spec = {**SPEC, "epochs": 4, "checkpoint_every": 4, "elastic": True, "min_world_size": 1}
-        job = cluster.submit_spec({**spec, "max_world_size": 2, "gather_timeout_s": 5.0})
-        cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 6, 90)
-        cluster.control(job, "pause")  # a fixed place to skip from (the trainer pauses between batches)
-        info = cluster.job(job)
-        assert info["state"] == "paused" and len(info["gang"]["members"]) == 2, info["events"]
-        now, last = info["progress"]["step"], info["checkpoint"]["step"]
-        # steps after the last checkpoint up to the one trained last, within that checkpoint's epoch
-        a = last + 1
-        epoch = _samples(cluster, job, a)[0]["epoch"]
-        b = a + 1
-        while b <= max(now, a + 1) and _samples(cluster, job, b)[0]["epoch"] == epoch:
-            b += 1
-        stretch = {i for k in range(a, b) for e in _samples(cluster, job, k) for i in e["indices"]}
-        assert len(stretch) == 32 * (b - a)
+def test_a_skipped_stretch_is_never_trained_again_across_a_kill_and_a_resize(jobs, by_digest, own_trainers):
+    cluster = jobs
+    own_trainers += ["k1", "k2"]
+    for name in own_trainers:
+        cluster.start_trainer(name)
+    cluster.wait_connected(("k1", "k2"))
+    spec = {**SPEC, "epochs": 4, "checkpoint_every": 4, "elastic": True, "min_world_size": 1}
+    job = cluster.submit_spec({**spec, "max_world_size": 2, "gather_timeout_s": 5.0})
+    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 6, 90)
+    cluster.control(job, "pause")  # a fixed place to skip from (the trainer pauses between batches)
+    info = cluster.job(job)
+    assert info["state"] == "paused" and len(info["gang"]["members"]) == 2, info["events"]
+    now, last = info["progress"]["step"], info["checkpoint"]["step"]
+    # steps after the last checkpoint up to the one trained last, within that checkpoint's epoch
+    a = last + 1
+    epoch = _samples(cluster, job, a)[0]["epoch"]
+    b = a + 1
+    while b <= max(now, a + 1) and _samples(cluster, job, b)[0]["epoch"] == epoch:
+        b += 1
+    stretch = {i for k in range(a, b) for e in _samples(cluster, job, k) for i in e["indices"]}
+    assert len(stretch) == 32 * (b - a)
 
-        out = cluster.busctl("job", "skip", job, "--steps", f"{a}:{b}").stdout
-        assert f"skips {len(stretch)} sample(s)" in out and f"rewinds to the checkpoint of step {last}" in out, out
-        shown = cluster.busctl("job", "show", job).stdout
-        assert "skipped: " in shown and "skip=[[" in shown, shown
-        cluster.control(job, "resume")  # paused with no trainer: queued, and the gang gathers again
-        cluster.wait(
-            job,
-            lambda i: (
-                i["state"] == "running"
-                and ((i["progress"] or {}).get("resumed_from") or {}).get("step") == last
-                and (i["progress"] or {}).get("checkpoint_step", 0) > last
-            ),
-            90,
+    out = cluster.busctl("job", "skip", job, "--steps", f"{a}:{b}").stdout
+    assert f"skips {len(stretch)} sample(s)" in out and f"rewinds to the checkpoint of step {last}" in out, out
+    shown = cluster.busctl("job", "show", job).stdout
+    assert "skipped: " in shown and "skip=[[" in shown, shown
+    cluster.control(job, "resume")  # paused with no trainer: queued, and the gang gathers again
+    cluster.wait(
+        job,
+        lambda i: (
+            i["state"] == "running"
+            and ((i["progress"] or {}).get("resumed_from") or {}).get("step") == last
+            and (i["progress"] or {}).get("checkpoint_step", 0) > last
+        ),
+        90,
+    )
+    members = cluster.job(job)["gang"]["members"]
+    # SIGKILL: a gang of 2 resumes on the one trainer left; a gang of 1 (the other trainer was
+    # still leaving the abandoned attempt when it gathered: resized already) on the other trainer
+    cluster.procs[members[-1]].kill()
+    info = cluster.wait_end(job, timeout=180)
+    assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
+    assert info["result"]["world_size"] == 1
+
+    from services.trainer.attempt.audit import effective_epochs
+
+    everything = Counter(range(600))
+    for e, digests in sorted(effective_epochs(cluster.audit, job).items()):
+        seen = Counter(by_digest[d] for d in digests)
+        want = everything if e < epoch else Counter(set(range(600)) - stretch)
+        assert seen == want, (
+            f"epoch {e}: {sorted((seen - want).elements())[:10]} extra, {sorted((want - seen).elements())[:10]} missing"
         )
-        members = cluster.job(job)["gang"]["members"]
-        # SIGKILL: a gang of 2 resumes on the one trainer left; a gang of 1 (the other trainer was
-        # still leaving the abandoned attempt when it gathered: resized already) on the other trainer
-        cluster.procs[members[-1]].kill()
-        info = cluster.wait_end(job, timeout=180)
-        assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"
-        assert info["result"]["world_size"] == 1
+    assert len(effective_epochs(cluster.audit, job)) == 4
+    # the stretch's steps now name other samples: those the job trained there after the rewind
+    again = {i for e in _samples(cluster, job, a) for i in e["indices"]}
+    assert again and not again & stretch
 
-        from services.trainer.attempt.audit import effective_epochs
-
-        everything = Counter(range(600))
-        for e, digests in sorted(effective_epochs(cluster.audit, job).items()):
-            seen = Counter(by_digest[d] for d in digests)
-            want = everything if e < epoch else Counter(set(range(600)) - stretch)
-            assert seen == want, (
-                f"epoch {e}: {sorted((seen - want).elements())[:10]} extra, {sorted((want - seen).elements())[:10]} missing"
-            )
-        assert len(effective_epochs(cluster.audit, job)) == 4
-        # the stretch's steps now name other samples: those the job trained there after the rewind
-        again = {i for e in _samples(cluster, job, a) for i in e["indices"]}
-        assert again and not again & stretch
-
-        # refusals: one line, no traceback
-        for args, says in [
-            (("--steps", "5:2"), "0 <= A < B"),
-            (("--steps", "x"), "is not A:B"),
-            ((), "give --steps"),
-        ]:
-            bad = cluster.busctl("job", "skip", job, *args, check=False)
-            assert bad.returncode != 0 and "Traceback" not in bad.stdout + bad.stderr, bad.stderr
-            assert says in bad.stderr, (args, bad.stderr)
-        bad = cluster.busctl("job", "skip", job, "--steps", "1:2", check=False)
-        assert "already succeeded" in bad.stderr
-    finally:
-        cluster.close()
+    # refusals: one line, no traceback
+    for args, says in [
+        (("--steps", "5:2"), "0 <= A < B"),
+        (("--steps", "x"), "is not A:B"),
+        ((), "give --steps"),
+    ]:
+        bad = cluster.busctl("job", "skip", job, *args, check=False)
+        assert bad.returncode != 0 and "Traceback" not in bad.stdout + bad.stderr, bad.stderr
+        assert says in bad.stderr, (args, bad.stderr)
+    bad = cluster.busctl("job", "skip", job, "--steps", "1:2", check=False)
+    assert "already succeeded" in bad.stderr
 
 
 def test_skips_and_sample_queries_that_are_malformed_huge_or_out_of_scope_are_refused(router, client_for, make_token):
