@@ -1,5 +1,5 @@
 """How busctl shows a score of the private test split: with the size of the privacy noise it was
-released with (services/provider/release.py, docs/security.md §9), so two scores of the same weights
+released with (services/provider/score_release.py, docs/security.md §9), so two scores of the same weights
 that differ by the noise are not read as two models.
 
 A result or an ``eval`` acknowledgement holds ``test_n`` and ``test_epsilon`` (the provider's
@@ -19,7 +19,7 @@ EXACT_HOW = (
 
 
 def _margin(metric: str, n: int, epsilon: float) -> float:
-    from services.provider.release import margin  # noqa: PLC0415 - numpy: only where a score is shown
+    from services.provider.score_release import margin  # noqa: PLC0415 - numpy: only where a score is shown
 
     return margin(metric, n, epsilon)
 

@@ -102,7 +102,7 @@ def test_scores(result: dict | None) -> dict[str, dict]:
             continue
         margin: float | None = None
         if isinstance(epsilon, (int, float)) and isinstance(n, int):
-            from services.provider.release import margin as noise_margin  # noqa: PLC0415 - numpy, only when shown
+            from services.provider.score_release import margin as noise_margin  # noqa: PLC0415 - numpy, only when shown
 
             margin = 0.0 if epsilon <= 0 else noise_margin(metric, n, float(epsilon))
         out[metric] = {"value": value, "margin": margin}

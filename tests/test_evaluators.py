@@ -33,7 +33,7 @@ from libbus.wire.messages import (
     Task,
 )
 from services.models import build_model
-from services.provider.release import EXACT, Release, bits_per_evaluation
+from services.provider.score_release import EXACT, Release, bits_per_evaluation
 from services.provider.sources import open_source
 from services.trainer.attempt.final_eval import score_saved
 from services.usercode import module_allowed

@@ -21,7 +21,7 @@ from cli.evaluate import describe
 from libbus.errors import BadRequest
 from libbus.jobs.weights import weights_digest
 from libbus.wire.messages import SubmitJob
-from services.provider.release import Release, margin
+from services.provider.score_release import Release, margin
 from services.usercode import closest_allowed, import_allowed, not_allowed
 from tests.support import wait_job
 from tests.support.busctl import REPO, busctl

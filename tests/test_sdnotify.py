@@ -24,7 +24,7 @@ from libbus.wire.messages import DatasetInfo, DatasetInfoRequest, Evaluate, Subm
 from services.models import build_model
 from services.provider.evalgate import EvalGate
 from services.provider.handler import ProviderHandler
-from services.provider.release import EXACT
+from services.provider.score_release import EXACT
 from services.provider.sources import open_source
 from services.sdnotify import Notifier
 from tests.support import REPO, Cluster

@@ -230,7 +230,7 @@ class Evaluation(Message):
     """The scores as released (rounded and noised on a private split; always finite), the samples
     read, an evaluator's extra ``metrics``, and the sha256 of the weights scored. ``epsilon``: the
     privacy parameter they were released at (0: exact; None: the provider did not say), from which
-    ``services.provider.release.margin`` gives each score's noise."""
+    ``services.provider.score_release.margin`` gives each score's noise."""
 
     loss: float
     accuracy: float

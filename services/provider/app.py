@@ -21,7 +21,7 @@ from .. import runtime
 from .evalgate import EvalGate
 from .handler import ProviderHandler
 from .metrics import provider_metrics
-from .release import Release
+from .score_release import Release
 from .sources import Source, open_source, parse_dataset_arg
 from .sources.objstore import configure_cache
 from .sources.pipeline import Pipeline

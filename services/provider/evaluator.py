@@ -12,7 +12,7 @@ loaded with the weights) or by an evaluator the provider's operator installed
 named-field one; ``info`` is the dataset's DatasetInfo plus ``split``, ``num_samples`` and
 ``loss_clip``. It returns at least ``loss`` (mean per-sample loss, each sample's clipped at
 ``loss_clip``) and ``accuracy`` (in [0, 1]); at most :data:`MAX_EXTRA_METRICS` more, each a mean over
-samples in [0, 1]. What is released of them is decided by :mod:`.release`.
+samples in [0, 1]. What is released of them is decided by :mod:`.score_release`.
 
 Every evaluation runs under a :class:`Bound`: it ends (between two chunks of the split) when its
 deadline passes, its caller goes away, or the provider stops.

@@ -61,7 +61,7 @@ from shm import Ring, RingLayout
 from .destination import BatchCounters, Destination, Frames, Slot, batch_bytes, check_batch_size, write_batch
 from .evalgate import Bound, EvalGate, check_model_spec
 from .fillers import REMOTE_READS, Fillers
-from .release import EXACT, Release
+from .score_release import EXACT, Release
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.objstore import object_store_stats
 from .sources.pipeline import pipeline_stats, stage_control
@@ -192,7 +192,7 @@ class ProviderHandler(Handler):
         #: The modules whose evaluators may score models here (the provider's evaluator_modules).
         self.evaluator_modules = evaluator_modules
         self.eval_timeout_s = eval_timeout_s
-        #: What a score of a private test split may say (services/provider/release.py).
+        #: What a score of a private test split may say (services/provider/score_release.py).
         self.release = release or Release()
         #: Sends a job's evaluation to the router (the service sets it to its link's request).
         self.report = report

@@ -1,7 +1,7 @@
 """Each dataset's evaluation budget and noise key, kept in the router's job database.
 
 A private test split's scores are released against a daily budget and with noise keyed by a secret
-(services/provider/release.py). Kept in a provider process, both would be that process's: two
+(services/provider/score_release.py). Kept in a provider process, both would be that process's: two
 replicas of a dataset would each spend a full budget, and a restarted provider would start a fresh
 budget and a fresh key. Kept here, in the router's SQLite file, per dataset (its canonical name),
 they are one for every replica and every restart of the providers, and they survive a router

@@ -395,7 +395,7 @@ def _scored(job: AttemptJob, blob: bytes, start: dict, link: ParentLink, identit
     )
     noise = ""
     if evaluation.epsilon:  # released noised (docs/security.md §9): say how far from exact it may lie
-        from services.provider.release import margin  # noqa: PLC0415 - the release's own rule
+        from services.provider.score_release import margin  # noqa: PLC0415 - the release's own rule
 
         noise = f" ± {margin('accuracy', evaluation.n, evaluation.epsilon):.4f} at 95% (noise of the release)"
     log.info(
