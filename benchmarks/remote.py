@@ -173,10 +173,16 @@ def _arrays(batch: Any) -> tuple[np.ndarray, np.ndarray]:
 
 
 def drain(
-    make: Iterable, seconds: float, where: str, check: Fingerprints | None, step_s: float = 0.0
+    make: Iterable, seconds: float, where: str, check: Fingerprints | None, step_s: float = 0.0, warmup: int = 0
 ) -> dict[str, Any]:
     """Read passes of ``make`` (a loader) back to back for ``seconds``, timing every wait; with
-    ``step_s``, sleep that long after each batch (a training step that leaves the cores free)."""
+    ``step_s``, sleep that long after each batch (a training step that leaves the cores free).
+
+    The rate counts from the first batch to the last; with ``warmup`` (the loader's batches in flight), from
+    batch ``warmup + 1`` on: the batches asked for together at the start arrive nearly together, their bytes
+    mostly moved before the first one arrived, and counting them against the time after it counts bytes
+    twice over (a link's rate came out above its cap). The row then also says the window's ends in
+    ``time.monotonic()`` (``window``), for a link counter read by another process."""
     waits: list[float] = []
     stamps: list[float] = []
     samples: list[int] = []
@@ -206,7 +212,13 @@ def drain(
     if not stamps:
         raise RuntimeError(f"{where}: no batch within {seconds:g} s")
     row: dict[str, Any] = {"batches": len(stamps), "first_s": stamps[0] - start}
-    if len(stamps) >= 3:  # from the first batch to the last: start-up (connections, pipeline fill) apart
+    if warmup and len(stamps) >= warmup + 3:  # steady state: as many batches in flight at both ends
+        rate = sum(samples[warmup + 1 :]) / (stamps[-1] - stamps[warmup])
+        to_mono = time.monotonic() - time.perf_counter()
+        row.update(window=(stamps[warmup] + to_mono, stamps[-1] + to_mono), warmup_batches=warmup)
+    elif len(stamps) >= 3:  # from the first batch to the last: start-up (connections, pipeline fill) apart
+        if warmup:
+            row["note"] = f"fewer than {warmup + 3} batches: the first batches' bytes are counted in the rate"
         rate = sum(samples[1:]) / (stamps[-1] - stamps[0])
     else:  # too few batches for that: the whole window, start-up included
         rate = sum(samples) / (stamps[-1] - start)
@@ -721,6 +733,67 @@ class CappedLink(VethHosts):
         found = re.search(r"class htb 1:10 .*\n Sent (\d+) bytes", out)
         return int(found.group(1)) if found else 0
 
+    def count_sent(self) -> LinkCounter:
+        """The store end's bytes sent, read every :data:`LINK_EVERY_S` until closed (:class:`LinkCounter`)."""
+        return LinkCounter(self.exec(self.store))
+
+
+#: How often :class:`LinkCounter` reads the link's byte counter.
+LINK_EVERY_S = 0.05
+#: Reads ``vs``'s bytes sent (frames: payload and TCP/IP/Ethernet headers) in the namespace it runs in, with
+#: ``time.monotonic()`` (one clock for every process of the machine), every ``argv[1]`` seconds until stdin closes.
+LINK_READER = """
+import select, sys, time
+while not select.select([sys.stdin], [], [], float(sys.argv[1]))[0]:
+    with open("/sys/class/net/vs/statistics/tx_bytes") as f:
+        print(time.monotonic(), f.read().strip(), flush=True)
+"""
+
+
+class LinkCounter:
+    """The capped link's bytes sent over time, read in the store's namespace by one process (not a ``tc``
+    per read: two cores), so that a rate can be taken over exactly the loader's window (:meth:`rate`)."""
+
+    def __init__(self, prefix: tuple[str, ...]):
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-c", LINK_READER, str(LINK_EVERY_S)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.reads: list[tuple[float, int]] = []
+        self._thread = threading.Thread(target=self._collect, daemon=True)
+        self._thread.start()
+
+    def _collect(self) -> None:
+        for line in cast(IO[str], self.proc.stdout):
+            stamp, sent = line.split()
+            self.reads.append((float(stamp), int(sent)))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            cast(IO[str], self.proc.stdin).close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._thread.join(10)
+
+    def rate(self, start: float, end: float) -> float | None:
+        """Bytes per second sent between ``start`` and ``end`` (``time.monotonic()``), the counter
+        interpolated between reads; None when the reads do not cover the window."""
+        reads = self.reads
+        if len(reads) < 2 or reads[0][0] > start or reads[-1][0] < end or end <= start:
+            return None
+        stamps = np.array([t for t, _ in reads])
+        sent = np.array([b for _, b in reads], dtype=np.float64)
+        return float((np.interp(end, stamps, sent) - np.interp(start, stamps, sent)) / (end - start))
+
+
+#: The capped-link loader's batches in flight (RemoteLoader's default), skipped at the start of its window.
+HTB_INFLIGHT = 4
+
 
 def htb_child(cfg_json: str) -> None:
     """In the provider's namespace: read ``http`` with block shuffle for ``seconds``; print one JSON line."""
@@ -737,8 +810,9 @@ def htb_child(cfg_json: str) -> None:
         shuffle="block",
         seed=SEED,
         drop_last=True,
+        inflight=HTB_INFLIGHT,
     ) as loader:
-        row = drain(loader, cfg["seconds"], "http behind htb", fp)
+        row = drain(loader, cfg["seconds"], "http behind htb", fp, warmup=HTB_INFLIGHT)
     print(json.dumps(row), flush=True)
 
 
@@ -761,23 +835,28 @@ def htb_row(root: Path, work: Path, args: argparse.Namespace) -> dict:
         cfg = {"root": str(root), "endpoint": cluster.endpoint, "token": cluster.token}
         cfg.update(batch=args.batch, seconds=args.seconds)
         code = "import sys; from benchmarks.remote import htb_child; htb_child(sys.argv[1])"
-        sent = link.sent_bytes()
-        t = time.perf_counter()
-        done = subprocess.run(
-            [*link.exec(link.provider), sys.executable, "-c", code, json.dumps(cfg)],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            timeout=args.seconds + ROW_GRACE_S + 60,
-        )
-        elapsed = time.perf_counter() - t
+        counter = link.count_sent()
+        try:
+            done = subprocess.run(
+                [*link.exec(link.provider), sys.executable, "-c", code, json.dumps(cfg)],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                timeout=args.seconds + ROW_GRACE_S + 60,
+            )
+        finally:
+            counter.close()
         if done.returncode != 0:
             return {**out, "error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"[:300]}
         out.update(json.loads(done.stdout.strip().splitlines()[-1]))
+        # samples' bytes delivered over the loader's steady window (drain's warmup), against the cap, and
+        # what crossed the link in that same window, headers and all (never below the payload)
         out["fraction_of_cap"] = out["mb_per_s"] / (args.htb_mbit / 8)
-        # what crossed the link over the child's whole life (its start-up too): headers and all
-        out["link_mb_per_s"] = (link.sent_bytes() - sent) / elapsed / 1e6
+        link_rate = counter.rate(*out["window"]) if "window" in out else None
+        if link_rate is not None:
+            out["link_mb_per_s"] = link_rate / 1e6
+            out["link_fraction_of_cap"] = link_rate / 1e6 / (args.htb_mbit / 8)
         return out
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         return {**out, "error": f"{type(err).__name__}: {err}"[:300]}
@@ -912,9 +991,17 @@ def print_result(result: dict) -> None:
         if "error" in htb:
             console.print(f"htb: not measured: {htb['error']}")
         else:
+            link = (
+                f"; the link carried {htb['link_mb_per_s']:.1f} MB/s in that window, headers included "
+                f"({htb['link_fraction_of_cap']:.0%})"
+                if "link_mb_per_s" in htb
+                else ""
+            )
             console.print(
                 f"htb {htb['mbit']} Mbit/s cap, {htb['latency_ms']:g} ms per request, block shuffle: "
-                f"{htb['mb_per_s']:.1f} MB/s = {htb['fraction_of_cap']:.0%} of the cap"
+                f"{htb['mb_per_s']:.1f} MB/s of samples = {htb['fraction_of_cap']:.0%} of the cap"
+                f" (after the first {htb.get('warmup_batches', 1)} batches){link}"
+                + (f" [{htb['note']}]" if "note" in htb else "")
             )
 
 

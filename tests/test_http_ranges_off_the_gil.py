@@ -12,6 +12,7 @@ import pytest
 from libbus.errors import DatasetError, Unavailable
 from libbus.wire.messages import BatchRequest, DatasetInfo, DatasetInfoRequest
 from services.provider.sources import open_source
+from services.provider.sources.storage.inflight import InflightLimit, Slots
 from tests.support.held_store import batch, npy_pair, server_fixture  # noqa: F401 - the `server` fixture
 from tests.support.httpd import RangeServer
 
@@ -102,3 +103,27 @@ def test_the_provider_keeps_answering_while_its_http_dataset_fails(tmp_path, ser
     server.no_ranges = False
     x, y = batch(client.request(BatchRequest(dataset="web", split="train", frames=[idx.tobytes()])), 3)
     assert np.array_equal(x, remote_x[idx]) and np.array_equal(y, remote_y[idx])
+
+
+def test_a_bundle_takes_its_places_together_and_one_larger_than_the_limit_runs_alone():
+    """A bundle of ranges sent by one call holds as many places as it has ranges, all or none: it never
+    holds some while waiting for the rest (two half-placed bundles would wait on each other for ever);
+    one larger than the whole limit runs when nothing else does. The host's places behave alike."""
+    limit = InflightLimit(start=4, cap=4)
+    assert limit.acquire(0, n=3) and limit.inflight == 3
+    assert not limit.acquire(0.01, n=2) and limit.inflight == 3  # two do not fit: none taken
+    assert limit.acquire(0, n=1) and limit.inflight == 4
+    limit.release(1024, n=3)
+    assert not limit.acquire(0.01, n=9)  # larger than the limit: waits while anything is in flight
+    limit.release(1024)
+    assert limit.acquire(0, n=9) and limit.inflight == 9
+    limit.release(9 * 1024, n=9)
+    assert limit.inflight == 0
+
+    host = Slots(3)
+    assert host.acquire(2) and not host.acquire(2, timeout=0.01)
+    host.release(2)
+    assert host.acquire(5) and not host.acquire(1, timeout=0.01)
+    host.release(5)
+    with host:
+        assert host.acquire(2, timeout=0) and not host.acquire(1, timeout=0.01)
