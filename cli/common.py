@@ -92,21 +92,21 @@ def settings_from(config: str | None = None, **flags: Any) -> Settings:
 def admin_client(settings: Settings) -> Client:
     """A connection to the router as admin: ``settings.token`` if set, else minted from the secret
     (HS256) or the signing key (EdDSA)."""
-    from services import runtime  # noqa: PLC0415 - keeps busctl start-up light
+    from services import credentials  # noqa: PLC0415 - keeps busctl start-up light
 
-    curve = runtime.curve_keys(settings, "admin")
+    curve = credentials.curve_keys(settings, "admin")
     name = settings.name or (curve.name if curve else f"busctl-{getpass.getuser()}-{os.getpid()}")
     if settings.token:
         token: Any = settings.token
     else:  # short-lived, minted afresh whenever the client says Hello (`busctl job watch` runs for hours)
-        key = runtime.signing_key(settings)
-        token = lambda: runtime.mint_token(settings, key, role="admin", sub=name, ttl_s=600)  # noqa: E731
+        key = credentials.signing_key(settings)
+        token = lambda: credentials.mint_token(settings, key, role="admin", sub=name, ttl_s=600)  # noqa: E731
     identity = Identity(
         role="admin",
         name=name,
         token=token,
         curve=curve,
-        router_key=runtime.router_key(settings),
+        router_key=credentials.router_key(settings),
         handshake=settings.handshake_auth,
     )
     return Client(

@@ -28,17 +28,17 @@ def _serve(service, ready_file: Path | None, ready: Callable[[str], str]) -> Non
     tell systemd (``ready(endpoint)`` is its status line), feed its watchdog from the loop."""
     import threading
 
-    from services import runtime
+    from services import process
 
-    stop, notify = threading.Event(), runtime.notifier()
-    runtime.install_signal_handlers(stop, notify)
+    stop, notify = threading.Event(), process.notifier()
+    process.install_signal_handlers(stop, notify)
     endpoint = service.start()
     _write_ready(ready_file, endpoint)
     notify.ready(ready(endpoint))
     try:
         service.run(stop, notify.watchdog)
     finally:
-        runtime.finish(notify)
+        process.finish(notify)
 
 
 def _modules(values: list[str] | None) -> str | None:

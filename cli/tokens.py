@@ -56,8 +56,8 @@ def token_issue(
     state_dir: StateDir = None,
 ) -> None:
     """Print a signed token for ROLE: from the cluster secret (HS256) or the signing key (EdDSA)."""
+    from services.credentials import mint_token, signing_key
     from services.router.grants import LONGEST_TOKEN_S
-    from services.runtime import mint_token, signing_key
 
     if ttl > LONGEST_TOKEN_S:  # a revocation lasts at most this long (docs/security.md §5)
         fail(f"--ttl is at most {LONGEST_TOKEN_S:.0f} s ({LONGEST_TOKEN_S / 86400:.0f} days), got {ttl:g}", 2)
@@ -97,7 +97,7 @@ def token_inspect(
     import time
 
     from libbus.security.auth import inspect_token, verify_token
-    from services.runtime import verify_key
+    from services.credentials import verify_key
 
     if token == "-":
         token = sys.stdin.read().strip()
@@ -262,7 +262,7 @@ def token_node(
     (the cluster's public key: it checks tokens) and OUT/token (this node's ROLE token). Copy OUT to the
     node, and there set state_dir = OUT (or public_key_file = OUT/token.pub) and token_file = OUT/token."""
     from libbus.security.auth import private_dir, public_key_pem, write_private
-    from services.runtime import mint_token, signing_key
+    from services.credentials import mint_token, signing_key
 
     if role not in NODE_ROLES:
         fail(f"--role {role!r}: a node is one of {', '.join(NODE_ROLES)}; admins: busctl token issue --role admin", 2)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout, as `python examples/serve.
 
 from libbus.config import load_settings  # noqa: E402
 from libbus.security.auth import private_dir  # noqa: E402
-from services import runtime  # noqa: E402
+from services import credentials  # noqa: E402
 from services.launch import ServiceProcs  # noqa: E402
 
 IDS = {"train": 48, "val": 6, "test": 5}
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         served = [a for name, uri in datasets.items() for a in ("--dataset", f"{name}={uri}")]
         provider = procs.start("provider", "--router", router, *served)
         settings, _ = load_settings(env={}, flags={"state_dir": str(state)})
-        key = runtime.signing_key(settings)
-        token = runtime.mint_token(settings, key, role="reader", sub="examples", datasets=sorted(datasets))
+        key = credentials.signing_key(settings)
+        token = credentials.mint_token(settings, key, role="reader", sub="examples", datasets=sorted(datasets))
         token_file = state / "token"
         token_file.touch(mode=0o600)
         token_file.write_text(token + "\n")

@@ -285,7 +285,7 @@ def test_a_provider_starts_without_torch():
     """A provider imports torch only when it evaluates a model (lazily, services/provider/evaluator.py):
     a data node starts in a fraction of a second and without torch's few hundred MB (seen: 1.7 s and
     300 MB when the batch path's check of a built-in job's fields pulled in services.models)."""
-    probe = "import sys, services.provider.app, services.runtime; print('torch' in sys.modules)"
+    probe = "import sys, services.provider.app, services.process, services.credentials; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False", "the provider's start-up imports torch"

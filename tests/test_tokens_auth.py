@@ -29,7 +29,7 @@ from libbus.wire.messages import (
     Resolve,
     SubmitJob,
 )
-from services import runtime
+from services import credentials
 from tests.support import CLUSTER, busctl
 
 
@@ -178,7 +178,7 @@ def test_other_issuer_and_bad_scope_claims_are_refused(admin_keys):
 def test_node_without_token_or_signing_key_says_what_to_do(make_settings):
     settings = make_settings(token="")
     with pytest.raises(ConfigError, match="no signing key.*--token"):
-        runtime.token_source(settings, "provider", "p1")
+        credentials.token_source(settings, "provider", "p1")
 
 
 # -- scopes -------------------------------------------------------------------------------------

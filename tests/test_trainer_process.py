@@ -16,7 +16,7 @@ def test_a_trainer_starts_without_torch():
     """Torch is imported where jobs run (the fork server, each attempt), never in the trainer that
     relays for them: its start-up is a fraction of a second and it holds no torch in memory (seen:
     1.0 s of import and its few hundred MB, before the trainer's one torch call moved to the attempt)."""
-    probe = "import sys, cli.app, services.trainer.service.app, services.runtime; print('torch' in sys.modules)"
+    probe = "import sys, cli.app, services.trainer.service.app, services.process, services.credentials; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False", "the trainer's start-up imports torch"

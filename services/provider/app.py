@@ -17,7 +17,7 @@ from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.serve.server import Server
 from libbus.wire.messages import ChargeEvaluation, Entitlements, EvaluationCharged, EvaluationReport, Message
 
-from .. import runtime
+from .. import credentials, process
 from .evalgate import EvalGate
 from .handler import ProviderHandler
 from .metrics import provider_metrics
@@ -82,7 +82,7 @@ class ProviderService:
         if not settings.datasets:
             raise ConfigError("a provider needs at least one --dataset NAME=URI (e.g. mnist=mock://mnist)")
         self.settings = settings
-        self.name = runtime.service_name(settings, "provider")
+        self.name = credentials.service_name(settings, "provider")
         self.ctx = ctx or zmq.Context.instance()
         datasets: dict[str, Source] = {}
         readable_test = set()
@@ -116,9 +116,11 @@ class ProviderService:
         )
         for name in datasets:
             log.info("%s", split_notice(name, self.handler.infos[name]))
-        key = runtime.verify_key(settings)
+        key = credentials.verify_key(settings)
         bind = settings.bind or DEFAULT_BIND
-        self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name, "provider"), self.ctx)
+        self.server = Server(
+            self.handler, credentials.server_config(settings, bind, key, self.name, "provider"), self.ctx
+        )
         self.link: Link | None = None
         self.endpoint = ""
         #: The Prometheus endpoint while serving (``metrics_bind`` set), else ``None``.
@@ -126,7 +128,7 @@ class ProviderService:
 
     def start(self) -> str:
         """Bind the data socket and start registering with the router. Returns the data endpoint."""
-        runtime.clean_shm()
+        process.clean_shm()
         # The serving loop shares the GIL with the threads reading remote stores (a hundred, parsing
         # replies): at CPython's 5 ms switch interval each of its turns could wait that long per thread
         # ahead of it. 0.5 ms bounds another dataset's batches beside a busy remote one (with the readers'
@@ -155,7 +157,7 @@ class ProviderService:
         self.endpoint = self.settings.advertise or bound
         if self.settings.shm:
             try:
-                self.handler.local_endpoint = self.server.bind_also(runtime.local_endpoint("provider"))
+                self.handler.local_endpoint = self.server.bind_also(process.local_endpoint("provider"))
             except (BusError, OSError) as err:
                 log.warning("no same-host ipc endpoint (same-host trainers use %s): %s", self.endpoint, err)
         if "0.0.0.0" in self.endpoint or "*" in self.endpoint:
@@ -165,12 +167,12 @@ class ProviderService:
             caps["curve_key"] = self.server.config.curve.public.decode()
         self.link = Link(
             self.settings.router,
-            runtime.identity(self.settings, "provider", self.name, caps),
+            credentials.identity(self.settings, "provider", self.name, caps),
             heartbeat_ms=self.settings.heartbeat_ms,
             liveness=self.settings.heartbeat_liveness,
             stats=self.server.stats,
             ctx=self.ctx,
-            limits=runtime.limits(self.settings),
+            limits=credentials.limits(self.settings),
             on_push=self._on_push,
         )
         self.link.start()
@@ -210,7 +212,7 @@ class ProviderService:
         finally:
             if self.metrics is not None:
                 self.metrics.close()
-            runtime.remove_local_endpoint(self.handler.local_endpoint)
+            process.remove_local_endpoint(self.handler.local_endpoint)
             self.handler.close()
             if self.decode_cache is not None:
                 self.decode_cache.close()

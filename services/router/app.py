@@ -15,7 +15,7 @@ from libbus.security.auth import ATTEMPT_GRANT_S
 from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.serve.server import Server
 
-from .. import runtime
+from .. import credentials
 from .artifacts import Artifacts
 from .handler import RouterHandler
 from .metrics import router_metrics
@@ -48,7 +48,7 @@ def grant_minter(settings: Settings) -> Callable[[str, str, str], str] | None:
     trainer's subject, scoped to one job and its dataset, for :data:`ATTEMPT_GRANT_S`. None (with a
     warning) where this router holds no signing key: its tasks then carry no grant."""
     try:
-        key = runtime.signing_key(settings)
+        key = credentials.signing_key(settings)
     except ConfigError as err:
         log.warning(
             "this router cannot mint attempts' grants (%s); attempts of its jobs will read nothing: keep the "
@@ -58,7 +58,7 @@ def grant_minter(settings: Settings) -> Callable[[str, str, str], str] | None:
         return None
 
     def mint(trainer: str, job: str, dataset: str) -> str:
-        return runtime.mint_token(
+        return credentials.mint_token(
             settings, key, role="attempt", sub=trainer, ttl_s=ATTEMPT_GRANT_S, datasets=[dataset], jobs=[job]
         )
 
@@ -68,8 +68,8 @@ def grant_minter(settings: Settings) -> Callable[[str, str, str], str] | None:
 class RouterService:
     def __init__(self, settings: Settings, ctx: zmq.Context | None = None):
         self.settings = settings
-        self.name = runtime.service_name(settings, "router")
-        key = runtime.verify_key(settings, create=True)
+        self.name = credentials.service_name(settings, "router")
+        key = credentials.verify_key(settings, create=True)
         self.store = JobStore(settings.db)
         self.handler = RouterHandler(
             self.store,
@@ -80,7 +80,7 @@ class RouterService:
         # group commit: the server calls the handler's flush (one fsync) before a turn's replies go out
         self.store.durability.group()
         bind = settings.bind or settings.router
-        self.server = Server(self.handler, runtime.server_config(settings, bind, key, self.name, "router"), ctx)
+        self.server = Server(self.handler, credentials.server_config(settings, bind, key, self.name, "router"), ctx)
         self.handler.server_stats = self.server.stats
         self.handler.apply_revoked = self.server.set_revoked
         self.server.set_revoked(self.handler.revocations.jtis())

@@ -43,7 +43,7 @@ from libbus.errors import (
     Unavailable,
 )
 from libbus.jobs.spec import JOB_STATES
-from services import runtime, views
+from services import credentials, views
 
 from .logins import MAX_TOKEN_CHARS, Login, Logins, NotSignedIn
 
@@ -119,13 +119,13 @@ class WebServer:
         self.allowed_hosts: set[str] = set()
 
     def _client(self, token: str) -> Client:
-        curve = runtime.curve_keys(self.settings, "admin")
+        curve = credentials.curve_keys(self.settings, "admin")
         identity = Identity(
             role="admin",
             name="busctl-web",
             token=token,
             curve=curve,
-            router_key=runtime.router_key(self.settings),
+            router_key=credentials.router_key(self.settings),
             handshake=self.settings.handshake_auth,
         )
         return Client(

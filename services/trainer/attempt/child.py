@@ -49,7 +49,7 @@ from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.wire.frames import decode, encode
 from libbus.wire.messages import Command, Message, Resolve, Task
-from services import runtime
+from services import credentials
 from services.sdnotify import Notifier
 from services.usercode import import_allowed
 
@@ -342,14 +342,14 @@ def attempt_identity(settings: Settings, name: str, job: str, grant: str, link: 
     (its router holds no signing key) came with its trainer's token: the attempt is its trainer
     (:func:`services.trainer.service.attempt_settings.ungranted_settings`)."""
     if not grant:
-        return runtime.identity(settings, "trainer", name)
+        return credentials.identity(settings, "trainer", name)
     return Identity(
         role="attempt",
         name=name,
         token=GrantSource(job, grant, lambda msg: link.request(msg, timeout_s=settings.request_timeout_s)),
         host_id=settings.host_id,
-        curve=runtime.curve_keys(settings, "trainer"),
-        router_key=runtime.router_key(settings),
+        curve=credentials.curve_keys(settings, "trainer"),
+        router_key=credentials.router_key(settings),
         handshake=settings.handshake_auth,
     )
 

@@ -19,7 +19,7 @@ from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, Task
 from libbus.wire.text import cut_json
 
-from ... import runtime
+from ... import credentials, process
 from ...sdnotify import Notifier
 from .. import attempt_user
 from ..channel import LOST
@@ -57,8 +57,8 @@ class TrainerService:
         #: The user its attempts run as (``attempt_user``, checked here as it starts), or None: its own.
         self.attempt_user = attempt_user.resolve(settings)
         self.notifier = notifier or Notifier()
-        self.name = runtime.service_name(settings, "trainer")
-        self.identity = runtime.identity(settings, "trainer", self.name)
+        self.name = credentials.service_name(settings, "trainer")
+        self.identity = credentials.identity(settings, "trainer", self.name)
         self.commands: queue.Queue[Command] = queue.Queue()
         self.current_job: str | None = None
         #: Jobs run to an end, by final state (succeeded, failed, stopped).
@@ -77,7 +77,7 @@ class TrainerService:
             liveness=settings.heartbeat_liveness,
             on_push=self._on_push,
             stats=self.stats,
-            limits=runtime.limits(settings),
+            limits=credentials.limits(settings),
         )
 
     def _on_push(self, msg: Message) -> None:
@@ -285,11 +285,11 @@ def run_trainer(settings: Settings) -> int:
     # read this process's memory or environment through /proc (same uid): not dumpable.
     withhold_environment(os.environ)
     not_dumpable()
-    stop, notify = threading.Event(), runtime.notifier()
-    runtime.install_signal_handlers(stop, notify)
-    runtime.clean_shm()
+    stop, notify = threading.Event(), process.notifier()
+    process.install_signal_handlers(stop, notify)
+    process.clean_shm()
     service = TrainerService(settings, notify)
     try:
         return service.run(stop)
     finally:
-        runtime.finish(notify)
+        process.finish(notify)

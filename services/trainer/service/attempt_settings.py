@@ -13,7 +13,7 @@ import logging
 
 from libbus.config import Settings
 
-from ... import runtime
+from ... import credentials
 from ..grant import WITHHELD_SETTINGS
 
 __all__ = ["attempt_settings", "not_dumpable", "ungranted_settings"]
@@ -38,7 +38,7 @@ def ungranted_settings(settings: Settings, job: str) -> dict:
         "key on the router's machine to give each attempt only its job's grant",
         job,
     )
-    token = runtime.token_source(settings, "trainer", runtime.service_name(settings, "trainer"))
+    token = credentials.token_source(settings, "trainer", credentials.service_name(settings, "trainer"))
     return {**settings.as_dict(), "token": token() if callable(token) else token}
 
 
