@@ -14,9 +14,10 @@ from libbus.config import Settings, load_settings
 from services import views
 
 from . import tables
-from .common import admin_client, fail, guard, print_json
+from .connection import admin_client
 from .jobs import job_app, jobs, submit
 from .options import Config, Json, StateDir, admin_options
+from .output import fail, guard, print_json
 from .start import start_app
 from .studies import studies, study_app
 from .tokens import keys_app, token_app

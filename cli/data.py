@@ -22,7 +22,8 @@ from libbus.wire.fields import decode_frames, fields_of_info, is_xy
 from libbus.wire.messages import BatchRequest, BatchResponse, Resolve, frame_buffer
 from services import views
 
-from .common import SafeConsole, admin_client, fail, print_json
+from .connection import admin_client
+from .output import SafeConsole, fail, print_json
 
 __all__ = [
     "OUT_SUFFIXES",

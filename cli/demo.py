@@ -14,7 +14,7 @@ from libbus.security.auth import private_dir
 from libbus.wire.messages import ListPeers, SubmitJob
 from services.launch import READY_TIMEOUT_S, ServiceProcs
 
-from .common import admin_client, settings_from
+from .connection import admin_client, settings_from
 from .watch import watch_job
 
 __all__ = ["run_demo"]

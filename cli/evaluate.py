@@ -20,7 +20,8 @@ from libbus.wire.messages import ControlJob, Ok
 from services.router.jobs import EVAL_ACK_TIMEOUT_S
 
 from . import scores
-from .common import admin_client, echo, fail, print_json
+from .connection import admin_client
+from .output import echo, fail, print_json
 
 __all__ = ["describe", "evaluate_job"]
 

@@ -34,8 +34,9 @@ from libbus.wire.messages import (
 from services import views
 
 from . import tables
-from .common import admin_client, echo, fail, guard, print_json, printable
+from .connection import admin_client
 from .options import Json, admin_options
+from .output import echo, fail, guard, print_json, printable
 from .studies import current_model, evaluation_task, is_model_ref, looks_like_model_ref, weights_line
 from .watch import watch_job
 

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from .common import settings_from
+from .connection import settings_from
 
 __all__ = [
     "Config",

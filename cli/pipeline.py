@@ -12,7 +12,8 @@ from libbus.connect.client import Client
 from libbus.errors import NotFound
 from libbus.wire.messages import ListPeers, StageControl
 
-from .common import SafeConsole, admin_client, fail, print_json
+from .connection import admin_client
+from .output import SafeConsole, fail, print_json
 
 __all__ = ["control_command", "parse_args"]
 

@@ -8,8 +8,9 @@ from typing import Annotated
 
 import typer
 
-from .common import fail, guard, settings_from, setup_logging
+from .connection import settings_from
 from .options import Bind, Config, LogLevel, MetricsBind, Name, ReadyFile, Router, SecretFile, StateDir, Token
+from .output import fail, guard, setup_logging
 
 __all__ = ["start_app"]
 

@@ -21,8 +21,9 @@ from libbus.wire.messages import ControlJob, GetStudy, Model, StopStudy, SubmitS
 from services import views
 from services.router.study_store import StudyState
 
-from .common import admin_client, echo, fail, guard, print_json
+from .connection import admin_client
 from .options import Json, admin_options
+from .output import echo, fail, guard, print_json
 
 __all__ = [
     "study_app",

@@ -1,4 +1,4 @@
-"""Human-readable output of busctl's read commands (rich tables), through a :class:`~cli.common.SafeConsole`:
+"""Human-readable output of busctl's read commands (rich tables), through a :class:`~cli.output.SafeConsole`:
 every string a peer wrote (job names, errors, events, peer and stage names) is printed without its
 control characters."""
 
@@ -14,7 +14,7 @@ from libbus.order.epochs import Cursor
 from services.views import epoch_index, refusals
 
 from . import scores
-from .common import SafeConsole
+from .output import SafeConsole
 
 __all__ = [
     "epoch_index",

@@ -14,8 +14,9 @@ from libbus.errors import BusError, ConfigError
 from libbus.security.auth import ROLES, ensure_secret
 
 from . import tables
-from .common import admin_client, fail, guard, print_json, settings_from
+from .connection import admin_client, settings_from
 from .options import Config, Json, SecretFile, StateDir, admin_options
+from .output import fail, guard, print_json
 
 __all__ = ["token_app", "keys_app"]
 

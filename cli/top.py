@@ -25,7 +25,8 @@ from libbus.jobs.state import JobState
 from services.views import frame
 from services.views import snapshot as collect
 
-from .common import SafeConsole, admin_client, print_json, printable
+from .connection import admin_client
+from .output import SafeConsole, print_json, printable
 from .tables import stage_tables, wait_split
 
 __all__ = ["collect", "data_wait_cell", "frame", "render", "top_command"]

@@ -11,7 +11,7 @@ import typer
 
 from libbus.errors import ConfigError
 
-from .common import fail
+from .output import fail
 
 __all__ = ["UNITS", "VENV", "install_units", "units_source"]
 

@@ -13,7 +13,7 @@ from libbus.jobs.spec import TERMINAL_STATES
 from libbus.jobs.state import JobState
 from libbus.wire.messages import GetJob
 
-from .common import SafeConsole
+from .output import SafeConsole
 from .tables import epoch_index, epoch_line, epoch_of, result_lines
 
 __all__ = ["watch_job"]

@@ -8,8 +8,9 @@ from typing import Annotated
 
 import typer
 
-from .common import echo, fail, guard, settings_from, setup_logging
+from .connection import settings_from
 from .options import Config, LogLevel, ReadyFile, Router, StateDir
+from .output import echo, fail, guard, setup_logging
 
 __all__ = ["web"]
 

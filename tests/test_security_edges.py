@@ -430,7 +430,7 @@ def test_escape_sequences_from_peers_never_reach_the_admins_terminal(tmp_path):
 
 
 def test_printable_escapes_what_a_terminal_acts_on():
-    from cli.common import SafeConsole, print_json, printable
+    from cli.output import SafeConsole, print_json, printable
 
     assert printable("plain: ok [1/2] é 日本") == "plain: ok [1/2] é 日本"
     assert printable(HOSTILE) == "\\x1b[2J\\x1b]52;c;ZWNobyBwd25lZA==\\x07\\rok \\u202eevil"
