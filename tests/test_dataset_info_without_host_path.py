@@ -1,6 +1,7 @@
 """A reader is told what a dataset holds, not where the provider's operator keeps it: DatasetInfo
 and Resolve give a trainer's token no ``uri``, ``path`` or ``source_uri`` (each held the provider's
-absolute directory); an admin session still sees them (``busctl data``)."""
+absolute directory), nor a tenant's admin token scoped to its datasets or jobs; the operator's
+unrestricted admin session still sees them (``busctl data``)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,19 @@ def test_a_trainer_is_not_shown_the_providers_filesystem_path(tmp_path, router, 
         # what a reader needs is still there
         assert shown["splits"]["train"]["num_samples"] > 0 and shown["sample_shape"] == [4]
         assert shown["format"] == "npy"
-    # the operator still sees where the data is
+    # a tenant's admin token, scoped to its dataset (or to its jobs), is a tenant's: no path either
+    for scope in ({"datasets": ["d"]}, {"jobs": ["j1"]}):
+        tenant = make_token("admin", sub="tenant-admin", **scope)
+        asked = client_for(provider.endpoint, role="admin", token=tenant).request(DatasetInfoRequest(dataset="d"))
+        shown = [asked.info]
+        if "datasets" in scope:  # the router resolves only datasets inside the scope
+            shown.append(client_for(router.endpoint, role="admin", token=tenant).request(Resolve(dataset="d")).info)
+        for info in shown:
+            assert str(tmp_path) not in orjson.dumps(info).decode(), (scope, info)
+            assert info["splits"]["train"]["num_samples"] > 0
+    # the operator (an unrestricted admin) still sees where the data is
     admin = client_for(provider.endpoint, role="admin", token=make_token("admin", sub="operator"))
     full = admin.request(DatasetInfoRequest(dataset="d")).info
     assert full["path"] == str(data) and str(data) in full["uri"]
+    resolved = client_for(router.endpoint, role="admin", token=make_token("admin", sub="operator"))
+    assert str(data) in resolved.request(Resolve(dataset="d")).info["uri"]

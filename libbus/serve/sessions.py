@@ -39,14 +39,15 @@ __all__ = [
 ]
 
 #: DatasetInfo keys that say where the provider's operator keeps the data (a filesystem path, a
-#: source URI holding one): only an admin session is shown them, a reader sees the rest.
+#: source URI holding one): only an unrestricted admin session is shown them, anyone else the rest.
 HOST_INFO_KEYS = ("uri", "path", "source_uri")
 
 
 def reader_info(info: dict, claims: Claims) -> dict:
-    """A dataset's ``info`` as ``claims`` may see it: an admin's whole; anyone else's without
+    """A dataset's ``info`` as ``claims`` may see it: an unrestricted admin's (the operator's) whole;
+    anyone else's, a tenant's admin scoped to its datasets or jobs included, without
     :data:`HOST_INFO_KEYS`, at any depth (the name, shapes, dtypes, counts and layout are what a reader needs)."""
-    return info if claims.role == "admin" else without_host_keys(info)
+    return info if claims.role == "admin" and not claims.scopes else without_host_keys(info)
 
 
 def without_host_keys(value):
