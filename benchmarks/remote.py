@@ -23,7 +23,8 @@ head-of-line       the ``file`` dataset's wait per batch, a loop of ``--step-ms`
                    every 0.25 s (the worst is what a new trainer would wait)
 htb (``--htb``)    the store in a network namespace of its own behind a veth capped at ``--htb-mbit``
                    by ``htb`` (root only), the provider and loader in another: block shuffle's MB/s as a
-                   fraction of the cap, at ``--htb-latency-ms``
+                   fraction of the cap, at ``--htb-latency-ms`` (its loader's first batches left out, and
+                   the link's own byte counter over the same window); ``--htb-ram-cache``: read ahead
 =================  ==================================================================================
 
 ``samples/s`` counts from a row's first batch to its last (start-up apart: ``first_s`` is the
@@ -78,46 +79,18 @@ FAIL_FAST = {"retries": 0, "provider_wait_s": 0.0}
 PROBE_EVERY_S, PROBE_TIMEOUT_S = 0.25, 10.0
 
 #: The store process: a range server over ``argv[1]`` and, when ``argv[2]`` names an MDS folder, an
-#: S3 server holding it at ``s3://bench/mds/``; with ``argv[3]``, an address the range server is
-#: reached at too (through a forwarder: it listens on 127.0.0.1 only); prints their addresses as one JSON line, then answers
+#: S3 server holding it at ``s3://bench/mds/``; with ``argv[3]``, the address the range server listens
+#: at (instead of 127.0.0.1); prints their addresses as one JSON line, then answers
 #: each line of stdin (``delay MS``: set both servers' delay; ``count``) with the GETs both have
 #: answered so far, until EOF.
 STORE = """
 import json, sys
 from pathlib import Path
 from tests.support.httpd import RangeServer
-http = RangeServer(Path(sys.argv[1]))
+# in a namespace of its own (argv[3]): served at that address itself, no Python relay in the bytes' way
+http = RangeServer(Path(sys.argv[1]), host=sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1")
 s3 = None
 out = {"http": http.url}
-if len(sys.argv) > 3:  # in a namespace of its own: reachable at this address, forwarded to the server
-    import socket, threading
-    listener = socket.create_server((sys.argv[3], 0))
-    upstream = int(http.url.rsplit(":", 1)[1])
-
-    def pipe(a, b):
-        try:
-            while data := a.recv(1 << 20):
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def accept():
-        while True:
-            client, _ = listener.accept()
-            server = socket.create_connection(("127.0.0.1", upstream))
-            for s in (client, server):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=pipe, args=(client, server), daemon=True).start()
-            threading.Thread(target=pipe, args=(server, client), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    out["http"] = f"http://{sys.argv[3]}:{listener.getsockname()[1]}"
 if sys.argv[2]:
     from tests.support.s3server import S3Server
     s3 = S3Server()
@@ -824,13 +797,14 @@ def htb_row(root: Path, work: Path, args: argparse.Namespace) -> dict:
     why = netns_unavailable()
     if why:
         return {"error": why}
-    out: dict[str, Any] = {"mbit": args.htb_mbit, "latency_ms": args.htb_latency_ms}
+    out: dict[str, Any] = {"mbit": args.htb_mbit, "latency_ms": args.htb_latency_ms, "ram_cache": args.htb_ram_cache}
     link = CappedLink(args.htb_mbit)
     store = cluster = None
     try:
         store = Store(root.parent, None, link.exec(link.store), STORE_ADDR)
         store.delay(args.htb_latency_ms)
-        datasets = {"http": f"{store.urls['http']}/{root.name}/?val_fraction=0"}
+        query = f"&ram_cache={args.htb_ram_cache}&block={1 << 20}" if args.htb_ram_cache else ""
+        datasets = {"http": f"{store.urls['http']}/{root.name}/?val_fraction=0{query}"}
         cluster = Cluster(work / "htb-state", datasets, {}, link.exec(link.provider))
         cfg = {"root": str(root), "endpoint": cluster.endpoint, "token": cluster.token}
         cfg.update(batch=args.batch, seconds=args.seconds)
@@ -915,6 +889,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--htb", action="store_true", help="also the capped-link row (root: namespaces, htb)")
     p.add_argument("--htb-mbit", type=int, default=1000)
     p.add_argument("--htb-latency-ms", type=float, default=30.0)
+    p.add_argument(
+        "--htb-ram-cache",
+        type=int,
+        default=0,
+        help="bytes of RAM cache (1 MiB blocks) for the capped-link dataset: the loader's next batches are "
+        "fetched ahead into it (default 0: none); smaller than the dataset, so the link is what is measured",
+    )
     p.add_argument("--quick", action="store_true", help="4096 samples, 2 s a row, latencies 0,10 (unless given)")
     p.add_argument("--json", type=Path, help="write the results here")
     return p
@@ -998,7 +979,9 @@ def print_result(result: dict) -> None:
                 else ""
             )
             console.print(
-                f"htb {htb['mbit']} Mbit/s cap, {htb['latency_ms']:g} ms per request, block shuffle: "
+                f"htb {htb['mbit']} Mbit/s cap, {htb['latency_ms']:g} ms per request, block shuffle"
+                + (f" read ahead into {htb['ram_cache'] >> 20} MiB of RAM" if htb.get("ram_cache") else "")
+                + ": "
                 f"{htb['mb_per_s']:.1f} MB/s of samples = {htb['fraction_of_cap']:.0%} of the cap"
                 f" (after the first {htb.get('warmup_batches', 1)} batches){link}"
                 + (f" [{htb['note']}]" if "note" in htb else "")
@@ -1023,7 +1006,9 @@ def main(argv: list[str] | None = None) -> int:
     args.seconds = args.seconds or (2.0 if quick else 5.0)
     if args.batch < 1 or args.samples < 4 * args.batch:
         p.error(f"--samples must be at least 4 batches ({4 * args.batch})")
-    if args.seconds <= 0 or args.workers < 0 or args.step_ms < 0:
+    if args.htb_ram_cache and args.htb_ram_cache >= args.samples * SAMPLE_BYTES:
+        p.error("--htb-ram-cache must be smaller than the dataset (--samples × 12,296 B): else RAM is measured")
+    if args.seconds <= 0 or args.workers < 0 or args.step_ms < 0 or args.htb_ram_cache < 0:
         p.error("--seconds must be positive, --workers and --step-ms not negative")
     main_thread = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _ended) if main_thread else None

@@ -119,8 +119,8 @@ class _Server(ThreadingHTTPServer):
 
 
 class RangeServer:
-    """Serve ``root`` on 127.0.0.1 (a free port the OS picks) until :meth:`close`; over TLS with
-    ``tls=(certificate file, key file)``.
+    """Serve ``root`` on 127.0.0.1 (or ``host``: an address of a network namespace the caller made) on a
+    free port the OS picks, until :meth:`close`; over TLS with ``tls=(certificate file, key file)``.
 
     Faults, settable while it runs: ``drops`` (hang up on the next N range requests),
     ``short_body``, ``no_head`` (HEAD answers 405), ``no_ranges`` (GET ignores Range), ``delay_s``,
@@ -128,7 +128,7 @@ class RangeServer:
     is set (:meth:`hold`, :meth:`release`; a store whose answer is outstanding for as long as a test needs).
     """
 
-    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None):
+    def __init__(self, root: Path, tls: tuple[Path, Path] | None = None, host: str = "127.0.0.1"):
         self.root = root
         self.requests: list[tuple[str, str, str | None]] = []
         self.connections = self.inflight = self.max_inflight = 0
@@ -136,13 +136,13 @@ class RangeServer:
         self.redirects: dict[str, str] = {}  # path prefix → where to send it (302)
         self.held = threading.Event()
         self.held.set()
-        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server = _Server((host, 0), _Handler)
         self._server.owner, self._server.lock = self, threading.Lock()
         if tls is not None:  # (certificate, key): serve https
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(*tls)
             self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self._server.server_address[1]}"
+        self.url = f"{'https' if tls else 'http'}://{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
 
