@@ -79,15 +79,17 @@ from libbus.wire.messages import (
 from libbus.wire.msg_data import info_mismatch
 from libbus.wire.schema import check_stored
 
+from ..importable import TrainerModules
 from .artifacts import Artifacts
-from .decisions import Decisions
 from .eval_budget import EvalBudget
 from .gangs import Gangs, world_size
 from .grants import Revocations, assignments, check_revocable
 from .jobs import JobControl
+from .judges import Judges
 from .logs import JobOutput
 from .replies import fit_job, fit_list, fit_rows
 from .store import JobStore
+from .task_models import TaskModels
 
 __all__ = ["RouterHandler"]
 
@@ -108,7 +110,7 @@ RESOLVERS = ("trainer", "reader", "admin")
 LOADER_REQUESTS = frozenset({"Resolve", "Stats"})
 
 
-class RouterHandler(Decisions, Handler):
+class RouterHandler(Judges, TaskModels, Handler):
     """Registers providers and trainers, resolves datasets, runs the job queue.
 
     Args:
@@ -165,7 +167,9 @@ class RouterHandler(Decisions, Handler):
         #: turn's tick (just after the turn's replies), not once per claim.
         self._grants_due: set[str] = set()
         self._last_grants_check = 0.0
-        self.init_decisions()
+        #: What each trainer session can import for jobs (its Hello's caps.job_modules): checked at submit.
+        self.trainer_modules = TrainerModules()
+        self.init_judges()
 
     # -- sessions -----------------------------------------------------------------------------
     def on_open(self, session: Session) -> None:
@@ -181,6 +185,8 @@ class RouterHandler(Decisions, Handler):
             )
         if session.kind in ("trainer", "provider"):
             self._check_single_holder(session)
+        if session.kind == "trainer":  # what it can import: refused here when malformed or oversized
+            self.trainer_modules.register(session.sid, session.name, session.hello.caps)
         if session.role == "provider":
             caps = session.hello.caps
             endpoint, datasets = caps.get("endpoint"), caps.get("datasets")
@@ -246,6 +252,7 @@ class RouterHandler(Decisions, Handler):
         if self.peers.pop(session.sid, None) is None:
             return
         self._sent.pop(session.sid, None)
+        self.trainer_modules.drop(session.sid)
         self._roster += session.kind == "trainer"
         if session.role == "provider":
             for dataset in session.hello.caps["datasets"]:
@@ -332,13 +339,14 @@ class RouterHandler(Decisions, Handler):
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
         spec = JobSpec.from_dict(msg.spec)
         session.claims.check_dataset(dataset_name(spec.dataset))
-        # an evaluate task's model, within the submitter's scopes (services/router/decisions.py)
+        # an evaluate task's model, within the submitter's scopes (services/router/task_models.py)
         spec = self.evaluation_spec(spec, msg.frames, session.claims)
+        note = self.trainer_modules.check(spec)  # a module no connected trainer can import: refused here
         job = self.store.submit(spec)
         if msg.frames:
             self.keep_upload(job, msg.frames)
         log.info("job %s submitted by %s: %s %s on %s", job, session.subject, spec.model, spec.optimizer, spec.dataset)
-        return JobSubmitted(job=job)
+        return JobSubmitted(job=job, note=note)
 
     @serves(ListJobs, *ADMIN)
     def on_ListJobs(self, session: Session, msg: ListJobs) -> JobList:
@@ -695,7 +703,7 @@ class RouterHandler(Decisions, Handler):
         self.jobs.tick(now)
         if self.gangs.tick(self._trainer_names()):  # an elastic gang started: its providers hear of it
             self._push_entitlements()
-        self.tick_decisions(now)  # studies, early stopping
+        self.tick_judges(now)  # studies, early stopping
 
     def flush(self) -> None:
         """The end of the server's turn: what this turn's replies acknowledge reaches the disk (one

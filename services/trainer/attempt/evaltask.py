@@ -1,4 +1,4 @@
-"""An evaluation task (``task = "evaluate"``, services/router/decisions.py): :func:`run_evaluation`
+"""An evaluation task (``task = "evaluate"``, services/router/task_models.py): :func:`run_evaluation`
 scores the model that came with it: on ``val`` here, streamed like a training job's validation; on
 ``test`` by sending the weights to the provider, whose private test split never leaves it. Its result
 is stored like a job's. (A running job's own ``busctl job eval``, ``job model --current`` and PBT's

@@ -1,93 +1,33 @@
-"""The router's requests for what it decides on its own: studies (:mod:`.studies`), early stopping
-(:mod:`.early_stop`) and evaluation tasks (jobs with ``task = "evaluate"``: the model they score
-travels to the trainer with the task). A mixin of :class:`~.handler.RouterHandler`, kept here so
-that the handler only wires it in.
+"""The model a task carries: an evaluation task's (``task = "evaluate"``: the model it scores travels
+to the trainer with the task), a job's ``model_from`` (the model it starts from: a succeeded job's
+final model, or another job's latest checkpoint), a model uploaded with a submission; each checked
+against the submitter's scopes before it is queued. A mixin of :class:`~.handler.RouterHandler`.
+(What the router decides on its own: :mod:`.judges`.)
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 
-from libbus.errors import BadRequest, Forbidden, Internal, NotFound
+from libbus.errors import BadRequest, Internal, NotFound
 from libbus.jobs.spec import JobSpec, dataset_name
 from libbus.jobs.state import JobState
 from libbus.security.auth import Claims
-from libbus.serve.handler import serves
-from libbus.serve.server import Session
-from libbus.wire.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo, StudyList, SubmitStudy, Task
+from libbus.wire.messages import Task
 
 from .artifacts import Artifacts
-from .early_stop import EarlyStopping
-from .jobs import UPLOAD, JobControl
+from .jobs import UPLOAD
 from .store import JobStore
-from .studies import Studies
-from .study_spec import StudySpec
 
-__all__ = ["Decisions", "UPLOAD"]
-
-log = logging.getLogger(__name__)
+__all__ = ["TaskModels"]
 
 
-class Decisions:
-    """Studies, early stopping and evaluation tasks for the router's handler (which provides
-    ``store``, ``jobs`` (JobControl) and ``artifacts``)."""
+class TaskModels:
+    """The models tasks carry, for the router's handler (which provides ``store`` and ``artifacts``)."""
 
     store: JobStore
-    jobs: JobControl
     artifacts: Artifacts | None
 
-    def init_decisions(self) -> None:
-        self.studies = Studies(self.store, self.jobs.control)
-        self.early_stopping = EarlyStopping(self.store, self.jobs.control, self.jobs.stop_requested)
-
-    def tick_decisions(self, now: float) -> None:
-        for part in (self.studies, self.early_stopping):
-            try:
-                part.tick(now)
-            except Exception:  # noqa: BLE001 - a bug in a strategy must not take the router down
-                log.exception("%s failed; trying again at the next tick", type(part).__name__)
-
-    def judge_report(self, job: str, progress: dict) -> None:
-        """A job's progress report: its new epochs are judged at once (a study trial's pruning and
-        PBT, a job's early stopping)."""
-        history = progress.get("history")
-        if not isinstance(history, list):
-            return
-        try:
-            self.studies.on_report(job, len(history))
-        except Exception:  # noqa: BLE001 - the report is stored; the next tick judges it again
-            log.exception("study report of job %s", job)
-        try:
-            self.early_stopping.on_report(job, history)
-        except Exception:  # noqa: BLE001 - a bug in the rule must not take the router down; the next report judges again
-            log.exception("early stopping at a report of job %s", job)
-
-    # -- studies ---------------------------------------------------------------------------------
-    @serves(SubmitStudy, "admin")
-    def on_SubmitStudy(self, session: Session, msg: SubmitStudy) -> StudyInfo:
-        spec = StudySpec.from_dict(msg.spec)  # checked first: the scope is read from the checked [base]
-        _check_study_scope(session.claims, spec.base)
-        study = self.studies.submit(msg.spec, session.subject)
-        return StudyInfo(study=self.studies.show(study))
-
-    @serves(ListStudies, "admin")
-    def on_ListStudies(self, session: Session, msg: ListStudies) -> StudyList:
-        # a scoped token sees the studies it could ask about one by one
-        return StudyList(studies=[s for s in self.studies.list() if _allows_study(session.claims, s["dataset"])])
-
-    @serves(GetStudy, "admin")
-    def on_GetStudy(self, session: Session, msg: GetStudy) -> StudyInfo:
-        study = self.studies.show(msg.study)
-        _check_study_scope(session.claims, study["spec"]["base"])
-        return StudyInfo(study=study)
-
-    @serves(StopStudy, "admin")
-    def on_StopStudy(self, session: Session, msg: StopStudy) -> Ok:
-        _check_study_scope(session.claims, self.studies.show(msg.study)["spec"]["base"])
-        return Ok(detail=self.studies.stop(msg.study, session.subject))
-
-    # -- evaluation tasks ------------------------------------------------------------------------
     def evaluation_spec(self, spec: JobSpec, frames: list, claims: Claims) -> JobSpec:
         """Check a job's ``model_from`` before it is queued: a model uploaded with it, a succeeded
         job whose model the router holds, or (a training job only) a job that has not succeeded
@@ -213,20 +153,3 @@ class Decisions:
 def _holds_model(job: dict) -> bool:
     """Whether ``job`` succeeded and the router holds its final model."""
     return job["state"] == JobState.SUCCEEDED and bool((job["result"] or {}).get("model", {}).get("router_path"))
-
-
-def _allows_study(claims: Claims, dataset) -> bool:
-    """Whether a token may see or act on a study whose trials run on ``dataset``: its ``datasets``
-    scope covers it, and it has no ``jobs`` scope (a study's trials are jobs made after the token,
-    which no ``jobs`` scope can name)."""
-    return "jobs" not in claims.scopes and isinstance(dataset, str) and claims.allows_dataset(dataset_name(dataset))
-
-
-def _check_study_scope(claims: Claims, base: dict) -> None:
-    """Raise :class:`Forbidden` unless :func:`_allows_study`, naming the scope that refuses."""
-    if "jobs" in claims.scopes:
-        raise Forbidden(
-            "a token limited to jobs cannot submit or see studies: their trials are new jobs no jobs scope names"
-        )
-    dataset = base.get("dataset")
-    claims.check_dataset(dataset_name(dataset) if isinstance(dataset, str) else "")
