@@ -181,7 +181,9 @@ def submit(
     s = settings
     with admin_client(s) as client:
         reply = client.request(SubmitJob(spec=spec, frames=frames))
-    print_json({"job": reply.job}) if json else typer.echo(reply.job)
+    print_json({"job": reply.job} | ({"note": reply.note} if reply.note else {})) if json else typer.echo(reply.job)
+    if reply.note and not json:  # what the router could not check (no trainer connected to ask)
+        typer.echo(f"note: {reply.note}", err=True)
 
 
 @guard

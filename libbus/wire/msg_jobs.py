@@ -62,6 +62,8 @@ class SubmitJob(Request["JobSubmitted"]):
 @message
 class JobSubmitted(Message):
     job: str
+    #: What the router could not check (a module no connected trainer listed); "" when all was.
+    note: str = ""
 
 
 @message

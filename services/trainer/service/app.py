@@ -20,6 +20,7 @@ from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, 
 from libbus.wire.text import cut_json
 
 from ... import credentials, process
+from ...importable import announce
 from ...sdnotify import Notifier
 from .. import attempt_user
 from ..channel import LOST
@@ -58,7 +59,10 @@ class TrainerService:
         self.attempt_user = attempt_user.resolve(settings)
         self.notifier = notifier or Notifier()
         self.name = credentials.service_name(settings, "trainer")
-        self.identity = credentials.identity(settings, "trainer", self.name)
+        # what jobs may import here, and what of it this node can import: the router refuses at submit
+        # a job naming a module no trainer can import (services/importable.py)
+        caps = {"job_modules": announce(settings.job_modules)}
+        self.identity = credentials.identity(settings, "trainer", self.name, caps)
         self.commands: queue.Queue[Command] = queue.Queue()
         self.current_job: str | None = None
         #: Jobs run to an end, by final state (succeeded, failed, stopped).
