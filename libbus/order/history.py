@@ -33,6 +33,7 @@ from libbus.order import elastic
 from libbus.order.epochs import Order, batches_of, check_skips, epoch_order, shift_skips, skip_ranges
 
 __all__ = [
+    "MAX_ORDER_SAMPLES",
     "MAX_RANGE",
     "MAX_SKIP_STEPS",
     "MAX_STEP_SAMPLES",
@@ -50,6 +51,22 @@ MAX_STEP_SAMPLES = 1 << 20
 
 #: The most positions one ``epoch_range`` query returns (a reply stays small).
 MAX_RANGE = 100_000
+
+#: The largest order (samples of an epoch) the router computes to answer a lookup, on its loop: an
+#: epoch's order is the whole split's (at this bound 2 s and 130 MiB on a loaded 2-core machine), and its
+#: size is a job's ``train_range`` (any tenant's to choose) or the ``n`` its checkpoint's cursor reports
+#: (the job's code): past it a lookup is refused before anything is computed (one of 10^12 samples
+#: asked 7 TiB, 2e9 samples would ask 16 GiB).
+MAX_ORDER_SAMPLES = 1 << 24
+
+
+def _check_order_size(n: int) -> None:
+    if n > MAX_ORDER_SAMPLES:
+        raise BadRequest(
+            f"the job's order is over {n} samples; the router looks up samples in orders of at most "
+            f"{MAX_ORDER_SAMPLES} (each lookup computes an epoch's whole order): compute it where the "
+            "job's loaders do (libbus.order.epochs.epoch_order)"
+        )
 
 
 def segment_of(segments: Sequence[Mapping[str, Any]], step: int) -> Mapping[str, Any]:
@@ -108,9 +125,11 @@ def step_samples(
             once a step (an epoch's order is the whole split's).
 
     Raises:
-        BadRequest: ``step`` below 1, ``rank`` outside the segment's world.
+        BadRequest: ``step`` below 1, ``rank`` outside the segment's world, an order past
+            :data:`MAX_ORDER_SAMPLES`.
         NotFound: no segment covers ``step``.
     """
+    _check_order_size(n)
     seg = segment_of(segments, step)
     world = int(seg.get("world_size", 1))
     if rank is not None and not 0 <= rank < world:
@@ -174,8 +193,10 @@ def epoch_range(spec: Mapping[str, Any], epoch: int, start: int, stop: int, *, n
     re-split it): the split's indices there.
 
     Raises:
-        BadRequest: a malformed or over-long range (at most :data:`MAX_RANGE` positions).
+        BadRequest: a malformed or over-long range (at most :data:`MAX_RANGE` positions), or an
+            order past :data:`MAX_ORDER_SAMPLES`.
     """
+    _check_order_size(n)
     if not (0 <= start <= stop <= n):
         raise BadRequest(f"range {start}:{stop} must lie within 0:{n} (the epoch's {n} positions)")
     if stop - start > MAX_RANGE:
