@@ -16,6 +16,7 @@ from libbus.serve.handler import serves
 from libbus.serve.server import Session
 from libbus.wire.messages import GetStudy, ListStudies, Ok, StopStudy, StudyInfo, StudyList, SubmitStudy
 
+from ..importable import TrainerModules
 from .early_stop import EarlyStopping
 from .jobs import JobControl
 from .store import JobStore
@@ -29,10 +30,11 @@ log = logging.getLogger(__name__)
 
 class Judges:
     """Studies and early stopping for the router's handler (which provides ``store`` and ``jobs``,
-    its JobControl)."""
+    its JobControl, and ``trainer_modules``, what its trainers can import)."""
 
     store: JobStore
     jobs: JobControl
+    trainer_modules: TrainerModules
 
     def init_judges(self) -> None:
         self.studies = Studies(self.store, self.jobs.control)
@@ -65,6 +67,12 @@ class Judges:
     def on_SubmitStudy(self, session: Session, msg: SubmitStudy) -> StudyInfo:
         spec = StudySpec.from_dict(msg.spec)  # checked first: the scope is read from the checked [base]
         _check_study_scope(session.claims, spec.base)
+        # every module its trials would name ([base], or a choice of entrypoint or model), as a job's at submit
+        self.trainer_modules.check(spec.base)
+        for name in ("entrypoint", "model"):
+            param = spec.space.get(name)
+            for value in param.values if param is not None and param.kind == "choice" else ():
+                self.trainer_modules.check({**spec.base, name: value})
         study = self.studies.submit(msg.spec, session.subject)
         return StudyInfo(study=self.studies.show(study))
 
