@@ -1,6 +1,6 @@
 """``busctl token node OUT`` writes what a node believes (the cluster's public key) and its token:
 into a folder others may write it refuses to (they could swap the key or plant links), and a link
-planted at OUT/token.pub is replaced, never followed to write where it points."""
+planted at OUT/token.pub or OUT/token is replaced, never followed to write where it points."""
 
 from __future__ import annotations
 
@@ -27,12 +27,15 @@ def test_a_group_or_world_writable_folder_is_refused(tmp_path):
         assert "Traceback" not in got.stderr and not any(out.iterdir())
 
 
-def test_a_link_planted_at_token_pub_is_replaced_not_followed(tmp_path):
+def test_links_planted_at_token_pub_and_token_are_replaced_not_followed(tmp_path):
     out, victim = tmp_path / "node", tmp_path / "victim"
     out.mkdir(mode=0o700)
     victim.write_text("not yours\n")
-    (out / "token.pub").symlink_to(victim)
+    for name in ("token.pub", "token", ".token.pub.tmp", "token.tmp"):  # the files and their temporaries
+        (out / name).symlink_to(victim)
     got = _node(tmp_path, out)
     assert got.returncode == 0, got.stderr
     assert victim.read_text() == "not yours\n"
     assert not (out / "token.pub").is_symlink() and b"PUBLIC KEY" in (out / "token.pub").read_bytes()
+    assert not (out / "token").is_symlink() and (out / "token").read_text().startswith("eyJ")
+    assert (out / "token").stat().st_mode & 0o777 == 0o600
