@@ -5,7 +5,8 @@ own loss (tests/support/entrypoints.py, written from docs/jobs.md) is killed wit
 checkpoints mid-epoch and ends with the weights of an uninterrupted run; what it printed is in
 `busctl job logs`. Functions that segfault, hang or exit fail their own attempt only, with how they
 ended and their last lines; the trainer takes the next job. A module the trainer's operator does not
-allow is refused naming the setting, and nothing is imported.
+allow is refused at submit while the trainer is connected, and by the trainer (naming the setting,
+importing nothing) when it was queued before.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import pytest
 import torch
 
+from libbus.errors import BadRequest
 from tests.support.jobs import EntryCluster, final_weights
 from tests.support.memcg import memory_cgroup
 
@@ -89,26 +91,33 @@ def reference(cluster) -> dict:
     return info
 
 
-def test_a_module_the_trainer_does_not_allow_runs_nothing(cluster, plain, tmp_path):
+def test_a_module_the_trainer_does_not_allow_runs_nothing(cluster, alone, tmp_path):
+    """Queued while no trainer was connected (the router could not check it), the trainer refuses it
+    and imports nothing; submitted while one is, the router refuses it at once."""
     marker = tmp_path / "ran"
-    refused = _fails_alone(cluster, "tests.killpoint:raising_model")
+    entry = cluster.submit_spec({**JOB, "entrypoint": "tests.killpoint:raising_model", "max_attempts": 1})
+    piped_spec = {**JOB, "entrypoint": "", "params": {}, "model": "pydoc:pipepager"}
+    piped = cluster.submit_spec({**piped_spec, "model_kwargs": {"cmd": f"id > {marker}"}})
+    _plain_trainer(cluster)
+    refused = cluster.wait_end(entry, timeout=120)
     assert "not in this trainer's job_modules (tests.support.entrypoints)" in refused["error"], refused["error"]
     assert "BATCHBUS_JOB_MODULES" in refused["error"]
     # what to list: a new user who lists the package's name alone learns it takes a trailing "."
     assert "the operator lists 'tests.killpoint', or 'tests.' for every module" in refused["error"]
-    piped = cluster.submit_spec(
-        {
-            **JOB,
-            "entrypoint": "",
-            "params": {},
-            "model": "pydoc:pipepager",
-            "model_kwargs": {"cmd": f"id > {marker}"},
-        }
-    )
     info = cluster.wait_end(piped, timeout=120)
     assert info["state"] == "failed" and "job_modules" in info["error"], info["error"]
     time.sleep(0.5)
     assert not marker.exists()
+    # the trainer connected has told the router what it allows: the same jobs are refused at submit
+    for spec, module in (
+        (JOB | {"entrypoint": "tests.killpoint:raising_model"}, "tests.killpoint"),
+        (piped_spec, "pydoc"),
+    ):
+        with pytest.raises(BadRequest) as at_submit:
+            cluster.submit_spec(spec)
+        said = str(at_submit.value)
+        assert f"no connected trainer can import module {module!r}" in said, said
+        assert "allow tests.support.entrypoints (not allowed)" in said and "BATCHBUS_JOB_MODULES" in said, said
 
 
 def test_commands_apply_at_the_functions_calls(cluster, plain):
