@@ -29,6 +29,7 @@ from libbus.errors import (
     Unavailable,
 )
 from libbus.jobs.weights import weights_digest
+from libbus.security.auth import Claims
 from libbus.serve.handler import serves
 from libbus.serve.server import Handler, Session
 from libbus.serve.sessions import reader_info
@@ -86,6 +87,20 @@ def remote_read_stats(datasets: dict[str, Source]) -> dict[str, dict]:
         location = getattr(source, "location", None)
         if source.remote and location is not None:
             out[name] = location.stats()
+    return out
+
+
+def stats_within_scope(stats: dict, claims: Claims) -> dict:
+    """``stats`` as ``claims`` may see them: a scoped token (a tenant's) sees the per-dataset rows of
+    the datasets its ``datasets`` scope names and of no other (a ``jobs`` scope alone names none), so
+    it learns neither the names nor the reads of other tenants' datasets; an unrestricted token all."""
+    if not claims.scopes:
+        return stats
+    named = "datasets" in claims.scopes
+    out = dict(stats)
+    for key in ("datasets", "remote_reads", "pipelines"):
+        if isinstance(out.get(key), dict):
+            out[key] = {d: v for d, v in out[key].items() if named and claims.allows_dataset(d)}
     return out
 
 
@@ -362,7 +377,7 @@ class ProviderHandler(Handler):
 
     @serves(Stats, *READERS)
     def on_Stats(self, session: Session, msg: Stats) -> StatsReply:
-        return StatsReply(services={"provider": self.stats()})
+        return StatsReply(services={"provider": stats_within_scope(self.stats(), session.claims)})
 
     @serves(StageControl, "admin")
     def on_StageControl(self, session: Session, msg: StageControl) -> Ok:

@@ -1,0 +1,36 @@
+"""A provider's ``Stats`` shows a tenant's token the counters of its own datasets only: an admin
+scoped to one dataset (a tenant's), asking the provider directly, learns neither the names nor the
+reads of the other tenants' datasets the provider serves; one scoped to jobs alone sees no dataset;
+the operator's unrestricted admin sees them all."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from libbus.wire.messages import BatchRequest, Stats
+
+
+@pytest.fixture
+def provider(start_provider):
+    return start_provider("mnist=mock://mnist?n=200", "theirs-secret-project=dummy://?shape=2,3&n=100&classes=4")
+
+
+def _stats(client) -> dict:
+    return client.request(Stats()).services["provider"]
+
+
+def test_a_tenant_sees_only_its_datasets_in_a_providers_stats(provider, client_for, make_token):
+    operator = client_for(provider.endpoint, role="admin", token=make_token("admin", sub="operator"))
+    for dataset in ("mnist", "theirs-secret-project"):  # both read, so both have counters
+        operator.request(BatchRequest(dataset=dataset, split="train", range=[0, 2]))
+    assert {"mnist", "theirs-secret-project"} <= set(_stats(operator)["datasets"])
+
+    tenant = client_for(provider.endpoint, role="admin", token=make_token("admin", sub="t1", datasets=["mnist"]))
+    shown = _stats(tenant)
+    assert set(shown["datasets"]) == {"mnist"}, shown["datasets"]
+    assert "theirs-secret-project" not in orjson.dumps(shown).decode()
+
+    jobs_only = client_for(provider.endpoint, role="admin", token=make_token("admin", sub="t2", jobs=["j1"]))
+    shown = _stats(jobs_only)
+    assert shown["datasets"] == {} and "mnist" not in orjson.dumps(shown).decode(), shown
