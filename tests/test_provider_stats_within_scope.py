@@ -34,3 +34,18 @@ def test_a_tenant_sees_only_its_datasets_in_a_providers_stats(provider, client_f
     jobs_only = client_for(provider.endpoint, role="admin", token=make_token("admin", sub="t2", jobs=["j1"]))
     shown = _stats(jobs_only)
     assert shown["datasets"] == {} and "mnist" not in orjson.dumps(shown).decode(), shown
+
+
+def test_every_per_dataset_row_is_cut_to_the_scope():
+    """A remote dataset's reads and a pipeline's stages name their dataset too."""
+    from libbus.security.auth import Claims
+    from services.provider.handler import stats_within_scope
+
+    rows = {"mine": {"batches": 1}, "theirs": {"batches": 2}}
+    stats = {"datasets": rows, "remote_reads": rows, "pipelines": rows, "evaluations_running": 0}
+    claims = {"aud": "batchbus", "exp": 0.0, "iat": 0.0, "jti": "j"}
+    tenant = Claims(sub="t1", role="admin", scopes={"datasets": ["mine"]}, **claims)
+    cut = stats_within_scope(stats, tenant)
+    assert all(set(cut[key]) == {"mine"} for key in ("datasets", "remote_reads", "pipelines")), cut
+    assert cut["evaluations_running"] == 0 and stats["datasets"] is rows  # the service's own stats untouched
+    assert stats_within_scope(stats, Claims(sub="op", role="admin", **claims)) == stats
