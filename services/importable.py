@@ -11,7 +11,8 @@ finders with the parent's locations as the path), never its ``__init__`` run; at
 The router reads that (:class:`TrainerModules`, every field bounded; a malformed or oversized
 announcement refuses the trainer's Hello) and checks a job's ``entrypoint`` and ``model =
 "module:factory"`` module at submit (:meth:`TrainerModules.check`): refused when trainers are
-connected and none of them can import it, naming the closest module they can and what each allows.
+connected (those whose token may take the job's dataset) and none of them can import it, naming the
+closest module they can and what each allows.
 A function's name is not checked there (that needs an import); the trainer's own check at run time
 still answers a typo in it with "did you mean". With no trainer connected, or one that said nothing
 (an older trainer), or an incomplete list that might hold the module, the job is accepted and the
@@ -24,12 +25,12 @@ import difflib
 import pkgutil
 import re
 import sys
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import NoReturn
 
 from libbus.errors import BadRequest
-from libbus.jobs.spec import BUILTIN_MODELS, JobSpec
+from libbus.jobs.spec import BUILTIN_MODELS, JobSpec, dataset_name
 
 from .usercode import module_allowed
 
@@ -184,7 +185,7 @@ def parse(caps: dict, name: str) -> Announced | None:
     if not isinstance(complete, bool):
         raise BadRequest("a trainer's caps.job_modules.complete must be true or false")
     _strings(raw.get("builtin", []), "builtin", 64, re.compile(r"[A-Za-z0-9_.-]+"))
-    return Announced(name=name[:MAX_NAME_CHARS], allow=tuple(allow), modules=frozenset(modules), complete=complete)
+    return Announced(name[:MAX_NAME_CHARS], tuple(allow), frozenset(modules), complete)
 
 
 def refs(spec: JobSpec) -> list[tuple[str, str]]:
@@ -199,11 +200,12 @@ class TrainerModules:
     """The router's view of what its connected trainers can import, by session id."""
 
     def __init__(self) -> None:
-        self._by_sid: dict[str, Announced | None] = {}
+        self._by_sid: dict[str, tuple[Announced | None, Callable[[str], bool]]] = {}
 
-    def register(self, sid: str, name: str, caps: dict) -> None:
-        """Record a trainer session's announcement (raises BadRequest for a malformed one)."""
-        self._by_sid[sid] = parse(caps, name)
+    def register(self, sid: str, name: str, caps: dict, takes: Callable[[str], bool] = lambda dataset: True) -> None:
+        """Record a trainer session's announcement (raises BadRequest for a malformed one); ``takes``
+        says whether its token lets it take a job of a dataset (a trainer that may not is not asked)."""
+        self._by_sid[sid] = (parse(caps, name), takes)
 
     def drop(self, sid: str) -> None:
         self._by_sid.pop(sid, None)
@@ -217,16 +219,17 @@ class TrainerModules:
         """
         if isinstance(spec, dict):
             spec = JobSpec.from_dict(spec)
-        notes = [self.check_ref(field, ref) for field, ref in refs(spec)]
+        notes = [self.check_ref(field, ref, dataset_name(spec.dataset)) for field, ref in refs(spec)]
         return "; ".join(n for n in notes if n)
 
-    def check_ref(self, field: str, ref: str) -> str:
+    def check_ref(self, field: str, ref: str, dataset: str = "") -> str:
         module = ref.partition(":")[0]
-        trainers = list(self._by_sid.values())
+        trainers = [t for t, takes in self._by_sid.values() if not dataset or takes(dataset)]
         if not trainers:
+            which = f"that may take dataset {dataset!r} " if self._by_sid else ""
             return (
-                f"{field} module {module!r} not checked: no trainer is connected (the job waits in the "
-                "queue; a trainer that cannot import it fails it then)"
+                f"{field} module {module!r} not checked: no trainer {which}is connected (the job waits in "
+                "the queue; a trainer that cannot import it fails it then)"
             )
         verdicts = [None if t is None else t.can_import(module) for t in trainers]
         if any(v is True for v in verdicts):

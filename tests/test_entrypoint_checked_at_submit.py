@@ -78,6 +78,12 @@ def test_the_router_tells_a_module_not_found_from_one_not_allowed_and_an_incompl
     # a trainer whose list was cut might hold it: accepted, saying so
     modules.register("s3", "t3", {"job_modules": {"allow": ["mylab."], "modules": ["mylab.a"], "complete": False}})
     assert "did not list all it can import" in modules.check_ref("entrypoint", "mylab.b:main")
+    # a trainer whose token may not take the job's dataset is not asked
+    scoped = TrainerModules()
+    scoped.register("s5", "t5", {"job_modules": announce([])}, takes=lambda dataset: dataset == "other")
+    assert "no trainer that may take dataset 'mnist' is connected" in scoped.check_ref("entrypoint", GOOD, "mnist")
+    with pytest.raises(BadRequest, match="t5 allow nothing"):
+        scoped.check_ref("entrypoint", GOOD, "other")
     # a trainer that announced nothing (an older one): nothing is refused
     modules.drop("s3")
     modules.register("s4", "t4", {})

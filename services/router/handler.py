@@ -186,7 +186,7 @@ class RouterHandler(Judges, TaskModels, Handler):
         if session.kind in ("trainer", "provider"):
             self._check_single_holder(session)
         if session.kind == "trainer":  # what it can import: refused here when malformed or oversized
-            self.trainer_modules.register(session.sid, session.name, session.hello.caps)
+            self.trainer_modules.register(session.sid, session.name, session.hello.caps, session.claims.allows_dataset)
         if session.role == "provider":
             caps = session.hello.caps
             endpoint, datasets = caps.get("endpoint"), caps.get("datasets")
