@@ -38,6 +38,8 @@ __all__ = ["MAX_NAMES", "TrainerModules", "announce", "importable_modules"]
 
 #: The most module names a trainer announces, and the router accepts (it refuses a Hello with more).
 MAX_NAMES = 2000
+#: The most bytes of module names a trainer announces (its whole Hello's caps are bounded at 256 KiB).
+MAX_NAMES_BYTES = 128 << 10
 #: The most allow-list entries the router accepts from a trainer.
 MAX_ALLOW = 256
 #: The longest module name or allow-list entry, in characters.
@@ -87,18 +89,21 @@ def _spec_of(name: str):
 def importable_modules(allowed: Collection[str], limit: int = MAX_NAMES) -> tuple[list[str], bool]:
     """The modules ``allowed`` (a ``job_modules`` list) lets a job name that this process can
     import, found without importing any; and whether the list is complete (False: more than
-    ``limit`` names, or packages nested deeper than :data:`MAX_DEPTH`)."""
+    ``limit`` names or :data:`MAX_NAMES_BYTES`, or packages nested deeper than :data:`MAX_DEPTH`)."""
     names: list[str] = []
     seen: set[str] = set()
     complete = True
+    size = 0
 
     def add(name: str) -> bool:
+        nonlocal size
         if name in seen or len(name) > MAX_NAME_CHARS or not _MODULE.fullmatch(name):
             return True
-        if len(names) >= limit:
+        if len(names) >= limit or size + len(name) + 3 > MAX_NAMES_BYTES:  # as JSON: quotes and a comma
             return False
         seen.add(name)
         names.append(name)
+        size += len(name) + 3
         return True
 
     exact = [e for e in allowed if not e.removesuffix("*").endswith(".")]

@@ -11,12 +11,13 @@ import sys
 import threading
 from contextlib import contextmanager
 
+import orjson
 import pytest
 
 from libbus.connect.client import Client, Identity
 from libbus.errors import BadRequest, BusError
 from libbus.wire.messages import ListPeers, SubmitJob, SubmitStudy
-from services.importable import MAX_NAMES, TrainerModules, announce, importable_modules
+from services.importable import MAX_NAMES, MAX_NAMES_BYTES, TrainerModules, announce, importable_modules
 from tests.support import wait_job
 from tests.support.busctl import REPO, busctl
 
@@ -62,6 +63,13 @@ def test_a_trainer_lists_what_it_can_import_without_importing_it(tmp_path, monke
         (package / f"m{i:02}.py").write_text("")
     names, complete = importable_modules(["labpkg."], limit=10)
     assert len(names) == 10 and not complete
+    long = package / ("x" * 60)  # names that would make the trainer's Hello too large to register: cut
+    long.mkdir()
+    (long / "__init__.py").write_text("")
+    for i in range(1000):
+        (long / f"m{i:03}{'y' * 120}.py").write_text("")  # 192 characters with the package
+    names, complete = importable_modules(["labpkg."])
+    assert not complete and 500 < len(names) < 1000 and len(orjson.dumps(names)) <= MAX_NAMES_BYTES, len(names)
     assert importable_modules([]) == ([], True)
 
 
