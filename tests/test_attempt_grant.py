@@ -88,7 +88,10 @@ def test_a_hostile_entrypoint_finds_no_trainer_credential_takes_no_job_and_reads
         assert ended["state"] == "succeeded", f"{ended.get('error')}\n{cluster.logs()}"
         got = json.loads(out.read_text())
         assert got["credentials"] == [], got  # nothing in its settings or any environment it reads
-        assert got["router"] and all("refused" in line for line in got["router"]), got["router"]
+        # its grant, as itself and as its trainer (with the trainer's pid and host id), refused at Hello
+        asked = got["router"]
+        assert len(asked) == 2 and all(line.split(": ")[1] == "refused Forbidden" for line in asked), asked
+        assert "the router takes nothing from it" in asked[0] and "token grants 'attempt'" in asked[1], asked
         assert "Forbidden" in got["victim"], got["victim"]
         assert got["own_batches"] == 3  # its grant reads its own job's data
         # the victim's job was never taken by the hostile: the trainer runs it, once, after

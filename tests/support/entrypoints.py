@@ -347,6 +347,15 @@ def loud(job: Job) -> None:
     job.save_model({"w": torch.zeros(1)})
 
 
+def _proc_cmdline(pid: int | str) -> list[str]:
+    """Another process's arguments as /proc shows them ([] where they may not be read)."""
+    try:
+        raw = open(f"/proc/{pid}/cmdline", "rb").read()  # noqa: SIM115 - one read
+    except OSError:
+        return []
+    return [arg.decode(errors="replace") for arg in raw.split(b"\0") if arg]
+
+
 def _proc_environ(pid: int | str) -> dict[str, str]:
     """Another process's environment as /proc shows it ({} where it may not be read)."""
     try:
@@ -365,8 +374,8 @@ def _parent_of(pid: int) -> int:
 
 def hostile(job: Job) -> None:
     """A tenant's function that tries to act as its trainer (tests/test_attempt_grant.py): it looks for
-    a credential of its trainer in its settings, its environment and its parents' (and in every file
-    those name), says Hello to the router as a trainer with each token it holds and asks for a task
+    a credential of its trainer in its settings, its environment and arguments and its parents' (and in
+    every file those name), says Hello to the router as a trainer with each token it holds and asks for a task
     (with its trainer's pid and host id, as the one-process-per-subject rule takes them), reads
     ``params["victim"]`` (another tenant's dataset) from its provider, then reads its own train split.
     It writes what it got to ``params["out"]`` (JSON) once ``params["go"]`` exists."""
@@ -376,6 +385,7 @@ def hostile(job: Job) -> None:
     from pathlib import Path
 
     from libbus.connect.client import Client, Identity
+    from libbus.errors import BusError
     from libbus.loader.remote import RemoteLoader
     from libbus.security.auth import inspect_token
     from libbus.wire.messages import GetTask
@@ -397,6 +407,8 @@ def hostile(job: Job) -> None:
         envs[who] = _proc_environ(pid)
     texts += [(f"settings.{k}", v) for k, v in values.items()]
     texts += [(f"{who} env {k}", v) for who, env in envs.items() for k, v in env.items()]
+    for who, pid in (("self", "self"), ("parent", os.getppid()), ("trainer", trainer_pid)):  # and arguments
+        texts += [(f"{who} argument {i}", arg) for i, arg in enumerate(_proc_cmdline(pid))]
     for where, value in list(texts):
         if value.startswith("/") and len(value) < 4096:  # a file a setting or variable names
             try:
@@ -419,8 +431,8 @@ def hostile(job: Job) -> None:
             out["credentials"].append(f"{where}: {len(text)} bytes of key material")
 
     class Spoofed(Identity):
-        def hello(self, request_id, token=None):  # the trainer's pid, as the audit's probe said it
-            msg = super().hello(request_id, token)
+        def hello(self, *args, **kwargs):  # the trainer's pid, as the audit's probe said it
+            msg = super().hello(*args, **kwargs)
             msg.pid = trainer_pid
             return msg
 
@@ -435,8 +447,10 @@ def hostile(job: Job) -> None:
         try:
             reply = client.request(GetTask(key="hostile"))
             out["router"].append(f"{role}: {type(reply).__name__} {getattr(reply, 'job', '')}")
-        except Exception as err:  # noqa: BLE001 - what the router said
+        except BusError as err:  # what the router said
             out["router"].append(f"{role}: refused {type(err).__name__}: {err}")
+        except Exception as err:  # noqa: BLE001 - the probe broke: the router was never asked
+            out["router"].append(f"{role}: not asked, {type(err).__name__}: {err}")
         finally:
             client.close()
     provider = job.provider  # type: ignore[attr-defined]  # AttemptJob's
