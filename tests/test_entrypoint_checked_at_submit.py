@@ -143,6 +143,8 @@ def test_busctl_submit_says_what_it_could_not_check_and_refuses_in_one_line(rout
     out = busctl(*args, env=env, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().startswith("j"), (out.stdout, out.stderr)
     assert "not checked: no trainer is connected" in out.stderr, out.stderr
+    shown = orjson.loads(busctl(*args, "--json", env=env, timeout=120).stdout)  # --json: the note beside the id
+    assert shown["job"].startswith("j") and "not checked: no trainer is connected" in shown["note"], shown
     # (a trainer that does not allow the queued job's module fails it at once: no provider is needed)
     with trainer_running(make_settings, router, "trainer-b", ["tests.support.entrypoints"]):
         out = busctl(*args, env=env, timeout=120)
