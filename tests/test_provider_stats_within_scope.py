@@ -1,9 +1,11 @@
 """A provider's ``Stats`` shows a tenant's token the counters of its own datasets only: an admin
-scoped to one dataset (a tenant's), asking the provider directly, learns neither the names nor the
-reads of the other tenants' datasets the provider serves; one scoped to jobs alone sees no dataset;
-the operator's unrestricted admin sees them all."""
+scoped to one dataset (a tenant's), asking the provider directly or the router (the provider's
+heartbeat row), learns neither the names nor the reads of the other tenants' datasets the provider
+serves; one scoped to jobs alone sees no dataset; the operator's unrestricted admin sees them all."""
 
 from __future__ import annotations
+
+import time
 
 import orjson
 import pytest
@@ -49,3 +51,27 @@ def test_every_per_dataset_row_is_cut_to_the_scope():
     assert all(set(cut[key]) == {"mine"} for key in ("datasets", "remote_reads", "pipelines")), cut
     assert cut["evaluations_running"] == 0 and stats["datasets"] is rows  # the service's own stats untouched
     assert stats_within_scope(stats, Claims(sub="op", role="admin", **claims)) == stats
+
+
+def test_a_providers_row_at_the_router_is_cut_to_the_tenants_datasets(router, raw_dealer, client_for, make_token):
+    """The router's ``Stats`` shows a tenant the heartbeat row of a provider serving its dataset: every
+    per-dataset part of that row (a remote dataset's reads, a pipeline's stages) names its datasets only."""
+    from libbus.wire.frames import decode
+    from libbus.wire.messages import Heartbeat, Hello, encode
+
+    rows = {"mine": {"batches": 1}, "theirs-secret-project": {"batches": 2}}
+    provider = raw_dealer(router.endpoint)  # a provider serving both tenants' datasets, beating its stats
+    caps = {"endpoint": "tcp://127.0.0.1:1", "datasets": {d: {} for d in rows}, "heartbeat": True}
+    token = make_token("provider", sub="shared-provider")
+    provider.send_multipart(encode(Hello(id=1, role="provider", name="shared", token=token, caps=caps)))
+    assert provider.poll(10_000) and decode(provider.recv_multipart()).type == "Welcome"
+    stats = {"datasets": rows, "remote_reads": rows, "pipelines": rows}
+    provider.send_multipart(encode(Heartbeat(id=0, stats=stats)))
+    operator = client_for(router.endpoint, role="admin", token=make_token("admin", sub="operator"))
+    deadline = time.monotonic() + 30
+    while "remote_reads" not in operator.request(Stats()).services.get("shared-provider", {}):
+        assert time.monotonic() < deadline, "the provider's heartbeat never reached the router"
+        time.sleep(0.1)
+    tenant = client_for(router.endpoint, role="admin", token=make_token("admin", sub="t1", datasets=["mine"]))
+    row = tenant.request(Stats()).services["shared-provider"]
+    assert all(set(row[key]) == {"mine"} for key in ("datasets", "remote_reads", "pipelines")), row

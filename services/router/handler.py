@@ -672,8 +672,14 @@ class RouterHandler(Judges, TaskModels, Handler):
                     served = [d for d in peer.hello.caps["datasets"] if named and claims.allows_dataset(d)]
                     if not served:
                         continue
-                    if isinstance(stats.get("datasets"), dict):
-                        stats = {**stats, "datasets": {d: v for d, v in stats["datasets"].items() if d in served}}
+                    stats = {  # every per-dataset row of the peer's: counters, remote reads, pipelines
+                        **stats,
+                        **{
+                            key: {d: v for d, v in stats[key].items() if d in served}
+                            for key in ("datasets", "remote_reads", "pipelines")
+                            if isinstance(stats.get(key), dict)
+                        },
+                    }
                 elif peer.role != "trainer" or peer.subject not in holders:
                     continue
             key = peer.subject
