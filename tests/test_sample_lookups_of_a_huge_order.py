@@ -32,3 +32,16 @@ def test_lookups_in_an_order_past_the_bound_are_refused_before_it_is_computed(ro
     small = {**spec, "train_range": [0, 1000]}
     assert len(history.epoch_range(small, 0, 0, 10, n=1000)) == 10
     assert job in [j["id"] for j in tenant.request(ListJobs()).jobs]
+
+
+def test_a_step_of_more_samples_than_a_reply_holds_is_refused_before_it_is_looked_up(router, client_for, make_token):
+    tenant = client_for(router.endpoint, role="admin", token=make_token("admin", sub="tenant", datasets=["mnist"]))
+    spec = {"dataset": "mnist", "model": "mlp", "epochs": 1, "batch_size": 1_000_000, "train_range": [0, 2_000_000]}
+    job = tenant.request(SubmitJob(spec=spec)).job
+    trainer = client_for(router.endpoint, role="trainer", token=make_token("trainer", sub="gpu1"))
+    assert isinstance(trainer.request(GetTask(key="k")), Task)
+    # a million indices would not encode in one reply (the router failed it as an internal error)
+    for rank in (-1, 0):
+        with pytest.raises(BadRequest, match=f"holds 1000000 samples.*at most {history.MAX_RANGE}"):
+            tenant.request(GetJobSamples(job=job, step=1, rank=rank))
+    assert job in [j["id"] for j in tenant.request(ListJobs()).jobs]

@@ -417,6 +417,15 @@ class JobControl:
         if msg.step < 1:
             raise BadRequest(f"give a step (counted from 1) or an epoch and range; got step {msg.step}")
         rank = None if msg.rank < 0 else msg.rank
+        seg = history.segment_of(segments, msg.step)  # a reply holds at most an epoch range's positions
+        asked = int(seg.get("batch_size") or spec.get("batch_size", 64)) * (
+            int(seg.get("world_size", 1)) if rank is None else 1
+        )
+        if asked > history.MAX_RANGE:
+            raise BadRequest(
+                f"step {msg.step} holds {asked} samples{'' if rank is None else ' on a rank'}; a reply holds at "
+                f"most {history.MAX_RANGE}: ask for one rank's (--rank), or an epoch's range of its positions"
+            )
         out = history.step_samples(spec, segments, msg.step, n=n, rank=rank)
         done = int((job.get("progress") or {}).get("step", 0) or 0)
         note = (
