@@ -120,6 +120,8 @@ def print_datasets(rows: list[dict]) -> None:
                 + " -> ".join(f"{s['name']} ({s['type']})" for s in info["stages"][1:])
             )
         console.print(f"  splits     {_splits(info)}")
+        if isinstance(row.get("evaluations_left_today"), int):  # the router's count, for every replica
+            console.print(f"  test evals {row['evaluations_left_today']} left today (eval_per_dataset_day)")
         for line in _decode_cache(row.get("decode_cache") or {}):
             console.print(f"  cache      {line}")
         if info.get("pack"):

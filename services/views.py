@@ -162,24 +162,36 @@ def stats(client: Client) -> dict:
 
 def datasets(client: Client) -> list[dict]:
     """Every dataset a connected provider serves (``busctl datasets --json``): ``[{dataset, providers:
-    [{name, endpoint, host_id}], info, decode_cache}]``, sorted by name.
+    [{name, endpoint, host_id}], info, decode_cache, evaluations_left_today}]``, sorted by name.
 
     ``info`` is the DatasetInfo the router holds from the first provider listing the dataset (every
     provider of one name is expected to serve the same data). ``decode_cache``: per provider whose
     decode cache holds this dataset, its counters for it and the whole cache's size and limit, as of
-    the provider's last heartbeat (``Stats``).
+    the provider's last heartbeat (``Stats``). ``evaluations_left_today``: scores of its private test split
+    that may still be released today, for all its providers together (the router keeps the budget;
+    the fewest any of its providers charges against), ``None`` when unlimited.
     """
     served: dict[str, list[dict]] = {}
+    left: dict[str, list[int]] = {}
     for peer in sorted((p for p in peers(client) if p["role"] == "provider"), key=lambda p: p["name"]):
         for name in peer.get("datasets", []):
             served.setdefault(name, []).append(
                 {"name": peer["name"], "endpoint": peer.get("endpoint", ""), "host_id": peer.get("host_id", "")}
             )
+            n = (peer.get("evaluations_left_today") or {}).get(name)
+            left.setdefault(name, []).extend([n] if isinstance(n, int) else [])
     rows = []
     for name in sorted(served):
         # Resolve carries the DatasetInfo the provider registered in its Hello
         resolved = client.request(Resolve(dataset=name))
-        rows.append({"dataset": name, "providers": resolved.providers or served[name], "info": resolved.info})
+        rows.append(
+            {
+                "dataset": name,
+                "providers": resolved.providers or served[name],
+                "info": resolved.info,
+                "evaluations_left_today": min(left[name]) if left[name] else None,
+            }
+        )
     caches = _decode_caches(stats(client))
     for row in rows:
         row["decode_cache"] = {

@@ -13,6 +13,7 @@ from safetensors.torch import save as save_safetensors
 
 from libbus.errors import RateLimited, Unavailable
 from libbus.wire.messages import Evaluate, ListPeers
+from services import views
 from services.router.app import RouterService
 from tests.support import run_service
 
@@ -53,6 +54,12 @@ def test_replicas_and_a_router_restart_share_one_budget_and_one_noise_key(
         reply = client.request(Evaluate(dataset="mnist", model=MODEL, frames=[blob]))
         return reply.loss, reply.accuracy
 
+    def left_today(admin) -> int | None:  # what busctl datasets and busctl web show of the budget
+        return {row["dataset"]: row for row in views.datasets(admin)}["mnist"]["evaluations_left_today"]
+
+    before = client_for(router.endpoint, role="admin", timeout_s=10)
+    _providers_registered(before, 2)
+    assert left_today(before) == 3
     first = released(one, _weights(0, job="a"))
     # the same tensors, relabelled, asked of the other replica: the same question, the same answer
     assert released(two, _weights(0, job="b", note="another file")) == first
@@ -73,5 +80,6 @@ def test_replicas_and_a_router_restart_share_one_budget_and_one_noise_key(
                 released(client, _weights(2))
         refused = [p.service.handler.stats()["refused"].get("evaluate_budget", 0) for p in replicas]
         assert refused == [1, 1], refused
+        assert left_today(admin) == 0
     finally:
         again.shutdown()

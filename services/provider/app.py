@@ -162,7 +162,13 @@ class ProviderService:
                 log.warning("no same-host ipc endpoint (same-host trainers use %s): %s", self.endpoint, err)
         if "0.0.0.0" in self.endpoint or "*" in self.endpoint:
             raise ConfigError(f"provider bound {bound}; set --advertise to the address trainers should connect to")
-        caps = {"endpoint": self.endpoint, "datasets": self.handler.infos}
+        # eval_per_dataset_day: what this provider charges a private test split's daily budget against
+        # (the router keeps the budget, and shows what is left of it: ListPeers, busctl datasets, busctl web)
+        caps = {
+            "endpoint": self.endpoint,
+            "datasets": self.handler.infos,
+            "eval_per_dataset_day": self.handler.evalgate.per_dataset_day,
+        }
         if self.server.config.curve is not None:
             caps["curve_key"] = self.server.config.curve.public.decode()
         self.link = Link(

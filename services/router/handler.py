@@ -545,6 +545,15 @@ class RouterHandler(Judges, TaskModels, Handler):
         key = self.eval_budget.key(msg.dataset)
         return EvaluationCharged(dataset=msg.dataset, key=key.hex(), left=None if msg.per_day <= 0 else left)
 
+    def _evaluations_left(self, caps: dict, datasets: list[str]) -> dict[str, int | None]:
+        """Per dataset, the private test split's evaluations left today against the daily budget the
+        provider charges with (its Hello's ``eval_per_dataset_day``; ``None``: it states none, or 0,
+        unlimited). The budget is the dataset's, kept here for every replica (services/router/eval_budget.py)."""
+        per_day = caps.get("eval_per_dataset_day")
+        if isinstance(per_day, bool) or not isinstance(per_day, int) or not 0 < per_day <= 10**9:
+            return dict.fromkeys(datasets)
+        return {d: int(self.eval_budget.left(d, per_day)) for d in datasets}
+
     @serves(ListPeers, *ADMIN)
     def on_ListPeers(self, session: Session, msg: ListPeers) -> PeerList:
         # A scoped admin sees what lies inside its scopes: providers by the datasets its datasets
@@ -560,6 +569,7 @@ class RouterHandler(Judges, TaskModels, Handler):
                 if admin.scopes and not datasets:
                     continue
                 entry["endpoint"] = peer.hello.caps["endpoint"]
+                entry["evaluations_left_today"] = self._evaluations_left(peer.hello.caps, datasets)
                 entry["datasets"] = datasets
             elif peer.claims.jti != admin.jti and not all(
                 set(peer.claims.scopes.get(name) or [None]) <= set(mine) for name, mine in admin.scopes.items()

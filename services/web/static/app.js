@@ -561,7 +561,8 @@ async function servicesPage() {
         return `${prov}: ` + (lookups ? `hit rate ${(100 * (c.hit_rate || 0)).toFixed(1)}%` : "no reads yet");
       });
       return [d.dataset, (d.providers || []).map((p) => p.name).join(", "), info.kind || "-", splits || "-",
-        Array.isArray(info.sample_shape) ? info.sample_shape.join("×") : "-", info.dtype || "-", caches.join("; ") || "-"];
+        Array.isArray(info.sample_shape) ? info.sample_shape.join("×") : "-", info.dtype || "-", caches.join("; ") || "-",
+        isNum(d.evaluations_left_today) ? String(d.evaluations_left_today) : "unlimited"];
     });
     const counts = Object.entries(frame.job_counts || {}).map(([k, n]) => `${n} ${k}`).join(", ");
     show(
@@ -569,7 +570,7 @@ async function servicesPage() {
       el("p", {}, `router ${frame.router.endpoint || "-"}; jobs: ${counts || "none"}`),
       section("Providers", table("providers", ["name", "endpoint", "datasets", "samples/s", "samples", "batches", "sent", "sessions", "evaluating", "refused"], providers)),
       section("Trainers", table("trainers", ["name", "state", "job", "epoch", "loss", "samples/s", "data wait", "transport"], trainers)),
-      section("Datasets", table("datasets", ["dataset", "providers", "kind", "splits", "sample shape", "dtype", "decode cache"], ds)),
+      section("Datasets", table("datasets", ["dataset", "providers", "kind", "splits", "sample shape", "dtype", "decode cache", "test evaluations left today"], ds)),
     );
   });
 }
