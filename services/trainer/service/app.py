@@ -260,20 +260,13 @@ class TrainerService:
                 if stop.is_set():
                     break
                 continue
-            except TooLarge as err:
-                if not msg.frames and not replaced:
+            except BusError as err:
+                if isinstance(err, TooLarge) and not msg.frames and not replaced:
                     # a result the job's code made too large to send or store: the attempt fails saying so
                     log.error("job %s: its result cannot be sent: %s", msg.job, err)
                     why = cut_json(f"the attempt's result could not be sent to the router: {err}", ERROR_BYTES)
                     msg, replaced = PushResult(job=msg.job, state=JobState.FAILED, result={}, error=why), True
                     continue
-                if not msg.frames:
-                    log.error("job %s: result refused: %s", msg.job, err)
-                    return
-                log.warning("job %s: router refused the final model (%s); sending the result without it", msg.job, err)
-                msg.frames = []
-                continue
-            except BusError as err:
                 if not msg.frames:
                     log.error("job %s: result refused: %s", msg.job, err)
                     return
