@@ -20,6 +20,11 @@ import os
 import signal
 from multiprocessing import forkserver
 
+# torch.optim imports torch._dynamo the first time an optimizer is made: about a second of CPU that
+# every attempt paid again (each is a fresh fork). Imported here once, it is in every attempt already.
+# (It starts no thread: forking after it is as safe as after torch itself.)
+import torch._dynamo  # noqa: F401 - see above
+
 from . import child  # noqa: F401 - imported here once, for every attempt forked after
 
 __all__ = ["leave_alive_pipe"]
