@@ -110,7 +110,7 @@ def test_gang_pauses_together_stops_and_resumes_exactly_from_its_checkpoint(clus
     assert ref["state"] == "succeeded"
 
     job = submit(cluster)
-    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 3, timeout=90)
+    wait_trained(cluster, job, 3)
     detail = cluster.control(job, "pause")
     assert detail["state"] == "paused"
     time.sleep(0.5)  # the other rank stops at the same step
@@ -144,7 +144,7 @@ def test_a_set_on_a_gang_reaches_every_rank_at_the_same_step(cluster):
     step differently), and the final model is not the one the old lr trains."""
     job = submit(cluster, epochs=3)  # first: it holds both trainers while the reference waits
     reference = submit(cluster, epochs=3)
-    cluster.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 2, timeout=90)
+    wait_trained(cluster, job, 2)
     assert cluster.control(job, "pause")["state"] == "paused"
     assert cluster.control(job, "set", lr=GANG["lr"] * 10)["spec"]["lr"] == GANG["lr"] * 10
     assert cluster.control(job, "resume")["state"] == "running"
@@ -157,12 +157,29 @@ def test_a_set_on_a_gang_reaches_every_rank_at_the_same_step(cluster):
 
 
 def rank_epochs_batches(cluster: JobCluster, job: str) -> dict[int, int]:
-    """Batches each rank has trained on for ``job`` so far, over all its attempts."""
+    """Batches each rank has trained on for ``job`` so far, over all its attempts (a line still being
+    written, at the end of a running attempt's file, is not one yet)."""
     out: dict[int, int] = {}
     for path in cluster.audit.glob(f"{job}.*.jsonl"):
-        head, *batches = [json.loads(line) for line in path.read_bytes().splitlines()]
-        out[head["rank"]] = out.get(head["rank"], 0) + len(batches)
+        lines = path.read_bytes().splitlines(keepends=True)
+        records = [json.loads(line) for line in lines if line.endswith(b"\n")]
+        if records:
+            out[records[0]["rank"]] = out.get(records[0]["rank"], 0) + len(records) - 1
     return out
+
+
+def wait_trained(cluster: JobCluster, job: str, batches: int, timeout_s: float = 90.0) -> dict:
+    """``job`` once it runs and each rank of its gang has trained ``batches`` batches, read from the audit
+    files (flushed as each batch is trained): a progress report is up to its interval old, and a job seen
+    at step 3 in one may have run to its end before a command or a signal lands."""
+    info = cluster.wait(job, lambda i: i["state"] == "running", timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = rank_epochs_batches(cluster, job)
+        if len(counts) == GANG["world_size"] and min(counts.values()) >= batches:
+            return info
+        assert time.monotonic() < deadline, f"batches trained {counts}, never {batches} on each rank; {cluster.state}"
+        time.sleep(0.05)
 
 
 def test_a_rank_killed_mid_job_requeues_the_gang_which_resumes_from_its_checkpoint(cluster, train_digests):
@@ -186,9 +203,7 @@ def test_a_rank_killed_mid_job_requeues_the_gang_which_resumes_from_its_checkpoi
 
 def test_sigterm_to_a_rank_hands_the_gang_back_without_losing_an_attempt(cluster, train_digests):
     job = submit(cluster)
-    info = cluster.wait(
-        job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 3, timeout=90
-    )
+    info = wait_trained(cluster, job, 3)
     rank0, rank1 = info["gang"]["members"]
     cluster.procs[rank1].terminate()  # its trainer is stopping: the whole gang hands the job back
     assert cluster.procs[rank1].wait(30) == 0
