@@ -134,7 +134,10 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
             job = (state / "submitted").read_text().strip()
             attach(inside, (state / "router.ep").read_text().strip())
             inside.wait(job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("step", 0) >= 1)
-            # while it trains: the signing key is gone (every token minted), the admin's token is the batch
+            # mid-epoch for sure: paused at once, after a step (the checks below take seconds on a loaded
+            # machine, and a job left to train through them once ended before the pause could land)
+            inside.control(job, "pause")
+            # while it runs: the signing key is gone (every token minted), the admin's token is the batch
             # script's alone, and no provider or trainer holds or reaches either; no token is on a command line
             assert sorted(p.name for p in keys.iterdir()) == ["admin.token"]
             assert (keys / "admin.token").stat().st_mode & 0o077 == 0
@@ -148,8 +151,7 @@ def test_whole_cluster_in_one_allocation_survives_its_end_and_trains_to_a_model(
             admin_token = inside.admin_token
             assert_nothing_mints(services, private=[keys], admin=[admin_token])
             assert_no_token_on_a_command_line([admin_token] + [(n / "token").read_text().strip() for n in nodes])
-            # mid-epoch for sure (paused after a step), the allocation ends: what --signal=B:TERM@180 does
-            inside.control(job, "pause")
+            # the allocation ends mid-epoch: what --signal=B:TERM@180 does
             slurm.run("scancel", "--batch", "--signal=TERM", sid)
             slurm.wait_job(sid, lambda f: f["JobState"] == "PENDING" and f["Restarts"] == "1", 60, "requeued")
             detach(inside)
