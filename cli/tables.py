@@ -11,7 +11,7 @@ from rich.table import Table
 from libbus.jobs.spec import BUILTIN_PARAMS
 from libbus.jobs.state import JobState
 from libbus.order.epochs import Cursor
-from services.views import epoch_index, refusals
+from services.views import epoch_index, refusals, runs
 
 from . import scores
 from .output import SafeConsole
@@ -100,17 +100,6 @@ def _loss(p: dict) -> str:
     """A progress report's running train loss; ``-`` where there is none (no step metered yet, or the
     job over: the loss is of the steps since the attempt started, not a score)."""
     return f"{p['loss']:.4f}" if isinstance(p.get("loss"), (int, float)) else "-"
-
-
-def runs(spec: dict) -> str:
-    """What a job runs, for a table: an entrypoint's function, an evaluation task's model source, or
-    the built-in model."""
-    if spec.get("entrypoint"):
-        return spec["entrypoint"]
-    if spec.get("task") == "evaluate":
-        source = "uploaded file" if spec.get("model_from") == "upload" else spec.get("model_from", "?")
-        return f"evaluate {source}" + (f" ({spec['evaluator']})" if spec.get("evaluator") else "")
-    return spec.get("model", "-")
 
 
 def shown_spec(spec: dict) -> dict:

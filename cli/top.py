@@ -125,9 +125,7 @@ def draw(f: dict) -> RenderableType:
             data_wait_cell(t),
             t["transport"] or "-",
         )
-    jobs = Table(
-        "job", "state", "trainer", "dataset", "model", "epoch", "progress", "step", "loss", box=box.SIMPLE_HEAD
-    )
+    jobs = Table("job", "state", "trainer", "dataset", "runs", "epoch", "progress", "step", "loss", box=box.SIMPLE_HEAD)
     for j in f["jobs"]:
         bar = Table.grid(padding=(0, 1))
         bar.add_row(ProgressBar(total=1.0, completed=j["fraction"], width=20), f"{100 * j['fraction']:3.0f}%")

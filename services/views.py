@@ -28,6 +28,7 @@ __all__ = [
     "jobs",
     "peers",
     "refusals",
+    "runs",
     "snapshot",
     "stats",
     "studies",
@@ -332,7 +333,7 @@ def frame(taken: dict, previous: dict | None) -> dict:
             {
                 "id": j["id"],
                 "dataset": j["spec"]["dataset"],
-                "model": j["spec"]["model"],
+                "model": runs(j["spec"]),  # what it runs: an entrypoint's function, an evaluation, a model
                 "priority": j.get("priority", 0),
             }
             for j in taken["jobs"]
@@ -340,6 +341,17 @@ def frame(taken: dict, previous: dict | None) -> dict:
         ],
         "pipelines": {name: s["pipelines"] for name, s in services.items() if s.get("pipelines")},
     }
+
+
+def runs(spec: dict) -> str:
+    """What a job runs, for a table: an entrypoint's function, an evaluation task's model source, or
+    the built-in model."""
+    if spec.get("entrypoint"):
+        return spec["entrypoint"]
+    if spec.get("task") == "evaluate":
+        source = "uploaded file" if spec.get("model_from") == "upload" else spec.get("model_from", "?")
+        return f"evaluate {source}" + (f" ({spec['evaluator']})" if spec.get("evaluator") else "")
+    return spec.get("model", "-")
 
 
 def _epoch(p: dict) -> int | None:
@@ -356,7 +368,7 @@ def _job_row(row: dict) -> dict:
         "state": row["state"],
         "trainer": row.get("trainer"),
         "dataset": row["spec"]["dataset"],
-        "model": row["spec"]["model"],
+        "model": runs(row["spec"]),  # what it runs: an entrypoint's function, an evaluation, a model
         "epoch": _epoch(p),
         # the report's total (none for an entrypoint that names none); the spec's for a built-in job not begun
         "epochs": p.get("epochs") if p else None if row["spec"].get("entrypoint") else row["spec"]["epochs"],

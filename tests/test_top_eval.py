@@ -279,6 +279,12 @@ def test_render_is_pure():
                     "trainer": None,
                     "spec": {"dataset": "mnist", "model": "cnn", "epochs": 1},
                 },
+                {  # an entrypoint job: its spec's model is the unused default
+                    "id": "j3",
+                    "state": "queued",
+                    "trainer": None,
+                    "spec": {"dataset": "mnist", "model": "cnn", "epochs": 1, "entrypoint": "mylab.train:main"},
+                },
             ],
         }
 
@@ -290,6 +296,7 @@ def test_render_is_pure():
     assert "t1" in text and "2/4" in text and "0.2500" in text and "3.5% (p1)" in text and "shm" in text
     assert "38%" in text and "150/400" in text  # 150 of 4 x 100 steps
     assert "j2" in text and "queued" in text and "p1: pipeline aug" in text and "flip" in text
+    assert "mylab.train:main" in text.split("j3", 1)[1].splitlines()[0]  # what it runs, not the default model
     first = Console(file=io.StringIO(), width=200, record=True)
     first.print(render(snapshot(12.0, 3000), None))  # no previous snapshot: no rate yet
     row = first.export_text().split("p1", 1)[1].splitlines()[0]
