@@ -244,6 +244,8 @@ def evaluation_task(
         fail(f"--split must be val (scored on a trainer) or test (on the provider), got {split!r}", 2)
     if evaluator and split != "test":
         fail("an evaluator scores on the provider's test split: --split test (or leave --split out)", 2)
+    if evaluator and arch:  # the evaluator builds what it scores: an architecture would go unused
+        fail("--arch names the built-in model that scores the weights; --evaluator scores them itself: give one", 2)
     from libbus.jobs.weights import weights_digest  # noqa: PLC0415 - keeps busctl start-up light
 
     spec = {"task": "evaluate", "dataset": dataset, "split": split, "evaluate": False}

@@ -162,6 +162,10 @@ def test_what_busctl_shows_of_an_entrypoint_job_its_model_and_an_evaluation_task
     notes.write_text("not weights")
     refused = run("submit", "--evaluate", "--model", str(notes), "--dataset", "mnist", "--split", "test", code=2)
     assert "notes.txt: not a safetensors file" in refused, refused
+    # an architecture beside an evaluator would go unused: refused, not silently ignored
+    refused = run("submit", "--evaluate", "--model", str(path), "--dataset", "mnist", "--evaluator", EVALUATOR,
+                  "--arch", "cnn", code=2)  # fmt: skip
+    assert "--arch" in refused and "--evaluator" in refused and "give one" in refused, refused
 
     # a typo in the entrypoint's module: refused at submit (the connected trainer told the router what
     # it can import), saying what was meant
