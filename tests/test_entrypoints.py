@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from libbus.errors import BadRequest
-from tests.support.jobs import EntryCluster, final_weights
+from tests.support.jobs import EntryCluster, alone_fixture, final_weights, plain_fixture, plain_trainer  # noqa: F401 - the alone and plain fixtures
 from tests.support.memcg import memory_cgroup
 
 #: 320 of mock://mnist?n=600's train samples: 20 steps of 16 an epoch; checkpoints every 7 steps and at each report
@@ -57,35 +57,9 @@ def _stop(cluster: EntryCluster, name: str) -> None:
     cluster.procs[name].wait(30)
 
 
-#: The plain trainer tests share (a trainer's start-up, its fork server's torch import, is much of a short test).
-PLAIN = "plain"
-
-
-def _plain_trainer(cluster: EntryCluster) -> str:
-    """:data:`PLAIN`, started unless it runs already: the tests that need any trainer take turns on it."""
-    proc = cluster.procs.get(PLAIN)
-    if proc is None or proc.poll() is not None:
-        cluster.start_trainer(PLAIN)
-    return PLAIN
-
-
-@pytest.fixture
-def plain(cluster) -> str:
-    return _plain_trainer(cluster)
-
-
-@pytest.fixture
-def alone(cluster) -> None:
-    """This test's jobs go to the trainers it starts: the shared plain trainer is stopped first (the next
-    test that asks for it starts it again)."""
-    proc = cluster.procs.get(PLAIN)
-    if proc is not None and proc.poll() is None:
-        _stop(cluster, PLAIN)
-
-
 @pytest.fixture(scope="module")
 def reference(cluster) -> dict:
-    _plain_trainer(cluster)
+    plain_trainer(cluster)
     info = cluster.wait_end(cluster.submit_spec(JOB), timeout=180)
     assert info["state"] == "succeeded", info["error"]
     return info
@@ -98,7 +72,7 @@ def test_a_module_the_trainer_does_not_allow_runs_nothing(cluster, alone, tmp_pa
     entry = cluster.submit_spec({**JOB, "entrypoint": "tests.killpoint:raising_model", "max_attempts": 1})
     piped_spec = {**JOB, "entrypoint": "", "params": {}, "model": "pydoc:pipepager"}
     piped = cluster.submit_spec({**piped_spec, "model_kwargs": {"cmd": f"id > {marker}"}})
-    _plain_trainer(cluster)
+    plain_trainer(cluster)
     refused = cluster.wait_end(entry, timeout=120)
     assert "not in this trainer's job_modules (tests.support.entrypoints)" in refused["error"], refused["error"]
     assert "BATCHBUS_JOB_MODULES" in refused["error"]

@@ -131,7 +131,9 @@ def test_requests_in_flight_climb_while_throughput_does_within_the_cap(tmp_path,
     for _ in range(2):
         x, _ = src.read("train", idx)
         assert np.array_equal(x, tokens.reshape(800, 10)[idx])
-    assert 2 < server.max_inflight <= 6 and limit.limit > 2
+    # it climbed (the store saw more than the start in flight at once), within the cap; where it stands
+    # at the end follows the last windows' bytes per second, which a loaded machine's scheduling moves
+    assert 2 < server.max_inflight <= 6 and 1 <= limit.limit <= 6
     src.close()
 
 

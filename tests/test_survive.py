@@ -21,7 +21,7 @@ import torch
 from libbus.errors import BadRequest, Unavailable
 from services.trainer.attempt.audit import effective_epochs
 from tests.support.busctl import REPO
-from tests.support.jobs import SPEC, JobCluster, final_weights
+from tests.support.jobs import SPEC, JobCluster, alone_fixture, final_weights, plain_fixture, plain_trainer  # noqa: F401 - the alone and plain fixtures
 
 # 600 samples / 16 = 38 steps an epoch: a checkpoint at steps 19 (mid-epoch) and 38 (its last step)
 JOB = {**SPEC, "epochs": 2, "checkpoint_every": 19, "evaluate": True, "max_attempts": 5}
@@ -54,37 +54,10 @@ def cluster(tmp_path_factory):
         cluster.close()
 
 
-#: The plain trainer tests share (a trainer's start-up, its fork server's torch import, is much of a short test).
-PLAIN = "plain"
-
-
-def _plain_trainer(cluster: KillCluster) -> str:
-    """:data:`PLAIN`, started unless it runs already: the tests that need any trainer take turns on it."""
-    proc = cluster.procs.get(PLAIN)
-    if proc is None or proc.poll() is not None:
-        cluster.start_trainer(PLAIN)
-    return PLAIN
-
-
-@pytest.fixture
-def plain(cluster) -> str:
-    return _plain_trainer(cluster)
-
-
-@pytest.fixture
-def alone(cluster) -> None:
-    """This test's jobs go to the trainers it starts (each dies at its point on the job it takes): the shared
-    plain trainer is stopped first (the next test that asks for it starts it again)."""
-    proc = cluster.procs.get(PLAIN)
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-
-
 @pytest.fixture(scope="module")
 def reference(cluster) -> dict:
     """The uninterrupted run every interrupted one must equal."""
-    _plain_trainer(cluster)
+    plain_trainer(cluster)
     info = cluster.wait_end(cluster.submit(**JOB), timeout=120)
     assert info["state"] == "succeeded", info["error"]
     assert len(info["result"]["history"]) == 2

@@ -4,6 +4,7 @@ notice failures fast, with trainers that audit every sample they train on (servi
 from __future__ import annotations
 
 import hashlib
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -21,7 +23,16 @@ from services.trainer.attempt.audit import digest
 from .busctl import REPO
 from .cluster import Cluster
 
-__all__ = ["SPEC", "EntryCluster", "JobCluster", "final_weights"]
+__all__ = [
+    "PLAIN",
+    "SPEC",
+    "EntryCluster",
+    "JobCluster",
+    "alone_fixture",
+    "final_weights",
+    "plain_fixture",
+    "plain_trainer",
+]
 
 #: The job the job tests train: an MLP on mock://mnist?n=600, shuffle full, checkpoints every 10 steps.
 SPEC = {
@@ -146,3 +157,34 @@ class EntryCluster(JobCluster):
             BATCHBUS_ATTEMPT_SILENCE_S="60",
             BATCHBUS_STOP_GRACE_S="30",
         )
+
+
+# -- a trainer the tests of a module take turns on ------------------------------------------------------
+
+#: The plain trainer a module's tests share (a trainer's start-up, its fork server's torch import, is much of
+#: a short test). Its module imports the ``plain`` and ``alone`` fixtures (:func:`plain_fixture`, :func:`alone_fixture`) and has a ``cluster`` fixture with
+#: ``procs`` and ``start_trainer``.
+PLAIN = "plain"
+
+
+def plain_trainer(cluster) -> str:
+    """:data:`PLAIN`, started unless it runs already: the tests that need any trainer take turns on it."""
+    proc = cluster.procs.get(PLAIN)
+    if proc is None or proc.poll() is not None:
+        cluster.start_trainer(PLAIN)
+    return PLAIN
+
+
+@pytest.fixture(name="plain")
+def plain_fixture(cluster) -> str:
+    return plain_trainer(cluster)
+
+
+@pytest.fixture(name="alone")
+def alone_fixture(cluster) -> None:
+    """This test's jobs go to the trainers it starts: the shared plain trainer is stopped first (the next
+    test that asks for it starts it again)."""
+    proc = cluster.procs.get(PLAIN)
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
