@@ -4,7 +4,10 @@ resident memory is sampled from /proc."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import zmq
@@ -14,12 +17,10 @@ from libbus.connect.client import Client, Identity
 from libbus.connect.link import Link
 from libbus.errors import BadRequest, PeerTimeout, RateLimited, TooLarge
 from libbus.loader.remote import RemoteLoader
-from libbus.security.admission import TokenAuthenticator, admit_client, admit_server
+from libbus.security.admission import admit_client
 from libbus.security.auth import ensure_secret, issue_token
-from libbus.wire.messages import DatasetInfo, Evaluate, Heartbeat, Ok, Stats, Welcome, decode, encode
-from services.provider.sources import open_source
-
-INFO = open_source("mock://mnist?n=600").info()
+from libbus.wire.messages import Evaluate, Stats
+from tests.support import REPO
 
 #: The bound: resident memory of the router and of a provider while a peer with no
 #: token streams an endless multipart message (the 60 s run: python -m benchmarks.preauth_flood).
@@ -107,55 +108,78 @@ def test_the_evaluation_queue_is_bounded(start_provider, client_for, make_token)
     assert stats["evaluations_queued"] == 0 and stats["refused"]["evaluate_queue_full"] == 1
 
 
-def _flooding_server(stop: threading.Event, sent: list[int]) -> tuple[str, threading.Thread]:
-    """A misbehaving service: admits any token, welcomes, answers DatasetInfo, then floods heartbeats
-    and stale replies, never answering anything else. ``sent[0]`` counts the flood's messages.
+#: A misbehaving service, run as a process of its own: it admits any token, welcomes, answers
+#: DatasetInfo, then floods heartbeats and stale replies, never answering anything else. It prints its
+#: endpoint, and writes how many messages it has flooded to the file named by its argument.
+FLOODER = """
+import os, sys, zmq
+from libbus.security.admission import TokenAuthenticator, admit_server
+from libbus.wire.messages import DatasetInfo, Heartbeat, Ok, Welcome, decode, encode
+from services.provider.sources import open_source
+from tests.support import REPO
 
-    Its thread closes its socket once ``stop`` is set (see its ``finally``), and a test joins the thread
-    before it returns."""
-    ctx = zmq.Context()  # its own: a ZAP handler serves one context
-    auth = TokenAuthenticator(ctx, lambda token: "anyone")
-    auth.start()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    admit_server(sock)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+count = sys.argv[1]
+info = open_source("mock://mnist?n=600").info()
+ctx = zmq.Context()
+auth = TokenAuthenticator(ctx, lambda token: "anyone")
+auth.start()
+sock = ctx.socket(zmq.ROUTER)
+sock.setsockopt(zmq.LINGER, 0)
+admit_server(sock)
+print(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}", flush=True)
+flood = (encode(Heartbeat(stats={})), encode(Ok(id=999_999)))
+peer, sent, told = None, 0, 0
+while True:
+    if sock.poll(0 if peer is not None else 100):
+        frames = sock.recv_multipart()
+        peer, msg = frames[0], decode(frames[1:])
+        if msg.type == "Hello":
+            sock.send_multipart([peer, *encode(Welcome(id=msg.id, session="s", heartbeat_ms=1000))])
+        elif msg.type == "DatasetInfoRequest":  # looks like a provider, until asked for data
+            sock.send_multipart([peer, *encode(DatasetInfo(id=msg.id, dataset=msg.dataset, info=info))])
+    if peer is not None:  # encoded once: the flood outpaces a client decoding each message
+        for _ in range(500):
+            try:
+                sock.send_multipart([peer, *flood[sent % 2]], zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                break
+        if sent - told >= 1000:
+            with open(count + ".tmp", "w") as f:
+                f.write(str(sent))
+            os.replace(count + ".tmp", count)
+            told = sent
+"""
 
-    flood = (encode(Heartbeat(stats={})), encode(Ok(id=999_999)))
 
-    def serve() -> None:
-        peer = None
+class FloodingServer:
+    """:data:`FLOODER` in a process of its own, killed by :meth:`close`: a peer's process ends as it
+    may, and its end (libzmq tearing down a ROUTER whose pipes it floods, which aborted a test worker
+    under load when this server was a thread of it) is not the test's. ``sent``: messages flooded so far."""
+
+    def __init__(self, folder: Path):
+        self.count = folder / "flooded"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", FLOODER, str(self.count)], cwd=REPO, stdout=subprocess.PIPE, text=True
+        )
+        self.endpoint = self.proc.stdout.readline().strip() if self.proc.stdout else ""
+        assert self.endpoint.startswith("tcp://"), f"the flooding server did not start ({self.proc.poll()})"
+
+    @property
+    def sent(self) -> int:
         try:
-            while not stop.is_set():
-                if sock.poll(0):
-                    frames = sock.recv_multipart()
-                    peer, msg = frames[0], decode(frames[1:])
-                    if msg.type == "Hello":
-                        sock.send_multipart([peer, *encode(Welcome(id=msg.id, session="s", heartbeat_ms=1000))])
-                    elif msg.type == "DatasetInfoRequest":  # looks like a provider, until asked for data
-                        sock.send_multipart([peer, *encode(DatasetInfo(id=msg.id, dataset=msg.dataset, info=INFO))])
-                if peer is not None:  # encoded once: the flood outpaces a client decoding each message
-                    for _ in range(500):
-                        try:
-                            sock.send_multipart([peer, *flood[sent[0] % 2]], zmq.NOBLOCK)
-                            sent[0] += 1
-                        except zmq.Again:
-                            break
-        finally:
-            # The flood's context is closed but not terminated: libzmq aborted the test worker inside
-            # zmq_ctx_term three times under load while this ROUTER's flooded pipes were being torn
-            # down (with the ZAP handler stopped first, and again with it still answering). The idle
-            # context and its handler thread stay until the worker exits; nothing else uses them.
-            sock.close(0)
+            return int(self.count.read_text())
+        except (FileNotFoundError, ValueError):
+            return 0
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    return f"tcp://127.0.0.1:{port}", thread
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
 
 
-def test_a_flooding_server_cannot_hold_a_client_past_its_deadline(make_token):
-    stop, sent = threading.Event(), [0]
-    endpoint, server = _flooding_server(stop, sent)
+def test_a_flooding_server_cannot_hold_a_client_past_its_deadline(make_token, tmp_path):
+    server = FloodingServer(tmp_path)
+    endpoint = server.endpoint
     outcome: list = []
     client = Client(endpoint, Identity(role="trainer", name="t", token=make_token("trainer")), timeout_s=1.0, retries=1)
 
@@ -172,18 +196,16 @@ def test_a_flooding_server_cannot_hold_a_client_past_its_deadline(make_token):
         worker.join(60)  # far past 2 x 1 s: a client that ignored its deadline is still inside
         assert not worker.is_alive(), "the client ignored its deadline while the server flooded it"
         assert isinstance(outcome[0], PeerTimeout), outcome
-        assert sent[0] > 1000, "the server never got to flood"
+        assert server.sent > 1000, "the server never got to flood"
     finally:
         worker.join(5)
         client.close()
-        stop.set()
-        server.join(30)
-        assert not server.is_alive(), "the flooding server did not tear down"
+        server.close()
 
 
-def test_a_flooding_provider_cannot_hold_a_loader_past_its_deadline(make_token):
-    stop, sent = threading.Event(), [0]
-    endpoint, server = _flooding_server(stop, sent)
+def test_a_flooding_provider_cannot_hold_a_loader_past_its_deadline(make_token, tmp_path):
+    server = FloodingServer(tmp_path)
+    endpoint = server.endpoint
     outcome: list = []
     loaders: list = []
 
@@ -214,19 +236,17 @@ def test_a_flooding_provider_cannot_hold_a_loader_past_its_deadline(make_token):
         worker.join(90)
         assert not worker.is_alive(), "the loader ignored its deadline while the provider flooded it"
         assert isinstance(outcome[0], PeerTimeout), outcome
-        assert sent[0] > 1000, "the server never got to flood"
+        assert server.sent > 1000, "the server never got to flood"
     finally:
         worker.join(5)
         for loader in loaders:
             loader.close()
-        stop.set()
-        server.join(30)
-        assert not server.is_alive(), "the flooding server did not tear down"
+        server.close()
 
 
-def test_a_flooding_router_cannot_hold_a_service_link_past_its_deadline(make_token):
-    stop, sent = threading.Event(), [0]
-    endpoint, server = _flooding_server(stop, sent)
+def test_a_flooding_router_cannot_hold_a_service_link_past_its_deadline(make_token, tmp_path):
+    server = FloodingServer(tmp_path)
+    endpoint = server.endpoint
     link = Link(endpoint, Identity(role="trainer", name="t", token=make_token("trainer")), heartbeat_ms=100).start()
     outcome: list = []
 
@@ -244,10 +264,8 @@ def test_a_flooding_router_cannot_hold_a_service_link_past_its_deadline(make_tok
         worker.join(60)
         assert not worker.is_alive(), "the link ignored its request's deadline while the router flooded it"
         assert isinstance(outcome[0], PeerTimeout), outcome
-        assert sent[0] > 1000, "the server never got to flood"
+        assert server.sent > 1000, "the server never got to flood"
     finally:
         worker.join(5)
         link.close()
-        stop.set()
-        server.join(30)
-        assert not server.is_alive(), "the flooding server did not tear down"
+        server.close()
