@@ -22,7 +22,6 @@ job lives by read in one place:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
@@ -32,11 +31,10 @@ from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from libbus.errors import BadRequest, Forbidden, NotFound, Timeout, Unavailable
+from libbus.errors import BadRequest, Forbidden, Timeout, Unavailable
 from libbus.jobs.commands import ADMIN_COMMANDS, JobCommand
 from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
-from libbus.jobs.weights import weights_digest
 from libbus.wire.messages import (
     Checkpointed,
     Command,
@@ -50,20 +48,17 @@ from libbus.wire.messages import (
     PushResult,
     SkipJob,
     Task,
-    frame_buffer,
 )
 
 from . import job_samples
 from .artifacts import Artifacts
+from .job_results import JobResults, current_model
 from .scores import TestScores
 from .store import JobStore, stored_spec
 
-__all__ = ["EVAL_ACK_TIMEOUT_S", "UPLOAD", "JobControl"]
+__all__ = ["EVAL_ACK_TIMEOUT_S", "JobControl"]
 
 log = logging.getLogger(__name__)
-
-#: ``model_from`` of an evaluation task whose model came with it (kept as the task's own artifact).
-UPLOAD = "upload"
 
 #: How long an admin's command waits for the trainer's acknowledgement.
 ACK_TIMEOUT_S = 5.0
@@ -118,14 +113,13 @@ class JobControl:
         artifacts: Artifacts | None = None,
     ):
         self.store = store
-        self.artifacts = artifacts
+        #: What a job leaves: its scored result and its final model (:mod:`.job_results`).
+        self.results = JobResults(artifacts)
         self.push = push
         self.connected = connected
         self.lease_s = lease_s
         self.ack_timeout_s = ack_timeout_s
         self.stop_requested: set[str] = set()
-        #: Providers' reports of their evaluations: the only source of a job's test score.
-        self.scores = TestScores()
         self.pending: dict[int, _Pending] = {}
         #: Commands sent, oldest first (the last ``SENT_KEPT``): seq -> (job, trainer, command,
         #: acknowledged). A late acknowledgement (after its timeout) is still recorded; one this
@@ -141,6 +135,11 @@ class JobControl:
         renewed = store.renew_all(lease_s)
         if renewed:
             log.info("%d job(s) held by trainers: each has %.0f s to reconnect", renewed, lease_s)
+
+    @property
+    def scores(self) -> TestScores:
+        """Providers' reports of their evaluations: the only source of a job's test score."""
+        return self.results.scores
 
     # -- admin commands ---------------------------------------------------------------------------
     def control(self, by: str, job_id: str, command: str, args: dict) -> Ok | Future:
@@ -309,7 +308,7 @@ class JobControl:
                 **msg.detail,
             }
             pending.future.set_result(
-                _current_model(msg, detail) if msg.command == JobCommand.MODEL else Ok(detail=detail)
+                current_model(msg, detail) if msg.command == JobCommand.MODEL else Ok(detail=detail)
             )
         return Ok()
 
@@ -318,8 +317,7 @@ class JobControl:
         if job["state"] == msg.state and job["trainer"] == trainer:
             return Ok(detail={"duplicate": True})  # resent after a reconnect: already stored
         self.own(trainer, msg.job)
-        # test scores: providers' reports only, of the weights the router keeps for the job
-        result = self.scores.result(msg.job, trainer, msg.result, self._kept_weights(job, msg.result))
+        result = self.results.scored(trainer, msg, job)
         self._forget_commands(msg.job, f"job {msg.job} left trainer {trainer} ({msg.state})")
         stop = msg.job in self.stop_requested
         self.stop_requested.discard(msg.job)
@@ -349,54 +347,14 @@ class JobControl:
             JobState.FAILED: f"failed on {trainer}: {msg.error}",
         }
         reason = reasons.get(msg.state, msg.state)
-        if msg.frames and msg.state == JobState.SUCCEEDED and self.artifacts is not None:
-            model = result.get("model")
-            if not isinstance(model, dict) or not isinstance(model.get("sha256"), str):
-                raise BadRequest("weights sent without result.model.sha256")
-            frame = msg.frames[0]
-            stored = self.artifacts.put(msg.job, frame_buffer(frame), model["sha256"])
-            # the tensors' own digest: equal for equal weights, whatever job id the file's metadata names
-            try:
-                digest = {"weights_digest": weights_digest(frame_buffer(frame))}
-            except ValueError as err:
-                log.warning("job %s: no weights digest of its model: %s", msg.job, err)
-                digest = {}
-            result = {**result, "model": {**model, "router_path": stored, **digest}}
+        result = self.results.keep_model(msg, result)
         self.store.finish(msg.job, msg.state, reason, result=result, error=msg.error)
         log.info("job %s %s: %s", msg.job, msg.state, result or msg.error)
         return Ok()
 
-    def _kept_weights(self, job: dict, result: dict) -> str:
-        """The sha256 of the weights a test score in ``result`` must be of: the final model the trainer
-        sends with it (the router checks its bytes against this sha256 as it keeps them), or, for an
-        evaluation task, the model the router handed it; "" when there is none."""
-        spec = job["spec"]
-        if spec.get("task") == "evaluate":
-            source = job["id"] if spec.get("model_from") == UPLOAD else str(spec.get("model_from", ""))
-            if self.artifacts is None:
-                return ""
-            try:
-                return hashlib.sha256(self.artifacts.get(source)).hexdigest()
-            except (NotFound, OSError):
-                return ""
-        model = result.get("model")
-        return model["sha256"] if isinstance(model, dict) and isinstance(model.get("sha256"), str) else ""
-
     def model(self, job_id: str) -> Model:
-        """The final weights of a succeeded job, as the router keeps them."""
-        job = self.store.get(job_id, events=False)
-        if job["state"] != JobState.SUCCEEDED:
-            raise BadRequest(
-                f"job {job_id} is {job['state']}; only a succeeded job has a final model "
-                f"(busctl job checkpoint writes one for a running job on its trainer)"
-            )
-        model = (job["result"] or {}).get("model") or {}
-        if self.artifacts is None or "router_path" not in model:
-            raise NotFound(
-                f"the router holds no model for job {job_id}; its trainer wrote it to {model.get('path', '?')}"
-            )
-        data = self.artifacts.get(job_id)
-        return Model(job=job_id, sha256=model["sha256"], nbytes=len(data), frames=[data])
+        """The final weights of a succeeded job, as the router keeps them (:class:`~.job_results.JobResults`)."""
+        return self.results.model(self.store.get(job_id, events=False))
 
     # -- which samples made a step, and skips (services/router/job_samples.py) -------------------
     def samples(self, msg: GetJobSamples, split_size: Callable[[str], int | None]) -> JobSamples:
@@ -509,22 +467,6 @@ def _adopted(msg: CommandAck) -> str:
     if isinstance(done, dict):
         return f": loaded step {done.get('step')} of job {done.get('from')}"
     return f": not loaded: {msg.detail.get('error', 'no detail')}"
-
-
-def _current_model(msg: CommandAck, detail: dict) -> Message:
-    """The reply to ``busctl job model --current``: the copied weights, or Ok with the trainer's error."""
-    if not msg.frames or not isinstance(detail.get("sha256"), str):
-        return Ok(detail={"error": "the trainer sent no weights", **detail})
-    frame = msg.frames[0]
-    data = bytes(frame.buffer if hasattr(frame, "buffer") else frame)
-    return Model(
-        job=msg.job,
-        sha256=detail["sha256"],
-        nbytes=len(data),
-        frames=[data],
-        step=int(detail.get("step", 0)),
-        epoch=int(detail.get("epoch", 0)),
-    )
 
 
 def _evaluation(msg: CommandAck) -> str:

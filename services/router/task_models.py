@@ -16,7 +16,7 @@ from libbus.security.auth import Claims
 from libbus.wire.messages import Task
 
 from .artifacts import Artifacts
-from .jobs import UPLOAD
+from .job_results import UPLOAD
 from .store import JobStore
 
 __all__ = ["TaskModels"]
