@@ -11,21 +11,33 @@ keeps them current with one unsolicited ``Entitlements`` message per change:
   of a gang, services/router/gangs.py). A provider
   with ``assigned_only`` (the default) serves a trainer only the datasets of its current job
   (or those its token's ``datasets`` scope names explicitly).
+
+:class:`ProviderGrants`, a mixin of :class:`~.handler.RouterHandler`, serves ``RevokeToken`` and
+``ListRevoked`` and pushes each provider what changed for its datasets.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import sqlite3
 import time
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from libbus.errors import BadRequest, Forbidden, RateLimited
 from libbus.jobs.spec import dataset_name
 from libbus.security.auth import LEEWAY_S, Claims
+from libbus.serve.handler import serves
+from libbus.serve.server import Session
+from libbus.wire.messages import Entitlements, ListRevoked, Message, Ok, RevokedList, RevokeToken
 
+from .replies import fit_list
+from .store import JobStore
 from .store_db import savepoint
 
 __all__ = [
+    "ProviderGrants",
     "Revocations",
     "assignments",
     "check_revocable",
@@ -34,6 +46,8 @@ __all__ = [
     "MAX_REVOKED_BY_SCOPED",
     "LONGEST_TOKEN_S",
 ]
+
+log = logging.getLogger(__name__)
 
 MAX_JTI_LEN = 128
 #: Unexpired revocations the router keeps, all administrators together: every ``Entitlements`` push
@@ -178,3 +192,127 @@ def assignments(running: list[dict], trainer_subjects: dict[str, str]) -> dict[s
             if sub is not None:
                 out.setdefault(dataset_name(job["spec"]["dataset"]), set()).add(sub)
     return {name: sorted(subs) for name, subs in sorted(out.items())}
+
+
+class ProviderGrants:
+    """What the router's handler tells its providers (this module's docstring), for the handler, which
+    provides ``store``, the server's ``push`` and :class:`~.peers.Peers`' sessions."""
+
+    store: JobStore
+    peers: dict[str, Session]
+    _serving: dict[str, dict[str, Session]]
+    _roster: int
+    push: Callable[[str, Message], None]
+    sessions_of: Callable[[str], list[Session]]
+    _trainer_names: Callable[[], AbstractSet[str]]
+
+    #: How often the router recomputes what providers must know (assignments follow job changes).
+    GRANTS_CHECK_S = 0.2
+
+    def init_grants(self) -> None:
+        self.revocations = Revocations(self.store.db)
+        #: Set by the service: applies the revoked token ids to the router's own server.
+        self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
+        #: provider session id -> the (revoked, assigned) it was last sent.
+        self._sent: dict[str, tuple[list[str], dict]] = {}
+        self._assigned_at: tuple[int, int] | None = None
+        self._granted: tuple[list[str], dict] | None = None
+        #: Datasets whose trainers this turn's claims added to: their providers hear of it once, at the
+        #: turn's tick (just after the turn's replies), not once per claim.
+        self._grants_due: set[str] = set()
+        self._last_grants_check = 0.0
+
+    def tick_grants(self, now: float) -> None:
+        """Keep providers' entitlements current: this turn's claims now, every assignment each
+        :attr:`GRANTS_CHECK_S`."""
+        self._push_grants()
+        if now - self._last_grants_check >= self.GRANTS_CHECK_S:
+            self._last_grants_check = now
+            self._push_entitlements()
+
+    def welcome_provider(self, session: Session) -> None:
+        """A provider's session opened: it is sent what it must know at once."""
+        self._push_to_provider(session, self.revocations.jtis(), self._assigned())
+
+    def forget_sent(self, sid: str) -> None:
+        """A session closed: what it was sent is forgotten."""
+        self._sent.pop(sid, None)
+
+    @serves(RevokeToken, "admin")
+    def on_RevokeToken(self, session: Session, msg: RevokeToken) -> Ok:
+        admin = session.claims
+        target = next((p.claims for p in self.peers.values() if p.claims.jti == msg.jti), None)
+        check_revocable(admin, target, msg.jti)  # services/router/grants.py: who may revoke what
+        # a scoped admin's revocation lasts as long as the token it saw (the only ones it may revoke)
+        exp = msg.exp if not admin.scopes else (admin if msg.jti == admin.jti else target or admin).exp
+        self.revocations.revoke(
+            msg.jti, exp, msg.reason or f"revoked by {session.subject}", by=session.subject, scoped=bool(admin.scopes)
+        )
+        self.apply_revoked(self.revocations.jtis())
+        log.warning("token %s revoked by %s: %s", msg.jti, session.subject, msg.reason[:200] or "no reason given")
+        self._push_entitlements()  # providers hear of it now, not at the next check
+        return Ok(detail={"jti": msg.jti, "until": exp})
+
+    @serves(ListRevoked, "admin")
+    def on_ListRevoked(self, session: Session, msg: ListRevoked) -> RevokedList:
+        # a scoped admin sees the revocations it made; the list is cut to fit one reply, newest first
+        rows = self.revocations.active(by=session.subject if session.claims.scopes else None)
+        return RevokedList(revoked=fit_list(rows)[0])
+
+    def entitlements(self) -> Entitlements:
+        """Every dataset's assignments (each provider is sent those of its own datasets)."""
+        return Entitlements(revoked=self.revocations.jtis(), assigned=self._assigned())
+
+    def _assigned(self) -> dict[str, list[str]]:
+        subjects = {sub: sub for sub in self._trainer_names()}  # jobs are held by subject
+        return assignments(self.store.held_grants(), subjects)
+
+    def _push_entitlements(self) -> None:
+        """Send each provider what changed for its datasets since its last push (nothing when
+        nothing did): a job taken on one dataset is news to its providers only, and a provider
+        reads only its own datasets' lists (services/provider/handler.py ``entitled``)."""
+        moved = (self.store.changes, self._roster)
+        if self._granted is not None and moved == self._assigned_at:  # no job or trainer came or went
+            now = (self.revocations.jtis(), self._granted[1])
+        else:
+            now = (self.revocations.jtis(), self._assigned())
+            self._assigned_at = moved
+        if now == self._granted:
+            return
+        self._granted = now
+        for provider in self.sessions_of("provider"):
+            self._push_to_provider(provider, *now)
+
+    def _grant(self, dataset: str, subject: str) -> None:
+        """A trainer took a job on ``dataset``: add it to what that dataset's providers are sent (at
+        this turn's tick), without recomputing every assignment (the :attr:`GRANTS_CHECK_S` check does)."""
+        if self._granted is None:
+            self._push_entitlements()
+            return
+        revoked, assigned = self._granted
+        subjects = assigned.get(dataset, [])
+        if subject in subjects:
+            return
+        self._granted = (revoked, {**assigned, dataset: sorted([*subjects, subject])})
+        self._grants_due.add(dataset)
+
+    def _push_grants(self) -> None:
+        """The providers of the datasets this turn's claims were on hear of them: one push each per
+        turn, just after the turn's replies (a provider holds a request from a trainer not yet assigned
+        up to ``ASSIGNMENT_WAIT_S`` for it, services/provider/handler.py)."""
+        if not self._grants_due or self._granted is None:
+            return
+        due, self._grants_due = self._grants_due, set()
+        providers = {sid: p for dataset in due for sid, p in self._serving.get(dataset, {}).items()}
+        for provider in providers.values():
+            self._push_to_provider(provider, *self._granted)
+
+    def _push_to_provider(self, provider: Session, revoked: list[str], assigned: dict) -> None:
+        served = provider.hello.caps["datasets"]
+        mine = (revoked, {name: subs for name, subs in assigned.items() if name in served})
+        sent = self._sent.get(provider.sid)
+        if sent != mine:
+            self._sent[provider.sid] = mine
+            # what changed only: the revoked list (up to MAX_REVOKED ids) goes again only when it changed
+            same = sent is not None and sent[0] == revoked
+            self.push(provider.sid, Entitlements(revoked=None if same else mine[0], assigned=mine[1]))

@@ -1,4 +1,9 @@
-"""The router's logic: peers, discovery, jobs, commands, statistics. No sockets here.
+"""The router's logic: jobs, commands, evaluations, statistics. No sockets here.
+
+The handler is assembled from parts, one module each: its sessions and discovery (``Resolve``,
+``ListPeers``) in :mod:`.peers`, what providers are told (revocations, assignments) in :mod:`.grants`,
+studies and early stopping in :mod:`.judges`, the models tasks carry in :mod:`.task_models`; the rules
+a job lives by (leases, commands) in :mod:`.jobs`.
 
 Identity is the token's subject (``session.subject``; under CURVE also the key's name): job
 ownership, leases, pushes, acknowledgements, gang membership and provider grants all key on it.
@@ -21,9 +26,7 @@ job nor act as its trainer here. A trainer renews the grant of a job it still ho
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable
-from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 
 from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
@@ -33,13 +36,11 @@ from libbus.jobs.state import REFUSED, JobState
 from libbus.security.auth import Claims
 from libbus.serve.handler import serves
 from libbus.serve.server import Handler, Session
-from libbus.serve.sessions import reader_info
 from libbus.wire.messages import (
     ChargeEvaluation,
     Checkpointed,
     CommandAck,
     ControlJob,
-    Entitlements,
     EvaluationCharged,
     EvaluationReport,
     GetJob,
@@ -55,38 +56,31 @@ from libbus.wire.messages import (
     JobSamples,
     JobSubmitted,
     ListJobs,
-    ListPeers,
-    ListRevoked,
     Message,
     Model,
     NoTask,
     Ok,
-    PeerList,
     Progress,
     PushResult,
     Rendezvous,
     RenewGrant,
-    Resolve,
-    Resolved,
-    RevokedList,
-    RevokeToken,
     SkipJob,
     Stats,
     StatsReply,
     SubmitJob,
     Task,
 )
-from libbus.wire.msg_data import info_mismatch
 from libbus.wire.schema import check_stored
 
 from ..importable import TrainerModules
 from .artifacts import Artifacts
 from .eval_budget import EvalBudget
 from .gangs import Gangs, world_size
-from .grants import Revocations, assignments, check_revocable
+from .grants import ProviderGrants
 from .jobs import JobControl
 from .judges import Judges
 from .logs import JobOutput
+from .peers import Peers
 from .replies import fit_job, fit_list, fit_rows
 from .store import JobStore
 from .task_models import TaskModels
@@ -104,13 +98,11 @@ log = logging.getLogger(__name__)
 ADMIN = ("admin",)
 TRAINER = ("trainer",)
 TRAINER_OR_ADMIN = ("trainer", "admin")
-#: Who may resolve a dataset: a reader's loader too (a reader sends nothing else here).
-RESOLVERS = ("trainer", "reader", "admin")
 #: What a loader's session may ask the router (services/router/handler.py docstring).
 LOADER_REQUESTS = frozenset({"Resolve", "Stats"})
 
 
-class RouterHandler(Judges, TaskModels, Handler):
+class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
     """Registers providers and trainers, resolves datasets, runs the job queue.
 
     Args:
@@ -124,8 +116,6 @@ class RouterHandler(Judges, TaskModels, Handler):
 
     #: Replies wait for :meth:`flush`: a transition is acknowledged once it is on disk.
     group_commit = True
-    #: How often the router recomputes what providers must know (assignments follow job changes).
-    GRANTS_CHECK_S = 0.2
 
     def __init__(
         self,
@@ -143,150 +133,18 @@ class RouterHandler(Judges, TaskModels, Handler):
         self.artifacts = artifacts
         self.task_retry_ms = task_retry_ms
         self.server_stats = server_stats
-        self.peers: dict[str, Session] = {}
-        #: role -> token subject -> session id -> session: the lookups every request makes, without
-        #: a scan over a thousand sessions (sessions_of, trainer_session, _check_single_holder).
-        self._by_subject: dict[str, dict[str, dict[str, Session]]] = {}
-        #: dataset -> provider session id -> session: who serves a dataset, without a scan (Resolve, grants).
-        self._serving: dict[str, dict[str, Session]] = {}
-        #: provider session id -> the (revoked, assigned) it was last sent.
-        self._sent: dict[str, tuple[list[str], dict]] = {}
-        #: Trainer sessions opened and closed; with ``store.changes``, when assignments can have moved.
-        self._roster = 0
-        self._assigned_at: tuple[int, int] | None = None
+        self.init_peers()
         self.jobs = JobControl(store, self._push_to_trainer, self._trainer_names, lease_s=lease_s, artifacts=artifacts)
         self.gangs = Gangs(store, lease_s)
-        self.revocations = Revocations(store.db)
         self.output = JobOutput(store.db)
         #: Each dataset's evaluation budget and noise key, one for all its providers (services/router/eval_budget.py).
         self.eval_budget = EvalBudget(store.db, store.durability)
-        #: Set by the service: applies the revoked token ids to the router's own server.
-        self.apply_revoked: Callable[[list[str]], None] = lambda jtis: None
-        self._granted: tuple[list[str], dict] | None = None
-        #: Datasets whose trainers this turn's claims added to: their providers hear of it once, at the
-        #: turn's tick (just after the turn's replies), not once per claim.
-        self._grants_due: set[str] = set()
-        self._last_grants_check = 0.0
         #: What each trainer session can import for jobs (its Hello's caps.job_modules): checked at submit.
         self.trainer_modules = TrainerModules()
+        self.init_grants()
         self.init_judges()
 
-    # -- sessions -----------------------------------------------------------------------------
-    def on_open(self, session: Session) -> None:
-        if session.role == "attempt":
-            raise Forbidden(
-                "an attempt's grant reads its job's data and scores its models at providers; the router "
-                "takes nothing from it (an attempt reports through its trainer)"
-            )
-        if session.role == "reader" and not session.loader:
-            raise Forbidden(
-                "a reader token opens loader sessions only (RemoteLoader says Hello with caps.loader); "
-                "a trainer service needs a trainer token (busctl token issue --role trainer)"
-            )
-        if session.kind in ("trainer", "provider"):
-            self._check_single_holder(session)
-        if session.kind == "trainer":  # what it can import: refused here when malformed or oversized
-            self.trainer_modules.register(session.sid, session.name, session.hello.caps, session.claims.allows_dataset)
-        if session.role == "provider":
-            caps = session.hello.caps
-            endpoint, datasets = caps.get("endpoint"), caps.get("datasets")
-            if not isinstance(endpoint, str) or not endpoint:
-                raise BadRequest("a provider's Hello must carry caps.endpoint (its data socket)")
-            if not isinstance(datasets, dict) or not all(isinstance(v, dict) for v in datasets.values()):
-                raise BadRequest("a provider's Hello must carry caps.datasets {name: DatasetInfo}")
-            curve_key = caps.get("curve_key", "")
-            if not isinstance(curve_key, str) or len(curve_key) not in (0, 40):
-                raise BadRequest("a provider's caps.curve_key must be its 40-character z85 public key")
-            for dataset in datasets:  # a provider token scoped to datasets serves only those
-                session.claims.check_dataset(dataset)
-            self._check_replicas(session, datasets)
-            log.info("provider %s serves %s at %s", session.name, ", ".join(datasets) or "nothing", endpoint)
-        self.peers[session.sid] = session
-        self._by_subject.setdefault(session.kind, {}).setdefault(session.subject, {})[session.sid] = session
-        self._roster += session.kind == "trainer"
-        if session.role == "provider":
-            for dataset in session.hello.caps["datasets"]:
-                self._serving.setdefault(dataset, {})[session.sid] = session
-            self._push_to_provider(session, self.revocations.jtis(), self._assigned())
-
-    def _check_single_holder(self, session: Session) -> None:
-        """Refuse a trainer or provider session whose subject a live session of another process
-        holds: two trainers of one identity would own, abandon and train each other's jobs. (A
-        loader's session is indexed apart, under ``"loader"``: it never meets this rule.) Host id
-        and pid are the peer's word, so the same process proves itself with the nonce its live
-        session's Welcome gave it; a restarted process waits for the old session to expire."""
-        for peer in self._by_subject.get(session.kind, {}).get(session.subject, {}).values():
-            if peer.process == session.process and secrets.compare_digest(peer.nonce, session.hello.nonce):
-                session.nonce = peer.nonce  # one secret for all of the process's sessions
-                continue
-            same = (
-                "claims to be that process but does not present its session nonce; "
-                if (peer.process == session.process)
-                else ""
-            )
-            raise Unavailable(
-                f"{session.role} {session.subject!r} is already connected from host "
-                f"{peer.hello.host_id or '?'} pid {peer.hello.pid} (as {peer.name!r}); this Hello {same}one process "
-                f"holds an identity at a time: give this {session.role} its own token (busctl token issue --name), "
-                "or stop the other one (its session expires after a few silent heartbeats)"
-            )
-
-    def _check_replicas(self, session: Session, datasets: dict) -> None:
-        """Refuse a provider whose DatasetInfo for a name differs from a live replica's (another
-        provider serving that name): a loader spreads one epoch's requests over all replicas."""
-        name = session.name
-        for peer in self.sessions_of("provider"):
-            if peer.subject == session.subject:
-                continue  # this provider registering again: its new Hello replaces the old one
-            for dataset, info in datasets.items():
-                theirs = peer.hello.caps["datasets"].get(dataset)
-                why = None if theirs is None else info_mismatch(info, theirs, f"on {name}", f"on {peer.name}")
-                if why:
-                    raise BadRequest(
-                        f"dataset {dataset!r} differs from the replica {peer.name} serves: {why}; "
-                        "replicas of a dataset must serve the same data (serve it under "
-                        "another name, or fix the source)"
-                    )
-
-    def on_close(self, session: Session, reason: str) -> None:
-        if self.peers.pop(session.sid, None) is None:
-            return
-        self._sent.pop(session.sid, None)
-        self.trainer_modules.drop(session.sid)
-        self._roster += session.kind == "trainer"
-        if session.role == "provider":
-            for dataset in session.hello.caps["datasets"]:
-                serving = self._serving.get(dataset, {})
-                serving.pop(session.sid, None)
-                if not serving:
-                    self._serving.pop(dataset, None)
-        subjects = self._by_subject.get(session.kind, {})
-        sessions = subjects.get(session.subject, {})
-        sessions.pop(session.sid, None)
-        if not sessions:
-            subjects.pop(session.subject, None)
-
-    def sessions_of(self, role: str) -> list[Session]:
-        return [s for subject in self._by_subject.get(role, {}).values() for s in subject.values()]
-
-    def trainer_session(self, subject: str) -> Session | None:
-        """The trainer's live session: the one heard from last (a reconnected trainer's old session
-        lingers until it expires, and a push sent there is lost)."""
-        sessions = self._by_subject.get("trainer", {}).get(subject, {}).values()
-        return max(sessions, key=lambda s: s.last_seen, default=None)
-
-    def _trainer_names(self) -> AbstractSet[str]:
-        """The subjects of the connected trainers (a live view: no copy of a thousand names each turn)."""
-        return self._by_subject.setdefault("trainer", {}).keys()
-
-    def _push_to_trainer(self, subject: str, msg: Message) -> str:
-        """Push to the trainer's live session; its session id, or "" when it is not connected."""
-        session = self.trainer_session(subject)
-        if session is None:
-            return ""
-        self.push(session.sid, msg)
-        return session.sid
-
+    # -- scopes -------------------------------------------------------------------------------
     def _check_job_scope(self, session: Session, job_id: str) -> dict:
         """An admin's job operation: the token's ``jobs`` scope, and its ``datasets`` scope on the
         job's dataset. Returns the job."""
@@ -305,36 +163,6 @@ class RouterHandler(Judges, TaskModels, Handler):
         return self.dispatch(session, msg)
 
     # -- requests (each method marked with the message it serves and who may send it) ------------
-    @serves(Resolve, *RESOLVERS)
-    def on_Resolve(self, session: Session, msg: Resolve) -> Resolved:
-        name = dataset_name(msg.dataset)
-        session.claims.check_dataset(name)
-        # One entry per endpoint, from the session heard from last: a provider that reconnected
-        # (its router link went silent for a moment) has an old session here until it expires.
-        # The order stays the order providers registered in (a trainer and a script resolving
-        # at different moments see the same list).
-        latest: dict[str, Session] = {}
-        for peer in self._serving.get(name, {}).values():
-            endpoint = peer.hello.caps["endpoint"]
-            if endpoint not in latest or peer.last_seen >= latest[endpoint].last_seen:
-                latest[endpoint] = peer  # (a dict keeps the key's first place)
-        providers = [
-            {
-                "name": peer.name,
-                "endpoint": endpoint,
-                "host_id": peer.hello.host_id,
-                "curve_key": str(peer.hello.caps.get("curve_key") or ""),
-            }
-            for endpoint, peer in latest.items()
-        ]
-        if not providers:
-            online = sorted({f"{d} ({p.name})" for p in self.sessions_of("provider") for d in p.hello.caps["datasets"]})
-            raise NotFound(
-                f"dataset {name!r} is not served by any provider; online: {', '.join(online) or 'no providers'}"
-            )
-        info = next(iter(latest.values())).hello.caps["datasets"][name]  # the first registered's
-        return Resolved(dataset=name, info=reader_info(info, session.claims), providers=providers)
-
     @serves(SubmitJob, *ADMIN)
     def on_SubmitJob(self, session: Session, msg: SubmitJob) -> JobSubmitted:
         spec = JobSpec.from_dict(msg.spec)
@@ -378,15 +206,6 @@ class RouterHandler(Judges, TaskModels, Handler):
     def on_GetJobSamples(self, session: Session, msg: GetJobSamples) -> JobSamples:
         self._check_job_scope(session, msg.job)
         return self.jobs.samples(msg, self._train_size)
-
-    def _train_size(self, dataset: str) -> int | None:
-        """The train split's size as a live provider of ``dataset`` registered it (None: none online)."""
-        for peer in self._serving.get(dataset_name(dataset), {}).values():
-            info = peer.hello.caps["datasets"].get(dataset_name(dataset)) or {}
-            train = (info.get("splits") or {}).get("train") or {}
-            if isinstance(train.get("num_samples"), int):
-                return int(train["num_samples"])
-        return None
 
     @serves(SkipJob, *TRAINER_OR_ADMIN)
     def on_SkipJob(self, session: Session, msg: SkipJob) -> Ok:
@@ -545,118 +364,6 @@ class RouterHandler(Judges, TaskModels, Handler):
         key = self.eval_budget.key(msg.dataset)
         return EvaluationCharged(dataset=msg.dataset, key=key.hex(), left=None if msg.per_day <= 0 else left)
 
-    def _evaluations_left(self, caps: dict, datasets: list[str]) -> dict[str, int | None]:
-        """Per dataset, the private test split's evaluations left today against the daily budget the
-        provider charges with (its Hello's ``eval_per_dataset_day``; ``None``: it states none, or 0,
-        unlimited). The budget is the dataset's, kept here for every replica (services/router/eval_budget.py)."""
-        per_day = caps.get("eval_per_dataset_day")
-        if isinstance(per_day, bool) or not isinstance(per_day, int) or not 0 < per_day <= 10**9:
-            return dict.fromkeys(datasets)
-        return {d: int(self.eval_budget.left(d, per_day)) for d in datasets}
-
-    @serves(ListPeers, *ADMIN)
-    def on_ListPeers(self, session: Session, msg: ListPeers) -> PeerList:
-        # A scoped admin sees what lies inside its scopes: providers by the datasets its datasets
-        # scope names (only those; a scope of jobs alone names none, so it sees no provider), other
-        # sessions whose own scopes lie inside its own (as it may revoke them).
-        admin, peers = session.claims, []
-        named = admin.scopes.get("datasets") if admin.scopes else None
-        for peer in self.peers.values():
-            entry = peer.describe()
-            if peer.role == "provider":
-                served = peer.hello.caps["datasets"]
-                datasets = sorted(served if not admin.scopes else (d for d in served if d in (named or ())))
-                if admin.scopes and not datasets:
-                    continue
-                entry["endpoint"] = peer.hello.caps["endpoint"]
-                entry["evaluations_left_today"] = self._evaluations_left(peer.hello.caps, datasets)
-                entry["datasets"] = datasets
-            elif peer.claims.jti != admin.jti and not all(
-                set(peer.claims.scopes.get(name) or [None]) <= set(mine) for name, mine in admin.scopes.items()
-            ):
-                continue
-            peers.append(entry)
-        return PeerList(peers=peers)
-
-    @serves(RevokeToken, *ADMIN)
-    def on_RevokeToken(self, session: Session, msg: RevokeToken) -> Ok:
-        admin = session.claims
-        target = next((p.claims for p in self.peers.values() if p.claims.jti == msg.jti), None)
-        check_revocable(admin, target, msg.jti)  # services/router/grants.py: who may revoke what
-        # a scoped admin's revocation lasts as long as the token it saw (the only ones it may revoke)
-        exp = msg.exp if not admin.scopes else (admin if msg.jti == admin.jti else target or admin).exp
-        self.revocations.revoke(
-            msg.jti, exp, msg.reason or f"revoked by {session.subject}", by=session.subject, scoped=bool(admin.scopes)
-        )
-        self.apply_revoked(self.revocations.jtis())
-        log.warning("token %s revoked by %s: %s", msg.jti, session.subject, msg.reason[:200] or "no reason given")
-        self._push_entitlements()  # providers hear of it now, not at the next check
-        return Ok(detail={"jti": msg.jti, "until": exp})
-
-    @serves(ListRevoked, *ADMIN)
-    def on_ListRevoked(self, session: Session, msg: ListRevoked) -> RevokedList:
-        # a scoped admin sees the revocations it made; the list is cut to fit one reply, newest first
-        rows = self.revocations.active(by=session.subject if session.claims.scopes else None)
-        return RevokedList(revoked=fit_list(rows)[0])
-
-    def entitlements(self) -> Entitlements:
-        """Every dataset's assignments (each provider is sent those of its own datasets)."""
-        return Entitlements(revoked=self.revocations.jtis(), assigned=self._assigned())
-
-    def _assigned(self) -> dict[str, list[str]]:
-        subjects = {sub: sub for sub in self._trainer_names()}  # jobs are held by subject
-        return assignments(self.store.held_grants(), subjects)
-
-    def _push_entitlements(self) -> None:
-        """Send each provider what changed for its datasets since its last push (nothing when
-        nothing did): a job taken on one dataset is news to its providers only, and a provider
-        reads only its own datasets' lists (services/provider/handler.py ``entitled``)."""
-        moved = (self.store.changes, self._roster)
-        if self._granted is not None and moved == self._assigned_at:  # no job or trainer came or went
-            now = (self.revocations.jtis(), self._granted[1])
-        else:
-            now = (self.revocations.jtis(), self._assigned())
-            self._assigned_at = moved
-        if now == self._granted:
-            return
-        self._granted = now
-        for provider in self.sessions_of("provider"):
-            self._push_to_provider(provider, *now)
-
-    def _grant(self, dataset: str, subject: str) -> None:
-        """A trainer took a job on ``dataset``: add it to what that dataset's providers are sent (at
-        this turn's tick), without recomputing every assignment (the :attr:`GRANTS_CHECK_S` check does)."""
-        if self._granted is None:
-            self._push_entitlements()
-            return
-        revoked, assigned = self._granted
-        subjects = assigned.get(dataset, [])
-        if subject in subjects:
-            return
-        self._granted = (revoked, {**assigned, dataset: sorted([*subjects, subject])})
-        self._grants_due.add(dataset)
-
-    def _push_grants(self) -> None:
-        """The providers of the datasets this turn's claims were on hear of them: one push each per
-        turn, just after the turn's replies (a provider holds a request from a trainer not yet assigned
-        up to ``ASSIGNMENT_WAIT_S`` for it, services/provider/handler.py)."""
-        if not self._grants_due or self._granted is None:
-            return
-        due, self._grants_due = self._grants_due, set()
-        providers = {sid: p for dataset in due for sid, p in self._serving.get(dataset, {}).items()}
-        for provider in providers.values():
-            self._push_to_provider(provider, *self._granted)
-
-    def _push_to_provider(self, provider: Session, revoked: list[str], assigned: dict) -> None:
-        served = provider.hello.caps["datasets"]
-        mine = (revoked, {name: subs for name, subs in assigned.items() if name in served})
-        sent = self._sent.get(provider.sid)
-        if sent != mine:
-            self._sent[provider.sid] = mine
-            # what changed only: the revoked list (up to MAX_REVOKED ids) goes again only when it changed
-            same = sent is not None and sent[0] == revoked
-            self.push(provider.sid, Entitlements(revoked=None if same else mine[0], assigned=mine[1]))
-
     @serves(Stats, "admin", "trainer")
     def on_Stats(self, session: Session | None, msg: Stats) -> StatsReply:
         """The router's own metrics and those its peers carry on heartbeats, one row per session,
@@ -712,10 +419,7 @@ class RouterHandler(Judges, TaskModels, Handler):
     def tick(self, now: float) -> None:
         """Keep providers' entitlements current; leases and command acknowledgements
         (services/router/jobs.py)."""
-        self._push_grants()
-        if now - self._last_grants_check >= self.GRANTS_CHECK_S:
-            self._last_grants_check = now
-            self._push_entitlements()
+        self.tick_grants(now)
         self.jobs.tick(now)
         if self.gangs.tick(self._trainer_names()):  # an elastic gang started: its providers hear of it
             self._push_entitlements()
