@@ -73,6 +73,7 @@ from libbus.wire.messages import (
 from libbus.wire.schema import check_stored
 
 from ..importable import TrainerModules
+from . import job_samples
 from .artifacts import Artifacts
 from .eval_budget import EvalBudget
 from .gangs import Gangs, world_size
@@ -205,7 +206,7 @@ class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
     @serves(GetJobSamples, *ADMIN)
     def on_GetJobSamples(self, session: Session, msg: GetJobSamples) -> JobSamples:
         self._check_job_scope(session, msg.job)
-        return self.jobs.samples(msg, self._train_size)
+        return job_samples.step_samples(self.store, msg, self._train_size)  # derived from its spec and segments
 
     @serves(SkipJob, *TRAINER_OR_ADMIN)
     def on_SkipJob(self, session: Session, msg: SkipJob) -> Ok:

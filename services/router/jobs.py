@@ -39,8 +39,6 @@ from libbus.wire.messages import (
     Checkpointed,
     Command,
     CommandAck,
-    GetJobSamples,
-    JobSamples,
     Message,
     Model,
     Ok,
@@ -356,11 +354,7 @@ class JobControl:
         """The final weights of a succeeded job, as the router keeps them (:class:`~.job_results.JobResults`)."""
         return self.results.model(self.store.get(job_id, events=False))
 
-    # -- which samples made a step, and skips (services/router/job_samples.py) -------------------
-    def samples(self, msg: GetJobSamples, split_size: Callable[[str], int | None]) -> JobSamples:
-        """The sample indices of a step of ``msg.job`` (:func:`~services.router.job_samples.step_samples`)."""
-        return job_samples.step_samples(self.store, msg, split_size)
-
+    # -- skips (services/router/job_samples.py) ----------------------------------------------------
     def skip(self, by: str, msg: SkipJob, split_size: Callable[[str], int | None]) -> Ok:
         """``busctl job skip`` (:func:`~services.router.job_samples.skip`): the job rewinds, and a trainer
         that holds it gives it up (told at its next report) so that the next attempt resumes without the
