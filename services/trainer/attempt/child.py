@@ -233,6 +233,7 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> Ended:
     settings = Settings(**start["settings"])
     task = Task(**start["task"])
     task.frames = frames[:1]  # the weights of model_from, if the job names one
+    spec = JobSpec.from_dict(task.spec)  # parsed once as it enters this process, typed from here
     job_id = task.job
     link = ParentLink(channel)
     commands: queue.Queue[Command] = queue.Queue()
@@ -243,25 +244,26 @@ def run(channel: Channel, start: dict, frames: list[bytes]) -> Ended:
         become(AttemptUser.from_dict(start["attempt_user"]), job_folder(settings.checkpoint_dir, job_id))
     notifier = ParentNotifier(channel)
 
-    if task.spec.get("task") == "evaluate":  # score a stored model, no training (.evaltask)
+    if spec.task == "evaluate":  # score a stored model, no training (.evaltask)
         channel.send("started")
         try:
             with notifier.extended(EVALUATE_TIMEOUT_S):
-                return (*run_evaluation(task, JobSpec.from_dict(task.spec), settings, link, identity), [])  # type: ignore[arg-type]  # a Link in all it uses
+                return (*run_evaluation(task, spec, settings, link, identity), [])  # type: ignore[arg-type]  # a Link in all it uses
         finally:
             reporter.close()
 
     def resolver(timeout_s: float) -> list[dict]:
-        return link.request(Resolve(dataset=task.spec["dataset"]), timeout_s=timeout_s).providers
+        return link.request(Resolve(dataset=spec.dataset), timeout_s=timeout_s).providers
 
     gang = None
     if task.world_size > 1:  # every rank's function starts with torch.distributed initialized
-        device = torch.device(task.spec.get("device", "cpu"))
+        device = torch.device(spec.device)
         host = advertised_host(settings.advertise, settings.router)
         gang = Gang(task, link, host, device, settings.request_timeout_s)  # type: ignore[arg-type]  # a Link in all it uses
     providers = start["providers"]
     job = AttemptJob(
         task,
+        spec,
         settings,
         identity,
         reporter,

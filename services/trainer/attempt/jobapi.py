@@ -73,6 +73,7 @@ class AttemptJob(Job):
     def __init__(
         self,
         task: Task,
+        spec: JobSpec,
         settings: Settings,
         identity: Identity,
         reporter: Reporter,
@@ -86,7 +87,8 @@ class AttemptJob(Job):
         notifier: Notifier | None = None,
     ):
         self.task = task
-        self.spec = JobSpec.from_dict(task.spec)
+        #: The job's spec, parsed where the task entered this process (``busctl job set`` replaces it).
+        self.spec = spec
         self.settings = settings
         self.identity = identity
         self.reporter = reporter
@@ -220,7 +222,7 @@ class AttemptJob(Job):
         return self._restore_value
 
     def initial_model(self) -> dict[str, torch.Tensor] | None:
-        return starting_weights(self.task, self.settings.checkpoint_dir, self.gang)
+        return starting_weights(self.task, self.spec.model_from, self.settings.checkpoint_dir, self.gang)
 
     def checkpoint(self, state: Mapping[str, Any] | None = None) -> dict:
         record = self._write(state)

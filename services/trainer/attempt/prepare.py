@@ -46,12 +46,12 @@ def initial_weights(frame: bytes | memoryview, source: str) -> dict[str, torch.T
         raise BadRequest(f"model_from {source!r}: the weights are not a safetensors file: {err}") from err
 
 
-def starting_weights(task: Task, root: str, gang: Gang | None = None) -> dict[str, torch.Tensor] | None:
-    """The weights ``task``'s job starts from (``model_from``), or None when it names none: the model
-    the router sent with the task, or the model weights of another job's checkpoint (``task.initial``,
-    that job's latest when the task was handed out), read from ``root`` (``checkpoint_dir``; in a gang
-    rank 0 reads it for every rank). Only the weights are taken: its optimizer and data position stay
-    that job's.
+def starting_weights(task: Task, source: str, root: str, gang: Gang | None = None) -> dict[str, torch.Tensor] | None:
+    """The weights ``task``'s job starts from (``source``: its spec's ``model_from``), or None when it
+    names none: the model the router sent with the task, or the model weights of another job's
+    checkpoint (``task.initial``, that job's latest when the task was handed out), read from ``root``
+    (``checkpoint_dir``; in a gang rank 0 reads it for every rank). Only the weights are taken: its
+    optimizer and data position stay that job's.
 
     Raises:
         Unavailable: the checkpoint cannot be read on this trainer (the attempt is retried, and its
@@ -59,7 +59,6 @@ def starting_weights(task: Task, root: str, gang: Gang | None = None) -> dict[st
         BadRequest: the bytes are not a model: changed since the router recorded them (sha256), or no
             model weights in them (not retried).
     """
-    source = str(task.spec.get("model_from", ""))
     if task.frames:
         return initial_weights(task.frames[0], source)
     if not task.initial:

@@ -14,6 +14,7 @@ from libbus.config import Settings
 from libbus.connect.link import Link
 from libbus.errors import BusError, Forbidden, PeerTimeout, TooLarge
 from libbus.jobs.commands import JobCommand
+from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.wire.messages import Command, GetTask, Message, NoTask, PushResult, Task
@@ -170,8 +171,10 @@ class TrainerService:
         try:
             try:
                 # every attempt in a process of its own: the built-in loop or the job's entrypoint
+                spec = JobSpec.from_dict(task.spec)  # the task enters the trainer here: parsed once, typed on
                 run = AttemptRun(
                     task,
+                    spec,
                     self.settings,
                     self.link,
                     self.identity,

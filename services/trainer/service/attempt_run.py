@@ -257,6 +257,7 @@ class AttemptRun:
     def __init__(
         self,
         task: Task,
+        spec: JobSpec,
         settings: Settings,
         link: Link,
         identity: Identity,
@@ -269,7 +270,8 @@ class AttemptRun:
         self.task = task
         #: The user the attempt's process runs as (the trainer's ``attempt_user``), or None: the trainer's.
         self.attempt_user = attempt_user
-        self.spec = JobSpec.from_dict(task.spec)
+        #: ``task``'s spec, parsed where the task entered the trainer (:meth:`TrainerService._run_task`).
+        self.spec = spec
         self.settings = settings
         self.link = link
         self.identity = identity
@@ -354,7 +356,7 @@ class AttemptRun:
                 grant=self.task.grant,
                 task={
                     "job": self.task.job,
-                    "spec": self.task.spec,
+                    "spec": self.spec.to_dict(),
                     "rank": self.task.rank,
                     "world_size": self.task.world_size,
                     "resume": self.task.resume,
