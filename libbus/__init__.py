@@ -1,5 +1,5 @@
 """libbus: the batchbus wire and the public API of a training script, in folders along its seams
-(lowest first; ``tests/test_layers.py`` holds the order):
+(lowest first; ``tests/project/test_layers.py`` holds the order):
 
 - ``errors``, ``constants``: the one exception tree and the named limits (the ground floor);
 - ``wire/``: frames, the header schema, every message, socket options, the named-field batch layout;

@@ -65,7 +65,7 @@ def make_settings(state_dir: Path):
         flags.setdefault("lease_s", 4.0)
         # Test splits here hold a few hundred samples, on which the privacy noise of released test
         # scores is large (docs/security.md): tests of learning read exact scores; the tests of the
-        # release (tests/test_evaluators.py) run providers at the product's defaults.
+        # release (tests/evaluation/test_evaluators.py) run providers at the product's defaults.
         flags.setdefault("eval_epsilon", 0.0)
         # One torch thread per attempt, as tests/support/cluster.py gives its processes: many run at once here.
         flags.setdefault("torch_threads", 1)

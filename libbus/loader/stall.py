@@ -37,7 +37,7 @@ A provider's ``queue`` starts when its serving loop takes the request. Every rea
 request as it arrives and the wait for its read is measured as ``queue``. Only a local file's
 memory-speed gathers stay on the loop on a machine of few cores (services/provider/fillers.py), where
 the requests behind one (a millisecond each) wait in the socket unmeasured and reach the loader as
-``transfer``. ``tests/test_stall_sources.py`` runs one slow part per source kind through both deliveries.
+``transfer``. ``tests/loader/test_stall_sources.py`` runs one slow part per source kind through both deliveries.
 
 Why backwards rather than in proportion: with several requests in flight, a provider whose one
 stage is the bottleneck keeps the requests behind the one being worked on queued, so most of each

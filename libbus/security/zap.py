@@ -7,7 +7,7 @@ reaps them in the background), so a handler stopped right after the socket's clo
 still in flight. Only ``zmq_ctx_term`` knows when every connection is gone, and it waits for every
 socket, the handler's own too. (A test worker that aborted in libzmq during a flooded server's teardown
 did so again with this order in place: that abort has a cause of its own, see
-tests/test_security_memory.py.)
+tests/security/test_security_memory.py.)
 
 So :class:`ZapThreadAuthenticator` keeps answering until the context terminates: its thread closes the
 handler's sockets when termination reaches them (``ETERM``), and :meth:`~ZapThreadAuthenticator.terminate`

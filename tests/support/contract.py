@@ -1,5 +1,5 @@
 """The contract every dataset source keeps, written once and run over every scheme (torchdata's
-``run_test_save_load_state`` habit): ``tests/test_sources_contract.py`` builds one source per scheme and
+``run_test_save_load_state`` habit): ``tests/provider/sources/test_sources_contract.py`` builds one source per scheme and
 calls :func:`check_source_contract` on it.
 
 What a user relies on, whatever the URI:

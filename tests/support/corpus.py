@@ -2,7 +2,7 @@
 of every token kind (scoped, reader, expired, revoked), weights of a built-in model, the expected
 reply to a message, and a connection whose handshake must be refused.
 
-Used by ``tests/test_fuzz.py::test_seed_corpus``; the world it acts on is :class:`tests.support.fuzz.World`.
+Used by ``tests/security/test_fuzz.py::test_seed_corpus``; the world it acts on is :class:`tests.support.fuzz.World`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training functions submitted as entrypoint jobs by the tests (tests/test_entrypoints.py): one with
+"""Training functions submitted as entrypoint jobs by the tests (tests/trainer/test_entrypoints.py): one with
 its own loss, written as a user would from docs/jobs.md, and ones that crash, exhaust memory, hang
 or exit, each of which must fail only its own attempt."""
 
@@ -223,7 +223,7 @@ def linear_classifier(job: Job) -> None:
 def recorded(job: Job) -> None:
     """Trains as :func:`custom_loss` does (one ``job.step()`` per train batch) and appends the digest
     of every sample of each step to ``params["out"]/<attempt>.jsonl`` (first line: the step it
-    resumed from), for tests/test_samples_of_each_step.py to compare with ``busctl job samples``."""
+    resumed from), for tests/router/test_samples_of_each_step.py to compare with ``busctl job samples``."""
     import json
     from pathlib import Path
 
@@ -373,7 +373,7 @@ def _parent_of(pid: int) -> int:
 
 
 def hostile(job: Job) -> None:
-    """A tenant's function that tries to act as its trainer (tests/test_attempt_grant.py): it looks for
+    """A tenant's function that tries to act as its trainer (tests/security/test_attempt_grant.py): it looks for
     a credential of its trainer in its settings, its environment and arguments and its parents' (and in
     every file those name), says Hello to the router as a trainer with each token it holds and asks for a task
     (with its trainer's pid and host id, as the one-process-per-subject rule takes them), reads

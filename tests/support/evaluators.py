@@ -1,4 +1,4 @@
-"""Evaluators a provider's operator might install (tests/test_evaluators.py allows this module in the
+"""Evaluators a provider's operator might install (tests/evaluation/test_evaluators.py allows this module in the
 test provider's ``evaluator_modules``). Each follows the contract of docs/python-api.md, "Scoring your
 model on the private test split"."""
 

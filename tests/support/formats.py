@@ -1,6 +1,6 @@
 """Datasets written to disk byte for byte in each format the file:// source reads (IDX headers, CIFAR records,
 npy and npz, token shards, raw arrays with dataset.toml), with what a source must serve from them: for
-tests/test_files.py and tests/test_files_errors.py."""
+tests/provider/sources/test_files.py and tests/provider/sources/test_files_errors.py."""
 
 from __future__ import annotations
 

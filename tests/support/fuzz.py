@@ -1,4 +1,4 @@
-"""Hostile-input helpers for tests/test_fuzz.py and tests/test_fuzz_services.py: a bare DEALER peer that
+"""Hostile-input helpers for tests/security/test_fuzz.py and tests/security/test_fuzz_services.py: a bare DEALER peer that
 drains every reply, resident memory, the servers' refusal counts, hypothesis strategies for hostile frames
 and requests, and the world they are fired at (services, sessions and a ring slot held IN_USE)."""
 

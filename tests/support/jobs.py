@@ -66,7 +66,7 @@ class JobCluster(Cluster):
                 "BATCHBUS_REQUEST_TIMEOUT_S": "3",
                 "BATCHBUS_REQUEST_RETRIES": "1",
                 # a loader waits this long for a lost provider to come back before the attempt
-                # fails (retryable); tests/test_replicas.py covers the wait itself
+                # fails (retryable); tests/system/test_replicas.py covers the wait itself
                 "BATCHBUS_PROVIDER_WAIT_S": "2",
             },
         )

@@ -1,5 +1,5 @@
 """A layout written the way a new one is (docs/architecture.md, "Where to add things"): one module that
-reads its files through ``ctx.segment`` and ends in its ``FORMAT`` line. tests/test_sources_contract.py
+reads its files through ``ctx.segment`` and ends in its ``FORMAT`` line. tests/provider/sources/test_sources_contract.py
 adds that line to the registry and reads it at every location, with nothing else changed.
 
 The layout: ``SPLIT.rows`` files (``train.rows``, ``test.rows``), each a little-endian uint32 row width

@@ -1,8 +1,8 @@
 """Datasets written by the peer loaders' own writers, as their users have them: TFRecord shards of
 ``tf.train.Example`` (the ``tfrecord`` package's writer: TensorFlow's framing and protobuf messages,
 without TensorFlow), MosaicML Streaming's MDS shards (its ``MDSWriter``), litData's ``optimize()`` output
-and Hugging Face datasets saved with ``save_to_disk``, for tests/test_tfrecord.py, tests/test_mds.py,
-tests/test_litdata.py, tests/test_hfdisk.py and tests/test_sources_contract.py."""
+and Hugging Face datasets saved with ``save_to_disk``, for tests/provider/formats/test_tfrecord.py, tests/provider/formats/test_mds.py,
+tests/provider/formats/test_litdata.py, tests/provider/formats/test_hfdisk.py and tests/provider/sources/test_sources_contract.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pipeline datasets for tests/test_pipeline.py and tests/test_pipeline_factory.py: a one-stage source
+"""Pipeline datasets for tests/provider/pipeline/test_pipeline.py and tests/provider/pipeline/test_pipeline_factory.py: a one-stage source
 file, a fixture that writes pipeline files and opens them as the provider would, and a reader."""
 
 from __future__ import annotations

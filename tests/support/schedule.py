@@ -14,58 +14,62 @@ nothing but order. Re-measure when a file's tests change much.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
 __all__ = ["LONGEST_FIRST", "longest_first"]
 
-#: Test files (under tests/), the longest first; every other file follows in collection order.
+#: The tests folder, which the paths of :data:`LONGEST_FIRST` are relative to.
+TESTS = Path(__file__).resolve().parents[1]
+
+#: Test files (their paths under tests/), the longest first; every other file follows in collection order.
 LONGEST_FIRST = [
-    "test_survive.py",
-    "test_entrypoints.py",
-    "test_slurm.py",
-    "test_gang.py",
-    "test_samples_of_each_step.py",
-    "test_doc_blocks.py",
-    "test_bench_remote.py",
-    "test_sources_contract.py",
-    "test_examples.py",
-    "test_jobs_durable.py",
-    "test_replicas.py",
-    "test_example_jobs.py",
-    "test_attempt_grant.py",
-    "test_studies_e2e.py",
-    "test_bench_peer_formats.py",
-    "test_recipes.py",
-    "test_slurm_requeue.py",
-    "test_chaos_short.py",
-    "test_security_edges.py",
-    "test_bench_peers_images.py",
-    "test_fuzz.py",
-    "test_datasets_cli.py",
-    "test_security.py",
-    "test_evaluators.py",
-    "test_bench.py",
-    "test_ddp_token.py",
-    "test_multihost.py",
-    "test_loss_spikes.py",
-    "test_model_from_running.py",
-    "test_peer_formats_job.py",
-    "test_e2e.py",
-    "test_top_eval.py",
-    "test_entrypoint_gang.py",
-    "test_scale.py",
-    "test_studies_cli.py",
-    "test_sdnotify.py",
-    "test_gang_elastic.py",
-    "test_tensorboard_export.py",
-    "test_loader_habits.py",
-    "test_stall_sources.py",
-    "test_study_watch.py",
-    "test_roles.py",
-    "test_security_memory.py",
-    "test_stall.py",
-    "test_one_machine.py",
+    "system/test_survive.py",
+    "trainer/test_entrypoints.py",
+    "system/test_slurm.py",
+    "router/test_gang.py",
+    "router/test_samples_of_each_step.py",
+    "cli/test_doc_blocks.py",
+    "bench/test_bench_remote.py",
+    "provider/sources/test_sources_contract.py",
+    "cli/test_examples.py",
+    "system/test_jobs_durable.py",
+    "system/test_replicas.py",
+    "cli/test_example_jobs.py",
+    "security/test_attempt_grant.py",
+    "router/test_studies_e2e.py",
+    "bench/test_bench_peer_formats.py",
+    "cli/test_recipes.py",
+    "system/test_slurm_requeue.py",
+    "system/test_chaos_short.py",
+    "security/test_security_edges.py",
+    "bench/test_bench_peers_images.py",
+    "security/test_fuzz.py",
+    "cli/test_datasets_cli.py",
+    "security/test_security.py",
+    "evaluation/test_evaluators.py",
+    "bench/test_bench.py",
+    "loader/test_ddp_token.py",
+    "system/test_multihost.py",
+    "trainer/test_loss_spikes.py",
+    "router/test_model_from_running.py",
+    "trainer/test_peer_formats_job.py",
+    "system/test_e2e.py",
+    "cli/test_top_eval.py",
+    "trainer/test_entrypoint_gang.py",
+    "bench/test_scale.py",
+    "cli/test_studies_cli.py",
+    "cli/test_sdnotify.py",
+    "router/test_gang_elastic.py",
+    "trainer/test_tensorboard_export.py",
+    "loader/test_loader_habits.py",
+    "loader/test_stall_sources.py",
+    "cli/test_study_watch.py",
+    "security/test_roles.py",
+    "security/test_security_memory.py",
+    "loader/test_stall.py",
+    "system/test_one_machine.py",
 ]
 
 
@@ -73,4 +77,10 @@ def longest_first(items: Sequence[pytest.Item]) -> list[pytest.Item]:
     """``items`` with the files of :data:`LONGEST_FIRST` first, in its order; within a file, and among the
     files it does not name, the order stays as collected."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    return sorted(items, key=lambda item: rank.get(item.path.name, len(rank)))
+    return sorted(items, key=lambda item: rank.get(_under_tests(item.path), len(rank)))
+
+
+def _under_tests(path: Path) -> str:
+    """``path``'s place under tests/ (``system/test_survive.py``), or its name where it is elsewhere."""
+    path = path.resolve()
+    return path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else path.name

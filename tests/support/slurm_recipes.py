@@ -1,4 +1,4 @@
-"""What the tests of slurm/'s recipes share (tests/test_slurm.py, tests/test_slurm_requeue.py): the head node's
+"""What the tests of slurm/'s recipes share (tests/system/test_slurm.py, tests/system/test_slurm_requeue.py): the head node's
 batchbus services that trainer tasks join (the ``cluster`` fixture), the environment recipes are submitted with,
 the tokens an operator gives trainer tasks, and the checks on what the jobs trained.
 

@@ -5,7 +5,7 @@ directory, an HTTP listing or an object-store prefix offers a layout, and the :c
 record), :mod:`.dataset` (the :class:`~.dataset.FileSource` that serves an array layout's tables) and
 :mod:`.dataset_toml` (``dataset.toml``). Where the bytes live and how they are fetched (positional and
 ranged reads, caches, confinement) is :mod:`services.provider.sources.storage`'s; a layout imports it,
-never the other way round (``tests/test_layers.py``)."""
+never the other way round (``tests/project/test_layers.py``)."""
 
 from .dataset import FileSource, Layout, Table
 

@@ -3,7 +3,7 @@
 ``val_fraction`` (checked by :func:`~.location.val_fraction`, default 0.1) is the share of train carved
 off. Three carves, each kept by the formats it suits; a format's carve never changes, since that would
 silently change every user's validation set and move samples users validated on into train
-(``tests/test_val_carve.py`` pins each format's on a fixed example):
+(``tests/provider/formats/test_val_carve.py`` pins each format's on a fixed example):
 
 - **The tail of train** (:func:`tail`): the array layouts of ``file://``, TFRecord, MDS, litData,
   ``save_to_disk`` and Parquet. The last ``round(n * val_fraction)`` samples in file order (half to even,

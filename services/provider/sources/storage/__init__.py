@@ -6,4 +6,4 @@ of local files (:mod:`.reader`), HTTP ranges (:mod:`.httprange`, off the GIL thr
 (:mod:`.inflight`) and confinement of a ``file://`` dataset to its directory (:mod:`.confine`).
 
 A new storage backend goes here; the layouts (:mod:`services.provider.sources.formats`) read through these
-modules and are imported by none of them (``tests/test_layers.py``)."""
+modules and are imported by none of them (``tests/project/test_layers.py``)."""

@@ -8,7 +8,7 @@ reading the dataset shares one decode, while the random stages after it still ru
 (seed, epoch, index): each job's bytes are those of an uncached run (docs/datasets.md §7.7).
 
 Its parts, lowest first (each imports only the ones before it, and none imports the pipeline that uses
-the cache: ``tests/test_layers.py``):
+the cache: ``tests/project/test_layers.py``):
 
 - :mod:`.entries`: what is kept and under which key. An :class:`~.entries.Entry` (a sample's value and
   label), a decoded sample's key ``(dataset, split, index, digest of the prefix's stage types and

@@ -1,0 +1,1 @@
+"""The benchmarks (benchmarks/), run small."""

@@ -1,0 +1,1 @@
+"""Scoring on the private test split: evaluators, budgets, noise keys, final evaluation, the kept model's score."""

@@ -1,0 +1,1 @@
+"""The project itself: its import layers and the end of `make test`."""

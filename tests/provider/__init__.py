@@ -1,0 +1,1 @@
+"""The provider service (services/provider): serving, lanes, metrics, sample locations."""

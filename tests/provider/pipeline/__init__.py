@@ -1,0 +1,1 @@
+"""Pipeline datasets (services/provider/sources/pipeline): stages, the factory, the decode cache."""

@@ -1,0 +1,1 @@
+"""Same-host delivery through shared-memory rings (shm/)."""

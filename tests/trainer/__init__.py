@@ -1,0 +1,1 @@
+"""The trainer (services/trainer): its process and attempts, the job API, entrypoint and built-in jobs."""

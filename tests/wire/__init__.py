@@ -1,0 +1,1 @@
+"""The wire: frames, messages, versions, and the serving loop's heartbeats."""
