@@ -24,7 +24,7 @@ torch's own pinned-memory copy.
     python -m benchmarks.delivery --samples 16384 --epochs 3 --wait --json bench.json
     busctl bench --samples 16384 --epochs 3 --wait --json bench.json
 
-``--stall`` measures instead what the stall split (issue 27: providers timing each batch, the loader
+``--stall`` measures instead what the stall split (providers timing each batch, the loader
 attributing its waits, ``RemoteLoader(stall_breakdown=...)``) costs: the shm row with the split on and
 off, alternately (which goes first swaps every repeat), ``--repeat`` times; the ratio of each pair, and
 their median and minimum::

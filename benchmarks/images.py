@@ -1,4 +1,5 @@
-"""Images decoded on the provider: the three rows of issue 15's Performance section, in one run.
+"""Images decoded on the provider: per-core decoding, the trainer's CPU offloaded and scale-out
+(docs/performance.md's section), in one run.
 
 Generated JPEGs of realistic size (500×375, quality 90, ~125 KB) in an ImageFolder tree; the ImageNet
 train recipe (decode → random_resized_crop 224 → flip → normalize):

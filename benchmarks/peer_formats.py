@@ -1,4 +1,4 @@
-"""The rows of ``busctl bench --peers`` for data written for other loaders (issue 28), tensor workload only:
+"""The rows of ``busctl bench --peers`` for data written for other loaders, tensor workload only:
 each format read by its own loader and by batchbus from the very same files, side by side.
 
 =================  ==================================================================================

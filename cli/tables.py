@@ -186,7 +186,7 @@ def job(info: dict) -> None:
             f"data wait {p.get('data_wait_pct', 0):.1f}%"
         )
         split = p.get("data_wait_split") or {}
-        if wait_split(split):  # where the waiting went (issue 27): the part to fix first leads
+        if wait_split(split):  # where the waiting went: the part to fix first leads
             slowest = split.get("slowest") or p.get("data_wait_slowest")
             console.print(f"data wait split: {wait_split(split)}" + (f"; slowest replica {slowest}" if slowest else ""))
         for h in p.get("history", []):

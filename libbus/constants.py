@@ -1,6 +1,6 @@
 """Named limits and timeouts, in one place. Settings can override the ones users tune."""
 
-#: The wire tag, ``BB`` + the wire version. 2: batches carry named fields (issue 15).
+#: The wire tag, ``BB`` + the wire version. 2: batches carry named fields.
 PROTOCOL = b"BB2"
 #: This build's version, sent in ``Hello``.
 VERSION = "0.1.0"

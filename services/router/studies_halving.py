@@ -1,4 +1,4 @@
-"""ASHA that keeps to its budget when trials are few and trainers fewer (issue 18).
+"""ASHA that keeps to its budget when trials are few and trainers fewer.
 
 Optuna's asynchronous successive halving (:class:`~optuna.pruners.SuccessiveHalvingPruner`)
 promotes a trial that leads its rung however few others have reached it: the first trials of a
