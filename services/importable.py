@@ -215,15 +215,13 @@ class TrainerModules:
     def drop(self, sid: str) -> None:
         self._by_sid.pop(sid, None)
 
-    def check(self, spec: JobSpec | dict) -> str:
-        """Check every module the job names (a study's ``[base]`` as a dict too); returns what
+    def check(self, spec: JobSpec) -> str:
+        """Check every module the job names (a study's trials' too: its ``[base]``); returns what
         could not be checked ("" when all was).
 
         Raises:
             BadRequest: connected trainers, none of which can import a module the job names.
         """
-        if isinstance(spec, dict):
-            spec = JobSpec.from_dict(spec)
         notes = [self.check_ref(field, ref, dataset_name(spec.dataset)) for field, ref in refs(spec)]
         return "; ".join(n for n in notes if n)
 

@@ -222,8 +222,19 @@ class JobSpec:
         return self.updated(**changes)
 
     def updated(self, **changes: Any) -> JobSpec:
-        """A copy with ``changes``, checked as a submitted spec is (:class:`BadRequest` naming the field)."""
-        return JobSpec.from_dict({**self.to_dict(), **changes})
+        """A copy with ``changes``, checked as a submitted spec is (:class:`BadRequest` naming the field).
+        An elastic job's ``world_size`` follows a changed ``max_world_size`` unless set with it."""
+        merged = {**self.to_dict(), **changes}
+        if merged.get("elastic") and "world_size" not in changes:
+            del merged["world_size"]  # derived: its max_world_size
+        return JobSpec.from_dict(merged)
+
+    def planned_epochs(self) -> int | None:
+        """The epochs the job trains, where it says: an entrypoint's ``params.epochs``, else ``epochs``
+        for the built-in loop; None for an entrypoint without one (its function decides: the spec's
+        default is not it)."""
+        epochs = self.params.get("epochs", None if self.entrypoint else self.epochs)
+        return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) and epochs > 0 else None
 
     def builtin_params(self) -> dict:
         """What the built-in loop (services/trainer/attempt/builtin.py) reads as ``job.params``: a built-in

@@ -20,8 +20,8 @@ from ..importable import TrainerModules
 from .early_stop import EarlyStopping
 from .jobs import JobControl
 from .store import JobStore
-from .studies import Studies
-from .study_spec import StudySpec
+from .studies import Studies, stored_study
+from .study_spec import StudySpec, trial_spec
 
 __all__ = ["Judges"]
 
@@ -66,14 +66,14 @@ class Judges:
     @serves(SubmitStudy, "admin")
     def on_SubmitStudy(self, session: Session, msg: SubmitStudy) -> StudyInfo:
         spec = StudySpec.from_dict(msg.spec)  # checked first: the scope is read from the checked [base]
-        _check_study_scope(session.claims, spec.base)
+        _check_study_scope(session.claims, spec.base.dataset)
         # every module its trials would name ([base], or a choice of entrypoint or model), as a job's at submit
         self.trainer_modules.check(spec.base)
         for name in ("entrypoint", "model"):
             param = spec.space.get(name)
             for value in param.values if param is not None and param.kind == "choice" else ():
-                self.trainer_modules.check({**spec.base, name: value})
-        study = self.studies.submit(msg.spec, session.subject)
+                self.trainer_modules.check(trial_spec(spec.base, {name: value}))
+        study = self.studies.submit(spec, session.subject)
         return StudyInfo(study=self.studies.show(study))
 
     @serves(ListStudies, "admin")
@@ -84,12 +84,12 @@ class Judges:
     @serves(GetStudy, "admin")
     def on_GetStudy(self, session: Session, msg: GetStudy) -> StudyInfo:
         study = self.studies.show(msg.study)
-        _check_study_scope(session.claims, study["spec"]["base"])
+        _check_study_scope(session.claims, stored_study(study).base.dataset)
         return StudyInfo(study=study)
 
     @serves(StopStudy, "admin")
     def on_StopStudy(self, session: Session, msg: StopStudy) -> Ok:
-        _check_study_scope(session.claims, self.studies.show(msg.study)["spec"]["base"])
+        _check_study_scope(session.claims, stored_study(self.studies.show(msg.study)).base.dataset)
         return Ok(detail=self.studies.stop(msg.study, session.subject))
 
 
@@ -100,11 +100,11 @@ def _allows_study(claims: Claims, dataset) -> bool:
     return "jobs" not in claims.scopes and isinstance(dataset, str) and claims.allows_dataset(dataset_name(dataset))
 
 
-def _check_study_scope(claims: Claims, base: dict) -> None:
-    """Raise :class:`Forbidden` unless :func:`_allows_study`, naming the scope that refuses."""
+def _check_study_scope(claims: Claims, dataset: str) -> None:
+    """Raise :class:`Forbidden` unless :func:`_allows_study` for a study of ``dataset`` (its [base]'s),
+    naming the scope that refuses."""
     if "jobs" in claims.scopes:
         raise Forbidden(
             "a token limited to jobs cannot submit or see studies: their trials are new jobs no jobs scope names"
         )
-    dataset = base.get("dataset")
-    claims.check_dataset(dataset_name(dataset) if isinstance(dataset, str) else "")
+    claims.check_dataset(dataset_name(dataset))

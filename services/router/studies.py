@@ -34,7 +34,7 @@ from .studies_halving import BudgetHalvingPruner
 from .study_spec import StudySpec, trial_spec
 from .study_store import TRIAL_ENDED, StudyState, StudyStore, TrialState
 
-__all__ = ["Studies", "CHECK_S", "START_PER_STEP"]
+__all__ = ["Studies", "CHECK_S", "START_PER_STEP", "stored_study"]
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,7 @@ def _pruner(spec: StudySpec):
     if spec.pruner == "median":
         return pruners.MedianPruner(n_startup_trials=min(spec.concurrent, 5), n_warmup_steps=spec.min_epochs - 1)
     if spec.pruner == "asha":
-        last = spec.base.get("epochs")
-        return BudgetHalvingPruner(
-            spec.min_epochs, spec.reduction_factor, spec.trials, last if isinstance(last, int) else 0
-        )
+        return BudgetHalvingPruner(spec.min_epochs, spec.reduction_factor, spec.trials, spec.base.planned_epochs() or 0)
     if spec.pruner == "plateau":
         return pruners.PatientPruner(None, patience=spec.patience, min_delta=spec.min_delta)
     return pruners.NopPruner()
@@ -119,8 +116,8 @@ class Studies:
         self._last = 0.0
 
     # -- admin requests --------------------------------------------------------------------------
-    def submit(self, raw: dict, by: str) -> str:
-        spec = StudySpec.from_dict(raw)
+    def submit(self, spec: StudySpec, by: str) -> str:
+        """Start ``spec`` (checked where it entered: the router's SubmitStudy); returns the study's id."""
         study = self.store.create(spec.to_dict())
         log.info(
             "study %s submitted by %s: %d trials, %s sampler, %s pruner, %s",
@@ -137,7 +134,7 @@ class Studies:
     def show(self, study: str) -> dict:
         """The study with its trials (each: number, job, params, state, value, epochs) and ``best``."""
         row = self.store.get(study)
-        spec = StudySpec.from_dict(row["spec"])
+        spec = stored_study(row)
         trials = [
             {
                 **{k: t[k] for k in ("number", "job", "params", "state", "value", "epochs")},
@@ -251,7 +248,7 @@ class Studies:
         live = self._live.get(study)
         if live is not None:
             return live
-        spec = StudySpec.from_dict(row["spec"])
+        spec = stored_study(row)
         dists = _distributions(spec)
         study_obj = optuna.create_study(
             direction="maximize" if spec.maximize else "minimize", sampler=_sampler(spec), pruner=_pruner(spec)
@@ -312,7 +309,7 @@ class Studies:
         row = self.jobs.db.execute("SELECT id FROM jobs WHERE json_extract(spec, '$.name') = ?", (name,)).fetchone()
         if row is None:
             try:
-                spec = JobSpec.from_dict({**trial_spec(live.spec.base, params), "name": name})
+                spec = trial_spec(live.spec.base, params, name=name)
             except BadRequest as err:  # a combination no single bound showed: this trial fails, not the study
                 log.warning("study %s: trial %d cannot run: %s", study, number, err)
                 self.store.update_trial(study, number, state=TrialState.FAILED)
@@ -435,7 +432,8 @@ class Studies:
     # -- population-based training ---------------------------------------------------------------
     def _exploit(self, study: str, live: _Live, number: int, job: dict, epoch: int) -> None:
         spec = live.spec
-        if epoch >= int(spec.base.get("epochs", JobSpec.epochs)):
+        last = spec.base.planned_epochs()
+        if last is not None and epoch >= last:
             return  # its last epoch: nothing left to train with another member's weights
         trials = self.store.trials(study)
         scores = {t["number"]: t["reports"][epoch] for t in trials if epoch in t["reports"]}
@@ -452,7 +450,7 @@ class Studies:
         params = pbt.explore({**source["params"]}, spec.space, spec.perturb, rng)
         adopt = (JobCommand.ADOPT, {"checkpoint": ckpt, "from": source["job"]})
         steps = [adopt, (JobCommand.SET, params)]
-        if spec.base.get("entrypoint"):  # its attempt ends at the adopt (it resumes from it): set first
+        if spec.base.entrypoint:  # its attempt ends at the adopt (it resumes from it): set first
             steps.reverse()
         try:
             for command, args in steps:
@@ -484,13 +482,17 @@ def _attrs(live: _Live, trial) -> dict:
     return {k: v for k, v in attrs.items() if k != "fixed_params"}
 
 
-def _epochs_budget(trials: int, base: dict) -> int | None:
-    """Epochs the study trains if every trial runs to its end: a built-in job's ``epochs``, an
-    entrypoint's ``params.epochs`` (what its function reads); ``None`` when an entrypoint names none."""
-    if base.get("entrypoint"):
-        epochs = (base.get("params") or {}).get("epochs")
-        return trials * epochs if isinstance(epochs, int) and not isinstance(epochs, bool) else None
-    return trials * int(base.get("epochs", JobSpec.epochs))
+def _epochs_budget(trials: int, base: JobSpec) -> int | None:
+    """Epochs the study trains if every trial runs to its end (:meth:`JobSpec.planned_epochs`);
+    ``None`` when an entrypoint names none."""
+    epochs = base.planned_epochs()
+    return None if epochs is None else trials * epochs
+
+
+def stored_study(row: dict) -> StudySpec:
+    """A stored study's spec, typed: the one place the router parses a study it wrote (each was checked
+    with :meth:`StudySpec.from_dict` where it entered, at SubmitStudy)."""
+    return StudySpec.from_dict(row["spec"])
 
 
 def _epochs_trained(job: dict, reported: int) -> float:

@@ -44,15 +44,18 @@ __all__ = [
 ]
 
 
-def trial_spec(base: dict, values: dict) -> dict:
+def trial_spec(base: JobSpec, values: dict, **fixed: Any) -> JobSpec:
     """The job spec of a trial: ``base`` with the sampled ``values`` (``params.NAME`` ones go into
-    its ``params``)."""
+    its ``params``) and the ``fixed`` fields (its ``name``), checked as a submitted spec is.
+
+    Raises:
+        BadRequest: the values do not make a valid job (naming the field).
+    """
     params = {k.removeprefix(PARAMS): v for k, v in values.items() if k.startswith(PARAMS)}
     fields = {k: v for k, v in values.items() if not k.startswith(PARAMS)}
-    out = {**base, **fields}
     if params:
-        out["params"] = {**base.get("params", {}), **params}
-    return out
+        fields["params"] = {**base.params, **params}
+    return base.updated(**fields, **fixed)
 
 
 def _prefixed(table: dict) -> dict:
@@ -130,11 +133,11 @@ class Param:
 
 @dataclass
 class StudySpec:
-    """A checked study. ``base`` is the job spec every trial starts from (a dict, as submitted);
+    """A checked study. ``base`` is the job spec every trial starts from;
     ``space`` the parameters varied; the rest are ``[study]`` settings (see the module docstring and
     docs/operations.md §Studies)."""
 
-    base: dict
+    base: JobSpec
     space: dict[str, Param]
     trials: int = 10
     concurrent: int = 2
@@ -174,7 +177,7 @@ class StudySpec:
         if not isinstance(settings, dict):
             raise BadRequest("[study] must be a table")
         try:
-            JobSpec.from_dict(base)
+            job = JobSpec.from_dict(base)  # a study's [base] enters with it: parsed here, typed from here on
         except BadRequest as err:
             raise BadRequest(f"[base]: {err}") from err
         if isinstance(space.get("params"), dict):  # [space.params] lr = {...}: the entrypoint's params
@@ -183,11 +186,11 @@ class StudySpec:
         known = {f.name: f for f in dataclasses.fields(JobSpec)}
         for name, param in params.items():
             if name.startswith(PARAMS):  # an entrypoint's parameter: any plain value its function reads
-                if not base.get("entrypoint"):
+                if not job.entrypoint:
                     raise BadRequest(f"[space] {name}: params are an entrypoint's; [base] names no entrypoint")
                 for value in param.values:
                     try:
-                        JobSpec.from_dict(trial_spec(base, {name: value}))
+                        trial_spec(job, {name: value})
                     except BadRequest as err:
                         raise BadRequest(f"[space] {name}: {value!r} does not make a valid job: {err}") from err
                 continue
@@ -203,7 +206,7 @@ class StudySpec:
                 )
             for value in param.values:  # every bound or choice must make a valid job
                 try:
-                    JobSpec.from_dict({**base, name: value})
+                    trial_spec(job, {name: value})
                 except BadRequest as err:
                     raise BadRequest(f"[space] {name}: {value!r} does not make a valid job: {err}") from err
         unknown = sorted(set(settings) - set(STUDY_KEYS))
@@ -218,7 +221,7 @@ class StudySpec:
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
                 raise BadRequest(f"[study] {key} must be {want.__name__}, got {value!r}")
             values[key] = value
-        spec = cls(base=dict(base), space=params, **values)
+        spec = cls(base=job, space=params, **values)
         spec._check(known)
         return spec
 
@@ -267,7 +270,7 @@ class StudySpec:
             isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in self.perturb
         ):
             raise BadRequest(f"[study] perturb must list positive factors, e.g. [0.8, 1.25], got {self.perturb!r}")
-        entry = bool(self.base.get("entrypoint"))  # an entrypoint's params are all settable
+        entry = bool(self.base.entrypoint)  # an entrypoint's params are all settable
         live = [name for name in self.space if name in SETTABLE or (entry and name.startswith(PARAMS))]
         if not live:
             raise BadRequest(
@@ -287,10 +290,10 @@ class StudySpec:
             raise BadRequest("[study] strategy pbt needs a population of at least 2 trials")
 
     def to_dict(self) -> dict:
-        """The study as submitted (the same dict :meth:`from_dict` takes)."""
+        """The study as :meth:`from_dict` takes it (``[base]`` with every job field, as a job's stored spec)."""
         settings = {k: getattr(self, k) for k in STUDY_KEYS}
         return {
-            "base": self.base,
+            "base": self.base.to_dict(),
             "space": {p.name: {p.kind: list(p.values)} for p in self.space.values()},
             "study": settings,
         }

@@ -15,7 +15,7 @@ from services.router.early_stop import should_stop, stop_epoch
 from services.router.pbt import decide, explore
 from services.router.store import JobStore
 from services.router.studies import Studies
-from services.router.study_spec import Param, StudySpec
+from services.router.study_spec import Param, StudySpec, trial_spec
 
 BASE = {"dataset": "mnist", "model": "mlp", "epochs": 4}
 SPACE = {"lr": {"log_uniform": [1e-4, 1e-1]}}
@@ -78,6 +78,20 @@ def test_a_study_round_trips_and_knows_its_direction():
     assert not spec.maximize
     assert StudySpec.from_dict(spec.to_dict()) == spec
     assert StudySpec.from_dict(study()).maximize  # val_accuracy by default
+
+
+def test_a_trial_is_its_base_with_the_sampled_values_typed_and_checked():
+    elastic = {"dataset": "mnist", "elastic": True, "min_world_size": 1, "max_world_size": 2}
+    spec = StudySpec.from_dict({"base": elastic, "space": {"max_world_size": {"choice": [2, 4]}}})
+    trial = trial_spec(spec.base, {"max_world_size": 4}, name="s1/0")
+    # an elastic job's world_size is its max_world_size: it follows the sampled one
+    assert (trial.world_size, trial.max_world_size, trial.name, trial.dataset) == (4, 4, "s1/0", "mnist")
+    entry = {"dataset": "mnist", "entrypoint": "pkg.train:main", "params": {"lr": 0.1, "epochs": 3}}
+    spec = StudySpec.from_dict({"base": entry, "space": {"params.lr": {"uniform": [0.01, 0.5]}}})
+    assert trial_spec(spec.base, {"params.lr": 0.2}).params == {"lr": 0.2, "epochs": 3}  # the others kept
+    assert spec.base.planned_epochs() == 3  # an entrypoint's epochs are its params' (the last ASHA rung)
+    with pytest.raises(BadRequest, match="lr must be positive"):  # a combination no bound showed
+        trial_spec(StudySpec.from_dict(study()).base, {"lr": -1.0})
 
 
 def test_pbt_copies_a_top_member_into_a_bottom_one_only():
@@ -175,7 +189,9 @@ def test_asha_prunes_trials_and_a_restarted_router_finishes_the_study(tmp_path):
     store = JobStore(str(tmp_path / "jobs.db"))
     trainers = FakeTrainers(store)
     studies = Studies(store, trainers.control)
-    sid = studies.submit(study(trials=8, concurrent=2, sampler="random", pruner="asha", seed=1), "admin")
+    sid = studies.submit(
+        StudySpec.from_dict(study(trials=8, concurrent=2, sampler="random", pruner="asha", seed=1)), "admin"
+    )
     assert [t["state"] for t in studies.show(sid)["trials"]] == ["running", "running"]
     for n in range(100):
         trainers.epoch()
@@ -226,7 +242,7 @@ def test_asha_trains_at_most_half_the_epochs_and_finds_a_top_trial(tmp_path, see
         "study": {"trials": 12, "concurrent": 2, "sampler": "tpe", "pruner": "asha", "reduction_factor": 3},
     }
     raw["study"]["seed"] = seed
-    sid = studies.submit(raw, "admin")
+    sid = studies.submit(StudySpec.from_dict(raw), "admin")
     for _ in range(200):
         trainers.epoch()
         studies._last = 0
@@ -244,7 +260,7 @@ def test_a_stopped_study_stops_its_trials(tmp_path):
     store = JobStore(str(tmp_path / "jobs.db"))
     trainers = FakeTrainers(store)
     studies = Studies(store, trainers.control)
-    sid = studies.submit(study(trials=5, concurrent=2), "admin")
+    sid = studies.submit(StudySpec.from_dict(study(trials=5, concurrent=2)), "admin")
     trainers.epoch()
     studies.stop(sid, "admin")
     with pytest.raises(BadRequest, match="already ended"):
@@ -264,7 +280,7 @@ def test_a_trial_whose_job_cannot_be_made_fails_alone(tmp_path):
     store = JobStore(str(tmp_path / "jobs.db"))
     trainers = FakeTrainers(store)
     studies = Studies(store, trainers.control)
-    sid = studies.submit(study(trials=3, concurrent=1, sampler="random"), "admin")
+    sid = studies.submit(StudySpec.from_dict(study(trials=3, concurrent=1, sampler="random")), "admin")
     studies.store.add_trial(sid, 1, {"lr": -1.0})  # as if asked before a restart, its job not yet made
     studies = Studies(store, trainers.control)
     for _ in range(12):

@@ -251,7 +251,7 @@ class AttemptJob(Job):
             self.meter.samples += samples
         if train is not None and train.epoch != self._status_epoch:  # told once an epoch, not every step
             self._status_epoch = train.epoch
-            total = self._epochs()
+            total = self.spec.planned_epochs()
             shown = f"{min(train.epoch + 1, total)}/{total}" if total else f"{train.epoch + 1}"
             self.notifier.status(f"running job {self.id} epoch {shown}")
         if self._spikes is not None and "loss" in metrics:
@@ -323,7 +323,7 @@ class AttemptJob(Job):
         elapsed = max(1e-9, time.monotonic() - self.meter.started)
         out: dict[str, Any] = {
             "epoch": train.epoch if train is not None else self.epochs_reported,
-            "epochs": self._epochs(),
+            "epochs": self.spec.planned_epochs(),
             "step": self.step_count,
             "steps_per_epoch": len(train) if train is not None else None,
             "loss": self.meter.loss_sum / self.meter.loss_n if self.meter.loss_n else None,
@@ -355,12 +355,6 @@ class AttemptJob(Job):
         if self._events is not None:
             self._events.progress(self.progress())  # the attempt's last figures, between two reports
             self._events.close()
-
-    def _epochs(self) -> int | None:
-        """The epochs the job trains, where it says: its ``epochs`` param, else the spec's for the built-in
-        loop; None for an entrypoint job without one (its function decides: the spec's default is not it)."""
-        epochs = self.spec.params.get("epochs", None if self.spec.entrypoint else self.spec.epochs)
-        return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) and epochs > 0 else None
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _write(self, state: Mapping[str, Any] | None, again: bool = False) -> dict:
