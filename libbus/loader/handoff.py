@@ -87,7 +87,7 @@ class Handoff:
 
     def stop(self) -> None:
         """End the pass: the pass thread stops at its next check (within
-        :data:`~libbus.loader.remote.STOP_CHECK_S`); a consumer still waiting in :meth:`ask` (on
+        :data:`~libbus.loader.pass_pipeline.STOP_CHECK_S`); a consumer still waiting in :meth:`ask` (on
         another thread) gets an error."""
         with self._cond:
             self.stopped = True

@@ -7,8 +7,9 @@ new each epoch and reproducible, and batches are yielded in it whichever replica
 
 The loader is thin: :class:`~libbus.loader.window.RequestWindow` (no sockets) decides which batch is
 requested from which replica and yields them in order, :class:`~libbus.loader.replica_set.ReplicaSet` owns
-the connections and their failures, and this module waits for replies and acts on each explicit
-outcome (:data:`~libbus.loader.window.Outcome`).
+the connections and their failures, :class:`~libbus.loader.pass_pipeline.PassPipeline` waits for replies
+and acts on each explicit outcome (:data:`~libbus.loader.window.Outcome`) on the pass's own thread, and
+this module keeps the cursor and the order and hands the batches out (:mod:`libbus.loader.handoff`).
 
 Failures cost a retry, never a sample: a provider whose connection drops is dropped at once and its
 requests go to another replica; a request a provider leaves unanswered is resent on a fresh
@@ -49,30 +50,18 @@ from libbus.config import script_connection
 from libbus.connect.client import Identity, pick_provider
 from libbus.constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from libbus.errors import BadRequest, ConfigError, OutOfRange, SplitPrivate
-from libbus.loader.context import loader_context, yield_to_the_loop
+from libbus.loader.context import loader_context
 from libbus.loader.dataloader import DatasetSplit, pending_state, refuse_dataloader_args, refuse_rebatching
 from libbus.loader.deliveries import RingDelivery
 from libbus.loader.delivery_protocol import Delivery
 from libbus.loader.flows import check_flows
-from libbus.loader.handoff import Ended, Handoff, Raised, Ready
+from libbus.loader.handoff import Ended, Handoff, Raised
+from libbus.loader.pass_pipeline import PassPipeline, settle_ring_requests
 from libbus.loader.ranks import detect
-from libbus.loader.readahead import READ_AHEAD, ReadAheadPlan
-from libbus.loader.replica import Replica, ReplyPoller, entries_of, recv_any
+from libbus.loader.readahead import READ_AHEAD
+from libbus.loader.replica import Replica, entries_of
 from libbus.loader.replica_set import Links, ReplicaSet
 from libbus.loader.stall import StallMeter
-from libbus.loader.window import (
-    Arrived,
-    ConnectionLost,
-    Failed,
-    GoingAway,
-    Late,
-    NoReplica,
-    NothingPending,
-    Outcome,
-    RequestWindow,
-    SessionExpired,
-    TimedOut,
-)
 from libbus.order import elastic
 from libbus.order.elastic import Plan
 from libbus.order.epochs import (
@@ -85,14 +74,10 @@ from libbus.order.epochs import (
     shift_skips,
 )
 from libbus.security.curve import CurveKeys, load_keys, load_public_key
-from libbus.wire.messages import BatchRequest, ReadAhead
 
 __all__ = ["RemoteLoader", "pick_provider"]
 
 log = logging.getLogger(__name__)
-
-#: How often, at most, a pass thread waiting for replies checks whether its pass was closed (seconds).
-STOP_CHECK_S = 0.1
 
 
 def _role_of(token: str) -> str:
@@ -582,18 +567,21 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             fetch.close()  # frees ring slots now, not whenever the generator is collected
         self._epoch, self._position, self._plan, self._begun = epoch + 1, 0, None, False
 
-    # -- the pipeline ---------------------------------------------------------------------------
-    def _request(self, indices: np.ndarray, fields: dict) -> BatchRequest:
-        if self.samples is not None:  # the order is over the range: its positions are offsets into it
-            indices = indices + self.samples[0]
-        return BatchRequest.for_indices(indices, dataset=self.dataset.name, split=self.split, **fields)
-
+    # -- the pass --------------------------------------------------------------------------------
     def _fetch(self, batches: list[np.ndarray], epoch: int) -> Generator[Any, None, None]:
         """The pass's batches, made ready on a thread of the pass's own (:mod:`libbus.loader.handoff`);
         what this generator does itself is take each one, and count the time it had to wait."""
         handoff = Handoff()
+        pipeline = PassPipeline(
+            self.links,
+            dataset=self.dataset.name,
+            split=self.split,
+            first=self.samples[0] if self.samples is not None else 0,
+            read_ahead=self.read_ahead if self.info.get("read_ahead") else 0,
+            stall_breakdown=self.stall_breakdown,
+        )
         thread = threading.Thread(
-            target=self._run_pass,
+            target=pipeline.run,
             args=(batches, epoch, handoff),
             name=f"batchbus-pass-{self.dataset.name}",
             daemon=True,
@@ -632,155 +620,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             handoff.stop()
             if thread is not threading.current_thread():
                 thread.join()
-            self._settle_ring_requests()
+            settle_ring_requests(self.links)
             for delivery in self.links.deliveries():
                 delivery.reset()
             for replica in self.replicas:
                 replica.take_pending()
-
-    def _settle_ring_requests(self) -> None:
-        """A pass that ends with ring requests in flight (left early, or failed) waits for their
-        replies, ``timeout_s`` at most, before their slots carry other batches: a provider's fill
-        thread may be writing one of them now (it checked the request before the pass ended), and
-        would write into whatever batch the slot holds next. The slots of requests still unanswered
-        then go out of use, as a provider's that stopped answering."""
-        ring = self.links.ring
-        waiting = [r for r in self.links.live if r.delivery is ring and r.pending]
-        if ring is None or not waiting:
-            return
-        deadline = time.monotonic() + self.timeout_s
-        poller = ReplyPoller()
-        unanswered: list[int] = []
-        while waiting:
-            replica, reply = recv_any(waiting, max(0.0, deadline - time.monotonic()), poller)
-            if replica is None:  # past timeout_s
-                break
-            if reply is None:  # its connection was lost: whatever it was writing is not known
-                unanswered += replica.take_pending()
-            else:
-                replica.answered(reply.id)
-            waiting = [r for r in waiting if r.pending]
-        unanswered += [batch_no for r in waiting for batch_no in r.take_pending()]
-        if unanswered:
-            self.links.quarantine(ring, unanswered)
-
-    def _run_pass(self, batches: list[np.ndarray], epoch: int, handoff: Handoff) -> None:
-        yield_to_the_loop()
-        try:
-            self._pipeline(batches, epoch, handoff)
-        except BaseException as err:  # noqa: BLE001 (the consumer raises it where the pass met it)
-            handoff.put(Raised(err))
-
-    def _pipeline(self, batches: list[np.ndarray], epoch: int, handoff: Handoff) -> None:
-        """The pass, on its own thread: keep ``inflight`` requests out, act on what comes back, and
-        make ready the batch the consumer asked for and the one after it (:mod:`libbus.loader.handoff`)."""
-        # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
-        asked_for = {"epoch": epoch, "timing": True} if self.stall_breakdown else {"epoch": epoch}
-        window = RequestWindow(len(batches), lambda n, fields: self._request(batches[n], {**asked_for, **fields}))
-        poller = ReplyPoller()  # per pass: a socket id reused after a reconnect must not alias
-        self.links.open_sessions()
-        self.links.readmit()
-        # the stall split: each arrived batch's (round trip, provider timing), handed on with it
-        arrivals: dict[int, tuple[float, Any]] = {}
-        taken: dict[int, Delivery] = {}  # batches handed to the consumer and not yet let go
-        plan = self._read_ahead_plan(batches)
-        while not handoff.stopped:
-            asked = handoff.asked
-            while window.next_yield < min(asked - 1, window.next_take):  # the consumer let these go
-                window.advance(taken.pop(window.next_yield))
-            if window.finished:
-                handoff.put(Ended())
-                return
-            self.links.top_up()  # flows dropped while their provider kept answering
-            window.fill(self.replicas, self.inflight)
-            if plan is not None:
-                plan.at(window.next_yield)
-            if window.next_take >= window.count or window.next_take > asked:
-                # the consumer has the newest batch and the next one is ready: act on the replies
-                # already here, then wait for the consumer to ask again
-                self._take_replies(window, poller, arrivals)
-                handoff.wait_asked(asked)
-                continue
-            via = window.via.get(window.next_take)
-            got = window.take()
-            if got is not None:
-                batch_no, delivery, item = got
-                taken[batch_no] = delivery
-                trip, timing = arrivals.pop(batch_no, (0.0, None))
-                replica = via[0].label if via is not None else ""
-                handed = not delivery.hand_out_in_consumer
-                if handed:
-                    item = delivery.hand_out(batch_no, item)
-                handoff.put(Ready(batch_no, delivery, item, handed, replica, trip, timing))
-                continue
-            outcome = self._next_outcome(window, poller, STOP_CHECK_S)
-            self._act(window, outcome, arrivals, handoff)
-
-    def _take_replies(self, window: RequestWindow, poller: ReplyPoller, arrivals: dict) -> None:
-        """Act on the replies that are here already, without waiting for more."""
-        while any(r.pending for r in self.links.live):
-            outcome = self._next_outcome(window, poller, 0.0)
-            if isinstance(outcome, TimedOut) and not outcome.overdue:
-                return  # nothing more is here yet
-            self._act(window, outcome, arrivals)
-
-    def _read_ahead_plan(self, batches: list[np.ndarray]) -> ReadAheadPlan | None:
-        """This pass's :class:`ReadAheadPlan`, where the provider can use one and there is one provider."""
-        if not self.read_ahead or not self.info.get("read_ahead"):
-            return None
-        offset = self.samples[0] if self.samples is not None else 0
-
-        def send(indices: np.ndarray) -> None:
-            live = self.links.live
-            if len({r.endpoint for r in live}) != 1:  # none, or several replicas: whoever reads is not known
-                return
-            frame = (indices + offset if offset else indices).astype("<i8", copy=False)
-            live[0].client.send(ReadAhead(dataset=self.dataset.name, split=self.split, frames=[frame.data]))
-
-        return ReadAheadPlan(batches, self.inflight, self.read_ahead, send)
-
-    def _next_outcome(self, window: RequestWindow, poller: ReplyPoller, most_s: float) -> Outcome:
-        """Wait, ``most_s`` at most, for what happens next to the requests of this pass (see
-        :mod:`libbus.loader.window`); a wait that ends with nothing overdue is ``TimedOut(())``."""
-        live = self.links.live
-        if not live:
-            return NoReplica()
-        if not any(r.pending for r in live):
-            return NothingPending()
-        oldest = min(r.oldest() for r in live)
-        wait_s = min(most_s, max(0.0, oldest + self.timeout_s - time.monotonic()))
-        replica, reply = recv_any(live, wait_s, poller)
-        now = time.monotonic()
-        overdue = [r for r in live if r.oldest() + self.timeout_s <= now] if replica is None else []
-        return window.classify(replica, reply, overdue)
-
-    def _act(self, window: RequestWindow, outcome: Outcome, arrivals: dict, handoff: Handoff | None = None) -> None:
-        """Do what ``outcome`` calls for; raises the typed error of an ``Error`` reply, and
-        :class:`PeerTimeout` when no provider comes back within ``provider_wait_s`` (the wait for
-        one ends early once ``handoff`` is stopped)."""
-        links = self.links
-        match outcome:
-            case Arrived(batch_no=batch_no, reply=reply, replica=replica):
-                if self.stall_breakdown:
-                    arrivals[batch_no] = (replica.round_trip_s, reply.timing)
-                window.arrived(batch_no, reply)
-            case NoReplica():
-                links.await_replica(stopped=(lambda: handoff.stopped) if handoff is not None else None)
-            case NothingPending():
-                self._delivery.wait_free()  # slots held by copies to the GPU still running
-            case ConnectionLost(replica=replica):
-                window.resend(links.lost(replica))
-            case TimedOut(overdue=overdue):
-                for replica in overdue:
-                    window.resend(links.timed_out(replica))
-            case SessionExpired(replica=replica, batch_no=batch_no):
-                window.resend([batch_no, *links.strike(replica, "session expired on the provider", count=False)])
-            case GoingAway(replica=replica, batch_no=batch_no, reason=reason):
-                window.resend([batch_no, *links.down(replica, reason)])
-            case Failed(replica=replica, reply=reply):
-                replica.client.check(reply)
-            case Late():
-                pass  # a late reply to a request already sent again
 
 
 def _record_range(samples: tuple[int, int] | range | None) -> tuple[int, int] | None:

@@ -146,7 +146,7 @@ def test_the_training_loops_thread_sends_receives_and_hands_out_nothing_during_a
 ):
     """What keeps the loop's next() cheap: every request, reply and hand-out of a pass happens on the
     pass's thread (a regression that moves one back shows here, not only in `busctl bench --wait`)."""
-    from libbus.loader import deliveries, remote, replica  # noqa: PLC0415
+    from libbus.loader import deliveries, pass_pipeline, replica  # noqa: PLC0415
 
     seen: dict[str, set[str]] = {}
 
@@ -160,7 +160,7 @@ def test_the_training_loops_thread_sends_receives_and_hands_out_nothing_during_a
         monkeypatch.setattr(owner, name, call)
 
     spy(replica.Replica, "send")
-    spy(remote, "recv_any")
+    spy(pass_pipeline, "recv_any")
     spy(deliveries.RingDelivery, "receive")
     spy(deliveries.RingDelivery, "hand_out")
     with RemoteLoader("mnist", provider=provider.endpoint, token=make_token(), batch_size=50) as loader:
