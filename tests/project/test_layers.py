@@ -1,6 +1,6 @@
 """The house's layers, checked from the source (no import runs): the import graph of the project's modules
-has no cycle, no package imports a higher layer, no module imports another's private name, and test files
-import helpers only from ``tests.support``.
+has no cycle, no package imports a higher layer, no module imports another's private name, test files
+import helpers only from ``tests.support``, and a job or study spec is parsed only where it enters a process.
 
 Every ``import`` counts, the ones inside functions too: an import moved into a function to dodge a cycle
 is still the cycle.
@@ -323,3 +323,82 @@ def test_the_checks_see_the_import_forms_they_police(tmp_path):
     assert "shm.errors" in _edges()["libbus.errors"]
     # cli/start.py imports the provider's service inside a function
     assert "services.provider.app" in _edges()["cli.start"]
+
+
+#: The only places a job or study spec is parsed (``JobSpec.from_dict``, ``StudySpec.from_dict``): where it
+#: enters a process, and where a parsed one, changed, is checked again whole. Everything past them takes a
+#: ``JobSpec`` or ``StudySpec``, never a dict to parse again. ``(file, function): why``.
+SPEC_ENTRY_POINTS = {
+    ("cli/studies.py", "load_study"): "busctl study submit checks the file as the router will, before sending it",
+    ("services/router/handler.py", "RouterHandler.on_SubmitJob"): "a job enters the router",
+    ("services/router/judges.py", "Judges.on_SubmitStudy"): "a study enters the router",
+    ("services/router/study_spec.py", "StudySpec.from_dict"): "a study's [base] is parsed with the study",
+    ("services/router/store.py", "stored_spec"): "the router reads a job's spec from its SQLite store",
+    ("services/router/studies.py", "stored_study"): "the router reads a study from its SQLite store",
+    ("services/trainer/service/app.py", "TrainerService._run_task"): "a task from the router enters the trainer",
+    ("services/trainer/attempt/child.py", "run"): "the task enters the attempt's process from its trainer",
+    ("libbus/jobs/spec.py", "JobSpec.updated"): "a parsed spec with changes is checked again as a whole",
+}
+_SPEC_TYPES = {"JobSpec", "StudySpec"}
+
+
+def _spec_parses(source: str, where: str) -> list[tuple[str, int]]:
+    """``(function, line)`` of each ``JobSpec.from_dict(...)``/``StudySpec.from_dict(...)`` call in ``source``
+    (``cls.from_dict`` inside those classes too), the function named by its dotted path from the module."""
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, scope: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                visit(child, [*scope, child.name])
+                continue
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and child.func.attr == "from_dict":
+                owner = child.func.value
+                name = owner.id if isinstance(owner, ast.Name) else ""
+                if name in _SPEC_TYPES or (name == "cls" and any(s in _SPEC_TYPES for s in scope)):
+                    found.append((".".join(scope), child.lineno))
+            visit(child, scope)
+
+    visit(ast.parse(source, where), [])
+    return found
+
+
+def test_a_spec_is_parsed_only_where_it_enters_a_process():
+    product = [p for top in ("shm", "libbus", "services", "cli") for p in (REPO / top).rglob("*.py")]
+    seen, wrong = set(), []
+    for path in product:
+        rel = str(path.relative_to(REPO))
+        for function, line in _spec_parses(path.read_text(), rel):
+            seen.add((rel, function))
+            if (rel, function) not in SPEC_ENTRY_POINTS:
+                wrong.append(f"{rel}:{line} ({function or 'module level'})")
+    assert not wrong, (
+        "a job or study spec parsed again past where it entered its process: take the JobSpec/StudySpec "
+        "parsed there (or add a true entry point to SPEC_ENTRY_POINTS, with its reason):\n" + "\n".join(wrong)
+    )
+    stale = sorted(f"{f}: {fn}" for f, fn in set(SPEC_ENTRY_POINTS) - seen)
+    assert not stale, "SPEC_ENTRY_POINTS names places that parse no spec (moved or gone):\n" + "\n".join(stale)
+
+
+def test_the_spec_check_sees_each_form_of_parse():
+    source = (
+        "def run(task):\n"
+        "    return JobSpec.from_dict(task.spec)\n"
+        "class Handler:\n"
+        "    def on_get(self, job):\n"
+        "        def inner():\n"
+        "            return [StudySpec.from_dict(s) for s in job]\n"
+        "        return inner\n"
+        "class JobSpec:\n"
+        "    @classmethod\n"
+        "    def copy(cls, raw):\n"
+        "        return cls.from_dict(raw)\n"
+        "spec = JobSpec.from_dict({})\n"
+        "other = Settings.from_dict({})\n"
+    )
+    assert _spec_parses(source, "example.py") == [
+        ("run", 2),
+        ("Handler.on_get.inner", 6),
+        ("JobSpec.copy", 11),
+        ("", 12),
+    ]
