@@ -1,7 +1,8 @@
 """The router's job control: leases, hand-backs, retries, and live commands with acknowledgements.
 
 Kept apart from the handler (which checks roles and scopes, then calls in here) so that the rules a
-job lives by read in one place:
+job lives by read in one place (what a finished job leaves, its scored result and final model, is kept by
+:mod:`.job_results`; the samples of its steps, looked up and skipped, are :mod:`.job_samples`):
 
 - A trainer holds a ``running`` or ``paused`` job by a lease (an expiry time in the job store). The
   lease is renewed while the trainer's session is alive (its heartbeats) and by each progress
