@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -83,6 +84,8 @@ def guard(fn: Callable) -> Callable:
             fail(f"{err} [{err.code}]" if err.code not in ("INTERNAL",) else str(err))
         except KeyboardInterrupt:
             fail("interrupted", 130)
+        except BrokenPipeError:
+            _reader_left()
         except OSError as err:
             fail(f"{err.strerror or err}: {err.filename}" if err.filename else str(err))
         except typer.Exit:
@@ -92,6 +95,15 @@ def guard(fn: Callable) -> Callable:
             fail(f"unexpected {type(err).__name__}: {err} (a bug: please report it)")
 
     return wrapper
+
+
+def _reader_left() -> NoReturn:
+    """The reader of stdout left early (``busctl job logs --json | head``): it read what it wanted, so
+    nothing is said. stdout is pointed at /dev/null (the recipe of Python's signal docs) so the flush at
+    exit has nowhere to fail, and the status is a shell's own for a pipe closed under it (128 + SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    raise typer.Exit(141)
 
 
 def print_json(value: Any) -> None:
