@@ -14,12 +14,15 @@ from libbus.wire.messages import (
     ControlJob,
     GetJob,
     GetTask,
+    ListJobs,
+    ListStudies,
     NoTask,
     Progress,
     PushResult,
     Resolve,
     Stats,
     SubmitJob,
+    SubmitStudy,
     Task,
 )
 from services.router.store import JobStore
@@ -58,6 +61,27 @@ def test_store_survives_reopening_and_keeps_events(tmp_path):
 def test_bad_job_specs_are_refused_naming_the_field(spec, words):
     with pytest.raises(BadRequest, match=words):
         JobSpec.from_dict(spec)
+
+
+@pytest.mark.parametrize(
+    "wire, words",
+    [
+        ({"dataset": "mnist", "epochs": "many"}, "job field 'epochs' must be int, got 'many'"),
+        ({"dataset": "mnist", "colour": 1}, "unknown job field(s) colour"),
+        ({"model": "mlp"}, "job spec needs 'dataset'"),
+        ({"base": {"dataset": "mnist", "lr": -1.0}, "space": {"seed": {"int": [0, 3]}}}, "[base]: lr must be positive"),
+    ],
+)
+def test_a_malformed_spec_is_refused_where_it_enters_the_router(router, client_for, wire, words):
+    """Sent past busctl's checks, a bad job or study spec gets one line naming the field; nothing is kept,
+    and a trainer asking for work is given none."""
+    admin = client_for(router.endpoint, role="admin")
+    msg = SubmitStudy(spec=wire) if "base" in wire else SubmitJob(spec=wire)
+    with pytest.raises(BadRequest) as refused:
+        admin.request(msg)
+    assert words in str(refused.value) and "\n" not in str(refused.value) and "Traceback" not in str(refused.value)
+    assert admin.request(ListJobs()).jobs == [] and admin.request(ListStudies()).studies == []
+    assert isinstance(client_for(router.endpoint).request(GetTask(key="k")), NoTask)
 
 
 def test_resolve_names_providers_and_what_is_online(router, provider, client_for):
