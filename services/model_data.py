@@ -4,7 +4,11 @@ so it lives apart from :mod:`services.models` (torch): a provider imports torch 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, cast
+
 from libbus.errors import BadRequest
+from libbus.wire.dataset_info import SourceInfo
 
 __all__ = ["FIELDS", "IMAGE_FIELD", "LABEL_FIELD", "TOKENS", "dataset_kind", "xy_info"]
 
@@ -16,7 +20,7 @@ FIELDS = "fields"
 IMAGE_FIELD, LABEL_FIELD = "image", "label"
 
 
-def xy_info(info: dict) -> dict:
+def xy_info(info: Mapping[str, Any]) -> SourceInfo:
     """``info`` as a built-in model sizes itself by: an x/y dataset's own; for a dataset of named
     fields, its ``image`` field (fixed shape, numbers) as the sample and its ``label`` field (one
     class id) as the label — an image folder or WebDataset shards with ``?size=…&fields=image,label``,
@@ -26,8 +30,9 @@ def xy_info(info: dict) -> dict:
         BadRequest: named fields without those two, or of a kind no built-in model reads; the message
             names the fields and says what to do.
     """
+    given = cast(SourceInfo, info)  # a provider's DatasetInfo, as it sent it
     if dataset_kind(info) != FIELDS:
-        return info
+        return given
     fields = {f.get("name"): f for f in info.get("fields", []) if isinstance(f, dict)}
     image, label = fields.get(IMAGE_FIELD), fields.get(LABEL_FIELD)
     if image is None or label is None:
@@ -46,15 +51,15 @@ def xy_info(info: dict) -> dict:
     if label.get("shape") != [] or not str(label.get("dtype", "")).startswith(("int", "uint")):
         raise BadRequest(f"field {LABEL_FIELD!r} must hold one integer class id per sample, not {label}")
     return {
-        **info,
+        **given,
         "kind": "image",
-        "sample_shape": list(shape),
+        "sample_shape": [s for s in shape if s is not None],  # none is: checked above
         "dtype": dtype,
         "label_shape": [],
         "label_dtype": label["dtype"],
     }
 
 
-def dataset_kind(info: dict) -> str:
+def dataset_kind(info: Mapping[str, Any]) -> str:
     """The dataset's ``kind`` from its DatasetInfo; sources that predate the field are images."""
     return info.get("kind", "image")

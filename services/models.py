@@ -54,7 +54,7 @@ def xy(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def _refuse_tokens(model: str, info: dict) -> None:
+def _refuse_tokens(model: str, info: Mapping[str, Any]) -> None:
     if dataset_kind(info) == TOKENS:
         raise BadRequest(
             f"model {model!r} classifies fixed-size samples, but this is a token dataset "
@@ -62,7 +62,7 @@ def _refuse_tokens(model: str, info: dict) -> None:
         )
 
 
-def _mlp(info: dict, hidden: int = 256) -> nn.Module:
+def _mlp(info: Mapping[str, Any], hidden: int = 256) -> nn.Module:
     _refuse_tokens("mlp", info)
     features = math.prod(info["sample_shape"])
     return nn.Sequential(
@@ -75,7 +75,7 @@ def _mlp(info: dict, hidden: int = 256) -> nn.Module:
     )
 
 
-def _cnn(info: dict, width: int = 16) -> nn.Module:
+def _cnn(info: Mapping[str, Any], width: int = 16) -> nn.Module:
     _refuse_tokens("cnn", info)
     shape = info["sample_shape"]
     if len(shape) != 3:
@@ -142,7 +142,7 @@ class ResNet18(nn.Module):
         return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
 
 
-def _resnet18(info: dict, width: int = 64) -> nn.Module:
+def _resnet18(info: Mapping[str, Any], width: int = 64) -> nn.Module:
     _refuse_tokens("resnet18", info)
     shape = info["sample_shape"]
     if len(shape) != 3:
@@ -198,7 +198,7 @@ class TinyLM(nn.Module):
 
 
 def _tiny_lm(
-    info: dict, d_model: int = 64, heads: int = 4, layers: int = 2, ff: int = 4, dropout: float = 0.0
+    info: Mapping[str, Any], d_model: int = 64, heads: int = 4, layers: int = 2, ff: int = 4, dropout: float = 0.0
 ) -> nn.Module:
     if dataset_kind(info) != TOKENS:
         raise BadRequest(
@@ -218,7 +218,7 @@ MODELS = {"mlp": _mlp, "cnn": _cnn, "resnet18": _resnet18, "tiny-lm": _tiny_lm}
 
 
 def build_model(
-    name: str, info: dict, kwargs: Mapping[str, Any] | None = None, *, allowed: Collection[str] = ()
+    name: str, info: Mapping[str, Any], kwargs: Mapping[str, Any] | None = None, *, allowed: Collection[str] = ()
 ) -> nn.Module:
     """The model ``name`` for a dataset described by ``info`` (DatasetInfo fields).
 

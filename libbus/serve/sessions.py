@@ -17,13 +17,16 @@ import os
 import secrets
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import zmq
 
 from libbus.constants import SESSIONS_PER_SUBJECT, STORED_JSON_BYTES, STORED_JSON_DEPTH
 from libbus.errors import BadRequest, BusError, RateLimited
 from libbus.security.auth import Claims
+from libbus.wire.dataset_info import SourceInfo
 from libbus.wire.messages import Hello
 from libbus.wire.schema import check_stored
 
@@ -43,11 +46,12 @@ __all__ = [
 HOST_INFO_KEYS = ("uri", "path", "source_uri")
 
 
-def reader_info(info: dict, claims: Claims) -> dict:
+def reader_info(info: Mapping[str, Any], claims: Claims) -> SourceInfo:
     """A dataset's ``info`` as ``claims`` may see it: an unrestricted admin's (the operator's) whole;
     anyone else's, a tenant's admin scoped to its datasets or jobs included, without
     :data:`HOST_INFO_KEYS`, at any depth (the name, shapes, dtypes, counts and layout are what a reader needs)."""
-    return info if claims.role == "admin" and not claims.scopes else without_host_keys(info)
+    # a provider's own source's, or the one its Hello gave the router: as it sent it
+    return cast(SourceInfo, info if claims.role == "admin" and not claims.scopes else without_host_keys(info))
 
 
 def without_host_keys(value):

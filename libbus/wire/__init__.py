@@ -6,6 +6,7 @@ is the families' and the frames' together); inside libbus, import the submodule 
 
 from __future__ import annotations
 
+from libbus.wire import dataset_info as _dataset_info
 from libbus.wire import fields as _fields
 from libbus.wire import frames as _frames
 from libbus.wire import msg_data as _msg_data
@@ -14,6 +15,7 @@ from libbus.wire import msg_session as _msg_session
 from libbus.wire import schema as _schema
 from libbus.wire import sockets as _sockets
 from libbus.wire import text as _text
+from libbus.wire.dataset_info import *  # noqa: F403
 from libbus.wire.fields import *  # noqa: F403
 from libbus.wire.frames import *  # noqa: F403
 from libbus.wire.msg_data import *  # noqa: F403
@@ -24,6 +26,7 @@ from libbus.wire.sockets import *  # noqa: F403
 from libbus.wire.text import *  # noqa: F403
 
 __all__ = [
+    *_dataset_info.__all__,
     *_fields.__all__,
     *_frames.__all__,
     *_msg_data.__all__,

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from libbus.errors import BusError, TooLarge
+from libbus.wire.dataset_info import FieldInfo
 
 __all__ = [
     "Field",
@@ -119,8 +120,8 @@ class Field:
         dims = ", ".join("?" if d is None else str(d) for d in self.shape)
         return f"{self.name} {self.dtype} ({dims}{',' if len(self.shape) == 1 else ''})"
 
-    def to_info(self) -> dict:
-        out: dict = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+    def to_info(self) -> FieldInfo:
+        out: FieldInfo = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
         if self.variable:
             out["max_bytes"] = self.max_bytes
         return out

@@ -15,6 +15,7 @@ from libbus.connect.link import Link
 from libbus.errors import BusError, ConfigError, Unavailable
 from libbus.serve.metrics import MetricsExporter, start_exporter
 from libbus.serve.server import Server
+from libbus.wire.dataset_info import SourceInfo
 from libbus.wire.messages import ChargeEvaluation, Entitlements, EvaluationCharged, EvaluationReport, Message
 
 from .. import credentials, process
@@ -58,7 +59,7 @@ def private_test_option(uri: str) -> tuple[str, bool]:
     return (f"{base}?{'&'.join(kept)}" if kept else base), private
 
 
-def split_notice(name: str, info: dict) -> str:
+def split_notice(name: str, info: SourceInfo) -> str:
     """One line on where a dataset's splits come from: how many samples each holds, whether val was
     carved out of train (``val_fraction`` in its DatasetInfo: the files hold no val split) and
     whether its test split is readable."""

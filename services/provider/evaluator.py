@@ -39,6 +39,7 @@ from services.usercode import import_allowed
 
 from .evalgate import Bound
 from .sources import Source
+from .sources.base import SourceInfo
 
 __all__ = ["EVAL_CHUNK", "MAX_EXTRA_METRICS", "Prepared", "Scores", "evaluate_weights", "prepare", "score"]
 
@@ -72,7 +73,7 @@ class Prepared:
     kwargs: dict
 
 
-def prepare(model_spec: dict, blob: bytes, info: dict, evaluator_modules: Collection[str]) -> Prepared:
+def prepare(model_spec: dict, blob: bytes, info: SourceInfo, evaluator_modules: Collection[str]) -> Prepared:
     """Load safetensors ``blob`` and make what scores it (:func:`.evalgate.check_model_spec` passed).
 
     A built-in model's shape is first built on the meta device, which allocates nothing, and must fit
@@ -117,7 +118,7 @@ def prepare(model_spec: dict, blob: bytes, info: dict, evaluator_modules: Collec
 class _Reader:
     """The split in chunks, checking the bound before each one and counting the samples read."""
 
-    def __init__(self, source: Source, split: str, info: dict, bound: Bound, xy: bool):
+    def __init__(self, source: Source, split: str, info: SourceInfo, bound: Bound, xy: bool):
         self.source, self.split, self.bound, self.xy = source, split, bound, xy
         self.n = 0
         if xy:  # sample elements x classes bounds the logits of one sample (tokens: (seq_len + 1) x vocab)
@@ -166,7 +167,7 @@ def _builtin(model: nn.Module, batches: _Reader, kind: str) -> tuple[float, floa
     return total_loss / predicted, correct / predicted
 
 
-def score(prepared: Prepared, source: Source, split: str, info: dict, bound: Bound, *, xy: bool) -> Scores:
+def score(prepared: Prepared, source: Source, split: str, info: SourceInfo, bound: Bound, *, xy: bool) -> Scores:
     """Score ``prepared`` on ``split`` of ``source`` within ``bound``.
 
     Raises :class:`BadRequest` when an evaluator's result breaks the contract (module docstring),
@@ -216,7 +217,7 @@ def evaluate_weights(
     split: str,
     model_spec: dict,
     blob: bytes,
-    info: dict,
+    info: SourceInfo,
     stop: threading.Event | None = None,
     evaluator_modules: Collection[str] = (),
     timeout_s: float = float("inf"),

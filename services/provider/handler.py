@@ -193,7 +193,7 @@ class ProviderHandler(Handler):
         #: like train and val, and said so in their DatasetInfo.
         self.readable_test = readable_test
         for name in readable_test:
-            self.infos[name]["splits"][PRIVATE_SPLIT].update(available=True, shuffle=True)
+            self.infos[name]["splits"][PRIVATE_SPLIT].update({"available": True, "shuffle": True})
         #: Each dataset's fields, and whether it is an x/y dataset (served through ``serve_into``).
         self.fields = {name: source.fields for name, source in datasets.items()}
         self.xy = {name: source.xy for name, source in datasets.items()}
@@ -366,7 +366,7 @@ class ProviderHandler(Handler):
         self.source(msg.dataset)
         return DatasetInfo(
             dataset=msg.dataset,
-            info=reader_info(self.infos[msg.dataset], session.claims),
+            info=dict(reader_info(self.infos[msg.dataset], session.claims)),  # the message's JSON object
             host_id=self.host_id,
             local_endpoint=self.local_endpoint,
         )

@@ -197,7 +197,7 @@ class Peers:
                 f"dataset {name!r} is not served by any provider; online: {', '.join(online) or 'no providers'}"
             )
         info = next(iter(latest.values())).hello.caps["datasets"][name]  # the first registered's
-        return Resolved(dataset=name, info=reader_info(info, session.claims), providers=providers)
+        return Resolved(dataset=name, info=dict(reader_info(info, session.claims)), providers=providers)
 
     def _train_size(self, dataset: str) -> int | None:
         """The train split's size as a live provider of ``dataset`` registered it (None: none online)."""

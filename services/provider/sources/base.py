@@ -26,6 +26,7 @@ from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 import numpy as np
 
 from libbus.errors import DatasetError
+from libbus.wire.dataset_info import SourceInfo, SplitInfo
 from libbus.wire.fields import Field, FieldBatch, is_xy
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "OpenRequest",
     "ReadPolicy",
     "Source",
+    "SourceInfo",
     "joined_locations",
     "local_path",
     "relative_name",
@@ -172,23 +174,25 @@ class Source(ABC):
             return self.x_nbytes + self.y_nbytes
         return sum(f.sample_nbytes for f in self.fields)
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         """The DatasetInfo ``info``: ``fields`` is the truth; an x/y dataset also keeps the keys
         older readers know (``sample_shape``, ``dtype``, ``label_shape``, ``label_dtype``)."""
-        splits = {}
+        splits: dict[str, SplitInfo] = {}
         for split in SPLITS:
             private = split == PRIVATE_SPLIT
             splits[split] = {"num_samples": self.num_samples(split), "available": not private, "shuffle": not private}
         fields = self.fields
-        out: dict = {"uri": self.uri, "splits": splits}
+        out: SourceInfo = {"uri": self.uri, "splits": splits}
         if is_xy(fields):
             out.update(
-                sample_shape=list(self.sample_shape),
-                label_shape=list(self.label_shape),
-                dtype=self.dtype.name,
-                label_dtype=self.label_dtype.name,
+                {
+                    "sample_shape": list(self.sample_shape),
+                    "label_shape": list(self.label_shape),
+                    "dtype": self.dtype.name,
+                    "label_dtype": self.label_dtype.name,
+                }
             )
-        out.update(num_classes=self.num_classes, class_names=list(self.class_names), kind=self.kind)
+        out.update({"num_classes": self.num_classes, "class_names": list(self.class_names), "kind": self.kind})
         out["fields"] = [f.to_info() for f in fields]
         return out
 

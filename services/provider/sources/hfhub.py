@@ -30,7 +30,7 @@ from urllib.parse import unquote, urlsplit
 
 from libbus.errors import DatasetError
 
-from .base import OpenRequest, Source
+from .base import OpenRequest, Source, SourceInfo
 from .layouts import open_layout
 from .objstore import ObjectLocation
 from .storage.objects import RETRY_STATUSES, ObjectError, ObjectMeta
@@ -165,7 +165,7 @@ class HfLocation(ObjectLocation):
         self.hf = HfBackend(repo_id, revision, timeout_s)
         return self.hf, path
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         return {"store": "hf", "repo": self.hf.repo_id, "revision": self.hf.commit}
 
 

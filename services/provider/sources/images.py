@@ -40,7 +40,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, stable_seed
+from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, SourceInfo, stable_seed
 from .formats import imageops
 from .formats.imageops import BAD_POLICIES, default_workers
 from .splitmix import uniforms
@@ -181,7 +181,7 @@ class ImageSource(Source):
     def locate(self, split: str, indices: np.ndarray) -> list[str]:
         return store_locate(self.store, split, indices)
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         return {
             **super().info(),
             **carve_info(self.store),
@@ -339,7 +339,7 @@ class EncodedImages(Source):
             "pipeline's decode stage"
         )
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         return {**super().info(), **carve_info(self.store), "format": self.format}
 
     def close(self) -> None:
@@ -402,7 +402,7 @@ class DecodedImages(Source):
     def locate(self, split: str, indices: np.ndarray) -> list[str]:
         return store_locate(self.store, split, indices)
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         return {**super().info(), "format": self.format, "workers": self.workers}
 
     def read(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,7 +23,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .base import SPLITS, OpenRequest, Source, stable_seed
+from .base import SPLITS, OpenRequest, Source, SourceInfo, stable_seed
 from .splitmix import GAMMA as _M1
 from .splitmix import MUL1 as _M2
 from .splitmix import MUL2 as _M3
@@ -132,7 +132,7 @@ class MockTokens(Source):
             out[:, t] = np.where(noisy[:, t], uniform[:, t], chained)
         return out.astype(self.dtype), np.empty((len(indices), 0), self.label_dtype)
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         return {**super().info(), "seq_len": self.seq_len, "vocab_size": self.vocab}
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from libbus.errors import DatasetError
 
-from .base import OpenRequest, Source
+from .base import OpenRequest, Source, SourceInfo
 from .formats.dataset import Context, FilePath
 from .formats.location import Location
 from .layouts import open_layout
@@ -236,7 +236,7 @@ class ObjectLocation(Location):
     def batch(self):
         return self.client.batch()
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         return {"store": self.client.backend.name.split("://")[0]}
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from .base import SPLITS, Field, FieldBatch, OpenRequest, Source
+from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, SourceInfo
 
 __all__ = ["MAX_PERIOD", "Mix", "Schedule", "integer_weights", "open_weighted"]
 
@@ -220,13 +220,13 @@ class Mix(Source):
     def num_samples(self, split: str) -> int:
         return self._splits[split][0]
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         info = super().info()
         infos = [s.info() for s in self.sources]
         for key in SHARED_INFO:
             values = {i.get(key) for i in infos}
             if len(values) == 1 and None not in values:
-                info[key] = values.pop()
+                info[key] = values.pop()  # type: ignore[literal-required]  # one of SHARED_INFO's int keys
         _, members, schedule = self._splits["train"]
         shares = {i: w / schedule.period for i, w in zip(members, schedule.weights)} if schedule else {}
         info["format"] = "weighted"

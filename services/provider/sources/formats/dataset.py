@@ -23,7 +23,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import ReadPolicy, Source, relative_name
+from ..base import ReadPolicy, Source, SourceInfo, relative_name
 from ..storage.confine import Confinement
 from ..storage.reader import ByteSpace, Records, Segment, read_spaces
 from . import val_carve
@@ -133,7 +133,7 @@ class Layout:
     num_classes: int | None = None  # None: count them from the labels
     class_names: list[str] = field(default_factory=list)
     kind: str = "image"
-    extra: dict = field(default_factory=dict)  # more DatasetInfo keys (tokens: seq_len, vocab_size)
+    extra: SourceInfo = field(default_factory=SourceInfo)  # more DatasetInfo keys (tokens: seq_len, vocab_size)
 
 
 def _flat(a: np.ndarray) -> memoryview:
@@ -282,9 +282,10 @@ class FileSource(Source):
     def num_samples(self, split: str) -> int:
         return self._splits[split][2]
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         info = super().info()
-        info.update(format=self.layout.format, memory=self.memory, path=str(self.root), **self.layout.extra)
+        info.update({"format": self.layout.format, "memory": self.memory, "path": str(self.root)})
+        info.update(self.layout.extra)
         if self.location is not None:
             info.update(self.location.info())
             if getattr(getattr(self.location, "client", None), "memory", None) is not None:

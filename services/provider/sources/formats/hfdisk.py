@@ -26,7 +26,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import SPLITS, Field, FieldBatch
+from ..base import SPLITS, Field, FieldBatch, SourceInfo
 from . import val_carve
 from .fieldpick import Pick, PickedSource, classes, fill, select
 from .location import Format, Location, val_fraction
@@ -220,9 +220,9 @@ class HFDiskSource(PickedSource):
         self.check_labels(out, split)
         return out
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         info = super().info()
-        info.update(format="hf-disk", path=str(self.root), columns=self.tables["train"].schema.names)
+        info.update({"format": "hf-disk", "path": str(self.root), "columns": self.tables["train"].schema.names})
         if self.val_fraction is not None:
             info["val_fraction"] = self.val_fraction
             info["val_carved"] = "the tail of train, in file order"

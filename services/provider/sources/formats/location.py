@@ -32,7 +32,7 @@ from typing import Any
 
 from libbus.errors import DatasetError
 
-from ..base import OpenRequest
+from ..base import OpenRequest, SourceInfo
 from .dataset import Context
 from .dataset_toml import TOML, parse_dataset_toml
 
@@ -136,7 +136,7 @@ class Location:
         """The scope of one batch's reads (an object store: one deadline for all of them)."""
         yield
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         """DatasetInfo keys this place adds (an object store: ``store``)."""
         return {}
 

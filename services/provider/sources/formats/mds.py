@@ -42,7 +42,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import SPLITS, Field, FieldBatch, ReadPolicy
+from ..base import SPLITS, Field, FieldBatch, ReadPolicy, SourceInfo
 from . import val_carve
 from .fieldpick import PickedSource, classes, fill, select
 from .location import Format, Location, val_fraction
@@ -486,9 +486,9 @@ class MDSSource(PickedSource):
             self.check_labels(out, split)
         return out
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         info = super().info()
-        info.update(format=self.kinds.format, path=str(self.root), shards=len(self.shards))
+        info.update({"format": self.kinds.format, "path": str(self.root), "shards": len(self.shards)})
         info["columns"] = dict(zip(self.shards[0].names, self.shards[0].encodings))
         info.update(self.location.info())
         if self.val_fraction is not None:

@@ -53,7 +53,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import SPLITS, Field, FieldBatch, OpenRequest, Source, local_path, relative_name
+from ..base import SPLITS, Field, FieldBatch, OpenRequest, Source, SourceInfo, local_path, relative_name
 from . import val_carve
 from .imagefolder import Encoded
 from .location import Format, Location
@@ -367,9 +367,9 @@ class ParquetSource(Source):
         if self.location is not None:
             self.location.close()
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         info = super().info()
-        info.update(format="parquet", path=str(self.root), columns=self.columns, label_column=self.label)
+        info.update({"format": "parquet", "path": str(self.root), "columns": self.columns, "label_column": self.label})
         if self.location is not None:
             info.update(self.location.info())  # an object store's: store
         if self.val_fraction is not None:

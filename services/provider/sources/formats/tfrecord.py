@@ -49,7 +49,7 @@ import numpy as np
 
 from libbus.errors import DatasetError
 
-from ..base import SPLITS, Field, FieldBatch, relative_name
+from ..base import SPLITS, Field, FieldBatch, SourceInfo, relative_name
 from . import val_carve
 from .fieldpick import PickedSource, classes, fill, select
 from .location import Format, Location, val_fraction
@@ -429,9 +429,9 @@ class TFRecordSource(PickedSource):
         self.check_labels(out, split)
         return out
 
-    def info(self) -> dict:
+    def info(self) -> SourceInfo:
         info = super().info()
-        info.update(format="tfrecord", path=str(self.root), files=len(self.shards))
+        info.update({"format": "tfrecord", "path": str(self.root), "files": len(self.shards)})
         info["features"] = {name: s["kind"] for name, s in sorted(self.features.items())}
         info.update(self.location.info())
         if self.val_fraction is not None:

@@ -30,7 +30,7 @@ from libbus.errors import (
 )
 from libbus.wire.fields import is_xy
 
-from ..base import MAX_LOCATION_CHARS, SPLITS, Field, FieldBatch, ReadPolicy, Source, joined_locations
+from ..base import MAX_LOCATION_CHARS, SPLITS, Field, FieldBatch, ReadPolicy, Source, SourceInfo, joined_locations
 from ..timing import current as current_timing
 from .decode_cache.entries import OBJECT_KINDS
 from .decode_cache.pipeline_bindings import FinalCache, PrefixCache
@@ -242,12 +242,12 @@ class Pipeline(Source):
     def fields(self) -> list[Field]:
         return list(self._fields) if self._fields is not None else super().fields
 
-    def info(self) -> dict:
-        out = {**self.source.info(), **super().info()}
+    def info(self) -> SourceInfo:
+        out: SourceInfo = {**self.source.info(), **super().info()}
         out["source_uri"] = self.source.uri
         out["stages"] = [{"name": s.name, "type": s.type} for s in self.stages]
         if self.regroup is not None:
-            out[self.regroup.type] = self.regroup.join_info()
+            out["pack"] = self.regroup.join_info()  # the only regrouping stage
         return out
 
     def locate(self, split: str, indices: np.ndarray) -> list[str]:

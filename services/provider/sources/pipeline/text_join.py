@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from libbus.errors import DatasetError
+from libbus.wire.dataset_info import JoinSplitInfo
 
 __all__ = ["INDEX_BLOCK", "JoinIndex", "count_tokens"]
 
@@ -152,7 +153,7 @@ class JoinIndex:
             out[row] = run[skip : skip + self.width]
         return out
 
-    def info(self) -> dict:
+    def info(self) -> JoinSplitInfo:
         return {
             "documents": self.documents,
             "tokens": self.tokens,

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from libbus.errors import ConfigError, DatasetError
+from libbus.wire.dataset_info import JoinInfo
 
 from .stages import Chunk, Spec, Stage
 from .text_index_cache import cache_path, load_counts, save_counts
@@ -163,7 +164,7 @@ class Pack(Stage[Spec]):
         """The documents (sorted, each once) that ``samples`` are cut from."""
         return self.indexes[split].documents_of(samples)
 
-    def join_info(self) -> dict:
+    def join_info(self) -> JoinInfo:
         """Per split: documents, tokens, samples and the tokens dropped at the end (DatasetInfo ``pack``)."""
         splits = {split: index.info() for split, index in self.indexes.items()}
         return {"length": self.config["length"], "join": True, "splits": splits}
