@@ -20,7 +20,7 @@ from ..importable import TrainerModules
 from .early_stop import EarlyStopping
 from .jobs import JobControl
 from .store import JobStore
-from .studies import Studies, stored_study
+from .studies import Studies
 from .study_spec import StudySpec, trial_spec
 
 __all__ = ["Judges"]
@@ -83,13 +83,13 @@ class Judges:
 
     @serves(GetStudy, "admin")
     def on_GetStudy(self, session: Session, msg: GetStudy) -> StudyInfo:
-        study = self.studies.show(msg.study)
-        _check_study_scope(session.claims, stored_study(study).base.dataset)
+        study, spec = self.studies.read(msg.study)
+        _check_study_scope(session.claims, spec.base.dataset)
         return StudyInfo(study=study)
 
     @serves(StopStudy, "admin")
     def on_StopStudy(self, session: Session, msg: StopStudy) -> Ok:
-        _check_study_scope(session.claims, stored_study(self.studies.show(msg.study)).base.dataset)
+        _check_study_scope(session.claims, self.studies.read(msg.study)[1].base.dataset)
         return Ok(detail=self.studies.stop(msg.study, session.subject))
 
 

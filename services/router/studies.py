@@ -133,6 +133,10 @@ class Studies:
 
     def show(self, study: str) -> dict:
         """The study with its trials (each: number, job, params, state, value, epochs) and ``best``."""
+        return self.read(study)[0]
+
+    def read(self, study: str) -> tuple[dict, StudySpec]:
+        """:meth:`show`'s record of the study, and its spec (parsed once, from the store)."""
         row = self.store.get(study)
         spec = stored_study(row)
         trials = [
@@ -145,7 +149,7 @@ class Studies:
         done = [t for t in trials if t["state"] == TrialState.COMPLETE and t["value"] is not None]
         best = (max if spec.maximize else min)(done, key=lambda t: t["value"], default=None)
         epochs = sum(t["epochs"] for t in trials)
-        return {
+        shown = {
             "id": study,
             "state": row["state"],
             "reason": row["reason"],
@@ -158,11 +162,12 @@ class Studies:
             "epochs_trained": round(epochs, 2),
             "epochs_budget": _epochs_budget(spec.trials, spec.base),
         }
+        return shown, spec
 
     def list(self) -> list[dict]:
         out = []
         for row in self.store.list():
-            s = self.show(row["id"])
+            s, spec = self.read(row["id"])
             counts: dict[str, int] = {}
             for t in s["trials"]:
                 counts[t["state"]] = counts.get(t["state"], 0) + 1
@@ -170,8 +175,8 @@ class Studies:
                 {k: s[k] for k in ("id", "state", "objective", "best", "epochs_trained", "epochs_budget", "created")}
                 | {
                     "counts": counts,
-                    "trials": s["spec"]["study"]["trials"],
-                    "dataset": s["spec"]["base"].get("dataset"),
+                    "trials": spec.trials,
+                    "dataset": spec.base.dataset,
                 }
             )
         return out
