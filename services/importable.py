@@ -27,14 +27,14 @@ import re
 import sys
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, TypedDict
 
 from libbus.errors import BadRequest
 from libbus.jobs.spec import BUILTIN_MODELS, JobSpec, dataset_name
 
 from .usercode import module_allowed
 
-__all__ = ["MAX_NAMES", "TrainerModules", "announce", "importable_modules"]
+__all__ = ["MAX_NAMES", "JobModules", "TrainerModules", "announce", "importable_modules"]
 
 #: The most module names a trainer announces, and the router accepts (it refuses a Hello with more).
 MAX_NAMES = 2000
@@ -133,7 +133,16 @@ def importable_modules(allowed: Collection[str], limit: int = MAX_NAMES) -> tupl
     return names, complete
 
 
-def announce(allowed: Collection[str]) -> dict:
+class JobModules(TypedDict):
+    """A trainer Hello's ``caps.job_modules`` (docs/protocol.md, Hello)."""
+
+    allow: list[str]
+    modules: list[str]
+    complete: bool
+    builtin: list[str]
+
+
+def announce(allowed: Collection[str]) -> JobModules:
     """A trainer's ``caps.job_modules``: what it allows, what of that it can import, whether that
     list is whole, and its built-in models."""
     names, complete = importable_modules(allowed)

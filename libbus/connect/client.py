@@ -15,9 +15,9 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import zmq
 
@@ -31,6 +31,9 @@ from libbus.wire.messages import Error, Goodbye, Heartbeat, Hello, Message, Welc
 from libbus.wire.sockets import SocketLimits, drain_monitor, make_socket, send_message
 
 __all__ = ["Identity", "Client", "connect", "pick_provider"]
+
+#: One of ``Resolved.providers`` (:class:`~libbus.wire.dataset_info.ProviderEntry`), as its reader holds it.
+Entry = TypeVar("Entry", bound=Mapping[str, Any])
 
 log = logging.getLogger(__name__)
 
@@ -408,7 +411,7 @@ def connect(endpoint: str, identity: Identity, **kw) -> Client:
     return client
 
 
-def pick_provider(providers: list[dict], local_host: str) -> dict:
+def pick_provider(providers: list[Entry], local_host: str) -> Entry:
     """Prefer a provider on this host (its batches need not cross the network), else the first."""
     for p in providers:
         if p.get("host_id") == local_host:

@@ -21,9 +21,12 @@ import torch
 
 from libbus.errors import BadRequest
 
-__all__ = ["COLLATES", "check_collate", "collate"]
+__all__ = ["COLLATES", "Collated", "check_collate", "collate"]
 
 COLLATES = ("pad", "list")
+#: One field of a yielded batch: a tensor (fixed, or padded with its ``NAME_lengths`` beside it), a tensor
+#: per sample (``collate="list"``), or the samples' bytes or texts.
+Collated = torch.Tensor | list[torch.Tensor] | list[bytes] | list[str]
 
 
 def check_collate(how: str) -> str:
@@ -51,11 +54,11 @@ def _pad(samples: list[np.ndarray], varying: list[int], device: torch.device):
     return _tensor(padded, device), _tensor(lengths, device)
 
 
-def collate(batch: dict[str, Any], shapes: list, dtypes: list, how: str, device: torch.device) -> dict[str, Any]:
+def collate(batch: dict[str, Any], shapes: list, dtypes: list, how: str, device: torch.device) -> dict[str, Collated]:
     """The dict the loader yields for ``batch`` (from :func:`libbus.wire.fields.decode_frames` or
     :func:`~libbus.wire.fields.unpack_slot`: already checked against ``shapes`` and ``dtypes``, the
     reply's, field by field, ``-1`` where a dimension varies)."""
-    out: dict[str, Any] = {}
+    out: dict[str, Collated] = {}
     for (name, value), shape, dtype in zip(batch.items(), shapes, dtypes):
         if isinstance(value, np.ndarray):
             out[name] = _tensor(value, device)

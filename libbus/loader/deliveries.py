@@ -88,7 +88,7 @@ class SocketDelivery:
     def can_take(self, batch_no: int) -> bool:
         return True
 
-    def fields(self, batch_no: int) -> dict:
+    def fields(self, batch_no: int) -> dict[str, int]:
         return {}
 
     def receive(self, batch_no: int, reply: Message) -> Any:
@@ -250,7 +250,7 @@ class RingDelivery:
             self.copies[0][0].synchronize()
             self._reap()
 
-    def fields(self, batch_no: int) -> dict:
+    def fields(self, batch_no: int) -> dict[str, int]:
         """Slot and sequence for (re)sending ``batch_no``: a resend gets a fresh sequence number,
         so a late answer to the earlier request is refused by the provider (and a slot that a slow
         provider filled for the lost connection is simply requested again)."""

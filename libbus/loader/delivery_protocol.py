@@ -41,7 +41,7 @@ class Delivery(Protocol):
         """Whether ``batch_no`` can be (re)sent now: it holds a slot already, or one is free."""
         ...
 
-    def fields(self, batch_no: int) -> dict:
+    def fields(self, batch_no: int) -> dict[str, int]:
         """The request fields this transport adds when ``batch_no`` is (re)sent."""
         ...
 

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from typing import NotRequired, TypedDict
 
-__all__ = ["FieldInfo", "JoinInfo", "JoinSplitInfo", "MemberInfo", "SourceInfo", "SplitInfo", "StageInfo"]
+__all__ = [
+    "FieldInfo",
+    "JoinInfo",
+    "JoinSplitInfo",
+    "MemberInfo",
+    "ProviderEntry",
+    "SourceInfo",
+    "SplitInfo",
+    "StageInfo",
+]
 
 
 class FieldInfo(TypedDict):
@@ -108,3 +117,13 @@ class SourceInfo(TypedDict, total=False):
     source_uri: str
     stages: list[StageInfo]
     pack: JoinInfo
+
+
+class ProviderEntry(TypedDict):
+    """One of ``Resolved.providers``: a provider serving the dataset, and how to reach it."""
+
+    name: str
+    endpoint: str
+    host_id: str
+    #: its data socket's CURVE public key (Z85), ``""`` without CURVE
+    curve_key: str

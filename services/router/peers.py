@@ -20,6 +20,7 @@ from libbus.jobs.spec import dataset_name
 from libbus.serve.handler import serves
 from libbus.serve.server import Session
 from libbus.serve.sessions import reader_info
+from libbus.wire.dataset_info import ProviderEntry
 from libbus.wire.messages import ListPeers, Message, PeerList, Resolve, Resolved
 from libbus.wire.msg_data import info_mismatch
 
@@ -182,7 +183,7 @@ class Peers:
             endpoint = peer.hello.caps["endpoint"]
             if endpoint not in latest or peer.last_seen >= latest[endpoint].last_seen:
                 latest[endpoint] = peer  # (a dict keeps the key's first place)
-        providers = [
+        providers: list[ProviderEntry] = [
             {
                 "name": peer.name,
                 "endpoint": endpoint,
