@@ -135,6 +135,27 @@ class Layout:
     kind: str = "image"
     extra: SourceInfo = field(default_factory=SourceInfo)  # more DatasetInfo keys (tokens: seq_len, vocab_size)
 
+    @classmethod
+    def of_splits(
+        cls, format: str, tables: dict[str, Table], kinds: set[tuple], settings: dict, missing: str
+    ) -> Layout:
+        """The layout of an array format whose splits are typed alike: ``kinds`` holds the one ``(x dtype,
+        sample shape, y dtype, label shape)`` they share; ``num_classes`` and ``class_names`` come from
+        ``settings``. Raises :class:`DatasetError` saying ``missing`` when no split was found."""
+        if not tables:
+            raise DatasetError(missing)
+        xdt, sample, ydt, label_shape = next(iter(kinds))
+        return cls(
+            format,
+            tables,
+            sample,
+            xdt,
+            label_shape,
+            ydt,
+            settings.get("num_classes"),
+            settings.get("class_names") or [],
+        )
+
 
 def _flat(a: np.ndarray) -> memoryview:
     return a.reshape(-1).view(np.uint8).data

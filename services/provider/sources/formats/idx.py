@@ -136,18 +136,8 @@ def open_idx(ctx: Context) -> Layout:
             [Table.single(xseg, xdims[0], xbytes, "x"), Table.single(yseg, ydims[0], ybytes, "y")],
             label_name=yseg.name,
         )
-    if not tables:
-        raise DatasetError(f"{ctx.root}: no IDX image/label pairs; expected {EXPECTED}")
-    xdt, sample, ydt, label_shape = kinds.pop()
-    return Layout(
-        "idx",
-        tables,
-        sample,
-        xdt,
-        label_shape,
-        ydt,
-        ctx.settings.get("num_classes"),
-        ctx.settings.get("class_names") or [],
+    return Layout.of_splits(
+        "idx", tables, kinds, ctx.settings, f"{ctx.root}: no IDX image/label pairs; expected {EXPECTED}"
     )
 
 

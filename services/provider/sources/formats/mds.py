@@ -364,22 +364,14 @@ class MDSSource(PickedSource):
                 raise DatasetError(f"{self.uri}: {s.name} has other columns than {first.name}")
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
-        number = {id(s): i for i, s in enumerate(self.shards)}
-        self.rows = {
-            split: np.concatenate(
-                [np.stack([np.full(len(s.offsets) - 1, number[id(s)]), np.arange(len(s.offsets) - 1)], 1) for s in got]
-                or [np.empty((0, 2), np.int64)]
-            ).astype(np.int64)
-            for split, got in ((split, shards.get(split, [])) for split in SPLITS)
-        }
-        if not len(self.rows["train"]):
-            raise DatasetError(f"{self.uri}: the train shards hold no samples")
-        self.val_fraction: float | None = None
-        if not len(self.rows["val"]):
-            train = self.rows["train"]
-            keep = val_carve.tail(self.uri, len(train), val_fraction, "samples")
-            self.rows["train"], self.rows["val"] = train[:keep], train[keep:]
-            self.val_fraction = val_fraction
+        #: split → (n, 2) rows: shard number, record number (val carved from train where there is none)
+        self.rows, self.val_fraction = val_carve.shard_rows(
+            self.uri,
+            {split: [len(s.offsets) - 1 for s in shards.get(split, [])] for split in SPLITS},
+            val_fraction,
+            "the train shards hold no samples",
+            "samples",
+        )
         largest = max(int(np.diff(s.offsets).max(initial=0)) for s in self.shards)
         sample0 = {}
         if len(first.offsets) > 1:

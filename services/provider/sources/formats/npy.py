@@ -159,19 +159,7 @@ def open_npy(ctx: Context) -> Layout:
             ],
             label_name=yseg.name,
         )
-    if not tables:
-        raise DatasetError(f"{ctx.root}: no train arrays; expected {EXPECTED}")
-    xdt, sample, ydt, label_shape = kinds.pop()
-    return Layout(
-        "npy",
-        tables,
-        sample,
-        xdt,
-        label_shape,
-        ydt,
-        ctx.settings.get("num_classes"),
-        ctx.settings.get("class_names") or [],
-    )
+    return Layout.of_splits("npy", tables, kinds, ctx.settings, f"{ctx.root}: no train arrays; expected {EXPECTED}")
 
 
 #: This layout's line in the registry (:mod:`..layouts`).

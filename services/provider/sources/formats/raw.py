@@ -102,19 +102,7 @@ def open_raw(ctx: Context) -> Layout:
         if len(kinds) > 1:
             raise DatasetError(f"{where}: dtype or shapes differ from the other splits'")
         tables[split] = Table(n, parts, label_name=label_name)
-    if not tables:
-        raise DatasetError(f"{toml_path}: no [train] table; expected {EXPECTED}")
-    xdt, shape, ydt, label_shape = kinds.pop()
-    return Layout(
-        "raw",
-        tables,
-        shape,
-        xdt,
-        label_shape,
-        ydt,
-        ctx.settings.get("num_classes"),
-        ctx.settings.get("class_names") or [],
-    )
+    return Layout.of_splits("raw", tables, kinds, ctx.settings, f"{toml_path}: no [train] table; expected {EXPECTED}")
 
 
 #: This layout's line in the registry (:mod:`..layouts`).

@@ -290,23 +290,14 @@ class TFRecordSource(PickedSource):
         self.shards = [s for split in SPLITS for s in shards.get(split, [])]
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
-        number = {id(s): i for i, s in enumerate(self.shards)}
-        #: split → (n, 2) rows: shard number, record number
-        self.rows = {
-            split: np.concatenate(
-                [np.stack([np.full(len(s.frames), number[id(s)]), np.arange(len(s.frames))], 1) for s in found]
-                or [np.empty((0, 2), np.int64)]
-            ).astype(np.int64)
-            for split, found in ((split, shards.get(split, [])) for split in SPLITS)
-        }
-        if not len(self.rows["train"]):
-            raise DatasetError(f"{self.uri}: the train files hold no records")
-        self.val_fraction: float | None = None
-        if not len(self.rows["val"]):
-            train = self.rows["train"]
-            keep = val_carve.tail(self.uri, len(train), val_fraction, "records")
-            self.rows["train"], self.rows["val"] = train[:keep], train[keep:]
-            self.val_fraction = val_fraction
+        #: split → (n, 2) rows: shard number, record number (val carved from train where there is none)
+        self.rows, self.val_fraction = val_carve.shard_rows(
+            self.uri,
+            {split: [len(s.frames) for s in shards.get(split, [])] for split in SPLITS},
+            val_fraction,
+            "the train files hold no records",
+            "records",
+        )
         self.features = _merged([s.features for s in self.shards])
         self._pick(params)
 

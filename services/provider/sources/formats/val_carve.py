@@ -31,7 +31,7 @@ from libbus.errors import DatasetError
 
 from ..splitmix import GAMMA, MUL1, MUL2
 
-__all__ = ["lowest_hashed_lines", "lowest_hashes_per_class", "tail"]
+__all__ = ["lowest_hashed_lines", "lowest_hashes_per_class", "shard_rows", "tail"]
 
 Row = TypeVar("Row", bound=Hashable)
 
@@ -46,6 +46,41 @@ def tail(where: str, n: int, fraction: float, unit: str = "train samples") -> in
     if n - val < 1:
         raise DatasetError(f"{where}: val_fraction {fraction} of {n} {unit} leaves none to train on")
     return n - val
+
+
+def shard_rows(
+    where: str, counts: dict[str, list[int]], fraction: float, empty: str, unit: str
+) -> tuple[dict[str, np.ndarray], float | None]:
+    """The samples of a format stored as shards of records (TFRecord, MDS), split by split, with val
+    carved off the tail of train (:func:`tail`) where the files hold none.
+
+    Args:
+        where: the dataset, as errors name it.
+        counts: each split's shards' record counts, for every split in ``SPLITS`` order; shards are
+            numbered across the splits in that order.
+        fraction: the ``val_fraction`` to carve.
+        empty: what the error says when train holds no record; ``unit``: how the carve names them.
+
+    Returns:
+        Every split's ``(n, 2)`` rows (shard number, record number), and the fraction carved (None: the
+        files hold a val split).
+
+    Raises :class:`DatasetError` naming ``where`` when train holds nothing, or val would leave nothing.
+    """
+    rows: dict[str, np.ndarray] = {}
+    number = 0
+    for split, sizes in counts.items():
+        parts = [np.stack([np.full(n, number + i), np.arange(n)], 1) for i, n in enumerate(sizes)]
+        number += len(sizes)
+        rows[split] = np.concatenate(parts or [np.empty((0, 2), np.int64)]).astype(np.int64)
+    if not len(rows["train"]):
+        raise DatasetError(f"{where}: {empty}")
+    if len(rows["val"]):
+        return rows, None
+    train = rows["train"]
+    keep = tail(where, len(train), fraction, unit)
+    rows["train"], rows["val"] = train[:keep], train[keep:]
+    return rows, fraction
 
 
 def lowest_hashes_per_class(
