@@ -24,6 +24,6 @@ A job names ``entrypoint = "package.module:function"``; a trainer whose operator
 from __future__ import annotations
 
 from .checkpoint_state import StateError, decode_state, encode_state
-from .job import Job, JobEnded
+from .job import CheckpointRecord, Job, JobEnded, ModelRecord
 
-__all__ = ["Job", "JobEnded", "StateError", "decode_state", "encode_state"]
+__all__ = ["CheckpointRecord", "Job", "JobEnded", "ModelRecord", "StateError", "decode_state", "encode_state"]

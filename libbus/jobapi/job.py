@@ -8,11 +8,32 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
-__all__ = ["Job", "JobEnded"]
+__all__ = ["CheckpointRecord", "Job", "JobEnded", "ModelRecord"]
+
+
+class CheckpointRecord(TypedDict, total=False):
+    """A checkpoint as :meth:`Job.checkpoint` returns it and the router keeps it: its file, the file's
+    sha256 and bytes, the step and epoch it resumes at, and the train loader's cursor. Empty (``{}``) on
+    a rank other than 0 before rank 0's first checkpoint: rank 0 checkpoints for the gang."""
+
+    path: str
+    sha256: str
+    step: int
+    epoch: int
+    cursor: dict[str, Any]
+    bytes: int
+
+
+class ModelRecord(TypedDict):
+    """The job's model as :meth:`Job.save_model` returns it: its file, sha256 and bytes."""
+
+    path: str
+    sha256: str
+    bytes: int
 
 
 class JobEnded(BaseException):
@@ -80,7 +101,7 @@ class Job(ABC):
         rank 0 reads a checkpoint and shares it, so every rank gets the same snapshot."""
 
     @abstractmethod
-    def checkpoint(self, state: Mapping[str, Any] | None = None) -> dict:
+    def checkpoint(self, state: Mapping[str, Any] | None = None) -> CheckpointRecord:
         """Store ``state`` (or what :meth:`on_checkpoint`'s function returns) with every loader's
         cursor, the random generators' state, the step count and the history, in one file written
         atomically; returns its record. A resumed attempt continues right after this call."""
@@ -106,6 +127,6 @@ class Job(ABC):
         default). The router's verdict on it (prune, stop early) applies here, deterministically."""
 
     @abstractmethod
-    def save_model(self, state_dict: Mapping[str, torch.Tensor]) -> dict:
+    def save_model(self, state_dict: Mapping[str, torch.Tensor]) -> ModelRecord:
         """The job's model: the weights ``busctl job model`` returns and the provider scores on its
         private test split. Returns its record (path, bytes, sha256)."""

@@ -43,7 +43,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from libbus.errors import BusError
-from libbus.jobapi import StateError, decode_state, encode_state
+from libbus.jobapi import CheckpointRecord, ModelRecord, StateError, decode_state, encode_state
 from libbus.jobs.spec import JobSpec
 from services.atomic import write_atomic
 
@@ -136,7 +136,7 @@ def save_state(
     cursors: Mapping[str, dict],
     extra: dict,
     tag: str = "",
-) -> dict:
+) -> CheckpointRecord:
     """Write a job's checkpoint (format :data:`JOB_STATE_FORMAT`, the module docstring): its
     ``state`` (:func:`libbus.jobapi.encode_state`: tensors and plain data), every loader's cursor by
     name, the random generators, ``step``, ``epoch`` and ``extra`` (history, running loss). Returns
@@ -194,7 +194,7 @@ def load_state(record: dict, root: str) -> Restored:
     return read_state(read_checkpoint(record, root), record)
 
 
-def read_checkpoint(record: dict, root: str) -> bytes:
+def read_checkpoint(record: Mapping[str, Any], root: str) -> bytes:
     """The bytes of the checkpoint ``record`` names, from under ``root`` (see :func:`load_checkpoint`;
     a gang's rank 0 sends them to its other ranks). :func:`restore_checkpoint` checks them."""
     path = Path(str(record.get("path", "")))
@@ -215,7 +215,7 @@ def metadata_of(data: bytes) -> dict:
     return orjson.loads(data[8 : 8 + size]).get("__metadata__") or {}
 
 
-def check_digest(data: bytes, record: dict) -> str:
+def check_digest(data: bytes, record: Mapping[str, Any]) -> str:
     """``record``'s path, once ``data`` is checked against the sha256 the router recorded for it.
 
     Raises:
@@ -231,7 +231,7 @@ def check_digest(data: bytes, record: dict) -> str:
     return path
 
 
-def read_state(data: bytes, record: dict) -> Restored:
+def read_state(data: bytes, record: Mapping[str, Any]) -> Restored:
     """What checkpoint bytes ``data`` (read here, or received from a gang's rank 0) hold, once
     checked against ``record``'s sha256: a job's state (:data:`JOB_STATE_FORMAT`), or a checkpoint
     the built-in loop wrote before it ran on the job API (:data:`FORMAT`: its model and optimizer
@@ -311,7 +311,7 @@ def model_metadata(job: str, spec: JobSpec, step: int) -> dict[str, str]:
     }
 
 
-def save_model(directory: Path, model: nn.Module | Mapping[str, torch.Tensor], metadata: dict[str, str]) -> dict:
+def save_model(directory: Path, model: nn.Module | Mapping[str, torch.Tensor], metadata: dict[str, str]) -> ModelRecord:
     """Write the final weights (a model, or its state dict) as ``model.safetensors``; returns
     ``{path, sha256, bytes}``. Tensors sharing memory (tied weights) are stored each whole."""
     state = model.state_dict() if isinstance(model, nn.Module) else model

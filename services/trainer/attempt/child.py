@@ -44,7 +44,7 @@ import torch
 from libbus.config import Settings
 from libbus.connect.client import Identity
 from libbus.errors import BadRequest, BusError, PeerTimeout, error_from_code
-from libbus.jobapi import JobEnded
+from libbus.jobapi import JobEnded, ModelRecord
 from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.wire.frames import decode, encode
@@ -356,7 +356,7 @@ def attempt_identity(settings: Settings, name: str, job: str, grant: str, link: 
     )
 
 
-def final_model(record: dict) -> bytes:
+def final_model(record: ModelRecord) -> bytes:
     """The final model's bytes, read once from the file ``job.save_model`` wrote (``record``): the
     bytes scored are the bytes sent to the router, whatever happens to the file after.
 

@@ -21,7 +21,7 @@ import queue
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import torch
@@ -30,7 +30,7 @@ from safetensors.torch import save as save_safetensors
 from libbus.config import Settings
 from libbus.connect.client import Identity
 from libbus.errors import BadRequest, BusError
-from libbus.jobapi import Job, JobEnded
+from libbus.jobapi import CheckpointRecord, Job, JobEnded, ModelRecord
 from libbus.jobs.commands import JobCommand
 from libbus.jobs.spec import JobSpec
 from libbus.jobs.tensorboard_events import JobEvents, run_dir
@@ -55,7 +55,7 @@ from .evaluation import LiveEvaluations, snapshot
 from .final_eval import EVALUATE_TIMEOUT_S, model_spec
 from .gang import Code, Gang, GangError
 from .prepare import job_device, shard, starting_weights
-from .progress import Meter, slowest
+from .progress import AttemptProgress, Meter, slowest
 from .resume import read_shared
 from .spike import Spike, detector_for, skip_spike
 
@@ -107,9 +107,9 @@ class AttemptJob(Job):
         self.meter = Meter()
         #: Job calls made: with the loaders' cursors, what tells the trainer this attempt is alive.
         self.calls = 0
-        self.last_checkpoint: dict | None = None
+        self.last_checkpoint: CheckpointRecord | None = None
         self.resumed_from: dict | None = None
-        self.model_record: dict | None = None
+        self.model_record: ModelRecord | None = None
         #: Why the function was ended at a call (``stopped``, ``handback``, ``lost``), else None.
         self.ended: str | None = None
         #: In a gang: the process group every rank's function joined (torch.distributed is initialized).
@@ -207,7 +207,7 @@ class AttemptJob(Job):
         if self._restored:
             return self._restore_value
         self._restored = True
-        record = self.task.resume
+        record = cast(CheckpointRecord | None, self.task.resume)  # the router's copy of one this job wrote
         if not record:
             return None
         try:
@@ -224,7 +224,7 @@ class AttemptJob(Job):
     def initial_model(self) -> dict[str, torch.Tensor] | None:
         return starting_weights(self.task, self.spec.model_from, self.settings.checkpoint_dir, self.gang)
 
-    def checkpoint(self, state: Mapping[str, Any] | None = None) -> dict:
+    def checkpoint(self, state: Mapping[str, Any] | None = None) -> CheckpointRecord:
         record = self._write(state)
         self._commands()
         return record
@@ -289,7 +289,7 @@ class AttemptJob(Job):
             self.reporter.await_verdict()
         self._commands()
 
-    def save_model(self, state_dict: Mapping[str, torch.Tensor]) -> dict:
+    def save_model(self, state_dict: Mapping[str, torch.Tensor]) -> ModelRecord:
         self.calls += 1
         self.model_record = save_model(self.directory, dict(state_dict), self._model_meta())
         self._commands()
@@ -317,11 +317,11 @@ class AttemptJob(Job):
         """Changes while the function makes progress: its calls, its loaders' cursors and waits."""
         return (self.calls, *((ld._epoch, ld._position, ld.wait_s) for ld in self._loaders.values()))
 
-    def progress(self) -> dict:
+    def progress(self) -> AttemptProgress:
         """What this attempt reports (``busctl job watch``, ``top``): the built-in loop's fields."""
         train = self._loaders.get("train")
         elapsed = max(1e-9, time.monotonic() - self.meter.started)
-        out: dict[str, Any] = {
+        out: AttemptProgress = {
             "epoch": train.epoch if train is not None else self.epochs_reported,
             "epochs": self.spec.planned_epochs(),
             "step": self.step_count,
@@ -338,12 +338,14 @@ class AttemptJob(Job):
         }
         if train is not None:
             out.update(
-                data_wait_s=train.wait_s,
-                transport=train.transport,
-                data_wait_pct=100.0 * train.wait_s / elapsed,
-                # the replica whose batches were waited for longest: the slow provider, if data is the bottleneck
-                data_wait_slowest=slowest(train),
-                data_wait_split=train.stall.breakdown(),  # where the waiting went (libbus.loader.stall)
+                {
+                    "data_wait_s": train.wait_s,
+                    "transport": train.transport,
+                    "data_wait_pct": 100.0 * train.wait_s / elapsed,
+                    # the replica whose batches were waited for longest: the slow provider, if data is the bottleneck
+                    "data_wait_slowest": slowest(train),
+                    "data_wait_split": train.stall.breakdown(),  # where the waiting went (libbus.loader.stall)
+                }
             )
         return out
 
@@ -357,7 +359,7 @@ class AttemptJob(Job):
             self._events.close()
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def _write(self, state: Mapping[str, Any] | None, again: bool = False) -> dict:
+    def _write(self, state: Mapping[str, Any] | None, again: bool = False) -> CheckpointRecord:
         """Write a checkpoint of ``state`` (or the registered one's); the last record again if nothing
         happened since it (unless ``again``: a state not the function's own, adopted)."""
         self.calls += 1
@@ -386,12 +388,12 @@ class AttemptJob(Job):
         )
         self.last_checkpoint = record
         self._checkpointed = (self.step_count, self.epochs_reported)
-        self.reporter.put(Checkpointed(job=self.id, checkpoint=record))
+        self.reporter.put(Checkpointed(job=self.id, checkpoint=dict(record)))  # the message's JSON object
         prune(self.directory, self.reporter.held_steps())
         log.info("job %s: checkpoint at step %d in %s", self.id, self.step_count, record["path"])
         return record
 
-    def _read(self, record: dict) -> dict:
+    def _read(self, record: CheckpointRecord) -> dict:
         """The user state of checkpoint ``record``; sets the step count, history, random generators
         and every loader's cursor (loaders opened later start at theirs)."""
         data = read_shared(record, self.settings.checkpoint_dir, self.gang)  # a gang: rank 0's bytes on every rank
@@ -494,7 +496,7 @@ class AttemptJob(Job):
     def _checkpoint_on_command(self) -> dict:
         if self._get_state is None:
             return {"error": "the job's function registered no state (job.on_checkpoint); it checkpoints itself"}
-        return self._write(None)
+        return dict(self._write(None))
 
     def _before_stop(self) -> None:
         """Rank 0 stops or hands back: the gang's other ranks stop at this same call, after its checkpoint."""
@@ -608,7 +610,7 @@ class AttemptJob(Job):
         progress = self.progress()
         if self._events is not None:
             self._events.progress(progress)
-        self.reporter.put(Progress(job=self.id, progress=progress))
+        self.reporter.put(Progress(job=self.id, progress=dict(progress)))  # the message's JSON object
 
     def _open_events(self) -> JobEvents | None:
         """The job's TensorBoard run under ``tensorboard_dir`` (rank 0's figures are the job's); none

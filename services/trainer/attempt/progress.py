@@ -6,10 +6,36 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 from libbus.loader.remote import RemoteLoader
 
-__all__ = ["Meter", "perplexity", "slowest"]
+__all__ = ["AttemptProgress", "Meter", "perplexity", "slowest"]
+
+
+class AttemptProgress(TypedDict, total=False):
+    """An attempt's progress report (``Progress.progress``; ``busctl job watch``, ``top``): where the
+    loop is, its loss and throughput, what it resumed from, its history, and where its data waits went
+    (the ``data_wait_*`` keys, with a train loader only)."""
+
+    epoch: int
+    epochs: int | None
+    step: int
+    steps_per_epoch: int | None
+    loss: float | None
+    samples: int
+    samples_per_s: float
+    elapsed_s: float
+    state: str
+    checkpoint_step: int | None
+    resumed_from: dict[str, Any] | None
+    history: list[dict[str, Any]]
+    entrypoint: str
+    data_wait_s: float
+    transport: str
+    data_wait_pct: float
+    data_wait_slowest: str | None
+    data_wait_split: dict[str, Any]
 
 
 def perplexity(loss: float) -> float:

@@ -3,13 +3,16 @@ reads them and every rank restores the same (:mod:`.gang`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from .checkpoint import CheckpointError, read_checkpoint
 from .gang import Gang
 
 __all__ = ["read_shared"]
 
 
-def read_shared(record: dict, root: str, gang: Gang | None) -> bytes:
+def read_shared(record: Mapping[str, Any], root: str, gang: Gang | None) -> bytes:
     """The bytes of the checkpoint ``record`` under ``root``; in a gang, rank 0's on every rank.
 
     Raises:
