@@ -76,14 +76,14 @@ from ..importable import TrainerModules
 from . import job_samples
 from .artifacts import Artifacts
 from .eval_budget import EvalBudget
-from .gangs import Gangs, world_size
+from .gangs import Gangs
 from .grants import ProviderGrants
 from .jobs import JobControl
 from .judges import Judges
 from .logs import JobOutput
 from .peers import Peers
 from .replies import fit_job, fit_list, fit_rows
-from .store import JobStore
+from .store import JobStore, stored_spec
 from .task_models import TaskModels
 
 __all__ = ["RouterHandler"]
@@ -229,7 +229,7 @@ class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
         who = session.subject
         gang_task = self.gangs.task_for(who)  # services/router/gangs.py
         if isinstance(gang_task, Task):
-            return self.attach_gang_model(self.granted(who, gang_task))
+            return self.handed(who, gang_task, stored_spec(gang_task.spec), gang=True)
         if gang_task is not None:
             return gang_task
         again = self.jobs.assigned_again(who, msg.key)
@@ -246,33 +246,42 @@ class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
         )
         if job is None:
             return NoTask(retry_ms=self.task_retry_ms)
-        if world_size(job["spec"]) > 1:
+        try:
+            spec = stored_spec(job["spec"])  # read from the store: parsed once, typed from here on
+        except BadRequest as err:  # a row changed behind the router's back: failed here, sent to no trainer
+            log.error("job %s failed: its stored spec cannot be read: %s", job["id"], err)
+            self.store.finish(job["id"], JobState.FAILED, f"its stored spec cannot be read: {err}", error=str(err))
+            return NoTask(retry_ms=self.task_retry_ms)
+        if spec.world_size > 1:
             reply = self.gangs.join(who, job)
             self._push_entitlements()  # a formed gang's providers hear of it before its ranks ask them
-            return self.granted(who, reply) if isinstance(reply, Task) else reply
+            return self.handed(who, reply, spec, gang=True) if isinstance(reply, Task) else reply
         queued = job["id"]
         job = self.store.claim(who, self.jobs.lease_s, accept=lambda j: j["id"] == queued)
         if job is None:  # not on this loop: it was queued a moment ago
             return NoTask(retry_ms=self.task_retry_ms)
-        self._grant(dataset_name(job["spec"]["dataset"]), who)  # its providers hear of it with its Task (tick)
         log.info("job %s assigned to %s (%s)", job["id"], who, session.name)
-        task = self.attach_model(
-            Task(job=job["id"], spec=job["spec"], resume=job["checkpoint"], attempt=max(0, job.get("attempts", 1) - 1))
+        task = Task(
+            job=job["id"], spec=job["spec"], resume=job["checkpoint"], attempt=max(0, job.get("attempts", 1) - 1)
         )
-        return self.jobs.remember_task(who, msg.key, self.granted(who, task))
+        return self.jobs.remember_task(who, msg.key, self.handed(who, task, spec))
 
-    def granted(self, trainer: str, task: Task) -> Task:
-        """``task`` with its attempt's grant (services/router/handler.py docstring)."""
-        task.grant = self.grant_for(trainer, task.job, task.spec)
-        return task
+    def handed(self, trainer: str, task: Task, spec: JobSpec, gang: bool = False) -> Task:
+        """``task`` as ``trainer`` gets it (``spec``: its spec, typed): its dataset's providers told (at
+        the next tick), its attempt's grant (services/router/handler.py docstring) and the model it
+        carries (every rank of a ``gang`` the same)."""
+        if not gang:
+            self._grant(spec.dataset, trainer)  # a formed gang's providers heard of it as it formed
+        task.grant = self.grant_for(trainer, task.job, spec.dataset)
+        return self.attach_gang_model(task, spec) if gang else self.attach_model(task, spec)
 
-    def grant_for(self, trainer: str, job: str, spec: dict) -> str:
+    def grant_for(self, trainer: str, job: str, dataset: str) -> str:
         """An ``attempt`` token for ``trainer``'s attempt of ``job``: its subject the trainer's (the
         providers' assignments and CURVE keys name it), scoped to the job and its dataset; "" where
         this router cannot mint."""
         if self.mint_grant is None:
             return ""
-        return self.mint_grant(trainer, job, dataset_name(spec["dataset"]))
+        return self.mint_grant(trainer, job, dataset)
 
     @serves(RenewGrant, *TRAINER)
     def on_RenewGrant(self, session: Session, msg: RenewGrant) -> Grant:
@@ -284,7 +293,7 @@ class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
                 f"job {msg.job} is not running on {session.subject} (state {job['state']}); its attempt's grant "
                 "is renewed only for the trainer holding it"
             )
-        token = self.grant_for(session.subject, msg.job, job["spec"])
+        token = self.grant_for(session.subject, msg.job, stored_spec(job["spec"]).dataset)
         if not token:
             raise Unavailable("this router holds no signing key: it mints no attempt grants")
         return Grant(token=token)

@@ -110,7 +110,7 @@ def skip(store: JobStore, by: str, msg: SkipJob, split_size: Callable[[str], int
     changes: dict = {"skip": [*(spec.get("skip") or []), ranges]}
     if msg.spike:  # a trainer's automatic skip of a loss spike: recorded, and bounded by spike.max_skips
         changes["spikes"] = [*(spec.get("spikes") or []), {**_spike_record(msg.spike), "steps": steps[0]}]
-    new = stored_spec(job).updated(**changes)
+    new = stored_spec(job["spec"]).updated(**changes)
     target = job["checkpoint"]
     if steps:
         before = [c for c in job.get("checkpoints", []) if int(c["step"]) < steps[0][0]]

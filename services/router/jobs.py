@@ -151,7 +151,7 @@ class JobControl:
         state, trainer = JobState(job["state"]), job["trainer"]
         spec = None
         if cmd is JobCommand.SET:
-            spec = stored_spec(job).with_hyper(args)
+            spec = stored_spec(job["spec"]).with_hyper(args)
         elif cmd is JobCommand.ADOPT:
             _check_adopt(args)
         elif args:
@@ -293,7 +293,7 @@ class JobControl:
         applied = msg.detail.get("set")
         if msg.command == JobCommand.SET and isinstance(applied, dict) and applied:
             # what the trainer applied, checked like an admin's `set`: a trainer changes nothing else
-            self.store.set_spec(msg.job, stored_spec(job).with_hyper(applied), reason)
+            self.store.set_spec(msg.job, stored_spec(job["spec"]).with_hyper(applied), reason)
         elif msg.state in (JobState.RUNNING, JobState.PAUSED) and msg.state != job["state"]:
             self.store.set_state(msg.job, msg.state, reason)
         else:

@@ -512,10 +512,11 @@ class JobStore:
         return [self._as_dict(r) for r in self.db.execute(_HELD, HOLDING_STATES).fetchall()]
 
 
-def stored_spec(job: dict) -> JobSpec:
-    """A stored job's spec, typed: the one place the router parses a spec it wrote (every spec was
-    checked with :meth:`JobSpec.from_dict` where it entered, at submit or when a study made a trial)."""
-    return JobSpec.from_dict(job["spec"])
+def stored_spec(raw: dict) -> JobSpec:
+    """A stored job's spec (a row's ``spec``, or a task's made from it), typed: the one place the router
+    parses a spec it wrote (every spec was checked with :meth:`JobSpec.from_dict` where it entered, at
+    submit or when a study made a trial)."""
+    return JobSpec.from_dict(raw)
 
 
 def _cut(reason: str) -> str:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import hashlib
 
 from libbus.errors import BadRequest, Internal, NotFound
-from libbus.jobs.spec import JobSpec, dataset_name
+from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.security.auth import Claims
 from libbus.wire.messages import Task
 
 from .artifacts import Artifacts
 from .job_results import UPLOAD
-from .store import JobStore
+from .store import JobStore, stored_spec
 
 __all__ = ["TaskModels"]
 
@@ -54,12 +54,12 @@ class TaskModels:
             raise BadRequest("this router keeps no models (artifact_dir); it cannot run evaluation tasks")
         claims.check_job(spec.model_from)
         source = self.store.get(spec.model_from, events=False)
-        claims.check_dataset(dataset_name(source["spec"]["dataset"]))
+        trained = stored_spec(source["spec"])
+        claims.check_dataset(trained.dataset)
         if _holds_model(source) and self.artifacts is not None:
             if spec.task != "evaluate":
                 return spec
-            trained = source["spec"]
-            return spec.updated(model=trained["model"], model_kwargs=trained["model_kwargs"])
+            return spec.updated(model=trained.model, model_kwargs=trained.model_kwargs)
         if spec.task == "evaluate":
             raise BadRequest(
                 f"job {spec.model_from} is {source['state']}; an evaluation task scores the model of "
@@ -89,17 +89,16 @@ class TaskModels:
             self.store.finish(job, JobState.FAILED, f"the uploaded model could not be kept: {err}", error=str(err))
             raise BadRequest(f"the router could not keep the uploaded model: {err}") from err
 
-    def attach_model(self, task: Task) -> Task:
+    def attach_model(self, task: Task, spec: JobSpec) -> Task:
         """An evaluation task carries the model it scores, a training job with ``model_from`` the
         model it starts from: a succeeded job's final model (its bytes, a payload frame), or the
         latest checkpoint record of a job that has not succeeded (``Task.initial``, taken now, at
         the moment the task is handed out, so it is the freshest). Any other task is returned as
-        it is."""
-        spec = task.spec
-        if spec.get("task") != "evaluate" and not spec.get("model_from"):
+        it is. ``spec`` is the task's, typed."""
+        if spec.task != "evaluate" and not spec.model_from:
             return task
-        source = task.job if spec["model_from"] == UPLOAD else spec["model_from"]
-        if source != task.job and spec.get("task") != "evaluate":
+        source = task.job if spec.model_from == UPLOAD else spec.model_from
+        if source != task.job and spec.task != "evaluate":
             try:
                 job = self.store.get(source, events=False)
             except NotFound as err:
@@ -116,19 +115,18 @@ class TaskModels:
             raise
         return task
 
-    def attach_gang_model(self, task: Task) -> Task:
+    def attach_gang_model(self, task: Task, spec: JobSpec) -> Task:
         """:meth:`attach_model` for a rank of a gang: every rank of one gang starts from the same
         snapshot. The first rank handed its task takes it (the source's latest checkpoint then) and
         the gang keeps it; the other ranks get that one, whatever the source has written since. A
         gang formed again (a new attempt) takes a fresh one, as a single trainer's attempt does."""
-        spec = task.spec
-        if spec.get("task") == "evaluate" or not spec.get("model_from"):
+        if spec.task == "evaluate" or not spec.model_from:
             return task
         gang = self.store.get(task.job, events=False)["gang"] or {}
         if gang.get("initial"):
             task.initial = gang["initial"]
             return task
-        task = self.attach_model(task)
+        task = self.attach_model(task, spec)
         if task.initial:
             self.store.update_gang(task.job, initial=task.initial)
         return task

@@ -1,5 +1,6 @@
 """The router: its SQLite job store, discovery, heartbeats, and jobs whose trainer vanishes."""
 
+import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -82,6 +83,23 @@ def test_a_malformed_spec_is_refused_where_it_enters_the_router(router, client_f
     assert words in str(refused.value) and "\n" not in str(refused.value) and "Traceback" not in str(refused.value)
     assert admin.request(ListJobs()).jobs == [] and admin.request(ListStudies()).studies == []
     assert isinstance(client_for(router.endpoint).request(GetTask(key="k")), NoTask)
+
+
+def test_a_spec_corrupted_in_the_store_fails_its_job_at_the_router_and_reaches_no_trainer(router, client_for):
+    """A job's spec changed behind the router's back (its SQLite file edited by hand) is parsed as the
+    router reads it to hand out: the job fails in one line, and the trainer that asked gets no task."""
+    admin = client_for(router.endpoint, role="admin")
+    job = admin.request(SubmitJob(spec={"dataset": "mnist", "model": "mlp"})).job
+    with sqlite3.connect(router.settings.db, timeout=30) as db:
+        db.execute("UPDATE jobs SET spec = json_set(spec, '$.batch_size', 'many') WHERE id = ?", (job,))
+    db.close()
+    assert isinstance(client_for(router.endpoint).request(GetTask(key="k")), NoTask)
+    info = admin.request(GetJob(job=job)).job
+    assert info["state"] == "failed" and info["attempts"] == 0, info
+    assert info["error"] == "job field 'batch_size' must be int, got 'many'"
+    assert (
+        info["events"][-1]["reason"] == "its stored spec cannot be read: job field 'batch_size' must be int, got 'many'"
+    )
 
 
 def test_resolve_names_providers_and_what_is_online(router, provider, client_for):

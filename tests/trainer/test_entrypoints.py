@@ -12,7 +12,6 @@ importing nothing) when it was queued before.
 from __future__ import annotations
 
 import signal
-import sqlite3
 import time
 
 import pytest
@@ -93,24 +92,6 @@ def test_a_module_the_trainer_does_not_allow_runs_nothing(cluster, alone, tmp_pa
         said = str(at_submit.value)
         assert f"no connected trainer can import module {module!r}" in said, said
         assert "allow tests.support.entrypoints (not allowed)" in said and "BATCHBUS_JOB_MODULES" in said, said
-
-
-def test_a_task_whose_spec_was_corrupted_in_the_store_is_refused_by_the_trainer(cluster, alone):
-    """A spec changed behind the router's back (its SQLite file edited by hand) reaches the trainer as the
-    stored dict: the trainer parses it as it enters and fails the job in one line; no attempt starts, and
-    the trainer lives on."""
-    job = cluster.submit_spec({**JOB, "max_attempts": 1})
-    with sqlite3.connect(cluster.state / "router.db", timeout=30) as db:  # the router's own file
-        db.execute("UPDATE jobs SET spec = json_set(spec, '$.batch_size', 'many') WHERE id = ?", (job,))
-    db.close()
-    trainer = plain_trainer(cluster)
-    info = cluster.wait_end(job, timeout=120)
-    assert info["state"] == "failed", info
-    assert info["error"] == "BadRequest: job field 'batch_size' must be int, got 'many'", info["error"]
-    log = (cluster.state / f"{trainer}.log").read_text()
-    assert f"job {job} failed before it started" in log and "Traceback" not in log, log[-3000:]
-    assert f"job {job}: attempt" not in log  # no attempt's process ran it
-    assert cluster.procs[trainer].poll() is None
 
 
 def test_commands_apply_at_the_functions_calls(cluster, plain):
