@@ -1,0 +1,180 @@
+"""A function whose result another module reads returns a type that names its keys: a ``TypedDict`` for a
+JSON, wire or SQLite record, a dataclass, or a map whose values are typed (``dict[str, np.ndarray]``),
+never a bare ``dict``, ``dict[str, Any]`` or ``dict[str, object]`` that each reader parses again.
+
+Checked from the source (no import runs): every function of the product (``libbus``, ``services``, ``cli``,
+``shm``) annotated to return one of those, whose name another product module uses, must be in
+:data:`ALLOWED` with its reason (``not yet typed: …`` names what is left to type).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+from tests.support import REPO
+
+ROOTS = ("libbus", "services", "cli", "shm")
+
+#: Return annotations that say nothing of the keys (``| None`` beside them says nothing more).
+BARE = re.compile(r"^(dict|Dict|dict\[str, (Any|object)\]|Dict\[str, (Any|object)\])( \| None)?$")
+
+#: ``path::Qualified.name`` → why it returns a bare dict. Serialization boundaries return dicts by contract.
+ALLOWED: dict[str, str] = {
+    "cli/evaluate.py::evaluate_job": "not yet typed: the router's job record (a job row) as busctl prints it",
+    "cli/watch.py::watch_job": "not yet typed: the router's job record (a job row) as busctl prints it",
+    "libbus/config.py::Settings.as_dict": "serialization: the settings as `busctl config show --json` prints them and an attempt is handed them",
+    "libbus/config.py::Settings.redacted": "serialization: as_dict with credentials masked, for printing",
+    "libbus/jobapi/job.py::Job.restore": "the job function's own state as it checkpointed it: its keys are the user's",
+    "libbus/jobs/spec.py::JobSpec.builtin_params": "not yet typed: a job spec's parameters (the spec's keys)",
+    "libbus/jobs/spec.py::JobSpec.settable": "not yet typed: a job spec's parameters (the spec's keys)",
+    "libbus/jobs/spec.py::JobSpec.to_dict": "serialization: a spec's JSON, the inverse of from_dict",
+    "libbus/jobs/spec.py::SpikeSpec.to_dict": "serialization: a spec's JSON, the inverse of from_dict",
+    "libbus/loader/remote.py::RemoteLoader.state_dict": "PyTorch's state_dict contract: what load_state_dict and torch.distributed.checkpoint load",
+    "libbus/loader/stall.py::StallMeter.breakdown": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "libbus/order/elastic.py::merge": "a state_dict (PyTorch's contract) for load_state_dict, merged from the ranks'",
+    "libbus/order/elastic.py::merge_cursors": "a state_dict (PyTorch's contract) for load_state_dict, merged from the ranks'",
+    "libbus/order/elastic.py::state": "the loader's state_dict contents (PyTorch's contract), with its elastic plan",
+    "libbus/order/epochs.py::Order.state": "the loader's state_dict contents (PyTorch's contract): the cursor and its settings",
+    "libbus/serve/metrics.py::StatsCollector._read": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "libbus/serve/sessions.py::Session.describe": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "libbus/wire/frames.py::Message.header": "serialization: a frame's JSON header, checked against the message's annotations",
+    "services/provider/app.py::ProviderService.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/handler.py::ProviderHandler.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/formats/dataset_toml.py::parse_dataset_toml": "not yet typed: dataset.toml's keys, parsed",
+    "services/provider/sources/formats/dataset_toml.py::parse_settings": "not yet typed: dataset.toml's keys, parsed",
+    "services/provider/sources/formats/location.py::Location.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/formats/location.py::Location.toml": "not yet typed: dataset.toml's keys, parsed",
+    "services/provider/sources/formats/mds.py::read_index": "not yet typed: an MDS index.json, parsed",
+    "services/provider/sources/images.py::DecodedImages.metrics": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/images.py::ImageCounters.stage": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/images.py::ImageSource.metrics": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/objstore.py::object_store_stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/pipeline/decode_cache/disk_tier.py::DiskTier.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/pipeline/decode_cache/store.py::DecodeCache.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/pipeline/decode_cache/store.py::decode_cache_stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/pipeline/engine.py::Pipeline.metrics": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/pipeline/engine.py::pipeline_stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/pipeline/engine.py::stage_control": "not yet typed: a pipeline stage's control or random state (JSON for Stats and busctl)",
+    "services/provider/sources/pipeline/image_stages.py::Decode.metrics": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/pipeline/stages.py::RandomStage.control": "not yet typed: a pipeline stage's control or random state (JSON for Stats and busctl)",
+    "services/provider/sources/pipeline/stages.py::RandomStage.metrics": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/pipeline/stages.py::RandomStage.state": "not yet typed: a pipeline stage's control or random state (JSON for Stats and busctl)",
+    "services/provider/sources/pipeline/stages.py::Stage.control": "not yet typed: a pipeline stage's control or random state (JSON for Stats and busctl)",
+    "services/provider/sources/pipeline/stages.py::Stage.metrics": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/pipeline/stages.py::StageQueue.metrics": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/storage/blockcache.py::BlockCache.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/storage/blockcache.py::cache_stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/storage/httprange.py::RangeClient.read_stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/storage/objects.py::ObjectClient.read_stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/sources/timing.py::BatchTiming.reply": "not yet typed: BatchResponse.timing (JSON)",
+    "services/router/gangs.py::Gangs.rendezvous": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/handler.py::RouterHandler.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/router/job_results.py::JobResults.keep_model": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/job_results.py::JobResults.scored": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/jobs.py::JobControl.own": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/pbt.py::explore": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/replies.py::fit_rows": "not yet typed: a view's rows as busctl and the web show them (JSON)",
+    "services/router/scores.py::TestScores.result": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/store.py::JobStore.add_checkpoint": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/store.py::JobStore.claim": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/store.py::JobStore.first_queued": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/store.py::JobStore.get": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/store.py::JobStore.update_gang": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/studies.py::Studies.show": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/studies.py::Studies.stop": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/router/study_spec.py::StudySpec.to_dict": "serialization: a study spec's JSON, the inverse of from_dict",
+    "services/router/study_store.py::StudyStore.get": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
+    "services/trainer/attempt/builtin.py::_set_hyper": "not yet typed: _set_hyper",
+    "services/trainer/attempt/final_eval.py::model_spec": "not yet typed: model_spec",
+    "services/trainer/attempt/jobapi.py::AttemptJob._read": "the job function's own state as it checkpointed it: its keys are the user's",
+    "services/trainer/attempt/jobapi.py::AttemptJob.restore": "the job function's own state as it checkpointed it: its keys are the user's",
+    "services/trainer/attempt/prepare.py::shard": "not yet typed: shard",
+    "services/trainer/attempt_user.py::AttemptUser.as_dict": "serialization: handed to the attempt's process, the inverse of from_dict",
+    "services/trainer/service/app.py::TrainerService.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/trainer/service/attempt_settings.py::attempt_settings": "not yet typed: attempt_settings",
+    "services/trainer/service/attempt_settings.py::ungranted_settings": "not yet typed: ungranted_settings",
+    "services/views.py::_row": "not yet typed: a view's rows as busctl and the web show them (JSON)",
+    "services/views.py::frame": "not yet typed: a view's rows as busctl and the web show them (JSON)",
+    "services/views.py::job_logs": "not yet typed: a view's rows as busctl and the web show them (JSON)",
+    "services/views.py::snapshot": "not yet typed: a view's rows as busctl and the web show them (JSON)",
+    "services/views.py::stats": "not yet typed: a view's rows as busctl and the web show them (JSON)",
+    "services/views.py::study": "not yet typed: a view's rows as busctl and the web show them (JSON)",
+    "services/web/logins.py::Login.summary": "what an unverified token claims, shown as JSON on the page: its values are whatever the token holds",
+    "shm/gc.py::SegmentInfo.as_dict": "serialization: a segment's row as `busctl shm --json` prints it",
+    "shm/ring.py::read_header": "not yet typed: a ring file's header fields",
+}
+
+
+def bare_dict_returns(root: Path, roots: tuple[str, ...] = ROOTS) -> list[str]:
+    """``path::qualname`` of each function under ``roots`` whose return annotation is in :data:`BARE` and
+    whose name another module under ``roots`` uses (as a whole word), sorted."""
+    sources = {p: p.read_text() for r in roots for p in sorted((root / r).rglob("*.py"))}
+    found = []
+    for path, text in sources.items():
+        for qualname, name in _bare_functions(ast.parse(text)):
+            if name.startswith("__"):
+                continue
+            word = re.compile(rf"\b{re.escape(name)}\b")
+            if any(word.search(other) for p, other in sources.items() if p != path):
+                found.append(f"{path.relative_to(root).as_posix()}::{qualname}")
+    return sorted(set(found))
+
+
+def _bare_functions(tree: ast.Module) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                qualname = prefix + child.name
+                if child.returns is not None and BARE.match(ast.unparse(child.returns)):
+                    out.append((qualname, child.name))
+                # a function defined inside another is not reachable from another module
+            elif isinstance(child, ast.ClassDef):
+                walk(child, prefix + child.name + ".")
+            else:
+                walk(child, prefix)
+
+    walk(tree, "")
+    return out
+
+
+@cache
+def _product() -> tuple[str, ...]:
+    return tuple(bare_dict_returns(REPO))
+
+
+def test_no_bare_dict_crosses_a_module_unless_allowed():
+    unexplained = [f for f in _product() if f not in ALLOWED]
+    assert not unexplained, (
+        "these functions return a bare dict that another module reads; return a TypedDict (a JSON, wire or "
+        "SQLite record), a dataclass, or a map with typed values, or add them to ALLOWED with the reason:\n  "
+        + "\n  ".join(unexplained)
+    )
+
+
+def test_every_allowed_entry_says_why():
+    assert all(reason.strip() for reason in ALLOWED.values())
+
+
+def test_a_bare_dict_read_by_another_module_is_found(tmp_path):
+    """What a careless change does: a helper returning ``-> dict`` (or ``dict[str, Any]``) that another
+    module calls. The check names it; one used only in its own module, or typed, is left alone."""
+    pkg = tmp_path / "libbus"
+    pkg.mkdir()
+    (pkg / "rows.py").write_text(
+        "from typing import Any, TypedDict\n\n"
+        "class Row(TypedDict):\n    n: int\n\n"
+        "def f() -> dict:\n    return {}\n\n"
+        "class Store:\n    def get(self) -> dict[str, Any] | None:\n        return None\n\n"
+        "def typed() -> Row:\n    return {'n': 1}\n\n"
+        "def own() -> dict:\n    return {}\n\n"
+        "def arrays() -> dict[str, list[int]]:\n    return {}\n"
+    )
+    (pkg / "user.py").write_text(
+        "from libbus.rows import Store, arrays, f, typed\n\nprint(f(), Store().get(), typed(), arrays())\n"
+    )
+    assert bare_dict_returns(tmp_path, ("libbus",)) == ["libbus/rows.py::Store.get", "libbus/rows.py::f"]
