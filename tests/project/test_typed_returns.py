@@ -43,6 +43,7 @@ ALLOWED: dict[str, str] = {
     "libbus/wire/frames.py::Message.header": "serialization: a frame's JSON header, checked against the message's annotations",
     "services/provider/app.py::ProviderService.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
     "services/provider/handler.py::ProviderHandler.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
+    "services/provider/read_helper.py::_Stats.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
     "services/provider/sources/formats/dataset_toml.py::parse_dataset_toml": "not yet typed: dataset.toml's keys, parsed",
     "services/provider/sources/formats/dataset_toml.py::parse_settings": "not yet typed: dataset.toml's keys, parsed",
     "services/provider/sources/formats/location.py::Location.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
