@@ -24,7 +24,7 @@ the split's sample indices (a ``train_range`` job's order is over its range; ``f
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from libbus.order import elastic
 from libbus.order.epochs import Order, batches_of, check_skips, epoch_order, shift_skips, skip_ranges
 
 __all__ = [
+    "OrderSpec",
     "MAX_ORDER_SAMPLES",
     "MAX_RANGE",
     "MAX_SKIP_STEPS",
@@ -86,25 +87,43 @@ def segment_of(segments: Sequence[Mapping[str, Any]], step: int) -> Mapping[str,
     raise NotFound(f"step {step} is before the oldest segment kept (step {segments[0].get('step')})")
 
 
-def _order(spec: Mapping[str, Any], n: int, seg: Mapping[str, Any], rank: int) -> Order:
+class OrderSpec(Protocol):
+    """What of a job's spec its order is made of (a :class:`libbus.jobs.spec.JobSpec`, typed: this floor
+    sits below ``libbus.jobs``)."""
+
+    seed: int
+    shuffle: str
+    block_size: int
+    batch_size: int
+    epochs: int
+    train_range: list
+    skip: list
+
+
+def _first(spec: OrderSpec) -> int:
+    """The first sample index of the job's order (its ``train_range``'s start, else 0)."""
+    return int(spec.train_range[0]) if spec.train_range else 0
+
+
+def _order(spec: OrderSpec, n: int, seg: Mapping[str, Any], rank: int) -> Order:
     world = int(seg.get("world_size", 1))
     # the skips the attempt's loader had: the spec's first ``skips`` (skips are only ever added)
-    skips = check_skips(list(spec.get("skip") or [])[: int(seg.get("skips", 0))])
+    skips = check_skips(list(spec.skip)[: int(seg.get("skips", 0))])
     return Order(
         n=n,
-        seed=int(spec.get("seed", 0)),
-        shuffle=spec.get("shuffle", "full"),
-        block_size=int(spec.get("block_size", 1024)),
+        seed=spec.seed,
+        shuffle=spec.shuffle,
+        block_size=spec.block_size,
         rank=rank,
         world_size=world,
-        batch_size=int(seg.get("batch_size") or spec.get("batch_size", 64)),
+        batch_size=int(seg.get("batch_size") or spec.batch_size),
         drop_uneven=world > 1,  # what a gang's loaders read (services/trainer/attempt/prepare.py: shard)
-        skip=shift_skips(skips, int((spec.get("train_range") or [0])[0]), n),
+        skip=shift_skips(skips, _first(spec), n),
     )
 
 
 def step_samples(
-    spec: Mapping[str, Any],
+    spec: OrderSpec,
     segments: Sequence[Mapping[str, Any]],
     step: int,
     *,
@@ -134,8 +153,8 @@ def step_samples(
     world = int(seg.get("world_size", 1))
     if rank is not None and not 0 <= rank < world:
         raise BadRequest(f"rank {rank} is outside the world of {world} that trained step {step}")
-    first = int((spec.get("train_range") or [0])[0])
-    epochs = int(spec.get("epochs", 0)) or None
+    first = _first(spec)
+    epochs = spec.epochs or None
     memo = {} if memo is None else memo
     out = []
     for r in range(world) if rank is None else [rank]:
@@ -188,7 +207,7 @@ def _nth_batch(
     return held[1][left], (epoch, left * order.batch_size)
 
 
-def epoch_range(spec: Mapping[str, Any], epoch: int, start: int, stop: int, *, n: int) -> list[int]:
+def epoch_range(spec: OrderSpec, epoch: int, start: int, stop: int, *, n: int) -> list[int]:
     """Positions ``start..stop`` of ``epoch``'s whole order (all ranks together, before any resume
     re-split it): the split's indices there.
 
@@ -206,11 +225,11 @@ def epoch_range(spec: Mapping[str, Any], epoch: int, start: int, stop: int, *, n
     whole = epoch_order(
         n,
         epoch=epoch,
-        seed=int(spec.get("seed", 0)),
-        shuffle=spec.get("shuffle", "full"),
-        block_size=int(spec.get("block_size", 1024)),
+        seed=spec.seed,
+        shuffle=spec.shuffle,
+        block_size=spec.block_size,
     )
-    first = int((spec.get("train_range") or [0])[0])
+    first = _first(spec)
     return (whole[start:stop] + first).tolist()
 
 

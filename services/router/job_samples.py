@@ -41,7 +41,7 @@ def step_samples(store: JobStore, msg: GetJobSamples, split_size: Callable[[str]
     from its spec and segments. ``split_size(dataset)``: the train split's size as a live provider
     serves it (None: none online), used when no checkpoint cursor of the job records it."""
     job = store.get(msg.job, events=False)
-    spec = job["spec"]
+    spec = stored_spec(job["spec"])
     segments = store.segments(msg.job)
     n = _order_size(spec, segments, split_size)
     if msg.epoch >= 0:
@@ -52,9 +52,7 @@ def step_samples(store: JobStore, msg: GetJobSamples, split_size: Callable[[str]
         raise BadRequest(f"give a step (counted from 1) or an epoch and range; got step {msg.step}")
     rank = None if msg.rank < 0 else msg.rank
     seg = history.segment_of(segments, msg.step)  # a reply holds at most an epoch range's positions
-    asked = int(seg.get("batch_size") or spec.get("batch_size", 64)) * (
-        int(seg.get("world_size", 1)) if rank is None else 1
-    )
+    asked = int(seg.get("batch_size") or spec.batch_size) * (int(seg.get("world_size", 1)) if rank is None else 1)
     if asked > history.MAX_RANGE:
         raise BadRequest(
             f"step {msg.step} holds {asked} samples{'' if rank is None else ' on a rank'}; a reply holds at "
@@ -80,8 +78,8 @@ def skip(store: JobStore, by: str, msg: SkipJob, split_size: Callable[[str], int
     state = JobState(job["state"])
     if state is JobState.SUCCEEDED:
         raise BadRequest(f"job {msg.job} already succeeded: nothing of it is left to train")
-    spec = job["spec"]
-    if spec.get("task", "train") != "train":
+    spec = stored_spec(job["spec"])
+    if spec.task != "train":
         raise BadRequest(f"job {msg.job} is an evaluation task: it trains on no samples")
     steps = _ranges(msg.steps, "steps", low=1)
     samples = _ranges(msg.samples, "samples")
@@ -94,23 +92,23 @@ def skip(store: JobStore, by: str, msg: SkipJob, split_size: Callable[[str], int
         raise BadRequest(f"skip names {count} steps; at most {history.MAX_SKIP_STEPS} at once")
     segments = store.segments(msg.job)
     n = _order_size(spec, segments, split_size)
-    first = int((spec.get("train_range") or [0])[0])
+    first = spec.train_range[0] if spec.train_range else 0
     for a, b in samples:
         if a < first or b > first + n:
             raise BadRequest(f"samples {a}:{b} are outside the job's {first}:{first + n} of its train split")
     ranges = history.union_ranges(_steps_ranges(spec, segments, steps, n), samples)  # by bounds: no index expanded
     if not ranges:
         raise BadRequest(f"steps {_shown_ranges(steps)} of job {msg.job} have no samples (past its last epoch)")
-    held = sum(len(one) for one in spec.get("skip") or [])
+    held = sum(len(one) for one in spec.skip)
     if held + len(ranges) > MAX_SKIP_RANGES:
         raise BadRequest(
             f"skips would hold more than {MAX_SKIP_RANGES} index ranges in all (this skip is {len(ranges)}, "
             f"job {msg.job}'s skips hold {held}): skip fewer or longer stretches (samples a:b is one range)"
         )
-    changes: dict = {"skip": [*(spec.get("skip") or []), ranges]}
+    changes: dict = {"skip": [*spec.skip, ranges]}
     if msg.spike:  # a trainer's automatic skip of a loss spike: recorded, and bounded by spike.max_skips
-        changes["spikes"] = [*(spec.get("spikes") or []), {**_spike_record(msg.spike), "steps": steps[0]}]
-    new = stored_spec(job["spec"]).updated(**changes)
+        changes["spikes"] = [*spec.spikes, {**_spike_record(msg.spike), "steps": steps[0]}]
+    new = spec.updated(**changes)
     target = job["checkpoint"]
     if steps:
         before = [c for c in job.get("checkpoints", []) if int(c["step"]) < steps[0][0]]
@@ -127,14 +125,14 @@ def skip(store: JobStore, by: str, msg: SkipJob, split_size: Callable[[str], int
     return Skipped(job, reason, reply)
 
 
-def _check_spike_skip(spec: dict, steps: list[list[int]], samples: list[list[int]]) -> None:
+def _check_spike_skip(spec: JobSpec, steps: list[list[int]], samples: list[list[int]]) -> None:
     """A trainer's spike skip stays inside what the job's ``spike`` option allows: the option is on,
     ``max_skips`` is not spent, and the stretch is one run of at most ``skip_before + 1`` steps ending at
     the spike, never samples. A trainer token asks this, so it is bounded here, not only in the trainer."""
-    option = spec.get("spike")
+    option = spec.spike
     if not option:
         raise Forbidden("this job has no spike option: a trainer may not skip its steps")
-    if len(spec.get("spikes") or []) >= int(option.get("max_skips", 0)):
+    if len(spec.spikes) >= int(option.get("max_skips", 0)):
         raise Forbidden(f"the job's spike.max_skips ({option.get('max_skips')}) is spent")
     most = int(option.get("skip_before", 0)) + 1
     if samples or len(steps) != 1 or steps[0][1] - steps[0][0] > most:
@@ -167,7 +165,7 @@ def _spike_event(spike: dict, spec: JobSpec) -> str:
     )
 
 
-def _steps_ranges(spec: dict, segments: list[dict], steps: list[list[int]], n: int) -> list[list[int]]:
+def _steps_ranges(spec: JobSpec, segments: list[dict], steps: list[list[int]], n: int) -> list[list[int]]:
     """The samples every rank trained at ``steps`` (checked: at most ``MAX_SKIP_STEPS``), as ranges;
     refused once they pass ``history.MAX_STEP_SAMPLES`` (a job of large batches), before more are looked up."""
     memo: dict = {}  # each rank's order and epoch computed once for all the steps
@@ -208,19 +206,18 @@ def _shown_ranges(ranges: list[list[int]]) -> str:
     return shown + (f",... ({len(ranges)} ranges)" if len(ranges) > 8 else "")
 
 
-def _order_size(spec: dict, segments: list[dict], split_size: Callable[[str], int | None]) -> int:
+def _order_size(spec: JobSpec, segments: list[dict], split_size: Callable[[str], int | None]) -> int:
     """Samples the job's order is over: as a checkpoint cursor recorded it, else the train split's
     size (or the job's ``train_range``) as a live provider serves it."""
     for seg in reversed(segments):
         cursor = seg.get("cursor")
         if isinstance(cursor, dict) and isinstance(cursor.get("n"), int):
             return int(cursor["n"])
-    rng = spec.get("train_range") or []
-    if len(rng) == 2:
-        return int(rng[1]) - int(rng[0])
-    n = split_size(spec["dataset"])
+    if spec.train_range:
+        return int(spec.train_range[1]) - int(spec.train_range[0])
+    n = split_size(spec.dataset)
     if n is None:
         raise Unavailable(
-            f"no provider of {spec['dataset']!r} is online and job has no checkpoint yet: its split's size is unknown"
+            f"no provider of {spec.dataset!r} is online and job has no checkpoint yet: its split's size is unknown"
         )
     return n

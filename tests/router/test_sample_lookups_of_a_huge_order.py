@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from libbus.errors import BadRequest
+from libbus.jobs.spec import JobSpec
 from libbus.order import history
 from libbus.wire.messages import GetJobSamples, GetTask, ListJobs, SkipJob, SubmitJob, Task
 
@@ -30,7 +31,7 @@ def test_lookups_in_an_order_past_the_bound_are_refused_before_it_is_computed(ro
         tenant.request(SkipJob(job=job, steps=[[1, 2]]))
     # the bound itself is looked up as before, and the router answers the next ask
     small = {**spec, "train_range": [0, 1000]}
-    assert len(history.epoch_range(small, 0, 0, 10, n=1000)) == 10
+    assert len(history.epoch_range(JobSpec.from_dict(small), 0, 0, 10, n=1000)) == 10
     assert job in [j["id"] for j in tenant.request(ListJobs()).jobs]
 
 

@@ -14,14 +14,18 @@ import orjson
 import pytest
 
 from libbus.errors import BadRequest, Forbidden, NotFound
+from libbus.jobs.spec import JobSpec
 from libbus.order import Order, elastic, epoch_order, history
 from libbus.wire.messages import GetJob, GetJobSamples, SkipJob, SubmitJob
 from tests.support.jobs import SPEC, JobCluster
 
+#: The job tests' spec, typed as the router reads it from its store.
+TYPED = JobSpec.from_dict(SPEC)
+
 
 # -- the pure function ----------------------------------------------------------------------------
 def test_a_resumed_segment_continues_the_cursor_at_its_world_size():
-    spec = {**SPEC, "epochs": 3}
+    spec = JobSpec.from_dict({**SPEC, "epochs": 3})
     gang = Order(n=600, seed=5, shuffle="full", rank=0, world_size=2, batch_size=16, drop_uneven=True)
     segments = [
         {"step": 0, "cursor": None, "world_size": 2, "batch_size": 16},
@@ -65,18 +69,18 @@ def test_a_resumed_segment_continues_the_cursor_at_its_world_size():
 def test_malformed_step_queries_are_refused(step, rank, error, match):
     segments = [{"step": 0, "cursor": None, "world_size": 2, "batch_size": 16}]
     with pytest.raises(error, match=match):
-        history.step_samples(SPEC, segments, step, n=600, rank=rank)
+        history.step_samples(TYPED, segments, step, n=600, rank=rank)
 
 
 def test_a_step_before_any_segment_is_not_found():
     with pytest.raises(NotFound, match="no recorded attempt"):
-        history.step_samples(SPEC, [], 1, n=600)
+        history.step_samples(TYPED, [], 1, n=600)
     with pytest.raises(NotFound, match="before the oldest segment kept"):
-        history.step_samples(SPEC, [{"step": 40, "cursor": None, "world_size": 1}], 3, n=600)
+        history.step_samples(TYPED, [{"step": 40, "cursor": None, "world_size": 1}], 3, n=600)
     with pytest.raises(BadRequest, match="at most"):
-        history.epoch_range(SPEC, 0, 0, history.MAX_RANGE + 1, n=10**6)
+        history.epoch_range(TYPED, 0, 0, history.MAX_RANGE + 1, n=10**6)
     with pytest.raises(BadRequest, match="within 0:600"):
-        history.epoch_range(SPEC, 0, 5, 601, n=600)
+        history.epoch_range(TYPED, 0, 5, 601, n=600)
 
 
 # -- a real job: killed, resumed at another world size ---------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from libbus.errors import BadRequest
+from libbus.jobs.spec import JobSpec
 from libbus.order import history
 from libbus.wire.messages import GetJob, ListJobs, SkipJob, SubmitJob
 
@@ -43,7 +44,7 @@ def test_ranges_are_united_by_their_bounds():
 
 
 def test_the_samples_of_many_steps_are_looked_up_with_each_epoch_computed_once():
-    spec = {**SPEC, "epochs": 50, "shuffle": "full", "seed": 3, "batch_size": 7}
+    spec = JobSpec.from_dict({**SPEC, "epochs": 50, "shuffle": "full", "seed": 3, "batch_size": 7})
     segments = [{"step": 0, "world_size": 2, "batch_size": 7, "cursor": None}]
     memo: dict = {}
     shared = [history.step_samples(spec, segments, k, n=100, memo=memo) for k in range(1, 300)]
