@@ -22,8 +22,9 @@ import orjson
 
 from libbus.errors import BusError
 from libbus.jobs.commands import JobCommand
+from libbus.jobs.spec import JobSpec
 
-from .store import JobStore
+from .store import JobStore, stored_spec
 
 __all__ = ["EarlyStopping", "should_stop", "stop_epoch"]
 
@@ -57,22 +58,22 @@ def should_stop(values: list[float], *, patience: int, min_delta: float, maximiz
     return None
 
 
-def stop_epoch(history: list[dict], spec: dict, after: int = 0) -> tuple[int, str] | None:
+def stop_epoch(history: list[dict], spec: JobSpec, after: int = 0) -> tuple[int, str] | None:
     """The first epoch past ``after`` (1-based, in ``history``: one record per epoch, oldest first)
     at which ``spec``'s early stopping stops the job, with why; None if none does.
 
     Each epoch is judged on the records up to it alone, so the answer does not depend on how many
     epochs a report carries beyond it.
     """
-    monitor = spec.get("monitor", "val_loss")
-    rule = {"patience": spec["patience"], "min_delta": spec.get("min_delta", 0.0), "maximize": "accuracy" in monitor}
+    monitor = spec.monitor
+    maximize = "accuracy" in monitor
     values = [v for v in (_metric(r, monitor) for r in history[:after]) if v is not None]
     for epoch in range(after + 1, len(history) + 1):
         value = _metric(history[epoch - 1], monitor)
         if value is None:
             continue  # an epoch without the metric changes nothing
         values.append(value)
-        why = should_stop(values, **rule)
+        why = should_stop(values, patience=spec.patience, min_delta=spec.min_delta, maximize=maximize)
         if why is not None:
             return epoch, why
     return None
@@ -109,7 +110,7 @@ class EarlyStopping:
         ).fetchone()
         if row is None:
             return  # no early stopping for this job
-        spec = orjson.loads(row[0])
+        spec = stored_spec(orjson.loads(row[0]))
         found = stop_epoch(history, spec, clear)
         if found is None:
             self._clear[job_id] = len(history)
@@ -117,7 +118,7 @@ class EarlyStopping:
         if job_id in self.stopping:
             return
         epoch, why = found
-        monitor = spec.get("monitor", "val_loss")
+        monitor = spec.monitor
         try:
             self.control("early stopping", job_id, JobCommand.STOP, {})
         except BusError as err:

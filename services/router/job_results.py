@@ -21,6 +21,7 @@ from libbus.wire.messages import CommandAck, Message, Model, Ok, PushResult, fra
 
 from .artifacts import Artifacts
 from .scores import TestScores
+from .store import stored_spec
 
 __all__ = ["UPLOAD", "JobResults", "current_model"]
 
@@ -51,9 +52,9 @@ class JobResults:
         """The sha256 of the weights a test score in ``result`` must be of: the final model the trainer
         sends with it (the router checks its bytes against this sha256 as it keeps them), or, for an
         evaluation task, the model the router handed it; "" when there is none."""
-        spec = job["spec"]
-        if spec.get("task") == "evaluate":
-            source = job["id"] if spec.get("model_from") == UPLOAD else str(spec.get("model_from", ""))
+        spec = stored_spec(job["spec"])
+        if spec.task == "evaluate":
+            source = job["id"] if spec.model_from == UPLOAD else spec.model_from
             if self.artifacts is None:
                 return ""
             try:

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from libbus.errors import BadRequest, Unavailable
+from libbus.jobs.spec import JobSpec
 from services.router.early_stop import should_stop, stop_epoch
 from services.router.pbt import decide, explore
 from services.router.store import JobStore
@@ -135,7 +136,7 @@ def test_early_stopping_decision(values, patience, min_delta, maximize, stop):
 def test_early_stopping_stops_at_the_first_epoch_out_of_patience_however_the_history_arrives():
     losses = [1.0, 0.8, 0.85, 0.7, 0.75, 0.72, 0.9]  # epoch 4 is the best; 5 and 6 do not beat it
     history = [{"epoch": e, "val_loss": v} for e, v in enumerate(losses, 1)]
-    spec = {"patience": 2, "min_delta": 0.0}
+    spec = JobSpec.from_dict({"dataset": "mnist", "patience": 2, "min_delta": 0.0})
     assert stop_epoch(history, spec)[0] == 6
     # the same answer from the whole history, or judged on from any epoch found not to stop it
     assert {stop_epoch(history, spec, after)[0] for after in range(6)} == {6}
@@ -144,7 +145,7 @@ def test_early_stopping_stops_at_the_first_epoch_out_of_patience_however_the_his
     gappy = history[:4] + [{"epoch": 5}] + history[4:]
     assert stop_epoch(gappy, spec)[0] == 7
     accuracy = [{"epoch": e, "val_accuracy": v} for e, v in enumerate([0.5, 0.6, 0.6, 0.59], 1)]
-    assert stop_epoch(accuracy, {"patience": 2, "monitor": "val_accuracy"}) == (
+    assert stop_epoch(accuracy, JobSpec.from_dict({"dataset": "mnist", "patience": 2, "monitor": "val_accuracy"})) == (
         4,
         "no improvement by more than 0 for 2 epoch(s) (patience 2); best 0.6000 at epoch 2",
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from libbus.errors import BadRequest
+from libbus.jobs.spec import JobSpec
 from libbus.wire.messages import GetJob, ListJobs, SubmitJob, SubmitStudy
 from services.router.early_stop import stop_epoch
 from tests.support import wait_job, wait_study
@@ -58,7 +59,7 @@ def test_early_stopping_ends_an_entrypoint_job_at_the_epoch_it_judged(router, pr
     info = wait_job(admin, job, timeout=120)
     history = info["result"]["history"]
     # the rule, applied to the records the function reported, names the epoch; the job ended right there
-    found = stop_epoch(history, spec)
+    found = stop_epoch(history, JobSpec.from_dict(spec))
     assert found is not None and len(history) == found[0] < 12, history
     events = [e["reason"] for e in admin.request(GetJob(job=job)).job["events"]]
     assert any(f"early stopping on val_loss at epoch {found[0]}" in e for e in events), events
