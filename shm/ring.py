@@ -121,7 +121,7 @@ def _view(buf, offset: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(memoryview(buf)[offset : offset + nbytes], dtype=dtype).reshape(shape)
 
 
-def read_header(path: Path) -> dict | None:
+def read_header(path: Path) -> dict[str, int] | None:
     """The header fields of the ring file at ``path``, or ``None`` if it is not a ring."""
     try:
         # O_NONBLOCK: anyone may plant a FIFO in /dev/shm, and a plain open of one blocks forever.

@@ -8,7 +8,7 @@ Each is declared with :func:`~libbus.wire.frames.message`
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from libbus.wire.frames import Message, Request, frame_buffer, message
 from libbus.wire.msg_session import Ok
 
 __all__ = [
+    "EvaluateModel",
     "REPLICA_FIELDS",
     "info_mismatch",
     "Resolve",
@@ -209,6 +210,15 @@ class RingAttached(Message):
 
 
 # -- evaluation ------------------------------------------------------------------------------
+
+
+class EvaluateModel(TypedDict, total=False):
+    """``Evaluate.model``: a built-in model by ``name``, or an ``evaluator`` (``module:function``), with its
+    ``kwargs``."""
+
+    name: str
+    evaluator: str
+    kwargs: dict[str, Any]
 
 
 @message

@@ -268,6 +268,6 @@ def write_batch(
         slot=msg.slot,
         seq=msg.seq,
         frames=frames,
-        timing=timing.reply(queue_s, fill_s) if timing is not None else None,
+        timing=dict(timing.reply(queue_s, fill_s)) if timing is not None else None,  # the message's JSON object
     )
     return dest.done(reply, n, started, queue_s, fill_s)

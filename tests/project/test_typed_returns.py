@@ -70,7 +70,6 @@ ALLOWED: dict[str, str] = {
     "services/provider/sources/storage/blockcache.py::cache_stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
     "services/provider/sources/storage/httprange.py::RangeClient.read_stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
     "services/provider/sources/storage/objects.py::ObjectClient.read_stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
-    "services/provider/sources/timing.py::BatchTiming.reply": "not yet typed: BatchResponse.timing (JSON)",
     "services/router/gangs.py::Gangs.rendezvous": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
     "services/router/handler.py::RouterHandler.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
     "services/router/job_results.py::JobResults.keep_model": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
@@ -88,11 +87,8 @@ ALLOWED: dict[str, str] = {
     "services/router/studies.py::Studies.stop": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
     "services/router/study_spec.py::StudySpec.to_dict": "serialization: a study spec's JSON, the inverse of from_dict",
     "services/router/study_store.py::StudyStore.get": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
-    "services/trainer/attempt/builtin.py::_set_hyper": "not yet typed: _set_hyper",
-    "services/trainer/attempt/final_eval.py::model_spec": "not yet typed: model_spec",
     "services/trainer/attempt/jobapi.py::AttemptJob._read": "the job function's own state as it checkpointed it: its keys are the user's",
     "services/trainer/attempt/jobapi.py::AttemptJob.restore": "the job function's own state as it checkpointed it: its keys are the user's",
-    "services/trainer/attempt/prepare.py::shard": "not yet typed: shard",
     "services/trainer/attempt_user.py::AttemptUser.as_dict": "serialization: handed to the attempt's process, the inverse of from_dict",
     "services/trainer/service/app.py::TrainerService.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
     "services/trainer/service/attempt_settings.py::attempt_settings": "not yet typed: attempt_settings",
@@ -105,7 +101,6 @@ ALLOWED: dict[str, str] = {
     "services/views.py::study": "not yet typed: a view's rows as busctl and the web show them (JSON)",
     "services/web/logins.py::Login.summary": "what an unverified token claims, shown as JSON on the page: its values are whatever the token holds",
     "shm/gc.py::SegmentInfo.as_dict": "serialization: a segment's row as `busctl shm --json` prints it",
-    "shm/ring.py::read_header": "not yet typed: a ring file's header fields",
 }
 
 

@@ -13,9 +13,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypedDict
 
-__all__ = ["BatchTiming", "current", "timed"]
+__all__ = ["BatchTiming", "TimingInfo", "current", "timed"]
+
+
+class TimingInfo(TypedDict):
+    """``BatchResponse.timing``: where a batch's time went on the provider, in seconds."""
+
+    queue: float
+    read: float
+    #: pipeline stage name → seconds
+    stages: dict[str, float]
+
 
 _local = threading.local()
 
@@ -38,7 +48,7 @@ class BatchTiming:
             else:
                 self.stages[stage.name] = self.stages.get(stage.name, 0.0) + s
 
-    def reply(self, queue_s: float, fill_s: float) -> dict:
+    def reply(self, queue_s: float, fill_s: float) -> TimingInfo:
         """The reply's ``timing``: ``{"queue", "read", "stages": {name: s}}`` in seconds, adding up to
         ``queue_s + fill_s``. Without stage figures the whole fill is the read. Stage and read times
         summed over a pipeline's chunks overlap (stages run side by side): they are scaled down to the

@@ -108,7 +108,9 @@ def restore_into(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapp
         raise BadRequest(f"the job's checkpoint does not fit its model and optimizer: {err}") from err
 
 
-def _set_hyper(optimizer: torch.optim.Optimizer, params: Mapping[str, Any], last: dict | None) -> dict:
+def _set_hyper(
+    optimizer: torch.optim.Optimizer, params: Mapping[str, Any], last: dict[str, float] | None
+) -> dict[str, float]:
     """Put the settable hyper-parameters of ``params`` on every param group when they changed since
     ``last`` (``busctl job set``, a study's PBT explore step); returns them."""
     hyper = {k: params[k] for k in SETTABLE}

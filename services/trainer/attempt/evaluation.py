@@ -20,7 +20,7 @@ from safetensors.torch import save as save_safetensors
 from libbus.connect.client import Client, Identity
 from libbus.errors import BusError
 from libbus.security.curve import curve_key_of
-from libbus.wire.messages import Evaluate
+from libbus.wire.messages import Evaluate, EvaluateModel
 
 __all__ = ["LiveEvaluations", "snapshot"]
 
@@ -55,7 +55,7 @@ class LiveEvaluations:
     def start(
         self,
         weights: Mapping[str, torch.Tensor],
-        model_spec: dict,
+        model_spec: EvaluateModel,
         dataset: str,
         provider: dict,
         *,
@@ -97,7 +97,7 @@ class LiveEvaluations:
     def _run(
         self,
         state: dict[str, torch.Tensor],
-        model_spec: dict,
+        model_spec: EvaluateModel,
         dataset: str,
         provider: dict,
         where: dict,
@@ -107,7 +107,7 @@ class LiveEvaluations:
         try:
             blob = save_safetensors({k: v.contiguous() for k, v in state.items()})
             del state
-            msg = Evaluate(dataset=dataset, job=self.job, model=model_spec, frames=[blob])
+            msg = Evaluate(dataset=dataset, job=self.job, model=dict(model_spec), frames=[blob])
             with Client(
                 provider["endpoint"],
                 self.identity,

@@ -30,7 +30,7 @@ from libbus.connect.link import Link
 from libbus.errors import AuthRequired, BusError, NotFound, PeerTimeout, RateLimited, Unavailable
 from libbus.jobs.spec import JobSpec
 from libbus.security.curve import curve_key_of
-from libbus.wire.messages import DatasetInfoRequest, Error, Evaluate, Evaluation, Resolve
+from libbus.wire.messages import DatasetInfoRequest, Error, Evaluate, EvaluateModel, Evaluation, Resolve
 
 __all__ = ["CHECK_S", "EVALUATE_TIMEOUT_S", "model_spec", "score_final", "score_on_provider", "score_saved"]
 
@@ -46,7 +46,7 @@ PROVIDER_CHECK_S = 2.0
 RATE_LIMITED_WAIT_S = 2.0
 
 
-def model_spec(spec: JobSpec) -> dict:
+def model_spec(spec: JobSpec) -> EvaluateModel:
     """What ``Evaluate.model`` says for ``spec``: its evaluator (an operator-allowed
     ``module:function`` on the provider) with ``evaluator_kwargs``, or its built-in model."""
     if spec.evaluator:
@@ -181,7 +181,7 @@ def score_saved(
         provider = pick_provider(live.providers, identity.host_id)
     except BusError as err:
         log.warning("job %s: evaluating on %s (the router did not answer: %s)", job, provider["name"], err)
-    msg = Evaluate(dataset=spec.dataset, job=job, model=model_spec(spec), frames=[blob])
+    msg = Evaluate(dataset=spec.dataset, job=job, model=dict(model_spec(spec)), frames=[blob])
     deadline = time.monotonic() + EVALUATE_TIMEOUT_S
     while True:
         try:

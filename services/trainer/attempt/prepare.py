@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 from safetensors.torch import load as load_safetensors
 from torch import nn
@@ -15,7 +17,15 @@ from .checkpoint import CheckpointError, checkpoint_model
 from .gang import Gang
 from .resume import read_shared
 
-__all__ = ["initial_weights", "job_device", "load_initial", "shard", "starting_weights"]
+__all__ = ["Shard", "initial_weights", "job_device", "load_initial", "shard", "starting_weights"]
+
+
+class Shard(TypedDict, total=False):
+    """The train loader's arguments that give a gang's rank its own shard (:class:`RemoteLoader`'s)."""
+
+    rank: int
+    world_size: int
+    drop_uneven: bool
 
 
 def job_device(spec: JobSpec) -> torch.device:
@@ -29,7 +39,7 @@ def job_device(spec: JobSpec) -> torch.device:
     return device
 
 
-def shard(task: Task) -> dict:
+def shard(task: Task) -> Shard:
     """A gang's rank reads its own shard of ``train``; all as many batches (DDP steps together)."""
     if task.world_size == 1:  # said outright: a loader left to itself would look for a process group
         return {"rank": 0, "world_size": 1}
