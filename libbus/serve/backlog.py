@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from libbus.constants import MiB
 from libbus.errors import RateLimited
@@ -37,7 +38,7 @@ from libbus.serve.sessions import Session
 from libbus.wire.messages import Message
 from libbus.wire.sockets import SentTracker
 
-__all__ = ["Backlog", "Backlogs"]
+__all__ = ["Backlog", "BacklogStats", "Backlogs"]
 
 
 @dataclass
@@ -63,6 +64,19 @@ class Backlog:
         while held and held[0][0].done:
             self.unsent -= held.popleft()[1]
         return self.unsent
+
+
+class BacklogStats(TypedDict):
+    """A server's backlog figures (its ``Stats`` row's ``backlog``)."""
+
+    #: Bytes of replies handed to libzmq and not yet written to the kernel, over all connections.
+    unsent_bytes: int
+    #: Requests waiting now for their connection's backlog to drain.
+    waiting_for_reads: int
+    #: Requests that have waited so, since the start.
+    deferred_for_reads: int
+    #: Requests refused RATE_LIMITED after waiting too long, since the start.
+    refused_unread: int
 
 
 class Backlogs:
@@ -162,7 +176,7 @@ class Backlogs:
             b.waiting.clear()
         return out
 
-    def stats(self) -> dict:
+    def stats(self) -> BacklogStats:
         """The ledgers' figures, read without changing them: heartbeats and metric scrapes call this
         from threads of their own while the serving loop settles and extends the ledgers (the bytes
         are those held at the loop's last look, a turn old at most)."""

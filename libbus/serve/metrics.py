@@ -1,8 +1,8 @@
 """Prometheus metrics for operators: a service's live counters in the text exposition format.
 
 Nothing is counted twice. The services already keep their counters (``Server.counters``, a
-handler's :meth:`~libbus.serve.server.Handler.stats`); :class:`StatsCollector` turns the service's
-``stats()`` dict into metric families at scrape time, on prometheus-client's HTTP thread.
+handler's ``stats``); :class:`StatsCollector` turns the service's
+``stats()`` record into metric families at scrape time, on prometheus-client's HTTP thread.
 
 This module knows only what every service has (the server's counters, sessions, requests pending,
 the link to the router). Each service names its own metrics in its own ``metrics`` module
@@ -20,9 +20,9 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
@@ -124,21 +124,24 @@ class Families:
         return fam
 
 
-#: A service's own metrics: its ``stats()`` dict → the families only that service has.
-ServiceMetrics = Callable[[dict, Families], Iterator[Metric]]
+#: A service's stats record (a ``TypedDict``: the provider's, the router's, the trainer's).
+S = TypeVar("S", bound=Mapping[str, object])
+
+#: A service's own metrics: its ``stats()`` record → the families only that service has.
+ServiceMetrics = Callable[[S, Families], Iterator[Metric]]
 
 
-class StatsCollector(Collector):
-    """Reads ``stats()`` (the dict a service puts on its heartbeats) at each scrape.
+class StatsCollector(Collector, Generic[S]):
+    """Reads ``stats()`` (the record a service puts on its heartbeats) at each scrape.
 
     Args:
         service: ``router``, ``provider`` or ``trainer`` (the ``service`` label).
         name: the service's name (the ``name`` label).
-        stats: returns the service's stats dict; called on the scrape thread.
+        stats: returns the service's stats record; called on the scrape thread.
         own: the service's own metrics (its ``metrics`` module), after the ones every service has.
     """
 
-    def __init__(self, service: str, name: str, stats: Callable[[], dict], own: ServiceMetrics | None = None):
+    def __init__(self, service: str, name: str, stats: Callable[[], S], own: ServiceMetrics[S] | None = None):
         self.families = Families(service, name)
         self.stats = stats
         self.own = own
@@ -151,14 +154,13 @@ class StatsCollector(Collector):
     def name(self) -> str:
         return self.families.name
 
-    def _read(self) -> dict:
-        for attempt in range(_STATS_ATTEMPTS):
+    def _read(self) -> S:
+        for _ in range(_STATS_ATTEMPTS - 1):
             try:
                 return self.stats()
             except RuntimeError:  # "dictionary changed size during iteration": the loop moved on
-                if attempt == _STATS_ATTEMPTS - 1:
-                    raise
-        return {}
+                pass
+        return self.stats()
 
     def collect(self) -> Iterator[Metric]:
         stats = self._read()
@@ -175,14 +177,15 @@ class StatsCollector(Collector):
             if counters.get("internal"):
                 codes["INTERNAL"] = codes.get("INTERNAL", 0) + counters["internal"]
             yield fams.by(CounterMetricFamily, "errors", "Error replies sent, by error code.", "code", codes)
-        if "sessions" in stats:
-            yield one(GaugeMetricFamily, "sessions", "Sessions open now.", stats["sessions"])
-        if "pending" in stats:
+        sessions, pending = stats.get("sessions"), stats.get("pending")
+        if isinstance(sessions, int):
+            yield one(GaugeMetricFamily, "sessions", "Sessions open now.", sessions)
+        if isinstance(pending, int):
             yield one(
                 GaugeMetricFamily,
                 "pending_requests",
                 "Requests whose reply is being computed off the loop (evaluations).",
-                stats["pending"],
+                pending,
             )
         if "connected" in stats:
             yield one(
@@ -251,7 +254,7 @@ class MetricsExporter:
 
 
 def start_exporter(
-    bind: str, service: str, name: str, stats: Callable[[], dict], own: ServiceMetrics | None = None
+    bind: str, service: str, name: str, stats: Callable[[], S], own: ServiceMetrics[S] | None = None
 ) -> MetricsExporter | None:
     """:meth:`MetricsExporter.start` when ``bind`` is set, else ``None`` (metrics off). ``own``:
     the service's own metrics (see :class:`StatsCollector`)."""

@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 import zmq
 
@@ -32,6 +32,7 @@ from libbus.wire.schema import check_stored
 
 __all__ = [
     "Session",
+    "SessionInfo",
     "SessionTable",
     "is_local_peer",
     "frame_property",
@@ -66,6 +67,30 @@ def without_host_keys(value):
 
 #: Longest ``Hello.name``, ``host_id`` or ``version``: stored with the session and echoed to admins.
 MAX_LABEL = 128
+
+
+class SessionInfo(TypedDict):
+    """A session as an admin sees it (:meth:`Session.describe`, a row of ``ListPeers``)."""
+
+    session: str
+    #: The peer's label (``Hello.name``).
+    name: str
+    #: The token's subject.
+    subject: str
+    role: str
+    #: The role, or ``"loader"`` (:attr:`Session.kind`).
+    kind: str
+    host_id: str
+    pid: int
+    version: str
+    #: When the session opened (epoch seconds).
+    since: float
+    #: ZeroMQ's ``Peer-Address``.
+    peer: str
+    #: The key name the connection authenticated with.
+    key: str
+    #: When the peer was last heard (epoch seconds).
+    last_seen: float
 
 
 @dataclass
@@ -164,7 +189,8 @@ class Session:
         """``(host_id, pid)`` the peer reported: tells a reconnecting process from another one."""
         return self.hello.host_id, self.hello.pid
 
-    def describe(self) -> dict:
+    def describe(self) -> SessionInfo:
+        """The session as ``ListPeers`` shows it to an admin."""
         return {
             "session": self.sid,
             "name": self.name,

@@ -19,7 +19,7 @@ from libbus.errors import BadRequest, Forbidden, NotFound, Unavailable
 from libbus.jobs.spec import dataset_name
 from libbus.serve.handler import serves
 from libbus.serve.server import Session
-from libbus.serve.sessions import reader_info
+from libbus.serve.sessions import SessionInfo, reader_info
 from libbus.wire.dataset_info import ProviderEntry
 from libbus.wire.messages import ListPeers, Message, PeerList, Resolve, Resolved
 from libbus.wire.msg_data import info_mismatch
@@ -27,12 +27,23 @@ from libbus.wire.msg_data import info_mismatch
 from ..importable import TrainerModules
 from .eval_budget import EvalBudget
 
-__all__ = ["RESOLVERS", "Peers"]
+__all__ = ["RESOLVERS", "PeerRow", "Peers"]
 
 log = logging.getLogger(__name__)
 
 #: Who may resolve a dataset: a reader's loader too (a reader sends nothing else here).
 RESOLVERS = ("trainer", "reader", "admin")
+
+
+class PeerRow(SessionInfo, total=False):
+    """A row of ``ListPeers`` (``busctl peers --json``): the session, and for a provider what it serves."""
+
+    #: The provider's data endpoint.
+    endpoint: str
+    #: Per dataset served, its private test split's evaluations left today (None: unlimited).
+    evaluations_left_today: dict[str, int | None]
+    #: The datasets served (a scoped admin: those its scopes name).
+    datasets: list[str]
 
 
 class Peers:
@@ -217,7 +228,7 @@ class Peers:
         admin, peers = session.claims, []
         named = admin.scopes.get("datasets") if admin.scopes else None
         for peer in self.peers.values():
-            entry = peer.describe()
+            entry = PeerRow(**peer.describe())
             if peer.role == "provider":
                 served = peer.hello.caps["datasets"]
                 datasets = sorted(served if not admin.scopes else (d for d in served if d in (named or ())))
