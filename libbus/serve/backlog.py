@@ -1,4 +1,4 @@
-"""Replies a peer has not taken yet, bounded in bytes per connection (issue 12).
+"""Replies a peer has not taken yet, bounded in bytes per connection.
 
 libzmq bounds a peer's queue of unsent replies by its high-water mark, which counts messages
 (1000), not bytes: a reader that sends many ``BatchRequest`` and never reads would make a provider
