@@ -40,12 +40,13 @@ import time
 from collections.abc import Set as AbstractSet
 
 from libbus.errors import BadRequest, NotFound
+from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.wire.messages import NoTask, Task
 
-from .store import JobStore
+from .store import JobStore, stored_spec
 
-__all__ = ["Gangs", "GANG_POLL_MS", "min_world_size", "world_size"]
+__all__ = ["Gangs", "GANG_POLL_MS", "min_world_size"]
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +55,14 @@ GANG_POLL_MS = 100
 _ADDRESS = re.compile(r"^tcp://[A-Za-z0-9.\-:\[\]]{1,255}:\d{1,5}$")
 
 
-def world_size(spec: dict) -> int:
-    """The most trainers ``spec`` gathers (an elastic job's ``max_world_size``)."""
-    return int(spec.get("world_size", 1))
+def min_world_size(spec: JobSpec) -> int:
+    """The fewest trainers ``spec`` starts with once its gather timeout has passed (its ``world_size``,
+    the most it gathers, unless it is elastic)."""
+    return spec.min_world_size if spec.elastic else spec.world_size
 
 
-def min_world_size(spec: dict) -> int:
-    """The fewest trainers ``spec`` starts with once its gather timeout has passed."""
-    return int(spec.get("min_world_size") or world_size(spec)) if spec.get("elastic") else world_size(spec)
-
-
-def _wanted(spec: dict) -> str:
-    low, high = min_world_size(spec), world_size(spec)
+def _wanted(spec: JobSpec) -> str:
+    low, high = min_world_size(spec), spec.world_size
     return str(high) if low == high else f"{low} to {high}"
 
 
@@ -127,7 +124,7 @@ class Gangs:
         members = self.gathering.setdefault(job["id"], [])
         self.since.setdefault(job["id"], time.monotonic())
         members.append(trainer)
-        size = world_size(job["spec"])
+        size = stored_spec(job["spec"]).world_size
         self.store.event(job["id"], f"{trainer} joined its gang ({len(members)}/{size})")
         if len(members) < size:
             return NoTask(retry_ms=self.retry_ms)
@@ -182,12 +179,12 @@ class Gangs:
         """Release the gathering of ``job`` if it timed out (then hold the job back, or fail it;
         an elastic job with enough members starts instead) or a queued job of higher priority
         waits. True if released or started."""
-        job_id, spec = job["id"], job["spec"]
-        timeout = float(spec.get("gather_timeout_s", 120.0))
+        job_id, spec = job["id"], stored_spec(job["spec"])
+        timeout = spec.gather_timeout_s
         first = self.store.first_queued(
             accept=lambda j: j["id"] not in self.gathering and not self.waiting(j["id"], now)
         )
-        if first is not None and int(first["spec"].get("priority", 0)) > int(job["priority"]):
+        if first is not None and stored_spec(first["spec"]).priority > int(job["priority"]):
             self._dissolve(job_id)
             self.store.event(
                 job_id, f"gathering released ({', '.join(members)}): job {first['id']} of higher priority is queued"
@@ -195,9 +192,9 @@ class Gangs:
             return True
         if now - self.since.get(job_id, now) < timeout:
             return False
-        if spec.get("elastic") and len(members) >= min_world_size(spec):
+        if spec.elastic and len(members) >= min_world_size(spec):
             self.store.event(
-                job_id, f"elastic gang starts with {len(members)} of up to {world_size(spec)} after {timeout:g} s"
+                job_id, f"elastic gang starts with {len(members)} of up to {spec.world_size} after {timeout:g} s"
             )
             self._start(job_id, list(members))
             return True
@@ -206,7 +203,7 @@ class Gangs:
             f"its gang of {_wanted(spec)} did not gather within {timeout:g} s "
             f"({len(members)} trainer(s) came: {', '.join(members)}); they went to other work"
         )
-        if spec.get("gather_policy", "wait") == "fail":
+        if spec.gather_policy == "fail":
             self.store.finish(job_id, JobState.FAILED, reason, error=f"{reason} (gather_policy fail)")
             log.warning("job %s failed: %s", job_id, reason)
         else:
