@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar, overload
@@ -48,7 +48,7 @@ class Link:
         identity: role, name and token; ``caps.heartbeat`` is set for you.
         heartbeat_ms / liveness: the beat period and how many silent periods mean "router gone".
         on_push: called on the I/O thread with each pushed message; keep it quick (queue it).
-        stats: called on the I/O thread each beat; its dict rides on the heartbeat.
+        stats: called on the I/O thread each beat; its record (the service's stats) rides on the heartbeat.
     """
 
     def __init__(
@@ -59,7 +59,7 @@ class Link:
         heartbeat_ms: int = 1000,
         liveness: int = 5,
         on_push: Callable[[Message], None] | None = None,
-        stats: Callable[[], dict] | None = None,
+        stats: Callable[[], Mapping[str, object]] | None = None,
         ctx: zmq.Context | None = None,
         limits: SocketLimits = SocketLimits(),
     ):
@@ -301,9 +301,9 @@ class Link:
             for item in keep:
                 self._outgoing.put(item)
 
-    def _safe_stats(self) -> dict:
+    def _safe_stats(self) -> dict[str, object]:
         try:
-            return self.stats()
+            return dict(self.stats())
         except Exception:  # noqa: BLE001
             log.exception("stats callback failed")
             return {}

@@ -9,6 +9,7 @@ import secrets
 import threading
 import time
 from collections import Counter
+from typing import TypedDict
 
 from libbus.config import Settings
 from libbus.connect.link import Link
@@ -47,6 +48,21 @@ def add_parts(into: dict[str, float], parts: dict[str, float]) -> None:
         known = name in into or len(into) < MAX_WAIT_PARTS
         key = name if known else "other"
         into[key] = into.get(key, 0.0) + seconds
+
+
+class TrainerStats(TypedDict):
+    """A trainer's heartbeat stats (its ``Stats`` row, ``busctl top``, its metrics)."""
+
+    #: The job it runs now, or None.
+    job: str | None
+    #: Jobs run to an end, by final state.
+    tasks: dict[str, int]
+    #: Whether the link to the router is up.
+    connected: bool
+    #: Seconds its jobs waited for data, the running one's included.
+    data_wait_s: float
+    #: That wait by part (provider queue, read, ``stage:NAME``, transfer, other).
+    data_wait_parts: dict[str, float]
 
 
 class TrainerService:
@@ -89,7 +105,8 @@ class TrainerService:
         if isinstance(msg, Command):
             self.commands.put(msg)
 
-    def stats(self) -> dict:
+    def stats(self) -> TrainerStats:
+        """The trainer's heartbeat stats, its ``Stats`` row and what its metrics read."""
         run = self.run_now
         waited = run.data_wait_s if run is not None else 0.0
         parts = dict(self.data_wait_parts_done)

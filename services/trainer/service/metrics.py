@@ -4,23 +4,28 @@ state (the metrics every service has are :mod:`libbus.serve.metrics`'s)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from libbus.serve.metrics import Families
 
+if TYPE_CHECKING:
+    from .app import TrainerStats
+
 __all__ = ["trainer_metrics"]
 
 
-def trainer_metrics(stats: dict, fams: Families) -> Iterator[Metric]:
+def trainer_metrics(stats: TrainerStats, fams: Families) -> Iterator[Metric]:
     yield fams.one(
-        GaugeMetricFamily, "trainer_job_running", "1 while the trainer runs a job.", 1 if stats.get("job") else 0
+        GaugeMetricFamily, "trainer_job_running", "1 while the trainer runs a job.", 1 if stats["job"] else 0
     )
-    wait = stats.get("data_wait_s")
-    if isinstance(wait, (int, float)):  # the data-stall signal: the model idle, waiting for batches
-        yield fams.one(CounterMetricFamily, "trainer_data_wait_seconds", "Seconds training waited for data.", wait)
-    parts = stats.get("data_wait_parts")
-    if isinstance(parts, dict) and parts:  # where that wait went (libbus.loader.stall's split)
+    # the data-stall signal: the model idle, waiting for batches
+    yield fams.one(
+        CounterMetricFamily, "trainer_data_wait_seconds", "Seconds training waited for data.", stats["data_wait_s"]
+    )
+    parts = stats["data_wait_parts"]
+    if parts:  # where that wait went (libbus.loader.stall's split)
         fam = fams.family(
             CounterMetricFamily,
             "trainer_data_wait_part_seconds",
@@ -31,6 +36,5 @@ def trainer_metrics(stats: dict, fams: Families) -> Iterator[Metric]:
         for part, seconds in sorted(parts.items()):
             fam.add_metric(fams.labels(str(part)), float(seconds))
         yield fam
-    tasks = stats.get("tasks")
-    if isinstance(tasks, dict):
-        yield fams.by(CounterMetricFamily, "tasks", "Jobs this trainer ran to an end, by final state.", "state", tasks)
+    tasks = stats["tasks"]
+    yield fams.by(CounterMetricFamily, "tasks", "Jobs this trainer ran to an end, by final state.", "state", tasks)
