@@ -65,11 +65,11 @@ import math
 import threading
 from collections.abc import Iterator
 from itertools import islice
-from typing import Any
+from typing import Any, TypedDict
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-__all__ = ["MAX_NAME", "MAX_SECONDS", "MAX_STAGES", "PARTS", "StallMeter", "read_timing"]
+__all__ = ["MAX_NAME", "MAX_SECONDS", "MAX_STAGES", "PARTS", "StallBreakdown", "StallMeter", "read_timing"]
 
 #: The parts of a wait other than the stages (``stage:NAME``), in the order they are shown.
 PARTS = ("queue", "read", "transfer", "other", "unsplit")
@@ -106,6 +106,19 @@ def read_timing(raw: Any) -> tuple[float, float, dict[str, float]] | None:
                 key = name[:MAX_NAME]
                 stages[key] = min(MAX_SECONDS, stages.get(key, 0.0) + _seconds(value))
     return _seconds(raw.get("queue")), _seconds(raw.get("read")), stages
+
+
+class StallBreakdown(TypedDict):
+    """Where a loader's waiting went (:meth:`StallMeter.breakdown`; a progress report's ``data_wait_split``)."""
+
+    #: All the loop waited, in seconds.
+    wait_s: float
+    #: Seconds by part (``queue``, ``read``, ``stage:NAME``, ``transfer``, ``other``, ``unsplit``), largest first.
+    parts: dict[str, float]
+    #: The part that took most (None before any).
+    largest: str | None
+    #: The replica waited on longest (None before any).
+    slowest: str | None
 
 
 class StallMeter:
@@ -175,7 +188,7 @@ class StallMeter:
         with self._lock:
             return self.seconds, dict(self.by_replica)
 
-    def breakdown(self) -> dict[str, Any]:
+    def breakdown(self) -> StallBreakdown:
         """Where the waiting went, JSON-ready::
 
             {"wait_s": 12.5,                       # all the loop waited

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from libbus.loader.remote import RemoteLoader
+from libbus.loader.stall import StallBreakdown
 
 __all__ = ["AttemptProgress", "Meter", "perplexity", "slowest"]
 
@@ -35,7 +36,7 @@ class AttemptProgress(TypedDict, total=False):
     transport: str
     data_wait_pct: float
     data_wait_slowest: str | None
-    data_wait_split: dict[str, Any]
+    data_wait_split: StallBreakdown
 
 
 def perplexity(loss: float) -> float:
