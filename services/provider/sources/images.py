@@ -43,6 +43,7 @@ from libbus.errors import DatasetError
 from .base import SPLITS, Field, FieldBatch, OpenRequest, Source, SourceInfo, stable_seed
 from .formats import imageops
 from .formats.imageops import BAD_POLICIES, default_workers
+from .pipeline_metrics import PipelineMetrics, StageMetrics
 from .splitmix import uniforms
 
 __all__ = [
@@ -123,7 +124,7 @@ class ImageCounters:
             self.busy_s += busy_s
             self.failed += failed
 
-    def stage(self) -> dict:
+    def stage(self) -> StageMetrics:
         """A pipeline stage's counters: ``errors`` counts failed batches, ``bad_images`` bad images."""
         return {
             "name": self.name,
@@ -273,7 +274,7 @@ class ImageSource(Source):
             log.warning("%s: %d bad image(s) replaced in a batch, the first: %s", self.uri, len(errors), first)
             fill_bad_rows(x, y, sorted(errors), self.uri, texts)
 
-    def metrics(self) -> dict:
+    def metrics(self) -> PipelineMetrics:
         """The provider's per-dataset counters, in the shape of a pipeline's (one ``decode`` stage)."""
         return {"requests": {}, "stages": [self.counters.stage()]}
 
@@ -440,7 +441,7 @@ class DecodedImages(Source):
                 images[row], labels[row], texts[row] = images[near], labels[near], texts[near]
         return select(self.names, images, labels, texts)
 
-    def metrics(self) -> dict:
+    def metrics(self) -> PipelineMetrics:
         """The provider's per-dataset counters, as an image source's (one ``decode`` stage)."""
         return {"requests": {}, "stages": [self.counters.stage()]}
 

@@ -31,6 +31,7 @@ from libbus.errors import (
 from libbus.wire.fields import is_xy
 
 from ..base import MAX_LOCATION_CHARS, SPLITS, Field, FieldBatch, ReadPolicy, Source, SourceInfo, joined_locations
+from ..pipeline_metrics import PipelineMetrics
 from ..timing import current as current_timing
 from .decode_cache.entries import OBJECT_KINDS
 from .decode_cache.pipeline_bindings import FinalCache, PrefixCache
@@ -413,7 +414,7 @@ class Pipeline(Source):
             timing.add_pipeline(self.stages, job.times)
 
     # -- metrics and control --------------------------------------------------------------------
-    def metrics(self) -> dict:
+    def metrics(self) -> PipelineMetrics:
         """Every stage's counters with its output queue's, and the request queue's."""
         return {
             "requests": self.requests.metrics(),
@@ -433,7 +434,7 @@ class Pipeline(Source):
 def pipeline_stats(datasets: dict[str, Source]) -> dict:
     """``{"pipelines": {dataset: metrics}}`` for the pipeline datasets among ``datasets`` (else ``{}``)."""
     # image sources (file://DIR?size=S) report their decoding in the same shape: one ``decode`` stage
-    pipelines: dict[str, dict] = {}
+    pipelines: dict[str, PipelineMetrics] = {}
     for name, s in datasets.items():
         if isinstance(s, Pipeline):
             pipelines[name] = s.metrics()

@@ -20,6 +20,7 @@ from libbus.errors import DatasetError
 
 from ..formats import imageops
 from ..formats.imageops import BAD_POLICIES, default_workers
+from ..pipeline_metrics import StageMetrics
 from .stages import Chunk, RandomStage, Spec, Stage
 
 __all__ = ["IMAGE_STAGES"]
@@ -109,7 +110,7 @@ class Decode(_PoolStage):
         x[:] = images
         chunk.x = x
 
-    def metrics(self) -> dict:
+    def metrics(self) -> StageMetrics:
         return {**super().metrics(), "bad_images": self.bad_images}
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from libbus.errors import BadRequest, ConfigError, DatasetError
 
 from ..base import SPLITS, Source
+from ..pipeline_metrics import QueueMetrics, RandomState, StageMetrics
 from ..splitmix import uniforms
 
 __all__ = ["Chunk", "RandomStage", "SourceStage", "Spec", "Stage", "StageQueue", "source_of"]
@@ -110,7 +111,7 @@ class StageQueue:
         self.gets += 1
         return item
 
-    def metrics(self) -> dict:
+    def metrics(self) -> QueueMetrics:
         return {
             "name": self.name,
             "size": self.size(),
@@ -178,7 +179,7 @@ class Stage(Generic[InSpec]):
         self.items_out += n
         return took
 
-    def metrics(self) -> dict:
+    def metrics(self) -> StageMetrics:
         return {
             "name": self.name,
             "type": self.type,
@@ -200,7 +201,7 @@ class Stage(Generic[InSpec]):
             )
         if args:
             raise BadRequest(f"stage {self.name!r}: {command} takes no arguments, got {', '.join(args)}")
-        return self.metrics()
+        return dict(self.metrics().items())
 
     # -- parameter helpers ----------------------------------------------------------------------
     def _number_list(self, key: str, length: int) -> np.ndarray:
@@ -306,7 +307,7 @@ class RandomStage(Stage[Spec]):
     def commands(self) -> tuple[str, ...]:
         return ("stats", "get", "set", "reset")
 
-    def state(self) -> dict:
+    def state(self) -> RandomState:
         return {
             "seed": self.seed,
             "epoch": "request" if self.epoch is None else self.epoch,
@@ -328,13 +329,13 @@ class RandomStage(Stage[Spec]):
             if "epoch" in args:
                 epoch = None if args["epoch"] == "request" else _nonneg(self.name, "epoch", args["epoch"])
             self.seed, self.epoch, self.items_since_anchor = seed, epoch, 0
-            return self.state()
+            return dict(self.state().items())
         answer = super().control(command, args)  # checks the command and that it has no arguments
         if command == "reset":
             self.seed, self.epoch, self.items_since_anchor = self.default_seed, None, 0
-        return answer if command == "stats" else self.state()
+        return answer if command == "stats" else dict(self.state().items())
 
-    def metrics(self) -> dict:
+    def metrics(self) -> StageMetrics:
         return {**super().metrics(), **self.state()}
 
 
