@@ -23,6 +23,8 @@ from collections import OrderedDict
 from libbus.jobs.state import JobState
 from libbus.wire.messages import EvaluationReport, Ok
 
+from .store import stored_spec
+
 __all__ = ["TEST_KEYS", "TestScores"]
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ class TestScores:
         subject that asked for the evaluation, on the dataset scored; else say why it was not kept."""
         if job is None or not JobState(job["state"]).holding or job["trainer"] != msg.subject:
             return Ok(detail={"recorded": False, "why": f"job {msg.job} is not running on {msg.subject!r}"})
-        if job["spec"].get("dataset") != msg.dataset or msg.split != "test":
+        if stored_spec(job["spec"]).dataset != msg.dataset or msg.split != "test":
             return Ok(detail={"recorded": False, "why": f"job {msg.job} is not scored on {msg.dataset}/{msg.split}"})
         self._pending.pop(msg.job, None)
         self._pending[msg.job] = (msg.subject, provider, msg)
