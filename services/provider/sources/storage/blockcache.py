@@ -27,10 +27,11 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypedDict
 
 from libbus.errors import DatasetError
 
-__all__ = ["BlockCache", "cache_stats"]
+__all__ = ["BlockCache", "BlockCacheStats", "cache_stats"]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,21 @@ _CACHES: dict[str, BlockCache] = {}
 _CACHES_LOCK = threading.Lock()
 
 
-def cache_stats() -> dict:
+class BlockCacheStats(TypedDict):
+    """A disk block cache's counters since the start, and its size (:meth:`BlockCache.stats`)."""
+
+    hits: int
+    misses: int
+    evictions: int
+    bytes_hit: int
+    bytes_stored: int
+    #: The cache's limit (``cache_limit``).
+    limit_bytes: int
+    #: Bytes it holds now (0 when they cannot be read).
+    bytes: int
+
+
+def cache_stats() -> dict[str, BlockCacheStats]:
     """Every cache this process uses, by directory: hits, misses, evictions, bytes (metrics)."""
     with _CACHES_LOCK:
         return {d: c.stats() for d, c in _CACHES.items()}
@@ -87,12 +102,18 @@ class BlockCache:
             for k, v in deltas.items():
                 self.counts[k] += v
 
-    def stats(self) -> dict:
+    def stats(self) -> BlockCacheStats:
         with self._lock:
-            out = dict(self.counts)
-        out["limit_bytes"] = self.limit
-        out["bytes"] = self._read_usage() or 0
-        return out
+            c = dict(self.counts)
+        return {
+            "hits": c["hits"],
+            "misses": c["misses"],
+            "evictions": c["evictions"],
+            "bytes_hit": c["bytes_hit"],
+            "bytes_stored": c["bytes_stored"],
+            "limit_bytes": self.limit,
+            "bytes": self._read_usage() or 0,
+        }
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -27,9 +27,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future, wait
 from functools import partial
-from typing import Any
+from typing import Any, TypedDict
 
-__all__ = ["BLOCK_BYTES", "BlockMemory", "by_block"]
+__all__ = ["BLOCK_BYTES", "BlockMemory", "RamCacheStats", "ReadStats", "by_block"]
 
 #: The default block: large enough that one request carries many samples, small enough that a cache of
 #: a few hundred MiB holds hundreds of them.
@@ -52,6 +52,34 @@ def by_block(runs: list[Run], block: int) -> dict[tuple[Any, int], list[tuple[in
                 out.setdefault((f, b), []).append((pos - b * block, view[:n]))
                 view, pos = view[n:], pos + n
     return out
+
+
+class RamCacheStats(TypedDict, total=False):
+    """A remote dataset's RAM cache (:meth:`BlockMemory.stats`): every key when it has one, none without."""
+
+    #: Bytes of blocks held.
+    ram_cache_bytes: int
+    #: Reads served from a block held.
+    ram_cache_hits: int
+    #: Blocks fetched.
+    ram_cache_fetches: int
+    #: Reads that waited for a block being fetched rather than fetch it again.
+    ram_cache_joined: int
+    #: Blocks fetched ahead of the reads, for a loader's read-ahead plan.
+    ram_cache_prefetched: int
+    #: Blocks planned ahead and not fetched yet.
+    ram_cache_ahead: int
+    #: Blocks evicted.
+    ram_cache_evictions: int
+
+
+class ReadStats(RamCacheStats, total=False):
+    """How a remote dataset's reads go now (a client's ``read_stats``, a ``remote_reads`` row of its
+    provider's ``Stats``): requests in flight, their limit now, and its RAM cache's counters. Empty for a
+    place read locally."""
+
+    inflight: int
+    inflight_limit: int
 
 
 class BlockMemory:
@@ -213,7 +241,7 @@ class BlockMemory:
                     self.evictions += 1
         fut.set_result(data)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> RamCacheStats:
         with self._lock:
             return {
                 "ram_cache_bytes": self._held,

@@ -46,7 +46,7 @@ from typing import Protocol
 from libbus.errors import DatasetError
 
 from .blockcache import BlockCache
-from .blockmemory import BlockMemory
+from .blockmemory import BlockMemory, ReadStats
 from .inflight import InflightLimit, host_slots, lower_priority
 from .reader import COALESCE_BYTES, coalesce
 
@@ -143,10 +143,10 @@ class ObjectClient:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def read_stats(self) -> dict:
+    def read_stats(self) -> ReadStats:
         """Requests in flight and their limit now, and the RAM cache's counters (when it has one)."""
-        out = {"inflight": self.inflight.inflight, "inflight_limit": self.inflight.limit}
-        return {**out, **(self.memory.stats() if self.memory is not None else {})}
+        out: ReadStats = {"inflight": self.inflight.inflight, "inflight_limit": self.inflight.limit}
+        return {**out, **self.memory.stats()} if self.memory is not None else out
 
     # -- the batch's deadline ----------------------------------------------------------------
 
