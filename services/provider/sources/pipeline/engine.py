@@ -35,12 +35,12 @@ from ..pipeline_metrics import PipelineMetrics
 from ..timing import current as current_timing
 from .decode_cache.entries import OBJECT_KINDS
 from .decode_cache.pipeline_bindings import FinalCache, PrefixCache
-from .decode_cache.store import DecodeCache, decode_cache_stats
+from .decode_cache.store import DecodeCache, DecodeCacheRow, decode_cache_stats
 from .fields import FieldsPlan
 from .stages import Chunk, RandomStage, Spec, Stage, StageQueue, source_of
 from .text_stages import Pack
 
-__all__ = ["Pipeline", "find_stage", "pipeline_stats", "stage_control"]
+__all__ = ["Pipeline", "PipelineRow", "find_stage", "pipeline_stats", "stage_control"]
 
 log = logging.getLogger(__name__)
 
@@ -431,7 +431,14 @@ class Pipeline(Source):
 # -- what the provider asks of its pipelines ------------------------------------------------------
 
 
-def pipeline_stats(datasets: dict[str, Source]) -> dict:
+class PipelineRow(DecodeCacheRow, total=False):
+    """What pipelines add to a provider's stats: ``pipelines`` (each pipeline dataset's metrics) when it
+    serves any, and ``decode_cache`` when they share one."""
+
+    pipelines: dict[str, PipelineMetrics]
+
+
+def pipeline_stats(datasets: dict[str, Source]) -> PipelineRow:
     """``{"pipelines": {dataset: metrics}}`` for the pipeline datasets among ``datasets`` (else ``{}``)."""
     # image sources (file://DIR?size=S) report their decoding in the same shape: one ``decode`` stage
     pipelines: dict[str, PipelineMetrics] = {}
@@ -441,7 +448,8 @@ def pipeline_stats(datasets: dict[str, Source]) -> dict:
         elif callable(decode_metrics := getattr(s, "decode_metrics", None)):
             pipelines[name] = decode_metrics()
     caches = [s.cache.cache for s in datasets.values() if isinstance(s, Pipeline) and s.cache is not None]
-    return ({"pipelines": pipelines} if pipelines else {}) | decode_cache_stats(caches)
+    out: PipelineRow = {"pipelines": pipelines} if pipelines else {}
+    return {**out, **decode_cache_stats(caches)}
 
 
 def find_stage(datasets: dict[str, Source], dataset: str, stage: str) -> tuple[str, Stage]:

@@ -16,7 +16,7 @@ import stat
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import orjson
@@ -25,7 +25,7 @@ from libbus.errors import ConfigError
 
 from .entries import Entry, is_final, is_image, key_text, make_room
 
-__all__ = ["MAGIC", "DiskTier", "file_name"]
+__all__ = ["MAGIC", "DiskTier", "DiskTierStats", "file_name"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,24 @@ def _decode(key: tuple, data: bytes) -> Entry:
     except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as err:
         raise _Corrupt(f"unreadable contents: {err}") from err
     return Entry(x, y)
+
+
+class DiskTierStats(TypedDict):
+    """The decode cache's disk tier (its stats' ``disk``): where, its size and limit, its counters."""
+
+    #: Its directory.
+    dir: str
+    limit_bytes: int
+    bytes: int
+    #: Files held, final outputs included.
+    entries: int
+    final_entries: int
+    final_bytes: int
+    hits: int
+    writes: int
+    #: Files found corrupt (dropped).
+    corrupt: int
+    evictions: int
 
 
 class DiskTier:
@@ -235,7 +253,7 @@ class DiskTier:
         if unlink:
             self._unlink([name])
 
-    def stats(self) -> dict:
+    def stats(self) -> DiskTierStats:
         with self.lock:
             return {
                 "dir": str(self.path),

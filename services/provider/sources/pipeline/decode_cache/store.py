@@ -9,16 +9,69 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import numpy as np
 
 from libbus.errors import ConfigError
 
-from .disk_tier import DiskTier
+from .disk_tier import DiskTier, DiskTierStats
 from .entries import Entry, is_final, make_room
 
-__all__ = ["DecodeCache", "decode_cache_stats"]
+__all__ = [
+    "DecodeCache",
+    "DecodeCacheDataset",
+    "DecodeCacheFinal",
+    "DecodeCacheRow",
+    "DecodeCacheStats",
+    "decode_cache_stats",
+]
+
+
+class DecodeCacheDataset(TypedDict):
+    """One dataset's share of the decode cache (``hits``, ``misses``: decoded samples; ``final_*``: final outputs)."""
+
+    hits: int
+    misses: int
+    hit_rate: float
+    entries: int
+    bytes: int
+    final_hits: int
+    final_misses: int
+    final_hit_rate: float
+
+
+class DecodeCacheFinal(TypedDict):
+    """The final outputs' share of the decode cache's RAM tier."""
+
+    bytes: int
+    entries: int
+    hits: int
+    misses: int
+    hit_rate: float
+    evictions: int
+
+
+class DecodeCacheStats(TypedDict):
+    """The decode cache's sizes, limits and counters (:meth:`DecodeCache.stats`; a provider's ``decode_cache``)."""
+
+    limit_bytes: int
+    bytes: int
+    entries: int
+    hits: int
+    misses: int
+    hit_rate: float
+    evictions: int
+    final: DecodeCacheFinal
+    datasets: dict[str, DecodeCacheDataset]
+    #: The disk tier, when it has one.
+    disk: NotRequired[DiskTierStats]
+
+
+class DecodeCacheRow(TypedDict, total=False):
+    """What the decode cache adds to a provider's stats: ``decode_cache``, when its pipelines share one."""
+
+    decode_cache: DecodeCacheStats
 
 
 class DecodeCache:
@@ -190,14 +243,14 @@ class DecodeCache:
         if is_final(key):
             self.final_bytes += size
 
-    def stats(self) -> dict:
+    def stats(self) -> DecodeCacheStats:
         """Sizes, limits and counters, overall and per dataset (``hit_rate``: hits / lookups).
         ``hits``, ``misses`` count decoded samples, ``final_hits``, ``final_misses`` final outputs;
         ``bytes``, ``entries`` hold both kinds (``final``: the final outputs' share)."""
         with self._lock:
             lookups = self.hits + self.misses
             final_lookups = self.final_hits + self.final_misses
-            datasets: dict[str, dict] = {
+            datasets: dict[str, DecodeCacheDataset] = {
                 name: {
                     "hits": h,
                     "misses": m,
@@ -210,7 +263,7 @@ class DecodeCache:
                 }
                 for name, (h, m, entries, size, fh, fm) in sorted(self._per.items())
             }
-            out: dict[str, Any] = {
+            out: DecodeCacheStats = {
                 "limit_bytes": self.limit,
                 "bytes": self.bytes,
                 "entries": len(self._ram) + len(self._final),
@@ -249,7 +302,7 @@ def _rate(hits: int, lookups: int) -> float:
     return round(hits / lookups, 4) if lookups else 0.0
 
 
-def decode_cache_stats(caches: list[DecodeCache]) -> dict:
+def decode_cache_stats(caches: list[DecodeCache]) -> DecodeCacheRow:
     """``{"decode_cache": stats}`` for the (one) cache the pipelines share, else ``{}``."""
     seen = {id(c): c for c in caches}
     if not seen:
