@@ -74,7 +74,7 @@ class Judges:
             for value in param.values if param is not None and param.kind == "choice" else ():
                 self.trainer_modules.check(trial_spec(spec.base, {name: value}))
         study = self.studies.submit(spec, session.subject)
-        return StudyInfo(study=self.studies.show(study))
+        return StudyInfo(study=dict(self.studies.show(study).items()))  # the message's JSON object
 
     @serves(ListStudies, "admin")
     def on_ListStudies(self, session: Session, msg: ListStudies) -> StudyList:
@@ -85,12 +85,12 @@ class Judges:
     def on_GetStudy(self, session: Session, msg: GetStudy) -> StudyInfo:
         study, spec = self.studies.read(msg.study)
         _check_study_scope(session.claims, spec.base.dataset)
-        return StudyInfo(study=study)
+        return StudyInfo(study=dict(study.items()))
 
     @serves(StopStudy, "admin")
     def on_StopStudy(self, session: Session, msg: StopStudy) -> Ok:
         _check_study_scope(session.claims, self.studies.read(msg.study)[1].base.dataset)
-        return Ok(detail=self.studies.stop(msg.study, session.subject))
+        return Ok(detail=dict(self.studies.stop(msg.study, session.subject).items()))
 
 
 def _allows_study(claims: Claims, dataset) -> bool:

@@ -20,6 +20,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 import optuna  # with the router, not at its first study: the import's second would stall the serving loop
 
@@ -32,9 +33,46 @@ from . import pbt
 from .store import JobStore
 from .studies_halving import BudgetHalvingPruner
 from .study_spec import StudySpec, trial_spec
-from .study_store import TRIAL_ENDED, StudyState, StudyStore, TrialState
+from .study_store import TRIAL_ENDED, StudyRow, StudyState, StudyStore, TrialRow, TrialState
 
-__all__ = ["Studies", "CHECK_S", "START_PER_STEP", "stored_study"]
+__all__ = ["Studies", "CHECK_S", "START_PER_STEP", "ShownTrial", "StudyStopped", "StudyView", "stored_study"]
+
+
+class ShownTrial(TypedDict):
+    """A trial as ``busctl study show`` and the web show it: its job, params, state, objective, epochs, and
+    the objective reported at each epoch (keys: the epoch, as a string: JSON's)."""
+
+    number: int
+    job: str | None
+    params: dict[str, Any]
+    state: str
+    value: float | None
+    epochs: float
+    reports: dict[str, float]
+
+
+class StudyView(TypedDict):
+    """A study as ``GetStudy`` answers it (``StudyInfo.study``): its row, its objective, its trials, the best."""
+
+    id: str
+    state: str
+    reason: str
+    created: float
+    spec: dict[str, Any]
+    objective: str
+    direction: str
+    trials: list[ShownTrial]
+    best: ShownTrial | None
+    epochs_trained: float
+    epochs_budget: int | None
+
+
+class StudyStopped(TypedDict):
+    """``StopStudy``'s answer (``Ok.detail``)."""
+
+    state: str
+    study: str
+
 
 log = logging.getLogger(__name__)
 
@@ -131,25 +169,30 @@ class Studies:
         self._step(study)
         return study
 
-    def show(self, study: str) -> dict:
+    def show(self, study: str) -> StudyView:
         """The study with its trials (each: number, job, params, state, value, epochs) and ``best``."""
         return self.read(study)[0]
 
-    def read(self, study: str) -> tuple[dict, StudySpec]:
+    def read(self, study: str) -> tuple[StudyView, StudySpec]:
         """:meth:`show`'s record of the study, and its spec (parsed once, from the store)."""
         row = self.store.get(study)
         spec = stored_study(row)
-        trials = [
+        trials: list[ShownTrial] = [
             {
-                **{k: t[k] for k in ("number", "job", "params", "state", "value", "epochs")},
+                "number": t["number"],
+                "job": t["job"],
+                "params": t["params"],
+                "state": t["state"],
+                "value": t["value"],
+                "epochs": t["epochs"],
                 "reports": {str(e): v for e, v in t["reports"].items()},
             }
             for t in row["trials"]
         ]
         done = [t for t in trials if t["state"] == TrialState.COMPLETE and t["value"] is not None]
-        best = (max if spec.maximize else min)(done, key=lambda t: t["value"], default=None)
+        best = (max if spec.maximize else min)(done, key=lambda t: t["value"] or 0.0, default=None)  # none is None
         epochs = sum(t["epochs"] for t in trials)
-        shown = {
+        shown: StudyView = {
             "id": study,
             "state": row["state"],
             "reason": row["reason"],
@@ -181,7 +224,7 @@ class Studies:
             )
         return out
 
-    def stop(self, study: str, by: str) -> dict:
+    def stop(self, study: str, by: str) -> StudyStopped:
         row = self.store.get(study)
         if row["state"] != StudyState.RUNNING:
             raise BadRequest(f"study {study} already ended ({row['state']})")
@@ -248,7 +291,7 @@ class Studies:
             log.info("study %s complete", study)
         return started - before
 
-    def _load(self, study: str, row: dict) -> _Live:
+    def _load(self, study: str, row: StudyRow) -> _Live:
         """The study's Optuna state, rebuilt from its rows the first time (a router that restarts)."""
         live = self._live.get(study)
         if live is not None:
@@ -271,12 +314,12 @@ class Studies:
         return live
 
     @staticmethod
-    def _rebuild_trial(live: _Live, t: dict, params: dict, dists: dict) -> None:
+    def _rebuild_trial(live: _Live, t: TrialRow, params: dict, dists: dict) -> None:
         """Give the rebuilt Optuna study one trial as it ended, or as it stands (still running)."""
         study_obj, states = live.study, optuna.trial.TrialState
         if t["state"] in TRIAL_ENDED:
             state = {TrialState.COMPLETE: states.COMPLETE, TrialState.PRUNED: states.PRUNED}.get(
-                t["state"], states.FAIL
+                TrialState(t["state"]), states.FAIL
             )
             study_obj.add_trial(
                 optuna.trial.create_trial(
@@ -330,7 +373,7 @@ class Studies:
         log.info("study %s: trial %d is job %s with %s", study, number, job, params)
         return job
 
-    def _follow(self, study: str, live: _Live, t: dict, study_state: str) -> None:
+    def _follow(self, study: str, live: _Live, t: TrialRow, study_state: str) -> None:
         number, spec = t["number"], live.spec
         if not t["job"]:
             self._submit_job(study, live, number, t["params"])
@@ -392,11 +435,11 @@ class Studies:
             )
             self._stop_job(t["job"], f"study {study}: pruned")
 
-    def _ended(self, study: str, live: _Live, t: dict, job: dict, reports: dict, study_state: str) -> None:
+    def _ended(self, study: str, live: _Live, t: TrialRow, job: dict, reports: dict, study_state: str) -> None:
         states = optuna.trial.TrialState
         spec, number = live.spec, t["number"]
         trial = live.trials.pop(number, None)
-        self._trial_jobs.pop(t["job"], None)
+        self._trial_jobs.pop(job["id"], None)  # the trial's job
         result = job["result"] or {}
         value = result.get(spec.objective)
         if value is None and reports:
@@ -405,7 +448,7 @@ class Studies:
             state, told = TrialState.COMPLETE, states.COMPLETE
         elif job["state"] == JobState.STOPPED and t["state"] == TrialState.PRUNING:
             state, told, value = TrialState.PRUNED, states.PRUNED, None
-        elif job["state"] == JobState.STOPPED and _early_stopped(self.jobs, t["job"]) and value is not None:
+        elif job["state"] == JobState.STOPPED and _early_stopped(self.jobs, job["id"]) and value is not None:
             state, told = TrialState.COMPLETE, states.COMPLETE  # its own patience ended it: a finished trial
         else:
             state, told, value = (
@@ -494,7 +537,7 @@ def _epochs_budget(trials: int, base: JobSpec) -> int | None:
     return None if epochs is None else trials * epochs
 
 
-def stored_study(row: dict) -> StudySpec:
+def stored_study(row: StudyRow) -> StudySpec:
     """A stored study's spec, typed: the one place the router parses a study it wrote (each was checked
     with :meth:`StudySpec.from_dict` where it entered, at SubmitStudy)."""
     return StudySpec.from_dict(row["spec"])

@@ -16,6 +16,7 @@ import secrets
 import sqlite3
 import time
 from enum import StrEnum
+from typing import Any, TypedDict, cast
 
 import orjson
 
@@ -23,7 +24,36 @@ from libbus.errors import NotFound
 
 from .store_db import savepoint
 
-__all__ = ["StudyState", "StudyStore", "TrialState", "TRIAL_ENDED"]
+__all__ = ["StudyRow", "StudyState", "StudyStore", "TrialRow", "TrialState", "TRIAL_ENDED"]
+
+
+class TrialRow(TypedDict):
+    """A study's trial as the store keeps it (its ``trials`` row, JSON columns parsed)."""
+
+    study: str
+    number: int
+    #: its job, once submitted
+    job: str | None
+    params: dict[str, Any]
+    state: str
+    value: float | None
+    #: epoch → the objective reported then
+    reports: dict[int, float]
+    epochs: float
+    attrs: dict[str, Any]
+    updated: float
+
+
+class StudyRow(TypedDict):
+    """A study as the store keeps it (its ``studies`` row, its spec parsed) with its trials."""
+
+    id: str
+    spec: dict[str, Any]
+    state: str
+    created: float
+    updated: float
+    reason: str
+    trials: list[TrialRow]
 
 
 class StudyState(StrEnum):
@@ -107,31 +137,29 @@ class StudyStore:
                 (state, reason, time.time(), study),
             )
 
-    def get(self, study: str) -> dict:
+    def get(self, study: str) -> StudyRow:
         row = self.db.execute("SELECT * FROM studies WHERE id = ?", (study,)).fetchone()
         if row is None:
             raise NotFound(f"no study {study!r}; 'busctl studies' lists them")
-        out = dict(row)
-        out["spec"] = orjson.loads(out["spec"])
-        out["trials"] = self.trials(study)
-        return out
+        out = {**dict(row), "spec": orjson.loads(row["spec"]), "trials": self.trials(study)}
+        return cast(StudyRow, out)  # the table's columns, its spec parsed, with its trials
 
-    def list(self, state: str | None = None) -> list[dict]:
+    def list(self, state: str | None = None) -> list[StudyRow]:
         if state:
             rows = self.db.execute("SELECT id FROM studies WHERE state = ? ORDER BY created", (state,))
         else:
             rows = self.db.execute("SELECT id FROM studies ORDER BY created DESC")
         return [self.get(r[0]) for r in rows.fetchall()]
 
-    def trials(self, study: str) -> builtins.list[dict]:
+    def trials(self, study: str) -> builtins.list[TrialRow]:
         rows = self.db.execute("SELECT * FROM trials WHERE study = ? ORDER BY number", (study,)).fetchall()
-        out = []
+        out: builtins.list[TrialRow] = []
         for r in rows:
             trial = dict(r)
             trial["params"] = orjson.loads(trial["params"])
             trial["attrs"] = orjson.loads(trial["attrs"])
             trial["reports"] = {int(k): v for k, v in orjson.loads(trial["reports"]).items()}
-            out.append(trial)
+            out.append(cast(TrialRow, trial))  # the table's columns, its JSON ones parsed
         return out
 
     def add_trial(self, study: str, number: int, params: dict) -> None:
