@@ -137,11 +137,11 @@ class Gangs:
         self.store.form_gang(job_id, members, self.lease_s)
         log.info("job %s: gang of %d formed: %s", job_id, len(members), ", ".join(members))
 
-    def rendezvous(self, job_id: str, address: str) -> dict:
+    def rendezvous(self, job_id: str, address: str) -> None:
         """Rank 0 of ``job_id`` meets its gang at ``address``; the caller checked it is rank 0."""
         if not _ADDRESS.match(address):
             raise BadRequest(f"rendezvous address must be tcp://HOST:PORT, got {address!r}")
-        return self.store.update_gang(job_id, f"rank 0 waits for its gang at {address}", rendezvous=address)
+        self.store.update_gang(job_id, f"rank 0 waits for its gang at {address}", rendezvous=address)
 
     def _dissolve(self, job_id: str) -> None:
         self.gathering.pop(job_id, None)

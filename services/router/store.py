@@ -245,8 +245,8 @@ class JobStore:
             spec = self.db.execute("SELECT spec FROM jobs WHERE id = ?", (job,)).fetchone()["spec"]
             self._segment(job, now, spec, row["checkpoint"], len(members))
 
-    def update_gang(self, job: str, reason: str = "", **changes) -> dict:
-        """Change fields of a running job's gang (its ``rendezvous``, ranks ``delivered``); returns it."""
+    def update_gang(self, job: str, reason: str = "", **changes) -> None:
+        """Change fields of a running job's gang (its ``rendezvous``, ranks ``delivered``)."""
         gang = self._as_dict(self._row(job))["gang"]
         if gang is None:
             raise BadRequest(f"job {job} has no gang")
@@ -258,7 +258,6 @@ class JobStore:
                 self.db.execute(
                     "INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?", (time.time(), reason, job)
                 )
-        return gang
 
     def renew(self, job: str, lease_s: float) -> None:
         """Extend a held job's lease to ``lease_s`` from now."""
