@@ -19,6 +19,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NotRequired, TypedDict, cast
 
 import orjson
 
@@ -30,7 +31,22 @@ from libbus.security.auth import private_dir
 
 from .store_db import ADDED_COLUMNS, INDEXES, SCHEMA, Durability
 
-__all__ = ["JobStore", "HOLDING_STATES"]
+__all__ = ["JobStore", "HOLDING_STATES", "StoredCheckpoint"]
+
+
+class StoredCheckpoint(TypedDict):
+    """A checkpoint record as the store keeps it: the trainer's, checked (:data:`CHECKPOINT_FIELDS`), with
+    the trainer that wrote it and when the router recorded it."""
+
+    path: str
+    sha256: str
+    step: int
+    epoch: int
+    cursor: dict[str, Any]
+    bytes: NotRequired[int]
+    trainer: str
+    at: float
+
 
 #: States in which a trainer holds the job under a lease.
 HOLDING_STATES = tuple(s.value for s in JobState if s.holding)
@@ -304,7 +320,7 @@ class JobStore:
                     (job, PROGRESS_BYTES_KEPT),
                 )
 
-    def add_checkpoint(self, job: str, trainer: str, record: dict) -> dict:
+    def add_checkpoint(self, job: str, trainer: str, record: dict) -> StoredCheckpoint:
         """Record a checkpoint the trainer wrote; the job resumes from the latest one.
 
         Raises :class:`BadRequest` naming a missing or mistyped field of ``record``.
@@ -314,12 +330,12 @@ class JobStore:
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise BadRequest(f"checkpoint record needs '{key}' ({kind.__name__}), got {value!r}")
         now = time.time()
-        record = {**record, "trainer": trainer, "at": now}
-        text = orjson.dumps(record).decode()
+        stored = cast(StoredCheckpoint, {**record, "trainer": trainer, "at": now})  # its fields checked above
+        text = orjson.dumps(stored).decode()
         with self.durability.write():
             self.db.execute(
                 "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (job, now, trainer, record["step"], record["epoch"], record["path"], record["sha256"], text),
+                (job, now, trainer, stored["step"], stored["epoch"], stored["path"], stored["sha256"], text),
             )
             self.db.execute("UPDATE jobs SET checkpoint = ?, updated = ? WHERE id = ?", (text, now, job))
             self.db.execute(
@@ -327,7 +343,7 @@ class JobStore:
                 "checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?)",
                 (job, job, CHECKPOINTS_KEPT),
             )
-        return record
+        return stored
 
     def _segment(self, job: str, now: float, spec_text: str, checkpoint: str | None, world_size: int) -> None:
         """Record the segment an attempt starts (inside the assignment's transaction): the step and

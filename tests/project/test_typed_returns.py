@@ -69,7 +69,6 @@ ALLOWED: dict[str, str] = {
     "services/router/pbt.py::explore": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
     "services/router/replies.py::fit_rows": "not yet typed: a view's rows as busctl and the web show them (JSON)",
     "services/router/scores.py::TestScores.result": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
-    "services/router/store.py::JobStore.add_checkpoint": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
     "services/router/store.py::JobStore.claim": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
     "services/router/store.py::JobStore.first_queued": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
     "services/router/store.py::JobStore.get": "not yet typed: a job, study or gang row (SQLite, JSON to busctl)",
