@@ -5,13 +5,15 @@ control characters."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from rich.table import Table
 
 from libbus.jobs.spec import BUILTIN_PARAMS
 from libbus.jobs.state import JobState
 from libbus.order.epochs import Cursor
-from services.views import epoch_index, refusals, runs
+from services.views import StatsRow, epoch_index, refusals, runs
 
 from . import scores
 from .output import SafeConsole
@@ -118,7 +120,7 @@ def shown_spec(spec: dict) -> dict:
     return {k: v for k, v in spec.items() if v not in ("", {}, None) and k not in unused}
 
 
-def wait_split(split: dict | None, parts: int = 5) -> str:
+def wait_split(split: Mapping[str, Any] | None, parts: int = 5) -> str:
     """A loader's stall split (``data_wait_split``, :meth:`libbus.loader.stall.StallMeter.breakdown`) as
     its ``parts`` largest shares, e.g. ``stage:augment 72%, read 10%, transfer 8%``; "" when none."""
     shares = (split or {}).get("parts") or {}
@@ -241,7 +243,7 @@ def peers(rows: list[dict]) -> None:
     console.print(table)
 
 
-def queues(services: dict) -> None:
+def queues(services: dict[str, StatsRow]) -> None:
     table = Table("service", "role", "sessions", "received", "sent", "refused", "detail")
     for name, s in sorted(services.items()):
         counters = s.get("counters", {})
@@ -276,13 +278,13 @@ def revoked(rows: list[dict]) -> None:
     console.print(table)
 
 
-def stages(services: dict) -> None:
+def stages(services: Mapping[str, StatsRow]) -> None:
     """Print :func:`stage_tables`."""
     for table in stage_tables(services):
         console.print(table)
 
 
-def stage_tables(services: dict) -> list[Table]:
+def stage_tables(services: Mapping[str, StatsRow]) -> list[Table]:
     """One table per pipeline dataset of each provider: a row per stage, its output queue beside it
     (size/capacity, then put/get/drop counts); the row ``(requests)`` is the pipeline's input queue."""
     tables = []
@@ -310,7 +312,7 @@ def stage_tables(services: dict) -> list[Table]:
     return tables
 
 
-def _queue_cells(q: dict) -> tuple[str, str]:
+def _queue_cells(q: Mapping[str, Any]) -> tuple[str, str]:
     return (
         f"{q.get('size', '-')}/{q.get('capacity', '-')}",
         f"{q.get('put', '-')}/{q.get('get', '-')}/{q.get('drop', '-')}",

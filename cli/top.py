@@ -22,7 +22,7 @@ from rich.text import Text
 from libbus.config import Settings
 from libbus.errors import BusError
 from libbus.jobs.state import JobState
-from services.views import frame
+from services.views import Frame, Snapshot, TrainerLine, frame
 from services.views import snapshot as collect
 
 from .connection import admin_client
@@ -38,7 +38,7 @@ def _epoch_cell(epoch: int | None, epochs: int | None) -> str:
     return f"{shown}/{epochs}" if epochs else shown
 
 
-def data_wait_cell(t: dict) -> str:
+def data_wait_cell(t: TrainerLine) -> str:
     """The data stall: the share of time spent waiting for batches, the replica waited on most, and
     the largest parts of the waiting (provider queueing, read, a stage, transfer)."""
     if t["data_wait_pct"] is None:
@@ -57,12 +57,12 @@ def _num(value, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, (int, float)) else "-"
 
 
-def render(snapshot: dict, previous: dict | None = None) -> RenderableType:
+def render(snapshot: Snapshot, previous: Snapshot | None = None) -> RenderableType:
     """The frame of ``snapshot`` (rates against ``previous``), as a rich renderable."""
     return draw(frame(snapshot, previous))
 
 
-def draw(f: dict) -> RenderableType:
+def draw(f: Frame) -> RenderableType:
     """Draw a frame model."""
     peers = f["router"]["peers"]
     counts = ", ".join(f"{state} {n}" for state, n in sorted(f["job_counts"].items())) or "none"
@@ -109,10 +109,9 @@ def draw(f: dict) -> RenderableType:
         "transport",
         box=box.SIMPLE_HEAD,
     )
+    shown: dict[str, str] = {JobState.PAUSED: "[yellow]paused[/]", JobState.RUNNING: "[green]running[/]"}
     for t in f["trainers"]:
-        state = {JobState.PAUSED: "[yellow]paused[/]", JobState.RUNNING: "[green]running[/]"}.get(
-            t["state"], "[dim]idle[/]"
-        )
+        state = shown.get(t["state"], "[dim]idle[/]")
         trainers.add_row(
             t["name"],
             t["job"] or "-",

@@ -9,15 +9,35 @@ prints or formats for a terminal; ``cli/`` draws tables from these, ``services/w
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from libbus.connect.client import Client
 from libbus.jobs.state import JobState
 from libbus.wire.messages import GetJob, GetJobLogs, GetStudy, ListJobs, ListPeers, ListStudies, Resolve, Stats
 
+if TYPE_CHECKING:  # the records' modules import numpy and zmq's services; busctl imports this one
+    from libbus.loader.stall import StallBreakdown
+    from libbus.serve.backlog import BacklogStats
+    from services.provider.destination import DatasetServed
+    from services.provider.sources.objstore import ObjectStoreStats
+    from services.provider.sources.pipeline.decode_cache.store import DecodeCacheStats
+    from services.provider.sources.pipeline_metrics import PipelineMetrics
+    from services.provider.sources.storage.blockmemory import ReadStats
+    from services.router.peers import PeerRow
+
 __all__ = [
     "ACTIVE_STATES",
     "QUEUED_SHOWN",
+    "Frame",
+    "JobLine",
+    "JobLogsView",
+    "ProviderLine",
+    "QueuedLine",
+    "RouterLine",
+    "Snapshot",
+    "StatsRow",
+    "TrainerLine",
     "datasets",
     "epoch_index",
     "epoch_records",
@@ -42,6 +62,156 @@ ACTIVE_STATES = (JobState.RUNNING, JobState.PAUSED)
 QUEUED_SHOWN = 5
 
 
+class StatsRow(TypedDict, total=False):
+    """A service's row of ``Stats`` (``busctl queues --json``) as its readers take it: the router's ``role``,
+    ``name`` and ``session``, then what the service put on its heartbeat (the router's ``RouterRow``, a
+    provider's ``ProviderRow``, a trainer's ``TrainerStats``). Every key may be missing: the row is what
+    that peer sent, of its version, and a heartbeat whose stats broke the bounds leaves only ``refused``,
+    saying why (a string, where a provider's ``refused`` counts refusals by cause)."""
+
+    role: str
+    name: str
+    session: str
+    # every server's (libbus.serve.server.ServerStats)
+    endpoint: str
+    sessions: int
+    pending: int
+    counters: dict[str, int]
+    backlog: BacklogStats
+    # the router's (services.router.handler.RouterStats)
+    jobs: dict[str, int]
+    peers: dict[str, int]
+    refused_transitions: dict[str, int]
+    # a provider's (services.provider.handler.ProviderStats)
+    datasets: dict[str, DatasetServed]
+    waiting_assignment: int
+    refused: dict[str, int] | str
+    evaluations_running: int
+    remote_reads: dict[str, ReadStats]
+    evaluations_queued: int
+    pipelines: dict[str, PipelineMetrics]
+    decode_cache: DecodeCacheStats
+    object_store: ObjectStoreStats
+    connected: bool
+    # a trainer's (services.trainer.service.app.TrainerStats)
+    job: str | None
+    tasks: dict[str, int]
+    data_wait_s: float
+    data_wait_parts: dict[str, float]
+
+
+class JobLogsView(TypedDict):
+    """Output lines of one attempt of a job (:func:`job_logs`)."""
+
+    type: str
+    job: str
+    #: The attempt the lines are of.
+    attempt: int
+    lines: list[str]
+    #: The ``after`` of the lines that follow.
+    next: int
+    #: Lines of this attempt no longer kept.
+    dropped: int
+    #: The job's attempts that have lines.
+    attempts: list[int]
+
+
+class Snapshot(TypedDict):
+    """What :func:`snapshot` took: every service's ``Stats`` row, the peers, the active and first queued jobs."""
+
+    at: float
+    #: The router's endpoint.
+    endpoint: str
+    services: dict[str, StatsRow]
+    peers: list[PeerRow]
+    jobs: list[dict[str, Any]]
+
+
+class RouterLine(TypedDict):
+    endpoint: str | None
+    #: Sessions open by kind.
+    peers: dict[str, int]
+    sessions: int | None
+
+
+class ProviderLine(TypedDict):
+    """A provider in :func:`frame`: its totals over its datasets and its samples/s since the last snapshot."""
+
+    name: str
+    endpoint: str | None
+    datasets: list[str]
+    samples: int
+    batches: int
+    bytes: int
+    evaluations: int
+    #: None without a previous snapshot (or after a restart).
+    samples_per_s: float | None
+    sessions: int | None
+    #: Refusals by cause: each error code it answered with, malformed messages, its own refusals.
+    refused: dict[str, int]
+    evaluations_running: int
+
+
+class TrainerLine(TypedDict):
+    """A trainer in :func:`frame`: the job it holds (``state`` ``idle`` without one) and its last progress."""
+
+    name: str
+    job: str | None
+    state: str
+    #: The 1-based epoch being trained.
+    epoch: int | None
+    epochs: int | None
+    step: int | None
+    loss: float | None
+    samples: int | None
+    samples_per_s: float | None
+    data_wait_pct: float | None
+    data_wait_slowest: str | None
+    data_wait_split: StallBreakdown | None
+    transport: str | None
+    #: Jobs it ran to an end, by final state.
+    tasks: dict[str, int]
+
+
+class JobLine(TypedDict):
+    """An active job in :func:`frame`, with its progress as a fraction of its steps."""
+
+    id: str
+    state: str
+    trainer: str | None
+    dataset: str
+    #: What it runs (:func:`runs`).
+    model: str
+    epoch: int | None
+    epochs: int | None
+    step: int
+    total_steps: int | None
+    loss: float | None
+    fraction: float
+
+
+class QueuedLine(TypedDict):
+    id: str
+    dataset: str
+    model: str
+    priority: int
+
+
+class Frame(TypedDict):
+    """The frame model of ``busctl top`` and the web's cluster page (``busctl top --once --json``)."""
+
+    at: float
+    router: RouterLine
+    #: Jobs by state.
+    job_counts: dict[str, int]
+    providers: list[ProviderLine]
+    trainers: list[TrainerLine]
+    jobs: list[JobLine]
+    queued: list[QueuedLine]
+    #: Service name → its pipelines' metrics by dataset.
+    pipelines: dict[str, dict[str, PipelineMetrics]]
+
+
 # -- jobs ------------------------------------------------------------------------------------------
 
 
@@ -59,12 +229,12 @@ def job(client: Client, job_id: str, progress: int = 0, events: int = 200, offse
     return reply.job, reply.note
 
 
-def job_logs(client: Client, job_id: str, attempt: int = -1, after: int = 0) -> dict:
+def job_logs(client: Client, job_id: str, attempt: int = -1, after: int = 0) -> JobLogsView:
     """Output lines of one attempt from line ``after`` on (``busctl job logs --json``): ``lines``, ``next``
     (the ``after`` of the lines that follow), ``dropped``, ``attempt``, ``attempts``."""
     reply = client.request(GetJobLogs(job=job_id, attempt=attempt, after=after)).header()
     reply.pop("id", None)  # the request's number on this connection: nothing of the job's
-    return reply
+    return cast(JobLogsView, reply)  # the JobLogs message's fields, checked as it was decoded
 
 
 def epoch_records(info: dict) -> list[dict]:
@@ -156,7 +326,7 @@ def peers(client: Client) -> list[dict]:
     return client.request(ListPeers()).peers
 
 
-def stats(client: Client) -> dict:
+def stats(client: Client) -> dict[str, StatsRow]:
     """Every service's queue and traffic metrics, as carried on heartbeats (``busctl queues --json``)."""
     return client.request(Stats()).services
 
@@ -207,7 +377,7 @@ def datasets(client: Client) -> list[dict]:
     return rows
 
 
-def _decode_caches(services: dict) -> dict[str, dict]:
+def _decode_caches(services: dict[str, StatsRow]) -> dict[str, DecodeCacheStats]:
     """Provider name → its decode cache's stats, for the providers that run one."""
     return {
         row.get("name", key): row["decode_cache"]
@@ -216,7 +386,7 @@ def _decode_caches(services: dict) -> dict[str, dict]:
     }
 
 
-def refusals(counters: dict) -> dict[str, int]:
+def refusals(counters: Mapping[str, int]) -> dict[str, int]:
     """A service's refusals by cause: each error code it answered with, and malformed messages."""
     out = {k.removeprefix("error_"): v for k, v in counters.items() if k.startswith("error_") and v}
     if counters.get("malformed"):
@@ -227,9 +397,9 @@ def refusals(counters: dict) -> dict[str, int]:
 # -- a snapshot of everything, and the frame of busctl top -----------------------------------------
 
 
-def snapshot(client: Client) -> dict:
+def snapshot(client: Client) -> Snapshot:
     """One snapshot: every service's Stats, the peers, the active and the first queued jobs."""
-    taken: dict[str, Any] = {
+    taken: Snapshot = {
         "at": time.time(),
         "endpoint": client.endpoint,
         "services": client.request(Stats(), retries=0).services,
@@ -249,44 +419,50 @@ def _rate(now: float, before: float | None, dt: float | None) -> float | None:
     return (now - before) / dt
 
 
-def _served(stats: dict) -> dict[str, int]:
+def _served(stats: StatsRow) -> dict[str, int]:
     """A provider's totals over its datasets: samples, batches, bytes, evaluations."""
     total = {"samples": 0, "batches": 0, "bytes": 0, "evaluations": 0}
     for counters in (stats.get("datasets") or {}).values():
-        for key in total:
-            total[key] += int(counters.get(key, 0))
+        total["samples"] += int(counters.get("samples", 0))
+        total["batches"] += int(counters.get("batches", 0))
+        total["bytes"] += int(counters.get("bytes", 0))
+        total["evaluations"] += int(counters.get("evaluations", 0))
     return total
 
 
-def _row(services: dict, peer: dict) -> dict | None:
+def _row(services: dict[str, StatsRow], peer: PeerRow) -> StatsRow | None:
     """A peer's Stats row: its session's (the router keys rows by token subject, not by name; a
     router before that keyed them by name)."""
     row = next((r for r in services.values() if peer.get("session") and r.get("session") == peer["session"]), None)
     return row if row is not None else services.get(peer["name"])
 
 
-def frame(taken: dict, previous: dict | None) -> dict:
+def frame(taken: Snapshot, previous: Snapshot | None) -> Frame:
     """The frame model of a snapshot, rates against ``previous`` (``busctl top --once --json``):
     the router, job counts, providers (with samples/s), trainers, active and queued jobs, pipelines."""
     services, peer_rows = taken["services"], taken["peers"]
-    before = (previous or {}).get("services", {})
+    before = previous["services"] if previous else {}
     dt = taken["at"] - previous["at"] if previous else None
     router = services.get("router", {})
-    providers = []
+    providers: list[ProviderLine] = []
     for peer in sorted((p for p in peer_rows if p["role"] == "provider"), key=lambda p: p["name"]):
-        row = _row(services, peer) or {}
+        row: StatsRow = _row(services, peer) or {}
         served = _served(row)
         old = _row(before, peer)
         earlier = _served(old)["samples"] if old is not None else None
         refused = refusals(row.get("counters", {}))
-        for cause, n in (row.get("refused") or {}).items():
+        own = row.get("refused")
+        for cause, n in (own if isinstance(own, dict) else {}).items():  # a string: its stats were refused
             refused[cause] = refused.get(cause, 0) + n
         providers.append(
             {
                 "name": peer["name"],
                 "endpoint": peer.get("endpoint"),
                 "datasets": peer.get("datasets", []),
-                **served,
+                "samples": served["samples"],
+                "batches": served["batches"],
+                "bytes": served["bytes"],
+                "evaluations": served["evaluations"],
                 "samples_per_s": _rate(served["samples"], earlier, dt),
                 "sessions": row.get("sessions"),
                 "refused": refused,
@@ -295,7 +471,7 @@ def frame(taken: dict, previous: dict | None) -> dict:
         )
     active = [j for j in taken["jobs"] if j["state"] in ACTIVE_STATES]
     by_trainer = {j["trainer"]: j for j in active if j.get("trainer")}
-    trainers = []
+    trainers: list[TrainerLine] = []
     for peer in sorted((p for p in peer_rows if p["role"] == "trainer"), key=lambda p: p["name"]):
         row = _row(services, peer) or {}
         held = by_trainer.get(peer["name"])
@@ -360,7 +536,7 @@ def _epoch(p: dict) -> int | None:
     return None if index is None else index + 1
 
 
-def _job_row(row: dict) -> dict:
+def _job_row(row: dict[str, Any]) -> JobLine:
     p = row.get("progress") or {}
     total = (p.get("epochs") or 0) * (p.get("steps_per_epoch") or 0)
     return {

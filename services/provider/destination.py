@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TypedDict, cast
 
 import numpy as np
 
@@ -33,7 +34,16 @@ from shm import Ring
 from .sources import Source
 from .sources.timing import BatchTiming, timed
 
-__all__ = ["BatchCounters", "Destination", "Frames", "Slot", "batch_bytes", "check_batch_size", "write_batch"]
+__all__ = [
+    "BatchCounters",
+    "DatasetServed",
+    "Destination",
+    "Frames",
+    "Slot",
+    "batch_bytes",
+    "check_batch_size",
+    "write_batch",
+]
 
 #: Bytes of a variable field's index per sample beyond its shape dims: its offset (int64).
 _INDEX_BYTES = 8
@@ -82,6 +92,23 @@ def check_batch_size(source: Source, fields: list[Field] | None, n: int) -> None
         )
 
 
+class DatasetServed(TypedDict, total=False):
+    """What a provider served of one dataset since the start (its stats' ``datasets`` rows): each key
+    appears once it is counted (``queue_s`` and ``fill_s`` with the first batch)."""
+
+    batches: int
+    samples: int
+    bytes: int
+    #: Batches written to a loader's shared-memory ring.
+    shm_batches: int
+    #: Evaluations of its private test split.
+    evaluations: int
+    #: Seconds batches waited before their read began.
+    queue_s: float
+    #: Seconds their reads took.
+    fill_s: float
+
+
 class BatchCounters:
     """What the provider counts of the batches it serves and refuses, written from the loop and the
     fill threads alike (under ``lock``, which ``stats()`` takes to read them)."""
@@ -96,6 +123,13 @@ class BatchCounters:
         self.refused: Counter = Counter()
         #: dataset → time to assemble a batch; keyed only by datasets served here (bounded labels).
         self.latency: dict[str, LatencyHistogram] = {name: LatencyHistogram() for name in datasets}
+
+    def datasets(self) -> dict[str, DatasetServed]:
+        """What was served of each dataset (under ``lock``, which the caller holds)."""
+        return {
+            name: cast(DatasetServed, {**c, **self.spent.get(name, {})})  # Counter keys: those counted
+            for name, c in self.served.items()
+        }
 
     def refuse(self, why: str) -> None:
         with self.lock:

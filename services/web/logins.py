@@ -14,12 +14,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jwt
 
 from libbus.connect.client import Client
 from libbus.errors import AuthExpired, AuthInvalid, AuthRequired
+
+if TYPE_CHECKING:
+    from services.views import Snapshot
 
 __all__ = ["MAX_SESSIONS", "MAX_TOKEN_CHARS", "IDLE_S", "Login", "Logins", "NotSignedIn", "token_claims"]
 
@@ -61,7 +64,7 @@ class Login:
     claims: dict[str, Any]
     last_used: float = field(default_factory=time.monotonic)
     #: ``busctl top``'s previous snapshot, for the rates of the next one (samples/s).
-    previous: dict | None = None
+    previous: Snapshot | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import time
 
 import pytest
+from rich.console import Console
 
+from cli.top import render
 from libbus.connect.client import Client, Identity
 from libbus.errors import BadRequest, RateLimited
 from libbus.wire.messages import GetJob, GetTask, Heartbeat, ListJobs, Progress, PushResult, Stats, SubmitJob
+from services import views
 from tests.support.busctl import busctl
 
 
@@ -122,3 +126,24 @@ def test_sessions_per_subject_are_capped(router, make_token):
     finally:
         for c in open_clients:
             c.close()
+
+
+def test_a_provider_whose_stats_were_refused_is_still_drawn_by_top(router, client_for, make_token):
+    """A provider's refused heartbeat leaves in its row a string saying why, where its refusals by cause
+    would be: busctl top's frame shows the provider (no refusals of its own counted) and draws."""
+    peer = client_for(router.endpoint, role="provider", token=make_token("provider", sub="loud"))
+    peer.identity.caps = {"heartbeat": True, "datasets": {}, "endpoint": "tcp://127.0.0.1:9"}
+    peer.hello()
+    peer.send(Heartbeat(stats=nested(25)))
+    deadline = time.monotonic() + 5
+    admin = client_for(router.endpoint, role="admin")
+    while "refused" not in admin.request(Stats()).services.get("loud", {}):
+        assert time.monotonic() < deadline, "heartbeat never arrived"
+        time.sleep(0.05)
+    taken = views.snapshot(admin)  # at once: a peer that beat once is dropped once it is silent too long
+    shown = views.frame(taken, taken)
+    (provider,) = [p for p in shown["providers"] if p["name"] == peer.identity.name]
+    assert provider["refused"] == {} and provider["samples"] == 0
+    console = Console(file=io.StringIO(), width=200)
+    console.print(render(taken, taken))
+    assert peer.identity.name in console.file.getvalue()
