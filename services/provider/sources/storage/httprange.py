@@ -36,7 +36,7 @@ from urllib.parse import urljoin, urlsplit
 
 from libbus.errors import DatasetError
 
-from .blockmemory import BLOCK_BYTES, BlockMemory
+from .blockmemory import BLOCK_BYTES, BlockMemory, ReadStats
 from .httpstore import PARALLEL, ObstoreRanges, RangeFailure
 from .inflight import InflightLimit, Slots, host_slots, lower_priority
 from .reader import COALESCE_BYTES, coalesce
@@ -133,10 +133,10 @@ class RangeClient:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def read_stats(self) -> dict:
+    def read_stats(self) -> ReadStats:
         """Requests in flight and their limit now, and the RAM cache's counters (when it has one)."""
-        out = {"inflight": self.inflight.inflight, "inflight_limit": self.inflight.limit}
-        return {**out, **(self.memory.stats() if self.memory is not None else {})}
+        out: ReadStats = {"inflight": self.inflight.inflight, "inflight_limit": self.inflight.limit}
+        return {**out, **self.memory.stats()} if self.memory is not None else out
 
     # -- requests ------------------------------------------------------------------------------
 
