@@ -29,7 +29,7 @@ __all__ = ["describe", "evaluate_job"]
 REPLY_SLACK_S = 15.0
 
 
-def evaluate_job(settings: Settings, job: str, *, json: bool = False) -> dict:
+def evaluate_job(settings: Settings, job: str, *, json: bool = False) -> None:
     """Ask for the evaluation and print it; exits 1 when the trainer could not evaluate."""
     with admin_client(settings) as client:
         client.hello()  # a router that is down is reported within seconds, not after the long wait
@@ -45,7 +45,6 @@ def evaluate_job(settings: Settings, job: str, *, json: bool = False) -> dict:
         echo(describe(job, detail))
     if detail.get("error"):
         raise typer.Exit(1)
-    return detail
 
 
 def describe(job: str, d: dict) -> str:
