@@ -5,6 +5,8 @@ never dropped silently. (What peers send to be stored is bounded at the door too
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 from libbus.constants import MAX_HEADER_BYTES, KiB
@@ -60,12 +62,13 @@ def fit_job(job: dict, budget: int = REPLY_BUDGET) -> tuple[dict, str]:
     return job, "cut to fit one reply: " + ", ".join(cut)
 
 
-def fit_rows(rows: dict, budget: int = REPLY_BUDGET) -> dict:
+def fit_rows(rows: dict[str, dict[str, Any]], budget: int = REPLY_BUDGET) -> dict[str, dict[str, Any]]:
     """``rows`` (``Stats``: one per service, each within the stored-JSON bound) within ``budget``
     bytes: the first rows whole while three quarters of it last; each one after that only as
     ``{role, name, session, cut}`` (so ``busctl queues`` still lists it and says why it shows
     nothing); once the budget is spent, one ``…`` row counts the services left out."""
-    used, out, left = 0, {}, 0
+    used, left = 0, 0
+    out: dict[str, dict[str, Any]] = {}
     for key, row in rows.items():
         size = _size(row) + _size(key) + 2
         if used + size > budget * 3 // 4:

@@ -66,7 +66,6 @@ ALLOWED: dict[str, str] = {
     "services/router/job_results.py::JobResults.scored": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
     "services/router/jobs.py::JobControl.own": "not yet typed: the router's job row (JobStore.get), read by the router's handlers",
     "services/router/pbt.py::explore": "a job's params with its hyper-parameters perturbed: the spec's keys and an entrypoint's own (params.NAME)",
-    "services/router/replies.py::fit_rows": "not yet typed: a view's rows as busctl and the web show them (JSON)",
     "services/router/scores.py::TestScores.result": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
     "services/router/store.py::JobStore.claim": "not yet typed: the router's job row (JobStore.get) handed to a trainer",
     "services/router/store.py::JobStore.first_queued": "not yet typed: a queued job's id and spec, as claim's accept sees it",
