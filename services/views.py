@@ -20,10 +20,10 @@ if TYPE_CHECKING:  # the records' modules import numpy and zmq's services; busct
     from libbus.loader.stall import StallBreakdown
     from libbus.serve.backlog import BacklogStats
     from services.provider.destination import DatasetServed
-    from services.provider.sources.objstore import ObjectStoreStats
     from services.provider.sources.pipeline.decode_cache.store import DecodeCacheStats
     from services.provider.sources.pipeline_metrics import PipelineMetrics
     from services.provider.sources.storage.blockmemory import ReadStats
+    from services.provider.sources.storage.objects import ObjectStoreStats
     from services.router.peers import PeerRow
 
 __all__ = [

@@ -41,16 +41,25 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 from functools import partial
 from pathlib import PurePosixPath
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from libbus.errors import DatasetError
 
-from .blockcache import BlockCache
+from .blockcache import BlockCache, BlockCacheStats
 from .blockmemory import BlockMemory, ReadStats
 from .inflight import InflightLimit, host_slots, lower_priority
 from .reader import COALESCE_BYTES, coalesce
 
-__all__ = ["ObjectBackend", "ObjectClient", "ObjectError", "ObjectMeta", "ObjectPath", "ObjectSettings", "ObjectTree"]
+__all__ = [
+    "ObjectBackend",
+    "ObjectClient",
+    "ObjectError",
+    "ObjectMeta",
+    "ObjectPath",
+    "ObjectSettings",
+    "ObjectStoreStats",
+    "ObjectTree",
+]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +120,17 @@ class ObjectSettings:
     block_bytes: int = 4 << 20  # the cache's unit (without a cache: unused)
     coalesce_bytes: int = COALESCE_BYTES  # without a cache: runs of an object at most this far apart, one request
     ram_cache: int = 0  # bytes of whole blocks (block_bytes) kept in RAM (blockmemory.py); 0: none
+
+
+class ObjectStoreStats(TypedDict):
+    """The process's object-store requests since the start (:data:`STATS`), and its disk caches by directory
+    (a provider's stats' ``object_store``)."""
+
+    requests: int
+    retries: int
+    failures: int
+    bytes_fetched: int
+    caches: dict[str, BlockCacheStats]
 
 
 #: Process-wide request counters (metrics, ``busctl queues``): requests, retries, failures, bytes.
