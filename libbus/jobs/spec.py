@@ -340,7 +340,7 @@ MAX_PARAMS_DEPTH = 4
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z][A-Za-z0-9_]*$")
 
 
-#: The built-in models' names (what services/models.py builds; tests/test_job_spec_model.py holds them equal).
+#: The built-in models' names (what services/models.py builds; tests/router/test_job_spec_model.py holds them equal).
 BUILTIN_MODELS = ("mlp", "cnn", "resnet18", "tiny-lm")
 
 
