@@ -178,6 +178,10 @@ class Settings:
     #: Provider: batches of one remote dataset (``http(s)://``, an object store) read at once, off the
     #: serving loop on the dataset's own threads, so a slow store delays no other dataset.
     remote_reads: int = C.REMOTE_READS
+    #: Provider: read each remote dataset's batches in a helper process of the provider's own when it
+    #: shares the provider with another dataset, so its reads take no turns at the serving loop's GIL
+    #: (services/provider/read_helper.py). Off: on the provider's threads.
+    remote_helper: bool = True
     #: Provider: the decoded-sample cache pipelines share (samples as they leave their stages before the
     #: first random one; docs/datasets.md §7.7): the most bytes it keeps in RAM, least recently used out,
     #: and of its disk tier under ``<state_dir>/decode-cache/<name>``. 0: off (the default: it pays when

@@ -22,6 +22,7 @@ from .. import credentials, process
 from .evalgate import EvalGate
 from .handler import ProviderHandler
 from .metrics import provider_metrics
+from .read_helper import ReadHelper, helped
 from .score_release import Release
 from .sources import Source, open_source, parse_dataset_arg
 from .sources.objstore import configure_cache
@@ -87,6 +88,7 @@ class ProviderService:
         self.ctx = ctx or zmq.Context.instance()
         datasets: dict[str, Source] = {}
         readable_test = set()
+        uris: dict[str, str] = {}
         configure_cache(settings.cache_dir, settings.cache_limit)
         for arg in settings.datasets:
             name, uri = parse_dataset_arg(arg)
@@ -94,6 +96,7 @@ class ProviderService:
                 raise ConfigError(f"dataset name {name!r} is given twice")
             uri, private_test = private_test_option(uri)
             datasets[name] = open_source(uri, datasets, user_modules=settings.user_modules)
+            uris[name] = uri
             if not private_test:
                 readable_test.add(name)
         self.decode_cache = decode_cache(settings, self.name, datasets)
@@ -112,6 +115,7 @@ class ProviderService:
             release=Release(settings.eval_epsilon),
             fill_threads=settings.fill_threads,
             remote_reads=settings.remote_reads,
+            helpers=read_helpers(settings, datasets, uris),
             report=self._report,
             charge=self._charge,
         )
@@ -136,8 +140,13 @@ class ProviderService:
         # lower priority, sources/storage/inflight.py), at a cost to that remote dataset's full shuffle
         # without a cache (more switches): paid only where there is another dataset to be fair to
         # (docs/performance.md, "Data behind a network").
+        # A remote dataset read in a helper process (read_helper.py) has no reader threads here: the
+        # switch interval stays CPython's when every remote dataset is read in one.
+        self._start_helpers()
         sources = self.handler.datasets.values()
-        if len(sources) > 1 and any(s.remote for s in sources):
+        if len(sources) > 1 and any(
+            s.remote and n not in self.handler.helped for n, s in self.handler.datasets.items()
+        ):
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.metrics = start_exporter(
             self.settings.metrics_bind,
@@ -151,7 +160,19 @@ class ProviderService:
         except BaseException:
             if self.metrics is not None:
                 self.metrics.close()
+            for reader in self.handler.helped.values():
+                reader.helper.close()
             raise
+
+    def _start_helpers(self) -> None:
+        """Start each remote dataset's read helper; one that cannot open its dataset leaves it to the
+        provider's own threads."""
+        for name, reader in list(self.handler.helped.items()):
+            try:
+                reader.helper.start()
+            except BusError as err:
+                log.warning("dataset %s is read on the provider's threads: %s", name, err)
+                del self.handler.helped[name]
 
     def _start(self) -> str:
         bound = self.server.bind()
@@ -232,6 +253,25 @@ class ProviderService:
             if self.link is not None and self.link.fatal is not None:
                 log.error("router refused provider %s: %s", self.name, self.link.fatal)
                 stop.set()
+
+
+def read_helpers(settings: Settings, datasets: dict[str, Source], uris: dict[str, str]) -> dict[str, ReadHelper]:
+    """A read helper (a process of its own: read_helper.py) per remote dataset that shares the provider with
+    another dataset (``remote_helper``), started by :meth:`ProviderService.start`."""
+    if not settings.remote_helper or len(datasets) < 2:
+        return {}
+    return {
+        name: ReadHelper(
+            name,
+            uris[name],
+            threads=max(1, settings.remote_reads),
+            cache_dir=settings.cache_dir,
+            cache_limit=settings.cache_limit,
+            user_modules=settings.user_modules,
+        )
+        for name, source in datasets.items()
+        if helped(source)
+    }
 
 
 def decode_cache(settings: Settings, name: str, datasets: dict[str, Source]) -> DecodeCache | None:

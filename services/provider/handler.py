@@ -62,6 +62,7 @@ from shm import Ring, RingLayout
 from .destination import BatchCounters, Destination, Frames, Slot, batch_bytes, check_batch_size, write_batch
 from .evalgate import Bound, EvalGate, check_model_spec
 from .fillers import REMOTE_READS, Fillers
+from .read_helper import HelpedSource, ReadHelper
 from .score_release import EXACT, Release
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.objstore import object_store_stats
@@ -163,6 +164,7 @@ class ProviderHandler(Handler):
         fill_thread: bool | None = None,
         fill_threads: int = 0,
         remote_reads: int = REMOTE_READS,
+        helpers: dict[str, ReadHelper] | None = None,
         readable_test: frozenset[str] = frozenset(),
         evaluator_modules: frozenset[str] = frozenset(),
         eval_timeout_s: float = EVAL_TIMEOUT_S,
@@ -227,10 +229,14 @@ class ProviderHandler(Handler):
         #: Where batches are read (the loop, or each dataset's own lanes: :mod:`.fillers`), and
         #: through which rings are unmapped once no fill writes into them.
         self.fillers = Fillers(fill_thread, fill_threads, remote_reads)
+        #: Datasets read in a helper process (:mod:`.read_helper`): the source their batches are read through.
+        self.helped = {name: HelpedSource(datasets[name], helper) for name, helper in (helpers or {}).items()}
 
     def close(self) -> None:
         self._closing.set()
         self._evaluator.shutdown(wait=False, cancel_futures=True)
+        for helped in self.helped.values():
+            helped.helper.close()  # its reads under way fail, so the lanes waiting on them end
         self.fillers.close()  # the fills under way finish first: their rings are closed below
         for ring in self.rings.values():
             ring.close()
@@ -262,7 +268,7 @@ class ProviderHandler(Handler):
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
         for name in self._read_ahead.pop(session.sid, ()):  # its loaders are gone: their plans too
-            self.datasets[name].read_ahead("train", np.empty(0, np.int64), (session.sid, name))
+            self.helped.get(name, self.datasets[name]).read_ahead("train", np.empty(0, np.int64), (session.sid, name))
         for bound in self._bounds.pop(session.sid, set()):
             bound.cancel.set()  # its evaluations stop at their next chunk: nobody waits for them
         ring = self.rings.pop(session.sid, None)
@@ -446,7 +452,8 @@ class ProviderHandler(Handler):
         # a batch still waiting in its lane when its session ends (a loader closed, or gone) is not read:
         # nobody would take it, and a remote store's reads cost the other datasets
         ended = partial(self._ended.__contains__, session.sid) if session is not None else None
-        reply = filler.run(write_batch, source, msg, indices, dest, fields, started, ended, ring=dest.ring)
+        reader = self.helped.get(msg.dataset, source)  # a helper process's reads, or the source's own
+        reply = filler.run(write_batch, reader, msg, indices, dest, fields, started, ended, ring=dest.ring)
         if isinstance(reply, Future) and dest.ring is None:
             # what its reply will hold, for the connection's budget of unread replies (libbus/serve/backlog.py)
             reply.expected_bytes = batch_bytes(source, fields, len(indices))  # type: ignore[attr-defined]
@@ -459,7 +466,7 @@ class ProviderHandler(Handler):
         source = self.source(msg.dataset)
         self._check_split(msg.dataset, msg.split)
         indices = indices_frame(msg.frames[0], msg.split, source.num_samples(msg.split))
-        planned = source.read_ahead(msg.split, indices, (session.sid, msg.dataset))
+        planned = self.helped.get(msg.dataset, source).read_ahead(msg.split, indices, (session.sid, msg.dataset))
         if planned or len(indices) == 0:
             self._read_ahead.setdefault(session.sid, set()).add(msg.dataset)
         return Ok(detail={"blocks": planned})
@@ -642,7 +649,7 @@ class ProviderHandler(Handler):
             "waiting_assignment": len(self._waiting),
             "refused": refused,
             "evaluations_running": running,
-            "remote_reads": remote_read_stats(self.datasets),
+            "remote_reads": remote_read_stats({**self.datasets, **self.helped}),  # type: ignore[dict-item]
             "evaluations_queued": queued,
             **pipeline_stats(self.datasets),
             **object_store_stats(self.datasets),

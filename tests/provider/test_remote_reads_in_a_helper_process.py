@@ -1,0 +1,174 @@
+"""A remote dataset that shares its provider with another one is read in a helper process of the
+provider's (services/provider/read_helper.py), so its reads take no turns at the serving loop's GIL:
+while its store answers nothing, the local dataset's batches keep coming, in the order asked, and a new
+client is welcomed; a helper that dies fails only the batches it was reading and the next one starts a
+new helper; a helper whose provider dies goes with it.
+
+The store's answers are held (tests/support/held_store.py), so each check is an order of events, never
+a timing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from libbus.errors import Unavailable
+from libbus.wire.messages import BatchRequest, DatasetInfo, DatasetInfoRequest, Error
+from services.provider.read_helper import ReadHelper
+from tests.support import REPO
+from tests.support.held_store import (  # noqa: F401 - server_fixture: the `server` fixture
+    LIVENESS,
+    SLOW,
+    WAIT_S,
+    batch,
+    in_flight,
+    npy_pair,
+    server_fixture,
+    wait_until,
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _two_datasets(tmp_path, server, start_provider, **flags):
+    remote = npy_pair(tmp_path / "remote", 64, 1)
+    local = npy_pair(tmp_path / "local", 32, 2)
+    provider = start_provider(
+        f"web={server.url}/remote/?{SLOW}",
+        f"disk=file://{tmp_path / 'local'}?memory=ram&val_fraction=0",
+        heartbeat_liveness=LIVENESS,
+        **flags,
+    )
+    return provider, remote, local
+
+
+def test_local_batches_keep_flowing_in_order_while_the_helpers_store_answers_nothing(
+    tmp_path, server, start_provider, client_for
+):
+    provider, (remote_x, remote_y), (local_x, local_y) = _two_datasets(tmp_path, server, start_provider)
+    helper = provider.service.handler.helped["web"].helper
+    assert helper.pid is not None and helper.pid != os.getpid(), "the remote dataset is not read in a helper"
+    slow, fast = client_for(provider.endpoint, timeout_s=WAIT_S), client_for(provider.endpoint, timeout_s=WAIT_S)
+    slow.hello(), fast.hello()
+
+    server.hold()
+    wanted = [np.array(i, "<i8") for i in ([5, 1, 2], [60, 40], [9, 33, 17])]
+    asked = [slow.send(BatchRequest(dataset="web", split="train", frames=[idx.tobytes()])) for idx in wanted]
+    in_flight(server, 6)  # the three batches' x and y, all at the silent store from the helper
+
+    # many local batches, asked for ahead, each answered in the order asked and whole
+    local = [np.array([(7 * k + j) % 32 for j in range(4)], "<i8") for k in range(24)]
+    ids = [fast.send(BatchRequest(dataset="disk", split="train", frames=[idx.tobytes()])) for idx in local]
+    for rid, idx in zip(ids, local):
+        reply = fast.recv(WAIT_S)
+        assert reply is not None and reply.id == rid, "a local batch waited behind the silent store"
+        x, y = batch(reply, len(idx))
+        assert np.array_equal(x, local_x[idx]) and np.array_equal(y, local_y[idx])
+    newcomer = client_for(provider.endpoint, timeout_s=WAIT_S)
+    newcomer.hello()
+    info = newcomer.request(DatasetInfoRequest(dataset="web"))
+    assert isinstance(info, DatasetInfo) and info.info["splits"]["train"]["num_samples"] == 64
+    assert slow.recv(0) is None, "a remote batch was answered while its store had answered nothing"
+
+    server.release()
+    replies = {}
+    while len(replies) < len(asked):
+        reply = slow.recv(WAIT_S)
+        assert reply is not None, f"only {sorted(replies)} of {asked} answered"
+        replies[reply.id] = reply
+    for rid, idx in zip(asked, wanted):
+        x, y = batch(replies[rid], len(idx))
+        assert np.array_equal(x, remote_x[idx]) and np.array_equal(y, remote_y[idx])
+    # the helper's reads are the provider's to show (its requests' limit, from the helper's counters)
+    assert provider.service.handler.stats()["remote_reads"]["web"]["inflight_limit"] >= 1
+
+
+def test_a_helper_that_dies_fails_only_its_batches_and_the_next_read_starts_another(
+    tmp_path, server, start_provider, client_for
+):
+    provider, (remote_x, remote_y), (local_x, _) = _two_datasets(tmp_path, server, start_provider)
+    helper = provider.service.handler.helped["web"].helper
+    first = helper.pid
+    slow, fast = client_for(provider.endpoint, timeout_s=WAIT_S), client_for(provider.endpoint, timeout_s=WAIT_S)
+    slow.hello(), fast.hello()
+
+    server.hold()
+    doomed = np.array([3, 4], "<i8")
+    rid = slow.send(BatchRequest(dataset="web", split="train", frames=[doomed.tobytes()]))
+    in_flight(server, 2)
+    os.kill(first, signal.SIGKILL)  # an out-of-memory kill, say
+    reply = slow.recv(WAIT_S)
+    assert isinstance(reply, Error) and reply.id == rid and reply.code == "UNAVAILABLE", reply
+    assert "read helper died" in reply.message
+    idx = np.array([1, 30], "<i8")
+    x, _ = batch(fast.request(BatchRequest(dataset="disk", split="train", frames=[idx.tobytes()])), 2)
+    assert np.array_equal(x, local_x[idx]), "the local dataset suffered from the remote one's helper dying"
+
+    server.release()
+    again = np.array([3, 4, 50], "<i8")
+    x, y = batch(slow.request(BatchRequest(dataset="web", split="train", frames=[again.tobytes()])), 3)
+    assert np.array_equal(x, remote_x[again]) and np.array_equal(y, remote_y[again])
+    assert helper.started == 2 and helper.pid not in (None, first)
+    wait_until(lambda: not _alive(first), "the killed helper was never reaped")
+
+
+_ORPHAN = """
+import sys
+from services.provider.read_helper import ReadHelper
+helper = ReadHelper("web", sys.argv[1], threads=2)
+helper.start()
+print(helper.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_helper_goes_with_its_provider_however_the_provider_ends(tmp_path, server):
+    """The provider's process killed outright (no chance to close anything): its helper exits too."""
+    npy_pair(tmp_path / "remote", 8, 1)
+    provider = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN, f"{server.url}/remote/?{SLOW}"],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pid = int(provider.stdout.readline())  # type: ignore[union-attr]
+        assert _alive(pid)
+        provider.kill()
+        provider.wait()
+        wait_until(lambda: not _alive(pid) or _zombie(pid), "the helper outlived its provider")
+    finally:
+        provider.kill()
+        provider.wait()
+
+
+def _zombie(pid: int) -> bool:
+    """Exited, its parent (killed) not yet replaced by a reaper that got to it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_helper_that_cannot_open_its_dataset_says_so_and_runs_nothing(tmp_path):
+    """A URI the helper cannot open (its store gone since the provider opened it) is refused at its start,
+    naming the dataset; no process is left running."""
+    helper = ReadHelper("gone", "http://127.0.0.1:9/nothing/?retries=0&timeout=2", threads=1)
+    with pytest.raises(Unavailable, match="dataset gone: its read helper could not open it"):
+        helper.start()
+    assert helper.pid is None
+    helper.close()
