@@ -114,6 +114,9 @@ HOLD_LIMIT_S = 60.0
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    #: Connections waiting to be accepted, as a store's: socketserver's 5 dropped most of the 100 a provider
+    #: opens at once when its requests in flight climb, and the kernel retried each a second later.
+    request_queue_size = 1024
     owner: RangeServer
     lock: threading.Lock
 

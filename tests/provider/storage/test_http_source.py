@@ -203,6 +203,31 @@ def test_an_inflight_limit_bounds_waits_and_halves_when_throttled():
     assert limit.acquire(0.01) and limit.inflight == 2
 
 
+def test_a_step_down_that_cost_throughput_is_taken_back_and_one_that_did_not_is_kept():
+    """The limit's verdict per window of requests (the rate in bytes per second): a rate that fell at the
+    same limit steps it down; the next window judges that step against the window before it. A rate lower
+    again says the limit was holding the dataset back (it was not the store), and the step is taken back;
+    without that, each window at the smaller limit looked worse than the last and the limit ratcheted
+    down to its start. A rate as before (the store is busier) keeps the step."""
+    bound = InflightLimit(start=8, cap=128)
+    bound.limit, bound._last_rate = 64, 100e6
+    bound._step(80e6)  # worse at the same limit
+    assert bound.limit == 51
+    bound._step(64e6)  # worse again at the smaller limit: the limit held it back
+    assert bound.limit == 64
+    for rate in (64e6, 64e6, 64e6):  # steady afterwards: no further step down
+        bound._step(rate)
+    assert bound.limit == 64
+
+    busy = InflightLimit(start=8, cap=128)
+    busy.limit, busy._last_rate = 64, 100e6
+    busy._step(80e6)  # the store got busier
+    busy._step(79e6)  # the same at the smaller limit: the step down stays
+    assert busy.limit == 51
+    busy._step(60e6)  # busier still: another step down, never below the start
+    assert busy.limit == 40
+
+
 def test_npy_pairs_are_found_by_probing_a_directory(tmp_path, server):
     d = tmp_path / "arrays"
     d.mkdir()

@@ -7,8 +7,11 @@ and other datasets share both), so an :class:`InflightLimit` finds the limit by 
 ``start`` and, over windows of completed requests during which the limit was reached (the dataset
 wanted more), multiplies it by :data:`GROW` while the bytes per second keep rising by at least
 :data:`GAIN`; a step up that did not pay is taken back; a rate that falls at the same limit (the link
-or the store is busier) steps it down by :data:`SHRINK`, never below ``start``; after :data:`PROBE_WINDOWS` steady windows
-it tries one step up again. A throttled request (HTTP 429 or
+or the store is busier) steps it down by :data:`SHRINK`, never below ``start``; the window after a step
+down judges it: a rate that fell again by :data:`GAIN` says the limit, not the store, was holding the
+dataset back, and the step is taken back (compared with the window before, at the larger limit, a limit
+that binds always looks worse: read as congestion, each step down called for the next, down to ``start``);
+after :data:`PROBE_WINDOWS` steady windows it tries one step up again. A throttled request (HTTP 429 or
 503, S3's ``SlowDown``) halves it at once. It never leaves ``[1, cap]``; the host's own cap (all the
 provider's datasets on that host together) is a :func:`host_slots` semaphore held beside it.
 
@@ -113,6 +116,7 @@ class InflightLimit:
         self._full = False  # the limit was reached during this window
         self._last_rate = 0.0  # bytes/s of the last window that counted
         self._before: int | None = None  # the limit before the last step up, until that step proves itself
+        self._above: int | None = None  # the limit before the last step down, until the next window judges it
         self._flat = 0  # windows in a row with the rate steady
         self._waiting = 0  # requests waiting for a place now
 
@@ -146,7 +150,7 @@ class InflightLimit:
         with self._cond:
             self._inflight -= n
             if throttled:
-                self.limit, self._before = max(1, self.limit // 2), None
+                self.limit, self._before, self._above = max(1, self.limit // 2), None, None
                 self._window, self._full = (time.monotonic(), 0, 0), False
             else:
                 self._count(nbytes, n)
@@ -179,11 +183,15 @@ class InflightLimit:
     def _step(self, rate: float) -> None:
         """One window's verdict (caller holds the lock)."""
         if rate >= self._last_rate * GAIN and self.limit < self.cap:  # the last step paid (or the link grew)
-            self._before, self.limit = self.limit, min(self.cap, math.ceil(self.limit * GROW))
+            self._before, self._above, self.limit = self.limit, None, min(self.cap, math.ceil(self.limit * GROW))
         elif self._before is not None and rate < self._last_rate * GAIN:  # a step up that did not pay
             self.limit, self._before = self._before, None
+        elif self._above is not None:  # the window after a step down: did the store get busier, or did we?
+            if rate < self._last_rate / GAIN:  # the step down cost throughput: the limit held it back, put it back
+                self.limit = self._above
+            self._above = None
         elif rate < self._last_rate / GAIN:  # worse at the same limit: congestion elsewhere
-            self.limit = max(self.start, math.floor(self.limit * SHRINK))
+            self._above, self.limit = self.limit, max(self.start, math.floor(self.limit * SHRINK))
         else:
             self._flat += 1
             if self._flat >= PROBE_WINDOWS and self.limit < self.cap:  # steady a while: see if more pays now
