@@ -112,9 +112,6 @@ class Handler:
         holds them until this returns: the router fsyncs its job database here once per burst, not once
         per transition). Raising withholds them: each request is answered UNAVAILABLE instead."""
 
-    def stats(self) -> dict:
-        return {}
-
 
 @dataclass
 class ServerConfig:

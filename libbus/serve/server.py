@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import cast
+from typing import TypedDict, cast
 
 import zmq
 
@@ -34,7 +34,7 @@ from libbus.errors import AuthExpired, AuthRequired, BadRequest, BusError, Forbi
 from libbus.security.admission import TokenAuthenticator, admit_server
 from libbus.security.curve import KeyAuthenticator, secure_server
 from libbus.security.tokencheck import TokenCheck
-from libbus.serve.backlog import Backlogs
+from libbus.serve.backlog import Backlogs, BacklogStats
 from libbus.serve.handler import Handler, ServerConfig
 from libbus.serve.sessions import Session, SessionTable, check_labels, frame_property, is_local_peer
 from libbus.serve.wakeup import Wakeup
@@ -42,9 +42,26 @@ from libbus.wire.messages import Goodbye, Heartbeat, Hello, Message, Welcome, de
 from libbus.wire.schema import check_stored
 from libbus.wire.sockets import make_socket, send_message, send_tracked
 
-__all__ = ["Session", "Handler", "Server", "ServerConfig", "is_local_peer"]
+__all__ = ["Session", "Handler", "Server", "ServerConfig", "ServerStats", "is_local_peer"]
 
 log = logging.getLogger(__name__)
+
+
+class ServerStats(TypedDict):
+    """What every server counts (:meth:`Server.stats`): the head of a provider's or the router's
+    ``Stats`` row, heartbeats and metrics, which add their handler's own records after it."""
+
+    #: The service's name (``ServerConfig.name``).
+    name: str
+    #: The endpoint bound ("" before :meth:`Server.bind`).
+    endpoint: str
+    #: Sessions open now.
+    sessions: int
+    #: Requests whose reply is being computed off the loop.
+    pending: int
+    #: Transport counters since the start (``received``, ``sent``, ``error_<CODE>``, ...).
+    counters: dict[str, int]
+    backlog: BacklogStats
 
 
 class Server:
@@ -488,8 +505,9 @@ class Server:
         except Exception:  # noqa: BLE001 - timers and callbacks must not kill the loop
             log.exception("%s: %s failed", self.config.name, getattr(fn, "__name__", fn))
 
-    def stats(self) -> dict:
-        """Transport counters plus the handler's own metrics, for heartbeats and ``Stats``."""
+    def stats(self) -> ServerStats:
+        """The transport's figures, for heartbeats, ``Stats`` and the metrics; a service's row puts its
+        handler's own after them (:class:`ServerStats`)."""
         if isinstance(self._auth, TokenAuthenticator):
             self.counters["handshakes_refused"] = self._auth.refused
         return {
@@ -499,5 +517,4 @@ class Server:
             "pending": len(self._pending),
             "counters": dict(self.counters),
             "backlog": self.backlog.stats(),
-            **self.handler.stats(),
         }

@@ -20,7 +20,7 @@ from libbus.wire.messages import ChargeEvaluation, Entitlements, EvaluationCharg
 
 from .. import credentials, process
 from .evalgate import EvalGate
-from .handler import ProviderHandler
+from .handler import ProviderBeat, ProviderHandler, ProviderRow
 from .metrics import provider_metrics
 from .read_helper import ReadHelper, helped
 from .score_release import Release
@@ -198,7 +198,7 @@ class ProviderService:
             credentials.identity(self.settings, "provider", self.name, caps),
             heartbeat_ms=self.settings.heartbeat_ms,
             liveness=self.settings.heartbeat_liveness,
-            stats=self.server.stats,
+            stats=self.beat_stats,
             ctx=self.ctx,
             limits=credentials.limits(self.settings),
             on_push=self._on_push,
@@ -227,9 +227,13 @@ class ProviderService:
                 self.server.set_revoked(msg.revoked)
             self.handler.set_assigned(msg.assigned)
 
-    def stats(self) -> dict:
-        """The data server's counters and the handler's, plus whether the router link is up."""
-        return {**self.server.stats(), "connected": self.link is not None and self.link.connected.is_set()}
+    def beat_stats(self) -> ProviderBeat:
+        """What its heartbeats carry: the data server's figures, then the handler's."""
+        return {**self.server.stats(), **self.handler.stats()}
+
+    def stats(self) -> ProviderRow:
+        """Its heartbeat stats, plus whether the router link is up (the metrics)."""
+        return {**self.beat_stats(), "connected": self.link is not None and self.link.connected.is_set()}
 
     def run(self, stop: threading.Event, on_loop: Callable[[], None] | None = None) -> None:
         """Serve until ``stop``; ``on_loop`` runs every turn of the serving loop (the watchdog)."""

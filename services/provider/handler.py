@@ -7,9 +7,10 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import orjson
@@ -31,7 +32,7 @@ from libbus.errors import (
 from libbus.jobs.weights import weights_digest
 from libbus.security.auth import Claims
 from libbus.serve.handler import serves
-from libbus.serve.server import Handler, Session
+from libbus.serve.server import Handler, ServerStats, Session
 from libbus.serve.sessions import reader_info
 from libbus.wire.messages import (
     AttachRing,
@@ -59,14 +60,25 @@ from libbus.wire.sockets import frame_len
 from services.model_data import xy_info
 from shm import Ring, RingLayout
 
-from .destination import BatchCounters, Destination, Frames, Slot, batch_bytes, check_batch_size, write_batch
+from .destination import (
+    BatchCounters,
+    DatasetServed,
+    Destination,
+    Frames,
+    Slot,
+    batch_bytes,
+    check_batch_size,
+    write_batch,
+)
 from .evalgate import Bound, EvalGate, check_model_spec
 from .fillers import REMOTE_READS, Fillers
 from .read_helper import HelpedSource, ReadHelper
 from .score_release import EXACT, Release
 from .sources import PRIVATE_SPLIT, SPLITS, Source
-from .sources.objstore import object_store_stats
+from .sources.objstore import ObjectStoreRow, object_store_stats
 from .sources.pipeline import pipeline_stats, stage_control
+from .sources.pipeline.engine import PipelineRow
+from .sources.storage.blockmemory import ReadStats
 
 __all__ = ["ProviderHandler", "check_servable"]
 
@@ -80,7 +92,38 @@ def _chain(done: Future, into: Future) -> None:
         into.set_exception(err)
 
 
-def remote_read_stats(datasets: dict[str, Source]) -> dict[str, dict]:
+class ProviderStats(PipelineRow, ObjectStoreRow):
+    """A provider handler's own stats (its ``Stats`` reply, after its server's figures on its heartbeats and
+    metrics): what it served and refused, its evaluations, its remote reads; ``pipelines``,
+    ``decode_cache`` and ``object_store`` where it has them."""
+
+    #: Per dataset, what it served.
+    datasets: dict[str, DatasetServed]
+    #: Batch requests waiting for the router to assign their trainer.
+    waiting_assignment: int
+    #: Requests refused, by reason.
+    refused: dict[str, int]
+    evaluations_running: int
+    #: Per remote dataset read from files, how its reads go now.
+    remote_reads: dict[str, ReadStats]
+    evaluations_queued: int
+
+
+class ProviderBeat(ServerStats, ProviderStats):
+    """A provider's heartbeat stats (its row of the router's ``Stats``): its server's figures, then its
+    handler's."""
+
+
+class ProviderRow(ProviderBeat):
+    """What a provider's metrics read: its heartbeat stats, and whether its link to the router is up."""
+
+    connected: bool
+
+
+V = TypeVar("V")
+
+
+def remote_read_stats(datasets: dict[str, Source]) -> dict[str, ReadStats]:
     """Per remote dataset read from files (``http(s)://``, an object store): its requests in flight and
     their limit now, and its RAM cache's counters (``busctl queues --json``, the metrics)."""
     out = {}
@@ -91,17 +134,22 @@ def remote_read_stats(datasets: dict[str, Source]) -> dict[str, dict]:
     return out
 
 
-def stats_within_scope(stats: dict, claims: Claims) -> dict:
+def stats_within_scope(stats: ProviderStats, claims: Claims) -> ProviderStats:
     """``stats`` as ``claims`` may see them: a scoped token (a tenant's) sees the per-dataset rows of
     the datasets its ``datasets`` scope names and of no other (a ``jobs`` scope alone names none), so
     it learns neither the names nor the reads of other tenants' datasets; an unrestricted token all."""
     if not claims.scopes:
         return stats
     named = "datasets" in claims.scopes
-    out = dict(stats)
-    for key in ("datasets", "remote_reads", "pipelines"):
-        if isinstance(out.get(key), dict):
-            out[key] = {d: v for d, v in out[key].items() if named and claims.allows_dataset(d)}
+
+    def seen(rows: Mapping[str, V]) -> dict[str, V]:
+        return {d: v for d, v in rows.items() if named and claims.allows_dataset(d)}
+
+    out = stats.copy()
+    out["datasets"] = seen(stats["datasets"])
+    out["remote_reads"] = seen(stats["remote_reads"])
+    if "pipelines" in stats:
+        out["pipelines"] = seen(stats["pipelines"])
     return out
 
 
@@ -636,10 +684,10 @@ class ProviderHandler(Handler):
         except BusError as err:
             log.warning("job %s: the router did not take this evaluation's report: %s", report.job, err)
 
-    def stats(self) -> dict:
+    def stats(self) -> ProviderStats:
         running, queued, counts = self.evalgate.snapshot()
         with self.counters.lock:  # the evaluation and fill threads count into served and refused
-            datasets = {name: {**c, **self.counters.spent.get(name, {})} for name, c in self.served.items()}
+            datasets = self.counters.datasets()
             refused = dict(self.refused)
         for key in ("refused_too_large", "refused_queue_full", "refused_rate", "refused_budget"):
             if counts.get(key):

@@ -5,11 +5,15 @@ every service has are :mod:`libbus.serve.metrics`'s."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from libbus.serve.metrics import Families, LatencyHistogram, ServiceMetrics
+
+if TYPE_CHECKING:
+    from .handler import ProviderRow
 
 __all__ = ["provider_metrics"]
 
@@ -120,46 +124,37 @@ _DECODE_DISK: dict[str, tuple[type[Metric], str, str]] = {
 }
 
 
-def _served(stats: dict, fams: Families, latency: Latency | None) -> Iterator[Metric]:
-    refused = stats.get("refused")
-    if isinstance(refused, dict):
-        fam = fams.family(
-            CounterMetricFamily,
-            "refused",
-            "Requests refused before serving, by reason (scope, unassigned, split_private, ring, stale_slot).",
-            ("reason",),
-        )
-        for reason, value in sorted(refused.items()):
-            fam.add_metric(fams.labels(reason), float(value))
+def _served(stats: ProviderRow, fams: Families, latency: Latency | None) -> Iterator[Metric]:
+    fam = fams.family(
+        CounterMetricFamily,
+        "refused",
+        "Requests refused before serving, by reason (scope, unassigned, split_private, ring, stale_slot).",
+        ("reason",),
+    )
+    for reason, value in sorted(stats["refused"].items()):
+        fam.add_metric(fams.labels(reason), float(value))
+    yield fam
+    datasets: Mapping[str, Mapping[str, Any]] = stats["datasets"]  # read by the table's keys
+    for key, (metric, doc) in _SERVED.items():
+        fam = fams.family(CounterMetricFamily, metric, doc, ("dataset",))
+        for dataset, served in sorted(datasets.items()):
+            fam.add_metric(fams.labels(dataset), float(served.get(key, 0)))
         yield fam
-    datasets = stats.get("datasets")
-    if isinstance(datasets, dict):
-        for key, (metric, doc) in _SERVED.items():
-            fam = fams.family(CounterMetricFamily, metric, doc, ("dataset",))
-            for dataset, served in sorted(datasets.items()):
-                fam.add_metric(fams.labels(dataset), float(served.get(key, 0)))
-            yield fam
-    if "evaluations_running" in stats:
-        yield fams.one(
-            GaugeMetricFamily, "evaluations_running", "Evaluations running now.", stats["evaluations_running"]
-        )
-    pipelines = stats.get("pipelines")
-    if isinstance(pipelines, dict):
-        yield from _stages(pipelines, fams)
-    objects = stats.get("object_store")
-    if isinstance(objects, dict):
-        yield from _object_store(objects, fams)
-    remote = stats.get("remote_reads")
-    if isinstance(remote, dict) and remote:
+    yield fams.one(GaugeMetricFamily, "evaluations_running", "Evaluations running now.", stats["evaluations_running"])
+    if "pipelines" in stats:
+        yield from _stages(stats["pipelines"], fams)
+    if "object_store" in stats:
+        yield from _object_store(stats["object_store"], fams)
+    remote: Mapping[str, Mapping[str, Any]] = stats["remote_reads"]
+    if remote:
         for key, (kind, metric, doc) in _REMOTE_READS.items():
             fam = fams.family(kind, metric, doc, ("dataset",))
             for dataset, row in sorted(remote.items()):
                 if key in row:
                     fam.add_metric(fams.labels(dataset), float(row[key]))
             yield fam
-    decode = stats.get("decode_cache")
-    if isinstance(decode, dict):
-        yield from _decode_cache(decode, fams)
+    if "decode_cache" in stats:
+        yield from _decode_cache(stats["decode_cache"], fams)
     if latency is not None:
         fam = fams.family(
             HistogramMetricFamily,
@@ -173,7 +168,7 @@ def _served(stats: dict, fams: Families, latency: Latency | None) -> Iterator[Me
         yield fam
 
 
-def _object_store(objects: dict, fams: Families) -> Iterator[Metric]:
+def _object_store(objects: Mapping[str, Any], fams: Families) -> Iterator[Metric]:
     """Requests to object stores (s3://, gs://, az://) and, per cache directory, the disk cache."""
     for key, (kind, metric, doc) in _OBJECT_METRICS.items():
         fam = fams.family(kind, metric, doc)
@@ -188,7 +183,7 @@ def _object_store(objects: dict, fams: Families) -> Iterator[Metric]:
             yield fam
 
 
-def _decode_cache(cache: dict, fams: Families) -> Iterator[Metric]:
+def _decode_cache(cache: Mapping[str, Any], fams: Families) -> Iterator[Metric]:
     """The decode cache: per dataset, its RAM tier, its disk tier (when it has one)."""
     datasets = cache.get("datasets")
     if isinstance(datasets, dict):
@@ -205,7 +200,7 @@ def _decode_cache(cache: dict, fams: Families) -> Iterator[Metric]:
                 yield fam
 
 
-def _stages(pipelines: dict, fams: Families) -> Iterator[Metric]:
+def _stages(pipelines: Mapping[str, Mapping[str, Any]], fams: Families) -> Iterator[Metric]:
     """Per stage of each pipeline dataset: its counters, and its output queue's (the pipeline's
     request queue under the stage name ``(requests)``)."""
     labels = ("dataset", "stage")
@@ -224,10 +219,10 @@ def _stages(pipelines: dict, fams: Families) -> Iterator[Metric]:
     yield from by_key.values()
 
 
-def provider_metrics(latency: Latency | None = None) -> ServiceMetrics:
+def provider_metrics(latency: Latency | None = None) -> ServiceMetrics[ProviderRow]:
     """The provider's metrics, with ``latency`` (per dataset, the time to assemble a batch) as a histogram."""
 
-    def families(stats: dict, fams: Families) -> Iterator[Metric]:
+    def families(stats: ProviderRow, fams: Families) -> Iterator[Metric]:
         return _served(stats, fams, latency)
 
     return families

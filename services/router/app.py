@@ -89,9 +89,7 @@ class RouterService:
 
     def start(self) -> str:
         raise_open_files()
-        self.metrics = start_exporter(
-            self.settings.metrics_bind, "router", self.name, self.server.stats, router_metrics
-        )
+        self.metrics = start_exporter(self.settings.metrics_bind, "router", self.name, self.handler.row, router_metrics)
         try:
             endpoint = self.server.bind()
         except BaseException:

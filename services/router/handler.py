@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TypedDict
 
 from libbus.constants import STORED_JSON_BYTES, STORED_JSON_DEPTH
 from libbus.errors import BadRequest, Forbidden, NotFound, Unavailable
@@ -35,7 +36,7 @@ from libbus.jobs.spec import JobSpec, dataset_name
 from libbus.jobs.state import REFUSED, JobState
 from libbus.security.auth import Claims
 from libbus.serve.handler import serves
-from libbus.serve.server import Handler, Session
+from libbus.serve.server import Handler, ServerStats, Session
 from libbus.wire.messages import (
     ChargeEvaluation,
     Checkpointed,
@@ -86,7 +87,7 @@ from .replies import fit_job, fit_list, fit_rows
 from .store import JobStore, stored_spec
 from .task_models import TaskModels
 
-__all__ = ["RouterHandler"]
+__all__ = ["RouterHandler", "RouterRow", "RouterStats"]
 
 
 def _stored(value, what: str) -> None:
@@ -101,6 +102,21 @@ TRAINER = ("trainer",)
 TRAINER_OR_ADMIN = ("trainer", "admin")
 #: What a loader's session may ask the router (services/router/handler.py docstring).
 LOADER_REQUESTS = frozenset({"Resolve", "Stats"})
+
+
+class RouterStats(TypedDict):
+    """The router's own figures in its ``Stats`` row and metrics."""
+
+    #: Jobs by state.
+    jobs: dict[str, int]
+    #: Sessions open by kind (``provider``, ``trainer``, ``loader``, ``admin``).
+    peers: dict[str, int]
+    #: Refused job state moves by ``"from->to"``, since the start.
+    refused_transitions: dict[str, int]
+
+
+class RouterRow(ServerStats, RouterStats):
+    """The router's ``Stats`` row (``role`` ``router`` before it on the wire) and what its metrics read."""
 
 
 class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
@@ -124,7 +140,7 @@ class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
         *,
         lease_s: float = 10.0,
         task_retry_ms: int = 1000,
-        server_stats: Callable[[], dict] = dict,
+        server_stats: Callable[[], ServerStats] | None = None,
         artifacts: Artifacts | None = None,
         mint_grant: Callable[[str, str, str], str] | None = None,
     ):
@@ -384,7 +400,7 @@ class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
         only for those; a scoped admin's ``datasets`` scope must name it: a ``jobs`` scope alone
         shows no provider), and (a scoped admin) of trainers holding a job inside its scopes. Rows are
         cut, with a note, to fit one reply."""
-        services: dict[str, dict] = {"router": {"role": "router", **self.server_stats()}}
+        services: dict[str, dict] = {"router": {"role": "router", **self.row()}}
         claims = None if session is None else session.claims
         everything = claims is None or (claims.role == "admin" and not claims.scopes)
         holders = set() if everything or claims is None or claims.role != "admin" else self._holders_for(claims)
@@ -444,8 +460,15 @@ class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
             self.store.changes += 1  # the turn's writes were undone: assignments are recomputed
             raise
 
-    def stats(self) -> dict:
-        counts = {}
+    def row(self) -> RouterRow | RouterStats:
+        """The router's ``Stats`` row and metrics: its server's figures, then its own (only its own
+        while no server is attached: a handler driven without one)."""
+        if self.server_stats is None:
+            return self.stats()
+        return {**self.server_stats(), **self.stats()}
+
+    def stats(self) -> RouterStats:
+        counts: dict[str, int] = {}
         for row in self.store.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
             counts[row[0]] = row[1]
         return {

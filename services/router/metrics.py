@@ -9,13 +9,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from libbus.serve.metrics import Families
 
+from .handler import RouterRow, RouterStats
+
 __all__ = ["router_metrics"]
 
 
-def router_metrics(stats: dict, fams: Families) -> Iterator[Metric]:
-    jobs = stats.get("jobs")
-    if isinstance(jobs, dict):
-        yield fams.by(GaugeMetricFamily, "jobs", "Jobs in the router's queue, by state.", "state", jobs)
-    peers = stats.get("peers")
-    if isinstance(peers, dict):
-        yield fams.by(GaugeMetricFamily, "peers", "Peers connected to the router, by role.", "role", peers)
+def router_metrics(stats: RouterRow | RouterStats, fams: Families) -> Iterator[Metric]:
+    yield fams.by(GaugeMetricFamily, "jobs", "Jobs in the router's queue, by state.", "state", stats["jobs"])
+    yield fams.by(GaugeMetricFamily, "peers", "Peers connected to the router, by role.", "role", stats["peers"])
