@@ -75,10 +75,11 @@ from .fillers import REMOTE_READS, Fillers
 from .read_helper import HelpedSource, ReadHelper
 from .score_release import EXACT, Release
 from .sources import PRIVATE_SPLIT, SPLITS, Source
-from .sources.objstore import ObjectStoreRow, object_store_stats
+from .sources.objstore import object_store_stats
 from .sources.pipeline import pipeline_stats, stage_control
 from .sources.pipeline.engine import PipelineRow
 from .sources.storage.blockmemory import ReadStats
+from .sources.storage.objects import ObjectStoreRow
 
 __all__ = ["ProviderHandler", "check_servable"]
 

@@ -57,6 +57,7 @@ __all__ = [
     "ObjectMeta",
     "ObjectPath",
     "ObjectSettings",
+    "ObjectStoreRow",
     "ObjectStoreStats",
     "ObjectTree",
 ]
@@ -131,6 +132,12 @@ class ObjectStoreStats(TypedDict):
     failures: int
     bytes_fetched: int
     caches: dict[str, BlockCacheStats]
+
+
+class ObjectStoreRow(TypedDict, total=False):
+    """What object stores add to a provider's stats: ``object_store``, when it serves a dataset in one."""
+
+    object_store: ObjectStoreStats
 
 
 #: Process-wide request counters (metrics, ``busctl queues``): requests, retries, failures, bytes.
