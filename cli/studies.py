@@ -8,8 +8,9 @@ import hashlib
 import re
 import time
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, TypeGuard
+from typing import TYPE_CHECKING, Annotated, Any, TypeGuard
 
 import orjson
 import typer
@@ -17,9 +18,12 @@ import typer
 from libbus.config import Settings
 from libbus.errors import BadRequest
 from libbus.jobs.commands import JobCommand
-from libbus.wire.messages import ControlJob, GetStudy, Model, StopStudy, SubmitStudy, frame_buffer
+from libbus.wire.messages import ControlJob, Model, StopStudy, SubmitStudy, frame_buffer
 from services import views
 from services.router.study_store import StudyState
+
+if TYPE_CHECKING:
+    from services.router.studies import ShownTrial, StudyView
 
 from .connection import admin_client
 from .options import Json, admin_options
@@ -89,7 +93,7 @@ def study_show(study: str, *, settings: Settings, json: Json = False) -> None:
     _print_study(info)
 
 
-def _print_study(info: dict) -> None:
+def _print_study(info: StudyView) -> None:
     """The study's line, a row per trial, the note on values not final, and its best trial."""
     echo(
         f"study {info['id']}: {info['state']}{' (' + info['reason'] + ')' if info['reason'] else ''}; "
@@ -108,7 +112,7 @@ def _print_study(info: dict) -> None:
     echo(_best(info))
 
 
-def trial_value(trial: dict) -> tuple[float | None, int | None]:
+def trial_value(trial: Mapping[str, Any]) -> tuple[float | None, int | None]:
     """A trial's value: its objective's final value, with ``None``; else, for a trial that has not run to
     the end (running, pruned, stopped), its last reported value and the epoch it was reported at; else
     ``(None, None)``."""
@@ -122,18 +126,18 @@ def trial_value(trial: dict) -> tuple[float | None, int | None]:
     return float(value), epoch
 
 
-def _value(trial: dict) -> str:
+def _value(trial: Mapping[str, Any]) -> str:
     value, epoch = trial_value(trial)
     if value is None:
         return "-"
     return f"{value:.4f}" if epoch is None else f"{value:.4f}*"
 
 
-def _params(trial: dict) -> str:
+def _params(trial: Mapping[str, Any]) -> str:
     return " ".join(f"{k}={_short(v)}" for k, v in trial["params"].items())
 
 
-def _best(info: dict) -> str:
+def _best(info: StudyView) -> str:
     best = info["best"]
     if not best:
         return "best: none complete yet"
@@ -159,7 +163,7 @@ def study_watch(study: str, *, settings: Settings) -> None:
     try:
         with admin_client(settings) as client:
             while True:
-                info = client.request(GetStudy(study=study)).study
+                info = views.study(client, study)
                 for t in info["trials"]:
                     seen = (t["state"], t["job"], trial_value(t))
                     if shown.get(t["number"]) != seen:
@@ -177,7 +181,7 @@ def study_watch(study: str, *, settings: Settings) -> None:
         raise typer.Exit(1)
 
 
-def _trial_line(trial: dict, info: dict) -> str:
+def _trial_line(trial: ShownTrial, info: StudyView) -> str:
     """``HH:MM:SS trial N (JOB) STATE OBJECTIVE VALUE[ at epoch E] PARAMS | best: ...``."""
     value, epoch = trial_value(trial)
     if value is None:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the records' modules import numpy and zmq's services; busct
     from services.provider.sources.storage.blockmemory import ReadStats
     from services.provider.sources.storage.objects import ObjectStoreStats
     from services.router.peers import PeerRow
+    from services.router.studies import StudyView
 
 __all__ = [
     "ACTIVE_STATES",
@@ -313,9 +314,9 @@ def studies(client: Client) -> list[dict]:
     return client.request(ListStudies()).studies
 
 
-def study(client: Client, study_id: str) -> dict:
+def study(client: Client, study_id: str) -> StudyView:
     """A study: its trials, their params, states, values and reports, and its best (``busctl study show --json``)."""
-    return client.request(GetStudy(study=study_id)).study
+    return cast("StudyView", client.request(GetStudy(study=study_id)).study)  # as the router's Studies.show made it
 
 
 # -- the cluster -----------------------------------------------------------------------------------
