@@ -228,6 +228,20 @@ def test_a_step_down_that_cost_throughput_is_taken_back_and_one_that_did_not_is_
     assert busy.limit == 40
 
 
+def test_a_window_of_other_reads_is_not_judged_against_the_last_one():
+    """Bytes per second compare only between windows of like reads: after a block shuffle's windows
+    (megabytes a request), a full shuffle's (kilobytes a request) are judged afresh; judged against the block
+    shuffle's rate, its first step up looked as if it had not paid, was taken back, and the limit sat at its
+    start while four batches' GETs waited (first batch 2.1-2.6 s at 30 ms a request, 1.1 s without it)."""
+    bound = InflightLimit(start=8, cap=128)
+    bound._step(150e6, 1.5e6)  # a block shuffle's window: the limit held it back, a step up
+    assert bound.limit == 12
+    bound._step(10e6, 30e3)  # a full shuffle's first window: a start, not a step that did not pay
+    assert bound.limit == 18
+    bound._step(9e6, 30e3)  # like reads again, compared: this step did not pay and is taken back
+    assert bound.limit == 12
+
+
 def test_npy_pairs_are_found_by_probing_a_directory(tmp_path, server):
     d = tmp_path / "arrays"
     d.mkdir()

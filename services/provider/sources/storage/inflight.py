@@ -11,7 +11,8 @@ or the store is busier) steps it down by :data:`SHRINK`, never below ``start``; 
 down judges it: a rate that fell again by :data:`GAIN` says the limit, not the store, was holding the
 dataset back, and the step is taken back (compared with the window before, at the larger limit, a limit
 that binds always looks worse: read as congestion, each step down called for the next, down to ``start``);
-after :data:`PROBE_WINDOWS` steady windows it tries one step up again. A throttled request (HTTP 429 or
+after :data:`PROBE_WINDOWS` steady windows it tries one step up again. Windows of unlike reads (bytes per
+request apart by more than :data:`SIZE_CHANGE`) are not compared: the first of the new kind starts afresh. A throttled request (HTTP 429 or
 503, S3's ``SlowDown``) halves it at once. It never leaves ``[1, cap]``; the host's own cap (all the
 provider's datasets on that host together) is a :func:`host_slots` semaphore held beside it.
 
@@ -34,6 +35,8 @@ __all__ = ["GAIN", "GROW", "SHRINK", "READER_NICE", "InflightLimit", "Slots", "h
 GROW, SHRINK = 1.5, 0.8
 #: A rise in bytes per second that counts as one (below it, noise).
 GAIN = 1.1
+#: Windows whose bytes per request differ by more than this factor read different things: not compared.
+SIZE_CHANGE = 4.0
 #: A window closes after at least this long and at least ``limit`` completed requests.
 WINDOW_S = 0.25
 #: Windows of steady throughput after which the limit tries one step up again (the link may have freed).
@@ -118,6 +121,7 @@ class InflightLimit:
         self._before: int | None = None  # the limit before the last step up, until that step proves itself
         self._above: int | None = None  # the limit before the last step down, until the next window judges it
         self._flat = 0  # windows in a row with the rate steady
+        self._size = 0.0  # bytes a request in the last window judged
         self._waiting = 0  # requests waiting for a place now
 
     @property
@@ -177,11 +181,17 @@ class InflightLimit:
             self._window = (started, requests, total)
             return
         if self._full and self._waiting:  # the limit held the dataset back all along: its rate is the limit's
-            self._step(total / (now - started))
+            self._step(total / (now - started), total / requests)
         self._window, self._full = (now, 0, 0), False
 
-    def _step(self, rate: float) -> None:
-        """One window's verdict (caller holds the lock)."""
+    def _step(self, rate: float, size: float = 0.0) -> None:
+        """One window's verdict (caller holds the lock): ``rate`` bytes per second, ``size`` bytes a request."""
+        if size and self._size and not self._size / SIZE_CHANGE <= size <= self._size * SIZE_CHANGE:
+            # other reads now (a block shuffle's megabytes a request, then a full shuffle's kilobytes): the
+            # last window's rate says nothing of this one's; without this, a full shuffle's first step up was
+            # judged against a block shuffle's bytes per second, taken back, and the limit sat at its start
+            self._last_rate, self._before, self._above = 0.0, None, None
+        self._size = size or self._size
         if rate >= self._last_rate * GAIN and self.limit < self.cap:  # the last step paid (or the link grew)
             self._before, self._above, self.limit = self.limit, None, min(self.cap, math.ceil(self.limit * GROW))
         elif self._before is not None and rate < self._last_rate * GAIN:  # a step up that did not pay
