@@ -16,7 +16,8 @@ retrying) delays only its own batches. Within a lane, batches are read in the or
 
 - **remote** (a source whose bytes come over the network: ``http(s)://``, an object store): ``remote_reads``
   (:data:`~libbus.constants.REMOTE_READS`) batches of the dataset at once, so the GETs of every batch in
-  flight overlap instead of one batch's after another's.
+  flight overlap instead of one batch's after another's. Beside another dataset, the reads themselves run
+  in a helper process (:mod:`.read_helper`) and these threads only wait for it and copy the bytes.
 - **overlap** (:attr:`ReadPolicy.OVERLAP`: a pipeline, whose reads mostly wait on its stages' threads):
   :data:`OVERLAP_READS` batches at once: while one batch's last chunk goes through the last stages, the
   next batch's chunks are already in the first ones.
