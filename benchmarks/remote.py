@@ -20,7 +20,8 @@ mosaic             MosaicML Streaming's ``StreamingDataset`` (``shuffle=True``) 
 head-of-line       the ``file`` dataset's wait per batch, a loop of ``--step-ms`` per step, alone and
                    while another loader reads ``http`` (full shuffle, ``--hol-latency-ms``) from the
                    same provider; meanwhile a new client's ``Hello`` and ``DatasetInfo`` timed
-                   every 0.25 s (the worst is what a new trainer would wait)
+                   every 0.25 s (the worst is what a new trainer would wait); ``--hol-busy N``: both
+                   phases beside N busy loops (a deliberate load, each ending by itself)
 htb (``--htb``)    the store in a network namespace of its own behind a veth capped at ``--htb-mbit``
                    by ``htb`` (root only), the provider and loader in another: block shuffle's MB/s as a
                    fraction of the cap, at ``--htb-latency-ms`` (its loader's first batches left out, and
@@ -37,6 +38,7 @@ are idle again. ::
     python -m benchmarks.remote --latency-ms 0,10,30,100 --seconds 5 --json remote.json
     python -m benchmarks.remote --quick
     python -m benchmarks.remote --quick --hol-only   # the head-of-line part alone
+    python -m benchmarks.remote --hol-only --seconds 5 --hol-busy 2   # ... beside two spinning cores
 """
 
 from __future__ import annotations
@@ -501,9 +503,31 @@ def slow_child(config: str) -> None:
     print(json.dumps(got), flush=True)
 
 
+#: The most busy loops ``--hol-busy`` starts (each spins a core: more only starves the machine).
+MAX_BUSY_LOOPS = 64
+
+
+def busy_loops(n: int, seconds: float) -> list[subprocess.Popen]:
+    """``n`` processes spinning a core each, every one ending by itself after ``seconds`` at most (a
+    deliberate load, bounded in time whatever happens to this process)."""
+    code = "import sys, time\nt = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < t: pass"
+    return [subprocess.Popen([sys.executable, "-c", code, str(seconds)]) for _ in range(n)]
+
+
 def head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: Fingerprints) -> dict:
     """The local dataset's waits alone and beside a loader reading the slow remote dataset; new
-    clients' Hello and DatasetInfo times meanwhile (and alone, before)."""
+    clients' Hello and DatasetInfo times meanwhile (and alone, before). ``--hol-busy N``: both phases
+    beside N busy loops."""
+    loops = busy_loops(args.hol_busy, 4 * args.seconds + 60)
+    try:
+        return _head_of_line(cluster, store, args, fp) | {"busy_loops": args.hol_busy}
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def _head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: Fingerprints) -> dict:
     step = args.step_ms / 1e3
     out: dict[str, Any] = {"latency_ms": args.hol_latency_ms, "step_ms": args.step_ms}
     quiet = [probe_once(cluster) for _ in range(5)]
@@ -878,6 +902,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--hol-latency-ms", type=float, default=30.0, help="the slow dataset's delay, head-of-line part")
     p.add_argument("--step-ms", type=float, default=10.0, help="the local loader's step, head-of-line part")
+    p.add_argument(
+        "--hol-busy",
+        type=int,
+        default=0,
+        help="busy loops (a process spinning a core each) beside both head-of-line phases: a deliberate load",
+    )
     p.add_argument("--mds-shard-mb", type=int, default=16, help="MDS shard size (default 16 MB)")
     p.add_argument("--no-mosaic", dest="mosaic", action="store_false", help="no MDS rows (no S3 server)")
     p.add_argument("--no-hol", dest="hol", action="store_false", help="no head-of-line part")
@@ -1008,6 +1038,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--samples must be at least 4 batches ({4 * args.batch})")
     if args.htb_ram_cache and args.htb_ram_cache >= args.samples * SAMPLE_BYTES:
         p.error("--htb-ram-cache must be smaller than the dataset (--samples × 12,296 B): else RAM is measured")
+    if not 0 <= args.hol_busy <= MAX_BUSY_LOOPS:
+        p.error(f"--hol-busy is 0 to {MAX_BUSY_LOOPS} busy loops (a core each), not {args.hol_busy}")
     if args.seconds <= 0 or args.workers < 0 or args.step_ms < 0 or args.htb_ram_cache < 0:
         p.error("--seconds must be positive, --workers and --step-ms not negative")
     main_thread = threading.current_thread() is threading.main_thread()

@@ -282,7 +282,10 @@ class ReadHelper:
             self._closed = True
             sock, proc = self._sock, self._proc
         if sock is not None:
-            sock.shutdown(socket.SHUT_RDWR)  # the helper sees end of file and exits; our reader thread ends
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # the helper sees end of file and exits; our reader thread ends
+            except OSError:  # it died meanwhile: the reader thread has closed it
+                pass
         if proc is not None:
             try:
                 proc.wait(5.0)

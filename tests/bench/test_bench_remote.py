@@ -50,7 +50,18 @@ def test_remote_bench_measures_every_row_and_writes_json(tmp_path):
 
 def test_remote_bench_hol_only_measures_the_head_of_line_part_alone(tmp_path):
     out = tmp_path / "remote.json"
-    args = ["--quick", "--hol-only", "--seconds", "0.3", "--samples", "1024", "--hol-latency-ms", "10"]
+    args = [
+        "--quick",
+        "--hol-only",
+        "--seconds",
+        "0.3",
+        "--samples",
+        "1024",
+        "--hol-latency-ms",
+        "10",
+        "--hol-busy",
+        "1",
+    ]
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.remote", *args, "--json", str(out)],
         cwd=REPO,
@@ -65,6 +76,7 @@ def test_remote_bench_hol_only_measures_the_head_of_line_part_alone(tmp_path):
     assert hol["alone"]["batches"] >= 1 and hol["beside"]["batches"] >= 1 and hol["probes"] >= 1
     assert "error" not in hol["slow_loader"] and hol["slow_loader"]["batches"] >= 1, hol["slow_loader"]
     assert "head-of-line" in run.stdout and "GETs/batch" not in run.stdout
+    assert hol["busy_loops"] == 1  # measured beside a deliberate load, which ended with the part
 
 
 BAD_OPTIONS = [
@@ -72,6 +84,8 @@ BAD_OPTIONS = [
     ["--shuffles", "none"],
     ["--samples", "100"],
     ["--hol-only", "--no-hol"],
+    ["--hol-busy", "-1"],
+    ["--hol-busy", "1000"],  # a thousand spinning processes would starve the machine, not load it
     ["--quick", "--htb-ram-cache", "999999999"],  # holds the whole dataset: RAM would be measured, not the link
 ]
 
