@@ -19,7 +19,9 @@ provider's stats.
 **Safe by construction.** The helper exits when its socket reaches end of file: the provider closed it,
 or died (however: the kernel closes its end). A helper that dies fails the batches it was reading
 (``UNAVAILABLE``, which a loader retries) and nothing else; the next read starts a new one. A dataset
-whose helper cannot open it (it fails at start) is read on the provider's own threads instead.
+whose helper cannot open it (it fails at start) is read on the provider's own threads instead, and so
+is one whose helper cannot be started again after it died (the next start is tried
+:data:`RESTART_BACKOFF_S` later, not once per batch).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -44,7 +47,7 @@ from libbus.errors import BusError, Internal, Unavailable, error_from_code
 from .sources.base import ReadPolicy, Source
 from .sources.storage.inflight import READER_NICE
 
-__all__ = ["HelpedSource", "ReadHelper", "helped"]
+__all__ = ["HelpedSource", "HelperDown", "ReadHelper", "helped"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,9 @@ _MSG_BYTES = 1 << 20
 #: How long a starting helper may take to open its dataset (imports and the files' headers on a loaded
 #: machine) before the dataset is read on the provider's threads instead.
 START_TIMEOUT_S = 60.0
+#: After a helper failed to start, how long no other is tried (its dataset read on the provider's
+#: threads meanwhile, :class:`HelpedSource`): a store that is down costs no process per batch.
+RESTART_BACKOFF_S = 5.0
 #: How long the serving loop waits for the helper to plan a loader's next samples (it plans at once, on
 #: the thread that receives, never behind reads that wait on the store), before going on without.
 READ_AHEAD_WAIT_S = 1.0
@@ -73,6 +79,10 @@ class _Stats:
 
     def stats(self) -> dict:
         return dict(self.last)
+
+
+class HelperDown(Unavailable):
+    """No helper runs and none could be started (just now, or within :data:`RESTART_BACKOFF_S`)."""
 
 
 class ReadHelper:
@@ -100,6 +110,7 @@ class ReadHelper:
         self._closed = False
         #: Helpers started so far (a restart after a death counts); the provider's stats.
         self.started = 0
+        self._failed_at: float | None = None  # monotonic time of the last start that failed
         self.location = _Stats()
 
     @property
@@ -119,6 +130,9 @@ class ReadHelper:
             raise Unavailable(f"dataset {self.dataset}: the provider is closing")
         if self._sock is not None:
             return self._sock
+        if self._failed_at is not None and time.monotonic() - self._failed_at < RESTART_BACKOFF_S:
+            raise HelperDown(f"dataset {self.dataset}: its read helper failed to start moments ago")
+        self._failed_at = time.monotonic()  # until it has started
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
@@ -131,7 +145,7 @@ class ReadHelper:
             )
         except OSError as err:
             ours.close()
-            raise Unavailable(f"dataset {self.dataset}: its read helper did not start: {err}") from err
+            raise HelperDown(f"dataset {self.dataset}: its read helper did not start: {err}") from err
         finally:
             theirs.close()
         try:
@@ -146,8 +160,8 @@ class ReadHelper:
             ours.close()
             proc.kill()
             proc.wait()
-            raise Unavailable(f"dataset {self.dataset}: its read helper could not open it: {detail}")
-        self._sock, self._proc = ours, proc
+            raise HelperDown(f"dataset {self.dataset}: its read helper could not open it: {detail}")
+        self._sock, self._proc, self._failed_at = ours, proc, None
         self.started += 1
         threading.Thread(
             target=self._replies, args=(ours, proc), name=f"helper-{self.dataset}"[:15], daemon=True
@@ -295,8 +309,9 @@ class ReadHelper:
 
 
 class HelpedSource:
-    """``source`` as the provider's batch writer sees it, its reads made by ``helper``: shapes, dtypes
-    and everything else are the source's own."""
+    """``source`` as the provider's batch writer sees it, its reads made by ``helper`` (by ``source``
+    itself while no helper can be started: :class:`HelperDown`): shapes, dtypes and everything else are
+    the source's own."""
 
     def __init__(self, source: Source, helper: ReadHelper):
         self.source, self.helper = source, helper
@@ -306,10 +321,16 @@ class HelpedSource:
         return getattr(self.source, name)
 
     def serve_into(self, split: str, indices: np.ndarray, x: np.ndarray, y: np.ndarray, epoch: int = 0) -> None:
-        self.helper.serve_into(split, indices, x, y, epoch)
+        try:
+            self.helper.serve_into(split, indices, x, y, epoch)
+        except HelperDown:  # none could be started: read here, as without a helper
+            self.source.serve_into(split, indices, x, y, epoch=epoch)
 
     def read_fields(self, split: str, indices: np.ndarray, epoch: int = 0) -> Any:
-        return self.helper.read_fields(split, indices, epoch)
+        try:
+            return self.helper.read_fields(split, indices, epoch)
+        except HelperDown:
+            return self.source.read_fields(split, indices, epoch)
 
     def read_ahead(self, split: str, indices: np.ndarray, key: Any) -> int:
         return self.helper.read_ahead(split, indices, key)

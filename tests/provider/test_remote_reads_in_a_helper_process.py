@@ -124,6 +124,24 @@ def test_a_helper_that_dies_fails_only_its_batches_and_the_next_read_starts_anot
     wait_until(lambda: not _alive(first), "the killed helper was never reaped")
 
 
+def test_a_helper_that_cannot_be_started_again_leaves_its_batches_to_the_providers_threads(
+    tmp_path, server, start_provider, client_for
+):
+    """Killed, and its dataset no longer opened by a new helper (here: its URI made unreadable for it): the
+    next batches are read on the provider's threads, right, and no helper is tried per batch."""
+    provider, (remote_x, remote_y), _ = _two_datasets(tmp_path, server, start_provider)
+    helper = provider.service.handler.helped["web"].helper
+    client = client_for(provider.endpoint, timeout_s=WAIT_S)
+    helper._config["uri"] = "http://127.0.0.1:9/gone/?retries=0&timeout=2"  # what a new helper would open
+    first = helper.pid
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: helper.pid is None, "the provider never saw its helper die")
+    for idx in (np.array([3, 4], "<i8"), np.array([60, 0, 7], "<i8")):
+        x, y = batch(client.request(BatchRequest(dataset="web", split="train", frames=[idx.tobytes()])), len(idx))
+        assert np.array_equal(x, remote_x[idx]) and np.array_equal(y, remote_y[idx])
+    assert helper.started == 1 and helper.pid is None  # one failed start, then the backoff: no process per batch
+
+
 _ORPHAN = """
 import sys
 from services.provider.read_helper import ReadHelper
