@@ -72,7 +72,7 @@ from .destination import (
 )
 from .evalgate import Bound, EvalGate, check_model_spec
 from .fillers import REMOTE_READS, Fillers
-from .read_helper import HelpedSource, ReadHelper
+from .read_helper import HelpedSource, ReadHelper, with_helpers
 from .score_release import EXACT, Release
 from .sources import PRIVATE_SPLIT, SPLITS, Source
 from .sources.objstore import object_store_stats
@@ -701,5 +701,5 @@ class ProviderHandler(Handler):
             "remote_reads": remote_read_stats({**self.datasets, **self.helped}),  # type: ignore[dict-item]
             "evaluations_queued": queued,
             **pipeline_stats(self.datasets),
-            **object_store_stats(self.datasets),
+            **with_helpers(object_store_stats(self.datasets), self.helped),
         }

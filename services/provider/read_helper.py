@@ -47,7 +47,7 @@ from libbus.errors import BusError, Internal, Unavailable, error_from_code
 from .sources.base import ReadPolicy, Source
 from .sources.storage.inflight import READER_NICE
 
-__all__ = ["HelpedSource", "HelperDown", "ReadHelper", "helped"]
+__all__ = ["HelpedSource", "HelperDown", "ReadHelper", "helped", "with_helpers"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,19 @@ def helped(source: Source) -> bool:
     (``CONCURRENT``); not a pipeline (its stages' threads and timing live with it) nor a source whose
     reads share state with another dataset's (a mix)."""
     return bool(source.remote) and source.read_policy is ReadPolicy.CONCURRENT
+
+
+def with_helpers(row: dict, helpers: dict[str, HelpedSource]) -> dict:
+    """The provider's ``object_store`` stats ``row`` with its helpers' requests added (each process counts
+    its own); the same row when the provider reads no object store."""
+    if "object_store" in row:
+        store = dict(row["object_store"])
+        for reader in helpers.values():
+            for key, n in reader.helper.objects.items():
+                if key in store:
+                    store[key] += n
+        row = {**row, "object_store": store}
+    return row
 
 
 class _Stats:
@@ -112,6 +125,10 @@ class ReadHelper:
         self.started = 0
         self._failed_at: float | None = None  # monotonic time of the last start that failed
         self.location = _Stats()
+        #: The object-store requests of this dataset's helpers (a process's own counters, summed over
+        #: the helpers that ran): added to the provider's ``object_store`` stats (:func:`with_helpers`).
+        self.objects: dict[str, int] = {}
+        self._objects_before: dict[str, int] = {}  # those of the helpers that have ended
 
     @property
     def pid(self) -> int | None:
@@ -181,8 +198,10 @@ class ReadHelper:
             if not data:
                 break
             rid, failed, outcome, stats = pickle.loads(data)
-            if stats:
-                self.location.last = stats
+            location, objects = stats
+            if location:
+                self.location.last = location
+            self.objects = {k: self._objects_before.get(k, 0) + v for k, v in objects.items()}
             with self._lock:
                 future = self._pending.pop(rid, None)
             if future is None:
@@ -191,6 +210,7 @@ class ReadHelper:
                 continue
             future.set_result((failed, outcome, fds[0] if fds else None))
         code = proc.wait()
+        self._objects_before = dict(self.objects)
         with self._lock:
             if self._sock is sock:
                 self._sock, self._proc = None, None
@@ -349,6 +369,7 @@ def _serve(sock: socket.socket) -> None:
     try:
         from .sources.objstore import configure_cache
         from .sources.registry import open_source
+        from .sources.storage import objects
 
         configure_cache(config["cache_dir"], config["cache_limit"])
         source = open_source(config["uri"], None, user_modules=config["user_modules"])
@@ -358,6 +379,11 @@ def _serve(sock: socket.socket) -> None:
     sock.send(pickle.dumps(("ready", "")))
     send = threading.Lock()
     location = getattr(source, "location", None)
+
+    def counters() -> tuple[dict | None, dict[str, int]]:
+        """What the provider shows of this process's reads: its location's and its object-store requests."""
+        with objects.STATS_LOCK:
+            return (location.stats() if location is not None else None), dict(objects.STATS)
 
     def read(mem: mmap.mmap, op: str, split: str, n: int, arg: Any, reply_fds: list[int]) -> Any:
         """One request's work on its memory file ``mem``: its outcome (memory files it made go in ``reply_fds``)."""
@@ -395,7 +421,7 @@ def _serve(sock: socket.socket) -> None:
                     mem.close()
             except BufferError:  # a view still held somewhere: unmapped when it goes
                 pass
-        reply = pickle.dumps((rid, failed, outcome, location.stats() if location is not None else None))
+        reply = pickle.dumps((rid, failed, outcome, counters()))
         with send:
             try:
                 socket.send_fds(sock, [reply], reply_fds)

@@ -314,3 +314,27 @@ def test_a_damaged_cache_block_is_fetched_again(s3, tmp_path):
     assert np.array_equal(src.read("train", np.arange(64))[0], ref)
     assert len(s3.gets()) - before == 1 and blocks[0].stat().st_size == 4096
     src.close()
+
+
+def test_an_object_store_dataset_read_in_a_helper_process_counts_its_requests(s3, tmp_path, start_provider, client_for):
+    """Beside a local dataset an s3:// dataset is read in a helper process of the provider's: its bytes
+    are the objects', and the helper's requests are in the provider's ``object_store`` stats."""
+    from libbus.wire.messages import BatchRequest  # noqa: PLC0415
+    from tests.support.held_store import batch, npy_pair  # noqa: PLC0415
+
+    ref = _tokens(s3, tmp_path, "helped", n_seq=64, seq=16, shards=2)
+    npy_pair(tmp_path / "local", 8, 1)
+    provider = start_provider(
+        f"toks=s3://data/helped/?seq_len=15&token_bytes=2&val_fraction=0&cache=off&{FAST}",
+        f"disk=file://{tmp_path / 'local'}?val_fraction=0",
+    )
+    helper = provider.service.handler.helped["toks"].helper
+    assert helper.pid is not None
+    before = provider.service.handler.stats()["object_store"]["requests"]
+    idx = np.array([63, 0, 17], "<i8")
+    x, _ = batch(
+        client_for(provider.endpoint).request(BatchRequest(dataset="toks", split="train", frames=[idx.tobytes()])), 3
+    )
+    assert np.array_equal(x, ref[idx])
+    assert helper.objects["requests"] >= 1
+    assert provider.service.handler.stats()["object_store"]["requests"] - before >= helper.objects["requests"]
