@@ -35,10 +35,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -71,17 +71,21 @@ def helped(source: Source) -> bool:
     return bool(source.remote) and source.read_policy is ReadPolicy.CONCURRENT
 
 
-def with_helpers(row: dict, helpers: dict[str, HelpedSource]) -> dict:
+_Row = TypeVar("_Row", bound=Mapping[str, Any])
+
+
+def with_helpers(row: _Row, helpers: dict[str, HelpedSource]) -> _Row:
     """The provider's ``object_store`` stats ``row`` with its helpers' requests added (each process counts
     its own); the same row when the provider reads no object store."""
-    if "object_store" in row:
-        store = dict(row["object_store"])
+    out = dict(row)
+    if "object_store" in out:
+        store = dict(out["object_store"])
         for reader in helpers.values():
             for key, n in reader.helper.objects.items():
                 if key in store:
                     store[key] += n
-        row = {**row, "object_store": store}
-    return row
+        out["object_store"] = store
+    return cast(_Row, out)
 
 
 class _Stats:
