@@ -213,13 +213,15 @@ class ReadHelper:
                     os.close(fd)
                 continue
             future.set_result((failed, outcome, fds[0] if fds else None))
-        code = proc.wait()
         self._objects_before = dict(self.objects)
         with self._lock:
             if self._sock is sock:
                 self._sock, self._proc = None, None
             failed, self._pending = self._pending, {}
         sock.close()
+        for future in failed.values():  # first: whatever its process is still doing, they are answered
+            future.set_exception(Unavailable(f"dataset {self.dataset}: its read helper died ({why}); ask again"))
+        code = proc.wait()
         if failed and not self._closed:
             log.warning(
                 "the read helper of dataset %s died (%s, status %s): %d batches failed",
@@ -228,8 +230,6 @@ class ReadHelper:
                 code,
                 len(failed),
             )
-        for future in failed.values():
-            future.set_exception(Unavailable(f"dataset {self.dataset}: its read helper died ({why}); ask again"))
 
     def _call(
         self, request: tuple, fd: int | None = None, timeout: float | None = None, start: bool = True

@@ -190,3 +190,27 @@ def test_a_helper_that_cannot_open_its_dataset_says_so_and_runs_nothing(tmp_path
         helper.start()
     assert helper.pid is None
     helper.close()
+
+
+def test_a_helper_reads_named_fields_and_plans_as_its_source_does():
+    """A batch of named fields comes back whole (variable-size fields included), equal to the source's own
+    read; a plan for a source that keeps none is none; a helper closed answers no more."""
+    from services.provider.sources import open_source  # noqa: PLC0415
+
+    uri = "mock://fields?n=50"
+    helper = ReadHelper("multi", uri, threads=2)
+    helper.start()
+    try:
+        idx = np.array([49, 0, 7, 7], "<i8")
+        got, want = helper.read_fields("train", idx, 0), open_source(uri).read_fields("train", idx, 0)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert len(got[name]) == len(want[name]) == len(idx)
+            for a, b in zip(got[name], want[name]):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), name
+        assert helper.read_ahead("train", idx, "loader") == 0
+    finally:
+        helper.close()
+    assert helper.pid is None
+    with pytest.raises(Unavailable, match="closing"):
+        helper.read_fields("train", np.array([1], "<i8"), 0)
