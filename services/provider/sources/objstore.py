@@ -43,7 +43,15 @@ from .formats.location import Location
 from .layouts import open_layout
 from .storage import objects
 from .storage.blockcache import BlockCache, cache_stats
-from .storage.objects import ObjectBackend, ObjectClient, ObjectFile, ObjectPath, ObjectSettings, ObjectTree
+from .storage.objects import (
+    ObjectBackend,
+    ObjectClient,
+    ObjectFile,
+    ObjectPath,
+    ObjectSettings,
+    ObjectStoreRow,
+    ObjectTree,
+)
 from .storage.reader import Segment
 
 __all__ = ["CACHE", "SCHEMES", "ObjectLocation", "configure_cache", "object_store_stats", "open_object_source"]
@@ -64,15 +72,22 @@ def configure_cache(cache_dir: str, cache_limit: int) -> None:
     CACHE.update(dir=cache_dir, limit=int(cache_limit))
 
 
-def object_store_stats(datasets: dict[str, Source]) -> dict:
+def object_store_stats(datasets: dict[str, Source]) -> ObjectStoreRow:
     """``{"object_store": {requests, retries, failures, bytes_fetched, caches}}`` when the provider
     serves an object-store dataset (else ``{}``): what ``busctl queues`` and the metrics show."""
     if not any(_reads_objects(s) for s in datasets.values()):
         return {}
     with objects.STATS_LOCK:
-        out: dict = dict(objects.STATS)
-    out["caches"] = cache_stats()
-    return {"object_store": out}
+        counts = dict(objects.STATS)
+    return {
+        "object_store": {
+            "requests": counts["requests"],
+            "retries": counts["retries"],
+            "failures": counts["failures"],
+            "bytes_fetched": counts["bytes_fetched"],
+            "caches": cache_stats(),
+        }
+    }
 
 
 def _reads_objects(source: Source) -> bool:

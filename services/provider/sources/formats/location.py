@@ -33,6 +33,7 @@ from typing import Any
 from libbus.errors import DatasetError
 
 from ..base import OpenRequest, SourceInfo
+from ..storage.blockmemory import ReadStats
 from .dataset import Context
 from .dataset_toml import TOML, parse_dataset_toml
 
@@ -140,7 +141,7 @@ class Location:
         """DatasetInfo keys this place adds (an object store: ``store``)."""
         return {}
 
-    def stats(self) -> dict:
+    def stats(self) -> ReadStats:
         """How its reads go now (a remote location: requests in flight and their limit, its RAM cache); ``{}``."""
         client = getattr(self, "client", None)
         return client.read_stats() if client is not None and hasattr(client, "read_stats") else {}
