@@ -45,6 +45,7 @@ import numpy as np
 from libbus.errors import BusError, Internal, Unavailable, error_from_code
 
 from .sources.base import ReadPolicy, Source
+from .sources.storage.blockmemory import ReadStats
 from .sources.storage.inflight import READER_NICE
 
 __all__ = ["HelpedSource", "HelperDown", "ReadHelper", "helped", "with_helpers"]
@@ -92,10 +93,10 @@ class _Stats:
     """The helper's remote-read counters as its last reply said (the provider's ``remote_reads``)."""
 
     def __init__(self) -> None:
-        self.last: dict = {}
+        self.last: ReadStats = {}
 
-    def stats(self) -> dict:
-        return dict(self.last)
+    def stats(self) -> ReadStats:
+        return self.last.copy()
 
 
 class HelperDown(Unavailable):

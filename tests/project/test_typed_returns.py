@@ -37,7 +37,6 @@ ALLOWED: dict[str, str] = {
     "libbus/order/elastic.py::state": "the loader's state_dict contents (PyTorch's contract), with its elastic plan",
     "libbus/order/epochs.py::Order.state": "the loader's state_dict contents (PyTorch's contract): the cursor and its settings",
     "libbus/wire/frames.py::Message.header": "serialization: a frame's JSON header, checked against the message's annotations",
-    "services/provider/read_helper.py::_Stats.stats": "not yet typed: a stats or metrics record (JSON for Stats, busctl queues and top, /metrics)",
     "services/provider/sources/formats/dataset_toml.py::parse_dataset_toml": "dataset.toml as its author wrote it, its keys checked: parse_settings (DatasetSettings) and the raw layout check the values they read",
     "services/provider/sources/formats/dataset_toml.py::parse_settings": "not yet typed: dataset.toml's keys, parsed",
     "services/provider/sources/formats/location.py::Location.toml": "dataset.toml as its author wrote it, its keys checked: parse_settings (DatasetSettings) and the raw layout check the values they read",
