@@ -38,7 +38,6 @@ ALLOWED: dict[str, str] = {
     "libbus/order/epochs.py::Order.state": "the loader's state_dict contents (PyTorch's contract): the cursor and its settings",
     "libbus/wire/frames.py::Message.header": "serialization: a frame's JSON header, checked against the message's annotations",
     "services/provider/sources/formats/dataset_toml.py::parse_dataset_toml": "dataset.toml as its author wrote it, its keys checked: parse_settings (DatasetSettings) and the raw layout check the values they read",
-    "services/provider/sources/formats/dataset_toml.py::parse_settings": "not yet typed: dataset.toml's keys, parsed",
     "services/provider/sources/formats/location.py::Location.toml": "dataset.toml as its author wrote it, its keys checked: parse_settings (DatasetSettings) and the raw layout check the values they read",
     "services/provider/sources/formats/mds.py::read_index": "an MDS index.json as a dataset's files hold it (a peer's JSON, unchecked): each value is checked where it is read",
     "services/provider/sources/pipeline/engine.py::stage_control": "Ok.detail of StageControl: the stage's answer (its keys are the stage's) under dataset, stage and type",

@@ -34,6 +34,7 @@ from libbus.errors import DatasetError
 
 from .base import OpenRequest, Source, local_path
 from .formats.dataset import Context
+from .formats.dataset_toml import DatasetSettings
 from .formats.location import Location
 from .layouts import open_layout
 from .storage.confine import Confinement
@@ -68,7 +69,7 @@ class FileLocation(Location):
             self._cache = Path(given) if given else self.root / ".batchbus-cache"
         return self._cache
 
-    def context(self, settings: dict, toml: dict) -> Context:
+    def context(self, settings: DatasetSettings, toml: dict) -> Context:
         cache = self.cache_dir()
         ctx = Context(self.uri, self.root, cache, settings, toml, (self.root, cache, *self.extra), self)
         ctx.confinement.hardlinks = self.confinement.hardlinks

@@ -40,7 +40,7 @@ from libbus.errors import DatasetError
 
 from .base import OpenRequest, Source
 from .formats.dataset import Context, FilePath
-from .formats.dataset_toml import TOML
+from .formats.dataset_toml import TOML, DatasetSettings
 from .formats.location import Location
 from .layouts import open_layout
 from .storage.httprange import HttpError, HttpSettings, RangeClient, RemoteFile, origin_of
@@ -162,7 +162,7 @@ class RemoteDir:
 class RemoteContext(Context):
     """A :class:`Context` whose files are the URLs of ``files``, read by range."""
 
-    def __init__(self, location: HttpLocation, files: RemoteDir, settings: dict, toml: dict):
+    def __init__(self, location: HttpLocation, files: RemoteDir, settings: DatasetSettings, toml: dict):
         # nothing is decompressed here (compressed layouts are refused over HTTP): no cache directory
         super().__init__(location.uri, location.root, Path(os.devnull), settings, toml, location=location)
         self.files = files
@@ -306,7 +306,7 @@ class HttpLocation(Location):
         self.client.read_into(path.url, offset, [memoryview(buf)])
         return bytes(buf)
 
-    def context(self, settings: dict, toml: dict) -> Context:
+    def context(self, settings: DatasetSettings, toml: dict) -> Context:
         return RemoteContext(self, self.files, settings, toml)
 
     def close(self) -> None:

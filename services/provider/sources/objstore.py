@@ -39,6 +39,7 @@ from libbus.errors import DatasetError
 
 from .base import OpenRequest, Source, SourceInfo
 from .formats.dataset import Context, FilePath
+from .formats.dataset_toml import DatasetSettings
 from .formats.location import Location
 from .layouts import open_layout
 from .storage import objects
@@ -232,7 +233,7 @@ class ObjectLocation(Location):
         )
         return where / "webdataset"
 
-    def context(self, settings: dict, toml: dict) -> Context:
+    def context(self, settings: DatasetSettings, toml: dict) -> Context:
         return ObjectContext(self.uri, self.root, Path(os.devnull), settings, toml, location=self)
 
     def stamp(self, path: ObjectPath) -> tuple[int, str]:

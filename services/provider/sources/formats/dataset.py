@@ -27,6 +27,7 @@ from ..base import ReadPolicy, Source, SourceInfo, relative_name
 from ..storage.confine import Confinement
 from ..storage.reader import ByteSpace, Records, Segment, read_spaces
 from . import val_carve
+from .dataset_toml import DatasetSettings
 
 __all__ = ["MEMORY_MODES", "Context", "FilePath", "FileSource", "Gatherer", "Layout", "Table", "usable_cores"]
 
@@ -54,7 +55,7 @@ class Context:
         uri: str,
         root: Path,
         cache_dir: Path,
-        settings: dict,
+        settings: DatasetSettings,
         toml: dict,
         allowed: tuple[Path, ...] = (),
         location=None,
@@ -137,7 +138,7 @@ class Layout:
 
     @classmethod
     def of_splits(
-        cls, format: str, tables: dict[str, Table], kinds: set[tuple], settings: dict, missing: str
+        cls, format: str, tables: dict[str, Table], kinds: set[tuple], settings: DatasetSettings, missing: str
     ) -> Layout:
         """The layout of an array format whose splits are typed alike: ``kinds`` holds the one ``(x dtype,
         sample shape, y dtype, label shape)`` they share; ``num_classes`` and ``class_names`` come from

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import tomllib
+from typing import TypedDict, cast
 
 from libbus.errors import DatasetError
 
-__all__ = ["SETTINGS", "TOML", "TOML_KEYS", "parse_dataset_toml", "parse_settings"]
+__all__ = ["SETTINGS", "TOML", "TOML_KEYS", "DatasetSettings", "parse_dataset_toml", "parse_settings"]
 
 TOML = "dataset.toml"
 #: settings: name in the URI query → (name in dataset.toml and in Context.settings, type)
@@ -20,6 +21,19 @@ SETTINGS = {
     "classes": ("num_classes", int),
 }
 TOML_KEYS = {key for key, _ in SETTINGS.values()} | {"class_names", "train", "val", "test"}
+
+
+class DatasetSettings(TypedDict, total=False):
+    """A dataset's settings, typed and checked: the URI's query over ``dataset.toml``'s top-level keys
+    (:data:`SETTINGS`), with its class names."""
+
+    format: str
+    val_fraction: float
+    seq_len: int
+    token_bytes: int
+    vocab_size: int
+    num_classes: int
+    class_names: list[str]
 
 
 def parse_dataset_toml(data: bytes, where: str) -> dict:
@@ -35,7 +49,7 @@ def parse_dataset_toml(data: bytes, where: str) -> dict:
     return toml
 
 
-def parse_settings(uri: str, params: dict, toml: dict) -> dict:
+def parse_settings(uri: str, params: dict, toml: dict) -> DatasetSettings:
     """The typed, checked settings: the URI's query over dataset.toml's top-level keys."""
     out: dict = {}
     for query_key, (key, kind) in SETTINGS.items():
@@ -66,4 +80,4 @@ def parse_settings(uri: str, params: dict, toml: dict) -> dict:
             raise DatasetError(f"{TOML} class_names must be a list of strings")
         out["class_names"] = names
         out.setdefault("num_classes", len(names))
-    return out
+    return cast(DatasetSettings, out)  # each key of SETTINGS checked to be of its type above

@@ -35,7 +35,7 @@ from libbus.errors import DatasetError
 from ..base import OpenRequest, SourceInfo
 from ..storage.blockmemory import ReadStats
 from .dataset import Context
-from .dataset_toml import TOML, parse_dataset_toml
+from .dataset_toml import TOML, DatasetSettings, parse_dataset_toml
 
 __all__ = ["KINDS", "SERVES", "Format", "Location", "val_fraction"]
 
@@ -93,7 +93,7 @@ class Location:
         """The names in the root (not hidden), sorted: what messages say was found."""
         return sorted(p.name for p in self.root.iterdir() if not p.name.startswith("."))
 
-    def context(self, settings: dict, toml: dict) -> Context:
+    def context(self, settings: DatasetSettings, toml: dict) -> Context:
         """The :class:`~.dataset.Context` an array layout opens its files through (positional reads)."""
         raise NotImplementedError
 
