@@ -94,7 +94,7 @@ class StatsRow(TypedDict, total=False):
     decode_cache: DecodeCacheStats
     object_store: ObjectStoreStats
     connected: bool
-    # a trainer's (services.trainer.service.app.TrainerStats)
+    # a trainer's (services.trainer.service.metrics.TrainerStats)
     job: str | None
     tasks: dict[str, int]
     data_wait_s: float

@@ -9,7 +9,6 @@ import secrets
 import threading
 import time
 from collections import Counter
-from typing import TypedDict
 
 from libbus.config import Settings
 from libbus.connect.link import Link
@@ -31,7 +30,7 @@ from ..grant import withhold_environment
 from ..reports import Reporter
 from .attempt_run import ERROR_BYTES, MAX_WAIT_PARTS, MODEL_HEADROOM, AttemptRun, warm_up
 from .attempt_settings import not_dumpable
-from .metrics import trainer_metrics
+from .metrics import TrainerStats, trainer_metrics
 
 __all__ = ["TrainerService", "run_trainer"]
 
@@ -48,21 +47,6 @@ def add_parts(into: dict[str, float], parts: dict[str, float]) -> None:
         known = name in into or len(into) < MAX_WAIT_PARTS
         key = name if known else "other"
         into[key] = into.get(key, 0.0) + seconds
-
-
-class TrainerStats(TypedDict):
-    """A trainer's heartbeat stats (its ``Stats`` row, ``busctl top``, its metrics)."""
-
-    #: The job it runs now, or None.
-    job: str | None
-    #: Jobs run to an end, by final state.
-    tasks: dict[str, int]
-    #: Whether the link to the router is up.
-    connected: bool
-    #: Seconds its jobs waited for data, the running one's included.
-    data_wait_s: float
-    #: That wait by part (provider queue, read, ``stage:NAME``, transfer, other).
-    data_wait_parts: dict[str, float]
 
 
 class TrainerService:

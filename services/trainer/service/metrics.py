@@ -1,19 +1,31 @@
-"""The trainer's own Prometheus metrics: the job it runs, the data stall and its parts, jobs by final
+"""A trainer's stats record and its own Prometheus metrics: the job it runs, the data stall and its parts, jobs by final
 state (the metrics every service has are :mod:`libbus.serve.metrics`'s)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TypedDict
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from libbus.serve.metrics import Families
 
-if TYPE_CHECKING:
-    from .app import TrainerStats
+__all__ = ["TrainerStats", "trainer_metrics"]
 
-__all__ = ["trainer_metrics"]
+
+class TrainerStats(TypedDict):
+    """A trainer's heartbeat stats (its ``Stats`` row, ``busctl top``, its metrics)."""
+
+    #: The job it runs now, or None.
+    job: str | None
+    #: Jobs run to an end, by final state.
+    tasks: dict[str, int]
+    #: Whether the link to the router is up.
+    connected: bool
+    #: Seconds its jobs waited for data, the running one's included.
+    data_wait_s: float
+    #: That wait by part (provider queue, read, ``stage:NAME``, transfer, other).
+    data_wait_parts: dict[str, float]
 
 
 def trainer_metrics(stats: TrainerStats, fams: Families) -> Iterator[Metric]:
