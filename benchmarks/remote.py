@@ -788,8 +788,10 @@ class LinkCounter:
         return float((np.interp(end, stamps, sent) - np.interp(start, stamps, sent)) / (end - start))
 
 
-#: The capped-link loader's batches in flight (RemoteLoader's default), skipped at the start of its window.
+#: The capped-link loader's batches in flight by default (RemoteLoader's default); ``--htb-inflight`` sets it.
 HTB_INFLIGHT = 4
+#: The most batches in flight ``--htb-inflight`` takes (each holds a batch of 256 samples, 3 MB, in the loader).
+MAX_HTB_INFLIGHT = 64
 
 
 def htb_child(cfg_json: str) -> None:
@@ -807,9 +809,10 @@ def htb_child(cfg_json: str) -> None:
         shuffle="block",
         seed=SEED,
         drop_last=True,
-        inflight=HTB_INFLIGHT,
+        inflight=cfg["inflight"],
     ) as loader:
-        row = drain(loader, cfg["seconds"], "http behind htb", fp, warmup=HTB_INFLIGHT)
+        # the first batches, asked for together, are skipped: their bytes mostly crossed before the first arrived
+        row = drain(loader, cfg["seconds"], "http behind htb", fp, warmup=cfg["inflight"])
     print(json.dumps(row), flush=True)
 
 
@@ -821,7 +824,12 @@ def htb_row(root: Path, work: Path, args: argparse.Namespace) -> dict:
     why = netns_unavailable()
     if why:
         return {"error": why}
-    out: dict[str, Any] = {"mbit": args.htb_mbit, "latency_ms": args.htb_latency_ms, "ram_cache": args.htb_ram_cache}
+    out: dict[str, Any] = {
+        "mbit": args.htb_mbit,
+        "latency_ms": args.htb_latency_ms,
+        "ram_cache": args.htb_ram_cache,
+        "inflight": args.htb_inflight,
+    }
     link = CappedLink(args.htb_mbit)
     store = cluster = None
     try:
@@ -831,7 +839,7 @@ def htb_row(root: Path, work: Path, args: argparse.Namespace) -> dict:
         datasets = {"http": f"{store.urls['http']}/{root.name}/?val_fraction=0{query}"}
         cluster = Cluster(work / "htb-state", datasets, {}, link.exec(link.provider))
         cfg = {"root": str(root), "endpoint": cluster.endpoint, "token": cluster.token}
-        cfg.update(batch=args.batch, seconds=args.seconds)
+        cfg.update(batch=args.batch, seconds=args.seconds, inflight=args.htb_inflight)
         code = "import sys; from benchmarks.remote import htb_child; htb_child(sys.argv[1])"
         counter = link.count_sent()
         try:
@@ -926,6 +934,12 @@ def parser() -> argparse.ArgumentParser:
         help="bytes of RAM cache (1 MiB blocks) for the capped-link dataset: the loader's next batches are "
         "fetched ahead into it (default 0: none); smaller than the dataset, so the link is what is measured",
     )
+    p.add_argument(
+        "--htb-inflight",
+        type=int,
+        default=HTB_INFLIGHT,
+        help=f"the capped-link loader's batches in flight (default {HTB_INFLIGHT}, RemoteLoader's default)",
+    )
     p.add_argument("--quick", action="store_true", help="4096 samples, 2 s a row, latencies 0,10 (unless given)")
     p.add_argument("--json", type=Path, help="write the results here")
     return p
@@ -1009,7 +1023,8 @@ def print_result(result: dict) -> None:
                 else ""
             )
             console.print(
-                f"htb {htb['mbit']} Mbit/s cap, {htb['latency_ms']:g} ms per request, block shuffle"
+                f"htb {htb['mbit']} Mbit/s cap, {htb['latency_ms']:g} ms per request, block shuffle, "
+                f"{htb.get('inflight', HTB_INFLIGHT)} batches in flight"
                 + (f" read ahead into {htb['ram_cache'] >> 20} MiB of RAM" if htb.get("ram_cache") else "")
                 + ": "
                 f"{htb['mb_per_s']:.1f} MB/s of samples = {htb['fraction_of_cap']:.0%} of the cap"
@@ -1038,6 +1053,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--samples must be at least 4 batches ({4 * args.batch})")
     if args.htb_ram_cache and args.htb_ram_cache >= args.samples * SAMPLE_BYTES:
         p.error("--htb-ram-cache must be smaller than the dataset (--samples × 12,296 B): else RAM is measured")
+    if not 1 <= args.htb_inflight <= MAX_HTB_INFLIGHT:
+        p.error(f"--htb-inflight is 1 to {MAX_HTB_INFLIGHT} batches, not {args.htb_inflight}")
     if not 0 <= args.hol_busy <= MAX_BUSY_LOOPS:
         p.error(f"--hol-busy is 0 to {MAX_BUSY_LOOPS} busy loops (a core each), not {args.hol_busy}")
     if args.seconds <= 0 or args.workers < 0 or args.step_ms < 0 or args.htb_ram_cache < 0:

@@ -87,6 +87,8 @@ BAD_OPTIONS = [
     ["--hol-busy", "-1"],
     ["--hol-busy", "1000"],  # a thousand spinning processes would starve the machine, not load it
     ["--quick", "--htb-ram-cache", "999999999"],  # holds the whole dataset: RAM would be measured, not the link
+    ["--htb-inflight", "0"],  # a loader with nothing in flight reads nothing
+    ["--htb-inflight", "1000"],  # 3 GB of batches held in the loader
 ]
 
 
