@@ -7,7 +7,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import orjson
 
@@ -38,6 +38,22 @@ SETTABLE = ("lr", "weight_decay", "momentum")
 #: The fields a built-in job's loop reads as its ``job.params`` (services/trainer/attempt/builtin.py); an
 #: entrypoint job has ``params`` of its own instead, and these mean nothing to it but ``model_from``.
 BUILTIN_PARAMS = ("model", "model_kwargs", "optimizer", *SETTABLE, "epochs", "seed", "model_from")
+
+
+class BuiltinParams(TypedDict):
+    """A built-in job's ``job.params`` (:meth:`JobSpec.builtin_params`): :data:`BUILTIN_PARAMS`, typed."""
+
+    model: str
+    model_kwargs: dict[str, Any]
+    optimizer: str
+    lr: float
+    weight_decay: float
+    momentum: float
+    epochs: int
+    seed: int
+    model_from: str
+
+
 #: The most trainers one job may gather.
 MAX_WORLD_SIZE = 256
 #: The most attempts a job may lose (each may have cost a trainer): past this it is poisoned.
@@ -236,10 +252,20 @@ class JobSpec:
         epochs = self.params.get("epochs", None if self.entrypoint else self.epochs)
         return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) and epochs > 0 else None
 
-    def builtin_params(self) -> dict:
+    def builtin_params(self) -> BuiltinParams:
         """What the built-in loop (services/trainer/attempt/builtin.py) reads as ``job.params``: a built-in
         job is that entrypoint with its typed fields as parameters (``set`` changes :data:`SETTABLE`)."""
-        return {k: getattr(self, k) for k in BUILTIN_PARAMS}
+        return BuiltinParams(
+            model=self.model,
+            model_kwargs=self.model_kwargs,
+            optimizer=self.optimizer,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            momentum=self.momentum,
+            epochs=self.epochs,
+            seed=self.seed,
+            model_from=self.model_from,
+        )
 
     def settable(self) -> dict:
         """What ``busctl job set`` may change now, with its values: an entrypoint's ``params``, or a

@@ -28,8 +28,8 @@ ALLOWED: dict[str, str] = {
     "libbus/config.py::Settings.as_dict": "serialization: the settings as `busctl config show --json` prints them and an attempt is handed them",
     "libbus/config.py::Settings.redacted": "serialization: as_dict with credentials masked, for printing",
     "libbus/jobapi/job.py::Job.restore": "the job function's own state as it checkpointed it: its keys are the user's",
-    "libbus/jobs/spec.py::JobSpec.builtin_params": "not yet typed: a job spec's parameters (the spec's keys)",
-    "libbus/jobs/spec.py::JobSpec.settable": "not yet typed: a job spec's parameters (the spec's keys)",
+    "libbus/jobs/spec.py::JobSpec.settable": "a job's own keys: an entrypoint's params (or a built-in job's SETTABLE "
+    "hyper-parameters), what busctl job set may change",
     "libbus/jobs/spec.py::JobSpec.to_dict": "serialization: a spec's JSON, the inverse of from_dict",
     "libbus/jobs/spec.py::SpikeSpec.to_dict": "serialization: a spec's JSON, the inverse of from_dict",
     "libbus/loader/remote.py::RemoteLoader.state_dict": "PyTorch's state_dict contract: what load_state_dict and torch.distributed.checkpoint load",

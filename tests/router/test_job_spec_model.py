@@ -48,3 +48,15 @@ def test_the_built_in_names_are_the_models_a_trainer_builds():
     from services.models import MODELS
 
     assert set(BUILTIN_MODELS) == set(MODELS)
+
+
+def test_a_built_in_jobs_params_are_its_spec_fields_as_the_built_in_loop_reads_them():
+    """``job.params`` of a built-in job: every name of BUILTIN_PARAMS, with the spec's own values (a
+    name added to one and not the other would reach the loop missing, or unnamed in busctl's tables)."""
+    from libbus.jobs.spec import BUILTIN_PARAMS
+
+    spec = JobSpec.from_dict({"dataset": "mnist", "lr": 0.25, "epochs": 3, "model_from": "job-1"})
+    params = spec.builtin_params()
+    assert tuple(params) == BUILTIN_PARAMS
+    assert params["lr"] == 0.25 and params["epochs"] == 3 and params["model_from"] == "job-1"
+    assert params["model"] == spec.model and params["seed"] == spec.seed
