@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import secrets
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,119 +30,38 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.netns import VethHosts
-from benchmarks.netns import run as _run
+from benchmarks import netns
+from benchmarks.netns import netns_unavailable
+from benchmarks.remote.cluster import REPO, Cluster
 
-__all__ = ["CappedLink", "Services", "main", "measure", "netns_unavailable", "run"]
+__all__ = ["CappedLink", "Services", "main", "measure", "run"]
 
-REPO = Path(__file__).resolve().parents[1]
 #: The loader's ephemeral ports: one capped class each (a run opens a few connections per row).
 PORTS = range(42000, 42064)
 PROVIDER_ADDR, LOADER_ADDR = "10.214.0.1", "10.214.0.2"
-READY_TIMEOUT_S = 90.0
 
 
-def netns_unavailable() -> str:
-    """Why the capped link cannot be made here ("" when it can): root, ``ip``, ``tc``, a namespace."""
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces and qdiscs"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"needs iproute2's {tool}"
-    probe = f"bbfprobe{secrets.token_hex(3)}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"'ip netns add' is not permitted here: {made.stderr.strip()}"
-    try:
-        _run("ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1")
-        _run("tc", "-n", probe, "qdisc", "add", "dev", "probe0", "root", "handle", "1:", "htb")
-    except RuntimeError as err:
-        return f"cannot make a veth pair with an htb qdisc: {err}"
-    finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return ""
-
-
-class CappedLink(VethHosts):
+class CappedLink(netns.CappedLink):
     """Namespaces ``<tag>-p`` (provider) and ``<tag>-l`` (loader) joined by veth ``vp``—``vl``; every
     connection from the loader's ports :data:`PORTS` shaped on ``vp`` (provider → loader) to
     ``rate_mbit`` by a class of its own."""
 
     def __init__(self, rate_mbit: int):
-        super().__init__(f"bbf{secrets.token_hex(2)}", (("p", "vp", PROVIDER_ADDR), ("l", "vl", LOADER_ADDR)))
+        hosts = (("p", "vp", PROVIDER_ADDR), ("l", "vl", LOADER_ADDR))
+        super().__init__(f"bbf{secrets.token_hex(2)}", hosts, rate_mbit, ports=PORTS)
         self.provider, self.loader = self.a, self.b
-        try:
-            # the loader's connections leave from these ports only: each has its class below
-            _run("ip", "netns", "exec", self.loader, "sysctl", "-q", "-w",
-                 f"net.ipv4.ip_local_port_range={PORTS.start} {PORTS.stop - 1}")  # fmt: skip
-            lines = ["qdisc add dev vp root handle 1: htb default 999",
-                     "class add dev vp parent 1: classid 1:999 htb rate 10gbit quantum 60000"]  # fmt: skip
-            for i, port in enumerate(PORTS):
-                classid = f"1:{0x100 + i:x}"
-                lines.append(
-                    f"class add dev vp parent 1: classid {classid} htb rate {rate_mbit}mbit ceil {rate_mbit}mbit quantum 60000"
-                )
-                lines.append(f"filter add dev vp parent 1: protocol ip prio 1 u32 match ip protocol 6 0xff match ip dport {port} 0xffff flowid {classid}")  # fmt: skip
-            with tempfile.NamedTemporaryFile("w", suffix=".tc") as batch:
-                batch.write("\n".join(lines) + "\n")
-                batch.flush()
-                _run("tc", "-n", self.provider, "-batch", batch.name)
-        except BaseException:
-            self.close()
-            raise
-
-    def class_bytes(self) -> dict[str, int]:
-        """Bytes each per-port class has sent so far, by class id."""
-        out = _run("tc", "-n", self.provider, "-s", "class", "show", "dev", "vp").stdout
-        found = re.findall(r"^class htb (\S+) .*\n Sent (\d+) bytes", out, flags=re.MULTILINE)
-        return {handle: int(sent) for handle, sent in found if handle != "1:999"}
 
 
-class Services:
+class Services(Cluster):
     """A router and a provider of ``datasets`` (``NAME=URI``) in the provider's namespace, as
-    ``busctl start`` processes; a trainer token scoped to those datasets."""
+    ``busctl start`` processes, the provider listening at the link's address; a trainer token scoped to
+    those datasets."""
 
     def __init__(self, link: CappedLink, state: Path, datasets: list[str]):
-        from libbus.security.auth import ensure_secret, issue_token  # noqa: PLC0415 - after argument parsing
-
-        self.link, self.state = link, state
-        secret = ensure_secret(state / "secret")
-        names = [d.split("=", 1)[0] for d in datasets]
-        self.token = issue_token(secret, sub="bench", role="trainer", audience="batchbus", ttl_s=3600, datasets=names)
-        self.procs: list[subprocess.Popen] = []
-        try:
-            router = self._start("router", "--bind", "tcp://127.0.0.1:0")
-            flags = [a for d in datasets for a in ("--dataset", d)]
-            self.endpoint = self._start("provider", "--router", router, "--bind", f"tcp://{PROVIDER_ADDR}:0", *flags)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _start(self, role: str, *args: str) -> str:
-        ready = self.state / f"{role}.endpoint"
-        log = open(self.state / f"{role}.log", "ab")
-        cmd = [*self.link.exec(self.link.provider), sys.executable, "-m", "cli", "start", role]
-        cmd += ["--state-dir", str(self.state), "--log-level", "WARNING", "--ready-file", str(ready), *args]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "BATCHBUS_TORCH_THREADS": "1"}
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO))
-        log.close()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.exists():
-            if self.procs[-1].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{role} did not start; see {self.state / (role + '.log')}")
-            time.sleep(0.05)
-        return ready.read_text().strip()
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        named = {name: uri for name, _, uri in (d.partition("=") for d in datasets)}
+        env = {"BATCHBUS_TORCH_THREADS": "1"}
+        bind = ("--bind", f"tcp://{PROVIDER_ADDR}:0")
+        super().__init__(state, named, env, link.exec(link.provider), provider_args=bind)
 
 
 def measure(link: CappedLink, services: Services, dataset: str, flows: int, args: dict, timeout_s: float) -> dict:

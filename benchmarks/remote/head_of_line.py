@@ -1,0 +1,154 @@
+"""The head-of-line part: the local dataset's waits per batch alone and while another loader, in a process
+of its own, reads the slow remote dataset from the same provider; meanwhile a new client's ``Hello`` and
+``DatasetInfo`` timed every :data:`~benchmarks.remote.cluster.PROBE_EVERY_S` (:func:`head_of_line`).
+``--hol-busy N`` runs both phases beside N busy loops."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, cast
+
+from benchmarks.remote.checks import Fingerprints, drain
+from benchmarks.remote.cluster import (
+    FAIL_FAST,
+    PROBE_EVERY_S,
+    PROBE_TIMEOUT_S,
+    REPO,
+    ROW_GRACE_S,
+    SEED,
+    Cluster,
+    Store,
+    probe_once,
+)
+from libbus.errors import BusError
+
+__all__ = ["MAX_BUSY_LOOPS", "head_of_line", "slow_child"]
+
+
+def slow_child(config: str) -> None:
+    """The head-of-line part's slow loader, in a process of its own: ``http`` with full shuffle until
+    SIGTERM; prints ``reading`` at its first batch, then (at the end) ``{"batches": n}`` or ``{"error": ...}``
+    as its last line."""
+    cfg = json.loads(config)
+    from libbus.loader.remote import RemoteLoader  # noqa: PLC0415
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    got: dict[str, Any] = {"batches": 0}
+    try:
+        with RemoteLoader(
+            "http",
+            provider=cfg["endpoint"],
+            token=cfg["token"],
+            batch_size=cfg["batch"],
+            shuffle="full",
+            seed=SEED,
+            drop_last=True,
+            **cast(dict[str, Any], FAIL_FAST),
+        ) as loader:
+            while not stop.is_set():
+                for _ in loader:
+                    got["batches"] += 1
+                    if got["batches"] == 1:
+                        print("reading", flush=True)
+                    if stop.is_set():
+                        break
+    except (BusError, RuntimeError) as err:
+        got["error"] = f"{type(err).__name__}: {err}"[:300]
+        if not got["batches"]:
+            print("failed", flush=True)
+    print(json.dumps(got), flush=True)
+
+
+#: The most busy loops ``--hol-busy`` starts (each spins a core: more only starves the machine).
+MAX_BUSY_LOOPS = 64
+
+
+def busy_loops(n: int, seconds: float) -> list[subprocess.Popen]:
+    """``n`` processes spinning a core each, every one ending by itself after ``seconds`` at most (a
+    deliberate load, bounded in time whatever happens to this process)."""
+    code = "import sys, time\nt = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < t: pass"
+    return [subprocess.Popen([sys.executable, "-c", code, str(seconds)]) for _ in range(n)]
+
+
+def head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: Fingerprints) -> dict:
+    """The local dataset's waits alone and beside a loader reading the slow remote dataset; new
+    clients' Hello and DatasetInfo times meanwhile (and alone, before). ``--hol-busy N``: both phases
+    beside N busy loops."""
+    loops = busy_loops(args.hol_busy, 4 * args.seconds + 60)
+    try:
+        return _head_of_line(cluster, store, args, fp) | {"busy_loops": args.hol_busy}
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def _head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: Fingerprints) -> dict:
+    step = args.step_ms / 1e3
+    out: dict[str, Any] = {"latency_ms": args.hol_latency_ms, "step_ms": args.step_ms}
+    quiet = [probe_once(cluster) for _ in range(5)]
+    with cluster.loader("file", "full", args.batch) as loader:
+        out["alone"] = drain(loader, args.seconds, "file alone", fp, step)
+    store.delay(args.hol_latency_ms)
+    stop = threading.Event()
+    # the slow loader in a process of its own, as another trainer is: the measured loader's waits are
+    # then the provider's, not this process's GIL shared with the other loader's decoding
+    cfg = {"endpoint": cluster.endpoint, "token": cluster.token, "batch": args.batch}
+    code = "import sys; from benchmarks.remote.head_of_line import slow_child; slow_child(sys.argv[1])"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    probes: list[tuple[float, float]] = []
+
+    def probe() -> None:
+        while not stop.is_set():
+            probes.append(probe_once(cluster))
+            stop.wait(PROBE_EVERY_S)
+
+    probe_thread = threading.Thread(target=probe, daemon=True)
+    slow: dict[str, Any] = {"batches": 0}
+    try:
+        assert child.stdout is not None
+        first = child.stdout.readline()  # its first batch: the provider is busy with it (or it failed)
+        if first.strip() == "reading":
+            probe_thread.start()
+            with cluster.loader("file", "full", args.batch) as loader:
+                out["beside"] = drain(loader, args.seconds, "file beside http", fp, step)
+    finally:
+        stop.set()
+        if probe_thread.ident is not None:
+            probe_thread.join(PROBE_TIMEOUT_S * 2 + 5)
+        child.send_signal(signal.SIGTERM)
+        try:
+            rest, err = child.communicate(timeout=ROW_GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            rest, err = child.communicate()
+    lines = rest.strip().splitlines()
+    try:
+        slow = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        slow["error"] = f"exit {child.returncode}: {err.strip().splitlines()[-1:] or ['(no output)']}"[:300]
+    if "beside" not in out:  # the slow loader failed before its first batch: nothing to measure beside
+        out["slow_loader"], out["error"] = slow, f"the http loader read no batch: {slow.get('error', '?')}"
+        return out
+    out["slow_loader"] = slow
+    out["p99_ratio"] = out["beside"]["p99_ms"] / max(out["alone"]["p99_ms"], 1e-3)
+    for name, got in (("quiet", quiet), ("busy", probes)):
+        if got:
+            out[f"hello_{name}_max_ms"] = max(h for h, _ in got) * 1e3
+            out[f"info_{name}_max_ms"] = max(i for _, i in got) * 1e3
+    out["probes"] = len(probes)
+    return out
