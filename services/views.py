@@ -83,7 +83,7 @@ class StatsRow(TypedDict, total=False):
     jobs: dict[str, int]
     peers: dict[str, int]
     refused_transitions: dict[str, int]
-    # a provider's (services.provider.handler.ProviderStats)
+    # a provider's (services.provider.metrics.ProviderStats)
     datasets: dict[str, DatasetServed]
     waiting_assignment: int
     refused: dict[str, int] | str

@@ -20,8 +20,8 @@ from libbus.wire.messages import ChargeEvaluation, Entitlements, EvaluationCharg
 
 from .. import credentials, process
 from .evalgate import EvalGate
-from .handler import ProviderBeat, ProviderHandler, ProviderRow
-from .metrics import provider_metrics
+from .handler import ProviderHandler
+from .metrics import ProviderBeat, ProviderRow, provider_metrics
 from .read_helper import ReadHelper, helped
 from .score_release import Release
 from .sources import Source, open_source, parse_dataset_arg

@@ -1,21 +1,99 @@
-"""The provider's own Prometheus metrics (docs/operations.md lists them): what it served, by dataset;
-what it refused; its pipelines' stages; its remote reads, object stores and caches; the time each batch
-took. :func:`provider_metrics` is what :class:`~.app.ProviderService` gives its exporter; the metrics
-every service has are :mod:`libbus.serve.metrics`'s."""
+"""The provider's stats records and its own Prometheus metrics (docs/operations.md lists them).
+
+:class:`ProviderStats` is what its handler's ``stats()`` returns (the ``Stats`` reply, cut to what a
+token may see by :func:`stats_within_scope`), :class:`ProviderBeat` what its heartbeats carry and
+:class:`ProviderRow` what its metrics read: what it served, by dataset; what it refused; its
+pipelines' stages; its remote reads, object stores and caches; the time each batch took.
+:func:`provider_metrics` is what :class:`~.app.ProviderService` gives its exporter; the metrics every
+service has are :mod:`libbus.serve.metrics`'s."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from libbus.security.auth import Claims
 from libbus.serve.metrics import Families, LatencyHistogram, ServiceMetrics
+from libbus.serve.server import ServerStats
 
-if TYPE_CHECKING:
-    from .handler import ProviderRow
+from .destination import DatasetServed
+from .sources import Source
+from .sources.pipeline.engine import PipelineRow
+from .sources.storage.blockmemory import ReadStats
+from .sources.storage.objects import ObjectStoreRow
 
-__all__ = ["provider_metrics"]
+__all__ = [
+    "ProviderStats",
+    "ProviderBeat",
+    "ProviderRow",
+    "provider_metrics",
+    "remote_read_stats",
+    "stats_within_scope",
+]
+
+
+class ProviderStats(PipelineRow, ObjectStoreRow):
+    """A provider handler's own stats (its ``Stats`` reply, after its server's figures on its heartbeats and
+    metrics): what it served and refused, its evaluations, its remote reads; ``pipelines``,
+    ``decode_cache`` and ``object_store`` where it has them."""
+
+    #: Per dataset, what it served.
+    datasets: dict[str, DatasetServed]
+    #: Batch requests waiting for the router to assign their trainer.
+    waiting_assignment: int
+    #: Requests refused, by reason.
+    refused: dict[str, int]
+    evaluations_running: int
+    #: Per remote dataset read from files, how its reads go now.
+    remote_reads: dict[str, ReadStats]
+    evaluations_queued: int
+
+
+class ProviderBeat(ServerStats, ProviderStats):
+    """A provider's heartbeat stats (its row of the router's ``Stats``): its server's figures, then its
+    handler's."""
+
+
+class ProviderRow(ProviderBeat):
+    """What a provider's metrics read: its heartbeat stats, and whether its link to the router is up."""
+
+    connected: bool
+
+
+V = TypeVar("V")
+
+
+def remote_read_stats(datasets: dict[str, Source]) -> dict[str, ReadStats]:
+    """Per remote dataset read from files (``http(s)://``, an object store): its requests in flight and
+    their limit now, and its RAM cache's counters (``busctl queues --json``, the metrics)."""
+    out = {}
+    for name, source in datasets.items():
+        location = getattr(source, "location", None)
+        if source.remote and location is not None:
+            out[name] = location.stats()
+    return out
+
+
+def stats_within_scope(stats: ProviderStats, claims: Claims) -> ProviderStats:
+    """``stats`` as ``claims`` may see them: a scoped token (a tenant's) sees the per-dataset rows of
+    the datasets its ``datasets`` scope names and of no other (a ``jobs`` scope alone names none), so
+    it learns neither the names nor the reads of other tenants' datasets; an unrestricted token all."""
+    if not claims.scopes:
+        return stats
+    named = "datasets" in claims.scopes
+
+    def seen(rows: Mapping[str, V]) -> dict[str, V]:
+        return {d: v for d, v in rows.items() if named and claims.allows_dataset(d)}
+
+    out = stats.copy()
+    out["datasets"] = seen(stats["datasets"])
+    out["remote_reads"] = seen(stats["remote_reads"])
+    if "pipelines" in stats:
+        out["pipelines"] = seen(stats["pipelines"])
+    return out
+
 
 #: Per dataset, the batch-serving latency histogram.
 Latency = Callable[[], dict[str, LatencyHistogram]]

@@ -270,7 +270,7 @@ class ProviderGrants:
     def _push_entitlements(self) -> None:
         """Send each provider what changed for its datasets since its last push (nothing when
         nothing did): a job taken on one dataset is news to its providers only, and a provider
-        reads only its own datasets' lists (services/provider/handler.py ``entitled``)."""
+        reads only its own datasets' lists (services/provider/admission.py ``entitled``)."""
         moved = (self.store.changes, self._roster)
         if self._granted is not None and moved == self._assigned_at:  # no job or trainer came or went
             now = (self.revocations.jtis(), self._granted[1])
@@ -299,7 +299,7 @@ class ProviderGrants:
     def _push_grants(self) -> None:
         """The providers of the datasets this turn's claims were on hear of them: one push each per
         turn, just after the turn's replies (a provider holds a request from a trainer not yet assigned
-        up to ``ASSIGNMENT_WAIT_S`` for it, services/provider/handler.py)."""
+        up to ``ASSIGNMENT_WAIT_S`` for it, services/provider/admission.py)."""
         if not self._grants_due or self._granted is None:
             return
         due, self._grants_due = self._grants_due, set()

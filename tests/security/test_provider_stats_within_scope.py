@@ -41,7 +41,7 @@ def test_a_tenant_sees_only_its_datasets_in_a_providers_stats(provider, client_f
 def test_every_per_dataset_row_is_cut_to_the_scope():
     """A remote dataset's reads and a pipeline's stages name their dataset too."""
     from libbus.security.auth import Claims
-    from services.provider.handler import stats_within_scope
+    from services.provider.metrics import stats_within_scope
 
     rows = {"mine": {"batches": 1}, "theirs": {"batches": 2}}
     stats = {"datasets": rows, "remote_reads": rows, "pipelines": rows, "evaluations_running": 0}

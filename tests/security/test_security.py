@@ -489,8 +489,8 @@ def test_a_provider_that_has_not_heard_from_the_router_waits_instead_of_refusing
     """A provider (re)started while its router link is still connecting knows no assignments yet: an assigned
     trainer's request must wait for the router's word, not be refused FORBIDDEN after ASSIGNMENT_WAIT_S (which
     failed a job whose provider was restarted on a loaded machine). Here the router is not even up yet."""
+    from services.provider.admission import ASSIGNMENT_WAIT_S
     from services.provider.app import ProviderService
-    from services.provider.handler import ASSIGNMENT_WAIT_S
     from services.router.app import RouterService
 
     router_endpoint = f"ipc://{tmp_path}/router.sock"
