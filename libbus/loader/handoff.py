@@ -94,6 +94,18 @@ class Handoff:
             self._items.append(Raised(BusError("the loader was closed during the pass")))
             self._cond.notify_all()
 
+    def drop_ready(self) -> None:
+        """Forget the batches made ready and not taken (of a pass stopped: their ring slots go back as
+        their tensors go)."""
+        with self._cond:
+            self._items = deque(item for item in self._items if not isinstance(item, Ready))
+
+    @property
+    def going(self) -> bool:
+        """Not stopped, and the pass thread has put no error and no end: it still makes batches ready."""
+        with self._cond:
+            return not self.stopped and not any(isinstance(item, Raised | Ended) for item in self._items)
+
     # -- the pass thread's side -------------------------------------------------------------------
     def put(self, item: Item) -> None:
         with self._cond:

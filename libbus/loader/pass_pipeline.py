@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from libbus.loader.batch_stream import BatchStream
 from libbus.loader.context import yield_to_the_loop
 from libbus.loader.delivery_protocol import Delivery
 from libbus.loader.handoff import Ended, Handoff, Raised, Ready
@@ -68,11 +69,11 @@ class PassPipeline:
         self.read_ahead = read_ahead
         self.stall_breakdown = stall_breakdown
 
-    def run(self, batches: list[np.ndarray], epoch: int, handoff: Handoff) -> None:
-        """The pass thread's body: the pass's batches through ``handoff``, or the error that ended it."""
+    def run(self, batches: BatchStream, handoff: Handoff) -> None:
+        """The pass thread's body: the stream's batches through ``handoff``, or the error that ended it."""
         yield_to_the_loop()
         try:
-            self._pipeline(batches, epoch, handoff)
+            self._pipeline(batches, handoff)
         except BaseException as err:  # noqa: BLE001 (the consumer raises it where the pass met it)
             handoff.put(Raised(err))
 
@@ -81,12 +82,18 @@ class PassPipeline:
             indices = indices + self.first
         return BatchRequest.for_indices(indices, dataset=self.dataset, split=self.split, **fields)
 
-    def _pipeline(self, batches: list[np.ndarray], epoch: int, handoff: Handoff) -> None:
+    def _pipeline(self, batches: BatchStream, handoff: Handoff) -> None:
         """The pass, on its own thread: keep ``inflight`` requests out, act on what comes back, and
-        make ready the batch the consumer asked for and the one after it (:mod:`libbus.loader.handoff`)."""
-        # the epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
-        asked_for = {"epoch": epoch, "timing": True} if self.stall_breakdown else {"epoch": epoch}
-        window = RequestWindow(len(batches), lambda n, fields: self._request(batches[n], {**asked_for, **fields}))
+        make ready the batch the consumer asked for and the one after it (:mod:`libbus.loader.handoff`).
+        Once every batch of the stream has been asked for, the next epoch's follow (:mod:`libbus.loader.batch_stream`):
+        the window stays full across the epoch boundary."""
+        asked_for = {"timing": True} if self.stall_breakdown else {}
+
+        def request(n: int, fields: dict) -> BatchRequest:
+            # the batch's epoch seeds a pipeline dataset's random stages: a resend gets the same bytes
+            return self._request(batches[n], {**asked_for, "epoch": batches.epoch_of(n), **fields})
+
+        window = RequestWindow(len(batches), request)
         poller = ReplyPoller()  # per pass: a socket id reused after a reconnect must not alias
         self.links.open_sessions()
         self.links.readmit()
@@ -98,6 +105,9 @@ class PassPipeline:
             asked = handoff.asked
             while window.next_yield < min(asked - 1, window.next_take):  # the consumer let these go
                 window.advance(taken.pop(window.next_yield))
+            if window.next_send >= window.count and batches.extend():  # the next epoch's first batches, ahead
+                window.count = len(batches)
+                batches.forget_below(window.next_yield)
             if window.finished:
                 handoff.put(Ended())
                 return
@@ -122,6 +132,16 @@ class PassPipeline:
                 if handed:
                     item = delivery.hand_out(batch_no, item)
                 handoff.put(Ready(batch_no, delivery, item, handed, replica, trip, timing))
+                del got, item  # the consumer's alone: a batch it lets go must not stay viewed from here
+                continue
+            if (
+                not window.again
+                and window.next_take >= window.next_send
+                and window.next_send - window.next_yield >= self.links.inflight
+            ):
+                # every batch sent was taken, and the window is full of batches the consumer holds (the
+                # last of a pass, with one in flight): nothing to send or wait for until it asks again
+                handoff.wait_asked(asked)
                 continue
             outcome = self._next_outcome(window, poller, STOP_CHECK_S)
             self._act(window, outcome, arrivals, handoff)
@@ -134,7 +154,7 @@ class PassPipeline:
                 return  # nothing more is here yet
             self._act(window, outcome, arrivals)
 
-    def _read_ahead_plan(self, batches: list[np.ndarray]) -> ReadAheadPlan | None:
+    def _read_ahead_plan(self, batches: BatchStream) -> ReadAheadPlan | None:
         """This pass's :class:`ReadAheadPlan`, where the provider can use one and there is one provider."""
         if not self.read_ahead:
             return None

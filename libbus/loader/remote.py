@@ -38,6 +38,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Never
 
 import jwt
@@ -50,6 +51,7 @@ from libbus.config import script_connection
 from libbus.connect.client import Identity, pick_provider
 from libbus.constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from libbus.errors import BadRequest, ConfigError, OutOfRange, SplitPrivate
+from libbus.loader.batch_stream import BatchStream
 from libbus.loader.context import loader_context
 from libbus.loader.dataloader import DatasetSplit, pending_state, refuse_dataloader_args, refuse_rebatching
 from libbus.loader.deliveries import RingDelivery
@@ -265,7 +267,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self.skip = check_skips(skip)
         self._plan: Plan = None  # what is left of the current epoch after an elastic resume
         self._pass: weakref.ref | None = None  # the pass being iterated, if any
-        self._running: tuple[Handoff, threading.Thread] | None = None  # its thread (libbus.loader.handoff)
+        self._running: _Running | None = None  # its thread (libbus.loader.handoff), kept after a whole pass
+        # the running pass thread's hand-off, stopped if the loader is collected unclosed: a thread that
+        # asks ahead for the next epoch would otherwise hold the connections (and the ring) for good
+        self._live: list[Handoff] = []
+        weakref.finalize(self, _stop_each, self._live).atexit = False
         self._stopping = threading.RLock()  # a signal handler's close() may come in on the consumer's thread
         # A pass has begun the cursor's epoch: the next pass takes the next one. Off after a pass
         # ends, and after set_epoch, rewind and load_state_dict (the next pass starts at the cursor).
@@ -478,6 +484,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         """Start ``epoch`` from its beginning on the next pass, forgetting any restored cursor (and
         the plan of an elastic resume)."""
         self._epoch, self._position, self._plan, self._begun = epoch, 0, None, False
+        self._drop_ahead()
 
     def order(self, epoch: int) -> np.ndarray:
         """The sample indices this rank reads in ``epoch`` (after an elastic resume, in the resumed
@@ -524,6 +531,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
                 )
         self._epoch, self._position, self._plan = elastic.restore(self._order, state)
         self._begun = False
+        self._drop_ahead()
 
     def __iter__(self) -> Iterator[Any]:
         """One whole pass: the next epoch (or the one :meth:`set_epoch` named) from its start; the
@@ -557,7 +565,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self._begun = True
         epoch, position = self._epoch, self._position
         batches = batches_of(self.order(epoch), self.batch_size, self.drop_last, start=position)
-        fetch = self._fetch(batches, epoch)
+        fetch = self._fetch(batches, epoch, self._carried_into(epoch, position, batches))
         try:
             for item, batch in zip(fetch, batches):
                 position += len(batch)
@@ -568,28 +576,78 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         self._epoch, self._position, self._plan, self._begun = epoch + 1, 0, None, False
 
     # -- the pass --------------------------------------------------------------------------------
-    def _fetch(self, batches: list[np.ndarray], epoch: int) -> Generator[Any, None, None]:
-        """The pass's batches, made ready on a thread of the pass's own (:mod:`libbus.loader.handoff`);
-        what this generator does itself is take each one, and count the time it had to wait."""
-        handoff = Handoff()
-        pipeline = PassPipeline(
-            self.links,
-            dataset=self.dataset.name,
-            split=self.split,
-            first=self.samples[0] if self.samples is not None else 0,
-            read_ahead=self.read_ahead if self.info.get("read_ahead") else 0,
-            stall_breakdown=self.stall_breakdown,
-        )
-        thread = threading.Thread(
-            target=pipeline.run,
-            args=(batches, epoch, handoff),
-            name=f"batchbus-pass-{self.dataset.name}",
-            daemon=True,
-        )
-        self._running = handoff, thread
-        thread.start()
+    def _carried_into(self, epoch: int, position: int, batches: list[np.ndarray]) -> _Running | None:
+        """The pass thread of the last pass, if it is asking ahead for exactly this pass: the last pass
+        was whole, this one is the next epoch from its start, and the batches it asks for are these
+        (compared sample by sample). Any other pass thread is stopped, its requests discarded."""
+        with self._stopping:
+            running = self._running
+            if (
+                running is not None
+                and running.next_epoch == epoch
+                and position == 0
+                and self._plan is None
+                and running.thread.is_alive()
+                and running.handoff.going
+            ):
+                ahead = running.stream.segment_at(running.next_start)
+                if ahead is not None and ahead.epoch == epoch and _same_batches(ahead.batches, batches):
+                    running.next_epoch = None  # this pass's now
+                    return running
+        self._stop_pass()
+        return None
+
+    def _drop_ahead(self) -> None:
+        """The next pass is no longer the one a whole pass asked ahead for (``set_epoch`` to another
+        epoch, a loaded cursor, ``rewind``): its requests are discarded now, their ring slots freed."""
+        running = self._running
+        if running is None or running.next_epoch is None:
+            return
+        if (running.next_epoch, 0) != (self._epoch, self._position) or self._plan is not None:
+            self._stop_pass()
+
+    def _fetch(self, batches: list[np.ndarray], epoch: int, carried: _Running | None) -> Generator[Any, None, None]:
+        """The pass's batches, made ready on a thread of the pass's own (:mod:`libbus.loader.handoff`), or
+        on the last pass's thread when it is ``carried`` into this one; what this generator does itself
+        is take each one, and count the time it had to wait.
+
+        A pass taken to its end leaves its thread running: it asks ahead for the next epoch's first
+        batches (:mod:`libbus.loader.batch_stream`), which the next pass takes when it is that epoch from
+        its start (:meth:`_carried_into`); a pass left early, or failed, stops it."""
+        if carried is not None:
+            running, first = carried, carried.next_start
+        else:
+            if not batches:
+                return
+            order, size, drop_last = self._order, self.batch_size, self.drop_last
+
+            def follow(next_epoch: int) -> list[np.ndarray]:  # holds no reference to the loader
+                return batches_of(elastic.indices(order, next_epoch, None), size, drop_last)
+
+            stream = BatchStream(epoch, batches, follow)
+            pipeline = PassPipeline(
+                self.links,
+                dataset=self.dataset.name,
+                split=self.split,
+                first=self.samples[0] if self.samples is not None else 0,
+                read_ahead=self.read_ahead if self.info.get("read_ahead") else 0,
+                stall_breakdown=self.stall_breakdown,
+            )
+            handoff = Handoff()
+            thread = threading.Thread(
+                target=pipeline.run,
+                args=(stream, handoff),
+                name=f"batchbus-pass-{self.dataset.name}",
+                daemon=True,
+            )
+            running, first = _Running(handoff, thread, stream), 0
+            self._running = running
+            self._live[:] = [handoff]
+            thread.start()
+        handoff = running.handoff
+        whole = False
         try:
-            while True:
+            for _ in batches:
                 start = time.monotonic()
                 got, blocked = handoff.ask()
                 if isinstance(got, Raised):
@@ -603,8 +661,13 @@ class RemoteLoader(torch.utils.data.IterableDataset):
                     if self.stall_breakdown:
                         self.stall.attribute(waited, got.round_trip_s, got.timing)
                 yield got.item if got.handed else got.delivery.hand_out(got.batch_no, got.item)
+            whole = True
         finally:
-            self._stop_pass(handoff)
+            with self._stopping:
+                if whole and self._running is running:  # the thread asks ahead for the next epoch
+                    running.next_epoch, running.next_start = epoch + 1, first + len(batches)
+                else:
+                    self._stop_pass(handoff)
 
     def _stop_pass(self, only: Handoff | None = None) -> None:
         """Stop the pass thread, if one runs (``only``: if it is that pass's), and wait for it (it
@@ -613,18 +676,42 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         :meth:`close` on any thread."""
         with self._stopping:
             running = self._running
-            if running is None or (only is not None and running[0] is not only):
+            if running is None or (only is not None and running.handoff is not only):
                 return  # none runs, or another pass's (this one was stopped already)
             self._running = None
-            handoff, thread = running
+            handoff, thread = running.handoff, running.thread
             handoff.stop()
             if thread is not threading.current_thread():
                 thread.join()
+            handoff.drop_ready()  # batches asked ahead and made ready: their slots are free again
+            self._live.clear()
             settle_ring_requests(self.links)
             for delivery in self.links.deliveries():
                 delivery.reset()
             for replica in self.replicas:
                 replica.take_pending()
+
+
+@dataclass
+class _Running:
+    """A pass thread: its hand-off and the batches it asks for. After a whole pass, it asks ahead for
+    ``next_epoch``, whose first batch is number ``next_start`` of ``stream``; ``None`` during a pass."""
+
+    handoff: Handoff
+    thread: threading.Thread
+    stream: BatchStream
+    next_epoch: int | None = None
+    next_start: int = 0
+
+
+def _same_batches(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def _stop_each(handoffs: list[Handoff]) -> None:
+    """A collected loader's pass thread ends (its connections are then closed as they are collected)."""
+    for handoff in handoffs:
+        handoff.stop()
 
 
 def _record_range(samples: tuple[int, int] | range | None) -> tuple[int, int] | None:

@@ -52,8 +52,9 @@ def test_every_sample_once_in_order_over_several_flows(mnist, make_token, flows)
             assert_exact_epoch(loader, epoch, x, y)
         received = [r.received for r in loader.replicas]
     assert all(n > 0 for n in received), f"a flow carried nothing: {received}"
-    assert sum(received) == 60  # 30 batches a pass, each answered once
-    assert mnist.service.handler.served["mnist"]["batches"] == 60
+    assert sum(received) >= 60  # 30 batches a pass, each answered once
+    # and at most inflight - 1 more: the next epoch's first batches, asked for ahead after a whole pass
+    assert 60 <= mnist.service.handler.served["mnist"]["batches"] <= 60 + 3
 
 
 def test_a_same_host_provider_keeps_one_flow_through_its_ring(mnist, make_token):
@@ -64,7 +65,7 @@ def test_a_same_host_provider_keeps_one_flow_through_its_ring(mnist, make_token)
         assert len(loader.replicas) == 1
         x, y = read_epoch(loader)
         assert_exact_epoch(loader, 0, x, y)
-    assert mnist.service.handler.served["mnist"]["shm_batches"] == 30
+    assert 30 <= mnist.service.handler.served["mnist"]["shm_batches"] <= 30 + 3  # 3: asked ahead, then closed
 
 
 def test_the_default_is_one_flow_for_small_batches_and_two_for_large(start_provider, make_token):
