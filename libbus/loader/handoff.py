@@ -72,6 +72,8 @@ class Handoff:
         self.asked = 0
         #: Set by :meth:`stop`: the pass thread ends at its next check.
         self.stopped = False
+        #: Passes that took over the thread of the pass before them (:meth:`carry_on`).
+        self.carried = 0
 
     # -- the consumer's side --------------------------------------------------------------------------
     def ask(self) -> tuple[Item, bool]:
@@ -84,6 +86,13 @@ class Handoff:
             while not self._items:
                 self._cond.wait()
             return self._items.popleft(), blocked
+
+    def carry_on(self) -> None:
+        """A new pass takes over this thread (its first batches were asked for ahead): the thread does
+        what it does before a pass (:meth:`~libbus.loader.replica_set.ReplicaSet.readmit`)."""
+        with self._cond:
+            self.carried += 1
+            self._cond.notify_all()
 
     def stop(self) -> None:
         """End the pass: the pass thread stops at its next check (within
@@ -115,5 +124,6 @@ class Handoff:
     def wait_asked(self, seen: int) -> None:
         """Block until the consumer asks past ``seen``, or the pass is stopped."""
         with self._cond:
-            while self.asked == seen and not self.stopped:
+            carried = self.carried
+            while self.asked == seen and not self.stopped and self.carried == carried:
                 self._cond.wait()

@@ -101,7 +101,11 @@ class PassPipeline:
         arrivals: dict[int, tuple[float, Any]] = {}
         taken: dict[int, Delivery] = {}  # batches handed to the consumer and not yet let go
         plan = self._read_ahead_plan(batches)
+        carried = 0
         while not handoff.stopped:
+            if handoff.carried != carried:  # a new pass took this thread over: a replica back is taken back
+                carried = handoff.carried
+                self.links.readmit()
             asked = handoff.asked
             while window.next_yield < min(asked - 1, window.next_take):  # the consumer let these go
                 window.advance(taken.pop(window.next_yield))

@@ -593,6 +593,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
                 ahead = running.stream.segment_at(running.next_start)
                 if ahead is not None and ahead.epoch == epoch and _same_batches(ahead.batches, batches):
                     running.next_epoch = None  # this pass's now
+                    running.handoff.carry_on()
                     return running
         self._stop_pass()
         return None

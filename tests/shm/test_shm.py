@@ -268,7 +268,8 @@ def test_loader_bytes_through_the_ring_equal_the_source_bytes(ring_provider, mak
             assert np.array_equal(x.numpy(), want_x) and np.array_equal(y.numpy(), want_y)
             start += len(x)
         assert start == loader.num_samples
-        assert ring_provider.service.handler.served[dataset]["shm_batches"] == len(loader)
+        # and at most inflight - 1 asked ahead of epoch 1 by the pass taken to its end
+        assert len(loader) <= ring_provider.service.handler.served[dataset]["shm_batches"] <= len(loader) + 1
 
 
 def test_slow_consumer_fast_producer_never_sees_its_batch_change(ring_provider, make_token):
@@ -294,8 +295,10 @@ def test_slow_consumer_fast_producer_never_sees_its_batch_change(ring_provider, 
             assert torch.equal(x, snapshot)
             want, _ = open_source(MNIST).read("train", np.arange(i * 50, i * 50 + len(x)))
             assert np.array_equal(x.numpy(), want)
-        # between passes every slot no tensor views is free again
+        # between passes every slot no tensor views is free again (once the batches asked ahead of
+        # epoch 1 are discarded, as another epoch is named)
         del x, batch
+        loader.set_epoch(5)
         assert [ring.state(s) for s in range(ring.layout.slots)] == [SlotState.FREE] * 5
 
 

@@ -74,8 +74,9 @@ def test_ring_batches_filled_on_the_fill_thread_are_the_source_bytes(fill_provid
         got = [(x.clone(), y.clone()) for x, y in loader]
     xs, ys = torch.cat([x for x, _ in got]).numpy(), torch.cat([y for _, y in got]).numpy()
     assert np.array_equal(xs, want_x[order]) and np.array_equal(ys, want_y[order])
-    assert len(spy.threads) == len(got) and all(name.startswith("fill") for name in spy.threads)
-    assert handler.served["d"]["shm_batches"] == len(got)
+    # each batch filled once, and at most inflight - 1 asked ahead of epoch 1 before the loader closed
+    assert len(got) <= len(spy.threads) <= len(got) + 3 and all(name.startswith("fill") for name in spy.threads)
+    assert len(got) <= handler.served["d"]["shm_batches"] <= len(got) + 3
     # the loader removed its ring: the provider unmaps it, on the fill thread after its fills
     deadline = time.monotonic() + 5
     while handler.rings:

@@ -207,7 +207,8 @@ def test_an_epoch_is_spread_over_both_replicas_in_order(router, start_provider, 
         state = loader.state_dict()
     assert state == {**state, "epoch": 1, "position": 0}
     served = [p.service.handler.served["mnist"] for p in (a, b)]
-    assert all(s["batches"] > 0 for s in served) and sum(s["batches"] for s in served) == 30
+    # 30 batches, and at most inflight - 1 asked ahead of epoch 1 by the pass taken to its end
+    assert all(s["batches"] > 0 for s in served) and 30 <= sum(s["batches"] for s in served) <= 33
     if host_id is None:  # both replicas wrote into the loader's one ring
         assert all(s["shm_batches"] == s["batches"] for s in served)
 

@@ -422,7 +422,8 @@ def test_a_loader_on_this_host_gets_http_batches_through_the_shm_ring(tmp_path, 
             assert np.array_equal(x.numpy(), source.read("train", order[start : start + len(x)])[0])
             start += len(x)
         assert start == loader.num_samples == 67
-    assert provider.service.handler.served["web"]["shm_batches"] == len(loader)
+    # and at most inflight - 1 asked ahead of epoch 1 by the pass taken to its end
+    assert len(loader) <= provider.service.handler.served["web"]["shm_batches"] <= len(loader) + 1
 
 
 def self_signed(d) -> tuple:
