@@ -23,6 +23,7 @@ from tests.support.held_store import (  # noqa: F401 - server_fixture: the `serv
     SLOW,
     WAIT_S,
     batch,
+    every_batch_answered,
     in_flight,
     npy_pair,
     server_fixture,
@@ -59,14 +60,8 @@ def test_a_silent_store_holds_up_no_other_dataset_and_its_batches_overlap(tmp_pa
     assert slow.recv(0) is None, "a remote batch was answered while its store had answered nothing"
 
     server.release()
-    replies = {}  # read side by side, the two batches may be answered in either order
-    while len(replies) < 2:
-        reply = slow.recv(WAIT_S)
-        assert reply is not None, f"only {sorted(replies)} of {asked} answered"
-        replies[reply.id] = reply
-    for rid, idx in zip(asked, (first, second)):
-        x, y = batch(replies[rid], len(idx))
-        assert np.array_equal(x, remote_x[idx]) and np.array_equal(y, remote_y[idx])
+    # read side by side, the two batches may be answered in either order
+    every_batch_answered(slow, asked, [first, second], remote_x, remote_y)
 
 
 def test_a_batch_that_fails_at_the_store_fails_alone(tmp_path, server, start_provider, client_for):

@@ -22,6 +22,7 @@ from tests.support.held_store import (  # noqa: F401 - server_fixture: the `serv
     SLOW,
     WAIT_S,
     batch,
+    every_batch_answered,
     in_flight,
     npy_pair,
     server_fixture,
@@ -65,14 +66,7 @@ def test_a_saturated_remote_lane_holds_up_no_session_and_no_other_dataset(tmp_pa
     assert len(server.gets()) - opened == 2, "the limit let more GETs out while none had been answered"
 
     server.release()
-    replies = {}
-    while len(replies) < len(asked):
-        reply = slow.recv(WAIT_S)
-        assert reply is not None, f"only {sorted(replies)} of {asked} answered: a request never got its place"
-        replies[reply.id] = reply
-    for rid, idx in zip(asked, wanted):
-        x, y = batch(replies[rid], len(idx))
-        assert np.array_equal(x, remote_x[idx]) and np.array_equal(y, remote_y[idx])
+    every_batch_answered(slow, asked, wanted, remote_x, remote_y, ": a request never got its place")
     assert len(server.gets()) - opened == 2 * sum(len(i) for i in wanted)  # one GET per sample and file
 
 

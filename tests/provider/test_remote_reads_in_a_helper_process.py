@@ -27,6 +27,7 @@ from tests.support.held_store import (  # noqa: F401 - server_fixture: the `serv
     SLOW,
     WAIT_S,
     batch,
+    every_batch_answered,
     in_flight,
     npy_pair,
     server_fixture,
@@ -83,14 +84,7 @@ def test_local_batches_keep_flowing_in_order_while_the_helpers_store_answers_not
     assert slow.recv(0) is None, "a remote batch was answered while its store had answered nothing"
 
     server.release()
-    replies = {}
-    while len(replies) < len(asked):
-        reply = slow.recv(WAIT_S)
-        assert reply is not None, f"only {sorted(replies)} of {asked} answered"
-        replies[reply.id] = reply
-    for rid, idx in zip(asked, wanted):
-        x, y = batch(replies[rid], len(idx))
-        assert np.array_equal(x, remote_x[idx]) and np.array_equal(y, remote_y[idx])
+    every_batch_answered(slow, asked, wanted, remote_x, remote_y)
     # the helper's reads are the provider's to show (its requests' limit, from the helper's counters)
     assert provider.service.handler.stats()["remote_reads"]["web"]["inflight_limit"] >= 1
 

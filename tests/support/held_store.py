@@ -13,7 +13,17 @@ import pytest
 
 from tests.support.httpd import RangeServer
 
-__all__ = ["LIVENESS", "SLOW", "WAIT_S", "batch", "in_flight", "npy_pair", "server_fixture", "wait_until"]
+__all__ = [
+    "LIVENESS",
+    "SLOW",
+    "WAIT_S",
+    "batch",
+    "every_batch_answered",
+    "in_flight",
+    "npy_pair",
+    "server_fixture",
+    "wait_until",
+]
 
 #: A held GET must not time out on the provider's side while the test looks (the server hangs up after 60 s).
 SLOW = "retries=0&timeout=120&val_fraction=0"
@@ -64,3 +74,19 @@ def batch(reply, n: int) -> tuple[np.ndarray, np.ndarray]:
     y = np.frombuffer(reply.frames[1].buffer, reply.dtypes[1]).reshape(reply.shapes[1])
     assert len(x) == len(y) == n
     return x, y
+
+
+def every_batch_answered(
+    client, asked: list[int], wanted: list[np.ndarray], x: np.ndarray, y: np.ndarray, why: str = ""
+) -> None:
+    """Collect a reply to every request id in ``asked`` (in whatever order they come), then check each is
+    the batch of its indices in ``wanted``: the samples ``x[idx]`` and labels ``y[idx]``. ``why`` is added
+    to the failure of a request never answered."""
+    replies = {}
+    while len(replies) < len(asked):
+        reply = client.recv(WAIT_S)
+        assert reply is not None, f"only {sorted(replies)} of {asked} answered{why}"
+        replies[reply.id] = reply
+    for rid, idx in zip(asked, wanted, strict=True):
+        got_x, got_y = batch(replies[rid], len(idx))
+        assert np.array_equal(got_x, x[idx]) and np.array_equal(got_y, y[idx]), f"request {rid}: not the batch of {idx}"
