@@ -87,6 +87,21 @@ def _wait(admin: Client, job: str, until, timeout: float = 60) -> dict:
         time.sleep(0.05)
 
 
+def _evaluations(row: dict) -> int:
+    return sum(int(d.get("evaluations", 0)) for d in (row.get("datasets") or {}).values())
+
+
+def _until_stats(admin: Client, name: str, check, what: str, timeout: float = 60) -> dict:
+    """The Stats row of the service ``name`` once ``check(row)``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = [r for r in admin.request(Stats()).services.values() if r.get("name") == name]
+        if rows and check(rows[0]):
+            return rows[0]
+        assert time.monotonic() < deadline, f"{name}: never {what}: {rows}"
+        time.sleep(0.05)
+
+
 def _tmux_top(env: dict, tmp_path) -> str:
     """Run `busctl top` in a detached 160x60 tmux session until it draws; the screen it shows, after Ctrl-C."""
     session = f"bbtop{os.getpid()}"
@@ -159,6 +174,9 @@ def test_eval_and_top_on_a_running_job(cluster, tmp_path):
 
     # paused: nothing trains between the evaluation and a checkpoint, so both are of one step
     admin.request(ControlJob(job=job, command="pause"))
+    # top reads the providers' rows the router holds from their heartbeats: wait for one sent since both
+    # evaluations, not a row from before them
+    _until_stats(admin, "prov-top", lambda row: _evaluations(row) >= 2, "both evaluations counted")
     frame = json.loads(busctl("top", "--once", "--json", "--interval", "0.3", env=env, check=True).stdout)
     [trainer] = frame["trainers"]
     assert trainer["name"] == "trainer-top" and trainer["job"] == job and trainer["state"] == "paused"

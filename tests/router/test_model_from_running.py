@@ -153,9 +153,11 @@ def test_an_entrypoint_job_starts_from_a_running_jobs_state_and_from_a_stopped_o
         assert _started_from(info) == record["step"] >= 1
         # counting's weight is its step count at the checkpoint; constant adds one
         assert _model(admin, info["id"])["w"].tolist() == [record["step"] + 1.0] * 3
-        assert admin.request(GetJob(job=source)).job["state"] == "running"  # the source trained on meanwhile
+        assert admin.request(GetJob(job=source)).job["state"] == "running"  # the source trains on meanwhile
 
-        # stopped, it checkpoints once more: a job starts from those, its last weights
+        # stopped past that checkpoint (a report shows a later step), it checkpoints once more: a job
+        # starts from those, its last weights
+        _until(admin, source, lambda j: (j["progress"] or {}).get("step", 0) > record["step"], "stepped on")
         admin.request(ControlJob(job=source, command="stop"))
         stopped = wait_job(admin, source, timeout=30)
         assert stopped["state"] == "stopped" and stopped["checkpoint"]["step"] > record["step"]

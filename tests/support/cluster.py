@@ -179,6 +179,26 @@ class Cluster:
                 raise AssertionError(f"job {job} stuck in {info['state']}\n{self.logs()}")
             time.sleep(0.02)
 
+    def later_reports(self, job: str, n: int = 1, timeout: float = 60) -> dict:
+        """The job once the router has taken ``n`` progress reports after the one it holds now (each
+        report's ``elapsed_s`` differs from the last: it grows through an attempt). Reports and command
+        acknowledgements reach the router one at a time, in the order made, so after a command returns
+        acknowledged, the next report is one its attempt made after applying it: never a stale look."""
+        seen = (self.job(job)["progress"] or {}).get("elapsed_s")
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job(job)
+            now = (info["progress"] or {}).get("elapsed_s")
+            if now != seen:
+                seen, n = now, n - 1
+                if n <= 0:
+                    return info
+            if info["state"] in TERMINAL_STATES:
+                raise AssertionError(f"job {job} ended {info['state']}: {info.get('error')}\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {job}: {n} more progress report(s) never came\n{self.logs()}")
+            time.sleep(0.02)
+
     def wait_end(self, job: str, timeout: float = 60) -> dict:
         """The job's record once it has ended, whatever the end."""
         deadline = time.monotonic() + timeout
