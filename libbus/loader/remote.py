@@ -27,6 +27,9 @@ when it has one, so a provider restarted on a new port is found — and then rai
 Every ``iter()`` is a whole pass, as with a ``DataLoader``: the next epoch (or the one :meth:`set_epoch`
 named), from its start, whether or not the pass before it was left early. Only the first pass after
 :meth:`load_state_dict` continues at the loaded cursor (torchdata ``StatefulDataLoader``'s rule).
+A pass run to its end leaves its thread asking for the next epoch's first batches, so the window does not
+drain at the boundary (:mod:`libbus.loader.batch_stream`); a next pass that is not that epoch from its
+start discards them.
 """
 
 from __future__ import annotations
