@@ -63,7 +63,7 @@ def pause_then_resume(cluster: JobCluster, job: str, trainer: str) -> dict:
     assert cluster.job(job)["state"] == "paused"
     before = cluster.trained_batches(job, trainer)
     ckpt = cluster.control(job, "checkpoint")["checkpoint"]
-    time.sleep(0.3)
+    cluster.later_reports(job, 3)  # its attempt went on through three reports, paused
     assert cluster.trained_batches(job, trainer) == before == ckpt["step"], "a paused trainer kept training"
     detail = cluster.control(job, "resume")
     assert detail["state"] == "running"
@@ -73,6 +73,16 @@ def pause_then_resume(cluster: JobCluster, job: str, trainer: str) -> dict:
 def resumed_from(cluster: JobCluster, job: str, trainer: str) -> int:
     (path,) = cluster.audit.glob(f"{job}.{trainer}.*.jsonl")
     return json.loads(path.read_bytes().splitlines()[0])["resumed_from_step"]
+
+
+def audit_stamps(cluster: JobCluster, job: str) -> list[float]:
+    """When each batch of ``job`` audited so far was trained (whole lines only: a file is being written)."""
+    return [
+        json.loads(line)["t"]
+        for p in cluster.audit.glob(f"{job}.*.jsonl")
+        for line in p.read_bytes().splitlines(keepends=True)[1:]
+        if line.endswith(b"\n")
+    ]
 
 
 def test_trainer_killed_mid_epoch_another_resumes_exactly(cluster, train_digests):
@@ -132,16 +142,17 @@ def test_router_killed_mid_job_training_goes_on(cluster, train_digests):
     router.send_signal(signal.SIGKILL)
     router.wait(10)
     killed = time.time()
-    time.sleep(1.0)
+    # a batch trained while no router runs (the audit files are flushed at each batch), then it is back
+    deadline = time.monotonic() + 60
+    while not any(killed < t for t in audit_stamps(cluster, job)):
+        assert time.monotonic() < deadline, f"nothing trained after the router was killed\n{cluster.logs()}"
+        time.sleep(0.05)
     cluster.start_router(bind=cluster.endpoint)  # same address, same SQLite file
     restarted = time.time()
     info = cluster.wait_end(job)
     assert info["state"] == "succeeded", info["error"]
     # the trainer trained while the router was down, and kept the job (no requeue)
-    stamps = [
-        json.loads(line)["t"] for p in cluster.audit.glob(f"{job}.*.jsonl") for line in p.read_bytes().splitlines()[1:]
-    ]
-    assert any(killed < t < restarted for t in stamps)
+    assert any(killed < t < restarted for t in audit_stamps(cluster, job))
     assert [e["state"] for e in info["events"]] == ["queued", "running", "succeeded"]
     assert info["events"][:2] == before["events"][:2] and info["attempts"] == 1
     # reports made while it was down were buffered and delivered: no checkpoint record is missing
