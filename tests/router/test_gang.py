@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.trainer.attempt.audit import effective_epochs
-from tests.support.jobs import SPEC, JobCluster, final_weights
+from tests.support.jobs import SPEC, JobCluster, final_weights, rank_batches, wait_trained
 
 GANG = {**SPEC, "epochs": 2, "world_size": 2}
 
@@ -110,13 +110,13 @@ def test_gang_pauses_together_stops_and_resumes_exactly_from_its_checkpoint(clus
     assert ref["state"] == "succeeded"
 
     job = submit(cluster)
-    wait_trained(cluster, job, 3)
+    wait_trained(cluster, job, 3, GANG["world_size"])
     detail = cluster.control(job, "pause")
     assert detail["state"] == "paused"
     time.sleep(0.5)  # the other rank stops at the same step
-    both = rank_epochs_batches(cluster, job)
+    both = rank_batches(cluster, job)
     time.sleep(0.5)
-    assert rank_epochs_batches(cluster, job) == both, "a rank kept training while the gang was paused"
+    assert rank_batches(cluster, job) == both, "a rank kept training while the gang was paused"
     assert both[0] == both[1], "the ranks paused at different steps"
     ckpt = cluster.control(job, "checkpoint")["checkpoint"]
     assert ckpt["step"] == both[0]
@@ -144,7 +144,7 @@ def test_a_set_on_a_gang_reaches_every_rank_at_the_same_step(cluster):
     step differently), and the final model is not the one the old lr trains."""
     job = submit(cluster, epochs=3)  # first: it holds both trainers while the reference waits
     reference = submit(cluster, epochs=3)
-    wait_trained(cluster, job, 2)
+    wait_trained(cluster, job, 2, GANG["world_size"])
     assert cluster.control(job, "pause")["state"] == "paused"
     assert cluster.control(job, "set", lr=GANG["lr"] * 10)["spec"]["lr"] == GANG["lr"] * 10
     assert cluster.control(job, "resume")["state"] == "running"
@@ -156,37 +156,11 @@ def test_a_set_on_a_gang_reaches_every_rank_at_the_same_step(cluster):
     assert any(not torch.equal(ours[k], v) for k, v in final_weights(ref).items()), "the new lr changed nothing"
 
 
-def rank_epochs_batches(cluster: JobCluster, job: str) -> dict[int, int]:
-    """Batches each rank has trained on for ``job`` so far, over all its attempts (a line still being
-    written, at the end of a running attempt's file, is not one yet)."""
-    out: dict[int, int] = {}
-    for path in cluster.audit.glob(f"{job}.*.jsonl"):
-        lines = path.read_bytes().splitlines(keepends=True)
-        records = [json.loads(line) for line in lines if line.endswith(b"\n")]
-        if records:
-            out[records[0]["rank"]] = out.get(records[0]["rank"], 0) + len(records) - 1
-    return out
-
-
-def wait_trained(cluster: JobCluster, job: str, batches: int, timeout_s: float = 90.0) -> dict:
-    """``job`` once it runs and each rank of its gang has trained ``batches`` batches, read from the audit
-    files (flushed as each batch is trained): a progress report is up to its interval old, and a job seen
-    at step 3 in one may have run to its end before a command or a signal lands."""
-    info = cluster.wait(job, lambda i: i["state"] == "running", timeout=timeout_s)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        counts = rank_epochs_batches(cluster, job)
-        if len(counts) == GANG["world_size"] and min(counts.values()) >= batches:
-            return info
-        assert time.monotonic() < deadline, f"batches trained {counts}, never {batches} on each rank; {cluster.state}"
-        time.sleep(0.05)
-
-
 def test_a_rank_killed_mid_job_requeues_the_gang_which_resumes_from_its_checkpoint(cluster, train_digests):
     job = submit(cluster)
-    info = cluster.wait(
-        job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("checkpoint_step"), timeout=90
-    )
+    # a batch past the first checkpoint on each rank, from the audit files: a report saying so may come
+    # late enough that the gang has ended by the time the kill lands
+    info = wait_trained(cluster, job, SPEC["checkpoint_every"] + 1, GANG["world_size"])
     rank1 = info["gang"]["members"][1]
     cluster.procs[rank1].kill()  # SIGKILL: rank 0's next collective breaks
     cluster.start_trainer("g3")  # a new member for the next gang
@@ -203,7 +177,7 @@ def test_a_rank_killed_mid_job_requeues_the_gang_which_resumes_from_its_checkpoi
 
 def test_sigterm_to_a_rank_hands_the_gang_back_without_losing_an_attempt(cluster, train_digests):
     job = submit(cluster)
-    info = wait_trained(cluster, job, 3)
+    info = wait_trained(cluster, job, 3, GANG["world_size"])
     rank0, rank1 = info["gang"]["members"]
     cluster.procs[rank1].terminate()  # its trainer is stopping: the whole gang hands the job back
     assert cluster.procs[rank1].wait(30) == 0

@@ -17,7 +17,7 @@ from libbus.errors import BadRequest, Forbidden, NotFound
 from libbus.jobs.spec import JobSpec
 from libbus.order import Order, elastic, epoch_order, history
 from libbus.wire.messages import GetJob, GetJobSamples, SkipJob, SubmitJob
-from tests.support.jobs import SPEC, JobCluster
+from tests.support.jobs import SPEC, JobCluster, wait_trained
 
 #: The job tests' spec, typed as the router reads it from its store.
 TYPED = JobSpec.from_dict(SPEC)
@@ -148,10 +148,9 @@ def test_samples_of_every_step_are_what_the_audit_recorded_across_a_kill_and_a_r
     cluster.wait_connected(("s1", "s2"))
     spec = {**SPEC, "epochs": 2, "elastic": True, "min_world_size": 1, "max_world_size": 2}
     job = cluster.submit_spec({**spec, "gather_timeout_s": 5.0})
-    info = cluster.wait(
-        job, lambda i: i["state"] == "running" and (i["progress"] or {}).get("checkpoint_step"), timeout=90
-    )
+    info = cluster.wait(job, lambda i: i["state"] == "running", timeout=90)
     assert len(info["gang"]["members"]) == 2, info["events"]
+    wait_trained(cluster, job, SPEC["checkpoint_every"] + 1, ranks=2)  # past the first checkpoint, each rank
     cluster.procs[info["gang"]["members"][1]].kill()  # rank 0's next collective breaks: resumed alone
     info = cluster.wait_end(job, timeout=120)
     assert info["state"] == "succeeded", f"{info['error']}; logs in {cluster.state}"

@@ -4,6 +4,7 @@ notice failures fast, with trainers that audit every sample they train on (servi
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
 import subprocess
 import sys
@@ -32,6 +33,8 @@ __all__ = [
     "final_weights",
     "plain_fixture",
     "plain_trainer",
+    "rank_batches",
+    "wait_trained",
 ]
 
 #: The job the job tests train: an MLP on mock://mnist?n=600, shuffle full, checkpoints every 10 steps.
@@ -130,6 +133,33 @@ class JobCluster(Cluster):
         while not all(n in self.admin.request(Stats()).services for n in names):
             assert time.monotonic() < deadline, f"trainers {names} never connected\n{self.logs()}"
             time.sleep(0.2)
+
+
+def rank_batches(cluster: JobCluster, job: str) -> dict[int, int]:
+    """Batches each rank has trained on for ``job`` so far, over all its attempts, from the audit files
+    (a line still being written, at the end of a running attempt's file, is not one yet)."""
+    out: dict[int, int] = {}
+    for path in cluster.audit.glob(f"{job}.*.jsonl"):
+        lines = path.read_bytes().splitlines(keepends=True)
+        records = [json.loads(line) for line in lines if line.endswith(b"\n")]
+        if records:
+            out[records[0]["rank"]] = out.get(records[0]["rank"], 0) + len(records) - 1
+    return out
+
+
+def wait_trained(cluster: JobCluster, job: str, batches: int, ranks: int = 1, timeout_s: float = 90.0) -> dict:
+    """``job`` as it was once running, after each of its ``ranks`` ranks has trained ``batches`` batches,
+    read from the audit files (flushed as each batch is trained). A progress report lags: it is up to its
+    interval old when made, and delivered after the reports before it, so a job seen at step 3 in one may
+    have run to its end before a command or a signal sent then lands."""
+    info = cluster.wait(job, lambda i: i["state"] == "running", timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = rank_batches(cluster, job)
+        if len(counts) == ranks and min(counts.values()) >= batches:
+            return info
+        assert time.monotonic() < deadline, f"batches trained {counts}, never {batches} on each rank; {cluster.state}"
+        time.sleep(0.05)
 
 
 def final_weights(info: dict) -> dict[str, torch.Tensor]:

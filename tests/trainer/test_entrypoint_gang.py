@@ -62,8 +62,10 @@ def test_a_gang_runs_the_function_on_every_rank_and_resumes_a_stop_exactly(clust
 
     job = cluster.submit_spec({**GANG, "params": {**GANG["params"], "sleep": 0.05}})
     cluster.wait(job, lambda i: (i.get("progress") or {}).get("step", 0) >= 8, timeout=120)
-    assert cluster.control(job, "set", tag=7)["spec"]["params"]["tag"] == 7
+    # paused first: the report seen lags the gang, which may be near its end by now; paused, it waits
+    # for the set and the resume, and only the stop has to land while it trains
     assert cluster.control(job, "pause")["state"] == "paused"
+    assert cluster.control(job, "set", tag=7)["spec"]["params"]["tag"] == 7
     cluster.control(job, "resume")
     cluster.control(job, "stop")
     stopped = cluster.wait_end(job, timeout=90)
