@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -32,6 +32,9 @@ from libbus.wire.messages import (
     frame_buffer,
 )
 from services import views
+
+if TYPE_CHECKING:
+    from services.router.store import JobView
 
 from . import tables
 from .connection import admin_client
@@ -440,7 +443,7 @@ def job_metrics(
         typer.echo(f"note: {metrics['note']}", err=True)
 
 
-def _print_metrics(info: dict, history: list[dict], kept: list[dict]) -> None:
+def _print_metrics(info: JobView, history: list[dict], kept: list[dict]) -> None:
     echo(f"{info['id']} {info['state']}: {len(history)} epoch record(s), {len(kept)} progress report(s) kept")
     for record in history:
         echo("  " + tables.epoch_line(record))

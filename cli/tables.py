@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
@@ -14,6 +14,9 @@ from libbus.jobs.spec import BUILTIN_PARAMS
 from libbus.jobs.state import JobState
 from libbus.order.epochs import Cursor
 from services.views import StatsRow, epoch_index, refusals, runs
+
+if TYPE_CHECKING:
+    from services.router.store import JobRow, JobView
 
 from . import scores
 from .output import SafeConsole
@@ -131,7 +134,7 @@ def wait_split(split: Mapping[str, Any] | None, parts: int = 5) -> str:
     return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in top[:parts])
 
 
-def jobs(rows: list[dict]) -> None:
+def jobs(rows: list[JobRow]) -> None:
     table = Table("job", "state", "dataset", "runs", "trainer", "progress", "result", "updated")
     for r in rows:
         p = r.get("progress") or {}
@@ -150,9 +153,10 @@ def jobs(rows: list[dict]) -> None:
     console.print(table)
 
 
-def _trainers(job: dict) -> str:
+def _trainers(job: JobRow) -> str:
     """The job's trainer; for a gang (world_size > 1) rank 0 and how many more."""
-    members = (job.get("gang") or {}).get("members") or []
+    gang = job.get("gang")
+    members = gang["members"] if gang else []
     return f"{members[0]} +{len(members) - 1}" if members else job.get("trainer") or "-"
 
 
@@ -171,7 +175,7 @@ def epoch_line(record: dict, sep: str = " ") -> str:
     return f"epoch {record.get('epoch', '?')}: " + (sep.join(parts) or "(no metrics)")
 
 
-def job(info: dict) -> None:
+def job(info: JobView) -> None:
     console.print(
         f"[bold]{info['id']}[/] {info['state']}  trainer {info.get('trainer') or '-'}  attempts {info['attempts']}"
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -11,7 +11,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from libbus.connect.client import Client
 from libbus.jobs.spec import TERMINAL_STATES
 from libbus.jobs.state import JobState
-from libbus.wire.messages import GetJob
+from services import views
+
+if TYPE_CHECKING:
+    from services.router.store import JobView
 
 from .output import SafeConsole
 from .tables import epoch_index, epoch_line, epoch_of, result_lines
@@ -21,7 +24,7 @@ __all__ = ["watch_job"]
 POLL_S = 0.5
 
 
-def watch_job(client: Client, job: str, console: Console | None = None, timeout_s: float | None = None) -> dict:
+def watch_job(client: Client, job: str, console: Console | None = None, timeout_s: float | None = None) -> JobView:
     """Poll ``job`` until it ends, drawing progress; returns the final job record."""
     console = console or SafeConsole()  # peers' strings without control characters
     shown_epochs = 0
@@ -54,7 +57,7 @@ def watch_job(client: Client, job: str, console: Console | None = None, timeout_
             bars.update(bar, **done)
 
         while True:
-            info = client.request(GetJob(job=job)).job
+            info, _ = views.job(client, job)
             p = info.get("progress") or {}
             history = p.get("history", [])
             if p and JobState(info["state"]).holding:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the records' modules import numpy and zmq's services; busct
     from services.provider.sources.storage.blockmemory import ReadStats
     from services.provider.sources.storage.objects import ObjectStoreStats
     from services.router.peers import PeerRow
+    from services.router.store import JobRow, JobView
     from services.router.studies import StudyView
 
 __all__ = [
@@ -216,18 +217,18 @@ class Frame(TypedDict):
 # -- jobs ------------------------------------------------------------------------------------------
 
 
-def jobs(client: Client, state: str | None = None, limit: int = 50, offset: int = 0) -> tuple[list[dict], str]:
+def jobs(client: Client, state: str | None = None, limit: int = 50, offset: int = 0) -> tuple[list[JobRow], str]:
     """Jobs newest first, ``limit`` after the ``offset`` newest (``busctl jobs --json``), and the router's
     note when it cut the list to fit one reply ("" otherwise)."""
     reply = client.request(ListJobs(state=state, limit=limit, offset=offset))
-    return reply.jobs, reply.note
+    return cast("list[JobRow]", reply.jobs), reply.note  # the router's rows (JobStore.list)
 
 
-def job(client: Client, job_id: str, progress: int = 0, events: int = 200, offset: int = 0) -> tuple[dict, str]:
+def job(client: Client, job_id: str, progress: int = 0, events: int = 200, offset: int = 0) -> tuple[JobView, str]:
     """One job's record (``busctl job show --json``): with ``progress`` > 0 its last progress reports
     (``progress_history``), its newest ``events`` events after ``offset``; and the router's note."""
     reply = client.request(GetJob(job=job_id, progress=max(0, progress), events=events, offset=offset))
-    return reply.job, reply.note
+    return cast("JobView", reply.job), reply.note  # as the router's on_GetJob made it
 
 
 def job_logs(client: Client, job_id: str, attempt: int = -1, after: int = 0) -> JobLogsView:
@@ -238,7 +239,7 @@ def job_logs(client: Client, job_id: str, attempt: int = -1, after: int = 0) -> 
     return cast(JobLogsView, reply)  # the JobLogs message's fields, checked as it was decoded
 
 
-def epoch_records(info: dict) -> list[dict]:
+def epoch_records(info: JobRow) -> list[dict]:
     """The job's epoch records: its latest progress report's history, or its result's once it ended."""
     for holder in (info.get("progress"), info.get("result")):
         history = (holder or {}).get("history")
@@ -247,7 +248,7 @@ def epoch_records(info: dict) -> list[dict]:
     return []
 
 
-def job_metrics(client: Client, job_id: str, reports: int = 1000) -> tuple[dict, dict]:
+def job_metrics(client: Client, job_id: str, reports: int = 1000) -> tuple[dict, JobView]:
     """A job's metrics (``busctl job metrics --json``): ``{job, history, reports, note}``, its epoch
     records and its newest ``reports`` progress reports; and the job's record they came with."""
     info, note = job(client, job_id, progress=reports, events=0)

@@ -117,7 +117,7 @@ class Cursor(NamedTuple):
         return f"after epoch {self.epoch}" if self.position == 0 and self.epoch > 0 else f"in epoch {self.epoch + 1}"
 
     @classmethod
-    def of_checkpoint(cls, record: dict) -> Cursor:
+    def of_checkpoint(cls, record: Mapping[str, Any]) -> Cursor:
         """A checkpoint record's train cursor (``epoch``, and ``cursor.position`` where it has one)."""
         cursor = record.get("cursor")
         position = cursor.get("position", 1) if isinstance(cursor, dict) else 1

@@ -44,7 +44,7 @@ from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 from libbus.wire.messages import NoTask, Task
 
-from .store import JobStore, stored_spec
+from .store import JobRow, JobStore, QueuedJob, stored_spec
 
 __all__ = ["Gangs", "GANG_POLL_MS", "min_world_size"]
 
@@ -93,8 +93,7 @@ class Gangs:
     def task_for(self, trainer: str) -> Task | NoTask | None:
         """``trainer``'s answer when it is in a gang: its ``Task`` once it may start, ``NoTask``
         while its gang gathers or waits for rank 0's rendezvous; None when it is in no gang."""
-        for job in self.store.held_gangs():
-            gang = job["gang"]
+        for job, gang in self.store.held_gangs():
             if trainer not in gang["members"]:
                 continue
             rank = gang["members"].index(trainer)
@@ -110,17 +109,16 @@ class Gangs:
                 spec=job["spec"],
                 rank=rank,
                 world_size=len(gang["members"]),
-                resume=job["checkpoint"],
+                resume=None if job["checkpoint"] is None else dict(job["checkpoint"].items()),  # its JSON object
                 rendezvous=gang["rendezvous"],
-                attempt=max(0, job.get("attempts", 1) - 1),  # one number for every rank of this assignment
+                attempt=max(0, job["attempts"] - 1),  # one number for every rank of this assignment
             )
         if any(trainer in members for members in self.gathering.values()):
             return NoTask(retry_ms=self.retry_ms)
         return None
 
-    def join(self, trainer: str, job: dict) -> Task | NoTask:
-        """``trainer`` joins the gang gathering for queued ``job`` (``{id, spec}``); the member that
-        completes it starts the job."""
+    def join(self, trainer: str, job: QueuedJob) -> Task | NoTask:
+        """``trainer`` joins the gang gathering for queued ``job``; the member that completes it starts the job."""
         members = self.gathering.setdefault(job["id"], [])
         self.since.setdefault(job["id"], time.monotonic())
         members.append(trainer)
@@ -159,8 +157,9 @@ class Gangs:
         for job_id, members in list(self.gathering.items()):
             try:
                 job = self.store.get(job_id, events=False)
-            except NotFound:
-                job = {"state": "gone"}
+            except NotFound:  # gone: nothing to gather for
+                self._dissolve(job_id)
+                continue
             if job["state"] != JobState.QUEUED:
                 self._dissolve(job_id)
                 continue
@@ -175,7 +174,7 @@ class Gangs:
                 started = started or self.store.get(job_id, events=False)["state"] == JobState.RUNNING
         return started
 
-    def _released(self, job: dict, members: list[str], now: float) -> bool:
+    def _released(self, job: JobRow, members: list[str], now: float) -> bool:
         """Release the gathering of ``job`` if it timed out (then hold the job back, or fail it;
         an elastic job with enough members starts instead) or a queued job of higher priority
         waits. True if released or started."""

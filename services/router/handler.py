@@ -84,7 +84,7 @@ from .judges import Judges
 from .logs import JobOutput
 from .peers import Peers
 from .replies import fit_job, fit_list, fit_rows
-from .store import JobStore, stored_spec
+from .store import JobRow, JobStore, JobView, stored_spec
 from .task_models import TaskModels
 
 __all__ = ["RouterHandler", "RouterRow", "RouterStats"]
@@ -162,7 +162,7 @@ class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
         self.init_judges()
 
     # -- scopes -------------------------------------------------------------------------------
-    def _check_job_scope(self, session: Session, job_id: str) -> dict:
+    def _check_job_scope(self, session: Session, job_id: str) -> JobRow:
         """An admin's job operation: the token's ``jobs`` scope, and its ``datasets`` scope on the
         job's dataset. Returns the job."""
         session.claims.check_job(job_id)
@@ -208,11 +208,11 @@ class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
     @serves(GetJob, *ADMIN)
     def on_GetJob(self, session: Session, msg: GetJob) -> JobInfo:
         self._check_job_scope(session, msg.job)
-        job = self.store.get(msg.job, limit=msg.events, offset=msg.offset)
+        view: JobView = {**self.store.get(msg.job, limit=msg.events, offset=msg.offset)}
         if msg.progress > 0:
-            job["progress_history"] = self.store.progress_history(msg.job, min(msg.progress, 1000))
-        job, note = fit_job(job)
-        return JobInfo(job=job, note=note)
+            view["progress_history"] = self.store.progress_history(msg.job, min(msg.progress, 1000))
+        view, note = fit_job(view)
+        return JobInfo(job=dict(view.items()), note=note)  # the message's JSON object
 
     @serves(ControlJob, *ADMIN)
     def on_ControlJob(self, session: Session, msg: ControlJob) -> Ok | Future:
@@ -277,9 +277,8 @@ class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
         if job is None:  # not on this loop: it was queued a moment ago
             return NoTask(retry_ms=self.task_retry_ms)
         log.info("job %s assigned to %s (%s)", job["id"], who, session.name)
-        task = Task(
-            job=job["id"], spec=job["spec"], resume=job["checkpoint"], attempt=max(0, job.get("attempts", 1) - 1)
-        )
+        resume = None if job["checkpoint"] is None else dict(job["checkpoint"].items())  # its JSON object
+        task = Task(job=job["id"], spec=job["spec"], resume=resume, attempt=max(0, job["attempts"] - 1))
         return self.jobs.remember_task(who, msg.key, self.handed(who, task, spec))
 
     def handed(self, trainer: str, task: Task, spec: JobSpec, gang: bool = False) -> Task:
@@ -303,7 +302,8 @@ class RouterHandler(Peers, ProviderGrants, Judges, TaskModels, Handler):
     def on_RenewGrant(self, session: Session, msg: RenewGrant) -> Grant:
         session.claims.check_job(msg.job)
         job = self.store.get(msg.job, events=False)
-        members = (job.get("gang") or {}).get("members") or [job["trainer"]]
+        gang = job["gang"]
+        members = gang["members"] if gang is not None else [job["trainer"]]  # a gang's ranks, or its one trainer
         if not JobState(job["state"]).holding or session.subject not in members:
             raise Forbidden(
                 f"job {msg.job} is not running on {session.subject} (state {job['state']}); its attempt's grant "

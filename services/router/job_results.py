@@ -21,7 +21,7 @@ from libbus.wire.messages import CommandAck, Message, Model, Ok, PushResult, fra
 
 from .artifacts import Artifacts
 from .scores import TestScores
-from .store import stored_spec
+from .store import JobRow, stored_spec
 
 __all__ = ["UPLOAD", "JobResults", "current_model"]
 
@@ -43,12 +43,12 @@ class JobResults:
         #: Providers' reports of their evaluations: the only source of a job's test score.
         self.scores = TestScores()
 
-    def scored(self, trainer: str, msg: PushResult, job: dict) -> dict:
+    def scored(self, trainer: str, msg: PushResult, job: JobRow) -> dict:
         """``msg.result`` with its test scores: providers' reports only, of the weights the router keeps
         for ``job`` (:class:`~services.router.scores.TestScores`)."""
         return self.scores.result(msg.job, trainer, msg.result, self._kept_weights(job, msg.result))
 
-    def _kept_weights(self, job: dict, result: dict) -> str:
+    def _kept_weights(self, job: JobRow, result: dict) -> str:
         """The sha256 of the weights a test score in ``result`` must be of: the final model the trainer
         sends with it (the router checks its bytes against this sha256 as it keeps them), or, for an
         evaluation task, the model the router handed it; "" when there is none."""
@@ -86,7 +86,7 @@ class JobResults:
             digest = {}
         return {**result, "model": {**model, "router_path": stored, **digest}}
 
-    def model(self, job: dict) -> Model:
+    def model(self, job: JobRow) -> Model:
         """The final weights of a succeeded job, as the router keeps them."""
         job_id = job["id"]
         if job["state"] != JobState.SUCCEEDED:

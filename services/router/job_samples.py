@@ -19,7 +19,7 @@ from libbus.order import history
 from libbus.order.epochs import MAX_SKIP_RANGES
 from libbus.wire.messages import GetJobSamples, JobSamples, Ok, SkipJob
 
-from .store import JobStore, stored_spec
+from .store import JobRow, JobStore, stored_spec
 
 __all__ = ["CHECKPOINTS_LOOKED_AT", "Skipped", "skip", "step_samples"]
 
@@ -31,7 +31,7 @@ CHECKPOINTS_LOOKED_AT = 200
 class Skipped:
     """A skip written to the store: the job as it was read before it, the event's reason, the reply."""
 
-    job: dict
+    job: JobRow
     reason: str
     reply: Ok
 
@@ -59,7 +59,7 @@ def step_samples(store: JobStore, msg: GetJobSamples, split_size: Callable[[str]
             f"most {history.MAX_RANGE}: ask for one rank's (--rank), or an epoch's range of its positions"
         )
     out = history.step_samples(spec, segments, msg.step, n=n, rank=rank)
-    done = int((job.get("progress") or {}).get("step", 0) or 0)
+    done = int((job["progress"] or {}).get("step", 0) or 0)
     note = (
         f"step {msg.step} is not trained yet (the job is at step {done}): its planned samples"
         if msg.step > done
@@ -111,7 +111,7 @@ def skip(store: JobStore, by: str, msg: SkipJob, split_size: Callable[[str], int
     new = spec.updated(**changes)
     target = job["checkpoint"]
     if steps:
-        before = [c for c in job.get("checkpoints", []) if int(c["step"]) < steps[0][0]]
+        before = [c for c in job["checkpoints"] if c["step"] < steps[0][0]]
         target = before[-1] if before else None
     where = f"rewinds to the checkpoint of step {target['step']}" if target else "starts over from step 0"
     what = f"steps {_shown_ranges(steps)}" if steps else ""

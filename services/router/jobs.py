@@ -53,7 +53,7 @@ from . import job_samples
 from .artifacts import Artifacts
 from .job_results import JobResults, current_model
 from .scores import TestScores
-from .store import JobStore, stored_spec
+from .store import JobRow, JobStore, stored_spec
 
 __all__ = ["EVAL_ACK_TIMEOUT_S", "JobControl"]
 
@@ -195,7 +195,7 @@ class JobControl:
         log.info("job %s: %s requested by %s, sent to %s", job_id, what, by, trainer)
         return future
 
-    def _without_trainer(self, by: str, job: dict, command: JobCommand, spec: JobSpec | None) -> Ok:
+    def _without_trainer(self, by: str, job: JobRow, command: JobCommand, spec: JobSpec | None) -> Ok:
         job_id, state = job["id"], JobState(job["state"])
         if command is JobCommand.STOP:
             self.store.finish(job_id, JobState.STOPPED, f"stopped by {by} while {state}")
@@ -218,7 +218,7 @@ class JobControl:
         }.get(command, JobCommand.CHECKPOINT.value)
         raise BadRequest(f"job {job_id} is {state} on no trainer; only a job a trainer holds can {what}")
 
-    def _restart(self, by: str, job: dict) -> Ok:
+    def _restart(self, by: str, job: JobRow) -> Ok:
         """Resume a stopped or failed job: back in the queue, from its last checkpoint."""
         ckpt = job["checkpoint"]
         where = f"from step {ckpt['step']}" if ckpt else "from the start (no checkpoint)"
@@ -226,7 +226,7 @@ class JobControl:
         return Ok(detail={"state": JobState.QUEUED, "resume": ckpt})
 
     # -- trainer reports ----------------------------------------------------------------------------
-    def own(self, trainer: str, job_id: str) -> dict:
+    def own(self, trainer: str, job_id: str) -> JobRow:
         """The job ``trainer`` holds, or :class:`Forbidden` telling it to abandon the job."""
         job = self.store.get(job_id, events=False)
         if not JobState(job["state"]).holding or job["trainer"] != trainer:
@@ -433,7 +433,7 @@ class JobControl:
                 if not p.future.done():
                     p.future.set_exception(Unavailable(f"{why} before acknowledging {p.command}"))
 
-    def _lose(self, job: dict, reason: str) -> None:
+    def _lose(self, job: JobRow, reason: str) -> None:
         self._forget_commands(job["id"], f"job {job['id']} lost trainer {job['trainer']}")
         if job["id"] in self.stop_requested:
             self.stop_requested.discard(job["id"])

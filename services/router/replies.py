@@ -11,6 +11,8 @@ import orjson
 
 from libbus.constants import MAX_HEADER_BYTES, KiB
 
+from .store import JobView
+
 __all__ = ["REPLY_BUDGET", "fit_list", "fit_job", "fit_rows"]
 
 #: Bytes of rows or history one reply may carry; the rest of the header stays well inside the limit.
@@ -37,25 +39,28 @@ def fit_list(rows: list, budget: int = REPLY_BUDGET) -> tuple[list, str]:
     )
 
 
-def fit_job(job: dict, budget: int = REPLY_BUDGET) -> tuple[dict, str]:
+def fit_job(job: JobView, budget: int = REPLY_BUDGET) -> tuple[JobView, str]:
     """``job`` cut to ``budget`` bytes: oldest progress reports first, then oldest events; a note
     says what was cut."""
     if _size(job) <= budget:
         return job, ""
-    job = dict(job)
+    job = job.copy()  # the lists cut are new ones: the caller's record is left whole
     cut = []
-    for key in ("progress_history", "events"):
-        items = job.get(key)
-        if not isinstance(items, list) or not items:
-            continue
-        before = len(items)
-        while items and _size(job) > budget:
-            items = items[len(items) // 2 + 1 :] if key == "progress_history" else items[1:]
-            job[key] = items
-        if len(items) < before:
-            cut.append(f"{before - len(items)} oldest of {before} {key.replace('_', ' ')}")
-        if _size(job) <= budget:
-            break
+    reports = job.get("progress_history", [])
+    before = len(reports)
+    while reports and _size(job) > budget:
+        reports = reports[len(reports) // 2 + 1 :]
+        job["progress_history"] = reports
+    if len(reports) < before:
+        cut.append(f"{before - len(reports)} oldest of {before} progress history")
+    if _size(job) > budget:
+        events = job["events"]
+        before = len(events)
+        while events and _size(job) > budget:
+            events = events[1:]
+            job["events"] = events
+        if len(events) < before:
+            cut.append(f"{before - len(events)} oldest of {before} events")
     if _size(job) > budget:
         cut.append("the stored result (too large for one reply)")
         job["result"] = {"truncated": True}

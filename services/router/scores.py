@@ -23,7 +23,7 @@ from collections import OrderedDict
 from libbus.jobs.state import JobState
 from libbus.wire.messages import EvaluationReport, Ok
 
-from .store import stored_spec
+from .store import JobRow, stored_spec
 
 __all__ = ["TEST_KEYS", "TestScores"]
 
@@ -52,7 +52,7 @@ class TestScores:
         #: job -> (trainer subject, provider name, report), the latest per job.
         self._pending: OrderedDict[str, tuple[str, str, EvaluationReport]] = OrderedDict()
 
-    def on_report(self, provider: str, msg: EvaluationReport, job: dict | None) -> Ok:
+    def on_report(self, provider: str, msg: EvaluationReport, job: JobRow | None) -> Ok:
         """Keep ``msg`` (from ``provider``) if ``job`` (the stored row, None if unknown) runs on the
         subject that asked for the evaluation, on the dataset scored; else say why it was not kept."""
         if job is None or not JobState(job["state"]).holding or job["trainer"] != msg.subject:

@@ -19,7 +19,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict, cast
+from typing import Any, Literal, NamedTuple, NotRequired, TypedDict, cast, overload
 
 import orjson
 
@@ -31,7 +31,18 @@ from libbus.security.auth import private_dir
 
 from .store_db import ADDED_COLUMNS, INDEXES, SCHEMA, Durability
 
-__all__ = ["JobStore", "HOLDING_STATES", "StoredCheckpoint"]
+__all__ = [
+    "GangRecord",
+    "HOLDING_STATES",
+    "HeldGang",
+    "JobEvent",
+    "JobRecord",
+    "JobRow",
+    "JobStore",
+    "JobView",
+    "QueuedJob",
+    "StoredCheckpoint",
+]
 
 
 class StoredCheckpoint(TypedDict):
@@ -46,6 +57,82 @@ class StoredCheckpoint(TypedDict):
     bytes: NotRequired[int]
     trainer: str
     at: float
+
+
+class GangRecord(TypedDict):
+    """A gang job's ``gang`` column: its trainers by rank (rank 0 holds the lease and reports), where rank 0
+    waits for the others ("" until it said), the ranks handed their task, and the checkpoint of another job
+    its first rank was handed to start from (services/router/task_models.py), which every rank then gets."""
+
+    members: list[str]
+    rendezvous: str
+    delivered: list[int]
+    initial: NotRequired[StoredCheckpoint]
+
+
+class JobRow(TypedDict):
+    """A job as the store keeps it: a ``jobs`` row, its JSON columns parsed (``JobList.jobs``; a trainer's
+    ``Task`` is made from it). ``spec`` is the spec's JSON (:func:`stored_spec` types it); ``progress`` the
+    trainer's last progress report and ``result`` its result, with the job's own metrics among their keys."""
+
+    id: str
+    spec: dict[str, Any]
+    state: str
+    priority: int
+    #: Who holds the job (rank 0 of a gang); None while no trainer does.
+    trainer: str | None
+    attempts: int
+    created: float
+    updated: float
+    progress: dict[str, Any] | None
+    result: dict[str, Any] | None
+    error: str | None
+    lease_expires: float | None
+    #: Attempts lost (lease lapsed, abandoned) since it was last queued by an admin.
+    failures: int
+    #: The checkpoint its next attempt resumes from.
+    checkpoint: StoredCheckpoint | None
+    #: Only a job running on a gang (``world_size`` > 1) has one.
+    gang: GangRecord | None
+
+
+class JobEvent(TypedDict):
+    """One of a job's events: a state it entered, or a command and its acknowledgement (``state`` unchanged)."""
+
+    at: float
+    state: str
+    reason: str
+
+
+class JobRecord(JobRow):
+    """A job with its history (:meth:`JobStore.get` with ``events``): a page of its events and checkpoint
+    records, oldest first, and how many events are kept in all."""
+
+    events: list[JobEvent]
+    events_total: int
+    checkpoints: list[StoredCheckpoint]
+
+
+class JobView(JobRecord):
+    """A job as ``GetJob`` answers it (``JobInfo.job``, what ``busctl job show`` prints): its record and,
+    when asked for, its last progress reports, oldest first, each with its time ``at``."""
+
+    progress_history: NotRequired[list[dict[str, Any]]]
+
+
+class QueuedJob(TypedDict):
+    """A queued job as :meth:`JobStore.claim`'s ``accept`` sees it (and :meth:`JobStore.first_queued` gives
+    it): its id and its spec's JSON."""
+
+    id: str
+    spec: dict[str, Any]
+
+
+class HeldGang(NamedTuple):
+    """A held job that runs on a gang, with its gang (:meth:`JobStore.held_gangs`)."""
+
+    job: JobRow
+    gang: GangRecord
 
 
 #: States in which a trainer holds the job under a lease.
@@ -196,8 +283,8 @@ class JobStore:
                 "INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?", (now, _cut(reason), job)
             )
 
-    def claim(self, trainer: str, lease_s: float, accept: Callable[[dict], bool] | None = None) -> dict | None:
-        """Hand the best queued job (priority, then age) that ``accept`` takes (given ``{id, spec}``)
+    def claim(self, trainer: str, lease_s: float, accept: Callable[[QueuedJob], bool] | None = None) -> JobRow | None:
+        """Hand the best queued job (priority, then age) that ``accept`` takes (given its id and spec)
         to ``trainer`` under a lease of ``lease_s``; None when there is none. The job's last
         checkpoint (if any) comes with it."""
         now = time.time()
@@ -206,9 +293,7 @@ class JobStore:
             rows = self.db.execute(
                 "SELECT id, spec, checkpoint FROM jobs WHERE state = ? ORDER BY priority DESC, created", (_QUEUED,)
             )
-            row = next(
-                (r for r in rows if accept is None or accept({"id": r["id"], "spec": orjson.loads(r["spec"])})), None
-            )
+            row = next((r for r in rows if accept is None or accept(_queued(r))), None)
             if row is None:
                 return None
             self.db.execute(
@@ -226,11 +311,11 @@ class JobStore:
             self._segment(row["id"], now, row["spec"], row["checkpoint"], 1)
         return self.get(row["id"], events=False)
 
-    def first_queued(self, accept: Callable[[dict], bool] | None = None) -> dict | None:
-        """The queued job :meth:`claim` would hand out next (``{id, spec}``), without taking it."""
+    def first_queued(self, accept: Callable[[QueuedJob], bool] | None = None) -> QueuedJob | None:
+        """The queued job :meth:`claim` would hand out next, without taking it."""
         rows = self.db.execute("SELECT id, spec FROM jobs WHERE state = ? ORDER BY priority DESC, created", (_QUEUED,))
         for r in rows:
-            job = {"id": r["id"], "spec": orjson.loads(r["spec"])}
+            job = _queued(r)
             if accept is None or accept(job):
                 return job
         return None
@@ -238,7 +323,7 @@ class JobStore:
     def form_gang(self, job: str, members: list[str], lease_s: float) -> None:
         """Start a queued job on its gathered gang: ``members[0]`` (rank 0) holds the lease."""
         now = time.time()
-        gang = {"members": members, "rendezvous": "", "delivered": []}
+        gang: GangRecord = {"members": members, "rendezvous": "", "delivered": []}
         self.changes += 1
         with self.durability.write():
             row = self.db.execute("SELECT state, checkpoint FROM jobs WHERE id = ?", (job,)).fetchone()
@@ -261,12 +346,32 @@ class JobStore:
             spec = self.db.execute("SELECT spec FROM jobs WHERE id = ?", (job,)).fetchone()["spec"]
             self._segment(job, now, spec, row["checkpoint"], len(members))
 
-    def update_gang(self, job: str, reason: str = "", **changes) -> None:
-        """Change fields of a running job's gang (its ``rendezvous``, ranks ``delivered``)."""
-        gang = self._as_dict(self._row(job))["gang"]
+    def gang(self, job: str) -> GangRecord:
+        """The gang ``job`` runs on. Raises :class:`BadRequest` when it runs on none (not a gang job, or
+        not running)."""
+        gang = self._as_row(self._row(job))["gang"]
         if gang is None:
             raise BadRequest(f"job {job} has no gang")
-        gang.update(changes)
+        return gang
+
+    def update_gang(
+        self,
+        job: str,
+        reason: str = "",
+        *,
+        rendezvous: str | None = None,
+        delivered: builtins.list[int] | None = None,
+        initial: StoredCheckpoint | None = None,
+    ) -> None:
+        """Change fields of a running job's gang: rank 0's ``rendezvous``, the ranks ``delivered``, the
+        ``initial`` checkpoint its ranks start from (those given; :meth:`gang` raises for a job without one)."""
+        gang = self.gang(job)
+        if rendezvous is not None:
+            gang["rendezvous"] = rendezvous
+        if delivered is not None:
+            gang["delivered"] = delivered
+        if initial is not None:
+            gang["initial"] = initial
         self.changes += 1
         with self.durability.write():
             self.db.execute("UPDATE jobs SET gang = ? WHERE id = ?", (orjson.dumps(gang).decode(), job))
@@ -365,7 +470,7 @@ class JobStore:
             (job, job, SEGMENTS_KEPT),
         )
 
-    def rewind(self, job: str, spec: JobSpec, checkpoint: dict | None, reason: str) -> None:
+    def rewind(self, job: str, spec: JobSpec, checkpoint: StoredCheckpoint | None, reason: str) -> None:
         """Give ``job`` a new spec (its skips) and the checkpoint its next attempt resumes from (None:
         the start), in one write; the job's event says why (``busctl job skip``)."""
         now = time.time()
@@ -385,7 +490,7 @@ class JobStore:
         rows = self.db.execute("SELECT record FROM segments WHERE job = ? ORDER BY at, rowid", (job,)).fetchall()
         return [orjson.loads(r[0]) for r in rows]
 
-    def finish(self, job: str, state: str, reason: str, result: dict | None = None, error: str = "") -> None:
+    def finish(self, job: str, state: str, reason: str, result: dict[str, Any] | None = None, error: str = "") -> None:
         if state not in TERMINAL_STATES:
             raise BadRequest(f"a job ends {', '.join(TERMINAL_STATES)}, not {state!r}")
         self._transition(
@@ -443,31 +548,54 @@ class JobStore:
         return row
 
     @staticmethod
-    def _as_dict(row: sqlite3.Row) -> dict:
-        out = dict(row)
-        for key in ("spec", "progress", "result", "checkpoint", "gang"):
-            out[key] = orjson.loads(out[key]) if out[key] else None
-        return out
+    def _as_row(row: sqlite3.Row) -> JobRow:
+        """A ``jobs`` row as :class:`JobRow` (its keys in the table's column order, as the wire carries them)."""
+        return {
+            "id": row["id"],
+            "spec": orjson.loads(row["spec"]),
+            "state": row["state"],
+            "priority": row["priority"],
+            "trainer": row["trainer"],
+            "attempts": row["attempts"],
+            "created": row["created"],
+            "updated": row["updated"],
+            "progress": _json(row["progress"]),
+            "result": _json(row["result"]),
+            "error": row["error"],
+            "lease_expires": row["lease_expires"],
+            "failures": row["failures"],
+            "checkpoint": _json(row["checkpoint"]),
+            "gang": _json(row["gang"]),
+        }
 
-    def get(self, job: str, events: bool = True, limit: int = EVENTS_SHOWN, offset: int = 0) -> dict:
-        """The job record; with ``events``, also its events and checkpoint records (oldest first):
-        ``limit`` of them, skipping the ``offset`` newest (a page); ``events_total`` counts all kept."""
-        out = self._as_dict(self._row(job))
-        if events:
-            limit, offset = max(1, min(limit, 10000)), max(0, offset)
-            rows = self.db.execute(
-                "SELECT at, state, reason FROM events WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ? OFFSET ?",
-                (job, limit, offset),
-            ).fetchall()
-            out["events"] = [dict(r) for r in reversed(rows)]
-            out["events_total"] = self.db.execute("SELECT COUNT(*) FROM events WHERE job = ?", (job,)).fetchone()[0]
-            records = self.db.execute(
-                "SELECT record FROM checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?", (job, limit)
-            ).fetchall()
-            out["checkpoints"] = [orjson.loads(r[0]) for r in reversed(records)]
-        return out
+    @overload
+    def get(self, job: str, events: Literal[False]) -> JobRow: ...
 
-    def progress_history(self, job: str, limit: int = 100) -> list[dict]:
+    @overload
+    def get(self, job: str, events: Literal[True] = True, limit: int = EVENTS_SHOWN, offset: int = 0) -> JobRecord: ...
+
+    def get(self, job: str, events: bool = True, limit: int = EVENTS_SHOWN, offset: int = 0) -> JobRow | JobRecord:
+        """The job's row; with ``events``, its record: also its events and checkpoint records (oldest
+        first): ``limit`` of them, skipping the ``offset`` newest (a page); ``events_total`` counts all kept."""
+        row = self._as_row(self._row(job))
+        if not events:
+            return row
+        limit, offset = max(1, min(limit, 10000)), max(0, offset)
+        rows = self.db.execute(
+            "SELECT at, state, reason FROM events WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ? OFFSET ?",
+            (job, limit, offset),
+        ).fetchall()
+        records = self.db.execute(
+            "SELECT record FROM checkpoints WHERE job = ? ORDER BY at DESC, rowid DESC LIMIT ?", (job, limit)
+        ).fetchall()
+        return {
+            **row,
+            "events": [{"at": at, "state": state, "reason": reason} for at, state, reason in reversed(rows)],
+            "events_total": self.db.execute("SELECT COUNT(*) FROM events WHERE job = ?", (job,)).fetchone()[0],
+            "checkpoints": [orjson.loads(r[0]) for r in reversed(records)],
+        }
+
+    def progress_history(self, job: str, limit: int = 100) -> builtins.list[dict[str, Any]]:
         """The last ``limit`` progress reports of ``job``, oldest first, each with its time ``at``."""
         self._row(job)
         rows = self.db.execute(
@@ -475,7 +603,7 @@ class JobStore:
         ).fetchall()
         return [{"at": r[0], **orjson.loads(r[1])} for r in reversed(rows)]
 
-    def list(self, state: str | None = None, limit: int = 100, offset: int = 0) -> list[dict]:
+    def list(self, state: str | None = None, limit: int = 100, offset: int = 0) -> builtins.list[JobRow]:
         """Jobs, newest first: ``limit`` of them after skipping ``offset`` (a page)."""
         if state is not None and state not in JOB_STATES:
             raise BadRequest(f"unknown state {state!r}; expected one of {', '.join(JOB_STATES)}")
@@ -486,15 +614,16 @@ class JobStore:
             )
         else:
             rows = self.db.execute("SELECT * FROM jobs ORDER BY created DESC LIMIT ? OFFSET ?", (limit, offset))
-        return [self._as_dict(r) for r in rows.fetchall()]
+        return [self._as_row(r) for r in rows.fetchall()]
 
-    def held_by(self, trainer: str) -> builtins.list[dict]:
+    def held_by(self, trainer: str) -> builtins.list[JobRow]:
         """Jobs ``trainer`` holds now (as rank 0 of a gang too)."""
-        return [self._as_dict(r) for r in self.db.execute(_HELD + " AND trainer = ?", (*HOLDING_STATES, trainer))]
+        return [self._as_row(r) for r in self.db.execute(_HELD + " AND trainer = ?", (*HOLDING_STATES, trainer))]
 
-    def held_gangs(self) -> builtins.list[dict]:
-        """Held jobs that run on a gang (``world_size`` > 1)."""
-        return [self._as_dict(r) for r in self.db.execute(_HELD + " AND gang IS NOT NULL", HOLDING_STATES)]
+    def held_gangs(self) -> builtins.list[HeldGang]:
+        """Held jobs that run on a gang (``world_size`` > 1), each with its gang."""
+        held = [self._as_row(r) for r in self.db.execute(_HELD + " AND gang IS NOT NULL", HOLDING_STATES)]
+        return [HeldGang(job, job["gang"]) for job in held if job["gang"] is not None]
 
     def held_leases(self) -> builtins.list[tuple[str, str, float]]:
         """``(job, trainer, lease_expires)`` of every held job: the lease check, without the rows."""
@@ -522,9 +651,9 @@ class JobStore:
         cols, where = "id, updated", " AND json_extract(spec, '$.patience') > 0"  # the index jobs_watched
         return dict(self.db.execute(_HELD.replace("*", cols, 1) + where, HOLDING_STATES).fetchall())
 
-    def held(self) -> builtins.list[dict]:
+    def held(self) -> builtins.list[JobRow]:
         """Jobs a trainer holds now (running or paused, with a trainer)."""
-        return [self._as_dict(r) for r in self.db.execute(_HELD, HOLDING_STATES).fetchall()]
+        return [self._as_row(r) for r in self.db.execute(_HELD, HOLDING_STATES).fetchall()]
 
 
 def stored_spec(raw: dict) -> JobSpec:
@@ -532,6 +661,15 @@ def stored_spec(raw: dict) -> JobSpec:
     parses a spec it wrote (every spec was checked with :meth:`JobSpec.from_dict` where it entered, at
     submit or when a study made a trial)."""
     return JobSpec.from_dict(raw)
+
+
+def _json(text: str | None) -> Any:
+    """A JSON column's value: None when it holds none (NULL, or empty)."""
+    return orjson.loads(text) if text else None
+
+
+def _queued(row: sqlite3.Row) -> QueuedJob:
+    return {"id": row["id"], "spec": orjson.loads(row["spec"])}
 
 
 def _cut(reason: str) -> str:

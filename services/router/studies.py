@@ -30,7 +30,7 @@ from libbus.jobs.spec import JobSpec
 from libbus.jobs.state import JobState
 
 from . import pbt
-from .store import JobStore
+from .store import JobRow, JobStore
 from .studies_halving import BudgetHalvingPruner
 from .study_spec import StudySpec, trial_spec
 from .study_store import TRIAL_ENDED, StudyRow, StudyState, StudyStore, TrialRow, TrialState
@@ -435,7 +435,7 @@ class Studies:
             )
             self._stop_job(t["job"], f"study {study}: pruned")
 
-    def _ended(self, study: str, live: _Live, t: TrialRow, job: dict, reports: dict, study_state: str) -> None:
+    def _ended(self, study: str, live: _Live, t: TrialRow, job: JobRow, reports: dict, study_state: str) -> None:
         states = optuna.trial.TrialState
         spec, number = live.spec, t["number"]
         trial = live.trials.pop(number, None)
@@ -478,7 +478,7 @@ class Studies:
         self._stop_sent.add(job)
 
     # -- population-based training ---------------------------------------------------------------
-    def _exploit(self, study: str, live: _Live, number: int, job: dict, epoch: int) -> None:
+    def _exploit(self, study: str, live: _Live, number: int, job: JobRow, epoch: int) -> None:
         spec = live.spec
         last = spec.base.planned_epochs()
         if last is not None and epoch >= last:
@@ -543,12 +543,15 @@ def stored_study(row: StudyRow) -> StudySpec:
     return StudySpec.from_dict(row["spec"])
 
 
-def _epochs_trained(job: dict, reported: int) -> float:
+def _epochs_trained(job: JobRow, reported: int) -> float:
     """Epochs of training the job did (a fraction for a partial one): its last step (the last
-    report's, the result's, or a stopped job's final checkpoint's) over its steps per epoch."""
-    parts = [job["progress"] or {}, job["result"] or {}, job["checkpoint"] or {}]
-    per = next((p["steps_per_epoch"] for p in parts if isinstance(p.get("steps_per_epoch"), int)), 0)
-    steps = [p["step"] for p in parts if isinstance(p.get("step"), int)]
+    report's, the result's, or a stopped job's final checkpoint's) over its steps per epoch, which a
+    progress report says (a succeeded job's result is its last report; a checkpoint record has none)."""
+    reports = [job["progress"] or {}, job["result"] or {}]
+    per = next((r["steps_per_epoch"] for r in reports if isinstance(r.get("steps_per_epoch"), int)), 0)
+    steps = [r["step"] for r in reports if isinstance(r.get("step"), int)]
+    if job["checkpoint"] is not None:
+        steps.append(job["checkpoint"]["step"])
     if per > 0 and steps:
         return round(max(steps) / per, 2)
     return float(reported)

@@ -17,7 +17,7 @@ from libbus.wire.messages import Task
 
 from .artifacts import Artifacts
 from .job_results import UPLOAD
-from .store import JobStore, stored_spec
+from .store import JobRow, JobStore, StoredCheckpoint, stored_spec
 
 __all__ = ["TaskModels"]
 
@@ -95,8 +95,14 @@ class TaskModels:
         latest checkpoint record of a job that has not succeeded (``Task.initial``, taken now, at
         the moment the task is handed out, so it is the freshest). Any other task is returned as
         it is. ``spec`` is the task's, typed."""
+        self._attach(task, spec)
+        return task
+
+    def _attach(self, task: Task, spec: JobSpec) -> StoredCheckpoint | None:
+        """:meth:`attach_model`'s work; returns the checkpoint record the task starts from (None when it
+        carries a final model, or nothing)."""
         if spec.task != "evaluate" and not spec.model_from:
-            return task
+            return None
         source = task.job if spec.model_from == UPLOAD else spec.model_from
         if source != task.job and spec.task != "evaluate":
             try:
@@ -113,7 +119,7 @@ class TaskModels:
         except NotFound as err:
             self.store.finish(task.job, JobState.FAILED, f"the model it names is gone: {err}", error=str(err))
             raise
-        return task
+        return None
 
     def attach_gang_model(self, task: Task, spec: JobSpec) -> Task:
         """:meth:`attach_model` for a rank of a gang: every rank of one gang starts from the same
@@ -122,32 +128,32 @@ class TaskModels:
         gang formed again (a new attempt) takes a fresh one, as a single trainer's attempt does."""
         if spec.task == "evaluate" or not spec.model_from:
             return task
-        gang = self.store.get(task.job, events=False)["gang"] or {}
-        if gang.get("initial"):
-            task.initial = gang["initial"]
+        initial = self.store.gang(task.job).get("initial")  # a rank's task: its job runs on a gang
+        if initial is not None:
+            task.initial = dict(initial.items())  # the message's JSON object
             return task
-        task = self.attach_model(task, spec)
-        if task.initial:
-            self.store.update_gang(task.job, initial=task.initial)
+        initial = self._attach(task, spec)
+        if initial is not None:
+            self.store.update_gang(task.job, initial=initial)
         return task
 
-    def _attach_checkpoint(self, task: Task, source: dict) -> Task:
-        """``task`` starts from ``source``'s latest checkpoint (its model weights only)."""
+    def _attach_checkpoint(self, task: Task, source: JobRow) -> StoredCheckpoint:
+        """``task`` starts from ``source``'s latest checkpoint (its model weights only), which is returned."""
         record = source["checkpoint"]
         if not record:
             why = f"job {source['id']} ({source['state']}) has no checkpoint any more to start from"
             self.store.finish(task.job, JobState.FAILED, why, error=why)
             raise NotFound(why)
-        task.initial = record
+        task.initial = dict(record.items())  # the message's JSON object
         if task.resume is None:  # a fresh start: the weights it begins with (a resumed attempt has its own)
             self.store.event(
                 task.job,
                 f"starts from the weights of job {source['id']} ({source['state']}): its checkpoint at "
-                f"step {record['step']} (sha256 {str(record['sha256'])[:12]}…)",
+                f"step {record['step']} (sha256 {record['sha256'][:12]}…)",
             )
-        return task
+        return record
 
 
-def _holds_model(job: dict) -> bool:
+def _holds_model(job: JobRow) -> bool:
     """Whether ``job`` succeeded and the router holds its final model."""
     return job["state"] == JobState.SUCCEEDED and bool((job["result"] or {}).get("model", {}).get("router_path"))

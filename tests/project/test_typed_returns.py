@@ -24,7 +24,6 @@ BARE = re.compile(r"^(dict|Dict|dict\[str, (Any|object)\]|Dict\[str, (Any|object
 
 #: ``path::Qualified.name`` → why it returns a bare dict. Serialization boundaries return dicts by contract.
 ALLOWED: dict[str, str] = {
-    "cli/watch.py::watch_job": "not yet typed: the router's job row (JobInfo.job) as busctl prints it",
     "libbus/config.py::Settings.as_dict": "serialization: the settings as `busctl config show --json` prints them and an attempt is handed them",
     "libbus/config.py::Settings.redacted": "serialization: as_dict with credentials masked, for printing",
     "libbus/jobapi/job.py::Job.restore": "the job function's own state as it checkpointed it: its keys are the user's",
@@ -46,12 +45,8 @@ ALLOWED: dict[str, str] = {
     "services/provider/sources/pipeline/stages.py::Stage.control": "a stage's answer to a control command (Ok.detail, printed by busctl control): a user's stage answers its own commands with its own keys",
     "services/router/job_results.py::JobResults.keep_model": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
     "services/router/job_results.py::JobResults.scored": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
-    "services/router/jobs.py::JobControl.own": "not yet typed: the router's job row (JobStore.get), read by the router's handlers",
     "services/router/pbt.py::explore": "a job's params with its hyper-parameters perturbed: the spec's keys and an entrypoint's own (params.NAME)",
     "services/router/scores.py::TestScores.result": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
-    "services/router/store.py::JobStore.claim": "not yet typed: the router's job row (JobStore.get) handed to a trainer",
-    "services/router/store.py::JobStore.first_queued": "not yet typed: a queued job's id and spec, as claim's accept sees it",
-    "services/router/store.py::JobStore.get": "not yet typed: the router's job row (SQLite, its JSON columns parsed), read by the router's handlers",
     "services/router/study_spec.py::StudySpec.to_dict": "serialization: a study spec's JSON, the inverse of from_dict",
     "services/trainer/attempt/jobapi.py::AttemptJob._read": "the job function's own state as it checkpointed it: its keys are the user's",
     "services/trainer/attempt/jobapi.py::AttemptJob.restore": "the job function's own state as it checkpointed it: its keys are the user's",
