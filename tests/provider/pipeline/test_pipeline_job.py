@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from libbus.config import Settings
 from libbus.errors import Forbidden
 from libbus.loader.remote import RemoteLoader
 from libbus.wire.messages import BatchRequest, GetJob, StageControl, SubmitJob
@@ -152,15 +153,16 @@ def test_a_job_trains_the_cnn_on_a_pipeline_while_busctl_queues_shows_the_stages
     # every train and val sample of both epochs went through every stage; the evaluation's test split too
     final = stage_counters(busctl)
     served = provider.service.handler.served["aug"]["samples"]
-    # and at most inflight - 1 = 3 batches of 32 asked ahead by each loader after its last whole pass
-    assert 2 * (1000 + 200) <= served <= 2 * (1000 + 200) + 2 * 3 * 32
+    # and at most inflight - 1 batches of 32 asked ahead by each loader after its last whole pass
+    ahead = (Settings().inflight - 1) * 32
+    assert 2 * (1000 + 200) <= served <= 2 * (1000 + 200) + 2 * ahead
     assert final["flip"][1] == served + 200, (final, served)  # + the 200-sample test split, evaluated here
 
     code, out, err = busctl("control", name, "crop", "get", "--json")
     assert code == 0, err
     got = json.loads(out)
-    # both train epochs, and at most the 3 batches of 32 the trainer's loader asked ahead of epoch 2
-    assert 2 * 1000 <= got["result"].pop("items_since_anchor") <= 2 * 1000 + 3 * 32
+    # both train epochs, and at most the batches the trainer's loader asked ahead of epoch 2
+    assert 2 * 1000 <= got["result"].pop("items_since_anchor") <= 2 * 1000 + ahead
     assert got == {"dataset": "aug", "stage": "crop", "type": "random_crop", "result": {"seed": 7, "epoch": "request"}}
     code, out, err = busctl("control", name, "crop", "set", "seed=11", "epoch=3")
     assert code == 0, err
