@@ -22,6 +22,8 @@ remote dataset at once (:mod:`services.provider.fillers`), and their requests qu
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import os
 import threading
@@ -113,7 +115,8 @@ class InflightLimit:
         self.start = min(max(1, start), self.cap)
         #: Requests allowed in flight now.
         self.limit = self.start
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._inflight = 0
         self._window = (time.monotonic(), 0, 0)  # (started, requests done, bytes done)
         self._full = False  # the limit was reached during this window
@@ -123,30 +126,62 @@ class InflightLimit:
         self._flat = 0  # windows in a row with the rate steady
         self._size = 0.0  # bytes a request in the last window judged
         self._waiting = 0  # requests waiting for a place now
+        # those waiting: ((due, arrival), their own condition), earliest due first
+        self._queue: list[tuple[tuple[float, int], threading.Condition]] = []
+        self._order = itertools.count()
 
     @property
     def inflight(self) -> int:
         return self._inflight
 
-    def acquire(self, timeout_s: float | None = None, n: int = 1) -> bool:
+    def acquire(self, timeout_s: float | None = None, n: int = 1, due: float | None = None) -> bool:
         """Take a place (``n`` places, all or none: requests sent together; more than the limit only when
-        none is taken); False when they did not come within ``timeout_s`` (``None``: wait as long as it takes)."""
+        none is taken); False when they did not come within ``timeout_s`` (``None``: wait as long as it takes).
+
+        Places go earliest ``due`` first (a batch's deadline; default: this call's own), then first come:
+        the requests of the batch asked for first go before those of the batches behind it. Served in the
+        order they came, every batch in flight got a share of each place freed, all of them finished
+        together, late, and past their deadline they were asked again: a store answering 400 requests a
+        second behind 8 batches of 370 requests each fell from 300 samples/s to 34."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self._inflight and self._inflight + n > self.limit:
-                self._full = True
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._waiting += 1
-                try:
-                    self._cond.wait(left)
-                finally:
-                    self._waiting -= 1
-            self._inflight += n
-            if self._inflight >= self.limit:
-                self._full = True
-            return True
+            if not self._queue and self._fits(n):
+                return self._take(n)
+            me = (due if due is not None else deadline if deadline is not None else math.inf, next(self._order))
+            turn = threading.Condition(self._lock)  # the same lock: woken alone, when it is first in line
+            heapq.heappush(self._queue, (me, turn))
+            self._waiting += 1
+            try:
+                while self._queue[0][0] != me or not self._fits(n):
+                    self._full = True
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    turn.wait(left)
+                heapq.heappop(self._queue)
+                return self._take(n)
+            finally:
+                self._waiting -= 1
+                if self._queue and self._queue[0][0] == me:  # gave up first in line
+                    heapq.heappop(self._queue)
+                elif any(entry[0] == me for entry in self._queue):  # gave up further back
+                    self._queue = [entry for entry in self._queue if entry[0] != me]
+                    heapq.heapify(self._queue)
+                self._wake_first()
+
+    def _fits(self, n: int) -> bool:
+        return not self._inflight or self._inflight + n <= self.limit
+
+    def _take(self, n: int) -> bool:
+        self._inflight += n
+        if self._inflight >= self.limit:
+            self._full = True
+        return True
+
+    def _wake_first(self) -> None:
+        """Wake the first in line if its places are free (caller holds the lock); it wakes the next."""
+        if self._queue and self._fits(1):
+            self._queue[0][1].notify()
 
     def release(self, nbytes: int = 0, throttled: bool = False, n: int = 1) -> None:
         """Give the place (``n`` places) back, counting ``nbytes`` delivered by its ``n`` requests;
@@ -158,10 +193,9 @@ class InflightLimit:
                 self._window, self._full = (time.monotonic(), 0, 0), False
             else:
                 self._count(nbytes, n)
-            # wake only as many waiters as there are places: waking all of them (a hundred reader
-            # threads of a busy dataset) to find the one place taken costs each a GIL turn, taken from
-            # the serving loop, per request completed
-            self._cond.notify(max(0, self.limit - self._inflight))
+            # wake only the first in line: waking all of them (a hundred reader threads of a busy
+            # dataset) to find the one place taken costs each a GIL turn, taken from the serving loop
+            self._wake_first()
 
     @contextmanager
     def slot(self) -> Iterator[list[int]]:

@@ -222,7 +222,7 @@ class ObjectClient:
     def _get(self, obj: ObjectMeta, start: int, length: int, deadline: float, where: str) -> memoryview:
         """One request, within the dataset's limit and the host's."""
         s = self.settings
-        if not self.inflight.acquire(max(0.0, deadline - time.monotonic())):
+        if not self.inflight.acquire(max(0.0, deadline - time.monotonic()), due=deadline):
             raise ObjectError(
                 f"GET {where}: no request slot free within the batch's {s.deadline_s:g} s deadline "
                 f"({self.inflight.limit} of this dataset in flight)"
