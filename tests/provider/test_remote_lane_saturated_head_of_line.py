@@ -71,7 +71,7 @@ def test_a_saturated_remote_lane_holds_up_no_session_and_no_other_dataset(tmp_pa
 
 
 def test_every_request_waiting_for_a_place_gets_one_and_no_more_than_the_limit_run_at_once():
-    """A release wakes as many waiters as there are places (not all of them); none is left waiting,
+    """A release wakes the first in line (not all of them), who wakes the next; none is left waiting,
     whether places come back one by one or the limit is halved by a throttled store on the way."""
     limit = InflightLimit(start=3, cap=3)
     lock, running, most, done = threading.Lock(), [0], [0], []
@@ -91,7 +91,7 @@ def test_every_request_waiting_for_a_place_gets_one_and_no_more_than_the_limit_r
     threads = [threading.Thread(target=request, args=(i,)) for i in range(40)]
     for t in threads:
         t.start()
-    wait_until(lambda: limit.inflight == 3 and limit._waiting == 37, "three places taken, 37 requests waiting")
+    wait_until(lambda: limit.inflight == 3 and limit.waiting == 37, "three places taken, 37 requests waiting")
     gate.set()
     for t in threads:
         t.join(WAIT_S)

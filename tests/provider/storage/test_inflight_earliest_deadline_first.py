@@ -10,13 +10,13 @@ from __future__ import annotations
 import threading
 import time
 
-from services.provider.sources.storage.inflight import InflightLimit
+from services.provider.sources.storage.inflight import InflightLimit, Slots
 
 
 def _waiting(limit: InflightLimit, n: int) -> None:
     deadline = time.monotonic() + 30
-    while limit._waiting < n:
-        assert time.monotonic() < deadline, f"{limit._waiting} of {n} waiters queued"
+    while limit.waiting < n:
+        assert time.monotonic() < deadline, f"{limit.waiting} of {n} waiters queued"
         time.sleep(0.005)
 
 
@@ -81,3 +81,29 @@ def test_one_that_gives_up_first_in_line_passes_its_turn_on_and_none_is_stranded
     limit.release(2048, n=2)
     single.join(30)
     assert got == [5.0, 9.0] and limit.inflight == 1
+
+
+def test_the_hosts_places_go_earliest_due_first_too():
+    """The provider-wide places for one store host (every dataset on it) keep the same order: a batch's
+    requests are not overtaken there by the batches asked for after it."""
+    host = Slots(1)
+    assert host.acquire()
+    got: list[float] = []
+
+    def wait(due: float) -> None:
+        if host.acquire(due=due):
+            got.append(due)
+            host.release()
+
+    threads = []
+    for i, due in enumerate((3.0, 1.0, 2.0)):
+        threads.append(threading.Thread(target=wait, args=(due,), daemon=True))
+        threads[-1].start()
+        deadline = time.monotonic() + 30
+        while len(host._line) < i + 1:
+            assert time.monotonic() < deadline, "a waiter never queued"
+            time.sleep(0.005)
+    host.release()
+    for t in threads:
+        t.join(30)
+    assert got == [1.0, 2.0, 3.0] and not any(t.is_alive() for t in threads)

@@ -28,10 +28,10 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["GAIN", "GROW", "SHRINK", "READER_NICE", "InflightLimit", "Slots", "host_slots", "lower_priority"]
+__all__ = ["GAIN", "GROW", "SHRINK", "READER_NICE", "InflightLimit", "Line", "Slots", "host_slots", "lower_priority"]
 
 #: The limit's step up while throughput rises, and down once it stops.
 GROW, SHRINK = 1.5, 0.8
@@ -62,31 +62,76 @@ def lower_priority() -> None:
         pass
 
 
+class Line:
+    """Callers waiting for places, served earliest ``due`` first (a batch's deadline), then in the order
+    they came; each waits on a condition of its own and is woken alone, when it is first in line and a
+    place is free. Served in arrival order instead, every batch in flight got a share of each place
+    freed, all of them finished together, late, and past their deadline they were asked again: a store
+    answering 400 requests a second behind 8 batches of 370 requests each fell from 300 samples/s to 34
+    (docs/performance.md, "Data behind a network"). The caller holds ``lock`` around each call."""
+
+    def __init__(self, lock: threading.Lock):
+        self._lock = lock
+        self._queue: list[tuple[tuple[float, int], threading.Condition]] = []
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def wait(self, n: int, fits: Callable[[int], bool], deadline: float | None, due: float | None) -> bool:
+        """Wait until this caller is first in line and ``fits(n)``; False when ``deadline`` passed first."""
+        if not self._queue and fits(n):
+            return True
+        me = (due if due is not None else deadline if deadline is not None else math.inf, next(self._order))
+        turn = threading.Condition(self._lock)
+        heapq.heappush(self._queue, (me, turn))
+        try:
+            while self._queue[0][0] != me or not fits(n):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                turn.wait(left)
+            heapq.heappop(self._queue)
+            return True
+        finally:
+            if any(entry[0] == me for entry in self._queue):  # gave up waiting
+                self._queue = [entry for entry in self._queue if entry[0] != me]
+                heapq.heapify(self._queue)
+            self.wake(fits)
+
+    def wake(self, fits: Callable[[int], bool]) -> None:
+        """Wake the first in line if a place is free (it wakes the next once it has taken its own)."""
+        if self._queue and fits(1):
+            self._queue[0][1].notify()
+
+
 class Slots:
     """At most ``limit`` requests at once, a caller taking one or several places together (the ranges of one
-    call that sends them side by side), all or none; one asking for more than ``limit`` runs alone."""
+    call that sends them side by side), all or none; one asking for more than ``limit`` runs alone. Places
+    go earliest ``due`` first (:class:`Line`)."""
 
     def __init__(self, limit: int):
         self.limit = max(1, limit)
         self._held = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._line = Line(self._lock)
 
-    def acquire(self, n: int = 1, timeout: float | None = None) -> bool:
+    def _fits(self, n: int) -> bool:
+        return not self._held or self._held + n <= self.limit
+
+    def acquire(self, n: int = 1, timeout: float | None = None, due: float | None = None) -> bool:
         """Take ``n`` places; False when they were not free within ``timeout`` (``None``: no bound)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._held and self._held + n > self.limit:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
+        with self._lock:
+            if not self._line.wait(n, self._fits, deadline, due):
+                return False
             self._held += n
             return True
 
     def release(self, n: int = 1) -> None:
-        with self._cond:
+        with self._lock:
             self._held -= n
-            self._cond.notify_all()  # waiters ask for different numbers of places: each looks
+            self._line.wake(self._fits)
 
     def __enter__(self) -> Slots:
         self.acquire()
@@ -125,63 +170,35 @@ class InflightLimit:
         self._above: int | None = None  # the limit before the last step down, until the next window judges it
         self._flat = 0  # windows in a row with the rate steady
         self._size = 0.0  # bytes a request in the last window judged
-        self._waiting = 0  # requests waiting for a place now
-        # those waiting: ((due, arrival), their own condition), earliest due first
-        self._queue: list[tuple[tuple[float, int], threading.Condition]] = []
-        self._order = itertools.count()
+        self._line = Line(self._lock)  # requests waiting for a place now
 
     @property
     def inflight(self) -> int:
         return self._inflight
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a place now."""
+        return len(self._line)
+
     def acquire(self, timeout_s: float | None = None, n: int = 1, due: float | None = None) -> bool:
         """Take a place (``n`` places, all or none: requests sent together; more than the limit only when
-        none is taken); False when they did not come within ``timeout_s`` (``None``: wait as long as it takes).
-
-        Places go earliest ``due`` first (a batch's deadline; default: this call's own), then first come:
-        the requests of the batch asked for first go before those of the batches behind it. Served in the
-        order they came, every batch in flight got a share of each place freed, all of them finished
-        together, late, and past their deadline they were asked again: a store answering 400 requests a
-        second behind 8 batches of 370 requests each fell from 300 samples/s to 34."""
+        none is taken); False when they did not come within ``timeout_s`` (``None``: wait as long as it
+        takes). Places go earliest ``due`` first (a batch's deadline; default: this call's own), then
+        first come (:class:`Line`): the requests of the batch asked for first go before those behind it."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            if not self._queue and self._fits(n):
-                return self._take(n)
-            me = (due if due is not None else deadline if deadline is not None else math.inf, next(self._order))
-            turn = threading.Condition(self._lock)  # the same lock: woken alone, when it is first in line
-            heapq.heappush(self._queue, (me, turn))
-            self._waiting += 1
-            try:
-                while self._queue[0][0] != me or not self._fits(n):
-                    self._full = True
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        return False
-                    turn.wait(left)
-                heapq.heappop(self._queue)
-                return self._take(n)
-            finally:
-                self._waiting -= 1
-                if self._queue and self._queue[0][0] == me:  # gave up first in line
-                    heapq.heappop(self._queue)
-                elif any(entry[0] == me for entry in self._queue):  # gave up further back
-                    self._queue = [entry for entry in self._queue if entry[0] != me]
-                    heapq.heapify(self._queue)
-                self._wake_first()
+            if self._line or not self._fits(n):
+                self._full = True  # the limit holds a request back
+            if not self._line.wait(n, self._fits, deadline, due):
+                return False
+            self._inflight += n
+            if self._inflight >= self.limit:
+                self._full = True
+            return True
 
     def _fits(self, n: int) -> bool:
         return not self._inflight or self._inflight + n <= self.limit
-
-    def _take(self, n: int) -> bool:
-        self._inflight += n
-        if self._inflight >= self.limit:
-            self._full = True
-        return True
-
-    def _wake_first(self) -> None:
-        """Wake the first in line if its places are free (caller holds the lock); it wakes the next."""
-        if self._queue and self._fits(1):
-            self._queue[0][1].notify()
 
     def release(self, nbytes: int = 0, throttled: bool = False, n: int = 1) -> None:
         """Give the place (``n`` places) back, counting ``nbytes`` delivered by its ``n`` requests;
@@ -195,7 +212,7 @@ class InflightLimit:
                 self._count(nbytes, n)
             # wake only the first in line: waking all of them (a hundred reader threads of a busy
             # dataset) to find the one place taken costs each a GIL turn, taken from the serving loop
-            self._wake_first()
+            self._line.wake(self._fits)
 
     @contextmanager
     def slot(self) -> Iterator[list[int]]:
@@ -214,7 +231,7 @@ class InflightLimit:
         if now - started < WINDOW_S or requests < self.limit:
             self._window = (started, requests, total)
             return
-        if self._full and self._waiting:  # the limit held the dataset back all along: its rate is the limit's
+        if self._full and self._line:  # the limit held the dataset back all along: its rate is the limit's
             self._step(total / (now - started), total / requests)
         self._window, self._full = (now, 0, 0), False
 

@@ -229,7 +229,7 @@ class ObjectClient:
             )
         got, throttled = 0, False
         try:
-            if not self._host.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            if not self._host.acquire(timeout=max(0.0, deadline - time.monotonic()), due=deadline):
                 raise ObjectError(
                     f"GET {where}: no request slot free for {self.backend.host} within the batch's "
                     f"{s.deadline_s:g} s deadline ({s.host_concurrency} in flight from this provider)"
