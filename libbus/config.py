@@ -94,7 +94,7 @@ class Settings:
     max_msg_bytes: int = C.MAX_MSG_BYTES
     hwm: int = C.HWM
     #: Trainer: batch requests kept in flight per loader.
-    inflight: int = 8
+    inflight: int = 4
     #: Trainer: connections per loader to each provider on another host (0: 1 for batches under 4 MiB,
     #: else 2; at most ``inflight``); a same-host provider keeps one (docs/python-api.md, flows).
     flows: int = 0

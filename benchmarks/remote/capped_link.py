@@ -87,7 +87,7 @@ class StoreLink(CappedLink):
 
 
 #: The capped-link loader's batches in flight by default (RemoteLoader's default); ``--htb-inflight`` sets it.
-HTB_INFLIGHT = 8
+HTB_INFLIGHT = 4
 #: The most batches in flight ``--htb-inflight`` takes (each holds a batch of 256 samples, 3 MB, in the loader).
 MAX_HTB_INFLIGHT = 64
 

@@ -193,7 +193,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         world_size: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         drop_uneven: bool | None = None,
-        inflight: int = 8,
+        inflight: int = 4,
         read_ahead: int = READ_AHEAD,
         flows: int | None = None,
         timeout_s: float = REQUEST_TIMEOUT_S,
