@@ -297,7 +297,8 @@ class JobStore:
             if row is None:
                 return None
             self.db.execute(
-                "UPDATE jobs SET state = ?, trainer = ?, attempts = attempts + 1, "
+                # a new attempt has reported nothing yet: the last one's step (or "paused") is not its
+                "UPDATE jobs SET state = ?, trainer = ?, attempts = attempts + 1, progress = NULL, "
                 "lease_expires = ?, updated = ? WHERE id = ?",
                 (_RUNNING, trainer, now + lease_s, now, row["id"]),
             )
@@ -330,7 +331,7 @@ class JobStore:
             if row is None or row["state"] != _QUEUED:
                 raise BadRequest(f"job {job} is not queued; its gang cannot start it")
             self.db.execute(
-                "UPDATE jobs SET state = ?, trainer = ?, gang = ?, attempts = attempts + 1, "
+                "UPDATE jobs SET state = ?, trainer = ?, gang = ?, attempts = attempts + 1, progress = NULL, "
                 "lease_expires = ?, updated = ? WHERE id = ?",
                 (_RUNNING, members[0], orjson.dumps(gang).decode(), now + lease_s, now, job),
             )

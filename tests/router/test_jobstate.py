@@ -76,3 +76,23 @@ def test_every_command_an_admin_may_send_is_one_the_cli_or_the_router_sends():
     assert JobCommand.SHUTDOWN not in ADMIN_COMMANDS  # the trainer's own: never from the wire
     assert {c for c in ADMIN_COMMANDS if c.takes_args} == {JobCommand.SET, JobCommand.ADOPT}
     assert str(JobCommand.STOP) == "stop" and JobCommand("eval").slow
+
+
+def test_a_job_handed_to_a_new_trainer_shows_no_progress_of_the_attempt_before(tmp_path):
+    """busctl job show, top and job watch read the job row's last report: after a lost lease, the next
+    attempt (alone, or a gang) must not show the last one's step and its "paused" until it reports."""
+    store = JobStore(str(tmp_path / "router.db"))
+    job = store.submit(JobSpec.from_dict({"dataset": "mnist"}))
+    store.claim("t1", 10)
+    store.set_progress(job, {"step": 15, "state": "paused"}, 10)
+    assert store.get(job)["progress"] == {"step": 15, "state": "paused"}
+    store.release(job, "lease lapsed", lost=True)
+    row = store.claim("t2", 10)
+    assert row is not None and row["trainer"] == "t2" and row["attempts"] == 2 and row["progress"] is None
+    store.set_progress(job, {"step": 3}, 10)
+    assert store.get(job)["progress"] == {"step": 3}
+    # the last report is kept in the history all the same
+    assert [p["step"] for p in store.progress_history(job)] == [15, 3]
+    store.release(job, "lease lapsed", lost=True)
+    store.form_gang(job, ["t3", "t4"], 10)
+    assert store.get(job)["progress"] is None
