@@ -19,23 +19,27 @@ from tests.support import REPO
 
 ROOTS = ("libbus", "services", "cli", "shm")
 
-#: Return annotations that say nothing of the keys (``| None`` beside them says nothing more).
-BARE = re.compile(r"^(dict|Dict|dict\[str, (Any|object)\]|Dict\[str, (Any|object)\])( \| None)?$")
+#: Return annotations that say nothing of the keys (``| None`` beside them says nothing more): a bare dict,
+#: or a list of them (rows).
+_DICT = r"(dict|Dict|dict\[str, (Any|object)\]|Dict\[str, (Any|object)\])"
+BARE = re.compile(rf"^({_DICT}|(builtins\.)?(list|List)\[{_DICT}\])( \| None)?$")
 
 #: ``path::Qualified.name`` → why it returns a bare dict. Serialization boundaries return dicts by contract.
 ALLOWED: dict[str, str] = {
     "libbus/config.py::Settings.as_dict": "serialization: the settings as `busctl config show --json` prints them and an attempt is handed them",
     "libbus/config.py::Settings.redacted": "serialization: as_dict with credentials masked, for printing",
     "libbus/jobapi/job.py::Job.restore": "the job function's own state as it checkpointed it: its keys are the user's",
-    "libbus/jobs/spec.py::JobSpec.settable": "a job's own keys: an entrypoint's params (or a built-in job's SETTABLE "
-    "hyper-parameters), what busctl job set may change",
+    "libbus/jobs/spec.py::JobSpec.settable": "a job's own keys: an entrypoint's params (or a built-in job's SETTABLE hyper-parameters), what busctl job set may change",
     "libbus/jobs/spec.py::JobSpec.to_dict": "serialization: a spec's JSON, the inverse of from_dict",
     "libbus/jobs/spec.py::SpikeSpec.to_dict": "serialization: a spec's JSON, the inverse of from_dict",
     "libbus/loader/remote.py::RemoteLoader.state_dict": "PyTorch's state_dict contract: what load_state_dict and torch.distributed.checkpoint load",
+    "libbus/loader/replica.py::entries_of": "not yet typed: a provider's entry (endpoint, keys, host) as the router's Resolve answers it, a list of rows",
+    "libbus/loader/replica_set.py::ReplicaSet.resolve": "not yet typed: a provider's entry (endpoint, keys, host) as the router's Resolve answers it, a list of rows",
     "libbus/order/elastic.py::merge": "a state_dict (PyTorch's contract) for load_state_dict, merged from the ranks'",
     "libbus/order/elastic.py::merge_cursors": "a state_dict (PyTorch's contract) for load_state_dict, merged from the ranks'",
     "libbus/order/elastic.py::state": "the loader's state_dict contents (PyTorch's contract), with its elastic plan",
     "libbus/order/epochs.py::Order.state": "the loader's state_dict contents (PyTorch's contract): the cursor and its settings",
+    "libbus/order/history.py::step_samples": "not yet typed: a step's samples as JobSamples carries them, a list of rows",
     "libbus/wire/frames.py::Message.header": "serialization: a frame's JSON header, checked against the message's annotations",
     "services/provider/sources/formats/dataset_toml.py::parse_dataset_toml": "dataset.toml as its author wrote it, its keys checked: parse_settings (DatasetSettings) and the raw layout check the values they read",
     "services/provider/sources/formats/location.py::Location.toml": "dataset.toml as its author wrote it, its keys checked: parse_settings (DatasetSettings) and the raw layout check the values they read",
@@ -43,16 +47,25 @@ ALLOWED: dict[str, str] = {
     "services/provider/sources/pipeline/engine.py::stage_control": "Ok.detail of StageControl: the stage's answer (its keys are the stage's) under dataset, stage and type",
     "services/provider/sources/pipeline/stages.py::RandomStage.control": "a stage's answer to a control command (Ok.detail, printed by busctl control): a user's stage answers its own commands with its own keys",
     "services/provider/sources/pipeline/stages.py::Stage.control": "a stage's answer to a control command (Ok.detail, printed by busctl control): a user's stage answers its own commands with its own keys",
+    "services/router/grants.py::Revocations.active": "not yet typed: the revocations pushed to providers, a list of rows",
     "services/router/job_results.py::JobResults.keep_model": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
     "services/router/job_results.py::JobResults.scored": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
     "services/router/pbt.py::explore": "a job's params with its hyper-parameters perturbed: the spec's keys and an entrypoint's own (params.NAME)",
     "services/router/scores.py::TestScores.result": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
+    "services/router/store.py::JobStore.held_grants": "not yet typed: the held jobs' grant fields (a part of JobRow), a list of rows",
+    "services/router/store.py::JobStore.held_grants_ids": "not yet typed: the held jobs' grant fields (a part of JobRow), a list of rows",
+    "services/router/store.py::JobStore.progress_history": "a job's progress reports as its trainer sent them, each with its time: their keys include the job's own metrics",
+    "services/router/store.py::JobStore.segments": "not yet typed: a job's order segments (the settings each attempt read under), a list of rows",
+    "services/router/studies.py::Studies.list": "not yet typed: the studies as ListStudies answers them, a list of rows",
     "services/router/study_spec.py::StudySpec.to_dict": "serialization: a study spec's JSON, the inverse of from_dict",
     "services/trainer/attempt/jobapi.py::AttemptJob._read": "the job function's own state as it checkpointed it: its keys are the user's",
     "services/trainer/attempt/jobapi.py::AttemptJob.restore": "the job function's own state as it checkpointed it: its keys are the user's",
     "services/trainer/attempt_user.py::AttemptUser.as_dict": "serialization: handed to the attempt's process, the inverse of from_dict",
     "services/trainer/service/attempt_settings.py::attempt_settings": "serialization: Settings.as_dict as the attempt's process is handed it, credentials withheld",
     "services/trainer/service/attempt_settings.py::ungranted_settings": "serialization: Settings.as_dict as the attempt's process is handed it, with its trainer's token",
+    "services/views.py::datasets": "not yet typed: the datasets as the router's ListDatasets answers them, a list of rows busctl prints",
+    "services/views.py::peers": "not yet typed: the peers as ListPeers answers them, a list of rows busctl prints",
+    "services/views.py::studies": "not yet typed: the studies as ListStudies answers them, a list of rows busctl prints",
     "services/web/logins.py::Login.summary": "what an unverified token claims, shown as JSON on the page: its values are whatever the token holds",
     "shm/gc.py::SegmentInfo.as_dict": "serialization: a segment's row as `busctl shm --json` prints it",
 }
@@ -128,9 +141,14 @@ def test_a_bare_dict_read_by_another_module_is_found(tmp_path):
         "class Store:\n    def get(self) -> dict[str, Any] | None:\n        return None\n\n"
         "def typed() -> Row:\n    return {'n': 1}\n\n"
         "def own() -> dict:\n    return {}\n\n"
-        "def arrays() -> dict[str, list[int]]:\n    return {}\n"
+        "def arrays() -> dict[str, list[int]]:\n    return {}\n\n"
+        "def rows() -> list[dict]:\n    return []\n"
     )
     (pkg / "user.py").write_text(
-        "from libbus.rows import Store, arrays, f, typed\n\nprint(f(), Store().get(), typed(), arrays())\n"
+        "from libbus.rows import Store, arrays, f, rows, typed\n\nprint(f(), Store().get(), typed(), arrays(), rows())\n"
     )
-    assert bare_dict_returns(tmp_path, ("libbus",)) == ["libbus/rows.py::Store.get", "libbus/rows.py::f"]
+    assert bare_dict_returns(tmp_path, ("libbus",)) == [
+        "libbus/rows.py::Store.get",
+        "libbus/rows.py::f",
+        "libbus/rows.py::rows",
+    ]
