@@ -24,6 +24,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from typing import TypedDict
 
 from libbus.errors import BadRequest, Forbidden, RateLimited
 from libbus.jobs.spec import dataset_name
@@ -38,6 +39,7 @@ from .store_db import savepoint
 
 __all__ = [
     "ProviderGrants",
+    "Revocation",
     "Revocations",
     "assignments",
     "check_revocable",
@@ -70,6 +72,17 @@ CREATE TABLE IF NOT EXISTS revoked (
     reason TEXT NOT NULL
 );
 """
+
+
+class Revocation(TypedDict):
+    """A ``revoked`` row as :meth:`Revocations.active` reads it (``RevokedList.revoked``): the token id,
+    its expiry, when and why it was revoked, and by whom (the admin's subject)."""
+
+    jti: str
+    exp: float
+    at: float
+    reason: str
+    by: str
 
 
 def check_revocable(admin: Claims, target: Claims | None, jti: str) -> None:
@@ -151,7 +164,7 @@ class Revocations:
             )
         self._jtis = None
 
-    def active(self, now: float | None = None, by: str | None = None) -> list[dict]:
+    def active(self, now: float | None = None, by: str | None = None) -> list[Revocation]:
         """Revocations whose token could still be accepted (``exp`` + clock leeway not yet past),
         newest first; only those ``by`` made, when given."""
         now = time.time() if now is None else now

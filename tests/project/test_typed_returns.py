@@ -47,7 +47,6 @@ ALLOWED: dict[str, str] = {
     "services/provider/sources/pipeline/engine.py::stage_control": "Ok.detail of StageControl: the stage's answer (its keys are the stage's) under dataset, stage and type",
     "services/provider/sources/pipeline/stages.py::RandomStage.control": "a stage's answer to a control command (Ok.detail, printed by busctl control): a user's stage answers its own commands with its own keys",
     "services/provider/sources/pipeline/stages.py::Stage.control": "a stage's answer to a control command (Ok.detail, printed by busctl control): a user's stage answers its own commands with its own keys",
-    "services/router/grants.py::Revocations.active": "not yet typed: the revocations pushed to providers, a list of rows",
     "services/router/job_results.py::JobResults.keep_model": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
     "services/router/job_results.py::JobResults.scored": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
     "services/router/pbt.py::explore": "a job's params with its hyper-parameters perturbed: the spec's keys and an entrypoint's own (params.NAME)",
