@@ -34,7 +34,7 @@ from libbus.serve.server import Session
 from libbus.wire.messages import Entitlements, ListRevoked, Message, Ok, RevokedList, RevokeToken
 
 from .replies import fit_list
-from .store import JobStore
+from .store import HeldGrant, JobStore
 from .store_db import savepoint
 
 __all__ = [
@@ -189,7 +189,7 @@ class Revocations:
         return self._jtis
 
 
-def assignments(running: list[dict], trainer_subjects: dict[str, str]) -> dict[str, list[str]]:
+def assignments(running: list[HeldGrant], trainer_subjects: dict[str, str]) -> dict[str, list[str]]:
     """``{dataset: [token subject, ...]}`` of trainers connected now and running a job on it.
 
     ``running`` are job rows (``spec``, ``trainer`` = the trainer's session name, ``gang`` = every
@@ -199,7 +199,8 @@ def assignments(running: list[dict], trainer_subjects: dict[str, str]) -> dict[s
     """
     out: dict[str, set[str]] = {}
     for job in running:
-        names = (job.get("gang") or {}).get("members") or [job.get("trainer") or ""]
+        gang = job.get("gang")
+        names = (gang.get("members") if gang else None) or [job.get("trainer") or ""]
         for name in names:
             sub = trainer_subjects.get(name)
             if sub is not None:

@@ -34,7 +34,11 @@ from .store_db import ADDED_COLUMNS, INDEXES, SCHEMA, Durability
 __all__ = [
     "GangRecord",
     "HOLDING_STATES",
+    "HeldDataset",
     "HeldGang",
+    "HeldGrant",
+    "HeldGrantId",
+    "HeldMembers",
     "JobEvent",
     "JobRecord",
     "JobRow",
@@ -94,6 +98,36 @@ class JobRow(TypedDict):
     checkpoint: StoredCheckpoint | None
     #: Only a job running on a gang (``world_size`` > 1) has one.
     gang: GangRecord | None
+
+
+class HeldDataset(TypedDict):
+    """The part of a held job's spec that grants read: the dataset it names."""
+
+    dataset: str
+
+
+class HeldMembers(TypedDict):
+    """The part of a held gang job's ``gang`` column that grants read: its trainers by rank."""
+
+    members: list[str]
+
+
+class HeldGrant(TypedDict):
+    """A held job as ``grants.assignments`` reads it (:meth:`JobStore.held_grants`): the part of a
+    :class:`JobRow` that says which trainers read which dataset."""
+
+    spec: HeldDataset
+    trainer: str
+    gang: HeldMembers | None
+
+
+class HeldGrantId(TypedDict):
+    """A held job as a scoped admin's ``Stats`` reads it (:meth:`JobStore.held_grants_ids`): its id, dataset
+    and trainer."""
+
+    id: str
+    spec: HeldDataset
+    trainer: str
 
 
 class JobEvent(TypedDict):
@@ -631,7 +665,7 @@ class JobStore:
         rows = self.db.execute(_HELD.replace("*", "id, trainer, lease_expires", 1), HOLDING_STATES)
         return [(r[0], r[1], r[2] or 0.0) for r in rows.fetchall()]
 
-    def held_grants(self) -> builtins.list[dict]:
+    def held_grants(self) -> builtins.list[HeldGrant]:
         """Held jobs as ``grants.assignments`` reads them, without decoding specs and progress."""
         cols = "json_extract(spec, '$.dataset'), trainer, json_extract(gang, '$.members')"
         rows = self.db.execute(_HELD.replace("*", cols, 1), HOLDING_STATES).fetchall()
@@ -640,7 +674,7 @@ class JobStore:
             for d, t, m in rows
         ]
 
-    def held_grants_ids(self) -> builtins.list[dict]:
+    def held_grants_ids(self) -> builtins.list[HeldGrantId]:
         """Held jobs as ``{id, spec: {dataset}, trainer}`` (a scoped admin's ``Stats``)."""
         cols = "id, json_extract(spec, '$.dataset'), trainer"
         rows = self.db.execute(_HELD.replace("*", cols, 1), HOLDING_STATES).fetchall()

@@ -51,8 +51,6 @@ ALLOWED: dict[str, str] = {
     "services/router/job_results.py::JobResults.scored": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
     "services/router/pbt.py::explore": "a job's params with its hyper-parameters perturbed: the spec's keys and an entrypoint's own (params.NAME)",
     "services/router/scores.py::TestScores.result": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
-    "services/router/store.py::JobStore.held_grants": "not yet typed: the held jobs' grant fields (a part of JobRow), a list of rows",
-    "services/router/store.py::JobStore.held_grants_ids": "not yet typed: the held jobs' grant fields (a part of JobRow), a list of rows",
     "services/router/store.py::JobStore.progress_history": "a job's progress reports as its trainer sent them, each with its time: their keys include the job's own metrics",
     "services/router/store.py::JobStore.segments": "not yet typed: a job's order segments (the settings each attempt read under), a list of rows",
     "services/router/studies.py::Studies.list": "not yet typed: the studies as ListStudies answers them, a list of rows",
