@@ -19,7 +19,7 @@ from libbus.order import history
 from libbus.order.epochs import MAX_SKIP_RANGES
 from libbus.wire.messages import GetJobSamples, JobSamples, Ok, SkipJob
 
-from .store import JobRow, JobStore, stored_spec
+from .store import JobRow, JobStore, Segment, stored_spec
 
 __all__ = ["CHECKPOINTS_LOOKED_AT", "Skipped", "skip", "step_samples"]
 
@@ -165,7 +165,7 @@ def _spike_event(spike: dict, spec: JobSpec) -> str:
     )
 
 
-def _steps_ranges(spec: JobSpec, segments: list[dict], steps: list[list[int]], n: int) -> list[list[int]]:
+def _steps_ranges(spec: JobSpec, segments: list[Segment], steps: list[list[int]], n: int) -> list[list[int]]:
     """The samples every rank trained at ``steps`` (checked: at most ``MAX_SKIP_STEPS``), as ranges;
     refused once they pass ``history.MAX_STEP_SAMPLES`` (a job of large batches), before more are looked up."""
     memo: dict = {}  # each rank's order and epoch computed once for all the steps
@@ -206,7 +206,7 @@ def _shown_ranges(ranges: list[list[int]]) -> str:
     return shown + (f",... ({len(ranges)} ranges)" if len(ranges) > 8 else "")
 
 
-def _order_size(spec: JobSpec, segments: list[dict], split_size: Callable[[str], int | None]) -> int:
+def _order_size(spec: JobSpec, segments: list[Segment], split_size: Callable[[str], int | None]) -> int:
     """Samples the job's order is over: as a checkpoint cursor recorded it, else the train split's
     size (or the job's ``train_range``) as a live provider serves it."""
     for seg in reversed(segments):

@@ -45,6 +45,7 @@ __all__ = [
     "JobStore",
     "JobView",
     "QueuedJob",
+    "Segment",
     "StoredCheckpoint",
 ]
 
@@ -128,6 +129,20 @@ class HeldGrantId(TypedDict):
     id: str
     spec: HeldDataset
     trainer: str
+
+
+class Segment(TypedDict):
+    """A ``segments`` record: where an attempt started (libbus/order/history.py reads the job's, oldest first),
+    the step and cursor of the checkpoint it resumed (None: the start), its world size and batch size (None:
+    the spec's default), how many of the spec's skips it read under (absent from a record kept from before
+    skips were recorded), and when."""
+
+    step: int
+    cursor: dict[str, Any] | None
+    world_size: int
+    batch_size: int | None
+    skips: NotRequired[int]
+    at: float
 
 
 class JobEvent(TypedDict):
@@ -490,7 +505,7 @@ class JobStore:
         cursor of the checkpoint it resumes, its world size and batch size (libbus/order/history.py)."""
         ckpt = orjson.loads(checkpoint) if checkpoint else {}
         spec = orjson.loads(spec_text)
-        segment = {
+        segment: Segment = {
             "step": int(ckpt.get("step", 0)),
             "cursor": ckpt.get("cursor") or None,
             "world_size": world_size,
@@ -519,7 +534,7 @@ class JobStore:
                 "INSERT INTO events SELECT id, ?, state, ? FROM jobs WHERE id = ?", (now, _cut(reason), job)
             )
 
-    def segments(self, job: str) -> builtins.list[dict]:
+    def segments(self, job: str) -> builtins.list[Segment]:
         """The job's segments, oldest first (one per attempt; see :meth:`_segment`)."""
         self._row(job)
         rows = self.db.execute("SELECT record FROM segments WHERE job = ? ORDER BY at, rowid", (job,)).fetchall()

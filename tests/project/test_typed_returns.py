@@ -52,7 +52,6 @@ ALLOWED: dict[str, str] = {
     "services/router/pbt.py::explore": "a job's params with its hyper-parameters perturbed: the spec's keys and an entrypoint's own (params.NAME)",
     "services/router/scores.py::TestScores.result": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
     "services/router/store.py::JobStore.progress_history": "a job's progress reports as its trainer sent them, each with its time: their keys include the job's own metrics",
-    "services/router/store.py::JobStore.segments": "not yet typed: a job's order segments (the settings each attempt read under), a list of rows",
     "services/router/studies.py::Studies.list": "not yet typed: the studies as ListStudies answers them, a list of rows",
     "services/router/study_spec.py::StudySpec.to_dict": "serialization: a study spec's JSON, the inverse of from_dict",
     "services/trainer/attempt/jobapi.py::AttemptJob._read": "the job function's own state as it checkpointed it: its keys are the user's",
