@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the records' modules import numpy and zmq's services; busct
     from services.provider.sources.storage.objects import ObjectStoreStats
     from services.router.peers import PeerRow
     from services.router.store import JobRow, JobView
-    from services.router.studies import StudyView
+    from services.router.studies import StudySummary, StudyView
 
 __all__ = [
     "ACTIVE_STATES",
@@ -310,9 +310,9 @@ def epoch_index(p: dict, succeeded: bool = False, ended: bool = False) -> int | 
 # -- studies ---------------------------------------------------------------------------------------
 
 
-def studies(client: Client) -> list[dict]:
+def studies(client: Client) -> list[StudySummary]:
     """Studies, newest first (``busctl studies --json``)."""
-    return client.request(ListStudies()).studies
+    return cast("list[StudySummary]", client.request(ListStudies()).studies)  # as the router's Studies.list made them
 
 
 def study(client: Client, study_id: str) -> StudyView:

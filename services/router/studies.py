@@ -35,7 +35,16 @@ from .studies_halving import BudgetHalvingPruner
 from .study_spec import StudySpec, trial_spec
 from .study_store import TRIAL_ENDED, StudyRow, StudyState, StudyStore, TrialRow, TrialState
 
-__all__ = ["Studies", "CHECK_S", "START_PER_STEP", "ShownTrial", "StudyStopped", "StudyView", "stored_study"]
+__all__ = [
+    "Studies",
+    "CHECK_S",
+    "START_PER_STEP",
+    "ShownTrial",
+    "StudyStopped",
+    "StudySummary",
+    "StudyView",
+    "stored_study",
+]
 
 
 class ShownTrial(TypedDict):
@@ -65,6 +74,23 @@ class StudyView(TypedDict):
     best: ShownTrial | None
     epochs_trained: float
     epochs_budget: int | None
+
+
+class StudySummary(TypedDict):
+    """A study as ``ListStudies`` answers it (``StudyList.studies``, ``busctl studies``): its state, objective,
+    best trial, epochs trained of its budget, when it was created, its trials counted by state, how many
+    trials it runs in all, and its dataset."""
+
+    id: str
+    state: str
+    objective: str
+    best: ShownTrial | None
+    epochs_trained: float
+    epochs_budget: int | None
+    created: float
+    counts: dict[str, int]
+    trials: int
+    dataset: str
 
 
 class StudyStopped(TypedDict):
@@ -207,16 +233,22 @@ class Studies:
         }
         return shown, spec
 
-    def list(self) -> list[dict]:
-        out = []
+    def list(self) -> list[StudySummary]:
+        out: list[StudySummary] = []
         for row in self.store.list():
             s, spec = self.read(row["id"])
             counts: dict[str, int] = {}
             for t in s["trials"]:
                 counts[t["state"]] = counts.get(t["state"], 0) + 1
             out.append(
-                {k: s[k] for k in ("id", "state", "objective", "best", "epochs_trained", "epochs_budget", "created")}
-                | {
+                {
+                    "id": s["id"],
+                    "state": s["state"],
+                    "objective": s["objective"],
+                    "best": s["best"],
+                    "epochs_trained": s["epochs_trained"],
+                    "epochs_budget": s["epochs_budget"],
+                    "created": s["created"],
                     "counts": counts,
                     "trials": spec.trials,
                     "dataset": spec.base.dataset,

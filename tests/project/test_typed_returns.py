@@ -52,7 +52,6 @@ ALLOWED: dict[str, str] = {
     "services/router/pbt.py::explore": "a job's params with its hyper-parameters perturbed: the spec's keys and an entrypoint's own (params.NAME)",
     "services/router/scores.py::TestScores.result": "a job's result as its trainer reported it (JSON, the router's test_* and model keys added): its keys include the job's own metrics",
     "services/router/store.py::JobStore.progress_history": "a job's progress reports as its trainer sent them, each with its time: their keys include the job's own metrics",
-    "services/router/studies.py::Studies.list": "not yet typed: the studies as ListStudies answers them, a list of rows",
     "services/router/study_spec.py::StudySpec.to_dict": "serialization: a study spec's JSON, the inverse of from_dict",
     "services/trainer/attempt/jobapi.py::AttemptJob._read": "the job function's own state as it checkpointed it: its keys are the user's",
     "services/trainer/attempt/jobapi.py::AttemptJob.restore": "the job function's own state as it checkpointed it: its keys are the user's",
@@ -61,7 +60,6 @@ ALLOWED: dict[str, str] = {
     "services/trainer/service/attempt_settings.py::ungranted_settings": "serialization: Settings.as_dict as the attempt's process is handed it, with its trainer's token",
     "services/views.py::datasets": "not yet typed: the datasets as the router's ListDatasets answers them, a list of rows busctl prints",
     "services/views.py::peers": "not yet typed: the peers as ListPeers answers them, a list of rows busctl prints",
-    "services/views.py::studies": "not yet typed: the studies as ListStudies answers them, a list of rows busctl prints",
     "services/web/logins.py::Login.summary": "what an unverified token claims, shown as JSON on the page: its values are whatever the token holds",
     "shm/gc.py::SegmentInfo.as_dict": "serialization: a segment's row as `busctl shm --json` prints it",
 }
