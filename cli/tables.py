@@ -16,6 +16,7 @@ from libbus.order.epochs import Cursor
 from services.views import StatsRow, epoch_index, refusals, runs
 
 if TYPE_CHECKING:
+    from services.router.peers import PeerRow
     from services.router.store import JobRow, JobView
 
 from . import scores
@@ -231,7 +232,7 @@ def job(info: JobView) -> None:
         console.print(f"  {time.strftime('%H:%M:%S', time.localtime(e['at']))} {e['state']:<9} {e['reason']}")
 
 
-def peers(rows: list[dict]) -> None:
+def peers(rows: list[PeerRow]) -> None:
     # "subject" is who the peer is (its token's sub); "name" only what it calls itself
     table = Table("name", "subject", "role", "endpoint", "datasets", "pid", "since")
     for r in sorted(rows, key=lambda r: (r["role"], r["name"])):

@@ -323,9 +323,9 @@ def study(client: Client, study_id: str) -> StudyView:
 # -- the cluster -----------------------------------------------------------------------------------
 
 
-def peers(client: Client) -> list[dict]:
+def peers(client: Client) -> list[PeerRow]:
     """Providers, trainers and admins connected to the router (``busctl peers --json``)."""
-    return client.request(ListPeers()).peers
+    return cast("list[PeerRow]", client.request(ListPeers()).peers)  # as the router's Peers made them
 
 
 def stats(client: Client) -> dict[str, StatsRow]:
