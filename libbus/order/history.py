@@ -24,7 +24,7 @@ the split's sample indices (a ``train_range`` job's order is over its range; ``f
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from libbus.order.epochs import Order, batches_of, check_skips, epoch_order, shi
 
 __all__ = [
     "OrderSpec",
+    "StepSample",
     "MAX_ORDER_SAMPLES",
     "MAX_RANGE",
     "MAX_SKIP_STEPS",
@@ -100,6 +101,19 @@ class OrderSpec(Protocol):
     skip: list
 
 
+class StepSample(TypedDict):
+    """A rank's samples of a step (:func:`step_samples`, ``JobSamples.samples``): the rank, the world and the
+    segment's first step it trained under, the epoch and the first sample's place in the rank's share of it,
+    and the sample indices (epoch and position None, indices empty, where the rank's epochs ran out first)."""
+
+    rank: int
+    world_size: int
+    segment_step: int
+    epoch: int | None
+    position: int | None
+    indices: list[int]
+
+
 def _first(spec: OrderSpec) -> int:
     """The first sample index of the job's order (its ``train_range``'s start, else 0)."""
     return int(spec.train_range[0]) if spec.train_range else 0
@@ -130,7 +144,7 @@ def step_samples(
     n: int,
     rank: int | None = None,
     memo: dict | None = None,
-) -> list[dict[str, Any]]:
+) -> list[StepSample]:
     """The samples of ``step``: one entry per rank (or only ``rank``), each
     ``{"rank", "epoch", "position", "indices": [...]}`` (``position``: the first sample's place in the
     rank's share of the epoch), or ``indices`` empty where that rank's epochs ran out first.
@@ -156,7 +170,7 @@ def step_samples(
     first = _first(spec)
     epochs = spec.epochs or None
     memo = {} if memo is None else memo
-    out = []
+    out: list[StepSample] = []
     for r in range(world) if rank is None else [rank]:
         key = (id(seg), r)
         if key not in memo:  # the rank's order and where the segment's cursor left it
@@ -166,11 +180,16 @@ def step_samples(
         order, epoch, position, plan = memo[key]
         left = step - int(seg.get("step", 0)) - 1  # batches to pass over after the cursor
         batch, at = _nth_batch(order, epoch, position, plan, left, epochs, memo, key)
-        entry: dict[str, Any] = {"rank": r, "world_size": world, "segment_step": int(seg.get("step", 0))}
-        if batch is None:
-            entry.update(epoch=None, position=None, indices=[])
-        else:
-            entry.update(epoch=at[0], position=at[1], indices=(batch + first).tolist())
+        entry: StepSample = {
+            "rank": r,
+            "world_size": world,
+            "segment_step": int(seg.get("step", 0)),
+            "epoch": None,
+            "position": None,
+            "indices": [],
+        }
+        if batch is not None:
+            entry["epoch"], entry["position"], entry["indices"] = at[0], at[1], (batch + first).tolist()
         out.append(entry)
     return out
 

@@ -39,7 +39,6 @@ ALLOWED: dict[str, str] = {
     "libbus/order/elastic.py::merge_cursors": "a state_dict (PyTorch's contract) for load_state_dict, merged from the ranks'",
     "libbus/order/elastic.py::state": "the loader's state_dict contents (PyTorch's contract), with its elastic plan",
     "libbus/order/epochs.py::Order.state": "the loader's state_dict contents (PyTorch's contract): the cursor and its settings",
-    "libbus/order/history.py::step_samples": "not yet typed: a step's samples as JobSamples carries them, a list of rows",
     "libbus/wire/frames.py::Message.header": "serialization: a frame's JSON header, checked against the message's annotations",
     "services/provider/sources/formats/dataset_toml.py::parse_dataset_toml": "dataset.toml as its author wrote it, its keys checked: parse_settings (DatasetSettings) and the raw layout check the values they read",
     "services/provider/sources/formats/location.py::Location.toml": "dataset.toml as its author wrote it, its keys checked: parse_settings (DatasetSettings) and the raw layout check the values they read",
