@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Required, TypedDict
 
 import zmq
 
 from libbus.connect.client import Client
+from libbus.wire.dataset_info import ProviderEntry
 from libbus.wire.messages import Message
 from libbus.wire.sockets import drain_monitor
 
 __all__ = [
+    "GivenProvider",
     "Replica",
     "ReplyPoller",
     "entries_of",
@@ -36,25 +39,35 @@ __all__ = [
 ]
 
 
-def entry_of(provider: str | dict) -> dict:
+class GivenProvider(TypedDict, total=False):
+    """A provider as a loader is given it (``RemoteLoader(provider=...)``) or the router's ``Resolve`` answers
+    it (:class:`~libbus.wire.dataset_info.ProviderEntry`): its endpoint, and what else is known of it."""
+
+    endpoint: Required[str]
+    name: str
+    host_id: str
+    curve_key: str
+
+
+def entry_of(provider: str | GivenProvider) -> ProviderEntry:
     """A provider as a ``Resolved`` entry ``{name, endpoint, host_id, curve_key}``."""
     if isinstance(provider, str):
         return {"name": provider, "endpoint": provider, "host_id": "", "curve_key": ""}
     return {"name": provider.get("name") or provider["endpoint"], "host_id": "", "curve_key": "", **provider}
 
 
-def entries_of(providers: list) -> list[dict]:
+def entries_of(providers: list) -> list[ProviderEntry]:
     """Providers as ``Resolved`` entries, one per endpoint: a provider listed twice (a reconnected
     one whose old session a router has not yet let go, or a list given twice) is one replica, not
     two connections that would fight over one ring. The later listing wins (the newer session), in
     the first one's place."""
-    by_endpoint: dict[str, dict] = {}
+    by_endpoint: dict[str, ProviderEntry] = {}
     for entry in map(entry_of, providers):
         by_endpoint[entry["endpoint"]] = entry
     return list(by_endpoint.values())
 
 
-def label_of(entry: dict) -> str:
+def label_of(entry: Mapping[str, Any]) -> str:
     """How logs and errors name a provider: ``name (endpoint)``, or the endpoint alone."""
     name, endpoint = entry.get("name") or "", entry.get("endpoint") or ""
     return endpoint if name in ("", endpoint) else f"{name} ({endpoint})"

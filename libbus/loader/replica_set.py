@@ -34,6 +34,7 @@ from libbus.loader.delivery_protocol import Delivery
 from libbus.loader.flows import FLOW_RETRY_S, auto_flows
 from libbus.loader.replica import Replica, entries_of, label_of
 from libbus.security.curve import curve_key_of
+from libbus.wire.dataset_info import ProviderEntry
 from libbus.wire.messages import DatasetInfoRequest, Resolve
 from libbus.wire.msg_data import info_mismatch
 from shm import Ring
@@ -82,7 +83,7 @@ class ReplicaSet:
     data or lacks the split.
     """
 
-    def __init__(self, links: Links, entries: list[dict] | None, inflight: int):
+    def __init__(self, links: Links, entries: list[ProviderEntry] | None, inflight: int):
         self.links = links
         self.inflight = min(inflight, links.slots - 1)
         self.inflight_wanted = inflight
@@ -143,11 +144,11 @@ class ReplicaSet:
         self.flows = self.links.flows or auto_flows(self.info, self.links.batch_size, self.inflight_wanted)
         self._top_up()
 
-    def _by_preference(self, entries: list[dict]) -> list[dict]:
+    def _by_preference(self, entries: list[ProviderEntry]) -> list[ProviderEntry]:
         host = self.links.identity.host_id
         return sorted(entries, key=lambda e: e.get("host_id") != host)
 
-    def resolve(self, timeout_s: float, retries: int) -> list[dict]:
+    def resolve(self, timeout_s: float, retries: int) -> list[ProviderEntry]:
         """The dataset's live providers, from the router (or the resolver); [] when neither is set."""
         links = self.links
         if links.router is not None:
@@ -170,7 +171,7 @@ class ReplicaSet:
             endpoint, links.identity, ctx=links.ctx, timeout_s=links.timeout_s, retries=links.retries, server_key=key
         )
 
-    def _connect(self, entry: dict, timeout_s: float, retries: int) -> Replica:
+    def _connect(self, entry: ProviderEntry, timeout_s: float, retries: int) -> Replica:
         """A connection to one provider, checked to serve the same data, with its delivery."""
         key = curve_key_of(entry)
         client = self._client(entry["endpoint"], key)

@@ -23,6 +23,7 @@ import logging
 import os
 import tempfile
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,7 +199,7 @@ class KeyAuthenticator(ZapThreadAuthenticator):
         return self._names.get(z85.encode(client_public_key), "")
 
 
-def curve_key_of(provider: dict) -> bytes | None:
+def curve_key_of(provider: Mapping[str, object]) -> bytes | None:
     """A ``Resolved`` provider entry's CURVE public key (None when the cluster runs without CURVE)."""
     key = provider.get("curve_key")
     return key.encode() if isinstance(key, str) and key else None

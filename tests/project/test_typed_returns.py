@@ -33,8 +33,6 @@ ALLOWED: dict[str, str] = {
     "libbus/jobs/spec.py::JobSpec.to_dict": "serialization: a spec's JSON, the inverse of from_dict",
     "libbus/jobs/spec.py::SpikeSpec.to_dict": "serialization: a spec's JSON, the inverse of from_dict",
     "libbus/loader/remote.py::RemoteLoader.state_dict": "PyTorch's state_dict contract: what load_state_dict and torch.distributed.checkpoint load",
-    "libbus/loader/replica.py::entries_of": "not yet typed: a provider's entry (endpoint, keys, host) as the router's Resolve answers it, a list of rows",
-    "libbus/loader/replica_set.py::ReplicaSet.resolve": "not yet typed: a provider's entry (endpoint, keys, host) as the router's Resolve answers it, a list of rows",
     "libbus/order/elastic.py::merge": "a state_dict (PyTorch's contract) for load_state_dict, merged from the ranks'",
     "libbus/order/elastic.py::merge_cursors": "a state_dict (PyTorch's contract) for load_state_dict, merged from the ranks'",
     "libbus/order/elastic.py::state": "the loader's state_dict contents (PyTorch's contract), with its elastic plan",
