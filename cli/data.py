@@ -21,6 +21,7 @@ from libbus.security.curve import curve_key_of
 from libbus.wire.fields import decode_frames, fields_of_info, is_xy
 from libbus.wire.messages import BatchRequest, BatchResponse, Resolve, frame_buffer
 from services import views
+from services.views import DatasetRow
 
 from .connection import admin_client
 from .output import SafeConsole, fail, print_json
@@ -44,7 +45,7 @@ OUT_SUFFIXES = {".npz": "x, y and indices", ".npy": "the samples x only"}
 # -- datasets ------------------------------------------------------------------------------------
 
 
-def list_datasets(settings: Settings) -> list[dict]:
+def list_datasets(settings: Settings) -> list[DatasetRow]:
     """Every dataset a connected provider serves (:func:`services.views.datasets`)."""
     with admin_client(settings) as client:
         return views.datasets(client)
@@ -98,7 +99,7 @@ def _labels(info: dict) -> str:
     return text
 
 
-def print_datasets(rows: list[dict]) -> None:
+def print_datasets(rows: list[DatasetRow]) -> None:
     """One block per dataset, ``key  value`` lines: readable at any terminal width."""
     if not rows:
         console.print("no datasets: no provider is connected to the router (busctl peers)")

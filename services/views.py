@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 
 from libbus.connect.client import Client
 from libbus.jobs.state import JobState
@@ -19,6 +19,7 @@ from libbus.wire.messages import GetJob, GetJobLogs, GetStudy, ListJobs, ListPee
 if TYPE_CHECKING:  # the records' modules import numpy and zmq's services; busctl imports this one
     from libbus.loader.stall import StallBreakdown
     from libbus.serve.backlog import BacklogStats
+    from libbus.wire.dataset_info import ProviderEntry
     from services.provider.destination import DatasetServed
     from services.provider.sources.pipeline.decode_cache.store import DecodeCacheStats
     from services.provider.sources.pipeline_metrics import PipelineMetrics
@@ -31,6 +32,9 @@ if TYPE_CHECKING:  # the records' modules import numpy and zmq's services; busct
 __all__ = [
     "ACTIVE_STATES",
     "QUEUED_SHOWN",
+    "DatasetCache",
+    "DatasetProvider",
+    "DatasetRow",
     "Frame",
     "JobLine",
     "JobLogsView",
@@ -199,6 +203,42 @@ class QueuedLine(TypedDict):
     priority: int
 
 
+class DatasetProvider(TypedDict):
+    """A provider of a dataset as ``ListPeers`` names it, when ``Resolve`` lists none (:func:`datasets`)."""
+
+    name: str
+    endpoint: str
+    host_id: str
+
+
+class DatasetCache(TypedDict):
+    """A provider's decode cache as :func:`datasets` shows it for one dataset: the dataset's share (its
+    ``DecodeCacheDataset``) and the whole cache's size and limit."""
+
+    hits: int
+    misses: int
+    hit_rate: float
+    entries: int
+    bytes: int
+    final_hits: int
+    final_misses: int
+    final_hit_rate: float
+    cache_bytes: int
+    limit_bytes: int
+
+
+class DatasetRow(TypedDict):
+    """A dataset as ``busctl datasets --json`` prints it (:func:`datasets`): its providers, the DatasetInfo
+    the router holds for it (a peer's JSON: each value is checked where it is read), the private test split's
+    evaluations left today (None: unlimited) and, per provider, its decode cache's share of it."""
+
+    dataset: str
+    providers: list[ProviderEntry] | list[DatasetProvider]
+    info: dict[str, Any]
+    evaluations_left_today: int | None
+    decode_cache: NotRequired[dict[str, DatasetCache]]
+
+
 class Frame(TypedDict):
     """The frame model of ``busctl top`` and the web's cluster page (``busctl top --once --json``)."""
 
@@ -333,7 +373,7 @@ def stats(client: Client) -> dict[str, StatsRow]:
     return client.request(Stats()).services
 
 
-def datasets(client: Client) -> list[dict]:
+def datasets(client: Client) -> list[DatasetRow]:
     """Every dataset a connected provider serves (``busctl datasets --json``): ``[{dataset, providers:
     [{name, endpoint, host_id}], info, decode_cache, evaluations_left_today}]``, sorted by name.
 
@@ -344,7 +384,7 @@ def datasets(client: Client) -> list[dict]:
     that may still be released today, for all its providers together (the router keeps the budget;
     the fewest any of its providers charges against), ``None`` when unlimited.
     """
-    served: dict[str, list[dict]] = {}
+    served: dict[str, list[DatasetProvider]] = {}
     left: dict[str, list[int]] = {}
     for peer in sorted((p for p in peers(client) if p["role"] == "provider"), key=lambda p: p["name"]):
         for name in peer.get("datasets", []):
@@ -353,7 +393,7 @@ def datasets(client: Client) -> list[dict]:
             )
             n = (peer.get("evaluations_left_today") or {}).get(name)
             left.setdefault(name, []).extend([n] if isinstance(n, int) else [])
-    rows = []
+    rows: list[DatasetRow] = []
     for name in sorted(served):
         # Resolve carries the DatasetInfo the provider registered in its Hello
         resolved = client.request(Resolve(dataset=name))

@@ -55,7 +55,6 @@ ALLOWED: dict[str, str] = {
     "services/trainer/attempt_user.py::AttemptUser.as_dict": "serialization: handed to the attempt's process, the inverse of from_dict",
     "services/trainer/service/attempt_settings.py::attempt_settings": "serialization: Settings.as_dict as the attempt's process is handed it, credentials withheld",
     "services/trainer/service/attempt_settings.py::ungranted_settings": "serialization: Settings.as_dict as the attempt's process is handed it, with its trainer's token",
-    "services/views.py::datasets": "not yet typed: the datasets as the router's ListDatasets answers them, a list of rows busctl prints",
     "services/web/logins.py::Login.summary": "what an unverified token claims, shown as JSON on the page: its values are whatever the token holds",
     "shm/gc.py::SegmentInfo.as_dict": "serialization: a segment's row as `busctl shm --json` prints it",
 }
