@@ -108,7 +108,8 @@ def test_batches_are_read_several_at_once_off_the_loop_with_the_bytes_of_one_at_
     ) as loader:
         assert loader.transport == ("shm" if shm else "socket")
         got = [(x.clone(), y.clone()) for x, y in loader]
-    assert len(got) == 8 and watch.reads == 8
+    # the 8 batches, and at most inflight - 1 of the next epoch asked ahead after the whole pass
+    assert len(got) == 8 and 8 <= watch.reads <= 8 + loader.inflight - 1
     assert watch.most >= 2, "the pipeline's batches were read one at a time"
     assert all(name.startswith("overlap") for name in watch.threads), watch.threads
     # the bytes of reading each batch alone, in the loader's order (epoch 0)
