@@ -15,7 +15,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from libbus.wire.messages import GetStudy
-from tests.support.busctl import BUSCTL, REPO
+from tests.support.busctl import BUSCTL, REPO, interruptible, sigint_state
 from tests.support.jobs import EntryCluster
 
 #: tests/trainer/test_entrypoint_studies.py's study: eight trials of ``parabola`` one at a time, the median pruner
@@ -74,15 +74,17 @@ def test_study_watch_follows_trials_and_a_pruned_trial_shows_its_last_value(tmp_
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=interruptible,
         )
         try:
             first = read_line(watch, 120)
             assert re.search(r"trial 0 \((j[0-9a-f]{10}|no job)\) running: .*params\.x=", first), first
+            taken = sigint_state(watch.pid)
             watch.send_signal(signal.SIGINT)
             out, err = watch.communicate(timeout=60)
         finally:
             watch.kill()
-        assert watch.returncode == 130, (watch.returncode, err)
+        assert watch.returncode == 130, (watch.returncode, err, f"SIGINT there: {taken}")
         assert f"stopped watching: study {study} goes on" in err and "Traceback" not in err + out, err
 
         # followed to its end: every trial's end, the study as show prints it, exit 0 (complete)

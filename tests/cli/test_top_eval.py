@@ -33,6 +33,7 @@ from services.provider.evaluator import evaluate_weights
 from services.provider.sources import open_source
 from services.trainer.attempt.checkpoint import checkpoint_model
 from tests.support import BUSCTL, REPO, busctl, wait_job
+from tests.support.busctl import interruptible, sigint_state
 
 DATASET = "mock://mnist?n=2000"
 SPEC = {
@@ -346,6 +347,7 @@ def test_live_top_says_when_the_router_stops_answering_and_ends_on_ctrl_c(make_s
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=interruptible,
     )
     try:
         token = issue_token(secret, sub="test-admin", role="admin", audience="batchbus", ttl_s=600)
@@ -358,8 +360,12 @@ def test_live_top_says_when_the_router_stops_answering_and_ends_on_ctrl_c(make_s
         stop.set()
         thread.join(10)
         time.sleep(3.0)  # a refresh or two find no router
+        taken = sigint_state(proc.pid)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"busctl top went on after Ctrl-C (SIGINT there: {taken})") from None
     finally:
         if proc.poll() is None:
             proc.kill()
