@@ -34,6 +34,7 @@ start discards them.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -328,6 +329,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         except BaseException:
             self.links.close()  # a bad seed or block size: the connections go now, not at collection
             raise
+        _OPEN.add(self)  # closed at the interpreter's exit if the script never closes it
 
     def _take_info(self, info: dict) -> None:
         """The first provider's DatasetInfo: the split's size and the order this rank reads."""
@@ -716,6 +718,27 @@ def _stop_each(handoffs: list[Handoff]) -> None:
     """A collected loader's pass thread ends (its connections are then closed as they are collected)."""
     for handoff in handoffs:
         handoff.stop()
+
+
+#: The loaders not yet collected (closed or not): :func:`_close_at_exit` closes those still open.
+_OPEN: weakref.WeakSet[RemoteLoader] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close every loader a script left open, as the interpreter exits (before it finalizes).
+
+    A script that ends with its last epoch, never calling :meth:`RemoteLoader.close`, leaves its pass
+    thread asking ahead for the next epoch. A daemon thread still running into finalization is ended
+    where it next takes the GIL, by an unwind that aborts the process ("terminate called without an
+    active exception") when it crosses a C++ frame, as torch's are: a DDP script under ``torchrun``
+    lost a rank that way. Closing also says ``Goodbye`` to each provider, so a script run again and
+    again does not use up its token's sessions there until they expire."""
+    for loader in list(_OPEN):
+        try:
+            loader.close()
+        except Exception as err:  # noqa: BLE001 (the exit goes on; one loader's error is said)
+            log.warning("closing a loader at exit: %s", err)
 
 
 def _record_range(samples: tuple[int, int] | range | None) -> tuple[int, int] | None:

@@ -6,7 +6,10 @@ loaded cursor, ``close``, a loader dropped unclosed) discards what was asked ahe
 a provider still writing a discarded batch writes into no batch the loop holds."""
 
 import gc
+import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,6 +21,7 @@ from services.provider.sources import open_source
 from services.provider.sources.mock import MockImages
 from services.provider.sources.registry import OPENERS
 from shm import SlotState, list_segments
+from tests.support import REPO
 
 #: A liveness bound, not a timing: far above anything the checks below take on a loaded machine.
 STUCK_S = 120
@@ -234,3 +238,53 @@ def test_the_stream_numbers_batches_on_across_epochs_and_stops_at_an_empty_one()
     assert not stream.extend() and not stream.extend()  # epoch 2 has no batch: nothing more ahead
     stream.forget_below(2)
     assert stream.segment_at(0) is None and stream.segment_at(2) is not None
+
+
+NEVER_CLOSED = """
+import atexit, sys, threading
+
+
+@atexit.register  # registered first, so it runs last of the exit handlers: after libbus's own
+def pass_threads_left():
+    print("pass threads left at exit:", sum(t.name.startswith("batchbus-pass-") for t in threading.enumerate()))
+
+
+from libbus.loader.remote import RemoteLoader
+
+loader = RemoteLoader("mnist", provider=sys.argv[1], token=sys.argv[2], name="never-closed", batch_size=50, inflight=4)
+for x, y in loader:  # one whole epoch: the pass thread goes on asking for the next one
+    pass
+print("pass threads at the end:", sum(t.name.startswith("batchbus-pass-") for t in threading.enumerate()))
+"""
+
+
+def test_a_script_that_never_closes_its_loader_exits_cleanly_and_says_goodbye(
+    start_provider, make_token, tmp_path, caplog
+):
+    """A script that ends after its last epoch without ``close()`` leaves its pass thread asking ahead
+    for the next epoch. The interpreter's exit closes the loader before it finalizes, so no pass thread
+    runs into finalization (where a daemon thread is ended by an unwind that aborts the process when it
+    crosses a C++ frame: a DDP rank under ``torchrun`` died so); the script exits 0, and its sessions on
+    the provider end with ``Goodbye``, none left to expire."""
+    caplog.set_level(logging.INFO, logger="libbus.serve.server")
+    provider = start_provider("mnist=" + MNIST)
+    script = tmp_path / "train.py"
+    script.write_text(NEVER_CLOSED)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, str(script), provider.endpoint, make_token()],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pass threads at the end: 1" in done.stdout  # it was still asking ahead when the script ended
+    assert "pass threads left at exit: 0" in done.stdout  # and it had ended before the interpreter finalized
+
+    def closes() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "never-closed) closed:" in r.getMessage()]
+
+    eventually(lambda: closes(), "the script's session never closed")
+    assert all(m.endswith("closed: said Goodbye") for m in closes()), closes()
