@@ -93,8 +93,9 @@ class Settings:
     request_retries: int = C.REQUEST_RETRIES
     max_msg_bytes: int = C.MAX_MSG_BYTES
     hwm: int = C.HWM
-    #: Trainer: batch requests kept in flight per loader.
-    inflight: int = 4
+    #: Trainer: batch requests kept in flight per loader (0: the loader sizes it, ``RemoteLoader(inflight=None)``:
+    #: 4, grown for a dataset read over the network; docs/python-api.md).
+    inflight: int = 0
     #: Trainer: connections per loader to each provider on another host (0: 1 for batches under 4 MiB,
     #: else 2; at most ``inflight``); a same-host provider keeps one (docs/python-api.md, flows).
     flows: int = 0
@@ -398,9 +399,14 @@ def load_settings(
         )
     if settings.request_timeout_s <= 0 or settings.request_retries < 0:
         raise ConfigError("request_timeout_s must be positive and request_retries not negative")
-    if not 0 <= settings.flows <= settings.inflight:
+    if settings.inflight < 0:
         raise ConfigError(
-            f"flows ({sources['flows']}) must be 0 (from the batch size) up to inflight ({settings.inflight}), "
+            f"inflight ({sources.get('inflight', 'default')}) must be 0 (the loader sizes it) or more, got {settings.inflight}"
+        )
+    inflight = settings.inflight or C.LOADER_INFLIGHT
+    if not 0 <= settings.flows <= inflight:
+        raise ConfigError(
+            f"flows ({sources['flows']}) must be 0 (from the batch size) up to inflight ({inflight}), "
             f"got {settings.flows}"
         )
     _check_cache(settings, sources)

@@ -37,6 +37,8 @@ MAX_UNDECLARED_BATCH = 1 << 16
 
 #: Per session: most requests a service works on at once (a loader keeps ``inflight`` ≤ this).
 SESSION_INFLIGHT = 64
+#: Loader: batch requests in flight at first (and for a dataset on its provider's disk; libbus/loader/window_size.py).
+LOADER_INFLIGHT = 4
 #: Provider: batches of one remote dataset read at once (``remote_reads``; services/provider/fillers.py).
 REMOTE_READS = 8
 #: Per session: sustained requests per second and burst (token bucket). Generous: a loader at

@@ -86,14 +86,16 @@ class StoreLink(CappedLink):
         return LinkCounter(self.exec(self.store))
 
 
-#: The capped-link loader's batches in flight by default (RemoteLoader's default); ``--htb-inflight`` sets it.
-HTB_INFLIGHT = 4
+#: The capped-link loader's batches in flight by default: 0, the loader sizes its window (RemoteLoader's
+#: default, ``inflight=None``); ``--htb-inflight`` sets it.
+HTB_INFLIGHT = 0
 #: The most batches in flight ``--htb-inflight`` takes (each holds a batch of 256 samples, 3 MB, in the loader).
 MAX_HTB_INFLIGHT = 64
 
 
 def htb_child(cfg_json: str) -> None:
     """In the provider's namespace: read ``http`` with block shuffle for ``seconds``; print one JSON line."""
+    from libbus.loader import window_size  # noqa: PLC0415
     from libbus.loader.remote import RemoteLoader  # noqa: PLC0415
 
     cfg = json.loads(cfg_json)
@@ -107,10 +109,13 @@ def htb_child(cfg_json: str) -> None:
         shuffle="block",
         seed=SEED,
         drop_last=True,
-        inflight=cfg["inflight"],
+        inflight=cfg["inflight"] or None,
     ) as loader:
-        # the first batches, asked for together, are skipped: their bytes mostly crossed before the first arrived
-        row = drain(loader, cfg["seconds"], "http behind htb", fp, warmup=cfg["inflight"])
+        # the first batches counted, asked for together, are skipped: their bytes mostly crossed before the
+        # first arrived
+        warmup = cfg["inflight"] or window_size.START
+        row = drain(loader, cfg["seconds"], "http behind htb", fp, warmup=warmup, settle_s=cfg["settle_s"])
+        row["inflight_at_end"] = loader.inflight
     print(json.dumps(row), flush=True)
 
 
@@ -135,7 +140,7 @@ def htb_row(root: Path, work: Path, args: argparse.Namespace) -> dict:
         datasets = {"http": f"{store.urls['http']}/{root.name}/?val_fraction=0{query}"}
         cluster = Cluster(work / "htb-state", datasets, {}, link.exec(link.provider))
         cfg = {"root": str(root), "endpoint": cluster.endpoint, "token": cluster.token}
-        cfg.update(batch=args.batch, seconds=args.seconds, inflight=args.htb_inflight)
+        cfg.update(batch=args.batch, seconds=args.seconds, settle_s=args.settle_s, inflight=args.htb_inflight)
         code = "import sys; from benchmarks.remote.capped_link import htb_child; htb_child(sys.argv[1])"
         counter = link.count_sent()
         try:
@@ -145,7 +150,7 @@ def htb_row(root: Path, work: Path, args: argparse.Namespace) -> dict:
                 text=True,
                 cwd=REPO,
                 env={**os.environ, "PYTHONPATH": str(REPO)},
-                timeout=args.seconds + ROW_GRACE_S + 60,
+                timeout=args.settle_s + args.seconds + ROW_GRACE_S + 60,
             )
         finally:
             counter.close()

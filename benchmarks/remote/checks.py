@@ -43,10 +43,18 @@ def _arrays(batch: Any) -> tuple[np.ndarray, np.ndarray]:
 
 
 def drain(
-    make: Iterable, seconds: float, where: str, check: Fingerprints | None, step_s: float = 0.0, warmup: int = 0
+    make: Iterable,
+    seconds: float,
+    where: str,
+    check: Fingerprints | None,
+    step_s: float = 0.0,
+    warmup: int = 0,
+    settle_s: float = 0.0,
 ) -> dict[str, Any]:
     """Read passes of ``make`` (a loader) back to back for ``seconds``, timing every wait; with
-    ``step_s``, sleep that long after each batch (a training step that leaves the cores free).
+    ``step_s``, sleep that long after each batch (a training step that leaves the cores free). With
+    ``settle_s``, read that long first, checked but not counted: a loader that sizes its window
+    (``inflight=None``, :mod:`libbus.loader.window_size`) has grown it by then, as in the hours of a job.
 
     The rate counts from the first batch to the last; with ``warmup`` (the loader's batches in flight), from
     batch ``warmup + 1`` on: the batches asked for together at the start arrive nearly together, their bytes
@@ -57,7 +65,8 @@ def drain(
     stamps: list[float] = []
     samples: list[int] = []
     start = time.perf_counter()
-    deadline = start + seconds
+    counted_from = start + settle_s
+    deadline = counted_from + seconds
     it: Iterator | None = None
     while time.perf_counter() < deadline:
         if it is None:
@@ -69,12 +78,13 @@ def drain(
             it = None
             continue
         now = time.perf_counter()
-        waits.append(now - t)
-        stamps.append(now)
         bx, by = _arrays(batch)
-        samples.append(len(bx))
         if check is not None:
             check.check(bx, by, where)
+        if now >= counted_from:
+            waits.append(now - t)
+            stamps.append(now)
+            samples.append(len(bx))
         del batch, bx, by
         if step_s:
             time.sleep(step_s)
@@ -82,6 +92,8 @@ def drain(
     if not stamps:
         raise RuntimeError(f"{where}: no batch within {seconds:g} s")
     row: dict[str, Any] = {"batches": len(stamps), "first_s": stamps[0] - start}
+    if settle_s:
+        row["settle_s"] = settle_s
     if warmup and len(stamps) >= warmup + 3:  # steady state: as many batches in flight at both ends
         rate = sum(samples[warmup + 1 :]) / (stamps[-1] - stamps[warmup])
         to_mono = time.monotonic() - time.perf_counter()
@@ -91,7 +103,7 @@ def drain(
             row["note"] = f"fewer than {warmup + 3} batches: the first batches' bytes are counted in the rate"
         rate = sum(samples[1:]) / (stamps[-1] - stamps[0])
     else:  # too few batches for that: the whole window, start-up included
-        rate = sum(samples) / (stamps[-1] - start)
+        rate = sum(samples) / (stamps[-1] - counted_from)
         row["note"] = "start-up included (under 3 batches)"
     ms = np.array(waits[1:] or waits) * 1e3
     row.update(

@@ -46,6 +46,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shuffles", type=_shuffles, default=["block", "full"], help="block, full or both (default)")
     p.add_argument("--samples", type=int, help="dataset size (default 16384: 192 MiB)")
     p.add_argument("--seconds", type=float, help="each row's window (default 5)")
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        help="each row first reads this long uncounted, as an hours-long job's window has grown by then "
+        "(default 3; --quick: 1)",
+    )
     p.add_argument("--batch", type=int, default=256)
     p.add_argument(
         "--workers",
@@ -83,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
         "--htb-inflight",
         type=int,
         default=HTB_INFLIGHT,
-        help=f"the capped-link loader's batches in flight (default {HTB_INFLIGHT}, RemoteLoader's default)",
+        help="the capped-link loader's batches in flight (default 0: the loader sizes its window, RemoteLoader's default)",
     )
     p.add_argument("--quick", action="store_true", help="4096 samples, 2 s a row, latencies 0,10 (unless given)")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -169,7 +175,11 @@ def print_result(result: dict) -> None:
             )
             console.print(
                 f"htb {htb['mbit']} Mbit/s cap, {htb['latency_ms']:g} ms per request, block shuffle, "
-                f"{htb.get('inflight', HTB_INFLIGHT)} batches in flight"
+                + (
+                    f"{htb['inflight']} batches in flight"
+                    if htb.get("inflight")
+                    else f"the window the loader sized ({htb.get('inflight_at_end', '?')} batches in flight at the end)"
+                )
                 + (f" read ahead into {htb['ram_cache'] >> 20} MiB of RAM" if htb.get("ram_cache") else "")
                 + ": "
                 f"{htb['mb_per_s']:.1f} MB/s of samples = {htb['fraction_of_cap']:.0%} of the cap"
@@ -194,16 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     args.latencies = args.latencies or ([0.0, 10.0] if quick else [0.0, 10.0, 30.0, 100.0])
     args.samples = args.samples or (4096 if quick else 16384)
     args.seconds = args.seconds or (2.0 if quick else 5.0)
+    args.settle_s = (1.0 if quick else 3.0) if args.settle_s is None else args.settle_s
     if args.batch < 1 or args.samples < 4 * args.batch:
         p.error(f"--samples must be at least 4 batches ({4 * args.batch})")
     if args.htb_ram_cache and args.htb_ram_cache >= args.samples * SAMPLE_BYTES:
         p.error("--htb-ram-cache must be smaller than the dataset (--samples × 12,296 B): else RAM is measured")
-    if not 1 <= args.htb_inflight <= MAX_HTB_INFLIGHT:
-        p.error(f"--htb-inflight is 1 to {MAX_HTB_INFLIGHT} batches, not {args.htb_inflight}")
+    if not 0 <= args.htb_inflight <= MAX_HTB_INFLIGHT:
+        p.error(f"--htb-inflight is 0 (the loader sizes it) to {MAX_HTB_INFLIGHT} batches, not {args.htb_inflight}")
     if not 0 <= args.hol_busy <= MAX_BUSY_LOOPS:
         p.error(f"--hol-busy is 0 to {MAX_BUSY_LOOPS} busy loops (a core each), not {args.hol_busy}")
-    if args.seconds <= 0 or args.workers < 0 or args.step_ms < 0 or args.htb_ram_cache < 0:
-        p.error("--seconds must be positive, --workers and --step-ms not negative")
+    if args.seconds <= 0 or args.workers < 0 or args.step_ms < 0 or args.htb_ram_cache < 0 or args.settle_s < 0:
+        p.error("--seconds must be positive, --workers, --step-ms and --settle-s not negative")
     main_thread = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _ended) if main_thread else None
     try:

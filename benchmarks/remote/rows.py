@@ -30,7 +30,8 @@ def loader_row(cluster: Cluster, dataset: str, shuffle: str, args: argparse.Name
     """One row: a fresh loader of ``dataset`` read for ``args.seconds``; a failure is the row's ``error``."""
     try:
         with cluster.loader(dataset, shuffle, args.batch, **kw) as loader:
-            return drain(loader, args.seconds, f"{dataset} ({shuffle})", fp)
+            row = drain(loader, args.seconds, f"{dataset} ({shuffle})", fp, settle_s=args.settle_s)
+            return {**row, "inflight_at_end": loader.inflight}
     except (BusError, RuntimeError) as err:  # the row says what went wrong; the benchmark goes on
         return {"error": f"{type(err).__name__}: {err}"[:300]}
 

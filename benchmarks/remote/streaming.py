@@ -55,7 +55,7 @@ def mosaic_child(cfg_json: str) -> None:
         MosaicSamples(dataset), batch_size=cfg["batch"], drop_last=True, num_workers=cfg["workers"]
     )
     x, y = np.load(Path(cfg["root"]) / "train_x.npy", mmap_mode="r"), np.load(Path(cfg["root"]) / "train_y.npy")
-    row = drain(loader, cfg["seconds"], "mosaic", Fingerprints(np.asarray(x), y))
+    row = drain(loader, cfg["seconds"], "mosaic", Fingerprints(np.asarray(x), y), settle_s=cfg["settle_s"])
     print(json.dumps(row), flush=True)
 
 
@@ -67,6 +67,7 @@ def mosaic_row(store: Store, root: Path, work: Path, args: argparse.Namespace) -
         "batch": args.batch,
         "workers": args.workers,
         "seconds": args.seconds,
+        "settle_s": args.settle_s,
         "root": str(root),
     }
     s3 = store.urls["s3"]
@@ -82,11 +83,11 @@ def mosaic_row(store: Store, root: Path, work: Path, args: argparse.Namespace) -
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=args.seconds + ROW_GRACE_S + 60)
+        out, err = proc.communicate(timeout=args.settle_s + args.seconds + ROW_GRACE_S + 60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the child's session: it and its workers
         proc.communicate()
-        return {"error": f"no result within {args.seconds + ROW_GRACE_S + 60:.0f} s"}
+        return {"error": f"no result within {args.settle_s + args.seconds + ROW_GRACE_S + 60:.0f} s"}
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # workers left behind by a child that exited

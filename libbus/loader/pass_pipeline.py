@@ -123,7 +123,7 @@ class PassPipeline:
                 # the consumer has the newest batch and the next one is ready: act on the replies
                 # already here, then wait for the consumer to ask again
                 self._take_replies(window, poller, arrivals)
-                handoff.wait_asked(asked)
+                self._wait_for_consumer(handoff, asked)
                 continue
             via = window.via.get(window.next_take)
             got = window.take()
@@ -145,10 +145,17 @@ class PassPipeline:
             ):
                 # every batch sent was taken, and the window is full of batches the consumer holds (the
                 # last of a pass, with one in flight): nothing to send or wait for until it asks again
-                handoff.wait_asked(asked)
+                self._wait_for_consumer(handoff, asked)
                 continue
             outcome = self._next_outcome(window, poller, STOP_CHECK_S)
             self._act(window, outcome, arrivals, handoff)
+
+    def _wait_for_consumer(self, handoff: Handoff, asked: int) -> None:
+        """Wait for the consumer to ask past ``asked``; the time it kept this thread waiting is no
+        measure of the link (:meth:`ReplicaSet.held <libbus.loader.replica_set.ReplicaSet.held>`)."""
+        start = time.monotonic()
+        handoff.wait_asked(asked)
+        self.links.held(time.monotonic() - start)
 
     def _take_replies(self, window: RequestWindow, poller: ReplyPoller, arrivals: dict) -> None:
         """Act on the replies that are here already, without waiting for more."""
@@ -199,6 +206,7 @@ class PassPipeline:
                 if self.stall_breakdown:
                     arrivals[batch_no] = (replica.round_trip_s, reply.timing)
                 window.arrived(batch_no, reply)
+                links.arrived()  # a window left to the loader may grow (libbus.loader.window_size)
             case NoReplica():
                 links.await_replica(stopped=(lambda: handoff.stopped) if handoff is not None else None)
             case NothingPending():

@@ -55,6 +55,7 @@ from libbus.config import script_connection
 from libbus.connect.client import Identity, pick_provider
 from libbus.constants import PROVIDER_WAIT_S, REQUEST_RETRIES, REQUEST_TIMEOUT_S
 from libbus.errors import BadRequest, ConfigError, OutOfRange, SplitPrivate
+from libbus.loader import window_size
 from libbus.loader.batch_stream import BatchStream
 from libbus.loader.context import loader_context
 from libbus.loader.dataloader import DatasetSplit, pending_state, refuse_dataloader_args, refuse_rebatching
@@ -123,7 +124,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             else ``RANK``/``WORLD_SIZE`` (:func:`libbus.loader.ranks.detect`), else 0 of 1.
             ``drop_uneven`` gives every rank the same count (default: on for a sharded ``train``
             split with more than one rank; off elsewhere, so a sharded evaluation reads every sample).
-        inflight: batch requests kept outstanding (prefetch depth), over all replicas.
+        inflight: batch requests kept outstanding (prefetch depth), over all replicas. ``None``: 4, and
+            for a dataset its provider reads over the network (a store, ``http(s)://``), grown while
+            batches arrive faster for it, up to 12 (fewer for batches over 18 MiB), back to 4 when a
+            request times out (:mod:`libbus.loader.window_size`).
         read_ahead: where the provider can use it (a remote store's dataset with a RAM cache), tell it
             the samples of this many batches after those in flight, so that it fetches their blocks
             before they are asked for (:mod:`libbus.loader.readahead`); 0: never.
@@ -140,7 +144,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         shm: use a shared-memory ring for providers on this host (falls back to the socket,
             with a log line saying why, when it is not possible).
         shm_slots: ring slots (default ``inflight + 2``: every request in flight, the batch being
-            handed out and the one the loop still holds; 2 is a double buffer).
+            handed out and the one the loop still holds; 2 is a double buffer; for a window that may
+            grow, its largest + 2). A window that grows keeps within slots given here.
         copy: on CPU with a ring, always yield copies. By default tensors view the ring slot, which
             returns to the ring only when the last tensor viewing it is freed: a batch stays valid
             for as long as it is held, as with ``DataLoader``; a batch that would take the last slot
@@ -194,7 +199,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
         world_size: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         drop_uneven: bool | None = None,
-        inflight: int = 4,
+        inflight: int | None = None,
         read_ahead: int = READ_AHEAD,
         flows: int | None = None,
         timeout_s: float = REQUEST_TIMEOUT_S,
@@ -237,8 +242,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):
                 token = conn.token
         if router is not None and resolver is not None:
             raise BadRequest("RemoteLoader resolves through router= itself; resolver= goes with provider=")
-        if batch_size < 1 or inflight < 1:
+        if batch_size < 1 or (inflight is not None and inflight < 1):
             raise BadRequest("batch_size and inflight must be at least 1")
+        grow, inflight = inflight is None, window_size.START if inflight is None else inflight
         if read_ahead < 0:
             raise BadRequest(f"read_ahead must be 0 (off) or more batches, got {read_ahead}")
         self.read_ahead = read_ahead
@@ -313,6 +319,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             ctx=ctx or loader_context(),
             shm=shm,
             slots=slots,
+            fixed_slots=bool(shm_slots),
             copy=copy,
             collate=collate,
             flows=flows,
@@ -323,7 +330,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):
             if provider_key and len(entries) == 1 and not entries[0]["curve_key"]:
                 entries[0]["curve_key"] = provider_key.decode()
         #: The connections to the dataset's replicas (:mod:`libbus.loader.replica_set`).
-        self.links = ReplicaSet(links, entries, inflight)
+        self.links = ReplicaSet(links, entries, inflight, grow)
         try:
             self._take_info(self.links.info)
         except BaseException:

@@ -33,6 +33,7 @@ from libbus.loader.deliveries import RingDelivery, SocketDelivery, ring_layout
 from libbus.loader.delivery_protocol import Delivery
 from libbus.loader.flows import FLOW_RETRY_S, auto_flows
 from libbus.loader.replica import Replica, entries_of, label_of
+from libbus.loader.window_size import WindowSizer, most_for
 from libbus.security.curve import curve_key_of
 from libbus.wire.dataset_info import ProviderEntry
 from libbus.wire.messages import DatasetInfoRequest, Resolve
@@ -63,6 +64,8 @@ class Links:
     ctx: zmq.Context | None = None
     shm: bool = True
     slots: int = 6
+    #: Whether ``slots`` was given (``shm_slots``): a growing window then keeps within it.
+    fixed_slots: bool = False
     copy: bool = False
     #: How variable-size fields are yielded: "pad" or "list" (:mod:`libbus.loader.collate`).
     collate: str = "pad"
@@ -83,10 +86,14 @@ class ReplicaSet:
     data or lacks the split.
     """
 
-    def __init__(self, links: Links, entries: list[ProviderEntry] | None, inflight: int):
+    def __init__(self, links: Links, entries: list[ProviderEntry] | None, inflight: int, grow: bool = False):
         self.links = links
         self.inflight = min(inflight, links.slots - 1)
         self.inflight_wanted = inflight
+        #: Whether the window may grow (``inflight=None``): it does for a dataset read over the network.
+        self.grow = grow
+        #: What sizes the window of a grown one (:mod:`libbus.loader.window_size`); ``None``: fixed.
+        self.sizer: WindowSizer | None = None
         self.socket = SocketDelivery(links.device, links.collate)
         self.ring: RingDelivery | None = None
         # A script that never calls close() still removes its ring when the loader is collected or
@@ -183,6 +190,7 @@ class ReplicaSet:
                 if self.links.split not in splits:
                     raise BadRequest(f"unknown split {self.links.split!r}; {dataset} has {', '.join(splits)}")
                 self.info = reply.info
+                self._size_window()
             else:
                 why = info_mismatch(self.info, reply.info, "in this loader", f"on {entry['name']}")
                 if why:
@@ -291,7 +299,10 @@ class ReplicaSet:
 
     def timed_out(self, replica: Replica) -> list[int]:
         """``replica`` left a request unanswered past ``timeout_s``: strike it, and quarantine the
-        ring slots of its requests. Returns the batches to send again."""
+        ring slots of its requests (a grown window goes back to its start). Returns the batches to
+        send again."""
+        if self.sizer is not None:
+            self._keep(self.sizer.timed_out(time.monotonic()))
         ring = replica.delivery if replica.delivery is self.ring else None
         batches = self.strike(replica, f"no reply within {self.links.timeout_s:.1f} s")
         if ring is not None:
@@ -318,6 +329,38 @@ class ReplicaSet:
         except PeerTimeout as err:
             return self.down(replica, f"{reason}; reconnecting failed: {err}", moving=batches)
         return batches
+
+    # -- the window ------------------------------------------------------------------------------
+    def _size_window(self) -> None:
+        """With the first provider's DatasetInfo: a window left to the loader grows for a dataset read
+        over the network, with ring slots for the largest it may grow to (unless ``shm_slots`` was given)."""
+        if not (self.grow and self.info.get("remote")):
+            return
+        try:
+            slot_bytes = ring_layout(self.info, self.links.batch_size, 1).slot_bytes
+        except ShmError:  # no ring can hold its batches: they go over the socket
+            slot_bytes = 0
+        most = most_for(slot_bytes, self.inflight_wanted)
+        if not self.links.fixed_slots:
+            self.links.slots = max(self.links.slots, most + 2)
+        self.sizer = WindowSizer(self.inflight_wanted, most)
+
+    def arrived(self) -> None:
+        """A batch arrived: a grown window takes the size its sizer says (:mod:`libbus.loader.window_size`)."""
+        if self.sizer is not None:
+            self._keep(self.sizer.arrived(time.monotonic()))
+
+    def held(self, seconds: float) -> None:
+        """The loop kept the pass thread waiting ``seconds``: not the link's time."""
+        if self.sizer is not None:
+            self.sizer.held(seconds)
+
+    def _keep(self, window: int) -> None:
+        """Keep ``window`` batches in flight, fewer while ring slots are quarantined."""
+        self.inflight_wanted = window
+        ring = self.ring
+        usable = ring.usable if ring is not None and ring.usable >= 2 else window + 1
+        self.inflight = min(window, usable - 1, self.links.slots - 1)
 
     def quarantine(self, ring: RingDelivery, batches: list[int]) -> None:
         """A same-host provider left ``batches`` unanswered: their slots go out of use (it may be

@@ -97,6 +97,8 @@ class SourceInfo(TypedDict, total=False):
     path: str
     memory: str
     read_ahead: bool
+    #: its provider reads it over the network (a store, ``http(s)://``)
+    remote: bool
     files: int
     shards: int
     #: a Parquet or Arrow table's feature columns; an MDS shard's columns with their encodings

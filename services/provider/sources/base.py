@@ -183,6 +183,8 @@ class Source(ABC):
             splits[split] = {"num_samples": self.num_samples(split), "available": not private, "shuffle": not private}
         fields = self.fields
         out: SourceInfo = {"uri": self.uri, "splits": splits}
+        if self.remote:  # a loader leaving inflight to itself grows its window (libbus.loader.window_size)
+            out["remote"] = True
         if is_xy(fields):
             out.update(
                 {

@@ -178,7 +178,7 @@ class AttemptJob(Job):
             "resolver": self._resolver,
             "token": self.identity.token,
             "batch_size": spec.batch_size,
-            "inflight": s.inflight,
+            "inflight": s.inflight or None,  # 0: the loader sizes its window
             "flows": s.flows,
             "timeout_s": s.request_timeout_s,
             "retries": s.request_retries,

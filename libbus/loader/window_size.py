@@ -1,0 +1,135 @@
+"""How many batches a loader keeps in flight when ``inflight`` is left to it (``inflight=None``).
+
+A dataset on a provider's own disk needs few: :data:`START` requests hide a reply's round trip and the
+provider's read. A dataset its provider reads from a store over the network needs as many as the store's
+round trips take to cover: the bytes in flight must hold the link's bandwidth-delay product, which the
+loader cannot know before it reads. So, for such a dataset (DatasetInfo's ``remote``), the loader grows
+its window while batches arrive faster for it, as TCP grows its congestion window:
+
+- at each size it counts the batches that arrive, past those asked for under the size before, and
+  takes their rate over :meth:`WindowSizer.measured` arrivals;
+- a measurement during which the loop kept the loader waiting (:meth:`WindowSizer.held`: a step
+  slower than the data, an evaluation, a checkpoint) for more than :data:`HELD_MOST` of its time says
+  nothing of the link: it is dropped and taken again;
+- while one step more (half the window again, :func:`next_size`) brought at least :data:`GAIN` times
+  the rate, it takes the next step, up to ``most`` (:data:`MOST`, and the ring's bytes,
+  :func:`most_for`); the first step that did not goes back to the best size;
+- settled, it tries again after :data:`PROBE_AGAIN_S` (the store, the link or the training step may
+  have changed);
+- a request that timed out puts it back at :data:`START`, settled: a store already answering as
+  fast as it can gains nothing from more batches in flight, each then waiting longer against its
+  deadline on the provider.
+
+A training step slower than the data keeps the window where it is: every measurement is dropped, the
+loop holding the loader waiting, and batches would arrive no faster anyway. A window given as a number
+(``inflight=8``) is kept as given.
+"""
+
+from __future__ import annotations
+
+from libbus.constants import LOADER_INFLIGHT
+
+__all__ = [
+    "GAIN",
+    "HELD_MOST",
+    "MOST",
+    "PROBE_AGAIN_S",
+    "RING_BYTES_MOST",
+    "START",
+    "WindowSizer",
+    "most_for",
+    "next_size",
+]
+
+#: The window a loader starts with, and keeps for a dataset its provider reads from its own disk.
+START = LOADER_INFLIGHT
+#: The largest window a loader grows to by itself.
+MOST = 12
+#: The ring's bytes a grown window may take at most: no more slots than fit in this.
+RING_BYTES_MOST = 256 << 20
+#: How much faster a step must make the batches arrive for the window to take the next one.
+GAIN = 1.15
+#: Seconds a settled window waits before it tries one step more again.
+PROBE_AGAIN_S = 60.0
+#: The share of a measurement's time the loop may keep the loader waiting for the measurement to count.
+HELD_MOST = 0.1
+
+
+def next_size(window: int, most: int) -> int:
+    """The window one step up: half again, at least one more, at most ``most``."""
+    return min(most, window + max(1, window // 2))
+
+
+def most_for(slot_bytes: int, start: int = START) -> int:
+    """The largest window for batches of ``slot_bytes`` each: :data:`MOST`, fewer where the ring's
+    slots (a window's batches and two more) would pass :data:`RING_BYTES_MOST`, never under ``start``."""
+    return max(start, min(MOST, RING_BYTES_MOST // max(1, slot_bytes) - 2))
+
+
+class WindowSizer:
+    """The window of one loader's requests for a dataset read over the network (see the module
+    docstring). :meth:`arrived` and :meth:`timed_out` take the time from the caller's clock."""
+
+    def __init__(self, start: int = START, most: int = MOST):
+        self.start, self.most = start, max(start, most)
+        #: The batches to keep in flight now.
+        self.window = start
+        self._best: tuple[int, float] | None = None  # (size, rate) of the best size measured since settling
+        self._settled_until: float | None = None
+        self._measuring_from(start)
+
+    def _measuring_from(self, window: int) -> None:
+        self.window = window
+        self._skip = window  # those arrive from requests sent under the size before
+        self._first: float | None = None
+        self._count = 0
+        self._held = 0.0
+
+    @property
+    def measured(self) -> int:
+        """Arrivals a size's rate is taken over."""
+        return max(8, 2 * self.window)
+
+    def arrived(self, now: float) -> int:
+        """One batch arrived at ``now``: the window to keep from now on."""
+        if self._settled_until is not None:
+            if now < self._settled_until:
+                return self.window
+            self._settled_until, self._best = None, None  # measure the size kept, then try one step more
+            self._measuring_from(self.window)
+        if self._skip:
+            self._skip -= 1
+        elif self._first is None:
+            self._first = now
+        else:
+            self._count += 1
+            if self._count >= self.measured:
+                took = max(now - self._first, 1e-9)
+                if self._held > HELD_MOST * took:  # the loop's pace, not the link's: measure again
+                    self._measuring_from(self.window)
+                    self._skip = 0
+                else:
+                    self._decide(self._count / took, now)
+        return self.window
+
+    def held(self, seconds: float) -> None:
+        """The loop kept the loader waiting ``seconds`` (it had every batch it may ask for, or took none)."""
+        if self._first is not None:
+            self._held += seconds
+
+    def timed_out(self, now: float) -> int:
+        """A request of the window went unanswered within its timeout: back to :data:`START`, settled."""
+        self._best = None
+        self._measuring_from(self.start)
+        self._settled_until = now + PROBE_AGAIN_S
+        return self.window
+
+    def _decide(self, rate: float, now: float) -> None:
+        if self._best is None or rate >= self._best[1] * GAIN:
+            self._best = (self.window, rate)
+            if self.window < self.most:
+                self._measuring_from(next_size(self.window, self.most))
+                return
+        else:  # the step brought too little: back to the best size
+            self._measuring_from(self._best[0])
+        self._settled_until = now + PROBE_AGAIN_S

@@ -1,0 +1,159 @@
+"""A loader that leaves ``inflight`` to itself grows its window for a dataset read over the network, while
+batches arrive faster for it (libbus.loader.window_size): first the sizer alone, driven by a link whose
+rate is set by the window (arrival times computed, not slept); then real loaders against a real provider
+reading a real HTTP store whose every GET waits, and a local dataset beside it."""
+
+import time
+
+import numpy as np
+import pytest
+
+from libbus.errors import BadRequest
+from libbus.loader.remote import RemoteLoader
+from libbus.loader.window_size import GAIN, MOST, PROBE_AGAIN_S, RING_BYTES_MOST, START, WindowSizer, most_for
+from services.provider.sources import open_source
+from tests.support.httpd import RangeServer
+
+#: A liveness bound, not a timing: far above anything the loaders below take on a loaded machine.
+STUCK_S = 120
+
+
+def drive(sizer: WindowSizer, rate_of, arrivals: int, now: float = 0.0) -> tuple[float, list[int]]:
+    """``arrivals`` batches arriving at ``rate_of(window)`` a second; the clock after them, and the
+    window after each."""
+    windows = []
+    for _ in range(arrivals):
+        now += 1.0 / rate_of(sizer.window)
+        windows.append(sizer.arrived(now))
+    return now, windows
+
+
+def latency_bound(window: int) -> float:
+    return window / 0.03  # every batch one 30 ms round trip, as many at once as the window
+
+
+def test_a_window_bound_by_round_trips_grows_half_again_each_step_up_to_its_most():
+    sizer = WindowSizer()
+    _, windows = drive(sizer, latency_bound, 200)
+    assert sorted(set(windows)) == [START, 6, 9, MOST]  # each step half again, while each brought 1.33× or more
+    assert windows[-1] == MOST
+
+
+def test_a_window_stops_at_the_step_past_which_the_link_is_full_and_goes_back_to_it():
+    # a link that carries 7 batches' worth: 9 in flight bring 7/6 of 6, under GAIN... or not
+    cap = 6.4 / 0.03
+    assert cap / latency_bound(6) < GAIN
+
+    sizer = WindowSizer()
+    _, windows = drive(sizer, lambda w: min(latency_bound(w), cap), 200)
+    assert 9 in windows  # it tried the next step
+    assert windows[-1] == 6  # and went back to the best
+
+
+def test_a_training_step_slower_than_the_data_keeps_the_window_at_its_start():
+    sizer = WindowSizer()
+    _, windows = drive(sizer, lambda w: 50.0, 200)  # the loop takes 50 batches a second, whatever the window
+    assert windows[-1] == START
+    assert max(windows) == 6  # one step tried, and taken back
+
+
+def test_a_settled_window_tries_one_step_more_again_later():
+    sizer = WindowSizer()
+    link = {"cap": 6.4 / 0.03}
+    now, windows = drive(sizer, lambda w: min(latency_bound(w), link["cap"]), 200)
+    assert windows[-1] == 6
+    now, windows = drive(sizer, lambda w: min(latency_bound(w), link["cap"]), 50, now)
+    assert set(windows) == {6}  # settled: no probing until PROBE_AGAIN_S has passed
+    link["cap"] = 1e9  # the link got faster
+    sizer.arrived(now + PROBE_AGAIN_S)
+    _, windows = drive(sizer, lambda w: min(latency_bound(w), link["cap"]), 200, now + PROBE_AGAIN_S)
+    assert windows[-1] == MOST
+
+
+def test_a_timed_out_request_puts_the_window_back_at_its_start_settled():
+    sizer = WindowSizer()
+    now, windows = drive(sizer, latency_bound, 200)
+    assert windows[-1] == MOST
+    assert sizer.timed_out(now) == START
+    _, windows = drive(sizer, latency_bound, 100, now)
+    assert set(windows) == {START}
+
+
+def test_large_batches_grow_the_window_less():
+    assert most_for(1 << 20) == MOST
+    assert most_for(RING_BYTES_MOST // 8) == 6  # 8 slots of these: 6 in flight and two more
+    assert most_for(RING_BYTES_MOST) == START  # never under the start
+    assert most_for(RING_BYTES_MOST, start=2) == 2
+
+
+# -- real loaders ------------------------------------------------------------------------------------
+DELAY_S = 0.1  # every GET's wait: a far bucket, far above a loaded machine's own delays
+
+
+@pytest.fixture
+def store(tmp_path):
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"shard-{i:02d}.bin").write_bytes(rng.integers(0, 60000, 16 * 160).astype("<u2").tobytes())
+    server = RangeServer(tmp_path)
+    server.delay_s = DELAY_S
+    yield f"{server.url}/tok/shard-{{00..01}}.bin?seq_len=15&token_bytes=2&retries=2&timeout=20"
+    server.close()
+
+
+def read_until(loader: RemoteLoader, grown, uri: str) -> int:
+    """Read whole epochs until ``grown()``, every batch checked against the source; the batches read."""
+    source = open_source(uri)
+    deadline, n = time.monotonic() + STUCK_S, 0
+    while not grown():
+        assert time.monotonic() < deadline, f"the window stayed at {loader.inflight}"
+        order = loader.order(loader.epoch)
+        got = np.concatenate([x.numpy().copy() for x, _ in loader])  # not held: views would hold ring slots
+        want, _ = source.read("train", order)
+        assert np.array_equal(got, want)
+        n += len(loader)
+    return n
+
+
+def test_a_loader_left_to_size_its_window_grows_it_for_a_store_and_reads_the_same_batches(
+    store, start_provider, make_token
+):
+    provider = start_provider(f"far={store}")
+    with RemoteLoader("far", provider=provider.endpoint, token=make_token(), batch_size=2, shuffle="block") as loader:
+        assert loader.info.get("remote") is True
+        assert loader.inflight == START
+        assert loader.links.links.slots == MOST + 2  # ring slots for the largest window it may grow to
+        read_until(loader, lambda: loader.inflight > START, store)
+
+
+def test_a_window_given_is_kept_and_a_local_dataset_keeps_the_start(store, start_provider, make_token):
+    provider = start_provider(f"far={store}", "near=mock://mnist?n=600")
+    with RemoteLoader(
+        "far", provider=provider.endpoint, token=make_token(), batch_size=2, shuffle="block", inflight=4
+    ) as loader:
+        assert sum(1 for _ in loader) == len(loader) > 100  # where a window left to it grows
+        assert loader.inflight == 4 and loader.links.sizer is None
+        assert loader.links.links.slots == 6
+    with RemoteLoader("near", provider=provider.endpoint, token=make_token(), batch_size=50) as loader:
+        assert "remote" not in loader.info and loader.links.sizer is None
+        assert loader.inflight == START and loader.links.links.slots == START + 2
+
+
+def test_a_growing_window_keeps_within_the_ring_slots_given(store, start_provider, make_token):
+    provider = start_provider(f"far={store}")
+    with RemoteLoader(
+        "far", provider=provider.endpoint, token=make_token(), batch_size=2, shuffle="block", shm_slots=7
+    ) as loader:
+        assert loader.links.links.slots == 7
+        read_until(loader, lambda: loader.links.inflight_wanted > START, store)
+        assert loader.inflight <= 6
+        assert sum(1 for _ in loader) == len(loader)
+        assert loader.inflight <= 6
+
+
+def test_inflight_must_be_a_positive_number_or_none(provider, make_token):
+    for bad in (0, -1):
+        with pytest.raises(BadRequest, match="inflight must be at least 1"):
+            RemoteLoader("mnist", provider=provider.endpoint, token=make_token(), inflight=bad)
