@@ -118,6 +118,7 @@ class PassPipeline:
             self.links.top_up()  # flows dropped while their provider kept answering
             window.fill(self.links.replicas, self.links.inflight)
             if plan is not None:
+                plan.inflight = self.links.inflight  # a window left to the loader may have grown
                 plan.at(window.next_yield)
             if window.next_take >= window.count or window.next_take > asked:
                 # the consumer has the newest batch and the next one is ready: act on the replies

@@ -17,7 +17,7 @@ MOSAIC = importlib.util.find_spec("streaming") is not None
 def test_remote_bench_measures_every_row_and_writes_json(tmp_path):
     out = tmp_path / "remote.json"
     args = ["--quick", "--latency-ms", "0,10", "--shuffles", "block", "--seconds", "0.3", "--samples", "1024"]
-    args += ["--hol-latency-ms", "10", "--json", str(out)]
+    args += ["--settle-s", "0.2", "--hol-latency-ms", "10", "--json", str(out)]
     if not MOSAIC:
         args.append("--no-mosaic")
     run = subprocess.run(
@@ -34,6 +34,9 @@ def test_remote_bench_measures_every_row_and_writes_json(tmp_path):
         assert "error" not in row, (key, row)
         assert row["batches"] >= 1 and row["samples_per_s"] > 0 and row["mb_per_s"] > 0, (key, row)
         assert row["p99_ms"] >= row["p50_ms"] >= 0, (key, row)
+        assert row["settle_s"] == 0.2, (key, row)  # read uncounted first
+        if key[0] != "mosaic":
+            assert row["inflight_at_end"] >= 1, (key, row)
         if key[0] != "mosaic":  # the same shuffle as a file row: its ratio to it
             assert row["x_file"] > 0, (key, row)
         if key[0] != "file":  # read from the store: it answered GETs (the file row asked it nothing)
@@ -87,7 +90,8 @@ BAD_OPTIONS = [
     ["--hol-busy", "-1"],
     ["--hol-busy", "1000"],  # a thousand spinning processes would starve the machine, not load it
     ["--quick", "--htb-ram-cache", "999999999"],  # holds the whole dataset: RAM would be measured, not the link
-    ["--htb-inflight", "0"],  # a loader with nothing in flight reads nothing
+    ["--htb-inflight", "-1"],  # 0 leaves the window to the loader; fewer is nothing
+    ["--settle-s", "-1"],
     ["--htb-inflight", "1000"],  # 3 GB of batches held in the loader
 ]
 
