@@ -6,15 +6,15 @@ cursor stands for every rank's: rank 0 saves it with the model, nothing is gathe
 resumes exactly — after a ``kill -9`` — at this world size or another (``torchrun --nproc_per_node 3``
 on the same checkpoint re-splits what is left of the epoch).
 
-Why not ``dist.all_gather_object`` of every rank's cursor: it is not needed here, and with torch
-2.13 on Python 3.11 a gather of Python objects shortly before the ranks exit can abort one of them
-("terminate called without an active exception", SIGABRT): a DDP model keeps the gloo process group
-alive past ``destroy_process_group()``, and a gloo worker thread still releasing the gather's
-Python-made tensors when the interpreter finalizes cannot take the GIL (pytorch/pytorch#179291).
+The DDP model is let go of, and collected, before ``destroy_process_group()``: with torch 2.13 on
+Python 3.11 a DDP model keeps the gloo process group alive past ``destroy_process_group()`` until it is
+collected, and gloo's threads torn down while the interpreter finalizes abort the rank ("terminate
+called without an active exception", SIGABRT; docs/python-api.md has the counts, pytorch/pytorch#179291).
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -69,6 +69,8 @@ def main(ckpt_dir: str) -> None:
                 dist.barrier()  # no rank runs ahead of a checkpoint being written
             killer.step()
     loader.close()
+    del model, optimizer  # DDP holds the process group until it is collected: let go of it first
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -17,6 +17,7 @@ its sampler leaves out. The test split is scored only where the provider's opera
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import sys
@@ -152,6 +153,8 @@ def main():
         if loader is not None:
             loader.close()
     if distributed:
+        del model, optimizer, scheduler  # DDP holds the process group until collected (docs/python-api.md)
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -15,6 +15,7 @@ the script says so and skips it (the provider can still score a model: ``busctl 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -172,6 +173,8 @@ def main():
         if loader is not None:
             loader.close()
     if distributed:
+        del model, optimizer, scheduler  # DDP holds the process group until collected (docs/python-api.md)
+        gc.collect()
         dist.destroy_process_group()
 
 
