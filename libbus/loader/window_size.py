@@ -48,7 +48,7 @@ MOST = 12
 #: The ring's bytes a grown window may take at most: no more slots than fit in this.
 RING_BYTES_MOST = 256 << 20
 #: How much faster a step must make the batches arrive for the window to take the next one.
-GAIN = 1.15
+GAIN = 1.05
 #: Seconds a settled window waits before it tries one step more again.
 PROBE_AGAIN_S = 60.0
 #: The share of a measurement's time the loop may keep the loader waiting for the measurement to count.
@@ -88,7 +88,7 @@ class WindowSizer:
     @property
     def measured(self) -> int:
         """Arrivals a size's rate is taken over."""
-        return max(8, 2 * self.window)
+        return max(16, 3 * self.window)
 
     def arrived(self, now: float) -> int:
         """One batch arrived at ``now``: the window to keep from now on."""
