@@ -207,7 +207,7 @@ class PassPipeline:
                 if self.stall_breakdown:
                     arrivals[batch_no] = (replica.round_trip_s, reply.timing)
                 window.arrived(batch_no, reply)
-                links.arrived()  # a window left to the loader may grow (libbus.loader.window_size)
+                links.arrived(replica.round_trip_s)  # a window left to the loader may grow (libbus.loader.window_size)
             case NoReplica():
                 links.await_replica(stopped=(lambda: handoff.stopped) if handoff is not None else None)
             case NothingPending():

@@ -737,10 +737,9 @@ def _close_at_exit() -> None:
 
     A script that ends with its last epoch, never calling :meth:`RemoteLoader.close`, leaves its pass
     thread asking ahead for the next epoch. A daemon thread still running into finalization is ended
-    where it next takes the GIL, by an unwind that aborts the process ("terminate called without an
-    active exception") when it crosses a C++ frame, as torch's are: a DDP script under ``torchrun``
-    lost a rank that way. Closing also says ``Goodbye`` to each provider, so a script run again and
-    again does not use up its token's sessions there until they expire."""
+    where it next takes the GIL, by an unwind that can abort the process ("terminate called without an
+    active exception") where it crosses a C++ frame, as torch's are. Closing first ends the thread
+    while the interpreter is whole, and says ``Goodbye`` to each provider."""
     for loader in list(_OPEN):
         try:
             loader.close()

@@ -343,12 +343,13 @@ class ReplicaSet:
         most = most_for(slot_bytes, self.inflight_wanted)
         if not self.links.fixed_slots:
             self.links.slots = max(self.links.slots, most + 2)
-        self.sizer = WindowSizer(self.inflight_wanted, most)
+        self.sizer = WindowSizer(self.inflight_wanted, most, self.links.timeout_s)
 
-    def arrived(self) -> None:
-        """A batch arrived: a grown window takes the size its sizer says (:mod:`libbus.loader.window_size`)."""
+    def arrived(self, round_trip_s: float) -> None:
+        """A batch arrived, ``round_trip_s`` after it was asked for: a grown window takes the size its
+        sizer says (:mod:`libbus.loader.window_size`)."""
         if self.sizer is not None:
-            self._keep(self.sizer.arrived(time.monotonic()))
+            self._keep(self.sizer.arrived(time.monotonic(), round_trip_s))
 
     def held(self, seconds: float) -> None:
         """The loop kept the pass thread waiting ``seconds``: not the link's time."""

@@ -7,18 +7,20 @@ loader cannot know before it reads. So, for such a dataset (DatasetInfo's ``remo
 its window while batches arrive faster for it, as TCP grows its congestion window:
 
 - at each size it counts the batches that arrive, past those asked for under the size before, and
-  takes their rate over :meth:`WindowSizer.measured` arrivals;
+  takes their rate (and their mean round trip) over :attr:`WindowSizer.measured` arrivals;
 - a measurement during which the loop kept the loader waiting (:meth:`WindowSizer.held`: a step
   slower than the data, an evaluation, a checkpoint) for more than :data:`HELD_MOST` of its time says
   nothing of the link: it is dropped and taken again;
-- while one step more (half the window again, :func:`next_size`) brought at least :data:`GAIN` times
-  the rate, it takes the next step, up to ``most`` (:data:`MOST`, and the ring's bytes,
-  :func:`most_for`); the first step that did not goes back to the best size;
+- while a step (half the window again, :func:`next_size`) left batches arriving no slower than the best
+  size did (within :data:`FLAT`: a flat rate measures a little up or down), it takes the next one, up to
+  ``most`` (:data:`MOST`, and the ring's bytes, :func:`most_for`); near a link's cap each step brings
+  little, and the last few per cent come from the larger windows; a step that cost goes back to the
+  best size;
+- it takes no step whose round trips would pass :data:`TRIP_SHARE` of the request timeout, were the
+  batches to arrive no faster (a store already answering as fast as it can: every batch more in flight
+  only waits longer, against the loader's timeout and the provider's deadline);
 - settled, it tries again after :data:`PROBE_AGAIN_S` (the store, the link or the training step may
-  have changed);
-- a request that timed out puts it back at :data:`START`, settled: a store already answering as
-  fast as it can gains nothing from more batches in flight, each then waiting longer against its
-  deadline on the provider.
+  have changed); a request that timed out puts it back at :data:`START`, settled.
 
 A training step slower than the data keeps the window where it is: every measurement is dropped, the
 loop holding the loader waiting, and batches would arrive no faster anyway. A window given as a number
@@ -27,15 +29,18 @@ loop holding the loader waiting, and batches would arrive no faster anyway. A wi
 
 from __future__ import annotations
 
+import math
+
 from libbus.constants import LOADER_INFLIGHT
 
 __all__ = [
-    "GAIN",
+    "FLAT",
     "HELD_MOST",
     "MOST",
     "PROBE_AGAIN_S",
     "RING_BYTES_MOST",
     "START",
+    "TRIP_SHARE",
     "WindowSizer",
     "most_for",
     "next_size",
@@ -47,12 +52,14 @@ START = LOADER_INFLIGHT
 MOST = 12
 #: The ring's bytes a grown window may take at most: no more slots than fit in this.
 RING_BYTES_MOST = 256 << 20
-#: How much faster a step must make the batches arrive for the window to take the next one.
-GAIN = 1.05
+#: Rates within this factor of each other are the same rate (a flat rate, measured, moves by this much).
+FLAT = 1.04
 #: Seconds a settled window waits before it tries one step more again.
 PROBE_AGAIN_S = 60.0
 #: The share of a measurement's time the loop may keep the loader waiting for the measurement to count.
-HELD_MOST = 0.1
+HELD_MOST = 0.25
+#: The share of the request timeout a step's round trips may reach, were batches to arrive no faster.
+TRIP_SHARE = 0.5
 
 
 def next_size(window: int, most: int) -> int:
@@ -68,10 +75,11 @@ def most_for(slot_bytes: int, start: int = START) -> int:
 
 class WindowSizer:
     """The window of one loader's requests for a dataset read over the network (see the module
-    docstring). :meth:`arrived` and :meth:`timed_out` take the time from the caller's clock."""
+    docstring). :meth:`arrived` and :meth:`timed_out` take the time from the caller's clock;
+    ``timeout_s`` is the loader's request timeout."""
 
-    def __init__(self, start: int = START, most: int = MOST):
-        self.start, self.most = start, max(start, most)
+    def __init__(self, start: int = START, most: int = MOST, timeout_s: float = math.inf):
+        self.start, self.most, self.timeout_s = start, max(start, most), timeout_s
         #: The batches to keep in flight now.
         self.window = start
         self._best: tuple[int, float] | None = None  # (size, rate) of the best size measured since settling
@@ -84,14 +92,16 @@ class WindowSizer:
         self._first: float | None = None
         self._count = 0
         self._held = 0.0
+        self._trips = 0.0
 
     @property
     def measured(self) -> int:
         """Arrivals a size's rate is taken over."""
-        return max(16, 3 * self.window)
+        return max(24, 4 * self.window)
 
-    def arrived(self, now: float) -> int:
-        """One batch arrived at ``now``: the window to keep from now on."""
+    def arrived(self, now: float, round_trip_s: float = 0.0) -> int:
+        """One batch arrived at ``now``, ``round_trip_s`` after it was asked for: the window to keep
+        from now on."""
         if self._settled_until is not None:
             if now < self._settled_until:
                 return self.window
@@ -103,13 +113,14 @@ class WindowSizer:
             self._first = now
         else:
             self._count += 1
+            self._trips += round_trip_s
             if self._count >= self.measured:
                 took = max(now - self._first, 1e-9)
                 if self._held > HELD_MOST * took:  # the loop's pace, not the link's: measure again
                     self._measuring_from(self.window)
                     self._skip = 0
                 else:
-                    self._decide(self._count / took, now)
+                    self._decide(self._count / took, self._trips / self._count, now)
         return self.window
 
     def held(self, seconds: float) -> None:
@@ -124,12 +135,15 @@ class WindowSizer:
         self._settled_until = now + PROBE_AGAIN_S
         return self.window
 
-    def _decide(self, rate: float, now: float) -> None:
-        if self._best is None or rate >= self._best[1] * GAIN:
+    def _decide(self, rate: float, trip: float, now: float) -> None:
+        """A size measured: ``rate`` batches a second, ``trip`` seconds each round trip on average."""
+        if self._best is None or rate >= self._best[1]:
             self._best = (self.window, rate)
-            if self.window < self.most:
-                self._measuring_from(next_size(self.window, self.most))
+        if rate * FLAT >= self._best[1]:  # no slower than the best: one step more, where its round trips fit
+            step = next_size(self.window, self.most)
+            if step > self.window and trip * step / self.window <= TRIP_SHARE * self.timeout_s:
+                self._measuring_from(step)
                 return
-        else:  # the step brought too little: back to the best size
+        else:  # the step cost: back to the best size
             self._measuring_from(self._best[0])
         self._settled_until = now + PROBE_AGAIN_S

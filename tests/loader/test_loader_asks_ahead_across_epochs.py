@@ -263,9 +263,9 @@ def test_a_script_that_never_closes_its_loader_exits_cleanly_and_says_goodbye(
 ):
     """A script that ends after its last epoch without ``close()`` leaves its pass thread asking ahead
     for the next epoch. The interpreter's exit closes the loader before it finalizes, so no pass thread
-    runs into finalization (where a daemon thread is ended by an unwind that aborts the process when it
-    crosses a C++ frame: a DDP rank under ``torchrun`` died so); the script exits 0, and its sessions on
-    the provider end with ``Goodbye``, none left to expire."""
+    runs into finalization (where a daemon thread is ended by an unwind that can abort the process
+    where it crosses a C++ frame); the script exits 0, and its sessions on the provider end with
+    ``Goodbye``, none left to expire."""
     caplog.set_level(logging.INFO, logger="libbus.serve.server")
     provider = start_provider("mnist=" + MNIST)
     script = tmp_path / "train.py"
