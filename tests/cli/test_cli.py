@@ -25,6 +25,8 @@ def test_settings_precedence_is_file_then_env_then_flags(tmp_path):
         ("heartbeat_ms = 'often'", {}, "'heartbeat_ms' must be int"),
         ("router = ", {}, "not valid TOML"),
         ("", {"BATCHBUS_INFLIGHT": "many"}, "BATCHBUS_INFLIGHT"),
+        ("inflight = -1", {}, r"inflight \(file .*\) must be 0 \(the loader sizes it\) or more"),
+        ("flows = 5", {}, r"flows \(file .*\) must be 0 .* up to inflight \(4\)"),  # 0: the loader's start, 4
     ],
 )
 def test_bad_settings_name_their_source(tmp_path, content, env, words):
