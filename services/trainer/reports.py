@@ -78,11 +78,25 @@ class Reporter:
         the one being delivered (the router may have stored it and its answer not come back: a
         trainer killed in between). No later record has been sent."""
         with self._cond:
-            trying = self._trying
-            held = {self.checkpoint_step}
-            if isinstance(trying, Checkpointed):
-                held.add(trying.checkpoint["step"])
-            return held
+            return self._held()
+
+    def _held(self) -> set[int | None]:
+        held = {self.checkpoint_step}
+        if isinstance(self._trying, Checkpointed):
+            held.add(self._trying.checkpoint["step"])
+        return held
+
+    def prune_checkpoints(self, prune: Callable[[set[int | None]], object]) -> None:
+        """Remove the checkpoint files the router cannot come to hold: ``prune(held)`` removes all but
+        the last few and those of ``held``, which is :meth:`held_steps` and the steps of the records
+        still waiting here to be sent (each may be the one the router holds when this trainer dies).
+        Under this reporter's lock, so that no record starts being sent in between. A record queued
+        behind a slow delivery used to lose its file before it was sent: a trainer killed right after
+        the router took it left its job nothing to resume from."""
+        with self._cond:
+            held = self._held()
+            held.update(m.checkpoint["step"] for m in self._queue if isinstance(m, Checkpointed))
+            prune(held)
 
     @property
     def pending(self) -> int:

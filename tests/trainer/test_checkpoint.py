@@ -3,6 +3,7 @@
 import hashlib
 import random
 import sqlite3
+import threading
 import time
 
 import numpy as np
@@ -15,6 +16,7 @@ from torch import nn
 from libbus.errors import BadRequest
 from libbus.jobs.spec import JobSpec
 from libbus.order.epochs import Cursor
+from libbus.wire.messages import Checkpointed, Ok, Progress
 from services.router.store import JobStore
 from services.trainer.attempt.builtin import restore_into
 from services.trainer.attempt.checkpoint import (
@@ -28,6 +30,7 @@ from services.trainer.attempt.checkpoint import (
     save_state,
     set_rng_state,
 )
+from services.trainer.reports import Reporter
 
 
 def _model_and_optimizer(seed: int):
@@ -226,3 +229,51 @@ def test_the_router_keeps_a_model_only_if_its_bytes_match_and_names_no_other_pat
     assert artifacts.get("j0123456789") == data
     with pytest.raises(NotFound):
         artifacts.get("../../etc/passwd")
+
+
+class _SlowLink:
+    """The reporter's way to the router, as the trainer relays it: each request waits until ``go`` is set,
+    as a delivery behind a loaded trainer does; what was sent is recorded, a checkpoint record with
+    whether its file was there as it was sent."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.go = threading.Event()
+        self.sent = []
+        self.fatal = None
+
+    def request(self, msg, timeout_s=10.0):
+        if isinstance(msg, Checkpointed):
+            name = msg.checkpoint["path"].rsplit("/", 1)[-1]
+            self.sent.append((msg.checkpoint["step"], (self.directory / name).exists()))
+        assert self.go.wait(60), "the test never let the delivery through"
+        return Ok()
+
+
+def test_a_checkpoint_record_waiting_to_be_sent_keeps_its_file(tmp_path):
+    """A job checkpointing every few ms gets ahead of its reports: records wait behind a slow delivery.
+    Pruning keeps the files of the records waiting to be sent, under the reporter's lock: every record
+    the router takes names a file that is there (a trainer killed right after the router took one whose
+    file was gone left its job nothing to resume from); once the router has a later one, they go."""
+    model, optimizer = _model_and_optimizer(2)
+    link = _SlowLink(tmp_path)
+    reporter = Reporter(link, "j1", timeout_s=5.0)  # type: ignore[arg-type]  # a Link in all it uses
+    try:
+        reporter.put(Progress(job="j1", progress={"step": 0}))  # first in line, delivered slowly
+        for step in (1, 2, 3, 4):
+            record = _save(tmp_path, step, model, optimizer)
+            reporter.put(Checkpointed(job="j1", checkpoint=dict(record)))
+            reporter.prune_checkpoints(lambda held: prune(tmp_path, held))
+        assert len(list(tmp_path.glob("step-*"))) == 4  # every record still waits: every file stays
+        link.go.set()
+        assert reporter.flush(60)
+        assert link.sent == [(1, True), (2, True), (3, True), (4, True)]
+        assert reporter.checkpoint_step == 4
+        reporter.prune_checkpoints(lambda held: prune(tmp_path, held))
+        assert sorted(p.name for p in tmp_path.glob("step-*")) == [
+            "step-000000003.safetensors",
+            "step-000000004.safetensors",
+        ]
+    finally:
+        link.go.set()
+        reporter.close()

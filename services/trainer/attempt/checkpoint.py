@@ -174,8 +174,10 @@ def prune(directory: Path, held: Collection[int | None]) -> list[Path]:
     sent to it and not answered yet. The job resumes from one of those if this trainer dies now:
     while reports wait for an absent router, or when the trainer dies between the router's record
     and its answer (its attempt may still write a checkpoint or two before it dies with it). The
-    newer ones the router has not heard of are of no use past the last ``KEEP``. So a trainer holds
-    at most ``KEEP + 2`` steps' files per job, however long the router is away. Returns what was
+    newer ones the router has not heard of are of no use past the last ``KEEP``, once their records
+    are sent. An attempt calls it through :meth:`.reports.Reporter.prune_checkpoints`, which holds
+    the records still waiting to be sent too: so a trainer holds ``KEEP + 2`` steps' files per job,
+    and while the router is away, one more for each record that waits for it. Returns what was
     removed."""
     files = sorted(directory.glob("step-*.safetensors"), key=_step_of)
     removed = []

@@ -389,7 +389,7 @@ class AttemptJob(Job):
         self.last_checkpoint = record
         self._checkpointed = (self.step_count, self.epochs_reported)
         self.reporter.put(Checkpointed(job=self.id, checkpoint=dict(record)))  # the message's JSON object
-        prune(self.directory, self.reporter.held_steps())
+        self.reporter.prune_checkpoints(lambda held: prune(self.directory, held))
         log.info("job %s: checkpoint at step %d in %s", self.id, self.step_count, record["path"])
         return record
 
