@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from ..base import SPLITS, Field, FieldBatch, ReadPolicy, SourceInfo
+from ..storage.reader import OpenFiles
 from . import val_carve
 from .fieldpick import PickedSource, classes, fill, select
 from .location import Format, Location, val_fraction
@@ -362,8 +362,7 @@ class MDSSource(PickedSource):
         for s in self.shards[1:]:
             if (s.names, s.encodings) != (first.names, first.encodings):
                 raise DatasetError(f"{self.uri}: {s.name} has other columns than {first.name}")
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self._files = OpenFiles()
         #: split → (n, 2) rows: shard number, record number (val carved from train where there is none)
         self.rows, self.val_fraction = val_carve.shard_rows(
             self.uri,
@@ -450,10 +449,9 @@ class MDSSource(PickedSource):
         return out
 
     def _local_fd(self, shard: int) -> int:
-        with self._lock:
-            if shard not in self._fds:
-                self._fds[shard] = os.open(str(self.shards[shard].local), os.O_RDONLY | os.O_CLOEXEC)
-            return self._fds[shard]
+        local = self.shards[shard].local
+        assert local is not None, "a shard read from its file is local"
+        return self._files.fd(local)
 
     def _values(self, split: str, indices: np.ndarray, picks=None) -> FieldBatch:
         idx = np.asarray(indices, np.int64).reshape(-1)
@@ -489,10 +487,7 @@ class MDSSource(PickedSource):
         return info
 
     def close(self) -> None:
-        with self._lock:
-            fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
+        self._files.close()
         self.location.close()
 
 

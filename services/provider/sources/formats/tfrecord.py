@@ -37,7 +37,6 @@ import os
 import re
 import struct
 import tempfile
-import threading
 import zlib
 from array import array
 from collections.abc import Callable
@@ -50,6 +49,7 @@ import numpy as np
 from libbus.errors import DatasetError
 
 from ..base import SPLITS, Field, FieldBatch, SourceInfo, relative_name
+from ..storage.reader import OpenFiles
 from . import val_carve
 from .fieldpick import PickedSource, classes, fill, select
 from .location import Format, Location, val_fraction
@@ -288,8 +288,7 @@ class TFRecordSource(PickedSource):
     def __init__(self, loc: Location, shards: dict[str, list[Shard]], params: dict[str, str], val_fraction: float):
         self.uri, self.location, self.root = loc.uri, loc, loc.root
         self.shards = [s for split in SPLITS for s in shards.get(split, [])]
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self._files = OpenFiles()
         #: split → (n, 2) rows: shard number, record number (val carved from train where there is none)
         self.rows, self.val_fraction = val_carve.shard_rows(
             self.uri,
@@ -404,10 +403,9 @@ class TFRecordSource(PickedSource):
         return out
 
     def _fd(self, shard: int) -> int:
-        with self._lock:
-            if shard not in self._fds:
-                self._fds[shard] = os.open(str(self.shards[shard].local), os.O_RDONLY | os.O_CLOEXEC)
-            return self._fds[shard]
+        local = self.shards[shard].local
+        assert local is not None, "a shard read from its file is local"
+        return self._files.fd(local)
 
     def _values(self, split: str, indices: np.ndarray) -> FieldBatch:
         records = self._records(split, indices)
@@ -431,10 +429,7 @@ class TFRecordSource(PickedSource):
         return info
 
     def close(self) -> None:
-        with self._lock:
-            fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
+        self._files.close()
         self.location.close()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,6 +32,7 @@ __all__ = [
     "Records",
     "Remote",
     "RemoteClient",
+    "OpenFiles",
     "Segment",
     "coalesce",
     "read_at",
@@ -292,3 +294,26 @@ class Records:
                     buffers.append(self.scratch[:nbytes] if into is None else into[r * nbytes : (r + 1) * nbytes])
             runs.append((self.base + int(ordered[a]) * self.record, buffers))
         return runs
+
+
+class OpenFiles:
+    """Read-only descriptors of a dataset's local files, each opened on its first read and kept until
+    :meth:`close`: a shard read thousands of times a second is opened once, and since ``os.pread`` takes
+    its own offset, every reading thread shares the one descriptor."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, path: os.PathLike[str] | str) -> int:
+        key = os.fspath(path)
+        with self._lock:
+            if key not in self._fds:
+                self._fds[key] = os.open(key, os.O_RDONLY | os.O_CLOEXEC)
+            return self._fds[key]
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
