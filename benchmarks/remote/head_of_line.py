@@ -90,14 +90,37 @@ def head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: F
             loop.wait()
 
 
+class Probing:
+    """A new client's ``Hello`` and ``DatasetInfo`` every :data:`PROBE_EVERY_S` on a thread of this process,
+    for the length of a ``with`` block. Both phases run it, so the measured loader shares its process with
+    the same probes alone as beside: only the slow loader differs between them."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.times: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.times.append(probe_once(self.cluster))
+            self._stop.wait(PROBE_EVERY_S)
+
+    def __enter__(self) -> Probing:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(PROBE_TIMEOUT_S * 2 + 5)
+
+
 def _head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: Fingerprints) -> dict:
     step = args.step_ms / 1e3
     out: dict[str, Any] = {"latency_ms": args.hol_latency_ms, "step_ms": args.step_ms}
-    quiet = [probe_once(cluster) for _ in range(5)]
-    with cluster.loader("file", "full", args.batch) as loader:
+    with Probing(cluster) as quiet, cluster.loader("file", "full", args.batch) as loader:
         out["alone"] = drain(loader, args.seconds, "file alone", fp, step)
     store.delay(args.hol_latency_ms)
-    stop = threading.Event()
     # the slow loader in a process of its own, as another trainer is: the measured loader's waits are
     # then the provider's, not this process's GIL shared with the other loader's decoding
     cfg = {"endpoint": cluster.endpoint, "token": cluster.token, "batch": args.batch}
@@ -110,26 +133,15 @@ def _head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: 
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
-    probes: list[tuple[float, float]] = []
-
-    def probe() -> None:
-        while not stop.is_set():
-            probes.append(probe_once(cluster))
-            stop.wait(PROBE_EVERY_S)
-
-    probe_thread = threading.Thread(target=probe, daemon=True)
+    busy = Probing(cluster)
     slow: dict[str, Any] = {"batches": 0}
     try:
         assert child.stdout is not None
         first = child.stdout.readline()  # its first batch: the provider is busy with it (or it failed)
         if first.strip() == "reading":
-            probe_thread.start()
-            with cluster.loader("file", "full", args.batch) as loader:
+            with busy, cluster.loader("file", "full", args.batch) as loader:
                 out["beside"] = drain(loader, args.seconds, "file beside http", fp, step)
     finally:
-        stop.set()
-        if probe_thread.ident is not None:
-            probe_thread.join(PROBE_TIMEOUT_S * 2 + 5)
         child.send_signal(signal.SIGTERM)
         try:
             rest, err = child.communicate(timeout=ROW_GRACE_S)
@@ -146,9 +158,9 @@ def _head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: 
         return out
     out["slow_loader"] = slow
     out["p99_ratio"] = out["beside"]["p99_ms"] / max(out["alone"]["p99_ms"], 1e-3)
-    for name, got in (("quiet", quiet), ("busy", probes)):
+    for name, got in (("quiet", quiet.times), ("busy", busy.times)):
         if got:
             out[f"hello_{name}_max_ms"] = max(h for h, _ in got) * 1e3
             out[f"info_{name}_max_ms"] = max(i for _, i in got) * 1e3
-    out["probes"] = len(probes)
+    out["probes"] = len(busy.times)
     return out
