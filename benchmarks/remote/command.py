@@ -143,9 +143,11 @@ def print_result(result: dict) -> None:
             "max ms",
             "samples/s",
             title=f"head-of-line: file at a {hol['step_ms']:g} ms step, alone and beside a loader reading http "
-            f"(full, {hol['latency_ms']:g} ms per request)",
+            f"(full, {hol['latency_ms']:g} ms per request) from the same provider, or apart: from another",
         )
-        for name in ("alone", "beside"):
+        for name in ("alone", "beside", "apart"):
+            if name not in hol:
+                continue
             r = hol[name]
             hol_table.add_row(
                 name, f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['max_ms']:.1f}", f"{r['samples_per_s']:,.0f}"
@@ -156,6 +158,11 @@ def print_result(result: dict) -> None:
             f"p99 beside / alone: {hol['p99_ratio']:.1f}x; the http loader got {slow['batches']} batches"
             + (f" and failed: {slow['error']}" if "error" in slow else "")
         )
+        if "apart" in hol:
+            console.print(
+                f"p99 apart / alone: {hol['p99_apart_ratio']:.1f}x (the machine's share: the slow loader on a "
+                f"provider of its own); beside / apart: {hol['p99_shared_over_apart']:.1f}x (the shared provider's)"
+            )
         if "hello_busy_max_ms" in hol:
             console.print(
                 f"a new client, worst of {hol['probes']} while busy: Hello {hol['hello_busy_max_ms']:.0f} ms, "

@@ -77,13 +77,14 @@ def busy_loops(n: int, seconds: float) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", code, str(seconds)]) for _ in range(n)]
 
 
-def head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: Fingerprints) -> dict:
-    """The local dataset's waits alone and beside a loader reading the slow remote dataset; new
-    clients' Hello and DatasetInfo times meanwhile (and alone, before). ``--hol-busy N``: both phases
-    beside N busy loops."""
+def head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: Fingerprints, slow_uri: str) -> dict:
+    """The local dataset's waits alone, beside a loader reading the slow remote dataset (``slow_uri``) from the
+    same provider, and beside one reading it from a provider of its own (the control: the machine's share of
+    the rise); new clients' Hello and DatasetInfo times meanwhile. ``--hol-busy N``: every phase beside N
+    busy loops."""
     loops = busy_loops(args.hol_busy, 4 * args.seconds + 60)
     try:
-        return _head_of_line(cluster, store, args, fp) | {"busy_loops": args.hol_busy}
+        return _head_of_line(cluster, store, args, fp, slow_uri) | {"busy_loops": args.hol_busy}
     finally:
         for loop in loops:
             loop.kill()
@@ -115,15 +116,56 @@ class Probing:
         self._thread.join(PROBE_TIMEOUT_S * 2 + 5)
 
 
-def _head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: Fingerprints) -> dict:
+def _head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: Fingerprints, slow_uri: str) -> dict:
     step = args.step_ms / 1e3
     out: dict[str, Any] = {"latency_ms": args.hol_latency_ms, "step_ms": args.step_ms}
     with Probing(cluster) as quiet, cluster.loader("file", "full", args.batch) as loader:
         out["alone"] = drain(loader, args.seconds, "file alone", fp, step)
     store.delay(args.hol_latency_ms)
+    busy = Probing(cluster)
+    row, out["slow_loader"] = _beside(cluster, cluster, busy, args, fp, step, "file beside http")
+    if row is None:  # the slow loader failed before its first batch: nothing to measure beside
+        out["error"] = f"the http loader read no batch: {out['slow_loader'].get('error', '?')}"
+        return out
+    out["beside"] = row
+    out["p99_ratio"] = row["p99_ms"] / max(out["alone"]["p99_ms"], 1e-3)
+    for name, got in (("quiet", quiet.times), ("busy", busy.times)):
+        if got:
+            out[f"hello_{name}_max_ms"] = max(h for h, _ in got) * 1e3
+            out[f"info_{name}_max_ms"] = max(i for _, i in got) * 1e3
+    out["probes"] = len(busy.times)
+    # the control: the same slow loader and store, the same probes, but the slow dataset served by a provider of
+    # its own. What the local loader's p99 gains here is the machine's (cores shared with the store, the
+    # remote reads, the other loader), not its provider's: sharing the provider is judged against this
+    apart = Cluster(cluster.state.parent / "apart", {"http": slow_uri}, {})
+    try:
+        row, out["slow_loader_apart"] = _beside(
+            cluster, apart, Probing(cluster), args, fp, step, "file beside http on another provider"
+        )
+    finally:
+        apart.stop()
+    if row is not None:
+        out["apart"] = row
+        out["p99_apart_ratio"] = row["p99_ms"] / max(out["alone"]["p99_ms"], 1e-3)
+        out["p99_shared_over_apart"] = out["beside"]["p99_ms"] / max(row["p99_ms"], 1e-3)
+    return out
+
+
+def _beside(
+    measured: Cluster,
+    slow_at: Cluster,
+    probing: Probing,
+    args: argparse.Namespace,
+    fp: Fingerprints,
+    step: float,
+    where: str,
+) -> tuple[dict | None, dict]:
+    """The local dataset's waits (read from ``measured``) while another loader, in a process of its own, reads
+    the slow dataset from ``slow_at``, with ``probing`` meanwhile: (the row, or None when the slow loader read
+    no batch; what the slow loader says of itself)."""
     # the slow loader in a process of its own, as another trainer is: the measured loader's waits are
     # then the provider's, not this process's GIL shared with the other loader's decoding
-    cfg = {"endpoint": cluster.endpoint, "token": cluster.token, "batch": args.batch}
+    cfg = {"endpoint": slow_at.endpoint, "token": slow_at.token, "batch": args.batch}
     code = "import sys; from benchmarks.remote.head_of_line import slow_child; slow_child(sys.argv[1])"
     child = subprocess.Popen(
         [sys.executable, "-c", code, json.dumps(cfg)],
@@ -133,14 +175,14 @@ def _head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: 
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
-    busy = Probing(cluster)
+    row = None
     slow: dict[str, Any] = {"batches": 0}
     try:
         assert child.stdout is not None
         first = child.stdout.readline()  # its first batch: the provider is busy with it (or it failed)
         if first.strip() == "reading":
-            with busy, cluster.loader("file", "full", args.batch) as loader:
-                out["beside"] = drain(loader, args.seconds, "file beside http", fp, step)
+            with probing, measured.loader("file", "full", args.batch) as loader:
+                row = drain(loader, args.seconds, where, fp, step)
     finally:
         child.send_signal(signal.SIGTERM)
         try:
@@ -153,14 +195,4 @@ def _head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: 
         slow = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
         slow["error"] = f"exit {child.returncode}: {err.strip().splitlines()[-1:] or ['(no output)']}"[:300]
-    if "beside" not in out:  # the slow loader failed before its first batch: nothing to measure beside
-        out["slow_loader"], out["error"] = slow, f"the http loader read no batch: {slow.get('error', '?')}"
-        return out
-    out["slow_loader"] = slow
-    out["p99_ratio"] = out["beside"]["p99_ms"] / max(out["alone"]["p99_ms"], 1e-3)
-    for name, got in (("quiet", quiet.times), ("busy", busy.times)):
-        if got:
-            out[f"hello_{name}_max_ms"] = max(h for h, _ in got) * 1e3
-            out[f"info_{name}_max_ms"] = max(i for _, i in got) * 1e3
-    out["probes"] = len(busy.times)
-    return out
+    return row, slow

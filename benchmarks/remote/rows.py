@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
         add_ratios(rows)
         if args.hol:
             settle(cluster, store)  # the last row's reads (prefetched, or abandoned) are over: a quiet start
-            result["head_of_line"] = head_of_line(cluster, store, args, fp)
+            result["head_of_line"] = head_of_line(cluster, store, args, fp, datasets["http"])
         if args.htb:
             result["htb"] = htb_row(root, work, args)
         result["load_after"] = os.getloadavg()

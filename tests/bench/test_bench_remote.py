@@ -44,9 +44,11 @@ def test_remote_bench_measures_every_row_and_writes_json(tmp_path):
     if MOSAIC:
         assert rows[("s3-mds", 10.0)]["x_mosaic"] > 0
     hol = result["head_of_line"]
-    for part in ("alone", "beside"):
+    for part in ("alone", "beside", "apart"):  # apart: the slow dataset on a provider of its own, the control
         assert hol[part]["samples_per_s"] > 0 and hol[part]["p99_ms"] > 0
-    assert "error" not in hol["slow_loader"] and hol["slow_loader"]["batches"] >= 1, hol["slow_loader"]
+    for slow in ("slow_loader", "slow_loader_apart"):
+        assert "error" not in hol[slow] and hol[slow]["batches"] >= 1, hol[slow]
+    assert hol["p99_shared_over_apart"] == hol["beside"]["p99_ms"] / hol["apart"]["p99_ms"]
     assert hol["probes"] >= 1 and hol["hello_busy_max_ms"] > 0 and hol["info_busy_max_ms"] > 0
     assert "samples/s" in run.stdout and "head-of-line" in run.stdout
 
@@ -76,7 +78,8 @@ def test_remote_bench_hol_only_measures_the_head_of_line_part_alone(tmp_path):
     result = json.loads(out.read_text())
     assert result["rows"] == []  # no throughput row, no MDS
     hol = result["head_of_line"]
-    assert hol["alone"]["batches"] >= 1 and hol["beside"]["batches"] >= 1 and hol["probes"] >= 1
+    assert hol["alone"]["batches"] >= 1 and hol["beside"]["batches"] >= 1 and hol["apart"]["batches"] >= 1
+    assert hol["probes"] >= 1
     assert "error" not in hol["slow_loader"] and hol["slow_loader"]["batches"] >= 1, hol["slow_loader"]
     assert "head-of-line" in run.stdout and "GETs/batch" not in run.stdout
     assert hol["busy_loops"] == 1  # measured beside a deliberate load, which ended with the part
