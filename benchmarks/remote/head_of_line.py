@@ -1,7 +1,9 @@
-"""The head-of-line part: the local dataset's waits per batch alone and while another loader, in a process
-of its own, reads the slow remote dataset from the same provider; meanwhile a new client's ``Hello`` and
-``DatasetInfo`` timed every :data:`~benchmarks.remote.cluster.PROBE_EVERY_S` (:func:`head_of_line`).
-``--hol-busy N`` runs both phases beside N busy loops."""
+"""The head-of-line part: the local dataset's waits per batch alone, while another loader, in a process of its
+own, reads the slow remote dataset from the same provider (``beside``), and while it reads it from a provider
+of its own (``apart``, the control: what the machine's shared cores add, told apart from what sharing the
+provider adds); meanwhile, in every phase, a new client's ``Hello`` and ``DatasetInfo`` timed every
+:data:`~benchmarks.remote.cluster.PROBE_EVERY_S` (:func:`head_of_line`). ``--hol-busy N`` runs every phase
+beside N busy loops."""
 
 from __future__ import annotations
 
