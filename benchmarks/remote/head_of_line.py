@@ -95,8 +95,8 @@ def head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: F
 
 class Probing:
     """A new client's ``Hello`` and ``DatasetInfo`` every :data:`PROBE_EVERY_S` on a thread of this process,
-    for the length of a ``with`` block. Both phases run it, so the measured loader shares its process with
-    the same probes alone as beside: only the slow loader differs between them."""
+    for the length of a ``with`` block. Every phase runs it, so the measured loader shares its process with
+    the same probes in each: only the slow loader, and where it reads, differ between them."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
