@@ -46,7 +46,7 @@ from libbus.errors import BusError, Internal, Unavailable, error_from_code
 
 from .sources.base import ReadPolicy, Source
 from .sources.storage.blockmemory import ReadStats
-from .sources.storage.inflight import READER_NICE
+from .sources.storage.inflight import lower_process_priority
 
 __all__ = ["HelpedSource", "HelperDown", "ReadHelper", "helped", "with_helpers"]
 
@@ -435,10 +435,7 @@ class HelpedSource:
 def _serve(sock: socket.socket) -> None:
     """Open the dataset the provider names, say so, then read what it asks until it hangs up."""
     config = pickle.loads(sock.recv(_MSG_BYTES))
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, READER_NICE)
-    except OSError:
-        pass
+    lower_process_priority()  # and every thread it starts after (its readers', obstore's) inherits it
     try:
         from .sources.objstore import configure_cache
         from .sources.registry import open_source

@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ import pytest
 from libbus.errors import Unavailable
 from libbus.wire.messages import BatchRequest, DatasetInfo, DatasetInfoRequest, Error
 from services.provider.read_helper import ReadHelper
+from services.provider.sources.storage.inflight import READER_NICE, lower_priority
 from tests.support import REPO
 from tests.support.held_store import (  # noqa: F401 - server_fixture: the `server` fixture
     LIVENESS,
@@ -87,6 +90,35 @@ def test_local_batches_keep_flowing_in_order_while_the_helpers_store_answers_not
     every_batch_answered(slow, asked, wanted, remote_x, remote_y)
     # the helper's reads are the provider's to show (its requests' limit, from the helper's counters)
     assert provider.service.handler.stats()["remote_reads"]["web"]["inflight_limit"] >= 1
+
+
+def test_a_helpers_every_thread_yields_the_cores_and_the_serving_loop_does_not(
+    tmp_path, server, start_provider, client_for
+):
+    """The helper's threads (its readers and obstore's, started after it began reading) run niced and under
+    ``SCHED_BATCH``, so a reply waking one of them never preempts the serving loop or a trainer's loop; the
+    provider's own loop keeps the policy it was started with."""
+    provider, (remote_x, remote_y), _ = _two_datasets(tmp_path, server, start_provider)
+    helper = provider.service.handler.helped["web"].helper
+    client = client_for(provider.endpoint, timeout_s=WAIT_S)
+    client.hello()
+    idx = np.array([5, 1, 60], "<i8")
+    x, y = batch(client.request(BatchRequest(dataset="web", split="train", frames=[idx.tobytes()])), 3)
+    assert np.array_equal(x, remote_x[idx]) and np.array_equal(y, remote_y[idx])
+    threads = [int(t) for t in os.listdir(f"/proc/{helper.pid}/task")]
+    assert len(threads) > 1, "the helper read with no thread of its own"
+    for tid in threads:
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH, f"helper thread {tid} can preempt on waking"
+        assert os.getpriority(os.PRIO_PROCESS, tid) == READER_NICE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the serving loop (this process) was lowered too"
+
+
+def test_a_reader_pools_threads_run_niced_under_sched_batch():
+    with ThreadPoolExecutor(2, initializer=lower_priority) as pool:
+        policy, nice = pool.submit(
+            lambda: (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        ).result()
+    assert (policy, nice) == (os.SCHED_BATCH, READER_NICE)
 
 
 def test_a_helper_that_dies_fails_only_its_batches_and_the_next_read_starts_another(
