@@ -65,9 +65,9 @@ _HOSTS_LOCK = threading.Lock()
 
 
 def lower_priority() -> None:
-    """Run the calling thread at :data:`READER_NICE` and under ``SCHED_BATCH`` (a thread pool's
-    ``initializer``, the read helper's first step: threads it starts later inherit both); where the system
-    refuses either, at the priority it has.
+    """Run the calling thread at :data:`READER_NICE` and under ``SCHED_BATCH`` (a reader pool's
+    ``initializer``; threads it starts later inherit both); where the system refuses either, at the
+    priority it has. The read helper lowers all its threads at once (:func:`lower_process_priority`).
 
     ``SCHED_BATCH`` keeps the readers from preempting anything when they wake: a reply's thread then waits
     for the scheduler's turn instead of taking the core from the serving loop or a trainer's loop in the
