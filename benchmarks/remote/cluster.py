@@ -154,7 +154,6 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
-            raise
 
     def _start(self, role: str, args: list[str], env: dict[str, str]) -> str:
         from services.launch import READY_TIMEOUT_S  # noqa: PLC0415

@@ -67,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         help="busy loops (a process spinning a core each) beside both head-of-line phases: a deliberate load",
     )
+    p.add_argument(
+        "--hol-share-cores",
+        action="store_true",
+        help="the head-of-line part's store, other loader and control provider share every core with the measured "
+        "loader (default: they run on the last core, as the other machines and cores of a cluster)",
+    )
     p.add_argument("--mds-shard-mb", type=int, default=16, help="MDS shard size (default 16 MB)")
     p.add_argument("--no-mosaic", dest="mosaic", action="store_false", help="no MDS rows (no S3 server)")
     p.add_argument("--no-hol", dest="hol", action="store_false", help="no head-of-line part")
@@ -137,12 +143,12 @@ def print_result(result: dict) -> None:
         console.print(f"[red]head-of-line: {hol['error']}[/]")
     elif hol:
         hol_table = Table(
-            "file loader (full)",
+            "local loader (full, RAM)",
             "p50 ms",
             "p99 ms",
             "max ms",
             "samples/s",
-            title=f"head-of-line: file at a {hol['step_ms']:g} ms step, alone and beside a loader reading http "
+            title=f"head-of-line: a local dataset at a {hol['step_ms']:g} ms step, alone and beside a loader reading http "
             f"(full, {hol['latency_ms']:g} ms per request) from the same provider, or apart: from another",
         )
         for name in ("alone", "beside", "apart"):
@@ -153,6 +159,13 @@ def print_result(result: dict) -> None:
                 name, f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['max_ms']:.1f}", f"{r['samples_per_s']:,.0f}"
             )
         console.print(hol_table)
+        tenants = hol.get("tenant_cores")
+        console.print(
+            f"the store, the http loader and the control's provider ran on core {','.join(map(str, tenants))}, as "
+            "other machines (--hol-share-cores: on every core)"
+            if tenants
+            else "every process ran on every core"
+        )
         slow = hol["slow_loader"]
         console.print(
             f"p99 beside / alone: {hol['p99_ratio']:.1f}x; the http loader got {slow['batches']} batches"

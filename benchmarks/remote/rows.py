@@ -19,7 +19,7 @@ import numpy as np
 from benchmarks.remote.capped_link import htb_row
 from benchmarks.remote.checks import SAMPLE_BYTES, Fingerprints, drain
 from benchmarks.remote.cluster import Cluster, Store, settle
-from benchmarks.remote.head_of_line import head_of_line
+from benchmarks.remote.head_of_line import LOCAL, head_of_line
 from benchmarks.remote.streaming import mosaic_row, write_mds
 from libbus.errors import BusError
 
@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> dict:
             "file": f"file://{root}?memory=stream&val_fraction=0",
             "http": f"{store.urls['http']}/data/?val_fraction=0",
         }
+        if args.hol:  # the head-of-line part's local dataset: in RAM (benchmarks.remote.head_of_line)
+            datasets[LOCAL] = f"file://{root}?memory=ram&val_fraction=0"
         # full shuffle with a RAM cache that holds the window (for a full shuffle, the files): one dataset
         # per latency, so that each row starts cold; its loader reads ahead (RemoteLoader's read_ahead)
         cache = int((root / "train_x.npy").stat().st_size * 1.2) + (8 << 20)

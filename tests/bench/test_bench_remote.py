@@ -4,11 +4,13 @@ Correctness only: timings are the benchmark's business, not this test's."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from benchmarks.remote.head_of_line import cores_of, place, tenant_cores
 from tests.support.busctl import REPO
 
 MOSAIC = importlib.util.find_spec("streaming") is not None
@@ -83,6 +85,52 @@ def test_remote_bench_hol_only_measures_the_head_of_line_part_alone(tmp_path):
     assert "error" not in hol["slow_loader"] and hol["slow_loader"]["batches"] >= 1, hol["slow_loader"]
     assert "head-of-line" in run.stdout and "GETs/batch" not in run.stdout
     assert hol["busy_loops"] == 1  # measured beside a deliberate load, which ended with the part
+    # the store and the other loaders ran on the last core, as other machines: every thread of theirs
+    mine = sorted(os.sched_getaffinity(0))
+    tenants = mine[-1:] if len(mine) > 1 else None
+    assert hol["tenant_cores"] == tenants
+    assert hol["store_cores"] == (tenants or mine)
+    for slow in ("slow_loader", "slow_loader_apart"):
+        assert hol[slow]["cores"] == (tenants or mine), hol[slow]
+
+
+def test_tenant_cores_are_the_last_core_unless_shared():
+    mine = sorted(os.sched_getaffinity(0))
+    assert tenant_cores(share=True) is None
+    assert tenant_cores(share=False) == (mine[-1:] if len(mine) > 1 else None)
+
+
+def test_place_moves_every_thread_of_a_process_and_those_it_starts_later():
+    """A running process with threads of its own: placed on one core, every thread is there, and so is
+    a thread it starts afterwards; placed back, every thread may run anywhere again."""
+    mine = sorted(os.sched_getaffinity(0))
+    code = (
+        "import sys, threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('up', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('more', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        assert len(os.listdir(f"/proc/{child.pid}/task")) >= 4
+        place(child.pid, mine[-1:])
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "more"
+        tids = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tids) >= 5
+        assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids} == {tuple(mine[-1:])}
+        assert cores_of(child.pid) == mine[-1:]
+        place(child.pid, mine)
+        assert cores_of(child.pid) == mine
+        assert all(sorted(os.sched_getaffinity(int(t))) == mine for t in os.listdir(f"/proc/{child.pid}/task"))
+    finally:
+        child.kill()
+        child.wait()
 
 
 BAD_OPTIONS = [
