@@ -17,11 +17,14 @@ s3-mds             the samples as MDS shards (Streaming's ``MDSWriter``, ``--mds
 mosaic             MosaicML Streaming's ``StreamingDataset`` (``shuffle=True``) + DataLoader
                    (``--workers``) reading the same MDS from the same store (a fresh local cache each
                    row: a cold read), in a process of its own
-head-of-line       the ``file`` dataset's wait per batch, a loop of ``--step-ms`` per step, alone and
-                   while another loader reads ``http`` (full shuffle, ``--hol-latency-ms``) from the
-                   same provider; meanwhile a new client's ``Hello`` and ``DatasetInfo`` timed
-                   every 0.25 s (the worst is what a new trainer would wait); ``--hol-busy N``: both
-                   phases beside N busy loops (a deliberate load, each ending by itself)
+head-of-line       a local dataset's wait per batch (the same files held in the provider's RAM), a loop
+                   of ``--step-ms`` per step, alone, while another loader reads ``http`` (full
+                   shuffle, ``--hol-latency-ms``) from the same provider, and while it reads it from a
+                   provider of its own (the control); the store and the other loaders on the last core,
+                   as other machines (``--hol-share-cores``: every process on every core); meanwhile a
+                   new client's ``Hello`` and ``DatasetInfo`` timed every 0.25 s (the worst is what a
+                   new trainer would wait); ``--hol-busy N``: every phase beside N busy loops (a
+                   deliberate load, each ending by itself)
 htb (``--htb``)    the store in a network namespace of its own behind a veth capped at ``--htb-mbit``
                    by ``htb`` (root only), the provider and loader in another: block shuffle's MB/s as a
                    fraction of the cap, at ``--htb-latency-ms`` (its loader's first batches left out, and

@@ -136,7 +136,7 @@ def head_of_line(cluster: Cluster, store: Store, args: argparse.Namespace, fp: F
     same provider, and beside one reading it from a provider of its own (the control: the machine's share of
     the rise); new clients' Hello and DatasetInfo times meanwhile. ``--hol-busy N``: every phase beside N
     busy loops. The store runs on :func:`tenant_cores` for the part's length."""
-    loops = busy_loops(args.hol_busy, 4 * args.seconds + 60)
+    loops = busy_loops(args.hol_busy, 4 * args.hol_seconds + 60)
     tenants = tenant_cores(args.hol_share_cores)
     if tenants is not None:
         place(store.proc.pid, tenants)
@@ -180,9 +180,9 @@ def _head_of_line(
     cluster: Cluster, store: Store, args: argparse.Namespace, fp: Fingerprints, slow_uri: str, tenants: list[int] | None
 ) -> dict:
     step = args.step_ms / 1e3
-    out: dict[str, Any] = {"latency_ms": args.hol_latency_ms, "step_ms": args.step_ms}
+    out: dict[str, Any] = {"latency_ms": args.hol_latency_ms, "step_ms": args.step_ms, "seconds": args.hol_seconds}
     with Probing(cluster) as quiet, cluster.loader(LOCAL, "full", args.batch) as loader:
-        out["alone"] = drain(loader, args.seconds, "local alone", fp, step)
+        out["alone"] = drain(loader, args.hol_seconds, "local alone", fp, step)
     store.delay(args.hol_latency_ms)
     busy = Probing(cluster)
     row, out["slow_loader"] = _beside(cluster, cluster, busy, args, fp, step, "local beside http", tenants)
@@ -250,7 +250,7 @@ def _beside(
         first = child.stdout.readline()  # its first batch: the provider is busy with it (or it failed)
         if first.strip() == "reading":
             with probing, measured.loader(LOCAL, "full", args.batch) as loader:
-                row = drain(loader, args.seconds, where, fp, step)
+                row = drain(loader, args.hol_seconds, where, fp, step)
     finally:
         child.send_signal(signal.SIGTERM)
         try:

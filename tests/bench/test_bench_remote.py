@@ -19,7 +19,7 @@ MOSAIC = importlib.util.find_spec("streaming") is not None
 def test_remote_bench_measures_every_row_and_writes_json(tmp_path):
     out = tmp_path / "remote.json"
     args = ["--quick", "--latency-ms", "0,10", "--shuffles", "block", "--seconds", "0.3", "--samples", "1024"]
-    args += ["--settle-s", "0.2", "--hol-latency-ms", "10", "--json", str(out)]
+    args += ["--settle-s", "0.2", "--hol-latency-ms", "10", "--hol-seconds", "0.3", "--json", str(out)]
     if not MOSAIC:
         args.append("--no-mosaic")
     run = subprocess.run(
@@ -62,6 +62,8 @@ def test_remote_bench_hol_only_measures_the_head_of_line_part_alone(tmp_path):
         "--hol-only",
         "--seconds",
         "0.3",
+        "--hol-seconds",
+        "0.3",
         "--samples",
         "1024",
         "--hol-latency-ms",
@@ -84,6 +86,7 @@ def test_remote_bench_hol_only_measures_the_head_of_line_part_alone(tmp_path):
     assert hol["probes"] >= 1
     assert "error" not in hol["slow_loader"] and hol["slow_loader"]["batches"] >= 1, hol["slow_loader"]
     assert "head-of-line" in run.stdout and "GETs/batch" not in run.stdout
+    assert hol["seconds"] == 0.3
     assert hol["busy_loops"] == 1  # measured beside a deliberate load, which ended with the part
     # the store and the other loaders ran on the last core, as other machines: every thread of theirs
     mine = sorted(os.sched_getaffinity(0))
@@ -143,6 +146,7 @@ BAD_OPTIONS = [
     ["--quick", "--htb-ram-cache", "999999999"],  # holds the whole dataset: RAM would be measured, not the link
     ["--htb-inflight", "-1"],  # 0 leaves the window to the loader; fewer is nothing
     ["--settle-s", "-1"],
+    ["--hol-seconds", "-1"],
     ["--htb-inflight", "1000"],  # 3 GB of batches held in the loader
 ]
 
