@@ -68,6 +68,7 @@ def drain(
     counted_from = start + settle_s
     deadline = counted_from + seconds
     it: Iterator | None = None
+    read = 0  # every batch, the settling ones included (a store's requests per batch count them all)
     while time.perf_counter() < deadline:
         if it is None:
             it = iter(make)
@@ -78,6 +79,7 @@ def drain(
             it = None
             continue
         now = time.perf_counter()
+        read += 1
         bx, by = _arrays(batch)
         if check is not None:
             check.check(bx, by, where)
@@ -91,7 +93,7 @@ def drain(
     del it
     if not stamps:
         raise RuntimeError(f"{where}: no batch within {seconds:g} s")
-    row: dict[str, Any] = {"batches": len(stamps), "first_s": stamps[0] - start}
+    row: dict[str, Any] = {"batches": len(stamps), "read": read, "first_s": stamps[0] - start}
     if settle_s:
         row["settle_s"] = settle_s
     if warmup and len(stamps) >= warmup + 3:  # steady state: as many batches in flight at both ends

@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> dict:
         def add(measure: Callable[[], dict], **what: Any) -> None:
             gets = store.gets()
             row = {**what, **measure()}
-            if "batches" in row:  # the batches read past the window (prefetched) count too: a few
-                row["gets_per_batch"] = (store.gets() - gets) / row["batches"]
+            if "batches" in row:  # per batch read, the settling ones too (those prefetched past the window: a few)
+                row["gets_per_batch"] = (store.gets() - gets) / row["read"]
             else:  # failed: what it left the provider reading ends before the next row starts
                 row["settled_s"] = settle(cluster, store)
             rows.append(row)
