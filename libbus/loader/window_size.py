@@ -14,8 +14,10 @@ its window while batches arrive faster for it, as TCP grows its congestion windo
 - while a step (half the window again, :func:`next_size`) left batches arriving no slower than the best
   size did (within :data:`FLAT`: a flat rate measures a little up or down), it takes the next one, up to
   ``most`` (:data:`MOST`, and the ring's bytes, :func:`most_for`); near a link's cap each step brings
-  little, and the last few per cent come from the larger windows; a step that cost goes back to the
-  best size;
+  little, and the last few per cent come from the larger windows; a step that measured slower is
+  measured once more (near a cap a measurement's noise, on a busy machine, is as large as a step's
+  gain: a single one sent a capped link's loader back to 4 in flight in one run of two), and goes back
+  to the best size only if both measurements together are slower;
 - it takes no step whose round trips would pass :data:`TRIP_SHARE` of the request timeout, were the
   batches to arrive no faster (a store already answering as fast as it can: every batch more in flight
   only waits longer, against the loader's timeout and the provider's deadline);
@@ -84,9 +86,13 @@ class WindowSizer:
         self.window = start
         self._best: tuple[int, float] | None = None  # (size, rate) of the best size measured since settling
         self._settled_until: float | None = None
+        #: A size measured slower than the best once: (its arrivals, their seconds), measured again now.
+        self._doubt: tuple[int, float] | None = None
         self._measuring_from(start)
 
     def _measuring_from(self, window: int) -> None:
+        if window != self.window:
+            self._doubt = None
         self.window = window
         self._skip = window  # those arrive from requests sent under the size before
         self._first: float | None = None
@@ -120,7 +126,7 @@ class WindowSizer:
                     self._measuring_from(self.window)
                     self._skip = 0
                 else:
-                    self._decide(self._count / took, self._trips / self._count, now)
+                    self._decide(self._count, took, self._trips / self._count, now)
         return self.window
 
     def held(self, seconds: float) -> None:
@@ -130,20 +136,31 @@ class WindowSizer:
 
     def timed_out(self, now: float) -> int:
         """A request of the window went unanswered within its timeout: back to :data:`START`, settled."""
-        self._best = None
+        self._best, self._doubt = None, None
         self._measuring_from(self.start)
         self._settled_until = now + PROBE_AGAIN_S
         return self.window
 
-    def _decide(self, rate: float, trip: float, now: float) -> None:
-        """A size measured: ``rate`` batches a second, ``trip`` seconds each round trip on average."""
+    def _decide(self, count: int, took: float, trip: float, now: float) -> None:
+        """A size measured: ``count`` arrivals in ``took`` seconds, ``trip`` seconds each round trip on
+        average (with the size's first measurement, where it is measured a second time)."""
+        if self._doubt is not None:
+            count, took = count + self._doubt[0], took + self._doubt[1]
+        rate = count / took
         if self._best is None or rate >= self._best[1]:
             self._best = (self.window, rate)
         if rate * FLAT >= self._best[1]:  # no slower than the best: one step more, where its round trips fit
+            self._doubt = None
             step = next_size(self.window, self.most)
             if step > self.window and trip * step / self.window <= TRIP_SHARE * self.timeout_s:
                 self._measuring_from(step)
                 return
-        else:  # the step cost: back to the best size
+        elif self._doubt is None:  # slower, once: measured again before it is given up
+            self._doubt = (count, took)
+            self._measuring_from(self.window)
+            self._skip = 0  # every request in flight was sent under this size
+            return
+        else:  # the step cost, measured twice: back to the best size
             self._measuring_from(self._best[0])
+        self._doubt = None
         self._settled_until = now + PROBE_AGAIN_S
