@@ -16,8 +16,8 @@ its window while batches arrive faster for it, as TCP grows its congestion windo
   ``most`` (:data:`MOST`, and the ring's bytes, :func:`most_for`); near a link's cap each step brings
   little, and the last few per cent come from the larger windows; a step that measured slower is
   measured once more (near a cap a measurement's noise, on a busy machine, is as large as a step's
-  gain: a single one sent a capped link's loader back to 4 in flight in one run of two), and goes back
-  to the best size only if both measurements together are slower;
+  gain: judged on one, a capped link's window stopped at 4 or 6 in 7 runs of 16), and goes back to the
+  best size only if both measurements together are slower;
 - it takes no step whose round trips would pass :data:`TRIP_SHARE` of the request timeout, were the
   batches to arrive no faster (a store already answering as fast as it can: every batch more in flight
   only waits longer, against the loader's timeout and the provider's deadline);
