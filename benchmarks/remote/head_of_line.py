@@ -115,11 +115,16 @@ def cores_of(pid: int) -> list[int]:
     return sorted(cores)
 
 
+#: Passes :func:`place` makes over a process's threads (a thread started by one not yet placed is found on
+#: the next pass); bounded, whatever the process does.
+PLACE_PASSES = 8
+
+
 def place(pid: int, cores: list[int] | set[int]) -> None:
     """Every thread of process ``pid`` onto ``cores`` (threads it starts later inherit their starter's); a
     thread that ended meanwhile is skipped."""
     done: set[str] = set()
-    while True:
+    for _ in range(PLACE_PASSES):
         tids = set(os.listdir(f"/proc/{pid}/task")) - done
         if not tids:
             return

@@ -150,7 +150,6 @@ class WindowSizer:
         if self._best is None or rate >= self._best[1]:
             self._best = (self.window, rate)
         if rate * FLAT >= self._best[1]:  # no slower than the best: one step more, where its round trips fit
-            self._doubt = None
             step = next_size(self.window, self.most)
             if step > self.window and trip * step / self.window <= TRIP_SHARE * self.timeout_s:
                 self._measuring_from(step)
