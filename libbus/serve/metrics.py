@@ -9,7 +9,8 @@ the link to the router). Each service names its own metrics in its own ``metrics
 (``services/provider/metrics.py`` and its peers): a :data:`ServiceMetrics` function, given to
 :func:`start_exporter`, that reads the service's stats into families made with :class:`Families`.
 :class:`LatencyHistogram` is the one new piece of counting: a fixed-bucket histogram cheap enough
-to observe on every batch.
+to observe on every batch; :class:`GcPauses` keeps one per generation of the garbage collector, timing
+each collection, in which no thread of the process runs.
 
 Each exporter has its own :class:`~prometheus_client.CollectorRegistry` (never the process-wide
 default), so several services in one process (tests, ``busctl demo``) each export only their own.
@@ -18,8 +19,10 @@ default), so several services in one process (tests, ``busctl demo``) each expor
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -29,6 +32,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_http_se
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
@@ -38,10 +42,12 @@ from libbus.errors import BusError, ConfigError
 __all__ = [
     "LATENCY_BUCKETS_S",
     "Families",
+    "GcPauses",
     "LatencyHistogram",
     "MetricsExporter",
     "ServiceMetrics",
     "StatsCollector",
+    "gc_pauses",
     "parse_bind",
     "start_exporter",
 ]
@@ -81,6 +87,59 @@ class LatencyHistogram:
             total += n
             buckets.append((bound, total))
         return buckets, self.sum
+
+
+class GcPauses:
+    """How long each garbage collection of this process took, by generation (0, 1, 2): a
+    ``gc.callbacks`` entry. No thread of the process runs while one does, so each is a pause of the
+    serving loop and of every reply. One per process (:func:`gc_pauses`); every service's ``/metrics``
+    exports it."""
+
+    def __init__(self) -> None:
+        self.by_generation = tuple(LatencyHistogram() for _ in range(3))
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        # One collection at a time, the GIL held throughout: each "start" is followed by its "stop".
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started:
+            self.by_generation[info["generation"]].observe(time.perf_counter() - self._started)
+            self._started = 0.0
+
+
+_gc_pauses: list[GcPauses] = []
+_gc_lock = threading.Lock()
+
+
+def gc_pauses() -> GcPauses:
+    """This process's :class:`GcPauses`, added to ``gc.callbacks`` by the first call (only then are
+    collections timed)."""
+    with _gc_lock:
+        if not _gc_pauses:
+            _gc_pauses.append(GcPauses())
+            gc.callbacks.append(_gc_pauses[0])
+        return _gc_pauses[0]
+
+
+def _gc_families(pauses: GcPauses, fams: Families) -> Iterator[Metric]:
+    """The process's garbage collections (every service in it reports the same figures)."""
+    fam = fams.family(
+        HistogramMetricFamily,
+        "gc_pause_seconds",
+        "Garbage collections of the service's process, by generation: no thread runs during one.",
+        ("generation",),
+    )
+    for generation, hist in enumerate(pauses.by_generation):
+        buckets, total = hist.snapshot()
+        fam.add_metric(fams.labels(str(generation)), buckets, total)
+    yield fam
+    yield fams.one(
+        GaugeMetricFamily,
+        "gc_frozen_objects",
+        "Objects of the service's start-up that no collection walks (frozen once it started).",
+        gc.get_freeze_count(),
+    )
 
 
 # Server.counters keys with their metric and help text; ``error_*`` keys become one labelled metric.
@@ -145,6 +204,7 @@ class StatsCollector(Collector, Generic[S]):
         self.families = Families(service, name)
         self.stats = stats
         self.own = own
+        self.gc_pauses = gc_pauses()
 
     @property
     def service(self) -> str:
@@ -194,6 +254,7 @@ class StatsCollector(Collector, Generic[S]):
                 "1 while the link to the router is up.",
                 1 if stats["connected"] else 0,
             )
+        yield from _gc_families(self.gc_pauses, fams)
         if self.own is not None:
             yield from self.own(stats, fams)
 
