@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +17,18 @@ import time
 from pathlib import Path
 from typing import IO, Any, cast
 
-__all__ = ["FAIL_FAST", "REPO", "ROW_GRACE_S", "SEED", "Cluster", "Store", "end_child", "probe_once", "settle"]
+__all__ = [
+    "FAIL_FAST",
+    "REPO",
+    "ROW_GRACE_S",
+    "SEED",
+    "Cluster",
+    "FullCollections",
+    "Store",
+    "end_child",
+    "probe_once",
+    "settle",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 7
@@ -125,10 +137,39 @@ class Store:
         end_child(self.proc, 20)
 
 
+class FullCollections:
+    """The provider's full (generation 2) garbage collections so far, from its ``/metrics``: no thread of
+    it runs during one. ``since(earlier)``: those between two readings."""
+
+    def __init__(self, buckets: list[tuple[float, float]], seconds: float):
+        self.buckets = buckets  # (upper bound in seconds, cumulative count), +Inf last
+        self.seconds = seconds
+
+    @property
+    def count(self) -> int:
+        return int(self.buckets[-1][1]) if self.buckets else 0
+
+    def since(self, earlier: FullCollections) -> dict[str, float]:
+        """``collections``, ``ms`` (in all) and ``each_at_most_ms`` (the histogram's bound; 0: none)."""
+        before = dict(earlier.buckets)
+        counts = [(bound, n - before.get(bound, 0)) for bound, n in self.buckets]
+        total = counts[-1][1] if counts else 0
+        at_most = next((bound for bound, n in counts if n == total), 0.0) if total else 0.0
+        return {"collections": total, "ms": (self.seconds - earlier.seconds) * 1e3, "each_at_most_ms": at_most * 1e3}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a service's ``--metrics-bind``)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 class Cluster:
     """A router and one provider (``busctl start`` processes, under ``prefix``: ``ip netns exec NS``)
     serving ``datasets`` (name → URI), the provider with ``env`` in its environment and ``provider_args`` on
-    its command line; a trainer token scoped to those datasets."""
+    its command line; a trainer token scoped to those datasets. The provider's metrics are on
+    :attr:`metrics_url` (in ``prefix``'s namespace)."""
 
     def __init__(
         self,
@@ -150,6 +191,9 @@ class Cluster:
         try:
             router = self._start("router", ["--bind", "tcp://127.0.0.1:0"], {})
             flags = [a for name, uri in datasets.items() for a in ("--dataset", f"{name}={uri}")]
+            port = free_port()
+            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
+            flags += ["--metrics-bind", f"127.0.0.1:{port}"]
             self.endpoint = self._start("provider", ["--router", router, *provider_args, *flags], env)
         except BaseException:
             self.stop()
@@ -192,6 +236,27 @@ class Cluster:
             drop_last=True,
             **{**FAIL_FAST, **kw},
         )
+
+    def full_collections(self) -> FullCollections:
+        """The provider's full garbage collections so far (its ``batchbus_gc_pause_seconds``)."""
+        import urllib.request  # noqa: PLC0415
+
+        from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
+            text = resp.read().decode()
+        buckets, seconds = [], 0.0
+        for fam in text_string_to_metric_families(text):
+            if fam.name != "batchbus_gc_pause_seconds":
+                continue
+            for sample in fam.samples:
+                if sample.labels.get("generation") != "2":
+                    continue
+                if sample.name.endswith("_bucket"):
+                    buckets.append((float(sample.labels["le"]), sample.value))
+                elif sample.name.endswith("_sum"):
+                    seconds = sample.value
+        return FullCollections(sorted(buckets), seconds)
 
     def stop(self) -> None:
         """SIGTERM each service (provider first), then wait; one that will not end is killed."""

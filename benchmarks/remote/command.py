@@ -189,6 +189,13 @@ def print_result(result: dict) -> None:
                 f"DatasetInfo {hol['info_busy_max_ms']:.0f} ms (quiet: {hol['hello_quiet_max_ms']:.0f} / "
                 f"{hol['info_quiet_max_ms']:.0f} ms)"
             )
+        if "gc_full_beside" in hol:
+            gc = hol["gc_full_beside"]
+            console.print(
+                f"the shared provider's full garbage collections beside: {gc['collections']:.0f}, "
+                f"{gc['ms']:.1f} ms in all"
+                + (f", each at most {gc['each_at_most_ms']:g} ms" if gc["collections"] else "")
+            )
     htb = result.get("htb")
     if htb:
         if "error" in htb:

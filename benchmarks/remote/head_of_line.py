@@ -190,7 +190,10 @@ def _head_of_line(
         out["alone"] = drain(loader, args.hol_seconds, "local alone", fp, step)
     store.delay(args.hol_latency_ms)
     busy = Probing(cluster)
+    # the shared provider's full garbage collections while it serves both (no thread of it runs in one)
+    collected = cluster.full_collections()
     row, out["slow_loader"] = _beside(cluster, cluster, busy, args, fp, step, "local beside http", tenants)
+    out["gc_full_beside"] = cluster.full_collections().since(collected)
     if row is None:  # the slow loader failed before its first batch: nothing to measure beside
         out["error"] = f"the http loader read no batch: {out['slow_loader'].get('error', '?')}"
         return out

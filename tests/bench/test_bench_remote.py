@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from benchmarks.remote.cluster import FullCollections
 from benchmarks.remote.head_of_line import cores_of, place, tenant_cores
 from tests.support.busctl import REPO
 
@@ -89,6 +90,9 @@ def test_remote_bench_hol_only_measures_the_head_of_line_part_alone(tmp_path):
     assert "head-of-line" in run.stdout and "GETs/batch" not in run.stdout
     assert hol["seconds"] == 0.3
     assert hol["busy_loops"] == 1  # measured beside a deliberate load, which ended with the part
+    # the shared provider's full garbage collections beside, read from its /metrics
+    assert set(hol["gc_full_beside"]) == {"collections", "ms", "each_at_most_ms"}
+    assert "full garbage collections beside" in run.stdout
     # the store and the other loaders ran on the last core, as other machines: every thread of theirs
     mine = sorted(os.sched_getaffinity(0))
     tenants = mine[-1:] if len(mine) > 1 else None
@@ -96,6 +100,14 @@ def test_remote_bench_hol_only_measures_the_head_of_line_part_alone(tmp_path):
     assert hol["store_cores"] == (tenants or mine)
     for slow in ("slow_loader", "slow_loader_apart"):
         assert hol[slow]["cores"] == (tenants or mine), hol[slow]
+
+
+def test_full_collections_are_counted_between_two_readings():
+    inf = float("inf")
+    earlier = FullCollections([(0.0001, 1), (0.001, 2), (0.025, 2), (inf, 2)], 0.0012)
+    later = FullCollections([(0.0001, 1), (0.001, 4), (0.025, 5), (inf, 5)], 0.0312)
+    assert later.since(earlier) == {"collections": 3, "ms": pytest.approx(30.0), "each_at_most_ms": 25.0}
+    assert earlier.since(earlier) == {"collections": 0, "ms": 0.0, "each_at_most_ms": 0.0}
 
 
 def test_tenant_cores_are_the_last_core_unless_shared():
