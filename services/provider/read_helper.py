@@ -44,6 +44,7 @@ import numpy as np
 
 from libbus.errors import BusError, Internal, Unavailable, error_from_code
 
+from ..process import freeze_startup_heap
 from .sources.base import ReadPolicy, Source
 from .sources.storage.blockmemory import ReadStats
 from .sources.storage.inflight import lower_process_priority
@@ -446,6 +447,7 @@ def _serve(sock: socket.socket) -> None:
     except Exception as err:  # noqa: BLE001 - the provider reads this dataset itself instead
         sock.send(pickle.dumps(("error", f"{type(err).__name__}: {err}")))
         return
+    freeze_startup_heap()  # its reads' garbage collections walk only what reading made
     sock.send(pickle.dumps(("ready", "")))
     send = threading.Lock()
     location = getattr(source, "location", None)
