@@ -127,6 +127,9 @@ class Settings:
     torch_threads: int = 0
     #: Prometheus ``/metrics`` endpoint as HOST:PORT (port 0: any free port); empty = no metrics.
     metrics_bind: str = ""
+    #: Services and read helpers: once started, collect garbage and freeze what is left (``gc.freeze``), so that
+    #: no later collection walks it (docs/operations.md, "Garbage collection"). Off: for a before-and-after.
+    gc_freeze: bool = True
     #: CurveZMQ encryption and key authentication on every socket (docs/security.md).
     curve: bool = False
     #: This node's CURVE key pair (a ``NAME.key_secret`` file); default

@@ -272,6 +272,7 @@ def read_helpers(settings: Settings, datasets: dict[str, Source], uris: dict[str
             cache_dir=settings.cache_dir,
             cache_limit=settings.cache_limit,
             user_modules=settings.user_modules,
+            gc_freeze=settings.gc_freeze,
         )
         for name, source in datasets.items()
         if helped(source)

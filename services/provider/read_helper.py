@@ -119,10 +119,11 @@ class ReadHelper:
         cache_dir: str = "",
         cache_limit: int = 0,
         user_modules: Collection[str] = (),
+        gc_freeze: bool = True,
     ):
         self.dataset, self.uri, self.threads = dataset, uri, threads
         self._config = {"uri": uri, "threads": threads, "cache_dir": cache_dir, "cache_limit": cache_limit}
-        self._config["user_modules"] = list(user_modules)
+        self._config.update(user_modules=list(user_modules), gc_freeze=gc_freeze)
         self._lock = threading.Lock()  # start, send, close
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen | None = None
@@ -447,7 +448,8 @@ def _serve(sock: socket.socket) -> None:
     except Exception as err:  # noqa: BLE001 - the provider reads this dataset itself instead
         sock.send(pickle.dumps(("error", f"{type(err).__name__}: {err}")))
         return
-    freeze_startup_heap()  # its reads' garbage collections walk only what reading made
+    if config["gc_freeze"]:
+        freeze_startup_heap()  # its reads' garbage collections walk only what reading made
     sock.send(pickle.dumps(("ready", "")))
     send = threading.Lock()
     location = getattr(source, "location", None)

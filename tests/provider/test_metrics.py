@@ -162,11 +162,12 @@ def test_each_garbage_collection_is_timed_by_its_generation():
     assert pauses.by_generation[2].sum > 0
 
 
-def test_a_started_provider_keeps_its_start_up_out_of_every_collection(tmp_path):
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_started_provider_keeps_its_start_up_out_of_every_collection(tmp_path, freeze):
     """``busctl start`` freezes what start-up built: a full collection, which stops every thread,
     walks only what serving made since. Its /metrics say how many objects that is, and time each
-    collection."""
-    cluster = Cluster(tmp_path / "state")
+    collection. ``gc_freeze = false`` (for a before-and-after) leaves them in."""
+    cluster = Cluster(tmp_path / "state", env={} if freeze else {"BATCHBUS_GC_FREEZE": "false"})
     try:
         cluster.start_router()
         cluster.start(
@@ -187,6 +188,9 @@ def test_a_started_provider_keeps_its_start_up_out_of_every_collection(tmp_path)
     finally:
         cluster.close()
     me = dict(service="provider", name="prov")
+    if not freeze:
+        assert value(s, "batchbus_gc_frozen_objects", **me) == 0
+        return
     # numpy, zmq, the CLI, the sources: tens of thousands of objects (about 70,000 measured)
     assert value(s, "batchbus_gc_frozen_objects", **me) > 10_000
     # the collection before the freeze, timed

@@ -290,7 +290,8 @@ def run_trainer(settings: Settings) -> int:
     process.install_signal_handlers(stop, notify)
     process.clean_shm()
     service = TrainerService(settings, notify)
-    process.freeze_startup_heap()
+    if settings.gc_freeze:
+        process.freeze_startup_heap()
     try:
         return service.run(stop)
     finally:
