@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -158,13 +158,6 @@ class FullCollections:
         return {"collections": total, "ms": (self.seconds - earlier.seconds) * 1e3, "each_at_most_ms": at_most * 1e3}
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a service's ``--metrics-bind``)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Cluster:
     """A router and one provider (``busctl start`` processes, under ``prefix``: ``ip netns exec NS``)
     serving ``datasets`` (name → URI), the provider with ``env`` in its environment and ``provider_args`` on
@@ -191,20 +184,22 @@ class Cluster:
         try:
             router = self._start("router", ["--bind", "tcp://127.0.0.1:0"], {})
             flags = [a for name, uri in datasets.items() for a in ("--dataset", f"{name}={uri}")]
-            port = free_port()
-            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
-            flags += ["--metrics-bind", f"127.0.0.1:{port}"]
-            self.endpoint = self._start("provider", ["--router", router, *provider_args, *flags], env)
+            flags += ["--metrics-bind", "127.0.0.1:0"]  # port 0: its URL is in its log (INFO) before it is ready
+            self.endpoint = self._start("provider", ["--router", router, *provider_args, *flags], env, "INFO")
+            said = re.findall(r"metrics on (http://\S+/metrics)", (state / "provider.log").read_text(errors="replace"))
+            if not said:
+                raise RuntimeError("the provider's log does not say where its metrics are")
+            self.metrics_url = said[-1]  # the log is appended to: this provider's line is the last
         except BaseException:
             self.stop()
             raise
 
-    def _start(self, role: str, args: list[str], env: dict[str, str]) -> str:
+    def _start(self, role: str, args: list[str], env: dict[str, str], log_level: str = "WARNING") -> str:
         from services.launch import READY_TIMEOUT_S  # noqa: PLC0415
 
         ready = self.state / f"{role}.endpoint"
         cmd = [*self.prefix, sys.executable, "-m", "cli", "start", role, "--state-dir", str(self.state)]
-        cmd += ["--log-level", "WARNING", "--ready-file", str(ready), *args]
+        cmd += ["--log-level", log_level, "--ready-file", str(ready), *args]
         with open(self.state / f"{role}.log", "ab") as log:
             self.procs.append(
                 subprocess.Popen(
