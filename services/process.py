@@ -70,7 +70,7 @@ def freeze_startup_heap() -> int:
     20-70 ms each on a 2-core machine, in which no ``Hello`` is answered and no batch leaves. Collected
     once and then frozen (:func:`gc.freeze`), start-up's objects are never walked again, and a full
     collection walks only what serving made since: 0.1-0.2 ms (docs/performance.md, "Garbage
-    collection"). The cost: a reference cycle among start-up's objects, dropped later, is never freed;
+    collection in a provider"). The cost: a reference cycle among start-up's objects, dropped later, is never freed;
     a service keeps what it built to start (its datasets, its sockets) until it ends."""
     gc.collect()
     gc.freeze()

@@ -145,10 +145,6 @@ class FullCollections:
         self.buckets = buckets  # (upper bound in seconds, cumulative count), +Inf last
         self.seconds = seconds
 
-    @property
-    def count(self) -> int:
-        return int(self.buckets[-1][1]) if self.buckets else 0
-
     def since(self, earlier: FullCollections) -> dict[str, float]:
         """``collections``, ``ms`` (in all) and ``each_at_most_ms`` (the histogram's bound; 0: none)."""
         before = dict(earlier.buckets)
