@@ -162,37 +162,39 @@ def test_each_garbage_collection_is_timed_by_its_generation():
     assert pauses.by_generation[2].sum > 0
 
 
+def _metrics_url(cluster: Cluster, name: str) -> str:
+    """Where service ``name`` (started with ``--metrics-bind 127.0.0.1:0 --log-level INFO``) serves /metrics."""
+    deadline = time.monotonic() + 30
+    while not (found := re.search(r"metrics on (http://\S+/metrics)", (cluster.state / f"{name}.log").read_text())):
+        assert time.monotonic() < deadline and cluster.procs[name].poll() is None, cluster.logs()
+        time.sleep(0.05)
+    return found.group(1)
+
+
 @pytest.mark.parametrize("freeze", [True, False])
-def test_a_started_provider_keeps_its_start_up_out_of_every_collection(tmp_path, freeze):
+def test_started_services_keep_their_start_up_out_of_every_collection(tmp_path, freeze):
     """``busctl start`` freezes what start-up built: a full collection, which stops every thread,
     walks only what serving made since. Its /metrics say how many objects that is, and time each
-    collection. ``gc_freeze = false`` (for a before-and-after) leaves them in."""
+    collection. ``gc_freeze = false`` (for a before-and-after) leaves them in. A provider and a trainer
+    (which starts otherwise) both."""
     cluster = Cluster(tmp_path / "state", env={} if freeze else {"BATCHBUS_GC_FREEZE": "false"})
+    metered = ("--metrics-bind", "127.0.0.1:0", "--log-level", "INFO")
     try:
         cluster.start_router()
-        cluster.start(
-            "prov",
-            "provider",
-            "--dataset",
-            "mnist=mock://mnist?n=60",
-            "--metrics-bind",
-            "127.0.0.1:0",
-            "--log-level",
-            "INFO",
-            ready=True,
-        )
+        cluster.start("prov", "provider", "--dataset", "mnist=mock://mnist?n=60", *metered, ready=True)
         cluster.endpoint_of("prov")
-        found = re.search(r"metrics on (http://\S+/metrics)", (cluster.state / "prov.log").read_text())
-        assert found, cluster.logs()
-        s = scrape(found.group(1))
+        cluster.start("trn", "trainer", *metered)
+        provider, trainer = scrape(_metrics_url(cluster, "prov")), scrape(_metrics_url(cluster, "trn"))
     finally:
         cluster.close()
-    me = dict(service="provider", name="prov")
+    s, me = provider, dict(service="provider", name="prov")
     if not freeze:
         assert value(s, "batchbus_gc_frozen_objects", **me) == 0
+        assert value(trainer, "batchbus_gc_frozen_objects", service="trainer", name="trn") == 0
         return
     # numpy, zmq, the CLI, the sources: tens of thousands of objects (about 70,000 measured)
     assert value(s, "batchbus_gc_frozen_objects", **me) > 10_000
+    assert value(trainer, "batchbus_gc_frozen_objects", service="trainer", name="trn") > 10_000
     # the collection before the freeze, timed
     assert value(s, "batchbus_gc_pause_seconds_count", generation="2", **me) >= 1
     assert value(s, "batchbus_gc_pause_seconds_sum", generation="2", **me) > 0
