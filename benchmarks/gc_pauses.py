@@ -1,8 +1,8 @@
 """The provider's garbage collections, with what start-up built frozen (``gc_freeze``, the default) and not.
 
-No thread of a Python process runs during a garbage collection: not the serving loop, not a reply. A
-full (generation 2) collection walks every object the collector tracks, start-up's tens of thousands
-included, unless they were frozen (:func:`services.process.freeze_startup_heap`). Each round starts a
+No Python code of a process runs during a garbage collection (it holds the GIL): not the serving loop,
+not a reply. A full (generation 2) collection walks every object the collector tracks, start-up's tens of
+thousands included, unless they were frozen (:func:`services.process.freeze_startup_heap`). Each round starts a
 router and a provider (``busctl start``) serving one dataset from a file, once with ``gc_freeze`` off and
 once on (alternated, ``--repeat`` rounds), and reads it with block and then full shuffle for ``--seconds``
 each, as fast as it comes, while a new client says ``Hello`` every 0.25 s. Per provider: its full

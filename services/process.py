@@ -64,10 +64,10 @@ def freeze_startup_heap() -> int:
     """Keep what the service built to start (modules, numpy and torch, its sources and settings) out of
     every later garbage collection; returns how many objects that is.
 
-    CPython's full collection walks every object the collector tracks, and no thread runs while it does:
-    not the serving loop, not a reply. A provider holds about 70,000 such objects once started, and serving
+    CPython's full collection walks every object the collector tracks, holding the GIL: no Python code
+    of the process runs meanwhile, not the serving loop, not a reply. A provider holds about 70,000 such objects once started, and serving
     batches at full speed makes enough longer-lived containers to set off a full collection every 0.5-2 s:
-    20-70 ms each on a 2-core machine, in which no ``Hello`` is answered and no batch leaves. Collected
+    20-70 ms each on a 2-core machine, in which no ``Hello`` is answered and no batch is filled. Collected
     once and then frozen (:func:`gc.freeze`), start-up's objects are never walked again, and a full
     collection walks only what serving made since: 0.1-0.2 ms (docs/performance.md, "Garbage
     collection in a provider"). The cost: a reference cycle among start-up's objects, dropped later, is never freed;

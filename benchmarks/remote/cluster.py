@@ -138,8 +138,8 @@ class Store:
 
 
 class FullCollections:
-    """The provider's full (generation 2) garbage collections so far, from its ``/metrics``: no thread of
-    it runs during one. ``since(earlier)``: those between two readings."""
+    """The provider's full (generation 2) garbage collections so far, from its ``/metrics``: no Python code
+    of it runs during one. ``since(earlier)``: those between two readings."""
 
     def __init__(self, buckets: list[tuple[float, float]], seconds: float):
         self.buckets = buckets  # (upper bound in seconds, cumulative count), +Inf last

@@ -190,7 +190,7 @@ def _head_of_line(
         out["alone"] = drain(loader, args.hol_seconds, "local alone", fp, step)
     store.delay(args.hol_latency_ms)
     busy = Probing(cluster)
-    # the shared provider's full garbage collections while it serves both (no thread of it runs in one)
+    # the shared provider's full garbage collections while it serves both (no Python code of it runs in one)
     collected = cluster.full_collections()
     row, out["slow_loader"] = _beside(cluster, cluster, busy, args, fp, step, "local beside http", tenants)
     out["gc_full_beside"] = cluster.full_collections().since(collected)

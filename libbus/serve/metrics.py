@@ -10,7 +10,7 @@ the link to the router). Each service names its own metrics in its own ``metrics
 :func:`start_exporter`, that reads the service's stats into families made with :class:`Families`.
 :class:`LatencyHistogram` is the one new piece of counting: a fixed-bucket histogram cheap enough
 to observe on every batch; :class:`GcPauses` keeps one per generation of the garbage collector, timing
-each collection, in which no thread of the process runs.
+each collection, during which no Python code of the process runs (it holds the GIL).
 
 Each exporter has its own :class:`~prometheus_client.CollectorRegistry` (never the process-wide
 default), so several services in one process (tests, ``busctl demo``) each export only their own.
@@ -91,8 +91,8 @@ class LatencyHistogram:
 
 class GcPauses:
     """How long each garbage collection of this process took, by generation (0, 1, 2): a
-    ``gc.callbacks`` entry. No thread of the process runs while one does, so each is a pause of the
-    serving loop and of every reply. One per process (:func:`gc_pauses`); every service's ``/metrics``
+    ``gc.callbacks`` entry. No Python code of the process runs while one does (it holds the GIL), so
+    each is a pause of the serving loop and of every reply not yet handed to ZeroMQ. One per process (:func:`gc_pauses`); every service's ``/metrics``
     exports it."""
 
     def __init__(self) -> None:
@@ -127,7 +127,7 @@ def _gc_families(pauses: GcPauses, fams: Families) -> Iterator[Metric]:
     fam = fams.family(
         HistogramMetricFamily,
         "gc_pause_seconds",
-        "Garbage collections of the service's process, by generation: no thread runs during one.",
+        "Garbage collections of the service's process, by generation: no Python code runs during one.",
         ("generation",),
     )
     for generation, hist in enumerate(pauses.by_generation):

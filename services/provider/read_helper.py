@@ -448,7 +448,7 @@ def _serve(sock: socket.socket) -> None:
     except Exception as err:  # noqa: BLE001 - the provider reads this dataset itself instead
         sock.send(pickle.dumps(("error", f"{type(err).__name__}: {err}")))
         return
-    if config["gc_freeze"]:
+    if config.get("gc_freeze", True):  # a provider started before the setting existed sends none
         freeze_startup_heap()  # its reads' garbage collections walk only what reading made
     sock.send(pickle.dumps(("ready", "")))
     send = threading.Lock()
