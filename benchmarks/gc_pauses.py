@@ -20,7 +20,6 @@ import json
 import shutil
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 from benchmarks.remote.checks import Fingerprints, drain
@@ -32,14 +31,10 @@ __all__ = ["main", "one_provider"]
 
 def frozen_objects(cluster: Cluster) -> int:
     """The provider's ``batchbus_gc_frozen_objects``."""
-    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
-
-    with urllib.request.urlopen(cluster.metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "batchbus_gc_frozen_objects":
-            return int(fam.samples[0].value)
-    raise RuntimeError("the provider exports no batchbus_gc_frozen_objects")
+    samples = cluster.metric("batchbus_gc_frozen_objects")
+    if not samples:
+        raise RuntimeError("the provider exports no batchbus_gc_frozen_objects")
+    return int(samples[0].value)
 
 
 def one_provider(root: Path, state: Path, freeze: bool, args: argparse.Namespace, fp: Fingerprints) -> dict:

@@ -228,25 +228,26 @@ class Cluster:
             **{**FAIL_FAST, **kw},
         )
 
-    def full_collections(self) -> FullCollections:
-        """The provider's full garbage collections so far (its ``batchbus_gc_pause_seconds``)."""
+    def metric(self, name: str) -> list:
+        """The samples of the provider's metric family ``name`` now (from its ``/metrics``); [] if none."""
         import urllib.request  # noqa: PLC0415
 
         from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
 
         with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
             text = resp.read().decode()
+        return next((fam.samples for fam in text_string_to_metric_families(text) if fam.name == name), [])
+
+    def full_collections(self) -> FullCollections:
+        """The provider's full garbage collections so far (its ``batchbus_gc_pause_seconds``)."""
         buckets, seconds = [], 0.0
-        for fam in text_string_to_metric_families(text):
-            if fam.name != "batchbus_gc_pause_seconds":
+        for sample in self.metric("batchbus_gc_pause_seconds"):
+            if sample.labels.get("generation") != "2":
                 continue
-            for sample in fam.samples:
-                if sample.labels.get("generation") != "2":
-                    continue
-                if sample.name.endswith("_bucket"):
-                    buckets.append((float(sample.labels["le"]), sample.value))
-                elif sample.name.endswith("_sum"):
-                    seconds = sample.value
+            if sample.name.endswith("_bucket"):
+                buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_sum"):
+                seconds = sample.value
         return FullCollections(sorted(buckets), seconds)
 
     def stop(self) -> None:
