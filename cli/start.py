@@ -25,8 +25,8 @@ def _write_ready(path: Path | None, endpoint: str) -> None:
 
 
 def _serve(service, ready_file: Path | None, ready: Callable[[str], str]) -> None:
-    """Run a router or provider in the foreground until SIGTERM/SIGINT: freeze what start-up built out
-    of the garbage collector's walks (``gc_freeze``), bind, write the ready file, tell systemd (``ready(endpoint)`` is its
+    """Run a router or provider in the foreground until SIGTERM/SIGINT: bind, freeze what start-up built
+    out of the garbage collector's walks (``gc_freeze``), write the ready file, tell systemd (``ready(endpoint)`` is its
     status line), feed its watchdog from the loop."""
     import threading
 
@@ -34,9 +34,9 @@ def _serve(service, ready_file: Path | None, ready: Callable[[str], str]) -> Non
 
     stop, notify = threading.Event(), process.notifier()
     process.install_signal_handlers(stop, notify)
-    if service.settings.gc_freeze:  # before its sockets and link run: the collection holds the GIL
-        process.freeze_startup_heap()
     endpoint = service.start()
+    if service.settings.gc_freeze:
+        process.freeze_startup_heap()
     _write_ready(ready_file, endpoint)
     notify.ready(ready(endpoint))
     try:
